@@ -1,0 +1,177 @@
+#include "bench/runtime_bench.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#include "common/args.h"
+#include "common/status.h"
+#include "common/thread_pool.h"
+#include "model/transformer.h"
+
+namespace shardserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// STREAM-like read bandwidth: every thread sums its half of a buffer far larger than the caches.
+double ReadBandwidth(ThreadPool& pool) {
+  const size_t n = (size_t{3} << 30) / sizeof(float);
+  std::unique_ptr<float[]> buf(new float[n]);
+  pool.ParallelFor(static_cast<int64_t>(n), 1 << 16, [&](int, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) buf[i] = static_cast<float>(i & 7);
+  });
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<float> sums(pool.num_threads());
+    const auto t0 = Clock::now();
+    pool.ParallelFor(static_cast<int64_t>(n), 1 << 16, [&](int t, int64_t b, int64_t e) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = b; i + 32 <= e; i += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(&buf[i]));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(&buf[i + 8]));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(&buf[i + 16]));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(&buf[i + 24]));
+      }
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+      sums[t] = tmp[0];
+    });
+    const double s = Seconds(t0, Clock::now());
+    best = std::max(best, n * sizeof(float) / s);
+    if (sums[0] < 0) std::printf("#");  // keep the reads alive
+  }
+  return best;
+}
+
+// Peak F32 FLOP/s with AVX2 FMA: independent FMA chains on every thread.
+double FmaPeak(ThreadPool& pool) {
+  constexpr int64_t kIters = 200'000'000 / 8;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<float> out(pool.num_threads());
+    const auto t0 = Clock::now();
+    pool.ParallelFor(pool.num_threads(), 1, [&](int t, int64_t, int64_t) {
+      __m256 acc[10];
+      for (int i = 0; i < 10; ++i) acc[i] = _mm256_set1_ps(0.1f * i);
+      const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+      for (int64_t it = 0; it < kIters; ++it) {
+        for (int i = 0; i < 10; ++i) acc[i] = _mm256_fmadd_ps(acc[i], m, c);
+      }
+      alignas(32) float tmp[8];
+      __m256 s = acc[0];
+      for (int i = 1; i < 10; ++i) s = _mm256_add_ps(s, acc[i]);
+      _mm256_store_ps(tmp, s);
+      out[t] = tmp[0];
+    });
+    const double s = Seconds(t0, Clock::now());
+    best = std::max(best, pool.num_threads() * kIters * 10.0 * 8 * 2 / s);
+    if (out[0] < 0) std::printf("#");
+  }
+  return best;
+}
+
+size_t ResidentBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(Args a,
+                   Args::Parse(argv, {"model", "threads", "decode-tokens", "prefill-tokens"}, {}));
+  ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
+  ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", 2));
+  ASSIGN_OR_RETURN(int64_t decode_tokens, a.GetInt("decode-tokens", 32));
+  ASSIGN_OR_RETURN(int64_t prefill_tokens, a.GetInt("prefill-tokens", 512));
+
+  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
+  const ModelConfig& c = model->config();
+  const size_t elem =
+      model->weight_bytes() / static_cast<size_t>(1);  // bytes of every tensor in the files
+  const double H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
+  const double per_layer_params =
+      H * c.q_dim() * 2 + H * c.kv_dim() * 2 +
+      (c.moe ? c.num_experts * 3 * H * I + c.num_experts * H : 3 * H * I);
+  const double active_layer_params = H * c.q_dim() * 2 + H * c.kv_dim() * 2 +
+                                     (c.moe ? c.experts_per_token * 3 * H * I : 3 * H * I);
+  const double bytes_per_param =
+      static_cast<double>(model->weight_bytes()) /
+      (c.num_layers * per_layer_params + V * H * (c.tie_word_embeddings ? 1 : 2) + H);
+  // Weights read per decoded token: every layer's active matrices plus the LM head.
+  const double decode_bytes = (c.num_layers * active_layer_params + V * H) * bytes_per_param;
+  (void)elem;
+
+  std::printf(
+      "model: %s  layers %lld hidden %lld intermediate %lld heads %lld/%lld vocab %lld  "
+      "weights %.2f GB (%.2f bytes/param)  threads %lld\n",
+      c.architecture.c_str(), (long long)c.num_layers, (long long)c.hidden_size,
+      (long long)c.intermediate_size, (long long)c.num_heads, (long long)c.num_kv_heads,
+      (long long)c.vocab_size, model->weight_bytes() / 1e9, bytes_per_param, (long long)threads);
+  const double bw = ReadBandwidth(model->pool());
+  const double peak = FmaPeak(model->pool());
+  std::printf("machine: read bandwidth %.2f GB/s, AVX2 FMA peak %.1f GFLOP/s (%lld threads)\n",
+              bw / 1e9, peak / 1e9, (long long)threads);
+
+  // Decode at batch 1 after a short prompt; one warm-up step pages the weights in.
+  auto cache = model->NewKvCache(prefill_tokens + decode_tokens + 64);
+  SequenceKv kv;
+  std::vector<SequenceChunk> chunks(1);
+  chunks[0].kv = &kv;
+  chunks[0].tokens = {1, 5, 9, 13, 17, 21, 25, 29};
+  std::vector<float> logits;
+  RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
+  chunks[0].tokens = {3};
+  RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
+  auto t0 = Clock::now();
+  for (int64_t i = 0; i < decode_tokens; ++i) {
+    chunks[0].tokens = {static_cast<int32_t>((i * 7919) % c.vocab_size)};
+    RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
+  }
+  const double decode_s = Seconds(t0, Clock::now());
+  const double tps = decode_tokens / decode_s;
+  std::printf(
+      "decode  batch 1: %.2f tokens/s, %.1f ms/token, weights read %.2f GB/token, "
+      "effective %.2f GB/s = %.0f%% of read bandwidth\n",
+      tps, 1e3 / tps, decode_bytes / 1e9, decode_bytes * tps / 1e9,
+      100.0 * decode_bytes * tps / bw);
+  const size_t rss = ResidentBytes();
+
+  // Prefill of one prompt of prefill_tokens.
+  cache->Release(kv);
+  chunks[0].tokens.resize(prefill_tokens);
+  for (int64_t i = 0; i < prefill_tokens; ++i) {
+    chunks[0].tokens[i] = static_cast<int32_t>((i * 104729 + 7) % c.vocab_size);
+  }
+  t0 = Clock::now();
+  RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
+  const double prefill_s = Seconds(t0, Clock::now());
+  const double n = static_cast<double>(prefill_tokens);
+  const double flops = 2.0 * n * c.num_layers * active_layer_params +
+                       4.0 * c.num_layers * c.q_dim() * n * (n + 1) / 2 + 2.0 * V * H;
+  std::printf("prefill %lld tokens: %.1f tokens/s, %.1f GFLOP/s = %.0f%% of FMA peak\n",
+              (long long)prefill_tokens, n / prefill_s, flops / prefill_s / 1e9,
+              100.0 * flops / prefill_s / peak);
+  const double kv_bytes = static_cast<double>(cache->BlocksFor(prefill_tokens + decode_tokens)) *
+                          cache->bytes() / cache->num_blocks();
+  std::printf(
+      "memory: RSS %.2f GB after decode; weights %.2f GB + KV cache in use %.3f GB "
+      "=> RSS is %.1f%% over weights + KV\n",
+      rss / 1e9, model->weight_bytes() / 1e9, kv_bytes / 1e9,
+      100.0 * (rss / (model->weight_bytes() + kv_bytes) - 1));
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

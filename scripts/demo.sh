@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: set up, build, generate a small Llama-style model, and
+# run a generation on it with the CPU runtime.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
+bash scripts/build.sh
+MODEL="${MODEL_DIR:-build/models/demo-llama}"
+build/bin/shardserve gen-model --arch llama --out "$MODEL" --layers 4 --hidden 256 \
+  --intermediate 512 --heads 8 --kv-heads 2 --vocab 2048 --dtype bf16 --seed 1
+echo "--- greedy, 24 tokens:"
+build/bin/shardserve generate --model "$MODEL" --prompt "The model is too large for one machine," \
+  --max-tokens 24 --ignore-eos
+echo "--- sampled (temperature 0.8, top-p 0.9, seed 42), with top-2 logprobs, as JSON:"
+build/bin/shardserve generate --model "$MODEL" --prompt "A good serving system" --max-tokens 6 \
+  --temperature 0.8 --top-p 0.9 --seed 42 --logprobs 2 --ignore-eos --format json

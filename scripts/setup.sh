@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs everything a fresh machine needs to build and test shardserve. Idempotent; prints
+# nothing when all is already in place.
+#   Debian packages (C++ libraries, tools), CUDA 13 + NCCL wheels (DESIGN.md §8) and the Python
+#   reference environment (transformers + torch) under $SHARDSERVE_CACHE (~/.cache/shardserve).
+set -euo pipefail
+CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
+mkdir -p "$CACHE"
+log() { echo "setup: $*" >&2; }
+
+# --- Debian packages -------------------------------------------------------------------------
+APT_PKGS=(build-essential cmake ninja-build pkg-config git curl clang-format
+  libgtest-dev libgmock-dev libabsl-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
+  libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev python3-venv)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- CUDA 13.0 + NCCL from PyPI wheels (pinned set) ----------------------------------------
+CUDA_PKGS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+  nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14
+  nvidia-nccl-cu13==2.28.9)
+CUDA_DIR="$CACHE/cuda13"
+stamp="$CUDA_DIR/.shardserve-$(echo "${CUDA_PKGS[*]}" | md5sum | cut -c1-12)"
+if [ "${SHARDSERVE_SKIP_CUDA:-0}" != 1 ] && [ ! -f "$stamp" ]; then
+  log "installing CUDA 13 + NCCL wheels into $CUDA_DIR"
+  rm -rf "$CUDA_DIR"
+  python3 -m pip install -q --disable-pip-version-check --no-warn-script-location \
+    --root-user-action=ignore --target "$CUDA_DIR" "${CUDA_PKGS[@]}"
+  cu="$CUDA_DIR/nvidia/cu13"
+  ln -sfn lib "$cu/lib64"
+  for d in "$cu/lib" "$CUDA_DIR/nvidia/nccl/lib"; do
+    for f in "$d"/lib*.so.*; do
+      [ -e "$f" ] || continue
+      base="${f%%.so.*}.so"
+      [ -e "$base" ] || ln -s "$(basename "$f")" "$base"
+    done
+  done
+  touch "$stamp"
+fi
+
+# --- Python reference environment (transformers + torch) -------------------------------------
+VENV="$CACHE/refvenv"
+REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6)
+ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
+if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
+  log "installing the Python reference environment into $VENV (one time, large)"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "${REF_PKGS[@]}"
+  touch "$ref_stamp"
+fi

@@ -1,0 +1,277 @@
+#include "backend/cpu/kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace shardserve::cpu {
+namespace {
+
+template <DType D>
+inline __m256 Load8(const void* base, int64_t idx) {
+  if constexpr (D == DType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
+  } else if constexpr (D == DType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + idx)));
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + idx));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <DType D>
+inline float LoadScalar(const void* base, int64_t idx) {
+  if constexpr (D == DType::kF32) {
+    return static_cast<const float*>(base)[idx];
+  } else if constexpr (D == DType::kF16) {
+    return F16ToF32(static_cast<const uint16_t*>(base)[idx]);
+  } else {
+    return Bf16ToF32(static_cast<const uint16_t*>(base)[idx]);
+  }
+}
+
+inline float HSum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+inline const void* RowPtr(const WeightMatrix& w, int64_t row) {
+  return static_cast<const uint8_t*>(w.data) + row * w.row_stride * DTypeSize(w.dtype);
+}
+
+// Decode path: R weight rows × MT tokens of dot products, weights read once from memory.
+template <DType D, int R, int MT>
+inline void GemvTile(const WeightMatrix& w, int64_t n, const float* x, int64_t ldx, float* y,
+                     int64_t ldy) {
+  const int64_t K = w.cols;
+  const void* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = RowPtr(w, n + r);
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MT];
+    for (int t = 0; t < MT; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = Load8<D>(rows[r], k);
+      for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < MT; ++t) {
+      float s = HSum(acc[r][t]);
+      for (int64_t kk = k; kk < K; ++kk) s += LoadScalar<D>(rows[r], kk) * x[t * ldx + kk];
+      y[t * ldy + n + r] = s;
+    }
+  }
+}
+
+template <DType D, int MT>
+void GemvRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, float* y,
+               int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) GemvTile<D, 4, MT>(w, n, x, ldx, y, ldy);
+  for (; n < n1; ++n) GemvTile<D, 1, MT>(w, n, x, ldx, y, ldy);
+}
+
+// Prefill path: pack a 16-row × KC panel of weights to F32 (transposed, [k][16]), then run a
+// 6-token × 16-output micro-kernel over all tokens.
+constexpr int64_t kNr = 16;
+constexpr int64_t kMr = 6;
+constexpr int64_t kKc = 256;
+
+template <DType D>
+void PackPanel(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* panel) {
+  alignas(32) float tmp[8];
+  for (int64_t r = 0; r < kNr; ++r) {
+    if (r >= nr) {
+      for (int64_t k = 0; k < kc; ++k) panel[k * kNr + r] = 0.f;
+      continue;
+    }
+    const void* row = RowPtr(w, n + r);
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8) {
+      _mm256_store_ps(tmp, Load8<D>(row, k0 + k));
+      for (int i = 0; i < 8; ++i) panel[(k + i) * kNr + r] = tmp[i];
+    }
+    for (; k < kc; ++k) panel[k * kNr + r] = LoadScalar<D>(row, k0 + k);
+  }
+}
+
+template <int MR>
+inline void MicroKernel(int64_t kc, const float* x, int64_t ldx, const float* panel, float* y,
+                        int64_t ldy, int64_t nr, bool accumulate) {
+  __m256 c[MR][2];
+  alignas(32) float tmp[kNr];
+  for (int i = 0; i < MR; ++i) {
+    if (accumulate && nr == kNr) {
+      c[i][0] = _mm256_loadu_ps(y + i * ldy);
+      c[i][1] = _mm256_loadu_ps(y + i * ldy + 8);
+    } else if (accumulate) {
+      std::memset(tmp, 0, sizeof(tmp));
+      std::memcpy(tmp, y + i * ldy, nr * sizeof(float));
+      c[i][0] = _mm256_load_ps(tmp);
+      c[i][1] = _mm256_load_ps(tmp + 8);
+    } else {
+      c[i][0] = c[i][1] = _mm256_setzero_ps();
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(panel + k * kNr);
+    const __m256 b1 = _mm256_load_ps(panel + k * kNr + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+      c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (nr == kNr) {
+      _mm256_storeu_ps(y + i * ldy, c[i][0]);
+      _mm256_storeu_ps(y + i * ldy + 8, c[i][1]);
+    } else {
+      _mm256_store_ps(tmp, c[i][0]);
+      _mm256_store_ps(tmp + 8, c[i][1]);
+      std::memcpy(y + i * ldy, tmp, nr * sizeof(float));
+    }
+  }
+}
+
+void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const float* panel,
+                    float* y, int64_t ldy, int64_t nr, bool acc) {
+  switch (mr) {
+    case 6:
+      return MicroKernel<6>(kc, x, ldx, panel, y, ldy, nr, acc);
+    case 5:
+      return MicroKernel<5>(kc, x, ldx, panel, y, ldy, nr, acc);
+    case 4:
+      return MicroKernel<4>(kc, x, ldx, panel, y, ldy, nr, acc);
+    case 3:
+      return MicroKernel<3>(kc, x, ldx, panel, y, ldy, nr, acc);
+    case 2:
+      return MicroKernel<2>(kc, x, ldx, panel, y, ldy, nr, acc);
+    default:
+      return MicroKernel<1>(kc, x, ldx, panel, y, ldy, nr, acc);
+  }
+}
+
+template <DType D>
+void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t M,
+               int64_t ldx, float* y, int64_t ldy) {
+  alignas(64) static thread_local float panel[kKc * kNr];
+  const int64_t K = w.cols;
+  for (int64_t n = n0; n < n1; n += kNr) {
+    const int64_t nr = std::min(kNr, n1 - n);
+    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+      const int64_t kc = std::min(kKc, K - k0);
+      PackPanel<D>(w, n, nr, k0, kc, panel);
+      for (int64_t m = 0; m < M; m += kMr) {
+        MicroKernelAny(std::min(kMr, M - m), kc, x + m * ldx + k0, ldx, panel, y + m * ldy + n, ldy,
+                       nr, k0 > 0);
+      }
+    }
+  }
+}
+
+template <DType D>
+void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
+                 int64_t ldy, ThreadPool& pool) {
+  if (M <= 3) {
+    pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
+      switch (M) {
+        case 1:
+          return GemvRange<D, 1>(w, b, e, x, ldx, y, ldy);
+        case 2:
+          return GemvRange<D, 2>(w, b, e, x, ldx, y, ldy);
+        default:
+          return GemvRange<D, 3>(w, b, e, x, ldx, y, ldy);
+      }
+    });
+    return;
+  }
+  pool.ParallelFor(w.rows, kNr,
+                   [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
+}
+
+}  // namespace
+
+void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+            ThreadPool& pool) {
+  if (M <= 0 || w.rows <= 0) return;
+  switch (w.dtype) {
+    case DType::kF32:
+      return MatMulTyped<DType::kF32>(w, x, M, ldx, y, ldy, pool);
+    case DType::kF16:
+      return MatMulTyped<DType::kF16>(w, x, M, ldx, y, ldy, pool);
+    case DType::kBF16:
+      return MatMulTyped<DType::kBF16>(w, x, M, ldx, y, ldy, pool);
+  }
+}
+
+void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case DType::kF32:
+        out[i] = LoadScalar<DType::kF32>(data, i);
+        break;
+      case DType::kF16:
+        out[i] = LoadScalar<DType::kF16>(data, i);
+        break;
+      case DType::kBF16:
+        out[i] = LoadScalar<DType::kBF16>(data, i);
+        break;
+    }
+  }
+}
+
+void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * dim;
+    float* o = out + m * dim;
+    const float ms = Dot(xr, xr, dim) / static_cast<float>(dim);
+    const float inv = 1.0f / std::sqrt(ms + eps);
+    for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+void SiluMul(float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = a[i];
+    a[i] = g / (1.0f + std::exp(-g)) * b[i];
+  }
+}
+
+float Dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  float s = HSum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void Axpy(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+}  // namespace shardserve::cpu

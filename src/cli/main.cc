@@ -1,0 +1,190 @@
+// shardserve: the user CLI. Subcommands: gen-model, generate, bench.
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "bench/runtime_bench.h"
+#include "common/args.h"
+#include "common/status.h"
+#include "model/gen_model.h"
+#include "model/generator.h"
+#include "model/tokenizer.h"
+#include "model/transformer.h"
+
+namespace shardserve {
+namespace {
+
+constexpr char kUsage[] = R"(usage: shardserve COMMAND [flags]
+
+commands:
+  gen-model  --arch llama|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N
+             --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N
+             --dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias
+             --rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece
+             --corpus FILE --shard-size BYTES]
+  generate   --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T
+             --top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos
+             --threads N --format text|json]
+  bench      --model DIR [--threads N --decode-tokens N --prefill-tokens N]
+)";
+
+absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const std::string& s) {
+  std::vector<int64_t> ids;
+  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipWhitespace())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(part, &v)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": '", part, "' is not an id"));
+    }
+    ids.push_back(v);
+  }
+  return ids;
+}
+
+absl::Status GenModel(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(
+      Args a, Args::Parse(argv,
+                          {"arch", "out", "layers", "hidden", "intermediate", "heads", "kv-heads",
+                           "head-dim", "vocab", "experts", "top-k", "dtype", "seed", "rope-scaling",
+                           "max-position", "tokenizer", "corpus", "shard-size"},
+                          {"tie-embeddings", "attention-bias"}));
+  GenModelOptions o;
+  o.arch = a.GetOr("arch", "llama");
+  ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));
+  ASSIGN_OR_RETURN(o.layers, a.GetInt("layers", o.layers));
+  ASSIGN_OR_RETURN(o.hidden, a.GetInt("hidden", o.hidden));
+  ASSIGN_OR_RETURN(o.intermediate, a.GetInt("intermediate", o.intermediate));
+  ASSIGN_OR_RETURN(o.heads, a.GetInt("heads", o.heads));
+  ASSIGN_OR_RETURN(o.kv_heads, a.GetInt("kv-heads", o.kv_heads));
+  ASSIGN_OR_RETURN(o.head_dim, a.GetInt("head-dim", 0));
+  ASSIGN_OR_RETURN(o.vocab, a.GetInt("vocab", o.vocab));
+  ASSIGN_OR_RETURN(o.experts, a.GetInt("experts", o.experts));
+  ASSIGN_OR_RETURN(o.top_k, a.GetInt("top-k", o.top_k));
+  ASSIGN_OR_RETURN(o.max_position, a.GetInt("max-position", o.max_position));
+  ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  o.seed = static_cast<uint64_t>(seed);
+  ASSIGN_OR_RETURN(o.shard_bytes, a.GetInt("shard-size", 0));
+  const std::string dtype = a.GetOr("dtype", "bf16");
+  if (dtype == "bf16") {
+    o.dtype = DType::kBF16;
+  } else if (dtype == "f16") {
+    o.dtype = DType::kF16;
+  } else if (dtype == "f32") {
+    o.dtype = DType::kF32;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--dtype '", dtype, "' is not bf16, f16, f32"));
+  }
+  const std::string tok = a.GetOr("tokenizer", "bytelevel");
+  if (tok == "sentencepiece") {
+    o.tokenizer = TokenizerStyle::kSentencePiece;
+  } else if (tok != "bytelevel") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tokenizer '", tok, "' is not bytelevel or sentencepiece"));
+  }
+  o.tie_embeddings = a.Has("tie-embeddings");
+  o.attention_bias = a.Has("attention-bias");
+  o.rope_scaling = a.GetOr("rope-scaling", "");
+  o.corpus_file = a.GetOr("corpus", "");
+  RETURN_IF_ERROR(GenerateModel(o));
+  std::cerr << "wrote " << o.arch << " model to " << o.out_dir << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Generate(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(
+      Args a, Args::Parse(argv,
+                          {"model", "prompt", "prompt-ids", "max-tokens", "temperature", "top-p",
+                           "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format"},
+                          {"ignore-eos"}));
+  ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
+  const std::string format = a.GetOr("format", "text");
+  if (format != "text" && format != "json") {
+    return absl::InvalidArgumentError(absl::StrCat("--format '", format, "' is not text or json"));
+  }
+  if (a.Has("prompt") == a.Has("prompt-ids")) {
+    return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
+  }
+  GenerationRequest req;
+  SamplingParams& p = req.params;
+  ASSIGN_OR_RETURN(p.max_tokens, a.GetInt("max-tokens", 16));
+  ASSIGN_OR_RETURN(double temperature, a.GetDouble("temperature", 0.0));
+  ASSIGN_OR_RETURN(double top_p, a.GetDouble("top-p", 1.0));
+  p.temperature = static_cast<float>(temperature);
+  p.top_p = static_cast<float>(top_p);
+  ASSIGN_OR_RETURN(p.top_k, a.GetInt("top-k", 0));
+  ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  p.seed = static_cast<uint64_t>(seed);
+  ASSIGN_OR_RETURN(p.top_logprobs, a.GetInt("logprobs", 0));
+  if (a.Has("stop-token-ids")) {
+    ASSIGN_OR_RETURN(p.stop_token_ids, ParseIdList("stop-token-ids", *a.Get("stop-token-ids")));
+  }
+  p.ignore_eos = a.Has("ignore-eos");
+  RETURN_IF_ERROR(p.Validate());
+  ASSIGN_OR_RETURN(int64_t threads,
+                   a.GetInt("threads", std::max(1u, std::thread::hardware_concurrency())));
+
+  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
+  ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::Load(dir));
+  if (a.Has("prompt")) {
+    ASSIGN_OR_RETURN(req.prompt_ids, tokenizer->Encode(*a.Get("prompt")));
+  } else {
+    ASSIGN_OR_RETURN(auto ids, ParseIdList("prompt-ids", *a.Get("prompt-ids")));
+    req.prompt_ids.assign(ids.begin(), ids.end());
+  }
+  ASSIGN_OR_RETURN(auto results, shardserve::Generate(*model, {req}));
+  const GenerationResult& r = results[0];
+  const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);
+  if (format == "text") {
+    std::cout << text << std::endl;
+    return absl::OkStatus();
+  }
+  nlohmann::json out = {{"prompt_ids", req.prompt_ids},
+                        {"tokens", r.tokens},
+                        {"text", text},
+                        {"logprobs", r.logprobs},
+                        {"finish_reason", r.finish_reason}};
+  nlohmann::json tops = nlohmann::json::array();
+  for (const auto& step : r.top_logprobs) {
+    nlohmann::json alts = nlohmann::json::array();
+    for (const TokenLogprob& t : step) alts.push_back({{"id", t.id}, {"logprob", t.logprob}});
+    tops.push_back(alts);
+  }
+  out["top_logprobs"] = tops;
+  std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "help") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  const std::vector<std::string> rest(argv + 2, argv + argc);
+  absl::Status s;
+  if (cmd == "gen-model") {
+    s = GenModel(rest);
+  } else if (cmd == "generate") {
+    s = Generate(rest);
+  } else if (cmd == "bench") {
+    s = RunRuntimeBench(rest);
+  } else {
+    std::fprintf(stderr, "shardserve: unknown command '%s'\n%s", cmd.c_str(), kUsage);
+    return 2;
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "shardserve %s: %s\n", cmd.c_str(), std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardserve
+
+int main(int argc, char** argv) { return shardserve::Main(argc, argv); }

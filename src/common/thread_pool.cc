@@ -1,0 +1,82 @@
+#include "common/thread_pool.h"
+
+#include <algorithm>
+
+namespace shardserve {
+namespace {
+
+// The range of chunk `index` of `parts` over [0, n), aligned to grain.
+std::pair<int64_t, int64_t> Split(int64_t n, int64_t grain, int parts, int index) {
+  const int64_t units = (n + grain - 1) / grain;
+  const int64_t per = units / parts, extra = units % parts;
+  const int64_t ub = index * per + std::min<int64_t>(index, extra);
+  const int64_t ue = ub + per + (index < extra ? 1 : 0);
+  return {std::min(n, ub * grain), std::min(n, ue * grain)};
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int num_threads) {
+  for (int i = 1; i < std::max(1, num_threads); ++i) {
+    workers_.emplace_back([this, i] { WorkerLoop(i); });
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  start_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::ParallelFor(int64_t n, int64_t grain,
+                             const std::function<void(int, int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  const int parts = num_threads();
+  if (parts == 1 || n <= grain) {
+    fn(0, 0, n);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = &fn;
+    job_n_ = n;
+    job_grain_ = grain;
+    pending_ = parts - 1;
+    ++generation_;
+  }
+  start_cv_.notify_all();
+  auto [b, e] = Split(n, grain, parts, 0);
+  if (b < e) fn(0, b, e);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return pending_ == 0; });
+  job_ = nullptr;
+}
+
+void ThreadPool::WorkerLoop(int index) {
+  uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(int, int64_t, int64_t)>* job;
+    int64_t n, grain;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+      n = job_n_;
+      grain = job_grain_;
+    }
+    auto [b, e] = Split(n, grain, num_threads(), index);
+    if (b < e) (*job)(index, b, e);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+}
+
+}  // namespace shardserve

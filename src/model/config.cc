@@ -1,0 +1,219 @@
+#include "model/config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+
+class Reader {
+ public:
+  Reader(const json& j, std::string source) : j_(j), source_(std::move(source)) {}
+
+  absl::Status Error(const std::string& key, const std::string& what) const {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": '", key, "' ", what));
+  }
+  bool Has(const std::string& key) const { return j_.contains(key) && !j_[key].is_null(); }
+
+  absl::StatusOr<int64_t> Int(const std::string& key, std::optional<int64_t> def = {}) const {
+    if (!Has(key)) {
+      if (def) return *def;
+      return Error(key, "is required");
+    }
+    if (!j_[key].is_number_integer()) return Error(key, "must be an integer");
+    return j_[key].get<int64_t>();
+  }
+  absl::StatusOr<int64_t> Positive(const std::string& key, std::optional<int64_t> def = {}) const {
+    ASSIGN_OR_RETURN(int64_t v, Int(key, def));
+    if (v <= 0) return Error(key, absl::StrCat("must be positive, got ", v));
+    return v;
+  }
+  absl::StatusOr<double> Number(const std::string& key, double def) const {
+    if (!Has(key)) return def;
+    if (!j_[key].is_number()) return Error(key, "must be a number");
+    return j_[key].get<double>();
+  }
+  absl::StatusOr<bool> Bool(const std::string& key, bool def) const {
+    if (!Has(key)) return def;
+    if (!j_[key].is_boolean()) return Error(key, "must be true or false");
+    return j_[key].get<bool>();
+  }
+  absl::StatusOr<std::string> String(const std::string& key, const std::string& def) const {
+    if (!Has(key)) return def;
+    if (!j_[key].is_string()) return Error(key, "must be a string");
+    return j_[key].get<std::string>();
+  }
+
+ private:
+  const json& j_;
+  std::string source_;
+};
+
+absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
+  // Accepts both `rope_scaling` (transformers 4) and `rope_parameters` (transformers 5).
+  if (scaling.is_null()) return absl::OkStatus();
+  if (!scaling.is_object()) return r.Error("rope_scaling", "must be an object or null");
+  Reader s(scaling, "config.json rope_scaling");
+  std::string type;
+  if (scaling.contains("rope_type")) {
+    ASSIGN_OR_RETURN(type, s.String("rope_type", ""));
+  } else {
+    ASSIGN_OR_RETURN(type, s.String("type", "default"));
+  }
+  if (scaling.contains("rope_theta")) {
+    ASSIGN_OR_RETURN(c.rope_theta, s.Number("rope_theta", c.rope_theta));
+  }
+  if (type == "default") return absl::OkStatus();
+  ASSIGN_OR_RETURN(c.rope_factor, s.Number("factor", 1.0));
+  if (c.rope_factor <= 0) return s.Error("factor", "must be positive");
+  if (type == "linear") {
+    c.rope_scaling = RopeScaling::kLinear;
+  } else if (type == "llama3") {
+    c.rope_scaling = RopeScaling::kLlama3;
+    ASSIGN_OR_RETURN(c.rope_low_freq_factor, s.Number("low_freq_factor", 1.0));
+    ASSIGN_OR_RETURN(c.rope_high_freq_factor, s.Number("high_freq_factor", 4.0));
+    ASSIGN_OR_RETURN(c.rope_original_max_position,
+                     s.Positive("original_max_position_embeddings", 8192));
+    if (c.rope_high_freq_factor <= c.rope_low_freq_factor) {
+      return s.Error("high_freq_factor", "must exceed low_freq_factor");
+    }
+  } else {
+    return s.Error(
+        "type", absl::StrCat("'", type, "' is not supported (supported: default, linear, llama3)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& source) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON: ", e.what()));
+  }
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not an object"));
+  Reader r(j, source);
+  ModelConfig c;
+  if (!j.contains("architectures") || !j["architectures"].is_array() ||
+      j["architectures"].size() != 1 || !j["architectures"][0].is_string()) {
+    return r.Error("architectures", "must list exactly one architecture");
+  }
+  c.architecture = j["architectures"][0].get<std::string>();
+  if (c.architecture == "MixtralForCausalLM") {
+    c.moe = true;
+  } else if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
+             c.architecture != "Qwen2ForCausalLM") {
+    return r.Error("architectures",
+                   absl::StrCat("names '", c.architecture,
+                                "', which shardserve does not run (supported: LlamaForCausalLM, "
+                                "MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM)"));
+  }
+  ASSIGN_OR_RETURN(c.model_type, r.String("model_type", ""));
+  ASSIGN_OR_RETURN(c.hidden_size, r.Positive("hidden_size"));
+  ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("intermediate_size"));
+  ASSIGN_OR_RETURN(c.num_layers, r.Positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.num_heads, r.Positive("num_attention_heads"));
+  ASSIGN_OR_RETURN(c.num_kv_heads, r.Positive("num_key_value_heads", c.num_heads));
+  ASSIGN_OR_RETURN(c.vocab_size, r.Positive("vocab_size"));
+  ASSIGN_OR_RETURN(c.max_position_embeddings, r.Positive("max_position_embeddings", 2048));
+  ASSIGN_OR_RETURN(c.rms_norm_eps, r.Number("rms_norm_eps", 1e-6));
+  ASSIGN_OR_RETURN(c.rope_theta, r.Number("rope_theta", 10000.0));
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, r.Bool("tie_word_embeddings", false));
+  ASSIGN_OR_RETURN(c.torch_dtype, r.String("torch_dtype", ""));
+  if (c.hidden_size % c.num_heads != 0 && !r.Has("head_dim")) {
+    return r.Error("hidden_size",
+                   absl::StrCat(c.hidden_size, " is not divisible by ", "num_attention_heads ",
+                                c.num_heads, " and no head_dim is given"));
+  }
+  ASSIGN_OR_RETURN(c.head_dim, r.Positive("head_dim", c.hidden_size / c.num_heads));
+  if (c.head_dim % 2 != 0) return r.Error("head_dim", "must be even for rotary embeddings");
+  if (c.num_heads % c.num_kv_heads != 0) {
+    return r.Error(
+        "num_key_value_heads",
+        absl::StrCat(c.num_kv_heads, " does not divide num_attention_heads ", c.num_heads));
+  }
+  ASSIGN_OR_RETURN(std::string act, r.String("hidden_act", "silu"));
+  if (act != "silu") {
+    return r.Error("hidden_act", absl::StrCat("'", act, "' is not supported (only silu)"));
+  }
+  ASSIGN_OR_RETURN(bool mlp_bias, r.Bool("mlp_bias", false));
+  if (mlp_bias) return r.Error("mlp_bias", "true is not supported");
+  ASSIGN_OR_RETURN(double partial_rotary, r.Number("partial_rotary_factor", 1.0));
+  if (partial_rotary != 1.0)
+    return r.Error("partial_rotary_factor", "other than 1 is not supported");
+  ASSIGN_OR_RETURN(int64_t pretraining_tp, r.Int("pretraining_tp", 1));
+  if (pretraining_tp != 1) return r.Error("pretraining_tp", "other than 1 is not supported");
+
+  if (c.architecture == "Qwen2ForCausalLM") {
+    c.qkv_bias = true;
+  } else {
+    ASSIGN_OR_RETURN(bool attention_bias, r.Bool("attention_bias", false));
+    c.qkv_bias = c.o_bias = attention_bias;
+  }
+
+  if (j.contains("rope_parameters")) {
+    RETURN_IF_ERROR(ParseRope(j["rope_parameters"], r, c));
+  } else if (j.contains("rope_scaling")) {
+    RETURN_IF_ERROR(ParseRope(j["rope_scaling"], r, c));
+  }
+
+  c.max_context = c.max_position_embeddings;
+  bool sliding = r.Has("sliding_window");
+  if (c.architecture == "Qwen2ForCausalLM") {
+    ASSIGN_OR_RETURN(bool use_sliding, r.Bool("use_sliding_window", false));
+    sliding = sliding && use_sliding;
+  }
+  if (sliding) {
+    // Attention limited to a window equals full attention when the context fits the window.
+    ASSIGN_OR_RETURN(int64_t window, r.Positive("sliding_window"));
+    c.max_context = std::min(c.max_context, window);
+  }
+
+  if (c.moe) {
+    ASSIGN_OR_RETURN(c.num_experts, r.Positive("num_local_experts"));
+    ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok"));
+    if (c.experts_per_token > c.num_experts) {
+      return r.Error(
+          "num_experts_per_tok",
+          absl::StrCat(c.experts_per_token, " exceeds num_local_experts ", c.num_experts));
+    }
+  }
+  ASSIGN_OR_RETURN(c.bos_token_id, r.Int("bos_token_id", -1));
+  if (r.Has("eos_token_id")) {
+    const json& e = j["eos_token_id"];
+    if (e.is_number_integer()) {
+      c.eos_token_ids.push_back(e.get<int64_t>());
+    } else if (e.is_array()) {
+      for (const json& id : e) {
+        if (!id.is_number_integer()) return r.Error("eos_token_id", "must hold integers");
+        c.eos_token_ids.push_back(id.get<int64_t>());
+      }
+    } else {
+      return r.Error("eos_token_id", "must be an integer or a list of integers");
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
+  const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ParseModelConfig(ss.str(), path);
+}
+
+}  // namespace shardserve

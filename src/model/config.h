@@ -1,0 +1,51 @@
+#pragma once
+// The model configuration read from a Hugging Face config.json. Only what shardserve runs
+// exactly is accepted; anything else is refused with a message naming the option.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+enum class RopeScaling { kNone, kLinear, kLlama3 };
+
+struct ModelConfig {
+  std::string architecture;  // e.g. "LlamaForCausalLM"
+  std::string model_type;    // e.g. "llama"
+  bool moe = false;          // Mixtral-style sparse MoE MLP
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  int64_t max_context = 0;  // max_position_embeddings, capped by a sliding window if any
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_position = 8192;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // q/k/v projections carry a bias (Qwen2, Llama attention_bias)
+  bool o_bias = false;    // o_proj carries a bias (Llama attention_bias)
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;
+  int64_t bos_token_id = -1;
+  std::vector<int64_t> eos_token_ids;
+  std::string torch_dtype;  // informational
+
+  int64_t q_dim() const { return num_heads * head_dim; }
+  int64_t kv_dim() const { return num_kv_heads * head_dim; }
+};
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& source = "config.json");
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
+
+}  // namespace shardserve

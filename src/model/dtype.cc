@@ -1,0 +1,42 @@
+#include "model/dtype.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve {
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+  }
+  return "?";
+}
+
+absl::StatusOr<DType> ParseDType(std::string_view name) {
+  if (name == "F32") return DType::kF32;
+  if (name == "F16") return DType::kF16;
+  if (name == "BF16") return DType::kBF16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unsupported dtype '", std::string(name), "' (supported: F32, F16, BF16)"));
+}
+
+uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float F16ToF32(uint16_t v) { return _cvtsh_ss(v); }
+uint16_t F32ToF16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+}  // namespace shardserve

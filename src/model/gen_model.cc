@@ -1,0 +1,274 @@
+#include "model/gen_model.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status.h"
+#include "model/corpus.h"
+#include "model/safetensors.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+
+uint64_t SplitMix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint64_t HashName(const std::string& s, uint64_t seed) {
+  uint64_t h = 1469598103934665603ull ^ seed;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// How a tensor is initialized: uniform in [center - scale, center + scale].
+struct Init {
+  float center;
+  float scale;
+};
+
+struct Planned {
+  TensorSpec spec;
+  Init init;
+};
+
+void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
+  uint64_t state = HashName(p.spec.name, seed);
+  const size_t n = bytes.size() / DTypeSize(p.spec.dtype);
+  for (size_t i = 0; i < n; ++i) {
+    const double u = static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-53;  // [0, 1)
+    const float v = p.init.center + p.init.scale * static_cast<float>(2 * u - 1);
+    switch (p.spec.dtype) {
+      case DType::kF32:
+        std::memcpy(bytes.data() + 4 * i, &v, 4);
+        break;
+      case DType::kF16: {
+        const uint16_t h = F32ToF16(v);
+        std::memcpy(bytes.data() + 2 * i, &h, 2);
+        break;
+      }
+      case DType::kBF16: {
+        const uint16_t h = F32ToBf16(v);
+        std::memcpy(bytes.data() + 2 * i, &h, 2);
+        break;
+      }
+    }
+  }
+}
+
+std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
+  const float sqrt3 = std::sqrt(3.0f);
+  auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
+  const int64_t H = o.hidden, I = o.intermediate, q = o.heads * head_dim,
+                kv = o.kv_heads * head_dim;
+  std::vector<Planned> t;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, Init init) {
+    t.push_back({{name, o.dtype, std::move(shape)}, init});
+  };
+  const Init norm{1.0f, 0.1f}, bias{0.0f, 0.1f};
+  add("model.embed_tokens.weight", {o.vocab, H}, uniform_std(1.0));
+  for (int64_t l = 0; l < o.layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    add(p + "input_layernorm.weight", {H}, norm);
+    add(p + "self_attn.q_proj.weight", {q, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(p + "self_attn.k_proj.weight", {kv, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(p + "self_attn.v_proj.weight", {kv, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(p + "self_attn.o_proj.weight", {H, q}, uniform_std(0.5 / std::sqrt(q)));
+    if (o.attention_bias || o.arch == "qwen2") {
+      add(p + "self_attn.q_proj.bias", {q}, bias);
+      add(p + "self_attn.k_proj.bias", {kv}, bias);
+      add(p + "self_attn.v_proj.bias", {kv}, bias);
+    }
+    if (o.attention_bias && o.arch != "qwen2") add(p + "self_attn.o_proj.bias", {H}, bias);
+    add(p + "post_attention_layernorm.weight", {H}, norm);
+    if (o.arch == "mixtral") {
+      const std::string m = p + "block_sparse_moe.";
+      add(m + "gate.weight", {o.experts, H}, uniform_std(2.0 / std::sqrt(H)));
+      for (int64_t e = 0; e < o.experts; ++e) {
+        const std::string ep = absl::StrCat(m, "experts.", e, ".");
+        add(ep + "w1.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+        add(ep + "w2.weight", {H, I}, uniform_std(0.5 / std::sqrt(I)));
+        add(ep + "w3.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+      }
+    } else {
+      add(p + "mlp.gate_proj.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+      add(p + "mlp.up_proj.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+      add(p + "mlp.down_proj.weight", {H, I}, uniform_std(0.5 / std::sqrt(I)));
+    }
+  }
+  add("model.norm.weight", {H}, norm);
+  if (!o.tie_embeddings) add("lm_head.weight", {o.vocab, H}, uniform_std(2.0 / std::sqrt(H)));
+  return t;
+}
+
+absl::Status WriteText(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat(path.string(), ": write failed"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status GenModelOptions::Validate() const {
+  if (arch != "llama" && arch != "qwen2" && arch != "mixtral") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--arch '", arch, "' is not one of llama, qwen2, mixtral"));
+  }
+  if (out_dir.empty()) return absl::InvalidArgumentError("--out is required");
+  for (auto [name, v] : {std::pair{"layers", layers},
+                         {"hidden", hidden},
+                         {"intermediate", intermediate},
+                         {"heads", heads},
+                         {"kv-heads", kv_heads},
+                         {"vocab", vocab},
+                         {"max-position", max_position}}) {
+    if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be positive"));
+  }
+  if (heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-heads ", kv_heads, " must divide --heads ", heads));
+  }
+  if (head_dim == 0 && hidden % heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--hidden ", hidden, " is not divisible by --heads ", heads));
+  }
+  if (arch == "mixtral" && (experts <= 0 || top_k <= 0 || top_k > experts)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--top-k ", top_k, " must be between 1 and --experts ", experts));
+  }
+  if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rope-scaling '", rope_scaling, "' is not llama3 or linear"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GenerateModel(const GenModelOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  namespace fs = std::filesystem;
+  const fs::path dir(o.out_dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(o.out_dir, ": ", ec.message()));
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.find(".safetensors") != std::string::npos) fs::remove(entry.path());
+  }
+  const int64_t head_dim = o.head_dim > 0 ? o.head_dim : o.hidden / o.heads;
+
+  std::string corpus(DefaultCorpus());
+  if (!o.corpus_file.empty()) {
+    std::ifstream in(o.corpus_file);
+    if (!in) return absl::NotFoundError(absl::StrCat(o.corpus_file, ": cannot open"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    corpus = ss.str();
+  }
+  ASSIGN_OR_RETURN(TrainedTokenizer tok, TrainBpeTokenizer(corpus, o.tokenizer, o.vocab));
+  RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", tok.json));
+  const json tok_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                           {"bos_token", "<s>"},
+                           {"eos_token", "</s>"},
+                           {"add_bos_token", true},
+                           {"model_max_length", o.max_position}};
+  RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
+
+  const std::string arch_name = o.arch == "mixtral" ? "MixtralForCausalLM"
+                                : o.arch == "qwen2" ? "Qwen2ForCausalLM"
+                                                    : "LlamaForCausalLM";
+  json config = {{"architectures", {arch_name}},
+                 {"model_type", o.arch},
+                 {"hidden_size", o.hidden},
+                 {"intermediate_size", o.intermediate},
+                 {"num_hidden_layers", o.layers},
+                 {"num_attention_heads", o.heads},
+                 {"num_key_value_heads", o.kv_heads},
+                 {"head_dim", head_dim},
+                 {"vocab_size", o.vocab},
+                 {"max_position_embeddings", o.max_position},
+                 {"rms_norm_eps", 1e-5},
+                 {"rope_theta", o.arch == "mixtral" ? 1e6 : 10000.0},
+                 {"hidden_act", "silu"},
+                 {"tie_word_embeddings", o.tie_embeddings},
+                 {"bos_token_id", tok.bos_id},
+                 {"eos_token_id", tok.eos_id},
+                 {"torch_dtype", o.dtype == DType::kF32   ? "float32"
+                                 : o.dtype == DType::kF16 ? "float16"
+                                                          : "bfloat16"},
+                 {"initializer_range", 0.02},
+                 {"use_cache", true}};
+  if (o.arch == "llama") {
+    config["attention_bias"] = o.attention_bias;
+    config["mlp_bias"] = false;
+  }
+  if (o.arch == "qwen2") config["use_sliding_window"] = false;
+  if (o.arch == "mixtral") {
+    config["num_local_experts"] = o.experts;
+    config["num_experts_per_tok"] = o.top_k;
+    config["sliding_window"] = nullptr;
+    config["router_aux_loss_coef"] = 0.0;
+  }
+  if (o.rope_scaling == "llama3") {
+    config["rope_scaling"] = {{"rope_type", "llama3"},
+                              {"factor", 8.0},
+                              {"low_freq_factor", 1.0},
+                              {"high_freq_factor", 4.0},
+                              {"original_max_position_embeddings", 64}};
+  } else if (o.rope_scaling == "linear") {
+    config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  }
+  RETURN_IF_ERROR(WriteText(dir / "config.json", config.dump(2)));
+  const json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};
+  RETURN_IF_ERROR(WriteText(dir / "generation_config.json", gen_config.dump(2)));
+
+  const std::vector<Planned> planned = PlanTensors(o, head_dim);
+  // Group tensors into shards of about shard_bytes (one file when shard_bytes == 0).
+  std::vector<std::vector<size_t>> shards(1);
+  size_t current = 0, total = 0;
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const size_t n = planned[i].spec.nbytes();
+    if (o.shard_bytes > 0 && current > 0 && current + n > static_cast<size_t>(o.shard_bytes)) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(i);
+    current += n;
+    total += n;
+  }
+  const std::map<std::string, std::string> meta{{"format", "pt"}};
+  json weight_map = json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string file = shards.size() == 1 ? "model.safetensors"
+                                                : absl::StrFormat("model-%05d-of-%05d.safetensors",
+                                                                  s + 1, shards.size());
+    std::vector<TensorSpec> specs;
+    for (size_t i : shards[s]) {
+      specs.push_back(planned[i].spec);
+      weight_map[planned[i].spec.name] = file;
+    }
+    RETURN_IF_ERROR(WriteSafetensors(
+        (dir / file).string(), specs,
+        [&](size_t k, std::vector<uint8_t>& bytes) { Fill(planned[shards[s][k]], o.seed, bytes); },
+        meta));
+  }
+  if (shards.size() > 1) {
+    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    RETURN_IF_ERROR(WriteText(dir / "model.safetensors.index.json", index.dump(2)));
+  } else {
+    fs::remove(dir / "model.safetensors.index.json");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

@@ -1,0 +1,41 @@
+#pragma once
+// Writes a complete, loadable Hugging Face model directory with deterministic random weights:
+// config.json, model.safetensors (or shards + model.safetensors.index.json), a trained BPE
+// tokenizer.json, tokenizer_config.json and generation_config.json.
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "model/bpe_trainer.h"
+#include "model/dtype.h"
+
+namespace shardserve {
+
+struct GenModelOptions {
+  std::string arch = "llama";  // llama | qwen2 | mixtral
+  std::string out_dir;
+  int64_t layers = 2;
+  int64_t hidden = 64;
+  int64_t intermediate = 128;
+  int64_t heads = 4;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 0;  // 0 = hidden / heads
+  int64_t vocab = 512;
+  int64_t experts = 4;  // mixtral
+  int64_t top_k = 2;    // mixtral
+  int64_t max_position = 4096;
+  DType dtype = DType::kBF16;
+  uint64_t seed = 0;
+  bool tie_embeddings = false;
+  bool attention_bias = false;  // llama: bias on q/k/v/o
+  std::string rope_scaling;     // "", "llama3" or "linear"
+  TokenizerStyle tokenizer = TokenizerStyle::kByteLevel;
+  std::string corpus_file;  // train the tokenizer on this text instead of the built-in one
+  int64_t shard_bytes = 0;  // > 0: split weights into files of about this size
+
+  absl::Status Validate() const;
+};
+
+absl::Status GenerateModel(const GenModelOptions& options);
+
+}  // namespace shardserve

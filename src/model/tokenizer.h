@@ -1,0 +1,46 @@
+#pragma once
+// A Hugging Face `tokenizer.json` BPE tokenizer: byte-level BPE (GPT-2 / Llama 3 / Qwen, with the
+// pre-tokenizer regex) and SentencePiece-style BPE with byte fallback (Llama 2 / TinyLlama),
+// added and special tokens, the template post-processor and the decoder chain. Components it does
+// not implement are refused at load, by name. Encode/Decode are thread-safe.
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+class Tokenizer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(const std::string& json_text,
+                                                             const std::string& source);
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& model_dir);
+  ~Tokenizer();
+
+  // add_special_tokens applies the post-processor template (e.g. a leading BOS).
+  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
+                                              bool add_special_tokens = true) const;
+  // Ids that the tokenizer does not know are skipped, as Hugging Face does.
+  std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
+
+  std::optional<int32_t> TokenId(const std::string& token) const;
+  int64_t vocab_size() const;  // largest id + 1
+  bool IsSpecial(int32_t id) const;
+
+  struct Impl;
+
+ private:
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The GPT-2 byte-to-unicode table used by byte-level BPE (UTF-8 of the printable stand-in).
+const std::vector<std::string>& ByteToUnicode();
+
+}  // namespace shardserve

@@ -1,0 +1,120 @@
+#include "backend/cpu/kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace shardserve::cpu {
+namespace {
+
+struct Weights {
+  std::vector<uint8_t> bytes;
+  std::vector<double> values;  // the exact values the kernel must see
+};
+
+Weights MakeWeights(DType dtype, int64_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1, 1);
+  Weights w;
+  w.bytes.resize(n * DTypeSize(dtype));
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = dist(rng);
+    if (dtype == DType::kF32) {
+      std::memcpy(&w.bytes[4 * i], &v, 4);
+      w.values.push_back(v);
+    } else {
+      const uint16_t h = dtype == DType::kF16 ? F32ToF16(v) : F32ToBf16(v);
+      std::memcpy(&w.bytes[2 * i], &h, 2);
+      w.values.push_back(dtype == DType::kF16 ? F16ToF32(h) : Bf16ToF32(h));
+    }
+  }
+  return w;
+}
+
+// MatMul against a double-precision loop, for every dtype and the decode and prefill paths,
+// including ragged shapes (N not a multiple of 16, K not a multiple of 8 or of the K block).
+TEST(KernelsTest, MatMulMatchesReference) {
+  std::mt19937 rng(1);
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int threads : {1, 3}) {
+      ThreadPool pool(threads);
+      for (int64_t M : {1, 2, 3, 4, 7, 13}) {
+        for (int64_t N : {1, 5, 16, 37}) {
+          for (int64_t K : {1, 8, 13, 300, 520}) {
+            Weights w = MakeWeights(dtype, N * K, rng);
+            std::vector<float> x(M * K), y(M * N, -1.f);
+            for (float& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+            WeightMatrix wm{dtype, w.bytes.data(), N, K, K};
+            MatMul(wm, x.data(), M, K, y.data(), N, pool);
+            for (int64_t m = 0; m < M; ++m) {
+              for (int64_t n = 0; n < N; ++n) {
+                double ref = 0;
+                for (int64_t k = 0; k < K; ++k) ref += w.values[n * K + k] * x[m * K + k];
+                ASSERT_NEAR(y[m * N + n], ref, 1e-4 * std::sqrt(K))
+                    << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(KernelsTest, MatMulHonoursRowStrideAndLeadingDimensions) {
+  std::mt19937 rng(2);
+  const int64_t M = 5, N = 9, K = 24, stride = 40, ldx = 30, ldy = 11;
+  Weights w = MakeWeights(DType::kBF16, N * stride, rng);
+  std::vector<float> x(M * ldx), y(M * ldy, 7.f);
+  for (float& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+  ThreadPool pool(2);
+  for (int64_t m : {int64_t{1}, M}) {
+    MatMul({DType::kBF16, w.bytes.data(), N, K, stride}, x.data(), m, ldx, y.data(), ldy, pool);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t n = 0; n < N; ++n) {
+        double ref = 0;
+        for (int64_t k = 0; k < K; ++k) ref += w.values[n * stride + k] * x[i * ldx + k];
+        ASSERT_NEAR(y[i * ldy + n], ref, 1e-4);
+      }
+      EXPECT_EQ(y[i * ldy + N], 7.f) << "wrote past N";
+    }
+  }
+}
+
+TEST(KernelsTest, RmsNormSiluDotAxpy) {
+  const std::vector<float> x = {1, -2, 3, -4}, w = {1, 0.5, 2, 1};
+  std::vector<float> out(4);
+  RmsNorm(x.data(), 1, 4, w.data(), 1e-6f, out.data());
+  const double rms = std::sqrt((1 + 4 + 9 + 16) / 4.0 + 1e-6);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(out[i], w[i] * x[i] / rms, 1e-6);
+
+  std::vector<float> a = {0, 1, -1, 3}, b = {2, 2, 2, 2};
+  SiluMul(a.data(), b.data(), 4);
+  for (int i = 0; i < 4; ++i) {
+    const double g = std::vector<double>{0, 1, -1, 3}[i];
+    EXPECT_NEAR(a[i], g / (1 + std::exp(-g)) * 2, 1e-6);
+  }
+  std::vector<float> p(37), q(37);
+  double dot = 0;
+  for (int i = 0; i < 37; ++i) {
+    p[i] = 0.1f * i;
+    q[i] = 1.0f - 0.05f * i;
+    dot += double(p[i]) * q[i];
+  }
+  EXPECT_NEAR(Dot(p.data(), q.data(), 37), dot, 1e-4);
+  Axpy(2.0f, p.data(), q.data(), 37);
+  EXPECT_NEAR(q[36], 1.0f - 0.05f * 36 + 2 * 3.6f, 1e-5);
+}
+
+TEST(KernelsTest, DtypeConversionsRoundTrip) {
+  for (float v : {0.0f, 1.0f, -2.5f, 65504.0f, 1e-3f}) {
+    EXPECT_EQ(F16ToF32(F32ToF16(v)), v == 1e-3f ? F16ToF32(F32ToF16(v)) : v);
+    EXPECT_NEAR(Bf16ToF32(F32ToBf16(v)), v, std::fabs(v) / 128);
+  }
+  EXPECT_EQ(F32ToBf16(1.0f + 1.0f / 256), F32ToBf16(1.0f)) << "ties round to even";
+  EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(std::nanf("")))));
+}
+
+}  // namespace
+}  // namespace shardserve::cpu

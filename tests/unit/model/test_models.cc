@@ -1,0 +1,53 @@
+#include "model/test_models.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace shardserve::testing {
+
+TempDir::TempDir() {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "shardserve-test-XXXXXX").string();
+  path_ = mkdtemp(tmpl.data());
+}
+
+TempDir::~TempDir() { std::filesystem::remove_all(path_); }
+
+GenModelOptions SmallModel(const std::string& arch, const std::string& out_dir) {
+  GenModelOptions o;
+  o.arch = arch;
+  o.out_dir = out_dir;
+  o.layers = 2;
+  o.hidden = 64;
+  o.intermediate = 96;
+  o.heads = 4;
+  o.kv_heads = 2;
+  o.vocab = 400;
+  o.dtype = DType::kF32;
+  o.seed = 3;
+  o.max_position = 256;
+  return o;
+}
+
+std::string WriteModel(const GenModelOptions& options) {
+  absl::Status s = GenerateModel(options);
+  EXPECT_TRUE(s.ok()) << s;
+  return options.out_dir;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteFile(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+}
+
+}  // namespace shardserve::testing

@@ -1,0 +1,30 @@
+#pragma once
+// Test helpers: a temporary directory and small generated models inside it.
+#include <string>
+
+#include "model/gen_model.h"
+
+namespace shardserve::testing {
+
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string Sub(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Small model options (2 layers, hidden 64) for `arch`, to be adjusted by the test.
+GenModelOptions SmallModel(const std::string& arch, const std::string& out_dir);
+// Writes a small model and fails the test on error.
+std::string WriteModel(const GenModelOptions& options);
+
+std::string ReadFile(const std::string& path);
+void WriteFile(const std::string& path, const std::string& data);
+
+}  // namespace shardserve::testing

@@ -1,0 +1,176 @@
+#include "model/transformer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "model/generator.h"
+#include "model/test_models.h"
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TransformerTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::unique_ptr<Transformer> Load(int threads = 2) {
+    auto o = testing::SmallModel(GetParam(), dir_.Sub("m"));
+    o.dtype = DType::kBF16;
+    testing::WriteModel(o);
+    auto m = Transformer::Load(dir_.Sub("m"), {threads});
+    EXPECT_TRUE(m.ok()) << m.status();
+    return std::move(*m);
+  }
+  testing::TempDir dir_;
+};
+
+// Decoding with the KV cache gives the logits of recomputing the whole sequence.
+TEST_P(TransformerTest, IncrementalDecodeMatchesFullPrefill) {
+  auto model = Load();
+  const int64_t V = model->config().vocab_size;
+  const std::vector<int32_t> seq = {1, 40, 7, 300, 12, 99, 5, 18, 250, 3};
+  auto cache = model->NewKvCache(64);
+  SequenceKv inc;
+  std::vector<SequenceChunk> chunks(1);
+  chunks[0].kv = &inc;
+  chunks[0].tokens.assign(seq.begin(), seq.begin() + 4);
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Forward(chunks, *cache, logits).ok());
+  for (size_t i = 4; i < seq.size(); ++i) {
+    chunks[0].tokens = {seq[i]};
+    ASSERT_TRUE(model->Forward(chunks, *cache, logits).ok());
+  }
+  EXPECT_EQ(inc.length, static_cast<int64_t>(seq.size()));
+  SequenceKv full;
+  chunks[0].kv = &full;
+  chunks[0].tokens = seq;
+  std::vector<float> full_logits;
+  ASSERT_TRUE(model->Forward(chunks, *cache, full_logits).ok());
+  for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(logits[v], full_logits[v], 2e-4) << v;
+}
+
+// Sequences batched together get the tokens they get alone.
+TEST_P(TransformerTest, BatchedGenerationEqualsSingle) {
+  auto model = Load();
+  std::vector<GenerationRequest> reqs(3);
+  reqs[0].prompt_ids = {1, 2, 3};
+  reqs[1].prompt_ids = {1, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140};
+  reqs[2].prompt_ids = {7};
+  for (auto& r : reqs) {
+    r.params.max_tokens = 8;
+    r.params.ignore_eos = true;
+    r.params.top_logprobs = 2;
+  }
+  reqs[1].params.max_tokens = 3;  // finishes early: the batch shrinks mid-way
+  auto batched = Generate(*model, reqs);
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto single = Generate(*model, {reqs[i]});
+    ASSERT_TRUE(single.ok());
+    EXPECT_EQ((*batched)[i].tokens, (*single)[0].tokens) << "request " << i;
+    ASSERT_EQ((*batched)[i].logprobs.size(), (*single)[0].logprobs.size());
+    for (size_t t = 0; t < (*single)[0].logprobs.size(); ++t) {
+      EXPECT_NEAR((*batched)[i].logprobs[t], (*single)[0].logprobs[t], 1e-4);
+    }
+    EXPECT_EQ((*batched)[i].finish_reason, "length");
+  }
+  EXPECT_EQ((*batched)[1].tokens.size(), 3u);
+}
+
+TEST_P(TransformerTest, ThreadCountDoesNotChangeTokens) {
+  auto m1 = Load(1);
+  GenerationRequest r;
+  r.prompt_ids = {1, 9, 8, 7, 6, 5};
+  r.params.max_tokens = 6;
+  r.params.ignore_eos = true;
+  auto a = Generate(*m1, {r});
+  auto m3 = Transformer::Load(dir_.Sub("m"), {3});
+  ASSERT_TRUE(m3.ok());
+  auto b = Generate(**m3, {r});
+  EXPECT_EQ((*a)[0].tokens, (*b)[0].tokens);
+}
+
+TEST_P(TransformerTest, StopTokensEndGeneration) {
+  auto model = Load();
+  GenerationRequest r;
+  r.prompt_ids = {1, 4, 4};
+  r.params.max_tokens = 10;
+  r.params.ignore_eos = true;
+  auto free_run = Generate(*model, {r});
+  ASSERT_TRUE(free_run.ok());
+  r.params.stop_token_ids = {(*free_run)[0].tokens[2]};
+  auto stopped = Generate(*model, {r});
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ((*stopped)[0].finish_reason, "stop");
+  EXPECT_LE((*stopped)[0].tokens.size(), 3u);
+  EXPECT_EQ((*stopped)[0].tokens.back(), r.params.stop_token_ids[0]);
+}
+
+TEST_P(TransformerTest, BadRequestsAreRefusedWithoutTouchingTheCache) {
+  auto model = Load();
+  auto cache = model->NewKvCache(32);
+  SequenceKv kv;
+  std::vector<SequenceChunk> chunks(1);
+  chunks[0].kv = &kv;
+  std::vector<float> logits;
+  chunks[0].tokens = {1, 400};
+  EXPECT_THAT(std::string(model->Forward(chunks, *cache, logits).message()),
+              HasSubstr("token id 400 is outside the vocabulary [0, 400)"));
+  chunks[0].tokens.assign(300, 1);
+  EXPECT_THAT(std::string(model->Forward(chunks, *cache, logits).message()),
+              HasSubstr("exceeds the model's context of 256"));
+  chunks[0].tokens.assign(40, 1);
+  auto status = model->Forward(chunks, *cache, logits);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_EQ(cache->free_blocks(), cache->num_blocks());
+  EXPECT_EQ(kv.length, 0);
+  GenerationRequest r;
+  r.params.max_tokens = 0;
+  r.prompt_ids = {1};
+  EXPECT_THAT(std::string(Generate(*model, {r}).status().message()),
+              HasSubstr("request 0: max_tokens must be >= 1"));
+  r.params.max_tokens = 1;
+  r.prompt_ids.clear();
+  EXPECT_THAT(std::string(Generate(*model, {r}).status().message()), HasSubstr("prompt is empty"));
+}
+
+TEST_P(TransformerTest, ShardedFilesGiveTheSameModel) {
+  auto model = Load();
+  auto o = testing::SmallModel(GetParam(), dir_.Sub("sharded"));
+  o.dtype = DType::kBF16;
+  o.shard_bytes = 20000;
+  testing::WriteModel(o);
+  auto sharded = Transformer::Load(dir_.Sub("sharded"), {2});
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  GenerationRequest r;
+  r.prompt_ids = {1, 30, 31};
+  r.params.max_tokens = 5;
+  r.params.ignore_eos = true;
+  EXPECT_EQ((*Generate(*model, {r}))[0].tokens, (*Generate(**sharded, {r}))[0].tokens);
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, TransformerTest, ::testing::Values("llama", "qwen2", "mixtral"));
+
+TEST(KvCacheTest, BlocksAreAllocatedOnDemandAndReturned) {
+  KvCache cache(2, 2, 8, 4, 5);
+  SequenceKv a, b;
+  ASSERT_TRUE(cache.Reserve(a, 1).ok());
+  EXPECT_EQ(a.blocks.size(), 1u);
+  ASSERT_TRUE(cache.Reserve(a, 9).ok());
+  EXPECT_EQ(a.blocks.size(), 3u);
+  ASSERT_TRUE(cache.Reserve(b, 8).ok());
+  EXPECT_EQ(cache.free_blocks(), 0);
+  SequenceKv c;
+  EXPECT_EQ(cache.Reserve(c, 1).code(), absl::StatusCode::kResourceExhausted);
+  cache.Release(a);
+  EXPECT_EQ(cache.free_blocks(), 3);
+  EXPECT_TRUE(a.blocks.empty());
+  ASSERT_TRUE(cache.Reserve(c, 12).ok());
+  // Distinct blocks never alias.
+  std::set<int32_t> all(b.blocks.begin(), b.blocks.end());
+  all.insert(c.blocks.begin(), c.blocks.end());
+  EXPECT_EQ(all.size(), 5u);
+}
+
+}  // namespace
+}  // namespace shardserve
