@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/text.h"
 #include "model/tokenizer.h"
 
 namespace shardserve {
@@ -17,14 +18,6 @@ using json = nlohmann::json;
 constexpr char kMeta[] = "\xE2\x96\x81";  // "▁"
 constexpr char kGpt2Regex[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-size_t CharLen(unsigned char c) {
-  if (c < 0x80) return 1;
-  if ((c >> 5) == 0x6) return 2;
-  if ((c >> 4) == 0xe) return 3;
-  if ((c >> 3) == 0x1e) return 4;
-  return 1;
-}
 
 // Words of the corpus as sequences of symbols (strings), with counts.
 std::map<std::vector<std::string>, int64_t> CountWords(std::string_view corpus,
@@ -37,11 +30,7 @@ std::map<std::vector<std::string>, int64_t> CountWords(std::string_view corpus,
     if (style == TokenizerStyle::kByteLevel) {
       for (unsigned char ch : w) syms.push_back(ByteToUnicode()[ch]);
     } else {
-      for (size_t i = 0; i < w.size();) {
-        const size_t n = std::min(CharLen(static_cast<unsigned char>(w[i])), w.size() - i);
-        syms.push_back(w.substr(i, n));
-        i += n;
-      }
+      syms = SplitUtf8Chars(w);
     }
     ++words[syms];
   };

@@ -2,13 +2,12 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/text.h"
 
 namespace shardserve {
 namespace {
@@ -209,11 +208,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
   const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ParseModelConfig(ss.str(), path);
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  return ParseModelConfig(text, path);
 }
 
 }  // namespace shardserve

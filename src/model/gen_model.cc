@@ -4,11 +4,11 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "common/text.h"
 #include "model/corpus.h"
 #include "model/safetensors.h"
 
@@ -169,11 +169,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
 
   std::string corpus(DefaultCorpus());
   if (!o.corpus_file.empty()) {
-    std::ifstream in(o.corpus_file);
-    if (!in) return absl::NotFoundError(absl::StrCat(o.corpus_file, ": cannot open"));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    corpus = ss.str();
+    ASSIGN_OR_RETURN(corpus, ReadFileToString(o.corpus_file));
   }
   ASSIGN_OR_RETURN(TrainedTokenizer tok, TrainBpeTokenizer(corpus, o.tokenizer, o.vocab));
   RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", tok.json));

@@ -6,38 +6,18 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "common/text.h"
 
 namespace shardserve {
 namespace {
 
 using json = nlohmann::json;
-
-// Length in bytes of the UTF-8 sequence starting with byte c (1 for invalid lead bytes).
-size_t Utf8Len(unsigned char c) {
-  if (c < 0x80) return 1;
-  if ((c >> 5) == 0x6) return 2;
-  if ((c >> 4) == 0xe) return 3;
-  if ((c >> 3) == 0x1e) return 4;
-  return 1;
-}
-
-std::vector<std::string> SplitChars(std::string_view s) {
-  std::vector<std::string> out;
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = std::min(Utf8Len(static_cast<unsigned char>(s[i])), s.size() - i);
-    out.emplace_back(s.substr(i, n));
-    i += n;
-  }
-  return out;
-}
 
 std::string ReplaceAll(std::string s, const std::string& from, const std::string& to) {
   if (from.empty()) return s;
@@ -108,7 +88,7 @@ class Regex {
       if (rc < 0) break;
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       if (ov[1] == ov[0]) {  // empty match: step over one character
-        pos = ov[0] + (ov[0] < s.size() ? Utf8Len(static_cast<unsigned char>(s[ov[0]])) : 1);
+        pos = ov[0] + (ov[0] < s.size() ? Utf8CharLen(static_cast<unsigned char>(s[ov[0]])) : 1);
         continue;
       }
       out.push_back({ov[0], ov[1]});
@@ -540,7 +520,7 @@ absl::Status Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>&
     }
   }
   std::vector<int32_t> syms;
-  for (const std::string& ch : SplitChars(word)) {
+  for (const std::string& ch : SplitUtf8Chars(word)) {
     auto it = vocab.find(ch);
     if (it != vocab.end()) {
       syms.push_back(it->second);
@@ -645,11 +625,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_dir) {
   const std::string path = (std::filesystem::path(model_dir) / "tokenizer.json").string();
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return FromJson(ss.str(), path);
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  return FromJson(text, path);
 }
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
@@ -720,7 +697,7 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
         for (const std::string& t : toks) {
           std::string tb;
           bool mapped = true;
-          for (const std::string& ch : SplitChars(t)) {
+          for (const std::string& ch : SplitUtf8Chars(t)) {
             auto it = m.unicode_to_byte.find(ch);
             if (it == m.unicode_to_byte.end()) {
               mapped = false;

@@ -88,6 +88,7 @@ void GemvRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
 constexpr int64_t kNr = 16;
 constexpr int64_t kMr = 6;
 constexpr int64_t kKc = 256;
+constexpr int64_t kNc = 128;
 
 template <DType D>
 void PackPanel(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* panel) {
@@ -146,11 +147,65 @@ inline void MicroKernel(int64_t kc, const float* x, int64_t ldx, const float* pa
   }
 }
 
+// The full 6×16 tile with its twelve accumulators as named variables: GCC keeps an array of them
+// on the stack and stores every FMA result, which halves the kernel's speed.
+inline void MicroKernel6(int64_t kc, const float* x, int64_t ldx, const float* panel, float* y,
+                         int64_t ldy, int64_t nr, bool accumulate) {
+  alignas(32) float tmp[6][kNr] = {};
+  float* dst[6];
+  if (nr == kNr) {
+    for (int i = 0; i < 6; ++i) dst[i] = y + i * ldy;
+  } else {  // a ragged right edge goes through tmp
+    for (int i = 0; i < 6; ++i) {
+      if (accumulate) std::memcpy(tmp[i], y + i * ldy, nr * sizeof(float));
+      dst[i] = tmp[i];
+    }
+  }
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  if (accumulate) {
+    c00 = _mm256_loadu_ps(dst[0]), c01 = _mm256_loadu_ps(dst[0] + 8);
+    c10 = _mm256_loadu_ps(dst[1]), c11 = _mm256_loadu_ps(dst[1] + 8);
+    c20 = _mm256_loadu_ps(dst[2]), c21 = _mm256_loadu_ps(dst[2] + 8);
+    c30 = _mm256_loadu_ps(dst[3]), c31 = _mm256_loadu_ps(dst[3] + 8);
+    c40 = _mm256_loadu_ps(dst[4]), c41 = _mm256_loadu_ps(dst[4] + 8);
+    c50 = _mm256_loadu_ps(dst[5]), c51 = _mm256_loadu_ps(dst[5] + 8);
+  } else {
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+  }
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
+              *x5 = x + 5 * ldx;
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(panel + k * kNr);
+    const __m256 b1 = _mm256_load_ps(panel + k * kNr + 8);
+    __m256 a = _mm256_broadcast_ss(x0 + k);
+    c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
+    a = _mm256_broadcast_ss(x1 + k);
+    c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
+    a = _mm256_broadcast_ss(x2 + k);
+    c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
+    a = _mm256_broadcast_ss(x3 + k);
+    c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
+    a = _mm256_broadcast_ss(x4 + k);
+    c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
+    a = _mm256_broadcast_ss(x5 + k);
+    c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
+  }
+  _mm256_storeu_ps(dst[0], c00), _mm256_storeu_ps(dst[0] + 8, c01);
+  _mm256_storeu_ps(dst[1], c10), _mm256_storeu_ps(dst[1] + 8, c11);
+  _mm256_storeu_ps(dst[2], c20), _mm256_storeu_ps(dst[2] + 8, c21);
+  _mm256_storeu_ps(dst[3], c30), _mm256_storeu_ps(dst[3] + 8, c31);
+  _mm256_storeu_ps(dst[4], c40), _mm256_storeu_ps(dst[4] + 8, c41);
+  _mm256_storeu_ps(dst[5], c50), _mm256_storeu_ps(dst[5] + 8, c51);
+  if (nr != kNr) {
+    for (int i = 0; i < 6; ++i) std::memcpy(y + i * ldy, tmp[i], nr * sizeof(float));
+  }
+}
+
 void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const float* panel,
                     float* y, int64_t ldy, int64_t nr, bool acc) {
   switch (mr) {
     case 6:
-      return MicroKernel<6>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel6(kc, x, ldx, panel, y, ldy, nr, acc);
     case 5:
       return MicroKernel<5>(kc, x, ldx, panel, y, ldy, nr, acc);
     case 4:
@@ -164,19 +219,29 @@ void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const f
   }
 }
 
+// Loop order (BLIS-style): for a block of kNc output columns and kKc of K, pack the weights once
+// (kNc/16 panels, in L2), then for every kMr-token block of x (in L1) run the micro-kernel on
+// every panel. x is re-read from outer caches once per kNc columns, not once per 16.
 template <DType D>
 void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t M,
                int64_t ldx, float* y, int64_t ldy) {
-  alignas(64) static thread_local float panel[kKc * kNr];
+  alignas(64) static thread_local float panels[kNc / kNr][kKc * kNr];
   const int64_t K = w.cols;
-  for (int64_t n = n0; n < n1; n += kNr) {
-    const int64_t nr = std::min(kNr, n1 - n);
+  for (int64_t nb = n0; nb < n1; nb += kNc) {
+    const int64_t ne = std::min(n1, nb + kNc);
+    const int64_t strips = (ne - nb + kNr - 1) / kNr;
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
-      PackPanel<D>(w, n, nr, k0, kc, panel);
+      for (int64_t s = 0; s < strips; ++s) {
+        PackPanel<D>(w, nb + s * kNr, std::min(kNr, ne - nb - s * kNr), k0, kc, panels[s]);
+      }
       for (int64_t m = 0; m < M; m += kMr) {
-        MicroKernelAny(std::min(kMr, M - m), kc, x + m * ldx + k0, ldx, panel, y + m * ldy + n, ldy,
-                       nr, k0 > 0);
+        const int64_t mr = std::min(kMr, M - m);
+        for (int64_t s = 0; s < strips; ++s) {
+          const int64_t n = nb + s * kNr;
+          MicroKernelAny(mr, kc, x + m * ldx + k0, ldx, panels[s], y + m * ldy + n, ldy,
+                         std::min(kNr, ne - n), k0 > 0);
+        }
       }
     }
   }

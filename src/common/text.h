@@ -1,0 +1,18 @@
+#pragma once
+// Small text and file helpers shared by the model code.
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+// Bytes of the UTF-8 sequence that starts with `lead` (1 for an invalid lead byte).
+size_t Utf8CharLen(unsigned char lead);
+// The UTF-8 characters of s (a truncated last sequence stays one piece).
+std::vector<std::string> SplitUtf8Chars(std::string_view s);
+// The whole file, or NotFound "PATH: cannot open".
+absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+}  // namespace shardserve
