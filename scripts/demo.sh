@@ -7,7 +7,8 @@ SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
 bash scripts/build.sh
 MODEL="${MODEL_DIR:-build/models/demo-llama}"
 build/bin/shardserve gen-model --arch llama --out "$MODEL" --layers 4 --hidden 256 \
-  --intermediate 512 --heads 8 --kv-heads 2 --vocab 2048 --dtype bf16 --seed 1
+  --intermediate 512 --heads 8 --kv-heads 2 --vocab 512 --dtype bf16 --seed 1
+echo "(random weights: the words are noise; tokens, logprobs and determinism are real)"
 echo "--- greedy, 24 tokens:"
 build/bin/shardserve generate --model "$MODEL" --prompt "The model is too large for one machine," \
   --max-tokens 24 --ignore-eos

@@ -260,7 +260,7 @@ void Transformer::Mlp(const Layer& L, const float* h, int64_t rows, float* x) {
   std::vector<float> g(rows * I), u(rows * I), d(rows * H);
   cpu::MatMul(L.gate, h, rows, H, g.data(), I, *pool_);
   cpu::MatMul(L.up, h, rows, H, u.data(), I, *pool_);
-  cpu::SiluMul(g.data(), u.data(), rows * I);
+  cpu::SiluMul(g.data(), u.data(), rows * I, *pool_);
   cpu::MatMul(L.down, g.data(), rows, I, d.data(), H, *pool_);
   for (int64_t i = 0; i < rows * H; ++i) x[i] += d[i];
 }
@@ -300,7 +300,7 @@ void Transformer::Moe(const Layer& L, const float* h, int64_t rows, float* x) {
     const Expert& ex = L.experts[e];
     cpu::MatMul(ex.gate, in.data(), n, H, g.data(), I, *pool_);
     cpu::MatMul(ex.up, in.data(), n, H, u.data(), I, *pool_);
-    cpu::SiluMul(g.data(), u.data(), n * I);
+    cpu::SiluMul(g.data(), u.data(), n * I, *pool_);
     cpu::MatMul(ex.down, g.data(), n, I, d.data(), H, *pool_);
     for (int64_t j = 0; j < n; ++j) {
       cpu::Axpy(rows_e[j].second, d.data() + j * H, x + rows_e[j].first * H, H);

@@ -308,11 +308,13 @@ void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float 
   }
 }
 
-void SiluMul(float* a, const float* b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = a[i];
-    a[i] = g / (1.0f + std::exp(-g)) * b[i];
-  }
+void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool) {
+  pool.ParallelFor(n, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float g = a[i];
+      a[i] = g / (1.0f + std::exp(-g)) * b[i];
+    }
+  });
 }
 
 float Dot(const float* a, const float* b, int64_t n) {

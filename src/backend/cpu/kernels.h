@@ -30,8 +30,8 @@ void ToFloat(DType dtype, const void* data, int64_t n, float* out);
 // RMSNorm of each of the M rows of x (dim elements, stride dim): out = x / rms(x) * weight.
 void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float eps, float* out);
 
-// a[i] = silu(a[i]) * b[i]
-void SiluMul(float* a, const float* b, int64_t n);
+// a[i] = silu(a[i]) * b[i], split across the pool.
+void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool);
 
 float Dot(const float* a, const float* b, int64_t n);
 // y[i] += alpha * x[i]

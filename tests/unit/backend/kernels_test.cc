@@ -89,11 +89,13 @@ TEST(KernelsTest, RmsNormSiluDotAxpy) {
   const double rms = std::sqrt((1 + 4 + 9 + 16) / 4.0 + 1e-6);
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(out[i], w[i] * x[i] / rms, 1e-6);
 
-  std::vector<float> a = {0, 1, -1, 3}, b = {2, 2, 2, 2};
-  SiluMul(a.data(), b.data(), 4);
-  for (int i = 0; i < 4; ++i) {
-    const double g = std::vector<double>{0, 1, -1, 3}[i];
-    EXPECT_NEAR(a[i], g / (1 + std::exp(-g)) * 2, 1e-6);
+  ThreadPool pool(3);
+  std::vector<float> a(10000), b(10000, 2.0f);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = 0.001f * i - 5;
+  SiluMul(a.data(), b.data(), a.size(), pool);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double g = 0.001 * i - 5;
+    ASSERT_NEAR(a[i], g / (1 + std::exp(-g)) * 2, 1e-5) << i;
   }
   std::vector<float> p(37), q(37);
   double dot = 0;
