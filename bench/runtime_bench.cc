@@ -100,8 +100,6 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
 
   ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
   const ModelConfig& c = model->config();
-  const size_t elem =
-      model->weight_bytes() / static_cast<size_t>(1);  // bytes of every tensor in the files
   const double H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const double per_layer_params =
       H * c.q_dim() * 2 + H * c.kv_dim() * 2 +

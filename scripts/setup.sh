@@ -23,6 +23,11 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# --- A Python virtual environment: its pip installs the wheels below (a distribution's own
+# Python may refuse pip installs, PEP 668) and it holds the reference packages ------------------
+VENV="$CACHE/refvenv"
+[ -x "$VENV/bin/pip" ] || python3 -m venv "$VENV"
+
 # --- CUDA 13.0 + NCCL from PyPI wheels (pinned set) ----------------------------------------
 CUDA_PKGS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
   nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14
@@ -32,8 +37,8 @@ stamp="$CUDA_DIR/.shardserve-$(echo "${CUDA_PKGS[*]}" | md5sum | cut -c1-12)"
 if [ "${SHARDSERVE_SKIP_CUDA:-0}" != 1 ] && [ ! -f "$stamp" ]; then
   log "installing CUDA 13 + NCCL wheels into $CUDA_DIR"
   rm -rf "$CUDA_DIR"
-  python3 -m pip install -q --disable-pip-version-check --no-warn-script-location \
-    --root-user-action=ignore --target "$CUDA_DIR" "${CUDA_PKGS[@]}"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-warn-script-location \
+    --target "$CUDA_DIR" "${CUDA_PKGS[@]}"
   cu="$CUDA_DIR/nvidia/cu13"
   ln -sfn lib "$cu/lib64"
   for d in "$cu/lib" "$CUDA_DIR/nvidia/nccl/lib"; do
@@ -47,12 +52,10 @@ if [ "${SHARDSERVE_SKIP_CUDA:-0}" != 1 ] && [ ! -f "$stamp" ]; then
 fi
 
 # --- Python reference environment (transformers + torch) -------------------------------------
-VENV="$CACHE/refvenv"
 REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6)
 ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
 if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
   log "installing the Python reference environment into $VENV (one time, large)"
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "${REF_PKGS[@]}"
   touch "$ref_stamp"
 fi

@@ -23,7 +23,7 @@ namespace {
 constexpr char kUsage[] = R"(usage: shardserve COMMAND [flags]
 
 commands:
-  gen-model  --arch llama|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N
+  gen-model  --arch llama|mistral|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N
              --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N
              --dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias
              --rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece

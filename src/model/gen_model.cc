@@ -121,9 +121,9 @@ absl::Status WriteText(const std::filesystem::path& path, const std::string& tex
 }  // namespace
 
 absl::Status GenModelOptions::Validate() const {
-  if (arch != "llama" && arch != "qwen2" && arch != "mixtral") {
+  if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "mixtral") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--arch '", arch, "' is not one of llama, qwen2, mixtral"));
+        absl::StrCat("--arch '", arch, "' is not one of llama, mistral, qwen2, mixtral"));
   }
   if (out_dir.empty()) return absl::InvalidArgumentError("--out is required");
   for (auto [name, v] : {std::pair{"layers", layers},
@@ -180,9 +180,10 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                            {"model_max_length", o.max_position}};
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
-  const std::string arch_name = o.arch == "mixtral" ? "MixtralForCausalLM"
-                                : o.arch == "qwen2" ? "Qwen2ForCausalLM"
-                                                    : "LlamaForCausalLM";
+  const std::string arch_name = o.arch == "mixtral"   ? "MixtralForCausalLM"
+                                : o.arch == "mistral" ? "MistralForCausalLM"
+                                : o.arch == "qwen2"   ? "Qwen2ForCausalLM"
+                                                      : "LlamaForCausalLM";
   json config = {{"architectures", {arch_name}},
                  {"model_type", o.arch},
                  {"hidden_size", o.hidden},
@@ -209,6 +210,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["mlp_bias"] = false;
   }
   if (o.arch == "qwen2") config["use_sliding_window"] = false;
+  if (o.arch == "mistral") config["sliding_window"] = 4096;
   if (o.arch == "mixtral") {
     config["num_local_experts"] = o.experts;
     config["num_experts_per_tok"] = o.top_k;

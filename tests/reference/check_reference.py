@@ -31,6 +31,7 @@ CASES = {
     "llama_rope_linear_bf16": ["--arch", "llama", "--dtype", "bf16", "--rope-scaling", "linear"],
     "llama_sharded_sp_bf16": ["--arch", "llama", "--dtype", "bf16", "--shard-size", "200000",
                               "--tokenizer", "sentencepiece"],
+    "mistral_bf16": ["--arch", "mistral", "--dtype", "bf16", "--kv-heads", "2"],
     "qwen2_f32": ["--arch", "qwen2", "--dtype", "f32", "--kv-heads", "3"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
