@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -227,30 +226,21 @@ void Transformer::Attention(const Layer& layer, int64_t li, const std::vector<in
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   pool_->ParallelFor(rows * c.num_heads, 1, [&](int, int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> k_blocks, v_blocks;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / c.num_heads, head = item % c.num_heads, kh = head / group;
       const int64_t len = row_pos[r] + 1;  // causal: attend to positions [0, pos]
       const SequenceKv& seq = *row_seq[r];
-      const float* qv = q + r * c.q_dim() + head * hd;
+      const int64_t nblocks = cache.BlocksFor(len);
+      k_blocks.resize(nblocks);
+      v_blocks.resize(nblocks);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        k_blocks[b] = cache.K(li, seq.blocks[b], kh);
+        v_blocks[b] = cache.V(li, seq.blocks[b], kh);
+      }
       scores.resize(len);
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < len; ++p) {
-        const float* kv = cache.K(li, seq.blocks[p / bs], kh) + (p % bs) * hd;
-        scores[p] = cpu::Dot(qv, kv, hd) * scale;
-        mx = std::max(mx, scores[p]);
-      }
-      float sum = 0;
-      for (int64_t p = 0; p < len; ++p) {
-        scores[p] = std::exp(scores[p] - mx);
-        sum += scores[p];
-      }
-      float* o = out + r * c.q_dim() + head * hd;
-      std::fill_n(o, hd, 0.f);
-      const float inv = 1.0f / sum;
-      for (int64_t p = 0; p < len; ++p) {
-        const float* vv = cache.V(li, seq.blocks[p / bs], kh) + (p % bs) * hd;
-        cpu::Axpy(scores[p] * inv, vv, o, hd);
-      }
+      cpu::AttendHead(q + r * c.q_dim() + head * hd, k_blocks.data(), v_blocks.data(), bs, hd, len,
+                      scale, scores.data(), out + r * c.q_dim() + head * hd);
     }
   });
 }

@@ -34,6 +34,13 @@ void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float 
 void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool);
 
 float Dot(const float* a, const float* b, int64_t n);
+
+// Causal scaled-dot-product attention of one query head (hd floats) over positions [0, len):
+// the key of position p is at k_blocks[p / block_size] + (p % block_size) * hd, the value
+// likewise in v_blocks. Writes softmax(q·K^T · scale) · V to out; `scores` holds len floats.
+void AttendHead(const float* q, const float* const* k_blocks, const float* const* v_blocks,
+                int64_t block_size, int64_t hd, int64_t len, float scale, float* scores,
+                float* out);
 // y[i] += alpha * x[i]
 void Axpy(float alpha, const float* x, float* y, int64_t n);
 

@@ -109,6 +109,45 @@ TEST(KernelsTest, RmsNormSiluDotAxpy) {
   EXPECT_NEAR(q[36], 1.0f - 0.05f * 36 + 2 * 3.6f, 1e-5);
 }
 
+// AttendHead against a double-precision softmax(q·K^T·scale)·V, for the register-resident head
+// sizes (64, 128) and the generic path, over positions spread across blocks.
+TEST(KernelsTest, AttendHeadMatchesReference) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (int64_t hd : {64, 128, 24}) {
+    for (int64_t len : {1, 5, 16, 37}) {
+      const int64_t bs = 16, nblocks = (len + bs - 1) / bs;
+      std::vector<std::vector<float>> kb(nblocks, std::vector<float>(bs * hd)),
+          vb(nblocks, std::vector<float>(bs * hd));
+      std::vector<const float*> kp, vp;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        for (float& v : kb[b]) v = u(rng);
+        for (float& v : vb[b]) v = u(rng);
+        kp.push_back(kb[b].data());
+        vp.push_back(vb[b].data());
+      }
+      std::vector<float> q(hd), out(hd), scores(len);
+      for (float& v : q) v = u(rng);
+      const float scale = 0.3f;
+      AttendHead(q.data(), kp.data(), vp.data(), bs, hd, len, scale, scores.data(), out.data());
+      std::vector<double> w(len);
+      double mx = -1e30, sum = 0;
+      for (int64_t p = 0; p < len; ++p) {
+        double s = 0;
+        for (int64_t i = 0; i < hd; ++i) s += double(q[i]) * kb[p / bs][(p % bs) * hd + i];
+        w[p] = s * scale;
+        mx = std::max(mx, w[p]);
+      }
+      for (double& x : w) sum += (x = std::exp(x - mx));
+      for (int64_t i = 0; i < hd; ++i) {
+        double ref = 0;
+        for (int64_t p = 0; p < len; ++p) ref += w[p] / sum * vb[p / bs][(p % bs) * hd + i];
+        ASSERT_NEAR(out[i], ref, 1e-5) << "hd=" << hd << " len=" << len << " i=" << i;
+      }
+    }
+  }
+}
+
 TEST(KernelsTest, DtypeConversionsRoundTrip) {
   for (float v : {0.0f, 1.0f, -2.5f, 65504.0f, 1e-3f}) {
     EXPECT_EQ(F16ToF32(F32ToF16(v)), v == 1e-3f ? F16ToF32(F32ToF16(v)) : v);
