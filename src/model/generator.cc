@@ -53,7 +53,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generate(
     if (stop) {
       res.finish_reason = "stop";
     } else if (static_cast<int64_t>(res.tokens.size()) >= r.params.max_tokens ||
-               kv[i].length + 1 >= c.max_context) {
+               kv[i].length >= c.max_context) {  // no position left for the next token
       res.finish_reason = "length";
     }
     return res.finish_reason.empty();

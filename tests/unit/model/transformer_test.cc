@@ -106,6 +106,20 @@ TEST_P(TransformerTest, StopTokensEndGeneration) {
   EXPECT_EQ((*stopped)[0].tokens.back(), r.params.stop_token_ids[0]);
 }
 
+// Positions 0..255 exist: a 250-token prompt leaves 6 positions to feed sampled tokens back,
+// so exactly 7 tokens come out and the reason is "length".
+TEST_P(TransformerTest, GenerationStopsWhenTheContextIsFull) {
+  auto model = Load();
+  GenerationRequest r;
+  r.prompt_ids.assign(250, 5);
+  r.params.max_tokens = 50;
+  r.params.ignore_eos = true;
+  auto out = Generate(*model, {r});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)[0].tokens.size(), 7u);
+  EXPECT_EQ((*out)[0].finish_reason, "length");
+}
+
 TEST_P(TransformerTest, BadRequestsAreRefusedWithoutTouchingTheCache) {
   auto model = Load();
   auto cache = model->NewKvCache(32);
