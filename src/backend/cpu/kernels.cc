@@ -75,6 +75,52 @@ inline void GemvTile(const WeightMatrix& w, int64_t n, const float* x, int64_t l
   }
 }
 
+// BF16 decode path without shuffles: 16 BF16 weights are 8 32-bit lanes; `lane << 16` is the
+// even element and `lane & 0xffff0000` the odd one, as F32. x arrives split into its even (xe)
+// and odd (xo) elements, K/2 each, with row stride ldh.
+template <int R, int MT>
+inline void GemvTileBf16(const WeightMatrix& w, int64_t n, const float* xe, const float* xo,
+                         int64_t ldh, const float* x, int64_t ldx, float* y, int64_t ldy) {
+  const int64_t K = w.cols, K16 = K / 16 * 16;
+  const uint16_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = static_cast<const uint16_t*>(RowPtr(w, n + r));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 ve[MT], vo[MT];
+    for (int t = 0; t < MT; ++t) {
+      ve[t] = _mm256_loadu_ps(xe + t * ldh + k / 2);
+      vo[t] = _mm256_loadu_ps(xo + t * ldh + k / 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + k));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, mask));
+      for (int t = 0; t < MT; ++t) {
+        acc[r][t] = _mm256_fmadd_ps(even, ve[t], acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(odd, vo[t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < MT; ++t) {
+      float s = HSum(acc[r][t]);
+      for (int64_t kk = K16; kk < K; ++kk) s += Bf16ToF32(rows[r][kk]) * x[t * ldx + kk];
+      y[t * ldy + n + r] = s;
+    }
+  }
+}
+
+template <int MT>
+void GemvRangeBf16(const WeightMatrix& w, int64_t n0, int64_t n1, const float* xe, const float* xo,
+                   int64_t ldh, const float* x, int64_t ldx, float* y, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) GemvTileBf16<4, MT>(w, n, xe, xo, ldh, x, ldx, y, ldy);
+  for (; n < n1; ++n) GemvTileBf16<1, MT>(w, n, xe, xo, ldh, x, ldx, y, ldy);
+}
+
 template <DType D, int MT>
 void GemvRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, float* y,
                int64_t ldy) {
@@ -250,6 +296,29 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
 template <DType D>
 void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                  int64_t ldy, ThreadPool& pool) {
+  if (D == DType::kBF16 && M <= 3) {
+    const int64_t half = w.cols / 2;
+    std::vector<float> split(2 * M * half);  // [M][half] even elements, then [M][half] odd
+    float* xe = split.data();
+    float* xo = split.data() + M * half;
+    for (int64_t t = 0; t < M; ++t) {
+      for (int64_t j = 0; j < half; ++j) {
+        xe[t * half + j] = x[t * ldx + 2 * j];
+        xo[t * half + j] = x[t * ldx + 2 * j + 1];
+      }
+    }
+    pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
+      switch (M) {
+        case 1:
+          return GemvRangeBf16<1>(w, b, e, xe, xo, half, x, ldx, y, ldy);
+        case 2:
+          return GemvRangeBf16<2>(w, b, e, xe, xo, half, x, ldx, y, ldy);
+        default:
+          return GemvRangeBf16<3>(w, b, e, xe, xo, half, x, ldx, y, ldy);
+      }
+    });
+    return;
+  }
   if (M <= 3) {
     pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
       switch (M) {
