@@ -29,7 +29,9 @@ struct alignas(64) MemberState {
   std::atomic<uint64_t> arrive{0};     // barriers entered
   std::atomic<uint64_t> heartbeat{0};  // steady-clock ns, stamped by the heartbeat thread
   std::atomic<uint32_t> attached{0};
-  std::atomic<uint32_t> left{0};  // set by a member that closes cleanly
+  std::atomic<uint32_t> left{0};     // set by a member that closes cleanly
+  std::atomic<uint32_t> aborted{0};  // set, after abort_reason, by a member that saw a failure
+  char abort_reason[256];
   // Mailbox protocol: the sender writes its mailbox, then bumps sent[dst]; the receiver copies
   // and bumps acked[src] on its own state.
   std::atomic<uint64_t> sent[kMaxMembers];
@@ -170,6 +172,10 @@ uint8_t* ShmCommunicator::Mailbox(int member) const {
 
 absl::Status ShmCommunicator::CheckPeer(int peer) const {
   const MemberState& m = header_->members[peer];
+  if (m.aborted.load(std::memory_order_acquire)) {
+    return absl::UnavailableError(
+        absl::StrCat(std::string(m.abort_reason), " (reported by ", Name(peer), ")"));
+  }
   if (m.left.load(std::memory_order_acquire)) {
     return absl::UnavailableError(absl::StrCat(Name(peer), " left the group"));
   }
@@ -184,6 +190,15 @@ absl::Status ShmCommunicator::CheckPeer(int peer) const {
   return absl::OkStatus();
 }
 
+absl::Status ShmCommunicator::Abort(const absl::Status& s) {
+  MemberState& me = header_->members[options_.rank];
+  if (s.ok() || me.aborted.load()) return s;
+  const std::string reason(s.message());
+  std::snprintf(me.abort_reason, sizeof(me.abort_reason), "%s", reason.c_str());
+  me.aborted.store(1, std::memory_order_release);
+  return s;
+}
+
 template <typename Pred>
 absl::Status ShmCommunicator::WaitUntil(Pred done, int peer) {
   for (uint64_t spins = 0; !done(); ++spins) {
@@ -192,9 +207,13 @@ absl::Status ShmCommunicator::WaitUntil(Pred done, int peer) {
       continue;
     }
     if (spins % 64 == 0) {
+      // Any member's abort (it saw a failure first) ends the wait with its reason; heartbeats
+      // are checked for the awaited peer (every member when peer < 0).
       for (int m = 0; m < options_.size; ++m) {
-        if ((peer < 0 || m == peer) && m != options_.rank) {
-          if (absl::Status s = CheckPeer(m); !s.ok()) return s;
+        if (m == options_.rank) continue;
+        const bool aborted = header_->members[m].aborted.load(std::memory_order_acquire);
+        if (aborted || peer < 0 || m == peer) {
+          if (absl::Status s = CheckPeer(m); !s.ok()) return Abort(s);
         }
       }
     }

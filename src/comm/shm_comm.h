@@ -61,6 +61,8 @@ class ShmCommunicator : public Communicator {
   absl::Status WaitUntil(Pred done, int peer);
   absl::Status CheckPeer(int peer) const;
   bool MailboxFree() const;
+  // Records why this member gives up, for the others to report. Returns `s`.
+  absl::Status Abort(const absl::Status& s);
   std::string Name(int member) const;
   float* Slot(int set, int member) const;
   uint8_t* Mailbox(int member) const;

@@ -1,0 +1,48 @@
+#pragma once
+// Rendezvous of one replica's ranks at the leader (stage 0, tp 0), DESIGN.md §4.
+//
+// The leader listens on the rendezvous port; every other rank connects (retrying until the
+// leader *listens*, not only resolves), registers its data address, and receives the world: every
+// rank's address and the opaque blobs the leader hands out (NCCL unique ids). The leader replies
+// only when all ranks have registered, so all start together. Timeouts name the missing ranks;
+// a rank from another world shape, out of range or registered twice is refused with the reason.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "comm/socket.h"
+#include "comm/world.h"
+
+namespace shardserve {
+
+struct RankAddress {
+  int rank = 0;
+  std::string host;
+  int port = 0;  // the rank's data (TCP communicator) port
+};
+
+struct WorldInfo {
+  std::vector<RankAddress> ranks;  // indexed by rank
+  std::vector<std::string> blobs;  // handed out by the leader, e.g. NCCL unique ids
+};
+
+class RendezvousServer {
+ public:
+  static absl::StatusOr<RendezvousServer> Listen(const std::string& host, int port);
+  int port() const { return listener_.port(); }
+  // Collects every other rank's registration, then sends the world to all.
+  absl::StatusOr<WorldInfo> Run(const WorldConfig& world, const RankAddress& self,
+                                const std::vector<std::string>& blobs,
+                                std::chrono::milliseconds timeout);
+
+ private:
+  explicit RendezvousServer(Socket listener) : listener_(std::move(listener)) {}
+  Socket listener_;
+};
+
+absl::StatusOr<WorldInfo> JoinRendezvous(const std::string& leader_host, int leader_port,
+                                         const WorldConfig& world, const RankAddress& self,
+                                         std::chrono::milliseconds timeout);
+
+}  // namespace shardserve

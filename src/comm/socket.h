@@ -1,0 +1,48 @@
+#pragma once
+// Blocking TCP sockets with deadlines, RAII. Errors name the address and the system error.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+using Deadline = std::chrono::steady_clock::time_point;
+
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  Socket(Socket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  Socket& operator=(Socket&& o) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  ~Socket();
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // The local port (for a listener bound to port 0).
+  int port() const;
+
+  // A send blocked longer than this fails (0: never).
+  void SetSendTimeout(std::chrono::milliseconds timeout);
+  absl::Status WriteAll(const void* data, size_t bytes);
+  // Reads exactly `bytes`; fails with Unavailable on end of stream, DeadlineExceeded when no
+  // byte arrives for `idle` (progress resets the clock).
+  absl::Status ReadAll(void* data, size_t bytes, std::chrono::milliseconds idle);
+
+ private:
+  int fd_ = -1;
+};
+
+// A listening socket on host:port (port 0: any free port).
+absl::StatusOr<Socket> Listen(const std::string& host, int port);
+// Accepts one connection, or DeadlineExceeded at `deadline`.
+absl::StatusOr<Socket> Accept(const Socket& listener, Deadline deadline);
+// Connects to host:port, retrying (the name may not resolve yet, nothing may listen yet) until
+// `deadline`; then DeadlineExceeded naming the address and the last error.
+absl::StatusOr<Socket> ConnectWithRetry(const std::string& host, int port, Deadline deadline);
+
+}  // namespace shardserve
