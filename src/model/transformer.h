@@ -6,6 +6,14 @@
 // (a whole prompt for prefill, one token for decode) at its own position; it writes the chunk's
 // K/V into the block KV cache and returns the logits of each sequence's last new token.
 // Not thread-safe: one Forward at a time (it parallelizes internally over the pool).
+//
+// Sharded (DESIGN.md §5): one instance is one rank. Tensor parallelism (Megatron) over the
+// stage's TP group: q/k/v and gate/up column-parallel (output rows split), o_proj and down_proj
+// row-parallel (input columns split) followed by one all-reduce each; attention heads and KV
+// heads split (KV heads replicated when the group outnumbers them); Mixtral experts split across
+// the group (one all-reduce of the MoE output); embedding and LM head vocab-parallel. Pipeline
+// parallelism: the rank runs layers [layer_begin, layer_end); the first stage embeds tokens, the
+// others take hidden states; the last stage produces logits, the others hidden states.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -13,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "backend/cpu/kernels.h"
+#include "comm/communicator.h"
 #include "common/thread_pool.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
@@ -30,9 +39,15 @@ class Transformer {
  public:
   struct Options {
     int num_threads = 1;
+    int tp_size = 1;
+    int tp_rank = 0;
+    Communicator* tp_comm = nullptr;  // the stage's TP group; required when tp_size > 1
+    int64_t layer_begin = 0;
+    int64_t layer_end = -1;  // -1: through the last layer
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
-  // architecture needs (presence, shape). Errors name the tensor and the shapes.
+  // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
+  // does not split over tp_size names the dimension and both numbers.
   static absl::StatusOr<std::unique_ptr<Transformer>> Load(const std::string& model_dir,
                                                            const Options& options);
 
@@ -49,6 +64,19 @@ class Transformer {
   // InvalidArgument.
   absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
                        std::vector<float>& logits);
+  // One pipeline stage: the first stage embeds the chunks' tokens, the others read `hidden_in`
+  // (one row of hidden_size floats per new token, in chunk order). The last stage writes
+  // chunks.size() × vocab_size logits to `out` (identical on every TP rank), the others the
+  // hidden states for the next stage.
+  absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                            const float* hidden_in, std::vector<float>& out);
+
+  bool first_stage() const { return layer_begin_ == 0; }
+  bool last_stage() const { return layer_end_ == config_.num_layers; }
+  int64_t layer_begin() const { return layer_begin_; }
+  int64_t layer_end() const { return layer_end_; }
+  // Bytes of the weights this rank reads (its slices), for the "1/T" measurement.
+  size_t shard_weight_bytes() const { return shard_bytes_; }
 
  private:
   struct Expert {
@@ -64,14 +92,28 @@ class Transformer {
   };
 
   Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights, const Options& options);
+  absl::Status CheckSplit() const;
   absl::Status BindWeights();
+  // Rows [begin, end) / columns [begin, end) of a weight matrix, as a view.
+  cpu::WeightMatrix Rows(const TensorView& t, int64_t begin, int64_t end);
+  cpu::WeightMatrix Cols(const TensorView& t, int64_t begin, int64_t end);
+  std::vector<float> VectorSlice(const TensorView& t, int64_t begin, int64_t end);
+  absl::Status AllReduce(float* data, size_t count);
   void Attention(const Layer& layer, int64_t layer_index, const std::vector<int64_t>& row_pos,
                  const std::vector<const SequenceKv*>& row_seq, const float* q, float* out,
                  KvCache& cache);
-  void Mlp(const Layer& layer, const float* h, int64_t rows, float* x);
-  void Moe(const Layer& layer, const float* h, int64_t rows, float* x);
+  // Add this rank's partial MLP / MoE output for `rows` rows of h to out (zeroed by the caller).
+  void Mlp(const Layer& layer, const float* h, int64_t rows, float* out);
+  void Moe(const Layer& layer, const float* h, int64_t rows, float* out);
 
   ModelConfig config_;
+  Options options_;
+  int64_t layer_begin_ = 0, layer_end_ = 0;
+  // This rank's share: local heads, KV heads (from kv_head_begin_), intermediate rows, experts
+  // [expert_begin_, expert_end_) and vocabulary rows [vocab_begin_, vocab_end_).
+  int64_t heads_ = 0, kv_heads_ = 0, kv_head_begin_ = 0, inter_ = 0;
+  int64_t expert_begin_ = 0, expert_end_ = 0, vocab_begin_ = 0, vocab_end_ = 0;
+  size_t shard_bytes_ = 0;
   std::unique_ptr<WeightStore> weights_;
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;

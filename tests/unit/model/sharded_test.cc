@@ -1,0 +1,210 @@
+// Tensor x pipeline parallel execution against the single-rank model. Each stage's TP ranks run
+// as threads over a real shared-memory communicator; stages run in order, passing hidden states.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "comm/shm_comm.h"
+#include "model/generator.h"
+#include "model/test_models.h"
+#include "model/transformer.h"
+#include "plan/layer_split.h"
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Rank {
+  std::unique_ptr<ShmCommunicator> comm;
+  std::unique_ptr<Transformer> model;
+  std::unique_ptr<KvCache> cache;
+  SequenceKv kv;
+};
+
+class ShardedModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShardedModel>> Load(const std::string& dir, int tp,
+                                                            int pp) {
+    auto config = LoadModelConfig(dir);
+    if (!config.ok()) return config.status();
+    auto split = SplitLayers(config->num_layers, pp, {});
+    if (!split.ok()) return split.status();
+    static std::atomic<int> groups{0};
+    auto m = std::make_unique<ShardedModel>();
+    m->stages_.resize(pp);
+    for (int s = 0; s < pp; ++s) {
+      m->stages_[s].resize(tp);
+      const std::string name = absl::StrCat("/shardserve-sharded-", getpid(), "-", groups++);
+      std::vector<absl::Status> status(tp);
+      std::vector<std::thread> threads;
+      for (int t = 0; t < tp; ++t) {
+        threads.emplace_back([&, s, t] {
+          Rank& r = m->stages_[s][t];
+          if (tp > 1) {
+            ShmOptions o;
+            o.name = name;
+            o.size = tp;
+            o.rank = t;
+            auto comm = ShmCommunicator::Create(o);
+            if (!comm.ok()) {
+              status[t] = comm.status();
+              return;
+            }
+            r.comm = std::move(*comm);
+          }
+          Transformer::Options opts;
+          opts.tp_size = tp;
+          opts.tp_rank = t;
+          opts.tp_comm = r.comm.get();
+          opts.layer_begin = (*split)[s].begin;
+          opts.layer_end = (*split)[s].end;
+          auto model = Transformer::Load(dir, opts);
+          if (!model.ok()) {
+            status[t] = model.status();
+            return;
+          }
+          r.model = std::move(*model);
+          r.cache = r.model->NewKvCache(512);
+        });
+      }
+      for (auto& th : threads) th.join();
+      for (const absl::Status& st : status) {
+        if (!st.ok()) return st;
+      }
+    }
+    return m;
+  }
+
+  // One step for one sequence: `tokens` enter stage 0; returns the last stage's logits, checking
+  // that every TP rank of every stage produced identical outputs.
+  std::vector<float> Step(const std::vector<int32_t>& tokens) {
+    std::vector<float> hidden;
+    for (auto& stage : stages_) {
+      const int tp = static_cast<int>(stage.size());
+      std::vector<std::vector<float>> outs(tp);
+      std::vector<std::thread> threads;
+      for (int t = 0; t < tp; ++t) {
+        threads.emplace_back([&, t] {
+          Rank& r = stage[t];
+          std::vector<SequenceChunk> chunks(1);
+          chunks[0].tokens = tokens;
+          chunks[0].kv = &r.kv;
+          absl::Status s = r.model->ForwardStage(chunks, *r.cache,
+                                                 hidden.empty() ? nullptr : hidden.data(), outs[t]);
+          EXPECT_TRUE(s.ok()) << s;
+        });
+      }
+      for (auto& th : threads) th.join();
+      for (int t = 1; t < tp; ++t) EXPECT_EQ(outs[t], outs[0]) << "tp ranks disagree";
+      hidden = std::move(outs[0]);
+    }
+    return hidden;
+  }
+
+  std::vector<std::vector<Rank>> stages_;
+};
+
+struct Greedy {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+};
+
+Greedy RunGreedy(ShardedModel& m, std::vector<int32_t> prompt, int steps) {
+  Greedy g;
+  std::vector<int32_t> in = prompt;
+  for (int i = 0; i < steps; ++i) {
+    std::vector<float> logits = m.Step(in);
+    const int32_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+    double z = 0;
+    for (float l : logits) z += std::exp(double(l) - logits[best]);
+    g.tokens.push_back(best);
+    g.logprobs.push_back(static_cast<float>(-std::log(z)));
+    in = {best};
+  }
+  return g;
+}
+
+class ShardedTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::string Write() {
+    auto o = testing::SmallModel(GetParam(), dir_.Sub("m"));
+    o.layers = 3;   // not divisible by 2 stages
+    o.vocab = 401;  // not divisible by 2 or 4 ranks
+    o.dtype = DType::kBF16;
+    return testing::WriteModel(o);
+  }
+  testing::TempDir dir_;
+};
+
+// Greedy tokens identical to TP=1,PP=1 and logprobs within 1e-4, for TP in {1,2,4} x PP in
+// {1,2,3} (TP=4 exceeds the 2 KV heads: they are replicated).
+TEST_P(ShardedTest, EveryShapeMatchesTheSingleRank) {
+  const std::string dir = Write();
+  auto single = Transformer::Load(dir, {});
+  ASSERT_TRUE(single.ok()) << single.status();
+  GenerationRequest req;
+  req.prompt_ids = {1, 17, 42, 300, 7, 99, 400};
+  req.params.max_tokens = 6;
+  req.params.ignore_eos = true;
+  auto want = Generate(**single, {req});
+  ASSERT_TRUE(want.ok());
+  for (int tp : {1, 2, 4}) {
+    for (int pp : {1, 2, 3}) {
+      auto m = ShardedModel::Load(dir, tp, pp);
+      ASSERT_TRUE(m.ok()) << m.status();
+      Greedy got = RunGreedy(**m, req.prompt_ids, 6);
+      EXPECT_EQ(got.tokens, (*want)[0].tokens) << "tp " << tp << " pp " << pp;
+      for (size_t i = 0; i < got.logprobs.size(); ++i) {
+        EXPECT_NEAR(got.logprobs[i], (*want)[0].logprobs[i], 1e-4) << "tp " << tp << " pp " << pp;
+      }
+    }
+  }
+}
+
+TEST_P(ShardedTest, EachRankHoldsItsShareOfTheWeights) {
+  const std::string dir = Write();
+  auto one = ShardedModel::Load(dir, 1, 1);
+  auto two = ShardedModel::Load(dir, 2, 1);
+  ASSERT_TRUE(one.ok() && two.ok());
+  const size_t whole = (*one)->stages_[0][0].model->shard_weight_bytes();
+  for (int t = 0; t < 2; ++t) {
+    const size_t part = (*two)->stages_[0][t].model->shard_weight_bytes();
+    // Everything is split except the (replicated) MoE router: about half, never more.
+    EXPECT_LE(part, whole / 2 + whole / 50) << "rank " << t;
+    EXPECT_GE(part, whole / 2 - whole / 50) << "rank " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ShardedTest, ::testing::Values("llama", "mixtral", "qwen2"));
+
+TEST(ShardedShapeTest, BadShapesNameTheNumbers) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("llama", dir.Sub("m"));  // 4 heads, 2 KV heads, intermediate 96
+  testing::WriteModel(o);
+  auto err = [&](int tp, int pp) {
+    auto m = ShardedModel::Load(dir.Sub("m"), tp, pp);
+    EXPECT_FALSE(m.ok());
+    return std::string(m.status().message());
+  };
+  EXPECT_THAT(err(3, 1),
+              HasSubstr("num_attention_heads 4 is not divisible by tensor parallelism 3"));
+  EXPECT_THAT(err(1, 3), HasSubstr("the model has 2 layers: too few for 3 pipeline stages"));
+  o.heads = 6;
+  o.kv_heads = 3;
+  o.hidden = 96;
+  o.out_dir = dir.Sub("kv3");
+  testing::WriteModel(o);
+  auto m = ShardedModel::Load(dir.Sub("kv3"), 2, 1);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(
+      std::string(m.status().message()),
+      HasSubstr("num_key_value_heads 3 and tensor parallelism 2: one must divide the other"));
+}
+
+}  // namespace
+}  // namespace shardserve
