@@ -1,5 +1,9 @@
 // shardserve: the user CLI. Subcommands: gen-model, generate, bench.
+#include <signal.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -10,8 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/runtime_bench.h"
+#include "comm/socket.h"
 #include "common/args.h"
+#include "common/process.h"
 #include "common/status.h"
+#include "common/text.h"
 #include "model/gen_model.h"
 #include "model/generator.h"
 #include "model/tokenizer.h"
@@ -30,7 +37,8 @@ commands:
              --corpus FILE --shard-size BYTES]
   generate   --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T
              --top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos
-             --threads N --format text|json]
+             --threads N --format text|json --tp T --pp P --microbatches M]
+             (--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)
   bench      --model DIR [--threads N --decode-tokens N --prefill-tokens N]
 )";
 
@@ -95,11 +103,76 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   return absl::OkStatus();
 }
 
+// Runs one request as P stage launchers x T rank processes on this machine (stages talk over TCP
+// as if on different nodes) and returns the leader's result.
+absl::StatusOr<GenerationResult> GenerateSharded(const std::string& dir,
+                                                 const GenerationRequest& req, int64_t tp,
+                                                 int64_t pp, int64_t microbatches, int threads) {
+  int port;
+  {
+    ASSIGN_OR_RETURN(Socket probe, Listen("127.0.0.1", 0));  // a free rendezvous port
+    port = probe.port();
+  }
+  const std::string job = absl::StrCat("gen-", getpid());
+  const std::string result_path =
+      (std::filesystem::temp_directory_path() / (job + "-result.json")).string();
+  const SamplingParams& p = req.params;
+  const nlohmann::json request = {{"prompt_ids", req.prompt_ids},
+                                  {"max_tokens", p.max_tokens},
+                                  {"temperature", p.temperature},
+                                  {"top_p", p.top_p},
+                                  {"top_k", p.top_k},
+                                  {"seed", p.seed},
+                                  {"logprobs", p.top_logprobs},
+                                  {"stop_token_ids", p.stop_token_ids},
+                                  {"ignore_eos", p.ignore_eos}};
+  std::vector<Child> stages;
+  for (int64_t s = 0; s < pp; ++s) {
+    auto pid = Spawn(SelfDirectory() + "/shardserve-worker", {"launch"},
+                     {{"SHARDSERVE_MODEL_PATH", dir},
+                      {"SHARDSERVE_TP", std::to_string(tp)},
+                      {"SHARDSERVE_PP", std::to_string(pp)},
+                      {"SHARDSERVE_STAGE", std::to_string(s)},
+                      {"SHARDSERVE_LEADER_ADDR", absl::StrCat("127.0.0.1:", port)},
+                      {"SHARDSERVE_MICROBATCHES", std::to_string(microbatches)},
+                      {"SHARDSERVE_THREADS", std::to_string(threads)},
+                      {"SHARDSERVE_JOB_ID", job},
+                      {"SHARDSERVE_REQUEST", request.dump()},
+                      {"SHARDSERVE_RESULT_FILE", result_path}});
+    if (!pid.ok()) {
+      for (const Child& c : stages) kill(c.pid, SIGKILL);
+      return pid.status();
+    }
+    stages.push_back({*pid, absl::StrCat("stage ", s, " launcher")});
+  }
+  RETURN_IF_ERROR(SuperviseAll(stages, std::chrono::milliseconds(5000)));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(result_path));
+  std::filesystem::remove(result_path);
+  GenerationResult r;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text).at(0);
+    r.tokens = j.at("tokens").get<std::vector<int32_t>>();
+    r.logprobs = j.at("logprobs").get<std::vector<float>>();
+    r.finish_reason = j.at("finish_reason").get<std::string>();
+    for (const auto& step : j.at("top_logprobs")) {
+      std::vector<TokenLogprob> alts;
+      for (const auto& t : step) {
+        alts.push_back({t.at("id").get<int32_t>(), t.at("logprob").get<float>()});
+      }
+      r.top_logprobs.push_back(std::move(alts));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InternalError(absl::StrCat("the leader's result is malformed: ", e.what()));
+  }
+  return r;
+}
+
 absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(
       Args a, Args::Parse(argv,
                           {"model", "prompt", "prompt-ids", "max-tokens", "temperature", "top-p",
-                           "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format"},
+                           "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format", "tp",
+                           "pp", "microbatches"},
                           {"ignore-eos"}));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
@@ -128,7 +201,14 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t threads,
                    a.GetInt("threads", std::max(1u, std::thread::hardware_concurrency())));
 
-  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
+  ASSIGN_OR_RETURN(int64_t tp, a.GetInt("tp", 1));
+  ASSIGN_OR_RETURN(int64_t pp, a.GetInt("pp", 1));
+  ASSIGN_OR_RETURN(int64_t microbatches, a.GetInt("microbatches", 0));
+  if (tp < 1 || pp < 1) return absl::InvalidArgumentError("--tp and --pp must be at least 1");
+  std::unique_ptr<Transformer> model;
+  if (tp * pp == 1) {  // load first: a bad directory is reported as the model's problem
+    ASSIGN_OR_RETURN(model, Transformer::Load(dir, {static_cast<int>(threads)}));
+  }
   ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::Load(dir));
   if (a.Has("prompt")) {
     ASSIGN_OR_RETURN(req.prompt_ids, tokenizer->Encode(*a.Get("prompt")));
@@ -136,8 +216,14 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     ASSIGN_OR_RETURN(auto ids, ParseIdList("prompt-ids", *a.Get("prompt-ids")));
     req.prompt_ids.assign(ids.begin(), ids.end());
   }
-  ASSIGN_OR_RETURN(auto results, shardserve::Generate(*model, {req}));
-  const GenerationResult& r = results[0];
+  GenerationResult r;
+  if (model) {
+    ASSIGN_OR_RETURN(auto results, shardserve::Generate(*model, {req}));
+    r = std::move(results[0]);
+  } else {
+    const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
+    ASSIGN_OR_RETURN(r, GenerateSharded(dir, req, tp, pp, microbatches, per_rank));
+  }
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);
   if (format == "text") {
     std::cout << text << std::endl;

@@ -32,6 +32,9 @@ class Communicator {
   virtual absl::Status Send(const void* data, size_t bytes, int peer) = 0;
   virtual absl::Status Recv(void* data, size_t bytes, int peer) = 0;
   virtual absl::Status Barrier() = 0;
+  // Gives up: tells every member why (best effort), so that they report this cause rather than
+  // only "a member left". Returns `reason`.
+  virtual absl::Status Abort(const absl::Status& reason) = 0;
 };
 
 }  // namespace shardserve

@@ -48,6 +48,7 @@ class ShmCommunicator : public Communicator {
   absl::Status Send(const void* data, size_t bytes, int peer) override;
   absl::Status Recv(void* data, size_t bytes, int peer) override;
   absl::Status Barrier() override;
+  absl::Status Abort(const absl::Status& reason) override;
 
   struct Header;
 
@@ -61,8 +62,6 @@ class ShmCommunicator : public Communicator {
   absl::Status WaitUntil(Pred done, int peer);
   absl::Status CheckPeer(int peer) const;
   bool MailboxFree() const;
-  // Records why this member gives up, for the others to report. Returns `s`.
-  absl::Status Abort(const absl::Status& s);
   std::string Name(int member) const;
   float* Slot(int set, int member) const;
   uint8_t* Mailbox(int member) const;

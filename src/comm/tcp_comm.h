@@ -53,6 +53,7 @@ class TcpCommunicator : public Communicator {
   absl::Status Send(const void* data, size_t bytes, int peer) override;
   absl::Status Recv(void* data, size_t bytes, int peer) override;
   absl::Status Barrier() override;
+  absl::Status Abort(const absl::Status& reason) override;
 
  private:
   struct Peer {
@@ -65,9 +66,6 @@ class TcpCommunicator : public Communicator {
   absl::Status WriteFrame(int peer, uint32_t type, const void* data, size_t bytes);
   absl::Status RecvFrame(void* data, size_t bytes, int peer);
   absl::Status Fail(int peer, const absl::Status& s) const;
-  // After an operation failed: tells every peer why (an abort frame) so that a rank whose own
-  // neighbour is still alive reports the rank that actually failed. Returns `s`.
-  absl::Status Abort(const absl::Status& s);
   // Sends to `to` while receiving from `from`.
   absl::Status SendRecv(const void* send, size_t send_bytes, int to, void* recv, size_t recv_bytes,
                         int from);

@@ -1,0 +1,109 @@
+#include "common/process.h"
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+extern char** environ;
+
+namespace shardserve {
+namespace {
+
+// The last signal asking this supervisor to stop (a signal handler can only touch such state).
+std::atomic<int> g_stop_signal{0};
+
+void OnStopSignal(int sig) { g_stop_signal.store(sig); }
+
+std::string Describe(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited with code ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrCat("was killed by signal ", WTERMSIG(status));
+  return "stopped";
+}
+
+}  // namespace
+
+absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::string>& args,
+                            const std::vector<std::pair<std::string, std::string>>& env) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    bool overridden = false;
+    for (const auto& [k, v] : env) overridden |= entry.rfind(k + "=", 0) == 0;
+    if (!overridden) env_strings.push_back(entry);
+  }
+  for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp, argv;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string exe_copy = exe;
+  argv.push_back(exe_copy.data());
+  std::vector<std::string> args_copy = args;
+  for (auto& a : args_copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid;
+  if (int e = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()); e != 0) {
+    return absl::InternalError(absl::StrCat("cannot start ", exe, ": ", std::strerror(e)));
+  }
+  return pid;
+}
+
+absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::milliseconds grace) {
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  std::vector<bool> running(children.size(), true);
+  size_t left = children.size();
+  absl::Status first = absl::OkStatus();
+  auto terminate_rest = [&](int sig) {
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (running[i]) kill(children[i].pid, sig);
+    }
+  };
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  while (left > 0) {
+    int status;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (size_t i = 0; i < children.size(); ++i) {
+        if (children[i].pid != pid || !running[i]) continue;
+        running[i] = false;
+        --left;
+        if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && first.ok()) {
+          first = absl::AbortedError(absl::StrCat(children[i].name, " ", Describe(status)));
+          terminate_rest(SIGTERM);
+          deadline = std::chrono::steady_clock::now() + grace;
+        }
+      }
+      continue;
+    }
+    if (const int sig = g_stop_signal.exchange(0); sig != 0) {
+      if (first.ok()) first = absl::CancelledError(absl::StrCat("stopped by signal ", sig));
+      terminate_rest(SIGTERM);
+      deadline = std::chrono::steady_clock::now() + grace;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      terminate_rest(SIGKILL);
+      deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return first;
+}
+
+std::string SelfDirectory() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+}  // namespace shardserve

@@ -1,0 +1,33 @@
+#pragma once
+// Child processes: spawn with extra environment, and supervise a group of them. When one child
+// fails (non-zero exit or a signal) the others are terminated (SIGTERM, then SIGKILL after a
+// grace period) and the error names the child that failed first. SIGINT/SIGTERM to the
+// supervisor are passed on to the children.
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+struct Child {
+  pid_t pid = -1;
+  std::string name;  // for messages, e.g. "rank 3 (stage 1, tp 1)"
+};
+
+// Runs `exe args...` with the current environment plus `env`.
+absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::string>& args,
+                            const std::vector<std::pair<std::string, std::string>>& env);
+
+// Waits for every child. OK when all exit 0; otherwise terminates the rest and returns
+// Aborted naming the first failure ("rank 3 (stage 1, tp 1) exited with code 1").
+absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::milliseconds grace);
+
+// The path of the running executable's directory (to find sibling binaries).
+std::string SelfDirectory();
+
+}  // namespace shardserve

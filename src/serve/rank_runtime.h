@@ -1,0 +1,51 @@
+#pragma once
+// One rank of a sharded replica as a process (DESIGN.md §4-5). Ranks meet at the leader's
+// rendezvous, build a shared-memory communicator for their stage's TP group and a TCP mesh over
+// the world (pipeline links and control), load their shard and run one step loop:
+//
+//   the leader (rank 0) issues step descriptors (which sequences, which new tokens) to every rank;
+//   a stage after the first receives hidden states from the same tp_rank of the previous stage,
+//   runs its layers and sends them on; the last stage's tp_rank 0 samples and returns tokens and
+//   logprobs to the leader. The leader cuts the running sequences into micro-batches and issues
+//   them ahead, so every stage works at once.
+//
+// Any failure (a dead or frozen rank, a bad shape) ends RunRank with a status naming it; the
+// process then exits non-zero and its launcher takes the stage down.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/generator.h"
+
+namespace shardserve {
+
+struct RankConfig {
+  std::string model_path;
+  int tp = 1;
+  int pp = 1;
+  int stage = 0;
+  int tp_rank = 0;
+  std::string leader_host = "127.0.0.1";
+  int leader_port = 29500;  // rendezvous
+  std::string job_id;       // names the shared-memory segments of this replica
+  int microbatches = 0;     // 0: pp
+  int threads = 1;
+  int64_t kv_cache_tokens = 8192;
+  std::chrono::milliseconds peer_timeout{2000};
+  std::chrono::milliseconds startup_timeout{120000};
+
+  int rank() const { return stage * tp + tp_rank; }
+};
+
+// From the pod contract's environment: SHARDSERVE_MODEL_PATH, SHARDSERVE_TP, SHARDSERVE_PP,
+// SHARDSERVE_STAGE, SHARDSERVE_TP_RANK, SHARDSERVE_LEADER_ADDR (host:port),
+// SHARDSERVE_MICROBATCHES, SHARDSERVE_JOB_ID, SHARDSERVE_THREADS. Errors name the variable.
+absl::StatusOr<RankConfig> RankConfigFromEnv();
+
+// Runs this rank. On the leader, `requests` are generated (all of them, as one running batch)
+// and their results returned; other ranks return an empty vector when the leader stops them.
+absl::StatusOr<std::vector<GenerationResult>> RunRank(
+    const RankConfig& config, const std::vector<GenerationRequest>& requests);
+
+}  // namespace shardserve

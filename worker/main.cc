@@ -1,0 +1,109 @@
+// shardserve-worker: the pod entrypoint (DESIGN.md §4).
+//   launch  starts the T rank processes of this stage (env: SHARDSERVE_TP, SHARDSERVE_STAGE, ...),
+//           supervises them and exits non-zero, naming the rank, when one dies.
+//   rank    one rank (env as above plus SHARDSERVE_TP_RANK). The leader runs the generation
+//           request of SHARDSERVE_REQUEST (JSON) and writes the result to SHARDSERVE_RESULT_FILE.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "comm/world.h"
+#include "common/process.h"
+#include "common/status.h"
+#include "serve/rank_runtime.h"
+
+namespace shardserve {
+namespace {
+
+absl::Status Launch() {
+  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
+  ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.stage * cfg.tp));
+  std::vector<Child> ranks;
+  const std::string self = SelfDirectory() + "/shardserve-worker";
+  for (int t = 0; t < cfg.tp; ++t) {
+    const int rank = world.RankOf(cfg.stage, t);
+    auto pid = Spawn(self, {"rank", "--rank", std::to_string(rank)},
+                     {{"SHARDSERVE_TP_RANK", std::to_string(t)}});
+    if (!pid.ok()) {
+      for (const Child& c : ranks) kill(c.pid, SIGKILL);
+      return pid.status();
+    }
+    ranks.push_back({*pid, world.Describe(rank)});
+  }
+  return SuperviseAll(ranks, std::chrono::milliseconds(3000));
+}
+
+absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
+  const char* text = std::getenv("SHARDSERVE_REQUEST");
+  if (text == nullptr || *text == '\0') return std::vector<GenerationRequest>();
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    GenerationRequest r;
+    r.prompt_ids = j.at("prompt_ids").get<std::vector<int32_t>>();
+    SamplingParams& p = r.params;
+    p.max_tokens = j.value("max_tokens", p.max_tokens);
+    p.temperature = j.value("temperature", p.temperature);
+    p.top_p = j.value("top_p", p.top_p);
+    p.top_k = j.value("top_k", p.top_k);
+    p.seed = j.value("seed", p.seed);
+    p.top_logprobs = j.value("logprobs", p.top_logprobs);
+    p.stop_token_ids = j.value("stop_token_ids", p.stop_token_ids);
+    p.ignore_eos = j.value("ignore_eos", p.ignore_eos);
+    return std::vector<GenerationRequest>{r};
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("SHARDSERVE_REQUEST: ", e.what()));
+  }
+}
+
+absl::Status RunOneRank() {
+  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
+  ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
+  ASSIGN_OR_RETURN(auto results, RunRank(cfg, requests));
+  const char* out_path = std::getenv("SHARDSERVE_RESULT_FILE");
+  if (cfg.rank() != 0 || out_path == nullptr) return absl::OkStatus();
+  nlohmann::json out = nlohmann::json::array();
+  for (const GenerationResult& r : results) {
+    nlohmann::json top = nlohmann::json::array();
+    for (const auto& step : r.top_logprobs) {
+      nlohmann::json alts = nlohmann::json::array();
+      for (const TokenLogprob& t : step) alts.push_back({{"id", t.id}, {"logprob", t.logprob}});
+      top.push_back(alts);
+    }
+    out.push_back({{"tokens", r.tokens},
+                   {"logprobs", r.logprobs},
+                   {"top_logprobs", top},
+                   {"finish_reason", r.finish_reason}});
+  }
+  std::ofstream f(out_path, std::ios::trunc);
+  f << out.dump();
+  f.close();
+  if (!f) return absl::InternalError(absl::StrCat(out_path, ": cannot write the result"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace shardserve
+
+int main(int argc, char** argv) {
+  const std::string cmd = argc > 1 ? argv[1] : "";
+  absl::Status s;
+  if (cmd == "launch") {
+    s = shardserve::Launch();
+  } else if (cmd == "rank") {
+    s = shardserve::RunOneRank();
+  } else {
+    std::fprintf(stderr, "usage: shardserve-worker launch | rank\n");
+    return 2;
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "shardserve-worker %s: %s\n", cmd.c_str(),
+                 std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
