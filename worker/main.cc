@@ -54,7 +54,7 @@ absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
     p.top_logprobs = j.value("logprobs", p.top_logprobs);
     p.stop_token_ids = j.value("stop_token_ids", p.stop_token_ids);
     p.ignore_eos = j.value("ignore_eos", p.ignore_eos);
-    return std::vector<GenerationRequest>{r};
+    return std::vector<GenerationRequest>(j.value("batch", 1), r);
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("SHARDSERVE_REQUEST: ", e.what()));
   }
@@ -63,24 +63,24 @@ absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
 absl::Status RunOneRank() {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
   ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
-  ASSIGN_OR_RETURN(auto results, RunRank(cfg, requests));
+  ASSIGN_OR_RETURN(RankOutcome outcome, RunRank(cfg, requests));
   const char* out_path = std::getenv("SHARDSERVE_RESULT_FILE");
   if (cfg.rank() != 0 || out_path == nullptr) return absl::OkStatus();
-  nlohmann::json out = nlohmann::json::array();
-  for (const GenerationResult& r : results) {
+  nlohmann::json results = nlohmann::json::array();
+  for (const GenerationResult& r : outcome.results) {
     nlohmann::json top = nlohmann::json::array();
     for (const auto& step : r.top_logprobs) {
       nlohmann::json alts = nlohmann::json::array();
       for (const TokenLogprob& t : step) alts.push_back({{"id", t.id}, {"logprob", t.logprob}});
       top.push_back(alts);
     }
-    out.push_back({{"tokens", r.tokens},
-                   {"logprobs", r.logprobs},
-                   {"top_logprobs", top},
-                   {"finish_reason", r.finish_reason}});
+    results.push_back({{"tokens", r.tokens},
+                       {"logprobs", r.logprobs},
+                       {"top_logprobs", top},
+                       {"finish_reason", r.finish_reason}});
   }
   std::ofstream f(out_path, std::ios::trunc);
-  f << out.dump();
+  f << nlohmann::json{{"results", results}, {"seconds", outcome.seconds}}.dump();
   f.close();
   if (!f) return absl::InternalError(absl::StrCat(out_path, ": cannot write the result"));
   return absl::OkStatus();

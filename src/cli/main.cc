@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -13,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/comm_bench.h"
 #include "bench/runtime_bench.h"
 #include "comm/socket.h"
 #include "common/args.h"
@@ -37,9 +39,10 @@ commands:
              --corpus FILE --shard-size BYTES]
   generate   --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T
              --top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos
-             --threads N --format text|json --tp T --pp P --microbatches M]
+             --threads N --format text|json --tp T --pp P --microbatches M --batch N]
              (--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)
-  bench      --model DIR [--threads N --decode-tokens N --prefill-tokens N]
+  bench      [runtime] --model DIR [--threads N --decode-tokens N --prefill-tokens N]
+  bench      allreduce [--processes N]
 )";
 
 absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const std::string& s) {
@@ -105,9 +108,15 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
 
 // Runs one request as P stage launchers x T rank processes on this machine (stages talk over TCP
 // as if on different nodes) and returns the leader's result.
-absl::StatusOr<GenerationResult> GenerateSharded(const std::string& dir,
-                                                 const GenerationRequest& req, int64_t tp,
-                                                 int64_t pp, int64_t microbatches, int threads) {
+// The first result of a batch and the generation time (start-up excluded).
+struct Generated {
+  GenerationResult result;
+  double seconds = 0;
+};
+
+absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const GenerationRequest& req,
+                                          int64_t batch, int64_t tp, int64_t pp,
+                                          int64_t microbatches, int threads) {
   int port;
   {
     ASSIGN_OR_RETURN(Socket probe, Listen("127.0.0.1", 0));  // a free rendezvous port
@@ -125,7 +134,8 @@ absl::StatusOr<GenerationResult> GenerateSharded(const std::string& dir,
                                   {"seed", p.seed},
                                   {"logprobs", p.top_logprobs},
                                   {"stop_token_ids", p.stop_token_ids},
-                                  {"ignore_eos", p.ignore_eos}};
+                                  {"ignore_eos", p.ignore_eos},
+                                  {"batch", batch}};
   std::vector<Child> stages;
   for (int64_t s = 0; s < pp; ++s) {
     auto pid = Spawn(SelfDirectory() + "/shardserve-worker", {"launch"},
@@ -148,9 +158,12 @@ absl::StatusOr<GenerationResult> GenerateSharded(const std::string& dir,
   RETURN_IF_ERROR(SuperviseAll(stages, std::chrono::milliseconds(5000)));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(result_path));
   std::filesystem::remove(result_path);
-  GenerationResult r;
+  Generated g;
+  GenerationResult& r = g.result;
   try {
-    const nlohmann::json j = nlohmann::json::parse(text).at(0);
+    const nlohmann::json all = nlohmann::json::parse(text);
+    g.seconds = all.at("seconds").get<double>();
+    const nlohmann::json& j = all.at("results").at(0);
     r.tokens = j.at("tokens").get<std::vector<int32_t>>();
     r.logprobs = j.at("logprobs").get<std::vector<float>>();
     r.finish_reason = j.at("finish_reason").get<std::string>();
@@ -164,7 +177,7 @@ absl::StatusOr<GenerationResult> GenerateSharded(const std::string& dir,
   } catch (const nlohmann::json::exception& e) {
     return absl::InternalError(absl::StrCat("the leader's result is malformed: ", e.what()));
   }
-  return r;
+  return g;
 }
 
 absl::Status Generate(const std::vector<std::string>& argv) {
@@ -172,7 +185,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
       Args a, Args::Parse(argv,
                           {"model", "prompt", "prompt-ids", "max-tokens", "temperature", "top-p",
                            "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format", "tp",
-                           "pp", "microbatches"},
+                           "pp", "microbatches", "batch"},
                           {"ignore-eos"}));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
@@ -204,6 +217,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t tp, a.GetInt("tp", 1));
   ASSIGN_OR_RETURN(int64_t pp, a.GetInt("pp", 1));
   ASSIGN_OR_RETURN(int64_t microbatches, a.GetInt("microbatches", 0));
+  ASSIGN_OR_RETURN(int64_t batch, a.GetInt("batch", 1));
+  if (batch < 1) return absl::InvalidArgumentError("--batch must be at least 1");
   if (tp < 1 || pp < 1) return absl::InvalidArgumentError("--tp and --pp must be at least 1");
   std::unique_ptr<Transformer> model;
   if (tp * pp == 1) {  // load first: a bad directory is reported as the model's problem
@@ -216,14 +231,18 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     ASSIGN_OR_RETURN(auto ids, ParseIdList("prompt-ids", *a.Get("prompt-ids")));
     req.prompt_ids.assign(ids.begin(), ids.end());
   }
-  GenerationResult r;
+  Generated g;
   if (model) {
-    ASSIGN_OR_RETURN(auto results, shardserve::Generate(*model, {req}));
-    r = std::move(results[0]);
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(auto results,
+                     shardserve::Generate(*model, std::vector<GenerationRequest>(batch, req)));
+    g.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    g.result = std::move(results[0]);
   } else {
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
-    ASSIGN_OR_RETURN(r, GenerateSharded(dir, req, tp, pp, microbatches, per_rank));
+    ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank));
   }
+  const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);
   if (format == "text") {
     std::cout << text << std::endl;
@@ -233,7 +252,11 @@ absl::Status Generate(const std::vector<std::string>& argv) {
                         {"tokens", r.tokens},
                         {"text", text},
                         {"logprobs", r.logprobs},
-                        {"finish_reason", r.finish_reason}};
+                        {"finish_reason", r.finish_reason},
+                        {"timing",
+                         {{"seconds", g.seconds},
+                          {"batch", batch},
+                          {"generated_tokens", static_cast<int64_t>(r.tokens.size()) * batch}}}};
   nlohmann::json tops = nlohmann::json::array();
   for (const auto& step : r.top_logprobs) {
     nlohmann::json alts = nlohmann::json::array();
@@ -257,6 +280,10 @@ int Main(int argc, char** argv) {
     s = GenModel(rest);
   } else if (cmd == "generate") {
     s = Generate(rest);
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "allreduce") {
+    s = RunAllReduceBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "runtime") {
+    s = RunRuntimeBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench") {
     s = RunRuntimeBench(rest);
   } else {

@@ -354,8 +354,8 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   return c;
 }
 
-absl::StatusOr<std::vector<GenerationResult>> RunRank(
-    const RankConfig& config, const std::vector<GenerationRequest>& requests) {
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
+                                    const std::vector<GenerationRequest>& requests) {
   ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(config.tp, config.pp, config.rank()));
   if (config.stage < 0 || config.stage >= config.pp || config.tp_rank < 0 ||
       config.tp_rank >= config.tp) {
@@ -365,9 +365,15 @@ absl::StatusOr<std::vector<GenerationResult>> RunRank(
   }
   Rank rank(config, world);
   RETURN_IF_ERROR(rank.Init());
-  if (world.is_leader()) return rank.Lead(requests);
-  RETURN_IF_ERROR(rank.Follow());
-  return std::vector<GenerationResult>();
+  RankOutcome outcome;
+  if (world.is_leader()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(outcome.results, rank.Lead(requests));
+    outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } else {
+    RETURN_IF_ERROR(rank.Follow());
+  }
+  return outcome;
 }
 
 }  // namespace shardserve

@@ -43,9 +43,14 @@ struct RankConfig {
 // SHARDSERVE_MICROBATCHES, SHARDSERVE_JOB_ID, SHARDSERVE_THREADS. Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFromEnv();
 
+struct RankOutcome {
+  std::vector<GenerationResult> results;  // the leader's; empty on other ranks
+  double seconds = 0;                     // the leader's generation time, after start-up
+};
+
 // Runs this rank. On the leader, `requests` are generated (all of them, as one running batch)
-// and their results returned; other ranks return an empty vector when the leader stops them.
-absl::StatusOr<std::vector<GenerationResult>> RunRank(
-    const RankConfig& config, const std::vector<GenerationRequest>& requests);
+// and their results returned; other ranks return when the leader stops them.
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
+                                    const std::vector<GenerationRequest>& requests);
 
 }  // namespace shardserve
