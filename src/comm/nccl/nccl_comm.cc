@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -12,17 +13,27 @@ namespace {
 
 static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId::bytes), "NCCL unique id size changed");
 
-absl::Status Check(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
 }
 
 }  // namespace
 
-struct Communicator::Handle {
+struct NcclCommunicator::Handle {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
+  float* scratch = nullptr;  // one float for Barrier
 };
+
+absl::StatusOr<UniqueId> UniqueId::FromBlob(const std::string& blob) {
+  UniqueId id;
+  if (blob.size() != id.bytes.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an NCCL unique id has ", id.bytes.size(), " bytes, not ", blob.size()));
+  }
+  std::memcpy(id.bytes.data(), blob.data(), blob.size());
+  return id;
+}
 
 std::string Version() {
   int v = 0;
@@ -32,17 +43,20 @@ std::string Version() {
 
 absl::StatusOr<UniqueId> NewUniqueId() {
   ncclUniqueId id;
-  if (absl::Status s = Check(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
+  if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+    return NcclError(r, "ncclGetUniqueId");
+  }
   UniqueId out;
   std::memcpy(out.bytes.data(), &id, sizeof(id));
   return out;
 }
 
-Communicator::Communicator(std::unique_ptr<Handle> h, int rank, int nranks)
-    : handle_(std::move(h)), rank_(rank), nranks_(nranks) {}
+NcclCommunicator::NcclCommunicator(std::unique_ptr<Handle> h, int rank, int nranks,
+                                   std::chrono::milliseconds timeout)
+    : handle_(std::move(h)), rank_(rank), nranks_(nranks), timeout_(timeout) {}
 
-absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const UniqueId& id, int nranks,
-                                                                   int rank, int device) {
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    const UniqueId& id, int nranks, int rank, int device, std::chrono::milliseconds timeout) {
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
     return absl::FailedPreconditionError(
         absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(e)));
@@ -51,32 +65,101 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(const UniqueI
   if (cudaError_t e = cudaStreamCreate(&h->stream); e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("cudaStreamCreate: ", cudaGetErrorString(e)));
   }
+  if (cudaError_t e = cudaMalloc(&h->scratch, sizeof(float)); e != cudaSuccess) {
+    cudaStreamDestroy(h->stream);
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc: ", cudaGetErrorString(e)));
+  }
   ncclUniqueId nid;
   std::memcpy(&nid, id.bytes.data(), sizeof(nid));
-  if (absl::Status s = Check(ncclCommInitRank(&h->comm, nranks, nid, rank), "ncclCommInitRank");
-      !s.ok()) {
+  if (ncclResult_t r = ncclCommInitRank(&h->comm, nranks, nid, rank); r != ncclSuccess) {
+    cudaFree(h->scratch);
     cudaStreamDestroy(h->stream);
-    return s;
+    return NcclError(r, "ncclCommInitRank");
   }
-  return std::unique_ptr<Communicator>(new Communicator(std::move(h), rank, nranks));
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(std::move(h), rank, nranks, timeout));
 }
 
-Communicator::~Communicator() {
-  if (handle_->comm != nullptr) ncclCommDestroy(handle_->comm);
+NcclCommunicator::~NcclCommunicator() {
+  if (handle_->comm != nullptr) {
+    if (aborted_) {
+      ncclCommAbort(handle_->comm);
+    } else {
+      ncclCommDestroy(handle_->comm);
+    }
+  }
+  if (handle_->scratch != nullptr) cudaFree(handle_->scratch);
   if (handle_->stream != nullptr) cudaStreamDestroy(handle_->stream);
 }
 
-absl::Status Communicator::AllReduceSum(float* data, size_t count) {
-  if (absl::Status s = Check(
-          ncclAllReduce(data, data, count, ncclFloat32, ncclSum, handle_->comm, handle_->stream),
-          "ncclAllReduce");
-      !s.ok()) {
-    return s;
+absl::Status NcclCommunicator::Abort(const absl::Status& reason) {
+  if (!aborted_ && handle_->comm != nullptr) {
+    ncclCommAbort(handle_->comm);  // wakes peers' pending operations with an error
+    handle_->comm = nullptr;
   }
-  if (cudaError_t e = cudaStreamSynchronize(handle_->stream); e != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("all-reduce stream: ", cudaGetErrorString(e)));
+  aborted_ = true;
+  return reason;
+}
+
+absl::Status NcclCommunicator::Finish(int enqueue_result, const char* what) {
+  if (aborted_) return absl::UnavailableError("the NCCL communicator was aborted");
+  if (enqueue_result != ncclSuccess) {
+    return Abort(NcclError(static_cast<ncclResult_t>(enqueue_result), what));
   }
-  return absl::OkStatus();
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(handle_->stream);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) {
+      return Abort(absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e))));
+    }
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(handle_->comm, &async);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      return Abort(NcclError(async, absl::StrCat(what, " (a peer failed)").c_str()));
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Abort(absl::UnavailableError(absl::StrCat(
+          what, " did not complete within ", timeout_.count(), " ms: a peer stopped answering")));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+absl::Status NcclCommunicator::AllReduceSum(float* data, size_t count) {
+  return Finish(
+      ncclAllReduce(data, data, count, ncclFloat32, ncclSum, handle_->comm, handle_->stream),
+      "ncclAllReduce");
+}
+
+absl::Status NcclCommunicator::AllGather(const float* send, size_t count, float* recv) {
+  return Finish(ncclAllGather(send, recv, count, ncclFloat32, handle_->comm, handle_->stream),
+                "ncclAllGather");
+}
+
+absl::Status NcclCommunicator::ReduceScatterSum(const float* send, size_t count, float* recv) {
+  return Finish(
+      ncclReduceScatter(send, recv, count, ncclFloat32, ncclSum, handle_->comm, handle_->stream),
+      "ncclReduceScatter");
+}
+
+absl::Status NcclCommunicator::Broadcast(void* data, size_t bytes, int root) {
+  return Finish(ncclBroadcast(data, data, bytes, ncclInt8, root, handle_->comm, handle_->stream),
+                "ncclBroadcast");
+}
+
+absl::Status NcclCommunicator::Send(const void* data, size_t bytes, int peer) {
+  return Finish(ncclSend(data, bytes, ncclInt8, peer, handle_->comm, handle_->stream), "ncclSend");
+}
+
+absl::Status NcclCommunicator::Recv(void* data, size_t bytes, int peer) {
+  return Finish(ncclRecv(data, bytes, ncclInt8, peer, handle_->comm, handle_->stream), "ncclRecv");
+}
+
+absl::Status NcclCommunicator::Barrier() {
+  return Finish(ncclAllReduce(handle_->scratch, handle_->scratch, 1, ncclFloat32, ncclSum,
+                              handle_->comm, handle_->stream),
+                "barrier");
 }
 
 }  // namespace shardserve::nccl

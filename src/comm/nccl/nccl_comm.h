@@ -1,41 +1,61 @@
 #pragma once
-// NCCL communicator (built with SHARDSERVE_CUDA). nccl.h stays out of this header: the unique id
-// travels as opaque bytes (the leader creates it and hands it out over the rendezvous), the
-// communicator handle is hidden behind a pointer. RAII, non-copyable.
+// NCCL communicator behind the common Communicator interface (built with SHARDSERVE_CUDA).
+// Every data pointer is device memory of this rank's GPU. Each operation is enqueued on the
+// communicator's stream and waited for by polling: ncclCommGetAsyncError reports a failed peer,
+// and an operation that makes no progress within `timeout` aborts the communicator
+// (ncclCommAbort), so a dead peer is named in seconds instead of hanging in a collective.
+// nccl.h stays out of this header: the unique id travels as opaque bytes (the leader creates it
+// and hands it out over the rendezvous as a blob).
 #include <array>
+#include <chrono>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "comm/communicator.h"
 
 namespace shardserve::nccl {
 
 struct UniqueId {
   std::array<char, 128> bytes{};  // NCCL_UNIQUE_ID_BYTES
+
+  std::string ToBlob() const { return std::string(bytes.data(), bytes.size()); }
+  static absl::StatusOr<UniqueId> FromBlob(const std::string& blob);
 };
 
 std::string Version();  // e.g. "2.28.9"
 absl::StatusOr<UniqueId> NewUniqueId();
 
-class Communicator {
+class NcclCommunicator : public Communicator {
  public:
   // Joins the communicator of `nranks` ranks identified by `id` as `rank`, on CUDA `device`.
-  static absl::StatusOr<std::unique_ptr<Communicator>> Create(const UniqueId& id, int nranks,
-                                                              int rank, int device);
-  ~Communicator();
-  Communicator(const Communicator&) = delete;
-  Communicator& operator=(const Communicator&) = delete;
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
+      const UniqueId& id, int nranks, int rank, int device,
+      std::chrono::milliseconds timeout = std::chrono::milliseconds(5000));
+  ~NcclCommunicator() override;
 
-  // In-place sum over all ranks of `count` floats at device pointer `data`; waits for it.
-  absl::Status AllReduceSum(float* data, size_t count);
-  int rank() const { return rank_; }
-  int size() const { return nranks_; }
+  int rank() const override { return rank_; }
+  int size() const override { return nranks_; }
+  absl::Status AllReduceSum(float* data, size_t count) override;
+  absl::Status AllGather(const float* send, size_t count, float* recv) override;
+  absl::Status ReduceScatterSum(const float* send, size_t count, float* recv) override;
+  absl::Status Broadcast(void* data, size_t bytes, int root) override;
+  absl::Status Send(const void* data, size_t bytes, int peer) override;
+  absl::Status Recv(void* data, size_t bytes, int peer) override;
+  absl::Status Barrier() override;
+  absl::Status Abort(const absl::Status& reason) override;
 
  private:
   struct Handle;
-  Communicator(std::unique_ptr<Handle> h, int rank, int nranks);
+  NcclCommunicator(std::unique_ptr<Handle> h, int rank, int nranks,
+                   std::chrono::milliseconds timeout);
+  // Checks the enqueue result, then waits for the stream with the watchdog.
+  absl::Status Finish(int enqueue_result, const char* what);
+
   std::unique_ptr<Handle> handle_;
   int rank_, nranks_;
+  std::chrono::milliseconds timeout_;
+  bool aborted_ = false;
 };
 
 }  // namespace shardserve::nccl

@@ -8,6 +8,7 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/cuda_backend.h"
 #include "comm/nccl/nccl_comm.h"
+#include "comm/rendezvous.h"
 
 namespace shardserve {
 namespace {
@@ -74,19 +75,34 @@ TEST(CudaBackendTest, MatVecMatchesCpuForEveryDtype) {
   }
 }
 
-TEST(CudaBackendTest, NcclSingleRankAllReduce) {
+// The NCCL id travels through the real rendezvous as a blob, as between ranks; a single-rank
+// communicator then runs every operation of the interface on device memory.
+TEST(CudaBackendTest, NcclCommunicatorFromTheRendezvous) {
   REQUIRE_GPU();
   auto id = nccl::NewUniqueId();
   ASSERT_TRUE(id.ok()) << id.status();
-  auto comm = nccl::Communicator::Create(*id, 1, 0, 0);
+  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  ASSERT_TRUE(server.ok());
+  auto world = WorldConfig::Create(1, 1, 0);
+  auto info =
+      server->Run(*world, {0, "127.0.0.1", 1}, {id->ToBlob()}, std::chrono::milliseconds(1000));
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto handed = nccl::UniqueId::FromBlob(info->blobs.at(0));
+  ASSERT_TRUE(handed.ok());
+  auto comm = nccl::NcclCommunicator::Create(*handed, 1, 0, 0);
   ASSERT_TRUE(comm.ok()) << comm.status();
+  Communicator& c = **comm;
   std::vector<float> v = {1, 2, 3, 4}, out(4);
-  auto d = cuda::DeviceBuffer::Alloc(16);
-  ASSERT_TRUE(d.ok());
+  auto d = cuda::DeviceBuffer::Alloc(16), g = cuda::DeviceBuffer::Alloc(16);
+  ASSERT_TRUE(d.ok() && g.ok());
   ASSERT_TRUE(d->CopyFromHost(v.data(), 16).ok());
-  ASSERT_TRUE((*comm)->AllReduceSum(static_cast<float*>(d->data()), 4).ok());
-  ASSERT_TRUE(d->CopyToHost(out.data(), 16).ok());
-  EXPECT_EQ(out, v);  // a sum over one rank is the identity
+  ASSERT_TRUE(c.AllReduceSum(static_cast<float*>(d->data()), 4).ok());  // identity on one rank
+  ASSERT_TRUE(c.AllGather(static_cast<float*>(d->data()), 4, static_cast<float*>(g->data())).ok());
+  ASSERT_TRUE(c.Broadcast(d->data(), 16, 0).ok());
+  ASSERT_TRUE(c.Barrier().ok());
+  ASSERT_TRUE(g->CopyToHost(out.data(), 16).ok());
+  EXPECT_EQ(out, v);
+  EXPECT_FALSE(nccl::UniqueId::FromBlob("short").ok());
 }
 
 }  // namespace
