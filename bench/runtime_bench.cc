@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <thread>
 
 #include "common/args.h"
+#include "common/process.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "model/transformer.h"
@@ -77,15 +77,6 @@ double FmaPeak(ThreadPool& pool) {
     if (out[0] < 0) std::printf("#");
   }
   return best;
-}
-
-size_t ResidentBytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 #     pass) cut into m = 1, 2, 4, 8 micro-batches, against the ideal m / (m + P - 1).
 #     efficiency = (single-process 1-thread time of the same m micro-batches run one after the
 #     other / P) / pipelined time: the bubble alone. "vs whole batch" divides by the 1-thread time
-#     of the batch in one pass instead, so it also carries the cost of smaller matrix products.
+#     of the batch in one pass instead, so it also carries the cost of smaller matrix products;
+#  3. resident memory of every rank against its stage's weights / T.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
@@ -44,4 +45,9 @@ eff, ideal, vs_whole = (m * part / 2) / s, m / (m + 1), (whole / 2) / s
 print(f"m={m}: {s:6.3f} s  efficiency {eff:5.2f}  ideal {ideal:5.2f} ({100*eff/ideal:3.0f}% of ideal)"
       f"  vs whole batch {vs_whole:5.2f}")
 PY
+done
+echo "=== resident memory per rank, TP=2 and TP=2 x PP=2 (weights of its stage / T expected)"
+for shape in "--tp 2" "--tp 2 --pp 2"; do
+  SHARDSERVE_REPORT_MEMORY=1 build/bin/shardserve generate --model "$M" --prompt-ids $PROMPT8 \
+    --max-tokens 4 --format json $shape 2>&1 >/dev/null | grep resident | sort
 done

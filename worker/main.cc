@@ -64,6 +64,15 @@ absl::Status RunOneRank() {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
   ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
   ASSIGN_OR_RETURN(RankOutcome outcome, RunRank(cfg, requests));
+  if (const char* report = std::getenv("SHARDSERVE_REPORT_MEMORY"); report && *report == '1') {
+    ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.rank()));
+    std::fprintf(stderr,
+                 "%s: resident %.0f MB; weight slices %.0f MB of its stage's %.0f MB (1/%d = %.0f "
+                 "MB)\n",
+                 world.Describe(cfg.rank()).c_str(), outcome.resident_bytes / 1e6,
+                 outcome.shard_weight_bytes / 1e6, outcome.stage_weight_bytes / 1e6, cfg.tp,
+                 outcome.stage_weight_bytes / 1e6 / cfg.tp);
+  }
   const char* out_path = std::getenv("SHARDSERVE_RESULT_FILE");
   if (cfg.rank() != 0 || out_path == nullptr) return absl::OkStatus();
   nlohmann::json results = nlohmann::json::array();

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -98,6 +99,15 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return first;
+}
+
+size_t ResidentBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
 }
 
 std::string SelfDirectory() {

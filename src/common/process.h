@@ -30,4 +30,7 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
 // The path of the running executable's directory (to find sibling binaries).
 std::string SelfDirectory();
 
+// This process's resident memory (VmRSS), in bytes.
+size_t ResidentBytes();
+
 }  // namespace shardserve

@@ -154,6 +154,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     }
     t.data = data + begin;
     t.nbytes = end - begin;
+    t.file_offset = 8 + header_len + begin;
     auto [pos, inserted] = f->tensors_.emplace(name, std::move(t));
     ranges.push_back({begin, end, &pos->first});
   }

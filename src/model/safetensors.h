@@ -22,6 +22,7 @@ struct TensorView {
   std::vector<int64_t> shape;
   const void* data = nullptr;
   size_t nbytes = 0;
+  uint64_t file_offset = 0;  // where data starts in the file (for reading slices with pread)
 
   int64_t numel() const;
   std::string ShapeString() const;  // "[512,256]"

@@ -1,7 +1,12 @@
 #include "model/transformer.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -78,16 +83,36 @@ cpu::WeightMatrix Transformer::Rows(const TensorView& t, int64_t begin, int64_t 
   const int64_t cols = t.shape[1];
   const size_t elem = DTypeSize(t.dtype);
   shard_bytes_ += (end - begin) * cols * elem;
+  stage_bytes_ += t.nbytes;
   return {t.dtype, static_cast<const uint8_t*>(t.data) + begin * cols * elem, end - begin, cols,
           cols};
 }
 
-cpu::WeightMatrix Transformer::Cols(const TensorView& t, int64_t begin, int64_t end) {
-  const int64_t cols = t.shape[1];
+absl::StatusOr<cpu::WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin,
+                                                    int64_t end) {
+  const int64_t rows = t.shape[0], cols = t.shape[1], width = end - begin;
   const size_t elem = DTypeSize(t.dtype);
-  shard_bytes_ += t.shape[0] * (end - begin) * elem;
-  return {t.dtype, static_cast<const uint8_t*>(t.data) + begin * elem, t.shape[0], end - begin,
-          cols};
+  shard_bytes_ += rows * width * elem;
+  stage_bytes_ += t.nbytes;
+  if (width == cols) return cpu::WeightMatrix{t.dtype, t.data, rows, cols, cols};
+  const int fd = ::open(t.file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(absl::StrCat(t.file, ": cannot open: ", std::strerror(errno)));
+  }
+  auto buf = std::make_unique<uint8_t[]>(rows * width * elem);
+  for (int64_t r = 0; r < rows; ++r) {
+    const size_t len = width * elem;
+    const ssize_t n = ::pread(fd, buf.get() + r * len, len,
+                              static_cast<off_t>(t.file_offset + (r * cols + begin) * elem));
+    if (n != static_cast<ssize_t>(len)) {
+      ::close(fd);
+      return absl::DataLossError(
+          absl::StrCat(t.file, ": reading columns of tensor '", t.name, "' failed"));
+    }
+  }
+  ::close(fd);
+  owned_.push_back(std::move(buf));
+  return cpu::WeightMatrix{t.dtype, owned_.back().get(), rows, width, width};
 }
 
 std::vector<float> Transformer::VectorSlice(const TensorView& t, int64_t begin, int64_t end) {
@@ -147,7 +172,7 @@ absl::Status Transformer::BindWeights() {
     L.q = Rows(q, q0, q1);
     L.k = Rows(k, k0, k1);
     L.v = Rows(v, k0, k1);
-    L.o = Cols(o, q0, q1);
+    ASSIGN_OR_RETURN(L.o, Cols(o, q0, q1));
     if (c.qkv_bias) {
       ASSIGN_OR_RETURN(TensorView qb, w.Get(p + "self_attn.q_proj.bias", {c.q_dim()}));
       ASSIGN_OR_RETURN(TensorView kb, w.Get(p + "self_attn.k_proj.bias", {c.kv_dim()}));
@@ -181,7 +206,7 @@ absl::Status Transformer::BindWeights() {
       const int64_t i0 = t * inter_, i1 = i0 + inter_;
       L.gate = Rows(gate, i0, i1);  // column-parallel
       L.up = Rows(up, i0, i1);
-      L.down = Cols(down, i0, i1);  // row-parallel
+      ASSIGN_OR_RETURN(L.down, Cols(down, i0, i1));  // row-parallel
     }
   }
   return absl::OkStatus();

@@ -75,8 +75,10 @@ class Transformer {
   bool last_stage() const { return layer_end_ == config_.num_layers; }
   int64_t layer_begin() const { return layer_begin_; }
   int64_t layer_end() const { return layer_end_; }
-  // Bytes of the weights this rank reads (its slices), for the "1/T" measurement.
+  // Bytes of the weights this rank holds (its slices), and of the full tensors they come from
+  // (the stage's weights), for the "1/T" measurement.
   size_t shard_weight_bytes() const { return shard_bytes_; }
+  size_t stage_weight_bytes() const { return stage_bytes_; }
 
  private:
   struct Expert {
@@ -94,9 +96,12 @@ class Transformer {
   Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights, const Options& options);
   absl::Status CheckSplit() const;
   absl::Status BindWeights();
-  // Rows [begin, end) / columns [begin, end) of a weight matrix, as a view.
+  // Rows [begin, end) of a weight matrix: a view into the mapping (contiguous, so only those
+  // pages ever become resident).
   cpu::WeightMatrix Rows(const TensorView& t, int64_t begin, int64_t end);
-  cpu::WeightMatrix Cols(const TensorView& t, int64_t begin, int64_t end);
+  // Columns [begin, end): strided, so a view would make every page of the matrix resident; a
+  // proper slice is read into memory this object owns instead.
+  absl::StatusOr<cpu::WeightMatrix> Cols(const TensorView& t, int64_t begin, int64_t end);
   std::vector<float> VectorSlice(const TensorView& t, int64_t begin, int64_t end);
   absl::Status AllReduce(float* data, size_t count);
   void Attention(const Layer& layer, int64_t layer_index, const std::vector<int64_t>& row_pos,
@@ -113,7 +118,8 @@ class Transformer {
   // [expert_begin_, expert_end_) and vocabulary rows [vocab_begin_, vocab_end_).
   int64_t heads_ = 0, kv_heads_ = 0, kv_head_begin_ = 0, inter_ = 0;
   int64_t expert_begin_ = 0, expert_end_ = 0, vocab_begin_ = 0, vocab_end_ = 0;
-  size_t shard_bytes_ = 0;
+  size_t shard_bytes_ = 0, stage_bytes_ = 0;
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // column slices read from the files
   std::unique_ptr<WeightStore> weights_;
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;

@@ -11,6 +11,7 @@
 #include "comm/shm_comm.h"
 #include "comm/tcp_comm.h"
 #include "comm/world.h"
+#include "common/process.h"
 #include "common/status.h"
 #include "model/sampler.h"
 #include "model/transformer.h"
@@ -72,6 +73,7 @@ class Rank {
   absl::Status Init();
   absl::StatusOr<std::vector<GenerationResult>> Lead(const std::vector<GenerationRequest>& reqs);
   absl::Status Follow();
+  const Transformer& model() const { return *model_; }
 
  private:
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
@@ -337,6 +339,16 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   ASSIGN_OR_RETURN(c.tp_rank, EnvInt("SHARDSERVE_TP_RANK", 0));
   ASSIGN_OR_RETURN(c.microbatches, EnvInt("SHARDSERVE_MICROBATCHES", 0));
   ASSIGN_OR_RETURN(c.threads, EnvInt("SHARDSERVE_THREADS", 1));
+  ASSIGN_OR_RETURN(int peer_ms,
+                   EnvInt("SHARDSERVE_PEER_TIMEOUT_MS", static_cast<int>(c.peer_timeout.count())));
+  ASSIGN_OR_RETURN(int startup_ms, EnvInt("SHARDSERVE_STARTUP_TIMEOUT_MS",
+                                          static_cast<int>(c.startup_timeout.count())));
+  if (peer_ms < 100 || startup_ms < 100) {
+    return absl::InvalidArgumentError(
+        "SHARDSERVE_PEER_TIMEOUT_MS and SHARDSERVE_STARTUP_TIMEOUT_MS must be at least 100");
+  }
+  c.peer_timeout = std::chrono::milliseconds(peer_ms);
+  c.startup_timeout = std::chrono::milliseconds(startup_ms);
   if (const char* leader = std::getenv("SHARDSERVE_LEADER_ADDR"); leader && *leader) {
     const std::string addr = leader;
     const size_t colon = addr.rfind(':');
@@ -373,6 +385,9 @@ absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
   } else {
     RETURN_IF_ERROR(rank.Follow());
   }
+  outcome.resident_bytes = ResidentBytes();
+  outcome.shard_weight_bytes = rank.model().shard_weight_bytes();
+  outcome.stage_weight_bytes = rank.model().stage_weight_bytes();
   return outcome;
 }
 

@@ -40,12 +40,17 @@ struct RankConfig {
 
 // From the pod contract's environment: SHARDSERVE_MODEL_PATH, SHARDSERVE_TP, SHARDSERVE_PP,
 // SHARDSERVE_STAGE, SHARDSERVE_TP_RANK, SHARDSERVE_LEADER_ADDR (host:port),
-// SHARDSERVE_MICROBATCHES, SHARDSERVE_JOB_ID, SHARDSERVE_THREADS. Errors name the variable.
+// SHARDSERVE_MICROBATCHES, SHARDSERVE_JOB_ID, SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
+// (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading).
+// Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFromEnv();
 
 struct RankOutcome {
   std::vector<GenerationResult> results;  // the leader's; empty on other ranks
   double seconds = 0;                     // the leader's generation time, after start-up
+  size_t resident_bytes = 0;              // this process at the end
+  size_t shard_weight_bytes = 0;          // the weight slices it holds
+  size_t stage_weight_bytes = 0;          // the full tensors of its stage
 };
 
 // Runs this rank. On the leader, `requests` are generated (all of them, as one running batch)
