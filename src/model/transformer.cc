@@ -228,7 +228,29 @@ absl::Status Transformer::Forward(std::vector<SequenceChunk>& chunks, KvCache& c
   if (!first_stage() || !last_stage()) {
     return absl::FailedPreconditionError("Forward runs a whole model; a stage uses ForwardStage");
   }
-  return ForwardStage(chunks, cache, nullptr, logits);
+  std::vector<float> local;
+  RETURN_IF_ERROR(ForwardStage(chunks, cache, nullptr, local));
+  return GatherLogits(local, static_cast<int64_t>(chunks.size()), logits);
+}
+
+absl::Status Transformer::GatherLogits(const std::vector<float>& local, int64_t rows,
+                                       std::vector<float>& logits) {
+  const int T = options_.tp_size;
+  const int64_t V = config_.vocab_size, stride = logits_stride();
+  if (T == 1) {  // the stride is the vocabulary
+    logits = local;
+    return absl::OkStatus();
+  }
+  std::vector<float> all(T * rows * stride);
+  RETURN_IF_ERROR(options_.tp_comm->AllGather(local.data(), rows * stride, all.data()));
+  logits.resize(rows * V);
+  for (int m = 0; m < T; ++m) {
+    const int64_t v0 = V * m / T, n = V * (m + 1) / T - v0;
+    for (int64_t s = 0; s < rows; ++s) {
+      std::copy_n(all.data() + (m * rows + s) * stride, n, logits.data() + s * V + v0);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
@@ -339,28 +361,13 @@ absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCac
     out = std::move(x);
     return absl::OkStatus();
   }
-  // Vocab-parallel LM head on each sequence's last row; the group gathers the slices.
-  const int64_t S = static_cast<int64_t>(chunks.size()), V = c.vocab_size;
+  // Vocab-parallel LM head on each sequence's last row: this rank's slice of the logits.
+  const int64_t S = static_cast<int64_t>(chunks.size());
   std::vector<float> last(S * H), normed(S * H);
   for (int64_t s = 0; s < S; ++s) std::copy_n(x.data() + last_row[s] * H, H, last.data() + s * H);
   cpu::RmsNorm(last.data(), S, H, final_norm_.data(), eps, normed.data());
-  const int T = options_.tp_size;
-  const int64_t padded = (V + T - 1) / T;  // equal AllGather parts; each rank's slice fits
-  std::vector<float> local(S * padded, 0.0f);
-  cpu::MatMul(lm_head_, normed.data(), S, H, local.data(), padded, *pool_);
-  out.resize(S * V);
-  if (T == 1) {
-    for (int64_t s = 0; s < S; ++s) std::copy_n(local.data() + s * padded, V, out.data() + s * V);
-    return absl::OkStatus();
-  }
-  std::vector<float> all(T * S * padded);
-  RETURN_IF_ERROR(options_.tp_comm->AllGather(local.data(), local.size(), all.data()));
-  for (int m = 0; m < T; ++m) {
-    const int64_t v0 = V * m / T, n = V * (m + 1) / T - v0;
-    for (int64_t s = 0; s < S; ++s) {
-      std::copy_n(all.data() + (m * S + s) * padded, n, out.data() + s * V + v0);
-    }
-  }
+  out.assign(S * logits_stride(), 0.0f);
+  cpu::MatMul(lm_head_, normed.data(), S, H, out.data(), logits_stride(), *pool_);
   return absl::OkStatus();
 }
 

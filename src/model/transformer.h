@@ -65,11 +65,21 @@ class Transformer {
   absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
                        std::vector<float>& logits);
   // One pipeline stage: the first stage embeds the chunks' tokens, the others read `hidden_in`
-  // (one row of hidden_size floats per new token, in chunk order). The last stage writes
-  // chunks.size() × vocab_size logits to `out` (identical on every TP rank), the others the
-  // hidden states for the next stage.
+  // (one row of hidden_size floats per new token, in chunk order). The last stage writes this
+  // rank's vocab-parallel logits to `out`: chunks.size() rows of logits_stride() floats whose
+  // first vocab_end() - vocab_begin() are ids [vocab_begin(), vocab_end()); the other stages
+  // write the hidden states for the next stage.
   absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
                             const float* hidden_in, std::vector<float>& out);
+  // Gathers the TP group's logit slices (`local` from ForwardStage, `rows` rows) into
+  // rows x vocab_size full logits, identical on every rank. Every rank of the group must call it.
+  absl::Status GatherLogits(const std::vector<float>& local, int64_t rows,
+                            std::vector<float>& logits);
+  int64_t vocab_begin() const { return vocab_begin_; }
+  int64_t vocab_end() const { return vocab_end_; }
+  int64_t logits_stride() const {
+    return (config_.vocab_size + options_.tp_size - 1) / options_.tp_size;
+  }
 
   bool first_stage() const { return layer_begin_ == 0; }
   bool last_stage() const { return layer_end_ == config_.num_layers; }

@@ -15,6 +15,7 @@
 #include "common/status.h"
 #include "model/sampler.h"
 #include "model/transformer.h"
+#include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
 
 namespace shardserve {
@@ -88,7 +89,8 @@ class Rank {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
-  std::map<int64_t, Sampler> samplers_;
+  std::map<int64_t, SamplingParams> params_;  // on the last stage
+  std::map<int64_t, Sampler> samplers_;       // on the last stage's tp_rank 0
 };
 
 absl::Status Rank::Init() {
@@ -158,6 +160,7 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       const int64_t seq = id.get<int64_t>();
       if (kv_.count(seq)) cache_->Release(kv_[seq]);
       kv_.erase(seq);
+      params_.erase(seq);
       samplers_.erase(seq);
     }
     std::vector<SequenceChunk> chunks;
@@ -165,9 +168,10 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
     int64_t rows = 0;
     for (const json& ch : desc.at("chunks")) {
       const int64_t seq = ch.at("seq").get<int64_t>();
-      if (ch.contains("params") && world_.rank() == LastSampler()) {
+      if (ch.contains("params") && model_->last_stage()) {
+        params_[seq] = ParamsFromJson(ch["params"]);
         samplers_.erase(seq);
-        samplers_.emplace(seq, Sampler(ParamsFromJson(ch["params"])));
+        if (world_.rank() == LastSampler()) samplers_.emplace(seq, Sampler(params_[seq]));
       }
       SequenceChunk chunk;
       chunk.tokens = ch.at("tokens").get<std::vector<int32_t>>();
@@ -189,10 +193,35 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
           world_comm_->Send(out.data(), out.size() * sizeof(float), *world_.NextStageRank()));
       return json();
     }
+    // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
+    // gather them so that a seed gives the same tokens at every TP size.
+    const int64_t S = static_cast<int64_t>(ids.size());
+    bool greedy = true;
+    int64_t top_k = 0;
+    for (int64_t seq : ids) {
+      greedy &= params_.at(seq).temperature == 0.0f;
+      top_k = std::max(top_k, params_.at(seq).top_logprobs);
+    }
+    std::vector<SampledToken> tokens;
+    if (greedy) {
+      ASSIGN_OR_RETURN(tokens, GreedyFromVocabSlices(out.data(), S, model_->logits_stride(),
+                                                     model_->vocab_begin(), model_->vocab_end(),
+                                                     top_k, tp_comm_.get()));
+    } else {
+      std::vector<float> logits;
+      RETURN_IF_ERROR(model_->GatherLogits(out, S, logits));
+      if (world_.rank() == LastSampler()) {
+        for (int64_t s = 0; s < S; ++s) {
+          tokens.push_back(
+              samplers_.at(ids[s]).Sample(logits.data() + s * c.vocab_size, c.vocab_size));
+        }
+      }
+    }
     if (world_.rank() != LastSampler()) return json();
     json results = json::array();
-    for (size_t s = 0; s < ids.size(); ++s) {
-      SampledToken t = samplers_.at(ids[s]).Sample(out.data() + s * c.vocab_size, c.vocab_size);
+    for (int64_t s = 0; s < S; ++s) {
+      SampledToken& t = tokens[s];
+      t.top.resize(std::min<size_t>(t.top.size(), params_.at(ids[s]).top_logprobs));
       json top = json::array();
       for (const TokenLogprob& a : t.top) top.push_back({a.id, a.logprob});
       results.push_back({{"seq", ids[s]}, {"token", t.id}, {"logprob", t.logprob}, {"top", top}});

@@ -12,6 +12,7 @@
 #include "model/generator.h"
 #include "model/test_models.h"
 #include "model/transformer.h"
+#include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
 
 namespace shardserve {
@@ -80,13 +81,20 @@ class ShardedModel {
     return m;
   }
 
-  // One step for one sequence: `tokens` enter stage 0; returns the last stage's logits, checking
-  // that every TP rank of every stage produced identical outputs.
-  std::vector<float> Step(const std::vector<int32_t>& tokens) {
+  // One step for one sequence: `tokens` enter stage 0. Returns the last stage's gathered logits
+  // and the greedy choice its ranks made from their vocabulary slices alone, checking that every
+  // TP rank of every stage agrees.
+  struct StepOut {
+    std::vector<float> logits;
+    SampledToken greedy;
+  };
+  StepOut Step(const std::vector<int32_t>& tokens) {
     std::vector<float> hidden;
+    StepOut result;
     for (auto& stage : stages_) {
       const int tp = static_cast<int>(stage.size());
       std::vector<std::vector<float>> outs(tp);
+      std::vector<SampledToken> greedy(tp);
       std::vector<std::thread> threads;
       for (int t = 0; t < tp; ++t) {
         threads.emplace_back([&, t] {
@@ -94,16 +102,33 @@ class ShardedModel {
           std::vector<SequenceChunk> chunks(1);
           chunks[0].tokens = tokens;
           chunks[0].kv = &r.kv;
+          std::vector<float> out;
           absl::Status s = r.model->ForwardStage(chunks, *r.cache,
-                                                 hidden.empty() ? nullptr : hidden.data(), outs[t]);
-          EXPECT_TRUE(s.ok()) << s;
+                                                 hidden.empty() ? nullptr : hidden.data(), out);
+          ASSERT_TRUE(s.ok()) << s;
+          if (!r.model->last_stage()) {
+            outs[t] = std::move(out);
+            return;
+          }
+          ASSERT_TRUE(r.model->GatherLogits(out, 1, outs[t]).ok());
+          auto g =
+              GreedyFromVocabSlices(out.data(), 1, r.model->logits_stride(), r.model->vocab_begin(),
+                                    r.model->vocab_end(), 3, r.comm.get());
+          ASSERT_TRUE(g.ok()) << g.status();
+          greedy[t] = (*g)[0];
         });
       }
       for (auto& th : threads) th.join();
-      for (int t = 1; t < tp; ++t) EXPECT_EQ(outs[t], outs[0]) << "tp ranks disagree";
+      for (int t = 1; t < tp; ++t) {
+        EXPECT_EQ(outs[t], outs[0]) << "tp ranks disagree";
+        EXPECT_EQ(greedy[t].id, greedy[0].id);
+        EXPECT_EQ(greedy[t].logprob, greedy[0].logprob);
+      }
       hidden = std::move(outs[0]);
+      result.greedy = greedy[0];
     }
-    return hidden;
+    result.logits = std::move(hidden);
+    return result;
   }
 
   std::vector<std::vector<Rank>> stages_;
@@ -118,13 +143,20 @@ Greedy RunGreedy(ShardedModel& m, std::vector<int32_t> prompt, int steps) {
   Greedy g;
   std::vector<int32_t> in = prompt;
   for (int i = 0; i < steps; ++i) {
-    std::vector<float> logits = m.Step(in);
-    const int32_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
-    double z = 0;
-    for (float l : logits) z += std::exp(double(l) - logits[best]);
-    g.tokens.push_back(best);
-    g.logprobs.push_back(static_cast<float>(-std::log(z)));
-    in = {best};
+    auto step = m.Step(in);
+    // The choice made from the slices equals the one made from the whole logits.
+    SamplingParams p;
+    p.top_logprobs = 3;
+    SampledToken whole = Sampler(p).Sample(step.logits.data(), step.logits.size());
+    EXPECT_EQ(step.greedy.id, whole.id);
+    EXPECT_NEAR(step.greedy.logprob, whole.logprob, 1e-5);
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_EQ(step.greedy.top[j].id, whole.top[j].id);
+      EXPECT_NEAR(step.greedy.top[j].logprob, whole.top[j].logprob, 1e-5);
+    }
+    g.tokens.push_back(step.greedy.id);
+    g.logprobs.push_back(step.greedy.logprob);
+    in = {step.greedy.id};
   }
   return g;
 }

@@ -1,0 +1,76 @@
+#include "model/vocab_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/status.h"
+
+namespace shardserve {
+
+absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* local, int64_t S,
+                                                                int64_t ld, int64_t vocab_begin,
+                                                                int64_t vocab_end,
+                                                                int64_t top_logprobs,
+                                                                Communicator* comm) {
+  const int64_t K = std::max<int64_t>(1, top_logprobs);
+  const int64_t width = 2 + 2 * K;  // max, sum, then K (logit, id) pairs
+  const int64_t n = vocab_end - vocab_begin;
+  auto better = [](float la, int64_t ia, float lb, int64_t ib) {
+    return la > lb || (la == lb && ia < ib);
+  };
+  std::vector<float> mine(S * width, -INFINITY);
+  std::vector<int64_t> order(n);
+  for (int64_t s = 0; s < S; ++s) {
+    const float* row = local + s * ld;
+    float* rec = mine.data() + s * width;
+    const float mx = *std::max_element(row, row + n);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(row[i] - mx));
+    rec[0] = mx;
+    rec[1] = static_cast<float>(sum);
+    const int64_t k = std::min(K, n);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return better(row[a], a, row[b], b); });
+    for (int64_t j = 0; j < k; ++j) {
+      rec[2 + 2 * j] = row[order[j]];
+      rec[3 + 2 * j] = static_cast<float>(vocab_begin + order[j]);  // ids < 2^24 are exact
+    }
+  }
+  const int T = comm == nullptr ? 1 : comm->size();
+  std::vector<float> all(T * S * width);
+  if (comm == nullptr) {
+    all = mine;
+  } else {
+    RETURN_IF_ERROR(comm->AllGather(mine.data(), mine.size(), all.data()));
+  }
+  std::vector<SampledToken> out(S);
+  for (int64_t s = 0; s < S; ++s) {
+    float gmax = -INFINITY;
+    for (int r = 0; r < T; ++r) gmax = std::max(gmax, all[(r * S + s) * width]);
+    double z = 0;
+    std::vector<std::pair<float, int64_t>> cand;
+    for (int r = 0; r < T; ++r) {
+      const float* rec = all.data() + (r * S + s) * width;
+      if (rec[0] == -INFINITY) continue;  // an empty slice
+      z += static_cast<double>(rec[1]) * std::exp(static_cast<double>(rec[0] - gmax));
+      for (int64_t j = 0; j < K; ++j) {
+        if (rec[2 + 2 * j] == -INFINITY) break;
+        cand.push_back({rec[2 + 2 * j], static_cast<int64_t>(rec[3 + 2 * j])});
+      }
+    }
+    std::sort(cand.begin(), cand.end(), [&](const auto& a, const auto& b) {
+      return better(a.first, a.second, b.first, b.second);
+    });
+    const float log_z = gmax + static_cast<float>(std::log(z));
+    out[s].id = static_cast<int32_t>(cand[0].second);
+    out[s].logprob = cand[0].first - log_z;
+    for (int64_t j = 0; j < std::min<int64_t>(top_logprobs, cand.size()); ++j) {
+      out[s].top.push_back({static_cast<int32_t>(cand[j].second), cand[j].first - log_z});
+    }
+  }
+  return out;
+}
+
+}  // namespace shardserve
