@@ -71,6 +71,7 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
     }
   };
   auto deadline = std::chrono::steady_clock::time_point::max();
+  bool sent_term = false;
   while (left > 0) {
     int status;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
@@ -81,8 +82,7 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
         --left;
         if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && first.ok()) {
           first = absl::AbortedError(absl::StrCat(children[i].name, " ", Describe(status)));
-          terminate_rest(SIGTERM);
-          deadline = std::chrono::steady_clock::now() + grace;
+          deadline = std::chrono::steady_clock::now() + grace;  // they report it, or SIGTERM
         }
       }
       continue;
@@ -90,11 +90,14 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
     if (const int sig = g_stop_signal.exchange(0); sig != 0) {
       if (first.ok()) first = absl::CancelledError(absl::StrCat("stopped by signal ", sig));
       terminate_rest(SIGTERM);
+      sent_term = true;
       deadline = std::chrono::steady_clock::now() + grace;
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      terminate_rest(SIGKILL);
-      deadline = std::chrono::steady_clock::time_point::max();
+      terminate_rest(sent_term ? SIGKILL : SIGTERM);
+      deadline = sent_term ? std::chrono::steady_clock::time_point::max()
+                           : std::chrono::steady_clock::now() + grace;
+      sent_term = true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

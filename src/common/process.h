@@ -1,8 +1,8 @@
 #pragma once
 // Child processes: spawn with extra environment, and supervise a group of them. When one child
-// fails (non-zero exit or a signal) the others are terminated (SIGTERM, then SIGKILL after a
-// grace period) and the error names the child that failed first. SIGINT/SIGTERM to the
-// supervisor are passed on to the children.
+// fails (non-zero exit or a signal) the others get a grace period to notice and report it
+// themselves, then SIGTERM, then after another grace period SIGKILL; the error names the child
+// that failed first. SIGINT/SIGTERM to the supervisor are passed on to the children at once.
 #include <sys/types.h>
 
 #include <chrono>

@@ -75,6 +75,13 @@ class Rank {
   absl::StatusOr<std::vector<GenerationResult>> Lead(const std::vector<GenerationRequest>& reqs);
   absl::Status Follow();
   const Transformer& model() const { return *model_; }
+  // This rank gives up: every peer, over both communicators, learns the cause before the
+  // connections close, so all ranks report the rank that actually failed.
+  absl::Status AbortAll(const absl::Status& s) {
+    if (tp_comm_) (void)tp_comm_->Abort(s);
+    if (world_comm_) (void)world_comm_->Abort(s);
+    return s;
+  }
 
  private:
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
@@ -124,7 +131,7 @@ absl::Status Rank::Init() {
       so.member_names.push_back(world_.Describe(world_.RankOf(cfg_.stage, t)));
     }
     auto comm = ShmCommunicator::Create(so);
-    if (!comm.ok()) return world_comm_->Abort(comm.status());
+    if (!comm.ok()) return comm.status();
     tp_comm_ = std::move(*comm);
   }
   // Every rank computes the same split; a shape that cannot be sharded is reported to all.
@@ -405,14 +412,16 @@ absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
                                                    " x pp ", config.pp));
   }
   Rank rank(config, world);
-  RETURN_IF_ERROR(rank.Init());
+  if (absl::Status s = rank.Init(); !s.ok()) return rank.AbortAll(s);
   RankOutcome outcome;
   if (world.is_leader()) {
     const auto t0 = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(outcome.results, rank.Lead(requests));
+    auto results = rank.Lead(requests);
+    if (!results.ok()) return rank.AbortAll(results.status());
+    outcome.results = std::move(*results);
     outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  } else {
-    RETURN_IF_ERROR(rank.Follow());
+  } else if (absl::Status s = rank.Follow(); !s.ok()) {
+    return rank.AbortAll(s);
   }
   outcome.resident_bytes = ResidentBytes();
   outcome.shard_weight_bytes = rank.model().shard_weight_bytes();

@@ -91,9 +91,12 @@ with tempfile.TemporaryDirectory() as tmp:
         _, err = proc.communicate()
     took = time.monotonic() - killed_at
     print(f"kill -9 rank 3: the whole replica was down {took:.2f} s later")
-    print("\n".join("  | " + l for l in err.strip().splitlines()[-6:]))
+    print("\n".join("  | " + l for l in err.strip().splitlines()[-8:]))
     check(proc.returncode != 0, "generate exits non-zero when a rank dies")
     check("rank 3 (stage 1, tp 1)" in err, "the error names rank 3 (stage 1, tp 1)")
+    rank_lines = [l for l in err.splitlines() if l.startswith("shardserve-worker rank:")]
+    check(len(rank_lines) == 3 and all("rank 3 (stage 1, tp 1)" in l for l in rank_lines),
+          f"each of the 3 other ranks exits naming rank 3 ({len(rank_lines)} rank errors)")
     time.sleep(0.5)
     check(not workers_running(), "no worker process is left behind")
 
