@@ -394,8 +394,14 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
     }
     c.leader_host = addr.substr(0, colon);
   }
+  // Names this replica's shared memory: one per model replica, so replicas sharing a node
+  // never meet.
   const char* job = std::getenv("SHARDSERVE_JOB_ID");
-  c.job_id = job != nullptr && *job ? job : "default";
+  const char* name = std::getenv("SHARDSERVE_MODEL_NAME");
+  ASSIGN_OR_RETURN(int replica, EnvInt("SHARDSERVE_REPLICA", 0));
+  c.job_id = job != nullptr && *job
+                 ? std::string(job)
+                 : absl::StrCat(name != nullptr && *name ? name : "model", "-r", replica);
   for (char& ch : c.job_id) {
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';
   }

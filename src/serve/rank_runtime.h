@@ -40,7 +40,8 @@ struct RankConfig {
 
 // From the pod contract's environment: SHARDSERVE_MODEL_PATH, SHARDSERVE_TP, SHARDSERVE_PP,
 // SHARDSERVE_STAGE, SHARDSERVE_TP_RANK, SHARDSERVE_LEADER_ADDR (host:port),
-// SHARDSERVE_MICROBATCHES, SHARDSERVE_JOB_ID, SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
+// SHARDSERVE_MICROBATCHES, SHARDSERVE_MODEL_NAME and SHARDSERVE_REPLICA (or SHARDSERVE_JOB_ID:
+// they name the replica's shared memory), SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
 // (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading).
 // Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFromEnv();

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Sharded generation through the real binaries: `shardserve generate --tp T --pp P` starts P
 stage launchers x T rank processes that meet at a rendezvous, talk over shared memory (TP) and
-TCP (PP), and must give the single process's greedy tokens and logprobs. Killing a rank must take
-every process down with a message naming it, and an unshardable shape must fail cleanly."""
+TCP (PP), and must give the single process's greedy tokens and logprobs for every TP in {1,2,4} x
+PP in {1,2,3} on Llama (GQA, 2 KV heads: TP=4 replicates them) and Mixtral, with 3 layers (not
+divisible by 2 stages) and a vocabulary of 401. Killing a rank must take every process down with
+every rank naming it, and unshardable shapes must fail cleanly."""
 import json
 import os
 import signal
@@ -49,8 +51,8 @@ with tempfile.TemporaryDirectory() as tmp:
                         "96", "--vocab", "401", "--experts", "4", "--dtype", "bf16"],
                        check=True, capture_output=True)
         models[arch] = d
-    for arch, shapes in [("llama", [(2, 1), (1, 2), (2, 2), (4, 1), (1, 3), (2, 3)]),
-                         ("mixtral", [(2, 2), (4, 1)])]:
+    grid = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 3) if tp * pp > 1]
+    for arch, shapes in [("llama", grid), ("mixtral", grid)]:
         base = generate(models[arch], [])
         want = json.loads(base.stdout)
         for tp, pp in shapes:
@@ -106,6 +108,9 @@ with tempfile.TemporaryDirectory() as tmp:
           "num_attention_heads 4 is not divisible by tensor parallelism 3" in r.stderr,
           "tp 3 on 4 heads fails with the numbers")
     check(not workers_running(), "no worker process is left behind after a bad shape")
+    r = generate(models["llama"], ["--pp", "4"], timeout=120)
+    check(r.returncode != 0 and "the model has 3 layers: too few for 4 pipeline stages" in r.stderr,
+          "pp 4 on 3 layers fails with the numbers")
 
 print(f"{passed} passed, {len(failures)} failed")
 sys.exit(1 if failures else 0)
