@@ -1,5 +1,7 @@
 #include "serve/rank_runtime.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <deque>
 #include <map>
@@ -102,9 +104,9 @@ class Rank {
 
 absl::Status Rank::Init() {
   const int rank = world_.rank();
-  ASSIGN_OR_RETURN(Socket data, Listen(cfg_.leader_host == "127.0.0.1" ? "127.0.0.1" : "", 0));
-  const char* host_env = std::getenv("SHARDSERVE_HOST");
-  const RankAddress self{rank, host_env != nullptr ? host_env : cfg_.leader_host, data.port()};
+  // A loopback rank listens on loopback only; otherwise on every interface.
+  ASSIGN_OR_RETURN(Socket data, Listen(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "", 0));
+  const RankAddress self{rank, cfg_.host, data.port()};
   absl::StatusOr<WorldInfo> info;
   if (world_.is_leader()) {
     ASSIGN_OR_RETURN(RendezvousServer server, RendezvousServer::Listen("", cfg_.leader_port));
@@ -402,6 +404,13 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   c.job_id = job != nullptr && *job
                  ? std::string(job)
                  : absl::StrCat(name != nullptr && *name ? name : "model", "-r", replica);
+  if (const char* host = std::getenv("SHARDSERVE_HOST"); host != nullptr && *host) {
+    c.host = host;
+  } else if (c.leader_host != "127.0.0.1" && c.leader_host != "localhost") {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    c.host = name;
+  }
   for (char& ch : c.job_id) {
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';
   }

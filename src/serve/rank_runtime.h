@@ -27,9 +27,10 @@ struct RankConfig {
   int stage = 0;
   int tp_rank = 0;
   std::string leader_host = "127.0.0.1";
-  int leader_port = 29500;  // rendezvous
-  std::string job_id;       // names the shared-memory segments of this replica
-  int microbatches = 0;     // 0: pp
+  int leader_port = 29500;         // rendezvous
+  std::string job_id;              // names the shared-memory segments of this replica
+  std::string host = "127.0.0.1";  // this rank's address as the others reach it
+  int microbatches = 0;            // 0: pp
   int threads = 1;
   int64_t kv_cache_tokens = 8192;
   std::chrono::milliseconds peer_timeout{2000};
@@ -42,7 +43,8 @@ struct RankConfig {
 // SHARDSERVE_STAGE, SHARDSERVE_TP_RANK, SHARDSERVE_LEADER_ADDR (host:port),
 // SHARDSERVE_MICROBATCHES, SHARDSERVE_MODEL_NAME and SHARDSERVE_REPLICA (or SHARDSERVE_JOB_ID:
 // they name the replica's shared memory), SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
-// (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading).
+// (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading),
+// SHARDSERVE_HOST (this rank's address; default loopback when the leader is, else the hostname).
 // Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFromEnv();
 
