@@ -136,21 +136,48 @@ constexpr int64_t kMr = 6;
 constexpr int64_t kKc = 256;
 constexpr int64_t kNc = 128;
 
+// Transposes the 8x8 block r[0..7] (row i = 8 consecutive k of weight row i) in place, so that
+// r[k] holds the 8 rows' values at k.
+inline void Transpose8x8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Packs rows [n, n + nr) x columns [k0, k0 + kc) of w into panel[k][16] as F32 (rows past nr are
+// zero), converting and transposing 8x8 blocks in registers.
 template <DType D>
 void PackPanel(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* panel) {
-  alignas(32) float tmp[8];
-  for (int64_t r = 0; r < kNr; ++r) {
-    if (r >= nr) {
-      for (int64_t k = 0; k < kc; ++k) panel[k * kNr + r] = 0.f;
-      continue;
+  const int64_t k8 = kc / 8 * 8;
+  for (int64_t half = 0; half < kNr; half += 8) {
+    const void* rows[8];
+    for (int64_t i = 0; i < 8; ++i) rows[i] = half + i < nr ? RowPtr(w, n + half + i) : nullptr;
+    for (int64_t k = 0; k < k8; k += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i) {
+        r[i] = rows[i] != nullptr ? Load8<D>(rows[i], k0 + k) : _mm256_setzero_ps();
+      }
+      Transpose8x8(r);
+      for (int64_t i = 0; i < 8; ++i) _mm256_store_ps(panel + (k + i) * kNr + half, r[i]);
     }
-    const void* row = RowPtr(w, n + r);
-    int64_t k = 0;
-    for (; k + 8 <= kc; k += 8) {
-      _mm256_store_ps(tmp, Load8<D>(row, k0 + k));
-      for (int i = 0; i < 8; ++i) panel[(k + i) * kNr + r] = tmp[i];
+    for (int64_t k = k8; k < kc; ++k) {
+      for (int64_t i = 0; i < 8; ++i) {
+        panel[k * kNr + half + i] = rows[i] != nullptr ? LoadScalar<D>(rows[i], k0 + k) : 0.f;
+      }
     }
-    for (; k < kc; ++k) panel[k * kNr + r] = LoadScalar<D>(row, k0 + k);
   }
 }
 
