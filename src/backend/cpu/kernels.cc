@@ -298,7 +298,13 @@ void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const f
 template <DType D>
 void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t M,
                int64_t ldx, float* y, int64_t ldy) {
-  alignas(64) static thread_local float panels[kNc / kNr][kKc * kNr];
+  // Per-thread packing buffer on the heap: 128 KiB of static thread-local storage would sit on
+  // every thread's stack, including small-stack threads of other libraries (civetweb's fail).
+  thread_local std::vector<float> storage;
+  constexpr size_t kPanelFloats = kKc * kNr;
+  if (storage.empty()) storage.resize(kNc / kNr * kPanelFloats + 16);
+  float* base = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
+  auto panel = [&](int64_t s) { return base + s * kPanelFloats; };
   const int64_t K = w.cols;
   for (int64_t nb = n0; nb < n1; nb += kNc) {
     const int64_t ne = std::min(n1, nb + kNc);
@@ -306,13 +312,13 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
       for (int64_t s = 0; s < strips; ++s) {
-        PackPanel<D>(w, nb + s * kNr, std::min(kNr, ne - nb - s * kNr), k0, kc, panels[s]);
+        PackPanel<D>(w, nb + s * kNr, std::min(kNr, ne - nb - s * kNr), k0, kc, panel(s));
       }
       for (int64_t m = 0; m < M; m += kMr) {
         const int64_t mr = std::min(kMr, M - m);
         for (int64_t s = 0; s < strips; ++s) {
           const int64_t n = nb + s * kNr;
-          MicroKernelAny(mr, kc, x + m * ldx + k0, ldx, panels[s], y + m * ldy + n, ldy,
+          MicroKernelAny(mr, kc, x + m * ldx + k0, ldx, panel(s), y + m * ldy + n, ldy,
                          std::min(kNr, ne - n), k0 > 0);
         }
       }
