@@ -39,7 +39,8 @@ commands:
              --corpus FILE --shard-size BYTES]
   generate   --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T
              --top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos
-             --threads N --format text|json --tp T --pp P --microbatches M --batch N]
+             --threads N --format text|json --tp T --pp P --microbatches M --batch N
+             --metrics-port-base PORT]
              (--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)
   bench      [runtime] --model DIR [--threads N --decode-tokens N --prefill-tokens N]
   bench      allreduce [--processes N]
@@ -116,7 +117,8 @@ struct Generated {
 
 absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const GenerationRequest& req,
                                           int64_t batch, int64_t tp, int64_t pp,
-                                          int64_t microbatches, int threads) {
+                                          int64_t microbatches, int threads,
+                                          int64_t metrics_port_base) {
   int port;
   {
     ASSIGN_OR_RETURN(Socket probe, Listen("127.0.0.1", 0));  // a free rendezvous port
@@ -148,7 +150,10 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
                       {"SHARDSERVE_THREADS", std::to_string(threads)},
                       {"SHARDSERVE_JOB_ID", job},
                       {"SHARDSERVE_REQUEST", request.dump()},
-                      {"SHARDSERVE_RESULT_FILE", result_path}});
+                      {"SHARDSERVE_RESULT_FILE", result_path},
+                      // One-shot runs serve /metrics only when asked (base + global rank).
+                      {"SHARDSERVE_METRICS", metrics_port_base >= 0 ? "on" : "off"},
+                      {"SHARDSERVE_METRICS_PORT_BASE", std::to_string(metrics_port_base)}});
     if (!pid.ok()) {
       for (const Child& c : stages) kill(c.pid, SIGKILL);
       return pid.status();
@@ -185,7 +190,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
       Args a, Args::Parse(argv,
                           {"model", "prompt", "prompt-ids", "max-tokens", "temperature", "top-p",
                            "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format", "tp",
-                           "pp", "microbatches", "batch"},
+                           "pp", "microbatches", "batch", "metrics-port-base"},
                           {"ignore-eos"}));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
@@ -240,7 +245,9 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     g.result = std::move(results[0]);
   } else {
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
-    ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank));
+    ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
+    ASSIGN_OR_RETURN(
+        g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank, metrics_base));
   }
   const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);

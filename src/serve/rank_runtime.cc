@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <map>
@@ -9,12 +10,14 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "comm/observed_comm.h"
 #include "comm/rendezvous.h"
 #include "comm/shm_comm.h"
 #include "comm/tcp_comm.h"
 #include "comm/world.h"
 #include "common/process.h"
 #include "common/status.h"
+#include "metrics/rank_metrics.h"
 #include "model/sampler.h"
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
@@ -80,6 +83,7 @@ class Rank {
   // This rank gives up: every peer, over both communicators, learns the cause before the
   // connections close, so all ranks report the rank that actually failed.
   absl::Status AbortAll(const absl::Status& s) {
+    if (metrics_) metrics_->SetUp(false);
     if (tp_comm_) (void)tp_comm_->Abort(s);
     if (world_comm_) (void)world_comm_->Abort(s);
     return s;
@@ -95,6 +99,9 @@ class Rank {
   WorldConfig world_;
   std::unique_ptr<TcpCommunicator> world_comm_;
   std::unique_ptr<ShmCommunicator> tp_comm_;
+  // The communicators as the runtime uses them: timed into the metrics.
+  std::unique_ptr<Communicator> mesh_, tp_group_;
+  std::unique_ptr<RankMetrics> metrics_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
@@ -104,6 +111,19 @@ class Rank {
 
 absl::Status Rank::Init() {
   const int rank = world_.rank();
+  if (cfg_.metrics_port >= 0) {
+    ASSIGN_OR_RETURN(
+        metrics_,
+        RankMetrics::Start(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", cfg_.metrics_port,
+                           {cfg_.model_name, std::to_string(cfg_.replica),
+                            std::to_string(cfg_.stage), std::to_string(cfg_.tp_rank)}));
+    metrics_->SetUp(false);
+    std::fprintf(stderr, "%s: metrics on %s:%d/metrics\n", world_.Describe(rank).c_str(),
+                 cfg_.host.c_str(), metrics_->port());
+  }
+  auto observe = [this](const char* op, double seconds, size_t bytes) {
+    if (metrics_) metrics_->ObserveComm(op, seconds, bytes);
+  };
   // A loopback rank listens on loopback only; otherwise on every interface.
   ASSIGN_OR_RETURN(Socket data, Listen(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "", 0));
   const RankAddress self{rank, cfg_.host, data.port()};
@@ -123,6 +143,7 @@ absl::Status Rank::Init() {
   to.group_id = Fnv(cfg_.job_id);
   to.peer_timeout = cfg_.peer_timeout;
   ASSIGN_OR_RETURN(world_comm_, TcpCommunicator::Create(to, std::move(data)));
+  mesh_ = std::make_unique<ObservedCommunicator>(world_comm_.get(), observe);
   if (cfg_.tp > 1) {
     ShmOptions so;
     so.name = absl::StrCat("/shardserve-", cfg_.job_id, "-stage", cfg_.stage);
@@ -135,6 +156,7 @@ absl::Status Rank::Init() {
     auto comm = ShmCommunicator::Create(so);
     if (!comm.ok()) return comm.status();
     tp_comm_ = std::move(*comm);
+    tp_group_ = std::make_unique<ObservedCommunicator>(tp_comm_.get(), observe);
   }
   // Every rank computes the same split; a shape that cannot be sharded is reported to all.
   absl::Status loaded = [&]() -> absl::Status {
@@ -147,7 +169,7 @@ absl::Status Rank::Init() {
     o.num_threads = cfg_.threads;
     o.tp_size = cfg_.tp;
     o.tp_rank = cfg_.tp_rank;
-    o.tp_comm = tp_comm_.get();
+    o.tp_comm = tp_group_.get();
     o.layer_begin = split[cfg_.stage].begin;
     o.layer_end = split[cfg_.stage].end;
     ASSIGN_OR_RETURN(model_, Transformer::Load(cfg_.model_path, o));
@@ -158,7 +180,12 @@ absl::Status Rank::Init() {
     return world_comm_->Abort(
         absl::Status(loaded.code(), absl::StrCat(world_.Describe(rank), ": ", loaded.message())));
   }
-  return world_comm_->Barrier();  // everyone loaded: start together
+  RETURN_IF_ERROR(mesh_->Barrier());  // everyone loaded: start together
+  if (metrics_) {
+    metrics_->SetWeightsBytes(static_cast<double>(model_->shard_weight_bytes()));
+    metrics_->SetUp(true);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
@@ -192,14 +219,21 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
     std::vector<float> hidden_in, out;
     if (!model_->first_stage()) {
       hidden_in.resize(rows * c.hidden_size);
-      RETURN_IF_ERROR(world_comm_->Recv(hidden_in.data(), hidden_in.size() * sizeof(float),
-                                        *world_.PrevStageRank()));
+      RETURN_IF_ERROR(
+          mesh_->Recv(hidden_in.data(), hidden_in.size() * sizeof(float), *world_.PrevStageRank()));
     }
+    const auto t0 = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(
         model_->ForwardStage(chunks, *cache_, hidden_in.empty() ? nullptr : hidden_in.data(), out));
+    if (metrics_) {
+      metrics_->ObserveForward(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      metrics_->AddTokens(static_cast<double>(rows));
+      metrics_->SetKvCacheUsage(1.0 - static_cast<double>(cache_->free_blocks()) /
+                                          static_cast<double>(cache_->num_blocks()));
+    }
     if (!model_->last_stage()) {
-      RETURN_IF_ERROR(
-          world_comm_->Send(out.data(), out.size() * sizeof(float), *world_.NextStageRank()));
+      RETURN_IF_ERROR(mesh_->Send(out.data(), out.size() * sizeof(float), *world_.NextStageRank()));
       return json();
     }
     // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
@@ -215,7 +249,7 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
     if (greedy) {
       ASSIGN_OR_RETURN(tokens, GreedyFromVocabSlices(out.data(), S, model_->logits_stride(),
                                                      model_->vocab_begin(), model_->vocab_end(),
-                                                     top_k, tp_comm_.get()));
+                                                     top_k, tp_group_.get()));
     } else {
       std::vector<float> logits;
       RETURN_IF_ERROR(model_->GatherLogits(out, S, logits));
@@ -243,10 +277,10 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
 
 absl::Status Rank::Follow() {
   for (;;) {
-    ASSIGN_OR_RETURN(json desc, RecvJson(*world_comm_, 0));
+    ASSIGN_OR_RETURN(json desc, RecvJson(*mesh_, 0));
     ASSIGN_OR_RETURN(json res, ProcessStep(desc));
     if (res.is_object() && res.value("stop", false)) return absl::OkStatus();
-    if (!res.is_null()) RETURN_IF_ERROR(SendBlob(*world_comm_, 0, res.dump()));
+    if (!res.is_null()) RETURN_IF_ERROR(SendBlob(*mesh_, 0, res.dump()));
   }
 }
 
@@ -290,7 +324,7 @@ absl::StatusOr<std::vector<GenerationResult>> Rank::Lead(
     const json desc = {{"type", "step"}, {"mb", mb}, {"chunks", chunks}, {"release", release}};
     release.clear();
     const std::string wire = desc.dump();
-    for (int r = 1; r < world; ++r) RETURN_IF_ERROR(SendBlob(*world_comm_, r, wire));
+    for (int r = 1; r < world; ++r) RETURN_IF_ERROR(SendBlob(*mesh_, r, wire));
     ASSIGN_OR_RETURN(json res, ProcessStep(desc));
     if (res.is_null()) {
       inflight.push_back(mb);
@@ -334,7 +368,7 @@ absl::StatusOr<std::vector<GenerationResult>> Rank::Lead(
       ready.pop_front();
     } else {
       inflight.pop_front();
-      ASSIGN_OR_RETURN(res, RecvJson(*world_comm_, LastSampler()));
+      ASSIGN_OR_RETURN(res, RecvJson(*mesh_, LastSampler()));
     }
     try {
       for (const json& r : res.at("results")) accept(r);
@@ -344,7 +378,7 @@ absl::StatusOr<std::vector<GenerationResult>> Rank::Lead(
     }
   }
   const std::string stop = json{{"type", "stop"}, {"release", release}}.dump();
-  for (int r = 1; r < world; ++r) RETURN_IF_ERROR(SendBlob(*world_comm_, r, stop));
+  for (int r = 1; r < world; ++r) RETURN_IF_ERROR(SendBlob(*mesh_, r, stop));
   return results;
 }
 
@@ -400,16 +434,21 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   // never meet.
   const char* job = std::getenv("SHARDSERVE_JOB_ID");
   const char* name = std::getenv("SHARDSERVE_MODEL_NAME");
-  ASSIGN_OR_RETURN(int replica, EnvInt("SHARDSERVE_REPLICA", 0));
-  c.job_id = job != nullptr && *job
-                 ? std::string(job)
-                 : absl::StrCat(name != nullptr && *name ? name : "model", "-r", replica);
+  ASSIGN_OR_RETURN(c.replica, EnvInt("SHARDSERVE_REPLICA", 0));
+  if (name != nullptr && *name) c.model_name = name;
+  c.job_id =
+      job != nullptr && *job ? std::string(job) : absl::StrCat(c.model_name, "-r", c.replica);
   if (const char* host = std::getenv("SHARDSERVE_HOST"); host != nullptr && *host) {
     c.host = host;
   } else if (c.leader_host != "127.0.0.1" && c.leader_host != "localhost") {
     char name[256] = {};
     gethostname(name, sizeof(name) - 1);
     c.host = name;
+  }
+  const char* metrics = std::getenv("SHARDSERVE_METRICS");
+  if (metrics == nullptr || std::string(metrics) != "off") {
+    ASSIGN_OR_RETURN(int base, EnvInt("SHARDSERVE_METRICS_PORT_BASE", -1));
+    c.metrics_port = base >= 0 ? base + c.rank() : 9400 + c.tp_rank;
   }
   for (char& ch : c.job_id) {
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';

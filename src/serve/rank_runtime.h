@@ -27,10 +27,13 @@ struct RankConfig {
   int stage = 0;
   int tp_rank = 0;
   std::string leader_host = "127.0.0.1";
-  int leader_port = 29500;         // rendezvous
-  std::string job_id;              // names the shared-memory segments of this replica
-  std::string host = "127.0.0.1";  // this rank's address as the others reach it
-  int microbatches = 0;            // 0: pp
+  int leader_port = 29500;           // rendezvous
+  std::string job_id;                // names the shared-memory segments of this replica
+  std::string host = "127.0.0.1";    // this rank's address as the others reach it
+  std::string model_name = "model";  // metric labels
+  int replica = 0;
+  int metrics_port = -1;  // -1: no /metrics server
+  int microbatches = 0;   // 0: pp
   int threads = 1;
   int64_t kv_cache_tokens = 8192;
   std::chrono::milliseconds peer_timeout{2000};
@@ -44,7 +47,9 @@ struct RankConfig {
 // SHARDSERVE_MICROBATCHES, SHARDSERVE_MODEL_NAME and SHARDSERVE_REPLICA (or SHARDSERVE_JOB_ID:
 // they name the replica's shared memory), SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
 // (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading),
-// SHARDSERVE_HOST (this rank's address; default loopback when the leader is, else the hostname).
+// SHARDSERVE_HOST (this rank's address; default loopback when the leader is, else the hostname),
+// SHARDSERVE_METRICS_PORT_BASE (local mode: /metrics on base + global rank; default in a pod
+// 9400 + tp_rank) and SHARDSERVE_METRICS=off (no /metrics server).
 // Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFromEnv();
 

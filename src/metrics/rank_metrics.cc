@@ -1,0 +1,103 @@
+#include "metrics/rank_metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve {
+namespace {
+
+// Seconds from 100 µs to ~26 s, doubling.
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 1e-4; v < 30; v *= 2) b.push_back(v);
+  return b;
+}
+
+constexpr const char* kOps[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                "send",       "recv",       "barrier"};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::string& host, int port,
+                                                                const RankLabels& labels) {
+  std::unique_ptr<RankMetrics> m(new RankMetrics());
+  m->labels_ = labels;
+  const std::map<std::string, std::string> base = {{"model", labels.model},
+                                                   {"replica", labels.replica},
+                                                   {"stage", labels.stage},
+                                                   {"tp_rank", labels.tp_rank}};
+  try {
+    m->exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(host, ":", port));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", host, ":", port, ": ", e.what()));
+  }
+  const auto ports = m->exposer_->GetListeningPorts();
+  m->port_ = ports.empty() ? port : ports.front();
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  auto& r = *m->registry_;
+  m->up_ = &prometheus::BuildGauge()
+                .Name("shardserve_rank_up")
+                .Help("1 while the rank is connected, loaded and serving")
+                .Register(r)
+                .Add(base);
+  m->forward_ = &prometheus::BuildHistogram()
+                     .Name("shardserve_rank_forward_seconds")
+                     .Help("Time of one forward pass of this rank's layers")
+                     .Register(r)
+                     .Add(base, SecondsBuckets());
+  m->weights_ = &prometheus::BuildGauge()
+                     .Name("shardserve_rank_weights_bytes")
+                     .Help("Bytes of weights this rank holds (its slices)")
+                     .Register(r)
+                     .Add(base);
+  m->kv_usage_ = &prometheus::BuildGauge()
+                      .Name("shardserve_rank_kv_cache_usage_ratio")
+                      .Help("Share of this rank's KV cache blocks in use")
+                      .Register(r)
+                      .Add(base);
+  m->tokens_ = &prometheus::BuildCounter()
+                    .Name("shardserve_rank_tokens_total")
+                    .Help("Tokens this rank has run through its layers")
+                    .Register(r)
+                    .Add(base);
+  auto& comm_seconds = prometheus::BuildHistogram()
+                           .Name("shardserve_rank_comm_seconds")
+                           .Help("Time of one communication operation")
+                           .Register(r);
+  auto& comm_bytes = prometheus::BuildCounter()
+                         .Name("shardserve_rank_comm_bytes_total")
+                         .Help("Bytes this rank contributed to communication operations")
+                         .Register(r);
+  for (const char* op : kOps) {
+    auto labels_op = base;
+    labels_op["op"] = op;
+    m->comm_[op] = {&comm_seconds.Add(labels_op, SecondsBuckets()), &comm_bytes.Add(labels_op)};
+  }
+  m->exposer_->RegisterCollectable(m->registry_);
+  return m;
+}
+
+RankMetrics::~RankMetrics() = default;
+
+void RankMetrics::SetUp(bool up) { up_->Set(up ? 1 : 0); }
+void RankMetrics::ObserveForward(double seconds) { forward_->Observe(seconds); }
+void RankMetrics::SetWeightsBytes(double bytes) { weights_->Set(bytes); }
+void RankMetrics::SetKvCacheUsage(double ratio) { kv_usage_->Set(ratio); }
+void RankMetrics::AddTokens(double tokens) { tokens_->Increment(tokens); }
+
+void RankMetrics::ObserveComm(const std::string& op, double seconds, size_t bytes) {
+  auto it = comm_.find(op);
+  if (it == comm_.end()) return;
+  it->second.first->Observe(seconds);
+  it->second.second->Increment(static_cast<double>(bytes));
+}
+
+}  // namespace shardserve

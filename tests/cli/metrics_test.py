@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Per-rank Prometheus metrics through the real binaries: while a TP=2 x PP=2 generation runs,
+every rank serves /metrics (local mode: base port + global rank) with the metric names and labels
+of DESIGN.md §6, `promtool check metrics` is clean on every page, and the counters move."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+BIN = sys.argv[1]
+WORKER = os.path.join(os.path.dirname(BIN), "shardserve-worker")
+failures, passed = [], 0
+
+
+def check(cond, what):
+    global passed
+    if cond:
+        passed += 1
+        print(f"ok: {what}")
+    else:
+        failures.append(what)
+        print(f"FAIL: {what}")
+
+
+def free_base(n):
+    for base in range(23000, 60000, 97):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            pass
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def value(page, name, labels):
+    pat = re.compile(r"^" + re.escape(name) + r"\{([^}]*)\} (\S+)$", re.M)
+    for m in pat.finditer(page):
+        if all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            return float(m.group(2))
+    return None
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "m")
+    subprocess.run([BIN, "gen-model", "--out", model, "--layers", "4", "--hidden", "256",
+                    "--heads", "8", "--kv-heads", "2", "--intermediate", "512", "--vocab", "512",
+                    "--max-position", "8192"], check=True, capture_output=True)
+    base = free_base(4)
+    proc = subprocess.Popen([BIN, "generate", "--model", model, "--prompt-ids", "1,2,3",
+                             "--max-tokens", "8000", "--ignore-eos", "--tp", "2", "--pp", "2",
+                             "--metrics-port-base", str(base)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pages = {}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(pages) < 4:
+        for rank in range(4):
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics",
+                                              timeout=2).read().decode()
+            except OSError:
+                continue
+            labels = {"stage": rank // 2, "tp_rank": rank % 2}
+            if value(body, "shardserve_rank_up", labels) == 1 and \
+                    (value(body, "shardserve_rank_tokens_total", labels) or 0) > 0:
+                pages[rank] = body
+        time.sleep(0.2)
+    check(len(pages) == 4, f"all 4 ranks serve /metrics and are up ({sorted(pages)})")
+    for rank, body in sorted(pages.items()):
+        labels = {"model": "model", "replica": "0", "stage": rank // 2, "tp_rank": rank % 2}
+        lint = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
+                              text=True)
+        check(lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(),
+              f"rank {rank}: promtool check metrics is clean {lint.stdout}{lint.stderr}".strip())
+        for name in ["shardserve_rank_up", "shardserve_rank_weights_bytes",
+                     "shardserve_rank_kv_cache_usage_ratio", "shardserve_rank_tokens_total",
+                     "shardserve_rank_forward_seconds_count"]:
+            check(value(body, name, labels) is not None, f"rank {rank}: {name} with its labels")
+        check(value(body, "shardserve_rank_weights_bytes", labels) > 0, f"rank {rank}: weights")
+        check(value(body, "shardserve_rank_comm_bytes_total", dict(labels, op="all_reduce")) > 0,
+              f"rank {rank}: TP all-reduce bytes counted")
+        link = "send" if rank < 2 else "recv"  # stage 0 sends hidden states, stage 1 receives
+        check(value(body, "shardserve_rank_comm_seconds_count", dict(labels, op=link)) > 0,
+              f"rank {rank}: pipeline {link} timed")
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout.split()
+    check(not left, "SIGTERM to generate stops every process")
+
+print(f"{passed} passed, {len(failures)} failed")
+sys.exit(1 if failures else 0)
