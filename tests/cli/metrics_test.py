@@ -12,19 +12,11 @@ import tempfile
 import time
 import urllib.request
 
+from checks import Checks, workers_running
+
 BIN = sys.argv[1]
 WORKER = os.path.join(os.path.dirname(BIN), "shardserve-worker")
-failures, passed = [], 0
-
-
-def check(cond, what):
-    global passed
-    if cond:
-        passed += 1
-        print(f"ok: {what}")
-    else:
-        failures.append(what)
-        print(f"FAIL: {what}")
+check = Checks()
 
 
 def free_base(n):
@@ -99,8 +91,6 @@ with tempfile.TemporaryDirectory() as tmp:
     except subprocess.TimeoutExpired:
         proc.kill()
     time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout.split()
-    check(not left, "SIGTERM to generate stops every process")
+    check(not workers_running(WORKER), "SIGTERM to generate stops every process")
 
-print(f"{passed} passed, {len(failures)} failed")
-sys.exit(1 if failures else 0)
+check.finish()

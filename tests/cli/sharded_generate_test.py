@@ -13,21 +13,12 @@ import sys
 import tempfile
 import time
 
+from checks import Checks, workers_running
+
 BIN = sys.argv[1]
 WORKER = os.path.join(os.path.dirname(BIN), "shardserve-worker")
 TOL = 1e-4
-failures = []
-passed = 0
-
-
-def check(cond, what):
-    global passed
-    if cond:
-        passed += 1
-        print(f"ok: {what}")
-    else:
-        failures.append(what)
-        print(f"FAIL: {what}")
+check = Checks()
 
 
 def generate(model, extra, timeout=180):
@@ -35,11 +26,6 @@ def generate(model, extra, timeout=180):
            "--max-tokens", "8", "--ignore-eos", "--logprobs", "3", "--format", "json",
            "--threads", "2"] + extra
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def workers_running():
-    out = subprocess.run(["pgrep", "-f", WORKER], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -100,17 +86,16 @@ with tempfile.TemporaryDirectory() as tmp:
     check(len(rank_lines) == 3 and all("rank 3 (stage 1, tp 1)" in l for l in rank_lines),
           f"each of the 3 other ranks exits naming rank 3 ({len(rank_lines)} rank errors)")
     time.sleep(0.5)
-    check(not workers_running(), "no worker process is left behind")
+    check(not workers_running(WORKER), "no worker process is left behind")
 
     # A shape that cannot be sharded: 4 heads over 3 ranks.
     r = generate(models["llama"], ["--tp", "3"], timeout=120)
     check(r.returncode != 0 and
           "num_attention_heads 4 is not divisible by tensor parallelism 3" in r.stderr,
           "tp 3 on 4 heads fails with the numbers")
-    check(not workers_running(), "no worker process is left behind after a bad shape")
+    check(not workers_running(WORKER), "no worker process is left behind after a bad shape")
     r = generate(models["llama"], ["--pp", "4"], timeout=120)
     check(r.returncode != 0 and "the model has 3 layers: too few for 4 pipeline stages" in r.stderr,
           "pp 4 on 3 layers fails with the numbers")
 
-print(f"{passed} passed, {len(failures)} failed")
-sys.exit(1 if failures else 0)
+check.finish()
