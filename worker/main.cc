@@ -63,7 +63,17 @@ absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
 absl::Status RunOneRank() {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
   ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
-  ASSIGN_OR_RETURN(RankOutcome outcome, RunRank(cfg, requests));
+  std::vector<GenerationResult> results;
+  double seconds = 0;
+  ASSIGN_OR_RETURN(
+      RankOutcome outcome, RunRank(cfg, [&](LeaderContext& ctx) -> absl::Status {
+        const auto t0 = std::chrono::steady_clock::now();
+        EngineOptions o = ctx.engine;
+        o.max_batch = std::max<int>(1, static_cast<int>(requests.size()));
+        ASSIGN_OR_RETURN(results, GenerateAll(ctx.executor, o, requests));
+        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        return absl::OkStatus();
+      }));
   if (const char* report = std::getenv("SHARDSERVE_REPORT_MEMORY"); report && *report == '1') {
     ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.rank()));
     std::fprintf(stderr,
@@ -75,21 +85,21 @@ absl::Status RunOneRank() {
   }
   const char* out_path = std::getenv("SHARDSERVE_RESULT_FILE");
   if (cfg.rank() != 0 || out_path == nullptr) return absl::OkStatus();
-  nlohmann::json results = nlohmann::json::array();
-  for (const GenerationResult& r : outcome.results) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const GenerationResult& r : results) {
     nlohmann::json top = nlohmann::json::array();
     for (const auto& step : r.top_logprobs) {
       nlohmann::json alts = nlohmann::json::array();
       for (const TokenLogprob& t : step) alts.push_back({{"id", t.id}, {"logprob", t.logprob}});
       top.push_back(alts);
     }
-    results.push_back({{"tokens", r.tokens},
-                       {"logprobs", r.logprobs},
-                       {"top_logprobs", top},
-                       {"finish_reason", r.finish_reason}});
+    out.push_back({{"tokens", r.tokens},
+                   {"logprobs", r.logprobs},
+                   {"top_logprobs", top},
+                   {"finish_reason", r.finish_reason}});
   }
   std::ofstream f(out_path, std::ios::trunc);
-  f << nlohmann::json{{"results", results}, {"seconds", outcome.seconds}}.dump();
+  f << nlohmann::json{{"results", out}, {"seconds", seconds}}.dump();
   f.close();
   if (!f) return absl::InternalError(absl::StrCat(out_path, ": cannot write the result"));
   return absl::OkStatus();

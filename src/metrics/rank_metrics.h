@@ -37,6 +37,8 @@ class RankMetrics {
   ~RankMetrics();
 
   int port() const { return port_; }
+  // The registry behind this rank's page; the leader adds its request metrics to it.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   void SetUp(bool up);
   void ObserveForward(double seconds);
   void ObserveComm(const std::string& op, double seconds, size_t bytes);

@@ -39,6 +39,11 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
   SampledToken Sample(const float* logits, int64_t vocab);
+  // Moves the generator past the random draws of `tokens` earlier samples, so a sequence that
+  // is resumed continues the stream it started.
+  void Skip(int64_t tokens) {
+    if (params_.temperature > 0.0f) rng_.discard(static_cast<unsigned long long>(tokens));
+  }
 
  private:
   double Uniform();  // [0, 1), identical on every platform for a seed

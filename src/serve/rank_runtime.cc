@@ -22,6 +22,7 @@
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
+#include "serve/engine.h"
 
 namespace shardserve {
 namespace {
@@ -72,14 +73,45 @@ uint64_t Fnv(const std::string& s) {
   return h;
 }
 
-class Rank {
+json StepJson(const StepDesc& d) {
+  json chunks = json::array();
+  for (const StepChunk& c : d.chunks) {
+    json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}};
+    if (c.params) {
+      ch["params"] = ParamsJson(*c.params);
+      ch["draws"] = c.draws;
+    }
+    chunks.push_back(std::move(ch));
+  }
+  return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
+}
+
+absl::StatusOr<StepResult> ResultFromJson(const json& j) {
+  try {
+    StepResult r;
+    r.microbatch = j.at("mb").get<int>();
+    for (const json& t : j.at("results")) {
+      StepToken tok;
+      tok.seq = t.at("seq").get<int64_t>();
+      tok.token = t.at("token").get<int32_t>();
+      tok.logprob = t.at("logprob").get<float>();
+      for (const json& a : t.at("top")) tok.top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
+      r.tokens.push_back(std::move(tok));
+    }
+    return r;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(absl::StrCat("malformed step results: ", e.what()));
+  }
+}
+
+class Rank : public StepExecutor {
  public:
   Rank(const RankConfig& config, WorldConfig world) : cfg_(config), world_(world) {}
 
   absl::Status Init();
-  absl::StatusOr<std::vector<GenerationResult>> Lead(const std::vector<GenerationRequest>& reqs);
   absl::Status Follow();
   const Transformer& model() const { return *model_; }
+  LeaderContext Context();
   // This rank gives up: every peer, over both communicators, learns the cause before the
   // connections close, so all ranks report the rank that actually failed.
   absl::Status AbortAll(const absl::Status& s) {
@@ -89,9 +121,16 @@ class Rank {
     return s;
   }
 
+  // StepExecutor, on the leader.
+  absl::Status Issue(const StepDesc& step) override;
+  absl::StatusOr<StepResult> Collect() override;
+  absl::Status Ping() override;
+  absl::Status Stop() override;
+
  private:
+  absl::Status SendToAll(const json& message);
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
-  // tp_rank 0, null elsewhere, and {"stop": true} for the leader's stop message.
+  // tp_rank 0 (every step has one, possibly empty) and null elsewhere.
   absl::StatusOr<json> ProcessStep(const json& desc);
   int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
 
@@ -107,6 +146,7 @@ class Rank {
   std::map<int64_t, SequenceKv> kv_;
   std::map<int64_t, SamplingParams> params_;  // on the last stage
   std::map<int64_t, Sampler> samplers_;       // on the last stage's tp_rank 0
+  std::deque<StepResult> ready_;              // the leader's own results (PP = 1)
 };
 
 absl::Status Rank::Init() {
@@ -189,7 +229,6 @@ absl::Status Rank::Init() {
 }
 
 absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
-  if (desc.value("type", "") == "stop") return json{{"stop", true}};
   const ModelConfig& c = model_->config();
   try {
     for (const json& id : desc.at("release")) {
@@ -201,13 +240,17 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
     }
     std::vector<SequenceChunk> chunks;
     std::vector<int64_t> ids;
+    std::vector<bool> sample;
     int64_t rows = 0;
     for (const json& ch : desc.at("chunks")) {
       const int64_t seq = ch.at("seq").get<int64_t>();
       if (ch.contains("params") && model_->last_stage()) {
         params_[seq] = ParamsFromJson(ch["params"]);
         samplers_.erase(seq);
-        if (world_.rank() == LastSampler()) samplers_.emplace(seq, Sampler(params_[seq]));
+        if (world_.rank() == LastSampler()) {
+          Sampler& s = samplers_.emplace(seq, Sampler(params_[seq])).first->second;
+          s.Skip(ch.at("draws").get<int64_t>());
+        }
       }
       SequenceChunk chunk;
       chunk.tokens = ch.at("tokens").get<std::vector<int32_t>>();
@@ -215,6 +258,7 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       rows += static_cast<int64_t>(chunk.tokens.size());
       chunks.push_back(std::move(chunk));
       ids.push_back(seq);
+      sample.push_back(ch.at("sample").get<bool>());
     }
     std::vector<float> hidden_in, out;
     if (!model_->first_stage()) {
@@ -237,15 +281,17 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       return json();
     }
     // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
-    // gather them so that a seed gives the same tokens at every TP size.
+    // gather them so that a seed gives the same tokens at every TP size. Rows of prompt chunks
+    // that are not a prompt's last are computed but not sampled.
     const int64_t S = static_cast<int64_t>(ids.size());
     bool greedy = true;
     int64_t top_k = 0;
-    for (int64_t seq : ids) {
-      greedy &= params_.at(seq).temperature == 0.0f;
-      top_k = std::max(top_k, params_.at(seq).top_logprobs);
+    for (int64_t s = 0; s < S; ++s) {
+      if (!sample[s]) continue;
+      greedy &= params_.at(ids[s]).temperature == 0.0f;
+      top_k = std::max(top_k, params_.at(ids[s]).top_logprobs);
     }
-    std::vector<SampledToken> tokens;
+    std::vector<SampledToken> tokens(S);
     if (greedy) {
       ASSIGN_OR_RETURN(tokens, GreedyFromVocabSlices(out.data(), S, model_->logits_stride(),
                                                      model_->vocab_begin(), model_->vocab_end(),
@@ -255,14 +301,15 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       RETURN_IF_ERROR(model_->GatherLogits(out, S, logits));
       if (world_.rank() == LastSampler()) {
         for (int64_t s = 0; s < S; ++s) {
-          tokens.push_back(
-              samplers_.at(ids[s]).Sample(logits.data() + s * c.vocab_size, c.vocab_size));
+          if (!sample[s]) continue;
+          tokens[s] = samplers_.at(ids[s]).Sample(logits.data() + s * c.vocab_size, c.vocab_size);
         }
       }
     }
     if (world_.rank() != LastSampler()) return json();
     json results = json::array();
     for (int64_t s = 0; s < S; ++s) {
+      if (!sample[s]) continue;
       SampledToken& t = tokens[s];
       t.top.resize(std::min<size_t>(t.top.size(), params_.at(ids[s]).top_logprobs));
       json top = json::array();
@@ -272,116 +319,74 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
     return json{{"mb", desc.at("mb")}, {"results", results}};
   } catch (const json::exception& e) {
     return absl::DataLossError(absl::StrCat("malformed step: ", e.what()));
+  } catch (const std::out_of_range& e) {
+    return absl::DataLossError(absl::StrCat("step names an unknown sequence: ", e.what()));
   }
 }
 
 absl::Status Rank::Follow() {
   for (;;) {
     ASSIGN_OR_RETURN(json desc, RecvJson(*mesh_, 0));
+    const std::string type = desc.value("type", "");
+    if (type == "stop") return absl::OkStatus();
+    if (type == "ping") {
+      RETURN_IF_ERROR(mesh_->Barrier());
+      continue;
+    }
     ASSIGN_OR_RETURN(json res, ProcessStep(desc));
-    if (res.is_object() && res.value("stop", false)) return absl::OkStatus();
     if (!res.is_null()) RETURN_IF_ERROR(SendBlob(*mesh_, 0, res.dump()));
   }
 }
 
-absl::StatusOr<std::vector<GenerationResult>> Rank::Lead(
-    const std::vector<GenerationRequest>& reqs) {
-  const ModelConfig& c = model_->config();
-  const int n = static_cast<int>(reqs.size());
-  for (int i = 0; i < n; ++i) {
-    if (absl::Status s = reqs[i].params.Validate(); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", i, ": ", s.message()));
-    }
-    if (reqs[i].prompt_ids.empty() ||
-        static_cast<int64_t>(reqs[i].prompt_ids.size()) >= c.max_context) {
-      return absl::InvalidArgumentError(absl::StrCat("request ", i, ": the prompt must hold 1 to ",
-                                                     c.max_context - 1, " tokens, it holds ",
-                                                     reqs[i].prompt_ids.size()));
-    }
-  }
-  std::vector<GenerationResult> results(n);
-  std::vector<std::vector<int32_t>> next(n);
-  std::vector<int64_t> length(n, 0);
-  std::vector<bool> started(n, false), done(n, false);
-  for (int i = 0; i < n; ++i) next[i] = reqs[i].prompt_ids;
-  const int m = std::max(1, std::min(n, cfg_.microbatches > 0 ? cfg_.microbatches : cfg_.pp));
-  std::vector<int64_t> release;
-  std::deque<json> ready;
-  std::deque<int> inflight;
-  const int world = world_.world_size();
-
-  auto issue = [&](int mb) -> absl::Status {
-    json chunks = json::array();
-    for (int i = mb; i < n; i += m) {
-      if (done[i]) continue;
-      json ch = {{"seq", i}, {"tokens", next[i]}};
-      if (!started[i]) ch["params"] = ParamsJson(reqs[i].params);
-      started[i] = true;
-      length[i] += static_cast<int64_t>(next[i].size());
-      chunks.push_back(ch);
-    }
-    if (chunks.empty()) return absl::OkStatus();
-    const json desc = {{"type", "step"}, {"mb", mb}, {"chunks", chunks}, {"release", release}};
-    release.clear();
-    const std::string wire = desc.dump();
-    for (int r = 1; r < world; ++r) RETURN_IF_ERROR(SendBlob(*mesh_, r, wire));
-    ASSIGN_OR_RETURN(json res, ProcessStep(desc));
-    if (res.is_null()) {
-      inflight.push_back(mb);
-    } else {
-      ready.push_back(std::move(res));
-    }
-    return absl::OkStatus();
-  };
-  auto accept = [&](const json& r) {
-    const int i = r.at("seq").get<int>();
-    const SamplingParams& p = reqs[i].params;
-    const int32_t tok = r.at("token").get<int32_t>();
-    results[i].tokens.push_back(tok);
-    results[i].logprobs.push_back(r.at("logprob").get<float>());
-    if (p.top_logprobs > 0) {
-      std::vector<TokenLogprob> top;
-      for (const json& a : r.at("top")) top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
-      results[i].top_logprobs.push_back(std::move(top));
-    }
-    next[i] = {tok};
-    const auto& stops = p.stop_token_ids;
-    if (std::find(stops.begin(), stops.end(), tok) != stops.end() ||
-        (!p.ignore_eos &&
-         std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), tok) != c.eos_token_ids.end())) {
-      results[i].finish_reason = "stop";
-    } else if (static_cast<int64_t>(results[i].tokens.size()) >= p.max_tokens ||
-               length[i] >= c.max_context) {
-      results[i].finish_reason = "length";
-    }
-    if (!results[i].finish_reason.empty()) {
-      done[i] = true;
-      release.push_back(i);
-    }
-  };
-
-  for (int mb = 0; mb < m; ++mb) RETURN_IF_ERROR(issue(mb));
-  while (!ready.empty() || !inflight.empty()) {
-    json res;
-    if (!ready.empty()) {
-      res = std::move(ready.front());
-      ready.pop_front();
-    } else {
-      inflight.pop_front();
-      ASSIGN_OR_RETURN(res, RecvJson(*mesh_, LastSampler()));
-    }
-    try {
-      for (const json& r : res.at("results")) accept(r);
-      RETURN_IF_ERROR(issue(res.at("mb").get<int>()));
-    } catch (const json::exception& e) {
-      return absl::DataLossError(absl::StrCat("malformed results: ", e.what()));
-    }
-  }
-  const std::string stop = json{{"type", "stop"}, {"release", release}}.dump();
-  for (int r = 1; r < world; ++r) RETURN_IF_ERROR(SendBlob(*mesh_, r, stop));
-  return results;
+absl::Status Rank::SendToAll(const json& message) {
+  const std::string wire = message.dump();
+  for (int r = 1; r < world_.world_size(); ++r) RETURN_IF_ERROR(SendBlob(*mesh_, r, wire));
+  return absl::OkStatus();
 }
 
+absl::Status Rank::Issue(const StepDesc& step) {
+  const json desc = StepJson(step);
+  RETURN_IF_ERROR(SendToAll(desc));
+  ASSIGN_OR_RETURN(json res, ProcessStep(desc));
+  if (res.is_null()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(StepResult r, ResultFromJson(res));
+  ready_.push_back(std::move(r));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> Rank::Collect() {
+  if (!ready_.empty()) {
+    StepResult r = std::move(ready_.front());
+    ready_.pop_front();
+    return r;
+  }
+  ASSIGN_OR_RETURN(json res, RecvJson(*mesh_, LastSampler()));
+  return ResultFromJson(res);
+}
+
+absl::Status Rank::Ping() {
+  RETURN_IF_ERROR(SendToAll(json{{"type", "ping"}}));
+  return mesh_->Barrier();
+}
+
+absl::Status Rank::Stop() { return SendToAll(json{{"type", "stop"}}); }
+
+LeaderContext Rank::Context() {
+  const ModelConfig& c = model_->config();
+  LeaderContext ctx;
+  ctx.executor = this;
+  ctx.config = &c;
+  ctx.registry = metrics_ ? metrics_->registry() : nullptr;
+  EngineOptions& o = ctx.engine;
+  o.microbatches = std::max(1, cfg_.microbatches > 0 ? cfg_.microbatches : cfg_.pp);
+  o.kv_blocks = cache_->num_blocks();
+  o.kv_block_size = cache_->block_size();
+  o.max_context = cfg_.max_sequence_length > 0 ? std::min(c.max_context, cfg_.max_sequence_length)
+                                               : c.max_context;
+  o.vocab_size = c.vocab_size;
+  o.eos_token_ids = c.eos_token_ids;
+  return ctx;
+}
 absl::StatusOr<int> EnvInt(const char* name, std::optional<int> def) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') {
@@ -411,6 +416,15 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   ASSIGN_OR_RETURN(c.tp_rank, EnvInt("SHARDSERVE_TP_RANK", 0));
   ASSIGN_OR_RETURN(c.microbatches, EnvInt("SHARDSERVE_MICROBATCHES", 0));
   ASSIGN_OR_RETURN(c.threads, EnvInt("SHARDSERVE_THREADS", 1));
+  ASSIGN_OR_RETURN(int kv_tokens,
+                   EnvInt("SHARDSERVE_KV_CACHE_TOKENS", static_cast<int>(c.kv_cache_tokens)));
+  ASSIGN_OR_RETURN(int max_seq, EnvInt("SHARDSERVE_MAX_SEQUENCE_LENGTH", 0));
+  if (kv_tokens < 16 || max_seq < 0) {
+    return absl::InvalidArgumentError(
+        "SHARDSERVE_KV_CACHE_TOKENS must be at least 16 and SHARDSERVE_MAX_SEQUENCE_LENGTH >= 0");
+  }
+  c.kv_cache_tokens = kv_tokens;
+  c.max_sequence_length = max_seq;
   ASSIGN_OR_RETURN(int peer_ms,
                    EnvInt("SHARDSERVE_PEER_TIMEOUT_MS", static_cast<int>(c.peer_timeout.count())));
   ASSIGN_OR_RETURN(int startup_ms, EnvInt("SHARDSERVE_STARTUP_TIMEOUT_MS",
@@ -456,8 +470,7 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   return c;
 }
 
-absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
-                                    const std::vector<GenerationRequest>& requests) {
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead) {
   ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(config.tp, config.pp, config.rank()));
   if (config.stage < 0 || config.stage >= config.pp || config.tp_rank < 0 ||
       config.tp_rank >= config.tp) {
@@ -469,11 +482,8 @@ absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
   if (absl::Status s = rank.Init(); !s.ok()) return rank.AbortAll(s);
   RankOutcome outcome;
   if (world.is_leader()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    auto results = rank.Lead(requests);
-    if (!results.ok()) return rank.AbortAll(results.status());
-    outcome.results = std::move(*results);
-    outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    LeaderContext ctx = rank.Context();
+    if (absl::Status s = lead(ctx); !s.ok()) return rank.AbortAll(s);
   } else if (absl::Status s = rank.Follow(); !s.ok()) {
     return rank.AbortAll(s);
   }

@@ -12,11 +12,19 @@
 // Any failure (a dead or frozen rank, a bad shape) ends RunRank with a status naming it; the
 // process then exits non-zero and its launcher takes the stage down.
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model/generator.h"
+#include "model/config.h"
+#include "serve/engine.h"
+#include "serve/step.h"
+
+namespace prometheus {
+class Registry;
+}
 
 namespace shardserve {
 
@@ -36,6 +44,7 @@ struct RankConfig {
   int microbatches = 0;   // 0: pp
   int threads = 1;
   int64_t kv_cache_tokens = 8192;
+  int64_t max_sequence_length = 0;  // 0: the model's context
   std::chrono::milliseconds peer_timeout{2000};
   std::chrono::milliseconds startup_timeout{120000};
 
@@ -49,21 +58,30 @@ struct RankConfig {
 // (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading),
 // SHARDSERVE_HOST (this rank's address; default loopback when the leader is, else the hostname),
 // SHARDSERVE_METRICS_PORT_BASE (local mode: /metrics on base + global rank; default in a pod
-// 9400 + tp_rank) and SHARDSERVE_METRICS=off (no /metrics server).
+// 9400 + tp_rank), SHARDSERVE_METRICS=off (no /metrics server), SHARDSERVE_KV_CACHE_TOKENS and
+// SHARDSERVE_MAX_SEQUENCE_LENGTH.
 // Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFromEnv();
 
 struct RankOutcome {
-  std::vector<GenerationResult> results;  // the leader's; empty on other ranks
-  double seconds = 0;                     // the leader's generation time, after start-up
-  size_t resident_bytes = 0;              // this process at the end
-  size_t shard_weight_bytes = 0;          // the weight slices it holds
-  size_t stage_weight_bytes = 0;          // the full tensors of its stage
+  size_t resident_bytes = 0;      // this process at the end
+  size_t shard_weight_bytes = 0;  // the weight slices it holds
+  size_t stage_weight_bytes = 0;  // the full tensors of its stage
 };
 
-// Runs this rank. On the leader, `requests` are generated (all of them, as one running batch)
-// and their results returned; other ranks return when the leader stops them.
-absl::StatusOr<RankOutcome> RunRank(const RankConfig& config,
-                                    const std::vector<GenerationRequest>& requests);
+// What the leader drives once every rank is connected and loaded.
+struct LeaderContext {
+  StepExecutor* executor = nullptr;  // the replica; valid during the LeaderMain call
+  const ModelConfig* config = nullptr;
+  EngineOptions engine;  // the replica's cache, context, micro-batches and vocabulary filled in
+  std::shared_ptr<prometheus::Registry> registry;  // the rank's /metrics; null when off
+};
+// Runs on the leader; returning stops the replica (the executor's Stop or, on error, an abort
+// that every rank reports).
+using LeaderMain = std::function<absl::Status(LeaderContext&)>;
+
+// Runs this rank: start-up, then `lead` on the leader; the other ranks serve steps until the
+// leader stops them.
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead);
 
 }  // namespace shardserve

@@ -1,0 +1,359 @@
+#include "serve/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace shardserve {
+
+using Clock = std::chrono::steady_clock;
+
+RequestStream::Update RequestStream::Next(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || finished_; });
+  Update u;
+  u.tokens.swap(pending_);
+  u.finished = finished_;
+  u.finish_reason = reason_;
+  u.status = status_;
+  return u;
+}
+
+void RequestStream::Push(Token t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.push_back(std::move(t));
+  cv_.notify_all();
+}
+
+void RequestStream::Finish(std::string reason, absl::Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finished_) return;
+  finished_ = true;
+  reason_ = std::move(reason);
+  status_ = std::move(status);
+  cv_.notify_all();
+}
+
+struct Engine::Sequence {
+  int64_t id = 0;
+  GenerationRequest request;
+  std::shared_ptr<RequestStream> stream = std::make_shared<RequestStream>();
+  std::vector<int32_t> generated;
+  int64_t fed = 0;       // positions in the replica's KV cache
+  int64_t blocks = 0;    // cache blocks those positions hold
+  int64_t admitted = 0;  // admission order: the newest is preempted first
+  bool started = false;  // the ranks know its parameters
+  bool in_step = false;  // has a chunk in the step being built
+  int mb = -1;
+  Clock::time_point submitted, last_token;
+
+  int64_t total() const {
+    return static_cast<int64_t>(request.prompt_ids.size() + generated.size());
+  }
+  int32_t token(int64_t i) const {
+    const int64_t p = static_cast<int64_t>(request.prompt_ids.size());
+    return i < p ? request.prompt_ids[i] : generated[i - p];
+  }
+};
+
+Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver observer)
+    : executor_(executor), options_(std::move(options)), observer_(std::move(observer)) {
+  options_.microbatches = std::max(1, options_.microbatches);
+  mbs_.resize(options_.microbatches);
+}
+
+Engine::~Engine() = default;
+
+absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRequest& request) {
+  RETURN_IF_ERROR(request.params.Validate());
+  const int64_t prompt = static_cast<int64_t>(request.prompt_ids.size());
+  if (prompt == 0) return absl::InvalidArgumentError("the prompt is empty");
+  for (int32_t id : request.prompt_ids) {
+    if (id < 0 || id >= options_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token id ", id, " is outside the vocabulary [0, ", options_.vocab_size, ")"));
+    }
+  }
+  const int64_t limit = std::min(options_.max_context, options_.kv_blocks * options_.kv_block_size);
+  if (prompt + request.params.max_tokens > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("this model's maximum context length is ", limit, " tokens; the prompt holds ",
+                     prompt, " and max_tokens asks for ", request.params.max_tokens, " more"));
+  }
+  auto seq = std::make_unique<Sequence>();
+  seq->request = request;
+  seq->submitted = Clock::now();
+  std::shared_ptr<RequestStream> stream = seq->stream;
+  size_t depth;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accepting_) return absl::UnavailableError("the server is not serving");
+    if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the request queue is full (", options_.max_queue, " waiting)"));
+    }
+    seq->id = next_id_++;
+    waiting_.push_back(std::move(seq));
+    depth = waiting_.size();
+  }
+  wake_.notify_all();
+  if (observer_.queue_depth) observer_.queue_depth(depth);
+  return stream;
+}
+
+void Engine::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_ = true;
+    accepting_ = false;
+  }
+  wake_.notify_all();
+}
+
+size_t Engine::queue_depth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiting_.size();
+}
+
+void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& status) {
+  s->stream->Finish(reason, status);
+  if (s->fed > 0) release_.push_back(s->id);
+  used_blocks_ -= s->blocks;
+  if (s->mb >= 0) std::erase(mbs_[s->mb].seqs, s);
+  std::erase_if(running_, [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
+}
+
+void Engine::Preempt(Sequence* s) {
+  if (s->fed > 0) release_.push_back(s->id);
+  used_blocks_ -= s->blocks;
+  s->blocks = 0;
+  s->fed = 0;
+  s->started = false;
+  std::erase(mbs_[s->mb].seqs, s);
+  s->mb = -1;
+  auto it = std::find_if(running_.begin(), running_.end(),
+                         [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
+  std::unique_ptr<Sequence> owned = std::move(*it);
+  running_.erase(it);
+  std::lock_guard<std::mutex> lock(mu_);
+  waiting_.push_front(std::move(owned));
+}
+
+StepDesc Engine::BuildStep(int mb) {
+  MicroBatch& batch = mbs_[mb];
+  for (Sequence* s : std::vector<Sequence*>(batch.seqs)) {
+    if (s->stream->cancelled()) Retire(s, "cancelled", absl::OkStatus());
+  }
+  int64_t admitted_order = 0;
+  for (const auto& s : running_) admitted_order = std::max(admitted_order, s->admitted);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(waiting_, [](const std::unique_ptr<Sequence>& s) {
+      if (!s->stream->cancelled()) return false;
+      s->stream->Finish("cancelled");
+      return true;
+    });
+    const size_t m = mbs_.size();
+    const size_t share = (running_.size() + waiting_.size() + m - 1) / m;
+    while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
+           batch.seqs.size() < share) {
+      Sequence* s = waiting_.front().get();
+      const int64_t need = (s->total() + options_.kv_block_size) / options_.kv_block_size;
+      if (need > FreeBlocks()) break;  // first in line waits for room
+      s->mb = mb;
+      s->admitted = ++admitted_order;
+      batch.seqs.push_back(s);
+      running_.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+    }
+  }
+
+  StepDesc desc;
+  desc.microbatch = mb;
+  int64_t budget = options_.max_step_tokens;
+  auto blocks_for = [&](int64_t positions) {
+    return (positions + options_.kv_block_size - 1) / options_.kv_block_size;
+  };
+  // The newest sequence that holds cache and has no chunk in this step or in flight.
+  auto victim = [&]() -> Sequence* {
+    Sequence* v = nullptr;
+    for (const auto& s : running_) {
+      if (s->in_step || s->blocks == 0 || mbs_[s->mb].in_flight) continue;
+      if (v == nullptr || s->admitted > v->admitted) v = s.get();
+    }
+    return v;
+  };
+  for (Sequence* s : std::vector<Sequence*>(batch.seqs)) {
+    if (s->mb != mb) continue;  // preempted by an earlier sequence of this step
+    const int64_t remaining = s->total() - s->fed;
+    const int64_t n = remaining == 1 ? 1 : std::min(remaining, budget);
+    if (n <= 0) continue;
+    s->in_step = true;  // never its own victim while it competes for room
+    bool fits = true;
+    while (blocks_for(s->fed + n) - s->blocks > FreeBlocks()) {
+      Sequence* v = victim();
+      if (v == nullptr) {
+        fits = false;
+        break;
+      }
+      Preempt(v);
+    }
+    if (!fits) {
+      s->in_step = false;
+      Preempt(s);
+      continue;
+    }
+    budget -= n;
+    StepChunk chunk;
+    chunk.seq = s->id;
+    chunk.tokens.reserve(n);
+    for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
+    chunk.sample = s->fed + n == s->total();
+    if (!s->started) {
+      chunk.params = s->request.params;
+      chunk.draws = static_cast<int64_t>(s->generated.size());
+      s->started = true;
+    }
+    s->fed += n;
+    used_blocks_ += blocks_for(s->fed) - s->blocks;
+    s->blocks = blocks_for(s->fed);
+    desc.chunks.push_back(std::move(chunk));
+  }
+  for (Sequence* s : batch.seqs) s->in_step = false;
+  desc.release.swap(release_);
+  return desc;
+}
+
+void Engine::Accept(const StepResult& result) {
+  MicroBatch& batch = mbs_[result.microbatch];
+  batch.in_flight = false;
+  const auto now = Clock::now();
+  for (const StepToken& t : result.tokens) {
+    auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
+                           [&](Sequence* s) { return s->id == t.seq; });
+    if (it == batch.seqs.end()) continue;
+    Sequence* s = *it;
+    if (s->stream->cancelled()) continue;  // retired when its micro-batch is next built
+    s->generated.push_back(t.token);
+    s->stream->Push({t.token, t.logprob, t.top});
+    if (s->generated.size() == 1) {
+      if (observer_.first_token) {
+        observer_.first_token(std::chrono::duration<double>(now - s->submitted).count());
+      }
+    } else if (observer_.inter_token) {
+      observer_.inter_token(std::chrono::duration<double>(now - s->last_token).count());
+    }
+    s->last_token = now;
+    if (observer_.generated) observer_.generated(1);
+    const SamplingParams& p = s->request.params;
+    const auto& stops = p.stop_token_ids;
+    const auto& eos = options_.eos_token_ids;
+    if (std::find(stops.begin(), stops.end(), t.token) != stops.end() ||
+        (!p.ignore_eos && std::find(eos.begin(), eos.end(), t.token) != eos.end())) {
+      Retire(s, "stop", absl::OkStatus());
+    } else if (static_cast<int64_t>(s->generated.size()) >= p.max_tokens ||
+               s->total() >= options_.max_context) {
+      Retire(s, "length", absl::OkStatus());
+    }
+  }
+}
+
+absl::Status Engine::Loop() {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (shutdown_) return absl::OkStatus();
+    }
+    for (int mb = 0; mb < static_cast<int>(mbs_.size()); ++mb) {
+      if (mbs_[mb].in_flight) continue;
+      StepDesc desc = BuildStep(mb);
+      if (desc.chunks.empty()) {
+        release_.insert(release_.end(), desc.release.begin(), desc.release.end());
+        continue;
+      }
+      RETURN_IF_ERROR(executor_->Issue(desc));
+      mbs_[mb].in_flight = true;
+      in_flight_.push_back(mb);
+    }
+    if (observer_.queue_depth) observer_.queue_depth(queue_depth());
+    if (in_flight_.empty()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (options_.exit_when_idle && waiting_.empty()) return absl::OkStatus();
+      if (!waiting_.empty()) continue;  // admitted on the next pass
+      if (!wake_.wait_for(lock, options_.ping_every,
+                          [&] { return shutdown_ || !waiting_.empty(); })) {
+        lock.unlock();
+        RETURN_IF_ERROR(executor_->Ping());
+      }
+      continue;
+    }
+    const int mb = in_flight_.front();
+    in_flight_.pop_front();
+    ASSIGN_OR_RETURN(StepResult result, executor_->Collect());
+    if (result.microbatch != mb) {
+      return absl::DataLossError(absl::StrCat("step results out of order: expected micro-batch ",
+                                              mb, ", got ", result.microbatch));
+    }
+    Accept(result);
+  }
+}
+
+void Engine::FailAll(const absl::Status& status) {
+  for (const auto& s : running_) s->stream->Finish("", status);
+  running_.clear();
+  for (MicroBatch& mb : mbs_) mb.seqs.clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  accepting_ = false;
+  for (const auto& s : waiting_) s->stream->Finish("", status);
+  waiting_.clear();
+}
+
+absl::Status Engine::Run() {
+  absl::Status status = Loop();
+  if (status.ok()) {
+    // Let the steps in flight finish so every rank ends on a step boundary, then stop them.
+    while (status.ok() && !in_flight_.empty()) {
+      in_flight_.pop_front();
+      status = executor_->Collect().status();
+    }
+  }
+  if (status.ok()) status = executor_->Stop();
+  if (!status.ok()) healthy_.store(false);
+  FailAll(status.ok() ? absl::UnavailableError("the server is shutting down")
+                      : absl::UnavailableError(
+                            absl::StrCat("the model replica failed: ", status.message())));
+  return status;
+}
+
+absl::StatusOr<std::vector<GenerationResult>> GenerateAll(
+    StepExecutor* executor, EngineOptions options, const std::vector<GenerationRequest>& requests) {
+  options.max_queue = std::max<int>(options.max_queue, static_cast<int>(requests.size()));
+  options.exit_when_idle = true;
+  Engine engine(executor, options);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto stream = engine.Submit(requests[i]);
+    if (!stream.ok()) {
+      const absl::Status bad(stream.status().code(),
+                             absl::StrCat("request ", i, ": ", stream.status().message()));
+      (void)executor->Stop();
+      return bad;
+    }
+    streams.push_back(*std::move(stream));
+  }
+  RETURN_IF_ERROR(engine.Run());
+  std::vector<GenerationResult> results(requests.size());
+  for (size_t i = 0; i < streams.size(); ++i) {
+    RequestStream::Update u = streams[i]->Next(std::chrono::milliseconds(0));
+    for (RequestStream::Token& t : u.tokens) {
+      results[i].tokens.push_back(t.id);
+      results[i].logprobs.push_back(t.logprob);
+      if (requests[i].params.top_logprobs > 0) results[i].top_logprobs.push_back(std::move(t.top));
+    }
+    results[i].finish_reason = u.finish_reason;
+  }
+  return results;
+}
+
+}  // namespace shardserve

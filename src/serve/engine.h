@@ -1,0 +1,149 @@
+#pragma once
+// The leader's continuous-batching scheduler (DESIGN.md §5). Requests wait in a bounded queue and
+// join the running batch between steps; the running batch is cut into micro-batches that the
+// pipeline works on at once; long prompts are fed in chunks of at most max_step_tokens so that
+// running sequences keep decoding. KV cache blocks are taken as sequences grow (never reserved
+// for max_tokens up front); when the cache runs out, the newest sequence is preempted: its blocks
+// are freed and it is requeued first in line, to resume by recomputing its prompt and the
+// tokens it already produced (same tokens, same sampler stream).
+//
+// Threads: Submit, RequestStream methods, Shutdown and the accessors are safe from any thread;
+// Run is the scheduler thread and the only user of the StepExecutor.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "model/generator.h"
+#include "serve/step.h"
+
+namespace shardserve {
+
+// Where the engine reports request-level figures (the leader's metrics); may be absent.
+struct EngineObserver {
+  std::function<void(size_t depth)> queue_depth;
+  std::function<void(double seconds)> first_token;
+  std::function<void(double seconds)> inter_token;
+  std::function<void(int64_t tokens)> generated;
+};
+
+struct EngineOptions {
+  int max_batch = 32;  // running sequences
+  int max_queue = 64;  // waiting requests; beyond: ResourceExhausted
+  int microbatches = 1;
+  int64_t max_step_tokens = 512;  // prompt tokens fed per step (decode tokens always fit)
+  int64_t kv_blocks = 0;          // the replica's KV cache (every rank has the same blocks)
+  int64_t kv_block_size = 16;
+  int64_t max_context = 0;  // prompt + generated tokens per sequence
+  int64_t vocab_size = 0;
+  std::vector<int64_t> eos_token_ids;
+  std::chrono::milliseconds ping_every{1000};  // liveness check of an idle replica
+  bool exit_when_idle = false;                 // Run returns once nothing is left to do
+};
+
+// One sequence's output as the engine produces it. The consumer takes what arrived with Next.
+class RequestStream {
+ public:
+  struct Token {
+    int32_t id;
+    float logprob;
+    std::vector<TokenLogprob> top;
+  };
+  struct Update {
+    std::vector<Token> tokens;
+    bool finished = false;
+    std::string finish_reason;  // "stop" | "length" when finished without error
+    absl::Status status;        // the error that ended the sequence, if any
+  };
+
+  // What arrived since the last call, waiting up to `timeout` for something new.
+  Update Next(std::chrono::milliseconds timeout);
+  // The consumer is gone or satisfied (a stop string): the sequence leaves the batch and frees
+  // its cache at the next step boundary.
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+  // Engine side.
+  void Push(Token t);
+  void Finish(std::string reason, absl::Status status = absl::OkStatus());
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Token> pending_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool reported_ ABSL_GUARDED_BY(mu_) = false;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> cancelled_{false};
+};
+
+class Engine {
+ public:
+  Engine(StepExecutor* executor, EngineOptions options, EngineObserver observer = {});
+  ~Engine();
+
+  // Queues a request. InvalidArgument names a bad parameter or a prompt that cannot fit;
+  // ResourceExhausted means the queue is full; Unavailable means the engine stopped or failed.
+  absl::StatusOr<std::shared_ptr<RequestStream>> Submit(const GenerationRequest& request);
+
+  // Schedules until Shutdown (or, with exit_when_idle, until nothing is left), then stops the
+  // replica. A replica failure ends every request with the error and is returned.
+  absl::Status Run();
+  void Shutdown();
+
+  bool healthy() const { return healthy_.load(); }
+  size_t queue_depth() const;
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  struct Sequence;
+  struct MicroBatch {
+    std::vector<Sequence*> seqs;
+    bool in_flight = false;
+  };
+
+  absl::Status Loop();
+  // Builds the next step of micro-batch `mb`: drops cancelled sequences, admits waiting ones,
+  // feeds chunks within the token and cache budgets, preempting when the cache is full.
+  StepDesc BuildStep(int mb);
+  void Accept(const StepResult& result);
+  void Retire(Sequence* s, const std::string& reason, const absl::Status& status);
+  void Preempt(Sequence* s);
+  void FailAll(const absl::Status& status);
+  int64_t FreeBlocks() const { return options_.kv_blocks - used_blocks_; }
+
+  StepExecutor* executor_;
+  EngineOptions options_;
+  EngineObserver observer_;
+
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::unique_ptr<Sequence>> waiting_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = true;
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<bool> healthy_{true};
+
+  // Scheduler thread only.
+  std::vector<MicroBatch> mbs_;
+  std::deque<int> in_flight_;  // micro-batches, in issue order
+  std::vector<std::unique_ptr<Sequence>> running_;
+  std::vector<int64_t> release_;
+  int64_t used_blocks_ = 0;
+};
+
+// Runs `requests` to completion as one batch on the replica behind `executor` (the one-shot
+// path of `shardserve generate`), with `options` sized to hold them all.
+absl::StatusOr<std::vector<GenerationResult>> GenerateAll(
+    StepExecutor* executor, EngineOptions options, const std::vector<GenerationRequest>& requests);
+
+}  // namespace shardserve

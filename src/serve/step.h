@@ -1,0 +1,56 @@
+#pragma once
+// What the leader's scheduler asks of a replica, one step at a time (DESIGN.md §5): the
+// sequences of one micro-batch with their new tokens, and the sequences whose KV cache every
+// rank must free. A step's result carries one sampled token per sequence that asked for one.
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/sampler.h"
+
+namespace shardserve {
+
+struct StepChunk {
+  int64_t seq = 0;
+  std::vector<int32_t> tokens;  // new positions of this sequence, in order
+  // Set on a sequence's first chunk (and again after it was preempted): the last stage starts
+  // its sampler, advanced by `draws` random draws so a resumed sequence continues its stream.
+  std::optional<SamplingParams> params;
+  int64_t draws = 0;
+  bool sample = true;  // false for a prompt chunk that is not the prompt's last
+};
+
+struct StepDesc {
+  int microbatch = 0;
+  std::vector<StepChunk> chunks;
+  std::vector<int64_t> release;  // freed before the chunks run
+};
+
+struct StepToken {
+  int64_t seq = 0;
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<TokenLogprob> top;
+};
+
+struct StepResult {
+  int microbatch = 0;
+  std::vector<StepToken> tokens;
+};
+
+// The leader's handle on its replica. Not thread-safe: one scheduler thread drives it.
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  // Sends the step to every rank and runs the leader's own part of it.
+  virtual absl::Status Issue(const StepDesc& step) = 0;
+  // The result of the oldest issued step not yet collected (steps complete in order); blocks.
+  virtual absl::StatusOr<StepResult> Collect() = 0;
+  // A round trip through every rank: fails, naming the rank, when one is gone.
+  virtual absl::Status Ping() = 0;
+  // Tells every rank to exit cleanly.
+  virtual absl::Status Stop() = 0;
+};
+
+}  // namespace shardserve
