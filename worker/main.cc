@@ -1,20 +1,26 @@
 // shardserve-worker: the pod entrypoint (DESIGN.md §4).
 //   launch  starts the T rank processes of this stage (env: SHARDSERVE_TP, SHARDSERVE_STAGE, ...),
 //           supervises them and exits non-zero, naming the rank, when one dies.
-//   rank    one rank (env as above plus SHARDSERVE_TP_RANK). The leader runs the generation
-//           request of SHARDSERVE_REQUEST (JSON) and writes the result to SHARDSERVE_RESULT_FILE.
+//   rank    one rank (env as above plus SHARDSERVE_TP_RANK). The leader serves the OpenAI API
+//           (serve/api_server.h) until SIGTERM/SIGINT, then stops the replica cleanly; with
+//           SHARDSERVE_REQUEST (JSON) it runs that one request instead and writes the result to
+//           SHARDSERVE_RESULT_FILE. The other ranks keep serving until the leader stops them.
 #include <signal.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "comm/world.h"
 #include "common/process.h"
 #include "common/status.h"
+#include "serve/api_server.h"
 #include "serve/rank_runtime.h"
 
 namespace shardserve {
@@ -36,6 +42,81 @@ absl::Status Launch() {
     ranks.push_back({*pid, world.Describe(rank)});
   }
   return SuperviseAll(ranks, std::chrono::milliseconds(3000));
+}
+
+// SIGINT/SIGTERM are taken by a thread rather than ending the process, so that the leader can
+// end generation and stop every rank on a step boundary. Construct before any other thread.
+class StopSignals {
+ public:
+  StopSignals() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGINT);
+    sigaddset(&set_, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+    signal(SIGPIPE, SIG_IGN);  // a client that goes away must not end the process
+    std::thread([this] {
+      int sig;
+      while (sigwait(&set_, &sig) == 0) {
+        std::function<void()> f;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          stopped_ = true;
+          f = on_stop_;
+        }
+        if (f) f();
+      }
+    }).detach();
+  }
+  // Runs `f` on the next stop signal, or now if one came already.
+  void OnStop(std::function<void()> f) {
+    bool now;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      on_stop_ = f;
+      now = stopped_;
+    }
+    if (now && f) f();
+  }
+
+ private:
+  sigset_t set_;
+  std::mutex mu_;
+  std::function<void()> on_stop_;
+  bool stopped_ = false;
+};
+
+// The leader's serving loop: the API answers from the start (not ready), the engine runs once
+// the replica is up, and a stop signal or a replica failure ends it after the requests in
+// progress have been answered.
+absl::Status Serve(const RankConfig& cfg, StopSignals& signals) {
+  ServeConfig defaults;
+  defaults.model_name = cfg.model_name;
+  defaults.model_dir = cfg.model_path;
+  defaults.replica = std::to_string(cfg.replica);
+  if (cfg.host == "127.0.0.1") defaults.host = "127.0.0.1";
+  ASSIGN_OR_RETURN(ServeConfig sc, ServeConfigFromEnv(defaults));
+  ASSIGN_OR_RETURN(std::unique_ptr<ApiServer> server, ApiServer::Start(sc));
+  std::fprintf(stderr, "leader: API on http://%s:%d (model '%s')\n", sc.host.c_str(),
+               server->port(), sc.model_name.c_str());
+  absl::StatusOr<RankOutcome> outcome = RunRank(cfg, [&](LeaderContext& ctx) {
+    server->AttachRankMetrics(ctx.registry, ctx.expose);
+    EngineOptions o = ctx.engine;
+    o.max_batch = sc.max_batch;
+    o.max_queue = sc.max_queue;
+    o.max_step_tokens = sc.max_step_tokens;
+    Engine engine(ctx.executor, o, server->Observer());
+    server->SetEngine(&engine);
+    signals.OnStop([&engine] { engine.Shutdown(); });
+    std::fprintf(stderr, "leader: ready\n");
+    const absl::Status s = engine.Run();
+    signals.OnStop(nullptr);
+    server->SetEngine(nullptr, s.ok() ? "the server is shutting down"
+                                      : absl::StrCat("the model replica failed: ", s.message()));
+    server->Stop(std::chrono::seconds(5));  // the failed requests get their answers first
+    return s;
+  });
+  server->Stop(std::chrono::seconds(0));
+  return outcome.status();
 }
 
 absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
@@ -61,7 +142,12 @@ absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
 }
 
 absl::Status RunOneRank() {
+  StopSignals signals;
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
+  if (std::getenv("SHARDSERVE_REQUEST") == nullptr) {
+    if (cfg.rank() == 0) return Serve(cfg, signals);
+    return RunRank(cfg, nullptr).status();
+  }
   ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
   std::vector<GenerationResult> results;
   double seconds = 0;

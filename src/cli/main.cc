@@ -36,6 +36,7 @@ commands:
              --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N
              --dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias
              --rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece
+             --chat-template auto|llama3|chatml|llama2|mistral|none
              --corpus FILE --shard-size BYTES]
   generate   --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T
              --top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos
@@ -63,7 +64,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
       Args a, Args::Parse(argv,
                           {"arch", "out", "layers", "hidden", "intermediate", "heads", "kv-heads",
                            "head-dim", "vocab", "experts", "top-k", "dtype", "seed", "rope-scaling",
-                           "max-position", "tokenizer", "corpus", "shard-size"},
+                           "max-position", "tokenizer", "corpus", "shard-size", "chat-template"},
                           {"tie-embeddings", "attention-bias"}));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
@@ -102,6 +103,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   o.attention_bias = a.Has("attention-bias");
   o.rope_scaling = a.GetOr("rope-scaling", "");
   o.corpus_file = a.GetOr("corpus", "");
+  o.chat_template = a.GetOr("chat-template", "auto");
   RETURN_IF_ERROR(GenerateModel(o));
   std::cerr << "wrote " << o.arch << " model to " << o.out_dir << "\n";
   return absl::OkStatus();

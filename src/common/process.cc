@@ -87,8 +87,8 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
       }
       continue;
     }
-    if (const int sig = g_stop_signal.exchange(0); sig != 0) {
-      if (first.ok()) first = absl::CancelledError(absl::StrCat("stopped by signal ", sig));
+    if (g_stop_signal.exchange(0) != 0) {
+      // Passed on; children that then exit 0 stopped cleanly.
       terminate_rest(SIGTERM);
       sent_term = true;
       deadline = std::chrono::steady_clock::now() + grace;

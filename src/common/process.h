@@ -2,7 +2,9 @@
 // Child processes: spawn with extra environment, and supervise a group of them. When one child
 // fails (non-zero exit or a signal) the others get a grace period to notice and report it
 // themselves, then SIGTERM, then after another grace period SIGKILL; the error names the child
-// that failed first. SIGINT/SIGTERM to the supervisor are passed on to the children at once.
+// that failed first. SIGINT/SIGTERM to the supervisor are passed on to the children at once (and
+// the children that do not exit within the grace period are killed); children that exit 0 after
+// it stopped cleanly.
 #include <sys/types.h>
 
 #include <chrono>

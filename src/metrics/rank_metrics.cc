@@ -13,10 +13,10 @@
 namespace shardserve {
 namespace {
 
-// Seconds from 100 µs to ~26 s, doubling.
-prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+// Seconds from `from` to about 30 s, doubling.
+prometheus::Histogram::BucketBoundaries SecondsBuckets(double from = 1e-4) {
   prometheus::Histogram::BucketBoundaries b;
-  for (double v = 1e-4; v < 30; v *= 2) b.push_back(v);
+  for (double v = from; v < 30; v *= 2) b.push_back(v);
   return b;
 }
 
@@ -86,6 +86,49 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
 }
 
 RankMetrics::~RankMetrics() = default;
+
+LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
+                             const std::string& replica)
+    : labels_{{"model", model}, {"replica", replica}} {
+  requests_ = &prometheus::BuildCounter()
+                   .Name("shardserve_requests_total")
+                   .Help("API requests answered, by HTTP status code")
+                   .Register(r);
+  queue_depth_ = &prometheus::BuildGauge()
+                      .Name("shardserve_request_queue_depth")
+                      .Help("Generation requests waiting to join the running batch")
+                      .Register(r)
+                      .Add(labels_);
+  ttft_ = &prometheus::BuildHistogram()
+               .Name("shardserve_time_to_first_token_seconds")
+               .Help("Time from a request's arrival to its first generated token")
+               .Register(r)
+               .Add(labels_, SecondsBuckets(1e-3));
+  itl_ = &prometheus::BuildHistogram()
+              .Name("shardserve_inter_token_latency_seconds")
+              .Help("Time between consecutive generated tokens of one sequence")
+              .Register(r)
+              .Add(labels_, SecondsBuckets(1e-3));
+  generated_ = &prometheus::BuildCounter()
+                    .Name("shardserve_generated_tokens_total")
+                    .Help("Tokens generated for clients")
+                    .Register(r)
+                    .Add(labels_);
+}
+
+void LeaderMetrics::CountRequest(int http_status) {
+  auto labels = labels_;
+  labels["code"] = std::to_string(http_status);
+  requests_->Add(labels).Increment();
+}
+void LeaderMetrics::SetQueueDepth(double depth) { queue_depth_->Set(depth); }
+void LeaderMetrics::ObserveFirstToken(double seconds) { ttft_->Observe(seconds); }
+void LeaderMetrics::ObserveInterToken(double seconds) { itl_->Observe(seconds); }
+void LeaderMetrics::AddGenerated(double tokens) { generated_->Increment(tokens); }
+
+void RankMetrics::Expose(std::shared_ptr<prometheus::Registry> more) {
+  exposer_->RegisterCollectable(more);
+}
 
 void RankMetrics::SetUp(bool up) { up_->Set(up ? 1 : 0); }
 void RankMetrics::ObserveForward(double seconds) { forward_->Observe(seconds); }

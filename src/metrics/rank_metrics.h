@@ -15,6 +15,8 @@
 namespace prometheus {
 class Counter;
 class Exposer;
+template <typename T>
+class Family;
 class Gauge;
 class Histogram;
 class Registry;
@@ -29,6 +31,32 @@ struct RankLabels {
   std::string tp_rank;
 };
 
+class RankMetrics;
+
+// The leader's request metrics (DESIGN.md §6), labelled {model, replica}:
+//   shardserve_requests_total{code}, shardserve_request_queue_depth,
+//   shardserve_time_to_first_token_seconds, shardserve_inter_token_latency_seconds
+//   (histograms), shardserve_generated_tokens_total.
+// Registered into the registry of the leader rank's page. Thread-safe.
+class LeaderMetrics {
+ public:
+  LeaderMetrics(prometheus::Registry& registry, const std::string& model,
+                const std::string& replica);
+  void CountRequest(int http_status);
+  void SetQueueDepth(double depth);
+  void ObserveFirstToken(double seconds);
+  void ObserveInterToken(double seconds);
+  void AddGenerated(double tokens);
+
+ private:
+  std::map<std::string, std::string> labels_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Gauge* queue_depth_;
+  prometheus::Histogram* ttft_;
+  prometheus::Histogram* itl_;
+  prometheus::Counter* generated_;
+};
+
 class RankMetrics {
  public:
   // Serves /metrics on host:port (port 0: any free port); an error names the address.
@@ -39,6 +67,8 @@ class RankMetrics {
   int port() const { return port_; }
   // The registry behind this rank's page; the leader adds its request metrics to it.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // Serves `more` on this rank's page as well.
+  void Expose(std::shared_ptr<prometheus::Registry> more);
   void SetUp(bool up);
   void ObserveForward(double seconds);
   void ObserveComm(const std::string& op, double seconds, size_t bytes);

@@ -79,9 +79,12 @@ std::map<std::vector<std::string>, int64_t> CountWords(std::string_view corpus,
 }  // namespace
 
 absl::StatusOr<TrainedTokenizer> TrainBpeTokenizer(std::string_view corpus, TokenizerStyle style,
-                                                   int64_t max_vocab) {
+                                                   int64_t max_vocab,
+                                                   const std::vector<std::string>& extra_special) {
   const bool sp = style == TokenizerStyle::kSentencePiece;
   std::vector<std::string> tokens = {sp ? "<unk>" : "<pad>", "<s>", "</s>"};
+  tokens.insert(tokens.end(), extra_special.begin(), extra_special.end());
+  const size_t num_special = tokens.size();
   if (sp) {
     for (int b = 0; b < 256; ++b) tokens.push_back(absl::StrFormat("<0x%02X>", b));
   } else {
@@ -154,7 +157,8 @@ absl::StatusOr<TrainedTokenizer> TrainBpeTokenizer(std::string_view corpus, Toke
   j["version"] = "1.0";
   j["truncation"] = nullptr;
   j["padding"] = nullptr;
-  j["added_tokens"] = json::array({added(0, tokens[0]), added(1, "<s>"), added(2, "</s>")});
+  j["added_tokens"] = json::array();
+  for (size_t i = 0; i < num_special; ++i) j["added_tokens"].push_back(added(i, tokens[i]));
   j["normalizer"] = nullptr;
   json model = {{"type", "BPE"},
                 {"dropout", nullptr},

@@ -2,10 +2,12 @@
 // Trains a BPE tokenizer on a text and writes it as a Hugging Face tokenizer.json.
 //   kByteLevel:     GPT-2 style byte-level BPE (ByteLevel pre-tokenizer and decoder).
 //   kSentencePiece: Llama 2 style BPE over characters with "▁" for spaces and byte fallback.
-// Special tokens come first: 0 <unk> (SentencePiece only) / <pad>, 1 <s>, 2 </s>.
+// Special tokens come first: 0 <unk> (SentencePiece only) / <pad>, 1 <s>, 2 </s>, then
+// `extra_special` (e.g. chat-template markers) from id 3.
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -21,7 +23,8 @@ struct TrainedTokenizer {
 };
 
 // Learns merges until the vocabulary has `max_vocab` entries or no pair occurs twice.
-absl::StatusOr<TrainedTokenizer> TrainBpeTokenizer(std::string_view corpus, TokenizerStyle style,
-                                                   int64_t max_vocab);
+absl::StatusOr<TrainedTokenizer> TrainBpeTokenizer(
+    std::string_view corpus, TokenizerStyle style, int64_t max_vocab,
+    const std::vector<std::string>& extra_special = {});
 
 }  // namespace shardserve

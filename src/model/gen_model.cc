@@ -110,6 +110,39 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   return t;
 }
 
+// Chat templates in Hugging Face's Jinja form, one per family shardserve renders
+// (serve/chat_template.cc), so transformers' apply_chat_template reads the same models.
+constexpr char kLlama3Template[] =
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}";
+constexpr char kChatMlTemplate[] =
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+constexpr char kLlama2Template[] =
+    "{% if messages[0]['role'] == 'system' %}{% set system = '<<SYS>>\n' + "
+    "messages[0]['content'] + '\n<</SYS>>\n\n' %}{% set turns = messages[1:] %}{% else %}"
+    "{% set system = '' %}{% set turns = messages %}{% endif %}{% for message in turns %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + (system if loop.first else '') "
+    "+ message['content'] | trim + ' [/INST]' }}{% else %}{{ ' ' + message['content'] | trim + "
+    "' ' + eos_token }}{% endif %}{% endfor %}";
+constexpr char kMistralTemplate[] =
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set system = '' %}{% set turns = messages %}"
+    "{% endif %}{{ bos_token }}{% for message in turns %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + (system if loop.first else '') + message['content'] | trim + '[/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] | trim + eos_token }}{% endif %}{% endfor %}";
+
+std::string ChatTemplateFor(const GenModelOptions& o) {
+  if (o.chat_template != "auto") return o.chat_template;
+  if (o.arch == "qwen2") return "chatml";
+  if (o.tokenizer == TokenizerStyle::kSentencePiece) return o.arch == "llama" ? "llama2" : "mistral";
+  return o.arch == "llama" ? "llama3" : "mistral";
+}
+
 absl::Status WriteText(const std::filesystem::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
@@ -147,6 +180,11 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--top-k ", top_k, " must be between 1 and --experts ", experts));
   }
+  if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
+      chat_template != "llama2" && chat_template != "mistral" && chat_template != "none") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--chat-template '", chat_template, "' is not auto, llama3, chatml, llama2, mistral or none"));
+  }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear") {
     return absl::InvalidArgumentError(
         absl::StrCat("--rope-scaling '", rope_scaling, "' is not llama3 or linear"));
@@ -171,13 +209,24 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (!o.corpus_file.empty()) {
     ASSIGN_OR_RETURN(corpus, ReadFileToString(o.corpus_file));
   }
-  ASSIGN_OR_RETURN(TrainedTokenizer tok, TrainBpeTokenizer(corpus, o.tokenizer, o.vocab));
+  const std::string chat = ChatTemplateFor(o);
+  const std::vector<std::string> chat_tokens =
+      chat == "llama3"   ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>",
+                                                    "<|eot_id|>"}
+      : chat == "chatml" ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
+                         : std::vector<std::string>{};
+  ASSIGN_OR_RETURN(TrainedTokenizer tok,
+                   TrainBpeTokenizer(corpus, o.tokenizer, o.vocab, chat_tokens));
   RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", tok.json));
-  const json tok_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
-                           {"bos_token", "<s>"},
-                           {"eos_token", "</s>"},
-                           {"add_bos_token", true},
-                           {"model_max_length", o.max_position}};
+  json tok_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                     {"bos_token", "<s>"},
+                     {"eos_token", "</s>"},
+                     {"add_bos_token", true},
+                     {"model_max_length", o.max_position}};
+  if (chat == "llama3") tok_config["chat_template"] = kLlama3Template;
+  if (chat == "chatml") tok_config["chat_template"] = kChatMlTemplate;
+  if (chat == "llama2") tok_config["chat_template"] = kLlama2Template;
+  if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
   const std::string arch_name = o.arch == "mixtral"   ? "MixtralForCausalLM"

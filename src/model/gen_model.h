@@ -32,6 +32,10 @@ struct GenModelOptions {
   TokenizerStyle tokenizer = TokenizerStyle::kByteLevel;
   std::string corpus_file;  // train the tokenizer on this text instead of the built-in one
   int64_t shard_bytes = 0;  // > 0: split weights into files of about this size
+  // The chat template written to tokenizer_config.json: llama3, chatml, llama2, mistral, none,
+  // or auto (chatml for qwen2; llama2 / mistral for SentencePiece llama / others; llama3 for
+  // byte-level llama; mistral for byte-level mistral and mixtral).
+  std::string chat_template = "auto";
 
   absl::Status Validate() const;
 };

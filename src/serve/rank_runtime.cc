@@ -376,7 +376,12 @@ LeaderContext Rank::Context() {
   LeaderContext ctx;
   ctx.executor = this;
   ctx.config = &c;
-  ctx.registry = metrics_ ? metrics_->registry() : nullptr;
+  if (metrics_) {
+    ctx.registry = metrics_->registry();
+    ctx.expose = [m = metrics_.get()](std::shared_ptr<prometheus::Registry> r) {
+      m->Expose(std::move(r));
+    };
+  }
   EngineOptions& o = ctx.engine;
   o.microbatches = std::max(1, cfg_.microbatches > 0 ? cfg_.microbatches : cfg_.pp);
   o.kv_blocks = cache_->num_blocks();

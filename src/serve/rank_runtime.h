@@ -75,6 +75,8 @@ struct LeaderContext {
   const ModelConfig* config = nullptr;
   EngineOptions engine;  // the replica's cache, context, micro-batches and vocabulary filled in
   std::shared_ptr<prometheus::Registry> registry;  // the rank's /metrics; null when off
+  // Adds a registry to the rank's /metrics page; null when off.
+  std::function<void(std::shared_ptr<prometheus::Registry>)> expose;
 };
 // Runs on the leader; returning stops the replica (the executor's Stop or, on error, an abort
 // that every rank reports).

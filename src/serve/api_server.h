@@ -1,0 +1,73 @@
+#pragma once
+// The leader's OpenAI-compatible HTTP API (DESIGN.md §5), on cpp-httplib:
+//   POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events ending in
+//   [DONE]), GET /v1/models, GET /healthz (the process serves), GET /readyz (every rank of the
+//   replica is connected and loaded, and the replica is healthy), GET /metrics (this rank's
+//   page plus the request metrics).
+// Bad requests get a 4xx with an OpenAI error body; a full queue gets 429 with Retry-After; a
+// client that disconnects has its sequences cancelled at once. The server starts before the
+// replica is loaded (readyz false) and serves generation once SetEngine is called.
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "serve/engine.h"
+
+namespace prometheus {
+class Registry;
+}
+
+namespace shardserve {
+
+class LeaderMetrics;
+
+struct ServeConfig {
+  std::string host = "0.0.0.0";
+  int port = 8000;
+  std::string model_name = "model";
+  std::string model_dir;
+  std::string replica = "0";
+  int max_batch = 32;
+  int max_queue = 128;
+  int64_t max_step_tokens = 512;
+  size_t max_body_bytes = 4 << 20;
+};
+
+// SHARDSERVE_API_HOST, SHARDSERVE_API_PORT, SHARDSERVE_MAX_BATCH_SIZE, SHARDSERVE_MAX_QUEUE,
+// SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES over the given defaults (model name,
+// directory and replica come from the rank's config). Errors name the variable.
+absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig defaults);
+
+class ApiServer {
+ public:
+  // Loads the tokenizer and the chat template of config.model_dir, binds and starts serving.
+  static absl::StatusOr<std::unique_ptr<ApiServer>> Start(const ServeConfig& config);
+  ~ApiServer();
+
+  int port() const { return port_; }
+  // The rank's own registry joins this server's /metrics; `expose` puts the request metrics on
+  // the rank's page too. Either may be null.
+  void AttachRankMetrics(std::shared_ptr<prometheus::Registry> rank,
+                         const std::function<void(std::shared_ptr<prometheus::Registry>)>& expose);
+  // Generation is served by `engine` (ready) or not at all (null; `reason` for /readyz).
+  void SetEngine(Engine* engine, const std::string& reason = "");
+  // Figures the engine reports into the request metrics.
+  EngineObserver Observer();
+  // Waits until the generation requests in progress have been answered (at most `timeout`),
+  // then stops listening.
+  void Stop(std::chrono::milliseconds timeout);
+
+  struct Impl;
+
+ private:
+  explicit ApiServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  int port_ = 0;
+};
+
+}  // namespace shardserve

@@ -1,0 +1,167 @@
+#include "serve/chat_template.h"
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/text.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+
+// tokenizer_config.json writes special tokens as a string or as {"content": ...}.
+std::string TokenText(const json& config, const char* key) {
+  auto it = config.find(key);
+  if (it == config.end()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+    return (*it)["content"].get<std::string>();
+  }
+  return "";
+}
+
+// The template text: a string, or a list of named templates of which "default" is used.
+std::string TemplateText(const json& config) {
+  auto it = config.find("chat_template");
+  if (it == config.end()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_array()) {
+    for (const json& t : *it) {
+      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+          t["template"].is_string()) {
+        return t["template"].get<std::string>();
+      }
+    }
+  }
+  return "";
+}
+
+std::string Trim(const std::string& s) { return std::string(absl::StripAsciiWhitespace(s)); }
+
+}  // namespace
+
+ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenizer& tokenizer) {
+  ChatTemplate t;
+  json config = json::object();
+  const std::string path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
+  if (auto text = ReadFileToString(path); text.ok()) {
+    try {
+      config = json::parse(*text);
+    } catch (const json::exception& e) {
+      t.reason_ = absl::StrCat(path, " is not valid JSON: ", e.what());
+      return t;
+    }
+  }
+  if (!config.is_object()) config = json::object();
+  t.bos_ = TokenText(config, "bos_token");
+  t.eos_ = TokenText(config, "eos_token");
+  const std::string tmpl = TemplateText(config);
+  auto has = [&](const char* marker) {
+    return tmpl.empty() ? tokenizer.TokenId(marker).has_value()
+                        : tmpl.find(marker) != std::string::npos;
+  };
+  if (has("<|start_header_id|>")) {
+    t.family_ = Family::kLlama3;
+    if (auto id = tokenizer.TokenId("<|eot_id|>")) t.end_of_turn_.push_back(*id);
+  } else if (has("<|im_start|>")) {
+    t.family_ = Family::kChatMl;
+    if (auto id = tokenizer.TokenId("<|im_end|>")) t.end_of_turn_.push_back(*id);
+    constexpr char kQwenDefault[] = "You are a helpful assistant.";
+    if (tmpl.find(kQwenDefault) != std::string::npos) t.default_system_ = kQwenDefault;
+  } else if (!tmpl.empty() && tmpl.find("<<SYS>>") != std::string::npos) {
+    t.family_ = Family::kLlama2;
+  } else if (!tmpl.empty() && tmpl.find("[INST]") != std::string::npos) {
+    t.family_ = Family::kMistral;
+  } else {
+    t.reason_ = tmpl.empty() ? "the model has no chat_template in tokenizer_config.json"
+                             : "the model's chat_template is not of a family shardserve knows "
+                               "(Llama 2, Llama 3, Mistral, ChatML)";
+    return t;
+  }
+  if (auto id = tokenizer.TokenId(t.eos_); id && !t.eos_.empty()) t.end_of_turn_.push_back(*id);
+  return t;
+}
+
+const char* ChatTemplate::name() const {
+  switch (family_) {
+    case Family::kLlama3:
+      return "llama3";
+    case Family::kChatMl:
+      return "chatml";
+    case Family::kLlama2:
+      return "llama2";
+    case Family::kMistral:
+      return "mistral";
+    case Family::kNone:
+      break;
+  }
+  return "none";
+}
+
+absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
+  std::string out;
+  switch (family_) {
+    case Family::kNone:
+      return absl::FailedPreconditionError(
+          absl::StrCat("this model has no chat template: ", reason_, "; use /v1/completions"));
+    case Family::kLlama3:
+      out = bos_;
+      for (const ChatMessage& m : messages) {
+        absl::StrAppend(&out, "<|start_header_id|>", m.role, "<|end_header_id|>\n\n",
+                        Trim(m.content), "<|eot_id|>");
+      }
+      absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+      return out;
+    case Family::kChatMl:
+      if (!default_system_.empty() && messages.front().role != "system") {
+        absl::StrAppend(&out, "<|im_start|>system\n", default_system_, "<|im_end|>\n");
+      }
+      for (const ChatMessage& m : messages) {
+        absl::StrAppend(&out, "<|im_start|>", m.role, "\n", m.content, "<|im_end|>\n");
+      }
+      absl::StrAppend(&out, "<|im_start|>assistant\n");
+      return out;
+    case Family::kLlama2:
+    case Family::kMistral:
+      break;
+  }
+  // [INST] families: an optional system message, then user and assistant turns alternating,
+  // ending with the user.
+  size_t first = 0;
+  std::string system;
+  if (messages.front().role == "system") {
+    system = family_ == Family::kLlama2
+                 ? absl::StrCat("<<SYS>>\n", messages.front().content, "\n<</SYS>>\n\n")
+                 : absl::StrCat(messages.front().content, "\n\n");
+    first = 1;
+  }
+  for (size_t i = first; i < messages.size(); ++i) {
+    const bool user_turn = (i - first) % 2 == 0;
+    const ChatMessage& m = messages[i];
+    if (m.role != (user_turn ? "user" : "assistant")) {
+      return BadParam("messages",
+                      absl::StrCat("this model's ", name(),
+                                   " chat format needs user and assistant messages alternating "
+                                   "after an optional system message; messages[",
+                                   i, "] is '", m.role, "'"));
+    }
+    if (user_turn) {
+      // Llama 2 opens every turn with BOS, Mistral only the conversation.
+      const bool bos = family_ == Family::kLlama2 || i == first;
+      absl::StrAppend(&out, bos ? bos_ : "", "[INST] ", i == first ? system : "", Trim(m.content),
+                      family_ == Family::kLlama2 ? " [/INST]" : "[/INST]");
+    } else {
+      absl::StrAppend(&out, " ", Trim(m.content), family_ == Family::kLlama2 ? " " : "", eos_);
+    }
+  }
+  if (messages.back().role != "user") {
+    return BadParam("messages", absl::StrCat("this model's ", name(),
+                                             " chat format needs the last message from the user"));
+  }
+  return out;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,319 @@
+#include "serve/openai.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+constexpr char kParamPayload[] = "type.shardserve.io/param";
+constexpr int kMaxStops = 16;
+constexpr int kMaxTopLogprobs = 20;
+
+// Typed field access: absent and null read as "not given"; a wrong type names the field.
+absl::StatusOr<std::optional<double>> Number(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) return BadParam(name, absl::StrCat("'", name, "' must be a number"));
+  const double v = it->get<double>();
+  if (!std::isfinite(v)) return BadParam(name, absl::StrCat("'", name, "' must be finite"));
+  return v;
+}
+
+absl::StatusOr<std::optional<int64_t>> Integer(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (it->is_number_integer()) return it->get<int64_t>();
+  if (it->is_number_float()) {
+    const double v = it->get<double>();
+    if (v == std::floor(v) && std::fabs(v) < 9e15) return static_cast<int64_t>(v);
+  }
+  return BadParam(name, absl::StrCat("'", name, "' must be an integer"));
+}
+
+absl::StatusOr<std::optional<bool>> Boolean(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) return BadParam(name, absl::StrCat("'", name, "' must be a boolean"));
+  return it->get<bool>();
+}
+
+absl::StatusOr<std::vector<int32_t>> TokenIds(const json& v, const std::string& param) {
+  std::vector<int32_t> ids;
+  for (const json& t : v) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
+        t.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return BadParam(param, absl::StrCat("'", param, "' token ids must be non-negative integers"));
+    }
+    ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  if (ids.empty()) return BadParam(param, absl::StrCat("'", param, "' must not be empty"));
+  return ids;
+}
+
+absl::Status ParsePrompt(const json& body, ApiRequest& r) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return BadParam("prompt", "'prompt' is required");
+  const json& p = *it;
+  if (p.is_string()) {
+    r.prompt_texts.push_back(p.get<std::string>());
+    r.prompt_ids.emplace_back();
+    return absl::OkStatus();
+  }
+  if (!p.is_array() || p.empty()) {
+    return BadParam("prompt",
+                    "'prompt' must be a string, a list of token ids, or a non-empty list of them");
+  }
+  if (p[0].is_number()) {
+    ASSIGN_OR_RETURN(std::vector<int32_t> ids, TokenIds(p, "prompt"));
+    r.prompt_texts.emplace_back();
+    r.prompt_ids.push_back(std::move(ids));
+    return absl::OkStatus();
+  }
+  for (const json& e : p) {
+    if (e.is_string()) {
+      r.prompt_texts.push_back(e.get<std::string>());
+      r.prompt_ids.emplace_back();
+    } else if (e.is_array()) {
+      ASSIGN_OR_RETURN(std::vector<int32_t> ids, TokenIds(e, "prompt"));
+      r.prompt_texts.emplace_back();
+      r.prompt_ids.push_back(std::move(ids));
+    } else {
+      return BadParam("prompt", "'prompt' list entries must be strings or lists of token ids");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseMessages(const json& body, ApiRequest& r) {
+  auto it = body.find("messages");
+  if (it == body.end() || !it->is_array() || it->empty()) {
+    return BadParam("messages", "'messages' must be a non-empty list");
+  }
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& m = (*it)[i];
+    const std::string param = absl::StrCat("messages[", i, "]");
+    if (!m.is_object()) return BadParam(param, absl::StrCat("'", param, "' must be an object"));
+    ChatMessage msg;
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string()) {
+      return BadParam(param + ".role", absl::StrCat("'", param, ".role' must be a string"));
+    }
+    msg.role = role->get<std::string>();
+    if (msg.role == "developer") msg.role = "system";
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+      return BadParam(param + ".role", absl::StrCat("'", param, ".role' is '", msg.role,
+                                                    "'; expected system, user or assistant"));
+    }
+    auto content = m.find("content");
+    if (content == m.end() || content->is_null()) {
+      return BadParam(param + ".content", absl::StrCat("'", param, ".content' is required"));
+    }
+    if (content->is_string()) {
+      msg.content = content->get<std::string>();
+    } else if (content->is_array()) {
+      for (const json& part : *content) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          return BadParam(param + ".content",
+                          absl::StrCat("'", param,
+                                       ".content' parts must be {\"type\": \"text\", \"text\": "
+                                       "...}; this model reads text only"));
+        }
+        msg.content += part["text"].get<std::string>();
+      }
+    } else {
+      return BadParam(param + ".content",
+                      absl::StrCat("'", param, ".content' must be a string or a list of parts"));
+    }
+    r.messages.push_back(std::move(msg));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseStop(const json& body, ApiRequest& r) {
+  auto it = body.find("stop");
+  if (it != body.end() && !it->is_null()) {
+    if (it->is_string()) {
+      r.stop.push_back(it->get<std::string>());
+    } else if (it->is_array() && it->size() <= kMaxStops) {
+      for (const json& s : *it) {
+        if (!s.is_string()) return BadParam("stop", "'stop' entries must be strings");
+        r.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return BadParam("stop",
+                      absl::StrCat("'stop' must be a string or a list of at most ", kMaxStops));
+    }
+    for (const std::string& s : r.stop) {
+      if (s.empty()) return BadParam("stop", "'stop' strings must not be empty");
+    }
+  }
+  it = body.find("stop_token_ids");
+  if (it != body.end() && !it->is_null()) {
+    if (!it->is_array()) return BadParam("stop_token_ids", "'stop_token_ids' must be a list");
+    for (const json& t : *it) {
+      if (!t.is_number_integer()) {
+        return BadParam("stop_token_ids", "'stop_token_ids' entries must be integers");
+      }
+      r.params.stop_token_ids.push_back(t.get<int64_t>());
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status BadParam(const std::string& param, const std::string& message) {
+  absl::Status s = absl::InvalidArgumentError(message);
+  s.SetPayload(kParamPayload, absl::Cord(param));
+  return s;
+}
+
+std::string ErrorParam(const absl::Status& status) {
+  auto p = status.GetPayload(kParamPayload);
+  return p ? std::string(*p) : std::string();
+}
+
+absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
+  if (!body.is_object()) return BadParam("", "the request body must be a JSON object");
+  ApiRequest r;
+  r.chat = chat;
+  auto model = body.find("model");
+  if (model == body.end() || !model->is_string()) {
+    return BadParam("model", "'model' must be a string naming the model");
+  }
+  r.model = model->get<std::string>();
+  RETURN_IF_ERROR(chat ? ParseMessages(body, r) : ParsePrompt(body, r));
+
+  SamplingParams& p = r.params;
+  ASSIGN_OR_RETURN(auto max_tokens, Integer(body, "max_tokens"));
+  if (chat && !max_tokens) {
+    ASSIGN_OR_RETURN(max_tokens, Integer(body, "max_completion_tokens"));
+  }
+  if (max_tokens) {
+    if (*max_tokens < 1) return BadParam("max_tokens", "'max_tokens' must be at least 1");
+    p.max_tokens = *max_tokens;
+    r.max_tokens_set = true;
+  }
+  ASSIGN_OR_RETURN(auto temperature, Number(body, "temperature"));
+  if (temperature) {
+    if (*temperature < 0 || *temperature > 2) {
+      return BadParam("temperature", "'temperature' must be between 0 and 2");
+    }
+    p.temperature = static_cast<float>(*temperature);
+  } else {
+    p.temperature = 1.0f;  // OpenAI's default
+  }
+  ASSIGN_OR_RETURN(auto top_p, Number(body, "top_p"));
+  if (top_p) {
+    if (!(*top_p > 0 && *top_p <= 1)) return BadParam("top_p", "'top_p' must be in (0, 1]");
+    p.top_p = static_cast<float>(*top_p);
+  }
+  ASSIGN_OR_RETURN(auto top_k, Integer(body, "top_k"));
+  if (top_k) {
+    if (*top_k < -1) return BadParam("top_k", "'top_k' must be -1 (off), 0 (off) or positive");
+    p.top_k = std::max<int64_t>(0, *top_k);
+  }
+  ASSIGN_OR_RETURN(auto seed, Integer(body, "seed"));
+  if (seed) {
+    p.seed = static_cast<uint64_t>(*seed);
+    r.seed_set = true;
+  }
+  ASSIGN_OR_RETURN(auto n, Integer(body, "n"));
+  if (n && *n != 1) return BadParam("n", "'n' must be 1: one choice per prompt is supported");
+  ASSIGN_OR_RETURN(auto best_of, Integer(body, "best_of"));
+  if (best_of && *best_of != 1) return BadParam("best_of", "'best_of' other than 1 is not supported");
+  for (const char* penalty : {"presence_penalty", "frequency_penalty", "repetition_penalty"}) {
+    ASSIGN_OR_RETURN(auto v, Number(body, penalty));
+    const double neutral = std::string(penalty) == "repetition_penalty" ? 1.0 : 0.0;
+    if (v && *v != neutral) {
+      return BadParam(penalty, absl::StrCat("'", penalty, "' is not supported (only ", neutral,
+                                            ")"));
+    }
+  }
+  if (auto it = body.find("logit_bias"); it != body.end() && !it->is_null() && !it->empty()) {
+    return BadParam("logit_bias", "'logit_bias' is not supported");
+  }
+  if (auto it = body.find("suffix"); it != body.end() && !it->is_null()) {
+    return BadParam("suffix", "'suffix' is not supported");
+  }
+  ASSIGN_OR_RETURN(auto echo, Boolean(body, "echo"));
+  if (echo && *echo) return BadParam("echo", "'echo' is not supported");
+  ASSIGN_OR_RETURN(auto ignore_eos, Boolean(body, "ignore_eos"));
+  if (ignore_eos) p.ignore_eos = *ignore_eos;
+  RETURN_IF_ERROR(ParseStop(body, r));
+
+  if (chat) {
+    ASSIGN_OR_RETURN(auto logprobs, Boolean(body, "logprobs"));
+    ASSIGN_OR_RETURN(auto top, Integer(body, "top_logprobs"));
+    r.logprobs = logprobs.value_or(false);
+    if (top) {
+      if (!r.logprobs) return BadParam("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+      if (*top < 0 || *top > kMaxTopLogprobs) {
+        return BadParam("top_logprobs",
+                        absl::StrCat("'top_logprobs' must be between 0 and ", kMaxTopLogprobs));
+      }
+      p.top_logprobs = *top;
+    }
+  } else {
+    ASSIGN_OR_RETURN(auto logprobs, Integer(body, "logprobs"));
+    if (logprobs) {
+      if (*logprobs < 0 || *logprobs > kMaxTopLogprobs) {
+        return BadParam("logprobs",
+                        absl::StrCat("'logprobs' must be between 0 and ", kMaxTopLogprobs));
+      }
+      r.logprobs = true;
+      p.top_logprobs = *logprobs;
+    }
+  }
+  ASSIGN_OR_RETURN(auto stream, Boolean(body, "stream"));
+  r.stream = stream.value_or(false);
+  if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
+    if (!it->is_object()) return BadParam("stream_options", "'stream_options' must be an object");
+    if (!r.stream) return BadParam("stream_options", "'stream_options' needs 'stream': true");
+    ASSIGN_OR_RETURN(auto usage, Boolean(*it, "include_usage"));
+    r.include_usage = usage.value_or(false);
+  }
+  return r;
+}
+
+int HttpStatusFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+      return 400;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    default:
+      return 500;
+  }
+}
+
+json ErrorBody(const absl::Status& status) {
+  const int code = HttpStatusFor(status);
+  const char* type = code == 429   ? "rate_limit_error"
+                     : code == 404 ? "not_found_error"
+                     : code < 500  ? "invalid_request_error"
+                                   : "server_error";
+  const std::string param = ErrorParam(status);
+  return {{"error",
+           {{"message", std::string(status.message())},
+            {"type", type},
+            {"param", param.empty() ? json(nullptr) : json(param)},
+            {"code", code == 404 ? json("model_not_found") : json(nullptr)}}}};
+}
+
+std::string DumpJson(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+}  // namespace shardserve

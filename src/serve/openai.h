@@ -1,0 +1,63 @@
+#pragma once
+// The OpenAI-compatible request shapes the leader accepts (DESIGN.md §5), parsed and validated
+// without I/O. Every rejection is a Status whose message names the parameter; ErrorParam gives
+// the parameter for the error body's "param" field.
+//
+// /v1/completions: prompt (string, token ids, or a list of either), max_tokens (default 16).
+// /v1/chat/completions: messages (role + string or text parts), max_tokens or
+//   max_completion_tokens (default: the rest of the context).
+// Both: temperature, top_p, top_k, seed, stop (string or list), stop_token_ids, ignore_eos,
+//   stream, stream_options.include_usage, n (1 only); logprobs (completions: an integer;
+//   chat: a boolean with top_logprobs). Unsupported options that would change the answer
+//   (echo, best_of > 1, penalties, logit_bias, suffix) are refused by name; unknown fields are
+//   ignored, as OpenAI does.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+#include "model/sampler.h"
+
+namespace shardserve {
+
+struct ChatMessage {
+  std::string role;  // system | user | assistant
+  std::string content;
+};
+
+struct ApiRequest {
+  bool chat = false;
+  std::string model;
+  // Completions: one entry per prompt, as text or as token ids.
+  std::vector<std::string> prompt_texts;
+  std::vector<std::vector<int32_t>> prompt_ids;
+  std::vector<ChatMessage> messages;
+  SamplingParams params;
+  bool max_tokens_set = false;
+  bool seed_set = false;  // without a seed, every request samples differently
+  std::vector<std::string> stop;
+  bool stream = false;
+  bool include_usage = false;
+  bool logprobs = false;  // report log-probabilities (top_logprobs alternatives in params)
+};
+
+// Parses a request body. `chat` selects /v1/chat/completions.
+absl::StatusOr<ApiRequest> ParseApiRequest(const nlohmann::json& body, bool chat);
+
+// The parameter an error names ("" when none).
+std::string ErrorParam(const absl::Status& status);
+// InvalidArgument naming `param`.
+absl::Status BadParam(const std::string& param, const std::string& message);
+
+// The HTTP status for a Status (InvalidArgument 400, NotFound 404, ResourceExhausted 429,
+// Unavailable 503, FailedPrecondition 400, others 500) and the OpenAI error body.
+int HttpStatusFor(const absl::Status& status);
+nlohmann::json ErrorBody(const absl::Status& status);
+
+// JSON text that never throws on invalid UTF-8 (model output may hold partial characters).
+std::string DumpJson(const nlohmann::json& j);
+
+}  // namespace shardserve
