@@ -52,7 +52,8 @@ if [ "${SHARDSERVE_SKIP_CUDA:-0}" != 1 ] && [ ! -f "$stamp" ]; then
 fi
 
 # --- Python reference environment (transformers + torch) -------------------------------------
-REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6)
+REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6
+  openai==3.52.0)
 ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
 if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
   log "installing the Python reference environment into $VENV (one time, large)"

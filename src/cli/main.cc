@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/comm_bench.h"
 #include "bench/runtime_bench.h"
+#include "cli/local.h"
 #include "comm/socket.h"
 #include "common/args.h"
 #include "common/process.h"
@@ -32,6 +33,9 @@ namespace {
 constexpr char kUsage[] = R"(usage: shardserve COMMAND [flags]
 
 commands:
+  local      -f MANIFEST.yaml [--port N --metrics-port-base N --threads N]
+             (a ShardedModel on this machine: its replicas, stages and ranks as processes, the
+             OpenAI API on http://127.0.0.1:PORT/v1; Ctrl-C stops)
   gen-model  --arch llama|mistral|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N
              --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N
              --dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias
@@ -285,7 +289,9 @@ int Main(int argc, char** argv) {
   const std::string cmd = argv[1];
   const std::vector<std::string> rest(argv + 2, argv + argc);
   absl::Status s;
-  if (cmd == "gen-model") {
+  if (cmd == "local") {
+    s = RunLocal(rest);
+  } else if (cmd == "gen-model") {
     s = GenModel(rest);
   } else if (cmd == "generate") {
     s = Generate(rest);

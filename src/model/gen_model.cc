@@ -139,7 +139,8 @@ constexpr char kMistralTemplate[] =
 std::string ChatTemplateFor(const GenModelOptions& o) {
   if (o.chat_template != "auto") return o.chat_template;
   if (o.arch == "qwen2") return "chatml";
-  if (o.tokenizer == TokenizerStyle::kSentencePiece) return o.arch == "llama" ? "llama2" : "mistral";
+  if (o.tokenizer == TokenizerStyle::kSentencePiece)
+    return o.arch == "llama" ? "llama2" : "mistral";
   return o.arch == "llama" ? "llama3" : "mistral";
 }
 
@@ -182,8 +183,9 @@ absl::Status GenModelOptions::Validate() const {
   }
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "none") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--chat-template '", chat_template, "' is not auto, llama3, chatml, llama2, mistral or none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--chat-template '", chat_template,
+                     "' is not auto, llama3, chatml, llama2, mistral or none"));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear") {
     return absl::InvalidArgumentError(
@@ -211,8 +213,8 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   }
   const std::string chat = ChatTemplateFor(o);
   const std::vector<std::string> chat_tokens =
-      chat == "llama3"   ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>",
-                                                    "<|eot_id|>"}
+      chat == "llama3"
+          ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
       : chat == "chatml" ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
                          : std::vector<std::string>{};
   ASSIGN_OR_RETURN(TrainedTokenizer tok,

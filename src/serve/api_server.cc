@@ -145,8 +145,9 @@ struct ApiServer::Impl {
   std::shared_ptr<prometheus::Registry> rank_registry;
   std::shared_mutex engine_mu;
   Engine* engine = nullptr;  // guarded by engine_mu
-  std::string not_ready = "the model replica is starting: waiting for every rank to connect and "
-                          "load";  // guarded by engine_mu
+  std::string not_ready =
+      "the model replica is starting: waiting for every rank to connect and "
+      "load";  // guarded by engine_mu
   std::atomic<int> active{0};
   int64_t max_context = 0;
 
@@ -180,8 +181,10 @@ struct ApiServer::Impl {
             const std::string s = TokenText(a.id);
             top.push_back({{"token", s}, {"logprob", a.logprob}, {"bytes", Bytes(s)}});
           }
-          content.push_back(
-              {{"token", piece}, {"logprob", t.logprob}, {"bytes", Bytes(piece)}, {"top_logprobs", top}});
+          content.push_back({{"token", piece},
+                             {"logprob", t.logprob},
+                             {"bytes", Bytes(piece)},
+                             {"top_logprobs", top}});
         } else {
           json top = json::object();
           for (const TokenLogprob& a : t.top) top[TokenText(a.id)] = a.logprob;
@@ -216,7 +219,15 @@ struct ApiServer::Impl {
       if (!u.status.ok()) {
         c.error = u.status;
       } else {
-        d.text += c.text.Flush();
+        // Held-back text (an incomplete character at the end) belongs to the last token.
+        const std::string rest = c.text.Flush();
+        d.text += rest;
+        if (!rest.empty() && !c.lp_tokens.empty()) {
+          c.lp_tokens.back() = c.lp_tokens.back().get<std::string>() + rest;
+        }
+        if (!rest.empty() && !c.lp_content.empty()) {
+          c.lp_content.back()["token"] = c.lp_content.back()["token"].get<std::string>() + rest;
+        }
         c.finish_reason = u.finish_reason;
       }
     }
@@ -293,27 +304,27 @@ struct ApiServer::Impl {
     try {
       body = json::parse(http_req.body);
     } catch (const json::exception& e) {
-      return Reply(res, BadParam("", absl::StrCat("the request body is not valid JSON: ",
-                                                  e.what())));
+      return Reply(res,
+                   BadParam("", absl::StrCat("the request body is not valid JSON: ", e.what())));
     }
     auto parsed = ParseApiRequest(body, chat);
     if (!parsed.ok()) return Reply(res, parsed.status());
     auto req = std::make_shared<ApiRequest>(*std::move(parsed));
     if (req->model != config.model_name) {
-      absl::Status s = absl::NotFoundError(absl::StrCat(
-          "the model '", req->model, "' does not exist; this server serves '", config.model_name,
-          "'"));
+      absl::Status s = absl::NotFoundError(absl::StrCat("the model '", req->model,
+                                                        "' does not exist; this server serves '",
+                                                        config.model_name, "'"));
       s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
       return Reply(res, s);
     }
-    if (!req->seed_set) req->params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
+    if (!req->seed_set)
+      req->params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
     auto choices = std::make_shared<std::vector<Choice>>();
     if (absl::Status s = Submit(*req, *choices); !s.ok()) return Reply(res, s);
     const std::string id = RequestId(chat ? "chatcmpl-" : "cmpl-");
-    const int64_t created =
-        std::chrono::duration_cast<std::chrono::seconds>(
-            std::chrono::system_clock::now().time_since_epoch())
-            .count();
+    const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count();
     if (!req->stream) return Answer(http_req, res, *req, *choices, id, created);
     metrics->CountRequest(200);
     ++active;
@@ -410,7 +421,8 @@ struct ApiServer::Impl {
           return true;
         }
         all_done &= c.done;
-        json choice = {{"index", i}, {"logprobs", d.logprobs.is_null() ? json(nullptr) : d.logprobs},
+        json choice = {{"index", i},
+                       {"logprobs", d.logprobs.is_null() ? json(nullptr) : d.logprobs},
                        {"finish_reason", d.finished ? json(c.finish_reason) : json(nullptr)}};
         if (req.chat) {
           json delta = json::object();
@@ -538,16 +550,15 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
         families.insert(families.end(), more.begin(), more.end());
       }
     }
-    res.set_content(prometheus::TextSerializer().Serialize(families),
-                    "text/plain; version=0.0.4");
+    res.set_content(prometheus::TextSerializer().Serialize(families), "text/plain; version=0.0.4");
   });
-  const int port = config.port == 0 ? http.bind_to_any_port(config.host)
-                                    : (http.bind_to_port(config.host, config.port) ? config.port
-                                                                                   : -1);
+  const int port = config.port == 0
+                       ? http.bind_to_any_port(config.host)
+                       : (http.bind_to_port(config.host, config.port) ? config.port : -1);
   if (port < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve the API on ", config.host, ":", config.port,
-                     ": the address is in use or not available"));
+    return absl::UnavailableError(absl::StrCat("cannot serve the API on ", config.host, ":",
+                                               config.port,
+                                               ": the address is in use or not available"));
   }
   s->listener = std::thread([s] { s->http.listen_after_bind(); });
   std::unique_ptr<ApiServer> server(new ApiServer(std::move(impl)));

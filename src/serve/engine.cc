@@ -89,7 +89,9 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) return absl::UnavailableError("the server is not serving");
-    if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
+    // Requests that the batch's free slots will take at the next step do not count as queued.
+    const int free_slots = std::max(0, options_.max_batch - running_count_.load());
+    if (static_cast<int>(waiting_.size()) >= options_.max_queue + free_slots) {
       return absl::ResourceExhaustedError(
           absl::StrCat("the request queue is full (", options_.max_queue, " waiting)"));
     }
@@ -122,6 +124,7 @@ void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& 
   used_blocks_ -= s->blocks;
   if (s->mb >= 0) std::erase(mbs_[s->mb].seqs, s);
   std::erase_if(running_, [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
+  running_count_.store(static_cast<int>(running_.size()));
 }
 
 void Engine::Preempt(Sequence* s) {
@@ -136,6 +139,7 @@ void Engine::Preempt(Sequence* s) {
                          [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
   std::unique_ptr<Sequence> owned = std::move(*it);
   running_.erase(it);
+  running_count_.store(static_cast<int>(running_.size()));
   std::lock_guard<std::mutex> lock(mu_);
   waiting_.push_front(std::move(owned));
 }
@@ -167,6 +171,7 @@ StepDesc Engine::BuildStep(int mb) {
       running_.push_back(std::move(waiting_.front()));
       waiting_.pop_front();
     }
+    running_count_.store(static_cast<int>(running_.size()));
   }
 
   StepDesc desc;
@@ -268,10 +273,7 @@ absl::Status Engine::Loop() {
     for (int mb = 0; mb < static_cast<int>(mbs_.size()); ++mb) {
       if (mbs_[mb].in_flight) continue;
       StepDesc desc = BuildStep(mb);
-      if (desc.chunks.empty()) {
-        release_.insert(release_.end(), desc.release.begin(), desc.release.end());
-        continue;
-      }
+      if (desc.chunks.empty() && desc.release.empty()) continue;  // frees cache even when idle
       RETURN_IF_ERROR(executor_->Issue(desc));
       mbs_[mb].in_flight = true;
       in_flight_.push_back(mb);
@@ -302,6 +304,7 @@ absl::Status Engine::Loop() {
 void Engine::FailAll(const absl::Status& status) {
   for (const auto& s : running_) s->stream->Finish("", status);
   running_.clear();
+  running_count_.store(0);
   for (MicroBatch& mb : mbs_) mb.seqs.clear();
   std::lock_guard<std::mutex> lock(mu_);
   accepting_ = false;

@@ -132,6 +132,7 @@ class Engine {
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<bool> healthy_{true};
+  std::atomic<int> running_count_{0};  // running_.size(), for Submit
 
   // Scheduler thread only.
   std::vector<MicroBatch> mbs_;

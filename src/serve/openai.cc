@@ -228,13 +228,14 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   ASSIGN_OR_RETURN(auto n, Integer(body, "n"));
   if (n && *n != 1) return BadParam("n", "'n' must be 1: one choice per prompt is supported");
   ASSIGN_OR_RETURN(auto best_of, Integer(body, "best_of"));
-  if (best_of && *best_of != 1) return BadParam("best_of", "'best_of' other than 1 is not supported");
+  if (best_of && *best_of != 1)
+    return BadParam("best_of", "'best_of' other than 1 is not supported");
   for (const char* penalty : {"presence_penalty", "frequency_penalty", "repetition_penalty"}) {
     ASSIGN_OR_RETURN(auto v, Number(body, penalty));
     const double neutral = std::string(penalty) == "repetition_penalty" ? 1.0 : 0.0;
     if (v && *v != neutral) {
-      return BadParam(penalty, absl::StrCat("'", penalty, "' is not supported (only ", neutral,
-                                            ")"));
+      return BadParam(penalty,
+                      absl::StrCat("'", penalty, "' is not supported (only ", neutral, ")"));
     }
   }
   if (auto it = body.find("logit_bias"); it != body.end() && !it->is_null() && !it->empty()) {
@@ -314,6 +315,8 @@ json ErrorBody(const absl::Status& status) {
             {"code", code == 404 ? json("model_not_found") : json(nullptr)}}}};
 }
 
-std::string DumpJson(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+std::string DumpJson(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 }  // namespace shardserve

@@ -12,11 +12,10 @@
 //   (echo, best_of > 1, penalties, logit_bias, suffix) are refused by name; unknown fields are
 //   ignored, as OpenAI does.
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
 #include "model/sampler.h"

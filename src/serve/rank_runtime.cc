@@ -133,6 +133,11 @@ class Rank : public StepExecutor {
   // tp_rank 0 (every step has one, possibly empty) and null elsewhere.
   absl::StatusOr<json> ProcessStep(const json& desc);
   int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
+  void ReportCacheUsage() {
+    if (!metrics_) return;
+    metrics_->SetKvCacheUsage(1.0 - static_cast<double>(cache_->free_blocks()) /
+                                        static_cast<double>(cache_->num_blocks()));
+  }
 
   RankConfig cfg_;
   WorldConfig world_;
@@ -201,10 +206,7 @@ absl::Status Rank::Init() {
   // Every rank computes the same split; a shape that cannot be sharded is reported to all.
   absl::Status loaded = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(cfg_.model_path));
-    const double H = c.hidden_size, I = c.intermediate_size;
-    const double layer =
-        2 * H * c.q_dim() + 2 * H * c.kv_dim() + (c.moe ? c.experts_per_token : 1) * 3 * H * I;
-    ASSIGN_OR_RETURN(auto split, SplitLayers(c.num_layers, cfg_.pp, {layer, H, H * c.vocab_size}));
+    ASSIGN_OR_RETURN(auto split, StageLayers(c, cfg_.pp));
     Transformer::Options o;
     o.num_threads = cfg_.threads;
     o.tp_size = cfg_.tp;
@@ -260,6 +262,12 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       ids.push_back(seq);
       sample.push_back(ch.at("sample").get<bool>());
     }
+    if (chunks.empty()) {  // only frees cache
+      ReportCacheUsage();
+      return world_.rank() == LastSampler()
+                 ? json{{"mb", desc.at("mb")}, {"results", json::array()}}
+                 : json();
+    }
     std::vector<float> hidden_in, out;
     if (!model_->first_stage()) {
       hidden_in.resize(rows * c.hidden_size);
@@ -273,9 +281,8 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       metrics_->ObserveForward(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       metrics_->AddTokens(static_cast<double>(rows));
-      metrics_->SetKvCacheUsage(1.0 - static_cast<double>(cache_->free_blocks()) /
-                                          static_cast<double>(cache_->num_blocks()));
     }
+    ReportCacheUsage();
     if (!model_->last_stage()) {
       RETURN_IF_ERROR(mesh_->Send(out.data(), out.size() * sizeof(float), *world_.NextStageRank()));
       return json();
@@ -407,6 +414,13 @@ absl::StatusOr<int> EnvInt(const char* name, std::optional<int> def) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& c, int pp) {
+  const double H = c.hidden_size, I = c.intermediate_size;
+  const double layer =
+      2 * H * c.q_dim() + 2 * H * c.kv_dim() + (c.moe ? c.experts_per_token : 1) * 3 * H * I;
+  return SplitLayers(c.num_layers, pp, {layer, H, H * c.vocab_size});
+}
 
 absl::StatusOr<RankConfig> RankConfigFromEnv() {
   RankConfig c;

@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "model/config.h"
+#include "plan/layer_split.h"
 #include "serve/engine.h"
 #include "serve/step.h"
 
@@ -81,6 +82,9 @@ struct LeaderContext {
 // Runs on the leader; returning stops the replica (the executor's Stop or, on error, an abort
 // that every rank reports).
 using LeaderMain = std::function<absl::Status(LeaderContext&)>;
+
+// The layers of each pipeline stage, as every rank computes them (weights by parameter count).
+absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& config, int pp);
 
 // Runs this rank: start-up, then `lead` on the leader; the other ranks serve steps until the
 // leader stops them.

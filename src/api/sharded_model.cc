@@ -1,0 +1,258 @@
+#include "api/sharded_model.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <regex>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+
+namespace shardserve {
+namespace {
+
+// Reads fields of one mapping, naming each by its full path in errors, and refuses fields that
+// were not read.
+class Fields {
+ public:
+  Fields(const YAML::Node& node, std::string path) : node_(node), path_(std::move(path)) {}
+
+  absl::Status CheckMap() const {
+    if (node_ && !node_.IsNull() && !node_.IsMap()) {
+      return absl::InvalidArgumentError(absl::StrCat(path_, " must be a mapping"));
+    }
+    return absl::OkStatus();
+  }
+  std::string Path(const std::string& key) const {
+    return path_.empty() ? key : absl::StrCat(path_, ".", key);
+  }
+  YAML::Node Get(const std::string& key) {
+    known_.insert(key);
+    return node_ && node_.IsMap() ? node_[key] : YAML::Node();
+  }
+  absl::Status Int(const std::string& key, int64_t& out) {
+    YAML::Node n = Get(key);
+    if (!n || n.IsNull()) return absl::OkStatus();
+    try {
+      if (!n.IsScalar()) throw YAML::Exception(YAML::Mark(), "");
+      out = n.as<int64_t>();
+    } catch (const YAML::Exception&) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Path(key), " must be an integer, got ", Describe(n)));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status String(const std::string& key, std::string& out) {
+    YAML::Node n = Get(key);
+    if (!n || n.IsNull()) return absl::OkStatus();
+    if (!n.IsScalar()) {
+      return absl::InvalidArgumentError(absl::StrCat(Path(key), " must be a string"));
+    }
+    out = n.Scalar();
+    return absl::OkStatus();
+  }
+  absl::Status StringMap(const std::string& key, std::map<std::string, std::string>& out) {
+    YAML::Node n = Get(key);
+    if (!n || n.IsNull()) return absl::OkStatus();
+    if (!n.IsMap())
+      return absl::InvalidArgumentError(absl::StrCat(Path(key), " must be a mapping"));
+    for (const auto& kv : n) {
+      if (!kv.second.IsScalar()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Path(key), ".", kv.first.Scalar(), " must be a string"));
+      }
+      out[kv.first.Scalar()] = kv.second.Scalar();
+    }
+    return absl::OkStatus();
+  }
+  // Fields present but never read: misspelt or unsupported.
+  absl::Status NoOthers() const {
+    if (!node_ || !node_.IsMap()) return absl::OkStatus();
+    for (const auto& kv : node_) {
+      const std::string key = kv.first.Scalar();
+      if (!known_.count(key)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Path(key), " is not a field of ", path_.empty() ? "the resource" : path_,
+                         " (known: ", absl::StrJoin(known_, ", "), ")"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  static std::string Describe(const YAML::Node& n) {
+    return n.IsScalar() ? absl::StrCat("'", n.Scalar(), "'") : "a non-scalar value";
+  }
+  YAML::Node node_;
+  std::string path_;
+  std::set<std::string> known_;
+};
+
+absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
+  Fields spec(node, "spec");
+  RETURN_IF_ERROR(spec.CheckMap());
+  RETURN_IF_ERROR(spec.Int("replicas", s.replicas));
+  Fields model(spec.Get("model"), "spec.model");
+  RETURN_IF_ERROR(model.CheckMap());
+  RETURN_IF_ERROR(model.String("name", s.model_name));
+  RETURN_IF_ERROR(model.String("uri", s.model_uri));
+  RETURN_IF_ERROR(model.NoOthers());
+  Fields par(spec.Get("parallelism"), "spec.parallelism");
+  RETURN_IF_ERROR(par.CheckMap());
+  RETURN_IF_ERROR(par.Int("tensor", s.tensor));
+  RETURN_IF_ERROR(par.Int("pipeline", s.pipeline));
+  RETURN_IF_ERROR(par.Int("microBatches", s.micro_batches));
+  RETURN_IF_ERROR(par.NoOthers());
+  Fields worker(spec.Get("worker"), "spec.worker");
+  RETURN_IF_ERROR(worker.CheckMap());
+  RETURN_IF_ERROR(worker.String("image", s.image));
+  RETURN_IF_ERROR(worker.String("gpuResource", s.gpu_resource));
+  RETURN_IF_ERROR(worker.StringMap("nodeSelector", s.node_selector));
+  // Passed through to the pod unchanged; the operator reads them.
+  worker.Get("resources");
+  worker.Get("tolerations");
+  YAML::Node env = worker.Get("env");
+  if (env && !env.IsNull()) {
+    if (!env.IsSequence()) {
+      return absl::InvalidArgumentError("spec.worker.env must be a list of {name, value}");
+    }
+    for (size_t i = 0; i < env.size(); ++i) {
+      Fields e(env[i], absl::StrCat("spec.worker.env[", i, "]"));
+      RETURN_IF_ERROR(e.CheckMap());
+      std::string name, value;
+      RETURN_IF_ERROR(e.String("name", name));
+      RETURN_IF_ERROR(e.String("value", value));
+      e.Get("valueFrom");
+      RETURN_IF_ERROR(e.NoOthers());
+      if (name.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("spec.worker.env[", i, "].name is required"));
+      }
+      s.env.emplace_back(name, value);
+    }
+  }
+  RETURN_IF_ERROR(worker.NoOthers());
+  Fields placement(spec.Get("placement"), "spec.placement");
+  RETURN_IF_ERROR(placement.CheckMap());
+  RETURN_IF_ERROR(placement.String("topologyKey", s.topology_key));
+  RETURN_IF_ERROR(placement.NoOthers());
+  RETURN_IF_ERROR(spec.String("failurePolicy", s.failure_policy));
+  Fields rollout(spec.Get("rollout"), "spec.rollout");
+  RETURN_IF_ERROR(rollout.CheckMap());
+  RETURN_IF_ERROR(rollout.Int("maxUnavailable", s.max_unavailable));
+  RETURN_IF_ERROR(rollout.Int("maxSurge", s.max_surge));
+  RETURN_IF_ERROR(rollout.NoOthers());
+  Fields serving(spec.Get("serving"), "spec.serving");
+  RETURN_IF_ERROR(serving.CheckMap());
+  RETURN_IF_ERROR(serving.Int("port", s.port));
+  RETURN_IF_ERROR(serving.Int("maxBatchSize", s.max_batch_size));
+  RETURN_IF_ERROR(serving.Int("maxSequenceLength", s.max_sequence_length));
+  RETURN_IF_ERROR(serving.NoOthers());
+  return spec.NoOthers();
+}
+
+absl::Status AtLeast(const char* field, int64_t v, int64_t min) {
+  if (v >= min) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, " must be at least ", min, ", got ", v));
+}
+
+}  // namespace
+
+absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
+  ModelUri u;
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.model.uri '", uri, "' ", why,
+                     "; expected pvc://CLAIM/PATH, hostpath:///DIR or file:///DIR"));
+  };
+  if (uri.rfind("pvc://", 0) == 0) {
+    const std::string rest = uri.substr(6);
+    const size_t slash = rest.find('/');
+    u.scheme = ModelUri::Scheme::kPvc;
+    u.claim = rest.substr(0, slash);
+    u.path = slash == std::string::npos ? "" : rest.substr(slash + 1);
+    if (u.claim.empty()) return bad("names no claim");
+    return u;
+  }
+  for (auto [prefix, scheme] : {std::pair{"hostpath://", ModelUri::Scheme::kHostPath},
+                                std::pair{"file://", ModelUri::Scheme::kFile}}) {
+    const std::string p = prefix;
+    if (uri.rfind(p, 0) != 0) continue;
+    u.scheme = scheme;
+    u.path = uri.substr(p.size());
+    if (u.path.empty() || u.path[0] != '/') return bad("must hold an absolute directory");
+    return u;
+  }
+  return bad("has an unknown scheme");
+}
+
+absl::Status ValidateShardedModel(const ShardedModel& m) {
+  static const std::regex kDnsLabel("[a-z0-9]([-a-z0-9]*[a-z0-9])?");
+  // Pods are named <name>-<replica>-<stage> and must stay within 63 characters.
+  if (m.name.empty() || m.name.size() > 45 || !std::regex_match(m.name, kDnsLabel)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metadata.name '", m.name,
+        "' must be 1-45 lowercase letters, digits or '-', starting and ending alphanumeric"));
+  }
+  const ShardedModelSpec& s = m.spec;
+  RETURN_IF_ERROR(AtLeast("spec.replicas", s.replicas, 0));
+  if (s.model_name.empty()) return absl::InvalidArgumentError("spec.model.name is required");
+  if (s.model_uri.empty()) return absl::InvalidArgumentError("spec.model.uri is required");
+  RETURN_IF_ERROR(ParseModelUri(s.model_uri).status());
+  RETURN_IF_ERROR(AtLeast("spec.parallelism.tensor", s.tensor, 1));
+  RETURN_IF_ERROR(AtLeast("spec.parallelism.pipeline", s.pipeline, 1));
+  RETURN_IF_ERROR(AtLeast("spec.parallelism.microBatches", s.micro_batches, 0));
+  if (s.failure_policy != "RecreateReplica" && s.failure_policy != "None") {
+    return absl::InvalidArgumentError(absl::StrCat("spec.failurePolicy '", s.failure_policy,
+                                                   "' must be RecreateReplica or None"));
+  }
+  RETURN_IF_ERROR(AtLeast("spec.rollout.maxUnavailable", s.max_unavailable, 0));
+  RETURN_IF_ERROR(AtLeast("spec.rollout.maxSurge", s.max_surge, 0));
+  if (s.max_unavailable == 0 && s.max_surge == 0) {
+    return absl::InvalidArgumentError(
+        "spec.rollout.maxUnavailable and spec.rollout.maxSurge cannot both be 0");
+  }
+  if (s.port < 1 || s.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.serving.port must be between 1 and 65535, got ", s.port));
+  }
+  RETURN_IF_ERROR(AtLeast("spec.serving.maxBatchSize", s.max_batch_size, 1));
+  RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardedModel> ParseShardedModel(const std::string& text) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("not valid YAML: ", e.what()));
+  }
+  if (!root.IsMap()) return absl::InvalidArgumentError("the manifest must be a YAML mapping");
+  ShardedModel m;
+  Fields top(root, "");
+  std::string api_version, kind;
+  RETURN_IF_ERROR(top.String("apiVersion", api_version));
+  RETURN_IF_ERROR(top.String("kind", kind));
+  if (api_version != "shardserve.io/v1alpha1" || kind != "ShardedModel") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("apiVersion/kind is '", api_version, "' / '", kind,
+                     "', expected shardserve.io/v1alpha1 / ShardedModel"));
+  }
+  Fields meta(top.Get("metadata"), "metadata");
+  RETURN_IF_ERROR(meta.CheckMap());
+  RETURN_IF_ERROR(meta.String("name", m.name));
+  RETURN_IF_ERROR(meta.String("namespace", m.namespace_));
+  try {
+    RETURN_IF_ERROR(ParseSpec(top.Get("spec"), m.spec));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: ", e.what()));
+  }
+  top.Get("status");
+  RETURN_IF_ERROR(top.NoOthers());
+  RETURN_IF_ERROR(ValidateShardedModel(m));
+  return m;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,61 @@
+#pragma once
+// The ShardedModel resource (shardserve.io/v1alpha1, DESIGN.md §2) as C++ types, read from
+// YAML or JSON, with the checks that need no model and no cluster (the same rules the CRD's
+// schema and CEL rules enforce). Pure: no I/O. Errors name the field ("spec.parallelism.tensor
+// must be at least 1, got 0").
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+struct ModelUri {
+  enum class Scheme { kPvc, kHostPath, kFile };
+  Scheme scheme = Scheme::kFile;
+  std::string claim;  // pvc only
+  std::string path;   // inside the claim, or the directory
+};
+
+// pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR
+absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri);
+
+struct ShardedModelSpec {
+  int64_t replicas = 1;
+  std::string model_name;
+  std::string model_uri;
+  int64_t tensor = 1;
+  int64_t pipeline = 1;
+  int64_t micro_batches = 0;  // 0: pipeline
+  std::string image;
+  std::string gpu_resource = "nvidia.com/gpu";
+  std::map<std::string, std::string> node_selector;
+  std::vector<std::pair<std::string, std::string>> env;  // passed to every worker
+  std::string topology_key = "topology.kubernetes.io/zone";
+  std::string failure_policy = "RecreateReplica";  // RecreateReplica | None
+  int64_t max_unavailable = 1;
+  int64_t max_surge = 0;
+  int64_t port = 8000;
+  int64_t max_batch_size = 32;
+  int64_t max_sequence_length = 4096;
+
+  int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
+  int64_t gpus_per_replica() const { return tensor * pipeline; }
+};
+
+struct ShardedModel {
+  std::string name;
+  std::string namespace_ = "default";
+  ShardedModelSpec spec;
+};
+
+// Parses one ShardedModel document (YAML or JSON) and validates it. Unknown fields under spec
+// are refused by name, so a misspelt field is not silently ignored.
+absl::StatusOr<ShardedModel> ParseShardedModel(const std::string& text);
+
+// The static checks, on their own.
+absl::Status ValidateShardedModel(const ShardedModel& model);
+
+}  // namespace shardserve

@@ -1,0 +1,181 @@
+// `shardserve local -f MANIFEST.yaml`: a ShardedModel on this machine (DESIGN.md §4). Every
+// replica's stages run as `shardserve-worker launch` processes, each starting its T ranks, with
+// the pod contract's environment; ports are offset per replica and global rank and printed.
+// Ctrl-C or SIGTERM stops everything cleanly; a failed rank ends the run with its name.
+#include "cli/local.h"
+
+#include <httplib.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "api/sharded_model.h"
+#include "comm/socket.h"
+#include "common/args.h"
+#include "common/process.h"
+#include "common/status.h"
+#include "common/text.h"
+#include "model/config.h"
+#include "serve/rank_runtime.h"
+
+namespace shardserve {
+namespace {
+
+struct LocalReplica {
+  int index = 0;
+  int api_port = 0;
+  int rendezvous_port = 0;
+  int metrics_base = 0;
+};
+
+// Polls every replica's /readyz until all are ready (printing each) or `stop` is set.
+void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel& m,
+                   const std::atomic<bool>& stop) {
+  std::vector<bool> ready(replicas.size(), false);
+  size_t left = replicas.size();
+  while (left > 0 && !stop.load()) {
+    for (size_t i = 0; i < replicas.size(); ++i) {
+      if (ready[i]) continue;
+      httplib::Client client("127.0.0.1", replicas[i].api_port);
+      client.set_connection_timeout(0, 200000);
+      auto res = client.Get("/readyz");
+      if (res && res->status == 200) {
+        ready[i] = true;
+        --left;
+        std::printf("replica %d ready: http://127.0.0.1:%d/v1 (model '%s')\n", replicas[i].index,
+                    replicas[i].api_port, m.spec.model_name.c_str());
+        std::fflush(stdout);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (left == 0) {
+    std::printf("shardserve local: serving; Ctrl-C stops\n");
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+absl::Status RunLocal(std::vector<std::string> argv) {
+  for (std::string& a : argv) {
+    if (a == "-f") a = "--file";
+  }
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"file", "port", "metrics-port-base", "threads"}, {}));
+  ASSIGN_OR_RETURN(std::string file, a.Require("file"));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
+  auto parsed = ParseShardedModel(text);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", parsed.status().message()));
+  }
+  const ShardedModel m = *std::move(parsed);
+  const ShardedModelSpec& spec = m.spec;
+  ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(spec.model_uri));
+  if (uri.scheme == ModelUri::Scheme::kPvc) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file, ": spec.model.uri '", spec.model_uri,
+                     "' is a PersistentVolumeClaim, which needs a cluster; shardserve local reads "
+                     "file:///DIR or hostpath:///DIR"));
+  }
+  if (spec.replicas == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file, ": spec.replicas is 0, nothing to run"));
+  }
+  auto config = LoadModelConfig(uri.path);
+  if (!config.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file, ": spec.model.uri: ", config.status().message()));
+  }
+  auto layers = StageLayers(*config, static_cast<int>(spec.pipeline));
+  if (!layers.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file, ": spec.parallelism.pipeline ", spec.pipeline, ": ", layers.status().message()));
+  }
+  const int T = static_cast<int>(spec.tensor), P = static_cast<int>(spec.pipeline);
+  const int R = static_cast<int>(spec.replicas);
+  const int ranks_per_replica = T * P;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ASSIGN_OR_RETURN(int64_t threads,
+                   a.GetInt("threads", std::max(1, cores / (R * ranks_per_replica))));
+  ASSIGN_OR_RETURN(int64_t port, a.GetInt("port", spec.port));
+  ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", 9400));
+  if (threads < 1 || port < 1 || port + R > 65536 || metrics_base < 1 ||
+      metrics_base + R * ranks_per_replica > 65536) {
+    return absl::InvalidArgumentError(
+        "--threads, --port and --metrics-port-base must be positive "
+        "and leave room for every replica's ports");
+  }
+
+  std::printf("shardserve local: %s, model '%s' from %s\n", m.name.c_str(), spec.model_name.c_str(),
+              uri.path.c_str());
+  std::printf(
+      "plan: %d replica(s) x %d stage(s) x %d tensor-parallel rank(s), %lld thread(s) "
+      "per rank\n",
+      R, P, T, static_cast<long long>(threads));
+  std::vector<LocalReplica> replicas;
+  std::vector<Child> launchers;
+  const std::string self = SelfDirectory() + "/shardserve-worker";
+  auto fail = [&](const absl::Status& s) {
+    for (const Child& c : launchers) kill(c.pid, SIGKILL);
+    return s;
+  };
+  for (int r = 0; r < R; ++r) {
+    LocalReplica rep;
+    rep.index = r;
+    rep.api_port = static_cast<int>(port) + r;
+    rep.metrics_base = static_cast<int>(metrics_base) + r * ranks_per_replica;
+    {
+      auto probe = Listen("127.0.0.1", 0);  // a free rendezvous port
+      if (!probe.ok()) return fail(probe.status());
+      rep.rendezvous_port = probe->port();
+    }
+    std::printf("replica %d: API http://127.0.0.1:%d/v1, rendezvous :%d\n", r, rep.api_port,
+                rep.rendezvous_port);
+    for (int s = 0; s < P; ++s) {
+      const LayerRange& lr = (*layers)[s];
+      std::printf("  stage %d: layers %lld-%lld, metrics", s, static_cast<long long>(lr.begin),
+                  static_cast<long long>(lr.end - 1));
+      for (int t = 0; t < T; ++t) {
+        std::printf(" tp%d :%d", t, rep.metrics_base + s * T + t);
+      }
+      std::printf("\n");
+      std::vector<std::pair<std::string, std::string>> env = spec.env;
+      const std::vector<std::pair<std::string, std::string>> contract = {
+          {"SHARDSERVE_MODEL_NAME", spec.model_name},
+          {"SHARDSERVE_MODEL_PATH", uri.path},
+          {"SHARDSERVE_REPLICA", std::to_string(r)},
+          {"SHARDSERVE_STAGE", std::to_string(s)},
+          {"SHARDSERVE_TP", std::to_string(T)},
+          {"SHARDSERVE_PP", std::to_string(P)},
+          {"SHARDSERVE_LEADER_ADDR", absl::StrCat("127.0.0.1:", rep.rendezvous_port)},
+          {"SHARDSERVE_MICROBATCHES", std::to_string(spec.effective_micro_batches())},
+          {"SHARDSERVE_THREADS", std::to_string(threads)},
+          {"SHARDSERVE_JOB_ID", absl::StrCat(m.name, "-", r, "-", getpid())},
+          {"SHARDSERVE_METRICS_PORT_BASE", std::to_string(rep.metrics_base)},
+          {"SHARDSERVE_API_HOST", "127.0.0.1"},
+          {"SHARDSERVE_API_PORT", std::to_string(rep.api_port)},
+          {"SHARDSERVE_MAX_BATCH_SIZE", std::to_string(spec.max_batch_size)},
+          {"SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(spec.max_sequence_length)}};
+      env.insert(env.end(), contract.begin(), contract.end());
+      auto pid = Spawn(self, {"launch"}, env);
+      if (!pid.ok()) return fail(pid.status());
+      launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});
+    }
+    replicas.push_back(rep);
+  }
+  std::fflush(stdout);
+  std::atomic<bool> stop{false};
+  std::thread announce([&] { AnnounceReady(replicas, m, stop); });
+  absl::Status status = SuperviseAll(launchers, std::chrono::milliseconds(5000));
+  stop.store(true);
+  announce.join();
+  if (status.ok()) std::printf("shardserve local: stopped\n");
+  return status;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,150 @@
+"""A `shardserve local` deployment for the process-level serving tests: generates a small model,
+writes a ShardedModel manifest, starts `shardserve local` on free ports, waits until it serves,
+and stops it (SIGINT, like Ctrl-C). Standard library only."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+
+def free_ports(n):
+    """A base port with n free ports after it."""
+    for base in range(20000 + (os.getpid() % 97) * 100, 60000, 131):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            pass
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def gen_model(binary, out, *extra):
+    subprocess.run([binary, "gen-model", "--out", out, "--layers", "4", "--hidden", "128",
+                    "--heads", "4", "--kv-heads", "2", "--intermediate", "256", "--vocab", "512",
+                    "--max-position", "4096", *extra], check=True, capture_output=True)
+
+
+MANIFEST = """apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata:
+  name: {name}
+spec:
+  replicas: 1
+  model:
+    name: {name}
+    uri: file://{model}
+  parallelism:
+    tensor: {tp}
+    pipeline: {pp}
+  worker:
+    image: shardserve/worker:test
+    env:
+{env}
+  serving:
+    port: {port}
+    maxBatchSize: {max_batch}
+    maxSequenceLength: {max_seq}
+"""
+
+
+class Deployment:
+    def __init__(self, binary, model, name="tiny", tp=2, pp=2, max_batch=8, max_seq=1024,
+                 env=None):
+        self.binary = binary
+        self.name = name
+        self.tmp = tempfile.mkdtemp(prefix="shardserve-deploy-")
+        base = free_ports(2 + tp * pp)
+        self.port = base
+        self.metrics_ports = [base + 1 + r for r in range(tp * pp)]
+        env = dict(env or {})
+        env_yaml = "\n".join(f"      - name: {k}\n        value: \"{v}\"" for k, v in env.items())
+        self.manifest = os.path.join(self.tmp, "model.yaml")
+        with open(self.manifest, "w") as f:
+            f.write(MANIFEST.format(name=name, model=model, tp=tp, pp=pp, port=base,
+                                    max_batch=max_batch, max_seq=max_seq,
+                                    env=env_yaml or "      []"))
+        self.log_lines = []
+        self.proc = subprocess.Popen(
+            [binary, "local", "-f", self.manifest, "--metrics-port-base", str(base + 1)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(120):
+            self.stop()
+            raise RuntimeError("deployment did not become ready:\n" + "".join(self.log_lines))
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.log_lines.append(line)
+            if "shardserve local: serving" in line:
+                self.ready.set()
+
+    def log(self):
+        return "".join(self.log_lines)
+
+    def request(self, method, path, body=None, timeout=120, headers=None, raw=None):
+        """(status, headers, body bytes)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        conn.request(method, path, body=data, headers=h)
+        r = conn.getresponse()
+        out = (r.status, dict(r.getheaders()), r.read())
+        conn.close()
+        return out
+
+    def post(self, path, body, **kw):
+        status, headers, data = self.request("POST", path, body, **kw)
+        try:
+            return status, headers, json.loads(data)
+        except ValueError:
+            return status, headers, data
+
+    def stream(self, path, body, timeout=120):
+        """The parsed SSE events of a streamed request, plus whether [DONE] arrived."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        events, done = [], False
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if payload == "[DONE]":
+                done = True
+                break
+            events.append(json.loads(payload))
+        conn.close()
+        return r.status, events, done
+
+    def metrics_page(self, port=None):
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=10)
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        page = r.read().decode()
+        conn.close()
+        return page
+
+    def stop(self, sig=signal.SIGINT, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""The OpenAI-compatible API of a `shardserve local` TP=2 x PP=2 deployment, through real
+processes and sockets: every endpoint, greedy answers equal to single-process generation,
+streaming, logprobs, stop strings, concurrency, bad requests, queue-full 429, disconnects that
+free their slot, promtool-clean metrics, Ctrl-C; then a second deployment loses a rank
+mid-request."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import Checks, workers_running  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+BIN = sys.argv[1]
+WORKER = os.path.join(os.path.dirname(BIN), "shardserve-worker")
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-serving-")
+MODEL = os.path.join(tmp, "model")
+gen_model(BIN, MODEL)
+
+
+def reference(prompt_ids, max_tokens):
+    """Greedy generation in one process (TP=1, PP=1) through `shardserve generate`."""
+    out = subprocess.run([BIN, "generate", "--model", MODEL, "--prompt-ids",
+                          ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens),
+                          "--ignore-eos", "--format", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def completion(d, prompt, max_tokens=16, **extra):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    body.update(extra)
+    return d.post("/v1/completions", body)
+
+
+def error_shape(body):
+    return isinstance(body, dict) and isinstance(body.get("error"), dict) and \
+        isinstance(body["error"].get("message"), str) and body["error"].get("type")
+
+
+PROMPTS = [[1, 40 + i, 41 + 2 * i, 300 - i, 7 + i] for i in range(8)]
+
+# maxBatchSize 4 and a queue of 2 (through the manifest's worker env) to reach 429 quickly.
+d = Deployment(BIN, MODEL, max_batch=4, max_seq=4096, env={"SHARDSERVE_MAX_QUEUE": "2"})
+try:
+    # --- endpoints -----------------------------------------------------------------------------
+    status, _, body = d.request("GET", "/healthz")
+    check(status == 200, "GET /healthz is 200")
+    status, _, body = d.request("GET", "/readyz")
+    check(status == 200 and json.loads(body)["ready"], "GET /readyz is ready once every rank is up")
+    status, _, body = d.request("GET", "/v1/models")
+    models = json.loads(body)
+    check(status == 200 and models["data"][0]["id"] == "tiny" and
+          models["data"][0]["chat_template"] == "llama3", "GET /v1/models lists the model")
+
+    # --- greedy completions equal single-process generation -----------------------------------
+    ref = reference(PROMPTS[0], 24)
+    status, _, body = completion(d, PROMPTS[0], 24, logprobs=3)
+    check(status == 200 and body["choices"][0]["text"] == ref["text"],
+          "greedy completion (TP=2 x PP=2) has the text of single-process generation")
+    lp = body["choices"][0]["logprobs"]
+    diff = max(abs(a - b) for a, b in zip(lp["token_logprobs"], ref["logprobs"]))
+    check(len(lp["token_logprobs"]) == 24 and diff < 2e-3,
+          f"logprobs match single-process generation (max diff {diff:.2e})")
+    # Alternatives whose text is the same (partial UTF-8 bytes) share one key, as with OpenAI.
+    check(all(1 <= len(t) <= 3 for t in lp["top_logprobs"]) and
+          all(max(t.values()) <= v + 1e-6 for t, v in zip(lp["top_logprobs"],
+                                                          lp["token_logprobs"])),
+          "top_logprobs hold up to 3 alternatives and none beats the greedy token")
+    check("".join(lp["tokens"]) == body["choices"][0]["text"] and
+          lp["text_offset"][0] == 0, "logprob tokens spell the text; offsets start at 0")
+    u = body["usage"]
+    check(u == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29},
+          f"usage counts prompt and completion tokens ({u})")
+    check(body["object"] == "text_completion" and body["id"].startswith("cmpl-") and
+          body["choices"][0]["finish_reason"] == "length", "completion response shape")
+
+    status, _, text_body = completion(d, "Hello there", 8)
+    check(status == 200 and text_body["usage"]["prompt_tokens"] > 1, "text prompt is tokenized")
+    status, _, two = completion(d, [PROMPTS[1], PROMPTS[2]], 6)
+    check(status == 200 and [c["index"] for c in two["choices"]] == [0, 1] and
+          two["choices"][1]["text"] == reference(PROMPTS[2], 6)["text"],
+          "a list of prompts gets one choice each")
+
+    # --- stop strings ----------------------------------------------------------------------
+    full = ref["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    if stop.strip():
+        status, _, body = completion(d, PROMPTS[0], 24, stop=[stop, "\x00never"])
+        text = body["choices"][0]["text"]
+        check(status == 200 and text == full[:full.index(stop)] and
+              body["choices"][0]["finish_reason"] == "stop",
+              f"stop string {stop!r} ends the text before it")
+    status, _, body = completion(d, PROMPTS[0], 24, stop_token_ids=[ref["tokens"][3]])
+    check(body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "stop",
+          "stop_token_ids end generation at that token")
+
+    # --- streaming -------------------------------------------------------------------------
+    status, events, done = d.stream("/v1/completions", {
+        "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    check(status == 200 and done and text == full, "streamed completion text equals the whole")
+    finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+    check(finals[-1] == "length" and all(f is None for f in finals[:-1]),
+          "only the last chunk carries finish_reason")
+    check(events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 24,
+          "include_usage adds a final usage chunk")
+
+    chat = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hello, who are you?"}],
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    status, _, body = d.post("/v1/chat/completions", chat)
+    msg = body["choices"][0]["message"]
+    check(status == 200 and msg["role"] == "assistant" and body["object"] == "chat.completion",
+          "chat completion response shape")
+    status, events, done = d.stream("/v1/chat/completions", dict(chat, stream=True))
+    check(events[0]["choices"][0]["delta"].get("role") == "assistant" and done and
+          "".join(e["choices"][0]["delta"].get("content", "") for e in events) == msg["content"],
+          "streamed chat equals the whole answer, starting with the role")
+    status, _, body = d.post("/v1/chat/completions", dict(chat, logprobs=True, top_logprobs=2))
+    content = body["choices"][0]["logprobs"]["content"]
+    check(len(content) == 12 and all(len(c["top_logprobs"]) == 2 and "bytes" in c for c in content),
+          "chat logprobs: one entry per token with 2 alternatives")
+
+    # --- sampling: seeded is reproducible, different seeds differ ----------------------------
+    s1 = completion(d, PROMPTS[3], 16, temperature=1.0, seed=7)[2]["choices"][0]["text"]
+    s2 = completion(d, PROMPTS[3], 16, temperature=1.0, seed=7)[2]["choices"][0]["text"]
+    s3 = completion(d, PROMPTS[3], 16, temperature=1.0, seed=8)[2]["choices"][0]["text"]
+    check(s1 == s2 and s1 != s3, "a seed reproduces a sampled answer; another seed differs")
+
+    # --- concurrency: the same greedy tokens as alone (6 = 4 running + 2 queued) ---------------
+    alone = [reference(p, 12)["text"] for p in PROMPTS[:6]]
+    results = [None] * 6
+
+    def run(i):
+        results[i] = completion(d, PROMPTS[i], 12)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r is not None and r[0] == 200 and r[2]["choices"][0]["text"] == a
+          for r, a in zip(results, alone)]
+    check(all(ok), f"6 concurrent clients get the tokens they get alone ({sum(ok)}/6)")
+
+    # --- bad requests ----------------------------------------------------------------------
+    bad = [
+        ("malformed JSON", None, b"{\"model\": ", 400, None),
+        ("body not an object", None, b"[1, 2]", 400, None),
+        ("wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, None, 400,
+         "max_tokens"),
+        ("unknown model", {"model": "nope", "prompt": "x"}, None, 404, "model"),
+        ("missing prompt", {"model": "tiny"}, None, 400, "prompt"),
+        ("temperature out of range", {"model": "tiny", "prompt": "x", "temperature": 9}, None,
+         400, "temperature"),
+        ("n > 1", {"model": "tiny", "prompt": "x", "n": 2}, None, 400, "n"),
+        ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 99999]}, None, 400,
+         None),
+        ("prompt longer than the context", {"model": "tiny", "prompt": [5] * 4100}, None, 400,
+         "prompt"),
+        ("max_tokens beyond the context", {"model": "tiny", "prompt": [5, 6],
+                                           "max_tokens": 5000}, None, 400, "max_tokens"),
+        ("deep nesting", None, b"[" * 5000 + b"]" * 5000, 400, None),
+        ("huge body", None, b"{\"model\": \"tiny\", \"prompt\": \"" + b"a" * (5 << 20) + b"\"}",
+         413, None),
+    ]
+    for what, body, raw, want, param in bad:
+        status, _, data = d.request("POST", "/v1/completions", body, raw=raw)
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            parsed = None
+        check(status == want and error_shape(parsed) and
+              (param is None or parsed["error"]["param"] == param),
+              f"{what}: {want} with an OpenAI error body ({status}: "
+              f"{parsed['error']['message'] if error_shape(parsed) else data[:80]!r})")
+    status, _, data = d.post("/v1/chat/completions",
+                             {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+    check(status == 400 and data["error"]["param"] == "messages[0].role", "bad chat role: 400")
+    status, _, data = d.request("GET", "/v1/nothing")
+    check(status == 404 and error_shape(json.loads(data)), "unknown endpoint: 404 JSON error")
+
+    # --- queue full: 429 with Retry-After; disconnects free their slots -------------------------
+    def open_stream(prompt):
+        s = socket.create_connection(("127.0.0.1", d.port))
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 3000,
+                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        return s
+
+    held = [open_stream(PROMPTS[i]) for i in range(6)]  # 4 running + 2 queued
+    deadline = time.monotonic() + 30
+    depth = None
+    while time.monotonic() < deadline:
+        page = d.metrics_page()
+        depth = [ln for ln in page.splitlines()
+                 if ln.startswith("shardserve_request_queue_depth{")]
+        if depth and depth[0].endswith(" 2"):
+            break
+        time.sleep(0.1)
+    status, headers, data = completion(d, PROMPTS[7], 4)
+    check(status == 429 and headers.get("Retry-After") == "1" and error_shape(data),
+          f"a full queue answers 429 with Retry-After ({status}, {depth})")
+    for s in held:
+        s.close()  # the clients go away mid-stream
+    t0 = time.monotonic()
+    status = None
+    while time.monotonic() - t0 < 10:  # 429 until the engine notices (within a step or two)
+        status, _, data = completion(d, PROMPTS[7], 4, timeout=60)
+        if status != 429:
+            break
+        time.sleep(0.02)
+    freed = time.monotonic() - t0
+    check(status == 200 and freed < 5, f"disconnected clients freed their slots "
+          f"(a new request was admitted {freed:.2f} s after they left)")
+
+    # A non-streamed request whose client leaves also frees its slot.
+    held = []
+    for i in range(4):
+        s = socket.create_connection(("127.0.0.1", d.port))
+        body = json.dumps({"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 3000,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+                  str(len(body)).encode() + b"\r\n\r\n" + body)
+        held.append(s)
+    time.sleep(0.5)
+    for s in held:
+        s.close()
+    status, _, data = completion(d, PROMPTS[7], 4, timeout=60)
+    check(status == 200, "non-streamed requests whose clients left freed their slots")
+    time.sleep(0.5)
+    kv = [ln for ln in d.metrics_page(d.metrics_ports[0]).splitlines()
+          if ln.startswith("shardserve_rank_kv_cache_usage_ratio{")]
+    check(kv and float(kv[0].split()[-1]) == 0.0, f"every KV block is free again ({kv})")
+
+    # --- metrics: the request metrics, promtool-clean on every page ----------------------------
+    page = d.metrics_page()
+    for name in ["shardserve_requests_total", "shardserve_request_queue_depth",
+                 "shardserve_time_to_first_token_seconds_bucket",
+                 "shardserve_inter_token_latency_seconds_bucket",
+                 "shardserve_generated_tokens_total", "shardserve_rank_up"]:
+        check(any(ln.startswith(name + "{") and 'model="tiny"' in ln for ln in page.splitlines()),
+              f"/metrics has {name}")
+    check('code="429"' in page and 'code="400"' in page, "requests_total counts by code")
+    for port in [d.port] + d.metrics_ports:
+        res = subprocess.run(["promtool", "check", "metrics"], input=d.metrics_page(port),
+                             capture_output=True, text=True)
+        check(res.returncode == 0, f"promtool check metrics is clean on :{port} "
+              f"{res.stdout.strip()} {res.stderr.strip()}")
+
+    # --- Ctrl-C stops everything cleanly ---------------------------------------------------------
+    code = d.stop(signal.SIGINT)
+    check(code == 0 and "shardserve local: stopped" in d.log(),
+          f"Ctrl-C stops the deployment cleanly (exit {code})")
+finally:
+    d.stop(signal.SIGKILL)
+time.sleep(0.5)
+check(not workers_running(WORKER), "no worker process is left")
+
+# --- a rank dies mid-request -----------------------------------------------------------------
+d = Deployment(BIN, MODEL, max_batch=4, max_seq=4096,
+               env={"SHARDSERVE_PEER_TIMEOUT_MS": "1000"})
+try:
+    outcome = {}
+
+    def long_stream():
+        outcome["stream"] = d.stream("/v1/completions", {
+            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True, "stream": True}, timeout=60)
+
+    def long_plain():
+        outcome["plain"] = completion(d, PROMPTS[1], 4000, timeout=60)
+
+    threads = [threading.Thread(target=long_stream), threading.Thread(target=long_plain)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    victim = subprocess.run(["pgrep", "-f", "shardserve-worker rank --rank 3"],
+                            capture_output=True, text=True).stdout.split()
+    os.kill(int(victim[0]), signal.SIGKILL)
+    t0 = time.monotonic()
+    ready_status = None
+    while time.monotonic() - t0 < 10:
+        try:
+            ready_status = d.request("GET", "/readyz", timeout=2)[0]
+        except OSError:
+            ready_status = "refused"
+        if ready_status != 200:
+            break
+        time.sleep(0.05)
+    check(ready_status != 200, f"/readyz stops being ready ({ready_status})")
+    for t in threads:
+        t.join(60)
+    elapsed = time.monotonic() - t0
+    status, events, done = outcome.get("stream", (None, [], False))
+    check(events and "error" in events[-1] and "rank 3" in events[-1]["error"]["message"],
+          "the streamed request ends with an error event naming the dead rank: " +
+          (events[-1]["error"]["message"] if events and "error" in events[-1] else "none"))
+    status, _, body = outcome.get("plain", (None, None, None))
+    check(status == 503 and error_shape(body), f"the plain request ends with 503 ({status})")
+    check(elapsed < 20, f"both ended in {elapsed:.1f} s, not a hang")
+    code = d.proc.wait(30)
+    check(code != 0 and "rank 3" in d.log(), f"shardserve local exits non-zero ({code}) naming "
+          "the rank")
+finally:
+    d.stop(signal.SIGKILL)
+time.sleep(0.5)
+check(not workers_running(WORKER), "no worker process is left after the failure")
+check.finish()
