@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Fuzzes the API of a `shardserve local` deployment: thousands of random and mutated requests
+(wrong types, missing and extra fields, extreme numbers, broken JSON, random bytes, odd paths and
+methods) from several clients at once. Every answer must be 2xx or a 4xx with an OpenAI error
+body (never a 5xx, a hang or a dropped connection), valid requests interleaved with the noise must
+keep their exact greedy answer, and the deployment must still be up and ready at the end."""
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import Checks  # noqa: E402
+from deployment import Deployment  # noqa: E402
+
+BIN = sys.argv[1]
+TOTAL = int(os.environ.get("SHARDSERVE_FUZZ_REQUESTS", "3000"))
+CLIENTS = 4
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-fuzz-")
+model = os.path.join(tmp, "model")
+subprocess.run([BIN, "gen-model", "--out", model, "--layers", "2", "--hidden", "64",
+                "--vocab", "300", "--max-position", "256"], check=True, capture_output=True)
+
+VALID = {"model": "tiny", "prompt": [1, 20, 30, 40], "max_tokens": 6, "temperature": 0,
+         "ignore_eos": True}
+VALID_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+WEIRD = [None, True, False, 0, -1, 1, 2**31, -2**63, 2**64, 1e308, -1e-308, 0.5, "", "x" * 5000,
+         "\u0000", "\ud7ff\u00e9\u4e2d", [], [None], [1.5], [-1], [2**40], {}, {"a": {"b": []}},
+         [[1, 2], [3]], ["a", 1], "NaN", "Infinity", [""], [0] * 300]
+KEYS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
+        "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs",
+        "top_logprobs", "n", "echo", "best_of", "logit_bias", "suffix", "presence_penalty",
+        "max_completion_tokens", "user", "zzz"]
+
+
+def mutate(rng):
+    body = json.loads(json.dumps(rng.choice([VALID, VALID_CHAT])))
+    for _ in range(rng.randint(1, 4)):
+        op = rng.random()
+        if op < 0.35:
+            body[rng.choice(KEYS)] = rng.choice(WEIRD)
+        elif op < 0.5 and body:
+            body.pop(rng.choice(list(body)))
+        elif op < 0.6 and "messages" in body and isinstance(body["messages"], list):
+            body["messages"].append({rng.choice(["role", "content", "x"]): rng.choice(WEIRD)})
+        elif op < 0.7:
+            body["max_tokens"] = rng.randint(-5, 400)
+        else:
+            body[rng.choice(KEYS)] = rng.choice(WEIRD)
+    text = json.dumps(body).encode()
+    r = rng.random()
+    if r < 0.1:
+        text = text[:rng.randint(0, len(text))]
+    elif r < 0.2:
+        b = bytearray(text)
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        text = bytes(b)
+    elif r < 0.25:
+        text = bytes(rng.randrange(256) for _ in range(rng.randint(0, 2000)))
+    elif r < 0.27:
+        text = b"[" * rng.randint(50, 100000)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if rng.random() < 0.05:
+        path = rng.choice(["/v1/completion", "/", "/v1/models/x", "/v1/completions?x=1",
+                           "/%00", "/v1/" + "a" * 3000])
+    method = "POST" if rng.random() < 0.97 else rng.choice(["GET", "PUT", "DELETE", "PATCH"])
+    return method, path, text
+
+
+d = Deployment(BIN, model, tp=2, pp=1, max_batch=8, max_seq=128)
+problems = []
+statuses = {}
+lock = threading.Lock()
+try:
+    status, _, base = d.post("/v1/completions", VALID)
+    expected = base["choices"][0]["text"]
+    check(status == 200, "the valid request is answered before fuzzing")
+
+    def client(seed, count):
+        rng = random.Random(seed)
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+        for i in range(count):
+            valid = i % 25 == 0
+            method, path, data = ("POST", "/v1/completions", json.dumps(VALID).encode()) \
+                if valid else mutate(rng)
+            try:
+                conn.request(method, path, body=data,
+                             headers={"Content-Type": "application/json"})
+                r = conn.getresponse()
+                payload = r.read()
+                code = r.status
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+                # The server may close a connection after answering a request it could not
+                # parse; it must not drop one silently for a well-formed request.
+                if valid:
+                    with lock:
+                        problems.append(f"valid request failed: {e!r}")
+                continue
+            with lock:
+                statuses[code] = statuses.get(code, 0) + 1
+            if code >= 500:
+                with lock:
+                    problems.append(f"{code} for {method} {path} {data[:200]!r}: {payload[:200]!r}")
+            elif code >= 400:
+                try:
+                    err = json.loads(payload)["error"]
+                    assert isinstance(err["message"], str) and err["message"]
+                except Exception:
+                    with lock:
+                        problems.append(f"{code} without an error body: {payload[:200]!r}")
+            if valid:
+                try:
+                    text = json.loads(payload)["choices"][0]["text"]
+                except Exception:
+                    text = None
+                if code != 200 or text != expected:
+                    with lock:
+                        problems.append(f"valid request answered {code} {payload[:200]!r}")
+            if code in (200, 201) and r.getheader("Content-Type", "").startswith("text/event-stream"):
+                pass  # streamed answers were read whole above
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(1000 + c, TOTAL // CLIENTS))
+               for c in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent = sum(statuses.values())
+    print("statuses:", dict(sorted(statuses.items())))
+    check(sent >= TOTAL * 0.95, f"{sent} of {TOTAL} fuzzed requests were answered")
+    check(not problems, f"no 5xx, no bare error, valid answers unchanged ({len(problems)} "
+          f"problems){': ' + problems[0] if problems else ''}")
+    check(statuses.get(400, 0) > TOTAL // 4 and statuses.get(200, 0) > TOTAL // 25,
+          "the noise reached both the validation and the generation paths")
+    status, _, body = d.post("/v1/completions", VALID)
+    check(status == 200 and body["choices"][0]["text"] == expected,
+          "after fuzzing, the valid request still gets its answer")
+    check(d.request("GET", "/readyz")[0] == 200 and d.proc.poll() is None,
+          "the deployment is still up and ready")
+finally:
+    code = d.stop(signal.SIGINT)
+check(code == 0, f"it stops cleanly afterwards (exit {code})")
+check.finish()

@@ -1,0 +1,74 @@
+// ShardedModel manifests: a good one parses with its defaults; each bad one is refused with a
+// message that names the field.
+#include "api/sharded_model.h"
+
+#include <gtest/gtest.h>
+
+namespace shardserve {
+namespace {
+
+constexpr char kGood[] = R"(apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata:
+  name: llama
+spec:
+  replicas: 2
+  model: {name: llama-3-70b, uri: "pvc://store/llama"}
+  parallelism: {tensor: 8, pipeline: 2}
+  worker:
+    image: img
+    env: [{name: A, value: "1"}]
+)";
+
+TEST(ShardedModel, ParsesWithDefaults) {
+  auto m = ParseShardedModel(kGood);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->name, "llama");
+  EXPECT_EQ(m->spec.replicas, 2);
+  EXPECT_EQ(m->spec.gpus_per_replica(), 16);
+  EXPECT_EQ(m->spec.effective_micro_batches(), 2);
+  EXPECT_EQ(m->spec.failure_policy, "RecreateReplica");
+  EXPECT_EQ(m->spec.port, 8000);
+  EXPECT_EQ(m->spec.env.size(), 1u);
+  auto uri = ParseModelUri(m->spec.model_uri);
+  ASSERT_TRUE(uri.ok());
+  EXPECT_EQ(uri->claim, "store");
+  EXPECT_EQ(uri->path, "llama");
+}
+
+TEST(ShardedModel, BadManifestsNameTheField) {
+  const std::string base = kGood;
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string s = base;
+    s.replace(s.find(from), from.size(), to);
+    return s;
+  };
+  const std::pair<std::string, std::string> cases[] = {
+      {with("tensor: 8", "tensor: 0"), "spec.parallelism.tensor"},
+      {with("pipeline: 2", "pipeline: two"), "spec.parallelism.pipeline"},
+      {with("replicas: 2", "replicas: -1"), "spec.replicas"},
+      {with("uri: \"pvc://store/llama\"", "uri: \"s3://b/k\""), "spec.model.uri"},
+      {with("uri: \"pvc://store/llama\"", "uri: \"file://rel\""), "spec.model.uri"},
+      {with("name: llama-3-70b, ", ""), "spec.model.name"},
+      {with("name: llama\n", "name: Llama_Big\n"), "metadata.name"},
+      {with("parallelism:", "paralelism:"), "spec.paralelism"},
+      {with("  replicas: 2", "  replicas: 2\n  failurePolicy: Sometimes"), "spec.failurePolicy"},
+      {with("  replicas: 2", "  replicas: 2\n  rollout: {maxUnavailable: 0, maxSurge: 0}"),
+       "spec.rollout.maxUnavailable"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {port: 70000}"), "spec.serving.port"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {maxBatchSize: 0}"),
+       "spec.serving.maxBatchSize"},
+      {with("env: [{name: A, value: \"1\"}]", "env: [{value: \"1\"}]"), "spec.worker.env[0].name"},
+      {with("kind: ShardedModel", "kind: Deployment"), "kind"},
+      {"spec: [", "not valid YAML"},
+  };
+  for (const auto& [text, field] : cases) {
+    auto m = ParseShardedModel(text);
+    ASSERT_FALSE(m.ok()) << text;
+    EXPECT_NE(m.status().message().find(field), std::string::npos)
+        << "wanted '" << field << "' in: " << m.status().message();
+  }
+}
+
+}  // namespace
+}  // namespace shardserve

@@ -1,0 +1,219 @@
+// The continuous-batching engine against a real single-process model: whatever the batch, cache
+// and chunk limits force (joining mid-flight, chunked prompts, preemption and resumption), every
+// sequence gets the tokens the plain batched generator gives it.
+#include "serve/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <map>
+#include <thread>
+
+#include "common/status.h"
+#include "model/generator.h"
+#include "model/test_models.h"
+#include "model/transformer.h"
+
+namespace shardserve {
+namespace {
+
+using testing::SmallModel;
+using testing::TempDir;
+using testing::WriteModel;
+
+// One process is the whole replica: steps run at once and their results wait for Collect.
+class LocalExecutor : public StepExecutor {
+ public:
+  LocalExecutor(Transformer* model, int64_t kv_tokens)
+      : model_(model), cache_(model->NewKvCache(kv_tokens)) {}
+
+  absl::Status Issue(const StepDesc& step) override {
+    if (fail_after_ >= 0 && issued_++ >= fail_after_) {
+      return absl::UnavailableError("rank 1 died");
+    }
+    for (int64_t seq : step.release) {
+      cache_->Release(kv_[seq]);
+      kv_.erase(seq);
+      samplers_.erase(seq);
+      ++releases_;
+    }
+    std::vector<SequenceChunk> chunks;
+    for (const StepChunk& c : step.chunks) {
+      if (c.params) {
+        samplers_.erase(c.seq);
+        samplers_.emplace(c.seq, Sampler(*c.params)).first->second.Skip(c.draws);
+        resumed_ += c.draws > 0;
+      }
+      chunked_ += !c.sample;
+      chunks.push_back({c.tokens, &kv_[c.seq]});
+    }
+    StepResult r;
+    r.microbatch = step.microbatch;
+    if (!chunks.empty()) {
+      std::vector<float> logits;
+      RETURN_IF_ERROR(model_->Forward(chunks, *cache_, logits));
+      const int64_t V = model_->config().vocab_size;
+      for (size_t i = 0; i < step.chunks.size(); ++i) {
+        if (!step.chunks[i].sample) continue;
+        SampledToken t = samplers_.at(step.chunks[i].seq).Sample(logits.data() + i * V, V);
+        r.tokens.push_back({step.chunks[i].seq, t.id, t.logprob, t.top});
+      }
+    }
+    done_.push_back(std::move(r));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<StepResult> Collect() override {
+    StepResult r = std::move(done_.front());
+    done_.pop_front();
+    return r;
+  }
+  absl::Status Ping() override { return absl::OkStatus(); }
+  absl::Status Stop() override { return absl::OkStatus(); }
+
+  EngineOptions Options() const {
+    EngineOptions o;
+    o.kv_blocks = cache_->num_blocks();
+    o.kv_block_size = cache_->block_size();
+    o.max_context = model_->config().max_context;
+    o.vocab_size = model_->config().vocab_size;
+    o.eos_token_ids = model_->config().eos_token_ids;
+    return o;
+  }
+
+  int resumed_ = 0, chunked_ = 0, releases_ = 0;
+  int fail_after_ = -1, issued_ = 0;
+
+ private:
+  Transformer* model_;
+  std::unique_ptr<KvCache> cache_;
+  std::map<int64_t, SequenceKv> kv_;
+  std::map<int64_t, Sampler> samplers_;
+  std::deque<StepResult> done_;
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto o = SmallModel("llama", dir_.Sub("m"));
+    o.dtype = DType::kF32;
+    model_ = *Transformer::Load(WriteModel(o), {});
+    for (int i = 0; i < 6; ++i) {
+      GenerationRequest r;
+      r.prompt_ids = {1, static_cast<int32_t>(10 + i), 20, static_cast<int32_t>(30 + 3 * i)};
+      for (int k = 0; k < i; ++k) r.prompt_ids.push_back(40 + k);
+      r.params.max_tokens = 12 + 2 * i;
+      r.params.ignore_eos = true;
+      requests_.push_back(r);
+    }
+  }
+  std::vector<GenerationResult> Reference() { return *Generate(*model_, requests_); }
+
+  TempDir dir_;
+  std::unique_ptr<Transformer> model_;
+  std::vector<GenerationRequest> requests_;
+};
+
+TEST_F(EngineTest, GreedyTokensSurviveChunkingAndPreemption) {
+  const auto want = Reference();
+  // Room for about two sequences, prompts fed 3 tokens per step, 2 micro-batches.
+  LocalExecutor exec(model_.get(), 64);
+  EngineOptions o = exec.Options();
+  o.max_batch = 4;
+  o.microbatches = 2;
+  o.max_step_tokens = 3;
+  auto got = GenerateAll(&exec, o, requests_);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
+    EXPECT_EQ((*got)[i].finish_reason, "length");
+  }
+  EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
+  EXPECT_GT(exec.chunked_, 0) << "prompts were meant to be chunked";
+}
+
+TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {
+  for (auto& r : requests_) {
+    r.params.temperature = 0.9f;
+    r.params.seed = 77;
+  }
+  LocalExecutor roomy(model_.get(), 4096);
+  auto want = GenerateAll(&roomy, roomy.Options(), requests_);
+  LocalExecutor tight(model_.get(), 64);
+  EngineOptions o = tight.Options();
+  o.max_batch = 4;
+  auto got = GenerateAll(&tight, o, requests_);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_GT(tight.resumed_, 0);
+  for (size_t i = 0; i < requests_.size(); ++i) EXPECT_EQ((*got)[i].tokens, (*want)[i].tokens);
+}
+
+TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
+  LocalExecutor exec(model_.get(), 4096);
+  EngineOptions o = exec.Options();
+  o.max_batch = 8;
+  Engine engine(&exec, o);
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  GenerationRequest endless = requests_[0];
+  endless.params.max_tokens = 240;  // the model context is 256
+  auto a = engine.Submit(endless);
+  ASSERT_TRUE(a.ok());
+  ASSERT_FALSE((*a)->Next(std::chrono::seconds(10)).tokens.empty());  // running
+  auto b = engine.Submit(requests_[1]);                               // joins it
+  ASSERT_TRUE(b.ok());
+  std::vector<int32_t> b_tokens;
+  for (;;) {
+    auto u = (*b)->Next(std::chrono::seconds(10));
+    for (auto& t : u.tokens) b_tokens.push_back(t.id);
+    if (u.finished) break;
+  }
+  EXPECT_EQ(b_tokens, Reference()[1].tokens);
+  const int before = exec.releases_;
+  (*a)->Cancel();
+  for (int i = 0; i < 1000 && exec.releases_ == before; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(exec.releases_, before) << "a cancelled sequence's cache must be released";
+  engine.Shutdown();
+  loop.join();
+}
+
+TEST_F(EngineTest, SubmitRefusesBadRequestsAndAFullQueue) {
+  LocalExecutor exec(model_.get(), 256);
+  EngineOptions o = exec.Options();
+  o.max_batch = 1;
+  o.max_queue = 1;
+  Engine engine(&exec, o);
+  GenerationRequest r = requests_[0];
+  r.prompt_ids = {};
+  EXPECT_EQ(engine.Submit(r).status().code(), absl::StatusCode::kInvalidArgument);
+  r.prompt_ids = {1, 100000};
+  EXPECT_NE(engine.Submit(r).status().message().find("outside the vocabulary"), std::string::npos);
+  r.prompt_ids = {1, 2};
+  r.params.max_tokens = 300;  // beyond the 256-token cache
+  EXPECT_NE(engine.Submit(r).status().message().find("maximum context length is 256"),
+            std::string::npos);
+  r.params.max_tokens = 4;
+  ASSERT_TRUE(engine.Submit(r).ok());  // takes the free batch slot
+  ASSERT_TRUE(engine.Submit(r).ok());  // queued
+  EXPECT_EQ(engine.Submit(r).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(EngineTest, AReplicaFailureEndsEveryRequestWithTheError) {
+  LocalExecutor exec(model_.get(), 4096);
+  exec.fail_after_ = 3;
+  Engine engine(&exec, exec.Options());
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& r : requests_) streams.push_back(*engine.Submit(r));
+  const absl::Status s = engine.Run();
+  EXPECT_NE(s.message().find("rank 1 died"), std::string::npos);
+  for (auto& st : streams) {
+    auto u = st->Next(std::chrono::seconds(1));
+    EXPECT_TRUE(u.finished);
+    EXPECT_EQ(u.status.code(), absl::StatusCode::kUnavailable);
+  }
+  EXPECT_FALSE(engine.healthy());
+  EXPECT_EQ(engine.Submit(requests_[0]).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace shardserve
