@@ -1,5 +1,7 @@
-"""Shared helpers of the process-level tests: named checks with a closing summary line, and the
-worker processes still running."""
+"""Shared helpers of the process-level tests: named checks with a closing summary line, the
+worker processes still running, and free ports."""
+import os
+import socket
 import subprocess
 import sys
 
@@ -25,3 +27,21 @@ class Checks:
 def workers_running(worker):
     out = subprocess.run(["pgrep", "-f", worker], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def free_ports(n):
+    """A base port with n free ports after it."""
+    for base in range(20000 + (os.getpid() % 97) * 100, 60000, 131):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            pass
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")

@@ -30,6 +30,25 @@ expect_error "temperature must be a finite number >= 0" "$BIN" generate --model 
 expect_error "--prompt-ids: 'x' is not an id" "$BIN" generate --model "$TMP/m" --prompt-ids 1,x
 expect_error "token id 999 is outside the vocabulary" "$BIN" generate --model "$TMP/m" --prompt-ids 1,999
 expect_error "--format 'xml' is not text or json" "$BIN" generate --model "$TMP/m" --prompt hi --format xml
+# shardserve local: manifests that cannot run here are refused with the reason.
+manifest() {  # manifest FILE URI TENSOR PIPELINE [EXTRA_SPEC_LINE]
+  printf 'apiVersion: shardserve.io/v1alpha1\nkind: ShardedModel\nmetadata: {name: m}\nspec:\n  model: {name: m, uri: "%s"}\n  parallelism: {tensor: %s, pipeline: %s}\n%s\n' "$2" "$3" "$4" "${5:-}" > "$1"
+}
+expect_error "--file is required" "$BIN" local
+expect_error "$TMP/none.yaml: cannot open" "$BIN" local -f "$TMP/none.yaml"
+manifest "$TMP/pvc.yaml" "pvc://store/m" 1 1
+expect_error "is a PersistentVolumeClaim, which needs a cluster" "$BIN" local -f "$TMP/pvc.yaml"
+manifest "$TMP/gone.yaml" "file://$TMP/gone" 1 1
+expect_error "spec.model.uri: $TMP/gone/config.json: cannot open" "$BIN" local -f "$TMP/gone.yaml"
+manifest "$TMP/deep.yaml" "file://$TMP/m" 1 4
+expect_error "spec.parallelism.pipeline 4:" "$BIN" local -f "$TMP/deep.yaml"
+manifest "$TMP/zero.yaml" "file://$TMP/m" 0 1
+expect_error "spec.parallelism.tensor must be at least 1, got 0" "$BIN" local -f "$TMP/zero.yaml"
+manifest "$TMP/typo.yaml" "file://$TMP/m" 1 1 "  replica: 2"
+expect_error "spec.replica is not a field of spec" "$BIN" local -f "$TMP/typo.yaml"
+manifest "$TMP/heads.yaml" "file://$TMP/m" 3 1
+expect_error "num_attention_heads 4 is not divisible by tensor parallelism 3" "$BIN" local -f "$TMP/heads.yaml" --port 18555
+
 # Same seed, same output (but for the measured time).
 untimed() { sed 's/"timing":{[^}]*},\{0,1\}//'; }
 a=$("$BIN" generate --model "$TMP/m" --prompt "hello" --temperature 0.9 --seed 5 --max-tokens 8 --format json --ignore-eos | untimed)

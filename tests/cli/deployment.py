@@ -5,29 +5,11 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
-import time
 
-
-def free_ports(n):
-    """A base port with n free ports after it."""
-    for base in range(20000 + (os.getpid() % 97) * 100, 60000, 131):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            pass
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
+from checks import free_ports
 
 
 def gen_model(binary, out, *extra):

@@ -5,35 +5,17 @@ of DESIGN.md §6, `promtool check metrics` is clean on every page, and the count
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-from checks import Checks, workers_running
+from checks import Checks, free_ports, workers_running
 
 BIN = sys.argv[1]
 WORKER = os.path.join(os.path.dirname(BIN), "shardserve-worker")
 check = Checks()
-
-
-def free_base(n):
-    for base in range(23000, 60000, 97):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            pass
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def value(page, name, labels):
@@ -49,7 +31,7 @@ with tempfile.TemporaryDirectory() as tmp:
     subprocess.run([BIN, "gen-model", "--out", model, "--layers", "4", "--hidden", "256",
                     "--heads", "8", "--kv-heads", "2", "--intermediate", "512", "--vocab", "512",
                     "--max-position", "8192"], check=True, capture_output=True)
-    base = free_base(4)
+    base = free_ports(4)
     proc = subprocess.Popen([BIN, "generate", "--model", model, "--prompt-ids", "1,2,3",
                              "--max-tokens", "8000", "--ignore-eos", "--tp", "2", "--pp", "2",
                              "--metrics-port-base", str(base)],

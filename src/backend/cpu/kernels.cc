@@ -326,47 +326,54 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
   }
 }
 
+// Up to this many tokens the decode kernels run in groups of up to 3 tokens over blocks of
+// kGemvBlockRows weight rows: a block is read from memory once and stays in L2 for the other
+// groups. Beyond it, the packed GEMM is faster. Each token's dot products do not depend on the
+// group it is in, so results are the same for every M up to the limit.
+constexpr int64_t kGemvMaxTokens = 12;
+constexpr int64_t kGemvBlockRows = 64;
+
 template <DType D>
 void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                  int64_t ldy, ThreadPool& pool) {
-  if (D == DType::kBF16 && M <= 3) {
-    const int64_t half = w.cols / 2;
-    std::vector<float> split(2 * M * half);  // [M][half] even elements, then [M][half] odd
-    float* xe = split.data();
-    float* xo = split.data() + M * half;
+  if (M > kGemvMaxTokens) {
+    pool.ParallelFor(w.rows, kNr,
+                     [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
+    return;
+  }
+  std::vector<float> split;  // BF16: [M][K/2] even elements, then [M][K/2] odd
+  const int64_t half = w.cols / 2;
+  if (D == DType::kBF16) {
+    split.resize(2 * M * half);
     for (int64_t t = 0; t < M; ++t) {
       for (int64_t j = 0; j < half; ++j) {
-        xe[t * half + j] = x[t * ldx + 2 * j];
-        xo[t * half + j] = x[t * ldx + 2 * j + 1];
+        split[t * half + j] = x[t * ldx + 2 * j];
+        split[(M + t) * half + j] = x[t * ldx + 2 * j + 1];
       }
     }
-    pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
-      switch (M) {
-        case 1:
-          return GemvRangeBf16<1>(w, b, e, xe, xo, half, x, ldx, y, ldy);
-        case 2:
-          return GemvRangeBf16<2>(w, b, e, xe, xo, half, x, ldx, y, ldy);
-        default:
-          return GemvRangeBf16<3>(w, b, e, xe, xo, half, x, ldx, y, ldy);
-      }
-    });
-    return;
   }
-  if (M <= 3) {
-    pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
-      switch (M) {
-        case 1:
-          return GemvRange<D, 1>(w, b, e, x, ldx, y, ldy);
-        case 2:
-          return GemvRange<D, 2>(w, b, e, x, ldx, y, ldy);
-        default:
-          return GemvRange<D, 3>(w, b, e, x, ldx, y, ldy);
-      }
-    });
-    return;
-  }
-  pool.ParallelFor(w.rows, kNr,
-                   [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
+  // Tokens [t, t + mt) against weight rows [b, e).
+  auto group = [&](int64_t b, int64_t e, int64_t t, int64_t mt) {
+    const float* xt = x + t * ldx;
+    float* yt = y + t * ldy;
+    if constexpr (D == DType::kBF16) {
+      const float* xe = split.data() + t * half;
+      const float* xo = split.data() + (M + t) * half;
+      if (mt == 1) return GemvRangeBf16<1>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+      if (mt == 2) return GemvRangeBf16<2>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+      return GemvRangeBf16<3>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+    } else {
+      if (mt == 1) return GemvRange<D, 1>(w, b, e, xt, ldx, yt, ldy);
+      if (mt == 2) return GemvRange<D, 2>(w, b, e, xt, ldx, yt, ldy);
+      return GemvRange<D, 3>(w, b, e, xt, ldx, yt, ldy);
+    }
+  };
+  pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
+    for (int64_t nb = b; nb < e; nb += kGemvBlockRows) {
+      const int64_t ne = std::min(e, nb + kGemvBlockRows);
+      for (int64_t t = 0; t < M; t += 3) group(nb, ne, t, std::min<int64_t>(3, M - t));
+    }
+  });
 }
 
 }  // namespace

@@ -39,8 +39,8 @@ TEST(KernelsTest, MatMulMatchesReference) {
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (int threads : {1, 3}) {
       ThreadPool pool(threads);
-      for (int64_t M : {1, 2, 3, 4, 7, 13}) {
-        for (int64_t N : {1, 5, 16, 37}) {
+      for (int64_t M : {1, 2, 3, 4, 7, 12, 13}) {
+        for (int64_t N : {1, 5, 16, 37, 150}) {
           for (int64_t K : {1, 8, 13, 300, 520}) {
             Weights w = MakeWeights(dtype, N * K, rng);
             std::vector<float> x(M * K), y(M * N, -1.f);
@@ -57,6 +57,30 @@ TEST(KernelsTest, MatMulMatchesReference) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// Up to 12 tokens, a token's outputs do not depend on the other tokens of the batch: decoding
+// sequences together gives bit-identical results to decoding them alone.
+TEST(KernelsTest, SmallBatchesAreBatchInvariant) {
+  std::mt19937 rng(2);
+  ThreadPool pool(2);
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const int64_t N = 200, K = 264;
+    Weights w = MakeWeights(dtype, N * K, rng);
+    WeightMatrix wm{dtype, w.bytes.data(), N, K, K};
+    std::vector<float> x(12 * K);
+    for (float& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+    std::vector<float> alone(12 * N);
+    for (int64_t m = 0; m < 12; ++m)
+      MatMul(wm, x.data() + m * K, 1, K, alone.data() + m * N, N, pool);
+    for (int64_t M : {2, 3, 4, 5, 8, 12}) {
+      std::vector<float> y(M * N);
+      MatMul(wm, x.data(), M, K, y.data(), N, pool);
+      for (int64_t i = 0; i < M * N; ++i) {
+        ASSERT_EQ(y[i], alone[i]) << DTypeName(dtype) << " M=" << M << " at " << i;
       }
     }
   }

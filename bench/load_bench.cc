@@ -1,0 +1,215 @@
+#include "bench/load_bench.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/args.h"
+#include "common/status.h"
+
+namespace shardserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+struct Sample {
+  double ttft = 0;
+  std::vector<double> itl;
+  int64_t tokens = 0;
+  bool ok = false;
+  std::string error;
+};
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+std::pair<std::string, int> HostPort(const std::string& s) {
+  const size_t colon = s.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(s.substr(colon + 1), &port)) return {"", 0};
+  return {s.substr(0, colon), port};
+}
+
+// One streamed completion; every event carries one token's logprob, so tokens are counted
+// exactly even when their text is held back.
+Sample StreamOnce(const std::string& host, int port, const json& body) {
+  Sample s;
+  httplib::Client client(host, port);
+  client.set_read_timeout(600, 0);
+  const auto t0 = Clock::now();
+  auto last = t0;
+  std::string buffer;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    buffer.append(data, n);
+    size_t end;
+    while ((end = buffer.find("\n\n")) != std::string::npos) {
+      const std::string event = buffer.substr(0, end);
+      buffer.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0 || event == "data: [DONE]") continue;
+      const json j = json::parse(event.substr(6), nullptr, false);
+      if (j.is_discarded() || j.contains("error")) {
+        s.error = event;
+        return false;
+      }
+      if (j["choices"].empty() || !j["choices"][0]["logprobs"].is_object()) continue;
+      const auto now = Clock::now();
+      const int64_t k = j["choices"][0]["logprobs"]["tokens"].size();
+      if (k == 0) continue;
+      if (s.tokens == 0) {
+        s.ttft = Seconds(now - t0);
+      } else {
+        s.itl.push_back(Seconds(now - last));
+      }
+      for (int64_t i = 1; i < k; ++i) s.itl.push_back(0);
+      s.tokens += k;
+      last = now;
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  const bool sent = client.send(req, res, err);
+  s.ok = sent && res.status == 200 && s.error.empty();
+  if (!sent && s.error.empty()) s.error = httplib::to_string(err);
+  return s;
+}
+
+// Sum and count of shardserve_rank_forward_seconds on a rank's page.
+std::pair<double, double> ForwardTotals(const std::string& host, int port) {
+  if (port == 0) return {0, 0};
+  httplib::Client client(host, port);
+  auto res = client.Get("/metrics");
+  double sum = 0, count = 0;
+  if (!res) return {0, 0};
+  std::istringstream in(res->body);
+  std::string line;
+  while (std::getline(in, line)) {
+    double v;
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string::npos || !absl::SimpleAtod(line.substr(sp + 1), &v)) continue;
+    if (line.rfind("shardserve_rank_forward_seconds_sum{", 0) == 0) sum += v;
+    if (line.rfind("shardserve_rank_forward_seconds_count{", 0) == 0) count += v;
+  }
+  return {sum, count};
+}
+
+}  // namespace
+
+absl::Status RunLoadBench(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
+                                       {"url", "model", "concurrency", "requests-per-client",
+                                        "max-tokens", "prompt-tokens", "vocab", "rank-metrics"},
+                                       {}));
+  const auto [host, port] = HostPort(a.GetOr("url", "127.0.0.1:8000"));
+  if (port == 0) return absl::InvalidArgumentError("--url must be HOST:PORT");
+  const auto [mhost, mport] = HostPort(a.GetOr("rank-metrics", ""));
+  const std::string model = a.GetOr("model", "model");
+  ASSIGN_OR_RETURN(int64_t per_client, a.GetInt("requests-per-client", 2));
+  ASSIGN_OR_RETURN(int64_t max_tokens, a.GetInt("max-tokens", 64));
+  ASSIGN_OR_RETURN(int64_t prompt_tokens, a.GetInt("prompt-tokens", 64));
+  ASSIGN_OR_RETURN(int64_t vocab, a.GetInt("vocab", 32000));
+  std::vector<int> levels;
+  for (absl::string_view c : absl::StrSplit(a.GetOr("concurrency", "1,4,16"), ',')) {
+    int v;
+    if (!absl::SimpleAtoi(c, &v) || v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--concurrency: '", c, "' is not a count"));
+    }
+    levels.push_back(v);
+  }
+  std::printf(
+      "load: %s:%d model '%s', prompts of %lld random tokens, %lld greedy output tokens, "
+      "%lld requests per client\n",
+      host.c_str(), port, model.c_str(), static_cast<long long>(prompt_tokens),
+      static_cast<long long>(max_tokens), static_cast<long long>(per_client));
+  if (mport != 0) {
+    // Overhead probe: one client, a one-token prompt, so every step is a one-token decode step;
+    // what the client waits beyond the leader rank's forward pass is HTTP, scheduling and
+    // sampling.
+    const json body = {{"model", model},   {"prompt", {3}},      {"max_tokens", 48},
+                       {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
+                       {"logprobs", 0}};
+    (void)StreamOnce(host, port, body);  // warm-up
+    const auto before = ForwardTotals(mhost, mport);
+    Sample s = StreamOnce(host, port, body);
+    const auto after = ForwardTotals(mhost, mport);
+    if (!s.ok) return absl::UnavailableError(absl::StrCat("probe failed: ", s.error));
+    double itl = 0;
+    for (double v : s.itl) itl += v;
+    itl /= std::max<size_t>(1, s.itl.size());
+    const double step = (after.first - before.first) / std::max(1.0, after.second - before.second);
+    std::printf(
+        "overhead probe (batch 1 decode): inter-token %.2f ms, leader forward %.2f ms, "
+        "HTTP + scheduling + sampling %.2f ms = %.1f%% of the step\n",
+        1e3 * itl, 1e3 * step, 1e3 * (itl - step), 100 * (itl - step) / itl);
+  }
+  std::printf("%-11s %10s %9s %9s %9s %9s\n", "concurrency", "out tok/s", "ttft p50", "ttft p99",
+              "itl p50", "itl p99");
+  double base_tps = 0;
+  for (int c : levels) {
+    std::mutex mu;
+    std::vector<Sample> samples;
+    const auto t0 = Clock::now();
+    std::vector<std::thread> clients;
+    for (int i = 0; i < c; ++i) {
+      clients.emplace_back([&, i] {
+        std::mt19937 rng(1000 * c + i);
+        for (int64_t r = 0; r < per_client; ++r) {
+          std::vector<int32_t> prompt(prompt_tokens);
+          for (auto& t : prompt) t = static_cast<int32_t>(3 + rng() % (vocab - 3));
+          const json body = {{"model", model},   {"prompt", prompt},   {"max_tokens", max_tokens},
+                             {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
+                             {"logprobs", 0}};
+          Sample s = StreamOnce(host, port, body);
+          std::lock_guard<std::mutex> lock(mu);
+          samples.push_back(std::move(s));
+        }
+      });
+    }
+    for (auto& t : clients) t.join();
+    const double wall = Seconds(Clock::now() - t0);
+    std::vector<double> ttft, itl;
+    int64_t tokens = 0, failed = 0;
+    for (const Sample& s : samples) {
+      if (!s.ok) {
+        ++failed;
+        std::fprintf(stderr, "request failed: %s\n", s.error.c_str());
+        continue;
+      }
+      ttft.push_back(s.ttft);
+      itl.insert(itl.end(), s.itl.begin(), s.itl.end());
+      tokens += s.tokens;
+    }
+    if (failed > 0) return absl::UnavailableError(absl::StrCat(failed, " requests failed"));
+    const double tps = tokens / wall;
+    if (base_tps == 0) base_tps = tps;
+    std::printf("%-11d %10.1f %8.3fs %8.3fs %8.4fs %8.4fs   (x%.2f of c=%d)\n", c, tps,
+                Percentile(ttft, 0.5), Percentile(ttft, 0.99), Percentile(itl, 0.5),
+                Percentile(itl, 0.99), tps / base_tps, levels.front());
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

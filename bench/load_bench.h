@@ -1,0 +1,16 @@
+#pragma once
+// `shardserve bench load`: a load generator for the OpenAI-compatible API. Closed-loop clients at
+// each concurrency level stream greedy completions of random token prompts and report output
+// tokens/s, time to first token and inter-token latency (p50/p99), and, given the leader rank's
+// /metrics, the share of a batch-1 decode step spent outside the rank's forward pass (HTTP,
+// scheduling and sampling).
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace shardserve {
+
+absl::Status RunLoadBench(const std::vector<std::string>& argv);
+
+}  // namespace shardserve
