@@ -41,7 +41,8 @@ absl::Status Launch() {
     }
     ranks.push_back({*pid, world.Describe(rank)});
   }
-  return SuperviseAll(ranks, std::chrono::milliseconds(3000));
+  // Longer than the leader's default drain, so a clean stop is not cut short.
+  return SuperviseAll(ranks, std::chrono::milliseconds(10000));
 }
 
 // SIGINT/SIGTERM are taken by a thread rather than ending the process, so that the leader can
@@ -106,7 +107,10 @@ absl::Status Serve(const RankConfig& cfg, StopSignals& signals) {
     o.max_step_tokens = sc.max_step_tokens;
     Engine engine(ctx.executor, o, server->Observer());
     server->SetEngine(&engine);
-    signals.OnStop([&engine] { engine.Shutdown(); });
+    signals.OnStop([&engine, drain = std::chrono::seconds(sc.drain_seconds)] {
+      std::fprintf(stderr, "leader: stopping; draining the requests in progress\n");
+      engine.Shutdown(drain);
+    });
     std::fprintf(stderr, "leader: ready\n");
     const absl::Status s = engine.Run();
     signals.OnStop(nullptr);

@@ -171,7 +171,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   std::fflush(stdout);
   std::atomic<bool> stop{false};
   std::thread announce([&] { AnnounceReady(replicas, m, stop); });
-  absl::Status status = SuperviseAll(launchers, std::chrono::milliseconds(5000));
+  absl::Status status = SuperviseAll(launchers, std::chrono::milliseconds(15000));
   stop.store(true);
   announce.join();
   if (status.ok()) std::printf("shardserve local: stopped\n");

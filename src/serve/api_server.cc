@@ -461,6 +461,7 @@ absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig c) {
   ASSIGN_OR_RETURN(c.max_step_tokens, EnvInt("SHARDSERVE_MAX_STEP_TOKENS", c.max_step_tokens, 1));
   ASSIGN_OR_RETURN(int64_t body, EnvInt("SHARDSERVE_MAX_BODY_BYTES",
                                         static_cast<int64_t>(c.max_body_bytes), 1024));
+  ASSIGN_OR_RETURN(c.drain_seconds, EnvInt("SHARDSERVE_DRAIN_SECONDS", c.drain_seconds, 0));
   c.port = static_cast<int>(port);
   c.max_batch = static_cast<int>(batch);
   c.max_queue = static_cast<int>(queue);
@@ -534,11 +535,14 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   });
   http.Get("/readyz", [s](const httplib::Request&, httplib::Response& res) {
     std::shared_lock<std::shared_mutex> lock(s->engine_mu);
-    if (s->engine != nullptr && s->engine->healthy()) {
+    if (s->engine != nullptr && s->engine->accepting()) {
       res.set_content("{\"ready\":true}", "application/json");
     } else {
       res.status = 503;
-      res.set_content(DumpJson({{"ready", false}, {"reason", s->not_ready}}), "application/json");
+      const std::string reason =
+          s->engine != nullptr ? "the server is draining: it finishes the requests it has and stops"
+                               : s->not_ready;
+      res.set_content(DumpJson({{"ready", false}, {"reason", reason}}), "application/json");
     }
   });
   http.Get("/metrics", [s](const httplib::Request&, httplib::Response& res) {

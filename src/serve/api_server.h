@@ -36,10 +36,12 @@ struct ServeConfig {
   int max_queue = 128;
   int64_t max_step_tokens = 512;
   size_t max_body_bytes = 4 << 20;
+  int64_t drain_seconds = 5;  // on SIGTERM, requests in progress may finish for this long
 };
 
 // SHARDSERVE_API_HOST, SHARDSERVE_API_PORT, SHARDSERVE_MAX_BATCH_SIZE, SHARDSERVE_MAX_QUEUE,
-// SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES over the given defaults (model name,
+// SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES, SHARDSERVE_DRAIN_SECONDS over the given
+// defaults (model name,
 // directory and replica come from the rank's config). Errors name the variable.
 absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig defaults);
 

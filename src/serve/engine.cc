@@ -104,13 +104,19 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
   return stream;
 }
 
-void Engine::Shutdown() {
+void Engine::Shutdown(std::chrono::milliseconds drain) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!shutdown_) drain_until_ = Clock::now() + drain;
     shutdown_ = true;
     accepting_ = false;
   }
   wake_.notify_all();
+}
+
+bool Engine::accepting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return accepting_ && healthy_.load();
 }
 
 size_t Engine::queue_depth() const {
@@ -268,7 +274,9 @@ absl::Status Engine::Loop() {
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (shutdown_) return absl::OkStatus();
+      if (shutdown_ && ((waiting_.empty() && running_.empty()) || Clock::now() >= drain_until_)) {
+        return absl::OkStatus();
+      }
     }
     for (int mb = 0; mb < static_cast<int>(mbs_.size()); ++mb) {
       if (mbs_[mb].in_flight) continue;
@@ -283,6 +291,7 @@ absl::Status Engine::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       if (options_.exit_when_idle && waiting_.empty()) return absl::OkStatus();
       if (!waiting_.empty()) continue;  // admitted on the next pass
+      if (shutdown_) continue;          // drained
       if (!wake_.wait_for(lock, options_.ping_every,
                           [&] { return shutdown_ || !waiting_.empty(); })) {
         lock.unlock();

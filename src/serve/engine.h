@@ -98,9 +98,13 @@ class Engine {
   // Schedules until Shutdown (or, with exit_when_idle, until nothing is left), then stops the
   // replica. A replica failure ends every request with the error and is returned.
   absl::Status Run();
-  void Shutdown();
+  // Stops taking requests; the ones already taken may finish within `drain`, the rest end with
+  // Unavailable.
+  void Shutdown(std::chrono::milliseconds drain = std::chrono::milliseconds(0));
 
   bool healthy() const { return healthy_.load(); }
+  // Healthy and taking requests (not draining).
+  bool accepting() const;
   size_t queue_depth() const;
   const EngineOptions& options() const { return options_; }
 
@@ -129,6 +133,7 @@ class Engine {
   std::condition_variable wake_;
   std::deque<std::unique_ptr<Sequence>> waiting_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::chrono::steady_clock::time_point drain_until_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<bool> healthy_{true};

@@ -22,7 +22,6 @@
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
-#include "serve/engine.h"
 
 namespace shardserve {
 namespace {

@@ -50,7 +50,8 @@ def error_shape(body):
 PROMPTS = [[1, 40 + i, 41 + 2 * i, 300 - i, 7 + i] for i in range(8)]
 
 # maxBatchSize 4 and a queue of 2 (through the manifest's worker env) to reach 429 quickly.
-d = Deployment(BIN, MODEL, max_batch=4, max_seq=4096, env={"SHARDSERVE_MAX_QUEUE": "2"})
+d = Deployment(BIN, MODEL, max_batch=4, max_seq=4096,
+               env={"SHARDSERVE_MAX_QUEUE": "2", "SHARDSERVE_DRAIN_SECONDS": "60"})
 try:
     # --- endpoints -----------------------------------------------------------------------------
     status, _, body = d.request("GET", "/healthz")
@@ -260,7 +261,31 @@ try:
         check(res.returncode == 0, f"promtool check metrics is clean on :{port} "
               f"{res.stdout.strip()} {res.stderr.strip()}")
 
-    # --- Ctrl-C stops everything cleanly ---------------------------------------------------------
+    # --- Ctrl-C drains the requests in progress, then stops everything cleanly -----------------
+    drained = {}
+
+    def in_progress():
+        drained["r"] = d.stream("/v1/completions", {
+            "model": "tiny", "prompt": PROMPTS[5], "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}, timeout=60)
+
+    t = threading.Thread(target=in_progress)
+    t.start()
+    time.sleep(0.3)
+    d.proc.send_signal(signal.SIGINT)
+    ready = None
+    for _ in range(100):
+        ready = d.request("GET", "/readyz", timeout=5)[0]
+        if ready != 200:
+            break
+        time.sleep(0.02)
+    late = completion(d, PROMPTS[6], 4)[0]
+    check(ready == 503 and late == 503 and t.is_alive(),
+          f"while draining: /readyz {ready}, a new request {late}")
+    t.join(60)
+    status, events, done = drained.get("r", (None, [], False))
+    check(done and events[-1]["choices"][0]["finish_reason"] == "length",
+          "the request in progress at Ctrl-C finished (drain)")
     code = d.stop(signal.SIGINT)
     check(code == 0 and "shardserve local: stopped" in d.log(),
           f"Ctrl-C stops the deployment cleanly (exit {code})")

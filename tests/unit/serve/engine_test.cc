@@ -177,6 +177,22 @@ TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
   loop.join();
 }
 
+TEST_F(EngineTest, ShutdownDrainsTheRequestsItHas) {
+  LocalExecutor exec(model_.get(), 4096);
+  Engine engine(&exec, exec.Options());
+  auto a = engine.Submit(requests_[2]);
+  ASSERT_TRUE(a.ok());
+  engine.Shutdown(std::chrono::seconds(60));
+  EXPECT_FALSE(engine.accepting());
+  EXPECT_EQ(engine.Submit(requests_[3]).status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(engine.Run().ok());
+  std::vector<int32_t> tokens;
+  RequestStream::Update u = (*a)->Next(std::chrono::seconds(1));
+  for (auto& t : u.tokens) tokens.push_back(t.id);
+  EXPECT_EQ(u.finish_reason, "length");
+  EXPECT_EQ(tokens, Reference()[2].tokens);
+}
+
 TEST_F(EngineTest, SubmitRefusesBadRequestsAndAFullQueue) {
   LocalExecutor exec(model_.get(), 256);
   EngineOptions o = exec.Options();
