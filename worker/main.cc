@@ -146,12 +146,14 @@ absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
 }
 
 absl::Status RunOneRank() {
-  StopSignals signals;
-  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
   if (std::getenv("SHARDSERVE_REQUEST") == nullptr) {
+    // Serving: a stop signal drains through the leader. (A one-shot run just ends on one.)
+    StopSignals signals;
+    ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
     if (cfg.rank() == 0) return Serve(cfg, signals);
     return RunRank(cfg, nullptr).status();
   }
+  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
   ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
   std::vector<GenerationResult> results;
   double seconds = 0;
