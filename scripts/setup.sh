@@ -11,7 +11,8 @@ log() { echo "setup: $*" >&2; }
 # --- Debian packages -------------------------------------------------------------------------
 APT_PKGS=(build-essential cmake ninja-build pkg-config git curl clang-format
   libgtest-dev libgmock-dev libabsl-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
-  libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev prometheus python3-venv libcpp-httplib-dev)
+  libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev prometheus python3-venv libcpp-httplib-dev
+  openssl)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,6 +22,12 @@ if ((${#missing[@]})); then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- Go builds the Kubernetes test environment (tests/k8s/testenv) from the module proxy ------
+if ! command -v go >/dev/null; then
+  log "Go is missing: install Go >= 1.26 (https://go.dev/dl) for the Kubernetes test environment"
+  exit 1
 fi
 
 # --- A Python virtual environment: its pip installs the wheels below (a distribution's own

@@ -1,0 +1,75 @@
+"""A private Kubernetes control plane for one test (the testenv of tests/k8s/testenv: etcd,
+kube-apiserver, kube-controller-manager, kube-scheduler, kwok), plus kubectl and fake-node helpers.
+Standard library only; the binaries come from scripts/testenv-build.sh."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Cluster:
+    def __init__(self):
+        self.bin = subprocess.run(["bash", os.path.join(ROOT, "scripts", "testenv-build.sh")],
+                                  check=True, capture_output=True, text=True).stdout.strip()
+        self.dir = tempfile.mkdtemp(prefix="shardserve-testenv-")
+        self.log = open(os.path.join(self.dir, "testenv.log"), "w")
+        self.proc = subprocess.Popen([os.path.join(self.bin, "testenv"), "up", "--dir", self.dir,
+                                      "--bin", self.bin], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while not os.path.exists(os.path.join(self.dir, "ready")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("testenv did not start:\n" +
+                                   open(os.path.join(self.dir, "testenv.log")).read())
+            time.sleep(0.1)
+        self.kubeconfig = os.path.join(self.dir, "kubeconfig")
+        self.server = open(os.path.join(self.dir, "ready")).read().strip()
+
+    def kubectl(self, *args, input=None, check=False):
+        """(returncode, stdout, stderr) of kubectl against this cluster."""
+        r = subprocess.run(["kubectl", "--kubeconfig", self.kubeconfig, *args], input=input,
+                           capture_output=True, text=True, timeout=120)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {r.stderr}")
+        return r.returncode, r.stdout, r.stderr
+
+    def get(self, *args):
+        return json.loads(self.kubectl("get", "-o", "json", *args, check=True)[1])
+
+    def install_crds(self):
+        self.kubectl("apply", "-f", os.path.join(ROOT, "crds"), check=True)
+        self.kubectl("wait", "--for", "condition=established", "--timeout=60s",
+                     "crd/shardedmodels.shardserve.io", check=True)
+
+    def add_gpu_node(self, name, gpus=8, zone="zone-a", labels=None, taints=None):
+        """A kwok-managed node with `gpus` nvidia.com/gpu, a zone label and the kwok taint."""
+        node = {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": dict({"kubernetes.io/hostname": name,
+                                         "topology.kubernetes.io/zone": zone, "type": "kwok"},
+                                        **(labels or {}))},
+            "spec": {"taints": [{"key": "kwok.x-k8s.io/node", "value": "fake",
+                                 "effect": "NoSchedule"}] + list(taints or [])},
+            "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110",
+                                       "nvidia.com/gpu": str(gpus)},
+                       "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110",
+                                    "nvidia.com/gpu": str(gpus)}},
+        }
+        self.kubectl("apply", "-f", "-", input=json.dumps(node), check=True)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

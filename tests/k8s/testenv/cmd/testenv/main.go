@@ -1,0 +1,416 @@
+// testenv runs a real Kubernetes control plane on loopback for shardserve's tests and for people
+// (DESIGN.md §7): embedded etcd, kube-apiserver, kube-controller-manager (garbage collection,
+// namespaces, service accounts), kube-scheduler and kwok (fake nodes that heartbeat, bound pods
+// that turn Running), all built from the Go module proxy. Certificates are generated per run; TLS
+// is always verified.
+//
+//	testenv up --dir DIR [--bin BINDIR]   start, write DIR/kubeconfig and DIR/env, run until
+//	                                      SIGTERM/SIGINT, then stop everything
+//
+// DIR/ready appears once the apiserver answers /readyz and the default service account exists.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"flag"
+	"fmt"
+	"math/big"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.etcd.io/etcd/server/v3/embed"
+	nodefast "sigs.k8s.io/kwok/kustomize/stage/node/fast"
+	nodelease "sigs.k8s.io/kwok/kustomize/stage/node/heartbeat-with-lease"
+	podfast "sigs.k8s.io/kwok/kustomize/stage/pod/fast"
+)
+
+func main() {
+	if len(os.Args) < 2 || os.Args[1] != "up" {
+		fmt.Fprintln(os.Stderr, "usage: testenv up --dir DIR [--bin BINDIR]")
+		os.Exit(2)
+	}
+	fs := flag.NewFlagSet("up", flag.ExitOnError)
+	dir := fs.String("dir", "", "state directory (certificates, etcd data, kubeconfig)")
+	bin := fs.String("bin", "", "directory of kube-apiserver, kube-controller-manager, kube-scheduler, kwok (default: next to testenv)")
+	fs.Parse(os.Args[2:])
+	if *dir == "" {
+		fmt.Fprintln(os.Stderr, "testenv: --dir is required")
+		os.Exit(2)
+	}
+	if *bin == "" {
+		exe, _ := os.Executable()
+		*bin = filepath.Dir(exe)
+	}
+	if err := up(*dir, *bin); err != nil {
+		fmt.Fprintln(os.Stderr, "testenv:", err)
+		os.Exit(1)
+	}
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+type keyPair struct {
+	cert *x509.Certificate
+	key  *rsa.PrivateKey
+}
+
+func newCert(tmpl *x509.Certificate, parent *keyPair) (*keyPair, error) {
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		return nil, err
+	}
+	serial, _ := rand.Int(rand.Reader, big.NewInt(1<<62))
+	tmpl.SerialNumber = serial
+	tmpl.NotBefore = time.Now().Add(-time.Hour)
+	if tmpl.NotAfter.IsZero() {
+		tmpl.NotAfter = time.Now().Add(10 * 365 * 24 * time.Hour)
+	}
+	signer, signerKey := tmpl, key
+	if parent != nil {
+		signer, signerKey = parent.cert, parent.key
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, signer, &key.PublicKey, signerKey)
+	if err != nil {
+		return nil, err
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, err
+	}
+	return &keyPair{cert, key}, nil
+}
+
+func (k *keyPair) write(dir, name string) error {
+	certPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: k.cert.Raw})
+	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(k.key)})
+	if err := os.WriteFile(filepath.Join(dir, name+".crt"), certPEM, 0o600); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, name+".key"), keyPEM, 0o600)
+}
+
+// Certificates: a CA, the apiserver's serving certificate (127.0.0.1, localhost), client
+// certificates for the admin (system:masters) and each component, and the service-account key.
+func writeCerts(pki string) error {
+	ca, err := newCert(&x509.Certificate{Subject: pkix.Name{CommonName: "shardserve-testenv-ca"},
+		IsCA: true, BasicConstraintsValid: true,
+		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature}, nil)
+	if err != nil {
+		return err
+	}
+	if err := ca.write(pki, "ca"); err != nil {
+		return err
+	}
+	serving, err := newCert(&x509.Certificate{Subject: pkix.Name{CommonName: "kube-apiserver"},
+		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1")},
+		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}, ca)
+	if err != nil {
+		return err
+	}
+	if err := serving.write(pki, "apiserver"); err != nil {
+		return err
+	}
+	clients := map[string]pkix.Name{
+		"admin":              {CommonName: "admin", Organization: []string{"system:masters"}},
+		"controller-manager": {CommonName: "system:kube-controller-manager"},
+		"scheduler":          {CommonName: "system:kube-scheduler"},
+		"kwok":               {CommonName: "kwok", Organization: []string{"system:masters"}},
+	}
+	for name, subject := range clients {
+		c, err := newCert(&x509.Certificate{Subject: subject,
+			KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}, ca)
+		if err != nil {
+			return err
+		}
+		if err := c.write(pki, name); err != nil {
+			return err
+		}
+	}
+	sa, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		return err
+	}
+	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(sa)})
+	return os.WriteFile(filepath.Join(pki, "sa.key"), keyPEM, 0o600)
+}
+
+func writeKubeconfig(path, server, pki, user string) error {
+	text := fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: testenv
+  cluster:
+    server: %s
+    certificate-authority: %s
+users:
+- name: %s
+  user:
+    client-certificate: %s
+    client-key: %s
+contexts:
+- name: testenv
+  context: {cluster: testenv, user: %s, namespace: default}
+current-context: testenv
+`, server, filepath.Join(pki, "ca.crt"), user, filepath.Join(pki, user+".crt"),
+		filepath.Join(pki, user+".key"), user)
+	return os.WriteFile(path, []byte(text), 0o600)
+}
+
+type component struct {
+	name string
+	cmd  *exec.Cmd
+	done chan struct{} // closed when the process has exited; err is then set
+	err  error
+}
+
+func start(dir, bin, name string, args ...string) (*component, error) {
+	logf, err := os.Create(filepath.Join(dir, name+".log"))
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(filepath.Join(bin, name), args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s: %w", name, err)
+	}
+	c := &component{name: name, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		c.err = cmd.Wait()
+		logf.Close()
+		close(c.done)
+	}()
+	return c, nil
+}
+
+func (c *component) stop() {
+	select {
+	case <-c.done:
+		return
+	default:
+	}
+	c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.done:
+	case <-time.After(10 * time.Second):
+		c.cmd.Process.Kill()
+		<-c.done
+	}
+}
+
+// waitReady polls the apiserver's /readyz with the admin certificate.
+func waitReady(server, pki string, deadline time.Time, apiserver *component) error {
+	ca, err := os.ReadFile(filepath.Join(pki, "ca.crt"))
+	if err != nil {
+		return err
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(ca)
+	cert, err := tls.LoadX509KeyPair(filepath.Join(pki, "admin.crt"), filepath.Join(pki, "admin.key"))
+	if err != nil {
+		return err
+	}
+	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{cert}}}}
+	for time.Now().Before(deadline) {
+		select {
+		case <-apiserver.done:
+			return fmt.Errorf("kube-apiserver exited: %v", apiserver.err)
+		default:
+		}
+		resp, err := client.Get(server + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				// The default service account appears once the controller manager runs.
+				resp, err = client.Get(server + "/api/v1/namespaces/default/serviceaccounts/default")
+				if err == nil {
+					resp.Body.Close()
+					if resp.StatusCode == 200 {
+						return nil
+					}
+				}
+			}
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return fmt.Errorf("the control plane was not ready in time")
+}
+
+func up(dir, bin string) error {
+	pki := filepath.Join(dir, "pki")
+	if err := os.MkdirAll(pki, 0o700); err != nil {
+		return err
+	}
+	os.Remove(filepath.Join(dir, "ready"))
+	if err := writeCerts(pki); err != nil {
+		return fmt.Errorf("certificates: %w", err)
+	}
+
+	// etcd, embedded, on loopback.
+	clientPort, err := freePort()
+	if err != nil {
+		return err
+	}
+	peerPort, err := freePort()
+	if err != nil {
+		return err
+	}
+	cfg := embed.NewConfig()
+	cfg.Dir = filepath.Join(dir, "etcd")
+	cfg.LogLevel = "error"
+	cu, _ := url.Parse("http://127.0.0.1:" + strconv.Itoa(clientPort))
+	pu, _ := url.Parse("http://127.0.0.1:" + strconv.Itoa(peerPort))
+	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{*cu}, []url.URL{*cu}
+	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{*pu}, []url.URL{*pu}
+	cfg.InitialCluster = cfg.Name + "=" + pu.String()
+	etcd, err := embed.StartEtcd(cfg)
+	if err != nil {
+		return fmt.Errorf("etcd: %w", err)
+	}
+	defer etcd.Close()
+	select {
+	case <-etcd.Server.ReadyNotify():
+	case <-time.After(60 * time.Second):
+		return fmt.Errorf("etcd did not start")
+	}
+
+	apiPort, err := freePort()
+	if err != nil {
+		return err
+	}
+	server := "https://127.0.0.1:" + strconv.Itoa(apiPort)
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	for _, user := range []string{"admin", "controller-manager", "scheduler", "kwok"} {
+		path := filepath.Join(dir, user+".kubeconfig")
+		if user == "admin" {
+			path = kubeconfig
+		}
+		if err := writeKubeconfig(path, server, pki, user); err != nil {
+			return err
+		}
+	}
+	p := func(name string) string { return filepath.Join(pki, name) }
+	apiserver, err := start(dir, bin, "kube-apiserver",
+		"--etcd-servers="+cu.String(),
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(apiPort),
+		"--advertise-address=127.0.0.1",
+		"--tls-cert-file="+p("apiserver.crt"), "--tls-private-key-file="+p("apiserver.key"),
+		"--client-ca-file="+p("ca.crt"),
+		"--service-account-key-file="+p("sa.key"),
+		"--service-account-signing-key-file="+p("sa.key"),
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--service-cluster-ip-range=10.96.0.0/16",
+		"--authorization-mode=Node,RBAC",
+		"--storage-media-type=application/json",
+		"--v=1")
+	if err != nil {
+		return err
+	}
+	components := []*component{apiserver}
+	defer func() {
+		for i := len(components) - 1; i >= 0; i-- {
+			components[i].stop()
+		}
+	}()
+	kcm, err := start(dir, bin, "kube-controller-manager",
+		"--kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
+		"--authentication-kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
+		"--authorization-kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
+		"--bind-address=127.0.0.1", "--secure-port=0", "--leader-elect=false",
+		"--use-service-account-credentials=true",
+		"--service-account-private-key-file="+p("sa.key"), "--root-ca-file="+p("ca.crt"),
+		"--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"+
+			"serviceaccount-token-controller,node-lifecycle-controller,pod-garbage-collector-controller,"+
+			"root-ca-certificate-publisher-controller,taint-eviction-controller",
+		"--v=1")
+	if err != nil {
+		return err
+	}
+	components = append(components, kcm)
+	sched, err := start(dir, bin, "kube-scheduler",
+		"--kubeconfig="+filepath.Join(dir, "scheduler.kubeconfig"),
+		"--authentication-kubeconfig="+filepath.Join(dir, "scheduler.kubeconfig"),
+		"--authorization-kubeconfig="+filepath.Join(dir, "scheduler.kubeconfig"),
+		"--bind-address=127.0.0.1", "--secure-port=0", "--leader-elect=false", "--v=1")
+	if err != nil {
+		return err
+	}
+	components = append(components, sched)
+	// kwok's own stage definitions: nodes initialize and heartbeat with a lease; bound pods turn
+	// Running and Ready, and are removed once deleted.
+	stages := strings.Join([]string{nodefast.DefaultNodeInit,
+		nodelease.DefaultNodeHeartbeatWithLease, podfast.DefaultPodReady,
+		podfast.DefaultPodComplete, podfast.DefaultPodDelete}, "\n---\n")
+	kwokConfig := filepath.Join(dir, "kwok.yaml")
+	if err := os.WriteFile(kwokConfig, []byte(stages), 0o644); err != nil {
+		return err
+	}
+	kwok, err := start(dir, bin, "kwok",
+		"--config="+kwokConfig,
+		"--kubeconfig="+filepath.Join(dir, "kwok.kubeconfig"),
+		"--manage-all-nodes=false",
+		"--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+		"--manage-nodes-with-label-selector=",
+		"--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+		"--server-address=127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	components = append(components, kwok)
+
+	if err := waitReady(server, pki, time.Now().Add(180*time.Second), apiserver); err != nil {
+		return fmt.Errorf("%w (logs in %s)", err, dir)
+	}
+	env := fmt.Sprintf("export KUBECONFIG=%s\nexport SHARDSERVE_TESTENV_SERVER=%s\n", kubeconfig, server)
+	if err := os.WriteFile(filepath.Join(dir, "env"), []byte(env), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "ready"), []byte(server+"\n"), 0o644); err != nil {
+		return err
+	}
+	fmt.Printf("testenv: kube-apiserver at %s; kubeconfig %s\n", server, kubeconfig)
+
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer cancel()
+	for _, c := range components {
+		c := c
+		go func() {
+			select {
+			case <-c.done:
+				fmt.Fprintf(os.Stderr, "testenv: %s exited: %v (log %s)\n", c.name, c.err,
+					filepath.Join(dir, c.name+".log"))
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+	}
+	<-ctx.Done()
+	os.Remove(filepath.Join(dir, "ready"))
+	return nil
+}
