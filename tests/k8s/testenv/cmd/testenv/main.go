@@ -5,7 +5,8 @@
 // is always verified.
 //
 //	testenv up --dir DIR [--bin BINDIR]   start, write DIR/kubeconfig and DIR/env, run until
-//	                                      SIGTERM/SIGINT, then stop everything
+//	                                      SIGTERM/SIGINT, then stop everything; SIGUSR1
+//	                                      restarts kube-apiserver over a compacted etcd
 //
 // DIR/ready appears once the apiserver answers /readyz and the default service account exists.
 package main
@@ -30,9 +31,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 	nodefast "sigs.k8s.io/kwok/kustomize/stage/node/fast"
 	nodelease "sigs.k8s.io/kwok/kustomize/stage/node/heartbeat-with-lease"
@@ -316,19 +319,19 @@ func up(dir, bin string) error {
 		}
 	}
 	p := func(name string) string { return filepath.Join(pki, name) }
-	apiserver, err := start(dir, bin, "kube-apiserver",
-		"--etcd-servers="+cu.String(),
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(apiPort),
+	apiserverArgs := []string{"--etcd-servers=" + cu.String(),
+		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(apiPort),
 		"--advertise-address=127.0.0.1",
-		"--tls-cert-file="+p("apiserver.crt"), "--tls-private-key-file="+p("apiserver.key"),
-		"--client-ca-file="+p("ca.crt"),
-		"--service-account-key-file="+p("sa.key"),
-		"--service-account-signing-key-file="+p("sa.key"),
+		"--tls-cert-file=" + p("apiserver.crt"), "--tls-private-key-file=" + p("apiserver.key"),
+		"--client-ca-file=" + p("ca.crt"),
+		"--service-account-key-file=" + p("sa.key"),
+		"--service-account-signing-key-file=" + p("sa.key"),
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--service-cluster-ip-range=10.96.0.0/16",
 		"--authorization-mode=Node,RBAC",
 		"--storage-media-type=application/json",
-		"--v=1")
+		"--v=1"}
+	apiserver, err := start(dir, bin, "kube-apiserver", apiserverArgs...)
 	if err != nil {
 		return err
 	}
@@ -398,19 +401,70 @@ func up(dir, bin string) error {
 
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
-	for _, c := range components {
-		c := c
-		go func() {
-			select {
-			case <-c.done:
-				fmt.Fprintf(os.Stderr, "testenv: %s exited: %v (log %s)\n", c.name, c.err,
-					filepath.Join(dir, c.name+".log"))
-				cancel()
-			case <-ctx.Done():
+	// A component that exits on its own ends the environment (apiserver restarts excepted).
+	var restarting atomic.Bool
+	watch := func(c *component) {
+		select {
+		case <-c.done:
+			if c.name == "kube-apiserver" && restarting.Load() {
+				return
 			}
-		}()
+			fmt.Fprintf(os.Stderr, "testenv: %s exited: %v (log %s)\n", c.name, c.err,
+				filepath.Join(dir, c.name+".log"))
+			cancel()
+		case <-ctx.Done():
+		}
 	}
-	<-ctx.Done()
-	os.Remove(filepath.Join(dir, "ready"))
-	return nil
+	for _, c := range components {
+		go watch(c)
+	}
+	// SIGUSR1: restart kube-apiserver with etcd compacted past every resourceVersion it handed
+	// out, so that watches resuming from an old version get 410 Gone (for informer tests).
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
+	for {
+		select {
+		case <-ctx.Done():
+			os.Remove(filepath.Join(dir, "ready"))
+			return nil
+		case <-usr1:
+			os.Remove(filepath.Join(dir, "ready"))
+			restarting.Store(true)
+			components[0].stop()
+			if err := compact(cu.String()); err != nil {
+				return fmt.Errorf("compacting etcd: %w", err)
+			}
+			apiserver, err := start(dir, bin, "kube-apiserver", apiserverArgs...)
+			if err != nil {
+				return err
+			}
+			components[0] = apiserver
+			restarting.Store(false)
+			go watch(apiserver)
+			if err := waitReady(server, pki, time.Now().Add(120*time.Second), apiserver); err != nil {
+				return err
+			}
+			if err := os.WriteFile(filepath.Join(dir, "ready"), []byte(server+"\n"), 0o644); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// compact writes one key (so the revision moves past every version handed out) and compacts
+// etcd at the new revision.
+func compact(endpoint string) error {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 10 * time.Second})
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	put, err := cli.Put(ctx, "/shardserve-testenv/compaction", time.Now().String())
+	if err != nil {
+		return err
+	}
+	_, err = cli.Compact(ctx, put.Header.Revision, clientv3.WithCompactPhysical())
+	return err
 }
