@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/comm_bench.h"
+#include "bench/informer_bench.h"
 #include "bench/load_bench.h"
 #include "bench/runtime_bench.h"
 #include "cli/local.h"
@@ -50,6 +51,7 @@ commands:
              (--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)
   bench      [runtime] --model DIR [--threads N --decode-tokens N --prefill-tokens N]
   bench      allreduce [--processes N]
+  bench      informer --kubeconfig PATH [--pods N --updates N --namespace NS]
   bench      load [--url HOST:PORT --model NAME --concurrency 1,4,16 --requests-per-client N
              --max-tokens N --prompt-tokens N --vocab N --rank-metrics HOST:PORT]
 )";
@@ -300,6 +302,8 @@ int Main(int argc, char** argv) {
     s = Generate(rest);
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "allreduce") {
     s = RunAllReduceBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "informer") {
+    s = RunInformerBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "load") {
     s = RunLoadBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "runtime") {

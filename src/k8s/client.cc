@@ -242,11 +242,10 @@ absl::StatusOr<json> Client::Get(const ResourceType& rt, const std::string& ns,
   return Request("GET", rt.Path(ns, name, subresource));
 }
 
-absl::StatusOr<json> Client::List(const ResourceType& rt, const std::string& ns,
-                                  const ListOptions& o) {
-  json all = json::object();
-  json items = json::array();
-  std::string cont;
+absl::StatusOr<std::string> Client::ListPages(
+    const ResourceType& rt, const std::string& ns, const ListOptions& o,
+    const std::function<absl::Status(json& page)>& on_page) {
+  std::string cont, rv;
   do {
     std::string q = absl::StrCat("?limit=", o.limit);
     if (!o.label_selector.empty()) absl::StrAppend(&q, "&labelSelector=", Encode(o.label_selector));
@@ -257,14 +256,21 @@ absl::StatusOr<json> Client::List(const ResourceType& rt, const std::string& ns,
       absl::StrAppend(&q, "&resourceVersion=", Encode(o.resource_version));
     }
     ASSIGN_OR_RETURN(json page, Request("GET", rt.Path(ns) + q));
-    for (json& item : page["items"]) items.push_back(std::move(item));
     cont = page["metadata"].value("continue", "");
-    if (all.empty()) all = page;
-    all["metadata"]["resourceVersion"] = page["metadata"].value("resourceVersion", "");
+    rv = page["metadata"].value("resourceVersion", "");
+    RETURN_IF_ERROR(on_page(page));
   } while (!cont.empty());
-  all["items"] = std::move(items);
-  all["metadata"].erase("continue");
-  return all;
+  return rv;
+}
+
+absl::StatusOr<json> Client::List(const ResourceType& rt, const std::string& ns,
+                                  const ListOptions& o) {
+  json items = json::array();
+  ASSIGN_OR_RETURN(std::string rv, ListPages(rt, ns, o, [&](json& page) {
+                     for (json& item : page["items"]) items.push_back(std::move(item));
+                     return absl::OkStatus();
+                   }));
+  return json{{"items", std::move(items)}, {"metadata", {{"resourceVersion", rv}}}};
 }
 
 absl::StatusOr<json> Client::Create(const ResourceType& rt, const std::string& ns,

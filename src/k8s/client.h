@@ -100,6 +100,11 @@ class Client {
   // Every page, items concatenated; metadata.resourceVersion of the list in the result.
   absl::StatusOr<json> List(const ResourceType& rt, const std::string& ns,
                             const ListOptions& options = {});
+  // The same, page by page (so a large list is never whole in memory); returns the list's
+  // resourceVersion.
+  absl::StatusOr<std::string> ListPages(const ResourceType& rt, const std::string& ns,
+                                        const ListOptions& options,
+                                        const std::function<absl::Status(json& page)>& on_page);
   absl::StatusOr<json> Create(const ResourceType& rt, const std::string& ns, const json& object);
   // Server-side apply with the client's field manager (force: take over conflicting fields).
   absl::StatusOr<json> Apply(const ResourceType& rt, const std::string& ns, const json& object,

@@ -31,14 +31,15 @@ void Store::IndexLocked(const std::string& key, const json& object, bool add) {
 
 std::optional<json> Store::Upsert(json object) {
   const std::string key = KeyOf(object);
+  std::vector<uint8_t> packed = json::to_cbor(object);
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<json> old;
   if (auto it = objects_.find(key); it != objects_.end()) {
-    IndexLocked(key, it->second, false);
-    old = std::move(it->second);
+    old = json::from_cbor(it->second);
+    IndexLocked(key, *old, false);
   }
   IndexLocked(key, object, true);
-  objects_[key] = std::move(object);
+  objects_[key] = std::move(packed);
   return old;
 }
 
@@ -46,8 +47,8 @@ std::optional<json> Store::Remove(const std::string& key) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = objects_.find(key);
   if (it == objects_.end()) return std::nullopt;
-  IndexLocked(key, it->second, false);
-  json old = std::move(it->second);
+  json old = json::from_cbor(it->second);
+  IndexLocked(key, old, false);
   objects_.erase(it);
   return old;
 }
@@ -56,14 +57,14 @@ std::optional<json> Store::Get(const std::string& key) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = objects_.find(key);
   if (it == objects_.end()) return std::nullopt;
-  return it->second;
+  return json::from_cbor(it->second);
 }
 
 std::vector<json> Store::List() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<json> out;
   out.reserve(objects_.size());
-  for (const auto& [k, v] : objects_) out.push_back(v);
+  for (const auto& [k, v] : objects_) out.push_back(json::from_cbor(v));
   return out;
 }
 
@@ -72,7 +73,7 @@ std::vector<json> Store::ByLabel(const std::string& label, const std::string& va
   std::vector<json> out;
   auto it = by_label_.find(label + "=" + value);
   if (it == by_label_.end()) return out;
-  for (const std::string& key : it->second) out.push_back(objects_.at(key));
+  for (const std::string& key : it->second) out.push_back(json::from_cbor(objects_.at(key)));
   return out;
 }
 
@@ -81,9 +82,24 @@ std::vector<json> Store::InNamespace(const std::string& ns) const {
   std::vector<json> out;
   for (auto it = objects_.lower_bound(ns + "/"); it != objects_.end(); ++it) {
     if (it->first.compare(0, ns.size() + 1, ns + "/") != 0) break;
-    out.push_back(it->second);
+    out.push_back(json::from_cbor(it->second));
   }
   return out;
+}
+
+std::vector<std::string> Store::Keys() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  out.reserve(objects_.size());
+  for (const auto& [k, v] : objects_) out.push_back(k);
+  return out;
+}
+
+size_t Store::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [k, v] : objects_) n += v.size();
+  return n;
 }
 
 size_t Store::size() const {
@@ -148,34 +164,36 @@ void Informer::Apply(const std::string& type, json object) {
 absl::Status Informer::ListAndReplace(std::string& resource_version) {
   ListOptions lo;
   lo.label_selector = options_.label_selector;
-  ASSIGN_OR_RETURN(json list, client_->List(type_, options_.namespace_, lo));
-  ++lists_;
   std::set<std::string> seen;
-  for (json& item : list["items"]) {
-    // List items carry no apiVersion/kind; the watch's do. Make them alike.
-    item["apiVersion"] = type_.api_version();
-    item["kind"] = type_.kind;
-    options_.transform(item);
-    const std::string key = Store::KeyOf(item);
-    seen.insert(key);
-    std::optional<json> old = store_.Get(key);
-    if (!old) {
-      store_.Upsert(item);
-      if (handlers_.on_add) handlers_.on_add(item);
-    } else if ((*old)["metadata"].value("resourceVersion", "") !=
-               item["metadata"].value("resourceVersion", "")) {
-      store_.Upsert(item);
-      if (handlers_.on_update) handlers_.on_update(*old, item);
-    }
-  }
+  ASSIGN_OR_RETURN(resource_version,
+                   client_->ListPages(type_, options_.namespace_, lo, [&](json& page) {
+                     for (json& item : page["items"]) {
+                       // List items carry no apiVersion/kind; the watch's do. Make them alike.
+                       item["apiVersion"] = type_.api_version();
+                       item["kind"] = type_.kind;
+                       options_.transform(item);
+                       const std::string key = Store::KeyOf(item);
+                       seen.insert(key);
+                       std::optional<json> old = store_.Get(key);
+                       if (!old) {
+                         store_.Upsert(item);
+                         if (handlers_.on_add) handlers_.on_add(item);
+                       } else if ((*old)["metadata"].value("resourceVersion", "") !=
+                                  item["metadata"].value("resourceVersion", "")) {
+                         store_.Upsert(item);
+                         if (handlers_.on_update) handlers_.on_update(*old, item);
+                       }
+                     }
+                     page = json();
+                     return absl::OkStatus();
+                   }));
+  ++lists_;
   // Whatever vanished while we were not watching is a delete.
-  for (const json& old : store_.List()) {
-    const std::string key = Store::KeyOf(old);
+  for (const std::string& key : store_.Keys()) {
     if (seen.count(key)) continue;
-    store_.Remove(key);
-    if (handlers_.on_delete) handlers_.on_delete(old);
+    std::optional<json> old = store_.Remove(key);
+    if (old && handlers_.on_delete) handlers_.on_delete(*old);
   }
-  resource_version = list["metadata"].value("resourceVersion", "");
   {
     std::lock_guard<std::mutex> lock(mu_);
     synced_ = true;

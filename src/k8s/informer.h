@@ -22,16 +22,19 @@
 namespace shardserve::k8s {
 
 // The cache: objects by "namespace/name" (or "name" for cluster objects), with an index of
-// label "key=value" to keys. Thread-safe; Get/List return copies.
+// label "key=value" to keys. Objects are kept in CBOR (about a tenth of a JSON tree's memory)
+// and decoded on read. Thread-safe; Get/List return copies.
 class Store {
  public:
   static std::string KeyOf(const json& object);
 
   std::optional<json> Get(const std::string& key) const;
   std::vector<json> List() const;
+  std::vector<std::string> Keys() const;
   std::vector<json> ByLabel(const std::string& label, const std::string& value) const;
   std::vector<json> InNamespace(const std::string& ns) const;
   size_t size() const;
+  size_t bytes() const;  // of the cached objects (CBOR), keys and index excluded
 
   // Informer side: returns the previous object, if any.
   std::optional<json> Upsert(json object);
@@ -40,7 +43,7 @@ class Store {
  private:
   void IndexLocked(const std::string& key, const json& object, bool add);
   mutable std::mutex mu_;
-  std::map<std::string, json> objects_;
+  std::map<std::string, std::vector<uint8_t>> objects_;  // CBOR
   std::map<std::string, std::set<std::string>> by_label_;
 };
 
