@@ -112,10 +112,11 @@ absl::Status RunInformerBench(const std::vector<std::string>& argv) {
   const size_t cached = informer.store().size();
   std::printf("informer: listed and watching %zu pods in %.2f s; %lld requests\n", cached, sync,
               static_cast<long long>(client->requests()));
-  std::printf("memory: %.2f KB per cached pod (RSS %.1f -> %.1f MB; the objects themselves %.2f "
-              "KB each in CBOR)\n",
-              (static_cast<double>(rss_after) - rss_before) / cached / 1024, rss_before / 1e6,
-              rss_after / 1e6, static_cast<double>(informer.store().bytes()) / cached / 1024);
+  std::printf(
+      "memory: %.2f KB per cached pod (RSS %.1f -> %.1f MB; the objects themselves %.2f "
+      "KB each in CBOR)\n",
+      (static_cast<double>(rss_after) - rss_before) / cached / 1024, rss_before / 1e6,
+      rss_after / 1e6, static_cast<double>(informer.store().bytes()) / cached / 1024);
 
   // Watch throughput: many writers patch labels; the informer handles the events.
   t0 = Clock::now();

@@ -82,6 +82,20 @@ absl::Status ApiError(int code, const std::string& body, const std::string& what
   return s;
 }
 
+// The apiserver says only "Unauthorized"; say what was refused.
+absl::Status Unauthenticated(const std::string& body, const std::string& what, bool certificate) {
+  const absl::Status s = ApiError(401, body, what);
+  absl::Status out(
+      s.code(),
+      absl::StrCat(s.message(), certificate
+                                    ? " (the client certificate was not accepted by this cluster)"
+                                    : " (the bearer token was refused: expired, revoked or "
+                                      "not issued for this cluster)"));
+  s.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 }  // namespace
 
 const ResourceType kPods{"", "v1", "pods", "Pod", true};
@@ -227,6 +241,7 @@ absl::StatusOr<json> Client::Request(const std::string& method, const std::strin
     if (body != nullptr) req.set_body(body->dump(), content_type);
     web::http::http_response resp = impl_->http->request(req).get();
     const std::string text = resp.extract_utf8string(true).get();
+    if (resp.status_code() == 401) return Unauthenticated(text, what, token.empty());
     if (resp.status_code() >= 300) return ApiError(resp.status_code(), text, what);
     if (text.empty()) return json::object();
     return json::parse(text);
@@ -352,9 +367,12 @@ absl::Status Client::Watch(const ResourceType& rt, const std::string& ns, const 
     req.headers().add("Accept", "application/json");
     req.headers().add("User-Agent", options_.user_agent);
     if (!token.empty()) req.headers().add("Authorization", "Bearer " + token);
-    const pplx::cancellation_token token =
+    const pplx::cancellation_token cancel_token =
         cancel != nullptr ? cancel->impl()->source.get_token() : pplx::cancellation_token::none();
-    web::http::http_response resp = impl_->watch->request(req, token).get();
+    web::http::http_response resp = impl_->watch->request(req, cancel_token).get();
+    if (resp.status_code() == 401) {
+      return Unauthenticated(resp.extract_utf8string(true).get(), what, token.empty());
+    }
     if (resp.status_code() >= 300) {
       return ApiError(resp.status_code(), resp.extract_utf8string(true).get(), what);
     }

@@ -5,16 +5,20 @@
 #include "k8s/client.h"
 
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/process.h"
 #include "common/text.h"
@@ -141,6 +145,26 @@ TEST(K8sClient, TypedWritesAndTheApiserversErrors) {
   EXPECT_TRUE(c->Delete(kPods, "default", "typed", (*created)["metadata"]["uid"]).ok());
   EXPECT_TRUE(c->Delete(kPods, "default", "typed").ok()) << "NotFound is success";
 
+  // The ShardedModel's scale and status subresources, and an Event about it.
+  ASSERT_TRUE(c->Create(kShardedModels, "default", Model("typed-model")).ok());
+  auto scaled = c->MergePatch(kShardedModels, "default", "typed-model",
+                              {{"spec", {{"replicas", 3}}}}, "scale");
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ((*c->Get(kShardedModels, "default", "typed-model", "scale"))["spec"]["replicas"], 3);
+  auto status = c->MergePatch(kShardedModels, "default", "typed-model",
+                              {{"status", {{"phase", "Pending"}}}}, "status");
+  ASSERT_TRUE(status.ok()) << status.status();
+  json event = {{"metadata", {{"name", "typed-model.1"}}},
+                {"involvedObject",
+                 {{"apiVersion", "shardserve.io/v1alpha1"},
+                  {"kind", "ShardedModel"},
+                  {"name", "typed-model"},
+                  {"namespace", "default"}}},
+                {"reason", "Placed"},
+                {"message", "replica 0 placed"},
+                {"type", "Normal"}};
+  EXPECT_TRUE(c->Create(kEvents, "default", event).ok());
+
   // Leases and nodes (cluster-scoped) have typed paths too.
   json lease = {{"metadata", {{"name", "l"}}}, {"spec", {{"holderIdentity", "me"}}}};
   EXPECT_TRUE(c->Create(kLeases, "default", lease).ok());
@@ -174,6 +198,43 @@ TEST(K8sClient, TlsIsVerifiedAndBadCredentialsFailClearly) {
   KubeConfig garbage = config;
   garbage.ca_pem = "not a certificate";
   EXPECT_EQ(Client::Create(garbage).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A service-account token signed with the cluster's key, as kube-apiserver issues them, with the
+// given expiry (seconds from now).
+std::string SignedToken(const std::string& sa_uid, int64_t expires_in) {
+  const int64_t now = std::time(nullptr);
+  const json header = {{"alg", "RS256"}, {"typ", "JWT"}};
+  const json claims = {
+      {"iss", "https://kubernetes.default.svc"},
+      {"aud", {"https://kubernetes.default.svc"}},
+      {"sub", "system:serviceaccount:default:op"},
+      {"iat", now - 3600},
+      {"nbf", now - 3600},
+      {"exp", now + expires_in},
+      {"kubernetes.io",
+       {{"namespace", "default"}, {"serviceaccount", {{"name", "op"}, {"uid", sa_uid}}}}}};
+  auto b64 = [](const std::string& s) {
+    std::string out;
+    absl::WebSafeBase64Escape(s, &out);
+    return out;
+  };
+  const std::string signing_input = b64(header.dump()) + "." + b64(claims.dump());
+  const std::string key = *ReadFileToString(TestEnv::env->dir + "/pki/sa.key");
+  BIO* bio = BIO_new_mem_buf(key.data(), static_cast<int>(key.size()));
+  EVP_PKEY* pkey = PEM_read_bio_PrivateKey(bio, nullptr, nullptr, nullptr);
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  size_t len = 0;
+  EVP_DigestSignInit(ctx, nullptr, EVP_sha256(), nullptr, pkey);
+  EVP_DigestSignUpdate(ctx, signing_input.data(), signing_input.size());
+  EVP_DigestSignFinal(ctx, nullptr, &len);
+  std::string sig(len, '\0');
+  EVP_DigestSignFinal(ctx, reinterpret_cast<unsigned char*>(sig.data()), &len);
+  sig.resize(len);
+  EVP_MD_CTX_free(ctx);
+  EVP_PKEY_free(pkey);
+  BIO_free(bio);
+  return signing_input + "." + b64(sig);
 }
 
 TEST(K8sClient, ServiceAccountTokenAuthenticatesAndRotates) {
@@ -216,6 +277,20 @@ TEST(K8sClient, ServiceAccountTokenAuthenticatesAndRotates) {
   ASSERT_TRUE(admin->Create(role_bindings, "default", binding).ok());
   EXPECT_TRUE(WaitFor([&] { return (*c)->List(kPods, "default").ok(); }, 10s))
       << (*c)->List(kPods, "default").status();
+
+  // A token of this very account that expired a minute ago is refused, clearly; the same token
+  // unexpired is accepted (so the expiry is what was refused).
+  const std::string uid = (*admin->Get(service_accounts, "default", "op"))["metadata"]["uid"];
+  KubeConfig with_token = config;
+  with_token.token_file.clear();
+  with_token.token = SignedToken(uid, 3600);
+  EXPECT_TRUE((*Client::Create(with_token))->List(kPods, "default").ok());
+  with_token.token = SignedToken(uid, -60);
+  auto expired = (*Client::Create(with_token))->List(kPods, "default");
+  EXPECT_EQ(expired.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_NE(expired.status().message().find("the bearer token was refused: expired"),
+            std::string::npos)
+      << expired.status();
 
   std::this_thread::sleep_for(1100ms);  // a different modification time
   std::ofstream(config.token_file, std::ios::trunc) << "rotated-to-garbage";

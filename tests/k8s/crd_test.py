@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -114,6 +115,24 @@ try:
     check(scale["spec"]["replicas"] == 3 and
           scale["status"]["selector"] == "shardserve.io/model=tiny-llama",
           "the scale subresource reports replicas and the selector (for an HPA)")
+
+    # An HPA drives the model through the scale subresource: with no metrics it still holds
+    # the replicas within [minReplicas, maxReplicas].
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": "tiny-llama"},
+           "spec": {"scaleTargetRef": {"apiVersion": "shardserve.io/v1alpha1",
+                                       "kind": "ShardedModel", "name": "tiny-llama"},
+                    "minReplicas": 4, "maxReplicas": 6,
+                    "metrics": [{"type": "Resource", "resource": {
+                        "name": "cpu", "target": {"type": "Utilization",
+                                                  "averageUtilization": 80}}}]}}
+    c.kubectl("apply", "-f", "-", input=json.dumps(hpa), check=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and \
+            c.get("smodel", "tiny-llama")["spec"]["replicas"] != 4:
+        time.sleep(0.5)
+    check(c.get("smodel", "tiny-llama")["spec"]["replicas"] == 4,
+          "an HPA scales the model to its minReplicas through the scale subresource")
 
     for what, doc, field in BAD:
         rc, out, err = c.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(doc))

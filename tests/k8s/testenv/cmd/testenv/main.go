@@ -350,7 +350,9 @@ func up(dir, bin string) error {
 		"--service-account-private-key-file="+p("sa.key"), "--root-ca-file="+p("ca.crt"),
 		"--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"+
 			"serviceaccount-token-controller,node-lifecycle-controller,pod-garbage-collector-controller,"+
-			"root-ca-certificate-publisher-controller,taint-eviction-controller",
+			"root-ca-certificate-publisher-controller,taint-eviction-controller,"+
+			"horizontal-pod-autoscaler-controller",
+		"--horizontal-pod-autoscaler-sync-period=1s",
 		"--v=1")
 	if err != nil {
 		return err
