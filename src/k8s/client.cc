@@ -82,6 +82,16 @@ absl::Status ApiError(int code, const std::string& body, const std::string& what
   return s;
 }
 
+web::http::http_request NewRequest(const std::string& method, const std::string& path,
+                                   const std::string& token, const std::string& user_agent) {
+  web::http::http_request req(method);
+  req.set_request_uri(path);
+  req.headers().add("Accept", "application/json");
+  req.headers().add("User-Agent", user_agent);
+  if (!token.empty()) req.headers().add("Authorization", "Bearer " + token);
+  return req;
+}
+
 // The apiserver says only "Unauthorized"; say what was refused.
 absl::Status Unauthenticated(const std::string& body, const std::string& what, bool certificate) {
   const absl::Status s = ApiError(401, body, what);
@@ -233,11 +243,7 @@ absl::StatusOr<json> Client::Request(const std::string& method, const std::strin
   Throttle();
   ++requests_;
   try {
-    web::http::http_request req(method);
-    req.set_request_uri(path);
-    req.headers().add("Accept", "application/json");
-    req.headers().add("User-Agent", options_.user_agent);
-    if (!token.empty()) req.headers().add("Authorization", "Bearer " + token);
+    web::http::http_request req = NewRequest(method, path, token, options_.user_agent);
     if (body != nullptr) req.set_body(body->dump(), content_type);
     web::http::http_response resp = impl_->http->request(req).get();
     const std::string text = resp.extract_utf8string(true).get();
@@ -362,11 +368,7 @@ absl::Status Client::Watch(const ResourceType& rt, const std::string& ns, const 
   Throttle();
   ++requests_;
   try {
-    web::http::http_request req("GET");
-    req.set_request_uri(path);
-    req.headers().add("Accept", "application/json");
-    req.headers().add("User-Agent", options_.user_agent);
-    if (!token.empty()) req.headers().add("Authorization", "Bearer " + token);
+    web::http::http_request req = NewRequest("GET", path, token, options_.user_agent);
     const pplx::cancellation_token cancel_token =
         cancel != nullptr ? cancel->impl()->source.get_token() : pplx::cancellation_token::none();
     web::http::http_response resp = impl_->watch->request(req, cancel_token).get();
