@@ -109,9 +109,30 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(worker.String("image", s.image));
   RETURN_IF_ERROR(worker.String("gpuResource", s.gpu_resource));
   RETURN_IF_ERROR(worker.StringMap("nodeSelector", s.node_selector));
-  // Passed through to the pod unchanged; the operator reads them.
+  // Passed through to the pod unchanged.
   worker.Get("resources");
-  worker.Get("tolerations");
+  YAML::Node tolerations = worker.Get("tolerations");
+  if (tolerations && !tolerations.IsNull()) {
+    if (!tolerations.IsSequence()) {
+      return absl::InvalidArgumentError("spec.worker.tolerations must be a list");
+    }
+    for (size_t i = 0; i < tolerations.size(); ++i) {
+      Fields t(tolerations[i], absl::StrCat("spec.worker.tolerations[", i, "]"));
+      RETURN_IF_ERROR(t.CheckMap());
+      ShardedModelSpec::Toleration tol;
+      RETURN_IF_ERROR(t.String("key", tol.key));
+      RETURN_IF_ERROR(t.String("operator", tol.op));
+      RETURN_IF_ERROR(t.String("value", tol.value));
+      RETURN_IF_ERROR(t.String("effect", tol.effect));
+      t.Get("tolerationSeconds");
+      RETURN_IF_ERROR(t.NoOthers());
+      if (tol.op != "Equal" && tol.op != "Exists") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "spec.worker.tolerations[", i, "].operator '", tol.op, "' must be Exists or Equal"));
+      }
+      s.tolerations.push_back(tol);
+    }
+  }
   YAML::Node env = worker.Get("env");
   if (env && !env.IsNull()) {
     if (!env.IsSequence()) {

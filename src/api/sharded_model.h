@@ -32,6 +32,10 @@ struct ShardedModelSpec {
   std::string image;
   std::string gpu_resource = "nvidia.com/gpu";
   std::map<std::string, std::string> node_selector;
+  struct Toleration {
+    std::string key, op = "Equal", value, effect;
+  };
+  std::vector<Toleration> tolerations;
   std::vector<std::pair<std::string, std::string>> env;  // passed to every worker
   std::string topology_key = "topology.kubernetes.io/zone";
   std::string failure_policy = "RecreateReplica";  // RecreateReplica | None

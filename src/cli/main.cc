@@ -19,6 +19,7 @@
 #include "bench/load_bench.h"
 #include "bench/runtime_bench.h"
 #include "cli/local.h"
+#include "cli/plan.h"
 #include "comm/socket.h"
 #include "common/args.h"
 #include "common/process.h"
@@ -38,6 +39,8 @@ commands:
   local      -f MANIFEST.yaml [--port N --metrics-port-base N --threads N]
              (a ShardedModel on this machine: its replicas, stages and ranks as processes, the
              OpenAI API on http://127.0.0.1:PORT/v1; Ctrl-C stops)
+  plan       -f MANIFEST.yaml --nodes NODES.yaml [--pods PODS.yaml]
+             (where the operator would place each replica, or why it cannot; no cluster needed)
   gen-model  --arch llama|mistral|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N
              --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N
              --dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias
@@ -296,6 +299,8 @@ int Main(int argc, char** argv) {
   absl::Status s;
   if (cmd == "local") {
     s = RunLocal(rest);
+  } else if (cmd == "plan") {
+    s = RunPlan(rest);
   } else if (cmd == "gen-model") {
     s = GenModel(rest);
   } else if (cmd == "generate") {
