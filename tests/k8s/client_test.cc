@@ -25,6 +25,7 @@
 #include "k8s/config.h"
 #include "k8s/informer.h"
 #include "k8s/workqueue.h"
+#include "operator/builders.h"
 
 namespace shardserve::k8s {
 namespace {
@@ -398,6 +399,34 @@ TEST(K8sClient, StatusUpdatesRacingSpecUpdatesAllLand) {
   EXPECT_EQ(written, kUpdates);
   EXPECT_EQ((*c->Get(kShardedModels, "default", "race"))["status"]["readyReplicas"], kUpdates)
       << "no status update was lost to a conflict";
+}
+
+// The operator's builders produce objects the real apiserver accepts, owned by the model (and
+// collected with it).
+TEST(K8sBuilders, StagePodsAndServicesAreAcceptedAndOwned) {
+  auto c = AdminClient();
+  json model = Model("built");
+  model["spec"]["parallelism"] = {{"tensor", 4}, {"pipeline", 2}};
+  model["spec"]["worker"]["tolerations"] = {{{"key", "gpu"}, {"operator", "Exists"}}};
+  auto created = c->Create(kShardedModels, "default", model);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto view = op::ReadModel(*created);
+  ASSERT_TRUE(view.ok()) << view.status();
+  for (int64_t stage = 0; stage < 2; ++stage) {
+    auto pod = c->Create(kPods, "default", op::BuildStagePod(*view, 0, stage, "gpu-a"));
+    EXPECT_TRUE(pod.ok()) << pod.status();
+  }
+  EXPECT_TRUE(c->Create(kServices, "default", op::BuildWorkersService(*view)).ok());
+  EXPECT_TRUE(c->Create(kServices, "default", op::BuildLeaderService(*view)).ok());
+  ASSERT_TRUE(c->Delete(kShardedModels, "default", "built").ok());
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ApiNotFound(c->Get(kPods, "default", "built-0-1").status()) &&
+               ApiNotFound(c->Get(kServices, "default", "built-workers").status());
+      },
+      120s))
+      << "the garbage collector removes the children with their owner (it learns a new "
+         "CRD within its 30 s discovery resync)";
 }
 
 TEST(K8sWorkQueue, ABurstOfEventsForOneKeyIsReconciledOnceOrTwice) {

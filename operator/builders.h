@@ -1,0 +1,49 @@
+#pragma once
+// Pure desired-state builders of the operator (DESIGN.md §4, STYLE.md): from a ShardedModel (as
+// the apiserver returns it) and a placement, the objects that should exist. No I/O; one writer
+// applies them elsewhere.
+//
+//   BuildStagePod(model, replica, stage, node)  pod <name>-<r>-<s>: T GPUs, pinned to `node`,
+//       hostname/subdomain for rank DNS, labels, owner reference, the worker env and ports of
+//       §4, probes, a memory-backed /dev/shm for the TP group, the model volume
+//   BuildWorkersService(model)  headless <name>-workers (publishNotReadyAddresses) for rank DNS
+//   BuildLeaderService(model)   <name> on the leaders of all replicas (the API)
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "api/sharded_model.h"
+
+namespace shardserve::op {
+
+using json = nlohmann::json;
+
+inline constexpr char kModelLabel[] = "shardserve.io/model";
+inline constexpr char kReplicaLabel[] = "shardserve.io/replica";
+inline constexpr char kStageLabel[] = "shardserve.io/stage";
+inline constexpr char kRevisionLabel[] = "shardserve.io/revision";
+inline constexpr char kRoleLabel[] = "shardserve.io/role";
+inline constexpr int kRendezvousPort = 29500;
+inline constexpr int kMetricsPortBase = 9400;
+
+// The model as the builders read it: the parsed spec plus what passes through to pods unchanged.
+struct ModelView {
+  ShardedModel model;
+  std::string uid;
+  json resources = json::object();  // spec.worker.resources
+  json env = json::array();         // spec.worker.env (valueFrom kept)
+  json tolerations = json::array();
+  std::string revision;  // hash of everything that shapes a pod
+};
+
+// Reads a ShardedModel object (JSON from the apiserver). InvalidArgument names the field; a
+// file:// model uri is refused here (it only works with `shardserve local`).
+absl::StatusOr<ModelView> ReadModel(const json& object);
+
+json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage, const std::string& node);
+json BuildWorkersService(const ModelView& m);
+json BuildLeaderService(const ModelView& m);
+
+std::string PodName(const std::string& model, int64_t replica, int64_t stage);
+
+}  // namespace shardserve::op

@@ -1,0 +1,109 @@
+// The operator's pure builders: the pod of a stage carries the contract of DESIGN.md §4.
+#include "operator/builders.h"
+
+#include <gtest/gtest.h>
+
+namespace shardserve::op {
+namespace {
+
+json Model(const std::string& uri = "pvc://store/llama/70b") {
+  return json::parse(R"({
+    "apiVersion": "shardserve.io/v1alpha1", "kind": "ShardedModel",
+    "metadata": {"name": "llama", "namespace": "ml", "uid": "u-1", "generation": 3},
+    "spec": {"replicas": 2,
+             "model": {"name": "llama-3-70b", "uri": ")" +
+                     uri + R"("},
+             "parallelism": {"tensor": 4, "pipeline": 2},
+             "worker": {"image": "w:1", "nodeSelector": {"pool": "gpu"},
+                        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                        "resources": {"requests": {"memory": "64Gi"}},
+                        "env": [{"name": "NCCL_DEBUG", "value": "WARN"}]},
+             "serving": {"port": 8000, "maxBatchSize": 16, "maxSequenceLength": 8192}}})");
+}
+
+std::string Env(const json& pod, const std::string& name) {
+  for (const json& e : pod["spec"]["containers"][0]["env"]) {
+    if (e["name"] == name) return e.value("value", "");
+  }
+  return "<absent>";
+}
+
+TEST(Builders, StagePodCarriesThePodContract) {
+  auto m = ReadModel(Model());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json leader = BuildStagePod(*m, 1, 0, "node-a");
+  const json worker = BuildStagePod(*m, 1, 1, "node-b");
+  EXPECT_EQ(leader["metadata"]["name"], "llama-1-0");
+  EXPECT_EQ(leader["metadata"]["namespace"], "ml");
+  EXPECT_EQ(leader["spec"]["hostname"], "llama-1-0");
+  EXPECT_EQ(leader["spec"]["subdomain"], "llama-workers");
+  EXPECT_EQ(leader["metadata"]["labels"][kRoleLabel], "leader");
+  EXPECT_EQ(worker["metadata"]["labels"][kRoleLabel], "worker");
+  EXPECT_EQ(worker["metadata"]["labels"][kReplicaLabel], "1");
+  EXPECT_EQ(worker["metadata"]["labels"][kStageLabel], "1");
+  EXPECT_EQ(leader["metadata"]["labels"][kRevisionLabel], m->revision);
+  const json& owner = leader["metadata"]["ownerReferences"][0];
+  EXPECT_EQ(owner["uid"], "u-1");
+  EXPECT_EQ(owner["controller"], true);
+  // Pinned to the planned node; kube-scheduler still binds it and accounts the GPUs.
+  EXPECT_EQ(
+      worker["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"][0]["matchFields"][0]["values"][0],
+      "node-b");
+  const json& c = leader["spec"]["containers"][0];
+  EXPECT_EQ(c["resources"]["limits"]["nvidia.com/gpu"], "4");
+  EXPECT_EQ(c["resources"]["requests"]["memory"], "64Gi");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_TP"), "4");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_PP"), "2");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_STAGE"), "1");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_REPLICA"), "1");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_LEADER_ADDR"), "llama-1-0.llama-workers.ml.svc:29500");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_MODEL_PATH"), "/models/llama/70b");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_MODEL_NAME"), "llama-3-70b");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_MICROBATCHES"), "2");
+  EXPECT_EQ(Env(worker, "NCCL_DEBUG"), "WARN");
+  EXPECT_EQ(leader["spec"]["volumes"][1]["persistentVolumeClaim"]["claimName"], "store");
+  EXPECT_EQ(leader["spec"]["nodeSelector"]["pool"], "gpu");
+  EXPECT_EQ(leader["spec"]["tolerations"][0]["key"], "gpu");
+  // Ports: the API on the leader only; rendezvous; metrics 9400 + tp_rank.
+  std::vector<int> leader_ports, worker_ports;
+  for (const json& p : c["ports"]) leader_ports.push_back(p["containerPort"]);
+  for (const json& p : worker["spec"]["containers"][0]["ports"]) {
+    worker_ports.push_back(p["containerPort"]);
+  }
+  EXPECT_EQ(leader_ports, (std::vector<int>{29500, 8000, 9400, 9401, 9402, 9403}));
+  EXPECT_EQ(worker_ports, (std::vector<int>{29500, 9400, 9401, 9402, 9403}));
+  EXPECT_EQ(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+  EXPECT_EQ(c["command"], json::array({"shardserve-worker", "launch"}));
+}
+
+TEST(Builders, ServicesAndRevisions) {
+  auto m = ReadModel(Model());
+  ASSERT_TRUE(m.ok());
+  const json workers = BuildWorkersService(*m);
+  EXPECT_EQ(workers["metadata"]["name"], "llama-workers");
+  EXPECT_EQ(workers["spec"]["clusterIP"], "None");
+  EXPECT_EQ(workers["spec"]["publishNotReadyAddresses"], true);
+  const json api = BuildLeaderService(*m);
+  EXPECT_EQ(api["metadata"]["name"], "llama");
+  EXPECT_EQ(api["spec"]["selector"][kRoleLabel], "leader");
+  EXPECT_EQ(api["spec"]["ports"][0]["port"], 8000);
+
+  // The revision follows what shapes pods (image), not replicas.
+  json scaled = Model();
+  scaled["spec"]["replicas"] = 5;
+  json reimaged = Model();
+  reimaged["spec"]["worker"]["image"] = "w:2";
+  EXPECT_EQ(ReadModel(scaled)->revision, m->revision);
+  EXPECT_NE(ReadModel(reimaged)->revision, m->revision);
+
+  auto hostpath = ReadModel(Model("hostpath:///data/llama"));
+  ASSERT_TRUE(hostpath.ok());
+  EXPECT_EQ(BuildStagePod(*hostpath, 0, 0, "n")["spec"]["volumes"][1]["hostPath"]["path"],
+            "/data/llama");
+  auto local = ReadModel(Model("file:///tmp/llama"));
+  EXPECT_NE(local.status().message().find("only shardserve local"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shardserve::op
