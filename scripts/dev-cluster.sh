@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on loopback for people and tests: etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler and kwok (fake nodes), built once from the Go module
-# proxy. Usage:
+# proxy, with the ShardedModel CRD installed. Usage:
 #   scripts/dev-cluster.sh up     start it (in the background) and wait until it is ready
 #   scripts/dev-cluster.sh env    print `export KUBECONFIG=...` for it (eval "$(... env)")
 #   scripts/dev-cluster.sh down   stop it
@@ -16,7 +16,7 @@ case "${1:-}" in
     fi
     BIN=$(bash scripts/testenv-build.sh)
     rm -rf "$DIR"; mkdir -p "$DIR"
-    setsid "$BIN/testenv" up --dir "$DIR" --bin "$BIN" >"$DIR/testenv.log" 2>&1 &
+    setsid "$BIN/testenv" up --dir "$DIR" --bin "$BIN" --crds "$PWD/crds" >"$DIR/testenv.log" 2>&1 &
     echo $! >"$DIR/pid"
     for _ in $(seq 1 900); do
       [ -f "$DIR/ready" ] && { echo "dev-cluster: ready"; cat "$DIR/env"; exit 0; }

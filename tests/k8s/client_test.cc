@@ -54,13 +54,15 @@ class TestEnv : public ::testing::Environment {
     ASSERT_NE(bin, nullptr) << "SHARDSERVE_TESTENV_BIN names the testenv binaries";
     dir = (fs::temp_directory_path() / absl::StrCat("shardserve-k8s-", getpid())).string();
     fs::create_directories(dir);
-    auto p = Spawn(std::string(bin) + "/testenv", {"up", "--dir", dir, "--bin", bin}, {});
+    // The CRDs go in before the controllers start, so the garbage collector knows them at once.
+    auto p = Spawn(
+        std::string(bin) + "/testenv",
+        {"up", "--dir", dir, "--bin", bin, "--crds", std::string(SHARDSERVE_SOURCE_DIR) + "/crds"},
+        {});
     ASSERT_TRUE(p.ok()) << p.status();
     pid = *p;
     ASSERT_TRUE(WaitForReady()) << "testenv did not start; logs in " << dir;
     kubeconfig = dir + "/kubeconfig";
-    ASSERT_EQ(Kubectl("apply -f " + std::string(SHARDSERVE_SOURCE_DIR) + "/crds"), 0);
-    ASSERT_EQ(Kubectl("wait --for condition=established crd/shardedmodels.shardserve.io"), 0);
   }
   void TearDown() override {
     if (pid > 0) {

@@ -4,7 +4,8 @@
 // that turn Running), all built from the Go module proxy. Certificates are generated per run; TLS
 // is always verified.
 //
-//	testenv up --dir DIR [--bin BINDIR]   start, write DIR/kubeconfig and DIR/env, run until
+//	testenv up --dir DIR [--bin BINDIR] [--crds DIR]
+//	                                      start, write DIR/kubeconfig and DIR/env, run until
 //	                                      SIGTERM/SIGINT, then stop everything; SIGUSR1
 //	                                      restarts kube-apiserver over a compacted etcd
 //
@@ -50,6 +51,7 @@ func main() {
 	fs := flag.NewFlagSet("up", flag.ExitOnError)
 	dir := fs.String("dir", "", "state directory (certificates, etcd data, kubeconfig)")
 	bin := fs.String("bin", "", "directory of kube-apiserver, kube-controller-manager, kube-scheduler, kwok (default: next to testenv)")
+	crds := fs.String("crds", "", "CRDs to install (kubectl apply -f) before the controllers start, so the garbage collector knows them from the outset")
 	fs.Parse(os.Args[2:])
 	if *dir == "" {
 		fmt.Fprintln(os.Stderr, "testenv: --dir is required")
@@ -59,7 +61,7 @@ func main() {
 		exe, _ := os.Executable()
 		*bin = filepath.Dir(exe)
 	}
-	if err := up(*dir, *bin); err != nil {
+	if err := up(*dir, *bin, *crds); err != nil {
 		fmt.Fprintln(os.Stderr, "testenv:", err)
 		os.Exit(1)
 	}
@@ -227,7 +229,8 @@ func (c *component) stop() {
 }
 
 // waitReady polls the apiserver's /readyz with the admin certificate.
-func waitReady(server, pki string, deadline time.Time, apiserver *component) error {
+// waitReady polls until every path answers 200 (with the admin certificate).
+func waitReady(server, pki string, deadline time.Time, apiserver *component, paths ...string) error {
 	ca, err := os.ReadFile(filepath.Join(pki, "ca.crt"))
 	if err != nil {
 		return err
@@ -246,26 +249,28 @@ func waitReady(server, pki string, deadline time.Time, apiserver *component) err
 			return fmt.Errorf("kube-apiserver exited: %v", apiserver.err)
 		default:
 		}
-		resp, err := client.Get(server + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				// The default service account appears once the controller manager runs.
-				resp, err = client.Get(server + "/api/v1/namespaces/default/serviceaccounts/default")
-				if err == nil {
-					resp.Body.Close()
-					if resp.StatusCode == 200 {
-						return nil
-					}
-				}
+		ok := true
+		for _, path := range paths {
+			resp, err := client.Get(server + path)
+			if err != nil {
+				ok = false
+				break
 			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				ok = false
+				break
+			}
+		}
+		if ok {
+			return nil
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	return fmt.Errorf("the control plane was not ready in time")
 }
 
-func up(dir, bin string) error {
+func up(dir, bin, crds string) error {
 	pki := filepath.Join(dir, "pki")
 	if err := os.MkdirAll(pki, 0o700); err != nil {
 		return err
@@ -341,6 +346,20 @@ func up(dir, bin string) error {
 			components[i].stop()
 		}
 	}()
+	if err := waitReady(server, pki, time.Now().Add(120*time.Second), apiserver, "/readyz"); err != nil {
+		return fmt.Errorf("%w (logs in %s)", err, dir)
+	}
+	if crds != "" {
+		out, err := exec.Command("kubectl", "--kubeconfig", kubeconfig, "apply", "-f", crds).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("installing %s: %v: %s", crds, err, out)
+		}
+		out, err = exec.Command("kubectl", "--kubeconfig", kubeconfig, "wait", "--for",
+			"condition=established", "--timeout=60s", "crd", "--all").CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("waiting for %s: %v: %s", crds, err, out)
+		}
+	}
 	kcm, err := start(dir, bin, "kube-controller-manager",
 		"--kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
 		"--authentication-kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
@@ -389,7 +408,9 @@ func up(dir, bin string) error {
 	}
 	components = append(components, kwok)
 
-	if err := waitReady(server, pki, time.Now().Add(180*time.Second), apiserver); err != nil {
+	// The default service account appears once the controller manager runs.
+	if err := waitReady(server, pki, time.Now().Add(180*time.Second), apiserver, "/readyz",
+		"/api/v1/namespaces/default/serviceaccounts/default"); err != nil {
 		return fmt.Errorf("%w (logs in %s)", err, dir)
 	}
 	env := fmt.Sprintf("export KUBECONFIG=%s\nexport SHARDSERVE_TESTENV_SERVER=%s\n", kubeconfig, server)
@@ -443,7 +464,7 @@ func up(dir, bin string) error {
 			components[0] = apiserver
 			restarting.Store(false)
 			go watch(apiserver)
-			if err := waitReady(server, pki, time.Now().Add(120*time.Second), apiserver); err != nil {
+			if err := waitReady(server, pki, time.Now().Add(120*time.Second), apiserver, "/readyz"); err != nil {
 				return err
 			}
 			if err := os.WriteFile(filepath.Join(dir, "ready"), []byte(server+"\n"), 0o644); err != nil {
