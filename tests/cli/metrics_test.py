@@ -72,7 +72,9 @@ with tempfile.TemporaryDirectory() as tmp:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while workers_running(WORKER) and time.monotonic() < deadline:
+        time.sleep(0.05)
     check(not workers_running(WORKER), "SIGTERM to generate stops every process")
 
 check.finish()

@@ -47,6 +47,23 @@ def error_shape(body):
         isinstance(body["error"].get("message"), str) and body["error"].get("type")
 
 
+def wait_until(cond, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def kv_usage():
+    """The leader rank's KV cache usage, from its metrics page."""
+    for line in d.metrics_page(d.metrics_ports[0]).splitlines():
+        if line.startswith("shardserve_rank_kv_cache_usage_ratio{"):
+            return float(line.split()[-1])
+    return -1.0
+
+
 PROMPTS = [[1, 40 + i, 41 + 2 * i, 300 - i, 7 + i] for i in range(8)]
 
 # maxBatchSize 4 and a queue of 2 (through the manifest's worker env) to reach 429 quickly.
@@ -236,15 +253,12 @@ try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
                   str(len(body)).encode() + b"\r\n\r\n" + body)
         held.append(s)
-    time.sleep(0.5)
+    check(wait_until(lambda: kv_usage() > 0), "the non-streamed requests are running")
     for s in held:
         s.close()
     status, _, data = completion(d, PROMPTS[7], 4, timeout=60)
     check(status == 200, "non-streamed requests whose clients left freed their slots")
-    time.sleep(0.5)
-    kv = [ln for ln in d.metrics_page(d.metrics_ports[0]).splitlines()
-          if ln.startswith("shardserve_rank_kv_cache_usage_ratio{")]
-    check(kv and float(kv[0].split()[-1]) == 0.0, f"every KV block is free again ({kv})")
+    check(wait_until(lambda: kv_usage() == 0.0), f"every KV block is free again ({kv_usage()})")
 
     # --- metrics: the request metrics, promtool-clean on every page ----------------------------
     page = d.metrics_page()
@@ -291,8 +305,7 @@ try:
           f"Ctrl-C stops the deployment cleanly (exit {code})")
 finally:
     d.stop(signal.SIGKILL)
-time.sleep(0.5)
-check(not workers_running(WORKER), "no worker process is left")
+check(wait_until(lambda: not workers_running(WORKER), 10), "no worker process is left")
 
 # --- a rank dies mid-request -----------------------------------------------------------------
 d = Deployment(BIN, MODEL, max_batch=4, max_seq=4096,
@@ -341,6 +354,6 @@ try:
           "the rank")
 finally:
     d.stop(signal.SIGKILL)
-time.sleep(0.5)
-check(not workers_running(WORKER), "no worker process is left after the failure")
+check(wait_until(lambda: not workers_running(WORKER), 10),
+      "no worker process is left after the failure")
 check.finish()

@@ -67,10 +67,12 @@ try:
           "kube-scheduler binds a 6-GPU pod and kwok makes it Running")
     check(c.get("pod", "p1")["spec"].get("nodeName") == "gpu-a", "it is on the GPU node")
     c.kubectl("apply", "-f", "-", input=gpu_pod("p2", 4), check=True)
-    time.sleep(2)
-    p2 = c.get("pod", "p2")
-    reasons = [cd.get("reason") for cd in p2["status"].get("conditions", [])]
-    check(p2["status"].get("phase") == "Pending" and "Unschedulable" in reasons,
+    def unschedulable():
+        p2 = c.get("pod", "p2")
+        reasons = [cd.get("reason") for cd in p2["status"].get("conditions", [])]
+        return p2["status"].get("phase") == "Pending" and "Unschedulable" in reasons
+
+    check(wait(unschedulable),
           "a pod needing more GPUs than are left stays Pending (Unschedulable)")
     c.add_gpu_node("gpu-b", gpus=8, zone="zone-b")
     check(wait(lambda: c.get("pod", "p2")["status"].get("phase") == "Running"),
