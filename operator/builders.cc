@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 
 namespace shardserve::op {
@@ -56,7 +57,9 @@ absl::StatusOr<ModelView> ReadModel(const json& object) {
   return v;
 }
 
-json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage, const std::string& node) {
+json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
+                   const std::vector<std::string>& nodes) {
+  const std::string& node = nodes.at(stage);
   const ShardedModelSpec& s = m.model.spec;
   const std::string& name = m.model.name;
   const std::string pod = PodName(name, replica, stage);
@@ -166,6 +169,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage, const std
            {{"name", pod},
             {"namespace", m.model.namespace_},
             {"labels", labels},
+            {"annotations", {{kPlacementAnnotation, absl::StrJoin(nodes, ",")}}},
             {"ownerReferences", json::array({OwnerReference(m)})}}},
           {"spec", spec}};
 }

@@ -3,13 +3,15 @@
 // the apiserver returns it) and a placement, the objects that should exist. No I/O; one writer
 // applies them elsewhere.
 //
-//   BuildStagePod(model, replica, stage, node)  pod <name>-<r>-<s>: T GPUs, pinned to `node`,
+//   BuildStagePod(model, replica, stage, nodes)  pod <name>-<r>-<s>: T GPUs, pinned to
+//       nodes[stage], the replica's whole plan in annotation shardserve.io/placement,
 //       hostname/subdomain for rank DNS, labels, owner reference, the worker env and ports of
 //       §4, probes, a memory-backed /dev/shm for the TP group, the model volume
 //   BuildWorkersService(model)  headless <name>-workers (publishNotReadyAddresses) for rank DNS
 //   BuildLeaderService(model)   <name> on the leaders of all replicas (the API)
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "api/sharded_model.h"
@@ -23,6 +25,7 @@ inline constexpr char kReplicaLabel[] = "shardserve.io/replica";
 inline constexpr char kStageLabel[] = "shardserve.io/stage";
 inline constexpr char kRevisionLabel[] = "shardserve.io/revision";
 inline constexpr char kRoleLabel[] = "shardserve.io/role";
+inline constexpr char kPlacementAnnotation[] = "shardserve.io/placement";
 inline constexpr int kRendezvousPort = 29500;
 inline constexpr int kMetricsPortBase = 9400;
 
@@ -40,7 +43,8 @@ struct ModelView {
 // file:// model uri is refused here (it only works with `shardserve local`).
 absl::StatusOr<ModelView> ReadModel(const json& object);
 
-json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage, const std::string& node);
+json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
+                   const std::vector<std::string>& nodes);
 json BuildWorkersService(const ModelView& m);
 json BuildLeaderService(const ModelView& m);
 

@@ -415,7 +415,7 @@ TEST(K8sBuilders, StagePodsAndServicesAreAcceptedAndOwned) {
   auto view = op::ReadModel(*created);
   ASSERT_TRUE(view.ok()) << view.status();
   for (int64_t stage = 0; stage < 2; ++stage) {
-    auto pod = c->Create(kPods, "default", op::BuildStagePod(*view, 0, stage, "gpu-a"));
+    auto pod = c->Create(kPods, "default", op::BuildStagePod(*view, 0, stage, {"gpu-a", "gpu-a"}));
     EXPECT_TRUE(pod.ok()) << pod.status();
   }
   EXPECT_TRUE(c->Create(kServices, "default", op::BuildWorkersService(*view)).ok());

@@ -12,6 +12,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def wait(cond, timeout=60, every=0.1):
+    """Polls `cond` until it is true (returns True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return bool(cond())
+
+
 class Cluster:
     def __init__(self):
         self.bin = subprocess.run(["bash", os.path.join(ROOT, "scripts", "testenv-build.sh")],
@@ -63,6 +73,25 @@ class Cluster:
         }
         self.kubectl("apply", "-f", "-", input=json.dumps(node), check=True)
 
+    def print_logs(self):
+        """testenv's log, and the errors of each component (for a failed test)."""
+        with open(os.path.join(self.dir, "testenv.log")) as f:
+            print("--- testenv.log\n" + f.read()[-3000:])
+        for name in ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]:
+            path = os.path.join(self.dir, name + ".log")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    errors = [ln for ln in f if ln[:1] in ("E", "F")]
+                print(f"--- {name}.log errors\n" + "".join(errors[-15:]))
+
+    def restart_apiserver(self):
+        """Restarts kube-apiserver over an etcd compacted past every version handed out."""
+        ready = os.path.join(self.dir, "ready")
+        self.proc.send_signal(signal.SIGUSR1)
+        if not wait(lambda: not os.path.exists(ready), 30) or not wait(
+                lambda: os.path.exists(ready), 180):
+            raise RuntimeError("kube-apiserver did not come back")
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -73,3 +102,23 @@ class Cluster:
                 self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Operator:
+    """build/bin/shardserve-operator against a Cluster, logging to a file; `args` are flags."""
+
+    def __init__(self, cluster, binary, *args, name="operator"):
+        self.log_path = os.path.join(cluster.dir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([binary, "--kubeconfig", cluster.kubeconfig, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(60)
+        self.log.close()

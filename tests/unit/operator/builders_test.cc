@@ -31,8 +31,8 @@ std::string Env(const json& pod, const std::string& name) {
 TEST(Builders, StagePodCarriesThePodContract) {
   auto m = ReadModel(Model());
   ASSERT_TRUE(m.ok()) << m.status();
-  const json leader = BuildStagePod(*m, 1, 0, "node-a");
-  const json worker = BuildStagePod(*m, 1, 1, "node-b");
+  const json leader = BuildStagePod(*m, 1, 0, {"node-a", "node-b"});
+  const json worker = BuildStagePod(*m, 1, 1, {"node-a", "node-b"});
   EXPECT_EQ(leader["metadata"]["name"], "llama-1-0");
   EXPECT_EQ(leader["metadata"]["namespace"], "ml");
   EXPECT_EQ(leader["spec"]["hostname"], "llama-1-0");
@@ -42,6 +42,8 @@ TEST(Builders, StagePodCarriesThePodContract) {
   EXPECT_EQ(worker["metadata"]["labels"][kReplicaLabel], "1");
   EXPECT_EQ(worker["metadata"]["labels"][kStageLabel], "1");
   EXPECT_EQ(leader["metadata"]["labels"][kRevisionLabel], m->revision);
+  // Every pod carries the replica's whole plan (an interrupted creation is completed on it).
+  EXPECT_EQ(worker["metadata"]["annotations"][kPlacementAnnotation], "node-a,node-b");
   const json& owner = leader["metadata"]["ownerReferences"][0];
   EXPECT_EQ(owner["uid"], "u-1");
   EXPECT_EQ(owner["controller"], true);
@@ -99,7 +101,7 @@ TEST(Builders, ServicesAndRevisions) {
 
   auto hostpath = ReadModel(Model("hostpath:///data/llama"));
   ASSERT_TRUE(hostpath.ok());
-  EXPECT_EQ(BuildStagePod(*hostpath, 0, 0, "n")["spec"]["volumes"][1]["hostPath"]["path"],
+  EXPECT_EQ(BuildStagePod(*hostpath, 0, 0, {"n", "n"})["spec"]["volumes"][1]["hostPath"]["path"],
             "/data/llama");
   auto local = ReadModel(Model("file:///tmp/llama"));
   EXPECT_NE(local.status().message().find("only shardserve local"), std::string::npos);

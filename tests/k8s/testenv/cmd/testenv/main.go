@@ -32,6 +32,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -187,14 +188,24 @@ current-context: testenv
 }
 
 type component struct {
-	name string
-	cmd  *exec.Cmd
-	done chan struct{} // closed when the process has exited; err is then set
-	err  error
+	name, dir, bin string
+	args           []string
+	cmd            *exec.Cmd
+	done           chan struct{} // closed when the process has exited; err is then set
+	err            error
 }
 
 func start(dir, bin, name string, args ...string) (*component, error) {
-	logf, err := os.Create(filepath.Join(dir, name+".log"))
+	return launch(dir, bin, name, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, args)
+}
+
+// again starts the component anew, appending to its log (which keeps why it exited).
+func (c *component) again() (*component, error) {
+	return launch(c.dir, c.bin, c.name, os.O_CREATE|os.O_APPEND|os.O_WRONLY, c.args)
+}
+
+func launch(dir, bin, name string, logFlags int, args []string) (*component, error) {
+	logf, err := os.OpenFile(filepath.Join(dir, name+".log"), logFlags, 0o644)
 	if err != nil {
 		return nil, err
 	}
@@ -204,7 +215,7 @@ func start(dir, bin, name string, args ...string) (*component, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", name, err)
 	}
-	c := &component{name: name, cmd: cmd, done: make(chan struct{})}
+	c := &component{name: name, dir: dir, bin: bin, args: args, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		c.err = cmd.Wait()
 		logf.Close()
@@ -341,7 +352,10 @@ func up(dir, bin, crds string) error {
 		return err
 	}
 	components := []*component{apiserver}
+	var componentsMu sync.Mutex
 	defer func() {
+		componentsMu.Lock()
+		defer componentsMu.Unlock()
 		for i := len(components) - 1; i >= 0; i-- {
 			components[i].stop()
 		}
@@ -424,9 +438,13 @@ func up(dir, bin, crds string) error {
 
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
-	// A component that exits on its own ends the environment (apiserver restarts excepted).
+	// kube-apiserver exiting on its own ends the environment (SIGUSR1 restarts excepted). The
+	// other components are restarted, as a kubelet restarts a control plane's static pods
+	// (kube-scheduler, for one, exits on purpose when it finds its cache inconsistent), up to
+	// ten times each.
 	var restarting atomic.Bool
-	watch := func(c *component) {
+	var watch func(i int, c *component, restarts int)
+	watch = func(i int, c *component, restarts int) {
 		select {
 		case <-c.done:
 			if c.name == "kube-apiserver" && restarting.Load() {
@@ -434,12 +452,28 @@ func up(dir, bin, crds string) error {
 			}
 			fmt.Fprintf(os.Stderr, "testenv: %s exited: %v (log %s)\n", c.name, c.err,
 				filepath.Join(dir, c.name+".log"))
-			cancel()
+			if c.name == "kube-apiserver" || restarts >= 10 || ctx.Err() != nil {
+				cancel()
+				return
+			}
+			componentsMu.Lock()
+			next, err := c.again()
+			if err == nil {
+				components[i] = next
+			}
+			componentsMu.Unlock()
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "testenv: restarting %s: %v\n", c.name, err)
+				cancel()
+				return
+			}
+			fmt.Fprintf(os.Stderr, "testenv: %s restarted\n", c.name)
+			watch(i, next, restarts+1)
 		case <-ctx.Done():
 		}
 	}
-	for _, c := range components {
-		go watch(c)
+	for i, c := range components {
+		go watch(i, c, 0)
 	}
 	// SIGUSR1: restart kube-apiserver with etcd compacted past every resourceVersion it handed
 	// out, so that watches resuming from an old version get 410 Gone (for informer tests).
@@ -453,7 +487,9 @@ func up(dir, bin, crds string) error {
 		case <-usr1:
 			os.Remove(filepath.Join(dir, "ready"))
 			restarting.Store(true)
+			componentsMu.Lock()
 			components[0].stop()
+			componentsMu.Unlock()
 			if err := compact(cu.String()); err != nil {
 				return fmt.Errorf("compacting etcd: %w", err)
 			}
@@ -461,9 +497,11 @@ func up(dir, bin, crds string) error {
 			if err != nil {
 				return err
 			}
+			componentsMu.Lock()
 			components[0] = apiserver
+			componentsMu.Unlock()
 			restarting.Store(false)
-			go watch(apiserver)
+			go watch(0, apiserver, 0)
 			if err := waitReady(server, pki, time.Now().Add(120*time.Second), apiserver, "/readyz"); err != nil {
 				return err
 			}

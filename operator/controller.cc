@@ -1,0 +1,548 @@
+#include "operator/controller.h"
+
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
+#include "plan/cluster_view.h"
+
+namespace shardserve::op {
+namespace {
+
+using k8s::kNodes;
+using k8s::kPods;
+using k8s::kServices;
+using k8s::kShardedModels;
+
+// How long a write is remembered when the informer never shows it (a lost watch event).
+constexpr absl::Duration kMemoryTtl = absl::Seconds(60);
+
+void Log(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
+
+json Pick(const json& from, std::initializer_list<const char*> keys) {
+  json out = json::object();
+  if (!from.is_object()) return out;
+  for (const char* k : keys) {
+    if (auto it = from.find(k); it != from.end()) out[k] = *it;
+  }
+  return out;
+}
+
+bool Extended(const std::string& resource) { return resource.find('/') != std::string::npos; }
+
+// The fields of a Pod the controller reads (about a tenth of the object): every pod in the
+// cluster is cached, since each holds GPUs somewhere.
+void SlimPod(json& pod) {
+  json meta = Pick(pod["metadata"], {"name", "namespace", "uid", "resourceVersion", "labels",
+                                     "creationTimestamp", "deletionTimestamp"});
+  const json& annotations = pod["metadata"].value("annotations", json::object());
+  if (annotations.contains(kPlacementAnnotation)) {
+    meta["annotations"] = {{kPlacementAnnotation, annotations[kPlacementAnnotation]}};
+  }
+  for (const json& o : pod["metadata"].value("ownerReferences", json::array())) {
+    if (o.value("controller", false))
+      meta["ownerReferences"] = json::array({Pick(o, {"uid", "controller"})});
+  }
+  json containers = json::array();
+  for (const json& c : pod["spec"].value("containers", json::array())) {
+    json resources = json::object();
+    const json given = c.value("resources", json::object());
+    for (const char* kind : {"requests", "limits"}) {
+      const json quantities = given.value(kind, json::object());
+      for (const auto& [k, v] : quantities.items()) {
+        if (Extended(k)) resources[kind][k] = v;
+      }
+    }
+    containers.push_back({{"resources", resources}});
+  }
+  json status = Pick(pod["status"], {"phase", "reason"});
+  for (const json& c : pod["status"].value("conditions", json::array())) {
+    status["conditions"].push_back(Pick(c, {"type", "status", "reason", "message"}));
+  }
+  for (const json& c : pod["status"].value("containerStatuses", json::array())) {
+    json cs = Pick(c, {"name", "restartCount"});
+    if (c.contains("state")) {
+      if (c["state"].contains("running")) cs["state"]["running"] = json::object();
+      if (c["state"].contains("terminated")) {
+        cs["state"]["terminated"] = Pick(c["state"]["terminated"], {"exitCode", "reason"});
+      }
+    }
+    status["containerStatuses"].push_back(std::move(cs));
+  }
+  json spec = {{"containers", containers}};
+  if (pod["spec"].contains("nodeName")) spec["nodeName"] = pod["spec"]["nodeName"];
+  pod = {{"metadata", meta}, {"spec", spec}, {"status", status}};
+}
+
+// The fields of a Node that placement reads; heartbeats and images are dropped, so a node's
+// periodic status update does not look like a change.
+void SlimNode(json& node) {
+  json meta = Pick(node["metadata"], {"name", "resourceVersion", "labels"});
+  json status = {{"allocatable", node["status"].value("allocatable", json::object())}};
+  for (const json& c : node["status"].value("conditions", json::array())) {
+    if (c.value("type", "") == "Ready")
+      status["conditions"] = json::array({Pick(c, {"type", "status"})});
+  }
+  node = {{"metadata", meta},
+          {"spec", Pick(node["spec"], {"taints", "unschedulable"})},
+          {"status", status}};
+}
+
+std::string ModelKeyOfPod(const json& pod) {
+  const json& labels = pod["metadata"].value("labels", json::object());
+  if (!labels.contains(kModelLabel)) return "";
+  return absl::StrCat(pod["metadata"].value("namespace", ""), "/",
+                      labels[kModelLabel].get<std::string>());
+}
+
+std::string ServiceHash(const json& service) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : service.dump()) h = (h ^ c) * 1099511628211ull;
+  return absl::StrCat(absl::Hex(h & 0xffffffffffffull, absl::kZeroPad12));
+}
+
+}  // namespace
+
+GpuLedger::Usage GpuLedger::UsageOf(const json& pod) {
+  Usage u;
+  if (!PodHoldsResources(pod)) return u;
+  const json& spec = pod.value("spec", json::object());
+  u.node = spec.value("nodeName", "");
+  if (u.node.empty()) {
+    // Ours, not yet bound: it holds its planned node.
+    PodView v = ReadPod(pod);
+    if (v.stage >= 0 && v.stage < static_cast<int64_t>(v.placement.size())) {
+      u.node = v.placement[v.stage];
+    }
+  }
+  if (u.node.empty()) return u;
+  for (const json& c : spec.value("containers", json::array())) {
+    const json res = c.value("resources", json::object());
+    const json requests = res.value("requests", json::object());
+    for (const char* kind : {"requests", "limits"}) {
+      const json quantities = res.value(kind, json::object());
+      for (const auto& [k, v] : quantities.items()) {
+        if (!Extended(k) || (std::string(kind) == "limits" && requests.contains(k))) continue;
+        int64_t n = 0;
+        if (v.is_number_integer()) n = v.get<int64_t>();
+        if (v.is_string()) (void)absl::SimpleAtoi(v.get<std::string>(), &n);
+        u.resources[k] += n;
+      }
+    }
+  }
+  return u;
+}
+
+void GpuLedger::Set(const std::string& pod_key, Usage usage) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (usage.node.empty()) {
+    pods_.erase(pod_key);
+  } else {
+    pods_[pod_key] = std::move(usage);
+  }
+}
+
+void GpuLedger::Remove(const std::string& pod_key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pods_.erase(pod_key);
+}
+
+std::map<std::string, int64_t> GpuLedger::Requested(const std::string& resource) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, int64_t> out;
+  for (const auto& [key, u] : pods_) {
+    auto it = u.resources.find(resource);
+    if (it != u.resources.end()) out[u.node] += it->second;
+  }
+  return out;
+}
+
+Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorMetrics* metrics)
+    : client_(client), options_(std::move(options)), metrics_(metrics) {
+  k8s::InformerOptions mo;
+  mo.namespace_ = options_.namespace_;
+  models_ = std::make_unique<k8s::Informer>(
+      client_, kShardedModels, mo,
+      k8s::EventHandlers{[this](const json& o) { Enqueue(k8s::Store::KeyOf(o)); },
+                         [this](const json& old, const json& o) {
+                           // Our own status writes come back as updates; only spec and lifecycle
+                           // matter.
+                           const json& a = old["metadata"];
+                           const json& b = o["metadata"];
+                           if (a.value("generation", 0) != b.value("generation", 0) ||
+                               a.contains("deletionTimestamp") != b.contains("deletionTimestamp") ||
+                               a.value("uid", "") != b.value("uid", "")) {
+                             Enqueue(k8s::Store::KeyOf(o));
+                           }
+                         },
+                         [this](const json& o) { Enqueue(k8s::Store::KeyOf(o)); }});
+
+  k8s::InformerOptions po;
+  po.transform = SlimPod;
+  auto on_pod = [this](const json* old, const json* pod) {
+    const json& any = pod ? *pod : *old;
+    const std::string key = k8s::Store::KeyOf(any);
+    GpuLedger::Usage before = old ? GpuLedger::UsageOf(*old) : GpuLedger::Usage{};
+    GpuLedger::Usage after = pod ? GpuLedger::UsageOf(*pod) : GpuLedger::Usage{};
+    if (pod) {
+      ledger_.Set(key, after);
+    } else {
+      ledger_.Remove(key);
+    }
+    const std::string model = ModelKeyOfPod(any);
+    if (!model.empty()) Enqueue(model);
+    if (!before.node.empty() && (after.node.empty() || after.resources != before.resources)) {
+      EnqueueWaiting();  // GPUs freed
+    }
+  };
+  pods_ = std::make_unique<k8s::Informer>(
+      client_, kPods, po,
+      k8s::EventHandlers{[on_pod](const json& o) { on_pod(nullptr, &o); },
+                         [on_pod](const json& old, const json& o) { on_pod(&old, &o); },
+                         [on_pod](const json& o) { on_pod(&o, nullptr); }});
+
+  k8s::InformerOptions no;
+  no.transform = SlimNode;
+  nodes_ = std::make_unique<k8s::Informer>(
+      client_, kNodes, no,
+      k8s::EventHandlers{[this](const json&) { EnqueueWaiting(); },
+                         [this](const json& old, const json& o) {
+                           json a = old, b = o;
+                           a["metadata"].erase("resourceVersion");
+                           b["metadata"].erase("resourceVersion");
+                           if (a != b) EnqueueWaiting();
+                         },
+                         [this](const json&) { EnqueueWaiting(); }});
+
+  k8s::InformerOptions so;
+  so.namespace_ = options_.namespace_;
+  so.label_selector = kModelLabel;
+  auto on_service = [this](const json& o) {
+    const std::string key = ModelKeyOfPod(o);
+    if (!key.empty()) Enqueue(key);
+  };
+  services_ = std::make_unique<k8s::Informer>(
+      client_, kServices, so,
+      k8s::EventHandlers{on_service, [on_service](const json&, const json& o) { on_service(o); },
+                         on_service});
+}
+
+Controller::~Controller() { Stop(); }
+
+absl::Status Controller::Start(std::chrono::milliseconds sync_timeout) {
+  for (auto* inf : {nodes_.get(), pods_.get(), services_.get(), models_.get()}) inf->Start();
+  for (auto* inf : {nodes_.get(), pods_.get(), services_.get(), models_.get()}) {
+    if (!inf->WaitForSync(sync_timeout)) {
+      return absl::UnavailableError(absl::StrCat("the caches did not fill within ",
+                                                 sync_timeout.count(), " ms: ", inf->last_error()));
+    }
+  }
+  synced_ = true;
+  for (int i = 0; i < options_.concurrency; ++i) workers_.emplace_back([this] { Worker(); });
+  return absl::OkStatus();
+}
+
+void Controller::Stop() {
+  if (stopped_.exchange(true)) return;
+  queue_.ShutDown();
+  for (auto& t : workers_) t.join();
+  workers_.clear();
+  for (auto* inf : {models_.get(), pods_.get(), nodes_.get(), services_.get()}) inf->Stop();
+}
+
+void Controller::Enqueue(const std::string& key) { queue_.Add(key); }
+
+void Controller::EnqueueWaiting() {
+  std::vector<std::string> keys;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    keys.assign(waiting_.begin(), waiting_.end());
+  }
+  for (const std::string& k : keys) queue_.Add(k);
+}
+
+void Controller::Worker() {
+  while (auto key = queue_.Get()) {
+    absl::Duration requeue = absl::InfiniteDuration();
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status s = Reconcile(*key, requeue);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!s.ok()) {
+      Log(absl::StrCat("model ", *key, ": reconcile failed, retrying with backoff: ", s.message()));
+      metrics_->ObserveReconcile("error", seconds);
+      queue_.AddRateLimited(*key);
+    } else {
+      queue_.Forget(*key);
+      if (requeue != absl::InfiniteDuration()) {
+        metrics_->ObserveReconcile("requeue", seconds);
+        queue_.AddAfter(*key, absl::ToChronoMilliseconds(std::max(requeue, absl::Milliseconds(1))));
+      } else {
+        metrics_->ObserveReconcile("success", seconds);
+      }
+    }
+    queue_.Done(*key);
+  }
+}
+
+void Controller::Forget(const std::string& key) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    memory_.erase(key);
+    waiting_.erase(key);
+  }
+  metrics_->ForgetModel(key);
+}
+
+std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::Time now) {
+  std::vector<PodView> out;
+  std::set<std::string> seen;
+  for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
+    if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
+    PodView v = ReadPod(pod);
+    seen.insert(v.name);
+    // Created by us but seen here before the informer delivered the creation: now seen.
+    if (auto it = mem.created.find(v.name); it != mem.created.end()) mem.created.erase(it);
+    if (auto it = mem.deleted.find(v.uid); it != mem.deleted.end()) {
+      if (v.deleting || now > it->second + kMemoryTtl) {
+        mem.deleted.erase(it);
+      } else {
+        v.deleting = true;  // our delete has not reached the cache yet
+      }
+    }
+    out.push_back(std::move(v));
+  }
+  for (auto it = mem.created.begin(); it != mem.created.end();) {
+    if (now > it->second.second + kMemoryTtl) {
+      it = mem.created.erase(it);
+    } else {
+      out.push_back(it->second.first);
+      ++it;
+    }
+  }
+  return out;
+}
+
+PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::vector<json>& pods) {
+  const ShardedModelSpec& spec = m.model.spec;
+  PlacementOutcome outcome;
+  std::lock_guard<std::mutex> lock(place_mu_);
+  // Reserved now, so the next placement (any worker) sees these GPUs taken.
+  auto reserve = [&](json pod) {
+    ledger_.Set(absl::StrCat(m.model.namespace_, "/", pod["metadata"]["name"].get<std::string>()),
+                GpuLedger::UsageOf(pod));
+    pods.push_back(std::move(pod));
+  };
+  // Stages of an interrupted creation keep the GPUs of their plan, before anything new is placed.
+  for (const StageCreate& c : d.creates) reserve(BuildStagePod(m, c.replica, c.stage, c.nodes));
+  if (d.place.empty()) return outcome;
+  const std::vector<int64_t>& replicas = d.place;
+  const std::map<std::string, int64_t> requested = ledger_.Requested(spec.gpu_resource);
+  std::vector<NodeInfo> nodes;
+  for (const json& o : nodes_->store().List()) {
+    auto n = NodeFromObject(o, spec.gpu_resource);
+    if (!n.ok()) {
+      Log(absl::StrCat("model ", m.model.namespace_, "/", m.model.name,
+                       ": skipping a node: ", n.status().message()));
+      continue;
+    }
+    if (auto it = requested.find(n->name); it != requested.end()) n->requested = it->second;
+    nodes.push_back(std::move(*n));
+  }
+  auto result = PlaceReplicas(PlacementRequestFor(spec, replicas), std::move(nodes));
+  if (!result.ok()) {
+    for (int64_t r : replicas) outcome.unplaced[r] = std::string(result.status().message());
+    return outcome;
+  }
+  outcome.unplaced = result->unplaced;
+  for (const ReplicaPlacement& p : result->placed) {
+    outcome.placed[p.replica] = p.nodes;
+    for (int64_t s = 0; s < spec.pipeline; ++s) reserve(BuildStagePod(m, p.replica, s, p.nodes));
+  }
+  return outcome;
+}
+
+absl::Status Controller::EnsureServices(const ModelView& m) {
+  for (json svc : {BuildWorkersService(m), BuildLeaderService(m)}) {
+    const std::string hash = ServiceHash(svc);
+    svc["metadata"]["annotations"]["shardserve.io/spec-hash"] = hash;
+    const std::string key =
+        absl::StrCat(m.model.namespace_, "/", svc["metadata"]["name"].get<std::string>());
+    auto cached = services_->store().Get(key);
+    if (cached && (*cached)["metadata"]
+                          .value("annotations", json::object())
+                          .value("shardserve.io/spec-hash", "") == hash) {
+      continue;
+    }
+    auto applied = client_->Apply(kServices, m.model.namespace_, svc);
+    if (!applied.ok()) {
+      return absl::Status(applied.status().code(),
+                          absl::StrCat("applying service ", key, ": ", applied.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Controller::Emit(const json& model, const Event& e) {
+  const json& meta = model["metadata"];
+  const std::string ns = meta.value("namespace", "default");
+  const std::string now =
+      absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
+  json event = {{"apiVersion", "v1"},
+                {"kind", "Event"},
+                {"metadata", {{"generateName", meta.value("name", "") + "."}, {"namespace", ns}}},
+                {"involvedObject",
+                 {{"apiVersion", "shardserve.io/v1alpha1"},
+                  {"kind", "ShardedModel"},
+                  {"name", meta.value("name", "")},
+                  {"namespace", ns},
+                  {"uid", meta.value("uid", "")},
+                  {"resourceVersion", meta.value("resourceVersion", "")}}},
+                {"type", e.type},
+                {"reason", e.reason},
+                {"message", e.message.substr(0, 1024)},
+                {"source", {{"component", "shardserve-operator"}}},
+                {"reportingComponent", "shardserve-operator"},
+                {"firstTimestamp", Rfc3339(absl::Now())},
+                {"lastTimestamp", Rfc3339(absl::Now())},
+                {"eventTime", now},
+                {"reportingInstance", "shardserve-operator"},
+                {"action", e.reason},
+                {"count", 1}};
+  Log(absl::StrCat("model ", ns, "/", meta.value("name", ""), ": ", e.reason, ": ", e.message));
+  auto r = client_->Create(k8s::kEvents, ns, event);
+  if (!r.ok()) Log(absl::StrCat("  (event not recorded: ", r.status().message(), ")"));
+}
+
+absl::Status Controller::Reconcile(const std::string& key, absl::Duration& requeue_after) {
+  requeue_after = absl::InfiniteDuration();
+  std::optional<json> object = models_->store().Get(key);
+  if (!object) {
+    Forget(key);
+    return absl::OkStatus();
+  }
+  const json& meta = (*object)["metadata"];
+  if (meta.contains("deletionTimestamp")) return absl::OkStatus();  // the GC takes the children
+  const std::string uid = meta.value("uid", "");
+  const int64_t generation = meta.value("generation", int64_t{0});
+  const absl::Time now = absl::Now();
+
+  std::unique_lock<std::mutex> lock(mu_);
+  Memory& mem = memory_[key];
+  if (mem.uid != uid) {
+    mem = Memory();
+    mem.uid = uid;
+  }
+  const json old_status =
+      !mem.status.is_null() ? mem.status : object->value("status", json::object());
+  lock.unlock();  // a key is reconciled by one worker at a time; `mem` is only this key's
+
+  std::vector<Event> events;
+  json status;
+  auto view = ReadModel(*object);
+  if (!view.ok()) {
+    status =
+        InvalidStatus(generation, std::string(view.status().message()), old_status, now, events);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      waiting_.erase(key);
+    }
+  } else {
+    const ModelView& m = *view;
+    std::vector<PodView> pods = PodsOf(m, mem, now);
+    Decision d = Decide(m, pods, old_status, now, options_.timing);
+    std::vector<json> to_create;
+    PlacementOutcome outcome = Place(m, d, to_create);
+    ApplyPlacement(outcome, m.revision, d);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (outcome.unplaced.empty()) {
+        waiting_.erase(key);
+      } else {
+        waiting_.insert(key);
+      }
+    }
+    if (!outcome.unplaced.empty()) {
+      d.requeue_after = std::min(d.requeue_after, options_.timing.placement_retry);
+      for (size_t i = 0; i < outcome.unplaced.size(); ++i) {
+        metrics_->AddPlacementFailure(key, "InsufficientGPUs");
+      }
+    }
+    for (int64_t i = 0; i < d.replans; ++i) metrics_->AddPlacementFailure(key, "Unschedulable");
+    if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
+    status = BuildStatus(m, generation, d, outcome, old_status, now, events);
+    events.insert(events.begin(), d.events.begin(), d.events.end());
+    for (const auto& [replica, nodes] : outcome.placed) {
+      events.push_back({"Normal", "PlacedReplica",
+                        absl::StrCat("replica ", replica, " placed: ", absl::StrJoin(nodes, ", "),
+                                     " (revision ", m.revision, ")")});
+    }
+    std::map<std::string, int64_t> by_state;
+    for (const ReplicaState& r : d.replicas) ++by_state[PhaseName(r.phase)];
+    metrics_->SetReplicas(key, by_state);
+    requeue_after = d.requeue_after;
+
+    // The status goes first: it records the plan of each replica being created (so creation
+    // interrupted by a crash is completed, not taken for a failure) and restart counts before
+    // the pods go.
+    absl::Status written = WriteStatus(*object, mem, status);
+    if (written.ok()) written = Act(m, d, to_create, mem, now);
+    if (!written.ok()) {
+      for (const json& p : to_create) {
+        const std::string n = p["metadata"]["name"];
+        if (!mem.created.count(n)) ledger_.Remove(absl::StrCat(m.model.namespace_, "/", n));
+      }
+      return written;
+    }
+    for (const Event& e : events) Emit(*object, e);
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(WriteStatus(*object, mem, status));
+  for (const Event& e : events) Emit(*object, e);
+  return absl::OkStatus();
+}
+
+absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json& status) {
+  if (status != mem.status && status != object.value("status", json::object())) {
+    const json& meta = object["metadata"];
+    auto patched = client_->MergePatch(kShardedModels, meta.value("namespace", ""),
+                                       meta.value("name", ""), {{"status", status}}, "status");
+    if (!patched.ok() && !k8s::ApiNotFound(patched.status())) {  // NotFound: deleted meanwhile
+      return absl::Status(patched.status().code(),
+                          absl::StrCat("writing status: ", patched.status().message()));
+    }
+  }
+  mem.status = status;
+  return absl::OkStatus();
+}
+
+absl::Status Controller::Act(const ModelView& m, const Decision& d,
+                             const std::vector<json>& to_create, Memory& mem, absl::Time now) {
+  RETURN_IF_ERROR(EnsureServices(m));
+  for (const PodRef& p : d.deletes) {
+    mem.deleted[p.uid] = now;
+    absl::Status s = client_->Delete(kPods, m.model.namespace_, p.name, p.uid);
+    if (!s.ok() && !k8s::ApiConflict(s)) {
+      mem.deleted.erase(p.uid);
+      return absl::Status(s.code(), absl::StrCat("deleting pod ", p.name, ": ", s.message()));
+    }
+  }
+  for (const json& pod : to_create) {
+    const std::string name = pod["metadata"]["name"];
+    auto created = client_->Create(kPods, m.model.namespace_, pod);
+    if (created.ok()) {
+      json slim = *created;
+      SlimPod(slim);
+      mem.created[name] = {ReadPod(slim), now};
+    } else if (!k8s::ApiAlreadyExists(created.status())) {
+      return absl::Status(created.status().code(),
+                          absl::StrCat("creating pod ", name, ": ", created.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::op

@@ -1,0 +1,110 @@
+#pragma once
+// The ShardedModel controller: informers on ShardedModels, Pods, Nodes and Services feed a work
+// queue of model keys ("namespace/name"); worker threads reconcile a key at a time (never one key
+// twice at once). A reconcile re-reads the world from the caches, decides (operator/reconcile.h),
+// places replicas against a GPU ledger shared by every worker, and writes through one writer:
+// pods created (never applied over), pods deleted with a uid precondition, Services applied
+// server-side, status merge-patched only when it changed, and Events.
+//
+// Between a write and the informer seeing it the controller remembers what it did (pods it
+// created, pods it deleted, the status it wrote), so a quick second reconcile neither places a
+// replica twice nor counts a failure twice. Errors requeue the key with backoff; a spec the
+// operator cannot act on is a condition, not a retry loop.
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "k8s/client.h"
+#include "k8s/informer.h"
+#include "k8s/workqueue.h"
+#include "operator/operator_metrics.h"
+#include "operator/reconcile.h"
+
+namespace shardserve::op {
+
+struct ControllerOptions {
+  std::string namespace_;  // ShardedModels of this namespace only; "" = all
+  int concurrency = 4;     // worker threads
+  Timing timing;
+};
+
+// GPUs (any extended resource, "vendor/name") held per node by pods: bound pods count on their
+// node, our unbound pods on their planned node. Thread-safe.
+class GpuLedger {
+ public:
+  struct Usage {
+    std::string node;
+    std::map<std::string, int64_t> resources;
+  };
+  static Usage UsageOf(const json& pod);  // empty node: holds nothing
+  void Set(const std::string& pod_key, Usage usage);
+  void Remove(const std::string& pod_key);
+  std::map<std::string, int64_t> Requested(const std::string& resource) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, Usage> pods_;
+};
+
+class Controller {
+ public:
+  Controller(k8s::Client* client, ControllerOptions options, OperatorMetrics* metrics);
+  ~Controller();
+
+  // Starts the informers, waits for their caches, then the workers. Error if the caches do not
+  // fill within `sync_timeout`.
+  absl::Status Start(std::chrono::milliseconds sync_timeout);
+  void Stop();
+  bool synced() const { return synced_.load(); }
+
+  // One pass for one model; `requeue_after` is when to look again without an event.
+  absl::Status Reconcile(const std::string& key, absl::Duration& requeue_after);
+
+ private:
+  struct Memory {  // what this controller did that the caches may not show yet
+    std::string uid;
+    std::map<std::string, std::pair<PodView, absl::Time>> created;  // pod name
+    std::map<std::string, absl::Time> deleted;                      // pod uid
+    json status;                                                    // as last written
+  };
+
+  void Worker();
+  void Enqueue(const std::string& key);
+  void EnqueueWaiting();
+  std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now);
+  // Under one lock for every worker: reserves the GPUs of `d.creates`, then plans `d.place`
+  // against the ledger and reserves what it placed. `pods` gets every pod to create.
+  PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);
+  // Merge-patches status when it differs from what was last written (or is cached).
+  absl::Status WriteStatus(const json& object, Memory& mem, const json& status);
+  // Carries a decision out: services, deletions (remembered), creations (remembered).
+  absl::Status Act(const ModelView& m, const Decision& d, const std::vector<json>& to_create,
+                   Memory& mem, absl::Time now);
+  absl::Status EnsureServices(const ModelView& m);
+  void Emit(const json& model, const Event& e);
+  void Forget(const std::string& key);
+
+  k8s::Client* client_;
+  ControllerOptions options_;
+  OperatorMetrics* metrics_;
+  k8s::WorkQueue queue_;
+  std::unique_ptr<k8s::Informer> models_, pods_, nodes_, services_;
+  GpuLedger ledger_;
+  std::mutex place_mu_;  // one placement at a time: plan, then reserve in the ledger
+  std::mutex mu_;
+  std::map<std::string, Memory> memory_;  // by model key
+  std::set<std::string> waiting_;         // models with replicas that did not fit
+  std::vector<std::thread> workers_;
+  std::atomic<bool> synced_{false};
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace shardserve::op

@@ -1,0 +1,115 @@
+#include "operator/operator_metrics.h"
+
+#include <httplib.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve::op {
+namespace {
+
+constexpr const char* kStates[] = {"Pending", "Placing", "Starting", "Ready", "Failed"};
+
+}  // namespace
+
+OperatorMetrics::OperatorMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& r = *registry_;
+  reconciles_ = &prometheus::BuildCounter()
+                     .Name("shardserve_operator_reconcile_total")
+                     .Help("Reconciles of a ShardedModel, by result (success, error, requeue)")
+                     .Register(r);
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 1e-4; v < 30; v *= 2) b.push_back(v);
+  reconcile_seconds_ = &prometheus::BuildHistogram()
+                            .Name("shardserve_operator_reconcile_seconds")
+                            .Help("Time of one reconcile of a ShardedModel")
+                            .Register(r)
+                            .Add({}, b);
+  replicas_ = &prometheus::BuildGauge()
+                   .Name("shardserve_model_replicas")
+                   .Help("Replicas of a ShardedModel by state")
+                   .Register(r);
+  restarts_ = &prometheus::BuildCounter()
+                   .Name("shardserve_replica_restarts_total")
+                   .Help("Whole replicas recreated after a failure")
+                   .Register(r);
+  placement_failures_ = &prometheus::BuildCounter()
+                             .Name("shardserve_placement_failures_total")
+                             .Help("Replicas that could not be placed, by reason")
+                             .Register(r);
+  leader_ = &prometheus::BuildGauge()
+                 .Name("shardserve_operator_leader")
+                 .Help("1 while this operator holds the leader lease")
+                 .Register(r)
+                 .Add({});
+}
+
+OperatorMetrics::~OperatorMetrics() {
+  if (http_) http_->stop();
+  if (http_thread_.joinable()) http_thread_.join();
+}
+
+void OperatorMetrics::ObserveReconcile(const std::string& result, double seconds) {
+  reconciles_->Add({{"result", result}}).Increment();
+  reconcile_seconds_->Observe(seconds);
+}
+
+void OperatorMetrics::SetReplicas(const std::string& model,
+                                  const std::map<std::string, int64_t>& by_state) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& gauges = model_replicas_[model];
+  for (const char* state : kStates) {
+    auto [it, added] = gauges.try_emplace(state, nullptr);
+    if (added) it->second = &replicas_->Add({{"model", model}, {"state", state}});
+    auto n = by_state.find(state);
+    it->second->Set(n == by_state.end() ? 0 : static_cast<double>(n->second));
+  }
+}
+
+void OperatorMetrics::AddRestarts(const std::string& model, int64_t n) {
+  restarts_->Add({{"model", model}}).Increment(static_cast<double>(n));
+}
+
+void OperatorMetrics::AddPlacementFailure(const std::string& model, const std::string& reason) {
+  placement_failures_->Add({{"model", model}, {"reason", reason}}).Increment();
+}
+
+void OperatorMetrics::ForgetModel(const std::string& model) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = model_replicas_.find(model);
+  if (it == model_replicas_.end()) return;
+  for (auto& [state, gauge] : it->second) replicas_->Remove(gauge);
+  model_replicas_.erase(it);
+}
+
+void OperatorMetrics::SetLeader(bool leader) { leader_->Set(leader ? 1 : 0); }
+
+absl::Status OperatorMetrics::Serve(const std::string& host, int port,
+                                    std::function<std::string()> ready) {
+  http_ = std::make_unique<httplib::Server>();
+  http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(prometheus::TextSerializer().Serialize(registry_->Collect()),
+                    "text/plain; version=0.0.4");
+  });
+  http_->Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("ok\n", "text/plain");
+  });
+  http_->Get("/readyz", [ready](const httplib::Request&, httplib::Response& res) {
+    const std::string why = ready();
+    res.status = why.empty() ? 200 : 503;
+    res.set_content(why.empty() ? "ok\n" : why + "\n", "text/plain");
+  });
+  port_ = port == 0 ? http_->bind_to_any_port(host) : (http_->bind_to_port(host, port) ? port : -1);
+  if (port_ < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve /metrics on ", host, ":", port, ": the address is in use"));
+  }
+  http_thread_ = std::thread([this] { http_->listen_after_bind(); });
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::op

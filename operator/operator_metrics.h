@@ -1,0 +1,72 @@
+#pragma once
+// The operator's Prometheus metrics (DESIGN.md §6, a contract with dashboards/) and its HTTP
+// endpoints: /metrics, /healthz (the process answers) and /readyz (caches synced and, with
+// leader election, leading or standing by).
+//   shardserve_operator_reconcile_total{result}   success | error | requeue
+//   shardserve_operator_reconcile_seconds          histogram
+//   shardserve_model_replicas{model,state}         Pending | Placing | Starting | Ready | Failed
+//   shardserve_replica_restarts_total{model}
+//   shardserve_placement_failures_total{model,reason}
+//   shardserve_operator_leader                     1 while this process holds the lease
+// `model` is namespace/name. Thread-safe.
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+
+namespace prometheus {
+class Counter;
+template <typename T>
+class Family;
+class Gauge;
+class Histogram;
+class Registry;
+}  // namespace prometheus
+
+namespace httplib {
+class Server;
+}
+
+namespace shardserve::op {
+
+class OperatorMetrics {
+ public:
+  OperatorMetrics();
+  ~OperatorMetrics();
+
+  void ObserveReconcile(const std::string& result, double seconds);
+  // Replicas of `model` by state; states not given are 0.
+  void SetReplicas(const std::string& model, const std::map<std::string, int64_t>& by_state);
+  void AddRestarts(const std::string& model, int64_t n);
+  void AddPlacementFailure(const std::string& model, const std::string& reason);
+  // The model is gone: its series go too.
+  void ForgetModel(const std::string& model);
+  void SetLeader(bool leader);
+
+  prometheus::Registry& registry() { return *registry_; }
+
+  // Serves /metrics, /healthz and /readyz on host:port (0: any); `ready` answers /readyz with
+  // "" when ready or the reason it is not.
+  absl::Status Serve(const std::string& host, int port, std::function<std::string()> ready);
+  int port() const { return port_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* reconciles_;
+  prometheus::Histogram* reconcile_seconds_;
+  prometheus::Family<prometheus::Gauge>* replicas_;
+  prometheus::Family<prometheus::Counter>* restarts_;
+  prometheus::Family<prometheus::Counter>* placement_failures_;
+  prometheus::Gauge* leader_;
+  std::mutex mu_;  // guards the per-model series below
+  std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread http_thread_;
+  int port_ = 0;
+};
+
+}  // namespace shardserve::op

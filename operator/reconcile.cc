@@ -1,0 +1,535 @@
+#include "operator/reconcile.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace shardserve::op {
+namespace {
+
+int64_t LabelInt(const json& labels, const char* key) {
+  int64_t v = -1;
+  if (!labels.is_object() || !labels.contains(key) || !labels[key].is_string()) return -1;
+  return absl::SimpleAtoi(labels[key].get<std::string>(), &v) && v >= 0 ? v : -1;
+}
+
+absl::Time ParseTime(const json& v) {
+  absl::Time t;
+  std::string err;
+  if (v.is_string() && absl::ParseTime(absl::RFC3339_full, v.get<std::string>(), &t, &err)) {
+    return t;
+  }
+  return absl::InfinitePast();
+}
+
+std::string Seconds(absl::Duration d) {
+  return absl::StrCat(std::max<int64_t>(1, absl::ToInt64Seconds(absl::Ceil(d, absl::Seconds(1)))),
+                      "s");
+}
+
+// What the reconciler sees of one replica index.
+struct Observed {
+  int64_t index = 0;
+  std::vector<const PodView*> pods;  // every pod, deleting ones included
+  std::vector<const PodView*> live;  // not being deleted
+  bool outdated = false;             // a live pod at another revision
+  bool ready = false;                // every stage live, Running and Ready
+  std::string failure;               // why the replica failed
+  std::string unschedulable;         // a pod unschedulable past the timeout
+  std::string waiting;               // a pod unschedulable, not yet for that long
+  std::vector<int64_t> missing;      // stages without a live pod
+  bool unbound = false;              // a live pod not yet bound to its node
+  bool started = false;              // a pod of it has run
+};
+
+// `creating`: the last status had the replica Placing, so stages missing without a trace of
+// deletion are an interrupted creation, not a failure.
+Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool creating,
+                 const ModelView& m, absl::Time now, const Timing& timing,
+                 absl::Duration& requeue) {
+  Observed o;
+  o.index = index;
+  o.pods = pods;
+  const int64_t P = m.model.spec.pipeline;
+  std::set<int64_t> stages;
+  bool deleted_pod = false;
+  for (const PodView* p : pods) {
+    o.started |= p->started;
+    if (p->deleting) {
+      deleted_pod = true;
+      continue;
+    }
+    o.live.push_back(p);
+    stages.insert(p->stage);
+    if (p->revision != m.revision || p->stage >= P) o.outdated = true;
+    if (p->node.empty()) o.unbound = true;
+    if (o.failure.empty() && !p->failure.empty()) o.failure = p->failure;
+    if (p->phase == "Pending" && p->unschedulable && o.unschedulable.empty()) {
+      const absl::Time deadline = p->created + timing.unschedulable_timeout;
+      if (now >= deadline) {
+        o.unschedulable = absl::StrCat("pod ", p->name, " stayed unschedulable for ",
+                                       Seconds(now - p->created), ": ", p->unschedulable_message);
+      } else {
+        requeue = std::min(requeue, deadline - now);
+        o.waiting = absl::StrCat("pod ", p->name, " is unschedulable (", p->unschedulable_message,
+                                 "); planning the replica again in ", Seconds(deadline - now),
+                                 " if it stays so");
+      }
+    }
+  }
+  for (int64_t s = 0; s < P; ++s) {
+    if (!stages.count(s)) o.missing.push_back(s);
+  }
+  if (!o.live.empty() && o.failure.empty() && !o.missing.empty() &&
+      (deleted_pod || (o.started && !creating))) {
+    o.failure = absl::StrCat("stage ", o.missing.front(), " pod ",
+                             PodName(m.model.name, index, o.missing.front()),
+                             deleted_pod ? " was deleted" : " is gone");
+  }
+  o.ready = !o.live.empty() && o.missing.empty() && o.failure.empty() &&
+            std::all_of(o.live.begin(), o.live.end(),
+                        [](const PodView* p) { return p->phase == "Running" && p->ready; });
+  return o;
+}
+
+std::string OldPhase(const json& status, int64_t index) {
+  if (!status.is_object()) return "";
+  for (const json& e : status.value("replicaStatuses", json::array())) {
+    if (e.value("index", int64_t{-1}) == index) return e.value("phase", "");
+  }
+  return "";
+}
+
+ReplicaState RecordOf(const json& status, int64_t index) {
+  ReplicaState r;
+  r.index = index;
+  if (!status.is_object() || !status.contains("replicaStatuses")) return r;
+  for (const json& e : status["replicaStatuses"]) {
+    if (e.value("index", int64_t{-1}) != index) continue;
+    r.restarts = e.value("restarts", int64_t{0});
+    r.last_failure = ParseTime(e.value("lastFailureTime", json()));
+    r.backoff = absl::Seconds(e.value("backoffSeconds", int64_t{0}));
+  }
+  return r;
+}
+
+void DeleteLive(const Observed& o, Decision& d) {
+  for (const PodView* p : o.live) d.deletes.push_back({p->name, p->uid});
+}
+
+}  // namespace
+
+const char* PhaseName(ReplicaPhase p) {
+  switch (p) {
+    case ReplicaPhase::kPending:
+      return "Pending";
+    case ReplicaPhase::kPlacing:
+      return "Placing";
+    case ReplicaPhase::kStarting:
+      return "Starting";
+    case ReplicaPhase::kReady:
+      return "Ready";
+    case ReplicaPhase::kFailed:
+      return "Failed";
+  }
+  return "Pending";
+}
+
+std::string Rfc3339(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", t, absl::UTCTimeZone());
+}
+
+PodView ReadPod(const json& pod) {
+  PodView v;
+  const json& meta = pod.value("metadata", json::object());
+  v.name = meta.value("name", "");
+  v.uid = meta.value("uid", "");
+  const json labels = meta.value("labels", json::object());
+  v.replica = LabelInt(labels, kReplicaLabel);
+  v.stage = LabelInt(labels, kStageLabel);
+  v.revision = labels.value(kRevisionLabel, "");
+  for (const json& o : meta.value("ownerReferences", json::array())) {
+    if (o.value("controller", false)) v.owner_uid = o.value("uid", "");
+  }
+  const json annotations = meta.value("annotations", json::object());
+  const std::string placement = annotations.value(kPlacementAnnotation, "");
+  if (!placement.empty()) v.placement = absl::StrSplit(placement, ',');
+  v.deleting = meta.contains("deletionTimestamp") && !meta["deletionTimestamp"].is_null();
+  v.created = ParseTime(meta.value("creationTimestamp", json()));
+  v.node = pod.value("spec", json::object()).value("nodeName", "");
+  const json& status = pod.value("status", json::object());
+  v.phase = status.value("phase", "Pending");
+  v.started = v.phase != "Pending";
+  for (const json& c : status.value("conditions", json::array())) {
+    const std::string type = c.value("type", "");
+    if (type == "Ready") v.ready = c.value("status", "") == "True";
+    if (type == "PodScheduled" && c.value("status", "") == "False" &&
+        c.value("reason", "") == "Unschedulable") {
+      v.unschedulable = true;
+      v.unschedulable_message = c.value("message", "");
+    }
+  }
+  for (const json& c : status.value("containerStatuses", json::array())) {
+    v.restarts += c.value("restartCount", int64_t{0});
+    if (c.contains("state") && c["state"].contains("running")) v.started = true;
+    const json& term = c.value("state", json::object()).value("terminated", json());
+    if (term.is_object() && v.failure.empty()) {
+      v.failure =
+          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
+                       term.value("exitCode", 0), " (", term.value("reason", "no reason"), ")");
+    }
+  }
+  if (v.phase == "Failed" || v.phase == "Succeeded") {
+    if (v.failure.empty()) {
+      v.failure = absl::StrCat(
+          "pod ", v.name, " ", v.phase == "Failed" ? "failed" : "exited",
+          status.contains("reason") ? absl::StrCat(" (", status.value("reason", ""), ")") : "");
+    }
+  } else if (v.restarts > 0) {
+    v.failure = absl::StrCat("pod ", v.name, " restarted ", v.restarts, " time(s)");
+  } else {
+    v.failure.clear();  // a running container's last termination is history
+  }
+  return v;
+}
+
+Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json& status,
+                absl::Time now, const Timing& timing) {
+  Decision d;
+  const ShardedModelSpec& spec = m.model.spec;
+  const int64_t N = spec.replicas;
+  const int64_t S = spec.max_surge;
+  const int64_t U = std::max<int64_t>(spec.max_unavailable, S == 0 ? 1 : 0);
+
+  // Pods of an earlier model of the same name (another uid) wait for the garbage collector; they
+  // are deleted here too and hold their index until gone.
+  std::vector<PodView> views = pods;
+  std::map<int64_t, std::vector<const PodView*>> by_index;
+  for (PodView& p : views) {
+    if (p.replica < 0 || p.stage < 0) continue;
+    if (!p.owner_uid.empty() && p.owner_uid != m.uid) {
+      if (!p.deleting) d.deletes.push_back({p.name, p.uid});
+      p.deleting = true;
+    }
+    by_index[p.replica].push_back(&p);
+  }
+  for (int64_t i = 0; i < N; ++i) by_index[i];
+
+  std::map<int64_t, Observed> obs;
+  for (const auto& [index, list] : by_index) {
+    obs[index] =
+        Observe(index, list, OldPhase(status, index) == "Placing", m, now, timing, d.requeue_after);
+  }
+  bool outdated_left = false, surge_exists = false, base_unready = false;
+  for (const auto& [index, o] : obs) {
+    if (index < N && o.outdated) outdated_left = true;
+    if (index < N && !o.ready) base_unready = true;
+    if (index >= N && !o.live.empty() && !o.outdated) surge_exists = true;
+  }
+  // Surge replicas are made while outdated replicas remain and kept until all are ready.
+  const bool surge_wanted = S > 0 && (outdated_left || (surge_exists && base_unready));
+  const int64_t limit = surge_wanted ? N + S : N;
+  for (int64_t i = N; i < limit; ++i) {
+    if (!obs.count(i)) obs[i] = Observe(i, {}, false, m, now, timing, d.requeue_after);
+  }
+
+  int64_t available = 0;
+  std::vector<int64_t> outdated_ready;
+  for (auto& [index, o] : obs) {
+    if (index >= limit || (index >= N && o.outdated)) {
+      if (!o.live.empty()) {
+        d.events.push_back({"Normal", index >= N && surge_wanted ? "RemovingSurge" : "ScalingDown",
+                            absl::StrCat("deleting replica ", index)});
+        DeleteLive(o, d);
+      }
+      continue;
+    }
+    ReplicaState r = RecordOf(status, index);
+    r.revision = o.live.empty() ? m.revision : o.live.front()->revision;
+    r.exists = !o.live.empty();
+    r.updated = r.exists && !o.outdated && o.missing.empty();
+    for (int64_t s = 0; s < spec.pipeline; ++s) {
+      std::string node;
+      for (const PodView* p : o.live) {
+        if (p->stage == s)
+          node = p->node.empty() && s < static_cast<int64_t>(p->placement.size()) ? p->placement[s]
+                                                                                  : p->node;
+      }
+      if (r.exists) r.nodes.push_back(node);
+    }
+
+    if (o.live.empty()) {
+      if (!o.pods.empty()) {
+        r.phase = ReplicaPhase::kPending;
+        r.message = "waiting for the previous pods to terminate";
+      } else if (r.last_failure + r.backoff > now) {
+        r.phase = ReplicaPhase::kFailed;
+        r.message = absl::StrCat("recreating in ", Seconds(r.last_failure + r.backoff - now),
+                                 " (restart ", r.restarts, ")");
+        d.requeue_after = std::min(d.requeue_after, r.last_failure + r.backoff - now);
+      } else {
+        r.phase = ReplicaPhase::kPending;
+        r.message = "placing";
+        d.place.push_back(index);
+      }
+    } else if (o.outdated) {
+      r.phase = o.ready ? ReplicaPhase::kReady : ReplicaPhase::kStarting;
+      r.message = absl::StrCat("at revision ", r.revision, "; to be replaced by ", m.revision);
+      if (o.ready) {
+        ++available;
+        outdated_ready.push_back(index);
+      } else {
+        d.events.push_back({"Normal", "RollingReplica",
+                            absl::StrCat("replacing replica ", index,
+                                         " (not serving) with revision ", m.revision)});
+        DeleteLive(o, d);
+      }
+    } else if (!o.failure.empty()) {
+      r.phase = ReplicaPhase::kFailed;
+      if (spec.failure_policy == "None") {
+        r.message = absl::StrCat(o.failure, "; failurePolicy None leaves it");
+      } else {
+        const bool recent = r.last_failure + timing.backoff_reset > now;
+        r.backoff = recent && r.backoff > absl::ZeroDuration()
+                        ? std::min(r.backoff * 2, timing.backoff_max)
+                        : timing.backoff_base;
+        r.last_failure = now;
+        ++r.restarts;
+        ++d.restarts;
+        r.message = absl::StrCat(o.failure, "; recreating the replica in ", Seconds(r.backoff),
+                                 " (restart ", r.restarts, ")");
+        d.events.push_back(
+            {"Warning", "RecreatingReplica", absl::StrCat("replica ", index, ": ", r.message)});
+        d.requeue_after = std::min(d.requeue_after, r.backoff);
+        DeleteLive(o, d);
+      }
+    } else if (!o.unschedulable.empty()) {
+      r.phase = ReplicaPhase::kPending;
+      r.message = absl::StrCat(o.unschedulable, "; planning the replica again");
+      ++d.replans;
+      d.events.push_back(
+          {"Warning", "Replanning", absl::StrCat("replica ", index, ": ", r.message)});
+      DeleteLive(o, d);
+    } else if (!o.missing.empty()) {
+      // Created in part (the operator stopped half-way): the rest goes on the same plan.
+      const std::vector<std::string>& plan = o.live.front()->placement;
+      if (static_cast<int64_t>(plan.size()) == spec.pipeline) {
+        r.phase = ReplicaPhase::kPlacing;
+        r.message = absl::StrCat("completing the creation of ", o.missing.size(), " stage(s)");
+        r.nodes = plan;
+        for (int64_t s : o.missing) d.creates.push_back({index, s, plan});
+      } else {
+        r.phase = ReplicaPhase::kPending;
+        r.message = "created in part without a plan; planning it again";
+        DeleteLive(o, d);
+      }
+    } else if (o.ready) {
+      r.phase = ReplicaPhase::kReady;
+      r.message = "";
+      ++available;
+    } else if (o.unbound) {
+      r.phase = ReplicaPhase::kPlacing;
+      r.message = o.waiting.empty()
+                      ? "waiting for kube-scheduler to bind the pods to their planned nodes"
+                      : o.waiting;
+    } else {
+      r.phase = ReplicaPhase::kStarting;
+      r.message = "waiting for every rank to be ready";
+    }
+    d.replicas.push_back(std::move(r));
+  }
+
+  // Serving outdated replicas go one at a time (highest index first) within maxUnavailable.
+  const int64_t min_available = std::max<int64_t>(0, N - U);
+  std::sort(outdated_ready.rbegin(), outdated_ready.rend());
+  for (int64_t index : outdated_ready) {
+    if (available - 1 < min_available) break;
+    --available;
+    d.events.push_back({"Normal", "RollingReplica",
+                        absl::StrCat("replacing replica ", index, " with revision ", m.revision,
+                                     " (", available, " of ", N, " replicas serving meanwhile)")});
+    DeleteLive(obs[index], d);
+    for (ReplicaState& r : d.replicas) {
+      if (r.index == index) r.message = absl::StrCat("being replaced by revision ", m.revision);
+    }
+  }
+
+  // Deletes: highest replica first, each pod once.
+  std::stable_sort(d.deletes.begin(), d.deletes.end(),
+                   [&](const PodRef& a, const PodRef& b) { return a.name > b.name; });
+  d.deletes.erase(std::unique(d.deletes.begin(), d.deletes.end(),
+                              [](const PodRef& a, const PodRef& b) { return a.uid == b.uid; }),
+                  d.deletes.end());
+  return d;
+}
+
+void ApplyPlacement(const PlacementOutcome& outcome, const std::string& revision, Decision& d) {
+  for (ReplicaState& r : d.replicas) {
+    if (auto it = outcome.placed.find(r.index); it != outcome.placed.end()) {
+      r.phase = ReplicaPhase::kPlacing;
+      r.nodes = it->second;
+      r.revision = revision;
+      r.exists = r.updated = true;
+      r.message = "pods created on their planned nodes";
+    } else if (auto it = outcome.unplaced.find(r.index); it != outcome.unplaced.end()) {
+      r.phase = ReplicaPhase::kPending;
+      r.message = it->second;
+    }
+  }
+}
+
+namespace {
+
+struct Condition {
+  std::string type, status, reason, message;
+  bool bad = false;  // a transition into this state is a Warning
+};
+
+json Conditions(const std::vector<Condition>& wanted, int64_t generation, const json& old_status,
+                absl::Time now, std::vector<Event>& events) {
+  std::map<std::string, json> old;
+  if (old_status.is_object()) {
+    for (const json& c : old_status.value("conditions", json::array())) {
+      old[c.value("type", "")] = c;
+    }
+  }
+  json out = json::array();
+  for (const Condition& c : wanted) {
+    json j = {{"type", c.type},
+              {"status", c.status},
+              {"reason", c.reason},
+              {"message", c.message},
+              {"observedGeneration", generation}};
+    auto it = old.find(c.type);
+    if (it != old.end() && it->second.value("status", "") == c.status) {
+      j["lastTransitionTime"] = it->second.value("lastTransitionTime", Rfc3339(now));
+    } else {
+      j["lastTransitionTime"] = Rfc3339(now);
+      if (it != old.end() || c.bad) {
+        events.push_back({c.bad ? "Warning" : "Normal", c.reason,
+                          absl::StrCat(c.type, "=", c.status, ": ", c.message)});
+      }
+    }
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+}  // namespace
+
+json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
+                 const PlacementOutcome& outcome, const json& old_status, absl::Time now,
+                 std::vector<Event>& events) {
+  const ShardedModelSpec& spec = m.model.spec;
+  const int64_t N = spec.replicas;
+  int64_t existing = 0, ready = 0, updated = 0, failed = 0, outdated = 0, surge = 0;
+  std::vector<std::string> failures, waiting;
+  json replicas = json::array();
+  for (const ReplicaState& r : d.replicas) {
+    existing += r.exists;
+    updated += r.updated;
+    ready += r.phase == ReplicaPhase::kReady;
+    surge += r.index >= N;
+    outdated += r.exists && r.revision != m.revision;
+    if (r.phase == ReplicaPhase::kFailed) {
+      ++failed;
+      failures.push_back(absl::StrCat("replica ", r.index, ": ", r.message));
+    }
+    if (r.phase != ReplicaPhase::kReady) waiting.push_back(absl::StrCat(r.index));
+    json e = {{"index", r.index},       {"phase", PhaseName(r.phase)}, {"nodes", r.nodes},
+              {"restarts", r.restarts}, {"revision", r.revision},      {"message", r.message}};
+    if (r.last_failure != absl::InfinitePast()) {
+      e["lastFailureTime"] = Rfc3339(r.last_failure);
+      e["backoffSeconds"] = absl::ToInt64Seconds(r.backoff);
+    }
+    replicas.push_back(std::move(e));
+  }
+  const int64_t min_available = N == 0 ? 0 : std::max<int64_t>(1, N - spec.max_unavailable);
+  const bool complete =
+      ready == N && updated == N && existing == N && surge == 0 && d.deletes.empty();
+
+  std::vector<Condition> c;
+  c.push_back({"Invalid", "False", "Valid", "the spec is valid"});
+  if (!outcome.unplaced.empty()) {
+    std::vector<std::string> why;
+    for (const auto& [index, message] : outcome.unplaced) why.push_back(message);
+    c.push_back({"Placed", "False", "InsufficientGPUs", absl::StrJoin(why, "; "), true});
+  } else if (d.replans > 0) {
+    c.push_back({"Placed", "False", "Unschedulable",
+                 "pods stayed unschedulable on their planned nodes; planning again", true});
+  } else {
+    c.push_back({"Placed", "True", "Placed", absl::StrCat("every replica has its nodes")});
+  }
+  if (ready >= min_available) {
+    c.push_back({"Available", "True", "MinimumReplicasAvailable",
+                 absl::StrCat(ready, " of ", N, " replicas ready")});
+  } else {
+    c.push_back({"Available", "False", "MinimumReplicasUnavailable",
+                 absl::StrCat(ready, " of ", N, " replicas ready; ", min_available, " needed"),
+                 true});
+  }
+  if (complete) {
+    c.push_back({"Progressing", "False", "Complete",
+                 absl::StrCat("all ", N, " replicas ready at revision ", m.revision)});
+  } else if (outdated > 0) {
+    c.push_back({"Progressing", "True", "RollingUpdate",
+                 absl::StrCat(updated, " of ", N, " replicas at revision ", m.revision)});
+  } else if (existing != N) {
+    c.push_back(
+        {"Progressing", "True", "Scaling", absl::StrCat(existing, " of ", N, " replicas exist")});
+  } else {
+    c.push_back({"Progressing", "True", "ReplicasStarting",
+                 absl::StrCat("waiting for replica(s) ", absl::StrJoin(waiting, ", "))});
+  }
+  if (failed > 0) {
+    c.push_back({"Degraded", "True", "ReplicaFailed", absl::StrJoin(failures, "; "), true});
+  } else {
+    c.push_back({"Degraded", "False", "AsExpected", "no replica has failed"});
+  }
+
+  std::string phase = "Progressing";
+  if (failed > 0) {
+    phase = "Degraded";
+  } else if (complete) {
+    phase = "Ready";
+  } else if (existing == 0 && N > 0) {
+    phase = "Pending";
+  }
+  return {{"observedGeneration", generation},
+          {"replicas", existing},
+          {"readyReplicas", ready},
+          {"updatedReplicas", updated},
+          {"ready", absl::StrCat(ready, "/", N)},
+          {"gpus", existing * spec.gpus_per_replica()},
+          {"phase", phase},
+          {"revision", m.revision},
+          {"selector", absl::StrCat(kModelLabel, "=", m.model.name, ",", kRoleLabel, "=leader")},
+          {"plan",
+           {{"tensor", spec.tensor},
+            {"pipeline", spec.pipeline},
+            {"gpusPerReplica", spec.gpus_per_replica()}}},
+          {"replicaStatuses", replicas},
+          {"conditions", Conditions(c, generation, old_status, now, events)}};
+}
+
+json InvalidStatus(int64_t generation, const std::string& message, const json& old_status,
+                   absl::Time now, std::vector<Event>& events) {
+  json s = old_status.is_object() ? old_status : json::object();
+  std::vector<Condition> c = {{"Invalid", "True", "InvalidSpec", message, true}};
+  json old_conditions = s.value("conditions", json::array());
+  json conditions = Conditions(c, generation, s, now, events);
+  for (const json& o : old_conditions) {
+    if (o.value("type", "") != "Invalid") conditions.push_back(o);
+  }
+  s["conditions"] = conditions;
+  s["observedGeneration"] = generation;
+  s["phase"] = "Invalid";
+  if (!s.contains("ready")) s["ready"] = "0/0";
+  return s;
+}
+
+}  // namespace shardserve::op

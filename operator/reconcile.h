@@ -1,0 +1,134 @@
+#pragma once
+// The reconciler's decisions, pure (STYLE.md: level-triggered, by key): from a ShardedModel, its
+// pods as the informer cache shows them, the status it wrote last time and the time, what to do
+// now, and the status that describes it. No I/O; the controller reads the world, runs placement,
+// and writes through one writer.
+//
+//   Decide()       pods to delete, pods to create (a replica whose creation was interrupted),
+//                  replicas to place, each replica's phase, Events, when to look again
+//   BuildStatus()  status.* with conditions Available / Progressing / Degraded / Placed / Invalid
+//                  (transition times kept when a condition's status holds), and an Event per
+//                  condition transition
+//
+// Rules (DESIGN.md §2-4):
+//   - A replica is a gang: P pods <name>-<r>-<s>, created together on planned nodes; the plan is
+//     kept on every pod (annotation shardserve.io/placement) so an interrupted creation is
+//     completed on the same nodes.
+//   - Scaling: indices >= spec.replicas are removed whole, highest index first.
+//   - Failure (a pod Failed or Succeeded, a container restarted, a stage deleted or missing after
+//     the replica started): RecreateReplica deletes the whole replica and places it again after
+//     an exponential backoff (base, doubled per consecutive failure, capped; reset after a replica
+//     ran `backoff_reset`); the restart count lives in status.replicaStatuses. None leaves it.
+//   - Pods unschedulable for `unschedulable_timeout`: the replica is deleted and re-planned.
+//   - Rollout: a replica whose pods carry another revision is outdated. Outdated replicas that
+//     serve nothing go at once; serving ones go one by one, highest index first, while the ready
+//     replicas stay >= spec.replicas - maxUnavailable; maxSurge places extra replicas at indices
+//     >= spec.replicas while outdated ones remain, removed when every replica is updated and
+//     ready. An index is placed again only once all its old pods are gone, so without surge the
+//     rollout never needs more GPUs than the model holds. A newer change supersedes: anything not
+//     at the newest revision is outdated.
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "operator/builders.h"
+
+namespace shardserve::op {
+
+// A pod of a model, as the reconciler reads it.
+struct PodView {
+  std::string name, uid, owner_uid;
+  int64_t replica = -1, stage = -1;
+  std::string revision;
+  std::vector<std::string> placement;  // the replica's planned node per stage
+  std::string node;                    // spec.nodeName once bound
+  std::string phase;                   // Pending, Running, Succeeded, Failed, Unknown
+  bool ready = false;                  // condition Ready=True
+  bool deleting = false;               // metadata.deletionTimestamp set
+  bool unschedulable = false;          // PodScheduled=False, reason Unschedulable
+  std::string unschedulable_message;
+  bool started = false;  // has run: phase past Pending
+  int64_t restarts = 0;  // container restarts
+  std::string failure;   // why it failed ("" while it has not)
+  absl::Time created = absl::InfinitePast();
+};
+
+PodView ReadPod(const json& pod);
+
+struct Timing {
+  absl::Duration unschedulable_timeout = absl::Minutes(2);
+  absl::Duration backoff_base = absl::Seconds(2);
+  absl::Duration backoff_max = absl::Minutes(5);
+  absl::Duration backoff_reset = absl::Minutes(10);
+  absl::Duration placement_retry = absl::Seconds(30);
+};
+
+enum class ReplicaPhase { kPending, kPlacing, kStarting, kReady, kFailed };
+const char* PhaseName(ReplicaPhase p);
+
+struct ReplicaState {
+  int64_t index = 0;
+  ReplicaPhase phase = ReplicaPhase::kPending;
+  std::vector<std::string> nodes;
+  std::string revision;
+  std::string message;
+  int64_t restarts = 0;
+  absl::Time last_failure = absl::InfinitePast();
+  absl::Duration backoff = absl::ZeroDuration();
+  bool exists = false;   // has pods that are not being deleted
+  bool updated = false;  // every stage at the current revision
+};
+
+struct Event {
+  std::string type;  // Normal | Warning
+  std::string reason;
+  std::string message;
+};
+
+struct PodRef {
+  std::string name, uid;
+};
+
+struct StageCreate {
+  int64_t replica = 0, stage = 0;
+  std::vector<std::string> nodes;  // the replica's plan
+};
+
+struct Decision {
+  std::vector<ReplicaState> replicas;  // by index: [0, spec.replicas) and surge replicas
+  std::vector<PodRef> deletes;         // highest replica first
+  std::vector<StageCreate> creates;    // stages missing from an interrupted creation
+  std::vector<int64_t> place;          // replica indices to plan and create now
+  std::vector<Event> events;
+  int64_t restarts = 0;  // replicas recreated after a failure in this pass
+  int64_t replans = 0;   // replicas re-planned after staying unschedulable
+  absl::Duration requeue_after = absl::InfiniteDuration();
+};
+
+Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json& status,
+                absl::Time now, const Timing& timing);
+
+// What placement made of Decision::place.
+struct PlacementOutcome {
+  std::map<int64_t, std::vector<std::string>> placed;  // replica -> node per stage
+  std::map<int64_t, std::string> unplaced;             // replica -> why
+};
+
+// Folds the placement into the decision's replicas (Placing or Pending with the reason).
+void ApplyPlacement(const PlacementOutcome& outcome, const std::string& revision, Decision& d);
+
+// The whole status for a valid spec; `events` gets one per condition transition.
+json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
+                 const PlacementOutcome& outcome, const json& old_status, absl::Time now,
+                 std::vector<Event>& events);
+
+// The status of a spec the operator cannot act on: Invalid=True with the message; the rest of
+// the old status (its replicas keep running) is kept.
+json InvalidStatus(int64_t generation, const std::string& message, const json& old_status,
+                   absl::Time now, std::vector<Event>& events);
+
+std::string Rfc3339(absl::Time t);  // RFC 3339, seconds, UTC
+
+}  // namespace shardserve::op
