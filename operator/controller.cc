@@ -91,6 +91,14 @@ void SlimNode(json& node) {
           {"status", status}};
 }
 
+// Two slimmed objects that differ at most in resourceVersion.
+bool SameButVersion(const json& a, const json& b) {
+  json x = a, y = b;
+  x["metadata"].erase("resourceVersion");
+  y["metadata"].erase("resourceVersion");
+  return x == y;
+}
+
 std::string ModelKeyOfPod(const json& pod) {
   const json& labels = pod["metadata"].value("labels", json::object());
   if (!labels.contains(kModelLabel)) return "";
@@ -102,6 +110,34 @@ std::string ServiceHash(const json& service) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : service.dump()) h = (h ^ c) * 1099511628211ull;
   return absl::StrCat(absl::Hex(h & 0xffffffffffffull, absl::kZeroPad12));
+}
+
+// Wall time the current reconcile (of this worker thread) spent on apiserver writes.
+thread_local double tl_api_seconds = 0;
+
+class ApiTimer {
+ public:
+  ApiTimer() : start_(std::chrono::steady_clock::now()) {}
+  ~ApiTimer() {
+    tl_api_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Runs fn(0..n-1), at most kParallelWrites at a time; returns when all are done.
+constexpr size_t kParallelWrites = 8;
+void ForEachParallel(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) fn(i);
+  };
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < std::min(n, kParallelWrites); ++t) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
 }
 
 }  // namespace
@@ -161,7 +197,7 @@ std::map<std::string, int64_t> GpuLedger::Requested(const std::string& resource)
 }
 
 Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorMetrics* metrics)
-    : client_(client), options_(std::move(options)), metrics_(metrics) {
+    : client_(client), options_(std::move(options)), metrics_(metrics), recorder_(client) {
   k8s::InformerOptions mo;
   mo.namespace_ = options_.namespace_;
   models_ = std::make_unique<k8s::Informer>(
@@ -183,6 +219,7 @@ Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorM
   k8s::InformerOptions po;
   po.transform = SlimPod;
   auto on_pod = [this](const json* old, const json* pod) {
+    if (old && pod && SameButVersion(*old, *pod)) return;  // a change of nothing we read
     const json& any = pod ? *pod : *old;
     const std::string key = k8s::Store::KeyOf(any);
     GpuLedger::Usage before = old ? GpuLedger::UsageOf(*old) : GpuLedger::Usage{};
@@ -206,16 +243,21 @@ Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorM
 
   k8s::InformerOptions no;
   no.transform = SlimNode;
-  nodes_ = std::make_unique<k8s::Informer>(
-      client_, kNodes, no,
-      k8s::EventHandlers{[this](const json&) { EnqueueWaiting(); },
-                         [this](const json& old, const json& o) {
-                           json a = old, b = o;
-                           a["metadata"].erase("resourceVersion");
-                           b["metadata"].erase("resourceVersion");
-                           if (a != b) EnqueueWaiting();
-                         },
-                         [this](const json&) { EnqueueWaiting(); }});
+  nodes_ =
+      std::make_unique<k8s::Informer>(client_, kNodes, no,
+                                      k8s::EventHandlers{[this](const json& o) {
+                                                           UpdateNode(&o, nullptr);
+                                                           EnqueueWaiting();
+                                                         },
+                                                         [this](const json& old, const json& o) {
+                                                           if (SameButVersion(old, o)) return;
+                                                           UpdateNode(&o, nullptr);
+                                                           EnqueueWaiting();
+                                                         },
+                                                         [this](const json& o) {
+                                                           UpdateNode(nullptr, &o);
+                                                           EnqueueWaiting();
+                                                         }});
 
   k8s::InformerOptions so;
   so.namespace_ = options_.namespace_;
@@ -232,7 +274,7 @@ Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorM
 
 Controller::~Controller() { Stop(); }
 
-absl::Status Controller::Start(std::chrono::milliseconds sync_timeout) {
+absl::Status Controller::StartCaches(std::chrono::milliseconds sync_timeout) {
   for (auto* inf : {nodes_.get(), pods_.get(), services_.get(), models_.get()}) inf->Start();
   for (auto* inf : {nodes_.get(), pods_.get(), services_.get(), models_.get()}) {
     if (!inf->WaitForSync(sync_timeout)) {
@@ -241,8 +283,11 @@ absl::Status Controller::Start(std::chrono::milliseconds sync_timeout) {
     }
   }
   synced_ = true;
-  for (int i = 0; i < options_.concurrency; ++i) workers_.emplace_back([this] { Worker(); });
   return absl::OkStatus();
+}
+
+void Controller::StartWorkers() {
+  for (int i = 0; i < options_.concurrency; ++i) workers_.emplace_back([this] { Worker(); });
 }
 
 void Controller::Stop() {
@@ -251,6 +296,52 @@ void Controller::Stop() {
   for (auto& t : workers_) t.join();
   workers_.clear();
   for (auto* inf : {models_.get(), pods_.get(), nodes_.get(), services_.get()}) inf->Stop();
+}
+
+void Controller::UpdateNode(const json* node, const json* gone) {
+  std::lock_guard<std::mutex> lock(nodes_mu_);
+  for (auto& [resource, table] : node_infos_) {
+    if (gone) {
+      table.erase((*gone)["metadata"].value("name", ""));
+      continue;
+    }
+    auto n = NodeFromObject(*node, resource);
+    if (n.ok()) {
+      table[n->name] = std::move(*n);
+    } else {
+      Log(absl::StrCat("node ", (*node)["metadata"].value("name", ""),
+                       " is not used for placement: ", n.status().message()));
+      table.erase((*node)["metadata"].value("name", ""));
+    }
+  }
+}
+
+std::vector<NodeInfo> Controller::Nodes(const std::string& resource) {
+  std::lock_guard<std::mutex> lock(nodes_mu_);
+  auto [it, added] = node_infos_.try_emplace(resource);
+  if (added) {  // first model with this resource: read every node once, then keep up by events
+    for (const json& o : nodes_->store().List()) {
+      auto n = NodeFromObject(o, resource);
+      if (n.ok()) it->second[n->name] = std::move(*n);
+    }
+  }
+  std::vector<NodeInfo> out;
+  out.reserve(it->second.size());
+  for (const auto& [name, n] : it->second) out.push_back(n);
+  return out;
+}
+
+std::map<std::string, std::pair<double, double>> Controller::CacheSizes() const {
+  std::map<std::string, std::pair<double, double>> out;
+  const std::pair<const char*, const k8s::Informer*> caches[] = {{"shardedmodels", models_.get()},
+                                                                 {"pods", pods_.get()},
+                                                                 {"nodes", nodes_.get()},
+                                                                 {"services", services_.get()}};
+  for (const auto& [name, inf] : caches) {
+    out[name] = {static_cast<double>(inf->store().size()),
+                 static_cast<double>(inf->store().bytes())};
+  }
+  return out;
 }
 
 void Controller::Enqueue(const std::string& key) { queue_.Add(key); }
@@ -268,9 +359,11 @@ void Controller::Worker() {
   while (auto key = queue_.Get()) {
     absl::Duration requeue = absl::InfiniteDuration();
     const auto start = std::chrono::steady_clock::now();
+    tl_api_seconds = 0;
     const absl::Status s = Reconcile(*key, requeue);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    metrics_->ObserveReconcileApi(tl_api_seconds);
     if (!s.ok()) {
       Log(absl::StrCat("model ", *key, ": reconcile failed, retrying with backoff: ", s.message()));
       metrics_->ObserveReconcile("error", seconds);
@@ -341,16 +434,9 @@ PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::v
   if (d.place.empty()) return outcome;
   const std::vector<int64_t>& replicas = d.place;
   const std::map<std::string, int64_t> requested = ledger_.Requested(spec.gpu_resource);
-  std::vector<NodeInfo> nodes;
-  for (const json& o : nodes_->store().List()) {
-    auto n = NodeFromObject(o, spec.gpu_resource);
-    if (!n.ok()) {
-      Log(absl::StrCat("model ", m.model.namespace_, "/", m.model.name,
-                       ": skipping a node: ", n.status().message()));
-      continue;
-    }
-    if (auto it = requested.find(n->name); it != requested.end()) n->requested = it->second;
-    nodes.push_back(std::move(*n));
+  std::vector<NodeInfo> nodes = Nodes(spec.gpu_resource);
+  for (NodeInfo& n : nodes) {
+    if (auto it = requested.find(n.name); it != requested.end()) n.requested = it->second;
   }
   auto result = PlaceReplicas(PlacementRequestFor(spec, replicas), std::move(nodes));
   if (!result.ok()) {
@@ -365,56 +451,31 @@ PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::v
   return outcome;
 }
 
-absl::Status Controller::EnsureServices(const ModelView& m) {
+absl::Status Controller::EnsureServices(const ModelView& m, Memory& mem) {
   for (json svc : {BuildWorkersService(m), BuildLeaderService(m)}) {
     const std::string hash = ServiceHash(svc);
     svc["metadata"]["annotations"]["shardserve.io/spec-hash"] = hash;
-    const std::string key =
-        absl::StrCat(m.model.namespace_, "/", svc["metadata"]["name"].get<std::string>());
+    const std::string name = svc["metadata"]["name"];
+    const std::string key = absl::StrCat(m.model.namespace_, "/", name);
     auto cached = services_->store().Get(key);
-    if (cached && (*cached)["metadata"]
-                          .value("annotations", json::object())
-                          .value("shardserve.io/spec-hash", "") == hash) {
-      continue;
+    const std::string have = cached ? (*cached)["metadata"]
+                                          .value("annotations", json::object())
+                                          .value("shardserve.io/spec-hash", "")
+                                    : mem.services[name];  // written, maybe not in the cache yet
+    if (have == hash) continue;
+    // A new service is created (cheaper than an apply); one that drifted is applied over.
+    absl::StatusOr<json> written = cached ? client_->Apply(kServices, m.model.namespace_, svc)
+                                          : client_->Create(kServices, m.model.namespace_, svc);
+    if (!written.ok() && k8s::ApiAlreadyExists(written.status())) {
+      written = client_->Apply(kServices, m.model.namespace_, svc);
     }
-    auto applied = client_->Apply(kServices, m.model.namespace_, svc);
-    if (!applied.ok()) {
-      return absl::Status(applied.status().code(),
-                          absl::StrCat("applying service ", key, ": ", applied.status().message()));
+    if (!written.ok()) {
+      return absl::Status(written.status().code(),
+                          absl::StrCat("writing service ", key, ": ", written.status().message()));
     }
+    mem.services[name] = hash;
   }
   return absl::OkStatus();
-}
-
-void Controller::Emit(const json& model, const Event& e) {
-  const json& meta = model["metadata"];
-  const std::string ns = meta.value("namespace", "default");
-  const std::string now =
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
-  json event = {{"apiVersion", "v1"},
-                {"kind", "Event"},
-                {"metadata", {{"generateName", meta.value("name", "") + "."}, {"namespace", ns}}},
-                {"involvedObject",
-                 {{"apiVersion", "shardserve.io/v1alpha1"},
-                  {"kind", "ShardedModel"},
-                  {"name", meta.value("name", "")},
-                  {"namespace", ns},
-                  {"uid", meta.value("uid", "")},
-                  {"resourceVersion", meta.value("resourceVersion", "")}}},
-                {"type", e.type},
-                {"reason", e.reason},
-                {"message", e.message.substr(0, 1024)},
-                {"source", {{"component", "shardserve-operator"}}},
-                {"reportingComponent", "shardserve-operator"},
-                {"firstTimestamp", Rfc3339(absl::Now())},
-                {"lastTimestamp", Rfc3339(absl::Now())},
-                {"eventTime", now},
-                {"reportingInstance", "shardserve-operator"},
-                {"action", e.reason},
-                {"count", 1}};
-  Log(absl::StrCat("model ", ns, "/", meta.value("name", ""), ": ", e.reason, ": ", e.message));
-  auto r = client_->Create(k8s::kEvents, ns, event);
-  if (!r.ok()) Log(absl::StrCat("  (event not recorded: ", r.status().message(), ")"));
 }
 
 absl::Status Controller::Reconcile(const std::string& key, absl::Duration& requeue_after) {
@@ -475,10 +536,14 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
     status = BuildStatus(m, generation, d, outcome, old_status, now, events);
     events.insert(events.begin(), d.events.begin(), d.events.end());
-    for (const auto& [replica, nodes] : outcome.placed) {
-      events.push_back({"Normal", "PlacedReplica",
-                        absl::StrCat("replica ", replica, " placed: ", absl::StrJoin(nodes, ", "),
-                                     " (revision ", m.revision, ")")});
+    if (!outcome.placed.empty()) {
+      std::vector<std::string> placed;
+      for (const auto& [replica, nodes] : outcome.placed) {
+        placed.push_back(absl::StrCat(replica, " on ", absl::StrJoin(nodes, ", ")));
+      }
+      events.push_back({"Normal", "PlacedReplicas",
+                        absl::StrCat("revision ", m.revision, ": replica ",
+                                     absl::StrJoin(placed, "; replica "))});
     }
     std::map<std::string, int64_t> by_state;
     for (const ReplicaState& r : d.replicas) ++by_state[PhaseName(r.phase)];
@@ -497,15 +562,16 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
       }
       return written;
     }
-    for (const Event& e : events) Emit(*object, e);
+    for (const Event& e : events) recorder_.Record(*object, e);
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(WriteStatus(*object, mem, status));
-  for (const Event& e : events) Emit(*object, e);
+  for (const Event& e : events) recorder_.Record(*object, e);
   return absl::OkStatus();
 }
 
 absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json& status) {
+  ApiTimer timer;
   if (status != mem.status && status != object.value("status", json::object())) {
     const json& meta = object["metadata"];
     auto patched = client_->MergePatch(kShardedModels, meta.value("namespace", ""),
@@ -521,27 +587,46 @@ absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json
 
 absl::Status Controller::Act(const ModelView& m, const Decision& d,
                              const std::vector<json>& to_create, Memory& mem, absl::Time now) {
-  RETURN_IF_ERROR(EnsureServices(m));
-  for (const PodRef& p : d.deletes) {
-    mem.deleted[p.uid] = now;
-    absl::Status s = client_->Delete(kPods, m.model.namespace_, p.name, p.uid);
-    if (!s.ok() && !k8s::ApiConflict(s)) {
-      mem.deleted.erase(p.uid);
-      return absl::Status(s.code(), absl::StrCat("deleting pod ", p.name, ": ", s.message()));
+  ApiTimer timer;
+  // The writes of one pass are independent: services, deletions and creations go out together
+  // (as client-go's controllers create a gang of pods in parallel), at most kParallelWrites at
+  // once; the client's rate limit still applies to each.
+  const size_t n_deletes = d.deletes.size();
+  const size_t n = 1 + n_deletes + to_create.size();
+  std::vector<absl::Status> results(n);
+  std::vector<std::optional<PodView>> created(to_create.size());
+  for (const PodRef& p : d.deletes) mem.deleted[p.uid] = now;
+  ForEachParallel(n, [&](size_t i) {
+    if (i == 0) {
+      results[i] = EnsureServices(m, mem);
+    } else if (i <= n_deletes) {
+      const PodRef& p = d.deletes[i - 1];
+      absl::Status s = client_->Delete(kPods, m.model.namespace_, p.name, p.uid);
+      if (!s.ok() && !k8s::ApiConflict(s)) {
+        results[i] =
+            absl::Status(s.code(), absl::StrCat("deleting pod ", p.name, ": ", s.message()));
+      }
+    } else {
+      const json& pod = to_create[i - 1 - n_deletes];
+      auto r = client_->Create(kPods, m.model.namespace_, pod);
+      if (r.ok()) {
+        json slim = *r;
+        SlimPod(slim);
+        created[i - 1 - n_deletes] = ReadPod(slim);
+      } else if (!k8s::ApiAlreadyExists(r.status())) {
+        results[i] = absl::Status(r.status().code(),
+                                  absl::StrCat("creating pod ", pod["metadata"].value("name", ""),
+                                               ": ", r.status().message()));
+      }
     }
+  });
+  for (size_t i = 0; i < n_deletes; ++i) {
+    if (!results[1 + i].ok()) mem.deleted.erase(d.deletes[i].uid);
   }
-  for (const json& pod : to_create) {
-    const std::string name = pod["metadata"]["name"];
-    auto created = client_->Create(kPods, m.model.namespace_, pod);
-    if (created.ok()) {
-      json slim = *created;
-      SlimPod(slim);
-      mem.created[name] = {ReadPod(slim), now};
-    } else if (!k8s::ApiAlreadyExists(created.status())) {
-      return absl::Status(created.status().code(),
-                          absl::StrCat("creating pod ", name, ": ", created.status().message()));
-    }
+  for (const auto& v : created) {
+    if (v) mem.created[v->name] = {*v, now};
   }
+  for (const absl::Status& s : results) RETURN_IF_ERROR(s);
   return absl::OkStatus();
 }
 

@@ -4,7 +4,8 @@
 // twice at once). A reconcile re-reads the world from the caches, decides (operator/reconcile.h),
 // places replicas against a GPU ledger shared by every worker, and writes through one writer:
 // pods created (never applied over), pods deleted with a uid precondition, Services applied
-// server-side, status merge-patched only when it changed, and Events.
+// server-side, status merge-patched only when it changed, and Events (posted off the reconcile
+// path by an EventRecorder).
 //
 // Between a write and the informer seeing it the controller remembers what it did (pods it
 // created, pods it deleted, the status it wrote), so a quick second reconcile neither places a
@@ -25,8 +26,10 @@
 #include "k8s/client.h"
 #include "k8s/informer.h"
 #include "k8s/workqueue.h"
+#include "operator/event_recorder.h"
 #include "operator/operator_metrics.h"
 #include "operator/reconcile.h"
+#include "plan/placement.h"
 
 namespace shardserve::op {
 
@@ -59,11 +62,15 @@ class Controller {
   Controller(k8s::Client* client, ControllerOptions options, OperatorMetrics* metrics);
   ~Controller();
 
-  // Starts the informers, waits for their caches, then the workers. Error if the caches do not
-  // fill within `sync_timeout`.
-  absl::Status Start(std::chrono::milliseconds sync_timeout);
+  // Starts the informers and waits for their caches (error if they do not fill within
+  // `sync_timeout`). Events queue keys from then on; a standby keeps its caches warm this way.
+  absl::Status StartCaches(std::chrono::milliseconds sync_timeout);
+  // Starts the workers that reconcile the queued keys (once leading).
+  void StartWorkers();
   void Stop();
   bool synced() const { return synced_.load(); }
+  // Objects and bytes of each informer cache, by resource.
+  std::map<std::string, std::pair<double, double>> CacheSizes() const;
 
   // One pass for one model; `requeue_after` is when to look again without an event.
   absl::Status Reconcile(const std::string& key, absl::Duration& requeue_after);
@@ -74,6 +81,7 @@ class Controller {
     std::map<std::string, std::pair<PodView, absl::Time>> created;  // pod name
     std::map<std::string, absl::Time> deleted;                      // pod uid
     json status;                                                    // as last written
+    std::map<std::string, std::string> services;                    // name -> hash written
   };
 
   void Worker();
@@ -88,8 +96,10 @@ class Controller {
   // Carries a decision out: services, deletions (remembered), creations (remembered).
   absl::Status Act(const ModelView& m, const Decision& d, const std::vector<json>& to_create,
                    Memory& mem, absl::Time now);
-  absl::Status EnsureServices(const ModelView& m);
-  void Emit(const json& model, const Event& e);
+  absl::Status EnsureServices(const ModelView& m, Memory& mem);
+  // Nodes as placement reads them for `resource`, kept current by the node informer.
+  std::vector<NodeInfo> Nodes(const std::string& resource);
+  void UpdateNode(const json* node, const json* gone);
   void Forget(const std::string& key);
 
   k8s::Client* client_;
@@ -97,7 +107,10 @@ class Controller {
   OperatorMetrics* metrics_;
   k8s::WorkQueue queue_;
   std::unique_ptr<k8s::Informer> models_, pods_, nodes_, services_;
+  EventRecorder recorder_;
   GpuLedger ledger_;
+  std::mutex nodes_mu_;
+  std::map<std::string, std::map<std::string, NodeInfo>> node_infos_;  // by resource, name
   std::mutex place_mu_;  // one placement at a time: plan, then reserve in the ledger
   std::mutex mu_;
   std::map<std::string, Memory> memory_;  // by model key

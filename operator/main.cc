@@ -77,8 +77,8 @@ absl::Status Run(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(co.timing.placement_retry, Seconds(a, "placement-retry", 30));
 
   k8s::ClientOptions client_options;
-  ASSIGN_OR_RETURN(client_options.qps, a.GetDouble("qps", 50));
-  ASSIGN_OR_RETURN(int64_t burst, a.GetInt("burst", 100));
+  ASSIGN_OR_RETURN(client_options.qps, a.GetDouble("qps", 200));
+  ASSIGN_OR_RETURN(int64_t burst, a.GetInt("burst", 400));
   if (client_options.qps <= 0 || burst < 1) {
     return absl::InvalidArgumentError("--qps must be positive and --burst at least 1");
   }
@@ -122,8 +122,11 @@ absl::Status Run(const std::vector<std::string>& argv) {
   OperatorMetrics metrics;
   LeaderElector elector(client.get(), lo);
   Controller controller(client.get(), co, &metrics);
+  metrics.SetSampler([&] {
+    return OperatorMetrics::Sampled{static_cast<double>(client->requests()),
+                                    client->throttled_seconds(), controller.CacheSizes()};
+  });
   RETURN_IF_ERROR(metrics.Serve(listen.substr(0, colon), port, [&]() -> std::string {
-    if (elect && !elector.leading()) return "";  // a standby is ready to take over
     return controller.synced() ? "" : "caches not synced yet";
   }));
   std::fprintf(stderr, "shardserve-operator: serving /metrics, /healthz, /readyz on %s:%d\n",
@@ -131,16 +134,19 @@ absl::Status Run(const std::vector<std::string>& argv) {
 
   std::atomic<bool> stop{false};
   std::thread runner([&] {
-    if (elect) {
-      if (!elector.Acquire(stop)) return;
-      metrics.SetLeader(true);
-    }
-    absl::Status s = controller.Start(std::chrono::minutes(5));
+    // Caches first, leading or not: a standby that takes over has its world already read.
+    absl::Status s = controller.StartCaches(std::chrono::minutes(5));
     if (!s.ok()) {
       std::fprintf(stderr, "shardserve-operator: %s\n", std::string(s.message()).c_str());
       _exit(1);
     }
-    std::fprintf(stderr, "shardserve-operator: caches synced; reconciling ShardedModels%s\n",
+    std::fprintf(stderr, "shardserve-operator: caches synced\n");
+    if (elect) {
+      if (!elector.Acquire(stop)) return;
+      metrics.SetLeader(true);
+    }
+    controller.StartWorkers();
+    std::fprintf(stderr, "shardserve-operator: reconciling ShardedModels%s\n",
                  co.namespace_.empty() ? "" : (" in namespace " + co.namespace_).c_str());
     if (elect && !elector.Hold(stop)) {
       std::fprintf(stderr,

@@ -7,6 +7,8 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace shardserve::op {
@@ -22,13 +24,19 @@ OperatorMetrics::OperatorMetrics() : registry_(std::make_shared<prometheus::Regi
                      .Name("shardserve_operator_reconcile_total")
                      .Help("Reconciles of a ShardedModel, by result (success, error, requeue)")
                      .Register(r);
+  // 0.1 ms to 30 s in steps of 1.5x, fine enough for p50/p99 by interpolation.
   prometheus::Histogram::BucketBoundaries b;
-  for (double v = 1e-4; v < 30; v *= 2) b.push_back(v);
+  for (double v = 1e-4; v < 30; v *= 1.5) b.push_back(v);
   reconcile_seconds_ = &prometheus::BuildHistogram()
                             .Name("shardserve_operator_reconcile_seconds")
                             .Help("Time of one reconcile of a ShardedModel")
                             .Register(r)
                             .Add({}, b);
+  reconcile_api_seconds_ = &prometheus::BuildHistogram()
+                                .Name("shardserve_operator_reconcile_api_seconds")
+                                .Help("Part of a reconcile spent waiting for apiserver writes")
+                                .Register(r)
+                                .Add({}, b);
   replicas_ = &prometheus::BuildGauge()
                    .Name("shardserve_model_replicas")
                    .Help("Replicas of a ShardedModel by state")
@@ -46,6 +54,30 @@ OperatorMetrics::OperatorMetrics() : registry_(std::make_shared<prometheus::Regi
                  .Help("1 while this operator holds the leader lease")
                  .Register(r)
                  .Add({});
+  // Counters brought up to the client's own counts at scrape time.
+  api_requests_ = &prometheus::BuildCounter()
+                       .Name("shardserve_operator_api_requests_total")
+                       .Help("Requests the operator sent to the Kubernetes API")
+                       .Register(r)
+                       .Add({});
+  throttled_ = &prometheus::BuildCounter()
+                    .Name("shardserve_operator_client_throttled_seconds_total")
+                    .Help("Time requests waited for the operator's client-side rate limit")
+                    .Register(r)
+                    .Add({});
+  cache_objects_ = &prometheus::BuildGauge()
+                        .Name("shardserve_operator_cache_objects")
+                        .Help("Objects in the operator's informer caches")
+                        .Register(r);
+  cache_bytes_ = &prometheus::BuildGauge()
+                      .Name("shardserve_operator_cache_bytes")
+                      .Help("Bytes of the objects in the operator's informer caches")
+                      .Register(r);
+}
+
+void OperatorMetrics::SetSampler(std::function<Sampled()> sampler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sampler_ = std::move(sampler);
 }
 
 OperatorMetrics::~OperatorMetrics() {
@@ -56,6 +88,10 @@ OperatorMetrics::~OperatorMetrics() {
 void OperatorMetrics::ObserveReconcile(const std::string& result, double seconds) {
   reconciles_->Add({{"result", result}}).Increment();
   reconcile_seconds_->Observe(seconds);
+}
+
+void OperatorMetrics::ObserveReconcileApi(double seconds) {
+  reconcile_api_seconds_->Observe(seconds);
 }
 
 void OperatorMetrics::SetReplicas(const std::string& model,
@@ -92,6 +128,20 @@ absl::Status OperatorMetrics::Serve(const std::string& host, int port,
                                     std::function<std::string()> ready) {
   http_ = std::make_unique<httplib::Server>();
   http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    std::function<Sampled()> sampler;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sampler = sampler_;
+    }
+    if (sampler) {
+      const Sampled s = sampler();
+      api_requests_->Increment(std::max(0.0, s.api_requests - api_requests_->Value()));
+      throttled_->Increment(std::max(0.0, s.throttled_seconds - throttled_->Value()));
+      for (const auto& [resource, v] : s.caches) {
+        cache_objects_->Add({{"resource", resource}}).Set(v.first);
+        cache_bytes_->Add({{"resource", resource}}).Set(v.second);
+      }
+    }
     res.set_content(prometheus::TextSerializer().Serialize(registry_->Collect()),
                     "text/plain; version=0.0.4");
   });

@@ -4,10 +4,14 @@
 // leader election, leading or standing by).
 //   shardserve_operator_reconcile_total{result}   success | error | requeue
 //   shardserve_operator_reconcile_seconds          histogram
+//   shardserve_operator_reconcile_api_seconds      the part of it spent on apiserver writes
 //   shardserve_model_replicas{model,state}         Pending | Placing | Starting | Ready | Failed
 //   shardserve_replica_restarts_total{model}
 //   shardserve_placement_failures_total{model,reason}
 //   shardserve_operator_leader                     1 while this process holds the lease
+//   shardserve_operator_api_requests_total         requests sent to the apiserver
+//   shardserve_operator_client_throttled_seconds_total   time waiting for the client rate limit
+//   shardserve_operator_cache_objects{resource}, shardserve_operator_cache_bytes{resource}
 // `model` is namespace/name. Thread-safe.
 #include <functional>
 #include <map>
@@ -39,6 +43,7 @@ class OperatorMetrics {
   ~OperatorMetrics();
 
   void ObserveReconcile(const std::string& result, double seconds);
+  void ObserveReconcileApi(double seconds);
   // Replicas of `model` by state; states not given are 0.
   void SetReplicas(const std::string& model, const std::map<std::string, int64_t>& by_state);
   void AddRestarts(const std::string& model, int64_t n);
@@ -46,6 +51,13 @@ class OperatorMetrics {
   // The model is gone: its series go too.
   void ForgetModel(const std::string& model);
   void SetLeader(bool leader);
+  // Figures read at scrape time from their owners (the client, the informer caches).
+  struct Sampled {
+    double api_requests = 0;
+    double throttled_seconds = 0;
+    std::map<std::string, std::pair<double, double>> caches;  // resource -> objects, bytes
+  };
+  void SetSampler(std::function<Sampled()> sampler);
 
   prometheus::Registry& registry() { return *registry_; }
 
@@ -58,10 +70,16 @@ class OperatorMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* reconciles_;
   prometheus::Histogram* reconcile_seconds_;
+  prometheus::Histogram* reconcile_api_seconds_;
   prometheus::Family<prometheus::Gauge>* replicas_;
   prometheus::Family<prometheus::Counter>* restarts_;
   prometheus::Family<prometheus::Counter>* placement_failures_;
   prometheus::Gauge* leader_;
+  prometheus::Counter* api_requests_;
+  prometheus::Counter* throttled_;
+  prometheus::Family<prometheus::Gauge>* cache_objects_;
+  prometheus::Family<prometheus::Gauge>* cache_bytes_;
+  std::function<Sampled()> sampler_;
   std::mutex mu_;  // guards the per-model series below
   std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_;
   std::unique_ptr<httplib::Server> http_;

@@ -387,6 +387,8 @@ namespace {
 struct Condition {
   std::string type, status, reason, message;
   bool bad = false;  // a transition into this state is a Warning
+  // A bad state that is expected when the model is new (Available=False): no Event then.
+  bool expected_at_start = false;
 };
 
 json Conditions(const std::vector<Condition>& wanted, int64_t generation, const json& old_status,
@@ -409,7 +411,7 @@ json Conditions(const std::vector<Condition>& wanted, int64_t generation, const 
       j["lastTransitionTime"] = it->second.value("lastTransitionTime", Rfc3339(now));
     } else {
       j["lastTransitionTime"] = Rfc3339(now);
-      if (it != old.end() || c.bad) {
+      if (it != old.end() || (c.bad && !c.expected_at_start)) {
         events.push_back({c.bad ? "Warning" : "Normal", c.reason,
                           absl::StrCat(c.type, "=", c.status, ": ", c.message)});
       }
@@ -470,7 +472,7 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
   } else {
     c.push_back({"Available", "False", "MinimumReplicasUnavailable",
                  absl::StrCat(ready, " of ", N, " replicas ready; ", min_available, " needed"),
-                 true});
+                 true, true});
   }
   if (complete) {
     c.push_back({"Progressing", "False", "Complete",

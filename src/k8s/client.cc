@@ -245,8 +245,15 @@ absl::StatusOr<json> Client::Request(const std::string& method, const std::strin
   try {
     web::http::http_request req = NewRequest(method, path, token, options_.user_agent);
     if (body != nullptr) req.set_body(body->dump(), content_type);
+    const auto start = std::chrono::steady_clock::now();
     web::http::http_response resp = impl_->http->request(req).get();
     const std::string text = resp.extract_utf8string(true).get();
+    if (trace_) {
+      std::fprintf(
+          stderr, "k8s: %s %d %.1f ms\n", what.c_str(), resp.status_code(),
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
+    }
     if (resp.status_code() == 401) return Unauthenticated(text, what, token.empty());
     if (resp.status_code() >= 300) return ApiError(resp.status_code(), text, what);
     if (text.empty()) return json::object();

@@ -7,6 +7,7 @@
 // ApiGone, ...). No exception escapes. Thread-safe.
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -145,6 +146,8 @@ class Client {
   TokenSource tokens_;
   std::unique_ptr<Impl> impl_;
   std::atomic<int64_t> requests_{0};
+  // SHARDSERVE_K8S_TRACE=1: every request is logged with its code and time (as kubectl -v=6).
+  const bool trace_ = std::getenv("SHARDSERVE_K8S_TRACE") != nullptr;
   mutable std::mutex bucket_mu_;
   double bucket_tokens_;
   std::chrono::steady_clock::time_point bucket_time_;

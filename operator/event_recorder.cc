@@ -1,0 +1,80 @@
+#include "operator/event_recorder.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace shardserve::op {
+
+EventRecorder::EventRecorder(k8s::Client* client, size_t max_queued)
+    : client_(client), max_queued_(max_queued), thread_([this] { Run(); }) {}
+
+EventRecorder::~EventRecorder() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void EventRecorder::Record(const json& model, const Event& e) {
+  const json& meta = model["metadata"];
+  const std::string ns = meta.value("namespace", "default");
+  const std::string name = meta.value("name", "");
+  std::fprintf(stderr, "model %s/%s: %s: %s\n", ns.c_str(), name.c_str(), e.reason.c_str(),
+               e.message.c_str());
+  const std::string now = Rfc3339(absl::Now());
+  json event = {{"apiVersion", "v1"},
+                {"kind", "Event"},
+                {"metadata", {{"generateName", name + "."}, {"namespace", ns}}},
+                {"involvedObject",
+                 {{"apiVersion", "shardserve.io/v1alpha1"},
+                  {"kind", "ShardedModel"},
+                  {"name", name},
+                  {"namespace", ns},
+                  {"uid", meta.value("uid", "")},
+                  {"resourceVersion", meta.value("resourceVersion", "")}}},
+                {"type", e.type},
+                {"reason", e.reason},
+                {"message", e.message.substr(0, 1024)},
+                {"source", {{"component", "shardserve-operator"}}},
+                {"firstTimestamp", now},
+                {"lastTimestamp", now},
+                {"count", 1}};
+  std::lock_guard<std::mutex> lock(mu_);
+  if (queue_.size() >= max_queued_) {
+    std::fprintf(stderr, "event recorder: %zu events queued; dropping the oldest\n", queue_.size());
+    queue_.pop_front();
+  }
+  queue_.emplace_back(ns, std::move(event));
+  cv_.notify_all();
+}
+
+void EventRecorder::Flush() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && in_flight_ == 0; });
+}
+
+void EventRecorder::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and everything is posted
+    auto [ns, event] = std::move(queue_.front());
+    queue_.pop_front();
+    ++in_flight_;
+    lock.unlock();
+    auto r = client_->Create(k8s::kEvents, ns, event);
+    if (!r.ok()) {
+      std::fprintf(stderr, "event recorder: event %s not recorded: %s\n",
+                   event.value("reason", "").c_str(), std::string(r.status().message()).c_str());
+    }
+    lock.lock();
+    --in_flight_;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace shardserve::op

@@ -1,0 +1,41 @@
+#pragma once
+// Records Kubernetes Events for ShardedModels off the reconcile path, as client-go's recorder
+// does: Record() logs the line and queues the Event; one thread posts them in order. The queue
+// is bounded (the oldest are dropped, and said so in the log) so an apiserver that does not take
+// Events cannot grow the operator's memory. Thread-safe.
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "k8s/client.h"
+#include "operator/reconcile.h"
+
+namespace shardserve::op {
+
+class EventRecorder {
+ public:
+  explicit EventRecorder(k8s::Client* client, size_t max_queued = 4096);
+  ~EventRecorder();  // posts what is queued, then stops
+
+  // `model` is the ShardedModel object the Event is about.
+  void Record(const json& model, const Event& event);
+  // Blocks until every Event recorded so far has been posted (or dropped).
+  void Flush();
+
+ private:
+  void Run();
+
+  k8s::Client* client_;
+  size_t max_queued_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::string, json>> queue_;  // namespace, Event
+  size_t in_flight_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace shardserve::op
