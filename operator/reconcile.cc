@@ -263,14 +263,14 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
     }
 
     if (o.live.empty()) {
-      if (!o.pods.empty()) {
-        r.phase = ReplicaPhase::kPending;
-        r.message = "waiting for the previous pods to terminate";
-      } else if (r.last_failure + r.backoff > now) {
+      if (r.last_failure + r.backoff > now) {
         r.phase = ReplicaPhase::kFailed;
         r.message = absl::StrCat("recreating in ", Seconds(r.last_failure + r.backoff - now),
                                  " (restart ", r.restarts, ")");
         d.requeue_after = std::min(d.requeue_after, r.last_failure + r.backoff - now);
+      } else if (!o.pods.empty()) {
+        r.phase = ReplicaPhase::kPending;
+        r.message = "waiting for the previous pods to terminate";
       } else {
         r.phase = ReplicaPhase::kPending;
         r.message = "placing";

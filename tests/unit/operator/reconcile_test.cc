@@ -189,6 +189,12 @@ TEST(Decide, ARecreatedReplicaWaitsOutItsBackoff) {
   EXPECT_EQ(d.requeue_after, absl::Seconds(7));
   d = Decide(m, {}, StatusWith(0, "Failed", 3, kNow - absl::Seconds(9), 8), kNow, {});
   EXPECT_EQ(d.place, (std::vector<int64_t>{0}));
+  // Its old pods still terminating: still Failed (not Pending) until the backoff ends.
+  PodView going = PodBuilder(m, 0, 0);
+  going.deleting = true;
+  d = Decide(m, {going}, StatusWith(0, "Failed", 3, kNow - absl::Seconds(1), 8), kNow, {});
+  EXPECT_EQ(State(d, 0).phase, ReplicaPhase::kFailed);
+  EXPECT_TRUE(d.place.empty());
 }
 
 TEST(Decide, DeletedStageIsAFailureButOldPodsGoingAwayAreNot) {
