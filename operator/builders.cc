@@ -1,5 +1,7 @@
 #include "operator/builders.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -33,8 +35,36 @@ std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
   return absl::StrCat(model, "-", replica, "-", stage);
 }
 
-absl::StatusOr<ModelView> ReadModel(const json& object) {
+absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
+  WorkerDefaults d;
+  if (!j.is_object()) return absl::InvalidArgumentError("worker defaults must be an object");
+  for (const auto& [k, v] : j.items()) {
+    if (k == "env") {
+      if (!v.is_array()) return absl::InvalidArgumentError("worker defaults: env must be a list");
+      for (const json& e : v) {
+        if (!e.is_object() || !e.contains("name") || !e["name"].is_string()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("worker defaults: env entry ", e.dump(), " has no name"));
+        }
+      }
+      d.env = v;
+    } else if (k == "securityContext" || k == "podSecurityContext") {
+      if (!v.is_object()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("worker defaults: ", k, " must be an object"));
+      }
+      (k == "securityContext" ? d.security_context : d.pod_security_context) = v;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "worker defaults: unknown key '", k, "' (env, securityContext, podSecurityContext)"));
+    }
+  }
+  return d;
+}
+
+absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults) {
   ModelView v;
+  v.defaults = defaults;
   ASSIGN_OR_RETURN(v.model, ParseShardedModel(object.dump()));
   const json& meta = object.at("metadata");
   v.uid = meta.value("uid", "");
@@ -78,6 +108,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
     env.push_back({{"name", k}, {"value", v}});
   };
   add("SHARDSERVE_MODEL_NAME", s.model_name);
+  add("SHARDSERVE_DEPLOYMENT", name);  // the metrics' `model` label
   add("SHARDSERVE_MODEL_PATH", uri.scheme == ModelUri::Scheme::kPvc
                                    ? absl::StrCat(kModelMount, "/", uri.path)
                                    : std::string(kModelMount));
@@ -93,6 +124,12 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   add("SHARDSERVE_MAX_BATCH_SIZE", std::to_string(s.max_batch_size));
   add("SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(s.max_sequence_length));
   add("SHARDSERVE_HOST", absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc"));
+  for (const json& e : m.defaults.env) {
+    const bool overridden = std::any_of(m.env.begin(), m.env.end(), [&](const json& own) {
+      return own.value("name", "") == e.value("name", "");
+    });
+    if (!overridden) env.push_back(e);
+  }
   for (const json& e : m.env) env.push_back(e);
 
   json ports = json::array({{{"name", "rendezvous"}, {"containerPort", kRendezvousPort}}});
@@ -138,11 +175,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                     {"volumeMounts",
                      {{{"name", "shm"}, {"mountPath", "/dev/shm"}},
                       {{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}}}},
-                    {"securityContext",
-                     {{"runAsNonRoot", true},
-                      {"allowPrivilegeEscalation", false},
-                      {"readOnlyRootFilesystem", true},
-                      {"capabilities", {{"drop", json::array({"ALL"})}}}}}};
+                    {"securityContext", m.defaults.security_context}};
 
   json spec = {
       {"hostname", pod},
@@ -157,7 +190,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                 {{{"key", "metadata.name"},
                   {"operator", "In"},
                   {"values", json::array({node})}}}}}}}}}}}}},
-      {"securityContext", {{"seccompProfile", {{"type", "RuntimeDefault"}}}}},
+      {"securityContext", m.defaults.pod_security_context},
       {"containers", json::array({container})},
       {"volumes", volumes}};
   if (!s.node_selector.empty()) spec["nodeSelector"] = s.node_selector;
@@ -204,6 +237,27 @@ json BuildLeaderService(const ModelView& m) {
        {{"selector", selector},
         {"ports",
          {{{"name", "api"}, {"port", m.model.spec.port}, {"targetPort", m.model.spec.port}}}}}}};
+}
+
+json BuildNetworkPolicy(const ModelView& m) {
+  json open_ports = json::array({{{"protocol", "TCP"}, {"port", m.model.spec.port}}});
+  for (int64_t t = 0; t < m.model.spec.tensor; ++t) {
+    open_ports.push_back({{"protocol", "TCP"}, {"port", kMetricsPortBase + t}});
+  }
+  return {
+      {"apiVersion", "networking.k8s.io/v1"},
+      {"kind", "NetworkPolicy"},
+      {"metadata",
+       {{"name", m.model.name + "-workers"},
+        {"namespace", m.model.namespace_},
+        {"labels", Labels(m)},
+        {"ownerReferences", json::array({OwnerReference(m)})}}},
+      {"spec",
+       {{"podSelector", {{"matchLabels", Labels(m)}}},
+        {"policyTypes", json::array({"Ingress"})},
+        {"ingress",
+         json::array({{{"from", json::array({{{"podSelector", {{"matchLabels", Labels(m)}}}}})}},
+                      {{"ports", open_ports}}})}}}};
 }
 
 }  // namespace shardserve::op

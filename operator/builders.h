@@ -9,6 +9,7 @@
 //       §4, probes, a memory-backed /dev/shm for the TP group, the model volume
 //   BuildWorkersService(model)  headless <name>-workers (publishNotReadyAddresses) for rank DNS
 //   BuildLeaderService(model)   <name> on the leaders of all replicas (the API)
+//   BuildNetworkPolicy(model)   <name>-workers: only the model's own pods reach its ranks
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -29,6 +30,22 @@ inline constexpr char kPlacementAnnotation[] = "shardserve.io/placement";
 inline constexpr int kRendezvousPort = 29500;
 inline constexpr int kMetricsPortBase = 9400;
 
+// What the platform sets on every worker pod (the chart's `workerDefaults`, given to the
+// operator with --worker-defaults): env (NCCL settings and the like; a model's own spec.worker.env
+// of the same name wins), the container's and the pod's securityContext.
+struct WorkerDefaults {
+  json env = json::array();
+  json security_context = {{"runAsNonRoot", true},
+                           {"allowPrivilegeEscalation", false},
+                           {"readOnlyRootFilesystem", true},
+                           {"capabilities", {{"drop", json::array({"ALL"})}}}};
+  json pod_security_context = {{"seccompProfile", {{"type", "RuntimeDefault"}}}};
+};
+
+// {"env": [...], "securityContext": {...}, "podSecurityContext": {...}}; absent keys keep the
+// defaults above. InvalidArgument names the key.
+absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j);
+
 // The model as the builders read it: the parsed spec plus what passes through to pods unchanged.
 struct ModelView {
   ShardedModel model;
@@ -36,17 +53,21 @@ struct ModelView {
   json resources = json::object();  // spec.worker.resources
   json env = json::array();         // spec.worker.env (valueFrom kept)
   json tolerations = json::array();
-  std::string revision;  // hash of everything that shapes a pod
+  std::string revision;  // hash of everything in the spec that shapes a pod
+  WorkerDefaults defaults;
 };
 
 // Reads a ShardedModel object (JSON from the apiserver). InvalidArgument names the field; a
 // file:// model uri is refused here (it only works with `shardserve local`).
-absl::StatusOr<ModelView> ReadModel(const json& object);
+absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults = {});
 
 json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                    const std::vector<std::string>& nodes);
 json BuildWorkersService(const ModelView& m);
 json BuildLeaderService(const ModelView& m);
+// NetworkPolicy <name>-workers: the model's pods take any traffic from each other (rendezvous,
+// TCP/NCCL communication) and only the API and metrics ports from elsewhere.
+json BuildNetworkPolicy(const ModelView& m);
 
 std::string PodName(const std::string& model, int64_t replica, int64_t stage);
 

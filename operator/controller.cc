@@ -106,9 +106,9 @@ std::string ModelKeyOfPod(const json& pod) {
                       labels[kModelLabel].get<std::string>());
 }
 
-std::string ServiceHash(const json& service) {
+std::string ObjectHash(const json& object) {
   uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : service.dump()) h = (h ^ c) * 1099511628211ull;
+  for (unsigned char c : object.dump()) h = (h ^ c) * 1099511628211ull;
   return absl::StrCat(absl::Hex(h & 0xffffffffffffull, absl::kZeroPad12));
 }
 
@@ -451,29 +451,36 @@ PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::v
   return outcome;
 }
 
-absl::Status Controller::EnsureServices(const ModelView& m, Memory& mem) {
-  for (json svc : {BuildWorkersService(m), BuildLeaderService(m)}) {
-    const std::string hash = ServiceHash(svc);
-    svc["metadata"]["annotations"]["shardserve.io/spec-hash"] = hash;
-    const std::string name = svc["metadata"]["name"];
+absl::Status Controller::EnsureChildren(const ModelView& m, Memory& mem) {
+  std::vector<std::pair<const k8s::ResourceType*, json>> children = {
+      {&kServices, BuildWorkersService(m)}, {&kServices, BuildLeaderService(m)}};
+  if (options_.network_policies)
+    children.push_back({&k8s::kNetworkPolicies, BuildNetworkPolicy(m)});
+  for (auto& [type, obj] : children) {
+    const std::string hash = ObjectHash(obj);
+    obj["metadata"]["annotations"]["shardserve.io/spec-hash"] = hash;
+    const std::string name = obj["metadata"]["name"];
     const std::string key = absl::StrCat(m.model.namespace_, "/", name);
-    auto cached = services_->store().Get(key);
+    const std::string memo = type->plural + "/" + name;
+    // Services are watched; a NetworkPolicy is written once per change of this process's wish.
+    std::optional<json> cached;
+    if (type == &kServices) cached = services_->store().Get(key);
     const std::string have = cached ? (*cached)["metadata"]
                                           .value("annotations", json::object())
                                           .value("shardserve.io/spec-hash", "")
-                                    : mem.services[name];  // written, maybe not in the cache yet
+                                    : mem.children[memo];  // written, maybe not cached yet
     if (have == hash) continue;
-    // A new service is created (cheaper than an apply); one that drifted is applied over.
-    absl::StatusOr<json> written = cached ? client_->Apply(kServices, m.model.namespace_, svc)
-                                          : client_->Create(kServices, m.model.namespace_, svc);
+    // A new object is created (cheaper than an apply); one that drifted is applied over.
+    absl::StatusOr<json> written = cached ? client_->Apply(*type, m.model.namespace_, obj)
+                                          : client_->Create(*type, m.model.namespace_, obj);
     if (!written.ok() && k8s::ApiAlreadyExists(written.status())) {
-      written = client_->Apply(kServices, m.model.namespace_, svc);
+      written = client_->Apply(*type, m.model.namespace_, obj);
     }
     if (!written.ok()) {
-      return absl::Status(written.status().code(),
-                          absl::StrCat("writing service ", key, ": ", written.status().message()));
+      return absl::Status(written.status().code(), absl::StrCat("writing ", type->kind, " ", key,
+                                                                ": ", written.status().message()));
     }
-    mem.services[name] = hash;
+    mem.children[memo] = hash;
   }
   return absl::OkStatus();
 }
@@ -503,7 +510,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
 
   std::vector<Event> events;
   json status;
-  auto view = ReadModel(*object);
+  auto view = ReadModel(*object, options_.defaults);
   if (!view.ok()) {
     status =
         InvalidStatus(generation, std::string(view.status().message()), old_status, now, events);
@@ -598,7 +605,7 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
   for (const PodRef& p : d.deletes) mem.deleted[p.uid] = now;
   ForEachParallel(n, [&](size_t i) {
     if (i == 0) {
-      results[i] = EnsureServices(m, mem);
+      results[i] = EnsureChildren(m, mem);
     } else if (i <= n_deletes) {
       const PodRef& p = d.deletes[i - 1];
       absl::Status s = client_->Delete(kPods, m.model.namespace_, p.name, p.uid);

@@ -3,9 +3,9 @@
 // queue of model keys ("namespace/name"); worker threads reconcile a key at a time (never one key
 // twice at once). A reconcile re-reads the world from the caches, decides (operator/reconcile.h),
 // places replicas against a GPU ledger shared by every worker, and writes through one writer:
-// pods created (never applied over), pods deleted with a uid precondition, Services applied
-// server-side, status merge-patched only when it changed, and Events (posted off the reconcile
-// path by an EventRecorder).
+// pods created (never applied over), pods deleted with a uid precondition, Services (and
+// NetworkPolicies) created or applied server-side, status merge-patched only when it changed, and
+// Events (posted off the reconcile path by an EventRecorder).
 //
 // Between a write and the informer seeing it the controller remembers what it did (pods it
 // created, pods it deleted, the status it wrote), so a quick second reconcile neither places a
@@ -37,6 +37,8 @@ struct ControllerOptions {
   std::string namespace_;  // ShardedModels of this namespace only; "" = all
   int concurrency = 4;     // worker threads
   Timing timing;
+  WorkerDefaults defaults;        // applied to every worker pod
+  bool network_policies = false;  // a NetworkPolicy per model
 };
 
 // GPUs (any extended resource, "vendor/name") held per node by pods: bound pods count on their
@@ -81,7 +83,7 @@ class Controller {
     std::map<std::string, std::pair<PodView, absl::Time>> created;  // pod name
     std::map<std::string, absl::Time> deleted;                      // pod uid
     json status;                                                    // as last written
-    std::map<std::string, std::string> services;                    // name -> hash written
+    std::map<std::string, std::string> children;                    // "plural/name" -> hash written
   };
 
   void Worker();
@@ -96,7 +98,8 @@ class Controller {
   // Carries a decision out: services, deletions (remembered), creations (remembered).
   absl::Status Act(const ModelView& m, const Decision& d, const std::vector<json>& to_create,
                    Memory& mem, absl::Time now);
-  absl::Status EnsureServices(const ModelView& m, Memory& mem);
+  // The model's Services (and NetworkPolicy, when enabled), written when missing or drifted.
+  absl::Status EnsureChildren(const ModelView& m, Memory& mem);
   // Nodes as placement reads them for `resource`, kept current by the node informer.
   std::vector<NodeInfo> Nodes(const std::string& resource);
   void UpdateNode(const json* node, const json* gone);

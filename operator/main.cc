@@ -7,6 +7,10 @@
 //                       [--retry-period S]
 //                       [--unschedulable-timeout S] [--restart-backoff S]
 //                       [--restart-backoff-max S] [--placement-retry S]
+//                       [--worker-defaults FILE.json] [--network-policies]
+//
+// --worker-defaults: env and security contexts for every worker pod (operator/builders.h);
+// --network-policies: a NetworkPolicy per model, so only its own pods reach its ranks.
 //
 // SIGTERM/SIGINT stop it cleanly: the workers finish their current key and the lease is handed
 // back, so a standby takes over at once. Losing the lease ends the process (exit 1), so two
@@ -23,6 +27,7 @@
 #include "absl/time/time.h"
 #include "common/args.h"
 #include "common/status.h"
+#include "common/text.h"
 #include "k8s/client.h"
 #include "k8s/config.h"
 #include "operator/controller.h"
@@ -38,7 +43,7 @@ constexpr char kUsage[] =
     "         [--leader-election-namespace NS] [--leader-election-id NAME]\n"
     "         [--lease-duration S] [--renew-deadline S] [--retry-period S]\n"
     "         [--unschedulable-timeout S] [--restart-backoff S] [--restart-backoff-max S]\n"
-    "         [--placement-retry S]\n";
+    "         [--placement-retry S] [--worker-defaults FILE.json] [--network-policies]\n";
 
 absl::StatusOr<absl::Duration> Seconds(const Args& a, const std::string& flag, double def) {
   ASSIGN_OR_RETURN(double v, a.GetDouble(flag, def));
@@ -47,13 +52,14 @@ absl::StatusOr<absl::Duration> Seconds(const Args& a, const std::string& flag, d
 }
 
 absl::Status Run(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv,
-                               {"kubeconfig", "namespace", "listen", "qps", "burst", "concurrency",
-                                "leader-election-namespace", "leader-election-id", "lease-duration",
-                                "renew-deadline", "retry-period", "unschedulable-timeout",
-                                "restart-backoff", "restart-backoff-max", "placement-retry"},
-                               {"leader-elect", "help"}));
+  ASSIGN_OR_RETURN(
+      Args a,
+      Args::Parse(argv,
+                  {"kubeconfig", "namespace", "listen", "qps", "burst", "concurrency",
+                   "leader-election-namespace", "leader-election-id", "lease-duration",
+                   "renew-deadline", "retry-period", "unschedulable-timeout", "restart-backoff",
+                   "restart-backoff-max", "placement-retry", "worker-defaults"},
+                  {"leader-elect", "network-policies", "help"}));
   if (a.Has("help")) {
     std::fputs(kUsage, stdout);
     return absl::OkStatus();
@@ -75,6 +81,20 @@ absl::Status Run(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(co.timing.backoff_base, Seconds(a, "restart-backoff", 2));
   ASSIGN_OR_RETURN(co.timing.backoff_max, Seconds(a, "restart-backoff-max", 300));
   ASSIGN_OR_RETURN(co.timing.placement_retry, Seconds(a, "placement-retry", 30));
+  co.network_policies = a.Has("network-policies");
+  if (auto path = a.Get("worker-defaults")) {
+    ASSIGN_OR_RETURN(std::string text, ReadFileToString(*path));
+    json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) {
+      return absl::InvalidArgumentError(absl::StrCat("--worker-defaults ", *path, ": not JSON"));
+    }
+    auto defaults = ReadWorkerDefaults(j);
+    if (!defaults.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--worker-defaults ", *path, ": ", defaults.status().message()));
+    }
+    co.defaults = *std::move(defaults);
+  }
 
   k8s::ClientOptions client_options;
   ASSIGN_OR_RETURN(client_options.qps, a.GetDouble("qps", 200));

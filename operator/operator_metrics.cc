@@ -16,6 +16,14 @@ namespace {
 
 constexpr const char* kStates[] = {"Pending", "Placing", "Starting", "Ready", "Failed"};
 
+// {namespace, model} of a model key "namespace/name" (the ShardedModel's name is the `model`
+// label of every shardserve metric).
+std::map<std::string, std::string> ModelLabels(const std::string& key) {
+  const size_t slash = key.find('/');
+  if (slash == std::string::npos) return {{"namespace", ""}, {"model", key}};
+  return {{"namespace", key.substr(0, slash)}, {"model", key.substr(slash + 1)}};
+}
+
 }  // namespace
 
 OperatorMetrics::OperatorMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
@@ -98,20 +106,35 @@ void OperatorMetrics::SetReplicas(const std::string& model,
                                   const std::map<std::string, int64_t>& by_state) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& gauges = model_replicas_[model];
+  if (gauges.empty()) {
+    // The model's counters start at 0, so rates and increases have a series from the start.
+    model_counters_[model] = {&restarts_->Add(ModelLabels(model))};
+    for (const char* reason : {"InsufficientGPUs", "Unschedulable"}) {
+      auto labels = ModelLabels(model);
+      labels["reason"] = reason;
+      model_counters_[model].push_back(&placement_failures_->Add(labels));
+    }
+  }
   for (const char* state : kStates) {
     auto [it, added] = gauges.try_emplace(state, nullptr);
-    if (added) it->second = &replicas_->Add({{"model", model}, {"state", state}});
+    if (added) {
+      auto labels = ModelLabels(model);
+      labels["state"] = state;
+      it->second = &replicas_->Add(labels);
+    }
     auto n = by_state.find(state);
     it->second->Set(n == by_state.end() ? 0 : static_cast<double>(n->second));
   }
 }
 
 void OperatorMetrics::AddRestarts(const std::string& model, int64_t n) {
-  restarts_->Add({{"model", model}}).Increment(static_cast<double>(n));
+  restarts_->Add(ModelLabels(model)).Increment(static_cast<double>(n));
 }
 
 void OperatorMetrics::AddPlacementFailure(const std::string& model, const std::string& reason) {
-  placement_failures_->Add({{"model", model}, {"reason", reason}}).Increment();
+  auto labels = ModelLabels(model);
+  labels["reason"] = reason;
+  placement_failures_->Add(labels).Increment();
 }
 
 void OperatorMetrics::ForgetModel(const std::string& model) {
@@ -120,6 +143,10 @@ void OperatorMetrics::ForgetModel(const std::string& model) {
   if (it == model_replicas_.end()) return;
   for (auto& [state, gauge] : it->second) replicas_->Remove(gauge);
   model_replicas_.erase(it);
+  auto& counters = model_counters_[model];
+  restarts_->Remove(counters.front());
+  for (size_t i = 1; i < counters.size(); ++i) placement_failures_->Remove(counters[i]);
+  model_counters_.erase(model);
 }
 
 void OperatorMetrics::SetLeader(bool leader) { leader_->Set(leader ? 1 : 0); }

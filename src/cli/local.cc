@@ -147,6 +147,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       std::vector<std::pair<std::string, std::string>> env = spec.env;
       const std::vector<std::pair<std::string, std::string>> contract = {
           {"SHARDSERVE_MODEL_NAME", spec.model_name},
+          {"SHARDSERVE_DEPLOYMENT", m.name},
           {"SHARDSERVE_MODEL_PATH", uri.path},
           {"SHARDSERVE_REPLICA", std::to_string(r)},
           {"SHARDSERVE_STAGE", std::to_string(s)},

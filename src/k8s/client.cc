@@ -112,6 +112,8 @@ const ResourceType kPods{"", "v1", "pods", "Pod", true};
 const ResourceType kNodes{"", "v1", "nodes", "Node", false};
 const ResourceType kServices{"", "v1", "services", "Service", true};
 const ResourceType kEvents{"", "v1", "events", "Event", true};
+const ResourceType kNetworkPolicies{"networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy",
+                                    true};
 const ResourceType kLeases{"coordination.k8s.io", "v1", "leases", "Lease", true};
 const ResourceType kShardedModels{"shardserve.io", "v1alpha1", "shardedmodels", "ShardedModel",
                                   true};

@@ -34,7 +34,8 @@ struct ResourceType {
   std::string api_version() const { return group.empty() ? version : group + "/" + version; }
 };
 
-extern const ResourceType kPods, kNodes, kServices, kEvents, kLeases, kShardedModels;
+extern const ResourceType kPods, kNodes, kServices, kEvents, kLeases, kShardedModels,
+    kNetworkPolicies;
 
 // The apiserver's verdict, kept on a Status.
 bool ApiNotFound(const absl::Status& s);

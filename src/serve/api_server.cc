@@ -478,8 +478,9 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   impl->config = config;
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(config.model_dir));
   impl->chat = ChatTemplate::ForModel(config.model_dir, *impl->tokenizer);
-  impl->metrics =
-      std::make_unique<LeaderMetrics>(*impl->own_registry, config.model_name, config.replica);
+  impl->metrics = std::make_unique<LeaderMetrics>(
+      *impl->own_registry, config.metrics_model.empty() ? config.model_name : config.metrics_model,
+      config.replica);
   Impl* s = impl.get();
   httplib::Server& http = s->http;
   const size_t threads = static_cast<size_t>(config.max_batch + config.max_queue + 16);

@@ -30,6 +30,7 @@ struct ServeConfig {
   std::string host = "0.0.0.0";
   int port = 8000;
   std::string model_name = "model";
+  std::string metrics_model;  // the `model` label of the request metrics ("": model_name)
   std::string model_dir;
   std::string replica = "0";
   int max_batch = 32;

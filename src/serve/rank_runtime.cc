@@ -159,7 +159,7 @@ absl::Status Rank::Init() {
     ASSIGN_OR_RETURN(
         metrics_,
         RankMetrics::Start(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", cfg_.metrics_port,
-                           {cfg_.model_name, std::to_string(cfg_.replica),
+                           {cfg_.metrics_model, std::to_string(cfg_.replica),
                             std::to_string(cfg_.stage), std::to_string(cfg_.tp_rank)}));
     metrics_->SetUp(false);
     std::fprintf(stderr, "%s: metrics on %s:%d/metrics\n", world_.Describe(rank).c_str(),
@@ -468,6 +468,8 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   const char* name = std::getenv("SHARDSERVE_MODEL_NAME");
   ASSIGN_OR_RETURN(c.replica, EnvInt("SHARDSERVE_REPLICA", 0));
   if (name != nullptr && *name) c.model_name = name;
+  const char* deployment = std::getenv("SHARDSERVE_DEPLOYMENT");
+  c.metrics_model = deployment != nullptr && *deployment ? deployment : c.model_name;
   c.job_id =
       job != nullptr && *job ? std::string(job) : absl::StrCat(c.model_name, "-r", c.replica);
   if (const char* host = std::getenv("SHARDSERVE_HOST"); host != nullptr && *host) {

@@ -39,7 +39,10 @@ struct RankConfig {
   int leader_port = 29500;           // rendezvous
   std::string job_id;                // names the shared-memory segments of this replica
   std::string host = "127.0.0.1";    // this rank's address as the others reach it
-  std::string model_name = "model";  // metric labels
+  std::string model_name = "model";  // the name served on the API
+  // The `model` label of the metrics: the ShardedModel (SHARDSERVE_DEPLOYMENT), so the
+  // operator's, the leader's and every rank's series of one deployment share it.
+  std::string metrics_model = "model";
   int replica = 0;
   int metrics_port = -1;  // -1: no /metrics server
   int microbatches = 0;   // 0: pp

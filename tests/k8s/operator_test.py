@@ -254,8 +254,8 @@ try:
         "replicaStatuses", []))), "a replica whose pods cannot schedule says why")
     check(wait(lambda: any(r == "Replanning" for _, r, _ in events("nopvc")), 30),
           "after --unschedulable-timeout the replica is re-planned (Event Replanning)")
-    check('shardserve_placement_failures_total{model="default/nopvc",reason="Unschedulable"}'
-          in metrics(port), "counted in shardserve_placement_failures_total")
+    check('shardserve_placement_failures_total{model="nopvc",namespace="default",'
+          'reason="Unschedulable"}' in metrics(port), "counted in shardserve_placement_failures_total")
     c.kubectl("delete", "smodel", "nopvc", check=True)
 
     # --- invalid spec: a condition, the operator keeps going --------------------------------
@@ -343,8 +343,8 @@ try:
     page = metrics(port)
     for line in ['shardserve_operator_reconcile_total{result="success"}',
                  "shardserve_operator_reconcile_seconds_bucket",
-                 'shardserve_model_replicas{model="default/crash",state="Ready"} 2',
-                 'shardserve_model_replicas{model="default/big",state="Ready"} 1']:
+                 'shardserve_model_replicas{model="crash",namespace="default",state="Ready"} 2',
+                 'shardserve_model_replicas{model="big",namespace="default",state="Ready"} 1']:
         check(line in page, f"/metrics has {line}")
     promtool = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
                               text=True)

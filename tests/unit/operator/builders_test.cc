@@ -107,5 +107,46 @@ TEST(Builders, ServicesAndRevisions) {
   EXPECT_NE(local.status().message().find("only shardserve local"), std::string::npos);
 }
 
+TEST(Builders, WorkerDefaultsFromThePlatformUnderTheModelsOwn) {
+  auto d = ReadWorkerDefaults(json::parse(R"({
+      "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "NCCL_IB_DISABLE", "value": "1"}],
+      "securityContext": {"runAsUser": 65532, "runAsNonRoot": true},
+      "podSecurityContext": {"fsGroup": 65532}})"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto m = ReadModel(Model(), *d);  // the model sets NCCL_DEBUG=WARN itself
+  ASSERT_TRUE(m.ok());
+  const json pod = BuildStagePod(*m, 0, 0, {"a", "b"});
+  EXPECT_EQ(Env(pod, "NCCL_IB_DISABLE"), "1");
+  EXPECT_EQ(Env(pod, "NCCL_DEBUG"), "WARN");
+  int nccl_debug = 0;
+  for (const json& e : pod["spec"]["containers"][0]["env"]) nccl_debug += e["name"] == "NCCL_DEBUG";
+  EXPECT_EQ(nccl_debug, 1);
+  EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"]["runAsUser"], 65532);
+  EXPECT_EQ(pod["spec"]["securityContext"]["fsGroup"], 65532);
+
+  EXPECT_NE(ReadWorkerDefaults(json::parse(R"({"evn": []})")).status().message().find("'evn'"),
+            std::string::npos);
+  EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"env": [{"value": "x"}]})")).ok());
+  EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"securityContext": []})")).ok());
+}
+
+TEST(Builders, NetworkPolicyLetsOnlyTheModelsPodsReachItsRanks) {
+  auto m = ReadModel(Model());
+  ASSERT_TRUE(m.ok());
+  const json np = BuildNetworkPolicy(*m);
+  EXPECT_EQ(np["metadata"]["name"], "llama-workers");
+  EXPECT_EQ(np["spec"]["podSelector"]["matchLabels"][kModelLabel], "llama");
+  const json& ingress = np["spec"]["ingress"];
+  ASSERT_EQ(ingress.size(), 2u);
+  // From the model's own pods: every port (rendezvous, TCP/NCCL communication).
+  EXPECT_EQ(ingress[0]["from"][0]["podSelector"]["matchLabels"][kModelLabel], "llama");
+  EXPECT_FALSE(ingress[0].contains("ports"));
+  // From anywhere: the API and the tp_rank metrics ports only.
+  std::vector<int> ports;
+  for (const json& p : ingress[1]["ports"]) ports.push_back(p["port"]);
+  EXPECT_EQ(ports, (std::vector<int>{8000, 9400, 9401, 9402, 9403}));
+  EXPECT_FALSE(ingress[1].contains("from"));
+}
+
 }  // namespace
 }  // namespace shardserve::op
