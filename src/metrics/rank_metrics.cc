@@ -5,7 +5,9 @@
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <exception>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +21,32 @@ prometheus::Histogram::BucketBoundaries SecondsBuckets(double from = 1e-4) {
   for (double v = from; v < 30; v *= 2) b.push_back(v);
   return b;
 }
+
+// shardserve_rank_resident_memory_bytes: the rank process's resident memory, read from
+// /proc/self/statm when scraped.
+class ResidentMemory : public prometheus::Collectable {
+ public:
+  explicit ResidentMemory(std::map<std::string, std::string> labels) : labels_(std::move(labels)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    long pages = 0, resident = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+      std::fclose(f);
+    }
+    prometheus::MetricFamily family;
+    family.name = "shardserve_rank_resident_memory_bytes";
+    family.help = "Resident memory of this rank's process (weights, KV cache, buffers)";
+    family.type = prometheus::MetricType::Gauge;
+    prometheus::ClientMetric metric;
+    for (const auto& [k, v] : labels_) metric.label.push_back({k, v});
+    metric.gauge.value = static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    family.metric.push_back(std::move(metric));
+    return {std::move(family)};
+  }
+
+ private:
+  std::map<std::string, std::string> labels_;
+};
 
 constexpr const char* kOps[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                 "send",       "recv",       "barrier"};
@@ -82,6 +110,8 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
     m->comm_[op] = {&comm_seconds.Add(labels_op, SecondsBuckets()), &comm_bytes.Add(labels_op)};
   }
   m->exposer_->RegisterCollectable(m->registry_);
+  m->memory_ = std::make_shared<ResidentMemory>(base);
+  m->exposer_->RegisterCollectable(m->memory_);
   return m;
 }
 

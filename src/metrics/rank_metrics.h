@@ -4,7 +4,7 @@
 //   shardserve_rank_up, shardserve_rank_forward_seconds (histogram),
 //   shardserve_rank_comm_seconds{op} (histogram), shardserve_rank_comm_bytes_total{op},
 //   shardserve_rank_weights_bytes, shardserve_rank_kv_cache_usage_ratio,
-//   shardserve_rank_tokens_total.
+//   shardserve_rank_tokens_total, shardserve_rank_resident_memory_bytes.
 // Thread-safe (prometheus-cpp metrics are).
 #include <map>
 #include <memory>
@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 
 namespace prometheus {
+class Collectable;
 class Counter;
 class Exposer;
 template <typename T>
@@ -80,6 +81,7 @@ class RankMetrics {
   RankMetrics() = default;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Collectable> memory_;
   RankLabels labels_;
   int port_ = 0;
   prometheus::Gauge* up_ = nullptr;
