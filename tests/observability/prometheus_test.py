@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.parse
 import urllib.request
 
@@ -145,11 +144,14 @@ try:
         return r["data"]["result"] and r["data"]["result"][0]["value"][1] == str(len(d.metrics_ports) + 1)
     check(wait(targets_up, 60), "Prometheus scrapes the 4 ranks and the operator")
     # A minute of data, so the 1m rates and histogram quantiles have two samples and more.
-    check(wait(lambda: prom.query(
-        'sum(increase(shardserve_generated_tokens_total[1m]))')["data"]["result"] and
-        float(prom.query('sum(increase(shardserve_generated_tokens_total[1m]))')
-              ["data"]["result"][0]["value"][1]) > 0, 90), "tokens are being generated")
-    time.sleep(20)
+    def scalar(expr):
+        result = prom.query(expr)["data"]["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+    check(wait(lambda: scalar("sum(increase(shardserve_generated_tokens_total[1m]))") > 0, 90),
+          "tokens are being generated")
+    # Enough samples that every 1m rate and quantile has data: 15 scrapes of every target.
+    check(wait(lambda: scalar("min(count_over_time(up[1m]))") >= 15, 90),
+          "15 scrapes of every target in the last minute")
 
     # --- every dashboard: variables, then every panel ------------------------------------------
     files = sorted(glob.glob(os.path.join(DASHBOARDS, "*.json")))
