@@ -4,6 +4,7 @@
 // device's default stream; they return after the work is queued (Synchronize() waits).
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "absl/status/statusor.h"
 #include "model/dtype.h"
@@ -34,8 +35,79 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
+// A weight matrix in device memory, as cpu::WeightMatrix: row-major [rows][cols] of `dtype`,
+// row r at data + r * row_stride elements.
+struct DeviceWeight {
+  DType dtype = DType::kBF16;
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0, row_stride = 0;
+};
+
+// Per-device state the ops share: the cuBLAS handle and a scratch buffer that grows as needed.
+// One Context per thread of work; the ops run on the device's default stream.
+class Context {
+ public:
+  static absl::StatusOr<std::unique_ptr<Context>> Create(int device = 0);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+  // At least `bytes` of device scratch, valid until the next call.
+  absl::StatusOr<void*> Scratch(size_t bytes);
+  struct Impl;
+  Impl* impl() const { return impl_.get(); }
+
+ private:
+  explicit Context(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 // RMSNorm of M rows of dim floats: out = x / rms(x) * w (all device pointers, F32).
 absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps, float* out);
+
+// y[m][n] = sum_k w[n][k] * x[m][k] (F32 x and y with row strides K and N): cuBLAS, F32
+// accumulate. For F16/BF16 weights x is rounded to the weight's dtype first (tensor cores).
+absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y);
+
+// Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
+// [vocab_begin, vocab_end), zeros otherwise (summed over the TP group afterwards).
+absl::Status Embed(const DeviceWeight& table, const int32_t* ids, int64_t n, int64_t vocab_begin,
+                   int64_t vocab_end, float* out);
+
+// x[r][c] += bias[c] for rows x cols; x[i] += y[i]; a[i] = silu(a[i]) * b[i].
+absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias);
+absl::Status Add(float* x, const float* y, int64_t n);
+absl::Status SiluMul(float* a, const float* b, int64_t n);
+
+// Rotary embedding (rotate_half layout, as model/rope.h) of `heads` heads of head_dim per row,
+// row r at position positions[r]; inv_freq holds head_dim / 2 floats.
+absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
+                  const float* inv_freq);
+
+// The block KV cache of one layer on the device: K and V of [blocks][kv_heads][block_size][hd]
+// floats (the layout of model/kv_cache.h).
+struct DeviceKv {
+  float* k = nullptr;
+  float* v = nullptr;
+  int64_t kv_heads = 0, block_size = 0, head_dim = 0;
+};
+
+// Writes each row's k and v (kv_heads * head_dim floats) at its position: block
+// blocks[block_offset[r] + pos / block_size], slot pos % block_size.
+absl::Status WriteKv(const DeviceKv& cache, const float* k, const float* v, int64_t rows,
+                     const int32_t* positions, const int32_t* blocks, const int32_t* block_offset);
+
+// Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
+// sequence (blocks at block_offset[r]); head h reads KV head (head0 + h) / group - kv_head0.
+// Writes rows x heads x head_dim floats; scale is 1/sqrt(head_dim).
+absl::Status Attention(Context& ctx, const DeviceKv& cache, const float* q, int64_t rows,
+                       int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
+                       const int32_t* positions, const int32_t* blocks, const int32_t* block_offset,
+                       int64_t max_len, float scale, float* out);
+
+// Per row of `rows` x V logits: the k most likely ids (ties to the lower id) and their log
+// probabilities (log softmax over the row), most likely first.
+absl::Status TopKLogprobs(const float* logits, int64_t rows, int64_t V, int64_t k, int32_t* ids,
+                          float* logprobs);
 // y[r] = sum_k w[r][k] * x[k] for a row-major [rows][cols] weight of `dtype`, F32 accumulate.
 absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, const float* x,
                     float* y);
