@@ -30,6 +30,26 @@ absl::Status Divisible(const char* what, int64_t n, int tp) {
 
 }  // namespace
 
+std::vector<std::vector<std::pair<int64_t, float>>> RouteExperts(const float* router, int64_t rows,
+                                                                 int64_t E, int64_t top_k) {
+  std::vector<std::vector<std::pair<int64_t, float>>> assigned(E);
+  std::vector<int64_t> order(E);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* logit = router + r * E;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      return logit[a] > logit[b] || (logit[a] == logit[b] && a < b);
+    });
+    const float mx = logit[order[0]];
+    float sum = 0;
+    for (int64_t j = 0; j < top_k; ++j) sum += std::exp(logit[order[j]] - mx);
+    for (int64_t j = 0; j < top_k; ++j) {
+      assigned[order[j]].push_back({r, std::exp(logit[order[j]] - mx) / sum});
+    }
+  }
+  return assigned;
+}
+
 Transformer::Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights,
                          const Options& options)
     : config_(std::move(config)),
@@ -253,12 +273,11 @@ absl::Status Transformer::GatherLogits(const std::vector<float>& local, int64_t 
   return absl::OkStatus();
 }
 
-absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                                       const float* hidden_in, std::vector<float>& out) {
+absl::StatusOr<PreparedBatch> Transformer::PrepareBatch(std::vector<SequenceChunk>& chunks,
+                                                        KvCache& cache) const {
   const ModelConfig& c = config_;
-  const int64_t H = c.hidden_size;
   // Validate everything before touching the cache.
-  int64_t rows = 0;
+  PreparedBatch b;
   int64_t extra_blocks = 0;
   for (const SequenceChunk& ch : chunks) {
     if (ch.tokens.empty() || ch.kv == nullptr) {
@@ -277,37 +296,54 @@ absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCac
     }
     extra_blocks +=
         std::max<int64_t>(0, cache.BlocksFor(end) - static_cast<int64_t>(ch.kv->blocks.size()));
-    rows += static_cast<int64_t>(ch.tokens.size());
+    b.rows += static_cast<int64_t>(ch.tokens.size());
   }
   if (extra_blocks > cache.free_blocks()) {
     return absl::ResourceExhaustedError(absl::StrCat("KV cache full: the batch needs ",
                                                      extra_blocks, " more blocks, ",
                                                      cache.free_blocks(), " are free"));
   }
+  b.row_pos.resize(b.rows);
+  b.row_seq.resize(b.rows);
+  b.last_row.resize(chunks.size());
+  int64_t r = 0;
+  for (size_t s = 0; s < chunks.size(); ++s) {
+    SequenceChunk& ch = chunks[s];
+    RETURN_IF_ERROR(cache.Reserve(*ch.kv, ch.kv->length + ch.tokens.size()));
+    for (size_t i = 0; i < ch.tokens.size(); ++i, ++r) {
+      b.row_pos[r] = ch.kv->length + static_cast<int64_t>(i);
+      b.row_seq[r] = ch.kv;
+    }
+    b.last_row[s] = r - 1;
+  }
+  return b;
+}
+
+absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                                       const float* hidden_in, std::vector<float>& out) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size;
   if (!first_stage() && hidden_in == nullptr) {
     return absl::InvalidArgumentError("a stage after the first needs hidden states");
   }
-  std::vector<int64_t> row_pos(rows);
-  std::vector<const SequenceKv*> row_seq(rows);
-  std::vector<int64_t> last_row(chunks.size());
+  ASSIGN_OR_RETURN(PreparedBatch batch, PrepareBatch(chunks, cache));
+  const int64_t rows = batch.rows;
+  const std::vector<int64_t>& row_pos = batch.row_pos;
+  const std::vector<const SequenceKv*>& row_seq = batch.row_seq;
+  const std::vector<int64_t>& last_row = batch.last_row;
   std::vector<float> x(rows * H, 0.0f);
-  {
+  if (first_stage()) {
     int64_t r = 0;
-    for (size_t s = 0; s < chunks.size(); ++s) {
-      SequenceChunk& ch = chunks[s];
-      RETURN_IF_ERROR(cache.Reserve(*ch.kv, ch.kv->length + ch.tokens.size()));
-      for (size_t i = 0; i < ch.tokens.size(); ++i, ++r) {
-        row_pos[r] = ch.kv->length + static_cast<int64_t>(i);
-        row_seq[r] = ch.kv;
+    for (const SequenceChunk& ch : chunks) {
+      for (int32_t tok : ch.tokens) {
         // Vocab-parallel embedding: this rank's rows, zeros elsewhere, summed over the group.
-        const int32_t tok = ch.tokens[i];
-        if (first_stage() && tok >= vocab_begin_ && tok < vocab_end_) {
+        if (tok >= vocab_begin_ && tok < vocab_end_) {
           const uint8_t* src = static_cast<const uint8_t*>(embed_.data) +
                                (tok - vocab_begin_) * embed_.row_stride * DTypeSize(embed_.dtype);
           cpu::ToFloat(embed_.dtype, src, H, x.data() + r * H);
         }
+        ++r;
       }
-      last_row[s] = r - 1;
     }
   }
   if (first_stage()) {
@@ -416,22 +452,7 @@ void Transformer::Moe(const Layer& L, const float* h, int64_t rows, float* out) 
   const int64_t top_k = c.experts_per_token;
   std::vector<float> router(rows * E);
   cpu::MatMul(L.router, h, rows, H, router.data(), E, *pool_);
-  // Per expert: the rows routed to it and their weights (softmax over the top-k router logits).
-  std::vector<std::vector<std::pair<int64_t, float>>> assigned(E);
-  std::vector<int64_t> order(E);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* logit = router.data() + r * E;
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
-      return logit[a] > logit[b] || (logit[a] == logit[b] && a < b);
-    });
-    const float mx = logit[order[0]];
-    float sum = 0;
-    for (int64_t j = 0; j < top_k; ++j) sum += std::exp(logit[order[j]] - mx);
-    for (int64_t j = 0; j < top_k; ++j) {
-      assigned[order[j]].push_back({r, std::exp(logit[order[j]] - mx) / sum});
-    }
-  }
+  const auto assigned = RouteExperts(router.data(), rows, E, top_k);
   std::vector<float> in, g, u, d;
   for (int64_t e = expert_begin_; e < expert_end_; ++e) {  // this rank's experts only
     const auto& rows_e = assigned[e];

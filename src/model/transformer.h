@@ -35,6 +35,22 @@ struct SequenceChunk {
   SequenceKv* kv = nullptr;     // positions [kv->length, kv->length + tokens.size()) are new
 };
 
+// A batch of chunks, validated and with its cache blocks reserved: for each new token (row), its
+// position and sequence, and each chunk's last row.
+struct PreparedBatch {
+  int64_t rows = 0;
+  std::vector<int64_t> row_pos;
+  std::vector<const SequenceKv*> row_seq;
+  std::vector<int64_t> last_row;
+};
+
+// Top-k MoE routing of `rows` router logit rows (E experts each): for each expert, the rows sent
+// to it and their weights (softmax over the row's top-k logits; ties to the lower expert).
+std::vector<std::vector<std::pair<int64_t, float>>> RouteExperts(const float* router, int64_t rows,
+                                                                 int64_t E, int64_t top_k);
+
+class CudaTransformer;
+
 class Transformer {
  public:
   struct Options {
@@ -90,7 +106,14 @@ class Transformer {
   size_t shard_weight_bytes() const { return shard_bytes_; }
   size_t stage_weight_bytes() const { return stage_bytes_; }
 
+  // Validates the chunks (non-empty, ids in the vocabulary, within the context), checks the
+  // cache has room (ResourceExhausted, nothing taken), then reserves it and lays out the rows.
+  // Every backend's ForwardStage starts here.
+  absl::StatusOr<PreparedBatch> PrepareBatch(std::vector<SequenceChunk>& chunks,
+                                             KvCache& cache) const;
+
  private:
+  friend class CudaTransformer;  // uploads this rank's weight slices to the device
   struct Expert {
     cpu::WeightMatrix gate, up, down;
   };

@@ -287,6 +287,20 @@ __global__ void TopKKernel(const float* logits, int64_t V, int64_t k, int32_t* i
   }
 }
 
+__global__ void GatherRowsKernel(const float* x, int64_t dim, const int32_t* rows, float* out) {
+  const int64_t i = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) out[i * dim + d] = x[rows[i] * dim + d];
+}
+
+// Rows may repeat only across calls (an expert's rows are distinct), so no atomics are needed.
+__global__ void ScaleAddRowsKernel(const float* x, int64_t dim, const int32_t* rows,
+                                   const float* weight, float* y) {
+  const int64_t i = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    y[rows[i] * dim + d] += weight[i] * x[i * dim + d];
+  }
+}
+
 unsigned Grid(int64_t n, int threads = 256) {
   return static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 65535));
 }
@@ -340,6 +354,8 @@ int DeviceCount() {
 }
 
 absl::Status Synchronize() { return Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
+absl::Status Zero(void* p, size_t bytes) { return Check(cudaMemset(p, 0, bytes), "cudaMemset"); }
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Alloc(size_t bytes) {
   DeviceBuffer b;
@@ -480,6 +496,19 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
       c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q, heads, head0, group, kv_head0, positions,
       blocks, block_offset, max_len, scale, static_cast<float*>(*scores), out);
   return Check(cudaGetLastError(), "Attention launch");
+}
+
+absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n, float* out) {
+  if (n == 0) return absl::OkStatus();
+  GatherRowsKernel<<<static_cast<unsigned>(n), 256>>>(x, dim, rows, out);
+  return Check(cudaGetLastError(), "GatherRows launch");
+}
+
+absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, const float* weight,
+                          int64_t n, float* y) {
+  if (n == 0) return absl::OkStatus();
+  ScaleAddRowsKernel<<<static_cast<unsigned>(n), 256>>>(x, dim, rows, weight, y);
+  return Check(cudaGetLastError(), "ScaleAddRows launch");
 }
 
 absl::Status TopKLogprobs(const float* logits, int64_t rows, int64_t V, int64_t k, int32_t* ids,

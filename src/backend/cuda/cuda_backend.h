@@ -14,6 +14,8 @@ namespace shardserve::cuda {
 // Number of usable GPUs; 0 when there is no GPU or no driver.
 int DeviceCount();
 absl::Status Synchronize();
+// Sets `bytes` of device memory at p to zero.
+absl::Status Zero(void* p, size_t bytes);
 
 class DeviceBuffer {
  public:
@@ -103,6 +105,11 @@ absl::Status Attention(Context& ctx, const DeviceKv& cache, const float* q, int6
                        int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
                        const int32_t* positions, const int32_t* blocks, const int32_t* block_offset,
                        int64_t max_len, float scale, float* out);
+
+// out[i] = x[rows[i]] (dim floats each) for i < n; y[rows[i]] += weight[i] * x[i].
+absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n, float* out);
+absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, const float* weight,
+                          int64_t n, float* y);
 
 // Per row of `rows` x V logits: the k most likely ids (ties to the lower id) and their log
 // probabilities (log softmax over the row), most likely first.

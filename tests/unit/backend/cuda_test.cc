@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -14,8 +15,11 @@
 #include "comm/nccl/nccl_comm.h"
 #include "comm/rendezvous.h"
 #include "model/config.h"
+#include "model/cuda_transformer.h"
 #include "model/kv_cache.h"
 #include "model/rope.h"
+#include "model/test_models.h"
+#include "model/transformer.h"
 
 namespace shardserve {
 namespace {
@@ -313,6 +317,79 @@ TEST(CudaBackendTest, TopKLogprobsMatchesAHostLogSoftmax) {
   EXPECT_EQ(ids[1 * k], 10);
   EXPECT_EQ(ids[1 * k + 1], 20);
 }
+
+// End to end: greedy generation on the GPU gives the CPU's tokens, on generated models of every
+// architecture (prefill of a prompt, then decode steps of two sequences batched together).
+class CudaGenerationTest : public ::testing::TestWithParam<std::pair<std::string, DType>> {};
+
+std::vector<std::vector<int32_t>> Greedy(
+    const std::function<absl::Status(std::vector<SequenceChunk>&, std::vector<float>&)>& forward,
+    KvCache& cache, int64_t V, int steps) {
+  std::vector<SequenceKv> kv(2);
+  std::vector<std::vector<int32_t>> out(2);
+  std::vector<SequenceChunk> chunks = {{{5, 17, 42, 7, 99, 3}, &kv[0]}, {{8, 1}, &kv[1]}};
+  std::vector<float> logits;
+  for (int step = 0; step < steps; ++step) {
+    EXPECT_TRUE(forward(chunks, logits).ok());
+    for (size_t s = 0; s < chunks.size(); ++s) {
+      const float* row = logits.data() + s * V;
+      const int32_t next = static_cast<int32_t>(std::max_element(row, row + V) - row);
+      out[s].push_back(next);
+      chunks[s].tokens = {next};
+    }
+  }
+  for (SequenceKv& s : kv) cache.Release(s);
+  return out;
+}
+
+TEST_P(CudaGenerationTest, GreedyTokensMatchTheCpu) {
+  REQUIRE_GPU();
+  const auto& [arch, dtype] = GetParam();
+  testing::TempDir dir;
+  GenModelOptions o = testing::SmallModel(arch, dir.Sub("m"));
+  o.dtype = dtype;
+  const std::string path = testing::WriteModel(o);
+  auto cpu_model = Transformer::Load(path, {});
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  auto gpu_model = CudaTransformer::Load(path, {});
+  ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+  const int64_t V = (*cpu_model)->config().vocab_size;
+  auto cpu_cache = (*cpu_model)->NewKvCache(256);
+  auto gpu_cache = (*gpu_model)->NewKvCache(256);
+  ASSERT_TRUE(gpu_cache.ok()) << gpu_cache.status();
+  const auto want =
+      Greedy([&](std::vector<SequenceChunk>& c,
+                 std::vector<float>& l) { return (*cpu_model)->Forward(c, *cpu_cache, l); },
+             *cpu_cache, V, 12);
+  const auto got =
+      Greedy([&](std::vector<SequenceChunk>& c,
+                 std::vector<float>& l) { return (*gpu_model)->Forward(c, **gpu_cache, l); },
+             **gpu_cache, V, 12);
+  if (dtype == DType::kF32) {
+    EXPECT_EQ(got, want);  // F32 GEMMs: only the summation order differs
+  } else {
+    // Half weights: the GPU also rounds activations to the weight dtype for the tensor cores,
+    // so tokens may part after a near tie; the first token of each sequence must agree.
+    EXPECT_EQ(got[0][0], want[0][0]);
+    EXPECT_EQ(got[1][0], want[1][0]);
+  }
+  // Prefill logits, element by element.
+  std::vector<SequenceKv> a(1), b(1);
+  std::vector<SequenceChunk> ca = {{{5, 17, 42, 7, 99, 3}, &a[0]}},
+                             cb = {{{5, 17, 42, 7, 99, 3}, &b[0]}};
+  std::vector<float> la, lb;
+  ASSERT_TRUE((*cpu_model)->Forward(ca, *cpu_cache, la).ok());
+  ASSERT_TRUE((*gpu_model)->Forward(cb, **gpu_cache, lb).ok());
+  ASSERT_EQ(la.size(), lb.size());
+  const float tol = dtype == DType::kF32 ? 1e-3f : 5e-2f;
+  for (size_t i = 0; i < la.size(); ++i) ASSERT_NEAR(lb[i], la[i], tol) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, CudaGenerationTest,
+                         ::testing::Values(std::make_pair("llama", DType::kF32),
+                                           std::make_pair("llama", DType::kBF16),
+                                           std::make_pair("qwen2", DType::kF16),
+                                           std::make_pair("mixtral", DType::kF32)));
 
 // The NCCL id travels through the real rendezvous as a blob, as between ranks; a single-rank
 // communicator then runs every operation of the interface on device memory.
