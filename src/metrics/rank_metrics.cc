@@ -1,10 +1,12 @@
 #include "metrics/rank_metrics.h"
 
+#include <httplib.h>
+#include <prometheus/collectable.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -61,14 +63,16 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
                                                    {"replica", labels.replica},
                                                    {"stage", labels.stage},
                                                    {"tp_rank", labels.tp_rank}};
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(host, ":", port));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", host, ":", port, ": ", e.what()));
+  // cpp-httplib, not prometheus-cpp's civetweb Exposer: civetweb's threads have a fixed 100 KB
+  // stack, too small for the static TLS that cuBLAS brings into a GPU rank's process.
+  m->http_ = std::make_unique<httplib::Server>();
+  const int bound = port == 0 ? m->http_->bind_to_any_port(host)
+                              : (m->http_->bind_to_port(host, port) ? port : -1);
+  if (bound < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", host, ":", port,
+                                               ": the address is in use or not available"));
   }
-  const auto ports = m->exposer_->GetListeningPorts();
-  m->port_ = ports.empty() ? port : ports.front();
+  m->port_ = bound;
   m->registry_ = std::make_shared<prometheus::Registry>();
   auto& r = *m->registry_;
   m->up_ = &prometheus::BuildGauge()
@@ -109,13 +113,27 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
     labels_op["op"] = op;
     m->comm_[op] = {&comm_seconds.Add(labels_op, SecondsBuckets()), &comm_bytes.Add(labels_op)};
   }
-  m->exposer_->RegisterCollectable(m->registry_);
-  m->memory_ = std::make_shared<ResidentMemory>(base);
-  m->exposer_->RegisterCollectable(m->memory_);
+  m->collectables_ = {m->registry_, std::make_shared<ResidentMemory>(base)};
+  RankMetrics* self = m.get();
+  m->http_->Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
+    std::vector<prometheus::MetricFamily> families;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      for (const auto& c : self->collectables_) {
+        auto more = c->Collect();
+        families.insert(families.end(), more.begin(), more.end());
+      }
+    }
+    res.set_content(prometheus::TextSerializer().Serialize(families), "text/plain; version=0.0.4");
+  });
+  m->thread_ = std::thread([self] { self->http_->listen_after_bind(); });
   return m;
 }
 
-RankMetrics::~RankMetrics() = default;
+RankMetrics::~RankMetrics() {
+  http_->stop();
+  if (thread_.joinable()) thread_.join();
+}
 
 LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
                              const std::string& replica)
@@ -157,7 +175,8 @@ void LeaderMetrics::ObserveInterToken(double seconds) { itl_->Observe(seconds); 
 void LeaderMetrics::AddGenerated(double tokens) { generated_->Increment(tokens); }
 
 void RankMetrics::Expose(std::shared_ptr<prometheus::Registry> more) {
-  exposer_->RegisterCollectable(more);
+  std::lock_guard<std::mutex> lock(mu_);
+  collectables_.push_back(std::move(more));
 }
 
 void RankMetrics::SetUp(bool up) { up_->Set(up ? 1 : 0); }

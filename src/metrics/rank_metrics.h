@@ -1,6 +1,6 @@
 #pragma once
 // Prometheus metrics of one rank (DESIGN.md §6, a contract with dashboards/), labelled
-// {model, replica, stage, tp_rank}, served by prometheus-cpp on the rank's own port:
+// {model, replica, stage, tp_rank}, served (cpp-httplib) on the rank's own port:
 //   shardserve_rank_up, shardserve_rank_forward_seconds (histogram),
 //   shardserve_rank_comm_seconds{op} (histogram), shardserve_rank_comm_bytes_total{op},
 //   shardserve_rank_weights_bytes, shardserve_rank_kv_cache_usage_ratio,
@@ -8,20 +8,26 @@
 // Thread-safe (prometheus-cpp metrics are).
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
 namespace prometheus {
 class Collectable;
 class Counter;
-class Exposer;
 template <typename T>
 class Family;
 class Gauge;
 class Histogram;
 class Registry;
 }  // namespace prometheus
+
+namespace httplib {
+class Server;
+}
 
 namespace shardserve {
 
@@ -80,8 +86,10 @@ class RankMetrics {
  private:
   RankMetrics() = default;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  std::shared_ptr<prometheus::Collectable> memory_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+  std::mutex mu_;  // guards collectables_
+  std::vector<std::shared_ptr<prometheus::Collectable>> collectables_;
   RankLabels labels_;
   int port_ = 0;
   prometheus::Gauge* up_ = nullptr;

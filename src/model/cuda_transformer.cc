@@ -151,6 +151,7 @@ int64_t CudaTransformer::logits_stride() const { return impl_->cpu->logits_strid
 bool CudaTransformer::first_stage() const { return impl_->cpu->first_stage(); }
 bool CudaTransformer::last_stage() const { return impl_->cpu->last_stage(); }
 size_t CudaTransformer::shard_weight_bytes() const { return impl_->cpu->shard_weight_bytes(); }
+size_t CudaTransformer::stage_weight_bytes() const { return impl_->cpu->stage_weight_bytes(); }
 
 absl::StatusOr<std::unique_ptr<KvCache>> CudaTransformer::NewKvCache(int64_t positions,
                                                                      int64_t block_size) {

@@ -41,6 +41,7 @@ class CudaTransformer {
   bool first_stage() const;
   bool last_stage() const;
   size_t shard_weight_bytes() const;
+  size_t stage_weight_bytes() const;
 
   struct Impl;
 

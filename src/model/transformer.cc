@@ -255,14 +255,19 @@ absl::Status Transformer::Forward(std::vector<SequenceChunk>& chunks, KvCache& c
 
 absl::Status Transformer::GatherLogits(const std::vector<float>& local, int64_t rows,
                                        std::vector<float>& logits) {
-  const int T = options_.tp_size;
-  const int64_t V = config_.vocab_size, stride = logits_stride();
+  return GatherVocabSlices(local, rows, config_.vocab_size, options_.tp_size, options_.tp_comm,
+                           logits);
+}
+
+absl::Status GatherVocabSlices(const std::vector<float>& local, int64_t rows, int64_t V, int T,
+                               Communicator* comm, std::vector<float>& logits) {
   if (T == 1) {  // the stride is the vocabulary
     logits = local;
     return absl::OkStatus();
   }
+  const int64_t stride = (V + T - 1) / T;
   std::vector<float> all(T * rows * stride);
-  RETURN_IF_ERROR(options_.tp_comm->AllGather(local.data(), rows * stride, all.data()));
+  RETURN_IF_ERROR(comm->AllGather(local.data(), rows * stride, all.data()));
   logits.resize(rows * V);
   for (int m = 0; m < T; ++m) {
     const int64_t v0 = V * m / T, n = V * (m + 1) / T - v0;

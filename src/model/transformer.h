@@ -49,6 +49,12 @@ struct PreparedBatch {
 std::vector<std::vector<std::pair<int64_t, float>>> RouteExperts(const float* router, int64_t rows,
                                                                  int64_t E, int64_t top_k);
 
+// Gathers a TP group's vocab-parallel logit slices (`local`: rows x stride floats, stride =
+// ceil(V / T); rank m holds ids [V*m/T, V*(m+1)/T)) into rows x V full logits on every rank.
+// `comm` takes host pointers; null when T is 1.
+absl::Status GatherVocabSlices(const std::vector<float>& local, int64_t rows, int64_t V, int T,
+                               Communicator* comm, std::vector<float>& logits);
+
 class CudaTransformer;
 
 class Transformer {

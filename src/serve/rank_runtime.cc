@@ -22,9 +22,73 @@
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
+#ifdef SHARDSERVE_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#include "comm/nccl/nccl_comm.h"
+#include "model/cuda_transformer.h"
+#endif
 
 namespace shardserve {
 namespace {
+
+// One rank's share of the model on its backend, as the runtime drives it.
+class StageModel {
+ public:
+  virtual ~StageModel() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                                    const float* hidden_in, std::vector<float>& out) = 0;
+  virtual int64_t vocab_begin() const = 0;
+  virtual int64_t vocab_end() const = 0;
+  virtual int64_t logits_stride() const = 0;
+  virtual bool first_stage() const = 0;
+  virtual bool last_stage() const = 0;
+  virtual size_t shard_weight_bytes() const = 0;
+  virtual size_t stage_weight_bytes() const = 0;
+};
+
+template <typename M>
+class StageOf : public StageModel {
+ public:
+  explicit StageOf(std::unique_ptr<M> m) : m_(std::move(m)) {}
+  const ModelConfig& config() const override { return m_->config(); }
+  absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                            const float* hidden_in, std::vector<float>& out) override {
+    return m_->ForwardStage(chunks, cache, hidden_in, out);
+  }
+  int64_t vocab_begin() const override { return m_->vocab_begin(); }
+  int64_t vocab_end() const override { return m_->vocab_end(); }
+  int64_t logits_stride() const override { return m_->logits_stride(); }
+  bool first_stage() const override { return m_->first_stage(); }
+  bool last_stage() const override { return m_->last_stage(); }
+  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
+  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
+
+ private:
+  std::unique_ptr<M> m_;
+};
+
+// The backend this rank runs on: an explicit cpu or cuda, or auto.
+absl::StatusOr<bool> UseCuda(const std::string& backend) {
+#ifdef SHARDSERVE_WITH_CUDA
+  const bool gpu = cuda::DeviceCount() > 0;
+#else
+  const bool gpu = false;
+#endif
+  if (backend == "cpu") return false;
+  if (backend == "auto") return gpu;
+  if (backend == "cuda") {
+#ifndef SHARDSERVE_WITH_CUDA
+    return absl::FailedPreconditionError(
+        "SHARDSERVE_BACKEND=cuda, but this build has no CUDA backend (build with SHARDSERVE_CUDA)");
+#endif
+    if (!gpu)
+      return absl::FailedPreconditionError("SHARDSERVE_BACKEND=cuda, but no GPU is visible");
+    return true;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("SHARDSERVE_BACKEND '", backend, "' must be cpu, cuda or auto"));
+}
 
 using json = nlohmann::json;
 constexpr uint64_t kMaxMessage = 64ull << 20;
@@ -109,7 +173,7 @@ class Rank : public StepExecutor {
 
   absl::Status Init();
   absl::Status Follow();
-  const Transformer& model() const { return *model_; }
+  const StageModel& model() const { return *model_; }
   LeaderContext Context();
   // This rank gives up: every peer, over both communicators, learns the cause before the
   // connections close, so all ranks report the rank that actually failed.
@@ -145,7 +209,8 @@ class Rank : public StepExecutor {
   // The communicators as the runtime uses them: timed into the metrics.
   std::unique_ptr<Communicator> mesh_, tp_group_;
   std::unique_ptr<RankMetrics> metrics_;
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<Communicator> nccl_;  // the TP group on the GPUs (CUDA backend, tp > 1)
+  std::unique_ptr<StageModel> model_;
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
   std::map<int64_t, SamplingParams> params_;  // on the last stage
@@ -172,9 +237,18 @@ absl::Status Rank::Init() {
   ASSIGN_OR_RETURN(Socket data, Listen(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "", 0));
   const RankAddress self{rank, cfg_.host, data.port()};
   absl::StatusOr<WorldInfo> info;
+  ASSIGN_OR_RETURN(const bool cuda, UseCuda(cfg_.backend));
   if (world_.is_leader()) {
+    // On GPUs the leader makes one NCCL id per stage's TP group and hands them out here.
+    std::vector<std::string> blobs;
+#ifdef SHARDSERVE_WITH_CUDA
+    for (int s = 0; cuda && cfg_.tp > 1 && s < cfg_.pp; ++s) {
+      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
+      blobs.push_back(id.ToBlob());
+    }
+#endif
     ASSIGN_OR_RETURN(RendezvousServer server, RendezvousServer::Listen("", cfg_.leader_port));
-    info = server.Run(world_, self, {}, cfg_.startup_timeout);
+    info = server.Run(world_, self, blobs, cfg_.startup_timeout);
   } else {
     info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.startup_timeout);
   }
@@ -213,8 +287,30 @@ absl::Status Rank::Init() {
     o.tp_comm = tp_group_.get();
     o.layer_begin = split[cfg_.stage].begin;
     o.layer_end = split[cfg_.stage].end;
-    ASSIGN_OR_RETURN(model_, Transformer::Load(cfg_.model_path, o));
-    cache_ = model_->NewKvCache(cfg_.kv_cache_tokens);
+    if (!cuda) {
+      ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o));
+      cache_ = m->NewKvCache(cfg_.kv_cache_tokens);
+      model_ = std::make_unique<StageOf<Transformer>>(std::move(m));
+      return absl::OkStatus();
+    }
+#ifdef SHARDSERVE_WITH_CUDA
+    // A pod's T ranks use its T GPUs, rank t the t-th; the host TP group stays for the small
+    // exchanges of token choice, NCCL carries the activations.
+    const int device = cfg_.tp_rank % cuda::DeviceCount();
+    if (cfg_.tp > 1) {
+      if (static_cast<int>(info->blobs.size()) != cfg_.pp) {
+        return absl::InternalError("the leader handed out no NCCL id for this stage");
+      }
+      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::UniqueId::FromBlob(info->blobs[cfg_.stage]));
+      ASSIGN_OR_RETURN(nccl_, nccl::NcclCommunicator::Create(id, cfg_.tp, cfg_.tp_rank, device,
+                                                             cfg_.peer_timeout));
+      o.tp_comm = nccl_.get();
+    }
+    ASSIGN_OR_RETURN(auto m, CudaTransformer::Load(cfg_.model_path, o, device));
+    ASSIGN_OR_RETURN(cache_, m->NewKvCache(cfg_.kv_cache_tokens));
+    std::fprintf(stderr, "%s: CUDA backend on GPU %d\n", world_.Describe(rank).c_str(), device);
+    model_ = std::make_unique<StageOf<CudaTransformer>>(std::move(m));
+#endif
     return absl::OkStatus();
   }();
   if (!loaded.ok()) {
@@ -304,7 +400,7 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
                                                      top_k, tp_group_.get()));
     } else {
       std::vector<float> logits;
-      RETURN_IF_ERROR(model_->GatherLogits(out, S, logits));
+      RETURN_IF_ERROR(GatherVocabSlices(out, S, c.vocab_size, cfg_.tp, tp_group_.get(), logits));
       if (world_.rank() == LastSampler()) {
         for (int64_t s = 0; s < S; ++s) {
           if (!sample[s]) continue;
@@ -486,6 +582,9 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   }
   for (char& ch : c.job_id) {
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';
+  }
+  if (const char* backend = std::getenv("SHARDSERVE_BACKEND"); backend != nullptr && *backend) {
+    c.backend = backend;
   }
   return c;
 }

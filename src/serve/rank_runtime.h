@@ -47,6 +47,8 @@ struct RankConfig {
   int metrics_port = -1;  // -1: no /metrics server
   int microbatches = 0;   // 0: pp
   int threads = 1;
+  // SHARDSERVE_BACKEND: cpu, cuda, or auto (CUDA when this build has it and a GPU is visible).
+  std::string backend = "auto";
   int64_t kv_cache_tokens = 8192;
   int64_t max_sequence_length = 0;  // 0: the model's context
   std::chrono::milliseconds peer_timeout{2000};

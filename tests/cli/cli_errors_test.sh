@@ -66,6 +66,14 @@ printf 'items:\n- metadata: {name: n}\n  status: {allocatable: {nvidia.com/gpu: 
 expect_error "node n allocatable nvidia.com/gpu 'lots' is not a whole number" \
   "$BIN" plan -f "$EX/llama-70b.yaml" --nodes "$TMP/badnodes.yaml"
 
+# The backend of the ranks: a bad name, and CUDA where there is none (no GPU or no CUDA build).
+expect_error "SHARDSERVE_BACKEND 'tpu' must be cpu, cuda or auto" \
+  env SHARDSERVE_BACKEND=tpu "$BIN" generate --model "$TMP/m" --prompt hi --max-tokens 2 --tp 2
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" = 0 ]; then
+  expect_error "SHARDSERVE_BACKEND=cuda, but" \
+    env SHARDSERVE_BACKEND=cuda "$BIN" generate --model "$TMP/m" --prompt hi --max-tokens 2 --tp 2
+fi
+
 # Same seed, same output (but for the measured time).
 untimed() { sed 's/"timing":{[^}]*},\{0,1\}//'; }
 a=$("$BIN" generate --model "$TMP/m" --prompt "hello" --temperature 0.9 --seed 5 --max-tokens 8 --format json --ignore-eos | untimed)
