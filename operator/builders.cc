@@ -29,6 +29,14 @@ json OwnerReference(const ModelView& m) {
 
 json Labels(const ModelView& m) { return {{kModelLabel, m.model.name}}; }
 
+// metadata of an object the model owns (services, the network policy).
+json ChildMeta(const ModelView& m, const std::string& name) {
+  return {{"name", name},
+          {"namespace", m.model.namespace_},
+          {"labels", Labels(m)},
+          {"ownerReferences", json::array({OwnerReference(m)})}};
+}
+
 }  // namespace
 
 std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
@@ -210,11 +218,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
 json BuildWorkersService(const ModelView& m) {
   return {{"apiVersion", "v1"},
           {"kind", "Service"},
-          {"metadata",
-           {{"name", m.model.name + "-workers"},
-            {"namespace", m.model.namespace_},
-            {"labels", Labels(m)},
-            {"ownerReferences", json::array({OwnerReference(m)})}}},
+          {"metadata", ChildMeta(m, m.model.name + "-workers")},
           {"spec",
            {{"clusterIP", "None"},
             {"publishNotReadyAddresses", true},  // ranks find each other before they are ready
@@ -228,11 +232,7 @@ json BuildLeaderService(const ModelView& m) {
   return {
       {"apiVersion", "v1"},
       {"kind", "Service"},
-      {"metadata",
-       {{"name", m.model.name},
-        {"namespace", m.model.namespace_},
-        {"labels", Labels(m)},
-        {"ownerReferences", json::array({OwnerReference(m)})}}},
+      {"metadata", ChildMeta(m, m.model.name)},
       {"spec",
        {{"selector", selector},
         {"ports",
@@ -247,11 +247,7 @@ json BuildNetworkPolicy(const ModelView& m) {
   return {
       {"apiVersion", "networking.k8s.io/v1"},
       {"kind", "NetworkPolicy"},
-      {"metadata",
-       {{"name", m.model.name + "-workers"},
-        {"namespace", m.model.namespace_},
-        {"labels", Labels(m)},
-        {"ownerReferences", json::array({OwnerReference(m)})}}},
+      {"metadata", ChildMeta(m, m.model.name + "-workers")},
       {"spec",
        {{"podSelector", {{"matchLabels", Labels(m)}}},
         {"policyTypes", json::array({"Ingress"})},
