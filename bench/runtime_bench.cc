@@ -81,6 +81,21 @@ double FmaPeak(ThreadPool& pool) {
 
 }  // namespace
 
+DecodeCost DecodeCostOf(const ModelConfig& c, size_t weight_bytes) {
+  const double H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
+  const double per_layer_params =
+      H * c.q_dim() * 2 + H * c.kv_dim() * 2 +
+      (c.moe ? c.num_experts * 3 * H * I + c.num_experts * H : 3 * H * I);
+  DecodeCost d;
+  d.active_layer_params = H * c.q_dim() * 2 + H * c.kv_dim() * 2 +
+                          (c.moe ? c.experts_per_token * 3 * H * I : 3 * H * I);
+  d.bytes_per_param =
+      static_cast<double>(weight_bytes) /
+      (c.num_layers * per_layer_params + V * H * (c.tie_word_embeddings ? 1 : 2) + H);
+  d.weight_bytes_per_step = (c.num_layers * d.active_layer_params + V * H) * d.bytes_per_param;
+  return d;
+}
+
 absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a,
                    Args::Parse(argv, {"model", "threads", "decode-tokens", "prefill-tokens"}, {}));
@@ -91,17 +106,11 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
 
   ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
   const ModelConfig& c = model->config();
-  const double H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
-  const double per_layer_params =
-      H * c.q_dim() * 2 + H * c.kv_dim() * 2 +
-      (c.moe ? c.num_experts * 3 * H * I + c.num_experts * H : 3 * H * I);
-  const double active_layer_params = H * c.q_dim() * 2 + H * c.kv_dim() * 2 +
-                                     (c.moe ? c.experts_per_token * 3 * H * I : 3 * H * I);
-  const double bytes_per_param =
-      static_cast<double>(model->weight_bytes()) /
-      (c.num_layers * per_layer_params + V * H * (c.tie_word_embeddings ? 1 : 2) + H);
-  // Weights read per decoded token: every layer's active matrices plus the LM head.
-  const double decode_bytes = (c.num_layers * active_layer_params + V * H) * bytes_per_param;
+  const double H = c.hidden_size, V = c.vocab_size;
+  const DecodeCost cost = DecodeCostOf(c, model->weight_bytes());
+  const double bytes_per_param = cost.bytes_per_param;
+  const double active_layer_params = cost.active_layer_params;
+  const double decode_bytes = cost.weight_bytes_per_step;
 
   std::printf(
       "model: %s  layers %lld hidden %lld intermediate %lld heads %lld/%lld vocab %lld  "

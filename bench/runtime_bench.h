@@ -5,9 +5,19 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "model/config.h"
 
 namespace shardserve {
 
 absl::Status RunRuntimeBench(const std::vector<std::string>& argv);
+
+// Weight bytes one decode step reads (every layer's active matrices and the LM head), and the
+// parameters of one layer that a token goes through, from the model's shape and weight bytes.
+struct DecodeCost {
+  double bytes_per_param = 0;
+  double active_layer_params = 0;
+  double weight_bytes_per_step = 0;
+};
+DecodeCost DecodeCostOf(const ModelConfig& c, size_t weight_bytes);
 
 }  // namespace shardserve

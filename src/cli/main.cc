@@ -15,6 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/comm_bench.h"
+#ifdef SHARDSERVE_WITH_CUDA
+#include "bench/cuda_bench.h"
+#endif
 #include "bench/informer_bench.h"
 #include "bench/load_bench.h"
 #include "bench/runtime_bench.h"
@@ -54,6 +57,7 @@ commands:
              (--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)
   bench      [runtime] --model DIR [--threads N --decode-tokens N --prefill-tokens N]
   bench      allreduce [--processes N]
+  bench      cuda --model DIR [--batch 1,32 --steps N --prompt-tokens N]   (a GPU)
   bench      informer --kubeconfig PATH [--pods N --updates N --namespace NS]
   bench      load [--url HOST:PORT --model NAME --concurrency 1,4,16 --requests-per-client N
              --max-tokens N --prompt-tokens N --vocab N --rank-metrics HOST:PORT]
@@ -311,6 +315,13 @@ int Main(int argc, char** argv) {
     s = RunInformerBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "load") {
     s = RunLoadBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "cuda") {
+#ifdef SHARDSERVE_WITH_CUDA
+    s = RunCudaBench({rest.begin() + 1, rest.end()});
+#else
+    s = absl::FailedPreconditionError(
+        "this build has no CUDA backend (build with SHARDSERVE_CUDA)");
+#endif
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "runtime") {
     s = RunRuntimeBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench") {

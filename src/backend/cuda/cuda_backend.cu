@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/cuda/cuda_backend.h"
+#include "common/status.h"
 
 namespace shardserve::cuda {
 namespace {
@@ -354,6 +355,27 @@ int DeviceCount() {
 }
 
 absl::Status Synchronize() { return Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
+absl::StatusOr<double> CopyBandwidth(size_t bytes, int reps) {
+  ASSIGN_OR_RETURN(DeviceBuffer a, DeviceBuffer::Alloc(bytes));
+  ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Alloc(bytes));
+  cudaEvent_t start, stop;
+  RETURN_IF_CUDA(cudaEventCreate(&start), "cudaEventCreate");
+  RETURN_IF_CUDA(cudaEventCreate(&stop), "cudaEventCreate");
+  float best_ms = 1e30f;
+  for (int i = 0; i < reps + 1; ++i) {  // the first is a warm-up
+    RETURN_IF_CUDA(cudaEventRecord(start), "cudaEventRecord");
+    RETURN_IF_CUDA(cudaMemcpy(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    RETURN_IF_CUDA(cudaEventRecord(stop), "cudaEventRecord");
+    RETURN_IF_CUDA(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    RETURN_IF_CUDA(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    if (i > 0) best_ms = std::min(best_ms, ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 2.0 * static_cast<double>(bytes) / (best_ms / 1e3);
+}
 
 absl::Status Zero(void* p, size_t bytes) { return Check(cudaMemset(p, 0, bytes), "cudaMemset"); }
 

@@ -14,6 +14,9 @@ namespace shardserve::cuda {
 // Number of usable GPUs; 0 when there is no GPU or no driver.
 int DeviceCount();
 absl::Status Synchronize();
+// The device's memory bandwidth as a copy measures it: bytes read + written per second of
+// cudaMemcpy between two device buffers of `bytes` (best of `reps`).
+absl::StatusOr<double> CopyBandwidth(size_t bytes, int reps = 10);
 // Sets `bytes` of device memory at p to zero.
 absl::Status Zero(void* p, size_t bytes);
 

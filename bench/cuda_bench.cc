@@ -1,0 +1,85 @@
+#include "bench/cuda_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "backend/cuda/cuda_backend.h"
+#include "bench/runtime_bench.h"
+#include "common/args.h"
+#include "common/status.h"
+#include "model/cuda_transformer.h"
+
+namespace shardserve {
+
+absl::Status RunCudaBench(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "batch", "steps", "prompt-tokens"}, {}));
+  ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
+  ASSIGN_OR_RETURN(int64_t steps, a.GetInt("steps", 64));
+  ASSIGN_OR_RETURN(int64_t prompt, a.GetInt("prompt-tokens", 128));
+  std::vector<int64_t> batches;
+  for (absl::string_view b : absl::StrSplit(a.GetOr("batch", "1,32"), ',')) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(b, &n) || n < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--batch: '", b, "' is not a batch size"));
+    }
+    batches.push_back(n);
+  }
+  if (cuda::DeviceCount() == 0) {
+    return absl::FailedPreconditionError("no GPU visible: the CUDA decode benchmark needs one");
+  }
+  ASSIGN_OR_RETURN(double copy_bw, cuda::CopyBandwidth(size_t{1} << 30));
+  ASSIGN_OR_RETURN(auto model, CudaTransformer::Load(dir, {}));
+  const ModelConfig& c = model->config();
+  const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());
+  std::printf(
+      "model: %s layers %lld hidden %lld vocab %lld, weights %.2f GB; device copy "
+      "bandwidth %.0f GB/s (read + write of 1 GiB)\n",
+      c.architecture.c_str(), static_cast<long long>(c.num_layers),
+      static_cast<long long>(c.hidden_size), static_cast<long long>(c.vocab_size),
+      model->shard_weight_bytes() / 1e9, copy_bw / 1e9);
+  using Clock = std::chrono::steady_clock;
+  for (int64_t B : batches) {
+    ASSIGN_OR_RETURN(auto cache, model->NewKvCache(B * (prompt + steps + 32)));
+    std::vector<SequenceKv> kv(B);
+    std::vector<SequenceChunk> chunks(B);
+    for (int64_t s = 0; s < B; ++s) {
+      chunks[s].kv = &kv[s];
+      for (int64_t i = 0; i < prompt; ++i) {
+        chunks[s].tokens.push_back(static_cast<int32_t>((s * 7919 + i * 104729) % c.vocab_size));
+      }
+    }
+    std::vector<float> logits;
+    RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));  // prefill, also a warm-up
+    std::vector<double> times;
+    for (int64_t i = 0; i < steps; ++i) {
+      for (int64_t s = 0; s < B; ++s) {
+        const float* row = logits.data() + s * c.vocab_size;
+        chunks[s].tokens = {static_cast<int32_t>(std::max_element(row, row + c.vocab_size) - row)};
+      }
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));  // includes the logits' copy back
+      times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    std::sort(times.begin(), times.end());
+    const double step = times[times.size() / 2];
+    // Bytes per step: the weights once, and each sequence's K and V of every layer (F32).
+    const double context = static_cast<double>(prompt + steps / 2);
+    const double kv_bytes = static_cast<double>(B) * context * c.num_layers * 2.0 * c.num_kv_heads *
+                            c.head_dim * sizeof(float);
+    const double bytes = cost.weight_bytes_per_step + kv_bytes;
+    std::printf(
+        "decode batch %3lld: %8.1f tokens/s, inter-token latency %.2f ms (median of %lld "
+        "steps), %.2f GB/step (weights %.2f + KV %.2f) = %.0f GB/s = %.0f%% of copy "
+        "bandwidth\n",
+        static_cast<long long>(B), B / step, step * 1e3, static_cast<long long>(steps), bytes / 1e9,
+        cost.weight_bytes_per_step / 1e9, kv_bytes / 1e9, bytes / step / 1e9,
+        100.0 * bytes / step / copy_bw);
+    for (SequenceKv& s : kv) cache->Release(s);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve
