@@ -52,11 +52,6 @@ void EventRecorder::Record(const json& model, const Event& e) {
   cv_.notify_all();
 }
 
-void EventRecorder::Flush() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return queue_.empty() && in_flight_ == 0; });
-}
-
 void EventRecorder::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
@@ -64,7 +59,6 @@ void EventRecorder::Run() {
     if (queue_.empty()) return;  // stopping, and everything is posted
     auto [ns, event] = std::move(queue_.front());
     queue_.pop_front();
-    ++in_flight_;
     lock.unlock();
     auto r = client_->Create(k8s::kEvents, ns, event);
     if (!r.ok()) {
@@ -72,8 +66,6 @@ void EventRecorder::Run() {
                    event.value("reason", "").c_str(), std::string(r.status().message()).c_str());
     }
     lock.lock();
-    --in_flight_;
-    cv_.notify_all();
   }
 }
 

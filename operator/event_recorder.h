@@ -22,8 +22,6 @@ class EventRecorder {
 
   // `model` is the ShardedModel object the Event is about.
   void Record(const json& model, const Event& event);
-  // Blocks until every Event recorded so far has been posted (or dropped).
-  void Flush();
 
  private:
   void Run();
@@ -33,7 +31,6 @@ class EventRecorder {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<std::string, json>> queue_;  // namespace, Event
-  size_t in_flight_ = 0;
   bool stop_ = false;
   std::thread thread_;
 };

@@ -35,7 +35,6 @@ class LeaderElector {
   void Release();
 
   bool leading() const { return leading_.load(); }
-  const LeaderElectionOptions& options() const { return options_; }
 
  private:
   // One attempt; true when this process holds the lease afterwards.
