@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -243,8 +244,13 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t batch, a.GetInt("batch", 1));
   if (batch < 1) return absl::InvalidArgumentError("--batch must be at least 1");
   if (tp < 1 || pp < 1) return absl::InvalidArgumentError("--tp and --pp must be at least 1");
+  // One rank on the CPU runs in this process; a backend named in SHARDSERVE_BACKEND (other than
+  // cpu) goes through the rank runtime, which picks it.
+  const char* backend = std::getenv("SHARDSERVE_BACKEND");
+  const bool in_process =
+      tp * pp == 1 && (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
   std::unique_ptr<Transformer> model;
-  if (tp * pp == 1) {  // load first: a bad directory is reported as the model's problem
+  if (in_process) {  // load first: a bad directory is reported as the model's problem
     ASSIGN_OR_RETURN(model, Transformer::Load(dir, {static_cast<int>(threads)}));
   }
   ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::Load(dir));

@@ -53,11 +53,22 @@ absl::StatusOr<RendezvousServer> RendezvousServer::Listen(const std::string& hos
 absl::StatusOr<WorldInfo> RendezvousServer::Run(const WorldConfig& world, const RankAddress& self,
                                                 const std::vector<std::string>& blobs,
                                                 std::chrono::milliseconds timeout) {
+  return RunMakingBlobs(
+      world, self,
+      [&blobs](const std::vector<RankAddress>&) -> absl::StatusOr<std::vector<std::string>> {
+        return blobs;
+      },
+      timeout);
+}
+
+absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& world,
+                                                           const RankAddress& self,
+                                                           const BlobMaker& make_blobs,
+                                                           std::chrono::milliseconds timeout) {
   const int n = world.world_size();
   WorldInfo info;
   info.ranks.resize(n);
   info.ranks[0] = self;
-  info.blobs = blobs;
   std::map<int, Socket> joined;
   const Deadline deadline = std::chrono::steady_clock::now() + timeout;
   while (static_cast<int>(joined.size()) < n - 1) {
@@ -94,6 +105,14 @@ absl::StatusOr<WorldInfo> RendezvousServer::Run(const WorldConfig& world, const 
     info.ranks[rank] = {rank, m.value("host", ""), m.value("port", 0)};
     joined.emplace(rank, std::move(*conn));
   }
+  absl::StatusOr<std::vector<std::string>> blobs = make_blobs(info.ranks);
+  if (!blobs.ok()) {  // every rank learns why there is no world
+    const std::string why = absl::StrCat("the leader failed: ", blobs.status().message());
+    for (auto& [rank, conn] : joined)
+      (void)WriteMessage(conn, {{"type", "error"}, {"message", why}});
+    return blobs.status();
+  }
+  info.blobs = *std::move(blobs);
   const json reply = WorldJson(info);
   for (auto& [rank, conn] : joined) {
     if (absl::Status s = WriteMessage(conn, reply); !s.ok()) {

@@ -7,6 +7,7 @@
 // only when all ranks have registered, so all start together. Timeouts name the missing ranks;
 // a rank from another world shape, out of range or registered twice is refused with the reason.
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,14 @@ class RendezvousServer {
   absl::StatusOr<WorldInfo> Run(const WorldConfig& world, const RankAddress& self,
                                 const std::vector<std::string>& blobs,
                                 std::chrono::milliseconds timeout);
+  // The same, with blobs made once every rank's address is known (e.g. NCCL ids only for the
+  // links that will use NCCL); an error from `make_blobs` is returned, and every rank gets it
+  // instead of the world.
+  using BlobMaker =
+      std::function<absl::StatusOr<std::vector<std::string>>(const std::vector<RankAddress>&)>;
+  absl::StatusOr<WorldInfo> RunMakingBlobs(const WorldConfig& world, const RankAddress& self,
+                                           const BlobMaker& make_blobs,
+                                           std::chrono::milliseconds timeout);
 
  private:
   explicit RendezvousServer(Socket listener) : listener_(std::move(listener)) {}

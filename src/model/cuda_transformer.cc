@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "backend/cuda/cuda_backend.h"
 #include "common/status.h"
+#include "model/vocab_parallel.h"
 
 namespace shardserve {
 namespace {
@@ -15,17 +17,24 @@ struct DevMat {
   cuda::DeviceWeight w;
 };
 
-// A matrix view of the CPU model (a slice of a mapped file, or a column slice it owns) copied to
-// the device with its row stride.
+// A matrix view of the CPU model (rows of a mapped file, or a column slice of them) copied from
+// the mapping to a dense device matrix: only the view's columns travel.
 absl::StatusOr<DevMat> Upload(const cpu::WeightMatrix& m) {
   DevMat d;
   if (m.rows == 0) return d;
-  const size_t bytes = static_cast<size_t>(m.rows * m.row_stride) * DTypeSize(m.dtype);
-  ASSIGN_OR_RETURN(d.buf, cuda::DeviceBuffer::Alloc(bytes));
-  RETURN_IF_ERROR(d.buf.CopyFromHost(m.data, bytes));
-  d.w = {m.dtype, d.buf.data(), m.rows, m.cols, m.row_stride};
+  const size_t elem = DTypeSize(m.dtype);
+  ASSIGN_OR_RETURN(d.buf, cuda::DeviceBuffer::Alloc(static_cast<size_t>(m.rows * m.cols) * elem));
+  RETURN_IF_ERROR(cuda::Copy2D(d.buf.data(), m.cols * elem, m.data, m.row_stride * elem,
+                               m.cols * elem, m.rows));
+  d.w = {m.dtype, d.buf.data(), m.rows, m.cols, m.cols};
   return d;
 }
+
+// The device table of one projection's local expert matrices, for cuda::ExpertMatVec.
+struct ExpertTable {
+  cuda::DeviceBuffer ptrs;
+  cuda::ExpertWeights w;
+};
 
 // A float vector on the device; empty stays empty (an absent bias).
 absl::StatusOr<cuda::DeviceBuffer> Upload(const std::vector<float>& v) {
@@ -49,7 +58,8 @@ struct CudaTransformer::Impl {
   struct Layer {
     cuda::DeviceBuffer input_norm, post_norm, q_bias, k_bias, v_bias, o_bias;
     DevMat q, k, v, o, gate, up, down, router;
-    std::vector<Expert> experts;  // this rank's, from expert_begin_
+    std::vector<Expert> experts;                   // this rank's, from expert_begin_
+    ExpertTable gate_table, up_table, down_table;  // empty when the experts differ in dtype
   };
 
   std::unique_ptr<Transformer> cpu;  // shapes, sharding, batch preparation
@@ -61,7 +71,10 @@ struct CudaTransformer::Impl {
   std::vector<cuda::DeviceBuffer> kv_k, kv_v;  // per layer: [blocks][kv_heads][slot][hd]
   // Activations and batch layout, grown as batches grow.
   cuda::DeviceBuffer x, h, q, k, v, attn, o, g, u, d, in, router, ids, pos, table, offsets, sel,
-      weights, last, logits;
+      weights, routes, route_weights, last, logits, padded, gathered, full;
+  // The last Run: its rows and sequences (the rows of `logits` on the last stage); the rows of
+  // the input in x (-1: none given).
+  int64_t rows = 0, seqs = 0, input_rows = -1;
 
   absl::Status Grow(cuda::DeviceBuffer& b, size_t bytes) {
     if (b.size() >= bytes) return absl::OkStatus();
@@ -90,7 +103,29 @@ struct CudaTransformer::Impl {
   }
   absl::Status Mlp(const Layer& L, int64_t rows);
   absl::Status Moe(const Layer& L, int64_t rows);
+  absl::Status MoeGrouped(const Layer& L, int64_t rows);
 };
+
+namespace {
+
+// The table of one projection over a layer's local experts; empty unless they share a dtype.
+absl::StatusOr<ExpertTable> TableOf(const std::vector<DevMat*>& mats, int64_t expert_begin) {
+  ExpertTable t;
+  if (mats.empty()) return t;
+  std::vector<const void*> ptrs;
+  for (const DevMat* m : mats) {
+    if (m->w.dtype != mats[0]->w.dtype) return ExpertTable();
+    ptrs.push_back(m->w.data);
+  }
+  ASSIGN_OR_RETURN(t.ptrs, cuda::DeviceBuffer::Alloc(ptrs.size() * sizeof(void*)));
+  RETURN_IF_ERROR(t.ptrs.CopyFromHost(ptrs.data(), ptrs.size() * sizeof(void*)));
+  t.w = {mats[0]->w.dtype, static_cast<const void* const*>(t.ptrs.data()),
+         expert_begin,     static_cast<int64_t>(mats.size()),
+         mats[0]->w.rows,  mats[0]->w.cols};
+  return t;
+}
+
+}  // namespace
 
 CudaTransformer::CudaTransformer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaTransformer::~CudaTransformer() = default;
@@ -138,9 +173,19 @@ absl::StatusOr<std::unique_ptr<CudaTransformer>> CudaTransformer::Load(
       ASSIGN_OR_RETURN(x.down, Upload(L.experts[e].down));
       d.experts.push_back(std::move(x));
     }
+    std::vector<DevMat*> gates, ups, downs;
+    for (Impl::Expert& x : d.experts) {
+      gates.push_back(&x.gate);
+      ups.push_back(&x.up);
+      downs.push_back(&x.down);
+    }
+    ASSIGN_OR_RETURN(d.gate_table, TableOf(gates, t.expert_begin_));
+    ASSIGN_OR_RETURN(d.up_table, TableOf(ups, t.expert_begin_));
+    ASSIGN_OR_RETURN(d.down_table, TableOf(downs, t.expert_begin_));
     impl->layers.push_back(std::move(d));
   }
   RETURN_IF_ERROR(cuda::Synchronize());
+  t.weights_->DropResidentPages();  // on the device now; the host copy leaves this process
   return std::unique_ptr<CudaTransformer>(new CudaTransformer(std::move(impl)));
 }
 
@@ -181,26 +226,50 @@ absl::Status CudaTransformer::Impl::Mlp(const Layer& L, int64_t rows) {
 
 absl::Status CudaTransformer::Impl::Moe(const Layer& L, int64_t rows) {
   const ModelConfig& c = cpu->config();
-  const int64_t H = c.hidden_size, E = c.num_experts;
-  // Routing on the host: E router logits per row come back (small), the rows go out per expert.
+  const int64_t H = c.hidden_size, k = c.experts_per_token, slots = rows * k;
   RETURN_IF_ERROR(Gemm(L.router, h, rows, router));
-  std::vector<float> logits(rows * E);
-  RETURN_IF_ERROR(router.CopyToHost(logits.data(), logits.size() * sizeof(float)));
-  const auto assigned = RouteExperts(logits.data(), rows, E, c.experts_per_token);
+  RETURN_IF_ERROR(Grow(routes, static_cast<size_t>(slots) * sizeof(int32_t)));
+  RETURN_IF_ERROR(Grow(route_weights, static_cast<size_t>(slots) * sizeof(float)));
+  RETURN_IF_ERROR(cuda::RouteTopK(Ptr<float>(router), rows, c.num_experts, k, Ptr<int32_t>(routes),
+                                  Ptr<float>(route_weights)));
   RETURN_IF_ERROR(Grow(o, static_cast<size_t>(rows * H) * sizeof(float)));
+  const bool tables =
+      L.gate_table.w.count > 0 && L.up_table.w.count > 0 && L.down_table.w.count > 0;
+  if (!tables || slots > L.gate_table.w.count) return MoeGrouped(L, rows);
+  // Decode: one matrix-vector product per (row, chosen expert), experts read on the device.
+  const int64_t I = L.gate_table.w.rows;
+  RETURN_IF_ERROR(Grow(g, static_cast<size_t>(slots * I) * sizeof(float)));
+  RETURN_IF_ERROR(Grow(u, static_cast<size_t>(slots * I) * sizeof(float)));
+  RETURN_IF_ERROR(Grow(d, static_cast<size_t>(slots * H) * sizeof(float)));
+  const int32_t* e = Ptr<int32_t>(routes);
+  RETURN_IF_ERROR(cuda::ExpertMatVec(L.gate_table.w, e, slots, Ptr<float>(h), k, Ptr<float>(g)));
+  RETURN_IF_ERROR(cuda::ExpertMatVec(L.up_table.w, e, slots, Ptr<float>(h), k, Ptr<float>(u)));
+  RETURN_IF_ERROR(cuda::SiluMul(Ptr<float>(g), Ptr<float>(u), slots * I));
+  RETURN_IF_ERROR(cuda::ExpertMatVec(L.down_table.w, e, slots, Ptr<float>(g), 1, Ptr<float>(d)));
+  return cuda::CombineSlots(Ptr<float>(d), Ptr<float>(route_weights), rows, k, H, Ptr<float>(o));
+}
+
+// Larger batches: the routes come back (rows * k ids and weights) to group the rows of each
+// local expert, which then run as one cuBLAS GEMM each.
+absl::Status CudaTransformer::Impl::MoeGrouped(const Layer& L, int64_t rows) {
+  const ModelConfig& c = cpu->config();
+  const int64_t H = c.hidden_size, k = c.experts_per_token;
+  std::vector<int32_t> experts(rows * k);
+  std::vector<float> weight(rows * k);
+  RETURN_IF_ERROR(routes.CopyToHost(experts.data(), experts.size() * sizeof(int32_t)));
+  RETURN_IF_ERROR(route_weights.CopyToHost(weight.data(), weight.size() * sizeof(float)));
+  std::vector<std::vector<int32_t>> ids(c.num_experts);
+  std::vector<std::vector<float>> w(c.num_experts);
+  for (int64_t i = 0; i < rows * k; ++i) {
+    ids[experts[i]].push_back(static_cast<int32_t>(i / k));
+    w[experts[i]].push_back(weight[i]);
+  }
   RETURN_IF_ERROR(cuda::Zero(o.data(), static_cast<size_t>(rows * H) * sizeof(float)));
   for (int64_t e = cpu->expert_begin_; e < cpu->expert_end_; ++e) {
-    const auto& rows_e = assigned[e];
-    if (rows_e.empty()) continue;
-    const int64_t n = static_cast<int64_t>(rows_e.size());
-    std::vector<int32_t> ids(n);
-    std::vector<float> w(n);
-    for (int64_t j = 0; j < n; ++j) {
-      ids[j] = static_cast<int32_t>(rows_e[j].first);
-      w[j] = rows_e[j].second;
-    }
-    RETURN_IF_ERROR(Put(sel, ids));
-    RETURN_IF_ERROR(Put(weights, w));
+    if (ids[e].empty()) continue;
+    const int64_t n = static_cast<int64_t>(ids[e].size());
+    RETURN_IF_ERROR(Put(sel, ids[e]));
+    RETURN_IF_ERROR(Put(weights, w[e]));
     RETURN_IF_ERROR(Grow(in, static_cast<size_t>(n * H) * sizeof(float)));
     RETURN_IF_ERROR(cuda::GatherRows(Ptr<float>(h), H, Ptr<int32_t>(sel), n, Ptr<float>(in)));
     const Expert& x = L.experts[e - cpu->expert_begin_];
@@ -214,20 +283,42 @@ absl::Status CudaTransformer::Impl::Moe(const Layer& L, int64_t rows) {
   return absl::OkStatus();
 }
 
-absl::Status CudaTransformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                                           const float* hidden_in, std::vector<float>& out) {
+absl::Status CudaTransformer::HiddenFromHost(const float* hidden, int64_t rows) {
   Impl& m = *impl_;
+  const size_t bytes = static_cast<size_t>(rows * config().hidden_size) * sizeof(float);
+  RETURN_IF_ERROR(m.Grow(m.x, bytes));
+  RETURN_IF_ERROR(m.x.CopyFromHost(hidden, bytes));
+  m.input_rows = rows;
+  return absl::OkStatus();
+}
+
+absl::Status CudaTransformer::ReceiveHidden(Communicator& link, int peer, int64_t rows) {
+  Impl& m = *impl_;
+  const size_t bytes = static_cast<size_t>(rows * config().hidden_size) * sizeof(float);
+  RETURN_IF_ERROR(m.Grow(m.x, bytes));
+  RETURN_IF_ERROR(link.Recv(m.x.data(), bytes, peer));
+  m.input_rows = rows;
+  return absl::OkStatus();
+}
+
+absl::Status CudaTransformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache) {
+  Impl& m = *impl_;
+  m.rows = m.seqs = 0;
+  const int64_t input_rows = std::exchange(m.input_rows, -1);
   const Transformer& t = *m.cpu;
   const ModelConfig& c = t.config();
   const int64_t H = c.hidden_size, hd = c.head_dim;
   if (&cache != m.kv_for) {
     return absl::FailedPreconditionError("the KV cache must come from this model's NewKvCache");
   }
-  if (!first_stage() && hidden_in == nullptr) {
-    return absl::InvalidArgumentError("a stage after the first needs hidden states");
+  int64_t rows = 0;
+  for (const SequenceChunk& ch : chunks) rows += static_cast<int64_t>(ch.tokens.size());
+  if (!first_stage() && input_rows != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a stage after the first needs the hidden states of its ", rows,
+                     " rows (given: ", std::max<int64_t>(input_rows, 0), ")"));
   }
   ASSIGN_OR_RETURN(PreparedBatch batch, t.PrepareBatch(chunks, cache));
-  const int64_t rows = batch.rows;
   // The batch layout: token ids, positions, and each row's offset into the chunks' block tables.
   std::vector<int32_t> ids, pos(rows), table, offsets(rows);
   int64_t max_len = 0;
@@ -256,8 +347,6 @@ absl::Status CudaTransformer::ForwardStage(std::vector<SequenceChunk>& chunks, K
     RETURN_IF_ERROR(cuda::Embed(m.embed.w, Ptr<int32_t>(m.ids), rows, t.vocab_begin(),
                                 t.vocab_end(), Ptr<float>(m.x)));
     RETURN_IF_ERROR(m.AllReduce(Ptr<float>(m.x), rows * H));
-  } else {
-    RETURN_IF_ERROR(m.x.CopyFromHost(hidden_in, x_bytes));
   }
 
   const int64_t heads = t.heads_, kv_heads = t.kv_heads_;
@@ -298,27 +387,109 @@ absl::Status CudaTransformer::ForwardStage(std::vector<SequenceChunk>& chunks, K
     RETURN_IF_ERROR(cuda::Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
   }
   for (SequenceChunk& ch : chunks) ch.kv->length += static_cast<int64_t>(ch.tokens.size());
-
-  if (!last_stage()) {
-    out.resize(rows * H);
-    return m.x.CopyToHost(out.data(), x_bytes);
-  }
+  m.rows = rows;
+  m.seqs = static_cast<int64_t>(chunks.size());
+  if (!last_stage()) return absl::OkStatus();
   // Vocab-parallel LM head on each sequence's last row: this rank's slice of the logits.
-  const int64_t S = static_cast<int64_t>(chunks.size()), N = m.lm_head.w.rows;
+  const int64_t S = m.seqs;
   std::vector<int32_t> last(batch.last_row.begin(), batch.last_row.end());
   RETURN_IF_ERROR(m.Put(m.last, last));
   RETURN_IF_ERROR(m.Grow(m.in, static_cast<size_t>(S * H) * sizeof(float)));
   RETURN_IF_ERROR(cuda::GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), S, Ptr<float>(m.in)));
   RETURN_IF_ERROR(
       cuda::RmsNorm(Ptr<float>(m.in), S, H, Ptr<float>(m.final_norm), eps, Ptr<float>(m.h)));
-  RETURN_IF_ERROR(m.Gemm(m.lm_head, m.h, S, m.logits));
-  std::vector<float> slice(S * N);
-  RETURN_IF_ERROR(m.logits.CopyToHost(slice.data(), slice.size() * sizeof(float)));
-  out.assign(S * logits_stride(), 0.0f);
-  for (int64_t s = 0; s < S; ++s) {
-    std::copy_n(slice.data() + s * N, N, out.data() + s * logits_stride());
+  return m.Gemm(m.lm_head, m.h, S, m.logits);
+}
+
+absl::Status CudaTransformer::HiddenToHost(std::vector<float>& out) const {
+  const Impl& m = *impl_;
+  out.resize(m.rows * config().hidden_size);
+  return m.x.CopyToHost(out.data(), out.size() * sizeof(float));
+}
+
+absl::Status CudaTransformer::SendHidden(Communicator& link, int peer) {
+  const Impl& m = *impl_;
+  return link.Send(m.x.data(), static_cast<size_t>(m.rows * config().hidden_size) * sizeof(float),
+                   peer);
+}
+
+absl::Status CudaTransformer::LogitsToHost(std::vector<float>& out) const {
+  const Impl& m = *impl_;
+  const int64_t N = m.lm_head.w.rows, ld = logits_stride();
+  out.assign(m.seqs * ld, 0.0f);
+  return cuda::Copy2D(out.data(), ld * sizeof(float), m.logits.data(), N * sizeof(float),
+                      N * sizeof(float), m.seqs);
+}
+
+absl::StatusOr<std::vector<SampledToken>> CudaTransformer::Greedy(int64_t top_logprobs,
+                                                                  Communicator* tp_group) {
+  Impl& m = *impl_;
+  const int64_t N = m.lm_head.w.rows;
+  std::vector<float> mine(m.seqs * SummaryWidth(top_logprobs));
+  RETURN_IF_ERROR(cuda::VocabSummaries(*m.ctx, Ptr<float>(m.logits), m.seqs, N, N, vocab_begin(),
+                                       SummaryCandidates(top_logprobs), mine.data()));
+  return GreedyFromSummaries(mine, m.seqs, top_logprobs, tp_group);
+}
+
+absl::StatusOr<std::vector<SampledToken>> CudaTransformer::Sample(
+    const std::vector<Sampler*>& samplers, int64_t top_logprobs) {
+  Impl& m = *impl_;
+  const Transformer::Options& o = m.cpu->options_;
+  const int64_t S = m.seqs, V = config().vocab_size, N = m.lm_head.w.rows;
+  const float* logits = Ptr<float>(m.logits);
+  if (o.tp_size > 1) {
+    // Every rank's slice, padded to the stride, to every rank; then the rows of the vocabulary.
+    const int64_t T = o.tp_size, ld = logits_stride();
+    const size_t slice = static_cast<size_t>(S * ld) * sizeof(float);
+    RETURN_IF_ERROR(m.Grow(m.padded, slice));
+    RETURN_IF_ERROR(m.Grow(m.gathered, T * slice));
+    RETURN_IF_ERROR(m.Grow(m.full, static_cast<size_t>(S * V) * sizeof(float)));
+    RETURN_IF_ERROR(cuda::Copy2D(m.padded.data(), ld * sizeof(float), m.logits.data(),
+                                 N * sizeof(float), N * sizeof(float), S));
+    RETURN_IF_ERROR(o.tp_comm->AllGather(Ptr<float>(m.padded), S * ld, Ptr<float>(m.gathered)));
+    if (samplers.empty()) return std::vector<SampledToken>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t v0 = V * t / T, n = V * (t + 1) / T - v0;
+      RETURN_IF_ERROR(cuda::Copy2D(Ptr<float>(m.full) + v0, V * sizeof(float),
+                                   Ptr<float>(m.gathered) + t * S * ld, ld * sizeof(float),
+                                   n * sizeof(float), S));
+    }
+    logits = Ptr<float>(m.full);
+  } else if (samplers.empty()) {
+    return std::vector<SampledToken>();
   }
-  return absl::OkStatus();
+  if (static_cast<int64_t>(samplers.size()) != S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(samplers.size(), " generators for ", S, " sequences"));
+  }
+  std::vector<cuda::SampleSpec> specs(S);
+  for (int64_t s = 0; s < S; ++s) {
+    if (samplers[s] == nullptr) continue;  // not sampled now: a greedy row, its result unused
+    const SamplingParams& p = samplers[s]->params();
+    specs[s] = {p.temperature, p.top_p, static_cast<int32_t>(p.top_k), samplers[s]->NextDraw()};
+  }
+  const int64_t K = std::min(top_logprobs, V);
+  std::vector<int32_t> ids(S), top_ids(S * K);
+  std::vector<float> lps(S), top_lps(S * K);
+  RETURN_IF_ERROR(cuda::SampleRows(*m.ctx, logits, S, V, specs.data(), K, ids.data(), lps.data(),
+                                   top_ids.data(), top_lps.data()));
+  std::vector<SampledToken> out(S);
+  for (int64_t s = 0; s < S; ++s) {
+    out[s] = {ids[s], lps[s], {}};
+    for (int64_t j = 0; j < K; ++j) out[s].top.push_back({top_ids[s * K + j], top_lps[s * K + j]});
+  }
+  return out;
+}
+
+absl::Status CudaTransformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                                           const float* hidden_in, std::vector<float>& out) {
+  if (hidden_in != nullptr) {
+    int64_t rows = 0;
+    for (const SequenceChunk& ch : chunks) rows += static_cast<int64_t>(ch.tokens.size());
+    RETURN_IF_ERROR(HiddenFromHost(hidden_in, rows));
+  }
+  RETURN_IF_ERROR(Run(chunks, cache));
+  return last_stage() ? LogitsToHost(out) : HiddenToHost(out);
 }
 
 absl::Status CudaTransformer::Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,

@@ -171,6 +171,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return f;
 }
 
+void SafetensorsFile::DropResidentPages() const {
+  if (map_ != nullptr) ::madvise(map_, map_size_, MADV_DONTNEED);
+}
+
+void WeightStore::DropResidentPages() const {
+  for (const auto& f : files_) f->DropResidentPages();
+}
+
 SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) ::munmap(map_, map_size_);
 }

@@ -38,6 +38,9 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Unmaps the pages this process has touched (madvise MADV_DONTNEED): they leave its resident
+  // memory, the mapping stays valid, and a later read faults them in again from the page cache.
+  void DropResidentPages() const;
 
  private:
   SafetensorsFile() = default;
@@ -60,6 +63,8 @@ class WeightStore {
   absl::StatusOr<TensorView> Get(const std::string& name, const std::vector<int64_t>& shape) const;
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   size_t total_bytes() const;
+  // SafetensorsFile::DropResidentPages of every file (after the weights went to a GPU).
+  void DropResidentPages() const;
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

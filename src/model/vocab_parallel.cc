@@ -8,20 +8,17 @@
 
 namespace shardserve {
 
-absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* local, int64_t S,
-                                                                int64_t ld, int64_t vocab_begin,
-                                                                int64_t vocab_end,
-                                                                int64_t top_logprobs,
-                                                                Communicator* comm) {
-  const int64_t K = std::max<int64_t>(1, top_logprobs);
-  const int64_t width = 2 + 2 * K;  // max, sum, then K (logit, id) pairs
+namespace {
+bool Better(float la, int64_t ia, float lb, int64_t ib) { return la > lb || (la == lb && ia < ib); }
+}  // namespace
+
+std::vector<float> VocabSummaries(const float* local, int64_t S, int64_t ld, int64_t vocab_begin,
+                                  int64_t vocab_end, int64_t top_logprobs) {
+  const int64_t K = SummaryCandidates(top_logprobs), width = SummaryWidth(top_logprobs);
   const int64_t n = vocab_end - vocab_begin;
-  auto better = [](float la, int64_t ia, float lb, int64_t ib) {
-    return la > lb || (la == lb && ia < ib);
-  };
   std::vector<float> mine(S * width, -INFINITY);
   std::vector<int64_t> order(n);
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = 0; s < S && n > 0; ++s) {
     const float* row = local + s * ld;
     float* rec = mine.data() + s * width;
     const float mx = *std::max_element(row, row + n);
@@ -32,17 +29,25 @@ absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* loc
     const int64_t k = std::min(K, n);
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return better(row[a], a, row[b], b); });
+                      [&](int64_t a, int64_t b) { return Better(row[a], a, row[b], b); });
     for (int64_t j = 0; j < k; ++j) {
       rec[2 + 2 * j] = row[order[j]];
       rec[3 + 2 * j] = static_cast<float>(vocab_begin + order[j]);  // ids < 2^24 are exact
     }
   }
+  return mine;
+}
+
+absl::StatusOr<std::vector<SampledToken>> GreedyFromSummaries(const std::vector<float>& mine,
+                                                              int64_t S, int64_t top_logprobs,
+                                                              Communicator* comm) {
+  const int64_t K = SummaryCandidates(top_logprobs), width = SummaryWidth(top_logprobs);
   const int T = comm == nullptr ? 1 : comm->size();
-  std::vector<float> all(T * S * width);
+  std::vector<float> all;
   if (comm == nullptr) {
     all = mine;
   } else {
+    all.resize(T * S * width);
     RETURN_IF_ERROR(comm->AllGather(mine.data(), mine.size(), all.data()));
   }
   std::vector<SampledToken> out(S);
@@ -60,8 +65,9 @@ absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* loc
         cand.push_back({rec[2 + 2 * j], static_cast<int64_t>(rec[3 + 2 * j])});
       }
     }
+    if (cand.empty()) return absl::InternalError("no vocabulary slice holds a logit");
     std::sort(cand.begin(), cand.end(), [&](const auto& a, const auto& b) {
-      return better(a.first, a.second, b.first, b.second);
+      return Better(a.first, a.second, b.first, b.second);
     });
     const float log_z = gmax + static_cast<float>(std::log(z));
     out[s].id = static_cast<int32_t>(cand[0].second);
@@ -71,6 +77,15 @@ absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* loc
     }
   }
   return out;
+}
+
+absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* local, int64_t S,
+                                                                int64_t ld, int64_t vocab_begin,
+                                                                int64_t vocab_end,
+                                                                int64_t top_logprobs,
+                                                                Communicator* comm) {
+  return GreedyFromSummaries(VocabSummaries(local, S, ld, vocab_begin, vocab_end, top_logprobs), S,
+                             top_logprobs, comm);
 }
 
 }  // namespace shardserve

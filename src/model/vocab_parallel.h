@@ -13,8 +13,29 @@
 
 namespace shardserve {
 
-// local: S rows of this rank's logits for vocabulary ids [vocab_begin, vocab_end), row stride ld.
-// comm: the TP group (null for a single rank). top_logprobs: K alternatives to report.
+// The summary of one row: max, sum, then K = max(1, top_logprobs) (logit, id) pairs, best first
+// (ties to the lower id), -inf where the slice has fewer. The CUDA backend computes the same on
+// the device (cuda::VocabSummaries).
+inline int64_t SummaryCandidates(int64_t top_logprobs) {
+  return top_logprobs > 1 ? top_logprobs : 1;
+}
+inline int64_t SummaryWidth(int64_t top_logprobs) {
+  return 2 + 2 * SummaryCandidates(top_logprobs);
+}
+
+// The summaries of S rows of this rank's logits for vocabulary ids [vocab_begin, vocab_end), row
+// stride ld: S * SummaryWidth floats.
+std::vector<float> VocabSummaries(const float* local, int64_t S, int64_t ld, int64_t vocab_begin,
+                                  int64_t vocab_end, int64_t top_logprobs);
+
+// Every rank's summaries (one all-gather over comm, the TP group; null for a single rank) give
+// each row's greedy token, its log-probability and the top_logprobs alternatives.
+absl::StatusOr<std::vector<SampledToken>> GreedyFromSummaries(const std::vector<float>& mine,
+                                                              int64_t S, int64_t top_logprobs,
+                                                              Communicator* comm);
+
+// Both steps on host logits. local: S rows of this rank's logits for vocabulary ids
+// [vocab_begin, vocab_end), row stride ld.
 absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* local, int64_t S,
                                                                 int64_t ld, int64_t vocab_begin,
                                                                 int64_t vocab_end,

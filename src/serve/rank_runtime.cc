@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -31,42 +32,127 @@
 namespace shardserve {
 namespace {
 
-// One rank's share of the model on its backend, as the runtime drives it.
+// The transfers of hidden states between this rank and its counterparts (same tp_rank) in the
+// neighbouring stages: over the host mesh, or over a two-member NCCL link (the earlier stage is
+// member 0), device to device.
+struct StageLinks {
+  Communicator* mesh = nullptr;
+  std::optional<int> prev, next;  // world ranks, on the mesh
+  Communicator* nccl_prev = nullptr;
+  Communicator* nccl_next = nullptr;
+};
+
+// One rank's share of the model on its backend, as the runtime drives it: a step is Receive (a
+// stage after the first), Forward, then Pass (a stage before the last) or a token choice (the
+// last stage, every TP rank).
 class StageModel {
  public:
   virtual ~StageModel() = default;
   virtual const ModelConfig& config() const = 0;
-  virtual absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                                    const float* hidden_in, std::vector<float>& out) = 0;
-  virtual int64_t vocab_begin() const = 0;
-  virtual int64_t vocab_end() const = 0;
-  virtual int64_t logits_stride() const = 0;
+  virtual absl::Status Receive(int64_t rows, const StageLinks& links) = 0;
+  virtual absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) = 0;
+  virtual absl::Status Pass(const StageLinks& links) = 0;
+  // Each sequence's greedy token with top_logprobs alternatives, from the vocab slices.
+  virtual absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
+                                                           Communicator* tp_group) = 0;
+  // Each sequence's token from its generator (samplers[s]; null: not sampled now) on the rank
+  // that holds them; the others pass an empty vector but take part in gathering the logits.
+  virtual absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
+                                                           int64_t top_logprobs,
+                                                           Communicator* tp_group) = 0;
   virtual bool first_stage() const = 0;
   virtual bool last_stage() const = 0;
   virtual size_t shard_weight_bytes() const = 0;
   virtual size_t stage_weight_bytes() const = 0;
 };
 
-template <typename M>
-class StageOf : public StageModel {
+// The CPU backend: everything in host memory, hidden states over the mesh.
+class CpuStage : public StageModel {
  public:
-  explicit StageOf(std::unique_ptr<M> m) : m_(std::move(m)) {}
+  explicit CpuStage(std::unique_ptr<Transformer> m) : m_(std::move(m)) {}
   const ModelConfig& config() const override { return m_->config(); }
-  absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                            const float* hidden_in, std::vector<float>& out) override {
-    return m_->ForwardStage(chunks, cache, hidden_in, out);
+  absl::Status Receive(int64_t rows, const StageLinks& links) override {
+    in_.resize(rows * config().hidden_size);
+    return links.mesh->Recv(in_.data(), in_.size() * sizeof(float), *links.prev);
   }
-  int64_t vocab_begin() const override { return m_->vocab_begin(); }
-  int64_t vocab_end() const override { return m_->vocab_end(); }
-  int64_t logits_stride() const override { return m_->logits_stride(); }
+  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
+    seqs_ = static_cast<int64_t>(chunks.size());
+    return m_->ForwardStage(chunks, cache, first_stage() ? nullptr : in_.data(), out_);
+  }
+  absl::Status Pass(const StageLinks& links) override {
+    return links.mesh->Send(out_.data(), out_.size() * sizeof(float), *links.next);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
+                                                   Communicator* tp_group) override {
+    return GreedyFromVocabSlices(out_.data(), seqs_, m_->logits_stride(), m_->vocab_begin(),
+                                 m_->vocab_end(), top_logprobs, tp_group);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
+                                                   int64_t top_logprobs,
+                                                   Communicator* tp_group) override {
+    // Gathered so that a seed gives the same tokens at every TP size.
+    const ModelConfig& c = config();
+    std::vector<float> logits;
+    RETURN_IF_ERROR(GatherVocabSlices(
+        out_, seqs_, c.vocab_size, tp_group == nullptr ? 1 : tp_group->size(), tp_group, logits));
+    std::vector<SampledToken> tokens(samplers.size());
+    for (size_t s = 0; s < samplers.size(); ++s) {
+      if (samplers[s] != nullptr) {
+        tokens[s] = samplers[s]->Sample(logits.data() + s * c.vocab_size, c.vocab_size);
+      }
+    }
+    return tokens;
+  }
   bool first_stage() const override { return m_->first_stage(); }
   bool last_stage() const override { return m_->last_stage(); }
   size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
   size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
 
  private:
-  std::unique_ptr<M> m_;
+  std::unique_ptr<Transformer> m_;
+  std::vector<float> in_, out_;
+  int64_t seqs_ = 0;
 };
+
+#ifdef SHARDSERVE_WITH_CUDA
+// The CUDA backend: activations and logits stay on the GPU; hidden states go device to device
+// over an NCCL link where the neighbour has one, through host memory over the mesh otherwise.
+class CudaStage : public StageModel {
+ public:
+  explicit CudaStage(std::unique_ptr<CudaTransformer> m) : m_(std::move(m)) {}
+  const ModelConfig& config() const override { return m_->config(); }
+  absl::Status Receive(int64_t rows, const StageLinks& links) override {
+    if (links.nccl_prev != nullptr) return m_->ReceiveHidden(*links.nccl_prev, 0, rows);
+    std::vector<float> in(rows * config().hidden_size);
+    RETURN_IF_ERROR(links.mesh->Recv(in.data(), in.size() * sizeof(float), *links.prev));
+    return m_->HiddenFromHost(in.data(), rows);
+  }
+  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
+    return m_->Run(chunks, cache);
+  }
+  absl::Status Pass(const StageLinks& links) override {
+    if (links.nccl_next != nullptr) return m_->SendHidden(*links.nccl_next, 1);
+    std::vector<float> out;
+    RETURN_IF_ERROR(m_->HiddenToHost(out));
+    return links.mesh->Send(out.data(), out.size() * sizeof(float), *links.next);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
+                                                   Communicator* tp_group) override {
+    return m_->Greedy(top_logprobs, tp_group);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
+                                                   int64_t top_logprobs, Communicator*) override {
+    return m_->Sample(samplers, top_logprobs);
+  }
+  bool first_stage() const override { return m_->first_stage(); }
+  bool last_stage() const override { return m_->last_stage(); }
+  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
+  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
+
+ private:
+  std::unique_ptr<CudaTransformer> m_;
+};
+#endif
 
 // The backend this rank runs on: an explicit cpu or cuda, or auto.
 absl::StatusOr<bool> UseCuda(const std::string& backend) {
@@ -179,6 +265,9 @@ class Rank : public StepExecutor {
   // connections close, so all ranks report the rank that actually failed.
   absl::Status AbortAll(const absl::Status& s) {
     if (metrics_) metrics_->SetUp(false);
+    for (Communicator* c : {nccl_tp_.get(), nccl_prev_.get(), nccl_next_.get()}) {
+      if (c != nullptr) (void)c->Abort(s);
+    }
     if (tp_comm_) (void)tp_comm_->Abort(s);
     if (world_comm_) (void)world_comm_->Abort(s);
     return s;
@@ -196,6 +285,16 @@ class Rank : public StepExecutor {
   // tp_rank 0 (every step has one, possibly empty) and null elsewhere.
   absl::StatusOr<json> ProcessStep(const json& desc);
   int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
+  StageLinks Links() const {
+    return {mesh_.get(), world_.PrevStageRank(), world_.NextStageRank(), gpu_prev_.get(),
+            gpu_next_.get()};
+  }
+  // The blobs of the rendezvous on the CUDA backend: an NCCL id per stage's TP group (tp > 1),
+  // then one per link (stage s, tp_rank t) -> (s + 1, t) at pp + s * tp + t; empty where unused.
+  absl::StatusOr<std::vector<std::string>> NcclIds(bool cuda,
+                                                   const std::vector<RankAddress>& ranks) const;
+  int DeviceOf(int rank) const;
+  absl::Status JoinNccl(const WorldInfo& info, int device);
   void ReportCacheUsage() {
     if (!metrics_) return;
     metrics_->SetKvCacheUsage(1.0 - static_cast<double>(cache_->free_blocks()) /
@@ -209,7 +308,11 @@ class Rank : public StepExecutor {
   // The communicators as the runtime uses them: timed into the metrics.
   std::unique_ptr<Communicator> mesh_, tp_group_;
   std::unique_ptr<RankMetrics> metrics_;
-  std::unique_ptr<Communicator> nccl_;  // the TP group on the GPUs (CUDA backend, tp > 1)
+  // The CUDA backend's NCCL communicators: the stage's TP group (tp > 1) and the links to the
+  // same tp_rank of the previous and next stage (where the two ranks are on different GPUs);
+  // the gpu_ ones are the same, timed into the metrics.
+  std::unique_ptr<Communicator> nccl_tp_, nccl_prev_, nccl_next_;
+  std::unique_ptr<Communicator> gpu_tp_, gpu_prev_, gpu_next_;
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
@@ -217,6 +320,83 @@ class Rank : public StepExecutor {
   std::map<int64_t, Sampler> samplers_;       // on the last stage's tp_rank 0
   std::deque<StepResult> ready_;              // the leader's own results (PP = 1)
 };
+
+// Ranks on one host take its GPUs in rank order: a pod's T ranks its T GPUs (rank t of the stage
+// the t-th), `shardserve local` the machine's, wrapping around when there are fewer.
+int Rank::DeviceOf(int rank) const {
+#ifdef SHARDSERVE_WITH_CUDA
+  const int n = cuda::DeviceCount();
+  return n > 0 ? rank % n : 0;
+#else
+  return rank;
+#endif
+}
+
+absl::StatusOr<std::vector<std::string>> Rank::NcclIds(
+    bool cuda, const std::vector<RankAddress>& ranks) const {
+  std::vector<std::string> blobs;
+#ifdef SHARDSERVE_WITH_CUDA
+  if (!cuda) return blobs;
+  const int tp = cfg_.tp, pp = cfg_.pp;
+  blobs.resize(pp + (pp - 1) * tp);
+  for (int s = 0; tp > 1 && s < pp; ++s) {
+    ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
+    blobs[s] = id.ToBlob();
+  }
+  for (int s = 0; s + 1 < pp; ++s) {
+    for (int t = 0; t < tp; ++t) {
+      // Two ranks on one GPU cannot share an NCCL communicator: their link stays on the host.
+      const int a = world_.RankOf(s, t), b = world_.RankOf(s + 1, t);
+      if (ranks[a].host == ranks[b].host && DeviceOf(a) == DeviceOf(b)) continue;
+      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
+      blobs[pp + s * tp + t] = id.ToBlob();
+    }
+  }
+#else
+  (void)cuda;
+  (void)ranks;
+#endif
+  return blobs;
+}
+
+absl::Status Rank::JoinNccl(const WorldInfo& info, int device) {
+#ifdef SHARDSERVE_WITH_CUDA
+  const int tp = cfg_.tp, pp = cfg_.pp, s = cfg_.stage, t = cfg_.tp_rank;
+  if (static_cast<int>(info.blobs.size()) != pp + (pp - 1) * tp) {
+    return absl::InternalError(absl::StrCat("the leader handed out ", info.blobs.size(),
+                                            " NCCL ids for ", pp, " stages of ", tp, " ranks"));
+  }
+  auto observe = [this](const char* op, double seconds, size_t bytes) {
+    if (metrics_) metrics_->ObserveComm(op, seconds, bytes);
+  };
+  // Joined in one order on every rank: the stage's group, the link from the previous stage, the
+  // link to the next; stage 0 has no previous link, so no rank waits on one still joining.
+  auto join = [&](const std::string& blob, int size, int member, std::unique_ptr<Communicator>& raw,
+                  std::unique_ptr<Communicator>& timed) -> absl::Status {
+    if (blob.empty()) return absl::OkStatus();
+    ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::UniqueId::FromBlob(blob));
+    ASSIGN_OR_RETURN(raw, nccl::NcclCommunicator::Create(id, size, member, device,
+                                                         cfg_.peer_timeout, cfg_.startup_timeout));
+    timed = std::make_unique<ObservedCommunicator>(raw.get(), observe);
+    return absl::OkStatus();
+  };
+  if (tp > 1) {
+    if (cuda::DeviceCount() < tp) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor parallelism of ", tp, " on the CUDA backend needs ", tp,
+          " GPUs on the stage's node (one per rank); ", cuda::DeviceCount(), " visible"));
+    }
+    RETURN_IF_ERROR(join(info.blobs[s], tp, t, nccl_tp_, gpu_tp_));
+  }
+  if (s > 0) RETURN_IF_ERROR(join(info.blobs[pp + (s - 1) * tp + t], 2, 1, nccl_prev_, gpu_prev_));
+  if (s + 1 < pp) RETURN_IF_ERROR(join(info.blobs[pp + s * tp + t], 2, 0, nccl_next_, gpu_next_));
+  return absl::OkStatus();
+#else
+  (void)info;
+  (void)device;
+  return absl::OkStatus();
+#endif
+}
 
 absl::Status Rank::Init() {
   const int rank = world_.rank();
@@ -239,16 +419,10 @@ absl::Status Rank::Init() {
   absl::StatusOr<WorldInfo> info;
   ASSIGN_OR_RETURN(const bool cuda, UseCuda(cfg_.backend));
   if (world_.is_leader()) {
-    // On GPUs the leader makes one NCCL id per stage's TP group and hands them out here.
-    std::vector<std::string> blobs;
-#ifdef SHARDSERVE_WITH_CUDA
-    for (int s = 0; cuda && cfg_.tp > 1 && s < cfg_.pp; ++s) {
-      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
-      blobs.push_back(id.ToBlob());
-    }
-#endif
     ASSIGN_OR_RETURN(RendezvousServer server, RendezvousServer::Listen("", cfg_.leader_port));
-    info = server.Run(world_, self, blobs, cfg_.startup_timeout);
+    info = server.RunMakingBlobs(
+        world_, self, [&](const std::vector<RankAddress>& ranks) { return NcclIds(cuda, ranks); },
+        cfg_.startup_timeout);
   } else {
     info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.startup_timeout);
   }
@@ -290,26 +464,19 @@ absl::Status Rank::Init() {
     if (!cuda) {
       ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o));
       cache_ = m->NewKvCache(cfg_.kv_cache_tokens);
-      model_ = std::make_unique<StageOf<Transformer>>(std::move(m));
+      model_ = std::make_unique<CpuStage>(std::move(m));
       return absl::OkStatus();
     }
 #ifdef SHARDSERVE_WITH_CUDA
-    // A pod's T ranks use its T GPUs, rank t the t-th; the host TP group stays for the small
-    // exchanges of token choice, NCCL carries the activations.
-    const int device = cfg_.tp_rank % cuda::DeviceCount();
-    if (cfg_.tp > 1) {
-      if (static_cast<int>(info->blobs.size()) != cfg_.pp) {
-        return absl::InternalError("the leader handed out no NCCL id for this stage");
-      }
-      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::UniqueId::FromBlob(info->blobs[cfg_.stage]));
-      ASSIGN_OR_RETURN(nccl_, nccl::NcclCommunicator::Create(id, cfg_.tp, cfg_.tp_rank, device,
-                                                             cfg_.peer_timeout));
-      o.tp_comm = nccl_.get();
-    }
+    // The host TP group stays for the small exchanges of token choice; NCCL carries the
+    // activations within the stage and, over links, to the neighbouring stages.
+    const int device = DeviceOf(rank);
+    RETURN_IF_ERROR(JoinNccl(*info, device));
+    if (gpu_tp_) o.tp_comm = gpu_tp_.get();
     ASSIGN_OR_RETURN(auto m, CudaTransformer::Load(cfg_.model_path, o, device));
     ASSIGN_OR_RETURN(cache_, m->NewKvCache(cfg_.kv_cache_tokens));
     std::fprintf(stderr, "%s: CUDA backend on GPU %d\n", world_.Describe(rank).c_str(), device);
-    model_ = std::make_unique<StageOf<CudaTransformer>>(std::move(m));
+    model_ = std::make_unique<CudaStage>(std::move(m));
 #endif
     return absl::OkStatus();
   }();
@@ -363,15 +530,10 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
                  ? json{{"mb", desc.at("mb")}, {"results", json::array()}}
                  : json();
     }
-    std::vector<float> hidden_in, out;
-    if (!model_->first_stage()) {
-      hidden_in.resize(rows * c.hidden_size);
-      RETURN_IF_ERROR(
-          mesh_->Recv(hidden_in.data(), hidden_in.size() * sizeof(float), *world_.PrevStageRank()));
-    }
+    const StageLinks links = Links();
+    if (!model_->first_stage()) RETURN_IF_ERROR(model_->Receive(rows, links));
     const auto t0 = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(
-        model_->ForwardStage(chunks, *cache_, hidden_in.empty() ? nullptr : hidden_in.data(), out));
+    RETURN_IF_ERROR(model_->Forward(chunks, *cache_));
     if (metrics_) {
       metrics_->ObserveForward(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -379,7 +541,7 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
     }
     ReportCacheUsage();
     if (!model_->last_stage()) {
-      RETURN_IF_ERROR(mesh_->Send(out.data(), out.size() * sizeof(float), *world_.NextStageRank()));
+      RETURN_IF_ERROR(model_->Pass(links));
       return json();
     }
     // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
@@ -393,20 +555,16 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
       greedy &= params_.at(ids[s]).temperature == 0.0f;
       top_k = std::max(top_k, params_.at(ids[s]).top_logprobs);
     }
-    std::vector<SampledToken> tokens(S);
+    std::vector<SampledToken> tokens;
     if (greedy) {
-      ASSIGN_OR_RETURN(tokens, GreedyFromVocabSlices(out.data(), S, model_->logits_stride(),
-                                                     model_->vocab_begin(), model_->vocab_end(),
-                                                     top_k, tp_group_.get()));
+      ASSIGN_OR_RETURN(tokens, model_->Greedy(top_k, tp_group_.get()));
     } else {
-      std::vector<float> logits;
-      RETURN_IF_ERROR(GatherVocabSlices(out, S, c.vocab_size, cfg_.tp, tp_group_.get(), logits));
+      std::vector<Sampler*> samplers;
       if (world_.rank() == LastSampler()) {
-        for (int64_t s = 0; s < S; ++s) {
-          if (!sample[s]) continue;
-          tokens[s] = samplers_.at(ids[s]).Sample(logits.data() + s * c.vocab_size, c.vocab_size);
-        }
+        for (int64_t s = 0; s < S; ++s)
+          samplers.push_back(sample[s] ? &samplers_.at(ids[s]) : nullptr);
       }
+      ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k, tp_group_.get()));
     }
     if (world_.rank() != LastSampler()) return json();
     json results = json::array();

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
 
 #include "absl/strings/str_cat.h"
 #include "backend/cuda/cuda_backend.h"
@@ -161,32 +163,73 @@ __global__ void WriteKvKernel(float* kc, float* vc, int64_t kv_heads, int64_t bs
   }
 }
 
-__device__ float BlockMax(float v, float* shared) {
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_down_sync(0xffffffff, v, off));
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+template <typename T>
+struct SumOp {
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct MinOp {
+  __device__ long long operator()(long long a, long long b) const { return a < b ? a : b; }
+};
+
+// A reduction over the block (blockDim.x a multiple of 32); every thread gets the result.
+// `shared` holds 32 values of T.
+template <typename T, typename Op>
+__device__ T BlockReduce(T v, Op op, T identity, T* shared) {
+  for (int off = 16; off > 0; off /= 2) v = op(v, __shfl_down_sync(0xffffffff, v, off));
   if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = v;
   __syncthreads();
   if (threadIdx.x < 32) {
-    v = threadIdx.x < blockDim.x / 32 ? shared[threadIdx.x] : -FLT_MAX;
-    for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_down_sync(0xffffffff, v, off));
+    v = threadIdx.x < blockDim.x / 32 ? shared[threadIdx.x] : identity;
+    for (int off = 16; off > 0; off /= 2) v = op(v, __shfl_down_sync(0xffffffff, v, off));
     if (threadIdx.x == 0) shared[0] = v;
   }
   __syncthreads();
-  const float out = shared[0];
+  const T out = shared[0];
   __syncthreads();
   return out;
 }
 
+__device__ float BlockMax(float v, float* shared) {
+  return BlockReduce(v, MaxOp{}, -FLT_MAX, shared);
+}
 __device__ float BlockSum(float v, float* shared) {
-  for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffff, v, off);
-  if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = v;
+  return BlockReduce(v, SumOp<float>{}, 0.f, shared);
+}
+
+// A logit and its id, ordered as the CPU sampler orders them: larger first, ties to the lower id.
+struct Cand {
+  float v;
+  int32_t i;
+};
+__device__ __forceinline__ bool Before(float av, int64_t ai, float bv, int64_t bi) {
+  return av > bv || (av == bv && ai < bi);
+}
+
+// The first of row[0..n) in that order among those after `prev`; i == INT32_MAX if none.
+// `shared` holds 32 candidates.
+__device__ Cand BlockBestAfter(const float* row, int64_t n, Cand prev, Cand* shared) {
+  Cand b{-INFINITY, INT32_MAX};
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = row[i];
+    if (Before(prev.v, prev.i, v, i) && Before(v, i, b.v, b.i)) b = {v, static_cast<int32_t>(i)};
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    const float ov = __shfl_down_sync(0xffffffff, b.v, off);
+    const int32_t oi = __shfl_down_sync(0xffffffff, b.i, off);
+    if (Before(ov, oi, b.v, b.i)) b = {ov, oi};
+  }
+  if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = b;
   __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < blockDim.x / 32 ? shared[threadIdx.x] : 0.f;
-    for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffff, v, off);
-    if (threadIdx.x == 0) shared[0] = v;
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
+      if (Before(shared[w].v, shared[w].i, shared[0].v, shared[0].i)) shared[0] = shared[w];
+    }
   }
   __syncthreads();
-  const float out = shared[0];
+  const Cand out = shared[0];
   __syncthreads();
   return out;
 }
@@ -230,61 +273,183 @@ __global__ void AttentionKernel(const float* kc, const float* vc, int64_t kv_hea
   }
 }
 
-// One block per row: log-sum-exp, then k rounds of "the largest below the previous pick" (ties
-// broken towards the lower id, as the CPU sampler orders them).
-__global__ void TopKKernel(const float* logits, int64_t V, int64_t k, int32_t* ids,
-                           float* logprobs) {
-  __shared__ float shared[32];
-  __shared__ float best_v[32];
-  __shared__ int32_t best_i[32];
-  const float* row = logits + blockIdx.x * V;
-  float mx = -FLT_MAX;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, row[i]);
-  mx = BlockMax(mx, shared);
-  float sum = 0;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) sum += expf(row[i] - mx);
-  sum = BlockSum(sum, shared);
-  const float lse = mx + logf(sum);
-  float prev_v = FLT_MAX;
-  int32_t prev_i = -1;
-  for (int64_t j = 0; j < k; ++j) {
-    float bv = -FLT_MAX;
-    int32_t bi = INT32_MAX;
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-      const float v = row[i];
-      const bool after = v < prev_v || (v == prev_v && i > prev_i);  // not yet picked
-      if (after && (v > bv || (v == bv && i < bi))) {
-        bv = v;
-        bi = static_cast<int32_t>(i);
-      }
-    }
-    for (int off = 16; off > 0; off /= 2) {
-      const float ov = __shfl_down_sync(0xffffffff, bv, off);
-      const int32_t oi = __shfl_down_sync(0xffffffff, bi, off);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (threadIdx.x % 32 == 0) {
-      best_v[threadIdx.x / 32] = bv;
-      best_i[threadIdx.x / 32] = bi;
-    }
-    __syncthreads();
+// One block per row: max, sum of exp(logit - max) (double, as the host), then K rounds of "the
+// best after the previous pick".
+__global__ void VocabSummaryKernel(const float* logits, int64_t ld, int64_t n, int64_t vocab_begin,
+                                   int64_t K, float* out) {
+  __shared__ float fsh[32];
+  __shared__ double dsh[32];
+  __shared__ Cand csh[32];
+  const float* row = logits + blockIdx.x * ld;
+  float* rec = out + blockIdx.x * (2 + 2 * K);
+  float mx = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, row[i]);
+  mx = BlockReduce(mx, MaxOp{}, -INFINITY, fsh);
+  double sum = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    sum += exp(static_cast<double>(row[i] - mx));
+  sum = BlockReduce(sum, SumOp<double>{}, 0.0, dsh);
+  if (threadIdx.x == 0) {
+    rec[0] = mx;
+    rec[1] = static_cast<float>(sum);
+  }
+  Cand prev{INFINITY, -1};
+  for (int64_t j = 0; j < K; ++j) {
+    const Cand c = BlockBestAfter(row, n, prev, csh);
     if (threadIdx.x == 0) {
-      for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
-        if (best_v[w] > best_v[0] || (best_v[w] == best_v[0] && best_i[w] < best_i[0])) {
-          best_v[0] = best_v[w];
-          best_i[0] = best_i[w];
-        }
-      }
-      ids[blockIdx.x * k + j] = best_i[0];
-      logprobs[blockIdx.x * k + j] = best_v[0] - lse;
+      const bool found = c.i != INT32_MAX;
+      rec[2 + 2 * j] = found ? c.v : -INFINITY;
+      rec[3 + 2 * j] = found ? static_cast<float>(vocab_begin + c.i) : -INFINITY;
     }
-    __syncthreads();
-    prev_v = best_v[0];
-    prev_i = best_i[0];
-    __syncthreads();
+    prev = c;
+  }
+}
+
+__global__ void IotaRowsKernel(int32_t* ids, int64_t rows, int64_t V, int32_t* offsets) {
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * V;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    ids[i] = static_cast<int32_t>(i % V);
+    if (i % V == 0) offsets[i / V] = static_cast<int32_t>(i);
+    if (i == rows * V - 1) offsets[rows] = static_cast<int32_t>(rows * V);
+  }
+}
+
+constexpr int kSampleThreads = 256;
+using SampleScan = cub::BlockScan<double, kSampleThreads>;
+
+// The first i < limit whose inclusive prefix sum of weight(i) satisfies `past` (a predicate that
+// stays true once true), and that prefix sum; limit if none. All threads of the block call it.
+template <typename Weight, typename Past>
+__device__ int64_t FirstPast(int64_t limit, Weight weight, Past past, double* prefix,
+                             SampleScan::TempStorage& scan, long long* lsh, double* dsh) {
+  double carry = 0;
+  for (int64_t base = 0; base < limit; base += kSampleThreads) {
+    const int64_t i = base + threadIdx.x;
+    const double w = i < limit ? weight(i) : 0.0;
+    double incl, tile;
+    SampleScan(scan).InclusiveSum(w, incl, tile);
+    incl += carry;
+    const bool hit = i < limit && past(incl);
+    const long long first =
+        BlockReduce(static_cast<long long>(hit ? i : LLONG_MAX), MinOp{}, LLONG_MAX, lsh);
+    if (first != LLONG_MAX) {
+      if (i == first) dsh[0] = incl;
+      __syncthreads();
+      *prefix = dsh[0];
+      __syncthreads();
+      return first;
+    }
+    carry += tile;
+  }
+  *prefix = carry;
+  return limit;
+}
+
+// One block per row of sorted logits (descending, ties to the lower id) and their ids.
+__global__ void __launch_bounds__(kSampleThreads)
+    SampleKernel(const float* sorted, const int32_t* sorted_ids, int64_t V, const SampleSpec* specs,
+                 int64_t K, int32_t* chosen, float* chosen_lp, int32_t* top_ids, float* top_lp) {
+  __shared__ SampleScan::TempStorage scan;
+  __shared__ double dsh[32];
+  __shared__ long long lsh[32];
+  const int64_t r = blockIdx.x;
+  const float* l = sorted + r * V;
+  const int32_t* id = sorted_ids + r * V;
+  const SampleSpec sp = specs[r];
+  double z = 0;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) z += exp(static_cast<double>(l[i] - l[0]));
+  z = BlockReduce(z, SumOp<double>{}, 0.0, dsh);
+  const float log_z = l[0] + static_cast<float>(log(z));
+  for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
+    top_ids[r * K + j] = id[j];
+    top_lp[r * K + j] = l[j] - log_z;
+  }
+  int64_t pick = 0;
+  if (sp.temperature > 0) {
+    const int64_t keep = sp.top_k > 0 && sp.top_k < V ? sp.top_k : V;
+    const double inv_t = 1.0 / sp.temperature, best = l[0];
+    auto weight = [&](int64_t i) { return exp((static_cast<double>(l[i]) - best) * inv_t); };
+    double total = 0;
+    for (int64_t i = threadIdx.x; i < keep; i += blockDim.x) total += weight(i);
+    total = BlockReduce(total, SumOp<double>{}, 0.0, dsh);
+    int64_t n = keep;
+    if (sp.top_p < 1.0f) {  // the nucleus: the shortest prefix holding top_p of the weight
+      const double need = static_cast<double>(sp.top_p) * total;
+      double upto;
+      const int64_t last = FirstPast(
+          keep, weight, [&](double c) { return c >= need; }, &upto, scan, lsh, dsh);
+      if (last < keep) {
+        n = last + 1;
+        total = upto;
+      }
+    }
+    const double target = sp.u * total;
+    double unused;
+    pick = FirstPast(
+        n, weight, [&](double c) { return target < c; }, &unused, scan, lsh, dsh);
+    if (pick == n) pick = n - 1;
+  }
+  if (threadIdx.x == 0) {
+    chosen[r] = id[pick];
+    chosen_lp[r] = l[pick] - log_z;
+  }
+}
+
+// One thread per row: k rounds of "the best expert after the previous pick", then the softmax
+// of the k logits (float, as the host).
+__global__ void RouteKernel(const float* logits, int64_t rows, int64_t E, int64_t k,
+                            int32_t* experts, float* weights) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  const float* l = logits + r * E;
+  float pv = INFINITY;
+  int64_t pi = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    float bv = -INFINITY;
+    int64_t bi = E;
+    for (int64_t e = 0; e < E; ++e) {
+      if (Before(pv, pi, l[e], e) && Before(l[e], e, bv, bi)) {
+        bv = l[e];
+        bi = e;
+      }
+    }
+    experts[r * k + j] = static_cast<int32_t>(bi);
+    weights[r * k + j] = bv;
+    pv = bv;
+    pi = bi;
+  }
+  const float mx = weights[r * k];
+  float sum = 0;
+  for (int64_t j = 0; j < k; ++j) sum += expf(weights[r * k + j] - mx);
+  for (int64_t j = 0; j < k; ++j) weights[r * k + j] = expf(weights[r * k + j] - mx) / sum;
+}
+
+// Grid (row blocks, slots); one warp per output row of the slot's expert.
+template <typename T>
+__global__ void ExpertMatVecKernel(const T* const* w, int64_t expert_begin, int64_t count,
+                                   int64_t rows, int64_t cols, const int32_t* experts,
+                                   const float* x, int64_t x_div, float* y) {
+  const int64_t slot = blockIdx.y;
+  const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int64_t e = experts[slot] - expert_begin;
+  float s = 0;
+  if (e >= 0 && e < count) {
+    const T* wr = w[e] + row * cols;
+    const float* xs = x + (slot / x_div) * cols;
+    for (int64_t c = threadIdx.x % 32; c < cols; c += 32) s += ToF32(wr[c]) * xs[c];
+    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
+  }
+  if (threadIdx.x % 32 == 0) y[slot * rows + row] = s;
+}
+
+__global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t k, int64_t dim,
+                                   float* y) {
+  const int64_t r = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    float acc = 0;
+    for (int64_t j = 0; j < k; ++j) acc += weights[r * k + j] * x[(r * k + j) * dim + d];
+    y[r * dim + d] = acc;
   }
 }
 
@@ -533,12 +698,135 @@ absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, cons
   return Check(cudaGetLastError(), "ScaleAddRows launch");
 }
 
-absl::Status TopKLogprobs(const float* logits, int64_t rows, int64_t V, int64_t k, int32_t* ids,
-                          float* logprobs) {
-  if (rows == 0 || k == 0) return absl::OkStatus();
-  if (k > V) return absl::InvalidArgumentError(absl::StrCat("top ", k, " of ", V, " logits"));
-  TopKKernel<<<static_cast<unsigned>(rows), 256>>>(logits, V, k, ids, logprobs);
-  return Check(cudaGetLastError(), "TopKLogprobs launch");
+absl::Status VocabSummaries(Context& ctx, const float* logits, int64_t rows, int64_t ld, int64_t n,
+                            int64_t vocab_begin, int64_t K, float* out) {
+  if (rows == 0) return absl::OkStatus();
+  const size_t bytes = static_cast<size_t>(rows * (2 + 2 * K)) * sizeof(float);
+  ASSIGN_OR_RETURN(void* d, ctx.Scratch(bytes));
+  VocabSummaryKernel<<<static_cast<unsigned>(rows), 256>>>(logits, ld, n, vocab_begin, K,
+                                                           static_cast<float*>(d));
+  RETURN_IF_CUDA(cudaGetLastError(), "VocabSummaries launch");
+  return Check(cudaMemcpy(out, d, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy of the summaries");
+}
+
+absl::Status SampleRows(Context& ctx, const float* logits, int64_t rows, int64_t V,
+                        const SampleSpec* specs, int64_t K, int32_t* ids, float* logprobs,
+                        int32_t* top_ids, float* top_logprobs) {
+  if (rows == 0) return absl::OkStatus();
+  if (K > V) return absl::InvalidArgumentError(absl::StrCat("top ", K, " of ", V, " logits"));
+  if (rows * V > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(rows, " rows of ", V, " logits to sort"));
+  }
+  const int n = static_cast<int>(rows * V);
+  size_t sort_bytes = 0;
+  RETURN_IF_CUDA(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+                     nullptr, sort_bytes, logits, static_cast<float*>(nullptr),
+                     static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n,
+                     static_cast<int>(rows), static_cast<const int32_t*>(nullptr),
+                     static_cast<const int32_t*>(nullptr)),
+                 "sort size");
+  // One scratch allocation, carved into 256-byte aligned parts.
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t keys_b = align(n * sizeof(float)), ids_b = align(n * sizeof(int32_t)),
+               off_b = align((rows + 1) * sizeof(int32_t)),
+               spec_b = align(rows * sizeof(SampleSpec)),
+               pick_b = align(rows * (sizeof(int32_t) + sizeof(float))),
+               top_b = align(rows * K * (sizeof(int32_t) + sizeof(float)));
+  ASSIGN_OR_RETURN(void* base, ctx.Scratch(keys_b + 2 * ids_b + off_b + spec_b + pick_b + top_b +
+                                           align(sort_bytes)));
+  char* p = static_cast<char*>(base);
+  auto take = [&p](size_t b) {
+    char* at = p;
+    p += b;
+    return at;
+  };
+  float* keys = reinterpret_cast<float*>(take(keys_b));
+  int32_t* ids_in = reinterpret_cast<int32_t*>(take(ids_b));
+  int32_t* ids_out = reinterpret_cast<int32_t*>(take(ids_b));
+  int32_t* offsets = reinterpret_cast<int32_t*>(take(off_b));
+  SampleSpec* dspecs = reinterpret_cast<SampleSpec*>(take(spec_b));
+  char* picks = take(pick_b);
+  char* tops = take(top_b);
+  void* sort_tmp = take(align(sort_bytes));
+  int32_t* d_ids = reinterpret_cast<int32_t*>(picks);
+  float* d_lp = reinterpret_cast<float*>(picks + rows * sizeof(int32_t));
+  int32_t* d_top_ids = reinterpret_cast<int32_t*>(tops);
+  float* d_top_lp = reinterpret_cast<float*>(tops + rows * K * sizeof(int32_t));
+
+  IotaRowsKernel<<<Grid(n), 256>>>(ids_in, rows, V, offsets);
+  RETURN_IF_CUDA(cudaGetLastError(), "SampleRows ids launch");
+  RETURN_IF_CUDA(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+                     sort_tmp, sort_bytes, logits, keys, static_cast<const int32_t*>(ids_in),
+                     ids_out, n, static_cast<int>(rows), static_cast<const int32_t*>(offsets),
+                     static_cast<const int32_t*>(offsets + 1)),
+                 "segmented sort");
+  RETURN_IF_CUDA(cudaMemcpy(dspecs, specs, rows * sizeof(SampleSpec), cudaMemcpyHostToDevice),
+                 "cudaMemcpy of the sampling parameters");
+  SampleKernel<<<static_cast<unsigned>(rows), kSampleThreads>>>(keys, ids_out, V, dspecs, K, d_ids,
+                                                                d_lp, d_top_ids, d_top_lp);
+  RETURN_IF_CUDA(cudaGetLastError(), "SampleRows launch");
+  RETURN_IF_CUDA(cudaMemcpy(ids, d_ids, rows * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                 "cudaMemcpy of the sampled ids");
+  RETURN_IF_CUDA(cudaMemcpy(logprobs, d_lp, rows * sizeof(float), cudaMemcpyDeviceToHost),
+                 "cudaMemcpy of the sampled log-probabilities");
+  if (K > 0) {
+    RETURN_IF_CUDA(
+        cudaMemcpy(top_ids, d_top_ids, rows * K * sizeof(int32_t), cudaMemcpyDeviceToHost),
+        "cudaMemcpy of the top ids");
+    RETURN_IF_CUDA(
+        cudaMemcpy(top_logprobs, d_top_lp, rows * K * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy of the top log-probabilities");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                    size_t height) {
+  if (width == 0 || height == 0) return absl::OkStatus();
+  return Check(cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault),
+               "cudaMemcpy2D");
+}
+
+absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
+                       float* weights) {
+  if (rows == 0) return absl::OkStatus();
+  if (k < 1 || k > E) return absl::InvalidArgumentError(absl::StrCat(k, " of ", E, " experts"));
+  RouteKernel<<<Grid(rows, 128), 128>>>(logits, rows, E, k, experts, weights);
+  return Check(cudaGetLastError(), "RouteTopK launch");
+}
+
+absl::Status ExpertMatVec(const ExpertWeights& w, const int32_t* experts, int64_t slots,
+                          const float* x, int64_t x_div, float* y) {
+  if (slots == 0 || w.rows == 0) return absl::OkStatus();
+  if (slots > 65535) return absl::InvalidArgumentError(absl::StrCat(slots, " expert slots"));
+  constexpr int kWarps = 8;
+  const dim3 grid(static_cast<unsigned>((w.rows + kWarps - 1) / kWarps),
+                  static_cast<unsigned>(slots));
+  switch (w.dtype) {
+    case DType::kF32:
+      ExpertMatVecKernel<<<grid, kWarps * 32>>>(reinterpret_cast<const float* const*>(w.data),
+                                                w.expert_begin, w.count, w.rows, w.cols, experts, x,
+                                                x_div, y);
+      break;
+    case DType::kF16:
+      ExpertMatVecKernel<<<grid, kWarps * 32>>>(reinterpret_cast<const __half* const*>(w.data),
+                                                w.expert_begin, w.count, w.rows, w.cols, experts, x,
+                                                x_div, y);
+      break;
+    case DType::kBF16:
+      ExpertMatVecKernel<<<grid, kWarps * 32>>>(
+          reinterpret_cast<const __nv_bfloat16* const*>(w.data), w.expert_begin, w.count, w.rows,
+          w.cols, experts, x, x_div, y);
+      break;
+  }
+  return Check(cudaGetLastError(), "ExpertMatVec launch");
+}
+
+absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
+                          int64_t dim, float* y) {
+  if (rows == 0) return absl::OkStatus();
+  CombineSlotsKernel<<<static_cast<unsigned>(rows), 256>>>(x, weights, k, dim, y);
+  return Check(cudaGetLastError(), "CombineSlots launch");
 }
 
 absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,

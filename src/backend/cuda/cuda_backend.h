@@ -114,10 +114,56 @@ absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_
 absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, const float* weight,
                           int64_t n, float* y);
 
-// Per row of `rows` x V logits: the k most likely ids (ties to the lower id) and their log
-// probabilities (log softmax over the row), most likely first.
-absl::Status TopKLogprobs(const float* logits, int64_t rows, int64_t V, int64_t k, int32_t* ids,
-                          float* logprobs);
+// Token choice. Logits are on the device; the few numbers of the choice come back to host memory.
+//
+// The summary of each of `rows` rows of n logits (row stride ld) of the vocabulary slice that
+// starts at id vocab_begin, in the layout model/vocab_parallel.h exchanges across a TP group:
+// max, sum of exp(logit - max), then the K best (logit, id) pairs (ties to the lower id), -inf
+// where the slice has fewer than K. Writes rows * (2 + 2K) floats to `out` (host).
+absl::Status VocabSummaries(Context& ctx, const float* logits, int64_t rows, int64_t ld, int64_t n,
+                            int64_t vocab_begin, int64_t K, float* out);
+
+// One row's sampling parameters and its generator's uniform draw in [0, 1).
+struct SampleSpec {
+  float temperature = 0;  // 0: greedy
+  float top_p = 1;
+  int32_t top_k = 0;  // 0: no limit
+  double u = 0;
+};
+// Samples one token per row of `rows` x V logits exactly as model/sampler.h (Sampler::Sample)
+// does on the host: the row sorted by logit (ties to the lower id), top-k, then top-p over
+// exp((logit - best) / temperature), then the draw u on the cumulative weights. Host outputs:
+// ids[rows], logprobs[rows] (log-softmax of the raw logits) and the K best of each row with their
+// log-probabilities (top_ids, top_logprobs: rows * K, best first).
+absl::Status SampleRows(Context& ctx, const float* logits, int64_t rows, int64_t V,
+                        const SampleSpec* specs, int64_t K, int32_t* ids, float* logprobs,
+                        int32_t* top_ids, float* top_logprobs);
+
+// Copies `height` rows of `width` bytes between pitched buffers (device or host, either way).
+absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                    size_t height);
+
+// MoE routing, as model/transformer.h RouteExperts: per row of `rows` x E router logits the k
+// best experts (ties to the lower id) and their softmax weights over those k. Writes
+// experts[rows * k] and weights[rows * k] (device).
+absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
+                       float* weights);
+// Expert matrices of one projection, one per local expert [expert_begin, expert_begin + count):
+// a device array of `count` pointers to row-major [rows][cols] matrices of `dtype`.
+struct ExpertWeights {
+  DType dtype = DType::kBF16;
+  const void* const* data = nullptr;
+  int64_t expert_begin = 0, count = 0, rows = 0, cols = 0;
+};
+// For each of `slots` (row, expert) assignments: y[slot] = W_expert(slot) x[slot / x_div], with
+// experts[slot] the expert; a slot whose expert is not local gets zeros. Reads only the assigned
+// experts' weights: the decode path of a MoE layer, no host round trip.
+absl::Status ExpertMatVec(const ExpertWeights& w, const int32_t* experts, int64_t slots,
+                          const float* x, int64_t x_div, float* y);
+// y[r] = sum over j < k of weights[r * k + j] * x[r * k + j] (dim floats each), for rows rows.
+absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
+                          int64_t dim, float* y);
+
 // y[r] = sum_k w[r][k] * x[k] for a row-major [rows][cols] weight of `dtype`, F32 accumulate.
 absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, const float* x,
                     float* y);

@@ -17,6 +17,27 @@ absl::Status NcclError(ncclResult_t r, const char* what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
 }
 
+// Polls a nonblocking communicator until the call in progress on it is done: OK once its state is
+// ncclSuccess, the error if it failed, Unavailable at the deadline. The caller aborts on error.
+absl::Status Settle(ncclComm_t comm, const char* what,
+                    std::chrono::steady_clock::time_point deadline,
+                    std::chrono::milliseconds limit) {
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    if (ncclResult_t r = ncclCommGetAsyncError(comm, &state); r != ncclSuccess) {
+      return NcclError(r, what);
+    }
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress)
+      return NcclError(state, absl::StrCat(what, " (a peer failed)").c_str());
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::UnavailableError(absl::StrCat(what, " did not complete within ", limit.count(),
+                                                 " ms: a peer never joined or stopped answering"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 }  // namespace
 
 struct NcclCommunicator::Handle {
@@ -56,7 +77,8 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<Handle> h, int rank, int nran
     : handle_(std::move(h)), rank_(rank), nranks_(nranks), timeout_(timeout) {}
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
-    const UniqueId& id, int nranks, int rank, int device, std::chrono::milliseconds timeout) {
+    const UniqueId& id, int nranks, int rank, int device, std::chrono::milliseconds timeout,
+    std::chrono::milliseconds init_timeout) {
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
     return absl::FailedPreconditionError(
         absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(e)));
@@ -71,21 +93,38 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   }
   ncclUniqueId nid;
   std::memcpy(&nid, id.bytes.data(), sizeof(nid));
-  if (ncclResult_t r = ncclCommInitRank(&h->comm, nranks, nid, rank); r != ncclSuccess) {
-    cudaFree(h->scratch);
-    cudaStreamDestroy(h->stream);
-    return NcclError(r, "ncclCommInitRank");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // every call returns at once; Settle and Finish bound the waits
+  const ncclResult_t r = ncclCommInitRankConfig(&h->comm, nranks, nid, rank, &config);
+  absl::Status s = absl::OkStatus();
+  if (r != ncclSuccess && r != ncclInProgress) {
+    s = NcclError(r, "ncclCommInitRankConfig");
+  } else {
+    s = Settle(h->comm, "joining the NCCL communicator",
+               std::chrono::steady_clock::now() + init_timeout, init_timeout);
   }
-  return std::unique_ptr<NcclCommunicator>(
-      new NcclCommunicator(std::move(h), rank, nranks, timeout));
+  // The communicator owns the handle from here: its destructor aborts a failed one.
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(std::move(h), rank, nranks, timeout));
+  if (!s.ok()) {
+    return c->Abort(absl::Status(s.code(), absl::StrCat(s.message(), " (rank ", rank, " of ",
+                                                        nranks, ", GPU ", device, ")")));
+  }
+  return c;
 }
 
 NcclCommunicator::~NcclCommunicator() {
   if (handle_->comm != nullptr) {
-    if (aborted_) {
-      ncclCommAbort(handle_->comm);
-    } else {
+    // A clean end: finalize (nonblocking, so polled with a bound), then destroy; a finalize that
+    // does not complete means a peer is gone, and the communicator is aborted instead.
+    const ncclResult_t r = ncclCommFinalize(handle_->comm);
+    const bool done = (r == ncclSuccess || r == ncclInProgress) &&
+                      Settle(handle_->comm, "ncclCommFinalize",
+                             std::chrono::steady_clock::now() + timeout_, timeout_)
+                          .ok();
+    if (done) {
       ncclCommDestroy(handle_->comm);
+    } else {
+      ncclCommAbort(handle_->comm);
     }
   }
   if (handle_->scratch != nullptr) cudaFree(handle_->scratch);
@@ -103,10 +142,14 @@ absl::Status NcclCommunicator::Abort(const absl::Status& reason) {
 
 absl::Status NcclCommunicator::Finish(int enqueue_result, const char* what) {
   if (aborted_) return absl::UnavailableError("the NCCL communicator was aborted");
-  if (enqueue_result != ncclSuccess) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  if (enqueue_result == ncclInProgress) {  // nonblocking: the operation is still being enqueued
+    if (absl::Status s = Settle(handle_->comm, what, deadline, timeout_); !s.ok()) {
+      return Abort(s);
+    }
+  } else if (enqueue_result != ncclSuccess) {
     return Abort(NcclError(static_cast<ncclResult_t>(enqueue_result), what));
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
     const cudaError_t e = cudaStreamQuery(handle_->stream);
     if (e == cudaSuccess) return absl::OkStatus();

@@ -1,9 +1,11 @@
 #pragma once
 // NCCL communicator behind the common Communicator interface (built with SHARDSERVE_CUDA).
-// Every data pointer is device memory of this rank's GPU. Each operation is enqueued on the
-// communicator's stream and waited for by polling: ncclCommGetAsyncError reports a failed peer,
-// and an operation that makes no progress within `timeout` aborts the communicator
-// (ncclCommAbort), so a dead peer is named in seconds instead of hanging in a collective.
+// Every data pointer is device memory of this rank's GPU. The communicator is nonblocking: its
+// creation and each operation are polled with ncclCommGetAsyncError, which reports a failed peer,
+// and the wait is bounded (a watchdog): a creation that does not complete within `init_timeout`
+// (a member never joined) or an operation that does not complete within `timeout` aborts the
+// communicator (ncclCommAbort), so a dead peer is named in seconds instead of hanging in a
+// collective until NCCL's own timeout.
 // nccl.h stays out of this header: the unique id travels as opaque bytes (the leader creates it
 // and hands it out over the rendezvous as a blob).
 #include <array>
@@ -31,7 +33,8 @@ class NcclCommunicator : public Communicator {
   // Joins the communicator of `nranks` ranks identified by `id` as `rank`, on CUDA `device`.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(
       const UniqueId& id, int nranks, int rank, int device,
-      std::chrono::milliseconds timeout = std::chrono::milliseconds(5000));
+      std::chrono::milliseconds timeout = std::chrono::milliseconds(5000),
+      std::chrono::milliseconds init_timeout = std::chrono::milliseconds(60000));
   ~NcclCommunicator() override;
 
   int rank() const override { return rank_; }

@@ -8,6 +8,7 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
@@ -20,6 +21,7 @@
 #include "model/rope.h"
 #include "model/test_models.h"
 #include "model/transformer.h"
+#include "model/vocab_parallel.h"
 
 namespace shardserve {
 namespace {
@@ -290,32 +292,171 @@ TEST(CudaBackendTest, KvCacheAndAttentionMatchCpu) {
   }
 }
 
-TEST(CudaBackendTest, TopKLogprobsMatchesAHostLogSoftmax) {
+TEST(CudaBackendTest, VocabSummariesMatchTheHost) {
   REQUIRE_GPU();
-  const int64_t rows = 3, V = 5000, k = 5;
-  std::vector<float> logits = Random(rows * V, 13, -8, 8);
-  logits[1 * V + 10] = logits[1 * V + 20] = 30;  // a tie: the lower id first
-  auto dl = Upload(logits), di = Upload(std::vector<int32_t>(rows * k)),
-       dp = Upload(std::vector<float>(rows * k));
-  ASSERT_TRUE(
-      cuda::TopKLogprobs(Ptr<float>(dl), rows, V, k, Ptr<int32_t>(di), Ptr<float>(dp)).ok());
-  const std::vector<int32_t> ids = Download<int32_t>(di, rows * k);
-  const std::vector<float> lps = Download<float>(dp, rows * k);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = logits.data() + r * V;
-    double mx = *std::max_element(row, row + V), sum = 0;
-    for (int64_t i = 0; i < V; ++i) sum += std::exp(row[i] - mx);
-    std::vector<int32_t> order(V);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return row[a] > row[b]; });
-    for (int64_t j = 0; j < k; ++j) {
-      EXPECT_EQ(ids[r * k + j], order[j]) << r << " " << j;
-      EXPECT_NEAR(lps[r * k + j], row[order[j]] - mx - std::log(sum), 1e-4);
+  auto ctx = cuda::Context::Create();
+  ASSERT_TRUE(ctx.ok());
+  // A slice of 4000 ids from 1000 in rows of stride 4100, as a TP rank holds its logits.
+  const int64_t rows = 3, ld = 4100, n = 4000, begin = 1000;
+  for (int64_t top : {0, 1, 5}) {
+    std::vector<float> logits = Random(rows * ld, 13, -8, 8);
+    logits[1 * ld + 10] = logits[1 * ld + 20] = 30;  // a tie: the lower id first
+    auto dl = Upload(logits);
+    const int64_t width = SummaryWidth(top);
+    std::vector<float> got(rows * width);
+    ASSERT_TRUE(cuda::VocabSummaries(**ctx, Ptr<float>(dl), rows, ld, n, begin,
+                                     SummaryCandidates(top), got.data())
+                    .ok());
+    const std::vector<float> want = VocabSummaries(logits.data(), rows, ld, begin, begin + n, top);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g = got.data() + r * width;
+      const float* w = want.data() + r * width;
+      EXPECT_EQ(g[0], w[0]);
+      EXPECT_NEAR(g[1], w[1], 1e-4 * w[1]);
+      for (int64_t j = 2; j < width; ++j) EXPECT_EQ(g[j], w[j]) << r << " " << j;
+    }
+    EXPECT_EQ(got[1 * width + 3], begin + 10);
+    if (top >= 2) EXPECT_EQ(got[1 * width + 5], begin + 20);
+  }
+}
+
+// The device sampler against the host one: for each parameter set, twin generators from one
+// seed, the same draws, the same tokens and log-probabilities.
+TEST(CudaBackendTest, SampleRowsMatchesTheHostSampler) {
+  REQUIRE_GPU();
+  auto ctx = cuda::Context::Create();
+  ASSERT_TRUE(ctx.ok());
+  const int64_t rows = 4, V = 3000, K = 4;
+  std::vector<float> logits = Random(rows * V, 21, -4, 4);
+  logits[2 * V + 7] = logits[2 * V + 9] = 6;  // ties: the lower id first
+  auto dl = Upload(logits);
+  int checked = 0;
+  for (float temperature : {0.0f, 0.7f, 1.5f}) {
+    for (int64_t top_k : {0, 1, 50}) {
+      for (float top_p : {1.0f, 0.9f, 0.3f}) {
+        SamplingParams p;
+        p.temperature = temperature;
+        p.top_k = top_k;
+        p.top_p = top_p;
+        p.top_logprobs = K;
+        std::vector<Sampler> host, twin;
+        for (int64_t r = 0; r < rows; ++r) {
+          p.seed = 100 + r;
+          host.emplace_back(p);
+          twin.emplace_back(p);
+        }
+        for (int draw = 0; draw < 8; ++draw) {
+          std::vector<cuda::SampleSpec> specs(rows);
+          for (int64_t r = 0; r < rows; ++r) {
+            specs[r] = {temperature, top_p, static_cast<int32_t>(top_k), twin[r].NextDraw()};
+          }
+          std::vector<int32_t> ids(rows), top_ids(rows * K);
+          std::vector<float> lps(rows), top_lps(rows * K);
+          ASSERT_TRUE(cuda::SampleRows(**ctx, Ptr<float>(dl), rows, V, specs.data(), K, ids.data(),
+                                       lps.data(), top_ids.data(), top_lps.data())
+                          .ok());
+          for (int64_t r = 0; r < rows; ++r) {
+            const SampledToken want = host[r].Sample(logits.data() + r * V, V);
+            ASSERT_EQ(ids[r], want.id) << "T=" << temperature << " k=" << top_k << " p=" << top_p
+                                       << " row " << r << " draw " << draw;
+            EXPECT_NEAR(lps[r], want.logprob, 1e-4);
+            for (int64_t j = 0; j < K; ++j) {
+              EXPECT_EQ(top_ids[r * K + j], want.top[j].id);
+              EXPECT_NEAR(top_lps[r * K + j], want.top[j].logprob, 1e-4);
+            }
+            ++checked;
+          }
+        }
+      }
     }
   }
-  EXPECT_EQ(ids[1 * k], 10);
-  EXPECT_EQ(ids[1 * k + 1], 20);
+  EXPECT_EQ(checked, 27 * 8 * rows);
+}
+
+TEST(CudaBackendTest, Copy2DMovesOnlyTheSlice) {
+  REQUIRE_GPU();
+  // Columns [2, 5) of a 3 x 7 host matrix to a dense device matrix, and back with a pitch.
+  std::vector<float> m(21);
+  std::iota(m.begin(), m.end(), 0.f);
+  auto d = cuda::DeviceBuffer::Alloc(9 * sizeof(float));
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(cuda::Copy2D(d->data(), 3 * 4, m.data() + 2, 7 * 4, 3 * 4, 3).ok());
+  EXPECT_EQ(Download<float>(*d, 9), (std::vector<float>{2, 3, 4, 9, 10, 11, 16, 17, 18}));
+  std::vector<float> back(12, -1);
+  ASSERT_TRUE(cuda::Copy2D(back.data(), 4 * 4, d->data(), 3 * 4, 3 * 4, 3).ok());
+  EXPECT_EQ(back, (std::vector<float>{2, 3, 4, -1, 9, 10, 11, -1, 16, 17, 18, -1}));
+}
+
+// MoE on the device: routing as RouteExperts, then the decode path (one matrix-vector product
+// per (row, expert)) and its combination, against host arithmetic. This rank owns experts 1..2 of
+// 4; rows routed elsewhere contribute zeros (the TP all-reduce adds the other ranks' share).
+TEST(CudaBackendTest, MoeRoutingAndExpertProductsMatchTheHost) {
+  REQUIRE_GPU();
+  const int64_t rows = 3, E = 4, k = 2, H = 40, I = 24, begin = 1, count = 2;
+  std::vector<float> router = Random(rows * E, 5, -2, 2);
+  router[1 * E + 0] = router[1 * E + 3] = 5;  // a tie: the lower expert first
+  auto dr = Upload(router), de = Upload(std::vector<int32_t>(rows * k)),
+       dw = Upload(std::vector<float>(rows * k));
+  ASSERT_TRUE(cuda::RouteTopK(Ptr<float>(dr), rows, E, k, Ptr<int32_t>(de), Ptr<float>(dw)).ok());
+  const std::vector<int32_t> experts = Download<int32_t>(de, rows * k);
+  const std::vector<float> weights = Download<float>(dw, rows * k);
+  const auto want_routes = RouteExperts(router.data(), rows, E, k);
+  for (int64_t e = 0; e < E; ++e) {
+    for (const auto& [row, w] : want_routes[e]) {
+      int64_t slot = -1;
+      for (int64_t j = 0; j < k; ++j) {
+        if (experts[row * k + j] == e) slot = row * k + j;
+      }
+      ASSERT_GE(slot, 0) << "row " << row << " expert " << e;
+      EXPECT_NEAR(weights[slot], w, 1e-6);
+    }
+  }
+  EXPECT_EQ(experts[1 * k], 0);
+  EXPECT_EQ(experts[1 * k + 1], 3);
+
+  // BF16 gate matrices [I][H] of the two local experts, and x: rows x H.
+  std::vector<std::vector<float>> gate(count);
+  std::vector<std::vector<uint8_t>> raw(count);
+  std::vector<cuda::DeviceBuffer> mats;
+  std::vector<const void*> ptrs;
+  for (int64_t e = 0; e < count; ++e) {
+    gate[e] = Random(I * H, 30 + e);
+    raw[e] = Weight(DType::kBF16, gate[e], I, H, H);
+    mats.push_back(Upload(raw[e]));
+    ptrs.push_back(mats.back().data());
+    for (float& v : gate[e]) v = Bf16ToF32(F32ToBf16(v));
+  }
+  auto dptrs = Upload(ptrs);
+  const std::vector<float> x = Random(rows * H, 40);
+  auto dx = Upload(x), dy = Upload(std::vector<float>(rows * k * I));
+  const cuda::ExpertWeights table{
+      DType::kBF16, static_cast<const void* const*>(dptrs.data()), begin, count, I, H};
+  ASSERT_TRUE(
+      cuda::ExpertMatVec(table, Ptr<int32_t>(de), rows * k, Ptr<float>(dx), k, Ptr<float>(dy))
+          .ok());
+  const std::vector<float> y = Download<float>(dy, rows * k * I);
+  for (int64_t slot = 0; slot < rows * k; ++slot) {
+    const int64_t e = experts[slot] - begin, r = slot / k;
+    for (int64_t i = 0; i < I; ++i) {
+      double want = 0;
+      if (e >= 0 && e < count) {
+        for (int64_t c = 0; c < H; ++c) want += gate[e][i * H + c] * x[r * H + c];
+      }
+      ASSERT_NEAR(y[slot * I + i], want, 1e-4) << slot << " " << i;
+    }
+  }
+  // The weighted sum of each row's slots.
+  auto dout = Upload(std::vector<float>(rows * I));
+  ASSERT_TRUE(
+      cuda::CombineSlots(Ptr<float>(dy), Ptr<float>(dw), rows, k, I, Ptr<float>(dout)).ok());
+  const std::vector<float> out = Download<float>(dout, rows * I);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      const float want =
+          weights[r * k] * y[(r * k) * I + i] + weights[r * k + 1] * y[(r * k + 1) * I + i];
+      ASSERT_NEAR(out[r * I + i], want, 1e-5);
+    }
+  }
 }
 
 // End to end: greedy generation on the GPU gives the CPU's tokens, on generated models of every
@@ -385,6 +526,59 @@ TEST_P(CudaGenerationTest, GreedyTokensMatchTheCpu) {
   for (size_t i = 0; i < la.size(); ++i) ASSERT_NEAR(lb[i], la[i], tol) << i;
 }
 
+// The token choice on the device (greedy summaries, sampling) against the host's on the CPU
+// model's logits, over a prefill and a batch of two decode steps.
+TEST_P(CudaGenerationTest, DeviceTokenChoiceMatchesTheHost) {
+  REQUIRE_GPU();
+  const auto& [arch, dtype] = GetParam();
+  if (dtype != DType::kF32) GTEST_SKIP() << "F32 weights: logits equal to 1e-3, so equal choices";
+  testing::TempDir dir;
+  const std::string path = testing::WriteModel(testing::SmallModel(arch, dir.Sub("m")));
+  auto cpu_model = Transformer::Load(path, {});
+  auto gpu_model = CudaTransformer::Load(path, {});
+  ASSERT_TRUE(cpu_model.ok() && gpu_model.ok());
+  const int64_t V = (*cpu_model)->config().vocab_size;
+  auto cpu_cache = (*cpu_model)->NewKvCache(256);
+  auto gpu_cache = (*gpu_model)->NewKvCache(256);
+  ASSERT_TRUE(gpu_cache.ok());
+  std::vector<SequenceKv> a(2), b(2);
+  std::vector<SequenceChunk> ca = {{{5, 17, 42, 7}, &a[0]}, {{8, 1, 2}, &a[1]}},
+                             cb = {{{5, 17, 42, 7}, &b[0]}, {{8, 1, 2}, &b[1]}};
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.top_p = 0.95f;
+  p.top_logprobs = 3;
+  std::vector<Sampler> host, twin;
+  for (uint64_t seed : {11u, 12u}) {
+    p.seed = seed;
+    host.emplace_back(p);
+    twin.emplace_back(p);
+  }
+  for (int step = 0; step < 6; ++step) {
+    std::vector<float> logits;
+    ASSERT_TRUE((*cpu_model)->Forward(ca, *cpu_cache, logits).ok());
+    ASSERT_TRUE((*gpu_model)->Run(cb, **gpu_cache).ok());
+    auto want_greedy = GreedyFromVocabSlices(logits.data(), 2, V, 0, V, 3, nullptr);
+    auto got_greedy = (*gpu_model)->Greedy(3, nullptr);
+    ASSERT_TRUE(want_greedy.ok() && got_greedy.ok()) << got_greedy.status();
+    auto got = (*gpu_model)->Sample({&twin[0], &twin[1]}, 3);
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (int s = 0; s < 2; ++s) {
+      EXPECT_EQ((*got_greedy)[s].id, (*want_greedy)[s].id) << "step " << step;
+      EXPECT_NEAR((*got_greedy)[s].logprob, (*want_greedy)[s].logprob, 1e-3);
+      ASSERT_EQ((*got_greedy)[s].top.size(), 3u);
+      for (int j = 0; j < 3; ++j)
+        EXPECT_EQ((*got_greedy)[s].top[j].id, (*want_greedy)[s].top[j].id);
+      const SampledToken want = host[s].Sample(logits.data() + s * V, V);
+      EXPECT_EQ((*got)[s].id, want.id) << "step " << step;
+      EXPECT_NEAR((*got)[s].logprob, want.logprob, 1e-3);
+      // Both continue with the sampled token.
+      ca[s].tokens = {want.id};
+      cb[s].tokens = {want.id};
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, CudaGenerationTest,
                          ::testing::Values(std::make_pair("llama", DType::kF32),
                                            std::make_pair("llama", DType::kBF16),
@@ -419,6 +613,44 @@ TEST(CudaBackendTest, NcclCommunicatorFromTheRendezvous) {
   ASSERT_TRUE(g->CopyToHost(out.data(), 16).ok());
   EXPECT_EQ(out, v);
   EXPECT_FALSE(nccl::UniqueId::FromBlob("short").ok());
+}
+
+// The watchdog on creation: a member that never joins is reported within the init timeout, not
+// after NCCL's own (none: ncclCommInitRank would wait for ever).
+TEST(CudaBackendTest, NcclCreationNamesAMemberThatNeverJoins) {
+  REQUIRE_GPU();
+  auto id = nccl::NewUniqueId();
+  ASSERT_TRUE(id.ok());
+  auto comm = nccl::NcclCommunicator::Create(*id, 2, 0, 0, std::chrono::milliseconds(1000),
+                                             std::chrono::milliseconds(2000));
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
+  EXPECT_NE(comm.status().message().find("never joined"), std::string::npos) << comm.status();
+  EXPECT_NE(comm.status().message().find("rank 0 of 2"), std::string::npos) << comm.status();
+}
+
+// The watchdog on operations, with two GPUs: one member joins, then stops answering; the other's
+// all-reduce fails with Unavailable within the peer timeout, and later calls fail at once.
+TEST(CudaBackendTest, NcclOperationNamesAPeerThatStoppedAnswering) {
+  REQUIRE_GPU();
+  if (cuda::DeviceCount() < 2) GTEST_SKIP() << "needs two GPUs (NCCL ranks need distinct GPUs)";
+  auto id = nccl::NewUniqueId();
+  ASSERT_TRUE(id.ok());
+  absl::StatusOr<std::unique_ptr<nccl::NcclCommunicator>> c0, c1;
+  std::thread t1(
+      [&] { c1 = nccl::NcclCommunicator::Create(*id, 2, 1, 1, std::chrono::milliseconds(1000)); });
+  c0 = nccl::NcclCommunicator::Create(*id, 2, 0, 0, std::chrono::milliseconds(1000));
+  t1.join();
+  ASSERT_TRUE(c0.ok() && c1.ok()) << c0.status() << " " << c1.status();
+  // On GPU 0: this thread's device since its Create.
+  auto d = cuda::DeviceBuffer::Alloc(4 * sizeof(float));
+  ASSERT_TRUE(d.ok());
+  // Member 1 never issues its all-reduce.
+  const absl::Status s = (*c0)->AllReduceSum(static_cast<float*>(d->data()), 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("stopped answering"), std::string::npos) << s;
+  EXPECT_FALSE((*c0)->Barrier().ok());
+  c1->reset();  // member 1 leaves: its finalize finds no partner, so it aborts within the bound
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <thread>
 
+#include "absl/strings/str_join.h"
 #include "comm/communicator_checks.h"
 #include "comm/multiprocess.h"
 #include "comm/rendezvous.h"
@@ -133,6 +134,40 @@ TEST(RendezvousTest, MissingRankIsNamedAndWrongShapeRefused) {
   EXPECT_EQ(info.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(info.status().message()),
               HasSubstr("rendezvous: rank 2 (stage 2, tp 0) did not register within 1500 ms"));
+}
+
+// Blobs made from the registered addresses (as the CUDA backend makes NCCL ids only for links
+// between different GPUs), and a failure to make them reaches every rank instead of a world.
+TEST(RendezvousTest, BlobsFromTheAddressesAndTheirFailureReachEveryRank) {
+  for (bool fail : {false, true}) {
+    auto server = RendezvousServer::Listen("127.0.0.1", 0);
+    ASSERT_TRUE(server.ok());
+    const int port = server->port();
+    std::string joined_result;
+    std::thread rank1([&] {
+      auto w = WorldConfig::Create(1, 2, 1);
+      auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "10.0.0.7", 1},
+                                 std::chrono::milliseconds(5000));
+      joined_result =
+          info.ok() ? absl::StrJoin(info->blobs, ",") : std::string(info.status().message());
+    });
+    auto w = WorldConfig::Create(1, 2, 0);
+    auto info = server->RunMakingBlobs(
+        *w, {0, "127.0.0.1", 1},
+        [&](const std::vector<RankAddress>& ranks) -> absl::StatusOr<std::vector<std::string>> {
+          if (fail) return absl::ResourceExhaustedError("no NCCL id: out of sockets");
+          return std::vector<std::string>{ranks[0].host, ranks[1].host};
+        },
+        std::chrono::milliseconds(5000));
+    rank1.join();
+    if (fail) {
+      EXPECT_EQ(info.status().code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_THAT(joined_result, HasSubstr("the leader failed: no NCCL id: out of sockets"));
+    } else {
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(joined_result, "127.0.0.1,10.0.0.7");
+    }
+  }
 }
 
 TEST(RendezvousTest, LeaderThatNeverListensTimesOut) {

@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -62,6 +64,47 @@ TEST(SafetensorsTest, ReadsWhatItWritesByMmap) {
     }
   }
   EXPECT_TRUE(mapped) << "tensor data is not inside a mapping of the file";
+}
+
+// Resident kilobytes of this process's mapping of `file` (/proc/self/smaps), -1 if none.
+long MappedRssKb(const std::string& file) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool in = false;
+  long kb = -1;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo, hi;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) == 2) {
+      in = line.find(file) != std::string::npos;
+    } else if (in && line.rfind("Rss:", 0) == 0) {
+      kb = std::max(kb, 0L) + std::stol(line.substr(4));
+    }
+  }
+  return kb;
+}
+
+// After the weights went to a GPU: the touched pages leave the process, the data stays readable.
+TEST(SafetensorsTest, DroppedPagesLeaveResidentMemoryButStayReadable) {
+  TempDir dir;
+  const std::string path = dir.Sub("big.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {{"w", DType::kF32, {1024, 1024}}},
+                               [](size_t, std::vector<uint8_t>& bytes) {
+                                 for (size_t k = 0; k < bytes.size(); ++k)
+                                   bytes[k] = uint8_t(k % 251);
+                               })
+                  .ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const TensorView& w = (*f)->tensors().at("w");
+  const uint8_t* p = static_cast<const uint8_t*>(w.data);
+  uint64_t sum = 0;
+  for (size_t k = 0; k < w.nbytes; ++k) sum += p[k];
+  EXPECT_GT(MappedRssKb("big.safetensors"), 3000);  // 4 MiB read
+  (*f)->DropResidentPages();
+  EXPECT_EQ(MappedRssKb("big.safetensors"), 0);
+  uint64_t again = 0;
+  for (size_t k = 0; k < w.nbytes; ++k) again += p[k];
+  EXPECT_EQ(again, sum);
 }
 
 TEST(SafetensorsTest, EachCorruptionGetsItsOwnError) {
