@@ -66,11 +66,25 @@ class StageModel {
   virtual size_t stage_weight_bytes() const = 0;
 };
 
-// The CPU backend: everything in host memory, hidden states over the mesh.
-class CpuStage : public StageModel {
+// What every backend's stage forwards to its model.
+template <typename M>
+class StageOf : public StageModel {
  public:
-  explicit CpuStage(std::unique_ptr<Transformer> m) : m_(std::move(m)) {}
+  explicit StageOf(std::unique_ptr<M> m) : m_(std::move(m)) {}
   const ModelConfig& config() const override { return m_->config(); }
+  bool first_stage() const override { return m_->first_stage(); }
+  bool last_stage() const override { return m_->last_stage(); }
+  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
+  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
+
+ protected:
+  std::unique_ptr<M> m_;
+};
+
+// The CPU backend: everything in host memory, hidden states over the mesh.
+class CpuStage : public StageOf<Transformer> {
+ public:
+  using StageOf::StageOf;
   absl::Status Receive(int64_t rows, const StageLinks& links) override {
     in_.resize(rows * config().hidden_size);
     return links.mesh->Recv(in_.data(), in_.size() * sizeof(float), *links.prev);
@@ -103,13 +117,8 @@ class CpuStage : public StageModel {
     }
     return tokens;
   }
-  bool first_stage() const override { return m_->first_stage(); }
-  bool last_stage() const override { return m_->last_stage(); }
-  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
-  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
 
  private:
-  std::unique_ptr<Transformer> m_;
   std::vector<float> in_, out_;
   int64_t seqs_ = 0;
 };
@@ -117,10 +126,9 @@ class CpuStage : public StageModel {
 #ifdef SHARDSERVE_WITH_CUDA
 // The CUDA backend: activations and logits stay on the GPU; hidden states go device to device
 // over an NCCL link where the neighbour has one, through host memory over the mesh otherwise.
-class CudaStage : public StageModel {
+class CudaStage : public StageOf<CudaTransformer> {
  public:
-  explicit CudaStage(std::unique_ptr<CudaTransformer> m) : m_(std::move(m)) {}
-  const ModelConfig& config() const override { return m_->config(); }
+  using StageOf::StageOf;
   absl::Status Receive(int64_t rows, const StageLinks& links) override {
     if (links.nccl_prev != nullptr) return m_->ReceiveHidden(*links.nccl_prev, 0, rows);
     std::vector<float> in(rows * config().hidden_size);
@@ -128,7 +136,8 @@ class CudaStage : public StageModel {
     return m_->HiddenFromHost(in.data(), rows);
   }
   absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
-    return m_->Run(chunks, cache);
+    RETURN_IF_ERROR(m_->Run(chunks, cache));
+    return cuda::Synchronize();  // the kernels are queued: wait, so the forward time is true
   }
   absl::Status Pass(const StageLinks& links) override {
     if (links.nccl_next != nullptr) return m_->SendHidden(*links.nccl_next, 1);
@@ -144,13 +153,6 @@ class CudaStage : public StageModel {
                                                    int64_t top_logprobs, Communicator*) override {
     return m_->Sample(samplers, top_logprobs);
   }
-  bool first_stage() const override { return m_->first_stage(); }
-  bool last_stage() const override { return m_->last_stage(); }
-  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
-  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
-
- private:
-  std::unique_ptr<CudaTransformer> m_;
 };
 #endif
 

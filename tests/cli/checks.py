@@ -1,5 +1,5 @@
 """Shared helpers of the process-level tests: named checks with a closing summary line, the
-worker processes still running, and free ports."""
+worker processes still running, free ports, and small generated models."""
 import os
 import socket
 import subprocess
@@ -45,3 +45,18 @@ def free_ports(n):
             for s in socks:
                 s.close()
     raise RuntimeError("no free ports")
+
+
+def small_models(binary, out_dir, dtype, archs=("llama", "mixtral")):
+    """Generated models of every arch with 3 layers (not divisible by 2 stages), GQA with 2 KV
+    heads, 4 experts and a vocabulary of 401: {arch: directory}."""
+    models = {}
+    for arch in archs:
+        d = os.path.join(out_dir, arch)
+        subprocess.run([binary, "gen-model", "--arch", arch, "--out", d, "--layers", "3",
+                        "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate",
+                        "96", "--vocab", "401", "--experts", "4", "--dtype", dtype],
+                       check=True, capture_output=True)
+        models[arch] = d
+    return models
+

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from checks import Checks
+from checks import Checks, small_models
 
 BIN = sys.argv[1]
 TOL = 2e-3
@@ -36,14 +36,7 @@ def gpus():
 
 
 with tempfile.TemporaryDirectory() as tmp:
-    models = {}
-    for arch in ["llama", "mixtral"]:
-        d = os.path.join(tmp, arch)
-        subprocess.run([BIN, "gen-model", "--arch", arch, "--out", d, "--layers", "3",
-                        "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate",
-                        "96", "--vocab", "401", "--experts", "4", "--dtype", "f32"],
-                       check=True, capture_output=True)
-        models[arch] = d
+    models = small_models(BIN, tmp, "f32")
 
     probe = generate(models["llama"], [], "cuda")
     if probe.returncode != 0 and ("no GPU is visible" in probe.stderr

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from checks import Checks, workers_running
+from checks import Checks, small_models, workers_running
 
 BIN = sys.argv[1]
 WORKER = os.path.join(os.path.dirname(BIN), "shardserve-worker")
@@ -29,14 +29,7 @@ def generate(model, extra, timeout=180):
 
 
 with tempfile.TemporaryDirectory() as tmp:
-    models = {}
-    for arch in ["llama", "mixtral"]:
-        d = os.path.join(tmp, arch)
-        subprocess.run([BIN, "gen-model", "--arch", arch, "--out", d, "--layers", "3",
-                        "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate",
-                        "96", "--vocab", "401", "--experts", "4", "--dtype", "bf16"],
-                       check=True, capture_output=True)
-        models[arch] = d
+    models = small_models(BIN, tmp, "bf16")
     grid = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 3) if tp * pp > 1]
     for arch, shapes in [("llama", grid), ("mixtral", grid)]:
         base = generate(models[arch], [])
