@@ -1,5 +1,6 @@
 // CUDA backend and NCCL communicator against the CPU backend. Every test needs a GPU and skips
 // cleanly without one; CI still compiles and links this binary.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -577,6 +578,41 @@ TEST_P(CudaGenerationTest, DeviceTokenChoiceMatchesTheHost) {
       cb[s].tokens = {want.id};
     }
   }
+}
+
+// Pipeline stages on the device: stage 0's hidden states feed stage 1 (through host memory, as
+// a link between ranks on one GPU goes), and the pair gives the whole model's logits; a later
+// stage without its input is refused, naming the rows.
+TEST_P(CudaGenerationTest, StagesChainToTheWholeModel) {
+  REQUIRE_GPU();
+  const auto& [arch, dtype] = GetParam();
+  testing::TempDir dir;
+  GenModelOptions g = testing::SmallModel(arch, dir.Sub("m"));
+  g.dtype = dtype;
+  const std::string path = testing::WriteModel(g);
+  Transformer::Options first, second;
+  first.layer_end = 1;
+  second.layer_begin = 1;
+  auto whole = CudaTransformer::Load(path, {});
+  auto s0 = CudaTransformer::Load(path, first);
+  auto s1 = CudaTransformer::Load(path, second);
+  ASSERT_TRUE(whole.ok() && s0.ok() && s1.ok());
+  EXPECT_TRUE((*s0)->first_stage() && !(*s0)->last_stage());
+  EXPECT_TRUE(!(*s1)->first_stage() && (*s1)->last_stage());
+  auto cw = (*whole)->NewKvCache(64), c0 = (*s0)->NewKvCache(64), c1 = (*s1)->NewKvCache(64);
+  ASSERT_TRUE(cw.ok() && c0.ok() && c1.ok());
+  std::vector<SequenceKv> a(1), b0(1), b1(1);
+  std::vector<SequenceChunk> cha = {{{5, 17, 42, 7}, &a[0]}}, ch0 = {{{5, 17, 42, 7}, &b0[0]}},
+                             ch1 = {{{5, 17, 42, 7}, &b1[0]}};
+  EXPECT_THAT(std::string((*s1)->Run(ch1, **c1).message()),
+              ::testing::HasSubstr("needs the hidden states of its 4 rows (given: 0)"));
+  std::vector<float> want, hidden, got;
+  ASSERT_TRUE((*whole)->ForwardStage(cha, **cw, nullptr, want).ok());
+  ASSERT_TRUE((*s0)->ForwardStage(ch0, **c0, nullptr, hidden).ok());
+  ASSERT_EQ(hidden.size(), 4u * g.hidden);
+  ASSERT_TRUE((*s1)->ForwardStage(ch1, **c1, hidden.data(), got).ok());
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, CudaGenerationTest,
