@@ -495,7 +495,6 @@ absl::Status Rank::Init() {
 }
 
 absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
-  const ModelConfig& c = model_->config();
   try {
     for (const json& id : desc.at("release")) {
       const int64_t seq = id.get<int64_t>();
