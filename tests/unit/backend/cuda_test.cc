@@ -317,7 +317,9 @@ TEST(CudaBackendTest, VocabSummariesMatchTheHost) {
       for (int64_t j = 2; j < width; ++j) EXPECT_EQ(g[j], w[j]) << r << " " << j;
     }
     EXPECT_EQ(got[1 * width + 3], begin + 10);
-    if (top >= 2) EXPECT_EQ(got[1 * width + 5], begin + 20);
+    if (top >= 2) {
+      EXPECT_EQ(got[1 * width + 5], begin + 20);
+    }
   }
 }
 
@@ -462,7 +464,18 @@ TEST(CudaBackendTest, MoeRoutingAndExpertProductsMatchTheHost) {
 
 // End to end: greedy generation on the GPU gives the CPU's tokens, on generated models of every
 // architecture (prefill of a prompt, then decode steps of two sequences batched together).
-class CudaGenerationTest : public ::testing::TestWithParam<std::pair<std::string, DType>> {};
+class CudaGenerationTest : public ::testing::TestWithParam<std::pair<std::string, DType>> {
+ protected:
+  // The small generated model of this case's architecture and dtype, written under dir_.
+  std::string WriteCaseModel() {
+    const auto& [arch, dtype] = GetParam();
+    options_ = testing::SmallModel(arch, dir_.Sub("m"));
+    options_.dtype = dtype;
+    return testing::WriteModel(options_);
+  }
+  testing::TempDir dir_;
+  GenModelOptions options_;
+};
 
 std::vector<std::vector<int32_t>> Greedy(
     const std::function<absl::Status(std::vector<SequenceChunk>&, std::vector<float>&)>& forward,
@@ -486,11 +499,8 @@ std::vector<std::vector<int32_t>> Greedy(
 
 TEST_P(CudaGenerationTest, GreedyTokensMatchTheCpu) {
   REQUIRE_GPU();
-  const auto& [arch, dtype] = GetParam();
-  testing::TempDir dir;
-  GenModelOptions o = testing::SmallModel(arch, dir.Sub("m"));
-  o.dtype = dtype;
-  const std::string path = testing::WriteModel(o);
+  const DType dtype = GetParam().second;
+  const std::string path = WriteCaseModel();
   auto cpu_model = Transformer::Load(path, {});
   ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
   auto gpu_model = CudaTransformer::Load(path, {});
@@ -531,10 +541,10 @@ TEST_P(CudaGenerationTest, GreedyTokensMatchTheCpu) {
 // model's logits, over a prefill and a batch of two decode steps.
 TEST_P(CudaGenerationTest, DeviceTokenChoiceMatchesTheHost) {
   REQUIRE_GPU();
-  const auto& [arch, dtype] = GetParam();
-  if (dtype != DType::kF32) GTEST_SKIP() << "F32 weights: logits equal to 1e-3, so equal choices";
-  testing::TempDir dir;
-  const std::string path = testing::WriteModel(testing::SmallModel(arch, dir.Sub("m")));
+  if (GetParam().second != DType::kF32) {
+    GTEST_SKIP() << "F32 weights: logits equal to 1e-3, so equal choices";
+  }
+  const std::string path = WriteCaseModel();
   auto cpu_model = Transformer::Load(path, {});
   auto gpu_model = CudaTransformer::Load(path, {});
   ASSERT_TRUE(cpu_model.ok() && gpu_model.ok());
@@ -585,11 +595,7 @@ TEST_P(CudaGenerationTest, DeviceTokenChoiceMatchesTheHost) {
 // stage without its input is refused, naming the rows.
 TEST_P(CudaGenerationTest, StagesChainToTheWholeModel) {
   REQUIRE_GPU();
-  const auto& [arch, dtype] = GetParam();
-  testing::TempDir dir;
-  GenModelOptions g = testing::SmallModel(arch, dir.Sub("m"));
-  g.dtype = dtype;
-  const std::string path = testing::WriteModel(g);
+  const std::string path = WriteCaseModel();
   Transformer::Options first, second;
   first.layer_end = 1;
   second.layer_begin = 1;
@@ -609,7 +615,7 @@ TEST_P(CudaGenerationTest, StagesChainToTheWholeModel) {
   std::vector<float> want, hidden, got;
   ASSERT_TRUE((*whole)->ForwardStage(cha, **cw, nullptr, want).ok());
   ASSERT_TRUE((*s0)->ForwardStage(ch0, **c0, nullptr, hidden).ok());
-  ASSERT_EQ(hidden.size(), 4u * g.hidden);
+  ASSERT_EQ(hidden.size(), 4u * options_.hidden);
   ASSERT_TRUE((*s1)->ForwardStage(ch1, **c1, hidden.data(), got).ok());
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << i;
