@@ -1,4 +1,4 @@
-// shardserve: the user CLI. Subcommands: gen-model, generate, bench.
+// shardserve: the user CLI. Subcommands: local, plan, gen-model, generate, bench.
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,6 +22,7 @@
 #include "bench/informer_bench.h"
 #include "bench/load_bench.h"
 #include "bench/runtime_bench.h"
+#include "bench/tokenize_bench.h"
 #include "cli/local.h"
 #include "cli/plan.h"
 #include "comm/socket.h"
@@ -61,7 +62,8 @@ commands:
   bench      cuda --model DIR [--batch 1,32 --steps N --prompt-tokens N]   (a GPU)
   bench      informer --kubeconfig PATH [--pods N --updates N --namespace NS]
   bench      load [--url HOST:PORT --model NAME --concurrency 1,4,16 --requests-per-client N
-             --max-tokens N --prompt-tokens N --vocab N --rank-metrics HOST:PORT]
+             --max-tokens N --prompt-tokens N --vocab N --rank-metrics HOST:PORT --api-key KEY]
+  bench      tokenize --model DIR [--bytes 8192,65536,1048000]
 )";
 
 absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const std::string& s) {
@@ -319,6 +321,8 @@ int Main(int argc, char** argv) {
     s = RunAllReduceBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "informer") {
     s = RunInformerBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "tokenize") {
+    s = RunTokenizeBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "load") {
     s = RunLoadBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "cuda") {

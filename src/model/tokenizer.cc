@@ -5,10 +5,13 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <queue>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
@@ -19,14 +22,19 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string ReplaceAll(std::string s, const std::string& from, const std::string& to) {
+// In one pass (replacing in place would move the rest of the text at every match: quadratic).
+std::string ReplaceAll(const std::string& s, const std::string& from, const std::string& to) {
   if (from.empty()) return s;
-  size_t pos = 0;
-  while ((pos = s.find(from, pos)) != std::string::npos) {
-    s.replace(pos, from.size(), to);
-    pos += to.size();
+  std::string out;
+  out.reserve(s.size());
+  size_t last = 0;
+  for (size_t pos = s.find(from); pos != std::string::npos; pos = s.find(from, last)) {
+    out.append(s, last, pos - last);
+    out += to;
+    last = pos + from.size();
   }
-  return s;
+  out.append(s, last, std::string::npos);
+  return out;
 }
 
 bool ValidUtf8(std::string_view s) {
@@ -82,9 +90,13 @@ class Regex {
     std::vector<std::pair<size_t, size_t>> out;
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     size_t pos = 0;
+    // The subject's UTF-8 is checked by the first match only: checking it at every match would
+    // make a long text quadratic.
+    uint32_t options = 0;
     while (pos <= s.size()) {
-      const int rc =
-          pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
+                                 options, md, nullptr);
+      options = PCRE2_NO_UTF_CHECK;
       if (rc < 0) break;
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       if (ov[1] == ov[0]) {  // empty match: step over one character
@@ -158,7 +170,8 @@ const std::vector<std::string>& ByteToUnicode() {
 struct Tokenizer::Impl {
   std::unordered_map<std::string, int32_t> vocab;
   std::vector<std::string> id_to_token;  // "" where an id has no token
-  std::map<std::pair<int32_t, int32_t>, std::pair<int32_t, int32_t>> merges;  // -> (rank, id)
+  // (left id << 32 | right id) -> (rank, merged id)
+  absl::flat_hash_map<uint64_t, std::pair<int32_t, int32_t>> merges;
   bool byte_fallback = false;
   bool ignore_merges = false;
   bool byte_level = false;  // a ByteLevel pre-tokenizer maps bytes to stand-in characters
@@ -168,13 +181,21 @@ struct Tokenizer::Impl {
   std::vector<PreTokenizer> pre_tokenizers;
   std::vector<Decoder> decoders;
   std::vector<AddedToken> added;
+  // The added tokens by their first byte, longest first (matching prefers them).
+  std::array<std::vector<const AddedToken*>, 256> added_by_byte;
+  size_t max_token_bytes = 4;      // the longest vocabulary entry (at least a character)
+  bool strips_whitespace = false;  // an added token takes the whitespace around it
+  bool nfc = false;
   std::vector<bool> special;
   std::vector<int32_t> prefix_ids, suffix_ids;  // post-processor template around the sequence
   std::unordered_map<std::string, int32_t> byte_fallback_ids;  // "<0x41>" lookups, by byte
   std::unordered_map<std::string, unsigned char> unicode_to_byte;
 
+  // Words seen before and their ids: words of at most kMaxCachedWordBytes, kCacheBytes in all
+  // (emptied when full), so no stream of distinct words grows it without bound.
   mutable std::mutex cache_mu;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;  // guarded by cache_mu
+  mutable size_t cache_bytes = 0;                                       // guarded by cache_mu
 
   absl::Status ParseModel(const json& m, const std::string& src);
   absl::Status ParseNormalizer(const json& n, const std::string& src);
@@ -185,7 +206,27 @@ struct Tokenizer::Impl {
   std::string Normalize(std::string s) const;
   std::vector<std::string> PreTokenize(const std::string& s, bool first_section) const;
   absl::Status Bpe(const std::string& word, std::vector<int32_t>& out) const;
+  // The word's initial symbols: a token per character, byte fallback, or unk.
+  absl::Status Symbols(const std::string& word, std::vector<int32_t>& syms) const;
+  std::optional<std::pair<int32_t, int32_t>> Merge(int32_t left, int32_t right) const {
+    auto it = merges.find(static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32 |
+                          static_cast<uint32_t>(right));
+    if (it == merges.end()) return std::nullopt;
+    return it->second;
+  }
+  // No token covers more than this many bytes of a pre-tokenized word (nullopt: unbounded, an
+  // unk token fused over a run of unknown characters).
+  std::optional<size_t> WordBytesPerToken() const {
+    if (fuse_unk && unk_id && !byte_level && !byte_fallback) return std::nullopt;
+    return max_token_bytes;
+  }
 };
+
+namespace {
+constexpr size_t kMaxCachedWordBytes = 256;
+constexpr size_t kMaxWordBytes = 1 << 20;
+constexpr size_t kCacheBytes = 16 << 20;
+}  // namespace
 
 namespace {
 
@@ -266,7 +307,9 @@ absl::Status Tokenizer::Impl::ParseModel(const json& m, const std::string& src) 
                                                      "' uses or makes a token not in the "
                                                      "vocabulary"));
     }
-    merges.emplace(std::make_pair(ia->second, ib->second), std::make_pair(rank++, ic->second));
+    merges.emplace(static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32 |
+                       static_cast<uint32_t>(ib->second),
+                   std::make_pair(rank++, ic->second));
   }
   if (byte_fallback) {
     for (int b = 0; b < 256; ++b) {
@@ -427,7 +470,7 @@ std::string Tokenizer::Impl::Normalize(std::string s) const {
         if (!s.empty()) s = n.a + s;
         break;
       case Normalizer::kReplace:
-        s = ReplaceAll(std::move(s), n.a, n.b);
+        s = ReplaceAll(s, n.a, n.b);
         break;
       case Normalizer::kNfc: {
         utf8proc_uint8_t* out = utf8proc_NFC(reinterpret_cast<const utf8proc_uint8_t*>(s.c_str()));
@@ -503,23 +546,7 @@ std::vector<std::string> Tokenizer::Impl::PreTokenize(const std::string& text,
   return pieces;
 }
 
-absl::Status Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>& out) const {
-  if (ignore_merges) {
-    auto it = vocab.find(word);
-    if (it != vocab.end()) {
-      out.push_back(it->second);
-      return absl::OkStatus();
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(cache_mu);
-    auto it = cache.find(word);
-    if (it != cache.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-      return absl::OkStatus();
-    }
-  }
-  std::vector<int32_t> syms;
+absl::Status Tokenizer::Impl::Symbols(const std::string& word, std::vector<int32_t>& syms) const {
   for (const std::string& ch : SplitUtf8Chars(word)) {
     auto it = vocab.find(ch);
     if (it != vocab.end()) {
@@ -549,25 +576,78 @@ absl::Status Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>&
     if (fuse_unk && !syms.empty() && syms.back() == *unk_id) continue;
     syms.push_back(*unk_id);
   }
-  for (;;) {
-    int32_t best_rank = INT32_MAX, best_id = -1;
-    size_t best_pos = 0;
-    for (size_t i = 0; i + 1 < syms.size(); ++i) {
-      auto it = merges.find({syms[i], syms[i + 1]});
-      if (it != merges.end() && it->second.first < best_rank) {
-        best_rank = it->second.first;
-        best_id = it->second.second;
-        best_pos = i;
-      }
+  return absl::OkStatus();
+}
+
+// Merges as Hugging Face's `tokenizers` does (word.rs, merge_all): the pair of lowest rank
+// first, the leftmost among equals, in O(n log n): the symbols form a linked list and the
+// candidate pairs a heap; a candidate whose symbols have changed since it was pushed is dropped
+// when popped.
+absl::Status Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>& out) const {
+  if (ignore_merges) {
+    auto it = vocab.find(word);
+    if (it != vocab.end()) {
+      out.push_back(it->second);
+      return absl::OkStatus();
     }
-    if (best_id < 0) break;
-    syms[best_pos] = best_id;
-    syms.erase(syms.begin() + best_pos + 1);
   }
+  const bool cacheable = word.size() <= kMaxCachedWordBytes;
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find(word);
+    if (it != cache.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return absl::OkStatus();
+    }
+  }
+  std::vector<int32_t> ids;
+  RETURN_IF_ERROR(Symbols(word, ids));
+  const int n = static_cast<int>(ids.size());
+  std::vector<int> prev(n), next(n);
+  std::vector<bool> alive(n, true);
+  for (int i = 0; i < n; ++i) {
+    prev[i] = i - 1;
+    next[i] = i + 1 < n ? i + 1 : -1;
+  }
+  struct Candidate {
+    int32_t rank;
+    int pos;
+    int32_t merged;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+  auto push = [&](int pos) {
+    if (pos < 0 || next[pos] < 0) return;
+    if (auto m = Merge(ids[pos], ids[next[pos]])) heap.push({m->first, pos, m->second});
+  };
+  for (int i = 0; i + 1 < n; ++i) push(i);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    if (!alive[c.pos] || next[c.pos] < 0) continue;
+    const int right = next[c.pos];
+    auto m = Merge(ids[c.pos], ids[right]);
+    if (!m || m->second != c.merged || m->first != c.rank) continue;  // stale
+    ids[c.pos] = c.merged;
+    alive[right] = false;
+    next[c.pos] = next[right];
+    if (next[right] >= 0) prev[next[right]] = c.pos;
+    push(prev[c.pos]);
+    push(c.pos);
+  }
+  std::vector<int32_t> syms;
+  for (int i = n > 0 ? 0 : -1; i >= 0; i = next[i]) syms.push_back(ids[i]);
   out.insert(out.end(), syms.begin(), syms.end());
+  if (!cacheable) return absl::OkStatus();
+  const size_t bytes = word.size() + syms.size() * sizeof(int32_t) + 64;
   std::lock_guard<std::mutex> lock(cache_mu);
-  if (cache.size() > 200000) cache.clear();
-  cache.emplace(word, std::move(syms));
+  if (cache_bytes + bytes > kCacheBytes) {
+    cache.clear();
+    cache_bytes = 0;
+  }
+  if (cache.emplace(word, std::move(syms)).second) cache_bytes += bytes;
   return absl::OkStatus();
 }
 
@@ -608,6 +688,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
   std::sort(impl->added.begin(), impl->added.end(), [](const AddedToken& a, const AddedToken& b) {
     return a.content.size() > b.content.size();
   });
+  for (const AddedToken& a : impl->added) {
+    impl->added_by_byte[static_cast<unsigned char>(a.content[0])].push_back(&a);
+    if (a.lstrip || a.rstrip) impl->strips_whitespace = true;
+  }
+  for (const auto& [tok, id] : impl->vocab) {
+    impl->max_token_bytes = std::max(impl->max_token_bytes, tok.size());
+  }
+  impl->nfc = std::any_of(impl->normalizers.begin(), impl->normalizers.end(),
+                          [](const Normalizer& n) { return n.kind == Normalizer::kNfc; });
   int32_t max_id = -1;
   for (const auto& [tok, id] : impl->vocab) max_id = std::max(max_id, id);
   impl->id_to_token.assign(max_id + 1, "");
@@ -630,10 +719,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& mo
 }
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
-                                                       bool add_special_tokens) const {
+                                                       bool add_special_tokens,
+                                                       size_t max_tokens) const {
   const Impl& m = *impl_;
   std::vector<int32_t> ids;
   if (add_special_tokens) ids = m.prefix_ids;
+  const std::optional<size_t> per_token = m.WordBytesPerToken();
+  auto too_many = [&] {
+    return absl::OutOfRangeError(absl::StrCat("the text holds more than ", max_tokens, " tokens"));
+  };
   auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
   // Split around added tokens, then normalize, pre-tokenize and BPE each plain section.
   size_t section_start = 0, i = 0;
@@ -643,7 +737,18 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
       const std::string normalized =
           m.Normalize(std::string(text.substr(section_start, end - section_start)));
       for (const std::string& piece : m.PreTokenize(normalized, first_section)) {
+        // A word needs at least this many tokens: refused before the work if they cannot fit.
+        if (max_tokens > 0 && per_token &&
+            ids.size() + (piece.size() + *per_token - 1) / *per_token > max_tokens) {
+          return too_many();
+        }
+        if (piece.size() > kMaxWordBytes) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the text holds a word of ", piece.size(),
+              " bytes; words (runs without a break) are limited to ", kMaxWordBytes, " bytes"));
+        }
         RETURN_IF_ERROR(m.Bpe(piece, ids));
+        if (max_tokens > 0 && ids.size() > max_tokens) return too_many();
       }
       first_section = false;
     }
@@ -651,9 +756,9 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
   };
   while (i < text.size()) {
     const AddedToken* hit = nullptr;
-    for (const AddedToken& a : m.added) {
-      if (text.compare(i, a.content.size(), a.content) == 0) {
-        hit = &a;
+    for (const AddedToken* a : m.added_by_byte[static_cast<unsigned char>(text[i])]) {
+      if (text.compare(i, a->content.size(), a->content) == 0) {
+        hit = a;
         break;
       }
     }
@@ -667,6 +772,7 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
     }
     RETURN_IF_ERROR(flush(begin));
     ids.push_back(hit->id);
+    if (max_tokens > 0 && ids.size() > max_tokens) return too_many();
     if (hit->rstrip) {
       while (end < text.size() && is_space(text[end])) ++end;
     }
@@ -675,7 +781,19 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
   }
   RETURN_IF_ERROR(flush(text.size()));
   if (add_special_tokens) ids.insert(ids.end(), m.suffix_ids.begin(), m.suffix_ids.end());
+  if (max_tokens > 0 && ids.size() > max_tokens) return too_many();
   return ids;
+}
+
+std::optional<size_t> Tokenizer::MaxBytesPerToken() const {
+  const Impl& m = *impl_;
+  std::optional<size_t> per_word = m.WordBytesPerToken();
+  const bool drops_text = std::any_of(m.pre_tokenizers.begin(), m.pre_tokenizers.end(),
+                                      [](const PreTokenizer& p) { return p.remove_matches; });
+  if (!per_word || m.strips_whitespace || drops_text) return std::nullopt;
+  // Normalized text is no shorter than the input, but for NFC composition (three jamo of three
+  // bytes each into one syllable of three); a byte-level stand-in is at least one byte a byte.
+  return *per_word * (m.nfc ? 3 : 1);
 }
 
 std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {

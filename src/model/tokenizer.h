@@ -23,9 +23,18 @@ class Tokenizer {
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& model_dir);
   ~Tokenizer();
 
-  // add_special_tokens applies the post-processor template (e.g. a leading BOS).
-  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text,
-                                              bool add_special_tokens = true) const;
+  // add_special_tokens applies the post-processor template (e.g. a leading BOS). With
+  // max_tokens > 0, a text of more tokens is refused (OutOfRange) as soon as that is certain:
+  // the work done is bounded by the limit, not by the text. Merges take O(n log n) in a word's
+  // length; a word (a pre-tokenizer's piece) of more than 1 MiB is refused (InvalidArgument).
+  absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text, bool add_special_tokens = true,
+                                              size_t max_tokens = 0) const;
+  // No token covers more than this many bytes of input text, so a text of B bytes holds at least
+  // B / MaxBytesPerToken() tokens: a prompt too long for a context can be refused by its size
+  // before any work. nullopt when the tokenizer has no such bound (added tokens that take the
+  // whitespace around them, a pre-tokenizer that drops what it matches, an unk token fused over
+  // runs of unknown characters).
+  std::optional<size_t> MaxBytesPerToken() const;
   // Ids that the tokenizer does not know are skipped, as Hugging Face does.
   std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
 

@@ -3,7 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "model/bpe_trainer.h"
 #include "model/corpus.h"
@@ -129,6 +131,101 @@ TEST(TokenizerTest, RefusesComponentsItDoesNotImplement) {
   }
   EXPECT_THAT(std::string(Tokenizer::FromJson("[1,", "t.json").status().message()),
               HasSubstr("t.json: not valid JSON"));
+}
+
+// The merges of Hugging Face's `tokenizers` written the plain way (rescan the word for the pair
+// of lowest rank, leftmost among equals, after every merge): quadratic, for reference only.
+std::vector<int32_t> NaiveMerges(const Tokenizer& tok, const std::vector<std::string>& chars,
+                                 const std::map<std::pair<std::string, std::string>, int>& ranks) {
+  std::vector<std::string> syms = chars;
+  for (;;) {
+    int best = INT32_MAX;
+    size_t at = 0;
+    for (size_t i = 0; i + 1 < syms.size(); ++i) {
+      auto it = ranks.find({syms[i], syms[i + 1]});
+      if (it != ranks.end() && it->second < best) {
+        best = it->second;
+        at = i;
+      }
+    }
+    if (best == INT32_MAX) break;
+    syms[at] += syms[at + 1];
+    syms.erase(syms.begin() + at + 1);
+  }
+  std::vector<int32_t> ids;
+  for (const std::string& s : syms) ids.push_back(*tok.TokenId(s));
+  return ids;
+}
+
+TEST(TokenizerTest, MergesMatchThePlainAlgorithm) {
+  auto t = TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kByteLevel, 700);
+  ASSERT_TRUE(t.ok());
+  auto tok = Tokenizer::FromJson(t->json, "test");
+  ASSERT_TRUE(tok.ok());
+  const json j = json::parse(t->json);
+  std::map<std::pair<std::string, std::string>, int> ranks;
+  int rank = 0;
+  for (const json& m : j["model"]["merges"]) {
+    const std::string s = m.is_string() ? m.get<std::string>()
+                                        : m[0].get<std::string>() + " " + m[1].get<std::string>();
+    const size_t sp = s.find(' ', 1);
+    ranks[{s.substr(0, sp), s.substr(sp + 1)}] = rank++;
+  }
+  std::mt19937 rng(7);
+  const std::string letters = "etaoinshrdlu";
+  for (int n = 0; n < 300; ++n) {
+    // Words of repeated and mixed letters: where overlapping pairs of equal rank meet.
+    std::string word;
+    const int len = 1 + static_cast<int>(rng() % 40);
+    for (int i = 0; i < len; ++i) word += letters[rng() % (n % 2 ? 3 : letters.size())];
+    std::vector<std::string> chars;
+    for (char c : word) chars.push_back(std::string(1, c));
+    auto ids = (*tok)->Encode(word, false);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    EXPECT_EQ(*ids, NaiveMerges(**tok, chars, ranks)) << word;
+  }
+}
+
+TEST(TokenizerTest, ALongWordIsMergedAndTheLongestIsRefused) {
+  for (TokenizerStyle style : {TokenizerStyle::kByteLevel, TokenizerStyle::kSentencePiece}) {
+    auto tok = Trained(style);
+    // 1 MiB of one word: the plain algorithm's rescans would take hours here.
+    std::string word;
+    while (word.size() < (1 << 20) - 16) word += "he";
+    auto ids = tok->Encode(word, false);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    EXPECT_EQ(tok->Decode(*ids), word);
+    EXPECT_LE(ids->size(), word.size() / 2 + 1);  // merged, not left as characters
+    auto refused = tok->Encode(word + std::string(17, 'e'), false);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(), HasSubstr("bytes; words (runs without a break)"));
+  }
+}
+
+TEST(TokenizerTest, EncodeStopsAtTheTokenLimit) {
+  for (TokenizerStyle style : {TokenizerStyle::kByteLevel, TokenizerStyle::kSentencePiece}) {
+    auto tok = Trained(style);
+    const std::string text = "The model is too large for one machine. ";
+    auto all = tok->Encode(text, false);
+    ASSERT_TRUE(all.ok());
+    auto exact = tok->Encode(text, false, all->size());
+    ASSERT_TRUE(exact.ok());
+    EXPECT_EQ(*exact, *all);
+    auto over = tok->Encode(text, false, all->size() - 1);
+    EXPECT_EQ(over.status().code(), absl::StatusCode::kOutOfRange);
+    // A text of many times the limit is refused by its size, word by word, before the merges.
+    std::string big;
+    while (big.size() < (1 << 20)) big += text;
+    auto huge = tok->Encode(big, false, 16);
+    EXPECT_EQ(huge.status().code(), absl::StatusCode::kOutOfRange);
+    // No token covers more bytes of text than the bound.
+    ASSERT_TRUE(tok->MaxBytesPerToken().has_value());
+    for (const std::string& t : kTexts) {
+      auto ids = tok->Encode(t, false);
+      ASSERT_TRUE(ids.ok());
+      EXPECT_GE(ids->size() * *tok->MaxBytesPerToken(), t.size()) << t;
+    }
+  }
 }
 
 TEST(TokenizerTest, ByteLevelTableIsABijection) {
