@@ -49,7 +49,7 @@ std::pair<std::string, int> HostPort(const std::string& s) {
 
 // One streamed completion; every event carries one token's logprob, so tokens are counted
 // exactly even when their text is held back.
-Sample StreamOnce(const std::string& host, int port, const json& body) {
+Sample StreamOnce(const std::string& host, int port, const std::string& api_key, const json& body) {
   Sample s;
   httplib::Client client(host, port);
   client.set_read_timeout(600, 0);
@@ -61,6 +61,7 @@ Sample StreamOnce(const std::string& host, int port, const json& body) {
   req.path = "/v1/completions";
   req.body = body.dump();
   req.set_header("Content-Type", "application/json");
+  if (!api_key.empty()) req.set_header("Authorization", "Bearer " + api_key);
   req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
     buffer.append(data, n);
     size_t end;
@@ -118,14 +119,16 @@ std::pair<double, double> ForwardTotals(const std::string& host, int port) {
 }  // namespace
 
 absl::Status RunLoadBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
-                                       {"url", "model", "concurrency", "requests-per-client",
-                                        "max-tokens", "prompt-tokens", "vocab", "rank-metrics"},
-                                       {}));
+  ASSIGN_OR_RETURN(Args a,
+                   Args::Parse(argv,
+                               {"url", "model", "concurrency", "requests-per-client", "max-tokens",
+                                "prompt-tokens", "vocab", "rank-metrics", "api-key"},
+                               {}));
   const auto [host, port] = HostPort(a.GetOr("url", "127.0.0.1:8000"));
   if (port == 0) return absl::InvalidArgumentError("--url must be HOST:PORT");
   const auto [mhost, mport] = HostPort(a.GetOr("rank-metrics", ""));
   const std::string model = a.GetOr("model", "model");
+  const std::string api_key = a.GetOr("api-key", "");
   ASSIGN_OR_RETURN(int64_t per_client, a.GetInt("requests-per-client", 2));
   ASSIGN_OR_RETURN(int64_t max_tokens, a.GetInt("max-tokens", 64));
   ASSIGN_OR_RETURN(int64_t prompt_tokens, a.GetInt("prompt-tokens", 64));
@@ -150,9 +153,9 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
     const json body = {{"model", model},   {"prompt", {3}},      {"max_tokens", 48},
                        {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
                        {"logprobs", 0}};
-    (void)StreamOnce(host, port, body);  // warm-up
+    (void)StreamOnce(host, port, api_key, body);  // warm-up
     const auto before = ForwardTotals(mhost, mport);
-    Sample s = StreamOnce(host, port, body);
+    Sample s = StreamOnce(host, port, api_key, body);
     const auto after = ForwardTotals(mhost, mport);
     if (!s.ok) return absl::UnavailableError(absl::StrCat("probe failed: ", s.error));
     double itl = 0;
@@ -181,7 +184,7 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
           const json body = {{"model", model},   {"prompt", prompt},   {"max_tokens", max_tokens},
                              {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
                              {"logprobs", 0}};
-          Sample s = StreamOnce(host, port, body);
+          Sample s = StreamOnce(host, port, api_key, body);
           std::lock_guard<std::mutex> lock(mu);
           samples.push_back(std::move(s));
         }

@@ -1,6 +1,5 @@
 #include "operator/operator_metrics.h"
 
-#include <httplib.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -10,6 +9,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "http/server.h"
 
 namespace shardserve::op {
 namespace {
@@ -88,10 +89,7 @@ void OperatorMetrics::SetSampler(std::function<Sampled()> sampler) {
   sampler_ = std::move(sampler);
 }
 
-OperatorMetrics::~OperatorMetrics() {
-  if (http_) http_->stop();
-  if (http_thread_.joinable()) http_thread_.join();
-}
+OperatorMetrics::~OperatorMetrics() = default;
 
 void OperatorMetrics::ObserveReconcile(const std::string& result, double seconds) {
   reconciles_->Add({{"result", result}}).Increment();
@@ -151,41 +149,63 @@ void OperatorMetrics::ForgetModel(const std::string& model) {
 
 void OperatorMetrics::SetLeader(bool leader) { leader_->Set(leader ? 1 : 0); }
 
-absl::Status OperatorMetrics::Serve(const std::string& host, int port,
-                                    std::function<std::string()> ready) {
-  http_ = std::make_unique<httplib::Server>();
-  http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    std::function<Sampled()> sampler;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      sampler = sampler_;
-    }
-    if (sampler) {
-      const Sampled s = sampler();
-      api_requests_->Increment(std::max(0.0, s.api_requests - api_requests_->Value()));
-      throttled_->Increment(std::max(0.0, s.throttled_seconds - throttled_->Value()));
-      for (const auto& [resource, v] : s.caches) {
-        cache_objects_->Add({{"resource", resource}}).Set(v.first);
-        cache_bytes_->Add({{"resource", resource}}).Set(v.second);
-      }
-    }
-    res.set_content(prometheus::TextSerializer().Serialize(registry_->Collect()),
-                    "text/plain; version=0.0.4");
-  });
-  http_->Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("ok\n", "text/plain");
-  });
-  http_->Get("/readyz", [ready](const httplib::Request&, httplib::Response& res) {
-    const std::string why = ready();
-    res.status = why.empty() ? 200 : 503;
-    res.set_content(why.empty() ? "ok\n" : why + "\n", "text/plain");
-  });
-  port_ = port == 0 ? http_->bind_to_any_port(host) : (http_->bind_to_port(host, port) ? port : -1);
-  if (port_ < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve /metrics on ", host, ":", port, ": the address is in use"));
+void OperatorMetrics::Sample() {
+  std::function<Sampled()> sampler;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sampler = sampler_;
   }
-  http_thread_ = std::thread([this] { http_->listen_after_bind(); });
+  if (!sampler) return;
+  const Sampled s = sampler();
+  api_requests_->Increment(std::max(0.0, s.api_requests - api_requests_->Value()));
+  throttled_->Increment(std::max(0.0, s.throttled_seconds - throttled_->Value()));
+  for (const auto& [resource, v] : s.caches) {
+    cache_objects_->Add({{"resource", resource}}).Set(v.first);
+    cache_bytes_->Add({{"resource", resource}}).Set(v.second);
+  }
+}
+
+absl::Status OperatorMetrics::Serve(const std::string& host, int port,
+                                    std::function<std::string()> ready,
+                                    std::function<absl::Status(const std::string&)> authorize) {
+  auto page = [this] {
+    Sample();
+    return http::Response{200,
+                          "text/plain; version=0.0.4",
+                          prometheus::TextSerializer().Serialize(registry_->Collect()),
+                          {}};
+  };
+  http::Routes routes;
+  if (authorize) {
+    // Asking the apiserver takes a round trip: off the I/O thread.
+    routes.GetBlocking("/metrics", [page, authorize](const http::Request& req, http::Exchange& ex) {
+      const absl::Status s = authorize(req.Header("authorization"));
+      if (s.ok()) return ex.Respond(page());
+      const int code = s.code() == absl::StatusCode::kUnauthenticated    ? 401
+                       : s.code() == absl::StatusCode::kPermissionDenied ? 403
+                                                                         : 503;
+      http::Response r{code, "text/plain", std::string(s.message()) + "\n", {}};
+      if (code == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer");
+      ex.Respond(std::move(r));
+    });
+  } else {
+    routes.Get("/metrics", [page](const http::Request&) { return page(); });
+  }
+  routes.Get("/healthz", [](const http::Request&) {
+    return http::Response{200, "text/plain", "ok\n", {}};
+  });
+  routes.Get("/readyz", [ready](const http::Request&) {
+    const std::string why = ready();
+    return http::Response{
+        why.empty() ? 200 : 503, "text/plain", why.empty() ? "ok\n" : why + "\n", {}};
+  });
+  http::ServerOptions options;
+  options.host = host;
+  options.port = port;
+  options.max_body_bytes = 0;
+  options.max_blocking = 16;
+  ASSIGN_OR_RETURN(http_, http::Server::Start(options, std::move(routes)));
+  port_ = http_->port();
   return absl::OkStatus();
 }
 

@@ -19,7 +19,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -33,7 +32,7 @@ class Histogram;
 class Registry;
 }  // namespace prometheus
 
-namespace httplib {
+namespace shardserve::http {
 class Server;
 }
 
@@ -64,8 +63,11 @@ class OperatorMetrics {
   prometheus::Registry& registry() { return *registry_; }
 
   // Serves /metrics, /healthz and /readyz on host:port (0: any); `ready` answers /readyz with
-  // "" when ready or the reason it is not.
-  absl::Status Serve(const std::string& host, int port, std::function<std::string()> ready);
+  // "" when ready or the reason it is not. With `authorize`, /metrics asks it first, given the
+  // request's Authorization header: OK serves the page, Unauthenticated answers 401,
+  // PermissionDenied 403, anything else 503 (see metrics_auth.h). The probes stay open.
+  absl::Status Serve(const std::string& host, int port, std::function<std::string()> ready,
+                     std::function<absl::Status(const std::string&)> authorize = nullptr);
   int port() const { return port_; }
 
  private:
@@ -85,8 +87,9 @@ class OperatorMetrics {
   std::mutex mu_;  // guards the per-model series below
   std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_;
   std::map<std::string, std::vector<prometheus::Counter*>> model_counters_;  // restarts first
-  std::unique_ptr<httplib::Server> http_;
-  std::thread http_thread_;
+  void Sample();  // the sampled figures into their series
+
+  std::unique_ptr<http::Server> http_;
   int port_ = 0;
 };
 

@@ -4,7 +4,6 @@
 // Ctrl-C or SIGTERM stops everything cleanly; a failed rank ends the run with its name.
 #include "cli/local.h"
 
-#include <httplib.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include "common/process.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "http/server.h"
 #include "model/config.h"
 #include "serve/rank_runtime.h"
 
@@ -41,10 +41,9 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel
   while (left > 0 && !stop.load()) {
     for (size_t i = 0; i < replicas.size(); ++i) {
       if (ready[i]) continue;
-      httplib::Client client("127.0.0.1", replicas[i].api_port);
-      client.set_connection_timeout(0, 200000);
-      auto res = client.Get("/readyz");
-      if (res && res->status == 200) {
+      auto res = http::Fetch("127.0.0.1", replicas[i].api_port, "GET", "/readyz", {}, "",
+                             std::chrono::milliseconds(500));
+      if (res.ok() && res->status == 200) {
         ready[i] = true;
         --left;
         std::printf("replica %d ready: http://127.0.0.1:%d/v1 (model '%s')\n", replicas[i].index,

@@ -1,6 +1,5 @@
 #include "metrics/rank_metrics.h"
 
-#include <httplib.h>
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
@@ -13,6 +12,7 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "http/server.h"
 
 namespace shardserve {
 namespace {
@@ -63,16 +63,6 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
                                                    {"replica", labels.replica},
                                                    {"stage", labels.stage},
                                                    {"tp_rank", labels.tp_rank}};
-  // cpp-httplib, not prometheus-cpp's civetweb Exposer: civetweb's threads have a fixed 100 KB
-  // stack, too small for the static TLS that cuBLAS brings into a GPU rank's process.
-  m->http_ = std::make_unique<httplib::Server>();
-  const int bound = port == 0 ? m->http_->bind_to_any_port(host)
-                              : (m->http_->bind_to_port(host, port) ? port : -1);
-  if (bound < 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", host, ":", port,
-                                               ": the address is in use or not available"));
-  }
-  m->port_ = bound;
   m->registry_ = std::make_shared<prometheus::Registry>();
   auto& r = *m->registry_;
   m->up_ = &prometheus::BuildGauge()
@@ -114,8 +104,13 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
     m->comm_[op] = {&comm_seconds.Add(labels_op, SecondsBuckets()), &comm_bytes.Add(labels_op)};
   }
   m->collectables_ = {m->registry_, std::make_shared<ResidentMemory>(base)};
+  // Served by http::Server, not prometheus-cpp's civetweb Exposer: civetweb's threads have a
+  // fixed 100 KB stack, too small for the static TLS that cuBLAS brings into a GPU rank's
+  // process, and no deadline for a slow client. The page is answered on the I/O thread, so slow
+  // or idle connections never delay a scrape or a probe.
   RankMetrics* self = m.get();
-  m->http_->Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
+  http::Routes routes;
+  routes.Get("/metrics", [self](const http::Request&) {
     std::vector<prometheus::MetricFamily> families;
     {
       std::lock_guard<std::mutex> lock(self->mu_);
@@ -124,16 +119,25 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
         families.insert(families.end(), more.begin(), more.end());
       }
     }
-    res.set_content(prometheus::TextSerializer().Serialize(families), "text/plain; version=0.0.4");
+    return http::Response{
+        200, "text/plain; version=0.0.4", prometheus::TextSerializer().Serialize(families), {}};
   });
-  m->thread_ = std::thread([self] { self->http_->listen_after_bind(); });
+  http::ServerOptions options;
+  options.host = host;
+  options.port = port;
+  options.max_body_bytes = 0;
+  options.max_blocking = 0;
+  auto server = http::Server::Start(options, std::move(routes));
+  if (!server.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics: ", server.status().message()));
+  }
+  m->http_ = *std::move(server);
+  m->port_ = m->http_->port();
   return m;
 }
 
-RankMetrics::~RankMetrics() {
-  http_->stop();
-  if (thread_.joinable()) thread_.join();
-}
+RankMetrics::~RankMetrics() = default;
 
 LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
                              const std::string& replica)

@@ -1,6 +1,6 @@
 #pragma once
 // Prometheus metrics of one rank (DESIGN.md §6, a contract with dashboards/), labelled
-// {model, replica, stage, tp_rank}, served (cpp-httplib) on the rank's own port:
+// {model, replica, stage, tp_rank}, served (http/server.h) on the rank's own port:
 //   shardserve_rank_up, shardserve_rank_forward_seconds (histogram),
 //   shardserve_rank_comm_seconds{op} (histogram), shardserve_rank_comm_bytes_total{op},
 //   shardserve_rank_weights_bytes, shardserve_rank_kv_cache_usage_ratio,
@@ -10,7 +10,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -25,11 +24,11 @@ class Histogram;
 class Registry;
 }  // namespace prometheus
 
-namespace httplib {
+namespace shardserve {
+
+namespace http {
 class Server;
 }
-
-namespace shardserve {
 
 struct RankLabels {
   std::string model;
@@ -86,8 +85,7 @@ class RankMetrics {
  private:
   RankMetrics() = default;
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<httplib::Server> http_;
-  std::thread thread_;
+  std::unique_ptr<http::Server> http_;
   std::mutex mu_;  // guards collectables_
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_;
   RankLabels labels_;

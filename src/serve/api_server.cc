@@ -1,23 +1,20 @@
 #include "serve/api_server.h"
 
-#include <arpa/inet.h>
-#include <httplib.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
-#include <sys/socket.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <random>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "http/server.h"
 #include "metrics/rank_metrics.h"
 #include "model/tokenizer.h"
+#include "serve/api_keys.h"
 #include "serve/chat_template.h"
 #include "serve/openai.h"
 #include "serve/text_stream.h"
@@ -64,32 +61,12 @@ bool TooDeep(const std::string& body) {
   return false;
 }
 
-// cpp-httplib does not give handlers their socket; the accepted connection is the one whose
-// local and remote ports are the request's. Used to notice a client that went away while a
-// non-streamed answer is being generated.
-int FindConnection(const httplib::Request& req) {
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
-    int fd;
-    if (!absl::SimpleAtoi(entry.path().filename().string(), &fd)) continue;
-    sockaddr_storage local{}, peer{};
-    socklen_t ll = sizeof(local), pl = sizeof(peer);
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
-    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
-    auto port_of = [](const sockaddr_storage& a) -> int {
-      if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port);
-      if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port);
-      return -1;
-    };
-    if (port_of(local) == req.local_port && port_of(peer) == req.remote_port) return fd;
-  }
-  return -1;
-}
-
-bool PeerGone(int fd) {
-  if (fd < 0) return false;
-  pollfd p{fd, POLLRDHUP, 0};
-  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+// A POST body must say it is JSON: a form or text/plain body (what a web page may send to a
+// server on localhost without asking) is refused.
+bool IsJson(const std::string& content_type) {
+  const std::string media = absl::AsciiStrToLower(
+      absl::StripAsciiWhitespace(content_type.substr(0, content_type.find(';'))));
+  return media == "application/json";
 }
 
 std::string RequestId(const char* prefix) {
@@ -137,8 +114,8 @@ struct ApiServer::Impl {
   ServeConfig config;
   std::unique_ptr<Tokenizer> tokenizer;
   ChatTemplate chat;
-  httplib::Server http;
-  std::thread listener;
+  std::unique_ptr<ApiKeys> keys;  // null: the API is open
+  std::unique_ptr<http::Server> http;
   std::shared_ptr<prometheus::Registry> own_registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<LeaderMetrics> metrics;
   std::mutex registry_mu;
@@ -149,16 +126,29 @@ struct ApiServer::Impl {
       "the model replica is starting: waiting for every rank to connect and "
       "load";  // guarded by engine_mu
   std::atomic<int> active{0};
-  int64_t max_context = 0;
+  int64_t max_context = 0;  // guarded by engine_mu
+  int64_t vocab_size = 0;   // guarded by engine_mu
 
   std::string TokenText(int32_t id) const { return tokenizer->Decode({id}, false); }
 
-  void Reply(httplib::Response& res, const absl::Status& s) {
+  http::Response Reply(const absl::Status& s) {
     const int code = HttpStatusFor(s);
-    res.status = code;
-    if (code == 429 || code == 503) res.set_header("Retry-After", "1");
-    res.set_content(DumpJson(ErrorBody(s)), "application/json");
+    http::Response r{code, "application/json", DumpJson(ErrorBody(s)), {}};
+    if (code == 429 || code == 503) r.headers.emplace_back("Retry-After", "1");
+    if (code == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer");
     metrics->CountRequest(code);
+    return r;
+  }
+  http::Response Json(const json& body) {
+    metrics->CountRequest(200);
+    return {200, "application/json", DumpJson(body), {}};
+  }
+  // The 401 answer when keys are required and the request has none that is known.
+  std::optional<http::Response> Deny(const http::Request& req) {
+    if (keys == nullptr) return std::nullopt;
+    absl::Status s = keys->Check(req.Header("authorization"));
+    if (s.ok()) return std::nullopt;
+    return Reply(s);
   }
 
   ChoiceDelta Poll(Choice& c, const ApiRequest& req, std::chrono::milliseconds wait) {
@@ -243,20 +233,56 @@ struct ApiServer::Impl {
     return {{"prompt_tokens", p}, {"completion_tokens", g}, {"total_tokens", p + g}};
   }
 
+  // A prompt's tokens, its cost bounded by the context before any work: a text that cannot fit
+  // is refused by its size, and tokenizing stops as soon as the context is exceeded.
+  absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_special,
+                                                int64_t context, const std::string& param) {
+    auto too_long = [&](const std::string& what) {
+      return BadParam(param, absl::StrCat("this model's maximum context length is ", context,
+                                          " tokens; the prompt ", what));
+    };
+    if (auto per_token = tokenizer->MaxBytesPerToken();
+        per_token && text.size() > static_cast<size_t>(context) * *per_token) {
+      return too_long(
+          absl::StrCat("has ", text.size(), " bytes, and no token covers more than ", *per_token));
+    }
+    absl::StatusOr<std::vector<int32_t>> ids =
+        tokenizer->Encode(text, add_special, static_cast<size_t>(context));
+    if (ids.status().code() == absl::StatusCode::kOutOfRange) {
+      return too_long(absl::StrCat("holds more than ", context, " tokens"));
+    }
+    if (!ids.ok()) return BadParam(param, std::string(ids.status().message()));
+    return ids;
+  }
+
   // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
   absl::Status Submit(ApiRequest& req, std::vector<Choice>& choices) {
+    int64_t context, vocab;
+    {
+      std::shared_lock<std::shared_mutex> lock(engine_mu);
+      if (engine == nullptr) return absl::UnavailableError(not_ready);
+      context = max_context;
+      vocab = vocab_size;
+    }
     std::vector<std::vector<int32_t>> prompts;
+    const std::string param = req.chat ? "messages" : "prompt";
     if (req.chat) {
       ASSIGN_OR_RETURN(std::string text, chat.Render(req.messages));
-      ASSIGN_OR_RETURN(auto ids, tokenizer->Encode(text, /*add_special_tokens=*/false));
+      ASSIGN_OR_RETURN(auto ids, Tokenize(text, /*add_special=*/false, context, param));
       prompts.push_back(std::move(ids));
       for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
     } else {
       for (size_t i = 0; i < req.prompt_ids.size(); ++i) {
         if (!req.prompt_ids[i].empty()) {
+          for (int32_t id : req.prompt_ids[i]) {
+            if (id >= vocab) {
+              return BadParam(param, absl::StrCat("prompt token id ", id,
+                                                  " is outside the vocabulary [0, ", vocab, ")"));
+            }
+          }
           prompts.push_back(req.prompt_ids[i]);
         } else {
-          ASSIGN_OR_RETURN(auto ids, tokenizer->Encode(req.prompt_texts[i]));
+          ASSIGN_OR_RETURN(auto ids, Tokenize(req.prompt_texts[i], true, context, param));
           prompts.push_back(std::move(ids));
         }
       }
@@ -269,9 +295,8 @@ struct ApiServer::Impl {
       g.params = req.params;
       const int64_t n = static_cast<int64_t>(ids.size());
       if (n >= max_context) {
-        return BadParam(req.chat ? "messages" : "prompt",
-                        absl::StrCat("this model's maximum context length is ", max_context,
-                                     " tokens; the prompt holds ", n));
+        return BadParam(param, absl::StrCat("this model's maximum context length is ", max_context,
+                                            " tokens; the prompt holds ", n));
       }
       if (!req.max_tokens_set && req.chat) g.params.max_tokens = max_context - n;
       auto stream = engine->Submit(g);
@@ -295,58 +320,62 @@ struct ApiServer::Impl {
             {"model", config.model_name}};
   }
 
-  void Generate(const httplib::Request& http_req, httplib::Response& res, bool chat) {
+  // POST /v1/completions and /v1/chat/completions, on a thread of their own.
+  void Generate(const http::Request& http_req, http::Exchange& ex, bool chat) {
+    ++active;
+    struct Done {
+      std::atomic<int>& n;
+      ~Done() { --n; }
+    } done{active};
+    if (auto denied = Deny(http_req)) return ex.Respond(*std::move(denied));
+    if (!IsJson(http_req.Header("content-type"))) {
+      return ex.Respond(Reply(
+          WithHttpStatus(BadParam("", absl::StrCat("the request body must be JSON (Content-Type: "
+                                                   "application/json), not '",
+                                                   http_req.Header("content-type"), "'")),
+                         415)));
+    }
     if (TooDeep(http_req.body)) {
-      return Reply(res, BadParam("", absl::StrCat("the request body nests deeper than ",
-                                                  kMaxNesting, " levels")));
+      return ex.Respond(Reply(BadParam(
+          "", absl::StrCat("the request body nests deeper than ", kMaxNesting, " levels"))));
     }
     json body;
     try {
       body = json::parse(http_req.body);
     } catch (const json::exception& e) {
-      return Reply(res,
-                   BadParam("", absl::StrCat("the request body is not valid JSON: ", e.what())));
+      return ex.Respond(
+          Reply(BadParam("", absl::StrCat("the request body is not valid JSON: ", e.what()))));
     }
     auto parsed = ParseApiRequest(body, chat);
-    if (!parsed.ok()) return Reply(res, parsed.status());
-    auto req = std::make_shared<ApiRequest>(*std::move(parsed));
-    if (req->model != config.model_name) {
-      absl::Status s = absl::NotFoundError(absl::StrCat("the model '", req->model,
+    if (!parsed.ok()) return ex.Respond(Reply(parsed.status()));
+    ApiRequest& req = *parsed;
+    if (req.model != config.model_name) {
+      absl::Status s = absl::NotFoundError(absl::StrCat("the model '", req.model,
                                                         "' does not exist; this server serves '",
                                                         config.model_name, "'"));
       s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
-      return Reply(res, s);
+      return ex.Respond(Reply(s));
     }
-    if (!req->seed_set)
-      req->params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
-    auto choices = std::make_shared<std::vector<Choice>>();
-    if (absl::Status s = Submit(*req, *choices); !s.ok()) return Reply(res, s);
+    if (!req.seed_set)
+      req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
+    std::vector<Choice> choices;
+    if (absl::Status s = Submit(req, choices); !s.ok()) return ex.Respond(Reply(s));
     const std::string id = RequestId(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
-    if (!req->stream) return Answer(http_req, res, *req, *choices, id, created);
-    metrics->CountRequest(200);
-    ++active;
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [this, req, choices, id, created](size_t, httplib::DataSink& sink) {
-          return Stream(*req, *choices, id, created, sink);
-        },
-        [this, choices](bool) {
-          for (Choice& c : *choices) c.stream->Cancel();
-          --active;
-        });
+    if (req.stream) {
+      Stream(req, choices, id, created, ex);
+    } else {
+      Answer(req, choices, id, created, ex);
+    }
+    for (Choice& c : choices) c.stream->Cancel();  // ended, or the client is gone
   }
 
   // A non-streamed answer: waits for every choice, cancelling them if the client goes away.
-  void Answer(const httplib::Request& http_req, httplib::Response& res, const ApiRequest& req,
-              std::vector<Choice>& choices, const std::string& id, int64_t created) {
-    ++active;
-    const int fd = FindConnection(http_req);
+  void Answer(const ApiRequest& req, std::vector<Choice>& choices, const std::string& id,
+              int64_t created, http::Exchange& ex) {
     std::vector<std::string> texts(choices.size());
-    std::vector<json> logprobs(choices.size());
     for (;;) {
       bool all_done = true;
       for (size_t i = 0; i < choices.size(); ++i) {
@@ -355,17 +384,13 @@ struct ApiServer::Impl {
         all_done &= choices[i].done;
       }
       if (all_done) break;
-      if (PeerGone(fd)) {
-        for (Choice& c : choices) c.stream->Cancel();
-        --active;
-        res.status = 499;  // the client closed the request; nobody reads this
-        metrics->CountRequest(499);
+      if (ex.ClientGone()) {
+        metrics->CountRequest(499);  // the client closed the request; nobody reads an answer
         return;
       }
     }
-    --active;
     for (const Choice& c : choices) {
-      if (!c.error.ok()) return Reply(res, c.error);
+      if (!c.error.ok()) return ex.Respond(Reply(c.error));
     }
     json out_choices = json::array();
     for (size_t i = 0; i < choices.size(); ++i) {
@@ -386,28 +411,26 @@ struct ApiServer::Impl {
       }
       out_choices.push_back(std::move(choice));
     }
-    json out = {{"id", id},
-                {"object", req.chat ? "chat.completion" : "text_completion"},
-                {"created", created},
-                {"model", config.model_name},
-                {"choices", out_choices},
-                {"usage", Usage(choices)}};
-    res.status = 200;
-    res.set_content(DumpJson(out), "application/json");
-    metrics->CountRequest(200);
+    ex.Respond(Json({{"id", id},
+                     {"object", req.chat ? "chat.completion" : "text_completion"},
+                     {"created", created},
+                     {"model", config.model_name},
+                     {"choices", out_choices},
+                     {"usage", Usage(choices)}}));
   }
 
-  // Server-sent events until every choice is done, the client leaves (false), or the replica
-  // fails (an error event).
-  bool Stream(const ApiRequest& req, std::vector<Choice>& choices, const std::string& id,
-              int64_t created, httplib::DataSink& sink) {
+  // Server-sent events until every choice is done, the client leaves, or the replica fails (an
+  // error event).
+  void Stream(const ApiRequest& req, std::vector<Choice>& choices, const std::string& id,
+              int64_t created, http::Exchange& ex) {
+    metrics->CountRequest(200);
+    if (!ex.StartStream({200, "text/event-stream", "", {{"Cache-Control", "no-cache"}}})) return;
     auto send = [&](const json& event) {
-      const std::string line = absl::StrCat("data: ", DumpJson(event), "\n\n");
-      return sink.write(line.data(), line.size());
+      return ex.Write(absl::StrCat("data: ", DumpJson(event), "\n\n"));
     };
     bool all_done = false;
     while (!all_done) {
-      if (!sink.is_writable()) return false;  // gone: the release callback cancels
+      if (ex.ClientGone()) return;
       all_done = true;
       bool waited = false;
       for (size_t i = 0; i < choices.size(); ++i) {
@@ -417,8 +440,7 @@ struct ApiServer::Impl {
         waited = true;
         if (!c.error.ok()) {
           send(ErrorBody(c.error));
-          sink.done();
-          return true;
+          return ex.End();
         }
         all_done &= c.done;
         json choice = {{"index", i},
@@ -437,19 +459,16 @@ struct ApiServer::Impl {
         }
         json event = ChunkHeader(req, id, created);
         event["choices"] = json::array({choice});
-        if (!send(event)) return false;
+        if (!send(event)) return;  // gone: the caller cancels
       }
     }
     if (req.include_usage) {
       json event = ChunkHeader(req, id, created);
       event["choices"] = json::array();
       event["usage"] = Usage(choices);
-      if (!send(event)) return false;
+      if (!send(event)) return;
     }
-    const std::string done = "data: [DONE]\n\n";
-    sink.write(done.data(), done.size());
-    sink.done();
-    return true;
+    if (ex.Write("data: [DONE]\n\n")) ex.End();
   }
 };
 
@@ -462,10 +481,27 @@ absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig c) {
   ASSIGN_OR_RETURN(int64_t body, EnvInt("SHARDSERVE_MAX_BODY_BYTES",
                                         static_cast<int64_t>(c.max_body_bytes), 1024));
   ASSIGN_OR_RETURN(c.drain_seconds, EnvInt("SHARDSERVE_DRAIN_SECONDS", c.drain_seconds, 0));
+  ASSIGN_OR_RETURN(int64_t head_ms,
+                   EnvInt("SHARDSERVE_HTTP_HEADER_TIMEOUT_MS", c.header_timeout.count(), 100));
+  ASSIGN_OR_RETURN(int64_t body_ms,
+                   EnvInt("SHARDSERVE_HTTP_BODY_TIMEOUT_MS", c.body_timeout.count(), 100));
+  ASSIGN_OR_RETURN(int64_t conns, EnvInt("SHARDSERVE_HTTP_MAX_CONNECTIONS",
+                                         static_cast<int64_t>(c.max_connections), 16));
+  if (const char* v = std::getenv("SHARDSERVE_API_METRICS_AUTH"); v && *v) {
+    const std::string m = v;
+    if (m != "true" && m != "false") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "environment variable SHARDSERVE_API_METRICS_AUTH='", m, "' must be true or false"));
+    }
+    c.metrics_need_key = m == "true";
+  }
   c.port = static_cast<int>(port);
   c.max_batch = static_cast<int>(batch);
   c.max_queue = static_cast<int>(queue);
   c.max_body_bytes = static_cast<size_t>(body);
+  c.header_timeout = std::chrono::milliseconds(head_ms);
+  c.body_timeout = std::chrono::milliseconds(body_ms);
+  c.max_connections = static_cast<size_t>(conns);
   return c;
 }
 
@@ -476,48 +512,41 @@ ApiServer::~ApiServer() { Stop(std::chrono::milliseconds(0)); }
 absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& config) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
+  ASSIGN_OR_RETURN(impl->keys, ApiKeys::FromEnv());
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(config.model_dir));
   impl->chat = ChatTemplate::ForModel(config.model_dir, *impl->tokenizer);
   impl->metrics = std::make_unique<LeaderMetrics>(
       *impl->own_registry, config.metrics_model.empty() ? config.model_name : config.metrics_model,
       config.replica);
   Impl* s = impl.get();
-  httplib::Server& http = s->http;
-  const size_t threads = static_cast<size_t>(config.max_batch + config.max_queue + 16);
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  http.set_payload_max_length(config.max_body_bytes);
-  http.set_keep_alive_timeout(5);
-  http.set_error_handler([s](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    const std::string what =
-        res.status == 413
-            ? absl::StrCat("the request body exceeds ", s->config.max_body_bytes, " bytes")
-            : absl::StrCat("no such endpoint: ", req.method, " ", req.path);
-    const absl::Status st =
-        res.status == 413 ? absl::InvalidArgumentError(what) : absl::NotFoundError(what);
+  http::ServerOptions options;
+  options.host = config.host;
+  options.port = config.port;
+  options.max_body_bytes = config.max_body_bytes;
+  options.header_timeout = config.header_timeout;
+  options.body_timeout = config.body_timeout;
+  options.max_connections = config.max_connections;
+  // Generation requests beyond the batch and the queue are the engine's to refuse (429).
+  options.max_blocking = config.max_batch + config.max_queue + 16;
+  options.error = [](int status, const std::string& reason) {
+    absl::Status st = WithHttpStatus(absl::InvalidArgumentError(reason), status);
     json body = ErrorBody(st);
-    body["error"]["code"] = nullptr;
-    res.set_content(DumpJson(body), "application/json");
-    s->metrics->CountRequest(res.status);
+    if (status == 404) body["error"]["type"] = "not_found_error";
+    if (status >= 500) body["error"]["type"] = "server_error";
+    http::Response r{status, "application/json", DumpJson(body), {}};
+    return r;
+  };
+  options.on_error = [s](int status) { s->metrics->CountRequest(status); };
+
+  http::Routes routes;
+  routes.PostBlocking("/v1/completions", [s](const http::Request& req, http::Exchange& ex) {
+    s->Generate(req, ex, false);
   });
-  http.set_exception_handler(
-      [s](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-        std::string what = "unknown error";
-        try {
-          std::rethrow_exception(ep);
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        s->Reply(res, absl::InternalError(absl::StrCat("internal error: ", what)));
-      });
-  http.Post("/v1/completions", [s](const httplib::Request& req, httplib::Response& res) {
-    s->Generate(req, res, false);
+  routes.PostBlocking("/v1/chat/completions", [s](const http::Request& req, http::Exchange& ex) {
+    s->Generate(req, ex, true);
   });
-  http.Post("/v1/chat/completions", [s](const httplib::Request& req, httplib::Response& res) {
-    s->Generate(req, res, true);
-  });
-  http.Get("/v1/models", [s](const httplib::Request&, httplib::Response& res) {
+  routes.Get("/v1/models", [s](const http::Request& req) {
+    if (auto denied = s->Deny(req)) return *std::move(denied);
     json model = {{"id", s->config.model_name},
                   {"object", "model"},
                   {"created", 0},
@@ -527,26 +556,27 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
       std::shared_lock<std::shared_mutex> lock(s->engine_mu);
       if (s->max_context > 0) model["max_model_len"] = s->max_context;
     }
-    res.set_content(DumpJson({{"object", "list"}, {"data", json::array({model})}}),
-                    "application/json");
-    s->metrics->CountRequest(200);
+    return s->Json({{"object", "list"}, {"data", json::array({model})}});
   });
-  http.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("{\"status\":\"ok\"}", "application/json");
+  routes.Get("/healthz", [](const http::Request&) {
+    return http::Response{200, "application/json", "{\"status\":\"ok\"}", {}};
   });
-  http.Get("/readyz", [s](const httplib::Request&, httplib::Response& res) {
+  routes.Get("/readyz", [s](const http::Request&) {
     std::shared_lock<std::shared_mutex> lock(s->engine_mu);
     if (s->engine != nullptr && s->engine->accepting()) {
-      res.set_content("{\"ready\":true}", "application/json");
-    } else {
-      res.status = 503;
-      const std::string reason =
-          s->engine != nullptr ? "the server is draining: it finishes the requests it has and stops"
-                               : s->not_ready;
-      res.set_content(DumpJson({{"ready", false}, {"reason", reason}}), "application/json");
+      return http::Response{200, "application/json", "{\"ready\":true}", {}};
     }
+    const std::string reason = s->engine != nullptr
+                                   ? "the server is draining: it finishes the requests it has and "
+                                     "stops"
+                                   : s->not_ready;
+    return http::Response{
+        503, "application/json", DumpJson({{"ready", false}, {"reason", reason}}), {}};
   });
-  http.Get("/metrics", [s](const httplib::Request&, httplib::Response& res) {
+  routes.Get("/metrics", [s](const http::Request& req) {
+    if (s->config.metrics_need_key) {
+      if (auto denied = s->Deny(req)) return *std::move(denied);
+    }
     std::vector<prometheus::MetricFamily> families = s->own_registry->Collect();
     {
       std::lock_guard<std::mutex> lock(s->registry_mu);
@@ -555,19 +585,18 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
         families.insert(families.end(), more.begin(), more.end());
       }
     }
-    res.set_content(prometheus::TextSerializer().Serialize(families), "text/plain; version=0.0.4");
+    return http::Response{
+        200, "text/plain; version=0.0.4", prometheus::TextSerializer().Serialize(families), {}};
   });
-  const int port = config.port == 0
-                       ? http.bind_to_any_port(config.host)
-                       : (http.bind_to_port(config.host, config.port) ? config.port : -1);
-  if (port < 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve the API on ", config.host, ":",
-                                               config.port,
-                                               ": the address is in use or not available"));
+  ASSIGN_OR_RETURN(s->http, http::Server::Start(options, std::move(routes)));
+  if (s->keys == nullptr) {
+    std::fprintf(stderr,
+                 "leader: the API has no keys (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE): "
+                 "anyone who reaches %s:%d can use it\n",
+                 config.host.c_str(), s->http->port());
   }
-  s->listener = std::thread([s] { s->http.listen_after_bind(); });
   std::unique_ptr<ApiServer> server(new ApiServer(std::move(impl)));
-  server->port_ = port;
+  server->port_ = server->impl_->http->port();
   return server;
 }
 
@@ -584,7 +613,10 @@ void ApiServer::AttachRankMetrics(
 void ApiServer::SetEngine(Engine* engine, const std::string& reason) {
   std::unique_lock<std::shared_mutex> lock(impl_->engine_mu);
   impl_->engine = engine;
-  if (engine != nullptr) impl_->max_context = engine->options().max_context;
+  if (engine != nullptr) {
+    impl_->max_context = engine->options().max_context;
+    impl_->vocab_size = engine->options().vocab_size;
+  }
   if (!reason.empty()) impl_->not_ready = reason;
 }
 
@@ -599,13 +631,12 @@ EngineObserver ApiServer::Observer() {
 }
 
 void ApiServer::Stop(std::chrono::milliseconds timeout) {
-  if (!impl_ || !impl_->listener.joinable()) return;
+  if (!impl_ || !impl_->http) return;
   const auto deadline = Clock::now() + timeout;
   while (impl_->active.load() > 0 && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  impl_->http.stop();
-  impl_->listener.join();
+  impl_->http->Stop();
 }
 
 }  // namespace shardserve

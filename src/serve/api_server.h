@@ -1,12 +1,17 @@
 #pragma once
-// The leader's OpenAI-compatible HTTP API (DESIGN.md §5), on cpp-httplib:
+// The leader's OpenAI-compatible HTTP API (DESIGN.md §5), on http::Server (http/server.h):
 //   POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events ending in
 //   [DONE]), GET /v1/models, GET /healthz (the process serves), GET /readyz (every rank of the
 //   replica is connected and loaded, and the replica is healthy), GET /metrics (this rank's
 //   page plus the request metrics).
-// Bad requests get a 4xx with an OpenAI error body; a full queue gets 429 with Retry-After; a
-// client that disconnects has its sequences cancelled at once. The server starts before the
-// replica is loaded (readyz false) and serves generation once SetEngine is called.
+// With API keys (serve/api_keys.h), every endpoint but /healthz and /readyz (and /metrics when
+// metrics_need_key is false) needs `Authorization: Bearer KEY`, else 401 with an OpenAI error
+// body. Generation takes only JSON bodies (415 otherwise). A prompt is tokenized within the
+// context's bound: one too long is refused by its size before any work, or as soon as its tokens
+// exceed the context. Bad requests get a 4xx with an OpenAI error body; a full queue gets 429
+// with Retry-After; a client that disconnects has its sequences cancelled at once. Health probes
+// are answered on the server's I/O thread, however many clients are slow. The server starts
+// before the replica is loaded (readyz false) and serves generation once SetEngine is called.
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -38,12 +43,19 @@ struct ServeConfig {
   int64_t max_step_tokens = 512;
   size_t max_body_bytes = 4 << 20;
   int64_t drain_seconds = 5;  // on SIGTERM, requests in progress may finish for this long
+  // A request's head must arrive within header_timeout, its body within body_timeout.
+  std::chrono::milliseconds header_timeout{10000};
+  std::chrono::milliseconds body_timeout{60000};
+  size_t max_connections = 4096;
+  bool metrics_need_key = true;  // with API keys, /metrics needs one too
 };
 
 // SHARDSERVE_API_HOST, SHARDSERVE_API_PORT, SHARDSERVE_MAX_BATCH_SIZE, SHARDSERVE_MAX_QUEUE,
-// SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES, SHARDSERVE_DRAIN_SECONDS over the given
-// defaults (model name,
-// directory and replica come from the rank's config). Errors name the variable.
+// SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES, SHARDSERVE_DRAIN_SECONDS,
+// SHARDSERVE_HTTP_HEADER_TIMEOUT_MS, SHARDSERVE_HTTP_BODY_TIMEOUT_MS,
+// SHARDSERVE_HTTP_MAX_CONNECTIONS and SHARDSERVE_API_METRICS_AUTH (true|false) over the given
+// defaults (model name, directory and replica come from the rank's config); the keys come from
+// SHARDSERVE_API_KEY / SHARDSERVE_API_KEYS_FILE when the server starts. Errors name the variable.
 absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig defaults);
 
 class ApiServer {

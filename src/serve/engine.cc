@@ -76,7 +76,7 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
     }
   }
   const int64_t limit = std::min(options_.max_context, options_.kv_blocks * options_.kv_block_size);
-  if (prompt + request.params.max_tokens > limit) {
+  if (prompt > limit || request.params.max_tokens > limit - prompt) {  // no overflow
     return absl::InvalidArgumentError(
         absl::StrCat("this model's maximum context length is ", limit, " tokens; the prompt holds ",
                      prompt, " and max_tokens asks for ", request.params.max_tokens, " more"));

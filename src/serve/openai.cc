@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -13,6 +14,8 @@ namespace {
 using json = nlohmann::json;
 constexpr char kParamPayload[] = "type.shardserve.io/param";
 constexpr int kMaxStops = 16;
+constexpr size_t kMaxStopTokenIds = 256;
+constexpr char kHttpPayload[] = "type.shardserve.io/http-status";
 constexpr int kMaxTopLogprobs = 20;
 
 // Typed field access: absent and null read as "not given"; a wrong type names the field.
@@ -28,6 +31,10 @@ absl::StatusOr<std::optional<double>> Number(const json& body, const char* name)
 absl::StatusOr<std::optional<int64_t>> Integer(const json& body, const char* name) {
   auto it = body.find(name);
   if (it == body.end() || it->is_null()) return std::nullopt;
+  if (it->is_number_unsigned() &&
+      it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return BadParam(name, absl::StrCat("'", name, "' is out of range"));
+  }
   if (it->is_number_integer()) return it->get<int64_t>();
   if (it->is_number_float()) {
     const double v = it->get<double>();
@@ -43,11 +50,17 @@ absl::StatusOr<std::optional<bool>> Boolean(const json& body, const char* name) 
   return it->get<bool>();
 }
 
+// A non-negative integer that fits a token id.
+bool IsInt32(const json& t) {
+  if (t.is_number_unsigned()) return t.get<uint64_t>() <= std::numeric_limits<int32_t>::max();
+  return t.is_number_integer() && t.get<int64_t>() >= 0 &&
+         t.get<int64_t>() <= std::numeric_limits<int32_t>::max();
+}
+
 absl::StatusOr<std::vector<int32_t>> TokenIds(const json& v, const std::string& param) {
   std::vector<int32_t> ids;
   for (const json& t : v) {
-    if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
-        t.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+    if (!IsInt32(t)) {
       return BadParam(param, absl::StrCat("'", param, "' token ids must be non-negative integers"));
     }
     ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
@@ -118,8 +131,10 @@ absl::Status ParseMessages(const json& body, ApiRequest& r) {
       msg.content = content->get<std::string>();
     } else if (content->is_array()) {
       for (const json& part : *content) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string()) {
+        auto type = part.is_object() ? part.find("type") : part.end();
+        auto text = part.is_object() ? part.find("text") : part.end();
+        if (!part.is_object() || type == part.end() || !type->is_string() || *type != "text" ||
+            text == part.end() || !text->is_string()) {
           return BadParam(param + ".content",
                           absl::StrCat("'", param,
                                        ".content' parts must be {\"type\": \"text\", \"text\": "
@@ -157,9 +172,13 @@ absl::Status ParseStop(const json& body, ApiRequest& r) {
   it = body.find("stop_token_ids");
   if (it != body.end() && !it->is_null()) {
     if (!it->is_array()) return BadParam("stop_token_ids", "'stop_token_ids' must be a list");
+    if (it->size() > kMaxStopTokenIds) {
+      return BadParam("stop_token_ids",
+                      absl::StrCat("'stop_token_ids' may hold at most ", kMaxStopTokenIds));
+    }
     for (const json& t : *it) {
-      if (!t.is_number_integer()) {
-        return BadParam("stop_token_ids", "'stop_token_ids' entries must be integers");
+      if (!IsInt32(t)) {
+        return BadParam("stop_token_ids", "'stop_token_ids' entries must be token ids");
       }
       r.params.stop_token_ids.push_back(t.get<int64_t>());
     }
@@ -284,8 +303,21 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   return r;
 }
 
+absl::Status WithHttpStatus(absl::Status status, int http_status) {
+  status.SetPayload(kHttpPayload, absl::Cord(std::to_string(http_status)));
+  return status;
+}
+
 int HttpStatusFor(const absl::Status& status) {
+  if (auto p = status.GetPayload(kHttpPayload)) {
+    int code;
+    if (absl::SimpleAtoi(std::string(*p), &code)) return code;
+  }
   switch (status.code()) {
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kOutOfRange:
@@ -312,7 +344,9 @@ json ErrorBody(const absl::Status& status) {
            {{"message", std::string(status.message())},
             {"type", type},
             {"param", param.empty() ? json(nullptr) : json(param)},
-            {"code", code == 404 ? json("model_not_found") : json(nullptr)}}}};
+            {"code", code == 404   ? json("model_not_found")
+                     : code == 401 ? json("invalid_api_key")
+                                   : json(nullptr)}}}};
 }
 
 std::string DumpJson(const json& j) {

@@ -51,9 +51,11 @@ std::string ErrorParam(const absl::Status& status);
 // InvalidArgument naming `param`.
 absl::Status BadParam(const std::string& param, const std::string& message);
 
-// The HTTP status for a Status (InvalidArgument 400, NotFound 404, ResourceExhausted 429,
-// Unavailable 503, FailedPrecondition 400, others 500) and the OpenAI error body.
+// The HTTP status for a Status (InvalidArgument 400, Unauthenticated 401, PermissionDenied 403,
+// NotFound 404, ResourceExhausted 429, Unavailable 503, FailedPrecondition 400, others 500; or
+// the one WithHttpStatus set) and the OpenAI error body.
 int HttpStatusFor(const absl::Status& status);
+absl::Status WithHttpStatus(absl::Status status, int http_status);
 nlohmann::json ErrorBody(const absl::Status& status);
 
 // JSON text that never throws on invalid UTF-8 (model output may hold partial characters).

@@ -142,6 +142,67 @@ try:
           f"problems){': ' + problems[0] if problems else ''}")
     check(statuses.get(400, 0) > TOTAL // 4 and statuses.get(200, 0) > TOTAL // 25,
           "the noise reached both the validation and the generation paths")
+    # Structure-aware: every path of rich valid requests, each replaced by values of every
+    # other type (a content part's "type" as a number, a stop list of objects, ...).
+    rich = [
+        ("/v1/completions", {"model": "tiny", "prompt": ["hello", [1, 2, 3]], "max_tokens": 3,
+                             "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 1,
+                             "stop": ["x", "y"], "stop_token_ids": [2], "ignore_eos": True,
+                             "logprobs": 2, "n": 1, "best_of": 1, "echo": False,
+                             "presence_penalty": 0, "logit_bias": {}, "user": "u"}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2, "stream": True,
+                             "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2, "stop": "x"}),
+    ]
+    wrong = [5, -1, 2**64, 1.5, "x", "", None, True, [], [5], {}, {"type": 5}]
+
+    def paths(v, prefix=()):
+        yield prefix
+        if isinstance(v, dict):
+            for k, x in v.items():
+                yield from paths(x, prefix + (k,))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                yield from paths(x, prefix + (i,))
+
+    def replaced(v, path, new):
+        if not path:
+            return new
+        v = json.loads(json.dumps(v))
+        cur = v
+        for p in path[:-1]:
+            cur = cur[p]
+        cur[path[-1]] = new
+        return v
+
+    structured, bad = 0, []
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    for path_url, body in rich:
+        for p in list(paths(body))[1:]:
+            for new in wrong:
+                data = json.dumps(replaced(body, p, new)).encode()
+                conn.request("POST", path_url, body=data,
+                             headers={"Content-Type": "application/json"})
+                r = conn.getresponse()
+                payload = r.read()
+                structured += 1
+                ok = r.status < 500
+                if 400 <= r.status < 500:
+                    try:
+                        ok = bool(json.loads(payload)["error"]["message"])
+                    except Exception:
+                        ok = False
+                if not ok:
+                    bad.append(f"{r.status} for {'.'.join(map(str, p))} = {new!r}: "
+                               f"{payload[:160]!r}")
+    conn.close()
+    check(structured > 300 and not bad,
+          f"{structured} requests with a wrong type at every path: no 5xx, every 4xx with an "
+          f"error body ({len(bad)} problems){': ' + bad[0] if bad else ''}")
+
     status, _, body = d.post("/v1/completions", VALID)
     check(status == 200 and body["choices"][0]["text"] == expected,
           "after fuzzing, the valid request still gets its answer")

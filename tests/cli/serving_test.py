@@ -250,7 +250,8 @@ try:
         s = socket.create_connection(("127.0.0.1", d.port))
         body = json.dumps({"model": "tiny", "prompt": PROMPTS[i], "max_tokens": 3000,
                            "temperature": 0, "ignore_eos": True}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " +
                   str(len(body)).encode() + b"\r\n\r\n" + body)
         held.append(s)
     check(wait_until(lambda: kv_usage() > 0), "the non-streamed requests are running")
