@@ -6,6 +6,7 @@
 //           SHARDSERVE_REQUEST (JSON) it runs that one request instead and writes the result to
 //           SHARDSERVE_RESULT_FILE. The other ranks keep serving until the leader stops them.
 #include <signal.h>
+#include <sys/mman.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -34,7 +35,7 @@ absl::Status Launch() {
   for (int t = 0; t < cfg.tp; ++t) {
     const int rank = world.RankOf(cfg.stage, t);
     auto pid = Spawn(self, {"rank", "--rank", std::to_string(rank)},
-                     {{"SHARDSERVE_TP_RANK", std::to_string(t)}});
+                     {{"SHARDSERVE_TP_RANK", std::to_string(t)}}, /*own_group=*/false);
     if (!pid.ok()) {
       for (const Child& c : ranks) kill(c.pid, SIGKILL);
       return pid.status();
@@ -96,8 +97,19 @@ absl::Status Serve(const RankConfig& cfg, StopSignals& signals) {
   defaults.model_dir = cfg.model_path;
   defaults.replica = std::to_string(cfg.replica);
   if (cfg.host == "127.0.0.1") defaults.host = "127.0.0.1";
-  ASSIGN_OR_RETURN(ServeConfig sc, ServeConfigFromEnv(defaults));
-  ASSIGN_OR_RETURN(std::unique_ptr<ApiServer> server, ApiServer::Start(sc));
+  absl::StatusOr<ServeConfig> sc_or = ServeConfigFromEnv(defaults);
+  absl::StatusOr<std::unique_ptr<ApiServer>> started =
+      sc_or.ok() ? ApiServer::Start(*sc_or) : sc_or.status();
+  if (!started.ok()) {
+    // The other ranks are told at the rendezvous at once, rather than waiting for a leader that
+    // will not come.
+    std::fprintf(stderr, "leader: cannot serve: %s\n",
+                 std::string(started.status().message()).c_str());
+    RefuseReplica(cfg, started.status());
+    return started.status();
+  }
+  const ServeConfig& sc = *sc_or;
+  std::unique_ptr<ApiServer> server = *std::move(started);
   std::fprintf(stderr, "leader: API on http://%s:%d (model '%s')\n", sc.host.c_str(),
                server->port(), sc.model_name.c_str());
   absl::StatusOr<RankOutcome> outcome = RunRank(cfg, [&](LeaderContext& ctx) {
@@ -146,13 +158,25 @@ absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
   }
 }
 
+// A stop before the replica serves has nothing to drain: the stage's shared memory (should this
+// rank have made it) goes, then the process, with success.
+void QuitBeforeServing(const RankConfig& cfg) {
+  std::fprintf(stderr, "rank %d: stopped before the replica started\n", cfg.rank());
+  if (cfg.tp > 1) shm_unlink(ShmGroupName(cfg).c_str());
+  std::fflush(stderr);
+  std::_Exit(0);
+}
+
 absl::Status RunOneRank() {
   if (std::getenv("SHARDSERVE_REQUEST") == nullptr) {
-    // Serving: a stop signal drains through the leader. (A one-shot run just ends on one.)
+    // Serving: a stop signal drains through the leader once the replica runs; before that it
+    // ends the rank at once. (A one-shot run just ends on one.)
     StopSignals signals;
     ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
+    signals.OnStop([cfg] { QuitBeforeServing(cfg); });
     if (cfg.rank() == 0) return Serve(cfg, signals);
-    return RunRank(cfg, nullptr).status();
+    // Serving, the leader stops this rank on a step boundary.
+    return RunRank(cfg, nullptr, [&signals] { signals.OnStop(nullptr); }).status();
   }
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
   ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());

@@ -169,6 +169,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.Int("port", s.port));
   RETURN_IF_ERROR(serving.Int("maxBatchSize", s.max_batch_size));
   RETURN_IF_ERROR(serving.Int("maxSequenceLength", s.max_sequence_length));
+  RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.NoOthers());
   return spec.NoOthers();
 }
@@ -240,6 +241,13 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxBatchSize", s.max_batch_size, 1));
   RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
+  static const std::regex kDnsSubdomain("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
+  if (!s.api_key_secret.empty() &&
+      (s.api_key_secret.size() > 253 || !std::regex_match(s.api_key_secret, kDnsSubdomain))) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.apiKeySecret '", s.api_key_secret,
+                                                   "' is not a valid Secret name (lower-case "
+                                                   "letters, digits, '-' and '.', at most 253)"));
+  }
   return absl::OkStatus();
 }
 

@@ -44,6 +44,8 @@ struct ShardedModelSpec {
   int64_t port = 8000;
   int64_t max_batch_size = 32;
   int64_t max_sequence_length = 4096;
+  // The Secret (in the model's namespace) whose entries are the API's bearer keys; "" = open.
+  std::string api_key_secret;
 
   int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
   int64_t gpus_per_replica() const { return tensor * pipeline; }

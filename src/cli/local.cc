@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/sharded_model.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 #include "common/args.h"
 #include "common/process.h"
@@ -21,6 +22,8 @@
 #include "common/text.h"
 #include "http/server.h"
 #include "model/config.h"
+#include "model/tokenizer.h"
+#include "serve/api_keys.h"
 #include "serve/rank_runtime.h"
 
 namespace shardserve {
@@ -65,7 +68,9 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   for (std::string& a : argv) {
     if (a == "-f") a = "--file";
   }
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"file", "port", "metrics-port-base", "threads"}, {}));
+  ASSIGN_OR_RETURN(
+      Args a,
+      Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"}, {}));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
   auto parsed = ParseShardedModel(text);
@@ -89,6 +94,25 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   if (!config.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat(file, ": spec.model.uri: ", config.status().message()));
+  }
+  // The leader would fail on these only after every rank started: say it now.
+  if (auto tok = Tokenizer::Load(uri.path); !tok.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file, ": spec.model.uri: ", tok.status().message()));
+  }
+  const std::string key_file = a.GetOr("api-key-file", "");
+  const char* env_key = std::getenv("SHARDSERVE_API_KEY");
+  const char* env_key_file = std::getenv("SHARDSERVE_API_KEYS_FILE");
+  const bool keyed = !key_file.empty() || (env_key != nullptr && *env_key) ||
+                     (env_key_file != nullptr && *env_key_file);
+  if (!spec.api_key_secret.empty() && !keyed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file, ": spec.serving.apiKeySecret names the Kubernetes Secret '", spec.api_key_secret,
+        "' of the API keys, which shardserve local cannot read: give the keys with "
+        "--api-key-file FILE (one a line) or SHARDSERVE_API_KEY"));
+  }
+  if (!key_file.empty()) {
+    ASSIGN_OR_RETURN(auto keys, ApiKeys::Create("", key_file));  // checked before any rank starts
   }
   auto layers = StageLayers(*config, static_cast<int>(spec.pipeline));
   if (!layers.ok()) {
@@ -117,6 +141,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       "per rank\n",
       R, P, T, static_cast<long long>(threads));
   std::vector<LocalReplica> replicas;
+  std::vector<SecretFile> secrets;  // one per replica, gone when the run ends
   std::vector<Child> launchers;
   const std::string self = SelfDirectory() + "/shardserve-worker";
   auto fail = [&](const absl::Status& s) {
@@ -133,8 +158,11 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       if (!probe.ok()) return fail(probe.status());
       rep.rendezvous_port = probe->port();
     }
-    std::printf("replica %d: API http://127.0.0.1:%d/v1, rendezvous :%d\n", r, rep.api_port,
-                rep.rendezvous_port);
+    auto secret = SecretFile::Create();
+    if (!secret.ok()) return fail(secret.status());
+    secrets.push_back(*std::move(secret));
+    std::printf("replica %d: API http://127.0.0.1:%d/v1%s, rendezvous :%d\n", r, rep.api_port,
+                keyed ? " (API keys required)" : "", rep.rendezvous_port);
     for (int s = 0; s < P; ++s) {
       const LayerRange& lr = (*layers)[s];
       std::printf("  stage %d: layers %lld-%lld, metrics", s, static_cast<long long>(lr.begin),
@@ -160,8 +188,10 @@ absl::Status RunLocal(std::vector<std::string> argv) {
           {"SHARDSERVE_API_HOST", "127.0.0.1"},
           {"SHARDSERVE_API_PORT", std::to_string(rep.api_port)},
           {"SHARDSERVE_MAX_BATCH_SIZE", std::to_string(spec.max_batch_size)},
-          {"SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(spec.max_sequence_length)}};
+          {"SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(spec.max_sequence_length)},
+          {"SHARDSERVE_RENDEZVOUS_SECRET_FILE", secrets.back().path()}};
       env.insert(env.end(), contract.begin(), contract.end());
+      if (!key_file.empty()) env.emplace_back("SHARDSERVE_API_KEYS_FILE", key_file);
       auto pid = Spawn(self, {"launch"}, env);
       if (!pid.ok()) return fail(pid.status());
       launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});

@@ -6,8 +6,10 @@
 
 namespace shardserve {
 
-// `shardserve local -f MANIFEST [--port N --metrics-port-base N --threads N]`: runs the
-// manifest's replicas on this machine until Ctrl-C / SIGTERM or a rank fails.
+// `shardserve local -f MANIFEST [--port N --metrics-port-base N --threads N --api-key-file F]`:
+// runs the manifest's replicas on this machine until Ctrl-C / SIGTERM or a rank fails. Every
+// replica gets a fresh rendezvous secret; the API takes the keys of --api-key-file (or
+// SHARDSERVE_API_KEY / SHARDSERVE_API_KEYS_FILE), which a manifest with apiKeySecret needs.
 absl::Status RunLocal(std::vector<std::string> argv);
 
 }  // namespace shardserve

@@ -25,6 +25,7 @@
 #include "bench/tokenize_bench.h"
 #include "cli/local.h"
 #include "cli/plan.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 #include "common/args.h"
 #include "common/process.h"
@@ -159,10 +160,12 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
                                   {"stop_token_ids", p.stop_token_ids},
                                   {"ignore_eos", p.ignore_eos},
                                   {"batch", batch}};
+  ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
   std::vector<Child> stages;
   for (int64_t s = 0; s < pp; ++s) {
     auto pid = Spawn(SelfDirectory() + "/shardserve-worker", {"launch"},
                      {{"SHARDSERVE_MODEL_PATH", dir},
+                      {"SHARDSERVE_RENDEZVOUS_SECRET_FILE", secret.path()},
                       {"SHARDSERVE_TP", std::to_string(tp)},
                       {"SHARDSERVE_PP", std::to_string(pp)},
                       {"SHARDSERVE_STAGE", std::to_string(s)},

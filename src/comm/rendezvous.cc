@@ -1,17 +1,25 @@
 #include "comm/rendezvous.h"
 
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "comm/handshake.h"
 #include "common/status.h"
 
 namespace shardserve {
 namespace {
 
 using json = nlohmann::json;
-constexpr uint32_t kMaxMessage = 16 << 20;
+using Clock = std::chrono::steady_clock;
+constexpr char kContext[] = "rendezvous";
+constexpr uint32_t kMaxRegistration = 4096;  // a rank's registration is small
+constexpr uint32_t kMaxWorld = 16 << 20;     // the world: every address and blob
+constexpr auto kHandshake = std::chrono::milliseconds(5000);
+constexpr size_t kMaxHost = 253;
 
 absl::Status WriteMessage(Socket& s, const json& j) {
   const std::string body = j.dump();
@@ -20,17 +28,65 @@ absl::Status WriteMessage(Socket& s, const json& j) {
   return s.WriteAll(body.data(), body.size());
 }
 
-absl::StatusOr<json> ReadMessage(Socket& s, std::chrono::milliseconds idle) {
+// A JSON object of at most max_bytes, before the deadline.
+absl::StatusOr<json> ReadMessage(Socket& s, uint32_t max_bytes, Deadline deadline) {
   uint32_t len;
-  RETURN_IF_ERROR(s.ReadAll(&len, sizeof(len), idle));
-  if (len > kMaxMessage) return absl::DataLossError(absl::StrCat("message of ", len, " bytes"));
-  std::string body(len, '\0');
-  RETURN_IF_ERROR(s.ReadAll(body.data(), len, idle));
-  try {
-    return json::parse(body);
-  } catch (const json::exception& e) {
-    return absl::DataLossError(absl::StrCat("malformed rendezvous message: ", e.what()));
+  RETURN_IF_ERROR(ReadBefore(s, &len, sizeof(len), deadline));
+  if (len > max_bytes) {
+    return absl::DataLossError(
+        absl::StrCat("a rendezvous message of ", len, " bytes (at most ", max_bytes, ")"));
   }
+  std::string body(len, '\0');
+  RETURN_IF_ERROR(ReadBefore(s, body.data(), len, deadline));
+  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::DataLossError("a rendezvous message is not a JSON object");
+  }
+  return j;
+}
+
+// Typed fields: absent or of another type is an error naming the field.
+absl::StatusOr<int64_t> Int(const json& m, const char* key) {
+  auto it = m.find(key);
+  if (it == m.end() || !it->is_number_integer()) {
+    return absl::DataLossError(absl::StrCat("'", key, "' is missing or not an integer"));
+  }
+  return it->get<int64_t>();
+}
+
+absl::StatusOr<std::string> Str(const json& m, const char* key, size_t max) {
+  auto it = m.find(key);
+  if (it == m.end() || !it->is_string() || it->get_ref<const std::string&>().size() > max) {
+    return absl::DataLossError(
+        absl::StrCat("'", key, "' is missing, not a string or longer than ", max));
+  }
+  return it->get<std::string>();
+}
+
+struct Registration {
+  int rank, tp, pp;
+  RankAddress address;
+};
+
+absl::StatusOr<Registration> ReadRegistration(const json& m) {
+  ASSIGN_OR_RETURN(std::string type, Str(m, "type", 32));
+  if (type != "register") return absl::DataLossError("expected a registration");
+  Registration r;
+  ASSIGN_OR_RETURN(int64_t rank, Int(m, "rank"));
+  ASSIGN_OR_RETURN(int64_t tp, Int(m, "tp"));
+  ASSIGN_OR_RETURN(int64_t pp, Int(m, "pp"));
+  ASSIGN_OR_RETURN(int64_t port, Int(m, "port"));
+  ASSIGN_OR_RETURN(r.address.host, Str(m, "host", kMaxHost));
+  if (rank < 0 || rank > (1 << 20) || tp < 1 || tp > (1 << 20) || pp < 1 || pp > (1 << 20) ||
+      port < 1 || port > 65535) {
+    return absl::DataLossError("a registration with a rank, shape or port out of range");
+  }
+  r.rank = static_cast<int>(rank);
+  r.tp = static_cast<int>(tp);
+  r.pp = static_cast<int>(pp);
+  r.address.rank = r.rank;
+  r.address.port = static_cast<int>(port);
+  return r;
 }
 
 json WorldJson(const WorldInfo& w) {
@@ -43,11 +99,48 @@ json WorldJson(const WorldInfo& w) {
   return {{"type", "world"}, {"ranks", ranks}, {"blobs", blobs}};
 }
 
+absl::StatusOr<WorldInfo> WorldFromJson(const json& m, int world_size) {
+  auto ranks = m.find("ranks");
+  auto blobs = m.find("blobs");
+  if (ranks == m.end() || !ranks->is_array() || blobs == m.end() || !blobs->is_array() ||
+      static_cast<int>(ranks->size()) != world_size) {
+    return absl::DataLossError(
+        absl::StrCat("rendezvous: the world is malformed or does not hold ", world_size, " ranks"));
+  }
+  WorldInfo info;
+  for (const json& r : *ranks) {
+    if (!r.is_object()) return absl::DataLossError("rendezvous: a rank entry is not an object");
+    RankAddress a;
+    ASSIGN_OR_RETURN(int64_t rank, Int(r, "rank"));
+    ASSIGN_OR_RETURN(int64_t port, Int(r, "port"));
+    ASSIGN_OR_RETURN(a.host, Str(r, "host", kMaxHost));
+    if (rank != static_cast<int64_t>(info.ranks.size()) || port < 0 || port > 65535) {
+      return absl::DataLossError("rendezvous: the world's ranks are out of order or range");
+    }
+    a.rank = static_cast<int>(rank);
+    a.port = static_cast<int>(port);
+    info.ranks.push_back(std::move(a));
+  }
+  for (const json& b : *blobs) {
+    std::string raw;
+    if (!b.is_string() || !absl::Base64Unescape(b.get<std::string>(), &raw)) {
+      return absl::DataLossError("rendezvous: a blob is not base64");
+    }
+    info.blobs.push_back(std::move(raw));
+  }
+  return info;
+}
+
 }  // namespace
 
-absl::StatusOr<RendezvousServer> RendezvousServer::Listen(const std::string& host, int port) {
+absl::StatusOr<RendezvousServer> RendezvousServer::Listen(const std::string& host, int port,
+                                                          std::string secret) {
+  if (secret.size() < kMinSecretBytes) {
+    return absl::FailedPreconditionError(
+        "the rendezvous needs the replica's secret (SHARDSERVE_RENDEZVOUS_SECRET_FILE)");
+  }
   ASSIGN_OR_RETURN(Socket s, shardserve::Listen(host, port));
-  return RendezvousServer(std::move(s));
+  return RendezvousServer(std::move(s), std::move(secret));
 }
 
 absl::StatusOr<WorldInfo> RendezvousServer::Run(const WorldConfig& world, const RankAddress& self,
@@ -69,108 +162,133 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
   WorldInfo info;
   info.ranks.resize(n);
   info.ranks[0] = self;
-  std::map<int, Socket> joined;
-  const Deadline deadline = std::chrono::steady_clock::now() + timeout;
-  while (static_cast<int>(joined.size()) < n - 1) {
-    auto conn = Accept(listener_, deadline);
-    if (!conn.ok()) {
-      std::string missing;
-      for (int r = 1; r < n; ++r) {
-        if (!joined.count(r))
-          absl::StrAppend(&missing, missing.empty() ? "" : ", ", world.Describe(r));
-      }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "rendezvous: ", missing, " did not register within ", timeout.count(), " ms"));
-    }
-    auto msg = ReadMessage(*conn, std::chrono::milliseconds(5000));
-    if (!msg.ok()) continue;  // not a rank (a probe, a stray connection)
-    const json& m = *msg;
+  std::mutex mu;
+  std::map<int, Socket> joined;  // guarded by mu
+  const Deadline deadline = Clock::now() + timeout;
+  // Each proven connection registers; a refusal tells the rank why.
+  auto admit = [&](uint32_t claim, Socket& conn) {
+    auto msg = ReadMessage(conn, kMaxRegistration, std::min(deadline, Clock::now() + kHandshake));
     std::string refusal;
-    const int rank = m.value("rank", -1);
-    if (m.value("type", "") != "register") {
-      refusal = "expected a registration";
-    } else if (m.value("tp", 0) != world.tp() || m.value("pp", 0) != world.pp()) {
-      refusal =
-          absl::StrCat("rank ", rank, " runs tp ", m.value("tp", 0), " x pp ", m.value("pp", 0),
-                       " but the leader runs tp ", world.tp(), " x pp ", world.pp());
-    } else if (rank < 1 || rank >= n) {
-      refusal = absl::StrCat("rank ", rank, " is outside the world of ", n);
-    } else if (joined.count(rank)) {
-      refusal = absl::StrCat(world.Describe(rank), " registered twice");
+    absl::StatusOr<Registration> r =
+        msg.ok() ? ReadRegistration(*msg) : absl::StatusOr<Registration>(msg.status());
+    std::lock_guard<std::mutex> lock(mu);
+    if (!r.ok()) {
+      refusal = absl::StrCat("a malformed registration: ", r.status().message());
+    } else if (r->tp != world.tp() || r->pp != world.pp()) {
+      refusal = absl::StrCat("rank ", r->rank, " runs tp ", r->tp, " x pp ", r->pp,
+                             " but the leader runs tp ", world.tp(), " x pp ", world.pp());
+    } else if (r->rank < 1 || r->rank >= n) {
+      refusal = absl::StrCat("rank ", r->rank, " is outside the world of ", n);
+    } else if (static_cast<uint32_t>(r->rank) != claim) {
+      refusal = absl::StrCat("the connection proved rank ", claim, " but registers rank ", r->rank);
+    } else if (joined.count(r->rank)) {
+      refusal = absl::StrCat(world.Describe(r->rank), " registered twice");
     }
     if (!refusal.empty()) {
-      (void)WriteMessage(*conn, {{"type", "error"}, {"message", refusal}});
-      continue;
+      (void)WriteMessage(conn, {{"type", "error"}, {"message", refusal}});
+      return false;
     }
-    info.ranks[rank] = {rank, m.value("host", ""), m.value("port", 0)};
-    joined.emplace(rank, std::move(*conn));
+    info.ranks[r->rank] = r->address;
+    joined.emplace(r->rank, std::move(conn));
+    return true;
+  };
+  absl::Status s = AcceptVerified(listener_, secret_, kContext, n - 1, deadline, kHandshake, admit);
+  if (!s.ok()) {
+    std::string missing;
+    for (int r = 1; r < n; ++r) {
+      if (!joined.count(r))
+        absl::StrAppend(&missing, missing.empty() ? "" : ", ", world.Describe(r));
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("rendezvous: ", missing, " did not register within ", timeout.count(), " ms"));
   }
   absl::StatusOr<std::vector<std::string>> blobs = make_blobs(info.ranks);
   if (!blobs.ok()) {  // every rank learns why there is no world
     const std::string why = absl::StrCat("the leader failed: ", blobs.status().message());
-    for (auto& [rank, conn] : joined)
+    for (auto& [rank, conn] : joined) {
       (void)WriteMessage(conn, {{"type", "error"}, {"message", why}});
+    }
     return blobs.status();
   }
   info.blobs = *std::move(blobs);
   const json reply = WorldJson(info);
   for (auto& [rank, conn] : joined) {
-    if (absl::Status s = WriteMessage(conn, reply); !s.ok()) {
+    if (absl::Status w = WriteMessage(conn, reply); !w.ok()) {
       return absl::UnavailableError(
-          absl::StrCat("rendezvous: ", world.Describe(rank), " went away: ", s.message()));
+          absl::StrCat("rendezvous: ", world.Describe(rank), " went away: ", w.message()));
     }
   }
   return info;
 }
 
+void RendezvousServer::RefuseAll(const WorldConfig& world, const std::string& why,
+                                 std::chrono::milliseconds timeout) {
+  const std::string message = absl::StrCat("the leader failed: ", why);
+  std::mutex mu;
+  std::map<int, bool> told;  // guarded by mu
+  const Deadline deadline = Clock::now() + timeout;
+  (void)AcceptVerified(listener_, secret_, kContext, world.world_size() - 1, deadline, kHandshake,
+                       [&](uint32_t claim, Socket& conn) {
+                         (void)ReadMessage(conn, kMaxRegistration,
+                                           std::min(deadline, Clock::now() + kHandshake));
+                         (void)WriteMessage(conn, {{"type", "error"}, {"message", message}});
+                         std::lock_guard<std::mutex> lock(mu);
+                         return told.emplace(static_cast<int>(claim), true).second;
+                       });
+}
+
 absl::StatusOr<WorldInfo> JoinRendezvous(const std::string& leader_host, int leader_port,
                                          const WorldConfig& world, const RankAddress& self,
+                                         const std::string& secret,
                                          std::chrono::milliseconds timeout) {
-  const Deadline deadline = std::chrono::steady_clock::now() + timeout;
-  auto conn = ConnectWithRetry(leader_host, leader_port, deadline);
-  if (!conn.ok()) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("rendezvous: the leader did not listen: ", conn.status().message()));
-  }
-  RETURN_IF_ERROR(WriteMessage(*conn, {{"type", "register"},
-                                       {"rank", self.rank},
-                                       {"tp", world.tp()},
-                                       {"pp", world.pp()},
-                                       {"host", self.host},
-                                       {"port", self.port}}));
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - std::chrono::steady_clock::now());
-  auto reply = ReadMessage(*conn, std::max(left, std::chrono::milliseconds(1)));
-  if (!reply.ok()) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "rendezvous: no world from the leader within ", timeout.count(), " ms (",
-        reply.status().message(), "; are all ", world.world_size(), " ranks running?)"));
-  }
-  const json& m = *reply;
-  if (m.value("type", "") == "error") {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rendezvous refused: ", m.value("message", "")));
-  }
-  WorldInfo info;
-  try {
-    for (const json& r : m.at("ranks")) {
-      info.ranks.push_back(
-          {r.at("rank").get<int>(), r.at("host").get<std::string>(), r.at("port").get<int>()});
+  const Deadline deadline = Clock::now() + timeout;
+  const std::string leader = absl::StrCat(leader_host, ":", leader_port);
+  for (auto backoff = std::chrono::milliseconds(50);;
+       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000))) {
+    auto conn = ConnectWithRetry(leader_host, leader_port, deadline);
+    if (!conn.ok()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("rendezvous: the leader did not listen: ", conn.status().message()));
     }
-    for (const json& b : m.at("blobs")) {
-      std::string raw;
-      if (!absl::Base64Unescape(b.get<std::string>(), &raw)) {
-        return absl::DataLossError("rendezvous: a blob is not base64");
+    absl::Status proven = ProveToAcceptor(*conn, secret, kContext, static_cast<uint32_t>(self.rank),
+                                          std::min(deadline, Clock::now() + kHandshake));
+    if (absl::IsPermissionDenied(proven)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("rendezvous with ", leader, ": ", proven.message()));
+    }
+    if (!proven.ok()) {  // the leader was busy with others, or restarted: try again
+      if (Clock::now() + backoff >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("rendezvous with ", leader, ": the handshake failed: ", proven.message()));
       }
-      info.blobs.push_back(std::move(raw));
+      std::this_thread::sleep_for(backoff);
+      continue;
     }
-  } catch (const json::exception& e) {
-    return absl::DataLossError(absl::StrCat("rendezvous: malformed world: ", e.what()));
+    RETURN_IF_ERROR(WriteMessage(*conn, {{"type", "register"},
+                                         {"rank", self.rank},
+                                         {"tp", world.tp()},
+                                         {"pp", world.pp()},
+                                         {"host", self.host},
+                                         {"port", self.port}}));
+    auto reply = ReadMessage(*conn, kMaxWorld, deadline);
+    if (!reply.ok()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rendezvous: no world from the leader within ", timeout.count(), " ms (",
+          reply.status().message(), "; are all ", world.world_size(), " ranks running?)"));
+    }
+    const json& m = *reply;
+    auto type = Str(m, "type", 32);
+    if (type.ok() && *type == "error") {
+      auto message = Str(m, "message", 64 << 10);
+      return absl::FailedPreconditionError(
+          absl::StrCat("rendezvous refused: ", message.ok() ? *message : "(no reason given)"));
+    }
+    if (!type.ok() || *type != "world") {
+      return absl::DataLossError(
+          "rendezvous: the leader's answer is neither a world nor a refusal");
+    }
+    return WorldFromJson(m, world.world_size());
   }
-  if (static_cast<int>(info.ranks.size()) != world.world_size()) {
-    return absl::DataLossError("rendezvous: the world has the wrong number of ranks");
-  }
-  return info;
 }
 
 }  // namespace shardserve

@@ -1,11 +1,16 @@
 #pragma once
 // Rendezvous of one replica's ranks at the leader (stage 0, tp 0), DESIGN.md §4.
 //
-// The leader listens on the rendezvous port; every other rank connects (retrying until the
-// leader *listens*, not only resolves), registers its data address, and receives the world: every
-// rank's address and the opaque blobs the leader hands out (NCCL unique ids). The leader replies
-// only when all ranks have registered, so all start together. Timeouts name the missing ranks;
-// a rank from another world shape, out of range or registered twice is refused with the reason.
+// The leader listens on the rendezvous port (the pod's own address; loopback locally); every
+// other rank connects (retrying until the leader *listens*, not only resolves), proves the
+// replica's secret (comm/handshake.h: the leader proves it back, so a rank never takes a world
+// from an impostor), registers its data address, and receives the world: every rank's address and
+// the opaque blobs the leader hands out (NCCL unique ids). The leader replies only when all ranks
+// have registered, so all start together. Timeouts name the missing ranks; a rank from another
+// world shape, out of range, registered twice, or whose registration is not the one it proved is
+// refused with the reason. Connections that cannot prove the secret are dropped and never delay
+// the others. Every message is a length-prefixed JSON object, parsed without exceptions, its
+// size bounded, each field's type checked.
 #include <chrono>
 #include <functional>
 #include <string>
@@ -30,7 +35,9 @@ struct WorldInfo {
 
 class RendezvousServer {
  public:
-  static absl::StatusOr<RendezvousServer> Listen(const std::string& host, int port);
+  // Listens on host:port ("" every address) for ranks that know `secret`.
+  static absl::StatusOr<RendezvousServer> Listen(const std::string& host, int port,
+                                                 std::string secret);
   int port() const { return listener_.port(); }
   // Collects every other rank's registration, then sends the world to all.
   absl::StatusOr<WorldInfo> Run(const WorldConfig& world, const RankAddress& self,
@@ -44,14 +51,24 @@ class RendezvousServer {
   absl::StatusOr<WorldInfo> RunMakingBlobs(const WorldConfig& world, const RankAddress& self,
                                            const BlobMaker& make_blobs,
                                            std::chrono::milliseconds timeout);
+  // The leader failed before it could run the replica: every rank that registers within
+  // `timeout` is told `why` at once, rather than waiting for a world that will not come.
+  // Returns when every other rank has been told, or at the timeout.
+  void RefuseAll(const WorldConfig& world, const std::string& why,
+                 std::chrono::milliseconds timeout);
 
  private:
-  explicit RendezvousServer(Socket listener) : listener_(std::move(listener)) {}
+  RendezvousServer(Socket listener, std::string secret)
+      : listener_(std::move(listener)), secret_(std::move(secret)) {}
   Socket listener_;
+  std::string secret_;
 };
 
+// Joins the leader's rendezvous as `self`; the world, or the leader's refusal (FailedPrecondition
+// with its reason), PermissionDenied when the secrets differ, DeadlineExceeded at `timeout`.
 absl::StatusOr<WorldInfo> JoinRendezvous(const std::string& leader_host, int leader_port,
                                          const WorldConfig& world, const RankAddress& self,
+                                         const std::string& secret,
                                          std::chrono::milliseconds timeout);
 
 }  // namespace shardserve

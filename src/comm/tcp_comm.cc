@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "comm/handshake.h"
 
 namespace shardserve {
 namespace {
@@ -15,12 +16,6 @@ struct FrameHeader {
   uint32_t magic;
   uint32_t type;
   uint64_t bytes;
-};
-
-struct Hello {
-  uint32_t magic;
-  uint32_t member;
-  uint64_t group_id;
 };
 
 int64_t NowMs() {
@@ -72,42 +67,59 @@ absl::StatusOr<std::unique_ptr<TcpCommunicator>> TcpCommunicator::Create(const T
 
 absl::Status TcpCommunicator::Connect(Socket listener) {
   const int n = size(), me = rank();
+  if (options_.secret.size() < kMinSecretBytes) {
+    return absl::FailedPreconditionError("a TCP group needs its secret to prove its members");
+  }
   peers_.resize(n);
   const Deadline deadline = std::chrono::steady_clock::now() + options_.connect_timeout;
+  const std::string context = absl::StrCat("tcp-group ", options_.group_id);
   for (int m = 0; m < me; ++m) {  // connect to every lower member
     const TcpMember& peer = options_.members[m];
-    auto sock = ConnectWithRetry(peer.host, peer.port, deadline);
-    if (!sock.ok()) {
-      return absl::DeadlineExceededError(absl::StrCat(peer.name, " at ", peer.host, ":", peer.port,
-                                                      ": ", sock.status().message()));
-    }
-    const Hello hello{kMagic, static_cast<uint32_t>(me), options_.group_id};
-    if (absl::Status s = sock->WriteAll(&hello, sizeof(hello)); !s.ok()) return Fail(m, s);
-    peers_[m] = std::make_unique<Peer>();
-    peers_[m]->sock = std::move(*sock);
-  }
-  for (int accepted = 0; accepted < n - 1 - me;) {  // accept every higher member
-    auto sock = Accept(listener, deadline);
-    if (!sock.ok()) {
-      std::string missing;
-      for (int m = me + 1; m < n; ++m) {
-        if (!peers_[m])
-          absl::StrAppend(&missing, missing.empty() ? "" : ", ", options_.members[m].name);
+    for (auto backoff = std::chrono::milliseconds(20);;
+         backoff = std::min(backoff * 2, std::chrono::milliseconds(500))) {
+      auto sock = ConnectWithRetry(peer.host, peer.port, deadline);
+      if (!sock.ok()) {
+        return absl::DeadlineExceededError(absl::StrCat(peer.name, " at ", peer.host, ":",
+                                                        peer.port, ": ", sock.status().message()));
       }
-      return absl::DeadlineExceededError(absl::StrCat("TCP group: ", missing,
-                                                      " did not connect within ",
-                                                      options_.connect_timeout.count(), " ms"));
+      const Deadline until =
+          std::min(deadline, std::chrono::steady_clock::now() + options_.peer_timeout);
+      absl::Status proven =
+          ProveToAcceptor(*sock, options_.secret, context, static_cast<uint32_t>(me), until);
+      if (proven.ok()) {
+        peers_[m] = std::make_unique<Peer>();
+        peers_[m]->sock = std::move(*sock);
+        break;
+      }
+      if (absl::IsPermissionDenied(proven)) {
+        return absl::PermissionDeniedError(
+            absl::StrCat(peer.name, " at ", peer.host, ":", peer.port, ": ", proven.message()));
+      }
+      if (std::chrono::steady_clock::now() + backoff >= deadline) return Fail(m, proven);
+      std::this_thread::sleep_for(backoff);  // it was busy with others: again
     }
-    Hello hello;
-    if (!sock->ReadAll(&hello, sizeof(hello), options_.peer_timeout).ok() ||
-        hello.magic != kMagic || hello.group_id != options_.group_id ||
-        static_cast<int>(hello.member) <= me || static_cast<int>(hello.member) >= n ||
-        peers_[hello.member]) {
-      continue;  // not a member of this group (or a stray connection): ignore it
+  }
+  std::mutex mu;  // guards peers_ while higher members are admitted
+  const absl::Status accepted = AcceptVerified(
+      listener, options_.secret, context, n - 1 - me, deadline, options_.peer_timeout,
+      [&](uint32_t member, Socket& sock) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (static_cast<int>(member) <= me || static_cast<int>(member) >= n || peers_[member]) {
+          return false;  // not a higher member still missing
+        }
+        peers_[member] = std::make_unique<Peer>();
+        peers_[member]->sock = std::move(sock);
+        return true;
+      });
+  if (!accepted.ok()) {
+    std::string missing;
+    for (int m = me + 1; m < n; ++m) {
+      if (!peers_[m])
+        absl::StrAppend(&missing, missing.empty() ? "" : ", ", options_.members[m].name);
     }
-    peers_[hello.member] = std::make_unique<Peer>();
-    peers_[hello.member]->sock = std::move(*sock);
-    ++accepted;
+    return absl::DeadlineExceededError(absl::StrCat("TCP group: ", missing,
+                                                    " did not connect within ",
+                                                    options_.connect_timeout.count(), " ms"));
   }
   for (auto& p : peers_) {
     if (p) p->sock.SetSendTimeout(options_.send_timeout);

@@ -1,10 +1,12 @@
 #pragma once
 // TCP communicator: pipeline links between stages (on different nodes) and the fallback for any
 // group. Members form a full mesh (each connects to the lower-numbered members and accepts the
-// higher ones, retrying until they listen). Messages are framed; a thread sends heartbeat frames
-// on idle links, so a receiver that hears nothing for `peer_timeout` names the peer as stopped,
-// and a closed connection names it as dead. Collectives are rings (reduce-scatter, all-gather)
-// whose send and receive run concurrently, so large transfers cannot deadlock.
+// higher ones, retrying until they listen); every connection proves the group's secret both ways
+// (comm/handshake.h), so nothing else on the network can pose as a member or take one's place,
+// and a connection that says nothing delays no one. Messages are framed; a thread sends heartbeat
+// frames on idle links, so a receiver that hears nothing for `peer_timeout` names the peer as
+// stopped, and a closed connection names it as dead. Collectives are rings (reduce-scatter,
+// all-gather) whose send and receive run concurrently, so large transfers cannot deadlock.
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -29,6 +31,7 @@ struct TcpOptions {
   std::vector<TcpMember> members;
   int rank = 0;
   uint64_t group_id = 0;  // members of other groups that connect by mistake are refused
+  std::string secret;     // every member proves it (at least kMinSecretBytes)
   std::chrono::milliseconds peer_timeout{2000};
   std::chrono::milliseconds connect_timeout{30000};
   // Last resort for a sender blocked on a frozen receiver's full buffer. Receivers detect a

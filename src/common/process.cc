@@ -1,7 +1,8 @@
 #include "common/process.h"
 
+#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,7 +34,8 @@ std::string Describe(int status) {
 }  // namespace
 
 absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::string>& args,
-                            const std::vector<std::pair<std::string, std::string>>& env) {
+                            const std::vector<std::pair<std::string, std::string>>& env,
+                            bool own_group) {
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry = *e;
@@ -50,9 +52,38 @@ absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::strin
   std::vector<std::string> args_copy = args;
   for (auto& a : args_copy) argv.push_back(a.data());
   argv.push_back(nullptr);
-  pid_t pid;
-  if (int e = posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()); e != 0) {
+  const pid_t parent = getpid();
+  int ready[2];  // closed on exec; a failed exec writes its errno first
+  if (pipe2(ready, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("cannot start ", exe, ": ", std::strerror(errno)));
+  }
+  const pid_t pid = fork();
+  if (pid < 0) {
+    const int e = errno;
+    close(ready[0]);
+    close(ready[1]);
     return absl::InternalError(absl::StrCat("cannot start ", exe, ": ", std::strerror(e)));
+  }
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    close(ready[0]);
+    if (own_group) setpgid(0, 0);         // the supervisor can kill its whole tree at once
+    prctl(PR_SET_PDEATHSIG, SIGTERM);     // the supervisor died: stop
+    if (getppid() != parent) _exit(127);  // it died before the line above
+    execve(exe.c_str(), argv.data(), envp.data());
+    const int e = errno;
+    (void)!write(ready[1], &e, sizeof(e));
+    _exit(127);
+  }
+  close(ready[1]);
+  int child_errno = 0;
+  ssize_t n;
+  while ((n = read(ready[0], &child_errno, sizeof(child_errno))) < 0 && errno == EINTR) {
+  }
+  close(ready[0]);
+  if (n == static_cast<ssize_t>(sizeof(child_errno))) {
+    waitpid(pid, nullptr, 0);
+    return absl::InternalError(
+        absl::StrCat("cannot start ", exe, ": ", std::strerror(child_errno)));
   }
   return pid;
 }
@@ -65,9 +96,13 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
   std::vector<bool> running(children.size(), true);
   size_t left = children.size();
   absl::Status first = absl::OkStatus();
+  // SIGTERM to each child (it stops its own children cleanly); SIGKILL to each child and, when it
+  // leads one, its process group, so nothing it started outlives it.
   auto terminate_rest = [&](int sig) {
     for (size_t i = 0; i < children.size(); ++i) {
-      if (running[i]) kill(children[i].pid, sig);
+      if (!running[i]) continue;
+      kill(children[i].pid, sig);
+      if (sig == SIGKILL) kill(-children[i].pid, SIGKILL);
     }
   };
   auto deadline = std::chrono::steady_clock::time_point::max();

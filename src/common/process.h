@@ -21,9 +21,13 @@ struct Child {
   std::string name;  // for messages, e.g. "rank 3 (stage 1, tp 1)"
 };
 
-// Runs `exe args...` with the current environment plus `env`.
+// Runs `exe args...` with the current environment plus `env`, with SIGTERM as its parent-death
+// signal: a child never outlives its supervisor, even one killed with SIGKILL. With `own_group`
+// it leads a process group of its own, which its children join (SuperviseAll's SIGKILL takes the
+// whole group). An exe that cannot be run is an error here, not a child that fails later.
 absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::string>& args,
-                            const std::vector<std::pair<std::string, std::string>>& env);
+                            const std::vector<std::pair<std::string, std::string>>& env,
+                            bool own_group = true);
 
 // Waits for every child. OK when all exit 0; otherwise terminates the rest and returns
 // Aborted naming the first failure ("rank 3 (stage 1, tp 1) exited with code 1").

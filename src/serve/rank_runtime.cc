@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "comm/handshake.h"
 #include "comm/observed_comm.h"
 #include "comm/rendezvous.h"
 #include "comm/shm_comm.h"
@@ -193,11 +194,9 @@ absl::StatusOr<json> RecvJson(Communicator& c, int peer) {
   if (n > kMaxMessage) return absl::DataLossError(absl::StrCat("control message of ", n, " bytes"));
   std::string s(n, '\0');
   RETURN_IF_ERROR(c.Recv(s.data(), n, peer));
-  try {
-    return json::parse(s);
-  } catch (const json::exception& e) {
-    return absl::DataLossError(absl::StrCat("malformed control message: ", e.what()));
-  }
+  json j = json::parse(s, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::DataLossError("a malformed control message");
+  return j;
 }
 
 json ParamsJson(const SamplingParams& p) {
@@ -415,18 +414,23 @@ absl::Status Rank::Init() {
   auto observe = [this](const char* op, double seconds, size_t bytes) {
     if (metrics_) metrics_->ObserveComm(op, seconds, bytes);
   };
-  // A loopback rank listens on loopback only; otherwise on every interface.
-  ASSIGN_OR_RETURN(Socket data, Listen(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "", 0));
+  // The rendezvous and the mesh listen on the rank's own address (the pod's; loopback locally).
+  ASSIGN_OR_RETURN(Socket data, Listen(cfg_.bind_host, 0));
   const RankAddress self{rank, cfg_.host, data.port()};
   absl::StatusOr<WorldInfo> info;
   ASSIGN_OR_RETURN(const bool cuda, UseCuda(cfg_.backend));
-  if (world_.is_leader()) {
-    ASSIGN_OR_RETURN(RendezvousServer server, RendezvousServer::Listen("", cfg_.leader_port));
+  if (world_.world_size() == 1) {
+    ASSIGN_OR_RETURN(std::vector<std::string> blobs, NcclIds(cuda, {self}));
+    info = WorldInfo{{self}, std::move(blobs)};
+  } else if (world_.is_leader()) {
+    ASSIGN_OR_RETURN(RendezvousServer server,
+                     RendezvousServer::Listen(cfg_.bind_host, cfg_.leader_port, cfg_.secret));
     info = server.RunMakingBlobs(
         world_, self, [&](const std::vector<RankAddress>& ranks) { return NcclIds(cuda, ranks); },
         cfg_.startup_timeout);
   } else {
-    info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.startup_timeout);
+    info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.secret,
+                          cfg_.startup_timeout);
   }
   if (!info.ok()) return info.status();
   TcpOptions to;
@@ -435,12 +439,13 @@ absl::Status Rank::Init() {
   }
   to.rank = rank;
   to.group_id = Fnv(cfg_.job_id);
+  to.secret = cfg_.secret;
   to.peer_timeout = cfg_.peer_timeout;
   ASSIGN_OR_RETURN(world_comm_, TcpCommunicator::Create(to, std::move(data)));
   mesh_ = std::make_unique<ObservedCommunicator>(world_comm_.get(), observe);
   if (cfg_.tp > 1) {
     ShmOptions so;
-    so.name = absl::StrCat("/shardserve-", cfg_.job_id, "-stage", cfg_.stage);
+    so.name = ShmGroupName(cfg_);
     so.size = cfg_.tp;
     so.rank = cfg_.tp_rank;
     so.peer_timeout = cfg_.peer_timeout;
@@ -588,7 +593,10 @@ absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
 absl::Status Rank::Follow() {
   for (;;) {
     ASSIGN_OR_RETURN(json desc, RecvJson(*mesh_, 0));
-    const std::string type = desc.value("type", "");
+    if (!desc.is_object()) return absl::DataLossError("a step message is not a JSON object");
+    auto type_field = desc.find("type");
+    const std::string type =
+        type_field != desc.end() && type_field->is_string() ? type_field->get<std::string>() : "";
     if (type == "stop") return absl::OkStatus();
     if (type == "ping") {
       RETURN_IF_ERROR(mesh_->Barrier());
@@ -734,6 +742,19 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
     gethostname(name, sizeof(name) - 1);
     c.host = name;
   }
+  if (const char* pod_ip = std::getenv("SHARDSERVE_POD_IP"); pod_ip != nullptr && *pod_ip) {
+    c.bind_host = pod_ip;
+  } else {
+    c.bind_host = c.host == "127.0.0.1" ? "127.0.0.1" : "";
+  }
+  if (const char* file = std::getenv("SHARDSERVE_RENDEZVOUS_SECRET_FILE"); file && *file) {
+    ASSIGN_OR_RETURN(c.secret, ReadSecretFile(file));
+  } else if (c.tp * c.pp > 1) {
+    return absl::InvalidArgumentError(
+        "environment variable SHARDSERVE_RENDEZVOUS_SECRET_FILE is not set: the ranks of a "
+        "replica prove a shared secret to each other (the operator mounts one per replica; "
+        "shardserve local makes one per run)");
+  }
   const char* metrics = std::getenv("SHARDSERVE_METRICS");
   if (metrics == nullptr || std::string(metrics) != "off") {
     ASSIGN_OR_RETURN(int base, EnvInt("SHARDSERVE_METRICS_PORT_BASE", -1));
@@ -748,7 +769,21 @@ absl::StatusOr<RankConfig> RankConfigFromEnv() {
   return c;
 }
 
-absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead) {
+std::string ShmGroupName(const RankConfig& c) {
+  return absl::StrCat("/shardserve-", c.job_id, "-stage", c.stage);
+}
+
+void RefuseReplica(const RankConfig& config, const absl::Status& why) {
+  absl::StatusOr<WorldConfig> world = WorldConfig::Create(config.tp, config.pp, 0);
+  if (!world.ok() || world->world_size() == 1) return;
+  auto server = RendezvousServer::Listen(config.bind_host, config.leader_port, config.secret);
+  if (!server.ok()) return;
+  server->RefuseAll(*world, std::string(why.message()),
+                    std::min(config.startup_timeout, std::chrono::milliseconds(30000)));
+}
+
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead,
+                                    const std::function<void()>& started) {
   ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(config.tp, config.pp, config.rank()));
   if (config.stage < 0 || config.stage >= config.pp || config.tp_rank < 0 ||
       config.tp_rank >= config.tp) {
@@ -758,6 +793,7 @@ absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& 
   }
   Rank rank(config, world);
   if (absl::Status s = rank.Init(); !s.ok()) return rank.AbortAll(s);
+  if (started) started();
   RankOutcome outcome;
   if (world.is_leader()) {
     LeaderContext ctx = rank.Context();

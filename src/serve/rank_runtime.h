@@ -36,9 +36,15 @@ struct RankConfig {
   int stage = 0;
   int tp_rank = 0;
   std::string leader_host = "127.0.0.1";
-  int leader_port = 29500;           // rendezvous
-  std::string job_id;                // names the shared-memory segments of this replica
-  std::string host = "127.0.0.1";    // this rank's address as the others reach it
+  int leader_port = 29500;         // rendezvous
+  std::string job_id;              // names the shared-memory segments of this replica
+  std::string host = "127.0.0.1";  // this rank's address as the others reach it
+  // Where the rendezvous and the mesh listen: the pod's address (SHARDSERVE_POD_IP), loopback
+  // when the rank is local, else "" (every address).
+  std::string bind_host = "127.0.0.1";
+  // The replica's secret, proven at the rendezvous and on every mesh connection
+  // (SHARDSERVE_RENDEZVOUS_SECRET_FILE; required when the replica has more than one rank).
+  std::string secret;
   std::string model_name = "model";  // the name served on the API
   // The `model` label of the metrics: the ShardedModel (SHARDSERVE_DEPLOYMENT), so the
   // operator's, the leader's and every rank's series of one deployment share it.
@@ -63,6 +69,8 @@ struct RankConfig {
 // they name the replica's shared memory), SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
 // (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading),
 // SHARDSERVE_HOST (this rank's address; default loopback when the leader is, else the hostname),
+// SHARDSERVE_POD_IP (the address to listen on for the rendezvous and the mesh),
+// SHARDSERVE_RENDEZVOUS_SECRET_FILE (the replica's secret),
 // SHARDSERVE_METRICS_PORT_BASE (local mode: /metrics on base + global rank; default in a pod
 // 9400 + tp_rank), SHARDSERVE_METRICS=off (no /metrics server), SHARDSERVE_KV_CACHE_TOKENS and
 // SHARDSERVE_MAX_SEQUENCE_LENGTH.
@@ -91,8 +99,16 @@ using LeaderMain = std::function<absl::Status(LeaderContext&)>;
 // The layers of each pipeline stage, as every rank computes them (weights by parameter count).
 absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& config, int pp);
 
-// Runs this rank: start-up, then `lead` on the leader; the other ranks serve steps until the
-// leader stops them.
-absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead);
+// Runs this rank: start-up, then `started` (every rank, once the replica is connected and
+// loaded), then `lead` on the leader; the other ranks serve steps until the leader stops them.
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead,
+                                    const std::function<void()>& started = nullptr);
+
+// The leader could not start (`why`): every other rank of the replica that comes to the
+// rendezvous within the start-up timeout (at most 30 s) is told so, rather than waiting for it.
+void RefuseReplica(const RankConfig& config, const absl::Status& why);
+
+// The shared memory of this rank's stage TP group.
+std::string ShmGroupName(const RankConfig& config);
 
 }  // namespace shardserve

@@ -633,7 +633,7 @@ TEST(CudaBackendTest, NcclCommunicatorFromTheRendezvous) {
   REQUIRE_GPU();
   auto id = nccl::NewUniqueId();
   ASSERT_TRUE(id.ok()) << id.status();
-  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  auto server = RendezvousServer::Listen("127.0.0.1", 0, "nccl-test-secret-0123");
   ASSERT_TRUE(server.ok());
   auto world = WorldConfig::Create(1, 1, 0);
   auto info =

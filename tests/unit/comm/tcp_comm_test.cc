@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_join.h"
 #include "comm/communicator_checks.h"
+#include "comm/handshake.h"
 #include "comm/multiprocess.h"
 #include "comm/rendezvous.h"
 
@@ -15,6 +16,8 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::RunMembers;
+
+const std::string kSecret = "replica-secret-0123456789";
 
 // Listening sockets bound before forking, so every member knows every port.
 struct Group {
@@ -38,6 +41,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Make(Group& g, int rank) {
   TcpOptions o;
   o.members = g.members;
   o.rank = rank;
+  o.secret = kSecret;
   o.peer_timeout = std::chrono::milliseconds(600);
   o.connect_timeout = std::chrono::milliseconds(10000);
   auto c = TcpCommunicator::Create(o, std::move(g.listeners[rank]));
@@ -81,13 +85,13 @@ TEST(RendezvousTest, RanksMeetAndBuildTheirCommunicator) {
     absl::StatusOr<WorldInfo> info;
     if (r == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));  // others retry meanwhile
-      auto server = RendezvousServer::Listen("127.0.0.1", leader_port);
+      auto server = RendezvousServer::Listen("127.0.0.1", leader_port, kSecret);
       if (!server.ok()) return std::string(server.status().message());
       info = server->Run(*world, self, {std::string("nccl-id\0bytes", 13)},
                          std::chrono::milliseconds(10000));
     } else {
-      info =
-          JoinRendezvous("127.0.0.1", leader_port, *world, self, std::chrono::milliseconds(10000));
+      info = JoinRendezvous("127.0.0.1", leader_port, *world, self, kSecret,
+                            std::chrono::milliseconds(10000));
     }
     if (!info.ok()) return std::string(info.status().message());
     if (info->blobs.size() != 1 || info->blobs[0] != std::string("nccl-id\0bytes", 13)) {
@@ -99,6 +103,7 @@ TEST(RendezvousTest, RanksMeetAndBuildTheirCommunicator) {
       o.members.push_back({a.host, a.port, world->Describe(a.rank)});
     }
     o.rank = r;
+    o.secret = kSecret;
     auto comm = TcpCommunicator::Create(o, std::move(data.listeners[r]));
     if (!comm.ok()) return std::string(comm.status().message());
     float x = static_cast<float>(r);
@@ -109,20 +114,20 @@ TEST(RendezvousTest, RanksMeetAndBuildTheirCommunicator) {
 }
 
 TEST(RendezvousTest, MissingRankIsNamedAndWrongShapeRefused) {
-  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  auto server = RendezvousServer::Listen("127.0.0.1", 0, kSecret);
   ASSERT_TRUE(server.ok());
   const int port = server->port();
   std::thread wrong([port] {
     auto w = WorldConfig::Create(1, 2, 1);
-    auto info =
-        JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, std::chrono::milliseconds(5000));
+    auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, kSecret,
+                               std::chrono::milliseconds(5000));
     EXPECT_THAT(std::string(info.status().message()),
                 HasSubstr("rank 1 runs tp 1 x pp 2 but the leader runs tp 1 x pp 3"));
   });
   std::thread good([port] {
     auto w = WorldConfig::Create(1, 3, 1);
-    auto info =
-        JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, std::chrono::milliseconds(5000));
+    auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, kSecret,
+                               std::chrono::milliseconds(5000));
     EXPECT_FALSE(info.ok());  // the leader gives up on rank 2 and never sends the world
   });
   auto w = WorldConfig::Create(1, 3, 0);
@@ -140,13 +145,13 @@ TEST(RendezvousTest, MissingRankIsNamedAndWrongShapeRefused) {
 // between different GPUs), and a failure to make them reaches every rank instead of a world.
 TEST(RendezvousTest, BlobsFromTheAddressesAndTheirFailureReachEveryRank) {
   for (bool fail : {false, true}) {
-    auto server = RendezvousServer::Listen("127.0.0.1", 0);
+    auto server = RendezvousServer::Listen("127.0.0.1", 0, kSecret);
     ASSERT_TRUE(server.ok());
     const int port = server->port();
     std::string joined_result;
     std::thread rank1([&] {
       auto w = WorldConfig::Create(1, 2, 1);
-      auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "10.0.0.7", 1},
+      auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "10.0.0.7", 1}, kSecret,
                                  std::chrono::milliseconds(5000));
       joined_result =
           info.ok() ? absl::StrJoin(info->blobs, ",") : std::string(info.status().message());
@@ -170,6 +175,119 @@ TEST(RendezvousTest, BlobsFromTheAddressesAndTheirFailureReachEveryRank) {
   }
 }
 
+// What the outside tester did to the leader, and more: five bytes that once aborted it (a length
+// prefix and "5", from a peer that knows the secret), an impostor with another secret that tries
+// to register as rank 1, garbage, and 40 connections that say nothing. The leader stays up, the
+// impostor learns nothing, and the real rank 1 still gets the world.
+TEST(RendezvousTest, HostileConnectionsAreRefusedAndDelayNoOne) {
+  auto server = RendezvousServer::Listen("127.0.0.1", 0, kSecret);
+  ASSERT_TRUE(server.ok());
+  const int port = server->port();
+  absl::StatusOr<WorldInfo> info;
+  std::thread leader([&] {
+    auto w = WorldConfig::Create(1, 2, 0);
+    info = server->Run(*w, {0, "127.0.0.1", 1}, {"id"}, std::chrono::milliseconds(20000));
+  });
+  const Deadline soon = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::vector<Socket> silent;
+  for (int i = 0; i < 40; ++i) silent.push_back(*ConnectWithRetry("127.0.0.1", port, soon));
+  {
+    auto c = ConnectWithRetry("127.0.0.1", port, soon);
+    const std::string junk(300, '\x05');
+    (void)c->WriteAll(junk.data(), junk.size());
+  }
+  std::string five_bytes_answer;
+  {
+    auto c = ConnectWithRetry("127.0.0.1", port, soon);
+    ASSERT_TRUE(ProveToAcceptor(*c, kSecret, "rendezvous", 1, soon).ok());
+    const uint32_t len = 1;
+    ASSERT_TRUE(c->WriteAll(&len, 4).ok() && c->WriteAll("5", 1).ok());
+    uint32_t n = 0;
+    if (c->ReadAll(&n, 4, std::chrono::milliseconds(5000)).ok() && n < 4096) {
+      five_bytes_answer.resize(n);
+      (void)c->ReadAll(five_bytes_answer.data(), n, std::chrono::milliseconds(5000));
+    }
+  }
+  auto w = WorldConfig::Create(1, 2, 1);
+  const absl::Status impostor =
+      JoinRendezvous("127.0.0.1", port, *w, {1, "10.6.6.6", 6666}, "another-secret-0123456789",
+                     std::chrono::milliseconds(5000))
+          .status();
+  auto joined = JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1234}, kSecret,
+                               std::chrono::milliseconds(5000));
+  leader.join();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(info->ranks[1].port, 1234);  // the real rank, not the impostor
+  EXPECT_EQ(joined->blobs, std::vector<std::string>{"id"});
+  EXPECT_EQ(impostor.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(impostor.message()), HasSubstr("secrets differ"));
+  EXPECT_THAT(five_bytes_answer, HasSubstr("a malformed registration"));
+}
+
+// A rank never takes a world from a leader that cannot prove the secret.
+TEST(RendezvousTest, ARankRefusesAnImpostorLeader) {
+  auto fake = RendezvousServer::Listen("127.0.0.1", 0, "not-the-replica-secret-0");
+  ASSERT_TRUE(fake.ok());
+  const int port = fake->port();
+  std::thread leader([&] {
+    auto w = WorldConfig::Create(1, 2, 0);
+    (void)fake->Run(*w, {0, "127.0.0.1", 1}, {"stolen?"}, std::chrono::milliseconds(2000));
+  });
+  auto w = WorldConfig::Create(1, 2, 1);
+  auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, kSecret,
+                             std::chrono::milliseconds(2000));
+  leader.join();
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+// A leader that cannot start tells the ranks at once.
+TEST(RendezvousTest, ALeaderThatFailedTellsEveryRank) {
+  auto server = RendezvousServer::Listen("127.0.0.1", 0, kSecret);
+  ASSERT_TRUE(server.ok());
+  const int port = server->port();
+  std::vector<std::string> told(2);
+  std::vector<std::thread> ranks;
+  for (int r = 1; r <= 2; ++r) {
+    ranks.emplace_back([&, r] {
+      auto w = WorldConfig::Create(1, 3, r);
+      auto info = JoinRendezvous("127.0.0.1", port, *w, {r, "127.0.0.1", 1}, kSecret,
+                                 std::chrono::milliseconds(20000));
+      told[r - 1] = std::string(info.status().message());
+    });
+  }
+  auto w = WorldConfig::Create(1, 3, 0);
+  server->RefuseAll(*w, "tokenizer.json is missing", std::chrono::milliseconds(20000));
+  for (std::thread& t : ranks) t.join();
+  for (const std::string& m : told) {
+    EXPECT_THAT(m, HasSubstr("the leader failed: tokenizer.json is missing"));
+  }
+}
+
+// On a member's data port, an impostor that claims a member's place (with another secret) is
+// refused, and the real member takes it.
+TEST(TcpCommunicatorTest, ImpostorsCannotTakeAMembersPlace) {
+  Group g = BindGroup(2);
+  const int port0 = g.members[0].port;
+  auto codes = RunMembers(2, [&](int r) -> std::string {
+    if (r == 1) {
+      // First an impostor, from this process, then the real member 1.
+      const Deadline soon = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      auto c = ConnectWithRetry("127.0.0.1", port0, soon);
+      if (!c.ok()) return "no connection";
+      absl::Status s = ProveToAcceptor(*c, "impostor-secret-0123456", "tcp-group 0", 1, soon);
+      if (s.code() != absl::StatusCode::kPermissionDenied) return "the impostor was not refused";
+    }
+    auto comm = Make(g, r);
+    if (!comm.ok()) return std::string(comm.status().message());
+    float x = static_cast<float>(r + 1);
+    if (!(*comm)->AllReduceSum(&x, 1).ok()) return "no sum";
+    return x == 3.0f ? "" : "wrong sum";
+  });
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+}
+
 TEST(RendezvousTest, LeaderThatNeverListensTimesOut) {
   int port;
   {
@@ -177,8 +295,8 @@ TEST(RendezvousTest, LeaderThatNeverListensTimesOut) {
     port = probe->port();
   }
   auto w = WorldConfig::Create(2, 1, 1);
-  auto info =
-      JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, std::chrono::milliseconds(300));
+  auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, kSecret,
+                             std::chrono::milliseconds(300));
   EXPECT_EQ(info.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(info.status().message()), HasSubstr("the leader did not listen"));
 }
