@@ -43,7 +43,7 @@ spec:
 
 class Deployment:
     def __init__(self, binary, model, name="tiny", tp=2, pp=2, max_batch=8, max_seq=1024,
-                 env=None):
+                 env=None, args=(), api_key=None):
         self.binary = binary
         self.name = name
         self.tmp = tempfile.mkdtemp(prefix="shardserve-deploy-")
@@ -58,8 +58,9 @@ class Deployment:
                                     max_batch=max_batch, max_seq=max_seq,
                                     env=env_yaml or "      []"))
         self.log_lines = []
+        self.api_key = api_key  # sent with every request when set
         self.proc = subprocess.Popen(
-            [binary, "local", "-f", self.manifest, "--metrics-port-base", str(base + 1)],
+            [binary, "local", "-f", self.manifest, "--metrics-port-base", str(base + 1), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -81,6 +82,8 @@ class Deployment:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         data = raw if raw is not None else (json.dumps(body) if body is not None else None)
         h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
         h.update(headers or {})
         conn.request(method, path, body=data, headers=h)
         r = conn.getresponse()
@@ -98,8 +101,10 @@ class Deployment:
     def stream(self, path, body, timeout=120):
         """The parsed SSE events of a streamed request, plus whether [DONE] arrived."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        conn.request("POST", path, body=json.dumps(body), headers=h)
         r = conn.getresponse()
         events, done = [], False
         for line in r:
@@ -116,7 +121,8 @@ class Deployment:
 
     def metrics_page(self, port=None):
         conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=10)
-        conn.request("GET", "/metrics")
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {self.api_key}"}
+                     if self.api_key else {})
         r = conn.getresponse()
         page = r.read().decode()
         conn.close()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A client written by others against our server: the official `openai` Python package drives
-completions, chat and streaming on a `shardserve local` TP=2 x PP=2 deployment, and its error
-types see our errors. With transformers in the same environment, the chat prompt the server
+completions, chat and streaming on a `shardserve local` TP=2 x PP=2 deployment that requires an
+API key, and its error types see our errors (a wrong key is an AuthenticationError). With transformers in the same environment, the chat prompt the server
 renders is checked against transformers' apply_chat_template for each chat family."""
 import os
 import signal
@@ -17,6 +17,10 @@ from deployment import Deployment, gen_model  # noqa: E402
 BIN = sys.argv[1]
 check = Checks()
 tmp = tempfile.mkdtemp(prefix="shardserve-openai-")
+KEY = "sk-shardserve-test-0123456789"
+KEYS = os.path.join(tmp, "api-keys")
+with open(KEYS, "w") as f:
+    f.write(KEY + "\n")
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a colour."},
@@ -37,10 +41,18 @@ except ImportError:
 for family, args in FAMILIES:
     model = os.path.join(tmp, family)
     gen_model(BIN, model, *args)
-    d = Deployment(BIN, model, tp=2, pp=2)
+    d = Deployment(BIN, model, tp=2, pp=2, args=("--api-key-file", KEYS), api_key=KEY)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="unused",
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key=KEY,
                                max_retries=0)
+        stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1",
+                                 api_key="sk-not-the-key-0123456789", max_retries=0)
+        try:
+            stranger.models.list()
+            check(False, f"{family}: a wrong key raises AuthenticationError")
+        except openai.AuthenticationError as e:
+            check(e.status_code == 401 and e.code == "invalid_api_key",
+                  f"{family}: a wrong key raises AuthenticationError ({e.message})")
         models = client.models.list()
         check([m.id for m in models.data] == ["tiny"], f"{family}: models.list()")
         chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10,
@@ -101,9 +113,9 @@ for family, args in FAMILIES:
 # A model without a chat template says so.
 model = os.path.join(tmp, "plain")
 gen_model(BIN, model, "--chat-template", "none")
-d = Deployment(BIN, model, tp=1, pp=1)
+d = Deployment(BIN, model, tp=1, pp=1, args=("--api-key-file", KEYS), api_key=KEY)
 try:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="unused",
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key=KEY,
                            max_retries=0)
     try:
         client.chat.completions.create(model="tiny", messages=MESSAGES[:2], max_tokens=4)

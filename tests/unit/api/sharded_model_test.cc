@@ -34,6 +34,12 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ASSERT_TRUE(uri.ok());
   EXPECT_EQ(uri->claim, "store");
   EXPECT_EQ(uri->path, "llama");
+  EXPECT_EQ(m->spec.api_key_secret, "");
+  std::string keyed = kGood;
+  keyed += "  serving: {apiKeySecret: llama-api-keys}\n";
+  auto k = ParseShardedModel(keyed);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->spec.api_key_secret, "llama-api-keys");
 }
 
 TEST(ShardedModel, BadManifestsNameTheField) {
@@ -59,6 +65,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
       {with("  replicas: 2", "  replicas: 2\n  serving: {maxBatchSize: 0}"),
        "spec.serving.maxBatchSize"},
       {with("env: [{name: A, value: \"1\"}]", "env: [{value: \"1\"}]"), "spec.worker.env[0].name"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {apiKeySecret: Keys_1}"),
+       "spec.serving.apiKeySecret"},
       {with("kind: ShardedModel", "kind: Deployment"), "kind"},
       {"spec: [", "not valid YAML"},
   };
