@@ -1,10 +1,14 @@
 #include "operator/builders.h"
 
 #include <algorithm>
+#include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "comm/shm_comm.h"
 #include "common/status.h"
 
 namespace shardserve::op {
@@ -43,6 +47,18 @@ std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
   return absl::StrCat(model, "-", replica, "-", stage);
 }
 
+std::string RendezvousSecretName(const std::string& model, int64_t replica) {
+  return absl::StrCat(model, "-", replica, "-rendezvous");
+}
+
+int64_t ShmSizeBytes(int64_t tensor) {
+  constexpr int64_t kMiB = 1 << 20;
+  constexpr int64_t kNcclPerRank = 64 * kMiB;  // NCCL's shared-memory transport and proxies
+  const int64_t bytes =
+      static_cast<int64_t>(ShmSegmentBytes(static_cast<int>(tensor))) + tensor * kNcclPerRank;
+  return (bytes + kMiB - 1) / kMiB * kMiB;
+}
+
 absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
   WorkerDefaults d;
   if (!j.is_object()) return absl::InvalidArgumentError("worker defaults must be an object");
@@ -56,6 +72,17 @@ absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
         }
       }
       d.env = v;
+    } else if (k == "resources") {
+      if (!v.is_object()) {
+        return absl::InvalidArgumentError("worker defaults: resources must be an object");
+      }
+      for (const auto& [part, list] : v.items()) {
+        if ((part != "requests" && part != "limits") || !list.is_object()) {
+          return absl::InvalidArgumentError(absl::StrCat("worker defaults: resources.", part,
+                                                         " is not requests or limits (an object)"));
+        }
+      }
+      d.resources = v;
     } else if (k == "securityContext" || k == "podSecurityContext") {
       if (!v.is_object()) {
         return absl::InvalidArgumentError(
@@ -63,14 +90,51 @@ absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
       }
       (k == "securityContext" ? d.security_context : d.pod_security_context) = v;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "worker defaults: unknown key '", k, "' (env, securityContext, podSecurityContext)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("worker defaults: unknown key '", k,
+                       "' (env, resources, securityContext, podSecurityContext)"));
     }
   }
   return d;
 }
 
-absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults) {
+namespace {
+
+// A hostPath directory inside one of the allowed ones: both absolute, no '.' or '..' steps or
+// empty ones, compared step by step ("/models" allows "/models/x", not "/models-x").
+absl::Status CheckHostPath(const std::string& path, const std::vector<std::string>& allowed) {
+  auto steps = [](const std::string& p) -> std::optional<std::vector<std::string>> {
+    if (p.empty() || p[0] != '/') return std::nullopt;
+    std::vector<std::string> out;
+    for (absl::string_view step : absl::StrSplit(p.substr(1), '/')) {
+      if (step == "." || step == "..") return std::nullopt;
+      if (!step.empty()) out.emplace_back(step);
+    }
+    return out;
+  };
+  const auto want = steps(path);
+  if (!want) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.model.uri: the host path '", path,
+                                                   "' must be absolute, without '.' or '..'"));
+  }
+  for (const std::string& a : allowed) {
+    const auto root = steps(a);
+    if (root && root->size() <= want->size() &&
+        std::equal(root->begin(), root->end(), want->begin())) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "spec.model.uri: the host path '", path, "' is not inside a directory the platform allows (",
+      allowed.empty() ? "none: hostPath models are off"
+                      : absl::StrCat("operator.allowedHostPaths: ", absl::StrJoin(allowed, ", ")),
+      "); use pvc://CLAIM/PATH"));
+}
+
+}  // namespace
+
+absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults,
+                                    const ModelPolicy& policy) {
   ModelView v;
   v.defaults = defaults;
   ASSIGN_OR_RETURN(v.model, ParseShardedModel(object.dump()));
@@ -87,6 +151,17 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
         "spec.model.uri '", v.model.spec.model_uri,
         "' is a file:// uri, which only shardserve local reads; on a cluster use pvc:// or "
         "hostpath://"));
+  }
+  if (uri.scheme == ModelUri::Scheme::kHostPath) {
+    RETURN_IF_ERROR(CheckHostPath(uri.path, policy.host_paths));
+  }
+  const std::string& image = v.model.spec.image;
+  if (!policy.image_prefixes.empty() &&
+      std::none_of(policy.image_prefixes.begin(), policy.image_prefixes.end(),
+                   [&](const std::string& p) { return absl::StartsWith(image, p); })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.worker.image '", image, "' is not from a source the platform allows (",
+                     "operator.allowedImages: ", absl::StrJoin(policy.image_prefixes, ", "), ")"));
   }
   // Everything that shapes a pod; a change rolls the replicas.
   const json shaping = {object["spec"]["model"], object["spec"]["parallelism"], worker,
@@ -132,6 +207,11 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   add("SHARDSERVE_MAX_BATCH_SIZE", std::to_string(s.max_batch_size));
   add("SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(s.max_sequence_length));
   add("SHARDSERVE_HOST", absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc"));
+  add("SHARDSERVE_RENDEZVOUS_SECRET_FILE", absl::StrCat(kRendezvousSecretMount, "/secret"));
+  if (leader && !s.api_key_secret.empty()) add("SHARDSERVE_API_KEYS_FILE", kApiKeysMount);
+  // The rendezvous and the mesh listen on the pod's own address only.
+  env.push_back({{"name", "SHARDSERVE_POD_IP"},
+                 {"valueFrom", {{"fieldRef", {{"fieldPath", "status.podIP"}}}}}});
   for (const json& e : m.defaults.env) {
     const bool overridden = std::any_of(m.env.begin(), m.env.end(), [&](const json& own) {
       return own.value("name", "") == e.value("name", "");
@@ -147,7 +227,14 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
         {{"name", absl::StrCat("metrics-", t)}, {"containerPort", kMetricsPortBase + t}});
   }
 
+  // The model's own requests and limits, then the platform's for what it leaves unset.
   json resources = m.resources;
+  for (const char* part : {"requests", "limits"}) {
+    const json platform = m.defaults.resources.value(part, json::object());
+    for (const auto& [name, quantity] : platform.items()) {
+      if (!resources[part].contains(name)) resources[part][name] = quantity;
+    }
+  }
   resources["limits"][s.gpu_resource] = std::to_string(s.tensor);
   resources["requests"][s.gpu_resource] = std::to_string(s.tensor);
 
@@ -162,13 +249,32 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   const json liveness_probe = {
       {"tcpSocket", {{"port", kMetricsPortBase}}}, {"periodSeconds", 10}, {"failureThreshold", 3}};
 
-  json volumes = json::array({{{"name", "shm"}, {"emptyDir", {{"medium", "Memory"}}}}});
+  // /dev/shm in memory, bounded by what the stage's TP group maps.
+  json volumes = json::array(
+      {{{"name", "shm"},
+        {"emptyDir",
+         {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
   if (uri.scheme == ModelUri::Scheme::kPvc) {
     volumes.push_back({{"name", "model"},
                        {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
   } else {
     volumes.push_back(
         {{"name", "model"}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}});
+  }
+
+  // Secrets the kubelet mounts, readable by the pod's group (fsGroup) only: the replica's
+  // rendezvous secret, and on the leader the API keys.
+  json mounts = {
+      {{"name", "shm"}, {"mountPath", "/dev/shm"}},
+      {{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}},
+      {{"name", "rendezvous"}, {"mountPath", kRendezvousSecretMount}, {"readOnly", true}}};
+  volumes.push_back(
+      {{"name", "rendezvous"},
+       {"secret", {{"secretName", RendezvousSecretName(name, replica)}, {"defaultMode", 0440}}}});
+  if (leader && !s.api_key_secret.empty()) {
+    volumes.push_back({{"name", "api-keys"},
+                       {"secret", {{"secretName", s.api_key_secret}, {"defaultMode", 0440}}}});
+    mounts.push_back({{"name", "api-keys"}, {"mountPath", kApiKeysMount}, {"readOnly", true}});
   }
 
   json container = {{"name", "worker"},
@@ -180,15 +286,14 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                     {"readinessProbe", ready_probe},
                     {"startupProbe", startup_probe},
                     {"livenessProbe", liveness_probe},
-                    {"volumeMounts",
-                     {{{"name", "shm"}, {"mountPath", "/dev/shm"}},
-                      {{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}}}},
+                    {"volumeMounts", mounts},
                     {"securityContext", m.defaults.security_context}};
 
   json spec = {
       {"hostname", pod},
       {"subdomain", workers},
       {"restartPolicy", "Never"},  // a failed rank fails the pod; the operator recreates the gang
+      {"automountServiceAccountToken", false},  // a worker never talks to the apiserver
       {"terminationGracePeriodSeconds", 30},
       {"affinity",
        {{"nodeAffinity",
@@ -254,6 +359,36 @@ json BuildNetworkPolicy(const ModelView& m) {
         {"ingress",
          json::array({{{"from", json::array({{{"podSelector", {{"matchLabels", Labels(m)}}}}})}},
                       {{"ports", open_ports}}})}}}};
+}
+
+json BuildRendezvousSecret(const ModelView& m, int64_t replica, const std::string& secret) {
+  json meta = ChildMeta(m, RendezvousSecretName(m.model.name, replica));
+  meta["labels"][kReplicaLabel] = std::to_string(replica);
+  return {{"apiVersion", "v1"},
+          {"kind", "Secret"},
+          {"metadata", meta},
+          {"type", "Opaque"},
+          {"stringData", {{"secret", secret}}}};
+}
+
+json BuildDisruptionBudget(const ModelView& m, int64_t replica, const std::string& leader_pod,
+                           const std::string& leader_uid) {
+  json selector = Labels(m);
+  selector[kReplicaLabel] = std::to_string(replica);
+  json meta = {
+      {"name", absl::StrCat(leader_pod, "-", leader_uid.substr(0, 8))},
+      {"namespace", m.model.namespace_},
+      {"labels", selector},
+      {"ownerReferences",
+       json::array(
+           {{{"apiVersion", "v1"}, {"kind", "Pod"}, {"name", leader_pod}, {"uid", leader_uid}}})}};
+  return {{"apiVersion", "policy/v1"},
+          {"kind", "PodDisruptionBudget"},
+          {"metadata", meta},
+          {"spec",
+           {{"minAvailable", m.model.spec.pipeline},
+            {"selector", {{"matchLabels", selector}}},
+            {"unhealthyPodEvictionPolicy", "AlwaysAllow"}}}};
 }
 
 }  // namespace shardserve::op

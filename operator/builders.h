@@ -10,6 +10,9 @@
 //   BuildWorkersService(model)  headless <name>-workers (publishNotReadyAddresses) for rank DNS
 //   BuildLeaderService(model)   <name> on the leaders of all replicas (the API)
 //   BuildNetworkPolicy(model)   <name>-workers: only the model's own pods reach its ranks
+//   BuildRendezvousSecret(model, replica, secret)  <name>-<r>-rendezvous: the secret the
+//       replica's ranks prove to each other (created once; the operator never reads it back)
+//   BuildDisruptionBudget(model, replica, leader pod)  the replica's gang as one budget
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -29,12 +32,16 @@ inline constexpr char kRoleLabel[] = "shardserve.io/role";
 inline constexpr char kPlacementAnnotation[] = "shardserve.io/placement";
 inline constexpr int kRendezvousPort = 29500;
 inline constexpr int kMetricsPortBase = 9400;
+inline constexpr char kRendezvousSecretMount[] = "/var/run/shardserve/rendezvous";
+inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
 
 // What the platform sets on every worker pod (the chart's `workerDefaults`, given to the
 // operator with --worker-defaults): env (NCCL settings and the like; a model's own spec.worker.env
-// of the same name wins), the container's and the pod's securityContext.
+// of the same name wins), resources (requests and limits a model's spec.worker.resources does not
+// set), the container's and the pod's securityContext.
 struct WorkerDefaults {
   json env = json::array();
+  json resources = json::object();
   json security_context = {{"runAsNonRoot", true},
                            {"allowPrivilegeEscalation", false},
                            {"readOnlyRootFilesystem", true},
@@ -42,9 +49,23 @@ struct WorkerDefaults {
   json pod_security_context = {{"seccompProfile", {{"type", "RuntimeDefault"}}}};
 };
 
-// {"env": [...], "securityContext": {...}, "podSecurityContext": {...}}; absent keys keep the
-// defaults above. InvalidArgument names the key.
+// {"env": [...], "resources": {...}, "securityContext": {...}, "podSecurityContext": {...}};
+// absent keys keep the defaults above. InvalidArgument names the key.
 absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j);
+
+// What the platform lets whoever may create a ShardedModel ask for (the chart's
+// operator.allowedHostPaths and operator.allowedImages, given with --allowed-host-paths and
+// --allowed-images): a hostpath:// model only inside one of `host_paths` (none listed: hostPath
+// is refused), an image only with one of `image_prefixes` (none listed: any image). A model
+// that asks for more is Invalid, with a condition that says what is allowed.
+struct ModelPolicy {
+  std::vector<std::string> host_paths;
+  std::vector<std::string> image_prefixes;
+};
+
+// The bytes of /dev/shm a stage of `tensor` ranks needs: the TP group's shared-memory segment
+// (comm/shm_comm.h) and room for NCCL's shared-memory transport.
+int64_t ShmSizeBytes(int64_t tensor);
 
 // The model as the builders read it: the parsed spec plus what passes through to pods unchanged.
 struct ModelView {
@@ -58,8 +79,10 @@ struct ModelView {
 };
 
 // Reads a ShardedModel object (JSON from the apiserver). InvalidArgument names the field; a
-// file:// model uri is refused here (it only works with `shardserve local`).
-absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults = {});
+// file:// model uri is refused here (it only works with `shardserve local`), and so is what
+// `policy` does not allow.
+absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults = {},
+                                    const ModelPolicy& policy = {});
 
 json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                    const std::vector<std::string>& nodes);
@@ -69,6 +92,16 @@ json BuildLeaderService(const ModelView& m);
 // TCP/NCCL communication) and only the API and metrics ports from elsewhere.
 json BuildNetworkPolicy(const ModelView& m);
 
+// The Secret that the replica's ranks prove at the rendezvous: `secret` under key "secret",
+// owned by the model (so it goes with it); mounted by every stage pod of the replica.
+json BuildRendezvousSecret(const ModelView& m, int64_t replica, const std::string& secret);
+// A PodDisruptionBudget of the replica's gang (every stage pod must stay: evicting one loses the
+// whole replica), owned by the replica's leader pod, so it goes when the gang is recreated or
+// scaled away. A gang that is already broken may be drained (unhealthyPodEvictionPolicy).
+json BuildDisruptionBudget(const ModelView& m, int64_t replica, const std::string& leader_pod,
+                           const std::string& leader_uid);
+
 std::string PodName(const std::string& model, int64_t replica, int64_t stage);
+std::string RendezvousSecretName(const std::string& model, int64_t replica);
 
 }  // namespace shardserve::op

@@ -1,7 +1,11 @@
 #include "operator/controller.h"
 
+#include <openssl/rand.h>
+
 #include <cstdio>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -11,6 +15,13 @@
 
 namespace shardserve::op {
 namespace {
+
+// A fresh secret for a replica's rendezvous: 32 random bytes, hex.
+absl::StatusOr<std::string> NewSecretValue() {
+  unsigned char raw[32];
+  if (RAND_bytes(raw, sizeof(raw)) != 1) return absl::InternalError("no random bytes");
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
+}
 
 using k8s::kNodes;
 using k8s::kPods;
@@ -510,7 +521,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
 
   std::vector<Event> events;
   json status;
-  auto view = ReadModel(*object, options_.defaults);
+  auto view = ReadModel(*object, options_.defaults, options_.policy);
   if (!view.ok()) {
     status =
         InvalidStatus(generation, std::string(view.status().message()), old_status, now, events);
@@ -561,7 +572,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     // interrupted by a crash is completed, not taken for a failure) and restart counts before
     // the pods go.
     absl::Status written = WriteStatus(*object, mem, status);
-    if (written.ok()) written = Act(m, d, to_create, mem, now);
+    if (written.ok()) written = Act(m, d, to_create, pods, mem, now);
     if (!written.ok()) {
       for (const json& p : to_create) {
         const std::string n = p["metadata"]["name"];
@@ -593,8 +604,32 @@ absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json
 }
 
 absl::Status Controller::Act(const ModelView& m, const Decision& d,
-                             const std::vector<json>& to_create, Memory& mem, absl::Time now) {
+                             const std::vector<json>& to_create, const std::vector<PodView>& pods,
+                             Memory& mem, absl::Time now) {
   ApiTimer timer;
+  // A replica's pods mount its rendezvous secret: it exists before they do. Made once, never
+  // read back (RBAC: create only); one left by an earlier run is kept.
+  std::set<std::string> replicas;
+  for (const json& pod : to_create) {
+    replicas.insert(pod["metadata"]["labels"].value(kReplicaLabel, ""));
+  }
+  for (const std::string& r : replicas) {
+    const std::string memo = "secret/" + r;
+    if (mem.ensured.count(memo)) continue;
+    int64_t replica = 0;
+    absl::StatusOr<std::string> secret = NewSecretValue();
+    if (!absl::SimpleAtoi(r, &replica) || !secret.ok()) {
+      return absl::InternalError(absl::StrCat("no rendezvous secret for replica ", r));
+    }
+    auto created = client_->Create(k8s::kSecrets, m.model.namespace_,
+                                   BuildRendezvousSecret(m, replica, *secret));
+    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
+      return absl::Status(created.status().code(),
+                          absl::StrCat("creating the rendezvous secret of replica ", r, ": ",
+                                       created.status().message()));
+    }
+    mem.ensured.insert(memo);
+  }
   // The writes of one pass are independent: services, deletions and creations go out together
   // (as client-go's controllers create a gang of pods in parallel), at most kParallelWrites at
   // once; the client's rate limit still applies to each.
@@ -634,6 +669,31 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
     if (v) mem.created[v->name] = {*v, now};
   }
   for (const absl::Status& s : results) RETURN_IF_ERROR(s);
+  if (!options_.disruption_budgets) return absl::OkStatus();
+  std::vector<PodView> leaders;
+  for (const PodView& p : pods) {
+    if (p.stage == 0 && !p.deleting && !p.uid.empty()) leaders.push_back(p);
+  }
+  for (const auto& v : created) {
+    if (v && v->stage == 0) leaders.push_back(*v);
+  }
+  std::set<std::string> current;  // the memos of pods gone are forgotten
+  for (const PodView& p : leaders) current.insert("pdb/" + p.uid);
+  for (auto it = mem.ensured.begin(); it != mem.ensured.end();) {
+    it = absl::StartsWith(*it, "pdb/") && !current.count(*it) ? mem.ensured.erase(it) : ++it;
+  }
+  for (const PodView& p : leaders) {
+    const std::string memo = "pdb/" + p.uid;
+    if (mem.ensured.count(memo)) continue;
+    auto made = client_->Create(k8s::kPodDisruptionBudgets, m.model.namespace_,
+                                BuildDisruptionBudget(m, p.replica, p.name, p.uid));
+    if (!made.ok() && !k8s::ApiAlreadyExists(made.status())) {
+      return absl::Status(made.status().code(),
+                          absl::StrCat("creating the disruption budget of replica ", p.replica,
+                                       ": ", made.status().message()));
+    }
+    mem.ensured.insert(memo);
+  }
   return absl::OkStatus();
 }
 

@@ -37,8 +37,10 @@ struct ControllerOptions {
   std::string namespace_;  // ShardedModels of this namespace only; "" = all
   int concurrency = 4;     // worker threads
   Timing timing;
-  WorkerDefaults defaults;        // applied to every worker pod
-  bool network_policies = false;  // a NetworkPolicy per model
+  WorkerDefaults defaults;         // applied to every worker pod
+  ModelPolicy policy;              // what a model may ask for (host paths, images)
+  bool network_policies = false;   // a NetworkPolicy per model
+  bool disruption_budgets = true;  // a PodDisruptionBudget per replica gang
 };
 
 // GPUs (any extended resource, "vendor/name") held per node by pods: bound pods count on their
@@ -84,6 +86,8 @@ class Controller {
     std::map<std::string, absl::Time> deleted;                      // pod uid
     json status;                                                    // as last written
     std::map<std::string, std::string> children;                    // "plural/name" -> hash written
+    // What exists because this process made sure of it: "secret/<replica>", "pdb/<pod uid>".
+    std::set<std::string> ensured;
   };
 
   void Worker();
@@ -95,9 +99,11 @@ class Controller {
   PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);
   // Merge-patches status when it differs from what was last written (or is cached).
   absl::Status WriteStatus(const json& object, Memory& mem, const json& status);
-  // Carries a decision out: services, deletions (remembered), creations (remembered).
+  // Carries a decision out: the rendezvous secret of each replica being created, services,
+  // deletions (remembered), creations (remembered), then a disruption budget for every leader
+  // pod (`pods`, and those just created) that has none yet.
   absl::Status Act(const ModelView& m, const Decision& d, const std::vector<json>& to_create,
-                   Memory& mem, absl::Time now);
+                   const std::vector<PodView>& pods, Memory& mem, absl::Time now);
   // The model's Services (and NetworkPolicy, when enabled), written when missing or drifted.
   absl::Status EnsureChildren(const ModelView& m, Memory& mem);
   // Nodes as placement reads them for `resource`, kept current by the node informer.

@@ -8,9 +8,15 @@
 //                       [--unschedulable-timeout S] [--restart-backoff S]
 //                       [--restart-backoff-max S] [--placement-retry S]
 //                       [--worker-defaults FILE.json] [--network-policies]
+//                       [--allowed-host-paths DIR,DIR] [--allowed-images PREFIX,PREFIX]
+//                       [--no-disruption-budgets] [--metrics-auth kubernetes|none]
 //
-// --worker-defaults: env and security contexts for every worker pod (operator/builders.h);
-// --network-policies: a NetworkPolicy per model, so only its own pods reach its ranks.
+// --worker-defaults: env, resources and security contexts for every worker pod
+// (operator/builders.h); --network-policies: a NetworkPolicy per model, so only its own pods
+// reach its ranks; --allowed-host-paths / --allowed-images: what a model may ask for (none
+// listed: no hostPath model, any image); a PodDisruptionBudget per replica gang unless
+// --no-disruption-budgets; --metrics-auth kubernetes: /metrics only for whom the apiserver
+// authenticates and RBAC allows (operator/metrics_auth.h).
 //
 // SIGTERM/SIGINT stop it cleanly: the workers finish their current key and the lease is handed
 // back, so a standby takes over at once. Losing the lease ends the process (exit 1), so two
@@ -24,6 +30,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/args.h"
 #include "common/status.h"
@@ -32,6 +39,7 @@
 #include "k8s/config.h"
 #include "operator/controller.h"
 #include "operator/leader_election.h"
+#include "operator/metrics_auth.h"
 #include "operator/operator_metrics.h"
 
 namespace shardserve::op {
@@ -43,7 +51,9 @@ constexpr char kUsage[] =
     "         [--leader-election-namespace NS] [--leader-election-id NAME]\n"
     "         [--lease-duration S] [--renew-deadline S] [--retry-period S]\n"
     "         [--unschedulable-timeout S] [--restart-backoff S] [--restart-backoff-max S]\n"
-    "         [--placement-retry S] [--worker-defaults FILE.json] [--network-policies]\n";
+    "         [--placement-retry S] [--worker-defaults FILE.json] [--network-policies]\n"
+    "         [--allowed-host-paths DIR,DIR] [--allowed-images PREFIX,PREFIX]\n"
+    "         [--no-disruption-budgets] [--metrics-auth kubernetes|none]\n";
 
 absl::StatusOr<absl::Duration> Seconds(const Args& a, const std::string& flag, double def) {
   ASSIGN_OR_RETURN(double v, a.GetDouble(flag, def));
@@ -58,8 +68,9 @@ absl::Status Run(const std::vector<std::string>& argv) {
                   {"kubeconfig", "namespace", "listen", "qps", "burst", "concurrency",
                    "leader-election-namespace", "leader-election-id", "lease-duration",
                    "renew-deadline", "retry-period", "unschedulable-timeout", "restart-backoff",
-                   "restart-backoff-max", "placement-retry", "worker-defaults"},
-                  {"leader-elect", "network-policies", "help"}));
+                   "restart-backoff-max", "placement-retry", "worker-defaults",
+                   "allowed-host-paths", "allowed-images", "metrics-auth"},
+                  {"leader-elect", "network-policies", "no-disruption-budgets", "help"}));
   if (a.Has("help")) {
     std::fputs(kUsage, stdout);
     return absl::OkStatus();
@@ -82,6 +93,24 @@ absl::Status Run(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(co.timing.backoff_max, Seconds(a, "restart-backoff-max", 300));
   ASSIGN_OR_RETURN(co.timing.placement_retry, Seconds(a, "placement-retry", 30));
   co.network_policies = a.Has("network-policies");
+  co.disruption_budgets = !a.Has("no-disruption-budgets");
+  for (const auto& [flag, list] : {std::pair{"allowed-host-paths", &co.policy.host_paths},
+                                   std::pair{"allowed-images", &co.policy.image_prefixes}}) {
+    for (absl::string_view v : absl::StrSplit(a.GetOr(flag, ""), ',', absl::SkipWhitespace())) {
+      list->emplace_back(v);
+    }
+  }
+  for (const std::string& dir : co.policy.host_paths) {
+    if (dir.empty() || dir[0] != '/') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--allowed-host-paths: '", dir, "' is not an absolute directory"));
+    }
+  }
+  const std::string metrics_auth = a.GetOr("metrics-auth", "none");
+  if (metrics_auth != "kubernetes" && metrics_auth != "none") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-auth '", metrics_auth, "' must be kubernetes or none"));
+  }
   if (auto path = a.Get("worker-defaults")) {
     ASSIGN_OR_RETURN(std::string text, ReadFileToString(*path));
     json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -139,6 +168,7 @@ absl::Status Run(const std::vector<std::string>& argv) {
   lo.renew_deadline = absl::ToChronoMilliseconds(renew);
   lo.retry_period = absl::ToChronoMilliseconds(retry);
 
+  MetricsAuthorizer authorizer(client.get());  // outlives the server that asks it
   OperatorMetrics metrics;
   LeaderElector elector(client.get(), lo);
   Controller controller(client.get(), co, &metrics);
@@ -146,9 +176,14 @@ absl::Status Run(const std::vector<std::string>& argv) {
     return OperatorMetrics::Sampled{static_cast<double>(client->requests()),
                                     client->throttled_seconds(), controller.CacheSizes()};
   });
-  RETURN_IF_ERROR(metrics.Serve(listen.substr(0, colon), port, [&]() -> std::string {
-    return controller.synced() ? "" : "caches not synced yet";
-  }));
+  std::function<absl::Status(const std::string&)> authorize;
+  if (metrics_auth == "kubernetes") {
+    authorize = [&authorizer](const std::string& h) { return authorizer.Authorize(h); };
+  }
+  RETURN_IF_ERROR(metrics.Serve(
+      listen.substr(0, colon), port,
+      [&]() -> std::string { return controller.synced() ? "" : "caches not synced yet"; },
+      authorize));
   std::fprintf(stderr, "shardserve-operator: serving /metrics, /healthz, /readyz on %s:%d\n",
                listen.substr(0, colon).c_str(), metrics.port());
 

@@ -67,10 +67,11 @@ absl::StatusOr<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(
 }
 
 absl::Status ShmCommunicator::Attach() {
+  static_assert(sizeof(Header) <= kShmHeaderBytes, "the header outgrew its room");
   const size_t cap = (options_.capacity_bytes + 63) / 64 * 64;
   options_.capacity_bytes = cap;
-  const size_t header = (sizeof(Header) + 4095) / 4096 * 4096;
-  map_bytes_ = header + static_cast<size_t>(options_.size) * cap * 3;  // 2 slots + mailbox
+  const size_t header = kShmHeaderBytes;
+  map_bytes_ = ShmSegmentBytes(options_.size, cap);  // header, 2 slots + mailbox per member
   const auto deadline = std::chrono::steady_clock::now() + options_.attach_timeout;
   int fd = -1;
   if (options_.rank == 0) {

@@ -23,11 +23,19 @@
 
 namespace shardserve {
 
+inline constexpr size_t kShmSlotBytes = 8 << 20;
+inline constexpr size_t kShmHeaderBytes = 128 << 10;
+// The bytes of the segment a group of `members` maps, with slots of `capacity_bytes`: the
+// header, then two slots and a mailbox per member (what a pod's /dev/shm must hold).
+constexpr size_t ShmSegmentBytes(int members, size_t capacity_bytes = kShmSlotBytes) {
+  return kShmHeaderBytes + static_cast<size_t>(members) * ((capacity_bytes + 63) / 64 * 64) * 3;
+}
+
 struct ShmOptions {
   std::string name;  // segment name, unique per group (e.g. "/shardserve-<job>-stage1")
   int size = 1;
   int rank = 0;
-  size_t capacity_bytes = 8 << 20;  // per slot; larger transfers go in chunks
+  size_t capacity_bytes = kShmSlotBytes;  // per slot; larger transfers go in chunks
   std::chrono::milliseconds peer_timeout{2000};
   std::chrono::milliseconds attach_timeout{30000};
   // Names members in messages, e.g. "rank 5 (stage 1, tp 1)"; default "member N".

@@ -115,6 +115,13 @@ const ResourceType kEvents{"", "v1", "events", "Event", true};
 const ResourceType kNetworkPolicies{"networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy",
                                     true};
 const ResourceType kLeases{"coordination.k8s.io", "v1", "leases", "Lease", true};
+const ResourceType kSecrets{"", "v1", "secrets", "Secret", true};
+const ResourceType kPodDisruptionBudgets{"policy", "v1", "poddisruptionbudgets",
+                                         "PodDisruptionBudget", true};
+const ResourceType kTokenReviews{"authentication.k8s.io", "v1", "tokenreviews", "TokenReview",
+                                 false};
+const ResourceType kSubjectAccessReviews{"authorization.k8s.io", "v1", "subjectaccessreviews",
+                                         "SubjectAccessReview", false};
 const ResourceType kShardedModels{"shardserve.io", "v1alpha1", "shardedmodels", "ShardedModel",
                                   true};
 

@@ -35,7 +35,7 @@ struct ResourceType {
 };
 
 extern const ResourceType kPods, kNodes, kServices, kEvents, kLeases, kShardedModels,
-    kNetworkPolicies;
+    kNetworkPolicies, kSecrets, kPodDisruptionBudgets, kTokenReviews, kSubjectAccessReviews;
 
 // The apiserver's verdict, kept on a Status.
 bool ApiNotFound(const absl::Status& s);

@@ -105,12 +105,14 @@ class Cluster:
 
 
 class Operator:
-    """build/bin/shardserve-operator against a Cluster, logging to a file; `args` are flags."""
+    """build/bin/shardserve-operator against a Cluster, logging to a file; `args` are flags. The
+    test models live under hostpath:///models, which it allows."""
 
     def __init__(self, cluster, binary, *args, name="operator"):
         self.log_path = os.path.join(cluster.dir, f"{name}.log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([binary, "--kubeconfig", cluster.kubeconfig, *args],
+        self.proc = subprocess.Popen([binary, "--kubeconfig", cluster.kubeconfig,
+                                      "--allowed-host-paths=/models", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self):

@@ -215,9 +215,19 @@ try:
     names = sorted(uids("scaler"))
     check(names == [f"scaler-{r}-{s}" for r in range(3) for s in range(2)],
           f"pods <name>-<replica>-<stage>: {names}")
+
+    def budgets():
+        items = json.loads(c.kubectl("get", "pdb", "-l", "shardserve.io/model=scaler", "-o",
+                                     "json", check=True)[1])["items"]
+        return sorted(b["spec"]["selector"]["matchLabels"]["shardserve.io/replica"]
+                      for b in items)
+    check(wait(lambda: budgets() == ["0", "1", "2"]), "a disruption budget per replica gang")
+    secrets = [c.kubectl("get", "secret", f"scaler-{r}-rendezvous")[0] for r in range(3)]
+    check(secrets == [0, 0, 0], "a rendezvous secret per replica")
     c.kubectl("scale", "smodel", "scaler", "--replicas=1", check=True)
     check(wait(lambda: converged("scaler", 1)), "kubectl scale --replicas=1: 1 replica")
     check(uids("scaler") == first, "scaling down removed replicas 2 and 1, kept replica 0")
+    check(wait(lambda: budgets() == ["0"]), "the removed replicas' budgets went with their pods")
 
     # --- failure: a pod deleted, a pod failed -> the whole replica recreated ----------------
     before = uids("scaler")
@@ -265,6 +275,12 @@ try:
     check("only shardserve local" in condition("bad", "Invalid").get("message", "") and
           status("bad")["phase"] == "Invalid", "with a message naming the field")
     check(op.proc.poll() is None and pods("bad") == [], "no crash, no pods")
+    c.kubectl("patch", "smodel", "bad", "--type=merge", "-p",
+              json.dumps({"spec": {"model": {"uri": "hostpath:///etc"}}}), check=True)
+    check(wait(lambda: "operator.allowedHostPaths: /models" in
+               condition("bad", "Invalid").get("message", "")),
+          "a host path outside the allowed ones: Invalid, naming what is allowed")
+    check(pods("bad") == [], "and no pods")
     c.kubectl("patch", "smodel", "bad", "--type=merge", "-p",
               json.dumps({"spec": {"model": {"uri": "hostpath:///models/llama"}}}), check=True)
     check(wait(lambda: converged("bad", 1) and

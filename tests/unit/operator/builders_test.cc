@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include "comm/shm_comm.h"
+
 namespace shardserve::op {
 namespace {
 
@@ -99,7 +101,7 @@ TEST(Builders, ServicesAndRevisions) {
   EXPECT_EQ(ReadModel(scaled)->revision, m->revision);
   EXPECT_NE(ReadModel(reimaged)->revision, m->revision);
 
-  auto hostpath = ReadModel(Model("hostpath:///data/llama"));
+  auto hostpath = ReadModel(Model("hostpath:///data/llama"), {}, {{"/data"}, {}});
   ASSERT_TRUE(hostpath.ok());
   EXPECT_EQ(BuildStagePod(*hostpath, 0, 0, {"n", "n"})["spec"]["volumes"][1]["hostPath"]["path"],
             "/data/llama");
@@ -128,6 +130,106 @@ TEST(Builders, WorkerDefaultsFromThePlatformUnderTheModelsOwn) {
             std::string::npos);
   EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"env": [{"value": "x"}]})")).ok());
   EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"securityContext": []})")).ok());
+}
+
+const json* Volume(const json& pod, const std::string& name) {
+  for (const json& v : pod["spec"]["volumes"]) {
+    if (v["name"] == name) return &v;
+  }
+  return nullptr;
+}
+
+const json* EnvEntry(const json& pod, const std::string& name) {
+  for (const json& e : pod["spec"]["containers"][0]["env"]) {
+    if (e["name"] == name) return &e;
+  }
+  return nullptr;
+}
+
+// Least privilege on every pod (the outside tester's findings): no ServiceAccount token, the
+// platform's requests and limits where the model sets none, /dev/shm bounded by what the TP
+// group maps, the replica's rendezvous secret on every stage, the API keys on the leader.
+TEST(Builders, PodsHoldOnlyWhatTheyNeed) {
+  auto d = ReadWorkerDefaults(json::parse(R"({"resources": {
+      "requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "64Gi"}}})"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  json object = Model();
+  object["spec"]["serving"]["apiKeySecret"] = "llama-keys";
+  auto m = ReadModel(object, *d);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json leader = BuildStagePod(*m, 1, 0, {"a", "b"});
+  const json worker = BuildStagePod(*m, 1, 1, {"a", "b"});
+  for (const json* pod : {&leader, &worker}) {
+    EXPECT_EQ((*pod)["spec"]["automountServiceAccountToken"], false);
+    const json& r = (*pod)["spec"]["containers"][0]["resources"];
+    EXPECT_EQ(r["requests"]["memory"], "64Gi");  // the model's own
+    EXPECT_EQ(r["requests"]["cpu"], "2");        // the platform's
+    EXPECT_EQ(r["limits"]["memory"], "64Gi");
+    EXPECT_EQ(r["limits"]["nvidia.com/gpu"], "4");
+    const json* shm = Volume(*pod, "shm");
+    ASSERT_NE(shm, nullptr);
+    const int64_t limit = std::stoll((*shm)["emptyDir"]["sizeLimit"].get<std::string>());
+    EXPECT_GE(limit, static_cast<int64_t>(ShmSegmentBytes(4)));
+    EXPECT_EQ(limit, ShmSizeBytes(4));
+    const json* rendezvous = Volume(*pod, "rendezvous");
+    ASSERT_NE(rendezvous, nullptr);
+    EXPECT_EQ((*rendezvous)["secret"]["secretName"], "llama-1-rendezvous");
+    EXPECT_EQ((*rendezvous)["secret"]["defaultMode"], 0440);
+    EXPECT_EQ(Env(*pod, "SHARDSERVE_RENDEZVOUS_SECRET_FILE"),
+              "/var/run/shardserve/rendezvous/secret");
+    const json* ip = EnvEntry(*pod, "SHARDSERVE_POD_IP");
+    ASSERT_NE(ip, nullptr);
+    EXPECT_EQ((*ip)["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
+  }
+  EXPECT_GT(ShmSizeBytes(8), ShmSizeBytes(4));
+  ASSERT_NE(Volume(leader, "api-keys"), nullptr);
+  EXPECT_EQ((*Volume(leader, "api-keys"))["secret"]["secretName"], "llama-keys");
+  EXPECT_EQ(Env(leader, "SHARDSERVE_API_KEYS_FILE"), "/var/run/shardserve/api-keys");
+  EXPECT_EQ(Volume(worker, "api-keys"), nullptr);
+  EXPECT_EQ(Env(worker, "SHARDSERVE_API_KEYS_FILE"), "<absent>");
+  EXPECT_EQ(Env(BuildStagePod(*ReadModel(Model()), 0, 0, {"a", "b"}), "SHARDSERVE_API_KEYS_FILE"),
+            "<absent>");
+  EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"resources": {"request": {}}})")).ok());
+}
+
+TEST(Builders, HostPathsAndImagesOnlyAsThePlatformAllows) {
+  const ModelPolicy policy{{"/data", "/models/"}, {"registry.example/ml/", "w:"}};
+  EXPECT_TRUE(ReadModel(Model("hostpath:///data/llama"), {}, policy).ok());
+  EXPECT_TRUE(ReadModel(Model("hostpath:///models/a//b"), {}, policy).ok());
+  EXPECT_TRUE(ReadModel(Model("hostpath:///data"), {}, policy).ok());
+  for (const char* uri : {"hostpath:///data-other/x", "hostpath:///etc", "hostpath:///",
+                          "hostpath:///data/../etc", "hostpath:///data/./x"}) {
+    auto m = ReadModel(Model(uri), {}, policy);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << uri;
+    EXPECT_NE(m.status().message().find("spec.model.uri"), std::string::npos) << uri;
+  }
+  auto none = ReadModel(Model("hostpath:///data/llama"));
+  EXPECT_NE(none.status().message().find("none: hostPath models are off"), std::string::npos)
+      << none.status();
+  EXPECT_TRUE(ReadModel(Model(), {}, {{}, {"w:"}}).ok());
+  auto image = ReadModel(Model(), {}, {{}, {"registry.example/ml/"}});
+  EXPECT_NE(image.status().message().find("spec.worker.image 'w:1'"), std::string::npos)
+      << image.status();
+}
+
+TEST(Builders, RendezvousSecretAndDisruptionBudget) {
+  auto m = ReadModel(Model());
+  ASSERT_TRUE(m.ok());
+  const json secret = BuildRendezvousSecret(*m, 1, "s3cr3t-0123456789abcdef");
+  EXPECT_EQ(secret["kind"], "Secret");
+  EXPECT_EQ(secret["metadata"]["name"], "llama-1-rendezvous");
+  EXPECT_EQ(secret["metadata"]["namespace"], "ml");
+  EXPECT_EQ(secret["metadata"]["ownerReferences"][0]["uid"], "u-1");
+  EXPECT_EQ(secret["stringData"]["secret"], "s3cr3t-0123456789abcdef");
+  const json pdb = BuildDisruptionBudget(*m, 1, "llama-1-0", "abcdef0123456789");
+  EXPECT_EQ(pdb["apiVersion"], "policy/v1");
+  EXPECT_EQ(pdb["metadata"]["name"], "llama-1-0-abcdef01");
+  EXPECT_EQ(pdb["metadata"]["ownerReferences"][0]["kind"], "Pod");
+  EXPECT_EQ(pdb["metadata"]["ownerReferences"][0]["uid"], "abcdef0123456789");
+  EXPECT_EQ(pdb["spec"]["minAvailable"], 2);  // every stage of the gang
+  EXPECT_EQ(pdb["spec"]["selector"]["matchLabels"][kReplicaLabel], "1");
+  EXPECT_EQ(pdb["spec"]["selector"]["matchLabels"][kModelLabel], "llama");
+  EXPECT_EQ(pdb["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
 }
 
 TEST(Builders, NetworkPolicyLetsOnlyTheModelsPodsReachItsRanks) {

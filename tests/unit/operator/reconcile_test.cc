@@ -40,7 +40,7 @@ class ModelBuilder {
     return *this;
   }
   ModelView Build() const {
-    auto v = ReadModel(object_);
+    auto v = ReadModel(object_, {}, {{"/models"}, {}});
     EXPECT_TRUE(v.ok()) << v.status();
     return *v;
   }
