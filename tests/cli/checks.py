@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 
 class Checks:
@@ -22,6 +23,16 @@ class Checks:
     def finish(self):
         print(f"{self.passed} passed, {len(self.failures)} failed")
         sys.exit(1 if self.failures else 0)
+
+
+def wait_until(cond, timeout=20):
+    """Polls `cond` until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
 
 
 def workers_running(worker):

@@ -18,7 +18,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, workers_running  # noqa: E402
+from checks import Checks, free_ports, wait_until, workers_running  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -29,15 +29,6 @@ MODEL = os.path.join(tmp, "model")
 gen_model(BIN, MODEL)
 KEY, KEY2 = "sk-test-0123456789abcdef", "sk-rotated-fedcba9876543210"
 resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
-
-
-def wait_until(cond, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def raw(port, data, wait=5.0):

@@ -15,7 +15,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, workers_running  # noqa: E402
+from checks import Checks, wait_until, workers_running  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -45,15 +45,6 @@ def completion(d, prompt, max_tokens=16, **extra):
 def error_shape(body):
     return isinstance(body, dict) and isinstance(body.get("error"), dict) and \
         isinstance(body["error"].get("message"), str) and body["error"].get("type")
-
-
-def wait_until(cond, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def kv_usage():

@@ -59,6 +59,8 @@ BAD = [
      manifest(parallelism__microBatches=64, serving__maxBatchSize=16),
      "spec.parallelism.microBatches"),
     ("batch size 0", manifest(serving__maxBatchSize=0), "spec.serving.maxBatchSize"),
+    ("API key Secret not a name", manifest(serving__apiKeySecret="Keys_1"),
+     "spec.serving.apiKeySecret"),
     ("name too long for pod names", manifest(name="m" * 46), "metadata.name"),
     ("misspelt field (strict validation)", manifest(paralelism={"tensor": 2}),
      "spec.paralelism"),
