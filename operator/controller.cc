@@ -5,7 +5,6 @@
 #include <cstdio>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -607,28 +606,24 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
                              const std::vector<json>& to_create, const std::vector<PodView>& pods,
                              Memory& mem, absl::Time now) {
   ApiTimer timer;
-  // A replica's pods mount its rendezvous secret: it exists before they do. Made once, never
-  // read back (RBAC: create only); one left by an earlier run is kept.
-  std::set<std::string> replicas;
+  // A replica's pods mount its rendezvous secret: it is created before they are (only when a
+  // replica's pods are, so rarely), never read back (RBAC: create only); one that exists is kept.
+  std::set<int64_t> replicas;
   for (const json& pod : to_create) {
-    replicas.insert(pod["metadata"]["labels"].value(kReplicaLabel, ""));
+    int64_t r;
+    if (absl::SimpleAtoi(pod["metadata"]["labels"].value(kReplicaLabel, ""), &r))
+      replicas.insert(r);
   }
-  for (const std::string& r : replicas) {
-    const std::string memo = "secret/" + r;
-    if (mem.ensured.count(memo)) continue;
-    int64_t replica = 0;
+  for (int64_t r : replicas) {
     absl::StatusOr<std::string> secret = NewSecretValue();
-    if (!absl::SimpleAtoi(r, &replica) || !secret.ok()) {
-      return absl::InternalError(absl::StrCat("no rendezvous secret for replica ", r));
-    }
-    auto created = client_->Create(k8s::kSecrets, m.model.namespace_,
-                                   BuildRendezvousSecret(m, replica, *secret));
+    if (!secret.ok()) return secret.status();
+    auto created =
+        client_->Create(k8s::kSecrets, m.model.namespace_, BuildRendezvousSecret(m, r, *secret));
     if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
       return absl::Status(created.status().code(),
                           absl::StrCat("creating the rendezvous secret of replica ", r, ": ",
                                        created.status().message()));
     }
-    mem.ensured.insert(memo);
   }
   // The writes of one pass are independent: services, deletions and creations go out together
   // (as client-go's controllers create a gang of pods in parallel), at most kParallelWrites at
@@ -677,14 +672,13 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
   for (const auto& v : created) {
     if (v && v->stage == 0) leaders.push_back(*v);
   }
-  std::set<std::string> current;  // the memos of pods gone are forgotten
-  for (const PodView& p : leaders) current.insert("pdb/" + p.uid);
-  for (auto it = mem.ensured.begin(); it != mem.ensured.end();) {
-    it = absl::StartsWith(*it, "pdb/") && !current.count(*it) ? mem.ensured.erase(it) : ++it;
+  std::set<std::string> current;  // the pods gone are forgotten
+  for (const PodView& p : leaders) current.insert(p.uid);
+  for (auto it = mem.budgeted.begin(); it != mem.budgeted.end();) {
+    it = current.count(*it) ? std::next(it) : mem.budgeted.erase(it);
   }
   for (const PodView& p : leaders) {
-    const std::string memo = "pdb/" + p.uid;
-    if (mem.ensured.count(memo)) continue;
+    if (mem.budgeted.count(p.uid)) continue;
     auto made = client_->Create(k8s::kPodDisruptionBudgets, m.model.namespace_,
                                 BuildDisruptionBudget(m, p.replica, p.name, p.uid));
     if (!made.ok() && !k8s::ApiAlreadyExists(made.status())) {
@@ -692,7 +686,7 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
                           absl::StrCat("creating the disruption budget of replica ", p.replica,
                                        ": ", made.status().message()));
     }
-    mem.ensured.insert(memo);
+    mem.budgeted.insert(p.uid);
   }
   return absl::OkStatus();
 }

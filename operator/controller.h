@@ -86,8 +86,7 @@ class Controller {
     std::map<std::string, absl::Time> deleted;                      // pod uid
     json status;                                                    // as last written
     std::map<std::string, std::string> children;                    // "plural/name" -> hash written
-    // What exists because this process made sure of it: "secret/<replica>", "pdb/<pod uid>".
-    std::set<std::string> ensured;
+    std::set<std::string> budgeted;  // leader pod uids whose disruption budget exists
   };
 
   void Worker();

@@ -111,8 +111,8 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         "' of the API keys, which shardserve local cannot read: give the keys with "
         "--api-key-file FILE (one a line) or SHARDSERVE_API_KEY"));
   }
-  if (!key_file.empty()) {
-    ASSIGN_OR_RETURN(auto keys, ApiKeys::Create("", key_file));  // checked before any rank starts
+  if (!key_file.empty()) {  // checked before any rank starts
+    RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());
   }
   auto layers = StageLayers(*config, static_cast<int>(spec.pipeline));
   if (!layers.ok()) {

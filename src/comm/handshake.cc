@@ -165,6 +165,25 @@ absl::Status ProveToAcceptor(Socket& s, const std::string& secret, std::string_v
   return absl::OkStatus();
 }
 
+absl::StatusOr<Socket> ConnectProven(const std::string& host, int port, const std::string& secret,
+                                     std::string_view context, uint32_t claim, Deadline deadline,
+                                     std::chrono::milliseconds handshake_timeout) {
+  for (auto backoff = std::chrono::milliseconds(20);;
+       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000))) {
+    ASSIGN_OR_RETURN(Socket sock, ConnectWithRetry(host, port, deadline));
+    const absl::Status proven =
+        ProveToAcceptor(sock, secret, context, claim,
+                        std::min(deadline, std::chrono::steady_clock::now() + handshake_timeout));
+    if (proven.ok()) return sock;
+    if (absl::IsPermissionDenied(proven)) return proven;
+    if (std::chrono::steady_clock::now() + backoff >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the handshake with ", host, ":", port, " failed: ", proven.message()));
+    }
+    std::this_thread::sleep_for(backoff);  // it was busy with others (or restarting): again
+  }
+}
+
 absl::StatusOr<uint32_t> VerifyConnector(Socket& s, const std::string& secret,
                                          std::string_view context, Deadline deadline) {
   ASSIGN_OR_RETURN(Bytes32 nonce_a, Nonce());

@@ -53,6 +53,13 @@ class SecretFile {
 // (secrets differ, or an impostor); Unavailable / DeadlineExceeded when the connection failed.
 absl::Status ProveToAcceptor(Socket& s, const std::string& secret, std::string_view context,
                              uint32_t claim, Deadline deadline);
+// Connects to host:port (retrying until it listens) and proves `claim`, again with backoff while
+// the acceptor is busy with others, until `deadline`; each handshake within `handshake_timeout`.
+// The proven connection, PermissionDenied when the secrets differ (or the peer is an impostor),
+// DeadlineExceeded saying what failed last.
+absl::StatusOr<Socket> ConnectProven(const std::string& host, int port, const std::string& secret,
+                                     std::string_view context, uint32_t claim, Deadline deadline,
+                                     std::chrono::milliseconds handshake_timeout);
 // Acceptor side: the connector's claim once it proved the secret (it is told either way).
 absl::StatusOr<uint32_t> VerifyConnector(Socket& s, const std::string& secret,
                                          std::string_view context, Deadline deadline);

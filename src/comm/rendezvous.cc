@@ -3,7 +3,6 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -242,53 +241,39 @@ absl::StatusOr<WorldInfo> JoinRendezvous(const std::string& leader_host, int lea
                                          const std::string& secret,
                                          std::chrono::milliseconds timeout) {
   const Deadline deadline = Clock::now() + timeout;
-  const std::string leader = absl::StrCat(leader_host, ":", leader_port);
-  for (auto backoff = std::chrono::milliseconds(50);;
-       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000))) {
-    auto conn = ConnectWithRetry(leader_host, leader_port, deadline);
-    if (!conn.ok()) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("rendezvous: the leader did not listen: ", conn.status().message()));
-    }
-    absl::Status proven = ProveToAcceptor(*conn, secret, kContext, static_cast<uint32_t>(self.rank),
-                                          std::min(deadline, Clock::now() + kHandshake));
-    if (absl::IsPermissionDenied(proven)) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("rendezvous with ", leader, ": ", proven.message()));
-    }
-    if (!proven.ok()) {  // the leader was busy with others, or restarted: try again
-      if (Clock::now() + backoff >= deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("rendezvous with ", leader, ": the handshake failed: ", proven.message()));
-      }
-      std::this_thread::sleep_for(backoff);
-      continue;
-    }
-    RETURN_IF_ERROR(WriteMessage(*conn, {{"type", "register"},
-                                         {"rank", self.rank},
-                                         {"tp", world.tp()},
-                                         {"pp", world.pp()},
-                                         {"host", self.host},
-                                         {"port", self.port}}));
-    auto reply = ReadMessage(*conn, kMaxWorld, deadline);
-    if (!reply.ok()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "rendezvous: no world from the leader within ", timeout.count(), " ms (",
-          reply.status().message(), "; are all ", world.world_size(), " ranks running?)"));
-    }
-    const json& m = *reply;
-    auto type = Str(m, "type", 32);
-    if (type.ok() && *type == "error") {
-      auto message = Str(m, "message", 64 << 10);
-      return absl::FailedPreconditionError(
-          absl::StrCat("rendezvous refused: ", message.ok() ? *message : "(no reason given)"));
-    }
-    if (!type.ok() || *type != "world") {
-      return absl::DataLossError(
-          "rendezvous: the leader's answer is neither a world nor a refusal");
-    }
-    return WorldFromJson(m, world.world_size());
+  auto conn = ConnectProven(leader_host, leader_port, secret, kContext,
+                            static_cast<uint32_t>(self.rank), deadline, kHandshake);
+  if (absl::IsPermissionDenied(conn.status())) {
+    return absl::PermissionDeniedError(absl::StrCat("rendezvous with ", leader_host, ":",
+                                                    leader_port, ": ", conn.status().message()));
   }
+  if (!conn.ok()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "rendezvous: the leader did not listen or prove itself: ", conn.status().message()));
+  }
+  RETURN_IF_ERROR(WriteMessage(*conn, {{"type", "register"},
+                                       {"rank", self.rank},
+                                       {"tp", world.tp()},
+                                       {"pp", world.pp()},
+                                       {"host", self.host},
+                                       {"port", self.port}}));
+  auto reply = ReadMessage(*conn, kMaxWorld, deadline);
+  if (!reply.ok()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "rendezvous: no world from the leader within ", timeout.count(), " ms (",
+        reply.status().message(), "; are all ", world.world_size(), " ranks running?)"));
+  }
+  const json& m = *reply;
+  auto type = Str(m, "type", 32);
+  if (type.ok() && *type == "error") {
+    auto message = Str(m, "message", 64 << 10);
+    return absl::FailedPreconditionError(
+        absl::StrCat("rendezvous refused: ", message.ok() ? *message : "(no reason given)"));
+  }
+  if (!type.ok() || *type != "world") {
+    return absl::DataLossError("rendezvous: the leader's answer is neither a world nor a refusal");
+  }
+  return WorldFromJson(m, world.world_size());
 }
 
 }  // namespace shardserve

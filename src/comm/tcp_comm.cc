@@ -75,29 +75,15 @@ absl::Status TcpCommunicator::Connect(Socket listener) {
   const std::string context = absl::StrCat("tcp-group ", options_.group_id);
   for (int m = 0; m < me; ++m) {  // connect to every lower member
     const TcpMember& peer = options_.members[m];
-    for (auto backoff = std::chrono::milliseconds(20);;
-         backoff = std::min(backoff * 2, std::chrono::milliseconds(500))) {
-      auto sock = ConnectWithRetry(peer.host, peer.port, deadline);
-      if (!sock.ok()) {
-        return absl::DeadlineExceededError(absl::StrCat(peer.name, " at ", peer.host, ":",
-                                                        peer.port, ": ", sock.status().message()));
-      }
-      const Deadline until =
-          std::min(deadline, std::chrono::steady_clock::now() + options_.peer_timeout);
-      absl::Status proven =
-          ProveToAcceptor(*sock, options_.secret, context, static_cast<uint32_t>(me), until);
-      if (proven.ok()) {
-        peers_[m] = std::make_unique<Peer>();
-        peers_[m]->sock = std::move(*sock);
-        break;
-      }
-      if (absl::IsPermissionDenied(proven)) {
-        return absl::PermissionDeniedError(
-            absl::StrCat(peer.name, " at ", peer.host, ":", peer.port, ": ", proven.message()));
-      }
-      if (std::chrono::steady_clock::now() + backoff >= deadline) return Fail(m, proven);
-      std::this_thread::sleep_for(backoff);  // it was busy with others: again
+    auto sock = ConnectProven(peer.host, peer.port, options_.secret, context,
+                              static_cast<uint32_t>(me), deadline, options_.peer_timeout);
+    if (!sock.ok()) {
+      return absl::Status(sock.status().code(),
+                          absl::StrCat(peer.name, " at ", peer.host, ":", peer.port, ": ",
+                                       sock.status().message()));
     }
+    peers_[m] = std::make_unique<Peer>();
+    peers_[m]->sock = std::move(*sock);
   }
   std::mutex mu;  // guards peers_ while higher members are admitted
   const absl::Status accepted = AcceptVerified(

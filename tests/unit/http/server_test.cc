@@ -82,6 +82,7 @@ class ServerTest : public ::testing::Test {
       return Response{200, "text/plain", absl::StrCat(req.Header("x-tag"), ":", req.body), {}};
     });
     r.GetBlocking("/slow", [this](const Request&, Exchange& ex) {
+      ++entered_;
       while (!release_.load()) std::this_thread::sleep_for(5ms);
       ex.Respond({200, "text/plain", "late", {}});
     });
@@ -93,6 +94,7 @@ class ServerTest : public ::testing::Test {
       ex.End();
     });
     r.GetBlocking("/watch", [this](const Request&, Exchange& ex) {
+      ++entered_;
       while (!ex.ClientGone()) std::this_thread::sleep_for(5ms);
       gone_seen_ = true;
     });
@@ -111,7 +113,15 @@ class ServerTest : public ::testing::Test {
   std::unique_ptr<Server> server_;
   std::atomic<bool> release_{false};
   std::atomic<bool> gone_seen_{false};
+  std::atomic<int> entered_{0};  // blocking handlers that have started
 };
+
+// Polls `done` until it holds (at most 5 s).
+template <typename Pred>
+bool WaitFor(Pred done) {
+  for (int i = 0; i < 500 && !done(); ++i) std::this_thread::sleep_for(10ms);
+  return done();
+}
 
 TEST_F(ServerTest, AnswersAndKeepsTheConnection) {
   Start();
@@ -255,10 +265,9 @@ TEST_F(ServerTest, ABlockingHandlerSeesItsClientGo) {
   {
     Raw c(port());
     c.Send(Get("/watch"));
-    std::this_thread::sleep_for(50ms);
-  }  // closed
-  for (int i = 0; i < 500 && !gone_seen_; ++i) std::this_thread::sleep_for(10ms);
-  EXPECT_TRUE(gone_seen_);
+    ASSERT_TRUE(WaitFor([&] { return entered_ == 1; }));
+  }  // closed while the handler runs
+  EXPECT_TRUE(WaitFor([&] { return gone_seen_.load(); }));
 }
 
 TEST_F(ServerTest, BusyBeyondTheBlockingHandlers) {
@@ -268,7 +277,7 @@ TEST_F(ServerTest, BusyBeyondTheBlockingHandlers) {
   Raw a(port()), b(port());
   a.Send(Get("/slow"));
   b.Send(Get("/slow"));
-  std::this_thread::sleep_for(100ms);
+  ASSERT_TRUE(WaitFor([&] { return entered_ == 2; }));  // both handlers hold their threads
   auto r = Fetch("127.0.0.1", port(), "GET", "/slow", {}, "", 5s);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 503);
