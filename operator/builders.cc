@@ -208,6 +208,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   add("SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(s.max_sequence_length));
   add("SHARDSERVE_HOST", absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc"));
   add("SHARDSERVE_RENDEZVOUS_SECRET_FILE", absl::StrCat(kRendezvousSecretMount, "/secret"));
+  add("SHARDSERVE_TERMINATION_LOG", "/dev/termination-log");  // the first rank error, for status
   if (leader && !s.api_key_secret.empty()) add("SHARDSERVE_API_KEYS_FILE", kApiKeysMount);
   // The rendezvous and the mesh listen on the pod's own address only.
   env.push_back({{"name", "SHARDSERVE_POD_IP"},
@@ -280,6 +281,14 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   json container = {{"name", "worker"},
                     {"image", s.image},
                     {"command", json::array({"shardserve-worker", "launch"})},
+                    // A rank that fails writes why to the termination message (or, if it could
+                    // not, its last log line stands in): the pod's status carries it, and the
+                    // operator's replica message quotes it.
+                    {"terminationMessagePath", "/dev/termination-log"},
+                    {"terminationMessagePolicy", "FallbackToLogsOnError"},
+                    // Before SIGTERM, the replica keeps serving while the Service's endpoints
+                    // and kube-proxy forget the leader; then the leader drains what it has.
+                    {"lifecycle", {{"preStop", {{"sleep", {{"seconds", kPreStopSeconds}}}}}}},
                     {"env", env},
                     {"ports", ports},
                     {"resources", resources},

@@ -34,19 +34,26 @@ inline constexpr int kRendezvousPort = 29500;
 inline constexpr int kMetricsPortBase = 9400;
 inline constexpr char kRendezvousSecretMount[] = "/var/run/shardserve/rendezvous";
 inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
+// A deleted worker pod waits this long before its SIGTERM, so that no new request is routed to
+// a leader that has begun to drain.
+inline constexpr int kPreStopSeconds = 5;
 
 // What the platform sets on every worker pod (the chart's `workerDefaults`, given to the
 // operator with --worker-defaults): env (NCCL settings and the like; a model's own spec.worker.env
 // of the same name wins), resources (requests and limits a model's spec.worker.resources does not
-// set), the container's and the pod's securityContext.
+// set), the container's and the pod's securityContext. The defaults match the chart's: the
+// image's user, and fsGroup so that the mounted Secrets (mode 0440) are readable by the ranks.
 struct WorkerDefaults {
   json env = json::array();
   json resources = json::object();
   json security_context = {{"runAsNonRoot", true},
+                           {"runAsUser", 65532},
+                           {"runAsGroup", 65532},
                            {"allowPrivilegeEscalation", false},
                            {"readOnlyRootFilesystem", true},
                            {"capabilities", {{"drop", json::array({"ALL"})}}}};
-  json pod_security_context = {{"seccompProfile", {{"type", "RuntimeDefault"}}}};
+  json pod_security_context = {{"fsGroup", 65532},
+                               {"seccompProfile", {{"type", "RuntimeDefault"}}}};
 };
 
 // {"env": [...], "resources": {...}, "securityContext": {...}, "podSecurityContext": {...}};

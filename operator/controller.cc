@@ -29,6 +29,8 @@ using k8s::kShardedModels;
 
 // How long a write is remembered when the informer never shows it (a lost watch event).
 constexpr absl::Duration kMemoryTtl = absl::Seconds(60);
+// How long a bound pod may mount its volumes before its events are read for a failure.
+constexpr absl::Duration kMountGrace = absl::Seconds(10);
 
 void Log(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
 
@@ -76,8 +78,13 @@ void SlimPod(json& pod) {
     json cs = Pick(c, {"name", "restartCount"});
     if (c.contains("state")) {
       if (c["state"].contains("running")) cs["state"]["running"] = json::object();
-      if (c["state"].contains("terminated")) {
-        cs["state"]["terminated"] = Pick(c["state"]["terminated"], {"exitCode", "reason"});
+      // Why a container ended or cannot start, as one line (reconcile.cc quotes it).
+      for (const char* state : {"terminated", "waiting"}) {
+        if (!c["state"].contains(state) || !c["state"][state].is_object()) continue;
+        json& out = cs["state"][state];
+        out = Pick(c["state"][state], {"exitCode", "reason"});
+        const json& message = c["state"][state].value("message", json());
+        if (message.is_string()) out["message"] = LastLine(message.get<std::string>());
       }
     }
     status["containerStatuses"].push_back(std::move(cs));
@@ -400,12 +407,33 @@ void Controller::Forget(const std::string& key) {
   metrics_->ForgetModel(key);
 }
 
+// Why a pod's volumes cannot be mounted, from its kubelet's latest FailedMount event ("" when
+// there is none, or the events cannot be read: the replica then just stays Starting).
+std::string Controller::MountFailure(const std::string& ns, const PodView& pod) {
+  k8s::ListOptions o;
+  o.field_selector = absl::StrCat("involvedObject.uid=", pod.uid, ",reason=FailedMount");
+  o.limit = 20;
+  absl::StatusOr<json> list = client_->List(k8s::kEvents, ns, o);
+  if (!list.ok() || !list->contains("items")) return "";
+  const json* latest = nullptr;
+  for (const json& e : (*list)["items"]) {
+    if (latest == nullptr || e.value("lastTimestamp", "") >= latest->value("lastTimestamp", "")) {
+      latest = &e;
+    }
+  }
+  if (latest == nullptr) return "";
+  return absl::StrCat("pod ", pod.name, ": FailedMount: ", LastLine(latest->value("message", "")));
+}
+
 std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::Time now) {
   std::vector<PodView> out;
   std::set<std::string> seen;
   for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
     if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
     PodView v = ReadPod(pod);
+    if (v.creating && v.stuck.empty() && !v.deleting && now - v.created > kMountGrace) {
+      v.stuck = MountFailure(m.model.namespace_, v);
+    }
     seen.insert(v.name);
     // Created by us but seen here before the informer delivered the creation: now seen.
     if (auto it = mem.created.find(v.name); it != mem.created.end()) mem.created.erase(it);

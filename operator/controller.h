@@ -93,6 +93,7 @@ class Controller {
   void Enqueue(const std::string& key);
   void EnqueueWaiting();
   std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now);
+  std::string MountFailure(const std::string& ns, const PodView& pod);
   // Under one lock for every worker: reserves the GPUs of `d.creates`, then plans `d.place`
   // against the ledger and reserves what it placed. `pods` gets every pod to create.
   PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);

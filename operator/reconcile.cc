@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace shardserve::op {
 namespace {
@@ -26,6 +27,30 @@ absl::Time ParseTime(const json& v) {
   return absl::InfinitePast();
 }
 
+}  // namespace
+
+std::string LastLine(const std::string& message) {
+  std::vector<absl::string_view> lines = absl::StrSplit(
+      message, '\n', [](absl::string_view l) { return !absl::StripAsciiWhitespace(l).empty(); });
+  if (lines.empty()) return "";
+  std::string line(absl::StripAsciiWhitespace(lines.back()));
+  if (line.size() > 300) {
+    size_t cut = 300;
+    while (cut > 0 && (static_cast<unsigned char>(line[cut]) & 0xC0) == 0x80) --cut;
+    line = line.substr(0, cut) + "...";
+  }
+  return line;
+}
+
+namespace {
+
+// Waiting reasons a container does not leave by itself: its image, or its configuration.
+bool Stuck(const std::string& reason) {
+  return reason == "ErrImagePull" || reason == "ImagePullBackOff" || reason == "InvalidImageName" ||
+         reason == "ErrImageNeverPull" || reason == "CreateContainerConfigError" ||
+         reason == "CreateContainerError" || reason == "RunContainerError";
+}
+
 std::string Seconds(absl::Duration d) {
   return absl::StrCat(std::max<int64_t>(1, absl::ToInt64Seconds(absl::Ceil(d, absl::Seconds(1)))),
                       "s");
@@ -41,6 +66,7 @@ struct Observed {
   std::string failure;               // why the replica failed
   std::string unschedulable;         // a pod unschedulable past the timeout
   std::string waiting;               // a pod unschedulable, not yet for that long
+  std::string stuck;                 // a pod that cannot start (image, volume, configuration)
   std::vector<int64_t> missing;      // stages without a live pod
   bool unbound = false;              // a live pod not yet bound to its node
   bool started = false;              // a pod of it has run
@@ -68,6 +94,9 @@ Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool cr
     if (p->revision != m.revision || p->stage >= P) o.outdated = true;
     if (p->node.empty()) o.unbound = true;
     if (o.failure.empty() && !p->failure.empty()) o.failure = p->failure;
+    if (o.stuck.empty() && !p->stuck.empty()) o.stuck = p->stuck;
+    // Volumes that cannot be mounted show only in events, which nothing watches: look again.
+    if (p->creating && p->stuck.empty()) requeue = std::min(requeue, absl::Seconds(10));
     if (p->phase == "Pending" && p->unschedulable && o.unschedulable.empty()) {
       const absl::Time deadline = p->created + timing.unschedulable_timeout;
       if (now >= deadline) {
@@ -112,6 +141,7 @@ ReplicaState RecordOf(const json& status, int64_t index) {
     if (e.value("index", int64_t{-1}) != index) continue;
     r.restarts = e.value("restarts", int64_t{0});
     r.last_failure = ParseTime(e.value("lastFailureTime", json()));
+    r.last_failure_message = e.value("lastFailureMessage", "");
     r.backoff = absl::Seconds(e.value("backoffSeconds", int64_t{0}));
   }
   return r;
@@ -135,6 +165,8 @@ const char* PhaseName(ReplicaPhase p) {
       return "Ready";
     case ReplicaPhase::kFailed:
       return "Failed";
+    case ReplicaPhase::kBlocked:
+      return "Blocked";
   }
   return "Pending";
 }
@@ -176,11 +208,22 @@ PodView ReadPod(const json& pod) {
   for (const json& c : status.value("containerStatuses", json::array())) {
     v.restarts += c.value("restartCount", int64_t{0});
     if (c.contains("state") && c["state"].contains("running")) v.started = true;
+    const json& waiting = c.value("state", json::object()).value("waiting", json());
+    if (waiting.is_object() && waiting.value("reason", "") == "ContainerCreating") {
+      v.creating = true;
+    }
+    if (waiting.is_object() && v.stuck.empty() && Stuck(waiting.value("reason", ""))) {
+      v.stuck =
+          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), ": ",
+                       waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
+    }
     const json& term = c.value("state", json::object()).value("terminated", json());
     if (term.is_object() && v.failure.empty()) {
       v.failure =
           absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
                        term.value("exitCode", 0), " (", term.value("reason", "no reason"), ")");
+      const std::string why = LastLine(term.value("message", ""));
+      if (!why.empty()) absl::StrAppend(&v.failure, ": ", why);
     }
   }
   if (v.phase == "Failed" || v.phase == "Succeeded") {
@@ -265,8 +308,9 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
     if (o.live.empty()) {
       if (r.last_failure + r.backoff > now) {
         r.phase = ReplicaPhase::kFailed;
-        r.message = absl::StrCat("recreating in ", Seconds(r.last_failure + r.backoff - now),
-                                 " (restart ", r.restarts, ")");
+        r.message = absl::StrCat(
+            r.last_failure_message.empty() ? "" : r.last_failure_message + "; ", "recreating in ",
+            Seconds(r.last_failure + r.backoff - now), " (restart ", r.restarts, ")");
         d.requeue_after = std::min(d.requeue_after, r.last_failure + r.backoff - now);
       } else if (!o.pods.empty()) {
         r.phase = ReplicaPhase::kPending;
@@ -298,6 +342,7 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
                         ? std::min(r.backoff * 2, timing.backoff_max)
                         : timing.backoff_base;
         r.last_failure = now;
+        r.last_failure_message = o.failure;
         ++r.restarts;
         ++d.restarts;
         r.message = absl::StrCat(o.failure, "; recreating the replica in ", Seconds(r.backoff),
@@ -339,6 +384,12 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
     } else {
       r.phase = ReplicaPhase::kStarting;
       r.message = "waiting for every rank to be ready";
+    }
+    // A pod that cannot start by itself blocks its replica; recreating it would not help, a new
+    // spec (or a fixed node) does.
+    if (r.phase == ReplicaPhase::kStarting && !o.stuck.empty()) {
+      r.phase = ReplicaPhase::kBlocked;
+      r.message = o.stuck;
     }
     d.replicas.push_back(std::move(r));
   }
@@ -428,7 +479,7 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
                  std::vector<Event>& events) {
   const ShardedModelSpec& spec = m.model.spec;
   const int64_t N = spec.replicas;
-  int64_t existing = 0, ready = 0, updated = 0, failed = 0, outdated = 0, surge = 0;
+  int64_t existing = 0, ready = 0, updated = 0, failed = 0, blocked = 0, outdated = 0, surge = 0;
   std::vector<std::string> failures, waiting;
   json replicas = json::array();
   for (const ReplicaState& r : d.replicas) {
@@ -437,8 +488,8 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
     ready += r.phase == ReplicaPhase::kReady;
     surge += r.index >= N;
     outdated += r.exists && r.revision != m.revision;
-    if (r.phase == ReplicaPhase::kFailed) {
-      ++failed;
+    if (r.phase == ReplicaPhase::kFailed || r.phase == ReplicaPhase::kBlocked) {
+      ++(r.phase == ReplicaPhase::kFailed ? failed : blocked);
       failures.push_back(absl::StrCat("replica ", r.index, ": ", r.message));
     }
     if (r.phase != ReplicaPhase::kReady) waiting.push_back(absl::StrCat(r.index));
@@ -446,6 +497,7 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
               {"restarts", r.restarts}, {"revision", r.revision},      {"message", r.message}};
     if (r.last_failure != absl::InfinitePast()) {
       e["lastFailureTime"] = Rfc3339(r.last_failure);
+      e["lastFailureMessage"] = r.last_failure_message;
       e["backoffSeconds"] = absl::ToInt64Seconds(r.backoff);
     }
     replicas.push_back(std::move(e));
@@ -487,14 +539,15 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
     c.push_back({"Progressing", "True", "ReplicasStarting",
                  absl::StrCat("waiting for replica(s) ", absl::StrJoin(waiting, ", "))});
   }
-  if (failed > 0) {
-    c.push_back({"Degraded", "True", "ReplicaFailed", absl::StrJoin(failures, "; "), true});
+  if (failed + blocked > 0) {
+    c.push_back({"Degraded", "True", failed > 0 ? "ReplicaFailed" : "ReplicaBlocked",
+                 absl::StrJoin(failures, "; "), true});
   } else {
     c.push_back({"Degraded", "False", "AsExpected", "no replica has failed"});
   }
 
   std::string phase = "Progressing";
-  if (failed > 0) {
+  if (failed + blocked > 0) {
     phase = "Degraded";
   } else if (complete) {
     phase = "Ready";

@@ -49,9 +49,11 @@ struct PodView {
   bool deleting = false;               // metadata.deletionTimestamp set
   bool unschedulable = false;          // PodScheduled=False, reason Unschedulable
   std::string unschedulable_message;
-  bool started = false;  // has run: phase past Pending
-  int64_t restarts = 0;  // container restarts
-  std::string failure;   // why it failed ("" while it has not)
+  bool started = false;   // has run: phase past Pending
+  int64_t restarts = 0;   // container restarts
+  std::string failure;    // why it failed ("" while it has not)
+  std::string stuck;      // why it cannot start (its image, a volume), "" when nothing holds it
+  bool creating = false;  // bound, its containers not yet created (volumes being mounted)
   absl::Time created = absl::InfinitePast();
 };
 
@@ -65,7 +67,13 @@ struct Timing {
   absl::Duration placement_retry = absl::Seconds(30);
 };
 
-enum class ReplicaPhase { kPending, kPlacing, kStarting, kReady, kFailed };
+// The last non-empty line of a message (a container's termination message: with
+// FallbackToLogsOnError, the tail of its log, so the failing rank's reason), at most 300 bytes.
+std::string LastLine(const std::string& message);
+
+// kBlocked: a pod cannot start for a reason that does not pass by itself (its image cannot be
+// pulled, a volume cannot be mounted); the replica is left as it is, its message says why.
+enum class ReplicaPhase { kPending, kPlacing, kStarting, kReady, kFailed, kBlocked };
 const char* PhaseName(ReplicaPhase p);
 
 struct ReplicaState {
@@ -76,6 +84,7 @@ struct ReplicaState {
   std::string message;
   int64_t restarts = 0;
   absl::Time last_failure = absl::InfinitePast();
+  std::string last_failure_message;  // why it last failed
   absl::Duration backoff = absl::ZeroDuration();
   bool exists = false;   // has pods that are not being deleted
   bool updated = false;  // every stage at the current revision

@@ -2,7 +2,11 @@
 # A real Kubernetes control plane on loopback for people and tests: etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler and kwok (fake nodes), built once from the Go module
 # proxy, with the ShardedModel CRD installed. Usage:
-#   scripts/dev-cluster.sh up     start it (in the background) and wait until it is ready
+#   scripts/dev-cluster.sh up [--real-nodes N]
+#                                 start it (in the background) and wait until it is ready; with
+#                                 --real-nodes, N real nodes too (kubelet + containerd + runc,
+#                                 bridge CNI, kube-proxy, CoreDNS; as root) running the images of
+#                                 scripts/images/build.sh (localhost/shardserve/*:dev)
 #   scripts/dev-cluster.sh env    print `export KUBECONFIG=...` for it (eval "$(... env)")
 #   scripts/dev-cluster.sh down   stop it
 # State lives in $SHARDSERVE_DEV_CLUSTER (default ~/.cache/shardserve/dev-cluster).
@@ -14,9 +18,17 @@ case "${1:-}" in
     if [ -f "$DIR/pid" ] && kill -0 "$(cat "$DIR/pid")" 2>/dev/null; then
       echo "dev-cluster: already running; $(cat "$DIR/env" | head -1)"; exit 0
     fi
+    extra=()
+    if [ "${2:-}" = --real-nodes ]; then
+      [[ "${3:-}" =~ ^[1-9]$ ]] || { echo "dev-cluster: --real-nodes takes 1 to 9" >&2; exit 2; }
+      bash scripts/setup.sh
+      bash scripts/build.sh
+      extra=(--real-nodes "$3" --images "$(bash scripts/images/build.sh)")
+    fi
     BIN=$(bash scripts/testenv-build.sh)
     rm -rf "$DIR"; mkdir -p "$DIR"
-    setsid "$BIN/testenv" up --dir "$DIR" --bin "$BIN" --crds "$PWD/crds" >"$DIR/testenv.log" 2>&1 &
+    setsid "$BIN/testenv" up --dir "$DIR" --bin "$BIN" --crds "$PWD/crds" "${extra[@]}" \
+      >"$DIR/testenv.log" 2>&1 &
     echo $! >"$DIR/pid"
     for _ in $(seq 1 900); do
       [ -f "$DIR/ready" ] && { echo "dev-cluster: ready"; cat "$DIR/env"; exit 0; }
@@ -30,10 +42,10 @@ case "${1:-}" in
     if [ -f "$DIR/pid" ]; then
       pid=$(cat "$DIR/pid")
       kill -TERM "$pid" 2>/dev/null || true
-      for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      for _ in $(seq 1 750); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
       rm -f "$DIR/pid"
     fi
     echo "dev-cluster: stopped" ;;
   *)
-    echo "usage: scripts/dev-cluster.sh up|env|down" >&2; exit 2 ;;
+    echo "usage: scripts/dev-cluster.sh up [--real-nodes N]|env|down" >&2; exit 2 ;;
 esac

@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes test environment once (DESIGN.md §7): kube-apiserver,
-# kube-controller-manager, kube-scheduler (k8s.io/kubernetes), kwok (sigs.k8s.io/kwok) and the
-# testenv launcher with embedded etcd (tests/k8s/testenv), from the Go module proxy, into
-# $SHARDSERVE_CACHE/testenv/bin. Rebuilds only when the module or the launcher changes; prints
-# the binary directory.
+# kube-controller-manager, kube-scheduler, kubelet, kube-proxy (k8s.io/kubernetes), kwok
+# (sigs.k8s.io/kwok), CoreDNS (its own module, pinned below) and the testenv launcher with
+# embedded etcd (tests/k8s/testenv), from the Go module proxy, into $SHARDSERVE_CACHE/testenv/bin.
+# Rebuilds only when the module, the launcher or the CoreDNS version changes; prints the binary
+# directory.
 set -euo pipefail
 cd "$(dirname "$0")/../tests/k8s/testenv"
 CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
 BIN="$CACHE/testenv/bin"
-stamp="$BIN/.stamp-$(cat go.mod go.sum cmd/testenv/*.go | md5sum | cut -c1-12)"
+COREDNS=github.com/coredns/coredns@v1.14.7
+stamp="$BIN/.stamp-$( (cat go.mod go.sum cmd/testenv/*.go; echo "$COREDNS") | md5sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  echo "testenv: building kube-apiserver, kube-controller-manager, kube-scheduler, kwok, testenv" \
-    "(first time: several minutes)" >&2
+  echo "testenv: building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet," \
+    "kube-proxy, kwok, CoreDNS, testenv (first time: several minutes)" >&2
   mkdir -p "$BIN"
   rm -f "$BIN"/.stamp-*
   go build -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy \
     sigs.k8s.io/kwok/cmd/kwok ./cmd/testenv
+  GOBIN="$BIN" GOFLAGS=-mod=mod go install "$COREDNS"
   touch "$stamp"
 fi
 echo "$BIN"

@@ -5,8 +5,12 @@
 //           (serve/api_server.h) until SIGTERM/SIGINT, then stops the replica cleanly; with
 //           SHARDSERVE_REQUEST (JSON) it runs that one request instead and writes the result to
 //           SHARDSERVE_RESULT_FILE. The other ranks keep serving until the leader stops them.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -222,6 +226,25 @@ absl::Status RunOneRank() {
   return absl::OkStatus();
 }
 
+// The pod's first fatal error becomes its container's termination message: the operator sets
+// SHARDSERVE_TERMINATION_LOG to the file the kubelet reads into the terminated state, and the
+// first rank to fail writes it (later ones, and the launcher reporting that a rank exited, find
+// it written), so the replica's status names the cause rather than its consequences.
+void ReportTermination(const std::string& message) {
+  const char* path = std::getenv("SHARDSERVE_TERMINATION_LOG");
+  if (path == nullptr || *path == '\0') return;
+  const int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) return;
+  struct stat st;
+  if (flock(fd, LOCK_EX) == 0 && fstat(fd, &st) == 0 && st.st_size == 0) {
+    const std::string line = message + "\n";
+    if (write(fd, line.data(), line.size()) < 0) {
+      // nothing more to do: the log has it too
+    }
+  }
+  close(fd);
+}
+
 }  // namespace
 }  // namespace shardserve
 
@@ -239,6 +262,7 @@ int main(int argc, char** argv) {
   if (!s.ok()) {
     std::fprintf(stderr, "shardserve-worker %s: %s\n", cmd.c_str(),
                  std::string(s.message()).c_str());
+    shardserve::ReportTermination(std::string(s.message()));
     return 1;
   }
   return 0;

@@ -23,14 +23,24 @@ def wait(cond, timeout=60, every=0.1):
 
 
 class Cluster:
-    def __init__(self):
+    """`real_nodes` > 0 adds that many real nodes (kubelet + containerd each, the images of
+    scripts/images/build.sh imported; see tests/k8s/testenv/cmd/testenv/nodes.go)."""
+
+    def __init__(self, real_nodes=0):
         self.bin = subprocess.run(["bash", os.path.join(ROOT, "scripts", "testenv-build.sh")],
                                   check=True, capture_output=True, text=True).stdout.strip()
         self.dir = tempfile.mkdtemp(prefix="shardserve-testenv-")
         self.log = open(os.path.join(self.dir, "testenv.log"), "w")
+        args = []
+        if real_nodes:
+            images = subprocess.run(["bash", os.path.join(ROOT, "scripts", "images", "build.sh")],
+                                    check=True, capture_output=True, text=True).stdout.strip()
+            args = ["--real-nodes", str(real_nodes), "--images", images,
+                    "--crds", os.path.join(ROOT, "crds")]
         self.proc = subprocess.Popen([os.path.join(self.bin, "testenv"), "up", "--dir", self.dir,
-                                      "--bin", self.bin], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
+                                      "--bin", self.bin, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180 + 60 * real_nodes
         while not os.path.exists(os.path.join(self.dir, "ready")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
@@ -77,7 +87,11 @@ class Cluster:
         """testenv's log, and the errors of each component (for a failed test)."""
         with open(os.path.join(self.dir, "testenv.log")) as f:
             print("--- testenv.log\n" + f.read()[-3000:])
-        for name in ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]:
+        names = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
+                 "kube-proxy", "coredns"]
+        names += [os.path.basename(p)[:-4] for p in os.listdir(self.dir)
+                  if p.startswith(("kubelet-", "containerd-")) and p.endswith(".log")]
+        for name in names:
             path = os.path.join(self.dir, name + ".log")
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -96,7 +110,7 @@ class Cluster:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(150)  # real nodes: their pods drained, the machine cleared
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -106,13 +120,13 @@ class Cluster:
 
 class Operator:
     """build/bin/shardserve-operator against a Cluster, logging to a file; `args` are flags. The
-    test models live under hostpath:///models, which it allows."""
+    test models live under hostpath:///models unless `host_paths` says otherwise."""
 
-    def __init__(self, cluster, binary, *args, name="operator"):
+    def __init__(self, cluster, binary, *args, name="operator", host_paths="/models"):
         self.log_path = os.path.join(cluster.dir, f"{name}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([binary, "--kubeconfig", cluster.kubeconfig,
-                                      "--allowed-host-paths=/models", *args],
+                                      f"--allowed-host-paths={host_paths}", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self):

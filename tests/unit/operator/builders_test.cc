@@ -79,6 +79,25 @@ TEST(Builders, StagePodCarriesThePodContract) {
   EXPECT_EQ(worker_ports, (std::vector<int>{29500, 9400, 9401, 9402, 9403}));
   EXPECT_EQ(c["readinessProbe"]["httpGet"]["path"], "/readyz");
   EXPECT_EQ(c["command"], json::array({"shardserve-worker", "launch"}));
+  // A failing rank's reason reaches the pod's status; a deleted pod keeps serving while the
+  // Service forgets it, then drains.
+  EXPECT_EQ(Env(worker, "SHARDSERVE_TERMINATION_LOG"), "/dev/termination-log");
+  EXPECT_EQ(c["terminationMessagePath"], "/dev/termination-log");
+  EXPECT_EQ(c["terminationMessagePolicy"], "FallbackToLogsOnError");
+  EXPECT_EQ(c["lifecycle"]["preStop"]["sleep"]["seconds"], kPreStopSeconds);
+}
+
+TEST(Builders, WithoutPlatformDefaultsTheRanksCanReadTheirSecrets) {
+  // The mounted Secrets are mode 0440: the ranks' user needs the pod's fsGroup.
+  auto m = ReadModel(Model(), WorkerDefaults{});
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json pod = BuildStagePod(*m, 0, 0, {"node-a", "node-b"});
+  EXPECT_EQ(pod["spec"]["securityContext"]["fsGroup"], 65532);
+  EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"]["runAsUser"], 65532);
+  EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"]["runAsGroup"], 65532);
+  for (const json& v : pod["spec"]["volumes"]) {
+    if (v.contains("secret")) EXPECT_EQ(v["secret"]["defaultMode"], 0440);
+  }
 }
 
 TEST(Builders, ServicesAndRevisions) {

@@ -423,5 +423,78 @@ TEST(ReadPod, ReadsLabelsPlanAndTrouble) {
   EXPECT_TRUE(u.failure.empty());
 }
 
+TEST(ReadPod, QuotesWhyAContainerEndedOrCannotStart) {
+  json pod = json::parse(R"({
+    "metadata": {"name": "m-0-1", "uid": "u",
+                 "labels": {"shardserve.io/replica": "0", "shardserve.io/stage": "1"}},
+    "spec": {"nodeName": "a"},
+    "status": {"phase": "Failed", "containerStatuses": [{"name": "worker", "state": {
+      "terminated": {"exitCode": 1, "reason": "Error",
+                     "message": "rank 3 (stage 1, tp 1): heads do not divide\n\n"}}}]}})");
+  EXPECT_EQ(ReadPod(pod).failure,
+            "pod m-0-1 container worker exited with code 1 (Error): rank 3 (stage 1, tp 1): "
+            "heads do not divide");
+
+  pod["status"] = json::parse(R"({"phase": "Pending", "containerStatuses": [{"name": "worker",
+      "state": {"waiting": {"reason": "ImagePullBackOff",
+                            "message": "Back-off pulling image \"x:absent\""}}}]})");
+  PodView v = ReadPod(pod);
+  EXPECT_EQ(v.stuck,
+            "pod m-0-1 container worker: ImagePullBackOff: Back-off pulling image \"x:absent\"");
+  EXPECT_TRUE(v.failure.empty());
+  EXPECT_FALSE(v.creating);
+
+  pod["status"]["containerStatuses"][0]["state"]["waiting"] = {{"reason", "ContainerCreating"}};
+  v = ReadPod(pod);
+  EXPECT_TRUE(v.stuck.empty());
+  EXPECT_TRUE(v.creating);  // the controller reads its FailedMount events, if any
+}
+
+TEST(LastLine, IsTheLastNonEmptyLineBoundedOnACharacter) {
+  EXPECT_EQ(LastLine("a\n  b c  \n\n \n"), "b c");
+  EXPECT_EQ(LastLine(""), "");
+  const std::string long_line = std::string(299, 'x') + "\xc3\xa9" + "tail";
+  EXPECT_EQ(LastLine(long_line), std::string(299, 'x') + "...");
+}
+
+TEST(Decide, APodThatCannotStartBlocksItsReplicaWithoutRecreatingIt) {
+  const ModelView m = ModelBuilder().Build();
+  PodView stuck = PodBuilder(m, 0, 1).NotReady();
+  stuck.phase = "Pending";
+  stuck.stuck = "pod m-0-1: FailedMount: hostPath type check failed: /models/x is not a directory";
+  const Decision d = Decide(m, {PodBuilder(m, 0, 0), stuck}, json::object(), kNow, {});
+  EXPECT_EQ(State(d, 0).phase, ReplicaPhase::kBlocked);
+  EXPECT_EQ(State(d, 0).message, stuck.stuck);
+  EXPECT_TRUE(d.deletes.empty());
+  EXPECT_EQ(d.restarts, 0);
+
+  std::vector<Event> events;
+  const json status = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
+  EXPECT_EQ(status["phase"], "Degraded");
+  EXPECT_EQ(status["replicaStatuses"][0]["phase"], "Blocked");
+  bool degraded = false;
+  for (const json& c : status["conditions"]) {
+    if (c["type"] == "Degraded") {
+      degraded = c["status"] == "True" && c["reason"] == "ReplicaBlocked" &&
+                 c["message"].get<std::string>().find("not a directory") != std::string::npos;
+    }
+  }
+  EXPECT_TRUE(degraded);
+}
+
+TEST(Decide, AFailedReplicaKeepsSayingWhyThroughItsBackoff) {
+  const ModelView m = ModelBuilder().Build();
+  const std::vector<PodView> pods = {PodBuilder(m, 0, 0), PodBuilder(m, 0, 1).Failed()};
+  Decision d = Decide(m, pods, json::object(), kNow, {});
+  std::vector<Event> events;
+  const json status = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
+  EXPECT_EQ(status["replicaStatuses"][0]["lastFailureMessage"], "pod m-0-1 failed");
+  // The pods gone, the replica waits out its backoff: the cause is still in its message.
+  d = Decide(m, {}, status, kNow + absl::Milliseconds(500), {});
+  EXPECT_EQ(State(d, 0).phase, ReplicaPhase::kFailed);
+  EXPECT_EQ(State(d, 0).message.rfind("pod m-0-1 failed; recreating in", 0), 0u)
+      << State(d, 0).message;
+}
+
 }  // namespace
 }  // namespace shardserve::op

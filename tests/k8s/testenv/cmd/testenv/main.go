@@ -53,6 +53,8 @@ func main() {
 	dir := fs.String("dir", "", "state directory (certificates, etcd data, kubeconfig)")
 	bin := fs.String("bin", "", "directory of kube-apiserver, kube-controller-manager, kube-scheduler, kwok (default: next to testenv)")
 	crds := fs.String("crds", "", "CRDs to install (kubectl apply -f) before the controllers start, so the garbage collector knows them from the outset")
+	nodes := fs.Int("real-nodes", 0, "real nodes to start beside the kwok ones (kubelet + containerd each; nodes.go)")
+	images := fs.String("images", "", "OCI image archives (*.tar) to import into each real node's containerd")
 	fs.Parse(os.Args[2:])
 	if *dir == "" {
 		fmt.Fprintln(os.Stderr, "testenv: --dir is required")
@@ -62,7 +64,7 @@ func main() {
 		exe, _ := os.Executable()
 		*bin = filepath.Dir(exe)
 	}
-	if err := up(*dir, *bin, *crds); err != nil {
+	if err := up(*dir, *bin, *crds, *nodes, *images); err != nil {
 		fmt.Fprintln(os.Stderr, "testenv:", err)
 		os.Exit(1)
 	}
@@ -118,16 +120,17 @@ func (k *keyPair) write(dir, name string) error {
 }
 
 // Certificates: a CA, the apiserver's serving certificate (127.0.0.1, localhost), client
-// certificates for the admin (system:masters) and each component, and the service-account key.
-func writeCerts(pki string) error {
+// certificates for the admin (system:masters), each component and the apiserver towards the
+// kubelets, and the service-account key. Returns the CA, which signs the real nodes' too.
+func writeCerts(pki string) (*keyPair, error) {
 	ca, err := newCert(&x509.Certificate{Subject: pkix.Name{CommonName: "shardserve-testenv-ca"},
 		IsCA: true, BasicConstraintsValid: true,
 		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature}, nil)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := ca.write(pki, "ca"); err != nil {
-		return err
+		return nil, err
 	}
 	serving, err := newCert(&x509.Certificate{Subject: pkix.Name{CommonName: "kube-apiserver"},
 		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
@@ -135,34 +138,35 @@ func writeCerts(pki string) error {
 		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}, ca)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := serving.write(pki, "apiserver"); err != nil {
-		return err
+		return nil, err
 	}
 	clients := map[string]pkix.Name{
 		"admin":              {CommonName: "admin", Organization: []string{"system:masters"}},
 		"controller-manager": {CommonName: "system:kube-controller-manager"},
 		"scheduler":          {CommonName: "system:kube-scheduler"},
 		"kwok":               {CommonName: "kwok", Organization: []string{"system:masters"}},
+		"kubelet-client":     {CommonName: "kube-apiserver-kubelet-client", Organization: []string{"system:masters"}},
 	}
 	for name, subject := range clients {
 		c, err := newCert(&x509.Certificate{Subject: subject,
 			KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
 			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}, ca)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if err := c.write(pki, name); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	sa, err := rsa.GenerateKey(rand.Reader, 2048)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(sa)})
-	return os.WriteFile(filepath.Join(pki, "sa.key"), keyPEM, 0o600)
+	return ca, os.WriteFile(filepath.Join(pki, "sa.key"), keyPEM, 0o600)
 }
 
 func writeKubeconfig(path, server, pki, user string) error {
@@ -188,7 +192,7 @@ current-context: testenv
 }
 
 type component struct {
-	name, dir, bin string
+	name, dir, exe string
 	args           []string
 	cmd            *exec.Cmd
 	done           chan struct{} // closed when the process has exited; err is then set
@@ -196,26 +200,31 @@ type component struct {
 }
 
 func start(dir, bin, name string, args ...string) (*component, error) {
-	return launch(dir, bin, name, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, args)
+	return startAs(dir, name, filepath.Join(bin, name), args...)
+}
+
+// startAs starts exe (a path, or a name looked up in PATH), logging to dir/name.log.
+func startAs(dir, name, exe string, args ...string) (*component, error) {
+	return launch(dir, exe, name, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, args)
 }
 
 // again starts the component anew, appending to its log (which keeps why it exited).
 func (c *component) again() (*component, error) {
-	return launch(c.dir, c.bin, c.name, os.O_CREATE|os.O_APPEND|os.O_WRONLY, c.args)
+	return launch(c.dir, c.exe, c.name, os.O_CREATE|os.O_APPEND|os.O_WRONLY, c.args)
 }
 
-func launch(dir, bin, name string, logFlags int, args []string) (*component, error) {
+func launch(dir, exe, name string, logFlags int, args []string) (*component, error) {
 	logf, err := os.OpenFile(filepath.Join(dir, name+".log"), logFlags, 0o644)
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(filepath.Join(bin, name), args...)
+	cmd := exec.Command(exe, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting %s: %w", name, err)
 	}
-	c := &component{name: name, dir: dir, bin: bin, args: args, cmd: cmd, done: make(chan struct{})}
+	c := &component{name: name, dir: dir, exe: exe, args: args, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		c.err = cmd.Wait()
 		logf.Close()
@@ -281,14 +290,30 @@ func waitReady(server, pki string, deadline time.Time, apiserver *component, pat
 	return fmt.Errorf("the control plane was not ready in time")
 }
 
-func up(dir, bin, crds string) error {
+func up(dir, bin, crds string, realNodeCount int, images string) error {
 	pki := filepath.Join(dir, "pki")
 	if err := os.MkdirAll(pki, 0o700); err != nil {
 		return err
 	}
 	os.Remove(filepath.Join(dir, "ready"))
-	if err := writeCerts(pki); err != nil {
+	ca, err := writeCerts(pki)
+	if err != nil {
 		return fmt.Errorf("certificates: %w", err)
+	}
+	var real *realNodes
+	if realNodeCount > 0 {
+		if dir, err = filepath.Abs(dir); err != nil {
+			return err
+		}
+		lock, err := lockMachine(dir)
+		if err != nil {
+			return err
+		}
+		real = &realNodes{dir: dir, bin: bin, images: images, n: realNodeCount, lock: lock}
+		defer real.stop() // after every component has stopped
+		if err := writeNodeCerts(pki, ca, realNodeCount); err != nil {
+			return fmt.Errorf("certificates: %w", err)
+		}
 	}
 
 	// etcd, embedded, on loopback.
@@ -344,6 +369,9 @@ func up(dir, bin, crds string) error {
 		"--service-account-signing-key-file=" + p("sa.key"),
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--service-cluster-ip-range=10.96.0.0/16",
+		"--kubelet-client-certificate=" + p("kubelet-client.crt"),
+		"--kubelet-client-key=" + p("kubelet-client.key"),
+		"--kubelet-preferred-address-types=InternalIP",
 		"--authorization-mode=Node,RBAC",
 		"--storage-media-type=application/json",
 		"--v=1"}
@@ -374,6 +402,13 @@ func up(dir, bin, crds string) error {
 			return fmt.Errorf("waiting for %s: %v: %s", crds, err, out)
 		}
 	}
+	controllers := "garbage-collector-controller,namespace-controller,serviceaccount-controller," +
+		"serviceaccount-token-controller,node-lifecycle-controller,pod-garbage-collector-controller," +
+		"root-ca-certificate-publisher-controller,taint-eviction-controller," +
+		"horizontal-pod-autoscaler-controller"
+	if real != nil { // Services on real nodes need their endpoints
+		controllers += ",endpointslice-controller,endpoints-controller"
+	}
 	kcm, err := start(dir, bin, "kube-controller-manager",
 		"--kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
 		"--authentication-kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),
@@ -381,10 +416,7 @@ func up(dir, bin, crds string) error {
 		"--bind-address=127.0.0.1", "--secure-port=0", "--leader-elect=false",
 		"--use-service-account-credentials=true",
 		"--service-account-private-key-file="+p("sa.key"), "--root-ca-file="+p("ca.crt"),
-		"--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"+
-			"serviceaccount-token-controller,node-lifecycle-controller,pod-garbage-collector-controller,"+
-			"root-ca-certificate-publisher-controller,taint-eviction-controller,"+
-			"horizontal-pod-autoscaler-controller",
+		"--controllers="+controllers,
 		"--horizontal-pod-autoscaler-sync-period=1s",
 		"--v=1")
 	if err != nil {
@@ -421,6 +453,16 @@ func up(dir, bin, crds string) error {
 		return err
 	}
 	components = append(components, kwok)
+	if real != nil {
+		err := real.start(server, pki, func(c *component) {
+			componentsMu.Lock()
+			components = append(components, c)
+			componentsMu.Unlock()
+		})
+		if err != nil {
+			return fmt.Errorf("real nodes: %w (logs in %s)", err, dir)
+		}
+	}
 
 	// The default service account appears once the controller manager runs.
 	if err := waitReady(server, pki, time.Now().Add(180*time.Second), apiserver, "/readyz",
@@ -483,6 +525,9 @@ func up(dir, bin, crds string) error {
 		select {
 		case <-ctx.Done():
 			os.Remove(filepath.Join(dir, "ready"))
+			if real != nil {
+				real.drain()
+			}
 			return nil
 		case <-usr1:
 			os.Remove(filepath.Join(dir, "ready"))

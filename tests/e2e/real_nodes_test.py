@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""End to end on real nodes (DESIGN.md §7): three kubelets with containerd + runc, a bridge CNI,
+kube-proxy and CoreDNS (tests/k8s/testenv --real-nodes), the worker image built by
+scripts/images/build.sh, and shardserve-operator driven with kubectl like a user:
+
+  - apply a TP=2 x PP=2 ShardedModel on a hostPath model behind an API key: the pods run and turn
+    Ready, `kubectl get smodel` says READY 1/1, and a completion through the model's Service gives
+    the tokens and logprobs of `shardserve local` on the same manifest and model;
+  - kubectl scale 1 -> 2 (the new replica answers through the Service) -> 1 under a client loop
+    (no request fails while the replica drains);
+  - kill -9 of one rank process in a worker container: the whole replica is recreated, restarts
+    counted, and the Service answers again;
+  - a rolling update (an env change) under a client loop with 2 replicas: within maxUnavailable,
+    no request fails;
+  - bad input: a model path that does not exist, an image that cannot be pulled, heads that TP
+    does not divide: each a replica phase with a message that names the cause, the serving model
+    undisturbed.
+
+Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready, failures during
+the roll) are printed as `figure:` lines.
+
+usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator"""
+import http.client
+import json
+import os
+import re
+import secrets
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "cli"))
+sys.path.insert(0, os.path.join(HERE, "..", "k8s"))
+from checks import Checks, wait_until  # noqa: E402
+from cluster import Cluster, Operator  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
+IMAGE = "localhost/shardserve/worker:dev"
+NAME = "tiny"
+KEY = "sk-e2e-" + secrets.token_hex(16)
+PROMPTS = ["hello world", "The quick brown fox", "1 2 3 4"]
+check = Checks()
+
+
+def figure(what, seconds):
+    print(f"figure: {what}: {seconds:.1f} s", flush=True)
+
+
+def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secret=True):
+    worker = {"image": image,
+              "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                            "limits": {"memory": "2Gi"}}}
+    if env:
+        worker["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    serving = {"port": 8000, "maxBatchSize": 8, "maxSequenceLength": 1024}
+    if key_secret:
+        serving["apiKeySecret"] = "tiny-api-keys"
+    return {"apiVersion": "shardserve.io/v1alpha1", "kind": "ShardedModel",
+            "metadata": {"name": name},
+            "spec": {"replicas": replicas, "model": {"name": name, "uri": uri},
+                     "parallelism": {"tensor": tp, "pipeline": pp}, "worker": worker,
+                     "serving": serving}}
+
+
+def apply(obj):
+    c.kubectl("apply", "-f", "-", input=json.dumps(obj), check=True)
+
+
+def status(name=NAME):
+    return c.get("smodel", name).get("status", {})
+
+
+def replica(name, index):
+    for r in status(name).get("replicaStatuses", []):
+        if r.get("index") == index:
+            return r
+    return {}
+
+
+def ready(name, n):
+    s, obj = status(name), c.get("smodel", name)
+    return (s.get("readyReplicas") == n and s.get("replicas") == n and s.get("phase") == "Ready"
+            and s.get("observedGeneration") == obj["metadata"]["generation"]
+            and s.get("updatedReplicas") == n)
+
+
+def service_ip(name=NAME):
+    return c.get("svc", name)["spec"]["clusterIP"]
+
+
+def post(host, body, path="/v1/completions", timeout=60, key=KEY):
+    """(status, parsed body or text); raises OSError when the connection fails."""
+    conn = http.client.HTTPConnection(host, 8000, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Content-Type": "application/json",
+                              "Authorization": f"Bearer {key}"})
+        r = conn.getresponse()
+        data = r.read()
+        try:
+            return r.status, json.loads(data)
+        except ValueError:
+            return r.status, data.decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def completion(prompt, host=None):
+    return post(host or service_ip(), {"model": NAME, "prompt": prompt, "max_tokens": 12,
+                                       "temperature": 0, "logprobs": 3})
+
+
+def answers(host=None):
+    try:
+        return completion(PROMPTS[0], host)[0] == 200
+    except OSError:
+        return False
+
+
+def leader_requests(pod):
+    """shardserve_requests_total{code="200"} on a leader, read from its pod address."""
+    ip = c.get("pod", pod)["status"]["podIP"]
+    conn = http.client.HTTPConnection(ip, 8000, timeout=10)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    page = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(m.group(1)) for m in
+               re.finditer(r'^shardserve_requests_total\{[^}]*code="200"[^}]*\} (\S+)', page, re.M))
+
+
+class ClientLoop:
+    """Sends completions through the Service one after another until stopped; counts failures
+    (a connection error or any status but 200), keeping what each failure said."""
+
+    def __init__(self):
+        self.ok, self.failed, self.errors = 0, 0, []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        host = service_ip()
+        while not self.stopping.is_set():
+            try:
+                code, body = post(host, {"model": NAME, "prompt": "load", "max_tokens": 8})
+                err = None if code == 200 else f"{code}: {str(body)[:200]}"
+            except OSError as e:
+                err = f"connection: {e}"
+            if err is None:
+                self.ok += 1
+            else:
+                self.failed += 1
+                self.errors.append(err)
+            time.sleep(0.02)
+
+    def stop(self):
+        self.stopping.set()
+        self.thread.join(120)
+        return self
+
+
+def rank_pid(pod, tp_rank):
+    """The host pid of `shardserve-worker rank` with SHARDSERVE_TP_RANK=tp_rank in pod's container
+    (its HOSTNAME is the pod's name)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if len(argv) < 2 or not argv[0].endswith(b"shardserve-worker") or argv[1] != b"rank":
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if (env.get(b"HOSTNAME") == pod.encode() and
+                env.get(b"SHARDSERVE_TP_RANK") == str(tp_rank).encode()):
+            return int(pid)
+    return None
+
+
+def local_reference(model_dir):
+    """The answers of `shardserve local` on the same manifest (file:// instead of hostpath://)."""
+    key_file = os.path.join(tmp, "keys")
+    with open(key_file, "w") as f:
+        f.write(KEY + "\n")
+    os.chmod(key_file, 0o600)
+    d = Deployment(SHARDSERVE, model_dir, name=NAME, tp=2, pp=2, max_batch=8, max_seq=1024,
+                   args=["--api-key-file", key_file], api_key=KEY)
+    try:
+        return [d.post("/v1/completions", {"model": NAME, "prompt": p, "max_tokens": 12,
+                                           "temperature": 0, "logprobs": 3})[2] for p in PROMPTS]
+    finally:
+        d.stop()
+
+
+def same_answer(a, b):
+    ca, cb = a["choices"][0], b["choices"][0]
+    la, lb = ca["logprobs"], cb["logprobs"]
+    return (ca["text"] == cb["text"] and la["tokens"] == lb["tokens"] and
+            all(abs(x - y) < 1e-4 for x, y in zip(la["token_logprobs"], lb["token_logprobs"])))
+
+
+# --- set-up: a model readable by the containers' user, the cluster, the operator, the key -----
+tmp = tempfile.mkdtemp(prefix="shardserve-e2e-")
+os.chmod(tmp, 0o755)
+models = os.path.join(tmp, "models")
+os.makedirs(models)
+os.chmod(models, 0o755)
+model_dir = os.path.join(models, "tiny")
+gen_model(SHARDSERVE, model_dir)
+for root, dirs, files in os.walk(models):
+    for n in dirs + files:
+        os.chmod(os.path.join(root, n), 0o755 if n in dirs else 0o644)
+reference = local_reference(model_dir)
+
+t = time.monotonic()
+c = Cluster(real_nodes=3)
+print(f"cluster with 3 real nodes up in {time.monotonic() - t:.1f} s", flush=True)
+op = None
+try:
+    op = Operator(c, OPERATOR, host_paths=models)
+    c.kubectl("create", "secret", "generic", "tiny-api-keys", f"--from-literal=key={KEY}",
+              check=True)
+
+    # --- 1. apply -> Ready -> the same answers as shardserve local --------------------------
+    t0 = time.monotonic()
+    apply(manifest(NAME, f"hostpath://{model_dir}"))
+    check(wait_until(lambda: ready(NAME, 1), 240), "the TP=2 x PP=2 replica becomes Ready")
+    check(wait_until(answers, 60), "the model answers through its Service")
+    figure("apply -> first answer through the Service", time.monotonic() - t0)
+    pods = c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]
+    check(len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2 and
+          all(p["status"]["phase"] == "Running" for p in pods),
+          "two stage pods run on two real nodes")
+    table = c.kubectl("get", "smodel", NAME, check=True)[1]
+    check(re.search(rf"^{NAME}\s+1/1\s+2\s+2\s+4\s+Ready", table, re.M) is not None,
+          f"kubectl get smodel says READY 1/1 ({table.splitlines()[-1].strip()})")
+    check([r["phase"] for r in status().get("replicaStatuses", [])] == ["Ready"],
+          "the replica's phase is in status")
+    got = [completion(p)[1] for p in PROMPTS]
+    check(all(same_answer(a, b) for a, b in zip(got, reference)),
+          "tokens and logprobs through the Service equal shardserve local's")
+    code, _ = post(service_ip(), {"model": NAME, "prompt": "x", "max_tokens": 1}, key="wrong")
+    check(code == 401, f"a wrong API key is refused through the Service ({code})")
+    logs = c.kubectl("logs", f"{NAME}-0-1", check=True)[1]
+    check(f"metrics on {NAME}-0-1.{NAME}-workers.default.svc:9401" in logs,
+          "kubectl logs shows a rank of stage 1 (its DNS name through the headless Service)")
+
+    # --- 2. scale 1 -> 2 -> 1 -----------------------------------------------------------------
+    t0 = time.monotonic()
+    c.kubectl("scale", "smodel", NAME, "--replicas=2", check=True)
+    check(wait_until(lambda: ready(NAME, 2), 240), "kubectl scale --replicas=2: 2/2 Ready")
+    host = service_ip()
+
+    def both_answer():
+        for _ in range(8):
+            completion(PROMPTS[1], host)
+        return leader_requests(f"{NAME}-1-0") > 0
+
+    check(wait_until(both_answer, 60), "the new replica answers through the Service")
+    figure("scale-up -> new replica answering", time.monotonic() - t0)
+    loop = ClientLoop()
+    time.sleep(1)
+    c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)
+    check(wait_until(lambda: ready(NAME, 1) and not c.get(
+        "pods", "-l", f"shardserve.io/model={NAME},shardserve.io/replica=1")["items"], 120),
+        "kubectl scale --replicas=1: replica 1's pods are gone")
+    loop.stop()
+    check(loop.failed == 0 and loop.ok > 0,
+          f"no request failed while replica 1 drained ({loop.ok} ok, {loop.failed} failed: "
+          f"{loop.errors[:3]})")
+
+    # --- 3. kill -9 of a rank -> the whole replica recreated ---------------------------------
+    uids = {p["metadata"]["uid"] for p in c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]}
+    pid = rank_pid(f"{NAME}-0-1", 1)
+    check(pid is not None, "rank (stage 1, tp 1) found in its container")
+    t0 = time.monotonic()
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+    check(wait_until(lambda: replica(NAME, 0).get("restarts", 0) >= 1, 60),
+          "the kill shows as a restart of replica 0 in status")
+    check(wait_until(lambda: ready(NAME, 1) and answers(), 240),
+          "the replica is Ready again and the Service answers")
+    figure("kill -9 of a rank -> Ready and answering again", time.monotonic() - t0)
+    new = {p["metadata"]["uid"] for p in c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]}
+    check(not (new & uids), "every pod of the replica was recreated, not only the failed one")
+
+    # --- 4. a rolling update under a client loop, 2 replicas ---------------------------------
+    c.kubectl("scale", "smodel", NAME, "--replicas=2", check=True)
+    check(wait_until(lambda: ready(NAME, 2), 240), "back to 2 replicas")
+    rev = status()["revision"]
+    loop = ClientLoop()
+    least = [2]
+
+    def rolled():
+        s = status()
+        least[0] = min(least[0], s.get("readyReplicas", 0))
+        return s.get("revision") != rev and ready(NAME, 2)
+
+    t0 = time.monotonic()
+    apply(manifest(NAME, f"hostpath://{model_dir}", replicas=2, env={"E2E_ROLL": "1"}))
+    check(wait_until(rolled, 360), "the rolling update completes at a new revision")
+    loop.stop()
+    figure("rolling update of 2 replicas", time.monotonic() - t0)
+    print(f"figure: requests during the roll: {loop.ok} ok, {loop.failed} failed", flush=True)
+    check(least[0] >= 1, f"never fewer than 1 ready replica (maxUnavailable 1; least {least[0]})")
+    check(loop.failed == 0 and loop.ok > 0,
+          f"no request failed during the roll ({loop.ok} ok, {loop.failed} failed: "
+          f"{loop.errors[:3]})")
+    envs = [e for p in c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]
+            for e in p["spec"]["containers"][0]["env"] if e["name"] == "E2E_ROLL"]
+    check(len(envs) == 4, "every pod runs the new spec")
+    c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)
+    check(wait_until(lambda: ready(NAME, 1), 120), "back to 1 replica")
+
+    # --- 5. bad input: a phase and a message naming the cause; nothing else disturbed --------
+    heads3 = os.path.join(models, "heads3")  # 3 attention heads: TP=2 does not divide them
+    gen_model(SHARDSERVE, heads3, "--hidden", "96", "--heads", "3", "--kv-heads", "3")
+    for n in os.listdir(heads3):
+        os.chmod(os.path.join(heads3, n), 0o644)
+    os.chmod(heads3, 0o755)
+    bad = {
+        "missing-path": (manifest("missing-path", f"hostpath://{models}/nowhere", pp=1,
+                                  key_secret=False), "Blocked",
+                         ("FailedMount", f"{models}/nowhere is not a directory")),
+        "no-image": (manifest("no-image", f"hostpath://{model_dir}", pp=1, key_secret=False,
+                              image="localhost/shardserve/worker:absent"), "Blocked",
+                     ("ImagePull", '"localhost/shardserve/worker:absent"')),
+        "bad-heads": (manifest("bad-heads", f"hostpath://{heads3}", pp=1, key_secret=False),
+                      "Failed", ("num_attention_heads 3 is not divisible by tensor parallelism 2",)),
+    }
+    for name, (obj, phase, cause) in bad.items():  # one at a time: each fits beside the model
+        apply(obj)
+
+        def shows():
+            r = replica(name, 0)
+            return r.get("phase") == phase and all(x in r.get("message", "") for x in cause)
+
+        check(wait_until(shows, 120), f"{name}: replica phase {phase}, message names the cause: "
+                                      f"{replica(name, 0).get('message', '')!r}")
+        degraded = [x for x in status(name).get("conditions", []) if x["type"] == "Degraded"]
+        check(degraded and degraded[0]["status"] == "True" and
+              all(x in degraded[0]["message"] for x in cause) and
+              status(name).get("phase") == "Degraded",
+              f"{name}: Degraded=True says why, the model's phase is Degraded")
+        c.kubectl("delete", "smodel", name, "--wait=true", "--timeout=120s")
+        check(wait_until(lambda: not c.get("pods", "-l", f"shardserve.io/model={name}")["items"],
+                         120), f"{name}: deleted, its pods gone")
+    check(ready(NAME, 1) and answers() and replica(NAME, 0).get("restarts") == 1,
+          "the serving model is undisturbed by the bad ones")
+finally:
+    if check.failures:
+        c.print_logs()
+        if op:
+            print("--- operator log\n" + op.output()[-4000:])
+    if op:
+        op.kill(signal.SIGTERM)
+    c.stop()
+check.finish()
