@@ -89,12 +89,14 @@ check(anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname" and
 models_role = find(default, "Role", "shardserve-models")[0]
 verbs = {(g, res): r["verbs"] for r in models_role["rules"] for g in r["apiGroups"]
          for res in r["resources"]}
-check(verbs[("", "pods")] == ["create", "delete"] and verbs[("", "events")] == ["create"] and
+check(verbs[("", "pods")] == ["create", "delete"] and
+      verbs[("", "events")] == ["create", "list"] and
       verbs[("shardserve.io", "shardedmodels/status")] == ["patch"] and
       verbs[("", "secrets")] == ["create"] and
       verbs[("policy", "poddisruptionbudgets")] == ["create"] and
       not any("*" in v for v in verbs.values()),
-      "RBAC: only the verbs the operator uses, no wildcards; Secrets: create, never read")
+      "RBAC: only the verbs the operator uses, no wildcards; Secrets: create, never read; "
+      "events: create, and list (a kubelet's FailedMount)")
 check(not find(default, "ClusterRole", "shardserve-models"),
       "namespace scope by default: no cluster-wide writes")
 reader = find(default, "ClusterRole", "shardserve-metrics-reader")[0]
