@@ -209,6 +209,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   add("SHARDSERVE_HOST", absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc"));
   add("SHARDSERVE_RENDEZVOUS_SECRET_FILE", absl::StrCat(kRendezvousSecretMount, "/secret"));
   add("SHARDSERVE_TERMINATION_LOG", "/dev/termination-log");  // the first rank error, for status
+  add("SHARDSERVE_PEER_TIMEOUT_MS", std::to_string(kPeerTimeoutMs));
   if (leader && !s.api_key_secret.empty()) add("SHARDSERVE_API_KEYS_FILE", kApiKeysMount);
   // The rendezvous and the mesh listen on the pod's own address only.
   env.push_back({{"name", "SHARDSERVE_POD_IP"},

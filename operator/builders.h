@@ -37,6 +37,10 @@ inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
 // A deleted worker pod waits this long before its SIGTERM, so that no new request is routed to
 // a leader that has begun to drain.
 inline constexpr int kPreStopSeconds = 5;
+// How long a rank in a pod waits on a silent peer before it calls it frozen. A dead peer's
+// connections close at once; silence across pods also comes from a node busy starting and
+// stopping other pods, which the local default (2 s) took for a freeze on the real nodes.
+inline constexpr int kPeerTimeoutMs = 10000;
 
 // What the platform sets on every worker pod (the chart's `workerDefaults`, given to the
 // operator with --worker-defaults): env (NCCL settings and the like; a model's own spec.worker.env

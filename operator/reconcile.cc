@@ -27,23 +27,6 @@ absl::Time ParseTime(const json& v) {
   return absl::InfinitePast();
 }
 
-}  // namespace
-
-std::string LastLine(const std::string& message) {
-  std::vector<absl::string_view> lines = absl::StrSplit(
-      message, '\n', [](absl::string_view l) { return !absl::StripAsciiWhitespace(l).empty(); });
-  if (lines.empty()) return "";
-  std::string line(absl::StripAsciiWhitespace(lines.back()));
-  if (line.size() > 300) {
-    size_t cut = 300;
-    while (cut > 0 && (static_cast<unsigned char>(line[cut]) & 0xC0) == 0x80) --cut;
-    line = line.substr(0, cut) + "...";
-  }
-  return line;
-}
-
-namespace {
-
 // Waiting reasons a container does not leave by itself: its image, or its configuration.
 bool Stuck(const std::string& reason) {
   return reason == "ErrImagePull" || reason == "ImagePullBackOff" || reason == "InvalidImageName" ||
@@ -173,6 +156,19 @@ const char* PhaseName(ReplicaPhase p) {
 
 std::string Rfc3339(absl::Time t) {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", t, absl::UTCTimeZone());
+}
+
+std::string LastLine(const std::string& message) {
+  std::vector<absl::string_view> lines = absl::StrSplit(
+      message, '\n', [](absl::string_view l) { return !absl::StripAsciiWhitespace(l).empty(); });
+  if (lines.empty()) return "";
+  std::string line(absl::StripAsciiWhitespace(lines.back()));
+  if (line.size() > 300) {
+    size_t cut = 300;
+    while (cut > 0 && (static_cast<unsigned char>(line[cut]) & 0xC0) == 0x80) --cut;
+    line = line.substr(0, cut) + "...";
+  }
+  return line;
 }
 
 PodView ReadPod(const json& pod) {

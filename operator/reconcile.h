@@ -67,8 +67,8 @@ struct Timing {
   absl::Duration placement_retry = absl::Seconds(30);
 };
 
-// The last non-empty line of a message (a container's termination message: with
-// FallbackToLogsOnError, the tail of its log, so the failing rank's reason), at most 300 bytes.
+// The last non-empty line of a message (a container's termination message: the first failing
+// rank's error, or with FallbackToLogsOnError the tail of its log), at most 300 bytes.
 std::string LastLine(const std::string& message);
 
 // kBlocked: a pod cannot start for a reason that does not pass by itself (its image cannot be

@@ -20,7 +20,11 @@ build() {  # name, inputs..., -- oci.py arguments
   while [ "$1" != -- ]; do inputs+=("$1"); shift; done
   shift
   local stamp
-  stamp="$OUT/.$name-$(cat "${inputs[@]}" "$here/oci.py" | md5sum | cut -c1-12)"
+  # The inputs, the builder, and which library files (versioned names) they load.
+  stamp="$OUT/.$name-$( (cat "${inputs[@]}" "$here/oci.py"
+    for f in "${inputs[@]}"; do
+      { ldd "$f" 2>/dev/null || true; } | awk '$3 ~ /^\// {print $3}' | xargs -r readlink -f
+    done) | md5sum | cut -c1-12)"
   [ -f "$stamp" ] && [ -f "$OUT/$name.tar" ] && return 0
   rm -f "$OUT/.$name-"*
   python3 "$here/oci.py" --out "$OUT/$name.tar" "$@"

@@ -9,23 +9,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.dirname(__file__))
 from checks import Checks  # noqa: E402
-from cluster import ROOT, Cluster  # noqa: E402
+from cluster import ROOT, Cluster, wait  # noqa: E402
 
 check = Checks()
-
-
-def wait(cond, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def gpu_pod(name, gpus, owner=None):

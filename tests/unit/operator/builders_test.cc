@@ -82,6 +82,7 @@ TEST(Builders, StagePodCarriesThePodContract) {
   // A failing rank's reason reaches the pod's status; a deleted pod keeps serving while the
   // Service forgets it, then drains.
   EXPECT_EQ(Env(worker, "SHARDSERVE_TERMINATION_LOG"), "/dev/termination-log");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_PEER_TIMEOUT_MS"), std::to_string(kPeerTimeoutMs));
   EXPECT_EQ(c["terminationMessagePath"], "/dev/termination-log");
   EXPECT_EQ(c["terminationMessagePolicy"], "FallbackToLogsOnError");
   EXPECT_EQ(c["lifecycle"]["preStop"]["sleep"]["seconds"], kPreStopSeconds);

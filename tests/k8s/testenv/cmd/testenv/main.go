@@ -248,7 +248,6 @@ func (c *component) stop() {
 	}
 }
 
-// waitReady polls the apiserver's /readyz with the admin certificate.
 // waitReady polls until every path answers 200 (with the admin certificate).
 func waitReady(server, pki string, deadline time.Time, apiserver *component, paths ...string) error {
 	ca, err := os.ReadFile(filepath.Join(pki, "ca.crt"))
