@@ -16,12 +16,20 @@ scripts/images/build.sh, and shardserve-operator driven with kubectl like a user
     does not divide: each a replica phase with a message that names the cause, the serving model
     undisturbed.
 
-Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready, failures during
-the roll) are printed as `figure:` lines.
+With --helm the operator is not a process on the host but the chart (helm/shardserve) installed
+with the locally built operator image: in-cluster config, the chart's ServiceAccount and RBAC, two
+replicas with leader election. The same flows run against it, and then: the leader's pod deleted
+while a scale is pending (the standby takes the Lease and reconciles it), `kubectl auth can-i` as
+its ServiceAccount for every verb it uses and for what it must not do, and the chart's pod
+security in force on the running operator process.
 
-usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator"""
+Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready, failures during
+the roll, leader failover) are printed as `figure:` lines.
+
+usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm]"""
 import http.client
 import json
+import subprocess
 import os
 import re
 import secrets
@@ -39,6 +47,11 @@ from cluster import Cluster, Operator  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
+HELM_MODE = "--helm" in sys.argv[3:]
+NS = "shardserve" if HELM_MODE else "default"  # the chart's operator watches its namespace
+RELEASE = "ss"
+HELM = os.path.join(os.environ.get("SHARDSERVE_CACHE", os.path.expanduser("~/.cache/shardserve")),
+                    "helm", "helm")
 IMAGE = "localhost/shardserve/worker:dev"
 NAME = "tiny"
 KEY = "sk-e2e-" + secrets.token_hex(16)
@@ -86,6 +99,10 @@ def ready(name, n):
     return (s.get("readyReplicas") == n and s.get("replicas") == n and s.get("phase") == "Ready"
             and s.get("observedGeneration") == obj["metadata"]["generation"]
             and s.get("updatedReplicas") == n)
+
+
+def model_pods(name):
+    return c.get("pods", "-l", f"shardserve.io/model={name}")["items"]
 
 
 def service_ip(name=NAME):
@@ -221,8 +238,134 @@ t = time.monotonic()
 c = Cluster(real_nodes=3)
 print(f"cluster with 3 real nodes up in {time.monotonic() - t:.1f} s", flush=True)
 op = None
+
+
+def operator_pods():
+    return c.get("pods", "-l", "app.kubernetes.io/name=shardserve")["items"]
+
+
+def lease_holder():
+    """The pod holding the operator's Lease ("" while there is none)."""
+    code, out, _ = c.kubectl("get", "lease", f"{RELEASE}-shardserve", "-o",
+                             "jsonpath={.spec.holderIdentity}")
+    return out.strip().rsplit("_", 1)[0] if code == 0 else ""
+
+
+def install_chart():
+    """helm install with the local operator image; the workers small enough for this machine."""
+    c.kubectl("create", "namespace", NS, check=True)
+    c.kubectl("config", "set-context", "--current", f"--namespace={NS}", check=True)
+    r = subprocess.run([HELM, "--kubeconfig", c.kubeconfig, "install", RELEASE,
+                        os.path.join(HERE, "..", "..", "helm", "shardserve"), "-n", NS,
+                        "--set", "image.repository=localhost/shardserve/operator",
+                        "--set", "image.tag=dev",
+                        "--set", f"operator.allowedHostPaths={{{models}}}",
+                        "--set", "workerDefaults.resources.requests.cpu=100m",
+                        "--set", "workerDefaults.resources.requests.memory=256Mi",
+                        "--set", "workerDefaults.resources.limits.memory=2Gi",
+                        "--wait", "--timeout=180s"], capture_output=True, text=True, timeout=240)
+    check(r.returncode == 0, "helm install with the local operator image" +
+          (f": {r.stderr[-500:]}" if r.returncode else ""))
+    pods = operator_pods()
+    check(len(pods) == 2 and all(p["status"]["phase"] == "Running" for p in pods) and
+          len({p["spec"]["nodeName"] for p in pods}) == 2,
+          "two operator pods run, on different real nodes")
+    check(wait_until(lambda: lease_holder() in {p["metadata"]["name"] for p in pods}, 60),
+          "one of them holds the leader Lease")
+
+
+def operator_process(pod):
+    """The host pid of shardserve-operator in `pod`'s container (HOSTNAME is the pod's name)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().split(b"\0")[0].endswith(b"shardserve-operator"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"HOSTNAME={pod}".encode() in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def chart_checks():
+    """Failover under a pending scale; least privilege asked of the apiserver; pod security."""
+    # The leader frozen (SIGSTOP: it can neither reconcile nor hand its Lease back), a scale
+    # that only it could have seen, then its pod deleted: the standby must take over.
+    leader = lease_holder()
+    frozen = operator_process(leader)
+    check(frozen is not None, f"the leader's process ({leader}) found")
+    if frozen:
+        os.kill(frozen, signal.SIGSTOP)
+    c.kubectl("scale", "smodel", NAME, "--replicas=2", check=True)
+    t0 = time.monotonic()
+    c.kubectl("delete", "pod", leader, "--wait=false", check=True)
+    check(wait_until(lambda: lease_holder() not in ("", leader), 60),
+          f"the standby takes the Lease from {leader}")
+    check(wait_until(lambda: status().get("replicas") == 2 and status().get(
+        "observedGeneration") == c.get("smodel", NAME)["metadata"]["generation"], 60),
+          "the new leader reconciles the pending scale")
+    figure("leader pod deleted -> pending scale reconciled", time.monotonic() - t0)
+    check(wait_until(lambda: ready(NAME, 2), 240), "2/2 Ready under the new leader")
+    c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)
+    check(wait_until(lambda: ready(NAME, 1), 120), "back to 1 replica")
+
+    sa = f"system:serviceaccount:{NS}:{RELEASE}-shardserve"
+
+    def can(verb, resource, *extra):
+        code, out, _ = c.kubectl("auth", "can-i", verb, resource, f"--as={sa}", *extra)
+        return out.strip() == "yes"
+
+    used = [("create", "pods"), ("delete", "pods"), ("list", "pods", "-A"), ("watch", "pods", "-A"),
+            ("list", "nodes"), ("watch", "nodes"), ("list", "shardedmodels.shardserve.io"),
+            ("watch", "shardedmodels.shardserve.io"),
+            ("patch", "shardedmodels.shardserve.io", "--subresource=status"),
+            ("update", "shardedmodels.shardserve.io", "--subresource=finalizers"),
+            ("create", "networkpolicies.networking.k8s.io"),
+            ("create", "services"), ("patch", "services"), ("create", "events"),
+            ("list", "events"), ("create", "secrets"), ("create", "poddisruptionbudgets.policy"),
+            ("create", "leases.coordination.k8s.io"),
+            ("get", f"leases.coordination.k8s.io/{RELEASE}-shardserve"),
+            ("update", f"leases.coordination.k8s.io/{RELEASE}-shardserve"),
+            ("create", "tokenreviews.authentication.k8s.io"),
+            ("create", "subjectaccessreviews.authorization.k8s.io")]
+    refused = [v for v in used if not can(*v)]
+    check(not refused, f"the operator's ServiceAccount may do every verb it uses ({refused})")
+    forbidden = [("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),
+                 ("delete", "nodes"), ("create", "pods", "--subresource=exec"),
+                 ("patch", "shardedmodels.shardserve.io"),
+                 ("delete", "shardedmodels.shardserve.io"),
+                 ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+                 ("update", "customresourcedefinitions.apiextensions.k8s.io"),
+                 ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+                 ("create", "clusterroles.rbac.authorization.k8s.io"),
+                 ("create", "pods", "-n", "default"), ("delete", "namespaces"),
+                 ("update", "leases.coordination.k8s.io/another-lease")]
+    allowed = [v for v in forbidden if can(*v)]
+    check(not allowed, f"and none of what it must not ({allowed})")
+
+    pod = lease_holder()
+    pid = operator_process(pod)
+    check(pid is not None, f"the operator process of {pod} found")
+    if pid:
+        with open(f"/proc/{pid}/status") as f:
+            st = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/mountinfo") as f:
+            root = [ln.split() for ln in f if ln.split()[4] == "/"]
+        check(st["Uid"].split()[0] == "65532" and st["Gid"].split()[0] == "65532",
+              f"it runs as 65532 ({st['Uid'].split()[0]})")
+        check(int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0, "with no capabilities")
+        check(st["Seccomp"].strip() == "2" and st["NoNewPrivs"].strip() == "1",
+              "under a seccomp filter (RuntimeDefault), without privilege escalation")
+        check(root and "ro" in root[-1][5].split(","), "on a read-only root filesystem")
+
+
 try:
-    op = Operator(c, OPERATOR, host_paths=models)
+    if HELM_MODE:
+        install_chart()
+    else:
+        op = Operator(c, OPERATOR, host_paths=models)
     c.kubectl("create", "secret", "generic", "tiny-api-keys", f"--from-literal=key={KEY}",
               check=True)
 
@@ -232,7 +375,7 @@ try:
     check(wait_until(lambda: ready(NAME, 1), 240), "the TP=2 x PP=2 replica becomes Ready")
     check(wait_until(answers, 60), "the model answers through its Service")
     figure("apply -> first answer through the Service", time.monotonic() - t0)
-    pods = c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]
+    pods = model_pods(NAME)
     check(len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2 and
           all(p["status"]["phase"] == "Running" for p in pods),
           "two stage pods run on two real nodes")
@@ -247,7 +390,7 @@ try:
     code, _ = post(service_ip(), {"model": NAME, "prompt": "x", "max_tokens": 1}, key="wrong")
     check(code == 401, f"a wrong API key is refused through the Service ({code})")
     logs = c.kubectl("logs", f"{NAME}-0-1", check=True)[1]
-    check(f"metrics on {NAME}-0-1.{NAME}-workers.default.svc:9401" in logs,
+    check(f"metrics on {NAME}-0-1.{NAME}-workers.{NS}.svc:9401" in logs,
           "kubectl logs shows a rank of stage 1 (its DNS name through the headless Service)")
 
     # --- 2. scale 1 -> 2 -> 1 -----------------------------------------------------------------
@@ -275,7 +418,7 @@ try:
           f"{loop.errors[:3]})")
 
     # --- 3. kill -9 of a rank -> the whole replica recreated ---------------------------------
-    uids = {p["metadata"]["uid"] for p in c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]}
+    uids = {p["metadata"]["uid"] for p in model_pods(NAME)}
     pid = rank_pid(f"{NAME}-0-1", 1)
     check(pid is not None, "rank (stage 1, tp 1) found in its container")
     t0 = time.monotonic()
@@ -286,7 +429,7 @@ try:
     check(wait_until(lambda: ready(NAME, 1) and answers(), 240),
           "the replica is Ready again and the Service answers")
     figure("kill -9 of a rank -> Ready and answering again", time.monotonic() - t0)
-    new = {p["metadata"]["uid"] for p in c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]}
+    new = {p["metadata"]["uid"] for p in model_pods(NAME)}
     check(not (new & uids), "every pod of the replica was recreated, not only the failed one")
 
     # --- 4. a rolling update under a client loop, 2 replicas ---------------------------------
@@ -311,11 +454,14 @@ try:
     check(loop.failed == 0 and loop.ok > 0,
           f"no request failed during the roll ({loop.ok} ok, {loop.failed} failed: "
           f"{loop.errors[:3]})")
-    envs = [e for p in c.get("pods", "-l", f"shardserve.io/model={NAME}")["items"]
+    envs = [e for p in model_pods(NAME)
             for e in p["spec"]["containers"][0]["env"] if e["name"] == "E2E_ROLL"]
     check(len(envs) == 4, "every pod runs the new spec")
     c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)
     check(wait_until(lambda: ready(NAME, 1), 120), "back to 1 replica")
+
+    if HELM_MODE:
+        chart_checks()
 
     # --- 5. bad input: a phase and a message naming the cause; nothing else disturbed --------
     heads3 = os.path.join(models, "heads3")  # 3 attention heads: TP=2 does not divide them
@@ -331,7 +477,8 @@ try:
                               image="localhost/shardserve/worker:absent"), "Blocked",
                      ("ImagePull", '"localhost/shardserve/worker:absent"')),
         "bad-heads": (manifest("bad-heads", f"hostpath://{heads3}", pp=1, key_secret=False),
-                      "Failed", ("num_attention_heads 3 is not divisible by tensor parallelism 2",)),
+                      "Failed",
+                      ("num_attention_heads 3 is not divisible by tensor parallelism 2",)),
     }
     for name, (obj, phase, cause) in bad.items():  # one at a time: each fits beside the model
         apply(obj)
@@ -348,7 +495,7 @@ try:
               status(name).get("phase") == "Degraded",
               f"{name}: Degraded=True says why, the model's phase is Degraded")
         c.kubectl("delete", "smodel", name, "--wait=true", "--timeout=120s")
-        check(wait_until(lambda: not c.get("pods", "-l", f"shardserve.io/model={name}")["items"],
+        check(wait_until(lambda: not model_pods(name),
                          120), f"{name}: deleted, its pods gone")
     check(wait_until(lambda: ready(NAME, 1) and answers(), 60) and
           replica(NAME, 0).get("restarts") == 1,
@@ -359,6 +506,9 @@ finally:
         c.print_logs()
         if op:
             print("--- operator log\n" + op.output()[-4000:])
+        for p in operator_pods() if HELM_MODE else []:
+            print(f"--- {p['metadata']['name']} log\n" +
+                  c.kubectl("logs", p["metadata"]["name"])[1][-3000:])
     if op:
         op.kill(signal.SIGTERM)
     c.stop()

@@ -43,9 +43,10 @@ class Cluster:
         deadline = time.monotonic() + 180 + 60 * real_nodes
         while not os.path.exists(os.path.join(self.dir, "ready")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("testenv did not start:\n" +
-                                   open(os.path.join(self.dir, "testenv.log")).read())
+                with open(os.path.join(self.dir, "testenv.log")) as f:
+                    why = f.read()[-5000:]
+                self.stop()  # removes the directory, the log with it
+                raise RuntimeError("testenv did not start:\n" + why)
             time.sleep(0.1)
         self.kubeconfig = os.path.join(self.dir, "kubeconfig")
         self.server = open(os.path.join(self.dir, "ready")).read().strip()

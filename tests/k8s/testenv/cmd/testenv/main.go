@@ -119,7 +119,8 @@ func (k *keyPair) write(dir, name string) error {
 	return os.WriteFile(filepath.Join(dir, name+".key"), keyPEM, 0o600)
 }
 
-// Certificates: a CA, the apiserver's serving certificate (127.0.0.1, localhost), client
+// Certificates: a CA, the apiserver's serving certificate (127.0.0.1, localhost, the address
+// pods reach it at when there are real nodes, and the kubernetes Service's), client
 // certificates for the admin (system:masters), each component and the apiserver towards the
 // kubelets, and the service-account key. Returns the CA, which signs the real nodes' too.
 func writeCerts(pki string) (*keyPair, error) {
@@ -134,7 +135,7 @@ func writeCerts(pki string) (*keyPair, error) {
 	}
 	serving, err := newCert(&x509.Certificate{Subject: pkix.Name{CommonName: "kube-apiserver"},
 		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1")},
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(apiIP), net.ParseIP("10.96.0.1")},
 		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}, ca)
 	if err != nil {
@@ -347,7 +348,16 @@ func up(dir, bin, crds string, realNodeCount int, images string) error {
 	if err != nil {
 		return err
 	}
-	server := "https://127.0.0.1:" + strconv.Itoa(apiPort)
+	// With real nodes, pods reach the apiserver (through the kubernetes Service): it listens on a
+	// bridge address of this machine's own instead of loopback.
+	apiHost := "127.0.0.1"
+	if real != nil {
+		apiHost = apiIP
+		if err := prepareNetwork(realNodeCount); err != nil {
+			return fmt.Errorf("real nodes: %w", err)
+		}
+	}
+	server := "https://" + apiHost + ":" + strconv.Itoa(apiPort)
 	kubeconfig := filepath.Join(dir, "kubeconfig")
 	for _, user := range []string{"admin", "controller-manager", "scheduler", "kwok"} {
 		path := filepath.Join(dir, user+".kubeconfig")
@@ -360,8 +370,8 @@ func up(dir, bin, crds string, realNodeCount int, images string) error {
 	}
 	p := func(name string) string { return filepath.Join(pki, name) }
 	apiserverArgs := []string{"--etcd-servers=" + cu.String(),
-		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(apiPort),
-		"--advertise-address=127.0.0.1",
+		"--bind-address=" + apiHost, "--secure-port=" + strconv.Itoa(apiPort),
+		"--advertise-address=" + apiHost,
 		"--tls-cert-file=" + p("apiserver.crt"), "--tls-private-key-file=" + p("apiserver.key"),
 		"--client-ca-file=" + p("ca.crt"),
 		"--service-account-key-file=" + p("sa.key"),
@@ -405,8 +415,9 @@ func up(dir, bin, crds string, realNodeCount int, images string) error {
 		"serviceaccount-token-controller,node-lifecycle-controller,pod-garbage-collector-controller," +
 		"root-ca-certificate-publisher-controller,taint-eviction-controller," +
 		"horizontal-pod-autoscaler-controller"
-	if real != nil { // Services on real nodes need their endpoints
-		controllers += ",endpointslice-controller,endpoints-controller"
+	if real != nil { // Services on real nodes need their endpoints; Deployments their pods
+		controllers += ",endpointslice-controller,endpoints-controller,deployment-controller," +
+			"replicaset-controller"
 	}
 	kcm, err := start(dir, bin, "kube-controller-manager",
 		"--kubeconfig="+filepath.Join(dir, "controller-manager.kubeconfig"),

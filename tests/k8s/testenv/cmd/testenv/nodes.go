@@ -26,9 +26,10 @@ import (
 
 const (
 	bridgePrefix = "ssbr"   // ssbr1, ssbr2, ...: node i's bridge, 10.244.i.1/24
-	dnsLink      = "ssdns0" // a link of its own (an empty bridge) holding the cluster DNS address
+	dnsLink      = "ssdns0" // a link of its own (an empty bridge): the DNS and apiserver addresses
 	dnsIP        = "10.244.0.10"
-	cgroupPrefix = "ssnode" // /sys/fs/cgroup/<controller>/ssnode<i>: node i's cgroup root
+	apiIP        = "10.244.0.1" // the apiserver's address when there are real nodes
+	cgroupPrefix = "ssnode"     // /sys/fs/cgroup/<controller>/ssnode<i>: node i's cgroup root
 	lockPath     = "/run/shardserve-real-nodes.lock"
 	leftoverPath = "/run/shardserve-real-nodes.dir" // the directory of the environment holding the lock
 	nodeGPUs     = 4
@@ -185,6 +186,7 @@ func prepareNetwork(n int) error {
 	steps := [][]string{
 		{"link", "add", dnsLink, "type", "bridge"},
 		{"addr", "add", dnsIP + "/32", "dev", dnsLink},
+		{"addr", "add", apiIP + "/32", "dev", dnsLink},
 		{"link", "set", dnsLink, "up"},
 	}
 	for i := 1; i <= n; i++ {
@@ -228,12 +230,9 @@ func writeNodeCerts(pki string, ca *keyPair, n int) error {
 	return nil
 }
 
-// startRealNodes starts CoreDNS, then per node a containerd (with the images imported) and a
+// start (after prepareNetwork) starts CoreDNS, then per node a containerd (the images imported) and a
 // kubelet, then kube-proxy; it returns once every node is Ready and advertises its GPUs.
 func (r *realNodes) start(server, pki string, add func(*component)) error {
-	if err := prepareNetwork(r.n); err != nil {
-		return err
-	}
 	for _, user := range []string{"kube-proxy", "coredns"} {
 		if err := writeKubeconfig(filepath.Join(r.dir, user+".kubeconfig"), server, pki, user); err != nil {
 			return err
