@@ -8,7 +8,10 @@
 #                                 bridge CNI, kube-proxy, CoreDNS; as root) running the images of
 #                                 scripts/images/build.sh (localhost/shardserve/*:dev)
 #   scripts/dev-cluster.sh env    print `export KUBECONFIG=...` for it (eval "$(... env)")
-#   scripts/dev-cluster.sh down   stop it
+#   scripts/dev-cluster.sh monitoring [--release R] [--namespace NS] [--port P]
+#                                 Prometheus (the monitors and alerts of Helm release R) and
+#                                 KEDA beside it (scripts/dev-monitoring.py; real nodes)
+#   scripts/dev-cluster.sh down   stop it (and the monitoring)
 # State lives in $SHARDSERVE_DEV_CLUSTER (default ~/.cache/shardserve/dev-cluster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +41,11 @@ case "${1:-}" in
     echo "dev-cluster: not ready after 180 s; logs in $DIR" >&2; exit 1 ;;
   env)
     cat "$DIR/env" ;;
+  monitoring)
+    shift
+    python3 scripts/dev-monitoring.py up "$DIR" "$@" ;;
   down)
+    python3 scripts/dev-monitoring.py down "$DIR" >/dev/null
     if [ -f "$DIR/pid" ]; then
       pid=$(cat "$DIR/pid")
       kill -TERM "$pid" 2>/dev/null || true
@@ -47,5 +54,5 @@ case "${1:-}" in
     fi
     echo "dev-cluster: stopped" ;;
   *)
-    echo "usage: scripts/dev-cluster.sh up [--real-nodes N]|env|down" >&2; exit 2 ;;
+    echo "usage: scripts/dev-cluster.sh up [--real-nodes N]|env|monitoring|down" >&2; exit 2 ;;
 esac

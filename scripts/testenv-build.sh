@@ -3,6 +3,9 @@
 # kube-controller-manager, kube-scheduler, kubelet, kube-proxy (k8s.io/kubernetes), kwok
 # (sigs.k8s.io/kwok), CoreDNS (its own module, pinned below) and the testenv launcher with
 # embedded etcd (tests/k8s/testenv), from the Go module proxy, into $SHARDSERVE_CACHE/testenv/bin.
+# For the cluster's monitoring and autoscaling, also Prometheus (Debian's is built without
+# Kubernetes service discovery) with promtool, and KEDA's operator and metrics adapter (keda,
+# keda-adapter; its manifests into ../keda), each pinned below.
 # Rebuilds only when the module, the launcher or this script changes; prints the binary
 # directory.
 set -euo pipefail
@@ -11,10 +14,13 @@ cd "$(dirname "$0")/../tests/k8s/testenv"
 CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
 BIN="$CACHE/testenv/bin"
 COREDNS=github.com/coredns/coredns@v1.14.7
-stamp="$BIN/.stamp-$( (cat go.mod go.sum cmd/testenv/*.go "$SELF"; echo "$COREDNS") | md5sum | cut -c1-12)"
+PROMETHEUS=github.com/prometheus/prometheus@v0.316.0  # Prometheus 3.16.0
+KEDA=github.com/kedacore/keda/v2@v2.21.0
+stamp="$BIN/.stamp-$( (cat go.mod go.sum cmd/testenv/*.go "$SELF") | md5sum | cut -c1-12)"
+moddir() { (cd /tmp && go mod download -json "$1") | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p'; }
 if [ ! -f "$stamp" ]; then
   echo "testenv: building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet," \
-    "kube-proxy, kwok, CoreDNS, testenv (first time: several minutes)" >&2
+    "kube-proxy, kwok, CoreDNS, testenv, Prometheus, KEDA (first time: about 30 minutes)" >&2
   mkdir -p "$BIN"
   rm -f "$BIN"/.stamp-*
   # The release they are, as Kubernetes' own builds stamp it (clients such as Helm check it).
@@ -27,6 +33,20 @@ if [ ! -f "$stamp" ]; then
     k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy \
     sigs.k8s.io/kwok/cmd/kwok ./cmd/testenv
   GOBIN="$BIN" GOFLAGS=-mod=mod go install "$COREDNS"
+  # Only Kubernetes service discovery (the others pull modules the proxy does not serve).
+  GOBIN="$BIN" GOFLAGS=-mod=mod go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
+    -ldflags "-X github.com/prometheus/common/version.Version=3.16.0" \
+    "${PROMETHEUS%@*}/cmd/prometheus@${PROMETHEUS#*@}" \
+    "${PROMETHEUS%@*}/cmd/promtool@${PROMETHEUS#*@}"
+  # KEDA's go.mod has a replace directive, which `go install pkg@version` refuses: build in a
+  # copy of its module.
+  src="$CACHE/testenv/keda-src"
+  rm -rf "$src" && cp -r "$(moddir "$KEDA")" "$src" && chmod -R u+w "$src"
+  for cmd in operator:keda adapter:keda-adapter; do
+    (cd "$src" && GOFLAGS=-mod=mod go build -trimpath -o "$BIN/${cmd#*:}" \
+      -ldflags "-X github.com/kedacore/keda/v2/version.Version=${KEDA#*@}" "./cmd/${cmd%:*}")
+  done
+  rm -rf "$CACHE/testenv/keda" && cp -r "$src/config" "$CACHE/testenv/keda" && rm -rf "$src"
   touch "$stamp"
 fi
 echo "$BIN"

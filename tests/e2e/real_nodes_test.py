@@ -28,15 +28,12 @@ the roll, leader failover) are printed as `figure:` lines.
 
 usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm]"""
 import http.client
-import json
-import subprocess
 import os
 import re
 import secrets
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,85 +42,46 @@ sys.path.insert(0, os.path.join(HERE, "..", "k8s"))
 from checks import Checks, wait_until  # noqa: E402
 from cluster import Cluster, Operator  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from realnodes import (ClientLoop, Models, container_pid, figure, helm_install,  # noqa: E402
+                       lease_holder as chart_lease_holder, manifest, operator_pods as
+                       chart_operator_pods, rank_pid, readable_models)
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
 HELM_MODE = "--helm" in sys.argv[3:]
 NS = "shardserve" if HELM_MODE else "default"  # the chart's operator watches its namespace
 RELEASE = "ss"
-HELM = os.path.join(os.environ.get("SHARDSERVE_CACHE", os.path.expanduser("~/.cache/shardserve")),
-                    "helm", "helm")
-IMAGE = "localhost/shardserve/worker:dev"
 NAME = "tiny"
 KEY = "sk-e2e-" + secrets.token_hex(16)
 PROMPTS = ["hello world", "The quick brown fox", "1 2 3 4"]
 check = Checks()
 
 
-def figure(what, seconds):
-    print(f"figure: {what}: {seconds:.1f} s", flush=True)
-
-
-def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secret=True):
-    worker = {"image": image,
-              "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
-                            "limits": {"memory": "2Gi"}}}
-    if env:
-        worker["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    serving = {"port": 8000, "maxBatchSize": 8, "maxSequenceLength": 1024}
-    if key_secret:
-        serving["apiKeySecret"] = "tiny-api-keys"
-    return {"apiVersion": "shardserve.io/v1alpha1", "kind": "ShardedModel",
-            "metadata": {"name": name},
-            "spec": {"replicas": replicas, "model": {"name": name, "uri": uri},
-                     "parallelism": {"tensor": tp, "pipeline": pp}, "worker": worker,
-                     "serving": serving}}
-
-
 def apply(obj):
-    c.kubectl("apply", "-f", "-", input=json.dumps(obj), check=True)
+    m.apply(obj)
 
 
 def status(name=NAME):
-    return c.get("smodel", name).get("status", {})
+    return m.status(name)
 
 
 def replica(name, index):
-    for r in status(name).get("replicaStatuses", []):
-        if r.get("index") == index:
-            return r
-    return {}
+    return m.replica(name, index)
 
 
 def ready(name, n):
-    s, obj = status(name), c.get("smodel", name)
-    return (s.get("readyReplicas") == n and s.get("replicas") == n and s.get("phase") == "Ready"
-            and s.get("observedGeneration") == obj["metadata"]["generation"]
-            and s.get("updatedReplicas") == n)
+    return m.ready(name, n)
 
 
 def model_pods(name):
-    return c.get("pods", "-l", f"shardserve.io/model={name}")["items"]
+    return m.pods(name)
 
 
 def service_ip(name=NAME):
-    return c.get("svc", name)["spec"]["clusterIP"]
+    return m.service_ip(name)
 
 
-def post(host, body, path="/v1/completions", timeout=60, key=KEY):
-    """(status, parsed body or text); raises OSError when the connection fails."""
-    conn = http.client.HTTPConnection(host, 8000, timeout=timeout)
-    try:
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"Content-Type": "application/json",
-                              "Authorization": f"Bearer {key}"})
-        r = conn.getresponse()
-        data = r.read()
-        try:
-            return r.status, json.loads(data)
-        except ValueError:
-            return r.status, data.decode(errors="replace")
-    finally:
-        conn.close()
+def post(host, body, key=KEY):
+    return m.post(host, body, key=key)
 
 
 def completion(prompt, host=None):
@@ -132,10 +90,7 @@ def completion(prompt, host=None):
 
 
 def answers(host=None):
-    try:
-        return completion(PROMPTS[0], host)[0] == 200
-    except OSError:
-        return False
+    return m.answers(NAME, PROMPTS[0], host)
 
 
 def leader_requests(pod):
@@ -145,58 +100,8 @@ def leader_requests(pod):
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     page = conn.getresponse().read().decode()
     conn.close()
-    return sum(float(m.group(1)) for m in
+    return sum(float(x.group(1)) for x in
                re.finditer(r'^shardserve_requests_total\{[^}]*code="200"[^}]*\} (\S+)', page, re.M))
-
-
-class ClientLoop:
-    """Sends completions through the Service one after another until stopped; counts failures
-    (a connection error or any status but 200), keeping what each failure said."""
-
-    def __init__(self):
-        self.ok, self.failed, self.errors = 0, 0, []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        host = service_ip()
-        while not self.stopping.is_set():
-            try:
-                code, body = post(host, {"model": NAME, "prompt": "load", "max_tokens": 8})
-                err = None if code == 200 else f"{code}: {str(body)[:200]}"
-            except OSError as e:
-                err = f"connection: {e}"
-            if err is None:
-                self.ok += 1
-            else:
-                self.failed += 1
-                self.errors.append(err)
-            time.sleep(0.02)
-
-    def stop(self):
-        self.stopping.set()
-        self.thread.join(120)
-        return self
-
-
-def rank_pid(pod, tp_rank):
-    """The host pid of `shardserve-worker rank` with SHARDSERVE_TP_RANK=tp_rank in pod's container
-    (its HOSTNAME is the pod's name)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            if len(argv) < 2 or not argv[0].endswith(b"shardserve-worker") or argv[1] != b"rank":
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if (env.get(b"HOSTNAME") == pod.encode() and
-                env.get(b"SHARDSERVE_TP_RANK") == str(tp_rank).encode()):
-            return int(pid)
-    return None
 
 
 def local_reference(model_dir):
@@ -223,49 +128,28 @@ def same_answer(a, b):
 
 # --- set-up: a model readable by the containers' user, the cluster, the operator, the key -----
 tmp = tempfile.mkdtemp(prefix="shardserve-e2e-")
-os.chmod(tmp, 0o755)
-models = os.path.join(tmp, "models")
-os.makedirs(models)
-os.chmod(models, 0o755)
-model_dir = os.path.join(models, "tiny")
-gen_model(SHARDSERVE, model_dir)
-for root, dirs, files in os.walk(models):
-    for n in dirs + files:
-        os.chmod(os.path.join(root, n), 0o755 if n in dirs else 0o644)
+models, model_dir = readable_models(SHARDSERVE, tmp, gen_model)
 reference = local_reference(model_dir)
 
 t = time.monotonic()
 c = Cluster(real_nodes=3)
 print(f"cluster with 3 real nodes up in {time.monotonic() - t:.1f} s", flush=True)
+m = Models(c, KEY)
 op = None
 
 
 def operator_pods():
-    return c.get("pods", "-l", "app.kubernetes.io/name=shardserve")["items"]
+    return chart_operator_pods(c)
 
 
 def lease_holder():
-    """The pod holding the operator's Lease ("" while there is none)."""
-    code, out, _ = c.kubectl("get", "lease", f"{RELEASE}-shardserve", "-o",
-                             "jsonpath={.spec.holderIdentity}")
-    return out.strip().rsplit("_", 1)[0] if code == 0 else ""
+    return chart_lease_holder(c, RELEASE)
 
 
 def install_chart():
     """helm install with the local operator image; the workers small enough for this machine."""
-    c.kubectl("create", "namespace", NS, check=True)
-    c.kubectl("config", "set-context", "--current", f"--namespace={NS}", check=True)
-    r = subprocess.run([HELM, "--kubeconfig", c.kubeconfig, "install", RELEASE,
-                        os.path.join(HERE, "..", "..", "helm", "shardserve"), "-n", NS,
-                        "--set", "image.repository=localhost/shardserve/operator",
-                        "--set", "image.tag=dev",
-                        "--set", f"operator.allowedHostPaths={{{models}}}",
-                        "--set", "workerDefaults.resources.requests.cpu=100m",
-                        "--set", "workerDefaults.resources.requests.memory=256Mi",
-                        "--set", "workerDefaults.resources.limits.memory=2Gi",
-                        "--wait", "--timeout=180s"], capture_output=True, text=True, timeout=240)
-    check(r.returncode == 0, "helm install with the local operator image" +
-          (f": {r.stderr[-500:]}" if r.returncode else ""))
+    ok, err = helm_install(c, RELEASE, NS, models)
+    check(ok, "helm install with the local operator image" + ("" if ok else f": {err}"))
     pods = operator_pods()
     check(len(pods) == 2 and all(p["status"]["phase"] == "Running" for p in pods) and
           len({p["spec"]["nodeName"] for p in pods}) == 2,
@@ -275,18 +159,8 @@ def install_chart():
 
 
 def operator_process(pod):
-    """The host pid of shardserve-operator in `pod`'s container (HOSTNAME is the pod's name)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not f.read().split(b"\0")[0].endswith(b"shardserve-operator"):
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"HOSTNAME={pod}".encode() in f.read().split(b"\0"):
-                    return int(pid)
-        except OSError:
-            continue
-    return None
+    """The host pid of shardserve-operator in `pod`'s container."""
+    return container_pid(pod, "shardserve-operator")
 
 
 def chart_checks():
@@ -406,7 +280,7 @@ try:
 
     check(wait_until(both_answer, 60), "the new replica answers through the Service")
     figure("scale-up -> new replica answering", time.monotonic() - t0)
-    loop = ClientLoop()
+    loop = ClientLoop(m, NAME)
     time.sleep(1)
     c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)
     check(wait_until(lambda: ready(NAME, 1) and not c.get(
@@ -436,7 +310,7 @@ try:
     c.kubectl("scale", "smodel", NAME, "--replicas=2", check=True)
     check(wait_until(lambda: ready(NAME, 2), 240), "back to 2 replicas")
     rev = status()["revision"]
-    loop = ClientLoop()
+    loop = ClientLoop(m, NAME)
     least = [2]
 
     def rolled():

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import yaml
@@ -21,12 +22,9 @@ import yaml
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k8s"))
 from checks import Checks  # noqa: E402
-from cluster import ROOT, Cluster, wait  # noqa: E402
+from cluster import HELM, PROMOP_CRDS, ROOT, Cluster, wait  # noqa: E402
 
 BIN = sys.argv[1]
-CACHE = os.environ.get("SHARDSERVE_CACHE", os.path.expanduser("~/.cache/shardserve"))
-HELM = os.path.join(CACHE, "helm", "helm")
-PROMOP_CRDS = os.path.join(CACHE, "prometheus-operator-crds-v0.85.0")
 CHART = os.path.join(ROOT, "helm", "shardserve")
 NS = "shardserve-system"
 check = Checks()
@@ -147,6 +145,72 @@ with open(os.path.join(ROOT, "dashboards", "alerts.yaml")) as f:
     alerts = yaml.safe_load(f)
 check(find(mon, "PrometheusRule")[0]["spec"] == alerts,
       "the PrometheusRule is dashboards/alerts.yaml (one source)")
+
+# --- the monitors as a plain Prometheus configuration (scripts/prometheus-config.py) ------------
+TESTENV_BIN = subprocess.run(["bash", os.path.join(ROOT, "scripts", "testenv-build.sh")],
+                             check=True, capture_output=True, text=True).stdout.strip()
+
+
+def prometheus_config(docs):
+    """(completed process, prometheus.yml as a dict or None, its path) for rendered objects."""
+    out = tempfile.mkdtemp(prefix="shardserve-promcfg-")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prometheus-config.py"),
+                        "--out", out], input=yaml.safe_dump_all(docs), capture_output=True,
+                       text=True)
+    path = os.path.join(out, "prometheus.yml")
+    if not os.path.exists(path):
+        return r, None, path
+    with open(path) as f:
+        return r, yaml.safe_load(f), path
+
+
+r, config, path = prometheus_config(mon)
+check(r.returncode == 0 and config, f"prometheus-config.py translates the monitors: {r.stderr}")
+jobs = {j["job_name"]: j for j in (config or {}).get("scrape_configs", [])}
+check(sorted(jobs) == [f"podMonitor/{NS}/shardserve-ranks/{t}" for t in range(4)] +
+      [f"serviceMonitor/{NS}/shardserve-operator/0"],
+      f"a scrape job per monitor endpoint, named as prometheus-operator names them: {sorted(jobs)}")
+
+
+def job_label(job):
+    """The `job` label the relabelling gives a target of `job` (a constant, or the Service's
+    name when taken from __meta_kubernetes_service_name)."""
+    rule = [x for x in job["relabel_configs"] if x.get("target_label") == "job"][-1]
+    if rule.get("source_labels") == ["__meta_kubernetes_service_name"]:
+        return find(mon, "Service")[0]["metadata"]["name"]
+    return rule["replacement"]
+
+
+ranks = jobs.get(f"podMonitor/{NS}/shardserve-ranks/1", {"relabel_configs": []})
+operator = jobs.get(f"serviceMonitor/{NS}/shardserve-operator/0", {"relabel_configs": []})
+check({"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+       "regex": "metrics-1"} in ranks["relabel_configs"] and
+      {"action": "keep", "regex": "true",
+       "source_labels": ["__meta_kubernetes_pod_labelpresent_shardserve_io_model"]}
+      in ranks["relabel_configs"] and
+      {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"}
+      in ranks["relabel_configs"] and ranks["kubernetes_sd_configs"][0]["role"] == "pod",
+      "the ranks' job keeps pods with the model label on port metrics-<t>, labelled by namespace")
+check(operator.get("honor_labels") is True and
+      operator.get("authorization", {}).get("credentials_file") ==
+      "/var/run/secrets/kubernetes.io/serviceaccount/token" and
+      operator["kubernetes_sd_configs"][0]["role"] == "endpoints",
+      "the operator's job keeps the models' namespaces and sends Prometheus' token")
+# The alerts select the scrape jobs by their `job` label: they must match what the monitors give.
+for rule in alerts["groups"][0]["rules"]:
+    for regex in re.findall(r'up\{job=~"([^"]+)"\}', rule["expr"]):
+        matched = [job_label(j) for j in jobs.values() if re.fullmatch(regex, job_label(j))]
+        check(matched, f"alert {rule['alert']}: job=~\"{regex}\" matches the monitors' jobs "
+                       f"({sorted(set(matched))})")
+r = subprocess.run([os.path.join(TESTENV_BIN, "promtool"), "check", "config", "--syntax-only",
+                    path], capture_output=True, text=True)
+check(r.returncode == 0, f"promtool (with Kubernetes discovery) accepts it: "
+                         f"{(r.stdout + r.stderr).strip()[-300:]}")
+odd = [dict(o, spec=dict(o["spec"], sampleLimit=10)) if o["kind"] == "PodMonitor" else o
+       for o in mon]
+r, _, _ = prometheus_config(odd)
+check(r.returncode != 0 and "sampleLimit not translated" in r.stderr,
+      f"a monitor field it does not translate is an error: {r.stderr.strip()}")
 minimal = render("networkPolicy.enabled=false", "operator.leaderElection.enabled=false",
                  "operator.replicas=1", "dashboards.enabled=false", "operator.metricsAuth=none",
                  "operator.disruptionBudgets=false", "admissionPolicy.enabled=false")

@@ -10,6 +10,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.environ.get("SHARDSERVE_CACHE", os.path.expanduser("~/.cache/shardserve"))
+HELM = os.path.join(CACHE, "helm", "helm")  # scripts/setup.sh installs it
+# PodMonitor, ServiceMonitor, PrometheusRule (scripts/setup.sh fetches them)
+PROMOP_CRDS = os.path.join(CACHE, "prometheus-operator-crds-v0.85.0")
 
 
 def wait(cond, timeout=60, every=0.1):
@@ -50,6 +54,18 @@ class Cluster:
             time.sleep(0.1)
         self.kubeconfig = os.path.join(self.dir, "kubeconfig")
         self.server = open(os.path.join(self.dir, "ready")).read().strip()
+
+    @classmethod
+    def attach(cls, directory):
+        """The cluster already running in `directory` (scripts/dev-cluster.sh up), not stopped
+        by this object."""
+        c = cls.__new__(cls)
+        c.dir, c.proc, c.log = directory, None, None
+        c.bin = subprocess.run(["bash", os.path.join(ROOT, "scripts", "testenv-build.sh")],
+                               check=True, capture_output=True, text=True).stdout.strip()
+        c.kubeconfig = os.path.join(directory, "kubeconfig")
+        c.server = open(os.path.join(directory, "ready")).read().strip()
+        return c
 
     def kubectl(self, *args, input=None, check=False):
         """(returncode, stdout, stderr) of kubectl against this cluster."""

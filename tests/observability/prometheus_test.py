@@ -7,91 +7,26 @@ one series, and every alert expression must be accepted by Prometheus. promtool 
 and runs their unit tests.
 
 usage: prometheus_test.py path/to/shardserve path/to/shardserve-operator"""
-import glob
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import urllib.parse
-import urllib.request
 
 import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k8s"))
 from checks import Checks  # noqa: E402
-from cluster import ROOT, Cluster, Operator, wait  # noqa: E402
+from cluster import Cluster, Operator, wait  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from monitoring import DASHBOARDS, Prometheus, check_dashboards  # noqa: E402
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
-DASHBOARDS = os.path.join(ROOT, "dashboards")
 check = Checks()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Prometheus:
-    def __init__(self, jobs):
-        self.dir = tempfile.mkdtemp(prefix="shardserve-prometheus-")
-        self.port = free_port()
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "rule_files": [os.path.join(DASHBOARDS, "alerts.yaml")],
-                  "scrape_configs": jobs}
-        path = os.path.join(self.dir, "prometheus.yml")
-        with open(path, "w") as f:
-            yaml.safe_dump(config, f)
-        self.log = open(os.path.join(self.dir, "prometheus.log"), "w")
-        self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={path}", f"--storage.tsdb.path={self.dir}/data",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        assert wait(lambda: self.ready(), 60), open(self.log.name).read()
-
-    def ready(self):
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready",
-                                          timeout=2).status == 200
-        except OSError:
-            return False
-
-    def api(self, path, **params):
-        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?" + urllib.parse.urlencode(params)
-        try:
-            return json.loads(urllib.request.urlopen(url, timeout=30).read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
-
-    def query(self, expr):
-        return self.api("query", query=expr)
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def label_values(prom, query):
-    """What Grafana's label_values(metric{sel}, label) offers."""
-    m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query.strip())
-    series, label = m.group(1), m.group(2)
-    r = prom.api(f"label/{label}/values", **{"match[]": series})
-    return r.get("data", [])
-
-
-def substitute(expr, values):
-    for name, value in values.items():
-        expr = expr.replace(f"${name}", re.escape(value)).replace(f"${{{name}}}", re.escape(value))
-    return expr.replace("$__rate_interval", "1m").replace("$__interval", "1m")
 
 
 # --- what Prometheus scrapes ---------------------------------------------------------------------
@@ -119,12 +54,15 @@ try:
                                                                "operator": "Exists"}]}}}))
 
     # The rank targets carry the namespace label Kubernetes service discovery would give them.
-    prom = Prometheus([
-        {"job_name": "shardserve-ranks",
+    prom = Prometheus(config={
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [os.path.join(DASHBOARDS, "alerts.yaml")],
+        "scrape_configs": [
+            {"job_name": "shardserve-ranks",
          "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in d.metrics_ports],
                              "labels": {"namespace": "local"}}]},
-        {"job_name": "shardserve-operator",
-         "static_configs": [{"targets": [f"127.0.0.1:{op_port}"]}]}])
+            {"job_name": "shardserve-operator",
+             "static_configs": [{"targets": [f"127.0.0.1:{op_port}"]}]}]})
 
     def load():
         i = 0
@@ -144,9 +82,7 @@ try:
         return r["data"]["result"] and r["data"]["result"][0]["value"][1] == str(len(d.metrics_ports) + 1)
     check(wait(targets_up, 60), "Prometheus scrapes the 4 ranks and the operator")
     # A minute of data, so the 1m rates and histogram quantiles have two samples and more.
-    def scalar(expr):
-        result = prom.query(expr)["data"]["result"]
-        return float(result[0]["value"][1]) if result else 0.0
+    scalar = prom.scalar
     check(wait(lambda: scalar("sum(increase(shardserve_generated_tokens_total[1m]))") > 0, 90),
           "tokens are being generated")
     # Enough samples that every 1m rate and quantile has data: 15 scrapes of every target.
@@ -154,31 +90,8 @@ try:
           "15 scrapes of every target in the last minute")
 
     # --- every dashboard: variables, then every panel ------------------------------------------
-    files = sorted(glob.glob(os.path.join(DASHBOARDS, "*.json")))
-    check(len(files) == 3, f"three dashboards: {[os.path.basename(f) for f in files]}")
-    panels_checked = 0
-    for path in files:
-        with open(path) as f:
-            dash = json.load(f)
-        name = os.path.basename(path)
-        values = {}
-        for v in dash["templating"]["list"]:
-            if v["type"] != "query":
-                continue
-            options = label_values(prom, substitute(v["query"]["query"], values))
-            check(options, f"{name}: variable ${v['name']} has values {options[:4]}")
-            # The deployment's own values: the local model, the operator's fitting model.
-            preferred = [o for o in options if o in ("local", "tiny", "default", "fits")]
-            values[v["name"]] = (preferred or options or [""])[0]
-        for p in dash["panels"]:
-            for t in p["targets"]:
-                expr = substitute(t["expr"], values)
-                r = prom.query(expr)
-                ok = r.get("status") == "success" and len(r["data"]["result"]) > 0
-                panels_checked += 1
-                check(ok, f"{name} / {p['title']} [{t['legendFormat']}]: "
-                          f"{len(r.get('data', {}).get('result', []))} series"
-                          + ("" if ok else f" for {expr} ({r.get('error', '')})"))
+    # The deployment's own values: the local model, the operator's fitting model.
+    panels_checked = check_dashboards(prom, check, ("local", "tiny", "default", "fits"))
     print(f"{panels_checked} panel queries checked")
 
     # --- alerts: valid against this Prometheus, and loaded as rules --------------------------
@@ -200,7 +113,7 @@ finally:
     stop_load.set()
     if prom:
         if check.failures or sys.exc_info()[0]:
-            print(open(prom.log.name).read()[-3000:])
+            print(prom.output()[-3000:])
         prom.stop()
     if op:
         op.kill()

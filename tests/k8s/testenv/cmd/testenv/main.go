@@ -150,6 +150,8 @@ func writeCerts(pki string) (*keyPair, error) {
 		"scheduler":          {CommonName: "system:kube-scheduler"},
 		"kwok":               {CommonName: "kwok", Organization: []string{"system:masters"}},
 		"kubelet-client":     {CommonName: "kube-apiserver-kubelet-client", Organization: []string{"system:masters"}},
+		// The aggregation layer's identity towards extension apiservers (KEDA's metrics adapter).
+		"front-proxy-client": {CommonName: "front-proxy-client"},
 	}
 	for name, subject := range clients {
 		c, err := newCert(&x509.Certificate{Subject: subject,
@@ -382,6 +384,17 @@ func up(dir, bin, crds string, realNodeCount int, images string) error {
 		"--kubelet-client-key=" + p("kubelet-client.key"),
 		"--kubelet-preferred-address-types=InternalIP",
 		"--authorization-mode=Node,RBAC",
+		// The aggregation layer (APIService): who it says it proxies for, and as whom; it
+		// dials an extension apiserver's endpoints, not its ClusterIP (kwok-only clusters have
+		// no kube-proxy).
+		"--requestheader-client-ca-file=" + p("ca.crt"),
+		"--requestheader-allowed-names=front-proxy-client",
+		"--requestheader-username-headers=X-Remote-User",
+		"--requestheader-group-headers=X-Remote-Group",
+		"--requestheader-extra-headers-prefix=X-Remote-Extra-",
+		"--proxy-client-cert-file=" + p("front-proxy-client.crt"),
+		"--proxy-client-key-file=" + p("front-proxy-client.key"),
+		"--enable-aggregator-routing=true",
 		"--storage-media-type=application/json",
 		"--v=1"}
 	apiserver, err := start(dir, bin, "kube-apiserver", apiserverArgs...)

@@ -1,0 +1,196 @@
+"""What the end-to-end tests on real nodes share: a tiny model readable by the containers' user,
+ShardedModel manifests, the model's status and pods, requests through its Service, a client loop
+that counts failures, a rank's process on the host, and the chart installed with Helm."""
+import http.client
+import json
+import os
+import subprocess
+import threading
+import time
+
+from cluster import HELM, ROOT
+
+IMAGE = "localhost/shardserve/worker:dev"
+
+
+def figure(what, seconds):
+    print(f"figure: {what}: {seconds:.1f} s", flush=True)
+
+
+def readable_models(shardserve, tmp, gen_model):
+    """tmp/models/tiny, generated, every directory and file readable by the pods' user."""
+    os.chmod(tmp, 0o755)
+    models = os.path.join(tmp, "models")
+    os.makedirs(models)
+    model_dir = os.path.join(models, "tiny")
+    gen_model(shardserve, model_dir)
+    for root, dirs, files in os.walk(models):
+        os.chmod(root, 0o755)
+        for n in files:
+            os.chmod(os.path.join(root, n), 0o644)
+    return models, model_dir
+
+
+def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secret=True,
+             max_batch=8):
+    worker = {"image": image,
+              "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                            "limits": {"memory": "2Gi"}}}
+    if env:
+        worker["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    serving = {"port": 8000, "maxBatchSize": max_batch, "maxSequenceLength": 1024}
+    if key_secret:
+        serving["apiKeySecret"] = "tiny-api-keys"
+    return {"apiVersion": "shardserve.io/v1alpha1", "kind": "ShardedModel",
+            "metadata": {"name": name},
+            "spec": {"replicas": replicas, "model": {"name": name, "uri": uri},
+                     "parallelism": {"tensor": tp, "pipeline": pp}, "worker": worker,
+                     "serving": serving}}
+
+
+class Models:
+    """kubectl views of the ShardedModels of a Cluster, and requests to them with API key `key`."""
+
+    def __init__(self, cluster, key):
+        self.c, self.key = cluster, key
+
+    def apply(self, obj):
+        self.c.kubectl("apply", "-f", "-", input=json.dumps(obj), check=True)
+
+    def status(self, name):
+        return self.c.get("smodel", name).get("status", {})
+
+    def replica(self, name, index):
+        for r in self.status(name).get("replicaStatuses", []):
+            if r.get("index") == index:
+                return r
+        return {}
+
+    def ready(self, name, n):
+        obj = self.c.get("smodel", name)
+        s = obj.get("status", {})
+        return (s.get("readyReplicas") == n and s.get("replicas") == n and
+                s.get("phase") == "Ready" and
+                s.get("observedGeneration") == obj["metadata"]["generation"] and
+                s.get("updatedReplicas") == n)
+
+    def pods(self, name, selector=""):
+        sel = f"shardserve.io/model={name}" + (f",{selector}" if selector else "")
+        return self.c.get("pods", "-l", sel)["items"]
+
+    def service_ip(self, name):
+        return self.c.get("svc", name)["spec"]["clusterIP"]
+
+    def post(self, host, body, path="/v1/completions", timeout=60, key=None):
+        """(status, parsed body or text); raises OSError when the connection fails."""
+        conn = http.client.HTTPConnection(host, 8000, timeout=timeout)
+        try:
+            conn.request("POST", path, body=json.dumps(body),
+                         headers={"Content-Type": "application/json",
+                                  "Authorization": f"Bearer {key or self.key}"})
+            r = conn.getresponse()
+            data = r.read()
+            try:
+                return r.status, json.loads(data)
+            except ValueError:
+                return r.status, data.decode(errors="replace")
+        finally:
+            conn.close()
+
+    def answers(self, name, prompt="hello world", host=None):
+        try:
+            return self.post(host or self.service_ip(name),
+                             {"model": name, "prompt": prompt, "max_tokens": 12})[0] == 200
+        except OSError:
+            return False
+
+
+class ClientLoop:
+    """Sends completions of `max_tokens` to model `name` through its Service from `clients`
+    threads, each one request after another, until stopped; counts failures (a connection error
+    or any status but 200), keeping what each failure said."""
+
+    def __init__(self, models, name, clients=1, max_tokens=8, pause=0.02):
+        self.ok, self.failed, self.errors = 0, 0, []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        host = models.service_ip(name)
+        body = {"model": name, "prompt": "load", "max_tokens": max_tokens}
+        self.threads = [threading.Thread(target=self._run, args=(models, host, body, pause),
+                                         daemon=True) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, models, host, body, pause):
+        while not self.stopping.is_set():
+            try:
+                code, answer = models.post(host, body)
+                err = None if code == 200 else f"{code}: {str(answer)[:200]}"
+            except OSError as e:
+                err = f"connection: {e}"
+            with self.lock:
+                if err is None:
+                    self.ok += 1
+                else:
+                    self.failed += 1
+                    self.errors.append(err)
+            time.sleep(pause)
+
+    def stop(self):
+        self.stopping.set()
+        for t in self.threads:
+            t.join(120)
+        return self
+
+
+def container_pid(pod, exe, argv1=None, env=None):
+    """The host pid of the process running `exe` (argv[0] ends with it; argv[1] == argv1 when
+    given) in `pod`'s container (HOSTNAME is the pod's name), with the environment `env`."""
+    want = {b"HOSTNAME": pod.encode(), **{k.encode(): v.encode() for k, v in (env or {}).items()}}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if not argv[0].endswith(exe.encode()) or (
+                    argv1 is not None and (len(argv) < 2 or argv[1] != argv1.encode())):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                penv = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if all(penv.get(k) == v for k, v in want.items()):
+            return int(pid)
+    return None
+
+
+def rank_pid(pod, tp_rank):
+    """The host pid of `shardserve-worker rank` SHARDSERVE_TP_RANK=tp_rank in pod's container."""
+    return container_pid(pod, "shardserve-worker", "rank", {"SHARDSERVE_TP_RANK": str(tp_rank)})
+
+
+def helm_install(cluster, release, ns, models, *sets):
+    """The chart installed in `ns` with the local operator image and workers small enough for
+    this machine; `sets` are more --set values. (ok, helm's stderr)."""
+    cluster.kubectl("create", "namespace", ns, check=True)
+    cluster.kubectl("config", "set-context", "--current", f"--namespace={ns}", check=True)
+    args = ["image.repository=localhost/shardserve/operator", "image.tag=dev",
+            f"operator.allowedHostPaths={{{models}}}",
+            "workerDefaults.resources.requests.cpu=100m",
+            "workerDefaults.resources.requests.memory=256Mi",
+            "workerDefaults.resources.limits.memory=2Gi", *sets]
+    r = subprocess.run([HELM, "--kubeconfig", cluster.kubeconfig, "install", release,
+                        os.path.join(ROOT, "helm", "shardserve"), "-n", ns,
+                        *[x for s in args for x in ("--set", s)],
+                        "--wait", "--timeout=180s"], capture_output=True, text=True, timeout=240)
+    return r.returncode == 0, r.stderr[-500:]
+
+
+def operator_pods(cluster):
+    return cluster.get("pods", "-l", "app.kubernetes.io/name=shardserve")["items"]
+
+
+def lease_holder(cluster, release):
+    """The pod holding the operator's Lease ("" while there is none)."""
+    code, out, _ = cluster.kubectl("get", "lease", f"{release}-shardserve", "-o",
+                                   "jsonpath={.spec.holderIdentity}")
+    return out.strip().rsplit("_", 1)[0] if code == 0 else ""
