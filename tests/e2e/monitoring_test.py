@@ -206,6 +206,9 @@ try:
         f'sum(increase(shardserve_requests_total{{namespace="{NS}",model="{NAME}",replica="1",'
         f'code="200"}}[30s]))') > 0, 60), "the new replica serves the load (replica 1's requests)")
     figure("load start -> second replica answering", time.monotonic() - t0)
+    check(wait_until(lambda: len(targets(ranks_job)) == 8 and
+                     set(targets(ranks_job).values()) == {"up"}, 60),
+          f"Prometheus scrapes every rank of both replicas: {sorted(targets(ranks_job))}")
     busy.stop()
     loops.remove(busy)
     check(busy.failed == 0, f"no request failed during the scale-up ({busy.ok} ok, "
