@@ -7,6 +7,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "comm/handshake.h"
+#include "comm/json_frame.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -21,45 +22,14 @@ constexpr auto kHandshake = std::chrono::milliseconds(5000);
 constexpr size_t kMaxHost = 253;
 
 absl::Status WriteMessage(Socket& s, const json& j) {
-  const std::string body = j.dump();
-  const uint32_t len = static_cast<uint32_t>(body.size());
-  RETURN_IF_ERROR(s.WriteAll(&len, sizeof(len)));
-  return s.WriteAll(body.data(), body.size());
+  return WriteJsonFrame([&](const void* data, size_t n) { return s.WriteAll(data, n); },
+                        EncodeJsonFrame(j));
 }
 
 // A JSON object of at most max_bytes, before the deadline.
 absl::StatusOr<json> ReadMessage(Socket& s, uint32_t max_bytes, Deadline deadline) {
-  uint32_t len;
-  RETURN_IF_ERROR(ReadBefore(s, &len, sizeof(len), deadline));
-  if (len > max_bytes) {
-    return absl::DataLossError(
-        absl::StrCat("a rendezvous message of ", len, " bytes (at most ", max_bytes, ")"));
-  }
-  std::string body(len, '\0');
-  RETURN_IF_ERROR(ReadBefore(s, body.data(), len, deadline));
-  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::DataLossError("a rendezvous message is not a JSON object");
-  }
-  return j;
-}
-
-// Typed fields: absent or of another type is an error naming the field.
-absl::StatusOr<int64_t> Int(const json& m, const char* key) {
-  auto it = m.find(key);
-  if (it == m.end() || !it->is_number_integer()) {
-    return absl::DataLossError(absl::StrCat("'", key, "' is missing or not an integer"));
-  }
-  return it->get<int64_t>();
-}
-
-absl::StatusOr<std::string> Str(const json& m, const char* key, size_t max) {
-  auto it = m.find(key);
-  if (it == m.end() || !it->is_string() || it->get_ref<const std::string&>().size() > max) {
-    return absl::DataLossError(
-        absl::StrCat("'", key, "' is missing, not a string or longer than ", max));
-  }
-  return it->get<std::string>();
+  return ReadJsonFrame([&](void* data, size_t n) { return ReadBefore(s, data, n, deadline); },
+                       max_bytes, "a rendezvous message");
 }
 
 struct Registration {
@@ -68,18 +38,14 @@ struct Registration {
 };
 
 absl::StatusOr<Registration> ReadRegistration(const json& m) {
-  ASSIGN_OR_RETURN(std::string type, Str(m, "type", 32));
+  ASSIGN_OR_RETURN(std::string type, JsonString(m, "type", 32));
   if (type != "register") return absl::DataLossError("expected a registration");
   Registration r;
-  ASSIGN_OR_RETURN(int64_t rank, Int(m, "rank"));
-  ASSIGN_OR_RETURN(int64_t tp, Int(m, "tp"));
-  ASSIGN_OR_RETURN(int64_t pp, Int(m, "pp"));
-  ASSIGN_OR_RETURN(int64_t port, Int(m, "port"));
-  ASSIGN_OR_RETURN(r.address.host, Str(m, "host", kMaxHost));
-  if (rank < 0 || rank > (1 << 20) || tp < 1 || tp > (1 << 20) || pp < 1 || pp > (1 << 20) ||
-      port < 1 || port > 65535) {
-    return absl::DataLossError("a registration with a rank, shape or port out of range");
-  }
+  ASSIGN_OR_RETURN(int64_t rank, JsonInt(m, "rank", 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t tp, JsonInt(m, "tp", 1, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t pp, JsonInt(m, "pp", 1, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t port, JsonInt(m, "port", 1, 65535));
+  ASSIGN_OR_RETURN(r.address.host, JsonString(m, "host", kMaxHost));
   r.rank = static_cast<int>(rank);
   r.tp = static_cast<int>(tp);
   r.pp = static_cast<int>(pp);
@@ -110,11 +76,11 @@ absl::StatusOr<WorldInfo> WorldFromJson(const json& m, int world_size) {
   for (const json& r : *ranks) {
     if (!r.is_object()) return absl::DataLossError("rendezvous: a rank entry is not an object");
     RankAddress a;
-    ASSIGN_OR_RETURN(int64_t rank, Int(r, "rank"));
-    ASSIGN_OR_RETURN(int64_t port, Int(r, "port"));
-    ASSIGN_OR_RETURN(a.host, Str(r, "host", kMaxHost));
-    if (rank != static_cast<int64_t>(info.ranks.size()) || port < 0 || port > 65535) {
-      return absl::DataLossError("rendezvous: the world's ranks are out of order or range");
+    ASSIGN_OR_RETURN(int64_t rank, JsonInt(r, "rank", 0, world_size - 1));
+    ASSIGN_OR_RETURN(int64_t port, JsonInt(r, "port", 0, 65535));
+    ASSIGN_OR_RETURN(a.host, JsonString(r, "host", kMaxHost));
+    if (rank != static_cast<int64_t>(info.ranks.size())) {
+      return absl::DataLossError("rendezvous: the world's ranks are out of order");
     }
     a.rank = static_cast<int>(rank);
     a.port = static_cast<int>(port);
@@ -264,9 +230,9 @@ absl::StatusOr<WorldInfo> JoinRendezvous(const std::string& leader_host, int lea
         reply.status().message(), "; are all ", world.world_size(), " ranks running?)"));
   }
   const json& m = *reply;
-  auto type = Str(m, "type", 32);
+  auto type = JsonString(m, "type", 32);
   if (type.ok() && *type == "error") {
-    auto message = Str(m, "message", 64 << 10);
+    auto message = JsonString(m, "message", 64 << 10);
     return absl::FailedPreconditionError(
         absl::StrCat("rendezvous refused: ", message.ok() ? *message : "(no reason given)"));
   }

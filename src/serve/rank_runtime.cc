@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "comm/handshake.h"
+#include "comm/json_frame.h"
 #include "comm/observed_comm.h"
 #include "comm/rendezvous.h"
 #include "comm/shm_comm.h"
@@ -24,6 +25,7 @@
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
+#include "serve/step_wire.h"
 #ifdef SHARDSERVE_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
 #include "comm/nccl/nccl_comm.h"
@@ -180,78 +182,20 @@ absl::StatusOr<bool> UseCuda(const std::string& backend) {
 }
 
 using json = nlohmann::json;
-constexpr uint64_t kMaxMessage = 64ull << 20;
 
-absl::Status SendBlob(Communicator& c, int peer, const std::string& s) {
-  const uint64_t n = s.size();
-  RETURN_IF_ERROR(c.Send(&n, sizeof(n), peer));
-  return c.Send(s.data(), n, peer);
+absl::Status SendFrame(Communicator& c, int peer, const std::string& frame) {
+  return WriteJsonFrame([&](const void* data, size_t n) { return c.Send(data, n, peer); }, frame);
 }
 
-absl::StatusOr<json> RecvJson(Communicator& c, int peer) {
-  uint64_t n;
-  RETURN_IF_ERROR(c.Recv(&n, sizeof(n), peer));
-  if (n > kMaxMessage) return absl::DataLossError(absl::StrCat("control message of ", n, " bytes"));
-  std::string s(n, '\0');
-  RETURN_IF_ERROR(c.Recv(s.data(), n, peer));
-  json j = json::parse(s, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::DataLossError("a malformed control message");
-  return j;
-}
-
-json ParamsJson(const SamplingParams& p) {
-  return {{"temperature", p.temperature},
-          {"top_p", p.top_p},
-          {"top_k", p.top_k},
-          {"seed", p.seed},
-          {"top_logprobs", p.top_logprobs}};
-}
-
-SamplingParams ParamsFromJson(const json& j) {
-  SamplingParams p;
-  p.temperature = j.at("temperature").get<float>();
-  p.top_p = j.at("top_p").get<float>();
-  p.top_k = j.at("top_k").get<int64_t>();
-  p.seed = j.at("seed").get<uint64_t>();
-  p.top_logprobs = j.at("top_logprobs").get<int64_t>();
-  return p;
+absl::StatusOr<json> RecvFrame(Communicator& c, int peer) {
+  return ReadJsonFrame([&](void* data, size_t n) { return c.Recv(data, n, peer); },
+                       kMaxStepMessage, "a step message");
 }
 
 uint64_t Fnv(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
-}
-
-json StepJson(const StepDesc& d) {
-  json chunks = json::array();
-  for (const StepChunk& c : d.chunks) {
-    json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}};
-    if (c.params) {
-      ch["params"] = ParamsJson(*c.params);
-      ch["draws"] = c.draws;
-    }
-    chunks.push_back(std::move(ch));
-  }
-  return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
-}
-
-absl::StatusOr<StepResult> ResultFromJson(const json& j) {
-  try {
-    StepResult r;
-    r.microbatch = j.at("mb").get<int>();
-    for (const json& t : j.at("results")) {
-      StepToken tok;
-      tok.seq = t.at("seq").get<int64_t>();
-      tok.token = t.at("token").get<int32_t>();
-      tok.logprob = t.at("logprob").get<float>();
-      for (const json& a : t.at("top")) tok.top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
-      r.tokens.push_back(std::move(tok));
-    }
-    return r;
-  } catch (const json::exception& e) {
-    return absl::DataLossError(absl::StrCat("malformed step results: ", e.what()));
-  }
 }
 
 class Rank : public StepExecutor {
@@ -283,8 +227,8 @@ class Rank : public StepExecutor {
  private:
   absl::Status SendToAll(const json& message);
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
-  // tp_rank 0 (every step has one, possibly empty) and null elsewhere.
-  absl::StatusOr<json> ProcessStep(const json& desc);
+  // tp_rank 0 (every step has one, possibly empty) and nothing elsewhere.
+  absl::StatusOr<std::optional<StepResult>> ProcessStep(const StepDesc& step);
   int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
   StageLinks Links() const {
     return {mesh_.get(), world_.PrevStageRank(), world_.NextStageRank(), gpu_prev_.get(),
@@ -499,127 +443,119 @@ absl::Status Rank::Init() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<json> Rank::ProcessStep(const json& desc) {
-  try {
-    for (const json& id : desc.at("release")) {
-      const int64_t seq = id.get<int64_t>();
-      if (kv_.count(seq)) cache_->Release(kv_[seq]);
-      kv_.erase(seq);
-      params_.erase(seq);
-      samplers_.erase(seq);
-    }
-    std::vector<SequenceChunk> chunks;
-    std::vector<int64_t> ids;
-    std::vector<bool> sample;
-    int64_t rows = 0;
-    for (const json& ch : desc.at("chunks")) {
-      const int64_t seq = ch.at("seq").get<int64_t>();
-      if (ch.contains("params") && model_->last_stage()) {
-        params_[seq] = ParamsFromJson(ch["params"]);
-        samplers_.erase(seq);
-        if (world_.rank() == LastSampler()) {
-          Sampler& s = samplers_.emplace(seq, Sampler(params_[seq])).first->second;
-          s.Skip(ch.at("draws").get<int64_t>());
-        }
-      }
-      SequenceChunk chunk;
-      chunk.tokens = ch.at("tokens").get<std::vector<int32_t>>();
-      chunk.kv = &kv_[seq];
-      rows += static_cast<int64_t>(chunk.tokens.size());
-      chunks.push_back(std::move(chunk));
-      ids.push_back(seq);
-      sample.push_back(ch.at("sample").get<bool>());
-    }
-    if (chunks.empty()) {  // only frees cache
-      ReportCacheUsage();
-      return world_.rank() == LastSampler()
-                 ? json{{"mb", desc.at("mb")}, {"results", json::array()}}
-                 : json();
-    }
-    const StageLinks links = Links();
-    if (!model_->first_stage()) RETURN_IF_ERROR(model_->Receive(rows, links));
-    const auto t0 = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(model_->Forward(chunks, *cache_));
-    if (metrics_) {
-      metrics_->ObserveForward(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      metrics_->AddTokens(static_cast<double>(rows));
-    }
-    ReportCacheUsage();
-    if (!model_->last_stage()) {
-      RETURN_IF_ERROR(model_->Pass(links));
-      return json();
-    }
-    // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
-    // gather them so that a seed gives the same tokens at every TP size. Rows of prompt chunks
-    // that are not a prompt's last are computed but not sampled.
-    const int64_t S = static_cast<int64_t>(ids.size());
-    bool greedy = true;
-    int64_t top_k = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      if (!sample[s]) continue;
-      greedy &= params_.at(ids[s]).temperature == 0.0f;
-      top_k = std::max(top_k, params_.at(ids[s]).top_logprobs);
-    }
-    std::vector<SampledToken> tokens;
-    if (greedy) {
-      ASSIGN_OR_RETURN(tokens, model_->Greedy(top_k, tp_group_.get()));
-    } else {
-      std::vector<Sampler*> samplers;
-      if (world_.rank() == LastSampler()) {
-        for (int64_t s = 0; s < S; ++s)
-          samplers.push_back(sample[s] ? &samplers_.at(ids[s]) : nullptr);
-      }
-      ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k, tp_group_.get()));
-    }
-    if (world_.rank() != LastSampler()) return json();
-    json results = json::array();
-    for (int64_t s = 0; s < S; ++s) {
-      if (!sample[s]) continue;
-      SampledToken& t = tokens[s];
-      t.top.resize(std::min<size_t>(t.top.size(), params_.at(ids[s]).top_logprobs));
-      json top = json::array();
-      for (const TokenLogprob& a : t.top) top.push_back({a.id, a.logprob});
-      results.push_back({{"seq", ids[s]}, {"token", t.id}, {"logprob", t.logprob}, {"top", top}});
-    }
-    return json{{"mb", desc.at("mb")}, {"results", results}};
-  } catch (const json::exception& e) {
-    return absl::DataLossError(absl::StrCat("malformed step: ", e.what()));
-  } catch (const std::out_of_range& e) {
-    return absl::DataLossError(absl::StrCat("step names an unknown sequence: ", e.what()));
+absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step) {
+  for (int64_t seq : step.release) {
+    if (kv_.count(seq)) cache_->Release(kv_[seq]);
+    kv_.erase(seq);
+    params_.erase(seq);
+    samplers_.erase(seq);
   }
+  const bool sampler = world_.rank() == LastSampler();
+  std::vector<SequenceChunk> chunks;
+  std::vector<int64_t> ids;
+  std::vector<bool> sample;
+  int64_t rows = 0;
+  for (const StepChunk& ch : step.chunks) {
+    if (ch.params && model_->last_stage()) {
+      params_[ch.seq] = *ch.params;
+      samplers_.erase(ch.seq);
+      if (sampler) samplers_.emplace(ch.seq, Sampler(*ch.params)).first->second.Skip(ch.draws);
+    }
+    if (ch.sample && model_->last_stage() && !params_.count(ch.seq)) {
+      return absl::DataLossError(absl::StrCat("a step samples sequence ", ch.seq,
+                                              ", which has no sampling parameters"));
+    }
+    SequenceChunk chunk;
+    chunk.tokens = ch.tokens;
+    chunk.kv = &kv_[ch.seq];
+    rows += static_cast<int64_t>(chunk.tokens.size());
+    chunks.push_back(std::move(chunk));
+    ids.push_back(ch.seq);
+    sample.push_back(ch.sample);
+  }
+  StepResult result;
+  result.microbatch = step.microbatch;
+  if (chunks.empty()) {  // only frees cache
+    ReportCacheUsage();
+    return sampler ? std::optional<StepResult>(std::move(result)) : std::nullopt;
+  }
+  const StageLinks links = Links();
+  if (!model_->first_stage()) RETURN_IF_ERROR(model_->Receive(rows, links));
+  const auto t0 = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(model_->Forward(chunks, *cache_));
+  if (metrics_) {
+    metrics_->ObserveForward(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    metrics_->AddTokens(static_cast<double>(rows));
+  }
+  ReportCacheUsage();
+  if (!model_->last_stage()) {
+    RETURN_IF_ERROR(model_->Pass(links));
+    return std::nullopt;
+  }
+  // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
+  // gather them so that a seed gives the same tokens at every TP size. Rows of prompt chunks
+  // that are not a prompt's last are computed but not sampled.
+  const int64_t S = static_cast<int64_t>(ids.size());
+  bool greedy = true;
+  int64_t top_k = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!sample[s]) continue;
+    greedy &= params_[ids[s]].temperature == 0.0f;
+    top_k = std::max(top_k, params_[ids[s]].top_logprobs);
+  }
+  std::vector<SampledToken> tokens;
+  if (greedy) {
+    ASSIGN_OR_RETURN(tokens, model_->Greedy(top_k, tp_group_.get()));
+  } else {
+    std::vector<Sampler*> samplers;
+    if (sampler) {
+      for (int64_t s = 0; s < S; ++s) {
+        auto it = samplers_.find(ids[s]);
+        if (sample[s] && it == samplers_.end()) {
+          return absl::DataLossError(
+              absl::StrCat("a step samples sequence ", ids[s], ", which has no sampler"));
+        }
+        samplers.push_back(sample[s] ? &it->second : nullptr);
+      }
+    }
+    ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k, tp_group_.get()));
+  }
+  if (!sampler) return std::nullopt;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!sample[s]) continue;
+    SampledToken& t = tokens[s];
+    t.top.resize(std::min<size_t>(t.top.size(), params_[ids[s]].top_logprobs));
+    result.tokens.push_back({ids[s], t.id, t.logprob, std::move(t.top)});
+  }
+  return result;
 }
 
 absl::Status Rank::Follow() {
   for (;;) {
-    ASSIGN_OR_RETURN(json desc, RecvJson(*mesh_, 0));
-    if (!desc.is_object()) return absl::DataLossError("a step message is not a JSON object");
-    auto type_field = desc.find("type");
-    const std::string type =
-        type_field != desc.end() && type_field->is_string() ? type_field->get<std::string>() : "";
-    if (type == "stop") return absl::OkStatus();
-    if (type == "ping") {
+    ASSIGN_OR_RETURN(json message, RecvFrame(*mesh_, 0));
+    ASSIGN_OR_RETURN(StepMessageType type, DecodeStepMessageType(message));
+    if (type == StepMessageType::kStop) return absl::OkStatus();
+    if (type == StepMessageType::kPing) {
       RETURN_IF_ERROR(mesh_->Barrier());
       continue;
     }
-    ASSIGN_OR_RETURN(json res, ProcessStep(desc));
-    if (!res.is_null()) RETURN_IF_ERROR(SendBlob(*mesh_, 0, res.dump()));
+    ASSIGN_OR_RETURN(StepDesc step, DecodeStep(message));
+    ASSIGN_OR_RETURN(std::optional<StepResult> result, ProcessStep(step));
+    if (result) RETURN_IF_ERROR(SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeStepResult(*result))));
   }
 }
 
 absl::Status Rank::SendToAll(const json& message) {
-  const std::string wire = message.dump();
-  for (int r = 1; r < world_.world_size(); ++r) RETURN_IF_ERROR(SendBlob(*mesh_, r, wire));
+  const std::string frame = EncodeJsonFrame(message);
+  for (int r = 1; r < world_.world_size(); ++r) RETURN_IF_ERROR(SendFrame(*mesh_, r, frame));
   return absl::OkStatus();
 }
 
 absl::Status Rank::Issue(const StepDesc& step) {
-  const json desc = StepJson(step);
-  RETURN_IF_ERROR(SendToAll(desc));
-  ASSIGN_OR_RETURN(json res, ProcessStep(desc));
-  if (res.is_null()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(StepResult r, ResultFromJson(res));
-  ready_.push_back(std::move(r));
+  RETURN_IF_ERROR(SendToAll(EncodeStep(step)));
+  ASSIGN_OR_RETURN(std::optional<StepResult> result, ProcessStep(step));
+  if (result) ready_.push_back(std::move(*result));
   return absl::OkStatus();
 }
 
@@ -629,16 +565,16 @@ absl::StatusOr<StepResult> Rank::Collect() {
     ready_.pop_front();
     return r;
   }
-  ASSIGN_OR_RETURN(json res, RecvJson(*mesh_, LastSampler()));
-  return ResultFromJson(res);
+  ASSIGN_OR_RETURN(json res, RecvFrame(*mesh_, LastSampler()));
+  return DecodeStepResult(res);
 }
 
 absl::Status Rank::Ping() {
-  RETURN_IF_ERROR(SendToAll(json{{"type", "ping"}}));
+  RETURN_IF_ERROR(SendToAll(EncodePing()));
   return mesh_->Barrier();
 }
 
-absl::Status Rank::Stop() { return SendToAll(json{{"type", "stop"}}); }
+absl::Status Rank::Stop() { return SendToAll(EncodeStop()); }
 
 LeaderContext Rank::Context() {
   const ModelConfig& c = model_->config();

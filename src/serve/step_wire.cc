@@ -1,0 +1,161 @@
+#include "serve/step_wire.h"
+
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "comm/json_frame.h"
+#include "common/status.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
+
+absl::Status In(const std::string& where, const absl::Status& s) {
+  return absl::DataLossError(absl::StrCat(where, ": ", s.message()));
+}
+
+json ParamsJson(const SamplingParams& p) {
+  return {{"temperature", p.temperature},
+          {"top_p", p.top_p},
+          {"top_k", p.top_k},
+          {"seed", p.seed},
+          {"top_logprobs", p.top_logprobs}};
+}
+
+absl::StatusOr<SamplingParams> ParamsFromJson(const json& j) {
+  if (!j.is_object()) return absl::DataLossError("'params' is not an object");
+  SamplingParams p;
+  ASSIGN_OR_RETURN(double temperature, JsonNumber(j, "temperature"));
+  ASSIGN_OR_RETURN(double top_p, JsonNumber(j, "top_p"));
+  ASSIGN_OR_RETURN(p.top_k, JsonInt(j, "top_k", 0, kMaxInt64));
+  ASSIGN_OR_RETURN(p.top_logprobs, JsonInt(j, "top_logprobs", 0, kMaxInt32));
+  auto seed = j.find("seed");
+  if (seed == j.end() || !seed->is_number_unsigned()) {
+    return absl::DataLossError("'seed' is missing or not an unsigned integer");
+  }
+  p.seed = seed->get<uint64_t>();
+  p.temperature = static_cast<float>(temperature);
+  p.top_p = static_cast<float>(top_p);
+  RETURN_IF_ERROR(p.Validate());
+  return p;
+}
+
+absl::StatusOr<std::vector<int64_t>> Int64s(const json& m, const char* key) {
+  ASSIGN_OR_RETURN(const json* array, JsonArray(m, key));
+  std::vector<int64_t> out;
+  out.reserve(array->size());
+  for (const json& v : *array) {
+    if (!v.is_number_integer()) {
+      return absl::DataLossError(absl::StrCat("'", key, "' holds ", v.dump(), ", not an integer"));
+    }
+    out.push_back(v.get<int64_t>());
+  }
+  return out;
+}
+
+}  // namespace
+
+json EncodeStep(const StepDesc& d) {
+  json chunks = json::array();
+  for (const StepChunk& c : d.chunks) {
+    json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}};
+    if (c.params) {
+      ch["params"] = ParamsJson(*c.params);
+      ch["draws"] = c.draws;
+    }
+    chunks.push_back(std::move(ch));
+  }
+  return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
+}
+
+json EncodePing() { return {{"type", "ping"}}; }
+json EncodeStop() { return {{"type", "stop"}}; }
+
+absl::StatusOr<StepMessageType> DecodeStepMessageType(const json& m) {
+  auto type = JsonString(m, "type", 16);
+  if (!type.ok()) return In("a step message", type.status());
+  if (*type == "step") return StepMessageType::kStep;
+  if (*type == "ping") return StepMessageType::kPing;
+  if (*type == "stop") return StepMessageType::kStop;
+  return absl::DataLossError(absl::StrCat("a step message of unknown type '", *type, "'"));
+}
+
+absl::StatusOr<StepDesc> DecodeStep(const json& m) {
+  StepDesc d;
+  absl::Status s = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(int64_t mb, JsonInt(m, "mb", 0, kMaxInt32));
+    d.microbatch = static_cast<int>(mb);
+    ASSIGN_OR_RETURN(d.release, Int64s(m, "release"));
+    ASSIGN_OR_RETURN(const json* chunks, JsonArray(m, "chunks"));
+    for (const json& ch : *chunks) {
+      if (!ch.is_object()) return absl::DataLossError("a chunk is not an object");
+      StepChunk c;
+      ASSIGN_OR_RETURN(c.seq, JsonInt(ch, "seq", 0, kMaxInt64));
+      ASSIGN_OR_RETURN(c.sample, JsonBool(ch, "sample"));
+      ASSIGN_OR_RETURN(std::vector<int64_t> tokens, Int64s(ch, "tokens"));
+      for (int64_t t : tokens) {
+        if (t < 0 || t > kMaxInt32) {
+          return absl::DataLossError(absl::StrCat("chunk of sequence ", c.seq, ": token ", t,
+                                                  " is out of range"));
+        }
+        c.tokens.push_back(static_cast<int32_t>(t));
+      }
+      if (auto params = ch.find("params"); params != ch.end()) {
+        auto p = ParamsFromJson(*params);
+        if (!p.ok()) return In(absl::StrCat("chunk of sequence ", c.seq), p.status());
+        c.params = *p;
+        ASSIGN_OR_RETURN(c.draws, JsonInt(ch, "draws", 0, kMaxInt64));
+      }
+      d.chunks.push_back(std::move(c));
+    }
+    return absl::OkStatus();
+  }();
+  if (!s.ok()) return In("a malformed step", s);
+  return d;
+}
+
+json EncodeStepResult(const StepResult& r) {
+  json results = json::array();
+  for (const StepToken& t : r.tokens) {
+    json top = json::array();
+    for (const TokenLogprob& a : t.top) top.push_back({a.id, a.logprob});
+    results.push_back({{"seq", t.seq}, {"token", t.token}, {"logprob", t.logprob}, {"top", top}});
+  }
+  return {{"mb", r.microbatch}, {"results", results}};
+}
+
+absl::StatusOr<StepResult> DecodeStepResult(const json& m) {
+  StepResult r;
+  absl::Status s = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(int64_t mb, JsonInt(m, "mb", 0, kMaxInt32));
+    r.microbatch = static_cast<int>(mb);
+    ASSIGN_OR_RETURN(const json* results, JsonArray(m, "results"));
+    for (const json& t : *results) {
+      if (!t.is_object()) return absl::DataLossError("a result is not an object");
+      StepToken tok;
+      ASSIGN_OR_RETURN(tok.seq, JsonInt(t, "seq", 0, kMaxInt64));
+      ASSIGN_OR_RETURN(int64_t token, JsonInt(t, "token", 0, kMaxInt32));
+      ASSIGN_OR_RETURN(double logprob, JsonNumber(t, "logprob"));
+      tok.token = static_cast<int32_t>(token);
+      tok.logprob = static_cast<float>(logprob);
+      ASSIGN_OR_RETURN(const json* top, JsonArray(t, "top"));
+      for (const json& a : *top) {
+        if (!a.is_array() || a.size() != 2 || !a[0].is_number_integer() || !a[1].is_number()) {
+          return absl::DataLossError(absl::StrCat("sequence ", tok.seq,
+                                                  ": an alternative is not [token, logprob]"));
+        }
+        tok.top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
+      }
+      r.tokens.push_back(std::move(tok));
+    }
+    return absl::OkStatus();
+  }();
+  if (!s.ok()) return In("malformed step results", s);
+  return r;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,160 @@
+// The step protocol and the framing every control message shares (serve/step_wire.h,
+// comm/json_frame.h): round trips, and each malformed message refused naming what is wrong.
+#include "serve/step_wire.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+#include "comm/json_frame.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+
+// Reads from a byte string, as a socket or a communicator would deliver it.
+ReadExactly From(const std::string& bytes) {
+  auto pos = std::make_shared<size_t>(0);
+  return [bytes, pos](void* data, size_t n) -> absl::Status {
+    if (*pos + n > bytes.size()) return absl::UnavailableError("the peer closed");
+    std::memcpy(data, bytes.data() + *pos, n);
+    *pos += n;
+    return absl::OkStatus();
+  };
+}
+
+std::string Error(const absl::Status& s) { return std::string(s.message()); }
+
+TEST(JsonFrameTest, RoundTripsAndRefusesWhatIsTooLongOrNotAnObject) {
+  const json m = {{"type", "ping"}, {"n", 3}};
+  const std::string frame = EncodeJsonFrame(m);
+  ASSERT_EQ(frame.size(), 4 + m.dump().size());
+  EXPECT_EQ(frame[0], static_cast<char>(m.dump().size()));  // little-endian length
+  auto back = ReadJsonFrame(From(frame), 1024, "a test message");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, m);
+
+  auto big = ReadJsonFrame(From(frame), 4, "a test message");
+  EXPECT_THAT(Error(big.status()),
+              HasSubstr(absl::StrCat("a test message of ", m.dump().size(), " bytes (at most 4)")));
+  auto array = ReadJsonFrame(From(EncodeJsonFrame(json::array({1}))), 1024, "a test message");
+  EXPECT_THAT(Error(array.status()), HasSubstr("a test message is not a JSON object"));
+  auto garbage = ReadJsonFrame(From(std::string("\x03\0\0\0{x:", 7)), 1024, "a test message");
+  EXPECT_THAT(Error(garbage.status()), HasSubstr("is not a JSON object"));
+  auto cut = ReadJsonFrame(From(frame.substr(0, 10)), 1024, "a test message");
+  EXPECT_THAT(Error(cut.status()), HasSubstr("the peer closed"));
+}
+
+TEST(JsonFrameTest, TypedFieldsNameTheField) {
+  const json m = {{"i", 5}, {"s", "abc"}, {"b", true}, {"a", {1}}, {"big", UINT64_MAX}};
+  EXPECT_EQ(*JsonInt(m, "i", 0, 10), 5);
+  EXPECT_THAT(Error(JsonInt(m, "i", 6, 10).status()), HasSubstr("'i' is 5, outside [6, 10]"));
+  EXPECT_THAT(Error(JsonInt(m, "s", 0, 10).status()), HasSubstr("'s' is missing or not an integer"));
+  EXPECT_THAT(Error(JsonInt(m, "big", 0, INT64_MAX).status()), HasSubstr("'big' is"));
+  EXPECT_THAT(Error(JsonString(m, "s", 2).status()), HasSubstr("'s' is longer than 2 bytes"));
+  EXPECT_THAT(Error(JsonString(m, "x", 2).status()), HasSubstr("'x' is missing or not a string"));
+  EXPECT_THAT(Error(JsonBool(m, "i").status()), HasSubstr("'i' is missing or not a boolean"));
+  EXPECT_THAT(Error(JsonArray(m, "b").status()), HasSubstr("'b' is missing or not an array"));
+  EXPECT_TRUE(JsonArray(m, "a").ok());
+}
+
+StepDesc SomeStep() {
+  StepDesc d;
+  d.microbatch = 1;
+  d.release = {7, 9};
+  StepChunk prompt;
+  prompt.seq = 3;
+  prompt.tokens = {1, 2, 3};
+  prompt.sample = true;
+  SamplingParams p;
+  p.temperature = 0.5f;
+  p.top_p = 0.9f;
+  p.top_k = 40;
+  p.seed = UINT64_MAX;  // any 64-bit seed survives the trip
+  p.top_logprobs = 2;
+  prompt.params = p;
+  prompt.draws = 5;
+  StepChunk decode;
+  decode.seq = 4;
+  decode.tokens = {42};
+  decode.sample = false;
+  d.chunks = {prompt, decode};
+  return d;
+}
+
+TEST(StepWireTest, StepsAndResultsRoundTrip) {
+  const StepDesc d = SomeStep();
+  const json wire = json::parse(EncodeJsonFrame(EncodeStep(d)).substr(4));
+  ASSERT_EQ(*DecodeStepMessageType(wire), StepMessageType::kStep);
+  auto back = DecodeStep(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->microbatch, 1);
+  EXPECT_EQ(back->release, d.release);
+  ASSERT_EQ(back->chunks.size(), 2u);
+  EXPECT_EQ(back->chunks[0].tokens, d.chunks[0].tokens);
+  ASSERT_TRUE(back->chunks[0].params.has_value());
+  EXPECT_EQ(back->chunks[0].params->seed, UINT64_MAX);
+  EXPECT_EQ(back->chunks[0].params->top_k, 40);
+  EXPECT_FLOAT_EQ(back->chunks[0].params->top_p, 0.9f);
+  EXPECT_EQ(back->chunks[0].draws, 5);
+  EXPECT_FALSE(back->chunks[1].params.has_value());
+  EXPECT_FALSE(back->chunks[1].sample);
+  EXPECT_EQ(*DecodeStepMessageType(EncodePing()), StepMessageType::kPing);
+  EXPECT_EQ(*DecodeStepMessageType(EncodeStop()), StepMessageType::kStop);
+
+  StepResult r;
+  r.microbatch = 1;
+  r.tokens.push_back({3, 17, -0.25f, {{17, -0.25f}, {5, -2.0f}}});
+  auto rback = DecodeStepResult(json::parse(EncodeStepResult(r).dump()));
+  ASSERT_TRUE(rback.ok()) << rback.status();
+  ASSERT_EQ(rback->tokens.size(), 1u);
+  EXPECT_EQ(rback->tokens[0].token, 17);
+  EXPECT_EQ(rback->tokens[0].top.size(), 2u);
+  EXPECT_FLOAT_EQ(rback->tokens[0].top[1].logprob, -2.0f);
+}
+
+TEST(StepWireTest, MalformedStepsNameTheField) {
+  const json good = EncodeStep(SomeStep());
+  auto refused = [&](auto mutate) {
+    json m = good;
+    mutate(m);
+    auto d = DecodeStep(m);
+    EXPECT_FALSE(d.ok());
+    return Error(d.status());
+  };
+  EXPECT_THAT(refused([](json& m) { m.erase("mb"); }),
+              HasSubstr("a malformed step: 'mb' is missing or not an integer"));
+  EXPECT_THAT(refused([](json& m) { m["release"] = "all"; }),
+              HasSubstr("'release' is missing or not an array"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][1]["tokens"] = {1, -4}; }),
+              HasSubstr("chunk of sequence 4: token -4 is out of range"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["params"]["top_p"] = 7; }),
+              HasSubstr("chunk of sequence 3: top_p must be in (0, 1]"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["params"].erase("seed"); }),
+              HasSubstr("'seed' is missing or not an unsigned integer"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0].erase("draws"); }),
+              HasSubstr("'draws' is missing or not an integer"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["sample"] = 1; }),
+              HasSubstr("'sample' is missing or not a boolean"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"] = {7}; }), HasSubstr("a chunk is not an object"));
+  EXPECT_THAT(Error(DecodeStepMessageType({{"type", "dance"}}).status()),
+              HasSubstr("a step message of unknown type 'dance'"));
+  EXPECT_THAT(Error(DecodeStepMessageType({{"kind", "step"}}).status()),
+              HasSubstr("'type' is missing or not a string"));
+  EXPECT_THAT(Error(DecodeStepResult({{"mb", 0}, {"results", {{{"seq", 1}}}}}).status()),
+              HasSubstr("malformed step results: 'token' is missing or not an integer"));
+  EXPECT_THAT(Error(DecodeStepResult({{"mb", 0},
+                                      {"results",
+                                       {{{"seq", 1}, {"token", 2}, {"logprob", 0},
+                                         {"top", {{1}}}}}}})
+                        .status()),
+              HasSubstr("sequence 1: an alternative is not [token, logprob]"));
+}
+
+}  // namespace
+}  // namespace shardserve
