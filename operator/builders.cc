@@ -186,33 +186,31 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   labels[kRevisionLabel] = m.revision;
   labels[kRoleLabel] = leader ? "leader" : "worker";
 
+  WorkerEnv w;
+  w.model_name = s.model_name;
+  w.deployment = name;  // the metrics' `model` label
+  w.model_path = uri.scheme == ModelUri::Scheme::kPvc ? absl::StrCat(kModelMount, "/", uri.path)
+                                                      : std::string(kModelMount);
+  w.replica = replica;
+  w.stage = stage;
+  w.tp = static_cast<int>(s.tensor);
+  w.pp = static_cast<int>(s.pipeline);
+  w.leader_addr = absl::StrCat(PodName(name, replica, 0), ".", workers, ".", m.model.namespace_,
+                               ".svc:", kRendezvousPort);
+  w.microbatches = static_cast<int>(s.effective_micro_batches());
+  w.job_id = absl::StrCat(name, "-", replica);
+  w.api_port = static_cast<int>(s.port);
+  w.max_batch_size = static_cast<int>(s.max_batch_size);
+  w.max_sequence_length = s.max_sequence_length;
+  w.host = absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc");
+  w.rendezvous_secret_file = absl::StrCat(kRendezvousSecretMount, "/secret");
+  w.termination_log = "/dev/termination-log";  // the first rank error, for status
+  w.peer_timeout_ms = kPeerTimeoutMs;
+  if (leader && !s.api_key_secret.empty()) w.api_keys_file = kApiKeysMount;
   json env = json::array();
-  auto add = [&](const std::string& k, const std::string& v) {
-    env.push_back({{"name", k}, {"value", v}});
-  };
-  add("SHARDSERVE_MODEL_NAME", s.model_name);
-  add("SHARDSERVE_DEPLOYMENT", name);  // the metrics' `model` label
-  add("SHARDSERVE_MODEL_PATH", uri.scheme == ModelUri::Scheme::kPvc
-                                   ? absl::StrCat(kModelMount, "/", uri.path)
-                                   : std::string(kModelMount));
-  add("SHARDSERVE_REPLICA", std::to_string(replica));
-  add("SHARDSERVE_STAGE", std::to_string(stage));
-  add("SHARDSERVE_TP", std::to_string(s.tensor));
-  add("SHARDSERVE_PP", std::to_string(s.pipeline));
-  add("SHARDSERVE_LEADER_ADDR", absl::StrCat(PodName(name, replica, 0), ".", workers, ".",
-                                             m.model.namespace_, ".svc:", kRendezvousPort));
-  add("SHARDSERVE_MICROBATCHES", std::to_string(s.effective_micro_batches()));
-  add("SHARDSERVE_JOB_ID", absl::StrCat(name, "-", replica));
-  add("SHARDSERVE_API_PORT", std::to_string(s.port));
-  add("SHARDSERVE_MAX_BATCH_SIZE", std::to_string(s.max_batch_size));
-  add("SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(s.max_sequence_length));
-  add("SHARDSERVE_HOST", absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc"));
-  add("SHARDSERVE_RENDEZVOUS_SECRET_FILE", absl::StrCat(kRendezvousSecretMount, "/secret"));
-  add("SHARDSERVE_TERMINATION_LOG", "/dev/termination-log");  // the first rank error, for status
-  add("SHARDSERVE_PEER_TIMEOUT_MS", std::to_string(kPeerTimeoutMs));
-  if (leader && !s.api_key_secret.empty()) add("SHARDSERVE_API_KEYS_FILE", kApiKeysMount);
+  for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});
   // The rendezvous and the mesh listen on the pod's own address only.
-  env.push_back({{"name", "SHARDSERVE_POD_IP"},
+  env.push_back({{"name", kPodIpEnv},
                  {"valueFrom", {{"fieldRef", {{"fieldPath", "status.podIP"}}}}}});
   for (const json& e : m.defaults.env) {
     const bool overridden = std::any_of(m.env.begin(), m.env.end(), [&](const json& own) {

@@ -19,19 +19,22 @@
 
 #include "absl/status/statusor.h"
 #include "api/sharded_model.h"
+#include "api/worker_env.h"
 
 namespace shardserve::op {
 
 using json = nlohmann::json;
 
-inline constexpr char kModelLabel[] = "shardserve.io/model";
-inline constexpr char kReplicaLabel[] = "shardserve.io/replica";
-inline constexpr char kStageLabel[] = "shardserve.io/stage";
-inline constexpr char kRevisionLabel[] = "shardserve.io/revision";
-inline constexpr char kRoleLabel[] = "shardserve.io/role";
+// The labels and ports of the worker contract (kModelLabel, kRendezvousPort, ...) are in
+// api/worker_env.h.
+using ::shardserve::kMetricsPortBase;
+using ::shardserve::kModelLabel;
+using ::shardserve::kRendezvousPort;
+using ::shardserve::kReplicaLabel;
+using ::shardserve::kRevisionLabel;
+using ::shardserve::kRoleLabel;
+using ::shardserve::kStageLabel;
 inline constexpr char kPlacementAnnotation[] = "shardserve.io/placement";
-inline constexpr int kRendezvousPort = 29500;
-inline constexpr int kMetricsPortBase = 9400;
 inline constexpr char kRendezvousSecretMount[] = "/var/run/shardserve/rendezvous";
 inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
 // A deleted worker pod waits this long before its SIGTERM, so that no new request is routed to

@@ -31,15 +31,15 @@
 namespace shardserve {
 namespace {
 
-absl::Status Launch() {
-  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
+absl::Status Launch(const WorkerEnv& env) {
+  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFrom(env));
   ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.stage * cfg.tp));
   std::vector<Child> ranks;
   const std::string self = SelfDirectory() + "/shardserve-worker";
   for (int t = 0; t < cfg.tp; ++t) {
     const int rank = world.RankOf(cfg.stage, t);
     auto pid = Spawn(self, {"rank", "--rank", std::to_string(rank)},
-                     {{"SHARDSERVE_TP_RANK", std::to_string(t)}}, /*own_group=*/false);
+                     {{kTpRankEnv, std::to_string(t)}}, /*own_group=*/false);
     if (!pid.ok()) {
       for (const Child& c : ranks) kill(c.pid, SIGKILL);
       return pid.status();
@@ -94,14 +94,14 @@ class StopSignals {
 // The leader's serving loop: the API answers from the start (not ready), the engine runs once
 // the replica is up, and a stop signal or a replica failure ends it after the requests in
 // progress have been answered.
-absl::Status Serve(const RankConfig& cfg, StopSignals& signals) {
+absl::Status Serve(const RankConfig& cfg, const WorkerEnv& env, StopSignals& signals) {
   ServeConfig defaults;
   defaults.model_name = cfg.model_name;
   defaults.metrics_model = cfg.metrics_model;
   defaults.model_dir = cfg.model_path;
   defaults.replica = std::to_string(cfg.replica);
   if (cfg.host == "127.0.0.1") defaults.host = "127.0.0.1";
-  absl::StatusOr<ServeConfig> sc_or = ServeConfigFromEnv(defaults);
+  absl::StatusOr<ServeConfig> sc_or = ServeConfigFrom(defaults, env);
   absl::StatusOr<std::unique_ptr<ApiServer>> started =
       sc_or.ok() ? ApiServer::Start(*sc_or) : sc_or.status();
   if (!started.ok()) {
@@ -140,9 +140,7 @@ absl::Status Serve(const RankConfig& cfg, StopSignals& signals) {
   return outcome.status();
 }
 
-absl::StatusOr<std::vector<GenerationRequest>> RequestsFromEnv() {
-  const char* text = std::getenv("SHARDSERVE_REQUEST");
-  if (text == nullptr || *text == '\0') return std::vector<GenerationRequest>();
+absl::StatusOr<std::vector<GenerationRequest>> Requests(const std::string& text) {
   try {
     const nlohmann::json j = nlohmann::json::parse(text);
     GenerationRequest r;
@@ -171,19 +169,18 @@ void QuitBeforeServing(const RankConfig& cfg) {
   std::_Exit(0);
 }
 
-absl::Status RunOneRank() {
-  if (std::getenv("SHARDSERVE_REQUEST") == nullptr) {
+absl::Status RunOneRank(const WorkerEnv& env) {
+  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFrom(env));
+  if (env.request.empty()) {
     // Serving: a stop signal drains through the leader once the replica runs; before that it
     // ends the rank at once. (A one-shot run just ends on one.)
     StopSignals signals;
-    ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
     signals.OnStop([cfg] { QuitBeforeServing(cfg); });
-    if (cfg.rank() == 0) return Serve(cfg, signals);
+    if (cfg.rank() == 0) return Serve(cfg, env, signals);
     // Serving, the leader stops this rank on a step boundary.
     return RunRank(cfg, nullptr, [&signals] { signals.OnStop(nullptr); }).status();
   }
-  ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFromEnv());
-  ASSIGN_OR_RETURN(auto requests, RequestsFromEnv());
+  ASSIGN_OR_RETURN(auto requests, Requests(env.request));
   std::vector<GenerationResult> results;
   double seconds = 0;
   ASSIGN_OR_RETURN(
@@ -195,17 +192,16 @@ absl::Status RunOneRank() {
         seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return absl::OkStatus();
       }));
-  if (const char* report = std::getenv("SHARDSERVE_REPORT_MEMORY"); report && *report == '1') {
-    ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.rank()));
+  if (env.report_memory) {
     std::fprintf(stderr,
                  "%s: resident %.0f MB; weight slices %.0f MB of its stage's %.0f MB (1/%d = %.0f "
                  "MB)\n",
-                 world.Describe(cfg.rank()).c_str(), outcome.resident_bytes / 1e6,
+                 outcome.rank_name.c_str(), outcome.resident_bytes / 1e6,
                  outcome.shard_weight_bytes / 1e6, outcome.stage_weight_bytes / 1e6, cfg.tp,
                  outcome.stage_weight_bytes / 1e6 / cfg.tp);
   }
-  const char* out_path = std::getenv("SHARDSERVE_RESULT_FILE");
-  if (cfg.rank() != 0 || out_path == nullptr) return absl::OkStatus();
+  const std::string& out_path = env.result_file;
+  if (cfg.rank() != 0 || out_path.empty()) return absl::OkStatus();
   nlohmann::json out = nlohmann::json::array();
   for (const GenerationResult& r : results) {
     nlohmann::json top = nlohmann::json::array();
@@ -230,10 +226,9 @@ absl::Status RunOneRank() {
 // SHARDSERVE_TERMINATION_LOG to the file the kubelet reads into the terminated state, and the
 // first rank to fail writes it (later ones, and the launcher reporting that a rank exited, find
 // it written), so the replica's status names the cause rather than its consequences.
-void ReportTermination(const std::string& message) {
-  const char* path = std::getenv("SHARDSERVE_TERMINATION_LOG");
-  if (path == nullptr || *path == '\0') return;
-  const int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
+void ReportTermination(const std::string& path, const std::string& message) {
+  if (path.empty()) return;
+  const int fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (fd < 0) return;
   struct stat st;
   if (flock(fd, LOCK_EX) == 0 && fstat(fd, &st) == 0 && st.st_size == 0) {
@@ -250,19 +245,22 @@ void ReportTermination(const std::string& message) {
 
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
-  absl::Status s;
-  if (cmd == "launch") {
-    s = shardserve::Launch();
-  } else if (cmd == "rank") {
-    s = shardserve::RunOneRank();
-  } else {
+  if (cmd != "launch" && cmd != "rank") {
     std::fprintf(stderr, "usage: shardserve-worker launch | rank\n");
     return 2;
   }
+  // The worker contract, read once for the whole process.
+  const absl::StatusOr<shardserve::WorkerEnv> env = shardserve::WorkerEnv::FromEnv();
+  const absl::Status s = !env.ok()          ? env.status()
+                         : cmd == "launch" ? shardserve::Launch(*env)
+                                           : shardserve::RunOneRank(*env);
   if (!s.ok()) {
     std::fprintf(stderr, "shardserve-worker %s: %s\n", cmd.c_str(),
                  std::string(s.message()).c_str());
-    shardserve::ReportTermination(std::string(s.message()));
+    // When the contract itself is what is wrong, its termination log is still where it says.
+    const char* log = shardserve::ProcessEnv(shardserve::kTerminationLogEnv);
+    shardserve::ReportTermination(env.ok() ? env->termination_log : log ? log : "",
+                                  std::string(s.message()));
     return 1;
   }
   return 0;

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "api/sharded_model.h"
+#include "api/worker_env.h"
 #include "comm/handshake.h"
 #include "comm/socket.h"
 #include "common/args.h"
@@ -126,7 +127,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   ASSIGN_OR_RETURN(int64_t threads,
                    a.GetInt("threads", std::max(1, cores / (R * ranks_per_replica))));
   ASSIGN_OR_RETURN(int64_t port, a.GetInt("port", spec.port));
-  ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", 9400));
+  ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", kMetricsPortBase));
   if (threads < 1 || port < 1 || port + R > 65536 || metrics_base < 1 ||
       metrics_base + R * ranks_per_replica > 65536) {
     return absl::InvalidArgumentError(
@@ -172,26 +173,27 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       }
       std::printf("\n");
       std::vector<std::pair<std::string, std::string>> env = spec.env;
-      const std::vector<std::pair<std::string, std::string>> contract = {
-          {"SHARDSERVE_MODEL_NAME", spec.model_name},
-          {"SHARDSERVE_DEPLOYMENT", m.name},
-          {"SHARDSERVE_MODEL_PATH", uri.path},
-          {"SHARDSERVE_REPLICA", std::to_string(r)},
-          {"SHARDSERVE_STAGE", std::to_string(s)},
-          {"SHARDSERVE_TP", std::to_string(T)},
-          {"SHARDSERVE_PP", std::to_string(P)},
-          {"SHARDSERVE_LEADER_ADDR", absl::StrCat("127.0.0.1:", rep.rendezvous_port)},
-          {"SHARDSERVE_MICROBATCHES", std::to_string(spec.effective_micro_batches())},
-          {"SHARDSERVE_THREADS", std::to_string(threads)},
-          {"SHARDSERVE_JOB_ID", absl::StrCat(m.name, "-", r, "-", getpid())},
-          {"SHARDSERVE_METRICS_PORT_BASE", std::to_string(rep.metrics_base)},
-          {"SHARDSERVE_API_HOST", "127.0.0.1"},
-          {"SHARDSERVE_API_PORT", std::to_string(rep.api_port)},
-          {"SHARDSERVE_MAX_BATCH_SIZE", std::to_string(spec.max_batch_size)},
-          {"SHARDSERVE_MAX_SEQUENCE_LENGTH", std::to_string(spec.max_sequence_length)},
-          {"SHARDSERVE_RENDEZVOUS_SECRET_FILE", secrets.back().path()}};
+      WorkerEnv w;
+      w.model_name = spec.model_name;
+      w.deployment = m.name;
+      w.model_path = uri.path;
+      w.replica = r;
+      w.stage = s;
+      w.tp = T;
+      w.pp = P;
+      w.leader_addr = absl::StrCat("127.0.0.1:", rep.rendezvous_port);
+      w.microbatches = static_cast<int>(spec.effective_micro_batches());
+      w.threads = static_cast<int>(threads);
+      w.job_id = absl::StrCat(m.name, "-", r, "-", getpid());
+      w.metrics_port_base = rep.metrics_base;
+      w.api_host = "127.0.0.1";
+      w.api_port = rep.api_port;
+      w.max_batch_size = static_cast<int>(spec.max_batch_size);
+      w.max_sequence_length = spec.max_sequence_length;
+      w.rendezvous_secret_file = secrets.back().path();
+      w.api_keys_file = key_file;
+      const auto contract = w.ToEnv();
       env.insert(env.end(), contract.begin(), contract.end());
-      if (!key_file.empty()) env.emplace_back("SHARDSERVE_API_KEYS_FILE", key_file);
       auto pid = Spawn(self, {"launch"}, env);
       if (!pid.ok()) return fail(pid.status());
       launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "api/worker_env.h"
 #include "bench/comm_bench.h"
 #ifdef SHARDSERVE_WITH_CUDA
 #include "bench/cuda_bench.h"
@@ -163,21 +164,22 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
   std::vector<Child> stages;
   for (int64_t s = 0; s < pp; ++s) {
-    auto pid = Spawn(SelfDirectory() + "/shardserve-worker", {"launch"},
-                     {{"SHARDSERVE_MODEL_PATH", dir},
-                      {"SHARDSERVE_RENDEZVOUS_SECRET_FILE", secret.path()},
-                      {"SHARDSERVE_TP", std::to_string(tp)},
-                      {"SHARDSERVE_PP", std::to_string(pp)},
-                      {"SHARDSERVE_STAGE", std::to_string(s)},
-                      {"SHARDSERVE_LEADER_ADDR", absl::StrCat("127.0.0.1:", port)},
-                      {"SHARDSERVE_MICROBATCHES", std::to_string(microbatches)},
-                      {"SHARDSERVE_THREADS", std::to_string(threads)},
-                      {"SHARDSERVE_JOB_ID", job},
-                      {"SHARDSERVE_REQUEST", request.dump()},
-                      {"SHARDSERVE_RESULT_FILE", result_path},
-                      // One-shot runs serve /metrics only when asked (base + global rank).
-                      {"SHARDSERVE_METRICS", metrics_port_base >= 0 ? "on" : "off"},
-                      {"SHARDSERVE_METRICS_PORT_BASE", std::to_string(metrics_port_base)}});
+    WorkerEnv w;
+    w.model_path = dir;
+    w.rendezvous_secret_file = secret.path();
+    w.tp = static_cast<int>(tp);
+    w.pp = static_cast<int>(pp);
+    w.stage = static_cast<int>(s);
+    w.leader_addr = absl::StrCat("127.0.0.1:", port);
+    w.microbatches = static_cast<int>(microbatches);
+    w.threads = static_cast<int>(threads);
+    w.job_id = job;
+    w.request = request.dump();
+    w.result_file = result_path;
+    // One-shot runs serve /metrics only when asked (base + global rank).
+    w.metrics = metrics_port_base >= 0;
+    w.metrics_port_base = static_cast<int>(std::max<int64_t>(-1, metrics_port_base));
+    auto pid = Spawn(SelfDirectory() + "/shardserve-worker", {"launch"}, w.ToEnv());
     if (!pid.ok()) {
       for (const Child& c : stages) kill(c.pid, SIGKILL);
       return pid.status();

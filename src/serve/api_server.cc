@@ -4,12 +4,14 @@
 #include <prometheus/text_serializer.h>
 
 #include <cstdlib>
+#include <limits>
 #include <random>
 #include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "api/worker_env.h"
 #include "common/status.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
@@ -26,17 +28,6 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(50);
 constexpr int kMaxNesting = 64;
-
-absl::StatusOr<int64_t> EnvInt(const char* name, int64_t def, int64_t min) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return def;
-  int64_t out;
-  if (!absl::SimpleAtoi(v, &out) || out < min) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment variable ", name, "='", v, "' must be an integer >= ", min));
-  }
-  return out;
-}
 
 // Deeper JSON than any request needs is refused before parsing.
 bool TooDeep(const std::string& body) {
@@ -472,22 +463,27 @@ struct ApiServer::Impl {
   }
 };
 
-absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig c) {
-  if (const char* host = std::getenv("SHARDSERVE_API_HOST"); host && *host) c.host = host;
-  ASSIGN_OR_RETURN(int64_t port, EnvInt("SHARDSERVE_API_PORT", c.port, 0));
-  ASSIGN_OR_RETURN(int64_t batch, EnvInt("SHARDSERVE_MAX_BATCH_SIZE", c.max_batch, 1));
-  ASSIGN_OR_RETURN(int64_t queue, EnvInt("SHARDSERVE_MAX_QUEUE", c.max_queue, 0));
-  ASSIGN_OR_RETURN(c.max_step_tokens, EnvInt("SHARDSERVE_MAX_STEP_TOKENS", c.max_step_tokens, 1));
-  ASSIGN_OR_RETURN(int64_t body, EnvInt("SHARDSERVE_MAX_BODY_BYTES",
-                                        static_cast<int64_t>(c.max_body_bytes), 1024));
-  ASSIGN_OR_RETURN(c.drain_seconds, EnvInt("SHARDSERVE_DRAIN_SECONDS", c.drain_seconds, 0));
-  ASSIGN_OR_RETURN(int64_t head_ms,
-                   EnvInt("SHARDSERVE_HTTP_HEADER_TIMEOUT_MS", c.header_timeout.count(), 100));
-  ASSIGN_OR_RETURN(int64_t body_ms,
-                   EnvInt("SHARDSERVE_HTTP_BODY_TIMEOUT_MS", c.body_timeout.count(), 100));
-  ASSIGN_OR_RETURN(int64_t conns, EnvInt("SHARDSERVE_HTTP_MAX_CONNECTIONS",
-                                         static_cast<int64_t>(c.max_connections), 16));
-  if (const char* v = std::getenv("SHARDSERVE_API_METRICS_AUTH"); v && *v) {
+absl::StatusOr<ServeConfig> ServeConfigFrom(ServeConfig c, const WorkerEnv& w) {
+  // The contract's part (the address and the batch), then the server's own tunables.
+  if (!w.api_host.empty()) c.host = w.api_host;
+  const int64_t port = w.api_port;
+  const int64_t batch = w.max_batch_size > 0 ? w.max_batch_size : c.max_batch;
+  const EnvLookup env = ProcessEnv;
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  ASSIGN_OR_RETURN(int64_t queue, EnvInt(env, "SHARDSERVE_MAX_QUEUE", c.max_queue, 0, kMax));
+  ASSIGN_OR_RETURN(c.max_step_tokens,
+                   EnvInt(env, "SHARDSERVE_MAX_STEP_TOKENS", c.max_step_tokens, 1, kMax));
+  ASSIGN_OR_RETURN(int64_t body, EnvInt(env, "SHARDSERVE_MAX_BODY_BYTES",
+                                        static_cast<int64_t>(c.max_body_bytes), 1024, kMax));
+  ASSIGN_OR_RETURN(c.drain_seconds,
+                   EnvInt(env, "SHARDSERVE_DRAIN_SECONDS", c.drain_seconds, 0, 86400));
+  ASSIGN_OR_RETURN(int64_t head_ms, EnvInt(env, "SHARDSERVE_HTTP_HEADER_TIMEOUT_MS",
+                                           c.header_timeout.count(), 100, kMax));
+  ASSIGN_OR_RETURN(int64_t body_ms, EnvInt(env, "SHARDSERVE_HTTP_BODY_TIMEOUT_MS",
+                                           c.body_timeout.count(), 100, kMax));
+  ASSIGN_OR_RETURN(int64_t conns, EnvInt(env, "SHARDSERVE_HTTP_MAX_CONNECTIONS",
+                                         static_cast<int64_t>(c.max_connections), 16, kMax));
+  if (const char* v = env("SHARDSERVE_API_METRICS_AUTH"); v && *v) {
     const std::string m = v;
     if (m != "true" && m != "false") {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "api/worker_env.h"
 #include "serve/engine.h"
 
 namespace prometheus {
@@ -50,13 +51,14 @@ struct ServeConfig {
   bool metrics_need_key = true;  // with API keys, /metrics needs one too
 };
 
-// SHARDSERVE_API_HOST, SHARDSERVE_API_PORT, SHARDSERVE_MAX_BATCH_SIZE, SHARDSERVE_MAX_QUEUE,
+// The address and batch of the worker contract (`env`: api_host, api_port, max_batch_size), then
+// the server's tunables from this process's environment, SHARDSERVE_MAX_QUEUE,
 // SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES, SHARDSERVE_DRAIN_SECONDS,
 // SHARDSERVE_HTTP_HEADER_TIMEOUT_MS, SHARDSERVE_HTTP_BODY_TIMEOUT_MS,
-// SHARDSERVE_HTTP_MAX_CONNECTIONS and SHARDSERVE_API_METRICS_AUTH (true|false) over the given
+// SHARDSERVE_HTTP_MAX_CONNECTIONS and SHARDSERVE_API_METRICS_AUTH (true|false), over the given
 // defaults (model name, directory and replica come from the rank's config); the keys come from
 // SHARDSERVE_API_KEY / SHARDSERVE_API_KEYS_FILE when the server starts. Errors name the variable.
-absl::StatusOr<ServeConfig> ServeConfigFromEnv(ServeConfig defaults);
+absl::StatusOr<ServeConfig> ServeConfigFrom(ServeConfig defaults, const WorkerEnv& env);
 
 class ApiServer {
  public:

@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "api/worker_env.h"
 #include "comm/handshake.h"
 #include "comm/json_frame.h"
 #include "comm/observed_comm.h"
@@ -597,20 +598,6 @@ LeaderContext Rank::Context() {
   o.eos_token_ids = c.eos_token_ids;
   return ctx;
 }
-absl::StatusOr<int> EnvInt(const char* name, std::optional<int> def) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    if (def) return *def;
-    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, " is not set"));
-  }
-  int out;
-  if (!absl::SimpleAtoi(v, &out)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment variable ", name, "='", v, "' is not an integer"));
-  }
-  return out;
-}
-
 }  // namespace
 
 absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& c, int pp) {
@@ -620,88 +607,57 @@ absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& c, int pp
   return SplitLayers(c.num_layers, pp, {layer, H, H * c.vocab_size});
 }
 
-absl::StatusOr<RankConfig> RankConfigFromEnv() {
+absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& w) {
   RankConfig c;
-  const char* path = std::getenv("SHARDSERVE_MODEL_PATH");
-  if (path == nullptr || *path == '\0') {
+  if (w.model_path.empty()) {
     return absl::InvalidArgumentError("environment variable SHARDSERVE_MODEL_PATH is not set");
   }
-  c.model_path = path;
-  ASSIGN_OR_RETURN(c.tp, EnvInt("SHARDSERVE_TP", 1));
-  ASSIGN_OR_RETURN(c.pp, EnvInt("SHARDSERVE_PP", 1));
-  ASSIGN_OR_RETURN(c.stage, EnvInt("SHARDSERVE_STAGE", 0));
-  ASSIGN_OR_RETURN(c.tp_rank, EnvInt("SHARDSERVE_TP_RANK", 0));
-  ASSIGN_OR_RETURN(c.microbatches, EnvInt("SHARDSERVE_MICROBATCHES", 0));
-  ASSIGN_OR_RETURN(c.threads, EnvInt("SHARDSERVE_THREADS", 1));
-  ASSIGN_OR_RETURN(int kv_tokens,
-                   EnvInt("SHARDSERVE_KV_CACHE_TOKENS", static_cast<int>(c.kv_cache_tokens)));
-  ASSIGN_OR_RETURN(int max_seq, EnvInt("SHARDSERVE_MAX_SEQUENCE_LENGTH", 0));
-  if (kv_tokens < 16 || max_seq < 0) {
-    return absl::InvalidArgumentError(
-        "SHARDSERVE_KV_CACHE_TOKENS must be at least 16 and SHARDSERVE_MAX_SEQUENCE_LENGTH >= 0");
-  }
-  c.kv_cache_tokens = kv_tokens;
-  c.max_sequence_length = max_seq;
-  ASSIGN_OR_RETURN(int peer_ms,
-                   EnvInt("SHARDSERVE_PEER_TIMEOUT_MS", static_cast<int>(c.peer_timeout.count())));
-  ASSIGN_OR_RETURN(int startup_ms, EnvInt("SHARDSERVE_STARTUP_TIMEOUT_MS",
-                                          static_cast<int>(c.startup_timeout.count())));
-  if (peer_ms < 100 || startup_ms < 100) {
-    return absl::InvalidArgumentError(
-        "SHARDSERVE_PEER_TIMEOUT_MS and SHARDSERVE_STARTUP_TIMEOUT_MS must be at least 100");
-  }
-  c.peer_timeout = std::chrono::milliseconds(peer_ms);
-  c.startup_timeout = std::chrono::milliseconds(startup_ms);
-  if (const char* leader = std::getenv("SHARDSERVE_LEADER_ADDR"); leader && *leader) {
-    const std::string addr = leader;
-    const size_t colon = addr.rfind(':');
-    if (colon == std::string::npos || !absl::SimpleAtoi(addr.substr(colon + 1), &c.leader_port)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "environment variable SHARDSERVE_LEADER_ADDR='", addr, "' is not HOST:PORT"));
-    }
-    c.leader_host = addr.substr(0, colon);
+  c.model_path = w.model_path;
+  c.tp = w.tp;
+  c.pp = w.pp;
+  c.stage = w.stage;
+  c.tp_rank = w.tp_rank;
+  c.microbatches = w.microbatches;
+  c.threads = w.threads;
+  c.kv_cache_tokens = w.kv_cache_tokens;
+  c.max_sequence_length = w.max_sequence_length;
+  c.peer_timeout = std::chrono::milliseconds(w.peer_timeout_ms);
+  c.startup_timeout = std::chrono::milliseconds(w.startup_timeout_ms);
+  if (!w.leader_addr.empty()) {  // HOST:PORT, checked by WorkerEnv::FromEnv
+    const size_t colon = w.leader_addr.rfind(':');
+    c.leader_host = w.leader_addr.substr(0, colon);
+    c.leader_port = std::stoi(w.leader_addr.substr(colon + 1));
   }
   // Names this replica's shared memory: one per model replica, so replicas sharing a node
   // never meet.
-  const char* job = std::getenv("SHARDSERVE_JOB_ID");
-  const char* name = std::getenv("SHARDSERVE_MODEL_NAME");
-  ASSIGN_OR_RETURN(c.replica, EnvInt("SHARDSERVE_REPLICA", 0));
-  if (name != nullptr && *name) c.model_name = name;
-  const char* deployment = std::getenv("SHARDSERVE_DEPLOYMENT");
-  c.metrics_model = deployment != nullptr && *deployment ? deployment : c.model_name;
-  c.job_id =
-      job != nullptr && *job ? std::string(job) : absl::StrCat(c.model_name, "-r", c.replica);
-  if (const char* host = std::getenv("SHARDSERVE_HOST"); host != nullptr && *host) {
-    c.host = host;
+  c.replica = w.replica;
+  c.model_name = w.model_name;
+  c.metrics_model = w.deployment.empty() ? c.model_name : w.deployment;
+  c.job_id = w.job_id.empty() ? absl::StrCat(c.model_name, "-r", c.replica) : w.job_id;
+  if (!w.host.empty()) {
+    c.host = w.host;
   } else if (c.leader_host != "127.0.0.1" && c.leader_host != "localhost") {
     char name[256] = {};
     gethostname(name, sizeof(name) - 1);
     c.host = name;
   }
-  if (const char* pod_ip = std::getenv("SHARDSERVE_POD_IP"); pod_ip != nullptr && *pod_ip) {
-    c.bind_host = pod_ip;
-  } else {
-    c.bind_host = c.host == "127.0.0.1" ? "127.0.0.1" : "";
-  }
-  if (const char* file = std::getenv("SHARDSERVE_RENDEZVOUS_SECRET_FILE"); file && *file) {
-    ASSIGN_OR_RETURN(c.secret, ReadSecretFile(file));
+  c.bind_host = !w.pod_ip.empty() ? w.pod_ip : c.host == "127.0.0.1" ? "127.0.0.1" : "";
+  if (!w.rendezvous_secret_file.empty()) {
+    ASSIGN_OR_RETURN(c.secret, ReadSecretFile(w.rendezvous_secret_file));
   } else if (c.tp * c.pp > 1) {
     return absl::InvalidArgumentError(
         "environment variable SHARDSERVE_RENDEZVOUS_SECRET_FILE is not set: the ranks of a "
         "replica prove a shared secret to each other (the operator mounts one per replica; "
         "shardserve local makes one per run)");
   }
-  const char* metrics = std::getenv("SHARDSERVE_METRICS");
-  if (metrics == nullptr || std::string(metrics) != "off") {
-    ASSIGN_OR_RETURN(int base, EnvInt("SHARDSERVE_METRICS_PORT_BASE", -1));
-    c.metrics_port = base >= 0 ? base + c.rank() : 9400 + c.tp_rank;
+  if (w.metrics) {
+    c.metrics_port =
+        w.metrics_port_base >= 0 ? w.metrics_port_base + c.rank() : kMetricsPortBase + c.tp_rank;
   }
   for (char& ch : c.job_id) {
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';
   }
-  if (const char* backend = std::getenv("SHARDSERVE_BACKEND"); backend != nullptr && *backend) {
-    c.backend = backend;
-  }
+  c.backend = w.backend;
   return c;
 }
 
@@ -737,6 +693,7 @@ absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& 
   } else if (absl::Status s = rank.Follow(); !s.ok()) {
     return rank.AbortAll(s);
   }
+  outcome.rank_name = world.Describe(config.rank());
   outcome.resident_bytes = ResidentBytes();
   outcome.shard_weight_bytes = rank.model().shard_weight_bytes();
   outcome.stage_weight_bytes = rank.model().stage_weight_bytes();

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/worker_env.h"
 #include "model/config.h"
 #include "plan/layer_split.h"
 #include "serve/engine.h"
@@ -63,21 +64,13 @@ struct RankConfig {
   int rank() const { return stage * tp + tp_rank; }
 };
 
-// From the pod contract's environment: SHARDSERVE_MODEL_PATH, SHARDSERVE_TP, SHARDSERVE_PP,
-// SHARDSERVE_STAGE, SHARDSERVE_TP_RANK, SHARDSERVE_LEADER_ADDR (host:port),
-// SHARDSERVE_MICROBATCHES, SHARDSERVE_MODEL_NAME and SHARDSERVE_REPLICA (or SHARDSERVE_JOB_ID:
-// they name the replica's shared memory), SHARDSERVE_THREADS, SHARDSERVE_PEER_TIMEOUT_MS
-// (a silent peer is dead after this), SHARDSERVE_STARTUP_TIMEOUT_MS (rendezvous and loading),
-// SHARDSERVE_HOST (this rank's address; default loopback when the leader is, else the hostname),
-// SHARDSERVE_POD_IP (the address to listen on for the rendezvous and the mesh),
-// SHARDSERVE_RENDEZVOUS_SECRET_FILE (the replica's secret),
-// SHARDSERVE_METRICS_PORT_BASE (local mode: /metrics on base + global rank; default in a pod
-// 9400 + tp_rank), SHARDSERVE_METRICS=off (no /metrics server), SHARDSERVE_KV_CACHE_TOKENS and
-// SHARDSERVE_MAX_SEQUENCE_LENGTH.
-// Errors name the variable.
-absl::StatusOr<RankConfig> RankConfigFromEnv();
+// A rank's configuration from the worker contract (api/worker_env.h): its place in the
+// replica, how to reach the others (the leader's rendezvous, this rank's address, the secret read
+// from its file), where its /metrics listen. Errors name the variable.
+absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& env);
 
 struct RankOutcome {
+  std::string rank_name;          // "rank r (stage s, tp t)"
   size_t resident_bytes = 0;      // this process at the end
   size_t shard_weight_bytes = 0;  // the weight slices it holds
   size_t stage_weight_bytes = 0;  // the full tensors of its stage

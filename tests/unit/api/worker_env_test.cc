@@ -1,0 +1,111 @@
+// The worker contract (api/worker_env.h): what ToEnv writes, FromEnv reads back unchanged, and
+// each malformed variable is refused naming it.
+#include "api/worker_env.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+EnvLookup From(const std::map<std::string, std::string>& vars) {
+  return [vars](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+}
+
+std::map<std::string, std::string> AsMap(const WorkerEnv& w) {
+  std::map<std::string, std::string> m;
+  for (const auto& [k, v] : w.ToEnv()) {
+    EXPECT_TRUE(m.emplace(k, v).second) << k << " written twice";
+  }
+  return m;
+}
+
+TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
+  WorkerEnv w;
+  w.model_path = "/models/llama";
+  w.model_name = "llama-3";
+  w.deployment = "llama";
+  w.replica = 3;
+  w.job_id = "llama-3";
+  w.tp = 4;
+  w.pp = 2;
+  w.stage = 1;
+  w.tp_rank = 2;
+  w.microbatches = 4;
+  w.threads = 8;
+  w.backend = "cuda";
+  w.kv_cache_tokens = 65536;
+  w.max_sequence_length = 4096;
+  w.leader_addr = "llama-3-0.llama-workers.ml.svc:29500";
+  w.host = "llama-3-1.llama-workers.ml.svc";
+  w.pod_ip = "10.1.2.3";
+  w.rendezvous_secret_file = "/var/run/secret";
+  w.peer_timeout_ms = 10000;
+  w.startup_timeout_ms = 300000;
+  w.metrics = false;
+  w.metrics_port_base = 9500;
+  w.termination_log = "/dev/termination-log";
+  w.api_host = "127.0.0.1";
+  w.api_port = 8080;
+  w.max_batch_size = 16;
+  w.api_keys_file = "/keys";
+  w.request = R"({"prompt_ids":[1,2]})";
+  w.result_file = "/tmp/r.json";
+  w.report_memory = true;
+  auto back = WorkerEnv::FromEnv(From(AsMap(w)));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, w);
+  EXPECT_EQ(back->rank(), 1 * 4 + 2);
+}
+
+TEST(WorkerEnvTest, DefaultsStayUnwrittenButTheReplicasIdentityIsAlwaysThere) {
+  WorkerEnv w;
+  w.model_path = "/m";
+  const auto m = AsMap(w);
+  for (const char* name : {"SHARDSERVE_MODEL_PATH", "SHARDSERVE_MODEL_NAME", "SHARDSERVE_REPLICA",
+                           "SHARDSERVE_TP", "SHARDSERVE_PP", "SHARDSERVE_STAGE"}) {
+    EXPECT_TRUE(m.count(name)) << name;
+  }
+  EXPECT_EQ(m.size(), 6u);
+  auto back = WorkerEnv::FromEnv(From(m));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, w);
+  auto empty = WorkerEnv::FromEnv(From({}));
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, WorkerEnv());
+}
+
+TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
+  auto error = [](std::map<std::string, std::string> vars) {
+    auto w = WorkerEnv::FromEnv(From(vars));
+    EXPECT_FALSE(w.ok());
+    return std::string(w.status().message());
+  };
+  EXPECT_THAT(error({{"SHARDSERVE_TP", "four"}}),
+              HasSubstr("environment variable SHARDSERVE_TP='four' must be an integer in [1, "));
+  EXPECT_THAT(error({{"SHARDSERVE_PEER_TIMEOUT_MS", "5"}}),
+              HasSubstr("SHARDSERVE_PEER_TIMEOUT_MS='5' must be an integer in [100, "));
+  EXPECT_THAT(error({{"SHARDSERVE_API_PORT", "70000"}}),
+              HasSubstr("SHARDSERVE_API_PORT='70000' must be an integer in [0, 65535]"));
+  EXPECT_THAT(error({{"SHARDSERVE_KV_CACHE_TOKENS", "8"}}),
+              HasSubstr("SHARDSERVE_KV_CACHE_TOKENS='8'"));
+  EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader"}}),
+              HasSubstr("SHARDSERVE_LEADER_ADDR='leader' is not HOST:PORT"));
+  EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader:0"}}), HasSubstr("is not HOST:PORT"));
+  EXPECT_THAT(error({{"SHARDSERVE_METRICS", "maybe"}}),
+              HasSubstr("SHARDSERVE_METRICS='maybe' must be on or off"));
+  EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),
+              HasSubstr("SHARDSERVE_STAGE 0 / SHARDSERVE_TP_RANK 2 are outside SHARDSERVE_TP 2"));
+  EXPECT_THAT(error({{"SHARDSERVE_PP", "2"}, {"SHARDSERVE_STAGE", "2"}}),
+              HasSubstr("SHARDSERVE_STAGE 2"));
+}
+
+}  // namespace
+}  // namespace shardserve
