@@ -64,14 +64,7 @@ absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
   if (!j.is_object()) return absl::InvalidArgumentError("worker defaults must be an object");
   for (const auto& [k, v] : j.items()) {
     if (k == "env") {
-      if (!v.is_array()) return absl::InvalidArgumentError("worker defaults: env must be a list");
-      for (const json& e : v) {
-        if (!e.is_object() || !e.contains("name") || !e["name"].is_string()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("worker defaults: env entry ", e.dump(), " has no name"));
-        }
-      }
-      d.env = v;
+      ASSIGN_OR_RETURN(d.env, ParseEnvList(v, "worker defaults: env"));
     } else if (k == "resources") {
       if (!v.is_object()) {
         return absl::InvalidArgumentError("worker defaults: resources must be an object");
@@ -137,14 +130,12 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
                                     const ModelPolicy& policy) {
   ModelView v;
   v.defaults = defaults;
-  ASSIGN_OR_RETURN(v.model, ParseShardedModel(object.dump()));
+  ASSIGN_OR_RETURN(v.model, ParseShardedModelObject(object));
   const json& meta = object.at("metadata");
   v.uid = meta.value("uid", "");
   if (meta.contains("namespace")) v.model.namespace_ = meta["namespace"].get<std::string>();
   const json& worker = object["spec"]["worker"];
   if (worker.contains("resources")) v.resources = worker["resources"];
-  if (worker.contains("env")) v.env = worker["env"];
-  if (worker.contains("tolerations")) v.tolerations = worker["tolerations"];
   ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(v.model.spec.model_uri));
   if (uri.scheme == ModelUri::Scheme::kFile) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -212,13 +203,17 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   // The rendezvous and the mesh listen on the pod's own address only.
   env.push_back({{"name", kPodIpEnv},
                  {"valueFrom", {{"fieldRef", {{"fieldPath", "status.podIP"}}}}}});
-  for (const json& e : m.defaults.env) {
-    const bool overridden = std::any_of(m.env.begin(), m.env.end(), [&](const json& own) {
-      return own.value("name", "") == e.value("name", "");
+  auto env_entry = [](const ShardedModelSpec::EnvVar& e) {
+    return e.value_from.empty() ? json{{"name", e.name}, {"value", e.value}}
+                                : json{{"name", e.name}, {"valueFrom", json::parse(e.value_from)}};
+  };
+  for (const ShardedModelSpec::EnvVar& e : m.defaults.env) {
+    const bool overridden = std::any_of(s.env.begin(), s.env.end(), [&](const auto& own) {
+      return own.name == e.name;
     });
-    if (!overridden) env.push_back(e);
+    if (!overridden) env.push_back(env_entry(e));
   }
-  for (const json& e : m.env) env.push_back(e);
+  for (const ShardedModelSpec::EnvVar& e : s.env) env.push_back(env_entry(e));
 
   json ports = json::array({{{"name", "rendezvous"}, {"containerPort", kRendezvousPort}}});
   if (leader) ports.push_back({{"name", "api"}, {"containerPort", s.port}});
@@ -315,7 +310,14 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {"containers", json::array({container})},
       {"volumes", volumes}};
   if (!s.node_selector.empty()) spec["nodeSelector"] = s.node_selector;
-  if (!m.tolerations.empty()) spec["tolerations"] = m.tolerations;
+  for (const ShardedModelSpec::Toleration& t : s.tolerations) {
+    json tol = {{"operator", t.op}};
+    if (!t.key.empty()) tol["key"] = t.key;
+    if (!t.value.empty()) tol["value"] = t.value;
+    if (!t.effect.empty()) tol["effect"] = t.effect;
+    if (t.seconds) tol["tolerationSeconds"] = *t.seconds;
+    spec["tolerations"].push_back(std::move(tol));
+  }
 
   return {{"apiVersion", "v1"},
           {"kind", "Pod"},

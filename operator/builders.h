@@ -51,7 +51,7 @@ inline constexpr int kPeerTimeoutMs = 10000;
 // set), the container's and the pod's securityContext. The defaults match the chart's: the
 // image's user, and fsGroup so that the mounted Secrets (mode 0440) are readable by the ranks.
 struct WorkerDefaults {
-  json env = json::array();
+  std::vector<ShardedModelSpec::EnvVar> env;
   json resources = json::object();
   json security_context = {{"runAsNonRoot", true},
                            {"runAsUser", 65532},
@@ -86,8 +86,6 @@ struct ModelView {
   ShardedModel model;
   std::string uid;
   json resources = json::object();  // spec.worker.resources
-  json env = json::array();         // spec.worker.env (valueFrom kept)
-  json tolerations = json::array();
   std::string revision;  // hash of everything in the spec that shapes a pod
   WorkerDefaults defaults;
 };

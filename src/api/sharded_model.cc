@@ -89,6 +89,76 @@ class Fields {
   std::set<std::string> known_;
 };
 
+// A YAML tree of a parsed JSON value (JSON is YAML: the same checks read both).
+YAML::Node FromJson(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object: {
+      YAML::Node n(YAML::NodeType::Map);
+      for (const auto& [k, v] : j.items()) n[k] = FromJson(v);
+      return n;
+    }
+    case nlohmann::json::value_t::array: {
+      YAML::Node n(YAML::NodeType::Sequence);
+      for (const auto& v : j) n.push_back(FromJson(v));
+      return n;
+    }
+    case nlohmann::json::value_t::string:
+      return YAML::Node(j.get<std::string>());
+    case nlohmann::json::value_t::null:
+    case nlohmann::json::value_t::discarded:
+      return YAML::Node(YAML::NodeType::Null);
+    default:  // numbers and booleans, as their JSON text
+      return YAML::Node(j.dump());
+  }
+}
+
+// The JSON of a YAML tree (a valueFrom source): booleans stay booleans, other scalars are text.
+nlohmann::json ToJson(const YAML::Node& n) {
+  if (n.IsMap()) {
+    nlohmann::json o = nlohmann::json::object();
+    for (const auto& kv : n) o[kv.first.Scalar()] = ToJson(kv.second);
+    return o;
+  }
+  if (n.IsSequence()) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& v : n) a.push_back(ToJson(v));
+    return a;
+  }
+  if (!n.IsScalar()) return nullptr;
+  if (n.Scalar() == "true" || n.Scalar() == "false") return n.Scalar() == "true";
+  return n.Scalar();
+}
+
+absl::Status ParseEnv(const YAML::Node& env, const std::string& path,
+                      std::vector<ShardedModelSpec::EnvVar>& out) {
+  if (!env || env.IsNull()) return absl::OkStatus();
+  if (!env.IsSequence()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " must be a list of {name, value}"));
+  }
+  for (size_t i = 0; i < env.size(); ++i) {
+    const std::string at = absl::StrCat(path, "[", i, "]");
+    Fields e(env[i], at);
+    RETURN_IF_ERROR(e.CheckMap());
+    if (!env[i].IsMap()) return absl::InvalidArgumentError(absl::StrCat(at, " must be a mapping"));
+    ShardedModelSpec::EnvVar var;
+    RETURN_IF_ERROR(e.String("name", var.name));
+    RETURN_IF_ERROR(e.String("value", var.value));
+    if (YAML::Node from = e.Get("valueFrom"); from && !from.IsNull()) {
+      if (!from.IsMap()) {
+        return absl::InvalidArgumentError(absl::StrCat(at, ".valueFrom must be a mapping"));
+      }
+      if (!var.value.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(at, " sets both value and valueFrom"));
+      }
+      var.value_from = ToJson(from).dump();
+    }
+    RETURN_IF_ERROR(e.NoOthers());
+    if (var.name.empty()) return absl::InvalidArgumentError(absl::StrCat(at, ".name is required"));
+    out.push_back(std::move(var));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   Fields spec(node, "spec");
   RETURN_IF_ERROR(spec.CheckMap());
@@ -124,7 +194,9 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
       RETURN_IF_ERROR(t.String("operator", tol.op));
       RETURN_IF_ERROR(t.String("value", tol.value));
       RETURN_IF_ERROR(t.String("effect", tol.effect));
-      t.Get("tolerationSeconds");
+      int64_t seconds = -1;
+      RETURN_IF_ERROR(t.Int("tolerationSeconds", seconds));
+      if (seconds >= 0) tol.seconds = seconds;
       RETURN_IF_ERROR(t.NoOthers());
       if (tol.op != "Equal" && tol.op != "Exists") {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -133,26 +205,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
       s.tolerations.push_back(tol);
     }
   }
-  YAML::Node env = worker.Get("env");
-  if (env && !env.IsNull()) {
-    if (!env.IsSequence()) {
-      return absl::InvalidArgumentError("spec.worker.env must be a list of {name, value}");
-    }
-    for (size_t i = 0; i < env.size(); ++i) {
-      Fields e(env[i], absl::StrCat("spec.worker.env[", i, "]"));
-      RETURN_IF_ERROR(e.CheckMap());
-      std::string name, value;
-      RETURN_IF_ERROR(e.String("name", name));
-      RETURN_IF_ERROR(e.String("value", value));
-      e.Get("valueFrom");
-      RETURN_IF_ERROR(e.NoOthers());
-      if (name.empty()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("spec.worker.env[", i, "].name is required"));
-      }
-      s.env.emplace_back(name, value);
-    }
-  }
+  RETURN_IF_ERROR(ParseEnv(worker.Get("env"), "spec.worker.env", s.env));
   RETURN_IF_ERROR(worker.NoOthers());
   Fields placement(spec.Get("placement"), "spec.placement");
   RETURN_IF_ERROR(placement.CheckMap());
@@ -251,13 +304,9 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ShardedModel> ParseShardedModel(const std::string& text) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("not valid YAML: ", e.what()));
-  }
+namespace {
+
+absl::StatusOr<ShardedModel> ParseRoot(const YAML::Node& root) {
   if (!root.IsMap()) return absl::InvalidArgumentError("the manifest must be a YAML mapping");
   ShardedModel m;
   Fields top(root, "");
@@ -282,6 +331,33 @@ absl::StatusOr<ShardedModel> ParseShardedModel(const std::string& text) {
   RETURN_IF_ERROR(top.NoOthers());
   RETURN_IF_ERROR(ValidateShardedModel(m));
   return m;
+}
+
+}  // namespace
+
+absl::StatusOr<ShardedModel> ParseShardedModel(const std::string& text) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("not valid YAML: ", e.what()));
+  }
+  return ParseRoot(root);
+}
+
+absl::StatusOr<ShardedModel> ParseShardedModelObject(const nlohmann::json& object) {
+  return ParseRoot(FromJson(object));
+}
+
+absl::StatusOr<std::vector<ShardedModelSpec::EnvVar>> ParseEnvList(const nlohmann::json& list,
+                                                                   const std::string& path) {
+  std::vector<ShardedModelSpec::EnvVar> out;
+  try {
+    RETURN_IF_ERROR(ParseEnv(FromJson(list), path, out));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", e.what()));
+  }
+  return out;
 }
 
 }  // namespace shardserve

@@ -5,6 +5,8 @@
 // must be at least 1, got 0").
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,9 +36,15 @@ struct ShardedModelSpec {
   std::map<std::string, std::string> node_selector;
   struct Toleration {
     std::string key, op = "Equal", value, effect;
+    std::optional<int64_t> seconds;  // tolerationSeconds
   };
   std::vector<Toleration> tolerations;
-  std::vector<std::pair<std::string, std::string>> env;  // passed to every worker
+  // Passed to every worker: a value, or (on a cluster) a valueFrom source as its JSON text.
+  struct EnvVar {
+    std::string name, value;
+    std::string value_from;  // {"fieldRef": ...}, {"secretKeyRef": ...}; "" for a plain value
+  };
+  std::vector<EnvVar> env;
   std::string topology_key = "topology.kubernetes.io/zone";
   std::string failure_policy = "RecreateReplica";  // RecreateReplica | None
   int64_t max_unavailable = 1;
@@ -60,6 +68,14 @@ struct ShardedModel {
 // Parses one ShardedModel document (YAML or JSON) and validates it. Unknown fields under spec
 // are refused by name, so a misspelt field is not silently ignored.
 absl::StatusOr<ShardedModel> ParseShardedModel(const std::string& text);
+// The same from the object as the apiserver returns it, already parsed (the operator's informer
+// cache): read as it is, without printing and parsing it again.
+absl::StatusOr<ShardedModel> ParseShardedModelObject(const nlohmann::json& object);
+
+// A list of {name, value} or {name, valueFrom} entries (spec.worker.env, the platform's worker
+// defaults); `path` names the list in errors.
+absl::StatusOr<std::vector<ShardedModelSpec::EnvVar>> ParseEnvList(const nlohmann::json& list,
+                                                                   const std::string& path);
 
 // The static checks, on their own.
 absl::Status ValidateShardedModel(const ShardedModel& model);

@@ -172,7 +172,10 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         std::printf(" tp%d :%d", t, rep.metrics_base + s * T + t);
       }
       std::printf("\n");
-      std::vector<std::pair<std::string, std::string>> env = spec.env;
+      std::vector<std::pair<std::string, std::string>> env;
+      for (const ShardedModelSpec::EnvVar& e : spec.env) {
+        if (e.value_from.empty()) env.emplace_back(e.name, e.value);  // valueFrom: pods only
+      }
       WorkerEnv w;
       w.model_name = spec.model_name;
       w.deployment = m.name;

@@ -17,9 +17,13 @@ json Model(const std::string& uri = "pvc://store/llama/70b") {
                      uri + R"("},
              "parallelism": {"tensor": 4, "pipeline": 2},
              "worker": {"image": "w:1", "nodeSelector": {"pool": "gpu"},
-                        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                        "tolerations": [{"key": "gpu", "operator": "Exists"},
+                                        {"key": "drain", "operator": "Equal", "value": "soon",
+                                         "effect": "NoExecute", "tolerationSeconds": 30}],
                         "resources": {"requests": {"memory": "64Gi"}},
-                        "env": [{"name": "NCCL_DEBUG", "value": "WARN"}]},
+                        "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
+                                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef":
+                                    {"name": "hf", "key": "token", "optional": true}}}]},
              "serving": {"port": 8000, "maxBatchSize": 16, "maxSequenceLength": 8192}}})");
 }
 
@@ -68,7 +72,18 @@ TEST(Builders, StagePodCarriesThePodContract) {
   EXPECT_EQ(Env(worker, "NCCL_DEBUG"), "WARN");
   EXPECT_EQ(leader["spec"]["volumes"][1]["persistentVolumeClaim"]["claimName"], "store");
   EXPECT_EQ(leader["spec"]["nodeSelector"]["pool"], "gpu");
-  EXPECT_EQ(leader["spec"]["tolerations"][0]["key"], "gpu");
+  EXPECT_EQ(leader["spec"]["tolerations"][0],
+            json::parse(R"({"key": "gpu", "operator": "Exists"})"));
+  EXPECT_EQ(leader["spec"]["tolerations"][1],
+            json::parse(R"({"key": "drain", "operator": "Equal", "value": "soon",
+                            "effect": "NoExecute", "tolerationSeconds": 30})"));
+  // A model's env passes as written, valueFrom sources too.
+  for (const json& e : worker["spec"]["containers"][0]["env"]) {
+    if (e["name"] == "HF_TOKEN") {
+      EXPECT_EQ(e["valueFrom"], json::parse(R"({"secretKeyRef":
+                                               {"name": "hf", "key": "token", "optional": true}})"));
+    }
+  }
   // Ports: the API on the leader only; rendezvous; metrics 9400 + tp_rank.
   std::vector<int> leader_ports, worker_ports;
   for (const json& p : c["ports"]) leader_ports.push_back(p["containerPort"]);
@@ -148,7 +163,17 @@ TEST(Builders, WorkerDefaultsFromThePlatformUnderTheModelsOwn) {
 
   EXPECT_NE(ReadWorkerDefaults(json::parse(R"({"evn": []})")).status().message().find("'evn'"),
             std::string::npos);
-  EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"env": [{"value": "x"}]})")).ok());
+  EXPECT_NE(ReadWorkerDefaults(json::parse(R"({"env": [{"value": "x"}]})"))
+                .status()
+                .message()
+                .find("worker defaults: env[0].name is required"),
+            std::string::npos);
+  EXPECT_NE(ReadWorkerDefaults(json::parse(R"({"env": [{"name": "A", "value": "x",
+                                                       "valueFrom": {"fieldRef": {}}}]})"))
+                .status()
+                .message()
+                .find("env[0] sets both value and valueFrom"),
+            std::string::npos);
   EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"securityContext": []})")).ok());
 }
 
