@@ -7,8 +7,8 @@
 #include "absl/strings/str_split.h"
 #include "common/args.h"
 #include "common/status.h"
-#include "model/corpus.h"
-#include "model/tokenizer.h"
+#include "devtools/corpus.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 

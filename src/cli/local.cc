@@ -23,7 +23,7 @@
 #include "common/text.h"
 #include "http/server.h"
 #include "model/config.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "serve/api_keys.h"
 #include "serve/rank_runtime.h"
 

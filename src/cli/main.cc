@@ -32,9 +32,9 @@
 #include "common/process.h"
 #include "common/status.h"
 #include "common/text.h"
-#include "model/gen_model.h"
+#include "devtools/gen_model.h"
 #include "model/generator.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "model/transformer.h"
 
 namespace shardserve {

@@ -15,7 +15,7 @@
 #include "common/status.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "serve/api_keys.h"
 #include "serve/chat_template.h"
 #include "serve/openai.h"

@@ -2,7 +2,7 @@
 // Test helpers: a temporary directory and small generated models inside it.
 #include <string>
 
-#include "model/gen_model.h"
+#include "devtools/gen_model.h"
 
 namespace shardserve::testing {
 

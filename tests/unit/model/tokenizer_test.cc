@@ -1,4 +1,4 @@
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -7,8 +7,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "model/bpe_trainer.h"
-#include "model/corpus.h"
+#include "devtools/bpe_trainer.h"
+#include "devtools/corpus.h"
 
 namespace shardserve {
 namespace {

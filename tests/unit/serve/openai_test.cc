@@ -3,9 +3,9 @@
 
 #include <gtest/gtest.h>
 
-#include "model/bpe_trainer.h"
-#include "model/corpus.h"
-#include "model/tokenizer.h"
+#include "devtools/bpe_trainer.h"
+#include "devtools/corpus.h"
+#include "tokenizer/tokenizer.h"
 #include "serve/text_stream.h"
 
 namespace shardserve {

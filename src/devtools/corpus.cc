@@ -1,4 +1,4 @@
-#include "model/corpus.h"
+#include "devtools/corpus.h"
 
 namespace shardserve {
 

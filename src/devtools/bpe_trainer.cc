@@ -1,4 +1,4 @@
-#include "model/bpe_trainer.h"
+#include "devtools/bpe_trainer.h"
 
 #include <algorithm>
 #include <map>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/text.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {

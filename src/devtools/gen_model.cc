@@ -1,4 +1,4 @@
-#include "model/gen_model.h"
+#include "devtools/gen_model.h"
 
 #include <cmath>
 #include <filesystem>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "common/text.h"
-#include "model/corpus.h"
+#include "devtools/corpus.h"
 #include "model/safetensors.h"
 
 namespace shardserve {

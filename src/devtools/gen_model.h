@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "model/bpe_trainer.h"
+#include "devtools/bpe_trainer.h"
 #include "model/dtype.h"
 
 namespace shardserve {
