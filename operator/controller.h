@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "k8s/client.h"
@@ -58,7 +59,7 @@ class GpuLedger {
 
  private:
   mutable std::mutex mu_;
-  std::map<std::string, Usage> pods_;
+  std::map<std::string, Usage> pods_ ABSL_GUARDED_BY(mu_);
 };
 
 class Controller {
@@ -119,11 +120,12 @@ class Controller {
   EventRecorder recorder_;
   GpuLedger ledger_;
   std::mutex nodes_mu_;
-  std::map<std::string, std::map<std::string, NodeInfo>> node_infos_;  // by resource, name
+  // by resource, name
+  std::map<std::string, std::map<std::string, NodeInfo>> node_infos_ ABSL_GUARDED_BY(nodes_mu_);
   std::mutex place_mu_;  // one placement at a time: plan, then reserve in the ledger
   std::mutex mu_;
-  std::map<std::string, Memory> memory_;  // by model key
-  std::set<std::string> waiting_;         // models with replicas that did not fit
+  std::map<std::string, Memory> memory_ ABSL_GUARDED_BY(mu_);  // by model key
+  std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // models with replicas that did not fit
   std::vector<std::thread> workers_;
   std::atomic<bool> synced_{false};
   std::atomic<bool> stopped_{false};

@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "k8s/client.h"
 #include "operator/reconcile.h"
 
@@ -30,8 +31,8 @@ class EventRecorder {
   size_t max_queued_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<std::string, json>> queue_;  // namespace, Event
-  bool stop_ = false;
+  std::deque<std::pair<std::string, json>> queue_ ABSL_GUARDED_BY(mu_);  // namespace, Event
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

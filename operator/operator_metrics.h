@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 
 namespace prometheus {
@@ -84,9 +85,11 @@ class OperatorMetrics {
   prometheus::Family<prometheus::Gauge>* cache_objects_;
   prometheus::Family<prometheus::Gauge>* cache_bytes_;
   std::function<Sampled()> sampler_;
-  std::mutex mu_;  // guards the per-model series below
-  std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_;
-  std::map<std::string, std::vector<prometheus::Counter*>> model_counters_;  // restarts first
+  std::mutex mu_;
+  std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_
+      ABSL_GUARDED_BY(mu_);
+  // restarts first
+  std::map<std::string, std::vector<prometheus::Counter*>> model_counters_ ABSL_GUARDED_BY(mu_);
   void Sample();  // the sampled figures into their series
 
   std::unique_ptr<http::Server> http_;

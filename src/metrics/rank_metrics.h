@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 
 namespace prometheus {
@@ -86,8 +87,8 @@ class RankMetrics {
   RankMetrics() = default;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<http::Server> http_;
-  std::mutex mu_;  // guards collectables_
-  std::vector<std::shared_ptr<prometheus::Collectable>> collectables_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> collectables_ ABSL_GUARDED_BY(mu_);
   RankLabels labels_;
   int port_ = 0;
   prometheus::Gauge* up_ = nullptr;

@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -110,14 +111,13 @@ struct ApiServer::Impl {
   std::shared_ptr<prometheus::Registry> own_registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<LeaderMetrics> metrics;
   std::mutex registry_mu;
-  std::shared_ptr<prometheus::Registry> rank_registry;
+  std::shared_ptr<prometheus::Registry> rank_registry ABSL_GUARDED_BY(registry_mu);
   std::shared_mutex engine_mu;
-  Engine* engine = nullptr;  // guarded by engine_mu
-  std::string not_ready =
-      "the model replica is starting: waiting for every rank to connect and "
-      "load";  // guarded by engine_mu
+  Engine* engine ABSL_GUARDED_BY(engine_mu) = nullptr;
+  std::string not_ready ABSL_GUARDED_BY(engine_mu) =
+      "the model replica is starting: waiting for every rank to connect and load";
   std::atomic<int> active{0};
-  int64_t max_context = 0;  // guarded by engine_mu
+  int64_t max_context ABSL_GUARDED_BY(engine_mu) = 0;
   int64_t vocab_size = 0;   // guarded by engine_mu
 
   std::string TokenText(int32_t id) const { return tokenizer->Decode({id}, false); }
