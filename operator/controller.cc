@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "plan/cluster_view.h"
 
@@ -31,8 +32,6 @@ using k8s::kShardedModels;
 constexpr absl::Duration kMemoryTtl = absl::Seconds(60);
 // How long a bound pod may mount its volumes before its events are read for a failure.
 constexpr absl::Duration kMountGrace = absl::Seconds(10);
-
-void Log(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
 
 json Pick(const json& from, std::initializer_list<const char*> keys) {
   json out = json::object();
@@ -326,7 +325,7 @@ void Controller::UpdateNode(const json* node, const json* gone) {
     if (n.ok()) {
       table[n->name] = std::move(*n);
     } else {
-      Log(absl::StrCat("node ", (*node)["metadata"].value("name", ""),
+      LogInfo(absl::StrCat("node ", (*node)["metadata"].value("name", ""),
                        " is not used for placement: ", n.status().message()));
       table.erase((*node)["metadata"].value("name", ""));
     }
@@ -382,7 +381,7 @@ void Controller::Worker() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     metrics_->ObserveReconcileApi(tl_api_seconds);
     if (!s.ok()) {
-      Log(absl::StrCat("model ", *key, ": reconcile failed, retrying with backoff: ", s.message()));
+      LogWarning("model ", *key, ": reconcile failed, retrying with backoff: ", s.message());
       metrics_->ObserveReconcile("error", seconds);
       queue_.AddRateLimited(*key);
     } else {

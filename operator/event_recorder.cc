@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/log.h"
 
 namespace shardserve::op {
 
@@ -23,8 +24,7 @@ void EventRecorder::Record(const json& model, const Event& e) {
   const json& meta = model["metadata"];
   const std::string ns = meta.value("namespace", "default");
   const std::string name = meta.value("name", "");
-  std::fprintf(stderr, "model %s/%s: %s: %s\n", ns.c_str(), name.c_str(), e.reason.c_str(),
-               e.message.c_str());
+  LogInfo("model ", ns, "/", name, ": ", e.reason, ": ", e.message);
   const std::string now = Rfc3339(absl::Now());
   json event = {{"apiVersion", "v1"},
                 {"kind", "Event"},
@@ -45,7 +45,7 @@ void EventRecorder::Record(const json& model, const Event& e) {
                 {"count", 1}};
   std::lock_guard<std::mutex> lock(mu_);
   if (queue_.size() >= max_queued_) {
-    std::fprintf(stderr, "event recorder: %zu events queued; dropping the oldest\n", queue_.size());
+    LogWarning("event recorder: ", queue_.size(), " events queued; dropping the oldest");
     queue_.pop_front();
   }
   queue_.emplace_back(ns, std::move(event));
@@ -62,8 +62,8 @@ void EventRecorder::Run() {
     lock.unlock();
     auto r = client_->Create(k8s::kEvents, ns, event);
     if (!r.ok()) {
-      std::fprintf(stderr, "event recorder: event %s not recorded: %s\n",
-                   event.value("reason", "").c_str(), std::string(r.status().message()).c_str());
+      LogWarning("event recorder: event ", event.value("reason", ""), " not recorded: ",
+                 r.status().message());
     }
     lock.lock();
   }

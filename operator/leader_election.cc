@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/log.h"
 
 namespace shardserve::op {
 namespace {
@@ -50,8 +51,8 @@ bool LeaderElector::TryAcquireOrRenew() {
     return created.ok();
   }
   if (!lease.ok()) {
-    std::fprintf(stderr, "leader election: reading lease %s/%s: %s\n", options_.namespace_.c_str(),
-                 options_.name.c_str(), std::string(lease.status().message()).c_str());
+    LogWarning("leader election: reading lease ", options_.namespace_, "/", options_.name, ": ",
+               lease.status().message());
     return false;
   }
   json& spec = (*lease)["spec"];
@@ -78,8 +79,7 @@ bool LeaderElector::TryAcquireOrRenew() {
   auto updated =
       client_->Request("PUT", k8s::kLeases.Path(options_.namespace_, options_.name), &*lease);
   if (!updated.ok() && !k8s::ApiConflict(updated.status())) {
-    std::fprintf(stderr, "leader election: updating lease: %s\n",
-                 std::string(updated.status().message()).c_str());
+    LogWarning("leader election: updating lease: ", updated.status().message());
   }
   leading_ = updated.ok();
   return updated.ok();
@@ -89,13 +89,13 @@ bool LeaderElector::Acquire(const std::atomic<bool>& stop) {
   bool announced = false;
   while (!stop.load()) {
     if (TryAcquireOrRenew()) {
-      std::fprintf(stderr, "leader election: %s holds lease %s/%s\n", options_.identity.c_str(),
-                   options_.namespace_.c_str(), options_.name.c_str());
+      LogInfo("leader election: ", options_.identity, " holds lease ", options_.namespace_, "/",
+              options_.name);
       return true;
     }
     if (!announced) {
-      std::fprintf(stderr, "leader election: %s waits for lease %s/%s\n", options_.identity.c_str(),
-                   options_.namespace_.c_str(), options_.name.c_str());
+      LogInfo("leader election: ", options_.identity, " waits for lease ", options_.namespace_, "/",
+              options_.name);
       announced = true;
     }
     SleepUnlessStopped(options_.retry_period, stop);
@@ -112,11 +112,11 @@ bool LeaderElector::Hold(const std::atomic<bool>& stop) {
       last_renew = Clock::now();
     } else if (Clock::now() - last_renew > options_.renew_deadline) {
       leading_ = false;
-      std::fprintf(stderr, "leader election: %s lost lease %s/%s (not renewed for %lld ms)\n",
-                   options_.identity.c_str(), options_.namespace_.c_str(), options_.name.c_str(),
-                   static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                              Clock::now() - last_renew)
-                                              .count()));
+      LogWarning("leader election: ", options_.identity, " lost lease ", options_.namespace_, "/",
+                 options_.name, " (not renewed for ",
+                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_renew)
+                     .count(),
+                 " ms)");
       return false;
     }
   }
@@ -132,8 +132,7 @@ void LeaderElector::Release() {
   (*lease)["metadata"].erase("managedFields");
   auto r = client_->Request("PUT", k8s::kLeases.Path(options_.namespace_, options_.name), &*lease);
   if (!r.ok()) {
-    std::fprintf(stderr, "leader election: releasing lease: %s\n",
-                 std::string(r.status().message()).c_str());
+    LogWarning("leader election: releasing lease: ", r.status().message());
   }
 }
 

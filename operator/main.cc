@@ -33,6 +33,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/args.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "common/text.h"
 #include "k8s/client.h"
@@ -157,6 +158,7 @@ absl::Status Run(const std::vector<std::string>& argv) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   lo.identity = absl::StrCat(host, "_", getpid());
+  SetLogIdentity(absl::StrCat("operator ", host));
   ASSIGN_OR_RETURN(absl::Duration lease, Seconds(a, "lease-duration", 15));
   ASSIGN_OR_RETURN(absl::Duration renew, Seconds(a, "renew-deadline", 10));
   ASSIGN_OR_RETURN(absl::Duration retry, Seconds(a, "retry-period", 2));
@@ -184,34 +186,33 @@ absl::Status Run(const std::vector<std::string>& argv) {
       listen.substr(0, colon), port,
       [&]() -> std::string { return controller.synced() ? "" : "caches not synced yet"; },
       authorize));
-  std::fprintf(stderr, "shardserve-operator: serving /metrics, /healthz, /readyz on %s:%d\n",
-               listen.substr(0, colon).c_str(), metrics.port());
+  LogInfo("shardserve-operator: serving /metrics, /healthz, /readyz on ", listen.substr(0, colon),
+          ":", metrics.port());
 
   std::atomic<bool> stop{false};
   std::thread runner([&] {
     // Caches first, leading or not: a standby that takes over has its world already read.
     absl::Status s = controller.StartCaches(std::chrono::minutes(5));
     if (!s.ok()) {
-      std::fprintf(stderr, "shardserve-operator: %s\n", std::string(s.message()).c_str());
+      LogError("shardserve-operator: ", s.message());
       _exit(1);
     }
-    std::fprintf(stderr, "shardserve-operator: caches synced\n");
+    LogInfo("shardserve-operator: caches synced");
     if (elect) {
       if (!elector.Acquire(stop)) return;
       metrics.SetLeader(true);
     }
     controller.StartWorkers();
-    std::fprintf(stderr, "shardserve-operator: reconciling ShardedModels%s\n",
-                 co.namespace_.empty() ? "" : (" in namespace " + co.namespace_).c_str());
+    LogInfo("shardserve-operator: reconciling ShardedModels",
+            co.namespace_.empty() ? "" : " in namespace ", co.namespace_);
     if (elect && !elector.Hold(stop)) {
-      std::fprintf(stderr,
-                   "shardserve-operator: lost the lease; exiting so that one leader acts\n");
+      LogError("shardserve-operator: lost the lease; exiting so that one leader acts");
       _exit(1);
     }
   });
   int sig = 0;
   sigwait(&stop_signals, &sig);
-  std::fprintf(stderr, "shardserve-operator: signal %d, stopping\n", sig);
+  LogInfo("shardserve-operator: signal ", sig, ", stopping");
   stop = true;
   runner.join();
   controller.Stop();

@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/world.h"
+#include "common/log.h"
 #include "common/process.h"
 #include "common/status.h"
 #include "serve/api_server.h"
@@ -33,6 +34,7 @@ namespace {
 
 absl::Status Launch(const WorkerEnv& env) {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFrom(env));
+  SetLogIdentity(absl::StrCat("stage ", cfg.stage, " launcher"));
   ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.stage * cfg.tp));
   std::vector<Child> ranks;
   const std::string self = SelfDirectory() + "/shardserve-worker";
@@ -94,7 +96,8 @@ class StopSignals {
 // The leader's serving loop: the API answers from the start (not ready), the engine runs once
 // the replica is up, and a stop signal or a replica failure ends it after the requests in
 // progress have been answered.
-absl::Status Serve(const RankConfig& cfg, const WorkerEnv& env, StopSignals& signals) {
+absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, const WorkerEnv& env,
+                   StopSignals& signals) {
   ServeConfig defaults;
   defaults.model_name = cfg.model_name;
   defaults.metrics_model = cfg.metrics_model;
@@ -107,16 +110,15 @@ absl::Status Serve(const RankConfig& cfg, const WorkerEnv& env, StopSignals& sig
   if (!started.ok()) {
     // The other ranks are told at the rendezvous at once, rather than waiting for a leader that
     // will not come.
-    std::fprintf(stderr, "leader: cannot serve: %s\n",
-                 std::string(started.status().message()).c_str());
-    RefuseReplica(cfg, started.status());
+    LogError("leader: cannot serve: ", started.status().message());
+    RefuseReplica(cfg, world, started.status());
     return started.status();
   }
   const ServeConfig& sc = *sc_or;
   std::unique_ptr<ApiServer> server = *std::move(started);
-  std::fprintf(stderr, "leader: API on http://%s:%d (model '%s')\n", sc.host.c_str(),
-               server->port(), sc.model_name.c_str());
-  absl::StatusOr<RankOutcome> outcome = RunRank(cfg, [&](LeaderContext& ctx) {
+  LogInfo("leader: API on http://", sc.host, ":", server->port(), " (model '", sc.model_name,
+          "')");
+  absl::StatusOr<RankOutcome> outcome = RunRank(cfg, world, [&](LeaderContext& ctx) {
     server->AttachRankMetrics(ctx.registry, ctx.expose);
     EngineOptions o = ctx.engine;
     o.max_batch = sc.max_batch;
@@ -125,10 +127,10 @@ absl::Status Serve(const RankConfig& cfg, const WorkerEnv& env, StopSignals& sig
     Engine engine(ctx.executor, o, server->Observer());
     server->SetEngine(&engine);
     signals.OnStop([&engine, drain = std::chrono::seconds(sc.drain_seconds)] {
-      std::fprintf(stderr, "leader: stopping; draining the requests in progress\n");
+      LogInfo("leader: stopping; draining the requests in progress");
       engine.Shutdown(drain);
     });
-    std::fprintf(stderr, "leader: ready\n");
+    LogInfo("leader: ready");
     const absl::Status s = engine.Run();
     signals.OnStop(nullptr);
     server->SetEngine(nullptr, s.ok() ? "the server is shutting down"
@@ -163,7 +165,7 @@ absl::StatusOr<std::vector<GenerationRequest>> Requests(const std::string& text)
 // A stop before the replica serves has nothing to drain: the stage's shared memory (should this
 // rank have made it) goes, then the process, with success.
 void QuitBeforeServing(const RankConfig& cfg) {
-  std::fprintf(stderr, "rank %d: stopped before the replica started\n", cfg.rank());
+  LogInfo("stopped before the replica started");
   if (cfg.tp > 1) shm_unlink(ShmGroupName(cfg).c_str());
   std::fflush(stderr);
   std::_Exit(0);
@@ -171,20 +173,22 @@ void QuitBeforeServing(const RankConfig& cfg) {
 
 absl::Status RunOneRank(const WorkerEnv& env) {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFrom(env));
+  ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.rank()));
+  SetLogIdentity(world.Describe(cfg.rank()));
   if (env.request.empty()) {
     // Serving: a stop signal drains through the leader once the replica runs; before that it
     // ends the rank at once. (A one-shot run just ends on one.)
     StopSignals signals;
     signals.OnStop([cfg] { QuitBeforeServing(cfg); });
-    if (cfg.rank() == 0) return Serve(cfg, env, signals);
+    if (cfg.rank() == 0) return Serve(cfg, world, env, signals);
     // Serving, the leader stops this rank on a step boundary.
-    return RunRank(cfg, nullptr, [&signals] { signals.OnStop(nullptr); }).status();
+    return RunRank(cfg, world, nullptr, [&signals] { signals.OnStop(nullptr); }).status();
   }
   ASSIGN_OR_RETURN(auto requests, Requests(env.request));
   std::vector<GenerationResult> results;
   double seconds = 0;
   ASSIGN_OR_RETURN(
-      RankOutcome outcome, RunRank(cfg, [&](LeaderContext& ctx) -> absl::Status {
+      RankOutcome outcome, RunRank(cfg, world, [&](LeaderContext& ctx) -> absl::Status {
         const auto t0 = std::chrono::steady_clock::now();
         EngineOptions o = ctx.engine;
         o.max_batch = std::max<int>(1, static_cast<int>(requests.size()));

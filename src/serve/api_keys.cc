@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "common/text.h"
 
@@ -116,7 +117,7 @@ void ApiKeys::RefreshLocked() {
   if (!fresh.ok()) {
     const std::string why(fresh.status().message());
     if (why != last_error_) {
-      std::fprintf(stderr, "api keys: keeping the keys in force: %s\n", why.c_str());
+      LogWarning("api keys: keeping the keys in force: ", why);
       last_error_ = why;
     }
     return;

@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "api/worker_env.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
@@ -586,10 +587,8 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   });
   ASSIGN_OR_RETURN(s->http, http::Server::Start(options, std::move(routes)));
   if (s->keys == nullptr) {
-    std::fprintf(stderr,
-                 "leader: the API has no keys (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE): "
-                 "anyone who reaches %s:%d can use it\n",
-                 config.host.c_str(), s->http->port());
+    LogWarning("leader: the API has no keys (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE): "
+               "anyone who reaches ", config.host, ":", s->http->port(), " can use it");
   }
   std::unique_ptr<ApiServer> server(new ApiServer(std::move(impl)));
   server->port_ = server->impl_->http->port();

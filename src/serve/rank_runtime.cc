@@ -19,6 +19,7 @@
 #include "comm/shm_comm.h"
 #include "comm/tcp_comm.h"
 #include "comm/world.h"
+#include "common/log.h"
 #include "common/process.h"
 #include "common/status.h"
 #include "metrics/rank_metrics.h"
@@ -353,8 +354,7 @@ absl::Status Rank::Init() {
                            {cfg_.metrics_model, std::to_string(cfg_.replica),
                             std::to_string(cfg_.stage), std::to_string(cfg_.tp_rank)}));
     metrics_->SetUp(false);
-    std::fprintf(stderr, "%s: metrics on %s:%d/metrics\n", world_.Describe(rank).c_str(),
-                 cfg_.host.c_str(), metrics_->port());
+    LogInfo("metrics on ", cfg_.host, ":", metrics_->port(), "/metrics");
   }
   auto observe = [this](const char* op, double seconds, size_t bytes) {
     if (metrics_) metrics_->ObserveComm(op, seconds, bytes);
@@ -427,7 +427,7 @@ absl::Status Rank::Init() {
     if (gpu_tp_) o.tp_comm = gpu_tp_.get();
     ASSIGN_OR_RETURN(auto m, CudaTransformer::Load(cfg_.model_path, o, device));
     ASSIGN_OR_RETURN(cache_, m->NewKvCache(cfg_.kv_cache_tokens));
-    std::fprintf(stderr, "%s: CUDA backend on GPU %d\n", world_.Describe(rank).c_str(), device);
+    LogInfo("CUDA backend on GPU ", device);
     model_ = std::make_unique<CudaStage>(std::move(m));
 #endif
     return absl::OkStatus();
@@ -665,23 +665,21 @@ std::string ShmGroupName(const RankConfig& c) {
   return absl::StrCat("/shardserve-", c.job_id, "-stage", c.stage);
 }
 
-void RefuseReplica(const RankConfig& config, const absl::Status& why) {
-  absl::StatusOr<WorldConfig> world = WorldConfig::Create(config.tp, config.pp, 0);
-  if (!world.ok() || world->world_size() == 1) return;
+void RefuseReplica(const RankConfig& config, const WorldConfig& world, const absl::Status& why) {
+  if (world.world_size() == 1) return;
   auto server = RendezvousServer::Listen(config.bind_host, config.leader_port, config.secret);
   if (!server.ok()) return;
-  server->RefuseAll(*world, std::string(why.message()),
+  server->RefuseAll(world, std::string(why.message()),
                     std::min(config.startup_timeout, std::chrono::milliseconds(30000)));
 }
 
-absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead,
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const WorldConfig& world,
+                                    const LeaderMain& lead,
                                     const std::function<void()>& started) {
-  ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(config.tp, config.pp, config.rank()));
-  if (config.stage < 0 || config.stage >= config.pp || config.tp_rank < 0 ||
-      config.tp_rank >= config.tp) {
-    return absl::InvalidArgumentError(absl::StrCat("stage ", config.stage, " / tp_rank ",
-                                                   config.tp_rank, " are outside tp ", config.tp,
-                                                   " x pp ", config.pp));
+  if (world.tp() != config.tp || world.pp() != config.pp || world.rank() != config.rank()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", config.rank(), " of tp ", config.tp, " x pp ", config.pp, " was given the world of ",
+        world.Describe(world.rank()), " in tp ", world.tp(), " x pp ", world.pp()));
   }
   Rank rank(config, world);
   if (absl::Status s = rank.Init(); !s.ok()) return rank.AbortAll(s);

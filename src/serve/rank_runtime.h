@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "api/worker_env.h"
+#include "comm/world.h"
 #include "model/config.h"
 #include "plan/layer_split.h"
 #include "serve/engine.h"
@@ -92,14 +93,16 @@ using LeaderMain = std::function<absl::Status(LeaderContext&)>;
 // The layers of each pipeline stage, as every rank computes them (weights by parameter count).
 absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& config, int pp);
 
-// Runs this rank: start-up, then `started` (every rank, once the replica is connected and
-// loaded), then `lead` on the leader; the other ranks serve steps until the leader stops them.
-absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const LeaderMain& lead,
+// Runs this rank (`world`: its place, made once per process from `config`): start-up, then
+// `started` (every rank, once the replica is connected and loaded), then `lead` on the leader;
+// the other ranks serve steps until the leader stops them.
+absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const WorldConfig& world,
+                                    const LeaderMain& lead,
                                     const std::function<void()>& started = nullptr);
 
 // The leader could not start (`why`): every other rank of the replica that comes to the
 // rendezvous within the start-up timeout (at most 30 s) is told so, rather than waiting for it.
-void RefuseReplica(const RankConfig& config, const absl::Status& why);
+void RefuseReplica(const RankConfig& config, const WorldConfig& world, const absl::Status& why);
 
 // The shared memory of this rank's stage TP group.
 std::string ShmGroupName(const RankConfig& config);
