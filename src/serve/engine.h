@@ -22,7 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "model/generator.h"
+#include "model/generation.h"
 #include "serve/step.h"
 
 namespace shardserve {
