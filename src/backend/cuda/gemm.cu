@@ -1,0 +1,189 @@
+// The CUDA backend: matrix products (cuBLAS for batches, a warp per row for one
+// vector), and the mixture-of-experts routing and expert products.
+#include "backend/cuda/common.cuh"
+
+namespace shardserve::cuda {
+namespace {
+
+// One warp per output row.
+template <typename T>
+__global__ void MatVecKernel(const T* w, int64_t rows, int64_t cols, const float* x, float* y) {
+  const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const T* wr = w + row * cols;
+  float s = 0;
+  for (int64_t k = threadIdx.x % 32; k < cols; k += 32) s += ToF32(wr[k]) * x[k];
+  for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
+  if (threadIdx.x % 32 == 0) y[row] = s;
+}
+
+
+template <typename T>
+__global__ void ConvertKernel(const float* x, int64_t n, T* out) {
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = FromF32<T>(x[i]);
+  }
+}
+
+
+// One thread per row: k rounds of "the best expert after the previous pick", then the softmax
+// of the k logits (float, as the host).
+__global__ void RouteKernel(const float* logits, int64_t rows, int64_t E, int64_t k,
+                            int32_t* experts, float* weights) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  const float* l = logits + r * E;
+  float pv = INFINITY;
+  int64_t pi = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    float bv = -INFINITY;
+    int64_t bi = E;
+    for (int64_t e = 0; e < E; ++e) {
+      if (Before(pv, pi, l[e], e) && Before(l[e], e, bv, bi)) {
+        bv = l[e];
+        bi = e;
+      }
+    }
+    experts[r * k + j] = static_cast<int32_t>(bi);
+    weights[r * k + j] = bv;
+    pv = bv;
+    pi = bi;
+  }
+  const float mx = weights[r * k];
+  float sum = 0;
+  for (int64_t j = 0; j < k; ++j) sum += expf(weights[r * k + j] - mx);
+  for (int64_t j = 0; j < k; ++j) weights[r * k + j] = expf(weights[r * k + j] - mx) / sum;
+}
+
+// Grid (row blocks, slots); one warp per output row of the slot's expert.
+template <typename T>
+__global__ void ExpertMatVecKernel(const T* const* w, int64_t expert_begin, int64_t count,
+                                   int64_t rows, int64_t cols, const int32_t* experts,
+                                   const float* x, int64_t x_div, float* y) {
+  const int64_t slot = blockIdx.y;
+  const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int64_t e = experts[slot] - expert_begin;
+  float s = 0;
+  if (e >= 0 && e < count) {
+    const T* wr = w[e] + row * cols;
+    const float* xs = x + (slot / x_div) * cols;
+    for (int64_t c = threadIdx.x % 32; c < cols; c += 32) s += ToF32(wr[c]) * xs[c];
+    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
+  }
+  if (threadIdx.x % 32 == 0) y[slot * rows + row] = s;
+}
+
+__global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t k, int64_t dim,
+                                   float* y) {
+  const int64_t r = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+    float acc = 0;
+    for (int64_t j = 0; j < k; ++j) acc += weights[r * k + j] * x[(r * k + j) * dim + d];
+    y[r * dim + d] = acc;
+  }
+}
+
+
+}  // namespace
+
+absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y) {
+  if (M == 0 || w.rows == 0) return absl::OkStatus();
+  const int64_t N = w.rows, K = w.cols;
+  const void* b = x;
+  cudaDataType_t type = CUDA_R_32F;
+  if (w.dtype != DType::kF32) {
+    const size_t n = static_cast<size_t>(M * K);
+    auto scratch = ctx.Scratch(n * 2);
+    if (!scratch.ok()) return scratch.status();
+    if (w.dtype == DType::kF16) {
+      ConvertKernel<<<Grid(n), 256>>>(x, n, static_cast<__half*>(*scratch));
+      type = CUDA_R_16F;
+    } else {
+      ConvertKernel<<<Grid(n), 256>>>(x, n, static_cast<__nv_bfloat16*>(*scratch));
+      type = CUDA_R_16BF;
+    }
+    RETURN_IF_CUDA(cudaGetLastError(), "Gemm conversion launch");
+    b = *scratch;
+  }
+  // Row-major Y[M][N] = X[M][K] W[N][K]^T is column-major Y^T = op(W) X^T with W read as a
+  // column-major K x N matrix (lda = row_stride) transposed.
+  const float alpha = 1.f, beta = 0.f;
+  const cublasStatus_t st =
+      cublasGemmEx(ctx.impl()->blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N),
+                   static_cast<int>(M), static_cast<int>(K), &alpha, w.data, type,
+                   static_cast<int>(w.row_stride), b, type, static_cast<int>(K), &beta, y,
+                   CUDA_R_32F, static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("cublasGemmEx ", M, "x", N, "x", K, ": ", cublasGetStatusString(st)));
+  }
+  return absl::OkStatus();
+}
+
+
+absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
+                       float* weights) {
+  if (rows == 0) return absl::OkStatus();
+  if (k < 1 || k > E) return absl::InvalidArgumentError(absl::StrCat(k, " of ", E, " experts"));
+  RouteKernel<<<Grid(rows, 128), 128>>>(logits, rows, E, k, experts, weights);
+  return Check(cudaGetLastError(), "RouteTopK launch");
+}
+
+absl::Status ExpertMatVec(const ExpertWeights& w, const int32_t* experts, int64_t slots,
+                          const float* x, int64_t x_div, float* y) {
+  if (slots == 0 || w.rows == 0) return absl::OkStatus();
+  if (slots > 65535) return absl::InvalidArgumentError(absl::StrCat(slots, " expert slots"));
+  constexpr int kWarps = 8;
+  const dim3 grid(static_cast<unsigned>((w.rows + kWarps - 1) / kWarps),
+                  static_cast<unsigned>(slots));
+  switch (w.dtype) {
+    case DType::kF32:
+      ExpertMatVecKernel<<<grid, kWarps * 32>>>(reinterpret_cast<const float* const*>(w.data),
+                                                w.expert_begin, w.count, w.rows, w.cols, experts, x,
+                                                x_div, y);
+      break;
+    case DType::kF16:
+      ExpertMatVecKernel<<<grid, kWarps * 32>>>(reinterpret_cast<const __half* const*>(w.data),
+                                                w.expert_begin, w.count, w.rows, w.cols, experts, x,
+                                                x_div, y);
+      break;
+    case DType::kBF16:
+      ExpertMatVecKernel<<<grid, kWarps * 32>>>(
+          reinterpret_cast<const __nv_bfloat16* const*>(w.data), w.expert_begin, w.count, w.rows,
+          w.cols, experts, x, x_div, y);
+      break;
+  }
+  return Check(cudaGetLastError(), "ExpertMatVec launch");
+}
+
+absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
+                          int64_t dim, float* y) {
+  if (rows == 0) return absl::OkStatus();
+  CombineSlotsKernel<<<static_cast<unsigned>(rows), 256>>>(x, weights, k, dim, y);
+  return Check(cudaGetLastError(), "CombineSlots launch");
+}
+
+
+absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, const float* x,
+                    float* y) {
+  if (rows == 0) return absl::OkStatus();
+  constexpr int kWarps = 8;
+  const unsigned blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+  switch (dtype) {
+    case DType::kF32:
+      MatVecKernel<<<blocks, kWarps * 32>>>(static_cast<const float*>(w), rows, cols, x, y);
+      break;
+    case DType::kF16:
+      MatVecKernel<<<blocks, kWarps * 32>>>(static_cast<const __half*>(w), rows, cols, x, y);
+      break;
+    case DType::kBF16:
+      MatVecKernel<<<blocks, kWarps * 32>>>(static_cast<const __nv_bfloat16*>(w), rows, cols, x, y);
+      break;
+  }
+  return Check(cudaGetLastError(), "MatVec launch");
+}
+
+
+}  // namespace shardserve::cuda
