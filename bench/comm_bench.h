@@ -10,5 +10,7 @@
 namespace shardserve {
 
 absl::Status RunAllReduceBench(const std::vector<std::string>& argv);
+inline constexpr char kAllReduceBenchUsage[] =
+    "[--processes N]\n(allreduce latency and bandwidth across processes, shared memory vs TCP)";
 
 }  // namespace shardserve

@@ -10,5 +10,7 @@
 namespace shardserve {
 
 absl::Status RunTokenizeBench(const std::vector<std::string>& argv);
+inline constexpr char kTokenizeBenchUsage[] =
+    "--model DIR [--bytes 8192,65536,1048000]\n(tokenizer throughput)";
 
 }  // namespace shardserve

@@ -47,14 +47,16 @@ namespace shardserve::op {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardserve-operator [--kubeconfig FILE] [--namespace NS] [--listen HOST:PORT]\n"
+    "[--kubeconfig FILE] [--namespace NS] [--listen HOST:PORT]\n"
     "         [--qps N] [--burst N] [--concurrency N] [--leader-elect]\n"
     "         [--leader-election-namespace NS] [--leader-election-id NAME]\n"
     "         [--lease-duration S] [--renew-deadline S] [--retry-period S]\n"
     "         [--unschedulable-timeout S] [--restart-backoff S] [--restart-backoff-max S]\n"
     "         [--placement-retry S] [--worker-defaults FILE.json] [--network-policies]\n"
     "         [--allowed-host-paths DIR,DIR] [--allowed-images PREFIX,PREFIX]\n"
-    "         [--no-disruption-budgets] [--metrics-auth kubernetes|none]\n";
+    "         [--no-disruption-budgets] [--metrics-auth kubernetes|none]\n"
+    "(reconciles ShardedModels: places their replicas' pods, recreates failed replicas, rolls\n"
+    "updates, reports status, events and metrics)";
 
 absl::StatusOr<absl::Duration> Seconds(const Args& a, const std::string& flag, double def) {
   ASSIGN_OR_RETURN(double v, a.GetDouble(flag, def));
@@ -71,11 +73,8 @@ absl::Status Run(const std::vector<std::string>& argv) {
                    "renew-deadline", "retry-period", "unschedulable-timeout", "restart-backoff",
                    "restart-backoff-max", "placement-retry", "worker-defaults",
                    "allowed-host-paths", "allowed-images", "metrics-auth"},
-                  {"leader-elect", "network-policies", "no-disruption-budgets", "help"}));
-  if (a.Has("help")) {
-    std::fputs(kUsage, stdout);
-    return absl::OkStatus();
-  }
+                  {"leader-elect", "network-policies", "no-disruption-budgets"},
+                  "shardserve-operator", kUsage));
   // Signals go to the main thread's sigwait below, never to a worker.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -225,6 +224,10 @@ absl::Status Run(const std::vector<std::string>& argv) {
 
 int main(int argc, char** argv) {
   const absl::Status s = shardserve::op::Run(std::vector<std::string>(argv + 1, argv + argc));
+  if (shardserve::IsHelp(s)) {
+    std::fputs(std::string(s.message()).c_str(), stdout);
+    return 0;
+  }
   if (!s.ok()) {
     std::fprintf(stderr, "shardserve-operator: %s\n", std::string(s.message()).c_str());
     return 2;

@@ -66,12 +66,9 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel
 }  // namespace
 
 absl::Status RunLocal(std::vector<std::string> argv) {
-  for (std::string& a : argv) {
-    if (a == "-f") a = "--file";
-  }
-  ASSIGN_OR_RETURN(
-      Args a,
-      Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"}, {}));
+  ASSIGN_OR_RETURN(Args a,
+                   Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"},
+                               {}, "shardserve local", kLocalUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
   auto parsed = ParseShardedModel(text);

@@ -11,5 +11,9 @@ namespace shardserve {
 // replica gets a fresh rendezvous secret; the API takes the keys of --api-key-file (or
 // SHARDSERVE_API_KEY / SHARDSERVE_API_KEYS_FILE), which a manifest with apiKeySecret needs.
 absl::Status RunLocal(std::vector<std::string> argv);
+inline constexpr char kLocalUsage[] =
+    "-f MANIFEST.yaml [--port N --metrics-port-base N --threads N --api-key-file FILE]\n"
+    "(a ShardedModel on this machine: its replicas, stages and ranks as processes, the OpenAI API\n"
+    "on http://127.0.0.1:PORT/v1; Ctrl-C stops)";
 
 }  // namespace shardserve

@@ -40,33 +40,43 @@
 namespace shardserve {
 namespace {
 
-constexpr char kUsage[] = R"(usage: shardserve COMMAND [flags]
+constexpr char kGenModelUsage[] =
+    "--arch llama|mistral|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N\n"
+    "--heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
+    "--dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias\n"
+    "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"
+    "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES]\n"
+    "(a small random model with a trained tokenizer, for tests and demos)";
+constexpr char kGenerateUsage[] =
+    "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
+    "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
+    "--threads N --format text|json --tp T --pp P --microbatches M --batch N\n"
+    "--metrics-port-base PORT]\n"
+    "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)";
 
-commands:
-  local      -f MANIFEST.yaml [--port N --metrics-port-base N --threads N]
-             (a ShardedModel on this machine: its replicas, stages and ranks as processes, the
-             OpenAI API on http://127.0.0.1:PORT/v1; Ctrl-C stops)
-  plan       -f MANIFEST.yaml --nodes NODES.yaml [--pods PODS.yaml]
-             (where the operator would place each replica, or why it cannot; no cluster needed)
-  gen-model  --arch llama|mistral|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N
-             --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N
-             --dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias
-             --rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece
-             --chat-template auto|llama3|chatml|llama2|mistral|none
-             --corpus FILE --shard-size BYTES]
-  generate   --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T
-             --top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos
-             --threads N --format text|json --tp T --pp P --microbatches M --batch N
-             --metrics-port-base PORT]
-             (--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)
-  bench      [runtime] --model DIR [--threads N --decode-tokens N --prefill-tokens N]
-  bench      allreduce [--processes N]
-  bench      cuda --model DIR [--batch 1,32 --steps N --prompt-tokens N]   (a GPU)
-  bench      informer --kubeconfig PATH [--pods N --updates N --namespace NS]
-  bench      load [--url HOST:PORT --model NAME --concurrency 1,4,16 --requests-per-client N
-             --max-tokens N --prompt-tokens N --vocab N --rank-metrics HOST:PORT --api-key KEY]
-  bench      tokenize --model DIR [--bytes 8192,65536,1048000]
-)";
+// The overview: every command's usage (`shardserve COMMAND --help` prints one with its flags).
+std::string Usage() {
+  const std::pair<const char*, const char*> commands[] = {
+      {"local", kLocalUsage},
+      {"plan", kPlanUsage},
+      {"gen-model", kGenModelUsage},
+      {"generate", kGenerateUsage},
+      {"bench [runtime]", kRuntimeBenchUsage},
+      {"bench allreduce", kAllReduceBenchUsage},
+      {"bench cuda", kCudaBenchUsage},
+      {"bench informer", kInformerBenchUsage},
+      {"bench load", kLoadBenchUsage},
+      {"bench tokenize", kTokenizeBenchUsage}};
+  std::string out =
+      "usage: shardserve COMMAND [flags]   (shardserve COMMAND --help: its flags)\n\ncommands:\n";
+  for (const auto& [command, usage] : commands) {
+    absl::StrAppend(&out, "  ", command, "\n");
+    for (absl::string_view line : absl::StrSplit(usage, '\n')) {
+      absl::StrAppend(&out, "      ", line, "\n");
+    }
+  }
+  return out;
+}
 
 absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const std::string& s) {
   std::vector<int64_t> ids;
@@ -86,7 +96,8 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
                           {"arch", "out", "layers", "hidden", "intermediate", "heads", "kv-heads",
                            "head-dim", "vocab", "experts", "top-k", "dtype", "seed", "rope-scaling",
                            "max-position", "tokenizer", "corpus", "shard-size", "chat-template"},
-                          {"tie-embeddings", "attention-bias"}));
+                          {"tie-embeddings", "attention-bias"}, "shardserve gen-model",
+                          kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
   ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));
@@ -217,7 +228,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
                           {"model", "prompt", "prompt-ids", "max-tokens", "temperature", "top-p",
                            "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format", "tp",
                            "pp", "microbatches", "batch", "metrics-port-base"},
-                          {"ignore-eos"}));
+                          {"ignore-eos"}, "shardserve generate", kGenerateUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
   if (format != "text" && format != "json") {
@@ -307,8 +318,9 @@ absl::Status Generate(const std::vector<std::string>& argv) {
 }
 
 int Main(int argc, char** argv) {
-  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "help") {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
+      std::string(argv[1]) == "help") {
+    std::fputs(Usage().c_str(), argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   const std::string cmd = argv[1];
@@ -342,8 +354,12 @@ int Main(int argc, char** argv) {
   } else if (cmd == "bench") {
     s = RunRuntimeBench(rest);
   } else {
-    std::fprintf(stderr, "shardserve: unknown command '%s'\n%s", cmd.c_str(), kUsage);
+    std::fprintf(stderr, "shardserve: unknown command '%s'\n%s", cmd.c_str(), Usage().c_str());
     return 2;
+  }
+  if (IsHelp(s)) {
+    std::fputs(std::string(s.message()).c_str(), stdout);
+    return 0;
   }
   if (!s.ok()) {
     std::fprintf(stderr, "shardserve %s: %s\n", cmd.c_str(), std::string(s.message()).c_str());

@@ -1,41 +1,61 @@
 #include "common/args.h"
 
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace shardserve {
 
+namespace {
+
+// The payload that marks a help request among statuses.
+constexpr char kHelpUrl[] = "shardserve.io/help";
+
+}  // namespace
+
+bool IsHelp(const absl::Status& status) {
+  return status.GetPayload(kHelpUrl).has_value();
+}
+
 absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& argv,
                                  const std::set<std::string>& value_flags,
-                                 const std::set<std::string>& bool_flags) {
+                                 const std::set<std::string>& bool_flags,
+                                 const std::string& command, const std::string& usage) {
+  CLI::App app(usage, command);
+  app.set_help_flag("-h,--help", "print this help");
+  app.allow_extras(false);
+  app.positionals_at_end(false);
   Args args;
-  for (size_t i = 0; i < argv.size(); ++i) {
-    const std::string& a = argv[i];
-    if (a.rfind("--", 0) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "'"));
+  std::map<std::string, std::string> values;
+  for (const std::string& name : value_flags) {
+    const std::string spelling = name == "file" ? "-f,--file" : "--" + name;
+    app.add_option(spelling, values[name])->type_name("VALUE");
+  }
+  std::map<std::string, bool> flags;
+  for (const std::string& name : bool_flags) {
+    if (value_flags.count(name)) {
+      return absl::InternalError(absl::StrCat("--", name, " is declared twice"));
     }
-    std::string name = a.substr(2), value;
-    const size_t eq = name.find('=');
-    const bool inline_value = eq != std::string::npos;
-    if (inline_value) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-    }
-    if (bool_flags.count(name)) {
-      if (inline_value)
-        return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value"));
-      args.values_[name] = "true";
-    } else if (value_flags.count(name)) {
-      if (!inline_value) {
-        if (i + 1 >= argv.size()) {
-          return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
-        }
-        value = argv[++i];
-      }
-      args.values_[name] = value;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
-    }
+    app.add_flag("--" + name, flags[name]);
+  }
+  // CLI11 takes the arguments last first.
+  std::vector<std::string> reversed(argv.rbegin(), argv.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    absl::Status help = absl::CancelledError(app.help());
+    help.SetPayload(kHelpUrl, absl::Cord("1"));
+    return help;
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(e.what());
+  }
+  for (const std::string& name : value_flags) {
+    if (app.count(name == "file" ? "--file" : "--" + name) > 0) args.values_[name] = values[name];
+  }
+  for (const auto& [name, set] : flags) {
+    if (set) args.values_[name] = "true";
   }
   return args;
 }

@@ -18,7 +18,26 @@ expect_error() {  # expect_error "substring" cmd...
   fi
 }
 expect_error "unknown command 'frobnicate'" "$BIN" frobnicate
-expect_error "unknown flag --bogus" "$BIN" generate --bogus
+expect_error "not expected: --bogus" "$BIN" generate --bogus
+expect_error "--tp: 1 required VALUE missing" "$BIN" generate --model "$TMP" --tp
+# Every command answers --help with its own usage, on stdout, successfully.
+for cmd in local plan gen-model generate "bench load" "bench allreduce"; do
+  # shellcheck disable=SC2086
+  out=$("$BIN" $cmd --help 2>&1); rc=$?
+  if [ $rc -eq 0 ] && [[ "$out" == *"Usage: shardserve $cmd [OPTIONS]"* ]] &&
+     [[ "$out" == *"-h,--help"* ]]; then
+    echo "ok: shardserve $cmd --help"; passes=$((passes + 1))
+  else
+    echo "FAIL: shardserve $cmd --help (rc=$rc): $out"; fails=$((fails + 1))
+  fi
+done
+out=$("$(dirname "$BIN")/shardserve-operator" --help 2>&1); rc=$?
+if [ $rc -eq 0 ] && [[ "$out" == *"Usage: shardserve-operator [OPTIONS]"* ]] &&
+   [[ "$out" == *"--leader-elect"* ]]; then
+  echo "ok: shardserve-operator --help"; passes=$((passes + 1))
+else
+  echo "FAIL: shardserve-operator --help (rc=$rc): $out"; fails=$((fails + 1))
+fi
 expect_error "--model is required" "$BIN" generate --prompt hi
 expect_error "give exactly one of --prompt and --prompt-ids" "$BIN" generate --model "$TMP"
 expect_error "config.json: cannot open" "$BIN" generate --model "$TMP/none" --prompt hi
