@@ -76,7 +76,7 @@ absl::Status Member(const std::string& name, int n, int rank, const std::vector<
 
 absl::Status RunAllReduceBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"processes"}, {}, "shardserve bench allreduce",
-                               kAllReduceBenchUsage));
+                                       kAllReduceBenchUsage));
   ASSIGN_OR_RETURN(int64_t n, a.GetInt("processes", 2));
   if (n < 2) return absl::InvalidArgumentError("--processes must be at least 2");
   std::vector<size_t> sizes = {4};  // the small-message latency row

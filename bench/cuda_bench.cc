@@ -15,8 +15,8 @@
 namespace shardserve {
 
 absl::Status RunCudaBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "batch", "steps", "prompt-tokens"}, {}, "shardserve bench cuda",
-                               kCudaBenchUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "batch", "steps", "prompt-tokens"}, {},
+                                       "shardserve bench cuda", kCudaBenchUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   ASSIGN_OR_RETURN(int64_t steps, a.GetInt("steps", 64));
   ASSIGN_OR_RETURN(int64_t prompt, a.GetInt("prompt-tokens", 128));

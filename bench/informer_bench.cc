@@ -48,8 +48,8 @@ absl::Status Parallel(int64_t n, int threads, const std::function<absl::Status(i
 }  // namespace
 
 absl::Status RunInformerBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"kubeconfig", "pods", "namespace", "updates"}, {}, "shardserve bench informer",
-                               kInformerBenchUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"kubeconfig", "pods", "namespace", "updates"}, {},
+                                       "shardserve bench informer", kInformerBenchUsage));
   ASSIGN_OR_RETURN(std::string path, a.Require("kubeconfig"));
   ASSIGN_OR_RETURN(int64_t pods, a.GetInt("pods", 10000));
   ASSIGN_OR_RETURN(int64_t updates, a.GetInt("updates", 5000));

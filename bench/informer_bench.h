@@ -11,6 +11,7 @@ namespace shardserve {
 
 absl::Status RunInformerBench(const std::vector<std::string>& argv);
 inline constexpr char kInformerBenchUsage[] =
-    "--kubeconfig PATH [--pods N --updates N --namespace NS]\n(the operator informer against an apiserver)";
+    "--kubeconfig PATH [--pods N --updates N --namespace NS]\n(the operator informer against an "
+    "apiserver)";
 
 }  // namespace shardserve

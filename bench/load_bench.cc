@@ -123,8 +123,7 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
                    Args::Parse(argv,
                                {"url", "model", "concurrency", "requests-per-client", "max-tokens",
                                 "prompt-tokens", "vocab", "rank-metrics", "api-key"},
-                               {}, "shardserve bench load",
-                               kLoadBenchUsage));
+                               {}, "shardserve bench load", kLoadBenchUsage));
   const auto [host, port] = HostPort(a.GetOr("url", "127.0.0.1:8000"));
   if (port == 0) return absl::InvalidArgumentError("--url must be HOST:PORT");
   const auto [mhost, mport] = HostPort(a.GetOr("rank-metrics", ""));

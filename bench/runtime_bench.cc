@@ -98,8 +98,8 @@ DecodeCost DecodeCostOf(const ModelConfig& c, size_t weight_bytes) {
 
 absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv, {"model", "threads", "decode-tokens", "prefill-tokens"}, {}, "shardserve bench runtime",
-                               kRuntimeBenchUsage));
+                   Args::Parse(argv, {"model", "threads", "decode-tokens", "prefill-tokens"}, {},
+                               "shardserve bench runtime", kRuntimeBenchUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", 2));
   ASSIGN_OR_RETURN(int64_t decode_tokens, a.GetInt("decode-tokens", 32));

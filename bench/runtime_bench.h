@@ -11,7 +11,8 @@ namespace shardserve {
 
 absl::Status RunRuntimeBench(const std::vector<std::string>& argv);
 inline constexpr char kRuntimeBenchUsage[] =
-    "--model DIR [--threads N --decode-tokens N --prefill-tokens N]\n(CPU decode and prefill of one rank)";
+    "--model DIR [--threads N --decode-tokens N --prefill-tokens N]\n(CPU decode and prefill of "
+    "one rank)";
 
 // Weight bytes one decode step reads (every layer's active matrices and the LM head), and the
 // parameters of one layer that a token goes through, from the model's shape and weight bytes.

@@ -14,7 +14,7 @@ namespace shardserve {
 
 absl::Status RunTokenizeBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "bytes"}, {}, "shardserve bench tokenize",
-                               kTokenizeBenchUsage));
+                                       kTokenizeBenchUsage));
   ASSIGN_OR_RETURN(std::string model, a.Require("model"));
   std::vector<size_t> sizes;
   for (absl::string_view v : absl::StrSplit(a.GetOr("bytes", "8192,65536,1048000"), ',')) {

@@ -201,16 +201,15 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   json env = json::array();
   for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});
   // The rendezvous and the mesh listen on the pod's own address only.
-  env.push_back({{"name", kPodIpEnv},
-                 {"valueFrom", {{"fieldRef", {{"fieldPath", "status.podIP"}}}}}});
+  env.push_back(
+      {{"name", kPodIpEnv}, {"valueFrom", {{"fieldRef", {{"fieldPath", "status.podIP"}}}}}});
   auto env_entry = [](const ShardedModelSpec::EnvVar& e) {
     return e.value_from.empty() ? json{{"name", e.name}, {"value", e.value}}
                                 : json{{"name", e.name}, {"valueFrom", json::parse(e.value_from)}};
   };
   for (const ShardedModelSpec::EnvVar& e : m.defaults.env) {
-    const bool overridden = std::any_of(s.env.begin(), s.env.end(), [&](const auto& own) {
-      return own.name == e.name;
-    });
+    const bool overridden = std::any_of(s.env.begin(), s.env.end(),
+                                        [&](const auto& own) { return own.name == e.name; });
     if (!overridden) env.push_back(env_entry(e));
   }
   for (const ShardedModelSpec::EnvVar& e : s.env) env.push_back(env_entry(e));

@@ -86,7 +86,7 @@ struct ModelView {
   ShardedModel model;
   std::string uid;
   json resources = json::object();  // spec.worker.resources
-  std::string revision;  // hash of everything in the spec that shapes a pod
+  std::string revision;             // hash of everything in the spec that shapes a pod
   WorkerDefaults defaults;
 };
 

@@ -326,7 +326,7 @@ void Controller::UpdateNode(const json* node, const json* gone) {
       table[n->name] = std::move(*n);
     } else {
       LogInfo(absl::StrCat("node ", (*node)["metadata"].value("name", ""),
-                       " is not used for placement: ", n.status().message()));
+                           " is not used for placement: ", n.status().message()));
       table.erase((*node)["metadata"].value("name", ""));
     }
   }

@@ -62,8 +62,8 @@ void EventRecorder::Run() {
     lock.unlock();
     auto r = client_->Create(k8s::kEvents, ns, event);
     if (!r.ok()) {
-      LogWarning("event recorder: event ", event.value("reason", ""), " not recorded: ",
-                 r.status().message());
+      LogWarning("event recorder: event ", event.value("reason", ""),
+                 " not recorded: ", r.status().message());
     }
     lock.lock();
   }

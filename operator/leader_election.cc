@@ -112,11 +112,11 @@ bool LeaderElector::Hold(const std::atomic<bool>& stop) {
       last_renew = Clock::now();
     } else if (Clock::now() - last_renew > options_.renew_deadline) {
       leading_ = false;
-      LogWarning("leader election: ", options_.identity, " lost lease ", options_.namespace_, "/",
-                 options_.name, " (not renewed for ",
-                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_renew)
-                     .count(),
-                 " ms)");
+      LogWarning(
+          "leader election: ", options_.identity, " lost lease ", options_.namespace_, "/",
+          options_.name, " (not renewed for ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_renew).count(),
+          " ms)");
       return false;
     }
   }

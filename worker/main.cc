@@ -116,8 +116,7 @@ absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, const Worker
   }
   const ServeConfig& sc = *sc_or;
   std::unique_ptr<ApiServer> server = *std::move(started);
-  LogInfo("leader: API on http://", sc.host, ":", server->port(), " (model '", sc.model_name,
-          "')");
+  LogInfo("leader: API on http://", sc.host, ":", server->port(), " (model '", sc.model_name, "')");
   absl::StatusOr<RankOutcome> outcome = RunRank(cfg, world, [&](LeaderContext& ctx) {
     server->AttachRankMetrics(ctx.registry, ctx.expose);
     EngineOptions o = ctx.engine;
@@ -255,7 +254,7 @@ int main(int argc, char** argv) {
   }
   // The worker contract, read once for the whole process.
   const absl::StatusOr<shardserve::WorkerEnv> env = shardserve::WorkerEnv::FromEnv();
-  const absl::Status s = !env.ok()          ? env.status()
+  const absl::Status s = !env.ok()         ? env.status()
                          : cmd == "launch" ? shardserve::Launch(*env)
                                            : shardserve::RunOneRank(*env);
   if (!s.ok()) {
@@ -263,7 +262,9 @@ int main(int argc, char** argv) {
                  std::string(s.message()).c_str());
     // When the contract itself is what is wrong, its termination log is still where it says.
     const char* log = shardserve::ProcessEnv(shardserve::kTerminationLogEnv);
-    shardserve::ReportTermination(env.ok() ? env->termination_log : log ? log : "",
+    shardserve::ReportTermination(env.ok() ? env->termination_log
+                                  : log    ? log
+                                           : "",
                                   std::string(s.message()));
     return 1;
   }

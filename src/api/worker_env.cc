@@ -85,9 +85,8 @@ absl::StatusOr<int64_t> EnvInt(const EnvLookup& env, const char* name, int64_t d
   if (v == nullptr || *v == '\0') return def;
   int64_t out;
   if (!absl::SimpleAtoi(v, &out) || out < min || out > max) {
-    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", v,
-                                                   "' must be an integer in [", min, ", ", max,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable ", name, "='", v, "' must be an integer in [", min, ", ", max, "]"));
   }
   return out;
 }
@@ -106,7 +105,8 @@ std::vector<std::pair<std::string, std::string>> WorkerEnv::ToEnv() const {
     }
   }
   for (const Int64Var& v : kInt64s) {
-    if (this->*v.field != defaults.*v.field) out.emplace_back(v.name, std::to_string(this->*v.field));
+    if (this->*v.field != defaults.*v.field)
+      out.emplace_back(v.name, std::to_string(this->*v.field));
   }
   if (!metrics) out.emplace_back("SHARDSERVE_METRICS", "off");
   if (report_memory) out.emplace_back("SHARDSERVE_REPORT_MEMORY", "1");
@@ -128,8 +128,8 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
   if (const char* m = env("SHARDSERVE_METRICS"); m != nullptr && *m) {
     const std::string s = m;
     if (s != "on" && s != "off") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "environment variable SHARDSERVE_METRICS='", s, "' must be on or off"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("environment variable SHARDSERVE_METRICS='", s, "' must be on or off"));
     }
     w.metrics = s == "on";
   }
@@ -137,9 +137,9 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
     w.report_memory = std::string_view(r) == "1";
   }
   if (w.stage >= w.pp || w.tp_rank >= w.tp) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SHARDSERVE_STAGE ", w.stage, " / SHARDSERVE_TP_RANK ", w.tp_rank,
-        " are outside SHARDSERVE_TP ", w.tp, " x SHARDSERVE_PP ", w.pp));
+    return absl::InvalidArgumentError(
+        absl::StrCat("SHARDSERVE_STAGE ", w.stage, " / SHARDSERVE_TP_RANK ", w.tp_rank,
+                     " are outside SHARDSERVE_TP ", w.tp, " x SHARDSERVE_PP ", w.pp));
   }
   if (!w.leader_addr.empty()) {
     const size_t colon = w.leader_addr.rfind(':');

@@ -47,11 +47,11 @@ absl::StatusOr<int64_t> EnvInt(const EnvLookup& env, const char* name, int64_t d
 
 struct WorkerEnv {
   // The model and the replica.
-  std::string model_path;           // SHARDSERVE_MODEL_PATH (required)
+  std::string model_path;            // SHARDSERVE_MODEL_PATH (required)
   std::string model_name = "model";  // SHARDSERVE_MODEL_NAME: the name served on the API
-  std::string deployment;           // SHARDSERVE_DEPLOYMENT: the metrics' `model` label
-  int replica = 0;                  // SHARDSERVE_REPLICA
-  std::string job_id;               // SHARDSERVE_JOB_ID: names the replica's shared memory
+  std::string deployment;            // SHARDSERVE_DEPLOYMENT: the metrics' `model` label
+  int replica = 0;                   // SHARDSERVE_REPLICA
+  std::string job_id;                // SHARDSERVE_JOB_ID: names the replica's shared memory
   // The shape and this process's place in it.
   int tp = 1;                       // SHARDSERVE_TP
   int pp = 1;                       // SHARDSERVE_PP
@@ -63,25 +63,25 @@ struct WorkerEnv {
   int64_t kv_cache_tokens = 8192;   // SHARDSERVE_KV_CACHE_TOKENS
   int64_t max_sequence_length = 0;  // SHARDSERVE_MAX_SEQUENCE_LENGTH (0: the model's)
   // Finding the others.
-  std::string leader_addr;          // SHARDSERVE_LEADER_ADDR: host:port of the rendezvous
-  std::string host;                 // SHARDSERVE_HOST: this rank's address as others reach it
-  std::string pod_ip;               // SHARDSERVE_POD_IP: where to listen (the downward API)
+  std::string leader_addr;             // SHARDSERVE_LEADER_ADDR: host:port of the rendezvous
+  std::string host;                    // SHARDSERVE_HOST: this rank's address as others reach it
+  std::string pod_ip;                  // SHARDSERVE_POD_IP: where to listen (the downward API)
   std::string rendezvous_secret_file;  // SHARDSERVE_RENDEZVOUS_SECRET_FILE
-  int peer_timeout_ms = 2000;       // SHARDSERVE_PEER_TIMEOUT_MS: a silent peer is dead after it
-  int startup_timeout_ms = 120000;  // SHARDSERVE_STARTUP_TIMEOUT_MS: rendezvous and loading
+  int peer_timeout_ms = 2000;          // SHARDSERVE_PEER_TIMEOUT_MS: a silent peer is dead after it
+  int startup_timeout_ms = 120000;     // SHARDSERVE_STARTUP_TIMEOUT_MS: rendezvous and loading
   // Observing.
-  bool metrics = true;              // SHARDSERVE_METRICS (off: no /metrics server)
-  int metrics_port_base = -1;       // SHARDSERVE_METRICS_PORT_BASE: rank r on base + r; -1: 9400+t
-  std::string termination_log;      // SHARDSERVE_TERMINATION_LOG: the first fatal error
+  bool metrics = true;          // SHARDSERVE_METRICS (off: no /metrics server)
+  int metrics_port_base = -1;   // SHARDSERVE_METRICS_PORT_BASE: rank r on base + r; -1: 9400+t
+  std::string termination_log;  // SHARDSERVE_TERMINATION_LOG: the first fatal error
   // The leader's API.
-  std::string api_host;             // SHARDSERVE_API_HOST ("": every address)
-  int api_port = kDefaultApiPort;   // SHARDSERVE_API_PORT
-  int max_batch_size = 0;           // SHARDSERVE_MAX_BATCH_SIZE (0: the server's default)
-  std::string api_keys_file;        // SHARDSERVE_API_KEYS_FILE
+  std::string api_host;            // SHARDSERVE_API_HOST ("": every address)
+  int api_port = kDefaultApiPort;  // SHARDSERVE_API_PORT
+  int max_batch_size = 0;          // SHARDSERVE_MAX_BATCH_SIZE (0: the server's default)
+  std::string api_keys_file;       // SHARDSERVE_API_KEYS_FILE
   // A one-shot run (`shardserve generate`): the request, where the result goes.
-  std::string request;              // SHARDSERVE_REQUEST (JSON)
-  std::string result_file;          // SHARDSERVE_RESULT_FILE
-  bool report_memory = false;       // SHARDSERVE_REPORT_MEMORY=1
+  std::string request;         // SHARDSERVE_REQUEST (JSON)
+  std::string result_file;     // SHARDSERVE_RESULT_FILE
+  bool report_memory = false;  // SHARDSERVE_REPORT_MEMORY=1
 
   int rank() const { return stage * tp + tp_rank; }
 

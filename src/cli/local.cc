@@ -23,9 +23,9 @@
 #include "common/text.h"
 #include "http/server.h"
 #include "model/config.h"
-#include "tokenizer/tokenizer.h"
 #include "serve/api_keys.h"
 #include "serve/rank_runtime.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {
@@ -66,9 +66,9 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel
 }  // namespace
 
 absl::Status RunLocal(std::vector<std::string> argv) {
-  ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"},
-                               {}, "shardserve local", kLocalUsage));
+  ASSIGN_OR_RETURN(
+      Args a, Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"},
+                          {}, "shardserve local", kLocalUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
   auto parsed = ParseShardedModel(text);

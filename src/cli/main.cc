@@ -34,8 +34,8 @@
 #include "common/text.h"
 #include "devtools/gen_model.h"
 #include "model/generator.h"
-#include "tokenizer/tokenizer.h"
 #include "model/transformer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {
@@ -56,17 +56,16 @@ constexpr char kGenerateUsage[] =
 
 // The overview: every command's usage (`shardserve COMMAND --help` prints one with its flags).
 std::string Usage() {
-  const std::pair<const char*, const char*> commands[] = {
-      {"local", kLocalUsage},
-      {"plan", kPlanUsage},
-      {"gen-model", kGenModelUsage},
-      {"generate", kGenerateUsage},
-      {"bench [runtime]", kRuntimeBenchUsage},
-      {"bench allreduce", kAllReduceBenchUsage},
-      {"bench cuda", kCudaBenchUsage},
-      {"bench informer", kInformerBenchUsage},
-      {"bench load", kLoadBenchUsage},
-      {"bench tokenize", kTokenizeBenchUsage}};
+  const std::pair<const char*, const char*> commands[] = {{"local", kLocalUsage},
+                                                          {"plan", kPlanUsage},
+                                                          {"gen-model", kGenModelUsage},
+                                                          {"generate", kGenerateUsage},
+                                                          {"bench [runtime]", kRuntimeBenchUsage},
+                                                          {"bench allreduce", kAllReduceBenchUsage},
+                                                          {"bench cuda", kCudaBenchUsage},
+                                                          {"bench informer", kInformerBenchUsage},
+                                                          {"bench load", kLoadBenchUsage},
+                                                          {"bench tokenize", kTokenizeBenchUsage}};
   std::string out =
       "usage: shardserve COMMAND [flags]   (shardserve COMMAND --help: its flags)\n\ncommands:\n";
   for (const auto& [command, usage] : commands) {
@@ -92,12 +91,12 @@ absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const 
 
 absl::Status GenModel(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(
-      Args a, Args::Parse(argv,
-                          {"arch", "out", "layers", "hidden", "intermediate", "heads", "kv-heads",
-                           "head-dim", "vocab", "experts", "top-k", "dtype", "seed", "rope-scaling",
-                           "max-position", "tokenizer", "corpus", "shard-size", "chat-template"},
-                          {"tie-embeddings", "attention-bias"}, "shardserve gen-model",
-                          kGenModelUsage));
+      Args a,
+      Args::Parse(argv,
+                  {"arch", "out", "layers", "hidden", "intermediate", "heads", "kv-heads",
+                   "head-dim", "vocab", "experts", "top-k", "dtype", "seed", "rope-scaling",
+                   "max-position", "tokenizer", "corpus", "shard-size", "chat-template"},
+                  {"tie-embeddings", "attention-bias"}, "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
   ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));

@@ -95,8 +95,8 @@ absl::Status AddPodRequests(const std::string& path, const std::string& resource
 }  // namespace
 
 absl::Status RunPlan(std::vector<std::string> argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"file", "nodes", "pods"}, {}, "shardserve plan",
-                                       kPlanUsage));
+  ASSIGN_OR_RETURN(Args a,
+                   Args::Parse(argv, {"file", "nodes", "pods"}, {}, "shardserve plan", kPlanUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string nodes_file, a.Require("nodes"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));

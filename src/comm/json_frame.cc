@@ -20,15 +20,13 @@ absl::Status WriteJsonFrame(const WriteAll& write, const std::string& frame) {
   return write(frame.data() + 4, frame.size() - 4);
 }
 
-absl::StatusOr<json> ReadJsonFrame(const ReadExactly& read, uint32_t max_bytes,
-                                   const char* what) {
+absl::StatusOr<json> ReadJsonFrame(const ReadExactly& read, uint32_t max_bytes, const char* what) {
   unsigned char header[4];
   RETURN_IF_ERROR(read(header, sizeof(header)));
-  const uint32_t len = header[0] | header[1] << 8 | header[2] << 16 |
-                       static_cast<uint32_t>(header[3]) << 24;
+  const uint32_t len =
+      header[0] | header[1] << 8 | header[2] << 16 | static_cast<uint32_t>(header[3]) << 24;
   if (len > max_bytes) {
-    return absl::DataLossError(
-        absl::StrCat(what, " of ", len, " bytes (at most ", max_bytes, ")"));
+    return absl::DataLossError(absl::StrCat(what, " of ", len, " bytes (at most ", max_bytes, ")"));
   }
   std::string body(len, '\0');
   RETURN_IF_ERROR(read(body.data(), len));
@@ -51,12 +49,11 @@ absl::StatusOr<int64_t> JsonInt(const json& m, const char* key, int64_t min, int
   auto it = m.find(key);
   if (it == m.end() || !it->is_number_integer()) return Bad(key, "an integer");
   // An unsigned value beyond int64 reads as negative here and is refused by the bounds.
-  const int64_t v = it->is_number_unsigned() && it->get<uint64_t>() > INT64_MAX
-                        ? INT64_MIN
-                        : it->get<int64_t>();
+  const int64_t v =
+      it->is_number_unsigned() && it->get<uint64_t>() > INT64_MAX ? INT64_MIN : it->get<int64_t>();
   if (v < min || v > max) {
-    return absl::DataLossError(absl::StrCat("'", key, "' is ", it->dump(), ", outside [", min,
-                                            ", ", max, "]"));
+    return absl::DataLossError(
+        absl::StrCat("'", key, "' is ", it->dump(), ", outside [", min, ", ", max, "]"));
   }
   return v;
 }

@@ -33,10 +33,8 @@ absl::StatusOr<nlohmann::json> ReadJsonFrame(const ReadExactly& read, uint32_t m
 
 // Typed fields of a message: absent, of another type or out of bounds is a DataLoss error
 // naming the field.
-absl::StatusOr<int64_t> JsonInt(const nlohmann::json& m, const char* key, int64_t min,
-                                int64_t max);
-absl::StatusOr<std::string> JsonString(const nlohmann::json& m, const char* key,
-                                       size_t max_bytes);
+absl::StatusOr<int64_t> JsonInt(const nlohmann::json& m, const char* key, int64_t min, int64_t max);
+absl::StatusOr<std::string> JsonString(const nlohmann::json& m, const char* key, size_t max_bytes);
 absl::StatusOr<bool> JsonBool(const nlohmann::json& m, const char* key);
 absl::StatusOr<double> JsonNumber(const nlohmann::json& m, const char* key);
 // An array field (the reference stays valid while `m` does).

@@ -15,9 +15,7 @@ constexpr char kHelpUrl[] = "shardserve.io/help";
 
 }  // namespace
 
-bool IsHelp(const absl::Status& status) {
-  return status.GetPayload(kHelpUrl).has_value();
-}
+bool IsHelp(const absl::Status& status) { return status.GetPayload(kHelpUrl).has_value(); }
 
 absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& argv,
                                  const std::set<std::string>& value_flags,
@@ -31,7 +29,10 @@ absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& argv,
   std::map<std::string, std::string> values;
   for (const std::string& name : value_flags) {
     const std::string spelling = name == "file" ? "-f,--file" : "--" + name;
-    app.add_option(spelling, values[name])->type_name("VALUE");
+    // Given twice, the last one counts (scripts append their overrides).
+    app.add_option(spelling, values[name])
+        ->type_name("VALUE")
+        ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   }
   std::map<std::string, bool> flags;
   for (const std::string& name : bool_flags) {

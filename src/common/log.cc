@@ -46,8 +46,9 @@ void LogLine(LogLevel level, const std::string& message) {
   std::tm tm;
   gmtime_r(&t, &tm);
   char head[64];
-  std::snprintf(head, sizeof(head), "%c%02d%02d %02d:%02d:%02d.%06ld ", "DIWE"[static_cast<int>(level)],
-                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, micros);
+  std::snprintf(head, sizeof(head), "%c%02d%02d %02d:%02d:%02d.%06ld ",
+                "DIWE"[static_cast<int>(level)], tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+                tm.tm_sec, micros);
   std::string line = head;
   {
     std::lock_guard<std::mutex> lock(identity_mu);

@@ -17,11 +17,11 @@
 #include "common/status.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
-#include "tokenizer/tokenizer.h"
 #include "serve/api_keys.h"
 #include "serve/chat_template.h"
 #include "serve/openai.h"
 #include "serve/text_stream.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {
@@ -119,7 +119,7 @@ struct ApiServer::Impl {
       "the model replica is starting: waiting for every rank to connect and load";
   std::atomic<int> active{0};
   int64_t max_context ABSL_GUARDED_BY(engine_mu) = 0;
-  int64_t vocab_size = 0;   // guarded by engine_mu
+  int64_t vocab_size = 0;  // guarded by engine_mu
 
   std::string TokenText(int32_t id) const { return tokenizer->Decode({id}, false); }
 
@@ -587,8 +587,10 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   });
   ASSIGN_OR_RETURN(s->http, http::Server::Start(options, std::move(routes)));
   if (s->keys == nullptr) {
-    LogWarning("leader: the API has no keys (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE): "
-               "anyone who reaches ", config.host, ":", s->http->port(), " can use it");
+    LogWarning(
+        "leader: the API has no keys (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE): "
+        "anyone who reaches ",
+        config.host, ":", s->http->port(), " can use it");
   }
   std::unique_ptr<ApiServer> server(new ApiServer(std::move(impl)));
   server->port_ = server->impl_->http->port();

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "tokenizer/tokenizer.h"
 #include "serve/openai.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 

@@ -190,8 +190,8 @@ absl::Status SendFrame(Communicator& c, int peer, const std::string& frame) {
 }
 
 absl::StatusOr<json> RecvFrame(Communicator& c, int peer) {
-  return ReadJsonFrame([&](void* data, size_t n) { return c.Recv(data, n, peer); },
-                       kMaxStepMessage, "a step message");
+  return ReadJsonFrame([&](void* data, size_t n) { return c.Recv(data, n, peer); }, kMaxStepMessage,
+                       "a step message");
 }
 
 uint64_t Fnv(const std::string& s) {
@@ -463,8 +463,8 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
       if (sampler) samplers_.emplace(ch.seq, Sampler(*ch.params)).first->second.Skip(ch.draws);
     }
     if (ch.sample && model_->last_stage() && !params_.count(ch.seq)) {
-      return absl::DataLossError(absl::StrCat("a step samples sequence ", ch.seq,
-                                              ", which has no sampling parameters"));
+      return absl::DataLossError(
+          absl::StrCat("a step samples sequence ", ch.seq, ", which has no sampling parameters"));
     }
     SequenceChunk chunk;
     chunk.tokens = ch.tokens;
@@ -674,12 +674,12 @@ void RefuseReplica(const RankConfig& config, const WorldConfig& world, const abs
 }
 
 absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const WorldConfig& world,
-                                    const LeaderMain& lead,
-                                    const std::function<void()>& started) {
+                                    const LeaderMain& lead, const std::function<void()>& started) {
   if (world.tp() != config.tp || world.pp() != config.pp || world.rank() != config.rank()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", config.rank(), " of tp ", config.tp, " x pp ", config.pp, " was given the world of ",
-        world.Describe(world.rank()), " in tp ", world.tp(), " x pp ", world.pp()));
+    return absl::InvalidArgumentError(absl::StrCat("rank ", config.rank(), " of tp ", config.tp,
+                                                   " x pp ", config.pp, " was given the world of ",
+                                                   world.Describe(world.rank()), " in tp ",
+                                                   world.tp(), " x pp ", world.pp()));
   }
   Rank rank(config, world);
   if (absl::Status s = rank.Init(); !s.ok()) return rank.AbortAll(s);

@@ -99,8 +99,8 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
       ASSIGN_OR_RETURN(std::vector<int64_t> tokens, Int64s(ch, "tokens"));
       for (int64_t t : tokens) {
         if (t < 0 || t > kMaxInt32) {
-          return absl::DataLossError(absl::StrCat("chunk of sequence ", c.seq, ": token ", t,
-                                                  " is out of range"));
+          return absl::DataLossError(
+              absl::StrCat("chunk of sequence ", c.seq, ": token ", t, " is out of range"));
         }
         c.tokens.push_back(static_cast<int32_t>(t));
       }
@@ -145,8 +145,8 @@ absl::StatusOr<StepResult> DecodeStepResult(const json& m) {
       ASSIGN_OR_RETURN(const json* top, JsonArray(t, "top"));
       for (const json& a : *top) {
         if (!a.is_array() || a.size() != 2 || !a[0].is_number_integer() || !a[1].is_number()) {
-          return absl::DataLossError(absl::StrCat("sequence ", tok.seq,
-                                                  ": an alternative is not [token, logprob]"));
+          return absl::DataLossError(
+              absl::StrCat("sequence ", tok.seq, ": an alternative is not [token, logprob]"));
         }
         tok.top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
       }

@@ -43,7 +43,6 @@ __global__ void WriteKvKernel(float* kc, float* vc, int64_t kv_heads, int64_t bs
   }
 }
 
-
 // One block per (row, head): scores of every position into `scores` (max_len per item), the
 // softmax, then the weighted sum of V with threads over head_dim.
 __global__ void AttentionKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs,
@@ -83,7 +82,6 @@ __global__ void AttentionKernel(const float* kc, const float* vc, int64_t kv_hea
   }
 }
 
-
 }  // namespace
 
 absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
@@ -113,6 +111,5 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
       blocks, block_offset, max_len, scale, static_cast<float*>(*scores), out);
   return Check(cudaGetLastError(), "Attention launch");
 }
-
 
 }  // namespace shardserve::cuda

@@ -44,7 +44,6 @@ __device__ float ToF32(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
 
-
 template <typename T>
 __device__ T FromF32(float v);
 template <>
@@ -55,7 +54,6 @@ template <>
 __device__ __nv_bfloat16 FromF32(float v) {
   return __float2bfloat16_rn(v);
 }
-
 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
@@ -127,7 +125,6 @@ __device__ Cand BlockBestAfter(const float* row, int64_t n, Cand prev, Cand* sha
   __syncthreads();
   return out;
 }
-
 
 unsigned Grid(int64_t n, int threads = 256) {
   return static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 65535));

@@ -23,7 +23,6 @@ __global__ void RmsNormKernel(const float* x, int64_t dim, const float* w, float
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = w[i] * (row[i] * inv);
 }
 
-
 template <typename T>
 __global__ void EmbedKernel(const T* table, int64_t row_stride, int64_t dim, const int32_t* ids,
                             int64_t vocab_begin, int64_t vocab_end, float* out) {
@@ -34,7 +33,6 @@ __global__ void EmbedKernel(const T* table, int64_t row_stride, int64_t dim, con
   const T* row = table + (mine ? (id - vocab_begin) * row_stride : 0);
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) o[d] = mine ? ToF32(row[d]) : 0.f;
 }
-
 
 __global__ void AddBiasKernel(float* x, int64_t rows, int64_t cols, const float* bias) {
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * cols;
@@ -58,7 +56,6 @@ __global__ void SiluMulKernel(float* a, const float* b, int64_t n) {
   }
 }
 
-
 __global__ void GatherRowsKernel(const float* x, int64_t dim, const int32_t* rows, float* out) {
   const int64_t i = blockIdx.x;
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) out[i * dim + d] = x[rows[i] * dim + d];
@@ -72,7 +69,6 @@ __global__ void ScaleAddRowsKernel(const float* x, int64_t dim, const int32_t* r
     y[rows[i] * dim + d] += weight[i] * x[i * dim + d];
   }
 }
-
 
 }  // namespace
 
@@ -115,7 +111,6 @@ absl::Status SiluMul(float* a, const float* b, int64_t n) {
   return Check(cudaGetLastError(), "SiluMul launch");
 }
 
-
 absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n, float* out) {
   if (n == 0) return absl::OkStatus();
   GatherRowsKernel<<<static_cast<unsigned>(n), 256>>>(x, dim, rows, out);
@@ -129,13 +124,11 @@ absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, cons
   return Check(cudaGetLastError(), "ScaleAddRows launch");
 }
 
-
 absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,
                      float* out) {
   if (M == 0) return absl::OkStatus();
   RmsNormKernel<<<static_cast<unsigned>(M), 256>>>(x, dim, w, eps, out);
   return Check(cudaGetLastError(), "RmsNorm launch");
 }
-
 
 }  // namespace shardserve::cuda

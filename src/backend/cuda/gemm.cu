@@ -17,7 +17,6 @@ __global__ void MatVecKernel(const T* w, int64_t rows, int64_t cols, const float
   if (threadIdx.x % 32 == 0) y[row] = s;
 }
 
-
 template <typename T>
 __global__ void ConvertKernel(const float* x, int64_t n, T* out) {
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -25,7 +24,6 @@ __global__ void ConvertKernel(const float* x, int64_t n, T* out) {
     out[i] = FromF32<T>(x[i]);
   }
 }
-
 
 // One thread per row: k rounds of "the best expert after the previous pick", then the softmax
 // of the k logits (float, as the host).
@@ -85,7 +83,6 @@ __global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t
   }
 }
 
-
 }  // namespace
 
 absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y) {
@@ -121,7 +118,6 @@ absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M
   }
   return absl::OkStatus();
 }
-
 
 absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
                        float* weights) {
@@ -165,7 +161,6 @@ absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, in
   return Check(cudaGetLastError(), "CombineSlots launch");
 }
 
-
 absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, const float* x,
                     float* y) {
   if (rows == 0) return absl::OkStatus();
@@ -184,6 +179,5 @@ absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, cons
   }
   return Check(cudaGetLastError(), "MatVec launch");
 }
-
 
 }  // namespace shardserve::cuda

@@ -107,13 +107,11 @@ absl::Status DeviceBuffer::CopyToHost(void* dst, size_t bytes) const {
   return Check(cudaMemcpy(dst, ptr_, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
 }
 
-
 absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
                     size_t height) {
   if (width == 0 || height == 0) return absl::OkStatus();
   return Check(cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault),
                "cudaMemcpy2D");
 }
-
 
 }  // namespace shardserve::cuda

@@ -129,7 +129,6 @@ __global__ void __launch_bounds__(kSampleThreads)
   }
 }
 
-
 }  // namespace
 
 absl::Status VocabSummaries(Context& ctx, const float* logits, int64_t rows, int64_t ld, int64_t n,
@@ -213,6 +212,5 @@ absl::Status SampleRows(Context& ctx, const float* logits, int64_t rows, int64_t
   }
   return absl::OkStatus();
 }
-
 
 }  // namespace shardserve::cuda

@@ -5,8 +5,8 @@
 
 #include "devtools/bpe_trainer.h"
 #include "devtools/corpus.h"
-#include "tokenizer/tokenizer.h"
 #include "serve/text_stream.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {

@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-
 #include "comm/json_frame.h"
 
 namespace shardserve {
@@ -54,7 +53,8 @@ TEST(JsonFrameTest, TypedFieldsNameTheField) {
   const json m = {{"i", 5}, {"s", "abc"}, {"b", true}, {"a", {1}}, {"big", UINT64_MAX}};
   EXPECT_EQ(*JsonInt(m, "i", 0, 10), 5);
   EXPECT_THAT(Error(JsonInt(m, "i", 6, 10).status()), HasSubstr("'i' is 5, outside [6, 10]"));
-  EXPECT_THAT(Error(JsonInt(m, "s", 0, 10).status()), HasSubstr("'s' is missing or not an integer"));
+  EXPECT_THAT(Error(JsonInt(m, "s", 0, 10).status()),
+              HasSubstr("'s' is missing or not an integer"));
   EXPECT_THAT(Error(JsonInt(m, "big", 0, INT64_MAX).status()), HasSubstr("'big' is"));
   EXPECT_THAT(Error(JsonString(m, "s", 2).status()), HasSubstr("'s' is longer than 2 bytes"));
   EXPECT_THAT(Error(JsonString(m, "x", 2).status()), HasSubstr("'x' is missing or not a string"));
@@ -131,7 +131,9 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               HasSubstr("a malformed step: 'mb' is missing or not an integer"));
   EXPECT_THAT(refused([](json& m) { m["release"] = "all"; }),
               HasSubstr("'release' is missing or not an array"));
-  EXPECT_THAT(refused([](json& m) { m["chunks"][1]["tokens"] = {1, -4}; }),
+  EXPECT_THAT(refused([](json& m) {
+                m["chunks"][1]["tokens"] = {1, -4};
+              }),
               HasSubstr("chunk of sequence 4: token -4 is out of range"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["params"]["top_p"] = 7; }),
               HasSubstr("chunk of sequence 3: top_p must be in (0, 1]"));
@@ -148,10 +150,9 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               HasSubstr("'type' is missing or not a string"));
   EXPECT_THAT(Error(DecodeStepResult({{"mb", 0}, {"results", {{{"seq", 1}}}}}).status()),
               HasSubstr("malformed step results: 'token' is missing or not an integer"));
-  EXPECT_THAT(Error(DecodeStepResult({{"mb", 0},
-                                      {"results",
-                                       {{{"seq", 1}, {"token", 2}, {"logprob", 0},
-                                         {"top", {{1}}}}}}})
+  EXPECT_THAT(Error(DecodeStepResult(
+                        {{"mb", 0},
+                         {"results", {{{"seq", 1}, {"token", 2}, {"logprob", 0}, {"top", {{1}}}}}}})
                         .status()),
               HasSubstr("sequence 1: an alternative is not [token, logprob]"));
 }
