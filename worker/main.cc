@@ -199,7 +199,7 @@ absl::Status RunOneRank(const WorkerEnv& env) {
     std::fprintf(stderr,
                  "%s: resident %.0f MB; weight slices %.0f MB of its stage's %.0f MB (1/%d = %.0f "
                  "MB)\n",
-                 outcome.rank_name.c_str(), outcome.resident_bytes / 1e6,
+                 world.Describe(cfg.rank()).c_str(), outcome.resident_bytes / 1e6,
                  outcome.shard_weight_bytes / 1e6, outcome.stage_weight_bytes / 1e6, cfg.tp,
                  outcome.stage_weight_bytes / 1e6 / cfg.tp);
   }

@@ -691,7 +691,6 @@ absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const WorldConfig&
   } else if (absl::Status s = rank.Follow(); !s.ok()) {
     return rank.AbortAll(s);
   }
-  outcome.rank_name = world.Describe(config.rank());
   outcome.resident_bytes = ResidentBytes();
   outcome.shard_weight_bytes = rank.model().shard_weight_bytes();
   outcome.stage_weight_bytes = rank.model().stage_weight_bytes();

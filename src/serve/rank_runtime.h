@@ -71,7 +71,6 @@ struct RankConfig {
 absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& env);
 
 struct RankOutcome {
-  std::string rank_name;          // "rank r (stage s, tp t)"
   size_t resident_bytes = 0;      // this process at the end
   size_t shard_weight_bytes = 0;  // the weight slices it holds
   size_t stage_weight_bytes = 0;  // the full tensors of its stage

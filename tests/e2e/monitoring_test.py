@@ -117,14 +117,13 @@ try:
     t0 = time.monotonic()
     busy = load(clients=4, max_tokens=16)
     load(max_tokens=-1, pause=0.5)  # refused requests, for the error panels
-    time.sleep(5)
-    print(f"load: {busy.ok / (time.monotonic() - t0):.0f} completions/s", flush=True)
     check(wait_until(lambda: prom.scalar(f'sum(increase(shardserve_generated_tokens_total'
                                          f'{{namespace="{NS}",model="{NAME}"}}[1m]))') > 0, 90),
           "tokens are generated, in the model's namespace")
     check(wait_until(lambda: prom.scalar(f'min(count_over_time(up{{job=~"{ranks_job}|'
                                          f'{operator_job}"}}[1m]))') >= 15, 120),
           "15 scrapes of every target in the last minute")
+    print(f"load: {busy.ok / (time.monotonic() - t0):.0f} completions/s", flush=True)
     checked = check_dashboards(prom, check, (NS, NAME))
     print(f"{checked} panel queries checked", flush=True)
     for loop in loops:
@@ -193,8 +192,9 @@ try:
           f"metrics API: {hpa().get('status', {}).get('conditions')}")
     check(hpa().get("spec", {}).get("scaleTargetRef", {}).get("kind") == "ShardedModel",
           "the HPA targets the ShardedModel")
-    time.sleep(5)
-    check(spec_replicas() == 1, "no load: 1 replica")
+    check(wait_until(lambda: hpa().get("status", {}).get("desiredReplicas") == 1, 60) and
+          spec_replicas() == 1,
+          f"no load: the HPA computes 1 replica ({hpa().get('status', {}).get('desiredReplicas')})")
 
     t0 = time.monotonic()
     busy = load(clients=8, max_tokens=32)
