@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # CUDA decode benchmark (needs a GPU): generated TinyLlama-1.1B- and Llama-3-8B-shaped models in
-# BF16, decode at batch 1 and 32 — tokens/s, inter-token latency and effective HBM bandwidth
-# against the device's copy bandwidth measured in the same run.
+# BF16, decode at batch 1 and 32 — tokens/s, inter-token latency and bytes moved per step against
+# the device's copy bandwidth measured in the same run — then the peer, PyTorch + transformers on
+# the same model directory (bench/cuda_peer.py), and shardserve / peer for tokens/s.
 # Usage: bench/cuda.sh [MODELS] (default "tinyllama llama3-8b")
+# SHARDSERVE_BIN=DIR uses the binaries in DIR (scripts/gpu-check.sh's build) instead of setting up
+# and building here; BENCH_MODELS=DIR holds the generated models (default build/bench-models);
+# PEER_PYTHON is the Python with torch + transformers (default: the reference venv, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODELS="${1:-tinyllama llama3-8b}"
-SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
-SHARDSERVE_CUDA=ON bash scripts/build.sh
+CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
+if [ -z "${SHARDSERVE_BIN:-}" ]; then
+  SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
+  SHARDSERVE_CUDA=ON bash scripts/build.sh
+  SHARDSERVE_BIN=build/bin
+fi
+PEER_PYTHON="${PEER_PYTHON:-$CACHE/refvenv/bin/python3}"
+[ -x "$PEER_PYTHON" ] || PEER_PYTHON=python3
 for m in $MODELS; do
-  dir="build/bench-models/$m-bf16"
+  dir="${BENCH_MODELS:-build/bench-models}/$m-bf16"
   case "$m" in
     tinyllama) shape=(--layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4
                       --vocab 32000) ;;
@@ -18,7 +28,21 @@ for m in $MODELS; do
     *) echo "unknown model shape '$m' (tinyllama, llama3-8b)" >&2; exit 2 ;;
   esac
   [ -f "$dir/config.json" ] ||
-    build/bin/shardserve gen-model --arch llama --out "$dir" "${shape[@]}" --dtype bf16 --seed 1
+    "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$dir" "${shape[@]}" --dtype bf16 \
+      --seed 1
   echo "=== $m, bf16"
-  build/bin/shardserve bench cuda --model "$dir" --batch 1,32 --steps 64
+  ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" --batch 1,32 --steps 64)
+  echo "$ours"
+  peer=$("$PEER_PYTHON" bench/cuda_peer.py "$dir" --batch 1,32 --steps 64) || true
+  echo "$peer"
+  for b in 1 32; do
+    s=$(sed -nE "s/^decode batch +$b: +([0-9.]+) tokens\/s.*/\1/p" <<<"$ours")
+    for mode in eager compiled-static; do
+      p=$(sed -nE "s/^peer $mode batch $b: ([0-9.]+) tokens\/s.*/\1/p" <<<"$peer")
+      if [ -n "$s" ] && [ -n "$p" ]; then
+        awk -v s="$s" -v p="$p" -v b="$b" -v m="$mode" \
+          'BEGIN { printf "shardserve / peer %s at batch %d: %.2f\n", m, b, s / p }'
+      fi
+    done
+  done
 done

@@ -234,10 +234,13 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
 
   // Readiness: the leader is ready when its /readyz is (every rank connected and loaded); the
   // other stages when their rank-0 metrics page answers. Loading may take long: startup probe.
-  const json ready_probe =
-      leader ? json{{"httpGet", {{"path", "/readyz"}, {"port", s.port}}}, {"periodSeconds", 5}}
-             : json{{"httpGet", {{"path", "/metrics"}, {"port", kMetricsPortBase}}},
-                    {"periodSeconds", 5}};
+  // A replica under full load (the other one rolling) may answer a probe late: 5 s, not
+  // Kubernetes' 1 s, before a probe counts as failed; a dead rank refuses at once either way.
+  json ready_probe = leader ? json{{"httpGet", {{"path", "/readyz"}, {"port", s.port}}}}
+                            : json{{"httpGet", {{"path", "/metrics"}, {"port", kMetricsPortBase}}}};
+  ready_probe["periodSeconds"] = 5;
+  ready_probe["timeoutSeconds"] = 5;
+  ready_probe["failureThreshold"] = 3;
   const json startup_probe = {
       {"tcpSocket", {{"port", kMetricsPortBase}}}, {"periodSeconds", 5}, {"failureThreshold", 360}};
   const json liveness_probe = {

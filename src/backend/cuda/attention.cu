@@ -43,42 +43,95 @@ __global__ void WriteKvKernel(float* kc, float* vc, int64_t kv_heads, int64_t bs
   }
 }
 
-// One block per (row, head): scores of every position into `scores` (max_len per item), the
-// softmax, then the weighted sum of V with threads over head_dim.
-__global__ void AttentionKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs,
-                                int64_t hd, const float* q, int64_t heads, int64_t head0,
-                                int64_t group, int64_t kv_head0, const int32_t* positions,
-                                const int32_t* blocks, const int32_t* block_offset, int64_t max_len,
-                                float scale, float* scores, float* out) {
-  __shared__ float shared[32];
+constexpr int kAttnWarps = 4;
+constexpr int64_t kAttnMaxHeadDim = 256;    // each lane holds head_dim / 32 of a row
+constexpr int64_t kAttnTargetBlocks = 256;  // enough blocks to fill the GPU at batch 1
+
+// Split-K decoding attention: grid (row x head, splits); a block takes a run of the row's
+// positions, its warps one position at a time (lanes over head_dim, so K and V rows are read
+// coalesced) with an online softmax. The block's (max, sum, unnormalized weighted V) go to
+// `partial`, and AttentionCombineKernel merges the splits.
+__global__ void AttentionSplitKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs,
+                                     int64_t hd, const float* q, int64_t heads, int64_t head0,
+                                     int64_t group, int64_t kv_head0, const int32_t* positions,
+                                     const int32_t* blocks, const int32_t* block_offset,
+                                     int64_t per_split, float scale, float* partial) {
+  constexpr int kPer = kAttnMaxHeadDim / 32;
+  __shared__ float warp_max[kAttnWarps], warp_sum[kAttnWarps];
+  __shared__ float warp_acc[kAttnWarps][kAttnMaxHeadDim];
   const int64_t item = blockIdx.x, r = item / heads, h = item % heads;
   const int64_t kh = (head0 + h) / group - kv_head0;
   const int64_t len = positions[r] + 1;
+  const int64_t p0 = blockIdx.y * per_split, p1 = min(len, p0 + per_split);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* qh = q + (r * heads + h) * hd;
-  float* sc = scores + item * max_len;
-  float mx = -FLT_MAX;
-  for (int64_t p = threadIdx.x; p < len; p += blockDim.x) {
-    const float* k = kc + SlabOffset(blocks, block_offset[r], p, kv_heads, kh, bs, hd);
+  float qr[kPer], acc[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int64_t d = lane + 32 * i;
+    qr[i] = d < hd ? qh[d] : 0.f;
+    acc[i] = 0.f;
+  }
+  float m = -FLT_MAX, l = 0.f;
+  for (int64_t p = p0 + warp; p < p1; p += kAttnWarps) {
+    const int64_t at = SlabOffset(blocks, block_offset[r], p, kv_heads, kh, bs, hd);
+    const float *k = kc + at, *v = vc + at;
     float dot = 0;
-    for (int64_t d = 0; d < hd; ++d) dot += qh[d] * k[d];
-    sc[p] = dot * scale;
-    mx = fmaxf(mx, sc[p]);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < hd) dot += qr[i] * k[d];
+    }
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffff, dot, off);
+    const float s = dot * scale, mn = fmaxf(m, s);
+    const float rescale = expf(m - mn), e = expf(s - mn);
+    l = l * rescale + e;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < hd) acc[i] = acc[i] * rescale + e * v[d];
+    }
+    m = mn;
   }
-  mx = BlockMax(mx, shared);
-  float sum = 0;
-  for (int64_t p = threadIdx.x; p < len; p += blockDim.x) {
-    sc[p] = expf(sc[p] - mx);
-    sum += sc[p];
+  if (lane == 0) {
+    warp_max[warp] = m;
+    warp_sum[warp] = l;
   }
-  sum = BlockSum(sum, shared);
-  __syncthreads();  // every score written before any thread reads them all
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int64_t d = lane + 32 * i;
+    if (d < hd) warp_acc[warp][d] = acc[i];
+  }
+  __syncthreads();
+  float mx = -FLT_MAX, sum = 0.f;
+  for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, warp_max[w]);
+  for (int w = 0; w < kAttnWarps; ++w) sum += warp_sum[w] * expf(warp_max[w] - mx);
+  float* out = partial + (item * gridDim.y + blockIdx.y) * (hd + 2);
+  for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+    float a = 0;
+    for (int w = 0; w < kAttnWarps; ++w) a += warp_acc[w][d] * expf(warp_max[w] - mx);
+    out[2 + d] = a;
+  }
+  if (threadIdx.x == 0) {
+    out[0] = mx;
+    out[1] = sum;
+  }
+}
+
+// One block per (row, head): the splits' partial softmaxes merged, threads over head_dim.
+__global__ void AttentionCombineKernel(const float* partial, int64_t splits, int64_t hd,
+                                       float* out) {
+  const int64_t item = blockIdx.x;
+  const float* pr = partial + item * splits * (hd + 2);
+  float mx = -FLT_MAX, sum = 0.f;
+  for (int64_t s = 0; s < splits; ++s) mx = fmaxf(mx, pr[s * (hd + 2)]);
+  for (int64_t s = 0; s < splits; ++s) sum += pr[s * (hd + 2) + 1] * expf(pr[s * (hd + 2)] - mx);
   const float inv = 1.f / sum;
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0;
-    for (int64_t p = 0; p < len; ++p) {
-      acc += sc[p] * vc[SlabOffset(blocks, block_offset[r], p, kv_heads, kh, bs, hd) + d];
-    }
-    out[(r * heads + h) * hd + d] = acc * inv;
+    float a = 0;
+    for (int64_t s = 0; s < splits; ++s)
+      a += pr[s * (hd + 2) + 2 + d] * expf(pr[s * (hd + 2)] - mx);
+    out[item * hd + d] = a * inv;
   }
 }
 
@@ -104,11 +157,25 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
                        const int32_t* blocks, const int32_t* block_offset, int64_t max_len,
                        float scale, float* out) {
   if (rows * heads == 0) return absl::OkStatus();
-  auto scores = ctx.Scratch(static_cast<size_t>(rows * heads * max_len) * sizeof(float));
-  if (!scores.ok()) return scores.status();
-  AttentionKernel<<<static_cast<unsigned>(rows * heads), 128>>>(
-      c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q, heads, head0, group, kv_head0, positions,
-      blocks, block_offset, max_len, scale, static_cast<float*>(*scores), out);
+  if (c.head_dim > kAttnMaxHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention on the CUDA backend takes head_dim up to ", kAttnMaxHeadDim,
+                     ", not ", c.head_dim));
+  }
+  const int64_t items = rows * heads;
+  const int64_t splits = std::clamp<int64_t>((kAttnTargetBlocks + items - 1) / items, 1,
+                                             std::max<int64_t>(1, (max_len + 31) / 32));
+  const int64_t per_split = (max_len + splits - 1) / splits;
+  auto partial =
+      ctx.Scratch(static_cast<size_t>(items * splits * (c.head_dim + 2)) * sizeof(float));
+  if (!partial.ok()) return partial.status();
+  float* pr = static_cast<float*>(*partial);
+  AttentionSplitKernel<<<dim3(static_cast<unsigned>(items), static_cast<unsigned>(splits)),
+                         kAttnWarps * 32>>>(c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q,
+                                            heads, head0, group, kv_head0, positions, blocks,
+                                            block_offset, per_split, scale, pr);
+  RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
+  AttentionCombineKernel<<<static_cast<unsigned>(items), 128>>>(pr, splits, c.head_dim, out);
   return Check(cudaGetLastError(), "Attention launch");
 }
 

@@ -5,7 +5,72 @@
 namespace shardserve::cuda {
 namespace {
 
-// One warp per output row.
+// Sixteen bytes of weights as floats.
+__device__ void Unpack(uint4 raw, float (&out)[4]) {
+  out[0] = __uint_as_float(raw.x);
+  out[1] = __uint_as_float(raw.y);
+  out[2] = __uint_as_float(raw.z);
+  out[3] = __uint_as_float(raw.w);
+}
+__device__ void Unpack(uint4 raw, float (&out)[8], __nv_bfloat16) {
+  const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(u[i] << 16);
+    out[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+__device__ void Unpack(uint4 raw, float (&out)[8], __half) {
+  const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Small batches (decode): Y[M][rows] = X[M][cols] W^T with one warp per output row, the row read
+// once in 16-byte pieces for all M inputs, X kept in F32 (so no conversion pass, and the
+// precision of the CPU's product). Needs cols and stride to be multiples of a piece and W and X
+// 16-byte aligned (GemvFits).
+template <typename T, int M>
+__global__ void GemvKernel(const T* __restrict__ w, int64_t rows, int64_t cols, int64_t stride,
+                           const float* __restrict__ x, float* __restrict__ y) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + row * stride);
+  const int64_t pieces = cols / kVec;
+  float acc[M] = {};
+#pragma unroll 4
+  for (int64_t p = lane; p < pieces; p += 32) {
+    float wf[kVec];
+    if constexpr (sizeof(T) == 4) {
+      Unpack(__ldg(wr + p), wf);
+    } else {
+      Unpack(__ldg(wr + p), wf, T{});
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4* xv = reinterpret_cast<const float4*>(x + m * cols + p * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec / 4; ++j) {
+        const float4 v = __ldg(xv + j);
+        acc[m] += wf[4 * j] * v.x + wf[4 * j + 1] * v.y + wf[4 * j + 2] * v.z + wf[4 * j + 3] * v.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float s = acc[m];
+    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
+    if (lane == 0) y[m * rows + row] = s;
+  }
+}
+
+// Any shape: one warp per output row, an element at a time (M = 1).
 template <typename T>
 __global__ void MatVecKernel(const T* w, int64_t rows, int64_t cols, const float* x, float* y) {
   const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -15,6 +80,27 @@ __global__ void MatVecKernel(const T* w, int64_t rows, int64_t cols, const float
   for (int64_t k = threadIdx.x % 32; k < cols; k += 32) s += ToF32(wr[k]) * x[k];
   for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
   if (threadIdx.x % 32 == 0) y[row] = s;
+}
+
+constexpr int kGemvWarps = 8;
+constexpr int64_t kGemvMaxRows = 8;  // above this, cuBLAS's tensor-core GEMM
+
+bool GemvFits(const DeviceWeight& w, const float* x, int64_t M) {
+  const int64_t piece = 16 / static_cast<int64_t>(DTypeSize(w.dtype));
+  return M <= kGemvMaxRows && w.cols % piece == 0 && w.row_stride % piece == 0 &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+template <typename T, int M>
+void LaunchGemv(const DeviceWeight& w, const float* x, int64_t m, float* y) {
+  if constexpr (M > 1) {
+    if (m < M) return LaunchGemv<T, M / 2>(w, x, m, y);
+  }
+  // M is a power of two no larger than m: the first M rows now, the rest after.
+  const unsigned blocks = static_cast<unsigned>((w.rows + kGemvWarps - 1) / kGemvWarps);
+  GemvKernel<T, M><<<blocks, kGemvWarps * 32>>>(static_cast<const T*>(w.data), w.rows, w.cols,
+                                                w.row_stride, x, y);
+  if (m > M) LaunchGemv<T, kGemvMaxRows>(w, x + M * w.cols, m - M, y + M * w.rows);
 }
 
 template <typename T>
@@ -88,6 +174,20 @@ __global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t
 absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y) {
   if (M == 0 || w.rows == 0) return absl::OkStatus();
   const int64_t N = w.rows, K = w.cols;
+  if (GemvFits(w, x, M)) {
+    switch (w.dtype) {
+      case DType::kF32:
+        LaunchGemv<float, kGemvMaxRows>(w, x, M, y);
+        break;
+      case DType::kF16:
+        LaunchGemv<__half, kGemvMaxRows>(w, x, M, y);
+        break;
+      case DType::kBF16:
+        LaunchGemv<__nv_bfloat16, kGemvMaxRows>(w, x, M, y);
+        break;
+    }
+    return Check(cudaGetLastError(), "Gemv launch");
+  }
   const void* b = x;
   cudaDataType_t type = CUDA_R_32F;
   if (w.dtype != DType::kF32) {

@@ -93,6 +93,7 @@ TEST(Builders, StagePodCarriesThePodContract) {
   EXPECT_EQ(leader_ports, (std::vector<int>{29500, 8000, 9400, 9401, 9402, 9403}));
   EXPECT_EQ(worker_ports, (std::vector<int>{29500, 9400, 9401, 9402, 9403}));
   EXPECT_EQ(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+  EXPECT_EQ(c["readinessProbe"]["timeoutSeconds"], 5);  // not 1 s: a loaded replica answers late
   EXPECT_EQ(c["command"], json::array({"shardserve-worker", "launch"}));
   // A failing rank's reason reaches the pod's status; a deleted pod keeps serving while the
   // Service forgets it, then drains.

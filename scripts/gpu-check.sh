@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# On a GPU machine without network (CUDA 13 toolkit, cmake, ninja, g++, Python with PyTorch and
+# its NCCL wheel): builds shardserve with that toolkit against the prefix of scripts/gpu-prefix.sh,
+# then runs the GPU checks — cuda_tests, the CUDA generation and `shardserve local` tests against
+# the CPU backend — and, unless told not to, bench/cuda.sh with its PyTorch peer. Writes build.log,
+# one log per check and summary.txt into OUT; prints the summary. Exit status: 0 when every check
+# passed (a skip is not a failure).
+# Usage: scripts/gpu-check.sh OUT [--prefix DIR] [--no-bench] [--bench-models "tinyllama ..."]
+#                             [--build-only [--targets "cuda_tests shardserve ..."]]
+# NVCC, NCCL_DIR (include/, lib/), BUILD_DIR (build-gpu) and BENCH_MODELS (where the benchmark's
+# models are generated, /tmp/shardserve-bench-models) override what is found.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: scripts/gpu-check.sh OUT [--prefix DIR] [--no-bench] [--bench-models LIST] [--build-only [--targets LIST]]}"
+shift
+PREFIX=.gpu/prefix
+BENCH=1
+BENCH_SET="tinyllama llama3-8b"
+BUILD_ONLY=0
+TARGETS=""
+while (($#)); do
+  case "$1" in
+    --prefix) PREFIX="$2"; shift 2 ;;
+    --no-bench) BENCH=0; shift ;;
+    --bench-models) BENCH_SET="$2"; shift 2 ;;
+    --build-only) BUILD_ONLY=1; shift ;;
+    --targets) TARGETS="$2"; shift 2 ;;
+    *) echo "gpu-check: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+fail=0
+
+[ -f "$PREFIX/.gathered" ] || {
+  note "FAIL no prefix at $PREFIX: run scripts/gpu-prefix.sh on a build machine and bring it"
+  exit 1
+}
+PREFIX=$(realpath "$PREFIX")
+LIBS="$PREFIX/usr/lib/x86_64-linux-gnu"
+
+# --- The machine ------------------------------------------------------------------------------
+{
+  head -1 /etc/os-release
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
+    echo "no GPU (nvidia-smi)"
+  echo "$(nproc) CPUs; $(g++ --version | head -1); $(cmake --version | head -1)"
+} | tee -a "$SUMMARY"
+
+# --- The toolkit: nvcc and cuBLAS from the system or the Python wheels, NCCL from its wheel -----
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+[ -x "$NVCC" ] || { note "FAIL no nvcc on PATH or in /usr/local/cuda"; exit 1; }
+CUDA_ROOT=$(dirname "$(dirname "$(realpath "$NVCC")")")
+WHEELS=$(python3 -c 'import nvidia, os; print(nvidia.__path__[0])' 2>/dev/null || true)
+NCCL_H=""
+for d in ${NCCL_DIR:+"$NCCL_DIR/include"} "$WHEELS/nccl/include" "$CUDA_ROOT/include" /usr/include; do
+  [ -f "$d/nccl.h" ] && { NCCL_H="$d"; break; }
+done
+NCCL_SO=$(ls ${NCCL_DIR:+"$NCCL_DIR"/lib/libnccl.so.*} "$WHEELS"/nccl/lib/libnccl.so.* \
+  "$CUDA_ROOT"/lib64/libnccl.so.* \
+  /usr/lib/x86_64-linux-gnu/libnccl.so.* 2>/dev/null | head -1)
+[ -n "$NCCL_H" ] && [ -n "$NCCL_SO" ] || { note "FAIL NCCL (nccl.h, libnccl.so.*) not found"; exit 1; }
+# The wheel has no unversioned libnccl.so to link with: a view of it that has.
+BUILD="${BUILD_DIR:-build-gpu}"
+NCCL_ROOT=$(realpath -m "$BUILD/nccl-view")  # kept with the build: its configuration names it
+mkdir -p "$NCCL_ROOT/lib"
+ln -sfn "$NCCL_H" "$NCCL_ROOT/include"
+ln -sfn "$NCCL_SO" "$NCCL_ROOT/lib/libnccl.so"
+note "toolkit: $("$NVCC" --version | tail -1); NCCL $NCCL_SO"
+
+# --- Build (the binaries carry the prefix in DT_RPATH, which, unlike RUNPATH, also serves the
+# libraries they load: Abseil's libraries need each other) -------------------------------------
+export PKG_CONFIG_LIBDIR="$LIBS/pkgconfig:$PREFIX/usr/share/pkgconfig"
+export PKG_CONFIG_SYSROOT_DIR="$PREFIX"
+t0=$(date +%s)
+if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDSERVE_CUDA=ON \
+    -DCMAKE_PREFIX_PATH="$PREFIX/usr" -DCMAKE_CUDA_COMPILER="$NVCC" \
+    -DCUDAToolkit_ROOT="$CUDA_ROOT" -DNCCL_ROOT="$NCCL_ROOT" -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DSHARDSERVE_STYLE_CHECK=OFF -DCMAKE_CXX_FLAGS="-isystem $PREFIX/usr/include/x86_64-linux-gnu" \
+    -DCMAKE_BUILD_RPATH="$LIBS;$(dirname "$NCCL_SO")" \
+    -DCMAKE_EXE_LINKER_FLAGS=-Wl,--disable-new-dtags >"$OUT/build.log" 2>&1 &&
+  cmake --build "$BUILD" ${TARGETS:+--target $TARGETS} -- -j"$(nproc)" >>"$OUT/build.log" 2>&1; then
+  note "PASS build with the machine's toolkit against the prefix ($(($(date +%s) - t0)) s)"
+else
+  note "FAIL build: $(grep -m3 -E 'error|Error' "$OUT/build.log" | tr '\n' ' ')"
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+BIN=$(realpath "$BUILD/bin")
+((BUILD_ONLY)) && exit 0
+
+# --- Checks -----------------------------------------------------------------------------------
+check() {  # check NAME COMMAND...: runs it with its log in OUT/NAME.log; 77 is a skip
+  local name="$1"; shift
+  local t0 rc
+  t0=$(date +%s)
+  "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  local took=$(($(date +%s) - t0))
+  case "$rc" in
+    0) note "PASS $name (${took} s)" ;;
+    77) note "SKIP $name: $(tail -1 "$OUT/$name.log")" ;;
+    *) note "FAIL $name (exit $rc): $(grep -E 'FAIL|Error|error' "$OUT/$name.log" | head -5 |
+      tr '\n' ' ')"; fail=1 ;;
+  esac
+}
+check cuda_tests "$BIN/cuda_tests"
+grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
+check cuda_generate python3 tests/cli/cuda_generate_test.py "$BIN/shardserve"
+check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"
+if ((BENCH)); then
+  check bench env SHARDSERVE_BIN="$BIN" BENCH_MODELS="${BENCH_MODELS:-/tmp/shardserve-bench-models}" PEER_PYTHON=python3 \
+    bash bench/cuda.sh "$BENCH_SET"
+  grep -E '^(===|model:|decode batch|peer |shardserve / peer)' "$OUT/bench.log" | tee -a "$SUMMARY"
+fi
+exit "$fail"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU machine's path without a GPU (scripts/gpu-prefix.sh, scripts/gpu-check.sh): gathers the
+# prefix, hides every Debian package it holds from this machine (an overlay on /usr with the
+# packages' files whited out, in a mount namespace of this test alone), then builds the binaries
+# the GPU checks run against the prefix and the CUDA wheels alone, and runs them: the CLI answers,
+# cuda_tests loads its libraries from the prefix (and skips: no GPU). Needs root (mount
+# namespaces), as CI has; skips (77) without it or without the CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
+CUDA="$CACHE/cuda13/nvidia"
+[ -x "$CUDA/cu13/bin/nvcc" ] || { echo "SKIP: no CUDA wheels in $CUDA (scripts/setup.sh)"; exit 77; }
+unshare -m true 2>/dev/null || { echo "SKIP: no mount namespaces here (needs root)"; exit 77; }
+
+bash scripts/gpu-prefix.sh
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# Whiteouts (0/0 character devices) for the packages' files under /usr; the libraries the system
+# itself runs on (TLS, zlib, curl, PCRE2, pkg-config) stay, as they do on the GPU machine.
+mkdir -p "$tmp/upper" "$tmp/work"
+keep='^(libssl3|zlib1g|libcurl4|libbrotli1|libpcre2-8-0|pkgconf|pkgconf-bin|libpkgconf3)$'
+dpkg -L $(bash scripts/gpu-prefix.sh --list | grep -vE "$keep") | python3 -c '
+import os, stat, sys
+upper, hidden = sys.argv[1], 0
+for line in sys.stdin:
+    f = os.path.join(os.path.realpath(os.path.dirname(line.strip())), os.path.basename(line.strip()))
+    if not f.startswith("/usr/") or not (os.path.isfile(f) or os.path.islink(f)):
+        continue
+    w = upper + f[len("/usr"):]
+    os.makedirs(os.path.dirname(w), exist_ok=True)
+    if not os.path.exists(w):
+        os.mknod(w, stat.S_IFCHR | 0o600, os.makedev(0, 0))
+        hidden += 1
+print(f"hiding {hidden} files of the gathered packages")
+' "$tmp/upper"
+unshare -m --propagation private bash -euo pipefail -c '
+  mount -t overlay overlay -o "lowerdir=/usr,upperdir=$1/upper,workdir=$1/work" /usr
+  for h in /usr/include/absl/base/config.h /usr/include/boost/asio.hpp /usr/include/yaml-cpp/yaml.h \
+           /usr/lib/x86_64-linux-gnu/libabsl_base.so.20220623 /usr/include/CLI/CLI.hpp; do
+    [ ! -e "$h" ] || { echo "FAIL: $h is still visible: the build would not be against the prefix"; exit 1; }
+  done
+  NVCC="$2/cu13/bin/nvcc" NCCL_DIR="$2/nccl" BUILD_DIR="$1/build" \
+    bash scripts/gpu-check.sh "$1/out" --build-only --targets "cuda_tests shardserve shardserve-worker" ||
+    { tail -30 "$1/out/build.log"; exit 1; }
+  ldd "$1/build/bin/shardserve" | grep -q "libabsl_base.so.20220623 => $PWD/.gpu/prefix/" ||
+    { echo "FAIL: shardserve does not load Abseil from the prefix"; ldd "$1/build/bin/shardserve"; exit 1; }
+  "$1/build/bin/shardserve" --help | grep -q "^commands:" ||
+    { echo "FAIL: the CLI built against the prefix does not answer --help"; exit 1; }
+  "$1/build/bin/cuda_tests" --gtest_brief=1 | tail -3
+' _ "$tmp" "$CUDA"
+echo "PASS: built and ran against the prefix alone"
