@@ -84,13 +84,6 @@ __device__ T BlockReduce(T v, Op op, T identity, T* shared) {
   return out;
 }
 
-__device__ float BlockMax(float v, float* shared) {
-  return BlockReduce(v, MaxOp{}, -FLT_MAX, shared);
-}
-__device__ float BlockSum(float v, float* shared) {
-  return BlockReduce(v, SumOp<float>{}, 0.f, shared);
-}
-
 // A logit and its id, ordered as the CPU sampler orders them: larger first, ties to the lower id.
 struct Cand {
   float v;

@@ -69,8 +69,9 @@ class Context {
 // RMSNorm of M rows of dim floats: out = x / rms(x) * w (all device pointers, F32).
 absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps, float* out);
 
-// y[m][n] = sum_k w[n][k] * x[m][k] (F32 x and y with row strides K and N): cuBLAS, F32
-// accumulate. For F16/BF16 weights x is rounded to the weight's dtype first (tensor cores).
+// y[m][n] = sum_k w[n][k] * x[m][k] (F32 x and y with row strides K and N), F32 accumulate. Up
+// to 8 rows with whole 16-byte weight rows: a GEMV that keeps x in F32 (decode); otherwise
+// cuBLAS, with x rounded to the weight's dtype first for F16/BF16 (tensor cores).
 absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y);
 
 // Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
@@ -163,9 +164,5 @@ absl::Status ExpertMatVec(const ExpertWeights& w, const int32_t* experts, int64_
 // y[r] = sum over j < k of weights[r * k + j] * x[r * k + j] (dim floats each), for rows rows.
 absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
                           int64_t dim, float* y);
-
-// y[r] = sum_k w[r][k] * x[k] for a row-major [rows][cols] weight of `dtype`, F32 accumulate.
-absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, const float* x,
-                    float* y);
 
 }  // namespace shardserve::cuda

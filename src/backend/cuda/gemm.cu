@@ -1,5 +1,5 @@
-// The CUDA backend: matrix products (cuBLAS for batches, a warp per row for one
-// vector), and the mixture-of-experts routing and expert products.
+// The CUDA backend: matrix products (a warp-per-row GEMV up to 8 rows, cuBLAS above), and the
+// mixture-of-experts routing and expert products.
 #include "backend/cuda/common.cuh"
 
 namespace shardserve::cuda {
@@ -68,18 +68,6 @@ __global__ void GemvKernel(const T* __restrict__ w, int64_t rows, int64_t cols, 
     for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
     if (lane == 0) y[m * rows + row] = s;
   }
-}
-
-// Any shape: one warp per output row, an element at a time (M = 1).
-template <typename T>
-__global__ void MatVecKernel(const T* w, int64_t rows, int64_t cols, const float* x, float* y) {
-  const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= rows) return;
-  const T* wr = w + row * cols;
-  float s = 0;
-  for (int64_t k = threadIdx.x % 32; k < cols; k += 32) s += ToF32(wr[k]) * x[k];
-  for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
-  if (threadIdx.x % 32 == 0) y[row] = s;
 }
 
 constexpr int kGemvWarps = 8;
@@ -259,25 +247,6 @@ absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, in
   if (rows == 0) return absl::OkStatus();
   CombineSlotsKernel<<<static_cast<unsigned>(rows), 256>>>(x, weights, k, dim, y);
   return Check(cudaGetLastError(), "CombineSlots launch");
-}
-
-absl::Status MatVec(DType dtype, const void* w, int64_t rows, int64_t cols, const float* x,
-                    float* y) {
-  if (rows == 0) return absl::OkStatus();
-  constexpr int kWarps = 8;
-  const unsigned blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
-  switch (dtype) {
-    case DType::kF32:
-      MatVecKernel<<<blocks, kWarps * 32>>>(static_cast<const float*>(w), rows, cols, x, y);
-      break;
-    case DType::kF16:
-      MatVecKernel<<<blocks, kWarps * 32>>>(static_cast<const __half*>(w), rows, cols, x, y);
-      break;
-    case DType::kBF16:
-      MatVecKernel<<<blocks, kWarps * 32>>>(static_cast<const __nv_bfloat16*>(w), rows, cols, x, y);
-      break;
-  }
-  return Check(cudaGetLastError(), "MatVec launch");
 }
 
 }  // namespace shardserve::cuda

@@ -55,40 +55,6 @@ TEST(CudaBackendTest, RmsNormMatchesCpu) {
   for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4);
 }
 
-TEST(CudaBackendTest, MatVecMatchesCpuForEveryDtype) {
-  REQUIRE_GPU();
-  ThreadPool pool(1);
-  const int64_t N = 77, K = 515;
-  std::mt19937 rng(2);
-  std::uniform_real_distribution<float> u(-1, 1);
-  std::vector<float> x(K);
-  for (float& v : x) v = u(rng);
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-    std::vector<uint8_t> w(N * K * DTypeSize(dtype));
-    for (int64_t i = 0; i < N * K; ++i) {
-      const float v = u(rng);
-      if (dtype == DType::kF32) {
-        std::memcpy(&w[4 * i], &v, 4);
-      } else {
-        const uint16_t h = dtype == DType::kF16 ? F32ToF16(v) : F32ToBf16(v);
-        std::memcpy(&w[2 * i], &h, 2);
-      }
-    }
-    std::vector<float> want(N), got(N);
-    cpu::MatMul({dtype, w.data(), N, K, K}, x.data(), 1, K, want.data(), N, pool);
-    auto dw = cuda::DeviceBuffer::Alloc(w.size()), dx = cuda::DeviceBuffer::Alloc(K * 4),
-         dy = cuda::DeviceBuffer::Alloc(N * 4);
-    ASSERT_TRUE(dw.ok() && dx.ok() && dy.ok());
-    ASSERT_TRUE(dw->CopyFromHost(w.data(), w.size()).ok());
-    ASSERT_TRUE(dx->CopyFromHost(x.data(), K * 4).ok());
-    ASSERT_TRUE(cuda::MatVec(dtype, dw->data(), N, K, static_cast<float*>(dx->data()),
-                             static_cast<float*>(dy->data()))
-                    .ok());
-    ASSERT_TRUE(dy->CopyToHost(got.data(), N * 4).ok());
-    for (int64_t i = 0; i < N; ++i) ASSERT_NEAR(got[i], want[i], 1e-3) << DTypeName(dtype);
-  }
-}
-
 // Device copies of host vectors, and back.
 template <typename T>
 cuda::DeviceBuffer Upload(const std::vector<T>& v) {
