@@ -7,6 +7,10 @@ namespace {
 
 constexpr char kReplacement[] = "\xEF\xBF\xBD";  // U+FFFD: what an incomplete byte run decodes to
 
+bool EndsWithReplacement(const std::string& s) {
+  return s.size() >= 3 && s.compare(s.size() - 3, 3, kReplacement) == 0;
+}
+
 }  // namespace
 
 TextStream::Delta TextStream::Add(const std::vector<int32_t>& tokens) {
@@ -14,18 +18,22 @@ TextStream::Delta TextStream::Add(const std::vector<int32_t>& tokens) {
   if (stopped_) return d;
   for (int32_t id : tokens) {
     ids_.push_back(id);
-    std::string full = tokenizer_->Decode(ids_, /*skip_special_tokens=*/true);
-    std::string tail;
-    while (full.size() >= 3 && full.compare(full.size() - 3, 3, kReplacement) == 0) {
-      tail.insert(0, kReplacement);
-      full.resize(full.size() - 3);
-    }
+    // The text the tokens since the last release point add, decoded in the context of the
+    // tokens just before them; held while it ends in U+FFFD (a character still incomplete) or
+    // in a byte-fallback run (the whole run decodes as one: valid UTF-8, or U+FFFD per byte).
     std::string piece;
-    if (full.size() >= decoded_.size() && full.compare(0, decoded_.size(), decoded_) == 0) {
-      piece = full.substr(decoded_.size());
-      decoded_ = std::move(full);
+    if (tokenizer_->IsByteFallbackToken(id)) {
+      d.token_texts.push_back(std::move(piece));
+      continue;
     }
-    pending_ = std::move(tail);
+    const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
+    const std::string now = DecodeRange(prefix_offset_, ids_.size());
+    if (now.size() > prefix.size() && !EndsWithReplacement(now)) {
+      piece = now.substr(prefix.size());
+      decoded_ += piece;
+      prefix_offset_ = read_offset_;
+      read_offset_ = ids_.size();
+    }
     d.token_texts.push_back(std::move(piece));
   }
   // Release up to the first stop string, or up to what could still become one.
@@ -59,11 +67,19 @@ TextStream::Delta TextStream::Add(const std::vector<int32_t>& tokens) {
 
 std::string TextStream::Flush() {
   if (stopped_) return "";
-  std::string rest = decoded_.substr(released_.size()) + pending_;
+  // What is held: the tokens' text since the last release point, U+FFFD and all.
+  const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
+  const std::string now = DecodeRange(prefix_offset_, ids_.size());
+  decoded_ += now.size() > prefix.size() ? now.substr(prefix.size()) : "";
+  prefix_offset_ = read_offset_ = ids_.size();
+  std::string rest = decoded_.substr(released_.size());
   released_ += rest;
-  pending_.clear();
-  decoded_ = released_;
   return rest;
+}
+
+std::string TextStream::DecodeRange(size_t begin, size_t end) const {
+  return tokenizer_->Decode(std::vector<int32_t>(ids_.begin() + begin, ids_.begin() + end),
+                            /*skip_special_tokens=*/true);
 }
 
 }  // namespace shardserve

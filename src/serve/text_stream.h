@@ -1,8 +1,12 @@
 #pragma once
 // Turns a sequence's generated tokens into text as they arrive: each token's share of the text
-// (for logprobs), the text safe to send now, and stop strings. Text is held back while it ends
-// in an incomplete UTF-8 character or in what could be the start of a stop string; when a stop
-// string appears, the text ends just before it.
+// (for logprobs), the text safe to send now, and stop strings. Each new token's text is its
+// window's decode (the tokens since the last release point, with the context before them) past
+// what the window held before, so text once sent never changes and the whole equals the
+// tokenizer's decode of all tokens, U+FFFD for bytes that never formed a character included.
+// Text is held back while it ends in U+FFFD (a character that later bytes may complete) or in
+// what could be the start of a stop string; when a stop string appears, the text ends just
+// before it.
 #include <string>
 #include <vector>
 
@@ -28,10 +32,13 @@ class TextStream {
  private:
   const Tokenizer* tokenizer_;
   std::vector<std::string> stops_;
+  std::string DecodeRange(size_t begin, size_t end) const;
+
   std::vector<int32_t> ids_;
-  std::string decoded_;   // complete characters decoded so far
-  std::string pending_;   // trailing incomplete character(s), released only by Flush
-  std::string released_;  // text handed out
+  size_t prefix_offset_ = 0;  // the window's first token (context for the decode)
+  size_t read_offset_ = 0;    // tokens before this one have their text in decoded_
+  std::string decoded_;       // text of the tokens up to read_offset_
+  std::string released_;      // text handed out
   bool stopped_ = false;
 };
 

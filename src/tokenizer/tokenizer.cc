@@ -48,22 +48,60 @@ bool ValidUtf8(std::string_view s) {
   return true;
 }
 
-// Replaces invalid UTF-8 with U+FFFD, one per bad byte (as from_utf8_lossy does per sequence).
+// Replaces invalid UTF-8 with U+FFFD, one per maximal invalid subpart (the Unicode
+// recommendation that Rust's from_utf8_lossy, and so `tokenizers`, follows): a lead byte and the
+// continuation bytes that could still have completed its character count as one.
 std::string Utf8Lossy(std::string_view s) {
   std::string out;
-  utf8proc_int32_t cp;
+  const auto byte = [&](size_t i) { return i < s.size() ? static_cast<uint8_t>(s[i]) : 0; };
+  const auto cont = [](uint8_t b, uint8_t lo = 0x80, uint8_t hi = 0xBF) {
+    return b >= lo && b <= hi;
+  };
   for (size_t i = 0; i < s.size();) {
-    const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
-                                    static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
-    if (n <= 0) {
-      out += "\xEF\xBF\xBD";
-      ++i;
+    const uint8_t b0 = byte(i);
+    size_t good = 0, bad = 1;  // a whole character's length, or the invalid run's
+    if (b0 < 0x80) {
+      good = 1;
+    } else if (b0 >= 0xC2 && b0 <= 0xDF) {
+      if (cont(byte(i + 1))) good = 2;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      const uint8_t lo = b0 == 0xE0 ? 0xA0 : 0x80, hi = b0 == 0xED ? 0x9F : 0xBF;
+      if (cont(byte(i + 1), lo, hi)) {
+        if (cont(byte(i + 2)))
+          good = 3;
+        else
+          bad = 2;
+      }
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+      const uint8_t lo = b0 == 0xF0 ? 0x90 : 0x80, hi = b0 == 0xF4 ? 0x8F : 0xBF;
+      if (cont(byte(i + 1), lo, hi)) {
+        if (!cont(byte(i + 2)))
+          bad = 2;
+        else if (!cont(byte(i + 3)))
+          bad = 3;
+        else
+          good = 4;
+      }
+    }
+    if (good > 0) {
+      out.append(s.substr(i, good));
+      i += good;
     } else {
-      out.append(s.substr(i, n));
-      i += static_cast<size_t>(n);
+      out += "\xEF\xBF\xBD";
+      i += bad;
     }
   }
   return out;
+}
+
+// The byte a SentencePiece byte-fallback token ("<0xE4>") stands for.
+std::optional<char> ByteFallbackByte(const std::string& t) {
+  unsigned int byte;
+  if (t.size() == 6 && t.rfind("<0x", 0) == 0 && t[5] == '>' &&
+      std::sscanf(t.c_str() + 3, "%2X", &byte) == 1) {
+    return static_cast<char>(byte);
+  }
+  return std::nullopt;
 }
 
 // A compiled PCRE2 pattern (UTF + Unicode properties), owned.
@@ -844,10 +882,8 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
           pending.clear();
         };
         for (const std::string& t : toks) {
-          unsigned int byte;
-          if (t.size() == 6 && t.rfind("<0x", 0) == 0 && t[5] == '>' &&
-              std::sscanf(t.c_str() + 3, "%2X", &byte) == 1) {
-            pending += static_cast<char>(byte);
+          if (std::optional<char> byte = ByteFallbackByte(t)) {
+            pending += *byte;
           } else {
             emit_pending();
             next.push_back(t);
@@ -893,6 +929,14 @@ std::optional<int32_t> Tokenizer::TokenId(const std::string& token) const {
 }
 
 int64_t Tokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
+
+bool Tokenizer::IsByteFallbackToken(int32_t id) const {
+  const Impl& m = *impl_;
+  if (id < 0 || id >= static_cast<int32_t>(m.id_to_token.size())) return false;
+  return std::any_of(m.decoders.begin(), m.decoders.end(),
+                     [](const Decoder& d) { return d.kind == Decoder::kByteFallback; }) &&
+         ByteFallbackByte(m.id_to_token[id]).has_value();
+}
 
 bool Tokenizer::IsSpecial(int32_t id) const {
   return id >= 0 && id < static_cast<int32_t>(impl_->special.size()) && impl_->special[id];

@@ -41,6 +41,9 @@ class Tokenizer {
   std::optional<int32_t> TokenId(const std::string& token) const;
   int64_t vocab_size() const;  // largest id + 1
   bool IsSpecial(int32_t id) const;
+  // A byte token ("<0xE4>") that a ByteFallback decoder joins with its neighbours: how a run of
+  // them decodes is known only once the run ends.
+  bool IsByteFallbackToken(int32_t id) const;
 
   struct Impl;
 

@@ -109,5 +109,94 @@ TEST(TextStream, HoldsBackAPossibleStopStringAndCutsBeforeIt) {
   EXPECT_EQ(all, text);
 }
 
+// A stream's text, token by token, then flushed; checks that text once sent is never taken back
+// (each delta extends what came before) and returns it.
+std::string StreamAll(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  TextStream stream(&tok, {});
+  std::string out;
+  for (int32_t id : ids) out += stream.Add({id}).text;
+  return out + stream.Flush();
+}
+
+// SentencePiece byte fallback (as `tokenizers` decodes it): a run of byte tokens decodes as one,
+// valid UTF-8 or else U+FFFD per byte, so the stream holds a run until it ends; the text after a
+// byte that formed no character still flows (a stream once stopped emitting for good there), and
+// the joined stream is the decode of all tokens.
+TEST(TextStream, ByteFallbackRunsComeOutWholeAndNeverStopTheText) {
+  auto trained = TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kSentencePiece, 300);
+  auto tok = Tokenizer::FromJson(trained->json, "test");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto byte = [&](const char* t) {
+    auto id = (*tok)->TokenId(t);
+    EXPECT_TRUE(id.has_value()) << t;
+    EXPECT_TRUE(id && (*tok)->IsByteFallbackToken(*id)) << t;
+    return id.value_or(0);
+  };
+  const std::vector<int32_t> cat = *(*tok)->Encode("the cat", false),
+                             sat = *(*tok)->Encode(" sat on the mat", false);
+  const std::vector<int32_t> han = {byte("<0xE4>"), byte("<0xB8>"), byte("<0xAD>")};  // 中
+  const std::string r = "\xEF\xBF\xBD";
+  struct Case {
+    std::vector<std::vector<int32_t>> parts;
+    std::string run;  // what the byte run decodes to
+  };
+  const std::vector<Case> cases = {
+      {{cat, han, sat}, "\xE4\xB8\xAD"},                       // a whole character
+      {{cat, {han[0], han[1]}, sat}, r + r},                   // cut short: per byte
+      {{cat, han, {han[0], han[1]}, sat}, r + r + r + r + r},  // one invalid run of five
+      {{cat, {han[2]}, sat, {han[0]}}, r},                     // a lone continuation; and
+  };                                                           // a byte at the very end
+  for (const Case& c : cases) {
+    std::vector<int32_t> ids;
+    for (const auto& p : c.parts) ids.insert(ids.end(), p.begin(), p.end());
+    const std::string all = (*tok)->Decode(ids, true);
+    EXPECT_NE(all.find(c.run), std::string::npos) << all;
+    EXPECT_EQ(StreamAll(**tok, ids), all);
+  }
+
+  // The character's three bytes: nothing until the run ends, then the character with the
+  // token that ended it.
+  TextStream stream(tok->get(), {});
+  stream.Add(cat);
+  for (int32_t b : han) EXPECT_EQ(stream.Add({b}).text, "");
+  const auto word = std::find_if(sat.begin(), sat.end(),
+                                 [&](int32_t id) { return !(*tok)->IsByteFallbackToken(id); });
+  ASSERT_NE(word, sat.end());
+  const std::string next = stream.Add({*word}).text;
+  EXPECT_NE(next.find("\xE4\xB8\xAD"), std::string::npos) << next;
+}
+
+// Byte-level BPE decodes bytes with from_utf8_lossy, as `tokenizers` does: one U+FFFD per
+// maximal invalid run (a cut-short character's bytes together), not one per byte.
+TEST(TextStream, ByteLevelInvalidRunsAreOneReplacementEach) {
+  auto trained = TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kByteLevel, 300);
+  auto tok = Tokenizer::FromJson(trained->json, "test");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  // GPT-2's byte alphabet: 0xE4 is "ä", 0xB8 is "¸", 0x80 is "Ģ", 0xC0 (never valid) is "À".
+  auto byte = [&](const char* t) {
+    auto id = (*tok)->TokenId(t);
+    EXPECT_TRUE(id.has_value()) << t;
+    return id.value_or(0);
+  };
+  const int32_t e4 = byte("\xC3\xA4"), b8 = byte("\xC2\xB8"), x80 = byte("\xC4\xA2"),
+                c0 = byte("\xC3\x80");
+  const std::vector<int32_t> h = *(*tok)->Encode("h", false);
+  struct Case {
+    std::vector<int32_t> ids;
+    std::string want;
+  };
+  const std::string r = "\xEF\xBF\xBD";
+  const std::vector<Case> cases = {
+      {{e4, b8, h[0]}, r + "h"},                  // E4 B8: one cut-short character
+      {{e4, h[0], b8, h[0]}, r + "h" + r + "h"},  // a lead, and a lone continuation
+      {{c0, x80, h[0]}, r + r + "h"},             // C0 never starts a character: each byte alone
+      {{e4, b8}, r},                              // cut short by the end
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ((*tok)->Decode(c.ids, true), c.want);
+    EXPECT_EQ(StreamAll(**tok, c.ids), c.want);
+  }
+}
+
 }  // namespace
 }  // namespace shardserve
