@@ -1,12 +1,6 @@
 #include "model/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -37,31 +31,16 @@ int64_t TensorView::numel() const {
 std::string TensorView::ShapeString() const { return ShapeStr(shape); }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    return absl::InternalError(absl::StrCat(path, ": stat failed: ", std::strerror(errno)));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(path));
+  const uint64_t size = file->size();
   if (size < 8) {
-    ::close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": file is ", size, " bytes, too short for a safetensors header"));
   }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) {
-    return absl::InternalError(absl::StrCat(path, ": mmap failed: ", std::strerror(errno)));
-  }
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
-  f->map_ = map;
-  f->map_size_ = size;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  const uint8_t* bytes = file->data();
+  f->file_ = std::move(file);
 
   uint64_t header_len;
   std::memcpy(&header_len, bytes, 8);  // little-endian on every supported host
@@ -171,17 +150,13 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return f;
 }
 
-void SafetensorsFile::DropResidentPages() const {
-  if (map_ != nullptr) ::madvise(map_, map_size_, MADV_DONTNEED);
-}
+void SafetensorsFile::DropResidentPages() const { file_->DropResidentPages(); }
 
 void WeightStore::DropResidentPages() const {
   for (const auto& f : files_) f->DropResidentPages();
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(map_, map_size_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir) {
   namespace fs = std::filesystem;

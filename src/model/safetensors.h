@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/mapped_file.h"
 #include "model/dtype.h"
 
 namespace shardserve {
@@ -38,15 +39,13 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  // Unmaps the pages this process has touched (madvise MADV_DONTNEED): they leave its resident
-  // memory, the mapping stays valid, and a later read faults them in again from the page cache.
+  // MappedFile::DropResidentPages: the touched pages leave this process's resident memory.
   void DropResidentPages() const;
 
  private:
   SafetensorsFile() = default;
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
+  std::unique_ptr<MappedFile> file_;
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
 };
