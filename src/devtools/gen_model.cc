@@ -111,7 +111,7 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
 }
 
 // Chat templates in Hugging Face's Jinja form, one per family shardserve renders
-// (serve/chat_template.cc), so transformers' apply_chat_template reads the same models.
+// (tokenizer/chat_template.cc), so transformers' apply_chat_template reads the same models.
 constexpr char kLlama3Template[] =
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
     "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"

@@ -18,7 +18,6 @@
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
 #include "serve/api_keys.h"
-#include "serve/chat_template.h"
 #include "serve/openai.h"
 #include "serve/text_stream.h"
 #include "tokenizer/tokenizer.h"
@@ -259,8 +258,9 @@ struct ApiServer::Impl {
     std::vector<std::vector<int32_t>> prompts;
     const std::string param = req.chat ? "messages" : "prompt";
     if (req.chat) {
-      ASSIGN_OR_RETURN(std::string text, chat.Render(req.messages));
-      ASSIGN_OR_RETURN(auto ids, Tokenize(text, /*add_special=*/false, context, param));
+      absl::StatusOr<std::string> text = chat.Render(req.messages);
+      if (!text.ok()) return BadParam("messages", std::string(text.status().message()));
+      ASSIGN_OR_RETURN(auto ids, Tokenize(*text, /*add_special=*/false, context, param));
       prompts.push_back(std::move(ids));
       for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
     } else {

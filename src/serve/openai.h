@@ -19,13 +19,9 @@
 
 #include "absl/status/statusor.h"
 #include "model/sampler.h"
+#include "tokenizer/chat_template.h"
 
 namespace shardserve {
-
-struct ChatMessage {
-  std::string role;  // system | user | assistant
-  std::string content;
-};
 
 struct ApiRequest {
   bool chat = false;

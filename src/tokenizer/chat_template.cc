@@ -1,4 +1,4 @@
-#include "serve/chat_template.h"
+#include "tokenizer/chat_template.h"
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -142,11 +142,11 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
     const bool user_turn = (i - first) % 2 == 0;
     const ChatMessage& m = messages[i];
     if (m.role != (user_turn ? "user" : "assistant")) {
-      return BadParam("messages",
-                      absl::StrCat("this model's ", name(),
-                                   " chat format needs user and assistant messages alternating "
-                                   "after an optional system message; messages[",
-                                   i, "] is '", m.role, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("this model's ", name(),
+                       " chat format needs user and assistant messages alternating "
+                       "after an optional system message; messages[",
+                       i, "] is '", m.role, "'"));
     }
     if (user_turn) {
       // Llama 2 opens every turn with BOS, Mistral only the conversation.
@@ -158,8 +158,8 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
     }
   }
   if (messages.back().role != "user") {
-    return BadParam("messages", absl::StrCat("this model's ", name(),
-                                             " chat format needs the last message from the user"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("this model's ", name(), " chat format needs the last message from the user"));
   }
   return out;
 }

@@ -9,10 +9,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "serve/openai.h"
 #include "tokenizer/tokenizer.h"
 
 namespace shardserve {
+
+struct ChatMessage {
+  std::string role;  // system | user | assistant
+  std::string content;
+};
 
 class ChatTemplate {
  public:
