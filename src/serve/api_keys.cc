@@ -46,12 +46,10 @@ std::array<unsigned char, 32> Sha256(absl::string_view s) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::FromEnv() {
-  const char* key = std::getenv("SHARDSERVE_API_KEY");
-  const char* file = std::getenv("SHARDSERVE_API_KEYS_FILE");
-  const std::string k = key != nullptr ? key : "", f = file != nullptr ? file : "";
-  if (k.empty() && f.empty()) return std::unique_ptr<ApiKeys>();
-  return Create(k, f);
+absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Open(const std::string& key,
+                                                       const std::string& file) {
+  if (key.empty() && file.empty()) return std::unique_ptr<ApiKeys>();
+  return Create(key, file);
 }
 
 absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Create(const std::string& key,

@@ -25,10 +25,12 @@ namespace shardserve {
 
 class ApiKeys {
  public:
-  // From the environment above; null when neither variable is set (the API is open).
+  // From a key (may be empty) and a keys file or directory (may be empty), as the server's
+  // config carries them (ServeConfigFrom); null when both are empty (the API is open).
   // InvalidArgument names the variable, the file and the line.
-  static absl::StatusOr<std::unique_ptr<ApiKeys>> FromEnv();
-  // From a key (may be empty) and a keys file or directory (may be empty).
+  static absl::StatusOr<std::unique_ptr<ApiKeys>> Open(const std::string& key,
+                                                       const std::string& file);
+  // The same, but at least one must be given.
   static absl::StatusOr<std::unique_ptr<ApiKeys>> Create(const std::string& key,
                                                          const std::string& file);
 

@@ -467,6 +467,8 @@ struct ApiServer::Impl {
 absl::StatusOr<ServeConfig> ServeConfigFrom(ServeConfig c, const WorkerEnv& w) {
   // The contract's part (the address and the batch), then the server's own tunables.
   if (!w.api_host.empty()) c.host = w.api_host;
+  c.api_keys_file = w.api_keys_file;
+  if (const char* key = ProcessEnv("SHARDSERVE_API_KEY")) c.api_key = key;
   const int64_t port = w.api_port;
   const int64_t batch = w.max_batch_size > 0 ? w.max_batch_size : c.max_batch;
   const EnvLookup env = ProcessEnv;
@@ -509,7 +511,7 @@ ApiServer::~ApiServer() { Stop(std::chrono::milliseconds(0)); }
 absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& config) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  ASSIGN_OR_RETURN(impl->keys, ApiKeys::FromEnv());
+  ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(config.api_key, config.api_keys_file));
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(config.model_dir));
   impl->chat = ChatTemplate::ForModel(config.model_dir, *impl->tokenizer);
   impl->metrics = std::make_unique<LeaderMetrics>(

@@ -49,6 +49,8 @@ struct ServeConfig {
   std::chrono::milliseconds body_timeout{60000};
   size_t max_connections = 4096;
   bool metrics_need_key = true;  // with API keys, /metrics needs one too
+  std::string api_key;           // SHARDSERVE_API_KEY (ApiKeys)
+  std::string api_keys_file;     // SHARDSERVE_API_KEYS_FILE
 };
 
 // The address and batch of the worker contract (`env`: api_host, api_port, max_batch_size), then
@@ -56,8 +58,8 @@ struct ServeConfig {
 // SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES, SHARDSERVE_DRAIN_SECONDS,
 // SHARDSERVE_HTTP_HEADER_TIMEOUT_MS, SHARDSERVE_HTTP_BODY_TIMEOUT_MS,
 // SHARDSERVE_HTTP_MAX_CONNECTIONS and SHARDSERVE_API_METRICS_AUTH (true|false), over the given
-// defaults (model name, directory and replica come from the rank's config); the keys come from
-// SHARDSERVE_API_KEY / SHARDSERVE_API_KEYS_FILE when the server starts. Errors name the variable.
+// defaults (model name, directory and replica come from the rank's config), and the API keys:
+// SHARDSERVE_API_KEY, and the contract's SHARDSERVE_API_KEYS_FILE. Errors name the variable.
 absl::StatusOr<ServeConfig> ServeConfigFrom(ServeConfig defaults, const WorkerEnv& env);
 
 class ApiServer {

@@ -2,10 +2,14 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
 #include <thread>
+
+#include "api/worker_env.h"
+#include "serve/api_server.h"
 
 namespace shardserve {
 namespace {
@@ -75,6 +79,26 @@ TEST_F(ApiKeysTest, RefusesWeakOrMissingKeysByName) {
   EXPECT_THAT(std::string(empty.status().message()), HasSubstr("holds no API key"));
   auto missing = ApiKeys::Create("", (dir_ / "nope").string());
   EXPECT_FALSE(missing.ok());
+}
+
+// The server's keys come through its config: the contract's keys file (WorkerEnv) and
+// SHARDSERVE_API_KEY; neither leaves the API open.
+TEST_F(ApiKeysTest, TheServerConfigCarriesTheKeys) {
+  WorkerEnv w;
+  w.api_keys_file = Write("keys", "sk-from-the-file-0123\n");
+  ::setenv("SHARDSERVE_API_KEY", "sk-from-the-env-01234", 1);
+  auto c = ServeConfigFrom({}, w);
+  ::unsetenv("SHARDSERVE_API_KEY");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->api_keys_file, w.api_keys_file);
+  EXPECT_EQ(c->api_key, "sk-from-the-env-01234");
+  auto keys = ApiKeys::Open(c->api_key, c->api_keys_file);
+  ASSERT_TRUE(keys.ok() && *keys != nullptr) << keys.status();
+  EXPECT_TRUE((*keys)->Check("Bearer sk-from-the-file-0123").ok());
+  EXPECT_TRUE((*keys)->Check("Bearer sk-from-the-env-01234").ok());
+  auto open = ApiKeys::Open("", "");
+  ASSERT_TRUE(open.ok());
+  EXPECT_EQ(*open, nullptr);
 }
 
 }  // namespace
