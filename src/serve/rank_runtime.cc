@@ -25,163 +25,12 @@
 #include "metrics/rank_metrics.h"
 #include "model/sampler.h"
 #include "model/transformer.h"
-#include "model/vocab_parallel.h"
 #include "plan/layer_split.h"
+#include "serve/stage_backend.h"
 #include "serve/step_wire.h"
-#ifdef SHARDSERVE_WITH_CUDA
-#include "backend/cuda/cuda_backend.h"
-#include "comm/nccl/nccl_comm.h"
-#include "model/cuda_transformer.h"
-#endif
 
 namespace shardserve {
 namespace {
-
-// The transfers of hidden states between this rank and its counterparts (same tp_rank) in the
-// neighbouring stages: over the host mesh, or over a two-member NCCL link (the earlier stage is
-// member 0), device to device.
-struct StageLinks {
-  Communicator* mesh = nullptr;
-  std::optional<int> prev, next;  // world ranks, on the mesh
-  Communicator* nccl_prev = nullptr;
-  Communicator* nccl_next = nullptr;
-};
-
-// One rank's share of the model on its backend, as the runtime drives it: a step is Receive (a
-// stage after the first), Forward, then Pass (a stage before the last) or a token choice (the
-// last stage, every TP rank).
-class StageModel {
- public:
-  virtual ~StageModel() = default;
-  virtual const ModelConfig& config() const = 0;
-  virtual absl::Status Receive(int64_t rows, const StageLinks& links) = 0;
-  virtual absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) = 0;
-  virtual absl::Status Pass(const StageLinks& links) = 0;
-  // Each sequence's greedy token with top_logprobs alternatives, from the vocab slices.
-  virtual absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
-                                                           Communicator* tp_group) = 0;
-  // Each sequence's token from its generator (samplers[s]; null: not sampled now) on the rank
-  // that holds them; the others pass an empty vector but take part in gathering the logits.
-  virtual absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
-                                                           int64_t top_logprobs,
-                                                           Communicator* tp_group) = 0;
-  virtual bool first_stage() const = 0;
-  virtual bool last_stage() const = 0;
-  virtual size_t shard_weight_bytes() const = 0;
-  virtual size_t stage_weight_bytes() const = 0;
-};
-
-// What every backend's stage forwards to its model.
-template <typename M>
-class StageOf : public StageModel {
- public:
-  explicit StageOf(std::unique_ptr<M> m) : m_(std::move(m)) {}
-  const ModelConfig& config() const override { return m_->config(); }
-  bool first_stage() const override { return m_->first_stage(); }
-  bool last_stage() const override { return m_->last_stage(); }
-  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
-  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
-
- protected:
-  std::unique_ptr<M> m_;
-};
-
-// The CPU backend: everything in host memory, hidden states over the mesh.
-class CpuStage : public StageOf<Transformer> {
- public:
-  using StageOf::StageOf;
-  absl::Status Receive(int64_t rows, const StageLinks& links) override {
-    in_.resize(rows * config().hidden_size);
-    return links.mesh->Recv(in_.data(), in_.size() * sizeof(float), *links.prev);
-  }
-  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
-    seqs_ = static_cast<int64_t>(chunks.size());
-    return m_->ForwardStage(chunks, cache, first_stage() ? nullptr : in_.data(), out_);
-  }
-  absl::Status Pass(const StageLinks& links) override {
-    return links.mesh->Send(out_.data(), out_.size() * sizeof(float), *links.next);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
-                                                   Communicator* tp_group) override {
-    return GreedyFromVocabSlices(out_.data(), seqs_, m_->logits_stride(), m_->vocab_begin(),
-                                 m_->vocab_end(), top_logprobs, tp_group);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
-                                                   int64_t top_logprobs,
-                                                   Communicator* tp_group) override {
-    // Gathered so that a seed gives the same tokens at every TP size.
-    const ModelConfig& c = config();
-    std::vector<float> logits;
-    RETURN_IF_ERROR(GatherVocabSlices(
-        out_, seqs_, c.vocab_size, tp_group == nullptr ? 1 : tp_group->size(), tp_group, logits));
-    std::vector<SampledToken> tokens(samplers.size());
-    for (size_t s = 0; s < samplers.size(); ++s) {
-      if (samplers[s] != nullptr) {
-        tokens[s] = samplers[s]->Sample(logits.data() + s * c.vocab_size, c.vocab_size);
-      }
-    }
-    return tokens;
-  }
-
- private:
-  std::vector<float> in_, out_;
-  int64_t seqs_ = 0;
-};
-
-#ifdef SHARDSERVE_WITH_CUDA
-// The CUDA backend: activations and logits stay on the GPU; hidden states go device to device
-// over an NCCL link where the neighbour has one, through host memory over the mesh otherwise.
-class CudaStage : public StageOf<CudaTransformer> {
- public:
-  using StageOf::StageOf;
-  absl::Status Receive(int64_t rows, const StageLinks& links) override {
-    if (links.nccl_prev != nullptr) return m_->ReceiveHidden(*links.nccl_prev, 0, rows);
-    std::vector<float> in(rows * config().hidden_size);
-    RETURN_IF_ERROR(links.mesh->Recv(in.data(), in.size() * sizeof(float), *links.prev));
-    return m_->HiddenFromHost(in.data(), rows);
-  }
-  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
-    RETURN_IF_ERROR(m_->Run(chunks, cache));
-    return cuda::Synchronize();  // the kernels are queued: wait, so the forward time is true
-  }
-  absl::Status Pass(const StageLinks& links) override {
-    if (links.nccl_next != nullptr) return m_->SendHidden(*links.nccl_next, 1);
-    std::vector<float> out;
-    RETURN_IF_ERROR(m_->HiddenToHost(out));
-    return links.mesh->Send(out.data(), out.size() * sizeof(float), *links.next);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
-                                                   Communicator* tp_group) override {
-    return m_->Greedy(top_logprobs, tp_group);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
-                                                   int64_t top_logprobs, Communicator*) override {
-    return m_->Sample(samplers, top_logprobs);
-  }
-};
-#endif
-
-// The backend this rank runs on: an explicit cpu or cuda, or auto.
-absl::StatusOr<bool> UseCuda(const std::string& backend) {
-#ifdef SHARDSERVE_WITH_CUDA
-  const bool gpu = cuda::DeviceCount() > 0;
-#else
-  const bool gpu = false;
-#endif
-  if (backend == "cpu") return false;
-  if (backend == "auto") return gpu;
-  if (backend == "cuda") {
-#ifndef SHARDSERVE_WITH_CUDA
-    return absl::FailedPreconditionError(
-        "SHARDSERVE_BACKEND=cuda, but this build has no CUDA backend (build with SHARDSERVE_CUDA)");
-#endif
-    if (!gpu)
-      return absl::FailedPreconditionError("SHARDSERVE_BACKEND=cuda, but no GPU is visible");
-    return true;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("SHARDSERVE_BACKEND '", backend, "' must be cpu, cuda or auto"));
-}
 
 using json = nlohmann::json;
 
@@ -212,9 +61,7 @@ class Rank : public StepExecutor {
   // connections close, so all ranks report the rank that actually failed.
   absl::Status AbortAll(const absl::Status& s) {
     if (metrics_) metrics_->SetUp(false);
-    for (Communicator* c : {nccl_tp_.get(), nccl_prev_.get(), nccl_next_.get()}) {
-      if (c != nullptr) (void)c->Abort(s);
-    }
+    if (backend_) backend_->Abort(s);
     if (tp_comm_) (void)tp_comm_->Abort(s);
     if (world_comm_) (void)world_comm_->Abort(s);
     return s;
@@ -233,15 +80,9 @@ class Rank : public StepExecutor {
   absl::StatusOr<std::optional<StepResult>> ProcessStep(const StepDesc& step);
   int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
   StageLinks Links() const {
-    return {mesh_.get(), world_.PrevStageRank(), world_.NextStageRank(), gpu_prev_.get(),
-            gpu_next_.get()};
+    return {mesh_.get(), world_.PrevStageRank(), world_.NextStageRank(), backend_->device_prev(),
+            backend_->device_next()};
   }
-  // The blobs of the rendezvous on the CUDA backend: an NCCL id per stage's TP group (tp > 1),
-  // then one per link (stage s, tp_rank t) -> (s + 1, t) at pp + s * tp + t; empty where unused.
-  absl::StatusOr<std::vector<std::string>> NcclIds(bool cuda,
-                                                   const std::vector<RankAddress>& ranks) const;
-  int DeviceOf(int rank) const;
-  absl::Status JoinNccl(const WorldInfo& info, int device);
   void ReportCacheUsage() {
     if (!metrics_) return;
     metrics_->SetKvCacheUsage(1.0 - static_cast<double>(cache_->free_blocks()) /
@@ -255,11 +96,7 @@ class Rank : public StepExecutor {
   // The communicators as the runtime uses them: timed into the metrics.
   std::unique_ptr<Communicator> mesh_, tp_group_;
   std::unique_ptr<RankMetrics> metrics_;
-  // The CUDA backend's NCCL communicators: the stage's TP group (tp > 1) and the links to the
-  // same tp_rank of the previous and next stage (where the two ranks are on different GPUs);
-  // the gpu_ ones are the same, timed into the metrics.
-  std::unique_ptr<Communicator> nccl_tp_, nccl_prev_, nccl_next_;
-  std::unique_ptr<Communicator> gpu_tp_, gpu_prev_, gpu_next_;
+  std::unique_ptr<StageBackend> backend_;  // where the stage runs (and its own links)
   std::unique_ptr<StageModel> model_;
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
@@ -267,83 +104,6 @@ class Rank : public StepExecutor {
   std::map<int64_t, Sampler> samplers_;       // on the last stage's tp_rank 0
   std::deque<StepResult> ready_;              // the leader's own results (PP = 1)
 };
-
-// Ranks on one host take its GPUs in rank order: a pod's T ranks its T GPUs (rank t of the stage
-// the t-th), `shardserve local` the machine's, wrapping around when there are fewer.
-int Rank::DeviceOf(int rank) const {
-#ifdef SHARDSERVE_WITH_CUDA
-  const int n = cuda::DeviceCount();
-  return n > 0 ? rank % n : 0;
-#else
-  return rank;
-#endif
-}
-
-absl::StatusOr<std::vector<std::string>> Rank::NcclIds(
-    bool cuda, const std::vector<RankAddress>& ranks) const {
-  std::vector<std::string> blobs;
-#ifdef SHARDSERVE_WITH_CUDA
-  if (!cuda) return blobs;
-  const int tp = cfg_.tp, pp = cfg_.pp;
-  blobs.resize(pp + (pp - 1) * tp);
-  for (int s = 0; tp > 1 && s < pp; ++s) {
-    ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
-    blobs[s] = id.ToBlob();
-  }
-  for (int s = 0; s + 1 < pp; ++s) {
-    for (int t = 0; t < tp; ++t) {
-      // Two ranks on one GPU cannot share an NCCL communicator: their link stays on the host.
-      const int a = world_.RankOf(s, t), b = world_.RankOf(s + 1, t);
-      if (ranks[a].host == ranks[b].host && DeviceOf(a) == DeviceOf(b)) continue;
-      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
-      blobs[pp + s * tp + t] = id.ToBlob();
-    }
-  }
-#else
-  (void)cuda;
-  (void)ranks;
-#endif
-  return blobs;
-}
-
-absl::Status Rank::JoinNccl(const WorldInfo& info, int device) {
-#ifdef SHARDSERVE_WITH_CUDA
-  const int tp = cfg_.tp, pp = cfg_.pp, s = cfg_.stage, t = cfg_.tp_rank;
-  if (static_cast<int>(info.blobs.size()) != pp + (pp - 1) * tp) {
-    return absl::InternalError(absl::StrCat("the leader handed out ", info.blobs.size(),
-                                            " NCCL ids for ", pp, " stages of ", tp, " ranks"));
-  }
-  auto observe = [this](const char* op, double seconds, size_t bytes) {
-    if (metrics_) metrics_->ObserveComm(op, seconds, bytes);
-  };
-  // Joined in one order on every rank: the stage's group, the link from the previous stage, the
-  // link to the next; stage 0 has no previous link, so no rank waits on one still joining.
-  auto join = [&](const std::string& blob, int size, int member, std::unique_ptr<Communicator>& raw,
-                  std::unique_ptr<Communicator>& timed) -> absl::Status {
-    if (blob.empty()) return absl::OkStatus();
-    ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::UniqueId::FromBlob(blob));
-    ASSIGN_OR_RETURN(raw, nccl::NcclCommunicator::Create(id, size, member, device,
-                                                         cfg_.peer_timeout, cfg_.startup_timeout));
-    timed = std::make_unique<ObservedCommunicator>(raw.get(), observe);
-    return absl::OkStatus();
-  };
-  if (tp > 1) {
-    if (cuda::DeviceCount() < tp) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "tensor parallelism of ", tp, " on the CUDA backend needs ", tp,
-          " GPUs on the stage's node (one per rank); ", cuda::DeviceCount(), " visible"));
-    }
-    RETURN_IF_ERROR(join(info.blobs[s], tp, t, nccl_tp_, gpu_tp_));
-  }
-  if (s > 0) RETURN_IF_ERROR(join(info.blobs[pp + (s - 1) * tp + t], 2, 1, nccl_prev_, gpu_prev_));
-  if (s + 1 < pp) RETURN_IF_ERROR(join(info.blobs[pp + s * tp + t], 2, 0, nccl_next_, gpu_next_));
-  return absl::OkStatus();
-#else
-  (void)info;
-  (void)device;
-  return absl::OkStatus();
-#endif
-}
 
 absl::Status Rank::Init() {
   const int rank = world_.rank();
@@ -363,15 +123,15 @@ absl::Status Rank::Init() {
   ASSIGN_OR_RETURN(Socket data, Listen(cfg_.bind_host, 0));
   const RankAddress self{rank, cfg_.host, data.port()};
   absl::StatusOr<WorldInfo> info;
-  ASSIGN_OR_RETURN(const bool cuda, UseCuda(cfg_.backend));
+  ASSIGN_OR_RETURN(backend_, StageBackend::Choose(cfg_, world_));
   if (world_.world_size() == 1) {
-    ASSIGN_OR_RETURN(std::vector<std::string> blobs, NcclIds(cuda, {self}));
+    ASSIGN_OR_RETURN(std::vector<std::string> blobs, backend_->Blobs({self}));
     info = WorldInfo{{self}, std::move(blobs)};
   } else if (world_.is_leader()) {
     ASSIGN_OR_RETURN(RendezvousServer server,
                      RendezvousServer::Listen(cfg_.bind_host, cfg_.leader_port, cfg_.secret));
     info = server.RunMakingBlobs(
-        world_, self, [&](const std::vector<RankAddress>& ranks) { return NcclIds(cuda, ranks); },
+        world_, self, [&](const std::vector<RankAddress>& ranks) { return backend_->Blobs(ranks); },
         cfg_.startup_timeout);
   } else {
     info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.secret,
@@ -413,23 +173,7 @@ absl::Status Rank::Init() {
     o.tp_comm = tp_group_.get();
     o.layer_begin = split[cfg_.stage].begin;
     o.layer_end = split[cfg_.stage].end;
-    if (!cuda) {
-      ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o));
-      cache_ = m->NewKvCache(cfg_.kv_cache_tokens);
-      model_ = std::make_unique<CpuStage>(std::move(m));
-      return absl::OkStatus();
-    }
-#ifdef SHARDSERVE_WITH_CUDA
-    // The host TP group stays for the small exchanges of token choice; NCCL carries the
-    // activations within the stage and, over links, to the neighbouring stages.
-    const int device = DeviceOf(rank);
-    RETURN_IF_ERROR(JoinNccl(*info, device));
-    if (gpu_tp_) o.tp_comm = gpu_tp_.get();
-    ASSIGN_OR_RETURN(auto m, CudaTransformer::Load(cfg_.model_path, o, device));
-    ASSIGN_OR_RETURN(cache_, m->NewKvCache(cfg_.kv_cache_tokens));
-    LogInfo("CUDA backend on GPU ", device);
-    model_ = std::make_unique<CudaStage>(std::move(m));
-#endif
+    ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
     return absl::OkStatus();
   }();
   if (!loaded.ok()) {

@@ -1,0 +1,257 @@
+#include "serve/stage_backend.h"
+
+#include "comm/observed_comm.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "model/vocab_parallel.h"
+#include "serve/rank_runtime.h"
+#ifdef SHARDSERVE_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#include "comm/nccl/nccl_comm.h"
+#include "model/cuda_transformer.h"
+#endif
+
+namespace shardserve {
+namespace {
+
+// What every backend's stage forwards to its model.
+template <typename M>
+class StageOf : public StageModel {
+ public:
+  explicit StageOf(std::unique_ptr<M> m) : m_(std::move(m)) {}
+  const ModelConfig& config() const override { return m_->config(); }
+  bool first_stage() const override { return m_->first_stage(); }
+  bool last_stage() const override { return m_->last_stage(); }
+  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
+  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
+
+ protected:
+  std::unique_ptr<M> m_;
+};
+
+// The CPU backend: everything in host memory, hidden states over the mesh.
+class CpuStage : public StageOf<Transformer> {
+ public:
+  using StageOf::StageOf;
+  absl::Status Receive(int64_t rows, const StageLinks& links) override {
+    in_.resize(rows * config().hidden_size);
+    return links.mesh->Recv(in_.data(), in_.size() * sizeof(float), *links.prev);
+  }
+  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
+    seqs_ = static_cast<int64_t>(chunks.size());
+    return m_->ForwardStage(chunks, cache, first_stage() ? nullptr : in_.data(), out_);
+  }
+  absl::Status Pass(const StageLinks& links) override {
+    return links.mesh->Send(out_.data(), out_.size() * sizeof(float), *links.next);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
+                                                   Communicator* tp_group) override {
+    return GreedyFromVocabSlices(out_.data(), seqs_, m_->logits_stride(), m_->vocab_begin(),
+                                 m_->vocab_end(), top_logprobs, tp_group);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
+                                                   int64_t top_logprobs,
+                                                   Communicator* tp_group) override {
+    // Gathered so that a seed gives the same tokens at every TP size.
+    const ModelConfig& c = config();
+    std::vector<float> logits;
+    RETURN_IF_ERROR(GatherVocabSlices(
+        out_, seqs_, c.vocab_size, tp_group == nullptr ? 1 : tp_group->size(), tp_group, logits));
+    std::vector<SampledToken> tokens(samplers.size());
+    for (size_t s = 0; s < samplers.size(); ++s) {
+      if (samplers[s] != nullptr) {
+        tokens[s] = samplers[s]->Sample(logits.data() + s * c.vocab_size, c.vocab_size);
+      }
+    }
+    return tokens;
+  }
+
+ private:
+  std::vector<float> in_, out_;
+  int64_t seqs_ = 0;
+};
+
+// Host memory and the host mesh; nothing to join.
+class CpuBackend : public StageBackend {
+ public:
+  CpuBackend(const RankConfig& config) : cfg_(config) {}
+  absl::StatusOr<std::vector<std::string>> Blobs(const std::vector<RankAddress>&) const override {
+    return std::vector<std::string>();
+  }
+  absl::StatusOr<std::unique_ptr<StageModel>> Load(const WorldInfo&, Transformer::Options o,
+                                                   const Observer&,
+                                                   std::unique_ptr<KvCache>& cache) override {
+    ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o));
+    cache = m->NewKvCache(cfg_.kv_cache_tokens);
+    return std::make_unique<CpuStage>(std::move(m));
+  }
+
+ private:
+  const RankConfig& cfg_;
+};
+
+#ifdef SHARDSERVE_WITH_CUDA
+// The CUDA backend: activations and logits stay on the GPU; hidden states go device to device
+// over an NCCL link where the neighbour has one, through host memory over the mesh otherwise.
+class CudaStage : public StageOf<CudaTransformer> {
+ public:
+  using StageOf::StageOf;
+  absl::Status Receive(int64_t rows, const StageLinks& links) override {
+    if (links.device_prev != nullptr) return m_->ReceiveHidden(*links.device_prev, 0, rows);
+    std::vector<float> in(rows * config().hidden_size);
+    RETURN_IF_ERROR(links.mesh->Recv(in.data(), in.size() * sizeof(float), *links.prev));
+    return m_->HiddenFromHost(in.data(), rows);
+  }
+  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
+    RETURN_IF_ERROR(m_->Run(chunks, cache));
+    return cuda::Synchronize();  // the kernels are queued: wait, so the forward time is true
+  }
+  absl::Status Pass(const StageLinks& links) override {
+    if (links.device_next != nullptr) return m_->SendHidden(*links.device_next, 1);
+    std::vector<float> out;
+    RETURN_IF_ERROR(m_->HiddenToHost(out));
+    return links.mesh->Send(out.data(), out.size() * sizeof(float), *links.next);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
+                                                   Communicator* tp_group) override {
+    return m_->Greedy(top_logprobs, tp_group);
+  }
+  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
+                                                   int64_t top_logprobs, Communicator*) override {
+    return m_->Sample(samplers, top_logprobs);
+  }
+};
+// The GPUs: ranks on one host take its GPUs in rank order (a pod's T ranks its T GPUs, rank t of
+// the stage the t-th; `shardserve local` the machine's, wrapping around when there are fewer).
+// NCCL communicators: the stage's TP group (tp > 1), and links to the same tp_rank of the
+// previous and next stage where the two ranks have different GPUs.
+class CudaBackend : public StageBackend {
+ public:
+  CudaBackend(const RankConfig& config, const WorldConfig& world) : cfg_(config), world_(world) {}
+
+  // An NCCL id per stage's TP group (tp > 1), then one per link (stage s, tp_rank t) ->
+  // (s + 1, t) at pp + s * tp + t; empty where unused.
+  absl::StatusOr<std::vector<std::string>> Blobs(
+      const std::vector<RankAddress>& ranks) const override {
+    std::vector<std::string> blobs;
+    const int tp = cfg_.tp, pp = cfg_.pp;
+    blobs.resize(pp + (pp - 1) * tp);
+    for (int s = 0; tp > 1 && s < pp; ++s) {
+      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
+      blobs[s] = id.ToBlob();
+    }
+    for (int s = 0; s + 1 < pp; ++s) {
+      for (int t = 0; t < tp; ++t) {
+        // Two ranks on one GPU cannot share an NCCL communicator: their link stays on the host.
+        const int a = world_.RankOf(s, t), b = world_.RankOf(s + 1, t);
+        if (ranks[a].host == ranks[b].host && DeviceOf(a) == DeviceOf(b)) continue;
+        ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
+        blobs[pp + s * tp + t] = id.ToBlob();
+      }
+    }
+    return blobs;
+  }
+
+  absl::StatusOr<std::unique_ptr<StageModel>> Load(const WorldInfo& info, Transformer::Options o,
+                                                   const Observer& observe,
+                                                   std::unique_ptr<KvCache>& cache) override {
+    // The host TP group stays for the small exchanges of token choice; NCCL carries the
+    // activations within the stage and, over links, to the neighbouring stages.
+    const int device = DeviceOf(world_.rank());
+    RETURN_IF_ERROR(Join(info, device, observe));
+    if (tp_timed_) o.tp_comm = tp_timed_.get();
+    ASSIGN_OR_RETURN(auto m, CudaTransformer::Load(cfg_.model_path, o, device));
+    ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.kv_cache_tokens));
+    LogInfo("CUDA backend on GPU ", device);
+    return std::make_unique<CudaStage>(std::move(m));
+  }
+
+  Communicator* device_prev() const override { return prev_timed_.get(); }
+  Communicator* device_next() const override { return next_timed_.get(); }
+  void Abort(const absl::Status& cause) override {
+    for (Communicator* c : {tp_.get(), prev_.get(), next_.get()}) {
+      if (c != nullptr) (void)c->Abort(cause);
+    }
+  }
+
+ private:
+  int DeviceOf(int rank) const {
+    const int n = cuda::DeviceCount();
+    return n > 0 ? rank % n : 0;
+  }
+
+  absl::Status Join(const WorldInfo& info, int device, const Observer& observe) {
+    const int tp = cfg_.tp, pp = cfg_.pp, s = cfg_.stage, t = cfg_.tp_rank;
+    if (static_cast<int>(info.blobs.size()) != pp + (pp - 1) * tp) {
+      return absl::InternalError(absl::StrCat("the leader handed out ", info.blobs.size(),
+                                              " NCCL ids for ", pp, " stages of ", tp, " ranks"));
+    }
+    // Joined in one order on every rank: the stage's group, the link from the previous stage,
+    // the link to the next; stage 0 has no previous link, so no rank waits on one still joining.
+    auto join = [&](const std::string& blob, int size, int member,
+                    std::unique_ptr<Communicator>& raw,
+                    std::unique_ptr<Communicator>& timed) -> absl::Status {
+      if (blob.empty()) return absl::OkStatus();
+      ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::UniqueId::FromBlob(blob));
+      ASSIGN_OR_RETURN(raw, nccl::NcclCommunicator::Create(
+                                id, size, member, device, cfg_.peer_timeout, cfg_.startup_timeout));
+      timed = std::make_unique<ObservedCommunicator>(raw.get(), observe);
+      return absl::OkStatus();
+    };
+    if (tp > 1) {
+      if (cuda::DeviceCount() < tp) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "tensor parallelism of ", tp, " on the CUDA backend needs ", tp,
+            " GPUs on the stage's node (one per rank); ", cuda::DeviceCount(), " visible"));
+      }
+      RETURN_IF_ERROR(join(info.blobs[s], tp, t, tp_, tp_timed_));
+    }
+    if (s > 0) RETURN_IF_ERROR(join(info.blobs[pp + (s - 1) * tp + t], 2, 1, prev_, prev_timed_));
+    if (s + 1 < pp) {
+      RETURN_IF_ERROR(join(info.blobs[pp + s * tp + t], 2, 0, next_, next_timed_));
+    }
+    return absl::OkStatus();
+  }
+
+  const RankConfig& cfg_;
+  const WorldConfig& world_;
+  // The NCCL communicators, and the same timed into the metrics (as the runtime uses them).
+  std::unique_ptr<Communicator> tp_, prev_, next_;
+  std::unique_ptr<Communicator> tp_timed_, prev_timed_, next_timed_;
+};
+#endif
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankConfig& config,
+                                                                   const WorldConfig& world) {
+  const std::string& name = config.backend;
+#ifdef SHARDSERVE_WITH_CUDA
+  const bool gpu = cuda::DeviceCount() > 0;
+  auto cuda = [&]() -> std::unique_ptr<StageBackend> {
+    return std::make_unique<CudaBackend>(config, world);
+  };
+#else
+  const bool gpu = false;
+  auto cuda = []() -> std::unique_ptr<StageBackend> { return nullptr; };
+  (void)world;
+#endif
+  auto cpu = [&]() -> std::unique_ptr<StageBackend> {
+    return std::make_unique<CpuBackend>(config);
+  };
+  if (name == "cpu") return cpu();
+  if (name == "auto") return gpu ? cuda() : cpu();
+  if (name == "cuda") {
+#ifndef SHARDSERVE_WITH_CUDA
+    return absl::FailedPreconditionError(
+        "SHARDSERVE_BACKEND=cuda, but this build has no CUDA backend (build with SHARDSERVE_CUDA)");
+#endif
+    if (!gpu)
+      return absl::FailedPreconditionError("SHARDSERVE_BACKEND=cuda, but no GPU is visible");
+    return cuda();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("SHARDSERVE_BACKEND '", name, "' must be cpu, cuda or auto"));
+}
+
+}  // namespace shardserve
