@@ -109,8 +109,13 @@ TEST(TextStream, HoldsBackAPossibleStopStringAndCutsBeforeIt) {
   EXPECT_EQ(all, text);
 }
 
-// A stream's text, token by token, then flushed; checks that text once sent is never taken back
-// (each delta extends what came before) and returns it.
+int32_t IdOf(const Tokenizer& tok, const char* token) {
+  const std::optional<int32_t> id = tok.TokenId(token);
+  EXPECT_TRUE(id.has_value()) << token;
+  return id.value_or(0);
+}
+
+// The text a stream hands out for `ids`, token by token and then flushed, joined.
 std::string StreamAll(const Tokenizer& tok, const std::vector<int32_t>& ids) {
   TextStream stream(&tok, {});
   std::string out;
@@ -127,10 +132,9 @@ TEST(TextStream, ByteFallbackRunsComeOutWholeAndNeverStopTheText) {
   auto tok = Tokenizer::FromJson(trained->json, "test");
   ASSERT_TRUE(tok.ok()) << tok.status();
   auto byte = [&](const char* t) {
-    auto id = (*tok)->TokenId(t);
-    EXPECT_TRUE(id.has_value()) << t;
-    EXPECT_TRUE(id && (*tok)->IsByteFallbackToken(*id)) << t;
-    return id.value_or(0);
+    const int32_t id = IdOf(**tok, t);
+    EXPECT_TRUE((*tok)->IsByteFallbackToken(id)) << t;
+    return id;
   };
   const std::vector<int32_t> cat = *(*tok)->Encode("the cat", false),
                              sat = *(*tok)->Encode(" sat on the mat", false);
@@ -173,13 +177,8 @@ TEST(TextStream, ByteLevelInvalidRunsAreOneReplacementEach) {
   auto tok = Tokenizer::FromJson(trained->json, "test");
   ASSERT_TRUE(tok.ok()) << tok.status();
   // GPT-2's byte alphabet: 0xE4 is "ä", 0xB8 is "¸", 0x80 is "Ģ", 0xC0 (never valid) is "À".
-  auto byte = [&](const char* t) {
-    auto id = (*tok)->TokenId(t);
-    EXPECT_TRUE(id.has_value()) << t;
-    return id.value_or(0);
-  };
-  const int32_t e4 = byte("\xC3\xA4"), b8 = byte("\xC2\xB8"), x80 = byte("\xC4\xA2"),
-                c0 = byte("\xC3\x80");
+  const int32_t e4 = IdOf(**tok, "\xC3\xA4"), b8 = IdOf(**tok, "\xC2\xB8"),
+                x80 = IdOf(**tok, "\xC4\xA2"), c0 = IdOf(**tok, "\xC3\x80");
   const std::vector<int32_t> h = *(*tok)->Encode("h", false);
   struct Case {
     std::vector<int32_t> ids;
