@@ -16,25 +16,10 @@ constexpr uint64_t kMaxTensorElements = uint64_t{1} << 40;
 constexpr uint32_t kMaxDims = 4;
 constexpr int kMaxArrayDepth = 2;  // an array of arrays, no deeper
 
-enum ValueType : uint32_t {
-  kU8 = 0,
-  kI8,
-  kU16,
-  kI16,
-  kU32,
-  kI32,
-  kF32,
-  kBool,
-  kString,
-  kArray,
-  kU64,
-  kI64,
-  kF64,
-};
 const char* const kValueTypeNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
                                        "int32",  "float32", "bool",   "string", "array",
                                        "uint64", "int64",   "float64"};
-const char* ValueTypeName(uint32_t t) { return t <= kF64 ? kValueTypeNames[t] : "unknown"; }
+const char* ValueTypeName(uint32_t t) { return t <= kGgufF64 ? kValueTypeNames[t] : "unknown"; }
 
 struct TypeInfo {
   GgmlType type;
@@ -104,20 +89,20 @@ class Cursor {
 
 uint64_t FixedSize(uint32_t type) {
   switch (type) {
-    case kU8:
-    case kI8:
-    case kBool:
+    case kGgufU8:
+    case kGgufI8:
+    case kGgufBool:
       return 1;
-    case kU16:
-    case kI16:
+    case kGgufU16:
+    case kGgufI16:
       return 2;
-    case kU32:
-    case kI32:
-    case kF32:
+    case kGgufU32:
+    case kGgufI32:
+    case kGgufF32:
       return 4;
-    case kU64:
-    case kI64:
-    case kF64:
+    case kGgufU64:
+    case kGgufI64:
+    case kGgufF64:
       return 8;
     default:
       return 0;
@@ -130,57 +115,57 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth, const s
   GgufValue out;
   out.type = type;
   switch (type) {
-    case kU8: {
+    case kGgufU8: {
       ASSIGN_OR_RETURN(uint8_t v, c.Read<uint8_t>(what));
       out.v = uint64_t{v};
       break;
     }
-    case kU16: {
+    case kGgufU16: {
       ASSIGN_OR_RETURN(uint16_t v, c.Read<uint16_t>(what));
       out.v = uint64_t{v};
       break;
     }
-    case kU32: {
+    case kGgufU32: {
       ASSIGN_OR_RETURN(uint32_t v, c.Read<uint32_t>(what));
       out.v = uint64_t{v};
       break;
     }
-    case kU64: {
+    case kGgufU64: {
       ASSIGN_OR_RETURN(uint64_t v, c.Read<uint64_t>(what));
       out.v = v;
       break;
     }
-    case kI8: {
+    case kGgufI8: {
       ASSIGN_OR_RETURN(int8_t v, c.Read<int8_t>(what));
       out.v = int64_t{v};
       break;
     }
-    case kI16: {
+    case kGgufI16: {
       ASSIGN_OR_RETURN(int16_t v, c.Read<int16_t>(what));
       out.v = int64_t{v};
       break;
     }
-    case kI32: {
+    case kGgufI32: {
       ASSIGN_OR_RETURN(int32_t v, c.Read<int32_t>(what));
       out.v = int64_t{v};
       break;
     }
-    case kI64: {
+    case kGgufI64: {
       ASSIGN_OR_RETURN(int64_t v, c.Read<int64_t>(what));
       out.v = v;
       break;
     }
-    case kF32: {
+    case kGgufF32: {
       ASSIGN_OR_RETURN(float v, c.Read<float>(what));
       out.v = double{v};
       break;
     }
-    case kF64: {
+    case kGgufF64: {
       ASSIGN_OR_RETURN(double v, c.Read<double>(what));
       out.v = v;
       break;
     }
-    case kBool: {
+    case kGgufBool: {
       ASSIGN_OR_RETURN(uint8_t v, c.Read<uint8_t>(what));
       if (v > 1) {
         return absl::InvalidArgumentError(
@@ -189,19 +174,19 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth, const s
       out.v = v == 1;
       break;
     }
-    case kString: {
+    case kGgufString: {
       ASSIGN_OR_RETURN(std::string s, c.String(what));
       out.v = std::move(s);
       break;
     }
-    case kArray: {
+    case kGgufArray: {
       if (depth >= kMaxArrayDepth) {
         return absl::InvalidArgumentError(
             absl::StrCat(path, ": ", what, " nests arrays deeper than ", kMaxArrayDepth));
       }
       ASSIGN_OR_RETURN(uint32_t elem, c.Read<uint32_t>(what + " (element type)"));
       ASSIGN_OR_RETURN(uint64_t n, c.Read<uint64_t>(what + " (element count)"));
-      if (elem > kF64) {
+      if (elem > kGgufF64) {
         return absl::InvalidArgumentError(
             absl::StrCat(path, ": ", what, " has elements of unknown type ", elem));
       }
@@ -211,7 +196,7 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth, const s
       }
       // The smallest element (a fixed size, or a string's or array's length words) times the
       // count must fit in what is left, before anything is allocated.
-      const uint64_t least = elem == kString ? 8 : elem == kArray ? 12 : FixedSize(elem);
+      const uint64_t least = elem == kGgufString ? 8 : elem == kGgufArray ? 12 : FixedSize(elem);
       RETURN_IF_ERROR(c.Need(n * least, what + " (elements)"));
       GgufArray a;
       a.reserve(n);
@@ -275,7 +260,7 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   }
   if (auto it = f->metadata_.find("general.alignment"); it != f->metadata_.end()) {
     const uint64_t* a = std::get_if<uint64_t>(&it->second.v);
-    if (it->second.type != kU32 || *a == 0 || (*a & (*a - 1)) != 0) {
+    if (it->second.type != kGgufU32 || *a == 0 || (*a & (*a - 1)) != 0) {
       return bad("general.alignment must be a uint32 power of two");
     }
     f->alignment_ = *a;

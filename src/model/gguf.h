@@ -44,11 +44,28 @@ struct GgmlBlock {
 };
 std::optional<GgmlBlock> GgmlBlockOf(uint32_t type);
 
+// GGUF metadata value types, by their numbers in the file.
+enum GgufValueType : uint32_t {
+  kGgufU8 = 0,
+  kGgufI8,
+  kGgufU16,
+  kGgufI16,
+  kGgufU32,
+  kGgufI32,
+  kGgufF32,
+  kGgufBool,
+  kGgufString,
+  kGgufArray,
+  kGgufU64,
+  kGgufI64,
+  kGgufF64,
+};
+
 // A metadata value: a scalar, a string, or an array of one of those.
 struct GgufValue;
 using GgufArray = std::vector<GgufValue>;
 struct GgufValue {
-  uint32_t type = 0;  // the GGUF value type number (0 uint8 ... 12 float64)
+  uint32_t type = kGgufU8;  // a GgufValueType
   std::variant<uint64_t, int64_t, double, bool, std::string, GgufArray> v;
 };
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "devtools/gguf_writer.h"
+
 namespace shardserve {
 namespace {
 
@@ -109,6 +111,54 @@ TEST(Gguf, EveryTruncationIsRefusedNotRead) {
     auto f = GgufFile::Open(Write(whole.substr(0, n)));
     EXPECT_FALSE(f.ok()) << "a file cut to " << n << " of " << whole.size() << " bytes";
   }
+}
+
+// What GgufWriter writes, the reader reads back: every value type, nested arrays, an alignment
+// of its own, and tensors of several types at aligned offsets.
+TEST(Gguf, TheWritersFilesReadBack) {
+  GgufWriter w;
+  w.Set("general.alignment", GgufWriter::U32(64));
+  w.Set("s", GgufWriter::String("hello"));
+  w.Set("u8", {kGgufU8, uint64_t{200}});
+  w.Set("i16", {kGgufI16, int64_t{-300}});
+  w.Set("u64", {kGgufU64, uint64_t{1} << 40});
+  w.Set("f32", GgufWriter::F32(0.5f));
+  w.Set("f64", {kGgufF64, 2.25});
+  w.Set("b", GgufWriter::Bool(true));
+  w.Set("tokens", GgufWriter::Array({GgufWriter::String("<s>"), GgufWriter::String("a b")}));
+  w.Set("nested", GgufWriter::Array({GgufWriter::Array({GgufWriter::I32(-1)})}));
+  w.Set("empty", GgufWriter::Array({}));
+  std::string f32(4 * 3 * 4, '\0'), q4k(144 * 2, '\x5a');
+  for (int i = 0; i < 12; ++i) {
+    const float v = static_cast<float>(i);
+    std::memcpy(&f32[4 * i], &v, 4);
+  }
+  w.AddTensor("w", GgmlType::kF32, {4, 3}, f32);
+  w.AddTensor("q", GgmlType::kQ4_K, {256, 2}, q4k);
+  const std::string path =
+      testing::TempDir() + "/gguf_writer_" + std::to_string(getpid()) + ".gguf";
+  ASSERT_TRUE(w.Write(path).ok());
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->alignment(), 64u);
+  EXPECT_EQ(*(*f)->GetString("s"), "hello");
+  EXPECT_EQ(*(*f)->GetUint("u8"), 200u);
+  EXPECT_EQ(std::get<int64_t>((*f)->metadata().at("i16").v), -300);
+  EXPECT_EQ(*(*f)->GetUint("u64"), uint64_t{1} << 40);
+  EXPECT_EQ(*(*f)->GetFloat("f32"), 0.5);
+  EXPECT_EQ(*(*f)->GetFloat("f64"), 2.25);
+  EXPECT_TRUE(std::get<bool>((*f)->metadata().at("b").v));
+  EXPECT_EQ(std::get<std::string>((**(*f)->GetArray("tokens"))[1].v), "a b");
+  const GgufArray& inner = std::get<GgufArray>((**(*f)->GetArray("nested"))[0].v);
+  EXPECT_EQ(std::get<int64_t>(inner[0].v), -1);
+  EXPECT_TRUE((*(*f)->GetArray("empty"))->empty());
+  const GgufTensor& t = (*f)->tensors().at("w");
+  EXPECT_EQ(t.dims, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(t.data), t.bytes), f32);
+  const GgufTensor& q = (*f)->tensors().at("q");
+  EXPECT_EQ(q.offset % 64, 0u);
+  EXPECT_EQ(q.bytes, q4k.size());
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(q.data), q.bytes), q4k);
 }
 
 // Bytes changed at random: the reader answers (a file or an error) and never reads outside it.
