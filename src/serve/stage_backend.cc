@@ -74,7 +74,7 @@ class CpuStage : public StageOf<Transformer> {
 // Host memory and the host mesh; nothing to join.
 class CpuBackend : public StageBackend {
  public:
-  CpuBackend(const RankConfig& config) : cfg_(config) {}
+  explicit CpuBackend(const RankConfig& config) : cfg_(config) {}
   absl::StatusOr<std::vector<std::string>> Blobs(const std::vector<RankAddress>&) const override {
     return std::vector<std::string>();
   }

@@ -26,13 +26,15 @@ TextStream::Delta TextStream::Add(const std::vector<int32_t>& tokens) {
       d.token_texts.push_back(std::move(piece));
       continue;
     }
-    const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
-    const std::string now = DecodeRange(prefix_offset_, ids_.size());
-    if (now.size() > prefix.size() && !EndsWithReplacement(now)) {
-      piece = now.substr(prefix.size());
+    piece = NewText();
+    if (!piece.empty() && !EndsWithReplacement(piece)) {
       decoded_ += piece;
+      // Released: the window moves on, the tokens just released its context.
       prefix_offset_ = read_offset_;
       read_offset_ = ids_.size();
+      prefix_text_ = DecodeRange(prefix_offset_, read_offset_);
+    } else {
+      piece.clear();
     }
     d.token_texts.push_back(std::move(piece));
   }
@@ -68,13 +70,17 @@ TextStream::Delta TextStream::Add(const std::vector<int32_t>& tokens) {
 std::string TextStream::Flush() {
   if (stopped_) return "";
   // What is held: the tokens' text since the last release point, U+FFFD and all.
-  const std::string prefix = DecodeRange(prefix_offset_, read_offset_);
-  const std::string now = DecodeRange(prefix_offset_, ids_.size());
-  decoded_ += now.size() > prefix.size() ? now.substr(prefix.size()) : "";
+  decoded_ += NewText();
   prefix_offset_ = read_offset_ = ids_.size();
+  prefix_text_.clear();
   std::string rest = decoded_.substr(released_.size());
   released_ += rest;
   return rest;
+}
+
+std::string TextStream::NewText() const {
+  const std::string now = DecodeRange(prefix_offset_, ids_.size());
+  return now.size() > prefix_text_.size() ? now.substr(prefix_text_.size()) : "";
 }
 
 std::string TextStream::DecodeRange(size_t begin, size_t end) const {

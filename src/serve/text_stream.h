@@ -33,10 +33,13 @@ class TextStream {
   const Tokenizer* tokenizer_;
   std::vector<std::string> stops_;
   std::string DecodeRange(size_t begin, size_t end) const;
+  // What the tokens since read_offset_ add to the window's decode (past prefix_text_).
+  std::string NewText() const;
 
   std::vector<int32_t> ids_;
   size_t prefix_offset_ = 0;  // the window's first token (context for the decode)
   size_t read_offset_ = 0;    // tokens before this one have their text in decoded_
+  std::string prefix_text_;   // the decode of [prefix_offset_, read_offset_), kept
   std::string decoded_;       // text of the tokens up to read_offset_
   std::string released_;      // text handed out
   bool stopped_ = false;
