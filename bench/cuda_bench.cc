@@ -10,7 +10,7 @@
 #include "bench/runtime_bench.h"
 #include "common/args.h"
 #include "common/status.h"
-#include "model/cuda_transformer.h"
+#include "model/transformer.h"
 
 namespace shardserve {
 
@@ -32,7 +32,8 @@ absl::Status RunCudaBench(const std::vector<std::string>& argv) {
     return absl::FailedPreconditionError("no GPU visible: the CUDA decode benchmark needs one");
   }
   ASSIGN_OR_RETURN(double copy_bw, cuda::CopyBandwidth(size_t{1} << 30));
-  ASSIGN_OR_RETURN(auto model, CudaTransformer::Load(dir, {}));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0));
+  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {}, std::move(gpu)));
   const ModelConfig& c = model->config();
   const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());
   std::printf(

@@ -121,11 +121,12 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
       (long long)c.vocab_size, model->weight_bytes() / 1e9, bytes_per_param, (long long)threads);
   // The machine's capacity is measured before and after the model work and the higher figure
   // kept: on a VM with steal time a single measurement can land in a slow moment.
-  const double bw_before = ReadBandwidth(model->pool());
-  const double peak_before = FmaPeak(model->pool());
+  ThreadPool pool(static_cast<int>(threads));
+  const double bw_before = ReadBandwidth(pool);
+  const double peak_before = FmaPeak(pool);
 
   // Decode at batch 1 after a short prompt; one warm-up step pages the weights in.
-  auto cache = model->NewKvCache(prefill_tokens + decode_tokens + 64);
+  ASSIGN_OR_RETURN(auto cache, model->NewKvCache(prefill_tokens + decode_tokens + 64));
   SequenceKv kv;
   std::vector<SequenceChunk> chunks(1);
   chunks[0].kv = &kv;
@@ -158,8 +159,8 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
     prefill_s = std::min(prefill_s, Seconds(t0, Clock::now()));
   }
 
-  const double bw_after = ReadBandwidth(model->pool());
-  const double peak_after = FmaPeak(model->pool());
+  const double bw_after = ReadBandwidth(pool);
+  const double peak_after = FmaPeak(pool);
   const double bw = std::max(bw_before, bw_after), peak = std::max(peak_before, peak_after);
   std::printf(
       "machine: read bandwidth %.2f GB/s, AVX2 FMA peak %.1f GFLOP/s (%lld threads; best of "
@@ -180,7 +181,7 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
               (long long)prefill_tokens, n / prefill_s, flops / prefill_s / 1e9,
               100.0 * flops / prefill_s / peak);
   const double kv_bytes = static_cast<double>(cache->BlocksFor(prefill_tokens + decode_tokens)) *
-                          cache->bytes() / cache->num_blocks();
+                          model->kv_block_bytes();
   std::printf(
       "memory: RSS %.2f GB after decode; weights %.2f GB + KV cache in use %.3f GB "
       "=> RSS is %.1f%% over weights + KV\n",

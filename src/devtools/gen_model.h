@@ -6,8 +6,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "backend/dtype.h"
 #include "devtools/bpe_trainer.h"
-#include "model/dtype.h"
 
 namespace shardserve {
 

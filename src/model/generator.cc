@@ -27,7 +27,9 @@ absl::StatusOr<std::vector<GenerationResult>> Generate(
     positions += std::min(need, c.max_context);
   }
   const int64_t block = 16;
-  auto cache = model.NewKvCache(positions + block * static_cast<int64_t>(requests.size()), block);
+  ASSIGN_OR_RETURN(
+      auto cache,
+      model.NewKvCache(positions + block * static_cast<int64_t>(requests.size()), block));
 
   const size_t n = requests.size();
   std::vector<GenerationResult> results(n);

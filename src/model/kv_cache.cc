@@ -4,15 +4,8 @@
 
 namespace shardserve {
 
-KvCache::KvCache(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 int64_t num_blocks)
-    : num_layers_(num_layers),
-      num_kv_heads_(num_kv_heads),
-      head_dim_(head_dim),
-      block_size_(block_size),
-      num_blocks_(num_blocks),
-      total_floats_(num_layers * 2 * num_blocks * num_kv_heads * block_size * head_dim),
-      data_(new float[total_floats_]) {
+KvCache::KvCache(int64_t block_size, int64_t num_blocks, std::unique_ptr<KvStorage> storage)
+    : block_size_(block_size), num_blocks_(num_blocks), storage_(std::move(storage)) {
   free_.reserve(num_blocks);
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
 }

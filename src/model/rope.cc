@@ -4,20 +4,20 @@
 
 namespace shardserve {
 
-Rope::Rope(const ModelConfig& c) : head_dim_(c.head_dim) {
+std::vector<float> RopeInvFreq(const ModelConfig& c) {
   const int64_t half = c.head_dim / 2;
-  inv_freq_.resize(half);
+  std::vector<float> inv_freq(half);
   for (int64_t i = 0; i < half; ++i) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(c.head_dim);
-    inv_freq_[i] = 1.0f / std::pow(static_cast<float>(c.rope_theta), exponent);
+    inv_freq[i] = 1.0f / std::pow(static_cast<float>(c.rope_theta), exponent);
   }
   if (c.rope_scaling == RopeScaling::kLinear) {
-    for (float& f : inv_freq_) f = f / static_cast<float>(c.rope_factor);
+    for (float& f : inv_freq) f = f / static_cast<float>(c.rope_factor);
   } else if (c.rope_scaling == RopeScaling::kLlama3) {
     const double factor = c.rope_factor, lo = c.rope_low_freq_factor, hi = c.rope_high_freq_factor;
     const double old_len = static_cast<double>(c.rope_original_max_position);
     const double low_freq_wavelen = old_len / lo, high_freq_wavelen = old_len / hi;
-    for (float& f : inv_freq_) {
+    for (float& f : inv_freq) {
       const double wavelen = 2 * M_PI / f;
       if (wavelen > low_freq_wavelen) {
         f = static_cast<float>(f / factor);
@@ -27,21 +27,7 @@ Rope::Rope(const ModelConfig& c) : head_dim_(c.head_dim) {
       }
     }
   }
-}
-
-void Rope::Apply(float* x, int64_t num_heads, int64_t position) const {
-  const int64_t half = head_dim_ / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float angle = static_cast<float>(position) * inv_freq_[i];
-    const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
-    const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* v = x + h * head_dim_;
-      const float a = v[i], b = v[i + half];
-      v[i] = a * c - b * s;
-      v[i + half] = b * c + a * s;
-    }
-  }
+  return inv_freq;
 }
 
 }  // namespace shardserve

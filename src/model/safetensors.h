@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "backend/dtype.h"
 #include "common/mapped_file.h"
-#include "model/dtype.h"
 
 namespace shardserve {
 

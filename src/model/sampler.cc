@@ -1,10 +1,11 @@
 #include "model/sampler.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "backend/cpu/kernels.h"
 
 namespace shardserve {
 
@@ -27,71 +28,22 @@ absl::Status SamplingParams::Validate() const {
   return absl::OkStatus();
 }
 
+SampleSpec Sampler::NextSpec() {
+  const int64_t top_k = std::min<int64_t>(params_.top_k, INT32_MAX);  // larger: no limit either
+  return {params_.temperature, params_.top_p, static_cast<int32_t>(top_k),
+          params_.temperature > 0.0f ? Uniform() : 0.0};
+}
+
 double Sampler::Uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
 SampledToken Sampler::Sample(const float* logits, int64_t vocab) {
-  // Log-softmax of the raw logits (the model's distribution, independent of temperature).
-  float mx = *std::max_element(logits, logits + vocab);
-  double sum = 0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - mx));
-  const float log_z = mx + static_cast<float>(std::log(sum));
-  auto logprob = [&](int64_t i) { return logits[i] - log_z; };
-
-  int32_t chosen;
-  if (params_.temperature == 0.0f) {
-    chosen = static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
-  } else {
-    std::vector<int32_t> ids(vocab);
-    std::iota(ids.begin(), ids.end(), 0);
-    auto by_logit = [&](int32_t a, int32_t b) {
-      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    };
-    int64_t keep = vocab;
-    if (params_.top_k > 0 && params_.top_k < vocab) {
-      keep = params_.top_k;
-      std::partial_sort(ids.begin(), ids.begin() + keep, ids.end(), by_logit);
-    } else {
-      std::sort(ids.begin(), ids.end(), by_logit);
-    }
-    const double inv_t = 1.0 / params_.temperature;
-    std::vector<double> p(keep);
-    double total = 0;
-    for (int64_t i = 0; i < keep; ++i) {
-      p[i] = std::exp((static_cast<double>(logits[ids[i]]) - logits[ids[0]]) * inv_t);
-      total += p[i];
-    }
-    if (params_.top_p < 1.0f) {
-      double cum = 0;
-      int64_t n = 0;
-      while (n < keep) {
-        cum += p[n] / total;
-        ++n;
-        if (cum >= params_.top_p) break;
-      }
-      keep = n;
-      total = std::accumulate(p.begin(), p.begin() + keep, 0.0);
-    }
-    const double u = Uniform() * total;
-    double cum = 0;
-    chosen = ids[keep - 1];
-    for (int64_t i = 0; i < keep; ++i) {
-      cum += p[i];
-      if (u < cum) {
-        chosen = ids[i];
-        break;
-      }
-    }
-  }
-  SampledToken out{chosen, logprob(chosen), {}};
-  if (params_.top_logprobs > 0) {
-    const int64_t k = std::min<int64_t>(params_.top_logprobs, vocab);
-    std::vector<int32_t> ids(vocab);
-    std::iota(ids.begin(), ids.end(), 0);
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    });
-    for (int64_t i = 0; i < k; ++i) out.top.push_back({ids[i], logprob(ids[i])});
-  }
+  const SampleSpec spec = NextSpec();
+  const int64_t K = std::min(params_.top_logprobs, vocab);
+  SampledToken out{0, 0, {}};
+  std::vector<int32_t> top_ids(K);
+  std::vector<float> top_lps(K);
+  cpu::SampleRow(logits, vocab, spec, K, &out.id, &out.logprob, top_ids.data(), top_lps.data());
+  for (int64_t j = 0; j < K; ++j) out.top.push_back({top_ids[j], top_lps[j]});
   return out;
 }
 

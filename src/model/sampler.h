@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "backend/backend.h"
 
 namespace shardserve {
 
@@ -40,10 +41,10 @@ class Sampler {
   explicit Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
   SampledToken Sample(const float* logits, int64_t vocab);
   const SamplingParams& params() const { return params_; }
-  // The draw the next Sample would make (one per sampled token at temperature > 0; 0 and no draw
-  // when greedy), for a backend that samples elsewhere with this sequence's stream (the CUDA
-  // backend's cuda::SampleRows).
-  double NextDraw() { return params_.temperature > 0.0f ? Uniform() : 0.0; }
+  // The parameters and the draw the next Sample would use (one draw per sampled token at
+  // temperature > 0; none when greedy), for a backend that samples with this sequence's stream
+  // (Backend::SampleRows).
+  SampleSpec NextSpec();
   // Moves the generator past the random draws of `tokens` earlier samples, so a sequence that
   // is resumed continues the stream it started.
   void Skip(int64_t tokens) {

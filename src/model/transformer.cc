@@ -7,20 +7,17 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernels.h"
 #include "common/status.h"
+#include "model/rope.h"
+#include "model/vocab_parallel.h"
 
 namespace shardserve {
 namespace {
-
-void AddBias(float* y, int64_t rows, int64_t dim, const std::vector<float>& bias) {
-  if (bias.empty()) return;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += bias[i];
-  }
-}
 
 absl::Status Divisible(const char* what, int64_t n, int tp) {
   if (n % tp == 0) return absl::OkStatus();
@@ -28,44 +25,47 @@ absl::Status Divisible(const char* what, int64_t n, int tp) {
       absl::StrCat(what, " ", n, " is not divisible by tensor parallelism ", tp));
 }
 
-}  // namespace
-
-std::vector<std::vector<std::pair<int64_t, float>>> RouteExperts(const float* router, int64_t rows,
-                                                                 int64_t E, int64_t top_k) {
-  std::vector<std::vector<std::pair<int64_t, float>>> assigned(E);
-  std::vector<int64_t> order(E);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* logit = router + r * E;
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
-      return logit[a] > logit[b] || (logit[a] == logit[b] && a < b);
-    });
-    const float mx = logit[order[0]];
-    float sum = 0;
-    for (int64_t j = 0; j < top_k; ++j) sum += std::exp(logit[order[j]] - mx);
-    for (int64_t j = 0; j < top_k; ++j) {
-      assigned[order[j]].push_back({r, std::exp(logit[order[j]] - mx) / sum});
-    }
-  }
-  return assigned;
+template <typename T>
+T* Ptr(const std::unique_ptr<Buffer>& b) {
+  return b->as<T>();
 }
 
+}  // namespace
+
 Transformer::Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights,
-                         const Options& options)
+                         const Options& options, std::unique_ptr<Backend> backend)
     : config_(std::move(config)),
       options_(options),
       weights_(std::move(weights)),
-      pool_(std::make_unique<ThreadPool>(options.num_threads)),
-      rope_(config_) {}
+      backend_(std::move(backend)) {
+  for (std::unique_ptr<Buffer>* b :
+       {&buf_.x,       &buf_.h,      &buf_.q,       &buf_.k,        &buf_.v,
+        &buf_.attn,    &buf_.o,      &buf_.g,       &buf_.u,        &buf_.d,
+        &buf_.in,      &buf_.router, &buf_.ids,     &buf_.pos,      &buf_.table,
+        &buf_.offsets, &buf_.sel,    &buf_.weights, &buf_.routes,   &buf_.route_weights,
+        &buf_.last,    &buf_.logits, &buf_.padded,  &buf_.gathered, &buf_.full}) {
+    *b = backend_->NewBuffer();
+  }
+}
+
+Transformer::~Transformer() = default;
 
 absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_dir,
-                                                               const Options& options) {
+                                                               const Options& options,
+                                                               std::unique_ptr<Backend> backend) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(model_dir));
   ASSIGN_OR_RETURN(auto weights, WeightStore::Open(model_dir));
-  std::unique_ptr<Transformer> t(new Transformer(std::move(config), std::move(weights), options));
+  if (backend == nullptr) backend = cpu::NewBackend(options.num_threads);
+  std::unique_ptr<Transformer> t(
+      new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
   absl::Status s = t->CheckSplit();
   if (s.ok()) s = t->BindWeights();
+  if (s.ok()) s = t->backend_->Synchronize();
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(model_dir, ": ", s.message()));
+  if (t->backend_->copies_weights()) {  // the host copies leave this process
+    t->weights_->DropResidentPages();
+    t->owned_.clear();
+  }
   return t;
 }
 
@@ -99,22 +99,21 @@ absl::Status Transformer::CheckSplit() const {
   return absl::OkStatus();
 }
 
-cpu::WeightMatrix Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
+absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
   const int64_t cols = t.shape[1];
   const size_t elem = DTypeSize(t.dtype);
   shard_bytes_ += (end - begin) * cols * elem;
   stage_bytes_ += t.nbytes;
-  return {t.dtype, static_cast<const uint8_t*>(t.data) + begin * cols * elem, end - begin, cols,
-          cols};
+  return backend_->Upload(WeightMatrix{
+      t.dtype, static_cast<const uint8_t*>(t.data) + begin * cols * elem, end - begin, cols, cols});
 }
 
-absl::StatusOr<cpu::WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin,
-                                                    int64_t end) {
+absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin, int64_t end) {
   const int64_t rows = t.shape[0], cols = t.shape[1], width = end - begin;
   const size_t elem = DTypeSize(t.dtype);
   shard_bytes_ += rows * width * elem;
   stage_bytes_ += t.nbytes;
-  if (width == cols) return cpu::WeightMatrix{t.dtype, t.data, rows, cols, cols};
+  if (width == cols) return backend_->Upload(WeightMatrix{t.dtype, t.data, rows, cols, cols});
   const int fd = ::open(t.file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat(t.file, ": cannot open: ", std::strerror(errno)));
@@ -132,14 +131,31 @@ absl::StatusOr<cpu::WeightMatrix> Transformer::Cols(const TensorView& t, int64_t
   }
   ::close(fd);
   owned_.push_back(std::move(buf));
-  return cpu::WeightMatrix{t.dtype, owned_.back().get(), rows, width, width};
+  return backend_->Upload(WeightMatrix{t.dtype, owned_.back().get(), rows, width, width});
 }
 
-std::vector<float> Transformer::VectorSlice(const TensorView& t, int64_t begin, int64_t end) {
+absl::StatusOr<const float*> Transformer::VectorSlice(const TensorView& t, int64_t begin,
+                                                      int64_t end) {
   std::vector<float> v(end - begin);
   cpu::ToFloat(t.dtype, static_cast<const uint8_t*>(t.data) + begin * DTypeSize(t.dtype),
                end - begin, v.data());
-  return v;
+  return backend_->Upload(v);
+}
+
+absl::StatusOr<ExpertTable> Transformer::TableOf(const std::vector<const WeightMatrix*>& mats) {
+  if (mats.empty()) return ExpertTable();
+  std::vector<const void*> ptrs;
+  for (const WeightMatrix* m : mats) {
+    if (m->dtype != mats[0]->dtype) return ExpertTable();
+    ptrs.push_back(m->data);
+  }
+  tables_.push_back(backend_->NewBuffer());
+  Buffer& b = *tables_.back();
+  RETURN_IF_ERROR(b.Reserve(ptrs.size() * sizeof(void*)));
+  RETURN_IF_ERROR(backend_->CopyFromHost(b.data(), ptrs.data(), ptrs.size() * sizeof(void*)));
+  return ExpertTable{mats[0]->dtype, b.as<const void* const>(),
+                     expert_begin_,  static_cast<int64_t>(mats.size()),
+                     mats[0]->rows,  mats[0]->cols};
 }
 
 absl::Status Transformer::BindWeights() {
@@ -165,15 +181,16 @@ absl::Status Transformer::BindWeights() {
   const WeightStore& w = *weights_;
   if (first_stage()) {
     ASSIGN_OR_RETURN(TensorView embed, w.Get("model.embed_tokens.weight", {V, H}));
-    embed_ = Rows(embed, vocab_begin_, vocab_end_);
+    ASSIGN_OR_RETURN(embed_, Rows(embed, vocab_begin_, vocab_end_));
   }
   if (last_stage()) {
     const char* head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
     ASSIGN_OR_RETURN(TensorView head, w.Get(head_name, {V, H}));
-    lm_head_ = Rows(head, vocab_begin_, vocab_end_);
+    ASSIGN_OR_RETURN(lm_head_, Rows(head, vocab_begin_, vocab_end_));
     ASSIGN_OR_RETURN(TensorView norm, w.Get("model.norm.weight", {H}));
-    final_norm_ = VectorSlice(norm, 0, H);
+    ASSIGN_OR_RETURN(final_norm_, VectorSlice(norm, 0, H));
   }
+  ASSIGN_OR_RETURN(inv_freq_, backend_->Upload(RopeInvFreq(c)));
   const int64_t q0 = t * heads_ * hd, q1 = q0 + heads_ * hd;
   const int64_t k0 = kv_head_begin_ * hd, k1 = k0 + kv_heads_ * hd;
   layers_.resize(layer_end_ - layer_begin_);
@@ -182,60 +199,82 @@ absl::Status Transformer::BindWeights() {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     ASSIGN_OR_RETURN(TensorView in_norm, w.Get(p + "input_layernorm.weight", {H}));
     ASSIGN_OR_RETURN(TensorView post_norm, w.Get(p + "post_attention_layernorm.weight", {H}));
-    L.input_norm = VectorSlice(in_norm, 0, H);
-    L.post_norm = VectorSlice(post_norm, 0, H);
+    ASSIGN_OR_RETURN(L.input_norm, VectorSlice(in_norm, 0, H));
+    ASSIGN_OR_RETURN(L.post_norm, VectorSlice(post_norm, 0, H));
     ASSIGN_OR_RETURN(TensorView q, w.Get(p + "self_attn.q_proj.weight", {c.q_dim(), H}));
     ASSIGN_OR_RETURN(TensorView k, w.Get(p + "self_attn.k_proj.weight", {c.kv_dim(), H}));
     ASSIGN_OR_RETURN(TensorView v, w.Get(p + "self_attn.v_proj.weight", {c.kv_dim(), H}));
     ASSIGN_OR_RETURN(TensorView o, w.Get(p + "self_attn.o_proj.weight", {H, c.q_dim()}));
     // Column-parallel q/k/v: this rank's heads (output rows); row-parallel o: their columns.
-    L.q = Rows(q, q0, q1);
-    L.k = Rows(k, k0, k1);
-    L.v = Rows(v, k0, k1);
+    ASSIGN_OR_RETURN(L.q, Rows(q, q0, q1));
+    ASSIGN_OR_RETURN(L.k, Rows(k, k0, k1));
+    ASSIGN_OR_RETURN(L.v, Rows(v, k0, k1));
     ASSIGN_OR_RETURN(L.o, Cols(o, q0, q1));
     if (c.qkv_bias) {
       ASSIGN_OR_RETURN(TensorView qb, w.Get(p + "self_attn.q_proj.bias", {c.q_dim()}));
       ASSIGN_OR_RETURN(TensorView kb, w.Get(p + "self_attn.k_proj.bias", {c.kv_dim()}));
       ASSIGN_OR_RETURN(TensorView vb, w.Get(p + "self_attn.v_proj.bias", {c.kv_dim()}));
-      L.q_bias = VectorSlice(qb, q0, q1);
-      L.k_bias = VectorSlice(kb, k0, k1);
-      L.v_bias = VectorSlice(vb, k0, k1);
+      ASSIGN_OR_RETURN(L.q_bias, VectorSlice(qb, q0, q1));
+      ASSIGN_OR_RETURN(L.k_bias, VectorSlice(kb, k0, k1));
+      ASSIGN_OR_RETURN(L.v_bias, VectorSlice(vb, k0, k1));
     }
     if (c.o_bias) {  // added once, after the all-reduce
       ASSIGN_OR_RETURN(TensorView ob, w.Get(p + "self_attn.o_proj.bias", {H}));
-      L.o_bias = VectorSlice(ob, 0, H);
+      ASSIGN_OR_RETURN(L.o_bias, VectorSlice(ob, 0, H));
     }
     if (c.moe) {
       const std::string m = p + "block_sparse_moe.";
       ASSIGN_OR_RETURN(TensorView router, w.Get(m + "gate.weight", {c.num_experts, H}));
-      L.router = Rows(router, 0, c.num_experts);  // replicated: every rank routes every token
-      L.experts.resize(c.num_experts);
+      ASSIGN_OR_RETURN(
+          L.router, Rows(router, 0, c.num_experts));  // replicated: every rank routes every token
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const std::string ep = absl::StrCat(m, "experts.", e, ".");
         ASSIGN_OR_RETURN(TensorView w1, w.Get(ep + "w1.weight", {I, H}));
         ASSIGN_OR_RETURN(TensorView w2, w.Get(ep + "w2.weight", {H, I}));
         ASSIGN_OR_RETURN(TensorView w3, w.Get(ep + "w3.weight", {I, H}));
         if (e >= expert_begin_ && e < expert_end_) {  // expert parallelism inside the stage
-          L.experts[e] = {Rows(w1, 0, I), Rows(w3, 0, I), Rows(w2, 0, H)};
+          Expert x;
+          ASSIGN_OR_RETURN(x.gate, Rows(w1, 0, I));
+          ASSIGN_OR_RETURN(x.up, Rows(w3, 0, I));
+          ASSIGN_OR_RETURN(x.down, Rows(w2, 0, H));
+          L.experts.push_back(x);
         }
       }
+      std::vector<const WeightMatrix*> gates, ups, downs;
+      for (const Expert& x : L.experts) {
+        gates.push_back(&x.gate);
+        ups.push_back(&x.up);
+        downs.push_back(&x.down);
+      }
+      ASSIGN_OR_RETURN(L.gate_table, TableOf(gates));
+      ASSIGN_OR_RETURN(L.up_table, TableOf(ups));
+      ASSIGN_OR_RETURN(L.down_table, TableOf(downs));
     } else {
       ASSIGN_OR_RETURN(TensorView gate, w.Get(p + "mlp.gate_proj.weight", {I, H}));
       ASSIGN_OR_RETURN(TensorView up, w.Get(p + "mlp.up_proj.weight", {I, H}));
       ASSIGN_OR_RETURN(TensorView down, w.Get(p + "mlp.down_proj.weight", {H, I}));
       const int64_t i0 = t * inter_, i1 = i0 + inter_;
-      L.gate = Rows(gate, i0, i1);  // column-parallel
-      L.up = Rows(up, i0, i1);
+      ASSIGN_OR_RETURN(L.gate, Rows(gate, i0, i1));  // column-parallel
+      ASSIGN_OR_RETURN(L.up, Rows(up, i0, i1));
       ASSIGN_OR_RETURN(L.down, Cols(down, i0, i1));  // row-parallel
     }
   }
   return absl::OkStatus();
 }
 
-std::unique_ptr<KvCache> Transformer::NewKvCache(int64_t positions, int64_t block_size) const {
+absl::StatusOr<std::unique_ptr<KvCache>> Transformer::NewKvCache(int64_t positions,
+                                                                 int64_t block_size) {
   const int64_t blocks = std::max<int64_t>(1, (positions + block_size - 1) / block_size);
-  return std::make_unique<KvCache>(layer_end_ - layer_begin_, kv_heads_, config_.head_dim,
-                                   block_size, blocks);
+  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage,
+                   backend_->AllocKv(layer_end_ - layer_begin_, blocks, kv_heads_, block_size,
+                                     config_.head_dim));
+  return std::make_unique<KvCache>(block_size, blocks, std::move(storage));
+}
+
+size_t Transformer::kv_block_bytes(int64_t block_size) const {
+  return static_cast<size_t>((layer_end_ - layer_begin_) * 2 * kv_heads_ * block_size *
+                             config_.head_dim) *
+         sizeof(float);
 }
 
 absl::Status Transformer::AllReduce(float* data, size_t count) {
@@ -243,46 +282,25 @@ absl::Status Transformer::AllReduce(float* data, size_t count) {
   return options_.tp_comm->AllReduceSum(data, count);
 }
 
-absl::Status Transformer::Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                                  std::vector<float>& logits) {
-  if (!first_stage() || !last_stage()) {
-    return absl::FailedPreconditionError("Forward runs a whole model; a stage uses ForwardStage");
-  }
-  std::vector<float> local;
-  RETURN_IF_ERROR(ForwardStage(chunks, cache, nullptr, local));
-  return GatherLogits(local, static_cast<int64_t>(chunks.size()), logits);
+absl::Status Transformer::Gemm(const WeightMatrix& w, const Buffer& x, int64_t M, Buffer& y) {
+  RETURN_IF_ERROR(y.Reserve(static_cast<size_t>(M * w.rows) * sizeof(float)));
+  return backend_->Gemm(w, x.as<float>(), M, y.as<float>());
 }
 
-absl::Status Transformer::GatherLogits(const std::vector<float>& local, int64_t rows,
-                                       std::vector<float>& logits) {
-  return GatherVocabSlices(local, rows, config_.vocab_size, options_.tp_size, options_.tp_comm,
-                           logits);
+template <typename T>
+absl::Status Transformer::Put(Buffer& b, const std::vector<T>& v) {
+  RETURN_IF_ERROR(b.Reserve(std::max<size_t>(1, v.size()) * sizeof(T)));
+  return backend_->CopyFromHost(b.data(), v.data(), v.size() * sizeof(T));
 }
 
-absl::Status GatherVocabSlices(const std::vector<float>& local, int64_t rows, int64_t V, int T,
-                               Communicator* comm, std::vector<float>& logits) {
-  if (T == 1) {  // the stride is the vocabulary
-    logits = local;
-    return absl::OkStatus();
-  }
-  const int64_t stride = (V + T - 1) / T;
-  std::vector<float> all(T * rows * stride);
-  RETURN_IF_ERROR(comm->AllGather(local.data(), rows * stride, all.data()));
-  logits.resize(rows * V);
-  for (int m = 0; m < T; ++m) {
-    const int64_t v0 = V * m / T, n = V * (m + 1) / T - v0;
-    for (int64_t s = 0; s < rows; ++s) {
-      std::copy_n(all.data() + (m * rows + s) * stride, n, logits.data() + s * V + v0);
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<PreparedBatch> Transformer::PrepareBatch(std::vector<SequenceChunk>& chunks,
-                                                        KvCache& cache) const {
+absl::StatusOr<BatchLayout> Transformer::PrepareBatch(std::vector<SequenceChunk>& chunks,
+                                                      KvCache& cache) const {
   const ModelConfig& c = config_;
+  if (cache.storage() == nullptr || cache.storage()->owner != backend_.get()) {
+    return absl::FailedPreconditionError("the KV cache must come from this model's NewKvCache");
+  }
   // Validate everything before touching the cache.
-  PreparedBatch b;
+  BatchLayout b;
   int64_t extra_blocks = 0;
   for (const SequenceChunk& ch : chunks) {
     if (ch.tokens.empty() || ch.kv == nullptr) {
@@ -308,175 +326,290 @@ absl::StatusOr<PreparedBatch> Transformer::PrepareBatch(std::vector<SequenceChun
                                                      extra_blocks, " more blocks, ",
                                                      cache.free_blocks(), " are free"));
   }
-  b.row_pos.resize(b.rows);
-  b.row_seq.resize(b.rows);
-  b.last_row.resize(chunks.size());
-  int64_t r = 0;
-  for (size_t s = 0; s < chunks.size(); ++s) {
-    SequenceChunk& ch = chunks[s];
+  b.ids.reserve(b.rows);
+  b.positions.reserve(b.rows);
+  b.block_offset.reserve(b.rows);
+  for (SequenceChunk& ch : chunks) {
     RETURN_IF_ERROR(cache.Reserve(*ch.kv, ch.kv->length + ch.tokens.size()));
-    for (size_t i = 0; i < ch.tokens.size(); ++i, ++r) {
-      b.row_pos[r] = ch.kv->length + static_cast<int64_t>(i);
-      b.row_seq[r] = ch.kv;
+    const int32_t offset = static_cast<int32_t>(b.blocks.size());
+    b.blocks.insert(b.blocks.end(), ch.kv->blocks.begin(), ch.kv->blocks.end());
+    for (size_t i = 0; i < ch.tokens.size(); ++i) {
+      b.ids.push_back(ch.tokens[i]);
+      b.positions.push_back(static_cast<int32_t>(ch.kv->length + static_cast<int64_t>(i)));
+      b.block_offset.push_back(offset);
     }
-    b.last_row[s] = r - 1;
+    b.max_len = std::max<int64_t>(b.max_len, b.positions.back() + 1);
+    b.last_row.push_back(static_cast<int32_t>(b.ids.size()) - 1);
   }
   return b;
 }
 
-absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                                       const float* hidden_in, std::vector<float>& out) {
-  const ModelConfig& c = config_;
-  const int64_t H = c.hidden_size;
-  if (!first_stage() && hidden_in == nullptr) {
-    return absl::InvalidArgumentError("a stage after the first needs hidden states");
-  }
-  ASSIGN_OR_RETURN(PreparedBatch batch, PrepareBatch(chunks, cache));
-  const int64_t rows = batch.rows;
-  const std::vector<int64_t>& row_pos = batch.row_pos;
-  const std::vector<const SequenceKv*>& row_seq = batch.row_seq;
-  const std::vector<int64_t>& last_row = batch.last_row;
-  std::vector<float> x(rows * H, 0.0f);
-  if (first_stage()) {
-    int64_t r = 0;
-    for (const SequenceChunk& ch : chunks) {
-      for (int32_t tok : ch.tokens) {
-        // Vocab-parallel embedding: this rank's rows, zeros elsewhere, summed over the group.
-        if (tok >= vocab_begin_ && tok < vocab_end_) {
-          const uint8_t* src = static_cast<const uint8_t*>(embed_.data) +
-                               (tok - vocab_begin_) * embed_.row_stride * DTypeSize(embed_.dtype);
-          cpu::ToFloat(embed_.dtype, src, H, x.data() + r * H);
-        }
-        ++r;
-      }
-    }
-  }
-  if (first_stage()) {
-    RETURN_IF_ERROR(AllReduce(x.data(), x.size()));
-  } else {
-    std::copy_n(hidden_in, rows * H, x.data());
-  }
-
-  const int64_t hd = c.head_dim, qd = heads_ * hd, kvd = kv_heads_ * hd;
-  std::vector<float> h(rows * H), q(rows * qd), k(rows * kvd), v(rows * kvd), attn(rows * qd),
-      o(rows * H);
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  const int64_t bs = cache.block_size();
-  for (int64_t li = 0; li < static_cast<int64_t>(layers_.size()); ++li) {
-    const Layer& L = layers_[li];
-    cpu::RmsNorm(x.data(), rows, H, L.input_norm.data(), eps, h.data());
-    cpu::MatMul(L.q, h.data(), rows, H, q.data(), qd, *pool_);
-    cpu::MatMul(L.k, h.data(), rows, H, k.data(), kvd, *pool_);
-    cpu::MatMul(L.v, h.data(), rows, H, v.data(), kvd, *pool_);
-    AddBias(q.data(), rows, qd, L.q_bias);
-    AddBias(k.data(), rows, kvd, L.k_bias);
-    AddBias(v.data(), rows, kvd, L.v_bias);
-    for (int64_t r = 0; r < rows; ++r) {
-      rope_.Apply(q.data() + r * qd, heads_, row_pos[r]);
-      rope_.Apply(k.data() + r * kvd, kv_heads_, row_pos[r]);
-      const int64_t block = row_seq[r]->blocks[row_pos[r] / bs], slot = row_pos[r] % bs;
-      for (int64_t kh = 0; kh < kv_heads_; ++kh) {
-        std::copy_n(k.data() + r * kvd + kh * hd, hd, cache.K(li, block, kh) + slot * hd);
-        std::copy_n(v.data() + r * kvd + kh * hd, hd, cache.V(li, block, kh) + slot * hd);
-      }
-    }
-    Attention(L, li, row_pos, row_seq, q.data(), attn.data(), cache);
-    // Row-parallel o_proj: partial sums over this rank's heads, then one all-reduce.
-    cpu::MatMul(L.o, attn.data(), rows, qd, o.data(), H, *pool_);
-    RETURN_IF_ERROR(AllReduce(o.data(), o.size()));
-    AddBias(o.data(), rows, H, L.o_bias);
-    for (int64_t i = 0; i < rows * H; ++i) x[i] += o[i];
-    cpu::RmsNorm(x.data(), rows, H, L.post_norm.data(), eps, h.data());
-    std::fill(o.begin(), o.end(), 0.0f);
-    if (c.moe) {
-      Moe(L, h.data(), rows, o.data());
-    } else {
-      Mlp(L, h.data(), rows, o.data());
-    }
-    RETURN_IF_ERROR(AllReduce(o.data(), o.size()));  // row-parallel down_proj / expert outputs
-    for (int64_t i = 0; i < rows * H; ++i) x[i] += o[i];
-  }
-  for (SequenceChunk& ch : chunks) ch.kv->length += static_cast<int64_t>(ch.tokens.size());
-
-  if (!last_stage()) {
-    out = std::move(x);
-    return absl::OkStatus();
-  }
-  // Vocab-parallel LM head on each sequence's last row: this rank's slice of the logits.
-  const int64_t S = static_cast<int64_t>(chunks.size());
-  std::vector<float> last(S * H), normed(S * H);
-  for (int64_t s = 0; s < S; ++s) std::copy_n(x.data() + last_row[s] * H, H, last.data() + s * H);
-  cpu::RmsNorm(last.data(), S, H, final_norm_.data(), eps, normed.data());
-  out.assign(S * logits_stride(), 0.0f);
-  cpu::MatMul(lm_head_, normed.data(), S, H, out.data(), logits_stride(), *pool_);
+absl::Status Transformer::HiddenFromHost(const float* hidden, int64_t rows) {
+  const size_t bytes = static_cast<size_t>(rows * config_.hidden_size) * sizeof(float);
+  RETURN_IF_ERROR(buf_.x->Reserve(bytes));
+  RETURN_IF_ERROR(backend_->CopyFromHost(buf_.x->data(), hidden, bytes));
+  input_rows_ = rows;
   return absl::OkStatus();
 }
 
-void Transformer::Attention(const Layer& layer, int64_t li, const std::vector<int64_t>& row_pos,
-                            const std::vector<const SequenceKv*>& row_seq, const float* q,
-                            float* out, KvCache& cache) {
-  const ModelConfig& c = config_;
-  const int64_t rows = static_cast<int64_t>(row_pos.size());
-  const int64_t hd = c.head_dim, group = c.num_heads / c.num_kv_heads, bs = cache.block_size();
-  const int64_t qd = heads_ * hd, head0 = options_.tp_rank * heads_;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  pool_->ParallelFor(rows * heads_, 1, [&](int, int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const float*> k_blocks, v_blocks;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / heads_, head = item % heads_;
-      const int64_t kh = (head0 + head) / group - kv_head_begin_;  // local KV head
-      const int64_t len = row_pos[r] + 1;  // causal: attend to positions [0, pos]
-      const SequenceKv& seq = *row_seq[r];
-      const int64_t nblocks = cache.BlocksFor(len);
-      k_blocks.resize(nblocks);
-      v_blocks.resize(nblocks);
-      for (int64_t b = 0; b < nblocks; ++b) {
-        k_blocks[b] = cache.K(li, seq.blocks[b], kh);
-        v_blocks[b] = cache.V(li, seq.blocks[b], kh);
-      }
-      scores.resize(len);
-      cpu::AttendHead(q + r * qd + head * hd, k_blocks.data(), v_blocks.data(), bs, hd, len, scale,
-                      scores.data(), out + r * qd + head * hd);
-    }
-  });
+absl::Status Transformer::ReceiveHidden(Communicator& link, int peer, int64_t rows) {
+  const size_t bytes = static_cast<size_t>(rows * config_.hidden_size) * sizeof(float);
+  RETURN_IF_ERROR(buf_.x->Reserve(bytes));
+  RETURN_IF_ERROR(link.Recv(buf_.x->data(), bytes, peer));
+  input_rows_ = rows;
+  return absl::OkStatus();
 }
 
-void Transformer::Mlp(const Layer& L, const float* h, int64_t rows, float* out) {
-  const int64_t H = config_.hidden_size, I = inter_;
-  std::vector<float> g(rows * I), u(rows * I);
-  cpu::MatMul(L.gate, h, rows, H, g.data(), I, *pool_);
-  cpu::MatMul(L.up, h, rows, H, u.data(), I, *pool_);
-  cpu::SiluMul(g.data(), u.data(), rows * I, *pool_);
-  cpu::MatMul(L.down, g.data(), rows, I, out, H, *pool_);
-}
-
-void Transformer::Moe(const Layer& L, const float* h, int64_t rows, float* out) {
+absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  rows_ = seqs_ = 0;
+  const int64_t input_rows = std::exchange(input_rows_, -1);
   const ModelConfig& c = config_;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts;
-  const int64_t top_k = c.experts_per_token;
-  std::vector<float> router(rows * E);
-  cpu::MatMul(L.router, h, rows, H, router.data(), E, *pool_);
-  const auto assigned = RouteExperts(router.data(), rows, E, top_k);
-  std::vector<float> in, g, u, d;
-  for (int64_t e = expert_begin_; e < expert_end_; ++e) {  // this rank's experts only
-    const auto& rows_e = assigned[e];
-    if (rows_e.empty()) continue;
-    const int64_t n = static_cast<int64_t>(rows_e.size());
-    in.resize(n * H);
-    g.resize(n * I);
-    u.resize(n * I);
-    d.resize(n * H);
-    for (int64_t j = 0; j < n; ++j) std::copy_n(h + rows_e[j].first * H, H, in.data() + j * H);
-    const Expert& ex = L.experts[e];
-    cpu::MatMul(ex.gate, in.data(), n, H, g.data(), I, *pool_);
-    cpu::MatMul(ex.up, in.data(), n, H, u.data(), I, *pool_);
-    cpu::SiluMul(g.data(), u.data(), n * I, *pool_);
-    cpu::MatMul(ex.down, g.data(), n, I, d.data(), H, *pool_);
-    for (int64_t j = 0; j < n; ++j) {
-      cpu::Axpy(rows_e[j].second, d.data() + j * H, out + rows_e[j].first * H, H);
-    }
+  const int64_t H = c.hidden_size, hd = c.head_dim;
+  int64_t rows = 0;
+  for (const SequenceChunk& ch : chunks) rows += static_cast<int64_t>(ch.tokens.size());
+  if (!first_stage() && input_rows != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a stage after the first needs the hidden states of its ", rows,
+                     " rows (given: ", std::max<int64_t>(input_rows, 0), ")"));
   }
+  ASSIGN_OR_RETURN(const BatchLayout batch, PrepareBatch(chunks, cache));
+  const int64_t max_len = batch.max_len;
+  RETURN_IF_ERROR(Put(*m.ids, batch.ids));
+  RETURN_IF_ERROR(Put(*m.pos, batch.positions));
+  RETURN_IF_ERROR(Put(*m.table, batch.blocks));
+  RETURN_IF_ERROR(Put(*m.offsets, batch.block_offset));
+  const size_t x_bytes = static_cast<size_t>(rows * H) * sizeof(float);
+  RETURN_IF_ERROR(m.x->Reserve(x_bytes));
+  RETURN_IF_ERROR(m.h->Reserve(x_bytes));
+  if (first_stage()) {
+    RETURN_IF_ERROR(
+        be.Embed(embed_, Ptr<int32_t>(m.ids), rows, vocab_begin_, vocab_end_, Ptr<float>(m.x)));
+    RETURN_IF_ERROR(AllReduce(Ptr<float>(m.x), rows * H));
+  }
+
+  const int64_t group = c.num_heads / c.num_kv_heads, head0 = options_.tp_rank * heads_;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  RETURN_IF_ERROR(m.attn->Reserve(static_cast<size_t>(rows * heads_ * hd) * sizeof(float)));
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& L = layers_[li];
+    RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), rows, H, L.input_norm, eps, Ptr<float>(m.h)));
+    RETURN_IF_ERROR(Gemm(L.q, *m.h, rows, *m.q));
+    RETURN_IF_ERROR(Gemm(L.k, *m.h, rows, *m.k));
+    RETURN_IF_ERROR(Gemm(L.v, *m.h, rows, *m.v));
+    if (L.q_bias != nullptr) {
+      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.q), rows, heads_ * hd, L.q_bias));
+      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.k), rows, kv_heads_ * hd, L.k_bias));
+      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.v), rows, kv_heads_ * hd, L.v_bias));
+    }
+    RETURN_IF_ERROR(be.Rope(Ptr<float>(m.q), rows, heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
+    RETURN_IF_ERROR(be.Rope(Ptr<float>(m.k), rows, kv_heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
+    const KvStorage& kv = *cache.storage();
+    RETURN_IF_ERROR(be.WriteKv(kv, li, Ptr<float>(m.k), Ptr<float>(m.v), rows, Ptr<int32_t>(m.pos),
+                               Ptr<int32_t>(m.table), Ptr<int32_t>(m.offsets)));
+    RETURN_IF_ERROR(be.Attention(kv, li, Ptr<float>(m.q), rows, heads_, head0, group,
+                                 kv_head_begin_, Ptr<int32_t>(m.pos), Ptr<int32_t>(m.table),
+                                 Ptr<int32_t>(m.offsets), max_len, scale, Ptr<float>(m.attn)));
+    // Row-parallel o_proj: partial sums over this rank's heads, then one all-reduce.
+    RETURN_IF_ERROR(Gemm(L.o, *m.attn, rows, *m.o));
+    RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));
+    if (L.o_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.o), rows, H, L.o_bias));
+    RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
+    RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), rows, H, L.post_norm, eps, Ptr<float>(m.h)));
+    RETURN_IF_ERROR(c.moe ? Moe(L, rows) : Mlp(L, rows));
+    RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));  // row-parallel down / experts
+    RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
+  }
+  for (SequenceChunk& ch : chunks) ch.kv->length += static_cast<int64_t>(ch.tokens.size());
+  rows_ = rows;
+  seqs_ = static_cast<int64_t>(chunks.size());
+  if (!last_stage()) return absl::OkStatus();
+  // Vocab-parallel LM head on each sequence's last row: this rank's slice of the logits.
+  const int64_t S = seqs_;
+  RETURN_IF_ERROR(Put(*m.last, batch.last_row));
+  RETURN_IF_ERROR(m.in->Reserve(static_cast<size_t>(S * H) * sizeof(float)));
+  RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), S, Ptr<float>(m.in)));
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.in), S, H, final_norm_, eps, Ptr<float>(m.h)));
+  return Gemm(lm_head_, *m.h, S, *m.logits);
+}
+
+absl::Status Transformer::Mlp(const Layer& L, int64_t rows) {
+  Buffers& m = buf_;
+  RETURN_IF_ERROR(Gemm(L.gate, *m.h, rows, *m.g));
+  RETURN_IF_ERROR(Gemm(L.up, *m.h, rows, *m.u));
+  RETURN_IF_ERROR(backend_->SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), rows * L.gate.rows));
+  return Gemm(L.down, *m.g, rows, *m.o);
+}
+
+absl::Status Transformer::Moe(const Layer& L, int64_t rows) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, k = c.experts_per_token, slots = rows * k;
+  RETURN_IF_ERROR(Gemm(L.router, *m.h, rows, *m.router));
+  RETURN_IF_ERROR(m.routes->Reserve(static_cast<size_t>(slots) * sizeof(int32_t)));
+  RETURN_IF_ERROR(m.route_weights->Reserve(static_cast<size_t>(slots) * sizeof(float)));
+  RETURN_IF_ERROR(be.RouteTopK(Ptr<float>(m.router), rows, c.num_experts, k, Ptr<int32_t>(m.routes),
+                               Ptr<float>(m.route_weights)));
+  RETURN_IF_ERROR(m.o->Reserve(static_cast<size_t>(rows * H) * sizeof(float)));
+  const bool tables = L.gate_table.count > 0 && L.up_table.count > 0 && L.down_table.count > 0;
+  if (!be.per_slot_experts() || !tables || slots > L.gate_table.count) return MoeGrouped(L, rows);
+  // Decode: one matrix-vector product per (row, chosen expert), experts read in place.
+  const int64_t I = L.gate_table.rows;
+  RETURN_IF_ERROR(m.g->Reserve(static_cast<size_t>(slots * I) * sizeof(float)));
+  RETURN_IF_ERROR(m.u->Reserve(static_cast<size_t>(slots * I) * sizeof(float)));
+  RETURN_IF_ERROR(m.d->Reserve(static_cast<size_t>(slots * H) * sizeof(float)));
+  const int32_t* e = Ptr<int32_t>(m.routes);
+  RETURN_IF_ERROR(be.ExpertMatVec(L.gate_table, e, slots, Ptr<float>(m.h), k, Ptr<float>(m.g)));
+  RETURN_IF_ERROR(be.ExpertMatVec(L.up_table, e, slots, Ptr<float>(m.h), k, Ptr<float>(m.u)));
+  RETURN_IF_ERROR(be.SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), slots * I));
+  RETURN_IF_ERROR(be.ExpertMatVec(L.down_table, e, slots, Ptr<float>(m.g), 1, Ptr<float>(m.d)));
+  return be.CombineSlots(Ptr<float>(m.d), Ptr<float>(m.route_weights), rows, k, H, Ptr<float>(m.o));
+}
+
+// The routes come to the host (rows * k ids and weights) to group the rows of each local expert,
+// which then run as one Gemm each.
+absl::Status Transformer::MoeGrouped(const Layer& L, int64_t rows) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, k = c.experts_per_token;
+  std::vector<int32_t> experts(rows * k);
+  std::vector<float> weight(rows * k);
+  RETURN_IF_ERROR(
+      be.CopyToHost(experts.data(), m.routes->data(), experts.size() * sizeof(int32_t)));
+  RETURN_IF_ERROR(
+      be.CopyToHost(weight.data(), m.route_weights->data(), weight.size() * sizeof(float)));
+  std::vector<std::vector<int32_t>> ids(c.num_experts);
+  std::vector<std::vector<float>> w(c.num_experts);
+  for (int64_t i = 0; i < rows * k; ++i) {
+    ids[experts[i]].push_back(static_cast<int32_t>(i / k));
+    w[experts[i]].push_back(weight[i]);
+  }
+  RETURN_IF_ERROR(be.Zero(m.o->data(), static_cast<size_t>(rows * H) * sizeof(float)));
+  for (int64_t e = expert_begin_; e < expert_end_; ++e) {
+    if (ids[e].empty()) continue;
+    const int64_t n = static_cast<int64_t>(ids[e].size());
+    RETURN_IF_ERROR(Put(*m.sel, ids[e]));
+    RETURN_IF_ERROR(Put(*m.weights, w[e]));
+    RETURN_IF_ERROR(m.in->Reserve(static_cast<size_t>(n * H) * sizeof(float)));
+    RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.h), H, Ptr<int32_t>(m.sel), n, Ptr<float>(m.in)));
+    const Expert& x = L.experts[e - expert_begin_];
+    RETURN_IF_ERROR(Gemm(x.gate, *m.in, n, *m.g));
+    RETURN_IF_ERROR(Gemm(x.up, *m.in, n, *m.u));
+    RETURN_IF_ERROR(be.SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), n * x.gate.rows));
+    RETURN_IF_ERROR(Gemm(x.down, *m.g, n, *m.d));
+    RETURN_IF_ERROR(be.ScaleAddRows(Ptr<float>(m.d), H, Ptr<int32_t>(m.sel), Ptr<float>(m.weights),
+                                    n, Ptr<float>(m.o)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::HiddenToHost(std::vector<float>& out) {
+  out.resize(rows_ * config_.hidden_size);
+  return backend_->CopyToHost(out.data(), buf_.x->data(), out.size() * sizeof(float));
+}
+
+absl::Status Transformer::SendHidden(Communicator& link, int peer) {
+  return link.Send(buf_.x->data(), static_cast<size_t>(rows_ * config_.hidden_size) * sizeof(float),
+                   peer);
+}
+
+absl::Status Transformer::LogitsToHost(std::vector<float>& out) {
+  const int64_t N = lm_head_.rows, ld = logits_stride();
+  out.assign(seqs_ * ld, 0.0f);
+  return backend_->Copy2D(out.data(), ld * sizeof(float), buf_.logits->data(), N * sizeof(float),
+                          N * sizeof(float), seqs_);
+}
+
+absl::StatusOr<std::vector<SampledToken>> Transformer::Greedy(int64_t top_logprobs,
+                                                              Communicator* tp_group) {
+  const int64_t N = lm_head_.rows;
+  std::vector<float> mine(seqs_ * SummaryWidth(top_logprobs));
+  RETURN_IF_ERROR(backend_->VocabSummaries(Ptr<float>(buf_.logits), seqs_, N, N, vocab_begin_,
+                                           SummaryCandidates(top_logprobs), mine.data()));
+  return GreedyFromSummaries(mine, seqs_, top_logprobs, tp_group);
+}
+
+absl::StatusOr<const float*> Transformer::FullLogits() {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  if (options_.tp_size == 1) return Ptr<float>(m.logits);  // the slice is the vocabulary
+  // Every rank's slice, padded to the stride, to every rank; then the rows of the vocabulary.
+  const int64_t S = seqs_, V = config_.vocab_size, N = lm_head_.rows;
+  const int64_t T = options_.tp_size, ld = logits_stride();
+  const size_t slice = static_cast<size_t>(S * ld) * sizeof(float);
+  RETURN_IF_ERROR(m.padded->Reserve(slice));
+  RETURN_IF_ERROR(m.gathered->Reserve(T * slice));
+  RETURN_IF_ERROR(m.full->Reserve(static_cast<size_t>(S * V) * sizeof(float)));
+  RETURN_IF_ERROR(be.Copy2D(m.padded->data(), ld * sizeof(float), m.logits->data(),
+                            N * sizeof(float), N * sizeof(float), S));
+  RETURN_IF_ERROR(
+      options_.tp_comm->AllGather(Ptr<float>(m.padded), S * ld, Ptr<float>(m.gathered)));
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t v0 = V * t / T, n = V * (t + 1) / T - v0;
+    RETURN_IF_ERROR(be.Copy2D(Ptr<float>(m.full) + v0, V * sizeof(float),
+                              Ptr<float>(m.gathered) + t * S * ld, ld * sizeof(float),
+                              n * sizeof(float), S));
+  }
+  return Ptr<float>(m.full);
+}
+
+absl::StatusOr<std::vector<SampledToken>> Transformer::Sample(const std::vector<Sampler*>& samplers,
+                                                              int64_t top_logprobs) {
+  ASSIGN_OR_RETURN(const float* logits, FullLogits());
+  if (samplers.empty()) return std::vector<SampledToken>();
+  const int64_t S = seqs_, V = config_.vocab_size;
+  if (static_cast<int64_t>(samplers.size()) != S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(samplers.size(), " generators for ", S, " sequences"));
+  }
+  std::vector<SampleSpec> specs(S);
+  for (int64_t s = 0; s < S; ++s) {
+    if (samplers[s] != nullptr) specs[s] = samplers[s]->NextSpec();  // null: greedy, unused
+  }
+  const int64_t K = std::min(top_logprobs, V);
+  std::vector<int32_t> ids(S), top_ids(S * K);
+  std::vector<float> lps(S), top_lps(S * K);
+  RETURN_IF_ERROR(backend_->SampleRows(logits, S, V, specs.data(), K, ids.data(), lps.data(),
+                                       top_ids.data(), top_lps.data()));
+  std::vector<SampledToken> out(S);
+  for (int64_t s = 0; s < S; ++s) {
+    out[s] = {ids[s], lps[s], {}};
+    for (int64_t j = 0; j < K; ++j) out[s].top.push_back({top_ids[s * K + j], top_lps[s * K + j]});
+  }
+  return out;
+}
+
+absl::Status Transformer::ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                                       const float* hidden_in, std::vector<float>& out) {
+  if (!first_stage()) {
+    if (hidden_in == nullptr) {
+      return absl::InvalidArgumentError("a stage after the first needs hidden states");
+    }
+    int64_t rows = 0;
+    for (const SequenceChunk& ch : chunks) rows += static_cast<int64_t>(ch.tokens.size());
+    RETURN_IF_ERROR(HiddenFromHost(hidden_in, rows));
+  }
+  RETURN_IF_ERROR(Run(chunks, cache));
+  return last_stage() ? LogitsToHost(out) : HiddenToHost(out);
+}
+
+absl::Status Transformer::Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                                  std::vector<float>& logits) {
+  if (!first_stage() || !last_stage()) {
+    return absl::FailedPreconditionError("Forward runs a whole model; a stage uses ForwardStage");
+  }
+  RETURN_IF_ERROR(Run(chunks, cache));
+  return GatherLogits(logits);
+}
+
+absl::Status Transformer::GatherLogits(std::vector<float>& logits) {
+  ASSIGN_OR_RETURN(const float* full, FullLogits());
+  logits.resize(seqs_ * config_.vocab_size);
+  return backend_->CopyToHost(logits.data(), full, logits.size() * sizeof(float));
 }
 
 }  // namespace shardserve

@@ -1,11 +1,16 @@
 #pragma once
-// The Llama-family / Mixtral transformer on the CPU backend. Weights are views into the mapped
-// safetensors files (never copied, except the small norm vectors and biases, held as F32).
+// The Llama-family / Mixtral / Qwen2 transformer, written once over the backend seam
+// (backend/backend.h): the CPU backend runs it in host memory with the weights left in the mapped
+// safetensors files; the CUDA backend with weights, activations and the KV cache on the device.
+// Loading validates every tensor on the host and hands this rank's slices to the backend, which
+// uses the mapped views (CPU) or copies them (GPU, after which the mapped pages leave the
+// process's resident memory and the column slices read for it are freed).
 //
-// Forward() runs a flattened batch: several sequences, each contributing a chunk of new tokens
-// (a whole prompt for prefill, one token for decode) at its own position; it writes the chunk's
-// K/V into the block KV cache and returns the logits of each sequence's last new token.
-// Not thread-safe: one Forward at a time (it parallelizes internally over the pool).
+// A step is Run() and then one of its outputs, all of which stay in backend memory until asked
+// for. Per step only the batch layout goes to the backend (token ids, positions, block tables),
+// and only the choice of the next tokens comes back: the greedy summaries (2 + 2K floats a
+// sequence) or the sampled ids and log-probabilities. Not thread-safe: one step at a time (the
+// backend parallelizes internally).
 //
 // Sharded (DESIGN.md §5): one instance is one rank. Tensor parallelism (Megatron) over the
 // stage's TP group: q/k/v and gate/up column-parallel (output rows split), o_proj and down_proj
@@ -13,20 +18,20 @@
 // heads split (KV heads replicated when the group outnumbers them); Mixtral experts split across
 // the group (one all-reduce of the MoE output); embedding and LM head vocab-parallel. Pipeline
 // parallelism: the rank runs layers [layer_begin, layer_end); the first stage embeds tokens, the
-// others take hidden states; the last stage produces logits, the others hidden states.
+// others take hidden states; the last stage produces logits, the others hidden states. The TP
+// communicator takes pointers in the backend's memory (host: the shared-memory group; GPU: NCCL).
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "backend/cpu/kernels.h"
+#include "backend/backend.h"
 #include "comm/communicator.h"
-#include "common/thread_pool.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
-#include "model/rope.h"
 #include "model/safetensors.h"
+#include "model/sampler.h"
 
 namespace shardserve {
 
@@ -35,32 +40,18 @@ struct SequenceChunk {
   SequenceKv* kv = nullptr;     // positions [kv->length, kv->length + tokens.size()) are new
 };
 
-// A batch of chunks, validated and with its cache blocks reserved: for each new token (row), its
-// position and sequence, and each chunk's last row.
-struct PreparedBatch {
-  int64_t rows = 0;
-  std::vector<int64_t> row_pos;
-  std::vector<const SequenceKv*> row_seq;
-  std::vector<int64_t> last_row;
+// A batch of chunks, validated and with its cache blocks reserved, laid out for the backend's
+// ops: each new token (row) has its id, its position and the offset of its sequence's block table
+// in `blocks`; each chunk's last row; max_len bounds every row's position + 1.
+struct BatchLayout {
+  int64_t rows = 0, max_len = 0;
+  std::vector<int32_t> ids, positions, blocks, block_offset, last_row;
 };
-
-// Top-k MoE routing of `rows` router logit rows (E experts each): for each expert, the rows sent
-// to it and their weights (softmax over the row's top-k logits; ties to the lower expert).
-std::vector<std::vector<std::pair<int64_t, float>>> RouteExperts(const float* router, int64_t rows,
-                                                                 int64_t E, int64_t top_k);
-
-// Gathers a TP group's vocab-parallel logit slices (`local`: rows x stride floats, stride =
-// ceil(V / T); rank m holds ids [V*m/T, V*(m+1)/T)) into rows x V full logits on every rank.
-// `comm` takes host pointers; null when T is 1.
-absl::Status GatherVocabSlices(const std::vector<float>& local, int64_t rows, int64_t V, int T,
-                               Communicator* comm, std::vector<float>& logits);
-
-class CudaTransformer;
 
 class Transformer {
  public:
   struct Options {
-    int num_threads = 1;
+    int num_threads = 1;  // of the CPU backend Load makes when given none
     int tp_size = 1;
     int tp_rank = 0;
     Communicator* tp_comm = nullptr;  // the stage's TP group; required when tp_size > 1
@@ -69,34 +60,63 @@ class Transformer {
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
-  // does not split over tp_size names the dimension and both numbers.
+  // does not split over tp_size names the dimension and both numbers. `backend` runs the model;
+  // null: the CPU backend with options.num_threads threads.
   static absl::StatusOr<std::unique_ptr<Transformer>> Load(const std::string& model_dir,
-                                                           const Options& options);
+                                                           const Options& options,
+                                                           std::unique_ptr<Backend> backend = {});
+  ~Transformer();
 
   const ModelConfig& config() const { return config_; }
-  size_t weight_bytes() const { return weights_->total_bytes(); }
-  ThreadPool& pool() { return *pool_; }
+  Backend& backend() { return *backend_; }
+  size_t weight_bytes() const { return weights_->total_bytes(); }  // of the model's files
 
-  // A cache sized for `positions` total positions across all sequences.
-  std::unique_ptr<KvCache> NewKvCache(int64_t positions, int64_t block_size = 16) const;
+  // A cache sized for `positions` total positions across all sequences, its storage in the
+  // backend; a model may have several.
+  absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int64_t positions, int64_t block_size = 16);
+  // Bytes of KV storage one cache block takes on this rank.
+  size_t kv_block_bytes(int64_t block_size = 16) const;
 
-  // Runs the chunks; logits gets chunks.size() × vocab_size floats. Reserves cache blocks for the
-  // new positions (ResourceExhausted if the cache is full; nothing is written then) and advances
-  // every kv->length. Token ids outside the vocabulary and positions beyond the context are
-  // InvalidArgument.
-  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
-                       std::vector<float>& logits);
-  // One pipeline stage: the first stage embeds the chunks' tokens, the others read `hidden_in`
-  // (one row of hidden_size floats per new token, in chunk order). The last stage writes this
-  // rank's vocab-parallel logits to `out`: chunks.size() rows of logits_stride() floats whose
-  // first vocab_end() - vocab_begin() are ids [vocab_begin(), vocab_end()); the other stages
-  // write the hidden states for the next stage.
+  // The input of a stage after the first: the previous stage's rows x hidden floats, from host
+  // memory or received from member `peer` of `link` (a communicator on backend memory).
+  absl::Status HiddenFromHost(const float* hidden, int64_t rows);
+  absl::Status ReceiveHidden(Communicator& link, int peer, int64_t rows);
+  // Runs this rank's layers on a batch: the first stage embeds the chunks' tokens, a later one
+  // takes the input given just before for as many rows (one row of hidden_size floats per new
+  // token, in chunk order). Reserves cache blocks for the new positions (ResourceExhausted if the
+  // cache is full; nothing is written then) and advances every kv->length. Token ids outside the
+  // vocabulary and positions beyond the context are InvalidArgument.
+  absl::Status Run(std::vector<SequenceChunk>& chunks, KvCache& cache);
+  // After Run on a stage before the last: its hidden states to host memory, or sent to member
+  // `peer` of `link`.
+  absl::Status HiddenToHost(std::vector<float>& out);
+  absl::Status SendHidden(Communicator& link, int peer);
+  // After Run on the last stage: this rank's vocab-parallel slice of each sequence's logits:
+  // chunks.size() rows of logits_stride() floats whose first vocab_end() - vocab_begin() are ids
+  // [vocab_begin(), vocab_end()).
+  absl::Status LogitsToHost(std::vector<float>& out);
+  // After Run on the last stage, every rank of the TP group: each sequence's greedy token, its
+  // log-probability and top_logprobs alternatives. tp_group exchanges the summaries (host
+  // pointers; null for one rank).
+  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs, Communicator* tp_group);
+  // After Run on the last stage, every rank of the TP group (the logits are gathered over the TP
+  // communicator, so that a seed gives the same tokens at every TP size): on the rank that holds
+  // the sequences' generators (samplers[s], null for a sequence not sampled now) each sequence's
+  // token sampled with its parameters and generator, as Sampler::Sample would; other ranks pass
+  // an empty vector and get one back.
+  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
+                                                   int64_t top_logprobs);
+
+  // After Run on the last stage, every rank of the TP group: each sequence's full logits
+  // (seqs x vocab_size, host), gathered over the TP communicator; identical on every rank.
+  absl::Status GatherLogits(std::vector<float>& logits);
+  // Run on host memory: `hidden_in` is a later stage's input; `out` gets LogitsToHost's or
+  // HiddenToHost's output.
   absl::Status ForwardStage(std::vector<SequenceChunk>& chunks, KvCache& cache,
                             const float* hidden_in, std::vector<float>& out);
-  // Gathers the TP group's logit slices (`local` from ForwardStage, `rows` rows) into
-  // rows x vocab_size full logits, identical on every rank. Every rank of the group must call it.
-  absl::Status GatherLogits(const std::vector<float>& local, int64_t rows,
-                            std::vector<float>& logits);
+  // Run, then GatherLogits: a whole model (first and last stage).
+  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
+                       std::vector<float>& logits);
   int64_t vocab_begin() const { return vocab_begin_; }
   int64_t vocab_end() const { return vocab_end_; }
   int64_t logits_stride() const {
@@ -112,43 +132,55 @@ class Transformer {
   size_t shard_weight_bytes() const { return shard_bytes_; }
   size_t stage_weight_bytes() const { return stage_bytes_; }
 
+ private:
   // Validates the chunks (non-empty, ids in the vocabulary, within the context), checks the
   // cache has room (ResourceExhausted, nothing taken), then reserves it and lays out the rows.
-  // Every backend's ForwardStage starts here.
-  absl::StatusOr<PreparedBatch> PrepareBatch(std::vector<SequenceChunk>& chunks,
-                                             KvCache& cache) const;
-
- private:
-  friend class CudaTransformer;  // uploads this rank's weight slices to the device
+  absl::StatusOr<BatchLayout> PrepareBatch(std::vector<SequenceChunk>& chunks,
+                                           KvCache& cache) const;
+  // The weights as the backend holds them.
   struct Expert {
-    cpu::WeightMatrix gate, up, down;
+    WeightMatrix gate, up, down;
   };
   struct Layer {
-    std::vector<float> input_norm, post_norm;
-    cpu::WeightMatrix q, k, v, o;
-    std::vector<float> q_bias, k_bias, v_bias, o_bias;  // empty when absent
-    cpu::WeightMatrix gate, up, down;                   // dense MLP
-    cpu::WeightMatrix router;                           // MoE
-    std::vector<Expert> experts;
+    const float *input_norm = nullptr, *post_norm = nullptr;
+    WeightMatrix q, k, v, o;
+    const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr;  // null when absent
+    const float* o_bias = nullptr;
+    WeightMatrix gate, up, down;  // dense MLP
+    WeightMatrix router;          // MoE
+    std::vector<Expert> experts;  // this rank's, from expert_begin_
+    // The experts' projections for Backend::ExpertMatVec; count 0 unless they share a dtype.
+    ExpertTable gate_table, up_table, down_table;
+  };
+  // Backend memory, grown as batches grow.
+  struct Buffers {
+    std::unique_ptr<Buffer> x, h, q, k, v, attn, o, g, u, d, in, router, ids, pos, table, offsets,
+        sel, weights, routes, route_weights, last, logits, padded, gathered, full;
   };
 
-  Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights, const Options& options);
+  Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights, const Options& options,
+              std::unique_ptr<Backend> backend);
   absl::Status CheckSplit() const;
   absl::Status BindWeights();
   // Rows [begin, end) of a weight matrix: a view into the mapping (contiguous, so only those
-  // pages ever become resident).
-  cpu::WeightMatrix Rows(const TensorView& t, int64_t begin, int64_t end);
+  // pages ever become resident), in the backend.
+  absl::StatusOr<WeightMatrix> Rows(const TensorView& t, int64_t begin, int64_t end);
   // Columns [begin, end): strided, so a view would make every page of the matrix resident; a
-  // proper slice is read into memory this object owns instead.
-  absl::StatusOr<cpu::WeightMatrix> Cols(const TensorView& t, int64_t begin, int64_t end);
-  std::vector<float> VectorSlice(const TensorView& t, int64_t begin, int64_t end);
+  // proper slice is read into host memory (kept while the backend uses it) instead.
+  absl::StatusOr<WeightMatrix> Cols(const TensorView& t, int64_t begin, int64_t end);
+  // Elements [begin, end) of a vector, as F32 in the backend (null when t is absent).
+  absl::StatusOr<const float*> VectorSlice(const TensorView& t, int64_t begin, int64_t end);
+  absl::StatusOr<ExpertTable> TableOf(const std::vector<const WeightMatrix*>& mats);
   absl::Status AllReduce(float* data, size_t count);
-  void Attention(const Layer& layer, int64_t layer_index, const std::vector<int64_t>& row_pos,
-                 const std::vector<const SequenceKv*>& row_seq, const float* q, float* out,
-                 KvCache& cache);
-  // Add this rank's partial MLP / MoE output for `rows` rows of h to out (zeroed by the caller).
-  void Mlp(const Layer& layer, const float* h, int64_t rows, float* out);
-  void Moe(const Layer& layer, const float* h, int64_t rows, float* out);
+  absl::Status Gemm(const WeightMatrix& w, const Buffer& x, int64_t M, Buffer& y);
+  template <typename T>
+  absl::Status Put(Buffer& b, const std::vector<T>& v);
+  // Add this rank's MLP / MoE output for `rows` rows of h to o (which they overwrite).
+  absl::Status Mlp(const Layer& L, int64_t rows);
+  absl::Status Moe(const Layer& L, int64_t rows);
+  absl::Status MoeGrouped(const Layer& L, int64_t rows);
+  // The last Run's full logits (seqs x vocab_size) in backend memory, gathered over the TP group.
+  absl::StatusOr<const float*> FullLogits();
 
   ModelConfig config_;
   Options options_;
@@ -160,11 +192,15 @@ class Transformer {
   size_t shard_bytes_ = 0, stage_bytes_ = 0;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // column slices read from the files
   std::unique_ptr<WeightStore> weights_;
-  std::unique_ptr<ThreadPool> pool_;
-  Rope rope_;
-  cpu::WeightMatrix embed_, lm_head_;
-  std::vector<float> final_norm_;
+  std::unique_ptr<Backend> backend_;
+  std::vector<std::unique_ptr<Buffer>> tables_;  // the experts' pointer arrays
+  WeightMatrix embed_, lm_head_;
+  const float *final_norm_ = nullptr, *inv_freq_ = nullptr;
   std::vector<Layer> layers_;
+  Buffers buf_;
+  // The last Run: its rows and sequences (the rows of `logits` on the last stage); the rows of
+  // the input in x (-1: none given).
+  int64_t rows_ = 0, seqs_ = 0, input_rows_ = -1;
 };
 
 }  // namespace shardserve

@@ -2,38 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
+#include "backend/cpu/kernels.h"
 #include "common/status.h"
 
 namespace shardserve {
 
-namespace {
-bool Better(float la, int64_t ia, float lb, int64_t ib) { return la > lb || (la == lb && ia < ib); }
-}  // namespace
-
 std::vector<float> VocabSummaries(const float* local, int64_t S, int64_t ld, int64_t vocab_begin,
                                   int64_t vocab_end, int64_t top_logprobs) {
   const int64_t K = SummaryCandidates(top_logprobs), width = SummaryWidth(top_logprobs);
-  const int64_t n = vocab_end - vocab_begin;
-  std::vector<float> mine(S * width, -INFINITY);
-  std::vector<int64_t> order(n);
-  for (int64_t s = 0; s < S && n > 0; ++s) {
-    const float* row = local + s * ld;
-    float* rec = mine.data() + s * width;
-    const float mx = *std::max_element(row, row + n);
-    double sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(row[i] - mx));
-    rec[0] = mx;
-    rec[1] = static_cast<float>(sum);
-    const int64_t k = std::min(K, n);
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return Better(row[a], a, row[b], b); });
-    for (int64_t j = 0; j < k; ++j) {
-      rec[2 + 2 * j] = row[order[j]];
-      rec[3 + 2 * j] = static_cast<float>(vocab_begin + order[j]);  // ids < 2^24 are exact
-    }
+  std::vector<float> mine(S * width);
+  for (int64_t s = 0; s < S; ++s) {
+    cpu::VocabSummary(local + s * ld, vocab_end - vocab_begin, vocab_begin, K,
+                      mine.data() + s * width);
   }
   return mine;
 }
@@ -67,7 +48,7 @@ absl::StatusOr<std::vector<SampledToken>> GreedyFromSummaries(const std::vector<
     }
     if (cand.empty()) return absl::InternalError("no vocabulary slice holds a logit");
     std::sort(cand.begin(), cand.end(), [&](const auto& a, const auto& b) {
-      return Better(a.first, a.second, b.first, b.second);
+      return a.first > b.first || (a.first == b.first && a.second < b.second);  // ties: lower id
     });
     const float log_z = gmax + static_cast<float>(std::log(z));
     out[s].id = static_cast<int32_t>(cand[0].second);

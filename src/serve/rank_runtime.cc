@@ -55,7 +55,7 @@ class Rank : public StepExecutor {
 
   absl::Status Init();
   absl::Status Follow();
-  const StageModel& model() const { return *model_; }
+  const Transformer& model() const { return *model_; }
   LeaderContext Context();
   // This rank gives up: every peer, over both communicators, learns the cause before the
   // connections close, so all ranks report the rank that actually failed.
@@ -79,9 +79,19 @@ class Rank : public StepExecutor {
   // tp_rank 0 (every step has one, possibly empty) and nothing elsewhere.
   absl::StatusOr<std::optional<StepResult>> ProcessStep(const StepDesc& step);
   int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
-  StageLinks Links() const {
-    return {mesh_.get(), world_.PrevStageRank(), world_.NextStageRank(), backend_->device_prev(),
-            backend_->device_next()};
+  // Hidden states from the previous stage and to the next: device to device over the backend's
+  // link where there is one, through host memory over the mesh otherwise.
+  absl::Status ReceiveHidden(int64_t rows) {
+    if (Communicator* link = backend_->device_prev()) return model_->ReceiveHidden(*link, 0, rows);
+    hidden_.resize(rows * model_->config().hidden_size);
+    RETURN_IF_ERROR(
+        mesh_->Recv(hidden_.data(), hidden_.size() * sizeof(float), *world_.PrevStageRank()));
+    return model_->HiddenFromHost(hidden_.data(), rows);
+  }
+  absl::Status PassHidden() {
+    if (Communicator* link = backend_->device_next()) return model_->SendHidden(*link, 1);
+    RETURN_IF_ERROR(model_->HiddenToHost(hidden_));
+    return mesh_->Send(hidden_.data(), hidden_.size() * sizeof(float), *world_.NextStageRank());
   }
   void ReportCacheUsage() {
     if (!metrics_) return;
@@ -97,7 +107,8 @@ class Rank : public StepExecutor {
   std::unique_ptr<Communicator> mesh_, tp_group_;
   std::unique_ptr<RankMetrics> metrics_;
   std::unique_ptr<StageBackend> backend_;  // where the stage runs (and its own links)
-  std::unique_ptr<StageModel> model_;
+  std::unique_ptr<Transformer> model_;
+  std::vector<float> hidden_;  // hidden states crossing the host mesh
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
   std::map<int64_t, SamplingParams> params_;  // on the last stage
@@ -224,10 +235,11 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     ReportCacheUsage();
     return sampler ? std::optional<StepResult>(std::move(result)) : std::nullopt;
   }
-  const StageLinks links = Links();
-  if (!model_->first_stage()) RETURN_IF_ERROR(model_->Receive(rows, links));
+  if (!model_->first_stage()) RETURN_IF_ERROR(ReceiveHidden(rows));
   const auto t0 = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(model_->Forward(chunks, *cache_));
+  RETURN_IF_ERROR(model_->Run(chunks, *cache_));
+  // The ops may be queued (GPU): wait, so that the forward time is true.
+  RETURN_IF_ERROR(model_->backend().Synchronize());
   if (metrics_) {
     metrics_->ObserveForward(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -235,7 +247,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   }
   ReportCacheUsage();
   if (!model_->last_stage()) {
-    RETURN_IF_ERROR(model_->Pass(links));
+    RETURN_IF_ERROR(PassHidden());
     return std::nullopt;
   }
   // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
@@ -264,7 +276,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
         samplers.push_back(sample[s] ? &it->second : nullptr);
       }
     }
-    ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k, tp_group_.get()));
+    ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k));
   }
   if (!sampler) return std::nullopt;
   for (int64_t s = 0; s < S; ++s) {

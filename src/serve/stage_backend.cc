@@ -3,73 +3,14 @@
 #include "comm/observed_comm.h"
 #include "common/log.h"
 #include "common/status.h"
-#include "model/vocab_parallel.h"
 #include "serve/rank_runtime.h"
 #ifdef SHARDSERVE_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
 #include "comm/nccl/nccl_comm.h"
-#include "model/cuda_transformer.h"
 #endif
 
 namespace shardserve {
 namespace {
-
-// What every backend's stage forwards to its model.
-template <typename M>
-class StageOf : public StageModel {
- public:
-  explicit StageOf(std::unique_ptr<M> m) : m_(std::move(m)) {}
-  const ModelConfig& config() const override { return m_->config(); }
-  bool first_stage() const override { return m_->first_stage(); }
-  bool last_stage() const override { return m_->last_stage(); }
-  size_t shard_weight_bytes() const override { return m_->shard_weight_bytes(); }
-  size_t stage_weight_bytes() const override { return m_->stage_weight_bytes(); }
-
- protected:
-  std::unique_ptr<M> m_;
-};
-
-// The CPU backend: everything in host memory, hidden states over the mesh.
-class CpuStage : public StageOf<Transformer> {
- public:
-  using StageOf::StageOf;
-  absl::Status Receive(int64_t rows, const StageLinks& links) override {
-    in_.resize(rows * config().hidden_size);
-    return links.mesh->Recv(in_.data(), in_.size() * sizeof(float), *links.prev);
-  }
-  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
-    seqs_ = static_cast<int64_t>(chunks.size());
-    return m_->ForwardStage(chunks, cache, first_stage() ? nullptr : in_.data(), out_);
-  }
-  absl::Status Pass(const StageLinks& links) override {
-    return links.mesh->Send(out_.data(), out_.size() * sizeof(float), *links.next);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
-                                                   Communicator* tp_group) override {
-    return GreedyFromVocabSlices(out_.data(), seqs_, m_->logits_stride(), m_->vocab_begin(),
-                                 m_->vocab_end(), top_logprobs, tp_group);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
-                                                   int64_t top_logprobs,
-                                                   Communicator* tp_group) override {
-    // Gathered so that a seed gives the same tokens at every TP size.
-    const ModelConfig& c = config();
-    std::vector<float> logits;
-    RETURN_IF_ERROR(GatherVocabSlices(
-        out_, seqs_, c.vocab_size, tp_group == nullptr ? 1 : tp_group->size(), tp_group, logits));
-    std::vector<SampledToken> tokens(samplers.size());
-    for (size_t s = 0; s < samplers.size(); ++s) {
-      if (samplers[s] != nullptr) {
-        tokens[s] = samplers[s]->Sample(logits.data() + s * c.vocab_size, c.vocab_size);
-      }
-    }
-    return tokens;
-  }
-
- private:
-  std::vector<float> in_, out_;
-  int64_t seqs_ = 0;
-};
 
 // Host memory and the host mesh; nothing to join.
 class CpuBackend : public StageBackend {
@@ -78,12 +19,12 @@ class CpuBackend : public StageBackend {
   absl::StatusOr<std::vector<std::string>> Blobs(const std::vector<RankAddress>&) const override {
     return std::vector<std::string>();
   }
-  absl::StatusOr<std::unique_ptr<StageModel>> Load(const WorldInfo&, Transformer::Options o,
-                                                   const Observer&,
-                                                   std::unique_ptr<KvCache>& cache) override {
+  absl::StatusOr<std::unique_ptr<Transformer>> Load(const WorldInfo&, Transformer::Options o,
+                                                    const Observer&,
+                                                    std::unique_ptr<KvCache>& cache) override {
     ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o));
-    cache = m->NewKvCache(cfg_.kv_cache_tokens);
-    return std::make_unique<CpuStage>(std::move(m));
+    ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.kv_cache_tokens));
+    return m;
   }
 
  private:
@@ -91,36 +32,6 @@ class CpuBackend : public StageBackend {
 };
 
 #ifdef SHARDSERVE_WITH_CUDA
-// The CUDA backend: activations and logits stay on the GPU; hidden states go device to device
-// over an NCCL link where the neighbour has one, through host memory over the mesh otherwise.
-class CudaStage : public StageOf<CudaTransformer> {
- public:
-  using StageOf::StageOf;
-  absl::Status Receive(int64_t rows, const StageLinks& links) override {
-    if (links.device_prev != nullptr) return m_->ReceiveHidden(*links.device_prev, 0, rows);
-    std::vector<float> in(rows * config().hidden_size);
-    RETURN_IF_ERROR(links.mesh->Recv(in.data(), in.size() * sizeof(float), *links.prev));
-    return m_->HiddenFromHost(in.data(), rows);
-  }
-  absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache) override {
-    RETURN_IF_ERROR(m_->Run(chunks, cache));
-    return cuda::Synchronize();  // the kernels are queued: wait, so the forward time is true
-  }
-  absl::Status Pass(const StageLinks& links) override {
-    if (links.device_next != nullptr) return m_->SendHidden(*links.device_next, 1);
-    std::vector<float> out;
-    RETURN_IF_ERROR(m_->HiddenToHost(out));
-    return links.mesh->Send(out.data(), out.size() * sizeof(float), *links.next);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs,
-                                                   Communicator* tp_group) override {
-    return m_->Greedy(top_logprobs, tp_group);
-  }
-  absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
-                                                   int64_t top_logprobs, Communicator*) override {
-    return m_->Sample(samplers, top_logprobs);
-  }
-};
 // The GPUs: ranks on one host take its GPUs in rank order (a pod's T ranks its T GPUs, rank t of
 // the stage the t-th; `shardserve local` the machine's, wrapping around when there are fewer).
 // NCCL communicators: the stage's TP group (tp > 1), and links to the same tp_rank of the
@@ -152,18 +63,19 @@ class CudaBackend : public StageBackend {
     return blobs;
   }
 
-  absl::StatusOr<std::unique_ptr<StageModel>> Load(const WorldInfo& info, Transformer::Options o,
-                                                   const Observer& observe,
-                                                   std::unique_ptr<KvCache>& cache) override {
+  absl::StatusOr<std::unique_ptr<Transformer>> Load(const WorldInfo& info, Transformer::Options o,
+                                                    const Observer& observe,
+                                                    std::unique_ptr<KvCache>& cache) override {
     // The host TP group stays for the small exchanges of token choice; NCCL carries the
     // activations within the stage and, over links, to the neighbouring stages.
     const int device = DeviceOf(world_.rank());
     RETURN_IF_ERROR(Join(info, device, observe));
     if (tp_timed_) o.tp_comm = tp_timed_.get();
-    ASSIGN_OR_RETURN(auto m, CudaTransformer::Load(cfg_.model_path, o, device));
+    ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(device));
+    ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o, std::move(gpu)));
     ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.kv_cache_tokens));
     LogInfo("CUDA backend on GPU ", device);
-    return std::make_unique<CudaStage>(std::move(m));
+    return m;
   }
 
   Communicator* device_prev() const override { return prev_timed_.get(); }

@@ -3,20 +3,10 @@
 // dtype (F32, F16, BF16) and are converted inside the kernels, accumulating in F32.
 #include <cstdint>
 
+#include "backend/backend.h"
 #include "common/thread_pool.h"
-#include "model/dtype.h"
 
 namespace shardserve::cpu {
-
-// A row-major weight matrix [rows][cols] (Hugging Face [out_features][in_features]) inside a
-// mapped file, possibly a slice: row r starts at data + r * row_stride elements.
-struct WeightMatrix {
-  DType dtype = DType::kF32;
-  const void* data = nullptr;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int64_t row_stride = 0;
-};
 
 // y[m][n] = sum_k w[n][k] * x[m][k] for m < M, n < w.rows. x has row stride ldx, y has ldy.
 // Splits output rows across the pool. M <= 12 (decode batches) streams the weights once, blocks
@@ -44,5 +34,12 @@ void AttendHead(const float* q, const float* const* k_blocks, const float* const
                 float* out);
 // y[i] += alpha * x[i]
 void Axpy(float alpha, const float* x, float* y, int64_t n);
+
+// Token choice on host logits, the definitions Backend::VocabSummaries and Backend::SampleRows
+// (backend/backend.h) state and every backend matches: one row's summary (2 + 2K floats to out)
+// of n logits starting at vocabulary id vocab_begin, and one row of V logits sampled with spec.
+void VocabSummary(const float* row, int64_t n, int64_t vocab_begin, int64_t K, float* out);
+void SampleRow(const float* logits, int64_t V, const SampleSpec& spec, int64_t K, int32_t* id,
+               float* logprob, int32_t* top_ids, float* top_logprobs);
 
 }  // namespace shardserve::cpu

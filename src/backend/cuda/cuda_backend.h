@@ -7,12 +7,15 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "model/dtype.h"
+#include "backend/backend.h"
 
 namespace shardserve::cuda {
 
 // Number of usable GPUs; 0 when there is no GPU or no driver.
 int DeviceCount();
+// The backend seam (backend/backend.h) on GPU `device`: the ops below on its default stream,
+// weights copied to the device (backend/cuda/backend.cc).
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device);
 absl::Status Synchronize();
 // The device's memory bandwidth as a copy measures it: bytes read + written per second of
 // cudaMemcpy between two device buffers of `bytes` (best of `reps`).
@@ -40,14 +43,6 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
-// A weight matrix in device memory, as cpu::WeightMatrix: row-major [rows][cols] of `dtype`,
-// row r at data + r * row_stride elements.
-struct DeviceWeight {
-  DType dtype = DType::kBF16;
-  const void* data = nullptr;
-  int64_t rows = 0, cols = 0, row_stride = 0;
-};
-
 // Per-device state the ops share: the cuBLAS handle and a scratch buffer that grows as needed.
 // One Context per thread of work; the ops run on the device's default stream.
 class Context {
@@ -72,11 +67,11 @@ absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, flo
 // y[m][n] = sum_k w[n][k] * x[m][k] (F32 x and y with row strides K and N), F32 accumulate. Up
 // to 8 rows with whole 16-byte weight rows: a GEMV that keeps x in F32 (decode); otherwise
 // cuBLAS, with x rounded to the weight's dtype first for F16/BF16 (tensor cores).
-absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y);
+absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M, float* y);
 
 // Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
 // [vocab_begin, vocab_end), zeros otherwise (summed over the TP group afterwards).
-absl::Status Embed(const DeviceWeight& table, const int32_t* ids, int64_t n, int64_t vocab_begin,
+absl::Status Embed(const WeightMatrix& table, const int32_t* ids, int64_t n, int64_t vocab_begin,
                    int64_t vocab_end, float* out);
 
 // x[r][c] += bias[c] for rows x cols; x[i] += y[i]; a[i] = silu(a[i]) * b[i].
@@ -90,7 +85,7 @@ absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const
                   const float* inv_freq);
 
 // The block KV cache of one layer on the device: K and V of [blocks][kv_heads][block_size][hd]
-// floats (the layout of model/kv_cache.h).
+// floats (the layout of Backend::AllocKv).
 struct DeviceKv {
   float* k = nullptr;
   float* v = nullptr;
@@ -124,13 +119,6 @@ absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, cons
 absl::Status VocabSummaries(Context& ctx, const float* logits, int64_t rows, int64_t ld, int64_t n,
                             int64_t vocab_begin, int64_t K, float* out);
 
-// One row's sampling parameters and its generator's uniform draw in [0, 1).
-struct SampleSpec {
-  float temperature = 0;  // 0: greedy
-  float top_p = 1;
-  int32_t top_k = 0;  // 0: no limit
-  double u = 0;
-};
 // Samples one token per row of `rows` x V logits exactly as model/sampler.h (Sampler::Sample)
 // does on the host: the row sorted by logit (ties to the lower id), top-k, then top-p over
 // exp((logit - best) / temperature), then the draw u on the cumulative weights. Host outputs:
@@ -144,22 +132,15 @@ absl::Status SampleRows(Context& ctx, const float* logits, int64_t rows, int64_t
 absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
                     size_t height);
 
-// MoE routing, as model/transformer.h RouteExperts: per row of `rows` x E router logits the k
+// MoE routing, as Backend::RouteTopK: per row of `rows` x E router logits the k
 // best experts (ties to the lower id) and their softmax weights over those k. Writes
 // experts[rows * k] and weights[rows * k] (device).
 absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
                        float* weights);
-// Expert matrices of one projection, one per local expert [expert_begin, expert_begin + count):
-// a device array of `count` pointers to row-major [rows][cols] matrices of `dtype`.
-struct ExpertWeights {
-  DType dtype = DType::kBF16;
-  const void* const* data = nullptr;
-  int64_t expert_begin = 0, count = 0, rows = 0, cols = 0;
-};
 // For each of `slots` (row, expert) assignments: y[slot] = W_expert(slot) x[slot / x_div], with
 // experts[slot] the expert; a slot whose expert is not local gets zeros. Reads only the assigned
 // experts' weights: the decode path of a MoE layer, no host round trip.
-absl::Status ExpertMatVec(const ExpertWeights& w, const int32_t* experts, int64_t slots,
+absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,
                           const float* x, int64_t x_div, float* y);
 // y[r] = sum over j < k of weights[r * k + j] * x[r * k + j] (dim floats each), for rows rows.
 absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,

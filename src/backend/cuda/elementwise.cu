@@ -72,7 +72,7 @@ __global__ void ScaleAddRowsKernel(const float* x, int64_t dim, const int32_t* r
 
 }  // namespace
 
-absl::Status Embed(const DeviceWeight& t, const int32_t* ids, int64_t n, int64_t vocab_begin,
+absl::Status Embed(const WeightMatrix& t, const int32_t* ids, int64_t n, int64_t vocab_begin,
                    int64_t vocab_end, float* out) {
   if (n == 0) return absl::OkStatus();
   const unsigned blocks = static_cast<unsigned>(n);

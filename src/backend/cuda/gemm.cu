@@ -73,14 +73,14 @@ __global__ void GemvKernel(const T* __restrict__ w, int64_t rows, int64_t cols, 
 constexpr int kGemvWarps = 8;
 constexpr int64_t kGemvMaxRows = 8;  // above this, cuBLAS's tensor-core GEMM
 
-bool GemvFits(const DeviceWeight& w, const float* x, int64_t M) {
+bool GemvFits(const WeightMatrix& w, const float* x, int64_t M) {
   const int64_t piece = 16 / static_cast<int64_t>(DTypeSize(w.dtype));
   return M <= kGemvMaxRows && w.cols % piece == 0 && w.row_stride % piece == 0 &&
          reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
 template <typename T, int M>
-void LaunchGemv(const DeviceWeight& w, const float* x, int64_t m, float* y) {
+void LaunchGemv(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   if constexpr (M > 1) {
     if (m < M) return LaunchGemv<T, M / 2>(w, x, m, y);
   }
@@ -159,7 +159,7 @@ __global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t
 
 }  // namespace
 
-absl::Status Gemm(Context& ctx, const DeviceWeight& w, const float* x, int64_t M, float* y) {
+absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M, float* y) {
   if (M == 0 || w.rows == 0) return absl::OkStatus();
   const int64_t N = w.rows, K = w.cols;
   if (GemvFits(w, x, M)) {
@@ -215,7 +215,7 @@ absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, 
   return Check(cudaGetLastError(), "RouteTopK launch");
 }
 
-absl::Status ExpertMatVec(const ExpertWeights& w, const int32_t* experts, int64_t slots,
+absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,
                           const float* x, int64_t x_div, float* y) {
   if (slots == 0 || w.rows == 0) return absl::OkStatus();
   if (slots > 65535) return absl::InvalidArgumentError(absl::StrCat(slots, " expert slots"));

@@ -12,12 +12,14 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend_ops_test.h"
 #include "comm/nccl/nccl_comm.h"
 #include "comm/rendezvous.h"
+#include "common/status.h"
 #include "model/config.h"
-#include "model/cuda_transformer.h"
 #include "model/kv_cache.h"
 #include "model/rope.h"
 #include "model/test_models.h"
@@ -29,6 +31,18 @@ namespace {
 
 #define REQUIRE_GPU() \
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no GPU on this machine"
+
+// The op conformance suite (backend_ops_test.h) on GPU 0.
+std::unique_ptr<Backend> Gpu0() {
+  if (cuda::DeviceCount() == 0) return nullptr;
+  auto b = cuda::NewBackend(0);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? *std::move(b) : nullptr;
+}
+using testing::BackendCase;
+using testing::BackendOpsTest;
+INSTANTIATE_TEST_SUITE_P(Cuda, BackendOpsTest, ::testing::Values(BackendCase{"gpu0", Gpu0}),
+                         testing::BackendCaseName);
 
 TEST(CudaBackendTest, NcclLibraryLoads) {
   EXPECT_NE(nccl::Version(), "unknown");  // runs without a GPU: the library links and loads
@@ -183,13 +197,14 @@ TEST(CudaBackendTest, RopeMatchesTheReference) {
   c.head_dim = 64;
   c.rope_theta = 500000;
   c.max_context = 8192;
-  const Rope rope(c);
+  const std::vector<float> inv_freq = RopeInvFreq(c);
   const int64_t rows = 4, heads = 3, hd = 64;
   const std::vector<int32_t> pos = {0, 1, 777, 8000};
   const std::vector<float> x = Random(rows * heads * hd, 9, -3, 3);
   std::vector<float> want = x;
-  for (int64_t r = 0; r < rows; ++r) rope.Apply(want.data() + r * heads * hd, heads, pos[r]);
-  auto dx = Upload(x), dp = Upload(pos), df = Upload(rope.inv_freq());
+  ASSERT_TRUE(
+      cpu::NewBackend(1)->Rope(want.data(), rows, heads, hd, pos.data(), inv_freq.data()).ok());
+  auto dx = Upload(x), dp = Upload(pos), df = Upload(inv_freq);
   ASSERT_TRUE(cuda::Rope(Ptr<float>(dx), rows, heads, hd, Ptr<int32_t>(dp), Ptr<float>(df)).ok());
   const std::vector<float> got = Download<float>(dx, x.size());
   for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5f) << i;
@@ -203,31 +218,30 @@ TEST(CudaBackendTest, KvCacheAndAttentionMatchCpu) {
   ASSERT_TRUE(ctx.ok());
   const int64_t hd = 64, kv_heads = 1, bs = 16, nblocks = 12, heads = 2, group = 2, head0 = 2,
                 kv_head0 = 1;
-  KvCache host(1, kv_heads, hd, bs, nblocks);
+  KvCache host(bs, nblocks);  // the block tables
   SequenceKv s0, s1;
   ASSERT_TRUE(host.Reserve(s0, 40).ok());
   ASSERT_TRUE(host.Reserve(s1, 7).ok());
   // Every position of both sequences is a row (a prefill of 40 and one of 7), written through
-  // WriteKv on the device and by hand on the host; each row points at its sequence's table.
+  // WriteKv on the device and on the CPU backend; each row points at its sequence's table.
   std::vector<int32_t> positions, offsets, table;
-  std::vector<const SequenceKv*> seqs;
   for (const SequenceKv* s : {&s0, &s1}) {
     const int32_t offset = static_cast<int32_t>(table.size());
     table.insert(table.end(), s->blocks.begin(), s->blocks.end());
     for (int64_t p = 0; p < (s == &s0 ? 40 : 7); ++p) {
       positions.push_back(static_cast<int32_t>(p));
       offsets.push_back(offset);
-      seqs.push_back(s);
     }
   }
   const int64_t rows = static_cast<int64_t>(positions.size());
   const std::vector<float> k = Random(rows * kv_heads * hd, 10),
                            v = Random(rows * kv_heads * hd, 11);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t block = seqs[r]->blocks[positions[r] / bs], slot = positions[r] % bs;
-    std::copy_n(k.data() + r * hd, hd, host.K(0, block, 0) + slot * hd);
-    std::copy_n(v.data() + r * hd, hd, host.V(0, block, 0) + slot * hd);
-  }
+  const std::unique_ptr<Backend> cpu = cpu::NewBackend(2);
+  auto storage = cpu->AllocKv(1, nblocks, kv_heads, bs, hd);
+  ASSERT_TRUE(storage.ok());
+  ASSERT_TRUE(cpu->WriteKv(**storage, 0, k.data(), v.data(), rows, positions.data(), table.data(),
+                           offsets.data())
+                  .ok());
   auto dk = Upload(std::vector<float>(nblocks * kv_heads * bs * hd));
   auto dv = Upload(std::vector<float>(nblocks * kv_heads * bs * hd));
   auto dkin = Upload(k), dvin = Upload(v), dpos = Upload(positions), dtab = Upload(table),
@@ -244,22 +258,11 @@ TEST(CudaBackendTest, KvCacheAndAttentionMatchCpu) {
                               Ptr<float>(dout))
                   .ok());
   const std::vector<float> got = Download<float>(dout, rows * heads * hd);
-  std::vector<float> scores(40), want(hd);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = positions[r] + 1;
-    std::vector<const float*> kb, vb;
-    for (int64_t b = 0; b < host.BlocksFor(len); ++b) {
-      kb.push_back(host.K(0, seqs[r]->blocks[b], 0));
-      vb.push_back(host.V(0, seqs[r]->blocks[b], 0));
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      cpu::AttendHead(q.data() + (r * heads + h) * hd, kb.data(), vb.data(), bs, hd, len, scale,
-                      scores.data(), want.data());
-      for (int64_t d = 0; d < hd; ++d) {
-        ASSERT_NEAR(got[(r * heads + h) * hd + d], want[d], 1e-4f) << r << " " << h << " " << d;
-      }
-    }
-  }
+  std::vector<float> want(rows * heads * hd);
+  ASSERT_TRUE(cpu->Attention(**storage, 0, q.data(), rows, heads, head0, group, kv_head0,
+                             positions.data(), table.data(), offsets.data(), 40, scale, want.data())
+                  .ok());
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4f) << i;
 }
 
 TEST(CudaBackendTest, VocabSummariesMatchTheHost) {
@@ -318,10 +321,8 @@ TEST(CudaBackendTest, SampleRowsMatchesTheHostSampler) {
           twin.emplace_back(p);
         }
         for (int draw = 0; draw < 8; ++draw) {
-          std::vector<cuda::SampleSpec> specs(rows);
-          for (int64_t r = 0; r < rows; ++r) {
-            specs[r] = {temperature, top_p, static_cast<int32_t>(top_k), twin[r].NextDraw()};
-          }
+          std::vector<SampleSpec> specs(rows);
+          for (int64_t r = 0; r < rows; ++r) specs[r] = twin[r].NextSpec();
           std::vector<int32_t> ids(rows), top_ids(rows * K);
           std::vector<float> lps(rows), top_lps(rows * K);
           ASSERT_TRUE(cuda::SampleRows(**ctx, Ptr<float>(dl), rows, V, specs.data(), K, ids.data(),
@@ -359,7 +360,7 @@ TEST(CudaBackendTest, Copy2DMovesOnlyTheSlice) {
   EXPECT_EQ(back, (std::vector<float>{2, 3, 4, -1, 9, 10, 11, -1, 16, 17, 18, -1}));
 }
 
-// MoE on the device: routing as RouteExperts, then the decode path (one matrix-vector product
+// MoE on the device: routing as the CPU backend's, then the decode path (one matrix-vector product
 // per (row, expert)) and its combination, against host arithmetic. This rank owns experts 1..2 of
 // 4; rows routed elsewhere contribute zeros (the TP all-reduce adds the other ranks' share).
 TEST(CudaBackendTest, MoeRoutingAndExpertProductsMatchTheHost) {
@@ -372,17 +373,13 @@ TEST(CudaBackendTest, MoeRoutingAndExpertProductsMatchTheHost) {
   ASSERT_TRUE(cuda::RouteTopK(Ptr<float>(dr), rows, E, k, Ptr<int32_t>(de), Ptr<float>(dw)).ok());
   const std::vector<int32_t> experts = Download<int32_t>(de, rows * k);
   const std::vector<float> weights = Download<float>(dw, rows * k);
-  const auto want_routes = RouteExperts(router.data(), rows, E, k);
-  for (int64_t e = 0; e < E; ++e) {
-    for (const auto& [row, w] : want_routes[e]) {
-      int64_t slot = -1;
-      for (int64_t j = 0; j < k; ++j) {
-        if (experts[row * k + j] == e) slot = row * k + j;
-      }
-      ASSERT_GE(slot, 0) << "row " << row << " expert " << e;
-      EXPECT_NEAR(weights[slot], w, 1e-6);
-    }
-  }
+  std::vector<int32_t> want_experts(rows * k);
+  std::vector<float> want_weights(rows * k);
+  ASSERT_TRUE(cpu::NewBackend(1)
+                  ->RouteTopK(router.data(), rows, E, k, want_experts.data(), want_weights.data())
+                  .ok());
+  EXPECT_EQ(experts, want_experts);
+  for (int64_t i = 0; i < rows * k; ++i) EXPECT_NEAR(weights[i], want_weights[i], 1e-6) << i;
   EXPECT_EQ(experts[1 * k], 0);
   EXPECT_EQ(experts[1 * k + 1], 3);
 
@@ -401,7 +398,7 @@ TEST(CudaBackendTest, MoeRoutingAndExpertProductsMatchTheHost) {
   auto dptrs = Upload(ptrs);
   const std::vector<float> x = Random(rows * H, 40);
   auto dx = Upload(x), dy = Upload(std::vector<float>(rows * k * I));
-  const cuda::ExpertWeights table{
+  const ExpertTable table{
       DType::kBF16, static_cast<const void* const*>(dptrs.data()), begin, count, I, H};
   ASSERT_TRUE(
       cuda::ExpertMatVec(table, Ptr<int32_t>(de), rows * k, Ptr<float>(dx), k, Ptr<float>(dy))
@@ -446,6 +443,13 @@ class CudaGenerationTest : public ::testing::TestWithParam<std::pair<std::string
   GenModelOptions options_;
 };
 
+// The model of `path` on GPU 0.
+absl::StatusOr<std::unique_ptr<Transformer>> LoadOnGpu(const std::string& path,
+                                                       const Transformer::Options& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0));
+  return Transformer::Load(path, options, std::move(gpu));
+}
+
 std::vector<std::vector<int32_t>> Greedy(
     const std::function<absl::Status(std::vector<SequenceChunk>&, std::vector<float>&)>& forward,
     KvCache& cache, int64_t V, int steps) {
@@ -472,16 +476,16 @@ TEST_P(CudaGenerationTest, GreedyTokensMatchTheCpu) {
   const std::string path = WriteCaseModel();
   auto cpu_model = Transformer::Load(path, {});
   ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
-  auto gpu_model = CudaTransformer::Load(path, {});
+  auto gpu_model = LoadOnGpu(path, {});
   ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
   const int64_t V = (*cpu_model)->config().vocab_size;
   auto cpu_cache = (*cpu_model)->NewKvCache(256);
   auto gpu_cache = (*gpu_model)->NewKvCache(256);
-  ASSERT_TRUE(gpu_cache.ok()) << gpu_cache.status();
+  ASSERT_TRUE(cpu_cache.ok() && gpu_cache.ok()) << gpu_cache.status();
   const auto want =
       Greedy([&](std::vector<SequenceChunk>& c,
-                 std::vector<float>& l) { return (*cpu_model)->Forward(c, *cpu_cache, l); },
-             *cpu_cache, V, 12);
+                 std::vector<float>& l) { return (*cpu_model)->Forward(c, **cpu_cache, l); },
+             **cpu_cache, V, 12);
   const auto got =
       Greedy([&](std::vector<SequenceChunk>& c,
                  std::vector<float>& l) { return (*gpu_model)->Forward(c, **gpu_cache, l); },
@@ -499,7 +503,7 @@ TEST_P(CudaGenerationTest, GreedyTokensMatchTheCpu) {
   std::vector<SequenceChunk> ca = {{{5, 17, 42, 7, 99, 3}, &a[0]}},
                              cb = {{{5, 17, 42, 7, 99, 3}, &b[0]}};
   std::vector<float> la, lb;
-  ASSERT_TRUE((*cpu_model)->Forward(ca, *cpu_cache, la).ok());
+  ASSERT_TRUE((*cpu_model)->Forward(ca, **cpu_cache, la).ok());
   ASSERT_TRUE((*gpu_model)->Forward(cb, **gpu_cache, lb).ok());
   ASSERT_EQ(la.size(), lb.size());
   const float tol = dtype == DType::kF32 ? 1e-3f : 5e-2f;
@@ -515,12 +519,12 @@ TEST_P(CudaGenerationTest, DeviceTokenChoiceMatchesTheHost) {
   }
   const std::string path = WriteCaseModel();
   auto cpu_model = Transformer::Load(path, {});
-  auto gpu_model = CudaTransformer::Load(path, {});
+  auto gpu_model = LoadOnGpu(path, {});
   ASSERT_TRUE(cpu_model.ok() && gpu_model.ok());
   const int64_t V = (*cpu_model)->config().vocab_size;
   auto cpu_cache = (*cpu_model)->NewKvCache(256);
   auto gpu_cache = (*gpu_model)->NewKvCache(256);
-  ASSERT_TRUE(gpu_cache.ok());
+  ASSERT_TRUE(cpu_cache.ok() && gpu_cache.ok());
   std::vector<SequenceKv> a(2), b(2);
   std::vector<SequenceChunk> ca = {{{5, 17, 42, 7}, &a[0]}, {{8, 1, 2}, &a[1]}},
                              cb = {{{5, 17, 42, 7}, &b[0]}, {{8, 1, 2}, &b[1]}};
@@ -536,7 +540,7 @@ TEST_P(CudaGenerationTest, DeviceTokenChoiceMatchesTheHost) {
   }
   for (int step = 0; step < 6; ++step) {
     std::vector<float> logits;
-    ASSERT_TRUE((*cpu_model)->Forward(ca, *cpu_cache, logits).ok());
+    ASSERT_TRUE((*cpu_model)->Forward(ca, **cpu_cache, logits).ok());
     ASSERT_TRUE((*gpu_model)->Run(cb, **gpu_cache).ok());
     auto want_greedy = GreedyFromVocabSlices(logits.data(), 2, V, 0, V, 3, nullptr);
     auto got_greedy = (*gpu_model)->Greedy(3, nullptr);
@@ -568,9 +572,9 @@ TEST_P(CudaGenerationTest, StagesChainToTheWholeModel) {
   Transformer::Options first, second;
   first.layer_end = 1;
   second.layer_begin = 1;
-  auto whole = CudaTransformer::Load(path, {});
-  auto s0 = CudaTransformer::Load(path, first);
-  auto s1 = CudaTransformer::Load(path, second);
+  auto whole = LoadOnGpu(path, {});
+  auto s0 = LoadOnGpu(path, first);
+  auto s1 = LoadOnGpu(path, second);
   ASSERT_TRUE(whole.ok() && s0.ok() && s1.ok());
   EXPECT_TRUE((*s0)->first_stage() && !(*s0)->last_stage());
   EXPECT_TRUE(!(*s1)->first_stage() && (*s1)->last_stage());

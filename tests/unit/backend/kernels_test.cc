@@ -6,6 +6,9 @@
 #include <random>
 #include <vector>
 
+#include "backend/cpu/cpu_backend.h"
+#include "backend_ops_test.h"
+
 namespace shardserve::cpu {
 namespace {
 
@@ -180,6 +183,14 @@ TEST(KernelsTest, DtypeConversionsRoundTrip) {
   EXPECT_EQ(F32ToBf16(1.0f + 1.0f / 256), F32ToBf16(1.0f)) << "ties round to even";
   EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(std::nanf("")))));
 }
+
+// The op conformance suite on the CPU backend, with one thread and with a pool that splits work.
+using testing::BackendCase;
+using testing::BackendOpsTest;
+INSTANTIATE_TEST_SUITE_P(Cpu, BackendOpsTest,
+                         ::testing::Values(BackendCase{"threads1", [] { return NewBackend(1); }},
+                                           BackendCase{"threads3", [] { return NewBackend(3); }}),
+                         testing::BackendCaseName);
 
 }  // namespace
 }  // namespace shardserve::cpu

@@ -70,7 +70,7 @@ class ShardedModel {
             return;
           }
           r.model = std::move(*model);
-          r.cache = r.model->NewKvCache(512);
+          r.cache = *r.model->NewKvCache(512);
         });
       }
       for (auto& th : threads) th.join();
@@ -110,7 +110,7 @@ class ShardedModel {
             outs[t] = std::move(out);
             return;
           }
-          ASSERT_TRUE(r.model->GatherLogits(out, 1, outs[t]).ok());
+          ASSERT_TRUE(r.model->GatherLogits(outs[t]).ok());
           auto g =
               GreedyFromVocabSlices(out.data(), 1, r.model->logits_stride(), r.model->vocab_begin(),
                                     r.model->vocab_end(), 3, r.comm.get());

@@ -29,7 +29,7 @@ TEST_P(TransformerTest, IncrementalDecodeMatchesFullPrefill) {
   auto model = Load();
   const int64_t V = model->config().vocab_size;
   const std::vector<int32_t> seq = {1, 40, 7, 300, 12, 99, 5, 18, 250, 3};
-  auto cache = model->NewKvCache(64);
+  auto cache = *model->NewKvCache(64);
   SequenceKv inc;
   std::vector<SequenceChunk> chunks(1);
   chunks[0].kv = &inc;
@@ -122,7 +122,7 @@ TEST_P(TransformerTest, GenerationStopsWhenTheContextIsFull) {
 
 TEST_P(TransformerTest, BadRequestsAreRefusedWithoutTouchingTheCache) {
   auto model = Load();
-  auto cache = model->NewKvCache(32);
+  auto cache = *model->NewKvCache(32);
   SequenceKv kv;
   std::vector<SequenceChunk> chunks(1);
   chunks[0].kv = &kv;
@@ -166,7 +166,7 @@ TEST_P(TransformerTest, ShardedFilesGiveTheSameModel) {
 INSTANTIATE_TEST_SUITE_P(Archs, TransformerTest, ::testing::Values("llama", "qwen2", "mixtral"));
 
 TEST(KvCacheTest, BlocksAreAllocatedOnDemandAndReturned) {
-  KvCache cache(2, 2, 8, 4, 5);
+  KvCache cache(4, 5);
   SequenceKv a, b;
   ASSERT_TRUE(cache.Reserve(a, 1).ok());
   EXPECT_EQ(a.blocks.size(), 1u);

@@ -25,7 +25,7 @@ using testing::WriteModel;
 class LocalExecutor : public StepExecutor {
  public:
   LocalExecutor(Transformer* model, int64_t kv_tokens)
-      : model_(model), cache_(model->NewKvCache(kv_tokens)) {}
+      : model_(model), cache_(*model->NewKvCache(kv_tokens)) {}
 
   absl::Status Issue(const StepDesc& step) override {
     if (fail_after_ >= 0 && issued_++ >= fail_after_) {
@@ -148,6 +148,7 @@ TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {
 }
 
 TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
+  const std::vector<GenerationResult> want = Reference();  // before the engine uses the model
   LocalExecutor exec(model_.get(), 4096);
   EngineOptions o = exec.Options();
   o.max_batch = 8;
@@ -166,7 +167,7 @@ TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
     for (auto& t : u.tokens) b_tokens.push_back(t.id);
     if (u.finished) break;
   }
-  EXPECT_EQ(b_tokens, Reference()[1].tokens);
+  EXPECT_EQ(b_tokens, want[1].tokens);
   const int before = exec.releases_;
   (*a)->Cancel();
   for (int i = 0; i < 1000 && exec.releases_ == before; ++i) {

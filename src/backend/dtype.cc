@@ -1,4 +1,4 @@
-#include "model/dtype.h"
+#include "backend/dtype.h"
 
 #include <immintrin.h>
 

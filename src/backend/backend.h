@@ -1,0 +1,171 @@
+#pragma once
+// The backend seam (DESIGN.md §5): the memory and the op set one transformer layer, the MoE
+// routing, the vocab-parallel head and the token choice need. model/transformer.cc writes the
+// stage's loop once against it; backend/cpu and backend/cuda implement it. No backend type (no
+// CUDA type) appears here.
+//
+// Memory: every pointer an op takes is in the backend's memory (host memory on the CPU, device
+// memory on a GPU) unless its comment says "host". Ops may return before their work is done;
+// Synchronize() waits, and every copy to host memory waits for the work before it.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "backend/dtype.h"
+
+namespace shardserve {
+
+// A row-major weight matrix [rows][cols] (Hugging Face [out_features][in_features]), possibly a
+// slice: row r starts at data + r * row_stride elements.
+struct WeightMatrix {
+  DType dtype = DType::kF32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+};
+
+// One projection's matrices over a stage's local experts [expert_begin, expert_begin + count),
+// all of one dtype and shape: `data` is an array (in backend memory) of `count` pointers to
+// row-major [rows][cols] matrices.
+struct ExpertTable {
+  DType dtype = DType::kBF16;
+  const void* const* data = nullptr;
+  int64_t expert_begin = 0, count = 0, rows = 0, cols = 0;
+};
+
+// One row's sampling parameters and its generator's uniform draw in [0, 1) (model/sampler.h).
+struct SampleSpec {
+  float temperature = 0;  // 0: greedy
+  float top_p = 1;
+  int32_t top_k = 0;  // 0: no limit
+  double u = 0;
+};
+
+// Backend memory that grows: contents are undefined after a Reserve that grows it.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual absl::Status Reserve(size_t bytes) = 0;
+  virtual void* data() const = 0;
+  virtual size_t size() const = 0;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data());
+  }
+};
+
+class Backend;
+
+// The storage of one KV cache (model/kv_cache.h keeps its block tables): `layers` layers of K and
+// V, each [blocks][kv_heads][block_size][head_dim] floats, in the memory of the backend that made
+// it (`owner`); each backend's ops take only their own.
+class KvStorage {
+ public:
+  virtual ~KvStorage() = default;
+  const Backend* owner = nullptr;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  // Whether Upload copies the weights: the host views (and the mapped pages behind them) are
+  // then no longer needed once the model is loaded.
+  virtual bool copies_weights() const = 0;
+
+  // --- Memory
+  virtual std::unique_ptr<Buffer> NewBuffer() = 0;
+  // A host matrix (a view into a mapped file, or memory the caller keeps) usable by the ops; the
+  // backend keeps what it copies until it is destroyed.
+  virtual absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) = 0;
+  // A host vector in backend memory, kept until the backend is destroyed; null when empty.
+  virtual absl::StatusOr<const float*> Upload(const std::vector<float>& host) = 0;
+  virtual absl::Status CopyFromHost(void* dst, const void* host, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* host, const void* src, size_t bytes) = 0;
+  // Copies `height` rows of `width` bytes between pitched buffers, each in host or backend memory.
+  virtual absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                              size_t width, size_t height) = 0;
+  virtual absl::Status Zero(void* p, size_t bytes) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  // --- KV caches (as many as the memory holds)
+  virtual absl::StatusOr<std::unique_ptr<KvStorage>> AllocKv(int64_t layers, int64_t blocks,
+                                                             int64_t kv_heads, int64_t block_size,
+                                                             int64_t head_dim) = 0;
+
+  // --- Layer ops (activations F32)
+  // Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
+  // [vocab_begin, vocab_end), zeros otherwise (summed over the TP group afterwards).
+  virtual absl::Status Embed(const WeightMatrix& table, const int32_t* ids, int64_t n,
+                             int64_t vocab_begin, int64_t vocab_end, float* out) = 0;
+  // RMSNorm of M rows of dim floats: out = x / rms(x) * w.
+  virtual absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,
+                               float* out) = 0;
+  // y[m][n] = sum_k w[n][k] * x[m][k] for m < M (x and y with row strides w.cols and w.rows).
+  virtual absl::Status Gemm(const WeightMatrix& w, const float* x, int64_t M, float* y) = 0;
+  // x[r][c] += bias[c] for rows x cols; x[i] += y[i]; a[i] = silu(a[i]) * b[i].
+  virtual absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias) = 0;
+  virtual absl::Status Add(float* x, const float* y, int64_t n) = 0;
+  virtual absl::Status SiluMul(float* a, const float* b, int64_t n) = 0;
+  // Rotary embedding (rotate_half layout, as model/rope.h) of `heads` heads of head_dim per row,
+  // row r at position positions[r]; inv_freq holds head_dim / 2 floats.
+  virtual absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
+                            const int32_t* positions, const float* inv_freq) = 0;
+  // Writes each row's k and v (kv_heads * head_dim floats) into layer `layer` of `kv` at its
+  // position:
+  // block blocks[block_offset[r] + pos / block_size], slot pos % block_size.
+  virtual absl::Status WriteKv(const KvStorage& kv, int64_t layer, const float* k, const float* v,
+                               int64_t rows, const int32_t* positions, const int32_t* blocks,
+                               const int32_t* block_offset) = 0;
+  // Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
+  // sequence in layer `layer` of `kv` (blocks at block_offset[r]); head h reads KV head
+  // (head0 + h) / group - kv_head0. Writes rows x heads x head_dim floats; max_len bounds every
+  // row's positions + 1.
+  virtual absl::Status Attention(const KvStorage& kv, int64_t layer, const float* q, int64_t rows,
+                                 int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
+                                 const int32_t* positions, const int32_t* blocks,
+                                 const int32_t* block_offset, int64_t max_len, float scale,
+                                 float* out) = 0;
+  // out[i] = x[rows[i]] (dim floats each) for i < n; y[rows[i]] += weight[i] * x[i].
+  virtual absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n,
+                                  float* out) = 0;
+  virtual absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows,
+                                    const float* weight, int64_t n, float* y) = 0;
+
+  // --- MoE
+  // Per row of rows x E router logits the k best experts (ties to the lower id) and their softmax
+  // weights over those k: experts[rows * k], weights[rows * k].
+  virtual absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k,
+                                 int32_t* experts, float* weights) = 0;
+  // Whether ExpertMatVec is the better way to run a batch of at most one (row, expert) slot per
+  // local expert (the GPU's decode path: no host round trip). Otherwise the routes come to the
+  // host and each local expert runs its rows as one Gemm.
+  virtual bool per_slot_experts() const = 0;
+  // For each of `slots` (row, expert) assignments: y[slot] = W_expert(slot) x[slot / x_div], with
+  // experts[slot] the expert; a slot whose expert is not local gets zeros.
+  virtual absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,
+                                    const float* x, int64_t x_div, float* y) = 0;
+  // y[r] = sum over j < k of weights[r * k + j] * x[r * k + j] (dim floats each).
+  virtual absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
+                                    int64_t dim, float* y) = 0;
+
+  // --- Token choice (model/vocab_parallel.h, model/sampler.h)
+  // The summary of each of `rows` rows of n logits (row stride ld) of the vocabulary slice that
+  // starts at id vocab_begin: max, sum of exp(logit - max), then the K best (logit, id) pairs
+  // (ties to the lower id), -inf where the slice has fewer than K. rows * (2 + 2K) floats to
+  // `out` (host).
+  virtual absl::Status VocabSummaries(const float* logits, int64_t rows, int64_t ld, int64_t n,
+                                      int64_t vocab_begin, int64_t K, float* out) = 0;
+  // One token per row of rows x V logits, as Sampler::Sample: sorted by logit (ties to the lower
+  // id), top-k, top-p over exp((logit - best) / temperature), then the draw u on the cumulative
+  // weights. Host outputs: ids[rows], logprobs[rows] (log-softmax of the raw logits) and the K
+  // best of each row (top_ids, top_logprobs: rows * K, best first).
+  virtual absl::Status SampleRows(const float* logits, int64_t rows, int64_t V,
+                                  const SampleSpec* specs, int64_t K, int32_t* ids, float* logprobs,
+                                  int32_t* top_ids, float* top_logprobs) = 0;
+};
+
+}  // namespace shardserve

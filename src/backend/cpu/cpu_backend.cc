@@ -1,0 +1,287 @@
+#include "backend/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "backend/cpu/kernels.h"
+#include "common/thread_pool.h"
+
+namespace shardserve::cpu {
+namespace {
+
+class HostBuffer : public Buffer {
+ public:
+  ~HostBuffer() override { Free(); }
+  absl::Status Reserve(size_t bytes) override {
+    if (bytes <= size_) return absl::OkStatus();
+    const size_t grown = std::max(bytes, 2 * size_);
+    Free();
+    data_ = ::operator new[](grown, std::align_val_t(64), std::nothrow);
+    if (data_ == nullptr) {
+      size_ = 0;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", grown, " bytes of host memory"));
+    }
+    size_ = grown;
+    return absl::OkStatus();
+  }
+  void* data() const override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  void Free() {
+    if (data_ != nullptr) ::operator delete[](data_, std::align_val_t(64));
+    data_ = nullptr;
+  }
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Per layer, K then V: [blocks][kv_heads][block_size][head_dim] floats each.
+struct HostKv : KvStorage {
+  std::unique_ptr<float[]> data;
+  int64_t blocks = 0, kv_heads = 0, block_size = 0, head_dim = 0;
+  float* Slab(int64_t layer, int kv, int64_t block, int64_t kv_head) const {
+    return data.get() +
+           (((layer * 2 + kv) * blocks + block) * kv_heads + kv_head) * block_size * head_dim;
+  }
+};
+
+class CpuBackend : public Backend {
+ public:
+  explicit CpuBackend(int threads) : pool_(threads) {}
+  const char* name() const override { return "cpu"; }
+  bool copies_weights() const override { return false; }
+
+  std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
+  absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override { return host; }
+  absl::StatusOr<const float*> Upload(const std::vector<float>& host) override {
+    if (host.empty()) return nullptr;
+    vectors_.push_back(host);
+    return vectors_.back().data();
+  }
+  absl::Status CopyFromHost(void* dst, const void* host, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, host, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(void* host, const void* src, size_t bytes) override {
+    return CopyFromHost(host, src, bytes);
+  }
+  absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                      size_t height) override {
+    for (size_t r = 0; r < height; ++r) {
+      std::memcpy(static_cast<uint8_t*>(dst) + r * dst_pitch,
+                  static_cast<const uint8_t*>(src) + r * src_pitch, width);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Zero(void* p, size_t bytes) override {
+    if (bytes > 0) std::memset(p, 0, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::StatusOr<std::unique_ptr<KvStorage>> AllocKv(int64_t layers, int64_t blocks,
+                                                     int64_t kv_heads, int64_t block_size,
+                                                     int64_t head_dim) override {
+    auto kv = std::make_unique<HostKv>();
+    kv->owner = this;
+    const size_t floats =
+        static_cast<size_t>(layers * 2 * blocks * kv_heads * block_size * head_dim);
+    // Uninitialized on purpose: pages commit on first write.
+    kv->data.reset(new (std::nothrow) float[std::max<size_t>(floats, 1)]);
+    if (kv->data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate a KV cache of ", floats * sizeof(float), " bytes"));
+    }
+    kv->blocks = blocks;
+    kv->kv_heads = kv_heads;
+    kv->block_size = block_size;
+    kv->head_dim = head_dim;
+    return kv;
+  }
+
+  absl::Status Embed(const WeightMatrix& table, const int32_t* ids, int64_t n, int64_t vocab_begin,
+                     int64_t vocab_end, float* out) override {
+    const int64_t H = table.cols;
+    std::fill_n(out, n * H, 0.0f);
+    for (int64_t r = 0; r < n; ++r) {
+      if (ids[r] < vocab_begin || ids[r] >= vocab_end) continue;
+      const uint8_t* src = static_cast<const uint8_t*>(table.data) +
+                           (ids[r] - vocab_begin) * table.row_stride * DTypeSize(table.dtype);
+      ToFloat(table.dtype, src, H, out + r * H);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,
+                       float* out) override {
+    cpu::RmsNorm(x, M, dim, w, eps, out);
+    return absl::OkStatus();
+  }
+  absl::Status Gemm(const WeightMatrix& w, const float* x, int64_t M, float* y) override {
+    MatMul(w, x, M, w.cols, y, w.rows, pool_);
+    return absl::OkStatus();
+  }
+  absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) x[r * cols + c] += bias[c];
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Add(float* x, const float* y, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+    return absl::OkStatus();
+  }
+  absl::Status SiluMul(float* a, const float* b, int64_t n) override {
+    cpu::SiluMul(a, b, n, pool_);
+    return absl::OkStatus();
+  }
+  absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
+                    const int32_t* positions, const float* inv_freq) override {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = x + r * heads * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(positions[r]) * inv_freq[i];
+        const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
+        const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
+        for (int64_t h = 0; h < heads; ++h) {
+          float* v = row + h * head_dim;
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c - b * s;
+          v[i + half] = b * c + a * s;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status WriteKv(const KvStorage& storage, int64_t layer, const float* k, const float* v,
+                       int64_t rows, const int32_t* positions, const int32_t* blocks,
+                       const int32_t* block_offset) override {
+    const HostKv& kv = static_cast<const HostKv&>(storage);
+    const int64_t hd = kv.head_dim, bs = kv.block_size, kvd = kv.kv_heads * hd;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t block = blocks[block_offset[r] + positions[r] / bs], slot = positions[r] % bs;
+      for (int64_t kh = 0; kh < kv.kv_heads; ++kh) {
+        std::copy_n(k + r * kvd + kh * hd, hd, kv.Slab(layer, 0, block, kh) + slot * hd);
+        std::copy_n(v + r * kvd + kh * hd, hd, kv.Slab(layer, 1, block, kh) + slot * hd);
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Attention(const KvStorage& storage, int64_t layer, const float* q, int64_t rows,
+                         int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
+                         const int32_t* positions, const int32_t* blocks,
+                         const int32_t* block_offset, int64_t max_len, float scale,
+                         float* out) override {
+    (void)max_len;
+    const HostKv& kv = static_cast<const HostKv&>(storage);
+    const int64_t hd = kv.head_dim, bs = kv.block_size, qd = heads * hd;
+    pool_.ParallelFor(rows * heads, 1, [&](int, int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<const float*> k_blocks, v_blocks;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / heads, head = item % heads;
+        const int64_t kh = (head0 + head) / group - kv_head0;
+        const int64_t len = positions[r] + 1;  // causal: attend to positions [0, pos]
+        const int64_t nblocks = (len + bs - 1) / bs;
+        k_blocks.resize(nblocks);
+        v_blocks.resize(nblocks);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          k_blocks[b] = kv.Slab(layer, 0, blocks[block_offset[r] + b], kh);
+          v_blocks[b] = kv.Slab(layer, 1, blocks[block_offset[r] + b], kh);
+        }
+        scores.resize(len);
+        AttendHead(q + r * qd + head * hd, k_blocks.data(), v_blocks.data(), bs, hd, len, scale,
+                   scores.data(), out + r * qd + head * hd);
+      }
+    });
+    return absl::OkStatus();
+  }
+  absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n,
+                          float* out) override {
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x + rows[i] * dim, dim, out + i * dim);
+    return absl::OkStatus();
+  }
+  absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, const float* weight,
+                            int64_t n, float* y) override {
+    for (int64_t i = 0; i < n; ++i) Axpy(weight[i], x + i * dim, y + rows[i] * dim, dim);
+    return absl::OkStatus();
+  }
+
+  absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
+                         float* weights) override {
+    std::vector<int32_t> order(E);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* logit = logits + r * E;
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+        return logit[a] > logit[b] || (logit[a] == logit[b] && a < b);
+      });
+      const float mx = logit[order[0]];
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += std::exp(logit[order[j]] - mx);
+      for (int64_t j = 0; j < k; ++j) {
+        experts[r * k + j] = order[j];
+        weights[r * k + j] = std::exp(logit[order[j]] - mx) / sum;
+      }
+    }
+    return absl::OkStatus();
+  }
+  // Grouped GEMMs read each chosen expert once; one product per slot gains nothing on the host.
+  bool per_slot_experts() const override { return false; }
+  absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,
+                            const float* x, int64_t x_div, float* y) override {
+    for (int64_t s = 0; s < slots; ++s) {
+      const int64_t e = experts[s] - w.expert_begin;
+      if (e < 0 || e >= w.count) {
+        std::fill_n(y + s * w.rows, w.rows, 0.0f);
+        continue;
+      }
+      const WeightMatrix m{w.dtype, w.data[e], w.rows, w.cols, w.cols};
+      MatMul(m, x + (s / x_div) * w.cols, 1, w.cols, y + s * w.rows, w.rows, pool_);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
+                            int64_t dim, float* y) override {
+    std::fill_n(y, rows * dim, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < k; ++j)
+        Axpy(weights[r * k + j], x + (r * k + j) * dim, y + r * dim, dim);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status VocabSummaries(const float* logits, int64_t rows, int64_t ld, int64_t n,
+                              int64_t vocab_begin, int64_t K, float* out) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      VocabSummary(logits + r * ld, n, vocab_begin, K, out + r * (2 + 2 * K));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status SampleRows(const float* logits, int64_t rows, int64_t V, const SampleSpec* specs,
+                          int64_t K, int32_t* ids, float* logprobs, int32_t* top_ids,
+                          float* top_logprobs) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      SampleRow(logits + r * V, V, specs[r], K, ids + r, logprobs + r, top_ids + r * K,
+                top_logprobs + r * K);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  ThreadPool pool_;
+  std::vector<std::vector<float>> vectors_;  // Upload()ed vectors: their data never moves
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> NewBackend(int threads) { return std::make_unique<CpuBackend>(threads); }
+
+}  // namespace shardserve::cpu

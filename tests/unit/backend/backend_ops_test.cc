@@ -1,0 +1,401 @@
+#include "backend_ops_test.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace shardserve::testing {
+
+void BackendOpsTest::SetUp() {
+  be_ = GetParam().make();
+  if (be_ == nullptr) GTEST_SKIP() << "no " << GetParam().name << " device on this machine";
+}
+
+namespace {
+
+std::vector<float> Random(size_t n, uint32_t seed, float lo = -1, float hi = 1) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// A host copy in backend memory, kept with the test's other buffers.
+class Mem {
+ public:
+  explicit Mem(Backend& be) : be_(be) {}
+  template <typename T>
+  T* Put(const std::vector<T>& v) {
+    bufs_.push_back(be_.NewBuffer());
+    Buffer& b = *bufs_.back();
+    EXPECT_TRUE(b.Reserve(std::max<size_t>(1, v.size()) * sizeof(T)).ok());
+    EXPECT_TRUE(be_.CopyFromHost(b.data(), v.data(), v.size() * sizeof(T)).ok());
+    return b.as<T>();
+  }
+  template <typename T>
+  T* Zeros(size_t n) {
+    return Put(std::vector<T>(n));
+  }
+  template <typename T>
+  std::vector<T> Get(const T* p, size_t n) {
+    std::vector<T> v(n);
+    EXPECT_TRUE(be_.CopyToHost(v.data(), p, n * sizeof(T)).ok());
+    return v;
+  }
+
+ private:
+  Backend& be_;
+  std::vector<std::unique_ptr<Buffer>> bufs_;
+};
+
+// `values` stored as `dtype` (row-major), and the values as that dtype rounds them.
+std::vector<uint8_t> Encode(DType dtype, std::vector<float>& values) {
+  std::vector<uint8_t> out(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(&out[4 * i], &values[i], 4);
+    } else {
+      const uint16_t h = dtype == DType::kF16 ? F32ToF16(values[i]) : F32ToBf16(values[i]);
+      std::memcpy(&out[2 * i], &h, 2);
+      values[i] = dtype == DType::kF16 ? F16ToF32(h) : Bf16ToF32(h);
+    }
+  }
+  return out;
+}
+
+// Every shape of the decode (GEMV) and prefill (GEMM) paths, in every dtype. Half weights: the
+// GPU rounds activations to the weight's dtype for its tensor cores, hence the wider bound.
+TEST_P(BackendOpsTest, GemmMatchesTheArithmetic) {
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int64_t M : {1, 3, 9, 33}) {
+      const int64_t N = 37, K = 72;
+      std::vector<float> w = Random(N * K, 1 + M), x = Random(M * K, 2 + M);
+      Mem mem(*be_);
+      const std::vector<uint8_t> bytes = Encode(dtype, w);
+      auto dw = be_->Upload(WeightMatrix{dtype, bytes.data(), N, K, K});
+      ASSERT_TRUE(dw.ok()) << dw.status();
+      float* y = mem.Zeros<float>(M * N);
+      ASSERT_TRUE(be_->Gemm(*dw, mem.Put(x), M, y).ok());
+      const std::vector<float> got = mem.Get(y, M * N);
+      const double tol = dtype == DType::kF32 ? 1e-4 : 5e-2;
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          double want = 0;
+          for (int64_t k = 0; k < K; ++k) want += double(w[n * K + k]) * x[m * K + k];
+          ASSERT_NEAR(got[m * N + n], want, tol) << DTypeName(dtype) << " M=" << M << " n=" << n;
+        }
+      }
+    }
+  }
+}
+
+// A matrix that is a slice of a wider one (row stride > cols) uploads only its own columns.
+TEST_P(BackendOpsTest, UploadTakesASlicesColumns) {
+  const int64_t N = 4, K = 16, stride = 40;
+  std::vector<float> wide = Random(N * stride, 3);
+  Mem mem(*be_);
+  auto dw = be_->Upload(WeightMatrix{DType::kF32, wide.data() + 8, N, K, stride});
+  ASSERT_TRUE(dw.ok());
+  const std::vector<float> x = Random(K, 4);
+  float* y = mem.Zeros<float>(N);
+  ASSERT_TRUE(be_->Gemm(*dw, mem.Put(x), 1, y).ok());
+  const std::vector<float> got = mem.Get(y, N);
+  for (int64_t n = 0; n < N; ++n) {
+    double want = 0;
+    for (int64_t k = 0; k < K; ++k) want += double(wide[n * stride + 8 + k]) * x[k];
+    EXPECT_NEAR(got[n], want, 1e-4);
+  }
+}
+
+// Rows of this rank's vocabulary slice [100, 110); other ids embed as zeros.
+TEST_P(BackendOpsTest, EmbedTakesItsSlicesRows) {
+  const int64_t V = 10, H = 24, begin = 100;
+  std::vector<float> table = Random(V * H, 5);
+  const std::vector<uint8_t> bytes = Encode(DType::kBF16, table);
+  auto dt = be_->Upload(WeightMatrix{DType::kBF16, bytes.data(), V, H, H});
+  ASSERT_TRUE(dt.ok());
+  Mem mem(*be_);
+  const std::vector<int32_t> ids = {100, 109, 99, 110, 104};
+  float* out = mem.Put(Random(ids.size() * H, 6));  // stale values must not survive
+  ASSERT_TRUE(be_->Embed(*dt, mem.Put(ids), 5, begin, begin + V, out).ok());
+  const std::vector<float> got = mem.Get(out, ids.size() * H);
+  for (size_t r = 0; r < ids.size(); ++r) {
+    const bool mine = ids[r] >= begin && ids[r] < begin + V;
+    for (int64_t c = 0; c < H; ++c) {
+      ASSERT_EQ(got[r * H + c], mine ? table[(ids[r] - begin) * H + c] : 0.0f) << r << " " << c;
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, ElementwiseOpsMatchTheArithmetic) {
+  const int64_t rows = 3, cols = 50, n = rows * cols;
+  const std::vector<float> x = Random(n, 7, -3, 3), y = Random(n, 8), w = Random(cols, 9),
+                           bias = Random(cols, 10);
+  Mem mem(*be_);
+  float* dx = mem.Put(x);
+  float* norm = mem.Zeros<float>(n);
+  ASSERT_TRUE(be_->RmsNorm(dx, rows, cols, mem.Put(w), 1e-5f, norm).ok());
+  const std::vector<float> got_norm = mem.Get(norm, n);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t c = 0; c < cols; ++c) ss += double(x[r * cols + c]) * x[r * cols + c];
+    const double inv = 1 / std::sqrt(ss / cols + 1e-5);
+    for (int64_t c = 0; c < cols; ++c) {
+      ASSERT_NEAR(got_norm[r * cols + c], x[r * cols + c] * inv * w[c], 1e-5);
+    }
+  }
+  ASSERT_TRUE(be_->AddBias(dx, rows, cols, mem.Put(bias)).ok());
+  ASSERT_TRUE(be_->Add(dx, mem.Put(y), n).ok());
+  float* dy = mem.Put(y);
+  ASSERT_TRUE(be_->SiluMul(dy, mem.Put(x), n).ok());
+  const std::vector<float> sum = mem.Get(dx, n), silu = mem.Get(dy, n);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(sum[i], x[i] + bias[i % cols] + y[i], 1e-5);
+    ASSERT_NEAR(silu[i], y[i] / (1 + std::exp(-double(y[i]))) * x[i], 1e-5);
+  }
+}
+
+// rotate_half: dimension i pairs with i + head_dim / 2, at each row's own position.
+TEST_P(BackendOpsTest, RopeRotatesEachRowAtItsPosition) {
+  const int64_t rows = 3, heads = 2, hd = 16, half = hd / 2;
+  const std::vector<int32_t> pos = {0, 5, 4000};
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(10000.0f, -2.0f * i / hd);
+  const std::vector<float> x = Random(rows * heads * hd, 11, -2, 2);
+  Mem mem(*be_);
+  float* dx = mem.Put(x);
+  ASSERT_TRUE(be_->Rope(dx, rows, heads, hd, mem.Put(pos), mem.Put(inv_freq)).ok());
+  const std::vector<float> got = mem.Get(dx, x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* v = x.data() + (r * heads + h) * hd;
+      const float* g = got.data() + (r * heads + h) * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const double a = double(float(pos[r]) * inv_freq[i]);
+        EXPECT_NEAR(g[i], v[i] * std::cos(a) - v[i + half] * std::sin(a), 1e-4);
+        EXPECT_NEAR(g[i + half], v[i + half] * std::cos(a) + v[i] * std::sin(a), 1e-4);
+      }
+    }
+  }
+}
+
+// Two sequences in scattered blocks of two caches; rows written through WriteKv are what
+// Attention reads, causally, for a TP rank's query heads over its KV head (GQA).
+TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
+  const int64_t hd = 32, kv_heads = 2, bs = 4, layers = 2, heads = 2, group = 2;
+  // This rank's query heads 2..3 read KV head 1, the second of its KV heads 0..1.
+  const int64_t head0 = 2, kv_head0 = 0;
+  const std::vector<int32_t> table = {5, 1, 3, 0, 4};  // sequence 0: 5 1 3; sequence 1: 0 4
+  std::vector<int32_t> pos, offset;
+  for (int32_t p = 0; p < 16; ++p) {
+    pos.push_back(p < 10 ? p : p - 10);
+    offset.push_back(p < 10 ? 0 : 3);
+  }
+  const int64_t rows = static_cast<int64_t>(pos.size()), kvd = kv_heads * hd;
+  const std::vector<float> k = Random(rows * kvd, 12), v = Random(rows * kvd, 13),
+                           q = Random(rows * heads * hd, 14, -2, 2);
+  auto other = be_->AllocKv(layers, 6, kv_heads, bs, hd);  // a second cache stays apart
+  auto kv = be_->AllocKv(layers, 6, kv_heads, bs, hd);
+  ASSERT_TRUE(kv.ok() && other.ok());
+  EXPECT_EQ((*kv)->owner, be_.get());
+  Mem mem(*be_);
+  const int32_t *dp = mem.Put(pos), *dt = mem.Put(table), *doff = mem.Put(offset);
+  ASSERT_TRUE(be_->WriteKv(**kv, 1, mem.Put(k), mem.Put(v), rows, dp, dt, doff).ok());
+  const std::vector<float> noise = Random(rows * kvd, 15);
+  ASSERT_TRUE(be_->WriteKv(**other, 1, mem.Put(noise), mem.Put(noise), rows, dp, dt, doff).ok());
+  float* out = mem.Zeros<float>(rows * heads * hd);
+  const float scale = 1 / std::sqrt(float(hd));
+  ASSERT_TRUE(be_->Attention(**kv, 1, mem.Put(q), rows, heads, head0, group, kv_head0, dp, dt, doff,
+                             10, scale, out)
+                  .ok());
+  const std::vector<float> got = mem.Get(out, rows * heads * hd);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t first = r < 10 ? 0 : 10;  // the sequence's first row
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kh = (head0 + h) / group - kv_head0;  // the local KV head
+      const float* qr = q.data() + (r * heads + h) * hd;
+      std::vector<double> s;
+      for (int64_t j = first; j <= r; ++j) {
+        double dot = 0;
+        for (int64_t d = 0; d < hd; ++d) dot += double(qr[d]) * k[j * kvd + kh * hd + d];
+        s.push_back(dot * scale);
+      }
+      const double mx = *std::max_element(s.begin(), s.end());
+      double z = 0;
+      for (double& e : s) z += (e = std::exp(e - mx));
+      for (int64_t d = 0; d < hd; ++d) {
+        double want = 0;
+        for (int64_t j = first; j <= r; ++j) want += s[j - first] / z * v[j * kvd + kh * hd + d];
+        ASSERT_NEAR(got[(r * heads + h) * hd + d], want, 1e-5) << r << " " << h << " " << d;
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, RowGatherScatterAndCopies) {
+  const int64_t dim = 5;
+  const std::vector<float> x = Random(4 * dim, 16);
+  const std::vector<int32_t> rows = {3, 0, 3};
+  const std::vector<float> w = {0.5f, 2.0f, -1.0f};
+  Mem mem(*be_);
+  float* gathered = mem.Zeros<float>(rows.size() * dim);
+  const int32_t* dr = mem.Put(rows);
+  ASSERT_TRUE(be_->GatherRows(mem.Put(x), dim, dr, 3, gathered).ok());
+  float* y = mem.Put(x);
+  ASSERT_TRUE(be_->ScaleAddRows(gathered, dim, dr, mem.Put(w), 3, y).ok());
+  const std::vector<float> g = mem.Get(gathered, rows.size() * dim), got = mem.Get(y, x.size());
+  for (int64_t c = 0; c < dim; ++c) {
+    EXPECT_EQ(g[c], x[3 * dim + c]);
+    EXPECT_EQ(g[dim + c], x[c]);
+    EXPECT_NEAR(got[c], x[c] + 2.0f * x[c], 1e-6);                         // row 0
+    EXPECT_NEAR(got[3 * dim + c], x[3 * dim + c] * (1 + 0.5f - 1), 1e-6);  // row 3, twice
+    EXPECT_EQ(got[dim + c], x[dim + c]);                                   // untouched
+  }
+  // Pitched copies both ways, and zeros.
+  std::vector<float> m(21);
+  std::iota(m.begin(), m.end(), 0.0f);
+  float* d = mem.Zeros<float>(9);
+  ASSERT_TRUE(be_->Copy2D(d, 3 * 4, m.data() + 2, 7 * 4, 3 * 4, 3).ok());
+  EXPECT_EQ(mem.Get(d, 9), (std::vector<float>{2, 3, 4, 9, 10, 11, 16, 17, 18}));
+  std::vector<float> back(8, -1);
+  ASSERT_TRUE(be_->Copy2D(back.data(), 4 * 4, d, 3 * 4, 3 * 4, 2).ok());
+  EXPECT_EQ(back, (std::vector<float>{2, 3, 4, -1, 9, 10, 11, -1}));
+  ASSERT_TRUE(be_->Zero(d, 2 * 4).ok());
+  EXPECT_EQ(mem.Get(d, 3), (std::vector<float>{0, 0, 4}));
+}
+
+// Top-k routing (ties to the lower expert), then both ways of running the experts: one product
+// per (row, expert) slot and its weighted combination.
+TEST_P(BackendOpsTest, MoeRoutingAndExpertProducts) {
+  const int64_t rows = 3, E = 4, k = 2, H = 16, I = 8, begin = 1, count = 2;
+  std::vector<float> router = Random(rows * E, 17, -2, 2);
+  router[1 * E + 0] = router[1 * E + 3] = 5;  // a tie: expert 0 first
+  Mem mem(*be_);
+  int32_t* de = mem.Zeros<int32_t>(rows * k);
+  float* dw = mem.Zeros<float>(rows * k);
+  ASSERT_TRUE(be_->RouteTopK(mem.Put(router), rows, E, k, de, dw).ok());
+  const std::vector<int32_t> experts = mem.Get(de, rows * k);
+  const std::vector<float> weights = mem.Get(dw, rows * k);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    const float* l = router.data() + r * E;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+    const double z = std::exp(double(l[order[0]])) + std::exp(double(l[order[1]]));
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_EQ(experts[r * k + j], order[j]) << r;
+      EXPECT_NEAR(weights[r * k + j], std::exp(double(l[order[j]])) / z, 1e-6);
+    }
+  }
+  // The two local experts' [I][H] matrices (BF16), a table of their pointers in backend memory.
+  std::vector<std::vector<float>> mats(count);
+  std::vector<std::vector<uint8_t>> bytes(count);
+  std::vector<const void*> ptrs;
+  for (int64_t e = 0; e < count; ++e) {
+    mats[e] = Random(I * H, 18 + e);
+    bytes[e] = Encode(DType::kBF16, mats[e]);
+    auto up = be_->Upload(WeightMatrix{DType::kBF16, bytes[e].data(), I, H, H});
+    ASSERT_TRUE(up.ok());
+    ptrs.push_back(up->data);
+  }
+  const ExpertTable table{DType::kBF16, mem.Put(ptrs), begin, count, I, H};
+  const std::vector<float> x = Random(rows * H, 20);
+  float* y = mem.Zeros<float>(rows * k * I);
+  ASSERT_TRUE(be_->ExpertMatVec(table, de, rows * k, mem.Put(x), k, y).ok());
+  const std::vector<float> got = mem.Get(y, rows * k * I);
+  for (int64_t s = 0; s < rows * k; ++s) {
+    const int64_t e = experts[s] - begin;  // not local: zeros
+    for (int64_t i = 0; i < I; ++i) {
+      double want = 0;
+      for (int64_t c = 0; e >= 0 && e < count && c < H; ++c) {
+        want += double(mats[e][i * H + c]) * x[(s / k) * H + c];
+      }
+      ASSERT_NEAR(got[s * I + i], want, 1e-4) << s << " " << i;
+    }
+  }
+  float* combined = mem.Zeros<float>(rows * I);
+  ASSERT_TRUE(be_->CombineSlots(y, dw, rows, k, I, combined).ok());
+  const std::vector<float> sum = mem.Get(combined, rows * I);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      const double want =
+          weights[r * k] * got[r * k * I + i] + weights[r * k + 1] * got[(r * k + 1) * I + i];
+      ASSERT_NEAR(sum[r * I + i], want, 1e-5);
+    }
+  }
+}
+
+// Summaries of a vocabulary slice: max, sum of exp, the K best (ties to the lower id) as global
+// ids; a slice narrower than K pads with -inf.
+TEST_P(BackendOpsTest, VocabSummariesOfASlice) {
+  const int64_t rows = 2, ld = 40, n = 30, begin = 500;
+  std::vector<float> logits = Random(rows * ld, 21, -4, 4);
+  logits[1 * ld + 4] = logits[1 * ld + 9] = 9;
+  Mem mem(*be_);
+  const float* dl = mem.Put(logits);
+  for (int64_t K : {1, 3, 35}) {
+    std::vector<float> got(rows * (2 + 2 * K));
+    ASSERT_TRUE(be_->VocabSummaries(dl, rows, ld, n, begin, K, got.data()).ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits.data() + r * ld;
+      const float* rec = got.data() + r * (2 + 2 * K);
+      std::vector<int32_t> order(n);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+      double z = 0;
+      for (int64_t i = 0; i < n; ++i) z += std::exp(double(row[i]) - row[order[0]]);
+      EXPECT_EQ(rec[0], row[order[0]]);
+      EXPECT_NEAR(rec[1], z, 1e-4 * z);
+      for (int64_t j = 0; j < K; ++j) {
+        if (j < n) {
+          EXPECT_EQ(rec[2 + 2 * j], row[order[j]]) << K << " " << j;
+          EXPECT_EQ(rec[3 + 2 * j], float(begin + order[j])) << K << " " << j;
+        } else {
+          EXPECT_EQ(rec[2 + 2 * j], -INFINITY);
+        }
+      }
+    }
+  }
+}
+
+// Sampling at the edges the draw decides: greedy; the draw 0 takes the best token and a draw
+// near 1 the last one kept by top-k; top-p that keeps only the best. Log-probabilities are those
+// of the raw logits.
+TEST_P(BackendOpsTest, SampleRowsFollowsTheSpec) {
+  const int64_t V = 50, K = 3;
+  std::vector<float> base = Random(V, 22, -3, 3);
+  base[7] = base[9] = 6;  // the best two, tied: 7 first
+  base[20] = 5.5f;        // the third
+  std::vector<float> logits;
+  const std::vector<SampleSpec> specs = {{0.0f, 1.0f, 0, 0.0},
+                                         {1.0f, 1.0f, 0, 0.0},
+                                         {1.0f, 1.0f, 3, 0.9999},
+                                         {1.0f, 1e-3f, 0, 0.9999},
+                                         {0.5f, 1.0f, 2, 0.9999}};
+  for (size_t s = 0; s < specs.size(); ++s) logits.insert(logits.end(), base.begin(), base.end());
+  const int64_t rows = static_cast<int64_t>(specs.size());
+  Mem mem(*be_);
+  std::vector<int32_t> ids(rows), top_ids(rows * K);
+  std::vector<float> lps(rows), top_lps(rows * K);
+  ASSERT_TRUE(be_->SampleRows(mem.Put(logits), rows, V, specs.data(), K, ids.data(), lps.data(),
+                              top_ids.data(), top_lps.data())
+                  .ok());
+  EXPECT_EQ(ids, (std::vector<int32_t>{7, 7, 20, 7, 9}));
+  double z = 0;
+  for (float l : base) z += std::exp(double(l) - 6);
+  const double log_z = 6 + std::log(z);
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_NEAR(lps[r], base[ids[r]] - log_z, 1e-4) << r;
+    EXPECT_EQ(std::vector<int32_t>(top_ids.begin() + r * K, top_ids.begin() + (r + 1) * K),
+              (std::vector<int32_t>{7, 9, 20}));
+    EXPECT_NEAR(top_lps[r * K + 2], base[20] - log_z, 1e-4);
+  }
+}
+
+}  // namespace
+}  // namespace shardserve::testing

@@ -1,0 +1,32 @@
+#pragma once
+// The op conformance suite of the backend seam (backend/backend.h): every op of every backend
+// against plain host arithmetic written here, in double precision. backend_ops_test.cc holds the
+// tests; each test binary instantiates them for the backends it has (unit_tests: the CPU;
+// cuda_tests: the GPU, skipped without one).
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+
+namespace shardserve::testing {
+
+struct BackendCase {
+  std::string name;
+  // The backend, or null where this machine cannot run it (the tests then skip).
+  std::function<std::unique_ptr<Backend>()> make;
+};
+
+class BackendOpsTest : public ::testing::TestWithParam<BackendCase> {
+ protected:
+  void SetUp() override;
+  std::unique_ptr<Backend> be_;
+};
+
+inline std::string BackendCaseName(const ::testing::TestParamInfo<BackendCase>& info) {
+  return info.param.name;
+}
+
+}  // namespace shardserve::testing
