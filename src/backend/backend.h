@@ -71,7 +71,6 @@ class KvStorage {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual const char* name() const = 0;
   // Whether Upload copies the weights: the host views (and the mapped pages behind them) are
   // then no longer needed once the model is loaded.
   virtual bool copies_weights() const = 0;

@@ -16,8 +16,35 @@ const char* DTypeName(DType t) {
       return "F16";
     case DType::kBF16:
       return "BF16";
+    case DType::kQ8_0:
+      return "Q8_0";
+    case DType::kQ4_0:
+      return "Q4_0";
+    case DType::kQ4_1:
+      return "Q4_1";
   }
   return "?";
+}
+
+int64_t DTypeBlock(DType t) {
+  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16 ? 1 : 32;
+}
+
+size_t DTypeBlockBytes(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kQ8_0:
+      return 34;  // F16 scale, 32 x int8
+    case DType::kQ4_0:
+      return 18;  // F16 scale, 32 x 4 bits
+    case DType::kQ4_1:
+      return 20;  // F16 scale, F16 minimum, 32 x 4 bits
+  }
+  return 0;
 }
 
 absl::StatusOr<DType> ParseDType(std::string_view name) {

@@ -1,5 +1,5 @@
 #pragma once
-// Element types of weights as stored in safetensors files. Activations are always F32.
+// Element types of weights as stored in safetensors and GGUF files. Activations are always F32.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -8,10 +8,23 @@
 
 namespace shardserve {
 
-enum class DType { kF32, kF16, kBF16 };
+// F32, F16, BF16 (safetensors, GGUF) and the block-quantized ggml types of GGUF files, each block
+// of 32 values with an F16 scale: Q8_0 (int8 values), Q4_0 (4-bit, offset 8), Q4_1 (4-bit with an
+// F16 minimum).
+enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1 };
 
+// Values per block (1 for the element types) and the bytes of one block.
+int64_t DTypeBlock(DType t);
+size_t DTypeBlockBytes(DType t);
+inline bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
+// Bytes of n consecutive values of a row (n a multiple of the block).
+inline size_t DTypeBytes(DType t, int64_t n) {
+  return static_cast<size_t>(n / DTypeBlock(t)) * DTypeBlockBytes(t);
+}
+// Bytes of one value of an element type (F32, F16, BF16).
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-const char* DTypeName(DType t);  // "F32", "F16", "BF16" (safetensors spelling)
+const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"
+// A safetensors dtype (F32, F16, BF16).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 
 // Scalar conversions (the kernels use vectorized versions of the same).

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "model/gguf_model.h"
 
 namespace shardserve {
 namespace {
@@ -207,6 +208,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 }
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
+  ASSIGN_OR_RETURN(const std::optional<std::string> gguf, FindGgufFile(model_dir));
+  if (gguf) {
+    ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f, GgufFile::Open(*gguf));
+    return GgufModelConfig(*f);
+  }
   const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   return ParseModelConfig(text, path);

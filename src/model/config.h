@@ -46,6 +46,7 @@ struct ModelConfig {
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                                              const std::string& source = "config.json");
+// config.json of a model directory, or the metadata of the GGUF file the path names.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 
 }  // namespace shardserve

@@ -87,6 +87,9 @@ class GgufFile {
   uint64_t alignment() const { return alignment_; }
   const std::map<std::string, GgufValue>& metadata() const { return metadata_; }
   const std::map<std::string, GgufTensor>& tensors() const { return tensors_; }
+  const uint8_t* file_data() const { return file_->data(); }  // the mapping's first byte
+  // MappedFile::DropResidentPages (after the weights went to a GPU).
+  void DropResidentPages() const { file_->DropResidentPages(); }
 
   // Typed metadata: NotFound naming a missing key, InvalidArgument naming a key of another type.
   absl::StatusOr<std::string> GetString(const std::string& key) const;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "model/gguf_model.h"
 
 namespace shardserve {
 namespace {
@@ -154,6 +155,7 @@ void SafetensorsFile::DropResidentPages() const { file_->DropResidentPages(); }
 
 void WeightStore::DropResidentPages() const {
   for (const auto& f : files_) f->DropResidentPages();
+  if (gguf_) gguf_->DropResidentPages();
 }
 
 SafetensorsFile::~SafetensorsFile() = default;
@@ -161,6 +163,13 @@ SafetensorsFile::~SafetensorsFile() = default;
 absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir) {
   namespace fs = std::filesystem;
   auto store = std::make_unique<WeightStore>();
+  ASSIGN_OR_RETURN(const std::optional<std::string> gguf, FindGgufFile(model_dir));
+  if (gguf) {
+    ASSIGN_OR_RETURN(store->gguf_, GgufFile::Open(*gguf));
+    ASSIGN_OR_RETURN(const ModelConfig config, GgufModelConfig(*store->gguf_));
+    ASSIGN_OR_RETURN(store->tensors_, GgufTensors(*store->gguf_, config, store->owned_));
+    return store;
+  }
   const fs::path dir(model_dir);
   const fs::path index_path = dir / "model.safetensors.index.json";
   const fs::path single = dir / "model.safetensors";

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "backend/dtype.h"
 #include "common/mapped_file.h"
+#include "model/gguf.h"
 
 namespace shardserve {
 
@@ -54,6 +55,7 @@ class SafetensorsFile {
 // model.safetensors.index.json (every listed tensor must be in the file the index names).
 class WeightStore {
  public:
+  // The weights of a model directory's safetensors files, or of the GGUF file the path names.
   static absl::StatusOr<std::unique_ptr<WeightStore>> Open(const std::string& model_dir);
 
   bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
@@ -67,6 +69,8 @@ class WeightStore {
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::unique_ptr<GgufFile> gguf_;                 // or a GGUF file (model/gguf_model.h)
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // its tensors rearranged in memory
   std::map<std::string, TensorView> tensors_;
 };
 

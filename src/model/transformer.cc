@@ -101,28 +101,35 @@ absl::Status Transformer::CheckSplit() const {
 
 absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
   const int64_t cols = t.shape[1];
-  const size_t elem = DTypeSize(t.dtype);
-  shard_bytes_ += (end - begin) * cols * elem;
+  const size_t row = DTypeBytes(t.dtype, cols);
+  shard_bytes_ += (end - begin) * row;
   stage_bytes_ += t.nbytes;
-  return backend_->Upload(WeightMatrix{
-      t.dtype, static_cast<const uint8_t*>(t.data) + begin * cols * elem, end - begin, cols, cols});
+  return backend_->Upload(WeightMatrix{t.dtype, static_cast<const uint8_t*>(t.data) + begin * row,
+                                       end - begin, cols, cols});
 }
 
 absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin, int64_t end) {
   const int64_t rows = t.shape[0], cols = t.shape[1], width = end - begin;
-  const size_t elem = DTypeSize(t.dtype);
-  shard_bytes_ += rows * width * elem;
+  const int64_t block = DTypeBlock(t.dtype);
+  if (begin % block != 0 || width % block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", t.name, "' (", DTypeName(t.dtype), ", blocks of ", block,
+        " values) does not split over tensor parallelism ", options_.tp_size, ": its slice [",
+        begin, ", ", end, ") of ", cols, " columns does not fall on block boundaries"));
+  }
+  const size_t len = DTypeBytes(t.dtype, width), row = DTypeBytes(t.dtype, cols);
+  shard_bytes_ += rows * len;
   stage_bytes_ += t.nbytes;
   if (width == cols) return backend_->Upload(WeightMatrix{t.dtype, t.data, rows, cols, cols});
   const int fd = ::open(t.file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat(t.file, ": cannot open: ", std::strerror(errno)));
   }
-  auto buf = std::make_unique<uint8_t[]>(rows * width * elem);
+  auto buf = std::make_unique<uint8_t[]>(rows * len);
   for (int64_t r = 0; r < rows; ++r) {
-    const size_t len = width * elem;
-    const ssize_t n = ::pread(fd, buf.get() + r * len, len,
-                              static_cast<off_t>(t.file_offset + (r * cols + begin) * elem));
+    const ssize_t n =
+        ::pread(fd, buf.get() + r * len, len,
+                static_cast<off_t>(t.file_offset + r * row + DTypeBytes(t.dtype, begin)));
     if (n != static_cast<ssize_t>(len)) {
       ::close(fd);
       return absl::DataLossError(
@@ -137,7 +144,7 @@ absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begi
 absl::StatusOr<const float*> Transformer::VectorSlice(const TensorView& t, int64_t begin,
                                                       int64_t end) {
   std::vector<float> v(end - begin);
-  cpu::ToFloat(t.dtype, static_cast<const uint8_t*>(t.data) + begin * DTypeSize(t.dtype),
+  cpu::ToFloat(t.dtype, static_cast<const uint8_t*>(t.data) + DTypeBytes(t.dtype, begin),
                end - begin, v.data());
   return backend_->Upload(v);
 }

@@ -1,11 +1,13 @@
 #include "tokenizer/chat_template.h"
 
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/text.h"
+#include "model/gguf_model.h"
 
 namespace shardserve {
 namespace {
@@ -41,13 +43,39 @@ std::string TemplateText(const json& config) {
 
 std::string Trim(const std::string& s) { return std::string(absl::StripAsciiWhitespace(s)); }
 
+// The system message a ChatML template adds when the conversation has none (Qwen2's "You are a
+// helpful assistant.", SmolLM2's own): the literal text of its system turn, if it writes one.
+std::string DefaultSystem(const std::string& tmpl) {
+  for (const char* open : {"<|im_start|>system\\n", "<|im_start|>system\n"}) {
+    const size_t at = tmpl.find(open);
+    if (at == std::string::npos) continue;
+    const size_t begin = at + std::strlen(open), end = tmpl.find("<|im_end|>", begin);
+    if (end == std::string::npos) continue;
+    const std::string text = tmpl.substr(begin, end - begin);
+    if (text.find_first_of("{}'\"\\") == std::string::npos) return text;  // literal text only
+  }
+  return "";
+}
+
 }  // namespace
 
 ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenizer& tokenizer) {
   ChatTemplate t;
   json config = json::object();
-  const std::string path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
-  if (auto text = ReadFileToString(path); text.ok()) {
+  std::string path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (auto gguf = FindGgufFile(model_dir); gguf.ok() && gguf->has_value()) {
+    path = absl::StrCat(**gguf, " (GGUF metadata)");
+    absl::StatusOr<std::unique_ptr<GgufFile>> f = GgufFile::Open(**gguf);
+    absl::StatusOr<GgufTokenizerFiles> files =
+        f.ok() ? GgufTokenizer(**f) : absl::StatusOr<GgufTokenizerFiles>(f.status());
+    if (!files.ok()) {
+      t.reason_ = std::string(files.status().message());
+      return t;
+    }
+    text = files->tokenizer_config_json;
+  }
+  if (text.ok()) {
     try {
       config = json::parse(*text);
     } catch (const json::exception& e) {
@@ -69,8 +97,7 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   } else if (has("<|im_start|>")) {
     t.family_ = Family::kChatMl;
     if (auto id = tokenizer.TokenId("<|im_end|>")) t.end_of_turn_.push_back(*id);
-    constexpr char kQwenDefault[] = "You are a helpful assistant.";
-    if (tmpl.find(kQwenDefault) != std::string::npos) t.default_system_ = kQwenDefault;
+    t.default_system_ = DefaultSystem(tmpl);
   } else if (!tmpl.empty() && tmpl.find("<<SYS>>") != std::string::npos) {
     t.family_ = Family::kLlama2;
   } else if (!tmpl.empty() && tmpl.find("[INST]") != std::string::npos) {

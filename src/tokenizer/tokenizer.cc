@@ -1,5 +1,7 @@
 #include "tokenizer/tokenizer.h"
 
+#include "model/gguf_model.h"
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <utf8proc.h>
@@ -751,6 +753,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_dir) {
+  if (auto gguf = FindGgufFile(model_dir); gguf.ok() && gguf->has_value()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f, GgufFile::Open(**gguf));
+    ASSIGN_OR_RETURN(GgufTokenizerFiles files, GgufTokenizer(*f));
+    return FromJson(files.tokenizer_json, absl::StrCat(**gguf, " (GGUF tokenizer)"));
+  }
   const std::string path = (std::filesystem::path(model_dir) / "tokenizer.json").string();
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   return FromJson(text, path);

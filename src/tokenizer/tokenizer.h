@@ -20,6 +20,8 @@ class Tokenizer {
  public:
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(const std::string& json_text,
                                                              const std::string& source);
+  // tokenizer.json of a model directory, or the tokenizer in the metadata of the GGUF file the
+  // path names (model/gguf_model.h).
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& model_dir);
   ~Tokenizer();
 

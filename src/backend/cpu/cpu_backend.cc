@@ -55,7 +55,6 @@ struct HostKv : KvStorage {
 class CpuBackend : public Backend {
  public:
   explicit CpuBackend(int threads) : pool_(threads) {}
-  const char* name() const override { return "cpu"; }
   bool copies_weights() const override { return false; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
@@ -113,7 +112,7 @@ class CpuBackend : public Backend {
     for (int64_t r = 0; r < n; ++r) {
       if (ids[r] < vocab_begin || ids[r] >= vocab_end) continue;
       const uint8_t* src = static_cast<const uint8_t*>(table.data) +
-                           (ids[r] - vocab_begin) * table.row_stride * DTypeSize(table.dtype);
+                           DTypeBytes(table.dtype, (ids[r] - vocab_begin) * table.row_stride);
       ToFloat(table.dtype, src, H, out + r * H);
     }
     return absl::OkStatus();

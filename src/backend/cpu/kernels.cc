@@ -7,6 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/quant.h"
+
 namespace shardserve::cpu {
 namespace {
 
@@ -44,7 +46,7 @@ inline float HSum(__m256 v) {
 }
 
 inline const void* RowPtr(const WeightMatrix& w, int64_t row) {
-  return static_cast<const uint8_t*>(w.data) + row * w.row_stride * DTypeSize(w.dtype);
+  return static_cast<const uint8_t*>(w.data) + DTypeBytes(w.dtype, row * w.row_stride);
 }
 
 // Decode path: R weight rows × MT tokens of dot products, weights read once from memory.
@@ -388,10 +390,18 @@ void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float
       return MatMulTyped<DType::kF16>(w, x, M, ldx, y, ldy, pool);
     case DType::kBF16:
       return MatMulTyped<DType::kBF16>(w, x, M, ldx, y, ldy, pool);
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+      return MatMulQuantized(
+          w, x, M, ldx, y, ldy, pool,
+          [](const WeightMatrix& f32, const float* xs, int64_t m, int64_t ld, float* ys,
+             int64_t ldys) { GemmRange<DType::kF32>(f32, 0, f32.rows, xs, m, ld, ys, ldys); });
   }
 }
 
 void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
+  if (IsQuantized(dtype)) return Dequantize(dtype, data, n, out);
   for (int64_t i = 0; i < n; ++i) {
     switch (dtype) {
       case DType::kF32:
@@ -402,6 +412,8 @@ void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
         break;
       case DType::kBF16:
         out[i] = LoadScalar<DType::kBF16>(data, i);
+        break;
+      default:
         break;
     }
   }

@@ -1,6 +1,7 @@
 #pragma once
 // CPU reference kernels (AVX2 + FMA + F16C). Activations are F32; weights stay in their file
-// dtype (F32, F16, BF16) and are converted inside the kernels, accumulating in F32.
+// dtype (F32, F16, BF16, or the quantized Q8_0, Q4_0, Q4_1) and are converted inside the
+// kernels, accumulating in F32.
 #include <cstdint>
 
 #include "backend/backend.h"
@@ -15,7 +16,8 @@ namespace shardserve::cpu {
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
             ThreadPool& pool);
 
-// out[i] = float(w[i]) for i < n (a vector of any dtype, e.g. a norm weight or an embedding row).
+// out[i] = float(w[i]) for i < n (a vector of any dtype, e.g. a norm weight or an embedding row;
+// n a multiple of the block for quantized types).
 void ToFloat(DType dtype, const void* data, int64_t n, float* out);
 
 // RMSNorm of each of the M rows of x (dim elements, stride dim): out = x / rms(x) * weight.

@@ -45,12 +45,15 @@ struct GpuKv : KvStorage {
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(std::unique_ptr<Context> ctx) : ctx_(std::move(ctx)) {}
-  const char* name() const override { return "cuda"; }
   bool copies_weights() const override { return true; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<GpuBuffer>(); }
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& m) override {
     if (m.rows == 0) return WeightMatrix{m.dtype, nullptr, 0, m.cols, m.cols};
+    if (IsQuantized(m.dtype)) {
+      return absl::UnimplementedError(absl::StrCat(
+          DTypeName(m.dtype), " weights do not run on the CUDA backend yet (F32, F16, BF16)"));
+    }
     const size_t elem = DTypeSize(m.dtype);
     ASSIGN_OR_RETURN(DeviceBuffer b,
                      DeviceBuffer::Alloc(static_cast<size_t>(m.rows * m.cols) * elem));

@@ -1,0 +1,424 @@
+#include "model/gguf_model.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+
+// GGUF per-layer tensor names and their Hugging Face counterparts (llama.cpp's tensor map).
+struct LayerName {
+  const char* gguf;
+  const char* hf;
+};
+constexpr LayerName kLayerNames[] = {
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"attn_q.weight", "self_attn.q_proj.weight"},
+    {"attn_k.weight", "self_attn.k_proj.weight"},
+    {"attn_v.weight", "self_attn.v_proj.weight"},
+    {"attn_output.weight", "self_attn.o_proj.weight"},
+    {"attn_q.bias", "self_attn.q_proj.bias"},
+    {"attn_k.bias", "self_attn.k_proj.bias"},
+    {"attn_v.bias", "self_attn.v_proj.bias"},
+    {"attn_output.bias", "self_attn.o_proj.bias"},
+    {"ffn_gate.weight", "mlp.gate_proj.weight"},
+    {"ffn_up.weight", "mlp.up_proj.weight"},
+    {"ffn_down.weight", "mlp.down_proj.weight"},
+    {"ffn_gate_inp.weight", "block_sparse_moe.gate.weight"},
+};
+// Stacked experts [E][rows][cols] and the Mixtral name of one expert's matrix.
+constexpr LayerName kExpertNames[] = {
+    {"ffn_gate_exps.weight", "w1.weight"},
+    {"ffn_down_exps.weight", "w2.weight"},
+    {"ffn_up_exps.weight", "w3.weight"},
+};
+
+absl::StatusOr<DType> DTypeOf(const GgufTensor& t) {
+  switch (t.type) {
+    case GgmlType::kF32:
+      return DType::kF32;
+    case GgmlType::kF16:
+      return DType::kF16;
+    case GgmlType::kBF16:
+      return DType::kBF16;
+    case GgmlType::kQ8_0:
+      return DType::kQ8_0;
+    case GgmlType::kQ4_0:
+      return DType::kQ4_0;
+    case GgmlType::kQ4_1:
+      return DType::kQ4_1;
+    default:
+      break;
+  }
+  return absl::UnimplementedError(
+      absl::StrCat("tensor '", t.name, "' has type ",
+                   GgmlTypeName(static_cast<uint32_t>(t.type)).value_or("unknown"),
+                   ", which shardserve does not run (F32, F16, BF16, Q8_0, Q4_0, Q4_1)"));
+}
+
+// Row r of a head's q or k rows in the file holds Hugging Face row RowOf(r): the converter
+// interleaves the two rotary halves (row h*hd + 2i + j is Hugging Face's h*hd + j*hd/2 + i).
+int64_t HfRowOf(int64_t file_row, int64_t hd) {
+  const int64_t head = file_row / hd, in_head = file_row % hd;
+  return head * hd + (in_head % 2) * (hd / 2) + in_head / 2;
+}
+
+// The pre-tokenizers of tokenizer.ggml.pre as Hugging Face writes them (llama.cpp's names).
+constexpr char kGpt2Regex[] =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr char kLlama3Regex[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr char kQwen2Regex[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+json ByteLevel(bool use_regex) {
+  return {{"type", "ByteLevel"},
+          {"add_prefix_space", false},
+          {"trim_offsets", true},
+          {"use_regex", use_regex}};
+}
+json SplitThenByteLevel(const char* regex) {
+  return {{"type", "Sequence"},
+          {"pretokenizers", json::array({{{"type", "Split"},
+                                          {"pattern", {{"Regex", regex}}},
+                                          {"behavior", "Isolated"},
+                                          {"invert", false}},
+                                         ByteLevel(false)})}};
+}
+
+absl::StatusOr<json> PreTokenizer(const std::string& file, const std::string& pre) {
+  if (pre == "gpt2") return SplitThenByteLevel(kGpt2Regex);
+  if (pre == "llama-bpe" || pre == "llama3") return SplitThenByteLevel(kLlama3Regex);
+  if (pre == "qwen2") return SplitThenByteLevel(kQwen2Regex);
+  if (pre == "smollm") {  // every digit alone, then GPT-2's split
+    return json{{"type", "Sequence"},
+                {"pretokenizers", json::array({{{"type", "Digits"}, {"individual_digits", true}},
+                                               ByteLevel(true)})}};
+  }
+  return absl::UnimplementedError(
+      absl::StrCat(file, ": tokenizer.ggml.pre '", pre,
+                   "' is not a pre-tokenizer shardserve knows (gpt2, llama-bpe, qwen2, smollm)"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model_path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(model_path, ec)) return std::optional<std::string>(model_path);
+  if (!fs::is_directory(model_path, ec)) return std::optional<std::string>();  // said later
+  if (fs::exists(fs::path(model_path) / "model.safetensors") ||
+      fs::exists(fs::path(model_path) / "model.safetensors.index.json")) {
+    return std::optional<std::string>();
+  }
+  std::vector<std::string> found;
+  for (const auto& e : fs::directory_iterator(model_path, ec)) {
+    if (e.is_regular_file(ec) && absl::EndsWith(e.path().filename().string(), ".gguf")) {
+      found.push_back(e.path().string());
+    }
+  }
+  if (found.size() > 1) {
+    std::sort(found.begin(), found.end());
+    return absl::InvalidArgumentError(
+        absl::StrCat(model_path, ": holds ", found.size(),
+                     " GGUF files; name the one to serve: ", absl::StrJoin(found, ", ")));
+  }
+  if (found.empty()) return std::optional<std::string>();
+  return std::optional<std::string>(found[0]);
+}
+
+absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
+  ASSIGN_OR_RETURN(const std::string arch, f.GetString("general.architecture"));
+  if (arch != "llama" && arch != "qwen2") {
+    return absl::UnimplementedError(absl::StrCat(f.path(), ": general.architecture '", arch,
+                                                 "' is not one shardserve runs (llama, qwen2)"));
+  }
+  const std::string p = arch + ".";
+  auto has = [&](const std::string& key) { return f.metadata().count(key) > 0; };
+  json j;
+  ASSIGN_OR_RETURN(j["hidden_size"], f.GetUint(p + "embedding_length"));
+  ASSIGN_OR_RETURN(j["intermediate_size"], f.GetUint(p + "feed_forward_length"));
+  ASSIGN_OR_RETURN(j["num_hidden_layers"], f.GetUint(p + "block_count"));
+  ASSIGN_OR_RETURN(const uint64_t heads, f.GetUint(p + "attention.head_count"));
+  j["num_attention_heads"] = heads;
+  j["num_key_value_heads"] = heads;
+  if (has(p + "attention.head_count_kv")) {
+    ASSIGN_OR_RETURN(j["num_key_value_heads"], f.GetUint(p + "attention.head_count_kv"));
+  }
+  ASSIGN_OR_RETURN(j["max_position_embeddings"], f.GetUint(p + "context_length"));
+  ASSIGN_OR_RETURN(j["rms_norm_eps"], f.GetFloat(p + "attention.layer_norm_rms_epsilon"));
+  if (has(p + "rope.freq_base")) {
+    ASSIGN_OR_RETURN(j["rope_theta"], f.GetFloat(p + "rope.freq_base"));
+  }
+  if (has(p + "attention.key_length")) {
+    ASSIGN_OR_RETURN(j["head_dim"], f.GetUint(p + "attention.key_length"));
+    if (has(p + "attention.value_length")) {
+      ASSIGN_OR_RETURN(const uint64_t v, f.GetUint(p + "attention.value_length"));
+      if (v != j["head_dim"].get<uint64_t>()) {
+        return absl::UnimplementedError(absl::StrCat(
+            f.path(), ": ", p, "attention.value_length ", v, " differs from key_length ",
+            j["head_dim"].get<uint64_t>(), ", which shardserve does not run"));
+      }
+    }
+  }
+  const uint64_t head_dim = j.contains("head_dim")
+                                ? j["head_dim"].get<uint64_t>()
+                                : j["hidden_size"].get<uint64_t>() / std::max<uint64_t>(1, heads);
+  if (has(p + "rope.dimension_count")) {
+    ASSIGN_OR_RETURN(const uint64_t rot, f.GetUint(p + "rope.dimension_count"));
+    if (rot != head_dim) {
+      return absl::UnimplementedError(absl::StrCat(f.path(), ": ", p, "rope.dimension_count ", rot,
+                                                   " rotates part of a head of ", head_dim,
+                                                   ", which shardserve does not run"));
+    }
+  }
+  if (has(p + "rope.scaling.type")) {
+    ASSIGN_OR_RETURN(const std::string type, f.GetString(p + "rope.scaling.type"));
+    if (type == "linear") {
+      ASSIGN_OR_RETURN(const double factor, f.GetFloat(p + "rope.scaling.factor"));
+      j["rope_scaling"] = {{"type", "linear"}, {"factor", factor}};
+    } else if (type != "none") {
+      return absl::UnimplementedError(absl::StrCat(f.path(), ": ", p, "rope.scaling.type '", type,
+                                                   "' is not one shardserve runs (none, linear)"));
+    }
+  }
+  if (f.tensors().count("rope_freqs.weight")) {
+    return absl::UnimplementedError(absl::StrCat(
+        f.path(),
+        ": tensor 'rope_freqs.weight' (per-frequency RoPE factors, e.g. Llama 3.1's) is "
+        "not something shardserve runs from GGUF yet"));
+  }
+  auto embed = f.tensors().find("token_embd.weight");
+  if (embed == f.tensors().end() || embed->second.dims.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.path(), ": no 2-dimensional tensor 'token_embd.weight'"));
+  }
+  j["vocab_size"] = embed->second.dims[1];
+  j["tie_word_embeddings"] = f.tensors().count("output.weight") == 0;
+  uint64_t experts = 0;
+  if (has(p + "expert_count")) {
+    ASSIGN_OR_RETURN(experts, f.GetUint(p + "expert_count"));
+  }
+  if (experts > 0) {
+    j["architectures"] = {"MixtralForCausalLM"};
+    j["model_type"] = "mixtral";
+    j["num_local_experts"] = experts;
+    ASSIGN_OR_RETURN(j["num_experts_per_tok"], f.GetUint(p + "expert_used_count"));
+  } else {
+    j["architectures"] = {arch == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+    j["model_type"] = arch;
+  }
+  if (arch == "llama") j["attention_bias"] = f.tensors().count("blk.0.attn_q.bias") > 0;
+  if (has("tokenizer.ggml.bos_token_id")) {
+    ASSIGN_OR_RETURN(j["bos_token_id"], f.GetUint("tokenizer.ggml.bos_token_id"));
+  }
+  if (has("tokenizer.ggml.eos_token_id")) {
+    ASSIGN_OR_RETURN(j["eos_token_id"], f.GetUint("tokenizer.ggml.eos_token_id"));
+  }
+  return ParseModelConfig(j.dump(), absl::StrCat(f.path(), " (GGUF metadata)"));
+}
+
+absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
+    const GgufFile& f, const ModelConfig& c, std::vector<std::unique_ptr<uint8_t[]>>& owned) {
+  const uint8_t* base = f.tensors().empty() ? nullptr : f.file_data();
+  auto view = [&](const GgufTensor& t, const std::string& name) -> absl::StatusOr<TensorView> {
+    TensorView v;
+    v.name = name;
+    v.file = f.path();
+    ASSIGN_OR_RETURN(v.dtype, DTypeOf(t));
+    v.shape.assign(t.dims.rbegin(), t.dims.rend());
+    v.data = t.data;
+    v.nbytes = t.bytes;
+    v.file_offset = static_cast<uint64_t>(t.data - base);
+    return v;
+  };
+  // The q / k rows back in Hugging Face order, in memory of our own.
+  auto unpermute = [&](TensorView& v) {
+    const size_t row = v.nbytes / v.shape[0];
+    auto buf = std::make_unique<uint8_t[]>(v.nbytes);
+    const auto* src = static_cast<const uint8_t*>(v.data);
+    for (int64_t r = 0; r < v.shape[0]; ++r) {
+      std::memcpy(buf.get() + HfRowOf(r, c.head_dim) * row, src + r * row, row);
+    }
+    v.data = buf.get();
+    owned.push_back(std::move(buf));
+  };
+  std::map<std::string, TensorView> out;
+  for (const auto& [name, t] : f.tensors()) {
+    std::string hf;
+    if (name == "token_embd.weight") hf = "model.embed_tokens.weight";
+    if (name == "output_norm.weight") hf = "model.norm.weight";
+    if (name == "output.weight") hf = "lm_head.weight";
+    if (!hf.empty()) {
+      ASSIGN_OR_RETURN(out[hf], view(t, hf));
+      continue;
+    }
+    int64_t layer = -1;
+    size_t used = 0;
+    if (std::sscanf(name.c_str(), "blk.%ld.%zn", &layer, &used) != 1 || used == 0 || layer < 0 ||
+        layer >= c.num_layers) {
+      continue;  // not a tensor the model reads: rope_freqs and the like were refused above
+    }
+    const std::string rest = name.substr(used);
+    const std::string layer_prefix = absl::StrCat("model.layers.", layer, ".");
+    for (const LayerName& n : kLayerNames) {
+      if (rest != n.gguf) continue;
+      const std::string full = layer_prefix + n.hf;
+      ASSIGN_OR_RETURN(TensorView v, view(t, full));
+      const bool rotary = rest == "attn_q.weight" || rest == "attn_k.weight" ||
+                          rest == "attn_q.bias" || rest == "attn_k.bias";
+      if (c.model_type != "qwen2" && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
+      out[full] = v;
+    }
+    for (const LayerName& n : kExpertNames) {
+      if (rest != n.gguf) continue;
+      ASSIGN_OR_RETURN(TensorView all, view(t, name));
+      if (all.shape.size() != 3 || all.shape[0] != c.num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat(f.path(), ": tensor '", name, "' has shape ",
+                                                       all.ShapeString(), ", expected ",
+                                                       c.num_experts, " stacked experts"));
+      }
+      const size_t each = all.nbytes / c.num_experts;
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        TensorView v = all;
+        v.name = absl::StrCat(layer_prefix, "block_sparse_moe.experts.", e, ".", n.hf);
+        v.shape = {all.shape[1], all.shape[2]};
+        v.data = static_cast<const uint8_t*>(all.data) + e * each;
+        v.nbytes = each;
+        v.file_offset = all.file_offset + e * each;
+        out[v.name] = v;
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
+  ASSIGN_OR_RETURN(const std::string model, f.GetString("tokenizer.ggml.model"));
+  if (model != "gpt2") {
+    return absl::UnimplementedError(
+        absl::StrCat(f.path(), ": tokenizer.ggml.model '", model,
+                     "' is not a tokenizer shardserve reads from GGUF yet (gpt2: byte-level BPE)"));
+  }
+  auto strings = [&](const std::string& key) -> absl::StatusOr<std::vector<std::string>> {
+    ASSIGN_OR_RETURN(const GgufArray* a, f.GetArray(key));
+    std::vector<std::string> out;
+    out.reserve(a->size());
+    for (const GgufValue& v : *a) {
+      if (v.type != kGgufString) {
+        return absl::InvalidArgumentError(absl::StrCat(f.path(), ": ", key, " must hold strings"));
+      }
+      out.push_back(std::get<std::string>(v.v));
+    }
+    return out;
+  };
+  ASSIGN_OR_RETURN(const std::vector<std::string> tokens, strings("tokenizer.ggml.tokens"));
+  ASSIGN_OR_RETURN(const std::vector<std::string> merges, strings("tokenizer.ggml.merges"));
+  std::vector<int64_t> types(tokens.size(), 1);  // 1: normal
+  if (f.metadata().count("tokenizer.ggml.token_type")) {
+    ASSIGN_OR_RETURN(const GgufArray* a, f.GetArray("tokenizer.ggml.token_type"));
+    if (a->size() != tokens.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(f.path(), ": tokenizer.ggml.token_type has ",
+                                                     a->size(), " entries for ", tokens.size(),
+                                                     " tokens"));
+    }
+    for (size_t i = 0; i < a->size(); ++i) {
+      const GgufValue& v = (*a)[i];
+      if (const auto* s = std::get_if<int64_t>(&v.v)) types[i] = *s;
+      if (const auto* u = std::get_if<uint64_t>(&v.v)) types[i] = static_cast<int64_t>(*u);
+    }
+  }
+  std::string pre = "default";  // llama.cpp's name when the key is absent
+  if (f.metadata().count("tokenizer.ggml.pre")) {
+    ASSIGN_OR_RETURN(pre, f.GetString("tokenizer.ggml.pre"));
+  }
+  json vocab = json::object(), added = json::array();
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (!vocab.contains(tokens[i])) vocab[tokens[i]] = i;
+    // 3: control (special), 4: user-defined (added, not special).
+    if (types[i] == 3 || types[i] == 4) {
+      added.push_back({{"id", i},
+                       {"content", tokens[i]},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", false},
+                       {"special", types[i] == 3}});
+    }
+  }
+  json merges_json = json::array();
+  for (const std::string& m : merges) {
+    const size_t space = m.find(' ', 1);
+    if (space == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(f.path(), ": tokenizer.ggml.merges entry '", m, "' is not two tokens"));
+    }
+    merges_json.push_back(json::array({m.substr(0, space), m.substr(space + 1)}));
+  }
+  json j;
+  j["version"] = "1.0";
+  j["added_tokens"] = added;
+  j["normalizer"] = nullptr;
+  ASSIGN_OR_RETURN(j["pre_tokenizer"], PreTokenizer(f.path(), pre));
+  j["decoder"] = ByteLevel(true);
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", nullptr},
+                {"continuing_subword_prefix", nullptr},
+                {"end_of_word_suffix", nullptr},
+                {"fuse_unk", false},
+                {"byte_fallback", false},
+                {"ignore_merges", pre == "llama-bpe" || pre == "llama3"},
+                {"vocab", vocab},
+                {"merges", merges_json}};
+  json config = json::object();
+  auto token_text = [&](const char* key) -> absl::StatusOr<std::string> {
+    if (!f.metadata().count(key)) return std::string();
+    ASSIGN_OR_RETURN(const uint64_t id, f.GetUint(key));
+    if (id >= tokens.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(f.path(), ": ", key, " ", id, " is outside the ", tokens.size(), " tokens"));
+    }
+    return tokens[id];
+  };
+  ASSIGN_OR_RETURN(const std::string bos, token_text("tokenizer.ggml.bos_token_id"));
+  ASSIGN_OR_RETURN(const std::string eos, token_text("tokenizer.ggml.eos_token_id"));
+  bool add_bos = false;
+  if (f.metadata().count("tokenizer.ggml.add_bos_token")) {
+    const GgufValue& v = f.metadata().at("tokenizer.ggml.add_bos_token");
+    if (const bool* b = std::get_if<bool>(&v.v)) add_bos = *b;
+  }
+  if (add_bos && !bos.empty()) {
+    const int64_t bos_id = vocab[bos].get<int64_t>();
+    j["post_processor"] = {
+        {"type", "TemplateProcessing"},
+        {"single", json::array({json{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+                                json{{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+        {"pair", json::array({json{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+                              json{{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+                              json{{"SpecialToken", {{"id", bos}, {"type_id", 1}}}},
+                              json{{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
+        {"special_tokens", {{bos, {{"id", bos}, {"ids", {bos_id}}, {"tokens", {bos}}}}}}};
+  } else {
+    j["post_processor"] = nullptr;
+  }
+  if (!bos.empty()) config["bos_token"] = bos;
+  if (!eos.empty()) config["eos_token"] = eos;
+  if (f.metadata().count("tokenizer.chat_template")) {
+    ASSIGN_OR_RETURN(config["chat_template"], f.GetString("tokenizer.chat_template"));
+  }
+  return GgufTokenizerFiles{j.dump(), config.dump()};
+}
+
+}  // namespace shardserve

@@ -1,0 +1,47 @@
+#pragma once
+// A model in a GGUF file (llama.cpp's format) as shardserve runs it: the configuration from the
+// file's metadata, the tensors under their Hugging Face names and shapes. Architectures `llama`
+// (Llama 2/3, Mistral, SmolLM, TinyLlama; with experts, Mixtral) and `qwen2`; weight types F32,
+// F16, BF16, Q8_0, Q4_0 and Q4_1. Whatever else a file holds that would change the model's
+// arithmetic is refused by name.
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/config.h"
+#include "model/gguf.h"
+#include "model/safetensors.h"
+
+namespace shardserve {
+
+// The GGUF file a model path names: the path itself when it is a file, or the one .gguf file of
+// a directory that holds no safetensors weights; nullopt otherwise (a safetensors model, or
+// nothing: the safetensors reader names what is missing). A directory of several .gguf files is
+// refused naming them.
+absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model_path);
+
+// The configuration as config.json would give it. Errors name the metadata key.
+absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& file);
+
+// Every tensor the model uses, under its Hugging Face name with the Hugging Face shape (GGUF
+// lists dimensions fastest first). The `llama` converter interleaves the two rotary halves of
+// each q and k head's rows; those rows are put back in Hugging Face order, into memory kept in
+// `owned`. Stacked experts become one view per expert. Views into the file otherwise.
+absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
+    const GgufFile& file, const ModelConfig& config,
+    std::vector<std::unique_ptr<uint8_t[]>>& owned);
+
+// The Hugging Face tokenizer files the metadata stands for, for the tokenizer library to read as
+// it reads a model directory's: tokenizer.json (from tokenizer.ggml.*: model `gpt2`, byte-level
+// BPE with the pre-tokenizer tokenizer.ggml.pre names) and the tokenizer_config.json fields the
+// chat template needs (chat_template, bos_token, eos_token). Errors name the key.
+struct GgufTokenizerFiles {
+  std::string tokenizer_json;
+  std::string tokenizer_config_json;
+};
+absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& file);
+
+}  // namespace shardserve
