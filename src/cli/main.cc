@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -33,6 +34,7 @@
 #include "common/status.h"
 #include "common/text.h"
 #include "devtools/gen_model.h"
+#include "devtools/gguf_convert.h"
 #include "model/generator.h"
 #include "model/transformer.h"
 #include "tokenizer/tokenizer.h"
@@ -45,8 +47,10 @@ constexpr char kGenModelUsage[] =
     "--heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
     "--dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"
-    "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES]\n"
-    "(a small random model with a trained tokenizer, for tests and demos)";
+    "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
+    "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1]\n"
+    "(a small random model with a trained tokenizer, for tests and demos; --format gguf: --out\n"
+    "names the .gguf file, weights stored as --gguf-type, default the --dtype)";
 constexpr char kGenerateUsage[] =
     "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
@@ -92,10 +96,11 @@ absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const 
 absl::Status GenModel(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(
       Args a,
-      Args::Parse(argv,
-                  {"arch", "out", "layers", "hidden", "intermediate", "heads", "kv-heads",
-                   "head-dim", "vocab", "experts", "top-k", "dtype", "seed", "rope-scaling",
-                   "max-position", "tokenizer", "corpus", "shard-size", "chat-template"},
+      Args::Parse(argv, {"arch",      "out",      "layers",     "hidden",        "intermediate",
+                         "heads",     "kv-heads", "head-dim",   "vocab",         "experts",
+                         "top-k",     "dtype",    "seed",       "rope-scaling",  "max-position",
+                         "tokenizer", "corpus",   "shard-size", "chat-template", "format",
+                         "gguf-type"},
                   {"tie-embeddings", "attention-bias"}, "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
@@ -135,8 +140,34 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   o.rope_scaling = a.GetOr("rope-scaling", "");
   o.corpus_file = a.GetOr("corpus", "");
   o.chat_template = a.GetOr("chat-template", "auto");
+  const std::string format = a.GetOr("format", "safetensors");
+  if (format == "safetensors") {
+    RETURN_IF_ERROR(GenerateModel(o));
+    std::cerr << "wrote " << o.arch << " model to " << o.out_dir << "\n";
+    return absl::OkStatus();
+  }
+  if (format != "gguf") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--format '", format, "' is not safetensors or gguf"));
+  }
+  const std::map<std::string, DType> types = {{"f32", DType::kF32},   {"f16", DType::kF16},
+                                              {"bf16", DType::kBF16}, {"q8_0", DType::kQ8_0},
+                                              {"q4_0", DType::kQ4_0}, {"q4_1", DType::kQ4_1}};
+  auto type = types.find(a.GetOr("gguf-type", dtype));
+  if (type == types.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("--gguf-type '", a.GetOr("gguf-type", dtype),
+                                                   "' is not f32, f16, bf16, q8_0, q4_0, q4_1"));
+  }
+  // The Hugging Face directory first (next to the file), then the GGUF file from it.
+  const std::string file = o.out_dir;
+  o.out_dir = file + ".hf-tmp";
   RETURN_IF_ERROR(GenerateModel(o));
-  std::cerr << "wrote " << o.arch << " model to " << o.out_dir << "\n";
+  const absl::Status converted = ConvertToGguf(o.out_dir, file, type->second);
+  std::error_code ec;
+  std::filesystem::remove_all(o.out_dir, ec);
+  RETURN_IF_ERROR(converted);
+  std::cerr << "wrote " << o.arch << " model to " << file << " (GGUF, " << DTypeName(type->second)
+            << ")\n";
   return absl::OkStatus();
 }
 

@@ -16,12 +16,9 @@ namespace {
 
 using json = nlohmann::json;
 
-// GGUF per-layer tensor names and their Hugging Face counterparts (llama.cpp's tensor map).
-struct LayerName {
-  const char* gguf;
-  const char* hf;
-};
-constexpr LayerName kLayerNames[] = {
+}  // namespace
+
+const std::vector<GgufName> kGgufLayerNames = {
     {"attn_norm.weight", "input_layernorm.weight"},
     {"ffn_norm.weight", "post_attention_layernorm.weight"},
     {"attn_q.weight", "self_attn.q_proj.weight"},
@@ -37,12 +34,13 @@ constexpr LayerName kLayerNames[] = {
     {"ffn_down.weight", "mlp.down_proj.weight"},
     {"ffn_gate_inp.weight", "block_sparse_moe.gate.weight"},
 };
-// Stacked experts [E][rows][cols] and the Mixtral name of one expert's matrix.
-constexpr LayerName kExpertNames[] = {
+const std::vector<GgufName> kGgufExpertNames = {
     {"ffn_gate_exps.weight", "w1.weight"},
     {"ffn_down_exps.weight", "w2.weight"},
     {"ffn_up_exps.weight", "w3.weight"},
 };
+
+namespace {
 
 absl::StatusOr<DType> DTypeOf(const GgufTensor& t) {
   switch (t.type) {
@@ -65,13 +63,6 @@ absl::StatusOr<DType> DTypeOf(const GgufTensor& t) {
       absl::StrCat("tensor '", t.name, "' has type ",
                    GgmlTypeName(static_cast<uint32_t>(t.type)).value_or("unknown"),
                    ", which shardserve does not run (F32, F16, BF16, Q8_0, Q4_0, Q4_1)"));
-}
-
-// Row r of a head's q or k rows in the file holds Hugging Face row RowOf(r): the converter
-// interleaves the two rotary halves (row h*hd + 2i + j is Hugging Face's h*hd + j*hd/2 + i).
-int64_t HfRowOf(int64_t file_row, int64_t hd) {
-  const int64_t head = file_row / hd, in_head = file_row % hd;
-  return head * hd + (in_head % 2) * (hd / 2) + in_head / 2;
 }
 
 // The pre-tokenizers of tokenizer.ggml.pre as Hugging Face writes them (llama.cpp's names).
@@ -112,6 +103,11 @@ absl::StatusOr<json> PreTokenizer(const std::string& file, const std::string& pr
 }
 
 }  // namespace
+
+int64_t GgufRotaryRow(int64_t file_row, int64_t head_dim) {
+  const int64_t head = file_row / head_dim, in_head = file_row % head_dim;
+  return head * head_dim + (in_head % 2) * (head_dim / 2) + in_head / 2;
+}
 
 absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model_path) {
   namespace fs = std::filesystem;
@@ -249,7 +245,7 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     auto buf = std::make_unique<uint8_t[]>(v.nbytes);
     const auto* src = static_cast<const uint8_t*>(v.data);
     for (int64_t r = 0; r < v.shape[0]; ++r) {
-      std::memcpy(buf.get() + HfRowOf(r, c.head_dim) * row, src + r * row, row);
+      std::memcpy(buf.get() + GgufRotaryRow(r, c.head_dim) * row, src + r * row, row);
     }
     v.data = buf.get();
     owned.push_back(std::move(buf));
@@ -272,7 +268,7 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     }
     const std::string rest = name.substr(used);
     const std::string layer_prefix = absl::StrCat("model.layers.", layer, ".");
-    for (const LayerName& n : kLayerNames) {
+    for (const GgufName& n : kGgufLayerNames) {
       if (rest != n.gguf) continue;
       const std::string full = layer_prefix + n.hf;
       ASSIGN_OR_RETURN(TensorView v, view(t, full));
@@ -281,7 +277,7 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
       if (c.model_type != "qwen2" && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
       out[full] = v;
     }
-    for (const LayerName& n : kExpertNames) {
+    for (const GgufName& n : kGgufExpertNames) {
       if (rest != n.gguf) continue;
       ASSIGN_OR_RETURN(TensorView all, view(t, name));
       if (all.shape.size() != 3 || all.shape[0] != c.num_experts) {

@@ -17,6 +17,20 @@
 
 namespace shardserve {
 
+// llama.cpp's tensor names: blk.N.<gguf> is model.layers.N.<hf>; the stacked experts
+// blk.N.<gguf> ([E][rows][cols]) hold model.layers.N.block_sparse_moe.experts.E.<hf>. Outside the
+// layers: token_embd, output_norm and output are the embedding, the final norm and the LM head.
+struct GgufName {
+  const char* gguf;
+  const char* hf;
+};
+extern const std::vector<GgufName> kGgufLayerNames, kGgufExpertNames;
+
+// llama.cpp's converter interleaves the two rotary halves of each `llama` q and k head: the row
+// `file_row` of the file is Hugging Face's row GgufRotaryRow(file_row) (h*hd + 2i + j holds
+// h*hd + j*hd/2 + i).
+int64_t GgufRotaryRow(int64_t file_row, int64_t head_dim);
+
 // The GGUF file a model path names: the path itself when it is a file, or the one .gguf file of
 // a directory that holds no safetensors weights; nullopt otherwise (a safetensors model, or
 // nothing: the safetensors reader names what is missing). A directory of several .gguf files is

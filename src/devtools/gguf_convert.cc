@@ -1,0 +1,304 @@
+#include "devtools/gguf_convert.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "backend/cpu/kernels.h"
+#include "common/status.h"
+#include "common/text.h"
+#include "devtools/gguf_writer.h"
+#include "model/config.h"
+#include "model/gguf_model.h"
+#include "model/safetensors.h"
+#include "nlohmann/json.hpp"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+
+void PutHalf(std::string& out, float v) {
+  const uint16_t h = F32ToF16(v);
+  out.append(reinterpret_cast<const char*>(&h), 2);
+}
+
+absl::StatusOr<GgmlType> GgmlOf(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return GgmlType::kF32;
+    case DType::kF16:
+      return GgmlType::kF16;
+    case DType::kBF16:
+      return GgmlType::kBF16;
+    case DType::kQ8_0:
+      return GgmlType::kQ8_0;
+    case DType::kQ4_0:
+      return GgmlType::kQ4_0;
+    case DType::kQ4_1:
+      return GgmlType::kQ4_1;
+  }
+  return absl::InvalidArgumentError("unknown type");
+}
+
+// rows x cols F32 values stored as `type`.
+std::string Encode(DType type, const std::vector<float>& v, int64_t rows, int64_t cols) {
+  std::string out;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = v.data() + r * cols;
+    if (IsQuantized(type)) {
+      out += QuantizeRow(type, row, cols);
+      continue;
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      if (type == DType::kF32) {
+        out.append(reinterpret_cast<const char*>(&row[c]), 4);
+      } else {
+        const uint16_t h = type == DType::kF16 ? F32ToF16(row[c]) : F32ToBf16(row[c]);
+        out.append(reinterpret_cast<const char*>(&h), 2);
+      }
+    }
+  }
+  return out;
+}
+
+// The tokenizer of a byte-level BPE tokenizer.json, padded to vocab_size.
+absl::Status SetTokenizer(GgufWriter& w, const std::string& dir, const ModelConfig& c) {
+  const std::string path = (std::filesystem::path(dir) / "tokenizer.json").string();
+  ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON: ", e.what()));
+  }
+  const json& model = j["model"];
+  if (!model.is_object() || model.value("type", "") != "BPE" ||
+      model.value("byte_fallback", false)) {
+    return absl::UnimplementedError(absl::StrCat(
+        path, ": only byte-level BPE tokenizers convert to GGUF (tokenizer.ggml.model gpt2)"));
+  }
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  auto put = [&](int64_t id, const std::string& tok, int32_t type) {
+    if (id >= static_cast<int64_t>(tokens.size())) {
+      tokens.resize(id + 1);
+      types.resize(id + 1, 0);
+    }
+    tokens[id] = tok;
+    types[id] = type;
+  };
+  for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
+    put(it.value().get<int64_t>(), it.key(), 1);
+  }
+  for (const json& a : j.value("added_tokens", json::array())) {
+    put(a["id"].get<int64_t>(), a["content"].get<std::string>(), a.value("special", false) ? 3 : 4);
+  }
+  if (static_cast<int64_t>(tokens.size()) > c.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", tokens.size(), " tokens exceed vocab_size ", c.vocab_size));
+  }
+  for (int64_t i = 0; i < c.vocab_size; ++i) {  // llama.cpp's padding of a short vocabulary
+    if (i >= static_cast<int64_t>(tokens.size()) || types[i] == 0) {
+      put(i, absl::StrCat("[PAD", i, "]"), 5);  // 5: unused
+    }
+  }
+  GgufArray tok_values, type_values, merge_values;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tok_values.push_back(GgufWriter::String(tokens[i]));
+    type_values.push_back(GgufWriter::I32(types[i]));
+  }
+  for (const json& m : model["merges"]) {
+    merge_values.push_back(GgufWriter::String(
+        m.is_string() ? m.get<std::string>()
+                      : absl::StrCat(m[0].get<std::string>(), " ", m[1].get<std::string>())));
+  }
+  w.Set("tokenizer.ggml.model", GgufWriter::String("gpt2"));
+  w.Set("tokenizer.ggml.pre", GgufWriter::String("gpt2"));
+  w.Set("tokenizer.ggml.tokens", GgufWriter::Array(std::move(tok_values)));
+  w.Set("tokenizer.ggml.token_type", GgufWriter::Array(std::move(type_values)));
+  w.Set("tokenizer.ggml.merges", GgufWriter::Array(std::move(merge_values)));
+  if (c.bos_token_id >= 0) {
+    w.Set("tokenizer.ggml.bos_token_id", GgufWriter::U32(static_cast<uint32_t>(c.bos_token_id)));
+  }
+  if (!c.eos_token_ids.empty()) {
+    w.Set("tokenizer.ggml.eos_token_id",
+          GgufWriter::U32(static_cast<uint32_t>(c.eos_token_ids[0])));
+  }
+  const json& post = j.value("post_processor", json());
+  w.Set("tokenizer.ggml.add_bos_token",
+        GgufWriter::Bool(post.is_object() && post.value("type", "") == "TemplateProcessing"));
+  const std::string config_path = (std::filesystem::path(dir) / "tokenizer_config.json").string();
+  if (auto cfg = ReadFileToString(config_path); cfg.ok()) {
+    const json tc = json::parse(*cfg, nullptr, false);
+    if (tc.is_object() && tc.contains("chat_template") && tc["chat_template"].is_string()) {
+      w.Set("tokenizer.chat_template", GgufWriter::String(tc["chat_template"].get<std::string>()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string QuantizeRow(DType type, const float* x, int64_t n) {
+  std::string out;
+  for (int64_t b = 0; b < n; b += 32) {
+    const float* v = x + b;
+    if (type == DType::kQ8_0) {
+      float amax = 0;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127, id = d != 0 ? 1 / d : 0;
+      PutHalf(out, d);
+      for (int j = 0; j < 32; ++j) out.push_back(static_cast<char>(std::lround(v[j] * id)));
+    } else if (type == DType::kQ4_0) {
+      float amax = 0, max = 0;
+      for (int j = 0; j < 32; ++j) {
+        if (amax < std::fabs(v[j])) {
+          amax = std::fabs(v[j]);
+          max = v[j];
+        }
+      }
+      const float d = max / -8, id = d != 0 ? 1 / d : 0;
+      PutHalf(out, d);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = std::min(15, static_cast<int>(static_cast<int8_t>(v[j] * id + 8.5f)));
+        const int hi = std::min(15, static_cast<int>(static_cast<int8_t>(v[j + 16] * id + 8.5f)));
+        out.push_back(static_cast<char>(lo | (hi << 4)));
+      }
+    } else {  // Q4_1
+      float lo_v = FLT_MAX, hi_v = -FLT_MAX;
+      for (int j = 0; j < 32; ++j) {
+        lo_v = std::min(lo_v, v[j]);
+        hi_v = std::max(hi_v, v[j]);
+      }
+      const float d = (hi_v - lo_v) / 15, id = d != 0 ? 1 / d : 0;
+      PutHalf(out, d);
+      PutHalf(out, lo_v);
+      for (int j = 0; j < 16; ++j) {
+        const int lo =
+            std::min(15, static_cast<int>(static_cast<int8_t>((v[j] - lo_v) * id + 0.5f)));
+        const int hi =
+            std::min(15, static_cast<int>(static_cast<int8_t>((v[j + 16] - lo_v) * id + 0.5f)));
+        out.push_back(static_cast<char>(lo | (hi << 4)));
+      }
+    }
+  }
+  return out;
+}
+
+absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_file, DType type) {
+  ASSIGN_OR_RETURN(const ModelConfig c, LoadModelConfig(hf_dir));
+  ASSIGN_OR_RETURN(const std::unique_ptr<WeightStore> weights, WeightStore::Open(hf_dir));
+  if (c.rope_scaling == RopeScaling::kLlama3) {
+    return absl::UnimplementedError(absl::StrCat(
+        hf_dir, ": llama3 RoPE scaling is not converted (GGUF keeps it as a rope_freqs tensor)"));
+  }
+  ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));
+  const std::string arch = c.model_type == "qwen2" ? "qwen2" : "llama";
+  const std::string p = arch + ".";
+  GgufWriter w;
+  w.Set("general.architecture", GgufWriter::String(arch));
+  w.Set("general.name", GgufWriter::String(std::filesystem::path(hf_dir).filename().string()));
+  w.Set(p + "context_length", GgufWriter::U32(static_cast<uint32_t>(c.max_position_embeddings)));
+  w.Set(p + "embedding_length", GgufWriter::U32(static_cast<uint32_t>(c.hidden_size)));
+  w.Set(p + "block_count", GgufWriter::U32(static_cast<uint32_t>(c.num_layers)));
+  w.Set(p + "feed_forward_length", GgufWriter::U32(static_cast<uint32_t>(c.intermediate_size)));
+  w.Set(p + "attention.head_count", GgufWriter::U32(static_cast<uint32_t>(c.num_heads)));
+  w.Set(p + "attention.head_count_kv", GgufWriter::U32(static_cast<uint32_t>(c.num_kv_heads)));
+  w.Set(p + "attention.layer_norm_rms_epsilon",
+        GgufWriter::F32(static_cast<float>(c.rms_norm_eps)));
+  w.Set(p + "rope.freq_base", GgufWriter::F32(static_cast<float>(c.rope_theta)));
+  w.Set(p + "rope.dimension_count", GgufWriter::U32(static_cast<uint32_t>(c.head_dim)));
+  if (c.head_dim * c.num_heads != c.hidden_size) {
+    w.Set(p + "attention.key_length", GgufWriter::U32(static_cast<uint32_t>(c.head_dim)));
+    w.Set(p + "attention.value_length", GgufWriter::U32(static_cast<uint32_t>(c.head_dim)));
+  }
+  if (c.rope_scaling == RopeScaling::kLinear) {
+    w.Set(p + "rope.scaling.type", GgufWriter::String("linear"));
+    w.Set(p + "rope.scaling.factor", GgufWriter::F32(static_cast<float>(c.rope_factor)));
+  }
+  if (c.moe) {
+    w.Set(p + "expert_count", GgufWriter::U32(static_cast<uint32_t>(c.num_experts)));
+    w.Set(p + "expert_used_count", GgufWriter::U32(static_cast<uint32_t>(c.experts_per_token)));
+  }
+  w.Set("general.file_type", GgufWriter::U32(static_cast<uint32_t>(ggml)));
+  RETURN_IF_ERROR(SetTokenizer(w, hf_dir, c));
+  auto Blocks = [&](const std::string& name, int64_t cols) -> absl::Status {
+    if (cols % DTypeBlock(type) == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has rows of ", cols,
+                                                   " values, not whole ", DTypeName(type),
+                                                   " blocks of ", DTypeBlock(type)));
+  };
+
+  // A tensor's values as F32 (rows x cols; 1 x n for a vector).
+  auto values = [&](const std::string& name) -> absl::StatusOr<std::vector<float>> {
+    ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
+    std::vector<float> v(t.numel());
+    cpu::ToFloat(t.dtype, t.data, t.numel(), v.data());
+    return v;
+  };
+  // A 2-D matrix as `type` (rotary rows interleaved when `rotary`), a vector as F32.
+  auto add = [&](const std::string& gguf, const std::string& hf, bool rotary) -> absl::Status {
+    ASSIGN_OR_RETURN(const TensorView t, weights->Get(hf));
+    ASSIGN_OR_RETURN(std::vector<float> v, values(hf));
+    const int64_t rows = t.shape[0], cols = t.shape.size() == 2 ? t.shape[1] : 1;
+    RETURN_IF_ERROR(Blocks(hf, t.shape.size() == 2 ? cols : DTypeBlock(type)));
+    if (rotary && arch == "llama") {
+      std::vector<float> permuted(v.size());
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy_n(v.data() + GgufRotaryRow(r, c.head_dim) * cols, cols,
+                    permuted.data() + r * cols);
+      }
+      v = std::move(permuted);
+    }
+    if (t.shape.size() == 1) {
+      w.AddTensor(gguf, GgmlType::kF32, {rows}, Encode(DType::kF32, v, 1, rows));
+    } else {
+      w.AddTensor(gguf, ggml, {cols, rows}, Encode(type, v, rows, cols));
+    }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(add("token_embd.weight", "model.embed_tokens.weight", false));
+  RETURN_IF_ERROR(add("output_norm.weight", "model.norm.weight", false));
+  if (!c.tie_word_embeddings) RETURN_IF_ERROR(add("output.weight", "lm_head.weight", false));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string blk = absl::StrCat("blk.", l, "."),
+                      hf = absl::StrCat("model.layers.", l, ".");
+    for (const GgufName& n : kGgufLayerNames) {
+      if (!weights->Has(hf + n.hf)) continue;
+      const std::string g = n.gguf;
+      const bool rotary =
+          g == "attn_q.weight" || g == "attn_k.weight" || g == "attn_q.bias" || g == "attn_k.bias";
+      if (g == "ffn_gate_inp.weight") {  // the router stays F32
+        ASSIGN_OR_RETURN(std::vector<float> v, values(hf + n.hf));
+        w.AddTensor(blk + g, GgmlType::kF32, {c.hidden_size, c.num_experts},
+                    Encode(DType::kF32, v, c.num_experts, c.hidden_size));
+        continue;
+      }
+      RETURN_IF_ERROR(add(blk + g, hf + n.hf, rotary));
+    }
+    for (const GgufName& n : kGgufExpertNames) {
+      if (!c.moe) break;
+      std::string bytes;
+      int64_t rows = 0, cols = 0;
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string name = absl::StrCat(hf, "block_sparse_moe.experts.", e, ".", n.hf);
+        ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
+        ASSIGN_OR_RETURN(std::vector<float> v, values(name));
+        rows = t.shape[0];
+        cols = t.shape[1];
+        RETURN_IF_ERROR(Blocks(name, cols));
+        bytes += Encode(type, v, rows, cols);
+      }
+      w.AddTensor(blk + n.gguf, ggml, {cols, rows, c.num_experts}, std::move(bytes));
+    }
+  }
+  return w.Write(out_file);
+}
+
+}  // namespace shardserve

@@ -1,0 +1,23 @@
+#pragma once
+// Hugging Face model directories (as gen-model writes them) to GGUF files, the way llama.cpp's
+// convert_hf_to_gguf.py lays them out, so that llama.cpp's tools and transformers read them too:
+// llama.cpp's metadata keys and tensor names, the `llama` q/k rows interleaved, the stacked
+// experts, and the byte-level BPE tokenizer padded to vocab_size with [PADn] tokens. Matrices are
+// stored as `type`; quantized types are made here from the F32 values (round to nearest, as
+// llama.cpp's reference quantizers); norms, biases and the MoE router stay F32.
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "backend/dtype.h"
+
+namespace shardserve {
+
+absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_file, DType type);
+
+// One row of n values (a multiple of 32) in a quantized type's blocks, as llama.cpp's reference
+// quantizers make them (Q8_0: scale max|x|/127; Q4_0: scale max/-8 of the value of largest
+// magnitude, offset 8; Q4_1: scale (max-min)/15 and the minimum).
+std::string QuantizeRow(DType type, const float* x, int64_t n);
+
+}  // namespace shardserve

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""GGUF models against Hugging Face transformers loading the same file (it dequantizes the
+weights to float32). `check_gguf.py BIN smollm2`: the real SmolLM2-135M-Instruct, Q4_1 with a Q8_0
+embedding, the file scripts/setup.sh puts in the cache (skips, 77, where it is absent).
+`check_gguf.py BIN generated`: models gen-model writes as GGUF (--format gguf) in every weight
+type, llama and qwen2 (the llama q/k rows interleaved as llama.cpp's converter does); the
+tokenizer, greedy tokens and logprobs as below, at TP=1, TP=2 and PP=2. transformers does not
+read Mixtral's stacked experts from GGUF, so a Mixtral GGUF is checked against the same model's
+safetensors instead.
+
+For SmolLM2:
+  * the tokenizer: our ids for a set of texts equal transformers' (GGUF tokenizer, `smollm`
+    pre-tokenizer);
+  * greedy decoding: the first 16 tokens identical on several prompts, at TP=1 and sharded
+    (TP=3, PP=2, TP=3 x PP=2); the log-probabilities of the chosen token and the top 5 within
+    1e-3 of transformers' (both compute in float32 from the same dequantized values; the bound
+    covers the summation order);
+  * serving: `shardserve local` at TP=3 answers a chat request with the prompt transformers'
+    chat template makes (the same token count) and the greedy answer names Paris.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "cli"))
+from checks import Checks  # noqa: E402
+from deployment import Deployment  # noqa: E402
+
+BIN, WHAT = sys.argv[1], sys.argv[2]
+CACHE = os.environ.get("SHARDSERVE_CACHE", os.path.expanduser("~/.cache/shardserve"))
+DIR = os.path.join(CACHE, "models", "smollm2-135m-instruct")
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXTS = ["What is the capital of France?", "Numbers 12345 and 3.14; caf\u00e9 na\u00efve \u4f60\u597d!",
+         "  two  spaces and\ttabs\nnew line\n\n", "<|im_start|>user\nhi<|im_end|>", "a"]
+STEPS = 16
+TOL = 1e-3
+check = Checks()
+
+
+def run(*cmd):
+    return json.loads(subprocess.run([BIN, *cmd], check=True, capture_output=True,
+                                     text=True).stdout)
+
+
+def ours(model, prompt, *extra):
+    """generate's JSON; prompt: text or a list of ids."""
+    given = (["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list)
+             else ["--prompt", prompt])
+    return run("generate", "--model", model, *given, "--max-tokens", str(STEPS), "--logprobs", "5",
+               "--ignore-eos", "--threads", "2", "--format", "json", *extra)
+
+
+def hf_greedy(model, ids):
+    x = torch.tensor([ids])
+    want, lps = [], []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            lp = torch.log_softmax(model(x).logits[0, -1].double(), dim=-1)
+            t = int(torch.argmax(lp))
+            want.append(t)
+            lps.append(lp)
+            x = torch.cat([x, torch.tensor([[t]])], dim=1)
+    return want, lps
+
+
+def worst_logprob(got, want, lps):
+    worst = 0.0
+    for i, (t, tops) in enumerate(zip(got["tokens"], got["top_logprobs"])):
+        if i >= len(lps) or t != want[i]:
+            break
+        worst = max(worst, abs(got["logprobs"][i] - float(lps[i][t])))
+        for alt in tops:
+            worst = max(worst, abs(alt["logprob"] - float(lps[i][alt["id"]])))
+    return worst
+
+
+def compare(name, model_path, hf_model, prompt, ids, shapes, tol):
+    """Greedy tokens and logprobs against transformers at TP=1, then each sharded shape against
+    TP=1."""
+    want, lps = hf_greedy(hf_model, ids)
+    single = ours(model_path, prompt)
+    check(single["tokens"] == want, f"{name} {prompt!r}: greedy tokens equal transformers' "
+          f"({want[:6]}...)" + ("" if single["tokens"] == want else f" ours {single['tokens']}"))
+    worst = worst_logprob(single, want, lps)
+    check(worst <= tol, f"{name} {prompt!r}: chosen and top-5 logprobs within {tol} "
+          f"(worst {worst:.2e})")
+    for shape in shapes:
+        sharded = ours(model_path, prompt, *shape)
+        same = sharded["tokens"] == single["tokens"]
+        diff = max(abs(a - b) for a, b in zip(sharded["logprobs"], single["logprobs"]))
+        check(same and diff <= 1e-4, f"{name} {prompt!r} at {' '.join(shape)}: the same tokens, "
+              f"logprobs within 1e-4 of TP=1 (worst {diff:.2e})")
+
+
+if WHAT == "generated":
+    SHAPE = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
+             "--intermediate", "256", "--vocab", "512", "--seed", "3", "--dtype", "f32",
+             "--max-position", "512"]
+    CASES = [("llama", "f32", []), ("llama", "bf16", []), ("llama", "q8_0", []),
+             ("llama", "q4_0", ["--tie-embeddings"]), ("llama", "q4_1", []),
+             ("qwen2", "q8_0", []), ("qwen2", "q4_1", [])]
+    SHAPES = (["--tp", "2"], ["--pp", "2"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, wtype, extra in CASES:
+            name = f"{arch} {wtype}{' tied' if extra else ''}"
+            path = os.path.join(tmp, f"{arch}-{wtype}.gguf")
+            subprocess.run([BIN, "gen-model", "--arch", arch, "--out", path, "--format", "gguf",
+                            "--gguf-type", wtype, *SHAPE, *extra], check=True,
+                           capture_output=True)
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=os.path.basename(path))
+            model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=os.path.basename(path),
+                                                         dtype=torch.float32)
+            model.eval()
+            for text in TEXTS[:3]:
+                got, want = ours(path, text)["prompt_ids"], tok.encode(text)
+                check(got == want, f"{name} tokenizer: {text!r}"
+                      + ("" if got == want else f" ({want} vs ours {got})"))
+            for ids in ([1, 5, 9, 13], [1, 300, 7]):
+                compare(name, path, model, ids, ids, SHAPES, 1e-4)
+        # Mixtral: the GGUF against the safetensors of the same weights, and sharded.
+        st = os.path.join(tmp, "mixtral")
+        common = ["--arch", "mixtral", *SHAPE, "--experts", "4", "--top-k", "2"]
+        subprocess.run([BIN, "gen-model", "--out", st, *common], check=True, capture_output=True)
+        path = os.path.join(tmp, "mixtral-f32.gguf")
+        subprocess.run([BIN, "gen-model", "--out", path, *common, "--format", "gguf",
+                        "--gguf-type", "f32"], check=True, capture_output=True)
+        for ids in ([1, 5, 9, 13], [1, 300, 7]):
+            want, got = ours(st, ids), ours(path, ids)
+            diff = max(abs(a - b) for a, b in zip(want["logprobs"], got["logprobs"]))
+            check(got["tokens"] == want["tokens"] and diff <= 1e-5,
+                  f"mixtral f32 {ids}: the GGUF's tokens and logprobs are the safetensors' "
+                  f"(worst {diff:.2e})")
+            for shape in SHAPES:
+                sharded = ours(path, ids, *shape)
+                check(sharded["tokens"] == got["tokens"], f"mixtral f32 {ids} at {' '.join(shape)}")
+    check.finish()
+
+if not os.path.exists(os.path.join(DIR, FILE)):
+    print(f"skipped: {DIR}/{FILE} is absent (scripts/setup.sh fetches it)")
+    sys.exit(77)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+tok = AutoTokenizer.from_pretrained(DIR, gguf_file=FILE)
+model = AutoModelForCausalLM.from_pretrained(DIR, gguf_file=FILE, dtype=torch.float32)
+model.eval()
+
+for text in TEXTS:
+    got = ours(DIR, text)["prompt_ids"] if text else []
+    want = tok.encode(text)
+    check(got == want, f"tokenizer: {text!r} -> {want[:12]}{'...' if len(want) > 12 else ''}"
+          + ("" if got == want else f" (ours: {got})"))
+
+for prompt in PROMPTS:
+    compare("SmolLM2", DIR, model, prompt, tok.encode(prompt),
+            (["--tp", "3"], ["--pp", "2"], ["--tp", "3", "--pp", "2"]), TOL)
+
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+want_prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False)
+d = Deployment(BIN, DIR, name="smollm2", tp=3, pp=1)
+try:
+    status, _, body = d.post("/v1/chat/completions", {"model": "smollm2", "messages": messages,
+                                                       "max_tokens": 24, "temperature": 0})
+    check(status == 200, f"chat at TP=3: HTTP {status}")
+    if status == 200:
+        answer = body["choices"][0]["message"]["content"]
+        check(body["usage"]["prompt_tokens"] == len(want_prompt),
+              f"chat prompt: {body['usage']['prompt_tokens']} tokens, transformers' template "
+              f"{len(want_prompt)}")
+        check("Paris" in answer, f"chat answer names Paris: {answer!r}")
+finally:
+    d.stop()
+check.finish()
