@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend_ops_test.h"
+#include "devtools/gguf_convert.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -182,6 +184,74 @@ TEST(KernelsTest, DtypeConversionsRoundTrip) {
   }
   EXPECT_EQ(F32ToBf16(1.0f + 1.0f / 256), F32ToBf16(1.0f)) << "ties round to even";
   EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(std::nanf("")))));
+}
+
+// The blocks of a quantized row read independently of the kernels: value j of a block is
+// d * q_j (Q8_0), d * (q_j - 8) (Q4_0) or d * q_j + m (Q4_1); a 4-bit block keeps value j in the
+// low nibble of byte j and value j + 16 in its high nibble.
+std::vector<double> Dequantized(DType dtype, const std::string& bytes, int64_t n) {
+  std::vector<double> out;
+  const auto* b = reinterpret_cast<const uint8_t*>(bytes.data());
+  auto half = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return static_cast<double>(F16ToF32(h));
+  };
+  for (int64_t blk = 0; blk < n / 32; ++blk, b += DTypeBlockBytes(dtype)) {
+    const double d = half(b);
+    if (dtype == DType::kQ8_0) {
+      for (int j = 0; j < 32; ++j) out.push_back(d * static_cast<int8_t>(b[2 + j]));
+      continue;
+    }
+    const uint8_t* q = b + (dtype == DType::kQ4_0 ? 2 : 4);
+    const double m = dtype == DType::kQ4_1 ? half(b + 2) : -8 * d;
+    for (int j = 0; j < 32; ++j) out.push_back(d * ((j < 16 ? q[j] : q[j - 16] >> 4) & 15) + m);
+  }
+  return out;
+}
+
+// Quantized weights: the decode (up to 12 tokens) and prefill paths, on every type, against the
+// dot products with the block values; a slice of rows (row stride past its columns) reads only
+// its own blocks; ToFloat expands a row; the quantizers' blocks round-trip within half a step.
+TEST(KernelsTest, QuantizedMatMulMatchesTheBlockValues) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (DType dtype : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
+    const int64_t N = 37, K = 96, stride = 160;  // each row: 3 blocks used of 5 stored
+    std::vector<float> w(N * stride);
+    for (float& v : w) v = dist(rng);
+    std::string bytes;
+    std::vector<double> values;
+    for (int64_t n = 0; n < N; ++n) {
+      const std::string row = QuantizeRow(dtype, w.data() + n * stride, stride);
+      const std::vector<double> v = Dequantized(dtype, row, stride);
+      for (int64_t k = 0; k < K; ++k) {
+        const double step = dtype == DType::kQ8_0 ? 1.0 / 127 : 2.0 / 15;
+        ASSERT_NEAR(v[k], w[n * stride + k], step) << DTypeName(dtype);
+      }
+      values.insert(values.end(), v.begin(), v.begin() + K);
+      bytes += row;
+    }
+    std::vector<float> expanded(K);
+    ToFloat(dtype, bytes.data(), K, expanded.data());
+    for (int64_t k = 0; k < K; ++k) ASSERT_NEAR(expanded[k], values[k], 1e-6);
+    const WeightMatrix wm{dtype, bytes.data(), N, K, stride};
+    for (int threads : {1, 3}) {
+      ThreadPool pool(threads);
+      for (int64_t M : {1, 3, 12, 13, 40}) {
+        std::vector<float> x(M * K), y(M * N, -1.f);
+        for (float& v : x) v = dist(rng);
+        MatMul(wm, x.data(), M, K, y.data(), N, pool);
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t n = 0; n < N; ++n) {
+            double ref = 0;
+            for (int64_t k = 0; k < K; ++k) ref += values[n * K + k] * x[m * K + k];
+            ASSERT_NEAR(y[m * N + n], ref, 1e-4) << DTypeName(dtype) << " M=" << M << " n=" << n;
+          }
+        }
+      }
+    }
+  }
 }
 
 // The op conformance suite on the CPU backend, with one thread and with a pool that splits work.

@@ -1,0 +1,217 @@
+// GGUF models: a generated model converted to GGUF runs exactly as its safetensors (the
+// configuration, the tensor names, the un-interleaved q/k rows, the tokenizer and the chat
+// template all come from the file); what the file holds that shardserve cannot run is refused
+// naming the key, the tensor or the type.
+#include "model/gguf_model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "devtools/gguf_convert.h"
+#include "devtools/gguf_writer.h"
+#include "model/test_models.h"
+#include "model/transformer.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::SmallModel;
+using testing::TempDir;
+using testing::WriteModel;
+
+// Full logits of a few prompt tokens and one decode step.
+std::vector<float> Logits(Transformer& m) {
+  auto cache = m.NewKvCache(64);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  SequenceKv kv;
+  std::vector<SequenceChunk> chunks = {{{1, 40, 7, 300}, &kv}};
+  std::vector<float> a, b;
+  EXPECT_TRUE(m.Forward(chunks, **cache, a).ok());
+  chunks[0].tokens = {12};
+  EXPECT_TRUE(m.Forward(chunks, **cache, b).ok());
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class GgufModelTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  TempDir dir_;
+};
+
+TEST_P(GgufModelTest, RunsAsItsSafetensors) {
+  auto o = SmallModel(GetParam(), dir_.Sub("hf"));
+  o.dtype = DType::kF32;
+  const std::string hf = WriteModel(o);
+  std::filesystem::create_directory(dir_.Sub("gguf"));
+  const std::string file = dir_.Sub("gguf") + "/model.gguf";
+  ASSERT_TRUE(ConvertToGguf(hf, file, DType::kF32).ok());
+  auto want_config = LoadModelConfig(hf);
+  auto got_config = LoadModelConfig(dir_.Sub("gguf"));  // the directory names its one file
+  ASSERT_TRUE(want_config.ok() && got_config.ok()) << got_config.status();
+  EXPECT_EQ(got_config->architecture, want_config->architecture);
+  EXPECT_EQ(got_config->num_kv_heads, want_config->num_kv_heads);
+  EXPECT_EQ(got_config->qkv_bias, want_config->qkv_bias);
+  EXPECT_EQ(got_config->num_experts, want_config->num_experts);
+  auto want = Transformer::Load(hf, {});
+  auto got = Transformer::Load(file, {});
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+  EXPECT_EQ(Logits(**got), Logits(**want));  // F32 both ways: the very same arithmetic
+
+  auto want_tok = Tokenizer::Load(hf);
+  auto got_tok = Tokenizer::Load(file);
+  ASSERT_TRUE(want_tok.ok() && got_tok.ok()) << got_tok.status();
+  for (const char* text : {"The model is too large for one machine.", "  two  spaces\n\n", "a"}) {
+    EXPECT_EQ(*(*got_tok)->Encode(text), *(*want_tok)->Encode(text)) << text;
+  }
+  EXPECT_EQ(ChatTemplate::ForModel(file, **got_tok).family(),
+            ChatTemplate::ForModel(hf, **want_tok).family());
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, GgufModelTest, ::testing::Values("llama", "qwen2", "mixtral"));
+
+// A communicator that is never used: loading only checks that one is given.
+class Unused : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  absl::Status AllReduceSum(float*, size_t) override { return Fail(); }
+  absl::Status AllGather(const float*, size_t, float*) override { return Fail(); }
+  absl::Status ReduceScatterSum(const float*, size_t, float*) override { return Fail(); }
+  absl::Status Broadcast(void*, size_t, int) override { return Fail(); }
+  absl::Status Send(const void*, size_t, int) override { return Fail(); }
+  absl::Status Recv(void*, size_t, int) override { return Fail(); }
+  absl::Status Barrier() override { return Fail(); }
+  absl::Status Abort(const absl::Status&) override { return Fail(); }
+
+ private:
+  static absl::Status Fail() { return absl::InternalError("not for use"); }
+};
+
+// Quantized blocks do not split inside: 6 heads of 16 over T=2 gives o_proj column slices of 48
+// values, not whole blocks of 32.
+TEST(GgufModel, AColumnSliceInsideABlockIsRefused) {
+  TempDir dir;
+  auto o = SmallModel("llama", dir.Sub("hf"));
+  o.hidden = 96;
+  o.heads = 6;
+  o.kv_heads = 2;
+  o.intermediate = 128;
+  const std::string hf = WriteModel(o);
+  const std::string file = dir.Sub("m.gguf");
+  ASSERT_TRUE(ConvertToGguf(hf, file, DType::kQ8_0).ok());
+  Unused comm;
+  Transformer::Options opts;
+  opts.tp_size = 2;
+  opts.tp_comm = &comm;
+  auto m = Transformer::Load(file, opts);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()),
+              HasSubstr("tensor 'model.layers.0.self_attn.o_proj.weight' (Q8_0, blocks of 32 "
+                        "values) does not split over tensor parallelism 2"));
+  opts.tp_size = 1;
+  opts.tp_comm = nullptr;
+  EXPECT_TRUE(Transformer::Load(file, opts).ok());
+}
+
+// A one-layer llama file built by hand, with one thing changed per case.
+struct Tiny {
+  std::string arch = "llama";
+  bool embedding_length = true;
+  GgmlType q_type = GgmlType::kF32;
+  bool rope_freqs = false;
+  std::string tokenizer = "gpt2";
+  std::string pre = "gpt2";
+};
+
+std::string Write(const std::string& path, const Tiny& t) {
+  GgufWriter w;
+  const int64_t H = 64, V = 8;
+  w.Set("general.architecture", GgufWriter::String(t.arch));
+  const std::string p = t.arch + ".";
+  if (t.embedding_length) w.Set(p + "embedding_length", GgufWriter::U32(H));
+  w.Set(p + "feed_forward_length", GgufWriter::U32(64));
+  w.Set(p + "block_count", GgufWriter::U32(1));
+  w.Set(p + "attention.head_count", GgufWriter::U32(2));
+  w.Set(p + "context_length", GgufWriter::U32(128));
+  w.Set(p + "attention.layer_norm_rms_epsilon", GgufWriter::F32(1e-5f));
+  GgufArray tokens;
+  for (int i = 0; i + 1 < V; ++i) tokens.push_back(GgufWriter::String(std::string(1, 'a' + i)));
+  tokens.push_back(GgufWriter::String("ab"));  // what the one merge makes
+  w.Set("tokenizer.ggml.model", GgufWriter::String(t.tokenizer));
+  w.Set("tokenizer.ggml.pre", GgufWriter::String(t.pre));
+  w.Set("tokenizer.ggml.tokens", GgufWriter::Array(tokens));
+  w.Set("tokenizer.ggml.merges", GgufWriter::Array({GgufWriter::String("a b")}));
+  auto f32 = [&](const std::string& name, std::vector<int64_t> dims) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    w.AddTensor(name, GgmlType::kF32, dims, std::string(n * 4, '\0'));
+  };
+  f32("token_embd.weight", {H, V});
+  f32("output_norm.weight", {H});
+  f32("blk.0.attn_norm.weight", {H});
+  f32("blk.0.ffn_norm.weight", {H});
+  if (t.q_type == GgmlType::kQ5_K) {
+    w.AddTensor("blk.0.attn_q.weight", GgmlType::kQ5_K, {256, H / 4}, std::string(16 * 176, '\0'));
+  } else {
+    f32("blk.0.attn_q.weight", {H, H});
+  }
+  for (const char* n : {"blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight",
+                        "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"}) {
+    f32(n, {H, H});
+  }
+  if (t.rope_freqs) f32("rope_freqs.weight", {16});
+  EXPECT_TRUE(w.Write(path).ok());
+  return path;
+}
+
+std::string ConfigError(const std::string& path) {
+  auto c = LoadModelConfig(path);
+  return c.ok() ? "" : std::string(c.status().message());
+}
+
+TEST(GgufModel, WhatCannotRunIsRefusedByName) {
+  TempDir dir;
+  const std::string file = dir.Sub("m.gguf");
+  ASSERT_EQ(ConfigError(Write(file, {})), "");
+  EXPECT_TRUE(Transformer::Load(file, {}).ok());
+  auto valid = Tokenizer::Load(file);
+  EXPECT_TRUE(valid.ok()) << valid.status();
+
+  Tiny t;
+  t.arch = "gpt2";
+  EXPECT_THAT(ConfigError(Write(file, t)), HasSubstr("general.architecture 'gpt2'"));
+  t = {};
+  t.embedding_length = false;
+  EXPECT_THAT(ConfigError(Write(file, t)), HasSubstr("llama.embedding_length"));
+  t = {};
+  t.rope_freqs = true;
+  EXPECT_THAT(ConfigError(Write(file, t)), HasSubstr("rope_freqs.weight"));
+  t = {};
+  t.q_type = GgmlType::kQ5_K;
+  auto m = Transformer::Load(Write(file, t), {});
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()),
+              HasSubstr("tensor 'blk.0.attn_q.weight' has type Q5_K"));
+  t = {};
+  t.tokenizer = "llama";
+  auto tok = Tokenizer::Load(Write(file, t));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("tokenizer.ggml.model 'llama'"));
+  t = {};
+  t.pre = "mystery";
+  tok = Tokenizer::Load(Write(file, t));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("tokenizer.ggml.pre 'mystery'"));
+
+  // A directory names its model file only when it holds one.
+  Write(dir.Sub("second.gguf"), {});
+  EXPECT_THAT(ConfigError(dir.path()), HasSubstr("holds 2 GGUF files"));
+}
+
+}  // namespace
+}  // namespace shardserve
