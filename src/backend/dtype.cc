@@ -22,12 +22,32 @@ const char* DTypeName(DType t) {
       return "Q4_0";
     case DType::kQ4_1:
       return "Q4_1";
+    case DType::kQ4_K:
+      return "Q4_K";
+    case DType::kQ5_K:
+      return "Q5_K";
+    case DType::kQ6_K:
+      return "Q6_K";
   }
   return "?";
 }
 
 int64_t DTypeBlock(DType t) {
-  return t == DType::kF32 || t == DType::kF16 || t == DType::kBF16 ? 1 : 32;
+  switch (t) {
+    case DType::kF32:
+    case DType::kF16:
+    case DType::kBF16:
+      return 1;
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+      return 32;
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
+      return 256;
+  }
+  return 1;
 }
 
 size_t DTypeBlockBytes(DType t) {
@@ -43,6 +63,12 @@ size_t DTypeBlockBytes(DType t) {
       return 18;  // F16 scale, 32 x 4 bits
     case DType::kQ4_1:
       return 20;  // F16 scale, F16 minimum, 32 x 4 bits
+    case DType::kQ4_K:
+      return 144;  // F16 d, dmin; 12 bytes of 6-bit scales and minimums; 256 x 4 bits
+    case DType::kQ5_K:
+      return 176;  // as Q4_K, plus 32 bytes of fifth bits
+    case DType::kQ6_K:
+      return 210;  // 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, F16 d
   }
   return 0;
 }

@@ -8,10 +8,12 @@
 
 namespace shardserve {
 
-// F32, F16, BF16 (safetensors, GGUF) and the block-quantized ggml types of GGUF files, each block
-// of 32 values with an F16 scale: Q8_0 (int8 values), Q4_0 (4-bit, offset 8), Q4_1 (4-bit with an
-// F16 minimum).
-enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1 };
+// F32, F16, BF16 (safetensors, GGUF) and the block-quantized ggml types of GGUF files: blocks of
+// 32 values with an F16 scale, Q8_0 (int8 values), Q4_0 (4-bit, offset 8), Q4_1 (4-bit with an
+// F16 minimum); and the K-quants, super-blocks of 256 values in sub-blocks with their own
+// quantized scales: Q4_K and Q5_K (8 x 32, 6-bit scales and minimums), Q6_K (16 x 16, int8
+// scales).
+enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K };
 
 // Values per block (1 for the element types) and the bytes of one block.
 int64_t DTypeBlock(DType t);
@@ -23,7 +25,7 @@ inline size_t DTypeBytes(DType t, int64_t n) {
 }
 // Bytes of one value of an element type (F32, F16, BF16).
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"
+const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names)
 // A safetensors dtype (F32, F16, BF16).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

@@ -48,7 +48,7 @@ constexpr char kGenModelUsage[] =
     "--dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
-    "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1]\n"
+    "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k]\n"
     "(a small random model with a trained tokenizer, for tests and demos; --format gguf: --out\n"
     "names the .gguf file, weights stored as --gguf-type, default the --dtype)";
 constexpr char kGenerateUsage[] =
@@ -150,13 +150,15 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
     return absl::InvalidArgumentError(
         absl::StrCat("--format '", format, "' is not safetensors or gguf"));
   }
-  const std::map<std::string, DType> types = {{"f32", DType::kF32},   {"f16", DType::kF16},
-                                              {"bf16", DType::kBF16}, {"q8_0", DType::kQ8_0},
-                                              {"q4_0", DType::kQ4_0}, {"q4_1", DType::kQ4_1}};
+  const std::map<std::string, DType> types = {
+      {"f32", DType::kF32},   {"f16", DType::kF16},   {"bf16", DType::kBF16},
+      {"q8_0", DType::kQ8_0}, {"q4_0", DType::kQ4_0}, {"q4_1", DType::kQ4_1},
+      {"q4_k", DType::kQ4_K}, {"q5_k", DType::kQ5_K}, {"q6_k", DType::kQ6_K}};
   auto type = types.find(a.GetOr("gguf-type", dtype));
   if (type == types.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("--gguf-type '", a.GetOr("gguf-type", dtype),
-                                                   "' is not f32, f16, bf16, q8_0, q4_0, q4_1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gguf-type '", a.GetOr("gguf-type", dtype),
+                     "' is not f32, f16, bf16, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k"));
   }
   // The Hugging Face directory first (next to the file), then the GGUF file from it.
   const std::string file = o.out_dir;

@@ -42,6 +42,12 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
       return GgmlType::kQ4_0;
     case DType::kQ4_1:
       return GgmlType::kQ4_1;
+    case DType::kQ4_K:
+      return GgmlType::kQ4_K;
+    case DType::kQ5_K:
+      return GgmlType::kQ5_K;
+    case DType::kQ6_K:
+      return GgmlType::kQ6_K;
   }
   return absl::InvalidArgumentError("unknown type");
 }
@@ -143,10 +149,111 @@ absl::Status SetTokenizer(GgufWriter& w, const std::string& dir, const ModelConf
   return absl::OkStatus();
 }
 
+// One Q4_K / Q5_K super-block (bits 4 or 5): per sub-block of 32 an offset (its minimum, if
+// negative) and a scale, both quantized to 6 bits against the super-block's d and dmin.
+std::string QuantizeK45(const float* x, int bits) {
+  const int top = (1 << bits) - 1;
+  float scale[8], offset[8];
+  for (int j = 0; j < 8; ++j) {
+    float lo = 0, hi = 0;
+    for (int l = 0; l < 32; ++l) {
+      lo = std::min(lo, x[32 * j + l]);
+      hi = std::max(hi, x[32 * j + l]);
+    }
+    scale[j] = (hi - lo) / top;
+    offset[j] = -lo;
+  }
+  const float max_scale = *std::max_element(scale, scale + 8);
+  const float max_offset = *std::max_element(offset, offset + 8);
+  const float d = max_scale / 63, dmin = max_offset / 63;
+  // The F16 values the reader sees.
+  const float dr = F16ToF32(F32ToF16(d)), dminr = F16ToF32(F32ToF16(dmin));
+  int sc[8], mn[8];
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = dr > 0 ? std::min(63, static_cast<int>(std::lround(scale[j] / dr))) : 0;
+    mn[j] = dminr > 0 ? std::min(63, static_cast<int>(std::lround(offset[j] / dminr))) : 0;
+  }
+  uint8_t packed[12];
+  for (int j = 0; j < 4; ++j) {
+    packed[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    packed[j + 4] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+    packed[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
+  }
+  int q[256];
+  for (int i = 0; i < 256; ++i) {
+    const int j = i / 32;
+    const float step = dr * sc[j], off = dminr * mn[j];
+    q[i] = step > 0 ? std::clamp(static_cast<int>(std::lround((x[i] + off) / step)), 0, top) : 0;
+  }
+  std::string out;
+  PutHalf(out, d);
+  PutHalf(out, dmin);
+  out.append(reinterpret_cast<const char*>(packed), 12);
+  if (bits == 5) {  // bit 2c of byte l: value 64c + l's fifth bit; bit 2c + 1: value 64c + 32 + l's
+    uint8_t qh[32] = {};
+    for (int c = 0; c < 4; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        qh[l] |= static_cast<uint8_t>(((q[64 * c + l] >> 4) & 1) << (2 * c));
+        qh[l] |= static_cast<uint8_t>(((q[64 * c + 32 + l] >> 4) & 1) << (2 * c + 1));
+      }
+    }
+    out.append(reinterpret_cast<const char*>(qh), 32);
+  }
+  for (int c = 0; c < 4; ++c) {
+    for (int l = 0; l < 32; ++l) {
+      out.push_back(static_cast<char>((q[64 * c + l] & 0xF) | ((q[64 * c + 32 + l] & 0xF) << 4)));
+    }
+  }
+  return out;
+}
+
+// One Q6_K super-block: 16 sub-blocks of 16 with int8 scales against d; values in [-32, 31].
+std::string QuantizeQ6K(const float* x) {
+  float scale[16];
+  for (int j = 0; j < 16; ++j) {
+    float amax = 0;
+    for (int l = 0; l < 16; ++l) amax = std::max(amax, std::fabs(x[16 * j + l]));
+    scale[j] = amax / 31;
+  }
+  const float d = *std::max_element(scale, scale + 16) / 127;
+  const float dr = F16ToF32(F32ToF16(d));
+  int8_t sc[16];
+  for (int j = 0; j < 16; ++j) {
+    sc[j] = static_cast<int8_t>(dr > 0 ? std::min(127L, std::lround(scale[j] / dr)) : 0);
+  }
+  int q[256];
+  for (int i = 0; i < 256; ++i) {
+    const float step = dr * sc[i / 16];
+    q[i] = (step > 0 ? std::clamp(static_cast<int>(std::lround(x[i] / step)), -32, 31) : 0) + 32;
+  }
+  uint8_t ql[128], qh[64];
+  for (int half = 0; half < 2; ++half) {
+    const int* v = q + 128 * half;
+    for (int l = 0; l < 32; ++l) {
+      ql[64 * half + l] = static_cast<uint8_t>((v[l] & 0xF) | ((v[l + 64] & 0xF) << 4));
+      ql[64 * half + 32 + l] = static_cast<uint8_t>((v[l + 32] & 0xF) | ((v[l + 96] & 0xF) << 4));
+      qh[32 * half + l] = static_cast<uint8_t>((v[l] >> 4) | ((v[l + 32] >> 4) << 2) |
+                                               ((v[l + 64] >> 4) << 4) | ((v[l + 96] >> 4) << 6));
+    }
+  }
+  std::string out(reinterpret_cast<const char*>(ql), 128);
+  out.append(reinterpret_cast<const char*>(qh), 64);
+  out.append(reinterpret_cast<const char*>(sc), 16);
+  PutHalf(out, d);
+  return out;
+}
+
 }  // namespace
 
 std::string QuantizeRow(DType type, const float* x, int64_t n) {
   std::string out;
+  if (DTypeBlock(type) == 256) {
+    for (int64_t b = 0; b < n; b += 256) {
+      out += type == DType::kQ6_K ? QuantizeQ6K(x + b)
+                                  : QuantizeK45(x + b, type == DType::kQ5_K ? 5 : 4);
+    }
+    return out;
+  }
   for (int64_t b = 0; b < n; b += 32) {
     const float* v = x + b;
     if (type == DType::kQ8_0) {

@@ -15,9 +15,11 @@ namespace shardserve {
 
 absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_file, DType type);
 
-// One row of n values (a multiple of 32) in a quantized type's blocks, as llama.cpp's reference
-// quantizers make them (Q8_0: scale max|x|/127; Q4_0: scale max/-8 of the value of largest
-// magnitude, offset 8; Q4_1: scale (max-min)/15 and the minimum).
+// One row of n values (a multiple of the block) in a quantized type's blocks. Q8_0, Q4_0, Q4_1
+// as llama.cpp's reference quantizers make them (Q8_0: scale max|x|/127; Q4_0: scale max/-8 of
+// the value of largest magnitude, offset 8; Q4_1: scale (max-min)/15 and the minimum); the
+// K-quants in their exact layout with plain rounding (llama.cpp searches for better scales; any
+// scales are valid blocks).
 std::string QuantizeRow(DType type, const float* x, int64_t n);
 
 }  // namespace shardserve

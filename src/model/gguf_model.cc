@@ -56,13 +56,19 @@ absl::StatusOr<DType> DTypeOf(const GgufTensor& t) {
       return DType::kQ4_0;
     case GgmlType::kQ4_1:
       return DType::kQ4_1;
+    case GgmlType::kQ4_K:
+      return DType::kQ4_K;
+    case GgmlType::kQ5_K:
+      return DType::kQ5_K;
+    case GgmlType::kQ6_K:
+      return DType::kQ6_K;
     default:
       break;
   }
-  return absl::UnimplementedError(
-      absl::StrCat("tensor '", t.name, "' has type ",
-                   GgmlTypeName(static_cast<uint32_t>(t.type)).value_or("unknown"),
-                   ", which shardserve does not run (F32, F16, BF16, Q8_0, Q4_0, Q4_1)"));
+  return absl::UnimplementedError(absl::StrCat(
+      "tensor '", t.name, "' has type ",
+      GgmlTypeName(static_cast<uint32_t>(t.type)).value_or("unknown"),
+      ", which shardserve does not run (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"));
 }
 
 // The pre-tokenizers of tokenizer.ggml.pre as Hugging Face writes them (llama.cpp's names).

@@ -4,7 +4,8 @@ weights to float32). `check_gguf.py BIN smollm2`: the real SmolLM2-135M-Instruct
 embedding, the file scripts/setup.sh puts in the cache (skips, 77, where it is absent).
 `check_gguf.py BIN generated`: models gen-model writes as GGUF (--format gguf) in every weight
 type, llama and qwen2 (the llama q/k rows interleaved as llama.cpp's converter does); the
-tokenizer, greedy tokens and logprobs as below, at TP=1, TP=2 and PP=2. transformers does not
+tokenizer, greedy tokens and logprobs as below, at TP=1, TP=2 and PP=2 (F32, BF16, Q8_0, Q4_0,
+Q4_1, Q4_K, Q5_K, Q6_K; transformers expands the blocks with the gguf package's own code). transformers does not
 read Mixtral's stacked experts from GGUF, so a Mixtral GGUF is checked against the same model's
 safetensors instead.
 
@@ -105,14 +106,24 @@ if WHAT == "generated":
     CASES = [("llama", "f32", []), ("llama", "bf16", []), ("llama", "q8_0", []),
              ("llama", "q4_0", ["--tie-embeddings"]), ("llama", "q4_1", []),
              ("qwen2", "q8_0", []), ("qwen2", "q4_1", [])]
+    # The K-quants' super-blocks of 256 need wider rows (and TP=2 column slices of 256).
+    WIDE = ["--hidden", "512", "--heads", "8", "--kv-heads", "4", "--intermediate", "1024"]
+    CASES += [("llama", "q4_k", WIDE), ("llama", "q5_k", WIDE), ("llama", "q6_k", WIDE)]
     SHAPES = (["--tp", "2"], ["--pp", "2"])
     with tempfile.TemporaryDirectory() as tmp:
         for arch, wtype, extra in CASES:
-            name = f"{arch} {wtype}{' tied' if extra else ''}"
+            name = f"{arch} {wtype}{' tied' if '--tie-embeddings' in extra else ''}"
             path = os.path.join(tmp, f"{arch}-{wtype}.gguf")
+            args = list(SHAPE)
+            for i in range(0, len(extra)):  # a flag of SHAPE given again takes the new value
+                if extra[i].startswith("--") and extra[i] in args and i + 1 < len(extra):
+                    args[args.index(extra[i]) + 1] = extra[i + 1]
+                elif extra[i].startswith("--") and extra[i] not in args:
+                    args.append(extra[i])
+                    if i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+                        args.append(extra[i + 1])
             subprocess.run([BIN, "gen-model", "--arch", arch, "--out", path, "--format", "gguf",
-                            "--gguf-type", wtype, *SHAPE, *extra], check=True,
-                           capture_output=True)
+                            "--gguf-type", wtype, *args], check=True, capture_output=True)
             tok = AutoTokenizer.from_pretrained(tmp, gguf_file=os.path.basename(path))
             model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=os.path.basename(path),
                                                          dtype=torch.float32)

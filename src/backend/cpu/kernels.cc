@@ -393,6 +393,9 @@ void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float
     case DType::kQ8_0:
     case DType::kQ4_0:
     case DType::kQ4_1:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
       return MatMulQuantized(
           w, x, M, ldx, y, ldy, pool,
           [](const WeightMatrix& f32, const float* xs, int64_t m, int64_t ld, float* ys,

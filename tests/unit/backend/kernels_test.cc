@@ -254,6 +254,42 @@ TEST(KernelsTest, QuantizedMatMulMatchesTheBlockValues) {
   }
 }
 
+// The K-quants (super-blocks of 256): quantized rows come back within a step of the values,
+// ToFloat and both MatMul paths agree with the dot products of the expanded values.
+TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
+  std::mt19937 rng(6);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (auto [dtype, bound] :
+       {std::pair{DType::kQ4_K, 0.2}, {DType::kQ5_K, 0.1}, {DType::kQ6_K, 0.06}}) {
+    const int64_t N = 21, K = 512;
+    std::vector<float> w(N * K);
+    for (float& v : w) v = dist(rng);
+    std::string bytes;
+    for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, w.data() + n * K, K);
+    ASSERT_EQ(bytes.size(), N * DTypeBytes(dtype, K));
+    std::vector<float> values(N * K);
+    for (int64_t n = 0; n < N; ++n) {
+      ToFloat(dtype, bytes.data() + n * DTypeBytes(dtype, K), K, values.data() + n * K);
+    }
+    for (int64_t i = 0; i < N * K; ++i)
+      ASSERT_NEAR(values[i], w[i], bound) << DTypeName(dtype) << i;
+    const WeightMatrix wm{dtype, bytes.data(), N, K, K};
+    ThreadPool pool(2);
+    for (int64_t M : {1, 5, 12, 20}) {
+      std::vector<float> x(M * K), y(M * N);
+      for (float& v : x) v = dist(rng);
+      MatMul(wm, x.data(), M, K, y.data(), N, pool);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = 0;
+          for (int64_t k = 0; k < K; ++k) ref += double(values[n * K + k]) * x[m * K + k];
+          ASSERT_NEAR(y[m * N + n], ref, 1e-4) << DTypeName(dtype) << " M=" << M;
+        }
+      }
+    }
+  }
+}
+
 // The op conformance suite on the CPU backend, with one thread and with a pool that splits work.
 using testing::BackendCase;
 using testing::BackendOpsTest;

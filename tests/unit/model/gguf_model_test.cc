@@ -155,8 +155,8 @@ std::string Write(const std::string& path, const Tiny& t) {
   f32("output_norm.weight", {H});
   f32("blk.0.attn_norm.weight", {H});
   f32("blk.0.ffn_norm.weight", {H});
-  if (t.q_type == GgmlType::kQ5_K) {
-    w.AddTensor("blk.0.attn_q.weight", GgmlType::kQ5_K, {256, H / 4}, std::string(16 * 176, '\0'));
+  if (t.q_type == GgmlType::kQ2_K) {
+    w.AddTensor("blk.0.attn_q.weight", GgmlType::kQ2_K, {256, H / 4}, std::string(16 * 84, '\0'));
   } else {
     f32("blk.0.attn_q.weight", {H, H});
   }
@@ -192,11 +192,11 @@ TEST(GgufModel, WhatCannotRunIsRefusedByName) {
   t.rope_freqs = true;
   EXPECT_THAT(ConfigError(Write(file, t)), HasSubstr("rope_freqs.weight"));
   t = {};
-  t.q_type = GgmlType::kQ5_K;
+  t.q_type = GgmlType::kQ2_K;
   auto m = Transformer::Load(Write(file, t), {});
   ASSERT_FALSE(m.ok());
   EXPECT_THAT(std::string(m.status().message()),
-              HasSubstr("tensor 'blk.0.attn_q.weight' has type Q5_K"));
+              HasSubstr("tensor 'blk.0.attn_q.weight' has type Q2_K"));
   t = {};
   t.tokenizer = "llama";
   auto tok = Tokenizer::Load(Write(file, t));
