@@ -5,7 +5,7 @@
 # against `shardserve bench` decode (batch 1) and prefill of 64 tokens at 1 and 2 threads, with
 # the read-bandwidth roofline shardserve's bench measures in the same run.
 # Files: a TinyLlama-1.1B-shaped model written by `gen-model --format gguf` as BF16, its Q8_0 and
-# Q4_0 made by llama-quantize, and the real SmolLM2-135M-Instruct (Q4_1).
+# Q4_K_M made by llama-quantize, and the real SmolLM2-135M-Instruct (Q4_1).
 # Usage: bench/llama_cpp.sh [FILES...]   (default: all of the above)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,24 +37,25 @@ if [ ! -f "$M/tinyllama-bf16.gguf" ]; then
     --gguf-type bf16 --layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4 \
     --vocab 32000 --dtype bf16 --seed 1
 fi
-for q in Q8_0 Q4_0; do
+for q in Q8_0 Q4_K_M; do
   lower=$(echo "$q" | tr 'A-Z' 'a-z')
   [ -f "$M/tinyllama-$lower.gguf" ] ||
     "$PEER/llama-quantize" "$M/tinyllama-bf16.gguf" "$M/tinyllama-$lower.gguf" "$q" >/dev/null 2>&1
 done
 FILES=("$@")
 if [ ${#FILES[@]} -eq 0 ]; then
-  FILES=("$M/tinyllama-bf16.gguf" "$M/tinyllama-q8_0.gguf" "$M/tinyllama-q4_0.gguf"
+  FILES=("$M/tinyllama-bf16.gguf" "$M/tinyllama-q8_0.gguf" "$M/tinyllama-q4_k_m.gguf"
     "$CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 fi
 
 for f in "${FILES[@]}"; do
   echo "=== $(basename "$f") ($(du -m "$f" | cut -f1) MB)"
-  "$PEER/llama-bench" -m "$f" -t 1,2 -p 64 -n 64 -o json 2>/dev/null | python3 -c '
+  "$PEER/llama-bench" -m "$f" -t 1,2 -p 64 -n 64 -r 3 -o json 2>/dev/null | python3 -c '
 import json, sys
 for r in json.load(sys.stdin):
-    kind = "prefill 64" if r["n_prompt"] else "decode   "
-    print(f"llama.cpp  {kind}  {r[\"n_threads\"]} thread(s): {r[\"avg_ts\"]:8.2f} tokens/s")'
+    kind = "prefill 64" if r["n_prompt"] else "decode    "
+    threads, rate = r["n_threads"], r["avg_ts"]
+    print(f"llama.cpp  {kind} {threads} thread(s): {rate:8.2f} tokens/s")'
   for t in 1 2; do
     build/bin/shardserve bench --model "$f" --threads "$t" --decode-tokens 64 \
       --prefill-tokens 64 | python3 -c '

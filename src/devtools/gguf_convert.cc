@@ -125,7 +125,7 @@ absl::Status SetTokenizer(GgufWriter& w, const std::string& dir, const ModelConf
                       : absl::StrCat(m[0].get<std::string>(), " ", m[1].get<std::string>())));
   }
   w.Set("tokenizer.ggml.model", GgufWriter::String("gpt2"));
-  w.Set("tokenizer.ggml.pre", GgufWriter::String("gpt2"));
+  w.Set("tokenizer.ggml.pre", GgufWriter::String("gpt-2"));
   w.Set("tokenizer.ggml.tokens", GgufWriter::Array(std::move(tok_values)));
   w.Set("tokenizer.ggml.token_type", GgufWriter::Array(std::move(type_values)));
   w.Set("tokenizer.ggml.merges", GgufWriter::Array(std::move(merge_values)));

@@ -95,7 +95,7 @@ json SplitThenByteLevel(const char* regex) {
 }
 
 absl::StatusOr<json> PreTokenizer(const std::string& file, const std::string& pre) {
-  if (pre == "gpt2") return SplitThenByteLevel(kGpt2Regex);
+  if (pre == "gpt-2") return SplitThenByteLevel(kGpt2Regex);
   if (pre == "llama-bpe" || pre == "llama3") return SplitThenByteLevel(kLlama3Regex);
   if (pre == "qwen2") return SplitThenByteLevel(kQwen2Regex);
   if (pre == "smollm") {  // every digit alone, then GPT-2's split
@@ -105,7 +105,7 @@ absl::StatusOr<json> PreTokenizer(const std::string& file, const std::string& pr
   }
   return absl::UnimplementedError(
       absl::StrCat(file, ": tokenizer.ggml.pre '", pre,
-                   "' is not a pre-tokenizer shardserve knows (gpt2, llama-bpe, qwen2, smollm)"));
+                   "' is not a pre-tokenizer shardserve knows (gpt-2, llama-bpe, qwen2, smollm)"));
 }
 
 }  // namespace

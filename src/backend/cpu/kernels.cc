@@ -37,18 +37,6 @@ inline float LoadScalar(const void* base, int64_t idx) {
   }
 }
 
-inline float HSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
-inline const void* RowPtr(const WeightMatrix& w, int64_t row) {
-  return static_cast<const uint8_t*>(w.data) + DTypeBytes(w.dtype, row * w.row_stride);
-}
-
 // Decode path: R weight rows × MT tokens of dot products, weights read once from memory.
 template <DType D, int R, int MT>
 inline void GemvTile(const WeightMatrix& w, int64_t n, const float* x, int64_t ldx, float* y,
@@ -85,7 +73,7 @@ inline void GemvTileBf16(const WeightMatrix& w, int64_t n, const float* xe, cons
                          int64_t ldh, const float* x, int64_t ldx, float* y, int64_t ldy) {
   const int64_t K = w.cols, K16 = K / 16 * 16;
   const uint16_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = static_cast<const uint16_t*>(RowPtr(w, n + r));
+  for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(RowPtr(w, n + r));
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[R][MT];
   for (int r = 0; r < R; ++r)

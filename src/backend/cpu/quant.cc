@@ -103,18 +103,6 @@ void ExpandK(const uint8_t* b, float* y) {
   }
 }
 
-inline float HSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
-inline const uint8_t* Row(const WeightMatrix& w, int64_t r) {
-  return static_cast<const uint8_t*>(w.data) + DTypeBytes(w.dtype, r * w.row_stride);
-}
-
 // Decode: rows [n0, n1) against M <= kMaxDecode tokens; each block is expanded once and used by
 // every token.
 constexpr int64_t kMaxDecode = 12;
@@ -124,7 +112,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, 
   const int64_t blocks = w.cols / kBlock;
   const size_t bb = DTypeBlockBytes(D);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = Row(w, n);
+    const uint8_t* row = RowPtr(w, n);
     __m256 acc[kMaxDecode];
     for (int64_t t = 0; t < M; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -151,7 +139,7 @@ void DecodeRangeK(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x,
   const int64_t blocks = w.cols / kSuper;
   alignas(32) float v[kSuper];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = Row(w, n);
+    const uint8_t* row = RowPtr(w, n);
     __m256 acc[kMaxDecode];
     for (int64_t t = 0; t < M; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -237,7 +225,7 @@ void MatMulQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t l
     for (int64_t r0 = b; r0 < e; r0 += kRows) {
       const int64_t nr = std::min(kRows, e - r0);
       for (int64_t r = 0; r < nr; ++r)
-        Dequantize(w.dtype, Row(w, r0 + r), w.cols, &rows[r * w.cols]);
+        Dequantize(w.dtype, RowPtr(w, r0 + r), w.cols, &rows[r * w.cols]);
       const WeightMatrix f32{DType::kF32, rows.data(), nr, w.cols, w.cols};
       gemm_f32(f32, x, M, ldx, y + r0, ldy);
     }

@@ -16,14 +16,6 @@ void BackendOpsTest::SetUp() {
 
 namespace {
 
-std::vector<float> Random(size_t n, uint32_t seed, float lo = -1, float hi = 1) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
-
 // A host copy in backend memory, kept with the test's other buffers.
 class Mem {
  public:

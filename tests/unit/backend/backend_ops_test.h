@@ -7,7 +7,9 @@
 
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -24,6 +26,15 @@ class BackendOpsTest : public ::testing::TestWithParam<BackendCase> {
   void SetUp() override;
   std::unique_ptr<Backend> be_;
 };
+
+// n uniform floats in [lo, hi) from `seed`.
+inline std::vector<float> Random(size_t n, uint32_t seed, float lo = -1, float hi = 1) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
 
 inline std::string BackendCaseName(const ::testing::TestParamInfo<BackendCase>& info) {
   return info.param.name;

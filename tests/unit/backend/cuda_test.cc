@@ -88,13 +88,7 @@ T* Ptr(const cuda::DeviceBuffer& b) {
   return static_cast<T*>(b.data());
 }
 
-std::vector<float> Random(size_t n, uint32_t seed, float lo = -1, float hi = 1) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
+using testing::Random;
 
 // A weight of `dtype` with rows x cols values, stored with row stride `stride` >= cols.
 std::vector<uint8_t> Weight(DType dtype, const std::vector<float>& values, int64_t rows,

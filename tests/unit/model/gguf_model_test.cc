@@ -125,7 +125,7 @@ struct Tiny {
   GgmlType q_type = GgmlType::kF32;
   bool rope_freqs = false;
   std::string tokenizer = "gpt2";
-  std::string pre = "gpt2";
+  std::string pre = "gpt-2";
 };
 
 std::string Write(const std::string& path, const Tiny& t) {
