@@ -343,8 +343,7 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
   };
 
   // A tensor's values as F32 (rows x cols; 1 x n for a vector).
-  auto values = [&](const std::string& name) -> absl::StatusOr<std::vector<float>> {
-    ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
+  auto values = [](const TensorView& t) {
     std::vector<float> v(t.numel());
     cpu::ToFloat(t.dtype, t.data, t.numel(), v.data());
     return v;
@@ -352,7 +351,7 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
   // A 2-D matrix as `type` (rotary rows interleaved when `rotary`), a vector as F32.
   auto add = [&](const std::string& gguf, const std::string& hf, bool rotary) -> absl::Status {
     ASSIGN_OR_RETURN(const TensorView t, weights->Get(hf));
-    ASSIGN_OR_RETURN(std::vector<float> v, values(hf));
+    std::vector<float> v = values(t);
     const int64_t rows = t.shape[0], cols = t.shape.size() == 2 ? t.shape[1] : 1;
     RETURN_IF_ERROR(Blocks(hf, t.shape.size() == 2 ? cols : DTypeBlock(type)));
     if (rotary && arch == "llama") {
@@ -382,7 +381,8 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
       const bool rotary =
           g == "attn_q.weight" || g == "attn_k.weight" || g == "attn_q.bias" || g == "attn_k.bias";
       if (g == "ffn_gate_inp.weight") {  // the router stays F32
-        ASSIGN_OR_RETURN(std::vector<float> v, values(hf + n.hf));
+        ASSIGN_OR_RETURN(const TensorView t, weights->Get(hf + n.hf));
+        const std::vector<float> v = values(t);
         w.AddTensor(blk + g, GgmlType::kF32, {c.hidden_size, c.num_experts},
                     Encode(DType::kF32, v, c.num_experts, c.hidden_size));
         continue;
@@ -396,7 +396,7 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const std::string name = absl::StrCat(hf, "block_sparse_moe.experts.", e, ".", n.hf);
         ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
-        ASSIGN_OR_RETURN(std::vector<float> v, values(name));
+        const std::vector<float> v = values(t);
         rows = t.shape[0];
         cols = t.shape[1];
         RETURN_IF_ERROR(Blocks(name, cols));

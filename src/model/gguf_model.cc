@@ -233,7 +233,7 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
 
 absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     const GgufFile& f, const ModelConfig& c, std::vector<std::unique_ptr<uint8_t[]>>& owned) {
-  const uint8_t* base = f.tensors().empty() ? nullptr : f.file_data();
+  const uint8_t* base = f.file_data();
   auto view = [&](const GgufTensor& t, const std::string& name) -> absl::StatusOr<TensorView> {
     TensorView v;
     v.name = name;

@@ -63,8 +63,10 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   ChatTemplate t;
   json config = json::object();
   std::string path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
-  absl::StatusOr<std::string> text = ReadFileToString(path);
-  if (auto gguf = FindGgufFile(model_dir); gguf.ok() && gguf->has_value()) {
+  absl::StatusOr<std::string> text;
+  if (auto gguf = FindGgufFile(model_dir); !gguf.ok() || !gguf->has_value()) {
+    text = ReadFileToString(path);
+  } else {
     path = absl::StrCat(**gguf, " (GGUF metadata)");
     absl::StatusOr<std::unique_ptr<GgufFile>> f = GgufFile::Open(**gguf);
     absl::StatusOr<GgufTokenizerFiles> files =
