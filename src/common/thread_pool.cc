@@ -1,6 +1,9 @@
 #include "common/thread_pool.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <chrono>
 
 namespace shardserve {
 namespace {
@@ -14,7 +17,21 @@ std::pair<int64_t, int64_t> Split(int64_t n, int64_t grain, int parts, int index
   return {std::min(n, ub * grain), std::min(n, ue * grain)};
 }
 
+// How long a thread spins for the next loop (a worker) or for the last chunk (the caller) before
+// it sleeps.
+constexpr std::chrono::microseconds kSpin{100};
+
 }  // namespace
+
+template <typename Pred>
+bool ThreadPool::SpinUntil(Pred pred) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (int i = 1;; ++i) {
+    if (pred()) return true;
+    _mm_pause();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) return pred();
+  }
+}
 
 ThreadPool::ThreadPool(int num_threads) {
   for (int i = 1; i < std::max(1, num_threads); ++i) {
@@ -25,7 +42,7 @@ ThreadPool::ThreadPool(int num_threads) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   start_cv_.notify_all();
   for (auto& t : workers_) t.join();
@@ -45,14 +62,17 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     job_ = &fn;
     job_n_ = n;
     job_grain_ = grain;
-    pending_ = parts - 1;
-    ++generation_;
+    pending_.store(parts - 1);
+    generation_.fetch_add(1);
   }
   start_cv_.notify_all();
   auto [b, e] = Split(n, grain, parts, 0);
   if (b < e) fn(0, b, e);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [this] { return pending_ == 0; });
+  if (!SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; })) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_.load() == 0; });
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   job_ = nullptr;
 }
 
@@ -61,20 +81,24 @@ void ThreadPool::WorkerLoop(int index) {
   for (;;) {
     const std::function<void(int, int64_t, int64_t)>* job;
     int64_t n, grain;
+    SpinUntil([&] {
+      return stop_.load(std::memory_order_acquire) ||
+             generation_.load(std::memory_order_acquire) != seen;
+    });
     {
       std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      start_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
       if (stop_) return;
-      seen = generation_;
+      seen = generation_.load();
       job = job_;
       n = job_n_;
       grain = job_grain_;
     }
     auto [b, e] = Split(n, grain, num_threads(), index);
     if (b < e) (*job)(index, b, e);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);  // the caller is spinning, or waits under mu_
+      done_cv_.notify_one();
     }
   }
 }

@@ -14,8 +14,15 @@ For SmolLM2:
     pre-tokenizer);
   * greedy decoding: the first 16 tokens identical on several prompts, at TP=1 and sharded
     (TP=3, PP=2, TP=3 x PP=2); the log-probabilities of the chosen token and the top 5 within
-    1e-3 of transformers' (both compute in float32 from the same dequantized values; the bound
-    covers the summation order);
+    TOL of transformers' and of TP=1.
+
+Tolerances per type: F32 and BF16 weights compute in float32 from the same values as
+transformers, 1e-4 covers the summation order. The quantized types' decode path (and prompts of
+up to 12 tokens) rounds the activations to int16 per block of 32 (backend/cpu/quant.cc): 2e-3 on
+the generated models (worst seen 1e-3), 5e-3 on SmolLM2, whose activation outliers coarsen their
+blocks' steps (worst seen 2.2e-3); a sharded run sums in another order, and a value that lands
+on the other side of a rounding step moves its block by one step, so the sharded runs get the
+same bound.
   * serving: `shardserve local` at TP=3 answers a chat request with the prompt transformers'
     chat template makes (the same token count) and the greedy answer names Paris.
 """
@@ -40,7 +47,8 @@ FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ["What is the capital of France?", "Numbers 12345 and 3.14; caf\u00e9 na\u00efve \u4f60\u597d!",
          "  two  spaces and\ttabs\nnew line\n\n", "<|im_start|>user\nhi<|im_end|>", "a"]
 STEPS = 16
-TOL = 1e-3
+TOL = 5e-3
+QUANTIZED_TOL = 2e-3
 check = Checks()
 
 
@@ -95,8 +103,8 @@ def compare(name, model_path, hf_model, prompt, ids, shapes, tol):
         sharded = ours(model_path, prompt, *shape)
         same = sharded["tokens"] == single["tokens"]
         diff = max(abs(a - b) for a, b in zip(sharded["logprobs"], single["logprobs"]))
-        check(same and diff <= 1e-4, f"{name} {prompt!r} at {' '.join(shape)}: the same tokens, "
-              f"logprobs within 1e-4 of TP=1 (worst {diff:.2e})")
+        check(same and diff <= tol, f"{name} {prompt!r} at {' '.join(shape)}: the same tokens, "
+              f"logprobs within {tol} of TP=1 (worst {diff:.2e})")
 
 
 if WHAT == "generated":
@@ -133,7 +141,8 @@ if WHAT == "generated":
                 check(got == want, f"{name} tokenizer: {text!r}"
                       + ("" if got == want else f" ({want} vs ours {got})"))
             for ids in ([1, 5, 9, 13], [1, 300, 7]):
-                compare(name, path, model, ids, ids, SHAPES, 1e-4)
+                compare(name, path, model, ids, ids, SHAPES,
+                        1e-4 if wtype in ("f32", "bf16") else QUANTIZED_TOL)
         # Mixtral: the GGUF against the safetensors of the same weights, and sharded.
         st = os.path.join(tmp, "mixtral")
         common = ["--arch", "mixtral", *SHAPE, "--experts", "4", "--top-k", "2"]

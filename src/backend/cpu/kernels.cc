@@ -147,25 +147,40 @@ inline void Transpose8x8(__m256 r[8]) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
+constexpr bool Quantized(DType d) {
+  return d != DType::kF32 && d != DType::kF16 && d != DType::kBF16;
+}
+
 // Packs rows [n, n + nr) x columns [k0, k0 + kc) of w into panel[k][16] as F32 (rows past nr are
-// zero), converting and transposing 8x8 blocks in registers.
+// zero), converting and transposing 8x8 blocks in registers. Quantized rows are expanded to F32
+// first (k0 and kc are multiples of every block size).
 template <DType D>
 void PackPanel(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* panel) {
+  constexpr DType S = Quantized(D) ? DType::kF32 : D;  // what the transposition reads
+  alignas(32) float expanded[Quantized(D) ? 8 * kKc : 1];
+  const int64_t base = Quantized(D) ? 0 : k0;
   const int64_t k8 = kc / 8 * 8;
   for (int64_t half = 0; half < kNr; half += 8) {
     const void* rows[8];
-    for (int64_t i = 0; i < 8; ++i) rows[i] = half + i < nr ? RowPtr(w, n + half + i) : nullptr;
+    for (int64_t i = 0; i < 8; ++i) {
+      rows[i] = half + i < nr ? RowPtr(w, n + half + i) : nullptr;
+      if (Quantized(D) && rows[i] != nullptr) {
+        Dequantize(D, static_cast<const uint8_t*>(rows[i]) + DTypeBytes(D, k0), kc,
+                   expanded + i * kKc);
+        rows[i] = expanded + i * kKc;
+      }
+    }
     for (int64_t k = 0; k < k8; k += 8) {
       __m256 r[8];
       for (int64_t i = 0; i < 8; ++i) {
-        r[i] = rows[i] != nullptr ? Load8<D>(rows[i], k0 + k) : _mm256_setzero_ps();
+        r[i] = rows[i] != nullptr ? Load8<S>(rows[i], base + k) : _mm256_setzero_ps();
       }
       Transpose8x8(r);
       for (int64_t i = 0; i < 8; ++i) _mm256_store_ps(panel + (k + i) * kNr + half, r[i]);
     }
     for (int64_t k = k8; k < kc; ++k) {
       for (int64_t i = 0; i < 8; ++i) {
-        panel[k * kNr + half + i] = rows[i] != nullptr ? LoadScalar<D>(rows[i], k0 + k) : 0.f;
+        panel[k * kNr + half + i] = rows[i] != nullptr ? LoadScalar<S>(rows[i], base + k) : 0.f;
       }
     }
   }
@@ -366,6 +381,16 @@ void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, 
   });
 }
 
+// Quantized weights: integer dot products for decode batches (quant.h), the packed GEMM over
+// weights expanded to F32 panels beyond.
+template <DType D>
+void MatMulQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
+                     int64_t ldy, ThreadPool& pool) {
+  if (DecodesQuantized(M)) return MatVecQuantized(w, x, M, ldx, y, ldy, pool);
+  pool.ParallelFor(w.rows, kNr,
+                   [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
+}
+
 }  // namespace
 
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
@@ -379,15 +404,17 @@ void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float
     case DType::kBF16:
       return MatMulTyped<DType::kBF16>(w, x, M, ldx, y, ldy, pool);
     case DType::kQ8_0:
+      return MatMulQuantized<DType::kQ8_0>(w, x, M, ldx, y, ldy, pool);
     case DType::kQ4_0:
+      return MatMulQuantized<DType::kQ4_0>(w, x, M, ldx, y, ldy, pool);
     case DType::kQ4_1:
+      return MatMulQuantized<DType::kQ4_1>(w, x, M, ldx, y, ldy, pool);
     case DType::kQ4_K:
+      return MatMulQuantized<DType::kQ4_K>(w, x, M, ldx, y, ldy, pool);
     case DType::kQ5_K:
+      return MatMulQuantized<DType::kQ5_K>(w, x, M, ldx, y, ldy, pool);
     case DType::kQ6_K:
-      return MatMulQuantized(
-          w, x, M, ldx, y, ldy, pool,
-          [](const WeightMatrix& f32, const float* xs, int64_t m, int64_t ld, float* ys,
-             int64_t ldys) { GemmRange<DType::kF32>(f32, 0, f32.rows, xs, m, ld, ys, ldys); });
+      return MatMulQuantized<DType::kQ6_K>(w, x, M, ldx, y, ldy, pool);
   }
 }
 

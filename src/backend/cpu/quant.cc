@@ -1,22 +1,43 @@
-// Block-quantized weights on the CPU. Q8_0, Q4_0, Q4_1: each block of 32 values is expanded in
-// registers to F32 (AVX2 + F16C); the K-quants (Q4_K, Q5_K, Q6_K): each super-block of 256 values
-// is expanded to an L1-resident buffer. Either is multiplied with F32 activations, accumulating
-// in F32: the result equals the dot product with the dequantized weights up to F32 rounding.
+// Block-quantized weights on the CPU (Q8_0, Q4_0, Q4_1 in blocks of 32 values; the K-quants Q4_K,
+// Q5_K, Q6_K in super-blocks of 256, which hold 8 blocks of 32 with their own scales).
+//
+// Every block of 32 weights is unpacked in registers to 32 small integers (int16), a factor and
+// (Q4_0, Q4_1, Q4_K, Q5_K) a minimum: w = factor * q + min. Decode quantizes the activations per
+// block of 32 to int16 with one F32 scale (max|x| / 32767) and takes integer dot products (AVX2
+// madd), scaled and summed in F32; the minimum's term uses the exact block sum of the quantized
+// activations. The only error beyond F32 rounding is the activations' rounding, at most half a
+// step, 2^-16 of the block's largest magnitude, per value. (int8 activations, llama.cpp's choice
+// for its maddubs kernels, cost as much on AVX2 but move SmolLM2's logprobs by up to 0.6: its
+// activations have outliers that take a block's whole int8 range.) Prefill expands the weights
+// to F32 panels for the F32 GEMM instead (exact up to F32 rounding); Dequantize uses the same
+// unpacking.
 #include "backend/cpu/quant.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;
+// The decode loops prefetch the row this far ahead of the block they read: the hardware
+// prefetcher alone leaves a third of the bandwidth unused on one sequential stream per core.
+constexpr size_t kPrefetchBytes = 4096;
+inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
+  for (size_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
+  }
+}
 constexpr int64_t DTypeBlockOf(DType d) {
   return d == DType::kQ4_K || d == DType::kQ5_K || d == DType::kQ6_K ? 256 : 32;
 }
+// Whether a block's weights have a minimum term (factor * q + min).
+constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
 inline float Half(const uint8_t* p) {
   uint16_t h;
@@ -24,151 +45,289 @@ inline float Half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// The 32 values of one block as four vectors of 8, in order.
-template <DType D>
-inline void Expand(const uint8_t* b, __m256 v[4]) {
-  if constexpr (D == DType::kQ8_0) {
-    const __m256 d = _mm256_set1_ps(Half(b));
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
-      v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-    }
-  } else {
-    // Byte j holds value j in its low nibble and value j + 16 in its high one.
-    const uint8_t* qs = b + (D == DType::kQ4_0 ? 2 : 4);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 d = _mm256_set1_ps(Half(b));
-    const __m256 offset =
-        _mm256_set1_ps(D == DType::kQ4_0 ? -8.0f * Half(b) : Half(b + 2));  // -8d, or the min
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d, offset);
-    }
-  }
+// The 8 scales and 8 minimums of a Q4_K / Q5_K super-block, 6 bits each, packed in 12 bytes:
+// for j < 4 the low 6 bits of bytes j (scale) and j + 4 (minimum); for j >= 4 the nibbles of byte
+// j + 4 (scale low, minimum high) with the top 2 bits of bytes j - 4 and j as their bits 4-5.
+// Returned as bytes 0-7 (scales) and 8-15 (minimums).
+inline __m128i ScalesMins(const uint8_t* sc) {
+  uint32_t u[3];
+  std::memcpy(u, sc, 12);
+  const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+  const uint32_t scales_hi = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);
+  const uint32_t mins_hi = ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4);
+  return _mm_setr_epi32(static_cast<int>(u[0] & lo6), static_cast<int>(scales_hi),
+                        static_cast<int>(u[1] & lo6), static_cast<int>(mins_hi));
 }
 
-// The scale and minimum of sub-block j (of 8) of a Q4_K / Q5_K super-block: 6 bits each, packed
-// in 12 bytes (j < 4: low 6 bits of bytes j and j + 4; j >= 4: a nibble of byte j + 4 and the top
-// 2 bits of bytes j - 4 and j).
-inline void ScaleMin(const uint8_t* sc, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = sc[j] & 63;
-    *min = sc[j + 4] & 63;
-  } else {
-    *scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
-    *min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-  }
+inline __m256i Load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
+inline __m256i Widen(const uint8_t* p) {  // 16 bytes as 16 uint16
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x0F)); }
 
-// One K-quant super-block as 256 F32 values.
+// One weight block of D (32 values, or a K-quant super-block holding 8 blocks of 32). Block j's
+// weights are factor[j] * q + min[j], with q the 32 integers Values(j) gives as two vectors of 16
+// int16 (values 0-15 and 16-31). Q6_K's q are (code - 32) times the int8 scale of their 16
+// values, so that one factor holds for the block.
 template <DType D>
-void ExpandK(const uint8_t* b, float* y) {
-  if constexpr (D == DType::kQ6_K) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = Half(b + 208);
-    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
-      for (int l = 0; l < 32; ++l) {
-        const int is = l / 16;
-        y[l] = d * sc[is] * (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
-        y[l + 32] = d * sc[is + 2] * (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-        y[l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-        y[l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+struct Unpacked {
+  static constexpr int kSub = static_cast<int>(DTypeBlockOf(D) / kBlock);
+  const uint8_t* b;
+  float factor[kSub];
+  float min[kSub];  // HasMin only
+
+  explicit Unpacked(const uint8_t* block) : b(block) {
+    if constexpr (D == DType::kQ8_0) {
+      factor[0] = Half(b);
+    } else if constexpr (D == DType::kQ4_0) {  // d * (q - 8): the minimum -8d
+      factor[0] = Half(b);
+      min[0] = -8.0f * factor[0];
+    } else if constexpr (D == DType::kQ4_1) {
+      factor[0] = Half(b);
+      min[0] = Half(b + 2);
+    } else if constexpr (D == DType::kQ6_K) {
+      for (float& f : factor) f = Half(b + 208);
+    } else {  // Q4_K, Q5_K
+      const __m128i sm = ScalesMins(b + 4);
+      const auto floats = [](__m128i bytes) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+      };
+      _mm256_storeu_ps(factor, _mm256_mul_ps(_mm256_set1_ps(Half(b)), floats(sm)));
+      _mm256_storeu_ps(min,
+                       _mm256_mul_ps(_mm256_set1_ps(-Half(b + 2)), floats(_mm_srli_si128(sm, 8))));
+    }
+  }
+
+  template <int j>
+  void Values(__m256i* lo, __m256i* hi) const {
+    if constexpr (D == DType::kQ8_0) {
+      *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+      *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+    } else if constexpr (D == DType::kQ4_0 || D == DType::kQ4_1) {
+      // Byte i holds value i in its low nibble and value i + 16 in its high one.
+      const __m256i bytes = Widen(b + (D == DType::kQ4_0 ? 2 : 4));
+      *lo = Low4(bytes);
+      *hi = _mm256_srli_epi16(bytes, 4);
+    } else if constexpr (D == DType::kQ6_K) {
+      // Per half of 128 values: block 0 is the low nibbles of ql[0..31] with bits 0-1 of qh,
+      // block 1 the low nibbles of ql[32..63] with bits 2-3, blocks 2 and 3 the high nibbles
+      // with bits 4-5 and 6-7. Each 16 values have an int8 scale.
+      constexpr int h = j / 4, i = j % 4;
+      const __m256i l = Load32(b + 64 * h + 32 * (i % 2));
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+      const __m256i low = _mm256_and_si256(i < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(Load32(b + 128 + 32 * h), 2 * i), m2);
+      const __m256i q =
+          _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+      const auto* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * j;
+      *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                               _mm256_set1_epi16(sc[0]));
+      *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                               _mm256_set1_epi16(sc[1]));
+    } else {  // Q4_K, Q5_K: chunk c of 64 values: block 2c the low nibbles, 2c + 1 the high
+      const __m256i bytes = Load32(b + (D == DType::kQ5_K ? 48 : 16) + 32 * (j / 2));
+      __m256i q = _mm256_and_si256(j % 2 == 0 ? bytes : _mm256_srli_epi16(bytes, 4),
+                                   _mm256_set1_epi8(0x0F));
+      if constexpr (D == DType::kQ5_K) {  // the fifth bit of block j is bit j of qh
+        const __m256i bit =
+            _mm256_and_si256(_mm256_srli_epi16(Load32(b + 16), j), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
       }
+      *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+      *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
     }
-  } else {
-    const float d = Half(b), dmin = Half(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* qh = b + 16;                                  // Q5_K: the fifth bits
-    const uint8_t* q = b + (D == DType::kQ5_K ? 48 : 16);        // low 4 bits
-    for (int chunk = 0; chunk < 4; ++chunk, q += 32, y += 64) {  // 64 values: 2 sub-blocks
-      int s1, m1, s2, m2;
-      ScaleMin(scales, 2 * chunk, &s1, &m1);
-      ScaleMin(scales, 2 * chunk + 1, &s2, &m2);
-      const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
-      for (int l = 0; l < 32; ++l) {
-        int lo = q[l] & 0xF, hi = q[l] >> 4;
-        if constexpr (D == DType::kQ5_K) {
-          lo += (qh[l] >> (2 * chunk)) & 1 ? 16 : 0;
-          hi += (qh[l] >> (2 * chunk + 1)) & 1 ? 16 : 0;
-        }
-        y[l] = d1 * lo - o1;
-        y[l + 32] = d2 * hi - o2;
-      }
+  }
+
+  // The blocks as 32 F32 values each.
+  void Store(float* out) const {
+    [&]<int... J>(std::integer_sequence<int, J...>) { (StoreBlock<J>(out + J * kBlock), ...); }
+    (std::make_integer_sequence<int, kSub>());
+  }
+
+  template <int j>
+  void StoreBlock(float* out) const {
+    __m256i parts[2];
+    Values<j>(&parts[0], &parts[1]);
+    const __m256 f = _mm256_set1_ps(factor[j]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i half = i % 2 == 0 ? _mm256_castsi256_si128(parts[i / 2])
+                                      : _mm256_extracti128_si256(parts[i / 2], 1);
+      const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half)), f);
+      _mm256_storeu_ps(out + 8 * i, HasMin(D) ? _mm256_add_ps(v, _mm256_set1_ps(min[j])) : v);
     }
+  }
+};
+
+// Activations of M tokens quantized per block of 32: int16 values q (scale max|x| / 32767), the
+// block's scale d and d * (the sum of its q), for the minimum's term.
+struct Q16Activations {
+  std::vector<int16_t> q;  // [M][K]
+  std::vector<float> d;    // [M][K / 32]
+  std::vector<float> ds;   // [M][K / 32]
+};
+
+void QuantizeRow(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float scale = _mm_cvtss_f32(m) / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    __m256i iv[4];
+    for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i sum =
+        _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    // int32 -> int16: the pack interleaves 128-bit lanes, the permutation restores the order.
+    for (int i = 0; i < 2; ++i) {
+      const __m256i p =
+          _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2 * i], iv[2 * i + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), p);
+    }
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(_mm_cvtsi128_si32(s));
   }
 }
 
-// Decode: rows [n0, n1) against M <= kMaxDecode tokens; each block is expanded once and used by
-// every token.
-constexpr int64_t kMaxDecode = 12;
-template <DType D>
-void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t M,
-                 int64_t ldx, float* y, int64_t ldy) {
-  const int64_t blocks = w.cols / kBlock;
+void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, ThreadPool& pool,
+              Q16Activations* a) {
+  const int64_t blocks = K / kBlock;
+  a->q.resize(static_cast<size_t>(M * K));
+  a->d.resize(static_cast<size_t>(M * blocks));
+  a->ds.resize(static_cast<size_t>(M * blocks));
+  auto rows = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      QuantizeRow(x + t * ldx, K, &a->q[t * K], &a->d[t * blocks], &a->ds[t * blocks]);
+    }
+  };
+  if (M == 1) return rows(0, 1);
+  pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) { rows(b, e); });
+}
+
+// Decode: rows [n0, n1) against tokens [t0, t0 + MT); each weight block is unpacked once for
+// all of them. Consecutive blocks alternate between two accumulators per token, so that the FMA
+// latency does not serialize the loop.
+template <DType D, int MT>
+void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t t0,
+                 float* y, int64_t ldy) {
+  constexpr int kSub = Unpacked<D>::kSub;
+  const int64_t K = w.cols, xblocks = K / kBlock, wblocks = K / DTypeBlockOf(D);
   const size_t bb = DTypeBlockBytes(D);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = RowPtr(w, n);
-    __m256 acc[kMaxDecode];
-    for (int64_t t = 0; t < M; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256 v[4];
-      Expand<D>(row + b * bb, v);
-      for (int64_t t = 0; t < M; ++t) {
-        const float* xt = x + t * ldx + b * kBlock;
-        __m256 a = acc[t];
-        a = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xt), a);
-        a = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xt + 8), a);
-        a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xt + 16), a);
-        acc[t] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xt + 24), a);
-      }
-    }
-    for (int64_t t = 0; t < M; ++t) y[t * ldy + n] = HSum(acc[t]);
+  const int16_t* xq[MT];
+  const float* xd[MT];
+  const float* xs[MT];
+  for (int t = 0; t < MT; ++t) {
+    xq[t] = &a.q[(t0 + t) * K];
+    xd[t] = &a.d[(t0 + t) * xblocks];
+    xs[t] = &a.ds[(t0 + t) * xblocks];
   }
-}
-
-// The K-quants' decode: each super-block expanded once to a buffer, then used by every token.
-template <DType D>
-void DecodeRangeK(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t M,
-                  int64_t ldx, float* y, int64_t ldy) {
-  constexpr int64_t kSuper = 256;
-  const int64_t blocks = w.cols / kSuper;
-  alignas(32) float v[kSuper];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = RowPtr(w, n);
-    __m256 acc[kMaxDecode];
-    for (int64_t t = 0; t < M; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      ExpandK<D>(row + b * DTypeBlockBytes(D), v);
-      for (int64_t t = 0; t < M; ++t) {
-        const float* xt = x + t * ldx + b * kSuper;
-        __m256 a0 = acc[t], a1 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < kSuper; i += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_load_ps(v + i), _mm256_loadu_ps(xt + i), a0);
-          a1 = _mm256_fmadd_ps(_mm256_load_ps(v + i + 8), _mm256_loadu_ps(xt + i + 8), a1);
+    __m256 acc[MT][2], mins[MT];
+    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = mins[t] = _mm256_setzero_ps();
+    // Block j of u, at activation block xb, into chain c, with the factors fx[t] (or u's).
+    auto block = [&]<int j>(const Unpacked<D>& u, int64_t xb, int c, const float* fx) {
+      __m256i lo, hi;
+      u.template Values<j>(&lo, &hi);
+      for (int t = 0; t < MT; ++t) {
+        const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock);
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
+                                             _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
+        const __m256 f = kSub == 1 ? _mm256_set1_ps(u.factor[0] * xd[t][xb])
+                                   : _mm256_broadcast_ss(fx + t * kSub + j);
+        acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[t][c]);
+      }
+    };
+    if constexpr (kSub == 1) {
+      float tail[MT] = {};
+      int64_t wb = 0;
+      for (; wb + 2 <= wblocks; wb += 2) {
+        PrefetchAhead(row + wb * bb, 2 * bb);
+        const Unpacked<D> u0(row + wb * bb), u1(row + (wb + 1) * bb);
+        block.template operator()<0>(u0, wb, 0, nullptr);
+        block.template operator()<0>(u1, wb + 1, 1, nullptr);
+        if constexpr (HasMin(D)) {
+          for (int t = 0; t < MT; ++t) tail[t] += u0.min[0] * xs[t][wb] + u1.min[0] * xs[t][wb + 1];
         }
-        acc[t] = _mm256_add_ps(a0, a1);
+      }
+      if (wb < wblocks) {
+        const Unpacked<D> u(row + wb * bb);
+        block.template operator()<0>(u, wb, 0, nullptr);
+        if constexpr (HasMin(D)) {
+          for (int t = 0; t < MT; ++t) tail[t] += u.min[0] * xs[t][wb];
+        }
+      }
+      for (int t = 0; t < MT; ++t) mins[t] = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail[t]);
+    } else {
+      alignas(32) float fx[MT * kSub];
+      for (int64_t wb = 0; wb < wblocks; ++wb) {
+        PrefetchAhead(row + wb * bb, bb);
+        const Unpacked<D> u(row + wb * bb);
+        const int64_t xb0 = wb * kSub;
+        const __m256 factors = _mm256_loadu_ps(u.factor);
+        for (int t = 0; t < MT; ++t) {
+          _mm256_store_ps(fx + t * kSub, _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb0)));
+          if constexpr (HasMin(D)) {
+            mins[t] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(u.min), _mm256_loadu_ps(xs[t] + xb0), mins[t]);
+          }
+        }
+        [&]<int... J>(std::integer_sequence<int, J...>) {
+          (block.template operator()<J>(u, xb0 + J, J & 1, fx), ...);
+        }
+        (std::make_integer_sequence<int, kSub>());
       }
     }
-    for (int64_t t = 0; t < M; ++t) y[t * ldy + n] = HSum(acc[t]);
+    for (int t = 0; t < MT; ++t) {
+      y[(t0 + t) * ldy + n] = HSum(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), mins[t]));
+    }
   }
 }
 
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
-  if constexpr (DTypeBlockOf(D) == 256) {
-    for (int64_t b = 0; b < n / 256; ++b) ExpandK<D>(row + b * DTypeBlockBytes(D), out + b * 256);
-  } else {
-    for (int64_t b = 0; b < n / kBlock; ++b) {
-      __m256 v[4];
-      Expand<D>(row + b * DTypeBlockBytes(D), v);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * kBlock + 8 * i, v[i]);
-    }
+  for (int64_t b = 0; b < n / DTypeBlockOf(D); ++b) {
+    const Unpacked<D> u(row + b * DTypeBlockBytes(D));
+    u.Store(out + b * DTypeBlockOf(D));
   }
+}
+
+template <DType D>
+void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
+                 int64_t ldy, ThreadPool& pool) {
+  thread_local Q16Activations storage;  // the caller's; the workers read it through `a`
+  Q16Activations& a = storage;
+  Quantize(x, M, ldx, w.cols, pool, &a);
+  // Blocks of rows stay in L2 while groups of up to 3 tokens pass over them.
+  constexpr int64_t kRows = 64;
+  pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
+    for (int64_t nb = b; nb < e; nb += kRows) {
+      const int64_t ne = std::min(e, nb + kRows);
+      for (int64_t t = 0; t < M; t += 3) {
+        switch (std::min<int64_t>(3, M - t)) {
+          case 1:
+            DecodeRange<D, 1>(w, nb, ne, a, t, y, ldy);
+            break;
+          case 2:
+            DecodeRange<D, 2>(w, nb, ne, a, t, y, ldy);
+            break;
+          default:
+            DecodeRange<D, 3>(w, nb, ne, a, t, y, ldy);
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -193,43 +352,26 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
   }
 }
 
-void MatMulQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                     int64_t ldy, ThreadPool& pool,
-                     const std::function<void(const WeightMatrix&, const float*, int64_t, int64_t,
-                                              float*, int64_t)>& gemm_f32) {
-  if (M <= kMaxDecode) {
-    pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
-      switch (w.dtype) {
-        case DType::kQ8_0:
-          return DecodeRange<DType::kQ8_0>(w, b, e, x, M, ldx, y, ldy);
-        case DType::kQ4_0:
-          return DecodeRange<DType::kQ4_0>(w, b, e, x, M, ldx, y, ldy);
-        case DType::kQ4_1:
-          return DecodeRange<DType::kQ4_1>(w, b, e, x, M, ldx, y, ldy);
-        case DType::kQ4_K:
-          return DecodeRangeK<DType::kQ4_K>(w, b, e, x, M, ldx, y, ldy);
-        case DType::kQ5_K:
-          return DecodeRangeK<DType::kQ5_K>(w, b, e, x, M, ldx, y, ldy);
-        case DType::kQ6_K:
-          return DecodeRangeK<DType::kQ6_K>(w, b, e, x, M, ldx, y, ldy);
-        default:
-          return;
-      }
-    });
-    return;
+bool DecodesQuantized(int64_t M) { return M <= 12; }
+
+void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
+                     int64_t ldy, ThreadPool& pool) {
+  switch (w.dtype) {
+    case DType::kQ8_0:
+      return MatMulTyped<DType::kQ8_0>(w, x, M, ldx, y, ldy, pool);
+    case DType::kQ4_0:
+      return MatMulTyped<DType::kQ4_0>(w, x, M, ldx, y, ldy, pool);
+    case DType::kQ4_1:
+      return MatMulTyped<DType::kQ4_1>(w, x, M, ldx, y, ldy, pool);
+    case DType::kQ4_K:
+      return MatMulTyped<DType::kQ4_K>(w, x, M, ldx, y, ldy, pool);
+    case DType::kQ5_K:
+      return MatMulTyped<DType::kQ5_K>(w, x, M, ldx, y, ldy, pool);
+    case DType::kQ6_K:
+      return MatMulTyped<DType::kQ6_K>(w, x, M, ldx, y, ldy, pool);
+    default:
+      return;
   }
-  // Prefill: groups of rows expanded to F32 once, then the F32 GEMM over all tokens.
-  constexpr int64_t kRows = 64;
-  pool.ParallelFor(w.rows, kRows, [&](int, int64_t b, int64_t e) {
-    std::vector<float> rows(static_cast<size_t>(std::min(kRows, e - b) * w.cols));
-    for (int64_t r0 = b; r0 < e; r0 += kRows) {
-      const int64_t nr = std::min(kRows, e - r0);
-      for (int64_t r = 0; r < nr; ++r)
-        Dequantize(w.dtype, RowPtr(w, r0 + r), w.cols, &rows[r * w.cols]);
-      const WeightMatrix f32{DType::kF32, rows.data(), nr, w.cols, w.cols};
-      gemm_f32(f32, x, M, ldx, y + r0, ldy);
-    }
-  });
 }
 
 }  // namespace shardserve::cpu

@@ -4,7 +4,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <functional>
 
 #include "backend/backend.h"
 #include "common/thread_pool.h"
@@ -28,12 +27,13 @@ inline const uint8_t* RowPtr(const WeightMatrix& w, int64_t r) {
 // The first n values (a multiple of the block) of a quantized row as F32.
 void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 
-// MatMul for a quantized w (kernels.h's contract). Up to 12 tokens each block is expanded once
-// (in registers; a K-quant super-block to a buffer) for all of them; more tokens run `gemm_f32`
-// (one thread's F32 GEMM over a row range) on groups of rows expanded to F32.
-void MatMulQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                     int64_t ldy, ThreadPool& pool,
-                     const std::function<void(const WeightMatrix&, const float*, int64_t, int64_t,
-                                              float*, int64_t)>& gemm_f32);
+// Whether MatVecQuantized takes M tokens (decode batches); larger M expand the weights to F32
+// panels for the GEMM (Dequantize).
+bool DecodesQuantized(int64_t M);
+// MatMul (kernels.h's contract) for a quantized w and M tokens with DecodesQuantized(M): the
+// activations quantized per block of 32 to int8, integer dot products with each block unpacked
+// once for all tokens (quant.cc states the accuracy).
+void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
+                     int64_t ldy, ThreadPool& pool);
 
 }  // namespace shardserve::cpu

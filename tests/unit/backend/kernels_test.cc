@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -210,6 +211,47 @@ std::vector<double> Dequantized(DType dtype, const std::string& bytes, int64_t n
   return out;
 }
 
+// The activations as the decode kernels of quantized weights multiply them: each block of 32
+// quantized to int16 with the scale max|x| / 32767, rounding to nearest even.
+std::vector<double> Q16Activations(const std::vector<float>& x) {
+  std::vector<double> out(x.size());
+  for (size_t b = 0; b < x.size(); b += 32) {
+    float amax = 0;
+    for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float scale = amax / 32767.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+    for (size_t i = b; i < b + 32; ++i) out[i] = double(scale) * std::nearbyint(x[i] * inv);
+  }
+  return out;
+}
+
+// Checks y = x · w^T for the M tokens of x and the N rows of `values` (the weights' exact values,
+// [N][K]). Decode batches (up to 12 tokens) take the integer path: they must equal the products
+// with the quantized activations up to F32 rounding, and stay within the rounding's bound
+// (sum |w| * scale / 2 per block) of the exact products; larger M are exact up to F32 rounding.
+void ExpectQuantizedProducts(const std::vector<double>& values, const std::vector<float>& x,
+                             const std::vector<float>& y, int64_t M, int64_t N, int64_t K,
+                             const std::string& what) {
+  const std::vector<double> xq = Q16Activations(x);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      double exact = 0, quantized = 0, bound = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double v = values[n * K + k];
+        exact += v * x[m * K + k];
+        quantized += v * xq[m * K + k];
+        bound += std::fabs(v * (xq[m * K + k] - x[m * K + k]));
+      }
+      const double got = y[m * N + n];
+      if (M <= 12) {
+        ASSERT_NEAR(got, quantized, 1e-4) << what << " M=" << M << " n=" << n;
+        ASSERT_LE(std::fabs(got - exact), bound + 1e-4) << what << " M=" << M << " n=" << n;
+      } else {
+        ASSERT_NEAR(got, exact, 1e-4) << what << " M=" << M << " n=" << n;
+      }
+    }
+  }
+}
+
 // Quantized weights: the decode (up to 12 tokens) and prefill paths, on every type, against the
 // dot products with the block values; a slice of rows (row stride past its columns) reads only
 // its own blocks; ToFloat expands a row; the quantizers' blocks round-trip within half a step.
@@ -242,13 +284,7 @@ TEST(KernelsTest, QuantizedMatMulMatchesTheBlockValues) {
         std::vector<float> x(M * K), y(M * N, -1.f);
         for (float& v : x) v = dist(rng);
         MatMul(wm, x.data(), M, K, y.data(), N, pool);
-        for (int64_t m = 0; m < M; ++m) {
-          for (int64_t n = 0; n < N; ++n) {
-            double ref = 0;
-            for (int64_t k = 0; k < K; ++k) ref += values[n * K + k] * x[m * K + k];
-            ASSERT_NEAR(y[m * N + n], ref, 1e-4) << DTypeName(dtype) << " M=" << M << " n=" << n;
-          }
-        }
+        ExpectQuantizedProducts(values, x, y, M, N, K, DTypeName(dtype));
       }
     }
   }
@@ -279,13 +315,8 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
       std::vector<float> x(M * K), y(M * N);
       for (float& v : x) v = dist(rng);
       MatMul(wm, x.data(), M, K, y.data(), N, pool);
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = 0; n < N; ++n) {
-          double ref = 0;
-          for (int64_t k = 0; k < K; ++k) ref += double(values[n * K + k]) * x[m * K + k];
-          ASSERT_NEAR(y[m * N + n], ref, 1e-4) << DTypeName(dtype) << " M=" << M;
-        }
-      }
+      ExpectQuantizedProducts(std::vector<double>(values.begin(), values.end()), x, y, M, N, K,
+                              DTypeName(dtype));
     }
   }
 }
