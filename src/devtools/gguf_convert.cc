@@ -8,7 +8,9 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "backend/cpu/kernels.h"
 #include "common/status.h"
 #include "common/text.h"
@@ -406,6 +408,42 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     }
   }
   return w.Write(out_file);
+}
+
+}  // namespace shardserve
+
+namespace shardserve {
+
+absl::StatusOr<std::string> SplitGguf(const std::string& in_file, const std::string& out_prefix,
+                                      int parts) {
+  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> in, GgufFile::Open(in_file));
+  const int64_t n = static_cast<int64_t>(in->tensors().size());
+  if (parts < 1 || parts > n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot split ", n, " tensors into ", parts, " parts"));
+  }
+  auto it = in->tensors().begin();
+  std::string first;
+  for (int p = 0; p < parts; ++p) {
+    GgufWriter w;
+    if (p == 0) {
+      for (const auto& [key, value] : in->metadata()) {
+        if (!absl::StartsWith(key, "split.")) w.Set(key, value);
+      }
+      w.Set("split.tensors.count", GgufWriter::I32(static_cast<int32_t>(n)));
+    }
+    w.Set("split.no", GgufWriter::U16(static_cast<uint16_t>(p)));
+    w.Set("split.count", GgufWriter::U16(static_cast<uint16_t>(parts)));
+    for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i, ++it) {
+      const GgufTensor& t = it->second;
+      w.AddTensor(t.name, t.type, t.dims,
+                  std::string(reinterpret_cast<const char*>(t.data), t.bytes));
+    }
+    const std::string path = absl::StrFormat("%s-%05d-of-%05d.gguf", out_prefix, p + 1, parts);
+    RETURN_IF_ERROR(w.Write(path));
+    if (p == 0) first = path;
+  }
+  return first;
 }
 
 }  // namespace shardserve

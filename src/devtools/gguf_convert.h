@@ -9,11 +9,19 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "backend/dtype.h"
 
 namespace shardserve {
 
 absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_file, DType type);
+
+// Splits a GGUF file into `parts` files PREFIX-0000i-of-0000N.gguf as llama.cpp's gguf-split
+// does: the tensors in consecutive runs of about equal count, the metadata in the first part,
+// split.no / split.count in every part and split.tensors.count in the first. Returns the first
+// part's path.
+absl::StatusOr<std::string> SplitGguf(const std::string& in_file, const std::string& out_prefix,
+                                      int parts);
 
 // One row of n values (a multiple of the block) in a quantized type's blocks. Q8_0, Q4_0, Q4_1
 // as llama.cpp's reference quantizers make them (Q8_0: scale max|x|/127; Q4_0: scale max/-8 of

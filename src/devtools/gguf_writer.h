@@ -15,6 +15,7 @@ namespace shardserve {
 class GgufWriter {
  public:
   static GgufValue String(std::string s) { return {kGgufString, std::move(s)}; }
+  static GgufValue U16(uint16_t v) { return {kGgufU16, uint64_t{v}}; }
   static GgufValue U32(uint32_t v) { return {kGgufU32, uint64_t{v}}; }
   static GgufValue I32(int32_t v) { return {kGgufI32, int64_t{v}}; }
   static GgufValue F32(float v) { return {kGgufF32, double{v}}; }

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -228,10 +231,12 @@ std::optional<GgmlBlock> GgmlBlockOf(uint32_t type) {
   return t->block;
 }
 
-absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::OpenPart(const std::string& path) {
   std::unique_ptr<GgufFile> f(new GgufFile());
-  ASSIGN_OR_RETURN(f->file_, MappedFile::Open(path));
-  Cursor c(f->file_->data(), f->file_->size(), path);
+  ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> mapped, MappedFile::Open(path));
+  f->files_.push_back(std::move(mapped));
+  const MappedFile& file = *f->files_[0];
+  Cursor c(file.data(), file.size(), path);
   auto bad = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", parts...));
   };
@@ -304,7 +309,7 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   }
 
   const uint64_t data_start = (c.pos() + f->alignment_ - 1) / f->alignment_ * f->alignment_;
-  const uint64_t size = f->file_->size();
+  const uint64_t size = file.size();
   if (data_start > size && n_tensors > 0) {
     return bad("the data section would start at byte ", data_start, ", past the end (", size,
                " bytes)");
@@ -316,7 +321,7 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
       return bad("tensor '", t.name, "' (", t.bytes, " bytes at data offset ", t.offset,
                  ") extends past the end of the file (data section ", data_size, " bytes)");
     }
-    t.data = f->file_->data() + data_start + t.offset;
+    t.data = file.data() + data_start + t.offset;
   }
   for (GgufTensor& t : infos) {
     const std::string name = t.name;
@@ -335,6 +340,88 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
     }
   }
   return f;
+}
+
+namespace {
+
+// A split part's name: PREFIX-%05d-of-%05d.gguf (gguf-split's, numbered from 1).
+struct SplitName {
+  std::string prefix;
+  int number = 0, count = 0;
+};
+std::optional<SplitName> ParseSplitName(const std::string& path) {
+  const std::string shape = "-#####-of-#####.gguf";
+  if (path.size() <= shape.size()) return std::nullopt;
+  const std::string tail = path.substr(path.size() - shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == '#' ? !absl::ascii_isdigit(tail[i]) : tail[i] != shape[i]) return std::nullopt;
+  }
+  SplitName n{path.substr(0, path.size() - shape.size()), std::stoi(tail.substr(1, 5)),
+              std::stoi(tail.substr(10, 5))};
+  if (n.number < 1 || n.count < 1 || n.number > n.count) return std::nullopt;
+  return n;
+}
+std::string SplitPath(const SplitName& n, int number) {
+  return absl::StrFormat("%s-%05d-of-%05d.gguf", n.prefix, number, n.count);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
+  const std::optional<SplitName> name = ParseSplitName(path);
+  ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> first, OpenPart(name ? SplitPath(*name, 1) : path));
+  auto split_key = [](const GgufFile& f, const char* key) -> absl::StatusOr<uint64_t> {
+    auto it = f.metadata_.find(key);
+    if (it == f.metadata_.end()) return absl::NotFoundError(absl::StrCat(f.path(), ": no ", key));
+    return f.GetUint(key);
+  };
+  const bool declared = first->metadata_.count("split.count") > 0;
+  if (!name && !declared) return first;
+  if (!name) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path,
+                     ": declares split.count but its name is not a split part's "
+                     "(PREFIX-00001-of-0000N.gguf)"));
+  }
+  if (!declared) {
+    return absl::InvalidArgumentError(absl::StrCat(first->path(), ": named as part 1 of ",
+                                                   name->count, " but has no split.count"));
+  }
+  ASSIGN_OR_RETURN(const uint64_t tensors_count, split_key(*first, "split.tensors.count"));
+  for (int i = 1; i <= name->count; ++i) {
+    std::unique_ptr<GgufFile> part;
+    if (i > 1) {
+      ASSIGN_OR_RETURN(part, OpenPart(SplitPath(*name, i)));
+    }
+    GgufFile& p = i == 1 ? *first : *part;
+    ASSIGN_OR_RETURN(const uint64_t no, split_key(p, "split.no"));
+    ASSIGN_OR_RETURN(const uint64_t count, split_key(p, "split.count"));
+    if (no != static_cast<uint64_t>(i - 1) || count != static_cast<uint64_t>(name->count)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p.path(), ": split.no ", no, " of split.count ", count,
+                       ", but its name makes it part ", i - 1, " (from 0) of ", name->count));
+    }
+    if (i > 1) RETURN_IF_ERROR(first->Merge(p, i - 1));
+  }
+  if (first->tensors_.size() != tensors_count) {
+    return absl::InvalidArgumentError(absl::StrCat(first->path(), ": split.tensors.count is ",
+                                                   tensors_count, " but the ", name->count,
+                                                   " parts hold ", first->tensors_.size()));
+  }
+  return first;
+}
+
+absl::Status GgufFile::Merge(GgufFile& part, int index) {
+  for (auto& [name, t] : part.tensors_) {
+    auto [it, added] = tensors_.emplace(name, t);
+    if (!added) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(part.path(), ": tensor '", name, "' is also in ", path(it->second.part)));
+    }
+    it->second.part = index;
+  }
+  files_.push_back(std::move(part.files_[0]));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<const GgufValue*> GgufFile::Find(const std::string& key) const {

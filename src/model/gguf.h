@@ -4,6 +4,12 @@
 // string and array lengths against the bytes left), tensor infos (dimensions, element type,
 // whole blocks along the first dimension), the alignment, and every tensor's bytes inside the
 // data section without overlaps. Errors name the file, the key or tensor, and the numbers.
+//
+// A model split by llama.cpp's gguf-split is one GgufFile over its parts
+// PREFIX-0000i-of-0000N.gguf (any part's path names the set): the first part holds the metadata,
+// every part declares split.no (from 0) and split.count, the first split.tensors.count; each
+// part is validated as above, and a part missing, numbered wrongly or repeating another's tensor
+// is refused by name.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -74,7 +80,8 @@ struct GgufTensor {
   GgmlType type = GgmlType::kF32;
   std::vector<int64_t> dims;  // GGUF order: dims[0] varies fastest (a row's length)
   const uint8_t* data = nullptr;
-  uint64_t offset = 0;  // from the start of the data section
+  int part = 0;         // the file of a split model holding it (0: the first, or the only one)
+  uint64_t offset = 0;  // from the start of its part's data section
   uint64_t bytes = 0;
 };
 
@@ -82,14 +89,18 @@ class GgufFile {
  public:
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);
 
-  const std::string& path() const { return file_->path(); }
+  const std::string& path(int part = 0) const { return files_[part]->path(); }
+  int parts() const { return static_cast<int>(files_.size()); }
   uint32_t version() const { return version_; }
   uint64_t alignment() const { return alignment_; }
   const std::map<std::string, GgufValue>& metadata() const { return metadata_; }
   const std::map<std::string, GgufTensor>& tensors() const { return tensors_; }
-  const uint8_t* file_data() const { return file_->data(); }  // the mapping's first byte
+  // The first byte of a part's mapping.
+  const uint8_t* file_data(int part = 0) const { return files_[part]->data(); }
   // MappedFile::DropResidentPages (after the weights went to a GPU).
-  void DropResidentPages() const { file_->DropResidentPages(); }
+  void DropResidentPages() const {
+    for (const auto& f : files_) f->DropResidentPages();
+  }
 
   // Typed metadata: NotFound naming a missing key, InvalidArgument naming a key of another type.
   absl::StatusOr<std::string> GetString(const std::string& key) const;
@@ -99,9 +110,12 @@ class GgufFile {
 
  private:
   GgufFile() = default;
+  static absl::StatusOr<std::unique_ptr<GgufFile>> OpenPart(const std::string& path);
+  // Adds `part`'s tensors (part number `index`), refusing a name already present.
+  absl::Status Merge(GgufFile& part, int index);
   absl::StatusOr<const GgufValue*> Find(const std::string& key) const;
   absl::Status NotA(const std::string& key, const GgufValue& v, const char* want) const;
-  std::unique_ptr<MappedFile> file_;
+  std::vector<std::unique_ptr<MappedFile>> files_;  // the parts, in order
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   std::map<std::string, GgufValue> metadata_;

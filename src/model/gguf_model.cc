@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -130,8 +131,17 @@ absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model
       found.push_back(e.path().string());
     }
   }
-  if (found.size() > 1) {
-    std::sort(found.begin(), found.end());
+  std::sort(found.begin(), found.end());
+  // The parts of one split model (gguf-split's PREFIX-0000i-of-0000N.gguf) name the model by
+  // their first; GgufFile::Open checks that every part is there.
+  const std::string first_tail = absl::StrFormat("-00001-of-%05d.gguf", found.size());
+  const bool one_split =
+      found.size() > 1 && absl::EndsWith(found[0], first_tail) &&
+      std::all_of(found.begin(), found.end(), [&](const std::string& p) {
+        return p.size() == found[0].size() && p.compare(0, p.size() - first_tail.size(), found[0],
+                                                        0, p.size() - first_tail.size()) == 0;
+      });
+  if (found.size() > 1 && !one_split) {
     return absl::InvalidArgumentError(
         absl::StrCat(model_path, ": holds ", found.size(),
                      " GGUF files; name the one to serve: ", absl::StrJoin(found, ", ")));
@@ -233,16 +243,15 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
 
 absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     const GgufFile& f, const ModelConfig& c, std::vector<std::unique_ptr<uint8_t[]>>& owned) {
-  const uint8_t* base = f.file_data();
   auto view = [&](const GgufTensor& t, const std::string& name) -> absl::StatusOr<TensorView> {
     TensorView v;
     v.name = name;
-    v.file = f.path();
+    v.file = f.path(t.part);
     ASSIGN_OR_RETURN(v.dtype, DTypeOf(t));
     v.shape.assign(t.dims.rbegin(), t.dims.rend());
     v.data = t.data;
     v.nbytes = t.bytes;
-    v.file_offset = static_cast<uint64_t>(t.data - base);
+    v.file_offset = static_cast<uint64_t>(t.data - f.file_data(t.part));
     return v;
   };
   // The q / k rows back in Hugging Face order, in memory of our own.

@@ -32,9 +32,9 @@ extern const std::vector<GgufName> kGgufLayerNames, kGgufExpertNames;
 int64_t GgufRotaryRow(int64_t file_row, int64_t head_dim);
 
 // The GGUF file a model path names: the path itself when it is a file, or the one .gguf file of
-// a directory that holds no safetensors weights; nullopt otherwise (a safetensors model, or
-// nothing: the safetensors reader names what is missing). A directory of several .gguf files is
-// refused naming them.
+// a directory that holds no safetensors weights (or the first part of the one split model it
+// holds); nullopt otherwise (a safetensors model, or nothing: the safetensors reader names what
+// is missing). A directory of several other .gguf files is refused naming them.
 absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model_path);
 
 // The configuration as config.json would give it. Errors name the metadata key.

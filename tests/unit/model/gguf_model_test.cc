@@ -213,5 +213,60 @@ TEST(GgufModel, WhatCannotRunIsRefusedByName) {
   EXPECT_THAT(ConfigError(dir.path()), HasSubstr("holds 2 GGUF files"));
 }
 
+// A model split by gguf-split's layout runs as its whole file, named by any part or by its
+// directory; a part missing, out of place, or repeating a tensor of another part is refused by
+// name.
+TEST(GgufModel, ASplitModelRunsAsItsWholeFile) {
+  TempDir dir;
+  auto o = SmallModel("llama", dir.Sub("hf"));
+  const std::string hf = WriteModel(o);
+  const std::string whole = dir.Sub("whole.gguf");
+  ASSERT_TRUE(ConvertToGguf(hf, whole, DType::kQ8_0).ok());
+  std::filesystem::create_directory(dir.Sub("split"));
+  auto first = SplitGguf(whole, dir.Sub("split") + "/m", 3);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string second = dir.Sub("split") + "/m-00002-of-00003.gguf";
+  const std::string third = dir.Sub("split") + "/m-00003-of-00003.gguf";
+  auto split = GgufFile::Open(second);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ((*split)->parts(), 3);
+  EXPECT_EQ((*split)->path(2), third);
+
+  auto want = Transformer::Load(whole, {});
+  ASSERT_TRUE(want.ok()) << want.status();
+  const std::vector<float> logits = Logits(**want);
+  for (const std::string& path : {*first, second, dir.Sub("split")}) {
+    auto got = Transformer::Load(path, {});
+    ASSERT_TRUE(got.ok()) << path << ": " << got.status();
+    EXPECT_EQ(Logits(**got), logits) << path;
+    auto tok = Tokenizer::Load(path);
+    EXPECT_TRUE(tok.ok()) << path << ": " << tok.status();
+  }
+
+  // The third part replaced by the second: numbered wrongly.
+  std::filesystem::copy_file(second, third, std::filesystem::copy_options::overwrite_existing);
+  EXPECT_THAT(ConfigError(*first), HasSubstr("m-00003-of-00003.gguf: split.no 1 of split.count 3, "
+                                             "but its name makes it part 2"));
+  // A part that repeats a tensor of the first.
+  auto whole_file = GgufFile::Open(whole);
+  ASSERT_TRUE(whole_file.ok());
+  const GgufTensor& t = (*whole_file)->tensors().begin()->second;
+  GgufWriter w;
+  w.Set("split.no", GgufWriter::U16(2));
+  w.Set("split.count", GgufWriter::U16(3));
+  w.AddTensor(t.name, t.type, t.dims, std::string(reinterpret_cast<const char*>(t.data), t.bytes));
+  ASSERT_TRUE(w.Write(third).ok());
+  EXPECT_THAT(ConfigError(*first),
+              HasSubstr("m-00003-of-00003.gguf: tensor '" + t.name + "' is also in " + *first));
+  // A part missing.
+  std::filesystem::remove(third);
+  EXPECT_THAT(ConfigError(dir.Sub("split")), HasSubstr("holds 2 GGUF files"));
+  EXPECT_THAT(ConfigError(*first), HasSubstr("m-00003-of-00003.gguf"));
+  // A whole file named as a part.
+  std::filesystem::copy_file(whole, dir.Sub("x-00001-of-00002.gguf"));
+  EXPECT_THAT(ConfigError(dir.Sub("x-00001-of-00002.gguf")),
+              HasSubstr("named as part 1 of 2 but has no split.count"));
+}
+
 }  // namespace
 }  // namespace shardserve
