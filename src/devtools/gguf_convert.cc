@@ -86,11 +86,16 @@ absl::Status SetTokenizer(GgufWriter& w, const std::string& dir, const ModelConf
     return absl::InvalidArgumentError(absl::StrCat(path, ": not valid JSON: ", e.what()));
   }
   const json& model = j["model"];
-  if (!model.is_object() || model.value("type", "") != "BPE" ||
-      model.value("byte_fallback", false)) {
-    return absl::UnimplementedError(absl::StrCat(
-        path, ": only byte-level BPE tokenizers convert to GGUF (tokenizer.ggml.model gpt2)"));
+  if (!model.is_object() || model.value("type", "") != "BPE") {
+    return absl::UnimplementedError(
+        absl::StrCat(path,
+                     ": only BPE tokenizers convert to GGUF (byte-level: tokenizer.ggml.model "
+                     "gpt2; SentencePiece with byte fallback: llama)"));
   }
+  // SentencePiece (byte fallback) is written as llama.cpp writes it: tokens with scores and
+  // types, no merges; a reader recovers the merges from the scores (the token a merge makes
+  // scores -rank).
+  const bool sentencepiece = model.value("byte_fallback", false);
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
   auto put = [&](int64_t id, const std::string& tok, int32_t type) {
@@ -102,8 +107,14 @@ absl::Status SetTokenizer(GgufWriter& w, const std::string& dir, const ModelConf
     types[id] = type;
   };
   for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
-    put(it.value().get<int64_t>(), it.key(), 1);
+    const std::string& tok = it.key();
+    const bool byte =
+        sentencepiece && tok.size() == 6 && absl::StartsWith(tok, "<0x") && tok.back() == '>';
+    put(it.value().get<int64_t>(), tok, byte ? 6 : 1);  // 6: byte
   }
+  const std::string unk = model.value("unk_token", json()).is_string()
+                              ? model["unk_token"].get<std::string>()
+                              : std::string();
   for (const json& a : j.value("added_tokens", json::array())) {
     put(a["id"].get<int64_t>(), a["content"].get<std::string>(), a.value("special", false) ? 3 : 4);
   }
@@ -116,21 +127,46 @@ absl::Status SetTokenizer(GgufWriter& w, const std::string& dir, const ModelConf
       put(i, absl::StrCat("[PAD", i, "]"), 5);  // 5: unused
     }
   }
-  GgufArray tok_values, type_values, merge_values;
+  std::vector<std::string> merges;
+  for (const json& m : model["merges"]) {
+    merges.push_back(m.is_string()
+                         ? m.get<std::string>()
+                         : absl::StrCat(m[0].get<std::string>(), " ", m[1].get<std::string>()));
+  }
+  GgufArray tok_values, type_values, merge_values, score_values;
   for (size_t i = 0; i < tokens.size(); ++i) {
     tok_values.push_back(GgufWriter::String(tokens[i]));
-    type_values.push_back(GgufWriter::I32(types[i]));
+    type_values.push_back(GgufWriter::I32(sentencepiece && tokens[i] == unk ? 2 : types[i]));
   }
-  for (const json& m : model["merges"]) {
-    merge_values.push_back(GgufWriter::String(
-        m.is_string() ? m.get<std::string>()
-                      : absl::StrCat(m[0].get<std::string>(), " ", m[1].get<std::string>())));
+  if (sentencepiece) {
+    // Tokens no merge makes score below every merge.
+    std::vector<float> scores(tokens.size(), -static_cast<float>(merges.size() + 1));
+    std::map<std::string, size_t> id;
+    for (size_t i = 0; i < tokens.size(); ++i) id.emplace(tokens[i], i);
+    for (size_t rank = merges.size(); rank-- > 0;) {  // the first merge making a token counts
+      std::string made = merges[rank];
+      made.erase(made.find(' ', 1), 1);
+      if (auto it = id.find(made); it != id.end()) scores[it->second] = -static_cast<float>(rank);
+    }
+    for (float v : scores) score_values.push_back(GgufWriter::F32(v));
   }
-  w.Set("tokenizer.ggml.model", GgufWriter::String("gpt2"));
-  w.Set("tokenizer.ggml.pre", GgufWriter::String("gpt-2"));
+  for (const std::string& m : merges) merge_values.push_back(GgufWriter::String(m));
+  w.Set("tokenizer.ggml.model", GgufWriter::String(sentencepiece ? "llama" : "gpt2"));
   w.Set("tokenizer.ggml.tokens", GgufWriter::Array(std::move(tok_values)));
   w.Set("tokenizer.ggml.token_type", GgufWriter::Array(std::move(type_values)));
-  w.Set("tokenizer.ggml.merges", GgufWriter::Array(std::move(merge_values)));
+  if (sentencepiece) {
+    w.Set("tokenizer.ggml.scores", GgufWriter::Array(std::move(score_values)));
+    if (!unk.empty()) {
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] == unk) {
+          w.Set("tokenizer.ggml.unknown_token_id", GgufWriter::U32(static_cast<uint32_t>(i)));
+        }
+      }
+    }
+  } else {
+    w.Set("tokenizer.ggml.pre", GgufWriter::String("gpt-2"));
+    w.Set("tokenizer.ggml.merges", GgufWriter::Array(std::move(merge_values)));
+  }
   if (c.bos_token_id >= 0) {
     w.Set("tokenizer.ggml.bos_token_id", GgufWriter::U32(static_cast<uint32_t>(c.bos_token_id)));
   }

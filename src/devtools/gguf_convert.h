@@ -2,7 +2,9 @@
 // Hugging Face model directories (as gen-model writes them) to GGUF files, the way llama.cpp's
 // convert_hf_to_gguf.py lays them out, so that llama.cpp's tools and transformers read them too:
 // llama.cpp's metadata keys and tensor names, the `llama` q/k rows interleaved, the stacked
-// experts, and the byte-level BPE tokenizer padded to vocab_size with [PADn] tokens. Matrices are
+// experts, and the tokenizer padded to vocab_size with [PADn] tokens (byte-level BPE as
+// tokenizer.ggml.model gpt2 with its merges; SentencePiece BPE with byte fallback as llama, with
+// scores from which readers recover the merges). Matrices are
 // stored as `type`; quantized types are made here from the F32 values (round to nearest, as
 // llama.cpp's reference quantizers); norms, biases and the MoE router stay F32.
 #include <cstdint>

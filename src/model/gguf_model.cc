@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <tuple>
+#include <unordered_map>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -315,12 +317,74 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
   return out;
 }
 
+namespace {
+
+// The code points of a UTF-8 string, as byte offsets (the last one: its size).
+std::vector<size_t> CodePointOffsets(const std::string& s) {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if ((static_cast<unsigned char>(s[i]) & 0xC0) != 0x80) out.push_back(i);
+  }
+  out.push_back(s.size());
+  return out;
+}
+
+// The merges a SentencePiece vocabulary implies, as transformers derives them for a GGUF file
+// that lists none (tokenization_utils_base.generate_merges): every split of a token into two
+// tokens, at code point boundaries, is a merge with the token's score; a token's splits in the
+// order of their ids, and all of them by score, then the left and right lengths in code points,
+// best first (a stable sort).
+std::vector<std::pair<std::string, std::string>> MergesFromScores(
+    const std::vector<std::string>& tokens, const std::vector<double>& scores) {
+  std::unordered_map<std::string, size_t> id;     // the last id of a spelling
+  std::unordered_map<std::string, double> score;  // the last score of a spelling
+  std::vector<size_t> order;                      // first occurrences, in order
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (!score.count(tokens[i])) order.push_back(i);
+    id[tokens[i]] = i;
+    score[tokens[i]] = scores[i];
+  }
+  struct Merge {
+    std::string left, right;
+    double score;
+    size_t left_len, right_len;
+  };
+  std::vector<Merge> merges;
+  for (size_t i : order) {
+    const std::string& t = tokens[i];
+    const std::vector<size_t> cut = CodePointOffsets(t);
+    const size_t n = cut.size() - 1;  // code points
+    std::vector<Merge> local;
+    for (size_t k = 1; k < n; ++k) {
+      std::string l = t.substr(0, cut[k]), r = t.substr(cut[k]);
+      if (id.count(l) && id.count(r))
+        local.push_back({std::move(l), std::move(r), score[t], k, n - k});
+    }
+    std::stable_sort(local.begin(), local.end(), [&](const Merge& a, const Merge& b) {
+      return std::pair(id[a.left], id[a.right]) < std::pair(id[b.left], id[b.right]);
+    });
+    for (Merge& m : local) merges.push_back(std::move(m));
+  }
+  std::stable_sort(merges.begin(), merges.end(), [](const Merge& a, const Merge& b) {
+    return std::tuple(a.score, a.left_len, a.right_len) >
+           std::tuple(b.score, b.left_len, b.right_len);
+  });
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(merges.size());
+  for (Merge& m : merges) out.emplace_back(std::move(m.left), std::move(m.right));
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
   ASSIGN_OR_RETURN(const std::string model, f.GetString("tokenizer.ggml.model"));
-  if (model != "gpt2") {
-    return absl::UnimplementedError(
-        absl::StrCat(f.path(), ": tokenizer.ggml.model '", model,
-                     "' is not a tokenizer shardserve reads from GGUF yet (gpt2: byte-level BPE)"));
+  const bool sentencepiece = model == "llama";
+  if (model != "gpt2" && !sentencepiece) {
+    return absl::UnimplementedError(absl::StrCat(
+        f.path(), ": tokenizer.ggml.model '", model,
+        "' is not a tokenizer shardserve reads from GGUF (gpt2: byte-level BPE; llama: "
+        "SentencePiece BPE with byte fallback)"));
   }
   auto strings = [&](const std::string& key) -> absl::StatusOr<std::vector<std::string>> {
     ASSIGN_OR_RETURN(const GgufArray* a, f.GetArray(key));
@@ -335,7 +399,35 @@ absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
     return out;
   };
   ASSIGN_OR_RETURN(const std::vector<std::string> tokens, strings("tokenizer.ggml.tokens"));
-  ASSIGN_OR_RETURN(const std::vector<std::string> merges, strings("tokenizer.ggml.merges"));
+  std::vector<std::pair<std::string, std::string>> merge_pairs;
+  if (!sentencepiece || f.metadata().count("tokenizer.ggml.merges")) {
+    ASSIGN_OR_RETURN(const std::vector<std::string> merges, strings("tokenizer.ggml.merges"));
+    for (const std::string& m : merges) {
+      const size_t space = m.find(' ', 1);
+      if (space == std::string::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.path(), ": tokenizer.ggml.merges entry '", m, "' is not two tokens"));
+      }
+      merge_pairs.emplace_back(m.substr(0, space), m.substr(space + 1));
+    }
+  } else {  // SentencePiece files list scores instead
+    ASSIGN_OR_RETURN(const GgufArray* a, f.GetArray("tokenizer.ggml.scores"));
+    if (a->size() != tokens.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(f.path(), ": tokenizer.ggml.scores has ",
+                                                     a->size(), " entries for ", tokens.size(),
+                                                     " tokens"));
+    }
+    std::vector<double> scores;
+    for (const GgufValue& v : *a) {
+      const double* d = std::get_if<double>(&v.v);
+      if (d == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.path(), ": tokenizer.ggml.scores must hold floats"));
+      }
+      scores.push_back(*d);
+    }
+    merge_pairs = MergesFromScores(tokens, scores);
+  }
   std::vector<int64_t> types(tokens.size(), 1);  // 1: normal
   if (f.metadata().count("tokenizer.ggml.token_type")) {
     ASSIGN_OR_RETURN(const GgufArray* a, f.GetArray("tokenizer.ggml.token_type"));
@@ -351,7 +443,7 @@ absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
     }
   }
   std::string pre = "default";  // llama.cpp's name when the key is absent
-  if (f.metadata().count("tokenizer.ggml.pre")) {
+  if (!sentencepiece && f.metadata().count("tokenizer.ggml.pre")) {
     ASSIGN_OR_RETURN(pre, f.GetString("tokenizer.ggml.pre"));
   }
   json vocab = json::object(), added = json::array();
@@ -369,27 +461,35 @@ absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
     }
   }
   json merges_json = json::array();
-  for (const std::string& m : merges) {
-    const size_t space = m.find(' ', 1);
-    if (space == std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(f.path(), ": tokenizer.ggml.merges entry '", m, "' is not two tokens"));
-    }
-    merges_json.push_back(json::array({m.substr(0, space), m.substr(space + 1)}));
-  }
+  for (const auto& [l, r] : merge_pairs) merges_json.push_back(json::array({l, r}));
   json j;
   j["version"] = "1.0";
   j["added_tokens"] = added;
   j["normalizer"] = nullptr;
-  ASSIGN_OR_RETURN(j["pre_tokenizer"], PreTokenizer(f.path(), pre));
-  j["decoder"] = ByteLevel(true);
+  if (sentencepiece) {                        // transformers' LlamaTokenizer
+    const std::string meta = "\xE2\x96\x81";  // U+2581, SentencePiece's space
+    j["pre_tokenizer"] = {{"type", "Metaspace"},
+                          {"replacement", meta},
+                          {"prepend_scheme", "first"},
+                          {"split", false}};
+    j["decoder"] = {
+        {"type", "Sequence"},
+        {"decoders",
+         json::array({{{"type", "Replace"}, {"pattern", {{"String", meta}}}, {"content", " "}},
+                      {{"type", "ByteFallback"}},
+                      {{"type", "Fuse"}},
+                      {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
+  } else {
+    ASSIGN_OR_RETURN(j["pre_tokenizer"], PreTokenizer(f.path(), pre));
+    j["decoder"] = ByteLevel(true);
+  }
   j["model"] = {{"type", "BPE"},
                 {"dropout", nullptr},
                 {"unk_token", nullptr},
                 {"continuing_subword_prefix", nullptr},
                 {"end_of_word_suffix", nullptr},
-                {"fuse_unk", false},
-                {"byte_fallback", false},
+                {"fuse_unk", sentencepiece},
+                {"byte_fallback", sentencepiece},
                 {"ignore_merges", pre == "llama-bpe" || pre == "llama3"},
                 {"vocab", vocab},
                 {"merges", merges_json}};
@@ -405,7 +505,7 @@ absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
   };
   ASSIGN_OR_RETURN(const std::string bos, token_text("tokenizer.ggml.bos_token_id"));
   ASSIGN_OR_RETURN(const std::string eos, token_text("tokenizer.ggml.eos_token_id"));
-  bool add_bos = false;
+  bool add_bos = sentencepiece;  // transformers' default for a SentencePiece file without the key
   if (f.metadata().count("tokenizer.ggml.add_bos_token")) {
     const GgufValue& v = f.metadata().at("tokenizer.ggml.add_bos_token");
     if (const bool* b = std::get_if<bool>(&v.v)) add_bos = *b;

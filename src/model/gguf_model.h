@@ -2,7 +2,7 @@
 // A model in a GGUF file (llama.cpp's format) as shardserve runs it: the configuration from the
 // file's metadata, the tensors under their Hugging Face names and shapes. Architectures `llama`
 // (Llama 2/3, Mistral, SmolLM, TinyLlama; with experts, Mixtral) and `qwen2`; weight types F32,
-// F16, BF16, Q8_0, Q4_0 and Q4_1. Whatever else a file holds that would change the model's
+// F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K. Whatever else a file holds that would change the model's
 // arithmetic is refused by name.
 #include <map>
 #include <memory>
@@ -50,7 +50,9 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
 
 // The Hugging Face tokenizer files the metadata stands for, for the tokenizer library to read as
 // it reads a model directory's: tokenizer.json (from tokenizer.ggml.*: model `gpt2`, byte-level
-// BPE with the pre-tokenizer tokenizer.ggml.pre names) and the tokenizer_config.json fields the
+// BPE with the pre-tokenizer tokenizer.ggml.pre names; model `llama`, SentencePiece BPE with
+// byte fallback as transformers' LlamaTokenizer builds it, the merges from the file or, as
+// transformers recovers them, from the tokens' scores) and the tokenizer_config.json fields the
 // chat template needs (chat_template, bos_token, eos_token). Errors name the key.
 struct GgufTokenizerFiles {
   std::string tokenizer_json;

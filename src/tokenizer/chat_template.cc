@@ -64,7 +64,9 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   json config = json::object();
   std::string path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
   absl::StatusOr<std::string> text;
-  if (auto gguf = FindGgufFile(model_dir); !gguf.ok() || !gguf->has_value()) {
+  const absl::StatusOr<std::optional<std::string>> gguf = FindGgufFile(model_dir);
+  const bool from_gguf = gguf.ok() && gguf->has_value();
+  if (!from_gguf) {
     text = ReadFileToString(path);
   } else {
     path = absl::StrCat(**gguf, " (GGUF metadata)");
@@ -86,6 +88,19 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
     }
   }
   if (!config.is_object()) config = json::object();
+  // Hugging Face directories saved by recent transformers keep the template in its own file,
+  // which takes precedence over tokenizer_config.json's (as transformers reads them).
+  if (!from_gguf) {
+    const auto jinja = std::filesystem::path(model_dir) / "chat_template.jinja";
+    if (std::error_code ec; std::filesystem::is_regular_file(jinja, ec)) {
+      absl::StatusOr<std::string> own = ReadFileToString(jinja.string());
+      if (!own.ok()) {
+        t.reason_ = std::string(own.status().message());
+        return t;
+      }
+      config["chat_template"] = *own;
+    }
+  }
   t.bos_ = TokenText(config, "bos_token");
   t.eos_ = TokenText(config, "eos_token");
   const std::string tmpl = TemplateText(config);

@@ -3,7 +3,8 @@
 weights to float32). `check_gguf.py BIN smollm2`: the real SmolLM2-135M-Instruct, Q4_1 with a Q8_0
 embedding, the file scripts/setup.sh puts in the cache (skips, 77, where it is absent).
 `check_gguf.py BIN generated`: models gen-model writes as GGUF (--format gguf) in every weight
-type, llama and qwen2 (the llama q/k rows interleaved as llama.cpp's converter does); the
+type, llama and qwen2 (the llama q/k rows interleaved as llama.cpp's converter does), with
+byte-level BPE and SentencePiece (scores, no merges) tokenizers; the
 tokenizer, greedy tokens and logprobs as below, at TP=1, TP=2 and PP=2 (F32, BF16, Q8_0, Q4_0,
 Q4_1, Q4_K, Q5_K, Q6_K; transformers expands the blocks with the gguf package's own code). transformers does not
 read Mixtral's stacked experts from GGUF, so a Mixtral GGUF is checked against the same model's
@@ -117,11 +118,14 @@ if WHAT == "generated":
     # The K-quants' super-blocks of 256 need wider rows (and TP=2 column slices of 256).
     WIDE = ["--hidden", "512", "--heads", "8", "--kv-heads", "4", "--intermediate", "1024"]
     CASES += [("llama", "q4_k", WIDE), ("llama", "q5_k", WIDE), ("llama", "q6_k", WIDE)]
+    # A SentencePiece tokenizer (tokenizer.ggml.model llama: scores, no merges).
+    CASES += [("llama", "q4_0", ["--tokenizer", "sentencepiece"])]
     SHAPES = (["--tp", "2"], ["--pp", "2"])
     with tempfile.TemporaryDirectory() as tmp:
         for arch, wtype, extra in CASES:
-            name = f"{arch} {wtype}{' tied' if '--tie-embeddings' in extra else ''}"
-            path = os.path.join(tmp, f"{arch}-{wtype}.gguf")
+            name = (f"{arch} {wtype}{' tied' if '--tie-embeddings' in extra else ''}"
+                    f"{' sentencepiece' if 'sentencepiece' in extra else ''}")
+            path = os.path.join(tmp, f"{name.replace(' ', '-')}.gguf")
             args = list(SHAPE)
             for i in range(0, len(extra)):  # a flag of SHAPE given again takes the new value
                 if extra[i].startswith("--") and extra[i] in args and i + 1 < len(extra):
@@ -136,7 +140,7 @@ if WHAT == "generated":
             model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=os.path.basename(path),
                                                          dtype=torch.float32)
             model.eval()
-            for text in TEXTS[:3]:
+            for text in TEXTS:
                 got, want = ours(path, text)["prompt_ids"], tok.encode(text)
                 check(got == want, f"{name} tokenizer: {text!r}"
                       + ("" if got == want else f" ({want} vs ours {got})"))

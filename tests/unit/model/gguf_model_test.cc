@@ -198,10 +198,10 @@ TEST(GgufModel, WhatCannotRunIsRefusedByName) {
   EXPECT_THAT(std::string(m.status().message()),
               HasSubstr("tensor 'blk.0.attn_q.weight' has type Q2_K"));
   t = {};
-  t.tokenizer = "llama";
+  t.tokenizer = "t5";
   auto tok = Tokenizer::Load(Write(file, t));
   ASSERT_FALSE(tok.ok());
-  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("tokenizer.ggml.model 'llama'"));
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("tokenizer.ggml.model 't5'"));
   t = {};
   t.pre = "mystery";
   tok = Tokenizer::Load(Write(file, t));
@@ -266,6 +266,31 @@ TEST(GgufModel, ASplitModelRunsAsItsWholeFile) {
   std::filesystem::copy_file(whole, dir.Sub("x-00001-of-00002.gguf"));
   EXPECT_THAT(ConfigError(dir.Sub("x-00001-of-00002.gguf")),
               HasSubstr("named as part 1 of 2 but has no split.count"));
+}
+
+// A SentencePiece tokenizer goes into GGUF as llama.cpp writes one (tokenizer.ggml.model llama:
+// tokens, scores and types, no merges) and comes back with its merges recovered from the scores:
+// plain text encodes as with the original merges, byte fallback included, and decodes back.
+TEST(GgufModel, ASentencePieceTokenizerComesBackFromItsScores) {
+  TempDir dir;
+  auto o = SmallModel("llama", dir.Sub("hf"));
+  o.tokenizer = TokenizerStyle::kSentencePiece;
+  const std::string hf = WriteModel(o);
+  const std::string file = dir.Sub("m.gguf");
+  ASSERT_TRUE(ConvertToGguf(hf, file, DType::kQ8_0).ok());
+  auto gguf = GgufFile::Open(file);
+  ASSERT_TRUE(gguf.ok());
+  EXPECT_EQ(*(*gguf)->GetString("tokenizer.ggml.model"), "llama");
+  EXPECT_EQ((*gguf)->metadata().count("tokenizer.ggml.merges"), 0u);
+  auto want = Tokenizer::Load(hf);
+  auto got = Tokenizer::Load(file);
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+  for (const char* text : {"The model is too large for one machine.", "caf\u00e9 \u4f60\u597d!"}) {
+    auto ids = (*got)->Encode(text);
+    ASSERT_TRUE(ids.ok());
+    EXPECT_EQ(*ids, *(*want)->Encode(text)) << text;
+    EXPECT_THAT((*got)->Decode(*ids), HasSubstr(text));
+  }
 }
 
 }  // namespace

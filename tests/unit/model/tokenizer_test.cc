@@ -9,6 +9,8 @@
 
 #include "devtools/bpe_trainer.h"
 #include "devtools/corpus.h"
+#include "model/test_models.h"
+#include "tokenizer/chat_template.h"
 
 namespace shardserve {
 namespace {
@@ -233,6 +235,24 @@ TEST(TokenizerTest, ByteLevelTableIsABijection) {
   EXPECT_EQ(seen.size(), 256u);
   EXPECT_EQ(ByteToUnicode()[' '], "\xC4\xA0");  // "Ġ"
   EXPECT_EQ(ByteToUnicode()['A'], "A");
+}
+
+// A model directory's chat_template.jinja (recent transformers save the template there) takes
+// precedence over tokenizer_config.json's chat_template, as transformers reads them.
+TEST(ChatTemplateTest, AJinjaFileTakesPrecedence) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("llama", dir.Sub("m"));
+  o.chat_template = "llama3";
+  const std::string model = testing::WriteModel(o);
+  auto tok = Tokenizer::Load(model);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ(ChatTemplate::ForModel(model, **tok).family(), ChatTemplate::Family::kLlama3);
+  testing::WriteFile(model + "/chat_template.jinja",
+                     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                     "<|im_end|>\n{% endfor %}<|im_start|>assistant\n");
+  const ChatTemplate t = ChatTemplate::ForModel(model, **tok);
+  EXPECT_EQ(t.family(), ChatTemplate::Family::kChatMl);
+  EXPECT_EQ(*t.Render({{"user", "hi"}}), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
 }
 
 }  // namespace
