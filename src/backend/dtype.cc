@@ -1,7 +1,5 @@
 #include "backend/dtype.h"
 
-#include <immintrin.h>
-
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -89,7 +87,18 @@ uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-float F16ToF32(uint16_t v) { return _cvtsh_ss(v); }
-uint16_t F32ToF16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+// Through the compiler's _Float16 (IEEE binary16, round to nearest even): this file is built
+// for the baseline ISA, the kernels convert with F16C themselves.
+float F16ToF32(uint16_t v) {
+  _Float16 h;
+  std::memcpy(&h, &v, 2);
+  return static_cast<float>(h);
+}
+uint16_t F32ToF16(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t v;
+  std::memcpy(&v, &h, 2);
+  return v;
+}
 
 }  // namespace shardserve

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
 #include "common/status.h"
 #include "model/rope.h"
@@ -55,7 +56,10 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
                                                                std::unique_ptr<Backend> backend) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(model_dir));
   ASSIGN_OR_RETURN(auto weights, WeightStore::Open(model_dir));
-  if (backend == nullptr) backend = cpu::NewBackend(options.num_threads);
+  if (backend == nullptr) {
+    RETURN_IF_ERROR(cpu::CheckCpu());
+    backend = cpu::NewBackend(options.num_threads);
+  }
   std::unique_ptr<Transformer> t(
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
   absl::Status s = t->CheckSplit();

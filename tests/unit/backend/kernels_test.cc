@@ -1,5 +1,6 @@
 #include "backend/cpu/kernels.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_features.h"
 #include "backend_ops_test.h"
 #include "devtools/gguf_convert.h"
 
@@ -319,6 +321,16 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
                               DTypeName(dtype));
     }
   }
+}
+
+// The kernels' instruction sets are checked before any runs: a CPU without them is refused naming
+// what it lacks (this machine has them all).
+TEST(KernelsTest, ACpuWithoutTheKernelsIsaIsRefusedByName) {
+  EXPECT_TRUE(CheckCpu().ok()) << CheckCpu();
+  EXPECT_TRUE(CheckCpu({true, true, true}).ok());
+  const absl::Status s = CheckCpu({false, true, false});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("this CPU lacks AVX2, F16C"));
 }
 
 // The op conformance suite on the CPU backend, with one thread and with a pool that splits work.
