@@ -1,7 +1,8 @@
 #pragma once
-// CPU reference kernels (AVX2 + FMA + F16C). Activations are F32; weights stay in their file
-// dtype (F32, F16, BF16, or the quantized Q8_0, Q4_0, Q4_1) and are converted inside the
-// kernels, accumulating in F32.
+// CPU reference kernels (AVX2 + FMA + F16C; cpu_features.h checks the CPU). Activations are F32;
+// weights stay in their file dtype (F32, F16, BF16, or the quantized Q8_0, Q4_0, Q4_1, Q4_K,
+// Q5_K, Q6_K) and are converted inside the kernels, accumulating in F32 (quantized decode
+// batches: integer products with the activations rounded to int16 per block, quant.cc).
 #include <cstdint>
 
 #include "backend/backend.h"

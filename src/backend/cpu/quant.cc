@@ -25,6 +25,7 @@ namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxDecodeTokens = 12;
 // The decode loops prefetch the row this far ahead of the block they read: the hardware
 // prefetcher alone leaves a third of the bandwidth unused on one sequential stream per core.
 constexpr size_t kPrefetchBytes = 4096;
@@ -352,7 +353,9 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
   }
 }
 
-bool DecodesQuantized(int64_t M) { return M <= 12; }
+// As the float kernels' decode limit (kernels.cc): each token's result is independent of the
+// batch up to here.
+bool DecodesQuantized(int64_t M) { return M <= kMaxDecodeTokens; }
 
 void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                      int64_t ldy, ThreadPool& pool) {
