@@ -37,6 +37,13 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 constexpr int64_t DTypeBlockOf(DType d) {
   return d == DType::kQ4_K || d == DType::kQ5_K || d == DType::kQ6_K ? 256 : 32;
 }
+// Whether a block's 32 values are laid out as two vectors of 16 int16 holding values 0-7 and
+// 16-23, then 8-15 and 24-31 (the order unpacking 32 bytes to int16 in place gives, one
+// instruction a vector: the K-quants), rather than 0-15 and 16-31 (widening 16 bytes from memory:
+// the 32-value types). The activations are quantized in the same order.
+constexpr bool Interleaved(DType d) {
+  return d == DType::kQ4_K || d == DType::kQ5_K || d == DType::kQ6_K;
+}
 // Whether a block's weights have a minimum term (factor * q + min).
 constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
@@ -70,7 +77,7 @@ inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x
 
 // One weight block of D (32 values, or a K-quant super-block holding 8 blocks of 32). Block j's
 // weights are factor[j] * q + min[j], with q the 32 integers Values(j) gives as two vectors of 16
-// int16 (values 0-15 and 16-31). Q6_K's q are (code - 32) times the int8 scale of their 16
+// int16 (in D's order, Interleaved). Q6_K's q are (code - 32) times the int8 scale of their 16
 // values, so that one factor holds for the block.
 template <DType D>
 struct Unpacked {
@@ -123,10 +130,10 @@ struct Unpacked {
       const __m256i q =
           _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
       const auto* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * j;
-      *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
-                               _mm256_set1_epi16(sc[0]));
-      *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
-                               _mm256_set1_epi16(sc[1]));
+      const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
+      const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+      *lo = _mm256_mullo_epi16(_mm256_unpacklo_epi8(q, sign), scales);
+      *hi = _mm256_mullo_epi16(_mm256_unpackhi_epi8(q, sign), scales);
     } else {  // Q4_K, Q5_K: chunk c of 64 values: block 2c the low nibbles, 2c + 1 the high
       const __m256i bytes = Load32(b + (D == DType::kQ5_K ? 48 : 16) + 32 * (j / 2));
       __m256i q = _mm256_and_si256(j % 2 == 0 ? bytes : _mm256_srli_epi16(bytes, 4),
@@ -136,8 +143,8 @@ struct Unpacked {
             _mm256_and_si256(_mm256_srli_epi16(Load32(b + 16), j), _mm256_set1_epi8(1));
         q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
       }
-      *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
-      *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+      *lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
+      *hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
     }
   }
 
@@ -152,9 +159,10 @@ struct Unpacked {
     __m256i parts[2];
     Values<j>(&parts[0], &parts[1]);
     const __m256 f = _mm256_set1_ps(factor[j]);
-    for (int i = 0; i < 4; ++i) {
-      const __m128i half = i % 2 == 0 ? _mm256_castsi256_si128(parts[i / 2])
-                                      : _mm256_extracti128_si256(parts[i / 2], 1);
+    for (int i = 0; i < 4; ++i) {  // values 8i .. 8i + 7
+      const __m256i part = parts[Interleaved(D) ? i % 2 : i / 2];
+      const bool upper = Interleaved(D) ? i >= 2 : i % 2 == 1;
+      const __m128i half = upper ? _mm256_extracti128_si256(part, 1) : _mm256_castsi256_si128(part);
       const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half)), f);
       _mm256_storeu_ps(out + 8 * i, HasMin(D) ? _mm256_add_ps(v, _mm256_set1_ps(min[j])) : v);
     }
@@ -169,7 +177,7 @@ struct Q16Activations {
   std::vector<float> ds;   // [M][K / 32]
 };
 
-void QuantizeRow(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
+void QuantizeRow(const float* x, int64_t K, bool interleaved, int16_t* q, float* d, float* ds) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
     __m256 v[4];
@@ -187,10 +195,12 @@ void QuantizeRow(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
     for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     const __m256i sum =
         _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    // int32 -> int16: the pack interleaves 128-bit lanes, the permutation restores the order.
+    // int32 -> int16: the pack interleaves 128-bit lanes, the permutation restores the order
+    // (values 0-15, 16-31; interleaved: 0-7 with 16-23, 8-15 with 24-31).
     for (int i = 0; i < 2; ++i) {
-      const __m256i p =
-          _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2 * i], iv[2 * i + 1]), 0xD8);
+      const __m256i a = interleaved ? iv[i] : iv[2 * i],
+                    b = interleaved ? iv[i + 2] : iv[2 * i + 1];
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), p);
     }
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
@@ -201,7 +211,7 @@ void QuantizeRow(const float* x, int64_t K, int16_t* q, float* d, float* ds) {
   }
 }
 
-void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, ThreadPool& pool,
+void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleaved, ThreadPool& pool,
               Q16Activations* a) {
   const int64_t blocks = K / kBlock;
   a->q.resize(static_cast<size_t>(M * K));
@@ -209,7 +219,7 @@ void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, ThreadPool& poo
   a->ds.resize(static_cast<size_t>(M * blocks));
   auto rows = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      QuantizeRow(x + t * ldx, K, &a->q[t * K], &a->d[t * blocks], &a->ds[t * blocks]);
+      QuantizeRow(x + t * ldx, K, interleaved, &a->q[t * K], &a->d[t * blocks], &a->ds[t * blocks]);
     }
   };
   if (M == 1) return rows(0, 1);
@@ -309,7 +319,7 @@ void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, 
                  int64_t ldy, ThreadPool& pool) {
   thread_local Q16Activations storage;  // the caller's; the workers read it through `a`
   Q16Activations& a = storage;
-  Quantize(x, M, ldx, w.cols, pool, &a);
+  Quantize(x, M, ldx, w.cols, Interleaved(D), pool, &a);
   // Blocks of rows stay in L2 while groups of up to 3 tokens pass over them.
   constexpr int64_t kRows = 64;
   pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
