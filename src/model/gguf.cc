@@ -342,33 +342,29 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::OpenPart(const std::string& 
   return f;
 }
 
-namespace {
-
-// A split part's name: PREFIX-%05d-of-%05d.gguf (gguf-split's, numbered from 1).
-struct SplitName {
-  std::string prefix;
-  int number = 0, count = 0;
-};
-std::optional<SplitName> ParseSplitName(const std::string& path) {
+std::optional<GgufSplitName> ParseGgufSplitName(const std::string& path) {
   const std::string shape = "-#####-of-#####.gguf";
   if (path.size() <= shape.size()) return std::nullopt;
   const std::string tail = path.substr(path.size() - shape.size());
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == '#' ? !absl::ascii_isdigit(tail[i]) : tail[i] != shape[i]) return std::nullopt;
   }
-  SplitName n{path.substr(0, path.size() - shape.size()), std::stoi(tail.substr(1, 5)),
-              std::stoi(tail.substr(10, 5))};
+  GgufSplitName n{path.substr(0, path.size() - shape.size()), std::stoi(tail.substr(1, 5)),
+                  std::stoi(tail.substr(10, 5))};
   if (n.number < 1 || n.count < 1 || n.number > n.count) return std::nullopt;
   return n;
 }
-std::string SplitPath(const SplitName& n, int number) {
+
+namespace {
+
+std::string SplitPath(const GgufSplitName& n, int number) {
   return absl::StrFormat("%s-%05d-of-%05d.gguf", n.prefix, number, n.count);
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
-  const std::optional<SplitName> name = ParseSplitName(path);
+  const std::optional<GgufSplitName> name = ParseGgufSplitName(path);
   ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> first, OpenPart(name ? SplitPath(*name, 1) : path));
   auto split_key = [](const GgufFile& f, const char* key) -> absl::StatusOr<uint64_t> {
     auto it = f.metadata_.find(key);

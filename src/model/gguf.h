@@ -85,6 +85,13 @@ struct GgufTensor {
   uint64_t bytes = 0;
 };
 
+// A split part's name, PREFIX-%05d-of-%05d.gguf (gguf-split's, numbered from 1), or nullopt.
+struct GgufSplitName {
+  std::string prefix;
+  int number = 0, count = 0;
+};
+std::optional<GgufSplitName> ParseGgufSplitName(const std::string& path);
+
 class GgufFile {
  public:
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);

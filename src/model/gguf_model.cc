@@ -135,13 +135,12 @@ absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model
   }
   std::sort(found.begin(), found.end());
   // The parts of one split model (gguf-split's PREFIX-0000i-of-0000N.gguf) name the model by
-  // their first; GgufFile::Open checks that every part is there.
-  const std::string first_tail = absl::StrFormat("-00001-of-%05d.gguf", found.size());
+  // their first; GgufFile::Open names any part missing.
+  const auto first = found.empty() ? std::nullopt : ParseGgufSplitName(found[0]);
   const bool one_split =
-      found.size() > 1 && absl::EndsWith(found[0], first_tail) &&
-      std::all_of(found.begin(), found.end(), [&](const std::string& p) {
-        return p.size() == found[0].size() && p.compare(0, p.size() - first_tail.size(), found[0],
-                                                        0, p.size() - first_tail.size()) == 0;
+      found.size() > 1 && first && std::all_of(found.begin(), found.end(), [&](const auto& p) {
+        const auto part = ParseGgufSplitName(p);
+        return part && part->prefix == first->prefix && part->count == first->count;
       });
   if (found.size() > 1 && !one_split) {
     return absl::InvalidArgumentError(

@@ -260,8 +260,10 @@ TEST(GgufModel, ASplitModelRunsAsItsWholeFile) {
               HasSubstr("m-00003-of-00003.gguf: tensor '" + t.name + "' is also in " + *first));
   // A part missing.
   std::filesystem::remove(third);
-  EXPECT_THAT(ConfigError(dir.Sub("split")), HasSubstr("holds 2 GGUF files"));
+  EXPECT_THAT(ConfigError(dir.Sub("split")), HasSubstr("m-00003-of-00003.gguf"));
   EXPECT_THAT(ConfigError(*first), HasSubstr("m-00003-of-00003.gguf"));
+  std::filesystem::copy_file(whole, dir.Sub("split") + "/other.gguf");
+  EXPECT_THAT(ConfigError(dir.Sub("split")), HasSubstr("holds 3 GGUF files"));
   // A whole file named as a part.
   std::filesystem::copy_file(whole, dir.Sub("x-00001-of-00002.gguf"));
   EXPECT_THAT(ConfigError(dir.Sub("x-00001-of-00002.gguf")),
