@@ -398,6 +398,16 @@ absl::StatusOr<GgufTokenizerFiles> GgufTokenizer(const GgufFile& f) {
     return out;
   };
   ASSIGN_OR_RETURN(const std::vector<std::string> tokens, strings("tokenizer.ggml.tokens"));
+  // Real vocabularies' longest tokens are runs of a few dozen spaces; the bound keeps a damaged
+  // file's merge recovery (quadratic in a token's length) from running for hours.
+  constexpr size_t kMaxTokenBytes = 1024;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i].size() > kMaxTokenBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(f.path(), ": tokenizer.ggml.tokens[", i,
+                                                     "] is ", tokens[i].size(), " bytes (at most ",
+                                                     kMaxTokenBytes, ")"));
+    }
+  }
   std::vector<std::pair<std::string, std::string>> merge_pairs;
   if (!sentencepiece || f.metadata().count("tokenizer.ggml.merges")) {
     ASSIGN_OR_RETURN(const std::vector<std::string> merges, strings("tokenizer.ggml.merges"));

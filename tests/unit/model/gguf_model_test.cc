@@ -126,6 +126,7 @@ struct Tiny {
   bool rope_freqs = false;
   std::string tokenizer = "gpt2";
   std::string pre = "gpt-2";
+  bool long_token = false;  // token 2 of 5000 bytes
 };
 
 std::string Write(const std::string& path, const Tiny& t) {
@@ -140,7 +141,10 @@ std::string Write(const std::string& path, const Tiny& t) {
   w.Set(p + "context_length", GgufWriter::U32(128));
   w.Set(p + "attention.layer_norm_rms_epsilon", GgufWriter::F32(1e-5f));
   GgufArray tokens;
-  for (int i = 0; i + 1 < V; ++i) tokens.push_back(GgufWriter::String(std::string(1, 'a' + i)));
+  for (int i = 0; i + 1 < V; ++i) {
+    tokens.push_back(GgufWriter::String(t.long_token && i == 2 ? std::string(5000, 'c')
+                                                               : std::string(1, 'a' + i)));
+  }
   tokens.push_back(GgufWriter::String("ab"));  // what the one merge makes
   w.Set("tokenizer.ggml.model", GgufWriter::String(t.tokenizer));
   w.Set("tokenizer.ggml.pre", GgufWriter::String(t.pre));
@@ -202,6 +206,12 @@ TEST(GgufModel, WhatCannotRunIsRefusedByName) {
   auto tok = Tokenizer::Load(Write(file, t));
   ASSERT_FALSE(tok.ok());
   EXPECT_THAT(std::string(tok.status().message()), HasSubstr("tokenizer.ggml.model 't5'"));
+  t = {};
+  t.long_token = true;
+  tok = Tokenizer::Load(Write(file, t));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(std::string(tok.status().message()),
+              HasSubstr("tokenizer.ggml.tokens[2] is 5000 bytes (at most 1024)"));
   t = {};
   t.pre = "mystery";
   tok = Tokenizer::Load(Write(file, t));
