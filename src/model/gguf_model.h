@@ -2,8 +2,8 @@
 // A model in a GGUF file (llama.cpp's format) as shardserve runs it: the configuration from the
 // file's metadata, the tensors under their Hugging Face names and shapes. Architectures `llama`
 // (Llama 2/3, Mistral, SmolLM, TinyLlama; with experts, Mixtral) and `qwen2`; weight types F32,
-// F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K. Whatever else a file holds that would change the model's
-// arithmetic is refused by name.
+// F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K. Whatever else a file holds that would change
+// the model's arithmetic is refused by name.
 #include <map>
 #include <memory>
 #include <optional>

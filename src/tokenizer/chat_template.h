@@ -2,9 +2,9 @@
 // Chat prompts for the model families whose chat format shardserve knows: Llama 3 (header
 // tokens), ChatML (Qwen2), Llama 2 ([INST] with <<SYS>>) and Mistral ([INST]). The family is
 // read from the model directory's chat_template.jinja or tokenizer_config.json `chat_template`
-// (a GGUF file's tokenizer.chat_template; without any, from the tokenizer's special tokens); shardserve renders the family's format itself rather than
-// running the Jinja text. A model whose template is of no known family gets no chat template,
-// and the reason says so.
+// (a GGUF file's tokenizer.chat_template; without any, from the tokenizer's special tokens);
+// shardserve renders the family's format itself rather than running the Jinja text. A model whose
+// template is of no known family gets no chat template, and the reason says so.
 #include <string>
 #include <vector>
 
