@@ -366,11 +366,6 @@ std::string SplitPath(const GgufSplitName& n, int number) {
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
   const std::optional<GgufSplitName> name = ParseGgufSplitName(path);
   ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> first, OpenPart(name ? SplitPath(*name, 1) : path));
-  auto split_key = [](const GgufFile& f, const char* key) -> absl::StatusOr<uint64_t> {
-    auto it = f.metadata_.find(key);
-    if (it == f.metadata_.end()) return absl::NotFoundError(absl::StrCat(f.path(), ": no ", key));
-    return f.GetUint(key);
-  };
   const bool declared = first->metadata_.count("split.count") > 0;
   if (!name && !declared) return first;
   if (!name) {
@@ -383,15 +378,15 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
     return absl::InvalidArgumentError(absl::StrCat(first->path(), ": named as part 1 of ",
                                                    name->count, " but has no split.count"));
   }
-  ASSIGN_OR_RETURN(const uint64_t tensors_count, split_key(*first, "split.tensors.count"));
+  ASSIGN_OR_RETURN(const uint64_t tensors_count, first->GetUint("split.tensors.count"));
   for (int i = 1; i <= name->count; ++i) {
     std::unique_ptr<GgufFile> part;
     if (i > 1) {
       ASSIGN_OR_RETURN(part, OpenPart(SplitPath(*name, i)));
     }
     GgufFile& p = i == 1 ? *first : *part;
-    ASSIGN_OR_RETURN(const uint64_t no, split_key(p, "split.no"));
-    ASSIGN_OR_RETURN(const uint64_t count, split_key(p, "split.count"));
+    ASSIGN_OR_RETURN(const uint64_t no, p.GetUint("split.no"));
+    ASSIGN_OR_RETURN(const uint64_t count, p.GetUint("split.count"));
     if (no != static_cast<uint64_t>(i - 1) || count != static_cast<uint64_t>(name->count)) {
       return absl::InvalidArgumentError(
           absl::StrCat(p.path(), ": split.no ", no, " of split.count ", count,

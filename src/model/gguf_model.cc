@@ -345,6 +345,7 @@ std::vector<std::pair<std::string, std::string>> MergesFromScores(
   }
   struct Merge {
     std::string left, right;
+    size_t left_id, right_id;
     double score;
     size_t left_len, right_len;
   };
@@ -356,11 +357,13 @@ std::vector<std::pair<std::string, std::string>> MergesFromScores(
     std::vector<Merge> local;
     for (size_t k = 1; k < n; ++k) {
       std::string l = t.substr(0, cut[k]), r = t.substr(cut[k]);
-      if (id.count(l) && id.count(r))
-        local.push_back({std::move(l), std::move(r), score[t], k, n - k});
+      const auto li = id.find(l), ri = id.find(r);
+      if (li != id.end() && ri != id.end()) {
+        local.push_back({std::move(l), std::move(r), li->second, ri->second, score[t], k, n - k});
+      }
     }
-    std::stable_sort(local.begin(), local.end(), [&](const Merge& a, const Merge& b) {
-      return std::pair(id[a.left], id[a.right]) < std::pair(id[b.left], id[b.right]);
+    std::stable_sort(local.begin(), local.end(), [](const Merge& a, const Merge& b) {
+      return std::pair(a.left_id, a.right_id) < std::pair(b.left_id, b.right_id);
     });
     for (Merge& m : local) merges.push_back(std::move(m));
   }

@@ -331,17 +331,16 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
   }
 }
 
-// Up to this many tokens the decode kernels run in groups of up to 3 tokens over blocks of
-// kGemvBlockRows weight rows: a block is read from memory once and stays in L2 for the other
+// Up to kDecodeMaxTokens (quant.h) the decode kernels run in groups of up to 3 tokens over blocks
+// of kGemvBlockRows weight rows: a block is read from memory once and stays in L2 for the other
 // groups. Beyond it, the packed GEMM is faster. Each token's dot products do not depend on the
 // group it is in, so results are the same for every M up to the limit.
-constexpr int64_t kGemvMaxTokens = 12;
 constexpr int64_t kGemvBlockRows = 64;
 
 template <DType D>
 void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                  int64_t ldy, ThreadPool& pool) {
-  if (M > kGemvMaxTokens) {
+  if (M > kDecodeMaxTokens) {
     pool.ParallelFor(w.rows, kNr,
                      [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
     return;
@@ -386,7 +385,7 @@ void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, 
 template <DType D>
 void MatMulQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                      int64_t ldy, ThreadPool& pool) {
-  if (DecodesQuantized(M)) return MatVecQuantized(w, x, M, ldx, y, ldy, pool);
+  if (M <= kDecodeMaxTokens) return MatVecQuantized(w, x, M, ldx, y, ldy, pool);
   pool.ParallelFor(w.rows, kNr,
                    [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
 }

@@ -16,7 +16,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -25,7 +24,6 @@ namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxDecodeTokens = 12;
 // The decode loops prefetch the row this far ahead of the block they read: the hardware
 // prefetcher alone leaves a third of the bandwidth unused on one sequential stream per core.
 constexpr size_t kPrefetchBytes = 4096;
@@ -177,7 +175,8 @@ struct Q16Activations {
   std::vector<float> ds;   // [M][K / 32]
 };
 
-void QuantizeRow(const float* x, int64_t K, bool interleaved, int16_t* q, float* d, float* ds) {
+void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t* q, float* d,
+                           float* ds) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
     __m256 v[4];
@@ -192,7 +191,12 @@ void QuantizeRow(const float* x, int64_t K, bool interleaved, int16_t* q, float*
     const float scale = _mm_cvtss_f32(m) / 32767.0f;
     const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
     __m256i iv[4];
-    for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // The largest magnitude may round to 32768; clamped, so that the sum is the stored values'.
+    const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+    for (int i = 0; i < 4; ++i) {
+      iv[i] = _mm256_min_epi32(
+          _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), bottom), top);
+    }
     const __m256i sum =
         _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
     // int32 -> int16: the pack interleaves 128-bit lanes, the permutation restores the order
@@ -219,7 +223,8 @@ void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleave
   a->ds.resize(static_cast<size_t>(M * blocks));
   auto rows = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      QuantizeRow(x + t * ldx, K, interleaved, &a->q[t * K], &a->d[t * blocks], &a->ds[t * blocks]);
+      QuantizeActivationRow(x + t * ldx, K, interleaved, &a->q[t * K], &a->d[t * blocks],
+                            &a->ds[t * blocks]);
     }
   };
   if (M == 1) return rows(0, 1);
@@ -362,10 +367,6 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
       return;
   }
 }
-
-// As the float kernels' decode limit (kernels.cc): each token's result is independent of the
-// batch up to here.
-bool DecodesQuantized(int64_t M) { return M <= kMaxDecodeTokens; }
 
 void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                      int64_t ldy, ThreadPool& pool) {

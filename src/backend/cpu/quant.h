@@ -27,11 +27,13 @@ inline const uint8_t* RowPtr(const WeightMatrix& w, int64_t r) {
 // The first n values (a multiple of the block) of a quantized row as F32.
 void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 
-// Whether MatVecQuantized takes M tokens (decode batches); larger M expand the weights to F32
-// panels for the GEMM (Dequantize).
-bool DecodesQuantized(int64_t M);
-// MatMul (kernels.h's contract) for a quantized w and M tokens with DecodesQuantized(M): the
-// activations quantized per block of 32 to int8, integer dot products with each block unpacked
+// Up to this many tokens (decode batches) MatMul streams the weights once for all of them, each
+// token's result independent of the batch (MatVecQuantized for quantized weights); beyond it the
+// packed GEMM is faster (quantized weights expanded to its F32 panels by Dequantize).
+constexpr int64_t kDecodeMaxTokens = 12;
+
+// MatMul (kernels.h's contract) for a quantized w and M <= kDecodeMaxTokens tokens: the
+// activations quantized per block of 32 to int16, integer dot products with each block unpacked
 // once for all tokens (quant.cc states the accuracy).
 void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
                      int64_t ldy, ThreadPool& pool);

@@ -214,14 +214,16 @@ std::vector<double> Dequantized(DType dtype, const std::string& bytes, int64_t n
 }
 
 // The activations as the decode kernels of quantized weights multiply them: each block of 32
-// quantized to int16 with the scale max|x| / 32767, rounding to nearest even.
+// quantized to int16 with the scale max|x| / 32767, rounding to nearest even (within +-32767).
 std::vector<double> Q16Activations(const std::vector<float>& x) {
   std::vector<double> out(x.size());
   for (size_t b = 0; b < x.size(); b += 32) {
     float amax = 0;
     for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
     const float scale = amax / 32767.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
-    for (size_t i = b; i < b + 32; ++i) out[i] = double(scale) * std::nearbyint(x[i] * inv);
+    for (size_t i = b; i < b + 32; ++i) {
+      out[i] = double(scale) * std::clamp(std::nearbyint(x[i] * inv), -32767.0f, 32767.0f);
+    }
   }
   return out;
 }
