@@ -16,8 +16,45 @@ namespace shardserve {
 enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K };
 
 // Values per block (1 for the element types) and the bytes of one block.
-int64_t DTypeBlock(DType t);
-size_t DTypeBlockBytes(DType t);
+constexpr int64_t DTypeBlock(DType t) {
+  switch (t) {
+    case DType::kF32:
+    case DType::kF16:
+    case DType::kBF16:
+      return 1;
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+      return 32;
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
+      return 256;
+  }
+  return 1;
+}
+constexpr size_t DTypeBlockBytes(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kQ8_0:
+      return 34;  // F16 scale, 32 x int8
+    case DType::kQ4_0:
+      return 18;  // F16 scale, 32 x 4 bits
+    case DType::kQ4_1:
+      return 20;  // F16 scale, F16 minimum, 32 x 4 bits
+    case DType::kQ4_K:
+      return 144;  // F16 d, dmin; 12 bytes of 6-bit scales and minimums; 256 x 4 bits
+    case DType::kQ5_K:
+      return 176;  // as Q4_K, plus 32 bytes of fifth bits
+    case DType::kQ6_K:
+      return 210;  // 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, F16 d
+  }
+  return 0;
+}
 inline bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
 // Bytes of n consecutive values of a row (n a multiple of the block).
 inline size_t DTypeBytes(DType t, int64_t n) {

@@ -32,9 +32,6 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
   }
 }
-constexpr int64_t DTypeBlockOf(DType d) {
-  return d == DType::kQ4_K || d == DType::kQ5_K || d == DType::kQ6_K ? 256 : 32;
-}
 // Whether a block's 32 values are laid out as two vectors of 16 int16 holding values 0-7 and
 // 16-23, then 8-15 and 24-31 (the order unpacking 32 bytes to int16 in place gives, one
 // instruction a vector: the K-quants), rather than 0-15 and 16-31 (widening 16 bytes from memory:
@@ -54,15 +51,20 @@ inline float Half(const uint8_t* p) {
 // The 8 scales and 8 minimums of a Q4_K / Q5_K super-block, 6 bits each, packed in 12 bytes:
 // for j < 4 the low 6 bits of bytes j (scale) and j + 4 (minimum); for j >= 4 the nibbles of byte
 // j + 4 (scale low, minimum high) with the top 2 bits of bytes j - 4 and j as their bits 4-5.
-// Returned as bytes 0-7 (scales) and 8-15 (minimums).
+// Returned as bytes 0-7 (scales) and 8-15 (minimums). Reads 16 bytes from sc.
 inline __m128i ScalesMins(const uint8_t* sc) {
-  uint32_t u[3];
-  std::memcpy(u, sc, 12);
-  const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
-  const uint32_t scales_hi = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);
-  const uint32_t mins_hi = ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4);
-  return _mm_setr_epi32(static_cast<int>(u[0] & lo6), static_cast<int>(scales_hi),
-                        static_cast<int>(u[1] & lo6), static_cast<int>(mins_hi));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+  // Bytes 0-3, 8-11, 4-7, 8-11: the low bits (6 of the first and third quarter, the second's low
+  // nibbles, the fourth's high ones); bytes 0-3 and 4-7 again in the second and fourth quarter:
+  // their top 2 bits, moved to bits 4-5.
+  const __m128i low =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i top =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i nibble_hi = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi32(0x0F0F0F0F));
+  const __m128i lows = _mm_blend_epi32(
+      _mm_and_si128(low, _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0)), nibble_hi, 8);
+  return _mm_or_si128(lows, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8(-64)), 2));
 }
 
 inline __m256i Load32(const uint8_t* p) {
@@ -79,7 +81,7 @@ inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x
 // values, so that one factor holds for the block.
 template <DType D>
 struct Unpacked {
-  static constexpr int kSub = static_cast<int>(DTypeBlockOf(D) / kBlock);
+  static constexpr int kSub = static_cast<int>(DTypeBlock(D) / kBlock);
   const uint8_t* b;
   float factor[kSub];
   float min[kSub];  // HasMin only
@@ -231,15 +233,53 @@ void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleave
   pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) { rows(b, e); });
 }
 
+// The factors and minimums of 8 consecutive blocks of a 32-value type (Unpacked's, as vectors).
+template <DType D>
+inline void Factors8(const uint8_t* b, __m256* factor, __m256* min) {
+  constexpr size_t bb = DTypeBlockBytes(D);
+  const auto bits32 = [](const uint8_t* p) {
+    int v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
+  if constexpr (D == DType::kQ4_1) {  // the F16 factor and minimum: one 32-bit load a block
+    // Blocks p .. p + 3 as d0 m0 d1 m1 d2 m2 d3 m3.
+    const auto pairs = [&](const uint8_t* p) {
+      return _mm256_cvtph_ps(
+          _mm_setr_epi32(bits32(p), bits32(p + bb), bits32(p + 2 * bb), bits32(p + 3 * bb)));
+    };
+    const __m256 a = pairs(b), c = pairs(b + 4 * bb);
+    // The shuffles give blocks 0 1 4 5 2 3 6 7; the permutation restores the order.
+    const auto order = [](__m256 v) {
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
+    };
+    *factor = order(_mm256_shuffle_ps(a, c, 0x88));
+    *min = order(_mm256_shuffle_ps(a, c, 0xDD));
+  } else {  // Q8_0, Q4_0: the F16 factor first
+    const auto half = [&](int i) {
+      uint16_t h;
+      std::memcpy(&h, b + i * bb, 2);
+      return static_cast<short>(h);
+    };
+    *factor = _mm256_cvtph_ps(
+        _mm_setr_epi16(half(0), half(1), half(2), half(3), half(4), half(5), half(6), half(7)));
+    if constexpr (D == DType::kQ4_0) *min = _mm256_mul_ps(*factor, _mm256_set1_ps(-8.0f));
+  }
+}
+
 // Decode: rows [n0, n1) against tokens [t0, t0 + MT); each weight block is unpacked once for
-// all of them. Consecutive blocks alternate between two accumulators per token, so that the FMA
-// latency does not serialize the loop.
+// all of them. The factors are taken 8 blocks at a time (a K-quant super-block, or 8 blocks of a
+// 32-value type), and consecutive blocks go to separate accumulators, so that the FMA latency
+// does not serialize the loop.
 template <DType D, int MT>
 void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t t0,
                  float* y, int64_t ldy) {
   constexpr int kSub = Unpacked<D>::kSub;
-  const int64_t K = w.cols, xblocks = K / kBlock, wblocks = K / DTypeBlockOf(D);
-  const size_t bb = DTypeBlockBytes(D);
+  constexpr int kGroup = 8;
+  constexpr int kChains = MT == 1 ? 4 : 2;
+  constexpr size_t bb = DTypeBlockBytes(D);
+  const int64_t K = w.cols, xblocks = K / kBlock, wblocks = K / DTypeBlock(D);
+  const size_t row_bytes = static_cast<size_t>(w.row_stride / DTypeBlock(D)) * bb;
   const int16_t* xq[MT];
   const float* xd[MT];
   const float* xs[MT];
@@ -248,74 +288,83 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     xd[t] = &a.d[(t0 + t) * xblocks];
     xs[t] = &a.ds[(t0 + t) * xblocks];
   }
+  alignas(32) float fx[MT * kGroup];  // token t's factors of the group's blocks: t * kGroup + j
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = RowPtr(w, n);
-    __m256 acc[MT][2], mins[MT];
-    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = mins[t] = _mm256_setzero_ps();
-    // Block j of u, at activation block xb, into chain c, with the factors fx[t] (or u's).
-    auto block = [&]<int j>(const Unpacked<D>& u, int64_t xb, int c, const float* fx) {
+    const uint8_t* row = static_cast<const uint8_t*>(w.data) + n * row_bytes;
+    __m256 acc[MT][kChains], mins[MT];
+    float tail[MT] = {};  // the minimums' terms of blocks outside a group
+    for (int t = 0; t < MT; ++t) {
+      for (__m256& c : acc[t]) c = _mm256_setzero_ps();
+      mins[t] = _mm256_setzero_ps();
+    }
+    // Block j of u, at activation block xb, into chain c, with the factors fx[t * kGroup + f].
+    auto block = [&]<int j>(const Unpacked<D>& u, int64_t xb, int c, int f) {
       __m256i lo, hi;
       u.template Values<j>(&lo, &hi);
       for (int t = 0; t < MT; ++t) {
         const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock);
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
                                              _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
-        const __m256 f = kSub == 1 ? _mm256_set1_ps(u.factor[0] * xd[t][xb])
-                                   : _mm256_broadcast_ss(fx + t * kSub + j);
-        acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[t][c]);
+        acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                    _mm256_broadcast_ss(fx + t * kGroup + f), acc[t][c]);
       }
     };
+    // A group's factors times the activations' scales (its blocks from activation block xb).
+    const auto take_factors = [&](__m256 factors, __m256 group_mins, int64_t xb) {
+      for (int t = 0; t < MT; ++t) {
+        _mm256_store_ps(fx + t * kGroup, _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb)));
+        if constexpr (HasMin(D)) {
+          mins[t] = _mm256_fmadd_ps(group_mins, _mm256_loadu_ps(xs[t] + xb), mins[t]);
+        }
+      }
+    };
+    const auto each = [](auto f) {
+      [&]<int... J>(std::integer_sequence<int, J...>) { (f.template operator()<J>(), ...); }
+      (std::make_integer_sequence<int, kGroup>());
+    };
     if constexpr (kSub == 1) {
-      float tail[MT] = {};
       int64_t wb = 0;
-      for (; wb + 2 <= wblocks; wb += 2) {
-        PrefetchAhead(row + wb * bb, 2 * bb);
-        const Unpacked<D> u0(row + wb * bb), u1(row + (wb + 1) * bb);
-        block.template operator()<0>(u0, wb, 0, nullptr);
-        block.template operator()<0>(u1, wb + 1, 1, nullptr);
-        if constexpr (HasMin(D)) {
-          for (int t = 0; t < MT; ++t) tail[t] += u0.min[0] * xs[t][wb] + u1.min[0] * xs[t][wb + 1];
-        }
+      for (; wb + kGroup <= wblocks; wb += kGroup) {
+        const uint8_t* g = row + wb * bb;
+        __m256 factors, group_mins = _mm256_setzero_ps();
+        Factors8<D>(g, &factors, &group_mins);
+        take_factors(factors, group_mins, wb);
+        each([&]<int J>() {
+          PrefetchAhead(g + J * bb, bb);
+          block.template operator()<0>(Unpacked<D>(g + J * bb), wb + J, J % kChains, J);
+        });
       }
-      if (wb < wblocks) {
+      for (; wb < wblocks; ++wb) {  // a row's last blocks when they do not fill a group
         const Unpacked<D> u(row + wb * bb);
-        block.template operator()<0>(u, wb, 0, nullptr);
-        if constexpr (HasMin(D)) {
-          for (int t = 0; t < MT; ++t) tail[t] += u.min[0] * xs[t][wb];
+        for (int t = 0; t < MT; ++t) {
+          fx[t * kGroup] = u.factor[0] * xd[t][wb];
+          if constexpr (HasMin(D)) tail[t] += u.min[0] * xs[t][wb];
         }
+        block.template operator()<0>(u, wb, 0, 0);
       }
-      for (int t = 0; t < MT; ++t) mins[t] = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail[t]);
     } else {
-      alignas(32) float fx[MT * kSub];
       for (int64_t wb = 0; wb < wblocks; ++wb) {
         PrefetchAhead(row + wb * bb, bb);
         const Unpacked<D> u(row + wb * bb);
-        const int64_t xb0 = wb * kSub;
-        const __m256 factors = _mm256_loadu_ps(u.factor);
-        for (int t = 0; t < MT; ++t) {
-          _mm256_store_ps(fx + t * kSub, _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb0)));
-          if constexpr (HasMin(D)) {
-            mins[t] =
-                _mm256_fmadd_ps(_mm256_loadu_ps(u.min), _mm256_loadu_ps(xs[t] + xb0), mins[t]);
-          }
-        }
-        [&]<int... J>(std::integer_sequence<int, J...>) {
-          (block.template operator()<J>(u, xb0 + J, J & 1, fx), ...);
-        }
-        (std::make_integer_sequence<int, kSub>());
+        const int64_t xb = wb * kSub;
+        take_factors(_mm256_loadu_ps(u.factor),
+                     HasMin(D) ? _mm256_loadu_ps(u.min) : _mm256_setzero_ps(), xb);
+        each([&]<int J>() { block.template operator()<J>(u, xb + J, J % kChains, J); });
       }
     }
     for (int t = 0; t < MT; ++t) {
-      y[(t0 + t) * ldy + n] = HSum(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), mins[t]));
+      __m256 sum = _mm256_add_ps(mins[t], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail[t]));
+      for (const __m256& c : acc[t]) sum = _mm256_add_ps(sum, c);
+      y[(t0 + t) * ldy + n] = HSum(sum);
     }
   }
 }
 
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
-  for (int64_t b = 0; b < n / DTypeBlockOf(D); ++b) {
+  for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
     const Unpacked<D> u(row + b * DTypeBlockBytes(D));
-    u.Store(out + b * DTypeBlockOf(D));
+    u.Store(out + b * DTypeBlock(D));
   }
 }
 
