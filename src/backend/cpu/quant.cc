@@ -76,15 +76,21 @@ inline __m256i Widen(const uint8_t* p) {  // 16 bytes as 16 uint16
 inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x0F)); }
 
 // One weight block of D (32 values, or a K-quant super-block holding 8 blocks of 32). Block j's
-// weights are factor[j] * q + min[j], with q the 32 integers Values(j) gives as two vectors of 16
-// int16 (in D's order, Interleaved). Q6_K's q are (code - 32) times the int8 scale of their 16
-// values, so that one factor holds for the block.
+// weights are factor * q + min[j], with q the 32 integers Values(j) gives as two vectors of 16
+// int16 (in D's order, Interleaved). The factor is factor[j], but Q6_K's scales hold for 16 values:
+// factor[SubFactor(s)] for its values 16s .. 16s + 15.
 template <DType D>
 struct Unpacked {
   static constexpr int kSub = static_cast<int>(DTypeBlock(D) / kBlock);
+  static constexpr int kFactors = D == DType::kQ6_K ? 16 : kSub;
   const uint8_t* b;
-  float factor[kSub];
-  float min[kSub];  // HasMin only
+  alignas(32) float factor[kFactors];
+  alignas(32) float min[kSub];  // HasMin only
+
+  // Q6_K's factors are kept in the order of the decode's sums (GroupSums): the even 16-value
+  // sub-blocks of the first half of the super-block, its odd ones, then the same for the second
+  // half.
+  static constexpr int SubFactor(int s) { return s / 8 * 8 + s % 2 * 4 + s % 8 / 2; }
 
   explicit Unpacked(const uint8_t* block) : b(block) {
     if constexpr (D == DType::kQ8_0) {
@@ -96,7 +102,14 @@ struct Unpacked {
       factor[0] = Half(b);
       min[0] = Half(b + 2);
     } else if constexpr (D == DType::kQ6_K) {
-      for (float& f : factor) f = Half(b + 208);
+      const __m128i sc =
+          _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
+                           _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+      const __m256 d = _mm256_set1_ps(Half(b + 208));
+      _mm256_store_ps(factor, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+      _mm256_store_ps(
+          factor + 8,
+          _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
     } else {  // Q4_K, Q5_K
       const __m128i sm = ScalesMins(b + 4);
       const auto floats = [](__m128i bytes) {
@@ -121,7 +134,7 @@ struct Unpacked {
     } else if constexpr (D == DType::kQ6_K) {
       // Per half of 128 values: block 0 is the low nibbles of ql[0..31] with bits 0-1 of qh,
       // block 1 the low nibbles of ql[32..63] with bits 2-3, blocks 2 and 3 the high nibbles
-      // with bits 4-5 and 6-7. Each 16 values have an int8 scale.
+      // with bits 4-5 and 6-7.
       constexpr int h = j / 4, i = j % 4;
       const __m256i l = Load32(b + 64 * h + 32 * (i % 2));
       const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
@@ -129,11 +142,9 @@ struct Unpacked {
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(Load32(b + 128 + 32 * h), 2 * i), m2);
       const __m256i q =
           _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-      const auto* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * j;
       const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
-      const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-      *lo = _mm256_mullo_epi16(_mm256_unpacklo_epi8(q, sign), scales);
-      *hi = _mm256_mullo_epi16(_mm256_unpackhi_epi8(q, sign), scales);
+      *lo = _mm256_unpacklo_epi8(q, sign);
+      *hi = _mm256_unpackhi_epi8(q, sign);
     } else {  // Q4_K, Q5_K: chunk c of 64 values: block 2c the low nibbles, 2c + 1 the high
       const __m256i bytes = Load32(b + (D == DType::kQ5_K ? 48 : 16) + 32 * (j / 2));
       __m256i q = _mm256_and_si256(j % 2 == 0 ? bytes : _mm256_srli_epi16(bytes, 4),
@@ -158,8 +169,9 @@ struct Unpacked {
   void StoreBlock(float* out) const {
     __m256i parts[2];
     Values<j>(&parts[0], &parts[1]);
-    const __m256 f = _mm256_set1_ps(factor[j]);
     for (int i = 0; i < 4; ++i) {  // values 8i .. 8i + 7
+      const __m256 f =
+          _mm256_set1_ps(D == DType::kQ6_K ? factor[SubFactor(2 * j + i / 2)] : factor[j]);
       const __m256i part = parts[Interleaved(D) ? i % 2 : i / 2];
       const bool upper = Interleaved(D) ? i >= 2 : i % 2 == 1;
       const __m128i half = upper ? _mm256_extracti128_si256(part, 1) : _mm256_castsi256_si128(part);
@@ -233,9 +245,10 @@ void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleave
   pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) { rows(b, e); });
 }
 
-// The factors and minimums of 8 consecutive blocks of a 32-value type (Unpacked's, as vectors).
+// The factors and minimums of 8 consecutive blocks of a 32-value type (Unpacked's, 8 at once;
+// 32-byte aligned).
 template <DType D>
-inline void Factors8(const uint8_t* b, __m256* factor, __m256* min) {
+inline void Factors8(const uint8_t* b, float* factor, float* min) {
   constexpr size_t bb = DTypeBlockBytes(D);
   const auto bits32 = [](const uint8_t* p) {
     int v;
@@ -253,30 +266,41 @@ inline void Factors8(const uint8_t* b, __m256* factor, __m256* min) {
     const auto order = [](__m256 v) {
       return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
     };
-    *factor = order(_mm256_shuffle_ps(a, c, 0x88));
-    *min = order(_mm256_shuffle_ps(a, c, 0xDD));
+    _mm256_store_ps(factor, order(_mm256_shuffle_ps(a, c, 0x88)));
+    _mm256_store_ps(min, order(_mm256_shuffle_ps(a, c, 0xDD)));
   } else {  // Q8_0, Q4_0: the F16 factor first
     const auto half = [&](int i) {
       uint16_t h;
       std::memcpy(&h, b + i * bb, 2);
       return static_cast<short>(h);
     };
-    *factor = _mm256_cvtph_ps(
+    const __m256 f = _mm256_cvtph_ps(
         _mm_setr_epi16(half(0), half(1), half(2), half(3), half(4), half(5), half(6), half(7)));
-    if constexpr (D == DType::kQ4_0) *min = _mm256_mul_ps(*factor, _mm256_set1_ps(-8.0f));
+    _mm256_store_ps(factor, f);
+    if constexpr (D == DType::kQ4_0) _mm256_store_ps(min, _mm256_mul_ps(f, _mm256_set1_ps(-8.0f)));
   }
 }
 
+// Lane-wise sums of 8 blocks' dot products (8 int32 lanes each, two halves of 4): Merge gives
+// a's and b's lanes summed in pairs, alternating a, b; Merge64 of two of those, the four blocks'
+// sums of each half, in order.
+inline __m256i Merge(__m256i a, __m256i b) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+inline __m256i Merge64(__m256i a, __m256i b) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
 // Decode: rows [n0, n1) against tokens [t0, t0 + MT); each weight block is unpacked once for
-// all of them. The factors are taken 8 blocks at a time (a K-quant super-block, or 8 blocks of a
-// 32-value type), and consecutive blocks go to separate accumulators, so that the FMA latency
-// does not serialize the loop.
+// all of them. Blocks go in groups of 8 (a K-quant super-block, or 8 blocks of a 32-value type):
+// their integer dot products are summed lane-wise into one vector of the 8 blocks' sums, converted
+// and scaled once (Q6_K: two vectors, of its 16-value sub-blocks). No sum can overflow: at most
+// 32 products of 2^15 with 2^7 (2^5 times the int8 scale for Q6_K's 16).
 template <DType D, int MT>
 void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t t0,
                  float* y, int64_t ldy) {
   constexpr int kSub = Unpacked<D>::kSub;
   constexpr int kGroup = 8;
-  constexpr int kChains = MT == 1 ? 4 : 2;
   constexpr size_t bb = DTypeBlockBytes(D);
   const int64_t K = w.cols, xblocks = K / kBlock, wblocks = K / DTypeBlock(D);
   const size_t row_bytes = static_cast<size_t>(w.row_stride / DTypeBlock(D)) * bb;
@@ -288,73 +312,98 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     xd[t] = &a.d[(t0 + t) * xblocks];
     xs[t] = &a.ds[(t0 + t) * xblocks];
   }
-  alignas(32) float fx[MT * kGroup];  // token t's factors of the group's blocks: t * kGroup + j
+  const auto each = [](auto f) {
+    [&]<int... J>(std::integer_sequence<int, J...>) { (f.template operator()<J>(), ...); }
+    (std::make_integer_sequence<int, kGroup>());
+  };
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = static_cast<const uint8_t*>(w.data) + n * row_bytes;
-    __m256 acc[MT][kChains], mins[MT];
-    float tail[MT] = {};  // the minimums' terms of blocks outside a group
-    for (int t = 0; t < MT; ++t) {
-      for (__m256& c : acc[t]) c = _mm256_setzero_ps();
-      mins[t] = _mm256_setzero_ps();
-    }
-    // Block j of u, at activation block xb, into chain c, with the factors fx[t * kGroup + f].
-    auto block = [&]<int j>(const Unpacked<D>& u, int64_t xb, int c, int f) {
+    __m256 acc[MT], mins[MT];
+    float tail[MT] = {};  // the last blocks of a row that do not fill a group
+    for (int t = 0; t < MT; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+    // Token t's integer dot product of block j of u with activation block xb (8 lanes).
+    const auto dots = [&]<int j>(const Unpacked<D>& u, int64_t xb, __m256i* out) {
       __m256i lo, hi;
       u.template Values<j>(&lo, &hi);
       for (int t = 0; t < MT; ++t) {
         const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock);
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
-                                             _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
-        acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                    _mm256_broadcast_ss(fx + t * kGroup + f), acc[t][c]);
+        out[t] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
+                                  _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
       }
     };
-    // A group's factors times the activations' scales (its blocks from activation block xb).
-    const auto take_factors = [&](__m256 factors, __m256 group_mins, int64_t xb) {
+    // A group from activation block xb: block J's dot products (Block(J, xb, out)) merged as they
+    // come, then scaled by the factors (a vector of the 8 blocks', or Q6_K's 16 sub-blocks').
+    const auto group = [&](auto block, const float* factors, const float* group_mins, int64_t xb) {
+      __m256i first[MT], pair[MT], quad[MT][2];
+      each([&]<int J>() {
+        __m256i d[MT];
+        block.template operator()<J>(d);
+        for (int t = 0; t < MT; ++t) {
+          if constexpr (J % 2 == 0) {
+            first[t] = d[t];
+          } else if constexpr (J % 4 == 1) {
+            pair[t] = Merge(first[t], d[t]);
+          } else {
+            quad[t][J / 4] = Merge64(pair[t], Merge(first[t], d[t]));
+          }
+        }
+      });
       for (int t = 0; t < MT; ++t) {
-        _mm256_store_ps(fx + t * kGroup, _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb)));
+        const __m256 x = _mm256_loadu_ps(xd[t] + xb);
+        if constexpr (D == DType::kQ6_K) {
+          const __m256 f0 = _mm256_mul_ps(_mm256_load_ps(factors), _mm256_permute2f128_ps(x, x, 0));
+          const __m256 f1 =
+              _mm256_mul_ps(_mm256_load_ps(factors + 8), _mm256_permute2f128_ps(x, x, 0x11));
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad[t][0]), f0, acc[t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad[t][1]), f1, acc[t]);
+        } else {
+          const __m256i sums =
+              _mm256_add_epi32(_mm256_permute2x128_si256(quad[t][0], quad[t][1], 0x20),
+                               _mm256_permute2x128_si256(quad[t][0], quad[t][1], 0x31));
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                   _mm256_mul_ps(_mm256_loadu_ps(factors), x), acc[t]);
+        }
         if constexpr (HasMin(D)) {
-          mins[t] = _mm256_fmadd_ps(group_mins, _mm256_loadu_ps(xs[t] + xb), mins[t]);
+          mins[t] =
+              _mm256_fmadd_ps(_mm256_loadu_ps(group_mins), _mm256_loadu_ps(xs[t] + xb), mins[t]);
         }
       }
-    };
-    const auto each = [](auto f) {
-      [&]<int... J>(std::integer_sequence<int, J...>) { (f.template operator()<J>(), ...); }
-      (std::make_integer_sequence<int, kGroup>());
     };
     if constexpr (kSub == 1) {
       int64_t wb = 0;
       for (; wb + kGroup <= wblocks; wb += kGroup) {
         const uint8_t* g = row + wb * bb;
-        __m256 factors, group_mins = _mm256_setzero_ps();
-        Factors8<D>(g, &factors, &group_mins);
-        take_factors(factors, group_mins, wb);
-        each([&]<int J>() {
-          PrefetchAhead(g + J * bb, bb);
-          block.template operator()<0>(Unpacked<D>(g + J * bb), wb + J, J % kChains, J);
-        });
+        alignas(32) float factors[kGroup], group_mins[kGroup];
+        Factors8<D>(g, factors, group_mins);
+        group(
+            [&]<int J>(__m256i* d) {
+              PrefetchAhead(g + J * bb, bb);
+              dots.template operator()<0>(Unpacked<D>(g + J * bb), wb + J, d);
+            },
+            factors, group_mins, wb);
       }
-      for (; wb < wblocks; ++wb) {  // a row's last blocks when they do not fill a group
+      for (; wb < wblocks; ++wb) {
         const Unpacked<D> u(row + wb * bb);
+        __m256i d[MT];
+        dots.template operator()<0>(u, wb, d);
         for (int t = 0; t < MT; ++t) {
-          fx[t * kGroup] = u.factor[0] * xd[t][wb];
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[t]),
+                                   _mm256_set1_ps(u.factor[0] * xd[t][wb]), acc[t]);
           if constexpr (HasMin(D)) tail[t] += u.min[0] * xs[t][wb];
         }
-        block.template operator()<0>(u, wb, 0, 0);
       }
     } else {
       for (int64_t wb = 0; wb < wblocks; ++wb) {
         PrefetchAhead(row + wb * bb, bb);
         const Unpacked<D> u(row + wb * bb);
         const int64_t xb = wb * kSub;
-        take_factors(_mm256_loadu_ps(u.factor),
-                     HasMin(D) ? _mm256_loadu_ps(u.min) : _mm256_setzero_ps(), xb);
-        each([&]<int J>() { block.template operator()<J>(u, xb + J, J % kChains, J); });
+        group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
+              u.min, xb);
       }
     }
     for (int t = 0; t < MT; ++t) {
-      __m256 sum = _mm256_add_ps(mins[t], _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail[t]));
-      for (const __m256& c : acc[t]) sum = _mm256_add_ps(sum, c);
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[t], mins[t]),
+                                       _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail[t]));
       y[(t0 + t) * ldy + n] = HSum(sum);
     }
   }

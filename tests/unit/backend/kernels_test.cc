@@ -263,7 +263,9 @@ TEST(KernelsTest, QuantizedMatMulMatchesTheBlockValues) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> dist(-1, 1);
   for (DType dtype : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1}) {
-    const int64_t N = 37, K = 96, stride = 160;  // each row: 3 blocks used of 5 stored
+    // Each row: 11 blocks used of 13 stored (a group of 8, whose factors decode takes at once,
+    // and 3 more).
+    const int64_t N = 37, K = 352, stride = 416;
     std::vector<float> w(N * stride);
     for (float& v : w) v = dist(rng);
     std::string bytes;
