@@ -34,11 +34,9 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 }
 // Whether a block's 32 values are laid out as two vectors of 16 int16 holding values 0-7 and
 // 16-23, then 8-15 and 24-31 (the order unpacking 32 bytes to int16 in place gives, one
-// instruction a vector: the K-quants), rather than 0-15 and 16-31 (widening 16 bytes from memory:
-// the 32-value types). The activations are quantized in the same order.
-constexpr bool Interleaved(DType d) {
-  return d == DType::kQ4_K || d == DType::kQ5_K || d == DType::kQ6_K;
-}
+// instruction a vector: Q5_K, Q6_K), rather than 0-15 and 16-31 (widening 16 bytes from memory:
+// the 32-value types, Q4_K). The activations are quantized in the same order.
+constexpr bool Interleaved(DType d) { return d == DType::kQ5_K || d == DType::kQ6_K; }
 // Whether a block's weights have a minimum term (factor * q + min).
 constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
@@ -145,15 +143,20 @@ struct Unpacked {
       const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q);
       *lo = _mm256_unpacklo_epi8(q, sign);
       *hi = _mm256_unpackhi_epi8(q, sign);
-    } else {  // Q4_K, Q5_K: chunk c of 64 values: block 2c the low nibbles, 2c + 1 the high
-      const __m256i bytes = Load32(b + (D == DType::kQ5_K ? 48 : 16) + 32 * (j / 2));
+    } else if constexpr (D == DType::kQ4_K) {
+      // Chunk c of 64 values: block 2c the low nibbles of its 32 bytes, 2c + 1 the high ones.
+      const uint8_t* chunk = b + 16 + 32 * (j / 2);
+      const __m256i first = Widen(chunk), second = Widen(chunk + 16);
+      *lo = j % 2 == 0 ? Low4(first) : _mm256_srli_epi16(first, 4);
+      *hi = j % 2 == 0 ? Low4(second) : _mm256_srli_epi16(second, 4);
+    } else {  // Q5_K: chunk c of 64 values: block 2c the low nibbles of its 32 bytes, 2c + 1 the
+      // high ones, with bit j of qh the fifth bit of block j
+      const __m256i bytes = Load32(b + 48 + 32 * (j / 2));
       __m256i q = _mm256_and_si256(j % 2 == 0 ? bytes : _mm256_srli_epi16(bytes, 4),
                                    _mm256_set1_epi8(0x0F));
-      if constexpr (D == DType::kQ5_K) {  // the fifth bit of block j is bit j of qh
-        const __m256i bit =
-            _mm256_and_si256(_mm256_srli_epi16(Load32(b + 16), j), _mm256_set1_epi8(1));
-        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
-      }
+      const __m256i bit =
+          _mm256_and_si256(_mm256_srli_epi16(Load32(b + 16), j), _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
       *lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
       *hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
     }
