@@ -186,96 +186,58 @@ void PackPanel(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t
   }
 }
 
+// The MR x 16 tile (MR <= 6) with its accumulators as named variables: GCC keeps an array of them
+// on the stack and stores every FMA result, which halves the kernel's speed.
 template <int MR>
 inline void MicroKernel(int64_t kc, const float* x, int64_t ldx, const float* panel, float* y,
                         int64_t ldy, int64_t nr, bool accumulate) {
-  __m256 c[MR][2];
-  alignas(32) float tmp[kNr];
-  for (int i = 0; i < MR; ++i) {
-    if (accumulate && nr == kNr) {
-      c[i][0] = _mm256_loadu_ps(y + i * ldy);
-      c[i][1] = _mm256_loadu_ps(y + i * ldy + 8);
-    } else if (accumulate) {
-      std::memset(tmp, 0, sizeof(tmp));
-      std::memcpy(tmp, y + i * ldy, nr * sizeof(float));
-      c[i][0] = _mm256_load_ps(tmp);
-      c[i][1] = _mm256_load_ps(tmp + 8);
-    } else {
-      c[i][0] = c[i][1] = _mm256_setzero_ps();
-    }
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_load_ps(panel + k * kNr);
-    const __m256 b1 = _mm256_load_ps(panel + k * kNr + 8);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
-      c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
-      c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    if (nr == kNr) {
-      _mm256_storeu_ps(y + i * ldy, c[i][0]);
-      _mm256_storeu_ps(y + i * ldy + 8, c[i][1]);
-    } else {
-      _mm256_store_ps(tmp, c[i][0]);
-      _mm256_store_ps(tmp + 8, c[i][1]);
-      std::memcpy(y + i * ldy, tmp, nr * sizeof(float));
-    }
-  }
-}
-
-// The full 6×16 tile with its twelve accumulators as named variables: GCC keeps an array of them
-// on the stack and stores every FMA result, which halves the kernel's speed.
-inline void MicroKernel6(int64_t kc, const float* x, int64_t ldx, const float* panel, float* y,
-                         int64_t ldy, int64_t nr, bool accumulate) {
-  alignas(32) float tmp[6][kNr] = {};
-  float* dst[6];
+  static_assert(MR >= 1 && MR <= 6);
+  alignas(32) float tmp[MR][kNr] = {};
+  float* dst[MR];
   if (nr == kNr) {
-    for (int i = 0; i < 6; ++i) dst[i] = y + i * ldy;
+    for (int i = 0; i < MR; ++i) dst[i] = y + i * ldy;
   } else {  // a ragged right edge goes through tmp
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < MR; ++i) {
       if (accumulate) std::memcpy(tmp[i], y + i * ldy, nr * sizeof(float));
       dst[i] = tmp[i];
     }
   }
-  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero, c30 = zero,
+         c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
+  // Row i's accumulators: f(i, lo, hi) for each row of the tile.
+  const auto rows = [&](auto f) {
+    f(0, c00, c01);
+    if constexpr (MR > 1) f(1, c10, c11);
+    if constexpr (MR > 2) f(2, c20, c21);
+    if constexpr (MR > 3) f(3, c30, c31);
+    if constexpr (MR > 4) f(4, c40, c41);
+    if constexpr (MR > 5) f(5, c50, c51);
+  };
   if (accumulate) {
-    c00 = _mm256_loadu_ps(dst[0]), c01 = _mm256_loadu_ps(dst[0] + 8);
-    c10 = _mm256_loadu_ps(dst[1]), c11 = _mm256_loadu_ps(dst[1] + 8);
-    c20 = _mm256_loadu_ps(dst[2]), c21 = _mm256_loadu_ps(dst[2] + 8);
-    c30 = _mm256_loadu_ps(dst[3]), c31 = _mm256_loadu_ps(dst[3] + 8);
-    c40 = _mm256_loadu_ps(dst[4]), c41 = _mm256_loadu_ps(dst[4] + 8);
-    c50 = _mm256_loadu_ps(dst[5]), c51 = _mm256_loadu_ps(dst[5] + 8);
-  } else {
-    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+    rows([&](int i, __m256& lo, __m256& hi) {
+      lo = _mm256_loadu_ps(dst[i]);
+      hi = _mm256_loadu_ps(dst[i] + 8);
+    });
   }
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
               *x5 = x + 5 * ldx;
+  const float* xs[6] = {x0, x1, x2, x3, x4, x5};
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(panel + k * kNr);
     const __m256 b1 = _mm256_load_ps(panel + k * kNr + 8);
-    __m256 a = _mm256_broadcast_ss(x0 + k);
-    c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
-    a = _mm256_broadcast_ss(x1 + k);
-    c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
-    a = _mm256_broadcast_ss(x2 + k);
-    c20 = _mm256_fmadd_ps(a, b0, c20), c21 = _mm256_fmadd_ps(a, b1, c21);
-    a = _mm256_broadcast_ss(x3 + k);
-    c30 = _mm256_fmadd_ps(a, b0, c30), c31 = _mm256_fmadd_ps(a, b1, c31);
-    a = _mm256_broadcast_ss(x4 + k);
-    c40 = _mm256_fmadd_ps(a, b0, c40), c41 = _mm256_fmadd_ps(a, b1, c41);
-    a = _mm256_broadcast_ss(x5 + k);
-    c50 = _mm256_fmadd_ps(a, b0, c50), c51 = _mm256_fmadd_ps(a, b1, c51);
+    rows([&](int i, __m256& lo, __m256& hi) {
+      const __m256 a = _mm256_broadcast_ss(xs[i] + k);
+      lo = _mm256_fmadd_ps(a, b0, lo);
+      hi = _mm256_fmadd_ps(a, b1, hi);
+    });
   }
-  _mm256_storeu_ps(dst[0], c00), _mm256_storeu_ps(dst[0] + 8, c01);
-  _mm256_storeu_ps(dst[1], c10), _mm256_storeu_ps(dst[1] + 8, c11);
-  _mm256_storeu_ps(dst[2], c20), _mm256_storeu_ps(dst[2] + 8, c21);
-  _mm256_storeu_ps(dst[3], c30), _mm256_storeu_ps(dst[3] + 8, c31);
-  _mm256_storeu_ps(dst[4], c40), _mm256_storeu_ps(dst[4] + 8, c41);
-  _mm256_storeu_ps(dst[5], c50), _mm256_storeu_ps(dst[5] + 8, c51);
+  rows([&](int i, __m256& lo, __m256& hi) {
+    _mm256_storeu_ps(dst[i], lo);
+    _mm256_storeu_ps(dst[i] + 8, hi);
+  });
   if (nr != kNr) {
-    for (int i = 0; i < 6; ++i) std::memcpy(y + i * ldy, tmp[i], nr * sizeof(float));
+    for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, tmp[i], nr * sizeof(float));
   }
 }
 
@@ -283,7 +245,7 @@ void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const f
                     float* y, int64_t ldy, int64_t nr, bool acc) {
   switch (mr) {
     case 6:
-      return MicroKernel6(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<6>(kc, x, ldx, panel, y, ldy, nr, acc);
     case 5:
       return MicroKernel<5>(kc, x, ldx, panel, y, ldy, nr, acc);
     case 4:

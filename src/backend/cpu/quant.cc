@@ -178,8 +178,9 @@ struct Unpacked {
       const __m256i part = parts[Interleaved(D) ? i % 2 : i / 2];
       const bool upper = Interleaved(D) ? i >= 2 : i % 2 == 1;
       const __m128i half = upper ? _mm256_extracti128_si256(part, 1) : _mm256_castsi256_si128(part);
-      const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half)), f);
-      _mm256_storeu_ps(out + 8 * i, HasMin(D) ? _mm256_add_ps(v, _mm256_set1_ps(min[j])) : v);
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half));
+      _mm256_storeu_ps(out + 8 * i, HasMin(D) ? _mm256_fmadd_ps(q, f, _mm256_set1_ps(min[j]))
+                                              : _mm256_mul_ps(q, f));
     }
   }
 };
