@@ -7,10 +7,11 @@
 // madd), scaled and summed in F32; the minimum's term uses the exact block sum of the quantized
 // activations. The only error beyond F32 rounding is the activations' rounding, at most half a
 // step, 2^-16 of the block's largest magnitude, per value. (int8 activations, llama.cpp's choice
-// for its maddubs kernels, cost as much on AVX2 but move SmolLM2's logprobs by up to 0.6: its
-// activations have outliers that take a block's whole int8 range.) Prefill expands the weights
-// to F32 panels for the F32 GEMM instead (exact up to F32 rounding); Dequantize uses the same
-// unpacking.
+// for its maddubs kernels, are faster, 32 products an instruction, but move SmolLM2's logprobs by
+// up to 0.6: its activations have outliers that take a block's whole int8 range.) Blocks go in
+// groups of 8, whose dot products are summed lane-wise and scaled once (DecodeRange). Prefill
+// expands the weights to F32 panels for the F32 GEMM instead (exact up to F32 rounding);
+// Dequantize uses the same unpacking.
 #include "backend/cpu/quant.h"
 
 #include <immintrin.h>
