@@ -5,7 +5,8 @@
 # against `shardserve bench` decode (batch 1) and prefill of 64 tokens at 1 and 2 threads, with
 # the read-bandwidth roofline shardserve's bench measures in the same run.
 # Files: a TinyLlama-1.1B-shaped model written by `gen-model --format gguf` as BF16, its Q8_0 and
-# Q4_K_M made by llama-quantize, and the real SmolLM2-135M-Instruct (Q4_1).
+# Q4_K_M made by llama-quantize, and the real SmolLM2-135M-Instruct (Q4_1). Then the decode
+# kernels alone per weight type (`shardserve bench kernels`).
 # Usage: bench/llama_cpp.sh [FILES...]   (default: all of the above)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -71,3 +72,6 @@ for line in sys.stdin:
         print(f"shardserve prefill 64 {t} thread(s): {float(m[1]):8.2f} tokens/s")' "$t"
   done
 done
+
+echo "=== the decode kernels alone (one thread)"
+build/bin/shardserve bench kernels --threads 1

@@ -22,6 +22,7 @@
 #include "bench/cuda_bench.h"
 #endif
 #include "bench/informer_bench.h"
+#include "bench/kernels_bench.h"
 #include "bench/load_bench.h"
 #include "bench/runtime_bench.h"
 #include "bench/tokenize_bench.h"
@@ -68,6 +69,7 @@ std::string Usage() {
                                                           {"bench allreduce", kAllReduceBenchUsage},
                                                           {"bench cuda", kCudaBenchUsage},
                                                           {"bench informer", kInformerBenchUsage},
+                                                          {"bench kernels", kKernelsBenchUsage},
                                                           {"bench load", kLoadBenchUsage},
                                                           {"bench tokenize", kTokenizeBenchUsage}};
   std::string out =
@@ -370,6 +372,8 @@ int Main(int argc, char** argv) {
     s = RunAllReduceBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "informer") {
     s = RunInformerBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "kernels") {
+    s = RunKernelsBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "tokenize") {
     s = RunTokenizeBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "load") {

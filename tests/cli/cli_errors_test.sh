@@ -21,7 +21,7 @@ expect_error "unknown command 'frobnicate'" "$BIN" frobnicate
 expect_error "not expected: --bogus" "$BIN" generate --bogus
 expect_error "--tp: 1 required VALUE missing" "$BIN" generate --model "$TMP" --tp
 # Every command answers --help with its own usage, on stdout, successfully.
-for cmd in local plan gen-model generate "bench load" "bench allreduce"; do
+for cmd in local plan gen-model generate "bench load" "bench allreduce" "bench kernels"; do
   # shellcheck disable=SC2086
   out=$("$BIN" $cmd --help 2>&1); rc=$?
   if [ $rc -eq 0 ] && [[ "$out" == *"Usage: shardserve $cmd [OPTIONS]"* ]] &&

@@ -1,0 +1,65 @@
+#include "bench/kernels_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "backend/cpu/kernels.h"
+#include "common/args.h"
+#include "common/status.h"
+#include "common/thread_pool.h"
+#include "devtools/gguf_convert.h"
+
+namespace shardserve {
+
+absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"threads", "cols"}, {}, "shardserve bench kernels",
+                                       kKernelsBenchUsage));
+  ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", 1));
+  ASSIGN_OR_RETURN(int64_t K, a.GetInt("cols", 2048));
+  if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads must be 1-256");
+  if (K < 256 || K > 65536 || K % 256 != 0) {
+    return absl::InvalidArgumentError("--cols must be a multiple of 256 from 256 to 65536");
+  }
+  ThreadPool pool(static_cast<int>(threads));
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> row(K), x(K);
+  for (float& v : x) v = dist(rng);
+  std::printf("%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read)\n", "type",
+              "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K));
+  for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K,
+                   DType::kQ5_K, DType::kQ6_K}) {
+    double rate[2];
+    for (int memory = 0; memory < 2; ++memory) {
+      const int64_t N = memory ? 22528 : 128;
+      std::string bytes;
+      for (int64_t n = 0; n < N; ++n) {
+        for (float& v : row) v = dist(rng);
+        if (dt == DType::kBF16) {
+          for (float v : row) {
+            const uint16_t h = F32ToBf16(v);
+            bytes.append(reinterpret_cast<const char*>(&h), 2);
+          }
+        } else {
+          bytes += QuantizeRow(dt, row.data(), K);
+        }
+      }
+      const WeightMatrix w{dt, bytes.data(), N, K, K};
+      std::vector<float> y(N);
+      // As many products as read about 3 GB (at least 20), after 3 to warm up.
+      const int reps = std::max<int>(20, static_cast<int>(3e9 / static_cast<double>(bytes.size())));
+      for (int i = 0; i < 3; ++i) cpu::MatMul(w, x.data(), 1, K, y.data(), N, pool);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < reps; ++i) cpu::MatMul(w, x.data(), 1, K, y.data(), N, pool);
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+      rate[memory] = static_cast<double>(bytes.size()) / s / 1e9;
+    }
+    std::printf("%-6s %12.2f %12.2f\n", DTypeName(dt), rate[0], rate[1]);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

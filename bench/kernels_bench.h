@@ -1,0 +1,17 @@
+#pragma once
+// `shardserve bench kernels [--threads N] [--cols K]`: the CPU matrix-vector product (decode,
+// batch 1) for each weight type, on a matrix that stays in the L2 cache (128 rows: the kernel's
+// own speed) and on one far larger than the caches (22,528 rows: with the memory), in GB/s of
+// weights read, beside the read bandwidth of the same threads.
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace shardserve {
+
+absl::Status RunKernelsBench(const std::vector<std::string>& argv);
+inline constexpr char kKernelsBenchUsage[] =
+    "[--threads 1] [--cols 2048]\n(matrix-vector GB/s per weight type, in L2 and from memory)";
+
+}  // namespace shardserve
