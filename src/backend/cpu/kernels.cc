@@ -220,9 +220,8 @@ inline void MicroKernel(int64_t kc, const float* x, int64_t ldx, const float* pa
       hi = _mm256_loadu_ps(dst[i] + 8);
     });
   }
-  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,
-              *x5 = x + 5 * ldx;
-  const float* xs[6] = {x0, x1, x2, x3, x4, x5};
+  const float* xs[MR];
+  for (int i = 0; i < MR; ++i) xs[i] = x + i * ldx;
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(panel + k * kNr);
     const __m256 b1 = _mm256_load_ps(panel + k * kNr + 8);

@@ -86,7 +86,7 @@ struct Unpacked {
   alignas(32) float factor[kFactors];
   alignas(32) float min[kSub];  // HasMin only
 
-  // Q6_K's factors are kept in the order of the decode's sums (GroupSums): the even 16-value
+  // Q6_K's factors are kept in the order of DecodeRange's merged sums: the even 16-value
   // sub-blocks of the first half of the super-block, its odd ones, then the same for the second
   // half.
   static constexpr int SubFactor(int s) { return s / 8 * 8 + s % 2 * 4 + s % 8 / 2; }
@@ -150,8 +150,9 @@ struct Unpacked {
       const __m256i first = Widen(chunk), second = Widen(chunk + 16);
       *lo = j % 2 == 0 ? Low4(first) : _mm256_srli_epi16(first, 4);
       *hi = j % 2 == 0 ? Low4(second) : _mm256_srli_epi16(second, 4);
-    } else {  // Q5_K: chunk c of 64 values: block 2c the low nibbles of its 32 bytes, 2c + 1 the
-      // high ones, with bit j of qh the fifth bit of block j
+    } else {
+      // Q5_K: chunk c of 64 values: block 2c the low nibbles of its 32 bytes, 2c + 1 the high
+      // ones, with bit j of qh the fifth bit of block j.
       const __m256i bytes = Load32(b + 48 + 32 * (j / 2));
       __m256i q = _mm256_and_si256(j % 2 == 0 ? bytes : _mm256_srli_epi16(bytes, 4),
                                    _mm256_set1_epi8(0x0F));
@@ -336,7 +337,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
                                   _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
       }
     };
-    // A group from activation block xb: block J's dot products (Block(J, xb, out)) merged as they
+    // A group from activation block xb: block J's dot products (block<J>(out)) merged as they
     // come, then scaled by the factors (a vector of the 8 blocks', or Q6_K's 16 sub-blocks').
     const auto group = [&](auto block, const float* factors, const float* group_mins, int64_t xb) {
       __m256i first[MT], pair[MT], quad[MT][2];
