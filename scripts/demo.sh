@@ -36,7 +36,7 @@ curl -sSN "$API/completions" -H "$AUTH" -H 'Content-Type: application/json' -d '
   "smollm2", "prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0,
   "logprobs": 2, "stream": true}'
 echo "--- a few metric lines (leader :8000/metrics; every rank has its own page, :9400-9402):"
-curl -sS -H "$AUTH" http://127.0.0.1:8000/metrics | grep -E '^shardserve_(requests_total|generated_tokens_total|time_to_first_token_seconds_count|rank_up|rank_kv_cache_usage_ratio)\{' | head -8
+curl -sS -H "$AUTH" http://127.0.0.1:8000/metrics | grep -E '^shardserve_(requests_total|generated_tokens_total|time_to_first_token_seconds_count|rank_up|rank_kv_cache_usage_ratio)\{' | awk 'NR <= 8'
 echo "--- stopping (SIGINT)"
 kill -INT $LOCAL
 wait $LOCAL

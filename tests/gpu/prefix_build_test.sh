@@ -42,9 +42,15 @@ unshare -m --propagation private bash -euo pipefail -c '
   NVCC="$2/cu13/bin/nvcc" NCCL_DIR="$2/nccl" BUILD_DIR="$1/build" \
     bash scripts/gpu-check.sh "$1/out" --build-only --targets "cuda_tests shardserve shardserve-worker" ||
     { tail -30 "$1/out/build.log"; exit 1; }
-  ldd "$1/build/bin/shardserve" | grep -q "libabsl_base.so.20220623 => $PWD/.gpu/prefix/" ||
-    { echo "FAIL: shardserve does not load Abseil from the prefix"; ldd "$1/build/bin/shardserve"; exit 1; }
-  "$1/build/bin/shardserve" --help | grep -q "^commands:" ||
+  # ldd is read whole before the match (grep -q stops reading at its first match, and ldd, still
+  # writing, would die of SIGPIPE and fail the pipeline under pipefail). The build resolves the
+  # prefix (scripts/gpu-check.sh: realpath), so the comparison does too: a checkout reached through
+  # a symbolic link has a $PWD that differs from the path in DT_RPATH.
+  libs=$(ldd "$1/build/bin/shardserve")
+  grep -q "libabsl_base.so.20220623 => $(pwd -P)/.gpu/prefix/" <<<"$libs" ||
+    { echo "FAIL: shardserve does not load Abseil from $(pwd -P)/.gpu/prefix"; echo "$libs"; exit 1; }
+  help=$("$1/build/bin/shardserve" --help)
+  grep -q "^commands:" <<<"$help" ||
     { echo "FAIL: the CLI built against the prefix does not answer --help"; exit 1; }
   "$1/build/bin/cuda_tests" --gtest_brief=1 | tail -3
 ' _ "$tmp" "$CUDA"
