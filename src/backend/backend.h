@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "backend/dtype.h"
 
 namespace shardserve {
@@ -105,6 +106,28 @@ class Backend {
                                float* out) = 0;
   // y[m][n] = sum_k w[n][k] * x[m][k] for m < M (x and y with row strides w.cols and w.rows).
   virtual absl::Status Gemm(const WeightMatrix& w, const float* x, int64_t M, float* y) = 0;
+  // Gemm of n weight matrices with the same cols that read the same x (a layer's q, k and v
+  // projections; gate and up), ys[i] with row stride ws[i]->rows: one op, so that a backend can
+  // prepare x once and spread all the rows over its threads at once (GemmGroupSameCols). Matrices
+  // with different cols are refused.
+  absl::Status GemmGroup(const WeightMatrix* const* ws, float* const* ys, size_t n, const float* x,
+                         int64_t M) {
+    for (size_t i = 1; i < n; ++i) {
+      if (ws[i]->cols != ws[0]->cols) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "GemmGroup: matrix ", i, " has ", ws[i]->cols, " columns, matrix 0 has ", ws[0]->cols));
+      }
+    }
+    return GemmGroupSameCols(ws, ys, n, x, M);
+  }
+  // GemmGroup's work, its matrices checked. By default, Gemm for each.
+  virtual absl::Status GemmGroupSameCols(const WeightMatrix* const* ws, float* const* ys, size_t n,
+                                         const float* x, int64_t M) {
+    for (size_t i = 0; i < n; ++i) {
+      if (absl::Status s = Gemm(*ws[i], x, M, ys[i]); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // x[r][c] += bias[c] for rows x cols; x[i] += y[i]; a[i] = silu(a[i]) * b[i].
   virtual absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias) = 0;
   virtual absl::Status Add(float* x, const float* y, int64_t n) = 0;

@@ -298,6 +298,19 @@ absl::Status Transformer::Gemm(const WeightMatrix& w, const Buffer& x, int64_t M
   return backend_->Gemm(w, x.as<float>(), M, y.as<float>());
 }
 
+absl::Status Transformer::GemmGroup(
+    std::initializer_list<std::pair<const WeightMatrix*, Buffer*>> outs, const Buffer& x,
+    int64_t M) {
+  std::vector<const WeightMatrix*> ws;
+  std::vector<float*> ys;
+  for (const auto& [w, y] : outs) {
+    RETURN_IF_ERROR(y->Reserve(static_cast<size_t>(M * w->rows) * sizeof(float)));
+    ws.push_back(w);
+    ys.push_back(y->as<float>());
+  }
+  return backend_->GemmGroup(ws.data(), ys.data(), ws.size(), x.as<float>(), M);
+}
+
 template <typename T>
 absl::Status Transformer::Put(Buffer& b, const std::vector<T>& v) {
   RETURN_IF_ERROR(b.Reserve(std::max<size_t>(1, v.size()) * sizeof(T)));
@@ -407,9 +420,8 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
     RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), rows, H, L.input_norm, eps, Ptr<float>(m.h)));
-    RETURN_IF_ERROR(Gemm(L.q, *m.h, rows, *m.q));
-    RETURN_IF_ERROR(Gemm(L.k, *m.h, rows, *m.k));
-    RETURN_IF_ERROR(Gemm(L.v, *m.h, rows, *m.v));
+    RETURN_IF_ERROR(
+        GemmGroup({{&L.q, m.q.get()}, {&L.k, m.k.get()}, {&L.v, m.v.get()}}, *m.h, rows));
     if (L.q_bias != nullptr) {
       RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.q), rows, heads_ * hd, L.q_bias));
       RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.k), rows, kv_heads_ * hd, L.k_bias));
@@ -448,8 +460,7 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
 
 absl::Status Transformer::Mlp(const Layer& L, int64_t rows) {
   Buffers& m = buf_;
-  RETURN_IF_ERROR(Gemm(L.gate, *m.h, rows, *m.g));
-  RETURN_IF_ERROR(Gemm(L.up, *m.h, rows, *m.u));
+  RETURN_IF_ERROR(GemmGroup({{&L.gate, m.g.get()}, {&L.up, m.u.get()}}, *m.h, rows));
   RETURN_IF_ERROR(backend_->SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), rows * L.gate.rows));
   return Gemm(L.down, *m.g, rows, *m.o);
 }
@@ -508,8 +519,7 @@ absl::Status Transformer::MoeGrouped(const Layer& L, int64_t rows) {
     RETURN_IF_ERROR(m.in->Reserve(static_cast<size_t>(n * H) * sizeof(float)));
     RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.h), H, Ptr<int32_t>(m.sel), n, Ptr<float>(m.in)));
     const Expert& x = L.experts[e - expert_begin_];
-    RETURN_IF_ERROR(Gemm(x.gate, *m.in, n, *m.g));
-    RETURN_IF_ERROR(Gemm(x.up, *m.in, n, *m.u));
+    RETURN_IF_ERROR(GemmGroup({{&x.gate, m.g.get()}, {&x.up, m.u.get()}}, *m.in, n));
     RETURN_IF_ERROR(be.SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), n * x.gate.rows));
     RETURN_IF_ERROR(Gemm(x.down, *m.g, n, *m.d));
     RETURN_IF_ERROR(be.ScaleAddRows(Ptr<float>(m.d), H, Ptr<int32_t>(m.sel), Ptr<float>(m.weights),

@@ -21,8 +21,10 @@
 // others take hidden states; the last stage produces logits, the others hidden states. The TP
 // communicator takes pointers in the backend's memory (host: the shared-memory group; GPU: NCCL).
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -173,6 +175,9 @@ class Transformer {
   absl::StatusOr<ExpertTable> TableOf(const std::vector<const WeightMatrix*>& mats);
   absl::Status AllReduce(float* data, size_t count);
   absl::Status Gemm(const WeightMatrix& w, const Buffer& x, int64_t M, Buffer& y);
+  // Gemm of matrices that read the same x, each into its buffer (Backend::GemmGroup).
+  absl::Status GemmGroup(std::initializer_list<std::pair<const WeightMatrix*, Buffer*>> outs,
+                         const Buffer& x, int64_t M);
   template <typename T>
   absl::Status Put(Buffer& b, const std::vector<T>& v);
   // Add this rank's MLP / MoE output for `rows` rows of h to o (which they overwrite).

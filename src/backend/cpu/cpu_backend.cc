@@ -126,6 +126,13 @@ class CpuBackend : public Backend {
     MatMul(w, x, M, w.cols, y, w.rows, pool_);
     return absl::OkStatus();
   }
+  absl::Status GemmGroupSameCols(const WeightMatrix* const* ws, float* const* ys, size_t n,
+                                 const float* x, int64_t M) override {
+    std::vector<MatMulTarget> targets(n);
+    for (size_t i = 0; i < n; ++i) targets[i] = {ws[i], ys[i], ws[i]->rows};
+    if (n > 0) MatMulGroup(targets.data(), n, x, M, ws[0]->cols, pool_);
+    return absl::OkStatus();
+  }
   absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias) override {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) x[r * cols + c] += bias[c];

@@ -292,90 +292,159 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
   }
 }
 
-// Up to kDecodeMaxTokens (quant.h) the decode kernels run in groups of up to 3 tokens over blocks
-// of kGemvBlockRows weight rows: a block is read from memory once and stays in L2 for the other
-// groups. Beyond it, the packed GEMM is faster. Each token's dot products do not depend on the
-// group it is in, so results are the same for every M up to the limit.
-constexpr int64_t kGemvBlockRows = 64;
-
+// Prefill (M > kDecodeMaxTokens): the packed GEMM, quantized weights expanded to F32 panels.
 template <DType D>
-void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                 int64_t ldy, ThreadPool& pool) {
-  if (M > kDecodeMaxTokens) {
-    pool.ParallelFor(w.rows, kNr,
-                     [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
-    return;
-  }
-  std::vector<float> split;  // BF16: [M][K/2] even elements, then [M][K/2] odd
-  const int64_t half = w.cols / 2;
-  if (D == DType::kBF16) {
-    split.resize(2 * M * half);
-    for (int64_t t = 0; t < M; ++t) {
-      for (int64_t j = 0; j < half; ++j) {
-        split[t * half + j] = x[t * ldx + 2 * j];
-        split[(M + t) * half + j] = x[t * ldx + 2 * j + 1];
-      }
-    }
-  }
-  // Tokens [t, t + mt) against weight rows [b, e).
-  auto group = [&](int64_t b, int64_t e, int64_t t, int64_t mt) {
-    const float* xt = x + t * ldx;
-    float* yt = y + t * ldy;
-    if constexpr (D == DType::kBF16) {
-      const float* xe = split.data() + t * half;
-      const float* xo = split.data() + (M + t) * half;
-      if (mt == 1) return GemvRangeBf16<1>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
-      if (mt == 2) return GemvRangeBf16<2>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
-      return GemvRangeBf16<3>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
-    } else {
-      if (mt == 1) return GemvRange<D, 1>(w, b, e, xt, ldx, yt, ldy);
-      if (mt == 2) return GemvRange<D, 2>(w, b, e, xt, ldx, yt, ldy);
-      return GemvRange<D, 3>(w, b, e, xt, ldx, yt, ldy);
-    }
-  };
-  pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
-    for (int64_t nb = b; nb < e; nb += kGemvBlockRows) {
-      const int64_t ne = std::min(e, nb + kGemvBlockRows);
-      for (int64_t t = 0; t < M; t += 3) group(nb, ne, t, std::min<int64_t>(3, M - t));
-    }
-  });
-}
-
-// Quantized weights: integer dot products for decode batches (quant.h), the packed GEMM over
-// weights expanded to F32 panels beyond.
-template <DType D>
-void MatMulQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                     int64_t ldy, ThreadPool& pool) {
-  if (M <= kDecodeMaxTokens) return MatVecQuantized(w, x, M, ldx, y, ldy, pool);
+void Gemm(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+          ThreadPool& pool) {
   pool.ParallelFor(w.rows, kNr,
                    [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
 }
 
+// Decode: rows [b, e) of an F32, F16 or BF16 w against M tokens, in groups of up to 3. BF16
+// reads x split into even and odd elements (split: [M][K/2] even, then [M][K/2] odd).
+template <DType D>
+void GemvRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int64_t ldx,
+              const float* split, int64_t M, float* y, int64_t ldy) {
+  const int64_t half = w.cols / 2;
+  for (int64_t t = 0; t < M; t += 3) {
+    const int64_t mt = std::min<int64_t>(3, M - t);
+    const float* xt = x + t * ldx;
+    float* yt = y + t * ldy;
+    if constexpr (D == DType::kBF16) {
+      const float* xe = split + t * half;
+      const float* xo = split + (M + t) * half;
+      if (mt == 1) GemvRangeBf16<1>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+      if (mt == 2) GemvRangeBf16<2>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+      if (mt == 3) GemvRangeBf16<3>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+    } else {
+      if (mt == 1) GemvRange<D, 1>(w, b, e, xt, ldx, yt, ldy);
+      if (mt == 2) GemvRange<D, 2>(w, b, e, xt, ldx, yt, ldy);
+      if (mt == 3) GemvRange<D, 3>(w, b, e, xt, ldx, yt, ldy);
+    }
+  }
+}
+
+// Decode batches run in groups of up to 3 tokens over blocks of kGemvBlockRows weight rows: a
+// block is read from memory once and stays in L2 for the other groups. Each token's dot products
+// do not depend on the group it is in, so results are the same for every M up to
+// kDecodeMaxTokens (quant.h).
+constexpr int64_t kGemvBlockRows = 64;
+
+void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
+            ThreadPool& pool) {
+  // x as each dtype reads it, prepared once for all targets: BF16 split into even and odd
+  // elements, quantized dtypes quantized per block in their order. The caller's thread-local
+  // storage, which the workers read through these references.
+  thread_local std::vector<float> split_storage;
+  thread_local Q16Activations quantized_storage[2];  // in order, interleaved
+  std::vector<float>& split = split_storage;
+  Q16Activations* const quantized = quantized_storage;
+  bool have_split = false, have_quantized[2] = {false, false};
+  // The targets' rows laid end to end by bytes: the pool splits the bytes, so that a thread's
+  // share is the same amount of reading whatever the dtypes; target i's row r goes to the thread
+  // whose share holds the row's first byte.
+  std::vector<int64_t> offset(n + 1, 0), row_bytes(n, 1);
+  int64_t grain = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const WeightMatrix& w = *targets[i].w;
+    const int64_t K = w.cols;
+    row_bytes[i] = static_cast<int64_t>(DTypeBytes(w.dtype, K));
+    offset[i + 1] = offset[i] + std::max<int64_t>(w.rows, 0) * row_bytes[i];
+    grain = std::max(grain, 4 * row_bytes[i]);
+    if (w.dtype == DType::kBF16 && !have_split) {
+      have_split = true;
+      const int64_t half = K / 2;
+      split.resize(2 * M * half);
+      for (int64_t t = 0; t < M; ++t) {
+        for (int64_t j = 0; j < half; ++j) {
+          split[t * half + j] = x[t * ldx + 2 * j];
+          split[(M + t) * half + j] = x[t * ldx + 2 * j + 1];
+        }
+      }
+    } else if (IsQuantized(w.dtype)) {
+      const bool order = InterleavedActivations(w.dtype);
+      if (!have_quantized[order]) {
+        have_quantized[order] = true;
+        QuantizeActivations(x, M, ldx, K, order, pool, &quantized[order]);
+      }
+    }
+  }
+  const auto rows = [&](size_t i, int64_t b, int64_t e) {
+    const MatMulTarget& t = targets[i];
+    const WeightMatrix& w = *t.w;
+    switch (w.dtype) {
+      case DType::kF32:
+        return GemvRows<DType::kF32>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
+      case DType::kF16:
+        return GemvRows<DType::kF16>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
+      case DType::kBF16:
+        return GemvRows<DType::kBF16>(w, b, e, x, ldx, split.data(), M, t.y, t.ldy);
+      default:
+        return DecodeRows(w, b, e, quantized[InterleavedActivations(w.dtype)], M, t.y, t.ldy);
+    }
+  };
+  pool.ParallelFor(offset[n], grain, [&](int, int64_t b, int64_t e) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t rb = row_bytes[i], count = std::max<int64_t>(targets[i].w->rows, 0);
+      // The first row of target i whose first byte is at or after `at`.
+      const auto first = [&](int64_t at) {
+        return std::clamp<int64_t>((at - offset[i] + rb - 1) / rb, 0, count);
+      };
+      const int64_t r1 = first(e);
+      for (int64_t nb = first(b); nb < r1; nb += kGemvBlockRows) {
+        rows(i, nb, std::min(r1, nb + kGemvBlockRows));
+      }
+    }
+  });
+}
+
 }  // namespace
+
+void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
+                 ThreadPool& pool) {
+  if (M <= 0) return;
+  if (M <= kDecodeMaxTokens) return Decode(targets, n, x, M, ldx, pool);
+  for (size_t i = 0; i < n; ++i) {
+    const WeightMatrix& w = *targets[i].w;
+    float* y = targets[i].y;
+    const int64_t ldy = targets[i].ldy;
+    if (w.rows <= 0) continue;
+    switch (w.dtype) {
+      case DType::kF32:
+        Gemm<DType::kF32>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kF16:
+        Gemm<DType::kF16>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kBF16:
+        Gemm<DType::kBF16>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kQ8_0:
+        Gemm<DType::kQ8_0>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kQ4_0:
+        Gemm<DType::kQ4_0>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kQ4_1:
+        Gemm<DType::kQ4_1>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kQ4_K:
+        Gemm<DType::kQ4_K>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kQ5_K:
+        Gemm<DType::kQ5_K>(w, x, M, ldx, y, ldy, pool);
+        break;
+      case DType::kQ6_K:
+        Gemm<DType::kQ6_K>(w, x, M, ldx, y, ldy, pool);
+        break;
+    }
+  }
+}
 
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
             ThreadPool& pool) {
-  if (M <= 0 || w.rows <= 0) return;
-  switch (w.dtype) {
-    case DType::kF32:
-      return MatMulTyped<DType::kF32>(w, x, M, ldx, y, ldy, pool);
-    case DType::kF16:
-      return MatMulTyped<DType::kF16>(w, x, M, ldx, y, ldy, pool);
-    case DType::kBF16:
-      return MatMulTyped<DType::kBF16>(w, x, M, ldx, y, ldy, pool);
-    case DType::kQ8_0:
-      return MatMulQuantized<DType::kQ8_0>(w, x, M, ldx, y, ldy, pool);
-    case DType::kQ4_0:
-      return MatMulQuantized<DType::kQ4_0>(w, x, M, ldx, y, ldy, pool);
-    case DType::kQ4_1:
-      return MatMulQuantized<DType::kQ4_1>(w, x, M, ldx, y, ldy, pool);
-    case DType::kQ4_K:
-      return MatMulQuantized<DType::kQ4_K>(w, x, M, ldx, y, ldy, pool);
-    case DType::kQ5_K:
-      return MatMulQuantized<DType::kQ5_K>(w, x, M, ldx, y, ldy, pool);
-    case DType::kQ6_K:
-      return MatMulQuantized<DType::kQ6_K>(w, x, M, ldx, y, ldy, pool);
-  }
+  const MatMulTarget target{&w, y, ldy};
+  MatMulGroup(&target, 1, x, M, ldx, pool);
 }
 
 void ToFloat(DType dtype, const void* data, int64_t n, float* out) {

@@ -3,6 +3,7 @@
 // weights stay in their file dtype (F32, F16, BF16, or the quantized Q8_0, Q4_0, Q4_1, Q4_K,
 // Q5_K, Q6_K) and are converted inside the kernels, accumulating in F32 (quantized decode
 // batches: integer products with the activations rounded to int16 per block, quant.cc).
+#include <cstddef>
 #include <cstdint>
 
 #include "backend/backend.h"
@@ -16,6 +17,18 @@ namespace shardserve::cpu {
 // batch; larger M packs weight panels to F32 and runs a register-blocked GEMM micro-kernel.
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
             ThreadPool& pool);
+
+// MatMul of several matrices with the same cols that read the same x (a layer's q, k and v
+// projections; gate and up), each into its own y (row stride ldy), with results equal to
+// MatMul's for each. Decode batches prepare x once per dtype and take one pass of the pool over
+// all the matrices' rows, split by bytes: small matrices (k, v) do not pay for a pass of their own.
+struct MatMulTarget {
+  const WeightMatrix* w;
+  float* y;
+  int64_t ldy;
+};
+void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
+                 ThreadPool& pool);
 
 // out[i] = float(w[i]) for i < n (a vector of any dtype, e.g. a norm weight or an embedding row;
 // n a multiple of the block for quantized types).

@@ -187,14 +187,6 @@ struct Unpacked {
   }
 };
 
-// Activations of M tokens quantized per block of 32: int16 values q (scale max|x| / 32767), the
-// block's scale d and d * (the sum of its q), for the minimum's term.
-struct Q16Activations {
-  std::vector<int16_t> q;  // [M][K]
-  std::vector<float> d;    // [M][K / 32]
-  std::vector<float> ds;   // [M][K / 32]
-};
-
 void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t* q, float* d,
                            float* ds) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -233,22 +225,6 @@ void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t*
     d[b] = scale;
     ds[b] = scale * static_cast<float>(_mm_cvtsi128_si32(s));
   }
-}
-
-void Quantize(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleaved, ThreadPool& pool,
-              Q16Activations* a) {
-  const int64_t blocks = K / kBlock;
-  a->q.resize(static_cast<size_t>(M * K));
-  a->d.resize(static_cast<size_t>(M * blocks));
-  a->ds.resize(static_cast<size_t>(M * blocks));
-  auto rows = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      QuantizeActivationRow(x + t * ldx, K, interleaved, &a->q[t * K], &a->d[t * blocks],
-                            &a->ds[t * blocks]);
-    }
-  };
-  if (M == 1) return rows(0, 1);
-  pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) { rows(b, e); });
 }
 
 // The factors and minimums of 8 consecutive blocks of a 32-value type (Unpacked's, 8 at once;
@@ -423,31 +399,23 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
   }
 }
 
+// Rows [n0, n1) against all tokens of a, in groups of up to 3 (the rows stay in L2 for the
+// groups after the first).
 template <DType D>
-void MatMulTyped(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                 int64_t ldy, ThreadPool& pool) {
-  thread_local Q16Activations storage;  // the caller's; the workers read it through `a`
-  Q16Activations& a = storage;
-  Quantize(x, M, ldx, w.cols, Interleaved(D), pool, &a);
-  // Blocks of rows stay in L2 while groups of up to 3 tokens pass over them.
-  constexpr int64_t kRows = 64;
-  pool.ParallelFor(w.rows, 4, [&](int, int64_t b, int64_t e) {
-    for (int64_t nb = b; nb < e; nb += kRows) {
-      const int64_t ne = std::min(e, nb + kRows);
-      for (int64_t t = 0; t < M; t += 3) {
-        switch (std::min<int64_t>(3, M - t)) {
-          case 1:
-            DecodeRange<D, 1>(w, nb, ne, a, t, y, ldy);
-            break;
-          case 2:
-            DecodeRange<D, 2>(w, nb, ne, a, t, y, ldy);
-            break;
-          default:
-            DecodeRange<D, 3>(w, nb, ne, a, t, y, ldy);
-        }
-      }
+void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a,
+                     int64_t M, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < M; t += 3) {
+    switch (std::min<int64_t>(3, M - t)) {
+      case 1:
+        DecodeRange<D, 1>(w, n0, n1, a, t, y, ldy);
+        break;
+      case 2:
+        DecodeRange<D, 2>(w, n0, n1, a, t, y, ldy);
+        break;
+      default:
+        DecodeRange<D, 3>(w, n0, n1, a, t, y, ldy);
     }
-  });
+  }
 }
 
 }  // namespace
@@ -472,21 +440,39 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
   }
 }
 
-void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                     int64_t ldy, ThreadPool& pool) {
+bool InterleavedActivations(DType dtype) { return Interleaved(dtype); }
+
+void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleaved,
+                         ThreadPool& pool, Q16Activations* a) {
+  const int64_t blocks = K / kBlock;
+  a->q.resize(static_cast<size_t>(M * K));
+  a->d.resize(static_cast<size_t>(M * blocks));
+  a->ds.resize(static_cast<size_t>(M * blocks));
+  auto rows = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      QuantizeActivationRow(x + t * ldx, K, interleaved, &a->q[t * K], &a->d[t * blocks],
+                            &a->ds[t * blocks]);
+    }
+  };
+  if (M == 1) return rows(0, 1);
+  pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) { rows(b, e); });
+}
+
+void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
+                float* y, int64_t ldy) {
   switch (w.dtype) {
     case DType::kQ8_0:
-      return MatMulTyped<DType::kQ8_0>(w, x, M, ldx, y, ldy, pool);
+      return DecodeRowsTyped<DType::kQ8_0>(w, n0, n1, a, M, y, ldy);
     case DType::kQ4_0:
-      return MatMulTyped<DType::kQ4_0>(w, x, M, ldx, y, ldy, pool);
+      return DecodeRowsTyped<DType::kQ4_0>(w, n0, n1, a, M, y, ldy);
     case DType::kQ4_1:
-      return MatMulTyped<DType::kQ4_1>(w, x, M, ldx, y, ldy, pool);
+      return DecodeRowsTyped<DType::kQ4_1>(w, n0, n1, a, M, y, ldy);
     case DType::kQ4_K:
-      return MatMulTyped<DType::kQ4_K>(w, x, M, ldx, y, ldy, pool);
+      return DecodeRowsTyped<DType::kQ4_K>(w, n0, n1, a, M, y, ldy);
     case DType::kQ5_K:
-      return MatMulTyped<DType::kQ5_K>(w, x, M, ldx, y, ldy, pool);
+      return DecodeRowsTyped<DType::kQ5_K>(w, n0, n1, a, M, y, ldy);
     case DType::kQ6_K:
-      return MatMulTyped<DType::kQ6_K>(w, x, M, ldx, y, ldy, pool);
+      return DecodeRowsTyped<DType::kQ6_K>(w, n0, n1, a, M, y, ldy);
     default:
       return;
   }

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "backend/backend.h"
 #include "common/thread_pool.h"
@@ -28,14 +29,29 @@ inline const uint8_t* RowPtr(const WeightMatrix& w, int64_t r) {
 void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 
 // Up to this many tokens (decode batches) MatMul streams the weights once for all of them, each
-// token's result independent of the batch (MatVecQuantized for quantized weights); beyond it the
+// token's result independent of the batch (DecodeRows for quantized weights); beyond it the
 // packed GEMM is faster (quantized weights expanded to its F32 panels by Dequantize).
 constexpr int64_t kDecodeMaxTokens = 12;
 
-// MatMul (kernels.h's contract) for a quantized w and M <= kDecodeMaxTokens tokens: the
-// activations quantized per block of 32 to int16, integer dot products with each block unpacked
-// once for all tokens (quant.cc states the accuracy).
-void MatVecQuantized(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y,
-                     int64_t ldy, ThreadPool& pool);
+// Activations of M tokens quantized per block of 32 for the quantized decode kernels: int16
+// values q (scale max|x| / 32767), the block's scale d and d * (the sum of its q), for the
+// minimum's term (quant.cc states the accuracy).
+struct Q16Activations {
+  std::vector<int16_t> q;  // [M][K]
+  std::vector<float> d;    // [M][K / 32]
+  std::vector<float> ds;   // [M][K / 32]
+};
+
+// Whether the kernels of a quantized dtype read the activations in the interleaved order (each
+// block's values 0-7 with 16-23, 8-15 with 24-31) rather than in order.
+bool InterleavedActivations(DType dtype);
+// M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
+void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleaved,
+                         ThreadPool& pool, Q16Activations* a);
+// Decode: rows [n0, n1) of the quantized w against the M tokens of a (quantized in the order
+// w.dtype reads), y[t * ldy + n]; integer dot products with each weight block unpacked once for
+// up to 3 tokens.
+void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
+                float* y, int64_t ldy);
 
 }  // namespace shardserve::cpu

@@ -1,5 +1,7 @@
 #include "backend_ops_test.h"
 
+#include <gmock/gmock.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -83,6 +85,52 @@ TEST_P(BackendOpsTest, GemmMatchesTheArithmetic) {
       }
     }
   }
+}
+
+// GemmGroup: matrices that read the same x, each into its own y, give what Gemm gives for each
+// (decode and prefill sizes); matrices with different columns are refused.
+TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
+  const int64_t K = 64;
+  const std::vector<int64_t> rows = {37, 4, 4, 19};
+  for (int64_t M : {1, 5, 33}) {
+    Mem mem(*be_);
+    std::vector<std::vector<uint8_t>> bytes;
+    std::vector<WeightMatrix> ws;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::vector<float> w = Random(rows[i] * K, 10 + i);
+      bytes.push_back(Encode(i % 2 == 0 ? DType::kF32 : DType::kBF16, w));
+    }
+    for (size_t i = 0; i < rows.size(); ++i) {
+      auto dw = be_->Upload(
+          WeightMatrix{i % 2 == 0 ? DType::kF32 : DType::kBF16, bytes[i].data(), rows[i], K, K});
+      ASSERT_TRUE(dw.ok()) << dw.status();
+      ws.push_back(*dw);
+    }
+    const float* x = mem.Put(Random(M * K, 20 + M));
+    std::vector<const WeightMatrix*> wp;
+    std::vector<float*> grouped, single;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      wp.push_back(&ws[i]);
+      grouped.push_back(mem.Zeros<float>(M * rows[i]));
+      single.push_back(mem.Zeros<float>(M * rows[i]));
+      ASSERT_TRUE(be_->Gemm(ws[i], x, M, single[i]).ok());
+    }
+    ASSERT_TRUE(be_->GemmGroup(wp.data(), grouped.data(), wp.size(), x, M).ok());
+    for (size_t i = 0; i < ws.size(); ++i) {
+      EXPECT_EQ(mem.Get(grouped[i], M * rows[i]), mem.Get(single[i], M * rows[i]))
+          << "matrix " << i << " M=" << M;
+    }
+  }
+  std::vector<float> a = Random(4 * 64, 1), b = Random(4 * 32, 2);
+  Mem mem(*be_);
+  auto wa = be_->Upload(WeightMatrix{DType::kF32, a.data(), 4, 64, 64});
+  auto wb = be_->Upload(WeightMatrix{DType::kF32, b.data(), 4, 32, 32});
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  const WeightMatrix* pair[] = {&*wa, &*wb};
+  float* ys[] = {mem.Zeros<float>(4), mem.Zeros<float>(4)};
+  const absl::Status s = be_->GemmGroup(pair, ys, 2, mem.Put(Random(64, 3)), 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("32 columns")) << s;
 }
 
 // A matrix that is a slice of a wider one (row stride > cols) uploads only its own columns.

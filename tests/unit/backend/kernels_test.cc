@@ -327,6 +327,59 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
   }
 }
 
+// A group of matrices that read the same x (q, k, v; gate, up) gives, row for row, what MatMul
+// gives for each: every dtype in one group (each quantized order, BF16's split input, F32), one
+// matrix with no rows, and row counts whose split by bytes between threads falls inside
+// matrices; decode batches (one pass of the pool) and prefill.
+TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  const int64_t K = 512;
+  const std::vector<std::pair<DType, int64_t>> shapes = {
+      {DType::kQ4_K, 37}, {DType::kQ6_K, 5},  {DType::kBF16, 0},  {DType::kQ8_0, 70},
+      {DType::kF32, 9},   {DType::kQ5_K, 66}, {DType::kBF16, 13}, {DType::kQ4_1, 3}};
+  std::vector<std::string> storage;
+  std::vector<WeightMatrix> ws;
+  for (auto [dtype, rows] : shapes) {
+    std::vector<float> w(std::max<int64_t>(rows, 1) * K);
+    for (float& v : w) v = dist(rng);
+    std::string bytes;
+    for (int64_t n = 0; n < rows; ++n) {
+      if (IsQuantized(dtype)) {
+        bytes += QuantizeRow(dtype, w.data() + n * K, K);
+      } else {
+        const Weights row = MakeWeights(dtype, K, rng);
+        bytes.append(reinterpret_cast<const char*>(row.bytes.data()), row.bytes.size());
+      }
+    }
+    storage.push_back(std::move(bytes));
+    ws.push_back(WeightMatrix{dtype, storage.back().data(), rows, K, K});
+  }
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    for (int64_t M : {1, 4, 12, 13}) {
+      std::vector<float> x(M * K);
+      for (float& v : x) v = dist(rng);
+      std::vector<std::vector<float>> grouped(ws.size()), single(ws.size());
+      std::vector<MatMulTarget> targets;
+      for (size_t i = 0; i < ws.size(); ++i) {
+        grouped[i].assign(M * ws[i].rows, NAN);
+        single[i].assign(M * ws[i].rows, NAN);
+        MatMul(ws[i], x.data(), M, K, single[i].data(), ws[i].rows, pool);
+        targets.push_back({&ws[i], grouped[i].data(), ws[i].rows});
+      }
+      MatMulGroup(targets.data(), targets.size(), x.data(), M, K, pool);
+      for (size_t i = 0; i < ws.size(); ++i) {
+        for (int64_t j = 0; j < M * ws[i].rows; ++j) {
+          ASSERT_EQ(grouped[i][j], single[i][j])
+              << DTypeName(ws[i].dtype) << " matrix " << i << " value " << j << " M=" << M
+              << " threads " << threads;
+        }
+      }
+    }
+  }
+}
+
 // The kernels' instruction sets are checked before any runs: a CPU without them is refused naming
 // what it lacks (this machine has them all).
 TEST(KernelsTest, ACpuWithoutTheKernelsIsaIsRefusedByName) {
