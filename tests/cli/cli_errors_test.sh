@@ -20,6 +20,7 @@ expect_error() {  # expect_error "substring" cmd...
 expect_error "unknown command 'frobnicate'" "$BIN" frobnicate
 expect_error "not expected: --bogus" "$BIN" generate --bogus
 expect_error "--tp: 1 required VALUE missing" "$BIN" generate --model "$TMP" --tp
+expect_error "--cols must be a multiple of 32" "$BIN" bench kernels --cols 100
 # Every command answers --help with its own usage, on stdout, successfully.
 for cmd in local plan gen-model generate "bench load" "bench allreduce" "bench kernels"; do
   # shellcheck disable=SC2086
