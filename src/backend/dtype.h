@@ -55,7 +55,7 @@ constexpr size_t DTypeBlockBytes(DType t) {
   }
   return 0;
 }
-inline bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
+constexpr bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
 // Bytes of n consecutive values of a row (n a multiple of the block).
 inline size_t DTypeBytes(DType t, int64_t n) {
   return static_cast<size_t>(n / DTypeBlock(t)) * DTypeBlockBytes(t);

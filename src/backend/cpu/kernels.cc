@@ -119,12 +119,12 @@ void GemvRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
   for (; n < n1; ++n) GemvTile<D, 1, MT>(w, n, x, ldx, y, ldy);
 }
 
-// Prefill path: pack a 16-row × KC panel of weights to F32 (transposed, [k][16]), then run a
-// 6-token × 16-output micro-kernel over all tokens.
+// Prefill path: the tokens packed to F32 panels of 16 ([k][16], transposed), weight rows expanded
+// to F32 as they are, and a 6-row × 16-token micro-kernel that broadcasts the weights.
 constexpr int64_t kNr = 16;
 constexpr int64_t kMr = 6;
 constexpr int64_t kKc = 256;
-constexpr int64_t kNc = 128;
+constexpr int64_t kNb = 48;  // weight rows expanded at a time: 8 micro-kernel tiles
 
 // Transposes the 8x8 block r[0..7] (row i = 8 consecutive k of weight row i) in place, so that
 // r[k] holds the 8 rows' values at k.
@@ -147,41 +147,42 @@ inline void Transpose8x8(__m256 r[8]) {
   r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-constexpr bool Quantized(DType d) {
-  return d != DType::kF32 && d != DType::kF16 && d != DType::kBF16;
-}
-
-// Packs rows [n, n + nr) x columns [k0, k0 + kc) of w into panel[k][16] as F32 (rows past nr are
-// zero), converting and transposing 8x8 blocks in registers. Quantized rows are expanded to F32
-// first (k0 and kc are multiples of every block size).
-template <DType D>
-void PackPanel(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* panel) {
-  constexpr DType S = Quantized(D) ? DType::kF32 : D;  // what the transposition reads
-  alignas(32) float expanded[Quantized(D) ? 8 * kKc : 1];
-  const int64_t base = Quantized(D) ? 0 : k0;
+// Packs rows [n, n + nr) x columns [k0, k0 + kc) of the F32 matrix x (row stride ldx) into
+// panel[k][16] (rows past nr are zero), transposing 8x8 blocks in registers.
+void PackPanel(const float* x, int64_t ldx, int64_t n, int64_t nr, int64_t k0, int64_t kc,
+               float* panel) {
   const int64_t k8 = kc / 8 * 8;
   for (int64_t half = 0; half < kNr; half += 8) {
-    const void* rows[8];
-    for (int64_t i = 0; i < 8; ++i) {
-      rows[i] = half + i < nr ? RowPtr(w, n + half + i) : nullptr;
-      if (Quantized(D) && rows[i] != nullptr) {
-        Dequantize(D, static_cast<const uint8_t*>(rows[i]) + DTypeBytes(D, k0), kc,
-                   expanded + i * kKc);
-        rows[i] = expanded + i * kKc;
-      }
-    }
+    const float* rows[8];
+    for (int64_t i = 0; i < 8; ++i) rows[i] = half + i < nr ? x + (n + half + i) * ldx : nullptr;
     for (int64_t k = 0; k < k8; k += 8) {
       __m256 r[8];
       for (int64_t i = 0; i < 8; ++i) {
-        r[i] = rows[i] != nullptr ? Load8<S>(rows[i], base + k) : _mm256_setzero_ps();
+        r[i] = rows[i] != nullptr ? _mm256_loadu_ps(rows[i] + k0 + k) : _mm256_setzero_ps();
       }
       Transpose8x8(r);
       for (int64_t i = 0; i < 8; ++i) _mm256_store_ps(panel + (k + i) * kNr + half, r[i]);
     }
     for (int64_t k = k8; k < kc; ++k) {
       for (int64_t i = 0; i < 8; ++i) {
-        panel[k * kNr + half + i] = rows[i] != nullptr ? LoadScalar<S>(rows[i], base + k) : 0.f;
+        panel[k * kNr + half + i] = rows[i] != nullptr ? rows[i][k0 + k] : 0.f;
       }
+    }
+  }
+}
+
+// Rows [n, n + nr) x columns [k0, k0 + kc) of w as F32, row r at out + r * kKc (quantized rows:
+// k0 and kc are multiples of the block).
+template <DType D>
+void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* out) {
+  for (int64_t r = 0; r < nr; ++r, out += kKc) {
+    const uint8_t* row = RowPtr(w, n + r);
+    if constexpr (IsQuantized(D)) {
+      Dequantize(D, row + DTypeBytes(D, k0), kc, out);
+    } else {
+      int64_t k = 0;
+      for (; k + 8 <= kc; k += 8) _mm256_store_ps(out + k, Load8<D>(row, k0 + k));
+      for (; k < kc; ++k) out[k] = LoadScalar<D>(row, k0 + k);
     }
   }
 }
@@ -258,46 +259,71 @@ void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const f
   }
 }
 
-// Loop order (BLIS-style): for a block of kNc output columns and kKc of K, pack the weights once
-// (kNc/16 panels, in L2), then for every kMr-token block of x (in L1) run the micro-kernel on
-// every panel. x is re-read from outer caches once per kNc columns, not once per 16.
+// Loop order (BLIS-style, the weights as the broadcast operand): for a block of kNb weight rows
+// and kKc of K, expand the rows to F32 once (in L2, no transposition), then for every token panel
+// (in L1) run the micro-kernel on every 6 rows, into yt, the block's outputs transposed
+// ([row][token], row stride mp), written to y once the block's K is done.
 template <DType D>
-void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t M,
-               int64_t ldx, float* y, int64_t ldy) {
-  // Per-thread packing buffer on the heap: 128 KiB of static thread-local storage would sit on
-  // every thread's stack, including small-stack threads of other libraries (civetweb's fail).
+void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* xpack, int64_t M,
+               float* y, int64_t ldy) {
+  // Per-thread buffers on the heap: static thread-local storage of this size would sit on every
+  // thread's stack, including small-stack threads of other libraries (civetweb's fail).
   thread_local std::vector<float> storage;
-  constexpr size_t kPanelFloats = kKc * kNr;
-  if (storage.empty()) storage.resize(kNc / kNr * kPanelFloats + 16);
-  float* base = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
-  auto panel = [&](int64_t s) { return base + s * kPanelFloats; };
-  const int64_t K = w.cols;
-  for (int64_t nb = n0; nb < n1; nb += kNc) {
-    const int64_t ne = std::min(n1, nb + kNc);
-    const int64_t strips = (ne - nb + kNr - 1) / kNr;
+  const int64_t mp = (M + kNr - 1) / kNr * kNr, K = w.cols;
+  storage.resize(kNb * kKc + kNb * mp + 16);
+  float* wbuf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
+  float* yt = wbuf + kNb * kKc;
+  for (int64_t nb = n0; nb < n1; nb += kNb) {
+    const int64_t nr = std::min(kNb, n1 - nb);
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
-      for (int64_t s = 0; s < strips; ++s) {
-        PackPanel<D>(w, nb + s * kNr, std::min(kNr, ne - nb - s * kNr), k0, kc, panel(s));
-      }
-      for (int64_t m = 0; m < M; m += kMr) {
-        const int64_t mr = std::min(kMr, M - m);
-        for (int64_t s = 0; s < strips; ++s) {
-          const int64_t n = nb + s * kNr;
-          MicroKernelAny(mr, kc, x + m * ldx + k0, ldx, panel(s), y + m * ldy + n, ldy,
-                         std::min(kNr, ne - n), k0 > 0);
+      ExpandRows<D>(w, nb, nr, k0, kc, wbuf);
+      for (int64_t t = 0; t < mp; t += kNr) {
+        const float* panel = xpack + (t / kNr * K + k0) * kNr;
+        for (int64_t r = 0; r < nr; r += kMr) {
+          MicroKernelAny(std::min(kMr, nr - r), kc, wbuf + r * kKc, kKc, panel, yt + r * mp + t, mp,
+                         kNr, k0 > 0);
         }
       }
+    }
+    // yt to y in 8x8 blocks transposed in registers, the ragged edges one value at a time.
+    const int64_t r8 = nr / 8 * 8, t8 = M / 8 * 8;
+    for (int64_t r = 0; r < r8; r += 8) {
+      for (int64_t t = 0; t < t8; t += 8) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(yt + (r + i) * mp + t);
+        Transpose8x8(v);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(y + (t + i) * ldy + nb + r, v[i]);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      for (int64_t t = r < r8 ? t8 : 0; t < M; ++t) y[t * ldy + nb + r] = yt[r * mp + t];
     }
   }
 }
 
-// Prefill (M > kDecodeMaxTokens): the packed GEMM, quantized weights expanded to F32 panels.
+// x packed for GemmRange: panels of 16 tokens, [M / 16 rounded up][K][16], tokens past M zero.
+void PackTokens(const float* x, int64_t M, int64_t ldx, int64_t K, ThreadPool& pool,
+                std::vector<float>* storage, float** xpack) {
+  const int64_t panels = (M + kNr - 1) / kNr, kblocks = (K + kKc - 1) / kKc;
+  storage->resize(panels * K * kNr + 16);
+  *xpack = storage->data() + (16 - reinterpret_cast<uintptr_t>(storage->data()) / 4 % 16) % 16;
+  float* out = *xpack;
+  pool.ParallelFor(panels * kblocks, 1, [&](int, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t t = i / kblocks * kNr, k0 = i % kblocks * kKc;
+      PackPanel(x, ldx, t, std::min(kNr, M - t), k0, std::min(kKc, K - k0),
+                out + (t / kNr * K + k0) * kNr);
+    }
+  });
+}
+
+// Prefill (M > kDecodeMaxTokens) of one matrix from the packed tokens.
 template <DType D>
-void Gemm(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+void Gemm(const WeightMatrix& w, const float* xpack, int64_t M, float* y, int64_t ldy,
           ThreadPool& pool) {
-  pool.ParallelFor(w.rows, kNr,
-                   [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, ldx, y, ldy); });
+  pool.ParallelFor(w.rows, kMr,
+                   [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, xpack, M, y, ldy); });
 }
 
 // Decode: rows [b, e) of an F32, F16 or BF16 w against M tokens, in groups of up to 3. BF16
@@ -404,6 +430,9 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
                  ThreadPool& pool) {
   if (M <= 0) return;
   if (M <= kDecodeMaxTokens) return Decode(targets, n, x, M, ldx, pool);
+  thread_local std::vector<float> storage;  // the caller's; the workers read it through xpack
+  float* xpack = nullptr;
+  if (n > 0) PackTokens(x, M, ldx, targets[0].w->cols, pool, &storage, &xpack);
   for (size_t i = 0; i < n; ++i) {
     const WeightMatrix& w = *targets[i].w;
     float* y = targets[i].y;
@@ -411,31 +440,31 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
     if (w.rows <= 0) continue;
     switch (w.dtype) {
       case DType::kF32:
-        Gemm<DType::kF32>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kF32>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kF16:
-        Gemm<DType::kF16>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kF16>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kBF16:
-        Gemm<DType::kBF16>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kBF16>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kQ8_0:
-        Gemm<DType::kQ8_0>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kQ8_0>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kQ4_0:
-        Gemm<DType::kQ4_0>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kQ4_0>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kQ4_1:
-        Gemm<DType::kQ4_1>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kQ4_1>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kQ4_K:
-        Gemm<DType::kQ4_K>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kQ4_K>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kQ5_K:
-        Gemm<DType::kQ5_K>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kQ5_K>(w, xpack, M, y, ldy, pool);
         break;
       case DType::kQ6_K:
-        Gemm<DType::kQ6_K>(w, x, M, ldx, y, ldy, pool);
+        Gemm<DType::kQ6_K>(w, xpack, M, y, ldy, pool);
         break;
     }
   }
