@@ -278,6 +278,17 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* xpack
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
       ExpandRows<D>(w, nb, nr, k0, kc, wbuf);
+      // The next block's weights, fetched from memory while the micro-kernel runs on these: rows
+      // a kilobyte or more apart defeat the hardware prefetcher, and expanding would wait on
+      // every line.
+      const bool last = k0 + kKc >= K;
+      const int64_t pn = last ? nb + kNb : nb, pk = last ? 0 : k0 + kKc;
+      const int64_t pr = std::min(kNb, n1 - pn);
+      const size_t bytes = DTypeBytes(D, std::min(kKc, K - pk));
+      for (int64_t r = 0; r < pr; ++r) {
+        const char* row = reinterpret_cast<const char*>(RowPtr(w, pn + r)) + DTypeBytes(D, pk);
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
+      }
       for (int64_t t = 0; t < mp; t += kNr) {
         const float* panel = xpack + (t / kNr * K + k0) * kNr;
         for (int64_t r = 0; r < nr; r += kMr) {
