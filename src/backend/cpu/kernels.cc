@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "backend/cpu/quant.h"
@@ -187,22 +186,13 @@ void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_
   }
 }
 
-// The MR x 16 tile (MR <= 6) with its accumulators as named variables: GCC keeps an array of them
-// on the stack and stores every FMA result, which halves the kernel's speed.
+// The MR x 16 tile (MR <= 6): y[i][j] (+)= sum over k < kc of a[i][k] * panel[k][j], a's rows
+// broadcast (row stride lda), y's rows at stride ldy. The accumulators are named variables: GCC
+// keeps an array of them on the stack and stores every FMA result, which halves the speed.
 template <int MR>
-inline void MicroKernel(int64_t kc, const float* x, int64_t ldx, const float* panel, float* y,
-                        int64_t ldy, int64_t nr, bool accumulate) {
+inline void MicroKernel(int64_t kc, const float* a, int64_t lda, const float* panel, float* y,
+                        int64_t ldy, bool accumulate) {
   static_assert(MR >= 1 && MR <= 6);
-  alignas(32) float tmp[MR][kNr] = {};
-  float* dst[MR];
-  if (nr == kNr) {
-    for (int i = 0; i < MR; ++i) dst[i] = y + i * ldy;
-  } else {  // a ragged right edge goes through tmp
-    for (int i = 0; i < MR; ++i) {
-      if (accumulate) std::memcpy(tmp[i], y + i * ldy, nr * sizeof(float));
-      dst[i] = tmp[i];
-    }
-  }
   const __m256 zero = _mm256_setzero_ps();
   __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero, c30 = zero,
          c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
@@ -217,45 +207,42 @@ inline void MicroKernel(int64_t kc, const float* x, int64_t ldx, const float* pa
   };
   if (accumulate) {
     rows([&](int i, __m256& lo, __m256& hi) {
-      lo = _mm256_loadu_ps(dst[i]);
-      hi = _mm256_loadu_ps(dst[i] + 8);
+      lo = _mm256_loadu_ps(y + i * ldy);
+      hi = _mm256_loadu_ps(y + i * ldy + 8);
     });
   }
-  const float* xs[MR];
-  for (int i = 0; i < MR; ++i) xs[i] = x + i * ldx;
+  const float* as[MR];
+  for (int i = 0; i < MR; ++i) as[i] = a + i * lda;
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(panel + k * kNr);
     const __m256 b1 = _mm256_load_ps(panel + k * kNr + 8);
     rows([&](int i, __m256& lo, __m256& hi) {
-      const __m256 a = _mm256_broadcast_ss(xs[i] + k);
-      lo = _mm256_fmadd_ps(a, b0, lo);
-      hi = _mm256_fmadd_ps(a, b1, hi);
+      const __m256 v = _mm256_broadcast_ss(as[i] + k);
+      lo = _mm256_fmadd_ps(v, b0, lo);
+      hi = _mm256_fmadd_ps(v, b1, hi);
     });
   }
   rows([&](int i, __m256& lo, __m256& hi) {
-    _mm256_storeu_ps(dst[i], lo);
-    _mm256_storeu_ps(dst[i] + 8, hi);
+    _mm256_storeu_ps(y + i * ldy, lo);
+    _mm256_storeu_ps(y + i * ldy + 8, hi);
   });
-  if (nr != kNr) {
-    for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, tmp[i], nr * sizeof(float));
-  }
 }
 
-void MicroKernelAny(int64_t mr, int64_t kc, const float* x, int64_t ldx, const float* panel,
-                    float* y, int64_t ldy, int64_t nr, bool acc) {
+void MicroKernelAny(int64_t mr, int64_t kc, const float* a, int64_t lda, const float* panel,
+                    float* y, int64_t ldy, bool acc) {
   switch (mr) {
     case 6:
-      return MicroKernel<6>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<6>(kc, a, lda, panel, y, ldy, acc);
     case 5:
-      return MicroKernel<5>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<5>(kc, a, lda, panel, y, ldy, acc);
     case 4:
-      return MicroKernel<4>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<4>(kc, a, lda, panel, y, ldy, acc);
     case 3:
-      return MicroKernel<3>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<3>(kc, a, lda, panel, y, ldy, acc);
     case 2:
-      return MicroKernel<2>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<2>(kc, a, lda, panel, y, ldy, acc);
     default:
-      return MicroKernel<1>(kc, x, ldx, panel, y, ldy, nr, acc);
+      return MicroKernel<1>(kc, a, lda, panel, y, ldy, acc);
   }
 }
 
@@ -293,7 +280,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* xpack
         const float* panel = xpack + (t / kNr * K + k0) * kNr;
         for (int64_t r = 0; r < nr; r += kMr) {
           MicroKernelAny(std::min(kMr, nr - r), kc, wbuf + r * kKc, kKc, panel, yt + r * mp + t, mp,
-                         kNr, k0 > 0);
+                         k0 > 0);
         }
       }
     }

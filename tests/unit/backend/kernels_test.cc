@@ -47,7 +47,8 @@ TEST(KernelsTest, MatMulMatchesReference) {
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (int threads : {1, 3}) {
       ThreadPool pool(threads);
-      for (int64_t M : {1, 2, 3, 4, 7, 12, 13}) {
+      // Prefill (M > 12): one token panel with a ragged edge, several panels, whole 8x8 blocks.
+      for (int64_t M : {1, 2, 3, 4, 7, 12, 13, 33, 40}) {
         for (int64_t N : {1, 5, 16, 37, 150}) {
           for (int64_t K : {1, 8, 13, 300, 520}) {
             Weights w = MakeWeights(dtype, N * K, rng);
