@@ -293,6 +293,20 @@ inline void Factors8(const uint8_t* b, float* factor, float* min) {
   }
 }
 
+// The sum of v's 8 floats in pairs: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), the order
+// in which Sums8 sums each of its vectors, so that a row's result does not depend on which of the
+// two sums it.
+inline float PairwiseSum(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v, v), v);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+// Lane i: PairwiseSum(v[i]).
+inline __m256 Sums8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 // Lane-wise sums of 8 blocks' dot products (8 int32 lanes each, two halves of 4): Merge gives
 // a's and b's lanes summed in pairs, alternating a, b; Merge64 of two of those, the four blocks'
 // sums of each half, in order.
@@ -328,6 +342,9 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     [&]<int... J>(std::integer_sequence<int, J...>) { (f.template operator()<J>(), ...); }
     (std::make_integer_sequence<int, kGroup>());
   };
+  // Each row's sum vector waits in pending until 8 rows are done; their horizontal sums then take
+  // one tree (Sums8), not a chain each.
+  __m256 pending[MT][8];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = static_cast<const uint8_t*>(w.data) + n * row_bytes;
     __m256 acc[MT], mins[MT];
@@ -416,8 +433,14 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     for (int t = 0; t < MT; ++t) {
       const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[t], mins[t]),
                                        _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, tail[t]));
-      y[(t0 + t) * ldy + n] = HSum(sum);
+      pending[t][(n - n0) % 8] = sum;
     }
+    if ((n - n0) % 8 == 7) {
+      for (int t = 0; t < MT; ++t) _mm256_storeu_ps(y + (t0 + t) * ldy + n - 7, Sums8(pending[t]));
+    }
+  }
+  for (int64_t n = n0 + (n1 - n0) / 8 * 8; n < n1; ++n) {
+    for (int t = 0; t < MT; ++t) y[(t0 + t) * ldy + n] = PairwiseSum(pending[t][(n - n0) % 8]);
   }
 }
 
