@@ -14,7 +14,8 @@ namespace shardserve::cpu {
 // y[m][n] = sum_k w[n][k] * x[m][k] for m < M, n < w.rows. x has row stride ldx, y has ldy.
 // Splits output rows across the pool. M <= 12 (decode batches) streams the weights once, blocks
 // of rows staying in L2 for groups of 3 tokens, and each token's result is independent of the
-// batch; larger M packs weight panels to F32 and runs a register-blocked GEMM micro-kernel.
+// batch; larger M packs the tokens into F32 panels once, expands weight rows to F32 and runs a
+// register-blocked GEMM micro-kernel that broadcasts the weights.
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
             ThreadPool& pool);
 

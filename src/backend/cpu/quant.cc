@@ -10,8 +10,8 @@
 // for its maddubs kernels, are faster, 32 products an instruction, but move SmolLM2's logprobs by
 // up to 0.6: its activations have outliers that take a block's whole int8 range.) Blocks go in
 // groups of 8, whose dot products are summed lane-wise and scaled once (DecodeRange). Prefill
-// expands the weights to F32 panels for the F32 GEMM instead (exact up to F32 rounding);
-// Dequantize uses the same unpacking.
+// expands the weights to F32 rows for the F32 GEMM instead (exact up to F32 rounding);
+// Dequantize reads the same layouts (the 4-bit types and Q8_0 widened straight to int32).
 #include "backend/cpu/quant.h"
 
 #include <immintrin.h>

@@ -30,7 +30,7 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 
 // Up to this many tokens (decode batches) MatMul streams the weights once for all of them, each
 // token's result independent of the batch (DecodeRows for quantized weights); beyond it the
-// packed GEMM is faster (quantized weights expanded to its F32 panels by Dequantize).
+// packed GEMM is faster (quantized weight rows expanded to F32 by Dequantize).
 constexpr int64_t kDecodeMaxTokens = 12;
 
 // Activations of M tokens quantized per block of 32 for the quantized decode kernels: int16
