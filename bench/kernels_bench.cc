@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/quant.h"
 #include "common/args.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
@@ -29,8 +31,9 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   for (float& v : x) v = dist(rng);
   std::printf("%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read)\n", "type",
               "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K));
+  // Q4_K as a file holds it, and as the CPU backend keeps it (Q4_KX, repacked).
   for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K,
-                   DType::kQ5_K, DType::kQ6_K}) {
+                   DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K}) {
     if (K % DTypeBlock(dt) != 0) {  // the K-quants' rows hold whole super-blocks of 256
       std::printf("%-6s %12s %12s\n", DTypeName(dt), "-", "-");
       continue;
@@ -47,8 +50,13 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
             bytes.append(reinterpret_cast<const char*>(&h), 2);
           }
         } else {
-          bytes += QuantizeRow(dt, row.data(), K);
+          bytes += QuantizeRow(dt == DType::kQ4_KX ? DType::kQ4_K : dt, row.data(), K);
         }
+      }
+      if (dt == DType::kQ4_KX) {
+        const std::string q4k = bytes;
+        cpu::RepackQ4K(reinterpret_cast<const uint8_t*>(q4k.data()), N * K / 256,
+                       reinterpret_cast<uint8_t*>(bytes.data()));
       }
       const WeightMatrix w{dt, bytes.data(), N, K, K};
       std::vector<float> y(N);

@@ -26,6 +26,8 @@ const char* DTypeName(DType t) {
       return "Q5_K";
     case DType::kQ6_K:
       return "Q6_K";
+    case DType::kQ4_KX:
+      return "Q4_KX";
   }
   return "?";
 }

@@ -12,8 +12,9 @@ namespace shardserve {
 // 32 values with an F16 scale, Q8_0 (int8 values), Q4_0 (4-bit, offset 8), Q4_1 (4-bit with an
 // F16 minimum); and the K-quants, super-blocks of 256 values in sub-blocks with their own
 // quantized scales: Q4_K and Q5_K (8 x 32, 6-bit scales and minimums), Q6_K (16 x 16, int8
-// scales).
-enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K };
+// scales). kQ4_KX is no file's: Q4_K as the CPU backend keeps it, each super-block's quants
+// transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K).
+enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K, kQ4_KX };
 
 // Values per block (1 for the element types) and the bytes of one block.
 constexpr int64_t DTypeBlock(DType t) {
@@ -29,6 +30,7 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kQ4_K:
     case DType::kQ5_K:
     case DType::kQ6_K:
+    case DType::kQ4_KX:
       return 256;
   }
   return 1;
@@ -47,6 +49,7 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kQ4_1:
       return 20;  // F16 scale, F16 minimum, 32 x 4 bits
     case DType::kQ4_K:
+    case DType::kQ4_KX:
       return 144;  // F16 d, dmin; 12 bytes of 6-bit scales and minimums; 256 x 4 bits
     case DType::kQ5_K:
       return 176;  // as Q4_K, plus 32 bytes of fifth bits
@@ -62,7 +65,8 @@ inline size_t DTypeBytes(DType t, int64_t n) {
 }
 // Bytes of one value of an element type (F32, F16, BF16).
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names)
+const char* DTypeName(
+    DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names), "Q4_KX"
 // A safetensors dtype (F32, F16, BF16).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

@@ -50,8 +50,10 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
       return GgmlType::kQ5_K;
     case DType::kQ6_K:
       return GgmlType::kQ6_K;
+    case DType::kQ4_KX:
+      break;  // the CPU backend's own layout, no file's
   }
-  return absl::InvalidArgumentError("unknown type");
+  return absl::InvalidArgumentError(absl::StrCat("no GGUF type for ", DTypeName(t)));
 }
 
 // rows x cols F32 values stored as `type`.

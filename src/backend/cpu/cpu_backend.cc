@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/quant.h"
 #include "common/thread_pool.h"
 
 namespace shardserve::cpu {
@@ -58,7 +60,23 @@ class CpuBackend : public Backend {
   bool copies_weights() const override { return false; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
-  absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override { return host; }
+  // Weights stay where the host has them (the model file's mapping), but Q4_K, which is copied
+  // into the layout of the CPU's decode kernel (Q4_KX, RepackQ4K).
+  absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
+    if (host.dtype != DType::kQ4_K) return host;
+    const size_t row = DTypeBytes(host.dtype, host.cols);
+    auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
+                                               uint8_t[std::max<size_t>(host.rows * row, 1)]);
+    if (copy == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", host.rows * row, " bytes for a Q4_K matrix"));
+    }
+    for (int64_t r = 0; r < host.rows; ++r) {
+      RepackQ4K(RowPtr(host, r), host.cols / DTypeBlock(host.dtype), copy.get() + r * row);
+    }
+    repacked_.push_back(std::move(copy));
+    return WeightMatrix{DType::kQ4_KX, repacked_.back().get(), host.rows, host.cols, host.cols};
+  }
   absl::StatusOr<const float*> Upload(const std::vector<float>& host) override {
     if (host.empty()) return nullptr;
     vectors_.push_back(host);
@@ -283,7 +301,8 @@ class CpuBackend : public Backend {
 
  private:
   ThreadPool pool_;
-  std::vector<std::vector<float>> vectors_;  // Upload()ed vectors: their data never moves
+  std::vector<std::vector<float>> vectors_;           // Upload()ed vectors: their data never moves
+  std::vector<std::unique_ptr<uint8_t[]>> repacked_;  // Upload()ed Q4_K matrices, as Q4_KX
 };
 
 }  // namespace

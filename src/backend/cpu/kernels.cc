@@ -360,10 +360,10 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
   // elements, quantized dtypes quantized per block in their order. The caller's thread-local
   // storage, which the workers read through these references.
   thread_local std::vector<float> split_storage;
-  thread_local Q16Activations quantized_storage[2];  // in order, interleaved
+  thread_local Q16Activations quantized_storage[kActivationOrders];
   std::vector<float>& split = split_storage;
   Q16Activations* const quantized = quantized_storage;
-  bool have_split = false, have_quantized[2] = {false, false};
+  bool have_split = false, have_quantized[kActivationOrders] = {};
   // The targets' rows laid end to end by bytes: the pool splits the bytes, so that a thread's
   // share is the same amount of reading whatever the dtypes; target i's row r goes to the thread
   // whose share holds the row's first byte.
@@ -386,7 +386,7 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
         }
       }
     } else if (IsQuantized(w.dtype)) {
-      const bool order = InterleavedActivations(w.dtype);
+      const int order = ActivationOrder(w.dtype);
       if (!have_quantized[order]) {
         have_quantized[order] = true;
         QuantizeActivations(x, M, ldx, K, order, pool, &quantized[order]);
@@ -404,7 +404,7 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
       case DType::kBF16:
         return GemvRows<DType::kBF16>(w, b, e, x, ldx, split.data(), M, t.y, t.ldy);
       default:
-        return DecodeRows(w, b, e, quantized[InterleavedActivations(w.dtype)], M, t.y, t.ldy);
+        return DecodeRows(w, b, e, quantized[ActivationOrder(w.dtype)], M, t.y, t.ldy);
     }
   };
   pool.ParallelFor(offset[n], grain, [&](int, int64_t b, int64_t e) {
@@ -463,6 +463,9 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
         break;
       case DType::kQ6_K:
         Gemm<DType::kQ6_K>(w, xpack, M, y, ldy, pool);
+        break;
+      case DType::kQ4_KX:
+        Gemm<DType::kQ4_KX>(w, xpack, M, y, ldy, pool);
         break;
     }
   }

@@ -12,6 +12,11 @@
 // groups of 8, whose dot products are summed lane-wise and scaled once (DecodeRange). Prefill
 // expands the weights to F32 rows for the F32 GEMM instead (exact up to F32 rounding);
 // Dequantize reads the same layouts (the 4-bit types and Q8_0 widened straight to int32).
+//
+// Q4_K's 8 blocks' dot products are 8 vectors to merge into one of their sums (14 shuffles a
+// super-block, 15 % of the kernel's time), so the CPU backend keeps Q4_K as Q4_KX (RepackQ4K):
+// the same bytes, transposed so that each int32 lane of a product belongs to one block, and the
+// super-block's products are summed lane by lane. Its results are Q4_K's, bit for bit.
 #include "backend/cpu/quant.h"
 
 #include <immintrin.h>
@@ -36,8 +41,15 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 // Whether a block's 32 values are laid out as two vectors of 16 int16 holding values 0-7 and
 // 16-23, then 8-15 and 24-31 (the order unpacking 32 bytes to int16 in place gives, one
 // instruction a vector: Q5_K, Q6_K), rather than 0-15 and 16-31 (widening 16 bytes from memory:
-// the 32-value types, Q4_K). The activations are quantized in the same order.
-constexpr bool Interleaved(DType d) { return d == DType::kQ5_K || d == DType::kQ6_K; }
+// the 32-value types, Q4_K). The activations are quantized in the same order (Q4_KX: in its own,
+// kTransposed).
+enum class Order { kInOrder, kInterleaved, kTransposed };
+constexpr Order OrderOf(DType d) {
+  return d == DType::kQ5_K || d == DType::kQ6_K ? Order::kInterleaved
+         : d == DType::kQ4_KX                   ? Order::kTransposed
+                                                : Order::kInOrder;
+}
+constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; }
 // Whether a block's weights have a minimum term (factor * q + min).
 constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
@@ -185,6 +197,31 @@ struct Unpacked {
           const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
           _mm256_storeu_ps(lo_out + g, _mm256_fmadd_ps(low, f_lo, m_lo));
           _mm256_storeu_ps(hi_out + g, _mm256_fmadd_ps(high, f_hi, m_hi));
+        }
+      }
+    } else if constexpr (D == DType::kQ4_KX) {
+      // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
+      // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
+      // that they widen from there as the other types' bytes do.
+      alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      for (int h = 0; h < 4; ++h) {
+        const __m256i bytes = Load32(b + 16 + 32 * h), mask = _mm256_set1_epi8(0x0F);
+        const __m256i lo = _mm256_and_si256(bytes, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][0]),
+                           _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(lo, hi), order));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
+                           _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(lo, hi), order));
+      }
+      // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
+      asm volatile("" : : "r"(q) : "memory");
+      for (int k = 0; k < 8; ++k) {
+        const __m256 f = _mm256_set1_ps(factor[k]), m = _mm256_set1_ps(min[k]);
+        for (int h = 0; h < 4; ++h) {
+          const __m256i v = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[h][k / 4][k % 4 * 8])));
+          _mm256_storeu_ps(out + 32 * k + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), f, m));
         }
       }
     } else if constexpr (D == DType::kQ8_0) {
@@ -398,6 +435,27 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         }
       }
     };
+    // Q4_KX: a super-block's integer dot products summed lane by lane (lane k: block k's, by the
+    // layout), then scaled as a group's: no merging, and the same sums as Q4_K's group.
+    const auto transposed = [&](const Unpacked<D>& u, int64_t xb) {
+      __m256i s0[MT], s1[MT];
+      for (int t = 0; t < MT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
+      each([&]<int I>() {
+        const __m256i v = Widen(u.b + 16 + 16 * I);
+        const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
+        for (int t = 0; t < MT; ++t) {
+          const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 32 * I);
+          s0[t] = _mm256_add_epi32(s0[t], _mm256_madd_epi16(lo, _mm256_loadu_si256(x)));
+          s1[t] = _mm256_add_epi32(s1[t], _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
+        }
+      });
+      for (int t = 0; t < MT; ++t) {
+        acc[t] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_add_epi32(s0[t], s1[t])),
+            _mm256_mul_ps(_mm256_loadu_ps(u.factor), _mm256_loadu_ps(xd[t] + xb)), acc[t]);
+        mins[t] = _mm256_fmadd_ps(_mm256_loadu_ps(u.min), _mm256_loadu_ps(xs[t] + xb), mins[t]);
+      }
+    };
     if constexpr (kSub == 1) {
       int64_t wb = 0;
       for (; wb + kGroup <= wblocks; wb += kGroup) {
@@ -426,8 +484,12 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         PrefetchAhead(row + wb * bb, bb);
         const Unpacked<D> u(row + wb * bb);
         const int64_t xb = wb * kSub;
-        group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
-              u.min, xb);
+        if constexpr (D == DType::kQ4_KX) {
+          transposed(u, xb);
+        } else {
+          group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
+                u.min, xb);
+        }
       }
     }
     for (int t = 0; t < MT; ++t) {
@@ -441,6 +503,23 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
   }
   for (int64_t n = n0 + (n1 - n0) / 8 * 8; n < n1; ++n) {
     for (int t = 0; t < MT; ++t) y[(t0 + t) * ldy + n] = PairwiseSum(pending[t][(n - n0) % 8]);
+  }
+}
+
+// Quantized activations (in order) into the transposed order, in each 256: value 4i + e of block k
+// (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout).
+void TransposeActivations(int64_t K, int16_t* q) {
+  int16_t in[256];
+  for (int64_t g = 0; g < K; g += 256) {
+    std::memcpy(in, q + g, sizeof(in));
+    for (int i = 0; i < 8; ++i) {
+      for (int k = 0; k < 8; ++k) {
+        for (int e = 0; e < 2; ++e) {
+          q[g + 32 * i + 2 * k + e] = in[32 * k + 4 * i + e];
+          q[g + 32 * i + 16 + 2 * k + e] = in[32 * k + 4 * i + 2 + e];
+        }
+      }
+    }
   }
 }
 
@@ -488,14 +567,33 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
       return DequantizeTyped<DType::kQ5_K>(p, n, out);
     case DType::kQ6_K:
       return DequantizeTyped<DType::kQ6_K>(p, n, out);
+    case DType::kQ4_KX:
+      return DequantizeTyped<DType::kQ4_KX>(p, n, out);
     default:
       return;
   }
 }
 
-bool InterleavedActivations(DType dtype) { return Interleaved(dtype); }
+int ActivationOrder(DType dtype) { return static_cast<int>(OrderOf(dtype)); }
 
-void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleaved,
+void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst) {
+  constexpr size_t bb = DTypeBlockBytes(DType::kQ4_K);
+  for (int64_t s = 0; s < superblocks; ++s, src += bb, dst += bb) {
+    std::memcpy(dst, src, 16);  // d, dmin, scales and minimums
+    // Value v of block j: chunk j / 2's byte v, low nibble for even j, high for odd.
+    const auto q = [&](int j, int v) { return (src[16 + 32 * (j / 2) + v] >> (4 * (j % 2))) & 15; };
+    for (int i = 0; i < 8; ++i) {
+      for (int k = 0; k < 8; ++k) {
+        for (int e = 0; e < 2; ++e) {
+          dst[16 + 16 * i + 2 * k + e] =
+              static_cast<uint8_t>(q(k, 4 * i + e) | q(k, 4 * i + 2 + e) << 4);
+        }
+      }
+    }
+  }
+}
+
+void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
                          ThreadPool& pool, Q16Activations* a) {
   const int64_t blocks = K / kBlock;
   a->q.resize(static_cast<size_t>(M * K));
@@ -503,8 +601,10 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, bool
   a->ds.resize(static_cast<size_t>(M * blocks));
   auto rows = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      QuantizeActivationRow(x + t * ldx, K, interleaved, &a->q[t * K], &a->d[t * blocks],
-                            &a->ds[t * blocks]);
+      int16_t* q = &a->q[t * K];
+      QuantizeActivationRow(x + t * ldx, K, order == static_cast<int>(Order::kInterleaved), q,
+                            &a->d[t * blocks], &a->ds[t * blocks]);
+      if (order == static_cast<int>(Order::kTransposed)) TransposeActivations(K, q);
     }
   };
   if (M == 1) return rows(0, 1);
@@ -526,6 +626,8 @@ void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activati
       return DecodeRowsTyped<DType::kQ5_K>(w, n0, n1, a, M, y, ldy);
     case DType::kQ6_K:
       return DecodeRowsTyped<DType::kQ6_K>(w, n0, n1, a, M, y, ldy);
+    case DType::kQ4_KX:
+      return DecodeRowsTyped<DType::kQ4_KX>(w, n0, n1, a, M, y, ldy);
     default:
       return;
   }

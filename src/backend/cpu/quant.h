@@ -42,12 +42,22 @@ struct Q16Activations {
   std::vector<float> ds;   // [M][K / 32]
 };
 
-// Whether the kernels of a quantized dtype read the activations in the interleaved order (each
-// block's values 0-7 with 16-23, 8-15 with 24-31) rather than in order.
-bool InterleavedActivations(DType dtype);
-// M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
-void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, bool interleaved,
+// The orders in which the decode kernels read the activations: in order; interleaved (each
+// block's values 0-7 with 16-23, 8-15 with 24-31); transposed (Q4_KX: in each 256 values, the
+// 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7).
+constexpr int kActivationOrders = 3;
+// The order in which the kernels of a quantized dtype read the activations.
+int ActivationOrder(DType dtype);
+// M rows of K activations (row stride ldx; K a multiple of 32, of 256 for the transposed order)
+// quantized in one order.
+void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
                          ThreadPool& pool, Q16Activations* a);
+// Q4_K rows as DType::kQ4_KX, the layout the CPU keeps them in: the same bytes, but each
+// super-block's 128 bytes of quants transposed so that byte 16i + 2k + e holds value 4i + e of
+// block k in its low nibble and value 4i + 2 + e in its high one. Widened to 16 int16, those
+// bytes give integer dot products whose pairs (one int32 lane) belong to one block each: the
+// decode sums a super-block's products lane by lane, with no merging of blocks.
+void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
 // Decode: rows [n0, n1) of the quantized w against the M tokens of a (quantized in the order
 // w.dtype reads), y[t * ldy + n]; integer dot products with each weight block unpacked once for
 // up to 3 tokens.
