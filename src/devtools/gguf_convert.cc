@@ -51,6 +51,7 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
     case DType::kQ6_K:
       return GgmlType::kQ6_K;
     case DType::kQ4_KX:
+    case DType::kQ4_1X:
       break;  // the CPU backend's own layout, no file's
   }
   return absl::InvalidArgumentError(absl::StrCat("no GGUF type for ", DTypeName(t)));

@@ -60,22 +60,29 @@ class CpuBackend : public Backend {
   bool copies_weights() const override { return false; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
-  // Weights stay where the host has them (the model file's mapping), but Q4_K, which is copied
-  // into the layout of the CPU's decode kernel (Q4_KX, RepackQ4K).
+  // Weights stay where the host has them (the model file's mapping), but Q4_K and Q4_1, which
+  // are copied into the layouts of the CPU's decode kernel (Q4_KX, Q4_1X).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
-    if (host.dtype != DType::kQ4_K) return host;
+    if (host.dtype != DType::kQ4_K && host.dtype != DType::kQ4_1) return host;
+    const bool k_quant = host.dtype == DType::kQ4_K;
     const size_t row = DTypeBytes(host.dtype, host.cols);
     auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
                                                uint8_t[std::max<size_t>(host.rows * row, 1)]);
     if (copy == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate ", host.rows * row, " bytes for a Q4_K matrix"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", host.rows * row, " bytes for a ", DTypeName(host.dtype), " matrix"));
     }
     for (int64_t r = 0; r < host.rows; ++r) {
-      RepackQ4K(RowPtr(host, r), host.cols / DTypeBlock(host.dtype), copy.get() + r * row);
+      const int64_t blocks = host.cols / DTypeBlock(host.dtype);
+      if (k_quant) {
+        RepackQ4K(RowPtr(host, r), blocks, copy.get() + r * row);
+      } else {
+        RepackQ4_1(RowPtr(host, r), blocks, copy.get() + r * row);
+      }
     }
     repacked_.push_back(std::move(copy));
-    return WeightMatrix{DType::kQ4_KX, repacked_.back().get(), host.rows, host.cols, host.cols};
+    return WeightMatrix{k_quant ? DType::kQ4_KX : DType::kQ4_1X, repacked_.back().get(), host.rows,
+                        host.cols, host.cols};
   }
   absl::StatusOr<const float*> Upload(const std::vector<float>& host) override {
     if (host.empty()) return nullptr;
@@ -302,7 +309,7 @@ class CpuBackend : public Backend {
  private:
   ThreadPool pool_;
   std::vector<std::vector<float>> vectors_;           // Upload()ed vectors: their data never moves
-  std::vector<std::unique_ptr<uint8_t[]>> repacked_;  // Upload()ed Q4_K matrices, as Q4_KX
+  std::vector<std::unique_ptr<uint8_t[]>> repacked_;  // Upload()ed Q4_K and Q4_1, repacked
 };
 
 }  // namespace

@@ -45,11 +45,15 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 // kTransposed).
 enum class Order { kInOrder, kInterleaved, kTransposed };
 constexpr Order OrderOf(DType d) {
-  return d == DType::kQ5_K || d == DType::kQ6_K ? Order::kInterleaved
-         : d == DType::kQ4_KX                   ? Order::kTransposed
-                                                : Order::kInOrder;
+  return d == DType::kQ5_K || d == DType::kQ6_K     ? Order::kInterleaved
+         : d == DType::kQ4_KX || d == DType::kQ4_1X ? Order::kTransposed
+                                                    : Order::kInOrder;
 }
 constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; }
+// The file's type a CPU layout was repacked from.
+constexpr DType Plain(DType d) {
+  return d == DType::kQ4_KX ? DType::kQ4_K : d == DType::kQ4_1X ? DType::kQ4_1 : d;
+}
 // Whether a block's weights have a minimum term (factor * q + min).
 constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
@@ -85,6 +89,36 @@ inline __m256i Widen(const uint8_t* p) {  // 16 bytes as 16 uint16
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x0F)); }
+
+// 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as F32,
+// factor[k] * q + min[k] for block k.
+inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
+                            float* out) {
+  // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
+  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
+  // that they widen from there as the other types' bytes do.
+  alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int h = 0; h < 4; ++h) {
+    const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(bytes, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][0]),
+                       _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(lo, hi), order));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
+                       _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(lo, hi), order));
+  }
+  // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
+  asm volatile("" : : "r"(q) : "memory");
+  for (int k = 0; k < 8; ++k) {
+    const __m256 f = _mm256_set1_ps(factor[k]), m = _mm256_set1_ps(min[k]);
+    for (int h = 0; h < 4; ++h) {
+      const __m256i v = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[h][k / 4][k % 4 * 8])));
+      _mm256_storeu_ps(out + 32 * k + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), f, m));
+    }
+  }
+}
 
 // One weight block of D (32 values, or a K-quant super-block holding 8 blocks of 32). Block j's
 // weights are factor * q + min[j], with q the 32 integers Values(j) gives as two vectors of 16
@@ -200,30 +234,7 @@ struct Unpacked {
         }
       }
     } else if constexpr (D == DType::kQ4_KX) {
-      // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
-      // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
-      // that they widen from there as the other types' bytes do.
-      alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
-      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-      for (int h = 0; h < 4; ++h) {
-        const __m256i bytes = Load32(b + 16 + 32 * h), mask = _mm256_set1_epi8(0x0F);
-        const __m256i lo = _mm256_and_si256(bytes, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][0]),
-                           _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(lo, hi), order));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
-                           _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(lo, hi), order));
-      }
-      // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
-      asm volatile("" : : "r"(q) : "memory");
-      for (int k = 0; k < 8; ++k) {
-        const __m256 f = _mm256_set1_ps(factor[k]), m = _mm256_set1_ps(min[k]);
-        for (int h = 0; h < 4; ++h) {
-          const __m256i v = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[h][k / 4][k % 4 * 8])));
-          _mm256_storeu_ps(out + 32 * k + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), f, m));
-        }
-      }
+      StoreTransposed(b + 16, factor, min, out);
     } else if constexpr (D == DType::kQ8_0) {
       const __m256 f = _mm256_set1_ps(factor[0]);
       for (int g = 0; g < kBlock; g += 8) {
@@ -388,7 +399,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     float tail[MT] = {};  // the last blocks of a row that do not fill a group
     for (int t = 0; t < MT; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
     // Token t's integer dot product of block j of u with activation block xb (8 lanes).
-    const auto dots = [&]<int j>(const Unpacked<D>& u, int64_t xb, __m256i* out) {
+    const auto dots = [&]<int j>(const auto& u, int64_t xb, __m256i* out) {
       __m256i lo, hi;
       u.template Values<j>(&lo, &hi);
       for (int t = 0; t < MT; ++t) {
@@ -435,13 +446,15 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         }
       }
     };
-    // Q4_KX: a super-block's integer dot products summed lane by lane (lane k: block k's, by the
-    // layout), then scaled as a group's: no merging, and the same sums as Q4_K's group.
-    const auto transposed = [&](const Unpacked<D>& u, int64_t xb) {
+    // The transposed layouts (Q4_KX, Q4_1X): 8 blocks' integer dot products summed lane by lane
+    // (lane k: block k's, by the layout), then scaled as a group's: no merging, and the same sums
+    // as the group's of the layout they were repacked from.
+    const auto transposed = [&](const uint8_t* quants, __m256 factors, __m256 group_mins,
+                                int64_t xb) {
       __m256i s0[MT], s1[MT];
       for (int t = 0; t < MT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
       each([&]<int I>() {
-        const __m256i v = Widen(u.b + 16 + 16 * I);
+        const __m256i v = Widen(quants + 16 * I);
         const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
         for (int t = 0; t < MT; ++t) {
           const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 32 * I);
@@ -450,27 +463,34 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         }
       });
       for (int t = 0; t < MT; ++t) {
-        acc[t] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(_mm256_add_epi32(s0[t], s1[t])),
-            _mm256_mul_ps(_mm256_loadu_ps(u.factor), _mm256_loadu_ps(xd[t] + xb)), acc[t]);
-        mins[t] = _mm256_fmadd_ps(_mm256_loadu_ps(u.min), _mm256_loadu_ps(xs[t] + xb), mins[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0[t], s1[t])),
+                                 _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb)), acc[t]);
+        mins[t] = _mm256_fmadd_ps(group_mins, _mm256_loadu_ps(xs[t] + xb), mins[t]);
       }
     };
     if constexpr (kSub == 1) {
       int64_t wb = 0;
       for (; wb + kGroup <= wblocks; wb += kGroup) {
         const uint8_t* g = row + wb * bb;
-        alignas(32) float factors[kGroup], group_mins[kGroup];
-        Factors8<D>(g, factors, group_mins);
-        group(
-            [&]<int J>(__m256i* d) {
-              PrefetchAhead(g + J * bb, bb);
-              dots.template operator()<0>(Unpacked<D>(g + J * bb), wb + J, d);
-            },
-            factors, group_mins, wb);
+        if constexpr (D == DType::kQ4_1X) {  // 8 F16 factors, 8 minimums, 128 bytes transposed
+          PrefetchAhead(g, kGroup * bb);
+          const auto halves = [](const uint8_t* p) {
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          };
+          transposed(g + 32, halves(g), halves(g + 16), wb);
+        } else {
+          alignas(32) float factors[kGroup], group_mins[kGroup];
+          Factors8<D>(g, factors, group_mins);
+          group(
+              [&]<int J>(__m256i* d) {
+                PrefetchAhead(g + J * bb, bb);
+                dots.template operator()<0>(Unpacked<D>(g + J * bb), wb + J, d);
+              },
+              factors, group_mins, wb);
+        }
       }
-      for (; wb < wblocks; ++wb) {
-        const Unpacked<D> u(row + wb * bb);
+      for (; wb < wblocks; ++wb) {  // Q4_1X's too are Q4_1 blocks as they were
+        const Unpacked<Plain(D)> u(row + wb * bb);
         __m256i d[MT];
         dots.template operator()<0>(u, wb, d);
         for (int t = 0; t < MT; ++t) {
@@ -485,7 +505,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         const Unpacked<D> u(row + wb * bb);
         const int64_t xb = wb * kSub;
         if constexpr (D == DType::kQ4_KX) {
-          transposed(u, xb);
+          transposed(u.b + 16, _mm256_loadu_ps(u.factor), _mm256_loadu_ps(u.min), xb);
         } else {
           group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
                 u.min, xb);
@@ -510,7 +530,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
 // (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout).
 void TransposeActivations(int64_t K, int16_t* q) {
   int16_t in[256];
-  for (int64_t g = 0; g < K; g += 256) {
+  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's last blocks stay in order
     std::memcpy(in, q + g, sizeof(in));
     for (int i = 0; i < 8; ++i) {
       for (int k = 0; k < 8; ++k) {
@@ -525,6 +545,20 @@ void TransposeActivations(int64_t K, int16_t* q) {
 
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
+  if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks (RepackQ4_1)
+    constexpr size_t group = 8 * DTypeBlockBytes(D);
+    int64_t k = 0;
+    for (; k + 256 <= n; k += 256, row += group, out += 256) {
+      alignas(32) float factor[8], min[8];
+      for (int i = 0; i < 2; ++i) {
+        _mm256_store_ps(
+            i == 0 ? factor : min,
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
+      }
+      StoreTransposed(row + 32, factor, min, out);
+    }
+    return DequantizeTyped<DType::kQ4_1>(row, n - k, out);
+  }
   for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
     const Unpacked<D> u(row + b * DTypeBlockBytes(D));
     u.Store(out + b * DTypeBlock(D));
@@ -569,6 +603,8 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
       return DequantizeTyped<DType::kQ6_K>(p, n, out);
     case DType::kQ4_KX:
       return DequantizeTyped<DType::kQ4_KX>(p, n, out);
+    case DType::kQ4_1X:
+      return DequantizeTyped<DType::kQ4_1X>(p, n, out);
     default:
       return;
   }
@@ -576,21 +612,45 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
 
 int ActivationOrder(DType dtype) { return static_cast<int>(OrderOf(dtype)); }
 
+namespace {
+// 8 blocks' 128 bytes of quants transposed: byte 16i + 2k + e gets value 4i + e of block k in its
+// low nibble, 4i + 2 + e in its high one (value(k, v)).
+template <typename Value>
+void Transpose8(Value value, uint8_t* dst) {
+  for (int i = 0; i < 8; ++i) {
+    for (int k = 0; k < 8; ++k) {
+      for (int e = 0; e < 2; ++e) {
+        dst[16 * i + 2 * k + e] =
+            static_cast<uint8_t>(value(k, 4 * i + e) | value(k, 4 * i + 2 + e) << 4);
+      }
+    }
+  }
+}
+}  // namespace
+
 void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst) {
   constexpr size_t bb = DTypeBlockBytes(DType::kQ4_K);
   for (int64_t s = 0; s < superblocks; ++s, src += bb, dst += bb) {
     std::memcpy(dst, src, 16);  // d, dmin, scales and minimums
     // Value v of block j: chunk j / 2's byte v, low nibble for even j, high for odd.
-    const auto q = [&](int j, int v) { return (src[16 + 32 * (j / 2) + v] >> (4 * (j % 2))) & 15; };
-    for (int i = 0; i < 8; ++i) {
-      for (int k = 0; k < 8; ++k) {
-        for (int e = 0; e < 2; ++e) {
-          dst[16 + 16 * i + 2 * k + e] =
-              static_cast<uint8_t>(q(k, 4 * i + e) | q(k, 4 * i + 2 + e) << 4);
-        }
-      }
-    }
+    Transpose8([&](int j, int v) { return (src[16 + 32 * (j / 2) + v] >> (4 * (j % 2))) & 15; },
+               dst + 16);
   }
+}
+
+void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst) {
+  constexpr size_t bb = DTypeBlockBytes(DType::kQ4_1);
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8, src += 8 * bb, dst += 8 * bb) {
+    for (int k = 0; k < 8; ++k) {
+      std::memcpy(dst + 2 * k, src + k * bb, 2);           // factor
+      std::memcpy(dst + 16 + 2 * k, src + k * bb + 2, 2);  // minimum
+    }
+    // Value v of block k: byte v % 16 of its quants, the low nibble for v < 16.
+    Transpose8([&](int k, int v) { return (src[k * bb + 4 + v % 16] >> (v / 16 * 4)) & 15; },
+               dst + 32);
+  }
+  std::memcpy(dst, src, (blocks - b) * bb);
 }
 
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
@@ -628,6 +688,8 @@ void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activati
       return DecodeRowsTyped<DType::kQ6_K>(w, n0, n1, a, M, y, ldy);
     case DType::kQ4_KX:
       return DecodeRowsTyped<DType::kQ4_KX>(w, n0, n1, a, M, y, ldy);
+    case DType::kQ4_1X:
+      return DecodeRowsTyped<DType::kQ4_1X>(w, n0, n1, a, M, y, ldy);
     default:
       return;
   }

@@ -44,12 +44,12 @@ struct Q16Activations {
 
 // The orders in which the decode kernels read the activations: in order; interleaved (each
 // block's values 0-7 with 16-23, 8-15 with 24-31); transposed (Q4_KX: in each 256 values, the
-// 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7).
+// 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7; Q4_1X's
+// last K % 256 values in order).
 constexpr int kActivationOrders = 3;
 // The order in which the kernels of a quantized dtype read the activations.
 int ActivationOrder(DType dtype);
-// M rows of K activations (row stride ldx; K a multiple of 32, of 256 for the transposed order)
-// quantized in one order.
+// M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
                          ThreadPool& pool, Q16Activations* a);
 // Q4_K rows as DType::kQ4_KX, the layout the CPU keeps them in: the same bytes, but each
@@ -58,6 +58,10 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
 // bytes give integer dot products whose pairs (one int32 lane) belong to one block each: the
 // decode sums a super-block's products lane by lane, with no merging of blocks.
 void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
+// A Q4_1 row of `blocks` blocks as DType::kQ4_1X: each group of 8 blocks as their 8 F16 factors,
+// their 8 minimums and their quants transposed as RepackQ4K's; the last blocks % 8 blocks as they
+// were.
+void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst);
 // Decode: rows [n0, n1) of the quantized w against the M tokens of a (quantized in the order
 // w.dtype reads), y[t * ldy + n]; integer dot products with each weight block unpacked once for
 // up to 3 tokens.

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/quant.h"
@@ -329,49 +330,67 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
   }
 }
 
-// Q4_KX, the layout the CPU backend keeps Q4_K in: its rows expand and multiply (decode batches,
-// with the activations in their transposed order, and prefill) bit for bit as the Q4_K rows they
-// were repacked from; the backend's Upload repacks Q4_K and nothing else.
-TEST(KernelsTest, Q4KXComputesExactlyWhatItsQ4KRowsDo) {
+// Q4_KX and Q4_1X, the layouts the CPU backend keeps Q4_K and Q4_1 in: their rows expand and
+// multiply (decode batches, with the activations in the transposed order, and prefill) bit for
+// bit as the rows they were repacked from, Q4_1X also where a row ends in blocks short of a group
+// of 8 (K = 352, 576); the backend's Upload repacks those two types and nothing else.
+TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
   std::mt19937 rng(8);
   std::uniform_real_distribution<float> dist(-1, 1);
-  const int64_t N = 29, K = 768, row_bytes = DTypeBytes(DType::kQ4_K, K);
-  std::vector<float> w(N * K);
-  for (float& v : w) v = dist(rng);
-  std::string q4k;
-  for (int64_t n = 0; n < N; ++n) q4k += QuantizeRow(DType::kQ4_K, w.data() + n * K, K);
-  std::string q4kx(q4k.size(), '\0');
-  RepackQ4K(reinterpret_cast<const uint8_t*>(q4k.data()), N * K / 256,
-            reinterpret_cast<uint8_t*>(q4kx.data()));
-  ASSERT_NE(q4k, q4kx);
-  std::vector<float> a(K), b(K);
-  for (int64_t n = 0; n < N; ++n) {
-    ToFloat(DType::kQ4_K, q4k.data() + n * row_bytes, K, a.data());
-    ToFloat(DType::kQ4_KX, q4kx.data() + n * row_bytes, K, b.data());
-    ASSERT_EQ(a, b) << "row " << n;
-  }
-  const WeightMatrix original{DType::kQ4_K, q4k.data(), N, K, K};
-  const WeightMatrix repacked{DType::kQ4_KX, q4kx.data(), N, K, K};
   auto backend = NewBackend(2);
-  const absl::StatusOr<WeightMatrix> uploaded = backend->Upload(original);
-  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
-  EXPECT_EQ(uploaded->dtype, DType::kQ4_KX);
-  EXPECT_EQ(std::string(static_cast<const char*>(uploaded->data), q4kx.size()), q4kx);
-  const WeightMatrix bf16{DType::kBF16, q4k.data(), 3, 64, 64};
-  const absl::StatusOr<WeightMatrix> kept = backend->Upload(bf16);
-  ASSERT_TRUE(kept.ok());
-  EXPECT_EQ(kept->data, bf16.data);
-  for (int threads : {1, 2, 3}) {
-    ThreadPool pool(threads);
-    for (int64_t M : {1, 2, 3, 5, 12, 13, 40}) {
-      std::vector<float> x(M * K), y0(M * N, NAN), y1(M * N, NAN), y2(M * N, NAN);
-      for (float& v : x) v = dist(rng);
-      MatMul(original, x.data(), M, K, y0.data(), N, pool);
-      MatMul(repacked, x.data(), M, K, y1.data(), N, pool);
-      ASSERT_TRUE(backend->Gemm(*uploaded, x.data(), M, y2.data()).ok());
-      ASSERT_EQ(y0, y1) << "M=" << M << " threads " << threads;
-      ASSERT_EQ(y0, y2) << "M=" << M;
+  for (auto [from, to, K] : {std::tuple{DType::kQ4_K, DType::kQ4_KX, int64_t{768}},
+                             {DType::kQ4_1, DType::kQ4_1X, int64_t{352}},
+                             {DType::kQ4_1, DType::kQ4_1X, int64_t{576}},
+                             {DType::kQ4_1, DType::kQ4_1X, int64_t{512}}}) {
+    const std::string what = absl::StrCat(DTypeName(to), " K=", K);
+    const int64_t N = 29, row_bytes = DTypeBytes(from, K);
+    std::vector<float> w(N * K);
+    for (float& v : w) v = dist(rng);
+    std::string plain;
+    for (int64_t n = 0; n < N; ++n) plain += QuantizeRow(from, w.data() + n * K, K);
+    std::string repacked(plain.size(), '\0');
+    for (int64_t n = 0; n < N; ++n) {
+      const auto* src = reinterpret_cast<const uint8_t*>(plain.data() + n * row_bytes);
+      auto* dst = reinterpret_cast<uint8_t*>(repacked.data() + n * row_bytes);
+      if (from == DType::kQ4_K) {
+        RepackQ4K(src, K / 256, dst);
+      } else {
+        RepackQ4_1(src, K / 32, dst);
+      }
     }
+    ASSERT_NE(plain, repacked) << what;
+    std::vector<float> a(K), b(K);
+    for (int64_t n = 0; n < N; ++n) {
+      ToFloat(from, plain.data() + n * row_bytes, K, a.data());
+      ToFloat(to, repacked.data() + n * row_bytes, K, b.data());
+      ASSERT_EQ(a, b) << what << " row " << n;
+    }
+    const WeightMatrix original{from, plain.data(), N, K, K};
+    const WeightMatrix packed{to, repacked.data(), N, K, K};
+    const absl::StatusOr<WeightMatrix> uploaded = backend->Upload(original);
+    ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+    EXPECT_EQ(uploaded->dtype, to);
+    EXPECT_EQ(std::string(static_cast<const char*>(uploaded->data), repacked.size()), repacked);
+    for (int threads : {1, 2, 3}) {
+      ThreadPool pool(threads);
+      for (int64_t M : {1, 2, 3, 5, 12, 13, 40}) {
+        std::vector<float> x(M * K), y0(M * N, NAN), y1(M * N, NAN), y2(M * N, NAN);
+        for (float& v : x) v = dist(rng);
+        MatMul(original, x.data(), M, K, y0.data(), N, pool);
+        MatMul(packed, x.data(), M, K, y1.data(), N, pool);
+        ASSERT_TRUE(backend->Gemm(*uploaded, x.data(), M, y2.data()).ok());
+        ASSERT_EQ(y0, y1) << what << " M=" << M << " threads " << threads;
+        ASSERT_EQ(y0, y2) << what << " M=" << M;
+      }
+    }
+  }
+  for (DType kept : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ6_K}) {
+    std::string bytes(DTypeBytes(kept, 256) * 3, '\0');
+    const WeightMatrix m{kept, bytes.data(), 3, 256, 256};
+    const absl::StatusOr<WeightMatrix> same = backend->Upload(m);
+    ASSERT_TRUE(same.ok());
+    EXPECT_EQ(same->data, m.data) << DTypeName(kept);
+    EXPECT_EQ(same->dtype, kept);
   }
 }
 
