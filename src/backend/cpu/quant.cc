@@ -563,18 +563,18 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
 }
 
 // Quantized activations (in order) into the transposed order, in each 256: value 4i + e of block k
-// (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout).
+// (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout). As pairs of
+// values (int32), pair m = 2i + h of block k moves from 16k + m to 8m + k: two 8x8 transposes.
 void TransposeActivations(int64_t K, int16_t* q) {
-  int16_t in[256];
-  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's last blocks stay in order
-    std::memcpy(in, q + g, sizeof(in));
-    for (int i = 0; i < 8; ++i) {
-      for (int k = 0; k < 8; ++k) {
-        for (int e = 0; e < 2; ++e) {
-          q[g + 32 * i + 2 * k + e] = in[32 * k + 4 * i + e];
-          q[g + 32 * i + 16 + 2 * k + e] = in[32 * k + 4 * i + 2 + e];
-        }
-      }
+  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's and Q8_0X's last blocks stay in order
+    float* pairs = reinterpret_cast<float*>(q + g);
+    __m256 r[2][8];
+    for (int half = 0; half < 2; ++half) {
+      for (int k = 0; k < 8; ++k) r[half][k] = _mm256_loadu_ps(pairs + 16 * k + 8 * half);
+      Transpose8x8(r[half]);
+    }
+    for (int half = 0; half < 2; ++half) {
+      for (int m = 0; m < 8; ++m) _mm256_storeu_ps(pairs + 8 * (8 * half + m), r[half][m]);
     }
   }
 }
