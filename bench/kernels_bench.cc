@@ -31,9 +31,9 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   for (float& v : x) v = dist(rng);
   std::printf("%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read)\n", "type",
               "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K));
-  // Q8_0, Q4_1 and Q4_K as a file holds them, and as the CPU backend keeps them (the X types).
-  for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ8_0X, DType::kQ4_0, DType::kQ4_1,
-                   DType::kQ4_1X, DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K}) {
+  // Q4_1 and Q4_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX).
+  for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
+                   DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K}) {
     if (K % DTypeBlock(dt) != 0) {  // the K-quants' rows hold whole super-blocks of 256
       std::printf("%-6s %12s %12s\n", DTypeName(dt), "-", "-");
       continue;
@@ -52,7 +52,6 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
         } else {
           const DType file = dt == DType::kQ4_KX   ? DType::kQ4_K
                              : dt == DType::kQ4_1X ? DType::kQ4_1
-                             : dt == DType::kQ8_0X ? DType::kQ8_0
                                                    : dt;
           bytes += QuantizeRow(file, row.data(), K);
         }
@@ -64,7 +63,6 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
         auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
         if (dt == DType::kQ4_KX) cpu::RepackQ4K(src, K / 256, dst);
         if (dt == DType::kQ4_1X) cpu::RepackQ4_1(src, K / 32, dst);
-        if (dt == DType::kQ8_0X) cpu::RepackQ8_0(src, K / 32, dst);
       }
       const WeightMatrix w{dt, bytes.data(), N, K, K};
       std::vector<float> y(N);

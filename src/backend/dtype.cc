@@ -30,8 +30,6 @@ const char* DTypeName(DType t) {
       return "Q4_KX";
     case DType::kQ4_1X:
       return "Q4_1X";
-    case DType::kQ8_0X:
-      return "Q8_0X";
   }
   return "?";
 }

@@ -12,23 +12,10 @@ namespace shardserve {
 // 32 values with an F16 scale, Q8_0 (int8 values), Q4_0 (4-bit, offset 8), Q4_1 (4-bit with an
 // F16 minimum); and the K-quants, super-blocks of 256 values in sub-blocks with their own
 // quantized scales: Q4_K and Q5_K (8 x 32, 6-bit scales and minimums), Q6_K (16 x 16, int8
-// scales). kQ4_KX, kQ4_1X and kQ8_0X are no file's: Q4_K, Q4_1 and Q8_0 as the CPU backend keeps
-// them, the quants of 8 blocks transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K,
-// RepackQ4_1, RepackQ8_0).
-enum class DType {
-  kF32,
-  kF16,
-  kBF16,
-  kQ8_0,
-  kQ4_0,
-  kQ4_1,
-  kQ4_K,
-  kQ5_K,
-  kQ6_K,
-  kQ4_KX,
-  kQ4_1X,
-  kQ8_0X
-};
+// scales). kQ4_KX and kQ4_1X are no file's: Q4_K and Q4_1 as the CPU backend keeps them, the
+// quants of 8 blocks transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K and
+// RepackQ4_1).
+enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K, kQ4_KX, kQ4_1X };
 
 // Values per block (1 for the element types) and the bytes of one block.
 constexpr int64_t DTypeBlock(DType t) {
@@ -41,7 +28,6 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kQ4_0:
     case DType::kQ4_1:
     case DType::kQ4_1X:
-    case DType::kQ8_0X:
       return 32;
     case DType::kQ4_K:
     case DType::kQ5_K:
@@ -59,7 +45,6 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kBF16:
       return 2;
     case DType::kQ8_0:
-    case DType::kQ8_0X:
       return 34;  // F16 scale, 32 x int8
     case DType::kQ4_0:
       return 18;  // F16 scale, 32 x 4 bits
@@ -84,7 +69,7 @@ inline size_t DTypeBytes(DType t, int64_t n) {
 // Bytes of one value of an element type (F32, F16, BF16).
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 const char* DTypeName(
-    DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names), "Q4_KX", ...
+    DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names), "Q4_KX", "Q4_1X"
 // A safetensors dtype (F32, F16, BF16).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

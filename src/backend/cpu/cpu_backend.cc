@@ -60,14 +60,11 @@ class CpuBackend : public Backend {
   bool copies_weights() const override { return false; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
-  // Weights stay where the host has them (the model file's mapping), but Q4_K, Q4_1 and Q8_0,
-  // which are copied into the layouts of the CPU's decode kernel (Q4_KX, Q4_1X, Q8_0X).
+  // Weights stay where the host has them (the model file's mapping), but Q4_K and Q4_1, which
+  // are copied into the layouts of the CPU's decode kernel (Q4_KX, Q4_1X).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
-    const DType to = host.dtype == DType::kQ4_K   ? DType::kQ4_KX
-                     : host.dtype == DType::kQ4_1 ? DType::kQ4_1X
-                     : host.dtype == DType::kQ8_0 ? DType::kQ8_0X
-                                                  : host.dtype;
-    if (to == host.dtype) return host;
+    if (host.dtype != DType::kQ4_K && host.dtype != DType::kQ4_1) return host;
+    const bool k_quant = host.dtype == DType::kQ4_K;
     const size_t row = DTypeBytes(host.dtype, host.cols);
     auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
                                                uint8_t[std::max<size_t>(host.rows * row, 1)]);
@@ -77,13 +74,15 @@ class CpuBackend : public Backend {
     }
     for (int64_t r = 0; r < host.rows; ++r) {
       const int64_t blocks = host.cols / DTypeBlock(host.dtype);
-      const auto repack = to == DType::kQ4_KX   ? RepackQ4K
-                          : to == DType::kQ4_1X ? RepackQ4_1
-                                                : RepackQ8_0;
-      repack(RowPtr(host, r), blocks, copy.get() + r * row);
+      if (k_quant) {
+        RepackQ4K(RowPtr(host, r), blocks, copy.get() + r * row);
+      } else {
+        RepackQ4_1(RowPtr(host, r), blocks, copy.get() + r * row);
+      }
     }
     repacked_.push_back(std::move(copy));
-    return WeightMatrix{to, repacked_.back().get(), host.rows, host.cols, host.cols};
+    return WeightMatrix{k_quant ? DType::kQ4_KX : DType::kQ4_1X, repacked_.back().get(), host.rows,
+                        host.cols, host.cols};
   }
   absl::StatusOr<const float*> Upload(const std::vector<float>& host) override {
     if (host.empty()) return nullptr;
@@ -310,7 +309,7 @@ class CpuBackend : public Backend {
  private:
   ThreadPool pool_;
   std::vector<std::vector<float>> vectors_;           // Upload()ed vectors: their data never moves
-  std::vector<std::unique_ptr<uint8_t[]>> repacked_;  // Upload()ed Q4_K, Q4_1, Q8_0, repacked
+  std::vector<std::unique_ptr<uint8_t[]>> repacked_;  // Upload()ed Q4_K and Q4_1, repacked
 };
 
 }  // namespace

@@ -449,9 +449,6 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       case DType::kQ4_1X:
         Gemm<DType::kQ4_1X>(w, xpack, M, y, ldy, pool);
         break;
-      case DType::kQ8_0X:
-        Gemm<DType::kQ8_0X>(w, xpack, M, y, ldy, pool);
-        break;
     }
   }
 }

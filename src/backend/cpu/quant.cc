@@ -42,23 +42,20 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 // 16-23, then 8-15 and 24-31 (the order unpacking 32 bytes to int16 in place gives, one
 // instruction a vector: Q5_K, Q6_K), rather than 0-15 and 16-31 (widening 16 bytes from memory:
 // the 32-value types, Q4_K). The activations are quantized in the same order (Q4_KX: in its own,
-// kTransposed, as Q4_1X and Q8_0X).
+// kTransposed).
 enum class Order { kInOrder, kInterleaved, kTransposed };
 constexpr Order OrderOf(DType d) {
-  return d == DType::kQ5_K || d == DType::kQ6_K                           ? Order::kInterleaved
-         : d == DType::kQ4_KX || d == DType::kQ4_1X || d == DType::kQ8_0X ? Order::kTransposed
-                                                                          : Order::kInOrder;
+  return d == DType::kQ5_K || d == DType::kQ6_K     ? Order::kInterleaved
+         : d == DType::kQ4_KX || d == DType::kQ4_1X ? Order::kTransposed
+                                                    : Order::kInOrder;
 }
 constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; }
 // The file's type a CPU layout was repacked from.
 constexpr DType Plain(DType d) {
-  return d == DType::kQ4_KX   ? DType::kQ4_K
-         : d == DType::kQ4_1X ? DType::kQ4_1
-         : d == DType::kQ8_0X ? DType::kQ8_0
-                              : d;
+  return d == DType::kQ4_KX ? DType::kQ4_K : d == DType::kQ4_1X ? DType::kQ4_1 : d;
 }
 // Whether a block's weights have a minimum term (factor * q + min).
-constexpr bool HasMin(DType d) { return Plain(d) != DType::kQ8_0 && Plain(d) != DType::kQ6_K; }
+constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
 inline float Half(const uint8_t* p) {
   uint16_t h;
@@ -93,30 +90,19 @@ inline __m256i Widen(const uint8_t* p) {  // 16 bytes as 16 uint16
 }
 inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x0F)); }
 
-// 8 blocks' quants in the transposed layouts as F32: factor[k] * q + min[k] for block k (Q4_KX,
-// Q4_1X: 128 bytes, RepackQ4K's layout), factor[k] * q (Q8_0X: 256 int8, RepackQ8_0's).
-template <DType D>
+// 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as F32,
+// factor[k] * q + min[k] for block k.
 inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
                             float* out) {
-  // Per h, in each 128-bit lane (i = 2h, then 2h + 1), the bytes lo and hi hold values 4i + e and
-  // 4i + 2 + e of block k at 2k + e: the unpacks put each block's values 4i .. 4i + 3 side by
-  // side, the permutation its 8 values 8h .. 8h + 7; through memory, so that they widen from
-  // there as the other types' bytes do.
+  // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
+  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
+  // that they widen from there as the other types' bytes do.
   alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int h = 0; h < 4; ++h) {
-    __m256i lo, hi;
-    if constexpr (D == DType::kQ8_0X) {  // 16 bytes j: values 4 (j / 2) + 2 (j % 2) + e
-      const auto part = [&](int j) {
-        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16 * j));
-      };
-      lo = _mm256_setr_m128i(part(4 * h), part(4 * h + 2));
-      hi = _mm256_setr_m128i(part(4 * h + 1), part(4 * h + 3));
-    } else {
-      const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
-      lo = _mm256_and_si256(bytes, mask);
-      hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-    }
+    const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(bytes, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
     _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][0]),
                        _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(lo, hi), order));
     _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
@@ -125,18 +111,11 @@ inline void StoreTransposed(const uint8_t* quants, const float* factor, const fl
   // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
   asm volatile("" : : "r"(q) : "memory");
   for (int k = 0; k < 8; ++k) {
-    const __m256 f = _mm256_set1_ps(factor[k]);
+    const __m256 f = _mm256_set1_ps(factor[k]), m = _mm256_set1_ps(min[k]);
     for (int h = 0; h < 4; ++h) {
-      const __m128i eight =
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[h][k / 4][k % 4 * 8]));
-      if constexpr (D == DType::kQ8_0X) {
-        _mm256_storeu_ps(out + 32 * k + 8 * h,
-                         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), f));
-      } else {
-        _mm256_storeu_ps(out + 32 * k + 8 * h,
-                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), f,
-                                         _mm256_set1_ps(min[k])));
-      }
+      const __m256i v = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[h][k / 4][k % 4 * 8])));
+      _mm256_storeu_ps(out + 32 * k + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), f, m));
     }
   }
 }
@@ -255,7 +234,7 @@ struct Unpacked {
         }
       }
     } else if constexpr (D == DType::kQ4_KX) {
-      StoreTransposed<D>(b + 16, factor, min, out);
+      StoreTransposed(b + 16, factor, min, out);
     } else if constexpr (D == DType::kQ8_0) {
       const __m256 f = _mm256_set1_ps(factor[0]);
       for (int g = 0; g < kBlock; g += 8) {
@@ -474,30 +453,19 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
                                 int64_t xb) {
       __m256i s0[MT], s1[MT];
       for (int t = 0; t < MT; ++t) s0[t] = s1[t] = _mm256_setzero_si256();
-      // Vectors 2I and 2I + 1 of 16 int16 against the activations at 32I and 32I + 16.
-      const auto add = [&](int I, __m256i lo, __m256i hi) {
+      each([&]<int I>() {
+        const __m256i v = Widen(quants + 16 * I);
+        const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
         for (int t = 0; t < MT; ++t) {
           const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 32 * I);
           s0[t] = _mm256_add_epi32(s0[t], _mm256_madd_epi16(lo, _mm256_loadu_si256(x)));
           s1[t] = _mm256_add_epi32(s1[t], _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
         }
-      };
-      each([&]<int I>() {
-        if constexpr (D == DType::kQ8_0X) {  // 32 int8 (RepackQ8_0)
-          const auto* p = reinterpret_cast<const __m128i*>(quants + 32 * I);
-          add(I, _mm256_cvtepi8_epi16(_mm_loadu_si128(p)),
-              _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1)));
-        } else {  // 16 bytes of nibbles (RepackQ4K, RepackQ4_1)
-          const __m256i v = Widen(quants + 16 * I);
-          add(I, Low4(v), _mm256_srli_epi16(v, 4));
-        }
       });
       for (int t = 0; t < MT; ++t) {
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0[t], s1[t])),
                                  _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb)), acc[t]);
-        if constexpr (HasMin(D)) {
-          mins[t] = _mm256_fmadd_ps(group_mins, _mm256_loadu_ps(xs[t] + xb), mins[t]);
-        }
+        mins[t] = _mm256_fmadd_ps(group_mins, _mm256_loadu_ps(xs[t] + xb), mins[t]);
       }
     };
     if constexpr (kSub == 1) {
@@ -510,10 +478,6 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
             return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
           };
           transposed(g + 32, halves(g), halves(g + 16), wb);
-        } else if constexpr (D == DType::kQ8_0X) {  // 8 F16 factors, 256 int8 transposed
-          PrefetchAhead(g, kGroup * bb);
-          transposed(g + 16, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g))),
-                     _mm256_setzero_ps(), wb);
         } else {
           alignas(32) float factors[kGroup], group_mins[kGroup];
           Factors8<D>(g, factors, group_mins);
@@ -525,7 +489,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
               factors, group_mins, wb);
         }
       }
-      for (; wb < wblocks; ++wb) {  // Q4_1X's and Q8_0X's too are blocks as they were
+      for (; wb < wblocks; ++wb) {  // Q4_1X's too are Q4_1 blocks as they were
         const Unpacked<Plain(D)> u(row + wb * bb);
         __m256i d[MT];
         dots.template operator()<0>(u, wb, d);
@@ -581,21 +545,19 @@ void TransposeActivations(int64_t K, int16_t* q) {
 
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
-  if constexpr (D == DType::kQ4_1X || D == DType::kQ8_0X) {
-    // Groups of 8 blocks (RepackQ4_1, RepackQ8_0), then blocks as they were.
+  if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks (RepackQ4_1)
     constexpr size_t group = 8 * DTypeBlockBytes(D);
-    constexpr int kHeaders = D == DType::kQ4_1X ? 2 : 1;  // 8 F16 factors (and 8 minimums)
     int64_t k = 0;
     for (; k + 256 <= n; k += 256, row += group, out += 256) {
-      alignas(32) float header[2][8] = {};
-      for (int i = 0; i < kHeaders; ++i) {
+      alignas(32) float factor[8], min[8];
+      for (int i = 0; i < 2; ++i) {
         _mm256_store_ps(
-            header[i],
+            i == 0 ? factor : min,
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
       }
-      StoreTransposed<D>(row + 16 * kHeaders, header[0], header[1], out);
+      StoreTransposed(row + 32, factor, min, out);
     }
-    return DequantizeTyped<Plain(D)>(row, n - k, out);
+    return DequantizeTyped<DType::kQ4_1>(row, n - k, out);
   }
   for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
     const Unpacked<D> u(row + b * DTypeBlockBytes(D));
@@ -643,8 +605,6 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
       return DequantizeTyped<DType::kQ4_KX>(p, n, out);
     case DType::kQ4_1X:
       return DequantizeTyped<DType::kQ4_1X>(p, n, out);
-    case DType::kQ8_0X:
-      return DequantizeTyped<DType::kQ8_0X>(p, n, out);
     default:
       return;
   }
@@ -693,22 +653,6 @@ void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst) {
   std::memcpy(dst, src, (blocks - b) * bb);
 }
 
-void RepackQ8_0(const uint8_t* src, int64_t blocks, uint8_t* dst) {
-  constexpr size_t bb = DTypeBlockBytes(DType::kQ8_0);
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8, src += 8 * bb, dst += 8 * bb) {
-    for (int k = 0; k < 8; ++k) std::memcpy(dst + 2 * k, src + k * bb, 2);  // factor
-    for (int j = 0; j < 16; ++j) {
-      for (int k = 0; k < 8; ++k) {
-        for (int e = 0; e < 2; ++e) {
-          dst[16 + 16 * j + 2 * k + e] = src[k * bb + 2 + 4 * (j / 2) + 2 * (j % 2) + e];
-        }
-      }
-    }
-  }
-  std::memcpy(dst, src, (blocks - b) * bb);
-}
-
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
                          ThreadPool& pool, Q16Activations* a) {
   const int64_t blocks = K / kBlock;
@@ -746,8 +690,6 @@ void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activati
       return DecodeRowsTyped<DType::kQ4_KX>(w, n0, n1, a, M, y, ldy);
     case DType::kQ4_1X:
       return DecodeRowsTyped<DType::kQ4_1X>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ8_0X:
-      return DecodeRowsTyped<DType::kQ8_0X>(w, n0, n1, a, M, y, ldy);
     default:
       return;
   }

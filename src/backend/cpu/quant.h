@@ -66,7 +66,7 @@ struct Q16Activations {
 // The orders in which the decode kernels read the activations: in order; interleaved (each
 // block's values 0-7 with 16-23, 8-15 with 24-31); transposed (Q4_KX: in each 256 values, the
 // 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7; Q4_1X's
-// and Q8_0X's last K % 256 values in order).
+// last K % 256 values in order).
 constexpr int kActivationOrders = 3;
 // The order in which the kernels of a quantized dtype read the activations.
 int ActivationOrder(DType dtype);
@@ -83,10 +83,6 @@ void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
 // their 8 minimums and their quants transposed as RepackQ4K's; the last blocks % 8 blocks as they
 // were.
 void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst);
-// A Q8_0 row as DType::kQ8_0X: each group of 8 blocks as their 8 F16 factors and 256 int8, byte
-// 16j + 2k + e value 4 (j / 2) + 2 (j % 2) + e of block k (the activations' transposed order);
-// the last blocks % 8 blocks as they were.
-void RepackQ8_0(const uint8_t* src, int64_t blocks, uint8_t* dst);
 // Decode: rows [n0, n1) of the quantized w against the M tokens of a (quantized in the order
 // w.dtype reads), y[t * ldy + n]; integer dot products with each weight block unpacked once for
 // up to 3 tokens.
