@@ -530,7 +530,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
 // (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout). As pairs of
 // values (int32), pair m = 2i + h of block k moves from 16k + m to 8m + k: two 8x8 transposes.
 void TransposeActivations(int64_t K, int16_t* q) {
-  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's and Q8_0X's last blocks stay in order
+  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's last blocks stay in order
     float* pairs = reinterpret_cast<float*>(q + g);
     __m256 r[2][8];
     for (int half = 0; half < 2; ++half) {
