@@ -13,10 +13,12 @@
 // expands the weights to F32 rows for the F32 GEMM instead (exact up to F32 rounding);
 // Dequantize reads the same layouts (the 4-bit types and Q8_0 widened straight to int32).
 //
-// Q4_K's 8 blocks' dot products are 8 vectors to merge into one of their sums (14 shuffles a
-// super-block, 15 % of the kernel's time), so the CPU backend keeps Q4_K as Q4_KX (RepackQ4K):
-// the same bytes, transposed so that each int32 lane of a product belongs to one block, and the
-// super-block's products are summed lane by lane. Its results are Q4_K's, bit for bit.
+// A group's 8 blocks' dot products are 8 vectors to merge into one of their sums (14 shuffles,
+// 15 % of the Q4_K kernel's time), so the CPU backend keeps Q4_K as Q4_KX and Q4_1 as Q4_1X
+// (RepackQ4K, RepackQ4_1): the same bytes, each group's quants transposed so that each int32 lane
+// of a product belongs to one block, and the group's products are summed lane by lane. Their
+// results are Q4_K's and Q4_1's, bit for bit. (Q8_0 the same way read faster from L2 but slower
+// from memory, and is kept as it is.)
 #include "backend/cpu/quant.h"
 
 #include <immintrin.h>
@@ -558,10 +560,11 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
       StoreTransposed(row + 32, factor, min, out);
     }
     return DequantizeTyped<DType::kQ4_1>(row, n - k, out);
-  }
-  for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
-    const Unpacked<D> u(row + b * DTypeBlockBytes(D));
-    u.Store(out + b * DTypeBlock(D));
+  } else {
+    for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
+      const Unpacked<D> u(row + b * DTypeBlockBytes(D));
+      u.Store(out + b * DTypeBlock(D));
+    }
   }
 }
 
