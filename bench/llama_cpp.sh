@@ -7,7 +7,7 @@
 # Files: a TinyLlama-1.1B-shaped model written by `gen-model --format gguf` as BF16, its Q8_0 and
 # Q4_K_M made by llama-quantize, and the real SmolLM2-135M-Instruct (Q4_1). Then the decode
 # kernels alone per weight type (`shardserve bench kernels`).
-# Usage: bench/llama_cpp.sh [FILES...]   (default: all of the above)
+# Usage: [ROUNDS=N] bench/llama_cpp.sh [FILES...]   (default: 3 rounds, all of the above)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
@@ -49,28 +49,67 @@ if [ ${#FILES[@]} -eq 0 ]; then
     "$CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 fi
 
-for f in "${FILES[@]}"; do
-  echo "=== $(basename "$f") ($(du -m "$f" | cut -f1) MB)"
-  "$PEER/llama-bench" -m "$f" -t 1,2 -p 64 -n 64 -r 3 -o json 2>/dev/null | python3 -c '
+# ROUNDS rounds (default 3) per file; in each, one llama-bench run (-r 1) and one shardserve
+# bench at 1 and at 2 threads, the tool that goes first alternating, so that the slow drifts of a
+# shared machine (its memory bandwidth moves 20-30 % between minutes) fall on both tools alike.
+# Each figure is the median over the rounds, with its range; "ratio" is the median of the rounds'
+# shardserve / llama.cpp ratios, each from two runs minutes apart at most.
+ROUNDS="${ROUNDS:-3}"
+RESULTS=$(mktemp)
+trap 'rm -f "$RESULTS"' EXIT
+llama() {
+  "$PEER/llama-bench" -m "$1" -t 1,2 -p 64 -n 64 -r 1 -o json 2>/dev/null | python3 -c '
 import json, sys
 for r in json.load(sys.stdin):
-    kind = "prefill 64" if r["n_prompt"] else "decode    "
-    threads, rate = r["n_threads"], r["avg_ts"]
-    print(f"llama.cpp  {kind} {threads} thread(s): {rate:8.2f} tokens/s")'
+    kind = "prefill" if r["n_prompt"] else "decode"
+    print(json.dumps({"file": sys.argv[1], "tool": "llama.cpp", "kind": kind,
+                      "threads": r["n_threads"], "rate": r["avg_ts"]}))' "$1" >>"$RESULTS"
+}
+ours() {
   for t in 1 2; do
-    build/bin/shardserve bench --model "$f" --threads "$t" --decode-tokens 64 \
+    build/bin/shardserve bench --model "$1" --threads "$t" --decode-tokens 64 \
       --prefill-tokens 64 | python3 -c '
-import re, sys
-t = sys.argv[1]
+import json, re, sys
+f, t = sys.argv[1], int(sys.argv[2])
 for line in sys.stdin:
     m = re.match(r"decode  batch 1 \(median step\): ([\d.]+) tokens/s.*= (\d+)% of read", line)
     if m:
-        print(f"shardserve decode     {t} thread(s): {float(m[1]):8.2f} tokens/s"
-              f"  ({m[2]}% of the read roofline)")
+        print(json.dumps({"file": f, "tool": "shardserve", "kind": "decode", "threads": t,
+                          "rate": float(m[1]), "roofline": int(m[2])}))
     m = re.match(r"prefill 64 tokens: ([\d.]+) tokens/s", line)
     if m:
-        print(f"shardserve prefill 64 {t} thread(s): {float(m[1]):8.2f} tokens/s")' "$t"
+        print(json.dumps({"file": f, "tool": "shardserve", "kind": "prefill", "threads": t,
+                          "rate": float(m[1])}))' "$1" "$t" >>"$RESULTS"
   done
+}
+for f in "${FILES[@]}"; do
+  echo "=== $(basename "$f") ($(du -m "$f" | cut -f1) MB), $ROUNDS rounds"
+  for r in $(seq "$ROUNDS"); do
+    if [ $((r % 2)) -eq 1 ]; then llama "$f"; ours "$f"; else ours "$f"; llama "$f"; fi
+  done
+  python3 - "$f" "$RESULTS" <<'PY'
+import json, statistics, sys
+f = sys.argv[1]
+rows = [r for r in map(json.loads, open(sys.argv[2])) if r["file"] == f]
+def runs(tool, kind, t):
+    return [r for r in rows if (r["tool"], r["kind"], r["threads"]) == (tool, kind, t)]
+def spread(v):
+    return f"{statistics.median(v):8.2f} ({min(v):.2f}-{max(v):.2f})"
+for kind in ("decode", "prefill"):
+    for t in (1, 2):
+        ours, peer = runs("shardserve", kind, t), runs("llama.cpp", kind, t)
+        if not ours or not peer:
+            print(f"{kind} {t} thread(s): missing runs (shardserve {len(ours)}, llama.cpp {len(peer)})")
+            continue
+        a, b = [r["rate"] for r in ours], [r["rate"] for r in peer]
+        ratio = statistics.median(x / y for x, y in zip(a, b))
+        line = (f"{kind:7s} {t} thread(s), tokens/s: shardserve {spread(a)}  llama.cpp "
+                f"{spread(b)}  ratio {ratio:.2f}")
+        if kind == "decode":
+            roof = [r["roofline"] for r in ours]
+            line += f"  roofline {statistics.median(roof):.0f}% ({min(roof)}-{max(roof)}%)"
+        print(line)
+PY
 done
 
 echo "=== the decode kernels alone (one thread)"
