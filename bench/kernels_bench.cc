@@ -38,6 +38,9 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       std::printf("%-6s %12s %12s\n", DTypeName(dt), "-", "-");
       continue;
     }
+    const DType file = dt == DType::kQ4_KX   ? DType::kQ4_K
+                       : dt == DType::kQ4_1X ? DType::kQ4_1
+                                             : dt;
     double rate[2];
     for (int memory = 0; memory < 2; ++memory) {
       const int64_t N = memory ? 22528 : 128;
@@ -50,16 +53,14 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
             bytes.append(reinterpret_cast<const char*>(&h), 2);
           }
         } else {
-          const DType file = dt == DType::kQ4_KX   ? DType::kQ4_K
-                             : dt == DType::kQ4_1X ? DType::kQ4_1
-                                                   : dt;
           bytes += QuantizeRow(file, row.data(), K);
         }
       }
       const std::string plain = bytes;
-      const size_t row_bytes = DTypeBytes(dt, K);
+      const size_t file_row_bytes = DTypeBytes(file, K), row_bytes = DTypeBytes(dt, K);
+      bytes.resize(N * row_bytes);
       for (int64_t n = 0; n < N; ++n) {
-        const auto* src = reinterpret_cast<const uint8_t*>(plain.data()) + n * row_bytes;
+        const auto* src = reinterpret_cast<const uint8_t*>(plain.data()) + n * file_row_bytes;
         auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
         if (dt == DType::kQ4_KX) cpu::RepackQ4K(src, K / 256, dst);
         if (dt == DType::kQ4_1X) cpu::RepackQ4_1(src, K / 32, dst);

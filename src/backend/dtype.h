@@ -14,7 +14,7 @@ namespace shardserve {
 // quantized scales: Q4_K and Q5_K (8 x 32, 6-bit scales and minimums), Q6_K (16 x 16, int8
 // scales). kQ4_KX and kQ4_1X are no file's: Q4_K and Q4_1 as the CPU backend keeps them, the
 // quants of 8 blocks transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K and
-// RepackQ4_1).
+// RepackQ4_1; Q4_KX with its scales and minimums a byte each).
 enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K, kQ4_KX, kQ4_1X };
 
 // Values per block (1 for the element types) and the bytes of one block.
@@ -52,8 +52,9 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kQ4_1X:
       return 20;  // F16 scale, F16 minimum, 32 x 4 bits
     case DType::kQ4_K:
-    case DType::kQ4_KX:
       return 144;  // F16 d, dmin; 12 bytes of 6-bit scales and minimums; 256 x 4 bits
+    case DType::kQ4_KX:
+      return 148;  // F16 d, dmin; 8 scales and 8 minimums, a byte each; 256 x 4 bits
     case DType::kQ5_K:
       return 176;  // as Q4_K, plus 32 bytes of fifth bits
     case DType::kQ6_K:

@@ -65,15 +65,16 @@ class CpuBackend : public Backend {
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
     if (host.dtype != DType::kQ4_K && host.dtype != DType::kQ4_1) return host;
     const bool k_quant = host.dtype == DType::kQ4_K;
-    const size_t row = DTypeBytes(host.dtype, host.cols);
+    const DType kept = k_quant ? DType::kQ4_KX : DType::kQ4_1X;
+    const size_t row = DTypeBytes(kept, host.cols);
     auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
                                                uint8_t[std::max<size_t>(host.rows * row, 1)]);
     if (copy == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "cannot allocate ", host.rows * row, " bytes for a ", DTypeName(host.dtype), " matrix"));
     }
+    const int64_t blocks = host.cols / DTypeBlock(host.dtype);
     for (int64_t r = 0; r < host.rows; ++r) {
-      const int64_t blocks = host.cols / DTypeBlock(host.dtype);
       if (k_quant) {
         RepackQ4K(RowPtr(host, r), blocks, copy.get() + r * row);
       } else {
@@ -81,8 +82,7 @@ class CpuBackend : public Backend {
       }
     }
     repacked_.push_back(std::move(copy));
-    return WeightMatrix{k_quant ? DType::kQ4_KX : DType::kQ4_1X, repacked_.back().get(), host.rows,
-                        host.cols, host.cols};
+    return WeightMatrix{kept, repacked_.back().get(), host.rows, host.cols, host.cols};
   }
   absl::StatusOr<const float*> Upload(const std::vector<float>& host) override {
     if (host.empty()) return nullptr;

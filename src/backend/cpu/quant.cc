@@ -56,6 +56,8 @@ constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; 
 constexpr DType Plain(DType d) {
   return d == DType::kQ4_KX ? DType::kQ4_K : d == DType::kQ4_1X ? DType::kQ4_1 : d;
 }
+// Where a Q4_KX super-block's quants start (RepackQ4K): after d, dmin, 8 scales, 8 minimums.
+constexpr size_t kQ4KXQuants = 20;
 // Whether a block's weights have a minimum term (factor * q + min).
 constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
 
@@ -157,6 +159,13 @@ struct Unpacked {
       _mm256_store_ps(
           factor + 8,
           _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    } else if constexpr (D == DType::kQ4_KX) {  // the scales and minimums a byte each
+      const auto floats = [](const uint8_t* bytes) {
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+      };
+      _mm256_storeu_ps(factor, _mm256_mul_ps(_mm256_set1_ps(Half(b)), floats(b + 4)));
+      _mm256_storeu_ps(min, _mm256_mul_ps(_mm256_set1_ps(-Half(b + 2)), floats(b + 12)));
     } else {  // Q4_K, Q5_K
       const __m128i sm = ScalesMins(b + 4);
       const auto floats = [](__m128i bytes) {
@@ -236,7 +245,7 @@ struct Unpacked {
         }
       }
     } else if constexpr (D == DType::kQ4_KX) {
-      StoreTransposed(b + 16, factor, min, out);
+      StoreTransposed(b + kQ4KXQuants, factor, min, out);
     } else if constexpr (D == DType::kQ8_0) {
       const __m256 f = _mm256_set1_ps(factor[0]);
       for (int g = 0; g < kBlock; g += 8) {
@@ -507,7 +516,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         const Unpacked<D> u(row + wb * bb);
         const int64_t xb = wb * kSub;
         if constexpr (D == DType::kQ4_KX) {
-          transposed(u.b + 16, _mm256_loadu_ps(u.factor), _mm256_loadu_ps(u.min), xb);
+          transposed(u.b + kQ4KXQuants, _mm256_loadu_ps(u.factor), _mm256_loadu_ps(u.min), xb);
         } else {
           group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
                 u.min, xb);
@@ -632,12 +641,13 @@ void Transpose8(Value value, uint8_t* dst) {
 }  // namespace
 
 void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst) {
-  constexpr size_t bb = DTypeBlockBytes(DType::kQ4_K);
-  for (int64_t s = 0; s < superblocks; ++s, src += bb, dst += bb) {
-    std::memcpy(dst, src, 16);  // d, dmin, scales and minimums
+  for (int64_t s = 0; s < superblocks;
+       ++s, src += DTypeBlockBytes(DType::kQ4_K), dst += DTypeBlockBytes(DType::kQ4_KX)) {
+    std::memcpy(dst, src, 4);  // d, dmin
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 4), ScalesMins(src + 4));
     // Value v of block j: chunk j / 2's byte v, low nibble for even j, high for odd.
     Transpose8([&](int j, int v) { return (src[16 + 32 * (j / 2) + v] >> (4 * (j % 2))) & 15; },
-               dst + 16);
+               dst + kQ4KXQuants);
   }
 }
 

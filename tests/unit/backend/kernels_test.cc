@@ -343,15 +343,15 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
                              {DType::kQ4_1, DType::kQ4_1X, int64_t{576}},
                              {DType::kQ4_1, DType::kQ4_1X, int64_t{512}}}) {
     const std::string what = absl::StrCat(DTypeName(to), " K=", K);
-    const int64_t N = 29, row_bytes = DTypeBytes(from, K);
+    const int64_t N = 29, row_bytes = DTypeBytes(from, K), packed_bytes = DTypeBytes(to, K);
     std::vector<float> w(N * K);
     for (float& v : w) v = dist(rng);
     std::string plain;
     for (int64_t n = 0; n < N; ++n) plain += QuantizeRow(from, w.data() + n * K, K);
-    std::string repacked(plain.size(), '\0');
+    std::string repacked(N * packed_bytes, '\0');
     for (int64_t n = 0; n < N; ++n) {
       const auto* src = reinterpret_cast<const uint8_t*>(plain.data() + n * row_bytes);
-      auto* dst = reinterpret_cast<uint8_t*>(repacked.data() + n * row_bytes);
+      auto* dst = reinterpret_cast<uint8_t*>(repacked.data() + n * packed_bytes);
       if (from == DType::kQ4_K) {
         RepackQ4K(src, K / 256, dst);
       } else {
@@ -362,7 +362,7 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
     std::vector<float> a(K), b(K);
     for (int64_t n = 0; n < N; ++n) {
       ToFloat(from, plain.data() + n * row_bytes, K, a.data());
-      ToFloat(to, repacked.data() + n * row_bytes, K, b.data());
+      ToFloat(to, repacked.data() + n * packed_bytes, K, b.data());
       ASSERT_EQ(a, b) << what << " row " << n;
     }
     const WeightMatrix original{from, plain.data(), N, K, K};
