@@ -31,15 +31,17 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   for (float& v : x) v = dist(rng);
   std::printf("%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read)\n", "type",
               "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K));
-  // Q4_1 and Q4_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX).
+  // Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX,
+  // Q6_KX).
   for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
-                   DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K}) {
+                   DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
     if (K % DTypeBlock(dt) != 0) {  // the K-quants' rows hold whole super-blocks of 256
       std::printf("%-6s %12s %12s\n", DTypeName(dt), "-", "-");
       continue;
     }
     const DType file = dt == DType::kQ4_KX   ? DType::kQ4_K
                        : dt == DType::kQ4_1X ? DType::kQ4_1
+                       : dt == DType::kQ6_KX ? DType::kQ6_K
                                              : dt;
     double rate[2];
     for (int memory = 0; memory < 2; ++memory) {
@@ -64,6 +66,7 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
         auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
         if (dt == DType::kQ4_KX) cpu::RepackQ4K(src, K / 256, dst);
         if (dt == DType::kQ4_1X) cpu::RepackQ4_1(src, K / 32, dst);
+        if (dt == DType::kQ6_KX) cpu::RepackQ6K(src, K / 256, dst);
       }
       const WeightMatrix w{dt, bytes.data(), N, K, K};
       std::vector<float> y(N);

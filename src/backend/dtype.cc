@@ -28,6 +28,8 @@ const char* DTypeName(DType t) {
       return "Q6_K";
     case DType::kQ4_KX:
       return "Q4_KX";
+    case DType::kQ6_KX:
+      return "Q6_KX";
     case DType::kQ4_1X:
       return "Q4_1X";
   }

@@ -12,10 +12,23 @@ namespace shardserve {
 // 32 values with an F16 scale, Q8_0 (int8 values), Q4_0 (4-bit, offset 8), Q4_1 (4-bit with an
 // F16 minimum); and the K-quants, super-blocks of 256 values in sub-blocks with their own
 // quantized scales: Q4_K and Q5_K (8 x 32, 6-bit scales and minimums), Q6_K (16 x 16, int8
-// scales). kQ4_KX and kQ4_1X are no file's: Q4_K and Q4_1 as the CPU backend keeps them, the
-// quants of 8 blocks transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K and
-// RepackQ4_1; Q4_KX with its scales and minimums a byte each).
-enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ5_K, kQ6_K, kQ4_KX, kQ4_1X };
+// scales). kQ4_KX, kQ4_1X and kQ6_KX are no file's: Q4_K, Q4_1 and Q6_K as the CPU backend keeps
+// them, the quants of 8 blocks transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K,
+// RepackQ4_1 and RepackQ6K; Q4_KX with its scales and minimums a byte each).
+enum class DType {
+  kF32,
+  kF16,
+  kBF16,
+  kQ8_0,
+  kQ4_0,
+  kQ4_1,
+  kQ4_K,
+  kQ5_K,
+  kQ6_K,
+  kQ4_KX,
+  kQ4_1X,
+  kQ6_KX
+};
 
 // Values per block (1 for the element types) and the bytes of one block.
 constexpr int64_t DTypeBlock(DType t) {
@@ -33,6 +46,7 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kQ5_K:
     case DType::kQ6_K:
     case DType::kQ4_KX:
+    case DType::kQ6_KX:
       return 256;
   }
   return 1;
@@ -58,6 +72,7 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kQ5_K:
       return 176;  // as Q4_K, plus 32 bytes of fifth bits
     case DType::kQ6_K:
+    case DType::kQ6_KX:
       return 210;  // 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, F16 d
   }
   return 0;
@@ -70,7 +85,7 @@ inline size_t DTypeBytes(DType t, int64_t n) {
 // Bytes of one value of an element type (F32, F16, BF16).
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 const char* DTypeName(
-    DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names), "Q4_KX", "Q4_1X"
+    DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names), "Q4_KX", "Q4_1X", "Q6_KX"
 // A safetensors dtype (F32, F16, BF16).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

@@ -61,6 +61,8 @@ void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
         std::memcpy(bytes.data() + 2 * i, &h, 2);
         break;
       }
+      default:  // the plan holds element types only; quantized files go through gguf_convert
+        break;
     }
   }
 }

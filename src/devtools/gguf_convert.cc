@@ -52,6 +52,7 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
       return GgmlType::kQ6_K;
     case DType::kQ4_KX:
     case DType::kQ4_1X:
+    case DType::kQ6_KX:
       break;  // the CPU backend's own layout, no file's
   }
   return absl::InvalidArgumentError(absl::StrCat("no GGUF type for ", DTypeName(t)));

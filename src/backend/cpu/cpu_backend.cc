@@ -60,12 +60,14 @@ class CpuBackend : public Backend {
   bool copies_weights() const override { return false; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
-  // Weights stay where the host has them (the model file's mapping), but Q4_K and Q4_1, which
-  // are copied into the layouts of the CPU's decode kernel (Q4_KX, Q4_1X).
+  // Weights stay where the host has them (the model file's mapping), but Q4_K, Q4_1 and Q6_K,
+  // which are copied into the layouts of the CPU's decode kernel (Q4_KX, Q4_1X, Q6_KX).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
-    if (host.dtype != DType::kQ4_K && host.dtype != DType::kQ4_1) return host;
-    const bool k_quant = host.dtype == DType::kQ4_K;
-    const DType kept = k_quant ? DType::kQ4_KX : DType::kQ4_1X;
+    const DType kept = host.dtype == DType::kQ4_K   ? DType::kQ4_KX
+                       : host.dtype == DType::kQ4_1 ? DType::kQ4_1X
+                       : host.dtype == DType::kQ6_K ? DType::kQ6_KX
+                                                    : host.dtype;
+    if (kept == host.dtype) return host;
     const size_t row = DTypeBytes(kept, host.cols);
     auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
                                                uint8_t[std::max<size_t>(host.rows * row, 1)]);
@@ -74,13 +76,10 @@ class CpuBackend : public Backend {
           "cannot allocate ", host.rows * row, " bytes for a ", DTypeName(host.dtype), " matrix"));
     }
     const int64_t blocks = host.cols / DTypeBlock(host.dtype);
-    for (int64_t r = 0; r < host.rows; ++r) {
-      if (k_quant) {
-        RepackQ4K(RowPtr(host, r), blocks, copy.get() + r * row);
-      } else {
-        RepackQ4_1(RowPtr(host, r), blocks, copy.get() + r * row);
-      }
-    }
+    const auto repack = kept == DType::kQ4_KX   ? RepackQ4K
+                        : kept == DType::kQ4_1X ? RepackQ4_1
+                                                : RepackQ6K;
+    for (int64_t r = 0; r < host.rows; ++r) repack(RowPtr(host, r), blocks, copy.get() + r * row);
     repacked_.push_back(std::move(copy));
     return WeightMatrix{kept, repacked_.back().get(), host.rows, host.cols, host.cols};
   }

@@ -449,6 +449,9 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       case DType::kQ4_1X:
         Gemm<DType::kQ4_1X>(w, xpack, M, y, ldy, pool);
         break;
+      case DType::kQ6_KX:
+        Gemm<DType::kQ6_KX>(w, xpack, M, y, ldy, pool);
+        break;
     }
   }
 }

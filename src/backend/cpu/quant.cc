@@ -44,22 +44,29 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 // 16-23, then 8-15 and 24-31 (the order unpacking 32 bytes to int16 in place gives, one
 // instruction a vector: Q5_K, Q6_K), rather than 0-15 and 16-31 (widening 16 bytes from memory:
 // the 32-value types, Q4_K). The activations are quantized in the same order (Q4_KX: in its own,
-// kTransposed).
-enum class Order { kInOrder, kInterleaved, kTransposed };
+// kTransposed; Q6_KX: in its own, kSubTransposed).
+enum class Order { kInOrder, kInterleaved, kTransposed, kSubTransposed };
 constexpr Order OrderOf(DType d) {
   return d == DType::kQ5_K || d == DType::kQ6_K     ? Order::kInterleaved
          : d == DType::kQ4_KX || d == DType::kQ4_1X ? Order::kTransposed
+         : d == DType::kQ6_KX                       ? Order::kSubTransposed
                                                     : Order::kInOrder;
 }
 constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; }
 // The file's type a CPU layout was repacked from.
 constexpr DType Plain(DType d) {
-  return d == DType::kQ4_KX ? DType::kQ4_K : d == DType::kQ4_1X ? DType::kQ4_1 : d;
+  return d == DType::kQ4_KX   ? DType::kQ4_K
+         : d == DType::kQ4_1X ? DType::kQ4_1
+         : d == DType::kQ6_KX ? DType::kQ6_K
+                              : d;
 }
 // Where a Q4_KX super-block's quants start (RepackQ4K): after d, dmin, 8 scales, 8 minimums.
 constexpr size_t kQ4KXQuants = 20;
 // Whether a block's weights have a minimum term (factor * q + min).
-constexpr bool HasMin(DType d) { return d != DType::kQ8_0 && d != DType::kQ6_K; }
+constexpr bool HasMin(DType d) { return Plain(d) != DType::kQ8_0 && Plain(d) != DType::kQ6_K; }
+// Q6_KX (RepackQ6K): int32 lane L of a half super-block's dot products is 16-value sub-block
+// SubOfLane(L) of that half's 8, the order of Q6_K's merged sums (Unpacked's SubFactor).
+constexpr int SubOfLane(int lane) { return 2 * (lane % 4) + lane / 4; }
 
 inline float Half(const uint8_t* p) {
   uint16_t h;
@@ -131,7 +138,7 @@ inline void StoreTransposed(const uint8_t* quants, const float* factor, const fl
 template <DType D>
 struct Unpacked {
   static constexpr int kSub = static_cast<int>(DTypeBlock(D) / kBlock);
-  static constexpr int kFactors = D == DType::kQ6_K ? 16 : kSub;
+  static constexpr int kFactors = Plain(D) == DType::kQ6_K ? 16 : kSub;
   const uint8_t* b;
   alignas(32) float factor[kFactors];
   alignas(32) float min[kSub];  // HasMin only
@@ -150,7 +157,7 @@ struct Unpacked {
     } else if constexpr (D == DType::kQ4_1) {
       factor[0] = Half(b);
       min[0] = Half(b + 2);
-    } else if constexpr (D == DType::kQ6_K) {
+    } else if constexpr (Plain(D) == DType::kQ6_K) {  // Q6_KX keeps them where Q6_K does
       const __m128i sc =
           _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
                            _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
@@ -316,6 +323,24 @@ void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t*
   }
 }
 
+// Half h (values 128h .. 128h + 127) of a Q6_KX super-block (RepackQ6K) as 4 vectors of 32
+// signed values (q - 32): vector i's byte p holds value 4i + 2 (p % 16 / 8) + p % 2 of 16-value
+// sub-block SubOfLane(L) of the half, L = (p % 8 + 8 (p / 16)) / 2: unpacked to int16 in place
+// (with the sign), the pair in int32 lane L is that sub-block's.
+inline void SixBitValues(const uint8_t* b, int h, __m256i v[4]) {
+  const __m256i l0 = Load32(b + 64 * h), l1 = Load32(b + 64 * h + 32);
+  const __m256i top = Load32(b + 128 + 32 * h);  // bits 2i, 2i + 1: vector i's top two bits
+  const auto value = [](__m256i low, __m256i high) {
+    const __m256i q = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
+                                      _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+  };
+  v[0] = value(l0, _mm256_slli_epi16(top, 4));
+  v[1] = value(l1, _mm256_slli_epi16(top, 2));
+  v[2] = value(_mm256_srli_epi16(l0, 4), top);
+  v[3] = value(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(top, 2));
+}
+
 // The factors and minimums of 8 consecutive blocks of a 32-value type (Unpacked's, 8 at once;
 // 32-byte aligned).
 template <DType D>
@@ -419,6 +444,16 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
                                   _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1)));
       }
     };
+    // Q6_K's sums of its 16 sub-blocks (in SubFactor's order, two halves) scaled into acc[t].
+    const auto sixteen = [&](int t, __m256i first, __m256i second, const float* factors,
+                             int64_t xb) {
+      const __m256 x = _mm256_loadu_ps(xd[t] + xb);
+      const __m256 f0 = _mm256_mul_ps(_mm256_load_ps(factors), _mm256_permute2f128_ps(x, x, 0));
+      const __m256 f1 =
+          _mm256_mul_ps(_mm256_load_ps(factors + 8), _mm256_permute2f128_ps(x, x, 0x11));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), f0, acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), f1, acc[t]);
+    };
     // A group from activation block xb: block J's dot products (block<J>(out)) merged as they
     // come, then scaled by the factors (a vector of the 8 blocks', or Q6_K's 16 sub-blocks').
     const auto group = [&](auto block, const float* factors, const float* group_mins, int64_t xb) {
@@ -437,19 +472,16 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         }
       });
       for (int t = 0; t < MT; ++t) {
-        const __m256 x = _mm256_loadu_ps(xd[t] + xb);
         if constexpr (D == DType::kQ6_K) {
-          const __m256 f0 = _mm256_mul_ps(_mm256_load_ps(factors), _mm256_permute2f128_ps(x, x, 0));
-          const __m256 f1 =
-              _mm256_mul_ps(_mm256_load_ps(factors + 8), _mm256_permute2f128_ps(x, x, 0x11));
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad[t][0]), f0, acc[t]);
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad[t][1]), f1, acc[t]);
+          sixteen(t, quad[t][0], quad[t][1], factors, xb);
         } else {
           const __m256i sums =
               _mm256_add_epi32(_mm256_permute2x128_si256(quad[t][0], quad[t][1], 0x20),
                                _mm256_permute2x128_si256(quad[t][0], quad[t][1], 0x31));
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                   _mm256_mul_ps(_mm256_loadu_ps(factors), x), acc[t]);
+                                   _mm256_mul_ps(_mm256_loadu_ps(factors),
+                                                 _mm256_loadu_ps(xd[t] + xb)),
+                                   acc[t]);
         }
         if constexpr (HasMin(D)) {
           mins[t] =
@@ -517,6 +549,27 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         const int64_t xb = wb * kSub;
         if constexpr (D == DType::kQ4_KX) {
           transposed(u.b + kQ4KXQuants, _mm256_loadu_ps(u.factor), _mm256_loadu_ps(u.min), xb);
+        } else if constexpr (D == DType::kQ6_KX) {
+          // Lane L of half h's sums: sub-block SubOfLane(L)'s (SixBitValues), as Q6_K's merged.
+          __m256i sums[2][MT];
+          for (int h = 0; h < 2; ++h) {
+            __m256i v[4];
+            SixBitValues(u.b, h, v);
+            for (int t = 0; t < MT; ++t) sums[h][t] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; ++i) {
+              const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v[i]);
+              const __m256i lo = _mm256_unpacklo_epi8(v[i], sign);
+              const __m256i hi = _mm256_unpackhi_epi8(v[i], sign);
+              for (int t = 0; t < MT; ++t) {
+                const auto* x =
+                    reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 128 * h + 32 * i);
+                sums[h][t] = _mm256_add_epi32(
+                    sums[h][t], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)),
+                                                 _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 1))));
+              }
+            }
+          }
+          for (int t = 0; t < MT; ++t) sixteen(t, sums[0][t], sums[1][t], u.factor, xb);
         } else {
           group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
                 u.min, xb);
@@ -554,6 +607,18 @@ void TransposeActivations(int64_t K, int16_t* q) {
   }
 }
 
+// Quantized activations (in order) into Q6_KX's order (SixBitValues'): in each 128 values, pair m
+// of sub-block SubOfLane(L) (from 8 SubOfLane(L) + m) at 8m + L, one 8x8 transpose of pairs.
+void TransposeSubBlocks(int64_t K, int16_t* q) {
+  for (int64_t g = 0; g + 128 <= K; g += 128) {
+    float* pairs = reinterpret_cast<float*>(q + g);
+    __m256 r[8];
+    for (int lane = 0; lane < 8; ++lane) r[lane] = _mm256_loadu_ps(pairs + 8 * SubOfLane(lane));
+    Transpose8x8(r);
+    for (int m = 0; m < 8; ++m) _mm256_storeu_ps(pairs + 8 * m, r[m]);
+  }
+}
+
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
   if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks (RepackQ4_1)
@@ -569,6 +634,38 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
       StoreTransposed(row + 32, factor, min, out);
     }
     return DequantizeTyped<DType::kQ4_1>(row, n - k, out);
+  } else if constexpr (D == DType::kQ6_KX) {
+    for (int64_t k = 0; k < n; k += 256, row += DTypeBlockBytes(D), out += 256) {
+      const Unpacked<D> u(row);
+      for (int h = 0; h < 2; ++h) {
+        __m256i v[4];
+        SixBitValues(row, h, v);
+        // Dword L of each 128-bit lane: values 4i .. 4i + 3 of sub-block SubOfLane(L); then
+        // those of the 4 vectors side by side, sub-block SubOfLane(g + 4 lane) in vector g.
+        const __m256i gather = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14,
+                                                15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7,
+                                                14, 15);
+        for (__m256i& x : v) x = _mm256_shuffle_epi8(x, gather);
+        const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), c = _mm256_unpacklo_epi32(v[2], v[3]);
+        const __m256i e = _mm256_unpackhi_epi32(v[0], v[1]), f = _mm256_unpackhi_epi32(v[2], v[3]);
+        const __m256i subs[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c),
+                                 _mm256_unpacklo_epi64(e, f), _mm256_unpackhi_epi64(e, f)};
+        for (int g = 0; g < 4; ++g) {
+          for (int lane = 0; lane < 2; ++lane) {
+            const int L = g + 4 * lane;
+            const __m128i bytes = lane == 0 ? _mm256_castsi256_si128(subs[g])
+                                            : _mm256_extracti128_si256(subs[g], 1);
+            const __m256 factor = _mm256_set1_ps(u.factor[8 * h + L]);  // SubFactor's order
+            float* dst = out + 128 * h + 16 * SubOfLane(L);
+            _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                                                factor));
+            _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                        _mm_srli_si128(bytes, 8))),
+                                                    factor));
+          }
+        }
+      }
+    }
   } else {
     for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
       const Unpacked<D> u(row + b * DTypeBlockBytes(D));
@@ -617,6 +714,8 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
       return DequantizeTyped<DType::kQ4_KX>(p, n, out);
     case DType::kQ4_1X:
       return DequantizeTyped<DType::kQ4_1X>(p, n, out);
+    case DType::kQ6_KX:
+      return DequantizeTyped<DType::kQ6_KX>(p, n, out);
     default:
       return;
   }
@@ -651,6 +750,32 @@ void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst) {
   }
 }
 
+void RepackQ6K(const uint8_t* src, int64_t superblocks, uint8_t* dst) {
+  constexpr size_t bb = DTypeBlockBytes(DType::kQ6_K);
+  for (int64_t s = 0; s < superblocks; ++s, src += bb, dst += bb) {
+    // Value n of the super-block (ggml's layout): in half h, group g of 32 values has its low 4
+    // bits in ql[64h + 32 (g % 2) + l] (low nibble for g < 2), its top 2 in bits 2g, 2g + 1 of
+    // qh[32h + l].
+    const auto value = [&](int n) {
+      const int h = n / 128, g = n % 128 / 32, l = n % 32;
+      const int low = src[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2)) & 15;
+      return low | (src[128 + 32 * h + l] >> (2 * g) & 3) << 4;
+    };
+    std::memset(dst, 0, 192);
+    std::memcpy(dst + 192, src + 192, bb - 192);  // scales, d
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 4; ++i) {
+        for (int p = 0; p < 32; ++p) {  // SixBitValues' layout
+          const int lane = (p % 8 + 8 * (p / 16)) / 2;
+          const int q = value(128 * h + 16 * SubOfLane(lane) + 4 * i + 2 * (p % 16 / 8) + p % 2);
+          dst[64 * h + 32 * (i % 2) + p] |= static_cast<uint8_t>((q & 15) << (4 * (i / 2)));
+          dst[128 + 32 * h + p] |= static_cast<uint8_t>((q >> 4) << (2 * i));
+        }
+      }
+    }
+  }
+}
+
 void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst) {
   constexpr size_t bb = DTypeBlockBytes(DType::kQ4_1);
   int64_t b = 0;
@@ -678,6 +803,7 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
       QuantizeActivationRow(x + t * ldx, K, order == static_cast<int>(Order::kInterleaved), q,
                             &a->d[t * blocks], &a->ds[t * blocks]);
       if (order == static_cast<int>(Order::kTransposed)) TransposeActivations(K, q);
+      if (order == static_cast<int>(Order::kSubTransposed)) TransposeSubBlocks(K, q);
     }
   };
   if (M == 1) return rows(0, 1);
@@ -703,6 +829,8 @@ void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activati
       return DecodeRowsTyped<DType::kQ4_KX>(w, n0, n1, a, M, y, ldy);
     case DType::kQ4_1X:
       return DecodeRowsTyped<DType::kQ4_1X>(w, n0, n1, a, M, y, ldy);
+    case DType::kQ6_KX:
+      return DecodeRowsTyped<DType::kQ6_KX>(w, n0, n1, a, M, y, ldy);
     default:
       return;
   }

@@ -66,8 +66,8 @@ struct Q16Activations {
 // The orders in which the decode kernels read the activations: in order; interleaved (each
 // block's values 0-7 with 16-23, 8-15 with 24-31); transposed (Q4_KX: in each 256 values, the
 // 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7; Q4_1X's
-// last K % 256 values in order).
-constexpr int kActivationOrders = 3;
+// last K % 256 values in order); sub-transposed (Q6_KX, RepackQ6K's).
+constexpr int kActivationOrders = 4;
 // The order in which the kernels of a quantized dtype read the activations.
 int ActivationOrder(DType dtype);
 // M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
@@ -81,6 +81,11 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
 // pairs (one int32 lane) belong to one block each: the decode sums a super-block's products lane
 // by lane, with no merging of blocks.
 void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
+// Q6_K rows as DType::kQ6_KX: the same bytes, but each half super-block's low 4 bits and top 2
+// bits of its 128 values rearranged so that, unpacked to int16 in place (SixBitValues in
+// quant.cc), the pair in each int32 lane belongs to one 16-value sub-block: the decode sums its
+// products lane by lane instead of merging 16 vectors.
+void RepackQ6K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
 // A Q4_1 row of `blocks` blocks as DType::kQ4_1X: each group of 8 blocks as their 8 F16 factors,
 // their 8 minimums and their quants transposed as RepackQ4K's; the last blocks % 8 blocks as they
 // were.

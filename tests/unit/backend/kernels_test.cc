@@ -330,15 +330,16 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
   }
 }
 
-// Q4_KX and Q4_1X, the layouts the CPU backend keeps Q4_K and Q4_1 in: their rows expand and
-// multiply (decode batches, with the activations in the transposed order, and prefill) bit for
+// Q4_KX, Q6_KX and Q4_1X, the layouts the CPU backend keeps Q4_K, Q6_K and Q4_1 in: their rows
+// expand and multiply (decode batches, with the activations in their orders, and prefill) bit for
 // bit as the rows they were repacked from, Q4_1X also where a row ends in blocks short of a group
-// of 8 (K = 352, 576); the backend's Upload repacks those two types and nothing else.
+// of 8 (K = 352, 576); the backend's Upload repacks those three types and nothing else.
 TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
   std::mt19937 rng(8);
   std::uniform_real_distribution<float> dist(-1, 1);
   auto backend = NewBackend(2);
   for (auto [from, to, K] : {std::tuple{DType::kQ4_K, DType::kQ4_KX, int64_t{768}},
+                             {DType::kQ6_K, DType::kQ6_KX, int64_t{768}},
                              {DType::kQ4_1, DType::kQ4_1X, int64_t{352}},
                              {DType::kQ4_1, DType::kQ4_1X, int64_t{576}},
                              {DType::kQ4_1, DType::kQ4_1X, int64_t{512}}}) {
@@ -354,6 +355,8 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
       auto* dst = reinterpret_cast<uint8_t*>(repacked.data() + n * packed_bytes);
       if (from == DType::kQ4_K) {
         RepackQ4K(src, K / 256, dst);
+      } else if (from == DType::kQ6_K) {
+        RepackQ6K(src, K / 256, dst);
       } else {
         RepackQ4_1(src, K / 32, dst);
       }
@@ -384,7 +387,7 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
       }
     }
   }
-  for (DType kept : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ6_K}) {
+  for (DType kept : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ5_K}) {
     std::string bytes(DTypeBytes(kept, 256) * 3, '\0');
     const WeightMatrix m{kept, bytes.data(), 3, 256, 256};
     const absl::StatusOr<WeightMatrix> same = backend->Upload(m);
