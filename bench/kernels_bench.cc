@@ -8,6 +8,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
+#include "bench/runtime_bench.h"
 #include "common/args.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
@@ -29,8 +30,11 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   std::uniform_real_distribution<float> dist(-1, 1);
   std::vector<float> row(K), x(K);
   for (float& v : x) v = dist(rng);
-  std::printf("%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read)\n", "type",
-              "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K));
+  std::printf(
+      "%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read; the read bandwidth "
+      "of these threads: %.2f GB/s)\n",
+      "type", "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K),
+      ReadBandwidth(pool) / 1e9);
   // Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX,
   // Q6_KX).
   for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
@@ -45,9 +49,9 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
                                              : dt;
     double rate[2];
     for (int memory = 0; memory < 2; ++memory) {
-      const int64_t N = memory ? 22528 : 128;
+      const int64_t distinct = memory ? 256 : 128;
       std::string bytes;
-      for (int64_t n = 0; n < N; ++n) {
+      for (int64_t n = 0; n < distinct; ++n) {
         for (float& v : row) v = dist(rng);
         if (dt == DType::kBF16) {
           for (float v : row) {
@@ -60,13 +64,20 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       }
       const std::string plain = bytes;
       const size_t file_row_bytes = DTypeBytes(file, K), row_bytes = DTypeBytes(dt, K);
-      bytes.resize(N * row_bytes);
-      for (int64_t n = 0; n < N; ++n) {
+      bytes.resize(distinct * row_bytes);
+      for (int64_t n = 0; n < distinct; ++n) {
         const auto* src = reinterpret_cast<const uint8_t*>(plain.data()) + n * file_row_bytes;
         auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
         if (dt == DType::kQ4_KX) cpu::RepackQ4K(src, K / 256, dst);
         if (dt == DType::kQ4_1X) cpu::RepackQ4_1(src, K / 32, dst);
         if (dt == DType::kQ6_KX) cpu::RepackQ6K(src, K / 256, dst);
+      }
+      // From memory: 512 MiB, 16 times this machine's L3, of those rows over and over.
+      const int64_t N = memory ? std::max<int64_t>(distinct, (int64_t{512} << 20) / row_bytes)
+                               : distinct;
+      const std::string rows = bytes;
+      while (static_cast<int64_t>(bytes.size()) < N * static_cast<int64_t>(row_bytes)) {
+        bytes.append(rows, 0, std::min(rows.size(), N * row_bytes - bytes.size()));
       }
       const WeightMatrix w{dt, bytes.data(), N, K, K};
       std::vector<float> y(N);

@@ -1,9 +1,9 @@
 #pragma once
 // `shardserve bench kernels [--threads N] [--cols K]`: the CPU matrix-vector product (decode,
 // batch 1) for each weight type, on a matrix that stays in the L2 cache (128 rows: the kernel's
-// own speed) and on one far larger than the caches (22,528 rows: with the memory), in GB/s of
-// weights read, beside the read bandwidth of the same threads. K is a multiple of 32; types whose
-// block does not divide it (the K-quants' 256) are skipped.
+// own speed) and on one of 512 MiB, far larger than the caches (its 256 distinct rows repeated:
+// with the memory), in GB/s of weights read, beside the read bandwidth of the same threads. K is
+// a multiple of 32; types whose block does not divide it (the K-quants' 256) are skipped.
 #include <string>
 #include <vector>
 

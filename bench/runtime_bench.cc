@@ -22,7 +22,8 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// STREAM-like read bandwidth: every thread sums its half of a buffer far larger than the caches.
+}  // namespace
+
 double ReadBandwidth(ThreadPool& pool) {
   const size_t n = (size_t{3} << 30) / sizeof(float);
   std::unique_ptr<float[]> buf(new float[n]);
@@ -51,6 +52,8 @@ double ReadBandwidth(ThreadPool& pool) {
   }
   return best;
 }
+
+namespace {
 
 // Peak F32 FLOP/s with AVX2 FMA: independent FMA chains on every thread.
 double FmaPeak(ThreadPool& pool) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/thread_pool.h"
 #include "model/config.h"
 
 namespace shardserve {
@@ -22,5 +23,9 @@ struct DecodeCost {
   double weight_bytes_per_step = 0;
 };
 DecodeCost DecodeCostOf(const ModelConfig& c, size_t weight_bytes);
+
+// STREAM-like read bandwidth of the pool's threads, bytes/s (best of 5): every thread sums its
+// part of a 3 GiB buffer, far larger than the caches.
+double ReadBandwidth(ThreadPool& pool);
 
 }  // namespace shardserve
