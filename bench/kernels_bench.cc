@@ -73,8 +73,8 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
         if (dt == DType::kQ6_KX) cpu::RepackQ6K(src, K / 256, dst);
       }
       // From memory: 512 MiB, 16 times this machine's L3, of those rows over and over.
-      const int64_t N = memory ? std::max<int64_t>(distinct, (int64_t{512} << 20) / row_bytes)
-                               : distinct;
+      const int64_t N =
+          memory ? std::max<int64_t>(distinct, (int64_t{512} << 20) / row_bytes) : distinct;
       const std::string rows = bytes;
       while (static_cast<int64_t>(bytes.size()) < N * static_cast<int64_t>(row_bytes)) {
         bytes.append(rows, 0, std::min(rows.size(), N * row_bytes - bytes.size()));

@@ -84,8 +84,8 @@ inline size_t DTypeBytes(DType t, int64_t n) {
 }
 // Bytes of one value of an element type (F32, F16, BF16).
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-const char* DTypeName(
-    DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names), "Q4_KX", "Q4_1X", "Q6_KX"
+const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names),
+                                 // "Q4_KX", "Q4_1X", "Q6_KX"
 // A safetensors dtype (F32, F16, BF16).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

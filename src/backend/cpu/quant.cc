@@ -14,11 +14,11 @@
 // Dequantize reads the same layouts (the 4-bit types and Q8_0 widened straight to int32).
 //
 // A group's 8 blocks' dot products are 8 vectors to merge into one of their sums (14 shuffles,
-// 15 % of the Q4_K kernel's time), so the CPU backend keeps Q4_K as Q4_KX and Q4_1 as Q4_1X
-// (RepackQ4K, RepackQ4_1): the same bytes, each group's quants transposed so that each int32 lane
-// of a product belongs to one block, and the group's products are summed lane by lane. Their
-// results are Q4_K's and Q4_1's, bit for bit. (Q8_0 the same way read faster from L2 but slower
-// from memory, and is kept as it is.)
+// 15 % of the Q4_K kernel's time), so the CPU backend keeps Q4_K as Q4_KX, Q6_K as Q6_KX and Q4_1
+// as Q4_1X (RepackQ4K, RepackQ6K, RepackQ4_1): each group's quants rearranged so that each int32
+// lane of a product belongs to one block (Q6_K: 16-value sub-block), and the group's products are
+// summed lane by lane. Their results are the file types', bit for bit. (Q8_0 the same way read
+// faster from L2 but slower from memory, and is kept as it is.)
 #include "backend/cpu/quant.h"
 
 #include <immintrin.h>
@@ -482,10 +482,9 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
           const __m256i sums =
               _mm256_add_epi32(_mm256_permute2x128_si256(quad[t][0], quad[t][1], 0x20),
                                _mm256_permute2x128_si256(quad[t][0], quad[t][1], 0x31));
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                   _mm256_mul_ps(_mm256_loadu_ps(factors),
-                                                 _mm256_loadu_ps(xd[t] + xb)),
-                                   acc[t]);
+          acc[t] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(sums),
+              _mm256_mul_ps(_mm256_loadu_ps(factors), _mm256_loadu_ps(xd[t] + xb)), acc[t]);
         }
         if constexpr (HasMin(D)) {
           mins[t] =
@@ -646,9 +645,9 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
         SixBitValues(row, h, v);
         // Dword L of each 128-bit lane: values 4i .. 4i + 3 of sub-block SubOfLane(L); then
         // those of the 4 vectors side by side, sub-block SubOfLane(g + 4 lane) in vector g.
-        const __m256i gather = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14,
-                                                15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7,
-                                                14, 15);
+        const __m256i gather =
+            _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3,
+                             10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
         for (__m256i& x : v) x = _mm256_shuffle_epi8(x, gather);
         const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), c = _mm256_unpacklo_epi32(v[2], v[3]);
         const __m256i e = _mm256_unpackhi_epi32(v[0], v[1]), f = _mm256_unpackhi_epi32(v[2], v[3]);
@@ -657,15 +656,16 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
         for (int g = 0; g < 4; ++g) {
           for (int lane = 0; lane < 2; ++lane) {
             const int L = g + 4 * lane;
-            const __m128i bytes = lane == 0 ? _mm256_castsi256_si128(subs[g])
-                                            : _mm256_extracti128_si256(subs[g], 1);
+            const __m128i bytes =
+                lane == 0 ? _mm256_castsi256_si128(subs[g]) : _mm256_extracti128_si256(subs[g], 1);
             const __m256 factor = _mm256_set1_ps(u.factor[8 * h + L]);  // SubFactor's order
             float* dst = out + 128 * h + 16 * SubOfLane(L);
-            _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                                                factor));
-            _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                        _mm_srli_si128(bytes, 8))),
-                                                    factor));
+            _mm256_storeu_ps(
+                dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), factor));
+            _mm256_storeu_ps(
+                dst + 8,
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
+                              factor));
           }
         }
       }

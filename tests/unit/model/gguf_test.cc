@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -47,9 +48,20 @@ struct Builder {
   }
 };
 
-// One scratch file per test process, rewritten for each case.
+// One scratch file per test process (the reader's and the writer's), rewritten for each case and
+// removed when the process ends.
+std::string ScratchPath(const char* name) {
+  return testing::TempDir() + "/" + name + "_" + std::to_string(getpid()) + ".gguf";
+}
+struct RemoveScratchFiles {
+  ~RemoveScratchFiles() {
+    std::remove(ScratchPath("gguf_test").c_str());
+    std::remove(ScratchPath("gguf_writer").c_str());
+  }
+} remove_scratch_files;
+
 std::string Write(const std::string& bytes) {
-  const std::string path = testing::TempDir() + "/gguf_test_" + std::to_string(getpid()) + ".gguf";
+  const std::string path = ScratchPath("gguf_test");
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   return path;
 }
@@ -135,8 +147,7 @@ TEST(Gguf, TheWritersFilesReadBack) {
   }
   w.AddTensor("w", GgmlType::kF32, {4, 3}, f32);
   w.AddTensor("q", GgmlType::kQ4_K, {256, 2}, q4k);
-  const std::string path =
-      testing::TempDir() + "/gguf_writer_" + std::to_string(getpid()) + ".gguf";
+  const std::string path = ScratchPath("gguf_writer");
   ASSERT_TRUE(w.Write(path).ok());
   auto f = GgufFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status();
