@@ -406,17 +406,33 @@ TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
   std::uniform_real_distribution<float> dist(-1, 1);
   const int64_t K = 512;
   const std::vector<std::pair<DType, int64_t>> shapes = {
-      {DType::kQ4_K, 37}, {DType::kQ6_K, 5},  {DType::kBF16, 0},  {DType::kQ8_0, 70},
-      {DType::kF32, 9},   {DType::kQ5_K, 66}, {DType::kBF16, 13}, {DType::kQ4_1, 3}};
+      {DType::kQ4_K, 37},  {DType::kQ6_K, 5},  {DType::kBF16, 0},  {DType::kQ8_0, 70},
+      {DType::kF32, 9},    {DType::kQ5_K, 66}, {DType::kBF16, 13}, {DType::kQ4_1, 3},
+      {DType::kQ4_KX, 11}, {DType::kQ6_KX, 7}, {DType::kQ4_1X, 9}};
   std::vector<std::string> storage;
   std::vector<WeightMatrix> ws;
   for (auto [dtype, rows] : shapes) {
+    // The CPU's own layouts (all four activation orders in one group) repacked from their files'.
+    const DType file = dtype == DType::kQ4_KX   ? DType::kQ4_K
+                       : dtype == DType::kQ6_KX ? DType::kQ6_K
+                       : dtype == DType::kQ4_1X ? DType::kQ4_1
+                                                : dtype;
     std::vector<float> w(std::max<int64_t>(rows, 1) * K);
     for (float& v : w) v = dist(rng);
     std::string bytes;
     for (int64_t n = 0; n < rows; ++n) {
       if (IsQuantized(dtype)) {
-        bytes += QuantizeRow(dtype, w.data() + n * K, K);
+        std::string row = QuantizeRow(file, w.data() + n * K, K);
+        if (file != dtype) {
+          std::string packed(DTypeBytes(dtype, K), '\0');
+          const auto* src = reinterpret_cast<const uint8_t*>(row.data());
+          auto* dst = reinterpret_cast<uint8_t*>(packed.data());
+          if (dtype == DType::kQ4_KX) RepackQ4K(src, K / 256, dst);
+          if (dtype == DType::kQ6_KX) RepackQ6K(src, K / 256, dst);
+          if (dtype == DType::kQ4_1X) RepackQ4_1(src, K / 32, dst);
+          row = packed;
+        }
+        bytes += row;
       } else {
         const Weights row = MakeWeights(dtype, K, rng);
         bytes.append(reinterpret_cast<const char*>(row.bytes.data()), row.bytes.size());
