@@ -4,6 +4,7 @@ and stops it (SIGINT, like Ctrl-C). Standard library only."""
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -129,6 +130,7 @@ class Deployment:
         return page
 
     def stop(self, sig=signal.SIGINT, timeout=30):
+        """Stops the deployment and removes its scratch directory (the manifest); the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -136,3 +138,5 @@ class Deployment:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)

@@ -212,6 +212,7 @@ d.proc.wait()
 gone = wait_until(lambda: not workers_running(WORKER), 20)
 check(gone, "kill -9 of shardserve local: every launcher and rank goes with it")
 subprocess.run(["pkill", "-9", "-f", WORKER])
+d.stop()  # already gone: removes its scratch directory
 
 
 # --- stopping ranks that wait at the rendezvous; a leader that cannot start -------------------
