@@ -43,10 +43,7 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       std::printf("%-6s %12s %12s\n", DTypeName(dt), "-", "-");
       continue;
     }
-    const DType file = dt == DType::kQ4_KX   ? DType::kQ4_K
-                       : dt == DType::kQ4_1X ? DType::kQ4_1
-                       : dt == DType::kQ6_KX ? DType::kQ6_K
-                                             : dt;
+    const DType file = cpu::FileType(dt);
     double rate[2];
     for (int memory = 0; memory < 2; ++memory) {
       const int64_t distinct = memory ? 256 : 128;
@@ -68,9 +65,7 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       for (int64_t n = 0; n < distinct; ++n) {
         const auto* src = reinterpret_cast<const uint8_t*>(plain.data()) + n * file_row_bytes;
         auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
-        if (dt == DType::kQ4_KX) cpu::RepackQ4K(src, K / 256, dst);
-        if (dt == DType::kQ4_1X) cpu::RepackQ4_1(src, K / 32, dst);
-        if (dt == DType::kQ6_KX) cpu::RepackQ6K(src, K / 256, dst);
+        cpu::RepackRow(dt, src, K, dst);
       }
       // From memory: 512 MiB, 16 times this machine's L3, of those rows over and over.
       const int64_t N =

@@ -63,10 +63,7 @@ class CpuBackend : public Backend {
   // Weights stay where the host has them (the model file's mapping), but Q4_K, Q4_1 and Q6_K,
   // which are copied into the layouts of the CPU's decode kernel (Q4_KX, Q4_1X, Q6_KX).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
-    const DType kept = host.dtype == DType::kQ4_K   ? DType::kQ4_KX
-                       : host.dtype == DType::kQ4_1 ? DType::kQ4_1X
-                       : host.dtype == DType::kQ6_K ? DType::kQ6_KX
-                                                    : host.dtype;
+    const DType kept = KeptType(host.dtype);
     if (kept == host.dtype) return host;
     const size_t row = DTypeBytes(kept, host.cols);
     auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
@@ -75,11 +72,9 @@ class CpuBackend : public Backend {
       return absl::ResourceExhaustedError(absl::StrCat(
           "cannot allocate ", host.rows * row, " bytes for a ", DTypeName(host.dtype), " matrix"));
     }
-    const int64_t blocks = host.cols / DTypeBlock(host.dtype);
-    const auto repack = kept == DType::kQ4_KX   ? RepackQ4K
-                        : kept == DType::kQ4_1X ? RepackQ4_1
-                                                : RepackQ6K;
-    for (int64_t r = 0; r < host.rows; ++r) repack(RowPtr(host, r), blocks, copy.get() + r * row);
+    for (int64_t r = 0; r < host.rows; ++r) {
+      RepackRow(kept, RowPtr(host, r), host.cols, copy.get() + r * row);
+    }
     repacked_.push_back(std::move(copy));
     return WeightMatrix{kept, repacked_.back().get(), host.rows, host.cols, host.cols};
   }

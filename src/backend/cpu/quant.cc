@@ -57,17 +57,12 @@ constexpr Order OrderOf(DType d) {
                                                     : Order::kInOrder;
 }
 constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; }
-// The file's type a CPU layout was repacked from.
-constexpr DType Plain(DType d) {
-  return d == DType::kQ4_KX   ? DType::kQ4_K
-         : d == DType::kQ4_1X ? DType::kQ4_1
-         : d == DType::kQ6_KX ? DType::kQ6_K
-                              : d;
-}
 // Where a Q4_KX super-block's quants start (RepackQ4K): after d, dmin, 8 scales, 8 minimums.
 constexpr size_t kQ4KXQuants = 20;
 // Whether a block's weights have a minimum term (factor * q + min).
-constexpr bool HasMin(DType d) { return Plain(d) != DType::kQ8_0 && Plain(d) != DType::kQ6_K; }
+constexpr bool HasMin(DType d) {
+  return FileType(d) != DType::kQ8_0 && FileType(d) != DType::kQ6_K;
+}
 // Q6_KX (RepackQ6K): int32 lane L of a half super-block's dot products is 16-value sub-block
 // SubOfLane(L) of that half's 8, the order of Q6_K's merged sums (Unpacked's SubFactor).
 constexpr int SubOfLane(int lane) { return 2 * (lane % 4) + lane / 4; }
@@ -142,7 +137,7 @@ inline void StoreTransposed(const uint8_t* quants, const float* factor, const fl
 template <DType D>
 struct Unpacked {
   static constexpr int kSub = static_cast<int>(DTypeBlock(D) / kBlock);
-  static constexpr int kFactors = Plain(D) == DType::kQ6_K ? 16 : kSub;
+  static constexpr int kFactors = FileType(D) == DType::kQ6_K ? 16 : kSub;
   const uint8_t* b;
   alignas(32) float factor[kFactors];
   alignas(32) float min[kSub];  // HasMin only
@@ -161,7 +156,7 @@ struct Unpacked {
     } else if constexpr (D == DType::kQ4_1) {
       factor[0] = Half(b);
       min[0] = Half(b + 2);
-    } else if constexpr (Plain(D) == DType::kQ6_K) {  // Q6_KX keeps them where Q6_K does
+    } else if constexpr (FileType(D) == DType::kQ6_K) {  // Q6_KX keeps them where Q6_K does
       const __m128i sc =
           _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)),
                            _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
@@ -536,7 +531,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
         }
       }
       for (; wb < wblocks; ++wb) {  // Q4_1X's too are Q4_1 blocks as they were
-        const Unpacked<Plain(D)> u(row + wb * bb);
+        const Unpacked<FileType(D)> u(row + wb * bb);
         __m256i d[MT];
         dots.template operator()<0>(u, wb, d);
         for (int t = 0; t < MT; ++t) {
@@ -793,6 +788,19 @@ void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst) {
                dst + 32);
   }
   std::memcpy(dst, src, (blocks - b) * bb);
+}
+
+void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst) {
+  switch (kept) {
+    case DType::kQ4_KX:
+      return RepackQ4K(src, cols / 256, dst);
+    case DType::kQ6_KX:
+      return RepackQ6K(src, cols / 256, dst);
+    case DType::kQ4_1X:
+      return RepackQ4_1(src, cols / 32, dst);
+    default:
+      std::memcpy(dst, src, DTypeBytes(kept, cols));
+  }
 }
 
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,

@@ -73,6 +73,23 @@ int ActivationOrder(DType dtype);
 // M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
                          ThreadPool& pool, Q16Activations* a);
+// The layout the CPU backend keeps a file's type in (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as
+// Q4_1X; the others as they are), and the file's type a kept layout was repacked from.
+constexpr DType KeptType(DType file) {
+  return file == DType::kQ4_K   ? DType::kQ4_KX
+         : file == DType::kQ6_K ? DType::kQ6_KX
+         : file == DType::kQ4_1 ? DType::kQ4_1X
+                                : file;
+}
+constexpr DType FileType(DType kept) {
+  return kept == DType::kQ4_KX   ? DType::kQ4_K
+         : kept == DType::kQ6_KX ? DType::kQ6_K
+         : kept == DType::kQ4_1X ? DType::kQ4_1
+                                 : kept;
+}
+// One row of `cols` values of FileType(kept) into the layout kept (RepackQ4K, RepackQ6K,
+// RepackQ4_1; a copy for the types kept as they are).
+void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst);
 // Q4_K rows as DType::kQ4_KX, the layout the CPU keeps them in (148 bytes a super-block, 4 more
 // than Q4_K's): d and dmin; the 8 scales and 8 minimums a byte each (Q4_K packs them in 6 bits,
 // whose unpacking cost the decode 13 % of its time in L2); then the 128 bytes of quants

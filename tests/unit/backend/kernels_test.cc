@@ -413,10 +413,7 @@ TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
   std::vector<WeightMatrix> ws;
   for (auto [dtype, rows] : shapes) {
     // The CPU's own layouts (all four activation orders in one group) repacked from their files'.
-    const DType file = dtype == DType::kQ4_KX   ? DType::kQ4_K
-                       : dtype == DType::kQ6_KX ? DType::kQ6_K
-                       : dtype == DType::kQ4_1X ? DType::kQ4_1
-                                                : dtype;
+    const DType file = FileType(dtype);
     std::vector<float> w(std::max<int64_t>(rows, 1) * K);
     for (float& v : w) v = dist(rng);
     std::string bytes;
@@ -425,11 +422,8 @@ TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
         std::string row = QuantizeRow(file, w.data() + n * K, K);
         if (file != dtype) {
           std::string packed(DTypeBytes(dtype, K), '\0');
-          const auto* src = reinterpret_cast<const uint8_t*>(row.data());
-          auto* dst = reinterpret_cast<uint8_t*>(packed.data());
-          if (dtype == DType::kQ4_KX) RepackQ4K(src, K / 256, dst);
-          if (dtype == DType::kQ6_KX) RepackQ6K(src, K / 256, dst);
-          if (dtype == DType::kQ4_1X) RepackQ4_1(src, K / 32, dst);
+          RepackRow(dtype, reinterpret_cast<const uint8_t*>(row.data()), K,
+                    reinterpret_cast<uint8_t*>(packed.data()));
           row = packed;
         }
         bytes += row;
