@@ -18,12 +18,13 @@ For SmolLM2:
     TOL of transformers' and of TP=1.
 
 Tolerances per type: F32 and BF16 weights compute in float32 from the same values as
-transformers, 1e-4 covers the summation order. The quantized types' decode path (and prompts of
-up to 12 tokens) rounds the activations to int16 per block of 32 (backend/cpu/quant.cc): 2e-3 on
+transformers, 1e-4 covers the summation order. The quantized types round the activations to
+int16 per block of 32 (backend/cpu/quant.cc), in decode and in the prefill GEMM alike: 2e-3 on
 the generated models (worst seen 1.3e-3), 5e-3 on SmolLM2, whose activation outliers coarsen their
 blocks' steps (worst seen 2.4e-3); a sharded run sums in another order, and a value that lands
 on the other side of a rounding step moves its block by one step, so the sharded runs get the
-same bound.
+same bound. Each model also gets a prompt of 40 tokens (SmolLM2: a text of 30), past the decode
+batches of up to 12, so that the prefill GEMM is checked too.
   * serving: `shardserve local` at TP=3 answers a chat request with the prompt transformers'
     chat template makes (the same token count) and the greedy answer names Paris.
 """
@@ -48,6 +49,8 @@ FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ["What is the capital of France?", "Numbers 12345 and 3.14; caf\u00e9 na\u00efve \u4f60\u597d!",
          "  two  spaces and\ttabs\nnew line\n\n", "<|im_start|>user\nhi<|im_end|>", "a"]
 STEPS = 16
+# A prompt past the decode batches (12 tokens): the prefill GEMM's path.
+LONG = [1] + [(37 * i + 11) % 500 + 2 for i in range(39)]
 TOL = 5e-3
 QUANTIZED_TOL = 2e-3
 check = Checks()
@@ -94,6 +97,8 @@ def compare(name, model_path, hf_model, prompt, ids, shapes, tol):
     """Greedy tokens and logprobs against transformers at TP=1, then each sharded shape against
     TP=1."""
     want, lps = hf_greedy(hf_model, ids)
+    name = name if not isinstance(prompt, list) or len(prompt) <= 8 else f"{name} ({len(ids)} ids)"
+    prompt = prompt if not isinstance(prompt, list) or len(prompt) <= 8 else "..."
     single = ours(model_path, prompt)
     check(single["tokens"] == want, f"{name} {prompt!r}: greedy tokens equal transformers' "
           f"({want[:6]}...)" + ("" if single["tokens"] == want else f" ours {single['tokens']}"))
@@ -144,7 +149,7 @@ if WHAT == "generated":
                 got, want = ours(path, text)["prompt_ids"], tok.encode(text)
                 check(got == want, f"{name} tokenizer: {text!r}"
                       + ("" if got == want else f" ({want} vs ours {got})"))
-            for ids in ([1, 5, 9, 13], [1, 300, 7]):
+            for ids in ([1, 5, 9, 13], [1, 300, 7], LONG):
                 compare(name, path, model, ids, ids, SHAPES,
                         1e-4 if wtype in ("f32", "bf16") else QUANTIZED_TOL)
         # Mixtral: the GGUF against the safetensors of the same weights, and sharded.
@@ -168,7 +173,9 @@ if WHAT == "generated":
 if not os.path.exists(os.path.join(DIR, FILE)):
     print(f"skipped: {DIR}/{FILE} is absent (scripts/setup.sh fetches it)")
     sys.exit(77)
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The farmer walked to the market early in the morning, carrying two baskets of apples "
+           "and a jar of honey. When he arrived, the square was already"]
 
 tok = AutoTokenizer.from_pretrained(DIR, gguf_file=FILE)
 model = AutoModelForCausalLM.from_pretrained(DIR, gguf_file=FILE, dtype=torch.float32)

@@ -10,8 +10,9 @@
 // for its maddubs kernels, are faster, 32 products an instruction, but move SmolLM2's logprobs by
 // up to 0.6: its activations have outliers that take a block's whole int8 range.) Blocks go in
 // groups of 8, whose dot products are summed lane-wise and scaled once (DecodeRange). Prefill
-// expands the weights to F32 rows for the F32 GEMM instead (exact up to F32 rounding);
-// Dequantize reads the same layouts (the 4-bit types and Q8_0 widened straight to int32).
+// (kernels.cc's GEMM) multiplies the same int16 activations with the weights unpacked to int16
+// rows (UnpackInts), so both paths have the same accuracy; Dequantize (to F32: embedding rows,
+// ToFloat) reads the same layouts (the 4-bit types and Q8_0 widened straight to int32).
 //
 // A group's 8 blocks' dot products are 8 vectors to merge into one of their sums (14 shuffles,
 // 15 % of the Q4_K kernel's time), so the CPU backend keeps Q4_K as Q4_KX, Q6_K as Q6_KX and Q4_1
@@ -50,6 +51,7 @@ inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
 // the 32-value types, Q4_K). The activations are quantized in the same order (Q4_KX: in its own,
 // kTransposed; Q6_KX: in its own, kSubTransposed).
 enum class Order { kInOrder, kInterleaved, kTransposed, kSubTransposed };
+static_assert(static_cast<int>(Order::kInOrder) == kActivationsInOrder);
 constexpr Order OrderOf(DType d) {
   return d == DType::kQ5_K || d == DType::kQ6_K     ? Order::kInterleaved
          : d == DType::kQ4_KX || d == DType::kQ4_1X ? Order::kTransposed
@@ -59,10 +61,6 @@ constexpr Order OrderOf(DType d) {
 constexpr bool Interleaved(DType d) { return OrderOf(d) == Order::kInterleaved; }
 // Where a Q4_KX super-block's quants start (RepackQ4K): after d, dmin, 8 scales, 8 minimums.
 constexpr size_t kQ4KXQuants = 20;
-// Whether a block's weights have a minimum term (factor * q + min).
-constexpr bool HasMin(DType d) {
-  return FileType(d) != DType::kQ8_0 && FileType(d) != DType::kQ6_K;
-}
 // Q6_KX (RepackQ6K): int32 lane L of a half super-block's dot products is 16-value sub-block
 // SubOfLane(L) of that half's 8, the order of Q6_K's merged sums (Unpacked's SubFactor).
 constexpr int SubOfLane(int lane) { return 2 * (lane % 4) + lane / 4; }
@@ -102,12 +100,11 @@ inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x
 
 // 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as F32,
 // factor[k] * q + min[k] for block k.
-inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
-                            float* out) {
+// The 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as one
+// value a byte, in memory: block k's values 8h .. 8h + 7 at q[h][k / 4][k % 4 * 8].
+inline void TransposedNibbles(const uint8_t* quants, uint8_t q[4][2][32]) {
   // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
-  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
-  // that they widen from there as the other types' bytes do.
-  alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
+  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int h = 0; h < 4; ++h) {
     const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
@@ -118,6 +115,14 @@ inline void StoreTransposed(const uint8_t* quants, const float* factor, const fl
     _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
                        _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(lo, hi), order));
   }
+}
+
+// 8 blocks' 128 bytes of quants in the transposed layouts as F32, factor[k] * q + min[k] for
+// block k. The values widen from memory, as the other types' bytes do.
+inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
+                            float* out) {
+  alignas(32) uint8_t q[4][2][32];
+  TransposedNibbles(quants, q);
   // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
   asm volatile("" : : "r"(q) : "memory");
   for (int k = 0; k < 8; ++k) {
@@ -617,6 +622,27 @@ void TransposeSubBlocks(int64_t K, int16_t* q) {
   }
 }
 
+// Half h (values 128h .. 128h + 127) of a Q6_KX super-block: f(L, bytes) for each lane L, with
+// bytes the 16 signed values of the half's 16-value sub-block SubOfLane(L), in order.
+template <typename F>
+inline void SubBlocksQ6KX(const uint8_t* b, int h, F f) {
+  __m256i v[4];
+  SixBitValues(b, h, v);
+  // Dword L of each 128-bit lane: values 4i .. 4i + 3 of sub-block SubOfLane(L); then those of
+  // the 4 vectors side by side, sub-block SubOfLane(g + 4 lane) in vector g.
+  const __m256i gather = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0,
+                                          1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  for (__m256i& x : v) x = _mm256_shuffle_epi8(x, gather);
+  const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), c = _mm256_unpacklo_epi32(v[2], v[3]);
+  const __m256i e = _mm256_unpackhi_epi32(v[0], v[1]), g = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i subs[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c),
+                           _mm256_unpacklo_epi64(e, g), _mm256_unpackhi_epi64(e, g)};
+  for (int i = 0; i < 4; ++i) {
+    f(i, _mm256_castsi256_si128(subs[i]));
+    f(i + 4, _mm256_extracti128_si256(subs[i], 1));
+  }
+}
+
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
   if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks (RepackQ4_1)
@@ -636,39 +662,102 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
     for (int64_t k = 0; k < n; k += 256, row += DTypeBlockBytes(D), out += 256) {
       const Unpacked<D> u(row);
       for (int h = 0; h < 2; ++h) {
-        __m256i v[4];
-        SixBitValues(row, h, v);
-        // Dword L of each 128-bit lane: values 4i .. 4i + 3 of sub-block SubOfLane(L); then
-        // those of the 4 vectors side by side, sub-block SubOfLane(g + 4 lane) in vector g.
-        const __m256i gather =
-            _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3,
-                             10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-        for (__m256i& x : v) x = _mm256_shuffle_epi8(x, gather);
-        const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), c = _mm256_unpacklo_epi32(v[2], v[3]);
-        const __m256i e = _mm256_unpackhi_epi32(v[0], v[1]), f = _mm256_unpackhi_epi32(v[2], v[3]);
-        const __m256i subs[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c),
-                                 _mm256_unpacklo_epi64(e, f), _mm256_unpackhi_epi64(e, f)};
-        for (int g = 0; g < 4; ++g) {
-          for (int lane = 0; lane < 2; ++lane) {
-            const int L = g + 4 * lane;
-            const __m128i bytes =
-                lane == 0 ? _mm256_castsi256_si128(subs[g]) : _mm256_extracti128_si256(subs[g], 1);
-            const __m256 factor = _mm256_set1_ps(u.factor[8 * h + L]);  // SubFactor's order
-            float* dst = out + 128 * h + 16 * SubOfLane(L);
-            _mm256_storeu_ps(
-                dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), factor));
-            _mm256_storeu_ps(
-                dst + 8,
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
-                              factor));
-          }
-        }
+        SubBlocksQ6KX(row, h, [&](int L, __m128i bytes) {
+          const __m256 factor = _mm256_set1_ps(u.factor[8 * h + L]);  // SubFactor's order
+          float* dst = out + 128 * h + 16 * SubOfLane(L);
+          _mm256_storeu_ps(dst,
+                           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), factor));
+          _mm256_storeu_ps(
+              dst + 8,
+              _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))),
+                            factor));
+        });
       }
     }
   } else {
     for (int64_t b = 0; b < n / DTypeBlock(D); ++b) {
       const Unpacked<D> u(row + b * DTypeBlockBytes(D));
       u.Store(out + b * DTypeBlock(D));
+    }
+  }
+}
+
+// UnpackInts for one dtype.
+template <DType D>
+void UnpackIntsTyped(const uint8_t* row, int64_t n, int16_t* q, float* factor, float* min) {
+  constexpr size_t bb = DTypeBlockBytes(D);
+  // 8 blocks in the transposed layouts: block k's values 8h .. 8h + 7 widened from memory.
+  const auto transposed = [&](const uint8_t* quants) {
+    alignas(32) uint8_t bytes[4][2][32];
+    TransposedNibbles(quants, bytes);
+    asm volatile("" : : "r"(bytes) : "memory");  // as StoreTransposed
+    for (int k = 0; k < 8; ++k, q += kBlock) {
+      for (int h = 0; h < 4; h += 2) {
+        const __m128i v = _mm_unpacklo_epi64(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&bytes[h][k / 4][k % 4 * 8])),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&bytes[h + 1][k / 4][k % 4 * 8])));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * h), _mm256_cvtepu8_epi16(v));
+      }
+    }
+  };
+  if constexpr (D == DType::kQ4_KX) {
+    for (int64_t k = 0; k < n; k += 256, row += bb, factor += 8, min += 8) {
+      const Unpacked<D> u(row);
+      std::memcpy(factor, u.factor, sizeof(u.factor));
+      std::memcpy(min, u.min, sizeof(u.min));
+      transposed(row + kQ4KXQuants);
+    }
+  } else if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks
+    int64_t k = 0;
+    for (; k + 256 <= n; k += 256, row += 8 * bb, factor += 8, min += 8) {
+      for (int i = 0; i < 2; ++i) {
+        _mm256_storeu_ps(
+            i == 0 ? factor : min,
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
+      }
+      transposed(row + 32);
+    }
+    UnpackIntsTyped<DType::kQ4_1>(row, n - k, q, factor, min);
+  } else if constexpr (D == DType::kQ6_KX) {  // 16 factors a super-block, of 16 values each
+    for (int64_t k = 0; k < n; k += 256, row += bb, q += 256, factor += 16) {
+      const Unpacked<D> u(row);
+      for (int h = 0; h < 2; ++h) {
+        SubBlocksQ6KX(row, h, [&](int L, __m128i bytes) {
+          const int sub = 8 * h + SubOfLane(L);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * sub),
+                              _mm256_cvtepi8_epi16(bytes));
+          factor[sub] = u.factor[8 * h + L];
+        });
+      }
+    }
+  } else {
+    constexpr int kSub = Unpacked<D>::kSub;
+    for (int64_t b = 0; b < n / DTypeBlock(D); ++b, row += bb) {
+      const Unpacked<D> u(row);
+      [&]<int... J>(std::integer_sequence<int, J...>) {
+        (
+            [&] {
+              __m256i lo, hi;
+              u.template Values<J>(&lo, &hi);
+              if constexpr (Interleaved(D)) {  // values 0-7 and 16-23, then 8-15 and 24-31
+                const __m256i first = _mm256_permute2x128_si256(lo, hi, 0x20);
+                hi = _mm256_permute2x128_si256(lo, hi, 0x31);
+                lo = first;
+              }
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
+              q += kBlock;
+              if constexpr (FileType(D) == DType::kQ6_K) {
+                *factor++ = u.factor[Unpacked<D>::SubFactor(2 * J)];
+                *factor++ = u.factor[Unpacked<D>::SubFactor(2 * J + 1)];
+              } else {
+                *factor++ = u.factor[J];
+              }
+              if constexpr (HasMin(D)) *min++ = u.min[J];
+            }(),
+            ...);
+      }
+      (std::make_integer_sequence<int, kSub>());
     }
   }
 }
@@ -715,6 +804,32 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
       return DequantizeTyped<DType::kQ4_1X>(p, n, out);
     case DType::kQ6_KX:
       return DequantizeTyped<DType::kQ6_KX>(p, n, out);
+    default:
+      return;
+  }
+}
+
+void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* factor, float* min) {
+  const auto* p = static_cast<const uint8_t*>(row);
+  switch (dtype) {
+    case DType::kQ8_0:
+      return UnpackIntsTyped<DType::kQ8_0>(p, n, q, factor, min);
+    case DType::kQ4_0:
+      return UnpackIntsTyped<DType::kQ4_0>(p, n, q, factor, min);
+    case DType::kQ4_1:
+      return UnpackIntsTyped<DType::kQ4_1>(p, n, q, factor, min);
+    case DType::kQ4_K:
+      return UnpackIntsTyped<DType::kQ4_K>(p, n, q, factor, min);
+    case DType::kQ5_K:
+      return UnpackIntsTyped<DType::kQ5_K>(p, n, q, factor, min);
+    case DType::kQ6_K:
+      return UnpackIntsTyped<DType::kQ6_K>(p, n, q, factor, min);
+    case DType::kQ4_KX:
+      return UnpackIntsTyped<DType::kQ4_KX>(p, n, q, factor, min);
+    case DType::kQ4_1X:
+      return UnpackIntsTyped<DType::kQ4_1X>(p, n, q, factor, min);
+    case DType::kQ6_KX:
+      return UnpackIntsTyped<DType::kQ6_KX>(p, n, q, factor, min);
     default:
       return;
   }

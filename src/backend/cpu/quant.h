@@ -51,10 +51,10 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 
 // Up to this many tokens (decode batches) MatMul streams the weights once for all of them, each
 // token's result independent of the batch (DecodeRows for quantized weights); beyond it the
-// packed GEMM is faster (quantized weight rows expanded to F32 by Dequantize).
+// packed GEMM is faster (quantized weight rows unpacked to int16 by UnpackInts).
 constexpr int64_t kDecodeMaxTokens = 12;
 
-// Activations of M tokens quantized per block of 32 for the quantized decode kernels: int16
+// Activations of M tokens quantized per block of 32 for the quantized kernels: int16
 // values q (scale max|x| / 32767), the block's scale d and d * (the sum of its q), for the
 // minimum's term (quant.cc states the accuracy).
 struct Q16Activations {
@@ -87,6 +87,19 @@ constexpr DType FileType(DType kept) {
          : kept == DType::kQ4_1X ? DType::kQ4_1
                                  : kept;
 }
+// Whether a quantized type's weights have a minimum term (factor * q + min).
+constexpr bool HasMin(DType d) {
+  return FileType(d) != DType::kQ8_0 && FileType(d) != DType::kQ6_K;
+}
+// Prefill of the quantized types (M > kDecodeMaxTokens) multiplies integers as decode does: the
+// activations quantized in order (QuantizeActivations, kActivationsInOrder) and the weights
+// unpacked to int16 (UnpackInts), whose values share a factor in groups of IntGroup (Q6_K's
+// 16-value sub-blocks; 32 for the others) and a minimum in blocks of 32.
+constexpr int kActivationsInOrder = 0;
+constexpr int64_t IntGroup(DType d) { return FileType(d) == DType::kQ6_K ? 16 : 32; }
+// The first n values (a multiple of the block) of a quantized row as int16 q, in order, with
+// factor[i / IntGroup] and (HasMin) min[i / 32]: value i is factor * q[i] + min.
+void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* factor, float* min);
 // One row of `cols` values of FileType(kept) into the layout kept (RepackQ4K, RepackQ6K,
 // RepackQ4_1; a copy for the types kept as they are).
 void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst);

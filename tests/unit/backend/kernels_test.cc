@@ -232,9 +232,9 @@ std::vector<double> Q16Activations(const std::vector<float>& x) {
 }
 
 // Checks y = x · w^T for the M tokens of x and the N rows of `values` (the weights' exact values,
-// [N][K]). Decode batches (up to 12 tokens) take the integer path: they must equal the products
-// with the quantized activations up to F32 rounding, and stay within the rounding's bound
-// (sum |w| * scale / 2 per block) of the exact products; larger M are exact up to F32 rounding.
+// [N][K]). Both paths (decode batches of up to 12 tokens, the prefill GEMM beyond) multiply
+// integers: they must equal the products with the quantized activations up to F32 rounding, and
+// stay within the rounding's bound (sum |w| * scale / 2 per block) of the exact products.
 void ExpectQuantizedProducts(const std::vector<double>& values, const std::vector<float>& x,
                              const std::vector<float>& y, int64_t M, int64_t N, int64_t K,
                              const std::string& what) {
@@ -249,12 +249,8 @@ void ExpectQuantizedProducts(const std::vector<double>& values, const std::vecto
         bound += std::fabs(v * (xq[m * K + k] - x[m * K + k]));
       }
       const double got = y[m * N + n];
-      if (M <= 12) {
-        ASSERT_NEAR(got, quantized, 1e-4) << what << " M=" << M << " n=" << n;
-        ASSERT_LE(std::fabs(got - exact), bound + 1e-4) << what << " M=" << M << " n=" << n;
-      } else {
-        ASSERT_NEAR(got, exact, 1e-4) << what << " M=" << M << " n=" << n;
-      }
+      ASSERT_NEAR(got, quantized, 1e-4) << what << " M=" << M << " n=" << n;
+      ASSERT_LE(std::fabs(got - exact), bound + 1e-4) << what << " M=" << M << " n=" << n;
     }
   }
 }
