@@ -9,8 +9,16 @@
 
 #include "backend/cpu/quant.h"
 
+// glibc's vector expf (libmvec), the AVX2 variant of the x86-64 vector function ABI.
+extern "C" __m256 _ZGVdN8v_expf(__m256 x);
+
 namespace shardserve::cpu {
 namespace {
+
+// e^x for 8 floats (SiLU through it is within 2.6e-7 of double precision, relative; the unit
+// test bounds it). SiLU and the attention's softmax: scalar std::exp was 3 % of a SmolLM2
+// decode step at one thread.
+inline __m256 Exp8(__m256 x) { return _ZGVdN8v_expf(x); }
 
 template <DType D>
 inline __m256 Load8(const void* base, int64_t idx) {
@@ -707,7 +715,15 @@ void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float 
 
 void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool) {
   pool.ParallelFor(n, 4096, [&](int, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+    int64_t i = begin;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= end; i += 8) {
+      const __m256 g = _mm256_loadu_ps(a + i);
+      const __m256 e = Exp8(_mm256_xor_ps(g, sign));
+      _mm256_storeu_ps(
+          a + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(b + i)));
+    }
+    for (; i < end; ++i) {
       const float g = a[i];
       a[i] = g / (1.0f + std::exp(-g)) * b[i];
     }
@@ -732,6 +748,24 @@ float Dot(const float* a, const float* b, int64_t n) {
 namespace {
 
 // AttendHead for hd = 8 * V8: q (scaled) and the output accumulator live in registers.
+// scores[p] = e^(scores[p] - mx) for p < len; returns their sum.
+float ExpMinusMax(float* scores, int64_t len, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 8 <= len; p += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), m));
+    _mm256_storeu_ps(scores + p, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = HSum(acc);
+  for (; p < len; ++p) {
+    scores[p] = std::exp(scores[p] - mx);
+    sum += scores[p];
+  }
+  return sum;
+}
+
 template <int V8>
 void AttendHeadFixed(const float* q, const float* const* k_blocks, const float* const* v_blocks,
                      int64_t bs, int64_t len, float scale, float* scores, float* out) {
@@ -751,11 +785,7 @@ void AttendHeadFixed(const float* q, const float* const* k_blocks, const float* 
     scores[p] = HSum(_mm256_add_ps(a0, a1));
     mx = std::max(mx, scores[p]);
   }
-  float sum = 0;
-  for (int64_t p = 0; p < len; ++p) {
-    scores[p] = std::exp(scores[p] - mx);
-    sum += scores[p];
-  }
+  const float sum = ExpMinusMax(scores, len, mx);
   const float inv = 1.0f / sum;
   __m256 o[V8];
   for (int i = 0; i < V8; ++i) o[i] = _mm256_setzero_ps();
@@ -778,11 +808,7 @@ void AttendHead(const float* q, const float* const* k_blocks, const float* const
     scores[p] = Dot(q, k_blocks[p / bs] + (p % bs) * hd, hd) * scale;
     mx = std::max(mx, scores[p]);
   }
-  float sum = 0;
-  for (int64_t p = 0; p < len; ++p) {
-    scores[p] = std::exp(scores[p] - mx);
-    sum += scores[p];
-  }
+  const float sum = ExpMinusMax(scores, len, mx);
   std::fill_n(out, hd, 0.f);
   const float inv = 1.0f / sum;
   for (int64_t p = 0; p < len; ++p) {
