@@ -66,9 +66,8 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
   if (s.ok()) s = t->BindWeights();
   if (s.ok()) s = t->backend_->Synchronize();
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(model_dir, ": ", s.message()));
-  // The pages the binding read leave this process's resident memory: on a GPU the host copies
-  // are done with; on the CPU those of the matrices it repacked (Q4_K) are, and the weights it
-  // reads in place come back on first use.
+  // The pages the binding read leave this process's resident memory: the backends (GPU, and the
+  // CPU's own copies, repacked or not) are done with the host's.
   t->weights_->DropResidentPages();
   if (t->backend_->copies_weights()) t->owned_.clear();
   return t;

@@ -342,7 +342,7 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
 // Q4_KX, Q6_KX and Q4_1X, the layouts the CPU backend keeps Q4_K, Q6_K and Q4_1 in: their rows
 // expand and multiply (decode batches, with the activations in their orders, and prefill) bit for
 // bit as the rows they were repacked from, Q4_1X also where a row ends in blocks short of a group
-// of 8 (K = 352, 576); the backend's Upload repacks those three types and nothing else.
+// of 8 (K = 352, 576); the backend's Upload repacks those three types and copies the others.
 TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
   std::mt19937 rng(8);
   std::uniform_real_distribution<float> dist(-1, 1);
@@ -396,13 +396,23 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
       }
     }
   }
+  // The types kept as they are: copied into the backend's memory (the first 256 columns of rows
+  // of 512), row by row, the host's bytes left free.
   for (DType kept : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ5_K}) {
-    std::string bytes(DTypeBytes(kept, 256) * 3, '\0');
-    const WeightMatrix m{kept, bytes.data(), 3, 256, 256};
-    const absl::StatusOr<WeightMatrix> same = backend->Upload(m);
-    ASSERT_TRUE(same.ok());
-    EXPECT_EQ(same->data, m.data) << DTypeName(kept);
-    EXPECT_EQ(same->dtype, kept);
+    std::string bytes(DTypeBytes(kept, 512) * 3, '\0');
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 % 251);
+    const WeightMatrix m{kept, bytes.data(), 3, 256, 512};
+    const absl::StatusOr<WeightMatrix> copy = backend->Upload(m);
+    ASSERT_TRUE(copy.ok());
+    EXPECT_NE(copy->data, m.data) << DTypeName(kept);
+    EXPECT_EQ(copy->dtype, kept);
+    EXPECT_EQ(copy->row_stride, 256);
+    const size_t row = DTypeBytes(kept, 256);
+    for (int64_t r = 0; r < 3; ++r) {
+      EXPECT_EQ(std::string(static_cast<const char*>(copy->data) + r * row, row),
+                bytes.substr(r * DTypeBytes(kept, 512), row))
+          << DTypeName(kept) << " row " << r;
+    }
   }
 }
 
