@@ -238,18 +238,23 @@ void MicroKernelAny(int64_t mr, int64_t kc, const float* a, int64_t lda, const f
   }
 }
 
-// The MR x 16 tile of a quantized matrix (MR <= 6) in integers: y[i][j] (+)= weight row i against
-// token j over kc values. Row i: int16 values at wq + i * kKc, a factor for each G values at
+// The MR x 16 tile of a quantized matrix (MR <= 4) in integers: y[i][j] (+)= weight row i against
+// token j over kc values. Row i: int16 values from wq + i * kKc (UnpackInts' layout: value pair
+// p of group g at wq + PairAt(transposed, g, p)), a factor for each G values at
 // wf + i * (kKc / 16), a minimum for each 32 at wm + i * (kKc / 32) (kMin). Token j: its pairs
 // of int16 values in xq ([kc / 2][16][2]), its scale d and d * (the sum of its values) for each
 // 32 in xd and xds ([kc / 32][16]). Each G values' products are summed in int32 (madd: two
 // products an int32 lane; no overflow, at most 32 products of 2^15 with 2^8), then converted and
 // scaled; a weight pair is broadcast against 16 tokens' pairs.
+template <int G>
+constexpr int64_t PairAt(bool transposed, int64_t g, int64_t p) {
+  return transposed ? 16 * p + 2 * g : g * G + 2 * p;
+}
 template <int MR, int G, bool kMin>
-void MicroKernelInt(int64_t kc, const int16_t* wq, const float* wf, const float* wm,
-                    const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                    bool accumulate) {
-  static_assert(MR >= 1 && MR <= 6 && (G == 16 || G == 32));
+void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float* wf,
+                    const float* wm, const int16_t* xq, const float* xd, const float* xds, float* y,
+                    int64_t ldy, bool accumulate) {
+  static_assert(MR >= 1 && MR <= 4 && (G == 16 || G == 32));
   if (!accumulate) {
     for (int i = 0; i < MR; ++i) {
       _mm256_storeu_ps(y + i * ldy, _mm256_setzero_ps());
@@ -258,24 +263,24 @@ void MicroKernelInt(int64_t kc, const int16_t* wq, const float* wf, const float*
   }
   // Named accumulators, as in MicroKernel (an array of them goes through the stack); the F32
   // results stay in y between groups.
-  __m256i c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  __m256i c00, c01, c10, c11, c20, c21, c30, c31;
   const auto rows = [&](auto f) {
     f(0, c00, c01);
     if constexpr (MR > 1) f(1, c10, c11);
     if constexpr (MR > 2) f(2, c20, c21);
     if constexpr (MR > 3) f(3, c30, c31);
-    if constexpr (MR > 4) f(4, c40, c41);
-    if constexpr (MR > 5) f(5, c50, c51);
   };
+  const int64_t step = PairAt<G>(transposed, 0, 1);  // int16 values from one pair to the next
   for (int64_t g = 0; g < kc / G; ++g) {
     const int16_t* xg = xq + g * G * kNr;
-    const int16_t* wg = wq + g * G;
+    const int16_t* wg = wq + PairAt<G>(transposed, g, 0);
     rows([&](int, __m256i& lo, __m256i& hi) { lo = hi = _mm256_setzero_si256(); });
     if constexpr (MR == 4) {
       // In assembly: GCC holds the 8 products of a step in registers before adding them and
       // spills accumulators. The accumulators in ymm0-7, the step's values in ymm8-15.
       const int16_t* xp = xg;
       const int16_t* wp = wg;
+      const int64_t wstep = 2 * step;  // bytes
       int64_t steps = G / 2;
       asm("1:\n\t"
           "vmovdqu (%[x]), %%ymm8\n\t"
@@ -301,22 +306,21 @@ void MicroKernelInt(int64_t kc, const int16_t* wq, const float* wf, const float*
           "vpaddd %%ymm14, %[c30], %[c30]\n\t"
           "vpaddd %%ymm15, %[c31], %[c31]\n\t"
           "add $64, %[x]\n\t"
-          "add $4, %[w]\n\t"
+          "add %[ws], %[w]\n\t"
           "dec %[n]\n\t"
           "jnz 1b"
           : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20),
             [c21] "+x"(c21), [c30] "+x"(c30), [c31] "+x"(c31), [x] "+r"(xp), [w] "+r"(wp),
             [n] "+r"(steps)
-          : [s1] "i"(2 * kKc), [s2] "i"(4 * kKc), [s3] "i"(6 * kKc)
+          : [ws] "r"(wstep), [s1] "i"(2 * kKc), [s2] "i"(4 * kKc), [s3] "i"(6 * kKc)
           : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
     } else {
-#pragma GCC unroll 2
       for (int p = 0; p < G / 2; ++p) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 32 * p));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 32 * p + 16));
         rows([&](int i, __m256i& lo, __m256i& hi) {
           int32_t pair;
-          std::memcpy(&pair, wg + i * kKc + 2 * p, 4);
+          std::memcpy(&pair, wg + i * kKc + step * p, 4);
           const __m256i v = _mm256_set1_epi32(pair);
           lo = _mm256_add_epi32(lo, _mm256_madd_epi16(v, x0));
           hi = _mm256_add_epi32(hi, _mm256_madd_epi16(v, x1));
@@ -344,22 +348,18 @@ void MicroKernelInt(int64_t kc, const int16_t* wq, const float* wf, const float*
 }
 
 template <int G, bool kMin>
-void MicroKernelIntAny(int64_t mr, int64_t kc, const int16_t* wq, const float* wf, const float* wm,
-                       const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                       bool acc) {
+void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, const int16_t* wq, const float* wf,
+                       const float* wm, const int16_t* xq, const float* xd, const float* xds,
+                       float* y, int64_t ldy, bool acc) {
   switch (mr) {
-    case 6:
-      return MicroKernelInt<6, G, kMin>(kc, wq, wf, wm, xq, xd, xds, y, ldy, acc);
-    case 5:
-      return MicroKernelInt<5, G, kMin>(kc, wq, wf, wm, xq, xd, xds, y, ldy, acc);
     case 4:
-      return MicroKernelInt<4, G, kMin>(kc, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<4, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
     case 3:
-      return MicroKernelInt<3, G, kMin>(kc, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<3, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
     case 2:
-      return MicroKernelInt<2, G, kMin>(kc, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<2, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
     default:
-      return MicroKernelInt<1, G, kMin>(kc, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<1, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
   }
 }
 
@@ -423,8 +423,9 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           if constexpr (IsQuantized(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
             MicroKernelIntAny<IntGroup(D), HasMin(D)>(
-                rows, kc, wq + r * kKc, wf + r * (kKc / 16), wm + r * (kKc / 32),
-                x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb, yt + r * mp + t, mp, k0 > 0);
+                rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
+                wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
+                yt + r * mp + t, mp, k0 > 0);
           } else {
             MicroKernelAny(rows, kc, wbuf + r * kKc, kKc, x.f32 + (t / kNr * K + k0) * kNr,
                            yt + r * mp + t, mp, k0 > 0);

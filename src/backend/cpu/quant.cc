@@ -686,18 +686,20 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
 template <DType D>
 void UnpackIntsTyped(const uint8_t* row, int64_t n, int16_t* q, float* factor, float* min) {
   constexpr size_t bb = DTypeBlockBytes(D);
-  // 8 blocks in the transposed layouts: block k's values 8h .. 8h + 7 widened from memory.
+  // 8 blocks in the transposed layouts, widened where they lie (UnpacksTransposed): bytes 16i ..
+  // 16i + 15 hold pair 2i of each block in their low nibbles, pair 2i + 1 in their high ones.
   const auto transposed = [&](const uint8_t* quants) {
-    alignas(32) uint8_t bytes[4][2][32];
-    TransposedNibbles(quants, bytes);
-    asm volatile("" : : "r"(bytes) : "memory");  // as StoreTransposed
-    for (int k = 0; k < 8; ++k, q += kBlock) {
-      for (int h = 0; h < 4; h += 2) {
-        const __m128i v = _mm_unpacklo_epi64(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&bytes[h][k / 4][k % 4 * 8])),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&bytes[h + 1][k / 4][k % 4 * 8])));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * h), _mm256_cvtepu8_epi16(v));
-      }
+    for (int c = 0; c < 4; ++c, q += 64) {
+      const __m256i bytes = Load32(quants + 32 * c), mask = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_and_si256(bytes, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+      const auto store = [](int16_t* at, __m128i v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm256_cvtepu8_epi16(v));
+      };
+      store(q, _mm256_castsi256_si128(lo));
+      store(q + 16, _mm256_castsi256_si128(hi));
+      store(q + 32, _mm256_extracti128_si256(lo, 1));
+      store(q + 48, _mm256_extracti128_si256(hi, 1));
     }
   };
   if constexpr (D == DType::kQ4_KX) {

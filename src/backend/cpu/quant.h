@@ -97,9 +97,15 @@ constexpr bool HasMin(DType d) {
 // 16-value sub-blocks; 32 for the others) and a minimum in blocks of 32.
 constexpr int kActivationsInOrder = 0;
 constexpr int64_t IntGroup(DType d) { return FileType(d) == DType::kQ6_K ? 16 : 32; }
-// The first n values (a multiple of the block) of a quantized row as int16 q, in order, with
-// factor[i / IntGroup] and (HasMin) min[i / 32]: value i is factor * q[i] + min.
+// The first n values (a multiple of the block) of a quantized row as int16 q, with
+// factor[i / IntGroup] and (HasMin) min[i / 32]: value i is factor * q[at i] + min. In order,
+// but for each 256 values of Q4_KX and each group of 8 blocks of Q4_1X (UnpacksTransposed), whose
+// bytes are widened where they lie: the pair of values 2p, 2p + 1 of block b at 16p + 2b.
 void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* factor, float* min);
+// Whether UnpackInts leaves n values from a multiple of 256 (n <= 256) in the transposed order.
+constexpr bool UnpacksTransposed(DType d, int64_t n) {
+  return d == DType::kQ4_KX || (d == DType::kQ4_1X && n == 256);
+}
 // One row of `cols` values of FileType(kept) into the layout kept (RepackQ4K, RepackQ6K,
 // RepackQ4_1; a copy for the types kept as they are).
 void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst);
