@@ -97,19 +97,18 @@ def compare(name, model_path, hf_model, prompt, ids, shapes, tol):
     """Greedy tokens and logprobs against transformers at TP=1, then each sharded shape against
     TP=1."""
     want, lps = hf_greedy(hf_model, ids)
-    name = name if not isinstance(prompt, list) or len(prompt) <= 8 else f"{name} ({len(ids)} ids)"
-    prompt = prompt if not isinstance(prompt, list) or len(prompt) <= 8 else "..."
+    shown = prompt if not isinstance(prompt, list) or len(prompt) <= 8 else f"{len(ids)} ids"
     single = ours(model_path, prompt)
-    check(single["tokens"] == want, f"{name} {prompt!r}: greedy tokens equal transformers' "
+    check(single["tokens"] == want, f"{name} {shown!r}: greedy tokens equal transformers' "
           f"({want[:6]}...)" + ("" if single["tokens"] == want else f" ours {single['tokens']}"))
     worst = worst_logprob(single, want, lps)
-    check(worst <= tol, f"{name} {prompt!r}: chosen and top-5 logprobs within {tol} "
+    check(worst <= tol, f"{name} {shown!r}: chosen and top-5 logprobs within {tol} "
           f"(worst {worst:.2e})")
     for shape in shapes:
         sharded = ours(model_path, prompt, *shape)
         same = sharded["tokens"] == single["tokens"]
         diff = max(abs(a - b) for a, b in zip(sharded["logprobs"], single["logprobs"]))
-        check(same and diff <= tol, f"{name} {prompt!r} at {' '.join(shape)}: the same tokens, "
+        check(same and diff <= tol, f"{name} {shown!r} at {' '.join(shape)}: the same tokens, "
               f"logprobs within {tol} of TP=1 (worst {diff:.2e})")
 
 
