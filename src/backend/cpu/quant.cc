@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -783,58 +784,45 @@ void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Act
   }
 }
 
-}  // namespace
-
-void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
-  const auto* p = static_cast<const uint8_t*>(row);
-  switch (dtype) {
+// f(std::integral_constant<DType, D>()) for the quantized dtype d (nothing for the others): one
+// dispatch from a runtime dtype to the templates, for Dequantize, UnpackInts and DecodeRows.
+template <typename F>
+void ForQuantized(DType d, F f) {
+  switch (d) {
     case DType::kQ8_0:
-      return DequantizeTyped<DType::kQ8_0>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ8_0>());
     case DType::kQ4_0:
-      return DequantizeTyped<DType::kQ4_0>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ4_0>());
     case DType::kQ4_1:
-      return DequantizeTyped<DType::kQ4_1>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ4_1>());
     case DType::kQ4_K:
-      return DequantizeTyped<DType::kQ4_K>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ4_K>());
     case DType::kQ5_K:
-      return DequantizeTyped<DType::kQ5_K>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ5_K>());
     case DType::kQ6_K:
-      return DequantizeTyped<DType::kQ6_K>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ6_K>());
     case DType::kQ4_KX:
-      return DequantizeTyped<DType::kQ4_KX>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ4_KX>());
     case DType::kQ4_1X:
-      return DequantizeTyped<DType::kQ4_1X>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ4_1X>());
     case DType::kQ6_KX:
-      return DequantizeTyped<DType::kQ6_KX>(p, n, out);
+      return f(std::integral_constant<DType, DType::kQ6_KX>());
     default:
       return;
   }
 }
 
+}  // namespace
+
+void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
+  ForQuantized(dtype,
+               [&](auto d) { DequantizeTyped<d.value>(static_cast<const uint8_t*>(row), n, out); });
+}
+
 void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* factor, float* min) {
-  const auto* p = static_cast<const uint8_t*>(row);
-  switch (dtype) {
-    case DType::kQ8_0:
-      return UnpackIntsTyped<DType::kQ8_0>(p, n, q, factor, min);
-    case DType::kQ4_0:
-      return UnpackIntsTyped<DType::kQ4_0>(p, n, q, factor, min);
-    case DType::kQ4_1:
-      return UnpackIntsTyped<DType::kQ4_1>(p, n, q, factor, min);
-    case DType::kQ4_K:
-      return UnpackIntsTyped<DType::kQ4_K>(p, n, q, factor, min);
-    case DType::kQ5_K:
-      return UnpackIntsTyped<DType::kQ5_K>(p, n, q, factor, min);
-    case DType::kQ6_K:
-      return UnpackIntsTyped<DType::kQ6_K>(p, n, q, factor, min);
-    case DType::kQ4_KX:
-      return UnpackIntsTyped<DType::kQ4_KX>(p, n, q, factor, min);
-    case DType::kQ4_1X:
-      return UnpackIntsTyped<DType::kQ4_1X>(p, n, q, factor, min);
-    case DType::kQ6_KX:
-      return UnpackIntsTyped<DType::kQ6_KX>(p, n, q, factor, min);
-    default:
-      return;
-  }
+  ForQuantized(dtype, [&](auto d) {
+    UnpackIntsTyped<d.value>(static_cast<const uint8_t*>(row), n, q, factor, min);
+  });
 }
 
 int ActivationOrder(DType dtype) { return static_cast<int>(OrderOf(dtype)); }
@@ -941,28 +929,7 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
 
 void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
                 float* y, int64_t ldy) {
-  switch (w.dtype) {
-    case DType::kQ8_0:
-      return DecodeRowsTyped<DType::kQ8_0>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ4_0:
-      return DecodeRowsTyped<DType::kQ4_0>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ4_1:
-      return DecodeRowsTyped<DType::kQ4_1>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ4_K:
-      return DecodeRowsTyped<DType::kQ4_K>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ5_K:
-      return DecodeRowsTyped<DType::kQ5_K>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ6_K:
-      return DecodeRowsTyped<DType::kQ6_K>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ4_KX:
-      return DecodeRowsTyped<DType::kQ4_KX>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ4_1X:
-      return DecodeRowsTyped<DType::kQ4_1X>(w, n0, n1, a, M, y, ldy);
-    case DType::kQ6_KX:
-      return DecodeRowsTyped<DType::kQ6_KX>(w, n0, n1, a, M, y, ldy);
-    default:
-      return;
-  }
+  ForQuantized(w.dtype, [&](auto d) { DecodeRowsTyped<d.value>(w, n0, n1, a, M, y, ldy); });
 }
 
 }  // namespace shardserve::cpu
