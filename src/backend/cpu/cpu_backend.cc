@@ -62,8 +62,8 @@ class CpuBackend : public Backend {
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
   // Weights are copied into the backend's own (anonymous) memory, Q4_K, Q4_1 and Q6_K into the
   // layouts of the CPU's decode kernels (Q4_KX, Q4_1X, Q6_KX), the others as they are: read from
-  // the model file's shared mapping, the decode was slower (TinyLlama BF16 at one thread 70-72 %
-  // of the read bandwidth against 85-93 % from a copy, alternating runs).
+  // the model file's shared mapping, the decode was slower (TinyLlama BF16 at one thread 70-75 %
+  // of the read bandwidth against 78-84 % from a copy, alternating runs).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
     const DType kept = KeptType(host.dtype);
     const size_t row = DTypeBytes(kept, host.cols);

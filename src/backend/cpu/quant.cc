@@ -101,11 +101,12 @@ inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x
 
 // 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as F32,
 // factor[k] * q + min[k] for block k.
-// The 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as one
-// value a byte, in memory: block k's values 8h .. 8h + 7 at q[h][k / 4][k % 4 * 8].
-inline void TransposedNibbles(const uint8_t* quants, uint8_t q[4][2][32]) {
+inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
+                            float* out) {
   // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
-  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7.
+  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
+  // that they widen from there as the other types' bytes do.
+  alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int h = 0; h < 4; ++h) {
     const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
@@ -116,14 +117,6 @@ inline void TransposedNibbles(const uint8_t* quants, uint8_t q[4][2][32]) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
                        _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(lo, hi), order));
   }
-}
-
-// 8 blocks' 128 bytes of quants in the transposed layouts as F32, factor[k] * q + min[k] for
-// block k. The values widen from memory, as the other types' bytes do.
-inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
-                            float* out) {
-  alignas(32) uint8_t q[4][2][32];
-  TransposedNibbles(quants, q);
   // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
   asm volatile("" : : "r"(q) : "memory");
   for (int k = 0; k < 8; ++k) {
@@ -644,6 +637,15 @@ inline void SubBlocksQ6KX(const uint8_t* b, int h, F f) {
   }
 }
 
+// The 8 F16 factors and 8 minimums at the start of a Q4_1X group (RepackQ4_1), as F32.
+inline void GroupFactorsQ4_1X(const uint8_t* group, float* factor, float* min) {
+  for (int i = 0; i < 2; ++i) {
+    _mm256_storeu_ps(
+        i == 0 ? factor : min,
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * i))));
+  }
+}
+
 template <DType D>
 void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
   if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks (RepackQ4_1)
@@ -651,11 +653,7 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
     int64_t k = 0;
     for (; k + 256 <= n; k += 256, row += group, out += 256) {
       alignas(32) float factor[8], min[8];
-      for (int i = 0; i < 2; ++i) {
-        _mm256_store_ps(
-            i == 0 ? factor : min,
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
-      }
+      GroupFactorsQ4_1X(row, factor, min);
       StoreTransposed(row + 32, factor, min, out);
     }
     return DequantizeTyped<DType::kQ4_1>(row, n - k, out);
@@ -713,11 +711,7 @@ void UnpackIntsTyped(const uint8_t* row, int64_t n, int16_t* q, float* factor, f
   } else if constexpr (D == DType::kQ4_1X) {  // groups of 8 blocks, then Q4_1 blocks
     int64_t k = 0;
     for (; k + 256 <= n; k += 256, row += 8 * bb, factor += 8, min += 8) {
-      for (int i = 0; i < 2; ++i) {
-        _mm256_storeu_ps(
-            i == 0 ? factor : min,
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
-      }
+      GroupFactorsQ4_1X(row, factor, min);
       transposed(row + 32);
     }
     UnpackIntsTyped<DType::kQ4_1>(row, n - k, q, factor, min);
