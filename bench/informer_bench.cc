@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/args.h"
 #include "common/process.h"
 #include "common/status.h"
@@ -27,7 +29,7 @@ double Since(Clock::time_point t) {
 // Runs fn(i) for i in [0, n) on `threads` threads; the first error wins.
 absl::Status Parallel(int64_t n, int threads, const std::function<absl::Status(int64_t)>& fn) {
   std::atomic<int64_t> next{0};
-  std::mutex mu;
+  absl::Mutex mu;
   absl::Status first;
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
@@ -35,7 +37,7 @@ absl::Status Parallel(int64_t n, int threads, const std::function<absl::Status(i
       for (int64_t i; (i = next++) < n;) {
         absl::Status s = fn(i);
         if (!s.ok()) {
-          std::lock_guard<std::mutex> lock(mu);
+          absl::MutexLock lock(&mu);
           if (first.ok()) first = s;
         }
       }

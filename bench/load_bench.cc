@@ -5,15 +5,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "common/args.h"
 #include "common/status.h"
 
@@ -124,7 +125,10 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
                                {"url", "model", "concurrency", "requests-per-client", "max-tokens",
                                 "prompt-tokens", "vocab", "rank-metrics", "api-key"},
                                {}, "shardserve bench load", kLoadBenchUsage));
-  const auto [host, port] = HostPort(a.GetOr("url", "127.0.0.1:8000"));
+  // Named copies, not structured bindings: the client threads below capture them.
+  const auto url = HostPort(a.GetOr("url", "127.0.0.1:8000"));
+  const std::string host = url.first;
+  const int port = url.second;
   if (port == 0) return absl::InvalidArgumentError("--url must be HOST:PORT");
   const auto [mhost, mport] = HostPort(a.GetOr("rank-metrics", ""));
   const std::string model = a.GetOr("model", "model");
@@ -171,7 +175,7 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
               "itl p50", "itl p99");
   double base_tps = 0;
   for (int c : levels) {
-    std::mutex mu;
+    absl::Mutex mu;
     std::vector<Sample> samples;
     const auto t0 = Clock::now();
     std::vector<std::thread> clients;
@@ -185,7 +189,7 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
                              {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
                              {"logprobs", 0}};
           Sample s = StreamOnce(host, port, api_key, body);
-          std::lock_guard<std::mutex> lock(mu);
+          absl::MutexLock lock(&mu);
           samples.push_back(std::move(s));
         }
       });

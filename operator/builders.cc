@@ -23,12 +23,9 @@ uint64_t Fnv(const std::string& s) {
 }
 
 json OwnerReference(const ModelView& m) {
-  return {{"apiVersion", "shardserve.io/v1alpha1"},
-          {"kind", "ShardedModel"},
-          {"name", m.model.name},
-          {"uid", m.uid},
-          {"controller", true},
-          {"blockOwnerDeletion", true}};
+  return {{"apiVersion", kApiVersion}, {"kind", "ShardedModel"},
+          {"name", m.model.name},      {"uid", m.uid},
+          {"controller", true},        {"blockOwnerDeletion", true}};
 }
 
 json Labels(const ModelView& m) { return {{kModelLabel, m.model.name}}; }
@@ -312,7 +309,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {"containers", json::array({container})},
       {"volumes", volumes}};
   if (!s.node_selector.empty()) spec["nodeSelector"] = s.node_selector;
-  for (const ShardedModelSpec::Toleration& t : s.tolerations) {
+  for (const Toleration& t : s.tolerations) {
     json tol = {{"operator", t.op}};
     if (!t.key.empty()) tol["key"] = t.key;
     if (!t.value.empty()) tol["value"] = t.value;

@@ -189,7 +189,7 @@ GpuLedger::Usage GpuLedger::UsageOf(const json& pod) {
 }
 
 void GpuLedger::Set(const std::string& pod_key, Usage usage) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (usage.node.empty()) {
     pods_.erase(pod_key);
   } else {
@@ -198,12 +198,12 @@ void GpuLedger::Set(const std::string& pod_key, Usage usage) {
 }
 
 void GpuLedger::Remove(const std::string& pod_key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   pods_.erase(pod_key);
 }
 
 std::map<std::string, int64_t> GpuLedger::Requested(const std::string& resource) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::map<std::string, int64_t> out;
   for (const auto& [key, u] : pods_) {
     auto it = u.resources.find(resource);
@@ -315,7 +315,7 @@ void Controller::Stop() {
 }
 
 void Controller::UpdateNode(const json* node, const json* gone) {
-  std::lock_guard<std::mutex> lock(nodes_mu_);
+  absl::MutexLock lock(&nodes_mu_);
   for (auto& [resource, table] : node_infos_) {
     if (gone) {
       table.erase((*gone)["metadata"].value("name", ""));
@@ -333,7 +333,7 @@ void Controller::UpdateNode(const json* node, const json* gone) {
 }
 
 std::vector<NodeInfo> Controller::Nodes(const std::string& resource) {
-  std::lock_guard<std::mutex> lock(nodes_mu_);
+  absl::MutexLock lock(&nodes_mu_);
   auto [it, added] = node_infos_.try_emplace(resource);
   if (added) {  // first model with this resource: read every node once, then keep up by events
     for (const json& o : nodes_->store().List()) {
@@ -365,7 +365,7 @@ void Controller::Enqueue(const std::string& key) { queue_.Add(key); }
 void Controller::EnqueueWaiting() {
   std::vector<std::string> keys;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     keys.assign(waiting_.begin(), waiting_.end());
   }
   for (const std::string& k : keys) queue_.Add(k);
@@ -399,7 +399,7 @@ void Controller::Worker() {
 
 void Controller::Forget(const std::string& key) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     memory_.erase(key);
     waiting_.erase(key);
   }
@@ -459,7 +459,7 @@ std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::T
 PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::vector<json>& pods) {
   const ShardedModelSpec& spec = m.model.spec;
   PlacementOutcome outcome;
-  std::lock_guard<std::mutex> lock(place_mu_);
+  absl::MutexLock lock(&place_mu_);
   // Reserved now, so the next placement (any worker) sees these GPUs taken.
   auto reserve = [&](json pod) {
     ledger_.Set(absl::StrCat(m.model.namespace_, "/", pod["metadata"]["name"].get<std::string>()),
@@ -535,15 +535,21 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
   const int64_t generation = meta.value("generation", int64_t{0});
   const absl::Time now = absl::Now();
 
-  std::unique_lock<std::mutex> lock(mu_);
-  Memory& mem = memory_[key];
-  if (mem.uid != uid) {
-    mem = Memory();
-    mem.uid = uid;
+  // A key is reconciled by one worker at a time, so `mem`, this key's, is used without the lock
+  // (the map's nodes stay where they are).
+  Memory* mem_ptr;
+  json old_status;
+  {
+    absl::MutexLock lock(&mu_);
+    Memory& m = memory_[key];
+    if (m.uid != uid) {
+      m = Memory();
+      m.uid = uid;
+    }
+    old_status = !m.status.is_null() ? m.status : object->value("status", json::object());
+    mem_ptr = &m;
   }
-  const json old_status =
-      !mem.status.is_null() ? mem.status : object->value("status", json::object());
-  lock.unlock();  // a key is reconciled by one worker at a time; `mem` is only this key's
+  Memory& mem = *mem_ptr;
 
   std::vector<Event> events;
   json status;
@@ -552,7 +558,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     status =
         InvalidStatus(generation, std::string(view.status().message()), old_status, now, events);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       waiting_.erase(key);
     }
   } else {
@@ -563,7 +569,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     PlacementOutcome outcome = Place(m, d, to_create);
     ApplyPlacement(outcome, m.revision, d);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       if (outcome.unplaced.empty()) {
         waiting_.erase(key);
       } else {

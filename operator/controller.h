@@ -15,7 +15,6 @@
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -23,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "k8s/client.h"
 #include "k8s/informer.h"
@@ -58,7 +58,7 @@ class GpuLedger {
   std::map<std::string, int64_t> Requested(const std::string& resource) const;
 
  private:
-  mutable std::mutex mu_;
+  mutable absl::Mutex mu_;
   std::map<std::string, Usage> pods_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -119,11 +119,11 @@ class Controller {
   std::unique_ptr<k8s::Informer> models_, pods_, nodes_, services_;
   EventRecorder recorder_;
   GpuLedger ledger_;
-  std::mutex nodes_mu_;
+  absl::Mutex nodes_mu_;
   // by resource, name
   std::map<std::string, std::map<std::string, NodeInfo>> node_infos_ ABSL_GUARDED_BY(nodes_mu_);
-  std::mutex place_mu_;  // one placement at a time: plan, then reserve in the ledger
-  std::mutex mu_;
+  absl::Mutex place_mu_;  // one placement at a time: plan, then reserve in the ledger
+  absl::Mutex mu_;
   std::map<std::string, Memory> memory_ ABSL_GUARDED_BY(mu_);  // by model key
   std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // models with replicas that did not fit
   std::vector<std::thread> workers_;

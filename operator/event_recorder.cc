@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "api/sharded_model.h"
 #include "common/log.h"
 
 namespace shardserve::op {
@@ -13,10 +14,10 @@ EventRecorder::EventRecorder(k8s::Client* client, size_t max_queued)
 
 EventRecorder::~EventRecorder() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
@@ -30,7 +31,7 @@ void EventRecorder::Record(const json& model, const Event& e) {
                 {"kind", "Event"},
                 {"metadata", {{"generateName", name + "."}, {"namespace", ns}}},
                 {"involvedObject",
-                 {{"apiVersion", "shardserve.io/v1alpha1"},
+                 {{"apiVersion", kApiVersion},
                   {"kind", "ShardedModel"},
                   {"name", name},
                   {"namespace", ns},
@@ -43,29 +44,31 @@ void EventRecorder::Record(const json& model, const Event& e) {
                 {"firstTimestamp", now},
                 {"lastTimestamp", now},
                 {"count", 1}};
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (queue_.size() >= max_queued_) {
     LogWarning("event recorder: ", queue_.size(), " events queued; dropping the oldest");
     queue_.pop_front();
   }
   queue_.emplace_back(ns, std::move(event));
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void EventRecorder::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopping, and everything is posted
-    auto [ns, event] = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
+    std::pair<std::string, json> next;
+    {
+      absl::MutexLock lock(&mu_);
+      while (!stop_ && queue_.empty()) cv_.Wait(&mu_);
+      if (queue_.empty()) return;  // stopping, and everything is posted
+      next = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    auto& [ns, event] = next;
     auto r = client_->Create(k8s::kEvents, ns, event);
     if (!r.ok()) {
       LogWarning("event recorder: event ", event.value("reason", ""),
                  " not recorded: ", r.status().message());
     }
-    lock.lock();
   }
 }
 

@@ -3,14 +3,13 @@
 // does: Record() logs the line and queues the Event; one thread posts them in order. The queue
 // is bounded (the oldest are dropped, and said so in the log) so an apiserver that does not take
 // Events cannot grow the operator's memory. Thread-safe.
-#include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "k8s/client.h"
 #include "operator/reconcile.h"
 
@@ -29,8 +28,8 @@ class EventRecorder {
 
   k8s::Client* client_;
   size_t max_queued_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
   std::deque<std::pair<std::string, json>> queue_ ABSL_GUARDED_BY(mu_);  // namespace, Event
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

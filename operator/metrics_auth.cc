@@ -76,7 +76,7 @@ absl::Status MetricsAuthorizer::Authorize(const std::string& header) {
   }
   const std::string key = Digest(token);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = cache_.find(key);
     if (it != cache_.end() && it->second.until > absl::Now()) return it->second.status;
     if (!TakeReview()) {
@@ -85,7 +85,7 @@ absl::Status MetricsAuthorizer::Authorize(const std::string& header) {
   }
   absl::Status verdict = Review(token);
   if (absl::IsUnavailable(verdict)) return verdict;  // not a verdict: ask again next time
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   if (cache_.size() >= kMaxEntries) {
     for (auto it = cache_.begin(); it != cache_.end();) {

@@ -8,11 +8,11 @@
 // sent, so a flood of made-up tokens neither loads the apiserver nor eats the operator's own
 // client budget. Thread-safe.
 #include <map>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "k8s/client.h"
 
@@ -36,7 +36,7 @@ class MetricsAuthorizer {
 
   k8s::Client* client_;
   const absl::Duration ttl_;
-  std::mutex mu_;
+  absl::Mutex mu_;
   struct Verdict {
     absl::Status status;
     absl::Time until;

@@ -85,7 +85,7 @@ OperatorMetrics::OperatorMetrics() : registry_(std::make_shared<prometheus::Regi
 }
 
 void OperatorMetrics::SetSampler(std::function<Sampled()> sampler) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   sampler_ = std::move(sampler);
 }
 
@@ -102,7 +102,7 @@ void OperatorMetrics::ObserveReconcileApi(double seconds) {
 
 void OperatorMetrics::SetReplicas(const std::string& model,
                                   const std::map<std::string, int64_t>& by_state) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto& gauges = model_replicas_[model];
   if (gauges.empty()) {
     // The model's counters start at 0, so rates and increases have a series from the start.
@@ -136,7 +136,7 @@ void OperatorMetrics::AddPlacementFailure(const std::string& model, const std::s
 }
 
 void OperatorMetrics::ForgetModel(const std::string& model) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = model_replicas_.find(model);
   if (it == model_replicas_.end()) return;
   for (auto& [state, gauge] : it->second) replicas_->Remove(gauge);
@@ -152,7 +152,7 @@ void OperatorMetrics::SetLeader(bool leader) { leader_->Set(leader ? 1 : 0); }
 void OperatorMetrics::Sample() {
   std::function<Sampled()> sampler;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     sampler = sampler_;
   }
   if (!sampler) return;

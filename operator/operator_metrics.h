@@ -17,12 +17,12 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace prometheus {
 class Counter;
@@ -85,7 +85,7 @@ class OperatorMetrics {
   prometheus::Family<prometheus::Gauge>* cache_objects_;
   prometheus::Family<prometheus::Gauge>* cache_bytes_;
   std::function<Sampled()> sampler_;
-  std::mutex mu_;
+  absl::Mutex mu_;
   std::map<std::string, std::map<std::string, prometheus::Gauge*>> model_replicas_
       ABSL_GUARDED_BY(mu_);
   // restarts first

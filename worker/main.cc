@@ -16,17 +16,19 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/world.h"
 #include "common/log.h"
 #include "common/process.h"
 #include "common/status.h"
 #include "serve/api_server.h"
+#include "serve/generate_wire.h"
 #include "serve/rank_runtime.h"
 
 namespace shardserve {
@@ -34,12 +36,13 @@ namespace {
 
 absl::Status Launch(const WorkerEnv& env) {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFrom(env));
-  SetLogIdentity(absl::StrCat("stage ", cfg.stage, " launcher"));
-  ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.stage * cfg.tp));
+  SetLogIdentity(absl::StrCat("stage ", cfg.env.stage, " launcher"));
+  ASSIGN_OR_RETURN(WorldConfig world,
+                   WorldConfig::Create(cfg.env.tp, cfg.env.pp, cfg.env.stage * cfg.env.tp));
   std::vector<Child> ranks;
   const std::string self = SelfDirectory() + "/shardserve-worker";
-  for (int t = 0; t < cfg.tp; ++t) {
-    const int rank = world.RankOf(cfg.stage, t);
+  for (int t = 0; t < cfg.env.tp; ++t) {
+    const int rank = world.RankOf(cfg.env.stage, t);
     auto pid = Spawn(self, {"rank", "--rank", std::to_string(rank)},
                      {{kTpRankEnv, std::to_string(t)}}, /*own_group=*/false);
     if (!pid.ok()) {
@@ -67,7 +70,7 @@ class StopSignals {
       while (sigwait(&set_, &sig) == 0) {
         std::function<void()> f;
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          absl::MutexLock lock(&mu_);
           stopped_ = true;
           f = on_stop_;
         }
@@ -79,7 +82,7 @@ class StopSignals {
   void OnStop(std::function<void()> f) {
     bool now;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       on_stop_ = f;
       now = stopped_;
     }
@@ -88,25 +91,17 @@ class StopSignals {
 
  private:
   sigset_t set_;
-  std::mutex mu_;
-  std::function<void()> on_stop_;
-  bool stopped_ = false;
+  absl::Mutex mu_;
+  std::function<void()> on_stop_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The leader's serving loop: the API answers from the start (not ready), the engine runs once
 // the replica is up, and a stop signal or a replica failure ends it after the requests in
 // progress have been answered.
-absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, const WorkerEnv& env,
-                   StopSignals& signals) {
-  ServeConfig defaults;
-  defaults.model_name = cfg.model_name;
-  defaults.metrics_model = cfg.metrics_model;
-  defaults.model_dir = cfg.model_path;
-  defaults.replica = std::to_string(cfg.replica);
-  if (cfg.host == "127.0.0.1") defaults.host = "127.0.0.1";
-  absl::StatusOr<ServeConfig> sc_or = ServeConfigFrom(defaults, env);
-  absl::StatusOr<std::unique_ptr<ApiServer>> started =
-      sc_or.ok() ? ApiServer::Start(*sc_or) : sc_or.status();
+absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, StopSignals& signals) {
+  const ServeConfig sc = ServeConfigFrom(cfg.env, cfg.local());
+  absl::StatusOr<std::unique_ptr<ApiServer>> started = ApiServer::Start(sc);
   if (!started.ok()) {
     // The other ranks are told at the rendezvous at once, rather than waiting for a leader that
     // will not come.
@@ -114,18 +109,15 @@ absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, const Worker
     RefuseReplica(cfg, world, started.status());
     return started.status();
   }
-  const ServeConfig& sc = *sc_or;
   std::unique_ptr<ApiServer> server = *std::move(started);
-  LogInfo("leader: API on http://", sc.host, ":", server->port(), " (model '", sc.model_name, "')");
+  LogInfo("leader: API on http://", sc.host, ":", server->port(), " (model '", cfg.env.model_name,
+          "')");
   absl::StatusOr<RankOutcome> outcome = RunRank(cfg, world, [&](LeaderContext& ctx) {
     server->AttachRankMetrics(ctx.registry, ctx.expose);
-    EngineOptions o = ctx.engine;
-    o.max_batch = sc.max_batch;
-    o.max_queue = sc.max_queue;
-    o.max_step_tokens = sc.max_step_tokens;
+    const EngineOptions& o = ctx.engine;
     Engine engine(ctx.executor, o, server->Observer());
     server->SetEngine(&engine);
-    signals.OnStop([&engine, drain = std::chrono::seconds(sc.drain_seconds)] {
+    signals.OnStop([&engine, drain = std::chrono::seconds(cfg.env.drain_seconds)] {
       LogInfo("leader: stopping; draining the requests in progress");
       engine.Shutdown(drain);
     });
@@ -141,58 +133,44 @@ absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, const Worker
   return outcome.status();
 }
 
-absl::StatusOr<std::vector<GenerationRequest>> Requests(const std::string& text) {
-  try {
-    const nlohmann::json j = nlohmann::json::parse(text);
-    GenerationRequest r;
-    r.prompt_ids = j.at("prompt_ids").get<std::vector<int32_t>>();
-    SamplingParams& p = r.params;
-    p.max_tokens = j.value("max_tokens", p.max_tokens);
-    p.temperature = j.value("temperature", p.temperature);
-    p.top_p = j.value("top_p", p.top_p);
-    p.top_k = j.value("top_k", p.top_k);
-    p.seed = j.value("seed", p.seed);
-    p.top_logprobs = j.value("logprobs", p.top_logprobs);
-    p.stop_token_ids = j.value("stop_token_ids", p.stop_token_ids);
-    p.ignore_eos = j.value("ignore_eos", p.ignore_eos);
-    return std::vector<GenerationRequest>(j.value("batch", 1), r);
-  } catch (const nlohmann::json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("SHARDSERVE_REQUEST: ", e.what()));
-  }
+absl::StatusOr<GenerateRun> ReadRun(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return DecodeGenerateRun(j);
 }
 
 // A stop before the replica serves has nothing to drain: the stage's shared memory (should this
 // rank have made it) goes, then the process, with success.
 void QuitBeforeServing(const RankConfig& cfg) {
   LogInfo("stopped before the replica started");
-  if (cfg.tp > 1) shm_unlink(ShmGroupName(cfg).c_str());
+  if (cfg.env.tp > 1) shm_unlink(ShmGroupName(cfg).c_str());
   std::fflush(stderr);
   std::_Exit(0);
 }
 
 absl::Status RunOneRank(const WorkerEnv& env) {
   ASSIGN_OR_RETURN(RankConfig cfg, RankConfigFrom(env));
-  ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.tp, cfg.pp, cfg.rank()));
+  ASSIGN_OR_RETURN(WorldConfig world, WorldConfig::Create(cfg.env.tp, cfg.env.pp, cfg.rank()));
   SetLogIdentity(world.Describe(cfg.rank()));
   if (env.request.empty()) {
     // Serving: a stop signal drains through the leader once the replica runs; before that it
     // ends the rank at once. (A one-shot run just ends on one.)
     StopSignals signals;
     signals.OnStop([cfg] { QuitBeforeServing(cfg); });
-    if (cfg.rank() == 0) return Serve(cfg, world, env, signals);
+    if (cfg.rank() == 0) return Serve(cfg, world, signals);
     // Serving, the leader stops this rank on a step boundary.
     return RunRank(cfg, world, nullptr, [&signals] { signals.OnStop(nullptr); }).status();
   }
-  ASSIGN_OR_RETURN(auto requests, Requests(env.request));
-  std::vector<GenerationResult> results;
-  double seconds = 0;
+  ASSIGN_OR_RETURN(const GenerateRun run, ReadRun(env.request));
+  const std::vector<GenerationRequest> requests(run.batch, run.request);
+  GenerateOutcome result;
   ASSIGN_OR_RETURN(
       RankOutcome outcome, RunRank(cfg, world, [&](LeaderContext& ctx) -> absl::Status {
         const auto t0 = std::chrono::steady_clock::now();
         EngineOptions o = ctx.engine;
         o.max_batch = std::max<int>(1, static_cast<int>(requests.size()));
-        ASSIGN_OR_RETURN(results, GenerateAll(ctx.executor, o, requests));
-        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        ASSIGN_OR_RETURN(result.results, GenerateAll(ctx.executor, o, requests));
+        result.seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return absl::OkStatus();
       }));
   if (env.report_memory) {
@@ -200,26 +178,13 @@ absl::Status RunOneRank(const WorkerEnv& env) {
                  "%s: resident %.0f MB; weight slices %.0f MB of its stage's %.0f MB (1/%d = %.0f "
                  "MB)\n",
                  world.Describe(cfg.rank()).c_str(), outcome.resident_bytes / 1e6,
-                 outcome.shard_weight_bytes / 1e6, outcome.stage_weight_bytes / 1e6, cfg.tp,
-                 outcome.stage_weight_bytes / 1e6 / cfg.tp);
+                 outcome.shard_weight_bytes / 1e6, outcome.stage_weight_bytes / 1e6, cfg.env.tp,
+                 outcome.stage_weight_bytes / 1e6 / cfg.env.tp);
   }
   const std::string& out_path = env.result_file;
   if (cfg.rank() != 0 || out_path.empty()) return absl::OkStatus();
-  nlohmann::json out = nlohmann::json::array();
-  for (const GenerationResult& r : results) {
-    nlohmann::json top = nlohmann::json::array();
-    for (const auto& step : r.top_logprobs) {
-      nlohmann::json alts = nlohmann::json::array();
-      for (const TokenLogprob& t : step) alts.push_back({{"id", t.id}, {"logprob", t.logprob}});
-      top.push_back(alts);
-    }
-    out.push_back({{"tokens", r.tokens},
-                   {"logprobs", r.logprobs},
-                   {"top_logprobs", top},
-                   {"finish_reason", r.finish_reason}});
-  }
   std::ofstream f(out_path, std::ios::trunc);
-  f << nlohmann::json{{"results", out}, {"seconds", seconds}}.dump();
+  f << EncodeGenerateOutcome(result).dump();
   f.close();
   if (!f) return absl::InternalError(absl::StrCat(out_path, ": cannot write the result"));
   return absl::OkStatus();

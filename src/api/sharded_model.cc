@@ -189,7 +189,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
     for (size_t i = 0; i < tolerations.size(); ++i) {
       Fields t(tolerations[i], absl::StrCat("spec.worker.tolerations[", i, "]"));
       RETURN_IF_ERROR(t.CheckMap());
-      ShardedModelSpec::Toleration tol;
+      Toleration tol;
       RETURN_IF_ERROR(t.String("key", tol.key));
       RETURN_IF_ERROR(t.String("operator", tol.op));
       RETURN_IF_ERROR(t.String("value", tol.value));
@@ -313,10 +313,10 @@ absl::StatusOr<ShardedModel> ParseRoot(const YAML::Node& root) {
   std::string api_version, kind;
   RETURN_IF_ERROR(top.String("apiVersion", api_version));
   RETURN_IF_ERROR(top.String("kind", kind));
-  if (api_version != "shardserve.io/v1alpha1" || kind != "ShardedModel") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("apiVersion/kind is '", api_version, "' / '", kind,
-                     "', expected shardserve.io/v1alpha1 / ShardedModel"));
+  if (api_version != kApiVersion || kind != kShardedModelKind) {
+    return absl::InvalidArgumentError(absl::StrCat("apiVersion/kind is '", api_version, "' / '",
+                                                   kind, "', expected ", kApiVersion, " / ",
+                                                   kShardedModelKind));
   }
   Fields meta(top.Get("metadata"), "metadata");
   RETURN_IF_ERROR(meta.CheckMap());

@@ -11,8 +11,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/worker_env.h"
 
 namespace shardserve {
+
+// The resource's API group, its version (and the two as an apiVersion) and kind.
+inline constexpr char kApiGroup[] = "shardserve.io";
+inline constexpr char kApiGroupVersion[] = "v1alpha1";
+inline constexpr char kApiVersion[] = "shardserve.io/v1alpha1";
+inline constexpr char kShardedModelKind[] = "ShardedModel";
 
 struct ModelUri {
   enum class Scheme { kPvc, kHostPath, kFile };
@@ -24,6 +31,12 @@ struct ModelUri {
 // pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri);
 
+// A pod's toleration of node taints (spec.worker.tolerations; placement checks them).
+struct Toleration {
+  std::string key, op = "Equal", value, effect;  // empty key + Exists tolerates everything
+  std::optional<int64_t> seconds;                // tolerationSeconds
+};
+
 struct ShardedModelSpec {
   int64_t replicas = 1;
   std::string model_name;
@@ -34,10 +47,6 @@ struct ShardedModelSpec {
   std::string image;
   std::string gpu_resource = "nvidia.com/gpu";
   std::map<std::string, std::string> node_selector;
-  struct Toleration {
-    std::string key, op = "Equal", value, effect;
-    std::optional<int64_t> seconds;  // tolerationSeconds
-  };
   std::vector<Toleration> tolerations;
   // Passed to every worker: a value, or (on a cluster) a valueFrom source as its JSON text.
   struct EnvVar {
@@ -49,8 +58,8 @@ struct ShardedModelSpec {
   std::string failure_policy = "RecreateReplica";  // RecreateReplica | None
   int64_t max_unavailable = 1;
   int64_t max_surge = 0;
-  int64_t port = 8000;
-  int64_t max_batch_size = 32;
+  int64_t port = kDefaultApiPort;
+  int64_t max_batch_size = kDefaultMaxBatchSize;
   int64_t max_sequence_length = 4096;
   // The Secret (in the model's namespace) whose entries are the API's bearer keys; "" = open.
   std::string api_key_secret;

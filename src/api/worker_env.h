@@ -1,10 +1,12 @@
 #pragma once
-// The worker contract (DESIGN.md §4) in one place: every SHARDSERVE_* variable that tells a
-// worker process which replica, stage and rank it is and how to reach the others, the ports and
-// the pod labels. The operator (operator/builders.cc), `shardserve local` and `shardserve
-// generate` write it with ToEnv(); the worker's launcher, its ranks and the leader's API read it
-// with FromEnv(). Tunables that are not the contract (queue and HTTP limits) are read where they
-// are used, with the same EnvInt.
+// The worker contract (DESIGN.md §4) in one place: every SHARDSERVE_* variable a worker process
+// reads, with its default and its bounds, in one table (worker_env.cc): which replica, stage and
+// rank it is, how to reach the others, the ports and limits of the leader's API. The operator
+// (operator/builders.cc), `shardserve local` and `shardserve generate` write it with ToEnv(); the
+// worker's launcher, its ranks and the leader's API read it once with FromEnv() and keep it. What
+// the processes derive from it (the secret read from its file, the addresses they bind) lives in
+// the views RankConfig (serve/rank_runtime.h) and ServeConfig (serve/api_server.h). A new setting
+// is one field here and one line in the table.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -20,6 +22,8 @@ namespace shardserve {
 inline constexpr int kRendezvousPort = 29500;
 inline constexpr int kDefaultApiPort = 8000;
 inline constexpr int kMetricsPortBase = 9400;
+// Running sequences of a replica (the spec's serving.maxBatchSize default).
+inline constexpr int kDefaultMaxBatchSize = 32;
 
 // The labels of a replica's pods.
 inline constexpr char kModelLabel[] = "shardserve.io/model";
@@ -28,6 +32,8 @@ inline constexpr char kStageLabel[] = "shardserve.io/stage";
 inline constexpr char kRevisionLabel[] = "shardserve.io/revision";
 inline constexpr char kRoleLabel[] = "shardserve.io/role";
 
+// The names that code other than the table mentions (errors that name the variable to set, and
+// the few variables written or read outside ToEnv/FromEnv).
 // The one variable the launcher adds for each rank it starts.
 inline constexpr char kTpRankEnv[] = "SHARDSERVE_TP_RANK";
 // Where the rendezvous and the mesh listen: the operator sets it from the downward API
@@ -35,55 +41,70 @@ inline constexpr char kTpRankEnv[] = "SHARDSERVE_TP_RANK";
 inline constexpr char kPodIpEnv[] = "SHARDSERVE_POD_IP";
 // Where the first fatal error goes (read even when the rest of the contract is malformed).
 inline constexpr char kTerminationLogEnv[] = "SHARDSERVE_TERMINATION_LOG";
+inline constexpr char kModelPathEnv[] = "SHARDSERVE_MODEL_PATH";
+inline constexpr char kSecretFileEnv[] = "SHARDSERVE_RENDEZVOUS_SECRET_FILE";
+inline constexpr char kBackendEnv[] = "SHARDSERVE_BACKEND";
+inline constexpr char kApiKeyEnv[] = "SHARDSERVE_API_KEY";
+inline constexpr char kApiKeysFileEnv[] = "SHARDSERVE_API_KEYS_FILE";
+inline constexpr char kRequestEnv[] = "SHARDSERVE_REQUEST";
 
 // Reads an environment variable (std::getenv, or a map in tests); null when unset.
 using EnvLookup = std::function<const char*(const char*)>;
 const char* ProcessEnv(const char* name);
 
-// An integer variable: `def` when unset or empty; otherwise it must lie in [min, max], or the
-// error names the variable and its value.
-absl::StatusOr<int64_t> EnvInt(const EnvLookup& env, const char* name, int64_t def, int64_t min,
-                               int64_t max);
-
+// The settings, each with its default; the table in worker_env.cc gives each its variable and
+// its bounds.
 struct WorkerEnv {
   // The model and the replica.
-  std::string model_path;            // SHARDSERVE_MODEL_PATH (required)
-  std::string model_name = "model";  // SHARDSERVE_MODEL_NAME: the name served on the API
-  std::string deployment;            // SHARDSERVE_DEPLOYMENT: the metrics' `model` label
-  int replica = 0;                   // SHARDSERVE_REPLICA
-  std::string job_id;                // SHARDSERVE_JOB_ID: names the replica's shared memory
+  std::string model_path;            // required
+  std::string model_name = "model";  // the name served on the API
+  std::string deployment;            // the metrics' `model` label ("": model_name)
+  int replica = 0;
+  std::string job_id;  // names the replica's shared memory
   // The shape and this process's place in it.
-  int tp = 1;                       // SHARDSERVE_TP
-  int pp = 1;                       // SHARDSERVE_PP
-  int stage = 0;                    // SHARDSERVE_STAGE
-  int tp_rank = 0;                  // SHARDSERVE_TP_RANK (the launcher's, per rank)
-  int microbatches = 0;             // SHARDSERVE_MICROBATCHES (0: pp)
-  int threads = 1;                  // SHARDSERVE_THREADS
-  std::string backend = "auto";     // SHARDSERVE_BACKEND: cpu, cuda or auto (the rank checks)
-  int64_t kv_cache_tokens = 8192;   // SHARDSERVE_KV_CACHE_TOKENS
-  int64_t max_sequence_length = 0;  // SHARDSERVE_MAX_SEQUENCE_LENGTH (0: the model's)
+  int tp = 1;
+  int pp = 1;
+  int stage = 0;
+  int tp_rank = 0;       // set by the launcher, per rank
+  int microbatches = 0;  // 0: pp
+  int threads = 1;
+  std::string backend = "auto";  // cpu, cuda or auto (the rank checks)
+  int64_t kv_cache_tokens = 8192;
+  int64_t max_sequence_length = 0;  // 0: the model's context
   // Finding the others.
-  std::string leader_addr;             // SHARDSERVE_LEADER_ADDR: host:port of the rendezvous
-  std::string host;                    // SHARDSERVE_HOST: this rank's address as others reach it
-  std::string pod_ip;                  // SHARDSERVE_POD_IP: where to listen (the downward API)
-  std::string rendezvous_secret_file;  // SHARDSERVE_RENDEZVOUS_SECRET_FILE
-  int peer_timeout_ms = 2000;          // SHARDSERVE_PEER_TIMEOUT_MS: a silent peer is dead after it
-  int startup_timeout_ms = 120000;     // SHARDSERVE_STARTUP_TIMEOUT_MS: rendezvous and loading
+  std::string leader_addr;  // host:port of the rendezvous
+  std::string host;         // this rank's address as others reach it
+  std::string pod_ip;       // where to listen (the downward API)
+  std::string rendezvous_secret_file;
+  int peer_timeout_ms = 2000;       // a silent peer is dead after it
+  int startup_timeout_ms = 120000;  // rendezvous and loading
   // Observing.
-  bool metrics = true;          // SHARDSERVE_METRICS (off: no /metrics server)
-  int metrics_port_base = -1;   // SHARDSERVE_METRICS_PORT_BASE: rank r on base + r; -1: 9400+t
-  std::string termination_log;  // SHARDSERVE_TERMINATION_LOG: the first fatal error
-  // The leader's API.
-  std::string api_host;            // SHARDSERVE_API_HOST ("": every address)
-  int api_port = kDefaultApiPort;  // SHARDSERVE_API_PORT
-  int max_batch_size = 0;          // SHARDSERVE_MAX_BATCH_SIZE (0: the server's default)
-  std::string api_keys_file;       // SHARDSERVE_API_KEYS_FILE
-  // A one-shot run (`shardserve generate`): the request, where the result goes.
-  std::string request;         // SHARDSERVE_REQUEST (JSON)
-  std::string result_file;     // SHARDSERVE_RESULT_FILE
-  bool report_memory = false;  // SHARDSERVE_REPORT_MEMORY=1
+  bool metrics = true;          // off: no /metrics server
+  int metrics_port_base = -1;   // rank r on base + r; -1: kMetricsPortBase + tp_rank
+  std::string termination_log;  // where the first fatal error goes
+  // The leader's API and its limits.
+  std::string api_host;  // "": every address
+  int api_port = kDefaultApiPort;
+  int max_batch_size = kDefaultMaxBatchSize;  // running sequences
+  int max_queue = 128;                        // waiting requests (beyond: 429)
+  int64_t max_step_tokens = 512;              // prompt tokens fed per step
+  int64_t max_body_bytes = 4 << 20;
+  int drain_seconds = 5;  // on SIGTERM, requests in progress may finish for this long
+  int http_header_timeout_ms = 10000;
+  int http_body_timeout_ms = 60000;
+  int http_max_connections = 4096;
+  bool api_metrics_auth = true;  // with API keys, /metrics needs one too
+  std::string api_key;           // one key (serve/api_keys.h)
+  std::string api_keys_file;     // a file or a directory of keys
+  // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the
+  // result goes.
+  std::string request;
+  std::string result_file;
+  bool report_memory = false;  // the ranks print their memory at the end
 
   int rank() const { return stage * tp + tp_rank; }
+  // The `model` label of every metric of the deployment: the ShardedModel, else the model's name.
+  const std::string& metrics_model() const { return deployment.empty() ? model_name : deployment; }
 
   // The variables to set: the replica's identity always, the rest where they differ from the
   // defaults above.
@@ -91,6 +112,10 @@ struct WorkerEnv {
   // What a worker process reads; an unset variable keeps its default, a bad one is an error
   // naming it.
   static absl::StatusOr<WorkerEnv> FromEnv(const EnvLookup& env = ProcessEnv);
+  // Every variable of the table, in its order.
+  static std::vector<std::string> Names();
+  // The defaults above, for the structs that take theirs from the contract (EngineOptions).
+  static const WorkerEnv& Defaults();
 
   bool operator==(const WorkerEnv&) const = default;
 };

@@ -99,15 +99,16 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         absl::StrCat(file, ": spec.model.uri: ", tok.status().message()));
   }
   const std::string key_file = a.GetOr("api-key-file", "");
-  const char* env_key = std::getenv("SHARDSERVE_API_KEY");
-  const char* env_key_file = std::getenv("SHARDSERVE_API_KEYS_FILE");
+  const char* env_key = std::getenv(kApiKeyEnv);
+  const char* env_key_file = std::getenv(kApiKeysFileEnv);
   const bool keyed = !key_file.empty() || (env_key != nullptr && *env_key) ||
                      (env_key_file != nullptr && *env_key_file);
   if (!spec.api_key_secret.empty() && !keyed) {
     return absl::FailedPreconditionError(absl::StrCat(
         file, ": spec.serving.apiKeySecret names the Kubernetes Secret '", spec.api_key_secret,
         "' of the API keys, which shardserve local cannot read: give the keys with "
-        "--api-key-file FILE (one a line) or SHARDSERVE_API_KEY"));
+        "--api-key-file FILE (one a line) or ",
+        kApiKeyEnv));
   }
   if (!key_file.empty()) {  // checked before any rank starts
     RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());

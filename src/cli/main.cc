@@ -36,6 +36,7 @@
 #include "devtools/gguf_convert.h"
 #include "model/generator.h"
 #include "model/transformer.h"
+#include "serve/generate_wire.h"
 #include "tokenizer/tokenizer.h"
 
 namespace shardserve {
@@ -193,17 +194,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   const std::string job = absl::StrCat("gen-", getpid());
   const std::string result_path =
       (std::filesystem::temp_directory_path() / (job + "-result.json")).string();
-  const SamplingParams& p = req.params;
-  const nlohmann::json request = {{"prompt_ids", req.prompt_ids},
-                                  {"max_tokens", p.max_tokens},
-                                  {"temperature", p.temperature},
-                                  {"top_p", p.top_p},
-                                  {"top_k", p.top_k},
-                                  {"seed", p.seed},
-                                  {"logprobs", p.top_logprobs},
-                                  {"stop_token_ids", p.stop_token_ids},
-                                  {"ignore_eos", p.ignore_eos},
-                                  {"batch", batch}};
+  const std::string request = EncodeGenerateRun({req, batch}).dump();
   ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
   std::vector<Child> stages;
   for (int64_t s = 0; s < pp; ++s) {
@@ -217,7 +208,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
     w.microbatches = static_cast<int>(microbatches);
     w.threads = static_cast<int>(threads);
     w.job_id = job;
-    w.request = request.dump();
+    w.request = request;
     w.result_file = result_path;
     // One-shot runs serve /metrics only when asked (base + global rank).
     w.metrics = metrics_port_base >= 0;
@@ -232,26 +223,9 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   RETURN_IF_ERROR(SuperviseAll(stages, std::chrono::milliseconds(5000)));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(result_path));
   std::filesystem::remove(result_path);
-  Generated g;
-  GenerationResult& r = g.result;
-  try {
-    const nlohmann::json all = nlohmann::json::parse(text);
-    g.seconds = all.at("seconds").get<double>();
-    const nlohmann::json& j = all.at("results").at(0);
-    r.tokens = j.at("tokens").get<std::vector<int32_t>>();
-    r.logprobs = j.at("logprobs").get<std::vector<float>>();
-    r.finish_reason = j.at("finish_reason").get<std::string>();
-    for (const auto& step : j.at("top_logprobs")) {
-      std::vector<TokenLogprob> alts;
-      for (const auto& t : step) {
-        alts.push_back({t.at("id").get<int32_t>(), t.at("logprob").get<float>()});
-      }
-      r.top_logprobs.push_back(std::move(alts));
-    }
-  } catch (const nlohmann::json::exception& e) {
-    return absl::InternalError(absl::StrCat("the leader's result is malformed: ", e.what()));
-  }
-  return g;
+  ASSIGN_OR_RETURN(GenerateOutcome outcome,
+                   DecodeGenerateOutcome(nlohmann::json::parse(text, nullptr, false)));
+  return Generated{std::move(outcome.results[0]), outcome.seconds};
 }
 
 absl::Status Generate(const std::vector<std::string>& argv) {
@@ -296,7 +270,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   if (tp < 1 || pp < 1) return absl::InvalidArgumentError("--tp and --pp must be at least 1");
   // One rank on the CPU runs in this process; a backend named in SHARDSERVE_BACKEND (other than
   // cpu) goes through the rank runtime, which picks it.
-  const char* backend = std::getenv("SHARDSERVE_BACKEND");
+  const char* backend = std::getenv(kBackendEnv);
   const bool in_process =
       tp * pp == 1 && (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
   std::unique_ptr<Transformer> model;

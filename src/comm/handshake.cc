@@ -15,12 +15,13 @@
 #include <filesystem>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status.h"
 #include "common/text.h"
 
@@ -216,10 +217,12 @@ absl::Status AcceptVerified(const Socket& listener, const std::string& secret,
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
   };
-  std::mutex mu;
-  std::list<Pending> pending;  // guarded by mu, oldest first
-  int counted = 0;             // guarded by mu
-  std::list<Worker> workers;   // this thread's own
+  struct Shared {
+    absl::Mutex mu;
+    std::list<Pending> pending ABSL_GUARDED_BY(mu);  // oldest first
+    int counted ABSL_GUARDED_BY(mu) = 0;
+  } shared;
+  std::list<Worker> workers;  // this thread's own
   const std::string ctx(context);
   absl::Status result = absl::OkStatus();
   for (;;) {
@@ -232,8 +235,8 @@ absl::Status AcceptVerified(const Socket& listener, const std::string& secret,
       }
     }
     {
-      std::lock_guard<std::mutex> lock(mu);
-      if (counted >= want) break;
+      absl::MutexLock lock(&shared.mu);
+      if (shared.counted >= want) break;
     }
     if (stop && stop()) {
       result = absl::CancelledError("stopped");
@@ -248,11 +251,11 @@ absl::Status AcceptVerified(const Socket& listener, const std::string& secret,
     if (!conn.ok()) continue;  // no one yet (or a failed accept): look again
     std::list<Pending>::iterator entry;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      absl::MutexLock lock(&shared.mu);
       int verifying = 0;
-      for (const Pending& p : pending) verifying += p.verifying;
+      for (const Pending& p : shared.pending) verifying += p.verifying;
       if (verifying >= kMaxPending) {
-        for (Pending& p : pending) {
+        for (Pending& p : shared.pending) {
           if (p.verifying) {  // the oldest still unproven makes room
             ::shutdown(p.fd, SHUT_RDWR);
             p.verifying = false;
@@ -260,7 +263,7 @@ absl::Status AcceptVerified(const Socket& listener, const std::string& secret,
           }
         }
       }
-      entry = pending.insert(pending.end(), Pending{conn->fd()});
+      entry = shared.pending.insert(shared.pending.end(), Pending{conn->fd()});
     }
     Worker& w = workers.emplace_back();
     w.thread = std::thread([&, entry, done = w.done, sock = std::move(*conn)]() mutable {
@@ -269,22 +272,22 @@ absl::Status AcceptVerified(const Socket& listener, const std::string& secret,
       absl::StatusOr<uint32_t> claim = VerifyConnector(sock, secret, ctx, until);
       bool proven = false;
       {
-        std::lock_guard<std::mutex> lock(mu);
+        absl::MutexLock lock(&shared.mu);
         proven = claim.ok() && entry->verifying;
         entry->verifying = false;
       }
       const bool counts = proven && admit(*claim, sock);
       {
-        std::lock_guard<std::mutex> lock(mu);
-        pending.erase(entry);
-        if (counts) ++counted;
+        absl::MutexLock lock(&shared.mu);
+        shared.pending.erase(entry);
+        if (counts) ++shared.counted;
       }
       done->store(true);
     });
   }
   {
-    std::lock_guard<std::mutex> lock(mu);
-    for (Pending& p : pending) {
+    absl::MutexLock lock(&shared.mu);
+    for (Pending& p : shared.pending) {
       if (p.verifying) ::shutdown(p.fd, SHUT_RDWR);
     }
   }

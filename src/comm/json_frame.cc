@@ -86,4 +86,20 @@ absl::StatusOr<const json*> JsonArray(const json& m, const char* key) {
   return &*it;
 }
 
+absl::StatusOr<std::vector<int64_t>> JsonInts(const json& m, const char* key, int64_t min,
+                                              int64_t max) {
+  ASSIGN_OR_RETURN(const json* array, JsonArray(m, key));
+  std::vector<int64_t> out;
+  out.reserve(array->size());
+  for (const json& v : *array) {
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(max)) ||
+        v.get<int64_t>() < min || v.get<int64_t>() > max) {
+      return absl::DataLossError(absl::StrCat("'", key, "' holds ", v.dump(),
+                                              ", not an integer in [", min, ", ", max, "]"));
+    }
+    out.push_back(v.get<int64_t>());
+  }
+  return out;
+}
+
 }  // namespace shardserve

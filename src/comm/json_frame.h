@@ -8,6 +8,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -39,5 +40,8 @@ absl::StatusOr<bool> JsonBool(const nlohmann::json& m, const char* key);
 absl::StatusOr<double> JsonNumber(const nlohmann::json& m, const char* key);
 // An array field (the reference stays valid while `m` does).
 absl::StatusOr<const nlohmann::json*> JsonArray(const nlohmann::json& m, const char* key);
+// An array of integers in [min, max].
+absl::StatusOr<std::vector<int64_t>> JsonInts(const nlohmann::json& m, const char* key, int64_t min,
+                                              int64_t max);
 
 }  // namespace shardserve

@@ -1,11 +1,13 @@
 #include "comm/rendezvous.h"
 
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/handshake.h"
 #include "comm/json_frame.h"
 #include "common/status.h"
@@ -101,8 +103,7 @@ absl::StatusOr<WorldInfo> WorldFromJson(const json& m, int world_size) {
 absl::StatusOr<RendezvousServer> RendezvousServer::Listen(const std::string& host, int port,
                                                           std::string secret) {
   if (secret.size() < kMinSecretBytes) {
-    return absl::FailedPreconditionError(
-        "the rendezvous needs the replica's secret (SHARDSERVE_RENDEZVOUS_SECRET_FILE)");
+    return absl::FailedPreconditionError("the rendezvous needs the replica's secret");
   }
   ASSIGN_OR_RETURN(Socket s, shardserve::Listen(host, port));
   return RendezvousServer(std::move(s), std::move(secret));
@@ -127,8 +128,10 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
   WorldInfo info;
   info.ranks.resize(n);
   info.ranks[0] = self;
-  std::mutex mu;
-  std::map<int, Socket> joined;  // guarded by mu
+  struct Joined {
+    absl::Mutex mu;
+    std::map<int, Socket> sockets ABSL_GUARDED_BY(mu);
+  } joining;
   const Deadline deadline = Clock::now() + timeout;
   // Each proven connection registers; a refusal tells the rank why.
   auto admit = [&](uint32_t claim, Socket& conn) {
@@ -136,7 +139,7 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
     std::string refusal;
     absl::StatusOr<Registration> r =
         msg.ok() ? ReadRegistration(*msg) : absl::StatusOr<Registration>(msg.status());
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&joining.mu);
     if (!r.ok()) {
       refusal = absl::StrCat("a malformed registration: ", r.status().message());
     } else if (r->tp != world.tp() || r->pp != world.pp()) {
@@ -146,7 +149,7 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
       refusal = absl::StrCat("rank ", r->rank, " is outside the world of ", n);
     } else if (static_cast<uint32_t>(r->rank) != claim) {
       refusal = absl::StrCat("the connection proved rank ", claim, " but registers rank ", r->rank);
-    } else if (joined.count(r->rank)) {
+    } else if (joining.sockets.count(r->rank)) {
       refusal = absl::StrCat(world.Describe(r->rank), " registered twice");
     }
     if (!refusal.empty()) {
@@ -154,10 +157,15 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
       return false;
     }
     info.ranks[r->rank] = r->address;
-    joined.emplace(r->rank, std::move(conn));
+    joining.sockets.emplace(r->rank, std::move(conn));
     return true;
   };
   absl::Status s = AcceptVerified(listener_, secret_, kContext, n - 1, deadline, kHandshake, admit);
+  std::map<int, Socket> joined;  // AcceptVerified has joined its threads
+  {
+    absl::MutexLock lock(&joining.mu);
+    joined = std::move(joining.sockets);
+  }
   if (!s.ok()) {
     std::string missing;
     for (int r = 1; r < n; ++r) {
@@ -189,16 +197,18 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
 void RendezvousServer::RefuseAll(const WorldConfig& world, const std::string& why,
                                  std::chrono::milliseconds timeout) {
   const std::string message = absl::StrCat("the leader failed: ", why);
-  std::mutex mu;
-  std::map<int, bool> told;  // guarded by mu
+  struct Told {
+    absl::Mutex mu;
+    std::set<int> ranks ABSL_GUARDED_BY(mu);
+  } told;
   const Deadline deadline = Clock::now() + timeout;
   (void)AcceptVerified(listener_, secret_, kContext, world.world_size() - 1, deadline, kHandshake,
                        [&](uint32_t claim, Socket& conn) {
                          (void)ReadMessage(conn, kMaxRegistration,
                                            std::min(deadline, Clock::now() + kHandshake));
                          (void)WriteMessage(conn, {{"type", "error"}, {"message", message}});
-                         std::lock_guard<std::mutex> lock(mu);
-                         return told.emplace(static_cast<int>(claim), true).second;
+                         absl::MutexLock lock(&told.mu);
+                         return told.ranks.insert(static_cast<int>(claim)).second;
                        });
 }
 

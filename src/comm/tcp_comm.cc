@@ -55,10 +55,10 @@ absl::StatusOr<std::unique_ptr<TcpCommunicator>> TcpCommunicator::Create(const T
       for (size_t m = 0; m < raw->peers_.size(); ++m) {
         Peer* p = raw->peers_[m].get();
         if (p == nullptr || NowMs() - p->last_write_ms.load() < every.count()) continue;
-        std::unique_lock<std::mutex> lock(p->write_mu, std::try_to_lock);
-        if (!lock.owns_lock()) continue;  // a data frame is being written: the link is busy
+        if (!p->write_mu.TryLock()) continue;  // a data frame is being written: the link is busy
         FrameHeader h{kMagic, kHeartbeat, 0};
         if (p->sock.WriteAll(&h, sizeof(h)).ok()) p->last_write_ms.store(NowMs());
+        p->write_mu.Unlock();
       }
     }
   });
@@ -85,11 +85,11 @@ absl::Status TcpCommunicator::Connect(Socket listener) {
     peers_[m] = std::make_unique<Peer>();
     peers_[m]->sock = std::move(*sock);
   }
-  std::mutex mu;  // guards peers_ while higher members are admitted
+  absl::Mutex mu;  // guards peers_ while higher members are admitted
   const absl::Status accepted = AcceptVerified(
       listener, options_.secret, context, n - 1 - me, deadline, options_.peer_timeout,
       [&](uint32_t member, Socket& sock) {
-        std::lock_guard<std::mutex> lock(mu);
+        absl::MutexLock lock(&mu);
         if (static_cast<int>(member) <= me || static_cast<int>(member) >= n || peers_[member]) {
           return false;  // not a higher member still missing
         }
@@ -118,7 +118,7 @@ TcpCommunicator::~TcpCommunicator() {
   if (heartbeat_.joinable()) heartbeat_.join();
   for (auto& p : peers_) {
     if (!p) continue;
-    std::lock_guard<std::mutex> lock(p->write_mu);
+    absl::MutexLock lock(&p->write_mu);
     FrameHeader h{kMagic, kBye, 0};
     (void)p->sock.WriteAll(&h, sizeof(h));
   }
@@ -134,7 +134,7 @@ absl::Status TcpCommunicator::Fail(int peer, const absl::Status& s) const {
 
 absl::Status TcpCommunicator::WriteFrame(int peer, uint32_t type, const void* data, size_t bytes) {
   Peer& p = *peers_[peer];
-  std::lock_guard<std::mutex> lock(p.write_mu);
+  absl::MutexLock lock(&p.write_mu);
   FrameHeader h{kMagic, type, bytes};
   absl::Status s = p.sock.WriteAll(&h, sizeof(h));
   if (s.ok() && bytes > 0) s = p.sock.WriteAll(data, bytes);

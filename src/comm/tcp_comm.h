@@ -10,12 +10,13 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
 #include "comm/socket.h"
 
@@ -61,7 +62,7 @@ class TcpCommunicator : public Communicator {
  private:
   struct Peer {
     Socket sock;
-    std::mutex write_mu;  // whole frames only
+    absl::Mutex write_mu;  // whole frames only
     std::atomic<int64_t> last_write_ms{0};
   };
   explicit TcpCommunicator(const TcpOptions& options);

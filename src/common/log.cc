@@ -6,13 +6,15 @@
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
-#include <mutex>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve {
 namespace {
 
-std::mutex identity_mu;
-std::string& Identity() {
+ABSL_CONST_INIT absl::Mutex identity_mu(absl::kConstInit);
+std::string& Identity() ABSL_EXCLUSIVE_LOCKS_REQUIRED(identity_mu) {
   static std::string* identity = new std::string;
   return *identity;
 }
@@ -32,7 +34,7 @@ LogLevel MinLevel() {
 }  // namespace
 
 void SetLogIdentity(const std::string& identity) {
-  std::lock_guard<std::mutex> lock(identity_mu);
+  absl::MutexLock lock(&identity_mu);
   Identity() = identity;
 }
 
@@ -51,7 +53,7 @@ void LogLine(LogLevel level, const std::string& message) {
                 tm.tm_sec, micros);
   std::string line = head;
   {
-    std::lock_guard<std::mutex> lock(identity_mu);
+    absl::MutexLock lock(&identity_mu);
     line += Identity().empty() ? std::string("shardserve") : Identity();
   }
   line += "] ";

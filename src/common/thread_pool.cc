@@ -41,10 +41,10 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_.store(true);
   }
-  start_cv_.notify_all();
+  start_cv_.SignalAll();
   for (auto& t : workers_) t.join();
 }
 
@@ -58,21 +58,21 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     job_ = &fn;
     job_n_ = n;
     job_grain_ = grain;
     pending_.store(parts - 1);
     generation_.fetch_add(1);
   }
-  start_cv_.notify_all();
+  start_cv_.SignalAll();
   auto [b, e] = Split(n, grain, parts, 0);
   if (b < e) fn(0, b, e);
   if (!SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; })) {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_.load() == 0; });
+    absl::MutexLock lock(&mu_);
+    while (pending_.load() != 0) done_cv_.Wait(&mu_);
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   job_ = nullptr;
 }
 
@@ -86,8 +86,8 @@ void ThreadPool::WorkerLoop(int index) {
              generation_.load(std::memory_order_acquire) != seen;
     });
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+      absl::MutexLock lock(&mu_);
+      while (!stop_.load() && generation_.load() == seen) start_cv_.Wait(&mu_);
       if (stop_) return;
       seen = generation_.load();
       job = job_;
@@ -97,8 +97,8 @@ void ThreadPool::WorkerLoop(int index) {
     auto [b, e] = Split(n, grain, num_threads(), index);
     if (b < e) (*job)(index, b, e);
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lock(mu_);  // the caller is spinning, or waits under mu_
-      done_cv_.notify_one();
+      absl::MutexLock lock(&mu_);  // the caller is spinning, or waits under mu_
+      done_cv_.Signal();
     }
   }
 }

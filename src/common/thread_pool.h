@@ -5,12 +5,13 @@
 // before they sleep on a condition variable: a decode step runs hundreds of loops a few tens of
 // microseconds apart, and a wake-up through the kernel costs about as much as a small loop.
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve {
 
@@ -35,12 +36,12 @@ class ThreadPool {
   static bool SpinUntil(Pred pred);
 
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable start_cv_;
-  std::condition_variable done_cv_;
-  const std::function<void(int, int64_t, int64_t)>* job_ = nullptr;  // guarded by mu_
-  int64_t job_n_ = 0;
-  int64_t job_grain_ = 1;
+  absl::Mutex mu_;
+  absl::CondVar start_cv_;
+  absl::CondVar done_cv_;
+  const std::function<void(int, int64_t, int64_t)>* job_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int64_t job_n_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t job_grain_ ABSL_GUARDED_BY(mu_) = 1;
   // Written under mu_ (so that a sleeper cannot miss a change), read without it while spinning.
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};

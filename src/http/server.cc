@@ -8,11 +8,9 @@
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
-#include <condition_variable>
 #include <cstdio>
 #include <future>
 #include <list>
-#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -20,6 +18,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve::http {
 
@@ -127,8 +126,8 @@ struct Server::Impl {
   bool stopping = false;
   std::atomic<size_t> open{0};
 
-  std::mutex mu;
-  std::condition_variable idle;
+  absl::Mutex mu;
+  absl::CondVar idle;
   int blocking ABSL_GUARDED_BY(mu) = 0;
   bool stopped ABSL_GUARDED_BY(mu) = false;
 
@@ -146,15 +145,15 @@ struct Server::Impl {
     return r;
   }
   bool TakeBlocking() {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     if (blocking >= options.max_blocking) return false;
     ++blocking;
     return true;
   }
   void ReleaseBlocking() {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     --blocking;
-    idle.notify_all();
+    idle.SignalAll();
   }
   void Accept();
   void Admit(tcp::socket socket);
@@ -632,7 +631,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options, Rou
 void Server::Stop() {
   if (!impl_) return;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    absl::MutexLock lock(&impl_->mu);
     if (impl_->stopped) return;
     impl_->stopped = true;
   }
@@ -646,8 +645,8 @@ void Server::Stop() {
     for (const auto& c : all) c->Close();
   });
   {
-    std::unique_lock<std::mutex> lock(s->mu);
-    s->idle.wait(lock, [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->blocking == 0; });
+    absl::MutexLock lock(&s->mu);
+    while (s->blocking != 0) s->idle.Wait(&s->mu);
   }
   s->io.stop();
   if (s->thread.joinable()) s->thread.join();

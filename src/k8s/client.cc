@@ -9,6 +9,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "api/sharded_model.h"
 #include "common/status.h"
 
 namespace shardserve::k8s {
@@ -122,7 +123,7 @@ const ResourceType kTokenReviews{"authentication.k8s.io", "v1", "tokenreviews", 
                                  false};
 const ResourceType kSubjectAccessReviews{"authorization.k8s.io", "v1", "subjectaccessreviews",
                                          "SubjectAccessReview", false};
-const ResourceType kShardedModels{"shardserve.io", "v1alpha1", "shardedmodels", "ShardedModel",
+const ResourceType kShardedModels{kApiGroup, kApiGroupVersion, "shardedmodels", kShardedModelKind,
                                   true};
 
 std::string ResourceType::Path(const std::string& ns, const std::string& name,
@@ -221,27 +222,29 @@ absl::Status Client::Unreachable(const std::string& what, const std::string& err
 }
 
 void Client::Throttle() {
-  std::unique_lock<std::mutex> lock(bucket_mu_);
   for (;;) {
-    const auto now = std::chrono::steady_clock::now();
-    bucket_tokens_ = std::min<double>(
-        options_.burst,
-        bucket_tokens_ + options_.qps * std::chrono::duration<double>(now - bucket_time_).count());
-    bucket_time_ = now;
-    if (bucket_tokens_ >= 1) {
-      bucket_tokens_ -= 1;
-      return;
+    double wait;
+    {
+      absl::MutexLock lock(&bucket_mu_);
+      const auto now = std::chrono::steady_clock::now();
+      bucket_tokens_ = std::min<double>(
+          options_.burst,
+          bucket_tokens_ +
+              options_.qps * std::chrono::duration<double>(now - bucket_time_).count());
+      bucket_time_ = now;
+      if (bucket_tokens_ >= 1) {
+        bucket_tokens_ -= 1;
+        return;
+      }
+      wait = (1 - bucket_tokens_) / options_.qps;
+      throttled_ += wait;
     }
-    const double wait = (1 - bucket_tokens_) / options_.qps;
-    throttled_ += wait;
-    lock.unlock();
     std::this_thread::sleep_for(std::chrono::duration<double>(wait));
-    lock.lock();
   }
 }
 
 double Client::throttled_seconds() const {
-  std::lock_guard<std::mutex> lock(bucket_mu_);
+  absl::MutexLock lock(&bucket_mu_);
   return throttled_;
 }
 

@@ -10,11 +10,12 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "k8s/config.h"
 
 namespace shardserve::k8s {
@@ -149,10 +150,10 @@ class Client {
   std::atomic<int64_t> requests_{0};
   // SHARDSERVE_K8S_TRACE=1: every request is logged with its code and time (as kubectl -v=6).
   const bool trace_ = std::getenv("SHARDSERVE_K8S_TRACE") != nullptr;
-  mutable std::mutex bucket_mu_;
-  double bucket_tokens_;
-  std::chrono::steady_clock::time_point bucket_time_;
-  double throttled_ = 0;
+  mutable absl::Mutex bucket_mu_;
+  double bucket_tokens_ ABSL_GUARDED_BY(bucket_mu_);
+  std::chrono::steady_clock::time_point bucket_time_ ABSL_GUARDED_BY(bucket_mu_);
+  double throttled_ ABSL_GUARDED_BY(bucket_mu_) = 0;
 };
 
 }  // namespace shardserve::k8s

@@ -147,7 +147,7 @@ absl::StatusOr<KubeConfig> DefaultConfig() {
 }
 
 absl::StatusOr<std::string> TokenSource::Token() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (file_.empty()) return token_;
   std::error_code ec;
   const auto mtime = fs::last_write_time(file_, ec);

@@ -4,10 +4,11 @@
 // account's token, re-read when the kubelet rotates it, and the cluster CA). TLS is always
 // verified; there is no insecure mode.
 #include <chrono>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve::k8s {
 
@@ -41,10 +42,10 @@ class TokenSource {
   absl::StatusOr<std::string> Token();
 
  private:
-  std::mutex mu_;
-  std::string token_;
-  std::string file_;
-  std::chrono::system_clock::time_point mtime_{};
+  absl::Mutex mu_;
+  std::string token_ ABSL_GUARDED_BY(mu_);
+  const std::string file_;
+  std::chrono::system_clock::time_point mtime_ ABSL_GUARDED_BY(mu_){};
 };
 
 }  // namespace shardserve::k8s

@@ -32,7 +32,7 @@ void Store::IndexLocked(const std::string& key, const json& object, bool add) {
 std::optional<json> Store::Upsert(json object) {
   const std::string key = KeyOf(object);
   std::vector<uint8_t> packed = json::to_cbor(object);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::optional<json> old;
   if (auto it = objects_.find(key); it != objects_.end()) {
     old = json::from_cbor(it->second);
@@ -44,7 +44,7 @@ std::optional<json> Store::Upsert(json object) {
 }
 
 std::optional<json> Store::Remove(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = objects_.find(key);
   if (it == objects_.end()) return std::nullopt;
   json old = json::from_cbor(it->second);
@@ -54,14 +54,14 @@ std::optional<json> Store::Remove(const std::string& key) {
 }
 
 std::optional<json> Store::Get(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = objects_.find(key);
   if (it == objects_.end()) return std::nullopt;
   return json::from_cbor(it->second);
 }
 
 std::vector<json> Store::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<json> out;
   out.reserve(objects_.size());
   for (const auto& [k, v] : objects_) out.push_back(json::from_cbor(v));
@@ -69,7 +69,7 @@ std::vector<json> Store::List() const {
 }
 
 std::vector<json> Store::ByLabel(const std::string& label, const std::string& value) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<json> out;
   auto it = by_label_.find(label + "=" + value);
   if (it == by_label_.end()) return out;
@@ -78,7 +78,7 @@ std::vector<json> Store::ByLabel(const std::string& label, const std::string& va
 }
 
 std::vector<json> Store::InNamespace(const std::string& ns) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<json> out;
   for (auto it = objects_.lower_bound(ns + "/"); it != objects_.end(); ++it) {
     if (it->first.compare(0, ns.size() + 1, ns + "/") != 0) break;
@@ -88,7 +88,7 @@ std::vector<json> Store::InNamespace(const std::string& ns) const {
 }
 
 std::vector<std::string> Store::Keys() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<std::string> out;
   out.reserve(objects_.size());
   for (const auto& [k, v] : objects_) out.push_back(k);
@@ -96,14 +96,14 @@ std::vector<std::string> Store::Keys() const {
 }
 
 size_t Store::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& [k, v] : objects_) n += v.size();
   return n;
 }
 
 size_t Store::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return objects_.size();
 }
 
@@ -128,20 +128,24 @@ void Informer::Start() {
 void Informer::Stop() {
   stop_.store(true);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (cancel_) cancel_->Cancel();
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   if (thread_.joinable()) thread_.join();
 }
 
 bool Informer::WaitForSync(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] { return synced_ || stop_.load(); }) && synced_;
+  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
+  absl::MutexLock lock(&mu_);
+  while (!synced_ && !stop_.load()) {
+    if (cv_.WaitWithDeadline(&mu_, deadline)) break;
+  }
+  return synced_;
 }
 
 std::string Informer::last_error() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_error_;
 }
 
@@ -195,16 +199,19 @@ absl::Status Informer::ListAndReplace(std::string& resource_version) {
     if (old && handlers_.on_delete) handlers_.on_delete(*old);
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     synced_ = true;
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   return absl::OkStatus();
 }
 
 void Informer::Backoff(std::chrono::milliseconds& delay) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, delay, [&] { return stop_.load(); });
+  const absl::Time deadline = absl::Now() + absl::FromChrono(delay);
+  absl::MutexLock lock(&mu_);
+  while (!stop_.load()) {
+    if (cv_.WaitWithDeadline(&mu_, deadline)) break;
+  }
   delay = std::min(options_.max_backoff, delay * 2);
 }
 
@@ -214,7 +221,7 @@ void Informer::Run() {
     std::string rv;
     if (absl::Status s = ListAndReplace(rv); !s.ok()) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         last_error_ = std::string(s.message());
       }
       Backoff(delay);
@@ -222,9 +229,11 @@ void Informer::Run() {
     }
     delay = options_.min_backoff;
     while (!stop_.load()) {
+      WatchCancel* cancel;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         cancel_ = std::make_unique<WatchCancel>();
+        cancel = cancel_.get();
         if (stop_.load()) break;
       }
       WatchOptions wo;
@@ -239,11 +248,11 @@ void Informer::Run() {
             delay = options_.min_backoff;
             return !stop_.load();
           },
-          cancel_.get());
+          cancel);
       if (stop_.load()) break;
       if (s.ok()) continue;  // the server ended the stream: resume from rv
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         last_error_ = std::string(s.message());
       }
       if (ApiGone(s)) break;  // rv was compacted away: list again

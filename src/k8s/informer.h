@@ -6,17 +6,17 @@
 // Handlers run on the informer's thread, in order; they should only enqueue keys.
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "k8s/client.h"
 
 namespace shardserve::k8s {
@@ -41,10 +41,11 @@ class Store {
   std::optional<json> Remove(const std::string& key);
 
  private:
-  void IndexLocked(const std::string& key, const json& object, bool add);
-  mutable std::mutex mu_;
-  std::map<std::string, std::vector<uint8_t>> objects_;  // CBOR
-  std::map<std::string, std::set<std::string>> by_label_;
+  void IndexLocked(const std::string& key, const json& object, bool add)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::vector<uint8_t>> objects_ ABSL_GUARDED_BY(mu_);  // CBOR
+  std::map<std::string, std::set<std::string>> by_label_ ABSL_GUARDED_BY(mu_);
 };
 
 struct EventHandlers {
@@ -94,11 +95,11 @@ class Informer {
   Store store_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
-  std::unique_ptr<WatchCancel> cancel_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool synced_ = false;
-  std::string last_error_;
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::unique_ptr<WatchCancel> cancel_ ABSL_GUARDED_BY(mu_);  // of the watch in progress
+  bool synced_ ABSL_GUARDED_BY(mu_) = false;
+  std::string last_error_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> lists_{0}, events_{0};
 };
 

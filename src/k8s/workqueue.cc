@@ -18,28 +18,28 @@ void WorkQueue::AddLocked(const std::string& key) {
   dirty_.insert(key);
   if (processing_.count(key)) return;  // Done queues it again
   queue_.push_back(key);
-  cv_.notify_one();
+  cv_.Signal();
 }
 
 void WorkQueue::Add(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   AddLocked(key);
 }
 
 void WorkQueue::AddAfter(const std::string& key, std::chrono::milliseconds delay) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (delay.count() <= 0) {
     AddLocked(key);
     return;
   }
   delayed_.emplace(Clock::now() + delay, key);
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void WorkQueue::AddRateLimited(const std::string& key) {
   std::chrono::milliseconds delay;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     const int n = failures_[key]++;
     const double per_key =
         std::min<double>(static_cast<double>(limit_.max.count()),
@@ -58,18 +58,18 @@ void WorkQueue::AddRateLimited(const std::string& key) {
 }
 
 void WorkQueue::Forget(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   failures_.erase(key);
 }
 
 int WorkQueue::Requeues(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = failures_.find(key);
   return it == failures_.end() ? 0 : it->second;
 }
 
 std::optional<std::string> WorkQueue::Get() {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (;;) {
     const auto now = Clock::now();
     while (!delayed_.empty() && delayed_.begin()->first <= now) {
@@ -86,35 +86,35 @@ std::optional<std::string> WorkQueue::Get() {
     }
     if (shutdown_) return std::nullopt;
     if (delayed_.empty()) {
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
     } else {
-      cv_.wait_until(lock, delayed_.begin()->first);
+      cv_.WaitWithTimeout(&mu_, absl::FromChrono(delayed_.begin()->first - now));
     }
   }
 }
 
 void WorkQueue::Done(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   processing_.erase(key);
   if (dirty_.count(key)) {
     queue_.push_back(key);
-    cv_.notify_one();
+    cv_.Signal();
   }
 }
 
 void WorkQueue::ShutDown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 size_t WorkQueue::Len() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return queue_.size();
 }
 
 int64_t WorkQueue::adds() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return adds_;
 }
 

@@ -4,14 +4,15 @@
 // never by two workers at once. Failed keys come back with per-key exponential backoff, bounded
 // by an overall token bucket. Thread-safe.
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve::k8s {
 
@@ -46,19 +47,19 @@ class WorkQueue {
   int64_t adds() const;  // Add calls, including duplicates that were collapsed
 
  private:
-  void AddLocked(const std::string& key);
+  void AddLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  RateLimit limit_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::string> queue_;
-  std::set<std::string> dirty_, processing_;
-  std::multimap<std::chrono::steady_clock::time_point, std::string> delayed_;
-  std::map<std::string, int> failures_;
-  double bucket_tokens_;
-  std::chrono::steady_clock::time_point bucket_time_;
-  bool shutdown_ = false;
-  int64_t adds_ = 0;
+  const RateLimit limit_;
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> dirty_ ABSL_GUARDED_BY(mu_), processing_ ABSL_GUARDED_BY(mu_);
+  std::multimap<std::chrono::steady_clock::time_point, std::string> delayed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> failures_ ABSL_GUARDED_BY(mu_);
+  double bucket_tokens_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point bucket_time_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t adds_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace shardserve::k8s

@@ -103,7 +103,10 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
     labels_op["op"] = op;
     m->comm_[op] = {&comm_seconds.Add(labels_op, SecondsBuckets()), &comm_bytes.Add(labels_op)};
   }
-  m->collectables_ = {m->registry_, std::make_shared<ResidentMemory>(base)};
+  {
+    absl::MutexLock lock(&m->mu_);
+    m->collectables_ = {m->registry_, std::make_shared<ResidentMemory>(base)};
+  }
   // Served by http::Server, not prometheus-cpp's civetweb Exposer: civetweb's threads have a
   // fixed 100 KB stack, too small for the static TLS that cuBLAS brings into a GPU rank's
   // process, and no deadline for a slow client. The page is answered on the I/O thread, so slow
@@ -113,7 +116,7 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
   routes.Get("/metrics", [self](const http::Request&) {
     std::vector<prometheus::MetricFamily> families;
     {
-      std::lock_guard<std::mutex> lock(self->mu_);
+      absl::MutexLock lock(&self->mu_);
       for (const auto& c : self->collectables_) {
         auto more = c->Collect();
         families.insert(families.end(), more.begin(), more.end());
@@ -179,7 +182,7 @@ void LeaderMetrics::ObserveInterToken(double seconds) { itl_->Observe(seconds); 
 void LeaderMetrics::AddGenerated(double tokens) { generated_->Increment(tokens); }
 
 void RankMetrics::Expose(std::shared_ptr<prometheus::Registry> more) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   collectables_.push_back(std::move(more));
 }
 

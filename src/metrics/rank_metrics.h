@@ -8,12 +8,12 @@
 // Thread-safe (prometheus-cpp metrics are).
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace prometheus {
 class Collectable;
@@ -87,7 +87,7 @@ class RankMetrics {
   RankMetrics() = default;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<http::Server> http_;
-  std::mutex mu_;
+  absl::Mutex mu_;
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_ ABSL_GUARDED_BY(mu_);
   RankLabels labels_;
   int port_ = 0;

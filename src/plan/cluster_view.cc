@@ -98,7 +98,7 @@ PlacementRequest PlacementRequestFor(const ShardedModelSpec& spec, std::vector<i
   r.replicas = std::move(replicas);
   r.gpu_resource = spec.gpu_resource;
   r.node_selector = spec.node_selector;
-  for (const auto& t : spec.tolerations) r.tolerations.push_back({t.key, t.op, t.value, t.effect});
+  r.tolerations = spec.tolerations;
   r.topology_key = spec.topology_key;
   return r;
 }

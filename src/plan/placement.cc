@@ -8,10 +8,10 @@
 
 namespace shardserve {
 
-bool Toleration::Tolerates(const Taint& t) const {
-  if (!effect.empty() && effect != t.effect) return false;
-  if (op == "Exists") return key.empty() || key == t.key;
-  return key == t.key && value == t.value;
+bool Tolerates(const Toleration& tol, const Taint& t) {
+  if (!tol.effect.empty() && tol.effect != t.effect) return false;
+  if (tol.op == "Exists") return tol.key.empty() || tol.key == t.key;
+  return tol.key == t.key && tol.value == t.value;
 }
 
 namespace {
@@ -27,7 +27,7 @@ Exclusion Check(const NodeInfo& n, const PlacementRequest& r) {
   for (const Taint& t : n.taints) {
     if (t.effect == "PreferNoSchedule") continue;
     const bool tolerated = std::any_of(r.tolerations.begin(), r.tolerations.end(),
-                                       [&](const Toleration& tol) { return tol.Tolerates(t); });
+                                       [&](const Toleration& tol) { return Tolerates(tol, t); });
     if (!tolerated) return Exclusion::kTaint;
   }
   if (n.gpus - n.requested < r.tensor) return Exclusion::kGpus;

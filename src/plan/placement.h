@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/sharded_model.h"
 
 namespace shardserve {
 
@@ -19,10 +20,8 @@ struct Taint {
   std::string key, value, effect;  // effect: NoSchedule, PreferNoSchedule, NoExecute
 };
 
-struct Toleration {
-  std::string key, op = "Equal", value, effect;  // empty key + Exists tolerates everything
-  bool Tolerates(const Taint& t) const;
-};
+// Whether a pod with `toleration` may run on a node with `taint`.
+bool Tolerates(const Toleration& toleration, const Taint& taint);
 
 struct NodeInfo {
   std::string name;

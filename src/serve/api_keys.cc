@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "api/worker_env.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/text.h"
@@ -58,9 +59,9 @@ absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Create(const std::string& key,
   ASSIGN_OR_RETURN(std::vector<Digest> digests, keys->Read());
   if (digests.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("SHARDSERVE_API_KEYS_FILE ", file, " holds no API key"));
+        absl::StrCat(kApiKeysFileEnv, " ", file, " holds no API key"));
   }
-  std::lock_guard<std::mutex> lock(keys->mu_);
+  absl::MutexLock lock(&keys->mu_);
   keys->digests_ = std::move(digests);
   keys->read_at_ = std::chrono::steady_clock::now();
   return keys;
@@ -69,7 +70,7 @@ absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Create(const std::string& key,
 absl::StatusOr<std::vector<ApiKeys::Digest>> ApiKeys::Read() const {
   std::vector<Digest> out;
   if (!key_.empty()) {
-    RETURN_IF_ERROR(CheckKey(key_, "SHARDSERVE_API_KEY"));
+    RETURN_IF_ERROR(CheckKey(key_, kApiKeyEnv));
     out.push_back(Sha256(key_));
   }
   if (file_.empty()) return out;
@@ -83,7 +84,7 @@ absl::StatusOr<std::vector<ApiKeys::Digest>> ApiKeys::Read() const {
     }
     if (ec) {
       return absl::InvalidArgumentError(
-          absl::StrCat("SHARDSERVE_API_KEYS_FILE ", file_, ": ", ec.message()));
+          absl::StrCat(kApiKeysFileEnv, " ", file_, ": ", ec.message()));
     }
   } else {
     files.push_back(file_);
@@ -95,10 +96,10 @@ absl::StatusOr<std::vector<ApiKeys::Digest>> ApiKeys::Read() const {
       ++line_no;
       line = absl::StripAsciiWhitespace(line);
       if (line.empty() || line[0] == '#') continue;
-      RETURN_IF_ERROR(CheckKey(line, absl::StrCat("SHARDSERVE_API_KEYS_FILE ", f, ":", line_no)));
+      RETURN_IF_ERROR(CheckKey(line, absl::StrCat(kApiKeysFileEnv, " ", f, ":", line_no)));
       if (out.size() == kMaxKeys) {
         return absl::InvalidArgumentError(
-            absl::StrCat("SHARDSERVE_API_KEYS_FILE ", file_, ": more than ", kMaxKeys, " keys"));
+            absl::StrCat(kApiKeysFileEnv, " ", file_, ": more than ", kMaxKeys, " keys"));
       }
       out.push_back(Sha256(line));
     }
@@ -135,7 +136,7 @@ absl::Status ApiKeys::Check(std::string_view header) {
     return absl::UnauthenticatedError("the Authorization header must be 'Bearer KEY'");
   }
   const Digest presented = Sha256(absl::StripAsciiWhitespace(authorization.substr(kBearer.size())));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   RefreshLocked();
   int match = 0;
   for (const Digest& d : digests_) {  // every key, whichever matches
@@ -146,7 +147,7 @@ absl::Status ApiKeys::Check(std::string_view header) {
 }
 
 size_t ApiKeys::size() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return digests_.size();
 }
 

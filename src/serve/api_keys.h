@@ -13,13 +13,13 @@
 #include <array>
 #include <chrono>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve {
 
@@ -49,7 +49,7 @@ class ApiKeys {
 
   const std::string key_;
   const std::string file_;
-  std::mutex mu_;
+  absl::Mutex mu_;
   std::vector<Digest> digests_ ABSL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point read_at_ ABSL_GUARDED_BY(mu_);
   std::string last_error_ ABSL_GUARDED_BY(mu_);

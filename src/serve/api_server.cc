@@ -12,6 +12,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "api/worker_env.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -110,15 +111,15 @@ struct ApiServer::Impl {
   std::unique_ptr<http::Server> http;
   std::shared_ptr<prometheus::Registry> own_registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<LeaderMetrics> metrics;
-  std::mutex registry_mu;
+  absl::Mutex registry_mu;
   std::shared_ptr<prometheus::Registry> rank_registry ABSL_GUARDED_BY(registry_mu);
-  std::shared_mutex engine_mu;
+  absl::Mutex engine_mu;
   Engine* engine ABSL_GUARDED_BY(engine_mu) = nullptr;
   std::string not_ready ABSL_GUARDED_BY(engine_mu) =
       "the model replica is starting: waiting for every rank to connect and load";
   std::atomic<int> active{0};
   int64_t max_context ABSL_GUARDED_BY(engine_mu) = 0;
-  int64_t vocab_size = 0;  // guarded by engine_mu
+  int64_t vocab_size ABSL_GUARDED_BY(engine_mu) = 0;
 
   std::string TokenText(int32_t id) const { return tokenizer->Decode({id}, false); }
 
@@ -250,7 +251,7 @@ struct ApiServer::Impl {
   absl::Status Submit(ApiRequest& req, std::vector<Choice>& choices) {
     int64_t context, vocab;
     {
-      std::shared_lock<std::shared_mutex> lock(engine_mu);
+      absl::ReaderMutexLock lock(&engine_mu);
       if (engine == nullptr) return absl::UnavailableError(not_ready);
       context = max_context;
       vocab = vocab_size;
@@ -279,7 +280,7 @@ struct ApiServer::Impl {
         }
       }
     }
-    std::shared_lock<std::shared_mutex> lock(engine_mu);
+    absl::ReaderMutexLock lock(&engine_mu);
     if (engine == nullptr) return absl::UnavailableError(not_ready);
     for (const auto& ids : prompts) {
       GenerationRequest g;
@@ -309,7 +310,7 @@ struct ApiServer::Impl {
     return {{"id", id},
             {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
             {"created", created},
-            {"model", config.model_name}};
+            {"model", config.env.model_name}};
   }
 
   // POST /v1/completions and /v1/chat/completions, on a thread of their own.
@@ -341,10 +342,10 @@ struct ApiServer::Impl {
     auto parsed = ParseApiRequest(body, chat);
     if (!parsed.ok()) return ex.Respond(Reply(parsed.status()));
     ApiRequest& req = *parsed;
-    if (req.model != config.model_name) {
+    if (req.model != config.env.model_name) {
       absl::Status s = absl::NotFoundError(absl::StrCat("the model '", req.model,
                                                         "' does not exist; this server serves '",
-                                                        config.model_name, "'"));
+                                                        config.env.model_name, "'"));
       s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
       return ex.Respond(Reply(s));
     }
@@ -406,7 +407,7 @@ struct ApiServer::Impl {
     ex.Respond(Json({{"id", id},
                      {"object", req.chat ? "chat.completion" : "text_completion"},
                      {"created", created},
-                     {"model", config.model_name},
+                     {"model", config.env.model_name},
                      {"choices", out_choices},
                      {"usage", Usage(choices)}}));
   }
@@ -464,43 +465,10 @@ struct ApiServer::Impl {
   }
 };
 
-absl::StatusOr<ServeConfig> ServeConfigFrom(ServeConfig c, const WorkerEnv& w) {
-  // The contract's part (the address and the batch), then the server's own tunables.
-  if (!w.api_host.empty()) c.host = w.api_host;
-  c.api_keys_file = w.api_keys_file;
-  if (const char* key = ProcessEnv("SHARDSERVE_API_KEY")) c.api_key = key;
-  const int64_t port = w.api_port;
-  const int64_t batch = w.max_batch_size > 0 ? w.max_batch_size : c.max_batch;
-  const EnvLookup env = ProcessEnv;
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  ASSIGN_OR_RETURN(int64_t queue, EnvInt(env, "SHARDSERVE_MAX_QUEUE", c.max_queue, 0, kMax));
-  ASSIGN_OR_RETURN(c.max_step_tokens,
-                   EnvInt(env, "SHARDSERVE_MAX_STEP_TOKENS", c.max_step_tokens, 1, kMax));
-  ASSIGN_OR_RETURN(int64_t body, EnvInt(env, "SHARDSERVE_MAX_BODY_BYTES",
-                                        static_cast<int64_t>(c.max_body_bytes), 1024, kMax));
-  ASSIGN_OR_RETURN(c.drain_seconds,
-                   EnvInt(env, "SHARDSERVE_DRAIN_SECONDS", c.drain_seconds, 0, 86400));
-  ASSIGN_OR_RETURN(int64_t head_ms, EnvInt(env, "SHARDSERVE_HTTP_HEADER_TIMEOUT_MS",
-                                           c.header_timeout.count(), 100, kMax));
-  ASSIGN_OR_RETURN(int64_t body_ms, EnvInt(env, "SHARDSERVE_HTTP_BODY_TIMEOUT_MS",
-                                           c.body_timeout.count(), 100, kMax));
-  ASSIGN_OR_RETURN(int64_t conns, EnvInt(env, "SHARDSERVE_HTTP_MAX_CONNECTIONS",
-                                         static_cast<int64_t>(c.max_connections), 16, kMax));
-  if (const char* v = env("SHARDSERVE_API_METRICS_AUTH"); v && *v) {
-    const std::string m = v;
-    if (m != "true" && m != "false") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "environment variable SHARDSERVE_API_METRICS_AUTH='", m, "' must be true or false"));
-    }
-    c.metrics_need_key = m == "true";
-  }
-  c.port = static_cast<int>(port);
-  c.max_batch = static_cast<int>(batch);
-  c.max_queue = static_cast<int>(queue);
-  c.max_body_bytes = static_cast<size_t>(body);
-  c.header_timeout = std::chrono::milliseconds(head_ms);
-  c.body_timeout = std::chrono::milliseconds(body_ms);
-  c.max_connections = static_cast<size_t>(conns);
+ServeConfig ServeConfigFrom(const WorkerEnv& env, bool local) {
+  ServeConfig c;
+  c.env = env;
+  c.host = !env.api_host.empty() ? env.api_host : local ? "127.0.0.1" : "0.0.0.0";
   return c;
 }
 
@@ -511,22 +479,22 @@ ApiServer::~ApiServer() { Stop(std::chrono::milliseconds(0)); }
 absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& config) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(config.api_key, config.api_keys_file));
-  ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(config.model_dir));
-  impl->chat = ChatTemplate::ForModel(config.model_dir, *impl->tokenizer);
-  impl->metrics = std::make_unique<LeaderMetrics>(
-      *impl->own_registry, config.metrics_model.empty() ? config.model_name : config.metrics_model,
-      config.replica);
+  const WorkerEnv& env = config.env;
+  ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(env.api_key, env.api_keys_file));
+  ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(env.model_path));
+  impl->chat = ChatTemplate::ForModel(env.model_path, *impl->tokenizer);
+  impl->metrics = std::make_unique<LeaderMetrics>(*impl->own_registry, env.metrics_model(),
+                                                  std::to_string(env.replica));
   Impl* s = impl.get();
   http::ServerOptions options;
   options.host = config.host;
-  options.port = config.port;
-  options.max_body_bytes = config.max_body_bytes;
-  options.header_timeout = config.header_timeout;
-  options.body_timeout = config.body_timeout;
-  options.max_connections = config.max_connections;
+  options.port = env.api_port;
+  options.max_body_bytes = static_cast<size_t>(env.max_body_bytes);
+  options.header_timeout = std::chrono::milliseconds(env.http_header_timeout_ms);
+  options.body_timeout = std::chrono::milliseconds(env.http_body_timeout_ms);
+  options.max_connections = static_cast<size_t>(env.http_max_connections);
   // Generation requests beyond the batch and the queue are the engine's to refuse (429).
-  options.max_blocking = config.max_batch + config.max_queue + 16;
+  options.max_blocking = env.max_batch_size + env.max_queue + 16;
   options.error = [](int status, const std::string& reason) {
     absl::Status st = WithHttpStatus(absl::InvalidArgumentError(reason), status);
     json body = ErrorBody(st);
@@ -546,13 +514,13 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   });
   routes.Get("/v1/models", [s](const http::Request& req) {
     if (auto denied = s->Deny(req)) return *std::move(denied);
-    json model = {{"id", s->config.model_name},
+    json model = {{"id", s->config.env.model_name},
                   {"object", "model"},
                   {"created", 0},
                   {"owned_by", "shardserve"},
                   {"chat_template", s->chat.name()}};
     {
-      std::shared_lock<std::shared_mutex> lock(s->engine_mu);
+      absl::ReaderMutexLock lock(&s->engine_mu);
       if (s->max_context > 0) model["max_model_len"] = s->max_context;
     }
     return s->Json({{"object", "list"}, {"data", json::array({model})}});
@@ -561,7 +529,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
     return http::Response{200, "application/json", "{\"status\":\"ok\"}", {}};
   });
   routes.Get("/readyz", [s](const http::Request&) {
-    std::shared_lock<std::shared_mutex> lock(s->engine_mu);
+    absl::ReaderMutexLock lock(&s->engine_mu);
     if (s->engine != nullptr && s->engine->accepting()) {
       return http::Response{200, "application/json", "{\"ready\":true}", {}};
     }
@@ -573,12 +541,12 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
         503, "application/json", DumpJson({{"ready", false}, {"reason", reason}}), {}};
   });
   routes.Get("/metrics", [s](const http::Request& req) {
-    if (s->config.metrics_need_key) {
+    if (s->config.env.api_metrics_auth) {
       if (auto denied = s->Deny(req)) return *std::move(denied);
     }
     std::vector<prometheus::MetricFamily> families = s->own_registry->Collect();
     {
-      std::lock_guard<std::mutex> lock(s->registry_mu);
+      absl::MutexLock lock(&s->registry_mu);
       if (s->rank_registry) {
         auto more = s->rank_registry->Collect();
         families.insert(families.end(), more.begin(), more.end());
@@ -589,10 +557,10 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   });
   ASSIGN_OR_RETURN(s->http, http::Server::Start(options, std::move(routes)));
   if (s->keys == nullptr) {
-    LogWarning(
-        "leader: the API has no keys (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE): "
-        "anyone who reaches ",
-        config.host, ":", s->http->port(), " can use it");
+    LogWarning("leader: the API has no keys (", kApiKeyEnv, ", ", kApiKeysFileEnv,
+               "): "
+               "anyone who reaches ",
+               config.host, ":", s->http->port(), " can use it");
   }
   std::unique_ptr<ApiServer> server(new ApiServer(std::move(impl)));
   server->port_ = server->impl_->http->port();
@@ -603,14 +571,14 @@ void ApiServer::AttachRankMetrics(
     std::shared_ptr<prometheus::Registry> rank,
     const std::function<void(std::shared_ptr<prometheus::Registry>)>& expose) {
   {
-    std::lock_guard<std::mutex> lock(impl_->registry_mu);
+    absl::MutexLock lock(&impl_->registry_mu);
     impl_->rank_registry = std::move(rank);
   }
   if (expose) expose(impl_->own_registry);
 }
 
 void ApiServer::SetEngine(Engine* engine, const std::string& reason) {
-  std::unique_lock<std::shared_mutex> lock(impl_->engine_mu);
+  absl::WriterMutexLock lock(&impl_->engine_mu);
   impl_->engine = engine;
   if (engine != nullptr) {
     impl_->max_context = engine->options().max_context;

@@ -32,35 +32,16 @@ namespace shardserve {
 
 class LeaderMetrics;
 
+// The API's settings: the worker contract (its model, its API's address and limits, its keys:
+// api/worker_env.h owns their names, defaults and bounds) and the address the leader listens on.
 struct ServeConfig {
-  std::string host = "0.0.0.0";
-  int port = 8000;
-  std::string model_name = "model";
-  std::string metrics_model;  // the `model` label of the request metrics ("": model_name)
-  std::string model_dir;
-  std::string replica = "0";
-  int max_batch = 32;
-  int max_queue = 128;
-  int64_t max_step_tokens = 512;
-  size_t max_body_bytes = 4 << 20;
-  int64_t drain_seconds = 5;  // on SIGTERM, requests in progress may finish for this long
-  // A request's head must arrive within header_timeout, its body within body_timeout.
-  std::chrono::milliseconds header_timeout{10000};
-  std::chrono::milliseconds body_timeout{60000};
-  size_t max_connections = 4096;
-  bool metrics_need_key = true;  // with API keys, /metrics needs one too
-  std::string api_key;           // SHARDSERVE_API_KEY (ApiKeys)
-  std::string api_keys_file;     // SHARDSERVE_API_KEYS_FILE
+  WorkerEnv env;
+  // env.api_host when set; else loopback for a replica whose ranks are all on this machine (its
+  // leader address is loopback), else every address.
+  std::string host;
 };
 
-// The address and batch of the worker contract (`env`: api_host, api_port, max_batch_size), then
-// the server's tunables from this process's environment, SHARDSERVE_MAX_QUEUE,
-// SHARDSERVE_MAX_STEP_TOKENS, SHARDSERVE_MAX_BODY_BYTES, SHARDSERVE_DRAIN_SECONDS,
-// SHARDSERVE_HTTP_HEADER_TIMEOUT_MS, SHARDSERVE_HTTP_BODY_TIMEOUT_MS,
-// SHARDSERVE_HTTP_MAX_CONNECTIONS and SHARDSERVE_API_METRICS_AUTH (true|false), over the given
-// defaults (model name, directory and replica come from the rank's config), and the API keys:
-// SHARDSERVE_API_KEY, and the contract's SHARDSERVE_API_KEYS_FILE. Errors name the variable.
-absl::StatusOr<ServeConfig> ServeConfigFrom(ServeConfig defaults, const WorkerEnv& env);
+ServeConfig ServeConfigFrom(const WorkerEnv& env, bool local);
 
 class ApiServer {
  public:

@@ -10,8 +10,11 @@ namespace shardserve {
 using Clock = std::chrono::steady_clock;
 
 RequestStream::Update RequestStream::Next(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || finished_; });
+  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
+  absl::MutexLock lock(&mu_);
+  while (pending_.empty() && !finished_) {
+    if (cv_.WaitWithDeadline(&mu_, deadline)) break;
+  }
   Update u;
   u.tokens.swap(pending_);
   u.finished = finished_;
@@ -21,18 +24,18 @@ RequestStream::Update RequestStream::Next(std::chrono::milliseconds timeout) {
 }
 
 void RequestStream::Push(Token t) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   pending_.push_back(std::move(t));
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void RequestStream::Finish(std::string reason, absl::Status status) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (finished_) return;
   finished_ = true;
   reason_ = std::move(reason);
   status_ = std::move(status);
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 struct Engine::Sequence {
@@ -87,7 +90,7 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
   std::shared_ptr<RequestStream> stream = seq->stream;
   size_t depth;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (!accepting_) return absl::UnavailableError("the server is not serving");
     // Requests that the batch's free slots will take at the next step do not count as queued.
     const int free_slots = std::max(0, options_.max_batch - running_count_.load());
@@ -99,28 +102,28 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
     waiting_.push_back(std::move(seq));
     depth = waiting_.size();
   }
-  wake_.notify_all();
+  wake_.SignalAll();
   if (observer_.queue_depth) observer_.queue_depth(depth);
   return stream;
 }
 
 void Engine::Shutdown(std::chrono::milliseconds drain) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (!shutdown_) drain_until_ = Clock::now() + drain;
     shutdown_ = true;
     accepting_ = false;
   }
-  wake_.notify_all();
+  wake_.SignalAll();
 }
 
 bool Engine::accepting() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return accepting_ && healthy_.load();
 }
 
 size_t Engine::queue_depth() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return waiting_.size();
 }
 
@@ -146,7 +149,7 @@ void Engine::Preempt(Sequence* s) {
   std::unique_ptr<Sequence> owned = std::move(*it);
   running_.erase(it);
   running_count_.store(static_cast<int>(running_.size()));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   waiting_.push_front(std::move(owned));
 }
 
@@ -158,7 +161,7 @@ StepDesc Engine::BuildStep(int mb) {
   int64_t admitted_order = 0;
   for (const auto& s : running_) admitted_order = std::max(admitted_order, s->admitted);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     std::erase_if(waiting_, [](const std::unique_ptr<Sequence>& s) {
       if (!s->stream->cancelled()) return false;
       s->stream->Finish("cancelled");
@@ -273,7 +276,7 @@ void Engine::Accept(const StepResult& result) {
 absl::Status Engine::Loop() {
   for (;;) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (shutdown_ && ((waiting_.empty() && running_.empty()) || Clock::now() >= drain_until_)) {
         return absl::OkStatus();
       }
@@ -288,15 +291,19 @@ absl::Status Engine::Loop() {
     }
     if (observer_.queue_depth) observer_.queue_depth(queue_depth());
     if (in_flight_.empty()) {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (options_.exit_when_idle && waiting_.empty()) return absl::OkStatus();
-      if (!waiting_.empty()) continue;  // admitted on the next pass
-      if (shutdown_) continue;          // drained
-      if (!wake_.wait_for(lock, options_.ping_every,
-                          [&] { return shutdown_ || !waiting_.empty(); })) {
-        lock.unlock();
-        RETURN_IF_ERROR(executor_->Ping());
+      bool woken = false;
+      {
+        absl::MutexLock lock(&mu_);
+        if (options_.exit_when_idle && waiting_.empty()) return absl::OkStatus();
+        if (!waiting_.empty()) continue;  // admitted on the next pass
+        if (shutdown_) continue;          // drained
+        const absl::Time deadline = absl::Now() + absl::FromChrono(options_.ping_every);
+        while (!shutdown_ && waiting_.empty()) {
+          if (wake_.WaitWithDeadline(&mu_, deadline)) break;
+        }
+        woken = shutdown_ || !waiting_.empty();
       }
+      if (!woken) RETURN_IF_ERROR(executor_->Ping());  // idle: is the replica still there?
       continue;
     }
     const int mb = in_flight_.front();
@@ -315,7 +322,7 @@ void Engine::FailAll(const absl::Status& status) {
   running_.clear();
   running_count_.store(0);
   for (MicroBatch& mb : mbs_) mb.seqs.clear();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   accepting_ = false;
   for (const auto& s : waiting_) s->stream->Finish("", status);
   waiting_.clear();

@@ -11,17 +11,17 @@
 // Run is the scheduler thread and the only user of the StepExecutor.
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "api/worker_env.h"
 #include "model/generation.h"
 #include "serve/step.h"
 
@@ -36,11 +36,13 @@ struct EngineObserver {
 };
 
 struct EngineOptions {
-  int max_batch = 32;  // running sequences
-  int max_queue = 64;  // waiting requests; beyond: ResourceExhausted
+  // The worker contract's limits, with its defaults (api/worker_env.h).
+  int max_batch = WorkerEnv::Defaults().max_batch_size;  // running sequences
+  int max_queue = WorkerEnv::Defaults().max_queue;  // waiting requests; beyond: ResourceExhausted
   int microbatches = 1;
-  int64_t max_step_tokens = 512;  // prompt tokens fed per step (decode tokens always fit)
-  int64_t kv_blocks = 0;          // the replica's KV cache (every rank has the same blocks)
+  // Prompt tokens fed per step (decode tokens always fit).
+  int64_t max_step_tokens = WorkerEnv::Defaults().max_step_tokens;
+  int64_t kv_blocks = 0;  // the replica's KV cache (every rank has the same blocks)
   int64_t kv_block_size = 16;
   int64_t max_context = 0;  // prompt + generated tokens per sequence
   int64_t vocab_size = 0;
@@ -76,8 +78,8 @@ class RequestStream {
   void Finish(std::string reason, absl::Status status = absl::OkStatus());
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
   std::vector<Token> pending_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool reported_ ABSL_GUARDED_BY(mu_) = false;
@@ -129,8 +131,8 @@ class Engine {
   EngineOptions options_;
   EngineObserver observer_;
 
-  mutable std::mutex mu_;
-  std::condition_variable wake_;
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
   std::deque<std::unique_ptr<Sequence>> waiting_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::chrono::steady_clock::time_point drain_until_ ABSL_GUARDED_BY(mu_);

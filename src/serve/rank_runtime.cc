@@ -78,7 +78,7 @@ class Rank : public StepExecutor {
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
   // tp_rank 0 (every step has one, possibly empty) and nothing elsewhere.
   absl::StatusOr<std::optional<StepResult>> ProcessStep(const StepDesc& step);
-  int LastSampler() const { return world_.RankOf(cfg_.pp - 1, 0); }
+  int LastSampler() const { return world_.RankOf(cfg_.env.pp - 1, 0); }
   // Hidden states from the previous stage and to the next: device to device over the backend's
   // link where there is one, through host memory over the mesh otherwise.
   absl::Status ReceiveHidden(int64_t rows) {
@@ -122,8 +122,8 @@ absl::Status Rank::Init() {
     ASSIGN_OR_RETURN(
         metrics_,
         RankMetrics::Start(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", cfg_.metrics_port,
-                           {cfg_.metrics_model, std::to_string(cfg_.replica),
-                            std::to_string(cfg_.stage), std::to_string(cfg_.tp_rank)}));
+                           {cfg_.env.metrics_model(), std::to_string(cfg_.env.replica),
+                            std::to_string(cfg_.env.stage), std::to_string(cfg_.env.tp_rank)}));
     metrics_->SetUp(false);
     LogInfo("metrics on ", cfg_.host, ":", metrics_->port(), "/metrics");
   }
@@ -143,10 +143,10 @@ absl::Status Rank::Init() {
                      RendezvousServer::Listen(cfg_.bind_host, cfg_.leader_port, cfg_.secret));
     info = server.RunMakingBlobs(
         world_, self, [&](const std::vector<RankAddress>& ranks) { return backend_->Blobs(ranks); },
-        cfg_.startup_timeout);
+        cfg_.startup_timeout());
   } else {
     info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.secret,
-                          cfg_.startup_timeout);
+                          cfg_.startup_timeout());
   }
   if (!info.ok()) return info.status();
   TcpOptions to;
@@ -156,17 +156,17 @@ absl::Status Rank::Init() {
   to.rank = rank;
   to.group_id = Fnv(cfg_.job_id);
   to.secret = cfg_.secret;
-  to.peer_timeout = cfg_.peer_timeout;
+  to.peer_timeout = cfg_.peer_timeout();
   ASSIGN_OR_RETURN(world_comm_, TcpCommunicator::Create(to, std::move(data)));
   mesh_ = std::make_unique<ObservedCommunicator>(world_comm_.get(), observe);
-  if (cfg_.tp > 1) {
+  if (cfg_.env.tp > 1) {
     ShmOptions so;
     so.name = ShmGroupName(cfg_);
-    so.size = cfg_.tp;
-    so.rank = cfg_.tp_rank;
-    so.peer_timeout = cfg_.peer_timeout;
-    for (int t = 0; t < cfg_.tp; ++t) {
-      so.member_names.push_back(world_.Describe(world_.RankOf(cfg_.stage, t)));
+    so.size = cfg_.env.tp;
+    so.rank = cfg_.env.tp_rank;
+    so.peer_timeout = cfg_.peer_timeout();
+    for (int t = 0; t < cfg_.env.tp; ++t) {
+      so.member_names.push_back(world_.Describe(world_.RankOf(cfg_.env.stage, t)));
     }
     auto comm = ShmCommunicator::Create(so);
     if (!comm.ok()) return comm.status();
@@ -175,15 +175,15 @@ absl::Status Rank::Init() {
   }
   // Every rank computes the same split; a shape that cannot be sharded is reported to all.
   absl::Status loaded = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(cfg_.model_path));
-    ASSIGN_OR_RETURN(auto split, StageLayers(c, cfg_.pp));
+    ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(cfg_.env.model_path));
+    ASSIGN_OR_RETURN(auto split, StageLayers(c, cfg_.env.pp));
     Transformer::Options o;
-    o.num_threads = cfg_.threads;
-    o.tp_size = cfg_.tp;
-    o.tp_rank = cfg_.tp_rank;
+    o.num_threads = cfg_.env.threads;
+    o.tp_size = cfg_.env.tp;
+    o.tp_rank = cfg_.env.tp_rank;
     o.tp_comm = tp_group_.get();
-    o.layer_begin = split[cfg_.stage].begin;
-    o.layer_end = split[cfg_.stage].end;
+    o.layer_begin = split[cfg_.env.stage].begin;
+    o.layer_end = split[cfg_.env.stage].end;
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
     return absl::OkStatus();
   }();
@@ -344,12 +344,16 @@ LeaderContext Rank::Context() {
       m->Expose(std::move(r));
     };
   }
+  const WorkerEnv& env = cfg_.env;
   EngineOptions& o = ctx.engine;
-  o.microbatches = std::max(1, cfg_.microbatches > 0 ? cfg_.microbatches : cfg_.pp);
+  o.max_batch = env.max_batch_size;
+  o.max_queue = env.max_queue;
+  o.max_step_tokens = env.max_step_tokens;
+  o.microbatches = std::max(1, env.microbatches > 0 ? env.microbatches : env.pp);
   o.kv_blocks = cache_->num_blocks();
   o.kv_block_size = cache_->block_size();
-  o.max_context = cfg_.max_sequence_length > 0 ? std::min(c.max_context, cfg_.max_sequence_length)
-                                               : c.max_context;
+  o.max_context = env.max_sequence_length > 0 ? std::min(c.max_context, env.max_sequence_length)
+                                              : c.max_context;
   o.vocab_size = c.vocab_size;
   o.eos_token_ids = c.eos_token_ids;
   return ctx;
@@ -366,19 +370,10 @@ absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& c, int pp
 absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& w) {
   RankConfig c;
   if (w.model_path.empty()) {
-    return absl::InvalidArgumentError("environment variable SHARDSERVE_MODEL_PATH is not set");
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", kModelPathEnv, " is not set"));
   }
-  c.model_path = w.model_path;
-  c.tp = w.tp;
-  c.pp = w.pp;
-  c.stage = w.stage;
-  c.tp_rank = w.tp_rank;
-  c.microbatches = w.microbatches;
-  c.threads = w.threads;
-  c.kv_cache_tokens = w.kv_cache_tokens;
-  c.max_sequence_length = w.max_sequence_length;
-  c.peer_timeout = std::chrono::milliseconds(w.peer_timeout_ms);
-  c.startup_timeout = std::chrono::milliseconds(w.startup_timeout_ms);
+  c.env = w;
   if (!w.leader_addr.empty()) {  // HOST:PORT, checked by WorkerEnv::FromEnv
     const size_t colon = w.leader_addr.rfind(':');
     c.leader_host = w.leader_addr.substr(0, colon);
@@ -386,10 +381,10 @@ absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& w) {
   }
   // Names this replica's shared memory: one per model replica, so replicas sharing a node
   // never meet.
-  c.replica = w.replica;
-  c.model_name = w.model_name;
-  c.metrics_model = w.deployment.empty() ? c.model_name : w.deployment;
-  c.job_id = w.job_id.empty() ? absl::StrCat(c.model_name, "-r", c.replica) : w.job_id;
+  c.job_id = w.job_id.empty() ? absl::StrCat(w.model_name, "-r", w.replica) : w.job_id;
+  for (char& ch : c.job_id) {
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';
+  }
   if (!w.host.empty()) {
     c.host = w.host;
   } else if (c.leader_host != "127.0.0.1" && c.leader_host != "localhost") {
@@ -397,28 +392,24 @@ absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& w) {
     gethostname(name, sizeof(name) - 1);
     c.host = name;
   }
-  c.bind_host = !w.pod_ip.empty() ? w.pod_ip : c.host == "127.0.0.1" ? "127.0.0.1" : "";
+  c.bind_host = !w.pod_ip.empty() ? w.pod_ip : c.local() ? "127.0.0.1" : "";
   if (!w.rendezvous_secret_file.empty()) {
     ASSIGN_OR_RETURN(c.secret, ReadSecretFile(w.rendezvous_secret_file));
-  } else if (c.tp * c.pp > 1) {
-    return absl::InvalidArgumentError(
-        "environment variable SHARDSERVE_RENDEZVOUS_SECRET_FILE is not set: the ranks of a "
-        "replica prove a shared secret to each other (the operator mounts one per replica; "
-        "shardserve local makes one per run)");
+  } else if (w.tp * w.pp > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable ", kSecretFileEnv,
+        " is not set: the ranks of a replica prove a shared secret to each other (the operator "
+        "mounts one per replica; shardserve local makes one per run)"));
   }
   if (w.metrics) {
     c.metrics_port =
-        w.metrics_port_base >= 0 ? w.metrics_port_base + c.rank() : kMetricsPortBase + c.tp_rank;
+        w.metrics_port_base >= 0 ? w.metrics_port_base + w.rank() : kMetricsPortBase + w.tp_rank;
   }
-  for (char& ch : c.job_id) {
-    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-') ch = '-';
-  }
-  c.backend = w.backend;
   return c;
 }
 
 std::string ShmGroupName(const RankConfig& c) {
-  return absl::StrCat("/shardserve-", c.job_id, "-stage", c.stage);
+  return absl::StrCat("/shardserve-", c.job_id, "-stage", c.env.stage);
 }
 
 void RefuseReplica(const RankConfig& config, const WorldConfig& world, const absl::Status& why) {
@@ -426,16 +417,16 @@ void RefuseReplica(const RankConfig& config, const WorldConfig& world, const abs
   auto server = RendezvousServer::Listen(config.bind_host, config.leader_port, config.secret);
   if (!server.ok()) return;
   server->RefuseAll(world, std::string(why.message()),
-                    std::min(config.startup_timeout, std::chrono::milliseconds(30000)));
+                    std::min(config.startup_timeout(), std::chrono::milliseconds(30000)));
 }
 
 absl::StatusOr<RankOutcome> RunRank(const RankConfig& config, const WorldConfig& world,
                                     const LeaderMain& lead, const std::function<void()>& started) {
-  if (world.tp() != config.tp || world.pp() != config.pp || world.rank() != config.rank()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", config.rank(), " of tp ", config.tp,
-                                                   " x pp ", config.pp, " was given the world of ",
-                                                   world.Describe(world.rank()), " in tp ",
-                                                   world.tp(), " x pp ", world.pp()));
+  if (world.tp() != config.env.tp || world.pp() != config.env.pp || world.rank() != config.rank()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", config.rank(), " of tp ", config.env.tp, " x pp ", config.env.pp,
+                     " was given the world of ", world.Describe(world.rank()), " in tp ",
+                     world.tp(), " x pp ", world.pp()));
   }
   Rank rank(config, world);
   if (absl::Status s = rank.Init(); !s.ok()) return rank.AbortAll(s);

@@ -31,43 +31,37 @@ class Registry;
 
 namespace shardserve {
 
+// A rank's configuration: the worker contract as its launcher handed it (api/worker_env.h owns
+// every setting, its default and its bounds), and what the rank derives from it.
 struct RankConfig {
-  std::string model_path;
-  int tp = 1;
-  int pp = 1;
-  int stage = 0;
-  int tp_rank = 0;
+  WorkerEnv env;
+  // The leader's rendezvous, from env.leader_addr (loopback on the default port when unset).
   std::string leader_host = "127.0.0.1";
-  int leader_port = 29500;         // rendezvous
-  std::string job_id;              // names the shared-memory segments of this replica
+  int leader_port = kRendezvousPort;
   std::string host = "127.0.0.1";  // this rank's address as the others reach it
-  // Where the rendezvous and the mesh listen: the pod's address (SHARDSERVE_POD_IP), loopback
-  // when the rank is local, else "" (every address).
+  // Where the rendezvous and the mesh listen: the pod's address (env.pod_ip), loopback when the
+  // rank is local, else "" (every address).
   std::string bind_host = "127.0.0.1";
-  // The replica's secret, proven at the rendezvous and on every mesh connection
-  // (SHARDSERVE_RENDEZVOUS_SECRET_FILE; required when the replica has more than one rank).
+  // The replica's secret, read from env.rendezvous_secret_file and proven at the rendezvous and
+  // on every mesh connection (required when the replica has more than one rank).
   std::string secret;
-  std::string model_name = "model";  // the name served on the API
-  // The `model` label of the metrics: the ShardedModel (SHARDSERVE_DEPLOYMENT), so the
-  // operator's, the leader's and every rank's series of one deployment share it.
-  std::string metrics_model = "model";
-  int replica = 0;
+  std::string job_id;     // names the shared-memory segments of this replica
   int metrics_port = -1;  // -1: no /metrics server
-  int microbatches = 0;   // 0: pp
-  int threads = 1;
-  // SHARDSERVE_BACKEND: cpu, cuda, or auto (CUDA when this build has it and a GPU is visible).
-  std::string backend = "auto";
-  int64_t kv_cache_tokens = 8192;
-  int64_t max_sequence_length = 0;  // 0: the model's context
-  std::chrono::milliseconds peer_timeout{2000};
-  std::chrono::milliseconds startup_timeout{120000};
 
-  int rank() const { return stage * tp + tp_rank; }
+  int rank() const { return env.rank(); }
+  std::chrono::milliseconds peer_timeout() const {
+    return std::chrono::milliseconds(env.peer_timeout_ms);
+  }
+  std::chrono::milliseconds startup_timeout() const {
+    return std::chrono::milliseconds(env.startup_timeout_ms);
+  }
+  // Every rank of the replica runs on this machine (`shardserve local`, `shardserve generate`).
+  bool local() const { return host == "127.0.0.1"; }
 };
 
-// A rank's configuration from the worker contract (api/worker_env.h): its place in the
-// replica, how to reach the others (the leader's rendezvous, this rank's address, the secret read
-// from its file), where its /metrics listen. Errors name the variable.
+// A rank's configuration from the worker contract: how to reach the others (the leader's
+// rendezvous, this rank's address, the secret read from its file), where its /metrics listen.
+// Errors name the variable.
 absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& env);
 
 struct RankOutcome {
@@ -80,7 +74,8 @@ struct RankOutcome {
 struct LeaderContext {
   StepExecutor* executor = nullptr;  // the replica; valid during the LeaderMain call
   const ModelConfig* config = nullptr;
-  EngineOptions engine;  // the replica's cache, context, micro-batches and vocabulary filled in
+  // The replica's batch, queue, cache, context, micro-batches and vocabulary filled in.
+  EngineOptions engine;
   std::shared_ptr<prometheus::Registry> registry;  // the rank's /metrics; null when off
   // Adds a registry to the rank's /metrics page; null when off.
   std::function<void(std::shared_ptr<prometheus::Registry>)> expose;

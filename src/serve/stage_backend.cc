@@ -22,8 +22,8 @@ class CpuBackend : public StageBackend {
   absl::StatusOr<std::unique_ptr<Transformer>> Load(const WorldInfo&, Transformer::Options o,
                                                     const Observer&,
                                                     std::unique_ptr<KvCache>& cache) override {
-    ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o));
-    ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.kv_cache_tokens));
+    ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.env.model_path, o));
+    ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.env.kv_cache_tokens));
     return m;
   }
 
@@ -45,7 +45,7 @@ class CudaBackend : public StageBackend {
   absl::StatusOr<std::vector<std::string>> Blobs(
       const std::vector<RankAddress>& ranks) const override {
     std::vector<std::string> blobs;
-    const int tp = cfg_.tp, pp = cfg_.pp;
+    const int tp = cfg_.env.tp, pp = cfg_.env.pp;
     blobs.resize(pp + (pp - 1) * tp);
     for (int s = 0; tp > 1 && s < pp; ++s) {
       ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::NewUniqueId());
@@ -72,8 +72,8 @@ class CudaBackend : public StageBackend {
     RETURN_IF_ERROR(Join(info, device, observe));
     if (tp_timed_) o.tp_comm = tp_timed_.get();
     ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(device));
-    ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.model_path, o, std::move(gpu)));
-    ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.kv_cache_tokens));
+    ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.env.model_path, o, std::move(gpu)));
+    ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.env.kv_cache_tokens));
     LogInfo("CUDA backend on GPU ", device);
     return m;
   }
@@ -93,7 +93,7 @@ class CudaBackend : public StageBackend {
   }
 
   absl::Status Join(const WorldInfo& info, int device, const Observer& observe) {
-    const int tp = cfg_.tp, pp = cfg_.pp, s = cfg_.stage, t = cfg_.tp_rank;
+    const int tp = cfg_.env.tp, pp = cfg_.env.pp, s = cfg_.env.stage, t = cfg_.env.tp_rank;
     if (static_cast<int>(info.blobs.size()) != pp + (pp - 1) * tp) {
       return absl::InternalError(absl::StrCat("the leader handed out ", info.blobs.size(),
                                               " NCCL ids for ", pp, " stages of ", tp, " ranks"));
@@ -105,8 +105,9 @@ class CudaBackend : public StageBackend {
                     std::unique_ptr<Communicator>& timed) -> absl::Status {
       if (blob.empty()) return absl::OkStatus();
       ASSIGN_OR_RETURN(nccl::UniqueId id, nccl::UniqueId::FromBlob(blob));
-      ASSIGN_OR_RETURN(raw, nccl::NcclCommunicator::Create(
-                                id, size, member, device, cfg_.peer_timeout, cfg_.startup_timeout));
+      ASSIGN_OR_RETURN(raw,
+                       nccl::NcclCommunicator::Create(id, size, member, device, cfg_.peer_timeout(),
+                                                      cfg_.startup_timeout()));
       timed = std::make_unique<ObservedCommunicator>(raw.get(), observe);
       return absl::OkStatus();
     };
@@ -137,7 +138,7 @@ class CudaBackend : public StageBackend {
 
 absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankConfig& config,
                                                                    const WorldConfig& world) {
-  const std::string& name = config.backend;
+  const std::string& name = config.env.backend;
 #ifdef SHARDSERVE_WITH_CUDA
   const bool gpu = cuda::DeviceCount() > 0;
   auto cuda = [&]() -> std::unique_ptr<StageBackend> {
@@ -155,15 +156,16 @@ absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankCon
   if (name == "auto") return gpu ? cuda() : cpu();
   if (name == "cuda") {
 #ifndef SHARDSERVE_WITH_CUDA
-    return absl::FailedPreconditionError(
-        "SHARDSERVE_BACKEND=cuda, but this build has no CUDA backend (build with SHARDSERVE_CUDA)");
+    return absl::FailedPreconditionError(absl::StrCat(
+        kBackendEnv, "=cuda, but this build has no CUDA backend (build with SHARDSERVE_CUDA)"));
 #endif
     if (!gpu)
-      return absl::FailedPreconditionError("SHARDSERVE_BACKEND=cuda, but no GPU is visible");
+      return absl::FailedPreconditionError(
+          absl::StrCat(kBackendEnv, "=cuda, but no GPU is visible"));
     return cuda();
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("SHARDSERVE_BACKEND '", name, "' must be cpu, cuda or auto"));
+      absl::StrCat(kBackendEnv, " '", name, "' must be cpu, cuda or auto"));
 }
 
 }  // namespace shardserve

@@ -18,7 +18,9 @@ absl::Status In(const std::string& where, const absl::Status& s) {
   return absl::DataLossError(absl::StrCat(where, ": ", s.message()));
 }
 
-json ParamsJson(const SamplingParams& p) {
+}  // namespace
+
+json EncodeSamplingParams(const SamplingParams& p) {
   return {{"temperature", p.temperature},
           {"top_p", p.top_p},
           {"top_k", p.top_k},
@@ -26,7 +28,7 @@ json ParamsJson(const SamplingParams& p) {
           {"top_logprobs", p.top_logprobs}};
 }
 
-absl::StatusOr<SamplingParams> ParamsFromJson(const json& j) {
+absl::StatusOr<SamplingParams> DecodeSamplingParams(const json& j) {
   if (!j.is_object()) return absl::DataLossError("'params' is not an object");
   SamplingParams p;
   ASSIGN_OR_RETURN(double temperature, JsonNumber(j, "temperature"));
@@ -44,17 +46,10 @@ absl::StatusOr<SamplingParams> ParamsFromJson(const json& j) {
   return p;
 }
 
+namespace {
+
 absl::StatusOr<std::vector<int64_t>> Int64s(const json& m, const char* key) {
-  ASSIGN_OR_RETURN(const json* array, JsonArray(m, key));
-  std::vector<int64_t> out;
-  out.reserve(array->size());
-  for (const json& v : *array) {
-    if (!v.is_number_integer()) {
-      return absl::DataLossError(absl::StrCat("'", key, "' holds ", v.dump(), ", not an integer"));
-    }
-    out.push_back(v.get<int64_t>());
-  }
-  return out;
+  return JsonInts(m, key, std::numeric_limits<int64_t>::min(), kMaxInt64);
 }
 
 }  // namespace
@@ -64,7 +59,7 @@ json EncodeStep(const StepDesc& d) {
   for (const StepChunk& c : d.chunks) {
     json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}};
     if (c.params) {
-      ch["params"] = ParamsJson(*c.params);
+      ch["params"] = EncodeSamplingParams(*c.params);
       ch["draws"] = c.draws;
     }
     chunks.push_back(std::move(ch));
@@ -105,7 +100,7 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
         c.tokens.push_back(static_cast<int32_t>(t));
       }
       if (auto params = ch.find("params"); params != ch.end()) {
-        auto p = ParamsFromJson(*params);
+        auto p = DecodeSamplingParams(*params);
         if (!p.ok()) return In(absl::StrCat("chunk of sequence ", c.seq), p.status());
         c.params = *p;
         ASSIGN_OR_RETURN(c.draws, JsonInt(ch, "draws", 0, kMaxInt64));

@@ -22,6 +22,11 @@ nlohmann::json EncodeStop();
 absl::StatusOr<StepMessageType> DecodeStepMessageType(const nlohmann::json& message);
 absl::StatusOr<StepDesc> DecodeStep(const nlohmann::json& message);
 
+// How the last stage samples a sequence (temperature, top_p, top_k, seed, top_logprobs; the
+// stopping fields stay on the leader).
+nlohmann::json EncodeSamplingParams(const SamplingParams& params);
+absl::StatusOr<SamplingParams> DecodeSamplingParams(const nlohmann::json& params);
+
 nlohmann::json EncodeStepResult(const StepResult& result);
 absl::StatusOr<StepResult> DecodeStepResult(const nlohmann::json& message);
 

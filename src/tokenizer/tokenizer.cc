@@ -13,9 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <queue>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status.h"
 #include "common/text.h"
 
@@ -233,9 +235,9 @@ struct Tokenizer::Impl {
 
   // Words seen before and their ids: words of at most kMaxCachedWordBytes, kCacheBytes in all
   // (emptied when full), so no stream of distinct words grows it without bound.
-  mutable std::mutex cache_mu;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;  // guarded by cache_mu
-  mutable size_t cache_bytes = 0;                                       // guarded by cache_mu
+  mutable absl::Mutex cache_mu;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mu);
+  mutable size_t cache_bytes ABSL_GUARDED_BY(cache_mu) = 0;
 
   absl::Status ParseModel(const json& m, const std::string& src);
   absl::Status ParseNormalizer(const json& n, const std::string& src);
@@ -633,7 +635,7 @@ absl::Status Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>&
   }
   const bool cacheable = word.size() <= kMaxCachedWordBytes;
   if (cacheable) {
-    std::lock_guard<std::mutex> lock(cache_mu);
+    absl::MutexLock lock(&cache_mu);
     auto it = cache.find(word);
     if (it != cache.end()) {
       out.insert(out.end(), it->second.begin(), it->second.end());
@@ -682,7 +684,7 @@ absl::Status Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>&
   out.insert(out.end(), syms.begin(), syms.end());
   if (!cacheable) return absl::OkStatus();
   const size_t bytes = word.size() + syms.size() * sizeof(int32_t) + 64;
-  std::lock_guard<std::mutex> lock(cache_mu);
+  absl::MutexLock lock(&cache_mu);
   if (cache_bytes + bytes > kCacheBytes) {
     cache.clear();
     cache_bytes = 0;

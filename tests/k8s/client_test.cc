@@ -18,8 +18,10 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/process.h"
 #include "common/text.h"
 #include "k8s/config.h"
@@ -305,14 +307,14 @@ TEST(K8sClient, ServiceAccountTokenAuthenticatesAndRotates) {
 
 TEST(K8sInformer, SeesPodsAndShardedModelsComeAndGo) {
   auto c = AdminClient();
-  std::mutex mu;
+  absl::Mutex mu;
   std::vector<std::string> seen;
   auto record = [&](const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     seen.push_back(what);
   };
   auto has = [&](const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     return std::find(seen.begin(), seen.end(), what) != seen.end();
   };
   EventHandlers h;

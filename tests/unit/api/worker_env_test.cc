@@ -55,11 +55,25 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.api_host = "127.0.0.1";
   w.api_port = 8080;
   w.max_batch_size = 16;
+  w.max_queue = 7;
+  w.max_step_tokens = 256;
+  w.max_body_bytes = 1 << 16;
+  w.drain_seconds = 30;
+  w.http_header_timeout_ms = 2000;
+  w.http_body_timeout_ms = 9000;
+  w.http_max_connections = 64;
+  w.api_metrics_auth = false;
+  w.api_key = "sk-0123456789abcdef";
   w.api_keys_file = "/keys";
   w.request = R"({"prompt_ids":[1,2]})";
   w.result_file = "/tmp/r.json";
   w.report_memory = true;
-  auto back = WorkerEnv::FromEnv(From(AsMap(w)));
+  const auto written = AsMap(w);
+  // Every variable of the table differs from its default here, so each is written: a setting
+  // added to the table and not to this test fails here.
+  EXPECT_EQ(written.size(), WorkerEnv::Names().size());
+  for (const std::string& name : WorkerEnv::Names()) EXPECT_TRUE(written.count(name)) << name;
+  auto back = WorkerEnv::FromEnv(From(written));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, w);
   EXPECT_EQ(back->rank(), 1 * 4 + 2);
@@ -101,6 +115,12 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
   EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader:0"}}), HasSubstr("is not HOST:PORT"));
   EXPECT_THAT(error({{"SHARDSERVE_METRICS", "maybe"}}),
               HasSubstr("SHARDSERVE_METRICS='maybe' must be on or off"));
+  EXPECT_THAT(error({{"SHARDSERVE_API_METRICS_AUTH", "yes"}}),
+              HasSubstr("SHARDSERVE_API_METRICS_AUTH='yes' must be true or false"));
+  EXPECT_THAT(error({{"SHARDSERVE_MAX_BODY_BYTES", "10"}}),
+              HasSubstr("SHARDSERVE_MAX_BODY_BYTES='10' must be an integer in [1024, "));
+  EXPECT_THAT(error({{"SHARDSERVE_MAX_BATCH_SIZE", "0"}}),
+              HasSubstr("SHARDSERVE_MAX_BATCH_SIZE='0' must be an integer in [1, "));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),
               HasSubstr("SHARDSERVE_STAGE 0 / SHARDSERVE_TP_RANK 2 are outside SHARDSERVE_TP 2"));
   EXPECT_THAT(error({{"SHARDSERVE_PP", "2"}, {"SHARDSERVE_STAGE", "2"}}),

@@ -113,7 +113,9 @@ TEST(Builders, WithoutPlatformDefaultsTheRanksCanReadTheirSecrets) {
   EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"]["runAsUser"], 65532);
   EXPECT_EQ(pod["spec"]["containers"][0]["securityContext"]["runAsGroup"], 65532);
   for (const json& v : pod["spec"]["volumes"]) {
-    if (v.contains("secret")) EXPECT_EQ(v["secret"]["defaultMode"], 0440);
+    if (v.contains("secret")) {
+      EXPECT_EQ(v["secret"]["defaultMode"], 0440);
+    }
   }
 }
 

@@ -55,7 +55,7 @@ TEST(ClusterView, PlacementRequestForCarriesTheSpec) {
   s.tensor = 8;
   s.pipeline = 2;
   s.node_selector = {{"pool", "h100"}};
-  s.tolerations.push_back({"gpu", "Exists", "", "NoSchedule"});
+  s.tolerations.push_back({"gpu", "Exists", "", "NoSchedule", std::nullopt});
   s.topology_key = "rack";
   const PlacementRequest r = PlacementRequestFor(s, {0, 2});
   EXPECT_EQ(r.tensor, 8);

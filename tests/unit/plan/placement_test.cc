@@ -104,7 +104,7 @@ TEST(Placement, ReasonsSayWhatIsMissing) {
             "GPUs (at most 4))");
 
   // A toleration lets the tainted node in; then the replica fits.
-  r.tolerations.push_back({"dedicated", "Exists", "", ""});
+  r.tolerations.push_back({"dedicated", "Exists", "", "", std::nullopt});
   r.node_selector["gpu-type"] = "h100";
   out = PlaceReplicas(r, {tainted, labelled, small, other, cordoned});
   ASSERT_TRUE(out.ok());

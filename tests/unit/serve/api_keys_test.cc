@@ -2,10 +2,10 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "api/worker_env.h"
@@ -81,18 +81,22 @@ TEST_F(ApiKeysTest, RefusesWeakOrMissingKeysByName) {
   EXPECT_FALSE(missing.ok());
 }
 
-// The server's keys come through its config: the contract's keys file (WorkerEnv) and
-// SHARDSERVE_API_KEY; neither leaves the API open.
+// The server's keys come through the worker contract: its keys file and SHARDSERVE_API_KEY,
+// read with the rest of the contract; neither leaves the API open.
 TEST_F(ApiKeysTest, TheServerConfigCarriesTheKeys) {
-  WorkerEnv w;
-  w.api_keys_file = Write("keys", "sk-from-the-file-0123\n");
-  ::setenv("SHARDSERVE_API_KEY", "sk-from-the-env-01234", 1);
-  auto c = ServeConfigFrom({}, w);
-  ::unsetenv("SHARDSERVE_API_KEY");
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->api_keys_file, w.api_keys_file);
-  EXPECT_EQ(c->api_key, "sk-from-the-env-01234");
-  auto keys = ApiKeys::Open(c->api_key, c->api_keys_file);
+  const std::string file = Write("keys", "sk-from-the-file-0123\n");
+  const std::map<std::string, std::string> vars = {{"SHARDSERVE_API_KEYS_FILE", file},
+                                                   {"SHARDSERVE_API_KEY", "sk-from-the-env-01234"}};
+  auto w = WorkerEnv::FromEnv([&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+  ASSERT_TRUE(w.ok()) << w.status();
+  const ServeConfig c = ServeConfigFrom(*w, /*local=*/true);
+  EXPECT_EQ(c.env.api_keys_file, file);
+  EXPECT_EQ(c.env.api_key, "sk-from-the-env-01234");
+  EXPECT_EQ(c.host, "127.0.0.1");
+  auto keys = ApiKeys::Open(c.env.api_key, c.env.api_keys_file);
   ASSERT_TRUE(keys.ok() && *keys != nullptr) << keys.status();
   EXPECT_TRUE((*keys)->Check("Bearer sk-from-the-file-0123").ok());
   EXPECT_TRUE((*keys)->Check("Bearer sk-from-the-env-01234").ok());
