@@ -3,8 +3,10 @@
 # environment), then every test through ctest.
 # On a new machine most of the time goes to downloads (the reference environment) and to two
 # builds, C++ and Go. The downloads run beside the C++ build; the Go build (the Kubernetes test
-# environment) runs at a lower priority beside the C++ build and the tests that do not need it,
-# and ctest's fixture k8s.testenv_build waits for it before the first test that does.
+# environment) runs in its own session beside the C++ build and the tests that do not need it,
+# and ctest's fixture k8s.testenv_build waits for it before the first test that does. (Its nice
+# value counts only inside that session: where the kernel groups sessions for scheduling
+# (autogroup), the Go build and the rest share the CPU about equally.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh build  # what the C++ build needs: Debian packages, the CUDA wheels
