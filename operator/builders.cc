@@ -38,11 +38,42 @@ json ChildMeta(const ModelView& m, const std::string& name) {
           {"ownerReferences", json::array({OwnerReference(m)})}};
 }
 
+// The model's files, read-only at kModelMount, and where a worker finds them.
+json ModelVolume(const ModelUri& uri) {
+  if (uri.scheme == ModelUri::Scheme::kPvc) {
+    return {{"name", "model"},
+            {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}};
+  }
+  return {{"name", "model"}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}};
+}
+json ModelVolumeMount() {
+  return {{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}};
+}
+std::string ModelPath(const ModelUri& uri) {
+  return uri.scheme == ModelUri::Scheme::kPvc ? absl::StrCat(kModelMount, "/", uri.path)
+                                              : std::string(kModelMount);
+}
+
+// The spec's node selector and tolerations, on a pod spec.
+void AddScheduling(const ShardedModelSpec& s, json& spec) {
+  if (!s.node_selector.empty()) spec["nodeSelector"] = s.node_selector;
+  for (const Toleration& t : s.tolerations) {
+    json tol = {{"operator", t.op}};
+    if (!t.key.empty()) tol["key"] = t.key;
+    if (!t.value.empty()) tol["value"] = t.value;
+    if (!t.effect.empty()) tol["effect"] = t.effect;
+    if (t.seconds) tol["tolerationSeconds"] = *t.seconds;
+    spec["tolerations"].push_back(std::move(tol));
+  }
+}
+
 }  // namespace
 
 std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
   return absl::StrCat(model, "-", replica, "-", stage);
 }
+
+std::string InspectPodName(const std::string& model) { return model + "-inspect"; }
 
 std::string RendezvousSecretName(const std::string& model, int64_t replica) {
   return absl::StrCat(model, "-", replica, "-rendezvous");
@@ -177,10 +208,10 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   WorkerEnv w;
   w.model_name = s.model_name;
   w.deployment = name;  // the metrics' `model` label
-  w.model_path = uri.scheme == ModelUri::Scheme::kPvc ? absl::StrCat(kModelMount, "/", uri.path)
-                                                      : std::string(kModelMount);
+  w.model_path = ModelPath(uri);
   w.replica = replica;
   w.stage = stage;
+  w.stage_layers = FormatStageLayers(m.stage_layers);
   w.tp = static_cast<int>(s.tensor);
   w.pp = static_cast<int>(s.pipeline);
   w.leader_addr = absl::StrCat(PodName(name, replica, 0), ".", workers, ".", m.model.namespace_,
@@ -248,19 +279,13 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {{{"name", "shm"},
         {"emptyDir",
          {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
-  if (uri.scheme == ModelUri::Scheme::kPvc) {
-    volumes.push_back({{"name", "model"},
-                       {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
-  } else {
-    volumes.push_back(
-        {{"name", "model"}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}});
-  }
+  volumes.push_back(ModelVolume(uri));
 
   // Secrets the kubelet mounts, readable by the pod's group (fsGroup) only: the replica's
   // rendezvous secret, and on the leader the API keys.
   json mounts = {
       {{"name", "shm"}, {"mountPath", "/dev/shm"}},
-      {{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}},
+      ModelVolumeMount(),
       {{"name", "rendezvous"}, {"mountPath", kRendezvousSecretMount}, {"readOnly", true}}};
   volumes.push_back(
       {{"name", "rendezvous"},
@@ -308,15 +333,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {"securityContext", m.defaults.pod_security_context},
       {"containers", json::array({container})},
       {"volumes", volumes}};
-  if (!s.node_selector.empty()) spec["nodeSelector"] = s.node_selector;
-  for (const Toleration& t : s.tolerations) {
-    json tol = {{"operator", t.op}};
-    if (!t.key.empty()) tol["key"] = t.key;
-    if (!t.value.empty()) tol["value"] = t.value;
-    if (!t.effect.empty()) tol["effect"] = t.effect;
-    if (t.seconds) tol["tolerationSeconds"] = *t.seconds;
-    spec["tolerations"].push_back(std::move(tol));
-  }
+  AddScheduling(s, spec);
 
   return {{"apiVersion", "v1"},
           {"kind", "Pod"},
@@ -325,6 +342,43 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
             {"namespace", m.model.namespace_},
             {"labels", labels},
             {"annotations", {{kPlacementAnnotation, absl::StrJoin(nodes, ",")}}},
+            {"ownerReferences", json::array({OwnerReference(m)})}}},
+          {"spec", spec}};
+}
+
+json BuildInspectPod(const ModelView& m) {
+  const ShardedModelSpec& s = m.model.spec;
+  const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
+  WorkerEnv w;
+  w.model_path = ModelPath(uri);
+  w.termination_log = "/dev/termination-log";
+  json env = json::array();
+  for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});
+  json labels = Labels(m);
+  labels[kRoleLabel] = kInspectRole;
+  json container = {{"name", "inspect"},
+                    {"image", s.image},
+                    {"command", json::array({"shardserve-worker", "inspect"})},
+                    {"terminationMessagePath", "/dev/termination-log"},
+                    {"terminationMessagePolicy", "FallbackToLogsOnError"},
+                    {"env", env},
+                    {"volumeMounts", json::array({ModelVolumeMount()})},
+                    {"securityContext", m.defaults.security_context}};
+  json spec = {{"restartPolicy", "Never"},
+               {"automountServiceAccountToken", false},
+               {"activeDeadlineSeconds", kInspectDeadlineSeconds},
+               {"terminationGracePeriodSeconds", 5},
+               {"securityContext", m.defaults.pod_security_context},
+               {"containers", json::array({container})},
+               {"volumes", json::array({ModelVolume(uri)})}};
+  AddScheduling(s, spec);
+  return {{"apiVersion", "v1"},
+          {"kind", "Pod"},
+          {"metadata",
+           {{"name", InspectPodName(m.model.name)},
+            {"namespace", m.model.namespace_},
+            {"labels", labels},
+            {"annotations", {{kModelUriAnnotation, s.model_uri}}},
             {"ownerReferences", json::array({OwnerReference(m)})}}},
           {"spec", spec}};
 }

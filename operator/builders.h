@@ -7,6 +7,8 @@
 //       nodes[stage], the replica's whole plan in annotation shardserve.io/placement,
 //       hostname/subdomain for rank DNS, labels, owner reference, the worker env and ports of
 //       §4, probes, a memory-backed /dev/shm for the TP group, the model volume
+//   BuildInspectPod(model)  <name>-inspect: `shardserve-worker inspect` on the model's volume,
+//       which reports the model's shape as its termination message (the layer split's input)
 //   BuildWorkersService(model)  headless <name>-workers (publishNotReadyAddresses) for rank DNS
 //   BuildLeaderService(model)   <name> on the leaders of all replicas (the API)
 //   BuildNetworkPolicy(model)   <name>-workers: only the model's own pods reach its ranks
@@ -14,12 +16,14 @@
 //       replica's ranks prove to each other (created once; the operator never reads it back)
 //   BuildDisruptionBudget(model, replica, leader pod)  the replica's gang as one budget
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "api/sharded_model.h"
 #include "api/worker_env.h"
+#include "plan/layer_split.h"
 
 namespace shardserve::op {
 
@@ -35,6 +39,10 @@ using ::shardserve::kRevisionLabel;
 using ::shardserve::kRoleLabel;
 using ::shardserve::kStageLabel;
 inline constexpr char kPlacementAnnotation[] = "shardserve.io/placement";
+// The inspect pod: its role label, the model uri it reads, and how long it may take.
+inline constexpr char kInspectRole[] = "inspect";
+inline constexpr char kModelUriAnnotation[] = "shardserve.io/model-uri";
+inline constexpr int kInspectDeadlineSeconds = 600;
 inline constexpr char kRendezvousSecretMount[] = "/var/run/shardserve/rendezvous";
 inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
 // A deleted worker pod waits this long before its SIGTERM, so that no new request is routed to
@@ -88,6 +96,10 @@ struct ModelView {
   json resources = json::object();  // spec.worker.resources
   std::string revision;             // hash of everything in the spec that shapes a pod
   WorkerDefaults defaults;
+  // The model's shape (status.model) and the plan's layers of each stage, which every stage pod
+  // is given: the controller's, once the shape is known.
+  std::optional<ModelShape> shape;
+  std::vector<LayerRange> stage_layers;
 };
 
 // Reads a ShardedModel object (JSON from the apiserver). InvalidArgument names the field; a
@@ -98,6 +110,7 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
 
 json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                    const std::vector<std::string>& nodes);
+json BuildInspectPod(const ModelView& m);
 json BuildWorkersService(const ModelView& m);
 json BuildLeaderService(const ModelView& m);
 // NetworkPolicy <name>-workers: the model's pods take any traffic from each other (rendezvous,
@@ -115,5 +128,6 @@ json BuildDisruptionBudget(const ModelView& m, int64_t replica, const std::strin
 
 std::string PodName(const std::string& model, int64_t replica, int64_t stage);
 std::string RendezvousSecretName(const std::string& model, int64_t replica);
+std::string InspectPodName(const std::string& model);
 
 }  // namespace shardserve::op

@@ -50,8 +50,8 @@ void SlimPod(json& pod) {
   json meta = Pick(pod["metadata"], {"name", "namespace", "uid", "resourceVersion", "labels",
                                      "creationTimestamp", "deletionTimestamp"});
   const json& annotations = pod["metadata"].value("annotations", json::object());
-  if (annotations.contains(kPlacementAnnotation)) {
-    meta["annotations"] = {{kPlacementAnnotation, annotations[kPlacementAnnotation]}};
+  for (const char* kept : {kPlacementAnnotation, kModelUriAnnotation}) {
+    if (annotations.contains(kept)) meta["annotations"][kept] = annotations[kept];
   }
   for (const json& o : pod["metadata"].value("ownerReferences", json::array())) {
     if (o.value("controller", false))
@@ -424,15 +424,21 @@ std::string Controller::MountFailure(const std::string& ns, const PodView& pod) 
   return absl::StrCat("pod ", pod.name, ": FailedMount: ", LastLine(latest->value("message", "")));
 }
 
+PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time now) {
+  PodView v = ReadPod(pod);
+  if (v.creating && v.stuck.empty() && !v.deleting && now - v.created > kMountGrace) {
+    v.stuck = MountFailure(ns, v);
+  }
+  return v;
+}
+
 std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::Time now) {
   std::vector<PodView> out;
   std::set<std::string> seen;
   for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
     if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
-    PodView v = ReadPod(pod);
-    if (v.creating && v.stuck.empty() && !v.deleting && now - v.created > kMountGrace) {
-      v.stuck = MountFailure(m.model.namespace_, v);
-    }
+    if (pod["metadata"]["labels"].value(kRoleLabel, "") == kInspectRole) continue;
+    PodView v = ReadPodOf(m.model.namespace_, pod, now);
     seen.insert(v.name);
     // Created by us but seen here before the informer delivered the creation: now seen.
     if (auto it = mem.created.find(v.name); it != mem.created.end()) mem.created.erase(it);
@@ -562,11 +568,56 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
       waiting_.erase(key);
     }
   } else {
-    const ModelView& m = *view;
+    ModelView& m = *view;
+    // The model's shape, then the layer split (computed here, once, for every rank).
+    const std::string inspect_key =
+        absl::StrCat(m.model.namespace_, "/", InspectPodName(m.model.name));
+    std::optional<PodView> inspect_pod;
+    if (std::optional<json> pod = pods_->store().Get(inspect_key)) {
+      inspect_pod = ReadPodOf(m.model.namespace_, *pod, now);
+    }
+    const ShapeView shape =
+        ReadShape(m.model.spec.model_uri, old_status, inspect_pod ? &*inspect_pod : nullptr);
+    std::string unplannable;
+    if (shape.state == ShapeView::State::kKnown) {
+      m.shape = shape.shape;
+      auto layers = PlanStageLayers(shape.shape, static_cast<int>(m.model.spec.pipeline));
+      if (layers.ok()) {
+        m.stage_layers = *std::move(layers);
+      } else {
+        unplannable = absl::StrCat("spec.parallelism.pipeline ", m.model.spec.pipeline, ": ",
+                                   layers.status().message());
+      }
+    } else if (shape.state == ShapeView::State::kFailed) {
+      unplannable = absl::StrCat("spec.model.uri '", m.model.spec.model_uri, "': ", shape.message);
+    }
+    if (!unplannable.empty()) {  // the replicas that run keep running, as for an invalid spec
+      status = InvalidStatus(generation, unplannable, old_status, now, events);
+      if (m.shape) {
+        status["model"] = ModelStatus(m.model.spec.model_uri, *m.shape);
+      } else {
+        status.erase("model");  // of an earlier uri
+      }
+      {
+        absl::MutexLock l(&mu_);
+        waiting_.erase(key);
+      }
+      RETURN_IF_ERROR(WriteStatus(*object, mem, status));
+      RETURN_IF_ERROR(Inspect(m, shape, inspect_pod));
+      for (const Event& e : events) recorder_.Record(*object, e);
+      return absl::OkStatus();
+    }
     std::vector<PodView> pods = PodsOf(m, mem, now);
     Decision d = Decide(m, pods, old_status, now, options_.timing);
     std::vector<json> to_create;
-    PlacementOutcome outcome = Place(m, d, to_create);
+    PlacementOutcome outcome;
+    if (shape.state == ShapeView::State::kKnown) {
+      outcome = Place(m, d, to_create);
+    } else {
+      WaitForShape(shape, d);  // no stage pod before its layers are known
+      // A volume that cannot be mounted shows only in Events (MountFailure): look again.
+      d.requeue_after = std::min(d.requeue_after, kMountGrace);
+    }
     ApplyPlacement(outcome, m.revision, d);
     {
       absl::MutexLock l(&mu_);
@@ -604,6 +655,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     // interrupted by a crash is completed, not taken for a failure) and restart counts before
     // the pods go.
     absl::Status written = WriteStatus(*object, mem, status);
+    if (written.ok()) written = Inspect(m, shape, inspect_pod);
     if (written.ok()) written = Act(m, d, to_create, pods, mem, now);
     if (!written.ok()) {
       for (const json& p : to_create) {
@@ -617,6 +669,22 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
   }
   RETURN_IF_ERROR(WriteStatus(*object, mem, status));
   for (const Event& e : events) recorder_.Record(*object, e);
+  return absl::OkStatus();
+}
+
+absl::Status Controller::Inspect(const ModelView& m, const ShapeView& shape,
+                                 const std::optional<PodView>& pod) {
+  ApiTimer timer;
+  const std::string& ns = m.model.namespace_;
+  if (shape.delete_pod && pod) RETURN_IF_ERROR(client_->Delete(kPods, ns, pod->name, pod->uid));
+  if (shape.create_pod) {
+    auto created = client_->Create(kPods, ns, BuildInspectPod(m));
+    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
+      return absl::Status(created.status().code(),
+                          absl::StrCat("creating the pod that reads the model's shape: ",
+                                       created.status().message()));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -95,9 +96,14 @@ class Controller {
   void EnqueueWaiting();
   std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now);
   std::string MountFailure(const std::string& ns, const PodView& pod);
+  // ReadPod, and for a pod whose volumes stay unmounted past a grace period, why (MountFailure).
+  PodView ReadPodOf(const std::string& ns, const json& pod, absl::Time now);
   // Under one lock for every worker: reserves the GPUs of `d.creates`, then plans `d.place`
   // against the ledger and reserves what it placed. `pods` gets every pod to create.
   PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);
+  // The inspect pod's part of `shape`: created for a new uri, deleted once read (or stale).
+  absl::Status Inspect(const ModelView& m, const ShapeView& shape,
+                       const std::optional<PodView>& pod);
   // Merge-patches status when it differs from what was last written (or is cached).
   absl::Status WriteStatus(const json& object, Memory& mem, const json& status);
   // Carries a decision out: the rendezvous secret of each replica being created, services,

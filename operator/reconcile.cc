@@ -184,6 +184,7 @@ PodView ReadPod(const json& pod) {
     if (o.value("controller", false)) v.owner_uid = o.value("uid", "");
   }
   const json annotations = meta.value("annotations", json::object());
+  v.model_uri = annotations.value(kModelUriAnnotation, "");
   const std::string placement = annotations.value(kPlacementAnnotation, "");
   if (!placement.empty()) v.placement = absl::StrSplit(placement, ',');
   v.deleting = meta.contains("deletionTimestamp") && !meta["deletionTimestamp"].is_null();
@@ -214,6 +215,7 @@ PodView ReadPod(const json& pod) {
                        waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
     }
     const json& term = c.value("state", json::object()).value("terminated", json());
+    if (term.is_object()) v.report = LastLine(term.value("message", ""));
     if (term.is_object() && v.failure.empty()) {
       v.failure =
           absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
@@ -234,6 +236,77 @@ PodView ReadPod(const json& pod) {
     v.failure.clear();  // a running container's last termination is history
   }
   return v;
+}
+
+json ModelStatus(const std::string& uri, const ModelShape& shape) {
+  return {{"uri", uri}, {"shape", ShapeToJson(shape)}};
+}
+
+ShapeView ReadShape(const std::string& uri, const json& status, const PodView* pod) {
+  ShapeView out;
+  const json model = status.is_object() ? status.value("model", json::object()) : json::object();
+  if (model.is_object() && model.value("uri", "") == uri) {
+    auto shape = ShapeFromJson(model.value("shape", json()));
+    if (shape.ok()) {
+      out.state = ShapeView::State::kKnown;
+      out.shape = *shape;
+      out.delete_pod = pod != nullptr;
+      return out;
+    }
+  }
+  if (pod == nullptr) {
+    out.message = "creating the pod that reads it";
+    out.create_pod = true;
+    return out;
+  }
+  if (pod->deleting) {
+    out.message = absl::StrCat("pod ", pod->name, " is going");
+    return out;
+  }
+  if (pod->model_uri != uri) {  // it read the model before a change of spec.model.uri
+    out.message = absl::StrCat("pod ", pod->name, " read another uri; replacing it");
+    out.delete_pod = true;
+    return out;
+  }
+  if (pod->phase == "Succeeded") {
+    auto shape = ShapeFromJson(json::parse(pod->report, nullptr, false));
+    if (shape.ok()) {
+      out.state = ShapeView::State::kKnown;
+      out.shape = *shape;
+      out.delete_pod = true;
+      return out;
+    }
+    out.state = ShapeView::State::kFailed;
+    out.message = absl::StrCat("pod ", pod->name, " reported '", pod->report,
+                               "', not the model's shape: ", shape.status().message(),
+                               " (delete the pod to read the model again)");
+    return out;
+  }
+  if (pod->phase == "Failed") {
+    out.state = ShapeView::State::kFailed;
+    out.message = absl::StrCat("the model cannot be read: ", pod->failure, " (delete pod ",
+                               pod->name, " to read it again)");
+    return out;
+  }
+  out.blocked = !pod->stuck.empty();
+  out.message =
+      out.blocked ? pod->stuck
+      : pod->unschedulable
+          ? absl::StrCat("pod ", pod->name, " cannot be scheduled: ", pod->unschedulable_message)
+          : absl::StrCat("pod ", pod->name, " is reading it");
+  return out;
+}
+
+void WaitForShape(const ShapeView& shape, Decision& d) {
+  d.shape_wait = absl::StrCat("waiting for the model's shape: ", shape.message);
+  const std::set<int64_t> place(d.place.begin(), d.place.end());
+  for (ReplicaState& r : d.replicas) {
+    if (!place.count(r.index)) continue;
+    r.phase = shape.blocked ? ReplicaPhase::kBlocked : ReplicaPhase::kPending;
+    r.message = d.shape_wait;
+  }
+  d.place.clear();
+  d.creates.clear();
 }
 
 Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json& status,
@@ -504,7 +577,9 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
 
   std::vector<Condition> c;
   c.push_back({"Invalid", "False", "Valid", "the spec is valid"});
-  if (!outcome.unplaced.empty()) {
+  if (!d.shape_wait.empty()) {
+    c.push_back({"Placed", "Unknown", "ReadingModel", d.shape_wait});  // nothing planned yet
+  } else if (!outcome.unplaced.empty()) {
     std::vector<std::string> why;
     for (const auto& [index, message] : outcome.unplaced) why.push_back(message);
     c.push_back({"Placed", "False", "InsufficientGPUs", absl::StrJoin(why, "; "), true});
@@ -550,21 +625,28 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
   } else if (existing == 0 && N > 0) {
     phase = "Pending";
   }
-  return {{"observedGeneration", generation},
-          {"replicas", existing},
-          {"readyReplicas", ready},
-          {"updatedReplicas", updated},
-          {"ready", absl::StrCat(ready, "/", N)},
-          {"gpus", existing * spec.gpus_per_replica()},
-          {"phase", phase},
-          {"revision", m.revision},
-          {"selector", absl::StrCat(kModelLabel, "=", m.model.name, ",", kRoleLabel, "=leader")},
-          {"plan",
-           {{"tensor", spec.tensor},
-            {"pipeline", spec.pipeline},
-            {"gpusPerReplica", spec.gpus_per_replica()}}},
-          {"replicaStatuses", replicas},
-          {"conditions", Conditions(c, generation, old_status, now, events)}};
+  json plan = {{"tensor", spec.tensor},
+               {"pipeline", spec.pipeline},
+               {"gpusPerReplica", spec.gpus_per_replica()}};
+  if (!m.stage_layers.empty()) {
+    plan["stageLayers"] = json::array();
+    for (const LayerRange& r : m.stage_layers) plan["stageLayers"].push_back(FormatLayerRange(r));
+  }
+  json out = {
+      {"observedGeneration", generation},
+      {"replicas", existing},
+      {"readyReplicas", ready},
+      {"updatedReplicas", updated},
+      {"ready", absl::StrCat(ready, "/", N)},
+      {"gpus", existing * spec.gpus_per_replica()},
+      {"phase", phase},
+      {"revision", m.revision},
+      {"selector", absl::StrCat(kModelLabel, "=", m.model.name, ",", kRoleLabel, "=leader")},
+      {"plan", plan},
+      {"replicaStatuses", replicas},
+      {"conditions", Conditions(c, generation, old_status, now, events)}};
+  if (m.shape) out["model"] = ModelStatus(spec.model_uri, *m.shape);
+  return out;
 }
 
 json InvalidStatus(int64_t generation, const std::string& message, const json& old_status,

@@ -54,10 +54,31 @@ struct PodView {
   std::string failure;    // why it failed ("" while it has not)
   std::string stuck;      // why it cannot start (its image, a volume), "" when nothing holds it
   bool creating = false;  // bound, its containers not yet created (volumes being mounted)
+  std::string model_uri;  // the inspect pod's: the uri it reads (kModelUriAnnotation)
+  std::string report;     // the termination message of its (last) ended container
   absl::Time created = absl::InfinitePast();
 };
 
 PodView ReadPod(const json& pod);
+
+// What the controller knows of the model's shape, the layer split's input (plan/layer_split.h).
+// status.model keeps it with the uri it was read from; for a new uri, an inspect pod
+// (BuildInspectPod) reads the model's files where the ranks will, and reports the shape as its
+// termination message.
+struct ShapeView {
+  enum class State { kKnown, kReading, kFailed };
+  State state = State::kReading;
+  ModelShape shape;         // kKnown
+  std::string message;      // kReading: what it waits on; kFailed: why
+  bool blocked = false;     // kReading: the inspect pod cannot start (its image, its volume)
+  bool create_pod = false;  // no inspect pod reads this uri: create one
+  bool delete_pod = false;  // the inspect pod has done its work (or reads another uri)
+};
+// From status.model while it is of `uri`, else from the inspect pod (null: none). A failed
+// reading stays (its pod says why) until the uri changes or someone deletes the pod.
+ShapeView ReadShape(const std::string& uri, const json& status, const PodView* inspect_pod);
+// status.model: {"uri": ..., "shape": {...}}.
+json ModelStatus(const std::string& uri, const ModelShape& shape);
 
 struct Timing {
   absl::Duration unschedulable_timeout = absl::Minutes(2);
@@ -111,8 +132,9 @@ struct Decision {
   std::vector<StageCreate> creates;    // stages missing from an interrupted creation
   std::vector<int64_t> place;          // replica indices to plan and create now
   std::vector<Event> events;
-  int64_t restarts = 0;  // replicas recreated after a failure in this pass
-  int64_t replans = 0;   // replicas re-planned after staying unschedulable
+  std::string shape_wait;  // set by WaitForShape: why nothing is placed
+  int64_t restarts = 0;    // replicas recreated after a failure in this pass
+  int64_t replans = 0;     // replicas re-planned after staying unschedulable
   absl::Duration requeue_after = absl::InfiniteDuration();
 };
 
@@ -124,6 +146,11 @@ struct PlacementOutcome {
   std::map<int64_t, std::vector<std::string>> placed;  // replica -> node per stage
   std::map<int64_t, std::string> unplaced;             // replica -> why
 };
+
+// While the model's shape is not known (a ShapeView that is kReading) nothing is placed or
+// created: the replicas to place stay Pending, or Blocked when the inspect pod cannot start, and
+// say why.
+void WaitForShape(const ShapeView& shape, Decision& d);
 
 // Folds the placement into the decision's replicas (Placing or Pending with the reason).
 void ApplyPlacement(const PlacementOutcome& outcome, const std::string& revision, Decision& d);

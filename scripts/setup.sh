@@ -26,7 +26,7 @@ setup_build() {
   APT_PKGS=(build-essential cmake ninja-build pkg-config git curl clang-format clang
     libgtest-dev libgmock-dev libabsl-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
     libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev prometheus python3-venv libcpp-httplib-dev
-    openssl unzip python3-yaml libboost-dev libssl-dev libcli11-dev
+    openssl unzip python3-yaml libboost-dev libssl-dev libcli11-dev ccache
     containerd runc containernetworking-plugins iptables)  # the real nodes of the e2e tier
   missing=()
   for p in "${APT_PKGS[@]}"; do

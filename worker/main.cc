@@ -5,6 +5,9 @@
 //           (serve/api_server.h) until SIGTERM/SIGINT, then stops the replica cleanly; with
 //           SHARDSERVE_REQUEST (JSON) it runs that one request instead and writes the result to
 //           SHARDSERVE_RESULT_FILE. The other ranks keep serving until the leader stops them.
+//   inspect reads the model at SHARDSERVE_MODEL_PATH (its config and tokenizer) and prints its
+//           shape (plan/layer_split.h), also as the termination message: the operator runs it in
+//           a pod of its own to plan the layer split before any rank starts.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -27,9 +30,12 @@
 #include "common/log.h"
 #include "common/process.h"
 #include "common/status.h"
+#include "model/config.h"
+#include "plan/layer_split.h"
 #include "serve/api_server.h"
 #include "serve/generate_wire.h"
 #include "serve/rank_runtime.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {
@@ -208,20 +214,34 @@ void ReportTermination(const std::string& path, const std::string& message) {
   close(fd);
 }
 
+absl::Status Inspect(const WorkerEnv& env) {
+  if (env.model_path.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", kModelPathEnv, " is not set"));
+  }
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(env.model_path));
+  RETURN_IF_ERROR(Tokenizer::Load(env.model_path).status());  // the leader would fail on it later
+  const std::string shape = ShapeToJson(config.shape()).dump();
+  std::printf("%s\n", shape.c_str());
+  ReportTermination(env.termination_log, shape);
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace shardserve
 
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
-  if (cmd != "launch" && cmd != "rank") {
-    std::fprintf(stderr, "usage: shardserve-worker launch | rank\n");
+  if (cmd != "launch" && cmd != "rank" && cmd != "inspect") {
+    std::fprintf(stderr, "usage: shardserve-worker launch | rank | inspect\n");
     return 2;
   }
   // The worker contract, read once for the whole process.
   const absl::StatusOr<shardserve::WorkerEnv> env = shardserve::WorkerEnv::FromEnv();
-  const absl::Status s = !env.ok()         ? env.status()
-                         : cmd == "launch" ? shardserve::Launch(*env)
-                                           : shardserve::RunOneRank(*env);
+  const absl::Status s = !env.ok()          ? env.status()
+                         : cmd == "launch"  ? shardserve::Launch(*env)
+                         : cmd == "inspect" ? shardserve::Inspect(*env)
+                                            : shardserve::RunOneRank(*env);
   if (!s.ok()) {
     std::fprintf(stderr, "shardserve-worker %s: %s\n", cmd.c_str(),
                  std::string(s.message()).c_str());

@@ -42,6 +42,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_MODEL_NAME", &WorkerEnv::model_name, true},
     {"SHARDSERVE_DEPLOYMENT", &WorkerEnv::deployment},
     {"SHARDSERVE_JOB_ID", &WorkerEnv::job_id},
+    {kStageLayersEnv, &WorkerEnv::stage_layers},
     {kBackendEnv, &WorkerEnv::backend},
     {"SHARDSERVE_LEADER_ADDR", &WorkerEnv::leader_addr},
     {"SHARDSERVE_HOST", &WorkerEnv::host},

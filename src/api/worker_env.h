@@ -47,6 +47,7 @@ inline constexpr char kBackendEnv[] = "SHARDSERVE_BACKEND";
 inline constexpr char kApiKeyEnv[] = "SHARDSERVE_API_KEY";
 inline constexpr char kApiKeysFileEnv[] = "SHARDSERVE_API_KEYS_FILE";
 inline constexpr char kRequestEnv[] = "SHARDSERVE_REQUEST";
+inline constexpr char kStageLayersEnv[] = "SHARDSERVE_STAGE_LAYERS";
 
 // Reads an environment variable (std::getenv, or a map in tests); null when unset.
 using EnvLookup = std::function<const char*(const char*)>;
@@ -65,8 +66,9 @@ struct WorkerEnv {
   int tp = 1;
   int pp = 1;
   int stage = 0;
-  int tp_rank = 0;       // set by the launcher, per rank
-  int microbatches = 0;  // 0: pp
+  std::string stage_layers;  // every stage's layers, "0-11,12-23" (plan/layer_split.h)
+  int tp_rank = 0;           // set by the launcher, per rank
+  int microbatches = 0;      // 0: pp
   int threads = 1;
   std::string backend = "auto";  // cpu, cuda or auto (the rank checks)
   int64_t kv_cache_tokens = 8192;

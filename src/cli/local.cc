@@ -23,6 +23,7 @@
 #include "common/text.h"
 #include "http/server.h"
 #include "model/config.h"
+#include "plan/layer_split.h"
 #include "serve/api_keys.h"
 #include "serve/rank_runtime.h"
 #include "tokenizer/tokenizer.h"
@@ -113,7 +114,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   if (!key_file.empty()) {  // checked before any rank starts
     RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());
   }
-  auto layers = StageLayers(*config, static_cast<int>(spec.pipeline));
+  auto layers = PlanStageLayers(config->shape(), static_cast<int>(spec.pipeline));
   if (!layers.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         file, ": spec.parallelism.pipeline ", spec.pipeline, ": ", layers.status().message()));
@@ -164,8 +165,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
                 keyed ? " (API keys required)" : "", rep.rendezvous_port);
     for (int s = 0; s < P; ++s) {
       const LayerRange& lr = (*layers)[s];
-      std::printf("  stage %d: layers %lld-%lld, metrics", s, static_cast<long long>(lr.begin),
-                  static_cast<long long>(lr.end - 1));
+      std::printf("  stage %d: layers %s, metrics", s, FormatLayerRange(lr).c_str());
       for (int t = 0; t < T; ++t) {
         std::printf(" tp%d :%d", t, rep.metrics_base + s * T + t);
       }
@@ -180,6 +180,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       w.model_path = uri.path;
       w.replica = r;
       w.stage = s;
+      w.stage_layers = FormatStageLayers(*layers);
       w.tp = T;
       w.pp = P;
       w.leader_addr = absl::StrCat("127.0.0.1:", rep.rendezvous_port);

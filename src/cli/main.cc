@@ -34,8 +34,10 @@
 #include "common/text.h"
 #include "devtools/gen_model.h"
 #include "devtools/gguf_convert.h"
+#include "model/config.h"
 #include "model/generator.h"
 #include "model/transformer.h"
+#include "plan/layer_split.h"
 #include "serve/generate_wire.h"
 #include "tokenizer/tokenizer.h"
 
@@ -195,6 +197,9 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   const std::string result_path =
       (std::filesystem::temp_directory_path() / (job + "-result.json")).string();
   const std::string request = EncodeGenerateRun({req, batch}).dump();
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  ASSIGN_OR_RETURN(std::vector<LayerRange> layers,
+                   PlanStageLayers(config.shape(), static_cast<int>(pp)));
   ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
   std::vector<Child> stages;
   for (int64_t s = 0; s < pp; ++s) {
@@ -204,6 +209,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
     w.tp = static_cast<int>(tp);
     w.pp = static_cast<int>(pp);
     w.stage = static_cast<int>(s);
+    w.stage_layers = FormatStageLayers(layers);
     w.leader_addr = absl::StrCat("127.0.0.1:", port);
     w.microbatches = static_cast<int>(microbatches);
     w.threads = static_cast<int>(threads);

@@ -7,6 +7,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -15,7 +16,9 @@
 #include "common/args.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "model/config.h"
 #include "plan/cluster_view.h"
+#include "plan/layer_split.h"
 
 namespace shardserve {
 namespace {
@@ -92,6 +95,33 @@ absl::Status AddPodRequests(const std::string& path, const std::string& resource
   return absl::OkStatus();
 }
 
+// Each stage's layers, as the operator would split them, when the model's files are on this
+// machine (file://, or a host path that exists here); otherwise where the split will come from.
+absl::StatusOr<std::string> LayersLine(const std::string& file, const ShardedModelSpec& spec) {
+  auto uri = ParseModelUri(spec.model_uri);
+  std::error_code ec;
+  if (!uri.ok() || uri->scheme == ModelUri::Scheme::kPvc ||
+      !std::filesystem::exists(uri->path, ec)) {
+    return std::string(
+        "layers: split once the operator has read the model (status.plan.stageLayers)");
+  }
+  auto config = LoadModelConfig(uri->path);
+  if (!config.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file, ": spec.model.uri: ", config.status().message()));
+  }
+  auto layers = PlanStageLayers(config->shape(), static_cast<int>(spec.pipeline));
+  if (!layers.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file, ": spec.parallelism.pipeline ", spec.pipeline, ": ", layers.status().message()));
+  }
+  std::vector<std::string> stages;
+  for (size_t s = 0; s < layers->size(); ++s) {
+    stages.push_back(absl::StrCat("stage ", s, " ", FormatLayerRange((*layers)[s])));
+  }
+  return absl::StrCat("layers: ", absl::StrJoin(stages, ", "), " (of ", config->num_layers, ")");
+}
+
 }  // namespace
 
 absl::Status RunPlan(std::vector<std::string> argv) {
@@ -119,6 +149,8 @@ absl::Status RunPlan(std::vector<std::string> argv) {
               static_cast<long long>(spec.tensor), static_cast<long long>(spec.pipeline),
               static_cast<long long>(spec.gpus_per_replica()), spec.gpu_resource.c_str(),
               nodes.size());
+  ASSIGN_OR_RETURN(std::string layers, LayersLine(file, spec));
+  std::printf("%s\n", layers.c_str());
   for (const ReplicaPlacement& p : result.placed) {
     std::vector<std::string> stages;
     for (size_t s = 0; s < p.nodes.size(); ++s) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "plan/layer_split.h"
 
 namespace shardserve {
 
@@ -42,6 +43,11 @@ struct ModelConfig {
 
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
+  // The sizes the pipeline split weighs (plan/layer_split.h).
+  ModelShape shape() const {
+    return {num_layers, hidden_size, intermediate_size,          q_dim(),
+            kv_dim(),   vocab_size,  moe ? experts_per_token : 0};
+  }
 };
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,

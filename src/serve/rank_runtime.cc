@@ -173,17 +173,18 @@ absl::Status Rank::Init() {
     tp_comm_ = std::move(*comm);
     tp_group_ = std::make_unique<ObservedCommunicator>(tp_comm_.get(), observe);
   }
-  // Every rank computes the same split; a shape that cannot be sharded is reported to all.
+  // The split comes with the contract (the operator's plan); a split that does not fit the model
+  // is reported to all.
   absl::Status loaded = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(cfg_.env.model_path));
-    ASSIGN_OR_RETURN(auto split, StageLayers(c, cfg_.env.pp));
+    ASSIGN_OR_RETURN(LayerRange layers, StageLayersOf(cfg_.env, c));
     Transformer::Options o;
     o.num_threads = cfg_.env.threads;
     o.tp_size = cfg_.env.tp;
     o.tp_rank = cfg_.env.tp_rank;
     o.tp_comm = tp_group_.get();
-    o.layer_begin = split[cfg_.env.stage].begin;
-    o.layer_end = split[cfg_.env.stage].end;
+    o.layer_begin = layers.begin;
+    o.layer_end = layers.end;
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
     return absl::OkStatus();
   }();
@@ -360,11 +361,23 @@ LeaderContext Rank::Context() {
 }
 }  // namespace
 
-absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& c, int pp) {
-  const double H = c.hidden_size, I = c.intermediate_size;
-  const double layer =
-      2 * H * c.q_dim() + 2 * H * c.kv_dim() + (c.moe ? c.experts_per_token : 1) * 3 * H * I;
-  return SplitLayers(c.num_layers, pp, {layer, H, H * c.vocab_size});
+absl::StatusOr<LayerRange> StageLayersOf(const WorkerEnv& env, const ModelConfig& c) {
+  std::vector<LayerRange> split;
+  if (!env.stage_layers.empty()) {
+    auto given = ParseStageLayers(env.stage_layers, c.num_layers, env.pp);
+    if (!given.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kStageLayersEnv, ": ", given.status().message()));
+    }
+    split = *std::move(given);
+  } else {  // a worker started by hand: the plan the launchers would give it
+    ASSIGN_OR_RETURN(split, PlanStageLayers(c.shape(), env.pp));
+  }
+  if (env.stage < 0 || env.stage >= static_cast<int>(split.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stage ", env.stage, " of a ", split.size(), "-stage pipeline"));
+  }
+  return split[env.stage];
 }
 
 absl::StatusOr<RankConfig> RankConfigFrom(const WorkerEnv& w) {

@@ -84,8 +84,9 @@ struct LeaderContext {
 // that every rank reports).
 using LeaderMain = std::function<absl::Status(LeaderContext&)>;
 
-// The layers of each pipeline stage, as every rank computes them (weights by parameter count).
-absl::StatusOr<std::vector<LayerRange>> StageLayers(const ModelConfig& config, int pp);
+// This rank's stage's layers: from the contract's SHARDSERVE_STAGE_LAYERS (the launcher's plan),
+// checked against the model; without it (a worker started by hand), the plan itself.
+absl::StatusOr<LayerRange> StageLayersOf(const WorkerEnv& env, const ModelConfig& config);
 
 // Runs this rank (`world`: its place, made once per process from `config`): start-up, then
 // `started` (every rank, once the replica is connected and loaded), then `lead` on the leader;

@@ -82,6 +82,33 @@ if [ $? -eq 0 ] && [[ "$out" == *"replica 1: stage 0 -> gpu-b1, stage 1 -> gpu-b
 else
   echo "FAIL: plan with a toleration: $out"; fails=$((fails + 1))
 fi
+# With the model's files here, plan splits its layers as the operator will (4 layers: 2 + 2, the
+# LM head on the last stage), and refuses more stages than layers.
+"$BIN" gen-model --out "$TMP/m4" --vocab 300 --layers 4 >/dev/null 2>&1 || { echo "FAIL: gen-model"; exit 1; }
+manifest "$TMP/split.yaml" "file://$TMP/m4" 1 2
+out=$("$BIN" plan -f "$TMP/split.yaml" --nodes "$EX/nodes.yaml" 2>&1)
+if [ $? -eq 0 ] && [[ "$out" == *"layers: stage 0 0-1, stage 1 2-3 (of 4)"* ]]; then
+  echo "ok: plan splits the layers of a model it can read"; passes=$((passes + 1))
+else
+  echo "FAIL: plan's layer split: $out"; fails=$((fails + 1))
+fi
+manifest "$TMP/deep5.yaml" "file://$TMP/m4" 1 5
+expect_error "spec.parallelism.pipeline 5: the model has 4 layers: too few for 5 pipeline stages" \
+  "$BIN" plan -f "$TMP/deep5.yaml" --nodes "$EX/nodes.yaml"
+# A rank checks the split it is given against the model it loads; `inspect` reports the shape.
+head -c 32 /dev/urandom | base64 > "$TMP/secret" && chmod 600 "$TMP/secret"
+expect_error "SHARDSERVE_STAGE_LAYERS: stage layers '0-2': ends at layer 2; the model has 4 layers" \
+  env SHARDSERVE_MODEL_PATH="$TMP/m4" SHARDSERVE_STAGE_LAYERS=0-2 SHARDSERVE_METRICS=off \
+  SHARDSERVE_API_PORT=0 SHARDSERVE_RENDEZVOUS_SECRET_FILE="$TMP/secret" \
+  "$(dirname "$BIN")/shardserve-worker" rank
+out=$(SHARDSERVE_MODEL_PATH="$TMP/m4" "$(dirname "$BIN")/shardserve-worker" inspect 2>&1)
+if [ $? -eq 0 ] && [[ "$out" == '{"expertsPerToken":0,"hidden":64,"intermediate":128,"kvDim":32,"layers":4,"qDim":64,"vocab":300}' ]]; then
+  echo "ok: shardserve-worker inspect reports the model's shape"; passes=$((passes + 1))
+else
+  echo "FAIL: shardserve-worker inspect: $out"; fails=$((fails + 1))
+fi
+expect_error "$TMP/gone/config.json: cannot open" \
+  env SHARDSERVE_MODEL_PATH="$TMP/gone" "$(dirname "$BIN")/shardserve-worker" inspect
 printf 'items:\n- metadata: {name: n}\n  status: {allocatable: {nvidia.com/gpu: lots}}\n' > "$TMP/badnodes.yaml"
 expect_error "node n allocatable nvidia.com/gpu 'lots' is not a whole number" \
   "$BIN" plan -f "$EX/llama-70b.yaml" --nodes "$TMP/badnodes.yaml"

@@ -73,7 +73,8 @@ def ready(name, n):
 
 
 def model_pods(name):
-    return m.pods(name)
+    """The model's stage pods (its inspect pod, while it runs, is not one)."""
+    return m.pods(name, "shardserve.io/role!=inspect")
 
 
 def service_ip(name=NAME):
@@ -258,6 +259,16 @@ try:
           f"kubectl get smodel says READY 1/1 ({table.splitlines()[-1].strip()})")
     check([r["phase"] for r in status().get("replicaStatuses", [])] == ["Ready"],
           "the replica's phase is in status")
+    # The tiny model: 4 layers of 147,456 multiply-adds, its LM head 65,536: 2 + 2 layers.
+    s = status()
+    check(s.get("plan", {}).get("stageLayers") == ["0-1", "2-3"] and
+          s.get("model", {}).get("shape", {}).get("layers") == 4,
+          f"status: the shape a real inspect pod read, and each stage's layers ({s.get('plan')}, "
+          f"{s.get('model')})")
+    check(all({"name": "SHARDSERVE_STAGE_LAYERS", "value": "0-1,2-3"} in
+              p["spec"]["containers"][0]["env"] for p in pods), "every rank is given the split")
+    check(wait_until(lambda: not m.pods(NAME, "shardserve.io/role=inspect"), 60),
+          "the inspect pod is deleted once read")
     got = [completion(p)[1] for p in PROMPTS]
     check(all(same_answer(a, b) for a, b in zip(got, reference)),
           "tokens and logprobs through the Service equal shardserve local's")

@@ -4,7 +4,9 @@
 # packages' files whited out, in a mount namespace of this test alone), then builds the binaries
 # the GPU checks run against the prefix and the CUDA wheels alone, and runs them: the CLI answers,
 # cuda_tests loads its libraries from the prefix (and skips: no GPU). Needs root (mount
-# namespaces), as CI has; skips (77) without it or without the CUDA wheels.
+# namespaces), as CI has; skips (77) without it or without the CUDA wheels. The build stays in
+# .gpu/build-prefix (ignored by git), at the same place in every checkout, so ccache serves its
+# objects to the next checkout too.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
@@ -39,19 +41,19 @@ unshare -m --propagation private bash -euo pipefail -c '
            /usr/lib/x86_64-linux-gnu/libabsl_base.so.20220623 /usr/include/CLI/CLI.hpp; do
     [ ! -e "$h" ] || { echo "FAIL: $h is still visible: the build would not be against the prefix"; exit 1; }
   done
-  NVCC="$2/cu13/bin/nvcc" NCCL_DIR="$2/nccl" BUILD_DIR="$1/build" \
+  NVCC="$2/cu13/bin/nvcc" NCCL_DIR="$2/nccl" BUILD_DIR="$3" \
     bash scripts/gpu-check.sh "$1/out" --build-only --targets "cuda_tests shardserve shardserve-worker" ||
     { tail -30 "$1/out/build.log"; exit 1; }
   # ldd is read whole before the match (grep -q stops reading at its first match, and ldd, still
   # writing, would die of SIGPIPE and fail the pipeline under pipefail). The build resolves the
   # prefix (scripts/gpu-check.sh: realpath), so the comparison does too: a checkout reached through
   # a symbolic link has a $PWD that differs from the path in DT_RPATH.
-  libs=$(ldd "$1/build/bin/shardserve")
+  libs=$(ldd "$3/bin/shardserve")
   grep -q "libabsl_base.so.20220623 => $(pwd -P)/.gpu/prefix/" <<<"$libs" ||
     { echo "FAIL: shardserve does not load Abseil from $(pwd -P)/.gpu/prefix"; echo "$libs"; exit 1; }
-  help=$("$1/build/bin/shardserve" --help)
+  help=$("$3/bin/shardserve" --help)
   grep -q "^commands:" <<<"$help" ||
     { echo "FAIL: the CLI built against the prefix does not answer --help"; exit 1; }
-  "$1/build/bin/cuda_tests" --gtest_brief=1 | tail -3
-' _ "$tmp" "$CUDA"
+  "$3/bin/cuda_tests" --gtest_brief=1 | tail -3
+' _ "$tmp" "$CUDA" "$(pwd -P)/.gpu/build-prefix"
 echo "PASS: built and ran against the prefix alone"

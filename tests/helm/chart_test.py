@@ -22,7 +22,7 @@ import yaml
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k8s"))
 from checks import Checks  # noqa: E402
-from cluster import HELM, PROMOP_CRDS, ROOT, Cluster, wait  # noqa: E402
+from cluster import HELM, PROMOP_CRDS, ROOT, Cluster, InspectStandIn, wait  # noqa: E402
 
 BIN = sys.argv[1]
 CHART = os.path.join(ROOT, "helm", "shardserve")
@@ -309,6 +309,7 @@ try:
 
     for i in range(2):
         cl.add_gpu_node(f"gpu-{i}", gpus=8)
+    InspectStandIn(cl)  # kwok runs no container: the inspect pod's report
     # The operator's own flags, as the Deployment renders them, against the SA kubeconfig.
     flags = [a for a in args_of(everything) if not a.startswith("--listen")]
     flags = [f"--worker-defaults={defaults}" if a.startswith("--worker-defaults") else a
@@ -332,7 +333,8 @@ try:
     ok = wait(ready, 90)
     check(ok, "under the chart's RBAC and admission policy the operator places the model (pods, "
               "services, the rendezvous secret, the disruption budget, status, events, lease)")
-    pods = cl.get("pods", "-n", NS, "-l", "shardserve.io/model=rbac-check")["items"]
+    pods = cl.get("pods", "-n", NS, "-l",
+                  "shardserve.io/model=rbac-check,shardserve.io/role!=inspect")["items"]
     spec = pods[0]["spec"] if pods else {}
     env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]} if pods else {}
     check(pods and env.get("NCCL_SOCKET_IFNAME") == "eth0" and env.get("NCCL_DEBUG") == "INFO" and

@@ -23,7 +23,7 @@ import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.dirname(__file__))
 from checks import Checks  # noqa: E402
-from cluster import Cluster, Operator, wait  # noqa: E402
+from cluster import Cluster, InspectStandIn, Operator, wait  # noqa: E402
 
 BIN = sys.argv[1]
 check = Checks()
@@ -56,8 +56,13 @@ def condition(name, type_):
 
 
 def pods(name=None):
-    sel = ["-l", f"shardserve.io/model={name}"] if name else []
-    return [p for p in c.get("pods", *sel)["items"]]
+    """The stage pods (of one model)."""
+    sel = "shardserve.io/role!=inspect" + (f",shardserve.io/model={name}" if name else "")
+    return [p for p in c.get("pods", "-l", sel)["items"]]
+
+
+# The shape the inspect pods report here (cluster.InspectStandIn): Llama-3-8B's sizes.
+LLAMA_SHAPE = InspectStandIn.SHAPE
 
 
 def live(name):
@@ -103,7 +108,8 @@ class PodWatch:
         self.counting = False
         self.proc = subprocess.Popen(
             ["kubectl", "--kubeconfig", c.kubeconfig, "get", "pods", "-l",
-             f"shardserve.io/model={name}", "--watch", "-o", "json", "--output-watch-events"],
+             f"shardserve.io/model={name},shardserve.io/role!=inspect", "--watch", "-o", "json",
+             "--output-watch-events"],
             stdout=subprocess.PIPE, text=True)
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -154,6 +160,7 @@ try:
                   "--unschedulable-timeout", "4", "--placement-retry", "2")
     ops.append(op)
     port = port_of(op)
+    InspectStandIn(c)
 
     # --- gang placement: TP=8 inside a node, PP=2 on distinct nodes of one zone -------------
     apply(model("big", tp=8, pp=2))
@@ -173,9 +180,19 @@ try:
           "kube-scheduler bound each pod to its planned node")
     s = status("big")
     check(s["replicaStatuses"][0]["nodes"] == [nodes["0"], nodes["1"]] and
-          s["plan"] == {"tensor": 8, "pipeline": 2, "gpusPerReplica": 16} and
+          s["plan"] == {"tensor": 8, "pipeline": 2, "gpusPerReplica": 16,
+                        "stageLayers": ["0-16", "17-31"]} and
           s["selector"] == "shardserve.io/model=big,shardserve.io/role=leader",
-          "status: the plan, each replica's nodes and the selector")
+          "status: the plan (each stage's layers), each replica's nodes and the selector")
+    check(s["model"] == {"uri": "hostpath:///models/llama", "shape": LLAMA_SHAPE},
+          "status.model: the shape the inspect pod read, with its uri")
+    check(all(e["value"] == "0-16,17-31" for p in ps for e in p["spec"]["containers"][0]["env"]
+              if e["name"] == "SHARDSERVE_STAGE_LAYERS"), "every rank is given the split")
+    check(wait(lambda: c.kubectl("get", "pod", "big-inspect")[0] != 0),
+          "the inspect pod is deleted once read")
+    out = c.kubectl("get", "smodel", "big", "-o", "yaml", check=True)[1]
+    check("stageLayers:\n    - 0-16\n    - 17-31" in out,
+          "kubectl get -o yaml shows which layers each stage holds")
     svc = c.get("service", "big-workers")
     check(svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"],
           "headless <name>-workers publishes not-ready addresses")
@@ -189,7 +206,7 @@ try:
 
     # --- too few GPUs: nothing created, Placed says why; a node added -> placed -------------
     apply(model("wide", tp=8, pp=3))
-    check(wait(lambda: condition("wide", "Placed").get("status") == "False"),
+    check(wait(lambda: condition("wide", "Placed").get("reason") == "InsufficientGPUs"),
           "wide (3 stages of 8 GPUs) does not fit: Placed=False")
     msg = condition("wide", "Placed").get("message", "")
     check("needs 3 nodes with 8 free nvidia.com/gpu; 2 have them" in msg,
@@ -287,6 +304,23 @@ try:
                condition("bad", "Invalid").get("status") == "False"),
           "fixed: Invalid=False and placed")
     c.kubectl("delete", "smodel", "bad", check=True)
+
+    # --- a model that cannot be read, or split: Invalid, no stage pod ------------------------
+    apply(model("broken", uri="hostpath:///models/broken"))
+    check(wait(lambda: condition("broken", "Invalid").get("status") == "True"),
+          "a model whose inspect pod fails: Invalid=True")
+    msg = condition("broken", "Invalid").get("message", "")
+    check("the model cannot be read" in msg and "config.json: not valid JSON" in msg,
+          f"naming the reader's error: {msg}")
+    check(pods("broken") == [], "and no stage pod")
+    c.kubectl("delete", "smodel", "broken", check=True)
+    apply(model("deep", pp=40))
+    check(wait(lambda: "too few for 40 pipeline stages" in
+               condition("deep", "Invalid").get("message", "")),
+          "more stages than the model has layers: Invalid, naming both")
+    check(status("deep").get("model", {}).get("shape") == LLAMA_SHAPE and pods("deep") == [],
+          "the shape is kept (not read again), no stage pod")
+    c.kubectl("delete", "smodel", "deep", check=True)
 
     # --- rolling update within maxUnavailable -----------------------------------------------
     c.kubectl("scale", "smodel", "scaler", "--replicas=3", check=True)

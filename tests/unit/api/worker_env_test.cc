@@ -34,6 +34,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.deployment = "llama";
   w.replica = 3;
   w.job_id = "llama-3";
+  w.stage_layers = "0-11,12-23";
   w.tp = 4;
   w.pp = 2;
   w.stage = 1;

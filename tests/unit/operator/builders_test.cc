@@ -104,6 +104,39 @@ TEST(Builders, StagePodCarriesThePodContract) {
   EXPECT_EQ(c["lifecycle"]["preStop"]["sleep"]["seconds"], kPreStopSeconds);
 }
 
+TEST(Builders, StagePodsCarryThePlansLayers) {
+  auto m = ReadModel(Model());
+  ASSERT_TRUE(m.ok()) << m.status();
+  m->stage_layers = {{0, 41}, {41, 80}};
+  EXPECT_EQ(Env(BuildStagePod(*m, 0, 1, {"a", "b"}), "SHARDSERVE_STAGE_LAYERS"), "0-40,41-79");
+}
+
+TEST(Builders, InspectPodReadsTheModelWhereTheRanksWill) {
+  auto m = ReadModel(Model());
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json pod = BuildInspectPod(*m);
+  const json stage = BuildStagePod(*m, 0, 0, {"a", "b"});
+  EXPECT_EQ(pod["metadata"]["name"], "llama-inspect");
+  EXPECT_EQ(pod["metadata"]["labels"][kModelLabel], "llama");
+  EXPECT_EQ(pod["metadata"]["labels"][kRoleLabel], kInspectRole);
+  EXPECT_FALSE(pod["metadata"]["labels"].contains(kReplicaLabel));
+  EXPECT_EQ(pod["metadata"]["annotations"][kModelUriAnnotation], "pvc://store/llama/70b");
+  EXPECT_EQ(pod["metadata"]["ownerReferences"][0]["uid"], "u-1");
+  const json& c = pod["spec"]["containers"][0];
+  EXPECT_EQ(c["command"], json::array({"shardserve-worker", "inspect"}));
+  EXPECT_EQ(c["image"], "w:1");
+  EXPECT_EQ(Env(pod, "SHARDSERVE_MODEL_PATH"), Env(stage, "SHARDSERVE_MODEL_PATH"));
+  EXPECT_EQ(Env(pod, "SHARDSERVE_TERMINATION_LOG"), c["terminationMessagePath"]);
+  EXPECT_EQ(c["terminationMessagePolicy"], "FallbackToLogsOnError");
+  EXPECT_FALSE(c.contains("resources")) << "it holds no GPU";
+  EXPECT_EQ(pod["spec"]["volumes"][0], stage["spec"]["volumes"][1]) << "the same model volume";
+  EXPECT_EQ(pod["spec"]["nodeSelector"], stage["spec"]["nodeSelector"]);
+  EXPECT_EQ(pod["spec"]["tolerations"], stage["spec"]["tolerations"]);
+  EXPECT_EQ(pod["spec"]["restartPolicy"], "Never");
+  EXPECT_EQ(pod["spec"]["activeDeadlineSeconds"], kInspectDeadlineSeconds);
+  EXPECT_EQ(pod["spec"]["automountServiceAccountToken"], false);
+}
+
 TEST(Builders, WithoutPlatformDefaultsTheRanksCanReadTheirSecrets) {
   // The mounted Secrets are mode 0440: the ranks' user needs the pod's fsGroup.
   auto m = ReadModel(Model(), WorkerDefaults{});

@@ -348,6 +348,131 @@ TEST(BuildStatus, AllReadyIsCompleteAndAvailable) {
                                                          {"Progressing", "False"}}));
 }
 
+TEST(BuildStatus, ShowsTheModelsShapeAndEachStagesLayers) {
+  ModelView m = ModelBuilder().Build();
+  const Decision d = Decide(m, Replicas(m, 1), json::object(), kNow, {});
+  std::vector<Event> events;
+  json s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
+  EXPECT_FALSE(s["plan"].contains("stageLayers")) << "not before the shape is known";
+  EXPECT_FALSE(s.contains("model"));
+  m.shape = ModelShape{22, 2048, 5632, 2048, 256, 32000, 0};
+  m.stage_layers = {{0, 12}, {12, 22}};
+  s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
+  EXPECT_EQ(s["plan"]["stageLayers"], json::array({"0-11", "12-21"}));
+  EXPECT_EQ(s["model"]["uri"], "hostpath:///models/llama");
+  EXPECT_EQ(s["model"]["shape"]["layers"], 22);
+}
+
+// The inspect pod, as ReadPod reads it.
+PodView InspectPod(const std::string& uri, const std::string& phase,
+                   const std::string& report = "") {
+  json pod = {
+      {"metadata",
+       {{"name", "m-inspect"}, {"uid", "u-i"}, {"annotations", {{kModelUriAnnotation, uri}}}}},
+      {"status", {{"phase", phase}}}};
+  if (phase == "Succeeded" || phase == "Failed") {
+    pod["status"]["containerStatuses"] = json::array(
+        {{{"name", "inspect"},
+          {"state",
+           {{"terminated",
+             {{"exitCode", phase == "Failed" ? 1 : 0}, {"reason", "x"}, {"message", report}}}}}}});
+  }
+  return ReadPod(pod);
+}
+
+TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
+  const std::string uri = "hostpath:///models/llama";
+  const ModelShape shape{22, 2048, 5632, 2048, 256, 32000, 0};
+  const json status = {{"model", ModelStatus(uri, shape)}};
+  ShapeView v = ReadShape(uri, status, nullptr);
+  EXPECT_EQ(v.state, ShapeView::State::kKnown);
+  EXPECT_EQ(v.shape, shape);
+  EXPECT_FALSE(v.create_pod || v.delete_pod);
+  // Known, and an inspect pod left over: it goes.
+  const PodView done = InspectPod(uri, "Succeeded", ShapeToJson(shape).dump());
+  EXPECT_TRUE(ReadShape(uri, status, &done).delete_pod);
+  // Another uri: read again.
+  v = ReadShape("hostpath:///models/other", status, nullptr);
+  EXPECT_EQ(v.state, ShapeView::State::kReading);
+  EXPECT_TRUE(v.create_pod);
+}
+
+TEST(ReadShape, FromTheInspectPodsReport) {
+  const std::string uri = "hostpath:///models/llama";
+  const ModelShape shape{22, 2048, 5632, 2048, 256, 32000, 0};
+  const PodView running = InspectPod(uri, "Running");
+  ShapeView v = ReadShape(uri, json::object(), &running);
+  EXPECT_EQ(v.state, ShapeView::State::kReading);
+  EXPECT_FALSE(v.create_pod || v.delete_pod);
+  EXPECT_EQ(v.message, "pod m-inspect is reading it");
+
+  const PodView done = InspectPod(uri, "Succeeded", ShapeToJson(shape).dump());
+  v = ReadShape(uri, json::object(), &done);
+  EXPECT_EQ(v.state, ShapeView::State::kKnown);
+  EXPECT_EQ(v.shape, shape);
+  EXPECT_TRUE(v.delete_pod);
+
+  // A pod of an earlier uri is replaced, never believed.
+  const PodView stale =
+      InspectPod("hostpath:///models/old", "Succeeded", ShapeToJson(shape).dump());
+  v = ReadShape(uri, json::object(), &stale);
+  EXPECT_EQ(v.state, ShapeView::State::kReading);
+  EXPECT_TRUE(v.delete_pod);
+  EXPECT_FALSE(v.create_pod);
+}
+
+TEST(ReadShape, AFailedOrGarbledReadingSaysWhyAndStays) {
+  const std::string uri = "hostpath:///models/llama";
+  const PodView failed = InspectPod(uri, "Failed", "config.json: not valid JSON");
+  ShapeView v = ReadShape(uri, json::object(), &failed);
+  EXPECT_EQ(v.state, ShapeView::State::kFailed);
+  EXPECT_NE(v.message.find("the model cannot be read: pod m-inspect container inspect exited "
+                           "with code 1 (x): config.json: not valid JSON"),
+            std::string::npos)
+      << v.message;
+  EXPECT_NE(v.message.find("(delete pod m-inspect to read it again)"), std::string::npos);
+  EXPECT_FALSE(v.delete_pod) << "kept: it says why";
+  EXPECT_FALSE(v.create_pod);
+
+  for (const std::string report : {"", "{", "{\"layers\": 22}", "[1,2]", "\xff\xfe"}) {
+    const PodView garbled = InspectPod(uri, "Succeeded", report);
+    v = ReadShape(uri, json::object(), &garbled);
+    EXPECT_EQ(v.state, ShapeView::State::kFailed) << report;
+    EXPECT_NE(v.message.find("not the model's shape"), std::string::npos) << v.message;
+  }
+}
+
+TEST(ReadShape, AnInspectPodThatCannotStartBlocksTheReplicasToPlace) {
+  const std::string uri = "hostpath:///models/llama";
+  PodView stuck = InspectPod(uri, "Pending");
+  stuck.stuck = "pod m-inspect container inspect: ErrImagePull: no such image";
+  const ShapeView v = ReadShape(uri, json::object(), &stuck);
+  EXPECT_EQ(v.state, ShapeView::State::kReading);
+  EXPECT_TRUE(v.blocked);
+  const ModelView m = ModelBuilder().Replicas(2).Build();
+  Decision d = Decide(m, {}, json::object(), kNow, {});
+  ASSERT_EQ(d.place.size(), 2u);
+  WaitForShape(v, d);
+  EXPECT_TRUE(d.place.empty());
+  EXPECT_EQ(State(d, 1).phase, ReplicaPhase::kBlocked);
+  EXPECT_EQ(State(d, 1).message, "waiting for the model's shape: " + stuck.stuck);
+  std::vector<Event> events;
+  const json s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
+  EXPECT_EQ(s["phase"], "Degraded");
+  for (const json& c : s["conditions"]) {
+    if (c["type"] == "Placed") {
+      EXPECT_EQ(c["status"], "Unknown");
+      EXPECT_EQ(c["reason"], "ReadingModel");
+    }
+  }
+  // Still reading, nothing in its way: Pending.
+  const PodView running = InspectPod(uri, "Running");
+  d = Decide(m, {}, json::object(), kNow, {});
+  WaitForShape(ReadShape(uri, json::object(), &running), d);
+  EXPECT_EQ(State(d, 0).phase, ReplicaPhase::kPending);
+  EXPECT_EQ(State(d, 0).message, "waiting for the model's shape: pod m-inspect is reading it");
+}
+
 TEST(BuildStatus, UnplacedReplicasSayWhyAndTransitionsAreEvents) {
   const ModelView m = ModelBuilder().Replicas(1).Build();
   Decision d = Decide(m, {}, json::object(), kNow, {});

@@ -39,5 +39,70 @@ TEST(LayerSplitTest, MoreStagesThanLayersIsRefused) {
   EXPECT_FALSE(SplitLayers(4, 0, {}).ok());
 }
 
+// TinyLlama-1.1B's sizes.
+ModelShape TinyLlama() { return {22, 2048, 5632, 2048, 256, 32000, 0}; }
+
+TEST(LayerSplitTest, TheShapesCostsWeighTheLmHead) {
+  const StageCosts c = CostsOf(TinyLlama());
+  // q, o: 2 x 2048 x 2048; k, v: 2 x 2048 x 256; MLP: 3 x 2048 x 5632.
+  EXPECT_DOUBLE_EQ(c.layer, 2.0 * 2048 * 2048 + 2.0 * 2048 * 256 + 3.0 * 2048 * 5632);
+  EXPECT_DOUBLE_EQ(c.first, 2048);
+  EXPECT_DOUBLE_EQ(c.last, 2048.0 * 32000);
+  EXPECT_EQ(Sizes(*PlanStageLayers(TinyLlama(), 2)), (std::vector<int64_t>{12, 10}));
+  // A MoE layer counts the experts each token uses.
+  ModelShape moe = TinyLlama();
+  moe.experts_per_token = 2;
+  EXPECT_DOUBLE_EQ(CostsOf(moe).layer - c.layer, 3.0 * 2048 * 5632);
+}
+
+TEST(LayerSplitTest, StageLayersRoundTripAsText) {
+  const auto split = *PlanStageLayers(TinyLlama(), 3);
+  const std::string text = FormatStageLayers(split);
+  EXPECT_EQ(text, "0-7,8-15,16-21");
+  auto back = ParseStageLayers(text, 22, 3);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(Sizes(*back), Sizes(split));
+  EXPECT_EQ(FormatLayerRange(split[2]), "16-21");
+}
+
+TEST(LayerSplitTest, StageLayersThatDoNotFitTheModelAreRefused) {
+  auto why = [](const std::string& text, int64_t layers, int pp) {
+    auto r = ParseStageLayers(text, layers, pp);
+    EXPECT_FALSE(r.ok()) << text;
+    return std::string(r.status().message());
+  };
+  EXPECT_THAT(why("0-10,11-21", 22, 3), ::testing::HasSubstr("has 2 stage(s), the pipeline 3"));
+  EXPECT_THAT(why("0-10,11-21,22-23", 22, 2), ::testing::HasSubstr("the pipeline 2"));
+  EXPECT_THAT(why("0-10,12-21", 22, 2), ::testing::HasSubstr("stage 1 must start at layer 11"));
+  EXPECT_THAT(why("1-10,11-21", 22, 2), ::testing::HasSubstr("stage 0 must start at layer 0"));
+  EXPECT_THAT(why("0-10,11-20", 22, 2), ::testing::HasSubstr("the model has 22 layers"));
+  EXPECT_THAT(why("0-10,11-9", 22, 2), ::testing::HasSubstr("at least one layer"));
+  EXPECT_THAT(why("0-10;11-21", 22, 2), ::testing::HasSubstr("is not FIRST-LAST"));
+  EXPECT_THAT(why("", 22, 1), ::testing::HasSubstr("is not FIRST-LAST"));
+  EXPECT_THAT(why("-1-21", 22, 1), ::testing::HasSubstr("is not FIRST-LAST"));
+  EXPECT_THAT(why(std::string(1 << 20, ','), 22, 2), ::testing::HasSubstr("is not FIRST-LAST"));
+}
+
+TEST(LayerSplitTest, TheShapesJsonIsCheckedFieldByField) {
+  const ModelShape shape = TinyLlama();
+  auto back = ShapeFromJson(ShapeToJson(shape));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, shape);
+  nlohmann::json j = ShapeToJson(shape);
+  j.erase("vocab");
+  EXPECT_THAT(std::string(ShapeFromJson(j).status().message()),
+              ::testing::HasSubstr("no integer 'vocab'"));
+  j = ShapeToJson(shape);
+  j["layers"] = 0;
+  EXPECT_THAT(std::string(ShapeFromJson(j).status().message()),
+              ::testing::HasSubstr("'layers' is 0, outside [1, 65536]"));
+  j["layers"] = "22";
+  EXPECT_FALSE(ShapeFromJson(j).ok());
+  j["layers"] = 1e300;
+  EXPECT_FALSE(ShapeFromJson(j).ok());
+  EXPECT_FALSE(ShapeFromJson(nlohmann::json::array()).ok());
+  EXPECT_FALSE(ShapeFromJson(nlohmann::json()).ok());
+}
+
 }  // namespace
 }  // namespace shardserve
