@@ -6,7 +6,9 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -20,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status.h"
@@ -104,9 +107,40 @@ absl::StatusOr<std::string> NewSecret(size_t bytes) {
   return absl::BytesToHexString(raw);
 }
 
+namespace {
+
+constexpr char kSecretDirPrefix[] = "shardserve-secret-";
+
+// Directories of secrets whose run was killed before it could remove them (kill -9): this user's
+// shardserve-secret-<pid>-XXXXXX under `tmp` whose process is gone. The secret must not outlive
+// its run longer than until the next one starts.
+void RemoveOrphanedSecrets(const std::filesystem::path& tmp) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(tmp, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(kSecretDirPrefix, 0) != 0) continue;
+    const size_t from = sizeof(kSecretDirPrefix) - 1, dash = name.find('-', from);
+    int pid;
+    if (dash == std::string::npos || !absl::SimpleAtoi(name.substr(from, dash - from), &pid) ||
+        pid <= 0) {
+      continue;
+    }
+    struct stat st;
+    if (lstat(e.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid()) {
+      continue;
+    }
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;  // its run may still be going
+    std::filesystem::remove_all(e.path(), ec);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<SecretFile> SecretFile::Create() {
   ASSIGN_OR_RETURN(std::string secret, NewSecret());
-  std::string dir = (std::filesystem::temp_directory_path() / "shardserve-XXXXXX").string();
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  RemoveOrphanedSecrets(tmp);
+  std::string dir = (tmp / absl::StrCat(kSecretDirPrefix, getpid(), "-XXXXXX")).string();
   if (mkdtemp(dir.data()) == nullptr) {  // mode 0700
     return absl::InternalError(
         absl::StrCat("cannot make a private directory for the secret: ", std::strerror(errno)));

@@ -33,8 +33,10 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
 // `bytes` random bytes, hex-encoded (a secret for `shardserve local` and the operator).
 absl::StatusOr<std::string> NewSecret(size_t bytes = 32);
 
-// A fresh secret in a file only this user can read (a private temporary directory), for the
-// ranks that `shardserve local` and `shardserve generate` start; removed with the object.
+// A fresh secret in a file only this user can read (a private temporary directory,
+// shardserve-secret-<pid>-XXXXXX), for the ranks that `shardserve local` and `shardserve
+// generate` start; removed with the object, and, when its process was killed first, by the next
+// Create.
 class SecretFile {
  public:
   static absl::StatusOr<SecretFile> Create();

@@ -16,6 +16,39 @@ size_t Utf8CharLen(unsigned char lead) {
   return 1;
 }
 
+bool IsValidUtf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char b = p[i];
+    if (b < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    unsigned char lo = 0x80, hi = 0xbf;  // the second byte's range
+    if (b >= 0xc2 && b <= 0xdf) {
+      len = 2;
+    } else if (b >= 0xe0 && b <= 0xef) {
+      len = 3;
+      if (b == 0xe0) lo = 0xa0;  // no overlong forms
+      if (b == 0xed) hi = 0x9f;  // no surrogates
+    } else if (b >= 0xf0 && b <= 0xf4) {
+      len = 4;
+      if (b == 0xf0) lo = 0x90;  // no overlong forms
+      if (b == 0xf4) hi = 0x8f;  // nothing past U+10FFFF
+    } else {
+      return false;
+    }
+    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return false;
+    for (size_t k = 2; k < len; ++k) {
+      if (p[i + k] < 0x80 || p[i + k] > 0xbf) return false;
+    }
+    i += len;
+  }
+  return true;
+}
+
 std::vector<std::string> SplitUtf8Chars(std::string_view s) {
   std::vector<std::string> out;
   for (size_t i = 0; i < s.size();) {

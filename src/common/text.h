@@ -10,6 +10,9 @@ namespace shardserve {
 
 // Bytes of the UTF-8 sequence that starts with `lead` (1 for an invalid lead byte).
 size_t Utf8CharLen(unsigned char lead);
+// Whether s is well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing past
+// U+10FFFF), as a JSON writer requires.
+bool IsValidUtf8(std::string_view s);
 // The UTF-8 characters of s (a truncated last sequence stays one piece).
 std::vector<std::string> SplitUtf8Chars(std::string_view s);
 // The whole file, or NotFound "PATH: cannot open".

@@ -323,6 +323,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void OnHead() {
     const auto& msg = parser_->get();
+    // RFC 9112 §3.2: an HTTP/1.1 request without a Host header, or with several, gets 400.
+    if (msg.version() >= 11 && msg.count(bhttp::field::host) != 1) {
+      return Refuse(400, "an HTTP/1.1 request needs exactly one Host header");
+    }
     if (msg.count(bhttp::field::transfer_encoding) > 0 && !parser_->chunked()) {
       return Refuse(400, "a Transfer-Encoding other than chunked is not supported");
     }

@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -14,6 +15,16 @@ namespace shardserve {
 namespace {
 
 using json = nlohmann::json;
+
+// Bounds of what a model can be: far past every real model, short of what would exhaust memory
+// or overflow the arithmetic that sizes tensors.
+constexpr int64_t kMaxSize = int64_t{1} << 24;    // vocabulary, positions, any dimension
+constexpr int64_t kMaxLayers = int64_t{1} << 12;  // transformer layers
+constexpr int64_t kMaxHeads = int64_t{1} << 12;   // attention heads, experts
+constexpr double kMaxNumber = 1e30;
+// RoPE's base: above 1 (or every frequency is 1 or more), at most far past the largest in use
+// (1e8); past that the frequencies underflow.
+constexpr double kMaxRopeTheta = 1e12;
 
 class Reader {
  public:
@@ -32,15 +43,25 @@ class Reader {
     if (!j_[key].is_number_integer()) return Error(key, "must be an integer");
     return j_[key].get<int64_t>();
   }
-  absl::StatusOr<int64_t> Positive(const std::string& key, std::optional<int64_t> def = {}) const {
+  // In [1, max]: a size past `max` is a broken file, not a model (it would only be found when
+  // the memory for it runs out).
+  absl::StatusOr<int64_t> Positive(const std::string& key, std::optional<int64_t> def = {},
+                                   int64_t max = kMaxSize) const {
     ASSIGN_OR_RETURN(int64_t v, Int(key, def));
     if (v <= 0) return Error(key, absl::StrCat("must be positive, got ", v));
+    if (v > max) return Error(key, absl::StrCat("is ", v, ", more than any model has (", max, ")"));
     return v;
   }
-  absl::StatusOr<double> Number(const std::string& key, double def) const {
+  // A finite number in (min, max] (min excluded).
+  absl::StatusOr<double> Number(const std::string& key, double def, double min = -kMaxNumber,
+                                double max = kMaxNumber) const {
     if (!Has(key)) return def;
     if (!j_[key].is_number()) return Error(key, "must be a number");
-    return j_[key].get<double>();
+    const double v = j_[key].get<double>();
+    if (!std::isfinite(v) || !(v > min) || v > max) {
+      return Error(key, absl::StrCat("is ", v, "; it must lie in (", min, ", ", max, "]"));
+    }
+    return v;
   }
   absl::StatusOr<bool> Bool(const std::string& key, bool def) const {
     if (!Has(key)) return def;
@@ -70,17 +91,16 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
     ASSIGN_OR_RETURN(type, s.String("type", "default"));
   }
   if (scaling.contains("rope_theta")) {
-    ASSIGN_OR_RETURN(c.rope_theta, s.Number("rope_theta", c.rope_theta));
+    ASSIGN_OR_RETURN(c.rope_theta, s.Number("rope_theta", c.rope_theta, 1.0, kMaxRopeTheta));
   }
   if (type == "default") return absl::OkStatus();
-  ASSIGN_OR_RETURN(c.rope_factor, s.Number("factor", 1.0));
-  if (c.rope_factor <= 0) return s.Error("factor", "must be positive");
+  ASSIGN_OR_RETURN(c.rope_factor, s.Number("factor", 1.0, 0.0, 1e6));
   if (type == "linear") {
     c.rope_scaling = RopeScaling::kLinear;
   } else if (type == "llama3") {
     c.rope_scaling = RopeScaling::kLlama3;
-    ASSIGN_OR_RETURN(c.rope_low_freq_factor, s.Number("low_freq_factor", 1.0));
-    ASSIGN_OR_RETURN(c.rope_high_freq_factor, s.Number("high_freq_factor", 4.0));
+    ASSIGN_OR_RETURN(c.rope_low_freq_factor, s.Number("low_freq_factor", 1.0, 0.0, 1e6));
+    ASSIGN_OR_RETURN(c.rope_high_freq_factor, s.Number("high_freq_factor", 4.0, 0.0, 1e6));
     ASSIGN_OR_RETURN(c.rope_original_max_position,
                      s.Positive("original_max_position_embeddings", 8192));
     if (c.rope_high_freq_factor <= c.rope_low_freq_factor) {
@@ -123,13 +143,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   ASSIGN_OR_RETURN(c.model_type, r.String("model_type", ""));
   ASSIGN_OR_RETURN(c.hidden_size, r.Positive("hidden_size"));
   ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("intermediate_size"));
-  ASSIGN_OR_RETURN(c.num_layers, r.Positive("num_hidden_layers"));
-  ASSIGN_OR_RETURN(c.num_heads, r.Positive("num_attention_heads"));
-  ASSIGN_OR_RETURN(c.num_kv_heads, r.Positive("num_key_value_heads", c.num_heads));
+  ASSIGN_OR_RETURN(c.num_layers, r.Positive("num_hidden_layers", {}, kMaxLayers));
+  ASSIGN_OR_RETURN(c.num_heads, r.Positive("num_attention_heads", {}, kMaxHeads));
+  ASSIGN_OR_RETURN(c.num_kv_heads, r.Positive("num_key_value_heads", c.num_heads, kMaxHeads));
   ASSIGN_OR_RETURN(c.vocab_size, r.Positive("vocab_size"));
   ASSIGN_OR_RETURN(c.max_position_embeddings, r.Positive("max_position_embeddings", 2048));
-  ASSIGN_OR_RETURN(c.rms_norm_eps, r.Number("rms_norm_eps", 1e-6));
-  ASSIGN_OR_RETURN(c.rope_theta, r.Number("rope_theta", 10000.0));
+  ASSIGN_OR_RETURN(c.rms_norm_eps, r.Number("rms_norm_eps", 1e-6, 0.0, 0.1));
+  ASSIGN_OR_RETURN(c.rope_theta, r.Number("rope_theta", 10000.0, 1.0, kMaxRopeTheta));
   ASSIGN_OR_RETURN(c.tie_word_embeddings, r.Bool("tie_word_embeddings", false));
   ASSIGN_OR_RETURN(c.torch_dtype, r.String("torch_dtype", ""));
   if (c.hidden_size % c.num_heads != 0 && !r.Has("head_dim")) {
@@ -182,8 +202,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   }
 
   if (c.moe) {
-    ASSIGN_OR_RETURN(c.num_experts, r.Positive("num_local_experts"));
-    ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok"));
+    ASSIGN_OR_RETURN(c.num_experts, r.Positive("num_local_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     if (c.experts_per_token > c.num_experts) {
       return r.Error(
           "num_experts_per_tok",
@@ -191,17 +211,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     }
   }
   ASSIGN_OR_RETURN(c.bos_token_id, r.Int("bos_token_id", -1));
+  if (c.bos_token_id < -1 || c.bos_token_id >= c.vocab_size) {
+    return r.Error("bos_token_id", absl::StrCat(c.bos_token_id, " is not a token of the ",
+                                                c.vocab_size, "-token vocabulary"));
+  }
   if (r.Has("eos_token_id")) {
     const json& e = j["eos_token_id"];
     if (e.is_number_integer()) {
       c.eos_token_ids.push_back(e.get<int64_t>());
-    } else if (e.is_array()) {
+    } else if (e.is_array() && e.size() <= 64) {
       for (const json& id : e) {
         if (!id.is_number_integer()) return r.Error("eos_token_id", "must hold integers");
         c.eos_token_ids.push_back(id.get<int64_t>());
       }
     } else {
-      return r.Error("eos_token_id", "must be an integer or a list of integers");
+      return r.Error("eos_token_id", "must be an integer or a list of at most 64 integers");
+    }
+    for (int64_t id : c.eos_token_ids) {
+      if (id < 0 || id >= c.vocab_size) {
+        return r.Error("eos_token_id", absl::StrCat(id, " is not a token of the ", c.vocab_size,
+                                                    "-token vocabulary"));
+      }
     }
   }
   return c;

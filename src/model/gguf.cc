@@ -1,6 +1,7 @@
 #include "model/gguf.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/ascii.h"
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "common/text.h"
 
 namespace shardserve {
 namespace {
@@ -79,6 +81,10 @@ class Cursor {
     }
     RETURN_IF_ERROR(Need(n, what));
     std::string s(reinterpret_cast<const char*>(data_ + pos_), n);
+    if (!IsValidUtf8(s)) {  // GGUF strings are UTF-8; the tokenizer's JSON would refuse it later
+      return absl::InvalidArgumentError(
+          absl::StrCat(path_, ": ", what, " at byte ", pos_, " is not valid UTF-8"));
+    }
     pos_ += n;
     return s;
   }
@@ -445,8 +451,10 @@ absl::StatusOr<uint64_t> GgufFile::GetUint(const std::string& key) const {
 
 absl::StatusOr<double> GgufFile::GetFloat(const std::string& key) const {
   ASSIGN_OR_RETURN(const GgufValue* v, Find(key));
-  if (const double* d = std::get_if<double>(&v->v)) return *d;
-  return NotA(key, *v, "a float");
+  const double* d = std::get_if<double>(&v->v);
+  if (d == nullptr) return NotA(key, *v, "a float");
+  if (!std::isfinite(*d)) return NotA(key, *v, "a finite float");
+  return *d;
 }
 
 absl::StatusOr<const GgufArray*> GgufFile::GetArray(const std::string& key) const {

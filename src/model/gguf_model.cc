@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -162,7 +163,18 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   json j;
   ASSIGN_OR_RETURN(j["hidden_size"], f.GetUint(p + "embedding_length"));
   ASSIGN_OR_RETURN(j["intermediate_size"], f.GetUint(p + "feed_forward_length"));
-  ASSIGN_OR_RETURN(j["num_hidden_layers"], f.GetUint(p + "block_count"));
+  ASSIGN_OR_RETURN(const uint64_t blocks, f.GetUint(p + "block_count"));
+  j["num_hidden_layers"] = blocks;
+  // The file's layers must be the ones it declares: a file that holds more would run truncated.
+  for (const auto& [name, tensor] : f.tensors()) {
+    uint64_t block;
+    const size_t dot = name.find('.', 4);
+    if (absl::StartsWith(name, "blk.") && dot != std::string::npos &&
+        absl::SimpleAtoi(name.substr(4, dot - 4), &block) && block >= blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          f.path(), ": tensor '", name, "' is of a layer past ", p, "block_count ", blocks));
+    }
+  }
   ASSIGN_OR_RETURN(const uint64_t heads, f.GetUint(p + "attention.head_count"));
   j["num_attention_heads"] = heads;
   j["num_key_value_heads"] = heads;

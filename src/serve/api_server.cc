@@ -498,7 +498,10 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   options.error = [](int status, const std::string& reason) {
     absl::Status st = WithHttpStatus(absl::InvalidArgumentError(reason), status);
     json body = ErrorBody(st);
-    if (status == 404) body["error"]["type"] = "not_found_error";
+    if (status == 404) {  // no such endpoint (an unknown model is answered by its handler)
+      body["error"]["type"] = "not_found_error";
+      body["error"]["code"] = nullptr;
+    }
     if (status >= 500) body["error"]["type"] = "server_error";
     http::Response r{status, "application/json", DumpJson(body), {}};
     return r;

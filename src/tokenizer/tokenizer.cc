@@ -160,6 +160,7 @@ class Regex {
 constexpr char kGpt2Pattern[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 constexpr char kMetaspace[] = "\xE2\x96\x81";  // U+2581 "▁"
+constexpr int64_t kMaxTokenId = 1 << 24;       // far past any vocabulary
 
 struct Normalizer {
   enum Kind { kPrepend, kReplace, kNfc } kind;
@@ -300,7 +301,7 @@ absl::Status Tokenizer::Impl::ParseModel(const json& m, const std::string& src) 
   }
   for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
     if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-        it.value().get<int64_t>() > (1 << 24)) {
+        it.value().get<int64_t>() > kMaxTokenId) {
       return absl::InvalidArgumentError(
           absl::StrCat(src, ": vocab entry '", it.key(), "' has an invalid id"));
     }
@@ -714,8 +715,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string
     RETURN_IF_ERROR(impl->ParsePreTokenizer(j.value("pre_tokenizer", json()), src));
     RETURN_IF_ERROR(impl->ParseDecoder(j.value("decoder", json()), src));
     for (const json& a : j.value("added_tokens", json::array())) {
-      AddedToken t{a.at("id").get<int32_t>(), a.at("content").get<std::string>(),
-                   a.value("special", false), a.value("lstrip", false), a.value("rstrip", false)};
+      const json& id = a.at("id");
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > kMaxTokenId) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(src, ": added token ", id.dump(), " has an invalid id"));
+      }
+      AddedToken t{id.get<int32_t>(), a.at("content").get<std::string>(), a.value("special", false),
+                   a.value("lstrip", false), a.value("rstrip", false)};
       if (t.content.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(src, ": added token ", t.id, " is empty"));
       }

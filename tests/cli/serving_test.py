@@ -198,7 +198,9 @@ try:
                              {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
     check(status == 400 and data["error"]["param"] == "messages[0].role", "bad chat role: 400")
     status, _, data = d.request("GET", "/v1/nothing")
-    check(status == 404 and error_shape(json.loads(data)), "unknown endpoint: 404 JSON error")
+    check(status == 404 and error_shape(json.loads(data)) and
+          json.loads(data)["error"]["code"] is None,
+          "unknown endpoint: 404 JSON error (not model_not_found, which is for a model)")
 
     # --- queue full: 429 with Retry-After; disconnects free their slots -------------------------
     def open_stream(prompt):

@@ -21,7 +21,7 @@ import yaml
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "k8s"))
 from checks import Checks  # noqa: E402
-from cluster import Cluster, Operator, wait  # noqa: E402
+from cluster import Cluster, InspectStandIn, Operator, wait  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 from monitoring import DASHBOARDS, Prometheus, check_dashboards  # noqa: E402
 
@@ -41,6 +41,7 @@ try:
     cl.install_crds()
     for i in range(2):
         cl.add_gpu_node(f"gpu-{i}", gpus=8)
+    InspectStandIn(cl)  # kwok runs no container: the inspect pod's report
     op = Operator(cl, OPERATOR, "--listen", "127.0.0.1:0", "--placement-retry", "1")
     assert wait(lambda: "serving /metrics" in op.output(), 30), op.output()
     op_port = int(re.search(r"serving /metrics.* on [\d.]+:(\d+)", op.output()).group(1))

@@ -57,8 +57,10 @@ check = Checks()
 
 
 def run(*cmd):
-    return json.loads(subprocess.run([BIN, *cmd], check=True, capture_output=True,
-                                     text=True).stdout)
+    r = subprocess.run([BIN, *cmd], capture_output=True, text=True)
+    if r.returncode != 0:  # what went wrong, not only that it did
+        raise RuntimeError(f"shardserve {' '.join(cmd)} exited {r.returncode}: {r.stderr[-3000:]}")
+    return json.loads(r.stdout)
 
 
 def ours(model, prompt, *extra):

@@ -2,9 +2,14 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "comm/communicator_checks.h"
 #include "comm/handshake.h"
@@ -299,6 +304,45 @@ TEST(RendezvousTest, LeaderThatNeverListensTimesOut) {
                              std::chrono::milliseconds(300));
   EXPECT_EQ(info.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(info.status().message()), HasSubstr("the leader did not listen"));
+}
+
+// A secret's directory outlives a run killed with SIGKILL (no destructor runs) only until the next
+// run makes its own secret; a live run's directory stays.
+TEST(SecretFileTest, ASecretOfAKilledRunIsRemovedByTheNext) {
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto f = SecretFile::Create();
+    const std::string path = f.ok() ? f->path() : "";
+    (void)!write(pipefd[1], path.data(), path.size());
+    close(pipefd[1]);
+    pause();  // until killed: the destructor never runs
+    _exit(0);
+  }
+  close(pipefd[1]);
+  char buf[4096];
+  const ssize_t n = read(pipefd[0], buf, sizeof buf);
+  close(pipefd[0]);
+  ASSERT_GT(n, 0);
+  const std::filesystem::path orphan = std::filesystem::path(std::string(buf, n)).parent_path();
+  auto live = SecretFile::Create();  // the child still runs: its secret stays
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_TRUE(std::filesystem::exists(orphan));
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_TRUE(std::filesystem::exists(orphan)) << "kill -9: nothing removed it";
+  auto next = SecretFile::Create();
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_FALSE(std::filesystem::exists(orphan)) << orphan << " outlived its run";
+  EXPECT_TRUE(std::filesystem::exists(live->path())) << "a live run's secret is left alone";
+  EXPECT_NE(std::filesystem::path(next->path())
+                .parent_path()
+                .filename()
+                .string()
+                .find(absl::StrCat("shardserve-secret-", getpid(), "-")),
+            std::string::npos);
 }
 
 }  // namespace

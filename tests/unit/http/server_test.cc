@@ -199,6 +199,23 @@ TEST_F(ServerTest, RefusesAmbiguousBodyLengths) {
   EXPECT_THAT(c.Read(500ms), HasSubstr(":abcd"));
 }
 
+// RFC 9112 §3.2: exactly one Host in an HTTP/1.1 request; HTTP/1.0 may have none.
+TEST_F(ServerTest, AnHttp11RequestNeedsOneHost) {
+  Start();
+  for (const std::string& head :
+       {std::string("GET /ping HTTP/1.1\r\n\r\n"),
+        std::string("GET /ping HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")}) {
+    Raw c(port());
+    c.Send(head);
+    const std::string got = c.Read();
+    EXPECT_THAT(got, StartsWith("HTTP/1.1 400 ")) << head;
+    EXPECT_THAT(got, HasSubstr("exactly one Host header")) << head;
+  }
+  Raw c(port());
+  c.Send("GET /ping HTTP/1.0\r\n\r\n");
+  EXPECT_THAT(c.Read(500ms), HasSubstr(" 200 "));
+}
+
 TEST_F(ServerTest, SlowHeadsAndBodiesTimeOut) {
   ServerOptions o;
   o.header_timeout = 300ms;

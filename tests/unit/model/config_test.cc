@@ -93,6 +93,22 @@ TEST(ConfigTest, RefusesWhatItDoesNotRunExactly) {
         {"num_local_experts", 2},
         {"num_experts_per_tok", 3}},
        "3 exceeds num_local_experts 2"},
+      // Sizes no model has (10^8 layers once aborted the load on an allocation) and numbers that
+      // load and then produce garbage.
+      {"layers", {{"num_hidden_layers", 100000000}}, "'num_hidden_layers' is 100000000, more than"},
+      {"positions",
+       {{"max_position_embeddings", 4294967295LL}},
+       "'max_position_embeddings' is 4294967295, more than"},
+      {"hidden", {{"hidden_size", int64_t{1} << 40}}, "'hidden_size' is 1099511627776"},
+      {"theta 0", {{"rope_theta", 0}}, "'rope_theta' is 0; it must lie in (1, 1e+12]"},
+      {"theta -1", {{"rope_theta", -1}}, "'rope_theta' is -1"},
+      {"theta huge", {{"rope_theta", 1e308}}, "'rope_theta' is 1e+308"},
+      {"eps 0", {{"rms_norm_eps", 0}}, "'rms_norm_eps' is 0; it must lie in (0, 0.1]"},
+      {"eps -1", {{"rms_norm_eps", -1}}, "'rms_norm_eps' is -1"},
+      {"rope factor", {{"rope_scaling", {{"type", "linear"}, {"factor", 0}}}}, "'factor' is 0"},
+      {"bos", {{"bos_token_id", 100}}, "'bos_token_id' 100 is not a token of the 100-token"},
+      {"eos", {{"eos_token_id", {2, -3}}}, "'eos_token_id' -3 is not a token"},
+      {"eos past", {{"eos_token_id", 1000}}, "'eos_token_id' 1000 is not a token"},
   };
   for (const Bad& b : cases) {
     json j = Llama();

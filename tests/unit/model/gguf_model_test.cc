@@ -126,7 +126,8 @@ struct Tiny {
   bool rope_freqs = false;
   std::string tokenizer = "gpt2";
   std::string pre = "gpt-2";
-  bool long_token = false;  // token 2 of 5000 bytes
+  bool long_token = false;   // token 2 of 5000 bytes
+  bool extra_layer = false;  // the file holds blk.1 while block_count says 1
 };
 
 std::string Write(const std::string& path, const Tiny& t) {
@@ -169,6 +170,7 @@ std::string Write(const std::string& path, const Tiny& t) {
     f32(n, {H, H});
   }
   if (t.rope_freqs) f32("rope_freqs.weight", {16});
+  if (t.extra_layer) f32("blk.1.attn_norm.weight", {H});
   EXPECT_TRUE(w.Write(path).ok());
   return path;
 }
@@ -195,6 +197,10 @@ TEST(GgufModel, WhatCannotRunIsRefusedByName) {
   t = {};
   t.rope_freqs = true;
   EXPECT_THAT(ConfigError(Write(file, t)), HasSubstr("rope_freqs.weight"));
+  t = {};
+  t.extra_layer = true;  // once ran truncated to the layers block_count declares
+  EXPECT_THAT(ConfigError(Write(file, t)),
+              HasSubstr("tensor 'blk.1.attn_norm.weight' is of a layer past llama.block_count 1"));
   t = {};
   t.q_type = GgmlType::kQ2_K;
   auto m = Transformer::Load(Write(file, t), {});

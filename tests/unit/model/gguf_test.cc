@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -115,6 +116,35 @@ TEST(Gguf, AValidFileReadsBack) {
                 .find("'llama.block_count' is a uint32, not a string"),
             std::string::npos);
   EXPECT_EQ((*f)->GetUint("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A string that is not UTF-8 (one byte of a token set to 0xb8 once aborted the tokenizer's JSON
+// writer) and a float that is not a number are refused by name.
+TEST(Gguf, StringsMustBeUtf8AndFloatsFinite) {
+  Builder f = Valid();
+  const size_t at = f.b.find("hello");
+  ASSERT_NE(at, std::string::npos);
+  f.b[at + 1] = static_cast<char>(0xb8);
+  auto bad = GgufFile::Open(Write(f.b));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("metadata 'tokenizer.ggml.tokens'"), std::string::npos)
+      << bad.status();
+  EXPECT_NE(bad.status().message().find("is not valid UTF-8"), std::string::npos);
+
+  Builder n = Valid();
+  const float ten_thousand = 10000.f;
+  const size_t f_at = n.b.find(std::string(reinterpret_cast<const char*>(&ten_thousand), 4));
+  ASSERT_NE(f_at, std::string::npos);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(&n.b[f_at], &nan, 4);
+  auto file = GgufFile::Open(Write(n.b));
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_NE((*file)
+                ->GetFloat("llama.rope.freq_base")
+                .status()
+                .message()
+                .find("'llama.rope.freq_base' is a float32, not a finite float"),
+            std::string::npos);
 }
 
 TEST(Gguf, EveryTruncationIsRefusedNotRead) {

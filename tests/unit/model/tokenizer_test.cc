@@ -123,6 +123,11 @@ TEST(TokenizerTest, RefusesComponentsItDoesNotImplement) {
       {"/post_processor", R"({"type":"RobertaProcessing"})",
        "post-processor 'RobertaProcessing' is not supported"},
       {"/model/merges", R"([["zz","qq"]])", "merge 'zz qq' uses or makes a token not in the"},
+      // An added token's id indexed the id table unchecked (memory corrupted, found by the fuzz
+      // tier).
+      {"/added_tokens", R"([{"id":-5,"content":"<x>"}])", "added token -5 has an invalid id"},
+      {"/added_tokens", R"([{"id":4294967296,"content":"<x>"}])",
+       "added token 4294967296 has an invalid id"},
   };
   for (const Case& c : cases) {
     json j = base;
