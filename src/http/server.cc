@@ -510,7 +510,11 @@ class BlockingExchange : public Exchange {
   // After the handler: an answer it did not give, then the connection goes back to the I/O
   // thread.
   void Finish(const std::string& failure) {
-    if (!answered_) {
+    if (!answered_ && failure.empty() && ClientGone()) {
+      // The handler gave up on a client that left (it counts that, as 499): no answer to write
+      // and nothing more to count.
+      asio::post(c_->io(), [c = c_] { c->Close(); });
+    } else if (!answered_) {
       Response r = c_->server()->Error(
           500, failure.empty() ? "internal error: the handler gave no answer" : failure);
       Respond(std::move(r));

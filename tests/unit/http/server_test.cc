@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardserve::http {
 namespace {
@@ -37,6 +38,7 @@ class Raw {
   bool Send(const std::string& s) {
     return ::send(fd_, s.data(), s.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(s.size());
   }
+  void ShutdownWrite() { shutdown(fd_, SHUT_WR); }  // done sending, still reading
   // What arrives until the server closes or `wait` passes without a byte.
   std::string Read(std::chrono::milliseconds wait = 5000ms) {
     std::string out;
@@ -76,6 +78,12 @@ class ServerTest : public ::testing::Test {
  protected:
   void Start(ServerOptions o = {}) {
     o.host = "127.0.0.1";
+    if (!o.on_error) {
+      o.on_error = [this](int status) {
+        absl::MutexLock l(&errors_mu_);
+        errors_.push_back(status);
+      };
+    }
     Routes r;
     r.Get("/ping", [](const Request&) { return Response{200, "text/plain", "pong", {}}; });
     r.Post("/echo", [](const Request& req) {
@@ -114,6 +122,8 @@ class ServerTest : public ::testing::Test {
   std::atomic<bool> release_{false};
   std::atomic<bool> gone_seen_{false};
   std::atomic<int> entered_{0};  // blocking handlers that have started
+  absl::Mutex errors_mu_;
+  std::vector<int> errors_ ABSL_GUARDED_BY(errors_mu_);  // statuses the server answered itself
 };
 
 // Polls `done` until it holds (at most 5 s).
@@ -285,6 +295,21 @@ TEST_F(ServerTest, ABlockingHandlerSeesItsClientGo) {
     ASSERT_TRUE(WaitFor([&] { return entered_ == 1; }));
   }  // closed while the handler runs
   EXPECT_TRUE(WaitFor([&] { return gone_seen_.load(); }));
+}
+
+// A handler that gives up on a client that left is not answered 500 for it, nor counted: it
+// counted the 499 itself (a half-closed client counts as gone, as nginx and uvicorn take it).
+TEST_F(ServerTest, AHandlerThatGivesUpOnAGoneClientIsNotAnswered500) {
+  Start();
+  Raw c(port());
+  c.Send(Get("/watch"));
+  ASSERT_TRUE(WaitFor([&] { return entered_ == 1; }));
+  c.ShutdownWrite();
+  EXPECT_TRUE(WaitFor([&] { return gone_seen_.load(); }));
+  const std::string got = c.Read(2000ms);
+  EXPECT_EQ(got.find(" 500 "), std::string::npos) << got;
+  absl::MutexLock l(&errors_mu_);
+  EXPECT_TRUE(errors_.empty()) << errors_[0];
 }
 
 TEST_F(ServerTest, BusyBeyondTheBlockingHandlers) {
