@@ -15,11 +15,15 @@
 namespace shardserve {
 
 absl::Status RunCudaBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "batch", "steps", "prompt-tokens"}, {},
-                                       "shardserve bench cuda", kCudaBenchUsage));
+  ASSIGN_OR_RETURN(
+      Args a, Args::Parse(argv, {"model", "batch", "steps", "prompt-tokens", "profile-steps"}, {},
+                          "shardserve bench cuda", kCudaBenchUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   ASSIGN_OR_RETURN(int64_t steps, a.GetInt("steps", 64));
   ASSIGN_OR_RETURN(int64_t prompt, a.GetInt("prompt-tokens", 128));
+  // Under `ncu --profile-from-start off`, only the first N timed steps of each batch are profiled
+  // (scripts/gpu-check.sh --profile): their times are then the profiler's, not the model's.
+  ASSIGN_OR_RETURN(int64_t profile_steps, a.GetInt("profile-steps", 0));
   std::vector<int64_t> batches;
   for (absl::string_view b : absl::StrSplit(a.GetOr("batch", "1,32"), ',')) {
     int64_t n = 0;
@@ -54,19 +58,45 @@ absl::Status RunCudaBench(const std::vector<std::string>& argv) {
       }
     }
     // A step as the serving path runs it: the layers, then the greedy choice on the device (only
-    // the summaries of the tokens come back). The prefill is also a warm-up.
-    auto step = [&]() -> absl::Status {
-      RETURN_IF_ERROR(model->Run(chunks, *cache));
+    // the summaries of the tokens come back).
+    auto step = [&](std::vector<SequenceChunk>& batch) -> absl::Status {
+      RETURN_IF_ERROR(model->Run(batch, *cache));
       ASSIGN_OR_RETURN(std::vector<SampledToken> next, model->Greedy(0, nullptr));
-      for (int64_t s = 0; s < B; ++s) chunks[s].tokens = {next[s].id};
+      for (size_t s = 0; s < batch.size(); ++s) batch[s].tokens = {next[s].id};
       return absl::OkStatus();
     };
-    RETURN_IF_ERROR(step());
+    // Each prompt prefilled alone, as the server's chunked prefill does (a batch of B long
+    // prompts at once would hold B x prompt rows of activations); the median is reported, after
+    // one untimed prefill of the first prompt into a sequence that is then released (the first
+    // run of a shape pays for cuBLAS's start and the buffers' growth).
+    {
+      SequenceKv scratch;
+      std::vector<SequenceChunk> one = {SequenceChunk{chunks[0].tokens, &scratch}};
+      RETURN_IF_ERROR(step(one));
+      cache->Release(scratch);
+    }
+    std::vector<double> prefill;
+    for (int64_t s = 0; s < B; ++s) {
+      std::vector<SequenceChunk> one = {std::move(chunks[s])};
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(step(one));
+      prefill.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      chunks[s] = std::move(one[0]);
+    }
+    std::sort(prefill.begin(), prefill.end());
+    std::printf(
+        "prefill batch %3lld: %8.1f tokens/s, %lld-token prompt in %.2f ms (median of %lld)\n",
+        static_cast<long long>(B), prompt / prefill[prefill.size() / 2],
+        static_cast<long long>(prompt), prefill[prefill.size() / 2] * 1e3,
+        static_cast<long long>(B));
+    RETURN_IF_ERROR(step(chunks));  // a warm-up of the batch's shape
     std::vector<double> times;
     for (int64_t i = 0; i < steps; ++i) {
+      if (i == 0 && profile_steps > 0) RETURN_IF_ERROR(cuda::ProfilerRange(true));
       const auto t0 = Clock::now();
-      RETURN_IF_ERROR(step());
+      RETURN_IF_ERROR(step(chunks));
       times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      if (i + 1 == profile_steps) RETURN_IF_ERROR(cuda::ProfilerRange(false));
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];

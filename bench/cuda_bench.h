@@ -11,6 +11,7 @@ namespace shardserve {
 
 absl::Status RunCudaBench(const std::vector<std::string>& argv);
 inline constexpr char kCudaBenchUsage[] =
-    "--model DIR [--batch 1,32 --steps N --prompt-tokens N]\n(decode and prefill on a GPU)";
+    "--model DIR [--batch 1,32 --steps N --prompt-tokens N --profile-steps N]\n(decode and "
+    "prefill on a GPU)";
 
 }  // namespace shardserve

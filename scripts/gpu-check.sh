@@ -6,7 +6,10 @@
 # one log per check and summary.txt into OUT; prints the summary. Exit status: 0 when every check
 # passed (a skip is not a failure).
 # Usage: scripts/gpu-check.sh OUT [--prefix DIR] [--no-bench] [--bench-models "tinyllama ..."]
-#                             [--build-only [--targets "cuda_tests shardserve ..."]]
+#                             [--profile] [--build-only] [--targets "cuda_tests shardserve ..."]
+# --profile also runs ncu over two decode steps of each bench model (batch 1 and 32 after a
+# 128-token prompt; TinyLlama also batch 16 after 2,048) and writes the per-kernel tables
+# (scripts/ncu_table.py) to OUT/profile.txt.
 # NVCC, NCCL_DIR (include/, lib/), BUILD_DIR (build-gpu) and BENCH_MODELS (where the benchmark's
 # models are generated, /tmp/shardserve-bench-models) override what is found.
 set -uo pipefail
@@ -17,11 +20,14 @@ PREFIX=.gpu/prefix
 BENCH=1
 BENCH_SET="tinyllama llama3-8b"
 BUILD_ONLY=0
-TARGETS=""
+PROFILE=0
+# The checks' binaries only (the unit tests are CI's): a third of the build.
+TARGETS="cuda_tests shardserve shardserve-worker"
 while (($#)); do
   case "$1" in
     --prefix) PREFIX="$2"; shift 2 ;;
     --no-bench) BENCH=0; shift ;;
+    --profile) PROFILE=1; shift ;;
     --bench-models) BENCH_SET="$2"; shift 2 ;;
     --build-only) BUILD_ONLY=1; shift ;;
     --targets) TARGETS="$2"; shift 2 ;;
@@ -114,6 +120,31 @@ check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"
 if ((BENCH)); then
   check bench env SHARDSERVE_BIN="$BIN" BENCH_MODELS="${BENCH_MODELS:-/tmp/shardserve-bench-models}" PEER_PYTHON=python3 \
     bash bench/cuda.sh "$BENCH_SET"
-  grep -E '^(===|model:|decode batch|peer |shardserve / peer)' "$OUT/bench.log" | tee -a "$SUMMARY"
+  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer)' "$OUT/bench.log" |
+    tee -a "$SUMMARY"
+fi
+if ((PROFILE)); then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  : >"$OUT/profile.txt"
+  profile() {  # profile MODEL BATCH PROMPT
+    local dir="${BENCH_MODELS:-/tmp/shardserve-bench-models}/$1-bf16" csv="$OUT/ncu-$1-b$2-p$3.csv"
+    [ -f "$dir/config.json" ] || { note "SKIP profile $1: no model at $dir (run the bench)"; return; }
+    "$NCU" --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      --print-units base --log-file "$csv" "$BIN/shardserve" bench cuda --model "$dir" \
+      --batch "$2" --steps 3 --profile-steps 2 --prompt-tokens "$3" >>"$OUT/profile.log" 2>&1 ||
+      { note "FAIL profile $1 b$2 p$3: $(tail -2 "$OUT/profile.log" | tr '\n' ' ')"; fail=1; return; }
+    python3 scripts/ncu_table.py "$csv" 2 "$1 batch $2, $3-token prompt" >>"$OUT/profile.txt"
+  }
+  if [ -z "$NCU" ]; then
+    note "SKIP profile: no ncu"
+  else
+    for m in $BENCH_SET; do
+      profile "$m" 1 128
+      profile "$m" 32 128
+      [ "$m" = tinyllama ] && profile "$m" 16 2048
+    done
+    note "profile: $OUT/profile.txt"
+    cat "$OUT/profile.txt"
+  fi
 fi
 exit "$fail"

@@ -104,6 +104,13 @@ class Backend {
   // RMSNorm of M rows of dim floats: out = x / rms(x) * w.
   virtual absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,
                                float* out) = 0;
+  // x[m] += y[m], then out[m] = RmsNorm(x[m]) as above, for M rows of dim: a layer's residual
+  // add and the norm after it, which a backend may do in one pass. By default, Add then RmsNorm.
+  virtual absl::Status AddRmsNorm(float* x, const float* y, int64_t M, int64_t dim, const float* w,
+                                  float eps, float* out) {
+    if (absl::Status s = Add(x, y, M * dim); !s.ok()) return s;
+    return RmsNorm(x, M, dim, w, eps, out);
+  }
   // y[m][n] = sum_k w[n][k] * x[m][k] for m < M (x and y with row strides w.cols and w.rows).
   virtual absl::Status Gemm(const WeightMatrix& w, const float* x, int64_t M, float* y) = 0;
   // Gemm of n weight matrices with the same cols that read the same x (a layer's q, k and v

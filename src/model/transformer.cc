@@ -417,9 +417,14 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RETURN_IF_ERROR(m.attn->Reserve(static_cast<size_t>(rows * heads_ * hd) * sizeof(float)));
+  // Each layer's input norm is done with the residual add before it (AddRmsNorm), the first
+  // layer's here.
+  if (!layers_.empty()) {
+    RETURN_IF_ERROR(
+        be.RmsNorm(Ptr<float>(m.x), rows, H, layers_[0].input_norm, eps, Ptr<float>(m.h)));
+  }
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
-    RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), rows, H, L.input_norm, eps, Ptr<float>(m.h)));
     RETURN_IF_ERROR(
         GemmGroup({{&L.q, m.q.get()}, {&L.k, m.k.get()}, {&L.v, m.v.get()}}, *m.h, rows));
     if (L.q_bias != nullptr) {
@@ -439,11 +444,16 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
     RETURN_IF_ERROR(Gemm(L.o, *m.attn, rows, *m.o));
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));
     if (L.o_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.o), rows, H, L.o_bias));
-    RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
-    RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), rows, H, L.post_norm, eps, Ptr<float>(m.h)));
+    RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H, L.post_norm, eps,
+                                  Ptr<float>(m.h)));
     RETURN_IF_ERROR(c.moe ? Moe(L, rows) : Mlp(L, rows));
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));  // row-parallel down / experts
-    RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
+    if (li + 1 < layers_.size()) {
+      RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H,
+                                    layers_[li + 1].input_norm, eps, Ptr<float>(m.h)));
+    } else {
+      RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
+    }
   }
   for (SequenceChunk& ch : chunks) ch.kv->length += static_cast<int64_t>(ch.tokens.size());
   rows_ = rows;

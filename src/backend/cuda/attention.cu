@@ -1,25 +1,24 @@
 // The CUDA backend: rotary embeddings, the paged KV cache and attention.
+#include <type_traits>
+
 #include "backend/cuda/common.cuh"
 
 namespace shardserve::cuda {
 namespace {
 
-// One block per row; the angle in float as the reference computes it, its cosine and sine in
-// double (as model/rope.cc), so both backends rotate alike.
+// Grid (rows, heads), a thread per rotated pair; the angle in float as the reference computes
+// it, its cosine and sine in double (as model/rope.cc), so both backends rotate alike.
 __global__ void RopeKernel(float* x, int64_t heads, int64_t head_dim, const int32_t* positions,
                            const float* inv_freq) {
-  const int64_t r = blockIdx.x, half = head_dim / 2;
-  float* row = x + r * heads * head_dim;
+  const int64_t r = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
+  float* v = x + (r * heads + h) * head_dim;
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
     const float angle = static_cast<float>(positions[r]) * inv_freq[i];
     const float c = static_cast<float>(cos(static_cast<double>(angle)));
     const float sn = static_cast<float>(sin(static_cast<double>(angle)));
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = row + h * head_dim;
-      const float a = v[i], b = v[i + half];
-      v[i] = a * c - b * sn;
-      v[i + half] = b * c + a * sn;
-    }
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c - b * sn;
+    v[i + half] = b * c + a * sn;
   }
 }
 
@@ -30,91 +29,170 @@ __device__ __forceinline__ int64_t SlabOffset(const int32_t* blocks, int32_t off
   return ((block * kv_heads + kh) * bs + pos % bs) * hd;
 }
 
-// One block per row; threads over kv_heads * head_dim.
+// Grid (rows, kv_heads), threads over head_dim: the slot's place found once per block.
 __global__ void WriteKvKernel(float* kc, float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
                               const float* k, const float* v, const int32_t* positions,
                               const int32_t* blocks, const int32_t* block_offset) {
-  const int64_t r = blockIdx.x;
-  for (int64_t i = threadIdx.x; i < kv_heads * hd; i += blockDim.x) {
-    const int64_t kh = i / hd, d = i % hd;
-    const int64_t at = SlabOffset(blocks, block_offset[r], positions[r], kv_heads, kh, bs, hd) + d;
-    kc[at] = k[r * kv_heads * hd + i];
-    vc[at] = v[r * kv_heads * hd + i];
+  const int64_t r = blockIdx.x, kh = blockIdx.y;
+  const int64_t at = SlabOffset(blocks, block_offset[r], positions[r], kv_heads, kh, bs, hd);
+  const int64_t from = (r * kv_heads + kh) * hd;
+  for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+    kc[at + d] = k[from + d];
+    vc[at + d] = v[from + d];
   }
 }
 
 constexpr int kAttnWarps = 4;
 constexpr int64_t kAttnMaxHeadDim = 256;    // each lane holds head_dim / 32 of a row
-constexpr int64_t kAttnTargetBlocks = 256;  // enough blocks to fill the GPU at batch 1
+constexpr int64_t kAttnMaxGroup = 16;       // query heads a block serves from one KV head
+constexpr int64_t kAttnTargetBlocks = 528;  // four blocks for each of an H100/H200's 132 SMs
+constexpr int64_t kAttnChunk = 32;          // positions a warp scores at once, a lane each
 
-// Split-K decoding attention: grid (row x head, splits); a block takes a run of the row's
-// positions, its warps one position at a time (lanes over head_dim, so K and V rows are read
-// coalesced) with an online softmax. The block's (max, sum, unnormalized weighted V) go to
-// `partial`, and AttentionCombineKernel merges the splits.
-__global__ void AttentionSplitKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs,
-                                     int64_t hd, const float* q, int64_t heads, int64_t head0,
-                                     int64_t group, int64_t kv_head0, const int32_t* positions,
-                                     const int32_t* blocks, const int32_t* block_offset,
-                                     int64_t per_split, float scale, float* partial) {
-  constexpr int kPer = kAttnMaxHeadDim / 32;
-  __shared__ float warp_max[kAttnWarps], warp_sum[kAttnWarps];
-  __shared__ float warp_acc[kAttnWarps][kAttnMaxHeadDim];
-  const int64_t item = blockIdx.x, r = item / heads, h = item % heads;
-  const int64_t kh = (head0 + h) / group - kv_head0;
-  const int64_t len = positions[r] + 1;
-  const int64_t p0 = blockIdx.y * per_split, p1 = min(len, p0 + per_split);
+// Split-K decoding attention over the paged cache, GQA-aware: grid (row x KV head x head chunk,
+// splits); a block serves up to kG query heads that share one KV head, so each K and V row is read
+// once for all of them. Its warps take 32 positions at a time: a lane scores one position against
+// every head (its K row in 16-byte loads), the warp updates each head's online softmax, then the
+// lanes, now over head_dim, add the 32 weighted V rows (coalesced). The warps' states merge in
+// shared memory; with one split the block writes the output, otherwise (max, sum, unnormalized
+// weighted V) per (row, head, split) to `partial` for AttentionCombineKernel.
+template <int kG, int kPer>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    AttentionSplitKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
+                         const float* q, int64_t heads, int64_t head0, int64_t group,
+                         int64_t kv_head0, int64_t kv_first, int64_t kv_count, int64_t units,
+                         const int32_t* positions, const int32_t* blocks,
+                         const int32_t* block_offset, int64_t per_split, float scale,
+                         float* partial, float* out) {
+  constexpr int kDim = kPer * 32;
+  __shared__ float qs[kG][kDim];
+  __shared__ float es[kAttnWarps][kG][kAttnChunk];
+  __shared__ float wacc[kAttnWarps][kDim];
+  __shared__ float wm[kAttnWarps][kG], wl[kAttnWarps][kG];
+  const int64_t unit = blockIdx.x % units, j = (blockIdx.x / units) % kv_count,
+                r = blockIdx.x / units / kv_count;
+  const int64_t kv_global = kv_first + j, kh = kv_global - kv_head0;
+  // This block's query heads: those of KV head kv_global on this rank, kG at a time.
+  const int64_t lo = max(int64_t{0}, kv_global * group - head0) + unit * kG;
+  const int64_t hi = min(min(heads, (kv_global + 1) * group - head0), lo + kG);
+  const int G = static_cast<int>(max(int64_t{0}, hi - lo));
+  if (G == 0) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float* qh = q + (r * heads + h) * hd;
-  float qr[kPer], acc[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int64_t d = lane + 32 * i;
-    qr[i] = d < hd ? qh[d] : 0.f;
-    acc[i] = 0.f;
-  }
-  float m = -FLT_MAX, l = 0.f;
-  for (int64_t p = p0 + warp; p < p1; p += kAttnWarps) {
-    const int64_t at = SlabOffset(blocks, block_offset[r], p, kv_heads, kh, bs, hd);
-    const float *k = kc + at, *v = vc + at;
-    float dot = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int64_t d = lane + 32 * i;
-      if (d < hd) dot += qr[i] * k[d];
-    }
-    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffff, dot, off);
-    const float s = dot * scale, mn = fmaxf(m, s);
-    const float rescale = expf(m - mn), e = expf(s - mn);
-    l = l * rescale + e;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int64_t d = lane + 32 * i;
-      if (d < hd) acc[i] = acc[i] * rescale + e * v[d];
-    }
-    m = mn;
-  }
-  if (lane == 0) {
-    warp_max[warp] = m;
-    warp_sum[warp] = l;
-  }
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int64_t d = lane + 32 * i;
-    if (d < hd) warp_acc[warp][d] = acc[i];
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(kG) * kDim; i += blockDim.x) {
+    const int64_t g = i / kDim, d = i % kDim;
+    qs[g][d] = g < G && d < hd ? q[(r * heads + lo + g) * hd + d] : 0.f;
   }
   __syncthreads();
-  float mx = -FLT_MAX, sum = 0.f;
-  for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, warp_max[w]);
-  for (int w = 0; w < kAttnWarps; ++w) sum += warp_sum[w] * expf(warp_max[w] - mx);
-  float* out = partial + (item * gridDim.y + blockIdx.y) * (hd + 2);
-  for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-    float a = 0;
-    for (int w = 0; w < kAttnWarps; ++w) a += warp_acc[w][d] * expf(warp_max[w] - mx);
-    out[2 + d] = a;
+  const int64_t len = positions[r] + 1;
+  const int64_t p0 = blockIdx.y * per_split, p1 = min(len, p0 + per_split);
+  const int32_t* row_blocks = blocks + block_offset[r];
+  const bool vec = hd % 4 == 0;
+  float m[kG], l[kG], acc[kG][kPer];
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    m[g] = -FLT_MAX;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[g][i] = 0.f;
   }
-  if (threadIdx.x == 0) {
-    out[0] = mx;
-    out[1] = sum;
+  for (int64_t base = p0 + warp * kAttnChunk; base < p1; base += kAttnWarps * kAttnChunk) {
+    const int64_t p = base + lane;
+    const bool valid = p < p1;
+    int64_t at = 0;
+    float sc[kG];
+#pragma unroll
+    for (int g = 0; g < kG; ++g) sc[g] = 0.f;
+    if (valid) {
+      at = ((row_blocks[p / bs] * kv_heads + kh) * bs + p % bs) * hd;
+      if (vec) {
+        const float4* k4 = reinterpret_cast<const float4*>(kc + at);
+        for (int64_t d4 = 0; d4 < hd / 4; ++d4) {
+          const float4 kv = k4[d4];
+#pragma unroll
+          for (int g = 0; g < kG; ++g) {
+            const float4 qv = reinterpret_cast<const float4*>(qs[g])[d4];
+            sc[g] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < hd; ++d) {
+          const float kv = kc[at + d];
+#pragma unroll
+          for (int g = 0; g < kG; ++g) sc[g] += qs[g][d] * kv;
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const float s = valid ? sc[g] * scale : -FLT_MAX;
+      float cmax = s;
+      for (int off = 16; off > 0; off /= 2)
+        cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffff, cmax, off));
+      const float mn = fmaxf(m[g], cmax);
+      const float rescale = expf(m[g] - mn), e = valid ? expf(s - mn) : 0.f;
+      l[g] = l[g] * rescale + e;  // this lane's share; the warp's sum is taken at the end
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[g][i] *= rescale;
+      m[g] = mn;
+      es[warp][g][lane] = e;
+    }
+    __syncwarp();
+    const int64_t n = min(kAttnChunk, p1 - base);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t vat = __shfl_sync(0xffffffff, at, static_cast<int>(jj));
+      const float* vr = vc + vat;
+      float vv[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int64_t d = lane + 32 * i;
+        vv[i] = d < hd ? vr[d] : 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        const float e = es[warp][g][jj];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[g][i] += e * vv[i];
+      }
+    }
+    __syncwarp();
+  }
+  // The warps' states, one head at a time: this split's (max, sum, weighted V).
+  const int64_t splits = gridDim.y;
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    if (g >= G) break;
+    float lsum = l[g];
+    for (int off = 16; off > 0; off /= 2) lsum += __shfl_xor_sync(0xffffffff, lsum, off);
+    if (lane == 0) {
+      wm[warp][g] = m[g];
+      wl[warp][g] = lsum;
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) wacc[warp][lane + 32 * i] = acc[g][i];
+    __syncthreads();
+    float mx = -FLT_MAX, sum = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, wm[w][g]);
+    for (int w = 0; w < kAttnWarps; ++w) sum += wl[w][g] * expf(wm[w][g] - mx);
+    const int64_t item = r * heads + lo + g;
+    if (splits == 1) {
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0;
+        for (int w = 0; w < kAttnWarps; ++w) a += wacc[w][d] * expf(wm[w][g] - mx);
+        out[item * hd + d] = a * inv;
+      }
+    } else {
+      float* o = partial + (item * splits + blockIdx.y) * (hd + 2);
+      for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0;
+        for (int w = 0; w < kAttnWarps; ++w) a += wacc[w][d] * expf(wm[w][g] - mx);
+        o[2 + d] = a;
+      }
+      if (threadIdx.x == 0) {
+        o[0] = mx;
+        o[1] = sum;
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -140,16 +218,63 @@ __global__ void AttentionCombineKernel(const float* partial, int64_t splits, int
 absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
                   const float* inv_freq) {
   if (rows == 0) return absl::OkStatus();
-  RopeKernel<<<static_cast<unsigned>(rows), 64>>>(x, heads, head_dim, positions, inv_freq);
+  if (rows > INT32_MAX || heads > 65535 || heads == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Rope of ", rows, " rows of ", heads, " heads"));
+  }
+  const int threads = static_cast<int>(std::clamp<int64_t>((head_dim / 2 + 31) / 32 * 32, 32, 256));
+  RopeKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(heads)), threads>>>(
+      x, heads, head_dim, positions, inv_freq);
   return Check(cudaGetLastError(), "Rope launch");
 }
 
 absl::Status WriteKv(const DeviceKv& c, const float* k, const float* v, int64_t rows,
                      const int32_t* positions, const int32_t* blocks, const int32_t* block_offset) {
   if (rows == 0) return absl::OkStatus();
-  WriteKvKernel<<<static_cast<unsigned>(rows), 128>>>(
+  if (c.kv_heads == 0) return absl::OkStatus();
+  if (rows > INT32_MAX || c.kv_heads > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WriteKv of ", rows, " rows of ", c.kv_heads, " KV heads"));
+  }
+  const int threads = static_cast<int>(std::clamp<int64_t>((c.head_dim + 31) / 32 * 32, 32, 256));
+  WriteKvKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(c.kv_heads)), threads>>>(
       c.k, c.v, c.kv_heads, c.block_size, c.head_dim, k, v, positions, blocks, block_offset);
   return Check(cudaGetLastError(), "WriteKv launch");
+}
+
+// AttentionSplitKernel<kG, kPer> for the group size kg (1, 2, 4, 8 or 16) and kPer = per.
+void LaunchAttentionSplit(int kg, int per, dim3 grid, const float* kc, const float* vc,
+                          int64_t kv_heads, int64_t bs, int64_t hd, const float* q, int64_t heads,
+                          int64_t head0, int64_t group, int64_t kv_head0, int64_t kv_first,
+                          int64_t kv_count, int64_t units, const int32_t* positions,
+                          const int32_t* blocks, const int32_t* block_offset, int64_t per_split,
+                          float scale, float* partial, float* out) {
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kAttnWarps * 32>>>(kc, vc, kv_heads, bs, hd, q, heads, head0, group, kv_head0,
+                                      kv_first, kv_count, units, positions, blocks, block_offset,
+                                      per_split, scale, partial, out);
+  };
+  auto with_group = [&](auto g) {
+    constexpr int kG = decltype(g)::value;
+    if (per <= 2) {
+      launch(AttentionSplitKernel<kG, 2>);
+    } else if (per <= 4) {
+      launch(AttentionSplitKernel<kG, 4>);
+    } else {
+      launch(AttentionSplitKernel<kG, 8>);
+    }
+  };
+  switch (kg) {
+    case 1:
+      return with_group(std::integral_constant<int, 1>{});
+    case 2:
+      return with_group(std::integral_constant<int, 2>{});
+    case 4:
+      return with_group(std::integral_constant<int, 4>{});
+    case 8:
+      return with_group(std::integral_constant<int, 8>{});
+    default:
+      return with_group(std::integral_constant<int, 16>{});
+  }
 }
 
 absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t rows, int64_t heads,
@@ -162,20 +287,36 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
         absl::StrCat("attention on the CUDA backend takes head_dim up to ", kAttnMaxHeadDim,
                      ", not ", c.head_dim));
   }
-  const int64_t items = rows * heads;
-  const int64_t splits = std::clamp<int64_t>((kAttnTargetBlocks + items - 1) / items, 1,
-                                             std::max<int64_t>(1, (max_len + 31) / 32));
-  const int64_t per_split = (max_len + splits - 1) / splits;
-  auto partial =
-      ctx.Scratch(static_cast<size_t>(items * splits * (c.head_dim + 2)) * sizeof(float));
-  if (!partial.ok()) return partial.status();
-  float* pr = static_cast<float*>(*partial);
-  AttentionSplitKernel<<<dim3(static_cast<unsigned>(items), static_cast<unsigned>(splits)),
-                         kAttnWarps * 32>>>(c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q,
-                                            heads, head0, group, kv_head0, positions, blocks,
-                                            block_offset, per_split, scale, pr);
+  // The KV heads this rank's query heads read, and the blocks that serve each (kG heads a block).
+  const int64_t kv_first = head0 / group, kv_count = (head0 + heads - 1) / group - kv_first + 1;
+  const int64_t g = std::min<int64_t>(group, kAttnMaxGroup);
+  const int kg = g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : g <= 8 ? 8 : 16;
+  const int64_t units = (std::min<int64_t>(group, heads) + kg - 1) / kg;
+  const int64_t blocks_x = rows * kv_count * units;
+  if (blocks_x > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("attention over ", rows, " rows"));
+  }
+  // Splits of whole 128-position steps (a block's four warps), enough to fill the GPU.
+  const int64_t step = kAttnWarps * kAttnChunk;
+  const int64_t steps = std::max<int64_t>(1, (max_len + step - 1) / step);
+  int64_t splits = std::clamp<int64_t>((kAttnTargetBlocks + blocks_x - 1) / blocks_x, 1, steps);
+  const int64_t per_split = (steps + splits - 1) / splits * step;
+  splits = std::min<int64_t>(65535, (max_len + per_split - 1) / per_split);
+  splits = std::max<int64_t>(splits, 1);
+  float* pr = nullptr;
+  if (splits > 1) {
+    auto partial =
+        ctx.Scratch(static_cast<size_t>(rows * heads * splits * (c.head_dim + 2)) * sizeof(float));
+    if (!partial.ok()) return partial.status();
+    pr = static_cast<float*>(*partial);
+  }
+  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(splits));
+  LaunchAttentionSplit(kg, static_cast<int>((c.head_dim + 31) / 32), grid, c.k, c.v, c.kv_heads,
+                       c.block_size, c.head_dim, q, heads, head0, group, kv_head0, kv_first,
+                       kv_count, units, positions, blocks, block_offset, per_split, scale, pr, out);
   RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
-  AttentionCombineKernel<<<static_cast<unsigned>(items), 128>>>(pr, splits, c.head_dim, out);
+  if (splits == 1) return absl::OkStatus();
+  AttentionCombineKernel<<<static_cast<unsigned>(rows * heads), 128>>>(pr, splits, c.head_dim, out);
   return Check(cudaGetLastError(), "Attention launch");
 }
 

@@ -110,8 +110,16 @@ class CudaBackend : public Backend {
                        float* out) override {
     return cuda::RmsNorm(x, M, dim, w, eps, out);
   }
+  absl::Status AddRmsNorm(float* x, const float* y, int64_t M, int64_t dim, const float* w,
+                          float eps, float* out) override {
+    return cuda::AddRmsNorm(x, y, M, dim, w, eps, out);
+  }
   absl::Status Gemm(const WeightMatrix& w, const float* x, int64_t M, float* y) override {
     return cuda::Gemm(*ctx_, w, x, M, y);
+  }
+  absl::Status GemmGroupSameCols(const WeightMatrix* const* ws, float* const* ys, size_t n,
+                                 const float* x, int64_t M) override {
+    return cuda::GemmGroup(*ctx_, ws, ys, n, x, M);
   }
   absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias) override {
     return cuda::AddBias(x, rows, cols, bias);

@@ -93,14 +93,8 @@ __device__ __forceinline__ bool Before(float av, int64_t ai, float bv, int64_t b
   return av > bv || (av == bv && ai < bi);
 }
 
-// The first of row[0..n) in that order among those after `prev`; i == INT32_MAX if none.
-// `shared` holds 32 candidates.
-__device__ Cand BlockBestAfter(const float* row, int64_t n, Cand prev, Cand* shared) {
-  Cand b{-INFINITY, INT32_MAX};
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = row[i];
-    if (Before(prev.v, prev.i, v, i) && Before(v, i, b.v, b.i)) b = {v, static_cast<int32_t>(i)};
-  }
+// The first of the threads' candidates in that order; every thread gets it. `shared` holds 32.
+__device__ Cand BlockBest(Cand b, Cand* shared) {
   for (int off = 16; off > 0; off /= 2) {
     const float ov = __shfl_down_sync(0xffffffff, b.v, off);
     const int32_t oi = __shfl_down_sync(0xffffffff, b.i, off);
@@ -117,6 +111,17 @@ __device__ Cand BlockBestAfter(const float* row, int64_t n, Cand prev, Cand* sha
   const Cand out = shared[0];
   __syncthreads();
   return out;
+}
+
+// The first of row[0..n) in that order among those after `prev`; i == INT32_MAX if none.
+// `shared` holds 32 candidates.
+__device__ Cand BlockBestAfter(const float* row, int64_t n, Cand prev, Cand* shared) {
+  Cand b{-INFINITY, INT32_MAX};
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = row[i];
+    if (Before(prev.v, prev.i, v, i) && Before(v, i, b.v, b.i)) b = {v, static_cast<int32_t>(i)};
+  }
+  return BlockBest(b, shared);
 }
 
 unsigned Grid(int64_t n, int threads = 256) {

@@ -22,6 +22,9 @@ absl::Status Synchronize();
 absl::StatusOr<double> CopyBandwidth(size_t bytes, int reps = 10);
 // Sets `bytes` of device memory at p to zero.
 absl::Status Zero(void* p, size_t bytes);
+// Starts (true) or stops a profiled range: `ncu --profile-from-start off` measures the kernels
+// between the two (bench cuda --profile-steps).
+absl::Status ProfilerRange(bool start);
 
 class DeviceBuffer {
  public:
@@ -63,11 +66,19 @@ class Context {
 
 // RMSNorm of M rows of dim floats: out = x / rms(x) * w (all device pointers, F32).
 absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps, float* out);
+// x += y, then out = RmsNorm(x): the residual add and the next norm in one pass.
+absl::Status AddRmsNorm(float* x, const float* y, int64_t M, int64_t dim, const float* w, float eps,
+                        float* out);
 
 // y[m][n] = sum_k w[n][k] * x[m][k] (F32 x and y with row strides K and N), F32 accumulate. Up
 // to 8 rows with whole 16-byte weight rows: a GEMV that keeps x in F32 (decode); otherwise
 // cuBLAS, with x rounded to the weight's dtype first for F16/BF16 (tensor cores).
 absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M, float* y);
+
+// Gemm of n matrices with the same cols that read the same x (Backend::GemmGroup): up to four
+// decode-shaped (GEMV) products as one launch, otherwise one Gemm each.
+absl::Status GemmGroup(Context& ctx, const WeightMatrix* const* ws, float* const* ys, size_t n,
+                       const float* x, int64_t M);
 
 // Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
 // [vocab_begin, vocab_end), zeros otherwise (summed over the TP group afterwards).

@@ -4,23 +4,99 @@
 namespace shardserve::cuda {
 namespace {
 
-__global__ void RmsNormKernel(const float* x, int64_t dim, const float* w, float eps, float* out) {
-  const float* row = x + blockIdx.x * dim;
+// RMSNorm of one row per block, the row held in registers: each of kNormThreads threads loads
+// kVecs float4s (all in flight at once), the block sums their squares, and the thread writes its
+// part of the output. With `add`, x += add first (the residual) and the sum is written back to x:
+// the layer's residual add and the next norm in one pass. Needs dim % 4 == 0 and 16-byte aligned
+// rows; dim <= 4 * kNormThreads * kVecs.
+constexpr int kNormThreads = 256;
+
+template <int kVecs>
+__global__ void __launch_bounds__(kNormThreads)
+    RmsNormVecKernel(float* x, const float* add, int64_t dim, const float* w, float eps,
+                     float* out) {
+  __shared__ float partial[32];
+  const int64_t n4 = dim / 4;
+  float4* row = reinterpret_cast<float4*>(x + blockIdx.x * dim);
+  const float4* a =
+      add == nullptr ? nullptr : reinterpret_cast<const float4*>(add + blockIdx.x * dim);
+  float4 v[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kNormThreads;
+    v[j] = i < n4 ? row[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (a != nullptr) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kNormThreads;
+      if (i < n4) {
+        const float4 b = a[i];
+        v[j].x += b.x;
+        v[j].y += b.y;
+        v[j].z += b.z;
+        v[j].w += b.w;
+        row[i] = v[j];
+      }
+    }
+  }
+  float s = 0;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j)
+    s += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  s = BlockReduce(s, SumOp<float>{}, 0.f, partial);
+  const float inv = rsqrtf(s / dim + eps);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  float4* o = reinterpret_cast<float4*>(out + blockIdx.x * dim);
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(j) * kNormThreads;
+    if (i < n4) {
+      const float4 g = w4[i];
+      o[i] = make_float4(g.x * (v[j].x * inv), g.y * (v[j].y * inv), g.z * (v[j].z * inv),
+                         g.w * (v[j].w * inv));
+    }
+  }
+}
+
+// Any dim: x += add (when given), then the norm in two passes over the row.
+__global__ void RmsNormKernel(float* x, const float* add, int64_t dim, const float* w, float eps,
+                              float* out) {
+  float* row = x + blockIdx.x * dim;
   float* o = out + blockIdx.x * dim;
   __shared__ float partial[32];
   float s = 0;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) s += row[i] * row[i];
-  for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    s = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.f;
-    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
-    if (threadIdx.x == 0) partial[0] = rsqrtf(s / dim + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    if (add != nullptr) row[i] += add[blockIdx.x * dim + i];
+    s += row[i] * row[i];
   }
-  __syncthreads();
-  const float inv = partial[0];
+  s = BlockReduce(s, SumOp<float>{}, 0.f, partial);
+  const float inv = rsqrtf(s / dim + eps);
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = w[i] * (row[i] * inv);
+}
+
+absl::Status LaunchRmsNorm(float* x, const float* add, int64_t M, int64_t dim, const float* w,
+                           float eps, float* out) {
+  if (M == 0) return absl::OkStatus();
+  if (M > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat(M, " rows to normalize"));
+  const unsigned grid = static_cast<unsigned>(M);
+  const bool aligned = dim % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                       (add == nullptr || reinterpret_cast<uintptr_t>(add) % 16 == 0);
+  const int64_t vecs = (dim / 4 + kNormThreads - 1) / kNormThreads;
+  if (aligned && vecs <= 1) {
+    RmsNormVecKernel<1><<<grid, kNormThreads>>>(x, add, dim, w, eps, out);
+  } else if (aligned && vecs <= 2) {
+    RmsNormVecKernel<2><<<grid, kNormThreads>>>(x, add, dim, w, eps, out);
+  } else if (aligned && vecs <= 4) {
+    RmsNormVecKernel<4><<<grid, kNormThreads>>>(x, add, dim, w, eps, out);
+  } else if (aligned && vecs <= 8) {
+    RmsNormVecKernel<8><<<grid, kNormThreads>>>(x, add, dim, w, eps, out);
+  } else {
+    RmsNormKernel<<<grid, 256>>>(x, add, dim, w, eps, out);
+  }
+  return Check(cudaGetLastError(), "RmsNorm launch");
 }
 
 template <typename T>
@@ -61,12 +137,14 @@ __global__ void GatherRowsKernel(const float* x, int64_t dim, const int32_t* row
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) out[i * dim + d] = x[rows[i] * dim + d];
 }
 
-// Rows may repeat only across calls (an expert's rows are distinct), so no atomics are needed.
+// A destination row may repeat within one call (the seam allows it), and its blocks then run at
+// the same time: the additions are atomic, so none is lost. Where rows are distinct (an expert's
+// rows) each element gets one addition and the result is that of a plain +=.
 __global__ void ScaleAddRowsKernel(const float* x, int64_t dim, const int32_t* rows,
                                    const float* weight, float* y) {
   const int64_t i = blockIdx.x;
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-    y[rows[i] * dim + d] += weight[i] * x[i * dim + d];
+    atomicAdd(y + rows[i] * dim + d, weight[i] * x[i * dim + d]);
   }
 }
 
@@ -126,9 +204,13 @@ absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, cons
 
 absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,
                      float* out) {
-  if (M == 0) return absl::OkStatus();
-  RmsNormKernel<<<static_cast<unsigned>(M), 256>>>(x, dim, w, eps, out);
-  return Check(cudaGetLastError(), "RmsNorm launch");
+  // Without `add` the kernels only read x.
+  return LaunchRmsNorm(const_cast<float*>(x), nullptr, M, dim, w, eps, out);
+}
+
+absl::Status AddRmsNorm(float* x, const float* y, int64_t M, int64_t dim, const float* w, float eps,
+                        float* out) {
+  return LaunchRmsNorm(x, y, M, dim, w, eps, out);
 }
 
 }  // namespace shardserve::cuda

@@ -30,18 +30,34 @@ __device__ void Unpack(uint4 raw, float (&out)[8], __half) {
   }
 }
 
+// Up to kGemvMaxGroup matrices with the same cols that read the same x (a layer's q, k and v;
+// gate and up), as one launch: output rows are numbered across the matrices, matrix i's rows
+// ending at end[i].
+constexpr int kGemvMaxGroup = 4;
+struct GemvGroup {
+  const void* w[kGemvMaxGroup];
+  int64_t stride[kGemvMaxGroup];
+  int64_t rows[kGemvMaxGroup];
+  int64_t end[kGemvMaxGroup];
+  float* y[kGemvMaxGroup];
+  int n = 0;
+};
+
 // Small batches (decode): Y[M][rows] = X[M][cols] W^T with one warp per output row, the row read
 // once in 16-byte pieces for all M inputs, X kept in F32 (so no conversion pass, and the
 // precision of the CPU's product). Needs cols and stride to be multiples of a piece and W and X
 // 16-byte aligned (GemvFits).
 template <typename T, int M>
-__global__ void GemvKernel(const T* __restrict__ w, int64_t rows, int64_t cols, int64_t stride,
-                           const float* __restrict__ x, float* __restrict__ y) {
+__global__ void GemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ x) {
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= rows) return;
+  const int64_t global_row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (global_row >= g.end[g.n - 1]) return;
+  int i = 0;
+  while (global_row >= g.end[i]) ++i;
+  const int64_t row = global_row - (i == 0 ? 0 : g.end[i - 1]);
   const int lane = threadIdx.x % 32;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + row * stride);
+  const uint4* wr =
+      reinterpret_cast<const uint4*>(static_cast<const T*>(g.w[i]) + row * g.stride[i]);
   const int64_t pieces = cols / kVec;
   float acc[M] = {};
 #pragma unroll 4
@@ -62,6 +78,8 @@ __global__ void GemvKernel(const T* __restrict__ w, int64_t rows, int64_t cols, 
       }
     }
   }
+  float* y = g.y[i];
+  const int64_t rows = g.rows[i];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float s = acc[m];
@@ -80,15 +98,33 @@ bool GemvFits(const WeightMatrix& w, const float* x, int64_t M) {
 }
 
 template <typename T, int M>
-void LaunchGemv(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+void LaunchGemv(GemvGroup g, int64_t cols, const float* x, int64_t m) {
   if constexpr (M > 1) {
-    if (m < M) return LaunchGemv<T, M / 2>(w, x, m, y);
+    if (m < M) return LaunchGemv<T, M / 2>(g, cols, x, m);
   }
   // M is a power of two no larger than m: the first M rows now, the rest after.
-  const unsigned blocks = static_cast<unsigned>((w.rows + kGemvWarps - 1) / kGemvWarps);
-  GemvKernel<T, M><<<blocks, kGemvWarps * 32>>>(static_cast<const T*>(w.data), w.rows, w.cols,
-                                                w.row_stride, x, y);
-  if (m > M) LaunchGemv<T, kGemvMaxRows>(w, x + M * w.cols, m - M, y + M * w.rows);
+  const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kGemvWarps - 1) / kGemvWarps);
+  GemvKernel<T, M><<<blocks, kGemvWarps * 32>>>(g, cols, x);
+  if (m > M) {
+    for (int i = 0; i < g.n; ++i) g.y[i] += M * g.rows[i];
+    LaunchGemv<T, kGemvMaxRows>(g, cols, x + M * cols, m - M);
+  }
+}
+
+absl::Status LaunchGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
+                             int64_t M) {
+  switch (dtype) {
+    case DType::kF32:
+      LaunchGemv<float, kGemvMaxRows>(g, cols, x, M);
+      break;
+    case DType::kF16:
+      LaunchGemv<__half, kGemvMaxRows>(g, cols, x, M);
+      break;
+    case DType::kBF16:
+      LaunchGemv<__nv_bfloat16, kGemvMaxRows>(g, cols, x, M);
+      break;
+  }
+  return Check(cudaGetLastError(), "Gemv launch");
 }
 
 template <typename T>
@@ -163,18 +199,13 @@ absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M
   if (M == 0 || w.rows == 0) return absl::OkStatus();
   const int64_t N = w.rows, K = w.cols;
   if (GemvFits(w, x, M)) {
-    switch (w.dtype) {
-      case DType::kF32:
-        LaunchGemv<float, kGemvMaxRows>(w, x, M, y);
-        break;
-      case DType::kF16:
-        LaunchGemv<__half, kGemvMaxRows>(w, x, M, y);
-        break;
-      case DType::kBF16:
-        LaunchGemv<__nv_bfloat16, kGemvMaxRows>(w, x, M, y);
-        break;
-    }
-    return Check(cudaGetLastError(), "Gemv launch");
+    GemvGroup g;
+    g.w[0] = w.data;
+    g.stride[0] = w.row_stride;
+    g.rows[0] = g.end[0] = w.rows;
+    g.y[0] = y;
+    g.n = 1;
+    return LaunchGemvGroup(g, w.dtype, K, x, M);
   }
   const void* b = x;
   cudaDataType_t type = CUDA_R_32F;
@@ -205,6 +236,30 @@ absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M
         absl::StrCat("cublasGemmEx ", M, "x", N, "x", K, ": ", cublasGetStatusString(st)));
   }
   return absl::OkStatus();
+}
+
+absl::Status GemmGroup(Context& ctx, const WeightMatrix* const* ws, float* const* ys, size_t n,
+                       const float* x, int64_t M) {
+  if (M == 0 || n == 0) return absl::OkStatus();
+  bool one_launch = n <= static_cast<size_t>(kGemvMaxGroup);
+  for (size_t i = 0; i < n && one_launch; ++i) {
+    one_launch = ws[i]->dtype == ws[0]->dtype && ws[i]->rows > 0 && GemvFits(*ws[i], x, M);
+  }
+  if (!one_launch) {
+    for (size_t i = 0; i < n; ++i) RETURN_IF_ERROR(Gemm(ctx, *ws[i], x, M, ys[i]));
+    return absl::OkStatus();
+  }
+  GemvGroup g;
+  int64_t end = 0;
+  for (size_t i = 0; i < n; ++i) {
+    g.w[i] = ws[i]->data;
+    g.stride[i] = ws[i]->row_stride;
+    g.rows[i] = ws[i]->rows;
+    g.end[i] = end += ws[i]->rows;
+    g.y[i] = ys[i];
+  }
+  g.n = static_cast<int>(n);
+  return LaunchGemvGroup(g, ws[0]->dtype, ws[0]->cols, x, M);
 }
 
 absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,

@@ -1,6 +1,14 @@
 // The CUDA backend: the context, device memory and copies.
 #include "backend/cuda/common.cuh"
 
+// The runtime exports the profiler range; the CUDA wheels ship no cuda_profiler_api.h.
+#if __has_include(<cuda_profiler_api.h>)
+#include <cuda_profiler_api.h>
+#else
+extern "C" cudaError_t cudaProfilerStart();
+extern "C" cudaError_t cudaProfilerStop();
+#endif
+
 namespace shardserve::cuda {
 
 Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -66,6 +74,11 @@ absl::StatusOr<double> CopyBandwidth(size_t bytes, int reps) {
 }
 
 absl::Status Zero(void* p, size_t bytes) { return Check(cudaMemset(p, 0, bytes), "cudaMemset"); }
+
+absl::Status ProfilerRange(bool start) {
+  return start ? Check(cudaProfilerStart(), "cudaProfilerStart")
+               : Check(cudaProfilerStop(), "cudaProfilerStop");
+}
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Alloc(size_t bytes) {
   DeviceBuffer b;

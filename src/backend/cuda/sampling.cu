@@ -7,35 +7,88 @@
 namespace shardserve::cuda {
 namespace {
 
-// One block per row: max, sum of exp(logit - max) (double, as the host), then K rounds of "the
-// best after the previous pick".
-__global__ void VocabSummaryKernel(const float* logits, int64_t ld, int64_t n, int64_t vocab_begin,
-                                   int64_t K, float* out) {
+// The vocabulary summary in two launches, so that a long row (128k logits) is spread over the
+// GPU rather than one block: grid (chunks, rows), each block a chunk of kSummaryChunk logits —
+// its max, its sum of exp(logit - that max) (double, as the host) and its K best (ties to the
+// lower id, ids absolute within the slice); then one block per row merges its chunks.
+constexpr int64_t kSummaryChunk = 2048;
+constexpr int kSummaryThreads = 256;
+
+// The first of c[0..n) in the candidate order after `prev`; i == INT32_MAX if none.
+__device__ Cand BlockBestCandAfter(const Cand* c, int64_t n, Cand prev, Cand* shared) {
+  Cand b{-INFINITY, INT32_MAX};
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const Cand x = c[j];
+    if (x.i != INT32_MAX && Before(prev.v, prev.i, x.v, x.i) && Before(x.v, x.i, b.v, b.i)) b = x;
+  }
+  return BlockBest(b, shared);
+}
+
+__global__ void __launch_bounds__(kSummaryThreads)
+    VocabChunkKernel(const float* logits, int64_t ld, int64_t n, int64_t K, float* chunk_max,
+                     double* chunk_sum, Cand* chunk_best) {
   __shared__ float fsh[32];
   __shared__ double dsh[32];
   __shared__ Cand csh[32];
-  const float* row = logits + blockIdx.x * ld;
-  float* rec = out + blockIdx.x * (2 + 2 * K);
+  const int64_t chunks = gridDim.x, c = blockIdx.x, r = blockIdx.y;
+  const int64_t begin = c * kSummaryChunk, len = min(kSummaryChunk, n - begin);
+  const float* row = logits + r * ld + begin;
   float mx = -INFINITY;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, row[i]);
+  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) mx = fmaxf(mx, row[i]);
   mx = BlockReduce(mx, MaxOp{}, -INFINITY, fsh);
   double sum = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    sum += exp(static_cast<double>(row[i] - mx));
+  if (mx != -INFINITY) {
+    for (int64_t i = threadIdx.x; i < len; i += blockDim.x)
+      sum += exp(static_cast<double>(row[i] - mx));
+  }
   sum = BlockReduce(sum, SumOp<double>{}, 0.0, dsh);
+  const int64_t at = r * chunks + c;
+  if (threadIdx.x == 0) {
+    chunk_max[at] = mx;
+    chunk_sum[at] = sum;
+  }
+  Cand prev{INFINITY, -1};
+  for (int64_t j = 0; j < K; ++j) {
+    const Cand b = BlockBestAfter(row, len, prev, csh);  // ids relative to the chunk
+    if (threadIdx.x == 0) {
+      chunk_best[at * K + j] = b.i == INT32_MAX ? Cand{-INFINITY, INT32_MAX}
+                                                : Cand{b.v, static_cast<int32_t>(begin + b.i)};
+    }
+    prev = b;
+  }
+}
+
+__global__ void __launch_bounds__(kSummaryThreads)
+    VocabMergeKernel(const float* chunk_max, const double* chunk_sum, const Cand* chunk_best,
+                     int64_t chunks, int64_t vocab_begin, int64_t K, float* out) {
+  __shared__ float fsh[32];
+  __shared__ double dsh[32];
+  __shared__ Cand csh[32];
+  const int64_t r = blockIdx.x;
+  const float* cm = chunk_max + r * chunks;
+  const double* cs = chunk_sum + r * chunks;
+  float mx = -INFINITY;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) mx = fmaxf(mx, cm[c]);
+  mx = BlockReduce(mx, MaxOp{}, -INFINITY, fsh);
+  double sum = 0;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    if (cm[c] != -INFINITY) sum += cs[c] * exp(static_cast<double>(cm[c] - mx));
+  }
+  sum = BlockReduce(sum, SumOp<double>{}, 0.0, dsh);
+  float* rec = out + r * (2 + 2 * K);
   if (threadIdx.x == 0) {
     rec[0] = mx;
     rec[1] = static_cast<float>(sum);
   }
   Cand prev{INFINITY, -1};
   for (int64_t j = 0; j < K; ++j) {
-    const Cand c = BlockBestAfter(row, n, prev, csh);
+    const Cand b = BlockBestCandAfter(chunk_best + r * chunks * K, chunks * K, prev, csh);
     if (threadIdx.x == 0) {
-      const bool found = c.i != INT32_MAX;
-      rec[2 + 2 * j] = found ? c.v : -INFINITY;
-      rec[3 + 2 * j] = found ? static_cast<float>(vocab_begin + c.i) : -INFINITY;
+      const bool found = b.i != INT32_MAX;
+      rec[2 + 2 * j] = found ? b.v : -INFINITY;
+      rec[3 + 2 * j] = found ? static_cast<float>(vocab_begin + b.i) : -INFINITY;
     }
-    prev = c;
+    prev = b;
   }
 }
 
@@ -134,11 +187,26 @@ __global__ void __launch_bounds__(kSampleThreads)
 absl::Status VocabSummaries(Context& ctx, const float* logits, int64_t rows, int64_t ld, int64_t n,
                             int64_t vocab_begin, int64_t K, float* out) {
   if (rows == 0) return absl::OkStatus();
+  if (rows > 65535) return absl::InvalidArgumentError(absl::StrCat(rows, " rows to summarize"));
+  const int64_t chunks = std::max<int64_t>(1, (n + kSummaryChunk - 1) / kSummaryChunk);
+  // One scratch allocation: the summaries, then each chunk's max, sum and K best.
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
   const size_t bytes = static_cast<size_t>(rows * (2 + 2 * K)) * sizeof(float);
-  ASSIGN_OR_RETURN(void* d, ctx.Scratch(bytes));
-  VocabSummaryKernel<<<static_cast<unsigned>(rows), 256>>>(logits, ld, n, vocab_begin, K,
-                                                           static_cast<float*>(d));
+  const size_t parts = static_cast<size_t>(rows * chunks);
+  const size_t max_b = align(parts * sizeof(float)), sum_b = align(parts * sizeof(double));
+  ASSIGN_OR_RETURN(void* base, ctx.Scratch(align(bytes) + max_b + sum_b +
+                                           parts * static_cast<size_t>(K) * sizeof(Cand)));
+  char* p = static_cast<char*>(base);
+  float* d = reinterpret_cast<float*>(p);
+  float* chunk_max = reinterpret_cast<float*>(p + align(bytes));
+  double* chunk_sum = reinterpret_cast<double*>(p + align(bytes) + max_b);
+  Cand* chunk_best = reinterpret_cast<Cand*>(p + align(bytes) + max_b + sum_b);
+  VocabChunkKernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(rows)),
+                     kSummaryThreads>>>(logits, ld, n, K, chunk_max, chunk_sum, chunk_best);
   RETURN_IF_CUDA(cudaGetLastError(), "VocabSummaries launch");
+  VocabMergeKernel<<<static_cast<unsigned>(rows), kSummaryThreads>>>(
+      chunk_max, chunk_sum, chunk_best, chunks, vocab_begin, K, d);
+  RETURN_IF_CUDA(cudaGetLastError(), "VocabSummaries merge launch");
   return Check(cudaMemcpy(out, d, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy of the summaries");
 }
 

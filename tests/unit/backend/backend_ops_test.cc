@@ -92,17 +92,26 @@ TEST_P(BackendOpsTest, GemmMatchesTheArithmetic) {
 TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
   const int64_t K = 64;
   const std::vector<int64_t> rows = {37, 4, 4, 19};
-  for (int64_t M : {1, 5, 33}) {
+  // Mixed dtypes, then one dtype (which a GPU runs as one launch at decode sizes).
+  for (auto [M, mixed] : {std::pair{1, true},
+                          {5, true},
+                          {33, true},
+                          {1, false},
+                          {3, false},
+                          {8, false},
+                          {33, false}}) {
+    auto dtype_of = [mixed = mixed](size_t i) {
+      return mixed && i % 2 == 0 ? DType::kF32 : DType::kBF16;
+    };
     Mem mem(*be_);
     std::vector<std::vector<uint8_t>> bytes;
     std::vector<WeightMatrix> ws;
     for (size_t i = 0; i < rows.size(); ++i) {
       std::vector<float> w = Random(rows[i] * K, 10 + i);
-      bytes.push_back(Encode(i % 2 == 0 ? DType::kF32 : DType::kBF16, w));
+      bytes.push_back(Encode(dtype_of(i), w));
     }
     for (size_t i = 0; i < rows.size(); ++i) {
-      auto dw = be_->Upload(
-          WeightMatrix{i % 2 == 0 ? DType::kF32 : DType::kBF16, bytes[i].data(), rows[i], K, K});
+      auto dw = be_->Upload(WeightMatrix{dtype_of(i), bytes[i].data(), rows[i], K, K});
       ASSERT_TRUE(dw.ok()) << dw.status();
       ws.push_back(*dw);
     }
@@ -118,7 +127,7 @@ TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
     ASSERT_TRUE(be_->GemmGroup(wp.data(), grouped.data(), wp.size(), x, M).ok());
     for (size_t i = 0; i < ws.size(); ++i) {
       EXPECT_EQ(mem.Get(grouped[i], M * rows[i]), mem.Get(single[i], M * rows[i]))
-          << "matrix " << i << " M=" << M;
+          << "matrix " << i << " M=" << M << (mixed ? " mixed" : " bf16");
     }
   }
   std::vector<float> a = Random(4 * 64, 1), b = Random(4 * 32, 2);
@@ -199,6 +208,36 @@ TEST_P(BackendOpsTest, ElementwiseOpsMatchTheArithmetic) {
   }
 }
 
+// RmsNorm and AddRmsNorm at model widths (the GPU keeps a row in registers up to 8,192 floats
+// whose count is a multiple of 4, and takes any other width another way): x += y is written
+// back, out is the norm of the sum; RmsNorm leaves x alone.
+TEST_P(BackendOpsTest, AddRmsNormAddsThenNormalizes) {
+  for (int64_t dim : {50, 2048, 4100, 8196}) {
+    const int64_t rows = 3, n = rows * dim;
+    const std::vector<float> x = Random(n, 30 + dim, -3, 3), y = Random(n, 31), w = Random(dim, 32);
+    Mem mem(*be_);
+    float* dx = mem.Put(x);
+    const float* dw = mem.Put(w);
+    float* out = mem.Zeros<float>(n);
+    ASSERT_TRUE(be_->RmsNorm(dx, rows, dim, dw, 1e-5f, out).ok());
+    EXPECT_EQ(mem.Get(dx, n), x) << dim;
+    ASSERT_TRUE(be_->AddRmsNorm(dx, mem.Put(y), rows, dim, dw, 1e-5f, out).ok());
+    const std::vector<float> sum = mem.Get(dx, n), got = mem.Get(out, n);
+    for (int64_t r = 0; r < rows; ++r) {
+      double ss = 0;
+      for (int64_t c = 0; c < dim; ++c) {
+        const float v = x[r * dim + c] + y[r * dim + c];
+        ASSERT_EQ(sum[r * dim + c], v) << dim << " " << r << " " << c;
+        ss += double(v) * v;
+      }
+      const double inv = 1 / std::sqrt(ss / dim + 1e-5);
+      for (int64_t c = 0; c < dim; ++c) {
+        ASSERT_NEAR(got[r * dim + c], sum[r * dim + c] * inv * w[c], 1e-5) << dim << " " << c;
+      }
+    }
+  }
+}
+
 // rotate_half: dimension i pairs with i + head_dim / 2, at each row's own position.
 TEST_P(BackendOpsTest, RopeRotatesEachRowAtItsPosition) {
   const int64_t rows = 3, heads = 2, hd = 16, half = hd / 2;
@@ -271,6 +310,91 @@ TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
         double want = 0;
         for (int64_t j = first; j <= r; ++j) want += s[j - first] / z * v[j * kvd + kh * hd + d];
         ASSERT_NEAR(got[(r * heads + h) * hd + d], want, 1e-5) << r << " " << h << " " << d;
+      }
+    }
+  }
+}
+
+// Attention at decode shapes: long sequences (the GPU splits them across blocks and merges),
+// query heads sharing a KV head (read once for the group), a TP rank's heads that start past
+// head 0, head sizes that are not a multiple of 4, and a prompt's rows (one split), against
+// double-precision arithmetic.
+TEST_P(BackendOpsTest, AttentionOverLongSequencesAndHeadGroups) {
+  struct Shape {
+    int64_t hd, cache_kv_heads, heads, group, head0, kv_head0;
+  };
+  for (const Shape& sh : {Shape{64, 4, 32, 8, 0, 0}, Shape{128, 2, 8, 4, 8, 2},
+                          Shape{34, 3, 3, 1, 3, 3}, Shape{64, 1, 12, 12, 12, 1}}) {
+    const int64_t hd = sh.hd, kvh = sh.cache_kv_heads, kvd = kvh * hd, bs = 16;
+    // Sequences of these lengths in scattered blocks; each is written whole.
+    const std::vector<int64_t> lens = {701, 130, 1, 40};
+    std::vector<int32_t> table, wpos, woff;
+    std::vector<int64_t> first_block;
+    int32_t next = 0;
+    for (int64_t len : lens) {
+      first_block.push_back(static_cast<int64_t>(table.size()));
+      for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) table.push_back(next++);
+    }
+    std::mt19937 rng(static_cast<uint32_t>(hd));
+    std::shuffle(table.begin(), table.end(), rng);
+    for (size_t s = 0; s < lens.size(); ++s) {
+      for (int64_t p = 0; p < lens[s]; ++p) {
+        wpos.push_back(static_cast<int32_t>(p));
+        woff.push_back(static_cast<int32_t>(first_block[s]));
+      }
+    }
+    const int64_t written = static_cast<int64_t>(wpos.size());
+    const std::vector<float> k = Random(written * kvd, 40 + hd, -2, 2),
+                             v = Random(written * kvd, 41 + hd);
+    auto kv = be_->AllocKv(1, next, kvh, bs, hd);
+    ASSERT_TRUE(kv.ok()) << kv.status();
+    Mem mem(*be_);
+    ASSERT_TRUE(be_->WriteKv(**kv, 0, mem.Put(k), mem.Put(v), written, mem.Put(wpos),
+                             mem.Put(table), mem.Put(woff))
+                    .ok());
+    // Queries: each sequence's last position (decode), then every row of the 40-token prompt.
+    std::vector<int32_t> qpos, qoff, qseq;
+    for (size_t s = 0; s < lens.size(); ++s) {
+      qpos.push_back(static_cast<int32_t>(lens[s] - 1));
+      qoff.push_back(static_cast<int32_t>(first_block[s]));
+      qseq.push_back(static_cast<int32_t>(s));
+    }
+    for (int32_t p = 0; p < 40; ++p) {
+      qpos.push_back(p);
+      qoff.push_back(static_cast<int32_t>(first_block[3]));
+      qseq.push_back(3);
+    }
+    const int64_t rows = static_cast<int64_t>(qpos.size());
+    const std::vector<float> q = Random(rows * sh.heads * hd, 42 + hd, -2, 2);
+    float* out = mem.Zeros<float>(rows * sh.heads * hd);
+    const float scale = 1 / std::sqrt(float(hd));
+    ASSERT_TRUE(be_->Attention(**kv, 0, mem.Put(q), rows, sh.heads, sh.head0, sh.group, sh.kv_head0,
+                               mem.Put(qpos), mem.Put(table), mem.Put(qoff), 701, scale, out)
+                    .ok());
+    const std::vector<float> got = mem.Get(out, rows * sh.heads * hd);
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t base = 0;  // the sequence's first written row
+      for (int32_t s = 0; s < qseq[r]; ++s) base += lens[s];
+      for (int64_t h = 0; h < sh.heads; ++h) {
+        const int64_t kh = (sh.head0 + h) / sh.group - sh.kv_head0;
+        const float* qr = q.data() + (r * sh.heads + h) * hd;
+        std::vector<double> e;
+        for (int64_t j = 0; j <= qpos[r]; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < hd; ++d) dot += double(qr[d]) * k[(base + j) * kvd + kh * hd + d];
+          e.push_back(dot * scale);
+        }
+        const double mx = *std::max_element(e.begin(), e.end());
+        double z = 0;
+        for (double& x : e) z += (x = std::exp(x - mx));
+        for (int64_t d = 0; d < hd; ++d) {
+          double want = 0;
+          for (int64_t j = 0; j <= qpos[r]; ++j)
+            want += e[j] / z * v[(base + j) * kvd + kh * hd + d];
+          ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want, 2e-5)
+              << "hd " << hd << " group " << sh.group << " row " << r << " head " << h << " d "
+              << d;
+        }
       }
     }
   }
@@ -369,6 +493,32 @@ TEST_P(BackendOpsTest, MoeRoutingAndExpertProducts) {
   }
 }
 
+// The summaries VocabSummaries wrote (`got`) for K, against the host's: each row's max, sum of
+// exp(logit - max), and its K best in order (ties to the lower id), -inf past the slice's n.
+void ExpectSummaries(const std::vector<float>& logits, int64_t rows, int64_t ld, int64_t n,
+                     int64_t begin, int64_t K, const std::vector<float>& got) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits.data() + r * ld;
+    const float* rec = got.data() + r * (2 + 2 * K);
+    std::vector<int32_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+    double z = 0;
+    for (int64_t i = 0; i < n; ++i) z += std::exp(double(row[i]) - row[order[0]]);
+    EXPECT_EQ(rec[0], row[order[0]]);
+    EXPECT_NEAR(rec[1], z, 1e-5 * z);
+    for (int64_t j = 0; j < K; ++j) {
+      if (j < n) {
+        EXPECT_EQ(rec[2 + 2 * j], row[order[j]]) << K << " " << j;
+        EXPECT_EQ(rec[3 + 2 * j], float(begin + order[j])) << K << " " << j;
+      } else {
+        EXPECT_EQ(rec[2 + 2 * j], -INFINITY);
+      }
+    }
+  }
+}
+
 // Summaries of a vocabulary slice: max, sum of exp, the K best (ties to the lower id) as global
 // ids; a slice narrower than K pads with -inf.
 TEST_P(BackendOpsTest, VocabSummariesOfASlice) {
@@ -380,26 +530,24 @@ TEST_P(BackendOpsTest, VocabSummariesOfASlice) {
   for (int64_t K : {1, 3, 35}) {
     std::vector<float> got(rows * (2 + 2 * K));
     ASSERT_TRUE(be_->VocabSummaries(dl, rows, ld, n, begin, K, got.data()).ok());
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = logits.data() + r * ld;
-      const float* rec = got.data() + r * (2 + 2 * K);
-      std::vector<int32_t> order(n);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int32_t a, int32_t b) { return row[a] > row[b]; });
-      double z = 0;
-      for (int64_t i = 0; i < n; ++i) z += std::exp(double(row[i]) - row[order[0]]);
-      EXPECT_EQ(rec[0], row[order[0]]);
-      EXPECT_NEAR(rec[1], z, 1e-4 * z);
-      for (int64_t j = 0; j < K; ++j) {
-        if (j < n) {
-          EXPECT_EQ(rec[2 + 2 * j], row[order[j]]) << K << " " << j;
-          EXPECT_EQ(rec[3 + 2 * j], float(begin + order[j])) << K << " " << j;
-        } else {
-          EXPECT_EQ(rec[2 + 2 * j], -INFINITY);
-        }
-      }
-    }
+    ExpectSummaries(logits, rows, ld, n, begin, K, got);
+  }
+}
+
+// A slice longer than one of the GPU's chunks (2,048 logits): the best of each chunk merged, a
+// tie across chunks to the lower id, the sum over all of them.
+TEST_P(BackendOpsTest, VocabSummariesAcrossChunks) {
+  const int64_t rows = 2, n = 5000, ld = 5003, begin = 128;
+  std::vector<float> logits = Random(rows * ld, 22, -4, 4);
+  logits[0 * ld + 4500] = logits[0 * ld + 100] = 9;  // a tie: 100 first
+  logits[1 * ld + 4999] = 8;
+  logits[1 * ld + 2048] = 7.5f;
+  Mem mem(*be_);
+  const float* dl = mem.Put(logits);
+  for (int64_t K : {1, 5}) {
+    std::vector<float> got(rows * (2 + 2 * K));
+    ASSERT_TRUE(be_->VocabSummaries(dl, rows, ld, n, begin, K, got.data()).ok());
+    ExpectSummaries(logits, rows, ld, n, begin, K, got);
   }
 }
 

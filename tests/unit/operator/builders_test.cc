@@ -126,7 +126,7 @@ TEST(Builders, InspectPodReadsTheModelWhereTheRanksWill) {
   EXPECT_EQ(c["command"], json::array({"shardserve-worker", "inspect"}));
   EXPECT_EQ(c["image"], "w:1");
   EXPECT_EQ(Env(pod, "SHARDSERVE_MODEL_PATH"), Env(stage, "SHARDSERVE_MODEL_PATH"));
-  EXPECT_EQ(Env(pod, "SHARDSERVE_TERMINATION_LOG"), c["terminationMessagePath"]);
+  EXPECT_EQ(Env(pod, "SHARDSERVE_TERMINATION_LOG"), c["terminationMessagePath"].get<std::string>());
   EXPECT_EQ(c["terminationMessagePolicy"], "FallbackToLogsOnError");
   EXPECT_FALSE(c.contains("resources")) << "it holds no GPU";
   EXPECT_EQ(pod["spec"]["volumes"][0], stage["spec"]["volumes"][1]) << "the same model volume";
