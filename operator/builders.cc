@@ -219,8 +219,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   w.microbatches = static_cast<int>(s.effective_micro_batches());
   w.job_id = absl::StrCat(name, "-", replica);
   w.api_port = static_cast<int>(s.port);
-  w.max_batch_size = static_cast<int>(s.max_batch_size);
-  w.max_sequence_length = s.max_sequence_length;
+  ApplyServing(s, w);
   w.host = absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc");
   w.rendezvous_secret_file = absl::StrCat(kRendezvousSecretMount, "/secret");
   w.termination_log = "/dev/termination-log";  // the first rank error, for status

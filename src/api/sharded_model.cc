@@ -223,6 +223,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.Int("maxBatchSize", s.max_batch_size));
   RETURN_IF_ERROR(serving.Int("maxSequenceLength", s.max_sequence_length));
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
+  RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.NoOthers());
   return spec.NoOthers();
 }
@@ -233,6 +234,12 @@ absl::Status AtLeast(const char* field, int64_t v, int64_t min) {
 }
 
 }  // namespace
+
+void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
+  w.max_batch_size = static_cast<int>(spec.max_batch_size);
+  w.max_sequence_length = spec.max_sequence_length;
+  w.special_tokens_as_text = spec.special_tokens_in_content == "text";
+}
 
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
   ModelUri u;
@@ -293,6 +300,11 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
         absl::StrCat("spec.serving.port must be between 1 and 65535, got ", s.port));
   }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxBatchSize", s.max_batch_size, 1));
+  if (s.special_tokens_in_content != "special" && s.special_tokens_in_content != "text") {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.specialTokensInContent '",
+                                                   s.special_tokens_in_content,
+                                                   "' must be special or text"));
+  }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
   static const std::regex kDnsSubdomain("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
   if (!s.api_key_secret.empty() &&

@@ -63,6 +63,9 @@ struct ShardedModelSpec {
   int64_t max_sequence_length = 4096;
   // The Secret (in the model's namespace) whose entries are the API's bearer keys; "" = open.
   std::string api_key_secret;
+  // How a chat message's special-token strings are tokenized: "special" (as control tokens, as
+  // transformers and vLLM do) or "text" (as the characters they are; a user cannot forge a turn).
+  std::string special_tokens_in_content = "special";
 
   int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
   int64_t gpus_per_replica() const { return tensor * pipeline; }
@@ -73,6 +76,10 @@ struct ShardedModel {
   std::string namespace_ = "default";
   ShardedModelSpec spec;
 };
+
+// The serving settings of `spec` in a worker's contract: its batch, sequence and chat-content
+// limits (not the port, which a deployment chooses).
+void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w);
 
 // Parses one ShardedModel document (YAML or JSON) and validates it. Unknown fields under spec
 // are refused by name, so a misspelt field is not silently ignored.

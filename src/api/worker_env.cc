@@ -83,6 +83,7 @@ const Int64Var kInt64s[] = {
 const BoolVar kBools[] = {
     {"SHARDSERVE_METRICS", &WorkerEnv::metrics, "on", "off"},
     {"SHARDSERVE_API_METRICS_AUTH", &WorkerEnv::api_metrics_auth, "true", "false"},
+    {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &WorkerEnv::special_tokens_as_text, "text", "special"},
     {"SHARDSERVE_REPORT_MEMORY", &WorkerEnv::report_memory, "1", "0"},
 };
 

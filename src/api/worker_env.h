@@ -96,8 +96,10 @@ struct WorkerEnv {
   int http_body_timeout_ms = 60000;
   int http_max_connections = 4096;
   bool api_metrics_auth = true;  // with API keys, /metrics needs one too
-  std::string api_key;           // one key (serve/api_keys.h)
-  std::string api_keys_file;     // a file or a directory of keys
+  // Chat messages' special-token strings are text (spec.serving.specialTokensInContent: text).
+  bool special_tokens_as_text = false;
+  std::string api_key;        // one key (serve/api_keys.h)
+  std::string api_keys_file;  // a file or a directory of keys
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the
   // result goes.
   std::string request;

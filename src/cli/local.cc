@@ -190,8 +190,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       w.metrics_port_base = rep.metrics_base;
       w.api_host = "127.0.0.1";
       w.api_port = rep.api_port;
-      w.max_batch_size = static_cast<int>(spec.max_batch_size);
-      w.max_sequence_length = spec.max_sequence_length;
+      ApplyServing(spec, w);
       w.rendezvous_secret_file = secrets.back().path();
       w.api_keys_file = key_file;
       const auto contract = w.ToEnv();

@@ -307,13 +307,57 @@ class Connection : public std::enable_shared_from_this<Connection> {
     ReadHead();
   }
 
+  // The head is read whole (to its empty line, at most max_header_bytes) before Beast parses it,
+  // so that its raw lines can be checked: Beast joins obs-fold continuations silently, and RFC
+  // 9112 §5.2 says a server must reject them (a Content-Length split over two lines would
+  // otherwise read differently here and at a proxy in front).
   void ReadHead() {
     state_ = State::kHead;
     idle_since_ = std::chrono::steady_clock::now();
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(options().max_header_bytes));
     parser_->body_limit(options().max_body_bytes);
+    head_scanned_ = 0;
     Arm(options().header_timeout);
+    ReadHeadBytes();
+  }
+
+  // Looks for the head's end (CRLF CRLF) in what has arrived (bytes already searched are not
+  // searched again), then reads more; stops past max_header_bytes.
+  void ReadHeadBytes() {
+    const std::string_view got(static_cast<const char*>(buffer_.data().data()), buffer_.size());
+    const size_t from = head_scanned_ > 3 ? head_scanned_ - 3 : 0;
+    if (const size_t end = got.find("\r\n\r\n", from); end != std::string_view::npos) {
+      return OnHeadBytes(end + 4);
+    }
+    head_scanned_ = got.size();
+    if (got.size() > options().max_header_bytes) return OnHeadBytes(got.size());
+    socket_.async_read_some(
+        buffer_.prepare(std::min<size_t>(65536, options().max_header_bytes + 1)),
+        [self = shared_from_this()](error_code ec, size_t n) {
+          if (ec) {
+            self->Disarm();
+            return self->OnReadError(ec, true);
+          }
+          self->buffer_.commit(n);
+          self->ReadHeadBytes();
+        });
+  }
+
+  void OnHeadBytes(size_t n) {
+    const std::string_view head(static_cast<const char*>(buffer_.data().data()), n);
+    if (!head.ends_with("\r\n\r\n")) {
+      Disarm();
+      return Refuse(
+          431, absl::StrCat("the request head exceeds ", options().max_header_bytes, " bytes"));
+    }
+    if (head.find("\r\n ") != std::string_view::npos ||
+        head.find("\r\n\t") != std::string_view::npos) {
+      Disarm();
+      return Refuse(400,
+                    "a header line is continued on the next (obs-fold, RFC 9112 §5.2): send each "
+                    "field on one line");
+    }
     bhttp::async_read_header(socket_, buffer_, *parser_,
                              [self = shared_from_this()](error_code ec, size_t) {
                                self->Disarm();
@@ -451,6 +495,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   tcp::socket socket_;
   asio::steady_timer timer_;
   beast::flat_buffer buffer_;
+  size_t head_scanned_ = 0;  // bytes of buffer_ searched for the head's end
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::list<std::shared_ptr<Connection>>::iterator self_;
   std::string peer_;

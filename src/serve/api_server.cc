@@ -227,8 +227,10 @@ struct ApiServer::Impl {
 
   // A prompt's tokens, its cost bounded by the context before any work: a text that cannot fit
   // is refused by its size, and tokenizing stops as soon as the context is exceeded.
+  // `text_ranges`: where special tokens are text (Tokenizer::Encode).
   absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_special,
-                                                int64_t context, const std::string& param) {
+                                                int64_t context, const std::string& param,
+                                                const std::vector<TextRange>& text_ranges = {}) {
     auto too_long = [&](const std::string& what) {
       return BadParam(param, absl::StrCat("this model's maximum context length is ", context,
                                           " tokens; the prompt ", what));
@@ -239,7 +241,7 @@ struct ApiServer::Impl {
           absl::StrCat("has ", text.size(), " bytes, and no token covers more than ", *per_token));
     }
     absl::StatusOr<std::vector<int32_t>> ids =
-        tokenizer->Encode(text, add_special, static_cast<size_t>(context));
+        tokenizer->Encode(text, add_special, static_cast<size_t>(context), text_ranges);
     if (ids.status().code() == absl::StatusCode::kOutOfRange) {
       return too_long(absl::StrCat("holds more than ", context, " tokens"));
     }
@@ -259,9 +261,12 @@ struct ApiServer::Impl {
     std::vector<std::vector<int32_t>> prompts;
     const std::string param = req.chat ? "messages" : "prompt";
     if (req.chat) {
-      absl::StatusOr<std::string> text = chat.Render(req.messages);
-      if (!text.ok()) return BadParam("messages", std::string(text.status().message()));
-      ASSIGN_OR_RETURN(auto ids, Tokenize(*text, /*add_special=*/false, context, param));
+      absl::StatusOr<RenderedChat> rendered = chat.Render(req.messages);
+      if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
+      ASSIGN_OR_RETURN(auto ids,
+                       Tokenize(rendered->text, /*add_special=*/false, context, param,
+                                config.env.special_tokens_as_text ? rendered->content
+                                                                  : std::vector<TextRange>{}));
       prompts.push_back(std::move(ids));
       for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
     } else {

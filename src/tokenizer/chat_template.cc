@@ -145,8 +145,15 @@ const char* ChatTemplate::name() const {
   return "none";
 }
 
-absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
-  std::string out;
+absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
+  RenderedChat r;
+  std::string& out = r.text;
+  // A message's text, appended where the format puts it, and its range noted.
+  auto content = [&r](std::string_view text) {
+    r.content.push_back({r.text.size(), r.text.size() + text.size()});
+    r.text.append(text);
+    if (text.empty()) r.content.pop_back();
+  };
   switch (family_) {
     case Family::kNone:
       return absl::FailedPreconditionError(
@@ -154,20 +161,23 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
     case Family::kLlama3:
       out = bos_;
       for (const ChatMessage& m : messages) {
-        absl::StrAppend(&out, "<|start_header_id|>", m.role, "<|end_header_id|>\n\n",
-                        Trim(m.content), "<|eot_id|>");
+        absl::StrAppend(&out, "<|start_header_id|>", m.role, "<|end_header_id|>\n\n");
+        content(Trim(m.content));
+        absl::StrAppend(&out, "<|eot_id|>");
       }
       absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-      return out;
+      return r;
     case Family::kChatMl:
       if (!default_system_.empty() && messages.front().role != "system") {
         absl::StrAppend(&out, "<|im_start|>system\n", default_system_, "<|im_end|>\n");
       }
       for (const ChatMessage& m : messages) {
-        absl::StrAppend(&out, "<|im_start|>", m.role, "\n", m.content, "<|im_end|>\n");
+        absl::StrAppend(&out, "<|im_start|>", m.role, "\n");
+        content(m.content);
+        absl::StrAppend(&out, "<|im_end|>\n");
       }
       absl::StrAppend(&out, "<|im_start|>assistant\n");
-      return out;
+      return r;
     case Family::kLlama2:
     case Family::kMistral:
       break;
@@ -175,13 +185,8 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
   // [INST] families: an optional system message, then user and assistant turns alternating,
   // ending with the user.
   size_t first = 0;
-  std::string system;
-  if (messages.front().role == "system") {
-    system = family_ == Family::kLlama2
-                 ? absl::StrCat("<<SYS>>\n", messages.front().content, "\n<</SYS>>\n\n")
-                 : absl::StrCat(messages.front().content, "\n\n");
-    first = 1;
-  }
+  const bool has_system = messages.front().role == "system";
+  if (has_system) first = 1;
   for (size_t i = first; i < messages.size(); ++i) {
     const bool user_turn = (i - first) % 2 == 0;
     const ChatMessage& m = messages[i];
@@ -195,17 +200,31 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
     if (user_turn) {
       // Llama 2 opens every turn with BOS, Mistral only the conversation.
       const bool bos = family_ == Family::kLlama2 || i == first;
-      absl::StrAppend(&out, bos ? bos_ : "", "[INST] ", i == first ? system : "", Trim(m.content),
-                      family_ == Family::kLlama2 ? " [/INST]" : "[/INST]");
+      absl::StrAppend(&out, bos ? bos_ : "", "[INST] ");
+      if (i == first && has_system) {
+        const std::string& system = messages.front().content;
+        if (family_ == Family::kLlama2) {
+          absl::StrAppend(&out, "<<SYS>>\n");
+          content(system);
+          absl::StrAppend(&out, "\n<</SYS>>\n\n");
+        } else {
+          content(system);
+          absl::StrAppend(&out, "\n\n");
+        }
+      }
+      content(Trim(m.content));
+      absl::StrAppend(&out, family_ == Family::kLlama2 ? " [/INST]" : "[/INST]");
     } else {
-      absl::StrAppend(&out, " ", Trim(m.content), family_ == Family::kLlama2 ? " " : "", eos_);
+      absl::StrAppend(&out, " ");
+      content(Trim(m.content));
+      absl::StrAppend(&out, family_ == Family::kLlama2 ? " " : "", eos_);
     }
   }
   if (messages.back().role != "user") {
     return absl::InvalidArgumentError(
         absl::StrCat("this model's ", name(), " chat format needs the last message from the user"));
   }
-  return out;
+  return r;
 }
 
 }  // namespace shardserve

@@ -18,6 +18,12 @@ struct ChatMessage {
   std::string content;
 };
 
+// A rendered chat prompt and where the messages' own text lies in it (in order, apart).
+struct RenderedChat {
+  std::string text;
+  std::vector<TextRange> content;
+};
+
 class ChatTemplate {
  public:
   enum class Family { kNone, kLlama3, kChatMl, kLlama2, kMistral };
@@ -30,9 +36,10 @@ class ChatTemplate {
   // Why there is no template (kNone only).
   const std::string& reason() const { return reason_; }
 
-  // The prompt for `messages`, ending where the assistant's reply begins. Messages that the
-  // family cannot express (e.g. roles out of turn for Llama 2) are InvalidArgument.
-  absl::StatusOr<std::string> Render(const std::vector<ChatMessage>& messages) const;
+  // The prompt for `messages`, ending where the assistant's reply begins, with the ranges of
+  // the messages' text in it. Messages that the family cannot express (e.g. roles out of turn for
+  // Llama 2) are InvalidArgument.
+  absl::StatusOr<RenderedChat> Render(const std::vector<ChatMessage>& messages) const;
   // Tokens that end the assistant's turn (generation stops there).
   const std::vector<int64_t>& end_of_turn_ids() const { return end_of_turn_; }
 

@@ -771,9 +771,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& mo
   return FromJson(text, path);
 }
 
-absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
-                                                       bool add_special_tokens,
-                                                       size_t max_tokens) const {
+absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(
+    std::string_view text, bool add_special_tokens, size_t max_tokens,
+    const std::vector<TextRange>& text_ranges) const {
   const Impl& m = *impl_;
   std::vector<int32_t> ids;
   if (add_special_tokens) ids = m.prefix_ids;
@@ -807,9 +807,16 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
     }
     return absl::OkStatus();
   };
+  size_t range = 0;  // the first text range that does not end before i
+  // Whether [begin, end) overlaps a text range (ranges are in order; begin only grows).
+  auto in_text_range = [&](size_t begin, size_t end) {
+    while (range < text_ranges.size() && text_ranges[range].end <= begin) ++range;
+    return range < text_ranges.size() && text_ranges[range].begin < end;
+  };
   while (i < text.size()) {
     const AddedToken* hit = nullptr;
     for (const AddedToken* a : m.added_by_byte[static_cast<unsigned char>(text[i])]) {
+      if (a->special && in_text_range(i, i + a->content.size())) continue;
       if (text.compare(i, a->content.size(), a->content) == 0) {
         hit = a;
         break;

@@ -16,6 +16,12 @@
 
 namespace shardserve {
 
+// A byte range [begin, end) of a text.
+struct TextRange {
+  size_t begin = 0, end = 0;
+  bool operator==(const TextRange&) const = default;
+};
+
 class Tokenizer {
  public:
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(const std::string& json_text,
@@ -29,8 +35,13 @@ class Tokenizer {
   // max_tokens > 0, a text of more tokens is refused (OutOfRange) as soon as that is certain:
   // the work done is bounded by the limit, not by the text. Merges take O(n log n) in a word's
   // length; a word (a pre-tokenizer's piece) of more than 1 MiB is refused (InvalidArgument).
+  //
+  // In `text_ranges` (byte ranges of `text`, in order and apart) special tokens are not
+  // recognised: a special token's string there is text like any other (a chat message's content
+  // with serving.specialTokensInContent: text). Added tokens that are not special still match.
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text, bool add_special_tokens = true,
-                                              size_t max_tokens = 0) const;
+                                              size_t max_tokens = 0,
+                                              const std::vector<TextRange>& text_ranges = {}) const;
   // No token covers more than this many bytes of input text, so a text of B bytes holds at least
   // B / MaxBytesPerToken() tokens: a prompt too long for a context can be refused by its size
   // before any work. nullopt when the tokenizer has no such bound (added tokens that take the

@@ -39,12 +39,12 @@ spec:
     port: {port}
     maxBatchSize: {max_batch}
     maxSequenceLength: {max_seq}
-"""
+{serving}"""
 
 
 class Deployment:
     def __init__(self, binary, model, name="tiny", tp=2, pp=2, max_batch=8, max_seq=1024,
-                 env=None, args=(), api_key=None):
+                 env=None, args=(), api_key=None, serving=None):
         self.binary = binary
         self.name = name
         self.tmp = tempfile.mkdtemp(prefix="shardserve-deploy-")
@@ -57,7 +57,9 @@ class Deployment:
         with open(self.manifest, "w") as f:
             f.write(MANIFEST.format(name=name, model=model, tp=tp, pp=pp, port=base,
                                     max_batch=max_batch, max_seq=max_seq,
-                                    env=env_yaml or "      []"))
+                                    env=env_yaml or "      []",
+                                    serving="".join(f"    {k}: {v}\n"
+                                                    for k, v in (serving or {}).items())))
         self.log_lines = []
         self.api_key = api_key  # sent with every request when set
         self.proc = subprocess.Popen(

@@ -40,6 +40,15 @@ TEST(ShardedModel, ParsesWithDefaults) {
   auto k = ParseShardedModel(keyed);
   ASSERT_TRUE(k.ok()) << k.status();
   EXPECT_EQ(k->spec.api_key_secret, "llama-api-keys");
+  // Special tokens in chat content: control tokens by default, text when asked; in the contract.
+  WorkerEnv w;
+  ApplyServing(m->spec, w);
+  EXPECT_FALSE(w.special_tokens_as_text);
+  auto text = ParseShardedModel(std::string(kGood) + "  serving: {specialTokensInContent: text}\n");
+  ASSERT_TRUE(text.ok()) << text.status();
+  ApplyServing(text->spec, w);
+  EXPECT_TRUE(w.special_tokens_as_text);
+  EXPECT_EQ(w.max_batch_size, text->spec.max_batch_size);
 }
 
 TEST(ShardedModel, BadManifestsNameTheField) {
@@ -67,6 +76,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
       {with("env: [{name: A, value: \"1\"}]", "env: [{value: \"1\"}]"), "spec.worker.env[0].name"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {apiKeySecret: Keys_1}"),
        "spec.serving.apiKeySecret"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {specialTokensInContent: plain}"),
+       "spec.serving.specialTokensInContent"},
       {with("kind: ShardedModel", "kind: Deployment"), "kind"},
       {"spec: [", "not valid YAML"},
   };

@@ -64,6 +64,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.http_body_timeout_ms = 9000;
   w.http_max_connections = 64;
   w.api_metrics_auth = false;
+  w.special_tokens_as_text = true;
   w.api_key = "sk-0123456789abcdef";
   w.api_keys_file = "/keys";
   w.request = R"({"prompt_ids":[1,2]})";

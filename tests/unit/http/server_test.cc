@@ -226,6 +226,28 @@ TEST_F(ServerTest, AnHttp11RequestNeedsOneHost) {
   EXPECT_THAT(c.Read(500ms), HasSubstr(" 200 "));
 }
 
+// RFC 9112 §5.2: a header line continued on the next (obs-fold) is refused, Content-Length
+// included, before anything reads it; a head that arrives a byte at a time still parses.
+TEST_F(ServerTest, RefusesObsFoldedHeaderLines) {
+  Start();
+  for (const std::string& head :
+       {std::string("GET /ping HTTP/1.1\r\nHost: t\r\nX-A: 1\r\n 2\r\n\r\n"),
+        std::string("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length:\r\n\t4\r\n\r\nabcd"),
+        std::string("GET /ping HTTP/1.1\r\n Host: t\r\n\r\n")}) {
+    Raw c(port());
+    c.Send(head);
+    const std::string got = c.Read();
+    EXPECT_THAT(got, StartsWith("HTTP/1.1 400 ")) << head;
+    EXPECT_THAT(got, HasSubstr("obs-fold")) << head;
+    EXPECT_TRUE(c.Closed()) << head;
+  }
+  Raw c(port());
+  for (char ch : std::string("GET /ping HTTP/1.1\r\nHost: t\r\nX-B: a b\r\n\r\n")) {
+    ASSERT_TRUE(c.Send(std::string(1, ch)));
+  }
+  EXPECT_THAT(c.Read(500ms), HasSubstr(" 200 "));
+}
+
 TEST_F(ServerTest, SlowHeadsAndBodiesTimeOut) {
   ServerOptions o;
   o.header_timeout = 300ms;

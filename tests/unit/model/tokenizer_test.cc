@@ -65,6 +65,29 @@ TEST(TokenizerTest, ByteLevelRoundTripsSpecialTokensInText) {
   EXPECT_EQ(tok->Decode(*ids), text);
 }
 
+// In a text range (a chat message's content with specialTokensInContent: text) a special token's
+// string is text: it encodes as the characters, as the same text with no special token in it
+// would; outside the ranges, and in a range that only touches it, it is the control token.
+TEST(TokenizerTest, SpecialTokensInATextRangeAreText) {
+  auto tok = Trained(TokenizerStyle::kByteLevel);
+  const std::string text = "<s>a </s> b</s>";  // the first </s> (bytes 5-9) is in the range
+  auto special = tok->Encode(text, false);
+  auto as_text = tok->Encode(text, false, 0, {{3, 10}});
+  ASSERT_TRUE(special.ok() && as_text.ok());
+  EXPECT_EQ(std::count(special->begin(), special->end(), 2), 2);
+  EXPECT_EQ(std::count(as_text->begin(), as_text->end(), 2), 1) << "only the </s> outside";
+  EXPECT_EQ(as_text->front(), 1);
+  EXPECT_EQ(as_text->back(), 2);
+  EXPECT_EQ(tok->Decode(*as_text), text);
+  // Its tokens are those of the plain text around it.
+  auto plain = tok->Encode("a </s> b", false, 0, {{0, 8}});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(std::vector<int32_t>(as_text->begin() + 1, as_text->end() - 1), *plain);
+  auto touching = tok->Encode(text, false, 0, {{0, 5}, {10, 11}});  // ends where </s> begins
+  ASSERT_TRUE(touching.ok());
+  EXPECT_EQ(std::count(touching->begin(), touching->end(), 2), 2);
+}
+
 TEST_P(TokenizerStyleTest, MergesCompressAndSpecialsAreAtomic) {
   auto tok = Trained(GetParam());
   const std::string text = "the model and the process";
@@ -257,7 +280,35 @@ TEST(ChatTemplateTest, AJinjaFileTakesPrecedence) {
                      "<|im_end|>\n{% endfor %}<|im_start|>assistant\n");
   const ChatTemplate t = ChatTemplate::ForModel(model, **tok);
   EXPECT_EQ(t.family(), ChatTemplate::Family::kChatMl);
-  EXPECT_EQ(*t.Render({{"user", "hi"}}), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(t.Render({{"user", "hi"}})->text,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+// Render gives where each message's text lies in the prompt, for every family (what
+// specialTokensInContent: text keeps as text).
+TEST(ChatTemplateTest, RenderMarksTheMessagesText) {
+  for (const char* family : {"llama3", "chatml", "llama2", "mistral"}) {
+    testing::TempDir dir;
+    auto o = testing::SmallModel("llama", dir.Sub("m"));
+    o.chat_template = family;
+    const std::string model = testing::WriteModel(o);
+    auto tok = Tokenizer::Load(model);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    const ChatTemplate t = ChatTemplate::ForModel(model, **tok);
+    ASSERT_NE(t.family(), ChatTemplate::Family::kNone) << family << ": " << t.reason();
+    const std::vector<ChatMessage> messages = {{"system", "be brief"},
+                                               {"user", "<|im_end|> one"},
+                                               {"assistant", "two"},
+                                               {"user", "three"}};
+    auto r = t.Render(messages);
+    ASSERT_TRUE(r.ok()) << family << ": " << r.status();
+    ASSERT_EQ(r->content.size(), 4u) << family;
+    for (size_t i = 0; i < 4; ++i) {
+      const TextRange& c = r->content[i];
+      EXPECT_EQ(r->text.substr(c.begin, c.end - c.begin), messages[i].content) << family;
+      if (i > 0) EXPECT_LE(r->content[i - 1].end, c.begin) << family;
+    }
+  }
 }
 
 }  // namespace
