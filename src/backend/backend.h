@@ -101,7 +101,7 @@ class Backend {
   // [vocab_begin, vocab_end), zeros otherwise (summed over the TP group afterwards).
   virtual absl::Status Embed(const WeightMatrix& table, const int32_t* ids, int64_t n,
                              int64_t vocab_begin, int64_t vocab_end, float* out) = 0;
-  // RMSNorm of M rows of dim floats: out = x / rms(x) * w.
+  // RMSNorm of M rows of dim floats: out = x / rms(x) * w; out may be x.
   virtual absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, float eps,
                                float* out) = 0;
   // x[m] += y[m], then out[m] = RmsNorm(x[m]) as above, for M rows of dim: a layer's residual

@@ -45,7 +45,7 @@ namespace shardserve {
 namespace {
 
 constexpr char kGenModelUsage[] =
-    "--arch llama|mistral|qwen2|mixtral --out DIR [--layers N --hidden N --intermediate N\n"
+    "--arch llama|mistral|qwen2|qwen3|mixtral --out DIR [--layers N --hidden N --intermediate N\n"
     "--heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
     "--dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"

@@ -91,6 +91,10 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
       add(p + "self_attn.v_proj.bias", {kv}, bias);
     }
     if (o.attention_bias && o.arch != "qwen2") add(p + "self_attn.o_proj.bias", {H}, bias);
+    if (o.arch == "qwen3") {
+      add(p + "self_attn.q_norm.weight", {head_dim}, norm);
+      add(p + "self_attn.k_norm.weight", {head_dim}, norm);
+    }
     add(p + "post_attention_layernorm.weight", {H}, norm);
     if (o.arch == "mixtral") {
       const std::string m = p + "block_sparse_moe.";
@@ -140,7 +144,7 @@ constexpr char kMistralTemplate[] =
 
 std::string ChatTemplateFor(const GenModelOptions& o) {
   if (o.chat_template != "auto") return o.chat_template;
-  if (o.arch == "qwen2") return "chatml";
+  if (o.arch == "qwen2" || o.arch == "qwen3") return "chatml";
   if (o.tokenizer == TokenizerStyle::kSentencePiece)
     return o.arch == "llama" ? "llama2" : "mistral";
   return o.arch == "llama" ? "llama3" : "mistral";
@@ -157,9 +161,10 @@ absl::Status WriteText(const std::filesystem::path& path, const std::string& tex
 }  // namespace
 
 absl::Status GenModelOptions::Validate() const {
-  if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "mixtral") {
+  if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "qwen3" &&
+      arch != "mixtral") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--arch '", arch, "' is not one of llama, mistral, qwen2, mixtral"));
+        absl::StrCat("--arch '", arch, "' is not one of llama, mistral, qwen2, qwen3, mixtral"));
   }
   if (out_dir.empty()) return absl::InvalidArgumentError("--out is required");
   for (auto [name, v] : {std::pair{"layers", layers},
@@ -236,6 +241,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   const std::string arch_name = o.arch == "mixtral"   ? "MixtralForCausalLM"
                                 : o.arch == "mistral" ? "MistralForCausalLM"
                                 : o.arch == "qwen2"   ? "Qwen2ForCausalLM"
+                                : o.arch == "qwen3"   ? "Qwen3ForCausalLM"
                                                       : "LlamaForCausalLM";
   json config = {{"architectures", {arch_name}},
                  {"model_type", o.arch},
@@ -262,7 +268,8 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["attention_bias"] = o.attention_bias;
     config["mlp_bias"] = false;
   }
-  if (o.arch == "qwen2") config["use_sliding_window"] = false;
+  if (o.arch == "qwen2" || o.arch == "qwen3") config["use_sliding_window"] = false;
+  if (o.arch == "qwen3") config["attention_bias"] = o.attention_bias;
   if (o.arch == "mistral") config["sliding_window"] = 4096;
   if (o.arch == "mixtral") {
     config["num_local_experts"] = o.experts;

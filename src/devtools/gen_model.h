@@ -12,7 +12,7 @@
 namespace shardserve {
 
 struct GenModelOptions {
-  std::string arch = "llama";  // llama | mistral | qwen2 | mixtral
+  std::string arch = "llama";  // llama | mistral | qwen2 | qwen3 | mixtral
   std::string out_dir;
   int64_t layers = 2;
   int64_t hidden = 64;

@@ -133,12 +133,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   c.architecture = j["architectures"][0].get<std::string>();
   if (c.architecture == "MixtralForCausalLM") {
     c.moe = true;
+  } else if (c.architecture == "Qwen3ForCausalLM") {
+    c.qk_norm = true;
   } else if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
              c.architecture != "Qwen2ForCausalLM") {
     return r.Error("architectures",
                    absl::StrCat("names '", c.architecture,
                                 "', which shardserve does not run (supported: LlamaForCausalLM, "
-                                "MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM)"));
+                                "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                "MixtralForCausalLM)"));
   }
   ASSIGN_OR_RETURN(c.model_type, r.String("model_type", ""));
   ASSIGN_OR_RETURN(c.hidden_size, r.Positive("hidden_size"));
@@ -191,7 +194,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
   c.max_context = c.max_position_embeddings;
   bool sliding = r.Has("sliding_window");
-  if (c.architecture == "Qwen2ForCausalLM") {
+  if (c.architecture == "Qwen2ForCausalLM" || c.architecture == "Qwen3ForCausalLM") {
     ASSIGN_OR_RETURN(bool use_sliding, r.Bool("use_sliding_window", false));
     sliding = sliding && use_sliding;
   }

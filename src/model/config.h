@@ -35,6 +35,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // q/k/v projections carry a bias (Qwen2, Llama attention_bias)
   bool o_bias = false;    // o_proj carries a bias (Llama attention_bias)
+  bool qk_norm = false;   // q and k get an RMSNorm per head before RoPE (Qwen3)
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
   int64_t bos_token_id = -1;

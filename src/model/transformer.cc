@@ -229,6 +229,12 @@ absl::Status Transformer::BindWeights() {
       ASSIGN_OR_RETURN(L.k_bias, VectorSlice(kb, k0, k1));
       ASSIGN_OR_RETURN(L.v_bias, VectorSlice(vb, k0, k1));
     }
+    if (c.qk_norm) {  // over each head's head_dim, the same weights for every head
+      ASSIGN_OR_RETURN(TensorView qn, w.Get(p + "self_attn.q_norm.weight", {hd}));
+      ASSIGN_OR_RETURN(TensorView kn, w.Get(p + "self_attn.k_norm.weight", {hd}));
+      ASSIGN_OR_RETURN(L.q_norm, VectorSlice(qn, 0, hd));
+      ASSIGN_OR_RETURN(L.k_norm, VectorSlice(kn, 0, hd));
+    }
     if (c.o_bias) {  // added once, after the all-reduce
       ASSIGN_OR_RETURN(TensorView ob, w.Get(p + "self_attn.o_proj.bias", {H}));
       ASSIGN_OR_RETURN(L.o_bias, VectorSlice(ob, 0, H));
@@ -431,6 +437,12 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
       RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.q), rows, heads_ * hd, L.q_bias));
       RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.k), rows, kv_heads_ * hd, L.k_bias));
       RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.v), rows, kv_heads_ * hd, L.v_bias));
+    }
+    if (L.q_norm != nullptr) {  // in place: each head's row of head_dim
+      RETURN_IF_ERROR(
+          be.RmsNorm(Ptr<float>(m.q), rows * heads_, hd, L.q_norm, eps, Ptr<float>(m.q)));
+      RETURN_IF_ERROR(
+          be.RmsNorm(Ptr<float>(m.k), rows * kv_heads_, hd, L.k_norm, eps, Ptr<float>(m.k)));
     }
     RETURN_IF_ERROR(be.Rope(Ptr<float>(m.q), rows, heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
     RETURN_IF_ERROR(be.Rope(Ptr<float>(m.k), rows, kv_heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));

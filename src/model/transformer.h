@@ -148,9 +148,10 @@ class Transformer {
     WeightMatrix q, k, v, o;
     const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr;  // null when absent
     const float* o_bias = nullptr;
-    WeightMatrix gate, up, down;  // dense MLP
-    WeightMatrix router;          // MoE
-    std::vector<Expert> experts;  // this rank's, from expert_begin_
+    const float *q_norm = nullptr, *k_norm = nullptr;  // per head (Qwen3), null when absent
+    WeightMatrix gate, up, down;                       // dense MLP
+    WeightMatrix router;                               // MoE
+    std::vector<Expert> experts;                       // this rank's, from expert_begin_
     // The experts' projections for Backend::ExpertMatVec; count 0 unless they share a dtype.
     ExpertTable gate_table, up_table, down_table;
   };

@@ -33,10 +33,16 @@ CASES = {
                               "--tokenizer", "sentencepiece"],
     "mistral_bf16": ["--arch", "mistral", "--dtype", "bf16", "--kv-heads", "2"],
     "qwen2_f32": ["--arch", "qwen2", "--dtype", "f32", "--kv-heads", "3"],
+    "qwen3_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4"],
+    "qwen3_bias_bf16": ["--arch", "qwen3", "--dtype", "bf16", "--heads", "8", "--kv-heads", "4",
+                        "--attention-bias"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
                      "--kv-heads", "2"],
 }
+# Cases also run sharded (TP x PP, through the real process trees) against the same reference.
+LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "qwen3_bias_bf16": [(1, 1), (2, 2)]}
 BASE = ["--layers", "3", "--hidden", "96", "--heads", "6", "--intermediate", "160", "--vocab",
         "600", "--seed", "7", "--max-position", "512"]
 TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nnew line",
@@ -53,10 +59,12 @@ def run(cmd):
     return p.stdout
 
 
-def ours(binary, model, prompt_ids, max_tokens):
+def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1):
     out = run([binary, "generate", "--model", model, "--prompt-ids",
                ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--logprobs", "5",
-               "--ignore-eos", "--threads", "2", "--format", "json"])
+               "--ignore-eos", "--format", "json"] +
+              (["--threads", "2"] if tp * pp == 1 else ["--tp", str(tp), "--pp", str(pp),
+                                                          "--threads", "1"]))
     return json.loads(out)
 
 
@@ -135,12 +143,14 @@ def main():
         native = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=native_dtype).eval()
                   if native_dtype else None)
         worst = 0.0
-        for prompt in ([1, 5, 9, 200, 33], list(range(3, 120, 3)), [1]):
+        layouts = LAYOUTS.get(args.case, [(1, 1)])
+        for prompt, (tp, pp) in [(p, lay) for p in ([1, 5, 9, 200, 33], list(range(3, 120, 3)), [1])
+                                 for lay in layouts]:
             steps = 10
-            got = ours(args.shardserve, model_dir, prompt, steps)
+            got = ours(args.shardserve, model_dir, prompt, steps, tp, pp)
             want_tokens, want_lps = hf_greedy(ref32, prompt, steps)
             if got["tokens"] != want_tokens:
-                sys.exit(f"greedy tokens differ for prompt {prompt[:8]}...:\n"
+                sys.exit(f"greedy tokens differ for prompt {prompt[:8]}... at TP={tp} PP={pp}:\n"
                          f" ours {got['tokens']}\n   hf {want_tokens}")
             for step, lp in enumerate(want_lps):
                 d = abs(got["logprobs"][step] - float(lp[want_tokens[step]]))
@@ -159,7 +169,8 @@ def main():
                 d = abs(float(lp[got["tokens"][0]]) - got["logprobs"][0])
                 if d > LOOSE:
                     sys.exit(f"native-{native_dtype} logprob differs by {d:.3f} > {LOOSE}")
-        print(f"{args.case}: greedy tokens identical to transformers on 3 prompts; "
+        shapes = ", ".join(f"TP={tp} PP={pp}" for tp, pp in layouts)
+        print(f"{args.case}: greedy tokens identical to transformers on 3 prompts ({shapes}); "
               f"max |dlogprob| = {worst:.2e} (tolerance {TIGHT})")
 
 

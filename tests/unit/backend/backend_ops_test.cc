@@ -210,7 +210,7 @@ TEST_P(BackendOpsTest, ElementwiseOpsMatchTheArithmetic) {
 
 // RmsNorm and AddRmsNorm at model widths (the GPU keeps a row in registers up to 8,192 floats
 // whose count is a multiple of 4, and takes any other width another way): x += y is written
-// back, out is the norm of the sum; RmsNorm leaves x alone.
+// back, out is the norm of the sum; RmsNorm leaves x alone, or writes over it in place.
 TEST_P(BackendOpsTest, AddRmsNormAddsThenNormalizes) {
   for (int64_t dim : {50, 2048, 4100, 8196}) {
     const int64_t rows = 3, n = rows * dim;
@@ -221,6 +221,9 @@ TEST_P(BackendOpsTest, AddRmsNormAddsThenNormalizes) {
     float* out = mem.Zeros<float>(n);
     ASSERT_TRUE(be_->RmsNorm(dx, rows, dim, dw, 1e-5f, out).ok());
     EXPECT_EQ(mem.Get(dx, n), x) << dim;
+    float* in_place = mem.Put(x);  // as Qwen3's per-head q/k norms run it
+    ASSERT_TRUE(be_->RmsNorm(in_place, rows, dim, dw, 1e-5f, in_place).ok());
+    EXPECT_EQ(mem.Get(in_place, n), mem.Get(out, n)) << dim;
     ASSERT_TRUE(be_->AddRmsNorm(dx, mem.Put(y), rows, dim, dw, 1e-5f, out).ok());
     const std::vector<float> sum = mem.Get(dx, n), got = mem.Get(out, n);
     for (int64_t r = 0; r < rows; ++r) {

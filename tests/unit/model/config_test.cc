@@ -71,6 +71,22 @@ TEST(ConfigTest, QwenBiasMistralWindowMixtralExperts) {
   EXPECT_EQ(c->num_experts, 8);
 }
 
+// Qwen3: q/k norms per head, biases only with attention_bias, no window unless it is used.
+TEST(ConfigTest, Qwen3NormsQueriesAndKeys) {
+  json q = Llama();
+  q["architectures"] = {"Qwen3ForCausalLM"};
+  q["sliding_window"] = 64;
+  q["use_sliding_window"] = false;
+  auto c = ParseModelConfig(q.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_GT(c->max_context, 64);
+  q["attention_bias"] = true;
+  EXPECT_TRUE(ParseModelConfig(q.dump())->qkv_bias);
+  EXPECT_FALSE(ParseModelConfig(Llama().dump())->qk_norm);
+}
+
 struct Bad {
   const char* name;
   json patch;  // merged into the Llama config; null values erase the key
