@@ -362,7 +362,12 @@ json BuildInspectPod(const ModelView& m) {
                     {"terminationMessagePolicy", "FallbackToLogsOnError"},
                     {"env", env},
                     {"volumeMounts", json::array({ModelVolumeMount()})},
-                    {"securityContext", m.defaults.security_context}};
+                    {"securityContext", m.defaults.security_context},
+                    // It reads a config and a tokenizer: small, and stated, so that a namespace
+                    // whose quota wants requests and limits admits it (and no GPU).
+                    {"resources",
+                     {{"requests", {{"cpu", "100m"}, {"memory", "256Mi"}}},
+                      {"limits", {{"cpu", "1"}, {"memory", "2Gi"}}}}}};
   json spec = {{"restartPolicy", "Never"},
                {"automountServiceAccountToken", false},
                {"activeDeadlineSeconds", kInspectDeadlineSeconds},

@@ -128,7 +128,10 @@ TEST(Builders, InspectPodReadsTheModelWhereTheRanksWill) {
   EXPECT_EQ(Env(pod, "SHARDSERVE_MODEL_PATH"), Env(stage, "SHARDSERVE_MODEL_PATH"));
   EXPECT_EQ(Env(pod, "SHARDSERVE_TERMINATION_LOG"), c["terminationMessagePath"].get<std::string>());
   EXPECT_EQ(c["terminationMessagePolicy"], "FallbackToLogsOnError");
-  EXPECT_FALSE(c.contains("resources")) << "it holds no GPU";
+  EXPECT_EQ(c["resources"]["requests"], json::parse(R"({"cpu": "100m", "memory": "256Mi"})"))
+      << "stated, for namespaces whose quota wants them";
+  EXPECT_EQ(c["resources"]["limits"], json::parse(R"({"cpu": "1", "memory": "2Gi"})"))
+      << "and no GPU";
   EXPECT_EQ(pod["spec"]["volumes"][0], stage["spec"]["volumes"][1]) << "the same model volume";
   EXPECT_EQ(pod["spec"]["nodeSelector"], stage["spec"]["nodeSelector"]);
   EXPECT_EQ(pod["spec"]["tolerations"], stage["spec"]["tolerations"]);
