@@ -165,10 +165,12 @@ class Backend {
                                     const float* weight, int64_t n, float* y) = 0;
 
   // --- MoE
-  // Per row of rows x E router logits the k best experts (ties to the lower id) and their softmax
-  // weights over those k: experts[rows * k], weights[rows * k].
+  // Per row of rows x E router logits the k best experts (ties to the lower id) and their
+  // weights: with `normalize`, the softmax over those k (Mixtral; Qwen3-MoE's norm_topk_prob);
+  // without, their share of the softmax over all E (which sums to less than 1).
+  // experts[rows * k], weights[rows * k].
   virtual absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k,
-                                 int32_t* experts, float* weights) = 0;
+                                 bool normalize, int32_t* experts, float* weights) = 0;
   // Whether ExpertMatVec is the better way to run a batch of at most one (row, expert) slot per
   // local expert (the GPU's decode path: no host round trip). Otherwise the routes come to the
   // host and each local expert runs its rows as one Gemm.

@@ -45,8 +45,9 @@ namespace shardserve {
 namespace {
 
 constexpr char kGenModelUsage[] =
-    "--arch llama|mistral|qwen2|qwen3|mixtral --out DIR [--layers N --hidden N --intermediate N\n"
-    "--heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
+    "--arch llama|mistral|qwen2|qwen3|qwen3_moe|mixtral --out DIR [--layers N --hidden N\n"
+    "--intermediate N --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
+    "--no-norm-topk-prob\n"
     "--dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
@@ -104,7 +105,8 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
                          "top-k",     "dtype",    "seed",       "rope-scaling",  "max-position",
                          "tokenizer", "corpus",   "shard-size", "chat-template", "format",
                          "gguf-type"},
-                  {"tie-embeddings", "attention-bias"}, "shardserve gen-model", kGenModelUsage));
+                  {"tie-embeddings", "attention-bias", "no-norm-topk-prob"}, "shardserve gen-model",
+                  kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
   ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));
@@ -117,6 +119,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(o.vocab, a.GetInt("vocab", o.vocab));
   ASSIGN_OR_RETURN(o.experts, a.GetInt("experts", o.experts));
   ASSIGN_OR_RETURN(o.top_k, a.GetInt("top-k", o.top_k));
+  o.norm_topk_prob = !a.Has("no-norm-topk-prob");
   ASSIGN_OR_RETURN(o.max_position, a.GetInt("max-position", o.max_position));
   ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
   o.seed = static_cast<uint64_t>(seed);

@@ -91,19 +91,22 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
       add(p + "self_attn.v_proj.bias", {kv}, bias);
     }
     if (o.attention_bias && o.arch != "qwen2") add(p + "self_attn.o_proj.bias", {H}, bias);
-    if (o.arch == "qwen3") {
+    if (o.arch == "qwen3" || o.arch == "qwen3_moe") {
       add(p + "self_attn.q_norm.weight", {head_dim}, norm);
       add(p + "self_attn.k_norm.weight", {head_dim}, norm);
     }
     add(p + "post_attention_layernorm.weight", {H}, norm);
-    if (o.arch == "mixtral") {
-      const std::string m = p + "block_sparse_moe.";
+    if (o.arch == "mixtral" || o.arch == "qwen3_moe") {  // Qwen3-MoE: every layer sparse
+      const bool mixtral = o.arch == "mixtral";
+      const std::string m = p + (mixtral ? "block_sparse_moe." : "mlp.");
       add(m + "gate.weight", {o.experts, H}, uniform_std(2.0 / std::sqrt(H)));
       for (int64_t e = 0; e < o.experts; ++e) {
         const std::string ep = absl::StrCat(m, "experts.", e, ".");
-        add(ep + "w1.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
-        add(ep + "w2.weight", {H, I}, uniform_std(0.5 / std::sqrt(I)));
-        add(ep + "w3.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+        add(ep + (mixtral ? "w1" : "gate_proj") + ".weight", {I, H},
+            uniform_std(1.0 / std::sqrt(H)));
+        add(ep + (mixtral ? "w2" : "down_proj") + ".weight", {H, I},
+            uniform_std(0.5 / std::sqrt(I)));
+        add(ep + (mixtral ? "w3" : "up_proj") + ".weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
       }
     } else {
       add(p + "mlp.gate_proj.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
@@ -144,7 +147,7 @@ constexpr char kMistralTemplate[] =
 
 std::string ChatTemplateFor(const GenModelOptions& o) {
   if (o.chat_template != "auto") return o.chat_template;
-  if (o.arch == "qwen2" || o.arch == "qwen3") return "chatml";
+  if (o.arch == "qwen2" || o.arch == "qwen3" || o.arch == "qwen3_moe") return "chatml";
   if (o.tokenizer == TokenizerStyle::kSentencePiece)
     return o.arch == "llama" ? "llama2" : "mistral";
   return o.arch == "llama" ? "llama3" : "mistral";
@@ -162,9 +165,9 @@ absl::Status WriteText(const std::filesystem::path& path, const std::string& tex
 
 absl::Status GenModelOptions::Validate() const {
   if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "qwen3" &&
-      arch != "mixtral") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--arch '", arch, "' is not one of llama, mistral, qwen2, qwen3, mixtral"));
+      arch != "qwen3_moe" && arch != "mixtral") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--arch '", arch, "' is not one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"));
   }
   if (out_dir.empty()) return absl::InvalidArgumentError("--out is required");
   for (auto [name, v] : {std::pair{"layers", layers},
@@ -238,11 +241,12 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
-  const std::string arch_name = o.arch == "mixtral"   ? "MixtralForCausalLM"
-                                : o.arch == "mistral" ? "MistralForCausalLM"
-                                : o.arch == "qwen2"   ? "Qwen2ForCausalLM"
-                                : o.arch == "qwen3"   ? "Qwen3ForCausalLM"
-                                                      : "LlamaForCausalLM";
+  const std::string arch_name = o.arch == "mixtral"     ? "MixtralForCausalLM"
+                                : o.arch == "mistral"   ? "MistralForCausalLM"
+                                : o.arch == "qwen2"     ? "Qwen2ForCausalLM"
+                                : o.arch == "qwen3"     ? "Qwen3ForCausalLM"
+                                : o.arch == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                                                        : "LlamaForCausalLM";
   json config = {{"architectures", {arch_name}},
                  {"model_type", o.arch},
                  {"hidden_size", o.hidden},
@@ -268,8 +272,19 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["attention_bias"] = o.attention_bias;
     config["mlp_bias"] = false;
   }
-  if (o.arch == "qwen2" || o.arch == "qwen3") config["use_sliding_window"] = false;
-  if (o.arch == "qwen3") config["attention_bias"] = o.attention_bias;
+  if (o.arch == "qwen2" || o.arch == "qwen3" || o.arch == "qwen3_moe") {
+    config["use_sliding_window"] = false;
+  }
+  if (o.arch == "qwen3" || o.arch == "qwen3_moe") config["attention_bias"] = o.attention_bias;
+  if (o.arch == "qwen3_moe") {
+    config["num_experts"] = o.experts;
+    config["num_experts_per_tok"] = o.top_k;
+    config["moe_intermediate_size"] = o.intermediate;
+    config["norm_topk_prob"] = o.norm_topk_prob;
+    config["decoder_sparse_step"] = 1;
+    config["mlp_only_layers"] = json::array();
+    config["router_aux_loss_coef"] = 0.0;
+  }
   if (o.arch == "mistral") config["sliding_window"] = 4096;
   if (o.arch == "mixtral") {
     config["num_local_experts"] = o.experts;

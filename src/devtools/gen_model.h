@@ -12,7 +12,7 @@
 namespace shardserve {
 
 struct GenModelOptions {
-  std::string arch = "llama";  // llama | mistral | qwen2 | qwen3 | mixtral
+  std::string arch = "llama";  // llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
   std::string out_dir;
   int64_t layers = 2;
   int64_t hidden = 64;
@@ -21,8 +21,9 @@ struct GenModelOptions {
   int64_t kv_heads = 2;
   int64_t head_dim = 0;  // 0 = hidden / heads
   int64_t vocab = 512;
-  int64_t experts = 4;  // mixtral
-  int64_t top_k = 2;    // mixtral
+  int64_t experts = 4;         // mixtral
+  int64_t top_k = 2;           // mixtral
+  bool norm_topk_prob = true;  // qwen3_moe: the k experts' weights renormalized to sum to 1
   int64_t max_position = 4096;
   DType dtype = DType::kBF16;
   uint64_t seed = 0;

@@ -135,13 +135,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     c.moe = true;
   } else if (c.architecture == "Qwen3ForCausalLM") {
     c.qk_norm = true;
+  } else if (c.architecture == "Qwen3MoeForCausalLM") {
+    c.moe = c.qk_norm = true;
   } else if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
              c.architecture != "Qwen2ForCausalLM") {
     return r.Error("architectures",
                    absl::StrCat("names '", c.architecture,
                                 "', which shardserve does not run (supported: LlamaForCausalLM, "
                                 "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                "MixtralForCausalLM)"));
+                                "MixtralForCausalLM, Qwen3MoeForCausalLM)"));
   }
   ASSIGN_OR_RETURN(c.model_type, r.String("model_type", ""));
   ASSIGN_OR_RETURN(c.hidden_size, r.Positive("hidden_size"));
@@ -194,7 +196,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
   c.max_context = c.max_position_embeddings;
   bool sliding = r.Has("sliding_window");
-  if (c.architecture == "Qwen2ForCausalLM" || c.architecture == "Qwen3ForCausalLM") {
+  if (c.architecture == "Qwen2ForCausalLM" || c.architecture == "Qwen3ForCausalLM" ||
+      c.architecture == "Qwen3MoeForCausalLM") {
     ASSIGN_OR_RETURN(bool use_sliding, r.Bool("use_sliding_window", false));
     sliding = sliding && use_sliding;
   }
@@ -205,12 +208,28 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   }
 
   if (c.moe) {
-    ASSIGN_OR_RETURN(c.num_experts, r.Positive("num_local_experts", {}, kMaxHeads));
+    const bool qwen = c.architecture == "Qwen3MoeForCausalLM";
+    const char* experts = qwen ? "num_experts" : "num_local_experts";
+    ASSIGN_OR_RETURN(c.num_experts, r.Positive(experts, {}, kMaxHeads));
     ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     if (c.experts_per_token > c.num_experts) {
-      return r.Error(
-          "num_experts_per_tok",
-          absl::StrCat(c.experts_per_token, " exceeds num_local_experts ", c.num_experts));
+      return r.Error("num_experts_per_tok",
+                     absl::StrCat(c.experts_per_token, " exceeds ", experts, " ", c.num_experts));
+    }
+    if (qwen) {
+      // Every layer sparse (what Qwen3-MoE models ship): the experts' size is then the only MLP
+      // size, and intermediate_size (a dense layer's) is unused.
+      ASSIGN_OR_RETURN(int64_t step, r.Int("decoder_sparse_step", 1));
+      if (step != 1) return r.Error("decoder_sparse_step", "other than 1 is not supported");
+      if (r.Has("mlp_only_layers") &&
+          (!j["mlp_only_layers"].is_array() || !j["mlp_only_layers"].empty())) {
+        return r.Error("mlp_only_layers", "dense layers in a Qwen3-MoE model are not supported");
+      }
+      if (r.Has("shared_expert_intermediate_size")) {
+        return r.Error("shared_expert_intermediate_size", "shared experts are not supported");
+      }
+      ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("moe_intermediate_size"));
+      ASSIGN_OR_RETURN(c.norm_topk_prob, r.Bool("norm_topk_prob", false));
     }
   }
   ASSIGN_OR_RETURN(c.bos_token_id, r.Int("bos_token_id", -1));

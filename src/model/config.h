@@ -36,6 +36,9 @@ struct ModelConfig {
   bool qkv_bias = false;  // q/k/v projections carry a bias (Qwen2, Llama attention_bias)
   bool o_bias = false;    // o_proj carries a bias (Llama attention_bias)
   bool qk_norm = false;   // q and k get an RMSNorm per head before RoPE (Qwen3)
+  // MoE: the k experts' weights renormalized to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob),
+  // else their share of the softmax over all experts.
+  bool norm_topk_prob = true;
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
   int64_t bos_token_id = -1;

@@ -240,15 +240,20 @@ absl::Status Transformer::BindWeights() {
       ASSIGN_OR_RETURN(L.o_bias, VectorSlice(ob, 0, H));
     }
     if (c.moe) {
-      const std::string m = p + "block_sparse_moe.";
+      // Mixtral's names, or Qwen3-MoE's (mlp.gate, mlp.experts.E.gate_proj/up_proj/down_proj).
+      const bool mixtral = c.architecture == "MixtralForCausalLM";
+      const std::string m = p + (mixtral ? "block_sparse_moe." : "mlp.");
       ASSIGN_OR_RETURN(TensorView router, w.Get(m + "gate.weight", {c.num_experts, H}));
       ASSIGN_OR_RETURN(
           L.router, Rows(router, 0, c.num_experts));  // replicated: every rank routes every token
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const std::string ep = absl::StrCat(m, "experts.", e, ".");
-        ASSIGN_OR_RETURN(TensorView w1, w.Get(ep + "w1.weight", {I, H}));
-        ASSIGN_OR_RETURN(TensorView w2, w.Get(ep + "w2.weight", {H, I}));
-        ASSIGN_OR_RETURN(TensorView w3, w.Get(ep + "w3.weight", {I, H}));
+        ASSIGN_OR_RETURN(TensorView w1,
+                         w.Get(ep + (mixtral ? "w1" : "gate_proj") + ".weight", {I, H}));
+        ASSIGN_OR_RETURN(TensorView w2,
+                         w.Get(ep + (mixtral ? "w2" : "down_proj") + ".weight", {H, I}));
+        ASSIGN_OR_RETURN(TensorView w3,
+                         w.Get(ep + (mixtral ? "w3" : "up_proj") + ".weight", {I, H}));
         if (e >= expert_begin_ && e < expert_end_) {  // expert parallelism inside the stage
           Expert x;
           ASSIGN_OR_RETURN(x.gate, Rows(w1, 0, I));
@@ -495,8 +500,8 @@ absl::Status Transformer::Moe(const Layer& L, int64_t rows) {
   RETURN_IF_ERROR(Gemm(L.router, *m.h, rows, *m.router));
   RETURN_IF_ERROR(m.routes->Reserve(static_cast<size_t>(slots) * sizeof(int32_t)));
   RETURN_IF_ERROR(m.route_weights->Reserve(static_cast<size_t>(slots) * sizeof(float)));
-  RETURN_IF_ERROR(be.RouteTopK(Ptr<float>(m.router), rows, c.num_experts, k, Ptr<int32_t>(m.routes),
-                               Ptr<float>(m.route_weights)));
+  RETURN_IF_ERROR(be.RouteTopK(Ptr<float>(m.router), rows, c.num_experts, k, c.norm_topk_prob,
+                               Ptr<int32_t>(m.routes), Ptr<float>(m.route_weights)));
   RETURN_IF_ERROR(m.o->Reserve(static_cast<size_t>(rows * H) * sizeof(float)));
   const bool tables = L.gate_table.count > 0 && L.up_table.count > 0 && L.down_table.count > 0;
   if (!be.per_slot_experts() || !tables || slots > L.gate_table.count) return MoeGrouped(L, rows);

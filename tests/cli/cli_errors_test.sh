@@ -42,7 +42,7 @@ fi
 expect_error "--model is required" "$BIN" generate --prompt hi
 expect_error "give exactly one of --prompt and --prompt-ids" "$BIN" generate --model "$TMP"
 expect_error "config.json: cannot open" "$BIN" generate --model "$TMP/none" --prompt hi
-expect_error "--arch 'gpt2' is not one of llama, mistral, qwen2, qwen3, mixtral" "$BIN" gen-model --arch gpt2 --out "$TMP/x"
+expect_error "--arch 'gpt2' is not one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral" "$BIN" gen-model --arch gpt2 --out "$TMP/x"
 expect_error "--kv-heads 3 must divide --heads 4" "$BIN" gen-model --out "$TMP/x" --heads 4 --kv-heads 3
 expect_error "--dtype 'f64' is not bf16, f16, f32" "$BIN" gen-model --out "$TMP/x" --dtype f64
 

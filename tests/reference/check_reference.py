@@ -36,13 +36,20 @@ CASES = {
     "qwen3_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4"],
     "qwen3_bias_bf16": ["--arch", "qwen3", "--dtype", "bf16", "--heads", "8", "--kv-heads", "4",
                         "--attention-bias"],
+    "qwen3_moe_f32": ["--arch", "qwen3_moe", "--dtype", "f32", "--heads", "8", "--kv-heads", "4",
+                      "--experts", "8", "--top-k", "2", "--intermediate", "64"],
+    "qwen3_moe_nonorm_bf16": ["--arch", "qwen3_moe", "--dtype", "bf16", "--heads", "8",
+                              "--kv-heads", "4", "--experts", "4", "--top-k", "3",
+                              "--intermediate", "64", "--no-norm-topk-prob"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
                      "--kv-heads", "2"],
 }
 # Cases also run sharded (TP x PP, through the real process trees) against the same reference.
 LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
-           "qwen3_bias_bf16": [(1, 1), (2, 2)]}
+           "qwen3_bias_bf16": [(1, 1), (2, 2)],
+           "qwen3_moe_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "qwen3_moe_nonorm_bf16": [(1, 1), (2, 2)]}
 BASE = ["--layers", "3", "--hidden", "96", "--heads", "6", "--intermediate", "160", "--vocab",
         "600", "--seed", "7", "--max-position", "512"]
 TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nnew line",

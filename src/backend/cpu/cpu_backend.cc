@@ -240,8 +240,8 @@ class CpuBackend : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
-                         float* weights) override {
+  absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
+                         int32_t* experts, float* weights) override {
     std::vector<int32_t> order(E);
     for (int64_t r = 0; r < rows; ++r) {
       const float* logit = logits + r * E;
@@ -251,7 +251,7 @@ class CpuBackend : public Backend {
       });
       const float mx = logit[order[0]];
       float sum = 0;
-      for (int64_t j = 0; j < k; ++j) sum += std::exp(logit[order[j]] - mx);
+      for (int64_t j = 0; j < (normalize ? k : E); ++j) sum += std::exp(logit[order[j]] - mx);
       for (int64_t j = 0; j < k; ++j) {
         experts[r * k + j] = order[j];
         weights[r * k + j] = std::exp(logit[order[j]] - mx) / sum;

@@ -155,9 +155,9 @@ class CudaBackend : public Backend {
                             int64_t n, float* y) override {
     return cuda::ScaleAddRows(x, dim, rows, weight, n, y);
   }
-  absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
-                         float* weights) override {
-    return cuda::RouteTopK(logits, rows, E, k, experts, weights);
+  absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
+                         int32_t* experts, float* weights) override {
+    return cuda::RouteTopK(logits, rows, E, k, normalize, experts, weights);
   }
   bool per_slot_experts() const override { return true; }
   absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,

@@ -144,10 +144,11 @@ absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pit
                     size_t height);
 
 // MoE routing, as Backend::RouteTopK: per row of `rows` x E router logits the k
-// best experts (ties to the lower id) and their softmax weights over those k. Writes
+// best experts (ties to the lower id) and their weights (the softmax over those k, or with
+// normalize false their share of the softmax over all E). Writes
 // experts[rows * k] and weights[rows * k] (device).
-absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
-                       float* weights);
+absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
+                       int32_t* experts, float* weights);
 // For each of `slots` (row, expert) assignments: y[slot] = W_expert(slot) x[slot / x_div], with
 // experts[slot] the expert; a slot whose expert is not local gets zeros. Reads only the assigned
 // experts' weights: the decode path of a MoE layer, no host round trip.

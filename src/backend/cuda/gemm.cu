@@ -137,7 +137,7 @@ __global__ void ConvertKernel(const float* x, int64_t n, T* out) {
 
 // One thread per row: k rounds of "the best expert after the previous pick", then the softmax
 // of the k logits (float, as the host).
-__global__ void RouteKernel(const float* logits, int64_t rows, int64_t E, int64_t k,
+__global__ void RouteKernel(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
                             int32_t* experts, float* weights) {
   const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (r >= rows) return;
@@ -158,9 +158,13 @@ __global__ void RouteKernel(const float* logits, int64_t rows, int64_t E, int64_
     pv = bv;
     pi = bi;
   }
-  const float mx = weights[r * k];
+  const float mx = weights[r * k];  // the best of all E
   float sum = 0;
-  for (int64_t j = 0; j < k; ++j) sum += expf(weights[r * k + j] - mx);
+  if (normalize) {
+    for (int64_t j = 0; j < k; ++j) sum += expf(weights[r * k + j] - mx);
+  } else {
+    for (int64_t e = 0; e < E; ++e) sum += expf(l[e] - mx);
+  }
   for (int64_t j = 0; j < k; ++j) weights[r * k + j] = expf(weights[r * k + j] - mx) / sum;
 }
 
@@ -262,11 +266,11 @@ absl::Status GemmGroup(Context& ctx, const WeightMatrix* const* ws, float* const
   return LaunchGemvGroup(g, ws[0]->dtype, ws[0]->cols, x, M);
 }
 
-absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, int32_t* experts,
-                       float* weights) {
+absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
+                       int32_t* experts, float* weights) {
   if (rows == 0) return absl::OkStatus();
   if (k < 1 || k > E) return absl::InvalidArgumentError(absl::StrCat(k, " of ", E, " experts"));
-  RouteKernel<<<Grid(rows, 128), 128>>>(logits, rows, E, k, experts, weights);
+  RouteKernel<<<Grid(rows, 128), 128>>>(logits, rows, E, k, normalize, experts, weights);
   return Check(cudaGetLastError(), "RouteTopK launch");
 }
 

@@ -444,20 +444,28 @@ TEST_P(BackendOpsTest, MoeRoutingAndExpertProducts) {
   Mem mem(*be_);
   int32_t* de = mem.Zeros<int32_t>(rows * k);
   float* dw = mem.Zeros<float>(rows * k);
-  ASSERT_TRUE(be_->RouteTopK(mem.Put(router), rows, E, k, de, dw).ok());
-  const std::vector<int32_t> experts = mem.Get(de, rows * k);
-  const std::vector<float> weights = mem.Get(dw, rows * k);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int32_t> order(E);
-    std::iota(order.begin(), order.end(), 0);
-    const float* l = router.data() + r * E;
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
-    const double z = std::exp(double(l[order[0]])) + std::exp(double(l[order[1]]));
-    for (int64_t j = 0; j < k; ++j) {
-      EXPECT_EQ(experts[r * k + j], order[j]) << r;
-      EXPECT_NEAR(weights[r * k + j], std::exp(double(l[order[j]])) / z, 1e-6);
+  // The k weights renormalized (Mixtral), or their share of the softmax over all E (Qwen3-MoE
+  // without norm_topk_prob).
+  for (bool normalize : {false, true}) {
+    ASSERT_TRUE(be_->RouteTopK(mem.Put(router), rows, E, k, normalize, de, dw).ok());
+    const std::vector<int32_t> experts = mem.Get(de, rows * k);
+    const std::vector<float> weights = mem.Get(dw, rows * k);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<int32_t> order(E);
+      std::iota(order.begin(), order.end(), 0);
+      const float* l = router.data() + r * E;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+      double z = 0;
+      for (int64_t j = 0; j < (normalize ? k : E); ++j) z += std::exp(double(l[order[j]]));
+      for (int64_t j = 0; j < k; ++j) {
+        EXPECT_EQ(experts[r * k + j], order[j]) << r;
+        EXPECT_NEAR(weights[r * k + j], std::exp(double(l[order[j]])) / z, 1e-6) << normalize;
+      }
     }
   }
+  const std::vector<int32_t> experts = mem.Get(de, rows * k);  // the normalized routes, last
+  const std::vector<float> weights = mem.Get(dw, rows * k);
   // The two local experts' [I][H] matrices (BF16), a table of their pointers in backend memory.
   std::vector<std::vector<float>> mats(count);
   std::vector<std::vector<uint8_t>> bytes(count);

@@ -364,14 +364,16 @@ TEST(CudaBackendTest, MoeRoutingAndExpertProductsMatchTheHost) {
   router[1 * E + 0] = router[1 * E + 3] = 5;  // a tie: the lower expert first
   auto dr = Upload(router), de = Upload(std::vector<int32_t>(rows * k)),
        dw = Upload(std::vector<float>(rows * k));
-  ASSERT_TRUE(cuda::RouteTopK(Ptr<float>(dr), rows, E, k, Ptr<int32_t>(de), Ptr<float>(dw)).ok());
+  ASSERT_TRUE(
+      cuda::RouteTopK(Ptr<float>(dr), rows, E, k, true, Ptr<int32_t>(de), Ptr<float>(dw)).ok());
   const std::vector<int32_t> experts = Download<int32_t>(de, rows * k);
   const std::vector<float> weights = Download<float>(dw, rows * k);
   std::vector<int32_t> want_experts(rows * k);
   std::vector<float> want_weights(rows * k);
-  ASSERT_TRUE(cpu::NewBackend(1)
-                  ->RouteTopK(router.data(), rows, E, k, want_experts.data(), want_weights.data())
-                  .ok());
+  ASSERT_TRUE(
+      cpu::NewBackend(1)
+          ->RouteTopK(router.data(), rows, E, k, true, want_experts.data(), want_weights.data())
+          .ok());
   EXPECT_EQ(experts, want_experts);
   for (int64_t i = 0; i < rows * k; ++i) EXPECT_NEAR(weights[i], want_weights[i], 1e-6) << i;
   EXPECT_EQ(experts[1 * k], 0);

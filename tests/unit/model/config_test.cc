@@ -87,6 +87,36 @@ TEST(ConfigTest, Qwen3NormsQueriesAndKeys) {
   EXPECT_FALSE(ParseModelConfig(Llama().dump())->qk_norm);
 }
 
+// Qwen3-MoE: its experts' size is the MLP size, routing without renormalization unless asked;
+// what it cannot run (dense layers among the sparse ones, shared experts) is refused by name.
+TEST(ConfigTest, Qwen3MoeExperts) {
+  json q = Llama();
+  q["architectures"] = {"Qwen3MoeForCausalLM"};
+  q["num_experts"] = 8;
+  q["num_experts_per_tok"] = 2;
+  q["moe_intermediate_size"] = 24;
+  auto c = ParseModelConfig(q.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->moe && c->qk_norm);
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->intermediate_size, 24);
+  EXPECT_FALSE(c->norm_topk_prob);
+  q["norm_topk_prob"] = true;
+  EXPECT_TRUE(ParseModelConfig(q.dump())->norm_topk_prob);
+  EXPECT_TRUE(ParseModelConfig(Llama().dump())->norm_topk_prob) << "Mixtral's: renormalized";
+  for (auto [key, value] : {std::pair<const char*, json>{"decoder_sparse_step", 2},
+                            {"mlp_only_layers", json::array({0})},
+                            {"shared_expert_intermediate_size", 64}}) {
+    json bad = q;
+    bad[key] = value;
+    auto r = ParseModelConfig(bad.dump());
+    ASSERT_FALSE(r.ok()) << key;
+    EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status();
+  }
+  q.erase("moe_intermediate_size");
+  EXPECT_FALSE(ParseModelConfig(q.dump()).ok());
+}
+
 struct Bad {
   const char* name;
   json patch;  // merged into the Llama config; null values erase the key
