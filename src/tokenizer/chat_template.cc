@@ -150,9 +150,8 @@ absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>
   std::string& out = r.text;
   // A message's text, appended where the format puts it, and its range noted.
   auto content = [&r](std::string_view text) {
-    r.content.push_back({r.text.size(), r.text.size() + text.size()});
+    if (!text.empty()) r.content.push_back({r.text.size(), r.text.size() + text.size()});
     r.text.append(text);
-    if (text.empty()) r.content.pop_back();
   };
   switch (family_) {
     case Family::kNone:

@@ -296,13 +296,13 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
   if (blocks_x > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("attention over ", rows, " rows"));
   }
-  // Splits of whole 128-position steps (a block's four warps), enough to fill the GPU.
+  // Splits of whole 128-position steps (a block's four warps), enough to fill the GPU: at most
+  // kAttnTargetBlocks of them, so within the grid's y limit.
   const int64_t step = kAttnWarps * kAttnChunk;
   const int64_t steps = std::max<int64_t>(1, (max_len + step - 1) / step);
-  int64_t splits = std::clamp<int64_t>((kAttnTargetBlocks + blocks_x - 1) / blocks_x, 1, steps);
-  const int64_t per_split = (steps + splits - 1) / splits * step;
-  splits = std::min<int64_t>(65535, (max_len + per_split - 1) / per_split);
-  splits = std::max<int64_t>(splits, 1);
+  const int64_t want = std::clamp<int64_t>((kAttnTargetBlocks + blocks_x - 1) / blocks_x, 1, steps);
+  const int64_t per_split = (steps + want - 1) / want * step;
+  const int64_t splits = std::max<int64_t>(1, (max_len + per_split - 1) / per_split);
   float* pr = nullptr;
   if (splits > 1) {
     auto partial =

@@ -265,6 +265,27 @@ TEST_P(BackendOpsTest, RopeRotatesEachRowAtItsPosition) {
   }
 }
 
+// Causal attention of one query head (q, head_dim hd) over written rows [first, last] of k and v
+// (rows of kvd floats, the KV head at column kh * hd), in double precision.
+std::vector<double> AttentionOfOneHead(const float* q, const std::vector<float>& k,
+                                       const std::vector<float>& v, int64_t kvd, int64_t kh,
+                                       int64_t hd, int64_t first, int64_t last, float scale) {
+  std::vector<double> e;
+  for (int64_t j = first; j <= last; ++j) {
+    double dot = 0;
+    for (int64_t d = 0; d < hd; ++d) dot += double(q[d]) * k[j * kvd + kh * hd + d];
+    e.push_back(dot * scale);
+  }
+  const double mx = *std::max_element(e.begin(), e.end());
+  double z = 0;
+  for (double& x : e) z += (x = std::exp(x - mx));
+  std::vector<double> out(hd);
+  for (int64_t d = 0; d < hd; ++d) {
+    for (int64_t j = first; j <= last; ++j) out[d] += e[j - first] / z * v[j * kvd + kh * hd + d];
+  }
+  return out;
+}
+
 // Two sequences in scattered blocks of two caches; rows written through WriteKv are what
 // Attention reads, causally, for a TP rank's query heads over its KV head (GQA).
 TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
@@ -299,20 +320,10 @@ TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
     const int64_t first = r < 10 ? 0 : 10;  // the sequence's first row
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t kh = (head0 + h) / group - kv_head0;  // the local KV head
-      const float* qr = q.data() + (r * heads + h) * hd;
-      std::vector<double> s;
-      for (int64_t j = first; j <= r; ++j) {
-        double dot = 0;
-        for (int64_t d = 0; d < hd; ++d) dot += double(qr[d]) * k[j * kvd + kh * hd + d];
-        s.push_back(dot * scale);
-      }
-      const double mx = *std::max_element(s.begin(), s.end());
-      double z = 0;
-      for (double& e : s) z += (e = std::exp(e - mx));
+      const std::vector<double> want =
+          AttentionOfOneHead(q.data() + (r * heads + h) * hd, k, v, kvd, kh, hd, first, r, scale);
       for (int64_t d = 0; d < hd; ++d) {
-        double want = 0;
-        for (int64_t j = first; j <= r; ++j) want += s[j - first] / z * v[j * kvd + kh * hd + d];
-        ASSERT_NEAR(got[(r * heads + h) * hd + d], want, 1e-5) << r << " " << h << " " << d;
+        ASSERT_NEAR(got[(r * heads + h) * hd + d], want[d], 1e-5) << r << " " << h << " " << d;
       }
     }
   }
@@ -380,21 +391,10 @@ TEST_P(BackendOpsTest, AttentionOverLongSequencesAndHeadGroups) {
       for (int32_t s = 0; s < qseq[r]; ++s) base += lens[s];
       for (int64_t h = 0; h < sh.heads; ++h) {
         const int64_t kh = (sh.head0 + h) / sh.group - sh.kv_head0;
-        const float* qr = q.data() + (r * sh.heads + h) * hd;
-        std::vector<double> e;
-        for (int64_t j = 0; j <= qpos[r]; ++j) {
-          double dot = 0;
-          for (int64_t d = 0; d < hd; ++d) dot += double(qr[d]) * k[(base + j) * kvd + kh * hd + d];
-          e.push_back(dot * scale);
-        }
-        const double mx = *std::max_element(e.begin(), e.end());
-        double z = 0;
-        for (double& x : e) z += (x = std::exp(x - mx));
+        const std::vector<double> want = AttentionOfOneHead(
+            q.data() + (r * sh.heads + h) * hd, k, v, kvd, kh, hd, base, base + qpos[r], scale);
         for (int64_t d = 0; d < hd; ++d) {
-          double want = 0;
-          for (int64_t j = 0; j <= qpos[r]; ++j)
-            want += e[j] / z * v[(base + j) * kvd + kh * hd + d];
-          ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want, 2e-5)
+          ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want[d], 2e-5)
               << "hd " << hd << " group " << sh.group << " row " << r << " head " << h << " d "
               << d;
         }
