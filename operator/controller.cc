@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "http/client.h"
 #include "plan/cluster_view.h"
 
 namespace shardserve::op {
@@ -32,6 +33,9 @@ using k8s::kShardedModels;
 constexpr absl::Duration kMemoryTtl = absl::Seconds(60);
 // How long a bound pod may mount its volumes before its events are read for a failure.
 constexpr absl::Duration kMountGrace = absl::Seconds(10);
+// Asking a starting rank what it is doing (its /startupz): how long, and how much it may say.
+constexpr std::chrono::milliseconds kStartupAsk(500);
+constexpr size_t kStartupBytes = 4096;
 
 json Pick(const json& from, std::initializer_list<const char*> keys) {
   json out = json::object();
@@ -67,9 +71,12 @@ void SlimPod(json& pod) {
         if (Extended(k)) resources[kind][k] = v;
       }
     }
-    containers.push_back({{"resources", resources}});
+    json kept = {{"resources", resources}};
+    if (c.contains("image")) kept["image"] = c["image"];  // quoted while it is pulled
+    containers.push_back(std::move(kept));
   }
-  json status = Pick(pod["status"], {"phase", "reason"});
+  // podIP: where a starting pod's ranks are asked what they are doing.
+  json status = Pick(pod["status"], {"phase", "reason", "podIP"});
   for (const json& c : pod["status"].value("conditions", json::array())) {
     status["conditions"].push_back(Pick(c, {"type", "status", "reason", "message"}));
   }
@@ -406,28 +413,84 @@ void Controller::Forget(const std::string& key) {
   metrics_->ForgetModel(key);
 }
 
-// Why a pod's volumes cannot be mounted, from its kubelet's latest FailedMount event ("" when
-// there is none, or the events cannot be read: the replica then just stays Starting).
-std::string Controller::MountFailure(const std::string& ns, const PodView& pod) {
-  k8s::ListOptions o;
-  o.field_selector = absl::StrCat("involvedObject.uid=", pod.uid, ",reason=FailedMount");
-  o.limit = 20;
-  absl::StatusOr<json> list = client_->List(k8s::kEvents, ns, o);
-  if (!list.ok() || !list->contains("items")) return "";
-  const json* latest = nullptr;
-  for (const json& e : (*list)["items"]) {
-    if (latest == nullptr || e.value("lastTimestamp", "") >= latest->value("lastTimestamp", "")) {
-      latest = &e;
-    }
-  }
-  if (latest == nullptr) return "";
-  return absl::StrCat("pod ", pod.name, ": FailedMount: ", LastLine(latest->value("message", "")));
+namespace {
+
+// A string field of an event, "" when absent, null or of another type.
+std::string Field(const json& e, const char* key) {
+  auto it = e.find(key);
+  return it != e.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
-PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time now) {
+}  // namespace
+
+Controller::KubeletNews Controller::EventsOf(const std::string& ns, const PodView& pod) {
+  KubeletNews news;
+  k8s::ListOptions o;
+  o.field_selector = absl::StrCat("involvedObject.uid=", pod.uid);
+  o.limit = 100;
+  absl::StatusOr<json> list = client_->List(k8s::kEvents, ns, o);
+  if (!list.ok() || !list->contains("items") || !(*list)["items"].is_array()) return news;
+  const json *mount = nullptr, *pull = nullptr;
+  auto when = [](const json& e) {
+    const std::string last = Field(e, "lastTimestamp");
+    return last.empty() ? Field(e, "eventTime") : last;
+  };
+  for (const json& e : (*list)["items"]) {
+    if (!e.is_object()) continue;
+    const std::string reason = Field(e, "reason");
+    if (reason == "FailedMount" && (mount == nullptr || when(e) >= when(*mount))) mount = &e;
+    if ((reason == "Pulling" || reason == "Pulled") &&
+        (pull == nullptr || when(e) >= when(*pull))) {
+      pull = &e;
+    }
+  }
+  if (mount != nullptr) {
+    news.mount_failure =
+        absl::StrCat("pod ", pod.name, ": FailedMount: ", LastLine(Field(*mount, "message")));
+  }
+  news.pulling = pull != nullptr && Field(*pull, "reason") == "Pulling";
+  return news;
+}
+
+std::string Controller::RanksStarting(const PodView& pod, int64_t tensor) {
+  std::vector<std::string> states;
+  for (int64_t t = 0; t < tensor; ++t) {
+    absl::StatusOr<std::string> body =
+        http::Get(pod.pod_ip, kMetricsPortBase + t, "/startupz", kStartupAsk, kStartupBytes);
+    if (!body.ok()) {
+      if (t == 0) return absl::StrCat("stage ", pod.stage, ": starting its ranks");
+      states.push_back("not answering");
+      continue;
+    }
+    const json j = json::parse(*body, nullptr, false);
+    const std::string state = j.is_object() ? Field(j, "state") : "";
+    // A rank's own words, bounded: one line, at most 160 characters.
+    states.push_back(state.empty() ? "starting" : LastLine(state).substr(0, 160));
+  }
+  if (states.empty()) return "";
+  if (std::all_of(states.begin(), states.end(), [&](const auto& x) { return x == states[0]; })) {
+    return absl::StrCat("stage ", pod.stage, ": ", states[0]);
+  }
+  std::string out;
+  for (int64_t t = 0; t < tensor; ++t) {
+    absl::StrAppend(&out, t == 0 ? "" : "; ", "stage ", pod.stage, " rank ", pod.stage * tensor + t,
+                    ": ", states[t]);
+  }
+  return out;
+}
+
+PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time now,
+                              int64_t tensor) {
   PodView v = ReadPod(pod);
-  if (v.creating && v.stuck.empty() && !v.deleting && now - v.created > kMountGrace) {
-    v.stuck = MountFailure(ns, v);
+  if (v.deleting) return v;
+  if (v.creating && v.stuck.empty()) {
+    const KubeletNews news = EventsOf(ns, v);
+    if (now - v.created > kMountGrace) v.stuck = news.mount_failure;
+    v.startup = absl::StrCat(
+        "stage ", v.stage, ": ",
+        news.pulling ? absl::StrCat("pulling image ", v.image) : "creating its container");
+  } else if (tensor > 0 && v.phase == "Running" && !v.ready && !v.pod_ip.empty()) {
+    v.startup = RanksStarting(v, tensor);
   }
   return v;
 }
@@ -438,7 +501,7 @@ std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::T
   for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
     if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
     if (pod["metadata"]["labels"].value(kRoleLabel, "") == kInspectRole) continue;
-    PodView v = ReadPodOf(m.model.namespace_, pod, now);
+    PodView v = ReadPodOf(m.model.namespace_, pod, now, m.model.spec.tensor);
     seen.insert(v.name);
     // Created by us but seen here before the informer delivered the creation: now seen.
     if (auto it = mem.created.find(v.name); it != mem.created.end()) mem.created.erase(it);
@@ -574,7 +637,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
         absl::StrCat(m.model.namespace_, "/", InspectPodName(m.model.name));
     std::optional<PodView> inspect_pod;
     if (std::optional<json> pod = pods_->store().Get(inspect_key)) {
-      inspect_pod = ReadPodOf(m.model.namespace_, *pod, now);
+      inspect_pod = ReadPodOf(m.model.namespace_, *pod, now, 0);
     }
     const ShapeView shape =
         ReadShape(m.model.spec.model_uri, old_status, inspect_pod ? &*inspect_pod : nullptr);

@@ -95,9 +95,21 @@ class Controller {
   void Enqueue(const std::string& key);
   void EnqueueWaiting();
   std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now);
-  std::string MountFailure(const std::string& ns, const PodView& pod);
-  // ReadPod, and for a pod whose volumes stay unmounted past a grace period, why (MountFailure).
-  PodView ReadPodOf(const std::string& ns, const json& pod, absl::Time now);
+  // What a pod's kubelet says of it while its containers are being created: why its volumes
+  // cannot be mounted (its latest FailedMount), and whether an image pull is under way (a
+  // Pulling event not yet followed by Pulled). Nothing when the events cannot be read.
+  struct KubeletNews {
+    std::string mount_failure;
+    bool pulling = false;
+  };
+  KubeletNews EventsOf(const std::string& ns, const PodView& pod);
+  // What the `tensor` ranks of a running pod that is not ready say they are doing (each rank's
+  // /startupz, bounded in time and size), as the replica's status quotes it.
+  std::string RanksStarting(const PodView& pod, int64_t tensor);
+  // ReadPod, and for a pod that is not ready, what holds it: for one whose volumes stay
+  // unmounted past a grace period, why (stuck); otherwise what it is doing (startup), from its
+  // events or its ranks (`tensor` of them; 0: ask none).
+  PodView ReadPodOf(const std::string& ns, const json& pod, absl::Time now, int64_t tensor);
   // Under one lock for every worker: reserves the GPUs of `d.creates`, then plans `d.place`
   // against the ledger and reserves what it placed. `pods` gets every pod to create.
   PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);

@@ -27,6 +27,9 @@ absl::Time ParseTime(const json& v) {
   return absl::InfinitePast();
 }
 
+// How often a starting replica's message is brought up to date.
+constexpr absl::Duration kStartupRefresh = absl::Seconds(5);
+
 // Waiting reasons a container does not leave by itself: its image, or its configuration.
 bool Stuck(const std::string& reason) {
   return reason == "ErrImagePull" || reason == "ImagePullBackOff" || reason == "InvalidImageName" ||
@@ -50,6 +53,7 @@ struct Observed {
   std::string unschedulable;         // a pod unschedulable past the timeout
   std::string waiting;               // a pod unschedulable, not yet for that long
   std::string stuck;                 // a pod that cannot start (image, volume, configuration)
+  std::string starting;              // what its pods that are not ready are doing
   std::vector<int64_t> missing;      // stages without a live pod
   bool unbound = false;              // a live pod not yet bound to its node
   bool started = false;              // a pod of it has run
@@ -65,6 +69,7 @@ Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool cr
   o.pods = pods;
   const int64_t P = m.model.spec.pipeline;
   std::set<int64_t> stages;
+  std::vector<std::pair<int64_t, std::string>> starting;  // by stage
   bool deleted_pod = false;
   for (const PodView* p : pods) {
     o.started |= p->started;
@@ -78,6 +83,11 @@ Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool cr
     if (p->node.empty()) o.unbound = true;
     if (o.failure.empty() && !p->failure.empty()) o.failure = p->failure;
     if (o.stuck.empty() && !p->stuck.empty()) o.stuck = p->stuck;
+    if (!p->ready && !p->startup.empty()) {
+      starting.emplace_back(p->stage, p->startup);
+      // Progress (a pull, loading) shows in no watched object: look again.
+      requeue = std::min(requeue, kStartupRefresh);
+    }
     // Volumes that cannot be mounted show only in events, which nothing watches: look again.
     if (p->creating && p->stuck.empty()) requeue = std::min(requeue, absl::Seconds(10));
     if (p->phase == "Pending" && p->unschedulable && o.unschedulable.empty()) {
@@ -95,6 +105,10 @@ Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool cr
   }
   for (int64_t s = 0; s < P; ++s) {
     if (!stages.count(s)) o.missing.push_back(s);
+  }
+  std::sort(starting.begin(), starting.end());
+  for (const auto& [stage, what] : starting) {
+    absl::StrAppend(&o.starting, o.starting.empty() ? "" : "; ", what);
   }
   if (!o.live.empty() && o.failure.empty() && !o.missing.empty() &&
       (deleted_pod || (o.started && !creating))) {
@@ -192,6 +206,10 @@ PodView ReadPod(const json& pod) {
   v.node = pod.value("spec", json::object()).value("nodeName", "");
   const json& status = pod.value("status", json::object());
   v.phase = status.value("phase", "Pending");
+  v.pod_ip = status.value("podIP", "");
+  for (const json& c : pod.value("spec", json::object()).value("containers", json::array())) {
+    if (v.image.empty()) v.image = c.value("image", "");
+  }
   v.started = v.phase != "Pending";
   for (const json& c : status.value("conditions", json::array())) {
     const std::string type = c.value("type", "");
@@ -452,7 +470,7 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
                       : o.waiting;
     } else {
       r.phase = ReplicaPhase::kStarting;
-      r.message = "waiting for every rank to be ready";
+      r.message = o.starting.empty() ? "waiting for every rank to be ready" : o.starting;
     }
     // A pod that cannot start by itself blocks its replica; recreating it would not help, a new
     // spec (or a fixed node) does.

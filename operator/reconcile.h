@@ -56,6 +56,11 @@ struct PodView {
   bool creating = false;  // bound, its containers not yet created (volumes being mounted)
   std::string model_uri;  // the inspect pod's: the uri it reads (kModelUriAnnotation)
   std::string report;     // the termination message of its (last) ended container
+  std::string pod_ip;     // status.podIP
+  std::string image;      // its container's
+  // What it is doing while it is not ready ("stage 1: pulling image X", "stage 1 rank 3: loading
+  // 41 %"): from its kubelet's events and its ranks' own account; "" when nothing says.
+  std::string startup;
   absl::Time created = absl::InfinitePast();
 };
 

@@ -8,11 +8,8 @@
 //   inspect reads the model at SHARDSERVE_MODEL_PATH (its config and tokenizer) and prints its
 //           shape (plan/layer_split.h), also as the termination message: the operator runs it in
 //           a pod of its own to plan the layer split before any rank starts.
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -194,24 +191,6 @@ absl::Status RunOneRank(const WorkerEnv& env) {
   f.close();
   if (!f) return absl::InternalError(absl::StrCat(out_path, ": cannot write the result"));
   return absl::OkStatus();
-}
-
-// The pod's first fatal error becomes its container's termination message: the operator sets
-// SHARDSERVE_TERMINATION_LOG to the file the kubelet reads into the terminated state, and the
-// first rank to fail writes it (later ones, and the launcher reporting that a rank exited, find
-// it written), so the replica's status names the cause rather than its consequences.
-void ReportTermination(const std::string& path, const std::string& message) {
-  if (path.empty()) return;
-  const int fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
-  if (fd < 0) return;
-  struct stat st;
-  if (flock(fd, LOCK_EX) == 0 && fstat(fd, &st) == 0 && st.st_size == 0) {
-    const std::string line = message + "\n";
-    if (write(fd, line.data(), line.size()) < 0) {
-      // nothing more to do: the log has it too
-    }
-  }
-  close(fd);
 }
 
 absl::Status Inspect(const WorkerEnv& env) {

@@ -225,8 +225,16 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.NoOthers());
+  Fields startup(spec.Get("startup"), "spec.startup");
+  RETURN_IF_ERROR(startup.CheckMap());
+  RETURN_IF_ERROR(startup.Int("timeoutSeconds", s.startup_timeout_seconds));
+  RETURN_IF_ERROR(startup.Int("loadStallSeconds", s.load_stall_seconds));
+  RETURN_IF_ERROR(startup.NoOthers());
   return spec.NoOthers();
 }
+
+// A day: more than any pull or load takes, and within the int milliseconds of the contract.
+constexpr int64_t kMaxStartupSeconds = 86400;
 
 absl::Status AtLeast(const char* field, int64_t v, int64_t min) {
   if (v >= min) return absl::OkStatus();
@@ -239,6 +247,8 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_batch_size = static_cast<int>(spec.max_batch_size);
   w.max_sequence_length = spec.max_sequence_length;
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
+  w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
+  w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
 }
 
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
@@ -306,6 +316,13 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
                                                    "' must be special or text"));
   }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
+  for (auto [field, v] : {std::pair{"spec.startup.timeoutSeconds", s.startup_timeout_seconds},
+                          std::pair{"spec.startup.loadStallSeconds", s.load_stall_seconds}}) {
+    if (v < 1 || v > kMaxStartupSeconds) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " must be between 1 and ", kMaxStartupSeconds, ", got ", v));
+    }
+  }
   static const std::regex kDnsSubdomain("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
   if (!s.api_key_secret.empty() &&
       (s.api_key_secret.size() > 253 || !std::regex_match(s.api_key_secret, kDnsSubdomain))) {

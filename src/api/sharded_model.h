@@ -66,6 +66,11 @@ struct ShardedModelSpec {
   // How a chat message's special-token strings are tokenized: "special" (as control tokens, as
   // transformers and vLLM do) or "text" (as the characters they are; a user cannot forge a turn).
   std::string special_tokens_in_content = "special";
+  // Start-up (spec.startup): a rank waits this long at the rendezvous for the other stages' pods
+  // (pulling an image, starting, reaching it), and gives up when its loading makes no progress
+  // for load_stall_seconds.
+  int64_t startup_timeout_seconds = 1800;
+  int64_t load_stall_seconds = 300;
 
   int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
   int64_t gpus_per_replica() const { return tensor * pipeline; }
@@ -77,8 +82,9 @@ struct ShardedModel {
   ShardedModelSpec spec;
 };
 
-// The serving settings of `spec` in a worker's contract: its batch, sequence and chat-content
-// limits (not the port, which a deployment chooses).
+// The serving and start-up settings of `spec` in a worker's contract: its batch, sequence and
+// chat-content limits, how long it waits for peers and for loading progress (not the port,
+// which a deployment chooses).
 void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w);
 
 // Parses one ShardedModel document (YAML or JSON) and validates it. Unknown fields under spec

@@ -65,6 +65,7 @@ const IntVar kInts[] = {
     {"SHARDSERVE_THREADS", &WorkerEnv::threads, 1, 4096},
     {"SHARDSERVE_PEER_TIMEOUT_MS", &WorkerEnv::peer_timeout_ms, 100, kIntMax},
     {"SHARDSERVE_STARTUP_TIMEOUT_MS", &WorkerEnv::startup_timeout_ms, 100, kIntMax},
+    {"SHARDSERVE_LOAD_STALL_MS", &WorkerEnv::load_stall_ms, 100, kIntMax},
     {"SHARDSERVE_METRICS_PORT_BASE", &WorkerEnv::metrics_port_base, -1, 65535},
     {"SHARDSERVE_API_PORT", &WorkerEnv::api_port, 0, 65535},
     {"SHARDSERVE_MAX_BATCH_SIZE", &WorkerEnv::max_batch_size, 1, 1 << 20},

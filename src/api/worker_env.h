@@ -78,8 +78,12 @@ struct WorkerEnv {
   std::string host;         // this rank's address as others reach it
   std::string pod_ip;       // where to listen (the downward API)
   std::string rendezvous_secret_file;
-  int peer_timeout_ms = 2000;       // a silent peer is dead after it
-  int startup_timeout_ms = 120000;  // rendezvous and loading
+  int peer_timeout_ms = 2000;  // a silent peer is dead after it
+  // Start-up (spec.startup): how long a rank waits at the rendezvous for its peers (their pods
+  // may still be pulling an image or starting), and how long its loading may go without
+  // progress before the rank gives up.
+  int startup_timeout_ms = 120000;
+  int load_stall_ms = 300000;
   // Observing.
   bool metrics = true;          // off: no /metrics server
   int metrics_port_base = -1;   // rank r on base + r; -1: kMetricsPortBase + tp_rank

@@ -123,7 +123,8 @@ absl::StatusOr<WorldInfo> RendezvousServer::Run(const WorldConfig& world, const 
 absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& world,
                                                            const RankAddress& self,
                                                            const BlobMaker& make_blobs,
-                                                           std::chrono::milliseconds timeout) {
+                                                           std::chrono::milliseconds timeout,
+                                                           const Waiting& waiting) {
   const int n = world.world_size();
   WorldInfo info;
   info.ranks.resize(n);
@@ -133,6 +134,15 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
     std::map<int, Socket> sockets ABSL_GUARDED_BY(mu);
   } joining;
   const Deadline deadline = Clock::now() + timeout;
+  auto missing_of = [&](const std::map<int, Socket>& joined) {
+    std::string missing;
+    for (int r = 1; r < n; ++r) {
+      if (!joined.count(r))
+        absl::StrAppend(&missing, missing.empty() ? "" : ", ", world.Describe(r));
+    }
+    return missing;
+  };
+  if (waiting) waiting(missing_of({}));
   // Each proven connection registers; a refusal tells the rank why.
   auto admit = [&](uint32_t claim, Socket& conn) {
     auto msg = ReadMessage(conn, kMaxRegistration, std::min(deadline, Clock::now() + kHandshake));
@@ -158,6 +168,7 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
     }
     info.ranks[r->rank] = r->address;
     joining.sockets.emplace(r->rank, std::move(conn));
+    if (waiting) waiting(missing_of(joining.sockets));
     return true;
   };
   absl::Status s = AcceptVerified(listener_, secret_, kContext, n - 1, deadline, kHandshake, admit);
@@ -167,13 +178,14 @@ absl::StatusOr<WorldInfo> RendezvousServer::RunMakingBlobs(const WorldConfig& wo
     joined = std::move(joining.sockets);
   }
   if (!s.ok()) {
-    std::string missing;
-    for (int r = 1; r < n; ++r) {
-      if (!joined.count(r))
-        absl::StrAppend(&missing, missing.empty() ? "" : ", ", world.Describe(r));
+    const absl::Status late = absl::DeadlineExceededError(absl::StrCat(
+        "rendezvous: ", missing_of(joined), " did not register within ", timeout.count(), " ms"));
+    // The ranks that came learn who did not, rather than only that the leader went away.
+    const std::string why = absl::StrCat("the leader gave up: ", late.message());
+    for (auto& [rank, conn] : joined) {
+      (void)WriteMessage(conn, {{"type", "error"}, {"message", why}});
     }
-    return absl::DeadlineExceededError(
-        absl::StrCat("rendezvous: ", missing, " did not register within ", timeout.count(), " ms"));
+    return late;
   }
   absl::StatusOr<std::vector<std::string>> blobs = make_blobs(info.ranks);
   if (!blobs.ok()) {  // every rank learns why there is no world

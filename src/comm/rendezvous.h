@@ -45,12 +45,15 @@ class RendezvousServer {
                                 std::chrono::milliseconds timeout);
   // The same, with blobs made once every rank's address is known (e.g. NCCL ids only for the
   // links that will use NCCL); an error from `make_blobs` is returned, and every rank gets it
-  // instead of the world.
+  // instead of the world. `waiting`, when set, is told the ranks still missing ("stage 1 tp 0,
+  // stage 1 tp 1") at the start and after each registration, from any thread.
   using BlobMaker =
       std::function<absl::StatusOr<std::vector<std::string>>(const std::vector<RankAddress>&)>;
+  using Waiting = std::function<void(const std::string& missing)>;
   absl::StatusOr<WorldInfo> RunMakingBlobs(const WorldConfig& world, const RankAddress& self,
                                            const BlobMaker& make_blobs,
-                                           std::chrono::milliseconds timeout);
+                                           std::chrono::milliseconds timeout,
+                                           const Waiting& waiting = {});
   // The leader failed before it could run the replica: every rank that registers within
   // `timeout` is told `why` at once, rather than waiting for a world that will not come.
   // Returns when every other rank has been told, or at the timeout.

@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -152,6 +154,20 @@ std::string SelfDirectory() {
   std::error_code ec;
   const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
   return ec ? std::string(".") : exe.parent_path().string();
+}
+
+void ReportTermination(const std::string& path, const std::string& message) {
+  if (path.empty()) return;
+  const int fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) return;
+  struct stat st;
+  if (flock(fd, LOCK_EX) == 0 && fstat(fd, &st) == 0 && st.st_size == 0) {
+    const std::string line = message + "\n";
+    if (write(fd, line.data(), line.size()) < 0) {
+      // nothing more to do: the log has it too
+    }
+  }
+  close(fd);
 }
 
 }  // namespace shardserve

@@ -33,6 +33,13 @@ absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::strin
 // Aborted naming the first failure ("rank 3 (stage 1, tp 1) exited with code 1").
 absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::milliseconds grace);
 
+// The pod's first fatal error becomes its container's termination message: the operator sets
+// SHARDSERVE_TERMINATION_LOG to the file the kubelet reads into the terminated state, and the
+// first rank to fail writes it (later ones, and the launcher reporting that a rank exited, find
+// it written), so the replica's status names the cause rather than its consequences. "" or a
+// file that cannot be opened: nothing is written.
+void ReportTermination(const std::string& path, const std::string& message);
+
 // The path of the running executable's directory (to find sibling binaries).
 std::string SelfDirectory();
 

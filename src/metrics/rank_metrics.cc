@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "http/server.h"
@@ -85,6 +86,11 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
                       .Help("Share of this rank's KV cache blocks in use")
                       .Register(r)
                       .Add(base);
+  m->load_progress_ = &prometheus::BuildGauge()
+                           .Name("shardserve_rank_load_progress_ratio")
+                           .Help("Share of this rank's weights loaded (1 once loaded)")
+                           .Register(r)
+                           .Add(base);
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("shardserve_rank_tokens_total")
                     .Help("Tokens this rank has run through its layers")
@@ -124,6 +130,11 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
     }
     return http::Response{
         200, "text/plain; version=0.0.4", prometheus::TextSerializer().Serialize(families), {}};
+  });
+  routes.Get("/startupz", [self](const http::Request&) {
+    absl::MutexLock lock(&self->mu_);
+    return http::Response{
+        200, "application/json", nlohmann::json{{"state", self->startup_}}.dump(), {}};
   });
   http::ServerOptions options;
   options.host = host;
@@ -187,6 +198,14 @@ void RankMetrics::Expose(std::shared_ptr<prometheus::Registry> more) {
 }
 
 void RankMetrics::SetUp(bool up) { up_->Set(up ? 1 : 0); }
+void RankMetrics::SetStartup(const std::string& state) {
+  absl::MutexLock lock(&mu_);
+  startup_ = state;
+}
+void RankMetrics::SetLoadProgress(double ratio) {
+  load_progress_->Set(ratio);
+  SetStartup(absl::StrCat("loading ", static_cast<int>(ratio * 100), " %"));
+}
 void RankMetrics::ObserveForward(double seconds) { forward_->Observe(seconds); }
 void RankMetrics::SetWeightsBytes(double bytes) { weights_->Set(bytes); }
 void RankMetrics::SetKvCacheUsage(double ratio) { kv_usage_->Set(ratio); }

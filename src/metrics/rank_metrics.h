@@ -4,7 +4,11 @@
 //   shardserve_rank_up, shardserve_rank_forward_seconds (histogram),
 //   shardserve_rank_comm_seconds{op} (histogram), shardserve_rank_comm_bytes_total{op},
 //   shardserve_rank_weights_bytes, shardserve_rank_kv_cache_usage_ratio,
-//   shardserve_rank_tokens_total, shardserve_rank_resident_memory_bytes.
+//   shardserve_rank_tokens_total, shardserve_rank_resident_memory_bytes,
+//   shardserve_rank_load_progress_ratio.
+// The same port answers GET /startupz with what the rank is doing while it starts, as
+// {"state": "..."} ("waiting at the rendezvous for stage 1 tp 0", "loading 41 %", "serving"):
+// the operator quotes it in the replica's status.
 // Thread-safe (prometheus-cpp metrics are).
 #include <map>
 #include <memory>
@@ -77,6 +81,10 @@ class RankMetrics {
   // Serves `more` on this rank's page as well.
   void Expose(std::shared_ptr<prometheus::Registry> more);
   void SetUp(bool up);
+  // What the rank is doing while it starts (GET /startupz).
+  void SetStartup(const std::string& state);
+  // The share of this rank's weights loaded, in [0, 1]; the state reads "loading N %".
+  void SetLoadProgress(double ratio);
   void ObserveForward(double seconds);
   void ObserveComm(const std::string& op, double seconds, size_t bytes);
   void SetWeightsBytes(double bytes);
@@ -89,12 +97,14 @@ class RankMetrics {
   std::unique_ptr<http::Server> http_;
   absl::Mutex mu_;
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_ ABSL_GUARDED_BY(mu_);
+  std::string startup_ ABSL_GUARDED_BY(mu_) = "starting";
   RankLabels labels_;
   int port_ = 0;
   prometheus::Gauge* up_ = nullptr;
   prometheus::Histogram* forward_ = nullptr;
   prometheus::Gauge* weights_ = nullptr;
   prometheus::Gauge* kv_usage_ = nullptr;
+  prometheus::Gauge* load_progress_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
   std::map<std::string, std::pair<prometheus::Histogram*, prometheus::Counter*>> comm_;
 };

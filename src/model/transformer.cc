@@ -64,6 +64,7 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
   absl::Status s = t->CheckSplit();
   if (s.ok()) s = t->BindWeights();
+  t->options_.progress = nullptr;  // loading is over; what it told may be gone
   if (s.ok()) s = t->backend_->Synchronize();
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(model_dir, ": ", s.message()));
   // The pages the binding read leave this process's resident memory: the backends (GPU, and the
@@ -190,6 +191,11 @@ absl::Status Transformer::BindWeights() {
   vocab_end_ = V * (t + 1) / T;
 
   const WeightStore& w = *weights_;
+  const int64_t units = layer_end_ - layer_begin_ + 1;  // the layers, and the rest as one
+  auto progress = [&](int64_t done) {
+    if (options_.progress) options_.progress(static_cast<double>(done) / units);
+  };
+  progress(0);
   if (first_stage()) {
     ASSIGN_OR_RETURN(TensorView embed, w.Get("model.embed_tokens.weight", {V, H}));
     ASSIGN_OR_RETURN(embed_, Rows(embed, vocab_begin_, vocab_end_));
@@ -202,6 +208,7 @@ absl::Status Transformer::BindWeights() {
     ASSIGN_OR_RETURN(final_norm_, VectorSlice(norm, 0, H));
   }
   ASSIGN_OR_RETURN(inv_freq_, backend_->Upload(RopeInvFreq(c)));
+  progress(1);
   const int64_t q0 = t * heads_ * hd, q1 = q0 + heads_ * hd;
   const int64_t k0 = kv_head_begin_ * hd, k1 = k0 + kv_heads_ * hd;
   layers_.resize(layer_end_ - layer_begin_);
@@ -280,6 +287,7 @@ absl::Status Transformer::BindWeights() {
       ASSIGN_OR_RETURN(L.up, Rows(up, i0, i1));
       ASSIGN_OR_RETURN(L.down, Cols(down, i0, i1));  // row-parallel
     }
+    progress(i - layer_begin_ + 2);
   }
   return absl::OkStatus();
 }

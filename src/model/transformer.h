@@ -21,6 +21,7 @@
 // others take hidden states; the last stage produces logits, the others hidden states. The TP
 // communicator takes pointers in the backend's memory (host: the shared-memory group; GPU: NCCL).
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -59,6 +60,9 @@ class Transformer {
     Communicator* tp_comm = nullptr;  // the stage's TP group; required when tp_size > 1
     int64_t layer_begin = 0;
     int64_t layer_end = -1;  // -1: through the last layer
+    // Told the share of the stage's weights bound so far, in [0, 1]: at the start, after the
+    // embeddings and head, and after each layer (a start-up watchdog reads it).
+    std::function<void(double)> progress;
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that

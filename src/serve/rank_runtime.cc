@@ -21,6 +21,7 @@
 #include "comm/world.h"
 #include "common/log.h"
 #include "common/process.h"
+#include "common/stall_watchdog.h"
 #include "common/status.h"
 #include "metrics/rank_metrics.h"
 #include "model/sampler.h"
@@ -57,6 +58,10 @@ class Rank : public StepExecutor {
   absl::Status Follow();
   const Transformer& model() const { return *model_; }
   LeaderContext Context();
+  // What the rank is doing while it starts (its metrics page's /startupz).
+  void Starting(const std::string& state) {
+    if (metrics_) metrics_->SetStartup(state);
+  }
   // This rank gives up: every peer, over both communicators, learns the cause before the
   // connections close, so all ranks report the rank that actually failed.
   absl::Status AbortAll(const absl::Status& s) {
@@ -143,10 +148,18 @@ absl::Status Rank::Init() {
                      RendezvousServer::Listen(cfg_.bind_host, cfg_.leader_port, cfg_.secret));
     info = server.RunMakingBlobs(
         world_, self, [&](const std::vector<RankAddress>& ranks) { return backend_->Blobs(ranks); },
-        cfg_.startup_timeout());
+        cfg_.startup_timeout(),
+        [this](const std::string& missing) {
+          Starting(missing.empty() ? "every rank has joined the rendezvous"
+                                   : absl::StrCat("waiting at the rendezvous for ", missing));
+        });
   } else {
+    Starting(absl::StrCat("waiting at the rendezvous (", cfg_.leader_host, ":", cfg_.leader_port,
+                          ") for the leader and the replica's other ranks"));
+    // A little longer than the leader: when peers never come, the leader, who knows which,
+    // is the one to say so.
     info = JoinRendezvous(cfg_.leader_host, cfg_.leader_port, world_, self, cfg_.secret,
-                          cfg_.startup_timeout());
+                          cfg_.startup_timeout() + std::chrono::seconds(5));
   }
   if (!info.ok()) return info.status();
   TcpOptions to;
@@ -176,6 +189,18 @@ absl::Status Rank::Init() {
   // The split comes with the contract (the operator's plan); a split that does not fit the model
   // is reported to all.
   absl::Status loaded = [&]() -> absl::Status {
+    // Loading that stops (a model volume that no longer answers) ends the rank, naming where it
+    // stopped; the main thread may be blocked in a read that nothing interrupts.
+    StallWatchdog watchdog(std::chrono::milliseconds(cfg_.env.load_stall_ms), [&](double share) {
+      const absl::Status why = absl::DeadlineExceededError(absl::StrCat(
+          world_.Describe(rank), ": loading made no progress for ", cfg_.env.load_stall_ms / 1000.0,
+          " s (stopped at ", static_cast<int>(share * 100), " % of its weights)"));
+      LogError(why.message());
+      ReportTermination(cfg_.env.termination_log, std::string(why.message()));
+      (void)AbortAll(why);
+      std::_Exit(1);
+    });
+    Starting("loading 0 %");
     ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(cfg_.env.model_path));
     ASSIGN_OR_RETURN(LayerRange layers, StageLayersOf(cfg_.env, c));
     Transformer::Options o;
@@ -185,6 +210,10 @@ absl::Status Rank::Init() {
     o.tp_comm = tp_group_.get();
     o.layer_begin = layers.begin;
     o.layer_end = layers.end;
+    o.progress = [&](double share) {
+      watchdog.Progress(share);
+      if (metrics_) metrics_->SetLoadProgress(share);
+    };
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
     return absl::OkStatus();
   }();
@@ -192,7 +221,9 @@ absl::Status Rank::Init() {
     return world_comm_->Abort(
         absl::Status(loaded.code(), absl::StrCat(world_.Describe(rank), ": ", loaded.message())));
   }
+  Starting("loaded; waiting for the replica's other ranks to load");
   RETURN_IF_ERROR(mesh_->Barrier());  // everyone loaded: start together
+  Starting("serving");
   if (metrics_) {
     metrics_->SetWeightsBytes(static_cast<double>(model_->shard_weight_bytes()));
     metrics_->SetUp(true);

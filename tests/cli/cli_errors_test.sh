@@ -69,6 +69,14 @@ manifest "$TMP/typo.yaml" "file://$TMP/m" 1 1 "  replica: 2"
 expect_error "spec.replica is not a field of spec" "$BIN" local -f "$TMP/typo.yaml"
 manifest "$TMP/heads.yaml" "file://$TMP/m" 3 1
 expect_error "num_attention_heads 4 is not divisible by tensor parallelism 3" "$BIN" local -f "$TMP/heads.yaml" --port 18555
+# Loading that stops (here a weights file that is a FIFO nobody writes: its open never returns,
+# like a model volume that no longer answers) ends the rank after spec.startup.loadStallSeconds,
+# naming where it stopped; the deployment exits instead of hanging.
+"$BIN" gen-model --out "$TMP/stalled" --vocab 300 --layers 2 >/dev/null 2>&1 || { echo "FAIL: gen-model"; exit 1; }
+rm "$TMP/stalled/model.safetensors" && mkfifo "$TMP/stalled/model.safetensors"
+manifest "$TMP/stall.yaml" "file://$TMP/stalled" 1 2 "  startup: {loadStallSeconds: 2}"
+expect_error "loading made no progress for 2 s (stopped at 0 % of its weights)" \
+  timeout 120 "$BIN" local -f "$TMP/stall.yaml" --port 18556
 
 # shardserve plan: placement without a cluster, and the reason when a replica does not fit.
 EX="$(cd "$(dirname "$0")/../../examples" && pwd)"

@@ -2,6 +2,7 @@
 """Per-rank Prometheus metrics through the real binaries: while a TP=2 x PP=2 generation runs,
 every rank serves /metrics (local mode: base port + global rank) with the metric names and labels
 of DESIGN.md §6, `promtool check metrics` is clean on every page, and the counters move."""
+import json
 import os
 import re
 import signal
@@ -62,6 +63,12 @@ with tempfile.TemporaryDirectory() as tmp:
                      "shardserve_rank_forward_seconds_count"]:
             check(value(body, name, labels) is not None, f"rank {rank}: {name} with its labels")
         check(value(body, "shardserve_rank_weights_bytes", labels) > 0, f"rank {rank}: weights")
+        check(value(body, "shardserve_rank_load_progress_ratio", labels) == 1,
+              f"rank {rank}: its weights loaded in full")
+        startupz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/startupz",
+                                                     timeout=5).read())
+        check(startupz == {"state": "serving"},
+              f"rank {rank}: /startupz says it serves ({startupz})")
         check(value(body, "shardserve_rank_comm_bytes_total", dict(labels, op="all_reduce")) > 0,
               f"rank {rank}: TP all-reduce bytes counted")
         link = "send" if rank < 2 else "recv"  # stage 0 sends hidden states, stage 1 receives

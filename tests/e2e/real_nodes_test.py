@@ -14,7 +14,11 @@ scripts/images/build.sh, and shardserve-operator driven with kubectl like a user
     no request fails;
   - bad input: a model path that does not exist, an image that cannot be pulled, heads that TP
     does not divide: each a replica phase with a message that names the cause, the serving model
-    undisturbed.
+    undisturbed;
+  - a slow peer at start-up: one stage's image pull held for 130 s by a registry of the test's
+    (longer than the 120 s ranks used to wait): the replica waits without a restart, its status
+    says what each stage is doing, and it serves once the pull ends; with
+    spec.startup.timeoutSeconds 15 the same wait fails, naming the ranks that never came.
 
 With --helm the operator is not a process on the host but the chart (helm/shardserve) installed
 with the locally built operator image: in-cluster config, the chart's ServiceAccount and RBAC, two
@@ -40,11 +44,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "cli"))
 sys.path.insert(0, os.path.join(HERE, "..", "k8s"))
 from checks import Checks, wait_until  # noqa: E402
-from cluster import Cluster, Operator  # noqa: E402
+from cluster import ROOT, Cluster, Operator  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
-from realnodes import (ClientLoop, Models, container_pid, figure, helm_install,  # noqa: E402
-                       lease_holder as chart_lease_holder, manifest, operator_pods as
-                       chart_operator_pods, rank_pid, readable_models)
+from realnodes import (ClientLoop, HeldRegistry, Models, container_pid, figure,  # noqa: E402
+                       helm_install, lease_holder as chart_lease_holder, manifest,
+                       operator_pods as chart_operator_pods, rank_pid, readable_models)
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
 HELM_MODE = "--helm" in sys.argv[3:]
@@ -162,6 +166,79 @@ def install_chart():
 def operator_process(pod):
     """The host pid of shardserve-operator in `pod`'s container."""
     return container_pid(pod, "shardserve-operator")
+
+
+def slow_peer():
+    """A stage whose pod pulls its image for longer than the 120 s ranks used to wait: the
+    replica waits (no restart), its status says what each stage is doing, and it serves once the
+    pull ends; with a short spec.startup.timeoutSeconds the same wait is a failure naming the
+    ranks that never came."""
+    reg = HeldRegistry(c, os.path.join(ROOT, "build", "images", "worker.tar"))
+    try:
+        def stage_nodes(name):
+            return {int(p["metadata"]["labels"]["shardserve.io/stage"]): p["spec"].get("nodeName")
+                    for p in model_pods(name)}
+
+        def stage1_only(name):  # the node of stage 1, unless stage 0 shares it
+            return lambda node: (lambda n: n.get(1) == node and n.get(0) != node)(
+                stage_nodes(name))
+
+        # --- 6. a stage held back at its image pull for 130 s ---------------------------------
+        hold = 130
+        reg.hold(stage1_only("held"), hold)
+        t0 = time.monotonic()
+        apply(manifest("held", f"hostpath://{model_dir}", key_secret=False,
+                       image=reg.image("held")))
+        seen = {}
+
+        def says(*parts):
+            msg = replica("held", 0).get("message", "")
+            if all(p in msg for p in parts):
+                seen[parts] = msg
+                return True
+            return False
+
+        check(wait_until(lambda: says("stage 1: pulling image " + reg.image("held")), 90),
+              "held: the status says stage 1 is pulling its image "
+              f"({replica('held', 0).get('message', '')!r})")
+        check(wait_until(lambda: says("stage 0 rank 0: waiting at the rendezvous for rank 2 "
+                                      "(stage 1, tp 0), rank 3 (stage 1, tp 1)",
+                                      "stage 1: pulling image"), 90),
+              "held: ... and that the leader waits at the rendezvous for stage 1's ranks "
+              f"({replica('held', 0).get('message', '')!r})")
+        print(f"figure: a held replica's status: {next(iter(seen.values()), '')!r}", flush=True)
+        uids = {p["metadata"]["uid"] for p in model_pods("held")}
+        check(wait_until(lambda: ready("held", 1), hold + 180),
+              f"held: Ready once the pull ends ({replica('held', 0)})")
+        waited = time.monotonic() - t0
+        figure("held image pull -> Ready", waited)
+        check(reg.held and waited > 120,
+              f"held: stage 1's pull was held past the old 120 s bound ({waited:.0f} s, nodes "
+              f"held {sorted(reg.held)}, stages on {stage_nodes('held')})")
+        check(replica("held", 0).get("restarts", 0) == 0 and
+              {p["metadata"]["uid"] for p in model_pods("held")} == uids,
+              "held: no restart: the same pods waited and serve")
+        check(wait_until(lambda: m.answers("held"), 60), "held: the replica answers")
+        c.kubectl("delete", "smodel", "held", "--wait=true", "--timeout=120s")
+        check(wait_until(lambda: not model_pods("held"), 120), "held: deleted")
+
+        # --- 7. the same wait past spec.startup.timeoutSeconds is a failure that says why -----
+        reg.hold(stage1_only("hung"), 600)
+        apply(manifest("hung", f"hostpath://{model_dir}", key_secret=False,
+                       image=reg.image("hung"), startup={"timeoutSeconds": 15}))
+
+        def gave_up():
+            r = replica("hung", 0)
+            why = r.get("lastFailureMessage", "") + r.get("message", "")
+            return r.get("restarts", 0) >= 1 and "did not register within 15000 ms" in why
+
+        check(wait_until(gave_up, 120), "hung: the leader gives up after 15 s, naming the "
+                                        f"missing ranks ({replica('hung', 0)})")
+        reg.release()
+        c.kubectl("delete", "smodel", "hung", "--wait=true", "--timeout=120s")
+        check(wait_until(lambda: not model_pods("hung"), 120), "hung: deleted")
+    finally:
+        reg.stop()
 
 
 def chart_checks():
@@ -386,6 +463,9 @@ try:
           replica(NAME, 0).get("restarts") == 1,
           f"the serving model is undisturbed by the bad ones (restarts "
           f"{replica(NAME, 0).get('restarts')}: only the kill -9's)")
+
+    if not HELM_MODE:
+        slow_peer()
 finally:
     if check.failures:
         c.print_logs()

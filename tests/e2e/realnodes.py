@@ -32,7 +32,7 @@ def readable_models(shardserve, tmp, gen_model):
 
 
 def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secret=True,
-             max_batch=8):
+             max_batch=8, startup=None):
     worker = {"image": image,
               "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                             "limits": {"memory": "2Gi"}}}
@@ -45,7 +45,7 @@ def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secre
             "metadata": {"name": name},
             "spec": {"replicas": replicas, "model": {"name": name, "uri": uri},
                      "parallelism": {"tensor": tp, "pipeline": pp}, "worker": worker,
-                     "serving": serving}}
+                     "serving": serving, **({"startup": startup} if startup else {})}}
 
 
 class Models:
@@ -194,3 +194,104 @@ def lease_holder(cluster, release):
     code, out, _ = cluster.kubectl("get", "lease", f"{release}-shardserve", "-o",
                                    "jsonpath={.spec.holderIdentity}")
     return out.strip().rsplit("_", 1)[0] if code == 0 else ""
+
+
+class HeldRegistry:
+    """An OCI registry on 127.0.0.1 (plain HTTP, as containerd takes loopback registries) that
+    serves the worker image (scripts/images/build.sh's archive) under any name, and holds back the pulls of chosen nodes: a pull as slow as a
+    multi-gigabyte image on a busy registry. Each real node's containerd reaches it through a
+    hosts.toml of its own that sends the node's name (x-shardserve-node), so the registry knows
+    whose pull it is. `hold(wanted, seconds)`: the manifest asked for by a node for which
+    `wanted(node)` is true comes `seconds` after the first such request, or at `release()`; the
+    pull, and the pod's container, wait meanwhile."""
+
+    def __init__(self, cluster, archive):
+        import hashlib
+        import http.server
+        import tarfile
+        with tarfile.open(archive) as t:
+            self.blobs = {m.name.split("/")[-1]: t.extractfile(m).read()
+                          for m in t.getmembers() if m.name.startswith("blobs/sha256/")}
+            index = json.loads(t.extractfile("index.json").read())
+        self.manifest_digest = index["manifests"][0]["digest"].split(":")[1]
+        assert hashlib.sha256(self.blobs[self.manifest_digest]).hexdigest() == self.manifest_digest
+        self.wanted, self.seconds, self.release_at = None, 0, None
+        self.held, self.lock = set(), threading.Lock()
+        self.released = threading.Event()
+        registry = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self, body):
+                ctype = "application/octet-stream"
+                if self.path.split("/")[-2] == "manifests":
+                    ctype = "application/vnd.oci.image.manifest.v1+json"
+                digest = hashlib.sha256(body).hexdigest()
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Docker-Content-Digest", "sha256:" + digest)
+                self.end_headers()
+                if self.command == "GET":
+                    self.wfile.write(body)
+
+            def do_GET(self):
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if parts == ["v2"]:
+                    return self.answer(b"{}")
+                kind, ref = parts[-2], parts[-1]
+                if parts[0] != "v2" or len(parts) < 4 or kind not in ("manifests", "blobs"):
+                    return self.send_error(404)
+                digest = registry.manifest_digest if kind == "manifests" and not \
+                    ref.startswith("sha256:") else ref.split(":")[-1]
+                if digest not in registry.blobs:
+                    return self.send_error(404)
+                if kind == "manifests":  # every node holds the layers already (same digests)
+                    registry.wait(self.headers.get("x-shardserve-node", ""))
+                self.answer(registry.blobs[digest])
+
+            do_HEAD = do_GET
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        host = f"127.0.0.1:{self.port}"
+        for node in os.listdir(os.path.join(cluster.dir, "nodes")):
+            d = os.path.join(cluster.dir, "nodes", node, "certs.d", host)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "hosts.toml"), "w") as f:
+                f.write(f'server = "http://{host}"\n[host."http://{host}"]\n'
+                        f'  capabilities = ["pull", "resolve"]\n'
+                        f'  [host."http://{host}".header]\n'
+                        f'    x-shardserve-node = ["{node}"]\n')
+
+    def image(self, name):
+        # `latest`: pulled by every pod (imagePullPolicy Always), whatever the node holds.
+        return f"127.0.0.1:{self.port}/{name}/worker:latest"
+
+    def hold(self, wanted, seconds):
+        with self.lock:
+            self.wanted, self.seconds, self.release_at = wanted, seconds, None
+            self.held = set()
+            self.released.clear()
+
+    def release(self):
+        self.released.set()
+
+    def wait(self, node):
+        with self.lock:
+            wanted = self.wanted
+        if wanted is None or not wanted(node):
+            return
+        with self.lock:
+            self.held.add(node)
+            if self.release_at is None:
+                self.release_at = time.monotonic() + self.seconds
+            left = self.release_at - time.monotonic()
+        self.released.wait(max(0.0, left))
+
+    def stop(self):
+        self.release()
+        self.server.shutdown()

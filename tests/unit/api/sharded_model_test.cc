@@ -49,6 +49,17 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ApplyServing(text->spec, w);
   EXPECT_TRUE(w.special_tokens_as_text);
   EXPECT_EQ(w.max_batch_size, text->spec.max_batch_size);
+  // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
+  // the manifest's, in the contract.
+  ApplyServing(m->spec, w);
+  EXPECT_EQ(w.startup_timeout_ms, 1800 * 1000);
+  EXPECT_EQ(w.load_stall_ms, 300 * 1000);
+  auto patient = ParseShardedModel(std::string(kGood) +
+                                   "  startup: {timeoutSeconds: 7200, loadStallSeconds: 60}\n");
+  ASSERT_TRUE(patient.ok()) << patient.status();
+  ApplyServing(patient->spec, w);
+  EXPECT_EQ(w.startup_timeout_ms, 7200 * 1000);
+  EXPECT_EQ(w.load_stall_ms, 60 * 1000);
 }
 
 TEST(ShardedModel, BadManifestsNameTheField) {
@@ -78,6 +89,11 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.apiKeySecret"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {specialTokensInContent: plain}"),
        "spec.serving.specialTokensInContent"},
+      {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),
+       "spec.startup.timeoutSeconds must be between 1 and 86400, got 0"},
+      {with("  replicas: 2", "  replicas: 2\n  startup: {loadStallSeconds: 100000}"),
+       "spec.startup.loadStallSeconds"},
+      {with("  replicas: 2", "  replicas: 2\n  startup: {timeout: 5}"), "spec.startup.timeout"},
       {with("kind: ShardedModel", "kind: Deployment"), "kind"},
       {"spec: [", "not valid YAML"},
   };

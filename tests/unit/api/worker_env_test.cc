@@ -50,6 +50,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.rendezvous_secret_file = "/var/run/secret";
   w.peer_timeout_ms = 10000;
   w.startup_timeout_ms = 300000;
+  w.load_stall_ms = 60000;
   w.metrics = false;
   w.metrics_port_base = 9500;
   w.termination_log = "/dev/termination-log";

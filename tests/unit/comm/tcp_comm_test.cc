@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/communicator_checks.h"
 #include "comm/handshake.h"
 #include "comm/multiprocess.h"
@@ -133,10 +134,26 @@ TEST(RendezvousTest, MissingRankIsNamedAndWrongShapeRefused) {
     auto w = WorldConfig::Create(1, 3, 1);
     auto info = JoinRendezvous("127.0.0.1", port, *w, {1, "127.0.0.1", 1}, kSecret,
                                std::chrono::milliseconds(5000));
-    EXPECT_FALSE(info.ok());  // the leader gives up on rank 2 and never sends the world
+    // The leader gives up on rank 2 and tells the rank that came who did not.
+    EXPECT_FALSE(info.ok());
+    EXPECT_THAT(std::string(info.status().message()),
+                HasSubstr("the leader gave up: rendezvous: rank 2 (stage 2, tp 0) did not "
+                          "register within 1500 ms"));
   });
   auto w = WorldConfig::Create(1, 3, 0);
-  auto info = server->Run(*w, {0, "127.0.0.1", 1}, {}, std::chrono::milliseconds(1500));
+  // The leader tells who it still waits for (a rank's start-up state): both, then rank 2.
+  absl::Mutex mu;
+  std::vector<std::string> waits;
+  auto info = server->RunMakingBlobs(
+      *w, {0, "127.0.0.1", 1},
+      [](const std::vector<RankAddress>&) { return std::vector<std::string>(); },
+      std::chrono::milliseconds(1500),
+      [&](const std::string& missing) {
+        absl::MutexLock lock(&mu);
+        waits.push_back(missing);
+      });
+  EXPECT_THAT(waits, ::testing::ElementsAre("rank 1 (stage 1, tp 0), rank 2 (stage 2, tp 0)",
+                                            "rank 2 (stage 2, tp 0)"));
   wrong.join();
   server = absl::InternalError("closed");  // the leader is gone: rank 1 stops waiting
   good.join();

@@ -575,6 +575,49 @@ TEST(ReadPod, QuotesWhyAContainerEndedOrCannotStart) {
   EXPECT_TRUE(v.creating);  // the controller reads its FailedMount events, if any
 }
 
+TEST(ReadPod, ReadsTheAddressAndImageAStartingPodIsAskedAbout) {
+  const json pod = json::parse(R"({
+    "metadata": {"name": "m-0-1", "uid": "u",
+                 "labels": {"shardserve.io/replica": "0", "shardserve.io/stage": "1"}},
+    "spec": {"nodeName": "a", "containers": [{"name": "worker", "image": "reg/worker:1"}]},
+    "status": {"phase": "Running", "podIP": "10.244.2.7",
+               "conditions": [{"type": "Ready", "status": "False"}]}})");
+  const PodView v = ReadPod(pod);
+  EXPECT_EQ(v.pod_ip, "10.244.2.7");
+  EXPECT_EQ(v.image, "reg/worker:1");
+  EXPECT_FALSE(v.ready);
+  EXPECT_TRUE(v.startup.empty());  // the controller asks the kubelet's events or the ranks
+}
+
+// A starting replica says what each stage's pod is doing, in stage order, and is looked at
+// again soon (a pull's or a load's progress changes no watched object); without a word from
+// the pods it says what it waits for.
+TEST(Decide, AStartingReplicaSaysWhatEachStageIsDoing) {
+  const ModelView m = ModelBuilder().Build();
+  PodView leader = PodBuilder(m, 0, 0).NotReady();
+  leader.startup =
+      "stage 0: waiting at the rendezvous for rank 2 (stage 1, tp 0), rank 3 "
+      "(stage 1, tp 1)";
+  PodView pulling = PodBuilder(m, 0, 1).NotReady();
+  pulling.phase = "Pending";
+  pulling.started = false;
+  pulling.creating = true;
+  pulling.startup = "stage 1: pulling image w:1";
+  Decision d = Decide(m, {pulling, leader}, json::object(), kNow, {});
+  EXPECT_EQ(State(d, 0).phase, ReplicaPhase::kStarting);
+  EXPECT_EQ(State(d, 0).message, leader.startup + "; " + pulling.startup);
+  EXPECT_LE(d.requeue_after, absl::Seconds(5));
+  EXPECT_TRUE(d.deletes.empty());
+
+  pulling.startup = "stage 1 rank 2: loading 41 %; stage 1 rank 3: loading 40 %";
+  pulling.phase = "Running";
+  d = Decide(m, {leader, pulling}, json::object(), kNow, {});
+  EXPECT_EQ(State(d, 0).message, leader.startup + "; " + pulling.startup);
+
+  d = Decide(m, {PodBuilder(m, 0, 0).NotReady(), PodBuilder(m, 0, 1)}, json::object(), kNow, {});
+  EXPECT_EQ(State(d, 0).message, "waiting for every rank to be ready");
+}
+
 TEST(LastLine, IsTheLastNonEmptyLineBoundedOnACharacter) {
   EXPECT_EQ(LastLine("a\n  b c  \n\n \n"), "b c");
   EXPECT_EQ(LastLine(""), "");

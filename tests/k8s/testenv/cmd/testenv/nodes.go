@@ -294,7 +294,7 @@ func (r *realNodes) start(server, pki string, add func(*component)) error {
 func (r *realNodes) startNode(i int, server, pki string, imports []string, add func(*component)) error {
 	name := nodeName(i)
 	d := filepath.Join(r.dir, "nodes", name)
-	for _, sub := range []string{"containerd", "cni", "kubelet", "pod-logs", "ipam"} {
+	for _, sub := range []string{"containerd", "cni", "kubelet", "pod-logs", "ipam", "certs.d"} {
 		if err := os.MkdirAll(filepath.Join(d, sub), 0o755); err != nil {
 			return err
 		}
@@ -315,12 +315,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = %q
+  # Registries by host (<dir>/certs.d/HOST/hosts.toml), read at each pull: a test may add one.
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = %q
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
 `, filepath.Join(d, "containerd", "root"), filepath.Join(d, "containerd", "state"), sock,
-		filepath.Join(d, "cni"))
+		filepath.Join(d, "cni"), filepath.Join(d, "certs.d"))
 	configPath := filepath.Join(d, "containerd.toml")
 	if err := os.WriteFile(configPath, []byte(config), 0o644); err != nil {
 		return err
