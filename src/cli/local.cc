@@ -153,11 +153,9 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     rep.index = r;
     rep.api_port = static_cast<int>(port) + r;
     rep.metrics_base = static_cast<int>(metrics_base) + r * ranks_per_replica;
-    {
-      auto probe = Listen("127.0.0.1", 0);  // a free rendezvous port
-      if (!probe.ok()) return fail(probe.status());
-      rep.rendezvous_port = probe->port();
-    }
+    auto rendezvous_port = ChooseFreePort("127.0.0.1");
+    if (!rendezvous_port.ok()) return fail(rendezvous_port.status());
+    rep.rendezvous_port = *rendezvous_port;
     auto secret = SecretFile::Create();
     if (!secret.ok()) return fail(secret.status());
     secrets.push_back(*std::move(secret));

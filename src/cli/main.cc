@@ -191,11 +191,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
                                           int64_t batch, int64_t tp, int64_t pp,
                                           int64_t microbatches, int threads,
                                           int64_t metrics_port_base) {
-  int port;
-  {
-    ASSIGN_OR_RETURN(Socket probe, Listen("127.0.0.1", 0));  // a free rendezvous port
-    port = probe.port();
-  }
+  ASSIGN_OR_RETURN(const int port, ChooseFreePort("127.0.0.1"));  // the rendezvous port
   const std::string job = absl::StrCat("gen-", getpid());
   const std::string result_path =
       (std::filesystem::temp_directory_path() / (job + "-result.json")).string();

@@ -9,9 +9,12 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace shardserve {
 namespace {
@@ -122,6 +125,28 @@ absl::StatusOr<Socket> Listen(const std::string& host, int port) {
         absl::StrCat("cannot listen on ", host, ":", port, ": ", std::strerror(err)));
   }
   return s;
+}
+
+absl::StatusOr<int> ChooseFreePort(const std::string& host) {
+  int ephemeral_low = 32768;  // Linux's default range is 32768-60999
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  if (int lo = 0; range >> lo && lo > 0 && lo <= 65535) ephemeral_low = lo;
+  constexpr int kLowest = 10000;         // above the ports services are usually configured on
+  if (ephemeral_low - kLowest < 1000) {  // a range moved down: any free port, as before
+    ASSIGN_OR_RETURN(Socket s, Listen(host, 0));
+    return s.port();
+  }
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pick(kLowest, ephemeral_low - 1);
+  absl::Status last;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const int port = pick(rng);
+    auto s = Listen(host, port);
+    if (s.ok()) return port;
+    last = s.status();
+  }
+  return absl::UnavailableError(absl::StrCat("no free port on ", host, " below ", ephemeral_low,
+                                             " in 64 tries: ", last.message()));
 }
 
 absl::StatusOr<Socket> Accept(const Socket& listener, Deadline deadline) {

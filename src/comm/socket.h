@@ -39,6 +39,12 @@ class Socket {
 
 // A listening socket on host:port (port 0: any free port).
 absl::StatusOr<Socket> Listen(const std::string& host, int port);
+// A port on host that is free now, for a child process to listen on later. It is chosen below
+// the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), which the kernel never
+// hands out to a bind to port 0 or to an outgoing connection: between this check and the child's
+// bind, only another chooser of this kind could take it (a port from Listen(host, 0) could be
+// given to any process's port-0 listener in that time).
+absl::StatusOr<int> ChooseFreePort(const std::string& host);
 // Accepts one connection, or DeadlineExceeded at `deadline`.
 absl::StatusOr<Socket> Accept(const Socket& listener, Deadline deadline);
 // Connects to host:port, retrying (the name may not resolve yet, nothing may listen yet) until

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -360,6 +361,19 @@ TEST(SecretFileTest, ASecretOfAKilledRunIsRemovedByTheNext) {
                 .string()
                 .find(absl::StrCat("shardserve-secret-", getpid(), "-")),
             std::string::npos);
+}
+
+TEST(SocketTest, AChosenPortIsFreeAndOutsideTheEphemeralRange) {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  for (int i = 0; i < 20; ++i) {
+    auto port = ChooseFreePort("127.0.0.1");
+    ASSERT_TRUE(port.ok()) << port.status();
+    EXPECT_GE(*port, 10000);
+    EXPECT_LT(*port, ephemeral_low);
+    auto s = Listen("127.0.0.1", *port);  // still free for the one it was chosen for
+    EXPECT_TRUE(s.ok()) << s.status();
+  }
 }
 
 }  // namespace
