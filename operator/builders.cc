@@ -189,6 +189,16 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
   return v;
 }
 
+void SetParallelism(ModelView& m, int64_t tensor, int64_t pipeline) {
+  ShardedModelSpec& s = m.model.spec;
+  s.tensor = tensor;
+  s.pipeline = pipeline;
+  if (!s.tensor_auto && !s.pipeline_auto) return;
+  m.auto_for = m.revision;
+  m.revision = absl::StrFormat(
+      "%012x", Fnv(absl::StrCat(m.revision, "/", tensor, "x", pipeline)) & 0xffffffffffffull);
+}
+
 json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                    const std::vector<std::string>& nodes) {
   const std::string& node = nodes.at(stage);

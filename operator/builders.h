@@ -24,6 +24,7 @@
 #include "api/sharded_model.h"
 #include "api/worker_env.h"
 #include "plan/layer_split.h"
+#include "plan/memory.h"
 
 namespace shardserve::op {
 
@@ -96,11 +97,19 @@ struct ModelView {
   json resources = json::object();  // spec.worker.resources
   std::string revision;             // hash of everything in the spec that shapes a pod
   WorkerDefaults defaults;
-  // The model's shape (status.model) and the plan's layers of each stage, which every stage pod
-  // is given: the controller's, once the shape is known.
+  // The model's shape and footprint (status.model) and the plan's layers of each stage, which
+  // every stage pod is given, and what each stage needs of a GPU's memory: the controller's, once
+  // the footprint is known.
   std::optional<ModelShape> shape;
+  std::optional<ModelFootprint> footprint;
   std::vector<LayerRange> stage_layers;
+  std::optional<SpecPlan> memory;
+  std::string auto_for;  // parallelism auto: the revision of the spec the sizes were chosen for
 };
+
+// The plan's sizes into the spec; where parallelism says auto, the revision also hashes them (a
+// new choice rolls the replicas) and auto_for keeps the revision they were chosen for.
+void SetParallelism(ModelView& m, int64_t tensor, int64_t pipeline);
 
 // Reads a ShardedModel object (JSON from the apiserver). InvalidArgument names the field; a
 // file:// model uri is refused here (it only works with `shardserve local`), and so is what

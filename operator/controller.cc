@@ -84,13 +84,17 @@ void SlimPod(json& pod) {
     json cs = Pick(c, {"name", "restartCount"});
     if (c.contains("state")) {
       if (c["state"].contains("running")) cs["state"]["running"] = json::object();
-      // Why a container ended or cannot start, as one line (reconcile.cc quotes it).
+      // Why a container ended or cannot start, as one line (reconcile.cc quotes it); whole (4 KiB,
+      // what Kubernetes keeps) for an ended one: an inspect pod's report is read back.
       for (const char* state : {"terminated", "waiting"}) {
         if (!c["state"].contains(state) || !c["state"][state].is_object()) continue;
         json& out = cs["state"][state];
         out = Pick(c["state"][state], {"exitCode", "reason"});
         const json& message = c["state"][state].value("message", json());
-        if (message.is_string()) out["message"] = LastLine(message.get<std::string>());
+        if (message.is_string()) {
+          out["message"] =
+              LastLine(message.get<std::string>(), std::string(state) == "terminated" ? 4096 : 300);
+        }
       }
     }
     status["containerStatuses"].push_back(std::move(cs));
@@ -544,7 +548,9 @@ PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::v
   for (NodeInfo& n : nodes) {
     if (auto it = requested.find(n.name); it != requested.end()) n.requested = it->second;
   }
-  auto result = PlaceReplicas(PlacementRequestFor(spec, replicas), std::move(nodes));
+  auto result = PlaceReplicas(m.memory ? MemoryAwareRequest(spec, *m.memory, replicas)
+                                       : PlacementRequestFor(spec, replicas),
+                              std::move(nodes));
   if (!result.ok()) {
     for (int64_t r : replicas) outcome.unplaced[r] = std::string(result.status().message());
     return outcome;
@@ -555,6 +561,21 @@ PlacementOutcome Controller::Place(const ModelView& m, const Decision& d, std::v
     for (int64_t s = 0; s < spec.pipeline; ++s) reserve(BuildStagePod(m, p.replica, s, p.nodes));
   }
   return outcome;
+}
+
+absl::StatusOr<SpecPlan> Controller::PlanModel(const ModelView& m, const json& old_status) {
+  ShardedModelSpec spec = m.model.spec;
+  // Sizes chosen for this revision stay while it does: a node that comes or goes does not roll
+  // the replicas.
+  const json& plan = old_status.is_object() ? old_status.value("plan", json::object()) : json();
+  if ((spec.tensor_auto || spec.pipeline_auto) && plan.is_object() &&
+      plan.value("auto", "") == m.revision && plan.value("tensor", int64_t{0}) >= 1 &&
+      plan.value("pipeline", int64_t{0}) >= 1) {
+    spec.tensor = plan.value("tensor", int64_t{1});
+    spec.pipeline = plan.value("pipeline", int64_t{1});
+    spec.tensor_auto = spec.pipeline_auto = false;
+  }
+  return PlanSpec(*m.footprint, spec, Nodes(spec.gpu_resource));
 }
 
 absl::Status Controller::EnsureChildren(const ModelView& m, Memory& mem) {
@@ -644,20 +665,22 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     std::string unplannable;
     if (shape.state == ShapeView::State::kKnown) {
       m.shape = shape.shape;
-      auto layers = PlanStageLayers(shape.shape, static_cast<int>(m.model.spec.pipeline));
-      if (layers.ok()) {
-        m.stage_layers = *std::move(layers);
+      m.footprint = shape.footprint;
+      auto plan = PlanModel(m, old_status);
+      if (plan.ok()) {
+        m.stage_layers = plan->choice.layers;
+        SetParallelism(m, plan->choice.tensor, plan->choice.pipeline);
+        m.memory = *std::move(plan);
       } else {
-        unplannable = absl::StrCat("spec.parallelism.pipeline ", m.model.spec.pipeline, ": ",
-                                   layers.status().message());
+        unplannable = std::string(plan.status().message());
       }
     } else if (shape.state == ShapeView::State::kFailed) {
       unplannable = absl::StrCat("spec.model.uri '", m.model.spec.model_uri, "': ", shape.message);
     }
     if (!unplannable.empty()) {  // the replicas that run keep running, as for an invalid spec
       status = InvalidStatus(generation, unplannable, old_status, now, events);
-      if (m.shape) {
-        status["model"] = ModelStatus(m.model.spec.model_uri, *m.shape);
+      if (m.footprint) {
+        status["model"] = ModelStatus(m.model.spec.model_uri, *m.footprint);
       } else {
         status.erase("model");  // of an earlier uri
       }

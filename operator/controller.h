@@ -127,6 +127,9 @@ class Controller {
   absl::Status EnsureChildren(const ModelView& m, Memory& mem);
   // Nodes as placement reads them for `resource`, kept current by the node informer.
   std::vector<NodeInfo> Nodes(const std::string& resource);
+  // The memory plan of m (its footprint known): the sizes it fixes, or those chosen for auto (kept
+  // from old_status while the revision they were chosen for stays).
+  absl::StatusOr<SpecPlan> PlanModel(const ModelView& m, const json& old_status);
   void UpdateNode(const json* node, const json* gone);
   void Forget(const std::string& key);
 

@@ -172,13 +172,13 @@ std::string Rfc3339(absl::Time t) {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", t, absl::UTCTimeZone());
 }
 
-std::string LastLine(const std::string& message) {
+std::string LastLine(const std::string& message, size_t max) {
   std::vector<absl::string_view> lines = absl::StrSplit(
       message, '\n', [](absl::string_view l) { return !absl::StripAsciiWhitespace(l).empty(); });
   if (lines.empty()) return "";
   std::string line(absl::StripAsciiWhitespace(lines.back()));
-  if (line.size() > 300) {
-    size_t cut = 300;
+  if (line.size() > max) {
+    size_t cut = max;
     while (cut > 0 && (static_cast<unsigned char>(line[cut]) & 0xC0) == 0x80) --cut;
     line = line.substr(0, cut) + "...";
   }
@@ -233,7 +233,8 @@ PodView ReadPod(const json& pod) {
                        waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
     }
     const json& term = c.value("state", json::object()).value("terminated", json());
-    if (term.is_object()) v.report = LastLine(term.value("message", ""));
+    // Whole: an inspect pod's report (the model's footprint) is read back; Kubernetes keeps 4 KiB.
+    if (term.is_object()) v.report = LastLine(term.value("message", ""), 4096);
     if (term.is_object() && v.failure.empty()) {
       v.failure =
           absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
@@ -256,18 +257,21 @@ PodView ReadPod(const json& pod) {
   return v;
 }
 
-json ModelStatus(const std::string& uri, const ModelShape& shape) {
-  return {{"uri", uri}, {"shape", ShapeToJson(shape)}};
+json ModelStatus(const std::string& uri, const ModelFootprint& footprint) {
+  return {{"uri", uri},
+          {"shape", ShapeToJson(footprint.shape)},
+          {"footprint", FootprintToJson(footprint)}};
 }
 
 ShapeView ReadShape(const std::string& uri, const json& status, const PodView* pod) {
   ShapeView out;
   const json model = status.is_object() ? status.value("model", json::object()) : json::object();
   if (model.is_object() && model.value("uri", "") == uri) {
-    auto shape = ShapeFromJson(model.value("shape", json()));
-    if (shape.ok()) {
+    auto footprint = FootprintFromJson(model.value("footprint", json()));
+    if (footprint.ok()) {  // a status without one (an earlier operator's) is read again
       out.state = ShapeView::State::kKnown;
-      out.shape = *shape;
+      out.footprint = *footprint;
+      out.shape = footprint->shape;
       out.delete_pod = pod != nullptr;
       return out;
     }
@@ -287,16 +291,17 @@ ShapeView ReadShape(const std::string& uri, const json& status, const PodView* p
     return out;
   }
   if (pod->phase == "Succeeded") {
-    auto shape = ShapeFromJson(json::parse(pod->report, nullptr, false));
-    if (shape.ok()) {
+    auto footprint = FootprintFromJson(json::parse(pod->report, nullptr, false));
+    if (footprint.ok()) {
       out.state = ShapeView::State::kKnown;
-      out.shape = *shape;
+      out.footprint = *footprint;
+      out.shape = footprint->shape;
       out.delete_pod = true;
       return out;
     }
     out.state = ShapeView::State::kFailed;
-    out.message = absl::StrCat("pod ", pod->name, " reported '", pod->report,
-                               "', not the model's shape: ", shape.status().message(),
+    out.message = absl::StrCat("pod ", pod->name, " reported '", pod->report.substr(0, 200),
+                               "', not the model's footprint: ", footprint.status().message(),
                                " (delete the pod to read the model again)");
     return out;
   }
@@ -650,6 +655,17 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
     plan["stageLayers"] = json::array();
     for (const LayerRange& r : m.stage_layers) plan["stageLayers"].push_back(FormatLayerRange(r));
   }
+  if (m.memory) {
+    const ParallelismChoice& c = m.memory->choice;
+    plan["stageMemory"] = json::array();
+    for (size_t s = 0; s < c.stages.size(); ++s) {
+      plan["stageMemory"].push_back(DescribeStage(static_cast<int64_t>(s), c.tensor, c.stages[s]));
+    }
+    plan["gpuMemory"] = m.memory->gpu_memory > 0
+                            ? FormatGiB(static_cast<double>(m.memory->gpu_memory))
+                            : "unknown (no nvidia.com/gpu.memory label, no spec.worker.gpuMemory)";
+  }
+  if (!m.auto_for.empty()) plan["auto"] = m.auto_for;
   json out = {
       {"observedGeneration", generation},
       {"replicas", existing},
@@ -663,7 +679,7 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
       {"plan", plan},
       {"replicaStatuses", replicas},
       {"conditions", Conditions(c, generation, old_status, now, events)}};
-  if (m.shape) out["model"] = ModelStatus(spec.model_uri, *m.shape);
+  if (m.footprint) out["model"] = ModelStatus(spec.model_uri, *m.footprint);
   return out;
 }
 

@@ -73,17 +73,18 @@ PodView ReadPod(const json& pod);
 struct ShapeView {
   enum class State { kKnown, kReading, kFailed };
   State state = State::kReading;
-  ModelShape shape;         // kKnown
-  std::string message;      // kReading: what it waits on; kFailed: why
-  bool blocked = false;     // kReading: the inspect pod cannot start (its image, its volume)
-  bool create_pod = false;  // no inspect pod reads this uri: create one
-  bool delete_pod = false;  // the inspect pod has done its work (or reads another uri)
+  ModelShape shape;          // kKnown
+  ModelFootprint footprint;  // kKnown: what the memory plan weighs
+  std::string message;       // kReading: what it waits on; kFailed: why
+  bool blocked = false;      // kReading: the inspect pod cannot start (its image, its volume)
+  bool create_pod = false;   // no inspect pod reads this uri: create one
+  bool delete_pod = false;   // the inspect pod has done its work (or reads another uri)
 };
 // From status.model while it is of `uri`, else from the inspect pod (null: none). A failed
 // reading stays (its pod says why) until the uri changes or someone deletes the pod.
 ShapeView ReadShape(const std::string& uri, const json& status, const PodView* inspect_pod);
-// status.model: {"uri": ..., "shape": {...}}.
-json ModelStatus(const std::string& uri, const ModelShape& shape);
+// status.model: {"uri": ..., "shape": {...}, "footprint": {...}}.
+json ModelStatus(const std::string& uri, const ModelFootprint& footprint);
 
 struct Timing {
   absl::Duration unschedulable_timeout = absl::Minutes(2);
@@ -94,8 +95,8 @@ struct Timing {
 };
 
 // The last non-empty line of a message (a container's termination message: the first failing
-// rank's error, or with FallbackToLogsOnError the tail of its log), at most 300 bytes.
-std::string LastLine(const std::string& message);
+// rank's error, or with FallbackToLogsOnError the tail of its log), at most `max` bytes.
+std::string LastLine(const std::string& message, size_t max = 300);
 
 // kBlocked: a pod cannot start for a reason that does not pass by itself (its image cannot be
 // pulled, a volume cannot be mounted); the replica is left as it is, its message says why.

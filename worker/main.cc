@@ -28,6 +28,7 @@
 #include "common/process.h"
 #include "common/status.h"
 #include "model/config.h"
+#include "model/footprint.h"
 #include "plan/layer_split.h"
 #include "serve/api_server.h"
 #include "serve/generate_wire.h"
@@ -200,9 +201,18 @@ absl::Status Inspect(const WorkerEnv& env) {
   }
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(env.model_path));
   RETURN_IF_ERROR(Tokenizer::Load(env.model_path).status());  // the leader would fail on it later
-  const std::string shape = ShapeToJson(config.shape()).dump();
-  std::printf("%s\n", shape.c_str());
-  ReportTermination(env.termination_log, shape);
+  // What the memory plan weighs, with the shape the layer split weighs (the config's, as the
+  // ranks will compute it); one line, well inside a termination message's 4 KiB.
+  ASSIGN_OR_RETURN(ModelFootprint footprint, LoadFootprint(env.model_path));
+  footprint.shape = config.shape();
+  const std::string report = FootprintToJson(footprint).dump();
+  if (report.size() > 4000) {  // Kubernetes keeps 4096 bytes of a termination message
+    return absl::FailedPreconditionError(
+        absl::StrCat("the model's footprint is ", report.size(), " bytes (its layers differ in ",
+                     footprint.kinds.size(), " ways), more than a termination message holds"));
+  }
+  std::printf("%s\n", report.c_str());
+  ReportTermination(env.termination_log, report);
   return absl::OkStatus();
 }
 

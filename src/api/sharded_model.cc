@@ -43,6 +43,21 @@ class Fields {
     }
     return absl::OkStatus();
   }
+  // An integer, or "auto" (which sets `is_auto`).
+  absl::Status IntOrAuto(const std::string& key, int64_t& out, bool& is_auto) {
+    YAML::Node n = Get(key);
+    if (n && n.IsScalar() && n.Scalar() == "auto") {
+      is_auto = true;
+      return absl::OkStatus();
+    }
+    known_.erase(key);
+    absl::Status s = Int(key, out);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Path(key), " must be an integer or auto, got ", Describe(n)));
+    }
+    return s;
+  }
   absl::Status String(const std::string& key, std::string& out) {
     YAML::Node n = Get(key);
     if (!n || n.IsNull()) return absl::OkStatus();
@@ -170,8 +185,8 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(model.NoOthers());
   Fields par(spec.Get("parallelism"), "spec.parallelism");
   RETURN_IF_ERROR(par.CheckMap());
-  RETURN_IF_ERROR(par.Int("tensor", s.tensor));
-  RETURN_IF_ERROR(par.Int("pipeline", s.pipeline));
+  RETURN_IF_ERROR(par.IntOrAuto("tensor", s.tensor, s.tensor_auto));
+  RETURN_IF_ERROR(par.IntOrAuto("pipeline", s.pipeline, s.pipeline_auto));
   RETURN_IF_ERROR(par.Int("microBatches", s.micro_batches));
   RETURN_IF_ERROR(par.NoOthers());
   Fields worker(spec.Get("worker"), "spec.worker");
@@ -179,6 +194,11 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(worker.String("image", s.image));
   RETURN_IF_ERROR(worker.String("gpuResource", s.gpu_resource));
   RETURN_IF_ERROR(worker.StringMap("nodeSelector", s.node_selector));
+  std::string gpu_memory;
+  RETURN_IF_ERROR(worker.String("gpuMemory", gpu_memory));
+  if (!gpu_memory.empty()) {
+    ASSIGN_OR_RETURN(s.gpu_memory, ParseByteQuantity(gpu_memory, "spec.worker.gpuMemory"));
+  }
   // Passed through to the pod unchanged.
   worker.Get("resources");
   YAML::Node tolerations = worker.Get("tolerations");
@@ -246,6 +266,7 @@ absl::Status AtLeast(const char* field, int64_t v, int64_t min) {
 void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_batch_size = static_cast<int>(spec.max_batch_size);
   w.max_sequence_length = spec.max_sequence_length;
+  w.kv_cache_tokens = spec.kv_cache_tokens();
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
@@ -277,6 +298,26 @@ absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
     return u;
   }
   return bad("has an unknown scheme");
+}
+
+absl::StatusOr<int64_t> ParseByteQuantity(const std::string& text, const std::string& field) {
+  static const std::regex kQuantity("([0-9]{1,15})(Ki|Mi|Gi|Ti|k|M|G|T)?");
+  std::smatch match;
+  if (!std::regex_match(text, match, kQuantity)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " '", text.substr(0, 64),
+                                                   "' is not a memory quantity (a whole number of "
+                                                   "bytes, or with Ki, Mi, Gi, Ti, k, M, G, T)"));
+  }
+  static const std::map<std::string, int64_t> kUnits = {
+      {"", 1},     {"Ki", 1LL << 10}, {"Mi", 1LL << 20}, {"Gi", 1LL << 30},   {"Ti", 1LL << 40},
+      {"k", 1000}, {"M", 1000000},    {"G", 1000000000}, {"T", 1000000000000}};
+  const int64_t n = std::stoll(match[1].str());
+  const int64_t unit = kUnits.at(match[2].str());
+  if (n == 0 || n > (int64_t{1} << 52) / unit) {  // a petabyte of GPU memory is no GPU
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " '", text, "' must be more than 0 and at most 4 PiB"));
+  }
+  return n * unit;
 }
 
 absl::Status ValidateShardedModel(const ShardedModel& m) {

@@ -41,11 +41,18 @@ struct ShardedModelSpec {
   int64_t replicas = 1;
   std::string model_name;
   std::string model_uri;
+  // parallelism.tensor / pipeline; "auto" sets the flag and leaves 1 until a plan that knows the
+  // model's memory and the nodes' GPUs chooses (plan/memory.h: ChooseParallelism).
   int64_t tensor = 1;
   int64_t pipeline = 1;
+  bool tensor_auto = false;
+  bool pipeline_auto = false;
   int64_t micro_batches = 0;  // 0: pipeline
   std::string image;
   std::string gpu_resource = "nvidia.com/gpu";
+  // worker.gpuMemory: each GPU's memory in bytes where a node does not say it (the
+  // nvidia.com/gpu.memory label of NVIDIA's GPU feature discovery); 0: unknown.
+  int64_t gpu_memory = 0;
   std::map<std::string, std::string> node_selector;
   std::vector<Toleration> tolerations;
   // Passed to every worker: a value, or (on a cluster) a valueFrom source as its JSON text.
@@ -73,6 +80,8 @@ struct ShardedModelSpec {
   int64_t load_stall_seconds = 300;
 
   int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
+  // Positions the KV cache of each rank holds: a full batch of full-length sequences.
+  int64_t kv_cache_tokens() const { return max_batch_size * max_sequence_length; }
   int64_t gpus_per_replica() const { return tensor * pipeline; }
 };
 
@@ -82,9 +91,9 @@ struct ShardedModel {
   ShardedModelSpec spec;
 };
 
-// The serving and start-up settings of `spec` in a worker's contract: its batch, sequence and
-// chat-content limits, how long it waits for peers and for loading progress (not the port,
-// which a deployment chooses).
+// The serving and start-up settings of `spec` in a worker's contract: its batch, sequence, KV
+// cache and chat-content limits, how long it waits for peers and for loading progress (not the
+// port, which a deployment chooses).
 void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w);
 
 // Parses one ShardedModel document (YAML or JSON) and validates it. Unknown fields under spec
@@ -98,6 +107,10 @@ absl::StatusOr<ShardedModel> ParseShardedModelObject(const nlohmann::json& objec
 // defaults); `path` names the list in errors.
 absl::StatusOr<std::vector<ShardedModelSpec::EnvVar>> ParseEnvList(const nlohmann::json& list,
                                                                    const std::string& path);
+
+// A memory quantity as Kubernetes writes one: bytes, or with a suffix Ki, Mi, Gi, Ti (powers of
+// 1024) or k, M, G, T (of 1000): "80Gi", "81559Mi", "141G". InvalidArgument names `field`.
+absl::StatusOr<int64_t> ParseByteQuantity(const std::string& text, const std::string& field);
 
 // The static checks, on their own.
 absl::Status ValidateShardedModel(const ShardedModel& model);

@@ -23,7 +23,9 @@
 #include "common/text.h"
 #include "http/server.h"
 #include "model/config.h"
+#include "model/footprint.h"
 #include "plan/layer_split.h"
+#include "plan/memory.h"
 #include "serve/api_keys.h"
 #include "serve/rank_runtime.h"
 #include "tokenizer/tokenizer.h"
@@ -76,8 +78,8 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   if (!parsed.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": ", parsed.status().message()));
   }
-  const ShardedModel m = *std::move(parsed);
-  const ShardedModelSpec& spec = m.spec;
+  ShardedModel m = *std::move(parsed);
+  ShardedModelSpec& spec = m.spec;
   ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(spec.model_uri));
   if (uri.scheme == ModelUri::Scheme::kPvc) {
     return absl::FailedPreconditionError(
@@ -113,6 +115,22 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   }
   if (!key_file.empty()) {  // checked before any rank starts
     RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());
+  }
+  if (spec.tensor_auto || spec.pipeline_auto) {
+    // No GPU memory to weigh here: the smallest sizes that divide the model.
+    auto footprint = LoadFootprint(uri.path);
+    if (!footprint.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file, ": spec.model.uri: ", footprint.status().message()));
+    }
+    auto plan = PlanSpec(*footprint, spec, {});
+    if (!plan.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(file, ": ", plan.status().message()));
+    }
+    spec.tensor = plan->choice.tensor;
+    spec.pipeline = plan->choice.pipeline;
+    std::printf("parallelism auto: TP=%lld x PP=%lld (no GPU memory to weigh on this machine)\n",
+                static_cast<long long>(spec.tensor), static_cast<long long>(spec.pipeline));
   }
   auto layers = PlanStageLayers(config->shape(), static_cast<int>(spec.pipeline));
   if (!layers.ok()) {

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -16,9 +17,10 @@
 #include "common/args.h"
 #include "common/status.h"
 #include "common/text.h"
-#include "model/config.h"
+#include "model/footprint.h"
 #include "plan/cluster_view.h"
 #include "plan/layer_split.h"
+#include "plan/memory.h"
 
 namespace shardserve {
 namespace {
@@ -95,38 +97,80 @@ absl::Status AddPodRequests(const std::string& path, const std::string& resource
   return absl::OkStatus();
 }
 
-// Each stage's layers, as the operator would split them, when the model's files are on this
-// machine (file://, or a host path that exists here); otherwise where the split will come from.
-absl::StatusOr<std::string> LayersLine(const std::string& file, const ShardedModelSpec& spec) {
-  auto uri = ParseModelUri(spec.model_uri);
-  std::error_code ec;
-  if (!uri.ok() || uri->scheme == ModelUri::Scheme::kPvc ||
-      !std::filesystem::exists(uri->path, ec)) {
-    return std::string(
-        "layers: split once the operator has read the model (status.plan.stageLayers)");
+// The model's footprint from --model, else from spec.model.uri when its files are on this machine
+// (file://, or a host path that exists here); nullopt when they are not.
+absl::StatusOr<std::optional<ModelFootprint>> FootprintFor(
+    const std::string& file, const ShardedModelSpec& spec,
+    const std::optional<std::string>& model) {
+  std::string path;
+  if (model) {
+    path = *model;
+    if (std::filesystem::path(path).filename() == "config.json") {
+      path = std::filesystem::path(path).parent_path().string();
+    }
+  } else {
+    auto uri = ParseModelUri(spec.model_uri);
+    std::error_code ec;
+    if (!uri.ok() || uri->scheme == ModelUri::Scheme::kPvc ||
+        !std::filesystem::exists(uri->path, ec)) {
+      return std::nullopt;
+    }
+    path = uri->path;
   }
-  auto config = LoadModelConfig(uri->path);
-  if (!config.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(file, ": spec.model.uri: ", config.status().message()));
-  }
-  auto layers = PlanStageLayers(config->shape(), static_cast<int>(spec.pipeline));
-  if (!layers.ok()) {
+  auto f = LoadFootprint(path);
+  if (!f.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        file, ": spec.parallelism.pipeline ", spec.pipeline, ": ", layers.status().message()));
+        model ? "--model" : absl::StrCat(file, ": spec.model.uri"), ": ", f.status().message()));
   }
+  return std::optional<ModelFootprint>(*std::move(f));
+}
+
+void PrintMemory(const ModelFootprint& f, const ShardedModelSpec& spec, const SpecPlan& plan) {
+  std::printf("model: %s, %.1f B parameters; weights: %s\n", f.architecture.c_str(), f.params / 1e9,
+              f.weights.c_str());
+  std::printf("%s\n", KvBytesLine(f).c_str());
+  for (const std::string& note : f.notes) std::printf("note: %s\n", note.c_str());
+  const ParallelismChoice& c = plan.choice;
   std::vector<std::string> stages;
-  for (size_t s = 0; s < layers->size(); ++s) {
-    stages.push_back(absl::StrCat("stage ", s, " ", FormatLayerRange((*layers)[s])));
+  for (size_t s = 0; s < c.layers.size(); ++s) {
+    stages.push_back(absl::StrCat("stage ", s, " ", FormatLayerRange(c.layers[s])));
   }
-  return absl::StrCat("layers: ", absl::StrJoin(stages, ", "), " (of ", config->num_layers, ")");
+  std::printf("layers: %s (of %lld)\n", absl::StrJoin(stages, ", ").c_str(),
+              static_cast<long long>(f.layers));
+  std::printf(
+      "parallelism: TP=%lld x PP=%lld%s; KV cache for %lld positions (maxBatchSize %lld x "
+      "maxSequenceLength %lld)\n",
+      static_cast<long long>(c.tensor), static_cast<long long>(c.pipeline),
+      spec.tensor_auto || spec.pipeline_auto ? " (auto)" : "",
+      static_cast<long long>(spec.kv_cache_tokens()), static_cast<long long>(spec.max_batch_size),
+      static_cast<long long>(spec.max_sequence_length));
+  for (size_t s = 0; s < c.stages.size(); ++s) {
+    std::printf("  %s\n", DescribeStage(static_cast<int64_t>(s), c.tensor, c.stages[s]).c_str());
+  }
+  std::printf("  margin: %s and %.0f %% of weights and cache (CUDA context, NCCL, activations)\n",
+              FormatGiB(kMarginBytes).c_str(), kMarginShare * 100);
+  if (plan.gpu_memory > 0) {
+    std::printf("GPU memory: %s per GPU (the least of the nodes that could hold a stage)\n",
+                FormatGiB(static_cast<double>(plan.gpu_memory)).c_str());
+  } else {
+    std::printf(
+        "GPU memory: unknown (no node has the %s label and spec.worker.gpuMemory is "
+        "unset): not checked\n",
+        kGpuMemoryLabel);
+  }
 }
 
 }  // namespace
 
 absl::Status RunPlan(std::vector<std::string> argv) {
-  ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv, {"file", "nodes", "pods"}, {}, "shardserve plan", kPlanUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"file", "nodes", "pods", "model"}, {"footprint"},
+                                       "shardserve plan", kPlanUsage));
+  if (a.Has("footprint")) {  // what `shardserve-worker inspect` reports of it to the operator
+    ASSIGN_OR_RETURN(std::string model, a.Require("model"));
+    ASSIGN_OR_RETURN(std::optional<ModelFootprint> f, FootprintFor("", {}, model));
+    std::printf("%s\n", FootprintToJson(*f).dump().c_str());
+    return absl::OkStatus();
+  }
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string nodes_file, a.Require("nodes"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
@@ -141,16 +185,36 @@ absl::Status RunPlan(std::vector<std::string> argv) {
   }
   std::vector<int64_t> replicas;
   for (int64_t i = 0; i < spec.replicas; ++i) replicas.push_back(i);
-  ASSIGN_OR_RETURN(PlacementResult result,
-                   PlaceReplicas(PlacementRequestFor(spec, std::move(replicas)), nodes));
+  ASSIGN_OR_RETURN(std::optional<ModelFootprint> footprint,
+                   FootprintFor(file, spec, a.Get("model")));
+  std::optional<SpecPlan> plan;
+  if (footprint) {
+    auto planned = PlanSpec(*footprint, spec, nodes);
+    if (!planned.ok()) {
+      return absl::Status(planned.status().code(),
+                          absl::StrCat(file, ": ", planned.status().message()));
+    }
+    plan = *std::move(planned);
+  } else if (spec.tensor_auto || spec.pipeline_auto) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file,
+                     ": spec.parallelism auto needs the model's config: its files are not "
+                     "on this machine (give --model DIR or config.json)"));
+  }
+  const PlacementRequest request =
+      plan ? MemoryAwareRequest(spec, *plan, replicas) : PlacementRequestFor(spec, replicas);
+  ASSIGN_OR_RETURN(PlacementResult result, PlaceReplicas(request, nodes));
 
   std::printf("%s: %lld replica(s) of TP=%lld x PP=%lld, %lld %s per replica, on %zu node(s)\n",
               parsed->name.c_str(), static_cast<long long>(spec.replicas),
-              static_cast<long long>(spec.tensor), static_cast<long long>(spec.pipeline),
-              static_cast<long long>(spec.gpus_per_replica()), spec.gpu_resource.c_str(),
+              static_cast<long long>(request.tensor), static_cast<long long>(request.pipeline),
+              static_cast<long long>(request.tensor * request.pipeline), spec.gpu_resource.c_str(),
               nodes.size());
-  ASSIGN_OR_RETURN(std::string layers, LayersLine(file, spec));
-  std::printf("%s\n", layers.c_str());
+  if (plan) {
+    PrintMemory(*footprint, spec, *plan);
+  } else {
+    std::printf("layers: split once the operator has read the model (status.plan.stageLayers)\n");
+  }
   for (const ReplicaPlacement& p : result.placed) {
     std::vector<std::string> stages;
     for (size_t s = 0; s < p.nodes.size(); ++s) {

@@ -9,75 +9,18 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "model/config_reader.h"
 #include "model/gguf_model.h"
 
 namespace shardserve {
 namespace {
 
 using json = nlohmann::json;
-
-// Bounds of what a model can be: far past every real model, short of what would exhaust memory
-// or overflow the arithmetic that sizes tensors.
-constexpr int64_t kMaxSize = int64_t{1} << 24;    // vocabulary, positions, any dimension
-constexpr int64_t kMaxLayers = int64_t{1} << 12;  // transformer layers
-constexpr int64_t kMaxHeads = int64_t{1} << 12;   // attention heads, experts
-constexpr double kMaxNumber = 1e30;
-// RoPE's base: above 1 (or every frequency is 1 or more), at most far past the largest in use
-// (1e8); past that the frequencies underflow.
-constexpr double kMaxRopeTheta = 1e12;
-
-class Reader {
- public:
-  Reader(const json& j, std::string source) : j_(j), source_(std::move(source)) {}
-
-  absl::Status Error(const std::string& key, const std::string& what) const {
-    return absl::InvalidArgumentError(absl::StrCat(source_, ": '", key, "' ", what));
-  }
-  bool Has(const std::string& key) const { return j_.contains(key) && !j_[key].is_null(); }
-
-  absl::StatusOr<int64_t> Int(const std::string& key, std::optional<int64_t> def = {}) const {
-    if (!Has(key)) {
-      if (def) return *def;
-      return Error(key, "is required");
-    }
-    if (!j_[key].is_number_integer()) return Error(key, "must be an integer");
-    return j_[key].get<int64_t>();
-  }
-  // In [1, max]: a size past `max` is a broken file, not a model (it would only be found when
-  // the memory for it runs out).
-  absl::StatusOr<int64_t> Positive(const std::string& key, std::optional<int64_t> def = {},
-                                   int64_t max = kMaxSize) const {
-    ASSIGN_OR_RETURN(int64_t v, Int(key, def));
-    if (v <= 0) return Error(key, absl::StrCat("must be positive, got ", v));
-    if (v > max) return Error(key, absl::StrCat("is ", v, ", more than any model has (", max, ")"));
-    return v;
-  }
-  // A finite number in (min, max] (min excluded).
-  absl::StatusOr<double> Number(const std::string& key, double def, double min = -kMaxNumber,
-                                double max = kMaxNumber) const {
-    if (!Has(key)) return def;
-    if (!j_[key].is_number()) return Error(key, "must be a number");
-    const double v = j_[key].get<double>();
-    if (!std::isfinite(v) || !(v > min) || v > max) {
-      return Error(key, absl::StrCat("is ", v, "; it must lie in (", min, ", ", max, "]"));
-    }
-    return v;
-  }
-  absl::StatusOr<bool> Bool(const std::string& key, bool def) const {
-    if (!Has(key)) return def;
-    if (!j_[key].is_boolean()) return Error(key, "must be true or false");
-    return j_[key].get<bool>();
-  }
-  absl::StatusOr<std::string> String(const std::string& key, const std::string& def) const {
-    if (!Has(key)) return def;
-    if (!j_[key].is_string()) return Error(key, "must be a string");
-    return j_[key].get<std::string>();
-  }
-
- private:
-  const json& j_;
-  std::string source_;
-};
+using config_internal::kMaxHeads;
+using config_internal::kMaxLayers;
+using config_internal::kMaxRopeTheta;
+using config_internal::kMaxSize;
+using config_internal::Reader;
 
 absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
   // Accepts both `rope_scaling` (transformers 4) and `rope_parameters` (transformers 5).

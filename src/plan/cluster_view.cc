@@ -62,6 +62,14 @@ absl::StatusOr<NodeInfo> NodeFromObject(const json& o, const std::string& resour
                     absl::StrCat("node ", n.name, " allocatable ", resource));
   if (!gpus.ok()) return gpus.status();
   n.gpus = *gpus;
+  // NVIDIA's GPU feature discovery labels each GPU's memory in MiB; a label that is not a number
+  // is taken as no label (it does not keep the node from the plan, it only goes unchecked).
+  if (auto it = n.labels.find(kGpuMemoryLabel); it != n.labels.end()) {
+    int64_t mib = 0;
+    if (absl::SimpleAtoi(it->second, &mib) && mib > 0 && mib < (int64_t{1} << 32)) {
+      n.gpu_memory = mib << 20;
+    }
+  }
   const json& conditions = At(o, {"status", "conditions"});
   if (conditions.is_array()) {
     for (const json& c : conditions) {
@@ -100,6 +108,7 @@ PlacementRequest PlacementRequestFor(const ShardedModelSpec& spec, std::vector<i
   r.node_selector = spec.node_selector;
   r.tolerations = spec.tolerations;
   r.topology_key = spec.topology_key;
+  r.gpu_memory = spec.gpu_memory;
   return r;
 }
 

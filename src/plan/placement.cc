@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
 namespace shardserve {
@@ -14,9 +15,13 @@ bool Tolerates(const Toleration& tol, const Taint& t) {
   return tol.key == t.key && tol.value == t.value;
 }
 
+int64_t GpuMemoryOf(const NodeInfo& n, const PlacementRequest& r) {
+  return n.gpu_memory > 0 ? n.gpu_memory : r.gpu_memory;
+}
+
 namespace {
 
-enum class Exclusion { kNone, kNotReady, kSelector, kTaint, kGpus };
+enum class Exclusion { kNone, kNotReady, kSelector, kTaint, kGpus, kMemory };
 
 Exclusion Check(const NodeInfo& n, const PlacementRequest& r) {
   if (!n.ready || n.unschedulable) return Exclusion::kNotReady;
@@ -29,6 +34,10 @@ Exclusion Check(const NodeInfo& n, const PlacementRequest& r) {
     const bool tolerated = std::any_of(r.tolerations.begin(), r.tolerations.end(),
                                        [&](const Toleration& tol) { return Tolerates(tol, t); });
     if (!tolerated) return Exclusion::kTaint;
+  }
+  const int64_t memory = GpuMemoryOf(n, r);
+  if (r.memory_needed > 0 && memory > 0 && static_cast<double>(memory) < r.memory_needed) {
+    return Exclusion::kMemory;
   }
   if (n.gpus - n.requested < r.tensor) return Exclusion::kGpus;
   return Exclusion::kNone;
@@ -72,6 +81,11 @@ Choice Choose(const std::vector<size_t>& pool, const std::vector<NodeInfo>& node
 
 }  // namespace
 
+bool Eligible(const NodeInfo& n, const PlacementRequest& r) {
+  const Exclusion e = Check(n, r);
+  return e == Exclusion::kNone || e == Exclusion::kGpus || e == Exclusion::kMemory;
+}
+
 absl::StatusOr<PlacementResult> PlaceReplicas(const PlacementRequest& r,
                                               std::vector<NodeInfo> nodes) {
   if (r.tensor < 1 || r.pipeline < 1) {
@@ -84,12 +98,15 @@ absl::StatusOr<PlacementResult> PlaceReplicas(const PlacementRequest& r,
   for (int64_t replica : r.replicas) {
     std::map<Exclusion, int64_t> excluded;
     int64_t largest_free = 0;
+    int64_t largest_memory = 0;  // of the nodes with too little
     std::map<std::string, std::vector<size_t>> domains;
     std::vector<size_t> all;
     for (size_t i = 0; i < nodes.size(); ++i) {
       const Exclusion e = Check(nodes[i], r);
       if (e == Exclusion::kGpus)
         largest_free = std::max(largest_free, nodes[i].gpus - nodes[i].requested);
+      if (e == Exclusion::kMemory)
+        largest_memory = std::max(largest_memory, GpuMemoryOf(nodes[i], r));
       if (e != Exclusion::kNone) {
         ++excluded[e];
         continue;
@@ -125,6 +142,11 @@ absl::StatusOr<PlacementResult> PlaceReplicas(const PlacementRequest& r,
       }
       if (excluded[Exclusion::kTaint]) {
         why.push_back(absl::StrCat(excluded[Exclusion::kTaint], " by an untolerated taint"));
+      }
+      if (excluded[Exclusion::kMemory]) {
+        why.push_back(absl::StrFormat("%d with too little GPU memory: %s; they have %.1f GiB",
+                                      excluded[Exclusion::kMemory], r.memory_need,
+                                      static_cast<double>(largest_memory) / (1 << 30)));
       }
       if (excluded[Exclusion::kGpus]) {
         why.push_back(absl::StrCat(excluded[Exclusion::kGpus], " with fewer free GPUs (at most ",

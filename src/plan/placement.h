@@ -23,6 +23,9 @@ struct Taint {
 // Whether a pod with `toleration` may run on a node with `taint`.
 bool Tolerates(const Toleration& toleration, const Taint& taint);
 
+// The label NVIDIA's GPU feature discovery puts on a node: each GPU's memory, in MiB.
+inline constexpr char kGpuMemoryLabel[] = "nvidia.com/gpu.memory";
+
 struct NodeInfo {
   std::string name;
   std::map<std::string, std::string> labels;
@@ -31,6 +34,7 @@ struct NodeInfo {
   int64_t requested = 0;  // GPUs already requested by pods bound or planned there
   bool ready = true;
   bool unschedulable = false;
+  int64_t gpu_memory = 0;  // bytes per GPU (kGpuMemoryLabel); 0: unknown
 };
 
 struct PlacementRequest {
@@ -41,7 +45,20 @@ struct PlacementRequest {
   std::map<std::string, std::string> node_selector;
   std::vector<Toleration> tolerations;
   std::string topology_key = "topology.kubernetes.io/zone";
+  // Bytes one GPU of the neediest stage needs (plan/memory.h), 0: unchecked; `memory_need` says
+  // it for a person ("stage 1 needs 93.1 GiB per GPU at TP=4 (...)"). A node's memory is its
+  // label's, else `gpu_memory` (spec.worker.gpuMemory); a node of neither is not checked.
+  double memory_needed = 0;
+  std::string memory_need;
+  int64_t gpu_memory = 0;
 };
+
+// Whether a replica's stage may go on `n` at all: ready, selected, its taints tolerated (its free
+// GPUs and memory aside).
+bool Eligible(const NodeInfo& n, const PlacementRequest& r);
+
+// A node's GPU memory as placement counts it: its label's, else the spec's (0: unknown).
+int64_t GpuMemoryOf(const NodeInfo& n, const PlacementRequest& r);
 
 struct ReplicaPlacement {
   int64_t replica = 0;

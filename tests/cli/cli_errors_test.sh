@@ -110,13 +110,37 @@ expect_error "SHARDSERVE_STAGE_LAYERS: stage layers '0-2': ends at layer 2; the 
   SHARDSERVE_API_PORT=0 SHARDSERVE_RENDEZVOUS_SECRET_FILE="$TMP/secret" \
   "$(dirname "$BIN")/shardserve-worker" rank
 out=$(SHARDSERVE_MODEL_PATH="$TMP/m4" "$(dirname "$BIN")/shardserve-worker" inspect 2>&1)
-if [ $? -eq 0 ] && [[ "$out" == '{"expertsPerToken":0,"hidden":64,"intermediate":128,"kvDim":32,"layers":4,"qDim":64,"vocab":300}' ]]; then
-  echo "ok: shardserve-worker inspect reports the model's shape"; passes=$((passes + 1))
+if [ $? -eq 0 ] && [[ "$out" == *'"shape":{"expertsPerToken":0,"hidden":64,"intermediate":128,"kvDim":32,"layers":4,"qDim":64,"vocab":300}'* ]] &&
+   [[ "$out" == *'"kinds":[{"count":4,'* ]]; then
+  echo "ok: shardserve-worker inspect reports the model's shape and footprint"; passes=$((passes + 1))
 else
   echo "FAIL: shardserve-worker inspect: $out"; fails=$((fails + 1))
 fi
 expect_error "$TMP/gone/config.json: cannot open" \
   env SHARDSERVE_MODEL_PATH="$TMP/gone" "$(dirname "$BIN")/shardserve-worker" inspect
+# What each GPU holds: DeepSeek-V3's config (FP8 blocks, MLA) on nodes of 8 GPUs of 80 GB
+# (nvidia.com/gpu.memory, MiB), auto sizes, then a size whose stage cannot fit.
+for i in 0 1; do
+  printf -- '- metadata: {name: h100-%s, labels: {nvidia.com/gpu.memory: "81559"}}\n  status: {allocatable: {nvidia.com/gpu: "8"}}\n' "$i"
+done > "$TMP/h100.yaml"
+printf 'apiVersion: shardserve.io/v1alpha1\nkind: ShardedModel\nmetadata: {name: ds}\nspec:\n  model: {name: ds, uri: "pvc://models/ds"}\n  parallelism: {tensor: %s, pipeline: %s}\n  worker: {image: w}\n' auto auto > "$TMP/ds-auto.yaml"
+out=$("$BIN" plan -f "$TMP/ds-auto.yaml" --nodes "$TMP/h100.yaml" --model "$EX/plan/deepseek-v3" 2>&1)
+if [ $? -eq 0 ] && [[ "$out" == *"parallelism: TP=8 x PP=2 (auto)"* ]] &&
+   [[ "$out" == *"stage 1 needs "*" GiB per GPU at TP=8 (weights "* ]] &&
+   [[ "$out" == *"against 163840 for full heads (71.1x)"* ]] &&
+   [[ "$out" == *"replica 0: stage 0 -> h100-0, stage 1 -> h100-1"* ]]; then
+  echo "ok: plan chooses TP=8 x PP=2 for DeepSeek-V3 on 80 GB GPUs, with each stage's bytes"; passes=$((passes + 1))
+else
+  echo "FAIL: plan's memory for DeepSeek-V3: $out"; fails=$((fails + 1))
+fi
+sed 's/tensor: auto, pipeline: auto/tensor: 8, pipeline: 1/' "$TMP/ds-auto.yaml" > "$TMP/ds-8.yaml"
+expect_error "2 with too little GPU memory: stage 0 needs 10" \
+  "$BIN" plan -f "$TMP/ds-8.yaml" --nodes "$TMP/h100.yaml" --model "$EX/plan/deepseek-v3"
+expect_error "spec.parallelism auto needs the model's config" \
+  "$BIN" plan -f "$TMP/ds-auto.yaml" --nodes "$TMP/h100.yaml"
+sed 's/tensor: auto, pipeline: auto/tensor: 3, pipeline: 1/' "$TMP/ds-auto.yaml" > "$TMP/ds-3.yaml"
+expect_error "spec.parallelism.tensor 3: num_attention_heads 128 is not divisible by tensor parallelism 3" \
+  "$BIN" plan -f "$TMP/ds-3.yaml" --nodes "$TMP/h100.yaml" --model "$EX/plan/deepseek-v3"
 printf 'items:\n- metadata: {name: n}\n  status: {allocatable: {nvidia.com/gpu: lots}}\n' > "$TMP/badnodes.yaml"
 expect_error "node n allocatable nvidia.com/gpu 'lots' is not a whole number" \
   "$BIN" plan -f "$EX/llama-70b.yaml" --nodes "$TMP/badnodes.yaml"

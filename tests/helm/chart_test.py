@@ -309,7 +309,7 @@ try:
 
     for i in range(2):
         cl.add_gpu_node(f"gpu-{i}", gpus=8)
-    InspectStandIn(cl)  # kwok runs no container: the inspect pod's report
+    InspectStandIn(cl, os.path.dirname(BIN))  # kwok runs no container: the inspect pod's report
     # The operator's own flags, as the Deployment renders them, against the SA kubeconfig.
     flags = [a for a in args_of(everything) if not a.startswith("--listen")]
     flags = [f"--worker-defaults={defaults}" if a.startswith("--worker-defaults") else a

@@ -160,16 +160,22 @@ class Operator:
 
 class InspectStandIn:
     """kwok runs no containers. What `shardserve-worker inspect` does in a real pod (the e2e tier
-    runs it), this does for every inspect pod of the cluster: it ends it Succeeded with SHAPE as
-    its termination message or, for a model uri with "broken" in it, Failed with a reader's
-    error."""
+    runs it), this does for every inspect pod of the cluster: it ends it Succeeded with the
+    footprint of Llama-3-8B's config (examples/plan/llama-3-8b, as `shardserve plan --footprint`
+    in `bin_dir` computes it) as its termination message or, for a model uri with "broken" in
+    it, Failed with a reader's error."""
 
     # Llama-3-8B's sizes: 32 layers; the LM head weighs about 2.4 layers, so PP=2 gives the first
     # stage one layer more (0-16, 17-31).
     SHAPE = {"layers": 32, "hidden": 4096, "intermediate": 14336, "qDim": 4096, "kvDim": 1024,
              "vocab": 128256, "expertsPerToken": 0}
+    CONFIG = os.path.join(ROOT, "examples", "plan", "llama-3-8b")
 
-    def __init__(self, cluster):
+    def __init__(self, cluster, bin_dir):
+        self.report = subprocess.run(
+            [os.path.join(bin_dir, "shardserve"), "plan", "--model", self.CONFIG, "--footprint"],
+            check=True, capture_output=True, text=True).stdout.strip()
+        assert json.loads(self.report)["shape"] == self.SHAPE, self.report
         self.c, self.done, self.stop = cluster, set(), threading.Event()
         threading.Thread(target=self.run, daemon=True).start()
 
@@ -192,7 +198,7 @@ class InspectStandIn:
             broken = "broken" in meta["annotations"]["shardserve.io/model-uri"]
             term = ({"exitCode": 1, "reason": "Error", "message": "config.json: not valid JSON"}
                     if broken else
-                    {"exitCode": 0, "reason": "Completed", "message": json.dumps(self.SHAPE)})
+                    {"exitCode": 0, "reason": "Completed", "message": self.report})
             status = {"phase": "Failed" if broken else "Succeeded", "containerStatuses": [
                 {"name": "inspect", "ready": False, "restartCount": 0,
                  "image": p["spec"]["containers"][0]["image"], "imageID": "",

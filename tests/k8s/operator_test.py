@@ -74,6 +74,8 @@ def converged(name, ready):
     s = status(name)
     obj = c.get("smodel", name)
     pp = obj["spec"]["parallelism"]["pipeline"]
+    if pp == "auto":
+        pp = s.get("plan", {}).get("pipeline", 0)
     ps = live(name)
     return (s.get("readyReplicas") == ready and s.get("replicas") == ready and
             s.get("observedGeneration") == obj["metadata"]["generation"] and
@@ -160,7 +162,7 @@ try:
                   "--unschedulable-timeout", "4", "--placement-retry", "2")
     ops.append(op)
     port = port_of(op)
-    InspectStandIn(c)
+    inspect = InspectStandIn(c, os.path.dirname(BIN))
 
     # --- gang placement: TP=8 inside a node, PP=2 on distinct nodes of one zone -------------
     apply(model("big", tp=8, pp=2))
@@ -180,12 +182,15 @@ try:
           "kube-scheduler bound each pod to its planned node")
     s = status("big")
     check(s["replicaStatuses"][0]["nodes"] == [nodes["0"], nodes["1"]] and
-          s["plan"] == {"tensor": 8, "pipeline": 2, "gpusPerReplica": 16,
-                        "stageLayers": ["0-16", "17-31"]} and
+          {k: s["plan"].get(k) for k in ("tensor", "pipeline", "gpusPerReplica", "stageLayers")}
+          == {"tensor": 8, "pipeline": 2, "gpusPerReplica": 16, "stageLayers": ["0-16", "17-31"]}
+          and len(s["plan"].get("stageMemory", [])) == 2 and
+          s["plan"].get("gpuMemory", "").startswith("unknown") and
           s["selector"] == "shardserve.io/model=big,shardserve.io/role=leader",
           "status: the plan (each stage's layers), each replica's nodes and the selector")
-    check(s["model"] == {"uri": "hostpath:///models/llama", "shape": LLAMA_SHAPE},
-          "status.model: the shape the inspect pod read, with its uri")
+    check(s["model"] == {"uri": "hostpath:///models/llama", "shape": LLAMA_SHAPE,
+                         "footprint": json.loads(inspect.report)},
+          "status.model: the shape and footprint the inspect pod read, with its uri")
     check(all(e["value"] == "0-16,17-31" for p in ps for e in p["spec"]["containers"][0]["env"]
               if e["name"] == "SHARDSERVE_STAGE_LAYERS"), "every rank is given the split")
     check(wait(lambda: c.kubectl("get", "pod", "big-inspect")[0] != 0),
@@ -321,6 +326,51 @@ try:
     check(status("deep").get("model", {}).get("shape") == LLAMA_SHAPE and pods("deep") == [],
           "the shape is kept (not read again), no stage pod")
     c.kubectl("delete", "smodel", "deep", check=True)
+
+    # --- GPU memory: a stage that cannot fit is not placed; auto sizes choose what fits -----
+    # Two 8-GPU nodes of 80 GB (nvidia.com/gpu.memory in MiB, as GPU feature discovery labels
+    # them), tainted so that only this section's models go there. Llama-3-8B in BF16 (15 GiB) with
+    # a KV cache for 64 x 10240 positions (F32: 160 GiB over its 32 layers) fits no single GPU,
+    # nor two (80 GiB of cache each), but four.
+    for i in range(2):
+        c.add_gpu_node(f"mem-{i}", gpus=8, labels={"pool": "mem", "nvidia.com/gpu.memory": "81559"},
+                       taints=[{"key": "pool", "value": "mem", "effect": "NoSchedule"}])
+    mem_spec = {"worker": {"image": "shardserve/worker:1", "nodeSelector": {"pool": "mem"},
+                           "tolerations": TOLERATE_KWOK + [{"key": "pool", "operator": "Exists"}]},
+                "serving": {"maxBatchSize": 64, "maxSequenceLength": 10240}}
+    apply(model("toobig", tp=1, pp=1, **mem_spec))
+    check(wait(lambda: condition("toobig", "Placed").get("status") == "False"),
+          "a stage too big for its nodes' GPUs: Placed=False")
+    msg = condition("toobig", "Placed").get("message", "")
+    check(re.search(r"2 with too little GPU memory: stage 0 needs 1[0-9][0-9]\.[0-9] GiB per GPU "
+                    r"at TP=1 \(weights 1[45]\.[0-9], KV cache 160\.0, margin [0-9.]+\); they "
+                    r"have 79\.6 GiB", msg) is not None, f"with the numbers: {msg}")
+    check(pods("toobig") == [], "and no pod to crash on the node")
+    apply(model("autofit", **mem_spec,
+                parallelism={"tensor": "auto", "pipeline": "auto"}))
+    check(wait(lambda: converged("autofit", 1)), "tensor: auto, pipeline: auto is placed and Ready")
+    s = status("autofit")
+    check(s["plan"]["tensor"] == 4 and s["plan"]["pipeline"] == 1 and
+          s["plan"].get("auto") and s["plan"]["gpuMemory"] == "79.6 GiB" and
+          s["plan"]["stageMemory"][0].startswith("stage 0 needs ") and
+          all(p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+              for p in live("autofit")),
+          f"auto: the smallest TP whose stage fits (TP=2 needs more than 80 GB): {s['plan']}")
+    revision = s["revision"]
+    # A node of smaller GPUs (40 GB) would make a new choice TP=8; the chosen sizes stay.
+    c.add_gpu_node("mem-2", gpus=8, labels={"pool": "mem", "nvidia.com/gpu.memory": "40960"},
+                   taints=[{"key": "pool", "value": "mem", "effect": "NoSchedule"}])
+    c.kubectl("annotate", "smodel", "autofit", "touched=1", check=True)
+    time.sleep(3)
+    check(status("autofit")["revision"] == revision and status("autofit")["plan"]["tensor"] == 4,
+          "a node that comes does not change the sizes chosen (no rollout)")
+    apply(model("autofit2", **mem_spec, parallelism={"tensor": "auto", "pipeline": "auto"}))
+    check(wait(lambda: status("autofit2").get("plan", {}).get("tensor") == 8),
+          "while a new model chooses for the nodes there are now (TP=8: 40 GB GPUs among them)")
+    for name in ("toobig", "autofit", "autofit2"):
+        c.kubectl("delete", "smodel", name, check=True)
+    for i in range(3):
+        c.kubectl("delete", "node", f"mem-{i}", check=True)
 
     # --- rolling update within maxUnavailable -----------------------------------------------
     c.kubectl("scale", "smodel", "scaler", "--replicas=3", check=True)

@@ -41,7 +41,7 @@ try:
     cl.install_crds()
     for i in range(2):
         cl.add_gpu_node(f"gpu-{i}", gpus=8)
-    InspectStandIn(cl)  # kwok runs no container: the inspect pod's report
+    InspectStandIn(cl, os.path.dirname(SHARDSERVE))  # kwok runs no container: the inspect pod's report
     op = Operator(cl, OPERATOR, "--listen", "127.0.0.1:0", "--placement-retry", "1")
     assert wait(lambda: "serving /metrics" in op.output(), 30), op.output()
     op_port = int(re.search(r"serving /metrics.* on [\d.]+:(\d+)", op.output()).group(1))

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 namespace shardserve {
 namespace {
 
@@ -60,6 +62,42 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ApplyServing(patient->spec, w);
   EXPECT_EQ(w.startup_timeout_ms, 7200 * 1000);
   EXPECT_EQ(w.load_stall_ms, 60 * 1000);
+  // The KV cache holds a full batch of full-length sequences: what the memory plan counts.
+  EXPECT_EQ(w.kv_cache_tokens, 32 * 4096);
+}
+
+TEST(ShardedModel, ParallelismAutoAndGpuMemory) {
+  auto m = ParseShardedModel(std::string(kGood) + "    gpuMemory: 80Gi\n");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->spec.gpu_memory, int64_t{80} << 30);
+  EXPECT_FALSE(m->spec.tensor_auto || m->spec.pipeline_auto);
+  std::string text = kGood;
+  text.replace(text.find("{tensor: 8, pipeline: 2}"), 24, "{tensor: auto, pipeline: auto}");
+  auto a = ParseShardedModel(text);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->spec.tensor_auto && a->spec.pipeline_auto);
+  EXPECT_EQ(a->spec.gpus_per_replica(), 1) << "1 x 1 until a plan chooses";
+  // As the apiserver returns it (JSON: a number or the string).
+  auto j = ParseShardedModelObject(nlohmann::json::parse(R"({"apiVersion": "shardserve.io/v1alpha1",
+      "kind": "ShardedModel", "metadata": {"name": "m"}, "spec": {"model": {"name": "m",
+      "uri": "pvc://c/m"}, "parallelism": {"tensor": "auto", "pipeline": 2},
+      "worker": {"image": "w", "gpuMemory": "81559Mi"}}})"));
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_TRUE(j->spec.tensor_auto);
+  EXPECT_FALSE(j->spec.pipeline_auto);
+  EXPECT_EQ(j->spec.pipeline, 2);
+  EXPECT_EQ(j->spec.gpu_memory, int64_t{81559} << 20);
+}
+
+TEST(ShardedModel, ByteQuantities) {
+  EXPECT_EQ(*ParseByteQuantity("141G", "f"), 141000000000);
+  EXPECT_EQ(*ParseByteQuantity("1024", "f"), 1024);
+  EXPECT_EQ(*ParseByteQuantity("2Ti", "f"), int64_t{2} << 40);
+  for (const char* bad : {"", "80GB", "-1Gi", "0", "1.5Gi", "999999999999999Ti", "Gi"}) {
+    auto q = ParseByteQuantity(bad, "spec.worker.gpuMemory");
+    ASSERT_FALSE(q.ok()) << bad;
+    EXPECT_NE(q.status().message().find("spec.worker.gpuMemory"), std::string::npos);
+  }
 }
 
 TEST(ShardedModel, BadManifestsNameTheField) {
@@ -71,7 +109,10 @@ TEST(ShardedModel, BadManifestsNameTheField) {
   };
   const std::pair<std::string, std::string> cases[] = {
       {with("tensor: 8", "tensor: 0"), "spec.parallelism.tensor"},
-      {with("pipeline: 2", "pipeline: two"), "spec.parallelism.pipeline"},
+      {with("pipeline: 2", "pipeline: two"),
+       "spec.parallelism.pipeline must be an integer or auto, got 'two'"},
+      {with("    image: img", "    image: img\n    gpuMemory: 80GB"),
+       "spec.worker.gpuMemory '80GB' is not a memory quantity"},
       {with("replicas: 2", "replicas: -1"), "spec.replicas"},
       {with("uri: \"pvc://store/llama\"", "uri: \"s3://b/k\""), "spec.model.uri"},
       {with("uri: \"pvc://store/llama\"", "uri: \"file://rel\""), "spec.model.uri"},

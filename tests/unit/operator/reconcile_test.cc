@@ -7,6 +7,8 @@
 
 #include <algorithm>
 
+#include "model/footprint.h"
+
 namespace shardserve::op {
 namespace {
 
@@ -348,6 +350,15 @@ TEST(BuildStatus, AllReadyIsCompleteAndAvailable) {
                                                          {"Progressing", "False"}}));
 }
 
+// TinyLlama-1.1B's footprint (22 layers, 4 KV heads, BF16).
+ModelFootprint TinyLlama() {
+  auto f = FootprintFromConfig(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
+      "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+      "num_key_value_heads": 4, "vocab_size": 32000, "torch_dtype": "bfloat16"})");
+  EXPECT_TRUE(f.ok()) << f.status();
+  return *f;
+}
+
 TEST(BuildStatus, ShowsTheModelsShapeAndEachStagesLayers) {
   ModelView m = ModelBuilder().Build();
   const Decision d = Decide(m, Replicas(m, 1), json::object(), kNow, {});
@@ -355,12 +366,26 @@ TEST(BuildStatus, ShowsTheModelsShapeAndEachStagesLayers) {
   json s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
   EXPECT_FALSE(s["plan"].contains("stageLayers")) << "not before the shape is known";
   EXPECT_FALSE(s.contains("model"));
-  m.shape = ModelShape{22, 2048, 5632, 2048, 256, 32000, 0};
+  m.footprint = TinyLlama();
+  m.shape = m.footprint->shape;
   m.stage_layers = {{0, 12}, {12, 22}};
   s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
   EXPECT_EQ(s["plan"]["stageLayers"], json::array({"0-11", "12-21"}));
+  EXPECT_FALSE(s["plan"].contains("stageMemory")) << "no memory plan given";
   EXPECT_EQ(s["model"]["uri"], "hostpath:///models/llama");
   EXPECT_EQ(s["model"]["shape"]["layers"], 22);
+  EXPECT_EQ(s["model"]["footprint"]["kinds"][0]["kvHeads"], 4);
+  // With the memory plan: each stage's bytes and the GPU memory they were checked against.
+  ShardedModelSpec spec = m.model.spec;
+  spec.pipeline = 2;
+  auto plan = PlanSpec(*m.footprint, spec, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  m.memory = *plan;
+  s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
+  ASSERT_EQ(s["plan"]["stageMemory"].size(), 2u);
+  EXPECT_NE(s["plan"]["stageMemory"][1].get<std::string>().find("stage 1 needs "),
+            std::string::npos);
+  EXPECT_NE(s["plan"]["gpuMemory"].get<std::string>().find("unknown"), std::string::npos);
 }
 
 // The inspect pod, as ReadPod reads it.
@@ -382,15 +407,22 @@ PodView InspectPod(const std::string& uri, const std::string& phase,
 
 TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
   const std::string uri = "hostpath:///models/llama";
-  const ModelShape shape{22, 2048, 5632, 2048, 256, 32000, 0};
-  const json status = {{"model", ModelStatus(uri, shape)}};
+  const ModelFootprint footprint = TinyLlama();
+  const ModelShape shape = footprint.shape;
+  const std::string report = FootprintToJson(footprint).dump();
+  const json status = {{"model", ModelStatus(uri, footprint)}};
   ShapeView v = ReadShape(uri, status, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
   EXPECT_EQ(v.shape, shape);
+  EXPECT_EQ(v.footprint.kinds, footprint.kinds);
   EXPECT_FALSE(v.create_pod || v.delete_pod);
   // Known, and an inspect pod left over: it goes.
-  const PodView done = InspectPod(uri, "Succeeded", ShapeToJson(shape).dump());
+  const PodView done = InspectPod(uri, "Succeeded", report);
   EXPECT_TRUE(ReadShape(uri, status, &done).delete_pod);
+  // A status of an earlier operator, with a shape and no footprint: read again.
+  json old = status;
+  old["model"].erase("footprint");
+  EXPECT_TRUE(ReadShape(uri, old, nullptr).create_pod);
   // Another uri: read again.
   v = ReadShape("hostpath:///models/other", status, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
@@ -399,22 +431,23 @@ TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
 
 TEST(ReadShape, FromTheInspectPodsReport) {
   const std::string uri = "hostpath:///models/llama";
-  const ModelShape shape{22, 2048, 5632, 2048, 256, 32000, 0};
+  const ModelFootprint footprint = TinyLlama();
+  const std::string report = FootprintToJson(footprint).dump();
   const PodView running = InspectPod(uri, "Running");
   ShapeView v = ReadShape(uri, json::object(), &running);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_FALSE(v.create_pod || v.delete_pod);
   EXPECT_EQ(v.message, "pod m-inspect is reading it");
 
-  const PodView done = InspectPod(uri, "Succeeded", ShapeToJson(shape).dump());
+  const PodView done = InspectPod(uri, "Succeeded", report);
   v = ReadShape(uri, json::object(), &done);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
-  EXPECT_EQ(v.shape, shape);
+  EXPECT_EQ(v.shape, footprint.shape);
+  EXPECT_EQ(v.footprint.params, footprint.params);
   EXPECT_TRUE(v.delete_pod);
 
   // A pod of an earlier uri is replaced, never believed.
-  const PodView stale =
-      InspectPod("hostpath:///models/old", "Succeeded", ShapeToJson(shape).dump());
+  const PodView stale = InspectPod("hostpath:///models/old", "Succeeded", report);
   v = ReadShape(uri, json::object(), &stale);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_TRUE(v.delete_pod);
@@ -438,7 +471,7 @@ TEST(ReadShape, AFailedOrGarbledReadingSaysWhyAndStays) {
     const PodView garbled = InspectPod(uri, "Succeeded", report);
     v = ReadShape(uri, json::object(), &garbled);
     EXPECT_EQ(v.state, ShapeView::State::kFailed) << report;
-    EXPECT_NE(v.message.find("not the model's shape"), std::string::npos) << v.message;
+    EXPECT_NE(v.message.find("not the model's footprint"), std::string::npos) << v.message;
   }
 }
 

@@ -1,0 +1,416 @@
+#include "model/footprint.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "common/text.h"
+#include "model/config.h"
+#include "model/config_reader.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::json;
+using config_internal::kMaxHeads;
+using config_internal::kMaxLayers;
+using config_internal::Reader;
+
+// The sizes of one architecture's layers, read from its config.
+struct Dims {
+  std::string architecture;
+  int64_t hidden = 0, layers = 0, vocab = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  bool qkv_bias = false, o_bias = false, qk_norm = false, sinks = false;
+  int64_t intermediate = 0;  // a dense layer's MLP
+  int64_t experts = 0, expert_intermediate = 0, experts_per_token = 0;
+  int64_t shared_experts = 0;  // each of expert_intermediate
+  bool expert_bias = false;    // gpt-oss: biases on the experts' projections
+  bool router_bias = false;    // gpt-oss's router bias, DeepSeek's score correction
+  int64_t first_dense = 0;     // layers [0, first_dense) are dense in a MoE model
+  // Multi-head latent attention (DeepSeek-V3): 0 kv_lora for ordinary attention.
+  int64_t q_lora = 0, kv_lora = 0, rope_dim = 0, nope_dim = 0, v_dim = 0;
+  std::vector<std::string> notes;
+};
+
+// How the checkpoint stores its weights, as kept on a GPU.
+struct Format {
+  enum class Kind { kPlain, kFp8Block, kFp8Row, kMxfp4 };
+  Kind kind = Kind::kPlain;
+  double dtype_bytes = 2;
+  std::string dtype = "BF16";
+  int64_t block_rows = 128, block_cols = 128;
+  std::vector<std::string> keep;  // modules_to_not_convert
+
+  // HF's rule: a pattern with '*' matches whole dotted segments from the start ("*" any one);
+  // one without matches any module whose name contains it.
+  bool Kept(const std::string& module) const {
+    for (const std::string& p : keep) {
+      if (p.find('*') == std::string::npos) {
+        if (module.find(p) != std::string::npos) return true;
+        continue;
+      }
+      const std::vector<std::string> ps = absl::StrSplit(p, '.');
+      const std::vector<std::string> ms = absl::StrSplit(module, '.');
+      if (ps.size() > ms.size()) continue;
+      bool match = true;
+      for (size_t i = 0; i < ps.size() && match; ++i) match = ps[i] == "*" || ps[i] == ms[i];
+      if (match) return true;
+    }
+    return false;
+  }
+  double Plain(double params) const { return params * dtype_bytes; }
+  // A linear layer's weight of rows x cols (out x in); `expert`: one of a MoE layer's experts.
+  double Linear(const std::string& module, double rows, double cols, bool expert) const {
+    if (Kept(module)) return Plain(rows * cols);
+    switch (kind) {
+      case Kind::kPlain:
+        return Plain(rows * cols);
+      case Kind::kFp8Block:  // one F32 scale per block
+        return rows * cols + std::ceil(rows / block_rows) * std::ceil(cols / block_cols) * 4;
+      case Kind::kFp8Row:  // one F32 scale per output row
+        return rows * cols + rows * 4;
+      case Kind::kMxfp4:  // experts only: 4-bit values and an 8-bit scale per 32
+        return expert ? rows * cols / 2 + std::ceil(cols / 32) * rows : Plain(rows * cols);
+    }
+    return Plain(rows * cols);
+  }
+  std::string Describe() const {
+    std::string kept =
+        keep.empty() ? "" : absl::StrCat("; ", dtype, " where modules_to_not_convert says");
+    switch (kind) {
+      case Kind::kPlain:
+        return dtype;
+      case Kind::kFp8Block:
+        return absl::StrCat("FP8 E4M3 linear weights with an F32 scale per ", block_rows, "x",
+                            block_cols, " block, ", dtype, " embeddings, norms and routers", kept);
+      case Kind::kFp8Row:
+        return absl::StrCat("FP8 E4M3 linear weights with an F32 scale per row, ", dtype,
+                            " embeddings, norms and routers", kept);
+      case Kind::kMxfp4:
+        return absl::StrCat("MXFP4 experts (4.25 bits a weight), ", dtype, " elsewhere", kept);
+    }
+    return dtype;
+  }
+};
+
+absl::StatusOr<Format> FormatOf(const json& j, const Reader& r) {
+  Format f;
+  std::string dtype;
+  ASSIGN_OR_RETURN(dtype, r.String("torch_dtype", ""));
+  if (dtype.empty()) {  // transformers 5 names it dtype
+    ASSIGN_OR_RETURN(dtype, r.String("dtype", "bfloat16"));
+  }
+  if (dtype == "bfloat16") {
+    f.dtype = "BF16";
+  } else if (dtype == "float16") {
+    f.dtype = "F16";
+  } else if (dtype == "float32") {
+    f.dtype = "F32";
+    f.dtype_bytes = 4;
+  } else {
+    return r.Error("torch_dtype",
+                   absl::StrCat("'", dtype, "' is not bfloat16, float16 or float32"));
+  }
+  if (!r.Has("quantization_config")) return f;
+  const json& q = j["quantization_config"];
+  if (!q.is_object()) return r.Error("quantization_config", "must be an object");
+  Reader qr(q, "config.json quantization_config");
+  ASSIGN_OR_RETURN(std::string method, qr.String("quant_method", ""));
+  if (method == "fp8") {
+    f.kind = Format::Kind::kFp8Block;
+    ASSIGN_OR_RETURN(std::string fmt, qr.String("fmt", "e4m3"));
+    if (fmt != "e4m3") return qr.Error("fmt", absl::StrCat("'", fmt, "' is not e4m3"));
+    if (qr.Has("weight_block_size")) {
+      const json& b = q["weight_block_size"];
+      if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() ||
+          !b[1].is_number_integer() || b[0].get<int64_t>() < 1 || b[1].get<int64_t>() < 1 ||
+          b[0].get<int64_t>() > 65536 || b[1].get<int64_t>() > 65536) {
+        return qr.Error("weight_block_size", "must be two positive integers [rows, columns]");
+      }
+      f.block_rows = b[0].get<int64_t>();
+      f.block_cols = b[1].get<int64_t>();
+    }
+  } else if (method == "fbgemm_fp8") {
+    f.kind = Format::Kind::kFp8Row;
+  } else if (method == "mxfp4") {
+    f.kind = Format::Kind::kMxfp4;
+  } else {
+    return qr.Error("quant_method", absl::StrCat("'", method,
+                                                 "' is not one shardserve plans for (fp8, "
+                                                 "fbgemm_fp8, mxfp4)"));
+  }
+  if (qr.Has("modules_to_not_convert")) {
+    const json& keep = q["modules_to_not_convert"];
+    if (!keep.is_array() || keep.size() > 4096) {
+      return qr.Error("modules_to_not_convert", "must be a list of at most 4096 names");
+    }
+    for (const json& k : keep) {
+      if (!k.is_string() || k.get<std::string>().empty() || k.get<std::string>().size() > 256) {
+        return qr.Error("modules_to_not_convert", "must hold names of 1 to 256 characters");
+      }
+      f.keep.push_back(k.get<std::string>());
+    }
+  }
+  return f;
+}
+
+absl::StatusOr<Dims> DimsOf(const json& j, const Reader& r) {
+  Dims d;
+  if (!j.contains("architectures") || !j["architectures"].is_array() ||
+      j["architectures"].size() != 1 || !j["architectures"][0].is_string()) {
+    return r.Error("architectures", "must list exactly one architecture");
+  }
+  d.architecture = j["architectures"][0].get<std::string>();
+  const std::string& a = d.architecture;
+  const bool deepseek = a == "DeepseekV3ForCausalLM";
+  const bool gpt_oss = a == "GptOssForCausalLM";
+  const bool mixtral = a == "MixtralForCausalLM";
+  const bool qwen_moe = a == "Qwen3MoeForCausalLM";
+  if (!deepseek && !gpt_oss && !mixtral && !qwen_moe && a != "LlamaForCausalLM" &&
+      a != "MistralForCausalLM" && a != "Qwen2ForCausalLM" && a != "Qwen3ForCausalLM") {
+    return r.Error("architectures",
+                   absl::StrCat("names '", a,
+                                "', which shardserve does not plan for (LlamaForCausalLM, "
+                                "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                "MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, "
+                                "GptOssForCausalLM)"));
+  }
+  ASSIGN_OR_RETURN(d.hidden, r.Positive("hidden_size"));
+  ASSIGN_OR_RETURN(d.layers, r.Positive("num_hidden_layers", {}, kMaxLayers));
+  ASSIGN_OR_RETURN(d.vocab, r.Positive("vocab_size"));
+  ASSIGN_OR_RETURN(d.heads, r.Positive("num_attention_heads", {}, kMaxHeads));
+  ASSIGN_OR_RETURN(d.kv_heads, r.Positive("num_key_value_heads", d.heads, kMaxHeads));
+  ASSIGN_OR_RETURN(d.head_dim, r.Positive("head_dim", std::max<int64_t>(1, d.hidden / d.heads)));
+  d.qkv_bias = a == "Qwen2ForCausalLM";
+  d.qk_norm = a == "Qwen3ForCausalLM" || qwen_moe;
+  if (!d.qkv_bias) {
+    ASSIGN_OR_RETURN(bool bias, r.Bool("attention_bias", false));
+    d.qkv_bias = d.o_bias = bias;
+  }
+  if (deepseek) {
+    ASSIGN_OR_RETURN(d.intermediate, r.Positive("intermediate_size"));
+    ASSIGN_OR_RETURN(d.q_lora, r.Int("q_lora_rank", 0));
+    if (d.q_lora < 0 || d.q_lora > config_internal::kMaxSize) {
+      return r.Error("q_lora_rank", "must be null or a positive size");
+    }
+    ASSIGN_OR_RETURN(d.kv_lora, r.Positive("kv_lora_rank"));
+    ASSIGN_OR_RETURN(d.rope_dim, r.Positive("qk_rope_head_dim"));
+    ASSIGN_OR_RETURN(d.nope_dim, r.Positive("qk_nope_head_dim"));
+    ASSIGN_OR_RETURN(d.v_dim, r.Positive("v_head_dim"));
+    ASSIGN_OR_RETURN(d.experts, r.Positive("n_routed_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(d.expert_intermediate, r.Positive("moe_intermediate_size"));
+    ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(d.shared_experts, r.Int("n_shared_experts", 0));
+    if (d.shared_experts < 0 || d.shared_experts > kMaxHeads) {
+      return r.Error("n_shared_experts", "must be between 0 and 4096");
+    }
+    ASSIGN_OR_RETURN(d.first_dense, r.Int("first_k_dense_replace", 0));
+    if (d.first_dense < 0 || d.first_dense > d.layers) {
+      return r.Error("first_k_dense_replace",
+                     absl::StrCat("must be between 0 and num_hidden_layers ", d.layers));
+    }
+    ASSIGN_OR_RETURN(int64_t freq, r.Int("moe_layer_freq", 1));
+    if (freq != 1) return r.Error("moe_layer_freq", "other than 1 is not planned for");
+    d.router_bias = true;  // e_score_correction_bias
+    ASSIGN_OR_RETURN(int64_t mtp, r.Int("num_nextn_predict_layers", 0));
+    if (mtp > 0) {
+      d.notes.push_back(absl::StrCat("its ", mtp,
+                                     " multi-token-prediction layer(s) are not counted: "
+                                     "shardserve does not load them"));
+    }
+  } else if (gpt_oss) {
+    ASSIGN_OR_RETURN(d.experts, r.Positive("num_local_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(d.expert_intermediate, r.Positive("intermediate_size"));
+    ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
+    d.expert_bias = d.router_bias = d.sinks = true;
+    if (r.Has("sliding_window")) {
+      d.notes.push_back(
+          "its sliding-window layers are counted with a cache as long as the full layers' "
+          "(the KV cache is one size for every layer)");
+    }
+  } else if (mixtral || qwen_moe) {
+    ASSIGN_OR_RETURN(d.experts,
+                     r.Positive(mixtral ? "num_local_experts" : "num_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(d.expert_intermediate,
+                     r.Positive(mixtral ? "intermediate_size" : "moe_intermediate_size"));
+  } else {
+    ASSIGN_OR_RETURN(d.intermediate, r.Positive("intermediate_size"));
+  }
+  if (d.experts_per_token > d.experts) {
+    return r.Error("num_experts_per_tok",
+                   absl::StrCat(d.experts_per_token, " exceeds the ", d.experts, " experts"));
+  }
+  return d;
+}
+
+// What each layer holds (then merged into runs of equal layers), the embeddings and the head.
+ModelFootprint Compute(const Dims& d, const Format& f) {
+  ModelFootprint out;
+  out.architecture = d.architecture;
+  out.weights = f.Describe();
+  out.layers = d.layers;
+  out.heads = d.heads;
+  out.kv_heads = d.kv_lora > 0 ? 0 : d.kv_heads;
+  out.experts = d.experts;
+  out.intermediate = d.intermediate;
+  out.notes = d.notes;
+  const double H = static_cast<double>(d.hidden), V = static_cast<double>(d.vocab);
+  out.embed_bytes = f.Plain(V * H);
+  out.head_bytes = f.Linear("lm_head", V, H, false) + f.Plain(H);
+  out.params = 2 * V * H + H;
+  for (int64_t i = 0; i < d.layers; ++i) {
+    const std::string at = absl::StrCat("model.layers.", i, ".");
+    LayerFootprint l;
+    double params = 2 * H;  // the two norms
+    l.whole_bytes += f.Plain(2 * H);
+    auto linear = [&](const std::string& module, double rows, double cols, double& into,
+                      bool expert = false, double copies = 1) {
+      into += copies * f.Linear(at + module, rows, cols, expert);
+      params += copies * rows * cols;
+    };
+    auto plain = [&](double n, double& into) {
+      into += f.Plain(n);
+      params += n;
+    };
+    const double hd = static_cast<double>(d.head_dim), nh = static_cast<double>(d.heads);
+    if (d.kv_lora > 0) {  // MLA
+      const double qk = static_cast<double>(d.nope_dim + d.rope_dim);
+      if (d.q_lora > 0) {
+        linear("self_attn.q_a_proj", static_cast<double>(d.q_lora), H, l.whole_bytes);
+        plain(static_cast<double>(d.q_lora), l.whole_bytes);
+        linear("self_attn.q_b_proj", nh * qk, static_cast<double>(d.q_lora), l.split_bytes);
+      } else {
+        linear("self_attn.q_proj", nh * qk, H, l.split_bytes);
+      }
+      linear("self_attn.kv_a_proj_with_mqa", static_cast<double>(d.kv_lora + d.rope_dim), H,
+             l.whole_bytes);
+      plain(static_cast<double>(d.kv_lora), l.whole_bytes);
+      linear("self_attn.kv_b_proj", nh * static_cast<double>(d.nope_dim + d.v_dim),
+             static_cast<double>(d.kv_lora), l.split_bytes);
+      linear("self_attn.o_proj", H, nh * static_cast<double>(d.v_dim), l.split_bytes);
+      l.whole_values = d.kv_lora + d.rope_dim;
+      out.full_kv_values = d.heads * (d.nope_dim + d.rope_dim + d.v_dim);
+    } else {
+      linear("self_attn.q_proj", nh * hd, H, l.split_bytes);
+      linear("self_attn.o_proj", H, nh * hd, l.split_bytes);
+      const double kv = static_cast<double>(d.kv_heads);
+      // One KV head's share of k_proj and v_proj (each kv_heads * head_dim rows).
+      l.kv_head_bytes = (f.Linear(at + "self_attn.k_proj", kv * hd, H, false) +
+                         f.Linear(at + "self_attn.v_proj", kv * hd, H, false)) /
+                        kv;
+      params += 2 * kv * hd * H;
+      if (d.qkv_bias) {
+        plain(nh * hd, l.split_bytes);
+        l.kv_head_bytes += f.Plain(2 * hd);
+        params += 2 * kv * hd;
+      }
+      if (d.o_bias) plain(H, l.whole_bytes);
+      if (d.qk_norm) plain(2 * hd, l.whole_bytes);
+      if (d.sinks) plain(nh, l.split_bytes);
+      l.kv_heads = d.kv_heads;
+      l.head_values = 2 * d.head_dim;
+      out.full_kv_values = d.kv_heads * 2 * d.head_dim;
+    }
+    if (d.experts > 0 && i >= d.first_dense) {
+      const double E = static_cast<double>(d.experts);
+      const double I = static_cast<double>(d.expert_intermediate);
+      plain(E * H, l.whole_bytes);  // the router
+      if (d.router_bias) plain(E, l.whole_bytes);
+      // gate and up, then down, per expert; experts are divided across the group.
+      linear("mlp.experts", 2 * I, H, l.split_bytes, true, E);
+      linear("mlp.experts", H, I, l.split_bytes, true, E);
+      if (d.expert_bias) plain(E * (2 * I + H), l.split_bytes);
+      if (d.shared_experts > 0) {
+        const double S = static_cast<double>(d.shared_experts) * I;
+        linear("mlp.shared_experts.gate_proj", S, H, l.split_bytes);
+        linear("mlp.shared_experts.up_proj", S, H, l.split_bytes);
+        linear("mlp.shared_experts.down_proj", H, S, l.split_bytes);
+      }
+    } else {
+      const double I = static_cast<double>(d.intermediate);
+      linear("mlp.gate_proj", I, H, l.split_bytes);
+      linear("mlp.up_proj", I, H, l.split_bytes);
+      linear("mlp.down_proj", H, I, l.split_bytes);
+    }
+    out.params += params;
+    if (!out.kinds.empty()) {
+      LayerFootprint last = out.kinds.back();
+      last.count = 1;
+      if (last == l) {
+        ++out.kinds.back().count;
+        continue;
+      }
+    }
+    out.kinds.push_back(l);
+  }
+  const bool moe = d.experts > 0;
+  out.shape = {d.layers,
+               d.hidden,
+               moe ? d.expert_intermediate : d.intermediate,
+               d.heads * (d.kv_lora > 0 ? d.nope_dim + d.rope_dim : d.head_dim),
+               d.kv_lora > 0 ? d.kv_lora + d.rope_dim : d.kv_heads * d.head_dim,
+               d.vocab,
+               moe ? d.experts_per_token + d.shared_experts : 0};
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelFootprint> FootprintFromConfig(const std::string& json_text,
+                                                   const std::string& source) {
+  json j = json::parse(json_text, nullptr, false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON"));
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not an object"));
+  Reader r(j, source);
+  ASSIGN_OR_RETURN(Dims d, DimsOf(j, r));
+  ASSIGN_OR_RETURN(Format f, FormatOf(j, r));
+  return Compute(d, f);
+}
+
+absl::StatusOr<ModelFootprint> LoadFootprint(const std::string& model_path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(model_path, ec)) {
+    const std::string path = (std::filesystem::path(model_path) / "config.json").string();
+    ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+    return FootprintFromConfig(text, path);
+  }
+  // A GGUF file: its shape from the metadata, its bytes from the file.
+  ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(model_path));
+  Dims d;
+  d.architecture = c.architecture;
+  d.hidden = c.hidden_size;
+  d.layers = c.num_layers;
+  d.vocab = c.vocab_size;
+  d.heads = c.num_heads;
+  d.kv_heads = c.num_kv_heads;
+  d.head_dim = c.head_dim;
+  d.qkv_bias = c.qkv_bias;
+  d.o_bias = c.o_bias;
+  d.qk_norm = c.qk_norm;
+  if (c.moe) {
+    d.experts = c.num_experts;
+    d.experts_per_token = c.experts_per_token;
+    d.expert_intermediate = c.intermediate_size;
+  } else {
+    d.intermediate = c.intermediate_size;
+  }
+  Format f;
+  f.dtype_bytes = 1;
+  const ModelFootprint unit = Compute(d, f);  // in parameters
+  const double bytes = static_cast<double>(std::filesystem::file_size(model_path, ec));
+  if (ec || unit.params <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(model_path, ": cannot read its size"));
+  }
+  f.dtype_bytes = bytes / unit.params;
+  f.dtype = absl::StrCat("GGUF, ", absl::StrFormat("%.2f", f.dtype_bytes * 8),
+                         " bits a weight on average (the file's size over its parameters)");
+  return Compute(d, f);
+}
+
+}  // namespace shardserve

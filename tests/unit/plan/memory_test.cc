@@ -1,0 +1,164 @@
+#include "plan/memory.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/text.h"
+#include "model/footprint.h"
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+std::string Why(const absl::Status& s) { return std::string(s.message()); }
+
+ModelFootprint Example(const std::string& name) {
+  const std::string path = std::string(SHARDSERVE_SOURCE_DIR) + "/examples/plan/" + name;
+  auto f = LoadFootprint(path);
+  EXPECT_TRUE(f.ok()) << f.status();
+  return f.ok() ? *f : ModelFootprint{};
+}
+
+// The parameter counts their makers publish, from the configs alone.
+TEST(FootprintTest, TheLargeModelsCountTheirPublishedParameters) {
+  EXPECT_NEAR(Example("deepseek-v3").params / 1e9, 671, 1.5);  // 685 B with the MTP layer
+  EXPECT_NEAR(Example("qwen3-235b-a22b").params / 1e9, 235, 1.5);
+  EXPECT_NEAR(Example("llama-3.1-405b-fp8").params / 1e9, 405.9, 1.0);
+  EXPECT_NEAR(Example("gpt-oss-120b").params / 1e9, 116.8, 0.5);
+}
+
+TEST(FootprintTest, WeightBytesFollowTheCheckpointsFormat) {
+  auto total = [](const ModelFootprint& f) {
+    return MemoryOfStage(f, {0, f.layers}, 1, 0).weights / 1e9;
+  };
+  // DeepSeek-V3 in FP8 blocks: about a byte a weight (embeddings and head BF16).
+  const ModelFootprint ds = Example("deepseek-v3");
+  EXPECT_NEAR(total(ds), 671 + 1.9 + 0.1 + 0.3, 4);
+  EXPECT_THAT(ds.weights, HasSubstr("128x128"));
+  EXPECT_THAT(ds.notes.front(), HasSubstr("multi-token-prediction"));
+  // gpt-oss-120b: MXFP4 experts (4.25 bits), the rest BF16: about 65 GB as published.
+  EXPECT_NEAR(total(Example("gpt-oss-120b")), 65, 3);
+  // Qwen3-235B in BF16: two bytes a weight.
+  EXPECT_NEAR(total(Example("qwen3-235b-a22b")), 2 * 235, 3);
+  // Llama-3.1-405B FP8: FFNs FP8 per row, attention and the first and last layers' MLPs BF16.
+  // 124 FFNs x 2.617 B in FP8 (324.5 GB), 126 attentions x 0.570 B and 2 FFNs in BF16 (154.2
+  // GB), embeddings and head in BF16 (8.4 GB).
+  EXPECT_NEAR(total(Example("llama-3.1-405b-fp8")), 487.2, 1);
+}
+
+TEST(FootprintTest, MlaCachesItsLatentWholeOnEveryRank) {
+  const ModelFootprint ds = Example("deepseek-v3");
+  ASSERT_EQ(ds.kinds.size(), 2u);  // 3 dense layers, then 58 MoE layers
+  EXPECT_EQ(ds.kinds[0].count, 3);
+  EXPECT_EQ(ds.kinds[1].count, 58);
+  // 512 latent + 64 rope values a position, whatever the tensor-parallel size.
+  EXPECT_EQ(ds.KvValuesPerRank(ds.kinds[1], 1), 576);
+  EXPECT_EQ(ds.KvValuesPerRank(ds.kinds[1], 8), 576);
+  EXPECT_EQ(KvBytesLine(ds),
+            "KV cache: 2304 bytes a position per layer (F32, the compressed latent every rank "
+            "keeps), against 163840 for full heads (71.1x)");
+  // GQA: a group larger than the KV heads replicates them.
+  const ModelFootprint qwen = Example("qwen3-235b-a22b");
+  EXPECT_EQ(qwen.KvValuesPerRank(qwen.kinds[0], 2), 2 * 2 * 128);
+  EXPECT_EQ(qwen.KvValuesPerRank(qwen.kinds[0], 8), 1 * 2 * 128);
+}
+
+TEST(FootprintTest, ItsJsonRoundTripsAndIsBounded) {
+  const ModelFootprint ds = Example("deepseek-v3");
+  auto back = FootprintFromJson(FootprintToJson(ds));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->kinds.size(), ds.kinds.size());
+  EXPECT_EQ(back->shape, ds.shape);
+  EXPECT_NEAR(MemoryOfStage(*back, {0, 30}, 8, 4096).total(),
+              MemoryOfStage(ds, {0, 30}, 8, 4096).total(), 1e3);
+  nlohmann::json j = FootprintToJson(ds);
+  j["kinds"][0]["count"] = 4;
+  EXPECT_THAT(Why(FootprintFromJson(j).status()), HasSubstr("count 62 layers, not 61"));
+  j = FootprintToJson(ds);
+  j["embedBytes"] = -1;
+  EXPECT_THAT(Why(FootprintFromJson(j).status()), HasSubstr("'embedBytes' is -1"));
+  EXPECT_THAT(Why(FootprintFromJson(nlohmann::json::array()).status()),
+              HasSubstr("not a JSON object"));
+}
+
+TEST(FootprintTest, ConfigErrorsNameTheKey) {
+  EXPECT_THAT(Why(FootprintFromConfig(R"({"architectures": ["FooForCausalLM"]})").status()),
+              HasSubstr("'FooForCausalLM', which shardserve does not plan for"));
+  EXPECT_THAT(Why(FootprintFromConfig(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+      "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 4, "intermediate_size": 8,
+      "quantization_config": {"quant_method": "gptq"}})")
+                      .status()),
+              HasSubstr("'gptq' is not one shardserve plans for"));
+  EXPECT_THAT(Why(FootprintFromConfig("{").status()), HasSubstr("not valid JSON"));
+}
+
+TEST(MemoryTest, AStageHoldsItsLayersShareAndTheEndsTheirs) {
+  const ModelFootprint q = Example("qwen3-235b-a22b");
+  auto plan = PlanMemory(q, 8, 2, 32 * 4096);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->stages.size(), 2u);
+  const StageMemory& s0 = plan->stages[0];
+  // Half the weights over 8 GPUs, about 29 GB, plus the embedding's share.
+  EXPECT_NEAR(s0.weights / 1e9, 470.0 / 2 / 8, 2);
+  // Its layers x 1 KV head x 256 values x 4 bytes x 131072 positions.
+  const double layers = static_cast<double>(plan->layers[0].end);
+  EXPECT_NEAR(s0.kv_cache, layers * 256 * 4 * 32 * 4096, 1);
+  EXPECT_NEAR(s0.margin, kMarginBytes + 0.1 * (s0.weights + s0.kv_cache), 1);
+  EXPECT_EQ(DescribeStage(0, 8, {80 * kGiB, 4 * kGiB, 9.4 * kGiB}),
+            "stage 0 needs 93.4 GiB per GPU at TP=8 (weights 80.0, KV cache 4.0, margin 9.4)");
+}
+
+TEST(MemoryTest, DivisibilityErrorsNameTheField) {
+  const ModelFootprint q = Example("qwen3-235b-a22b");
+  EXPECT_THAT(Why(CheckTensorParallel(q, 3)),
+              HasSubstr("num_attention_heads 64 is not divisible by tensor parallelism 3"));
+  EXPECT_TRUE(CheckTensorParallel(q, 8).ok());  // 4 KV heads, each on 2 ranks
+  const ModelFootprint g = Example("gpt-oss-120b");
+  EXPECT_TRUE(CheckTensorParallel(g, 4).ok());
+}
+
+// What `tensor: auto, pipeline: auto` chooses on 8-GPU nodes of 80 and of 141 GB.
+TEST(MemoryTest, AutoPicksTheSmallestTensorThenTheFewestStagesThatFit) {
+  const std::vector<int64_t> four_nodes = {8, 8, 8, 8};
+  const int64_t tokens = 32 * 4096;
+  auto choose = [&](const std::string& name, double gib) {
+    return ChooseParallelism(Example(name), std::nullopt, std::nullopt, four_nodes, gib * 1e9,
+                             tokens);
+  };
+  // gpt-oss-120b (65 GB): one GPU of 141 GB holds it; 80 GB needs two.
+  auto g141 = choose("gpt-oss-120b", 141);
+  ASSERT_TRUE(g141.ok()) << g141.status();
+  EXPECT_EQ(g141->tensor, 1);
+  EXPECT_EQ(g141->pipeline, 1);
+  auto g80 = choose("gpt-oss-120b", 80);
+  ASSERT_TRUE(g80.ok()) << g80.status();
+  EXPECT_EQ(g80->tensor, 2);
+  // DeepSeek-V3 (about 690 GB in FP8): not on one 8x80 node, on one 8x141 node.
+  auto d141 = choose("deepseek-v3", 141);
+  ASSERT_TRUE(d141.ok()) << d141.status();
+  EXPECT_EQ(d141->tensor, 8);
+  EXPECT_EQ(d141->pipeline, 1);
+  auto d80 = choose("deepseek-v3", 80);
+  ASSERT_TRUE(d80.ok()) << d80.status();
+  EXPECT_EQ(d80->tensor, 8);
+  EXPECT_EQ(d80->pipeline, 2);
+  for (const StageMemory& s : d80->stages) EXPECT_LE(s.total(), 80e9);
+  // A fixed tensor size: only the stages are chosen.
+  auto fixed =
+      ChooseParallelism(Example("qwen3-235b-a22b"), 4, std::nullopt, four_nodes, 80e9, tokens);
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  EXPECT_EQ(fixed->tensor, 4);
+  EXPECT_EQ(fixed->pipeline, 2);
+  // Nothing fits: the closest plan's numbers.
+  auto none =
+      ChooseParallelism(Example("deepseek-v3"), std::nullopt, std::nullopt, {8}, 80e9, tokens);
+  EXPECT_THAT(Why(none.status()),
+              testing::MatchesRegex("stage [0-9] needs [0-9.]+ GiB per GPU at TP=[0-9] .* with "
+                                    "[0-9] stages? \\(the closest .*\\); the nodes have 74.5 GiB"));
+}
+
+}  // namespace
+}  // namespace shardserve
