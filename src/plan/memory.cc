@@ -90,7 +90,8 @@ absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
                                                     std::optional<int64_t> tensor,
                                                     std::optional<int64_t> pipeline,
                                                     const std::vector<int64_t>& node_gpus,
-                                                    double gpu_memory, int64_t kv_tokens) {
+                                                    double gpu_memory, int64_t kv_tokens,
+                                                    ParallelismChoice* closest_out) {
   const int64_t max_gpus =
       node_gpus.empty() ? 64 : *std::max_element(node_gpus.begin(), node_gpus.end());
   auto room = [&](int64_t tp) {  // stages of tp GPUs the nodes can hold
@@ -129,6 +130,7 @@ absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
     return absl::FailedPreconditionError(
         absl::StrCat("the nodes have room for no stage of TP=", tensors.front()));
   }
+  if (closest_out) *closest_out = *closest;
   return absl::FailedPreconditionError(
       absl::StrCat(DescribeStage(closest->largest_stage, closest->tensor,
                                  closest->stages[closest->largest_stage]),
@@ -161,9 +163,14 @@ absl::StatusOr<SpecPlan> PlanSpec(const ModelFootprint& f, const ShardedModelSpe
     plan.choice = *std::move(c);
     return plan;
   }
+  ParallelismChoice closest;
   auto c = ChooseParallelism(f, spec.tensor_auto ? std::nullopt : std::optional(spec.tensor),
                              spec.pipeline_auto ? std::nullopt : std::optional(spec.pipeline),
-                             node_gpus, static_cast<double>(plan.gpu_memory), tokens);
+                             node_gpus, static_cast<double>(plan.gpu_memory), tokens, &closest);
+  if (!c.ok() && !closest.stages.empty()) {  // nothing fits: placement says so, with numbers
+    plan.choice = std::move(closest);
+    return plan;
+  }
   if (!c.ok()) {
     return absl::Status(
         c.status().code(),

@@ -65,16 +65,19 @@ absl::StatusOr<ParallelismChoice> PlanMemory(const ModelFootprint& f, int64_t tp
 // allocatable GPUs), smallest first, at each number of stages from 1 up to the layers and the
 // nodes' room for stages of that size; the first whose every stage needs at most `gpu_memory`
 // bytes per GPU. With the memory unknown (0), the smallest sizes that divide the model.
-// FailedPrecondition, with the numbers of the largest plan tried, when nothing fits.
+// FailedPrecondition when nothing fits, with the numbers of the least needy plan the nodes have
+// room for, which `closest` (when given) receives.
 absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
                                                     std::optional<int64_t> tensor,
                                                     std::optional<int64_t> pipeline,
                                                     const std::vector<int64_t>& node_gpus,
-                                                    double gpu_memory, int64_t kv_tokens);
+                                                    double gpu_memory, int64_t kv_tokens,
+                                                    ParallelismChoice* closest = nullptr);
 
 // The plan of `spec` on `nodes`: the sizes it fixes or, for auto, the ones chosen on the nodes
 // placement could use (ready, selected, tolerated, with GPUs), the layer split and each stage's
-// need; `gpu_memory` is the least memory of those nodes (0: none says it). Errors name the field
+// need; `gpu_memory` is the least memory of those nodes (0: none says it). Where no auto sizes
+// fit, the least needy plan: placement then refuses it with its numbers. Errors name the field
 // ("spec.parallelism.tensor 3: num_attention_heads 64 is not divisible by tensor parallelism 3").
 struct SpecPlan {
   ParallelismChoice choice;

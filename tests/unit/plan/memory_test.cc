@@ -160,5 +160,43 @@ TEST(MemoryTest, AutoPicksTheSmallestTensorThenTheFewestStagesThatFit) {
                                     "[0-9] stages? \\(the closest .*\\); the nodes have 74.5 GiB"));
 }
 
+// Through the spec and the nodes, as the operator and `shardserve plan` use it: the sizes auto
+// chooses, and where nothing fits, the least needy plan, which placement refuses with numbers.
+TEST(MemoryTest, APlanThatCannotFitIsRefusedByPlacementWithItsNumbers) {
+  ShardedModelSpec spec;
+  spec.tensor_auto = spec.pipeline_auto = true;
+  std::vector<NodeInfo> nodes;
+  for (int i = 0; i < 2; ++i) {
+    NodeInfo n;
+    n.name = "n" + std::to_string(i);
+    n.gpus = 8;
+    n.gpu_memory = int64_t{81559} << 20;  // 80 GB
+    nodes.push_back(n);
+  }
+  auto fits = PlanSpec(Example("gpt-oss-120b"), spec, nodes);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(fits->choice.tensor, 2);
+  EXPECT_EQ(fits->gpu_memory, int64_t{81559} << 20);
+  auto placed = PlaceReplicas(MemoryAwareRequest(spec, *fits, {0}), nodes);
+  ASSERT_TRUE(placed.ok());
+  EXPECT_EQ(placed->placed.size(), 1u);
+
+  auto too_big = PlanSpec(Example("deepseek-v3"), spec, {nodes[0]});  // one node of 8 x 80 GB
+  ASSERT_TRUE(too_big.ok()) << too_big.status();
+  EXPECT_GT(too_big->choice.largest, 80e9);
+  auto refused = PlaceReplicas(MemoryAwareRequest(spec, *too_big, {0}), {nodes[0]});
+  ASSERT_TRUE(refused.ok());
+  ASSERT_EQ(refused->unplaced.size(), 1u);
+  EXPECT_THAT(
+      refused->unplaced[0],
+      testing::MatchesRegex(".*1 with too little GPU memory: stage [0-9]+ needs [0-9.]+ GiB "
+                            "per GPU at TP=[0-9]+ .*; they have 79.6 GiB\\)"));
+  // A fixed size that the model cannot divide is an error naming the field.
+  spec.tensor_auto = spec.pipeline_auto = false;
+  spec.tensor = 3;
+  EXPECT_THAT(Why(PlanSpec(Example("deepseek-v3"), spec, nodes).status()),
+              HasSubstr("spec.parallelism.tensor 3: num_attention_heads 128 is not divisible"));
+}
+
 }  // namespace
 }  // namespace shardserve
