@@ -97,10 +97,9 @@ struct ModelView {
   json resources = json::object();  // spec.worker.resources
   std::string revision;             // hash of everything in the spec that shapes a pod
   WorkerDefaults defaults;
-  // The model's shape and footprint (status.model) and the plan's layers of each stage, which
-  // every stage pod is given, and what each stage needs of a GPU's memory: the controller's, once
-  // the footprint is known.
-  std::optional<ModelShape> shape;
+  // The model's footprint, its shape with it (status.model), and the plan's layers of each stage,
+  // which every stage pod is given, and what each stage needs of a GPU's memory: the
+  // controller's, once the footprint is known.
   std::optional<ModelFootprint> footprint;
   std::vector<LayerRange> stage_layers;
   std::optional<SpecPlan> memory;

@@ -664,7 +664,6 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
         ReadShape(m.model.spec.model_uri, old_status, inspect_pod ? &*inspect_pod : nullptr);
     std::string unplannable;
     if (shape.state == ShapeView::State::kKnown) {
-      m.shape = shape.shape;
       m.footprint = shape.footprint;
       auto plan = PlanModel(m, old_status);
       if (plan.ok()) {

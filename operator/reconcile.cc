@@ -271,7 +271,6 @@ ShapeView ReadShape(const std::string& uri, const json& status, const PodView* p
     if (footprint.ok()) {  // a status without one (an earlier operator's) is read again
       out.state = ShapeView::State::kKnown;
       out.footprint = *footprint;
-      out.shape = footprint->shape;
       out.delete_pod = pod != nullptr;
       return out;
     }
@@ -295,7 +294,6 @@ ShapeView ReadShape(const std::string& uri, const json& status, const PodView* p
     if (footprint.ok()) {
       out.state = ShapeView::State::kKnown;
       out.footprint = *footprint;
-      out.shape = footprint->shape;
       out.delete_pod = true;
       return out;
     }

@@ -73,8 +73,7 @@ PodView ReadPod(const json& pod);
 struct ShapeView {
   enum class State { kKnown, kReading, kFailed };
   State state = State::kReading;
-  ModelShape shape;          // kKnown
-  ModelFootprint footprint;  // kKnown: what the memory plan weighs
+  ModelFootprint footprint;  // kKnown: what the memory plan weighs, with the model's shape
   std::string message;       // kReading: what it waits on; kFailed: why
   bool blocked = false;      // kReading: the inspect pod cannot start (its image, its volume)
   bool create_pod = false;   // no inspect pod reads this uri: create one

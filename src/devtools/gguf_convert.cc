@@ -347,8 +347,14 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     return absl::UnimplementedError(absl::StrCat(
         hf_dir, ": llama3 RoPE scaling is not converted (GGUF keeps it as a rope_freqs tensor)"));
   }
+  if (c.architecture == "Qwen3MoeForCausalLM") {
+    return absl::UnimplementedError(
+        absl::StrCat(hf_dir, ": Qwen3MoeForCausalLM is not converted to GGUF (qwen3moe) yet"));
+  }
   ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));
-  const std::string arch = c.model_type == "qwen2" ? "qwen2" : "llama";
+  // llama.cpp's architectures: Mistral and Mixtral are written as llama (with experts).
+  const std::string arch =
+      c.model_type == "qwen2" || c.model_type == "qwen3" ? c.model_type : "llama";
   const std::string p = arch + ".";
   GgufWriter w;
   w.Set("general.architecture", GgufWriter::String(arch));

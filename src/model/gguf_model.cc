@@ -37,6 +37,8 @@ const std::vector<GgufName> kGgufLayerNames = {
     {"ffn_up.weight", "mlp.up_proj.weight"},
     {"ffn_down.weight", "mlp.down_proj.weight"},
     {"ffn_gate_inp.weight", "block_sparse_moe.gate.weight"},
+    {"attn_q_norm.weight", "self_attn.q_norm.weight"},  // Qwen3: RMSNorm of each q / k head
+    {"attn_k_norm.weight", "self_attn.k_norm.weight"},
 };
 const std::vector<GgufName> kGgufExpertNames = {
     {"ffn_gate_exps.weight", "w1.weight"},
@@ -154,9 +156,10 @@ absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model
 
 absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   ASSIGN_OR_RETURN(const std::string arch, f.GetString("general.architecture"));
-  if (arch != "llama" && arch != "qwen2") {
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
     return absl::UnimplementedError(absl::StrCat(f.path(), ": general.architecture '", arch,
-                                                 "' is not one shardserve runs (llama, qwen2)"));
+                                                 "' is not one shardserve runs (llama, qwen2, "
+                                                 "qwen3)"));
   }
   const std::string p = arch + ".";
   auto has = [&](const std::string& key) { return f.metadata().count(key) > 0; };
@@ -241,7 +244,9 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
     j["num_local_experts"] = experts;
     ASSIGN_OR_RETURN(j["num_experts_per_tok"], f.GetUint(p + "expert_used_count"));
   } else {
-    j["architectures"] = {arch == "qwen2" ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+    j["architectures"] = {arch == "qwen2"   ? "Qwen2ForCausalLM"
+                          : arch == "qwen3" ? "Qwen3ForCausalLM"
+                                            : "LlamaForCausalLM"};
     j["model_type"] = arch;
   }
   if (arch == "llama") j["attention_bias"] = f.tensors().count("blk.0.attn_q.bias") > 0;
@@ -302,7 +307,9 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
       ASSIGN_OR_RETURN(TensorView v, view(t, full));
       const bool rotary = rest == "attn_q.weight" || rest == "attn_k.weight" ||
                           rest == "attn_q.bias" || rest == "attn_k.bias";
-      if (c.model_type != "qwen2" && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
+      // llama.cpp interleaves the rotary rows of Llama's (and Mixtral's) q and k, not Qwen's.
+      const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3";
+      if (!qwen && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
       out[full] = v;
     }
     for (const GgufName& n : kGgufExpertNames) {

@@ -113,7 +113,8 @@ absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
           CheckTensorParallel(f, std::max<int64_t>(1, max_gpus)).message()));
     }
   }
-  const int64_t last_pp = pipeline ? *pipeline : f.layers;
+  // As many stages as the layers, and no more than a fixed pipeline may have (the CRD's 64).
+  const int64_t last_pp = pipeline ? *pipeline : std::min<int64_t>(f.layers, 64);
   std::optional<ParallelismChoice> closest;  // of the plans that do not fit, the least needy
   for (int64_t pp = pipeline ? *pipeline : 1; pp <= last_pp; ++pp) {
     bool any = false;
@@ -126,7 +127,9 @@ absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
     }
     if (!any && !pipeline) break;  // more stages fit no better: no node room for them
   }
-  if (!closest) {
+  if (!closest) {  // no node has room for a stage: placement says so with its counts
+    ASSIGN_OR_RETURN(closest, PlanMemory(f, tensors.front(), pipeline ? *pipeline : 1, kv_tokens));
+    if (closest_out) *closest_out = *closest;
     return absl::FailedPreconditionError(
         absl::StrCat("the nodes have room for no stage of TP=", tensors.front()));
   }

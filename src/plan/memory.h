@@ -63,10 +63,11 @@ absl::StatusOr<ParallelismChoice> PlanMemory(const ModelFootprint& f, int64_t tp
 // Chooses the sizes left open (nullopt: "auto"). Candidates: the tensor-parallel sizes that divide
 // the model, up to the GPUs of the largest candidate node (`node_gpus`: each candidate node's
 // allocatable GPUs), smallest first, at each number of stages from 1 up to the layers and the
-// nodes' room for stages of that size; the first whose every stage needs at most `gpu_memory`
-// bytes per GPU. With the memory unknown (0), the smallest sizes that divide the model.
-// FailedPrecondition when nothing fits, with the numbers of the least needy plan the nodes have
-// room for, which `closest` (when given) receives.
+// nodes' room for stages of that size (64 at most); the first whose every stage needs at most
+// `gpu_memory` bytes per GPU. With the memory unknown (0), the smallest sizes that divide the
+// model. FailedPrecondition when nothing fits, with the numbers of the least needy plan the nodes
+// have room for, which `closest` (when given) receives (where they have room for none, the
+// smallest plan, which placement then refuses for want of GPUs).
 absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
                                                     std::optional<int64_t> tensor,
                                                     std::optional<int64_t> pipeline,

@@ -10,7 +10,7 @@ prometheus-operator's CRDs), a real Prometheus built with Kubernetes service dis
   - under a load, every panel query of every dashboard returns series with the labels its legend
     names;
   - kill -9 of a rank: ShardserveShardDown fires for that pod, and resolves once the replica is
-    recreated; a model too wide for any node: ShardservePlacementFailing fires for it. The rules'
+    recreated; a model the nodes cannot hold: ShardservePlacementFailing fires for it. The rules'
     `for:` durations are shortened to 2 s (a test cannot wait 2 to 10 minutes); their expressions
     are the chart's;
   - KEDA (operator and metrics adapter behind the APIService v1beta1.external.metrics.k8s.io) with
@@ -155,12 +155,14 @@ try:
           "and ShardserveShardDown resolves")
     figure("kill -9 of a rank -> ShardserveShardDown resolved", time.monotonic() - t0)
 
-    m.apply(manifest("too-wide", f"hostpath://{model_dir}", tp=8, pp=1, key_secret=False))
+    # TP=4 x PP=2 needs two nodes with 4 free GPUs; the serving model (TP=2 x PP=2) holds 2 on
+    # two of the three (a TP its 4 heads do not divide would be refused as invalid instead).
+    m.apply(manifest("too-wide", f"hostpath://{model_dir}", tp=4, pp=2, key_secret=False))
     t0 = time.monotonic()
     check(wait_until(lambda: any(a.get("model") == "too-wide" and a.get("namespace") == NS
                                  for a in prom.alerts("ShardservePlacementFailing", "firing")),
                      150),
-          f"ShardservePlacementFailing fires for a model no node can hold (TP=8, 4 GPUs a node): "
+          f"ShardservePlacementFailing fires for a model the nodes cannot hold (TP=4 x PP=2): "
           f"{prom.alerts('ShardservePlacementFailing', 'firing')}")
     figure("unplaceable model -> ShardservePlacementFailing firing", time.monotonic() - t0)
     c.kubectl("delete", "smodel", "too-wide", "--wait=true", "--timeout=60s")

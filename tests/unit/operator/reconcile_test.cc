@@ -367,7 +367,6 @@ TEST(BuildStatus, ShowsTheModelsShapeAndEachStagesLayers) {
   EXPECT_FALSE(s["plan"].contains("stageLayers")) << "not before the shape is known";
   EXPECT_FALSE(s.contains("model"));
   m.footprint = TinyLlama();
-  m.shape = m.footprint->shape;
   m.stage_layers = {{0, 12}, {12, 22}};
   s = BuildStatus(m, 1, d, {}, json::object(), kNow, events);
   EXPECT_EQ(s["plan"]["stageLayers"], json::array({"0-11", "12-21"}));
@@ -413,7 +412,7 @@ TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
   const json status = {{"model", ModelStatus(uri, footprint)}};
   ShapeView v = ReadShape(uri, status, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
-  EXPECT_EQ(v.shape, shape);
+  EXPECT_EQ(v.footprint.shape, shape);
   EXPECT_EQ(v.footprint.kinds, footprint.kinds);
   EXPECT_FALSE(v.create_pod || v.delete_pod);
   // Known, and an inspect pod left over: it goes.
@@ -442,7 +441,7 @@ TEST(ReadShape, FromTheInspectPodsReport) {
   const PodView done = InspectPod(uri, "Succeeded", report);
   v = ReadShape(uri, json::object(), &done);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
-  EXPECT_EQ(v.shape, footprint.shape);
+  EXPECT_EQ(v.footprint.shape, footprint.shape);
   EXPECT_EQ(v.footprint.params, footprint.params);
   EXPECT_TRUE(v.delete_pod);
 

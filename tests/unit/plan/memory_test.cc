@@ -3,8 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "common/text.h"
+#include "devtools/gguf_convert.h"
 #include "model/footprint.h"
+#include "model/test_models.h"
 
 namespace shardserve {
 namespace {
@@ -84,6 +88,22 @@ TEST(FootprintTest, ItsJsonRoundTripsAndIsBounded) {
               HasSubstr("not a JSON object"));
 }
 
+// A GGUF file: its shape from the metadata, its weights at the file's bytes per parameter.
+TEST(FootprintTest, AGgufFileWeighsWhatItHolds) {
+  testing::TempDir dir;
+  const std::string hf = testing::WriteModel(testing::SmallModel("llama", dir.Sub("hf")));
+  const std::string file = dir.Sub("m.gguf");
+  ASSERT_TRUE(ConvertToGguf(hf, file, DType::kQ8_0).ok());
+  auto want = LoadFootprint(hf);
+  auto got = LoadFootprint(file);
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+  EXPECT_EQ(got->params, want->params);
+  EXPECT_EQ(got->shape, want->shape);
+  EXPECT_THAT(got->weights, HasSubstr("GGUF, "));
+  EXPECT_NEAR(MemoryOfStage(*got, {0, got->layers}, 1, 0).weights,
+              static_cast<double>(std::filesystem::file_size(file)), 1.0);
+}
+
 TEST(FootprintTest, ConfigErrorsNameTheKey) {
   EXPECT_THAT(Why(FootprintFromConfig(R"({"architectures": ["FooForCausalLM"]})").status()),
               HasSubstr("'FooForCausalLM', which shardserve does not plan for"));
@@ -155,9 +175,10 @@ TEST(MemoryTest, AutoPicksTheSmallestTensorThenTheFewestStagesThatFit) {
   // Nothing fits: the closest plan's numbers.
   auto none =
       ChooseParallelism(Example("deepseek-v3"), std::nullopt, std::nullopt, {8}, 80e9, tokens);
-  EXPECT_THAT(Why(none.status()),
-              testing::MatchesRegex("stage [0-9] needs [0-9.]+ GiB per GPU at TP=[0-9] .* with "
-                                    "[0-9] stages? \\(the closest .*\\); the nodes have 74.5 GiB"));
+  EXPECT_THAT(
+      Why(none.status()),
+      ::testing::MatchesRegex("stage [0-9] needs [0-9.]+ GiB per GPU at TP=[0-9] .* with "
+                              "[0-9] stages? \\(the closest .*\\); the nodes have 74.5 GiB"));
 }
 
 // Through the spec and the nodes, as the operator and `shardserve plan` use it: the sizes auto
@@ -189,8 +210,18 @@ TEST(MemoryTest, APlanThatCannotFitIsRefusedByPlacementWithItsNumbers) {
   ASSERT_EQ(refused->unplaced.size(), 1u);
   EXPECT_THAT(
       refused->unplaced[0],
-      testing::MatchesRegex(".*1 with too little GPU memory: stage [0-9]+ needs [0-9.]+ GiB "
-                            "per GPU at TP=[0-9]+ .*; they have 79.6 GiB\\)"));
+      ::testing::MatchesRegex(".*1 with too little GPU memory: stage [0-9]+ needs [0-9.]+ GiB "
+                              "per GPU at TP=[0-9]+ .*; they have 79.6 GiB\\)"));
+  // A fixed tensor size wider than any node: the smallest plan, refused for want of GPUs.
+  spec.tensor_auto = false;
+  spec.tensor = 16;
+  auto wide = PlanSpec(Example("gpt-oss-120b"), spec, nodes);
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  EXPECT_EQ(wide->choice.tensor, 16);
+  EXPECT_EQ(wide->choice.pipeline, 1);
+  auto no_room = PlaceReplicas(MemoryAwareRequest(spec, *wide, {0}), nodes);
+  ASSERT_TRUE(no_room.ok());
+  EXPECT_THAT(no_room->unplaced[0], HasSubstr("needs 1 node with 16 free nvidia.com/gpu"));
   // A fixed size that the model cannot divide is an error naming the field.
   spec.tensor_auto = spec.pipeline_auto = false;
   spec.tensor = 3;
