@@ -40,6 +40,7 @@ BAD = [
     ("pipeline negative", manifest(parallelism__pipeline=-1), "spec.parallelism.pipeline"),
     ("tensor not a number", manifest(parallelism__tensor="two"), "spec.parallelism.tensor"),
     ("tensor over 64", manifest(parallelism__tensor=128), "spec.parallelism.tensor"),
+    ("GPU memory not a quantity", manifest(worker__gpuMemory="80GB"), "spec.worker.gpuMemory"),
     ("no model", manifest(model=None), "spec.model"),
     ("no model uri", manifest(model__uri=None), "spec.model.uri"),
     ("unknown uri scheme", manifest(model__uri="s3://bucket/llama"), "spec.model.uri"),
@@ -96,6 +97,8 @@ try:
           f"printer columns: {' '.join(header)}")
     row = rows.get("tiny-llama", [])
     check(row[1:3] == ["2", "2"], f"TP and PP columns show the parallelism ({' '.join(row)})")
+    row = rows.get("deepseek-v3", [])
+    check(row[1:3] == ["auto", "auto"], f"or auto, as the spec says it ({' '.join(row)})")
 
     # The status subresource: the operator's writes go there, and the main resource ignores
     # status; the scale subresource drives spec.replicas and reads status.selector.
