@@ -239,6 +239,14 @@ absl::StatusOr<Dims> DimsOf(const json& j, const Reader& r) {
     ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     ASSIGN_OR_RETURN(d.expert_intermediate,
                      r.Positive(mixtral ? "intermediate_size" : "moe_intermediate_size"));
+    if (qwen_moe) {  // dense layers among the sparse ones are not counted: refused, not guessed
+      ASSIGN_OR_RETURN(int64_t step, r.Int("decoder_sparse_step", 1));
+      if (step != 1) return r.Error("decoder_sparse_step", "other than 1 is not planned for");
+      if (r.Has("mlp_only_layers") &&
+          (!j["mlp_only_layers"].is_array() || !j["mlp_only_layers"].empty())) {
+        return r.Error("mlp_only_layers", "dense layers in a Qwen3-MoE model are not planned for");
+      }
+    }
   } else {
     ASSIGN_OR_RETURN(d.intermediate, r.Positive("intermediate_size"));
   }

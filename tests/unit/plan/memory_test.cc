@@ -113,6 +113,12 @@ TEST(FootprintTest, ConfigErrorsNameTheKey) {
                       .status()),
               HasSubstr("'gptq' is not one shardserve plans for"));
   EXPECT_THAT(Why(FootprintFromConfig("{").status()), HasSubstr("not valid JSON"));
+  std::string qwen = ReadFileToString(std::string(SHARDSERVE_SOURCE_DIR) +
+                                      "/examples/plan/qwen3-235b-a22b/config.json")
+                         .value();
+  qwen.replace(qwen.find("\"mlp_only_layers\": []"), 21, "\"mlp_only_layers\": [0]");
+  EXPECT_THAT(Why(FootprintFromConfig(qwen).status()),
+              HasSubstr("'mlp_only_layers' dense layers in a Qwen3-MoE model are not planned for"));
 }
 
 TEST(MemoryTest, AStageHoldsItsLayersShareAndTheEndsTheirs) {
