@@ -10,8 +10,8 @@
 # --profile also runs ncu over two decode steps of each bench model (batch 1 and 32 after a
 # 128-token prompt; TinyLlama also batch 16 after 2,048) and writes the per-kernel tables
 # (scripts/ncu_table.py) to OUT/profile.txt.
-# NVCC, NCCL_DIR (include/, lib/), BUILD_DIR (build-gpu) and BENCH_MODELS (where the benchmark's
-# models are generated, /tmp/shardserve-bench-models) override what is found.
+# NVCC, NCCL_DIR (include/, lib/), BUILD_DIR (build-gpu), BUILD_TYPE (Release) and BENCH_MODELS
+# (where the benchmark's models are generated, /tmp/shardserve-bench-models) override what is found.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu-check.sh OUT [--prefix DIR] [--no-bench] [--bench-models LIST] [--build-only [--targets LIST]]}"
@@ -82,8 +82,8 @@ note "toolkit: $("$NVCC" --version | tail -1); NCCL $NCCL_SO"
 export PKG_CONFIG_LIBDIR="$LIBS/pkgconfig:$PREFIX/usr/share/pkgconfig"
 export PKG_CONFIG_SYSROOT_DIR="$PREFIX"
 t0=$(date +%s)
-if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDSERVE_CUDA=ON \
-    -DCMAKE_PREFIX_PATH="$PREFIX/usr" -DCMAKE_CUDA_COMPILER="$NVCC" \
+if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" \
+    -DSHARDSERVE_CUDA=ON -DCMAKE_PREFIX_PATH="$PREFIX/usr" -DCMAKE_CUDA_COMPILER="$NVCC" \
     -DCUDAToolkit_ROOT="$CUDA_ROOT" -DNCCL_ROOT="$NCCL_ROOT" -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DSHARDSERVE_STYLE_CHECK=OFF -DCMAKE_CXX_FLAGS="-isystem $PREFIX/usr/include/x86_64-linux-gnu" \
     -DCMAKE_BUILD_RPATH="$LIBS;$(dirname "$NCCL_SO")" \

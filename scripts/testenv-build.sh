@@ -20,7 +20,8 @@ BIN="$CACHE/testenv/bin"
 COREDNS=github.com/coredns/coredns@v1.14.7
 PROMETHEUS=github.com/prometheus/prometheus@v0.316.0  # Prometheus 3.16.0
 KEDA=github.com/kedacore/keda/v2@v2.21.0
-stamp="$BIN/.stamp-$( (cat go.mod go.sum cmd/testenv/*.go "$SELF") | md5sum | cut -c1-12)"
+stamp="$BIN/.stamp-$( (cat go.mod go.sum cmd/testenv/*.go "$SELF" "$(dirname "$SELF")/testenv-trim.py") |
+  md5sum | cut -c1-12)"
 moddir() { (cd /tmp && go mod download -json "$1") | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p'; }
 mkdir -p "$BIN"
 exec 9>"$BIN/.lock"
@@ -38,16 +39,28 @@ if [ ! -f "$stamp" ]; then
     k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
     k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy \
     sigs.k8s.io/kwok/cmd/kwok ./cmd/testenv
-  GOBIN="$BIN" GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "$COREDNS"
+  # CoreDNS with the plugins of the test cluster's Corefile only (tests/k8s/testenv/cmd/testenv/
+  # nodes.go), and KEDA with the scalers of examples/keda-scaledobject.yaml only: each is built
+  # in a copy of its module, cut by scripts/testenv-trim.py (the others bring their own SDKs,
+  # about half of each build).
+  build_copy() {  # build_copy MODULE@VERSION DIR: a writable copy of the module's source in DIR
+    rm -rf "$2" && cp -r "$(moddir "$1")" "$2" && chmod -R u+w "$2"
+  }
+  src="$CACHE/testenv/coredns-src"
+  build_copy "$COREDNS" "$src"
+  python3 "$(dirname "$SELF")/testenv-trim.py" coredns "$src" bind,errors,kubernetes
+  (cd "$src" && GOFLAGS=-mod=mod go build -trimpath -ldflags "-s -w" -o "$BIN/coredns" .)
+  rm -rf "$src"
   # Only Kubernetes service discovery (the others pull modules the proxy does not serve).
   GOBIN="$BIN" GOFLAGS=-mod=mod go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
     -ldflags "-s -w -X github.com/prometheus/common/version.Version=3.16.0" \
     "${PROMETHEUS%@*}/cmd/prometheus@${PROMETHEUS#*@}" \
     "${PROMETHEUS%@*}/cmd/promtool@${PROMETHEUS#*@}"
-  # KEDA's go.mod has a replace directive, which `go install pkg@version` refuses: build in a
-  # copy of its module.
+  # (KEDA's go.mod also has a replace directive, which `go install pkg@version` refuses.)
   src="$CACHE/testenv/keda-src"
-  rm -rf "$src" && cp -r "$(moddir "$KEDA")" "$src" && chmod -R u+w "$src"
+  build_copy "$KEDA" "$src"
+  (cd "$src" && GOFLAGS=-mod=mod python3 "$(dirname "$SELF")/testenv-trim.py" keda . \
+    cpu,memory,prometheus)
   for cmd in operator:keda adapter:keda-adapter; do
     (cd "$src" && GOFLAGS=-mod=mod go build -trimpath -o "$BIN/${cmd#*:}" \
       -ldflags "-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA#*@}" "./cmd/${cmd%:*}")
