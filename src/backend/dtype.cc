@@ -1,5 +1,6 @@
 #include "backend/dtype.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,8 @@ const char* DTypeName(DType t) {
       return "Q6_KX";
     case DType::kQ4_1X:
       return "Q4_1X";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -40,8 +43,42 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "F32") return DType::kF32;
   if (name == "F16") return DType::kF16;
   if (name == "BF16") return DType::kBF16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unsupported dtype '", std::string(name), "' (supported: F32, F16, BF16)"));
+  if (name == "F8_E4M3") return DType::kF8E4M3;
+  return absl::InvalidArgumentError(absl::StrCat("unsupported dtype '", std::string(name),
+                                                 "' (supported: F32, F16, BF16, F8_E4M3)"));
+}
+
+float F8E4M3ToF32(uint8_t v) {
+  const int exponent = (v >> 3) & 0xF, mantissa = v & 0x7;
+  if (exponent == 0xF && mantissa == 0x7) return __builtin_nanf("");
+  // Subnormals (exponent 0): mantissa x 2^-9; normals: (8 + mantissa) x 2^(exponent - 10).
+  const float magnitude = exponent == 0
+                              ? std::ldexp(static_cast<float>(mantissa), -9)
+                              : std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  return (v & 0x80) ? -magnitude : magnitude;
+}
+
+uint8_t F32ToF8E4M3(float f) {
+  if (std::isnan(f)) return 0x7F;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  if (a >= 448.0f) return sign | 0x7E;
+  int e;
+  std::frexp(a, &e);  // a = m x 2^e, m in [0.5, 1): a's leading bit is 2^(e - 1)
+  // The spacing of E4M3 values around a: 2^(e - 4) for normals (3 mantissa bits), 2^-9 below 2^-6.
+  const int step = std::max(e - 4, -9);
+  const float units = std::nearbyint(std::ldexp(a, -step));  // ties to even (default rounding)
+  const float value = std::ldexp(units, step);
+  // Re-encode the rounded value (rounding may have carried into the next power of two).
+  if (value == 0.0f) return sign;
+  int e2;
+  std::frexp(value, &e2);
+  const int exponent = e2 - 1 + 7;  // biased
+  if (exponent <= 0) {              // subnormal: value = mantissa x 2^-9
+    return sign | static_cast<uint8_t>(std::ldexp(value, 9));
+  }
+  const int mantissa = static_cast<int>(std::ldexp(value, -(e2 - 1) + 3)) - 8;
+  return sign | static_cast<uint8_t>(exponent << 3 | mantissa);
 }
 
 uint16_t F32ToBf16(float f) {

@@ -15,6 +15,9 @@ namespace shardserve {
 // scales). kQ4_KX, kQ4_1X and kQ6_KX are no file's: Q4_K, Q4_1 and Q6_K as the CPU backend keeps
 // them, the quants of 8 blocks transposed for its decode kernel (backend/cpu/quant.h, RepackQ4K,
 // RepackQ4_1 and RepackQ6K; Q4_KX with its scales and minimums a byte each).
+// kF8E4M3 is the FP8 of fine-grained FP8 checkpoints (safetensors F8_E4M3: 1 sign, 4 exponent,
+// 3 mantissa bits, no infinities): stored with a scale per block in a tensor beside it, it reaches
+// no kernel; the model expands each rank's slice into the model's dtype at load (model/fp8.h).
 enum class DType {
   kF32,
   kF16,
@@ -27,7 +30,8 @@ enum class DType {
   kQ6_K,
   kQ4_KX,
   kQ4_1X,
-  kQ6_KX
+  kQ6_KX,
+  kF8E4M3
 };
 
 // Values per block (1 for the element types) and the bytes of one block.
@@ -36,6 +40,7 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kF32:
     case DType::kF16:
     case DType::kBF16:
+    case DType::kF8E4M3:
       return 1;
     case DType::kQ8_0:
     case DType::kQ4_0:
@@ -58,6 +63,8 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kF16:
     case DType::kBF16:
       return 2;
+    case DType::kF8E4M3:
+      return 1;
     case DType::kQ8_0:
       return 34;  // F16 scale, 32 x int8
     case DType::kQ4_0:
@@ -82,11 +89,11 @@ constexpr bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
 inline size_t DTypeBytes(DType t, int64_t n) {
   return static_cast<size_t>(n / DTypeBlock(t)) * DTypeBlockBytes(t);
 }
-// Bytes of one value of an element type (F32, F16, BF16).
-inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+// Bytes of one value of an element type (F32, F16, BF16, F8_E4M3).
+inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : t == DType::kF8E4M3 ? 1 : 2; }
 const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names),
-                                 // "Q4_KX", "Q4_1X", "Q6_KX"
-// A safetensors dtype (F32, F16, BF16).
+                                 // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3"
+// A safetensors dtype (F32, F16, BF16, F8_E4M3).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 
 // Scalar conversions (the kernels use vectorized versions of the same).
@@ -99,5 +106,9 @@ inline float Bf16ToF32(uint16_t v) {
 uint16_t F32ToBf16(float f);  // round to nearest even, NaN preserved
 float F16ToF32(uint16_t v);
 uint16_t F32ToF16(float f);
+// An E4M3 (FN) byte's value: NaN for 0x7F and 0xFF, exact otherwise (|v| <= 448).
+float F8E4M3ToF32(uint8_t v);
+// The nearest E4M3 value (ties to even), saturated to +-448; NaN to 0x7F.
+uint8_t F32ToF8E4M3(float f);
 
 }  // namespace shardserve

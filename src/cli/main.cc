@@ -48,12 +48,13 @@ constexpr char kGenModelUsage[] =
     "--arch llama|mistral|qwen2|qwen3|qwen3_moe|mixtral --out DIR [--layers N --hidden N\n"
     "--intermediate N --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
     "--no-norm-topk-prob\n"
-    "--dtype bf16|f16|f32 --seed N --tie-embeddings --attention-bias\n"
+    "--dtype bf16|f16|f32 --fp8-block N --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
     "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k]\n"
     "(a small random model with a trained tokenizer, for tests and demos; --format gguf: --out\n"
-    "names the .gguf file, weights stored as --gguf-type, default the --dtype)";
+    "names the .gguf file, weights stored as --gguf-type, default the --dtype; --fp8-block N: the\n"
+    "linear weights as a fine-grained FP8 checkpoint, E4M3 with a scale per N x N block)";
 constexpr char kGenerateUsage[] =
     "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
@@ -104,7 +105,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
                          "heads",     "kv-heads", "head-dim",   "vocab",         "experts",
                          "top-k",     "dtype",    "seed",       "rope-scaling",  "max-position",
                          "tokenizer", "corpus",   "shard-size", "chat-template", "format",
-                         "gguf-type"},
+                         "gguf-type", "fp8-block"},
                   {"tie-embeddings", "attention-bias", "no-norm-topk-prob"}, "shardserve gen-model",
                   kGenModelUsage));
   GenModelOptions o;
@@ -124,6 +125,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
   o.seed = static_cast<uint64_t>(seed);
   ASSIGN_OR_RETURN(o.shard_bytes, a.GetInt("shard-size", 0));
+  ASSIGN_OR_RETURN(o.fp8_block, a.GetInt("fp8-block", 0));
   const std::string dtype = a.GetOr("dtype", "bf16");
   if (dtype == "bf16") {
     o.dtype = DType::kBF16;

@@ -1,6 +1,8 @@
 #include "devtools/gen_model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -38,26 +40,72 @@ struct Init {
 
 struct Planned {
   TensorSpec spec;
-  Init init;
+  Init init{0.0f, 0.0f};
+  bool linear = false;  // a projection an FP8 checkpoint stores in FP8
+  int64_t block = 0;    // FP8: the block of the weight, or of the weight this scales
+  std::string weight;   // FP8 scales: the weight's name
+  std::vector<int64_t> weight_shape;
 };
 
-void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
-  uint64_t state = HashName(p.spec.name, seed);
-  const size_t n = bytes.size() / DTypeSize(p.spec.dtype);
-  for (size_t i = 0; i < n; ++i) {
+// The values of the tensor named `name` (n of them), deterministic in the name and the seed.
+std::vector<float> Values(const std::string& name, const Init& init, size_t n, uint64_t seed) {
+  uint64_t state = HashName(name, seed);
+  std::vector<float> v(n);
+  for (float& x : v) {
     const double u = static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-53;  // [0, 1)
-    const float v = p.init.center + p.init.scale * static_cast<float>(2 * u - 1);
+    x = init.center + init.scale * static_cast<float>(2 * u - 1);
+  }
+  return v;
+}
+
+// The FP8 scale of each block of a rows x cols matrix: its largest magnitude over E4M3's (448).
+std::vector<float> BlockScales(const std::vector<float>& v, int64_t rows, int64_t cols,
+                               int64_t block) {
+  const int64_t gr = (rows + block - 1) / block, gc = (cols + block - 1) / block;
+  std::vector<float> s(gr * gc, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float& m = s[(r / block) * gc + c / block];
+      m = std::max(m, std::fabs(v[r * cols + c]));
+    }
+  }
+  for (float& m : s) m = m > 0 ? m / 448.0f : 1.0f;
+  return s;
+}
+
+void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
+  if (p.block > 0 && p.spec.dtype == DType::kF32) {  // the scales of an FP8 weight
+    const std::vector<int64_t>& ws = p.weight_shape;
+    const std::vector<float> s =
+        BlockScales(Values(p.weight, p.init, ws[0] * ws[1], seed), ws[0], ws[1], p.block);
+    std::memcpy(bytes.data(), s.data(), 4 * s.size());
+    return;
+  }
+  const size_t n = bytes.size() / DTypeSize(p.spec.dtype);
+  const std::vector<float> v = Values(p.spec.name, p.init, n, seed);
+  if (p.spec.dtype == DType::kF8E4M3) {
+    const int64_t rows = p.spec.shape[0], cols = p.spec.shape[1];
+    const int64_t gc = (cols + p.block - 1) / p.block;
+    const std::vector<float> s = BlockScales(v, rows, cols, p.block);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        bytes[r * cols + c] = F32ToF8E4M3(v[r * cols + c] / s[(r / p.block) * gc + c / p.block]);
+      }
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
     switch (p.spec.dtype) {
       case DType::kF32:
-        std::memcpy(bytes.data() + 4 * i, &v, 4);
+        std::memcpy(bytes.data() + 4 * i, &v[i], 4);
         break;
       case DType::kF16: {
-        const uint16_t h = F32ToF16(v);
+        const uint16_t h = F32ToF16(v[i]);
         std::memcpy(bytes.data() + 2 * i, &h, 2);
         break;
       }
       case DType::kBF16: {
-        const uint16_t h = F32ToBf16(v);
+        const uint16_t h = F32ToBf16(v[i]);
         std::memcpy(bytes.data() + 2 * i, &h, 2);
         break;
       }
@@ -67,6 +115,31 @@ void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
   }
 }
 
+// An FP8 checkpoint of the plan: each projection in F8_E4M3, its F32 scales right after it.
+std::vector<Planned> AsFp8(std::vector<Planned> plain, int64_t block) {
+  std::vector<Planned> out;
+  for (Planned& p : plain) {
+    if (!p.linear) {
+      out.push_back(std::move(p));
+      continue;
+    }
+    const std::vector<int64_t> shape = p.spec.shape;
+    p.spec.dtype = DType::kF8E4M3;
+    p.block = block;
+    Planned scale;
+    scale.spec = {p.spec.name + "_scale_inv",
+                  DType::kF32,
+                  {(shape[0] + block - 1) / block, (shape[1] + block - 1) / block}};
+    scale.init = p.init;
+    scale.block = block;
+    scale.weight = p.spec.name;
+    scale.weight_shape = shape;
+    out.push_back(std::move(p));
+    out.push_back(std::move(scale));
+  }
+  return out;
+}
+
 std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   const float sqrt3 = std::sqrt(3.0f);
   auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
@@ -74,7 +147,14 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
                 kv = o.kv_heads * head_dim;
   std::vector<Planned> t;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, Init init) {
-    t.push_back({{name, o.dtype, std::move(shape)}, init});
+    // The projections: the 2-D weights of attention and the MLPs, not the router's.
+    const bool linear = shape.size() == 2 && (name.find("_proj.") != std::string::npos ||
+                                              name.find(".experts.") != std::string::npos);
+    Planned p;
+    p.spec = {name, o.dtype, std::move(shape)};
+    p.init = init;
+    p.linear = linear;
+    t.push_back(std::move(p));
   };
   const Init norm{1.0f, 0.1f}, bias{0.0f, 0.1f};
   add("model.embed_tokens.weight", {o.vocab, H}, uniform_std(1.0));
@@ -191,6 +271,10 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--top-k ", top_k, " must be between 1 and --experts ", experts));
   }
+  if (fp8_block < 0 || fp8_block > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fp8-block ", fp8_block, " is not a block size in [1, 4096] (or 0: none)"));
+  }
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "none") {
     return absl::InvalidArgumentError(
@@ -292,6 +376,12 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["sliding_window"] = nullptr;
     config["router_aux_loss_coef"] = 0.0;
   }
+  if (o.fp8_block > 0) {  // as Hugging Face's FineGrainedFP8Config writes it
+    config["quantization_config"] = {{"quant_method", "fp8"},
+                                     {"fmt", "e4m3"},
+                                     {"activation_scheme", "dynamic"},
+                                     {"weight_block_size", {o.fp8_block, o.fp8_block}}};
+  }
   if (o.rope_scaling == "llama3") {
     config["rope_scaling"] = {{"rope_type", "llama3"},
                               {"factor", 8.0},
@@ -305,7 +395,8 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   const json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};
   RETURN_IF_ERROR(WriteText(dir / "generation_config.json", gen_config.dump(2)));
 
-  const std::vector<Planned> planned = PlanTensors(o, head_dim);
+  const std::vector<Planned> planned =
+      o.fp8_block > 0 ? AsFp8(PlanTensors(o, head_dim), o.fp8_block) : PlanTensors(o, head_dim);
   // Group tensors into shards of about shard_bytes (one file when shard_bytes == 0).
   std::vector<std::vector<size_t>> shards(1);
   size_t current = 0, total = 0;

@@ -33,6 +33,10 @@ struct GenModelOptions {
   TokenizerStyle tokenizer = TokenizerStyle::kByteLevel;
   std::string corpus_file;  // train the tokenizer on this text instead of the built-in one
   int64_t shard_bytes = 0;  // > 0: split weights into files of about this size
+  // > 0: a fine-grained FP8 checkpoint (model/fp8.h): the attention and MLP projections (the
+  // experts' too) as F8_E4M3 with an F32 `_scale_inv` per fp8_block x fp8_block block, the rest
+  // in dtype, and quantization_config saying so.
+  int64_t fp8_block = 0;
   // The chat template written to tokenizer_config.json: llama3, chatml, llama2, mistral, none,
   // or auto (chatml for qwen2; llama2 / mistral for SentencePiece llama / others; llama3 for
   // byte-level llama; mistral for byte-level mistral and mixtral).

@@ -54,6 +54,8 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
     case DType::kQ4_1X:
     case DType::kQ6_KX:
       break;  // the CPU backend's own layout, no file's
+    case DType::kF8E4M3:
+      break;  // scaled by blocks, no GGUF type
   }
   return absl::InvalidArgumentError(absl::StrCat("no GGUF type for ", DTypeName(t)));
 }
@@ -350,6 +352,12 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
   if (c.architecture == "Qwen3MoeForCausalLM") {
     return absl::UnimplementedError(
         absl::StrCat(hf_dir, ": Qwen3MoeForCausalLM is not converted to GGUF (qwen3moe) yet"));
+  }
+  for (const auto& [name, t] : weights->tensors()) {
+    if (t.dtype == DType::kF8E4M3) {
+      return absl::UnimplementedError(absl::StrCat(
+          hf_dir, ": tensor '", name, "' is F8_E4M3: FP8 checkpoints are not converted to GGUF"));
+    }
   }
   ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));
   // llama.cpp's architectures: Mistral and Mixtral are written as llama (with experts).

@@ -56,6 +56,40 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
   return absl::OkStatus();
 }
 
+// The dtype FP8 weights expand into, and the FP8 checkpoint's scale blocks: quant_method fp8 is
+// the one format that loads (E4M3 weights, scales computed at load for the activations); the
+// others are refused by name.
+absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
+  std::string dtype = c.torch_dtype;
+  if (dtype.empty()) {  // transformers 5 names it dtype
+    ASSIGN_OR_RETURN(dtype, r.String("dtype", ""));
+  }
+  c.dtype = dtype == "float32" ? DType::kF32 : dtype == "float16" ? DType::kF16 : DType::kBF16;
+  if (!r.Has("quantization_config")) return absl::OkStatus();
+  const json& q = j["quantization_config"];
+  if (!q.is_object()) return r.Error("quantization_config", "must be an object");
+  const Reader qr(q, absl::StrCat(r.source(), " quantization_config"));
+  ASSIGN_OR_RETURN(const std::string method, qr.String("quant_method", ""));
+  if (method.empty()) return qr.Error("quant_method", "is required");
+  if (method != "fp8") {
+    return qr.Error(
+        "quant_method",
+        absl::StrCat("'", method, "' does not load in shardserve (fine-grained FP8, fp8, does)"));
+  }
+  ASSIGN_OR_RETURN(const std::string fmt, qr.String("fmt", "e4m3"));
+  if (fmt != "e4m3") return qr.Error("fmt", absl::StrCat("'", fmt, "' is not e4m3"));
+  ASSIGN_OR_RETURN(const std::string activations, qr.String("activation_scheme", "dynamic"));
+  if (activations != "dynamic") {
+    return qr.Error("activation_scheme", absl::StrCat("'", activations,
+                                                      "' is not dynamic (activations scaled at run "
+                                                      "time; static input scales do not load)"));
+  }
+  ASSIGN_OR_RETURN(const auto block, config_internal::WeightBlockSize(q, qr));
+  c.fp8 = true;
+  c.fp8_blocks = {block[0], block[1]};
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
@@ -100,6 +134,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   ASSIGN_OR_RETURN(c.rope_theta, r.Number("rope_theta", 10000.0, 1.0, kMaxRopeTheta));
   ASSIGN_OR_RETURN(c.tie_word_embeddings, r.Bool("tie_word_embeddings", false));
   ASSIGN_OR_RETURN(c.torch_dtype, r.String("torch_dtype", ""));
+  RETURN_IF_ERROR(ReadWeightFormat(j, r, c));
   if (c.hidden_size % c.num_heads != 0 && !r.Has("head_dim")) {
     return r.Error("hidden_size",
                    absl::StrCat(c.hidden_size, " is not divisible by ", "num_attention_heads ",

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "backend/dtype.h"
+#include "model/fp8.h"
 #include "plan/layer_split.h"
 
 namespace shardserve {
@@ -44,6 +46,11 @@ struct ModelConfig {
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
   std::string torch_dtype;  // informational
+  // The dtype FP8 weights expand into at load: torch_dtype's (BF16 where it names none).
+  DType dtype = DType::kBF16;
+  // A fine-grained FP8 checkpoint (quantization_config, model/fp8.h): its scales' block.
+  bool fp8 = false;
+  Fp8Blocks fp8_blocks;
 
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }

@@ -2,6 +2,7 @@
 // Reads the fields of a model's config.json with the bounds of what a model can be; every error
 // names the file and the key. Shared by the config a rank runs (config.cc) and the footprint a
 // plan weighs (footprint.cc).
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -74,11 +75,25 @@ class Reader {
     if (!j_[key].is_string()) return Error(key, "must be a string");
     return j_[key].get<std::string>();
   }
+  const std::string& source() const { return source_; }
 
  private:
   const json& j_;
   std::string source_;
 };
+
+// quantization_config.weight_block_size of a fine-grained FP8 checkpoint ([rows, columns] of the
+// blocks that share a scale; 128 x 128, Hugging Face's default, where it is absent).
+inline absl::StatusOr<std::array<int64_t, 2>> WeightBlockSize(const json& q, const Reader& qr) {
+  if (!qr.Has("weight_block_size")) return std::array<int64_t, 2>{128, 128};
+  const json& b = q["weight_block_size"];
+  if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+      b[0].get<int64_t>() < 1 || b[1].get<int64_t>() < 1 || b[0].get<int64_t>() > 65536 ||
+      b[1].get<int64_t>() > 65536) {
+    return qr.Error("weight_block_size", "must be two integers in [1, 65536]: [rows, columns]");
+  }
+  return std::array<int64_t, 2>{b[0].get<int64_t>(), b[1].get<int64_t>()};
+}
 
 }  // namespace config_internal
 }  // namespace shardserve

@@ -70,8 +70,8 @@ struct Format {
     switch (kind) {
       case Kind::kPlain:
         return Plain(rows * cols);
-      case Kind::kFp8Block:  // one F32 scale per block
-        return rows * cols + std::ceil(rows / block_rows) * std::ceil(cols / block_cols) * 4;
+      case Kind::kFp8Block:  // expanded into the model's dtype at load (model/fp8.h)
+        return Plain(rows * cols);
       case Kind::kFp8Row:  // one F32 scale per output row
         return rows * cols + rows * 4;
       case Kind::kMxfp4:  // experts only: 4-bit values and an 8-bit scale per 32
@@ -86,13 +86,15 @@ struct Format {
       case Kind::kPlain:
         return dtype;
       case Kind::kFp8Block:
-        return absl::StrCat("FP8 E4M3 linear weights with an F32 scale per ", block_rows, "x",
-                            block_cols, " block, ", dtype, " embeddings, norms and routers", kept);
+        return absl::StrCat("FP8 E4M3 linear weights (a scale per ", block_rows, "x", block_cols,
+                            " block), held as ", dtype,
+                            ": expanded at load, no backend computes in FP8 yet");
       case Kind::kFp8Row:
         return absl::StrCat("FP8 E4M3 linear weights with an F32 scale per row, ", dtype,
-                            " embeddings, norms and routers", kept);
+                            " embeddings, norms and routers", kept, " (does not load yet)");
       case Kind::kMxfp4:
-        return absl::StrCat("MXFP4 experts (4.25 bits a weight), ", dtype, " elsewhere", kept);
+        return absl::StrCat("MXFP4 experts (4.25 bits a weight), ", dtype, " elsewhere", kept,
+                            " (does not load yet)");
     }
     return dtype;
   }
@@ -125,16 +127,9 @@ absl::StatusOr<Format> FormatOf(const json& j, const Reader& r) {
     f.kind = Format::Kind::kFp8Block;
     ASSIGN_OR_RETURN(std::string fmt, qr.String("fmt", "e4m3"));
     if (fmt != "e4m3") return qr.Error("fmt", absl::StrCat("'", fmt, "' is not e4m3"));
-    if (qr.Has("weight_block_size")) {
-      const json& b = q["weight_block_size"];
-      if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() ||
-          !b[1].is_number_integer() || b[0].get<int64_t>() < 1 || b[1].get<int64_t>() < 1 ||
-          b[0].get<int64_t>() > 65536 || b[1].get<int64_t>() > 65536) {
-        return qr.Error("weight_block_size", "must be two positive integers [rows, columns]");
-      }
-      f.block_rows = b[0].get<int64_t>();
-      f.block_cols = b[1].get<int64_t>();
-    }
+    ASSIGN_OR_RETURN(const auto block, config_internal::WeightBlockSize(q, qr));
+    f.block_rows = block[0];
+    f.block_cols = block[1];
   } else if (method == "fbgemm_fp8") {
     f.kind = Format::Kind::kFp8Row;
   } else if (method == "mxfp4") {

@@ -160,6 +160,32 @@ void WeightStore::DropResidentPages() const {
 
 SafetensorsFile::~SafetensorsFile() = default;
 
+absl::Status WeightStore::PairFp8Scales() {
+  for (auto& [name, t] : tensors_) {
+    if (t.dtype != DType::kF8E4M3) continue;
+    const std::string scale_name = name + "_scale_inv";
+    const auto s = tensors_.find(scale_name);
+    if (t.shape.size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(t.file, ": tensor '", name, "' is F8_E4M3 with shape ", t.ShapeString(),
+                       "; FP8 weights are matrices (two dimensions)"));
+    }
+    if (s == tensors_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor '", name,
+                                                     "' is F8_E4M3 but its scales, '", scale_name,
+                                                     "', are not in the model"));
+    }
+    if ((s->second.dtype != DType::kF32 && s->second.dtype != DType::kBF16) ||
+        s->second.shape.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          s->second.file, ": tensor '", scale_name, "' is ", DTypeName(s->second.dtype), " ",
+          s->second.ShapeString(), "; FP8 scales are an F32 or BF16 matrix of blocks"));
+    }
+    t.scale = &s->second;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir) {
   namespace fs = std::filesystem;
   auto store = std::make_unique<WeightStore>();
@@ -220,6 +246,7 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
                                             ": no model.safetensors or "
                                             "model.safetensors.index.json"));
   }
+  RETURN_IF_ERROR(store->PairFp8Scales());
   return store;
 }
 

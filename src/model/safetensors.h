@@ -25,6 +25,9 @@ struct TensorView {
   const void* data = nullptr;
   size_t nbytes = 0;
   uint64_t file_offset = 0;  // where data starts in the file (for reading slices with pread)
+  // F8_E4M3 weights: `<name>_scale_inv`, their scale per block (model/fp8.h), which WeightStore
+  // pairs them with (a pointer into its map).
+  const TensorView* scale = nullptr;
 
   int64_t numel() const;
   std::string ShapeString() const;  // "[512,256]"
@@ -52,7 +55,9 @@ class SafetensorsFile {
 };
 
 // All weights of a model directory: model.safetensors, or the shards listed by
-// model.safetensors.index.json (every listed tensor must be in the file the index names).
+// model.safetensors.index.json (every listed tensor must be in the file the index names). Each
+// F8_E4M3 matrix is paired with its `<name>_scale_inv` (F32 or BF16, two dimensions), or the
+// directory is refused naming the one missing.
 class WeightStore {
  public:
   // The weights of a model directory's safetensors files, or of the GGUF file the path names.
@@ -68,6 +73,7 @@ class WeightStore {
   void DropResidentPages() const;
 
  private:
+  absl::Status PairFp8Scales();
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::unique_ptr<GgufFile> gguf_;                 // or a GGUF file (model/gguf_model.h)
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // its tensors rearranged in memory

@@ -14,6 +14,7 @@
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
 #include "common/status.h"
+#include "model/fp8.h"
 #include "model/rope.h"
 #include "model/vocab_parallel.h"
 
@@ -104,8 +105,33 @@ absl::Status Transformer::CheckSplit() const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t r0, int64_t r1,
+                                                   int64_t c0, int64_t c1) {
+  if (!config_.fp8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name,
+                     "' is F8_E4M3 but config.json has no quantization_config of an FP8 "
+                     "checkpoint (quant_method fp8)"));
+  }
+  const DType to = config_.dtype;
+  const int64_t rows = r1 - r0, width = c1 - c0;
+  auto buf = std::unique_ptr<uint8_t[]>(
+      new (std::nothrow) uint8_t[std::max<size_t>(rows * width * DTypeSize(to), 1)]);
+  if (buf == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ",
+                                                     rows * width * DTypeSize(to),
+                                                     " bytes to expand '", t.name, "' from FP8"));
+  }
+  RETURN_IF_ERROR(ExpandFp8(t, config_.fp8_blocks, r0, r1, c0, c1, to, buf.get()));
+  shard_bytes_ += rows * width * DTypeSize(to);
+  stage_bytes_ += t.nbytes;
+  owned_.push_back(std::move(buf));
+  return backend_->Upload(WeightMatrix{to, owned_.back().get(), rows, width, width});
+}
+
 absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
   const int64_t cols = t.shape[1];
+  if (t.dtype == DType::kF8E4M3) return Expanded(t, begin, end, 0, cols);
   const size_t row = DTypeBytes(t.dtype, cols);
   shard_bytes_ += (end - begin) * row;
   stage_bytes_ += t.nbytes;
@@ -115,6 +141,7 @@ absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begi
 
 absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin, int64_t end) {
   const int64_t rows = t.shape[0], cols = t.shape[1], width = end - begin;
+  if (t.dtype == DType::kF8E4M3) return Expanded(t, 0, rows, begin, end);
   const int64_t block = DTypeBlock(t.dtype);
   if (begin % block != 0 || width % block != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -148,6 +175,10 @@ absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begi
 
 absl::StatusOr<const float*> Transformer::VectorSlice(const TensorView& t, int64_t begin,
                                                       int64_t end) {
+  if (t.dtype == DType::kF8E4M3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name, "' is F8_E4M3; FP8 checkpoints keep vectors unquantized"));
+  }
   std::vector<float> v(end - begin);
   cpu::ToFloat(t.dtype, static_cast<const uint8_t*>(t.data) + DTypeBytes(t.dtype, begin),
                end - begin, v.data());

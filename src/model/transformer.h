@@ -62,7 +62,7 @@ class Transformer {
     int64_t layer_end = -1;  // -1: through the last layer
     // Told the share of the stage's weights bound so far, in [0, 1]: at the start, after the
     // embeddings and head, and after each layer (a start-up watchdog reads it).
-    std::function<void(double)> progress;
+    std::function<void(double)> progress = nullptr;
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
@@ -177,6 +177,10 @@ class Transformer {
   absl::StatusOr<WeightMatrix> Cols(const TensorView& t, int64_t begin, int64_t end);
   // Elements [begin, end) of a vector, as F32 in the backend (null when t is absent).
   absl::StatusOr<const float*> VectorSlice(const TensorView& t, int64_t begin, int64_t end);
+  // Rows [r0, r1) x columns [c0, c1) of an FP8 weight (model/fp8.h), expanded into the model's
+  // dtype in host memory (kept while the backend uses it).
+  absl::StatusOr<WeightMatrix> Expanded(const TensorView& t, int64_t r0, int64_t r1, int64_t c0,
+                                        int64_t c1);
   absl::StatusOr<ExpertTable> TableOf(const std::vector<const WeightMatrix*>& mats);
   absl::Status AllReduce(float* data, size_t count);
   absl::Status Gemm(const WeightMatrix& w, const Buffer& x, int64_t M, Buffer& y);

@@ -37,6 +37,12 @@ def gpus():
 
 with tempfile.TemporaryDirectory() as tmp:
     models = small_models(BIN, tmp, "f32")
+    # A fine-grained FP8 checkpoint: each rank expands its slice at load, then the GPU runs F32.
+    models["llama-fp8"] = os.path.join(tmp, "llama-fp8")
+    subprocess.run([BIN, "gen-model", "--arch", "llama", "--out", models["llama-fp8"],
+                    "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                    "--intermediate", "96", "--vocab", "401", "--dtype", "f32", "--fp8-block", "32"],
+                   check=True, capture_output=True)
 
     probe = generate(models["llama"], [], "cuda")
     if probe.returncode != 0 and ("no GPU is visible" in probe.stderr
@@ -48,7 +54,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
     cases = [("greedy", []), ("sampled", ["--temperature", "0.8", "--top-p", "0.9",
                                           "--seed", "5"])]
-    for arch in ["llama", "mixtral"]:
+    for arch in ["llama", "mixtral", "llama-fp8"]:
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):

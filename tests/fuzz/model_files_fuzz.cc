@@ -1,7 +1,8 @@
 // The model loaders against mutated model files (ctest fuzz.model_files): a deterministic mutator
 // (fixed seed) corrupts one file of a small generated model at a time — the GGUF file (its
 // header, metadata and tensor table mostly), the safetensors header, config.json and
-// tokenizer.json (bytes, and JSON values swapped for hostile ones) — and runs what a worker runs on
+// tokenizer.json (bytes, and JSON values swapped for hostile ones), and an FP8 checkpoint's
+// safetensors file (anywhere) and config.json — and runs what a worker runs on
 // a model directory: LoadModelConfig, Tokenizer::Load, Transformer::Load. Each must return a
 // status; an exception that escapes, an abort or a crash ends this process and fails the tier, and
 // ctest's timeout catches a hang. Prints how many files each loader refused and loaded.
@@ -229,19 +230,26 @@ int Run(int iterations, uint64_t seed) {
     std::fprintf(stderr, "gguf: %s\n", std::string(s.message()).c_str());
     return 1;
   }
-  std::string weights;  // the safetensors file's name
-  for (const auto& e : fs::directory_iterator(tmp.Sub("hf"))) {
-    if (e.path().extension() == ".safetensors") weights = e.path().filename().string();
+  // And as a fine-grained FP8 checkpoint (E4M3 weights, F32 block scales beside them).
+  GenModelOptions g8 = g;
+  g8.out_dir = tmp.Sub("fp8");
+  g8.fp8_block = 32;
+  if (absl::Status s = GenerateModel(g8); !s.ok()) {
+    std::fprintf(stderr, "gen-model --fp8-block: %s\n", std::string(s.message()).c_str());
+    return 1;
   }
   struct Target {
     std::string name, dir, file;
-    enum { kBinary, kSafetensors, kJson } kind;
+    enum { kBinary, kSafetensors, kWhole, kJson } kind;
   };
   const std::vector<Target> targets = {
       {"GGUF", tmp.Sub("gguf"), "model.gguf", Target::kBinary},
-      {"safetensors", tmp.Sub("hf"), weights, Target::kSafetensors},
+      {"safetensors", tmp.Sub("hf"), "model.safetensors", Target::kSafetensors},
       {"config.json", tmp.Sub("hf"), "config.json", Target::kJson},
       {"tokenizer.json", tmp.Sub("hf"), "tokenizer.json", Target::kJson},
+      // Its header and its bytes (NaN codes, scales that are not finite) alike.
+      {"FP8 safetensors", tmp.Sub("fp8"), "model.safetensors", Target::kWhole},
+      {"FP8 config.json", tmp.Sub("fp8"), "config.json", Target::kJson},
   };
   Mutator m(seed);
   int total = 0;
@@ -256,10 +264,11 @@ int Run(int iterations, uint64_t seed) {
     }
     Tally tally;
     for (int i = 0; i < iterations; ++i) {
-      const std::string mutated = t.kind == Target::kJson ? m.Json(original)
-                                  : t.kind == Target::kSafetensors
-                                      ? m.Bytes(original, SafetensorsHeader(original))
-                                      : m.Bytes(original, std::min<size_t>(original.size(), 32768));
+      const std::string mutated =
+          t.kind == Target::kJson          ? m.Json(original)
+          : t.kind == Target::kSafetensors ? m.Bytes(original, SafetensorsHeader(original))
+          : t.kind == Target::kWhole       ? m.Bytes(original, original.size())
+                                     : m.Bytes(original, std::min<size_t>(original.size(), 32768));
       WriteFile(path, mutated);
       LoadAll(t.dir, tally);
     }

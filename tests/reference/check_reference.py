@@ -3,6 +3,8 @@
 model: greedy tokens must be identical and log-probabilities (chosen token and top 5) must agree.
 
 Tolerances:
+  * FP8 checkpoints: transformers dequantizes at load into the model's dtype, as shardserve
+    does (the same bits), then runs in float32 like the others: 1e-4.
   * transformers in float32 (bf16/f16 weights are upcast exactly, which is how shardserve's
     kernels compute: file dtype weights, F32 math): |dlogprob| <= 1e-4 for every dtype.
   * transformers in the file's native dtype (bf16/f16 activations too): the logprob it gives
@@ -41,6 +43,14 @@ CASES = {
     "qwen3_moe_nonorm_bf16": ["--arch", "qwen3_moe", "--dtype", "bf16", "--heads", "8",
                               "--kv-heads", "4", "--experts", "4", "--top-k", "3",
                               "--intermediate", "64", "--no-norm-topk-prob"],
+    # Fine-grained FP8 checkpoints (E4M3, an F32 scale per 16x16 block; transformers needs the
+    # block to divide every dimension): expanded at load into the model's dtype, as transformers'
+    # dequantization does.
+    "qwen3_fp8_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4",
+                      "--fp8-block", "16"],
+    "qwen3_moe_fp8_bf16": ["--arch", "qwen3_moe", "--dtype", "bf16", "--heads", "8",
+                           "--kv-heads", "4", "--experts", "8", "--top-k", "2",
+                           "--intermediate", "64", "--fp8-block", "16"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
                      "--kv-heads", "2"],
@@ -49,7 +59,9 @@ CASES = {
 LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "qwen3_bias_bf16": [(1, 1), (2, 2)],
            "qwen3_moe_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
-           "qwen3_moe_nonorm_bf16": [(1, 1), (2, 2)]}
+           "qwen3_moe_nonorm_bf16": [(1, 1), (2, 2)],
+           "qwen3_fp8_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "qwen3_moe_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]}
 BASE = ["--layers", "3", "--hidden", "96", "--heads", "6", "--intermediate", "160", "--vocab",
         "600", "--seed", "7", "--max-position", "512"]
 TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nnew line",
@@ -145,8 +157,12 @@ def main():
         model_dir = os.path.join(tmp, args.case)
         run([args.shardserve, "gen-model", "--out", model_dir] + BASE + CASES[args.case])
         check_tokenizer(args.shardserve, model_dir)
-        ref32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         native_dtype = {"bf16": torch.bfloat16, "f16": torch.float16}.get(args.case[-4:].strip("_"))
+        # An FP8 checkpoint's weights become the model's dtype (rounded once from the F32
+        # product, in transformers and in shardserve alike), then compute in F32.
+        ref32 = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=native_dtype if "fp8" in args.case and native_dtype else
+            torch.float32).float().eval()
         native = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=native_dtype).eval()
                   if native_dtype else None)
         worst = 0.0

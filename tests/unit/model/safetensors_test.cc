@@ -122,8 +122,9 @@ TEST(SafetensorsTest, EachCorruptionGetsItsOwnError) {
               HasSubstr("tensor 'w': data_offsets [0,16] run past the end of the data (12 bytes"));
   json dtype = good;
   dtype["w"]["dtype"] = "I64";
-  EXPECT_THAT(OpenError(dir, File(dtype, 16)),
-              HasSubstr("tensor 'w': unsupported dtype 'I64' (supported: F32, F16, BF16)"));
+  EXPECT_THAT(
+      OpenError(dir, File(dtype, 16)),
+      HasSubstr("tensor 'w': unsupported dtype 'I64' (supported: F32, F16, BF16, F8_E4M3)"));
   json shape = good;
   shape["w"]["shape"] = {3, 2};
   EXPECT_THAT(OpenError(dir, File(shape, 16)),

@@ -163,11 +163,15 @@ Greedy RunGreedy(ShardedModel& m, std::vector<int32_t> prompt, int steps) {
 
 class ShardedTest : public ::testing::TestWithParam<std::string> {
  protected:
+  // "ARCH" or "ARCH fp8": an FP8 checkpoint whose 24x24 blocks the ranks' slices cut through
+  // (rows and columns split in 32s and 16s), each rank expanding its part.
   std::string Write() {
-    auto o = testing::SmallModel(GetParam(), dir_.Sub("m"));
+    const std::string param = GetParam();
+    auto o = testing::SmallModel(param.substr(0, param.find(' ')), dir_.Sub("m"));
     o.layers = 3;   // not divisible by 2 stages
     o.vocab = 401;  // not divisible by 2 or 4 ranks
     o.dtype = DType::kBF16;
+    if (param.ends_with(" fp8")) o.fp8_block = 24;
     return testing::WriteModel(o);
   }
   testing::TempDir dir_;
@@ -212,7 +216,9 @@ TEST_P(ShardedTest, EachRankHoldsItsShareOfTheWeights) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, ShardedTest, ::testing::Values("llama", "mixtral", "qwen2"));
+INSTANTIATE_TEST_SUITE_P(Archs, ShardedTest,
+                         ::testing::Values("llama", "mixtral", "qwen2", "llama fp8",
+                                           "qwen3_moe fp8"));
 
 TEST(ShardedShapeTest, BadShapesNameTheNumbers) {
   testing::TempDir dir;

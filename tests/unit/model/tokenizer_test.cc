@@ -306,7 +306,9 @@ TEST(ChatTemplateTest, RenderMarksTheMessagesText) {
     for (size_t i = 0; i < 4; ++i) {
       const TextRange& c = r->content[i];
       EXPECT_EQ(r->text.substr(c.begin, c.end - c.begin), messages[i].content) << family;
-      if (i > 0) EXPECT_LE(r->content[i - 1].end, c.begin) << family;
+      if (i > 0) {
+        EXPECT_LE(r->content[i - 1].end, c.begin) << family;
+      }
     }
   }
 }

@@ -1,0 +1,222 @@
+// Fine-grained FP8 checkpoints: E4M3 values, the expansion of a rank's slice with its block
+// scales, and what a directory or config gets when it is wrong.
+#include "model/fp8.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "model/generator.h"
+#include "model/test_models.h"
+#include "model/transformer.h"
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+TEST(Fp8Test, EveryE4M3ValueEncodesBackToItsByte) {
+  int finite = 0;
+  for (int c = 0; c < 256; ++c) {
+    const float v = F8E4M3ToF32(static_cast<uint8_t>(c));
+    if (std::isnan(v)) {
+      EXPECT_TRUE(c == 0x7F || c == 0xFF) << c;
+      continue;
+    }
+    ++finite;
+    EXPECT_EQ(F32ToF8E4M3(v), c) << v;
+  }
+  EXPECT_EQ(finite, 254);
+  EXPECT_EQ(F8E4M3ToF32(0x38), 1.0f);
+  EXPECT_EQ(F8E4M3ToF32(0x7E), 448.0f);
+  EXPECT_EQ(F8E4M3ToF32(0x01), std::ldexp(1.0f, -9));  // the least subnormal
+  EXPECT_EQ(F8E4M3ToF32(0x08), std::ldexp(1.0f, -6));  // the least normal
+  EXPECT_EQ(F8E4M3ToF32(0xB8), -1.0f);
+}
+
+TEST(Fp8Test, EncodingRoundsToNearestEvenAndSaturates) {
+  EXPECT_EQ(F32ToF8E4M3(1.0625f), 0x38);  // halfway between 1 and 1.125: to the even 1
+  EXPECT_EQ(F32ToF8E4M3(1.1875f), 0x3A);  // halfway between 1.125 and 1.25: to the even 1.25
+  EXPECT_EQ(F32ToF8E4M3(1.07f), 0x39);
+  EXPECT_EQ(F32ToF8E4M3(15.5f), 0x58);  // halfway between 15 (0x57) and 16: to the even 16
+  EXPECT_EQ(F32ToF8E4M3(std::ldexp(1.0f, -10)), 0x00);  // half the least subnormal: to 0
+  EXPECT_EQ(F32ToF8E4M3(std::ldexp(3.0f, -10)), 0x02);  // 1.5 subnormal units: to 2
+  EXPECT_EQ(F32ToF8E4M3(1e6f), 0x7E);
+  EXPECT_EQ(F32ToF8E4M3(-1e6f), 0xFE);
+  EXPECT_EQ(F32ToF8E4M3(std::nanf("")), 0x7F);
+}
+
+// A 5 x 7 FP8 weight in blocks of 4 x 4 (a 2 x 2 grid of scales, the last blocks partial).
+struct Weight {
+  std::vector<uint8_t> q;
+  std::vector<float> scales{0.5f, 2.0f, -0.25f, 3.0f};
+  TensorView w, s;
+  Weight() {
+    for (int i = 0; i < 35; ++i) q.push_back(static_cast<uint8_t>((i * 37 + 11) % 0x7E));
+    s = {"w.weight_scale_inv", "f", DType::kF32, {2, 2}, scales.data(), 16};
+    w = {"w.weight", "f", DType::kF8E4M3, {5, 7}, q.data(), 35};
+    w.scale = &s;
+  }
+  float Value(int r, int c) const {
+    return F8E4M3ToF32(q[r * 7 + c]) * scales[(r / 4) * 2 + c / 4];
+  }
+};
+
+TEST(Fp8Test, ASliceExpandsWithItsBlocksScales) {
+  Weight m;
+  std::vector<float> f32(4 * 5);
+  ASSERT_TRUE(
+      ExpandFp8(m.w, {4, 4}, 1, 5, 2, 7, DType::kF32, reinterpret_cast<uint8_t*>(f32.data())).ok());
+  std::vector<uint16_t> bf16(4 * 5);
+  ASSERT_TRUE(
+      ExpandFp8(m.w, {4, 4}, 1, 5, 2, 7, DType::kBF16, reinterpret_cast<uint8_t*>(bf16.data()))
+          .ok());
+  for (int r = 1; r < 5; ++r) {
+    for (int c = 2; c < 7; ++c) {
+      const int i = (r - 1) * 5 + (c - 2);
+      EXPECT_EQ(f32[i], m.Value(r, c)) << r << "," << c;
+      EXPECT_EQ(bf16[i], F32ToBf16(m.Value(r, c))) << r << "," << c;  // rounded once
+    }
+  }
+}
+
+TEST(Fp8Test, BadScalesAndNaNsAreNamed) {
+  Weight m;
+  uint8_t out[35 * 4];
+  absl::Status grid = ExpandFp8(m.w, {2, 4}, 0, 5, 0, 7, DType::kF32, out);
+  EXPECT_THAT(grid.message(), HasSubstr("tensor 'w.weight_scale_inv' has shape [2,2]; the [5,7] "
+                                        "weight in blocks of 2x4 (quantization_config."
+                                        "weight_block_size) needs [3,2]"));
+  m.q[2 * 7 + 3] = 0xFF;
+  absl::Status nan = ExpandFp8(m.w, {4, 4}, 0, 5, 0, 7, DType::kF32, out);
+  EXPECT_EQ(nan.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(nan.message(), HasSubstr("tensor 'w.weight' holds a NaN (E4M3 0xff) at row 2, "
+                                       "column 3"));
+  // Rows past the NaN expand: only what a rank reads is checked.
+  EXPECT_TRUE(ExpandFp8(m.w, {4, 4}, 3, 5, 0, 7, DType::kF32, out).ok());
+  m.scales[3] = INFINITY;
+  EXPECT_THAT(ExpandFp8(m.w, {4, 4}, 4, 5, 0, 7, DType::kF32, out).message(),
+              HasSubstr("tensor 'w.weight_scale_inv' holds a scale that is not finite"));
+}
+
+class Fp8ModelTest : public ::testing::Test {
+ protected:
+  std::string Write() {
+    auto o = testing::SmallModel("llama", dir_.Sub("m"));
+    o.fp8_block = 32;
+    return testing::WriteModel(o);
+  }
+  void EditConfig(const std::function<void(json&)>& edit) {
+    const std::string path = dir_.Sub("m/config.json");
+    json c = json::parse(testing::ReadFile(path));
+    edit(c);
+    testing::WriteFile(path, c.dump());
+  }
+  std::string LoadError() {
+    auto m = Transformer::Load(dir_.Sub("m"), {});
+    EXPECT_FALSE(m.ok());
+    return m.ok() ? "" : std::string(m.status().message());
+  }
+  testing::TempDir dir_;
+};
+
+// The same model in FP8 and expanded by hand into F32 safetensors gives the same tokens.
+TEST_F(Fp8ModelTest, LoadsAsTheModelItsExpansionIs) {
+  Write();
+  auto fp8 = Transformer::Load(dir_.Sub("m"), {});
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  auto store = WeightStore::Open(dir_.Sub("m"));
+  ASSERT_TRUE(store.ok());
+  std::vector<TensorSpec> specs;
+  std::vector<std::vector<uint8_t>> data;
+  for (const auto& [name, t] : (*store)->tensors()) {
+    if (name.ends_with("_scale_inv")) continue;
+    std::vector<uint8_t> bytes(t.numel() * 4);
+    if (t.dtype == DType::kF8E4M3) {
+      ASSERT_TRUE(
+          ExpandFp8(t, {32, 32}, 0, t.shape[0], 0, t.shape[1], DType::kF32, bytes.data()).ok());
+    } else {
+      ASSERT_EQ(t.dtype, DType::kF32);
+      std::memcpy(bytes.data(), t.data, bytes.size());
+    }
+    specs.push_back({name, DType::kF32, t.shape});
+    data.push_back(std::move(bytes));
+  }
+  std::filesystem::create_directories(dir_.Sub("plain"));
+  for (const char* f : {"config.json", "tokenizer.json", "tokenizer_config.json"}) {
+    std::filesystem::copy_file(dir_.Sub(std::string("m/") + f),
+                               dir_.Sub(std::string("plain/") + f));
+  }
+  ASSERT_TRUE(WriteSafetensors(dir_.Sub("plain/model.safetensors"), specs,
+                               [&](size_t i, std::vector<uint8_t>& b) { b = data[i]; })
+                  .ok());
+  json c = json::parse(testing::ReadFile(dir_.Sub("plain/config.json")));
+  c.erase("quantization_config");
+  testing::WriteFile(dir_.Sub("plain/config.json"), c.dump());
+  auto plain = Transformer::Load(dir_.Sub("plain"), {});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  GenerationRequest req;
+  req.prompt_ids = {1, 17, 42, 300, 7};
+  req.params.max_tokens = 5;
+  req.params.ignore_eos = true;
+  auto a = Generate(**fp8, {req}), b = Generate(**plain, {req});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*a)[0].tokens, (*b)[0].tokens);
+  EXPECT_EQ((*a)[0].logprobs, (*b)[0].logprobs);
+}
+
+TEST_F(Fp8ModelTest, WhatIsMissingOrNotLoadedIsNamed) {
+  Write();
+  EditConfig([](json& c) { c["quantization_config"]["quant_method"] = "gptq"; });
+  EXPECT_THAT(LoadError(), HasSubstr("quantization_config: 'quant_method' 'gptq' does not load in "
+                                     "shardserve (fine-grained FP8, fp8, does)"));
+  EditConfig([](json& c) {
+    c["quantization_config"]["quant_method"] = "fp8";
+    c["quantization_config"]["activation_scheme"] = "static";
+  });
+  EXPECT_THAT(LoadError(), HasSubstr("'activation_scheme' 'static' is not dynamic"));
+  EditConfig([](json& c) {
+    c["quantization_config"]["activation_scheme"] = "dynamic";
+    c["quantization_config"]["weight_block_size"] = {128};
+  });
+  EXPECT_THAT(LoadError(), HasSubstr("'weight_block_size' must be two integers"));
+  EditConfig([](json& c) { c["quantization_config"]["weight_block_size"] = {16, 16}; });
+  EXPECT_THAT(LoadError(), HasSubstr("tensor 'model.layers.0.self_attn.q_proj.weight_scale_inv' "
+                                     "has shape [2,2]; the [64,64] weight in blocks of 16x16 "
+                                     "(quantization_config.weight_block_size) needs [4,4]"));
+  EditConfig([](json& c) { c.erase("quantization_config"); });
+  EXPECT_THAT(LoadError(), HasSubstr("is F8_E4M3 but config.json has no quantization_config"));
+}
+
+TEST_F(Fp8ModelTest, AWeightWithoutItsScalesIsRefused) {
+  Write();
+  auto store = WeightStore::Open(dir_.Sub("m"));
+  ASSERT_TRUE(store.ok());
+  std::vector<TensorSpec> specs;
+  std::vector<const TensorView*> views;
+  for (const auto& [name, t] : (*store)->tensors()) {
+    if (name == "model.layers.1.self_attn.k_proj.weight_scale_inv") continue;
+    specs.push_back({name, t.dtype, t.shape});
+    views.push_back(&t);
+  }
+  const std::string path = dir_.Sub("m/model.safetensors.new");
+  ASSERT_TRUE(WriteSafetensors(path, specs, [&](size_t i, std::vector<uint8_t>& b) {
+                const auto* p = static_cast<const uint8_t*>(views[i]->data);
+                b.assign(p, p + views[i]->nbytes);
+              }).ok());
+  store->reset();
+  std::filesystem::rename(path, dir_.Sub("m/model.safetensors"));
+  EXPECT_THAT(LoadError(), HasSubstr("tensor 'model.layers.1.self_attn.k_proj.weight' is F8_E4M3 "
+                                     "but its scales, 'model.layers.1.self_attn.k_proj.weight_"
+                                     "scale_inv', are not in the model"));
+}
+
+}  // namespace
+}  // namespace shardserve
