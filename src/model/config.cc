@@ -60,11 +60,7 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
 // the one format that loads (E4M3 weights, scales computed at load for the activations); the
 // others are refused by name.
 absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
-  std::string dtype = c.torch_dtype;
-  if (dtype.empty()) {  // transformers 5 names it dtype
-    ASSIGN_OR_RETURN(dtype, r.String("dtype", ""));
-  }
-  c.dtype = dtype == "float32" ? DType::kF32 : dtype == "float16" ? DType::kF16 : DType::kBF16;
+  ASSIGN_OR_RETURN(c.dtype, config_internal::TorchDtype(r));
   if (!r.Has("quantization_config")) return absl::OkStatus();
   const json& q = j["quantization_config"];
   if (!q.is_object()) return r.Error("quantization_config", "must be an object");

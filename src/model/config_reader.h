@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "backend/dtype.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -81,6 +82,18 @@ class Reader {
   const json& j_;
   std::string source_;
 };
+
+// The model's dtype: torch_dtype (transformers 5: dtype), bfloat16 where it names none.
+inline absl::StatusOr<DType> TorchDtype(const Reader& r) {
+  ASSIGN_OR_RETURN(std::string dtype, r.String("torch_dtype", ""));
+  if (dtype.empty()) {
+    ASSIGN_OR_RETURN(dtype, r.String("dtype", "bfloat16"));
+  }
+  if (dtype == "bfloat16") return DType::kBF16;
+  if (dtype == "float16") return DType::kF16;
+  if (dtype == "float32") return DType::kF32;
+  return r.Error("torch_dtype", absl::StrCat("'", dtype, "' is not bfloat16, float16 or float32"));
+}
 
 // quantization_config.weight_block_size of a fine-grained FP8 checkpoint ([rows, columns] of the
 // blocks that share a scale; 128 x 128, Hugging Face's default, where it is absent).

@@ -102,22 +102,9 @@ struct Format {
 
 absl::StatusOr<Format> FormatOf(const json& j, const Reader& r) {
   Format f;
-  std::string dtype;
-  ASSIGN_OR_RETURN(dtype, r.String("torch_dtype", ""));
-  if (dtype.empty()) {  // transformers 5 names it dtype
-    ASSIGN_OR_RETURN(dtype, r.String("dtype", "bfloat16"));
-  }
-  if (dtype == "bfloat16") {
-    f.dtype = "BF16";
-  } else if (dtype == "float16") {
-    f.dtype = "F16";
-  } else if (dtype == "float32") {
-    f.dtype = "F32";
-    f.dtype_bytes = 4;
-  } else {
-    return r.Error("torch_dtype",
-                   absl::StrCat("'", dtype, "' is not bfloat16, float16 or float32"));
-  }
+  ASSIGN_OR_RETURN(const DType dtype, config_internal::TorchDtype(r));
+  f.dtype = DTypeName(dtype);
+  f.dtype_bytes = static_cast<double>(DTypeSize(dtype));
   if (!r.Has("quantization_config")) return f;
   const json& q = j["quantization_config"];
   if (!q.is_object()) return r.Error("quantization_config", "must be an object");

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -161,6 +162,16 @@ void WeightStore::DropResidentPages() const {
 SafetensorsFile::~SafetensorsFile() = default;
 
 absl::Status WeightStore::PairFp8Scales() {
+  constexpr std::string_view kScale = "_scale_inv";
+  for (const auto& [name, s] : tensors_) {
+    if (!name.ends_with(kScale)) continue;
+    const auto w = tensors_.find(name.substr(0, name.size() - kScale.size()));
+    if (w != tensors_.end() && w->second.dtype != DType::kF8E4M3) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.file, ": tensor '", name, "' scales '", w->first, "', which is ",
+                       DTypeName(w->second.dtype), ", not F8_E4M3: only FP8 weights have scales"));
+    }
+  }
   for (auto& [name, t] : tensors_) {
     if (t.dtype != DType::kF8E4M3) continue;
     const std::string scale_name = name + "_scale_inv";

@@ -57,7 +57,7 @@ class SafetensorsFile {
 // All weights of a model directory: model.safetensors, or the shards listed by
 // model.safetensors.index.json (every listed tensor must be in the file the index names). Each
 // F8_E4M3 matrix is paired with its `<name>_scale_inv` (F32 or BF16, two dimensions), or the
-// directory is refused naming the one missing.
+// directory is refused naming the one missing; scales beside a weight that is not FP8 are refused.
 class WeightStore {
  public:
   // The weights of a model directory's safetensors files, or of the GGUF file the path names.

@@ -191,31 +191,54 @@ TEST_F(Fp8ModelTest, WhatIsMissingOrNotLoadedIsNamed) {
   EXPECT_THAT(LoadError(), HasSubstr("tensor 'model.layers.0.self_attn.q_proj.weight_scale_inv' "
                                      "has shape [2,2]; the [64,64] weight in blocks of 16x16 "
                                      "(quantization_config.weight_block_size) needs [4,4]"));
-  EditConfig([](json& c) { c.erase("quantization_config"); });
+  EditConfig([](json& c) {
+    c["quantization_config"]["weight_block_size"] = {32, 32};
+    c["torch_dtype"] = "float64";
+  });
+  EXPECT_THAT(LoadError(),
+              HasSubstr("'torch_dtype' 'float64' is not bfloat16, float16 or float32"));
+  EditConfig([](json& c) {
+    c.erase("quantization_config");
+    c["torch_dtype"] = "float32";
+  });
   EXPECT_THAT(LoadError(), HasSubstr("is F8_E4M3 but config.json has no quantization_config"));
 }
 
 TEST_F(Fp8ModelTest, AWeightWithoutItsScalesIsRefused) {
   Write();
-  auto store = WeightStore::Open(dir_.Sub("m"));
-  ASSERT_TRUE(store.ok());
-  std::vector<TensorSpec> specs;
-  std::vector<const TensorView*> views;
-  for (const auto& [name, t] : (*store)->tensors()) {
-    if (name == "model.layers.1.self_attn.k_proj.weight_scale_inv") continue;
-    specs.push_back({name, t.dtype, t.shape});
-    views.push_back(&t);
-  }
-  const std::string path = dir_.Sub("m/model.safetensors.new");
-  ASSERT_TRUE(WriteSafetensors(path, specs, [&](size_t i, std::vector<uint8_t>& b) {
-                const auto* p = static_cast<const uint8_t*>(views[i]->data);
-                b.assign(p, p + views[i]->nbytes);
-              }).ok());
-  store->reset();
-  std::filesystem::rename(path, dir_.Sub("m/model.safetensors"));
+  testing::RemoveTensor(dir_.Sub("m/model.safetensors"),
+                        "model.layers.1.self_attn.k_proj.weight_scale_inv");
   EXPECT_THAT(LoadError(), HasSubstr("tensor 'model.layers.1.self_attn.k_proj.weight' is F8_E4M3 "
                                      "but its scales, 'model.layers.1.self_attn.k_proj.weight_"
                                      "scale_inv', are not in the model"));
+}
+
+// Scales beside a weight that is not FP8 would be ignored: refused instead.
+TEST_F(Fp8ModelTest, ScalesOfAWeightThatIsNotFp8AreRefused) {
+  auto o = testing::SmallModel("llama", dir_.Sub("m"));
+  testing::WriteModel(o);
+  o.out_dir = dir_.Sub("q");
+  o.fp8_block = 32;
+  testing::WriteModel(o);
+  // The plain model's file, plus one FP8 model's scales.
+  std::vector<TensorSpec> specs;
+  std::vector<std::vector<uint8_t>> data;
+  for (const char* d : {"m", "q"}) {
+    auto f = SafetensorsFile::Open(dir_.Sub(std::string(d) + "/model.safetensors"));
+    ASSERT_TRUE(f.ok());
+    for (const auto& [name, t] : (*f)->tensors()) {
+      if ((d[0] == 'q') != (name == "model.layers.0.mlp.up_proj.weight_scale_inv")) continue;
+      specs.push_back({name, t.dtype, t.shape});
+      const auto* p = static_cast<const uint8_t*>(t.data);
+      data.emplace_back(p, p + t.nbytes);
+    }
+  }
+  ASSERT_TRUE(WriteSafetensors(dir_.Sub("m/model.safetensors"), specs,
+                               [&](size_t i, std::vector<uint8_t>& b) { b = data[i]; })
+                  .ok());
+  EXPECT_THAT(LoadError(), HasSubstr("tensor 'model.layers.0.mlp.up_proj.weight_scale_inv' scales "
+                                     "'model.layers.0.mlp.up_proj.weight', which is F32, not "
+                                     "F8_E4M3"));
 }
 
 }  // namespace

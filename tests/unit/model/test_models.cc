@@ -6,6 +6,10 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "model/safetensors.h"
 
 namespace shardserve::testing {
 
@@ -36,6 +40,26 @@ std::string WriteModel(const GenModelOptions& options) {
   absl::Status s = GenerateModel(options);
   EXPECT_TRUE(s.ok()) << s;
   return options.out_dir;
+}
+
+void RemoveTensor(const std::string& path, const std::string& name) {
+  std::vector<TensorSpec> specs;
+  std::vector<std::vector<uint8_t>> data;
+  {
+    auto f = SafetensorsFile::Open(path);
+    ASSERT_TRUE(f.ok()) << f.status();
+    for (const auto& [n, t] : (*f)->tensors()) {
+      if (n == name) continue;
+      specs.push_back({n, t.dtype, t.shape});
+      const auto* p = static_cast<const uint8_t*>(t.data);
+      data.emplace_back(p, p + t.nbytes);
+    }
+  }
+  const std::string rewritten = absl::StrCat(path, ".new");
+  ASSERT_TRUE(WriteSafetensors(rewritten, specs, [&](size_t i, std::vector<uint8_t>& b) {
+                b = data[i];
+              }).ok());
+  std::filesystem::rename(rewritten, path);
 }
 
 std::string ReadFile(const std::string& path) {

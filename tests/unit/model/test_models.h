@@ -24,6 +24,9 @@ GenModelOptions SmallModel(const std::string& arch, const std::string& out_dir);
 // Writes a small model and fails the test on error.
 std::string WriteModel(const GenModelOptions& options);
 
+// Rewrites the safetensors file at `path` without the tensor `name` (fails the test on error).
+void RemoveTensor(const std::string& path, const std::string& name);
+
 std::string ReadFile(const std::string& path);
 void WriteFile(const std::string& path, const std::string& data);
 
