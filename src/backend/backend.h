@@ -158,6 +158,35 @@ class Backend {
                                  const int32_t* positions, const int32_t* blocks,
                                  const int32_t* block_offset, int64_t max_len, float scale,
                                  float* out) = 0;
+  // --- Multi-head latent attention (DeepSeek-V3's MLA; model/transformer.cc)
+  // Per-head products: for each of `rows` rows and each head h < heads,
+  // y[r * ldy + h * y_head + n] = sum_k w[h * N + n][k] * x[r * ldx + h * x_head + k] for
+  // n < N = w.rows / heads, k < w.cols: head h's matrix is rows [h * N, (h + 1) * N) of w (F32,
+  // F16 or BF16).
+  virtual absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
+                                int64_t x_head, int64_t rows, float* y, int64_t ldy,
+                                int64_t y_head) = 0;
+  // A latent KV cache: per layer [blocks][block_size][latent_dim + rope_dim] floats, one vector a
+  // position that every head reads (the compressed latent, then the rotated key dims).
+  virtual absl::StatusOr<std::unique_ptr<KvStorage>> AllocLatentKv(int64_t layers, int64_t blocks,
+                                                                   int64_t block_size,
+                                                                   int64_t latent_dim,
+                                                                   int64_t rope_dim) = 0;
+  // Writes each row's latent (latent_dim floats of `latent`) and rotated key (rope_dim floats of
+  // `rope`) into layer `layer` of a latent cache at its position, as WriteKv places them.
+  virtual absl::Status WriteLatentKv(const KvStorage& kv, int64_t layer, const float* latent,
+                                     const float* rope, int64_t rows, const int32_t* positions,
+                                     const int32_t* blocks, const int32_t* block_offset) = 0;
+  // Causal attention of every row's `heads` heads over positions [0, positions[r]] of a latent
+  // cache: head h scores position p as scale * (q_latent[r][h] . latent_p + q_rope[r][h] .
+  // rope_p) (q_latent rows x heads x latent_dim, q_rope rows x heads x rope_dim) and writes the
+  // softmax-weighted sum of the latents (rows x heads x latent_dim floats).
+  virtual absl::Status LatentAttention(const KvStorage& kv, int64_t layer, const float* q_latent,
+                                       const float* q_rope, int64_t rows, int64_t heads,
+                                       const int32_t* positions, const int32_t* blocks,
+                                       const int32_t* block_offset, int64_t max_len, float scale,
+                                       float* out) = 0;
+
   // out[i] = x[rows[i]] (dim floats each) for i < n; y[rows[i]] += weight[i] * x[i].
   virtual absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n,
                                   float* out) = 0;
@@ -171,6 +200,14 @@ class Backend {
   // experts[rows * k], weights[rows * k].
   virtual absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k,
                                  bool normalize, int32_t* experts, float* weights) = 0;
+  // DeepSeek-V3's routing, per row of rows x E router logits: scores s = sigmoid(logit), chosen
+  // by s + bias (bias: E floats) among the experts of the topk_groups best of `groups` equal
+  // groups (a group scored by the sum of its two best; groups == 1: every expert), the k best
+  // (ties to the lower id, groups too); each weighted by its s, divided by the k's sum when
+  // `normalize`, times `scaling`. experts[rows * k], weights[rows * k].
+  virtual absl::Status RouteGrouped(const float* logits, const float* bias, int64_t rows, int64_t E,
+                                    int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                                    float scaling, int32_t* experts, float* weights) = 0;
   // Whether ExpertMatVec is the better way to run a batch of at most one (row, expert) slot per
   // local expert (the GPU's decode path: no host round trip). Otherwise the routes come to the
   // host and each local expert runs its rows as one Gemm.

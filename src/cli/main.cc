@@ -45,11 +45,13 @@ namespace shardserve {
 namespace {
 
 constexpr char kGenModelUsage[] =
-    "--arch llama|mistral|qwen2|qwen3|qwen3_moe|mixtral --out DIR [--layers N --hidden N\n"
+    "--arch llama|mistral|qwen2|qwen3|qwen3_moe|mixtral|deepseek_v3 --out DIR [--layers N\n"
+    "--hidden N "
     "--intermediate N --heads N --kv-heads N --head-dim N --vocab N --experts N --top-k N\n"
-    "--no-norm-topk-prob\n"
+    "--no-norm-topk-prob --q-lora N --kv-lora N --rope-dim N --nope-dim N --v-dim N --groups N\n"
+    "--topk-groups N --shared-experts N --first-dense N --moe-intermediate N (deepseek_v3)\n"
     "--dtype bf16|f16|f32 --fp8-block N --seed N --tie-embeddings --attention-bias\n"
-    "--rope-scaling llama3|linear --max-position N --tokenizer bytelevel|sentencepiece\n"
+    "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
     "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k]\n"
     "(a small random model with a trained tokenizer, for tests and demos; --format gguf: --out\n"
@@ -99,15 +101,24 @@ absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const 
 }
 
 absl::Status GenModel(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(
-      Args a,
-      Args::Parse(argv, {"arch",      "out",      "layers",     "hidden",        "intermediate",
-                         "heads",     "kv-heads", "head-dim",   "vocab",         "experts",
-                         "top-k",     "dtype",    "seed",       "rope-scaling",  "max-position",
-                         "tokenizer", "corpus",   "shard-size", "chat-template", "format",
-                         "gguf-type", "fp8-block"},
-                  {"tie-embeddings", "attention-bias", "no-norm-topk-prob"}, "shardserve gen-model",
-                  kGenModelUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"arch",          "out",
+                                              "layers",        "hidden",
+                                              "intermediate",  "heads",
+                                              "kv-heads",      "head-dim",
+                                              "vocab",         "experts",
+                                              "top-k",         "dtype",
+                                              "seed",          "rope-scaling",
+                                              "max-position",  "tokenizer",
+                                              "corpus",        "shard-size",
+                                              "chat-template", "format",
+                                              "gguf-type",     "fp8-block",
+                                              "q-lora",        "kv-lora",
+                                              "rope-dim",      "nope-dim",
+                                              "v-dim",         "groups",
+                                              "topk-groups",   "shared-experts",
+                                              "first-dense",   "moe-intermediate"},
+                                       {"tie-embeddings", "attention-bias", "no-norm-topk-prob"},
+                                       "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
   ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));
@@ -121,6 +132,18 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(o.experts, a.GetInt("experts", o.experts));
   ASSIGN_OR_RETURN(o.top_k, a.GetInt("top-k", o.top_k));
   o.norm_topk_prob = !a.Has("no-norm-topk-prob");
+  for (auto [flag, field] : {std::pair{"q-lora", &o.q_lora_rank},
+                             {"kv-lora", &o.kv_lora_rank},
+                             {"rope-dim", &o.rope_dim},
+                             {"nope-dim", &o.nope_dim},
+                             {"v-dim", &o.v_dim},
+                             {"groups", &o.groups},
+                             {"topk-groups", &o.topk_groups},
+                             {"shared-experts", &o.shared_experts},
+                             {"first-dense", &o.first_dense},
+                             {"moe-intermediate", &o.moe_intermediate}}) {
+    ASSIGN_OR_RETURN(*field, a.GetInt(flag, *field));
+  }
   ASSIGN_OR_RETURN(o.max_position, a.GetInt("max-position", o.max_position));
   ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
   o.seed = static_cast<uint64_t>(seed);

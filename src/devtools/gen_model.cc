@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -140,18 +141,68 @@ std::vector<Planned> AsFp8(std::vector<Planned> plain, int64_t block) {
   return out;
 }
 
+using AddTensor = std::function<void(const std::string&, std::vector<int64_t>, Init)>;
+
+// One DeepSeek-V3 layer (transformers' names): multi-head latent attention, then a dense MLP
+// (the first first_dense layers) or the routed experts with their score-correction bias (kept in
+// F32, as transformers keeps it) and the shared experts.
+void PlanDeepseekLayer(const GenModelOptions& o, const std::string& p, int64_t l,
+                       const AddTensor& add) {
+  const float sqrt3 = std::sqrt(3.0f);
+  auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
+  const Init norm{1.0f, 0.1f};
+  const int64_t H = o.hidden, Q = o.q_lora_rank, L = o.kv_lora_rank, R = o.rope_dim,
+                qhd = o.nope_dim + R, nh = o.heads, I = o.moe_intermediate;
+  const std::string a = p + "self_attn.";
+  add(p + "input_layernorm.weight", {H}, norm);
+  if (Q > 0) {
+    add(a + "q_a_proj.weight", {Q, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(a + "q_a_layernorm.weight", {Q}, norm);
+    add(a + "q_b_proj.weight", {nh * qhd, Q}, uniform_std(1.0 / std::sqrt(Q)));
+  } else {
+    add(a + "q_proj.weight", {nh * qhd, H}, uniform_std(1.0 / std::sqrt(H)));
+  }
+  add(a + "kv_a_proj_with_mqa.weight", {L + R, H}, uniform_std(1.0 / std::sqrt(H)));
+  add(a + "kv_a_layernorm.weight", {L}, norm);
+  add(a + "kv_b_proj.weight", {nh * (o.nope_dim + o.v_dim), L}, uniform_std(1.0 / std::sqrt(L)));
+  add(a + "o_proj.weight", {H, nh * o.v_dim}, uniform_std(0.5 / std::sqrt(nh * o.v_dim)));
+  add(p + "post_attention_layernorm.weight", {H}, norm);
+  const std::string m = p + "mlp.";
+  if (l < o.first_dense) {
+    add(m + "gate_proj.weight", {o.intermediate, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(m + "up_proj.weight", {o.intermediate, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(m + "down_proj.weight", {H, o.intermediate}, uniform_std(0.5 / std::sqrt(o.intermediate)));
+    return;
+  }
+  add(m + "gate.weight", {o.experts, H}, uniform_std(2.0 / std::sqrt(H)));
+  add(m + "gate.e_score_correction_bias", {o.experts}, Init{0.0f, 0.1f});
+  for (int64_t e = 0; e < o.experts; ++e) {
+    const std::string ep = absl::StrCat(m, "experts.", e, ".");
+    add(ep + "gate_proj.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(ep + "up_proj.weight", {I, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(ep + "down_proj.weight", {H, I}, uniform_std(0.5 / std::sqrt(I)));
+  }
+  if (o.shared_experts > 0) {
+    const int64_t S = o.shared_experts * I;
+    add(m + "shared_experts.gate_proj.weight", {S, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(m + "shared_experts.up_proj.weight", {S, H}, uniform_std(1.0 / std::sqrt(H)));
+    add(m + "shared_experts.down_proj.weight", {H, S}, uniform_std(0.5 / std::sqrt(S)));
+  }
+}
+
 std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   const float sqrt3 = std::sqrt(3.0f);
   auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
   const int64_t H = o.hidden, I = o.intermediate, q = o.heads * head_dim,
                 kv = o.kv_heads * head_dim;
   std::vector<Planned> t;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, Init init) {
+  AddTensor add = [&](const std::string& name, std::vector<int64_t> shape, Init init) {
     // The projections: the 2-D weights of attention and the MLPs, not the router's.
-    const bool linear = shape.size() == 2 && (name.find("_proj.") != std::string::npos ||
+    const bool linear = shape.size() == 2 && (name.find("_proj") != std::string::npos ||
                                               name.find(".experts.") != std::string::npos);
+    const bool f32 = name.find("e_score_correction_bias") != std::string::npos;
     Planned p;
-    p.spec = {name, o.dtype, std::move(shape)};
+    p.spec = {name, f32 ? DType::kF32 : o.dtype, std::move(shape)};
     p.init = init;
     p.linear = linear;
     t.push_back(std::move(p));
@@ -160,6 +211,10 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   add("model.embed_tokens.weight", {o.vocab, H}, uniform_std(1.0));
   for (int64_t l = 0; l < o.layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
+    if (o.arch == "deepseek_v3") {
+      PlanDeepseekLayer(o, p, l, add);
+      continue;
+    }
     add(p + "input_layernorm.weight", {H}, norm);
     add(p + "self_attn.q_proj.weight", {q, H}, uniform_std(1.0 / std::sqrt(H)));
     add(p + "self_attn.k_proj.weight", {kv, H}, uniform_std(1.0 / std::sqrt(H)));
@@ -227,7 +282,9 @@ constexpr char kMistralTemplate[] =
 
 std::string ChatTemplateFor(const GenModelOptions& o) {
   if (o.chat_template != "auto") return o.chat_template;
-  if (o.arch == "qwen2" || o.arch == "qwen3" || o.arch == "qwen3_moe") return "chatml";
+  if (o.arch == "qwen2" || o.arch == "qwen3" || o.arch == "qwen3_moe" || o.arch == "deepseek_v3") {
+    return "chatml";
+  }
   if (o.tokenizer == TokenizerStyle::kSentencePiece)
     return o.arch == "llama" ? "llama2" : "mistral";
   return o.arch == "llama" ? "llama3" : "mistral";
@@ -245,9 +302,33 @@ absl::Status WriteText(const std::filesystem::path& path, const std::string& tex
 
 absl::Status GenModelOptions::Validate() const {
   if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "qwen3" &&
-      arch != "qwen3_moe" && arch != "mixtral") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--arch '", arch, "' is not one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"));
+      arch != "qwen3_moe" && arch != "mixtral" && arch != "deepseek_v3") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--arch '", arch,
+                     "' is not one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, "
+                     "deepseek_v3"));
+  }
+  if (arch == "deepseek_v3") {
+    for (auto [name, v] : {std::pair{"kv-lora", kv_lora_rank},
+                           {"rope-dim", rope_dim},
+                           {"nope-dim", nope_dim},
+                           {"v-dim", v_dim},
+                           {"groups", groups},
+                           {"topk-groups", topk_groups},
+                           {"moe-intermediate", moe_intermediate}}) {
+      if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be positive"));
+    }
+    if (q_lora_rank < 0 || shared_experts < 0 || first_dense < 0 || first_dense > layers) {
+      return absl::InvalidArgumentError(
+          "--q-lora and --shared-experts must not be negative, --first-dense in [0, --layers]");
+    }
+    if (rope_dim % 2 != 0 || experts % groups != 0 || topk_groups > groups ||
+        top_k > topk_groups * (experts / groups)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--rope-dim ", rope_dim, " must be even, --groups ", groups, " divide --experts ",
+          experts, ", --topk-groups ", topk_groups, " at most --groups, and --top-k ", top_k,
+          " at most the chosen groups' experts"));
+    }
   }
   if (out_dir.empty()) return absl::InvalidArgumentError("--out is required");
   for (auto [name, v] : {std::pair{"layers", layers},
@@ -267,7 +348,8 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--hidden ", hidden, " is not divisible by --heads ", heads));
   }
-  if (arch == "mixtral" && (experts <= 0 || top_k <= 0 || top_k > experts)) {
+  if ((arch == "mixtral" || arch == "deepseek_v3") &&
+      (experts <= 0 || top_k <= 0 || top_k > experts)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--top-k ", top_k, " must be between 1 and --experts ", experts));
   }
@@ -281,9 +363,10 @@ absl::Status GenModelOptions::Validate() const {
         absl::StrCat("--chat-template '", chat_template,
                      "' is not auto, llama3, chatml, llama2, mistral or none"));
   }
-  if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear") {
+  if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
+      rope_scaling != "yarn") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--rope-scaling '", rope_scaling, "' is not llama3 or linear"));
+        absl::StrCat("--rope-scaling '", rope_scaling, "' is not llama3, linear or yarn"));
   }
   return absl::OkStatus();
 }
@@ -325,12 +408,13 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
-  const std::string arch_name = o.arch == "mixtral"     ? "MixtralForCausalLM"
-                                : o.arch == "mistral"   ? "MistralForCausalLM"
-                                : o.arch == "qwen2"     ? "Qwen2ForCausalLM"
-                                : o.arch == "qwen3"     ? "Qwen3ForCausalLM"
-                                : o.arch == "qwen3_moe" ? "Qwen3MoeForCausalLM"
-                                                        : "LlamaForCausalLM";
+  const std::string arch_name = o.arch == "mixtral"       ? "MixtralForCausalLM"
+                                : o.arch == "mistral"     ? "MistralForCausalLM"
+                                : o.arch == "qwen2"       ? "Qwen2ForCausalLM"
+                                : o.arch == "qwen3"       ? "Qwen3ForCausalLM"
+                                : o.arch == "qwen3_moe"   ? "Qwen3MoeForCausalLM"
+                                : o.arch == "deepseek_v3" ? "DeepseekV3ForCausalLM"
+                                                          : "LlamaForCausalLM";
   json config = {{"architectures", {arch_name}},
                  {"model_type", o.arch},
                  {"hidden_size", o.hidden},
@@ -376,6 +460,29 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["sliding_window"] = nullptr;
     config["router_aux_loss_coef"] = 0.0;
   }
+  if (o.arch == "deepseek_v3") {  // DeepseekV3Config's fields
+    config.erase("head_dim");
+    config["num_key_value_heads"] = o.heads;
+    config["moe_intermediate_size"] = o.moe_intermediate;
+    config["n_routed_experts"] = o.experts;
+    config["num_experts_per_tok"] = o.top_k;
+    config["n_shared_experts"] = o.shared_experts;
+    config["routed_scaling_factor"] = 2.5;
+    config["kv_lora_rank"] = o.kv_lora_rank;
+    config["q_lora_rank"] = o.q_lora_rank > 0 ? json(o.q_lora_rank) : json(nullptr);
+    config["qk_rope_head_dim"] = o.rope_dim;
+    config["qk_nope_head_dim"] = o.nope_dim;
+    config["v_head_dim"] = o.v_dim;
+    config["n_group"] = o.groups;
+    config["topk_group"] = o.topk_groups;
+    config["first_k_dense_replace"] = o.first_dense;
+    config["norm_topk_prob"] = o.norm_topk_prob;
+    config["rope_interleave"] = true;
+    config["attention_bias"] = false;
+    config["topk_method"] = "noaux_tc";
+    config["scoring_func"] = "sigmoid";
+    config["num_nextn_predict_layers"] = 0;
+  }
   if (o.fp8_block > 0) {  // as Hugging Face's FineGrainedFP8Config writes it
     config["quantization_config"] = {{"quant_method", "fp8"},
                                      {"fmt", "e4m3"},
@@ -390,6 +497,18 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                               {"original_max_position_embeddings", 64}};
   } else if (o.rope_scaling == "linear") {
     config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  } else if (o.rope_scaling == "yarn") {
+    // DeepSeek-V3's shape of it (mscale = mscale_all_dim: the rotated dims unscaled, the softmax
+    // scale corrected); elsewhere the attention factor from the factor alone.
+    config["rope_scaling"] = {{"rope_type", "yarn"},
+                              {"factor", 4.0},
+                              {"original_max_position_embeddings", 64},
+                              {"beta_fast", 32},
+                              {"beta_slow", 1}};
+    if (o.arch == "deepseek_v3") {
+      config["rope_scaling"]["mscale"] = 1.0;
+      config["rope_scaling"]["mscale_all_dim"] = 1.0;
+    }
   }
   RETURN_IF_ERROR(WriteText(dir / "config.json", config.dump(2)));
   const json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};

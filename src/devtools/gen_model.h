@@ -12,7 +12,8 @@
 namespace shardserve {
 
 struct GenModelOptions {
-  std::string arch = "llama";  // llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+  // llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v3
+  std::string arch = "llama";
   std::string out_dir;
   int64_t layers = 2;
   int64_t hidden = 64;
@@ -24,12 +25,16 @@ struct GenModelOptions {
   int64_t experts = 4;         // mixtral
   int64_t top_k = 2;           // mixtral
   bool norm_topk_prob = true;  // qwen3_moe: the k experts' weights renormalized to sum to 1
+  // deepseek_v3: multi-head latent attention (q_lora_rank 0: q_proj), its grouped routing,
+  // shared experts and dense first layers (`intermediate` theirs, moe_intermediate the experts').
+  int64_t q_lora_rank = 0, kv_lora_rank = 32, rope_dim = 16, nope_dim = 16, v_dim = 16;
+  int64_t groups = 1, topk_groups = 1, shared_experts = 1, first_dense = 1, moe_intermediate = 64;
   int64_t max_position = 4096;
   DType dtype = DType::kBF16;
   uint64_t seed = 0;
   bool tie_embeddings = false;
   bool attention_bias = false;  // llama: bias on q/k/v/o
-  std::string rope_scaling;     // "", "llama3" or "linear"
+  std::string rope_scaling;     // "", "llama3", "linear" or "yarn"
   TokenizerStyle tokenizer = TokenizerStyle::kByteLevel;
   std::string corpus_file;  // train the tokenizer on this text instead of the built-in one
   int64_t shard_bytes = 0;  // > 0: split weights into files of about this size

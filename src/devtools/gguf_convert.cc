@@ -349,9 +349,13 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     return absl::UnimplementedError(absl::StrCat(
         hf_dir, ": llama3 RoPE scaling is not converted (GGUF keeps it as a rope_freqs tensor)"));
   }
-  if (c.architecture == "Qwen3MoeForCausalLM") {
-    return absl::UnimplementedError(
-        absl::StrCat(hf_dir, ": Qwen3MoeForCausalLM is not converted to GGUF (qwen3moe) yet"));
+  if (c.architecture == "Qwen3MoeForCausalLM" || c.architecture == "DeepseekV3ForCausalLM") {
+    return absl::UnimplementedError(absl::StrCat(hf_dir, ": ", c.architecture,
+                                                 " is not converted to GGUF (",
+                                                 c.mla ? "deepseek2" : "qwen3moe", ") yet"));
+  }
+  if (c.rope_scaling == RopeScaling::kYarn) {
+    return absl::UnimplementedError(absl::StrCat(hf_dir, ": yarn RoPE scaling is not converted"));
   }
   for (const auto& [name, t] : weights->tensors()) {
     if (t.dtype == DType::kF8E4M3) {

@@ -49,9 +49,104 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
     if (c.rope_high_freq_factor <= c.rope_low_freq_factor) {
       return s.Error("high_freq_factor", "must exceed low_freq_factor");
     }
+  } else if (type == "yarn") {
+    c.rope_scaling = RopeScaling::kYarn;
+    if (c.rope_factor < 1) return s.Error("factor", "must be at least 1 for yarn");
+    // Where absent, transformers takes max_position_embeddings (read before the rope fields).
+    ASSIGN_OR_RETURN(c.rope_original_max_position,
+                     s.Positive("original_max_position_embeddings", c.max_position_embeddings));
+    ASSIGN_OR_RETURN(c.rope_beta_fast, s.Number("beta_fast", 32.0, 0.0, 1e6));
+    ASSIGN_OR_RETURN(c.rope_beta_slow, s.Number("beta_slow", 1.0, 0.0, 1e6));
+    ASSIGN_OR_RETURN(c.rope_mscale, s.Number("mscale", 0.0, -1.0, 1e6));
+    ASSIGN_OR_RETURN(c.rope_mscale_all_dim, s.Number("mscale_all_dim", 0.0, -1.0, 1e6));
+    ASSIGN_OR_RETURN(c.rope_truncate, s.Bool("truncate", true));
+    // transformers' _compute_yarn_parameters: the factor on cos and sin.
+    auto mscale = [&](double m) {
+      return c.rope_factor <= 1 ? 1.0 : 0.1 * m * std::log(c.rope_factor) + 1.0;
+    };
+    if (scaling.contains("attention_factor") && !scaling["attention_factor"].is_null()) {
+      ASSIGN_OR_RETURN(c.rope_attention_factor, s.Number("attention_factor", 1.0, 0.0, 1e6));
+    } else if (c.rope_mscale != 0 && c.rope_mscale_all_dim != 0) {
+      c.rope_attention_factor = mscale(c.rope_mscale) / mscale(c.rope_mscale_all_dim);
+    } else {
+      c.rope_attention_factor = mscale(1.0);
+    }
   } else {
-    return s.Error(
-        "type", absl::StrCat("'", type, "' is not supported (supported: default, linear, llama3)"));
+    return s.Error("type", absl::StrCat("'", type,
+                                        "' is not supported (supported: default, linear, llama3, "
+                                        "yarn)"));
+  }
+  return absl::OkStatus();
+}
+
+// DeepSeek-V3's multi-head latent attention and MoE (ModelConfig's comments). What the runtime
+// does not run is refused by name: another scoring or top-k method, biased projections, MoE
+// layers other than every layer after the dense ones.
+absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
+  c.mla = c.moe = c.sigmoid_routing = true;
+  ASSIGN_OR_RETURN(c.q_lora_rank, r.Int("q_lora_rank", 0));
+  if (c.q_lora_rank < 0 || c.q_lora_rank > kMaxSize) {
+    return r.Error("q_lora_rank", "must be null or a positive size");
+  }
+  ASSIGN_OR_RETURN(c.kv_lora_rank, r.Positive("kv_lora_rank"));
+  ASSIGN_OR_RETURN(c.head_dim, r.Positive("qk_rope_head_dim"));  // the rotated dims, as HF's
+  if (c.head_dim % 2 != 0) return r.Error("qk_rope_head_dim", "must be even for rotary embeddings");
+  ASSIGN_OR_RETURN(c.qk_nope_dim, r.Positive("qk_nope_head_dim"));
+  ASSIGN_OR_RETURN(c.v_head_dim, r.Positive("v_head_dim"));
+  ASSIGN_OR_RETURN(c.rope_interleave, r.Bool("rope_interleave", true));
+  ASSIGN_OR_RETURN(c.dense_intermediate_size, r.Positive("intermediate_size"));
+  ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("moe_intermediate_size"));
+  ASSIGN_OR_RETURN(c.num_experts, r.Positive("n_routed_experts", {}, kMaxHeads));
+  ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
+  if (c.experts_per_token > c.num_experts) {
+    return r.Error("num_experts_per_tok",
+                   absl::StrCat(c.experts_per_token, " exceeds n_routed_experts ", c.num_experts));
+  }
+  ASSIGN_OR_RETURN(c.shared_experts, r.Int("n_shared_experts", 0));
+  if (c.shared_experts < 0 || c.shared_experts > kMaxHeads) {
+    return r.Error("n_shared_experts", "must be between 0 and 4096");
+  }
+  ASSIGN_OR_RETURN(c.n_group, r.Positive("n_group", 1, 64));
+  ASSIGN_OR_RETURN(c.topk_group, r.Positive("topk_group", 1, 64));
+  if (c.num_experts % c.n_group != 0) {
+    return r.Error("n_group",
+                   absl::StrCat(c.n_group, " does not divide n_routed_experts ", c.num_experts));
+  }
+  if (c.topk_group > c.n_group) {
+    return r.Error("topk_group", absl::StrCat(c.topk_group, " exceeds n_group ", c.n_group));
+  }
+  if (c.num_experts / c.n_group < 2 && c.n_group > 1) {
+    return r.Error("n_group",
+                   "leaves fewer than 2 experts a group (a group scores by its best two)");
+  }
+  if (c.experts_per_token > c.topk_group * (c.num_experts / c.n_group)) {
+    return r.Error(
+        "num_experts_per_tok",
+        absl::StrCat(c.experts_per_token, " exceeds the ", c.topk_group, " chosen groups' ",
+                     c.topk_group * (c.num_experts / c.n_group), " experts"));
+  }
+  ASSIGN_OR_RETURN(c.routed_scaling, r.Number("routed_scaling_factor", 1.0, 0.0, 1e6));
+  ASSIGN_OR_RETURN(c.norm_topk_prob, r.Bool("norm_topk_prob", true));
+  ASSIGN_OR_RETURN(c.first_dense_layers, r.Int("first_k_dense_replace", 0));
+  if (c.first_dense_layers < 0 || c.first_dense_layers > c.num_layers) {
+    return r.Error("first_k_dense_replace",
+                   absl::StrCat("must be between 0 and num_hidden_layers ", c.num_layers));
+  }
+  ASSIGN_OR_RETURN(int64_t freq, r.Int("moe_layer_freq", 1));
+  if (freq != 1) return r.Error("moe_layer_freq", "other than 1 is not supported");
+  ASSIGN_OR_RETURN(std::string scoring, r.String("scoring_func", "sigmoid"));
+  if (scoring != "sigmoid") {
+    return r.Error("scoring_func", absl::StrCat("'", scoring, "' is not supported (sigmoid)"));
+  }
+  ASSIGN_OR_RETURN(std::string method, r.String("topk_method", "noaux_tc"));
+  if (method != "noaux_tc") {
+    return r.Error("topk_method", absl::StrCat("'", method, "' is not supported (noaux_tc)"));
+  }
+  ASSIGN_OR_RETURN(bool bias, r.Bool("attention_bias", false));
+  if (bias) return r.Error("attention_bias", "true is not supported for DeepseekV3ForCausalLM");
+  ASSIGN_OR_RETURN(c.mtp_layers, r.Int("num_nextn_predict_layers", 0));
+  if (c.mtp_layers < 0 || c.mtp_layers > kMaxLayers) {
+    return r.Error("num_nextn_predict_layers", "must be between 0 and 4096");
   }
   return absl::OkStatus();
 }
@@ -111,13 +206,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   } else if (c.architecture == "Qwen3MoeForCausalLM") {
     c.moe = c.qk_norm = true;
   } else if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
-             c.architecture != "Qwen2ForCausalLM") {
+             c.architecture != "Qwen2ForCausalLM" && c.architecture != "DeepseekV3ForCausalLM") {
     return r.Error("architectures",
                    absl::StrCat("names '", c.architecture,
                                 "', which shardserve does not run (supported: LlamaForCausalLM, "
                                 "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                "MixtralForCausalLM, Qwen3MoeForCausalLM)"));
+                                "MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)"));
   }
+  const bool deepseek = c.architecture == "DeepseekV3ForCausalLM";
   ASSIGN_OR_RETURN(c.model_type, r.String("model_type", ""));
   ASSIGN_OR_RETURN(c.hidden_size, r.Positive("hidden_size"));
   ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("intermediate_size"));
@@ -131,13 +227,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   ASSIGN_OR_RETURN(c.tie_word_embeddings, r.Bool("tie_word_embeddings", false));
   ASSIGN_OR_RETURN(c.torch_dtype, r.String("torch_dtype", ""));
   RETURN_IF_ERROR(ReadWeightFormat(j, r, c));
-  if (c.hidden_size % c.num_heads != 0 && !r.Has("head_dim")) {
+  if (deepseek) {
+    RETURN_IF_ERROR(ParseDeepseekV3(r, c));
+  } else if (c.hidden_size % c.num_heads != 0 && !r.Has("head_dim")) {
     return r.Error("hidden_size",
                    absl::StrCat(c.hidden_size, " is not divisible by ", "num_attention_heads ",
                                 c.num_heads, " and no head_dim is given"));
   }
-  ASSIGN_OR_RETURN(c.head_dim, r.Positive("head_dim", c.hidden_size / c.num_heads));
-  if (c.head_dim % 2 != 0) return r.Error("head_dim", "must be even for rotary embeddings");
+  if (!deepseek) {
+    ASSIGN_OR_RETURN(c.head_dim, r.Positive("head_dim", c.hidden_size / c.num_heads));
+    if (c.head_dim % 2 != 0) return r.Error("head_dim", "must be even for rotary embeddings");
+  }
   if (c.num_heads % c.num_kv_heads != 0) {
     return r.Error(
         "num_key_value_heads",
@@ -157,7 +257,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
   if (c.architecture == "Qwen2ForCausalLM") {
     c.qkv_bias = true;
-  } else {
+  } else if (!deepseek) {
     ASSIGN_OR_RETURN(bool attention_bias, r.Bool("attention_bias", false));
     c.qkv_bias = c.o_bias = attention_bias;
   }
@@ -181,7 +281,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     c.max_context = std::min(c.max_context, window);
   }
 
-  if (c.moe) {
+  if (c.rope_scaling == RopeScaling::kYarn && c.mla && c.rope_attention_factor != 1.0) {
+    return r.Error("rope_scaling",
+                   absl::StrCat("gives YaRN an attention factor of ", c.rope_attention_factor,
+                                " on the rotated dims (mscale ", c.rope_mscale,
+                                " against "
+                                "mscale_all_dim ",
+                                c.rope_mscale_all_dim,
+                                "); multi-head latent attention runs with 1 (DeepSeek-V3's: "
+                                "mscale = mscale_all_dim)"));
+  }
+  if (c.moe && !deepseek) {
     const bool qwen = c.architecture == "Qwen3MoeForCausalLM";
     const char* experts = qwen ? "num_experts" : "num_local_experts";
     ASSIGN_OR_RETURN(c.num_experts, r.Positive(experts, {}, kMaxHeads));
@@ -231,6 +341,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     }
   }
   return c;
+}
+
+double ModelConfig::attention_scale() const {
+  if (mla) {  // transformers' yarn_apply_mscale
+    double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_dim + head_dim));
+    if (rope_scaling == RopeScaling::kYarn && rope_mscale_all_dim != 0 && rope_factor > 1) {
+      const double m = 0.1 * rope_mscale_all_dim * std::log(rope_factor) + 1.0;
+      scale *= m * m;
+    }
+    return scale;
+  }
+  return rope_attention_factor * rope_attention_factor / std::sqrt(static_cast<double>(head_dim));
 }
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {

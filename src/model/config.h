@@ -12,7 +12,7 @@
 
 namespace shardserve {
 
-enum class RopeScaling { kNone, kLinear, kLlama3 };
+enum class RopeScaling { kNone, kLinear, kLlama3, kYarn };
 
 struct ModelConfig {
   std::string architecture;  // e.g. "LlamaForCausalLM"
@@ -34,6 +34,13 @@ struct ModelConfig {
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position = 8192;
+  // YaRN (rope_type yarn): the ramp between beta_fast and beta_slow rotations, truncated to whole
+  // dimensions unless `truncate` is false; mscale / mscale_all_dim as DeepSeek's configs give
+  // them (0: absent).
+  double rope_beta_fast = 32, rope_beta_slow = 1, rope_mscale = 0, rope_mscale_all_dim = 0;
+  bool rope_truncate = true;
+  // YaRN's factor on the rotated dimensions' cos and sin (1 for every other scaling).
+  double rope_attention_factor = 1.0;
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // q/k/v projections carry a bias (Qwen2, Llama attention_bias)
   bool o_bias = false;    // o_proj carries a bias (Llama attention_bias)
@@ -43,6 +50,26 @@ struct ModelConfig {
   bool norm_topk_prob = true;
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
+  // DeepSeek-V3 (DeepseekV3ForCausalLM). Multi-head latent attention: each position caches the
+  // kv_lora_rank latent (after kv_a_layernorm) and head_dim (qk_rope_head_dim) rotated key dims,
+  // shared by every head; the query comes from q_proj or, with q_lora_rank, from q_a_proj ->
+  // q_a_layernorm -> q_b_proj; kv_b_proj maps the latent to each head's qk_nope_dim key dims and
+  // v_head_dim value dims (absorbed into the query and the output at run time). rope_interleave:
+  // the rotated dims come in adjacent pairs (rows permuted into rotate_half order at load).
+  bool mla = false;
+  int64_t q_lora_rank = 0;  // 0: q_proj
+  int64_t kv_lora_rank = 0, qk_nope_dim = 0, v_head_dim = 0;
+  bool rope_interleave = false;
+  // Its MoE: sigmoid scores plus e_score_correction_bias choose the experts inside the topk_group
+  // best of n_group groups (a group scored by its two best); the chosen sigmoid scores, normalized
+  // when norm_topk_prob, times routed_scaling_factor; shared experts (shared_experts x the
+  // experts' size) added for every token; the first first_dense_layers layers dense
+  // (dense_intermediate_size).
+  bool sigmoid_routing = false;
+  int64_t n_group = 1, topk_group = 1, shared_experts = 0, first_dense_layers = 0;
+  int64_t dense_intermediate_size = 0;
+  double routed_scaling = 1.0;
+  int64_t mtp_layers = 0;  // multi-token-prediction layers in the checkpoint (not loaded)
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
   std::string torch_dtype;  // informational
@@ -54,10 +81,21 @@ struct ModelConfig {
 
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
+  // Whether layer i has experts (DeepSeek-V3's first layers are dense).
+  bool moe_layer(int64_t i) const { return moe && i >= first_dense_layers; }
+  // The softmax's scale: 1/sqrt of the query-key dot's length, times YaRN's mscale_all_dim
+  // correction squared (DeepSeek) and its attention factor squared where the whole head rotates.
+  double attention_scale() const;
   // The sizes the pipeline split weighs (plan/layer_split.h).
   ModelShape shape() const {
-    return {num_layers, hidden_size, intermediate_size,          q_dim(),
-            kv_dim(),   vocab_size,  moe ? experts_per_token : 0};
+    // MLA: the heads' query dims and the latent a position caches.
+    return {num_layers,
+            hidden_size,
+            intermediate_size,
+            mla ? num_heads * (qk_nope_dim + head_dim) : q_dim(),
+            mla ? kv_lora_rank + head_dim : kv_dim(),
+            vocab_size,
+            moe ? experts_per_token : 0};
   }
 };
 

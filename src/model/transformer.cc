@@ -13,6 +13,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "model/fp8.h"
 #include "model/rope.h"
@@ -45,7 +46,9 @@ Transformer::Transformer(ModelConfig config, std::unique_ptr<WeightStore> weight
         &buf_.attn,    &buf_.o,      &buf_.g,       &buf_.u,        &buf_.d,
         &buf_.in,      &buf_.router, &buf_.ids,     &buf_.pos,      &buf_.table,
         &buf_.offsets, &buf_.sel,    &buf_.weights, &buf_.routes,   &buf_.route_weights,
-        &buf_.last,    &buf_.logits, &buf_.padded,  &buf_.gathered, &buf_.full}) {
+        &buf_.last,    &buf_.logits, &buf_.padded,  &buf_.gathered, &buf_.full,
+        &buf_.qa,      &buf_.qr,     &buf_.lat,     &buf_.kr,       &buf_.qlat,
+        &buf_.olat}) {
     *b = backend_->NewBuffer();
   }
 }
@@ -60,6 +63,11 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
   if (backend == nullptr) {
     RETURN_IF_ERROR(cpu::CheckCpu());
     backend = cpu::NewBackend(options.num_threads);
+  }
+  if (config.mtp_layers > 0 && options.tp_rank == 0 && options.layer_begin == 0) {
+    LogInfo(model_dir, ": its ", config.mtp_layers,
+            " multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded: they "
+            "serve speculative decoding, which shardserve does not run");
   }
   std::unique_ptr<Transformer> t(
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
@@ -86,13 +94,20 @@ absl::Status Transformer::CheckSplit() const {
     return absl::InvalidArgumentError("tensor parallelism needs a communicator");
   }
   RETURN_IF_ERROR(Divisible("num_attention_heads", c.num_heads, T));
-  if (c.num_kv_heads % T != 0 && T % c.num_kv_heads != 0) {
+  if (!c.mla && c.num_kv_heads % T != 0 && T % c.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("num_key_value_heads ", c.num_kv_heads,
                                                    " and tensor parallelism ", T,
                                                    ": one must divide the other"));
   }
   if (c.moe) {
-    RETURN_IF_ERROR(Divisible("num_local_experts", c.num_experts, T));
+    RETURN_IF_ERROR(Divisible(c.mla ? "n_routed_experts" : "num_local_experts", c.num_experts, T));
+    if (c.shared_experts > 0) {
+      RETURN_IF_ERROR(Divisible("n_shared_experts x moe_intermediate_size",
+                                c.shared_experts * c.intermediate_size, T));
+    }
+    if (c.first_dense_layers > 0) {
+      RETURN_IF_ERROR(Divisible("intermediate_size", c.dense_intermediate_size, T));
+    }
   } else {
     RETURN_IF_ERROR(Divisible("intermediate_size", c.intermediate_size, T));
   }
@@ -127,6 +142,106 @@ absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t 
   stage_bytes_ += t.nbytes;
   owned_.push_back(std::move(buf));
   return backend_->Upload(WeightMatrix{to, owned_.back().get(), rows, width, width});
+}
+
+absl::StatusOr<WeightMatrix> Transformer::Picked(const TensorView& t,
+                                                 const std::vector<int64_t>& rows,
+                                                 int64_t transpose_by) {
+  const int64_t cols = t.shape[1], n = static_cast<int64_t>(rows.size());
+  const bool fp8 = t.dtype == DType::kF8E4M3;
+  if (fp8 && !config_.fp8) return Expanded(t, 0, 0, 0, cols);  // its error
+  const DType to = fp8 ? config_.dtype : t.dtype;
+  if (IsQuantized(to)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name, "' is ", DTypeName(to),
+                     "; multi-head latent attention takes F32, F16, BF16 or FP8 weights"));
+  }
+  const size_t elem = DTypeSize(to), row = cols * elem;
+  auto picked =
+      std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[std::max<size_t>(n * row, 1)]);
+  if (picked == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", n * row, " bytes for rows of '", t.name, "'"));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (fp8) {
+      RETURN_IF_ERROR(ExpandFp8(t, config_.fp8_blocks, rows[i], rows[i] + 1, 0, cols, to,
+                                picked.get() + i * row));
+    } else {
+      std::memcpy(picked.get() + i * row, static_cast<const uint8_t*>(t.data) + rows[i] * row, row);
+    }
+  }
+  shard_bytes_ += n * row;  // the tensor's stage bytes are counted by the caller (once)
+  if (transpose_by > 0) {   // each [transpose_by][cols] block to [cols][transpose_by]
+    auto out = std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[std::max<size_t>(n * row, 1)]);
+    if (out == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", n * row, " bytes to transpose '", t.name, "'"));
+    }
+    for (int64_t b = 0; b < n / transpose_by; ++b) {
+      const uint8_t* in = picked.get() + b * transpose_by * row;
+      uint8_t* o = out.get() + b * transpose_by * row;
+      for (int64_t r = 0; r < transpose_by; ++r) {
+        for (int64_t col = 0; col < cols; ++col) {
+          std::memcpy(o + (col * transpose_by + r) * elem, in + (r * cols + col) * elem, elem);
+        }
+      }
+    }
+    picked = std::move(out);
+    owned_.push_back(std::move(picked));
+    return backend_->Upload(
+        WeightMatrix{to, owned_.back().get(), n / transpose_by * cols, transpose_by, transpose_by});
+  }
+  owned_.push_back(std::move(picked));
+  return backend_->Upload(WeightMatrix{to, owned_.back().get(), n, cols, cols});
+}
+
+absl::Status Transformer::BindLatentAttention(Layer& L, const std::string& p) {
+  const ModelConfig& c = config_;
+  const WeightStore& w = *weights_;
+  const int64_t H = c.hidden_size, Lr = c.kv_lora_rank, R = c.head_dim, nope = c.qk_nope_dim,
+                vd = c.v_head_dim, qhd = nope + R, h0 = options_.tp_rank * heads_;
+  // Row j of the rotated dims in rotate_half order: HF's interleaved pairs (2i, 2i + 1) become
+  // (i, i + R / 2), which rotate alike (model/rope.h).
+  auto rotated = [&](int64_t j) {
+    if (!c.rope_interleave) return j;
+    return j < R / 2 ? 2 * j : 2 * (j - R / 2) + 1;
+  };
+  std::vector<int64_t> nope_rows, rope_rows, uk_rows, uv_rows;
+  for (int64_t h = h0; h < h0 + heads_; ++h) {
+    for (int64_t j = 0; j < nope; ++j) nope_rows.push_back(h * qhd + j);
+    for (int64_t j = 0; j < R; ++j) rope_rows.push_back(h * qhd + nope + rotated(j));
+    for (int64_t j = 0; j < nope; ++j) uk_rows.push_back(h * (nope + vd) + j);
+    for (int64_t j = 0; j < vd; ++j) uv_rows.push_back(h * (nope + vd) + nope + j);
+  }
+  const std::string a = p + "self_attn.";
+  TensorView q;
+  if (c.q_lora_rank > 0) {
+    const int64_t Q = c.q_lora_rank;
+    ASSIGN_OR_RETURN(TensorView qa, w.Get(a + "q_a_proj.weight", {Q, H}));
+    ASSIGN_OR_RETURN(TensorView qa_norm, w.Get(a + "q_a_layernorm.weight", {Q}));
+    ASSIGN_OR_RETURN(L.q_a, Rows(qa, 0, Q));  // replicated: every rank needs the whole latent
+    ASSIGN_OR_RETURN(L.q_a_norm, VectorSlice(qa_norm, 0, Q));
+    ASSIGN_OR_RETURN(q, w.Get(a + "q_b_proj.weight", {c.num_heads * qhd, Q}));
+  } else {
+    ASSIGN_OR_RETURN(q, w.Get(a + "q_proj.weight", {c.num_heads * qhd, H}));
+  }
+  ASSIGN_OR_RETURN(L.q_nope, Picked(q, nope_rows));
+  ASSIGN_OR_RETURN(L.q_rope, Picked(q, rope_rows));
+  ASSIGN_OR_RETURN(TensorView kva, w.Get(a + "kv_a_proj_with_mqa.weight", {Lr + R, H}));
+  ASSIGN_OR_RETURN(TensorView kv_norm, w.Get(a + "kv_a_layernorm.weight", {Lr}));
+  ASSIGN_OR_RETURN(TensorView kvb, w.Get(a + "kv_b_proj.weight", {c.num_heads * (nope + vd), Lr}));
+  ASSIGN_OR_RETURN(TensorView o, w.Get(a + "o_proj.weight", {H, c.num_heads * vd}));
+  ASSIGN_OR_RETURN(L.kv_latent, Rows(kva, 0, Lr));
+  std::vector<int64_t> kv_rope_rows;
+  for (int64_t j = 0; j < R; ++j) kv_rope_rows.push_back(Lr + rotated(j));
+  ASSIGN_OR_RETURN(L.kv_rope, Picked(kva, kv_rope_rows));
+  ASSIGN_OR_RETURN(L.kv_norm, VectorSlice(kv_norm, 0, Lr));
+  ASSIGN_OR_RETURN(L.uk_t, Picked(kvb, uk_rows, nope));  // per head [kv_lora_rank][nope]
+  ASSIGN_OR_RETURN(L.uv, Picked(kvb, uv_rows));          // per head [v_head_dim][kv_lora_rank]
+  ASSIGN_OR_RETURN(L.o, Cols(o, h0 * vd, (h0 + heads_) * vd));
+  stage_bytes_ += q.nbytes + kvb.nbytes;  // Picked's; kv_a_proj_with_mqa's by Rows
+  return absl::OkStatus();
 }
 
 absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
@@ -215,7 +330,6 @@ absl::Status Transformer::BindWeights() {
     kv_heads_ = 1;
     kv_head_begin_ = t * heads_ / (c.num_heads / c.num_kv_heads);
   }
-  inter_ = c.moe ? I : I / T;
   expert_begin_ = c.moe ? t * c.num_experts / T : 0;
   expert_end_ = c.moe ? (t + 1) * c.num_experts / T : 0;
   vocab_begin_ = V * t / T;
@@ -250,70 +364,21 @@ absl::Status Transformer::BindWeights() {
     ASSIGN_OR_RETURN(TensorView post_norm, w.Get(p + "post_attention_layernorm.weight", {H}));
     ASSIGN_OR_RETURN(L.input_norm, VectorSlice(in_norm, 0, H));
     ASSIGN_OR_RETURN(L.post_norm, VectorSlice(post_norm, 0, H));
-    ASSIGN_OR_RETURN(TensorView q, w.Get(p + "self_attn.q_proj.weight", {c.q_dim(), H}));
-    ASSIGN_OR_RETURN(TensorView k, w.Get(p + "self_attn.k_proj.weight", {c.kv_dim(), H}));
-    ASSIGN_OR_RETURN(TensorView v, w.Get(p + "self_attn.v_proj.weight", {c.kv_dim(), H}));
-    ASSIGN_OR_RETURN(TensorView o, w.Get(p + "self_attn.o_proj.weight", {H, c.q_dim()}));
-    // Column-parallel q/k/v: this rank's heads (output rows); row-parallel o: their columns.
-    ASSIGN_OR_RETURN(L.q, Rows(q, q0, q1));
-    ASSIGN_OR_RETURN(L.k, Rows(k, k0, k1));
-    ASSIGN_OR_RETURN(L.v, Rows(v, k0, k1));
-    ASSIGN_OR_RETURN(L.o, Cols(o, q0, q1));
-    if (c.qkv_bias) {
-      ASSIGN_OR_RETURN(TensorView qb, w.Get(p + "self_attn.q_proj.bias", {c.q_dim()}));
-      ASSIGN_OR_RETURN(TensorView kb, w.Get(p + "self_attn.k_proj.bias", {c.kv_dim()}));
-      ASSIGN_OR_RETURN(TensorView vb, w.Get(p + "self_attn.v_proj.bias", {c.kv_dim()}));
-      ASSIGN_OR_RETURN(L.q_bias, VectorSlice(qb, q0, q1));
-      ASSIGN_OR_RETURN(L.k_bias, VectorSlice(kb, k0, k1));
-      ASSIGN_OR_RETURN(L.v_bias, VectorSlice(vb, k0, k1));
-    }
-    if (c.qk_norm) {  // over each head's head_dim, the same weights for every head
-      ASSIGN_OR_RETURN(TensorView qn, w.Get(p + "self_attn.q_norm.weight", {hd}));
-      ASSIGN_OR_RETURN(TensorView kn, w.Get(p + "self_attn.k_norm.weight", {hd}));
-      ASSIGN_OR_RETURN(L.q_norm, VectorSlice(qn, 0, hd));
-      ASSIGN_OR_RETURN(L.k_norm, VectorSlice(kn, 0, hd));
-    }
-    if (c.o_bias) {  // added once, after the all-reduce
-      ASSIGN_OR_RETURN(TensorView ob, w.Get(p + "self_attn.o_proj.bias", {H}));
-      ASSIGN_OR_RETURN(L.o_bias, VectorSlice(ob, 0, H));
-    }
-    if (c.moe) {
-      // Mixtral's names, or Qwen3-MoE's (mlp.gate, mlp.experts.E.gate_proj/up_proj/down_proj).
-      const bool mixtral = c.architecture == "MixtralForCausalLM";
-      const std::string m = p + (mixtral ? "block_sparse_moe." : "mlp.");
-      ASSIGN_OR_RETURN(TensorView router, w.Get(m + "gate.weight", {c.num_experts, H}));
-      ASSIGN_OR_RETURN(
-          L.router, Rows(router, 0, c.num_experts));  // replicated: every rank routes every token
-      for (int64_t e = 0; e < c.num_experts; ++e) {
-        const std::string ep = absl::StrCat(m, "experts.", e, ".");
-        ASSIGN_OR_RETURN(TensorView w1,
-                         w.Get(ep + (mixtral ? "w1" : "gate_proj") + ".weight", {I, H}));
-        ASSIGN_OR_RETURN(TensorView w2,
-                         w.Get(ep + (mixtral ? "w2" : "down_proj") + ".weight", {H, I}));
-        ASSIGN_OR_RETURN(TensorView w3,
-                         w.Get(ep + (mixtral ? "w3" : "up_proj") + ".weight", {I, H}));
-        if (e >= expert_begin_ && e < expert_end_) {  // expert parallelism inside the stage
-          Expert x;
-          ASSIGN_OR_RETURN(x.gate, Rows(w1, 0, I));
-          ASSIGN_OR_RETURN(x.up, Rows(w3, 0, I));
-          ASSIGN_OR_RETURN(x.down, Rows(w2, 0, H));
-          L.experts.push_back(x);
-        }
-      }
-      std::vector<const WeightMatrix*> gates, ups, downs;
-      for (const Expert& x : L.experts) {
-        gates.push_back(&x.gate);
-        ups.push_back(&x.up);
-        downs.push_back(&x.down);
-      }
-      ASSIGN_OR_RETURN(L.gate_table, TableOf(gates));
-      ASSIGN_OR_RETURN(L.up_table, TableOf(ups));
-      ASSIGN_OR_RETURN(L.down_table, TableOf(downs));
+    L.sparse = c.moe_layer(i);
+    if (c.mla) {
+      RETURN_IF_ERROR(BindLatentAttention(L, p));
     } else {
-      ASSIGN_OR_RETURN(TensorView gate, w.Get(p + "mlp.gate_proj.weight", {I, H}));
-      ASSIGN_OR_RETURN(TensorView up, w.Get(p + "mlp.up_proj.weight", {I, H}));
-      ASSIGN_OR_RETURN(TensorView down, w.Get(p + "mlp.down_proj.weight", {H, I}));
-      const int64_t i0 = t * inter_, i1 = i0 + inter_;
+      RETURN_IF_ERROR(BindAttention(L, p, q0, q1, k0, k1));
+    }
+    if (L.sparse) {
+      RETURN_IF_ERROR(BindExperts(L, p));
+    } else {
+      // Dense: DeepSeek-V3's first layers have their own size.
+      const int64_t DI = c.first_dense_layers > 0 ? c.dense_intermediate_size : I;
+      ASSIGN_OR_RETURN(TensorView gate, w.Get(p + "mlp.gate_proj.weight", {DI, H}));
+      ASSIGN_OR_RETURN(TensorView up, w.Get(p + "mlp.up_proj.weight", {DI, H}));
+      ASSIGN_OR_RETURN(TensorView down, w.Get(p + "mlp.down_proj.weight", {H, DI}));
+      const int64_t i0 = t * DI / T, i1 = (t + 1) * DI / T;
       ASSIGN_OR_RETURN(L.gate, Rows(gate, i0, i1));  // column-parallel
       ASSIGN_OR_RETURN(L.up, Rows(up, i0, i1));
       ASSIGN_OR_RETURN(L.down, Cols(down, i0, i1));  // row-parallel
@@ -323,18 +388,110 @@ absl::Status Transformer::BindWeights() {
   return absl::OkStatus();
 }
 
+absl::Status Transformer::BindAttention(Layer& L, const std::string& p, int64_t q0, int64_t q1,
+                                        int64_t k0, int64_t k1) {
+  const ModelConfig& c = config_;
+  const WeightStore& w = *weights_;
+  const int64_t H = c.hidden_size, hd = c.head_dim;
+  ASSIGN_OR_RETURN(TensorView q, w.Get(p + "self_attn.q_proj.weight", {c.q_dim(), H}));
+  ASSIGN_OR_RETURN(TensorView k, w.Get(p + "self_attn.k_proj.weight", {c.kv_dim(), H}));
+  ASSIGN_OR_RETURN(TensorView v, w.Get(p + "self_attn.v_proj.weight", {c.kv_dim(), H}));
+  ASSIGN_OR_RETURN(TensorView o, w.Get(p + "self_attn.o_proj.weight", {H, c.q_dim()}));
+  // Column-parallel q/k/v: this rank's heads (output rows); row-parallel o: their columns.
+  ASSIGN_OR_RETURN(L.q, Rows(q, q0, q1));
+  ASSIGN_OR_RETURN(L.k, Rows(k, k0, k1));
+  ASSIGN_OR_RETURN(L.v, Rows(v, k0, k1));
+  ASSIGN_OR_RETURN(L.o, Cols(o, q0, q1));
+  if (c.qkv_bias) {
+    ASSIGN_OR_RETURN(TensorView qb, w.Get(p + "self_attn.q_proj.bias", {c.q_dim()}));
+    ASSIGN_OR_RETURN(TensorView kb, w.Get(p + "self_attn.k_proj.bias", {c.kv_dim()}));
+    ASSIGN_OR_RETURN(TensorView vb, w.Get(p + "self_attn.v_proj.bias", {c.kv_dim()}));
+    ASSIGN_OR_RETURN(L.q_bias, VectorSlice(qb, q0, q1));
+    ASSIGN_OR_RETURN(L.k_bias, VectorSlice(kb, k0, k1));
+    ASSIGN_OR_RETURN(L.v_bias, VectorSlice(vb, k0, k1));
+  }
+  if (c.qk_norm) {  // over each head's head_dim, the same weights for every head
+    ASSIGN_OR_RETURN(TensorView qn, w.Get(p + "self_attn.q_norm.weight", {hd}));
+    ASSIGN_OR_RETURN(TensorView kn, w.Get(p + "self_attn.k_norm.weight", {hd}));
+    ASSIGN_OR_RETURN(L.q_norm, VectorSlice(qn, 0, hd));
+    ASSIGN_OR_RETURN(L.k_norm, VectorSlice(kn, 0, hd));
+  }
+  if (c.o_bias) {  // added once, after the all-reduce
+    ASSIGN_OR_RETURN(TensorView ob, w.Get(p + "self_attn.o_proj.bias", {H}));
+    ASSIGN_OR_RETURN(L.o_bias, VectorSlice(ob, 0, H));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::BindExperts(Layer& L, const std::string& p) {
+  const ModelConfig& c = config_;
+  const WeightStore& w = *weights_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  // Mixtral's names, or Qwen3-MoE's and DeepSeek-V3's (mlp.gate, mlp.experts.E.gate_proj/...).
+  const bool mixtral = c.architecture == "MixtralForCausalLM";
+  const std::string m = p + (mixtral ? "block_sparse_moe." : "mlp.");
+  ASSIGN_OR_RETURN(TensorView router, w.Get(m + "gate.weight", {c.num_experts, H}));
+  // Replicated: every rank routes every token.
+  ASSIGN_OR_RETURN(L.router, Rows(router, 0, c.num_experts));
+  if (c.sigmoid_routing) {
+    ASSIGN_OR_RETURN(TensorView bias, w.Get(m + "gate.e_score_correction_bias", {c.num_experts}));
+    ASSIGN_OR_RETURN(L.route_bias, VectorSlice(bias, 0, c.num_experts));
+  }
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    const std::string ep = absl::StrCat(m, "experts.", e, ".");
+    ASSIGN_OR_RETURN(TensorView w1, w.Get(ep + (mixtral ? "w1" : "gate_proj") + ".weight", {I, H}));
+    ASSIGN_OR_RETURN(TensorView w2, w.Get(ep + (mixtral ? "w2" : "down_proj") + ".weight", {H, I}));
+    ASSIGN_OR_RETURN(TensorView w3, w.Get(ep + (mixtral ? "w3" : "up_proj") + ".weight", {I, H}));
+    if (e >= expert_begin_ && e < expert_end_) {  // expert parallelism inside the stage
+      Expert x;
+      ASSIGN_OR_RETURN(x.gate, Rows(w1, 0, I));
+      ASSIGN_OR_RETURN(x.up, Rows(w3, 0, I));
+      ASSIGN_OR_RETURN(x.down, Rows(w2, 0, H));
+      L.experts.push_back(x);
+    }
+  }
+  std::vector<const WeightMatrix*> gates, ups, downs;
+  for (const Expert& x : L.experts) {
+    gates.push_back(&x.gate);
+    ups.push_back(&x.up);
+    downs.push_back(&x.down);
+  }
+  ASSIGN_OR_RETURN(L.gate_table, TableOf(gates));
+  ASSIGN_OR_RETURN(L.up_table, TableOf(ups));
+  ASSIGN_OR_RETURN(L.down_table, TableOf(downs));
+  if (c.shared_experts > 0) {  // one MLP of n_shared x the experts' size, TP-sliced as a dense one
+    const int64_t S = c.shared_experts * I, T = options_.tp_size, t = options_.tp_rank;
+    const std::string sp = m + "shared_experts.";
+    ASSIGN_OR_RETURN(TensorView gate, w.Get(sp + "gate_proj.weight", {S, H}));
+    ASSIGN_OR_RETURN(TensorView up, w.Get(sp + "up_proj.weight", {S, H}));
+    ASSIGN_OR_RETURN(TensorView down, w.Get(sp + "down_proj.weight", {H, S}));
+    const int64_t s0 = t * S / T, s1 = (t + 1) * S / T;
+    ASSIGN_OR_RETURN(L.shared_gate, Rows(gate, s0, s1));
+    ASSIGN_OR_RETURN(L.shared_up, Rows(up, s0, s1));
+    ASSIGN_OR_RETURN(L.shared_down, Cols(down, s0, s1));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<KvCache>> Transformer::NewKvCache(int64_t positions,
                                                                  int64_t block_size) {
   const int64_t blocks = std::max<int64_t>(1, (positions + block_size - 1) / block_size);
-  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage,
-                   backend_->AllocKv(layer_end_ - layer_begin_, blocks, kv_heads_, block_size,
-                                     config_.head_dim));
+  const int64_t layers = layer_end_ - layer_begin_;
+  std::unique_ptr<KvStorage> storage;
+  if (config_.mla) {  // the latent and the rotated key dims, one vector a position
+    ASSIGN_OR_RETURN(storage, backend_->AllocLatentKv(layers, blocks, block_size,
+                                                      config_.kv_lora_rank, config_.head_dim));
+  } else {
+    ASSIGN_OR_RETURN(storage,
+                     backend_->AllocKv(layers, blocks, kv_heads_, block_size, config_.head_dim));
+  }
   return std::make_unique<KvCache>(block_size, blocks, std::move(storage));
 }
 
 size_t Transformer::kv_block_bytes(int64_t block_size) const {
-  return static_cast<size_t>((layer_end_ - layer_begin_) * 2 * kv_heads_ * block_size *
-                             config_.head_dim) *
+  const int64_t per_position =
+      config_.mla ? config_.kv_lora_rank + config_.head_dim : 2 * kv_heads_ * config_.head_dim;
+  return static_cast<size_t>((layer_end_ - layer_begin_) * block_size * per_position) *
          sizeof(float);
 }
 
@@ -463,10 +620,9 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.x), rows * H));
   }
 
-  const int64_t group = c.num_heads / c.num_kv_heads, head0 = options_.tp_rank * heads_;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  RETURN_IF_ERROR(m.attn->Reserve(static_cast<size_t>(rows * heads_ * hd) * sizeof(float)));
+  RETURN_IF_ERROR(m.attn->Reserve(static_cast<size_t>(rows * heads_ * std::max(hd, c.v_head_dim)) *
+                                  sizeof(float)));
   // Each layer's input norm is done with the residual add before it (AddRmsNorm), the first
   // layer's here.
   if (!layers_.empty()) {
@@ -475,34 +631,18 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   }
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
-    RETURN_IF_ERROR(
-        GemmGroup({{&L.q, m.q.get()}, {&L.k, m.k.get()}, {&L.v, m.v.get()}}, *m.h, rows));
-    if (L.q_bias != nullptr) {
-      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.q), rows, heads_ * hd, L.q_bias));
-      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.k), rows, kv_heads_ * hd, L.k_bias));
-      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.v), rows, kv_heads_ * hd, L.v_bias));
+    if (c.mla) {
+      RETURN_IF_ERROR(LatentAttentionLayer(L, li, cache, rows, max_len));
+    } else {
+      RETURN_IF_ERROR(AttentionLayer(L, li, cache, rows, max_len));
     }
-    if (L.q_norm != nullptr) {  // in place: each head's row of head_dim
-      RETURN_IF_ERROR(
-          be.RmsNorm(Ptr<float>(m.q), rows * heads_, hd, L.q_norm, eps, Ptr<float>(m.q)));
-      RETURN_IF_ERROR(
-          be.RmsNorm(Ptr<float>(m.k), rows * kv_heads_, hd, L.k_norm, eps, Ptr<float>(m.k)));
-    }
-    RETURN_IF_ERROR(be.Rope(Ptr<float>(m.q), rows, heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
-    RETURN_IF_ERROR(be.Rope(Ptr<float>(m.k), rows, kv_heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
-    const KvStorage& kv = *cache.storage();
-    RETURN_IF_ERROR(be.WriteKv(kv, li, Ptr<float>(m.k), Ptr<float>(m.v), rows, Ptr<int32_t>(m.pos),
-                               Ptr<int32_t>(m.table), Ptr<int32_t>(m.offsets)));
-    RETURN_IF_ERROR(be.Attention(kv, li, Ptr<float>(m.q), rows, heads_, head0, group,
-                                 kv_head_begin_, Ptr<int32_t>(m.pos), Ptr<int32_t>(m.table),
-                                 Ptr<int32_t>(m.offsets), max_len, scale, Ptr<float>(m.attn)));
     // Row-parallel o_proj: partial sums over this rank's heads, then one all-reduce.
     RETURN_IF_ERROR(Gemm(L.o, *m.attn, rows, *m.o));
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));
     if (L.o_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.o), rows, H, L.o_bias));
     RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H, L.post_norm, eps,
                                   Ptr<float>(m.h)));
-    RETURN_IF_ERROR(c.moe ? Moe(L, rows) : Mlp(L, rows));
+    RETURN_IF_ERROR(L.sparse ? Moe(L, rows) : Mlp(L, rows));
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));  // row-parallel down / experts
     if (li + 1 < layers_.size()) {
       RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H,
@@ -524,6 +664,81 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   return Gemm(lm_head_, *m.h, S, *m.logits);
 }
 
+absl::Status Transformer::AttentionLayer(const Layer& L, int64_t li, const KvCache& cache,
+                                         int64_t rows, int64_t max_len) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const ModelConfig& c = config_;
+  const int64_t hd = c.head_dim, group = c.num_heads / c.num_kv_heads;
+  const int64_t head0 = options_.tp_rank * heads_;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  RETURN_IF_ERROR(GemmGroup({{&L.q, m.q.get()}, {&L.k, m.k.get()}, {&L.v, m.v.get()}}, *m.h, rows));
+  if (L.q_bias != nullptr) {
+    RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.q), rows, heads_ * hd, L.q_bias));
+    RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.k), rows, kv_heads_ * hd, L.k_bias));
+    RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.v), rows, kv_heads_ * hd, L.v_bias));
+  }
+  if (L.q_norm != nullptr) {  // in place: each head's row of head_dim
+    RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.q), rows * heads_, hd, L.q_norm, eps, Ptr<float>(m.q)));
+    RETURN_IF_ERROR(
+        be.RmsNorm(Ptr<float>(m.k), rows * kv_heads_, hd, L.k_norm, eps, Ptr<float>(m.k)));
+  }
+  RETURN_IF_ERROR(be.Rope(Ptr<float>(m.q), rows, heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
+  RETURN_IF_ERROR(be.Rope(Ptr<float>(m.k), rows, kv_heads_, hd, Ptr<int32_t>(m.pos), inv_freq_));
+  const KvStorage& kv = *cache.storage();
+  RETURN_IF_ERROR(be.WriteKv(kv, li, Ptr<float>(m.k), Ptr<float>(m.v), rows, Ptr<int32_t>(m.pos),
+                             Ptr<int32_t>(m.table), Ptr<int32_t>(m.offsets)));
+  return be.Attention(kv, li, Ptr<float>(m.q), rows, heads_, head0, group, kv_head_begin_,
+                      Ptr<int32_t>(m.pos), Ptr<int32_t>(m.table), Ptr<int32_t>(m.offsets), max_len,
+                      static_cast<float>(c.attention_scale()), Ptr<float>(m.attn));
+}
+
+// Multi-head latent attention with the latent cache (the "absorbed" form): the query's nope part
+// goes through each head's kv_b key rows transposed (q_latent, kv_lora_rank floats a head), so
+// that a head scores a position by q_latent . latent + q_rope . k_rope; the attended latent goes
+// through the head's kv_b value rows. Equal to transformers' expanded keys and values up to float
+// rounding; the cache holds kv_lora_rank + qk_rope_head_dim floats a position for every head.
+absl::Status Transformer::LatentAttentionLayer(const Layer& L, int64_t li, const KvCache& cache,
+                                               int64_t rows, int64_t max_len) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const ModelConfig& c = config_;
+  const int64_t Lr = c.kv_lora_rank, R = c.head_dim, nope = c.qk_nope_dim, vd = c.v_head_dim;
+  // q_a_layernorm and kv_a_layernorm keep transformers' default epsilon, not rms_norm_eps.
+  constexpr float kLoraEps = 1e-6f;
+  if (L.q_a.rows > 0) {
+    RETURN_IF_ERROR(GemmGroup(
+        {{&L.q_a, m.qa.get()}, {&L.kv_latent, m.lat.get()}, {&L.kv_rope, m.kr.get()}}, *m.h, rows));
+    RETURN_IF_ERROR(
+        be.RmsNorm(Ptr<float>(m.qa), rows, L.q_a.rows, L.q_a_norm, kLoraEps, Ptr<float>(m.qa)));
+    RETURN_IF_ERROR(GemmGroup({{&L.q_nope, m.q.get()}, {&L.q_rope, m.qr.get()}}, *m.qa, rows));
+  } else {
+    RETURN_IF_ERROR(GemmGroup({{&L.q_nope, m.q.get()},
+                               {&L.q_rope, m.qr.get()},
+                               {&L.kv_latent, m.lat.get()},
+                               {&L.kv_rope, m.kr.get()}},
+                              *m.h, rows));
+  }
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.lat), rows, Lr, L.kv_norm, kLoraEps, Ptr<float>(m.lat)));
+  RETURN_IF_ERROR(be.Rope(Ptr<float>(m.qr), rows, heads_, R, Ptr<int32_t>(m.pos), inv_freq_));
+  RETURN_IF_ERROR(be.Rope(Ptr<float>(m.kr), rows, 1, R, Ptr<int32_t>(m.pos), inv_freq_));
+  const KvStorage& kv = *cache.storage();
+  RETURN_IF_ERROR(be.WriteLatentKv(kv, li, Ptr<float>(m.lat), Ptr<float>(m.kr), rows,
+                                   Ptr<int32_t>(m.pos), Ptr<int32_t>(m.table),
+                                   Ptr<int32_t>(m.offsets)));
+  const size_t latents = static_cast<size_t>(rows * heads_ * Lr) * sizeof(float);
+  RETURN_IF_ERROR(m.qlat->Reserve(latents));
+  RETURN_IF_ERROR(m.olat->Reserve(latents));
+  RETURN_IF_ERROR(be.HeadGemm(L.uk_t, heads_, Ptr<float>(m.q), heads_ * nope, nope, rows,
+                              Ptr<float>(m.qlat), heads_ * Lr, Lr));
+  RETURN_IF_ERROR(be.LatentAttention(kv, li, Ptr<float>(m.qlat), Ptr<float>(m.qr), rows, heads_,
+                                     Ptr<int32_t>(m.pos), Ptr<int32_t>(m.table),
+                                     Ptr<int32_t>(m.offsets), max_len,
+                                     static_cast<float>(c.attention_scale()), Ptr<float>(m.olat)));
+  return be.HeadGemm(L.uv, heads_, Ptr<float>(m.olat), heads_ * Lr, Lr, rows, Ptr<float>(m.attn),
+                     heads_ * vd, vd);
+}
+
 absl::Status Transformer::Mlp(const Layer& L, int64_t rows) {
   Buffers& m = buf_;
   RETURN_IF_ERROR(GemmGroup({{&L.gate, m.g.get()}, {&L.up, m.u.get()}}, *m.h, rows));
@@ -539,11 +754,21 @@ absl::Status Transformer::Moe(const Layer& L, int64_t rows) {
   RETURN_IF_ERROR(Gemm(L.router, *m.h, rows, *m.router));
   RETURN_IF_ERROR(m.routes->Reserve(static_cast<size_t>(slots) * sizeof(int32_t)));
   RETURN_IF_ERROR(m.route_weights->Reserve(static_cast<size_t>(slots) * sizeof(float)));
-  RETURN_IF_ERROR(be.RouteTopK(Ptr<float>(m.router), rows, c.num_experts, k, c.norm_topk_prob,
-                               Ptr<int32_t>(m.routes), Ptr<float>(m.route_weights)));
+  if (c.sigmoid_routing) {
+    RETURN_IF_ERROR(be.RouteGrouped(Ptr<float>(m.router), L.route_bias, rows, c.num_experts, k,
+                                    c.n_group, c.topk_group, c.norm_topk_prob,
+                                    static_cast<float>(c.routed_scaling), Ptr<int32_t>(m.routes),
+                                    Ptr<float>(m.route_weights)));
+  } else {
+    RETURN_IF_ERROR(be.RouteTopK(Ptr<float>(m.router), rows, c.num_experts, k, c.norm_topk_prob,
+                                 Ptr<int32_t>(m.routes), Ptr<float>(m.route_weights)));
+  }
   RETURN_IF_ERROR(m.o->Reserve(static_cast<size_t>(rows * H) * sizeof(float)));
   const bool tables = L.gate_table.count > 0 && L.up_table.count > 0 && L.down_table.count > 0;
-  if (!be.per_slot_experts() || !tables || slots > L.gate_table.count) return MoeGrouped(L, rows);
+  if (!be.per_slot_experts() || !tables || slots > L.gate_table.count) {
+    RETURN_IF_ERROR(MoeGrouped(L, rows));
+    return SharedExperts(L, rows);
+  }
   // Decode: one matrix-vector product per (row, chosen expert), experts read in place.
   const int64_t I = L.gate_table.rows;
   RETURN_IF_ERROR(m.g->Reserve(static_cast<size_t>(slots * I) * sizeof(float)));
@@ -554,7 +779,19 @@ absl::Status Transformer::Moe(const Layer& L, int64_t rows) {
   RETURN_IF_ERROR(be.ExpertMatVec(L.up_table, e, slots, Ptr<float>(m.h), k, Ptr<float>(m.u)));
   RETURN_IF_ERROR(be.SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), slots * I));
   RETURN_IF_ERROR(be.ExpertMatVec(L.down_table, e, slots, Ptr<float>(m.g), 1, Ptr<float>(m.d)));
-  return be.CombineSlots(Ptr<float>(m.d), Ptr<float>(m.route_weights), rows, k, H, Ptr<float>(m.o));
+  RETURN_IF_ERROR(
+      be.CombineSlots(Ptr<float>(m.d), Ptr<float>(m.route_weights), rows, k, H, Ptr<float>(m.o)));
+  return SharedExperts(L, rows);
+}
+
+// DeepSeek-V3's shared experts, this rank's slice of them, added to the routed experts' output.
+absl::Status Transformer::SharedExperts(const Layer& L, int64_t rows) {
+  if (L.shared_gate.rows == 0) return absl::OkStatus();
+  Buffers& m = buf_;
+  RETURN_IF_ERROR(GemmGroup({{&L.shared_gate, m.g.get()}, {&L.shared_up, m.u.get()}}, *m.h, rows));
+  RETURN_IF_ERROR(backend_->SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), rows * L.shared_gate.rows));
+  RETURN_IF_ERROR(Gemm(L.shared_down, *m.g, rows, *m.d));
+  return backend_->Add(Ptr<float>(m.o), Ptr<float>(m.d), rows * config_.hidden_size);
 }
 
 // The routes come to the host (rows * k ids and weights) to group the rows of each local expert,

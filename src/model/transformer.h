@@ -1,9 +1,9 @@
 #pragma once
-// The Llama-family / Mixtral / Qwen2 transformer, written once over the backend seam
-// (backend/backend.h): the CPU backend runs it in host memory with the weights left in the mapped
-// safetensors files; the CUDA backend with weights, activations and the KV cache on the device.
-// Loading validates every tensor on the host and hands this rank's slices to the backend, which
-// uses the mapped views (CPU) or copies them (GPU, after which the mapped pages leave the
+// The Llama-family / Mixtral / Qwen2 / Qwen3 / DeepSeek-V3 transformer, written once over the
+// backend seam (backend/backend.h): the CPU backend runs it in host memory with the weights left in
+// the mapped safetensors files; the CUDA backend with weights, activations and the KV cache on the
+// device. Loading validates every tensor on the host and hands this rank's slices to the backend,
+// which uses the mapped views (CPU) or copies them (GPU, after which the mapped pages leave the
 // process's resident memory and the column slices read for it are freed).
 //
 // A step is Run() and then one of its outputs, all of which stay in backend memory until asked
@@ -148,13 +148,23 @@ class Transformer {
     WeightMatrix gate, up, down;
   };
   struct Layer {
+    bool sparse = false;  // experts (moe_layer), else the dense MLP
     const float *input_norm = nullptr, *post_norm = nullptr;
     WeightMatrix q, k, v, o;
     const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr;  // null when absent
     const float* o_bias = nullptr;
     const float *q_norm = nullptr, *k_norm = nullptr;  // per head (Qwen3), null when absent
+    // Multi-head latent attention (DeepSeek-V3): the query's nope and rotated rows of this
+    // rank's heads (from q_proj, or q_b_proj after q_a / q_a_norm), the latent and rotated rows
+    // of kv_a_proj_with_mqa (replicated, as q_a), kv_b_proj's key part transposed per head
+    // ([kv_lora_rank][qk_nope_dim], absorbed into the query) and value part ([v_head_dim]
+    // [kv_lora_rank], applied to the attended latent). Rotated rows in rotate_half order.
+    WeightMatrix q_a, q_nope, q_rope, kv_latent, kv_rope, uk_t, uv;
+    const float *q_a_norm = nullptr, *kv_norm = nullptr;
     WeightMatrix gate, up, down;                       // dense MLP
     WeightMatrix router;                               // MoE
+    const float* route_bias = nullptr;                 // DeepSeek-V3's e_score_correction_bias
+    WeightMatrix shared_gate, shared_up, shared_down;  // its shared experts, TP-sliced
     std::vector<Expert> experts;                       // this rank's, from expert_begin_
     // The experts' projections for Backend::ExpertMatVec; count 0 unless they share a dtype.
     ExpertTable gate_table, up_table, down_table;
@@ -163,6 +173,7 @@ class Transformer {
   struct Buffers {
     std::unique_ptr<Buffer> x, h, q, k, v, attn, o, g, u, d, in, router, ids, pos, table, offsets,
         sel, weights, routes, route_weights, last, logits, padded, gathered, full;
+    std::unique_ptr<Buffer> qa, qr, lat, kr, qlat, olat;  // multi-head latent attention
   };
 
   Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights, const Options& options,
@@ -181,6 +192,22 @@ class Transformer {
   // dtype in host memory (kept while the backend uses it).
   absl::StatusOr<WeightMatrix> Expanded(const TensorView& t, int64_t r0, int64_t r1, int64_t c0,
                                         int64_t c1);
+  // The rows `rows` of a 2-D weight in that order (FP8 expanded), or with `transpose_by` > 0
+  // each consecutive group of that many picked rows transposed (a [n][cols] block becomes
+  // [cols][n]), in host memory kept while the backend uses it.
+  absl::StatusOr<WeightMatrix> Picked(const TensorView& t, const std::vector<int64_t>& rows,
+                                      int64_t transpose_by = 0);
+  // A layer's attention (this rank's q rows [q0, q1), KV rows [k0, k1)), MLA, experts.
+  absl::Status BindAttention(Layer& L, const std::string& prefix, int64_t q0, int64_t q1,
+                             int64_t k0, int64_t k1);
+  absl::Status BindLatentAttention(Layer& L, const std::string& prefix);
+  absl::Status BindExperts(Layer& L, const std::string& prefix);
+  // A layer's attention of the batch laid out in the buffers (h in, attn out: this rank's heads'
+  // outputs for o_proj), with its KV cache; MLA with the latent cache.
+  absl::Status AttentionLayer(const Layer& L, int64_t li, const KvCache& cache, int64_t rows,
+                              int64_t max_len);
+  absl::Status LatentAttentionLayer(const Layer& L, int64_t li, const KvCache& cache, int64_t rows,
+                                    int64_t max_len);
   absl::StatusOr<ExpertTable> TableOf(const std::vector<const WeightMatrix*>& mats);
   absl::Status AllReduce(float* data, size_t count);
   absl::Status Gemm(const WeightMatrix& w, const Buffer& x, int64_t M, Buffer& y);
@@ -192,6 +219,7 @@ class Transformer {
   // Add this rank's MLP / MoE output for `rows` rows of h to o (which they overwrite).
   absl::Status Mlp(const Layer& L, int64_t rows);
   absl::Status Moe(const Layer& L, int64_t rows);
+  absl::Status SharedExperts(const Layer& L, int64_t rows);
   absl::Status MoeGrouped(const Layer& L, int64_t rows);
   // The last Run's full logits (seqs x vocab_size) in backend memory, gathered over the TP group.
   absl::StatusOr<const float*> FullLogits();
@@ -199,9 +227,9 @@ class Transformer {
   ModelConfig config_;
   Options options_;
   int64_t layer_begin_ = 0, layer_end_ = 0;
-  // This rank's share: local heads, KV heads (from kv_head_begin_), intermediate rows, experts
+  // This rank's share: local heads, KV heads (from kv_head_begin_), experts
   // [expert_begin_, expert_end_) and vocabulary rows [vocab_begin_, vocab_end_).
-  int64_t heads_ = 0, kv_heads_ = 0, kv_head_begin_ = 0, inter_ = 0;
+  int64_t heads_ = 0, kv_heads_ = 0, kv_head_begin_ = 0;
   int64_t expert_begin_ = 0, expert_end_ = 0, vocab_begin_ = 0, vocab_end_ = 0;
   size_t shard_bytes_ = 0, stage_bytes_ = 0;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // column slices read from the files

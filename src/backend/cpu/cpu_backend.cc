@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
+#include "common/status.h"
 #include "common/thread_pool.h"
 
 namespace shardserve::cpu {
@@ -53,6 +54,24 @@ struct HostKv : KvStorage {
            (((layer * 2 + kv) * blocks + block) * kv_heads + kv_head) * block_size * head_dim;
   }
 };
+
+// A latent cache (Backend::AllocLatentKv): per layer [blocks][block_size][dim] floats.
+struct HostLatentKv : KvStorage {
+  std::unique_ptr<float[]> data;
+  int64_t blocks = 0, block_size = 0, latent_dim = 0, rope_dim = 0;
+  int64_t dim() const { return latent_dim + rope_dim; }
+  float* Block(int64_t layer, int64_t block) const {
+    return data.get() + (layer * blocks + block) * block_size * dim();
+  }
+};
+
+absl::Status HalfOrFloat(const WeightMatrix& w, const char* op) {
+  if (w.dtype == DType::kF32 || w.dtype == DType::kF16 || w.dtype == DType::kBF16) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(op, " takes F32, F16 or BF16 weights, not ", DTypeName(w.dtype)));
+}
 
 class CpuBackend : public Backend {
  public:
@@ -232,6 +251,75 @@ class CpuBackend : public Backend {
     });
     return absl::OkStatus();
   }
+  absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
+                        int64_t x_head, int64_t rows, float* y, int64_t ldy,
+                        int64_t y_head) override {
+    RETURN_IF_ERROR(HalfOrFloat(w, "HeadGemm"));
+    const int64_t N = w.rows / heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      const WeightMatrix wh{w.dtype, RowPtr(w, h * N), N, w.cols, w.row_stride};
+      MatMul(wh, x + h * x_head, rows, ldx, y + h * y_head, ldy, pool_);
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<KvStorage>> AllocLatentKv(int64_t layers, int64_t blocks,
+                                                           int64_t block_size, int64_t latent_dim,
+                                                           int64_t rope_dim) override {
+    auto kv = std::make_unique<HostLatentKv>();
+    kv->owner = this;
+    const size_t floats =
+        static_cast<size_t>(layers * blocks * block_size * (latent_dim + rope_dim));
+    kv->data.reset(new (std::nothrow) float[std::max<size_t>(floats, 1)]);
+    if (kv->data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate a latent KV cache of ", floats * sizeof(float), " bytes"));
+    }
+    kv->blocks = blocks;
+    kv->block_size = block_size;
+    kv->latent_dim = latent_dim;
+    kv->rope_dim = rope_dim;
+    return kv;
+  }
+  absl::Status WriteLatentKv(const KvStorage& storage, int64_t layer, const float* latent,
+                             const float* rope, int64_t rows, const int32_t* positions,
+                             const int32_t* blocks, const int32_t* block_offset) override {
+    const HostLatentKv& kv = static_cast<const HostLatentKv&>(storage);
+    const int64_t bs = kv.block_size, L = kv.latent_dim, R = kv.rope_dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* at = kv.Block(layer, blocks[block_offset[r] + positions[r] / bs]) +
+                  (positions[r] % bs) * kv.dim();
+      std::copy_n(latent + r * L, L, at);
+      std::copy_n(rope + r * R, R, at + L);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status LatentAttention(const KvStorage& storage, int64_t layer, const float* q_latent,
+                               const float* q_rope, int64_t rows, int64_t heads,
+                               const int32_t* positions, const int32_t* blocks,
+                               const int32_t* block_offset, int64_t max_len, float scale,
+                               float* out) override {
+    (void)max_len;
+    const HostLatentKv& kv = static_cast<const HostLatentKv&>(storage);
+    const int64_t bs = kv.block_size, L = kv.latent_dim, R = kv.rope_dim, D = kv.dim();
+    pool_.ParallelFor(rows * heads, 1, [&](int, int64_t begin, int64_t end) {
+      std::vector<float> q(D), scores;
+      std::vector<const float*> cache_blocks;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / heads;
+        std::copy_n(q_latent + item * L, L, q.data());  // item = r * heads + head
+        std::copy_n(q_rope + item * R, R, q.data() + L);
+        const int64_t len = positions[r] + 1;
+        cache_blocks.resize((len + bs - 1) / bs);
+        for (size_t b = 0; b < cache_blocks.size(); ++b) {
+          cache_blocks[b] = kv.Block(layer, blocks[block_offset[r] + b]);
+        }
+        scores.resize(len);
+        AttendShared(q.data(), cache_blocks.data(), bs, D, L, len, scale, scores.data(),
+                     out + item * L);
+      }
+    });
+    return absl::OkStatus();
+  }
   absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n,
                           float* out) override {
     for (int64_t i = 0; i < n; ++i) std::copy_n(x + rows[i] * dim, dim, out + i * dim);
@@ -259,6 +347,15 @@ class CpuBackend : public Backend {
         experts[r * k + j] = order[j];
         weights[r * k + j] = std::exp(logit[order[j]] - mx) / sum;
       }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status RouteGrouped(const float* logits, const float* bias, int64_t rows, int64_t E,
+                            int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                            float scaling, int32_t* experts, float* weights) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      RouteGroupedRow(logits + r * E, bias, E, k, groups, topk_groups, normalize, scaling,
+                      experts + r * k, weights + r * k);
     }
     return absl::OkStatus();
   }

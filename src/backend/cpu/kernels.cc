@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <numeric>
 #include <vector>
 
 #include "backend/cpu/quant.h"
@@ -816,6 +818,59 @@ void AttendHead(const float* q, const float* const* k_blocks, const float* const
   const float inv = 1.0f / sum;
   for (int64_t p = 0; p < len; ++p) {
     Axpy(scores[p] * inv, v_blocks[p / bs] + (p % bs) * hd, out, hd);
+  }
+}
+
+void AttendShared(const float* q, const float* const* blocks, int64_t block_size, int64_t dim,
+                  int64_t value_dim, int64_t len, float scale, float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int64_t p = 0; p < len; ++p) {
+    scores[p] = Dot(q, blocks[p / block_size] + (p % block_size) * dim, dim) * scale;
+    mx = std::max(mx, scores[p]);
+  }
+  const float inv = 1.0f / ExpMinusMax(scores, len, mx);
+  std::fill_n(out, value_dim, 0.f);
+  for (int64_t p = 0; p < len; ++p) {
+    Axpy(scores[p] * inv, blocks[p / block_size] + (p % block_size) * dim, out, value_dim);
+  }
+}
+
+void RouteGroupedRow(const float* logits, const float* bias, int64_t E, int64_t k, int64_t groups,
+                     int64_t topk_groups, bool normalize, float scaling, int32_t* experts,
+                     float* weights) {
+  std::vector<float> score(E), choice(E);
+  for (int64_t e = 0; e < E; ++e) {
+    score[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+    choice[e] = score[e] + bias[e];
+  }
+  auto before = [&](const std::vector<float>& v, int64_t a, int64_t b) {
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+  };
+  if (groups > 1) {  // each group by its two best; the experts of all but the best groups out
+    const int64_t per = E / groups;
+    std::vector<float> group(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      std::vector<float> m(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+      std::partial_sort(m.begin(), m.begin() + 2, m.end(), std::greater<float>());
+      group[g] = m[0] + m[1];
+    }
+    std::vector<int64_t> order(groups);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(),
+              [&](int64_t a, int64_t b) { return before(group, a, b); });
+    for (int64_t i = topk_groups; i < groups; ++i) {
+      std::fill_n(choice.begin() + order[i] * per, per, -INFINITY);
+    }
+  }
+  std::vector<int64_t> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return before(choice, a, b); });
+  float sum = 0;
+  for (int64_t j = 0; j < k; ++j) sum += score[order[j]];
+  for (int64_t j = 0; j < k; ++j) {
+    experts[j] = static_cast<int32_t>(order[j]);
+    weights[j] = (normalize ? score[order[j]] / (sum + 1e-20f) : score[order[j]]) * scaling;
   }
 }
 

@@ -49,6 +49,15 @@ float Dot(const float* a, const float* b, int64_t n);
 void AttendHead(const float* q, const float* const* k_blocks, const float* const* v_blocks,
                 int64_t block_size, int64_t hd, int64_t len, float scale, float* scores,
                 float* out);
+// Attention of one query (dim floats) over positions [0, len) whose keys and values share a row:
+// position p's row of `dim` floats is at blocks[p / block_size] + (p % block_size) * dim, its
+// value the row's first value_dim floats (multi-head latent attention). Writes value_dim floats.
+void AttendShared(const float* q, const float* const* blocks, int64_t block_size, int64_t dim,
+                  int64_t value_dim, int64_t len, float scale, float* scores, float* out);
+// One row of Backend::RouteGrouped (DeepSeek-V3's routing).
+void RouteGroupedRow(const float* logits, const float* bias, int64_t E, int64_t k, int64_t groups,
+                     int64_t topk_groups, bool normalize, float scaling, int32_t* experts,
+                     float* weights);
 // y[i] += alpha * x[i]
 void Axpy(float alpha, const float* x, float* y, int64_t n);
 

@@ -213,6 +213,91 @@ __global__ void AttentionCombineKernel(const float* partial, int64_t splits, int
   }
 }
 
+// Multi-head latent attention (Backend::LatentAttention): grid (rows, heads), kLatentWarps warps
+// that take positions in turn, a lane holding every 32nd of the query's dims and of the output
+// latent; each warp keeps an online softmax, merged in shared memory at the end.
+constexpr int kLatentWarps = 4;
+constexpr int64_t kLatentPer = 16, kRopePer = 4;  // latent_dim up to 512, rope_dim up to 128
+
+__global__ void __launch_bounds__(kLatentWarps * 32)
+    LatentAttentionKernel(const float* cache, int64_t bs, int64_t L, int64_t R,
+                          const float* q_latent, const float* q_rope, int64_t heads,
+                          const int32_t* positions, const int32_t* blocks,
+                          const int32_t* block_offset, float scale, float* out) {
+  __shared__ float wm[kLatentWarps], wl[kLatentWarps];
+  __shared__ float wacc[kLatentWarps][kLatentPer * 32];
+  const int64_t r = blockIdx.x, h = blockIdx.y, item = r * heads + h;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float ql[kLatentPer], qr[kRopePer], acc[kLatentPer];
+#pragma unroll
+  for (int i = 0; i < kLatentPer; ++i) {
+    const int64_t d = lane + 32 * i;
+    ql[i] = d < L ? q_latent[item * L + d] : 0.f;
+    acc[i] = 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < kRopePer; ++i) {
+    const int64_t d = lane + 32 * i;
+    qr[i] = d < R ? q_rope[item * R + d] : 0.f;
+  }
+  const int64_t len = positions[r] + 1, D = L + R;
+  const int32_t* row_blocks = blocks + block_offset[r];
+  float m = -FLT_MAX, l = 0.f;
+  for (int64_t p = warp; p < len; p += kLatentWarps) {
+    const float* row = cache + (static_cast<int64_t>(row_blocks[p / bs]) * bs + p % bs) * D;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kLatentPer; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < L) s += ql[i] * row[d];
+    }
+#pragma unroll
+    for (int i = 0; i < kRopePer; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < R) s += qr[i] * row[L + d];
+    }
+    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
+    s *= scale;
+    const float mn = fmaxf(m, s), rescale = expf(m - mn), e = expf(s - mn);
+    l = l * rescale + e;
+#pragma unroll
+    for (int i = 0; i < kLatentPer; ++i) {
+      const int64_t d = lane + 32 * i;
+      acc[i] = acc[i] * rescale + (d < L ? e * row[d] : 0.f);
+    }
+    m = mn;
+  }
+  if (lane == 0) {
+    wm[warp] = m;
+    wl[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < kLatentPer; ++i) wacc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  float mx = -FLT_MAX;
+  for (int w = 0; w < kLatentWarps; ++w) mx = fmaxf(mx, wm[w]);
+  float total = 0.f;
+  for (int w = 0; w < kLatentWarps; ++w) total += wl[w] * expf(wm[w] - mx);
+  for (int64_t d = threadIdx.x; d < L; d += blockDim.x) {
+    float v = 0.f;
+    for (int w = 0; w < kLatentWarps; ++w) v += wacc[w][d] * expf(wm[w] - mx);
+    out[item * L + d] = v / total;
+  }
+}
+
+// Grid rows, threads over the latent and rope dims of the row's slot.
+__global__ void WriteLatentKvKernel(float* cache, int64_t bs, int64_t L, int64_t R,
+                                    const float* latent, const float* rope,
+                                    const int32_t* positions, const int32_t* blocks,
+                                    const int32_t* block_offset) {
+  const int64_t r = blockIdx.x, p = positions[r];
+  float* at =
+      cache + (static_cast<int64_t>(blocks[block_offset[r] + p / bs]) * bs + p % bs) * (L + R);
+  for (int64_t d = threadIdx.x; d < L + R; d += blockDim.x) {
+    at[d] = d < L ? latent[r * L + d] : rope[r * R + d - L];
+  }
+}
+
 }  // namespace
 
 absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t* positions,
@@ -318,6 +403,38 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
   if (splits == 1) return absl::OkStatus();
   AttentionCombineKernel<<<static_cast<unsigned>(rows * heads), 128>>>(pr, splits, c.head_dim, out);
   return Check(cudaGetLastError(), "Attention launch");
+}
+
+absl::Status WriteLatentKv(const DeviceLatentKv& c, const float* latent, const float* rope,
+                           int64_t rows, const int32_t* positions, const int32_t* blocks,
+                           const int32_t* block_offset) {
+  if (rows == 0) return absl::OkStatus();
+  if (rows > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("WriteLatentKv of ", rows));
+  WriteLatentKvKernel<<<static_cast<unsigned>(rows), 256>>>(c.data, c.block_size, c.latent_dim,
+                                                            c.rope_dim, latent, rope, positions,
+                                                            blocks, block_offset);
+  return Check(cudaGetLastError(), "WriteLatentKv launch");
+}
+
+absl::Status LatentAttention(const DeviceLatentKv& c, const float* q_latent, const float* q_rope,
+                             int64_t rows, int64_t heads, const int32_t* positions,
+                             const int32_t* blocks, const int32_t* block_offset, float scale,
+                             float* out) {
+  if (rows * heads == 0) return absl::OkStatus();
+  if (c.latent_dim > kLatentPer * 32 || c.rope_dim > kRopePer * 32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "latent attention on the CUDA backend takes a latent of up to ", kLatentPer * 32,
+        " and rope dims up to ", kRopePer * 32, ", not ", c.latent_dim, " and ", c.rope_dim));
+  }
+  if (rows > INT32_MAX || heads > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("latent attention over ", rows, " rows x ", heads, " heads"));
+  }
+  LatentAttentionKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(heads)),
+                          kLatentWarps * 32>>>(c.data, c.block_size, c.latent_dim, c.rope_dim,
+                                               q_latent, q_rope, heads, positions, blocks,
+                                               block_offset, scale, out);
+  return Check(cudaGetLastError(), "LatentAttention launch");
 }
 
 }  // namespace shardserve::cuda

@@ -42,6 +42,20 @@ struct GpuKv : KvStorage {
   }
 };
 
+// One device buffer per layer of a latent cache.
+struct GpuLatentKv : KvStorage {
+  std::vector<DeviceBuffer> layers;
+  int64_t block_size = 0, latent_dim = 0, rope_dim = 0;
+  absl::StatusOr<DeviceLatentKv> Layer(int64_t layer) const {
+    if (layer < 0 || layer >= static_cast<int64_t>(layers.size())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "layer ", layer, " is outside the latent KV cache's ", layers.size(), " layers"));
+    }
+    return DeviceLatentKv{static_cast<float*>(layers[layer].data()), block_size, latent_dim,
+                          rope_dim};
+  }
+};
+
 class CudaBackend : public Backend {
  public:
   explicit CudaBackend(std::unique_ptr<Context> ctx) : ctx_(std::move(ctx)) {}
@@ -150,6 +164,43 @@ class CudaBackend : public Backend {
     return cuda::Attention(*ctx_, kv, q, rows, heads, head0, group, kv_head0, positions, blocks,
                            block_offset, max_len, scale, out);
   }
+  absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
+                        int64_t x_head, int64_t rows, float* y, int64_t ldy,
+                        int64_t y_head) override {
+    return cuda::HeadGemm(w, heads, x, ldx, x_head, rows, y, ldy, y_head);
+  }
+  absl::StatusOr<std::unique_ptr<KvStorage>> AllocLatentKv(int64_t layers, int64_t blocks,
+                                                           int64_t block_size, int64_t latent_dim,
+                                                           int64_t rope_dim) override {
+    auto kv = std::make_unique<GpuLatentKv>();
+    kv->owner = this;
+    const size_t bytes =
+        static_cast<size_t>(blocks * block_size * (latent_dim + rope_dim)) * sizeof(float);
+    for (int64_t l = 0; l < layers; ++l) {
+      ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Alloc(bytes));
+      kv->layers.push_back(std::move(b));
+    }
+    kv->block_size = block_size;
+    kv->latent_dim = latent_dim;
+    kv->rope_dim = rope_dim;
+    return kv;
+  }
+  absl::Status WriteLatentKv(const KvStorage& storage, int64_t layer, const float* latent,
+                             const float* rope, int64_t rows, const int32_t* positions,
+                             const int32_t* blocks, const int32_t* block_offset) override {
+    ASSIGN_OR_RETURN(DeviceLatentKv kv, static_cast<const GpuLatentKv&>(storage).Layer(layer));
+    return cuda::WriteLatentKv(kv, latent, rope, rows, positions, blocks, block_offset);
+  }
+  absl::Status LatentAttention(const KvStorage& storage, int64_t layer, const float* q_latent,
+                               const float* q_rope, int64_t rows, int64_t heads,
+                               const int32_t* positions, const int32_t* blocks,
+                               const int32_t* block_offset, int64_t max_len, float scale,
+                               float* out) override {
+    (void)max_len;
+    ASSIGN_OR_RETURN(DeviceLatentKv kv, static_cast<const GpuLatentKv&>(storage).Layer(layer));
+    return cuda::LatentAttention(kv, q_latent, q_rope, rows, heads, positions, blocks, block_offset,
+                                 scale, out);
+  }
   absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n,
                           float* out) override {
     return cuda::GatherRows(x, dim, rows, n, out);
@@ -161,6 +212,12 @@ class CudaBackend : public Backend {
   absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
                          int32_t* experts, float* weights) override {
     return cuda::RouteTopK(logits, rows, E, k, normalize, experts, weights);
+  }
+  absl::Status RouteGrouped(const float* logits, const float* bias, int64_t rows, int64_t E,
+                            int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                            float scaling, int32_t* experts, float* weights) override {
+    return cuda::RouteGrouped(logits, bias, rows, E, k, groups, topk_groups, normalize, scaling,
+                              experts, weights);
   }
   bool per_slot_experts() const override { return true; }
   absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,

@@ -116,6 +116,25 @@ absl::Status Attention(Context& ctx, const DeviceKv& cache, const float* q, int6
                        const int32_t* positions, const int32_t* blocks, const int32_t* block_offset,
                        int64_t max_len, float scale, float* out);
 
+// One layer of a latent KV cache on the device (Backend::AllocLatentKv):
+// [blocks][block_size][latent_dim + rope_dim] floats.
+struct DeviceLatentKv {
+  float* data = nullptr;
+  int64_t block_size = 0, latent_dim = 0, rope_dim = 0;
+};
+// Backend::WriteLatentKv and Backend::LatentAttention on one layer (latent_dim up to 512,
+// rope_dim up to 128).
+absl::Status WriteLatentKv(const DeviceLatentKv& cache, const float* latent, const float* rope,
+                           int64_t rows, const int32_t* positions, const int32_t* blocks,
+                           const int32_t* block_offset);
+absl::Status LatentAttention(const DeviceLatentKv& cache, const float* q_latent,
+                             const float* q_rope, int64_t rows, int64_t heads,
+                             const int32_t* positions, const int32_t* blocks,
+                             const int32_t* block_offset, float scale, float* out);
+// Backend::HeadGemm: per-head products with F32 accumulation (F32, F16 or BF16 weights).
+absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
+                      int64_t x_head, int64_t rows, float* y, int64_t ldy, int64_t y_head);
+
 // out[i] = x[rows[i]] (dim floats each) for i < n; y[rows[i]] += weight[i] * x[i].
 absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n, float* out);
 absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows, const float* weight,
@@ -149,6 +168,10 @@ absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pit
 // experts[rows * k] and weights[rows * k] (device).
 absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
                        int32_t* experts, float* weights);
+// DeepSeek-V3's routing, as Backend::RouteGrouped (groups up to 64).
+absl::Status RouteGrouped(const float* logits, const float* bias, int64_t rows, int64_t E,
+                          int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                          float scaling, int32_t* experts, float* weights);
 // For each of `slots` (row, expert) assignments: y[slot] = W_expert(slot) x[slot / x_div], with
 // experts[slot] the expert; a slot whose expert is not local gets zeros. Reads only the assigned
 // experts' weights: the decode path of a MoE layer, no host round trip.

@@ -187,6 +187,91 @@ __global__ void ExpertMatVecKernel(const T* const* w, int64_t expert_begin, int6
   if (threadIdx.x % 32 == 0) y[slot * rows + row] = s;
 }
 
+// Backend::RouteGrouped, one thread per row, without scratch: the groups' scores (the sum of
+// each group's two best), topk_groups rounds of "the best group after the previous pick" into a
+// mask, then k rounds of "the best expert after the previous pick" inside the mask; in float as
+// the host computes it.
+__device__ __forceinline__ float ChoiceOf(const float* l, const float* bias, int64_t e) {
+  return 1.f / (1.f + expf(-l[e])) + bias[e];
+}
+
+__global__ void RouteGroupedKernel(const float* logits, const float* bias, int64_t rows, int64_t E,
+                                   int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                                   float scaling, int32_t* experts, float* weights) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  const float* l = logits + r * E;
+  const int64_t per = E / groups;
+  uint64_t kept = groups > 1 ? 0 : ~uint64_t{0};
+  if (groups > 1) {
+    float pv = INFINITY;
+    int64_t pi = -1;
+    for (int64_t j = 0; j < topk_groups; ++j) {
+      float bv = -INFINITY;
+      int64_t bi = groups;
+      for (int64_t g = 0; g < groups; ++g) {
+        float m0 = -INFINITY, m1 = -INFINITY;
+        for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+          const float c = ChoiceOf(l, bias, e);
+          if (c > m0) {
+            m1 = m0;
+            m0 = c;
+          } else if (c > m1) {
+            m1 = c;
+          }
+        }
+        const float v = m0 + m1;
+        if (Before(pv, pi, v, g) && Before(v, g, bv, bi)) {
+          bv = v;
+          bi = g;
+        }
+      }
+      kept |= uint64_t{1} << bi;
+      pv = bv;
+      pi = bi;
+    }
+  }
+  float pv = INFINITY, sum = 0;
+  int64_t pi = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    float bv = -INFINITY;
+    int64_t bi = E;
+    for (int64_t e = 0; e < E; ++e) {
+      if (!((kept >> (e / per)) & 1)) continue;
+      const float c = ChoiceOf(l, bias, e);
+      if (Before(pv, pi, c, e) && Before(c, e, bv, bi)) {
+        bv = c;
+        bi = e;
+      }
+    }
+    const float score = 1.f / (1.f + expf(-l[bi]));
+    experts[r * k + j] = static_cast<int32_t>(bi);
+    weights[r * k + j] = score;
+    sum += score;
+    pv = bv;
+    pi = bi;
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const float w = weights[r * k + j];
+    weights[r * k + j] = (normalize ? w / (sum + 1e-20f) : w) * scaling;
+  }
+}
+
+// Grid (rows, heads, output-row blocks); one warp per output n of head h.
+template <typename T>
+__global__ void HeadGemmKernel(const T* w, int64_t row_stride, int64_t N, int64_t K, const float* x,
+                               int64_t ldx, int64_t x_head, float* y, int64_t ldy, int64_t y_head) {
+  const int64_t r = blockIdx.x, h = blockIdx.y;
+  const int64_t n = static_cast<int64_t>(blockIdx.z) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (n >= N) return;
+  const T* wr = w + (h * N + n) * row_stride;
+  const float* xs = x + r * ldx + h * x_head;
+  float s = 0;
+  for (int64_t c = threadIdx.x % 32; c < K; c += 32) s += ToF32(wr[c]) * xs[c];
+  for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
+  if (threadIdx.x % 32 == 0) y[r * ldy + h * y_head + n] = s;
+}
+
 __global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t k, int64_t dim,
                                    float* y) {
   const int64_t r = blockIdx.x;
@@ -272,6 +357,51 @@ absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, 
   if (k < 1 || k > E) return absl::InvalidArgumentError(absl::StrCat(k, " of ", E, " experts"));
   RouteKernel<<<Grid(rows, 128), 128>>>(logits, rows, E, k, normalize, experts, weights);
   return Check(cudaGetLastError(), "RouteTopK launch");
+}
+
+absl::Status RouteGrouped(const float* logits, const float* bias, int64_t rows, int64_t E,
+                          int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                          float scaling, int32_t* experts, float* weights) {
+  if (rows == 0) return absl::OkStatus();
+  if (k < 1 || k > E || groups < 1 || groups > 64 || E % groups != 0 || topk_groups < 1 ||
+      topk_groups > groups) {
+    return absl::InvalidArgumentError(absl::StrCat("RouteGrouped: ", k, " of ", E, " experts in ",
+                                                   topk_groups, " of ", groups, " groups"));
+  }
+  RouteGroupedKernel<<<Grid(rows, 128), 128>>>(logits, bias, rows, E, k, groups, topk_groups,
+                                               normalize, scaling, experts, weights);
+  return Check(cudaGetLastError(), "RouteGrouped launch");
+}
+
+absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
+                      int64_t x_head, int64_t rows, float* y, int64_t ldy, int64_t y_head) {
+  if (rows == 0 || w.rows == 0) return absl::OkStatus();
+  const int64_t N = w.rows / heads;
+  constexpr int kWarps = 8;
+  if (rows > INT32_MAX || heads > 65535 || (N + kWarps - 1) / kWarps > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HeadGemm of ", rows, " rows x ", heads, " heads x ", N, " outputs"));
+  }
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads),
+                  static_cast<unsigned>((N + kWarps - 1) / kWarps));
+  switch (w.dtype) {
+    case DType::kF32:
+      HeadGemmKernel<<<grid, kWarps * 32>>>(static_cast<const float*>(w.data), w.row_stride, N,
+                                            w.cols, x, ldx, x_head, y, ldy, y_head);
+      break;
+    case DType::kF16:
+      HeadGemmKernel<<<grid, kWarps * 32>>>(static_cast<const __half*>(w.data), w.row_stride, N,
+                                            w.cols, x, ldx, x_head, y, ldy, y_head);
+      break;
+    case DType::kBF16:
+      HeadGemmKernel<<<grid, kWarps * 32>>>(static_cast<const __nv_bfloat16*>(w.data), w.row_stride,
+                                            N, w.cols, x, ldx, x_head, y, ldy, y_head);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("HeadGemm takes F32, F16 or BF16 weights, not ", DTypeName(w.dtype)));
+  }
+  return Check(cudaGetLastError(), "HeadGemm launch");
 }
 
 absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,

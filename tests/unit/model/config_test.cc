@@ -3,7 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
+
+#include "common/text.h"
+#include "model/rope.h"
 
 namespace shardserve {
 namespace {
@@ -127,7 +131,8 @@ TEST(ConfigTest, RefusesWhatItDoesNotRunExactly) {
   const std::vector<Bad> cases = {
       {"unknown architecture", {{"architectures", {"GPT2LMHeadModel"}}}, "'GPT2LMHeadModel'"},
       {"activation", {{"hidden_act", "gelu"}}, "'hidden_act' 'gelu' is not supported"},
-      {"rope type", {{"rope_scaling", {{"type", "yarn"}, {"factor", 2.0}}}}, "'yarn'"},
+      {"rope type", {{"rope_scaling", {{"type", "dynamic"}, {"factor", 2.0}}}}, "'dynamic'"},
+      {"yarn factor", {{"rope_scaling", {{"type", "yarn"}, {"factor", 0.5}}}}, "at least 1"},
       {"kv heads", {{"num_key_value_heads", 3}}, "3 does not divide num_attention_heads 4"},
       {"missing field", {{"hidden_size", nullptr}}, "'hidden_size' is required"},
       {"mlp bias", {{"mlp_bias", true}}, "'mlp_bias' true is not supported"},
@@ -171,6 +176,95 @@ TEST(ConfigTest, RefusesWhatItDoesNotRunExactly) {
   }
   EXPECT_THAT(std::string(ParseModelConfig("{nope").status().message()),
               HasSubstr("not valid JSON"));
+}
+
+json DeepseekV3() {
+  auto text = ReadFileToString(std::string(SHARDSERVE_SOURCE_DIR) +
+                               "/examples/plan/deepseek-v3/config.json");
+  EXPECT_TRUE(text.ok()) << text.status();
+  return json::parse(*text);
+}
+
+// DeepSeek-V3's own config.json: MLA, its routing, the dense first layers, YaRN as it sets it.
+TEST(ConfigTest, ParsesDeepseekV3) {
+  auto c = ParseModelConfig(DeepseekV3().dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->mla && c->moe && c->sigmoid_routing && c->rope_interleave);
+  EXPECT_EQ(c->q_lora_rank, 1536);
+  EXPECT_EQ(c->kv_lora_rank, 512);
+  EXPECT_EQ(c->head_dim, 64);  // the rotated dims
+  EXPECT_EQ(c->qk_nope_dim, 128);
+  EXPECT_EQ(c->v_head_dim, 128);
+  EXPECT_EQ(c->intermediate_size, 2048);  // an expert's
+  EXPECT_EQ(c->dense_intermediate_size, 18432);
+  EXPECT_EQ(c->num_experts, 256);
+  EXPECT_EQ(c->shared_experts, 1);
+  EXPECT_EQ(c->n_group, 8);
+  EXPECT_EQ(c->topk_group, 4);
+  EXPECT_EQ(c->first_dense_layers, 3);
+  EXPECT_EQ(c->routed_scaling, 2.5);
+  EXPECT_EQ(c->mtp_layers, 1);
+  EXPECT_FALSE(c->moe_layer(2));
+  EXPECT_TRUE(c->moe_layer(3));
+  EXPECT_EQ(c->rope_scaling, RopeScaling::kYarn);
+  EXPECT_EQ(c->rope_original_max_position, 4096);
+  EXPECT_EQ(c->rope_attention_factor, 1.0);  // mscale = mscale_all_dim
+  // transformers' softmax scale: (128 + 64)^-0.5 x (0.1 ln 40 + 1)^2.
+  const double m = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(c->attention_scale(), m * m / std::sqrt(192.0), 1e-12);
+  EXPECT_TRUE(c->fp8);
+}
+
+TEST(ConfigTest, RefusesDeepseekV3OptionsItDoesNotRun) {
+  const std::vector<Bad> cases = {
+      {"scoring", {{"scoring_func", "softmax"}}, "'scoring_func' 'softmax' is not supported"},
+      {"topk method", {{"topk_method", "greedy"}}, "'topk_method' 'greedy' is not supported"},
+      {"groups", {{"n_group", 7}}, "'n_group' 7 does not divide n_routed_experts 256"},
+      {"topk groups", {{"topk_group", 9}}, "'topk_group' 9 exceeds n_group 8"},
+      {"k past groups", {{"topk_group", 1}, {"num_experts_per_tok", 40}}, "exceeds the 1 chosen"},
+      {"bias", {{"attention_bias", true}}, "'attention_bias' true is not supported"},
+      {"dense", {{"first_k_dense_replace", 62}}, "'first_k_dense_replace' must be between 0"},
+      {"freq", {{"moe_layer_freq", 2}}, "'moe_layer_freq' other than 1"},
+      {"kv lora", {{"kv_lora_rank", nullptr}}, "'kv_lora_rank' is required"},
+      {"odd rope", {{"qk_rope_head_dim", 63}}, "'qk_rope_head_dim' must be even"},
+      {"yarn factor on the rotated dims",
+       {{"rope_scaling",
+         {{"type", "yarn"}, {"factor", 40}, {"mscale", 0.707}, {"mscale_all_dim", 1.0}}}},
+       "attention factor of"},
+  };
+  for (const Bad& b : cases) {
+    json j = DeepseekV3();
+    for (auto it = b.patch.begin(); it != b.patch.end(); ++it) {
+      if (it.value().is_null()) {
+        j.erase(it.key());
+      } else {
+        j[it.key()] = it.value();
+      }
+    }
+    auto c = ParseModelConfig(j.dump());
+    ASSERT_FALSE(c.ok()) << b.name;
+    EXPECT_THAT(std::string(c.status().message()), HasSubstr(b.message)) << b.name;
+  }
+}
+
+// YaRN's frequencies as transformers' _compute_yarn_parameters gives them (printed from
+// transformers 5.23 for head_dim 16, theta 10000, factor 4, original 64, beta 32 / 1), and its
+// attention factor folded into the softmax scale where the whole head rotates.
+TEST(ConfigTest, YarnFrequenciesAndScale) {
+  json j = Llama();
+  j["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 64}};
+  auto c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::vector<float> f = RopeInvFreq(*c);
+  const std::vector<float> want = {1.000000000e+00f, 2.371708155e-01f, 4.999999702e-02f,
+                                   7.905694656e-03f, 2.499999944e-03f, 7.905694656e-04f,
+                                   2.500000119e-04f, 7.905694656e-05f};
+  ASSERT_EQ(f.size(), want.size());
+  for (size_t i = 0; i < f.size(); ++i) EXPECT_NEAR(f[i], want[i], 1e-7 * want[i]) << i;
+  const double af = 0.1 * std::log(4.0) + 1.0;
+  EXPECT_NEAR(c->rope_attention_factor, af, 1e-12);
+  EXPECT_NEAR(c->attention_scale(), af * af / 4.0, 1e-12);  // head_dim 16
 }
 
 }  // namespace
