@@ -344,7 +344,7 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-heads ", kv_heads, " must divide --heads ", heads));
   }
-  if (head_dim == 0 && hidden % heads != 0) {
+  if (head_dim == 0 && hidden % heads != 0 && arch != "deepseek_v3") {  // MLA sizes its heads
     return absl::InvalidArgumentError(
         absl::StrCat("--hidden ", hidden, " is not divisible by --heads ", heads));
   }

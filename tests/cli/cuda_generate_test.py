@@ -43,6 +43,12 @@ with tempfile.TemporaryDirectory() as tmp:
                     "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                     "--intermediate", "96", "--vocab", "401", "--dtype", "f32", "--fp8-block", "32"],
                    check=True, capture_output=True)
+    # DeepSeek-V3: latent attention (HeadGemm, WriteLatentKv, LatentAttention), grouped routing.
+    models["deepseek-v3"] = os.path.join(tmp, "deepseek-v3")
+    subprocess.run([BIN, "gen-model", "--arch", "deepseek_v3", "--out", models["deepseek-v3"],
+                    "--layers", "3", "--hidden", "64", "--heads", "4", "--intermediate", "96",
+                    "--vocab", "401", "--dtype", "bf16", "--q-lora", "32", "--groups", "2",
+                    "--rope-scaling", "yarn"], check=True, capture_output=True)
 
     probe = generate(models["llama"], [], "cuda")
     if probe.returncode != 0 and ("no GPU is visible" in probe.stderr
@@ -54,7 +60,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
     cases = [("greedy", []), ("sampled", ["--temperature", "0.8", "--top-p", "0.9",
                                           "--seed", "5"])]
-    for arch in ["llama", "mixtral", "llama-fp8"]:
+    for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3"]:
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):

@@ -238,6 +238,18 @@ int Run(int iterations, uint64_t seed) {
     std::fprintf(stderr, "gen-model --fp8-block: %s\n", std::string(s.message()).c_str());
     return 1;
   }
+  // And a DeepSeek-V3 (multi-head latent attention, grouped routing, a dense layer, YaRN).
+  GenModelOptions ds = testing::SmallModel("deepseek_v3", tmp.Sub("ds"));
+  ds.layers = 2;
+  ds.vocab = 300;
+  ds.q_lora_rank = 32;
+  ds.groups = 2;
+  ds.topk_groups = 1;
+  ds.rope_scaling = "yarn";
+  if (absl::Status s = GenerateModel(ds); !s.ok()) {
+    std::fprintf(stderr, "gen-model --arch deepseek_v3: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
   struct Target {
     std::string name, dir, file;
     enum { kBinary, kSafetensors, kWhole, kJson } kind;
@@ -250,6 +262,8 @@ int Run(int iterations, uint64_t seed) {
       // Its header and its bytes (NaN codes, scales that are not finite) alike.
       {"FP8 safetensors", tmp.Sub("fp8"), "model.safetensors", Target::kWhole},
       {"FP8 config.json", tmp.Sub("fp8"), "config.json", Target::kJson},
+      {"MLA safetensors", tmp.Sub("ds"), "model.safetensors", Target::kSafetensors},
+      {"MLA config.json", tmp.Sub("ds"), "config.json", Target::kJson},
   };
   Mutator m(seed);
   int total = 0;

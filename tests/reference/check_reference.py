@@ -23,6 +23,10 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+DEEPSEEK = ["--arch", "deepseek_v3", "--heads", "8", "--experts", "8", "--top-k", "2",
+            "--kv-lora", "32", "--rope-dim", "16", "--nope-dim", "16", "--v-dim", "16",
+            "--moe-intermediate", "64"]
+LONG = ["--max-position", "1100"]  # room for the 1,000-token prompt
 CASES = {
     "llama_gqa_f32": ["--arch", "llama", "--dtype", "f32", "--kv-heads", "2"],
     "llama_gqa_bf16": ["--arch", "llama", "--dtype", "bf16", "--kv-heads", "2"],
@@ -35,11 +39,11 @@ CASES = {
                               "--tokenizer", "sentencepiece"],
     "mistral_bf16": ["--arch", "mistral", "--dtype", "bf16", "--kv-heads", "2"],
     "qwen2_f32": ["--arch", "qwen2", "--dtype", "f32", "--kv-heads", "3"],
-    "qwen3_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4"],
+    "qwen3_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4"] + LONG,
     "qwen3_bias_bf16": ["--arch", "qwen3", "--dtype", "bf16", "--heads", "8", "--kv-heads", "4",
                         "--attention-bias"],
     "qwen3_moe_f32": ["--arch", "qwen3_moe", "--dtype", "f32", "--heads", "8", "--kv-heads", "4",
-                      "--experts", "8", "--top-k", "2", "--intermediate", "64"],
+                      "--experts", "8", "--top-k", "2", "--intermediate", "64"] + LONG,
     "qwen3_moe_nonorm_bf16": ["--arch", "qwen3_moe", "--dtype", "bf16", "--heads", "8",
                               "--kv-heads", "4", "--experts", "4", "--top-k", "3",
                               "--intermediate", "64", "--no-norm-topk-prob"],
@@ -51,6 +55,21 @@ CASES = {
     "qwen3_moe_fp8_bf16": ["--arch", "qwen3_moe", "--dtype", "bf16", "--heads", "8",
                            "--kv-heads", "4", "--experts", "8", "--top-k", "2",
                            "--intermediate", "64", "--fp8-block", "16"],
+    # YaRN where the whole head rotates: its attention factor (0.1 ln 4 + 1) on cos and sin.
+    "qwen3_yarn_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4",
+                       "--rope-scaling", "yarn"],
+    # DeepSeek-V3: multi-head latent attention (q LoRA, interleaved RoPE with YaRN), grouped
+    # sigmoid routing with the correction bias, a shared expert, a dense first layer; a prompt of
+    # 1,000 tokens.
+    "deepseek_v3_f32": DEEPSEEK + ["--dtype", "f32", "--q-lora", "48", "--groups", "4",
+                                   "--topk-groups", "2", "--rope-scaling", "yarn"] + LONG,
+    # q_proj (no q LoRA), plain RoPE, one group, two shared experts, every layer sparse, the
+    # chosen scores unnormalized.
+    "deepseek_v3_plain_bf16": DEEPSEEK + ["--dtype", "bf16", "--shared-experts", "2",
+                                          "--first-dense", "0", "--no-norm-topk-prob"],
+    "deepseek_v3_fp8_bf16": DEEPSEEK + ["--dtype", "bf16", "--q-lora", "48", "--groups", "4",
+                                        "--topk-groups", "2", "--rope-scaling", "yarn",
+                                        "--fp8-block", "16"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
                      "--kv-heads", "2"],
@@ -61,7 +80,10 @@ LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "qwen3_moe_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "qwen3_moe_nonorm_bf16": [(1, 1), (2, 2)],
            "qwen3_fp8_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
-           "qwen3_moe_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]}
+           "qwen3_moe_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "deepseek_v3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "deepseek_v3_plain_bf16": [(1, 1), (2, 2)],
+           "deepseek_v3_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]}
 BASE = ["--layers", "3", "--hidden", "96", "--heads", "6", "--intermediate", "160", "--vocab",
         "600", "--seed", "7", "--max-position", "512"]
 TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nnew line",
@@ -167,33 +189,42 @@ def main():
                   if native_dtype else None)
         worst = 0.0
         layouts = LAYOUTS.get(args.case, [(1, 1)])
-        for prompt, (tp, pp) in [(p, lay) for p in ([1, 5, 9, 200, 33], list(range(3, 120, 3)), [1])
-                                 for lay in layouts]:
-            steps = 10
-            got = ours(args.shardserve, model_dir, prompt, steps, tp, pp)
+        prompts = [[1, 5, 9, 200, 33], list(range(3, 120, 3)), [1]]
+        if "--max-position" in CASES[args.case]:  # a long prompt: 1,000 tokens
+            prompts.append([(i * 37) % 599 + 1 for i in range(1000)])
+        steps = 10
+        for prompt in prompts:
             want_tokens, want_lps = hf_greedy(ref32, prompt, steps)
-            if got["tokens"] != want_tokens:
-                sys.exit(f"greedy tokens differ for prompt {prompt[:8]}... at TP={tp} PP={pp}:\n"
-                         f" ours {got['tokens']}\n   hf {want_tokens}")
-            for step, lp in enumerate(want_lps):
-                d = abs(got["logprobs"][step] - float(lp[want_tokens[step]]))
-                worst = max(worst, d)
-                for alt in got["top_logprobs"][step]:
-                    worst = max(worst, abs(alt["logprob"] - float(lp[alt["id"]])))
-                hf_top = torch.topk(lp, 5).indices.tolist()
-                ours_top = [a["id"] for a in got["top_logprobs"][step]]
-                if set(hf_top) != set(ours_top):
-                    sys.exit(f"top-5 differs at step {step}: ours {ours_top} hf {hf_top}")
-            if worst > TIGHT:
-                sys.exit(f"logprobs differ by {worst:.2e} > {TIGHT} (prompt {prompt[:8]}...)")
+            native_lp = None
             if native is not None:
                 with torch.no_grad():
-                    lp = torch.log_softmax(native(torch.tensor([prompt])).logits[0, -1].double(), -1)
-                d = abs(float(lp[got["tokens"][0]]) - got["logprobs"][0])
-                if d > LOOSE:
-                    sys.exit(f"native-{native_dtype} logprob differs by {d:.3f} > {LOOSE}")
+                    native_lp = torch.log_softmax(
+                        native(torch.tensor([prompt])).logits[0, -1].double(), -1)
+            for tp, pp in layouts:
+                got = ours(args.shardserve, model_dir, prompt, steps, tp, pp)
+                if got["tokens"] != want_tokens:
+                    sys.exit(f"greedy tokens differ for prompt {prompt[:8]}... ({len(prompt)} "
+                             f"tokens) at TP={tp} PP={pp}:\n"
+                             f" ours {got['tokens']}\n   hf {want_tokens}")
+                for step, lp in enumerate(want_lps):
+                    d = abs(got["logprobs"][step] - float(lp[want_tokens[step]]))
+                    worst = max(worst, d)
+                    for alt in got["top_logprobs"][step]:
+                        worst = max(worst, abs(alt["logprob"] - float(lp[alt["id"]])))
+                    hf_top = torch.topk(lp, 5).indices.tolist()
+                    ours_top = [a["id"] for a in got["top_logprobs"][step]]
+                    if set(hf_top) != set(ours_top):
+                        sys.exit(f"top-5 differs at step {step}: ours {ours_top} hf {hf_top}")
+                if worst > TIGHT:
+                    sys.exit(f"logprobs differ by {worst:.2e} > {TIGHT} (prompt {prompt[:8]}...)")
+                if native_lp is not None:
+                    d = abs(float(native_lp[got["tokens"][0]]) - got["logprobs"][0])
+                    if d > LOOSE:
+                        sys.exit(f"native-{native_dtype} logprob differs by {d:.3f} > {LOOSE}")
         shapes = ", ".join(f"TP={tp} PP={pp}" for tp, pp in layouts)
-        print(f"{args.case}: greedy tokens identical to transformers on 3 prompts ({shapes}); "
+        longest = max(len(p) for p in prompts)
+        print(f"{args.case}: greedy tokens identical to transformers on {len(prompts)} prompts "
+              f"(up to {longest} tokens; {shapes}); "
               f"max |dlogprob| = {worst:.2e} (tolerance {TIGHT})")
 
 

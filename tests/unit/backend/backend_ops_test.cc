@@ -504,6 +504,165 @@ TEST_P(BackendOpsTest, MoeRoutingAndExpertProducts) {
   }
 }
 
+// DeepSeek-V3's routing against its definition in double precision: sigmoid scores, the
+// correction bias choosing among the best groups (scored by their two best), the chosen scores
+// normalized (or not) and scaled; a tie between two experts goes to the lower id.
+TEST_P(BackendOpsTest, RouteGroupedChoosesInsideTheBestGroups) {
+  const int64_t rows = 5, E = 16, k = 3;
+  std::vector<float> logits = Random(rows * E, 31, -3, 3);
+  const std::vector<float> bias = Random(E, 32, -0.3f, 0.3f);
+  logits[2 * E + 4] = logits[2 * E + 5] = 2.5f;  // row 2: a tie inside a group
+  Mem mem(*be_);
+  const float *dl = mem.Put(logits), *db = mem.Put(bias);
+  int32_t* de = mem.Zeros<int32_t>(rows * k);
+  float* dw = mem.Zeros<float>(rows * k);
+  struct Shape {
+    int64_t groups, topk_groups;
+    bool normalize;
+    float scaling;
+  };
+  for (const Shape& sh : {Shape{1, 1, true, 2.5f}, Shape{4, 2, true, 1.0f},
+                          Shape{8, 3, false, 2.5f}, Shape{4, 1, false, 1.0f}}) {
+    ASSERT_TRUE(be_->RouteGrouped(dl, db, rows, E, k, sh.groups, sh.topk_groups, sh.normalize,
+                                  sh.scaling, de, dw)
+                    .ok());
+    const std::vector<int32_t> experts = mem.Get(de, rows * k);
+    const std::vector<float> weights = mem.Get(dw, rows * k);
+    const int64_t per = E / sh.groups;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<double> score(E), choice(E);
+      for (int64_t e = 0; e < E; ++e) {
+        score[e] = 1 / (1 + std::exp(-double(logits[r * E + e])));
+        choice[e] = score[e] + bias[e];
+      }
+      std::vector<double> group(sh.groups);
+      for (int64_t g = 0; g < sh.groups; ++g) {
+        std::vector<double> m(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+        std::sort(m.rbegin(), m.rend());
+        group[g] = per > 1 ? m[0] + m[1] : m[0];
+      }
+      std::vector<int64_t> gorder(sh.groups);
+      std::iota(gorder.begin(), gorder.end(), 0);
+      std::stable_sort(gorder.begin(), gorder.end(),
+                       [&](int64_t a, int64_t b) { return group[a] > group[b]; });
+      std::vector<bool> kept(sh.groups, sh.groups == 1);
+      for (int64_t j = 0; j < sh.topk_groups; ++j) kept[gorder[j]] = true;
+      std::vector<int64_t> order;
+      for (int64_t e = 0; e < E; ++e) {
+        if (kept[e / per]) order.push_back(e);
+      }
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
+      double sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += score[order[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        ASSERT_EQ(experts[r * k + j], order[j]) << r << " groups " << sh.groups;
+        const double want = (sh.normalize ? score[order[j]] / sum : score[order[j]]) * sh.scaling;
+        EXPECT_NEAR(weights[r * k + j], want, 1e-6) << r;
+      }
+    }
+  }
+}
+
+// Per-head products (MLA's absorbed query and value projections): strided inputs and outputs,
+// every weight dtype, against double-precision arithmetic.
+TEST_P(BackendOpsTest, HeadGemmMultipliesEachHeadByItsRows) {
+  const int64_t rows = 5, heads = 3, N = 7, K = 12;
+  const int64_t ldx = heads * K + 4, ldy = heads * (N + 2) + 1, y_head = N + 2;
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<float> w = Random(heads * N * K, 41);
+    std::vector<uint8_t> bytes = Encode(dtype, w);
+    auto up = be_->Upload(WeightMatrix{dtype, bytes.data(), heads * N, K, K});
+    ASSERT_TRUE(up.ok()) << up.status();
+    const std::vector<float> x = Random(rows * ldx, 42);
+    Mem mem(*be_);
+    float* y = mem.Put(std::vector<float>(rows * ldy, 7.0f));  // what it does not write stays
+    ASSERT_TRUE(be_->HeadGemm(*up, heads, mem.Put(x), ldx, K, rows, y, ldy, y_head).ok());
+    const std::vector<float> got = mem.Get(y, rows * ldy);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t n = 0; n < N; ++n) {
+          double want = 0;
+          for (int64_t c = 0; c < K; ++c) {
+            want += double(w[(h * N + n) * K + c]) * x[r * ldx + h * K + c];
+          }
+          ASSERT_NEAR(got[r * ldy + h * y_head + n], want, 1e-4) << DTypeName(dtype);
+        }
+        EXPECT_EQ(got[r * ldy + h * y_head + N], 7.0f);
+      }
+    }
+  }
+  const std::vector<float> none(8);
+  std::vector<uint8_t> q(1024);
+  auto quant = be_->Upload(WeightMatrix{DType::kQ8_0, q.data(), 2, 32, 32});
+  if (quant.ok()) {  // a backend that holds quantized weights refuses them here by name
+    Mem mem(*be_);
+    const absl::Status st = be_->HeadGemm(*quant, 2, mem.Put(std::vector<float>(64)), 64, 32, 1,
+                                          mem.Zeros<float>(2), 2, 1);
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("F32, F16 or BF16"));
+  }
+}
+
+// Latent attention against the expanded arithmetic: each head's score of a position is its
+// latent query against the position's latent plus its rotated query against the rotated key;
+// the output the softmax-weighted latents. Two sequences in shuffled blocks, a prompt's rows and
+// a long decode row, a second cache that stays apart.
+TEST_P(BackendOpsTest, LatentAttentionReadsWhatWriteLatentKvWrote) {
+  const int64_t L = 40, R = 8, D = L + R, bs = 4, heads = 3, layers = 2;
+  std::vector<int32_t> pos, offset, table;
+  for (int32_t b = 0; b < 40; ++b) table.push_back((b * 7) % 40);  // sequence 0: 30 blocks
+  for (int32_t p = 0; p < 9; ++p) {                                // sequence 1: a prompt of 9
+    pos.push_back(p);
+    offset.push_back(30);
+  }
+  for (int32_t p = 0; p < 117; ++p) {  // sequence 0: 117 positions
+    pos.push_back(p);
+    offset.push_back(0);
+  }
+  const int64_t rows = static_cast<int64_t>(pos.size());
+  const std::vector<float> lat = Random(rows * L, 51), rope = Random(rows * R, 52),
+                           ql = Random(rows * heads * L, 53, -0.5f, 0.5f),
+                           qr = Random(rows * heads * R, 54, -2, 2);
+  auto kv = be_->AllocLatentKv(layers, 40, bs, L, R);
+  auto other = be_->AllocLatentKv(layers, 40, bs, L, R);
+  ASSERT_TRUE(kv.ok() && other.ok());
+  EXPECT_EQ((*kv)->owner, be_.get());
+  Mem mem(*be_);
+  const int32_t *dp = mem.Put(pos), *dt = mem.Put(table), *doff = mem.Put(offset);
+  ASSERT_TRUE(be_->WriteLatentKv(**kv, 1, mem.Put(lat), mem.Put(rope), rows, dp, dt, doff).ok());
+  const std::vector<float> noise = Random(rows * D, 55);
+  ASSERT_TRUE(
+      be_->WriteLatentKv(**other, 1, mem.Put(noise), mem.Put(noise), rows, dp, dt, doff).ok());
+  float* out = mem.Zeros<float>(rows * heads * L);
+  const float scale = 0.3f;
+  ASSERT_TRUE(be_->LatentAttention(**kv, 1, mem.Put(ql), mem.Put(qr), rows, heads, dp, dt, doff,
+                                   117, scale, out)
+                  .ok());
+  const std::vector<float> got = mem.Get(out, rows * heads * L);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t first = r < 9 ? 0 : 9;  // the sequence's first row
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t item = r * heads + h;
+      std::vector<double> score;
+      double mx = -1e300;
+      for (int64_t p = first; p <= r; ++p) {
+        double s = 0;
+        for (int64_t d = 0; d < L; ++d) s += double(ql[item * L + d]) * lat[p * L + d];
+        for (int64_t d = 0; d < R; ++d) s += double(qr[item * R + d]) * rope[p * R + d];
+        score.push_back(s * scale);
+        mx = std::max(mx, score.back());
+      }
+      double z = 0;
+      for (double& s : score) z += (s = std::exp(s - mx));
+      for (int64_t d = 0; d < L; ++d) {
+        double want = 0;
+        for (int64_t p = first; p <= r; ++p) want += score[p - first] / z * lat[p * L + d];
+        ASSERT_NEAR(got[item * L + d], want, 1e-5) << r << " " << h << " " << d;
+      }
+    }
+  }
+}
+
 // The summaries VocabSummaries wrote (`got`) for K, against the host's: each row's max, sum of
 // exp(logit - max), and its K best in order (ties to the lower id), -inf past the slice's n.
 void ExpectSummaries(const std::vector<float>& logits, int64_t rows, int64_t ld, int64_t n,

@@ -172,6 +172,12 @@ class ShardedTest : public ::testing::TestWithParam<std::string> {
     o.vocab = 401;  // not divisible by 2 or 4 ranks
     o.dtype = DType::kBF16;
     if (param.ends_with(" fp8")) o.fp8_block = 24;
+    if (o.arch == "deepseek_v3") {  // MLA with q LoRA, YaRN, grouped routing, a dense layer
+      o.q_lora_rank = 32;
+      o.groups = 2;
+      o.topk_groups = 1;
+      o.rope_scaling = "yarn";
+    }
     return testing::WriteModel(o);
   }
   testing::TempDir dir_;
@@ -208,17 +214,26 @@ TEST_P(ShardedTest, EachRankHoldsItsShareOfTheWeights) {
   auto two = ShardedModel::Load(dir, 2, 1);
   ASSERT_TRUE(one.ok() && two.ok());
   const size_t whole = (*one)->stages_[0][0].model->shard_weight_bytes();
+  // Replicated on every rank: DeepSeek-V3's q_a_proj and kv_a_proj_with_mqa (every head reads
+  // their latents) and its routers' score-correction biases (the norms are not counted).
+  size_t replicated = 0;
+  const ModelConfig& c = (*one)->stages_[0][0].model->config();
+  if (c.mla) {
+    replicated = c.num_layers * (c.q_lora_rank + c.kv_lora_rank + c.head_dim) * c.hidden_size *
+                 DTypeSize(c.dtype);
+  }
   for (int t = 0; t < 2; ++t) {
     const size_t part = (*two)->stages_[0][t].model->shard_weight_bytes();
-    // Everything is split except the (replicated) MoE router: about half, never more.
-    EXPECT_LE(part, whole / 2 + whole / 50) << "rank " << t;
-    EXPECT_GE(part, whole / 2 - whole / 50) << "rank " << t;
+    // Everything else is split except the (replicated) MoE router: about half.
+    const size_t half = (whole + replicated) / 2;
+    EXPECT_LE(part, half + whole / 50) << "rank " << t;
+    EXPECT_GE(part, half - whole / 50) << "rank " << t;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, ShardedTest,
                          ::testing::Values("llama", "mixtral", "qwen2", "llama fp8",
-                                           "qwen3_moe fp8"));
+                                           "qwen3_moe fp8", "deepseek_v3", "deepseek_v3 fp8"));
 
 TEST(ShardedShapeTest, BadShapesNameTheNumbers) {
   testing::TempDir dir;
@@ -242,6 +257,32 @@ TEST(ShardedShapeTest, BadShapesNameTheNumbers) {
   EXPECT_THAT(
       std::string(m.status().message()),
       HasSubstr("num_key_value_heads 3 and tensor parallelism 2: one must divide the other"));
+}
+
+// DeepSeek-V3's own sizes: routed experts, the shared experts' slice, the dense layers'.
+TEST(ShardedShapeTest, DeepseekSizesNameTheField) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("deepseek_v3", dir.Sub("m"));
+  o.heads = 6;
+  auto err = [&](const std::string& name, int tp) {
+    o.out_dir = dir.Sub(name);
+    testing::WriteModel(o);
+    auto m = ShardedModel::Load(o.out_dir, tp, 1);
+    EXPECT_FALSE(m.ok());
+    return std::string(m.status().message());
+  };
+  o.experts = 4;
+  EXPECT_THAT(err("experts", 3), HasSubstr("n_routed_experts 4 is not divisible by tensor "
+                                           "parallelism 3"));
+  o.experts = 6;
+  o.moe_intermediate = 32;
+  o.shared_experts = 1;
+  EXPECT_THAT(err("shared", 3), HasSubstr("n_shared_experts x moe_intermediate_size 32 is not "
+                                          "divisible by tensor parallelism 3"));
+  o.moe_intermediate = 48;
+  o.intermediate = 100;
+  EXPECT_THAT(err("dense", 3),
+              HasSubstr("intermediate_size 100 is not divisible by tensor parallelism 3"));
 }
 
 }  // namespace
