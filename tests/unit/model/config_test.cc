@@ -127,6 +127,18 @@ struct Bad {
   const char* message;
 };
 
+// `base` with `patch` merged in; null values erase the key.
+json Patched(json base, const json& patch) {
+  for (auto it = patch.begin(); it != patch.end(); ++it) {
+    if (it.value().is_null()) {
+      base.erase(it.key());
+    } else {
+      base[it.key()] = it.value();
+    }
+  }
+  return base;
+}
+
 TEST(ConfigTest, RefusesWhatItDoesNotRunExactly) {
   const std::vector<Bad> cases = {
       {"unknown architecture", {{"architectures", {"GPT2LMHeadModel"}}}, "'GPT2LMHeadModel'"},
@@ -162,15 +174,7 @@ TEST(ConfigTest, RefusesWhatItDoesNotRunExactly) {
       {"eos past", {{"eos_token_id", 1000}}, "'eos_token_id' 1000 is not a token"},
   };
   for (const Bad& b : cases) {
-    json j = Llama();
-    for (auto it = b.patch.begin(); it != b.patch.end(); ++it) {
-      if (it.value().is_null()) {
-        j.erase(it.key());
-      } else {
-        j[it.key()] = it.value();
-      }
-    }
-    auto c = ParseModelConfig(j.dump());
+    auto c = ParseModelConfig(Patched(Llama(), b.patch).dump());
     ASSERT_FALSE(c.ok()) << b.name;
     EXPECT_THAT(std::string(c.status().message()), HasSubstr(b.message)) << b.name;
   }
@@ -233,15 +237,7 @@ TEST(ConfigTest, RefusesDeepseekV3OptionsItDoesNotRun) {
        "attention factor of"},
   };
   for (const Bad& b : cases) {
-    json j = DeepseekV3();
-    for (auto it = b.patch.begin(); it != b.patch.end(); ++it) {
-      if (it.value().is_null()) {
-        j.erase(it.key());
-      } else {
-        j[it.key()] = it.value();
-      }
-    }
-    auto c = ParseModelConfig(j.dump());
+    auto c = ParseModelConfig(Patched(DeepseekV3(), b.patch).dump());
     ASSERT_FALSE(c.ok()) << b.name;
     EXPECT_THAT(std::string(c.status().message()), HasSubstr(b.message)) << b.name;
   }
