@@ -45,6 +45,14 @@ struct SampleSpec {
   double u = 0;
 };
 
+// What a layer's attention adds to plain causal attention (gpt-oss): a sliding window (a row at
+// position p attends to [p - window + 1, p]; 0: to [0, p]) and a sink logit per local head,
+// added to the softmax's denominator (`sinks`: heads floats in backend memory; null: none).
+struct AttentionExtras {
+  int64_t window = 0;
+  const float* sinks = nullptr;
+};
+
 // Backend memory that grows: contents are undefined after a Reserve that grows it.
 class Buffer {
  public:
@@ -139,6 +147,10 @@ class Backend {
   virtual absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias) = 0;
   virtual absl::Status Add(float* x, const float* y, int64_t n) = 0;
   virtual absl::Status SiluMul(float* a, const float* b, int64_t n) = 0;
+  // gpt-oss's clamped SwiGLU: g = min(a[i], limit), u = clamp(b[i], -limit, limit),
+  // a[i] = (u + 1) * g * sigmoid(alpha * g).
+  virtual absl::Status SwiGluClamped(float* a, const float* b, int64_t n, float alpha,
+                                     float limit) = 0;
   // Rotary embedding (rotate_half layout, as model/rope.h) of `heads` heads of head_dim per row,
   // row r at position positions[r]; inv_freq holds head_dim / 2 floats.
   virtual absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
@@ -152,12 +164,12 @@ class Backend {
   // Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
   // sequence in layer `layer` of `kv` (blocks at block_offset[r]); head h reads KV head
   // (head0 + h) / group - kv_head0. Writes rows x heads x head_dim floats; max_len bounds every
-  // row's positions + 1.
+  // row's positions + 1. `extras` narrows it to a window and adds sinks (gpt-oss).
   virtual absl::Status Attention(const KvStorage& kv, int64_t layer, const float* q, int64_t rows,
                                  int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
                                  const int32_t* positions, const int32_t* blocks,
                                  const int32_t* block_offset, int64_t max_len, float scale,
-                                 float* out) = 0;
+                                 const AttentionExtras& extras, float* out) = 0;
   // --- Multi-head latent attention (DeepSeek-V3's MLA; model/transformer.cc)
   // Per-head products: for each of `rows` rows and each head h < heads,
   // y[r * ldy + h * y_head + n] = sum_k w[h * N + n][k] * x[r * ldx + h * x_head + k] for

@@ -190,6 +190,37 @@ void PlanDeepseekLayer(const GenModelOptions& o, const std::string& p, int64_t l
   }
 }
 
+// One gpt-oss layer (transformers' names): biased attention with a sink per head; the router with
+// its bias; the experts fused, [E][in][out] with gate and up interleaved, and their biases.
+void PlanGptOssLayer(const GenModelOptions& o, const std::string& p, int64_t head_dim,
+                     const AddTensor& add) {
+  const float sqrt3 = std::sqrt(3.0f);
+  auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
+  const Init norm{1.0f, 0.1f}, bias{0.0f, 0.1f};
+  const int64_t H = o.hidden, I = o.intermediate, E = o.experts, q = o.heads * head_dim,
+                kv = o.kv_heads * head_dim;
+  const std::string a = p + "self_attn.";
+  add(p + "input_layernorm.weight", {H}, norm);
+  add(a + "q_proj.weight", {q, H}, uniform_std(1.0 / std::sqrt(H)));
+  add(a + "k_proj.weight", {kv, H}, uniform_std(1.0 / std::sqrt(H)));
+  add(a + "v_proj.weight", {kv, H}, uniform_std(1.0 / std::sqrt(H)));
+  add(a + "o_proj.weight", {H, q}, uniform_std(0.5 / std::sqrt(q)));
+  add(a + "q_proj.bias", {q}, bias);
+  add(a + "k_proj.bias", {kv}, bias);
+  add(a + "v_proj.bias", {kv}, bias);
+  add(a + "o_proj.bias", {H}, bias);
+  add(a + "sinks", {o.heads}, Init{1.0f, 1.5f});
+  add(p + "post_attention_layernorm.weight", {H}, norm);
+  const std::string m = p + "mlp.";
+  add(m + "router.weight", {E, H}, uniform_std(2.0 / std::sqrt(H)));
+  add(m + "router.bias", {E}, bias);
+  // Wide enough that some gates and ups pass the clamp.
+  add(m + "experts.gate_up_proj", {E, H, 2 * I}, uniform_std(3.0 / std::sqrt(H)));
+  add(m + "experts.gate_up_proj_bias", {E, 2 * I}, bias);
+  add(m + "experts.down_proj", {E, I, H}, uniform_std(0.5 / std::sqrt(I)));
+  add(m + "experts.down_proj_bias", {E, H}, bias);
+}
+
 std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   const float sqrt3 = std::sqrt(3.0f);
   auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
@@ -213,6 +244,10 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     if (o.arch == "deepseek_v3") {
       PlanDeepseekLayer(o, p, l, add);
+      continue;
+    }
+    if (o.arch == "gpt_oss") {
+      PlanGptOssLayer(o, p, head_dim, add);
       continue;
     }
     add(p + "input_layernorm.weight", {H}, norm);
@@ -302,11 +337,14 @@ absl::Status WriteText(const std::filesystem::path& path, const std::string& tex
 
 absl::Status GenModelOptions::Validate() const {
   if (arch != "llama" && arch != "mistral" && arch != "qwen2" && arch != "qwen3" &&
-      arch != "qwen3_moe" && arch != "mixtral" && arch != "deepseek_v3") {
+      arch != "qwen3_moe" && arch != "mixtral" && arch != "deepseek_v3" && arch != "gpt_oss") {
     return absl::InvalidArgumentError(
         absl::StrCat("--arch '", arch,
                      "' is not one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, "
-                     "deepseek_v3"));
+                     "deepseek_v3, gpt_oss"));
+  }
+  if (arch == "gpt_oss" && (sliding_window <= 0 || !(swiglu_limit > 0))) {
+    return absl::InvalidArgumentError("--sliding-window and --swiglu-limit must be positive");
   }
   if (arch == "deepseek_v3") {
     for (auto [name, v] : {std::pair{"kv-lora", kv_lora_rank},
@@ -348,7 +386,7 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--hidden ", hidden, " is not divisible by --heads ", heads));
   }
-  if ((arch == "mixtral" || arch == "deepseek_v3") &&
+  if ((arch == "mixtral" || arch == "deepseek_v3" || arch == "gpt_oss") &&
       (experts <= 0 || top_k <= 0 || top_k > experts)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--top-k ", top_k, " must be between 1 and --experts ", experts));
@@ -414,6 +452,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                                 : o.arch == "qwen3"       ? "Qwen3ForCausalLM"
                                 : o.arch == "qwen3_moe"   ? "Qwen3MoeForCausalLM"
                                 : o.arch == "deepseek_v3" ? "DeepseekV3ForCausalLM"
+                                : o.arch == "gpt_oss"     ? "GptOssForCausalLM"
                                                           : "LlamaForCausalLM";
   json config = {{"architectures", {arch_name}},
                  {"model_type", o.arch},
@@ -483,6 +522,20 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["scoring_func"] = "sigmoid";
     config["num_nextn_predict_layers"] = 0;
   }
+  if (o.arch == "gpt_oss") {  // GptOssConfig's fields
+    config["num_local_experts"] = o.experts;
+    config["num_experts_per_tok"] = o.top_k;
+    config["experts_per_token"] = o.top_k;
+    config["swiglu_limit"] = o.swiglu_limit;
+    config["sliding_window"] = o.sliding_window;
+    json types = json::array();
+    for (int64_t l = 0; l < o.layers; ++l) {
+      types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
+    }
+    config["layer_types"] = types;
+    config["attention_bias"] = true;
+    config["router_aux_loss_coef"] = 0.0;
+  }
   if (o.fp8_block > 0) {  // as Hugging Face's FineGrainedFP8Config writes it
     config["quantization_config"] = {{"quant_method", "fp8"},
                                      {"fmt", "e4m3"},
@@ -509,6 +562,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
       config["rope_scaling"]["mscale"] = 1.0;
       config["rope_scaling"]["mscale_all_dim"] = 1.0;
     }
+    if (o.arch == "gpt_oss") config["rope_scaling"]["truncate"] = false;  // as gpt-oss sets it
   }
   RETURN_IF_ERROR(WriteText(dir / "config.json", config.dump(2)));
   const json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};

@@ -12,7 +12,7 @@
 namespace shardserve {
 
 struct GenModelOptions {
-  // llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v3
+  // llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v3 | gpt_oss
   std::string arch = "llama";
   std::string out_dir;
   int64_t layers = 2;
@@ -29,6 +29,10 @@ struct GenModelOptions {
   // shared experts and dense first layers (`intermediate` theirs, moe_intermediate the experts').
   int64_t q_lora_rank = 0, kv_lora_rank = 32, rope_dim = 16, nope_dim = 16, v_dim = 16;
   int64_t groups = 1, topk_groups = 1, shared_experts = 1, first_dense = 1, moe_intermediate = 64;
+  // gpt_oss: sliding and full attention in turn (the sliding layers' window), sinks, biases,
+  // fused experts of `intermediate` with the SwiGLU clamped at swiglu_limit.
+  int64_t sliding_window = 16;
+  double swiglu_limit = 7.0;
   int64_t max_position = 4096;
   DType dtype = DType::kBF16;
   uint64_t seed = 0;

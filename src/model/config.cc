@@ -82,6 +82,43 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
 // DeepSeek-V3's multi-head latent attention and MoE (ModelConfig's comments). What the runtime
 // does not run is refused by name: another scoring or top-k method, biased projections, MoE
 // layers other than every layer after the dense ones.
+// gpt-oss's sinks, per-layer sliding windows, biased router and experts, clamped SwiGLU
+// (ModelConfig's comments).
+absl::Status ParseGptOss(const json& j, const Reader& r, ModelConfig& c) {
+  c.gpt_oss = c.moe = true;
+  ASSIGN_OR_RETURN(c.num_experts, r.Positive("num_local_experts", {}, kMaxHeads));
+  ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
+  if (c.experts_per_token > c.num_experts) {
+    return r.Error("num_experts_per_tok",
+                   absl::StrCat(c.experts_per_token, " exceeds num_local_experts ", c.num_experts));
+  }
+  ASSIGN_OR_RETURN(c.swiglu_alpha, r.Number("swiglu_alpha", 1.702, 0.0, 1e6));
+  ASSIGN_OR_RETURN(c.swiglu_limit, r.Number("swiglu_limit", 7.0, 0.0, 1e30));
+  ASSIGN_OR_RETURN(bool bias, r.Bool("attention_bias", true));
+  c.qkv_bias = c.o_bias = bias;
+  if (r.Has("layer_types")) {
+    const json& types = j["layer_types"];
+    if (!types.is_array() || static_cast<int64_t>(types.size()) != c.num_layers) {
+      return r.Error("layer_types",
+                     absl::StrCat("must list the type of each of the ", c.num_layers, " layers"));
+    }
+    for (const json& t : types) {
+      if (t == "sliding_attention") {
+        c.sliding_layers.push_back(true);
+      } else if (t == "full_attention") {
+        c.sliding_layers.push_back(false);
+      } else {
+        return r.Error("layer_types",
+                       absl::StrCat("holds ", t.dump(), " (sliding_attention or full_attention)"));
+      }
+    }
+  } else {  // transformers' default: sliding and full in turn, sliding first
+    for (int64_t i = 0; i < c.num_layers; ++i) c.sliding_layers.push_back(i % 2 == 0);
+  }
+  ASSIGN_OR_RETURN(c.sliding_window, r.Positive("sliding_window", 128));
+  return absl::OkStatus();
+}
+
 absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
   c.mla = c.moe = c.sigmoid_routing = true;
   ASSIGN_OR_RETURN(c.q_lora_rank, r.Int("q_lora_rank", 0));
@@ -206,14 +243,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   } else if (c.architecture == "Qwen3MoeForCausalLM") {
     c.moe = c.qk_norm = true;
   } else if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
-             c.architecture != "Qwen2ForCausalLM" && c.architecture != "DeepseekV3ForCausalLM") {
+             c.architecture != "Qwen2ForCausalLM" && c.architecture != "DeepseekV3ForCausalLM" &&
+             c.architecture != "GptOssForCausalLM") {
     return r.Error("architectures",
                    absl::StrCat("names '", c.architecture,
                                 "', which shardserve does not run (supported: LlamaForCausalLM, "
                                 "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                "MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)"));
+                                "MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, "
+                                "GptOssForCausalLM)"));
   }
   const bool deepseek = c.architecture == "DeepseekV3ForCausalLM";
+  const bool gpt_oss = c.architecture == "GptOssForCausalLM";
   ASSIGN_OR_RETURN(c.model_type, r.String("model_type", ""));
   ASSIGN_OR_RETURN(c.hidden_size, r.Positive("hidden_size"));
   ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("intermediate_size"));
@@ -223,7 +263,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   ASSIGN_OR_RETURN(c.vocab_size, r.Positive("vocab_size"));
   ASSIGN_OR_RETURN(c.max_position_embeddings, r.Positive("max_position_embeddings", 2048));
   ASSIGN_OR_RETURN(c.rms_norm_eps, r.Number("rms_norm_eps", 1e-6, 0.0, 0.1));
-  ASSIGN_OR_RETURN(c.rope_theta, r.Number("rope_theta", 10000.0, 1.0, kMaxRopeTheta));
+  // transformers' default_theta: gpt-oss's 150000, others' 10000.
+  ASSIGN_OR_RETURN(c.rope_theta,
+                   r.Number("rope_theta", gpt_oss ? 150000.0 : 10000.0, 1.0, kMaxRopeTheta));
   ASSIGN_OR_RETURN(c.tie_word_embeddings, r.Bool("tie_word_embeddings", false));
   ASSIGN_OR_RETURN(c.torch_dtype, r.String("torch_dtype", ""));
   RETURN_IF_ERROR(ReadWeightFormat(j, r, c));
@@ -257,6 +299,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 
   if (c.architecture == "Qwen2ForCausalLM") {
     c.qkv_bias = true;
+  } else if (gpt_oss) {
+    RETURN_IF_ERROR(ParseGptOss(j, r, c));
   } else if (!deepseek) {
     ASSIGN_OR_RETURN(bool attention_bias, r.Bool("attention_bias", false));
     c.qkv_bias = c.o_bias = attention_bias;
@@ -266,10 +310,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     RETURN_IF_ERROR(ParseRope(j["rope_parameters"], r, c));
   } else if (j.contains("rope_scaling")) {
     RETURN_IF_ERROR(ParseRope(j["rope_scaling"], r, c));
+  } else if (gpt_oss) {  // GptOssConfig's default: YaRN as gpt-oss ships it
+    const json yarn = {{"rope_type", "yarn"}, {"factor", 32.0},
+                       {"beta_fast", 32.0},   {"beta_slow", 1.0},
+                       {"truncate", false},   {"original_max_position_embeddings", 4096}};
+    RETURN_IF_ERROR(ParseRope(yarn, r, c));
   }
 
   c.max_context = c.max_position_embeddings;
-  bool sliding = r.Has("sliding_window");
+  bool sliding = r.Has("sliding_window") && !gpt_oss;  // gpt-oss's windows are per layer
   if (c.architecture == "Qwen2ForCausalLM" || c.architecture == "Qwen3ForCausalLM" ||
       c.architecture == "Qwen3MoeForCausalLM") {
     ASSIGN_OR_RETURN(bool use_sliding, r.Bool("use_sliding_window", false));
@@ -291,7 +340,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                                 "); multi-head latent attention runs with 1 (DeepSeek-V3's: "
                                 "mscale = mscale_all_dim)"));
   }
-  if (c.moe && !deepseek) {
+  if (c.moe && !deepseek && !gpt_oss) {
     const bool qwen = c.architecture == "Qwen3MoeForCausalLM";
     const char* experts = qwen ? "num_experts" : "num_local_experts";
     ASSIGN_OR_RETURN(c.num_experts, r.Positive(experts, {}, kMaxHeads));

@@ -70,6 +70,15 @@ struct ModelConfig {
   int64_t dense_intermediate_size = 0;
   double routed_scaling = 1.0;
   int64_t mtp_layers = 0;  // multi-token-prediction layers in the checkpoint (not loaded)
+  // gpt-oss (GptOssForCausalLM): a learned sink logit per head in every softmax's denominator;
+  // the layers that layer_types names sliding_attention attend to the last sliding_window
+  // positions only; the router and the experts' projections carry biases; the experts' SwiGLU is
+  // clamped (gate at most swiglu_limit, up within +-swiglu_limit, (up + 1) * gate *
+  // sigmoid(swiglu_alpha * gate)); experts stored fused ([E][in][out], gate and up interleaved).
+  bool gpt_oss = false;
+  int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;  // per layer (gpt-oss), empty: none
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
   std::string torch_dtype;  // informational
@@ -83,6 +92,12 @@ struct ModelConfig {
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   // Whether layer i has experts (DeepSeek-V3's first layers are dense).
   bool moe_layer(int64_t i) const { return moe && i >= first_dense_layers; }
+  // The positions layer i attends to before the current one's: 0 for all (gpt-oss's sliding
+  // layers: sliding_window - 1).
+  int64_t window(int64_t i) const {
+    return i < static_cast<int64_t>(sliding_layers.size()) && sliding_layers[i] ? sliding_window
+                                                                                : 0;
+  }
   // The softmax's scale: 1/sqrt of the query-key dot's length, times YaRN's mscale_all_dim
   // correction squared (DeepSeek) and its attention factor squared where the whole head rotates.
   double attention_scale() const;

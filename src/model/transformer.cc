@@ -365,13 +365,14 @@ absl::Status Transformer::BindWeights() {
     ASSIGN_OR_RETURN(L.input_norm, VectorSlice(in_norm, 0, H));
     ASSIGN_OR_RETURN(L.post_norm, VectorSlice(post_norm, 0, H));
     L.sparse = c.moe_layer(i);
+    L.window = c.window(i);
     if (c.mla) {
       RETURN_IF_ERROR(BindLatentAttention(L, p));
     } else {
       RETURN_IF_ERROR(BindAttention(L, p, q0, q1, k0, k1));
     }
     if (L.sparse) {
-      RETURN_IF_ERROR(BindExperts(L, p));
+      RETURN_IF_ERROR(c.gpt_oss ? BindFusedExperts(L, p) : BindExperts(L, p));
     } else {
       // Dense: DeepSeek-V3's first layers have their own size.
       const int64_t DI = c.first_dense_layers > 0 ? c.dense_intermediate_size : I;
@@ -420,6 +421,78 @@ absl::Status Transformer::BindAttention(Layer& L, const std::string& p, int64_t 
     ASSIGN_OR_RETURN(TensorView ob, w.Get(p + "self_attn.o_proj.bias", {H}));
     ASSIGN_OR_RETURN(L.o_bias, VectorSlice(ob, 0, H));
   }
+  if (c.gpt_oss) {  // this rank's heads' sinks
+    ASSIGN_OR_RETURN(TensorView sinks, w.Get(p + "self_attn.sinks", {c.num_heads}));
+    const int64_t h0 = options_.tp_rank * heads_;
+    ASSIGN_OR_RETURN(L.sinks, VectorSlice(sinks, h0, h0 + heads_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WeightMatrix> Transformer::ExpertColumns(const TensorView& t, int64_t e,
+                                                        int64_t first, int64_t step, int64_t n) {
+  const int64_t rows = t.shape[1], cols = t.shape[2];
+  if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is ", DTypeName(t.dtype),
+                                                   "; fused experts take F32, F16 or BF16"));
+  }
+  const size_t elem = DTypeSize(t.dtype);
+  auto out =
+      std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[std::max<size_t>(n * rows * elem, 1)]);
+  if (out == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", n * rows * elem,
+                                                     " bytes for an expert of '", t.name, "'"));
+  }
+  const uint8_t* block = static_cast<const uint8_t*>(t.data) + e * rows * cols * elem;
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out.get() + (j * rows + r) * elem, block + (r * cols + first + j * step) * elem,
+                  elem);
+    }
+  }
+  shard_bytes_ += n * rows * elem;
+  owned_.push_back(std::move(out));
+  return backend_->Upload(WeightMatrix{t.dtype, owned_.back().get(), n, rows, rows});
+}
+
+absl::StatusOr<const float*> Transformer::ExpertBias(const TensorView& t, int64_t e, int64_t first,
+                                                     int64_t step, int64_t n) {
+  const int64_t cols = t.shape[1];
+  if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is ", DTypeName(t.dtype),
+                                                   "; biases are F32, F16 or BF16"));
+  }
+  std::vector<float> row(cols), picked(n);
+  cpu::ToFloat(t.dtype, static_cast<const uint8_t*>(t.data) + DTypeBytes(t.dtype, e * cols), cols,
+               row.data());
+  for (int64_t j = 0; j < n; ++j) picked[j] = row[first + j * step];
+  return backend_->Upload(picked);
+}
+
+absl::Status Transformer::BindFusedExperts(Layer& L, const std::string& p) {
+  const ModelConfig& c = config_;
+  const WeightStore& w = *weights_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts;
+  const std::string m = p + "mlp.";
+  ASSIGN_OR_RETURN(TensorView router, w.Get(m + "router.weight", {E, H}));
+  ASSIGN_OR_RETURN(TensorView router_bias, w.Get(m + "router.bias", {E}));
+  ASSIGN_OR_RETURN(L.router, Rows(router, 0, E));  // replicated: every rank routes every token
+  ASSIGN_OR_RETURN(L.router_bias, VectorSlice(router_bias, 0, E));
+  ASSIGN_OR_RETURN(TensorView gate_up, w.Get(m + "experts.gate_up_proj", {E, H, 2 * I}));
+  ASSIGN_OR_RETURN(TensorView gate_up_bias, w.Get(m + "experts.gate_up_proj_bias", {E, 2 * I}));
+  ASSIGN_OR_RETURN(TensorView down, w.Get(m + "experts.down_proj", {E, I, H}));
+  ASSIGN_OR_RETURN(TensorView down_bias, w.Get(m + "experts.down_proj_bias", {E, H}));
+  for (int64_t e = expert_begin_; e < expert_end_; ++e) {  // gate: even columns, up: odd
+    Expert x;
+    ASSIGN_OR_RETURN(x.gate, ExpertColumns(gate_up, e, 0, 2, I));
+    ASSIGN_OR_RETURN(x.up, ExpertColumns(gate_up, e, 1, 2, I));
+    ASSIGN_OR_RETURN(x.down, ExpertColumns(down, e, 0, 1, H));
+    ASSIGN_OR_RETURN(x.gate_bias, ExpertBias(gate_up_bias, e, 0, 2, I));
+    ASSIGN_OR_RETURN(x.up_bias, ExpertBias(gate_up_bias, e, 1, 2, I));
+    ASSIGN_OR_RETURN(x.down_bias, ExpertBias(down_bias, e, 0, 1, H));
+    L.experts.push_back(x);
+  }
+  stage_bytes_ += gate_up.nbytes + down.nbytes;
   return absl::OkStatus();
 }
 
@@ -690,7 +763,8 @@ absl::Status Transformer::AttentionLayer(const Layer& L, int64_t li, const KvCac
                              Ptr<int32_t>(m.table), Ptr<int32_t>(m.offsets)));
   return be.Attention(kv, li, Ptr<float>(m.q), rows, heads_, head0, group, kv_head_begin_,
                       Ptr<int32_t>(m.pos), Ptr<int32_t>(m.table), Ptr<int32_t>(m.offsets), max_len,
-                      static_cast<float>(c.attention_scale()), Ptr<float>(m.attn));
+                      static_cast<float>(c.attention_scale()), {L.window, L.sinks},
+                      Ptr<float>(m.attn));
 }
 
 // Multi-head latent attention with the latent cache (the "absorbed" form): the query's nope part
@@ -752,6 +826,9 @@ absl::Status Transformer::Moe(const Layer& L, int64_t rows) {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, k = c.experts_per_token, slots = rows * k;
   RETURN_IF_ERROR(Gemm(L.router, *m.h, rows, *m.router));
+  if (L.router_bias != nullptr) {
+    RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.router), rows, c.num_experts, L.router_bias));
+  }
   RETURN_IF_ERROR(m.routes->Reserve(static_cast<size_t>(slots) * sizeof(int32_t)));
   RETURN_IF_ERROR(m.route_weights->Reserve(static_cast<size_t>(slots) * sizeof(float)));
   if (c.sigmoid_routing) {
@@ -765,7 +842,8 @@ absl::Status Transformer::Moe(const Layer& L, int64_t rows) {
   }
   RETURN_IF_ERROR(m.o->Reserve(static_cast<size_t>(rows * H) * sizeof(float)));
   const bool tables = L.gate_table.count > 0 && L.up_table.count > 0 && L.down_table.count > 0;
-  if (!be.per_slot_experts() || !tables || slots > L.gate_table.count) {
+  // Experts with biases (gpt-oss) run grouped: the per-slot products add none.
+  if (!be.per_slot_experts() || !tables || slots > L.gate_table.count || c.gpt_oss) {
     RETURN_IF_ERROR(MoeGrouped(L, rows));
     return SharedExperts(L, rows);
   }
@@ -822,9 +900,21 @@ absl::Status Transformer::MoeGrouped(const Layer& L, int64_t rows) {
     RETURN_IF_ERROR(m.in->Reserve(static_cast<size_t>(n * H) * sizeof(float)));
     RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.h), H, Ptr<int32_t>(m.sel), n, Ptr<float>(m.in)));
     const Expert& x = L.experts[e - expert_begin_];
+    const int64_t I = x.gate.rows;
     RETURN_IF_ERROR(GemmGroup({{&x.gate, m.g.get()}, {&x.up, m.u.get()}}, *m.in, n));
-    RETURN_IF_ERROR(be.SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), n * x.gate.rows));
+    if (x.gate_bias != nullptr) {
+      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.g), n, I, x.gate_bias));
+      RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.u), n, I, x.up_bias));
+    }
+    if (c.gpt_oss) {
+      RETURN_IF_ERROR(be.SwiGluClamped(Ptr<float>(m.g), Ptr<float>(m.u), n * I,
+                                       static_cast<float>(c.swiglu_alpha),
+                                       static_cast<float>(c.swiglu_limit)));
+    } else {
+      RETURN_IF_ERROR(be.SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), n * I));
+    }
     RETURN_IF_ERROR(Gemm(x.down, *m.g, n, *m.d));
+    if (x.down_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.d), n, H, x.down_bias));
     RETURN_IF_ERROR(be.ScaleAddRows(Ptr<float>(m.d), H, Ptr<int32_t>(m.sel), Ptr<float>(m.weights),
                                     n, Ptr<float>(m.o)));
   }

@@ -146,6 +146,7 @@ class Transformer {
   // The weights as the backend holds them.
   struct Expert {
     WeightMatrix gate, up, down;
+    const float *gate_bias = nullptr, *up_bias = nullptr, *down_bias = nullptr;  // gpt-oss
   };
   struct Layer {
     bool sparse = false;  // experts (moe_layer), else the dense MLP
@@ -154,6 +155,8 @@ class Transformer {
     const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr;  // null when absent
     const float* o_bias = nullptr;
     const float *q_norm = nullptr, *k_norm = nullptr;  // per head (Qwen3), null when absent
+    const float* sinks = nullptr;                      // this rank's heads' (gpt-oss)
+    int64_t window = 0;                                // gpt-oss's sliding layers
     // Multi-head latent attention (DeepSeek-V3): the query's nope and rotated rows of this
     // rank's heads (from q_proj, or q_b_proj after q_a / q_a_norm), the latent and rotated rows
     // of kv_a_proj_with_mqa (replicated, as q_a), kv_b_proj's key part transposed per head
@@ -164,6 +167,7 @@ class Transformer {
     WeightMatrix gate, up, down;                       // dense MLP
     WeightMatrix router;                               // MoE
     const float* route_bias = nullptr;                 // DeepSeek-V3's e_score_correction_bias
+    const float* router_bias = nullptr;                // gpt-oss's, on the router's logits
     WeightMatrix shared_gate, shared_up, shared_down;  // its shared experts, TP-sliced
     std::vector<Expert> experts;                       // this rank's, from expert_begin_
     // The experts' projections for Backend::ExpertMatVec; count 0 unless they share a dtype.
@@ -202,6 +206,16 @@ class Transformer {
                              int64_t k0, int64_t k1);
   absl::Status BindLatentAttention(Layer& L, const std::string& prefix);
   absl::Status BindExperts(Layer& L, const std::string& prefix);
+  // gpt-oss's fused experts ([E][in][out], gate and up interleaved) and their biases, this
+  // rank's experts transposed into [out][in] matrices.
+  absl::Status BindFusedExperts(Layer& L, const std::string& prefix);
+  // Columns first, first + step, ... (n of them) of expert e's [rows][cols] block of a 3-D
+  // tensor [E][rows][cols], as the rows of an [n][rows] matrix in host memory kept while the
+  // backend uses it; and the same of a 2-D bias [E][cols] as a vector.
+  absl::StatusOr<WeightMatrix> ExpertColumns(const TensorView& t, int64_t e, int64_t first,
+                                             int64_t step, int64_t n);
+  absl::StatusOr<const float*> ExpertBias(const TensorView& t, int64_t e, int64_t first,
+                                          int64_t step, int64_t n);
   // A layer's attention of the batch laid out in the buffers (h in, attn out: this rank's heads'
   // outputs for o_proj), with its KV cache; MLA with the latent cache.
   absl::Status AttentionLayer(const Layer& L, int64_t li, const KvCache& cache, int64_t rows,

@@ -49,6 +49,13 @@ with tempfile.TemporaryDirectory() as tmp:
                     "--layers", "3", "--hidden", "64", "--heads", "4", "--intermediate", "96",
                     "--vocab", "401", "--dtype", "bf16", "--q-lora", "32", "--groups", "2",
                     "--rope-scaling", "yarn"], check=True, capture_output=True)
+    # gpt-oss: attention with a window and sinks, the clamped SwiGLU, biased experts.
+    models["gpt-oss"] = os.path.join(tmp, "gpt-oss")
+    subprocess.run([BIN, "gen-model", "--arch", "gpt_oss", "--out", models["gpt-oss"],
+                    "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                    "--intermediate", "96", "--vocab", "401", "--dtype", "bf16",
+                    "--sliding-window", "4", "--swiglu-limit", "1.5"],
+                   check=True, capture_output=True)
 
     probe = generate(models["llama"], [], "cuda")
     if probe.returncode != 0 and ("no GPU is visible" in probe.stderr
@@ -60,7 +67,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
     cases = [("greedy", []), ("sampled", ["--temperature", "0.8", "--top-p", "0.9",
                                           "--seed", "5"])]
-    for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3"]:
+    for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3", "gpt-oss"]:
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):

@@ -26,6 +26,9 @@ from transformers import AutoModelForCausalLM
 DEEPSEEK = ["--arch", "deepseek_v3", "--heads", "8", "--experts", "8", "--top-k", "2",
             "--kv-lora", "32", "--rope-dim", "16", "--nope-dim", "16", "--v-dim", "16",
             "--moe-intermediate", "64"]
+GPT_OSS = ["--arch", "gpt_oss", "--heads", "8", "--kv-heads", "4", "--head-dim", "16",
+           "--experts", "8", "--top-k", "2", "--intermediate", "64", "--sliding-window", "16",
+           "--swiglu-limit", "1.5"]
 LONG = ["--max-position", "1100"]  # room for the 1,000-token prompt
 CASES = {
     "llama_gqa_f32": ["--arch", "llama", "--dtype", "f32", "--kv-heads", "2"],
@@ -70,6 +73,11 @@ CASES = {
     "deepseek_v3_fp8_bf16": DEEPSEEK + ["--dtype", "bf16", "--q-lora", "48", "--groups", "4",
                                         "--topk-groups", "2", "--rope-scaling", "yarn",
                                         "--fp8-block", "16"],
+    # gpt-oss: sinks, sliding (16 positions) and full layers in turn, biased attention, router and
+    # experts, the SwiGLU clamped at 1.5 (random weights pass it), YaRN without truncation; the
+    # 1,000-token prompt crosses the window many times over.
+    "gpt_oss_f32": GPT_OSS + ["--dtype", "f32", "--rope-scaling", "yarn"] + LONG,
+    "gpt_oss_bf16": GPT_OSS + ["--dtype", "bf16"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
                      "--kv-heads", "2"],
@@ -83,7 +91,9 @@ LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "qwen3_moe_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "deepseek_v3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "deepseek_v3_plain_bf16": [(1, 1), (2, 2)],
-           "deepseek_v3_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]}
+           "deepseek_v3_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "gpt_oss_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "gpt_oss_bf16": [(1, 1), (2, 2)]}
 BASE = ["--layers", "3", "--hidden", "96", "--heads", "6", "--intermediate", "160", "--vocab",
         "600", "--seed", "7", "--max-position", "512"]
 TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nnew line",

@@ -189,6 +189,14 @@ class CpuBackend : public Backend {
     cpu::SiluMul(a, b, n, pool_);
     return absl::OkStatus();
   }
+  absl::Status SwiGluClamped(float* a, const float* b, int64_t n, float alpha,
+                             float limit) override {
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = std::min(a[i], limit), u = std::clamp(b[i], -limit, limit);
+      a[i] = (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+    }
+    return absl::OkStatus();
+  }
   absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                     const int32_t* positions, const float* inv_freq) override {
     const int64_t half = head_dim / 2;
@@ -226,7 +234,7 @@ class CpuBackend : public Backend {
                          int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
                          const int32_t* positions, const int32_t* blocks,
                          const int32_t* block_offset, int64_t max_len, float scale,
-                         float* out) override {
+                         const AttentionExtras& extras, float* out) override {
     (void)max_len;
     const HostKv& kv = static_cast<const HostKv&>(storage);
     const int64_t hd = kv.head_dim, bs = kv.block_size, qd = heads * hd;
@@ -245,8 +253,10 @@ class CpuBackend : public Backend {
           v_blocks[b] = kv.Slab(layer, 1, blocks[block_offset[r] + b], kh);
         }
         scores.resize(len);
-        AttendHead(q + r * qd + head * hd, k_blocks.data(), v_blocks.data(), bs, hd, len, scale,
-                   scores.data(), out + r * qd + head * hd);
+        const int64_t begin = extras.window > 0 ? std::max<int64_t>(0, len - extras.window) : 0;
+        const float sink = extras.sinks != nullptr ? extras.sinks[head] : -INFINITY;
+        AttendHead(q + r * qd + head * hd, k_blocks.data(), v_blocks.data(), bs, hd, begin, len,
+                   scale, sink, scores.data(), out + r * qd + head * hd);
       }
     });
     return absl::OkStatus();

@@ -773,13 +773,14 @@ float ExpMinusMax(float* scores, int64_t len, float mx) {
 // AttendHead for hd = 8 * V8: q (scaled) and the output accumulator live in registers.
 template <int V8>
 void AttendHeadFixed(const float* q, const float* const* k_blocks, const float* const* v_blocks,
-                     int64_t bs, int64_t len, float scale, float* scores, float* out) {
+                     int64_t bs, int64_t begin, int64_t len, float scale, float sink, float* scores,
+                     float* out) {
   constexpr int64_t hd = 8 * V8;
   __m256 qv[V8];
   const __m256 sv = _mm256_set1_ps(scale);
   for (int i = 0; i < V8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), sv);
-  float mx = -INFINITY;
-  for (int64_t p = 0; p < len; ++p) {
+  float mx = sink;
+  for (int64_t p = begin; p < len; ++p) {
     const float* k = k_blocks[p / bs] + (p % bs) * hd;
     __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
     __m256 a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
@@ -790,11 +791,11 @@ void AttendHeadFixed(const float* q, const float* const* k_blocks, const float* 
     scores[p] = HSum(_mm256_add_ps(a0, a1));
     mx = std::max(mx, scores[p]);
   }
-  const float sum = ExpMinusMax(scores, len, mx);
+  const float sum = ExpMinusMax(scores + begin, len - begin, mx) + std::exp(sink - mx);
   const float inv = 1.0f / sum;
   __m256 o[V8];
   for (int i = 0; i < V8; ++i) o[i] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < len; ++p) {
+  for (int64_t p = begin; p < len; ++p) {
     const float* v = v_blocks[p / bs] + (p % bs) * hd;
     const __m256 w = _mm256_set1_ps(scores[p] * inv);
     for (int i = 0; i < V8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), o[i]);
@@ -805,18 +806,23 @@ void AttendHeadFixed(const float* q, const float* const* k_blocks, const float* 
 }  // namespace
 
 void AttendHead(const float* q, const float* const* k_blocks, const float* const* v_blocks,
-                int64_t bs, int64_t hd, int64_t len, float scale, float* scores, float* out) {
-  if (hd == 64) return AttendHeadFixed<8>(q, k_blocks, v_blocks, bs, len, scale, scores, out);
-  if (hd == 128) return AttendHeadFixed<16>(q, k_blocks, v_blocks, bs, len, scale, scores, out);
-  float mx = -INFINITY;
-  for (int64_t p = 0; p < len; ++p) {
+                int64_t bs, int64_t hd, int64_t begin, int64_t len, float scale, float sink,
+                float* scores, float* out) {
+  if (hd == 64) {
+    return AttendHeadFixed<8>(q, k_blocks, v_blocks, bs, begin, len, scale, sink, scores, out);
+  }
+  if (hd == 128) {
+    return AttendHeadFixed<16>(q, k_blocks, v_blocks, bs, begin, len, scale, sink, scores, out);
+  }
+  float mx = sink;
+  for (int64_t p = begin; p < len; ++p) {
     scores[p] = Dot(q, k_blocks[p / bs] + (p % bs) * hd, hd) * scale;
     mx = std::max(mx, scores[p]);
   }
-  const float sum = ExpMinusMax(scores, len, mx);
+  const float sum = ExpMinusMax(scores + begin, len - begin, mx) + std::exp(sink - mx);
   std::fill_n(out, hd, 0.f);
   const float inv = 1.0f / sum;
-  for (int64_t p = 0; p < len; ++p) {
+  for (int64_t p = begin; p < len; ++p) {
     Axpy(scores[p] * inv, v_blocks[p / bs] + (p % bs) * hd, out, hd);
   }
 }

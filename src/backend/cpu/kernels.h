@@ -43,12 +43,13 @@ void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool);
 
 float Dot(const float* a, const float* b, int64_t n);
 
-// Causal scaled-dot-product attention of one query head (hd floats) over positions [0, len):
-// the key of position p is at k_blocks[p / block_size] + (p % block_size) * hd, the value
-// likewise in v_blocks. Writes softmax(q·K^T · scale) · V to out; `scores` holds len floats.
+// Causal scaled-dot-product attention of one query head (hd floats) over positions
+// [begin, len): the key of position p is at k_blocks[p / block_size] + (p % block_size) * hd, the
+// value likewise in v_blocks. Writes softmax(q·K^T · scale) · V to out, the softmax's denominator
+// with e^sink too (-inf: no sink); `scores` holds len floats.
 void AttendHead(const float* q, const float* const* k_blocks, const float* const* v_blocks,
-                int64_t block_size, int64_t hd, int64_t len, float scale, float* scores,
-                float* out);
+                int64_t block_size, int64_t hd, int64_t begin, int64_t len, float scale, float sink,
+                float* scores, float* out);
 // Attention of one query (dim floats) over positions [0, len) whose keys and values share a row:
 // position p's row of `dim` floats is at blocks[p / block_size] + (p % block_size) * dim, its
 // value the row's first value_dim floats (multi-head latent attention). Writes value_dim floats.

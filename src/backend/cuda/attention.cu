@@ -213,6 +213,75 @@ __global__ void AttentionCombineKernel(const float* partial, int64_t splits, int
   }
 }
 
+// Attention with a sliding window or sinks (gpt-oss; Backend::AttentionExtras): grid (rows,
+// heads), kLatentWarps warps taking positions in turn over [max(0, len - window), len), a lane
+// holding every 32nd dim of the query and the output; the warps' online softmaxes merge in shared
+// memory with the head's sink in the denominator. A plain kernel: the split-K one above serves
+// attention without extras.
+constexpr int64_t kExtrasPer = kAttnMaxHeadDim / 32;
+
+__global__ void __launch_bounds__(4 * 32)
+    AttentionExtrasKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs,
+                          int64_t hd, const float* q, int64_t heads, int64_t head0, int64_t group,
+                          int64_t kv_head0, const int32_t* positions, const int32_t* blocks,
+                          const int32_t* block_offset, float scale, int64_t window,
+                          const float* sinks, float* out) {
+  constexpr int kWarps = 4;
+  __shared__ float wm[kWarps], wl[kWarps];
+  __shared__ float wacc[kWarps][kAttnMaxHeadDim];
+  const int64_t r = blockIdx.x, h = blockIdx.y, item = r * heads + h;
+  const int64_t kh = (head0 + h) / group - kv_head0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float qv[kExtrasPer], acc[kExtrasPer];
+#pragma unroll
+  for (int i = 0; i < kExtrasPer; ++i) {
+    const int64_t d = lane + 32 * i;
+    qv[i] = d < hd ? q[item * hd + d] : 0.f;
+    acc[i] = 0.f;
+  }
+  const int64_t len = positions[r] + 1;
+  const int64_t begin = window > 0 ? max(int64_t{0}, len - window) : 0;
+  const int32_t* row_blocks = blocks + block_offset[r];
+  float m = -FLT_MAX, l = 0.f;
+  for (int64_t p = begin + warp; p < len; p += kWarps) {
+    const int64_t at =
+        ((static_cast<int64_t>(row_blocks[p / bs]) * kv_heads + kh) * bs + p % bs) * hd;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kExtrasPer; ++i) {
+      const int64_t d = lane + 32 * i;
+      if (d < hd) s += qv[i] * kc[at + d];
+    }
+    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
+    s *= scale;
+    const float mn = fmaxf(m, s), rescale = expf(m - mn), e = expf(s - mn);
+    l = l * rescale + e;
+#pragma unroll
+    for (int i = 0; i < kExtrasPer; ++i) {
+      const int64_t d = lane + 32 * i;
+      acc[i] = acc[i] * rescale + (d < hd ? e * vc[at + d] : 0.f);
+    }
+    m = mn;
+  }
+  if (lane == 0) {
+    wm[warp] = m;
+    wl[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < kExtrasPer; ++i) wacc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  const float sink = sinks != nullptr ? sinks[h] : -FLT_MAX;
+  float mx = sink;
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w]);
+  float total = sinks != nullptr ? expf(sink - mx) : 0.f;
+  for (int w = 0; w < kWarps; ++w) total += wl[w] * expf(wm[w] - mx);
+  for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+    float v = 0.f;
+    for (int w = 0; w < kWarps; ++w) v += wacc[w][d] * expf(wm[w] - mx);
+    out[item * hd + d] = v / total;
+  }
+}
+
 // Multi-head latent attention (Backend::LatentAttention): grid (rows, heads), kLatentWarps warps
 // that take positions in turn, a lane holding every 32nd of the query's dims and of the output
 // latent; each warp keeps an online softmax, merged in shared memory at the end.
@@ -365,12 +434,23 @@ void LaunchAttentionSplit(int kg, int per, dim3 grid, const float* kc, const flo
 absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t rows, int64_t heads,
                        int64_t head0, int64_t group, int64_t kv_head0, const int32_t* positions,
                        const int32_t* blocks, const int32_t* block_offset, int64_t max_len,
-                       float scale, float* out) {
+                       float scale, const AttentionExtras& extras, float* out) {
   if (rows * heads == 0) return absl::OkStatus();
   if (c.head_dim > kAttnMaxHeadDim) {
     return absl::InvalidArgumentError(
         absl::StrCat("attention on the CUDA backend takes head_dim up to ", kAttnMaxHeadDim,
                      ", not ", c.head_dim));
+  }
+  if (extras.window > 0 || extras.sinks != nullptr) {
+    if (rows > INT32_MAX || heads > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention over ", rows, " rows x ", heads, " heads"));
+    }
+    AttentionExtrasKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(heads)),
+                            4 * 32>>>(c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q, heads,
+                                      head0, group, kv_head0, positions, blocks, block_offset,
+                                      scale, extras.window, extras.sinks, out);
+    return Check(cudaGetLastError(), "Attention (window, sinks) launch");
   }
   // The KV heads this rank's query heads read, and the blocks that serve each (kG heads a block).
   const int64_t kv_first = head0 / group, kv_count = (head0 + heads - 1) / group - kv_first + 1;

@@ -145,6 +145,10 @@ class CudaBackend : public Backend {
   absl::Status SiluMul(float* a, const float* b, int64_t n) override {
     return cuda::SiluMul(a, b, n);
   }
+  absl::Status SwiGluClamped(float* a, const float* b, int64_t n, float alpha,
+                             float limit) override {
+    return cuda::SwiGluClamped(a, b, n, alpha, limit);
+  }
   absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                     const int32_t* positions, const float* inv_freq) override {
     return cuda::Rope(x, rows, heads, head_dim, positions, inv_freq);
@@ -159,10 +163,10 @@ class CudaBackend : public Backend {
                          int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
                          const int32_t* positions, const int32_t* blocks,
                          const int32_t* block_offset, int64_t max_len, float scale,
-                         float* out) override {
+                         const AttentionExtras& extras, float* out) override {
     ASSIGN_OR_RETURN(DeviceKv kv, static_cast<const GpuKv&>(storage).Layer(layer));
     return cuda::Attention(*ctx_, kv, q, rows, heads, head0, group, kv_head0, positions, blocks,
-                           block_offset, max_len, scale, out);
+                           block_offset, max_len, scale, extras, out);
   }
   absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
                         int64_t x_head, int64_t rows, float* y, int64_t ldy,

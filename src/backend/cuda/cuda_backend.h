@@ -89,6 +89,8 @@ absl::Status Embed(const WeightMatrix& table, const int32_t* ids, int64_t n, int
 absl::Status AddBias(float* x, int64_t rows, int64_t cols, const float* bias);
 absl::Status Add(float* x, const float* y, int64_t n);
 absl::Status SiluMul(float* a, const float* b, int64_t n);
+// gpt-oss's clamped SwiGLU, as Backend::SwiGluClamped.
+absl::Status SwiGluClamped(float* a, const float* b, int64_t n, float alpha, float limit);
 
 // Rotary embedding (rotate_half layout, as model/rope.h) of `heads` heads of head_dim per row,
 // row r at position positions[r]; inv_freq holds head_dim / 2 floats.
@@ -114,7 +116,7 @@ absl::Status WriteKv(const DeviceKv& cache, const float* k, const float* v, int6
 absl::Status Attention(Context& ctx, const DeviceKv& cache, const float* q, int64_t rows,
                        int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
                        const int32_t* positions, const int32_t* blocks, const int32_t* block_offset,
-                       int64_t max_len, float scale, float* out);
+                       int64_t max_len, float scale, const AttentionExtras& extras, float* out);
 
 // One layer of a latent KV cache on the device (Backend::AllocLatentKv):
 // [blocks][block_size][latent_dim + rope_dim] floats.

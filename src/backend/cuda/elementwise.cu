@@ -132,6 +132,14 @@ __global__ void SiluMulKernel(float* a, const float* b, int64_t n) {
   }
 }
 
+__global__ void SwiGluClampedKernel(float* a, const float* b, int64_t n, float alpha, float limit) {
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = fminf(a[i], limit), u = fminf(fmaxf(b[i], -limit), limit);
+    a[i] = (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+  }
+}
+
 __global__ void GatherRowsKernel(const float* x, int64_t dim, const int32_t* rows, float* out) {
   const int64_t i = blockIdx.x;
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) out[i * dim + d] = x[rows[i] * dim + d];
@@ -187,6 +195,12 @@ absl::Status SiluMul(float* a, const float* b, int64_t n) {
   if (n == 0) return absl::OkStatus();
   SiluMulKernel<<<Grid(n), 256>>>(a, b, n);
   return Check(cudaGetLastError(), "SiluMul launch");
+}
+
+absl::Status SwiGluClamped(float* a, const float* b, int64_t n, float alpha, float limit) {
+  if (n == 0) return absl::OkStatus();
+  SwiGluClampedKernel<<<Grid(n), 256>>>(a, b, n, alpha, limit);
+  return Check(cudaGetLastError(), "SwiGluClamped launch");
 }
 
 absl::Status GatherRows(const float* x, int64_t dim, const int32_t* rows, int64_t n, float* out) {

@@ -267,17 +267,19 @@ TEST_P(BackendOpsTest, RopeRotatesEachRowAtItsPosition) {
 
 // Causal attention of one query head (q, head_dim hd) over written rows [first, last] of k and v
 // (rows of kvd floats, the KV head at column kh * hd), in double precision.
+// `sink`: a logit in the denominator alone (-inf: none).
 std::vector<double> AttentionOfOneHead(const float* q, const std::vector<float>& k,
                                        const std::vector<float>& v, int64_t kvd, int64_t kh,
-                                       int64_t hd, int64_t first, int64_t last, float scale) {
+                                       int64_t hd, int64_t first, int64_t last, float scale,
+                                       double sink = -INFINITY) {
   std::vector<double> e;
   for (int64_t j = first; j <= last; ++j) {
     double dot = 0;
     for (int64_t d = 0; d < hd; ++d) dot += double(q[d]) * k[j * kvd + kh * hd + d];
     e.push_back(dot * scale);
   }
-  const double mx = *std::max_element(e.begin(), e.end());
-  double z = 0;
+  const double mx = std::max(sink, *std::max_element(e.begin(), e.end()));
+  double z = std::exp(sink - mx);
   for (double& x : e) z += (x = std::exp(x - mx));
   std::vector<double> out(hd);
   for (int64_t d = 0; d < hd; ++d) {
@@ -313,7 +315,7 @@ TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
   float* out = mem.Zeros<float>(rows * heads * hd);
   const float scale = 1 / std::sqrt(float(hd));
   ASSERT_TRUE(be_->Attention(**kv, 1, mem.Put(q), rows, heads, head0, group, kv_head0, dp, dt, doff,
-                             10, scale, out)
+                             10, scale, {}, out)
                   .ok());
   const std::vector<float> got = mem.Get(out, rows * heads * hd);
   for (int64_t r = 0; r < rows; ++r) {
@@ -332,7 +334,8 @@ TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
 // Attention at decode shapes: long sequences (the GPU splits them across blocks and merges),
 // query heads sharing a KV head (read once for the group), a TP rank's heads that start past
 // head 0, head sizes that are not a multiple of 4, and a prompt's rows (one split), against
-// double-precision arithmetic.
+// double-precision arithmetic; and each with gpt-oss's extras, a window of 37 positions and a
+// sink logit per head.
 TEST_P(BackendOpsTest, AttentionOverLongSequencesAndHeadGroups) {
   struct Shape {
     int64_t hd, cache_kv_heads, heads, group, head0, kv_head0;
@@ -380,26 +383,49 @@ TEST_P(BackendOpsTest, AttentionOverLongSequencesAndHeadGroups) {
     }
     const int64_t rows = static_cast<int64_t>(qpos.size());
     const std::vector<float> q = Random(rows * sh.heads * hd, 42 + hd, -2, 2);
-    float* out = mem.Zeros<float>(rows * sh.heads * hd);
+    const std::vector<float> sinks = Random(sh.heads, 43 + hd, -1, 3);
     const float scale = 1 / std::sqrt(float(hd));
-    ASSERT_TRUE(be_->Attention(**kv, 0, mem.Put(q), rows, sh.heads, sh.head0, sh.group, sh.kv_head0,
-                               mem.Put(qpos), mem.Put(table), mem.Put(qoff), 701, scale, out)
-                    .ok());
-    const std::vector<float> got = mem.Get(out, rows * sh.heads * hd);
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t base = 0;  // the sequence's first written row
-      for (int32_t s = 0; s < qseq[r]; ++s) base += lens[s];
-      for (int64_t h = 0; h < sh.heads; ++h) {
-        const int64_t kh = (sh.head0 + h) / sh.group - sh.kv_head0;
-        const std::vector<double> want = AttentionOfOneHead(
-            q.data() + (r * sh.heads + h) * hd, k, v, kvd, kh, hd, base, base + qpos[r], scale);
-        for (int64_t d = 0; d < hd; ++d) {
-          ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want[d], 2e-5)
-              << "hd " << hd << " group " << sh.group << " row " << r << " head " << h << " d "
-              << d;
+    for (const AttentionExtras& extras : {AttentionExtras{}, AttentionExtras{37, mem.Put(sinks)}}) {
+      float* out = mem.Zeros<float>(rows * sh.heads * hd);
+      ASSERT_TRUE(be_->Attention(**kv, 0, mem.Put(q), rows, sh.heads, sh.head0, sh.group,
+                                 sh.kv_head0, mem.Put(qpos), mem.Put(table), mem.Put(qoff), 701,
+                                 scale, extras, out)
+                      .ok());
+      const std::vector<float> got = mem.Get(out, rows * sh.heads * hd);
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t base = 0;  // the sequence's first written row
+        for (int32_t s = 0; s < qseq[r]; ++s) base += lens[s];
+        const int64_t last = base + qpos[r];
+        const int64_t first = extras.window > 0 ? std::max(base, last - extras.window + 1) : base;
+        for (int64_t h = 0; h < sh.heads; ++h) {
+          const int64_t kh = (sh.head0 + h) / sh.group - sh.kv_head0;
+          const std::vector<double> want =
+              AttentionOfOneHead(q.data() + (r * sh.heads + h) * hd, k, v, kvd, kh, hd, first, last,
+                                 scale, extras.sinks ? sinks[h] : -INFINITY);
+          for (int64_t d = 0; d < hd; ++d) {
+            ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want[d], 2e-5)
+                << "hd " << hd << " group " << sh.group << " row " << r << " head " << h << " d "
+                << d << " window " << extras.window;
+          }
         }
       }
     }
+  }
+}
+
+// gpt-oss's clamped SwiGLU against its definition, values on both sides of the limits.
+TEST_P(BackendOpsTest, SwiGluClampedClampsThenGates) {
+  const int64_t n = 300;
+  const std::vector<float> a = Random(n, 61, -12, 12), b = Random(n, 62, -12, 12);
+  Mem mem(*be_);
+  float* da = mem.Put(a);
+  const float alpha = 1.702f, limit = 7.0f;
+  ASSERT_TRUE(be_->SwiGluClamped(da, mem.Put(b), n, alpha, limit).ok());
+  const std::vector<float> got = mem.Get(da, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = std::min<double>(a[i], limit), u = std::clamp<double>(b[i], -limit, limit);
+    const double want = (u + 1) * g / (1 + std::exp(-alpha * g));
+    ASSERT_NEAR(got[i], want, 1e-5 * std::max(1.0, std::fabs(want))) << a[i] << " " << b[i];
   }
 }
 

@@ -249,12 +249,13 @@ TEST(CudaBackendTest, KvCacheAndAttentionMatchCpu) {
   const float scale = 1.0f / 8.0f;
   ASSERT_TRUE(cuda::Attention(**ctx, cache, Ptr<float>(dq), rows, heads, head0, group, kv_head0,
                               Ptr<int32_t>(dpos), Ptr<int32_t>(dtab), Ptr<int32_t>(doff), 40, scale,
-                              Ptr<float>(dout))
+                              {}, Ptr<float>(dout))
                   .ok());
   const std::vector<float> got = Download<float>(dout, rows * heads * hd);
   std::vector<float> want(rows * heads * hd);
   ASSERT_TRUE(cpu->Attention(**storage, 0, q.data(), rows, heads, head0, group, kv_head0,
-                             positions.data(), table.data(), offsets.data(), 40, scale, want.data())
+                             positions.data(), table.data(), offsets.data(), 40, scale, {},
+                             want.data())
                   .ok());
   for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4f) << i;
 }

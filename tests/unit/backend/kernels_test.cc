@@ -177,7 +177,8 @@ TEST(KernelsTest, AttendHeadMatchesReference) {
       std::vector<float> q(hd), out(hd), scores(len);
       for (float& v : q) v = u(rng);
       const float scale = 0.3f;
-      AttendHead(q.data(), kp.data(), vp.data(), bs, hd, len, scale, scores.data(), out.data());
+      AttendHead(q.data(), kp.data(), vp.data(), bs, hd, 0, len, scale, -INFINITY, scores.data(),
+                 out.data());
       std::vector<double> w(len);
       double mx = -1e30, sum = 0;
       for (int64_t p = 0; p < len; ++p) {

@@ -243,6 +243,46 @@ TEST(ConfigTest, RefusesDeepseekV3OptionsItDoesNotRun) {
   }
 }
 
+// gpt-oss-120b's own config.json (its MXFP4 quantization_config aside): sinks and per-layer
+// windows, biases, the clamped SwiGLU, YaRN without truncation; GptOssConfig's defaults (YaRN
+// factor 32, theta 150000, sliding layers first) where the file says nothing.
+TEST(ConfigTest, ParsesGptOss) {
+  auto text = ReadFileToString(std::string(SHARDSERVE_SOURCE_DIR) +
+                               "/examples/plan/gpt-oss-120b/config.json");
+  ASSERT_TRUE(text.ok());
+  json j = json::parse(*text);
+  j.erase("quantization_config");
+  auto c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->gpt_oss && c->moe && c->qkv_bias && c->o_bias);
+  EXPECT_EQ(c->num_experts, 128);
+  EXPECT_EQ(c->experts_per_token, 4);
+  EXPECT_EQ(c->intermediate_size, 2880);
+  EXPECT_EQ(c->swiglu_limit, 7.0);
+  EXPECT_EQ(c->swiglu_alpha, 1.702);
+  EXPECT_EQ(c->max_context, 131072);  // the windows are per layer, not a cap
+  EXPECT_EQ(c->window(0), 128);
+  EXPECT_EQ(c->window(1), 0);
+  EXPECT_EQ(c->rope_scaling, RopeScaling::kYarn);
+  EXPECT_FALSE(c->rope_truncate);
+  EXPECT_NEAR(c->rope_attention_factor, 0.1 * std::log(32.0) + 1, 1e-12);
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
+  j.erase("layer_types");
+  c = ParseModelConfig(j.dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling, RopeScaling::kYarn);
+  EXPECT_EQ(c->rope_factor, 32.0);
+  EXPECT_EQ(c->rope_original_max_position, 4096);
+  EXPECT_FALSE(c->rope_truncate);
+  EXPECT_EQ(c->rope_theta, 150000.0);
+  EXPECT_EQ(c->window(34), 128);
+  EXPECT_EQ(c->window(35), 0);
+  j["layer_types"] = {"sliding_attention", "chunked_attention"};
+  EXPECT_THAT(std::string(ParseModelConfig(j.dump()).status().message()),
+              HasSubstr("'layer_types' must list the type of each of the 36 layers"));
+}
+
 // YaRN's frequencies as transformers' _compute_yarn_parameters gives them (printed from
 // transformers 5.23 for head_dim 16, theta 10000, factor 4, original 64, beta 32 / 1), and its
 // attention factor folded into the softmax scale where the whole head rotates.

@@ -172,6 +172,10 @@ class ShardedTest : public ::testing::TestWithParam<std::string> {
     o.vocab = 401;  // not divisible by 2 or 4 ranks
     o.dtype = DType::kBF16;
     if (param.ends_with(" fp8")) o.fp8_block = 24;
+    if (o.arch == "gpt_oss") {  // a window the prompt and its tokens cross, the clamp reached
+      o.sliding_window = 4;
+      o.swiglu_limit = 1.5;
+    }
     if (o.arch == "deepseek_v3") {  // MLA with q LoRA, YaRN, grouped routing, a dense layer
       o.q_lora_rank = 32;
       o.groups = 2;
@@ -233,7 +237,8 @@ TEST_P(ShardedTest, EachRankHoldsItsShareOfTheWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Archs, ShardedTest,
                          ::testing::Values("llama", "mixtral", "qwen2", "llama fp8",
-                                           "qwen3_moe fp8", "deepseek_v3", "deepseek_v3 fp8"));
+                                           "qwen3_moe fp8", "deepseek_v3", "deepseek_v3 fp8",
+                                           "gpt_oss"));
 
 TEST(ShardedShapeTest, BadShapesNameTheNumbers) {
   testing::TempDir dir;
