@@ -35,6 +35,8 @@ const char* DTypeName(DType t) {
       return "Q4_1X";
     case DType::kF8E4M3:
       return "F8_E4M3";
+    case DType::kU8:
+      return "U8";
   }
   return "?";
 }
@@ -44,8 +46,9 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "F16") return DType::kF16;
   if (name == "BF16") return DType::kBF16;
   if (name == "F8_E4M3") return DType::kF8E4M3;
+  if (name == "U8") return DType::kU8;
   return absl::InvalidArgumentError(absl::StrCat("unsupported dtype '", std::string(name),
-                                                 "' (supported: F32, F16, BF16, F8_E4M3)"));
+                                                 "' (supported: F32, F16, BF16, F8_E4M3, U8)"));
 }
 
 float F8E4M3ToF32(uint8_t v) {

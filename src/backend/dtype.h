@@ -18,6 +18,8 @@ namespace shardserve {
 // kF8E4M3 is the FP8 of fine-grained FP8 checkpoints (safetensors F8_E4M3: 1 sign, 4 exponent,
 // 3 mantissa bits, no infinities): stored with a scale per block in a tensor beside it, it reaches
 // no kernel; the model expands each rank's slice into the model's dtype at load (model/fp8.h).
+// kU8 is raw bytes (safetensors U8): MXFP4's packed values and E8M0 scales, which the model
+// likewise expands at load (model/mxfp4.h).
 enum class DType {
   kF32,
   kF16,
@@ -31,7 +33,8 @@ enum class DType {
   kQ4_KX,
   kQ4_1X,
   kQ6_KX,
-  kF8E4M3
+  kF8E4M3,
+  kU8
 };
 
 // Values per block (1 for the element types) and the bytes of one block.
@@ -41,6 +44,7 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kF16:
     case DType::kBF16:
     case DType::kF8E4M3:
+    case DType::kU8:
       return 1;
     case DType::kQ8_0:
     case DType::kQ4_0:
@@ -64,6 +68,7 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kBF16:
       return 2;
     case DType::kF8E4M3:
+    case DType::kU8:
       return 1;
     case DType::kQ8_0:
       return 34;  // F16 scale, 32 x int8
@@ -89,11 +94,15 @@ constexpr bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
 inline size_t DTypeBytes(DType t, int64_t n) {
   return static_cast<size_t>(n / DTypeBlock(t)) * DTypeBlockBytes(t);
 }
-// Bytes of one value of an element type (F32, F16, BF16, F8_E4M3).
-inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : t == DType::kF8E4M3 ? 1 : 2; }
+// Bytes of one value of an element type (F32, F16, BF16, F8_E4M3, U8).
+inline size_t DTypeSize(DType t) {
+  return t == DType::kF32 ? 4 : t == DType::kF8E4M3 || t == DType::kU8 ? 1 : 2;
+}
+// Whether values of t reach no kernel: FP8 and MXFP4 bytes, expanded by the model at load.
+constexpr bool IsStorageOnly(DType t) { return t == DType::kF8E4M3 || t == DType::kU8; }
 const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names),
                                  // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3"
-// A safetensors dtype (F32, F16, BF16, F8_E4M3).
+// A safetensors dtype (F32, F16, BF16, F8_E4M3, U8).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 
 // Scalar conversions (the kernels use vectorized versions of the same).

@@ -50,7 +50,7 @@ constexpr char kGenModelUsage[] =
     "--experts N --top-k N --no-norm-topk-prob\n"
     "--q-lora N --kv-lora N --rope-dim N --nope-dim N --v-dim N --groups N --topk-groups N\n"
     "--shared-experts N --first-dense N --moe-intermediate N (deepseek_v3)\n"
-    "--sliding-window N --swiglu-limit X (gpt_oss)\n"
+    "--sliding-window N --swiglu-limit X --mxfp4 (gpt_oss)\n"
     "--dtype bf16|f16|f32 --fp8-block N --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
@@ -102,25 +102,26 @@ absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const 
 }
 
 absl::Status GenModel(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"arch",           "out",
-                                              "layers",         "hidden",
-                                              "intermediate",   "heads",
-                                              "kv-heads",       "head-dim",
-                                              "vocab",          "experts",
-                                              "top-k",          "dtype",
-                                              "seed",           "rope-scaling",
-                                              "max-position",   "tokenizer",
-                                              "corpus",         "shard-size",
-                                              "chat-template",  "format",
-                                              "gguf-type",      "fp8-block",
-                                              "q-lora",         "kv-lora",
-                                              "rope-dim",       "nope-dim",
-                                              "v-dim",          "groups",
-                                              "topk-groups",    "shared-experts",
-                                              "first-dense",    "moe-intermediate",
-                                              "sliding-window", "swiglu-limit"},
-                                       {"tie-embeddings", "attention-bias", "no-norm-topk-prob"},
-                                       "shardserve gen-model", kGenModelUsage));
+  ASSIGN_OR_RETURN(Args a,
+                   Args::Parse(argv, {"arch",           "out",
+                                      "layers",         "hidden",
+                                      "intermediate",   "heads",
+                                      "kv-heads",       "head-dim",
+                                      "vocab",          "experts",
+                                      "top-k",          "dtype",
+                                      "seed",           "rope-scaling",
+                                      "max-position",   "tokenizer",
+                                      "corpus",         "shard-size",
+                                      "chat-template",  "format",
+                                      "gguf-type",      "fp8-block",
+                                      "q-lora",         "kv-lora",
+                                      "rope-dim",       "nope-dim",
+                                      "v-dim",          "groups",
+                                      "topk-groups",    "shared-experts",
+                                      "first-dense",    "moe-intermediate",
+                                      "sliding-window", "swiglu-limit"},
+                               {"tie-embeddings", "attention-bias", "no-norm-topk-prob", "mxfp4"},
+                               "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
   ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));
@@ -147,6 +148,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
     ASSIGN_OR_RETURN(*field, a.GetInt(flag, *field));
   }
   ASSIGN_OR_RETURN(o.sliding_window, a.GetInt("sliding-window", o.sliding_window));
+  o.mxfp4 = a.Has("mxfp4");
   ASSIGN_OR_RETURN(o.swiglu_limit, a.GetDouble("swiglu-limit", o.swiglu_limit));
   ASSIGN_OR_RETURN(o.max_position, a.GetInt("max-position", o.max_position));
   ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));

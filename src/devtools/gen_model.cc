@@ -46,6 +46,9 @@ struct Planned {
   int64_t block = 0;    // FP8: the block of the weight, or of the weight this scales
   std::string weight;   // FP8 scales: the weight's name
   std::vector<int64_t> weight_shape;
+  // MXFP4: the blocks (or, with mxfp4_scales, the scales) of the fused expert tensor `weight`,
+  // [E][in][out] as weight_shape says, quantized per 32 values of each [out] row's inputs.
+  bool mxfp4 = false, mxfp4_scales = false;
 };
 
 // The values of the tensor named `name` (n of them), deterministic in the name and the seed.
@@ -74,7 +77,48 @@ std::vector<float> BlockScales(const std::vector<float>& v, int64_t rows, int64_
   return s;
 }
 
+// The E2M1 code nearest to v (ties to the even code's magnitude order: the lower).
+uint8_t Fp4Code(float v) {
+  static constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float a = std::fabs(v);
+  int best = 0;
+  for (int i = 1; i < 8; ++i) {
+    if (std::fabs(kMagnitudes[i] - a) < std::fabs(kMagnitudes[best] - a)) best = i;
+  }
+  return static_cast<uint8_t>(best | (v < 0 && best > 0 ? 8 : 0));
+}
+
+// MXFP4 blocks and E8M0 scales of [E][in][out] values: each output row's inputs in blocks of 32,
+// scaled by the power of two that brings the block's largest magnitude within E2M1's 6.
+void FillMxfp4(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
+  const int64_t E = p.weight_shape[0], in = p.weight_shape[1], out = p.weight_shape[2];
+  const std::vector<float> v = Values(p.weight, p.init, E * in * out, seed);
+  const int64_t groups = in / 32;
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t o = 0; o < out; ++o) {
+      for (int64_t g = 0; g < groups; ++g) {
+        auto at = [&](int64_t k) { return v[(e * in + g * 32 + k) * out + o]; };
+        float amax = 0;
+        for (int64_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(at(k)));
+        const int exp = amax > 0 ? static_cast<int>(std::ceil(std::log2(amax / 6.0f))) : -127;
+        const int s = std::clamp(exp + 127, 0, 254);
+        const int64_t block = (e * out + o) * groups + g;
+        if (p.mxfp4_scales) {
+          bytes[block] = static_cast<uint8_t>(s);
+          continue;
+        }
+        const float inv = std::ldexp(1.0f, 127 - s);
+        for (int64_t k = 0; k < 32; k += 2) {
+          bytes[block * 16 + k / 2] =
+              static_cast<uint8_t>(Fp4Code(at(k) * inv) | (Fp4Code(at(k + 1) * inv) << 4));
+        }
+      }
+    }
+  }
+}
+
 void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
+  if (p.mxfp4) return FillMxfp4(p, seed, bytes);
   if (p.block > 0 && p.spec.dtype == DType::kF32) {  // the scales of an FP8 weight
     const std::vector<int64_t>& ws = p.weight_shape;
     const std::vector<float> s =
@@ -221,6 +265,31 @@ void PlanGptOssLayer(const GenModelOptions& o, const std::string& p, int64_t hea
   add(m + "experts.down_proj_bias", {E, H}, bias);
 }
 
+// gpt-oss's checkpoint as it ships: each fused expert tensor ([E][in][out]) as MXFP4 blocks
+// ([E][out][in / 32][16]) and scales ([E][out][in / 32]).
+std::vector<Planned> AsMxfp4(std::vector<Planned> plain) {
+  std::vector<Planned> out;
+  for (Planned& p : plain) {
+    const std::string& n = p.spec.name;
+    if (!n.ends_with("experts.gate_up_proj") && !n.ends_with("experts.down_proj")) {
+      out.push_back(std::move(p));
+      continue;
+    }
+    const std::vector<int64_t> shape = p.spec.shape;  // E, in, out
+    Planned blocks = p;
+    blocks.mxfp4 = true;
+    blocks.weight = n;
+    blocks.weight_shape = shape;
+    blocks.spec = {n + "_blocks", DType::kU8, {shape[0], shape[2], shape[1] / 32, 16}};
+    Planned scales = blocks;
+    scales.mxfp4_scales = true;
+    scales.spec = {n + "_scales", DType::kU8, {shape[0], shape[2], shape[1] / 32}};
+    out.push_back(std::move(blocks));
+    out.push_back(std::move(scales));
+  }
+  return out;
+}
+
 std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   const float sqrt3 = std::sqrt(3.0f);
   auto uniform_std = [&](double std) { return Init{0.0f, static_cast<float>(std * sqrt3)}; };
@@ -345,6 +414,11 @@ absl::Status GenModelOptions::Validate() const {
   }
   if (arch == "gpt_oss" && (sliding_window <= 0 || !(swiglu_limit > 0))) {
     return absl::InvalidArgumentError("--sliding-window and --swiglu-limit must be positive");
+  }
+  if (mxfp4 && (arch != "gpt_oss" || hidden % 32 != 0 || intermediate % 32 != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--mxfp4 is gpt_oss's, with --hidden (", hidden,
+                                                   ") and --intermediate (", intermediate,
+                                                   ") multiples of 32"));
   }
   if (arch == "deepseek_v3") {
     for (auto [name, v] : {std::pair{"kv-lora", kv_lora_rank},
@@ -536,6 +610,12 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["attention_bias"] = true;
     config["router_aux_loss_coef"] = 0.0;
   }
+  if (o.mxfp4) {  // as gpt-oss's checkpoints have it
+    config["quantization_config"] = {{"quant_method", "mxfp4"},
+                                     {"modules_to_not_convert",
+                                      {"model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"}}};
+  }
   if (o.fp8_block > 0) {  // as Hugging Face's FineGrainedFP8Config writes it
     config["quantization_config"] = {{"quant_method", "fp8"},
                                      {"fmt", "e4m3"},
@@ -568,8 +648,9 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   const json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};
   RETURN_IF_ERROR(WriteText(dir / "generation_config.json", gen_config.dump(2)));
 
-  const std::vector<Planned> planned =
-      o.fp8_block > 0 ? AsFp8(PlanTensors(o, head_dim), o.fp8_block) : PlanTensors(o, head_dim);
+  std::vector<Planned> planned = PlanTensors(o, head_dim);
+  if (o.fp8_block > 0) planned = AsFp8(std::move(planned), o.fp8_block);
+  if (o.mxfp4) planned = AsMxfp4(std::move(planned));
   // Group tensors into shards of about shard_bytes (one file when shard_bytes == 0).
   std::vector<std::vector<size_t>> shards(1);
   size_t current = 0, total = 0;

@@ -33,6 +33,8 @@ struct GenModelOptions {
   // fused experts of `intermediate` with the SwiGLU clamped at swiglu_limit.
   int64_t sliding_window = 16;
   double swiglu_limit = 7.0;
+  // gpt_oss: its experts in MXFP4 (quant_method mxfp4, model/mxfp4.h), as gpt-oss ships them.
+  bool mxfp4 = false;
   int64_t max_position = 4096;
   DType dtype = DType::kBF16;
   uint64_t seed = 0;

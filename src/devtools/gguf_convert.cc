@@ -55,6 +55,7 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
     case DType::kQ6_KX:
       break;  // the CPU backend's own layout, no file's
     case DType::kF8E4M3:
+    case DType::kU8:
       break;  // scaled by blocks, no GGUF type
   }
   return absl::InvalidArgumentError(absl::StrCat("no GGUF type for ", DTypeName(t)));
@@ -349,18 +350,19 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     return absl::UnimplementedError(absl::StrCat(
         hf_dir, ": llama3 RoPE scaling is not converted (GGUF keeps it as a rope_freqs tensor)"));
   }
-  if (c.architecture == "Qwen3MoeForCausalLM" || c.architecture == "DeepseekV3ForCausalLM") {
-    return absl::UnimplementedError(absl::StrCat(hf_dir, ": ", c.architecture,
-                                                 " is not converted to GGUF (",
-                                                 c.mla ? "deepseek2" : "qwen3moe", ") yet"));
+  if (c.architecture == "Qwen3MoeForCausalLM" || c.mla || c.gpt_oss) {
+    return absl::UnimplementedError(
+        absl::StrCat(hf_dir, ": ", c.architecture, " is not converted to GGUF (",
+                     c.mla ? "deepseek2" : c.gpt_oss ? "gpt-oss" : "qwen3moe", ") yet"));
   }
   if (c.rope_scaling == RopeScaling::kYarn) {
     return absl::UnimplementedError(absl::StrCat(hf_dir, ": yarn RoPE scaling is not converted"));
   }
   for (const auto& [name, t] : weights->tensors()) {
-    if (t.dtype == DType::kF8E4M3) {
-      return absl::UnimplementedError(absl::StrCat(
-          hf_dir, ": tensor '", name, "' is F8_E4M3: FP8 checkpoints are not converted to GGUF"));
+    if (IsStorageOnly(t.dtype)) {
+      return absl::UnimplementedError(
+          absl::StrCat(hf_dir, ": tensor '", name, "' is ", DTypeName(t.dtype),
+                       ": FP8 and MXFP4 checkpoints are not converted to GGUF"));
     }
   }
   ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));

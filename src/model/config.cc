@@ -188,9 +188,9 @@ absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
   return absl::OkStatus();
 }
 
-// The dtype FP8 weights expand into, and the FP8 checkpoint's scale blocks: quant_method fp8 is
-// the one format that loads (E4M3 weights, scales computed at load for the activations); the
-// others are refused by name.
+// The dtype FP8 and MXFP4 weights expand into, and the FP8 checkpoint's scale blocks: quant_method
+// fp8 (E4M3 weights, scales computed at load for the activations) and, for gpt-oss's experts,
+// mxfp4 load; the others are refused by name.
 absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
   ASSIGN_OR_RETURN(c.dtype, config_internal::TorchDtype(r));
   if (!r.Has("quantization_config")) return absl::OkStatus();
@@ -199,10 +199,20 @@ absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
   const Reader qr(q, absl::StrCat(r.source(), " quantization_config"));
   ASSIGN_OR_RETURN(const std::string method, qr.String("quant_method", ""));
   if (method.empty()) return qr.Error("quant_method", "is required");
+  if (method == "mxfp4") {
+    if (c.architecture != "GptOssForCausalLM") {
+      return qr.Error("quant_method", absl::StrCat("'mxfp4' loads for GptOssForCausalLM's experts, "
+                                                   "not for ",
+                                                   c.architecture));
+    }
+    c.mxfp4 = true;
+    return absl::OkStatus();
+  }
   if (method != "fp8") {
-    return qr.Error(
-        "quant_method",
-        absl::StrCat("'", method, "' does not load in shardserve (fine-grained FP8, fp8, does)"));
+    return qr.Error("quant_method",
+                    absl::StrCat("'", method,
+                                 "' does not load in shardserve (fine-grained FP8, fp8, does; "
+                                 "mxfp4 for gpt-oss)"));
   }
   ASSIGN_OR_RETURN(const std::string fmt, qr.String("fmt", "e4m3"));
   if (fmt != "e4m3") return qr.Error("fmt", absl::StrCat("'", fmt, "' is not e4m3"));

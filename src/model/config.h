@@ -76,6 +76,7 @@ struct ModelConfig {
   // clamped (gate at most swiglu_limit, up within +-swiglu_limit, (up + 1) * gate *
   // sigmoid(swiglu_alpha * gate)); experts stored fused ([E][in][out], gate and up interleaved).
   bool gpt_oss = false;
+  bool mxfp4 = false;  // its experts in MXFP4 (quant_method mxfp4, model/mxfp4.h)
   int64_t sliding_window = 0;
   std::vector<bool> sliding_layers;  // per layer (gpt-oss), empty: none
   double swiglu_alpha = 1.702, swiglu_limit = 7.0;

@@ -64,8 +64,8 @@ struct Format {
     return false;
   }
   double Plain(double params) const { return params * dtype_bytes; }
-  // A linear layer's weight of rows x cols (out x in); `expert`: one of a MoE layer's experts.
-  double Linear(const std::string& module, double rows, double cols, bool expert) const {
+  // A linear layer's weight of rows x cols (out x in).
+  double Linear(const std::string& module, double rows, double cols) const {
     if (Kept(module)) return Plain(rows * cols);
     switch (kind) {
       case Kind::kPlain:
@@ -74,8 +74,8 @@ struct Format {
         return Plain(rows * cols);
       case Kind::kFp8Row:  // one F32 scale per output row
         return rows * cols + rows * 4;
-      case Kind::kMxfp4:  // experts only: 4-bit values and an 8-bit scale per 32
-        return expert ? rows * cols / 2 + std::ceil(cols / 32) * rows : Plain(rows * cols);
+      case Kind::kMxfp4:  // experts expanded into the model's dtype at load (model/mxfp4.h)
+        return Plain(rows * cols);
     }
     return Plain(rows * cols);
   }
@@ -93,8 +93,8 @@ struct Format {
         return absl::StrCat("FP8 E4M3 linear weights with an F32 scale per row, ", dtype,
                             " embeddings, norms and routers", kept, " (does not load yet)");
       case Kind::kMxfp4:
-        return absl::StrCat("MXFP4 experts (4.25 bits a weight), ", dtype, " elsewhere", kept,
-                            " (does not load yet)");
+        return absl::StrCat("MXFP4 experts (4.25 bits a weight in the files), held as ", dtype,
+                            ": expanded at load, no backend computes in FP4 yet");
     }
     return dtype;
   }
@@ -252,7 +252,7 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
   out.notes = d.notes;
   const double H = static_cast<double>(d.hidden), V = static_cast<double>(d.vocab);
   out.embed_bytes = f.Plain(V * H);
-  out.head_bytes = f.Linear("lm_head", V, H, false) + f.Plain(H);
+  out.head_bytes = f.Linear("lm_head", V, H) + f.Plain(H);
   out.params = 2 * V * H + H;
   for (int64_t i = 0; i < d.layers; ++i) {
     const std::string at = absl::StrCat("model.layers.", i, ".");
@@ -260,8 +260,8 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
     double params = 2 * H;  // the two norms
     l.whole_bytes += f.Plain(2 * H);
     auto linear = [&](const std::string& module, double rows, double cols, double& into,
-                      bool expert = false, double copies = 1) {
-      into += copies * f.Linear(at + module, rows, cols, expert);
+                      double copies = 1) {
+      into += copies * f.Linear(at + module, rows, cols);
       params += copies * rows * cols;
     };
     auto plain = [&](double n, double& into) {
@@ -291,8 +291,8 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
       linear("self_attn.o_proj", H, nh * hd, l.split_bytes);
       const double kv = static_cast<double>(d.kv_heads);
       // One KV head's share of k_proj and v_proj (each kv_heads * head_dim rows).
-      l.kv_head_bytes = (f.Linear(at + "self_attn.k_proj", kv * hd, H, false) +
-                         f.Linear(at + "self_attn.v_proj", kv * hd, H, false)) /
+      l.kv_head_bytes = (f.Linear(at + "self_attn.k_proj", kv * hd, H) +
+                         f.Linear(at + "self_attn.v_proj", kv * hd, H)) /
                         kv;
       params += 2 * kv * hd * H;
       if (d.qkv_bias) {
@@ -313,8 +313,8 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
       plain(E * H, l.whole_bytes);  // the router
       if (d.router_bias) plain(E, l.whole_bytes);
       // gate and up, then down, per expert; experts are divided across the group.
-      linear("mlp.experts", 2 * I, H, l.split_bytes, true, E);
-      linear("mlp.experts", H, I, l.split_bytes, true, E);
+      linear("mlp.experts", 2 * I, H, l.split_bytes, E);
+      linear("mlp.experts", H, I, l.split_bytes, E);
       if (d.expert_bias) plain(E * (2 * I + H), l.split_bytes);
       if (d.shared_experts > 0) {
         const double S = static_cast<double>(d.shared_experts) * I;

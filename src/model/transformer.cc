@@ -16,11 +16,19 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "model/fp8.h"
+#include "model/mxfp4.h"
 #include "model/rope.h"
 #include "model/vocab_parallel.h"
 
 namespace shardserve {
 namespace {
+
+// Raw bytes (U8) are MXFP4's blocks and scales, which only gpt-oss's experts read.
+absl::Status NotBytes(const TensorView& t) {
+  if (t.dtype != DType::kU8) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor '", t.name, "' is U8: raw bytes hold only MXFP4 experts' blocks and scales"));
+}
 
 absl::Status Divisible(const char* what, int64_t n, int tp) {
   if (n % tp == 0) return absl::OkStatus();
@@ -147,6 +155,7 @@ absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t 
 absl::StatusOr<WeightMatrix> Transformer::Picked(const TensorView& t,
                                                  const std::vector<int64_t>& rows,
                                                  int64_t transpose_by) {
+  RETURN_IF_ERROR(NotBytes(t));
   const int64_t cols = t.shape[1], n = static_cast<int64_t>(rows.size());
   const bool fp8 = t.dtype == DType::kF8E4M3;
   if (fp8 && !config_.fp8) return Expanded(t, 0, 0, 0, cols);  // its error
@@ -245,6 +254,7 @@ absl::Status Transformer::BindLatentAttention(Layer& L, const std::string& p) {
 }
 
 absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
+  RETURN_IF_ERROR(NotBytes(t));
   const int64_t cols = t.shape[1];
   if (t.dtype == DType::kF8E4M3) return Expanded(t, begin, end, 0, cols);
   const size_t row = DTypeBytes(t.dtype, cols);
@@ -255,6 +265,7 @@ absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begi
 }
 
 absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin, int64_t end) {
+  RETURN_IF_ERROR(NotBytes(t));
   const int64_t rows = t.shape[0], cols = t.shape[1], width = end - begin;
   if (t.dtype == DType::kF8E4M3) return Expanded(t, 0, rows, begin, end);
   const int64_t block = DTypeBlock(t.dtype);
@@ -290,9 +301,9 @@ absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begi
 
 absl::StatusOr<const float*> Transformer::VectorSlice(const TensorView& t, int64_t begin,
                                                       int64_t end) {
-  if (t.dtype == DType::kF8E4M3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", t.name, "' is F8_E4M3; FP8 checkpoints keep vectors unquantized"));
+  if (IsStorageOnly(t.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is ", DTypeName(t.dtype),
+                                                   "; a vector must be F32, F16 or BF16"));
   }
   std::vector<float> v(end - begin);
   cpu::ToFloat(t.dtype, static_cast<const uint8_t*>(t.data) + DTypeBytes(t.dtype, begin),
@@ -469,6 +480,25 @@ absl::StatusOr<const float*> Transformer::ExpertBias(const TensorView& t, int64_
   return backend_->Upload(picked);
 }
 
+absl::StatusOr<WeightMatrix> Transformer::Mxfp4Rows(const TensorView& blocks,
+                                                    const TensorView& scales, int64_t first,
+                                                    int64_t step, int64_t n, int64_t cols) {
+  const DType to = config_.dtype;
+  const size_t row = cols * DTypeSize(to);
+  auto out = std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[std::max<size_t>(n * row, 1)]);
+  if (out == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", n * row, " bytes to expand '", blocks.name, "'"));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    RETURN_IF_ERROR(
+        ExpandMxfp4Row(blocks, scales, first + j * step, cols, to, out.get() + j * row));
+  }
+  shard_bytes_ += n * row;
+  owned_.push_back(std::move(out));
+  return backend_->Upload(WeightMatrix{to, owned_.back().get(), n, cols, cols});
+}
+
 absl::Status Transformer::BindFusedExperts(Layer& L, const std::string& p) {
   const ModelConfig& c = config_;
   const WeightStore& w = *weights_;
@@ -478,19 +508,43 @@ absl::Status Transformer::BindFusedExperts(Layer& L, const std::string& p) {
   ASSIGN_OR_RETURN(TensorView router_bias, w.Get(m + "router.bias", {E}));
   ASSIGN_OR_RETURN(L.router, Rows(router, 0, E));  // replicated: every rank routes every token
   ASSIGN_OR_RETURN(L.router_bias, VectorSlice(router_bias, 0, E));
-  ASSIGN_OR_RETURN(TensorView gate_up, w.Get(m + "experts.gate_up_proj", {E, H, 2 * I}));
   ASSIGN_OR_RETURN(TensorView gate_up_bias, w.Get(m + "experts.gate_up_proj_bias", {E, 2 * I}));
-  ASSIGN_OR_RETURN(TensorView down, w.Get(m + "experts.down_proj", {E, I, H}));
   ASSIGN_OR_RETURN(TensorView down_bias, w.Get(m + "experts.down_proj_bias", {E, H}));
-  for (int64_t e = expert_begin_; e < expert_end_; ++e) {  // gate: even columns, up: odd
+  for (int64_t e = expert_begin_; e < expert_end_; ++e) {
     Expert x;
-    ASSIGN_OR_RETURN(x.gate, ExpertColumns(gate_up, e, 0, 2, I));
-    ASSIGN_OR_RETURN(x.up, ExpertColumns(gate_up, e, 1, 2, I));
-    ASSIGN_OR_RETURN(x.down, ExpertColumns(down, e, 0, 1, H));
     ASSIGN_OR_RETURN(x.gate_bias, ExpertBias(gate_up_bias, e, 0, 2, I));
     ASSIGN_OR_RETURN(x.up_bias, ExpertBias(gate_up_bias, e, 1, 2, I));
     ASSIGN_OR_RETURN(x.down_bias, ExpertBias(down_bias, e, 0, 1, H));
     L.experts.push_back(x);
+  }
+  if (c.mxfp4) {  // [E][out][in / 32] blocks and scales; gate: even rows of gate_up, up: odd
+    for (const auto& [field, value] : {std::pair{"hidden_size", H}, {"intermediate_size", I}}) {
+      if (value % kMxfp4Block != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, " ", value, " is not a multiple of MXFP4's blocks of ", kMxfp4Block));
+      }
+    }
+    const int64_t gh = H / kMxfp4Block, gi = I / kMxfp4Block;
+    ASSIGN_OR_RETURN(TensorView gub, w.Get(m + "experts.gate_up_proj_blocks", {E, 2 * I, gh, 16}));
+    ASSIGN_OR_RETURN(TensorView gus, w.Get(m + "experts.gate_up_proj_scales", {E, 2 * I, gh}));
+    ASSIGN_OR_RETURN(TensorView db, w.Get(m + "experts.down_proj_blocks", {E, H, gi, 16}));
+    ASSIGN_OR_RETURN(TensorView ds, w.Get(m + "experts.down_proj_scales", {E, H, gi}));
+    for (int64_t e = expert_begin_; e < expert_end_; ++e) {
+      Expert& x = L.experts[e - expert_begin_];
+      ASSIGN_OR_RETURN(x.gate, Mxfp4Rows(gub, gus, e * 2 * I, 2, I, H));
+      ASSIGN_OR_RETURN(x.up, Mxfp4Rows(gub, gus, e * 2 * I + 1, 2, I, H));
+      ASSIGN_OR_RETURN(x.down, Mxfp4Rows(db, ds, e * H, 1, H, I));
+    }
+    stage_bytes_ += gub.nbytes + gus.nbytes + db.nbytes + ds.nbytes;
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(TensorView gate_up, w.Get(m + "experts.gate_up_proj", {E, H, 2 * I}));
+  ASSIGN_OR_RETURN(TensorView down, w.Get(m + "experts.down_proj", {E, I, H}));
+  for (int64_t e = expert_begin_; e < expert_end_; ++e) {  // gate: even columns, up: odd
+    Expert& x = L.experts[e - expert_begin_];
+    ASSIGN_OR_RETURN(x.gate, ExpertColumns(gate_up, e, 0, 2, I));
+    ASSIGN_OR_RETURN(x.up, ExpertColumns(gate_up, e, 1, 2, I));
+    ASSIGN_OR_RETURN(x.down, ExpertColumns(down, e, 0, 1, H));
   }
   stage_bytes_ += gate_up.nbytes + down.nbytes;
   return absl::OkStatus();

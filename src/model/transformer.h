@@ -216,6 +216,11 @@ class Transformer {
                                              int64_t step, int64_t n);
   absl::StatusOr<const float*> ExpertBias(const TensorView& t, int64_t e, int64_t first,
                                           int64_t step, int64_t n);
+  // Rows first, first + step, ... (n of them) of an MXFP4 [E * out][in] matrix (its blocks and
+  // scales, model/mxfp4.h), expanded into the model's dtype in host memory kept while the backend
+  // uses it.
+  absl::StatusOr<WeightMatrix> Mxfp4Rows(const TensorView& blocks, const TensorView& scales,
+                                         int64_t first, int64_t step, int64_t n, int64_t cols);
   // A layer's attention of the batch laid out in the buffers (h in, attn out: this rank's heads'
   // outputs for o_proj), with its KV cache; MLA with the latent cache.
   absl::Status AttentionLayer(const Layer& L, int64_t li, const KvCache& cache, int64_t rows,

@@ -47,7 +47,7 @@ expect_error "--kv-heads 3 must divide --heads 4" "$BIN" gen-model --out "$TMP/x
 expect_error "--dtype 'f64' is not bf16, f16, f32" "$BIN" gen-model --out "$TMP/x" --dtype f64
 expect_error "--fp8-block -2 is not a block size in [1, 4096] (or 0: none)" \
   "$BIN" gen-model --out "$TMP/x" --fp8-block -2
-expect_error "is F8_E4M3: FP8 checkpoints are not converted to GGUF" \
+expect_error "is F8_E4M3: FP8 and MXFP4 checkpoints are not converted to GGUF" \
   "$BIN" gen-model --out "$TMP/x.gguf" --format gguf --fp8-block 32
 
 "$BIN" gen-model --out "$TMP/m" --vocab 300 --layers 1 >/dev/null 2>&1 || { echo "FAIL: gen-model"; exit 1; }

@@ -250,10 +250,12 @@ int Run(int iterations, uint64_t seed) {
     std::fprintf(stderr, "gen-model --arch deepseek_v3: %s\n", std::string(s.message()).c_str());
     return 1;
   }
-  // And a gpt-oss (sinks, sliding layers, fused biased experts).
+  // And a gpt-oss (sinks, sliding layers, fused biased experts in MXFP4).
   GenModelOptions go = testing::SmallModel("gpt_oss", tmp.Sub("go"));
   go.layers = 2;
   go.vocab = 300;
+  go.mxfp4 = true;  // its experts' bytes and E8M0 scales mutated too
+  go.dtype = DType::kBF16;
   if (absl::Status s = GenerateModel(go); !s.ok()) {
     std::fprintf(stderr, "gen-model --arch gpt_oss: %s\n", std::string(s.message()).c_str());
     return 1;
@@ -272,7 +274,7 @@ int Run(int iterations, uint64_t seed) {
       {"FP8 config.json", tmp.Sub("fp8"), "config.json", Target::kJson},
       {"MLA safetensors", tmp.Sub("ds"), "model.safetensors", Target::kSafetensors},
       {"MLA config.json", tmp.Sub("ds"), "config.json", Target::kJson},
-      {"gpt-oss weights", tmp.Sub("go"), "model.safetensors", Target::kSafetensors},
+      {"gpt-oss MXFP4", tmp.Sub("go"), "model.safetensors", Target::kWhole},
       {"gpt-oss config", tmp.Sub("go"), "config.json", Target::kJson},
   };
   Mutator m(seed);

@@ -4,7 +4,8 @@ model: greedy tokens must be identical and log-probabilities (chosen token and t
 
 Tolerances:
   * FP8 checkpoints: transformers dequantizes at load into the model's dtype, as shardserve
-    does (the same bits), then runs in float32 like the others: 1e-4.
+    does (the same bits), then runs in float32 like the others: 1e-4. MXFP4 experts likewise
+    (their values are exact in every dtype).
   * transformers in float32 (bf16/f16 weights are upcast exactly, which is how shardserve's
     kernels compute: file dtype weights, F32 math): |dlogprob| <= 1e-4 for every dtype.
   * transformers in the file's native dtype (bf16/f16 activations too): the logprob it gives
@@ -78,6 +79,8 @@ CASES = {
     # 1,000-token prompt crosses the window many times over.
     "gpt_oss_f32": GPT_OSS + ["--dtype", "f32", "--rope-scaling", "yarn"] + LONG,
     "gpt_oss_bf16": GPT_OSS + ["--dtype", "bf16"],
+    # Its experts in MXFP4, as gpt-oss ships them (transformers dequantizes them on the CPU).
+    "gpt_oss_mxfp4_bf16": GPT_OSS + ["--dtype", "bf16", "--mxfp4"],
     "mixtral_f32": ["--arch", "mixtral", "--dtype", "f32", "--experts", "4", "--top-k", "2"],
     "mixtral_bf16": ["--arch", "mixtral", "--dtype", "bf16", "--experts", "8", "--top-k", "2",
                      "--kv-heads", "2"],
@@ -93,7 +96,8 @@ LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "deepseek_v3_plain_bf16": [(1, 1), (2, 2)],
            "deepseek_v3_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "gpt_oss_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
-           "gpt_oss_bf16": [(1, 1), (2, 2)]}
+           "gpt_oss_bf16": [(1, 1), (2, 2)],
+           "gpt_oss_mxfp4_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]}
 BASE = ["--layers", "3", "--hidden", "96", "--heads", "6", "--intermediate", "160", "--vocab",
         "600", "--seed", "7", "--max-position", "512"]
 TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nnew line",

@@ -84,8 +84,9 @@ class CpuBackend : public Backend {
   // the model file's shared mapping, the decode was slower (TinyLlama BF16 at one thread 70-75 %
   // of the read bandwidth against 78-84 % from a copy, alternating runs).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
-    if (host.dtype == DType::kF8E4M3) {  // the model expands them at load (model/fp8.h)
-      return absl::UnimplementedError("F8_E4M3 weights reach no kernel of this backend");
+    if (IsStorageOnly(host.dtype)) {  // the model expands them at load (model/fp8.h, mxfp4.h)
+      return absl::UnimplementedError(
+          absl::StrCat(DTypeName(host.dtype), " weights reach no kernel of this backend"));
     }
     const DType kept = KeptType(host.dtype);
     const size_t row = DTypeBytes(kept, host.cols);

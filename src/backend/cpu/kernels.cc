@@ -677,7 +677,8 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       case DType::kQ6_KX:
         Gemm<DType::kQ6_KX>(w, packed, M, y, ldy, pool);
         break;
-      case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses it)
+      case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses them)
+      case DType::kU8:
         break;
     }
   }

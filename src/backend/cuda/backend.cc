@@ -64,8 +64,9 @@ class CudaBackend : public Backend {
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<GpuBuffer>(); }
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& m) override {
     if (m.rows == 0) return WeightMatrix{m.dtype, nullptr, 0, m.cols, m.cols};
-    if (m.dtype == DType::kF8E4M3) {  // the model expands them at load (model/fp8.h)
-      return absl::UnimplementedError("F8_E4M3 weights reach no kernel of this backend");
+    if (IsStorageOnly(m.dtype)) {  // the model expands them at load (model/fp8.h, mxfp4.h)
+      return absl::UnimplementedError(
+          absl::StrCat(DTypeName(m.dtype), " weights reach no kernel of this backend"));
     }
     if (IsQuantized(m.dtype)) {
       return absl::UnimplementedError(absl::StrCat(

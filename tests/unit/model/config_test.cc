@@ -243,18 +243,17 @@ TEST(ConfigTest, RefusesDeepseekV3OptionsItDoesNotRun) {
   }
 }
 
-// gpt-oss-120b's own config.json (its MXFP4 quantization_config aside): sinks and per-layer
-// windows, biases, the clamped SwiGLU, YaRN without truncation; GptOssConfig's defaults (YaRN
-// factor 32, theta 150000, sliding layers first) where the file says nothing.
+// gpt-oss-120b's own config.json: MXFP4 experts, sinks and per-layer windows, biases, the
+// clamped SwiGLU, YaRN without truncation; GptOssConfig's defaults (YaRN factor 32, theta 150000,
+// sliding layers first) where the file says nothing. MXFP4 elsewhere is refused by name.
 TEST(ConfigTest, ParsesGptOss) {
   auto text = ReadFileToString(std::string(SHARDSERVE_SOURCE_DIR) +
                                "/examples/plan/gpt-oss-120b/config.json");
   ASSERT_TRUE(text.ok());
   json j = json::parse(*text);
-  j.erase("quantization_config");
   auto c = ParseModelConfig(j.dump());
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE(c->gpt_oss && c->moe && c->qkv_bias && c->o_bias);
+  EXPECT_TRUE(c->gpt_oss && c->moe && c->qkv_bias && c->o_bias && c->mxfp4);
   EXPECT_EQ(c->num_experts, 128);
   EXPECT_EQ(c->experts_per_token, 4);
   EXPECT_EQ(c->intermediate_size, 2880);
@@ -278,6 +277,10 @@ TEST(ConfigTest, ParsesGptOss) {
   EXPECT_EQ(c->rope_theta, 150000.0);
   EXPECT_EQ(c->window(34), 128);
   EXPECT_EQ(c->window(35), 0);
+  json l = Llama();
+  l["quantization_config"] = {{"quant_method", "mxfp4"}};
+  EXPECT_THAT(std::string(ParseModelConfig(l.dump()).status().message()),
+              HasSubstr("'mxfp4' loads for GptOssForCausalLM's experts, not for LlamaForCausalLM"));
   j["layer_types"] = {"sliding_attention", "chunked_attention"};
   EXPECT_THAT(std::string(ParseModelConfig(j.dump()).status().message()),
               HasSubstr("'layer_types' must list the type of each of the 36 layers"));

@@ -175,8 +175,9 @@ TEST_F(Fp8ModelTest, LoadsAsTheModelItsExpansionIs) {
 TEST_F(Fp8ModelTest, WhatIsMissingOrNotLoadedIsNamed) {
   Write();
   EditConfig([](json& c) { c["quantization_config"]["quant_method"] = "gptq"; });
-  EXPECT_THAT(LoadError(), HasSubstr("quantization_config: 'quant_method' 'gptq' does not load in "
-                                     "shardserve (fine-grained FP8, fp8, does)"));
+  EXPECT_THAT(LoadError(),
+              HasSubstr("quantization_config: 'quant_method' 'gptq' does not load in "
+                        "shardserve (fine-grained FP8, fp8, does; mxfp4 for gpt-oss)"));
   EditConfig([](json& c) {
     c["quantization_config"]["quant_method"] = "fp8";
     c["quantization_config"]["activation_scheme"] = "static";

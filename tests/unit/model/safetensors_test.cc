@@ -124,7 +124,7 @@ TEST(SafetensorsTest, EachCorruptionGetsItsOwnError) {
   dtype["w"]["dtype"] = "I64";
   EXPECT_THAT(
       OpenError(dir, File(dtype, 16)),
-      HasSubstr("tensor 'w': unsupported dtype 'I64' (supported: F32, F16, BF16, F8_E4M3)"));
+      HasSubstr("tensor 'w': unsupported dtype 'I64' (supported: F32, F16, BF16, F8_E4M3, U8)"));
   json shape = good;
   shape["w"]["shape"] = {3, 2};
   EXPECT_THAT(OpenError(dir, File(shape, 16)),

@@ -164,7 +164,7 @@ Greedy RunGreedy(ShardedModel& m, std::vector<int32_t> prompt, int steps) {
 class ShardedTest : public ::testing::TestWithParam<std::string> {
  protected:
   // "ARCH" or "ARCH fp8": an FP8 checkpoint whose 24x24 blocks the ranks' slices cut through
-  // (rows and columns split in 32s and 16s), each rank expanding its part.
+  // (rows and columns split in 32s and 16s), each rank expanding its part; "gpt_oss mxfp4".
   std::string Write() {
     const std::string param = GetParam();
     auto o = testing::SmallModel(param.substr(0, param.find(' ')), dir_.Sub("m"));
@@ -172,6 +172,7 @@ class ShardedTest : public ::testing::TestWithParam<std::string> {
     o.vocab = 401;  // not divisible by 2 or 4 ranks
     o.dtype = DType::kBF16;
     if (param.ends_with(" fp8")) o.fp8_block = 24;
+    o.mxfp4 = param.ends_with(" mxfp4");  // gpt-oss's experts as it ships them
     if (o.arch == "gpt_oss") {  // a window the prompt and its tokens cross, the clamp reached
       o.sliding_window = 4;
       o.swiglu_limit = 1.5;
@@ -238,7 +239,7 @@ TEST_P(ShardedTest, EachRankHoldsItsShareOfTheWeights) {
 INSTANTIATE_TEST_SUITE_P(Archs, ShardedTest,
                          ::testing::Values("llama", "mixtral", "qwen2", "llama fp8",
                                            "qwen3_moe fp8", "deepseek_v3", "deepseek_v3 fp8",
-                                           "gpt_oss"));
+                                           "gpt_oss", "gpt_oss mxfp4"));
 
 TEST(ShardedShapeTest, BadShapesNameTheNumbers) {
   testing::TempDir dir;
