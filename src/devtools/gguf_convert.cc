@@ -350,10 +350,17 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     return absl::UnimplementedError(absl::StrCat(
         hf_dir, ": llama3 RoPE scaling is not converted (GGUF keeps it as a rope_freqs tensor)"));
   }
-  if (c.architecture == "Qwen3MoeForCausalLM" || c.mla || c.gpt_oss) {
+  if (c.mla || c.gpt_oss) {
+    return absl::UnimplementedError(absl::StrCat(hf_dir, ": ", c.architecture,
+                                                 " is not converted to GGUF (",
+                                                 c.mla ? "deepseek2" : "gpt-oss", ") yet"));
+  }
+  const bool qwen_moe = c.architecture == "Qwen3MoeForCausalLM";
+  if (qwen_moe && !c.norm_topk_prob) {
     return absl::UnimplementedError(
-        absl::StrCat(hf_dir, ": ", c.architecture, " is not converted to GGUF (",
-                     c.mla ? "deepseek2" : c.gpt_oss ? "gpt-oss" : "qwen3moe", ") yet"));
+        absl::StrCat(hf_dir,
+                     ": norm_topk_prob false has no qwen3moe GGUF form (llama.cpp "
+                     "renormalizes the chosen experts' weights)"));
   }
   if (c.rope_scaling == RopeScaling::kYarn) {
     return absl::UnimplementedError(absl::StrCat(hf_dir, ": yarn RoPE scaling is not converted"));
@@ -367,8 +374,9 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
   }
   ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));
   // llama.cpp's architectures: Mistral and Mixtral are written as llama (with experts).
-  const std::string arch =
-      c.model_type == "qwen2" || c.model_type == "qwen3" ? c.model_type : "llama";
+  const std::string arch = qwen_moe                                             ? "qwen3moe"
+                           : c.model_type == "qwen2" || c.model_type == "qwen3" ? c.model_type
+                                                                                : "llama";
   const std::string p = arch + ".";
   GgufWriter w;
   w.Set("general.architecture", GgufWriter::String(arch));
@@ -394,6 +402,10 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
   if (c.moe) {
     w.Set(p + "expert_count", GgufWriter::U32(static_cast<uint32_t>(c.num_experts)));
     w.Set(p + "expert_used_count", GgufWriter::U32(static_cast<uint32_t>(c.experts_per_token)));
+  }
+  if (qwen_moe) {
+    w.Set(p + "expert_feed_forward_length",
+          GgufWriter::U32(static_cast<uint32_t>(c.intermediate_size)));
   }
   w.Set("general.file_type", GgufWriter::U32(static_cast<uint32_t>(ggml)));
   RETURN_IF_ERROR(SetTokenizer(w, hf_dir, c));
@@ -438,25 +450,26 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     const std::string blk = absl::StrCat("blk.", l, "."),
                       hf = absl::StrCat("model.layers.", l, ".");
     for (const GgufName& n : kGgufLayerNames) {
-      if (!weights->Has(hf + n.hf)) continue;
+      const std::string name = hf + GgufLayerHfName(c, n);
+      if (!weights->Has(name)) continue;
       const std::string g = n.gguf;
       const bool rotary =
           g == "attn_q.weight" || g == "attn_k.weight" || g == "attn_q.bias" || g == "attn_k.bias";
       if (g == "ffn_gate_inp.weight") {  // the router stays F32
-        ASSIGN_OR_RETURN(const TensorView t, weights->Get(hf + n.hf));
+        ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
         const std::vector<float> v = values(t);
         w.AddTensor(blk + g, GgmlType::kF32, {c.hidden_size, c.num_experts},
                     Encode(DType::kF32, v, c.num_experts, c.hidden_size));
         continue;
       }
-      RETURN_IF_ERROR(add(blk + g, hf + n.hf, rotary));
+      RETURN_IF_ERROR(add(blk + g, name, rotary));
     }
     for (const GgufName& n : kGgufExpertNames) {
       if (!c.moe) break;
       std::string bytes;
       int64_t rows = 0, cols = 0;
       for (int64_t e = 0; e < c.num_experts; ++e) {
-        const std::string name = absl::StrCat(hf, "block_sparse_moe.experts.", e, ".", n.hf);
+        const std::string name = hf + GgufExpertHfName(c, e, n);
         ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
         const std::vector<float> v = values(t);
         rows = t.shape[0];

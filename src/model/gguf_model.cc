@@ -46,6 +46,23 @@ const std::vector<GgufName> kGgufExpertNames = {
     {"ffn_up_exps.weight", "w3.weight"},
 };
 
+std::string GgufLayerHfName(const ModelConfig& c, const GgufName& n) {
+  const std::string hf = n.hf;
+  if (c.architecture == "Qwen3MoeForCausalLM" && hf == "block_sparse_moe.gate.weight") {
+    return "mlp.gate.weight";
+  }
+  return hf;
+}
+
+std::string GgufExpertHfName(const ModelConfig& c, int64_t e, const GgufName& n) {
+  if (c.architecture != "Qwen3MoeForCausalLM") {
+    return absl::StrCat("block_sparse_moe.experts.", e, ".", n.hf);
+  }
+  const std::string hf = n.hf;
+  const char* proj = hf == "w1.weight" ? "gate_proj" : hf == "w2.weight" ? "down_proj" : "up_proj";
+  return absl::StrCat("mlp.experts.", e, ".", proj, ".weight");
+}
+
 namespace {
 
 absl::StatusOr<DType> DTypeOf(const GgufTensor& t) {
@@ -156,10 +173,10 @@ absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model
 
 absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   ASSIGN_OR_RETURN(const std::string arch, f.GetString("general.architecture"));
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "qwen3moe") {
     return absl::UnimplementedError(absl::StrCat(f.path(), ": general.architecture '", arch,
                                                  "' is not one shardserve runs (llama, qwen2, "
-                                                 "qwen3)"));
+                                                 "qwen3, qwen3moe)"));
   }
   const std::string p = arch + ".";
   auto has = [&](const std::string& key) { return f.metadata().count(key) > 0; };
@@ -238,7 +255,14 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   if (has(p + "expert_count")) {
     ASSIGN_OR_RETURN(experts, f.GetUint(p + "expert_count"));
   }
-  if (experts > 0) {
+  if (arch == "qwen3moe") {  // llama.cpp renormalizes the k experts' weights (norm_topk_prob)
+    j["architectures"] = {"Qwen3MoeForCausalLM"};
+    j["model_type"] = "qwen3_moe";
+    ASSIGN_OR_RETURN(j["num_experts"], f.GetUint(p + "expert_count"));
+    ASSIGN_OR_RETURN(j["num_experts_per_tok"], f.GetUint(p + "expert_used_count"));
+    ASSIGN_OR_RETURN(j["moe_intermediate_size"], f.GetUint(p + "expert_feed_forward_length"));
+    j["norm_topk_prob"] = true;
+  } else if (experts > 0) {
     j["architectures"] = {"MixtralForCausalLM"};
     j["model_type"] = "mixtral";
     j["num_local_experts"] = experts;
@@ -303,12 +327,13 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     const std::string layer_prefix = absl::StrCat("model.layers.", layer, ".");
     for (const GgufName& n : kGgufLayerNames) {
       if (rest != n.gguf) continue;
-      const std::string full = layer_prefix + n.hf;
+      const std::string full = layer_prefix + GgufLayerHfName(c, n);
       ASSIGN_OR_RETURN(TensorView v, view(t, full));
       const bool rotary = rest == "attn_q.weight" || rest == "attn_k.weight" ||
                           rest == "attn_q.bias" || rest == "attn_k.bias";
       // llama.cpp interleaves the rotary rows of Llama's (and Mixtral's) q and k, not Qwen's.
-      const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3";
+      const bool qwen =
+          c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "qwen3_moe";
       if (!qwen && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
       out[full] = v;
     }
@@ -323,7 +348,7 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
       const size_t each = all.nbytes / c.num_experts;
       for (int64_t e = 0; e < c.num_experts; ++e) {
         TensorView v = all;
-        v.name = absl::StrCat(layer_prefix, "block_sparse_moe.experts.", e, ".", n.hf);
+        v.name = layer_prefix + GgufExpertHfName(c, e, n);
         v.shape = {all.shape[1], all.shape[2]};
         v.data = static_cast<const uint8_t*>(all.data) + e * each;
         v.nbytes = each;

@@ -25,6 +25,11 @@ struct GgufName {
   const char* hf;
 };
 extern const std::vector<GgufName> kGgufLayerNames, kGgufExpertNames;
+// The Hugging Face names of a layer's tensor (under model.layers.N.) and of expert e's, for the
+// model's architecture: Mixtral's block_sparse_moe (w1, w2, w3), Qwen3-MoE's mlp (gate_proj,
+// down_proj, up_proj).
+std::string GgufLayerHfName(const ModelConfig& c, const GgufName& n);
+std::string GgufExpertHfName(const ModelConfig& c, int64_t e, const GgufName& n);
 
 // llama.cpp's converter interleaves the two rotary halves of each `llama` q and k head: the row
 // `file_row` of the file is Hugging Face's row GgufRotaryRow(file_row) (h*hd + 2i + j holds

@@ -128,14 +128,17 @@ absl::Status Transformer::CheckSplit() const {
   return absl::OkStatus();
 }
 
+absl::Status Transformer::Fp8Declared(const TensorView& t) const {
+  if (config_.fp8) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor '", t.name,
+                   "' is F8_E4M3 but config.json has no quantization_config of an FP8 "
+                   "checkpoint (quant_method fp8)"));
+}
+
 absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t r0, int64_t r1,
                                                    int64_t c0, int64_t c1) {
-  if (!config_.fp8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", t.name,
-                     "' is F8_E4M3 but config.json has no quantization_config of an FP8 "
-                     "checkpoint (quant_method fp8)"));
-  }
+  RETURN_IF_ERROR(Fp8Declared(t));
   const DType to = config_.dtype;
   const int64_t rows = r1 - r0, width = c1 - c0;
   auto buf = std::unique_ptr<uint8_t[]>(
@@ -158,7 +161,7 @@ absl::StatusOr<WeightMatrix> Transformer::Picked(const TensorView& t,
   RETURN_IF_ERROR(NotBytes(t));
   const int64_t cols = t.shape[1], n = static_cast<int64_t>(rows.size());
   const bool fp8 = t.dtype == DType::kF8E4M3;
-  if (fp8 && !config_.fp8) return Expanded(t, 0, 0, 0, cols);  // its error
+  if (fp8) RETURN_IF_ERROR(Fp8Declared(t));
   const DType to = fp8 ? config_.dtype : t.dtype;
   if (IsQuantized(to)) {
     return absl::InvalidArgumentError(

@@ -196,6 +196,8 @@ class Transformer {
   // dtype in host memory (kept while the backend uses it).
   absl::StatusOr<WeightMatrix> Expanded(const TensorView& t, int64_t r0, int64_t r1, int64_t c0,
                                         int64_t c1);
+  // An F8_E4M3 tensor needs config.json to declare the FP8 checkpoint.
+  absl::Status Fp8Declared(const TensorView& t) const;
   // The rows `rows` of a 2-D weight in that order (FP8 expanded), or with `transpose_by` > 0
   // each consecutive group of that many picked rows transposed (a [n][cols] block becomes
   // [cols][n]), in host memory kept while the backend uses it.

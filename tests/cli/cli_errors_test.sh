@@ -49,6 +49,11 @@ expect_error "--fp8-block -2 is not a block size in [1, 4096] (or 0: none)" \
   "$BIN" gen-model --out "$TMP/x" --fp8-block -2
 expect_error "is F8_E4M3: FP8 and MXFP4 checkpoints are not converted to GGUF" \
   "$BIN" gen-model --out "$TMP/x.gguf" --format gguf --fp8-block 32
+expect_error "DeepseekV3ForCausalLM is not converted to GGUF (deepseek2) yet" \
+  "$BIN" gen-model --arch deepseek_v3 --out "$TMP/x.gguf" --format gguf
+expect_error "norm_topk_prob false has no qwen3moe GGUF form" \
+  "$BIN" gen-model --arch qwen3_moe --no-norm-topk-prob --out "$TMP/x.gguf" --format gguf
+expect_error "--mxfp4 is gpt_oss's" "$BIN" gen-model --out "$TMP/x" --mxfp4
 
 "$BIN" gen-model --out "$TMP/m" --vocab 300 --layers 1 >/dev/null 2>&1 || { echo "FAIL: gen-model"; exit 1; }
 expect_error "temperature must be a finite number >= 0" "$BIN" generate --model "$TMP/m" --prompt hi --temperature -1

@@ -123,6 +123,10 @@ if WHAT == "generated":
              ("qwen2", "q8_0", []), ("qwen2", "q4_1", [])]
     # transformers reads no head size from a qwen3 GGUF (Qwen3Config's default, 128, stands).
     CASES += [("qwen3", "f32", ["--head-dim", "128"]), ("qwen3", "q8_0", ["--head-dim", "128"])]
+    # Qwen3-MoE as llama.cpp's qwen3moe (the chosen experts' weights renormalized); transformers
+    # reads no expert size from it either (Qwen3MoeConfig's moe_intermediate_size, 768, stands).
+    QWEN_MOE = ["--head-dim", "128", "--intermediate", "768", "--experts", "8", "--top-k", "2"]
+    CASES += [("qwen3_moe", "f32", QWEN_MOE), ("qwen3_moe", "q8_0", QWEN_MOE)]
     # The K-quants' super-blocks of 256 need wider rows (and TP=2 column slices of 256).
     WIDE = ["--hidden", "512", "--heads", "8", "--kv-heads", "4", "--intermediate", "1024"]
     CASES += [("llama", "q4_k", WIDE), ("llama", "q5_k", WIDE), ("llama", "q6_k", WIDE)]
