@@ -79,9 +79,6 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
   return absl::OkStatus();
 }
 
-// DeepSeek-V3's multi-head latent attention and MoE (ModelConfig's comments). What the runtime
-// does not run is refused by name: another scoring or top-k method, biased projections, MoE
-// layers other than every layer after the dense ones.
 // gpt-oss's sinks, per-layer sliding windows, biased router and experts, clamped SwiGLU
 // (ModelConfig's comments).
 absl::Status ParseGptOss(const json& j, const Reader& r, ModelConfig& c) {
@@ -119,6 +116,9 @@ absl::Status ParseGptOss(const json& j, const Reader& r, ModelConfig& c) {
   return absl::OkStatus();
 }
 
+// DeepSeek-V3's multi-head latent attention and MoE (ModelConfig's comments). What the runtime
+// does not run is refused by name: another scoring or top-k method, biased projections, MoE
+// layers other than every layer after the dense ones.
 absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
   c.mla = c.moe = c.sigmoid_routing = true;
   ASSIGN_OR_RETURN(c.q_lora_rank, r.Int("q_lora_rank", 0));

@@ -93,8 +93,8 @@ struct ModelConfig {
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   // Whether layer i has experts (DeepSeek-V3's first layers are dense).
   bool moe_layer(int64_t i) const { return moe && i >= first_dense_layers; }
-  // The positions layer i attends to before the current one's: 0 for all (gpt-oss's sliding
-  // layers: sliding_window - 1).
+  // How many positions layer i attends to, its own included (AttentionExtras::window): 0 for
+  // all of them, gpt-oss's sliding layers sliding_window.
   int64_t window(int64_t i) const {
     return i < static_cast<int64_t>(sliding_layers.size()) && sliding_layers[i] ? sliding_window
                                                                                 : 0;

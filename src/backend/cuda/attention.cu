@@ -214,7 +214,7 @@ __global__ void AttentionCombineKernel(const float* partial, int64_t splits, int
 }
 
 // Attention with a sliding window or sinks (gpt-oss; Backend::AttentionExtras): grid (rows,
-// heads), kLatentWarps warps taking positions in turn over [max(0, len - window), len), a lane
+// heads), four warps taking positions in turn over [max(0, len - window), len), a lane
 // holding every 32nd dim of the query and the output; the warps' online softmaxes merge in shared
 // memory with the head's sink in the denominator. A plain kernel: the split-K one above serves
 // attention without extras.
