@@ -37,6 +37,8 @@ const char* DTypeName(DType t) {
       return "F8_E4M3";
     case DType::kU8:
       return "U8";
+    case DType::kMXFP4:
+      return "MXFP4";
   }
   return "?";
 }

@@ -19,7 +19,8 @@ namespace shardserve {
 // 3 mantissa bits, no infinities): stored with a scale per block in a tensor beside it, it reaches
 // no kernel; the model expands each rank's slice into the model's dtype at load (model/fp8.h).
 // kU8 is raw bytes (safetensors U8): MXFP4's packed values and E8M0 scales, which the model
-// likewise expands at load (model/mxfp4.h).
+// likewise expands at load (model/mxfp4.h). kMXFP4 is the same format as ggml stores it in GGUF
+// files (blocks of 32 values: an E8M0 byte, then 16 bytes of E2M1 codes), expanded alike.
 enum class DType {
   kF32,
   kF16,
@@ -34,7 +35,8 @@ enum class DType {
   kQ4_1X,
   kQ6_KX,
   kF8E4M3,
-  kU8
+  kU8,
+  kMXFP4
 };
 
 // Values per block (1 for the element types) and the bytes of one block.
@@ -50,6 +52,7 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kQ4_0:
     case DType::kQ4_1:
     case DType::kQ4_1X:
+    case DType::kMXFP4:
       return 32;
     case DType::kQ4_K:
     case DType::kQ5_K:
@@ -86,10 +89,17 @@ constexpr size_t DTypeBlockBytes(DType t) {
     case DType::kQ6_K:
     case DType::kQ6_KX:
       return 210;  // 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, F16 d
+    case DType::kMXFP4:
+      return 17;  // E8M0 scale, 32 x 4 bits
   }
   return 0;
 }
-constexpr bool IsQuantized(DType t) { return DTypeBlock(t) > 1; }
+// Whether values of t reach no kernel: FP8 and MXFP4 bytes, expanded by the model at load.
+constexpr bool IsStorageOnly(DType t) {
+  return t == DType::kF8E4M3 || t == DType::kU8 || t == DType::kMXFP4;
+}
+// The block-quantized types the kernels compute with.
+constexpr bool IsQuantized(DType t) { return DTypeBlock(t) > 1 && !IsStorageOnly(t); }
 // Bytes of n consecutive values of a row (n a multiple of the block).
 inline size_t DTypeBytes(DType t, int64_t n) {
   return static_cast<size_t>(n / DTypeBlock(t)) * DTypeBlockBytes(t);
@@ -98,10 +108,8 @@ inline size_t DTypeBytes(DType t, int64_t n) {
 inline size_t DTypeSize(DType t) {
   return t == DType::kF32 ? 4 : t == DType::kF8E4M3 || t == DType::kU8 ? 1 : 2;
 }
-// Whether values of t reach no kernel: FP8 and MXFP4 bytes, expanded by the model at load.
-constexpr bool IsStorageOnly(DType t) { return t == DType::kF8E4M3 || t == DType::kU8; }
 const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names),
-                                 // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3"
+                                 // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3", "U8", "MXFP4"
 // A safetensors dtype (F32, F16, BF16, F8_E4M3, U8).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

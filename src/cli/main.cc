@@ -54,10 +54,13 @@ constexpr char kGenModelUsage[] =
     "--dtype bf16|f16|f32 --fp8-block N --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|none --corpus FILE --shard-size BYTES\n"
-    "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k]\n"
+    "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k\n"
+    "--gguf-legacy-mla]\n"
     "(a small random model with a trained tokenizer, for tests and demos; --format gguf: --out\n"
-    "names the .gguf file, weights stored as --gguf-type, default the --dtype; --fp8-block N: the\n"
-    "linear weights as a fine-grained FP8 checkpoint, E4M3 with a scale per N x N block)";
+    "names the .gguf file, weights stored as --gguf-type, default the --dtype, MXFP4 experts as\n"
+    "MXFP4; --gguf-legacy-mla: DeepSeek-V3's kv_b_proj as one attn_kv_b, as older llama.cpp\n"
+    "files hold it; --fp8-block N: the linear weights as a fine-grained FP8 checkpoint, E4M3\n"
+    "with a scale per N x N block)";
 constexpr char kGenerateUsage[] =
     "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
@@ -102,26 +105,26 @@ absl::StatusOr<std::vector<int64_t>> ParseIdList(const std::string& flag, const 
 }
 
 absl::Status GenModel(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv, {"arch",           "out",
-                                      "layers",         "hidden",
-                                      "intermediate",   "heads",
-                                      "kv-heads",       "head-dim",
-                                      "vocab",          "experts",
-                                      "top-k",          "dtype",
-                                      "seed",           "rope-scaling",
-                                      "max-position",   "tokenizer",
-                                      "corpus",         "shard-size",
-                                      "chat-template",  "format",
-                                      "gguf-type",      "fp8-block",
-                                      "q-lora",         "kv-lora",
-                                      "rope-dim",       "nope-dim",
-                                      "v-dim",          "groups",
-                                      "topk-groups",    "shared-experts",
-                                      "first-dense",    "moe-intermediate",
-                                      "sliding-window", "swiglu-limit"},
-                               {"tie-embeddings", "attention-bias", "no-norm-topk-prob", "mxfp4"},
-                               "shardserve gen-model", kGenModelUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"arch",           "out",
+                                              "layers",         "hidden",
+                                              "intermediate",   "heads",
+                                              "kv-heads",       "head-dim",
+                                              "vocab",          "experts",
+                                              "top-k",          "dtype",
+                                              "seed",           "rope-scaling",
+                                              "max-position",   "tokenizer",
+                                              "corpus",         "shard-size",
+                                              "chat-template",  "format",
+                                              "gguf-type",      "fp8-block",
+                                              "q-lora",         "kv-lora",
+                                              "rope-dim",       "nope-dim",
+                                              "v-dim",          "groups",
+                                              "topk-groups",    "shared-experts",
+                                              "first-dense",    "moe-intermediate",
+                                              "sliding-window", "swiglu-limit"},
+                                       {"tie-embeddings", "attention-bias", "no-norm-topk-prob",
+                                        "mxfp4", "gguf-legacy-mla"},
+                                       "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
   ASSIGN_OR_RETURN(o.out_dir, a.Require("out"));
@@ -201,7 +204,8 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   const std::string file = o.out_dir;
   o.out_dir = file + ".hf-tmp";
   RETURN_IF_ERROR(GenerateModel(o));
-  const absl::Status converted = ConvertToGguf(o.out_dir, file, type->second);
+  const absl::Status converted =
+      ConvertToGguf(o.out_dir, file, type->second, a.Has("gguf-legacy-mla"));
   std::error_code ec;
   std::filesystem::remove_all(o.out_dir, ec);
   RETURN_IF_ERROR(converted);

@@ -54,6 +54,8 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
     case DType::kQ4_1X:
     case DType::kQ6_KX:
       break;  // the CPU backend's own layout, no file's
+    case DType::kMXFP4:
+      return GgmlType::kMXFP4;
     case DType::kF8E4M3:
     case DType::kU8:
       break;  // scaled by blocks, no GGUF type
@@ -80,6 +82,13 @@ std::string Encode(DType type, const std::vector<float>& v, int64_t rows, int64_
     }
   }
   return out;
+}
+
+// A tensor's values as F32.
+std::vector<float> Floats(const TensorView& t) {
+  std::vector<float> v(t.numel());
+  cpu::ToFloat(t.dtype, t.data, t.numel(), v.data());
+  return v;
 }
 
 // The tokenizer of a byte-level BPE tokenizer.json, padded to vocab_size.
@@ -343,17 +352,216 @@ std::string QuantizeRow(DType type, const float* x, int64_t n) {
   return out;
 }
 
-absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_file, DType type) {
-  ASSIGN_OR_RETURN(const ModelConfig c, LoadModelConfig(hf_dir));
-  ASSIGN_OR_RETURN(const std::unique_ptr<WeightStore> weights, WeightStore::Open(hf_dir));
+namespace {
+
+// What llama.cpp's format can say of a model's RoPE scaling (YaRN with its own conventions:
+// DeepSeek's mscale equal to mscale_all_dim, written as a log multiplier; gpt-oss untruncated,
+// the rest truncated, with transformers' default factor on cos and sin); the rest is refused.
+absl::Status RopeScalingFits(const std::string& hf_dir, const ModelConfig& c) {
   if (c.rope_scaling == RopeScaling::kLlama3) {
     return absl::UnimplementedError(absl::StrCat(
         hf_dir, ": llama3 RoPE scaling is not converted (GGUF keeps it as a rope_freqs tensor)"));
   }
-  if (c.mla || c.gpt_oss) {
-    return absl::UnimplementedError(absl::StrCat(hf_dir, ": ", c.architecture,
-                                                 " is not converted to GGUF (",
-                                                 c.mla ? "deepseek2" : "gpt-oss", ") yet"));
+  if (c.rope_scaling != RopeScaling::kYarn) return absl::OkStatus();
+  if (c.mla) {
+    if (c.rope_mscale != c.rope_mscale_all_dim) {
+      return absl::UnimplementedError(
+          absl::StrCat(hf_dir, ": YaRN mscale ", c.rope_mscale, " differs from mscale_all_dim ",
+                       c.rope_mscale_all_dim, ", which deepseek2 GGUF files cannot say"));
+    }
+    return absl::OkStatus();
+  }
+  const double usual = c.rope_factor <= 1 ? 1.0 : 0.1 * std::log(c.rope_factor) + 1.0;
+  if (c.rope_truncate == c.gpt_oss || std::fabs(c.rope_attention_factor - usual) > 1e-12) {
+    return absl::UnimplementedError(
+        absl::StrCat(hf_dir, ": YaRN with truncate ", c.rope_truncate ? "true" : "false",
+                     " and attention factor ", c.rope_attention_factor,
+                     " is not what llama.cpp's format says for ", c.architecture));
+  }
+  return absl::OkStatus();
+}
+
+// llama.cpp's architecture for a model: Mistral and Mixtral are written as llama (with experts).
+std::string GgufArch(const ModelConfig& c) {
+  if (c.mla) return "deepseek2";
+  if (c.gpt_oss) return "gpt-oss";
+  if (c.architecture == "Qwen3MoeForCausalLM") return "qwen3moe";
+  if (c.model_type == "qwen2" || c.model_type == "qwen3") return c.model_type;
+  return "llama";
+}
+
+// The metadata llama.cpp reads for the model's architecture.
+void SetModelKeys(GgufWriter& w, const ModelConfig& c, const std::string& arch, bool legacy_mla) {
+  const std::string p = arch + ".";
+  auto u32 = [&](const std::string& key, int64_t v) {
+    w.Set(p + key, GgufWriter::U32(static_cast<uint32_t>(v)));
+  };
+  auto f32 = [&](const std::string& key, double v) {
+    w.Set(p + key, GgufWriter::F32(static_cast<float>(v)));
+  };
+  u32("context_length", c.max_position_embeddings);
+  u32("embedding_length", c.hidden_size);
+  u32("block_count", c.num_layers);
+  u32("feed_forward_length", c.mla ? c.dense_intermediate_size : c.intermediate_size);
+  u32("attention.head_count", c.num_heads);
+  f32("attention.layer_norm_rms_epsilon", c.rms_norm_eps);
+  f32("rope.freq_base", c.rope_theta);
+  u32("rope.dimension_count", c.head_dim);
+  if (c.rope_scaling == RopeScaling::kLinear || c.rope_scaling == RopeScaling::kYarn) {
+    const bool yarn = c.rope_scaling == RopeScaling::kYarn;
+    w.Set(p + "rope.scaling.type", GgufWriter::String(yarn ? "yarn" : "linear"));
+    f32("rope.scaling.factor", c.rope_factor);
+    if (yarn) {
+      u32("rope.scaling.original_context_length", c.rope_original_max_position);
+      f32("rope.scaling.yarn_beta_fast", c.rope_beta_fast);
+      f32("rope.scaling.yarn_beta_slow", c.rope_beta_slow);
+      if (c.mla) f32("rope.scaling.yarn_log_multiplier", 0.1 * c.rope_mscale_all_dim);
+    }
+  }
+  if (c.mla) {  // MLA as MQA over the latent, or (legacy) with the heads' own sizes
+    const int64_t R = c.head_dim, Lr = c.kv_lora_rank;
+    if (c.q_lora_rank > 0) u32("attention.q_lora_rank", c.q_lora_rank);
+    u32("attention.kv_lora_rank", Lr);
+    if (legacy_mla) {
+      u32("attention.head_count_kv", c.num_heads);
+      u32("attention.key_length", c.qk_nope_dim + R);
+      u32("attention.value_length", c.v_head_dim);
+    } else {
+      u32("attention.head_count_kv", 1);
+      u32("attention.key_length", Lr + R);
+      u32("attention.value_length", Lr);
+      u32("attention.key_length_mla", c.qk_nope_dim + R);
+      u32("attention.value_length_mla", c.v_head_dim);
+    }
+    u32("leading_dense_block_count", c.first_dense_layers);
+    u32("expert_shared_count", c.shared_experts);
+    f32("expert_weights_scale", c.routed_scaling);
+    if (c.norm_topk_prob) w.Set(p + "expert_weights_norm", GgufWriter::Bool(true));
+    u32("expert_gating_func", 2);  // sigmoid
+    u32("expert_group_count", c.n_group);
+    u32("expert_group_used_count", c.topk_group);
+  } else {
+    u32("attention.head_count_kv", c.num_kv_heads);
+    if (c.head_dim * c.num_heads != c.hidden_size) {
+      u32("attention.key_length", c.head_dim);
+      u32("attention.value_length", c.head_dim);
+    }
+  }
+  if (c.gpt_oss) u32("attention.sliding_window", c.sliding_window);
+  if (c.moe) {
+    u32("expert_count", c.num_experts);
+    u32("expert_used_count", c.experts_per_token);
+  }
+  if (arch == "qwen3moe" || c.mla || c.gpt_oss) {
+    u32("expert_feed_forward_length", c.intermediate_size);
+  }
+}
+
+// Whether the layer loop writes a table name: gpt-oss's norm before the experts is
+// post_attention_norm (the rest's ffn_norm), its experts' biases GptOssExperts writes; MLA's
+// kv_b_proj is one tensor only in legacy files.
+bool NameOfArch(const ModelConfig& c, const std::string& g, bool legacy_mla) {
+  if (absl::EndsWith(g, "_exps.bias")) return false;
+  if (g == "ffn_norm.weight") return !c.gpt_oss;
+  if (g == "post_attention_norm.weight") return c.gpt_oss;
+  if (g == "attn_kv_b.weight") return legacy_mla;
+  return true;
+}
+
+// An HF MXFP4 [E][rows][cols / 32][16] with its scales [E][rows][cols / 32], rows first, first +
+// step, ... (n a expert), as ggml's blocks: the scale, then value k's code in the low nibble and
+// value k + 16's in the high one of byte k.
+std::string GgmlMxfp4(const TensorView& blocks, const TensorView& scales, int64_t first,
+                      int64_t step, int64_t n) {
+  const int64_t E = blocks.shape[0], rows = blocks.shape[1], groups = blocks.shape[2];
+  const auto* b = static_cast<const uint8_t*>(blocks.data);
+  const auto* s = static_cast<const uint8_t*>(scales.data);
+  std::string out;
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t r = e * rows + first + j * step;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* codes = b + (r * groups + g) * 16;
+        auto code = [&](int k) { return (k % 2 == 0 ? codes[k / 2] : codes[k / 2] >> 4) & 0xF; };
+        out.push_back(static_cast<char>(s[r * groups + g]));
+        for (int k = 0; k < 16; ++k) out.push_back(static_cast<char>(code(k) | code(k + 16) << 4));
+      }
+    }
+  }
+  return out;
+}
+
+// gpt-oss's fused experts as llama.cpp writes them: gate (HF's even columns of gate_up_proj) and
+// up (its odd ones) apart, each expert [out][in], with their biases; MXFP4 experts repacked as
+// ggml's MXFP4, the rest stored as `type`.
+absl::Status GptOssExperts(GgufWriter& w, const WeightStore& weights, const ModelConfig& c,
+                           const std::string& hf, const std::string& blk, DType type) {
+  const int64_t E = c.num_experts, H = c.hidden_size, I = c.intermediate_size;
+  const std::string m = hf + "mlp.experts.";
+  ASSIGN_OR_RETURN(const TensorView gub, weights.Get(m + "gate_up_proj_bias", {E, 2 * I}));
+  ASSIGN_OR_RETURN(const TensorView db, weights.Get(m + "down_proj_bias", {E, H}));
+  const std::vector<float> gu = Floats(gub);
+  std::vector<float> gate_bias(E * I), up_bias(E * I);
+  for (int64_t i = 0; i < E * I; ++i) {
+    gate_bias[i] = gu[2 * i];
+    up_bias[i] = gu[2 * i + 1];
+  }
+  w.AddTensor(blk + "ffn_gate_exps.bias", GgmlType::kF32, {I, E},
+              Encode(DType::kF32, gate_bias, E, I));
+  w.AddTensor(blk + "ffn_up_exps.bias", GgmlType::kF32, {I, E}, Encode(DType::kF32, up_bias, E, I));
+  w.AddTensor(blk + "ffn_down_exps.bias", GgmlType::kF32, {H, E},
+              Encode(DType::kF32, Floats(db), E, H));
+  if (c.mxfp4) {
+    const int64_t gh = H / 32, gi = I / 32;
+    ASSIGN_OR_RETURN(const TensorView gb,
+                     weights.Get(m + "gate_up_proj_blocks", {E, 2 * I, gh, 16}));
+    ASSIGN_OR_RETURN(const TensorView gs, weights.Get(m + "gate_up_proj_scales", {E, 2 * I, gh}));
+    ASSIGN_OR_RETURN(const TensorView dbk, weights.Get(m + "down_proj_blocks", {E, H, gi, 16}));
+    ASSIGN_OR_RETURN(const TensorView ds, weights.Get(m + "down_proj_scales", {E, H, gi}));
+    w.AddTensor(blk + "ffn_gate_exps.weight", GgmlType::kMXFP4, {H, I, E},
+                GgmlMxfp4(gb, gs, 0, 2, I));
+    w.AddTensor(blk + "ffn_up_exps.weight", GgmlType::kMXFP4, {H, I, E},
+                GgmlMxfp4(gb, gs, 1, 2, I));
+    w.AddTensor(blk + "ffn_down_exps.weight", GgmlType::kMXFP4, {I, H, E},
+                GgmlMxfp4(dbk, ds, 0, 1, H));
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));
+  for (const auto& [name, cols] : {std::pair{"gate_up_proj", H}, {"down_proj", I}}) {
+    if (cols % DTypeBlock(type) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", m, name, "' has rows of ", cols,
+                                                     " values, not whole ", DTypeName(type),
+                                                     " blocks of ", DTypeBlock(type)));
+    }
+  }
+  ASSIGN_OR_RETURN(const TensorView gate_up, weights.Get(m + "gate_up_proj", {E, H, 2 * I}));
+  ASSIGN_OR_RETURN(const TensorView down, weights.Get(m + "down_proj", {E, I, H}));
+  const std::vector<float> g = Floats(gate_up), d = Floats(down);
+  std::vector<float> gate(E * I * H), up(E * I * H), down_t(E * H * I);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < I; ++i) {
+        gate[(e * I + i) * H + h] = g[(e * H + h) * 2 * I + 2 * i];
+        up[(e * I + i) * H + h] = g[(e * H + h) * 2 * I + 2 * i + 1];
+        down_t[(e * H + h) * I + i] = d[(e * I + i) * H + h];
+      }
+    }
+  }
+  w.AddTensor(blk + "ffn_gate_exps.weight", ggml, {H, I, E}, Encode(type, gate, E * I, H));
+  w.AddTensor(blk + "ffn_up_exps.weight", ggml, {H, I, E}, Encode(type, up, E * I, H));
+  w.AddTensor(blk + "ffn_down_exps.weight", ggml, {I, H, E}, Encode(type, down_t, E * H, I));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_file, DType type,
+                           bool legacy_mla) {
+  ASSIGN_OR_RETURN(const ModelConfig c, LoadModelConfig(hf_dir));
+  ASSIGN_OR_RETURN(const std::unique_ptr<WeightStore> weights, WeightStore::Open(hf_dir));
+  RETURN_IF_ERROR(RopeScalingFits(hf_dir, c));
+  if (legacy_mla && !c.mla) {
+    return absl::InvalidArgumentError("the legacy MLA layout is DeepSeek-V3's (deepseek2) only");
   }
   const bool qwen_moe = c.architecture == "Qwen3MoeForCausalLM";
   if (qwen_moe && !c.norm_topk_prob) {
@@ -362,51 +570,28 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
                      ": norm_topk_prob false has no qwen3moe GGUF form (llama.cpp "
                      "renormalizes the chosen experts' weights)"));
   }
-  if (c.rope_scaling == RopeScaling::kYarn) {
-    return absl::UnimplementedError(absl::StrCat(hf_dir, ": yarn RoPE scaling is not converted"));
+  if (c.gpt_oss) {  // llama.cpp fixes the clamp and the windows' layers
+    bool alternating = true;
+    for (int64_t l = 0; l < c.num_layers; ++l) alternating &= c.sliding_layers[l] == (l % 2 == 0);
+    if (c.swiglu_limit != 7.0 || c.swiglu_alpha != 1.702 || !alternating) {
+      return absl::UnimplementedError(absl::StrCat(
+          hf_dir,
+          ": gpt-oss GGUF files say no swiglu_limit or swiglu_alpha (llama.cpp takes 7.0 and "
+          "1.702) and no layer_types (llama.cpp slides every other layer, the first)"));
+    }
   }
   for (const auto& [name, t] : weights->tensors()) {
-    if (IsStorageOnly(t.dtype)) {
-      return absl::UnimplementedError(
-          absl::StrCat(hf_dir, ": tensor '", name, "' is ", DTypeName(t.dtype),
-                       ": FP8 and MXFP4 checkpoints are not converted to GGUF"));
+    if (t.dtype == DType::kF8E4M3) {
+      return absl::UnimplementedError(absl::StrCat(
+          hf_dir, ": tensor '", name, "' is F8_E4M3: FP8 checkpoints are not converted to GGUF"));
     }
   }
   ASSIGN_OR_RETURN(const GgmlType ggml, GgmlOf(type));
-  // llama.cpp's architectures: Mistral and Mixtral are written as llama (with experts).
-  const std::string arch = qwen_moe                                             ? "qwen3moe"
-                           : c.model_type == "qwen2" || c.model_type == "qwen3" ? c.model_type
-                                                                                : "llama";
-  const std::string p = arch + ".";
+  const std::string arch = GgufArch(c);
   GgufWriter w;
   w.Set("general.architecture", GgufWriter::String(arch));
   w.Set("general.name", GgufWriter::String(std::filesystem::path(hf_dir).filename().string()));
-  w.Set(p + "context_length", GgufWriter::U32(static_cast<uint32_t>(c.max_position_embeddings)));
-  w.Set(p + "embedding_length", GgufWriter::U32(static_cast<uint32_t>(c.hidden_size)));
-  w.Set(p + "block_count", GgufWriter::U32(static_cast<uint32_t>(c.num_layers)));
-  w.Set(p + "feed_forward_length", GgufWriter::U32(static_cast<uint32_t>(c.intermediate_size)));
-  w.Set(p + "attention.head_count", GgufWriter::U32(static_cast<uint32_t>(c.num_heads)));
-  w.Set(p + "attention.head_count_kv", GgufWriter::U32(static_cast<uint32_t>(c.num_kv_heads)));
-  w.Set(p + "attention.layer_norm_rms_epsilon",
-        GgufWriter::F32(static_cast<float>(c.rms_norm_eps)));
-  w.Set(p + "rope.freq_base", GgufWriter::F32(static_cast<float>(c.rope_theta)));
-  w.Set(p + "rope.dimension_count", GgufWriter::U32(static_cast<uint32_t>(c.head_dim)));
-  if (c.head_dim * c.num_heads != c.hidden_size) {
-    w.Set(p + "attention.key_length", GgufWriter::U32(static_cast<uint32_t>(c.head_dim)));
-    w.Set(p + "attention.value_length", GgufWriter::U32(static_cast<uint32_t>(c.head_dim)));
-  }
-  if (c.rope_scaling == RopeScaling::kLinear) {
-    w.Set(p + "rope.scaling.type", GgufWriter::String("linear"));
-    w.Set(p + "rope.scaling.factor", GgufWriter::F32(static_cast<float>(c.rope_factor)));
-  }
-  if (c.moe) {
-    w.Set(p + "expert_count", GgufWriter::U32(static_cast<uint32_t>(c.num_experts)));
-    w.Set(p + "expert_used_count", GgufWriter::U32(static_cast<uint32_t>(c.experts_per_token)));
-  }
-  if (qwen_moe) {
-    w.Set(p + "expert_feed_forward_length",
-          GgufWriter::U32(static_cast<uint32_t>(c.intermediate_size)));
-  }
+  SetModelKeys(w, c, arch, legacy_mla);
   w.Set("general.file_type", GgufWriter::U32(static_cast<uint32_t>(ggml)));
   RETURN_IF_ERROR(SetTokenizer(w, hf_dir, c));
   auto Blocks = [&](const std::string& name, int64_t cols) -> absl::Status {
@@ -416,18 +601,20 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
                                                    " blocks of ", DTypeBlock(type)));
   };
 
-  // A tensor's values as F32 (rows x cols; 1 x n for a vector).
-  auto values = [](const TensorView& t) {
-    std::vector<float> v(t.numel());
-    cpu::ToFloat(t.dtype, t.data, t.numel(), v.data());
-    return v;
+  // rows x cols F32 values as a matrix of `type` (GGUF dims cols, rows[, stack]).
+  auto matrix = [&](const std::string& gguf, const std::vector<float>& v, int64_t rows,
+                    int64_t cols, int64_t stack) -> absl::Status {
+    RETURN_IF_ERROR(Blocks(gguf, cols));
+    std::vector<int64_t> dims = {cols, rows};
+    if (stack > 0) dims.push_back(stack);
+    w.AddTensor(gguf, ggml, dims, Encode(type, v, rows * std::max<int64_t>(stack, 1), cols));
+    return absl::OkStatus();
   };
   // A 2-D matrix as `type` (rotary rows interleaved when `rotary`), a vector as F32.
   auto add = [&](const std::string& gguf, const std::string& hf, bool rotary) -> absl::Status {
     ASSIGN_OR_RETURN(const TensorView t, weights->Get(hf));
-    std::vector<float> v = values(t);
+    std::vector<float> v = Floats(t);
     const int64_t rows = t.shape[0], cols = t.shape.size() == 2 ? t.shape[1] : 1;
-    RETURN_IF_ERROR(Blocks(hf, t.shape.size() == 2 ? cols : DTypeBlock(type)));
     if (rotary && arch == "llama") {
       std::vector<float> permuted(v.size());
       for (int64_t r = 0; r < rows; ++r) {
@@ -438,10 +625,9 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
     }
     if (t.shape.size() == 1) {
       w.AddTensor(gguf, GgmlType::kF32, {rows}, Encode(DType::kF32, v, 1, rows));
-    } else {
-      w.AddTensor(gguf, ggml, {cols, rows}, Encode(type, v, rows, cols));
+      return absl::OkStatus();
     }
-    return absl::OkStatus();
+    return matrix(gguf, v, rows, cols, 0);
   };
   RETURN_IF_ERROR(add("token_embd.weight", "model.embed_tokens.weight", false));
   RETURN_IF_ERROR(add("output_norm.weight", "model.norm.weight", false));
@@ -451,27 +637,46 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
                       hf = absl::StrCat("model.layers.", l, ".");
     for (const GgufName& n : kGgufLayerNames) {
       const std::string name = hf + GgufLayerHfName(c, n);
-      if (!weights->Has(name)) continue;
       const std::string g = n.gguf;
+      if (!weights->Has(name) || !NameOfArch(c, g, legacy_mla)) continue;
       const bool rotary =
           g == "attn_q.weight" || g == "attn_k.weight" || g == "attn_q.bias" || g == "attn_k.bias";
       if (g == "ffn_gate_inp.weight") {  // the router stays F32
         ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
-        const std::vector<float> v = values(t);
+        const std::vector<float> v = Floats(t);
         w.AddTensor(blk + g, GgmlType::kF32, {c.hidden_size, c.num_experts},
                     Encode(DType::kF32, v, c.num_experts, c.hidden_size));
         continue;
       }
       RETURN_IF_ERROR(add(blk + g, name, rotary));
     }
+    if (c.mla && !legacy_mla) {  // kv_b_proj's key rows transposed per head (k_b), value rows (v_b)
+      ASSIGN_OR_RETURN(const TensorView t, weights->Get(hf + "self_attn.kv_b_proj.weight"));
+      const std::vector<float> v = Floats(t);
+      const int64_t H = c.num_heads, Lr = c.kv_lora_rank, nope = c.qk_nope_dim, vd = c.v_head_dim;
+      std::vector<float> kb(H * Lr * nope), vb(H * vd * Lr);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* head = v.data() + h * (nope + vd) * Lr;
+        for (int64_t j = 0; j < nope; ++j) {
+          for (int64_t r = 0; r < Lr; ++r) kb[(h * Lr + r) * nope + j] = head[j * Lr + r];
+        }
+        std::copy_n(head + nope * Lr, vd * Lr, vb.data() + h * vd * Lr);
+      }
+      RETURN_IF_ERROR(matrix(blk + "attn_k_b.weight", kb, Lr, nope, H));
+      RETURN_IF_ERROR(matrix(blk + "attn_v_b.weight", vb, vd, Lr, H));
+    }
+    if (c.gpt_oss) {
+      RETURN_IF_ERROR(GptOssExperts(w, *weights, c, hf, blk, type));
+      continue;
+    }
     for (const GgufName& n : kGgufExpertNames) {
-      if (!c.moe) break;
+      if (!c.moe || !c.moe_layer(l)) break;
       std::string bytes;
       int64_t rows = 0, cols = 0;
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const std::string name = hf + GgufExpertHfName(c, e, n);
         ASSIGN_OR_RETURN(const TensorView t, weights->Get(name));
-        const std::vector<float> v = values(t);
+        const std::vector<float> v = Floats(t);
         rows = t.shape[0];
         cols = t.shape[1];
         RETURN_IF_ERROR(Blocks(name, cols));

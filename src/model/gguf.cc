@@ -39,7 +39,7 @@ constexpr TypeInfo kTypes[] = {
     {GgmlType::kQ2_K, "Q2_K", {256, 84}},  {GgmlType::kQ3_K, "Q3_K", {256, 110}},
     {GgmlType::kQ4_K, "Q4_K", {256, 144}}, {GgmlType::kQ5_K, "Q5_K", {256, 176}},
     {GgmlType::kQ6_K, "Q6_K", {256, 210}}, {GgmlType::kQ8_K, "Q8_K", {256, 292}},
-    {GgmlType::kBF16, "BF16", {1, 2}},
+    {GgmlType::kBF16, "BF16", {1, 2}},     {GgmlType::kMXFP4, "MXFP4", {32, 17}},
 };
 const TypeInfo* FindType(uint32_t type) {
   for (const TypeInfo& t : kTypes) {

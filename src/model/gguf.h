@@ -40,6 +40,7 @@ enum class GgmlType : uint32_t {
   kQ6_K = 14,
   kQ8_K = 15,
   kBF16 = 30,
+  kMXFP4 = 39,
 };
 // The name llama.cpp gives a type ("Q4_K"), or nullopt for a number it does not know.
 std::optional<std::string> GgmlTypeName(uint32_t type);

@@ -39,6 +39,28 @@ const std::vector<GgufName> kGgufLayerNames = {
     {"ffn_gate_inp.weight", "block_sparse_moe.gate.weight"},
     {"attn_q_norm.weight", "self_attn.q_norm.weight"},  // Qwen3: RMSNorm of each q / k head
     {"attn_k_norm.weight", "self_attn.k_norm.weight"},
+    // DeepSeek-V3 (deepseek2): MLA's projections; k_b and v_b are kv_b_proj's key rows (each
+    // head's [kv_lora_rank][nope], transposed) and value rows, apart, as llama.cpp now writes it.
+    {"attn_q_a.weight", "self_attn.q_a_proj.weight"},
+    {"attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"},
+    {"attn_q_b.weight", "self_attn.q_b_proj.weight"},
+    {"attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight"},
+    {"attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"},
+    {"attn_kv_b.weight", "self_attn.kv_b_proj.weight"},
+    {"attn_k_b.weight", "self_attn.k_b_proj.weight"},
+    {"attn_v_b.weight", "self_attn.v_b_proj.weight"},
+    {"exp_probs_b.bias", "mlp.gate.e_score_correction_bias"},
+    {"ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight"},
+    {"ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight"},
+    {"ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight"},
+    // gpt-oss: sinks, the norm before the experts, the router's bias and the experts' biases
+    // ([E][rows], gate and up apart).
+    {"attn_sinks.weight", "self_attn.sinks"},
+    {"post_attention_norm.weight", "post_attention_layernorm.weight"},
+    {"ffn_gate_inp.bias", "block_sparse_moe.gate.bias"},
+    {"ffn_gate_exps.bias", "mlp.experts.gate_proj_bias"},
+    {"ffn_up_exps.bias", "mlp.experts.up_proj_bias"},
+    {"ffn_down_exps.bias", "mlp.experts.down_proj_bias"},
 };
 const std::vector<GgufName> kGgufExpertNames = {
     {"ffn_gate_exps.weight", "w1.weight"},
@@ -48,14 +70,15 @@ const std::vector<GgufName> kGgufExpertNames = {
 
 std::string GgufLayerHfName(const ModelConfig& c, const GgufName& n) {
   const std::string hf = n.hf;
-  if (c.architecture == "Qwen3MoeForCausalLM" && hf == "block_sparse_moe.gate.weight") {
-    return "mlp.gate.weight";
-  }
+  if (!absl::StartsWith(hf, "block_sparse_moe.gate.")) return hf;
+  if (c.gpt_oss) return "mlp.router." + hf.substr(hf.rfind('.') + 1);
+  if (c.architecture == "Qwen3MoeForCausalLM" || c.mla)
+    return "mlp.gate." + hf.substr(hf.rfind('.') + 1);
   return hf;
 }
 
 std::string GgufExpertHfName(const ModelConfig& c, int64_t e, const GgufName& n) {
-  if (c.architecture != "Qwen3MoeForCausalLM") {
+  if (c.architecture == "MixtralForCausalLM") {
     return absl::StrCat("block_sparse_moe.experts.", e, ".", n.hf);
   }
   const std::string hf = n.hf;
@@ -85,13 +108,16 @@ absl::StatusOr<DType> DTypeOf(const GgufTensor& t) {
       return DType::kQ5_K;
     case GgmlType::kQ6_K:
       return DType::kQ6_K;
+    case GgmlType::kMXFP4:
+      return DType::kMXFP4;
     default:
       break;
   }
   return absl::UnimplementedError(absl::StrCat(
       "tensor '", t.name, "' has type ",
       GgmlTypeName(static_cast<uint32_t>(t.type)).value_or("unknown"),
-      ", which shardserve does not run (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"));
+      ", which shardserve does not run (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; "
+      "MXFP4 experts)"));
 }
 
 // The pre-tokenizers of tokenizer.ggml.pre as Hugging Face writes them (llama.cpp's names).
@@ -171,15 +197,190 @@ absl::StatusOr<std::optional<std::string>> FindGgufFile(const std::string& model
   return std::optional<std::string>(found[0]);
 }
 
+namespace {
+
+bool Has(const GgufFile& f, const std::string& key) { return f.metadata().count(key) > 0; }
+
+absl::StatusOr<bool> GetBool(const GgufFile& f, const std::string& key) {
+  const bool* b = std::get_if<bool>(&f.metadata().at(key).v);
+  if (b == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(f.path(), ": ", key, " must be a bool"));
+  return *b;
+}
+
+// rope.scaling.* as config.json's rope_scaling; YaRN's fields where the file gives them.
+absl::StatusOr<json> RopeScalingOf(const GgufFile& f, const std::string& p) {
+  ASSIGN_OR_RETURN(const std::string type, f.GetString(p + "rope.scaling.type"));
+  if (type == "none") return json();
+  if (type != "linear" && type != "yarn") {
+    return absl::UnimplementedError(absl::StrCat(f.path(), ": ", p, "rope.scaling.type '", type,
+                                                 "' is not one shardserve runs (none, linear, "
+                                                 "yarn)"));
+  }
+  ASSIGN_OR_RETURN(const double factor, f.GetFloat(p + "rope.scaling.factor"));
+  json out = {{"rope_type", type}, {"factor", factor}};
+  if (type == "yarn") {
+    ASSIGN_OR_RETURN(out["original_max_position_embeddings"],
+                     f.GetUint(p + "rope.scaling.original_context_length"));
+    for (const auto& [key, field] : {std::pair{"yarn_beta_fast", "beta_fast"},
+                                     {"yarn_beta_slow", "beta_slow"},
+                                     {"yarn_attn_factor", "attention_factor"}}) {
+      if (Has(f, p + "rope.scaling." + key)) {
+        ASSIGN_OR_RETURN(out[field], f.GetFloat(p + "rope.scaling." + key));
+      }
+    }
+    if (Has(f, p + "rope.scaling.yarn_ext_factor")) {
+      return absl::UnimplementedError(absl::StrCat(
+          f.path(), ": ", p, "rope.scaling.yarn_ext_factor is not something shardserve runs"));
+    }
+  }
+  return out;
+}
+
+// A head's size (key_length, value_length alike) and its rotated dims (all of them), and the
+// RoPE scaling.
+absl::Status HeadFields(const GgufFile& f, const std::string& arch, json& j) {
+  const std::string p = arch + ".";
+  if (Has(f, p + "attention.key_length")) {
+    ASSIGN_OR_RETURN(j["head_dim"], f.GetUint(p + "attention.key_length"));
+    if (Has(f, p + "attention.value_length")) {
+      ASSIGN_OR_RETURN(const uint64_t v, f.GetUint(p + "attention.value_length"));
+      if (v != j["head_dim"].get<uint64_t>()) {
+        return absl::UnimplementedError(absl::StrCat(
+            f.path(), ": ", p, "attention.value_length ", v, " differs from key_length ",
+            j["head_dim"].get<uint64_t>(), ", which shardserve does not run"));
+      }
+    }
+  }
+  const uint64_t heads = j["num_attention_heads"].get<uint64_t>();
+  const uint64_t head_dim = j.contains("head_dim")
+                                ? j["head_dim"].get<uint64_t>()
+                                : j["hidden_size"].get<uint64_t>() / std::max<uint64_t>(1, heads);
+  if (Has(f, p + "rope.dimension_count")) {
+    ASSIGN_OR_RETURN(const uint64_t rot, f.GetUint(p + "rope.dimension_count"));
+    if (rot != head_dim) {
+      return absl::UnimplementedError(absl::StrCat(f.path(), ": ", p, "rope.dimension_count ", rot,
+                                                   " rotates part of a head of ", head_dim,
+                                                   ", which shardserve does not run"));
+    }
+  }
+  if (Has(f, p + "rope.scaling.type")) {
+    ASSIGN_OR_RETURN(j["rope_scaling"], RopeScalingOf(f, p));
+    if (arch == "gpt-oss" && j["rope_scaling"].is_object()) {
+      j["rope_scaling"]["truncate"] = false;  // GptOssConfig's YaRN, which the file cannot say
+    }
+  }
+  return absl::OkStatus();
+}
+
+// llama.cpp's deepseek2 as DeepSeek-V3's config.json. The file's attention is MLA written as
+// MQA over the latent (head_count_kv 1, key_length kv_lora_rank + rope dims, key_length_mla and
+// value_length_mla a head's own sizes) or, in files converted before that, with the heads' sizes
+// in key_length and value_length. YaRN's mscale is rope.scaling.yarn_log_multiplier / 0.1 (the
+// converter's 0.1 x mscale_all_dim), on both mscale fields: llama.cpp scales cos and sin by none.
+absl::Status DeepseekFields(const GgufFile& f, json& j) {
+  const std::string p = "deepseek2.";
+  j["architectures"] = {"DeepseekV3ForCausalLM"};
+  j["model_type"] = "deepseek_v3";
+  j["num_key_value_heads"] = j["num_attention_heads"];  // MLA: every head reads the latent
+  if (Has(f, p + "attention.q_lora_rank")) {
+    ASSIGN_OR_RETURN(j["q_lora_rank"], f.GetUint(p + "attention.q_lora_rank"));
+  } else {
+    j["q_lora_rank"] = nullptr;
+  }
+  ASSIGN_OR_RETURN(const uint64_t kv_lora, f.GetUint(p + "attention.kv_lora_rank"));
+  j["kv_lora_rank"] = kv_lora;
+  ASSIGN_OR_RETURN(const uint64_t rope, f.GetUint(p + "rope.dimension_count"));
+  j["qk_rope_head_dim"] = rope;
+  const bool mqa = Has(f, p + "attention.key_length_mla");
+  ASSIGN_OR_RETURN(const uint64_t k,
+                   f.GetUint(p + (mqa ? "attention.key_length_mla" : "attention.key_length")));
+  ASSIGN_OR_RETURN(j["v_head_dim"],
+                   f.GetUint(p + (mqa ? "attention.value_length_mla" : "attention.value_length")));
+  if (k <= rope) {
+    return absl::InvalidArgumentError(absl::StrCat(f.path(), ": a head's key of ", k,
+                                                   " values leaves none beside its ", rope,
+                                                   " rotated dims (", p, "rope.dimension_count)"));
+  }
+  j["qk_nope_head_dim"] = k - rope;
+  ASSIGN_OR_RETURN(j["moe_intermediate_size"], f.GetUint(p + "expert_feed_forward_length"));
+  ASSIGN_OR_RETURN(j["n_routed_experts"], f.GetUint(p + "expert_count"));
+  ASSIGN_OR_RETURN(j["num_experts_per_tok"], f.GetUint(p + "expert_used_count"));
+  j["n_shared_experts"] = 0;
+  if (Has(f, p + "expert_shared_count")) {
+    ASSIGN_OR_RETURN(j["n_shared_experts"], f.GetUint(p + "expert_shared_count"));
+  }
+  j["first_k_dense_replace"] = 0;
+  if (Has(f, p + "leading_dense_block_count")) {
+    ASSIGN_OR_RETURN(j["first_k_dense_replace"], f.GetUint(p + "leading_dense_block_count"));
+  }
+  j["routed_scaling_factor"] = 1.0;  // llama.cpp scales by none without the key
+  if (Has(f, p + "expert_weights_scale")) {
+    ASSIGN_OR_RETURN(j["routed_scaling_factor"], f.GetFloat(p + "expert_weights_scale"));
+  }
+  j["norm_topk_prob"] = false;
+  if (Has(f, p + "expert_weights_norm")) {
+    ASSIGN_OR_RETURN(j["norm_topk_prob"], GetBool(f, p + "expert_weights_norm"));
+  }
+  for (const auto& [key, field] :
+       {std::pair{"expert_group_count", "n_group"}, {"expert_group_used_count", "topk_group"}}) {
+    j[field] = 1;
+    if (Has(f, p + key)) {
+      ASSIGN_OR_RETURN(j[field], f.GetUint(p + key));
+    }
+  }
+  // 1: softmax (DeepSeek-V2, llama.cpp's default), 2: sigmoid with the correction bias (V3).
+  uint64_t gating = 1;
+  if (Has(f, p + "expert_gating_func")) {
+    ASSIGN_OR_RETURN(gating, f.GetUint(p + "expert_gating_func"));
+  }
+  if (gating != 2 ||
+      !f.tensors().count(
+          absl::StrCat("blk.", j["first_k_dense_replace"].get<uint64_t>(), ".exp_probs_b.bias"))) {
+    return absl::UnimplementedError(absl::StrCat(
+        f.path(), ": ", p, "expert_gating_func ", gating,
+        " without DeepSeek-V3's sigmoid scores and correction bias (expert_gating_func 2, "
+        "exp_probs_b) is DeepSeek-V2's routing, which shardserve does not run"));
+  }
+  if (Has(f, p + "rope.scaling.type")) {
+    ASSIGN_OR_RETURN(j["rope_scaling"], RopeScalingOf(f, p));
+    if (j["rope_scaling"].is_object() && j["rope_scaling"]["rope_type"] == "yarn") {
+      double log_mul = 0;
+      if (Has(f, p + "rope.scaling.yarn_log_multiplier")) {
+        ASSIGN_OR_RETURN(log_mul, f.GetFloat(p + "rope.scaling.yarn_log_multiplier"));
+      }
+      j["rope_scaling"]["mscale"] = j["rope_scaling"]["mscale_all_dim"] = log_mul / 0.1;
+      j["rope_scaling"]["attention_factor"] = 1.0;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// gpt-oss: its experts' size, the window of its sliding layers (llama.cpp's: every other layer,
+// the first sliding), its YaRN (above). llama.cpp fixes the clamp of the SwiGLU at 7.0, alpha
+// 1.702 (GptOssConfig's).
+absl::Status GptOssFields(const GgufFile& f, json& j) {
+  const std::string p = "gpt-oss.";
+  j["architectures"] = {"GptOssForCausalLM"};
+  j["model_type"] = "gpt_oss";
+  ASSIGN_OR_RETURN(j["num_local_experts"], f.GetUint(p + "expert_count"));
+  ASSIGN_OR_RETURN(j["num_experts_per_tok"], f.GetUint(p + "expert_used_count"));
+  ASSIGN_OR_RETURN(j["intermediate_size"], f.GetUint(p + "expert_feed_forward_length"));
+  ASSIGN_OR_RETURN(j["sliding_window"], f.GetUint(p + "attention.sliding_window"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   ASSIGN_OR_RETURN(const std::string arch, f.GetString("general.architecture"));
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "qwen3moe") {
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "qwen3moe" &&
+      arch != "deepseek2" && arch != "gpt-oss") {
     return absl::UnimplementedError(absl::StrCat(f.path(), ": general.architecture '", arch,
                                                  "' is not one shardserve runs (llama, qwen2, "
-                                                 "qwen3, qwen3moe)"));
+                                                 "qwen3, qwen3moe, deepseek2, gpt-oss)"));
   }
   const std::string p = arch + ".";
-  auto has = [&](const std::string& key) { return f.metadata().count(key) > 0; };
   json j;
   ASSIGN_OR_RETURN(j["hidden_size"], f.GetUint(p + "embedding_length"));
   ASSIGN_OR_RETURN(j["intermediate_size"], f.GetUint(p + "feed_forward_length"));
@@ -198,45 +399,18 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   ASSIGN_OR_RETURN(const uint64_t heads, f.GetUint(p + "attention.head_count"));
   j["num_attention_heads"] = heads;
   j["num_key_value_heads"] = heads;
-  if (has(p + "attention.head_count_kv")) {
+  if (Has(f, p + "attention.head_count_kv")) {
     ASSIGN_OR_RETURN(j["num_key_value_heads"], f.GetUint(p + "attention.head_count_kv"));
   }
   ASSIGN_OR_RETURN(j["max_position_embeddings"], f.GetUint(p + "context_length"));
   ASSIGN_OR_RETURN(j["rms_norm_eps"], f.GetFloat(p + "attention.layer_norm_rms_epsilon"));
-  if (has(p + "rope.freq_base")) {
+  if (Has(f, p + "rope.freq_base")) {
     ASSIGN_OR_RETURN(j["rope_theta"], f.GetFloat(p + "rope.freq_base"));
   }
-  if (has(p + "attention.key_length")) {
-    ASSIGN_OR_RETURN(j["head_dim"], f.GetUint(p + "attention.key_length"));
-    if (has(p + "attention.value_length")) {
-      ASSIGN_OR_RETURN(const uint64_t v, f.GetUint(p + "attention.value_length"));
-      if (v != j["head_dim"].get<uint64_t>()) {
-        return absl::UnimplementedError(absl::StrCat(
-            f.path(), ": ", p, "attention.value_length ", v, " differs from key_length ",
-            j["head_dim"].get<uint64_t>(), ", which shardserve does not run"));
-      }
-    }
-  }
-  const uint64_t head_dim = j.contains("head_dim")
-                                ? j["head_dim"].get<uint64_t>()
-                                : j["hidden_size"].get<uint64_t>() / std::max<uint64_t>(1, heads);
-  if (has(p + "rope.dimension_count")) {
-    ASSIGN_OR_RETURN(const uint64_t rot, f.GetUint(p + "rope.dimension_count"));
-    if (rot != head_dim) {
-      return absl::UnimplementedError(absl::StrCat(f.path(), ": ", p, "rope.dimension_count ", rot,
-                                                   " rotates part of a head of ", head_dim,
-                                                   ", which shardserve does not run"));
-    }
-  }
-  if (has(p + "rope.scaling.type")) {
-    ASSIGN_OR_RETURN(const std::string type, f.GetString(p + "rope.scaling.type"));
-    if (type == "linear") {
-      ASSIGN_OR_RETURN(const double factor, f.GetFloat(p + "rope.scaling.factor"));
-      j["rope_scaling"] = {{"type", "linear"}, {"factor", factor}};
-    } else if (type != "none") {
-      return absl::UnimplementedError(absl::StrCat(f.path(), ": ", p, "rope.scaling.type '", type,
-                                                   "' is not one shardserve runs (none, linear)"));
-    }
+  if (arch == "deepseek2") {
+    RETURN_IF_ERROR(DeepseekFields(f, j));
+  } else {
+    RETURN_IF_ERROR(HeadFields(f, arch, j));
   }
   if (f.tensors().count("rope_freqs.weight")) {
     return absl::UnimplementedError(absl::StrCat(
@@ -252,10 +426,14 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   j["vocab_size"] = embed->second.dims[1];
   j["tie_word_embeddings"] = f.tensors().count("output.weight") == 0;
   uint64_t experts = 0;
-  if (has(p + "expert_count")) {
+  if (Has(f, p + "expert_count")) {
     ASSIGN_OR_RETURN(experts, f.GetUint(p + "expert_count"));
   }
-  if (arch == "qwen3moe") {  // llama.cpp renormalizes the k experts' weights (norm_topk_prob)
+  if (arch == "deepseek2") {
+    // DeepseekFields above
+  } else if (arch == "gpt-oss") {
+    RETURN_IF_ERROR(GptOssFields(f, j));
+  } else if (arch == "qwen3moe") {  // llama.cpp renormalizes the k experts' weights
     j["architectures"] = {"Qwen3MoeForCausalLM"};
     j["model_type"] = "qwen3_moe";
     ASSIGN_OR_RETURN(j["num_experts"], f.GetUint(p + "expert_count"));
@@ -274,10 +452,10 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
     j["model_type"] = arch;
   }
   if (arch == "llama") j["attention_bias"] = f.tensors().count("blk.0.attn_q.bias") > 0;
-  if (has("tokenizer.ggml.bos_token_id")) {
+  if (Has(f, "tokenizer.ggml.bos_token_id")) {
     ASSIGN_OR_RETURN(j["bos_token_id"], f.GetUint("tokenizer.ggml.bos_token_id"));
   }
-  if (has("tokenizer.ggml.eos_token_id")) {
+  if (Has(f, "tokenizer.ggml.eos_token_id")) {
     ASSIGN_OR_RETURN(j["eos_token_id"], f.GetUint("tokenizer.ggml.eos_token_id"));
   }
   return ParseModelConfig(j.dump(), absl::StrCat(f.path(), " (GGUF metadata)"));
@@ -307,6 +485,8 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     v.data = buf.get();
     owned.push_back(std::move(buf));
   };
+  // llama.cpp interleaves the rotary rows of `llama`'s q and k (Llama, Mistral, Mixtral) only.
+  ASSIGN_OR_RETURN(const std::string arch, f.GetString("general.architecture"));
   std::map<std::string, TensorView> out;
   for (const auto& [name, t] : f.tensors()) {
     std::string hf;
@@ -331,10 +511,10 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
       ASSIGN_OR_RETURN(TensorView v, view(t, full));
       const bool rotary = rest == "attn_q.weight" || rest == "attn_k.weight" ||
                           rest == "attn_q.bias" || rest == "attn_k.bias";
-      // llama.cpp interleaves the rotary rows of Llama's (and Mixtral's) q and k, not Qwen's.
-      const bool qwen =
-          c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "qwen3_moe";
-      if (!qwen && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
+      if (arch == "llama" && rotary && v.shape[0] % c.head_dim == 0) unpermute(v);
+      if (v.shape.size() == 3 && (rest == "attn_k_b.weight" || rest == "attn_v_b.weight")) {
+        v.shape = {v.shape[0] * v.shape[1], v.shape[2]};  // the heads' matrices one under another
+      }
       out[full] = v;
     }
     for (const GgufName& n : kGgufExpertNames) {

@@ -1,9 +1,10 @@
 #pragma once
 // A model in a GGUF file (llama.cpp's format) as shardserve runs it: the configuration from the
 // file's metadata, the tensors under their Hugging Face names and shapes. Architectures `llama`
-// (Llama 2/3, Mistral, SmolLM, TinyLlama; with experts, Mixtral) and `qwen2`; weight types F32,
-// F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K. Whatever else a file holds that would change
-// the model's arithmetic is refused by name.
+// (Llama 2/3, Mistral, SmolLM, TinyLlama; with experts, Mixtral), `qwen2`, `qwen3`, `qwen3moe`,
+// `deepseek2` (DeepSeek-V3: its MLA as k_b / v_b or one kv_b) and `gpt-oss`; weight types F32,
+// F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, and ggml's MXFP4 for experts. Whatever else a
+// file holds that would change the model's arithmetic is refused by name.
 #include <map>
 #include <memory>
 #include <optional>
@@ -20,14 +21,17 @@ namespace shardserve {
 // llama.cpp's tensor names: blk.N.<gguf> is model.layers.N.<hf>; the stacked experts
 // blk.N.<gguf> ([E][rows][cols]) hold model.layers.N.block_sparse_moe.experts.E.<hf>. Outside the
 // layers: token_embd, output_norm and output are the embedding, the final norm and the LM head.
+// Names no Hugging Face checkpoint has, which the transformer reads from GGUF only: DeepSeek-V3's
+// self_attn.k_b_proj ([H * kv_lora_rank][nope]) and v_b_proj ([H * v_head_dim][kv_lora_rank]),
+// gpt-oss's mlp.experts.{gate,up}_proj_bias ([E][rows]) beside its per-expert matrices.
 struct GgufName {
   const char* gguf;
   const char* hf;
 };
 extern const std::vector<GgufName> kGgufLayerNames, kGgufExpertNames;
 // The Hugging Face names of a layer's tensor (under model.layers.N.) and of expert e's, for the
-// model's architecture: Mixtral's block_sparse_moe (w1, w2, w3), Qwen3-MoE's mlp (gate_proj,
-// down_proj, up_proj).
+// model's architecture: Mixtral's block_sparse_moe (w1, w2, w3), the others' mlp (gate_proj,
+// down_proj, up_proj; the router mlp.gate, gpt-oss's mlp.router).
 std::string GgufLayerHfName(const ModelConfig& c, const GgufName& n);
 std::string GgufExpertHfName(const ModelConfig& c, int64_t e, const GgufName& n);
 

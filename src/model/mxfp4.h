@@ -26,4 +26,11 @@ float Mxfp4Value(uint8_t code);
 absl::Status ExpandMxfp4Row(const TensorView& blocks, const TensorView& scales, int64_t row,
                             int64_t cols, DType to, uint8_t* out);
 
+// The same values as ggml stores them (DType::kMXFP4, GGUF type 39; llama.cpp's converter repacks
+// gpt-oss's experts so): a block of 32 is its E8M0 byte, then 16 bytes whose low nibbles are
+// values 0-15 and high nibbles values 16-31. Rows [r0, r1) x columns [c0, c1) (whole blocks) of
+// the 2-D `t` into `out`, row-major in `to`; errors as above.
+absl::Status ExpandGgmlMxfp4(const TensorView& t, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                             DType to, uint8_t* out);
+
 }  // namespace shardserve

@@ -138,17 +138,27 @@ absl::Status Transformer::Fp8Declared(const TensorView& t) const {
 
 absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t r0, int64_t r1,
                                                    int64_t c0, int64_t c1) {
-  RETURN_IF_ERROR(Fp8Declared(t));
+  const bool fp8 = t.dtype == DType::kF8E4M3;
+  if (fp8) RETURN_IF_ERROR(Fp8Declared(t));
+  if (!fp8 && (c0 % kMxfp4Block != 0 || c1 % kMxfp4Block != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", t.name, "' (MXFP4, blocks of ", kMxfp4Block,
+                     " values) does not split over ", "tensor parallelism ", options_.tp_size,
+                     ": its slice [", c0, ", ", c1, ") does not fall on block boundaries"));
+  }
   const DType to = config_.dtype;
   const int64_t rows = r1 - r0, width = c1 - c0;
   auto buf = std::unique_ptr<uint8_t[]>(
       new (std::nothrow) uint8_t[std::max<size_t>(rows * width * DTypeSize(to), 1)]);
   if (buf == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ",
-                                                     rows * width * DTypeSize(to),
-                                                     " bytes to expand '", t.name, "' from FP8"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate ", rows * width * DTypeSize(to), " bytes to expand '", t.name, "'"));
   }
-  RETURN_IF_ERROR(ExpandFp8(t, config_.fp8_blocks, r0, r1, c0, c1, to, buf.get()));
+  if (fp8) {
+    RETURN_IF_ERROR(ExpandFp8(t, config_.fp8_blocks, r0, r1, c0, c1, to, buf.get()));
+  } else {
+    RETURN_IF_ERROR(ExpandGgmlMxfp4(t, r0, r1, c0, c1, to, buf.get()));
+  }
   shard_bytes_ += rows * width * DTypeSize(to);
   stage_bytes_ += t.nbytes;
   owned_.push_back(std::move(buf));
@@ -160,15 +170,16 @@ absl::StatusOr<WeightMatrix> Transformer::Picked(const TensorView& t,
                                                  int64_t transpose_by) {
   RETURN_IF_ERROR(NotBytes(t));
   const int64_t cols = t.shape[1], n = static_cast<int64_t>(rows.size());
-  const bool fp8 = t.dtype == DType::kF8E4M3;
+  const bool fp8 = t.dtype == DType::kF8E4M3, quantized = IsQuantized(t.dtype);
   if (fp8) RETURN_IF_ERROR(Fp8Declared(t));
-  const DType to = fp8 ? config_.dtype : t.dtype;
-  if (IsQuantized(to)) {
+  if (t.dtype == DType::kMXFP4) {
     return absl::InvalidArgumentError(
-        absl::StrCat("tensor '", t.name, "' is ", DTypeName(to),
-                     "; multi-head latent attention takes F32, F16, BF16 or FP8 weights"));
+        absl::StrCat("tensor '", t.name, "' is MXFP4, which only experts are"));
   }
-  const size_t elem = DTypeSize(to), row = cols * elem;
+  // The per-head products take F32, F16 or BF16: FP8 expands into the model's dtype, a GGUF
+  // block type into F32.
+  const DType to = fp8 ? config_.dtype : quantized ? DType::kF32 : t.dtype;
+  const size_t elem = DTypeSize(to), row = cols * elem, in_row = DTypeBytes(t.dtype, cols);
   auto picked =
       std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[std::max<size_t>(n * row, 1)]);
   if (picked == nullptr) {
@@ -176,11 +187,14 @@ absl::StatusOr<WeightMatrix> Transformer::Picked(const TensorView& t,
         absl::StrCat("cannot allocate ", n * row, " bytes for rows of '", t.name, "'"));
   }
   for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* src = static_cast<const uint8_t*>(t.data) + rows[i] * in_row;
     if (fp8) {
       RETURN_IF_ERROR(ExpandFp8(t, config_.fp8_blocks, rows[i], rows[i] + 1, 0, cols, to,
                                 picked.get() + i * row));
+    } else if (quantized) {
+      cpu::ToFloat(t.dtype, src, cols, reinterpret_cast<float*>(picked.get() + i * row));
     } else {
-      std::memcpy(picked.get() + i * row, static_cast<const uint8_t*>(t.data) + rows[i] * row, row);
+      std::memcpy(picked.get() + i * row, src, row);
     }
   }
   shard_bytes_ += n * row;  // the tensor's stage bytes are counted by the caller (once)
@@ -242,24 +256,39 @@ absl::Status Transformer::BindLatentAttention(Layer& L, const std::string& p) {
   ASSIGN_OR_RETURN(L.q_rope, Picked(q, rope_rows));
   ASSIGN_OR_RETURN(TensorView kva, w.Get(a + "kv_a_proj_with_mqa.weight", {Lr + R, H}));
   ASSIGN_OR_RETURN(TensorView kv_norm, w.Get(a + "kv_a_layernorm.weight", {Lr}));
-  ASSIGN_OR_RETURN(TensorView kvb, w.Get(a + "kv_b_proj.weight", {c.num_heads * (nope + vd), Lr}));
   ASSIGN_OR_RETURN(TensorView o, w.Get(a + "o_proj.weight", {H, c.num_heads * vd}));
   ASSIGN_OR_RETURN(L.kv_latent, Rows(kva, 0, Lr));
   std::vector<int64_t> kv_rope_rows;
   for (int64_t j = 0; j < R; ++j) kv_rope_rows.push_back(Lr + rotated(j));
   ASSIGN_OR_RETURN(L.kv_rope, Picked(kva, kv_rope_rows));
   ASSIGN_OR_RETURN(L.kv_norm, VectorSlice(kv_norm, 0, Lr));
-  ASSIGN_OR_RETURN(L.uk_t, Picked(kvb, uk_rows, nope));  // per head [kv_lora_rank][nope]
-  ASSIGN_OR_RETURN(L.uv, Picked(kvb, uv_rows));          // per head [v_head_dim][kv_lora_rank]
   ASSIGN_OR_RETURN(L.o, Cols(o, h0 * vd, (h0 + heads_) * vd));
-  stage_bytes_ += q.nbytes + kvb.nbytes;  // Picked's; kv_a_proj_with_mqa's by Rows
+  stage_bytes_ += q.nbytes;  // Picked's; kv_a_proj_with_mqa's by Rows
+  // Per head, uk_t [kv_lora_rank][nope] and uv [v_head_dim][kv_lora_rank]: kv_b_proj's key rows
+  // transposed and its value rows, or GGUF's k_b and v_b, which hold them so.
+  if (w.Has(a + "k_b_proj.weight")) {
+    ASSIGN_OR_RETURN(TensorView kb, w.Get(a + "k_b_proj.weight", {c.num_heads * Lr, nope}));
+    ASSIGN_OR_RETURN(TensorView vb, w.Get(a + "v_b_proj.weight", {c.num_heads * vd, Lr}));
+    std::vector<int64_t> kb_rows;
+    for (int64_t r = h0 * Lr; r < (h0 + heads_) * Lr; ++r) kb_rows.push_back(r);
+    std::vector<int64_t> vb_rows;
+    for (int64_t r = h0 * vd; r < (h0 + heads_) * vd; ++r) vb_rows.push_back(r);
+    ASSIGN_OR_RETURN(L.uk_t, Picked(kb, kb_rows));
+    ASSIGN_OR_RETURN(L.uv, Picked(vb, vb_rows));
+    stage_bytes_ += kb.nbytes + vb.nbytes;
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(TensorView kvb, w.Get(a + "kv_b_proj.weight", {c.num_heads * (nope + vd), Lr}));
+  ASSIGN_OR_RETURN(L.uk_t, Picked(kvb, uk_rows, nope));
+  ASSIGN_OR_RETURN(L.uv, Picked(kvb, uv_rows));
+  stage_bytes_ += kvb.nbytes;
   return absl::OkStatus();
 }
 
 absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begin, int64_t end) {
   RETURN_IF_ERROR(NotBytes(t));
   const int64_t cols = t.shape[1];
-  if (t.dtype == DType::kF8E4M3) return Expanded(t, begin, end, 0, cols);
+  if (IsStorageOnly(t.dtype)) return Expanded(t, begin, end, 0, cols);  // FP8, ggml's MXFP4
   const size_t row = DTypeBytes(t.dtype, cols);
   shard_bytes_ += (end - begin) * row;
   stage_bytes_ += t.nbytes;
@@ -270,7 +299,7 @@ absl::StatusOr<WeightMatrix> Transformer::Rows(const TensorView& t, int64_t begi
 absl::StatusOr<WeightMatrix> Transformer::Cols(const TensorView& t, int64_t begin, int64_t end) {
   RETURN_IF_ERROR(NotBytes(t));
   const int64_t rows = t.shape[0], cols = t.shape[1], width = end - begin;
-  if (t.dtype == DType::kF8E4M3) return Expanded(t, 0, rows, begin, end);
+  if (IsStorageOnly(t.dtype)) return Expanded(t, 0, rows, begin, end);
   const int64_t block = DTypeBlock(t.dtype);
   if (begin % block != 0 || width % block != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -511,8 +540,27 @@ absl::Status Transformer::BindFusedExperts(Layer& L, const std::string& p) {
   ASSIGN_OR_RETURN(TensorView router_bias, w.Get(m + "router.bias", {E}));
   ASSIGN_OR_RETURN(L.router, Rows(router, 0, E));  // replicated: every rank routes every token
   ASSIGN_OR_RETURN(L.router_bias, VectorSlice(router_bias, 0, E));
-  ASSIGN_OR_RETURN(TensorView gate_up_bias, w.Get(m + "experts.gate_up_proj_bias", {E, 2 * I}));
   ASSIGN_OR_RETURN(TensorView down_bias, w.Get(m + "experts.down_proj_bias", {E, H}));
+  if (w.Has(m + "experts.gate_proj_bias")) {  // GGUF: gate and up apart, each expert [out][in]
+    ASSIGN_OR_RETURN(TensorView gate_bias, w.Get(m + "experts.gate_proj_bias", {E, I}));
+    ASSIGN_OR_RETURN(TensorView up_bias, w.Get(m + "experts.up_proj_bias", {E, I}));
+    for (int64_t e = expert_begin_; e < expert_end_; ++e) {
+      const std::string ep = absl::StrCat(m, "experts.", e, ".");
+      ASSIGN_OR_RETURN(TensorView gate, w.Get(ep + "gate_proj.weight", {I, H}));
+      ASSIGN_OR_RETURN(TensorView up, w.Get(ep + "up_proj.weight", {I, H}));
+      ASSIGN_OR_RETURN(TensorView down, w.Get(ep + "down_proj.weight", {H, I}));
+      Expert x;
+      ASSIGN_OR_RETURN(x.gate_bias, ExpertBias(gate_bias, e, 0, 1, I));
+      ASSIGN_OR_RETURN(x.up_bias, ExpertBias(up_bias, e, 0, 1, I));
+      ASSIGN_OR_RETURN(x.down_bias, ExpertBias(down_bias, e, 0, 1, H));
+      ASSIGN_OR_RETURN(x.gate, Rows(gate, 0, I));
+      ASSIGN_OR_RETURN(x.up, Rows(up, 0, I));
+      ASSIGN_OR_RETURN(x.down, Rows(down, 0, H));
+      L.experts.push_back(x);
+    }
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(TensorView gate_up_bias, w.Get(m + "experts.gate_up_proj_bias", {E, 2 * I}));
   for (int64_t e = expert_begin_; e < expert_end_; ++e) {
     Expert x;
     ASSIGN_OR_RETURN(x.gate_bias, ExpertBias(gate_up_bias, e, 0, 2, I));

@@ -47,10 +47,12 @@ expect_error "--kv-heads 3 must divide --heads 4" "$BIN" gen-model --out "$TMP/x
 expect_error "--dtype 'f64' is not bf16, f16, f32" "$BIN" gen-model --out "$TMP/x" --dtype f64
 expect_error "--fp8-block -2 is not a block size in [1, 4096] (or 0: none)" \
   "$BIN" gen-model --out "$TMP/x" --fp8-block -2
-expect_error "is F8_E4M3: FP8 and MXFP4 checkpoints are not converted to GGUF" \
+expect_error "is F8_E4M3: FP8 checkpoints are not converted to GGUF" \
   "$BIN" gen-model --out "$TMP/x.gguf" --format gguf --fp8-block 32
-expect_error "DeepseekV3ForCausalLM is not converted to GGUF (deepseek2) yet" \
-  "$BIN" gen-model --arch deepseek_v3 --out "$TMP/x.gguf" --format gguf
+expect_error "gpt-oss GGUF files say no swiglu_limit or swiglu_alpha (llama.cpp takes 7.0" \
+  "$BIN" gen-model --arch gpt_oss --swiglu-limit 1.5 --out "$TMP/x.gguf" --format gguf
+expect_error "the legacy MLA layout is DeepSeek-V3's (deepseek2) only" \
+  "$BIN" gen-model --out "$TMP/x.gguf" --format gguf --gguf-legacy-mla
 expect_error "norm_topk_prob false has no qwen3moe GGUF form" \
   "$BIN" gen-model --arch qwen3_moe --no-norm-topk-prob --out "$TMP/x.gguf" --format gguf
 expect_error "--mxfp4 is gpt_oss's" "$BIN" gen-model --out "$TMP/x" --mxfp4

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/dtype.h"
@@ -260,6 +261,15 @@ int Run(int iterations, uint64_t seed) {
     std::fprintf(stderr, "gen-model --arch gpt_oss: %s\n", std::string(s.message()).c_str());
     return 1;
   }
+  // Both as llama.cpp's GGUF (deepseek2 with k_b and v_b; gpt-oss with ggml's MXFP4 experts).
+  for (const auto& [from, to, type] :
+       {std::tuple{"ds", "ds-gguf", DType::kF32}, {"go", "go-gguf", DType::kBF16}}) {
+    fs::create_directories(tmp.Sub(to));
+    if (absl::Status s = ConvertToGguf(tmp.Sub(from), tmp.Sub(to) + "/model.gguf", type); !s.ok()) {
+      std::fprintf(stderr, "gguf of %s: %s\n", from, std::string(s.message()).c_str());
+      return 1;
+    }
+  }
   struct Target {
     std::string name, dir, file;
     enum { kBinary, kSafetensors, kWhole, kJson } kind;
@@ -276,6 +286,8 @@ int Run(int iterations, uint64_t seed) {
       {"MLA config.json", tmp.Sub("ds"), "config.json", Target::kJson},
       {"gpt-oss MXFP4", tmp.Sub("go"), "model.safetensors", Target::kWhole},
       {"gpt-oss config", tmp.Sub("go"), "config.json", Target::kJson},
+      {"MLA GGUF", tmp.Sub("ds-gguf"), "model.gguf", Target::kBinary},
+      {"gpt-oss MXFP4 GGUF", tmp.Sub("go-gguf"), "model.gguf", Target::kWhole},
   };
   Mutator m(seed);
   int total = 0;

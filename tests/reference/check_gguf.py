@@ -8,7 +8,8 @@ byte-level BPE and SentencePiece (scores, no merges) tokenizers; the
 tokenizer, greedy tokens and logprobs as below, at TP=1, TP=2 and PP=2 (F32, BF16, Q8_0, Q4_0,
 Q4_1, Q4_K, Q5_K, Q6_K; transformers expands the blocks with the gguf package's own code). transformers does not
 read Mixtral's stacked experts from GGUF, so a Mixtral GGUF is checked against the same model's
-safetensors instead.
+safetensors instead; DeepSeek-V3 (deepseek2) and gpt-oss likewise, and their layout against
+llama.cpp's gguf-py (check_mla_and_gpt_oss).
 
 For SmolLM2:
   * the tokenizer: our ids for a set of texts equal transformers' (GGUF tokenizer, `smollm`
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -114,6 +116,78 @@ def compare(name, model_path, hf_model, prompt, ids, shapes, tol):
               f"logprobs within {tol} of TP=1 (worst {diff:.2e})")
 
 
+def check_mla_and_gpt_oss(tmp):
+    """DeepSeek-V3 as llama.cpp's deepseek2 and gpt-oss as its gpt-oss. transformers reads
+    neither back (it has no deepseek2; its gpt-oss reader fails on the file's YaRN keys), so each
+    GGUF is checked against the safetensors it was made from, whose weights check_reference.py
+    compares with transformers: (1) the layout, with llama.cpp's own gguf-py (gguf_layout.py):
+    every tensor one of the architecture's names, and the weights, undone as llama.cpp's converter
+    does them, equal to the directory's (exactly: F32, BF16 from BF16, MXFP4 repacked); (2) our
+    answers from the GGUF equal to our answers from the directory (F32, BF16), or, for Q8_0, to
+    our answers from the GGUF's weights dequantized by gguf-py into a safetensors directory; at
+    TP=1 and TP=2, PP=2, TP=2 x PP=2."""
+    from safetensors.numpy import save_file
+    import gguf_layout
+
+    ds = ["--arch", "deepseek_v3", "--layers", "3", "--hidden", "128", "--heads", "8",
+          "--vocab", "512", "--experts", "8", "--top-k", "2", "--kv-lora", "32",
+          "--rope-dim", "16", "--nope-dim", "32", "--v-dim", "32", "--moe-intermediate", "64",
+          "--seed", "3", "--max-position", "512"]
+    ds_lora = ds + ["--q-lora", "64", "--groups", "4", "--topk-groups", "2", "--rope-scaling",
+                    "yarn"]
+    ds_plain = ds + ["--shared-experts", "2", "--first-dense", "0", "--no-norm-topk-prob"]
+    go = ["--arch", "gpt_oss", "--layers", "2", "--hidden", "128", "--heads", "8",
+          "--kv-heads", "4", "--head-dim", "16", "--vocab", "512", "--experts", "8", "--top-k",
+          "2", "--intermediate", "64", "--sliding-window", "16", "--rope-scaling", "yarn",
+          "--seed", "3", "--max-position", "512"]
+    cases = [("deepseek_v3 f32", ds_lora + ["--dtype", "f32"], ["--gguf-type", "f32"]),
+             ("deepseek_v3 f32 legacy kv_b", ds_lora + ["--dtype", "f32"],
+              ["--gguf-type", "f32", "--gguf-legacy-mla"]),
+             ("deepseek_v3 plain bf16", ds_plain + ["--dtype", "bf16"], ["--gguf-type", "bf16"]),
+             ("deepseek_v3 q8_0", ds_lora + ["--dtype", "f32"], ["--gguf-type", "q8_0"]),
+             ("gpt_oss f32", go + ["--dtype", "f32"], ["--gguf-type", "f32"]),
+             ("gpt_oss mxfp4", go + ["--dtype", "bf16", "--mxfp4"], ["--gguf-type", "bf16"]),
+             ("gpt_oss q8_0", go + ["--dtype", "f32"], ["--gguf-type", "q8_0"])]
+    shapes = (["--tp", "2"], ["--pp", "2"], ["--tp", "2", "--pp", "2"])
+    for name, args, gguf_args in cases:
+        base = os.path.join(tmp, name.replace(" ", "-"))
+        subprocess.run([BIN, "gen-model", "--out", base, *args], check=True, capture_output=True)
+        path = base + ".gguf"
+        subprocess.run([BIN, "gen-model", "--out", path, *args, "--format", "gguf", *gguf_args],
+                       check=True, capture_output=True)
+        reader = gguf_layout.GGUFReader(path)
+        stray = gguf_layout.tensor_names_of_arch(reader)
+        check(not stray, f"{name}: every tensor is one of llama.cpp's {gguf_layout.arch_of(reader)}"
+              f" names" + (f" (not: {stray[:4]})" if stray else ""))
+        want = gguf_layout.safetensors_weights(base)
+        got = gguf_layout.hf_weights(path, want.keys())
+        quantized = "q8_0" in gguf_args
+        worst = max(float(np.abs(got[k] - want[k]).max()) for k in want)
+        bound = 0.02 if quantized else 0.0  # Q8_0: half a step of |w| <= 1 / 127 scales
+        check(worst <= bound, f"{name}: the weights where llama.cpp reads them equal the "
+              f"directory's{' within Q8_0 rounding' if quantized else ''} (worst {worst:.2e})")
+        ref = base
+        if quantized:  # the GGUF's own weights, as safetensors
+            ref = base + "-dequantized"
+            gguf_layout.config_without_quantization(base, ref)
+            save_file({k: np.ascontiguousarray(v) for k, v in got.items()},
+                      os.path.join(ref, "model.safetensors"))
+        tol = QUANTIZED_TOL if quantized else 1e-5
+        for ids in ([1, 5, 9, 13], [1, 300, 7], LONG):
+            want_run, single = ours(ref, ids), ours(path, ids)
+            diff = max(abs(a - b) for a, b in zip(want_run["logprobs"], single["logprobs"]))
+            check(single["tokens"] == want_run["tokens"] and diff <= tol,
+                  f"{name} {ids if len(ids) <= 8 else f'{len(ids)} ids'}: the GGUF's tokens "
+                  f"and logprobs are the safetensors' (worst {diff:.2e}, bound {tol})")
+            for shape in shapes:  # the quantized types' activation rounding moves with the order
+                sharded = ours(path, ids, *shape)
+                diff = max(abs(a - b) for a, b in zip(sharded["logprobs"], single["logprobs"]))
+                bound = QUANTIZED_TOL if quantized else 1e-4
+                check(sharded["tokens"] == single["tokens"] and diff <= bound,
+                      f"{name} {len(ids)} ids at {' '.join(shape)}: the same tokens, logprobs "
+                      f"within {bound} of TP=1 (worst {diff:.2e})")
+
+
 if WHAT == "generated":
     SHAPE = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
              "--intermediate", "256", "--vocab", "512", "--seed", "3", "--dtype", "f32",
@@ -175,6 +249,7 @@ if WHAT == "generated":
             for shape in SHAPES:
                 sharded = ours(path, ids, *shape)
                 check(sharded["tokens"] == got["tokens"], f"mixtral f32 {ids} at {' '.join(shape)}")
+        check_mla_and_gpt_oss(tmp)
     check.finish()
 
 if not os.path.exists(os.path.join(DIR, FILE)):

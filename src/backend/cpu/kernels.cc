@@ -679,6 +679,7 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
         break;
       case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses them)
       case DType::kU8:
+      case DType::kMXFP4:
         break;
     }
   }

@@ -7,7 +7,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <tuple>
 
 #include "devtools/gguf_convert.h"
 #include "devtools/gguf_writer.h"
@@ -43,20 +45,55 @@ class GgufModelTest : public ::testing::TestWithParam<std::string> {
   TempDir dir_;
 };
 
+// DeepSeek-V3 with YaRN, q LoRA, grouped routing, a shared expert and a dense first layer, as
+// deepseek2 (its kv_b_proj as k_b and v_b, or as one attn_kv_b: "deepseek_v3 legacy"); gpt-oss
+// with YaRN as gpt-oss.
 TEST_P(GgufModelTest, RunsAsItsSafetensors) {
-  auto o = SmallModel(GetParam(), dir_.Sub("hf"));
+  const bool legacy = GetParam() == "deepseek_v3 legacy";
+  auto o = SmallModel(legacy ? "deepseek_v3" : GetParam(), dir_.Sub("hf"));
   o.dtype = DType::kF32;
+  if (o.arch == "deepseek_v3") {
+    o.q_lora_rank = 48;
+    o.experts = 8;
+    o.groups = 4;
+    o.topk_groups = 2;
+    o.shared_experts = 1;
+    o.first_dense = 1;
+  }
+  if (o.arch == "deepseek_v3" || o.arch == "gpt_oss") o.rope_scaling = "yarn";
   const std::string hf = WriteModel(o);
   std::filesystem::create_directory(dir_.Sub("gguf"));
   const std::string file = dir_.Sub("gguf") + "/model.gguf";
-  ASSERT_TRUE(ConvertToGguf(hf, file, DType::kF32).ok());
+  const absl::Status converted = ConvertToGguf(hf, file, DType::kF32, legacy);
+  ASSERT_TRUE(converted.ok()) << converted;
   auto want_config = LoadModelConfig(hf);
   auto got_config = LoadModelConfig(dir_.Sub("gguf"));  // the directory names its one file
   ASSERT_TRUE(want_config.ok() && got_config.ok()) << got_config.status();
-  EXPECT_EQ(got_config->architecture, want_config->architecture);
-  EXPECT_EQ(got_config->num_kv_heads, want_config->num_kv_heads);
-  EXPECT_EQ(got_config->qkv_bias, want_config->qkv_bias);
-  EXPECT_EQ(got_config->num_experts, want_config->num_experts);
+  const ModelConfig &w = *want_config, &g = *got_config;
+  EXPECT_EQ(g.architecture, w.architecture);
+  EXPECT_EQ(g.num_kv_heads, w.num_kv_heads);
+  EXPECT_EQ(g.qkv_bias, w.qkv_bias);
+  EXPECT_EQ(g.o_bias, w.o_bias);
+  EXPECT_EQ(g.num_experts, w.num_experts);
+  EXPECT_EQ(g.experts_per_token, w.experts_per_token);
+  EXPECT_EQ(g.intermediate_size, w.intermediate_size);
+  EXPECT_EQ(g.norm_topk_prob, w.norm_topk_prob);
+  EXPECT_EQ(std::tuple(g.mla, g.q_lora_rank, g.kv_lora_rank, g.qk_nope_dim, g.v_head_dim,
+                       g.head_dim, g.rope_interleave),
+            std::tuple(w.mla, w.q_lora_rank, w.kv_lora_rank, w.qk_nope_dim, w.v_head_dim,
+                       w.head_dim, w.rope_interleave));
+  EXPECT_EQ(std::tuple(g.sigmoid_routing, g.n_group, g.topk_group, g.shared_experts,
+                       g.first_dense_layers, g.dense_intermediate_size, g.routed_scaling),
+            std::tuple(w.sigmoid_routing, w.n_group, w.topk_group, w.shared_experts,
+                       w.first_dense_layers, w.dense_intermediate_size, w.routed_scaling));
+  EXPECT_EQ(std::tuple(g.gpt_oss, g.sliding_window, g.sliding_layers, g.swiglu_limit),
+            std::tuple(w.gpt_oss, w.sliding_window, w.sliding_layers, w.swiglu_limit));
+  EXPECT_EQ(std::tuple(g.rope_scaling, g.rope_factor, g.rope_original_max_position,
+                       g.rope_beta_fast, g.rope_beta_slow, g.rope_truncate),
+            std::tuple(w.rope_scaling, w.rope_factor, w.rope_original_max_position,
+                       w.rope_beta_fast, w.rope_beta_slow, w.rope_truncate));
+  EXPECT_FLOAT_EQ(g.rope_attention_factor, w.rope_attention_factor);
+  EXPECT_FLOAT_EQ(g.attention_scale(), w.attention_scale());
   auto want = Transformer::Load(hf, {});
   auto got = Transformer::Load(file, {});
   ASSERT_TRUE(want.ok() && got.ok()) << got.status();
@@ -73,21 +110,27 @@ TEST_P(GgufModelTest, RunsAsItsSafetensors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, GgufModelTest,
-                         ::testing::Values("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"));
+                         ::testing::Values("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                                           "deepseek_v3", "deepseek_v3 legacy", "gpt_oss"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), ' ', '_');
+                           return name;
+                         });
 
-// DeepSeek-V3 and gpt-oss have no GGUF writer here yet: refused by name, never written as
-// something else; nor does a Qwen3-MoE whose weights llama.cpp's qwen3moe would renormalize.
+// What llama.cpp's format cannot say is refused by name, never written as something else: a
+// Qwen3-MoE whose weights qwen3moe would renormalize, a gpt-oss clamped elsewhere than 7.0.
 TEST(GgufModel, WhatHasNoGgufFormHereIsNotConvertedAsSomethingElse) {
   TempDir dir;
-  for (const char* arch : {"deepseek_v3", "gpt_oss", "qwen3_moe"}) {
+  for (const char* arch : {"gpt_oss", "qwen3_moe"}) {
     auto o = SmallModel(arch, dir.Sub(arch));
     o.norm_topk_prob = false;
+    o.swiglu_limit = 1.5;
     const std::string hf = WriteModel(o);
     const absl::Status s = ConvertToGguf(hf, dir.Sub("m.gguf"), DType::kF32);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << arch;
     EXPECT_THAT(std::string(s.message()),
-                ::testing::AnyOf(HasSubstr("is not converted to GGUF (deepseek2) yet"),
-                                 HasSubstr("is not converted to GGUF (gpt-oss) yet"),
+                ::testing::AnyOf(HasSubstr("gpt-oss GGUF files say no swiglu_limit"),
                                  HasSubstr("norm_topk_prob false has no qwen3moe GGUF form")))
         << arch;
   }
@@ -328,6 +371,49 @@ TEST(GgufModel, ASentencePieceTokenizerComesBackFromItsScores) {
     EXPECT_EQ(*ids, *(*want)->Encode(text)) << text;
     EXPECT_THAT((*got)->Decode(*ids), HasSubstr(text));
   }
+}
+
+}  // namespace
+}  // namespace shardserve
+
+namespace shardserve {
+namespace {
+
+// A copy of a GGUF file with one metadata key set to `value` (or removed when null).
+std::string WithKey(const std::string& in, const std::string& out, const std::string& key,
+                    std::optional<GgufValue> value) {
+  auto f = GgufFile::Open(in);
+  EXPECT_TRUE(f.ok()) << f.status();
+  GgufWriter w;
+  for (const auto& [k, v] : (*f)->metadata()) {
+    if (k != key) w.Set(k, v);
+  }
+  if (value) w.Set(key, *value);
+  for (const auto& [name, t] : (*f)->tensors()) {
+    w.AddTensor(t.name, t.type, t.dims,
+                std::string(reinterpret_cast<const char*>(t.data), t.bytes));
+  }
+  EXPECT_TRUE(w.Write(out).ok());
+  return out;
+}
+
+// DeepSeek-V2's softmax routing (llama.cpp's default for deepseek2 without expert_gating_func)
+// is not V3's and is refused by name, as is a YaRN extrapolation factor.
+TEST(GgufModel, ADeepseek2FileOfAnotherRoutingIsRefusedByName) {
+  TempDir dir;
+  auto o = SmallModel("deepseek_v3", dir.Sub("hf"));
+  o.rope_scaling = "yarn";
+  const std::string file = dir.Sub("m.gguf");
+  ASSERT_TRUE(ConvertToGguf(WriteModel(o), file, DType::kF32).ok());
+  ASSERT_EQ(ConfigError(file), "");
+  for (auto gating : {std::optional<GgufValue>(), std::optional(GgufWriter::U32(1))}) {
+    EXPECT_THAT(
+        ConfigError(WithKey(file, dir.Sub("v2.gguf"), "deepseek2.expert_gating_func", gating)),
+        HasSubstr("is DeepSeek-V2's routing, which shardserve does not run"));
+  }
+  EXPECT_THAT(ConfigError(WithKey(file, dir.Sub("ext.gguf"),
+                                  "deepseek2.rope.scaling.yarn_ext_factor", GgufWriter::F32(0.5f))),
+              HasSubstr("yarn_ext_factor is not something shardserve runs"));
 }
 
 }  // namespace

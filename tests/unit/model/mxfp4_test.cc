@@ -19,6 +19,18 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// Value i of an expansion into `to` (F32, F16 or BF16).
+float ValueAt(const std::vector<uint8_t>& out, DType to, int64_t i) {
+  float v;
+  if (to == DType::kF32) {
+    std::memcpy(&v, &out[4 * i], 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, &out[2 * i], 2);
+  return to == DType::kF16 ? F16ToF32(h) : Bf16ToF32(h);
+}
+
 TEST(Mxfp4Test, TheSixteenCodes) {
   const float want[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0f, -0.5, -1, -1.5, -2, -3, -4, -6};
   for (int c = 0; c < 16; ++c) {
@@ -41,15 +53,7 @@ TEST(Mxfp4Test, ARowExpandsExactlyIntoEveryDtype) {
         const uint8_t byte = blocks[row * 32 + c / 2];
         const float want = Mxfp4Value(c % 2 == 0 ? byte : byte >> 4) *
                            std::ldexp(1.0f, scales[row * 2 + c / 32] - 127);
-        float got;
-        if (to == DType::kF32) {
-          std::memcpy(&got, &out[4 * c], 4);
-        } else {
-          uint16_t h;
-          std::memcpy(&h, &out[2 * c], 2);
-          got = to == DType::kF16 ? F16ToF32(h) : Bf16ToF32(h);
-        }
-        ASSERT_EQ(got, want) << DTypeName(to) << " row " << row << " column " << c;
+        ASSERT_EQ(ValueAt(out, to, c), want) << DTypeName(to) << " row " << row << " column " << c;
       }
     }
   }
@@ -70,6 +74,34 @@ TEST(Mxfp4Test, ANanScaleOrAValuePastTheDtypeIsRefusedNamingTheTensor) {
   st = ExpandMxfp4Row(b, s, 0, 32, DType::kF16, out.data());
   EXPECT_THAT(std::string(st.message()), HasSubstr("past F16"));
   EXPECT_TRUE(ExpandMxfp4Row(b, s, 0, 32, DType::kBF16, out.data()).ok());
+}
+
+// ggml's blocks (GGUF's MXFP4): the scale byte first, value k in the low nibble of byte k, value
+// k + 16 in its high nibble; a slice of rows and whole blocks of columns, in every dtype.
+TEST(Mxfp4Test, GgmlBlocksExpandExactlyWithTheirScaleFirst) {
+  std::vector<uint8_t> data(3 * 2 * 17);  // 3 rows of 64 values
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 29 + 5);
+  for (size_t b = 0; b < 6; ++b) data[b * 17] = static_cast<uint8_t>(120 + b);  // scales
+  const TensorView t{
+      "blk.0.ffn_up_exps.weight", "f", DType::kMXFP4, {3, 64}, data.data(), data.size()};
+  for (DType to : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<uint8_t> out(2 * 32 * DTypeSize(to));  // rows 1-2, the second block
+    ASSERT_TRUE(ExpandGgmlMxfp4(t, 1, 3, 32, 64, to, out.data()).ok());
+    for (int64_t r = 1; r < 3; ++r) {
+      const uint8_t* block = data.data() + (r * 2 + 1) * 17;
+      for (int64_t k = 0; k < 32; ++k) {
+        const float want = Mxfp4Value(k < 16 ? block[1 + k] : block[1 + k - 16] >> 4) *
+                           std::ldexp(1.0f, block[0] - 127);
+        const int64_t i = (r - 1) * 32 + k;
+        ASSERT_EQ(ValueAt(out, to, i), want) << DTypeName(to) << " row " << r << " value " << k;
+      }
+    }
+  }
+  data[17] = 255;  // row 0, block 1: E8M0's NaN
+  const absl::Status s =
+      ExpandGgmlMxfp4(t, 0, 1, 0, 64, DType::kBF16, std::vector<uint8_t>(128).data());
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("'blk.0.ffn_up_exps.weight': the scale of row 0, block 1 is 255"));
 }
 
 // gen-model --mxfp4 writes the experts as MXFP4; the model loads and generates (sharded: the
