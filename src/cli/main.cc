@@ -64,6 +64,8 @@ constexpr char kGenModelUsage[] =
 constexpr char kGenerateUsage[] =
     "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
+    "--min-tokens N --logit-bias ID:BIAS,... --repetition-penalty X --frequency-penalty X\n"
+    "--presence-penalty X (as the API's)\n"
     "--threads N --format text|json --tp T --pp P --microbatches M --batch N\n"
     "--metrics-port-base PORT]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)";
@@ -269,12 +271,30 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
 }
 
 absl::Status Generate(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(
-      Args a, Args::Parse(argv,
-                          {"model", "prompt", "prompt-ids", "max-tokens", "temperature", "top-p",
-                           "top-k", "seed", "logprobs", "stop-token-ids", "threads", "format", "tp",
-                           "pp", "microbatches", "batch", "metrics-port-base"},
-                          {"ignore-eos"}, "shardserve generate", kGenerateUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
+                                       {"model",
+                                        "prompt",
+                                        "prompt-ids",
+                                        "max-tokens",
+                                        "temperature",
+                                        "top-p",
+                                        "top-k",
+                                        "seed",
+                                        "logprobs",
+                                        "stop-token-ids",
+                                        "threads",
+                                        "format",
+                                        "tp",
+                                        "pp",
+                                        "microbatches",
+                                        "batch",
+                                        "metrics-port-base",
+                                        "min-tokens",
+                                        "logit-bias",
+                                        "repetition-penalty",
+                                        "frequency-penalty",
+                                        "presence-penalty"},
+                                       {"ignore-eos"}, "shardserve generate", kGenerateUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
   if (format != "text" && format != "json") {
@@ -298,6 +318,25 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     ASSIGN_OR_RETURN(p.stop_token_ids, ParseIdList("stop-token-ids", *a.Get("stop-token-ids")));
   }
   p.ignore_eos = a.Has("ignore-eos");
+  ASSIGN_OR_RETURN(p.min_tokens, a.GetInt("min-tokens", 0));
+  for (auto [flag, field] : {std::pair{"repetition-penalty", &p.repetition_penalty},
+                             {"frequency-penalty", &p.frequency_penalty},
+                             {"presence-penalty", &p.presence_penalty}}) {
+    ASSIGN_OR_RETURN(const double v, a.GetDouble(flag, *field));
+    *field = static_cast<float>(v);
+  }
+  if (a.Has("logit-bias")) {  // ID:BIAS,ID:BIAS
+    for (const absl::string_view e : absl::StrSplit(*a.Get("logit-bias"), ',')) {
+      const std::vector<absl::string_view> kv = absl::StrSplit(e, absl::MaxSplits(':', 1));
+      int32_t id;
+      float bias;
+      if (kv.size() != 2 || !absl::SimpleAtoi(kv[0], &id) || !absl::SimpleAtof(kv[1], &bias)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--logit-bias '", e, "' is not ID:BIAS (e.g. 50256:-100)"));
+      }
+      p.logit_bias.emplace_back(id, bias);
+    }
+  }
   RETURN_IF_ERROR(p.Validate());
   ASSIGN_OR_RETURN(int64_t threads,
                    a.GetInt("threads", std::max(1u, std::thread::hardware_concurrency())));

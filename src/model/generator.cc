@@ -35,7 +35,11 @@ absl::StatusOr<std::vector<GenerationResult>> Generate(
   std::vector<GenerationResult> results(n);
   std::vector<SequenceKv> kv(n);
   std::vector<Sampler> samplers;
-  for (const auto& r : requests) samplers.emplace_back(r.params);
+  for (const auto& r : requests) {
+    SamplingParams p = r.params;
+    p.SetEndIds(c.eos_token_ids);
+    samplers.emplace_back(p, static_cast<int64_t>(r.prompt_ids.size()));
+  }
   std::vector<int32_t> next(n);
   std::vector<size_t> active;
 
@@ -65,6 +69,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generate(
   for (size_t i = 0; i < n; ++i) {
     chunks[i].tokens = requests[i].prompt_ids;
     chunks[i].kv = &kv[i];
+    samplers[i].Observe(chunks[i].tokens.data(), static_cast<int64_t>(chunks[i].tokens.size()));
   }
   std::vector<float> logits;
   if (n > 0) RETURN_IF_ERROR(model.Forward(chunks, *cache, logits));
@@ -76,6 +81,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generate(
     for (size_t j = 0; j < active.size(); ++j) {
       chunks[j].tokens.assign(1, next[active[j]]);
       chunks[j].kv = &kv[active[j]];
+      samplers[active[j]].Observe(&next[active[j]], 1);
     }
     RETURN_IF_ERROR(model.Forward(chunks, *cache, logits));
     std::vector<size_t> still;

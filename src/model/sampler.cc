@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/kernels.h"
@@ -25,7 +26,67 @@ absl::Status SamplingParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("logprobs must be between 0 and 20, got ", top_logprobs));
   }
+  if (!(repetition_penalty > 0.0f) || !std::isfinite(repetition_penalty)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty must be a finite number > 0, got ", repetition_penalty));
+  }
+  if (!std::isfinite(frequency_penalty) || !std::isfinite(presence_penalty)) {
+    return absl::InvalidArgumentError("frequency_penalty and presence_penalty must be finite");
+  }
+  for (const auto& [id, bias] : logit_bias) {
+    if (id < 0 || !std::isfinite(bias)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_bias needs token ids >= 0 and finite biases, got ", id, ": ", bias));
+    }
+  }
+  if (min_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("min_tokens must be >= 0, got ", min_tokens));
+  }
   return absl::OkStatus();
+}
+
+void SamplingParams::SetEndIds(const std::vector<int64_t>& eos) {
+  end_ids.clear();
+  if (min_tokens == 0) return;
+  end_ids = stop_token_ids;
+  if (!ignore_eos) end_ids.insert(end_ids.end(), eos.begin(), eos.end());
+}
+
+void Sampler::Observe(const int32_t* tokens, int64_t n) {
+  for (int64_t i = 0; i < n; ++i, ++read_) {
+    if (read_ < prompt_) {
+      if (params_.repetition_penalty != 1.0f) prompt_ids_.insert(tokens[i]);
+    } else {
+      ++generated_;
+      ++output_counts_[tokens[i]];
+    }
+  }
+}
+
+void Sampler::Process(float* logits, int64_t vocab) const {
+  const SamplingParams& p = params_;
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < vocab) logits[id] += bias;
+  }
+  if (generated_ < p.min_tokens) {
+    for (int64_t id : p.end_ids) {
+      if (id >= 0 && id < vocab) logits[id] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  auto repeat = [&](int32_t id) {
+    float& l = logits[id];
+    l = l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty;
+  };
+  if (p.repetition_penalty != 1.0f) {
+    for (int32_t id : prompt_ids_) {
+      if (id < vocab && !output_counts_.count(id)) repeat(id);
+    }
+  }
+  for (const auto& [id, count] : output_counts_) {
+    if (id >= vocab) continue;
+    if (p.repetition_penalty != 1.0f) repeat(id);
+    logits[id] -= p.frequency_penalty * static_cast<float>(count) + p.presence_penalty;
+  }
 }
 
 SampleSpec Sampler::NextSpec() {
@@ -42,8 +103,22 @@ SampledToken Sampler::Sample(const float* logits, int64_t vocab) {
   SampledToken out{0, 0, {}};
   std::vector<int32_t> top_ids(K);
   std::vector<float> top_lps(K);
-  cpu::SampleRow(logits, vocab, spec, K, &out.id, &out.logprob, top_ids.data(), top_lps.data());
+  // The model's own log-probabilities: of its greedy token (log-sum-exp from it) and its top K.
+  int32_t best;
+  float best_lp;
+  cpu::SampleRow(logits, vocab, params_.ProcessesLogits() ? SampleSpec{} : spec, K, &best, &best_lp,
+                 top_ids.data(), top_lps.data());
   for (int64_t j = 0; j < K; ++j) out.top.push_back({top_ids[j], top_lps[j]});
+  if (!params_.ProcessesLogits()) {
+    out.id = best;
+    out.logprob = best_lp;
+    return out;
+  }
+  std::vector<float> row(logits, logits + vocab);
+  Process(row.data(), vocab);
+  float unused;
+  cpu::SampleRow(row.data(), vocab, spec, 0, &out.id, &unused, nullptr, nullptr);
+  out.logprob = logits[out.id] - (logits[best] - best_lp);
   return out;
 }
 

@@ -4,6 +4,9 @@
 // distribution (log-softmax of the raw logits) for the chosen token and the top K.
 #include <cstdint>
 #include <random>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -20,8 +23,27 @@ struct SamplingParams {
   std::vector<int64_t> stop_token_ids;  // generation ends after producing one of these
   bool ignore_eos = false;              // do not stop at the model's eos tokens
   int64_t top_logprobs = 0;             // alternatives to report per generated token
+  // What changes the logits before the choice, as vLLM applies it, in this order: logit_bias
+  // (added), min_tokens (end_ids held back until that many tokens were generated),
+  // repetition_penalty (a token of the prompt or the output: its logit divided by it when
+  // positive, multiplied when not), frequency_penalty (subtracted times the token's count in the
+  // output) and presence_penalty (subtracted once for a token the output holds). The reported
+  // log-probabilities stay the model's own (vLLM's raw logprobs).
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  int64_t min_tokens = 0;
+  std::vector<int64_t> end_ids;  // stop_token_ids and, without ignore_eos, the model's eos
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
 
   absl::Status Validate() const;  // names the bad parameter
+  // Sets end_ids from stop_token_ids and the model's `eos` (unless ignore_eos) when min_tokens
+  // needs them.
+  void SetEndIds(const std::vector<int64_t>& eos);
+  bool ProcessesLogits() const {
+    return !logit_bias.empty() || (min_tokens > 0 && !end_ids.empty()) ||
+           repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
+  }
 };
 
 struct TokenLogprob {
@@ -35,10 +57,19 @@ struct SampledToken {
   std::vector<TokenLogprob> top;  // best first, top_logprobs entries
 };
 
-// One per sequence; holds the sequence's random generator.
+// One per sequence; holds the sequence's random generator and, for the penalties, the tokens it
+// has read.
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
+  // `prompt_tokens`: how many of the tokens the sequence reads (Observe) are its prompt.
+  explicit Sampler(const SamplingParams& params, int64_t prompt_tokens = 0)
+      : params_(params), prompt_(prompt_tokens), rng_(params.seed) {}
+  // The sequence's next tokens as the model reads them (its prompt, then its output), in order.
+  void Observe(const int32_t* tokens, int64_t n);
+  // The row of logits as the choice sees it (SamplingParams' processing), in place.
+  void Process(float* logits, int64_t vocab) const;
+  // The next token from the model's logits: processed (when the parameters ask) and chosen, with
+  // the log-probabilities of the unprocessed row.
   SampledToken Sample(const float* logits, int64_t vocab);
   const SamplingParams& params() const { return params_; }
   // The parameters and the draw the next Sample would use (one draw per sampled token at
@@ -54,6 +85,9 @@ class Sampler {
  private:
   double Uniform();  // [0, 1), identical on every platform for a seed
   SamplingParams params_;
+  int64_t prompt_ = 0, read_ = 0, generated_ = 0;
+  std::unordered_set<int32_t> prompt_ids_;
+  std::unordered_map<int32_t, int64_t> output_counts_;
   std::mt19937_64 rng_;
 };
 

@@ -1085,9 +1085,13 @@ absl::StatusOr<std::vector<SampledToken>> Transformer::Sample(const std::vector<
     return absl::InvalidArgumentError(
         absl::StrCat(samplers.size(), " generators for ", S, " sequences"));
   }
+  // A sequence whose parameters change its logits is chosen on the host from its row.
+  auto processed = [&](int64_t s) {
+    return samplers[s] != nullptr && samplers[s]->params().ProcessesLogits();
+  };
   std::vector<SampleSpec> specs(S);
   for (int64_t s = 0; s < S; ++s) {
-    if (samplers[s] != nullptr) specs[s] = samplers[s]->NextSpec();  // null: greedy, unused
+    if (samplers[s] != nullptr && !processed(s)) specs[s] = samplers[s]->NextSpec();
   }
   const int64_t K = std::min(top_logprobs, V);
   std::vector<int32_t> ids(S), top_ids(S * K);
@@ -1095,7 +1099,14 @@ absl::StatusOr<std::vector<SampledToken>> Transformer::Sample(const std::vector<
   RETURN_IF_ERROR(backend_->SampleRows(logits, S, V, specs.data(), K, ids.data(), lps.data(),
                                        top_ids.data(), top_lps.data()));
   std::vector<SampledToken> out(S);
+  std::vector<float> row;
   for (int64_t s = 0; s < S; ++s) {
+    if (processed(s)) {
+      row.resize(V);
+      RETURN_IF_ERROR(backend_->CopyToHost(row.data(), logits + s * V, V * sizeof(float)));
+      out[s] = samplers[s]->Sample(row.data(), V);
+      continue;
+    }
     out[s] = {ids[s], lps[s], {}};
     for (int64_t j = 0; j < K; ++j) out[s].top.push_back({top_ids[s * K + j], top_lps[s * K + j]});
   }

@@ -318,6 +318,109 @@ struct ApiServer::Impl {
             {"model", config.env.model_name}};
   }
 
+  // A request's JSON body: its content type, its depth and its syntax checked.
+  absl::StatusOr<json> Body(const http::Request& http_req) {
+    if (!IsJson(http_req.Header("content-type"))) {
+      return WithHttpStatus(BadParam("", absl::StrCat("the request body must be JSON "
+                                                      "(Content-Type: application/json), not '",
+                                                      http_req.Header("content-type"), "'")),
+                            415);
+    }
+    if (TooDeep(http_req.body)) {
+      return BadParam("",
+                      absl::StrCat("the request body nests deeper than ", kMaxNesting, " levels"));
+    }
+    try {
+      return json::parse(http_req.body);
+    } catch (const json::exception& e) {
+      return BadParam("", absl::StrCat("the request body is not valid JSON: ", e.what()));
+    }
+  }
+
+  // NotFound naming the model when it is not the one served.
+  absl::Status Served(const std::string& model) const {
+    if (model == config.env.model_name) return absl::OkStatus();
+    absl::Status s = absl::NotFoundError(absl::StrCat("the model '", model,
+                                                      "' does not exist; this server serves '",
+                                                      config.env.model_name, "'"));
+    s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
+    return s;
+  }
+
+  // POST /tokenize and /detokenize as vLLM serves them: a prompt (with add_special_tokens,
+  // default true) or chat messages (rendered as for /v1/chat/completions, add_generation_prompt
+  // true) to {"count", "max_model_len", "tokens"}; token ids to {"prompt"}. `model` may be left
+  // out.
+  http::Response Tokenization(const http::Request& http_req, bool detokenize) {
+    if (auto denied = Deny(http_req)) return *std::move(denied);
+    absl::StatusOr<json> body = Body(http_req);
+    if (!body.ok()) return Reply(body.status());
+    absl::StatusOr<json> out = [&]() -> absl::StatusOr<json> {
+      if (!body->is_object()) return BadParam("", "the request body must be a JSON object");
+      if (auto m = body->find("model"); m != body->end() && !m->is_null()) {
+        if (!m->is_string()) return BadParam("model", "'model' must be a string");
+        RETURN_IF_ERROR(Served(m->get<std::string>()));
+      }
+      int64_t context, vocab;
+      {
+        absl::ReaderMutexLock lock(&engine_mu);
+        if (engine == nullptr) return absl::UnavailableError(not_ready);
+        context = max_context;
+        vocab = vocab_size;
+      }
+      if (detokenize) {
+        auto t = body->find("tokens");
+        if (t == body->end() || !t->is_array() || t->size() > static_cast<size_t>(context)) {
+          return BadParam(
+              "tokens", absl::StrCat("'tokens' must be a list of at most ", context, " token ids"));
+        }
+        std::vector<int32_t> ids;
+        for (const json& id : *t) {
+          if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
+            return BadParam("tokens",
+                            absl::StrCat("'tokens' entries must be token ids in [0, ", vocab, ")"));
+          }
+          ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+        }
+        return json{{"prompt", tokenizer->Decode(ids)}};
+      }
+      std::vector<int32_t> ids;
+      if (body->contains("messages")) {
+        if (auto g = body->find("add_generation_prompt");
+            g != body->end() && !(g->is_boolean() && g->get<bool>())) {
+          return BadParam("add_generation_prompt",
+                          "'add_generation_prompt' other than true is not supported: the chat "
+                          "prompt ends where the assistant's reply begins");
+        }
+        json chat_body = *body;
+        chat_body["model"] = config.env.model_name;
+        ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(chat_body, true));
+        absl::StatusOr<RenderedChat> rendered = chat.Render(req.messages);
+        if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
+        ASSIGN_OR_RETURN(ids,
+                         Tokenize(rendered->text, false, context, "messages",
+                                  config.env.special_tokens_as_text ? rendered->content
+                                                                    : std::vector<TextRange>{}));
+      } else {
+        auto p = body->find("prompt");
+        if (p == body->end() || !p->is_string()) {
+          return BadParam("prompt", "'prompt' must be a string (or give 'messages')");
+        }
+        bool add_special = true;
+        if (auto a = body->find("add_special_tokens"); a != body->end() && !a->is_null()) {
+          if (!a->is_boolean()) {
+            return BadParam("add_special_tokens", "'add_special_tokens' must be a boolean");
+          }
+          add_special = a->get<bool>();
+        }
+        ASSIGN_OR_RETURN(ids, Tokenize(p->get<std::string>(), add_special, context, "prompt"));
+      }
+      return json{{"count", ids.size()}, {"max_model_len", context}, {"tokens", ids}};
+    }();
+    if (!out.ok()) return Reply(out.status());
+    return Json(*out);
+  }
+
   // POST /v1/completions and /v1/chat/completions, on a thread of their own.
   void Generate(const http::Request& http_req, http::Exchange& ex, bool chat) {
     ++active;
@@ -326,34 +429,13 @@ struct ApiServer::Impl {
       ~Done() { --n; }
     } done{active};
     if (auto denied = Deny(http_req)) return ex.Respond(*std::move(denied));
-    if (!IsJson(http_req.Header("content-type"))) {
-      return ex.Respond(Reply(
-          WithHttpStatus(BadParam("", absl::StrCat("the request body must be JSON (Content-Type: "
-                                                   "application/json), not '",
-                                                   http_req.Header("content-type"), "'")),
-                         415)));
-    }
-    if (TooDeep(http_req.body)) {
-      return ex.Respond(Reply(BadParam(
-          "", absl::StrCat("the request body nests deeper than ", kMaxNesting, " levels"))));
-    }
-    json body;
-    try {
-      body = json::parse(http_req.body);
-    } catch (const json::exception& e) {
-      return ex.Respond(
-          Reply(BadParam("", absl::StrCat("the request body is not valid JSON: ", e.what()))));
-    }
+    absl::StatusOr<json> parsed_body = Body(http_req);
+    if (!parsed_body.ok()) return ex.Respond(Reply(parsed_body.status()));
+    const json& body = *parsed_body;
     auto parsed = ParseApiRequest(body, chat);
     if (!parsed.ok()) return ex.Respond(Reply(parsed.status()));
     ApiRequest& req = *parsed;
-    if (req.model != config.env.model_name) {
-      absl::Status s = absl::NotFoundError(absl::StrCat("the model '", req.model,
-                                                        "' does not exist; this server serves '",
-                                                        config.env.model_name, "'"));
-      s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
-      return ex.Respond(Reply(s));
-    }
+    if (absl::Status s = Served(req.model); !s.ok()) return ex.Respond(Reply(s));
     if (!req.seed_set)
       req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
     std::vector<Choice> choices;
@@ -519,6 +601,13 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   });
   routes.PostBlocking("/v1/chat/completions", [s](const http::Request& req, http::Exchange& ex) {
     s->Generate(req, ex, true);
+  });
+  // Tokenizing a long text takes a while: off the event loop, as generation is.
+  routes.PostBlocking("/tokenize", [s](const http::Request& req, http::Exchange& ex) {
+    ex.Respond(s->Tokenization(req, false));
+  });
+  routes.PostBlocking("/detokenize", [s](const http::Request& req, http::Exchange& ex) {
+    ex.Respond(s->Tokenization(req, true));
   });
   routes.Get("/v1/models", [s](const http::Request& req) {
     if (auto denied = s->Deny(req)) return *std::move(denied);

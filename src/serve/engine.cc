@@ -84,9 +84,16 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
         absl::StrCat("this model's maximum context length is ", limit, " tokens; the prompt holds ",
                      prompt, " and max_tokens asks for ", request.params.max_tokens, " more"));
   }
+  for (const auto& [id, bias] : request.params.logit_bias) {
+    if (id >= options_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_bias token id ", id, " is outside the vocabulary [0, ", options_.vocab_size, ")"));
+    }
+  }
   auto seq = std::make_unique<Sequence>();
   seq->request = request;
   seq->submitted = Clock::now();
+  seq->request.params.SetEndIds(options_.eos_token_ids);  // what min_tokens holds back
   std::shared_ptr<RequestStream> stream = seq->stream;
   size_t depth;
   {
@@ -227,6 +234,7 @@ StepDesc Engine::BuildStep(int mb) {
     if (!s->started) {
       chunk.params = s->request.params;
       chunk.draws = static_cast<int64_t>(s->generated.size());
+      chunk.prompt_tokens = static_cast<int64_t>(s->request.prompt_ids.size());
       s->started = true;
     }
     s->fed += n;

@@ -17,6 +17,7 @@ constexpr int kMaxStops = 16;
 constexpr size_t kMaxStopTokenIds = 256;
 constexpr char kHttpPayload[] = "type.shardserve.io/http-status";
 constexpr int kMaxTopLogprobs = 20;
+constexpr size_t kMaxLogitBias = 1024;
 
 // Typed field access: absent and null read as "not given"; a wrong type names the field.
 absl::StatusOr<std::optional<double>> Number(const json& body, const char* name) {
@@ -186,6 +187,30 @@ absl::Status ParseStop(const json& body, ApiRequest& r) {
   return absl::OkStatus();
 }
 
+// OpenAI's logit_bias: {"token id": bias in [-100, 100]}, at most kMaxLogitBias entries.
+absl::Status ParseLogitBias(const json& body, SamplingParams& p) {
+  auto it = body.find("logit_bias");
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_object() || it->size() > kMaxLogitBias) {
+    return BadParam("logit_bias", absl::StrCat("'logit_bias' must be an object of at most ",
+                                               kMaxLogitBias, " token ids"));
+  }
+  for (auto e = it->begin(); e != it->end(); ++e) {
+    int32_t id;
+    if (!absl::SimpleAtoi(e.key(), &id) || id < 0) {
+      return BadParam("logit_bias",
+                      absl::StrCat("'logit_bias' key '", e.key(), "' is not a token id"));
+    }
+    if (!e.value().is_number() || !(e.value().get<double>() >= -100) ||
+        !(e.value().get<double>() <= 100)) {
+      return BadParam("logit_bias", absl::StrCat("'logit_bias' of token ", id,
+                                                 " must be a number in [-100, 100]"));
+    }
+    p.logit_bias.emplace_back(id, e.value().get<float>());
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status BadParam(const std::string& param, const std::string& message) {
@@ -249,25 +274,58 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   ASSIGN_OR_RETURN(auto best_of, Integer(body, "best_of"));
   if (best_of && *best_of != 1)
     return BadParam("best_of", "'best_of' other than 1 is not supported");
-  for (const char* penalty : {"presence_penalty", "frequency_penalty", "repetition_penalty"}) {
-    ASSIGN_OR_RETURN(auto v, Number(body, penalty));
-    const double neutral = std::string(penalty) == "repetition_penalty" ? 1.0 : 0.0;
-    if (v && *v != neutral) {
-      return BadParam(penalty,
-                      absl::StrCat("'", penalty, "' is not supported (only ", neutral, ")"));
-    }
+  // OpenAI's penalties in [-2, 2]; vLLM's repetition_penalty (> 0; at most 10 here).
+  for (auto [name, field] : {std::pair{"presence_penalty", &p.presence_penalty},
+                             {"frequency_penalty", &p.frequency_penalty}}) {
+    ASSIGN_OR_RETURN(auto v, Number(body, name));
+    if (!v) continue;
+    if (*v < -2 || *v > 2) return BadParam(name, absl::StrCat("'", name, "' must be in [-2, 2]"));
+    *field = static_cast<float>(*v);
   }
-  if (auto it = body.find("logit_bias"); it != body.end() && !it->is_null() && !it->empty()) {
-    return BadParam("logit_bias", "'logit_bias' is not supported");
+  ASSIGN_OR_RETURN(auto repetition, Number(body, "repetition_penalty"));
+  if (repetition) {
+    if (!(*repetition > 0 && *repetition <= 10)) {
+      return BadParam("repetition_penalty", "'repetition_penalty' must be in (0, 10]");
+    }
+    p.repetition_penalty = static_cast<float>(*repetition);
+  }
+  RETURN_IF_ERROR(ParseLogitBias(body, p));
+  ASSIGN_OR_RETURN(auto min_tokens, Integer(body, "min_tokens"));
+  if (min_tokens) {
+    if (*min_tokens < 0) return BadParam("min_tokens", "'min_tokens' must be >= 0");
+    p.min_tokens = *min_tokens;
   }
   if (auto it = body.find("suffix"); it != body.end() && !it->is_null()) {
     return BadParam("suffix", "'suffix' is not supported");
+  }
+  // Tools and structured output are not run yet: refused rather than answered as if absent.
+  for (const char* name : {"tools", "functions"}) {
+    if (auto it = body.find(name); it != body.end() && !it->is_null() && !it->empty()) {
+      return BadParam(name, absl::StrCat("'", name, "' (tool calls) is not supported yet"));
+    }
+  }
+  for (const char* name : {"tool_choice", "function_call"}) {
+    if (auto it = body.find(name);
+        it != body.end() && !it->is_null() && !(it->is_string() && *it == "none")) {
+      return BadParam(name, absl::StrCat("'", name, "' other than \"none\" is not supported yet"));
+    }
+  }
+  if (auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
+    auto type = it->is_object() ? it->find("type") : it->end();
+    if (type == it->end() || !type->is_string() || *type != "text") {
+      return BadParam("response_format",
+                      "'response_format' other than {\"type\": \"text\"} (JSON or a schema) is "
+                      "not supported yet");
+    }
   }
   ASSIGN_OR_RETURN(auto echo, Boolean(body, "echo"));
   if (echo && *echo) return BadParam("echo", "'echo' is not supported");
   ASSIGN_OR_RETURN(auto ignore_eos, Boolean(body, "ignore_eos"));
   if (ignore_eos) p.ignore_eos = *ignore_eos;
   RETURN_IF_ERROR(ParseStop(body, r));
+  if (r.max_tokens_set && p.min_tokens > p.max_tokens) {
+    return BadParam("min_tokens", "'min_tokens' must not exceed 'max_tokens'");
+  }
 
   if (chat) {
     ASSIGN_OR_RETURN(auto logprobs, Boolean(body, "logprobs"));

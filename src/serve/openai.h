@@ -8,9 +8,11 @@
 //   max_completion_tokens (default: the rest of the context).
 // Both: temperature, top_p, top_k, seed, stop (string or list), stop_token_ids, ignore_eos,
 //   stream, stream_options.include_usage, n (1 only); logprobs (completions: an integer;
-//   chat: a boolean with top_logprobs). Unsupported options that would change the answer
-//   (echo, best_of > 1, penalties, logit_bias, suffix) are refused by name; unknown fields are
-//   ignored, as OpenAI does.
+//   chat: a boolean with top_logprobs); presence_penalty and frequency_penalty ([-2, 2]),
+//   repetition_penalty ((0, 10], vLLM's), logit_bias ({"id": [-100, 100]}), min_tokens (vLLM's;
+//   SamplingParams says how each applies). Unsupported options that would change the answer
+//   (echo, best_of > 1, n > 1, suffix, tools and tool_choice, response_format other than text)
+//   are refused by name; unknown fields are ignored, as OpenAI does.
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>

@@ -247,7 +247,13 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     if (ch.params && model_->last_stage()) {
       params_[ch.seq] = *ch.params;
       samplers_.erase(ch.seq);
-      if (sampler) samplers_.emplace(ch.seq, Sampler(*ch.params)).first->second.Skip(ch.draws);
+      if (sampler) {
+        samplers_.emplace(ch.seq, Sampler(*ch.params, ch.prompt_tokens))
+            .first->second.Skip(ch.draws);
+      }
+    }
+    if (auto it = samplers_.find(ch.seq); sampler && it != samplers_.end()) {
+      it->second.Observe(ch.tokens.data(), static_cast<int64_t>(ch.tokens.size()));
     }
     if (ch.sample && model_->last_stage() && !params_.count(ch.seq)) {
       return absl::DataLossError(
@@ -290,7 +296,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   int64_t top_k = 0;
   for (int64_t s = 0; s < S; ++s) {
     if (!sample[s]) continue;
-    greedy &= params_[ids[s]].temperature == 0.0f;
+    greedy &= params_[ids[s]].temperature == 0.0f && !params_[ids[s]].ProcessesLogits();
     top_k = std::max(top_k, params_[ids[s]].top_logprobs);
   }
   std::vector<SampledToken> tokens;

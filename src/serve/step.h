@@ -15,9 +15,11 @@ struct StepChunk {
   int64_t seq = 0;
   std::vector<int32_t> tokens;  // new positions of this sequence, in order
   // Set on a sequence's first chunk (and again after it was preempted): the last stage starts
-  // its sampler, advanced by `draws` random draws so a resumed sequence continues its stream.
+  // its sampler, advanced by `draws` random draws so a resumed sequence continues its stream,
+  // knowing that the first `prompt_tokens` tokens it reads are the prompt (the penalties').
   std::optional<SamplingParams> params;
   int64_t draws = 0;
+  int64_t prompt_tokens = 0;
   bool sample = true;  // false for a prompt chunk that is not the prompt's last
 };
 

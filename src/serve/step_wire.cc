@@ -21,11 +21,24 @@ absl::Status In(const std::string& where, const absl::Status& s) {
 }  // namespace
 
 json EncodeSamplingParams(const SamplingParams& p) {
-  return {{"temperature", p.temperature},
-          {"top_p", p.top_p},
-          {"top_k", p.top_k},
-          {"seed", p.seed},
-          {"top_logprobs", p.top_logprobs}};
+  json j = {{"temperature", p.temperature},
+            {"top_p", p.top_p},
+            {"top_k", p.top_k},
+            {"seed", p.seed},
+            {"top_logprobs", p.top_logprobs}};
+  json bias_ids = json::array(), biases = json::array();
+  for (const auto& [id, bias] : p.logit_bias) {
+    bias_ids.push_back(id);
+    biases.push_back(bias);
+  }
+  j["bias_ids"] = std::move(bias_ids);
+  j["biases"] = std::move(biases);
+  j["min_tokens"] = p.min_tokens;
+  j["end_ids"] = p.end_ids;
+  j["repetition_penalty"] = p.repetition_penalty;
+  j["frequency_penalty"] = p.frequency_penalty;
+  j["presence_penalty"] = p.presence_penalty;
+  return j;
 }
 
 absl::StatusOr<SamplingParams> DecodeSamplingParams(const json& j) {
@@ -42,6 +55,25 @@ absl::StatusOr<SamplingParams> DecodeSamplingParams(const json& j) {
   p.seed = seed->get<uint64_t>();
   p.temperature = static_cast<float>(temperature);
   p.top_p = static_cast<float>(top_p);
+  {  // the logits' processing
+    ASSIGN_OR_RETURN(const std::vector<int64_t> ids, JsonInts(j, "bias_ids", 0, kMaxInt32));
+    ASSIGN_OR_RETURN(const json* biases, JsonArray(j, "biases"));
+    if (biases->size() != ids.size()) {
+      return absl::DataLossError("'bias_ids' and 'biases' differ in length");
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!(*biases)[i].is_number()) return absl::DataLossError("a bias is not a number");
+      p.logit_bias.emplace_back(static_cast<int32_t>(ids[i]), (*biases)[i].get<float>());
+    }
+    ASSIGN_OR_RETURN(p.min_tokens, JsonInt(j, "min_tokens", 0, kMaxInt64));
+    ASSIGN_OR_RETURN(p.end_ids, JsonInts(j, "end_ids", 0, kMaxInt32));
+    ASSIGN_OR_RETURN(const double repetition, JsonNumber(j, "repetition_penalty"));
+    ASSIGN_OR_RETURN(const double frequency, JsonNumber(j, "frequency_penalty"));
+    ASSIGN_OR_RETURN(const double presence, JsonNumber(j, "presence_penalty"));
+    p.repetition_penalty = static_cast<float>(repetition);
+    p.frequency_penalty = static_cast<float>(frequency);
+    p.presence_penalty = static_cast<float>(presence);
+  }
   RETURN_IF_ERROR(p.Validate());
   return p;
 }
@@ -61,6 +93,7 @@ json EncodeStep(const StepDesc& d) {
     if (c.params) {
       ch["params"] = EncodeSamplingParams(*c.params);
       ch["draws"] = c.draws;
+      ch["prompt_tokens"] = c.prompt_tokens;
     }
     chunks.push_back(std::move(ch));
   }
@@ -104,6 +137,7 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
         if (!p.ok()) return In(absl::StrCat("chunk of sequence ", c.seq), p.status());
         c.params = *p;
         ASSIGN_OR_RETURN(c.draws, JsonInt(ch, "draws", 0, kMaxInt64));
+        ASSIGN_OR_RETURN(c.prompt_tokens, JsonInt(ch, "prompt_tokens", 0, kMaxInt64));
       }
       d.chunks.push_back(std::move(c));
     }

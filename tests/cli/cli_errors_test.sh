@@ -42,6 +42,10 @@ fi
 expect_error "--model is required" "$BIN" generate --prompt hi
 expect_error "give exactly one of --prompt and --prompt-ids" "$BIN" generate --model "$TMP"
 expect_error "config.json: cannot open" "$BIN" generate --model "$TMP/none" --prompt hi
+expect_error "--logit-bias '7=1' is not ID:BIAS" "$BIN" generate --model "$TMP" --prompt hi \
+  --logit-bias 7=1
+expect_error "repetition_penalty must be a finite number > 0" "$BIN" generate --model "$TMP" \
+  --prompt hi --repetition-penalty 0
 expect_error "--arch 'gpt2' is not one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral" "$BIN" gen-model --arch gpt2 --out "$TMP/x"
 expect_error "--kv-heads 3 must divide --heads 4" "$BIN" gen-model --out "$TMP/x" --heads 4 --kv-heads 3
 expect_error "--dtype 'f64' is not bf16, f16, f32" "$BIN" gen-model --out "$TMP/x" --dtype f64

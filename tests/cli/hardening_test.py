@@ -113,8 +113,12 @@ try:
     status, _, data = d.post("/v1/completions", body)
     check(status == 200 and data["choices"][0]["text"], "the key is accepted")
     check(d.request("GET", "/v1/models", headers={"Authorization": ""})[0] == 401 and
-          d.request("GET", "/metrics", headers={"Authorization": ""})[0] == 401,
-          "/v1/models and /metrics need the key too")
+          d.request("GET", "/metrics", headers={"Authorization": ""})[0] == 401 and
+          d.request("POST", "/tokenize", {"prompt": "x"}, headers={"Authorization": ""})[0] ==
+          401 and
+          d.request("POST", "/detokenize", {"tokens": [1]}, headers={"Authorization": ""})[0] ==
+          401,
+          "/v1/models, /metrics, /tokenize and /detokenize need the key too")
     check(d.request("GET", "/healthz", headers={"Authorization": ""})[0] == 200 and
           d.request("GET", "/readyz", headers={"Authorization": ""})[0] == 200,
           "/healthz and /readyz stay open for probes")

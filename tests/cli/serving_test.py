@@ -154,6 +154,57 @@ try:
     s3 = completion(d, PROMPTS[3], 16, temperature=1.0, seed=8)[2]["choices"][0]["text"]
     check(s1 == s2 and s1 != s3, "a seed reproduces a sampled answer; another seed differs")
 
+    # --- sampling controls through the sharded replica (the sampler on the last stage) --------
+    status, _, tok = d.post("/tokenize", {"model": "tiny", "prompt": "hello world",
+                                          "add_special_tokens": False})
+    status2, _, detok = d.post("/detokenize", {"model": "tiny", "tokens": tok["tokens"]})
+    check(status == 200 and status2 == 200 and tok["count"] == len(tok["tokens"]) > 0 and
+          tok["max_model_len"] == 4096 and detok["prompt"] == "hello world",
+          f"/tokenize and /detokenize round trip ({tok['count']} tokens)")
+    _, _, tok = d.post("/tokenize", {"prompt": "hello world"})  # model may be left out
+    _, _, body = completion(d, "hello world", 1)
+    check(tok["count"] == body["usage"]["prompt_tokens"],
+          "/tokenize counts a prompt as /v1/completions does (special tokens added)")
+    messages = [{"role": "user", "content": "What is a shard?"}]
+    _, _, tok = d.post("/tokenize", {"model": "tiny", "messages": messages})
+    _, _, body = d.post("/v1/chat/completions", {"model": "tiny", "messages": messages,
+                                                 "max_tokens": 1})
+    check(tok["count"] == body["usage"]["prompt_tokens"],
+          f"/tokenize renders messages as chat does ({tok['count']} tokens)")
+    for path, body in (("/tokenize", {"model": "tiny", "prompt": 5}),
+                       ("/detokenize", {"model": "tiny", "tokens": [1, 99999]}),
+                       ("/tokenize", {"model": "nope", "prompt": "x"})):
+        status, _, data = d.post(path, body)
+        check(status in (400, 404) and error_shape(data), f"{path} {body}: {status} named")
+    # logit_bias: +100 on one token makes it every greedy choice.
+    forced = 77
+    _, _, text = d.post("/detokenize", {"tokens": [forced]})
+    _, _, body = completion(d, PROMPTS[1], 6, logit_bias={str(forced): 100})
+    check(body["choices"][0]["text"] == text["prompt"] * 6,
+          f"logit_bias {{{forced}: 100}} chooses token {forced} every time")
+    # The penalties through the replica (the sampler on the last stage, fed every step's tokens)
+    # choose what one process does with the same definitions (Sampler, unit-tested).
+    controls = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    _, _, body = completion(d, PROMPTS[2], 16, **controls)
+    one = subprocess.run([BIN, "generate", "--model", MODEL, "--prompt-ids",
+                          ",".join(map(str, PROMPTS[2])), "--max-tokens", "16", "--ignore-eos",
+                          "--format", "json", "--frequency-penalty", "1.5", "--presence-penalty",
+                          "0.5", "--repetition-penalty", "1.3"],
+                         check=True, capture_output=True, text=True).stdout
+    unpenalized = completion(d, PROMPTS[2], 16)[2]["choices"][0]["text"]
+    check(body["choices"][0]["text"] == json.loads(one)["text"] and
+          body["choices"][0]["text"] != unpenalized,
+          "penalties at TP=2 x PP=2 choose as one process does, and change the answer")
+    # min_tokens holds back the ids that would end the answer.
+    first = reference(PROMPTS[4], 1)["tokens"][0]
+    _, _, body = completion(d, PROMPTS[4], 8, stop_token_ids=[first])
+    _, _, held = completion(d, PROMPTS[4], 8, stop_token_ids=[first], min_tokens=3)
+    check(body["usage"]["completion_tokens"] == 1 and
+          body["choices"][0]["finish_reason"] == "stop" and
+          held["usage"]["completion_tokens"] >= 3,
+          f"min_tokens 3 holds back stop token {first} "
+          f"({held['usage']['completion_tokens']} tokens)")
+
     # --- concurrency: the same greedy tokens as alone (6 = 4 running + 2 queued) ---------------
     alone = [reference(p, 12)["text"] for p in PROMPTS[:6]]
     results = [None] * 6
@@ -181,6 +232,9 @@ try:
         ("temperature out of range", {"model": "tiny", "prompt": "x", "temperature": 9}, None,
          400, "temperature"),
         ("n > 1", {"model": "tiny", "prompt": "x", "n": 2}, None, 400, "n"),
+        ("echo", {"model": "tiny", "prompt": "x", "echo": True}, None, 400, "echo"),
+        ("logit_bias outside the vocabulary", {"model": "tiny", "prompt": "x",
+                                               "logit_bias": {"99999": 1}}, None, 400, None),
         ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 99999]}, None, 400,
          None),
         ("prompt longer than the context", {"model": "tiny", "prompt": [5] * 4100}, None, 400,

@@ -78,6 +78,83 @@ TEST(SamplerTest, LowTemperatureConcentratesOnTheArgmax) {
   for (int32_t id : Draw(p, 50)) EXPECT_EQ(id, best);
 }
 
+// Each control equals its definition (vLLM's): Process on a row against the row computed by hand
+// from the sequence's prompt [3, 7, 7] and output [7, 9, 9, 9].
+TEST(SamplerTest, PenaltiesBiasAndMinTokensAreTheirDefinitions) {
+  const std::vector<int32_t> prompt = {3, 7, 7}, output = {7, 9, 9, 9};
+  auto processed = [&](const SamplingParams& p) {
+    Sampler s(p, static_cast<int64_t>(prompt.size()));
+    s.Observe(prompt.data(), 3);
+    s.Observe(output.data(), 4);
+    std::vector<float> row = Logits();
+    s.Process(row.data(), static_cast<int64_t>(row.size()));
+    return row;
+  };
+  const std::vector<float> raw = Logits();
+  SamplingParams p;
+  p.frequency_penalty = 0.5f;  // minus 0.5 x the count in the output: 7 once, 9 three times
+  std::vector<float> want = raw;
+  want[7] -= 0.5f;
+  want[9] -= 1.5f;
+  EXPECT_EQ(processed(p), want);
+  p = {};
+  p.presence_penalty = -0.25f;  // once for each token of the output, whatever its count
+  want = raw;
+  want[7] += 0.25f;
+  want[9] += 0.25f;
+  EXPECT_EQ(processed(p), want);
+  p = {};
+  p.repetition_penalty = 2.0f;  // the prompt's and the output's tokens: / 2 if > 0, x 2 if not
+  want = raw;
+  for (int32_t id : {3, 7, 9}) want[id] = raw[id] > 0 ? raw[id] / 2 : raw[id] * 2;
+  EXPECT_EQ(processed(p), want);
+  ASSERT_TRUE(raw[3] > 0 || raw[7] > 0 || raw[9] > 0);  // both branches of the definition
+  ASSERT_TRUE(raw[3] < 0 || raw[7] < 0 || raw[9] < 0);
+  p = {};
+  p.logit_bias = {{4, 100.0f}, {10, -100.0f}};  // added
+  want = raw;
+  want[4] += 100;
+  want[10] -= 100;
+  EXPECT_EQ(processed(p), want);
+  p = {};
+  p.min_tokens = 5;  // 4 generated: the ids that end it are held back
+  p.end_ids = {10, 11};
+  want = raw;
+  want[10] = want[11] = -INFINITY;
+  EXPECT_EQ(processed(p), want);
+  p.min_tokens = 4;  // reached: nothing held back
+  EXPECT_EQ(processed(p), raw);
+}
+
+// The processed row is what the choice sees; the log-probabilities stay the model's own.
+TEST(SamplerTest, TheChoiceSeesTheProcessedRowTheLogprobsTheModels) {
+  const std::vector<float> raw = Logits();
+  double z = 0;
+  for (float v : raw) z += std::exp(double(v));
+  SamplingParams p;
+  p.top_logprobs = 2;
+  p.logit_bias = {{4, 50.0f}};
+  Sampler s(p);
+  const SampledToken t = s.Sample(raw.data(), static_cast<int64_t>(raw.size()));
+  EXPECT_EQ(t.id, 4);
+  EXPECT_NEAR(t.logprob, raw[4] - std::log(z), 1e-5);
+  ASSERT_EQ(t.top.size(), 2u);
+  EXPECT_EQ(t.top[0].id, 10);  // the model's own best
+  p.temperature = 1.0f;        // sampled: the bias decides it too
+  Sampler sampled(p);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sampled.Sample(raw.data(), raw.size()).id, 4);
+  // A repeated token loses its place: greedy with a frequency penalty leaves 10 once chosen.
+  SamplingParams f;
+  f.frequency_penalty = 2.0f;
+  Sampler g(f, 1);
+  const int32_t first = 1;
+  g.Observe(&first, 1);
+  const SampledToken a = g.Sample(raw.data(), raw.size());
+  EXPECT_EQ(a.id, 10);
+  g.Observe(&a.id, 1);
+  EXPECT_NE(g.Sample(raw.data(), raw.size()).id, 10);
+}
+
 TEST(SamplerTest, ValidateNamesTheParameter) {
   auto bad = [](auto mutate) {
     SamplingParams p;
@@ -93,6 +170,16 @@ TEST(SamplerTest, ValidateNamesTheParameter) {
   EXPECT_THAT(bad([](SamplingParams& p) { p.max_tokens = 0; }), ::testing::HasSubstr("max_tokens"));
   EXPECT_THAT(bad([](SamplingParams& p) { p.top_logprobs = 21; }),
               ::testing::HasSubstr("logprobs"));
+  EXPECT_THAT(bad([](SamplingParams& p) { p.repetition_penalty = 0; }),
+              ::testing::HasSubstr("repetition_penalty"));
+  EXPECT_THAT(bad([](SamplingParams& p) { p.frequency_penalty = INFINITY; }),
+              ::testing::HasSubstr("frequency_penalty"));
+  EXPECT_THAT(bad([](SamplingParams& p) {
+                p.logit_bias = {{-1, 1.0f}};
+              }),
+              ::testing::HasSubstr("logit_bias"));
+  EXPECT_THAT(bad([](SamplingParams& p) { p.min_tokens = -1; }),
+              ::testing::HasSubstr("min_tokens"));
   EXPECT_TRUE(SamplingParams().Validate().ok());
 }
 

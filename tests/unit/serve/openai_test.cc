@@ -38,6 +38,18 @@ TEST(OpenAiParse, AcceptsTheOpenAiShapes) {
   EXPECT_EQ(c->params.max_tokens, 7);
   EXPECT_EQ(c->params.top_logprobs, 3);
   EXPECT_FLOAT_EQ(c->params.temperature, 1.0f);  // OpenAI's default
+
+  auto penalized = ParseApiRequest(json::parse(R"({"model": "m", "prompt": "x",
+      "presence_penalty": -1.5, "frequency_penalty": 2, "repetition_penalty": 1.3,
+      "logit_bias": {"12": -100, "7": 4.5}, "min_tokens": 3, "max_tokens": 4})"),
+                                   false);
+  ASSERT_TRUE(penalized.ok()) << penalized.status();
+  const SamplingParams& p = penalized->params;
+  EXPECT_FLOAT_EQ(p.presence_penalty, -1.5f);
+  EXPECT_FLOAT_EQ(p.frequency_penalty, 2.0f);
+  EXPECT_FLOAT_EQ(p.repetition_penalty, 1.3f);
+  EXPECT_EQ(p.logit_bias, (std::vector<std::pair<int32_t, float>>{{12, -100.0f}, {7, 4.5f}}));
+  EXPECT_EQ(p.min_tokens, 3);
 }
 
 TEST(OpenAiParse, RefusalsNameTheParameter) {
@@ -60,7 +72,24 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
       {R"({"model": "m", "prompt": "x", "stop": ["a", 1]})", false, "stop"},
       {R"({"model": "m", "prompt": "x", "logprobs": 50})", false, "logprobs"},
       {R"({"model": "m", "prompt": "x", "stream_options": {}})", false, "stream_options"},
-      {R"({"model": "m", "prompt": "x", "frequency_penalty": 1})", false, "frequency_penalty"},
+      {R"({"model": "m", "prompt": "x", "frequency_penalty": 2.5})", false, "frequency_penalty"},
+      {R"({"model": "m", "prompt": "x", "presence_penalty": "a"})", false, "presence_penalty"},
+      {R"({"model": "m", "prompt": "x", "repetition_penalty": 0})", false, "repetition_penalty"},
+      {R"({"model": "m", "prompt": "x", "logit_bias": {"a": 1}})", false, "logit_bias"},
+      {R"({"model": "m", "prompt": "x", "logit_bias": {"3": 101}})", false, "logit_bias"},
+      {R"({"model": "m", "prompt": "x", "logit_bias": [1]})", false, "logit_bias"},
+      {R"({"model": "m", "prompt": "x", "min_tokens": -1})", false, "min_tokens"},
+      {R"({"model": "m", "prompt": "x", "min_tokens": 5, "max_tokens": 4})", false, "min_tokens"},
+      {R"({"model": "m", "prompt": "x", "best_of": 2})", false, "best_of"},
+      {R"({"model": "m", "prompt": "x", "suffix": "y"})", false, "suffix"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}}]})",
+       true, "tools"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})",
+       true, "tool_choice"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "response_format": {"type": "json_object"}})",
+       true, "response_format"},
       {R"({"model": "m", "messages": []})", true, "messages"},
       {R"({"model": "m", "messages": [{"role": "user"}]})", true, "messages[0].content"},
       {R"({"model": "m", "messages": [{"role": "bot", "content": "x"}]})", true,

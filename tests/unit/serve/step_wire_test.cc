@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "comm/json_frame.h"
@@ -77,8 +78,15 @@ StepDesc SomeStep() {
   p.top_k = 40;
   p.seed = UINT64_MAX;  // any 64-bit seed survives the trip
   p.top_logprobs = 2;
+  p.logit_bias = {{5, -100.0f}, {6, 2.5f}};
+  p.min_tokens = 3;
+  p.end_ids = {2, 9};
+  p.repetition_penalty = 1.2f;
+  p.frequency_penalty = -0.5f;
+  p.presence_penalty = 0.25f;
   prompt.params = p;
   prompt.draws = 5;
+  prompt.prompt_tokens = 3;
   StepChunk decode;
   decode.seq = 4;
   decode.tokens = {42};
@@ -102,6 +110,12 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   EXPECT_EQ(back->chunks[0].params->top_k, 40);
   EXPECT_FLOAT_EQ(back->chunks[0].params->top_p, 0.9f);
   EXPECT_EQ(back->chunks[0].draws, 5);
+  EXPECT_EQ(back->chunks[0].prompt_tokens, 3);
+  const SamplingParams& p = *back->chunks[0].params;
+  EXPECT_EQ(p.logit_bias, d.chunks[0].params->logit_bias);
+  EXPECT_EQ(std::tuple(p.min_tokens, p.end_ids, p.repetition_penalty, p.frequency_penalty,
+                       p.presence_penalty),
+            std::tuple(3, std::vector<int64_t>{2, 9}, 1.2f, -0.5f, 0.25f));
   EXPECT_FALSE(back->chunks[1].params.has_value());
   EXPECT_FALSE(back->chunks[1].sample);
   EXPECT_EQ(*DecodeStepMessageType(EncodePing()), StepMessageType::kPing);
