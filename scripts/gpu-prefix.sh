@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Gathers what a GPU machine without network needs, beside its own CUDA toolkit, cmake, ninja and
 # g++, to build shardserve (scripts/gpu-check.sh builds there): the Debian packages of our C++
-# dependencies, headers and libraries, unpacked into a prefix. Boost's headers are cut to the ones
+# dependencies, headers and libraries, unpacked into a prefix, and our Rust crate's static library
+# (the Jinja engine). Boost's headers are cut to the ones
 # our sources reach (from the compiler's own dependency lists); documentation is dropped. Runs on a
 # build machine with Debian's apt and scripts/setup.sh done; idempotent.
 # Usage: scripts/gpu-prefix.sh [PREFIX]   (default .gpu/prefix, git-ignored)
@@ -56,7 +57,8 @@ fi
 # the compiler opened.
 stamp="$PREFIX/.gathered"
 sources=$(grep -rlE '#include <(boost|cpprest|pplx)/' src operator worker tests bench | sort)
-sum=$( (printf '%s\n' "${PKGS[@]}"; cat $sources) | sha256sum | cut -c1-16)
+jinja=(src/tokenizer/jinja/Cargo.toml src/tokenizer/jinja/Cargo.lock src/tokenizer/jinja/src/lib.rs)
+sum=$( (printf '%s\n' "${PKGS[@]}"; cat $sources "${jinja[@]}") | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sum" ]; then exit 0; fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -99,5 +101,11 @@ find "$PREFIX" -type l -lname '/*' | while read -r l; do
   target=$(readlink "$l")
   ln -sfn "$(realpath -m --relative-to="$(dirname "$l")" "$PREFIX$target")" "$l"
 done
+# The chat templates' Jinja engine (src/tokenizer/jinja), built here with cargo: the GPU machine
+# has neither Rust nor a network. scripts/gpu-check.sh hands it to CMake (SHARDSERVE_JINJA_LIB).
+cargo build --release --locked --quiet --manifest-path src/tokenizer/jinja/Cargo.toml \
+  --target-dir "$tmp/jinja" || { log "cargo build of src/tokenizer/jinja failed"; exit 1; }
+cp "$tmp/jinja/release/libshardserve_jinja.a" "$PREFIX/usr/lib/"
+strip --strip-debug "$PREFIX/usr/lib/libshardserve_jinja.a"  # 11 MB to 6
 echo "$sum" >"$stamp"
 log "$(du -sh "$PREFIX" | cut -f1) in $PREFIX ($(wc -l <"$tmp/boost-headers") Boost headers)"

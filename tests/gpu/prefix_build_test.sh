@@ -44,7 +44,7 @@ unshare -m --propagation private bash -euo pipefail -c '
     [ ! -e "$h" ] || { echo "FAIL: $h is still visible: the build would not be against the prefix"; exit 1; }
   done
   NVCC="$2/cu13/bin/nvcc" NCCL_DIR="$2/nccl" BUILD_DIR="$3" BUILD_TYPE=Debug \
-    bash scripts/gpu-check.sh "$1/out" --build-only --targets "cuda_tests shardserve shardserve-worker" ||
+    bash scripts/gpu-check.sh "$1/out" --build-only --targets "cuda_tests shardserve shardserve-worker ss_jinja" ||
     { tail -30 "$1/out/build.log"; exit 1; }
   # ldd is read whole before the match (grep -q stops reading at its first match, and ldd, still
   # writing, would die of SIGPIPE and fail the pipeline under pipefail). The build resolves the
