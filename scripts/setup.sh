@@ -46,6 +46,12 @@ setup_build() {
     exit 1
   fi
 
+  # --- Rust builds the chat templates' Jinja engine (src/tokenizer/jinja) from crates.io -------
+  if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+    log "cargo is missing: install Rust >= 1.80 (rustup) for the Jinja engine (src/tokenizer/jinja)"
+    exit 1
+  fi
+
   venv
 
   # --- CUDA 13.0 + NCCL from PyPI wheels (pinned set) ----------------------------------------

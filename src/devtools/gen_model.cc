@@ -358,8 +358,9 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
   return t;
 }
 
-// Chat templates in Hugging Face's Jinja form, one per family shardserve renders
-// (tokenizer/chat_template.cc), so transformers' apply_chat_template reads the same models.
+// Chat templates in Hugging Face's Jinja form, one per common family (Llama 3, ChatML, Llama 2,
+// Mistral), which shardserve renders as the model's own (tokenizer/chat_template.h) and
+// transformers' apply_chat_template renders from the same models.
 constexpr char kLlama3Template[] =
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
     "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"

@@ -615,7 +615,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
                   {"object", "model"},
                   {"created", 0},
                   {"owned_by", "shardserve"},
-                  {"chat_template", s->chat.name()}};
+                  {"chat_template", s->chat.source()}};
     {
       absl::ReaderMutexLock lock(&s->engine_mu);
       if (s->max_context > 0) model["max_model_len"] = s->max_context;

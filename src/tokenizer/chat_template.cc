@@ -1,13 +1,17 @@
 #include "tokenizer/chat_template.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "common/text.h"
 #include "model/gguf_model.h"
+#include "tokenizer/jinja.h"
 
 namespace shardserve {
 namespace {
@@ -37,22 +41,6 @@ std::string TemplateText(const json& config) {
         return t["template"].get<std::string>();
       }
     }
-  }
-  return "";
-}
-
-std::string Trim(const std::string& s) { return std::string(absl::StripAsciiWhitespace(s)); }
-
-// The system message a ChatML template adds when the conversation has none (Qwen2's "You are a
-// helpful assistant.", SmolLM2's own): the literal text of its system turn, if it writes one.
-std::string DefaultSystem(const std::string& tmpl) {
-  for (const char* open : {"<|im_start|>system\\n", "<|im_start|>system\n"}) {
-    const size_t at = tmpl.find(open);
-    if (at == std::string::npos) continue;
-    const size_t begin = at + std::strlen(open), end = tmpl.find("<|im_end|>", begin);
-    if (end == std::string::npos) continue;
-    const std::string text = tmpl.substr(begin, end - begin);
-    if (text.find_first_of("{}'\"\\") == std::string::npos) return text;  // literal text only
   }
   return "";
 }
@@ -99,129 +87,91 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
         return t;
       }
       config["chat_template"] = *own;
+      t.source_ = "chat_template.jinja";
     }
   }
-  t.bos_ = TokenText(config, "bos_token");
-  t.eos_ = TokenText(config, "eos_token");
-  const std::string tmpl = TemplateText(config);
-  auto has = [&](const char* marker) {
-    return tmpl.empty() ? tokenizer.TokenId(marker).has_value()
-                        : tmpl.find(marker) != std::string::npos;
-  };
-  if (has("<|start_header_id|>")) {
-    t.family_ = Family::kLlama3;
-    if (auto id = tokenizer.TokenId("<|eot_id|>")) t.end_of_turn_.push_back(*id);
-  } else if (has("<|im_start|>")) {
-    t.family_ = Family::kChatMl;
-    if (auto id = tokenizer.TokenId("<|im_end|>")) t.end_of_turn_.push_back(*id);
-    t.default_system_ = DefaultSystem(tmpl);
-  } else if (!tmpl.empty() && tmpl.find("<<SYS>>") != std::string::npos) {
-    t.family_ = Family::kLlama2;
-  } else if (!tmpl.empty() && tmpl.find("[INST]") != std::string::npos) {
-    t.family_ = Family::kMistral;
-  } else {
-    t.reason_ = tmpl.empty() ? "the model has no chat_template in tokenizer_config.json"
-                             : "the model's chat_template is not of a family shardserve knows "
-                               "(Llama 2, Llama 3, Mistral, ChatML)";
+  for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
+    t.special_.emplace_back(key, TokenText(config, key));
+  }
+  t.template_ = TemplateText(config);
+  if (t.template_.empty()) {
+    t.reason_ = absl::StrCat(path, " gives no chat_template");
     return t;
   }
-  if (auto id = tokenizer.TokenId(t.eos_); id && !t.eos_.empty()) t.end_of_turn_.push_back(*id);
+  if (t.source_ == "none") t.source_ = from_gguf ? "GGUF" : "tokenizer_config.json";
+  // The end of an assistant's turn: the special token the template writes after its text.
+  const std::string probe = "\x01shardserve-probe\x01";
+  absl::StatusOr<std::string> turn = t.RenderText({{"user", "hi"}, {"assistant", probe}}, false);
+  if (turn.ok() && turn->find(probe) != std::string::npos) {
+    const std::string after = turn->substr(turn->find(probe) + probe.size(), 64);
+    absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(after, false);
+    if (ids.ok() && !ids->empty() && tokenizer.IsSpecial(ids->front())) {
+      t.end_of_turn_.push_back(ids->front());
+    }
+  }
+  const std::string eos = TokenText(config, "eos_token");
+  if (auto id = tokenizer.TokenId(eos);
+      id && !eos.empty() &&
+      std::find(t.end_of_turn_.begin(), t.end_of_turn_.end(), *id) == t.end_of_turn_.end()) {
+    t.end_of_turn_.push_back(*id);
+  }
   return t;
 }
 
-const char* ChatTemplate::name() const {
-  switch (family_) {
-    case Family::kLlama3:
-      return "llama3";
-    case Family::kChatMl:
-      return "chatml";
-    case Family::kLlama2:
-      return "llama2";
-    case Family::kMistral:
-      return "mistral";
-    case Family::kNone:
-      break;
+absl::StatusOr<std::string> ChatTemplate::RenderText(const std::vector<ChatMessage>& messages,
+                                                     bool add_generation_prompt) const {
+  nlohmann::ordered_json ctx;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  ctx["messages"] = std::move(list);
+  ctx["tools"] = nullptr;
+  ctx["documents"] = nullptr;
+  ctx["add_generation_prompt"] = add_generation_prompt;
+  for (const auto& [key, value] : special_) {
+    if (!value.empty()) ctx[key] = value;
   }
-  return "none";
+  return RenderJinja(template_, ctx);
 }
 
 absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
+  if (!has_template()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this model has no chat template: ", reason_, "; use /v1/completions"));
+  }
   RenderedChat r;
-  std::string& out = r.text;
-  // A message's text, appended where the format puts it, and its range noted.
-  auto content = [&r](std::string_view text) {
-    if (!text.empty()) r.content.push_back({r.text.size(), r.text.size() + text.size()});
-    r.text.append(text);
-  };
-  switch (family_) {
-    case Family::kNone:
-      return absl::FailedPreconditionError(
-          absl::StrCat("this model has no chat template: ", reason_, "; use /v1/completions"));
-    case Family::kLlama3:
-      out = bos_;
-      for (const ChatMessage& m : messages) {
-        absl::StrAppend(&out, "<|start_header_id|>", m.role, "<|end_header_id|>\n\n");
-        content(Trim(m.content));
-        absl::StrAppend(&out, "<|eot_id|>");
+  ASSIGN_OR_RETURN(r.text, RenderText(messages, true));
+  // Where the messages' text lies: the same template rendered with a marker for each message's
+  // text, each marker then replaced by the text (as given, or trimmed, as templates often write
+  // it), must give the prompt; the replacements' places are the ranges.
+  std::vector<ChatMessage> marked = messages;
+  for (size_t i = 0; i < marked.size(); ++i) marked[i].content = absl::StrCat("\x02", i, "\x03");
+  absl::StatusOr<std::string> layout = RenderText(marked, true);
+  if (!layout.ok()) return r;  // the template looks at the text itself: no ranges
+  for (const bool trimmed : {false, true}) {
+    std::string text;
+    std::vector<TextRange> ranges;
+    size_t at = 0;
+    for (;;) {
+      const size_t open = layout->find('\x02', at);
+      const size_t close = open == std::string::npos ? open : layout->find('\x03', open);
+      size_t i = 0;
+      if (close == std::string::npos ||
+          !absl::SimpleAtoi(layout->substr(open + 1, close - open - 1), &i) ||
+          i >= messages.size()) {
+        text += layout->substr(at);
+        break;
       }
-      absl::StrAppend(&out, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-      return r;
-    case Family::kChatMl:
-      if (!default_system_.empty() && messages.front().role != "system") {
-        absl::StrAppend(&out, "<|im_start|>system\n", default_system_, "<|im_end|>\n");
-      }
-      for (const ChatMessage& m : messages) {
-        absl::StrAppend(&out, "<|im_start|>", m.role, "\n");
-        content(m.content);
-        absl::StrAppend(&out, "<|im_end|>\n");
-      }
-      absl::StrAppend(&out, "<|im_start|>assistant\n");
-      return r;
-    case Family::kLlama2:
-    case Family::kMistral:
+      text += layout->substr(at, open - at);
+      const absl::string_view content =
+          trimmed ? absl::StripAsciiWhitespace(messages[i].content) : messages[i].content;
+      if (!content.empty()) ranges.push_back({text.size(), text.size() + content.size()});
+      absl::StrAppend(&text, content);
+      at = close + 1;
+    }
+    if (text == r.text) {
+      r.content = std::move(ranges);
       break;
-  }
-  // [INST] families: an optional system message, then user and assistant turns alternating,
-  // ending with the user.
-  size_t first = 0;
-  const bool has_system = messages.front().role == "system";
-  if (has_system) first = 1;
-  for (size_t i = first; i < messages.size(); ++i) {
-    const bool user_turn = (i - first) % 2 == 0;
-    const ChatMessage& m = messages[i];
-    if (m.role != (user_turn ? "user" : "assistant")) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("this model's ", name(),
-                       " chat format needs user and assistant messages alternating "
-                       "after an optional system message; messages[",
-                       i, "] is '", m.role, "'"));
     }
-    if (user_turn) {
-      // Llama 2 opens every turn with BOS, Mistral only the conversation.
-      const bool bos = family_ == Family::kLlama2 || i == first;
-      absl::StrAppend(&out, bos ? bos_ : "", "[INST] ");
-      if (i == first && has_system) {
-        const std::string& system = messages.front().content;
-        if (family_ == Family::kLlama2) {
-          absl::StrAppend(&out, "<<SYS>>\n");
-          content(system);
-          absl::StrAppend(&out, "\n<</SYS>>\n\n");
-        } else {
-          content(system);
-          absl::StrAppend(&out, "\n\n");
-        }
-      }
-      content(Trim(m.content));
-      absl::StrAppend(&out, family_ == Family::kLlama2 ? " [/INST]" : "[/INST]");
-    } else {
-      absl::StrAppend(&out, " ");
-      content(Trim(m.content));
-      absl::StrAppend(&out, family_ == Family::kLlama2 ? " " : "", eos_);
-    }
-  }
-  if (messages.back().role != "user") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("this model's ", name(), " chat format needs the last message from the user"));
   }
   return r;
 }

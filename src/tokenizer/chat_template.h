@@ -1,10 +1,10 @@
 #pragma once
-// Chat prompts for the model families whose chat format shardserve knows: Llama 3 (header
-// tokens), ChatML (Qwen2), Llama 2 ([INST] with <<SYS>>) and Mistral ([INST]). The family is
-// read from the model directory's chat_template.jinja or tokenizer_config.json `chat_template`
-// (a GGUF file's tokenizer.chat_template; without any, from the tokenizer's special tokens);
-// shardserve renders the family's format itself rather than running the Jinja text. A model whose
-// template is of no known family gets no chat template, and the reason says so.
+// Chat prompts rendered by the model's own Jinja template (tokenizer/jinja.h), as Hugging Face's
+// apply_chat_template renders it: the template of the model directory's chat_template.jinja, of
+// tokenizer_config.json's `chat_template` (a string, or the "default" of a list of named ones),
+// or of a GGUF file's tokenizer.chat_template; the variables apply_chat_template gives it
+// (messages, tools and documents as null, add_generation_prompt, the special tokens bos_token,
+// eos_token, unk_token, pad_token). A model without a template gets none, and the reason says so.
 #include <string>
 #include <vector>
 
@@ -26,28 +26,34 @@ struct RenderedChat {
 
 class ChatTemplate {
  public:
-  enum class Family { kNone, kLlama3, kChatMl, kLlama2, kMistral };
-
-  // Never fails: an unreadable or unknown template gives kNone with the reason.
+  // Never fails: an unreadable template, or none, gives a ChatTemplate without one and the
+  // reason.
   static ChatTemplate ForModel(const std::string& model_dir, const Tokenizer& tokenizer);
 
-  Family family() const { return family_; }
-  const char* name() const;
-  // Why there is no template (kNone only).
+  bool has_template() const { return !template_.empty(); }
+  // Where the template came from ("tokenizer_config.json", "chat_template.jinja", "GGUF"), or
+  // "none".
+  const std::string& source() const { return source_; }
+  // Why there is no template.
   const std::string& reason() const { return reason_; }
 
   // The prompt for `messages`, ending where the assistant's reply begins, with the ranges of
-  // the messages' text in it. Messages that the family cannot express (e.g. roles out of turn for
-  // Llama 2) are InvalidArgument.
+  // the messages' text in it (found in order where the template wrote each unchanged). The
+  // template's own errors (raise_exception: roles out of turn, ...) are InvalidArgument quoting
+  // it.
   absl::StatusOr<RenderedChat> Render(const std::vector<ChatMessage>& messages) const;
-  // Tokens that end the assistant's turn (generation stops there).
+  // Tokens that end the assistant's turn (generation stops there): the special token the template
+  // writes right after an assistant message, and the tokenizer's eos_token.
   const std::vector<int64_t>& end_of_turn_ids() const { return end_of_turn_; }
 
  private:
-  Family family_ = Family::kNone;
+  absl::StatusOr<std::string> RenderText(const std::vector<ChatMessage>& messages,
+                                         bool add_generation_prompt) const;
+
+  std::string template_;
+  std::string source_ = "none";
   std::string reason_;
-  std::string bos_, eos_;
-  std::string default_system_;  // ChatML templates that add one when none is given
+  std::vector<std::pair<std::string, std::string>> special_;  // bos_token, eos_token, ...
   std::vector<int64_t> end_of_turn_;
 };
 

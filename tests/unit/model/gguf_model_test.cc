@@ -105,8 +105,11 @@ TEST_P(GgufModelTest, RunsAsItsSafetensors) {
   for (const char* text : {"The model is too large for one machine.", "  two  spaces\n\n", "a"}) {
     EXPECT_EQ(*(*got_tok)->Encode(text), *(*want_tok)->Encode(text)) << text;
   }
-  EXPECT_EQ(ChatTemplate::ForModel(file, **got_tok).family(),
-            ChatTemplate::ForModel(hf, **want_tok).family());
+  const std::vector<ChatMessage> chat = {{"system", "be brief"}, {"user", "hi"}};
+  auto got_chat = ChatTemplate::ForModel(file, **got_tok).Render(chat);
+  auto want_chat = ChatTemplate::ForModel(hf, **want_tok).Render(chat);
+  ASSERT_TRUE(got_chat.ok() && want_chat.ok()) << got_chat.status() << want_chat.status();
+  EXPECT_EQ(got_chat->text, want_chat->text);
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, GgufModelTest,
