@@ -293,6 +293,15 @@ absl::Status DeepseekFields(const GgufFile& f, json& j) {
   ASSIGN_OR_RETURN(const uint64_t rope, f.GetUint(p + "rope.dimension_count"));
   j["qk_rope_head_dim"] = rope;
   const bool mqa = Has(f, p + "attention.key_length_mla");
+  if (mqa) {  // the MQA form's own keys must say the latent: one KV head of kv_lora + rope
+    ASSIGN_OR_RETURN(const uint64_t kv_heads, f.GetUint(p + "attention.head_count_kv"));
+    ASSIGN_OR_RETURN(const uint64_t key, f.GetUint(p + "attention.key_length"));
+    if (kv_heads != 1 || key != kv_lora + rope) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          f.path(), ": ", p, "attention.head_count_kv ", kv_heads, " and key_length ", key,
+          " are not MLA's latent (1 and kv_lora_rank + rope dims = ", kv_lora + rope, ")"));
+    }
+  }
   ASSIGN_OR_RETURN(const uint64_t k,
                    f.GetUint(p + (mqa ? "attention.key_length_mla" : "attention.key_length")));
   ASSIGN_OR_RETURN(j["v_head_dim"],
@@ -349,6 +358,13 @@ absl::Status DeepseekFields(const GgufFile& f, json& j) {
       if (Has(f, p + "rope.scaling.yarn_log_multiplier")) {
         ASSIGN_OR_RETURN(log_mul, f.GetFloat(p + "rope.scaling.yarn_log_multiplier"));
       }
+      if (j["rope_scaling"].contains("attention_factor") &&
+          j["rope_scaling"]["attention_factor"].get<double>() != 1.0) {
+        return absl::UnimplementedError(absl::StrCat(
+            f.path(), ": ", p,
+            "rope.scaling.yarn_attn_factor other than 1 scales MLA's rotated dims, which "
+            "shardserve does not run"));
+      }
       j["rope_scaling"]["mscale"] = j["rope_scaling"]["mscale_all_dim"] = log_mul / 0.1;
       j["rope_scaling"]["attention_factor"] = 1.0;
     }
@@ -367,6 +383,12 @@ absl::Status GptOssFields(const GgufFile& f, json& j) {
   ASSIGN_OR_RETURN(j["num_experts_per_tok"], f.GetUint(p + "expert_used_count"));
   ASSIGN_OR_RETURN(j["intermediate_size"], f.GetUint(p + "expert_feed_forward_length"));
   ASSIGN_OR_RETURN(j["sliding_window"], f.GetUint(p + "attention.sliding_window"));
+  if (Has(f, p + "attention.sliding_window_pattern")) {  // llama.cpp's gpt-oss has none
+    return absl::UnimplementedError(absl::StrCat(
+        f.path(), ": ", p,
+        "attention.sliding_window_pattern is not read for gpt-oss (every other layer slides, "
+        "the first)"));
+  }
   return absl::OkStatus();
 }
 

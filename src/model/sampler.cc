@@ -53,6 +53,7 @@ void SamplingParams::SetEndIds(const std::vector<int64_t>& eos) {
 }
 
 void Sampler::Observe(const int32_t* tokens, int64_t n) {
+  if (!params_.ProcessesLogits()) return;  // no history needed: nothing kept on the hot path
   for (int64_t i = 0; i < n; ++i, ++read_) {
     if (read_ < prompt_) {
       if (params_.repetition_penalty != 1.0f) prompt_ids_.insert(tokens[i]);

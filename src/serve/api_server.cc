@@ -385,6 +385,13 @@ struct ApiServer::Impl {
         return json{{"prompt", tokenizer->Decode(ids)}};
       }
       std::vector<int32_t> ids;
+      bool add_special = !body->contains("messages");  // vLLM's defaults: prompt true, chat false
+      if (auto a = body->find("add_special_tokens"); a != body->end() && !a->is_null()) {
+        if (!a->is_boolean()) {
+          return BadParam("add_special_tokens", "'add_special_tokens' must be a boolean");
+        }
+        add_special = a->get<bool>();
+      }
       if (body->contains("messages")) {
         if (auto g = body->find("add_generation_prompt");
             g != body->end() && !(g->is_boolean() && g->get<bool>())) {
@@ -398,20 +405,13 @@ struct ApiServer::Impl {
         absl::StatusOr<RenderedChat> rendered = chat.Render(req.messages);
         if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
         ASSIGN_OR_RETURN(ids,
-                         Tokenize(rendered->text, false, context, "messages",
+                         Tokenize(rendered->text, add_special, context, "messages",
                                   config.env.special_tokens_as_text ? rendered->content
                                                                     : std::vector<TextRange>{}));
       } else {
         auto p = body->find("prompt");
         if (p == body->end() || !p->is_string()) {
           return BadParam("prompt", "'prompt' must be a string (or give 'messages')");
-        }
-        bool add_special = true;
-        if (auto a = body->find("add_special_tokens"); a != body->end() && !a->is_null()) {
-          if (!a->is_boolean()) {
-            return BadParam("add_special_tokens", "'add_special_tokens' must be a boolean");
-          }
-          add_special = a->get<bool>();
         }
         ASSIGN_OR_RETURN(ids, Tokenize(p->get<std::string>(), add_special, context, "prompt"));
       }

@@ -171,6 +171,12 @@ try:
                                                  "max_tokens": 1})
     check(tok["count"] == body["usage"]["prompt_tokens"],
           f"/tokenize renders messages as chat does ({tok['count']} tokens)")
+    _, _, with_bos = d.post("/tokenize", {"messages": messages, "add_special_tokens": True})
+    added = (d.post("/tokenize", {"prompt": "x"})[2]["count"] -
+             d.post("/tokenize", {"prompt": "x", "add_special_tokens": False})[2]["count"])
+    check(added > 0 and with_bos["count"] == tok["count"] + added,
+          f"/tokenize of messages honours add_special_tokens (vLLM's default: false; {added} "
+          f"added; {with_bos['count']} vs {tok['count']})")
     for path, body in (("/tokenize", {"model": "tiny", "prompt": 5}),
                        ("/detokenize", {"model": "tiny", "tokens": [1, 99999]}),
                        ("/tokenize", {"model": "nope", "prompt": "x"})):

@@ -417,6 +417,21 @@ TEST(GgufModel, ADeepseek2FileOfAnotherRoutingIsRefusedByName) {
   EXPECT_THAT(ConfigError(WithKey(file, dir.Sub("ext.gguf"),
                                   "deepseek2.rope.scaling.yarn_ext_factor", GgufWriter::F32(0.5f))),
               HasSubstr("yarn_ext_factor is not something shardserve runs"));
+  EXPECT_THAT(
+      ConfigError(WithKey(file, dir.Sub("attn.gguf"), "deepseek2.rope.scaling.yarn_attn_factor",
+                          GgufWriter::F32(0.5f))),
+      HasSubstr("yarn_attn_factor other than 1"));
+  EXPECT_THAT(ConfigError(WithKey(file, dir.Sub("kv.gguf"), "deepseek2.attention.head_count_kv",
+                                  GgufWriter::U32(4))),
+              HasSubstr("are not MLA's latent"));
+  // gpt-oss: a layer pattern llama.cpp's gpt-oss does not have is not taken as its own.
+  auto g = SmallModel("gpt_oss", dir.Sub("go"));
+  const std::string go = dir.Sub("go.gguf");
+  ASSERT_TRUE(ConvertToGguf(WriteModel(g), go, DType::kF32).ok());
+  ASSERT_EQ(ConfigError(go), "");
+  EXPECT_THAT(ConfigError(WithKey(go, dir.Sub("pattern.gguf"),
+                                  "gpt-oss.attention.sliding_window_pattern", GgufWriter::U32(4))),
+              HasSubstr("sliding_window_pattern is not read for gpt-oss"));
 }
 
 }  // namespace
