@@ -4,7 +4,8 @@
 # after each long prompt of BENCH_CONTEXTS (default "2048 8192"), with each row's prefill — tokens/s, inter-token latency and bytes moved
 # per step against the device's copy bandwidth measured in the same run — then the peer, PyTorch +
 # transformers on the same model directory and the same shapes (bench/cuda_peer.py), and
-# shardserve / peer for tokens/s. BENCH_PEER=0 leaves the peer out.
+# shardserve / peer for tokens/s. BENCH_PEER=0 leaves the peer out; BENCH_ATTN_AB=1 also runs
+# each BF16 row with SHARDSERVE_CUDA_ATTN_BATCHED=1 (the attention variant being measured).
 # Usage: bench/cuda.sh [MODELS] (default "tinyllama llama3-8b")
 # SHARDSERVE_BIN=DIR uses the binaries in DIR (scripts/gpu-check.sh's build) instead of setting up
 # and building here; BENCH_MODELS=DIR holds the generated models (default build/bench-models);
@@ -20,29 +21,50 @@ if [ -z "${SHARDSERVE_BIN:-}" ]; then
 fi
 PEER_PYTHON="${PEER_PYTHON:-$CACHE/refvenv/bin/python3}"
 [ -x "$PEER_PYTHON" ] || PEER_PYTHON=python3
-for m in $MODELS; do
-  dir="${BENCH_MODELS:-build/bench-models}/$m-bf16"
-  case "$m" in
+MODEL_DIR="${BENCH_MODELS:-build/bench-models}"
+shape_of() {  # shape_of MODEL: the generator's shape arguments, into `shape`
+  case "$1" in
     tinyllama) shape=(--layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4
                       --vocab 32000 --max-position 16384) ;;
     llama3-8b) shape=(--layers 32 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8
                       --vocab 128256 --max-position 16384) ;;
-    *) echo "unknown model shape '$m' (tinyllama, llama3-8b)" >&2; exit 2 ;;
+    smollm2) shape=(--layers 30 --hidden 576 --intermediate 1536 --heads 9 --kv-heads 3
+                    --vocab 49152 --max-position 8192 --tie-embeddings) ;;
+    *) echo "unknown model shape '$1' (tinyllama, llama3-8b, smollm2)" >&2; exit 2 ;;
   esac
+}
+for m in $MODELS; do
+  dir="$MODEL_DIR/$m-bf16"
+  shape_of "$m"
   [ -f "$dir/config.json" ] ||
     "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$dir" "${shape[@]}" --dtype bf16 \
       --seed 1
-  # One row set: "PROMPT BATCHES" (128-token prompts at batch 1 and 32, then the long ones).
-  rows=("128 1,32")
+  # Row sets: "DTYPE PROMPT BATCHES" (128-token prompts at batch 1 and 32, then the long ones,
+  # then the same model's weights as a GGUF of BENCH_QUANT, default Q4_K, at batch 1 and 32).
+  rows=("bf16 128 1,32")
   if [ "$m" = tinyllama ]; then  # the long rows on the small shape: they fit one lease
-    for ctx in ${BENCH_CONTEXTS-2048 8192}; do rows+=("$ctx 1,16"); done
+    for ctx in ${BENCH_CONTEXTS-2048 8192}; do rows+=("bf16 $ctx 1,16"); done
   fi
+  for q in ${BENCH_QUANT-q4_k}; do rows+=("$q 128 1,32"); done
   for row in "${rows[@]}"; do
-    read -r prompt batches <<<"$row"
-    echo "=== $m, bf16, $prompt-token prompt"
+    read -r type prompt batches <<<"$row"
+    echo "=== $m, $type, $prompt-token prompt"
+    if [ "$type" != bf16 ]; then  # random weights of the same shape, stored as the GGUF type
+      [ -f "$MODEL_DIR/$m-$type.gguf" ] ||
+        "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$MODEL_DIR/$m-$type.gguf" \
+          "${shape[@]}" --dtype bf16 --seed 1 --format gguf --gguf-type "$type"
+      "$SHARDSERVE_BIN/shardserve" bench cuda --model "$MODEL_DIR/$m-$type.gguf" \
+        --batch "$batches" --steps 64 --prompt-tokens "$prompt"
+      continue
+    fi
     ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" --batch "$batches" --steps 64 \
       --prompt-tokens "$prompt")
     echo "$ours"
+    if [ "${BENCH_ATTN_AB:-0}" = 1 ]; then  # the batched attention variant, same machine
+      SHARDSERVE_CUDA_ATTN_BATCHED=1 "$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" \
+        --batch "$batches" --steps 64 --prompt-tokens "$prompt" | grep -E '^decode batch' |
+        sed 's/^/[batched attention] /'
+    fi
     [ "${BENCH_PEER:-1}" = 0 ] && continue
     peer=$("$PEER_PYTHON" bench/cuda_peer.py "$dir" --batch "$batches" --steps 64 \
       --prompt-tokens "$prompt") || true
@@ -59,3 +81,44 @@ for m in $MODELS; do
     done
   done
 done
+
+# Serving on the GPU (BENCH_SERVE=0 leaves it out): `shardserve local` with SHARDSERVE_BACKEND=cuda
+# answering `shardserve bench load` at 1, 8, 32 and 64 clients (streamed greedy completions, 64
+# prompt and 64 output tokens): the TinyLlama shape in BF16 at PP=1 and at PP=2 on the one GPU
+# (the stages' hidden states through the host), and the demo model's shape (SmolLM2-135M) as a
+# Q4_1 GGUF, the type the demo serves.
+if [ "${BENCH_SERVE:-1}" = 1 ]; then
+  export SHARDSERVE_BIN
+  source scripts/local_lib.sh
+  smol="$MODEL_DIR/smollm2-q4_1.gguf"
+  shape_of smollm2
+  [ -f "$smol" ] || "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$smol" \
+    "${shape[@]}" --dtype bf16 --seed 1 --format gguf --gguf-type q4_1
+  serve_row() {  # serve_row NAME URI PP VOCAB
+    local tmp port=$((18400 + RANDOM % 500))
+    tmp=$(mktemp -d)
+    cat >"$tmp/model.yaml" <<YAML
+apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata: {name: $1}
+spec:
+  model: {name: $1, uri: "file://$2"}
+  parallelism: {tensor: 1, pipeline: $3}
+  serving: {port: $port, maxBatchSize: 64, maxSequenceLength: 2048}
+YAML
+    (
+      LOCAL_CLEANUP='rm -rf "$tmp"'
+      export SHARDSERVE_BACKEND="${BENCH_SERVE_BACKEND:-cuda}"  # cpu: a dry run of this script
+      start_local "$tmp/log" "$tmp/model.yaml" --metrics-port-base $((port + 600))
+      echo "=== serving $1, PP=$3, backend $SHARDSERVE_BACKEND"
+      "$SHARDSERVE_BIN/shardserve" bench load --url 127.0.0.1:$port --model "$1" \
+        --concurrency "${BENCH_SERVE_LEVELS:-1,8,32,64}" --max-tokens 64 --prompt-tokens 64 --vocab "$4" \
+        --rank-metrics 127.0.0.1:$((port + 600))
+    )
+  }
+  if [[ " $MODELS " == *" tinyllama "* ]]; then
+    serve_row tinyllama "$(realpath "$MODEL_DIR/tinyllama-bf16")" 1 32000
+    serve_row tinyllama "$(realpath "$MODEL_DIR/tinyllama-bf16")" 2 32000
+  fi
+  serve_row smollm2-q4-1 "$(realpath "$smol")" 1 49152
+fi

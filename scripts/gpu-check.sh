@@ -8,8 +8,8 @@
 # Usage: scripts/gpu-check.sh OUT [--prefix DIR] [--no-bench] [--bench-models "tinyllama ..."]
 #                             [--profile] [--build-only] [--targets "cuda_tests shardserve ..."]
 # --profile also runs ncu over two decode steps of each bench model (batch 1 and 32 after a
-# 128-token prompt; TinyLlama also batch 16 after 2,048) and writes the per-kernel tables
-# (scripts/ncu_table.py) to OUT/profile.txt.
+# 128-token prompt; TinyLlama also batch 16 after 2,048; the Q4_K GGUF at batch 1; PROFILE_ROWS
+# chooses others) and writes the per-kernel tables (scripts/ncu_table.py) to OUT/profile.txt.
 # NVCC, NCCL_DIR (include/, lib/), BUILD_DIR (build-gpu), BUILD_TYPE (Release) and BENCH_MODELS
 # (where the benchmark's models are generated, /tmp/shardserve-bench-models) override what is found.
 set -uo pipefail
@@ -124,15 +124,16 @@ check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"
 if ((BENCH)); then
   check bench env SHARDSERVE_BIN="$BIN" BENCH_MODELS="${BENCH_MODELS:-/tmp/shardserve-bench-models}" PEER_PYTHON=python3 \
     bash bench/cuda.sh "$BENCH_SET"
-  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer)' "$OUT/bench.log" |
+  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer|\[batched|concurrency|[0-9]+ +[0-9.]+ )' "$OUT/bench.log" |
     tee -a "$SUMMARY"
 fi
 if ((PROFILE)); then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   : >"$OUT/profile.txt"
-  profile() {  # profile MODEL BATCH PROMPT
-    local dir="${BENCH_MODELS:-/tmp/shardserve-bench-models}/$1-bf16" csv="$OUT/ncu-$1-b$2-p$3.csv"
-    [ -f "$dir/config.json" ] || { note "SKIP profile $1: no model at $dir (run the bench)"; return; }
+  profile() {  # profile MODEL BATCH PROMPT (MODEL: a bench shape in BF16, or a .gguf the bench made)
+    local dir="${BENCH_MODELS:-/tmp/shardserve-bench-models}/$1" csv="$OUT/ncu-${1%.gguf}-b$2-p$3.csv"
+    [[ "$1" == *.gguf ]] || dir="$dir-bf16"
+    [ -e "$dir" ] || { note "SKIP profile $1: no model at $dir (run the bench)"; return; }
     "$NCU" --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
       --print-units base --log-file "$csv" "$BIN/shardserve" bench cuda --model "$dir" \
       --batch "$2" --steps 3 --profile-steps 2 --prompt-tokens "$3" >>"$OUT/profile.log" 2>&1 ||
@@ -142,10 +143,18 @@ if ((PROFILE)); then
   if [ -z "$NCU" ]; then
     note "SKIP profile: no ncu"
   else
-    for m in $BENCH_SET; do
-      profile "$m" 1 128
-      profile "$m" 32 128
-      [ "$m" = tinyllama ] && profile "$m" 16 2048
+    # PROFILE_ROWS: "MODEL:BATCH:PROMPT ..." (default: batch 1 and 32 of each bench model, TinyLlama
+    # also batch 16 after 2,048 tokens, and each model's Q4_K GGUF at batch 1).
+    rows="${PROFILE_ROWS:-}"
+    if [ -z "$rows" ]; then
+      for m in $BENCH_SET; do
+        rows+=" $m:1:128 $m:32:128 $m-q4_k.gguf:1:128"
+        [ "$m" = tinyllama ] && rows+=" $m:16:2048"
+      done
+    fi
+    for row in $rows; do
+      IFS=: read -r m b p <<<"$row"
+      profile "$m" "$b" "$p"
     done
     note "profile: $OUT/profile.txt"
     cat "$OUT/profile.txt"

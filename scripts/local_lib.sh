@@ -1,10 +1,10 @@
 # Sourced by scripts that run `shardserve local` in the background (demo, serving benchmark).
 # start_local LOG MANIFEST [ARGS...]: starts it with its output in LOG, sets LOCAL to its pid,
 # stops it with SIGINT on exit (then runs $LOCAL_CLEANUP, if set), and returns once it serves (or
-# exits 1 with its log).
+# exits 1 with its log). SHARDSERVE_BIN names the binaries' directory (default build/bin).
 start_local() {
   local log="$1"; shift
-  build/bin/shardserve local -f "$@" >"$log" 2>&1 &
+  "${SHARDSERVE_BIN:-build/bin}/shardserve" local -f "$@" >"$log" 2>&1 &
   LOCAL=$!
   trap 'kill -INT $LOCAL 2>/dev/null || true; wait $LOCAL 2>/dev/null || true; eval "${LOCAL_CLEANUP:-}"' EXIT
   for _ in $(seq 1 600); do

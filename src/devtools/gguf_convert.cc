@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -14,6 +15,7 @@
 #include "backend/cpu/kernels.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "common/thread_pool.h"
 #include "devtools/gguf_writer.h"
 #include "model/config.h"
 #include "model/gguf_model.h"
@@ -63,15 +65,24 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
   return absl::InvalidArgumentError(absl::StrCat("no GGUF type for ", DTypeName(t)));
 }
 
-// rows x cols F32 values stored as `type`.
+// rows x cols F32 values stored as `type` (quantized rows on every core: an 8B model's weights
+// take minutes on one).
 std::string Encode(DType type, const std::vector<float>& v, int64_t rows, int64_t cols) {
   std::string out;
+  if (IsQuantized(type)) {
+    const size_t row_bytes = DTypeBytes(type, cols);
+    out.resize(rows * row_bytes);
+    static ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    pool.ParallelFor(rows, 16, [&](int, int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const std::string q = QuantizeRow(type, v.data() + r * cols, cols);
+        std::memcpy(out.data() + r * row_bytes, q.data(), row_bytes);
+      }
+    });
+    return out;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = v.data() + r * cols;
-    if (IsQuantized(type)) {
-      out += QuantizeRow(type, row, cols);
-      continue;
-    }
     for (int64_t c = 0; c < cols; ++c) {
       if (type == DType::kF32) {
         out.append(reinterpret_cast<const char*>(&row[c]), 4);

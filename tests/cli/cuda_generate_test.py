@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Generation on the CUDA backend through the real binaries (`SHARDSERVE_BACKEND=cuda shardserve
 generate`: rank processes, rendezvous, NCCL where the ranks have GPUs of their own) against the
-CPU backend on generated F32 models: the same greedy tokens and logprobs, the same sampled tokens
+CPU backend on generated models (F32, FP8, GGUF files in each block type the GPU runs): the same
+greedy tokens and logprobs, the same sampled tokens
 for a seed (the device sampler draws from the sequence's generator), with one stage and with two
 (hidden states over an NCCL link when the stages have different GPUs, through the host when they
 share one), and TP=2 on two GPUs or a clear error on one. Exits 77 (skipped) where there is no
@@ -16,6 +17,7 @@ from checks import Checks, small_models
 
 BIN = sys.argv[1]
 TOL = 2e-3
+QUANT_TOL = 2e-2
 check = Checks()
 
 
@@ -57,6 +59,17 @@ with tempfile.TemporaryDirectory() as tmp:
                     "--sliding-window", "4", "--swiglu-limit", "1.5"],
                    check=True, capture_output=True)
 
+    # GGUF files in every block type the GPU runs (hidden 256: the K-quants' super-blocks), and a
+    # Mixtral in Q4_K (quantized experts on the decode path).
+    quantized = ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"]
+    for t in quantized + ["mixtral-q4_k"]:
+        arch, gtype = ("mixtral", "q4_k") if t.startswith("mixtral") else ("llama", t)
+        models[t] = os.path.join(tmp, t + ".gguf")
+        subprocess.run([BIN, "gen-model", "--arch", arch, "--out", models[t], "--layers", "3",
+                        "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--intermediate",
+                        "512", "--vocab", "401", "--experts", "4", "--dtype", "f32", "--format",
+                        "gguf", "--gguf-type", gtype], check=True, capture_output=True)
+
     probe = generate(models["llama"], [], "cuda")
     if probe.returncode != 0 and ("no GPU is visible" in probe.stderr
                                   or "has no CUDA backend" in probe.stderr):
@@ -67,7 +80,11 @@ with tempfile.TemporaryDirectory() as tmp:
 
     cases = [("greedy", []), ("sampled", ["--temperature", "0.8", "--top-p", "0.9",
                                           "--seed", "5"])]
-    for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3", "gpt-oss"]:
+    # Quantized weights: the CPU multiplies with its activations rounded to 16-bit integers
+    # (kernels_test.cc), the GPU with them in F32, hence the wider bound.
+    for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3", "gpt-oss"] + quantized + \
+            ["mixtral-q4_k"]:
+        tol = QUANT_TOL if arch.endswith(tuple(quantized)) else TOL
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):
@@ -79,9 +96,9 @@ with tempfile.TemporaryDirectory() as tmp:
                       f"{arch} {name} {shape}: the ranks report the CUDA backend")
                 got = json.loads(r.stdout)
                 d = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
-                check(got["tokens"] == want["tokens"] and d <= TOL,
+                check(got["tokens"] == want["tokens"] and d <= tol,
                       f"{arch} {name} {shape}: the CPU's tokens, max |dlogprob| {d:.1e} "
-                      f"<= {TOL}")
+                      f"<= {tol}")
 
     # TP=2: NCCL needs a GPU per rank.
     r = generate(models["llama"], ["--tp", "2"], "cuda")

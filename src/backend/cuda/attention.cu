@@ -1,4 +1,6 @@
 // The CUDA backend: rotary embeddings, the paged KV cache and attention.
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -55,7 +57,9 @@ constexpr int64_t kAttnChunk = 32;          // positions a warp scores at once, 
 // lanes, now over head_dim, add the 32 weighted V rows (coalesced). The warps' states merge in
 // shared memory; with one split the block writes the output, otherwise (max, sum, unnormalized
 // weighted V) per (row, head, split) to `partial` for AttentionCombineKernel.
-template <int kG, int kPer>
+// kBatched: the K loop unrolled by 8 and the V rows loaded 8 at a time before they are used
+// (more loads in flight for a warp; SHARDSERVE_CUDA_ATTN_BATCHED=1, being measured).
+template <int kG, int kPer, bool kBatched>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     AttentionSplitKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
                          const float* q, int64_t heads, int64_t head0, int64_t group,
@@ -105,6 +109,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       at = ((row_blocks[p / bs] * kv_heads + kh) * bs + p % bs) * hd;
       if (vec) {
         const float4* k4 = reinterpret_cast<const float4*>(kc + at);
+#pragma unroll(kBatched ? 8 : 1)
         for (int64_t d4 = 0; d4 < hd / 4; ++d4) {
           const float4 kv = k4[d4];
 #pragma unroll
@@ -137,6 +142,33 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     __syncwarp();
     const int64_t n = min(kAttnChunk, p1 - base);
+    if constexpr (kBatched) {
+      constexpr int kU = 8;  // divides kAttnChunk; a position past n has e = 0 and reads row 0
+      for (int64_t j0 = 0; j0 < n; j0 += kU) {
+        float vv[kU][kPer];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t vat = __shfl_sync(0xffffffff, at, static_cast<int>(j0) + u);
+          const bool ok = j0 + u < n;
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int64_t d = lane + 32 * i;
+            vv[u][i] = ok && d < hd ? vc[vat + d] : 0.f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+          for (int g = 0; g < kG; ++g) {
+            const float e = es[warp][g][j0 + u];
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) acc[g][i] += e * vv[u][i];
+          }
+        }
+      }
+      __syncwarp();
+      continue;
+    }
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t vat = __shfl_sync(0xffffffff, at, static_cast<int>(jj));
       const float* vr = vc + vat;
@@ -407,14 +439,26 @@ void LaunchAttentionSplit(int kg, int per, dim3 grid, const float* kc, const flo
                                       kv_first, kv_count, units, positions, blocks, block_offset,
                                       per_split, scale, partial, out);
   };
+  static const bool batched = [] {
+    const char* v = std::getenv("SHARDSERVE_CUDA_ATTN_BATCHED");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
   auto with_group = [&](auto g) {
     constexpr int kG = decltype(g)::value;
+    auto with_per = [&](auto p) {
+      constexpr int kPer = decltype(p)::value;
+      if (batched) {
+        launch(AttentionSplitKernel<kG, kPer, true>);
+      } else {
+        launch(AttentionSplitKernel<kG, kPer, false>);
+      }
+    };
     if (per <= 2) {
-      launch(AttentionSplitKernel<kG, 2>);
+      with_per(std::integral_constant<int, 2>{});
     } else if (per <= 4) {
-      launch(AttentionSplitKernel<kG, 4>);
+      with_per(std::integral_constant<int, 4>{});
     } else {
-      launch(AttentionSplitKernel<kG, 8>);
+      with_per(std::integral_constant<int, 8>{});
     }
   };
   switch (kg) {

@@ -68,15 +68,18 @@ class CudaBackend : public Backend {
       return absl::UnimplementedError(
           absl::StrCat(DTypeName(m.dtype), " weights reach no kernel of this backend"));
     }
-    if (IsQuantized(m.dtype)) {
-      return absl::UnimplementedError(absl::StrCat(
-          DTypeName(m.dtype), " weights do not run on the CUDA backend yet (F32, F16, BF16)"));
+    if (IsQuantized(m.dtype) && !RunsQuantized(m.dtype)) {
+      return absl::UnimplementedError(
+          absl::StrCat(DTypeName(m.dtype),
+                       " weights do not run on the CUDA backend (F32, F16, BF16, Q8_0, "
+                       "Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"));
     }
-    const size_t elem = DTypeSize(m.dtype);
-    ASSIGN_OR_RETURN(DeviceBuffer b,
-                     DeviceBuffer::Alloc(static_cast<size_t>(m.rows * m.cols) * elem));
+    // Rows of whole blocks, as the file keeps them; 16 bytes past the end, so that the kernels'
+    // aligned loads around a row's last bytes stay inside the allocation.
+    const size_t row = DTypeBytes(m.dtype, m.cols);
+    ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Alloc(static_cast<size_t>(m.rows) * row + 16));
     RETURN_IF_ERROR(
-        cuda::Copy2D(b.data(), m.cols * elem, m.data, m.row_stride * elem, m.cols * elem, m.rows));
+        cuda::Copy2D(b.data(), row, m.data, DTypeBytes(m.dtype, m.row_stride), row, m.rows));
     kept_.push_back(std::move(b));
     return WeightMatrix{m.dtype, kept_.back().data(), m.rows, m.cols, m.cols};
   }

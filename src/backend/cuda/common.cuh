@@ -130,6 +130,33 @@ unsigned Grid(int64_t n, int threads = 256) {
 
 }  // namespace
 
+// Up to kGemvMaxGroup matrices with the same cols that read the same x (a layer's q, k and v;
+// gate and up), as one launch: output rows are numbered across the matrices, matrix i's rows
+// ending at end[i] (strides in values).
+constexpr int kGemvMaxGroup = 4;
+struct GemvGroup {
+  const void* w[kGemvMaxGroup];
+  int64_t stride[kGemvMaxGroup];
+  int64_t rows[kGemvMaxGroup];
+  int64_t end[kGemvMaxGroup];
+  float* y[kGemvMaxGroup];
+  int n = 0;
+};
+constexpr int64_t kGemvMaxRows = 8;  // above this, cuBLAS's tensor-core GEMM
+
+// Block-quantized weights (quant.cu; RunsQuantized in cuda_backend.h says which).
+// The decode product of a group of quantized matrices of one dtype (M <= kGemvMaxRows rows of x
+// at a time; more run in rounds), cols a multiple of the block.
+absl::Status QuantGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
+                            int64_t M);
+// Rows [r0, r0 + n) of quantized w expanded into BF16, [n][w.cols] at `out` (prefill's tiles).
+absl::Status ExpandRows(const WeightMatrix& w, int64_t r0, int64_t n, void* out);
+// Embed and ExpertMatVec (cuda_backend.h) of quantized tables and experts.
+absl::Status QuantEmbed(const WeightMatrix& table, const int32_t* ids, int64_t n,
+                        int64_t vocab_begin, int64_t vocab_end, float* out);
+absl::Status QuantExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,
+                               const float* x, int64_t x_div, float* y);
+
 struct Context::Impl {
   int device = 0;
   cublasHandle_t blas = nullptr;

@@ -70,9 +70,14 @@ absl::Status RmsNorm(const float* x, int64_t M, int64_t dim, const float* w, flo
 absl::Status AddRmsNorm(float* x, const float* y, int64_t M, int64_t dim, const float* w, float eps,
                         float* out);
 
+// Whether weights of this block-quantized dtype have kernels: the GGUF types Q8_0, Q4_0, Q4_1,
+// Q4_K, Q5_K and Q6_K, kept on the device in ggml's layouts as the file has them (quant.cu).
+bool RunsQuantized(DType dtype);
+
 // y[m][n] = sum_k w[n][k] * x[m][k] (F32 x and y with row strides K and N), F32 accumulate. Up
-// to 8 rows with whole 16-byte weight rows: a GEMV that keeps x in F32 (decode); otherwise
-// cuBLAS, with x rounded to the weight's dtype first for F16/BF16 (tensor cores).
+// to 8 rows with whole 16-byte weight rows: a GEMV that keeps x in F32 (decode; quantized
+// weights: their blocks expanded in registers); otherwise cuBLAS, with x rounded to the weight's
+// dtype first for F16/BF16 (tensor cores; quantized weights: tiles of rows expanded into BF16).
 absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M, float* y);
 
 // Gemm of n matrices with the same cols that read the same x (Backend::GemmGroup): up to four

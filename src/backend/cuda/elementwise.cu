@@ -175,6 +175,8 @@ absl::Status Embed(const WeightMatrix& t, const int32_t* ids, int64_t n, int64_t
       EmbedKernel<<<blocks, 256>>>(static_cast<const __nv_bfloat16*>(t.data), t.row_stride, t.cols,
                                    ids, vocab_begin, vocab_end, out);
       break;
+    default:
+      return QuantEmbed(t, ids, n, vocab_begin, vocab_end, out);
   }
   return Check(cudaGetLastError(), "Embed launch");
 }

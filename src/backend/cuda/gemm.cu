@@ -30,19 +30,6 @@ __device__ void Unpack(uint4 raw, float (&out)[8], __half) {
   }
 }
 
-// Up to kGemvMaxGroup matrices with the same cols that read the same x (a layer's q, k and v;
-// gate and up), as one launch: output rows are numbered across the matrices, matrix i's rows
-// ending at end[i].
-constexpr int kGemvMaxGroup = 4;
-struct GemvGroup {
-  const void* w[kGemvMaxGroup];
-  int64_t stride[kGemvMaxGroup];
-  int64_t rows[kGemvMaxGroup];
-  int64_t end[kGemvMaxGroup];
-  float* y[kGemvMaxGroup];
-  int n = 0;
-};
-
 // Small batches (decode): Y[M][rows] = X[M][cols] W^T with one warp per output row, the row read
 // once in 16-byte pieces for all M inputs, X kept in F32 (so no conversion pass, and the
 // precision of the CPU's product). Needs cols and stride to be multiples of a piece and W and X
@@ -89,12 +76,13 @@ __global__ void GemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ 
 }
 
 constexpr int kGemvWarps = 8;
-constexpr int64_t kGemvMaxRows = 8;  // above this, cuBLAS's tensor-core GEMM
 
 bool GemvFits(const WeightMatrix& w, const float* x, int64_t M) {
+  if (M > kGemvMaxRows || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+  if (IsQuantized(w.dtype)) return RunsQuantized(w.dtype);  // whole blocks, as Upload keeps them
   const int64_t piece = 16 / static_cast<int64_t>(DTypeSize(w.dtype));
-  return M <= kGemvMaxRows && w.cols % piece == 0 && w.row_stride % piece == 0 &&
-         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  return w.cols % piece == 0 && w.row_stride % piece == 0 &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
 template <typename T, int M>
@@ -123,6 +111,8 @@ absl::Status LaunchGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, cons
     case DType::kBF16:
       LaunchGemv<__nv_bfloat16, kGemvMaxRows>(g, cols, x, M);
       break;
+    default:
+      return QuantGemvGroup(g, dtype, cols, x, M);
   }
   return Check(cudaGetLastError(), "Gemv launch");
 }
@@ -282,6 +272,47 @@ __global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t
   }
 }
 
+// Row-major Y[M][N] (row stride ldy) = X[M][K] W[N][K]^T (W's row stride lda; X dense), W and X
+// of `type`, on cuBLAS with F32 accumulation. That is column-major Y^T = op(W) X^T with W read
+// as a column-major K x N matrix transposed.
+absl::Status BlasGemm(Context& ctx, const void* w, int64_t lda, const void* x, cudaDataType_t type,
+                      int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
+  if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || lda > INT32_MAX || ldy > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("a GEMM of ", M, "x", N, "x", K));
+  }
+  const float alpha = 1.f, beta = 0.f;
+  const cublasStatus_t st = cublasGemmEx(
+      ctx.impl()->blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+      static_cast<int>(K), &alpha, w, type, static_cast<int>(lda), x, type, static_cast<int>(K),
+      &beta, y, CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("cublasGemmEx ", M, "x", N, "x", K, ": ", cublasGetStatusString(st)));
+  }
+  return absl::OkStatus();
+}
+
+// Prefill with quantized weights: x rounded to BF16 once, then tiles of W's rows (up to 64 MiB
+// each) expanded into BF16 and multiplied on the tensor cores, each into its columns of y. No
+// expanded copy of the matrix outlives the product.
+absl::Status QuantGemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M, float* y) {
+  const int64_t N = w.rows, K = w.cols;
+  constexpr int64_t kTileBytes = int64_t{64} << 20;
+  const int64_t tile = std::min(N, std::max<int64_t>(64, kTileBytes / (2 * K) / 64 * 64));
+  const size_t x_bytes = (static_cast<size_t>(M * K) * 2 + 255) / 256 * 256;
+  ASSIGN_OR_RETURN(void* scratch, ctx.Scratch(x_bytes + static_cast<size_t>(tile * K) * 2));
+  auto* xb = static_cast<__nv_bfloat16*>(scratch);
+  void* wt = static_cast<char*>(scratch) + x_bytes;
+  ConvertKernel<<<Grid(M * K), 256>>>(x, M * K, xb);
+  RETURN_IF_CUDA(cudaGetLastError(), "Gemm conversion launch");
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t nt = std::min(tile, N - n0);
+    RETURN_IF_ERROR(ExpandRows(w, n0, nt, wt));
+    RETURN_IF_ERROR(BlasGemm(ctx, wt, K, xb, CUDA_R_16BF, M, nt, K, y + n0, N));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M, float* y) {
@@ -296,6 +327,7 @@ absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M
     g.n = 1;
     return LaunchGemvGroup(g, w.dtype, K, x, M);
   }
+  if (IsQuantized(w.dtype)) return QuantGemm(ctx, w, x, M, y);
   const void* b = x;
   cudaDataType_t type = CUDA_R_32F;
   if (w.dtype != DType::kF32) {
@@ -312,19 +344,7 @@ absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M
     RETURN_IF_CUDA(cudaGetLastError(), "Gemm conversion launch");
     b = *scratch;
   }
-  // Row-major Y[M][N] = X[M][K] W[N][K]^T is column-major Y^T = op(W) X^T with W read as a
-  // column-major K x N matrix (lda = row_stride) transposed.
-  const float alpha = 1.f, beta = 0.f;
-  const cublasStatus_t st =
-      cublasGemmEx(ctx.impl()->blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N),
-                   static_cast<int>(M), static_cast<int>(K), &alpha, w.data, type,
-                   static_cast<int>(w.row_stride), b, type, static_cast<int>(K), &beta, y,
-                   CUDA_R_32F, static_cast<int>(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(
-        absl::StrCat("cublasGemmEx ", M, "x", N, "x", K, ": ", cublasGetStatusString(st)));
-  }
-  return absl::OkStatus();
+  return BlasGemm(ctx, w.data, w.row_stride, b, type, M, N, K, y, N);
 }
 
 absl::Status GemmGroup(Context& ctx, const WeightMatrix* const* ws, float* const* ys, size_t n,
@@ -427,6 +447,8 @@ absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t 
           reinterpret_cast<const __nv_bfloat16* const*>(w.data), w.expert_begin, w.count, w.rows,
           w.cols, experts, x, x_div, y);
       break;
+    default:
+      return QuantExpertMatVec(w, experts, slots, x, x_div, y);
   }
   return Check(cudaGetLastError(), "ExpertMatVec launch");
 }

@@ -7,7 +7,11 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "devtools/gguf_convert.h"
 
 namespace shardserve::testing {
 
@@ -140,6 +144,93 @@ TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
   const absl::Status s = be_->GemmGroup(pair, ys, 2, mem.Put(Random(64, 3)), 1);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("32 columns")) << s;
+}
+
+// Weights in GGUF's block types, as each backend keeps them (the CPU repacks some; the GPU keeps
+// the file's blocks): decode sizes (up to 8 rows, the GPU's GEMV over the blocks) and prefill
+// sizes (the GPU expands tiles into BF16 for its tensor cores) against the exact products of the
+// blocks' values (ToFloat), a slice's rows (row stride past its columns), a group of one type as
+// one product, embedding rows and expert products. Tolerances: decode within 1e-3 plus the
+// CPU's activation rounding (Q16, kernels_test.cc states it); prefill within 1e-3 plus 4 sigma of
+// BF16 rounding of both operands (2^-8 relative each product).
+TEST_P(BackendOpsTest, QuantizedWeightsMatchTheBlockValues) {
+  const int64_t N = 37, K = 512, stride = 768;
+  for (DType dtype :
+       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+    const std::vector<float> w = Random(N * stride, 50 + static_cast<int>(dtype));
+    std::string bytes;
+    for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, w.data() + n * stride, stride);
+    std::vector<float> values(N * K);  // the first K values of each row
+    std::vector<float> row(stride);
+    for (int64_t n = 0; n < N; ++n) {
+      cpu::ToFloat(dtype, bytes.data() + n * DTypeBytes(dtype, stride), stride, row.data());
+      std::copy(row.begin(), row.begin() + K, values.begin() + n * K);
+    }
+    auto dw = be_->Upload(WeightMatrix{dtype, bytes.data(), N, K, stride});
+    ASSERT_TRUE(dw.ok()) << DTypeName(dtype) << ": " << dw.status();
+    for (int64_t M : {1, 3, 8, 9, 40}) {
+      const std::vector<float> x = Random(M * K, 60 + M);
+      Mem mem(*be_);
+      float* y = mem.Zeros<float>(M * N);
+      ASSERT_TRUE(be_->Gemm(*dw, mem.Put(x), M, y).ok()) << DTypeName(dtype);
+      const std::vector<float> got = mem.Get(y, M * N);
+      for (int64_t m = 0; m < M; ++m) {
+        float amax = 0;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[m * K + k]));
+        for (int64_t n = 0; n < N; ++n) {
+          double want = 0, abs_w = 0, sq = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double p = double(values[n * K + k]) * x[m * K + k];
+            want += p;
+            abs_w += std::fabs(values[n * K + k]);
+            sq += p * p;
+          }
+          const double tol =
+              M <= 8 ? 1e-3 + abs_w * amax / 32767 : 1e-3 + 4 * std::sqrt(sq) * std::ldexp(1.0, -8);
+          ASSERT_NEAR(got[m * N + n], want, tol) << DTypeName(dtype) << " M=" << M << " n=" << n;
+        }
+      }
+    }
+    // q, k and v as one group (one launch on the GPU) equal each product alone.
+    Mem mem(*be_);
+    const float* x = mem.Put(Random(2 * K, 70));
+    const WeightMatrix* group[] = {&*dw, &*dw, &*dw};
+    float* ys[] = {mem.Zeros<float>(2 * N), mem.Zeros<float>(2 * N), mem.Zeros<float>(2 * N)};
+    float* single = mem.Zeros<float>(2 * N);
+    ASSERT_TRUE(be_->GemmGroup(group, ys, 3, x, 2).ok());
+    ASSERT_TRUE(be_->Gemm(*dw, x, 2, single).ok());
+    for (float* y : ys) EXPECT_EQ(mem.Get(y, 2 * N), mem.Get(single, 2 * N)) << DTypeName(dtype);
+    // Embedding rows of the table [100, 100 + N), as the block values.
+    const std::vector<int32_t> ids = {136, 100, 99, 117};
+    float* out = mem.Put(Random(ids.size() * K, 71));
+    ASSERT_TRUE(be_->Embed(*dw, mem.Put(ids), 4, 100, 100 + N, out).ok()) << DTypeName(dtype);
+    const std::vector<float> rows = mem.Get(out, ids.size() * K);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (int64_t k = 0; k < K; ++k) {
+        const float want = ids[i] >= 100 ? values[(ids[i] - 100) * K + k] : 0.0f;
+        ASSERT_NEAR(rows[i * K + k], want, 1e-6) << DTypeName(dtype) << " id " << ids[i];
+      }
+    }
+    // Experts 3 and 4 of this stage: slots of expert 4, 3 and 7 (not local: zeros).
+    const std::vector<const void*> ptrs = {dw->data, dw->data};
+    const ExpertTable table{dw->dtype, mem.Put(ptrs), 3, 2, N, K};
+    const std::vector<float> xs = Random(3 * K, 72);
+    float* ey = mem.Zeros<float>(3 * N);
+    ASSERT_TRUE(
+        be_->ExpertMatVec(table, mem.Put(std::vector<int32_t>{4, 3, 7}), 3, mem.Put(xs), 1, ey)
+            .ok());
+    const std::vector<float> eg = mem.Get(ey, 3 * N);
+    for (int64_t s = 0; s < 3; ++s) {
+      for (int64_t n = 0; n < N; ++n) {
+        double want = 0, abs_w = 0;
+        for (int64_t k = 0; s < 2 && k < K; ++k) {
+          want += double(values[n * K + k]) * xs[s * K + k];
+          abs_w += std::fabs(values[n * K + k]);
+        }
+        ASSERT_NEAR(eg[s * N + n], want, 1e-3 + abs_w / 32767) << DTypeName(dtype) << " " << s;
+      }
+    }
+  }
 }
 
 // A matrix that is a slice of a wider one (row stride > cols) uploads only its own columns.

@@ -1,0 +1,180 @@
+#pragma once
+// The blocks of GGUF's quantized types as ggml lays them out (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K),
+// read 32 values at a time: the CUDA backend's kernels (quant.cu) expand them on the device, and
+// tests/unit/backend/quant_blocks_test.cu checks them on the host against the CPU's reading.
+// Internal to backend/cuda.
+#include <cuda_fp16.h>
+#include <vector_types.h>
+
+#include <cstdint>
+
+#include "backend/dtype.h"
+
+namespace shardserve::cuda {
+
+__host__ __device__ __forceinline__ float HalfAt(const uint8_t* p) {  // p 2-byte aligned
+  return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(p)));
+}
+
+// Chunk j (32 consecutive values) of the blocks starting at `b` (block-aligned as in the file),
+// expanded to floats. Reads only with the alignment the layout guarantees: 2 bytes for Q8_0,
+// Q4_0 and Q6_K (blocks of 34, 18 and 210 bytes), 4 for Q4_1 (20), 16 for Q4_K and Q5_K (144,
+// 176).
+template <DType D>
+struct Blocks;
+
+template <>
+struct Blocks<DType::kQ8_0> {  // F16 d; 32 x int8: d * q
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += j * 34;
+    const float d = HalfAt(b);
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(b + 2);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t u = q[i];
+      v[2 * i] = d * static_cast<float>(static_cast<int8_t>(u & 0xff));
+      v[2 * i + 1] = d * static_cast<float>(static_cast<int8_t>(u >> 8));
+    }
+  }
+};
+
+template <>
+struct Blocks<DType::kQ4_0> {  // F16 d; value i in the low nibble of byte i, i + 16 in the high
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += j * 18;
+    const float d = HalfAt(b);
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(b + 2);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t u = q[i];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t byte = (u >> (8 * e)) & 0xff;
+        v[2 * i + e] = d * (static_cast<float>(byte & 15) - 8.f);
+        v[2 * i + e + 16] = d * (static_cast<float>(byte >> 4) - 8.f);
+      }
+    }
+  }
+};
+
+template <>
+struct Blocks<DType::kQ4_1> {  // F16 d, F16 m; nibbles as Q4_0: d * q + m
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += j * 20;
+    const float d = HalfAt(b), m = HalfAt(b + 2);
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(b + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t u = q[i];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t byte = (u >> (8 * e)) & 0xff;
+        v[4 * i + e] = d * static_cast<float>(byte & 15) + m;
+        v[4 * i + e + 16] = d * static_cast<float>(byte >> 4) + m;
+      }
+    }
+  }
+};
+
+// The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K super-block (ggml's
+// get_scale_min_k4).
+__host__ __device__ __forceinline__ void ScaleMin(const uint8_t* s, int j, float* sc, float* m) {
+  if (j < 4) {
+    *sc = static_cast<float>(s[j] & 63);
+    *m = static_cast<float>(s[j + 4] & 63);
+  } else {
+    *sc = static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+    *m = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// 32 bytes at p (16-byte aligned) as 8 words.
+__host__ __device__ __forceinline__ void Load32(const uint8_t* p, uint32_t (&w)[8]) {
+  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+  w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+}
+
+// Q4_K: F16 d, F16 dmin, 12 bytes of scales and minimums, 128 bytes of quants; sub-block j's
+// values are the low (even j) or high (odd j) nibbles of bytes 32 (j / 2) .. + 31 of the quants:
+// d * scale_j * q - dmin * min_j.
+template <>
+struct Blocks<DType::kQ4_K> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += (j / 8) * 144;
+    j %= 8;
+    float sc, mn;
+    ScaleMin(b + 4, j, &sc, &mn);
+    const float d = HalfAt(b) * sc, m = HalfAt(b + 2) * mn;
+    uint32_t w[8];
+    Load32(b + 16 + 32 * (j / 2), w);
+    const int shift = 4 * (j % 2);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      v[i] = d * static_cast<float>((w[i / 4] >> (8 * (i % 4) + shift)) & 15) - m;
+    }
+  }
+};
+
+// Q5_K: as Q4_K, with 32 bytes of fifth bits after the scales (bit j of byte i: value i of
+// sub-block j), then the 128 bytes of low nibbles.
+template <>
+struct Blocks<DType::kQ5_K> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += (j / 8) * 176;
+    j %= 8;
+    float sc, mn;
+    ScaleMin(b + 4, j, &sc, &mn);
+    const float d = HalfAt(b) * sc, m = HalfAt(b + 2) * mn;
+    uint32_t w[8], h[8];
+    Load32(b + 48 + 32 * (j / 2), w);
+    Load32(b + 16, h);
+    const int shift = 4 * (j % 2);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int bit = 8 * (i % 4);
+      const uint32_t q = ((w[i / 4] >> (bit + shift)) & 15) | (((h[i / 4] >> (bit + j)) & 1) << 4);
+      v[i] = d * static_cast<float>(q) - m;
+    }
+  }
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 values), F16
+// d. In each half of 128 values, chunk c takes the low (c < 2) or high nibbles of low-nibble
+// bytes 32 (c % 2) .. + 31 and bit pair c of the half's 32 high-bit bytes: d * scale * (q - 32).
+template <>
+struct Blocks<DType::kQ6_K> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += (j / 8) * 210;
+    j %= 8;
+    const int half = j / 4, c = j % 4;
+    const uint16_t* ql = reinterpret_cast<const uint16_t*>(b + 64 * half + 32 * (c % 2));
+    const uint16_t* qh = reinterpret_cast<const uint16_t*>(b + 128 + 32 * half);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * c);
+    const float d = HalfAt(b + 208);
+    const float s0 = d * scales[0], s1 = d * scales[1];
+    const int lshift = 4 * (c / 2), hshift = 2 * c;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t l = ql[i], hb = qh[i];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t q = ((l >> (8 * e + lshift)) & 15) | (((hb >> (8 * e + hshift)) & 3) << 4);
+        v[2 * i + e] = (i < 8 ? s0 : s1) * (static_cast<float>(q) - 32.f);
+      }
+    }
+  }
+};
+
+// Values and bytes of a block of D, as constants device code can use.
+template <DType D>
+struct Layout {
+  static constexpr int64_t kBlock = DTypeBlock(D);
+  static constexpr int64_t kBytes = static_cast<int64_t>(DTypeBlockBytes(D));
+};
+// Bytes of n values of D (n a multiple of its block).
+template <DType D>
+__host__ __device__ constexpr int64_t BytesOf(int64_t n) {
+  return n / Layout<D>::kBlock * Layout<D>::kBytes;
+}
+
+}  // namespace shardserve::cuda

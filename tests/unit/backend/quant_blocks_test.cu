@@ -1,0 +1,73 @@
+// The GPU's reading of GGUF's quantized blocks (backend/cuda/quant_blocks.cuh), run on the host
+// (no GPU needed): every chunk of 32 values, as the decode and prefill kernels expand it, equals
+// the CPU backend's expansion of the same row (cpu::ToFloat), for rows quantized by our GGUF
+// writer and for rows of random bytes (any scales and quants a file may hold).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cuda/quant_blocks.cuh"
+#include "devtools/gguf_convert.h"
+
+namespace shardserve::cuda {
+namespace {
+
+template <DType D>
+void ExpectChunksMatchTheCpu(const std::string& bytes, int64_t n, const std::string& what) {
+  std::vector<float> want(n);
+  cpu::ToFloat(D, bytes.data(), n, want.data());
+  // The kernels read blocks at the alignment a device row has (cudaMalloc: 256 bytes).
+  std::vector<uint4> aligned((bytes.size() + 15) / 16);
+  std::memcpy(aligned.data(), bytes.data(), bytes.size());
+  const auto* row = reinterpret_cast<const uint8_t*>(aligned.data());
+  constexpr int64_t per_block = Layout<D>::kBlock / 32;
+  for (int64_t c = 0; c < n / 32; ++c) {
+    float v[32];
+    Blocks<D>::Chunk(row + BytesOf<D>(c / per_block * Layout<D>::kBlock),
+                     static_cast<int>(c % per_block), v);
+    for (int i = 0; i < 32; ++i) {
+      const float w = want[c * 32 + i];
+      if (std::isnan(w)) continue;  // random bytes: an F16 scale may be NaN
+      ASSERT_NEAR(v[i], w, 1e-6 * std::max(1.0f, std::fabs(w)))
+          << DTypeName(D) << " " << what << ": chunk " << c << " value " << i;
+    }
+  }
+}
+
+template <DType D>
+void CheckType() {
+  std::mt19937 rng(static_cast<uint32_t>(D) + 1);
+  std::uniform_real_distribution<float> dist(-2, 2);
+  const int64_t n = 1024;
+  std::vector<float> x(n);
+  for (float& v : x) v = dist(rng);
+  ExpectChunksMatchTheCpu<D>(QuantizeRow(D, x.data(), n), n, "quantized row");
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::string random(DTypeBytes(D, n), '\0');
+  for (char& b : random) b = static_cast<char>(byte(rng));
+  // Finite F16 scales (exponent below 31): what the CPU and the GPU must agree on.
+  for (size_t b = 0; b < random.size() / Layout<D>::kBytes; ++b) {
+    char* blk = random.data() + b * Layout<D>::kBytes;
+    for (int off : {D == DType::kQ6_K ? 209 : 1, D == DType::kQ6_K ? 209 : 3}) {
+      blk[off] = static_cast<char>(blk[off] & 0x3f);  // the high byte of an F16: |value| < 2
+    }
+  }
+  ExpectChunksMatchTheCpu<D>(random, n, "random bytes");
+}
+
+TEST(QuantBlocksTest, EveryChunkIsTheCpusExpansion) {
+  CheckType<DType::kQ8_0>();
+  CheckType<DType::kQ4_0>();
+  CheckType<DType::kQ4_1>();
+  CheckType<DType::kQ4_K>();
+  CheckType<DType::kQ5_K>();
+  CheckType<DType::kQ6_K>();
+}
+
+}  // namespace
+}  // namespace shardserve::cuda
