@@ -119,6 +119,11 @@ check() {  # check NAME COMMAND...: runs it with its log in OUT/NAME.log; 77 is 
 }
 check cuda_tests "$BIN/cuda_tests"
 grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
+# Attention chooses between two decode kernels by shape: each forced through the attention cases.
+for v in 0 1; do
+  check "cuda_attention_batched_$v" env SHARDSERVE_CUDA_ATTN_BATCHED=$v "$BIN/cuda_tests" \
+    --gtest_filter='*Attention*'
+done
 check cuda_generate python3 tests/cli/cuda_generate_test.py "$BIN/shardserve"
 check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"
 if ((BENCH)); then

@@ -58,7 +58,7 @@ constexpr int64_t kAttnChunk = 32;          // positions a warp scores at once, 
 // shared memory; with one split the block writes the output, otherwise (max, sum, unnormalized
 // weighted V) per (row, head, split) to `partial` for AttentionCombineKernel.
 // kBatched: the K loop unrolled by 8 and the V rows loaded 8 at a time before they are used
-// (more loads in flight for a warp; SHARDSERVE_CUDA_ATTN_BATCHED=1, being measured).
+// (more loads in flight for a warp; Attention chooses).
 template <int kG, int kPer, bool kBatched>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     AttentionSplitKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
@@ -428,21 +428,18 @@ absl::Status WriteKv(const DeviceKv& c, const float* k, const float* v, int64_t 
 }
 
 // AttentionSplitKernel<kG, kPer> for the group size kg (1, 2, 4, 8 or 16) and kPer = per.
-void LaunchAttentionSplit(int kg, int per, dim3 grid, const float* kc, const float* vc,
-                          int64_t kv_heads, int64_t bs, int64_t hd, const float* q, int64_t heads,
-                          int64_t head0, int64_t group, int64_t kv_head0, int64_t kv_first,
-                          int64_t kv_count, int64_t units, const int32_t* positions,
-                          const int32_t* blocks, const int32_t* block_offset, int64_t per_split,
-                          float scale, float* partial, float* out) {
+void LaunchAttentionSplit(int kg, int per, bool batched, dim3 grid, const float* kc,
+                          const float* vc, int64_t kv_heads, int64_t bs, int64_t hd, const float* q,
+                          int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
+                          int64_t kv_first, int64_t kv_count, int64_t units,
+                          const int32_t* positions, const int32_t* blocks,
+                          const int32_t* block_offset, int64_t per_split, float scale,
+                          float* partial, float* out) {
   auto launch = [&](auto kernel) {
     kernel<<<grid, kAttnWarps * 32>>>(kc, vc, kv_heads, bs, hd, q, heads, head0, group, kv_head0,
                                       kv_first, kv_count, units, positions, blocks, block_offset,
                                       per_split, scale, partial, out);
   };
-  static const bool batched = [] {
-    const char* v = std::getenv("SHARDSERVE_CUDA_ATTN_BATCHED");
-    return v != nullptr && std::string_view(v) == "1";
-  }();
   auto with_group = [&](auto g) {
     constexpr int kG = decltype(g)::value;
     auto with_per = [&](auto p) {
@@ -519,10 +516,20 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
     if (!partial.ok()) return partial.status();
     pr = static_cast<float*>(*partial);
   }
+  // The batched kernel (more loads in flight a warp) where few blocks must hide their own
+  // latency: few (row, KV head) items, or long splits. On an H200 (bench/cuda-notes.md) it was
+  // 3-13 % faster there and 9 % slower at TinyLlama batch 32 after 128 tokens (128 items, splits
+  // of 128). SHARDSERVE_CUDA_ATTN_BATCHED=1 or 0 forces one kernel.
+  static const char* force = std::getenv("SHARDSERVE_CUDA_ATTN_BATCHED");
+  const bool batched =
+      force != nullptr && (std::string_view(force) == "1" || std::string_view(force) == "0")
+          ? std::string_view(force) == "1"
+          : blocks_x < 128 || per_split >= 2 * step;
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(splits));
-  LaunchAttentionSplit(kg, static_cast<int>((c.head_dim + 31) / 32), grid, c.k, c.v, c.kv_heads,
-                       c.block_size, c.head_dim, q, heads, head0, group, kv_head0, kv_first,
-                       kv_count, units, positions, blocks, block_offset, per_split, scale, pr, out);
+  LaunchAttentionSplit(kg, static_cast<int>((c.head_dim + 31) / 32), batched, grid, c.k, c.v,
+                       c.kv_heads, c.block_size, c.head_dim, q, heads, head0, group, kv_head0,
+                       kv_first, kv_count, units, positions, blocks, block_offset, per_split, scale,
+                       pr, out);
   RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
   if (splits == 1) return absl::OkStatus();
   AttentionCombineKernel<<<static_cast<unsigned>(rows * heads), 128>>>(pr, splits, c.head_dim, out);

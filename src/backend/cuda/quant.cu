@@ -1,8 +1,9 @@
 // The CUDA backend: block-quantized weights as GGUF files store them (Q8_0, Q4_0, Q4_1, Q4_K,
 // Q5_K, Q6_K in ggml's layouts, kept on the device as the file has them). Decode reads the blocks
-// (no expanded copy of a weight): a warp per output row stages 32 chunks of 32 values of its row
-// in shared memory with coalesced 4-byte loads, then each lane expands one chunk and multiplies it
-// with up to 8 F32 inputs. Prefill expands tiles of rows into BF16 for cuBLAS (gemm.cu).
+// (no expanded copy of a weight): a warp per output row loads 32 chunks of 32 values of its row at
+// a time with coalesced 4-byte loads, all in flight at once, stages them in shared memory, then
+// each lane expands one chunk and multiplies it with up to 8 F32 inputs. Prefill expands tiles of
+// rows into BF16 for cuBLAS (gemm.cu).
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -17,25 +18,50 @@ constexpr int kQuantWarps = 8;  // output rows per block
 template <DType D>
 constexpr int kStageWords = static_cast<int>((BytesOf<D>(1024) + 3 + 15) / 16 * 4);
 
+// Loads the words of the round of 32 chunks from chunk c0 of a row into registers, all at once:
+// lane l holds words l, l + 32, ... from the 4-byte boundary at or before the round's first
+// byte, `shift` bytes before it; `nwords` of them are the round's.
+template <DType D, int kPerLane>
+__device__ __forceinline__ void FetchRound(const uint8_t* row, int64_t c0, int64_t chunks, int lane,
+                                           uint32_t (&r)[kPerLane], int* shift, int* nwords) {
+  const int n = chunks - c0 < 32 ? static_cast<int>(chunks - c0) : 32;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(row + BytesOf<D>(c0 * 32));
+  *shift = static_cast<int>(start % 4);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(start - *shift);
+  *nwords = static_cast<int>((*shift + BytesOf<D>(n * 32) + 3) / 4);
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int i = lane + 32 * k;
+    r[k] = i < *nwords ? __ldg(words + i) : 0u;
+  }
+}
+
 // acc[m] += row . x[m] for m < M (x rows of `cols` floats at stride ldx), the row's `cols`
-// values (a multiple of 32) read once through the warp's stage.
+// values (a multiple of 32) read once: each round's bytes come into registers with one memory
+// latency (the next round's while this one is expanded), then through the warp's stage in
+// shared memory to the lanes that expand them.
 template <DType D, int M>
 __device__ void RowDot(const uint8_t* row, int64_t cols, const float* __restrict__ x, int64_t ldx,
                        uint32_t* stage, float (&acc)[M]) {
+  constexpr int kPerLane = (kStageWords<D> + 31) / 32;
   const int lane = threadIdx.x % 32;
   const int64_t chunks = cols / 32;
+  uint32_t r[kPerLane];
+  int shift = 0, nwords = 0;
+  FetchRound<D, kPerLane>(row, 0, chunks, lane, r, &shift, &nwords);
   for (int64_t c0 = 0; c0 < chunks; c0 += 32) {
     const int n = chunks - c0 < 32 ? static_cast<int>(chunks - c0) : 32;
-    const uintptr_t start = reinterpret_cast<uintptr_t>(row + BytesOf<D>(c0 * 32));
-    const int shift = static_cast<int>(start % 4);
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(start - shift);
-    const int nwords = static_cast<int>((shift + BytesOf<D>(n * 32) + 3) / 4);
+    const int at = shift;
     __syncwarp();
-    for (int i = lane; i < nwords; i += 32) stage[i] = __ldg(words + i);
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (lane + 32 * k < nwords) stage[lane + 32 * k] = r[k];
+    }
     __syncwarp();
+    if (c0 + 32 < chunks) FetchRound<D, kPerLane>(row, c0 + 32, chunks, lane, r, &shift, &nwords);
     if (lane < n) {
       float v[32];
-      Blocks<D>::Chunk(reinterpret_cast<const uint8_t*>(stage) + shift, lane, v);
+      Blocks<D>::Chunk(reinterpret_cast<const uint8_t*>(stage) + at, lane, v);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float4* xv = reinterpret_cast<const float4*>(x + m * ldx + (c0 + lane) * 32);
