@@ -17,7 +17,6 @@ from checks import Checks, small_models
 
 BIN = sys.argv[1]
 TOL = 2e-3
-QUANT_TOL = 2e-2
 check = Checks()
 
 
@@ -81,10 +80,9 @@ with tempfile.TemporaryDirectory() as tmp:
     cases = [("greedy", []), ("sampled", ["--temperature", "0.8", "--top-p", "0.9",
                                           "--seed", "5"])]
     # Quantized weights: the CPU multiplies with its activations rounded to 16-bit integers
-    # (kernels_test.cc), the GPU with them in F32, hence the wider bound.
+    # (kernels_test.cc), the GPU with them in F32 (on an H200, worst |dlogprob| 1.8e-4).
     for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3", "gpt-oss"] + quantized + \
             ["mixtral-q4_k"]:
-        tol = QUANT_TOL if arch.endswith(tuple(quantized)) else TOL
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):
@@ -96,9 +94,9 @@ with tempfile.TemporaryDirectory() as tmp:
                       f"{arch} {name} {shape}: the ranks report the CUDA backend")
                 got = json.loads(r.stdout)
                 d = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
-                check(got["tokens"] == want["tokens"] and d <= tol,
+                check(got["tokens"] == want["tokens"] and d <= TOL,
                       f"{arch} {name} {shape}: the CPU's tokens, max |dlogprob| {d:.1e} "
-                      f"<= {tol}")
+                      f"<= {TOL}")
 
     # TP=2: NCCL needs a GPU per rank.
     r = generate(models["llama"], ["--tp", "2"], "cuda")
