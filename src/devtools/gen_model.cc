@@ -385,6 +385,45 @@ constexpr char kMistralTemplate[] =
     "{{ '[INST] ' + (system if loop.first else '') + message['content'] | trim + '[/INST]' }}"
     "{% else %}{{ ' ' + message['content'] | trim + eos_token }}{% endif %}{% endfor %}";
 
+// ChatML with tools in the Hermes format (as Qwen 2.5 / 3 and Hermes teach them): the tools'
+// JSON schemas in the system turn, the assistant's calls as <tool_call>{"name": ...,
+// "arguments": {...}}</tool_call>, the tools' answers in a user turn as <tool_response>s.
+constexpr char kHermesTemplate[] =
+    "{%- set sys = messages[0]['content'] if messages[0]['role'] == 'system' else "
+    "'You are a helpful assistant.' %}"
+    "{{- '<|im_start|>system\n' + sys }}"
+    "{%- if tools %}"
+    "{{- '\n\n# Tools\n\nYou may call functions to answer. Their signatures, one JSON object "
+    "a line, within <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each call, write a JSON object with the function name and its "
+    "arguments within <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>' }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + fn.name + '\", \"arguments\": ' + "
+    "fn.arguments | tojson + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}";
+
 std::string ChatTemplateFor(const GenModelOptions& o) {
   if (o.chat_template != "auto") return o.chat_template;
   if (o.arch == "qwen2" || o.arch == "qwen3" || o.arch == "qwen3_moe" || o.arch == "deepseek_v3") {
@@ -471,10 +510,11 @@ absl::Status GenModelOptions::Validate() const {
         absl::StrCat("--fp8-block ", fp8_block, " is not a block size in [1, 4096] (or 0: none)"));
   }
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
-      chat_template != "llama2" && chat_template != "mistral" && chat_template != "none") {
+      chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
+      chat_template != "none") {
     return absl::InvalidArgumentError(
         absl::StrCat("--chat-template '", chat_template,
-                     "' is not auto, llama3, chatml, llama2, mistral or none"));
+                     "' is not auto, llama3, chatml, llama2, mistral, hermes or none"));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
       rope_scaling != "yarn") {
@@ -519,6 +559,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "chatml") tok_config["chat_template"] = kChatMlTemplate;
   if (chat == "llama2") tok_config["chat_template"] = kLlama2Template;
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
+  if (chat == "hermes") tok_config["chat_template"] = kHermesTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
   const std::string arch_name = o.arch == "mixtral"       ? "MixtralForCausalLM"

@@ -21,12 +21,14 @@
 #include "serve/api_keys.h"
 #include "serve/openai.h"
 #include "serve/text_stream.h"
+#include "serve/tool_calls.h"
 #include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 namespace {
 
 using json = nlohmann::json;
+using ojson = nlohmann::ordered_json;  // request bodies, in their keys' order
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(50);
 constexpr int kMaxNesting = 64;
@@ -92,14 +94,36 @@ struct Choice {
   json lp_tokens = json::array(), lp_values = json::array(), lp_top = json::array(),
        lp_offsets = json::array(), lp_content = json::array();
   std::string all_text;
+  // The request's tools in use: the output's tool calls parsed out of its text.
+  std::unique_ptr<ToolCallParser> tool_parser;
 };
 
 // What one poll of a choice's stream adds.
 struct ChoiceDelta {
-  std::string text;
+  std::string text;  // content (the tool calls' text taken out)
+  std::vector<ToolCall> calls;
   json logprobs;  // null unless requested and tokens arrived
   bool finished = false;
 };
+
+// OpenAI's tool_calls entries: whole calls in an answer; in a stream's deltas, a call's first
+// piece with its index, id, type and name, the next pieces with the index and arguments only.
+json ToolCallsJson(const std::vector<ToolCall>& calls, bool streamed) {
+  json out = json::array();
+  for (const ToolCall& c : calls) {
+    json e = json::object();
+    if (streamed) e["index"] = c.index;
+    if (!c.id.empty()) {
+      e["id"] = c.id;
+      e["type"] = "function";
+      e["function"] = {{"name", c.name}, {"arguments", c.arguments}};
+    } else {
+      e["function"] = {{"arguments", c.arguments}};
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -213,6 +237,22 @@ struct ApiServer::Impl {
         c.finish_reason = u.finish_reason;
       }
     }
+    if (c.tool_parser != nullptr) {
+      ToolCallParser::Out out = c.tool_parser->Add(d.text);
+      if (d.finished) {
+        ToolCallParser::Out rest = c.tool_parser->Finish();
+        out.content += rest.content;
+        out.calls.insert(out.calls.end(), rest.calls.begin(), rest.calls.end());
+        // The model ended its turn with calls: OpenAI's reason for that.
+        if (c.tool_parser->calls() > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+      }
+      // Once calls come, white space between and after them is no content.
+      if (c.tool_parser->calls() > 0 && absl::StripAsciiWhitespace(out.content).empty()) {
+        out.content.clear();
+      }
+      d.text = std::move(out.content);
+      d.calls = std::move(out.calls);
+    }
     return d;
   }
 
@@ -261,7 +301,9 @@ struct ApiServer::Impl {
     std::vector<std::vector<int32_t>> prompts;
     const std::string param = req.chat ? "messages" : "prompt";
     if (req.chat) {
-      absl::StatusOr<RenderedChat> rendered = chat.Render(req.messages);
+      RETURN_IF_ERROR(ToolsRunHere(req));
+      absl::StatusOr<RenderedChat> rendered =
+          chat.Render(req.messages, req.tool_choice == "auto" ? req.tools : ojson(nullptr));
       if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
       ASSIGN_OR_RETURN(auto ids,
                        Tokenize(rendered->text, /*add_special=*/false, context, param,
@@ -307,6 +349,32 @@ struct ApiServer::Impl {
                    : s;
       }
       choices.emplace_back(*std::move(stream), TextStream(tokenizer.get(), req.stop), n);
+      if (req.tool_choice == "auto") {
+        choices.back().tool_parser = std::make_unique<ToolCallParser>(
+            chat.tool_call_format(), req.tools, req.parallel_tool_calls);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // A request's tools (tool_choice "auto") need a template that renders them and shows a call
+  // format we parse; tool_choice "none" renders the prompt without them and parses nothing (as
+  // vLLM does by default).
+  absl::Status ToolsRunHere(const ApiRequest& req) const {
+    if (req.tool_choice != "auto") return absl::OkStatus();
+    if (!chat.renders_tools()) {
+      return BadParam("tools", absl::StrCat("this model's chat template (", chat.source(),
+                                            ") does not render tools"));
+    }
+    const std::string format = chat.tool_call_format();
+    if (format != "hermes" && format != "llama3_json") {
+      return BadParam(
+          "tools",
+          format.empty()
+              ? "this model's chat template shows no tool-call format shardserve parses (Hermes "
+                "<tool_call> JSON, Llama 3 JSON)"
+              : absl::StrCat("the tool-call format of this model's chat template (", format,
+                             ") is not parsed yet (Hermes <tool_call> JSON, Llama 3 JSON are)"));
     }
     return absl::OkStatus();
   }
@@ -319,7 +387,7 @@ struct ApiServer::Impl {
   }
 
   // A request's JSON body: its content type, its depth and its syntax checked.
-  absl::StatusOr<json> Body(const http::Request& http_req) {
+  absl::StatusOr<ojson> Body(const http::Request& http_req) {
     if (!IsJson(http_req.Header("content-type"))) {
       return WithHttpStatus(BadParam("", absl::StrCat("the request body must be JSON "
                                                       "(Content-Type: application/json), not '",
@@ -331,8 +399,8 @@ struct ApiServer::Impl {
                       absl::StrCat("the request body nests deeper than ", kMaxNesting, " levels"));
     }
     try {
-      return json::parse(http_req.body);
-    } catch (const json::exception& e) {
+      return ojson::parse(http_req.body);
+    } catch (const ojson::exception& e) {
       return BadParam("", absl::StrCat("the request body is not valid JSON: ", e.what()));
     }
   }
@@ -348,12 +416,12 @@ struct ApiServer::Impl {
   }
 
   // POST /tokenize and /detokenize as vLLM serves them: a prompt (with add_special_tokens,
-  // default true) or chat messages (rendered as for /v1/chat/completions, add_generation_prompt
-  // true) to {"count", "max_model_len", "tokens"}; token ids to {"prompt"}. `model` may be left
-  // out.
+  // default true) or chat messages and tools (rendered as for /v1/chat/completions,
+  // add_generation_prompt true) to {"count", "max_model_len", "tokens"}; token ids to {"prompt"}.
+  // `model` may be left out.
   http::Response Tokenization(const http::Request& http_req, bool detokenize) {
     if (auto denied = Deny(http_req)) return *std::move(denied);
-    absl::StatusOr<json> body = Body(http_req);
+    absl::StatusOr<ojson> body = Body(http_req);
     if (!body.ok()) return Reply(body.status());
     absl::StatusOr<json> out = [&]() -> absl::StatusOr<json> {
       if (!body->is_object()) return BadParam("", "the request body must be a JSON object");
@@ -375,7 +443,7 @@ struct ApiServer::Impl {
               "tokens", absl::StrCat("'tokens' must be a list of at most ", context, " token ids"));
         }
         std::vector<int32_t> ids;
-        for (const json& id : *t) {
+        for (const ojson& id : *t) {
           if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab) {
             return BadParam("tokens",
                             absl::StrCat("'tokens' entries must be token ids in [0, ", vocab, ")"));
@@ -399,10 +467,12 @@ struct ApiServer::Impl {
                           "'add_generation_prompt' other than true is not supported: the chat "
                           "prompt ends where the assistant's reply begins");
         }
-        json chat_body = *body;
+        ojson chat_body = *body;
         chat_body["model"] = config.env.model_name;
         ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(chat_body, true));
-        absl::StatusOr<RenderedChat> rendered = chat.Render(req.messages);
+        RETURN_IF_ERROR(ToolsRunHere(req));
+        absl::StatusOr<RenderedChat> rendered =
+            chat.Render(req.messages, req.tool_choice == "auto" ? req.tools : ojson(nullptr));
         if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
         ASSIGN_OR_RETURN(ids,
                          Tokenize(rendered->text, add_special, context, "messages",
@@ -429,9 +499,9 @@ struct ApiServer::Impl {
       ~Done() { --n; }
     } done{active};
     if (auto denied = Deny(http_req)) return ex.Respond(*std::move(denied));
-    absl::StatusOr<json> parsed_body = Body(http_req);
+    absl::StatusOr<ojson> parsed_body = Body(http_req);
     if (!parsed_body.ok()) return ex.Respond(Reply(parsed_body.status()));
-    const json& body = *parsed_body;
+    const ojson& body = *parsed_body;
     auto parsed = ParseApiRequest(body, chat);
     if (!parsed.ok()) return ex.Respond(Reply(parsed.status()));
     ApiRequest& req = *parsed;
@@ -456,11 +526,19 @@ struct ApiServer::Impl {
   void Answer(const ApiRequest& req, std::vector<Choice>& choices, const std::string& id,
               int64_t created, http::Exchange& ex) {
     std::vector<std::string> texts(choices.size());
+    std::vector<std::vector<ToolCall>> calls(choices.size());
     for (;;) {
       bool all_done = true;
       for (size_t i = 0; i < choices.size(); ++i) {
         ChoiceDelta d = Poll(choices[i], req, all_done ? kPoll : std::chrono::milliseconds(0));
         texts[i] += d.text;
+        for (ToolCall& piece : d.calls) {  // a call's pieces joined
+          if (piece.index == static_cast<int>(calls[i].size())) {
+            calls[i].push_back(std::move(piece));
+          } else if (!calls[i].empty()) {
+            calls[i].back().arguments += piece.arguments;
+          }
+        }
         all_done &= choices[i].done;
       }
       if (all_done) break;
@@ -486,6 +564,10 @@ struct ApiServer::Impl {
       json choice = {{"index", i}, {"logprobs", lp}, {"finish_reason", c.finish_reason}};
       if (req.chat) {
         choice["message"] = {{"role", "assistant"}, {"content", texts[i]}};
+        if (!calls[i].empty()) {
+          if (texts[i].empty()) choice["message"]["content"] = nullptr;
+          choice["message"]["tool_calls"] = ToolCallsJson(calls[i], false);
+        }
       } else {
         choice["text"] = texts[i];
       }
@@ -530,6 +612,7 @@ struct ApiServer::Impl {
           json delta = json::object();
           if (!c.sent_role) delta["role"] = "assistant";
           if (!d.text.empty() || !c.sent_role) delta["content"] = d.text;
+          if (!d.calls.empty()) delta["tool_calls"] = ToolCallsJson(d.calls, true);
           c.sent_role = true;
           if (delta.empty() && !d.finished && d.logprobs.is_null()) continue;
           choice["delta"] = delta;
@@ -635,7 +718,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
                                      "stops"
                                    : s->not_ready;
     return http::Response{
-        503, "application/json", DumpJson({{"ready", false}, {"reason", reason}}), {}};
+        503, "application/json", DumpJson(json{{"ready", false}, {"reason", reason}}), {}};
   });
   routes.Get("/metrics", [s](const http::Request& req) {
     if (s->config.env.api_metrics_auth) {

@@ -11,13 +11,14 @@
 namespace shardserve {
 namespace {
 
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;  // request bodies keep their keys' order (tool schemas)
 constexpr char kParamPayload[] = "type.shardserve.io/param";
 constexpr int kMaxStops = 16;
 constexpr size_t kMaxStopTokenIds = 256;
 constexpr char kHttpPayload[] = "type.shardserve.io/http-status";
 constexpr int kMaxTopLogprobs = 20;
 constexpr size_t kMaxLogitBias = 1024;
+constexpr size_t kMaxTools = 128;
 
 // Typed field access: absent and null read as "not given"; a wrong type names the field.
 absl::StatusOr<std::optional<double>> Number(const json& body, const char* name) {
@@ -104,6 +105,125 @@ absl::Status ParsePrompt(const json& body, ApiRequest& r) {
   return absl::OkStatus();
 }
 
+// An assistant message's tool_calls as the template receives them: [{id, type: "function",
+// function: {name, arguments}}], the arguments a JSON object (OpenAI sends them as a JSON string;
+// templates index and tojson them, as vLLM passes them).
+absl::StatusOr<json> ToolCallsOfMessage(const json& calls, const std::string& param) {
+  if (!calls.is_array() || calls.size() > kMaxTools) {
+    return BadParam(param,
+                    absl::StrCat("'", param, "' must be a list of at most ", kMaxTools, " calls"));
+  }
+  json out = json::array();
+  for (size_t j = 0; j < calls.size(); ++j) {
+    const std::string at = absl::StrCat(param, "[", j, "]");
+    const json& c = calls[j];
+    auto fn = c.is_object() ? c.find("function") : c.end();
+    if (!c.is_object() || c.value("type", "function") != "function" || fn == c.end() ||
+        !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string()) {
+      return BadParam(at, absl::StrCat("'", at,
+                                       "' must be {\"type\": \"function\", "
+                                       "\"function\": {\"name\": ..., \"arguments\": ...}}"));
+    }
+    json args = fn->contains("arguments") ? (*fn)["arguments"] : json::object();
+    if (args.is_string()) {
+      json parsed = json::parse(args.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_discarded() || !parsed.is_object()) {
+        return BadParam(at + ".function.arguments",
+                        absl::StrCat("'", at,
+                                     ".function.arguments' must be a JSON object (as a "
+                                     "string or an object)"));
+      }
+      args = std::move(parsed);
+    } else if (!args.is_object()) {
+      return BadParam(at + ".function.arguments",
+                      absl::StrCat("'", at, ".function.arguments' must be a JSON object"));
+    }
+    json call = json::object();
+    if (c.contains("id") && c["id"].is_string()) call["id"] = c["id"];
+    call["type"] = "function";
+    call["function"] = {{"name", (*fn)["name"]}, {"arguments", std::move(args)}};
+    out.push_back(std::move(call));
+  }
+  return out;
+}
+
+// tools: [{type: "function", function: {name, description?, parameters?, strict?}}], each
+// name [A-Za-z0-9_-]{1,64} (OpenAI's rule) and unique.
+absl::Status ParseTools(const json& body, ApiRequest& r) {
+  if (auto it = body.find("functions"); it != body.end() && !it->is_null()) {
+    return BadParam("functions",
+                    "'functions' (deprecated function calling) is not supported; "
+                    "use 'tools'");
+  }
+  if (auto it = body.find("function_call"); it != body.end() && !it->is_null()) {
+    return BadParam("function_call",
+                    "'function_call' (deprecated function calling) is not "
+                    "supported; use 'tool_choice'");
+  }
+  auto tools = body.find("tools");
+  if (tools != body.end() && !tools->is_null()) {
+    if (!tools->is_array() || tools->size() > kMaxTools) {
+      return BadParam("tools",
+                      absl::StrCat("'tools' must be a list of at most ", kMaxTools, " functions"));
+    }
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const std::string at = absl::StrCat("tools[", i, "]");
+      const json& t = (*tools)[i];
+      auto fn = t.is_object() ? t.find("function") : t.end();
+      if (!t.is_object() || !t.contains("type") || t["type"] != "function" || fn == t.end() ||
+          !fn->is_object()) {
+        return BadParam(at, absl::StrCat("'", at,
+                                         "' must be {\"type\": \"function\", "
+                                         "\"function\": {...}}"));
+      }
+      auto name = fn->find("name");
+      if (name == fn->end() || !name->is_string() || name->get<std::string>().empty() ||
+          name->get<std::string>().size() > 64 ||
+          name->get<std::string>().find_first_not_of(
+              "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") !=
+              std::string::npos) {
+        return BadParam(at + ".function.name",
+                        absl::StrCat("'", at,
+                                     ".function.name' must be 1 to 64 letters, digits, "
+                                     "'_' or '-'"));
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if ((*tools)[j]["function"]["name"] == *name) {
+          return BadParam(at + ".function.name",
+                          absl::StrCat("'", at, ".function.name' '", name->get<std::string>(),
+                                       "' is given twice"));
+        }
+      }
+      if (auto params = fn->find("parameters");
+          params != fn->end() && !params->is_null() && !params->is_object()) {
+        return BadParam(at + ".function.parameters",
+                        absl::StrCat("'", at,
+                                     ".function.parameters' must be a JSON Schema "
+                                     "object"));
+      }
+    }
+    if (!tools->empty()) r.tools = *tools;
+  }
+  r.tool_choice = r.tools.is_null() ? "none" : "auto";  // OpenAI's defaults
+  if (auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
+    if (it->is_string() && (*it == "none" || *it == "auto")) {
+      r.tool_choice = it->get<std::string>();
+    } else if ((it->is_string() && *it == "required") || it->is_object()) {
+      return BadParam("tool_choice",
+                      "'tool_choice' \"required\" or a named function needs the call constrained "
+                      "while sampling, which is not supported yet; use \"auto\" or \"none\"");
+    } else {
+      return BadParam("tool_choice",
+                      "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                      "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+  }
+  if (r.tool_choice == "auto" && r.tools.is_null()) r.tool_choice = "none";
+  ASSIGN_OR_RETURN(auto parallel, Boolean(body, "parallel_tool_calls"));
+  r.parallel_tool_calls = parallel.value_or(true);
+  return absl::OkStatus();
+}
+
 absl::Status ParseMessages(const json& body, ApiRequest& r) {
   auto it = body.find("messages");
   if (it == body.end() || !it->is_array() || it->empty()) {
@@ -120,12 +240,46 @@ absl::Status ParseMessages(const json& body, ApiRequest& r) {
     }
     msg.role = role->get<std::string>();
     if (msg.role == "developer") msg.role = "system";
-    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+    if (msg.role == "function") {
+      return BadParam(param + ".role", absl::StrCat("'", param,
+                                                    ".role' 'function' (the deprecated function "
+                                                    "calling) is not supported; use 'tool'"));
+    }
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" &&
+        msg.role != "tool") {
       return BadParam(param + ".role", absl::StrCat("'", param, ".role' is '", msg.role,
-                                                    "'; expected system, user or assistant"));
+                                                    "'; expected system, user, assistant or tool"));
+    }
+    if (auto name = m.find("name"); name != m.end() && !name->is_null()) {
+      if (!name->is_string()) {
+        return BadParam(param + ".name", absl::StrCat("'", param, ".name' must be a string"));
+      }
+      msg.name = name->get<std::string>();
+    }
+    if (msg.role == "tool") {
+      auto id = m.find("tool_call_id");
+      if (id == m.end() || !id->is_string()) {
+        return BadParam(param + ".tool_call_id",
+                        absl::StrCat("'", param,
+                                     ".tool_call_id' must be a string naming the call "
+                                     "this message answers"));
+      }
+      msg.tool_call_id = id->get<std::string>();
+    }
+    if (auto calls = m.find("tool_calls"); calls != m.end() && !calls->is_null()) {
+      if (msg.role != "assistant") {
+        return BadParam(param + ".tool_calls",
+                        absl::StrCat("'", param, ".tool_calls' belongs to assistant messages"));
+      }
+      ASSIGN_OR_RETURN(msg.tool_calls, ToolCallsOfMessage(*calls, param + ".tool_calls"));
     }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
+      if (!msg.tool_calls.empty()) {  // an assistant's turn of calls alone
+        msg.content_null = true;
+        r.messages.push_back(std::move(msg));
+        continue;
+      }
       return BadParam(param + ".content", absl::StrCat("'", param, ".content' is required"));
     }
     if (content->is_string()) {
@@ -298,18 +452,16 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   if (auto it = body.find("suffix"); it != body.end() && !it->is_null()) {
     return BadParam("suffix", "'suffix' is not supported");
   }
-  // Tools and structured output are not run yet: refused rather than answered as if absent.
-  for (const char* name : {"tools", "functions"}) {
-    if (auto it = body.find(name); it != body.end() && !it->is_null() && !it->empty()) {
-      return BadParam(name, absl::StrCat("'", name, "' (tool calls) is not supported yet"));
+  if (chat) {
+    RETURN_IF_ERROR(ParseTools(body, r));
+  } else {
+    for (const char* name : {"tools", "tool_choice", "functions", "function_call"}) {
+      if (auto it = body.find(name); it != body.end() && !it->is_null()) {
+        return BadParam(name, absl::StrCat("'", name, "' belongs to /v1/chat/completions"));
+      }
     }
   }
-  for (const char* name : {"tool_choice", "function_call"}) {
-    if (auto it = body.find(name);
-        it != body.end() && !it->is_null() && !(it->is_string() && *it == "none")) {
-      return BadParam(name, absl::StrCat("'", name, "' other than \"none\" is not supported yet"));
-    }
-  }
+  // Structured output is not run yet: refused rather than answered as if absent.
   if (auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
     auto type = it->is_object() ? it->find("type") : it->end();
     if (type == it->end() || !type->is_string() || *type != "text") {
@@ -391,7 +543,8 @@ int HttpStatusFor(const absl::Status& status) {
   }
 }
 
-json ErrorBody(const absl::Status& status) {
+nlohmann::json ErrorBody(const absl::Status& status) {
+  using json = nlohmann::json;
   const int code = HttpStatusFor(status);
   const char* type = code == 429   ? "rate_limit_error"
                      : code == 404 ? "not_found_error"
@@ -407,8 +560,12 @@ json ErrorBody(const absl::Status& status) {
                                    : json(nullptr)}}}};
 }
 
-std::string DumpJson(const json& j) {
-  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+std::string DumpJson(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string DumpJson(const nlohmann::ordered_json& j) {
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace shardserve

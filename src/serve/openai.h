@@ -10,9 +10,13 @@
 //   stream, stream_options.include_usage, n (1 only); logprobs (completions: an integer;
 //   chat: a boolean with top_logprobs); presence_penalty and frequency_penalty ([-2, 2]),
 //   repetition_penalty ((0, 10], vLLM's), logit_bias ({"id": [-100, 100]}), min_tokens (vLLM's;
-//   SamplingParams says how each applies). Unsupported options that would change the answer
-//   (echo, best_of > 1, n > 1, suffix, tools and tool_choice, response_format other than text)
-//   are refused by name; unknown fields are ignored, as OpenAI does.
+//   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto" or
+//   "none", parallel_tool_calls; messages of role tool (tool_call_id) and assistant messages
+//   with tool_calls. Unsupported options that would change the answer (echo, best_of > 1, n > 1,
+//   suffix, tool_choice "required" or a named function, the deprecated functions /
+//   function_call, response_format other than text) are refused by name; unknown fields are
+//   ignored, as OpenAI does. Bodies are ordered JSON: tool schemas reach the chat template with
+//   their keys in the client's order, as Hugging Face's apply_chat_template gets them.
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -32,6 +36,9 @@ struct ApiRequest {
   std::vector<std::string> prompt_texts;
   std::vector<std::vector<int32_t>> prompt_ids;
   std::vector<ChatMessage> messages;
+  nlohmann::ordered_json tools;      // the request's tools as given; null: none
+  std::string tool_choice = "none";  // "auto" (tools given, calls parsed) or "none"
+  bool parallel_tool_calls = true;   // false: at most one call is returned
   SamplingParams params;
   bool max_tokens_set = false;
   bool seed_set = false;  // without a seed, every request samples differently
@@ -42,7 +49,7 @@ struct ApiRequest {
 };
 
 // Parses a request body. `chat` selects /v1/chat/completions.
-absl::StatusOr<ApiRequest> ParseApiRequest(const nlohmann::json& body, bool chat);
+absl::StatusOr<ApiRequest> ParseApiRequest(const nlohmann::ordered_json& body, bool chat);
 
 // The parameter an error names ("" when none).
 std::string ErrorParam(const absl::Status& status);
@@ -58,5 +65,6 @@ nlohmann::json ErrorBody(const absl::Status& status);
 
 // JSON text that never throws on invalid UTF-8 (model output may hold partial characters).
 std::string DumpJson(const nlohmann::json& j);
+std::string DumpJson(const nlohmann::ordered_json& j);
 
 }  // namespace shardserve

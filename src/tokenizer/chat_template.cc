@@ -101,7 +101,12 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   if (t.source_ == "none") t.source_ = from_gguf ? "GGUF" : "tokenizer_config.json";
   // The end of an assistant's turn: the special token the template writes after its text.
   const std::string probe = "\x01shardserve-probe\x01";
-  absl::StatusOr<std::string> turn = t.RenderText({{"user", "hi"}, {"assistant", probe}}, false);
+  std::vector<ChatMessage> probe_turn(2);
+  probe_turn[0].role = "user";
+  probe_turn[0].content = "hi";
+  probe_turn[1].role = "assistant";
+  probe_turn[1].content = probe;
+  absl::StatusOr<std::string> turn = t.RenderText(probe_turn, nullptr, false);
   if (turn.ok() && turn->find(probe) != std::string::npos) {
     const std::string after = turn->substr(turn->find(probe) + probe.size(), 64);
     absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(after, false);
@@ -118,13 +123,36 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   return t;
 }
 
+bool ChatTemplate::renders_tools() const { return template_.find("tools") != std::string::npos; }
+
+std::string ChatTemplate::tool_call_format() const {
+  if (template_.find("<tool_call>") != std::string::npos) return "hermes";
+  if (template_.find("[TOOL_CALLS]") != std::string::npos) return "mistral";
+  if (template_.find("<|python_tag|>") != std::string::npos ||
+      template_.find("ipython") != std::string::npos) {
+    return "llama3_json";
+  }
+  return "";
+}
+
 absl::StatusOr<std::string> ChatTemplate::RenderText(const std::vector<ChatMessage>& messages,
+                                                     const nlohmann::ordered_json& tools,
                                                      bool add_generation_prompt) const {
   nlohmann::ordered_json ctx;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
-  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  // Each message as apply_chat_template receives the request's: its role and content (null for
+  // an assistant's calls alone), then what else it carries.
+  for (const ChatMessage& m : messages) {
+    nlohmann::ordered_json msg = {{"role", m.role}};
+    msg["content"] =
+        m.content_null ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(m.content);
+    if (!m.name.empty()) msg["name"] = m.name;
+    if (!m.tool_call_id.empty()) msg["tool_call_id"] = m.tool_call_id;
+    if (!m.tool_calls.is_null()) msg["tool_calls"] = m.tool_calls;
+    list.push_back(std::move(msg));
+  }
   ctx["messages"] = std::move(list);
-  ctx["tools"] = nullptr;
+  ctx["tools"] = tools;
   ctx["documents"] = nullptr;
   ctx["add_generation_prompt"] = add_generation_prompt;
   for (const auto& [key, value] : special_) {
@@ -133,19 +161,22 @@ absl::StatusOr<std::string> ChatTemplate::RenderText(const std::vector<ChatMessa
   return RenderJinja(template_, ctx);
 }
 
-absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>& messages) const {
+absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>& messages,
+                                                  const nlohmann::ordered_json& tools) const {
   if (!has_template()) {
     return absl::FailedPreconditionError(
         absl::StrCat("this model has no chat template: ", reason_, "; use /v1/completions"));
   }
   RenderedChat r;
-  ASSIGN_OR_RETURN(r.text, RenderText(messages, true));
+  ASSIGN_OR_RETURN(r.text, RenderText(messages, tools, true));
   // Where the messages' text lies: the same template rendered with a marker for each message's
   // text, each marker then replaced by the text (as given, or trimmed, as templates often write
   // it), must give the prompt; the replacements' places are the ranges.
   std::vector<ChatMessage> marked = messages;
-  for (size_t i = 0; i < marked.size(); ++i) marked[i].content = absl::StrCat("\x02", i, "\x03");
-  absl::StatusOr<std::string> layout = RenderText(marked, true);
+  for (size_t i = 0; i < marked.size(); ++i) {
+    if (!marked[i].content_null) marked[i].content = absl::StrCat("\x02", i, "\x03");
+  }
+  absl::StatusOr<std::string> layout = RenderText(marked, tools, true);
   if (!layout.ok()) return r;  // the template looks at the text itself: no ranges
   for (const bool trimmed : {false, true}) {
     std::string text;

@@ -5,6 +5,7 @@
 // or of a GGUF file's tokenizer.chat_template; the variables apply_chat_template gives it
 // (messages, tools and documents as null, add_generation_prompt, the special tokens bos_token,
 // eos_token, unk_token, pad_token). A model without a template gets none, and the reason says so.
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -14,8 +15,13 @@
 namespace shardserve {
 
 struct ChatMessage {
-  std::string role;  // system | user | assistant
+  std::string role;  // system | user | assistant | tool
   std::string content;
+  bool content_null = false;  // an assistant's turn of tool calls without text
+  std::string name;           // optional
+  std::string tool_call_id;   // tool: the call it answers
+  // assistant: [{id?, type: "function", function: {name, arguments (an object)}}]; null: none.
+  nlohmann::ordered_json tool_calls;
 };
 
 // A rendered chat prompt and where the messages' own text lies in it (in order, apart).
@@ -37,17 +43,26 @@ class ChatTemplate {
   // Why there is no template.
   const std::string& reason() const { return reason_; }
 
-  // The prompt for `messages`, ending where the assistant's reply begins, with the ranges of
-  // the messages' text in it (found in order where the template wrote each unchanged). The
-  // template's own errors (raise_exception: roles out of turn, ...) are InvalidArgument quoting
-  // it.
-  absl::StatusOr<RenderedChat> Render(const std::vector<ChatMessage>& messages) const;
+  // The prompt for `messages` (and `tools`, the request's list of functions, or null), ending
+  // where the assistant's reply begins, with the ranges of the messages' text in it (found in
+  // order where the template wrote each unchanged). The template's own errors (raise_exception:
+  // roles out of turn, ...) are InvalidArgument quoting it.
+  absl::StatusOr<RenderedChat> Render(const std::vector<ChatMessage>& messages,
+                                      const nlohmann::ordered_json& tools = nullptr) const;
+  // Whether the template reads the `tools` variable at all (one that does not would drop them).
+  bool renders_tools() const;
+  // The format the template teaches the model for its tool calls, by the markers it writes:
+  // "hermes" (<tool_call>{"name": ..., "arguments": ...}</tool_call>: Hermes, Qwen 2.5/3),
+  // "llama3_json" (a bare {"name": ..., "parameters": ...}: Llama 3.1-3.3, <|python_tag|>),
+  // "mistral" ([TOOL_CALLS]), or "" when it shows none.
+  std::string tool_call_format() const;
   // Tokens that end the assistant's turn (generation stops there): the special token the template
   // writes right after an assistant message, and the tokenizer's eos_token.
   const std::vector<int64_t>& end_of_turn_ids() const { return end_of_turn_; }
 
  private:
   absl::StatusOr<std::string> RenderText(const std::vector<ChatMessage>& messages,
+                                         const nlohmann::ordered_json& tools,
                                          bool add_generation_prompt) const;
 
   std::string template_;

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """A client written by others against our server: the official `openai` Python package drives
 completions, chat and streaming on a `shardserve local` TP=2 x PP=2 deployment that requires an
-API key, and its error types see our errors (a wrong key is an AuthenticationError). With transformers in the same environment, the chat prompt the server
-renders is checked against transformers' apply_chat_template for each chat family."""
+API key, and its error types see our errors (a wrong key is an AuthenticationError). With
+transformers in the same environment, the chat prompt the server renders is checked against
+transformers' apply_chat_template for each chat family, and, on a Hermes-style template, with
+tools and a tool round trip (an assistant's calls, a tool's answer)."""
+import json
 import os
 import signal
 import sys
@@ -31,7 +34,101 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 # (checked through usage.prompt_tokens and through the greedy answer to the same token ids).
 FAMILIES = [("llama3", ["--arch", "llama"]), ("chatml", ["--arch", "qwen2"]),
             ("llama2", ["--arch", "llama", "--tokenizer", "sentencepiece"]),
-            ("mistral", ["--arch", "mistral", "--tokenizer", "sentencepiece"])]
+            ("mistral", ["--arch", "mistral", "--tokenizer", "sentencepiece"]),
+            ("hermes", ["--arch", "qwen2", "--chat-template", "hermes"])]
+
+# A tool round trip as an application sends it: the tools (their schema's keys not in sorted
+# order), the assistant's call with its arguments as a JSON string, the tool's answer.
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]},
+                                                    "city": {"type": "string"}},
+                   "required": ["city"]}}}]
+ROUND_TRIP = [{"role": "user", "content": "Weather in Oslo?"},
+              {"role": "assistant", "content": None, "tool_calls": [{
+                  "id": "call_1", "type": "function",
+                  "function": {"name": "get_weather",
+                               "arguments": "{\"city\": \"Oslo\", \"unit\": \"c\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 3}"}]
+
+
+def for_transformers(messages):
+    """The messages as Hugging Face templates take them: a call's arguments as a dict (vLLM
+    hands them over so)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
+                c["function"]["arguments"]))) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def tool_checks(family, client, d, tok):
+    """Tools on the hermes family: the prompt is transformers' apply_chat_template(tools=...)
+    token for token (/tokenize, and usage.prompt_tokens); tool_choice none leaves them out;
+    streamed and whole answers agree; what we cannot run yet is refused by name; a template that
+    renders no tools refuses them."""
+    if family != "hermes":
+        try:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                           max_tokens=4)
+            check(False, f"{family}: tools on a template without them are refused")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and "does not render tools" in str(e),
+                  f"{family}: tools on a template without them are refused: {e.message}")
+        return
+    status, _, body = d.post("/tokenize", {"model": "tiny", "messages": ROUND_TRIP,
+                                           "tools": TOOLS})
+    check(status == 200, f"hermes: /tokenize of a tool round trip answers ({status})")
+    chat = client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
+                                          max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    check(chat.choices[0].finish_reason in ("length", "tool_calls"),
+          f"hermes: a tool round trip is answered ({chat.choices[0].finish_reason})")
+    plain = client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
+                                           tool_choice="none", max_tokens=4, temperature=0)
+    if tok is not None:
+        want = tok.apply_chat_template(for_transformers(ROUND_TRIP), tools=TOOLS,
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+        check(status == 200 and body["tokens"] == list(want),
+              f"hermes: the tool round trip's prompt is transformers', token for token "
+              f"({body.get('count')} vs {len(want)})")
+        check(chat.usage.prompt_tokens == len(want),
+              f"hermes: chat with tools prompts transformers' tokens ({chat.usage.prompt_tokens} "
+              f"vs {len(want)})")
+        bare = tok.apply_chat_template(for_transformers(ROUND_TRIP), add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+        check(plain.usage.prompt_tokens == len(bare) < len(want),
+              f"hermes: tool_choice none leaves the tools out ({plain.usage.prompt_tokens} vs "
+              f"{len(bare)})")
+        same = client.completions.create(model="tiny", prompt=list(want), max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        text = chat.choices[0].message.content or ""
+        check(text == same.choices[0].text or chat.choices[0].message.tool_calls,
+              "hermes: the answer with tools == the completion of transformers' prompt ids")
+    content, calls, finish = [], [], None
+    for chunk in client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
+                                                max_tokens=12, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    check("".join(content) == (chat.choices[0].message.content or "") and
+          len(calls) == len(chat.choices[0].message.tool_calls or []) and
+          finish == chat.choices[0].finish_reason,
+          "hermes: the streamed answer with tools equals the whole")
+    for choice, why in (("required", "constrained"),
+                        ({"type": "function", "function": {"name": "get_weather"}}, "constrained")):
+        try:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                           tool_choice=choice, max_tokens=4)
+            check(False, f"hermes: tool_choice {choice} is refused")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and e.param == "tool_choice" and why in str(e),
+                  f"hermes: tool_choice {choice} is refused by name")
 
 try:
     from transformers import AutoTokenizer
@@ -59,6 +156,7 @@ for family, args in FAMILIES:
                                               temperature=0, extra_body={"ignore_eos": True})
         check(chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 10,
               f"{family}: chat.completions.create")
+        tok = None
         if AutoTokenizer is not None:
             tok = AutoTokenizer.from_pretrained(model)
             ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
@@ -70,6 +168,7 @@ for family, args in FAMILIES:
                                              temperature=0, extra_body={"ignore_eos": True})
             check(same.choices[0].text == chat.choices[0].message.content,
                   f"{family}: chat answer == completion of transformers' chat prompt ids")
+        tool_checks(family, client, d, tok)
         if family != "llama3":
             continue
         comp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,

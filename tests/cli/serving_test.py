@@ -346,7 +346,9 @@ try:
 
     t = threading.Thread(target=in_progress)
     t.start()
-    time.sleep(0.3)
+    # Ctrl-C once the request holds its KV blocks (a busy machine may take a while to get it
+    # there; a stop with nothing in progress has nothing to drain).
+    check(wait_until(lambda: kv_usage() > 0), "the request to drain is running")
     d.proc.send_signal(signal.SIGINT)
     ready = None
     for _ in range(100):

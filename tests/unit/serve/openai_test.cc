@@ -83,10 +83,42 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
       {R"({"model": "m", "prompt": "x", "best_of": 2})", false, "best_of"},
       {R"({"model": "m", "prompt": "x", "suffix": "y"})", false, "suffix"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
-           "tools": [{"type": "function", "function": {"name": "f"}}]})",
-       true, "tools"},
-      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})",
+           "tools": [{"type": "function", "function": {"name": "f g"}}]})",
+       true, "tools[0].function.name"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}},
+                     {"type": "function", "function": {"name": "f"}}]})",
+       true, "tools[1].function.name"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]})",
+       true, "tools[0].function.parameters"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "retrieval"}]})",
+       true, "tools[0]"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})",
        true, "tool_choice"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+       true, "tool_choice"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "maybe"})",
+       true, "tool_choice"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": []})", true,
+       "functions"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "parallel_tool_calls": "no"})",
+       true, "parallel_tool_calls"},
+      {R"({"model": "m", "prompt": "x", "tools": []})", false, "tools"},
+      {R"({"model": "m", "messages": [{"role": "tool", "content": "42"}]})", true,
+       "messages[0].tool_call_id"},
+      {R"({"model": "m", "messages": [{"role": "function", "content": "42", "name": "f"}]})", true,
+       "messages[0].role"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant",
+           "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]})",
+       true, "messages[1].tool_calls[0].function.arguments"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x",
+           "tool_calls": [{"type": "function", "function": {"name": "f"}}]}]})",
+       true, "messages[0].tool_calls"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
            "response_format": {"type": "json_object"}})",
        true, "response_format"},
@@ -106,6 +138,46 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
     EXPECT_EQ(body["error"]["param"], c.param);
     EXPECT_EQ(body["error"]["type"], "invalid_request_error");
   }
+}
+
+// Tools reach the template in the client's key order; a tool round trip's messages (an
+// assistant's calls, their arguments sent as a JSON string, and the tool's answer) are kept for
+// it with the arguments as an object; tool_choice defaults to auto with tools, none without.
+TEST(OpenAiParse, ToolsAndToolMessages) {
+  const auto body = nlohmann::ordered_json::parse(R"({"model": "m", "messages": [
+      {"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+       "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters":
+      {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}}}}}],
+    "parallel_tool_calls": false})");
+  auto r = ParseApiRequest(body, true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tool_choice, "auto");
+  EXPECT_FALSE(r->parallel_tool_calls);
+  EXPECT_EQ(r->tools.dump(), body["tools"].dump());  // the keys' order kept (zeta before alpha)
+  ASSERT_EQ(r->messages.size(), 3u);
+  EXPECT_TRUE(r->messages[1].content_null);
+  EXPECT_EQ(r->messages[1].tool_calls.dump(),
+            R"([{"id":"call_1","type":"function","function":{"name":"get_weather",)"
+            R"("arguments":{"city":"Oslo","days":2}}}])");
+  EXPECT_EQ(r->messages[2].role, "tool");
+  EXPECT_EQ(r->messages[2].tool_call_id, "call_1");
+  EXPECT_EQ(r->messages[2].name, "get_weather");
+  auto none = ParseApiRequest(
+      nlohmann::ordered_json::parse(R"({"model": "m", "messages": [{"role": "user", "content":
+          "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})"),
+      true);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->tool_choice, "none");
+  auto plain =
+      ParseApiRequest(nlohmann::ordered_json::parse(
+                          R"({"model": "m", "messages": [{"role": "user", "content": "x"}]})"),
+                      true);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->tool_choice, "none");
+  EXPECT_TRUE(plain->tools.is_null());
 }
 
 TEST(TextStream, HoldsBackAPossibleStopStringAndCutsBeforeIt) {

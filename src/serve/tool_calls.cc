@@ -1,0 +1,254 @@
+#include "serve/tool_calls.h"
+
+#include <algorithm>
+#include <random>
+
+#include "absl/strings/ascii.h"
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::ordered_json;
+constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+
+std::string CallId() {
+  static constexpr char kAlphabet[] =
+      "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += kAlphabet[rng() % (sizeof(kAlphabet) - 1)];
+  return id;
+}
+
+// The length of the longest suffix of `text` that is a proper prefix of `marker`.
+size_t PartialMarker(std::string_view text, std::string_view marker) {
+  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n) {
+    if (text.substr(text.size() - n) == marker.substr(0, n)) return n;
+  }
+  return 0;
+}
+
+// The JSON values of `text` one after another, separated by ';' or white space; empty when any
+// part is not JSON.
+std::vector<json> JsonSequence(std::string_view text) {
+  std::vector<json> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    while (at < text.size() && (absl::ascii_isspace(text[at]) || text[at] == ';')) ++at;
+    if (at == text.size()) break;
+    // The end of the value at `at`: its brackets balanced, strings skipped.
+    int depth = 0;
+    bool in_string = false, escaped = false;
+    size_t end = at;
+    for (; end < text.size(); ++end) {
+      const char c = text[end];
+      if (in_string) {
+        if (escaped) {
+          escaped = false;
+        } else if (c == '\\') {
+          escaped = true;
+        } else if (c == '"') {
+          in_string = false;
+        }
+        continue;
+      }
+      if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        ++depth;
+      } else if (c == '}' || c == ']') {
+        if (--depth == 0) {
+          ++end;
+          break;
+        }
+      }
+    }
+    if (depth != 0 || text[at] != '{') return {};
+    json j = json::parse(text.substr(at, end - at), nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return {};
+    out.push_back(std::move(j));
+    at = end;
+  }
+  return out;
+}
+
+}  // namespace
+
+ToolCallParser::ToolCallParser(std::string format, const json& tools, bool parallel)
+    : format_(std::move(format)), parallel_(parallel), state_(State::kStart) {
+  if (tools.is_array()) {
+    for (const json& t : tools) {
+      if (t.is_object() && t.contains("function") && t["function"].is_object() &&
+          t["function"].contains("name") && t["function"]["name"].is_string()) {
+        names_.push_back(t["function"]["name"].get<std::string>());
+      }
+    }
+  }
+}
+
+int ToolCallParser::NextIndex() {
+  if (!parallel_ && next_index_ > 0) return -1;
+  return next_index_++;
+}
+
+namespace {
+// Reads `"key"` (after white space) at `at` of `s`: 1 when it is there (at moves past it), 0
+// when `s` ends first (undecided), -1 when something else is.
+int Expect(std::string_view s, size_t& at, std::string_view token) {
+  while (at < s.size() && absl::ascii_isspace(s[at])) ++at;
+  const size_t n = std::min(token.size(), s.size() - at);
+  if (s.substr(at, n) != token.substr(0, n)) return -1;
+  if (n < token.size()) return 0;
+  at += n;
+  return 1;
+}
+}  // namespace
+
+void ToolCallParser::StreamArguments(size_t limit, Out& out) {
+  if (mode_ == CallMode::kHeader) {
+    // {"name": "NAME", "arguments": {   -- anything else is read whole at the closing tag.
+    size_t at = 0;
+    int r = 1;
+    for (std::string_view t : {"{", "\"name\"", ":", "\""}) {
+      if ((r = Expect(buffer_, at, t)) != 1) break;
+    }
+    std::string name;
+    if (r == 1) {
+      const size_t end = buffer_.find('"', at);
+      if (end == std::string::npos) {
+        r = buffer_.find_first_of("\\\n", at) == std::string::npos ? 0 : -1;
+      } else {
+        name = buffer_.substr(at, end - at);
+        at = end + 1;
+        for (std::string_view t : {",", "\"arguments\"", ":", "{"}) {
+          if ((r = Expect(buffer_, at, t)) != 1) break;
+        }
+      }
+    }
+    if (r == 0) return;  // not enough yet
+    if (r < 0 || std::find(names_.begin(), names_.end(), name) == names_.end()) {
+      mode_ = CallMode::kWhole;
+      return;
+    }
+    mode_ = CallMode::kStreamed;
+    streamed_index_ = NextIndex();
+    if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, CallId(), name, ""});
+    args_at_ = at - 1;  // the arguments' opening brace
+    depth_ = 0;
+    in_string_ = escaped_ = args_done_ = false;
+  }
+  if (mode_ != CallMode::kStreamed || args_done_) return;
+  const size_t from = args_at_;
+  for (; args_at_ < limit && !args_done_; ++args_at_) {
+    const char c = buffer_[args_at_];
+    if (in_string_) {
+      if (escaped_) {
+        escaped_ = false;
+      } else if (c == '\\') {
+        escaped_ = true;
+      } else if (c == '"') {
+        in_string_ = false;
+      }
+    } else if (c == '"') {
+      in_string_ = true;
+    } else if (c == '{' || c == '[') {
+      ++depth_;
+    } else if ((c == '}' || c == ']') && --depth_ == 0) {
+      args_done_ = true;
+    }
+  }
+  if (streamed_index_ >= 0 && args_at_ > from) {
+    out.calls.push_back({streamed_index_, "", "", buffer_.substr(from, args_at_ - from)});
+  }
+}
+
+bool ToolCallParser::CallFromJson(const json& j, Out& out) {
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
+  const std::string name = j["name"].get<std::string>();
+  if (std::find(names_.begin(), names_.end(), name) == names_.end()) return false;
+  const char* key = j.contains("arguments") ? "arguments" : "parameters";
+  json args = j.contains(key) ? j[key] : json::object();
+  if (args.is_string()) {  // some models write the arguments as a JSON string
+    args = json::parse(args.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+  }
+  if (!args.is_object()) return false;
+  const int index = NextIndex();
+  if (index >= 0) out.calls.push_back({index, CallId(), name, args.dump()});  // else dropped
+  return true;
+}
+
+void ToolCallParser::Call(std::string_view body, std::string_view raw, Out& out) {
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !CallFromJson(j, out)) out.content += raw;  // stays text
+}
+
+ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
+  Out out;
+  buffer_ += text;
+  for (;;) {
+    if (state_ == State::kStart) {
+      // llama3_json: the output is calls when it begins with an object.
+      const size_t first = buffer_.find_first_not_of(" \t\r\n");
+      if (first == std::string::npos) return out;  // white space so far: undecided
+      state_ = format_ == "llama3_json" && buffer_[first] == '{' ? State::kJson : State::kContent;
+      continue;
+    }
+    if (state_ == State::kJson) return out;  // whole at the end
+    if (state_ == State::kContent) {
+      if (format_ != "hermes") {
+        out.content += buffer_;
+        buffer_.clear();
+        return out;
+      }
+      const size_t open = buffer_.find(kOpen);
+      if (open == std::string::npos) {
+        const size_t keep = PartialMarker(buffer_, kOpen);
+        out.content += buffer_.substr(0, buffer_.size() - keep);
+        buffer_.erase(0, buffer_.size() - keep);
+        return out;
+      }
+      out.content += buffer_.substr(0, open);
+      buffer_.erase(0, open + kOpen.size());
+      state_ = State::kInCall;
+      mode_ = CallMode::kHeader;
+      continue;
+    }
+    // kInCall (hermes): the arguments as they come, or the whole call at the closing tag.
+    const size_t close = buffer_.find(kClose);
+    StreamArguments(
+        close != std::string::npos ? close : buffer_.size() - PartialMarker(buffer_, kClose), out);
+    if (close == std::string::npos) return out;
+    if (mode_ != CallMode::kStreamed) {
+      const std::string body = buffer_.substr(0, close);
+      Call(body, std::string(kOpen) + body + std::string(kClose), out);
+    }
+    buffer_.erase(0, close + kClose.size());
+    state_ = State::kContent;
+  }
+}
+
+ToolCallParser::Out ToolCallParser::Finish() {
+  Out out = Add("");
+  if (state_ == State::kInCall) {  // unclosed: a call if what follows the tag is one
+    if (mode_ != CallMode::kStreamed) Call(buffer_, std::string(kOpen) + buffer_, out);
+  } else if (state_ == State::kJson) {
+    const std::vector<json> values = JsonSequence(buffer_);
+    const int before = next_index_;
+    Out calls;
+    bool all = !values.empty();
+    for (const json& v : values) all = all && CallFromJson(v, calls);
+    if (all) {
+      out.calls = std::move(calls.calls);
+    } else {  // one part is not a call: the whole output is text
+      next_index_ = before;
+      out.content += buffer_;
+    }
+  } else {
+    out.content += buffer_;
+  }
+  buffer_.clear();
+  state_ = State::kContent;
+  return out;
+}
+
+}  // namespace shardserve

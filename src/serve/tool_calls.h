@@ -1,0 +1,71 @@
+#pragma once
+// The model's tool calls in its output, as OpenAI's message.tool_calls, in the format its chat
+// template teaches (ChatTemplate::tool_call_format):
+//   hermes       text, then <tool_call>{"name": ..., "arguments": {...}}</tool_call> per call
+//                (Hermes, Qwen 2.5 / 3); a call left unclosed at the end of the output counts;
+//   llama3_json  an output that is one JSON object {"name": ..., "parameters" (or "arguments"):
+//                {...}}, or several separated by ';' (Llama 3.1-3.3; <|python_tag|> is a
+//                special token, gone from the text).
+// A call that does not parse, or names a function the request did not give, stays text, as
+// vLLM's parsers leave it. The parser takes the output as it streams: Add returns the text that
+// can be shown now (it holds back what may be the start of a call) and the calls as they come,
+// as OpenAI streams them: a Hermes call written {"name": ..., "arguments": {...}} is announced
+// (id and name) once its arguments begin, then its arguments follow piece by piece as the model
+// writes them; a call written otherwise, and Llama 3's, come whole once they have parsed.
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace shardserve {
+
+// A call, or a piece of one: the entries of one index together are the call (the first holds
+// its id and name; the arguments, a JSON object as the model wrote it, are their pieces joined).
+struct ToolCall {
+  int index = 0;          // its place among the output's calls
+  std::string id;         // "call_" + 24 random letters and digits; first piece only
+  std::string name;       // first piece only
+  std::string arguments;  // this piece of the arguments
+};
+
+class ToolCallParser {
+ public:
+  // `format`: "hermes" or "llama3_json"; `tools`: the request's list (the names a call may
+  // use); `parallel` false keeps only the first call.
+  ToolCallParser(std::string format, const nlohmann::ordered_json& tools, bool parallel);
+
+  struct Out {
+    std::string content;
+    std::vector<ToolCall> calls;
+  };
+  Out Add(std::string_view text);
+  // The end of the output: what was held back.
+  Out Finish();
+  // Calls returned so far.
+  int calls() const { return next_index_; }
+
+ private:
+  void Call(std::string_view body, std::string_view raw, Out& out);
+  bool CallFromJson(const nlohmann::ordered_json& j, Out& out);
+  // In a Hermes call: announces it once its header is read, then passes on its arguments (up to
+  // buffer_[limit], the closing tag when it has come).
+  void StreamArguments(size_t limit, Out& out);
+  // A new call's index, or -1 when parallel_tool_calls false has already had one.
+  int NextIndex();
+
+  std::string format_;
+  std::vector<std::string> names_;
+  bool parallel_;
+  enum class State { kStart, kContent, kInCall, kJson } state_;
+  std::string buffer_;
+  int next_index_ = 0;
+  // The Hermes call being read: undecided (its header not whole yet), streamed (announced, its
+  // arguments passed on), or whole (written otherwise: parsed at its closing tag).
+  enum class CallMode { kHeader, kStreamed, kWhole } mode_ = CallMode::kHeader;
+  int streamed_index_ = -1;  // the announced call's index (-1: dropped, one call only)
+  size_t args_at_ = 0;       // how much of buffer_ the arguments scan has read
+  int depth_ = 0;            // the arguments' bracket depth; 0 again: they are whole
+  bool in_string_ = false, escaped_ = false, args_done_ = false;
+};
+
+}  // namespace shardserve

@@ -1,0 +1,170 @@
+#include "serve/tool_calls.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace shardserve {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+const json kTools = json::parse(R"([
+  {"type": "function", "function": {"name": "get_weather"}},
+  {"type": "function", "function": {"name": "add"}}])");
+
+// The output fed in pieces of `step` bytes, then finished: the content and the calls it gave,
+// each call's pieces joined (`pieces`: how many entries came).
+ToolCallParser::Out Feed(ToolCallParser& p, const std::string& text, size_t step,
+                         std::vector<std::string>* contents = nullptr, size_t* pieces = nullptr) {
+  ToolCallParser::Out all;
+  auto take = [&](ToolCallParser::Out o) {
+    if (contents != nullptr && !o.content.empty()) contents->push_back(o.content);
+    all.content += o.content;
+    for (ToolCall& c : o.calls) {
+      if (pieces != nullptr) ++*pieces;
+      if (c.index == static_cast<int>(all.calls.size())) {
+        EXPECT_FALSE(c.id.empty() || c.name.empty()) << "a call's first piece names it";
+        all.calls.push_back(c);
+      } else {
+        ASSERT_EQ(c.index, static_cast<int>(all.calls.size()) - 1) << "pieces of the last call";
+        EXPECT_TRUE(c.id.empty() && c.name.empty());
+        all.calls.back().arguments += c.arguments;
+      }
+    }
+  };
+  for (size_t at = 0; at < text.size(); at += step) take(p.Add(text.substr(at, step)));
+  take(p.Finish());
+  return all;
+}
+
+TEST(ToolCallParser, HermesCallsWhateverTheChunking) {
+  const std::string text =
+      "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+      "\"Oslo\", \"when\": {\"day\": 2}}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", "
+      "\"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>";
+  for (size_t step : {1, 3, 7, 1000}) {
+    ToolCallParser p("hermes", kTools, true);
+    size_t pieces = 0;
+    const ToolCallParser::Out out = Feed(p, text, step, nullptr, &pieces);
+    EXPECT_EQ(out.content, "Let me check.\n\n") << step;  // the white space between calls too
+    ASSERT_EQ(out.calls.size(), 2u) << step;
+    EXPECT_EQ(out.calls[0].index, 0);
+    EXPECT_EQ(out.calls[0].name, "get_weather");
+    // The arguments as the model wrote them, streamed as they came.
+    EXPECT_EQ(out.calls[0].arguments, R"({"city": "Oslo", "when": {"day": 2}})");
+    EXPECT_EQ(out.calls[1].index, 1);
+    EXPECT_EQ(out.calls[1].arguments, R"({"a": 1, "b": 2})");
+    if (step == 1) EXPECT_GT(pieces, 40u);
+    EXPECT_EQ(out.calls[0].id.rfind("call_", 0), 0u);
+    EXPECT_EQ(out.calls[0].id.size(), 29u);
+    EXPECT_NE(out.calls[0].id, out.calls[1].id);
+    EXPECT_EQ(p.calls(), 2);
+  }
+}
+
+// Text is shown as it comes, except what may begin a call's tag.
+TEST(ToolCallParser, HermesStreamsTextAndHoldsBackATagsStart) {
+  ToolCallParser p("hermes", kTools, true);
+  ToolCallParser::Out a = p.Add("Sure <tool");
+  EXPECT_EQ(a.content, "Sure ");
+  ToolCallParser::Out b = p.Add("box> is a word");
+  EXPECT_EQ(b.content, "<toolbox> is a word");
+  EXPECT_TRUE(p.Finish().content.empty());
+  EXPECT_EQ(p.calls(), 0);
+}
+
+// A call that does not parse, or names a function not given, stays text; an unclosed call at the
+// end counts when it parses; parallel_tool_calls false keeps the first.
+TEST(ToolCallParser, HermesMalformedUnclosedAndSingle) {
+  {
+    ToolCallParser p("hermes", kTools, true);
+    const std::string bad = "<tool_call>{\"name\": \"get_weather\" \"arguments\": {}}</tool_call>";
+    ToolCallParser::Out out = Feed(p, bad, 5);
+    EXPECT_EQ(out.content, bad);
+    EXPECT_TRUE(out.calls.empty());
+  }
+  {
+    // Once announced, a call stays one (its arguments were streamed): cut short, it has what the
+    // model wrote, as vLLM's streaming gives it.
+    ToolCallParser p("hermes", kTools, true);
+    ToolCallParser::Out out =
+        Feed(p, "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"ci</tool_call>", 5);
+    ASSERT_EQ(out.calls.size(), 1u);
+    EXPECT_EQ(out.calls[0].arguments, "{\"ci");
+  }
+  {
+    ToolCallParser p("hermes", kTools, true);
+    const std::string other = "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>";
+    ToolCallParser::Out out = Feed(p, other, 4);
+    EXPECT_EQ(out.content, other);
+    EXPECT_TRUE(out.calls.empty());
+  }
+  {
+    ToolCallParser p("hermes", kTools, true);
+    ToolCallParser::Out out =
+        Feed(p, "<tool_call>\n{\"name\": \"add\", \"arguments\": \"{\\\"a\\\": 1}\"}\n", 6);
+    ASSERT_EQ(out.calls.size(), 1u);  // unclosed, and the arguments a JSON string: whole
+    EXPECT_EQ(out.calls[0].arguments, R"({"a":1})");
+  }
+  {
+    ToolCallParser p("hermes", kTools, true);
+    ToolCallParser::Out out =  // the keys the other way round: read whole at the closing tag
+        Feed(p, "<tool_call>{\"arguments\": {\"a\": [1, \"}\"]}, \"name\": \"add\"}</tool_call>",
+             2);
+    ASSERT_EQ(out.calls.size(), 1u);
+    EXPECT_EQ(out.calls[0].arguments, R"({"a":[1,"}"]})");
+  }
+  {
+    ToolCallParser p("hermes", kTools, true);
+    ToolCallParser::Out out =  // unclosed after streamed arguments
+        Feed(p, "<tool_call>{\"name\": \"add\", \"arguments\": {\"s\": \"a\\\"}\"}}", 3);
+    ASSERT_EQ(out.calls.size(), 1u);
+    EXPECT_EQ(out.calls[0].arguments, R"({"s": "a\"}"})");
+    EXPECT_EQ(out.content, "");
+  }
+  {
+    ToolCallParser p("hermes", kTools, false);
+    ToolCallParser::Out out =
+        Feed(p,
+             "<tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call><tool_call>{\"name\": "
+             "\"get_weather\", \"arguments\": {}}</tool_call>",
+             9);
+    ASSERT_EQ(out.calls.size(), 1u);
+    EXPECT_EQ(out.calls[0].name, "add");
+  }
+}
+
+TEST(ToolCallParser, Llama3JsonOutputIsCallsOrText) {
+  {
+    ToolCallParser p("llama3_json", kTools, true);
+    ToolCallParser::Out out = Feed(
+        p,
+        " {\"name\": \"get_weather\", \"parameters\": {\"city\": \"a;b\"}}; {\"name\": \"add\", "
+        "\"parameters\": {\"a\": 1}}",
+        4);
+    EXPECT_EQ(out.content, "");
+    ASSERT_EQ(out.calls.size(), 2u);
+    EXPECT_EQ(out.calls[0].arguments, R"({"city":"a;b"})");
+    EXPECT_EQ(out.calls[1].name, "add");
+  }
+  {
+    ToolCallParser p("llama3_json", kTools, true);
+    std::vector<std::string> pieces;
+    ToolCallParser::Out out = Feed(p, "The weather is {fine}.", 3, &pieces);
+    EXPECT_EQ(out.content, "The weather is {fine}.");
+    EXPECT_GT(pieces.size(), 3u);  // streamed as it came
+    EXPECT_TRUE(out.calls.empty());
+  }
+  {
+    ToolCallParser p("llama3_json", kTools, true);
+    ToolCallParser::Out out = Feed(p, "{\"name\": \"add\", \"parameters\": {}} and more", 5);
+    EXPECT_EQ(out.content, "{\"name\": \"add\", \"parameters\": {}} and more");
+    EXPECT_TRUE(out.calls.empty());
+    EXPECT_EQ(p.calls(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace shardserve
