@@ -83,9 +83,11 @@ struct Choice {
       : stream(std::move(s)), text(std::move(t)), prompt_tokens(prompt) {}
   std::shared_ptr<RequestStream> stream;
   TextStream text;
-  int64_t prompt_tokens = 0;
+  int64_t prompt_tokens = 0;  // counted once per prompt: 0 on its other sequences (n, best_of)
   int64_t completion_tokens = 0;
-  std::string finish_reason;  // set when done
+  double cumulative_logprob = 0;  // best_of's measure
+  std::string echo;               // echo: the prompt's text, sent before the first piece
+  std::string finish_reason;      // set when done
   absl::Status error;
   bool done = false;
   bool sent_role = false;
@@ -172,7 +174,10 @@ struct ApiServer::Impl {
     if (c.done) return d;
     RequestStream::Update u = c.stream->Next(wait);
     std::vector<int32_t> ids;
-    for (const auto& t : u.tokens) ids.push_back(t.id);
+    for (const auto& t : u.tokens) {
+      ids.push_back(t.id);
+      c.cumulative_logprob += t.logprob;
+    }
     TextStream::Delta td = c.text.Add(ids);
     c.completion_tokens += static_cast<int64_t>(u.tokens.size());
     if (req.logprobs && !u.tokens.empty()) {
@@ -329,29 +334,40 @@ struct ApiServer::Impl {
     }
     absl::ReaderMutexLock lock(&engine_mu);
     if (engine == nullptr) return absl::UnavailableError(not_ready);
-    for (const auto& ids : prompts) {
-      GenerationRequest g;
-      g.prompt_ids = ids;
-      g.params = req.params;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      const std::vector<int32_t>& ids = prompts[p];
       const int64_t n = static_cast<int64_t>(ids.size());
       if (n >= max_context) {
         return BadParam(param, absl::StrCat("this model's maximum context length is ", max_context,
                                             " tokens; the prompt holds ", n));
       }
-      if (!req.max_tokens_set && req.chat) g.params.max_tokens = max_context - n;
-      auto stream = engine->Submit(g);
-      if (!stream.ok()) {
-        for (Choice& c : choices) c.stream->Cancel();
-        choices.clear();
-        const absl::Status& s = stream.status();
-        return s.code() == absl::StatusCode::kInvalidArgument && ErrorParam(s).empty()
-                   ? BadParam("max_tokens", std::string(s.message()))
-                   : s;
-      }
-      choices.emplace_back(*std::move(stream), TextStream(tokenizer.get(), req.stop), n);
-      if (req.tool_choice == "auto") {
-        choices.back().tool_parser = std::make_unique<ToolCallParser>(
-            chat.tool_call_format(), req.tools, req.parallel_tool_calls);
+      // best_of sequences of the prompt (n when best_of is not asked), each with a generator of
+      // its own (seed + j), so that sampled choices differ.
+      for (int64_t j = 0; j < req.best_of; ++j) {
+        GenerationRequest g;
+        g.prompt_ids = ids;
+        g.params = req.params;
+        g.params.seed = req.params.seed + static_cast<uint64_t>(j);
+        if (!req.max_tokens_set && req.chat) g.params.max_tokens = max_context - n;
+        auto stream = engine->Submit(g);
+        if (!stream.ok()) {
+          for (Choice& c : choices) c.stream->Cancel();
+          choices.clear();
+          const absl::Status& s = stream.status();
+          return s.code() == absl::StatusCode::kInvalidArgument && ErrorParam(s).empty()
+                     ? BadParam("max_tokens", std::string(s.message()))
+                     : s;
+        }
+        choices.emplace_back(*std::move(stream), TextStream(tokenizer.get(), req.stop),
+                             j == 0 ? n : 0);
+        Choice& c = choices.back();
+        if (req.echo) {
+          c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
+        }
+        if (req.tool_choice == "auto") {
+          c.tool_parser = std::make_unique<ToolCallParser>(chat.tool_call_format(), req.tools,
+                                                           req.parallel_tool_calls);
+        }
       }
     }
     return absl::OkStatus();
@@ -550,8 +566,22 @@ struct ApiServer::Impl {
     for (const Choice& c : choices) {
       if (!c.error.ok()) return ex.Respond(Reply(c.error));
     }
+    // Each prompt's n choices: with best_of, its n sequences of the highest cumulative
+    // log-probability, best first (vLLM's order).
+    std::vector<size_t> kept;
+    for (size_t first = 0; first < choices.size(); first += req.best_of) {
+      std::vector<size_t> group(req.best_of);
+      for (int64_t j = 0; j < req.best_of; ++j) group[j] = first + j;
+      if (req.best_of > req.n) {
+        std::stable_sort(group.begin(), group.end(), [&](size_t a, size_t b) {
+          return choices[a].cumulative_logprob > choices[b].cumulative_logprob;
+        });
+      }
+      kept.insert(kept.end(), group.begin(), group.begin() + req.n);
+    }
     json out_choices = json::array();
-    for (size_t i = 0; i < choices.size(); ++i) {
+    for (size_t k = 0; k < kept.size(); ++k) {
+      const size_t i = kept[k];
       const Choice& c = choices[i];
       json lp = nullptr;
       if (req.logprobs) {
@@ -561,7 +591,7 @@ struct ApiServer::Impl {
                              {"top_logprobs", c.lp_top},
                              {"text_offset", c.lp_offsets}};
       }
-      json choice = {{"index", i}, {"logprobs", lp}, {"finish_reason", c.finish_reason}};
+      json choice = {{"index", k}, {"logprobs", lp}, {"finish_reason", c.finish_reason}};
       if (req.chat) {
         choice["message"] = {{"role", "assistant"}, {"content", texts[i]}};
         if (!calls[i].empty()) {
@@ -569,7 +599,7 @@ struct ApiServer::Impl {
           choice["message"]["tool_calls"] = ToolCallsJson(calls[i], false);
         }
       } else {
-        choice["text"] = texts[i];
+        choice["text"] = c.echo + texts[i];
       }
       out_choices.push_back(std::move(choice));
     }
@@ -617,6 +647,10 @@ struct ApiServer::Impl {
           if (delta.empty() && !d.finished && d.logprobs.is_null()) continue;
           choice["delta"] = delta;
         } else {
+          if (!c.echo.empty()) {  // the prompt's text first (echo)
+            d.text = std::move(c.echo) + d.text;
+            c.echo.clear();
+          }
           if (d.text.empty() && !d.finished && d.logprobs.is_null()) continue;
           choice["text"] = d.text;
         }

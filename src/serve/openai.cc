@@ -19,6 +19,8 @@ constexpr char kHttpPayload[] = "type.shardserve.io/http-status";
 constexpr int kMaxTopLogprobs = 20;
 constexpr size_t kMaxLogitBias = 1024;
 constexpr size_t kMaxTools = 128;
+constexpr int64_t kMaxChoices = 16;    // n, best_of
+constexpr size_t kMaxSequences = 128;  // prompts x best_of
 
 // Typed field access: absent and null read as "not given"; a wrong type names the field.
 absl::StatusOr<std::optional<double>> Number(const json& body, const char* name) {
@@ -424,10 +426,31 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
     r.seed_set = true;
   }
   ASSIGN_OR_RETURN(auto n, Integer(body, "n"));
-  if (n && *n != 1) return BadParam("n", "'n' must be 1: one choice per prompt is supported");
+  if (n) {
+    if (*n < 1 || *n > kMaxChoices) {
+      return BadParam("n", absl::StrCat("'n' must be between 1 and ", kMaxChoices));
+    }
+    r.n = *n;
+  }
   ASSIGN_OR_RETURN(auto best_of, Integer(body, "best_of"));
-  if (best_of && *best_of != 1)
-    return BadParam("best_of", "'best_of' other than 1 is not supported");
+  if (best_of) {
+    if (chat && *best_of != 1) {
+      return BadParam("best_of", "'best_of' belongs to /v1/completions");
+    }
+    if (*best_of < r.n || *best_of > kMaxChoices) {
+      return BadParam("best_of",
+                      absl::StrCat("'best_of' must be between 'n' (", r.n, ") and ", kMaxChoices));
+    }
+    r.best_of = *best_of;
+  }
+  if (!best_of) r.best_of = r.n;
+  const size_t prompts = chat ? 1 : r.prompt_ids.size();
+  if (prompts * static_cast<size_t>(r.best_of) > kMaxSequences) {
+    return BadParam(r.best_of > r.n ? "best_of" : "n",
+                    absl::StrCat("a request may ask for at most ", kMaxSequences,
+                                 " sequences (prompts x ", r.best_of > r.n ? "best_of" : "n",
+                                 "); this one asks for ", prompts * r.best_of));
+  }
   // OpenAI's penalties in [-2, 2]; vLLM's repetition_penalty (> 0; at most 10 here).
   for (auto [name, field] : {std::pair{"presence_penalty", &p.presence_penalty},
                              {"frequency_penalty", &p.frequency_penalty}}) {
@@ -471,7 +494,10 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
     }
   }
   ASSIGN_OR_RETURN(auto echo, Boolean(body, "echo"));
-  if (echo && *echo) return BadParam("echo", "'echo' is not supported");
+  if (echo && *echo) {
+    if (chat) return BadParam("echo", "'echo' belongs to /v1/completions");
+    r.echo = true;
+  }
   ASSIGN_OR_RETURN(auto ignore_eos, Boolean(body, "ignore_eos"));
   if (ignore_eos) p.ignore_eos = *ignore_eos;
   RETURN_IF_ERROR(ParseStop(body, r));
@@ -504,6 +530,16 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   }
   ASSIGN_OR_RETURN(auto stream, Boolean(body, "stream"));
   r.stream = stream.value_or(false);
+  if (r.stream && r.best_of > r.n) {
+    return BadParam("best_of",
+                    "'best_of' greater than 'n' cannot stream: the best are known "
+                    "only at the end");
+  }
+  if (r.echo && r.logprobs) {
+    return BadParam("echo",
+                    "'echo' with 'logprobs' needs the prompt's log-probabilities, which "
+                    "are not computed; 'echo' alone is supported");
+  }
   if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
     if (!it->is_object()) return BadParam("stream_options", "'stream_options' must be an object");
     if (!r.stream) return BadParam("stream_options", "'stream_options' needs 'stream': true");

@@ -7,12 +7,13 @@
 // /v1/chat/completions: messages (role + string or text parts), max_tokens or
 //   max_completion_tokens (default: the rest of the context).
 // Both: temperature, top_p, top_k, seed, stop (string or list), stop_token_ids, ignore_eos,
-//   stream, stream_options.include_usage, n (1 only); logprobs (completions: an integer;
+//   stream, stream_options.include_usage, n (up to 16); completions: best_of (n to 16, not
+//   streamed), echo (without logprobs); logprobs (completions: an integer;
 //   chat: a boolean with top_logprobs); presence_penalty and frequency_penalty ([-2, 2]),
 //   repetition_penalty ((0, 10], vLLM's), logit_bias ({"id": [-100, 100]}), min_tokens (vLLM's;
 //   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto" or
 //   "none", parallel_tool_calls; messages of role tool (tool_call_id) and assistant messages
-//   with tool_calls. Unsupported options that would change the answer (echo, best_of > 1, n > 1,
+//   with tool_calls. Unsupported options that would change the answer (echo with logprobs,
 //   suffix, tool_choice "required" or a named function, the deprecated functions /
 //   function_call, response_format other than text) are refused by name; unknown fields are
 //   ignored, as OpenAI does. Bodies are ordered JSON: tool schemas reach the chat template with
@@ -43,6 +44,9 @@ struct ApiRequest {
   bool max_tokens_set = false;
   bool seed_set = false;  // without a seed, every request samples differently
   std::vector<std::string> stop;
+  int64_t n = 1;        // choices per prompt
+  int64_t best_of = 1;  // sequences generated per prompt, the n of highest log-probability kept
+  bool echo = false;    // completions: the prompt's text before each choice's
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;  // report log-probabilities (top_logprobs alternatives in params)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The OpenAI-compatible API of a `shardserve local` TP=2 x PP=2 deployment, through real
 processes and sockets: every endpoint, greedy answers equal to single-process generation,
-streaming, logprobs, stop strings, concurrency, bad requests, queue-full 429, disconnects that
+streaming, logprobs, n, best_of, echo, stop strings, concurrency, bad requests, queue-full 429, disconnects that
 free their slot, promtool-clean metrics, Ctrl-C; then a second deployment loses a rank
 mid-request."""
 import json
@@ -154,6 +154,43 @@ try:
     s3 = completion(d, PROMPTS[3], 16, temperature=1.0, seed=8)[2]["choices"][0]["text"]
     check(s1 == s2 and s1 != s3, "a seed reproduces a sampled answer; another seed differs")
 
+    # --- n, best_of, echo -------------------------------------------------------------------
+    _, _, many = completion(d, PROMPTS[3], 16, temperature=1.0, seed=7, n=3, logprobs=0)
+    texts = [c["text"] for c in many["choices"]]
+    check([c["index"] for c in many["choices"]] == [0, 1, 2] and texts[0] == s1 and
+          texts[1] == s3 and len(set(texts)) == 3 and
+          many["usage"]["prompt_tokens"] == len(PROMPTS[3]) and
+          many["usage"]["completion_tokens"] == 48,
+          "n=3 gives three choices from seeds 7, 8, 9; the prompt counted once")
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in many["choices"]]
+    _, _, best = completion(d, PROMPTS[3], 16, temperature=1.0, seed=7, best_of=3)
+    check(len(best["choices"]) == 1 and best["choices"][0]["index"] == 0 and
+          best["choices"][0]["text"] == texts[sums.index(max(sums))],
+          f"best_of=3 returns the sequence of the highest log-probability ({max(sums):.2f})")
+    _, _, two = completion(d, [PROMPTS[0], PROMPTS[1]], 6, n=2)
+    status, events, done = d.stream("/v1/completions", {
+        "model": "tiny", "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "n": 2, "stream": True})
+    streamed = ["".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i)
+                for i in range(4)]
+    check([c["text"] for c in two["choices"]] == streamed and streamed[0] == streamed[1] and
+          streamed[2] == streamed[3] and streamed[0] != streamed[2],
+          "two prompts x n=2, streamed and whole: choices 0-1 the first prompt's, 2-3 the second's")
+    _, _, echoed = completion(d, "hello world", 4, echo=True)
+    _, _, unechoed = completion(d, "hello world", 4)
+    status, events, done = d.stream("/v1/completions", {
+        "model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True, "echo": True, "stream": True})
+    check(echoed["choices"][0]["text"] == "hello world" + unechoed["choices"][0]["text"] and
+          "".join(e["choices"][0]["text"] for e in events) == echoed["choices"][0]["text"],
+          "echo puts the prompt's text before the answer, streamed too")
+    _, _, chat2 = d.post("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+        "temperature": 0, "ignore_eos": True})
+    check(len(chat2["choices"]) == 2 and
+          chat2["choices"][0]["message"] == chat2["choices"][1]["message"],
+          "chat n=2, greedy: two equal choices")
+
     # --- sampling controls through the sharded replica (the sampler on the last stage) --------
     status, _, tok = d.post("/tokenize", {"model": "tiny", "prompt": "hello world",
                                           "add_special_tokens": False})
@@ -237,8 +274,9 @@ try:
         ("missing prompt", {"model": "tiny"}, None, 400, "prompt"),
         ("temperature out of range", {"model": "tiny", "prompt": "x", "temperature": 9}, None,
          400, "temperature"),
-        ("n > 1", {"model": "tiny", "prompt": "x", "n": 2}, None, 400, "n"),
-        ("echo", {"model": "tiny", "prompt": "x", "echo": True}, None, 400, "echo"),
+        ("n over 16", {"model": "tiny", "prompt": "x", "n": 17}, None, 400, "n"),
+        ("echo with logprobs", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1},
+         None, 400, "echo"),
         ("logit_bias outside the vocabulary", {"model": "tiny", "prompt": "x",
                                                "logit_bias": {"99999": 1}}, None, 400, None),
         ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 99999]}, None, 400,
