@@ -244,6 +244,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.Int("maxSequenceLength", s.max_sequence_length));
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
+  RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.NoOthers());
   Fields startup(spec.Get("startup"), "spec.startup");
   RETURN_IF_ERROR(startup.CheckMap());
@@ -268,6 +269,7 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_sequence_length = spec.max_sequence_length;
   w.kv_cache_tokens = spec.kv_cache_tokens();
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
+  w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
 }
@@ -355,6 +357,12 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.specialTokensInContent '",
                                                    s.special_tokens_in_content,
                                                    "' must be special or text"));
+  }
+  if (s.tool_call_parser != "auto" && s.tool_call_parser != "hermes" &&
+      s.tool_call_parser != "llama3_json") {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.toolCallParser '",
+                                                   s.tool_call_parser,
+                                                   "' must be auto, hermes or llama3_json"));
   }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
   for (auto [field, v] : {std::pair{"spec.startup.timeoutSeconds", s.startup_timeout_seconds},

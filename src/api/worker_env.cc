@@ -54,6 +54,7 @@ const StringVar kStrings[] = {
     {kApiKeysFileEnv, &WorkerEnv::api_keys_file},
     {kRequestEnv, &WorkerEnv::request},
     {"SHARDSERVE_RESULT_FILE", &WorkerEnv::result_file},
+    {"SHARDSERVE_TOOL_CALL_PARSER", &WorkerEnv::tool_call_parser},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_REPLICA", &WorkerEnv::replica, 0, kIntMax, true},
@@ -177,6 +178,12 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
         absl::StrCat(NameOf(kInts, &WorkerEnv::stage), " ", w.stage, " / ", kTpRankEnv, " ",
                      w.tp_rank, " are outside ", NameOf(kInts, &WorkerEnv::tp), " ", w.tp, " x ",
                      NameOf(kInts, &WorkerEnv::pp), " ", w.pp));
+  }
+  if (!w.tool_call_parser.empty() && w.tool_call_parser != "hermes" &&
+      w.tool_call_parser != "llama3_json") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::tool_call_parser), "='",
+                     w.tool_call_parser, "' must be hermes or llama3_json"));
   }
   if (!w.leader_addr.empty()) {
     const size_t colon = w.leader_addr.rfind(':');

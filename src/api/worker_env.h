@@ -102,6 +102,9 @@ struct WorkerEnv {
   bool api_metrics_auth = true;  // with API keys, /metrics needs one too
   // Chat messages' special-token strings are text (spec.serving.specialTokensInContent: text).
   bool special_tokens_as_text = false;
+  // The format of the model's tool calls (spec.serving.toolCallParser): hermes, llama3_json, or
+  // empty: the one its chat template shows (ChatTemplate::tool_call_format).
+  std::string tool_call_parser;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the

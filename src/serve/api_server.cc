@@ -365,12 +365,19 @@ struct ApiServer::Impl {
           c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
         }
         if (req.tool_choice == "auto") {
-          c.tool_parser = std::make_unique<ToolCallParser>(chat.tool_call_format(), req.tools,
+          c.tool_parser = std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools,
                                                            req.parallel_tool_calls);
         }
       }
     }
     return absl::OkStatus();
+  }
+
+  // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
+  // one its chat template shows.
+  std::string ToolCallFormat() const {
+    return config.env.tool_call_parser.empty() ? chat.tool_call_format()
+                                               : config.env.tool_call_parser;
   }
 
   // A request's tools (tool_choice "auto") need a template that renders them and shows a call
@@ -382,13 +389,13 @@ struct ApiServer::Impl {
       return BadParam("tools", absl::StrCat("this model's chat template (", chat.source(),
                                             ") does not render tools"));
     }
-    const std::string format = chat.tool_call_format();
+    const std::string format = ToolCallFormat();
     if (format != "hermes" && format != "llama3_json") {
       return BadParam(
           "tools",
           format.empty()
               ? "this model's chat template shows no tool-call format shardserve parses (Hermes "
-                "<tool_call> JSON, Llama 3 JSON)"
+                "<tool_call> JSON, Llama 3 JSON); spec.serving.toolCallParser names one"
               : absl::StrCat("the tool-call format of this model's chat template (", format,
                              ") is not parsed yet (Hermes <tool_call> JSON, Llama 3 JSON are)"));
     }

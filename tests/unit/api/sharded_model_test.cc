@@ -51,6 +51,12 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ApplyServing(text->spec, w);
   EXPECT_TRUE(w.special_tokens_as_text);
   EXPECT_EQ(w.max_batch_size, text->spec.max_batch_size);
+  // The tool-call format: the chat template's by default (empty in the contract), or named.
+  EXPECT_EQ(w.tool_call_parser, "");
+  auto tools = ParseShardedModel(std::string(kGood) + "  serving: {toolCallParser: hermes}\n");
+  ASSERT_TRUE(tools.ok()) << tools.status();
+  ApplyServing(tools->spec, w);
+  EXPECT_EQ(w.tool_call_parser, "hermes");
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -130,6 +136,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.apiKeySecret"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {specialTokensInContent: plain}"),
        "spec.serving.specialTokensInContent"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: mistral}"),
+       "spec.serving.toolCallParser"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),
        "spec.startup.timeoutSeconds must be between 1 and 86400, got 0"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {loadStallSeconds: 100000}"),

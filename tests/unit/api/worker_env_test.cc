@@ -66,6 +66,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.http_max_connections = 64;
   w.api_metrics_auth = false;
   w.special_tokens_as_text = true;
+  w.tool_call_parser = "llama3_json";
   w.api_key = "sk-0123456789abcdef";
   w.api_keys_file = "/keys";
   w.request = R"({"prompt_ids":[1,2]})";
@@ -124,6 +125,8 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_MAX_BODY_BYTES='10' must be an integer in [1024, "));
   EXPECT_THAT(error({{"SHARDSERVE_MAX_BATCH_SIZE", "0"}}),
               HasSubstr("SHARDSERVE_MAX_BATCH_SIZE='0' must be an integer in [1, "));
+  EXPECT_THAT(error({{"SHARDSERVE_TOOL_CALL_PARSER", "mistral"}}),
+              HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='mistral' must be hermes or llama3_json"));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),
               HasSubstr("SHARDSERVE_STAGE 0 / SHARDSERVE_TP_RANK 2 are outside SHARDSERVE_TP 2"));
   EXPECT_THAT(error({{"SHARDSERVE_PP", "2"}, {"SHARDSERVE_STAGE", "2"}}),
