@@ -37,33 +37,11 @@ std::vector<json> JsonSequence(std::string_view text) {
     while (at < text.size() && (absl::ascii_isspace(text[at]) || text[at] == ';')) ++at;
     if (at == text.size()) break;
     // The end of the value at `at`: its brackets balanced, strings skipped.
-    int depth = 0;
-    bool in_string = false, escaped = false;
+    JsonScan scan;
     size_t end = at;
-    for (; end < text.size(); ++end) {
-      const char c = text[end];
-      if (in_string) {
-        if (escaped) {
-          escaped = false;
-        } else if (c == '\\') {
-          escaped = true;
-        } else if (c == '"') {
-          in_string = false;
-        }
-        continue;
-      }
-      if (c == '"') {
-        in_string = true;
-      } else if (c == '{' || c == '[') {
-        ++depth;
-      } else if (c == '}' || c == ']') {
-        if (--depth == 0) {
-          ++end;
-          break;
-        }
-      }
-    }
-    if (depth != 0 || text[at] != '{') return {};
+    bool closed = false;
+    while (end < text.size() && !closed) closed = scan.Step(text[end++]);
+    if (!closed || text[at] != '{') return {};
     json j = json::parse(text.substr(at, end - at), nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) return {};
     out.push_back(std::move(j));
@@ -134,29 +112,12 @@ void ToolCallParser::StreamArguments(size_t limit, Out& out) {
     streamed_index_ = NextIndex();
     if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, CallId(), name, ""});
     args_at_ = at - 1;  // the arguments' opening brace
-    depth_ = 0;
-    in_string_ = escaped_ = args_done_ = false;
+    args_scan_ = JsonScan();
+    args_done_ = false;
   }
   if (mode_ != CallMode::kStreamed || args_done_) return;
   const size_t from = args_at_;
-  for (; args_at_ < limit && !args_done_; ++args_at_) {
-    const char c = buffer_[args_at_];
-    if (in_string_) {
-      if (escaped_) {
-        escaped_ = false;
-      } else if (c == '\\') {
-        escaped_ = true;
-      } else if (c == '"') {
-        in_string_ = false;
-      }
-    } else if (c == '"') {
-      in_string_ = true;
-    } else if (c == '{' || c == '[') {
-      ++depth_;
-    } else if ((c == '}' || c == ']') && --depth_ == 0) {
-      args_done_ = true;
-    }
-  }
+  while (args_at_ < limit && !args_done_) args_done_ = args_scan_.Step(buffer_[args_at_++]);
   if (streamed_index_ >= 0 && args_at_ > from) {
     out.calls.push_back({streamed_index_, "", "", buffer_.substr(from, args_at_ - from)});
   }

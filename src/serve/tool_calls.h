@@ -28,6 +28,37 @@ struct ToolCall {
   std::string arguments;  // this piece of the arguments
 };
 
+// The bracket depth of JSON text read a character at a time, strings (and their escapes)
+// skipped.
+class JsonScan {
+ public:
+  // Reads c: true when it closes the outermost bracket.
+  bool Step(char c) {
+    if (in_string_) {
+      if (escaped_) {
+        escaped_ = false;
+      } else if (c == '\\') {
+        escaped_ = true;
+      } else if (c == '"') {
+        in_string_ = false;
+      }
+      return false;
+    }
+    if (c == '"') {
+      in_string_ = true;
+    } else if (c == '{' || c == '[') {
+      ++depth_;
+    } else if (c == '}' || c == ']') {
+      return --depth_ == 0;
+    }
+    return false;
+  }
+
+ private:
+  int depth_ = 0;
+  bool in_string_ = false, escaped_ = false;
+};
+
 class ToolCallParser {
  public:
   // `format`: "hermes" or "llama3_json"; `tools`: the request's list (the names a call may
@@ -64,8 +95,8 @@ class ToolCallParser {
   enum class CallMode { kHeader, kStreamed, kWhole } mode_ = CallMode::kHeader;
   int streamed_index_ = -1;  // the announced call's index (-1: dropped, one call only)
   size_t args_at_ = 0;       // how much of buffer_ the arguments scan has read
-  int depth_ = 0;            // the arguments' bracket depth; 0 again: they are whole
-  bool in_string_ = false, escaped_ = false, args_done_ = false;
+  JsonScan args_scan_;
+  bool args_done_ = false;
 };
 
 }  // namespace shardserve

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "backend/cuda/cuda_backend.h"
@@ -124,6 +125,18 @@ __device__ Cand BlockBestAfter(const float* row, int64_t n, Cand prev, Cand* sha
   return BlockBest(b, shared);
 }
 
+// The warp's sums of acc[m], written by its lane 0 to y[m * rows + row].
+template <int M>
+__device__ __forceinline__ void WriteWarpSums(const float (&acc)[M], float* y, int64_t rows,
+                                              int64_t row) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float s = acc[m];
+    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
+    if (threadIdx.x % 32 == 0) y[m * rows + row] = s;
+  }
+}
+
 unsigned Grid(int64_t n, int threads = 256) {
   return static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 65535));
 }
@@ -143,6 +156,33 @@ struct GemvGroup {
   int n = 0;
 };
 constexpr int64_t kGemvMaxRows = 8;  // above this, cuBLAS's tensor-core GEMM
+
+namespace {
+// A group's output row `global_row`: its matrix `i` and the row in it; false past the end.
+__device__ __forceinline__ bool GroupRow(const GemvGroup& g, int64_t global_row, int* i,
+                                         int64_t* row) {
+  if (global_row >= g.end[g.n - 1]) return false;
+  *i = 0;
+  while (global_row >= g.end[*i]) ++*i;
+  *row = global_row - (*i == 0 ? 0 : g.end[*i - 1]);
+  return true;
+}
+
+// Runs `launch(std::integral_constant<int, M>, group, x)` for the m rows of x in rounds: each
+// a power of two M up to kGemvMaxRows (the kernels' row count is a template argument), the
+// group's outputs moved past the rows done.
+template <int M = kGemvMaxRows, typename Launch>
+void GemvRounds(GemvGroup g, int64_t cols, const float* x, int64_t m, Launch launch) {
+  if constexpr (M > 1) {
+    if (m < M) return GemvRounds<M / 2>(g, cols, x, m, launch);
+  }
+  launch(std::integral_constant<int, M>{}, g, x);
+  if (m > M) {
+    for (int i = 0; i < g.n; ++i) g.y[i] += M * g.rows[i];
+    GemvRounds<kGemvMaxRows>(g, cols, x + M * cols, m - M, launch);
+  }
+}
+}  // namespace
 
 // Block-quantized weights (quant.cu; RunsQuantized in cuda_backend.h says which).
 // The decode product of a group of quantized matrices of one dtype (M <= kGemvMaxRows rows of x

@@ -37,11 +37,9 @@ __device__ void Unpack(uint4 raw, float (&out)[8], __half) {
 template <typename T, int M>
 __global__ void GemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ x) {
   constexpr int kVec = 16 / sizeof(T);
-  const int64_t global_row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (global_row >= g.end[g.n - 1]) return;
-  int i = 0;
-  while (global_row >= g.end[i]) ++i;
-  const int64_t row = global_row - (i == 0 ? 0 : g.end[i - 1]);
+  int i;
+  int64_t row;
+  if (!GroupRow(g, blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, &i, &row)) return;
   const int lane = threadIdx.x % 32;
   const uint4* wr =
       reinterpret_cast<const uint4*>(static_cast<const T*>(g.w[i]) + row * g.stride[i]);
@@ -65,14 +63,7 @@ __global__ void GemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ 
       }
     }
   }
-  float* y = g.y[i];
-  const int64_t rows = g.rows[i];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float s = acc[m];
-    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
-    if (lane == 0) y[m * rows + row] = s;
-  }
+  WriteWarpSums(acc, g.y[i], g.rows[i], row);
 }
 
 constexpr int kGemvWarps = 8;
@@ -85,31 +76,25 @@ bool GemvFits(const WeightMatrix& w, const float* x, int64_t M) {
          reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
-template <typename T, int M>
-void LaunchGemv(GemvGroup g, int64_t cols, const float* x, int64_t m) {
-  if constexpr (M > 1) {
-    if (m < M) return LaunchGemv<T, M / 2>(g, cols, x, m);
-  }
-  // M is a power of two no larger than m: the first M rows now, the rest after.
+template <typename T>
+void LaunchGemv(const GemvGroup& g, int64_t cols, const float* x, int64_t m) {
   const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kGemvWarps - 1) / kGemvWarps);
-  GemvKernel<T, M><<<blocks, kGemvWarps * 32>>>(g, cols, x);
-  if (m > M) {
-    for (int i = 0; i < g.n; ++i) g.y[i] += M * g.rows[i];
-    LaunchGemv<T, kGemvMaxRows>(g, cols, x + M * cols, m - M);
-  }
+  GemvRounds(g, cols, x, m, [&](auto rows, const GemvGroup& round, const float* xr) {
+    GemvKernel<T, decltype(rows)::value><<<blocks, kGemvWarps * 32>>>(round, cols, xr);
+  });
 }
 
 absl::Status LaunchGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
                              int64_t M) {
   switch (dtype) {
     case DType::kF32:
-      LaunchGemv<float, kGemvMaxRows>(g, cols, x, M);
+      LaunchGemv<float>(g, cols, x, M);
       break;
     case DType::kF16:
-      LaunchGemv<__half, kGemvMaxRows>(g, cols, x, M);
+      LaunchGemv<__half>(g, cols, x, M);
       break;
     case DType::kBF16:
-      LaunchGemv<__nv_bfloat16, kGemvMaxRows>(g, cols, x, M);
+      LaunchGemv<__nv_bfloat16>(g, cols, x, M);
       break;
     default:
       return QuantGemvGroup(g, dtype, cols, x, M);

@@ -82,35 +82,13 @@ template <DType D, int M>
 __global__ void __launch_bounds__(kQuantWarps * 32)
     QuantGemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ x) {
   __shared__ __align__(16) uint32_t stage[kQuantWarps][kStageWords<D>];
-  const int64_t global_row = blockIdx.x * kQuantWarps + threadIdx.x / 32;
-  if (global_row >= g.end[g.n - 1]) return;
-  int i = 0;
-  while (global_row >= g.end[i]) ++i;
-  const int64_t row = global_row - (i == 0 ? 0 : g.end[i - 1]);
+  int i;
+  int64_t row;
+  if (!GroupRow(g, blockIdx.x * kQuantWarps + threadIdx.x / 32, &i, &row)) return;
   const uint8_t* w = static_cast<const uint8_t*>(g.w[i]) + row * BytesOf<D>(g.stride[i]);
   float acc[M] = {};
   RowDot<D, M>(w, cols, x, cols, stage[threadIdx.x / 32], acc);
-  float* y = g.y[i];
-  const int64_t rows = g.rows[i];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float s = acc[m];
-    for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffff, s, off);
-    if (threadIdx.x % 32 == 0) y[m * rows + row] = s;
-  }
-}
-
-template <DType D, int M>
-void LaunchQuantGemv(GemvGroup g, int64_t cols, const float* x, int64_t m) {
-  if constexpr (M > 1) {
-    if (m < M) return LaunchQuantGemv<D, M / 2>(g, cols, x, m);
-  }
-  const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kQuantWarps - 1) / kQuantWarps);
-  QuantGemvKernel<D, M><<<blocks, kQuantWarps * 32>>>(g, cols, x);
-  if (m > M) {
-    for (int i = 0; i < g.n; ++i) g.y[i] += M * g.rows[i];
-    LaunchQuantGemv<D, kGemvMaxRows>(g, cols, x + M * cols, m - M);
-  }
+  WriteWarpSums(acc, g.y[i], g.rows[i], row);
 }
 
 // Rows [r0, r0 + n) of a quantized matrix expanded into BF16 [n][cols]: a thread per chunk.
@@ -232,8 +210,12 @@ bool RunsQuantized(DType dtype) {
 
 absl::Status QuantGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
                             int64_t M) {
+  const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kQuantWarps - 1) / kQuantWarps);
   return ForQuantized(dtype, "quantized GEMV launch", [&](auto d) {
-    LaunchQuantGemv<decltype(d)::value, kGemvMaxRows>(g, cols, x, M);
+    GemvRounds(g, cols, x, M, [&](auto rows, const GemvGroup& round, const float* xr) {
+      QuantGemvKernel<decltype(d)::value, decltype(rows)::value>
+          <<<blocks, kQuantWarps * 32>>>(round, cols, xr);
+    });
   });
 }
 
