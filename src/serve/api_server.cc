@@ -334,13 +334,15 @@ struct ApiServer::Impl {
     }
     absl::ReaderMutexLock lock(&engine_mu);
     if (engine == nullptr) return absl::UnavailableError(not_ready);
+    for (const auto& ids : prompts) {  // every prompt checked before any is queued
+      if (static_cast<int64_t>(ids.size()) >= max_context) {
+        return BadParam(param, absl::StrCat("this model's maximum context length is ", max_context,
+                                            " tokens; the prompt holds ", ids.size()));
+      }
+    }
     for (size_t p = 0; p < prompts.size(); ++p) {
       const std::vector<int32_t>& ids = prompts[p];
       const int64_t n = static_cast<int64_t>(ids.size());
-      if (n >= max_context) {
-        return BadParam(param, absl::StrCat("this model's maximum context length is ", max_context,
-                                            " tokens; the prompt holds ", n));
-      }
       // best_of sequences of the prompt (n when best_of is not asked), each with a generator of
       // its own (seed + j), so that sampled choices differ.
       for (int64_t j = 0; j < req.best_of; ++j) {

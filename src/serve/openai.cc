@@ -120,7 +120,8 @@ absl::StatusOr<json> ToolCallsOfMessage(const json& calls, const std::string& pa
     const std::string at = absl::StrCat(param, "[", j, "]");
     const json& c = calls[j];
     auto fn = c.is_object() ? c.find("function") : c.end();
-    if (!c.is_object() || c.value("type", "function") != "function" || fn == c.end() ||
+    auto type = c.is_object() ? c.find("type") : c.end();
+    if (!c.is_object() || (type != c.end() && *type != "function") || fn == c.end() ||
         !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string()) {
       return BadParam(at, absl::StrCat("'", at,
                                        "' must be {\"type\": \"function\", "

@@ -36,7 +36,8 @@ std::string TemplateText(const json& config) {
   if (it->is_string()) return it->get<std::string>();
   if (it->is_array()) {
     for (const json& t : *it) {
-      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+      // (value() would throw on a name that is no string: a model file is input too)
+      if (t.is_object() && t.contains("name") && t["name"] == "default" && t.contains("template") &&
           t["template"].is_string()) {
         return t["template"].get<std::string>();
       }

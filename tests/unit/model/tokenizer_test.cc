@@ -314,5 +314,74 @@ TEST(ChatTemplateTest, RenderMarksTheMessagesText) {
   }
 }
 
+// A list of named templates whose names are not strings is no crash (a model file is input):
+// no template, and the reason.
+TEST(ChatTemplateTest, ANamedListWithoutStringsGivesNoTemplate) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("llama", dir.Sub("m"));
+  const std::string model = testing::WriteModel(o);
+  auto tok = Tokenizer::Load(model);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  testing::WriteFile(model + "/tokenizer_config.json",
+                     R"({"chat_template": [{"name": 5, "template": "x"}, {"name": "tool_use"}]})");
+  const ChatTemplate t = ChatTemplate::ForModel(model, **tok);
+  EXPECT_FALSE(t.has_template());
+  EXPECT_THAT(t.reason(), ::testing::HasSubstr("gives no chat_template"));
+}
+
+// The Hermes template (ChatML with tools): it renders the tools and shows the <tool_call>
+// format; a tool round trip (an assistant's call without text, the tool's answer) renders with
+// the texts of the messages that have one marked. A template without tools says so.
+TEST(ChatTemplateTest, ToolsAndTheirFormat) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("qwen2", dir.Sub("m"));
+  o.chat_template = "hermes";
+  const std::string model = testing::WriteModel(o);
+  auto tok = Tokenizer::Load(model);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const ChatTemplate t = ChatTemplate::ForModel(model, **tok);
+  EXPECT_TRUE(t.renders_tools());
+  EXPECT_EQ(t.tool_call_format(), "hermes");
+  std::vector<ChatMessage> messages(3);
+  messages[0].role = "user";
+  messages[0].content = "weather?";
+  messages[1].role = "assistant";
+  messages[1].content_null = true;
+  messages[1].tool_calls = nlohmann::ordered_json::parse(
+      R"([{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}])");
+  messages[2].role = "tool";
+  messages[2].tool_call_id = "call_1";
+  messages[2].content = "sunny";
+  const auto tools = nlohmann::ordered_json::parse(
+      R"([{"type": "function", "function": {"name": "get_weather", "parameters": {"b": 1, "a": 2}}}])");
+  auto r = t.Render(messages, tools);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->text.find(R"({"name": "get_weather", "parameters": {"b": 1, "a": 2}})"),
+            std::string::npos)
+      << r->text;  // the schema as given, keys in order
+  EXPECT_NE(r->text.find(R"(<tool_call>
+{"name": "get_weather", "arguments": {"city": "Oslo"}}
+</tool_call>)"),
+            std::string::npos)
+      << r->text;
+  EXPECT_NE(r->text.find("<tool_response>\nsunny\n</tool_response>"), std::string::npos);
+  ASSERT_EQ(r->content.size(), 2u);
+  EXPECT_EQ(r->text.substr(r->content[0].begin, r->content[0].end - r->content[0].begin),
+            "weather?");
+  EXPECT_EQ(r->text.substr(r->content[1].begin, r->content[1].end - r->content[1].begin), "sunny");
+  auto without = t.Render(messages);
+  ASSERT_TRUE(without.ok());
+  EXPECT_EQ(without->text.find("<tools>"), std::string::npos);
+
+  auto plain = testing::SmallModel("llama", dir.Sub("p"));
+  plain.chat_template = "llama3";
+  const std::string plain_model = testing::WriteModel(plain);
+  auto plain_tok = Tokenizer::Load(plain_model);
+  ASSERT_TRUE(plain_tok.ok());
+  const ChatTemplate p = ChatTemplate::ForModel(plain_model, **plain_tok);
+  EXPECT_FALSE(p.renders_tools());
+  EXPECT_EQ(p.tool_call_format(), "");
+}
+
 }  // namespace
 }  // namespace shardserve
