@@ -424,6 +424,42 @@ constexpr char kHermesTemplate[] =
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}";
 
+// Llama 3 with tools in the form Llama 3.1-3.3 teach: the ipython environment in the system turn,
+// the functions (JSON, indented) before the first user message's text, a call as a bare
+// {"name": ..., "parameters": {...}} turn, a tool's answer in an ipython turn.
+constexpr char kLlama3ToolsTemplate[] =
+    "{{- bos_token }}"
+    "{%- set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{%- if tools %}{{- 'Environment: ipython\n\n' }}{%- endif %}"
+    "{{- sys + '<|eot_id|>' }}"
+    "{%- set ns = namespace(first_user=true) %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\n\n' }}"
+    "{%- if tools and ns.first_user %}"
+    "{{- 'Answer with a JSON function call when one of these functions helps, written as '"
+    " + '{\"name\": function name, \"parameters\": its arguments}.\n\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson(indent=4) + '\n\n' }}{%- endfor %}"
+    "{%- set ns.first_user = false %}"
+    "{%- endif %}"
+    "{{- message.content | trim + '<|eot_id|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- set fn = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"' + fn.name + "
+    "'\", \"parameters\": ' + fn.arguments | tojson + '}<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content | trim + "
+    "'<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | "
+    "trim + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}";
+
 std::string ChatTemplateFor(const GenModelOptions& o) {
   if (o.chat_template != "auto") return o.chat_template;
   if (o.arch == "qwen2" || o.arch == "qwen3" || o.arch == "qwen3_moe" || o.arch == "deepseek_v3") {
@@ -511,10 +547,10 @@ absl::Status GenModelOptions::Validate() const {
   }
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
-      chat_template != "none") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--chat-template '", chat_template,
-                     "' is not auto, llama3, chatml, llama2, mistral, hermes or none"));
+      chat_template != "llama3-tools" && chat_template != "none") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--chat-template '", chat_template,
+        "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools or none"));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
       rope_scaling != "yarn") {
@@ -560,6 +596,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "llama2") tok_config["chat_template"] = kLlama2Template;
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   if (chat == "hermes") tok_config["chat_template"] = kHermesTemplate;
+  if (chat == "llama3-tools") tok_config["chat_template"] = kLlama3ToolsTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
   const std::string arch_name = o.arch == "mixtral"       ? "MixtralForCausalLM"

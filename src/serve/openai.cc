@@ -197,6 +197,13 @@ absl::Status ParseTools(const json& body, ApiRequest& r) {
                                        "' is given twice"));
         }
       }
+      if (auto strict = fn->find("strict");
+          strict != fn->end() && !(strict->is_null() || *strict == false)) {
+        return BadParam(at + ".function.strict",
+                        absl::StrCat("'", at,
+                                     ".function.strict' true needs the arguments constrained "
+                                     "to the schema while sampling, which is not supported yet"));
+      }
       if (auto params = fn->find("parameters");
           params != fn->end() && !params->is_null() && !params->is_object()) {
         return BadParam(at + ".function.parameters",

@@ -14,7 +14,8 @@
 //   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto" or
 //   "none", parallel_tool_calls; messages of role tool (tool_call_id) and assistant messages
 //   with tool_calls. Unsupported options that would change the answer (echo with logprobs,
-//   suffix, tool_choice "required" or a named function, the deprecated functions /
+//   suffix, tool_choice "required" or a named function, a function's strict: true (each needs
+//   constrained sampling), the deprecated functions /
 //   function_call, response_format other than text) are refused by name; unknown fields are
 //   ignored, as OpenAI does. Bodies are ordered JSON: tool schemas reach the chat template with
 //   their keys in the client's order, as Hugging Face's apply_chat_template gets them.

@@ -35,7 +35,9 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 FAMILIES = [("llama3", ["--arch", "llama"]), ("chatml", ["--arch", "qwen2"]),
             ("llama2", ["--arch", "llama", "--tokenizer", "sentencepiece"]),
             ("mistral", ["--arch", "mistral", "--tokenizer", "sentencepiece"]),
-            ("hermes", ["--arch", "qwen2", "--chat-template", "hermes"])]
+            ("hermes", ["--arch", "qwen2", "--chat-template", "hermes"]),
+            ("llama3-tools", ["--arch", "llama", "--chat-template", "llama3-tools"])]
+TOOL_FAMILIES = ("hermes", "llama3-tools")
 
 # A tool round trip as an application sends it: the tools (their schema's keys not in sorted
 # order), the assistant's call with its arguments as a JSON string, the tool's answer.
@@ -66,11 +68,11 @@ def for_transformers(messages):
 
 
 def tool_checks(family, client, d, tok):
-    """Tools on the hermes family: the prompt is transformers' apply_chat_template(tools=...)
-    token for token (/tokenize, and usage.prompt_tokens); tool_choice none leaves them out;
-    streamed and whole answers agree; what we cannot run yet is refused by name; a template that
-    renders no tools refuses them."""
-    if family != "hermes":
+    """Tools on the templates that render them (Hermes; Llama 3 with tools): the prompt is
+    transformers' apply_chat_template(tools=...) token for token (/tokenize, and
+    usage.prompt_tokens); tool_choice none leaves them out; streamed and whole answers agree; what
+    we cannot run yet is refused by name; a template that renders no tools refuses them."""
+    if family not in TOOL_FAMILIES:
         try:
             client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                            max_tokens=4)
@@ -81,33 +83,33 @@ def tool_checks(family, client, d, tok):
         return
     status, _, body = d.post("/tokenize", {"model": "tiny", "messages": ROUND_TRIP,
                                            "tools": TOOLS})
-    check(status == 200, f"hermes: /tokenize of a tool round trip answers ({status})")
+    check(status == 200, f"{family}: /tokenize of a tool round trip answers ({status})")
     chat = client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
                                           max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True})
     check(chat.choices[0].finish_reason in ("length", "tool_calls"),
-          f"hermes: a tool round trip is answered ({chat.choices[0].finish_reason})")
+          f"{family}: a tool round trip is answered ({chat.choices[0].finish_reason})")
     plain = client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
                                            tool_choice="none", max_tokens=4, temperature=0)
     if tok is not None:
         want = tok.apply_chat_template(for_transformers(ROUND_TRIP), tools=TOOLS,
                                        add_generation_prompt=True, tokenize=True, return_dict=False)
         check(status == 200 and body["tokens"] == list(want),
-              f"hermes: the tool round trip's prompt is transformers', token for token "
+              f"{family}: the tool round trip's prompt is transformers', token for token "
               f"({body.get('count')} vs {len(want)})")
         check(chat.usage.prompt_tokens == len(want),
-              f"hermes: chat with tools prompts transformers' tokens ({chat.usage.prompt_tokens} "
+              f"{family}: chat with tools prompts transformers' tokens ({chat.usage.prompt_tokens} "
               f"vs {len(want)})")
         bare = tok.apply_chat_template(for_transformers(ROUND_TRIP), add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
         check(plain.usage.prompt_tokens == len(bare) < len(want),
-              f"hermes: tool_choice none leaves the tools out ({plain.usage.prompt_tokens} vs "
+              f"{family}: tool_choice none leaves the tools out ({plain.usage.prompt_tokens} vs "
               f"{len(bare)})")
         same = client.completions.create(model="tiny", prompt=list(want), max_tokens=12,
                                          temperature=0, extra_body={"ignore_eos": True})
         text = chat.choices[0].message.content or ""
         check(text == same.choices[0].text or chat.choices[0].message.tool_calls,
-              "hermes: the answer with tools == the completion of transformers' prompt ids")
+              f"{family}: the answer with tools == the completion of transformers' prompt ids")
     content, calls, finish = [], [], None
     for chunk in client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
                                                 max_tokens=12, temperature=0, stream=True,
@@ -119,16 +121,16 @@ def tool_checks(family, client, d, tok):
     check("".join(content) == (chat.choices[0].message.content or "") and
           len(calls) == len(chat.choices[0].message.tool_calls or []) and
           finish == chat.choices[0].finish_reason,
-          "hermes: the streamed answer with tools equals the whole")
+          f"{family}: the streamed answer with tools equals the whole")
     for choice, why in (("required", "constrained"),
                         ({"type": "function", "function": {"name": "get_weather"}}, "constrained")):
         try:
             client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                            tool_choice=choice, max_tokens=4)
-            check(False, f"hermes: tool_choice {choice} is refused")
+            check(False, f"{family}: tool_choice {choice} is refused")
         except openai.BadRequestError as e:
             check(e.status_code == 400 and e.param == "tool_choice" and why in str(e),
-                  f"hermes: tool_choice {choice} is refused by name")
+                  f"{family}: tool_choice {choice} is refused by name")
 
 try:
     from transformers import AutoTokenizer

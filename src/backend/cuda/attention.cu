@@ -142,47 +142,29 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     __syncwarp();
     const int64_t n = min(kAttnChunk, p1 - base);
-    if constexpr (kBatched) {
-      constexpr int kU = 8;  // divides kAttnChunk; a position past n has e = 0 and reads row 0
-      for (int64_t j0 = 0; j0 < n; j0 += kU) {
-        float vv[kU][kPer];
+    // The weighted V rows, kU at a time, their loads issued before their use (kU positions past
+    // n have e = 0 and read row 0).
+    constexpr int kU = kBatched ? 8 : 1;  // divides kAttnChunk
+    for (int64_t j0 = 0; j0 < n; j0 += kU) {
+      float vv[kU][kPer];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int64_t vat = __shfl_sync(0xffffffff, at, static_cast<int>(j0) + u);
-          const bool ok = j0 + u < n;
+      for (int u = 0; u < kU; ++u) {
+        const int64_t vat = __shfl_sync(0xffffffff, at, static_cast<int>(j0) + u);
+        const bool ok = j0 + u < n;
 #pragma unroll
-          for (int i = 0; i < kPer; ++i) {
-            const int64_t d = lane + 32 * i;
-            vv[u][i] = ok && d < hd ? vc[vat + d] : 0.f;
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-#pragma unroll
-          for (int g = 0; g < kG; ++g) {
-            const float e = es[warp][g][j0 + u];
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) acc[g][i] += e * vv[u][i];
-          }
+        for (int i = 0; i < kPer; ++i) {
+          const int64_t d = lane + 32 * i;
+          vv[u][i] = ok && d < hd ? vc[vat + d] : 0.f;
         }
       }
-      __syncwarp();
-      continue;
-    }
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t vat = __shfl_sync(0xffffffff, at, static_cast<int>(jj));
-      const float* vr = vc + vat;
-      float vv[kPer];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int64_t d = lane + 32 * i;
-        vv[i] = d < hd ? vr[d] : 0.f;
-      }
+      for (int u = 0; u < kU; ++u) {
 #pragma unroll
-      for (int g = 0; g < kG; ++g) {
-        const float e = es[warp][g][jj];
+        for (int g = 0; g < kG; ++g) {
+          const float e = es[warp][g][j0 + u];
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) acc[g][i] += e * vv[i];
+          for (int i = 0; i < kPer; ++i) acc[g][i] += e * vv[u][i];
+        }
       }
     }
     __syncwarp();

@@ -381,6 +381,15 @@ TEST(ChatTemplateTest, ToolsAndTheirFormat) {
   const ChatTemplate p = ChatTemplate::ForModel(plain_model, **plain_tok);
   EXPECT_FALSE(p.renders_tools());
   EXPECT_EQ(p.tool_call_format(), "");
+  // Llama 3.1's form (the ipython role): bare JSON calls.
+  auto l3 = testing::SmallModel("llama", dir.Sub("l3"));
+  l3.chat_template = "llama3-tools";
+  const std::string l3_model = testing::WriteModel(l3);
+  auto l3_tok = Tokenizer::Load(l3_model);
+  ASSERT_TRUE(l3_tok.ok());
+  const ChatTemplate l = ChatTemplate::ForModel(l3_model, **l3_tok);
+  EXPECT_TRUE(l.renders_tools());
+  EXPECT_EQ(l.tool_call_format(), "llama3_json");
 }
 
 }  // namespace
