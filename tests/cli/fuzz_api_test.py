@@ -30,17 +30,26 @@ subprocess.run([BIN, "gen-model", "--out", model, "--layers", "2", "--hidden", "
 VALID = {"model": "tiny", "prompt": [1, 20, 30, 40], "max_tokens": 6, "temperature": 0,
          "ignore_eos": True}
 VALID_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# A tool round trip (the model's template renders no tools: a 400 naming them, when it parses).
+VALID_TOOLS = {"model": "tiny", "max_tokens": 4, "messages": [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "2"}],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
 WEIRD = [None, True, False, 0, -1, 1, 2**31, -2**63, 2**64, 1e308, -1e-308, 0.5, "", "x" * 5000,
          "\u0000", "\ud7ff\u00e9\u4e2d", [], [None], [1.5], [-1], [2**40], {}, {"a": {"b": []}},
          [[1, 2], [3]], ["a", 1], "NaN", "Infinity", [""], [0] * 300]
 KEYS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
         "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs",
         "top_logprobs", "n", "echo", "best_of", "logit_bias", "suffix", "presence_penalty",
-        "max_completion_tokens", "user", "zzz"]
+        "max_completion_tokens", "user", "zzz", "tools", "tool_choice", "parallel_tool_calls",
+        "functions", "response_format"]
+MESSAGE_KEYS = ["role", "content", "x", "tool_calls", "tool_call_id", "name"]
 
 
 def mutate(rng):
-    body = json.loads(json.dumps(rng.choice([VALID, VALID_CHAT])))
+    body = json.loads(json.dumps(rng.choice([VALID, VALID_CHAT, VALID_TOOLS])))
     for _ in range(rng.randint(1, 4)):
         op = rng.random()
         if op < 0.35:
@@ -48,7 +57,15 @@ def mutate(rng):
         elif op < 0.5 and body:
             body.pop(rng.choice(list(body)))
         elif op < 0.6 and "messages" in body and isinstance(body["messages"], list):
-            body["messages"].append({rng.choice(["role", "content", "x"]): rng.choice(WEIRD)})
+            body["messages"].append({rng.choice(MESSAGE_KEYS): rng.choice(WEIRD)})
+        elif op < 0.65 and isinstance(body.get("messages"), list) and body["messages"]:
+            m = rng.choice(body["messages"])  # a field of a message, or of a call in it
+            if isinstance(m, dict):
+                calls = m.get("tool_calls")
+                if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+                    calls[0][rng.choice(["id", "type", "function"])] = rng.choice(WEIRD)
+                else:
+                    m[rng.choice(MESSAGE_KEYS)] = rng.choice(WEIRD)
         elif op < 0.7:
             body["max_tokens"] = rng.randint(-5, 400)
         else:
