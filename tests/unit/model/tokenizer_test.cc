@@ -334,12 +334,16 @@ TEST(ChatTemplateTest, ANamedListWithoutStringsGivesNoTemplate) {
 // the texts of the messages that have one marked. A template without tools says so.
 TEST(ChatTemplateTest, ToolsAndTheirFormat) {
   testing::TempDir dir;
-  auto o = testing::SmallModel("qwen2", dir.Sub("m"));
-  o.chat_template = "hermes";
-  const std::string model = testing::WriteModel(o);
-  auto tok = Tokenizer::Load(model);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const ChatTemplate t = ChatTemplate::ForModel(model, **tok);
+  // The template of a generated model of `arch` with the chat template `family`.
+  auto template_of = [&](const std::string& arch, const std::string& family) {
+    auto o = testing::SmallModel(arch, dir.Sub(family));
+    o.chat_template = family;
+    const std::string model = testing::WriteModel(o);
+    auto tok = Tokenizer::Load(model);
+    EXPECT_TRUE(tok.ok()) << tok.status();
+    return ChatTemplate::ForModel(model, **tok);
+  };
+  const ChatTemplate t = template_of("qwen2", "hermes");
   EXPECT_TRUE(t.renders_tools());
   EXPECT_EQ(t.tool_call_format(), "hermes");
   std::vector<ChatMessage> messages(3);
@@ -373,23 +377,13 @@ TEST(ChatTemplateTest, ToolsAndTheirFormat) {
   ASSERT_TRUE(without.ok());
   EXPECT_EQ(without->text.find("<tools>"), std::string::npos);
 
-  auto plain = testing::SmallModel("llama", dir.Sub("p"));
-  plain.chat_template = "llama3";
-  const std::string plain_model = testing::WriteModel(plain);
-  auto plain_tok = Tokenizer::Load(plain_model);
-  ASSERT_TRUE(plain_tok.ok());
-  const ChatTemplate p = ChatTemplate::ForModel(plain_model, **plain_tok);
-  EXPECT_FALSE(p.renders_tools());
-  EXPECT_EQ(p.tool_call_format(), "");
+  const ChatTemplate plain = template_of("llama", "llama3");
+  EXPECT_FALSE(plain.renders_tools());
+  EXPECT_EQ(plain.tool_call_format(), "");
   // Llama 3.1's form (the ipython role): bare JSON calls.
-  auto l3 = testing::SmallModel("llama", dir.Sub("l3"));
-  l3.chat_template = "llama3-tools";
-  const std::string l3_model = testing::WriteModel(l3);
-  auto l3_tok = Tokenizer::Load(l3_model);
-  ASSERT_TRUE(l3_tok.ok());
-  const ChatTemplate l = ChatTemplate::ForModel(l3_model, **l3_tok);
-  EXPECT_TRUE(l.renders_tools());
-  EXPECT_EQ(l.tool_call_format(), "llama3_json");
+  const ChatTemplate l3 = template_of("llama", "llama3-tools");
+  EXPECT_TRUE(l3.renders_tools());
+  EXPECT_EQ(l3.tool_call_format(), "llama3_json");
 }
 
 }  // namespace
