@@ -70,6 +70,5 @@ nlohmann::json ErrorBody(const absl::Status& status);
 
 // JSON text that never throws on invalid UTF-8 (model output may hold partial characters).
 std::string DumpJson(const nlohmann::json& j);
-std::string DumpJson(const nlohmann::ordered_json& j);
 
 }  // namespace shardserve
