@@ -486,7 +486,8 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   if (chat) {
     RETURN_IF_ERROR(ParseTools(body, r));
   } else {
-    for (const char* name : {"tools", "tool_choice", "functions", "function_call"}) {
+    for (const char* name :
+         {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}) {
       if (auto it = body.find(name); it != body.end() && !it->is_null()) {
         return BadParam(name, absl::StrCat("'", name, "' belongs to /v1/chat/completions"));
       }

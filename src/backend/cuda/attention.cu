@@ -454,6 +454,16 @@ void LaunchAttentionSplit(int kg, int per, bool batched, dim3 grid, const float*
   }
 }
 
+absl::StatusOr<int> AttentionKernelOverride() {
+  const char* v = std::getenv("SHARDSERVE_CUDA_ATTN_BATCHED");
+  if (v == nullptr || *v == '\0') return -1;
+  if (std::string_view(v) == "0" || std::string_view(v) == "1") return *v - '0';
+  return absl::InvalidArgumentError(absl::StrCat(
+      "environment variable SHARDSERVE_CUDA_ATTN_BATCHED='", v,
+      "' must be 0 (the plain decode attention kernel) or 1 (the batched one); unset, the shape "
+      "chooses"));
+}
+
 absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t rows, int64_t heads,
                        int64_t head0, int64_t group, int64_t kv_head0, const int32_t* positions,
                        const int32_t* blocks, const int32_t* block_offset, int64_t max_len,
@@ -501,12 +511,9 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
   // The batched kernel (more loads in flight a warp) where few blocks must hide their own
   // latency: few (row, KV head) items, or long splits. On an H200 (bench/cuda-notes.md) it was
   // 3-13 % faster there and 9 % slower at TinyLlama batch 32 after 128 tokens (128 items, splits
-  // of 128). SHARDSERVE_CUDA_ATTN_BATCHED=1 or 0 forces one kernel.
-  static const char* force = std::getenv("SHARDSERVE_CUDA_ATTN_BATCHED");
-  const bool batched =
-      force != nullptr && (std::string_view(force) == "1" || std::string_view(force) == "0")
-          ? std::string_view(force) == "1"
-          : blocks_x < 128 || per_split >= 2 * step;
+  // of 128). SHARDSERVE_CUDA_ATTN_BATCHED=1 or 0 forces one kernel (NewBackend checked it).
+  static const int force = AttentionKernelOverride().value_or(-1);
+  const bool batched = force >= 0 ? force == 1 : blocks_x < 128 || per_split >= 2 * step;
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(splits));
   LaunchAttentionSplit(kg, static_cast<int>((c.head_dim + 31) / 32), batched, grid, c.k, c.v,
                        c.kv_heads, c.block_size, c.head_dim, q, heads, head0, group, kv_head0,

@@ -258,6 +258,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device) {
     return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available (",
                                                       DeviceCount(), " GPU(s) visible)"));
   }
+  RETURN_IF_ERROR(AttentionKernelOverride().status());
   ASSIGN_OR_RETURN(std::unique_ptr<Context> ctx, Context::Create(device));
   return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(std::move(ctx)));
 }

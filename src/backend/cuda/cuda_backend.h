@@ -115,6 +115,10 @@ struct DeviceKv {
 absl::Status WriteKv(const DeviceKv& cache, const float* k, const float* v, int64_t rows,
                      const int32_t* positions, const int32_t* blocks, const int32_t* block_offset);
 
+// SHARDSERVE_CUDA_ATTN_BATCHED: -1 when unset (Attention chooses its decode kernel by shape),
+// 0 or 1 to force the plain or the batched one; any other value is an error naming it.
+absl::StatusOr<int> AttentionKernelOverride();
+
 // Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
 // sequence (blocks at block_offset[r]); head h reads KV head (head0 + h) / group - kv_head0.
 // Writes rows x heads x head_dim floats; scale is 1/sqrt(head_dim).

@@ -94,47 +94,42 @@ __host__ __device__ __forceinline__ void Load32(const uint8_t* p, uint32_t (&w)[
   w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
 }
 
-// Q4_K: F16 d, F16 dmin, 12 bytes of scales and minimums, 128 bytes of quants; sub-block j's
+// Q4_K and Q5_K: F16 d, F16 dmin, 12 bytes of scales and minimums, (Q5_K: 32 bytes of fifth
+// bits: bit j of byte i for value i of sub-block j), then 128 bytes of quants; sub-block j's
 // values are the low (even j) or high (odd j) nibbles of bytes 32 (j / 2) .. + 31 of the quants:
 // d * scale_j * q - dmin * min_j.
+template <bool kFifthBit>
+__host__ __device__ __forceinline__ void KQuantChunk(const uint8_t* b, int j, float (&v)[32]) {
+  constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
+  b += (j / 8) * kBlockBytes;
+  j %= 8;
+  float sc, mn;
+  ScaleMin(b + 4, j, &sc, &mn);
+  const float d = HalfAt(b) * sc, m = HalfAt(b + 2) * mn;
+  uint32_t w[8], h[8] = {};
+  Load32(b + kQuants + 32 * (j / 2), w);
+  if constexpr (kFifthBit) Load32(b + 16, h);
+  const int shift = 4 * (j % 2);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int bit = 8 * (i % 4);
+    uint32_t q = (w[i / 4] >> (bit + shift)) & 15;
+    if constexpr (kFifthBit) q |= ((h[i / 4] >> (bit + j)) & 1) << 4;
+    v[i] = d * static_cast<float>(q) - m;
+  }
+}
+
 template <>
 struct Blocks<DType::kQ4_K> {
   static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
-    b += (j / 8) * 144;
-    j %= 8;
-    float sc, mn;
-    ScaleMin(b + 4, j, &sc, &mn);
-    const float d = HalfAt(b) * sc, m = HalfAt(b + 2) * mn;
-    uint32_t w[8];
-    Load32(b + 16 + 32 * (j / 2), w);
-    const int shift = 4 * (j % 2);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      v[i] = d * static_cast<float>((w[i / 4] >> (8 * (i % 4) + shift)) & 15) - m;
-    }
+    KQuantChunk<false>(b, j, v);
   }
 };
 
-// Q5_K: as Q4_K, with 32 bytes of fifth bits after the scales (bit j of byte i: value i of
-// sub-block j), then the 128 bytes of low nibbles.
 template <>
 struct Blocks<DType::kQ5_K> {
   static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
-    b += (j / 8) * 176;
-    j %= 8;
-    float sc, mn;
-    ScaleMin(b + 4, j, &sc, &mn);
-    const float d = HalfAt(b) * sc, m = HalfAt(b + 2) * mn;
-    uint32_t w[8], h[8];
-    Load32(b + 48 + 32 * (j / 2), w);
-    Load32(b + 16, h);
-    const int shift = 4 * (j % 2);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int bit = 8 * (i % 4);
-      const uint32_t q = ((w[i / 4] >> (bit + shift)) & 15) | (((h[i / 4] >> (bit + j)) & 1) << 4);
-      v[i] = d * static_cast<float>(q) - m;
-    }
+    KQuantChunk<true>(b, j, v);
   }
 };
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -43,6 +44,27 @@ using testing::BackendCase;
 using testing::BackendOpsTest;
 INSTANTIATE_TEST_SUITE_P(Cuda, BackendOpsTest, ::testing::Values(BackendCase{"gpu0", Gpu0}),
                          testing::BackendCaseName);
+
+// The decode attention kernel override is 0, 1 or unset; anything else is refused by name (no
+// GPU needed: NewBackend refuses before it touches the device).
+TEST(CudaBackendTest, AttentionKernelOverrideIsZeroOneOrUnset) {
+  unsetenv("SHARDSERVE_CUDA_ATTN_BATCHED");
+  EXPECT_EQ(*cuda::AttentionKernelOverride(), -1);
+  setenv("SHARDSERVE_CUDA_ATTN_BATCHED", "1", 1);
+  EXPECT_EQ(*cuda::AttentionKernelOverride(), 1);
+  setenv("SHARDSERVE_CUDA_ATTN_BATCHED", "0", 1);
+  EXPECT_EQ(*cuda::AttentionKernelOverride(), 0);
+  setenv("SHARDSERVE_CUDA_ATTN_BATCHED", "yes", 1);
+  const absl::Status s = cuda::AttentionKernelOverride().status();
+  EXPECT_THAT(std::string(s.message()),
+              ::testing::HasSubstr("SHARDSERVE_CUDA_ATTN_BATCHED='yes' must be 0"));
+  if (cuda::DeviceCount() > 0) {
+    auto b = cuda::NewBackend(0);
+    EXPECT_FALSE(b.ok());
+    EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("ATTN_BATCHED"));
+  }
+  unsetenv("SHARDSERVE_CUDA_ATTN_BATCHED");
+}
 
 TEST(CudaBackendTest, NcclLibraryLoads) {
   EXPECT_NE(nccl::Version(), "unknown");  // runs without a GPU: the library links and loads

@@ -120,6 +120,8 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
            "parallel_tool_calls": "no"})",
        true, "parallel_tool_calls"},
       {R"({"model": "m", "prompt": "x", "tools": []})", false, "tools"},
+      {R"({"model": "m", "prompt": "x", "parallel_tool_calls": true})", false,
+       "parallel_tool_calls"},
       {R"({"model": "m", "messages": [{"role": "tool", "content": "42"}]})", true,
        "messages[0].tool_call_id"},
       {R"({"model": "m", "messages": [{"role": "function", "content": "42", "name": "f"}]})", true,
