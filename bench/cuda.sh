@@ -5,7 +5,8 @@
 # per step against the device's copy bandwidth measured in the same run — then the peer, PyTorch +
 # transformers on the same model directory and the same shapes (bench/cuda_peer.py), and
 # shardserve / peer for tokens/s. BENCH_PEER=0 leaves the peer out; BENCH_ATTN_AB=1 also runs
-# each BF16 row with each decode attention kernel forced (SHARDSERVE_CUDA_ATTN_BATCHED=0, 1).
+# each BF16 row with each decode attention kernel forced (SHARDSERVE_CUDA_ATTN_KERNEL=split,
+# split-batched, heads).
 # Usage: bench/cuda.sh [MODELS] (default "tinyllama llama3-8b")
 # SHARDSERVE_BIN=DIR uses the binaries in DIR (scripts/gpu-check.sh's build) instead of setting up
 # and building here; BENCH_MODELS=DIR holds the generated models (default build/bench-models);
@@ -61,10 +62,10 @@ for m in $MODELS; do
       --prompt-tokens "$prompt")
     echo "$ours"
     if [ "${BENCH_ATTN_AB:-0}" = 1 ]; then  # each attention kernel forced, same machine
-      for v in 0 1; do
-        SHARDSERVE_CUDA_ATTN_BATCHED=$v "$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" \
+      for v in split split-batched heads; do
+        SHARDSERVE_CUDA_ATTN_KERNEL=$v "$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" \
           --batch "$batches" --steps 64 --prompt-tokens "$prompt" | grep -E '^decode batch' |
-          sed "s/^/[batched attention $v] /"
+          sed "s/^/[attention $v] /"
       done
     fi
     [ "${BENCH_PEER:-1}" = 0 ] && continue

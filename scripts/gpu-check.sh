@@ -9,7 +9,9 @@
 #                             [--profile] [--build-only] [--targets "cuda_tests shardserve ..."]
 # --profile also runs ncu over two decode steps of each bench model (batch 1 and 32 after a
 # 128-token prompt; TinyLlama also batch 16 after 2,048; the Q4_K GGUF at batch 1; PROFILE_ROWS
-# chooses others) and writes the per-kernel tables (scripts/ncu_table.py) to OUT/profile.txt.
+# chooses others) and writes the per-kernel tables (scripts/ncu_table.py) to OUT/profile.txt;
+# PROFILE_DETAIL ("MODEL:BATCH:PROMPT:KERNEL_REGEX ...") adds ncu's sections (occupancy, warp
+# stalls, memory) for one launch of each named kernel, in OUT/profile-detail.txt.
 # NVCC, NCCL_DIR (include/, lib/), BUILD_DIR (build-gpu), BUILD_TYPE (Release) and BENCH_MODELS
 # (where the benchmark's models are generated, /tmp/shardserve-bench-models) override what is found.
 set -uo pipefail
@@ -119,9 +121,9 @@ check() {  # check NAME COMMAND...: runs it with its log in OUT/NAME.log; 77 is 
 }
 check cuda_tests "$BIN/cuda_tests"
 grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
-# Attention chooses between two decode kernels by shape: each forced through the attention cases.
-for v in 0 1; do
-  check "cuda_attention_batched_$v" env SHARDSERVE_CUDA_ATTN_BATCHED=$v "$BIN/cuda_tests" \
+# Attention chooses among three decode kernels by shape: each forced through the attention cases.
+for v in split split-batched heads; do
+  check "cuda_attention_$v" env SHARDSERVE_CUDA_ATTN_KERNEL=$v "$BIN/cuda_tests" \
     --gtest_filter='*Attention*'
 done
 check cuda_generate python3 tests/cli/cuda_generate_test.py "$BIN/shardserve"
@@ -129,7 +131,7 @@ check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"
 if ((BENCH)); then
   check bench env SHARDSERVE_BIN="$BIN" BENCH_MODELS="${BENCH_MODELS:-/tmp/shardserve-bench-models}" PEER_PYTHON=python3 \
     bash bench/cuda.sh "$BENCH_SET"
-  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer|\[batched|concurrency|[0-9]+ +[0-9.]+ )' "$OUT/bench.log" |
+  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer|\[attention|concurrency|[0-9]+ +[0-9.]+ )' "$OUT/bench.log" |
     tee -a "$SUMMARY"
 fi
 if ((PROFILE)); then
@@ -144,6 +146,19 @@ if ((PROFILE)); then
       --batch "$2" --steps 3 --profile-steps 2 --prompt-tokens "$3" >>"$OUT/profile.log" 2>&1 ||
       { note "FAIL profile $1 b$2 p$3: $(tail -2 "$OUT/profile.log" | tr '\n' ' ')"; fail=1; return; }
     python3 scripts/ncu_table.py "$csv" 2 "$1 batch $2, $3-token prompt" >>"$OUT/profile.txt"
+  }
+  detail() {  # detail MODEL BATCH PROMPT KERNEL: ncu's sections for one launch of KERNEL (a regex)
+    local dir="${BENCH_MODELS:-/tmp/shardserve-bench-models}/$1"
+    [[ "$1" == *.gguf ]] || dir="$dir-bf16"
+    [ -e "$dir" ] || { note "SKIP detail $1: no model at $dir (run the bench)"; return; }
+    {
+      echo "=== $4 in $1 batch $2, $3-token prompt"
+      "$NCU" --clock-control none --profile-from-start off -k "regex:$4" -c 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        "$BIN/shardserve" bench cuda --model "$dir" --batch "$2" --steps 3 --profile-steps 2 \
+        --prompt-tokens "$3" 2>&1 | grep -vE '^(decode|prefill|model:|copy)' | sed -n '/==PROF==/,$p'
+    } >>"$OUT/profile-detail.txt"
   }
   if [ -z "$NCU" ]; then
     note "SKIP profile: no ncu"
@@ -160,6 +175,12 @@ if ((PROFILE)); then
     for row in $rows; do
       IFS=: read -r m b p <<<"$row"
       profile "$m" "$b" "$p"
+    done
+    # PROFILE_DETAIL: "MODEL:BATCH:PROMPT:KERNEL ..." (ncu's sections for one launch of each,
+    # into OUT/profile-detail.txt).
+    for row in ${PROFILE_DETAIL:-}; do
+      IFS=: read -r m b p k <<<"$row"
+      detail "$m" "$b" "$p" "$k"
     done
     note "profile: $OUT/profile.txt"
     cat "$OUT/profile.txt"

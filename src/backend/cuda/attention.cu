@@ -210,13 +210,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 }
 
-// One block per (row, head): the splits' partial softmaxes merged, threads over head_dim.
+// One block per (row, head): the splits' partial softmaxes merged (with the head's sink, when
+// `sinks`, in the denominator), threads over head_dim.
 __global__ void AttentionCombineKernel(const float* partial, int64_t splits, int64_t hd,
-                                       float* out) {
+                                       int64_t heads, const float* sinks, float* out) {
   const int64_t item = blockIdx.x;
   const float* pr = partial + item * splits * (hd + 2);
-  float mx = -FLT_MAX, sum = 0.f;
+  float mx = sinks != nullptr ? sinks[item % heads] : -FLT_MAX;
   for (int64_t s = 0; s < splits; ++s) mx = fmaxf(mx, pr[s * (hd + 2)]);
+  float sum = sinks != nullptr ? expf(sinks[item % heads] - mx) : 0.f;
   for (int64_t s = 0; s < splits; ++s) sum += pr[s * (hd + 2) + 1] * expf(pr[s * (hd + 2)] - mx);
   const float inv = 1.f / sum;
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -227,53 +229,87 @@ __global__ void AttentionCombineKernel(const float* partial, int64_t splits, int
   }
 }
 
-// Attention with a sliding window or sinks (gpt-oss; Backend::AttentionExtras): grid (rows,
-// heads), four warps taking positions in turn over [max(0, len - window), len), a lane
-// holding every 32nd dim of the query and the output; the warps' online softmaxes merge in shared
-// memory with the head's sink in the denominator. A plain kernel: the split-K one above serves
-// attention without extras.
-constexpr int64_t kExtrasPer = kAttnMaxHeadDim / 32;
+// Decode attention for few (row, KV head) items, and attention with a sliding window or sinks
+// (gpt-oss; Backend::AttentionExtras): grid (row x query head, splits of per_split positions),
+// kHeadWarps warps that take kHeadUnroll positions at a time in turn, a lane holding every 32nd
+// dim of the query and the output. A position's K and V rows are read coalesced by the warp, the
+// kHeadUnroll positions' loads all in flight before their dot products, whose shuffle sums
+// interleave. The split-K kernel above gives each lane a whole position, 32 at a time for every
+// head of a group: at batch 1 its 16 blocks ran 4,500 dependent instructions a warp (33 us a
+// layer at Llama-3-8B; ncu: 6 % occupancy, 0.7 % of memory throughput). Here a warp's chain is a
+// few positions long and the grid is wide; each KV row is read once per query head (from L2).
+// The warps' states merge in shared memory; one split writes the output (with the head's sink in
+// the denominator), several write (max, sum, weighted V) for AttentionCombineKernel.
+constexpr int kHeadWarps = 4;
+constexpr int kHeadUnroll = 4;
+constexpr int64_t kHeadPer = kAttnMaxHeadDim / 32;
 
-__global__ void __launch_bounds__(4 * 32)
-    AttentionExtrasKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs,
-                          int64_t hd, const float* q, int64_t heads, int64_t head0, int64_t group,
-                          int64_t kv_head0, const int32_t* positions, const int32_t* blocks,
-                          const int32_t* block_offset, float scale, int64_t window,
-                          const float* sinks, float* out) {
-  constexpr int kWarps = 4;
-  __shared__ float wm[kWarps], wl[kWarps];
-  __shared__ float wacc[kWarps][kAttnMaxHeadDim];
-  const int64_t r = blockIdx.x, h = blockIdx.y, item = r * heads + h;
+template <int kPer>
+__global__ void __launch_bounds__(kHeadWarps * 32)
+    AttentionHeadKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
+                        const float* q, int64_t heads, int64_t head0, int64_t group,
+                        int64_t kv_head0, const int32_t* positions, const int32_t* blocks,
+                        const int32_t* block_offset, int64_t per_split, float scale, int64_t window,
+                        const float* sinks, float* partial, float* out) {
+  __shared__ float wm[kHeadWarps], wl[kHeadWarps];
+  __shared__ float wacc[kHeadWarps][kPer * 32];
+  const int64_t item = blockIdx.x, r = item / heads, h = item % heads;
   const int64_t kh = (head0 + h) / group - kv_head0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float qv[kExtrasPer], acc[kExtrasPer];
+  float qv[kPer], acc[kPer];
 #pragma unroll
-  for (int i = 0; i < kExtrasPer; ++i) {
+  for (int i = 0; i < kPer; ++i) {
     const int64_t d = lane + 32 * i;
     qv[i] = d < hd ? q[item * hd + d] : 0.f;
     acc[i] = 0.f;
   }
   const int64_t len = positions[r] + 1;
   const int64_t begin = window > 0 ? max(int64_t{0}, len - window) : 0;
+  const int64_t p0 = max(begin, static_cast<int64_t>(blockIdx.y) * per_split);
+  const int64_t p1 = min(len, static_cast<int64_t>(blockIdx.y + 1) * per_split);
   const int32_t* row_blocks = blocks + block_offset[r];
   float m = -FLT_MAX, l = 0.f;
-  for (int64_t p = begin + warp; p < len; p += kWarps) {
-    const int64_t at =
-        ((static_cast<int64_t>(row_blocks[p / bs]) * kv_heads + kh) * bs + p % bs) * hd;
-    float s = 0.f;
+  for (int64_t base = p0 + warp * kHeadUnroll; base < p1; base += kHeadWarps * kHeadUnroll) {
+    float kr[kHeadUnroll][kPer], vr[kHeadUnroll][kPer], s[kHeadUnroll];
 #pragma unroll
-    for (int i = 0; i < kExtrasPer; ++i) {
-      const int64_t d = lane + 32 * i;
-      if (d < hd) s += qv[i] * kc[at + d];
+    for (int u = 0; u < kHeadUnroll; ++u) {
+      const int64_t p = base + u;
+      const bool ok = p < p1;
+      const int64_t at =
+          ok ? ((static_cast<int64_t>(row_blocks[p / bs]) * kv_heads + kh) * bs + p % bs) * hd : 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int64_t d = lane + 32 * i;
+        kr[u][i] = ok && d < hd ? kc[at + d] : 0.f;
+        vr[u][i] = ok && d < hd ? vc[at + d] : 0.f;
+      }
     }
-    for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
-    s *= scale;
-    const float mn = fmaxf(m, s), rescale = expf(m - mn), e = expf(s - mn);
-    l = l * rescale + e;
 #pragma unroll
-    for (int i = 0; i < kExtrasPer; ++i) {
-      const int64_t d = lane + 32 * i;
-      acc[i] = acc[i] * rescale + (d < hd ? e * vc[at + d] : 0.f);
+    for (int u = 0; u < kHeadUnroll; ++u) {
+      s[u] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) s[u] += qv[i] * kr[u][i];
+    }
+    for (int off = 16; off > 0; off /= 2) {
+#pragma unroll
+      for (int u = 0; u < kHeadUnroll; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], off);
+    }
+    float mn = m;
+#pragma unroll
+    for (int u = 0; u < kHeadUnroll; ++u) {
+      s[u] = base + u < p1 ? s[u] * scale : -FLT_MAX;
+      mn = fmaxf(mn, s[u]);
+    }
+    const float rescale = expf(m - mn);
+    l *= rescale;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[i] *= rescale;
+#pragma unroll
+    for (int u = 0; u < kHeadUnroll; ++u) {
+      const float e = base + u < p1 ? expf(s[u] - mn) : 0.f;
+      l += e;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[i] += e * vr[u][i];
     }
     m = mn;
   }
@@ -282,17 +318,35 @@ __global__ void __launch_bounds__(4 * 32)
     wl[warp] = l;
   }
 #pragma unroll
-  for (int i = 0; i < kExtrasPer; ++i) wacc[warp][lane + 32 * i] = acc[i];
+  for (int i = 0; i < kPer; ++i) wacc[warp][lane + 32 * i] = acc[i];
   __syncthreads();
-  const float sink = sinks != nullptr ? sinks[h] : -FLT_MAX;
-  float mx = sink;
-  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w]);
-  float total = sinks != nullptr ? expf(sink - mx) : 0.f;
-  for (int w = 0; w < kWarps; ++w) total += wl[w] * expf(wm[w] - mx);
+  float mx = -FLT_MAX;
+  for (int w = 0; w < kHeadWarps; ++w) mx = fmaxf(mx, wm[w]);
+  float sum = 0.f;
+  for (int w = 0; w < kHeadWarps; ++w) sum += wl[w] * expf(wm[w] - mx);
+  if (gridDim.y == 1) {
+    float factor = 1.f;  // the warps' terms against the sink's, when the head has one
+    if (sinks != nullptr) {
+      const float top = fmaxf(mx, sinks[h]);
+      factor = expf(mx - top);
+      sum = sum * factor + expf(sinks[h] - top);
+    }
+    for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+      float a = 0.f;
+      for (int w = 0; w < kHeadWarps; ++w) a += wacc[w][d] * expf(wm[w] - mx);
+      out[item * hd + d] = a * factor / sum;
+    }
+    return;
+  }
+  float* o = partial + (item * gridDim.y + blockIdx.y) * (hd + 2);
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-    float v = 0.f;
-    for (int w = 0; w < kWarps; ++w) v += wacc[w][d] * expf(wm[w] - mx);
-    out[item * hd + d] = v / total;
+    float a = 0.f;
+    for (int w = 0; w < kHeadWarps; ++w) a += wacc[w][d] * expf(wm[w] - mx);
+    o[2 + d] = a;
+  }
+  if (threadIdx.x == 0) {
+    o[0] = mx;
+    o[1] = sum;
   }
 }
 
@@ -454,15 +508,68 @@ void LaunchAttentionSplit(int kg, int per, bool batched, dim3 grid, const float*
   }
 }
 
-absl::StatusOr<int> AttentionKernelOverride() {
-  const char* v = std::getenv("SHARDSERVE_CUDA_ATTN_BATCHED");
-  if (v == nullptr || *v == '\0') return -1;
-  if (std::string_view(v) == "0" || std::string_view(v) == "1") return *v - '0';
+absl::StatusOr<AttentionKernel> AttentionKernelOverride() {
+  const char* v = std::getenv("SHARDSERVE_CUDA_ATTN_KERNEL");
+  if (v == nullptr || *v == '\0') return AttentionKernel::kByShape;
+  const std::string_view name(v);
+  if (name == "split") return AttentionKernel::kSplit;
+  if (name == "split-batched") return AttentionKernel::kSplitBatched;
+  if (name == "heads") return AttentionKernel::kHeads;
   return absl::InvalidArgumentError(absl::StrCat(
-      "environment variable SHARDSERVE_CUDA_ATTN_BATCHED='", v,
-      "' must be 0 (the plain decode attention kernel) or 1 (the batched one); unset, the shape "
-      "chooses"));
+      "environment variable SHARDSERVE_CUDA_ATTN_KERNEL='", v,
+      "' must be split, split-batched or heads (the decode attention kernel to force); unset, "
+      "the shape chooses"));
 }
+
+namespace {
+
+// AttentionHeadKernel over rows x heads items in splits of positions: enough splits to give the
+// GPU kAttnTargetBlocks blocks, each at least kHeadWarps * kHeadUnroll * 2 positions (two
+// rounds a warp).
+absl::Status AttentionByHead(Context& ctx, const DeviceKv& c, const float* q, int64_t rows,
+                             int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
+                             const int32_t* positions, const int32_t* blocks,
+                             const int32_t* block_offset, int64_t max_len, float scale,
+                             const AttentionExtras& extras, float* out) {
+  if (rows * heads > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention over ", rows, " rows x ", heads, " heads"));
+  }
+  constexpr int64_t kMinSplit = kHeadWarps * kHeadUnroll * 2;
+  const int64_t items = rows * heads;
+  const int64_t most = std::max<int64_t>(1, (max_len + kMinSplit - 1) / kMinSplit);
+  const int64_t want = std::clamp<int64_t>((kAttnTargetBlocks + items - 1) / items, 1, most);
+  const int64_t per_split = ((max_len + want - 1) / want + kMinSplit - 1) / kMinSplit * kMinSplit;
+  const int64_t splits = std::max<int64_t>(1, (max_len + per_split - 1) / per_split);
+  float* pr = nullptr;
+  if (splits > 1) {
+    auto partial =
+        ctx.Scratch(static_cast<size_t>(items * splits * (c.head_dim + 2)) * sizeof(float));
+    if (!partial.ok()) return partial.status();
+    pr = static_cast<float*>(*partial);
+  }
+  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(splits));
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kHeadWarps * 32>>>(c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q, heads,
+                                      head0, group, kv_head0, positions, blocks, block_offset,
+                                      per_split, scale, extras.window, extras.sinks, pr, out);
+  };
+  const int64_t per = (c.head_dim + 31) / 32;
+  if (per <= 2) {
+    launch(AttentionHeadKernel<2>);
+  } else if (per <= 4) {
+    launch(AttentionHeadKernel<4>);
+  } else {
+    launch(AttentionHeadKernel<kHeadPer>);
+  }
+  RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
+  if (splits == 1) return absl::OkStatus();
+  AttentionCombineKernel<<<static_cast<unsigned>(items), 128>>>(pr, splits, c.head_dim, heads,
+                                                                extras.sinks, out);
+  return Check(cudaGetLastError(), "Attention launch");
+}
+
+}  // namespace
 
 absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t rows, int64_t heads,
                        int64_t head0, int64_t group, int64_t kv_head0, const int32_t* positions,
@@ -474,23 +581,29 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
         absl::StrCat("attention on the CUDA backend takes head_dim up to ", kAttnMaxHeadDim,
                      ", not ", c.head_dim));
   }
-  if (extras.window > 0 || extras.sinks != nullptr) {
-    if (rows > INT32_MAX || heads > 65535) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention over ", rows, " rows x ", heads, " heads"));
-    }
-    AttentionExtrasKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(heads)),
-                            4 * 32>>>(c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q, heads,
-                                      head0, group, kv_head0, positions, blocks, block_offset,
-                                      scale, extras.window, extras.sinks, out);
-    return Check(cudaGetLastError(), "Attention (window, sinks) launch");
-  }
   // The KV heads this rank's query heads read, and the blocks that serve each (kG heads a block).
   const int64_t kv_first = head0 / group, kv_count = (head0 + heads - 1) / group - kv_first + 1;
   const int64_t g = std::min<int64_t>(group, kAttnMaxGroup);
   const int kg = g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : g <= 8 ? 8 : 16;
   const int64_t units = (std::min<int64_t>(group, heads) + kg - 1) / kg;
   const int64_t blocks_x = rows * kv_count * units;
+  // The kernel (SHARDSERVE_CUDA_ATTN_KERNEL forces one; NewBackend checked it): per query head
+  // for a window or sinks, and where few (row, KV head) items leave the split-K kernel's blocks
+  // too few and too long (batch 1-8 at Llama-3-8B) over contexts short enough that reading each KV
+  // row once per query head costs little; else the split-K kernel, batched where few blocks must
+  // hide their own latency (on an H200, bench/cuda-notes.md: 3-13 % faster there and 9 % slower
+  // at TinyLlama batch 32 after 128 tokens).
+  static const AttentionKernel force =
+      AttentionKernelOverride().value_or(AttentionKernel::kByShape);
+  AttentionKernel kernel = force;
+  if (extras.window > 0 || extras.sinks != nullptr) kernel = AttentionKernel::kHeads;
+  if (kernel == AttentionKernel::kByShape) {
+    kernel = blocks_x < 128 && max_len <= 2048 ? AttentionKernel::kHeads : AttentionKernel::kSplit;
+  }
+  if (kernel == AttentionKernel::kHeads) {
+    return AttentionByHead(ctx, c, q, rows, heads, head0, group, kv_head0, positions, blocks,
+                           block_offset, max_len, scale, extras, out);
+  }
   if (blocks_x > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("attention over ", rows, " rows"));
   }
@@ -508,12 +621,9 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
     if (!partial.ok()) return partial.status();
     pr = static_cast<float*>(*partial);
   }
-  // The batched kernel (more loads in flight a warp) where few blocks must hide their own
-  // latency: few (row, KV head) items, or long splits. On an H200 (bench/cuda-notes.md) it was
-  // 3-13 % faster there and 9 % slower at TinyLlama batch 32 after 128 tokens (128 items, splits
-  // of 128). SHARDSERVE_CUDA_ATTN_BATCHED=1 or 0 forces one kernel (NewBackend checked it).
-  static const int force = AttentionKernelOverride().value_or(-1);
-  const bool batched = force >= 0 ? force == 1 : blocks_x < 128 || per_split >= 2 * step;
+  const bool batched =
+      force == AttentionKernel::kSplitBatched ||
+      (force == AttentionKernel::kByShape && (blocks_x < 128 || per_split >= 2 * step));
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(splits));
   LaunchAttentionSplit(kg, static_cast<int>((c.head_dim + 31) / 32), batched, grid, c.k, c.v,
                        c.kv_heads, c.block_size, c.head_dim, q, heads, head0, group, kv_head0,
@@ -521,7 +631,8 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
                        pr, out);
   RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
   if (splits == 1) return absl::OkStatus();
-  AttentionCombineKernel<<<static_cast<unsigned>(rows * heads), 128>>>(pr, splits, c.head_dim, out);
+  AttentionCombineKernel<<<static_cast<unsigned>(rows * heads), 128>>>(pr, splits, c.head_dim,
+                                                                       heads, nullptr, out);
   return Check(cudaGetLastError(), "Attention launch");
 }
 

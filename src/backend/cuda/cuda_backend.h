@@ -115,9 +115,12 @@ struct DeviceKv {
 absl::Status WriteKv(const DeviceKv& cache, const float* k, const float* v, int64_t rows,
                      const int32_t* positions, const int32_t* blocks, const int32_t* block_offset);
 
-// SHARDSERVE_CUDA_ATTN_BATCHED: -1 when unset (Attention chooses its decode kernel by shape),
-// 0 or 1 to force the plain or the batched one; any other value is an error naming it.
-absl::StatusOr<int> AttentionKernelOverride();
+// The decode attention kernel SHARDSERVE_CUDA_ATTN_KERNEL forces: split (split-K, a block per
+// group of query heads sharing a KV head), split-batched (the same with more loads in flight a
+// warp) or heads (a block per query head and split); unset, Attention chooses by shape. Any other
+// value is an error naming it. A window or sinks always take the per-head kernel.
+enum class AttentionKernel { kByShape, kSplit, kSplitBatched, kHeads };
+absl::StatusOr<AttentionKernel> AttentionKernelOverride();
 
 // Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
 // sequence (blocks at block_offset[r]); head h reads KV head (head0 + h) / group - kv_head0.

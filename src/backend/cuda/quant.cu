@@ -1,9 +1,11 @@
 // The CUDA backend: block-quantized weights as GGUF files store them (Q8_0, Q4_0, Q4_1, Q4_K,
 // Q5_K, Q6_K in ggml's layouts, kept on the device as the file has them). Decode reads the blocks
-// (no expanded copy of a weight): a warp per output row loads 32 chunks of 32 values of its row at
-// a time with coalesced 4-byte loads, all in flight at once, stages them in shared memory, then
+// (no expanded copy of a weight): a warp per output row copies 32 chunks of 32 values of its row at
+// a time into shared memory (cp.async, 16-byte units, three rounds ahead of the one in use), then
 // each lane expands one chunk and multiplies it with up to 8 F32 inputs. Prefill expands tiles of
 // rows into BF16 for cuBLAS (gemm.cu).
+#include <cuda_pipeline.h>
+
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -12,76 +14,107 @@
 namespace shardserve::cuda {
 namespace {
 
-constexpr int kQuantWarps = 8;  // output rows per block
-// A warp's round: 32 chunks of 32 values, staged whole (plus up to 3 bytes before a 2-byte
-// aligned start), in 16-byte units so that every warp's stage stays 16-byte aligned.
+constexpr int kQuantWarps = 4;  // output rows per block
+// Rounds of 32 chunks a warp has in flight: the next kQuantStages - 1 rounds' bytes are on their
+// way (cp.async into shared memory, no registers held) while one round is expanded.
+constexpr int kQuantStages = 4;
+// A round's bytes in 16-byte units: 32 chunks of 32 values, plus up to 15 bytes before a start
+// that is not 16-byte aligned.
 template <DType D>
-constexpr int kStageWords = static_cast<int>((BytesOf<D>(1024) + 3 + 15) / 16 * 4);
+constexpr int kStageUnits = static_cast<int>((BytesOf<D>(1024) + 15 + 15) / 16);
+// A round's 1,024 inputs as float4s, chunk j's 8 at 9 j: a lane reads its own chunk's without
+// bank conflicts (chunks 36 floats apart put a quarter-warp's 8 lanes on 8 different bank
+// groups). Read straight from global memory, 32 lanes 128 bytes apart, the inputs took 32 L1
+// wavefronts a load and bounded the GEMV (ncu: L1 76 % busy, DRAM 8 %; bench/cuda-notes.md).
+constexpr int kXPitch = 9;
+// A warp's share of the block's shared memory.
+template <DType D>
+struct WarpStages {
+  uint4 w[kQuantStages * kStageUnits<D>];  // kQuantStages rounds of the row
+  float4 x[32 * kXPitch];                  // one round of one input row
+};
 
-// Loads the words of the round of 32 chunks from chunk c0 of a row into registers, all at once:
-// lane l holds words l, l + 32, ... from the 4-byte boundary at or before the round's first
-// byte, `shift` bytes before it; `nwords` of them are the round's.
-template <DType D, int kPerLane>
-__device__ __forceinline__ void FetchRound(const uint8_t* row, int64_t c0, int64_t chunks, int lane,
-                                           uint32_t (&r)[kPerLane], int* shift, int* nwords) {
-  const int n = chunks - c0 < 32 ? static_cast<int>(chunks - c0) : 32;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(row + BytesOf<D>(c0 * 32));
-  *shift = static_cast<int>(start % 4);
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(start - *shift);
-  *nwords = static_cast<int>((*shift + BytesOf<D>(n * 32) + 3) / 4);
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    const int i = lane + 32 * k;
-    r[k] = i < *nwords ? __ldg(words + i) : 0u;
-  }
+// The bytes of the round of 32 chunks from chunk c0 of a row sit `RoundShift` bytes into their
+// stage: the round's start rounded down to 16 bytes is copied from.
+template <DType D>
+__device__ __forceinline__ int RoundShift(const uint8_t* row, int64_t c0) {
+  return static_cast<int>(reinterpret_cast<uintptr_t>(row + BytesOf<D>(c0 * 32)) % 16);
+}
+
+// Starts the copy of that round into `stage` (16-byte units, the lanes taking them in turn). The
+// last unit may reach up to 15 bytes past the row: Upload pads every matrix by 16.
+template <DType D>
+__device__ __forceinline__ void IssueRound(const uint8_t* row, int64_t c0, int64_t chunks, int lane,
+                                           uint4* stage) {
+  const int64_t n = chunks - c0 < 32 ? chunks - c0 : 32;
+  const int shift = RoundShift<D>(row, c0);
+  const uint4* src = reinterpret_cast<const uint4*>(row + BytesOf<D>(c0 * 32) - shift);
+  const int units = static_cast<int>((shift + BytesOf<D>(n * 32) + 15) / 16);
+  for (int u = lane; u < units; u += 32) __pipeline_memcpy_async(stage + u, src + u, 16);
 }
 
 // acc[m] += row . x[m] for m < M (x rows of `cols` floats at stride ldx), the row's `cols`
-// values (a multiple of 32) read once: each round's bytes come into registers with one memory
-// latency (the next round's while this one is expanded), then through the warp's stage in
-// shared memory to the lanes that expand them.
+// values (a multiple of the block) read once, in rounds of 32 chunks: kQuantStages - 1 rounds
+// ahead are copied while the lanes expand this round's chunks, one each, from shared memory, and
+// multiply them with the inputs staged there.
 template <DType D, int M>
 __device__ void RowDot(const uint8_t* row, int64_t cols, const float* __restrict__ x, int64_t ldx,
-                       uint32_t* stage, float (&acc)[M]) {
-  constexpr int kPerLane = (kStageWords<D> + 31) / 32;
+                       WarpStages<D>& stages, float (&acc)[M]) {
   const int lane = threadIdx.x % 32;
-  const int64_t chunks = cols / 32;
-  uint32_t r[kPerLane];
-  int shift = 0, nwords = 0;
-  FetchRound<D, kPerLane>(row, 0, chunks, lane, r, &shift, &nwords);
-  for (int64_t c0 = 0; c0 < chunks; c0 += 32) {
-    const int n = chunks - c0 < 32 ? static_cast<int>(chunks - c0) : 32;
-    const int at = shift;
-    __syncwarp();
+  const int64_t chunks = cols / 32, rounds = (chunks + 31) / 32;
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      if (lane + 32 * k < nwords) stage[lane + 32 * k] = r[k];
+  for (int s = 0; s < kQuantStages - 1; ++s) {
+    if (s < rounds) IssueRound<D>(row, 32 * s, chunks, lane, stages.w + s * kStageUnits<D>);
+    __pipeline_commit();
+  }
+  for (int64_t k = 0; k < rounds; ++k) {
+    // The stage of round k - 1 takes round k + kQuantStages - 1 once every lane has read it.
+    __syncwarp();
+    const int64_t ahead = k + kQuantStages - 1;
+    if (ahead < rounds) {
+      IssueRound<D>(row, 32 * ahead, chunks, lane,
+                    stages.w + (ahead % kQuantStages) * kStageUnits<D>);
     }
-    __syncwarp();
-    if (c0 + 32 < chunks) FetchRound<D, kPerLane>(row, c0 + 32, chunks, lane, r, &shift, &nwords);
+    __pipeline_commit();
+    __pipeline_wait_prior(kQuantStages - 1);  // this lane's copies of round k have landed
+    __syncwarp();                             // and every lane's
+    const int64_t c0 = 32 * k;
+    const int n = chunks - c0 < 32 ? static_cast<int>(chunks - c0) : 32;
+    float v[32];
     if (lane < n) {
-      float v[32];
-      Blocks<D>::Chunk(reinterpret_cast<const uint8_t*>(stage) + at, lane, v);
+      Blocks<D>::Chunk(
+          reinterpret_cast<const uint8_t*>(stages.w + (k % kQuantStages) * kStageUnits<D>) +
+              RoundShift<D>(row, c0),
+          lane, v);
+    }
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float4* xv = reinterpret_cast<const float4*>(x + m * ldx + (c0 + lane) * 32);
+    for (int m = 0; m < M; ++m) {
+      const float4* src = reinterpret_cast<const float4*>(x + m * ldx + c0 * 32);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {  // the round's inputs, coalesced, into the padded layout
+        const int f = lane + 32 * i;
+        if (f < 8 * n) stages.x[f / 8 * kXPitch + f % 8] = __ldg(src + f);
+      }
+      __syncwarp();
+      if (lane < n) {
         float s = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float4 a = __ldg(xv + i);
+          const float4 a = stages.x[lane * kXPitch + i];
           s += v[4 * i] * a.x + v[4 * i + 1] * a.y + v[4 * i + 2] * a.z + v[4 * i + 3] * a.w;
         }
         acc[m] += s;
       }
+      __syncwarp();
     }
   }
 }
 
 // Decode: as gemm.cu's GemvKernel, one warp per output row numbered across the group's matrices.
 template <DType D, int M>
-__global__ void __launch_bounds__(kQuantWarps * 32)
+__global__ void __launch_bounds__(kQuantWarps * 32, 6)
     QuantGemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ x) {
-  __shared__ __align__(16) uint32_t stage[kQuantWarps][kStageWords<D>];
+  __shared__ WarpStages<D> stage[kQuantWarps];
   int i;
   int64_t row;
   if (!GroupRow(g, blockIdx.x * kQuantWarps + threadIdx.x / 32, &i, &row)) return;
@@ -146,10 +179,10 @@ __global__ void EmbedKernel(const uint8_t* table, int64_t row_bytes, int64_t col
 // Grid (row blocks, slots); one warp per output row of the slot's expert (gemm.cu's
 // ExpertMatVecKernel for quantized experts).
 template <DType D>
-__global__ void __launch_bounds__(kQuantWarps * 32)
+__global__ void __launch_bounds__(kQuantWarps * 32, 6)
     ExpertKernel(const uint8_t* const* w, int64_t expert_begin, int64_t count, int64_t rows,
                  int64_t cols, const int32_t* experts, const float* x, int64_t x_div, float* y) {
-  __shared__ __align__(16) uint32_t stage[kQuantWarps][kStageWords<D>];
+  __shared__ WarpStages<D> stage[kQuantWarps];
   const int64_t slot = blockIdx.y;
   const int64_t row = blockIdx.x * kQuantWarps + threadIdx.x / 32;
   if (row >= rows) return;

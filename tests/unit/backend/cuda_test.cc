@@ -45,25 +45,29 @@ using testing::BackendOpsTest;
 INSTANTIATE_TEST_SUITE_P(Cuda, BackendOpsTest, ::testing::Values(BackendCase{"gpu0", Gpu0}),
                          testing::BackendCaseName);
 
-// The decode attention kernel override is 0, 1 or unset; anything else is refused by name (no
-// GPU needed: NewBackend refuses before it touches the device).
-TEST(CudaBackendTest, AttentionKernelOverrideIsZeroOneOrUnset) {
-  unsetenv("SHARDSERVE_CUDA_ATTN_BATCHED");
-  EXPECT_EQ(*cuda::AttentionKernelOverride(), -1);
-  setenv("SHARDSERVE_CUDA_ATTN_BATCHED", "1", 1);
-  EXPECT_EQ(*cuda::AttentionKernelOverride(), 1);
-  setenv("SHARDSERVE_CUDA_ATTN_BATCHED", "0", 1);
-  EXPECT_EQ(*cuda::AttentionKernelOverride(), 0);
-  setenv("SHARDSERVE_CUDA_ATTN_BATCHED", "yes", 1);
+// The decode attention kernel override names a kernel or is unset; anything else is refused by
+// name (no GPU needed: NewBackend refuses before it touches the device).
+TEST(CudaBackendTest, AttentionKernelOverrideNamesAKernelOrIsUnset) {
+  using cuda::AttentionKernel;
+  unsetenv("SHARDSERVE_CUDA_ATTN_KERNEL");
+  EXPECT_EQ(*cuda::AttentionKernelOverride(), AttentionKernel::kByShape);
+  for (const auto& [name, kernel] : {std::pair{"split", AttentionKernel::kSplit},
+                                     std::pair{"split-batched", AttentionKernel::kSplitBatched},
+                                     std::pair{"heads", AttentionKernel::kHeads}}) {
+    setenv("SHARDSERVE_CUDA_ATTN_KERNEL", name, 1);
+    EXPECT_EQ(*cuda::AttentionKernelOverride(), kernel) << name;
+  }
+  setenv("SHARDSERVE_CUDA_ATTN_KERNEL", "1", 1);
   const absl::Status s = cuda::AttentionKernelOverride().status();
   EXPECT_THAT(std::string(s.message()),
-              ::testing::HasSubstr("SHARDSERVE_CUDA_ATTN_BATCHED='yes' must be 0"));
+              ::testing::HasSubstr("SHARDSERVE_CUDA_ATTN_KERNEL='1' must be split, split-batched "
+                                   "or heads"));
   if (cuda::DeviceCount() > 0) {
     auto b = cuda::NewBackend(0);
     EXPECT_FALSE(b.ok());
-    EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("ATTN_BATCHED"));
+    EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("ATTN_KERNEL"));
   }
-  unsetenv("SHARDSERVE_CUDA_ATTN_BATCHED");
+  unsetenv("SHARDSERVE_CUDA_ATTN_KERNEL");
 }
 
 TEST(CudaBackendTest, NcclLibraryLoads) {
