@@ -81,9 +81,9 @@ note "toolkit: $("$NVCC" --version | tail -1); NCCL $NCCL_SO"
 
 # --- Build (the binaries carry the prefix in DT_RPATH, which, unlike RUNPATH, also serves the
 # libraries they load: Abseil's libraries need each other) -------------------------------------
-# The Jinja engine scripts/gpu-prefix.sh built (this machine has no cargo).
-JINJA_LIB=""
-[ ! -f "$PREFIX/usr/lib/libshardserve_jinja.a" ] || JINJA_LIB="$PREFIX/usr/lib/libshardserve_jinja.a"
+# The Rust code (Jinja engine, llguidance) scripts/gpu-prefix.sh built (this machine has no cargo).
+RUST_LIB=""
+[ ! -f "$PREFIX/usr/lib/libshardserve_rust.a" ] || RUST_LIB="$PREFIX/usr/lib/libshardserve_rust.a"
 export PKG_CONFIG_LIBDIR="$LIBS/pkgconfig:$PREFIX/usr/share/pkgconfig"
 export PKG_CONFIG_SYSROOT_DIR="$PREFIX"
 t0=$(date +%s)
@@ -93,7 +93,7 @@ if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" \
     -DSHARDSERVE_STYLE_CHECK=OFF -DCMAKE_CXX_FLAGS="-isystem $PREFIX/usr/include/x86_64-linux-gnu" \
     -DCMAKE_BUILD_RPATH="$LIBS;$(dirname "$NCCL_SO")" \
     -DCMAKE_EXE_LINKER_FLAGS=-Wl,--disable-new-dtags \
-    ${JINJA_LIB:+-DSHARDSERVE_JINJA_LIB="$JINJA_LIB"} >"$OUT/build.log" 2>&1 &&
+    ${RUST_LIB:+-DSHARDSERVE_RUST_LIB="$RUST_LIB"} >"$OUT/build.log" 2>&1 &&
   cmake --build "$BUILD" ${TARGETS:+--target $TARGETS} -- -j"$(nproc)" >>"$OUT/build.log" 2>&1; then
   note "PASS build with the machine's toolkit against the prefix ($(($(date +%s) - t0)) s)"
 else

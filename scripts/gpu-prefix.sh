@@ -57,8 +57,8 @@ fi
 # the compiler opened.
 stamp="$PREFIX/.gathered"
 sources=$(grep -rlE '#include <(boost|cpprest|pplx)/' src operator worker tests bench | sort)
-jinja=(src/tokenizer/jinja/Cargo.toml src/tokenizer/jinja/Cargo.lock src/tokenizer/jinja/src/lib.rs)
-sum=$( (printf '%s\n' "${PKGS[@]}"; cat $sources "${jinja[@]}") | sha256sum | cut -c1-16)
+rust=(src/rust/Cargo.toml src/rust/Cargo.lock src/rust/src/lib.rs src/tokenizer/jinja/Cargo.toml src/tokenizer/jinja/src/lib.rs)
+sum=$( (printf '%s\n' "${PKGS[@]}"; cat $sources "${rust[@]}") | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sum" ]; then exit 0; fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -101,11 +101,15 @@ find "$PREFIX" -type l -lname '/*' | while read -r l; do
   target=$(readlink "$l")
   ln -sfn "$(realpath -m --relative-to="$(dirname "$l")" "$PREFIX$target")" "$l"
 done
-# The chat templates' Jinja engine (src/tokenizer/jinja), built here with cargo: the GPU machine
-# has neither Rust nor a network. scripts/gpu-check.sh hands it to CMake (SHARDSERVE_JINJA_LIB).
-cargo build --release --locked --quiet --manifest-path src/tokenizer/jinja/Cargo.toml \
-  --target-dir "$tmp/jinja" || { log "cargo build of src/tokenizer/jinja failed"; exit 1; }
-cp "$tmp/jinja/release/libshardserve_jinja.a" "$PREFIX/usr/lib/"
-strip --strip-debug "$PREFIX/usr/lib/libshardserve_jinja.a"  # 11 MB to 6
+# The Rust code we link (src/rust: the Jinja engine and llguidance), built here with cargo: the
+# GPU machine has neither Rust nor a network. scripts/gpu-check.sh hands it to CMake
+# (SHARDSERVE_RUST_LIB), llguidance's header beside it.
+cargo build --release --locked --quiet --manifest-path src/rust/Cargo.toml \
+  --target-dir "$tmp/rust" || { log "cargo build of src/rust failed"; exit 1; }
+cp "$tmp/rust/release/libshardserve_rust.a" "$PREFIX/usr/lib/"
+strip --strip-debug "$PREFIX/usr/lib/libshardserve_rust.a"
+llg=$(cargo metadata --format-version 1 --locked --manifest-path src/rust/Cargo.toml |
+  python3 -c 'import json, sys; print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"] == "llguidance"))')
+cp "$(dirname "$llg")/llguidance.h" "$PREFIX/usr/lib/"
 echo "$sum" >"$stamp"
 log "$(du -sh "$PREFIX" | cut -f1) in $PREFIX ($(wc -l <"$tmp/boost-headers") Boost headers)"

@@ -46,9 +46,9 @@ setup_build() {
     exit 1
   fi
 
-  # --- Rust builds the chat templates' Jinja engine (src/tokenizer/jinja) from crates.io -------
+  # --- Rust builds src/rust (the Jinja engine, llguidance) from crates.io ----------------------
   if ! command -v cargo >/dev/null && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
-    log "cargo is missing: install Rust >= 1.80 (rustup) for the Jinja engine (src/tokenizer/jinja)"
+    log "cargo is missing: install Rust >= 1.80 (rustup) for src/rust (the Jinja engine, llguidance)"
     exit 1
   fi
 
@@ -83,7 +83,8 @@ setup_tests() {
   venv
   # --- Python reference environment (transformers + torch) -------------------------------------
   REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6
-    openai==3.52.0 gguf==0.19.0 accelerate==1.15.0)
+    openai==3.52.0 gguf==0.19.0 accelerate==1.15.0 jsonschema==4.26.0 langchain-openai==1.7.4
+    langchain-core==1.8.3)
   ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
   if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
     log "installing the Python reference environment into $VENV (one time, large)"

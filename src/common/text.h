@@ -17,5 +17,8 @@ bool IsValidUtf8(std::string_view s);
 std::vector<std::string> SplitUtf8Chars(std::string_view s);
 // The whole file, or NotFound "PATH: cannot open".
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// Whether JSON text nests arrays and objects deeper than `limit` (a scan, before any parser
+// recurses into it; strings are skipped).
+bool JsonNestsDeeperThan(std::string_view text, int limit);
 
 }  // namespace shardserve

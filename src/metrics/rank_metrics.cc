@@ -180,7 +180,16 @@ LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
                     .Help("Tokens generated for clients")
                     .Register(r)
                     .Add(labels_);
+  grammar_mask_ = &prometheus::BuildHistogram()
+                       .Name("shardserve_grammar_mask_seconds")
+                       .Help(
+                           "The leader's structured-output mask of allowed tokens, computed "
+                           "for one token of one sequence")
+                       .Register(r)
+                       .Add(labels_, SecondsBuckets(1e-6));
 }
+
+void LeaderMetrics::ObserveGrammarMask(double seconds) { grammar_mask_->Observe(seconds); }
 
 void LeaderMetrics::CountRequest(int http_status) {
   auto labels = labels_;

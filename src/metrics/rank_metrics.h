@@ -47,7 +47,8 @@ class RankMetrics;
 // The leader's request metrics (DESIGN.md §6), labelled {model, replica}:
 //   shardserve_requests_total{code}, shardserve_request_queue_depth,
 //   shardserve_time_to_first_token_seconds, shardserve_inter_token_latency_seconds
-//   (histograms), shardserve_generated_tokens_total.
+//   (histograms), shardserve_generated_tokens_total, shardserve_grammar_mask_seconds (histogram:
+//   the leader's structured-output mask for one token of one sequence).
 // Registered into the registry of the leader rank's page. Thread-safe.
 class LeaderMetrics {
  public:
@@ -58,6 +59,7 @@ class LeaderMetrics {
   void ObserveFirstToken(double seconds);
   void ObserveInterToken(double seconds);
   void AddGenerated(double tokens);
+  void ObserveGrammarMask(double seconds);
 
  private:
   std::map<std::string, std::string> labels_;
@@ -66,6 +68,7 @@ class LeaderMetrics {
   prometheus::Histogram* ttft_;
   prometheus::Histogram* itl_;
   prometheus::Counter* generated_;
+  prometheus::Histogram* grammar_mask_;
 };
 
 class RankMetrics {

@@ -2,16 +2,33 @@
 // What a generation asks for and what it gives back: shared by the engine (serve/engine.h), the
 // single-process generator (model/generator.h) and the CLI, without the transformer behind them.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "model/sampler.h"
 
 namespace shardserve {
 
+// A rule the generated tokens must follow (structured output: serve/grammar.h), kept by the
+// leader's engine: before each sampled token it gives the ids allowed next, after it takes the
+// token. One sequence's, used by one thread at a time.
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  // The allowed ids as a bit mask: bit i % 32 of word i / 32 for token i (ids past the mask are
+  // not allowed).
+  virtual absl::Status Allowed(std::vector<uint32_t>* mask) = 0;
+  virtual absl::Status Accept(int32_t token) = 0;
+  // The rule is complete and allows nothing more: the generation ends here.
+  virtual bool Finished() const = 0;
+};
+
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   SamplingParams params;
+  std::shared_ptr<TokenConstraint> constraint;  // null: any token
 };
 
 struct GenerationResult {

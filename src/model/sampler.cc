@@ -88,6 +88,14 @@ void Sampler::Process(float* logits, int64_t vocab) const {
     if (p.repetition_penalty != 1.0f) repeat(id);
     logits[id] -= p.frequency_penalty * static_cast<float>(count) + p.presence_penalty;
   }
+  if (!allowed_.empty()) {
+    const int64_t covered = static_cast<int64_t>(allowed_.size()) * 32;
+    for (int64_t id = 0; id < vocab; ++id) {
+      if (id >= covered || !(allowed_[id / 32] >> (id % 32) & 1u)) {
+        logits[id] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  }
 }
 
 SampleSpec Sampler::NextSpec() {
@@ -107,16 +115,18 @@ SampledToken Sampler::Sample(const float* logits, int64_t vocab) {
   // The model's own log-probabilities: of its greedy token (log-sum-exp from it) and its top K.
   int32_t best;
   float best_lp;
-  cpu::SampleRow(logits, vocab, params_.ProcessesLogits() ? SampleSpec{} : spec, K, &best, &best_lp,
-                 top_ids.data(), top_lps.data());
+  const bool processed = ProcessesLogits();
+  cpu::SampleRow(logits, vocab, processed ? SampleSpec{} : spec, K, &best, &best_lp, top_ids.data(),
+                 top_lps.data());
   for (int64_t j = 0; j < K; ++j) out.top.push_back({top_ids[j], top_lps[j]});
-  if (!params_.ProcessesLogits()) {
+  if (!processed) {
     out.id = best;
     out.logprob = best_lp;
     return out;
   }
   std::vector<float> row(logits, logits + vocab);
   Process(row.data(), vocab);
+  allowed_.clear();
   float unused;
   cpu::SampleRow(row.data(), vocab, spec, 0, &out.id, &unused, nullptr, nullptr);
   out.logprob = logits[out.id] - (logits[best] - best_lp);

@@ -66,7 +66,14 @@ class Sampler {
       : params_(params), prompt_(prompt_tokens), rng_(params.seed) {}
   // The sequence's next tokens as the model reads them (its prompt, then its output), in order.
   void Observe(const int32_t* tokens, int64_t n);
-  // The row of logits as the choice sees it (SamplingParams' processing), in place.
+  // The next Sample chooses among these ids only (a bit mask, bit i % 32 of word i / 32 for
+  // token i; structured output's, computed by the leader for this token).
+  void Allow(std::vector<uint32_t> mask) { allowed_ = std::move(mask); }
+  // Whether the next choice is made from a processed row (the parameters' processing or an
+  // allowed set), on the host.
+  bool ProcessesLogits() const { return params_.ProcessesLogits() || !allowed_.empty(); }
+  // The row of logits as the choice sees it (SamplingParams' processing, then the allowed set),
+  // in place.
   void Process(float* logits, int64_t vocab) const;
   // The next token from the model's logits: processed (when the parameters ask) and chosen, with
   // the log-probabilities of the unprocessed row.
@@ -88,6 +95,7 @@ class Sampler {
   int64_t prompt_ = 0, read_ = 0, generated_ = 0;
   std::unordered_set<int32_t> prompt_ids_;
   std::unordered_map<int32_t, int64_t> output_counts_;
+  std::vector<uint32_t> allowed_;  // for the next Sample only
   std::mt19937_64 rng_;
 };
 

@@ -1087,7 +1087,7 @@ absl::StatusOr<std::vector<SampledToken>> Transformer::Sample(const std::vector<
   }
   // A sequence whose parameters change its logits is chosen on the host from its row.
   auto processed = [&](int64_t s) {
-    return samplers[s] != nullptr && samplers[s]->params().ProcessesLogits();
+    return samplers[s] != nullptr && samplers[s]->ProcessesLogits();
   };
   std::vector<SampleSpec> specs(S);
   for (int64_t s = 0; s < S; ++s) {

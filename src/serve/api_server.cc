@@ -16,6 +16,7 @@
 #include "api/worker_env.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/text.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
 #include "serve/api_keys.h"
@@ -32,29 +33,6 @@ using ojson = nlohmann::ordered_json;  // request bodies, in their keys' order
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(50);
 constexpr int kMaxNesting = 64;
-
-// Deeper JSON than any request needs is refused before parsing.
-bool TooDeep(const std::string& body) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < body.size(); ++i) {
-    const char c = body[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxNesting) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
 
 // A POST body must say it is JSON: a form or text/plain body (what a web page may send to a
 // server on localhost without asking) is refused.
@@ -146,6 +124,33 @@ struct ApiServer::Impl {
   std::atomic<int> active{0};
   int64_t max_context ABSL_GUARDED_BY(engine_mu) = 0;
   int64_t vocab_size ABSL_GUARDED_BY(engine_mu) = 0;
+  std::vector<int64_t> eos_ids ABSL_GUARDED_BY(engine_mu);
+  // Structured output's view of the vocabulary, made at the first request that needs it.
+  absl::Mutex grammar_mu;
+  std::shared_ptr<const GrammarVocabulary> grammar_vocab ABSL_GUARDED_BY(grammar_mu);
+
+  // One matcher per sequence of the request's grammar; a grammar that does not compile is a 400
+  // naming the field that gave it.
+  absl::StatusOr<std::shared_ptr<TokenConstraint>> CompileGrammar(const ApiRequest& req,
+                                                                  int64_t vocab,
+                                                                  std::vector<int64_t> ends) {
+    std::shared_ptr<const GrammarVocabulary> v;
+    {
+      absl::MutexLock lock(&grammar_mu);
+      if (grammar_vocab == nullptr) {
+        // The ids that end a generation: the model's, and the chat template's end of turn.
+        for (int64_t id : chat.end_of_turn_ids()) ends.push_back(id);
+        ASSIGN_OR_RETURN(grammar_vocab, GrammarVocabulary::Create(*tokenizer, vocab, ends));
+      }
+      v = grammar_vocab;
+    }
+    absl::StatusOr<std::unique_ptr<TokenConstraint>> m = v->Compile(*req.grammar);
+    if (!m.ok()) {
+      return BadParam(req.grammar_param,
+                      absl::StrCat("'", req.grammar_param, "': ", m.status().message()));
+    }
+    return std::shared_ptr<TokenConstraint>(*std::move(m));
+  }
 
   std::string TokenText(int32_t id) const { return tokenizer->Decode({id}, false); }
 
@@ -297,18 +302,25 @@ struct ApiServer::Impl {
   // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
   absl::Status Submit(ApiRequest& req, std::vector<Choice>& choices) {
     int64_t context, vocab;
+    std::vector<int64_t> ends;
     {
       absl::ReaderMutexLock lock(&engine_mu);
       if (engine == nullptr) return absl::UnavailableError(not_ready);
       context = max_context;
       vocab = vocab_size;
+      ends = eos_ids;
     }
     std::vector<std::vector<int32_t>> prompts;
     const std::string param = req.chat ? "messages" : "prompt";
     if (req.chat) {
       RETURN_IF_ERROR(ToolsRunHere(req));
+      if (req.tool_choice == "required" || req.tool_choice == "function") {  // a call must come
+        req.grammar = ToolCallGrammar(ToolCallFormat(), req.tools, req.tool_choice,
+                                      req.tool_choice_name, req.parallel_tool_calls);
+        req.grammar_param = "tool_choice";
+      }
       absl::StatusOr<RenderedChat> rendered =
-          chat.Render(req.messages, req.tool_choice == "auto" ? req.tools : ojson(nullptr));
+          chat.Render(req.messages, req.tool_choice != "none" ? req.tools : ojson(nullptr));
       if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
       ASSIGN_OR_RETURN(auto ids,
                        Tokenize(rendered->text, /*add_special=*/false, context, param,
@@ -340,6 +352,14 @@ struct ApiServer::Impl {
                                             " tokens; the prompt holds ", ids.size()));
       }
     }
+    // Every sequence's matcher, compiled before any is queued.
+    std::vector<std::shared_ptr<TokenConstraint>> constraints;
+    if (req.grammar) {
+      for (size_t k = 0; k < prompts.size() * static_cast<size_t>(req.best_of); ++k) {
+        ASSIGN_OR_RETURN(auto c, CompileGrammar(req, vocab, ends));
+        constraints.push_back(std::move(c));
+      }
+    }
     for (size_t p = 0; p < prompts.size(); ++p) {
       const std::vector<int32_t>& ids = prompts[p];
       const int64_t n = static_cast<int64_t>(ids.size());
@@ -350,6 +370,7 @@ struct ApiServer::Impl {
         g.prompt_ids = ids;
         g.params = req.params;
         g.params.seed = req.params.seed + static_cast<uint64_t>(j);
+        if (req.grammar) g.constraint = constraints[p * req.best_of + j];
         if (!req.max_tokens_set && req.chat) g.params.max_tokens = max_context - n;
         auto stream = engine->Submit(g);
         if (!stream.ok()) {
@@ -366,7 +387,7 @@ struct ApiServer::Impl {
         if (req.echo) {
           c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
         }
-        if (req.tool_choice == "auto") {
+        if (req.tool_choice != "none") {
           c.tool_parser = std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools,
                                                            req.parallel_tool_calls);
         }
@@ -382,11 +403,11 @@ struct ApiServer::Impl {
                                                : config.env.tool_call_parser;
   }
 
-  // A request's tools (tool_choice "auto") need a template that renders them and shows a call
-  // format we parse; tool_choice "none" renders the prompt without them and parses nothing (as
-  // vLLM does by default).
+  // A request's tools (tool_choice "auto", "required" or a named function) need a template that
+  // renders them and shows a call format we parse; tool_choice "none" renders the prompt without
+  // them and parses nothing (as vLLM does by default).
   absl::Status ToolsRunHere(const ApiRequest& req) const {
-    if (req.tool_choice != "auto") return absl::OkStatus();
+    if (req.tool_choice == "none") return absl::OkStatus();
     if (!chat.renders_tools()) {
       return BadParam("tools", absl::StrCat("this model's chat template (", chat.source(),
                                             ") does not render tools"));
@@ -419,7 +440,7 @@ struct ApiServer::Impl {
                                                       http_req.Header("content-type"), "'")),
                             415);
     }
-    if (TooDeep(http_req.body)) {
+    if (JsonNestsDeeperThan(http_req.body, kMaxNesting)) {
       return BadParam("",
                       absl::StrCat("the request body nests deeper than ", kMaxNesting, " levels"));
     }
@@ -497,7 +518,7 @@ struct ApiServer::Impl {
         ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(chat_body, true));
         RETURN_IF_ERROR(ToolsRunHere(req));
         absl::StatusOr<RenderedChat> rendered =
-            chat.Render(req.messages, req.tool_choice == "auto" ? req.tools : ojson(nullptr));
+            chat.Render(req.messages, req.tool_choice != "none" ? req.tools : ojson(nullptr));
         if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
         ASSIGN_OR_RETURN(ids,
                          Tokenize(rendered->text, add_special, context, "messages",
@@ -806,6 +827,7 @@ void ApiServer::SetEngine(Engine* engine, const std::string& reason) {
   if (engine != nullptr) {
     impl_->max_context = engine->options().max_context;
     impl_->vocab_size = engine->options().vocab_size;
+    impl_->eos_ids = engine->options().eos_token_ids;
   }
   if (!reason.empty()) impl_->not_ready = reason;
 }
@@ -817,6 +839,7 @@ EngineObserver ApiServer::Observer() {
   o.first_token = [m](double s) { m->ObserveFirstToken(s); };
   o.inter_token = [m](double s) { m->ObserveInterToken(s); };
   o.generated = [m](int64_t n) { m->AddGenerated(static_cast<double>(n)); };
+  o.grammar_mask = [m](double s) { m->ObserveGrammarMask(s); };
   return o;
 }
 

@@ -210,6 +210,23 @@ StepDesc Engine::BuildStep(int mb) {
     const int64_t remaining = s->total() - s->fed;
     const int64_t n = remaining == 1 ? 1 : std::min(remaining, budget);
     if (n <= 0) continue;
+    // Structured output: the ids the token this chunk samples may take, from the sequence's
+    // grammar as its tokens so far left it.
+    std::vector<uint32_t> allowed;
+    if (s->request.constraint != nullptr && s->fed + n == s->total()) {
+      const auto t0 = Clock::now();
+      absl::Status st = s->request.constraint->Allowed(&allowed);
+      if (observer_.grammar_mask) {
+        observer_.grammar_mask(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      if (st.ok() && std::none_of(allowed.begin(), allowed.end(), [](uint32_t w) { return w; })) {
+        st = absl::InternalError("the output's grammar allows no token");
+      }
+      if (!st.ok()) {
+        Retire(s, "", st);
+        continue;
+      }
+    }
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
     while (blocks_for(s->fed + n) - s->blocks > FreeBlocks()) {
@@ -231,6 +248,7 @@ StepDesc Engine::BuildStep(int mb) {
     chunk.tokens.reserve(n);
     for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
     chunk.sample = s->fed + n == s->total();
+    chunk.allowed = std::move(allowed);
     if (!s->started) {
       chunk.params = s->request.params;
       chunk.draws = static_cast<int64_t>(s->generated.size());
@@ -257,6 +275,12 @@ void Engine::Accept(const StepResult& result) {
     if (it == batch.seqs.end()) continue;
     Sequence* s = *it;
     if (s->stream->cancelled()) continue;  // retired when its micro-batch is next built
+    if (s->request.constraint != nullptr) {
+      if (absl::Status st = s->request.constraint->Accept(t.token); !st.ok()) {
+        Retire(s, "", st);
+        continue;
+      }
+    }
     s->generated.push_back(t.token);
     s->stream->Push({t.token, t.logprob, t.top});
     if (s->generated.size() == 1) {
@@ -272,7 +296,8 @@ void Engine::Accept(const StepResult& result) {
     const auto& stops = p.stop_token_ids;
     const auto& eos = options_.eos_token_ids;
     if (std::find(stops.begin(), stops.end(), t.token) != stops.end() ||
-        (!p.ignore_eos && std::find(eos.begin(), eos.end(), t.token) != eos.end())) {
+        (!p.ignore_eos && std::find(eos.begin(), eos.end(), t.token) != eos.end()) ||
+        (s->request.constraint != nullptr && s->request.constraint->Finished())) {
       Retire(s, "stop", absl::OkStatus());
     } else if (static_cast<int64_t>(s->generated.size()) >= p.max_tokens ||
                s->total() >= options_.max_context) {

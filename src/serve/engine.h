@@ -33,6 +33,7 @@ struct EngineObserver {
   std::function<void(double seconds)> first_token;
   std::function<void(double seconds)> inter_token;
   std::function<void(int64_t tokens)> generated;
+  std::function<void(double seconds)> grammar_mask;  // one sequence's mask for one token
 };
 
 struct EngineOptions {

@@ -1,5 +1,6 @@
 #include "serve/openai.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -163,6 +164,7 @@ absl::Status ParseTools(const json& body, ApiRequest& r) {
                     "'function_call' (deprecated function calling) is not "
                     "supported; use 'tool_choice'");
   }
+  std::string strict_at;  // the first function with strict: true
   auto tools = body.find("tools");
   if (tools != body.end() && !tools->is_null()) {
     if (!tools->is_array() || tools->size() > kMaxTools) {
@@ -198,11 +200,11 @@ absl::Status ParseTools(const json& body, ApiRequest& r) {
         }
       }
       if (auto strict = fn->find("strict");
-          strict != fn->end() && !(strict->is_null() || *strict == false)) {
+          strict != fn->end() && !(strict->is_null() || strict->is_boolean())) {
         return BadParam(at + ".function.strict",
-                        absl::StrCat("'", at,
-                                     ".function.strict' true needs the arguments constrained "
-                                     "to the schema while sampling, which is not supported yet"));
+                        absl::StrCat("'", at, ".function.strict' must be a boolean"));
+      } else if (strict != fn->end() && *strict == true && strict_at.empty()) {
+        strict_at = at + ".function.strict";
       }
       if (auto params = fn->find("parameters");
           params != fn->end() && !params->is_null() && !params->is_object()) {
@@ -216,12 +218,22 @@ absl::Status ParseTools(const json& body, ApiRequest& r) {
   }
   r.tool_choice = r.tools.is_null() ? "none" : "auto";  // OpenAI's defaults
   if (auto it = body.find("tool_choice"); it != body.end() && !it->is_null()) {
-    if (it->is_string() && (*it == "none" || *it == "auto")) {
+    if (it->is_string() && (*it == "none" || *it == "auto" || *it == "required")) {
       r.tool_choice = it->get<std::string>();
-    } else if ((it->is_string() && *it == "required") || it->is_object()) {
-      return BadParam("tool_choice",
-                      "'tool_choice' \"required\" or a named function needs the call constrained "
-                      "while sampling, which is not supported yet; use \"auto\" or \"none\"");
+    } else if (it->is_object() && it->contains("type") && (*it)["type"] == "function" &&
+               it->contains("function") && (*it)["function"].is_object() &&
+               (*it)["function"].contains("name") && (*it)["function"]["name"].is_string()) {
+      r.tool_choice = "function";
+      r.tool_choice_name = (*it)["function"]["name"].get<std::string>();
+      const bool given =
+          r.tools.is_array() && std::any_of(r.tools.begin(), r.tools.end(), [&](const json& t) {
+            return t["function"]["name"] == r.tool_choice_name;
+          });
+      if (!given) {
+        return BadParam("tool_choice",
+                        absl::StrCat("'tool_choice' names the function '", r.tool_choice_name,
+                                     "', which 'tools' does not give"));
+      }
     } else {
       return BadParam("tool_choice",
                       "'tool_choice' must be \"none\", \"auto\", \"required\" or "
@@ -229,6 +241,17 @@ absl::Status ParseTools(const json& body, ApiRequest& r) {
     }
   }
   if (r.tool_choice == "auto" && r.tools.is_null()) r.tool_choice = "none";
+  if (r.tool_choice == "required" && r.tools.is_null()) {
+    return BadParam("tool_choice", "'tool_choice' \"required\" needs 'tools'");
+  }
+  // A function's strict schema is kept by constraining the call, which happens when a call must
+  // come (required, a named function); free to answer in text (auto), the output is not.
+  if (!strict_at.empty() && r.tool_choice == "auto") {
+    return BadParam(strict_at, absl::StrCat("'", strict_at,
+                                            "' true needs 'tool_choice' \"required\" or a "
+                                            "named function (with \"auto\" the output is not "
+                                            "constrained)"));
+  }
   ASSIGN_OR_RETURN(auto parallel, Boolean(body, "parallel_tool_calls"));
   r.parallel_tool_calls = parallel.value_or(true);
   return absl::OkStatus();
@@ -388,6 +411,91 @@ std::string ErrorParam(const absl::Status& status) {
   return p ? std::string(*p) : std::string();
 }
 
+namespace {
+
+// Structured output: response_format (OpenAI's json_object and json_schema) or one of vLLM's
+// guided_json, guided_regex, guided_grammar (a Lark grammar, llguidance's dialect), guided_choice.
+absl::Status ParseStructuredOutput(const json& body, ApiRequest& r) {
+  std::string from;  // the field that set r.grammar
+  auto set = [&](const char* field, std::string kind, std::string data) -> absl::Status {
+    if (!from.empty()) {
+      return BadParam(field, absl::StrCat("'", field, "' and '", from,
+                                          "' each constrain the output: give one"));
+    }
+    from = field;
+    r.grammar = Grammar{std::move(kind), std::move(data)};
+    r.grammar_param = field;
+    return absl::OkStatus();
+  };
+  if (auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
+    auto type = it->is_object() ? it->find("type") : it->end();
+    if (type == it->end() || !type->is_string()) {
+      return BadParam("response_format", "'response_format' must be an object with a 'type'");
+    }
+    if (*type == "json_object") {
+      RETURN_IF_ERROR(set("response_format", "json_object", ""));
+    } else if (*type == "json_schema") {
+      auto js = it->find("json_schema");
+      if (js == it->end() || !js->is_object()) {
+        return BadParam("response_format.json_schema",
+                        "'response_format.json_schema' must be an object with the 'schema'");
+      }
+      auto schema = js->find("schema");
+      if (schema == js->end() || !(schema->is_object() || schema->is_boolean())) {
+        return BadParam("response_format.json_schema.schema",
+                        "'response_format.json_schema.schema' must be a JSON schema (an object)");
+      }
+      // strict or not, the schema is enforced (as vLLM does).
+      RETURN_IF_ERROR(set("response_format", "json_schema", schema->dump()));
+    } else if (*type != "text") {
+      return BadParam("response_format",
+                      "'response_format.type' must be \"text\", \"json_object\" or "
+                      "\"json_schema\"");
+    }
+  }
+  if (auto it = body.find("guided_json"); it != body.end() && !it->is_null()) {
+    if (it->is_string()) {
+      RETURN_IF_ERROR(set("guided_json", "json_schema", it->get<std::string>()));
+    } else if (it->is_object()) {
+      RETURN_IF_ERROR(set("guided_json", "json_schema", it->dump()));
+    } else {
+      return BadParam("guided_json", "'guided_json' must be a JSON schema (an object or its text)");
+    }
+  }
+  for (const auto& [field, kind] :
+       {std::pair{"guided_regex", "regex"}, std::pair{"guided_grammar", "lark"}}) {
+    if (auto it = body.find(field); it != body.end() && !it->is_null()) {
+      if (!it->is_string()) return BadParam(field, absl::StrCat("'", field, "' must be a string"));
+      RETURN_IF_ERROR(set(field, kind, it->get<std::string>()));
+    }
+  }
+  if (auto it = body.find("guided_choice"); it != body.end() && !it->is_null()) {
+    if (!it->is_array() || it->empty() ||
+        !std::all_of(it->begin(), it->end(), [](const json& c) { return c.is_string(); })) {
+      return BadParam("guided_choice", "'guided_choice' must be a list of strings");
+    }
+    std::string lark = "start: ";  // the choices as literals (JSON string syntax)
+    for (size_t i = 0; i < it->size(); ++i) {
+      absl::StrAppend(&lark, i ? " | " : "", json((*it)[i].get<std::string>()).dump());
+    }
+    RETURN_IF_ERROR(set("guided_choice", "lark", lark));
+  }
+  if (r.grammar && r.tool_choice != "none") {
+    return BadParam(r.grammar_param, absl::StrCat("'", r.grammar_param,
+                                                  "' with tools (tool_choice \"", r.tool_choice,
+                                                  "\") is not supported: the output is either "
+                                                  "a constrained answer or a tool call"));
+  }
+  if (r.grammar && r.params.min_tokens > 0) {
+    return BadParam("min_tokens", absl::StrCat("'min_tokens' with '", r.grammar_param,
+                                               "' is not supported: the grammar decides where "
+                                               "the output ends"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   if (!body.is_object()) return BadParam("", "the request body must be a JSON object");
   ApiRequest r;
@@ -493,15 +601,7 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
       }
     }
   }
-  // Structured output is not run yet: refused rather than answered as if absent.
-  if (auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
-    auto type = it->is_object() ? it->find("type") : it->end();
-    if (type == it->end() || !type->is_string() || *type != "text") {
-      return BadParam("response_format",
-                      "'response_format' other than {\"type\": \"text\"} (JSON or a schema) is "
-                      "not supported yet");
-    }
-  }
+  RETURN_IF_ERROR(ParseStructuredOutput(body, r));
   ASSIGN_OR_RETURN(auto echo, Boolean(body, "echo"));
   if (echo && *echo) {
     if (chat) return BadParam("echo", "'echo' belongs to /v1/completions");

@@ -13,10 +13,13 @@
 //   repetition_penalty ((0, 10], vLLM's), logit_bias ({"id": [-100, 100]}), min_tokens (vLLM's;
 //   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto" or
 //   "none", parallel_tool_calls; messages of role tool (tool_call_id) and assistant messages
-//   with tool_calls. Unsupported options that would change the answer (echo with logprobs,
+//   with tool_calls. Structured output (serve/grammar.h): response_format json_object or
+//   json_schema, or vLLM's guided_json, guided_regex, guided_grammar (Lark), guided_choice; one
+//   at a time, not with tools or min_tokens. Unsupported options that would change the answer
+//   (echo with logprobs,
 //   suffix, tool_choice "required" or a named function, a function's strict: true (each needs
 //   constrained sampling), the deprecated functions /
-//   function_call, response_format other than text) are refused by name; unknown fields are
+//   function_call) are refused by name; unknown fields are
 //   ignored, as OpenAI does. Bodies are ordered JSON: tool schemas reach the chat template with
 //   their keys in the client's order, as Hugging Face's apply_chat_template gets them.
 #include <cstdint>
@@ -27,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "model/sampler.h"
+#include "serve/grammar.h"
 #include "tokenizer/chat_template.h"
 
 namespace shardserve {
@@ -38,9 +42,12 @@ struct ApiRequest {
   std::vector<std::string> prompt_texts;
   std::vector<std::vector<int32_t>> prompt_ids;
   std::vector<ChatMessage> messages;
-  nlohmann::ordered_json tools;      // the request's tools as given; null: none
-  std::string tool_choice = "none";  // "auto" (tools given, calls parsed) or "none"
-  bool parallel_tool_calls = true;   // false: at most one call is returned
+  nlohmann::ordered_json tools;  // the request's tools as given; null: none
+  // "auto" (tools given, calls parsed), "none", "required" (one call or more, constrained) or
+  // "function" (a call of tool_choice_name, constrained).
+  std::string tool_choice = "none";
+  std::string tool_choice_name;
+  bool parallel_tool_calls = true;  // false: at most one call is returned
   SamplingParams params;
   bool max_tokens_set = false;
   bool seed_set = false;  // without a seed, every request samples differently
@@ -50,7 +57,9 @@ struct ApiRequest {
   bool echo = false;    // completions: the prompt's text before each choice's
   bool stream = false;
   bool include_usage = false;
-  bool logprobs = false;  // report log-probabilities (top_logprobs alternatives in params)
+  bool logprobs = false;           // report log-probabilities (top_logprobs alternatives in params)
+  std::optional<Grammar> grammar;  // structured output: the rule the output follows
+  std::string grammar_param;       // the field that gave it
 };
 
 // Parses a request body. `chat` selects /v1/chat/completions.

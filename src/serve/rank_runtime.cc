@@ -254,6 +254,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     }
     if (auto it = samplers_.find(ch.seq); sampler && it != samplers_.end()) {
       it->second.Observe(ch.tokens.data(), static_cast<int64_t>(ch.tokens.size()));
+      if (!ch.allowed.empty()) it->second.Allow(ch.allowed);
     }
     if (ch.sample && model_->last_stage() && !params_.count(ch.seq)) {
       return absl::DataLossError(
@@ -296,7 +297,8 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   int64_t top_k = 0;
   for (int64_t s = 0; s < S; ++s) {
     if (!sample[s]) continue;
-    greedy &= params_[ids[s]].temperature == 0.0f && !params_[ids[s]].ProcessesLogits();
+    greedy &= params_[ids[s]].temperature == 0.0f && !params_[ids[s]].ProcessesLogits() &&
+              step.chunks[s].allowed.empty();
     top_k = std::max(top_k, params_[ids[s]].top_logprobs);
   }
   std::vector<SampledToken> tokens;

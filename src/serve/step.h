@@ -21,6 +21,8 @@ struct StepChunk {
   int64_t draws = 0;
   int64_t prompt_tokens = 0;
   bool sample = true;  // false for a prompt chunk that is not the prompt's last
+  // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
+  std::vector<uint32_t> allowed;
 };
 
 struct StepDesc {

@@ -3,6 +3,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "comm/json_frame.h"
 #include "common/status.h"
@@ -90,6 +91,13 @@ json EncodeStep(const StepDesc& d) {
   json chunks = json::array();
   for (const StepChunk& c : d.chunks) {
     json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}};
+    if (!c.allowed.empty()) {  // the mask's words, little-endian, in base64
+      std::string bytes(c.allowed.size() * 4, '\0');
+      for (size_t i = 0; i < c.allowed.size(); ++i) {
+        for (int b = 0; b < 4; ++b) bytes[4 * i + b] = static_cast<char>(c.allowed[i] >> (8 * b));
+      }
+      ch["allowed"] = absl::Base64Escape(bytes);
+    }
     if (c.params) {
       ch["params"] = EncodeSamplingParams(*c.params);
       ch["draws"] = c.draws;
@@ -131,6 +139,21 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
               absl::StrCat("chunk of sequence ", c.seq, ": token ", t, " is out of range"));
         }
         c.tokens.push_back(static_cast<int32_t>(t));
+      }
+      if (auto allowed = ch.find("allowed"); allowed != ch.end()) {
+        std::string bytes;
+        if (!allowed->is_string() || !absl::Base64Unescape(allowed->get<std::string>(), &bytes) ||
+            bytes.empty() || bytes.size() % 4 != 0 || !c.sample) {
+          return absl::DataLossError(absl::StrCat(
+              "chunk of sequence ", c.seq, ": 'allowed' is not a sampled token's base64 mask"));
+        }
+        c.allowed.resize(bytes.size() / 4);
+        for (size_t i = 0; i < c.allowed.size(); ++i) {
+          for (int b = 0; b < 4; ++b) {
+            c.allowed[i] |= static_cast<uint32_t>(static_cast<uint8_t>(bytes[4 * i + b]))
+                            << (8 * b);
+          }
+        }
       }
       if (auto params = ch.find("params"); params != ch.end()) {
         auto p = DecodeSamplingParams(*params);

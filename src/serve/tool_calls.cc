@@ -4,6 +4,7 @@
 #include <random>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 
 namespace shardserve {
 namespace {
@@ -210,6 +211,36 @@ ToolCallParser::Out ToolCallParser::Finish() {
   buffer_.clear();
   state_ = State::kContent;
   return out;
+}
+
+Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
+                        const std::string& choice, const std::string& name, bool parallel) {
+  using ojson = nlohmann::ordered_json;
+  const bool hermes = format == "hermes";
+  ojson calls = ojson::array();  // one schema per function the call may name
+  for (const ojson& t : tools) {
+    const ojson& fn = t["function"];
+    if (choice == "function" && fn["name"] != name) continue;
+    ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                       ? fn["parameters"]
+                       : ojson({{"type", "object"}});
+    const char* args = hermes ? "arguments" : "parameters";
+    calls.push_back({{"type", "object"},
+                     {"properties", {{"name", {{"const", fn["name"]}}}, {args, std::move(params)}}},
+                     {"required", {"name", args}},
+                     {"additionalProperties", false}});
+  }
+  ojson schema = calls.size() == 1 ? calls[0] : ojson({{"anyOf", calls}});
+  schema["x-guidance"] = {
+      {"whitespace_flexible", false}, {"item_separator", ", "}, {"key_separator", ": "}};
+  const std::string call = hermes ? absl::StrCat(ojson("<tool_call>\n").dump(), " %json ",
+                                                 schema.dump(), " ", ojson("\n</tool_call>").dump())
+                                  : absl::StrCat("%json ", schema.dump());
+  const std::string between = ojson(hermes ? "\n" : "; ").dump();
+  std::string lark = absl::StrCat(
+      "start: call", parallel && choice == "required" ? absl::StrCat(" (", between, " call)*") : "",
+      "\ncall: ", call, "\n");
+  return Grammar{"lark", std::move(lark)};
 }
 
 }  // namespace shardserve

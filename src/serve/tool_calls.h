@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "serve/grammar.h"
+
 namespace shardserve {
 
 // A call, or a piece of one: the entries of one index together are the call (the first holds
@@ -98,5 +100,13 @@ class ToolCallParser {
   JsonScan args_scan_;
   bool args_done_ = false;
 };
+
+// The grammar (llguidance's Lark, each call an embedded JSON schema) that a constrained tool
+// call follows in `format` ("hermes": <tool_call> blocks; "llama3_json": JSON objects joined by
+// "; "): for tool_choice "required" one call of any of `tools` (several, one a line, when
+// `parallel`), for "function" one call of `name`. A call's arguments follow its function's
+// parameters (any object without them), written as json.dumps writes them (", " and ": ").
+Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
+                        const std::string& choice, const std::string& name, bool parallel);
 
 }  // namespace shardserve

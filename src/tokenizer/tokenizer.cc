@@ -856,6 +856,22 @@ std::optional<size_t> Tokenizer::MaxBytesPerToken() const {
   return *per_word * (m.nfc ? 3 : 1);
 }
 
+namespace {
+
+// A byte-level token's bytes (each character of its string one byte's stand-in); a token outside
+// the byte alphabet stays as it is.
+std::string ByteLevelBytes(const Tokenizer::Impl& m, const std::string& t) {
+  std::string bytes;
+  for (const std::string& ch : SplitUtf8Chars(t)) {
+    auto it = m.unicode_to_byte.find(ch);
+    if (it == m.unicode_to_byte.end()) return t;
+    bytes += static_cast<char>(it->second);
+  }
+  return bytes;
+}
+
+}  // namespace
+
 std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
   const Impl& m = *impl_;
   // As Hugging Face does: every token's string (added tokens' content included) goes through the
@@ -872,19 +888,7 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
     switch (d.kind) {
       case Decoder::kByteLevel: {
         std::string bytes;
-        for (const std::string& t : toks) {
-          std::string tb;
-          bool mapped = true;
-          for (const std::string& ch : SplitUtf8Chars(t)) {
-            auto it = m.unicode_to_byte.find(ch);
-            if (it == m.unicode_to_byte.end()) {
-              mapped = false;
-              break;
-            }
-            tb += static_cast<char>(it->second);
-          }
-          bytes += mapped ? tb : t;  // a token outside the byte alphabet stays as it is
-        }
+        for (const std::string& t : toks) bytes += ByteLevelBytes(m, t);
         toks.assign(1, Utf8Lossy(bytes));
         break;
       }
@@ -942,6 +946,35 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
   std::string out;
   for (const std::string& t : toks) out += t;
   return out;
+}
+
+std::string Tokenizer::TokenBytes(int32_t id) const {
+  const Impl& m = *impl_;
+  if (id < 0 || id >= static_cast<int32_t>(m.id_to_token.size())) return "";
+  std::string t = m.id_to_token[id];
+  if (m.special[id]) return t;
+  // Decode's chain on the one token, without what applies at a text's start (Strip, Metaspace's
+  // dropped first space) or to a whole text (Fuse, the lossy UTF-8 of partial characters).
+  for (const Decoder& d : m.decoders) {
+    switch (d.kind) {
+      case Decoder::kByteLevel:
+        t = ByteLevelBytes(m, t);
+        break;
+      case Decoder::kReplace:
+        t = ReplaceAll(t, d.a, d.b);
+        break;
+      case Decoder::kByteFallback:
+        if (std::optional<char> byte = ByteFallbackByte(t)) t = std::string(1, *byte);
+        break;
+      case Decoder::kMetaspace:
+        t = ReplaceAll(t, d.a, " ");
+        break;
+      case Decoder::kFuse:
+      case Decoder::kStrip:
+        break;
+    }
+  }
+  return t;
 }
 
 std::optional<int32_t> Tokenizer::TokenId(const std::string& token) const {

@@ -51,6 +51,9 @@ class Tokenizer {
   // Ids that the tokenizer does not know are skipped, as Hugging Face does.
   std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
 
+  // The bytes token `id` adds inside a text (no UTF-8 repair; not the text's start, so no strip
+  // of a leading space); "" for an id the tokenizer lacks. Special tokens give their content.
+  std::string TokenBytes(int32_t id) const;
   std::optional<int32_t> TokenId(const std::string& token) const;
   int64_t vocab_size() const;  // largest id + 1
   bool IsSpecial(int32_t id) const;

@@ -46,6 +46,12 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]},
                                                     "city": {"type": "string"}},
                    "required": ["city"]}}}]
+# The same function with bounded arguments and strict: what constrained calls are checked with.
+BOUNDED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}]
 ROUND_TRIP = [{"role": "user", "content": "Weather in Oslo?"},
               {"role": "assistant", "content": None, "tool_calls": [{
                   "id": "call_1", "type": "function",
@@ -122,15 +128,37 @@ def tool_checks(family, client, d, tok):
           len(calls) == len(chat.choices[0].message.tool_calls or []) and
           finish == chat.choices[0].finish_reason,
           f"{family}: the streamed answer with tools equals the whole")
-    for choice, why in (("required", "constrained"),
-                        ({"type": "function", "function": {"name": "get_weather"}}, "constrained")):
-        try:
-            client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                           tool_choice=choice, max_tokens=4)
-            check(False, f"{family}: tool_choice {choice} is refused")
-        except openai.BadRequestError as e:
-            check(e.status_code == 400 and e.param == "tool_choice" and why in str(e),
-                  f"{family}: tool_choice {choice} is refused by name")
+    # tool_choice required / a named function: the call is constrained (llguidance), so even
+    # this random model's answer is a call of the function, its arguments valid for the schema
+    # (strict), whole and streamed.
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for stream in (False, True):
+            kw = dict(model="tiny", messages=MESSAGES, tools=BOUNDED_TOOLS, tool_choice=choice,
+                      max_tokens=120, temperature=1.0, seed=5, parallel_tool_calls=False)
+            if stream:
+                calls, finish = {}, None
+                for chunk in client.chat.completions.create(stream=True, **kw):
+                    for c in chunk.choices[0].delta.tool_calls or []:
+                        entry = calls.setdefault(c.index, {"name": "", "arguments": ""})
+                        entry["name"] += (c.function.name or "") if c.function else ""
+                        entry["arguments"] += (c.function.arguments or "") if c.function else ""
+                    finish = chunk.choices[0].finish_reason or finish
+                calls = list(calls.values())
+            else:
+                r = client.chat.completions.create(**kw)
+                finish = r.choices[0].finish_reason
+                calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                         for c in r.choices[0].message.tool_calls or []]
+            try:
+                args = json.loads(calls[0]["arguments"]) if calls else None
+            except ValueError:
+                args = None
+            check(len(calls) == 1 and calls[0]["name"] == "get_weather" and
+                  isinstance(args, dict) and args.get("unit") in ("c", "f") and
+                  isinstance(args.get("city"), str) and len(args["city"]) <= 12 and
+                  finish == "tool_calls",
+                  f"{family}: tool_choice {choice} gives a valid call "
+                  f"({'streamed' if stream else 'whole'}): {calls} {finish}")
 
 try:
     from transformers import AutoTokenizer
@@ -140,7 +168,8 @@ except ImportError:
 for family, args in FAMILIES:
     model = os.path.join(tmp, family)
     gen_model(BIN, model, *args)
-    d = Deployment(BIN, model, tp=2, pp=2, args=("--api-key-file", KEYS), api_key=KEY)
+    d = Deployment(BIN, model, tp=2, pp=2, args=("--api-key-file", KEYS), api_key=KEY,
+                   max_seq=2048)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key=KEY,
                                max_retries=0)

@@ -40,6 +40,40 @@ TEST(SamplerTest, GreedyIsArgmaxWithNormalizedLogprobs) {
   EXPECT_GE(t.top[1].logprob, t.top[2].logprob);
 }
 
+// Structured output's allowed set: the choice keeps to it (greedy and sampled), ids past the mask
+// are not allowed, the reported log-probability stays the model's, and the set holds for one
+// token only.
+TEST(SamplerTest, AnAllowedSetBoundsTheNextChoiceOnly) {
+  const int64_t V = 40;
+  std::vector<float> logits(V, 0.f);
+  logits[3] = 9.f;   // the model's favourite, not allowed
+  logits[35] = 8.f;  // past the one-word mask: not allowed either
+  logits[17] = 1.f;
+  for (float temperature : {0.f, 1.f}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.seed = 5;
+    Sampler s(p);
+    for (int round = 0; round < 20; ++round) {
+      std::vector<uint32_t> mask(1, 0);
+      mask[0] |= 1u << 17 | 1u << 20;
+      s.Allow(mask);
+      EXPECT_TRUE(s.ProcessesLogits());
+      const SampledToken t = s.Sample(logits.data(), V);
+      EXPECT_TRUE(t.id == 17 || t.id == 20) << t.id;
+      if (temperature == 0.f) {
+        EXPECT_EQ(t.id, 17);
+      }
+      // The model's own log-probability of the token.
+      double z = 0;
+      for (float l : logits) z += std::exp(l - 9.f);
+      EXPECT_NEAR(t.logprob, logits[t.id] - 9.f - std::log(z), 1e-4);
+      EXPECT_FALSE(s.ProcessesLogits());
+    }
+    if (temperature == 0.f) EXPECT_EQ(s.Sample(logits.data(), V).id, 3);  // the set is gone
+  }
+}
+
 TEST(SamplerTest, SameSeedSameTokensOtherSeedOtherTokens) {
   SamplingParams p;
   p.temperature = 1.0f;

@@ -37,6 +37,26 @@ std::unique_ptr<Tokenizer> Trained(TokenizerStyle style, int64_t vocab = 700) {
 
 class TokenizerStyleTest : public ::testing::TestWithParam<TokenizerStyle> {};
 
+// Each token's bytes inside a text (what structured output's grammars match) join to the text:
+// byte-level and byte-fallback tokens give raw bytes, partial characters included; a
+// SentencePiece text keeps the space its first token carries.
+TEST_P(TokenizerStyleTest, TokenBytesJoinToTheText) {
+  auto tok = Trained(GetParam());
+  for (const std::string& text : kTexts) {
+    auto ids = tok->Encode(text, /*add_special_tokens=*/false);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    std::string joined;
+    for (int32_t id : *ids) joined += tok->TokenBytes(id);
+    if (GetParam() == TokenizerStyle::kSentencePiece && joined != text) {
+      EXPECT_EQ(joined, " " + text);
+    } else {
+      EXPECT_EQ(joined, text);
+    }
+  }
+  EXPECT_EQ(tok->TokenBytes(-1), "");
+  EXPECT_EQ(tok->TokenBytes(static_cast<int32_t>(tok->vocab_size())), "");
+}
+
 TEST_P(TokenizerStyleTest, DecodeInvertsEncode) {
   auto tok = Trained(GetParam());
   for (const std::string& text : kTexts) {

@@ -7,12 +7,15 @@
 
 #include <deque>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
 #include <thread>
 
 #include "common/status.h"
 #include "model/generator.h"
 #include "model/test_models.h"
 #include "model/transformer.h"
+#include "serve/grammar.h"
 
 namespace shardserve {
 namespace {
@@ -45,6 +48,8 @@ class LocalExecutor : public StepExecutor {
         resumed_ += c.draws > 0;
       }
       chunked_ += !c.sample;
+      masks_ += !c.allowed.empty();
+      if (!c.allowed.empty()) samplers_.at(c.seq).Allow(c.allowed);
       chunks.push_back({c.tokens, &kv_[c.seq]});
     }
     StepResult r;
@@ -80,7 +85,7 @@ class LocalExecutor : public StepExecutor {
     return o;
   }
 
-  int resumed_ = 0, chunked_ = 0, releases_ = 0;
+  int resumed_ = 0, chunked_ = 0, releases_ = 0, masks_ = 0;
   int fail_after_ = -1, issued_ = 0;
 
  private:
@@ -107,6 +112,15 @@ class EngineTest : public ::testing::Test {
     }
   }
   std::vector<GenerationResult> Reference() { return *Generate(*model_, requests_); }
+  // Room for about two sequences (exec's cache of 64 tokens), prompts fed 3 tokens per step, 2
+  // micro-batches: chunking and preemption.
+  static EngineOptions Cramped(const LocalExecutor& exec) {
+    EngineOptions o = exec.Options();
+    o.max_batch = 4;
+    o.microbatches = 2;
+    o.max_step_tokens = 3;
+    return o;
+  }
 
   TempDir dir_;
   std::unique_ptr<Transformer> model_;
@@ -115,13 +129,8 @@ class EngineTest : public ::testing::Test {
 
 TEST_F(EngineTest, GreedyTokensSurviveChunkingAndPreemption) {
   const auto want = Reference();
-  // Room for about two sequences, prompts fed 3 tokens per step, 2 micro-batches.
   LocalExecutor exec(model_.get(), 64);
-  EngineOptions o = exec.Options();
-  o.max_batch = 4;
-  o.microbatches = 2;
-  o.max_step_tokens = 3;
-  auto got = GenerateAll(&exec, o, requests_);
+  auto got = GenerateAll(&exec, Cramped(exec), requests_);
   ASSERT_TRUE(got.ok()) << got.status();
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
@@ -129,6 +138,62 @@ TEST_F(EngineTest, GreedyTokensSurviveChunkingAndPreemption) {
   }
   EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
   EXPECT_GT(exec.chunked_, 0) << "prompts were meant to be chunked";
+}
+
+// Structured output through the engine: the constrained sequences' tokens follow their
+// grammars (a JSON schema, a regex) and end when the grammar is complete, through preemption and
+// chunked prompts; each of their sampled tokens went out with a mask, and the other sequences'
+// with none.
+TEST_F(EngineTest, ConstrainedSequencesFollowTheirGrammars) {
+  auto tok = Tokenizer::Load(dir_.Sub("m"));
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto vocab =
+      GrammarVocabulary::Create(**tok, model_->config().vocab_size, model_->config().eos_token_ids);
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  const std::string schema =
+      R"({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+          "b": {"type": "boolean"}}, "required": ["n", "b"], "additionalProperties": false})";
+  int constrained_tokens = 0;
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    GenerationRequest& r = requests_[i];
+    r.params.temperature = 1.0f;
+    r.params.seed = 11 + i;
+    r.params.max_tokens = 40;
+    if (i % 3 == 2) continue;  // unconstrained
+    r.params.ignore_eos = false;
+    auto c = vocab.value()->Compile(i % 3 == 0 ? Grammar{"json_schema", schema}
+                                               : Grammar{"regex", "[a-e]{2,5}"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    r.constraint = std::move(*c);
+  }
+  LocalExecutor exec(model_.get(), 64);
+  auto got = GenerateAll(&exec, Cramped(exec), requests_);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    const GenerationResult& g = (*got)[i];
+    if (i % 3 == 2) {
+      EXPECT_EQ(g.finish_reason, "length");
+      continue;
+    }
+    constrained_tokens += static_cast<int>(g.tokens.size());
+    std::vector<int32_t> text_ids = g.tokens;
+    const auto& eos = model_->config().eos_token_ids;
+    if (!text_ids.empty() && std::count(eos.begin(), eos.end(), text_ids.back())) {
+      text_ids.pop_back();
+    }
+    const std::string text = (*tok)->Decode(text_ids);
+    EXPECT_EQ(g.finish_reason, "stop") << text;
+    if (i % 3 == 0) {
+      const auto v = nlohmann::json::parse(text, nullptr, false);
+      ASSERT_TRUE(v.is_object() && v.size() == 2 && v["n"].is_number_integer() &&
+                  v["b"].is_boolean())
+          << text;
+    } else {
+      EXPECT_TRUE(std::regex_match(text, std::regex("[a-e]{2,5}"))) << text;
+    }
+  }
+  EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
+  EXPECT_EQ(exec.masks_, constrained_tokens);
 }
 
 TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {

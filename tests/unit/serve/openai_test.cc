@@ -107,11 +107,20 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
            "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})",
        true, "tools[0].function.strict"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
-           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})",
+           "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}],
+           "tool_choice": "required"})",
+       true, "tools[0].function.strict"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tool_choice": "required"})",
        true, "tool_choice"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
-           "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+           "tools": [{"type": "function", "function": {"name": "f"}}],
+           "tool_choice": {"type": "function", "function": {"name": "g"}}})",
        true, "tool_choice"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+           "guided_regex": "a"})",
+       true, "guided_regex"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "maybe"})",
        true, "tool_choice"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": []})", true,
@@ -143,6 +152,23 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": "user", "content": "x", "name": ["a"]}]})", true,
        "messages[0].name"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "response_format": {"type": "xml"}})",
+       true, "response_format"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}})",
+       true, "response_format.json_schema.schema"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "response_format": {"type": "json_schema"}})",
+       true, "response_format.json_schema"},
+      {R"({"model": "m", "prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]})", false,
+       "guided_choice"},
+      {R"({"model": "m", "prompt": "x", "guided_choice": []})", false, "guided_choice"},
+      {R"({"model": "m", "prompt": "x", "guided_json": 7})", false, "guided_json"},
+      {R"({"model": "m", "prompt": "x", "guided_grammar": {"start": 1}})", false, "guided_grammar"},
+      {R"({"model": "m", "prompt": "x", "guided_regex": "a+", "min_tokens": 2})", false,
+       "min_tokens"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}}],
            "response_format": {"type": "json_object"}})",
        true, "response_format"},
       {R"({"model": "m", "messages": []})", true, "messages"},
@@ -161,6 +187,32 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
     EXPECT_EQ(body["error"]["param"], c.param);
     EXPECT_EQ(body["error"]["type"], "invalid_request_error");
   }
+}
+
+// Structured output's fields become one grammar: OpenAI's response_format (the schema as the
+// client wrote it) and vLLM's guided_* extensions (a choice list as Lark literals).
+TEST(OpenAiParse, StructuredOutputFields) {
+  auto grammar = [](const char* extra, bool chat = true) {
+    const std::string body =
+        std::string(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], )") + extra +
+        "}";
+    auto r = ParseApiRequest(nlohmann::ordered_json::parse(body), chat);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() && r->grammar ? r->grammar->kind + " " + r->grammar->data + " " + r->grammar_param
+                                : std::string("none");
+  };
+  EXPECT_EQ(grammar(R"("response_format": {"type": "text"})"), "none");
+  EXPECT_EQ(grammar(R"("response_format": {"type": "json_object"})"),
+            "json_object  response_format");
+  EXPECT_EQ(grammar(R"("response_format": {"type": "json_schema", "json_schema": {"name": "p",
+      "strict": true, "schema": {"type": "object", "required": ["b", "a"]}}})"),
+            R"(json_schema {"type":"object","required":["b","a"]} response_format)");
+  EXPECT_EQ(grammar(R"("guided_json": "{\"type\": \"integer\"}")"),
+            R"(json_schema {"type": "integer"} guided_json)");
+  EXPECT_EQ(grammar(R"("guided_regex": "[0-9]+")"), "regex [0-9]+ guided_regex");
+  EXPECT_EQ(grammar(R"("guided_grammar": "start: \"a\"")"), R"(lark start: "a" guided_grammar)");
+  EXPECT_EQ(grammar(R"("guided_choice": ["yes", "n\"o"])"),
+            R"(lark start: "yes" | "n\"o" guided_choice)");
 }
 
 // Tools reach the template in the client's key order; a tool round trip's messages (an
@@ -194,6 +246,13 @@ TEST(OpenAiParse, ToolsAndToolMessages) {
       true);
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(none->tool_choice, "none");
+  auto named = ParseApiRequest(nlohmann::ordered_json::parse(R"({"model": "m", "messages": [
+      {"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f",
+      "strict": true}}], "tool_choice": {"type": "function", "function": {"name": "f"}}})"),
+                               true);
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->tool_choice, "function");
+  EXPECT_EQ(named->tool_choice_name, "f");
   auto plain =
       ParseApiRequest(nlohmann::ordered_json::parse(
                           R"({"model": "m", "messages": [{"role": "user", "content": "x"}]})"),

@@ -87,6 +87,7 @@ StepDesc SomeStep() {
   prompt.params = p;
   prompt.draws = 5;
   prompt.prompt_tokens = 3;
+  prompt.allowed = {0x80000001u, 0, 0xDEADBEEFu};  // structured output's mask
   StepChunk decode;
   decode.seq = 4;
   decode.tokens = {42};
@@ -116,8 +117,10 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   EXPECT_EQ(std::tuple(p.min_tokens, p.end_ids, p.repetition_penalty, p.frequency_penalty,
                        p.presence_penalty),
             std::tuple(3, std::vector<int64_t>{2, 9}, 1.2f, -0.5f, 0.25f));
+  EXPECT_EQ(back->chunks[0].allowed, d.chunks[0].allowed);
   EXPECT_FALSE(back->chunks[1].params.has_value());
   EXPECT_FALSE(back->chunks[1].sample);
+  EXPECT_TRUE(back->chunks[1].allowed.empty());
   EXPECT_EQ(*DecodeStepMessageType(EncodePing()), StepMessageType::kPing);
   EXPECT_EQ(*DecodeStepMessageType(EncodeStop()), StepMessageType::kStop);
 
@@ -158,6 +161,12 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["sample"] = 1; }),
               HasSubstr("'sample' is missing or not a boolean"));
   EXPECT_THAT(refused([](json& m) { m["chunks"] = {7}; }), HasSubstr("a chunk is not an object"));
+  for (const json& bad : {json("@@@"), json(7), json("AAA"), json("")}) {
+    EXPECT_THAT(refused([&](json& m) { m["chunks"][0]["allowed"] = bad; }),
+                HasSubstr("chunk of sequence 3: 'allowed' is not a sampled token's base64 mask"));
+  }
+  EXPECT_THAT(refused([](json& m) { m["chunks"][1]["allowed"] = "AAAAAA=="; }),
+              HasSubstr("chunk of sequence 4: 'allowed' is not a sampled token's base64 mask"));
   EXPECT_THAT(Error(DecodeStepMessageType({{"type", "dance"}}).status()),
               HasSubstr("a step message of unknown type 'dance'"));
   EXPECT_THAT(Error(DecodeStepMessageType({{"kind", "step"}}).status()),

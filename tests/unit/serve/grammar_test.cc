@@ -1,0 +1,221 @@
+// Structured output's matchers (llguidance) over our tokenizers: walks that take random allowed
+// tokens end in text that follows the grammar, a token outside the mask is refused, and grammars
+// that do not compile are refused with llguidance's message.
+#include "serve/grammar.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <regex>
+
+#include "devtools/bpe_trainer.h"
+#include "devtools/corpus.h"
+#include "serve/tool_calls.h"
+
+namespace shardserve {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+constexpr int32_t kEos = 2;  // the trained tokenizers' end of sequence
+
+class GrammarTest : public ::testing::TestWithParam<TokenizerStyle> {
+ protected:
+  void SetUp() override {
+    auto t = TrainBpeTokenizer(DefaultCorpus(), GetParam(), 700);
+    ASSERT_TRUE(t.ok()) << t.status();
+    auto tok = Tokenizer::FromJson(t->json, "test");
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    tok_ = std::move(*tok);
+    // A model vocabulary larger than the tokenizer's: the ids past it are never allowed.
+    auto v = GrammarVocabulary::Create(*tok_, tok_->vocab_size() + 20, {kEos});
+    ASSERT_TRUE(v.ok()) << v.status();
+    vocab_ = *v;
+  }
+
+  // Takes random allowed tokens (the end id, once allowed, half the time) until the grammar
+  // finishes; the text of the tokens before the end.
+  std::string Walk(TokenConstraint& c, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::vector<int32_t> ids;
+    for (int step = 0; step < 400 && !c.Finished(); ++step) {
+      std::vector<uint32_t> mask;
+      EXPECT_TRUE(c.Allowed(&mask).ok());
+      std::vector<int32_t> allowed;
+      for (size_t i = 0; i < mask.size() * 32; ++i) {
+        if (mask[i / 32] >> (i % 32) & 1u) allowed.push_back(static_cast<int32_t>(i));
+      }
+      EXPECT_FALSE(allowed.empty());
+      if (allowed.empty()) break;
+      for (int32_t id : allowed) EXPECT_LT(id, tok_->vocab_size()) << "an id the tokenizer lacks";
+      const bool end = std::count(allowed.begin(), allowed.end(), kEos) && rng() % 2 == 0;
+      const int32_t id = end ? kEos : allowed[rng() % allowed.size()];
+      const absl::Status accepted = c.Accept(id);
+      EXPECT_TRUE(accepted.ok()) << accepted << " token " << id << " \"" << tok_->TokenBytes(id)
+                                 << "\"";
+      if (id == kEos) break;
+      ids.push_back(id);
+    }
+    EXPECT_TRUE(c.Finished()) << "the walk did not finish: " << tok_->Decode(ids);
+    return tok_->Decode(ids);
+  }
+
+  std::unique_ptr<Tokenizer> tok_;
+  std::shared_ptr<const GrammarVocabulary> vocab_;
+};
+
+TEST_P(GrammarTest, JsonSchemaWalksGiveValidObjects) {
+  const json schema = json::parse(R"({
+    "type": "object",
+    "properties": {
+      "name": {"type": "string", "maxLength": 8},
+      "age": {"type": "integer", "minimum": 0, "maximum": 120},
+      "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+      "ok": {"type": "boolean"},
+      "note": {"type": "string", "maxLength": 4}
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": false})");
+  for (uint32_t seed = 0; seed < 20; ++seed) {
+    auto c = vocab_->Compile({"json_schema", schema.dump()});
+    ASSERT_TRUE(c.ok()) << c.status();
+    const std::string text = Walk(**c, seed);
+    const json v = json::parse(text, nullptr, false);
+    ASSERT_TRUE(v.is_object()) << text;
+    EXPECT_TRUE(v.contains("name") && v.contains("age") && v.contains("tags") && v.contains("ok"))
+        << text;
+    for (const auto& [k, x] : v.items()) {
+      if (k == "name" || k == "note") {
+        ASSERT_TRUE(x.is_string()) << text;
+      } else if (k == "age") {
+        ASSERT_TRUE(x.is_number_integer()) << text;
+        EXPECT_GE(x.get<int64_t>(), 0);
+        EXPECT_LE(x.get<int64_t>(), 120);
+      } else if (k == "tags") {
+        ASSERT_TRUE(x.is_array() && x.size() <= 3) << text;
+        for (const json& t : x) EXPECT_TRUE(t == "red" || t == "green" || t == "blue") << text;
+      } else if (k == "ok") {
+        EXPECT_TRUE(x.is_boolean()) << text;
+      } else {
+        ADD_FAILURE() << "a property the schema does not allow: " << text;
+      }
+    }
+    EXPECT_EQ(text.find(": "), std::string::npos) << "no whitespace by default: " << text;
+  }
+}
+
+TEST_P(GrammarTest, RegexLarkAndJsonObjectWalks) {
+  for (uint32_t seed = 0; seed < 10; ++seed) {
+    auto re = vocab_->Compile({"regex", "[a-c]{3}-[0-9]{2,4}"});
+    ASSERT_TRUE(re.ok()) << re.status();
+    const std::string a = Walk(**re, seed);
+    EXPECT_TRUE(std::regex_match(a, std::regex("[a-c]{3}-[0-9]{2,4}"))) << a;
+
+    auto lark = vocab_->Compile({"lark", "start: \"yes\" | \"no\" | \"maybe so\""});
+    ASSERT_TRUE(lark.ok()) << lark.status();
+    const std::string b = Walk(**lark, seed);
+    EXPECT_TRUE(b == "yes" || b == "no" || b == "maybe so") << b;
+  }
+  auto obj = vocab_->Compile({"json_object", ""});
+  ASSERT_TRUE(obj.ok()) << obj.status();
+  std::vector<uint32_t> mask;
+  ASSERT_TRUE((*obj)->Allowed(&mask).ok());
+  // Only tokens that start an object: every allowed token's text begins with '{'.
+  for (size_t i = 0; i < mask.size() * 32; ++i) {
+    if (mask[i / 32] >> (i % 32) & 1u) {
+      EXPECT_EQ(tok_->TokenBytes(static_cast<int32_t>(i)).substr(0, 1), "{") << i;
+    }
+  }
+}
+
+// tool_choice required / a named function: walks of the call grammar parse, in each format, into
+// calls of the functions allowed whose arguments follow their schemas.
+TEST_P(GrammarTest, ToolCallGrammarsGiveCallsThatParse) {
+  const auto tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string", "maxLength": 6},
+                     "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+      "additionalProperties": false}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
+      "properties": {}, "additionalProperties": false}}}])");
+  for (const char* format : {"hermes", "llama3_json"}) {
+    for (const auto& [choice, name] : {std::pair{"required", ""}, std::pair{"function", "now"},
+                                       std::pair{"function", "get_weather"}}) {
+      for (uint32_t seed = 0; seed < 6; ++seed) {
+        auto c = vocab_->Compile(ToolCallGrammar(format, tools, choice, name, true));
+        ASSERT_TRUE(c.ok()) << c.status();
+        const std::string text = Walk(**c, seed);
+        ToolCallParser parser(format, tools, true);
+        ToolCallParser::Out out = parser.Add(text);
+        ToolCallParser::Out rest = parser.Finish();
+        out.calls.insert(out.calls.end(), rest.calls.begin(), rest.calls.end());
+        ASSERT_GE(parser.calls(), 1) << format << " " << choice << ": " << text;
+        std::map<int, std::pair<std::string, std::string>> calls;  // index: name, arguments
+        for (const ToolCall& call : out.calls) {
+          if (!call.name.empty()) calls[call.index].first = call.name;
+          calls[call.index].second += call.arguments;
+        }
+        for (const auto& [index, call] : calls) {
+          if (std::string(choice) == "function") EXPECT_EQ(call.first, name) << text;
+          const json args = json::parse(call.second, nullptr, false);
+          ASSERT_TRUE(args.is_object()) << text;
+          if (call.first == "get_weather") {
+            EXPECT_TRUE(args["unit"] == "c" || args["unit"] == "f") << text;
+            EXPECT_TRUE(args["city"].is_string()) << text;
+          } else {
+            EXPECT_EQ(call.first, "now") << text;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(GrammarTest, ATokenOutsideTheMaskIsRefused) {
+  auto c = vocab_->Compile({"regex", "[0-9]+"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::optional<int32_t> x = tok_->Encode("x", false)->front();
+  const absl::Status s = (*c)->Accept(*x);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("the output's grammar failed on token"));
+}
+
+TEST_P(GrammarTest, GrammarsThatDoNotCompileAreRefusedWithTheReason) {
+  auto refused = [&](const Grammar& g) {
+    auto c = vocab_->Compile(g);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << g.data;
+    return std::string(c.status().message());
+  };
+  EXPECT_THAT(refused({"json_schema", R"({"type": "frobnicate"})"}), HasSubstr("frobnicate"));
+  EXPECT_THAT(refused({"json_schema", "{not json"}), HasSubstr("the schema is not JSON"));
+  EXPECT_THAT(refused({"json_schema", std::string(100, '[') + std::string(100, ']')}),
+              HasSubstr("nests deeper than 64"));
+  EXPECT_FALSE(refused({"regex", "(unclosed"}).empty());
+  EXPECT_FALSE(refused({"lark", "start: ("}).empty());
+  EXPECT_THAT(refused({"yaml", "a: b"}), HasSubstr("no grammar of kind 'yaml'"));
+  EXPECT_THAT(refused({"regex", std::string("a\0b", 3)}), HasSubstr("NUL"));
+}
+
+TEST(GrammarVocabularyTest, NeedsAnEndOfSequence) {
+  auto t = TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kByteLevel, 300);
+  ASSERT_TRUE(t.ok());
+  auto tok = Tokenizer::FromJson(t->json, "test");
+  ASSERT_TRUE(tok.ok());
+  EXPECT_THAT(std::string(GrammarVocabulary::Create(**tok, 300, {}).status().message()),
+              HasSubstr("needs the model's end-of-sequence token"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Styles, GrammarTest,
+                         ::testing::Values(TokenizerStyle::kByteLevel,
+                                           TokenizerStyle::kSentencePiece),
+                         [](const auto& info) {
+                           return info.param == TokenizerStyle::kByteLevel ? "ByteLevel"
+                                                                           : "SentencePiece";
+                         });
+
+}  // namespace
+}  // namespace shardserve
