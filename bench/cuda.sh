@@ -100,15 +100,8 @@ if [ "${BENCH_SERVE:-1}" = 1 ]; then
   serve_row() {  # serve_row NAME URI PP VOCAB
     local tmp port=$((18400 + RANDOM % 500))
     tmp=$(mktemp -d)
-    cat >"$tmp/model.yaml" <<YAML
-apiVersion: shardserve.io/v1alpha1
-kind: ShardedModel
-metadata: {name: $1}
-spec:
-  model: {name: $1, uri: "file://$2"}
-  parallelism: {tensor: 1, pipeline: $3}
-  serving: {port: $port, maxBatchSize: 64, maxSequenceLength: 2048}
-YAML
+    write_manifest "$tmp/model.yaml" "$1" "$2" 1 "$3" \
+      "port: $port, maxBatchSize: 64, maxSequenceLength: 2048"
     (
       LOCAL_CLEANUP='rm -rf "$tmp"'
       export SHARDSERVE_BACKEND="${BENCH_SERVE_BACKEND:-cuda}"  # cpu: a dry run of this script

@@ -120,11 +120,11 @@ std::pair<double, double> ForwardTotals(const std::string& host, int port) {
 }  // namespace
 
 absl::Status RunLoadBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv,
-                               {"url", "model", "concurrency", "requests-per-client", "max-tokens",
-                                "prompt-tokens", "vocab", "rank-metrics", "api-key"},
-                               {}, "shardserve bench load", kLoadBenchUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
+                                       {"url", "model", "concurrency", "requests-per-client",
+                                        "max-tokens", "prompt-tokens", "vocab", "rank-metrics",
+                                        "api-key", "shared-prefix-tokens"},
+                                       {}, "shardserve bench load", kLoadBenchUsage));
   // Named copies, not structured bindings: the client threads below capture them.
   const auto url = HostPort(a.GetOr("url", "127.0.0.1:8000"));
   const std::string host = url.first;
@@ -137,6 +137,13 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t max_tokens, a.GetInt("max-tokens", 64));
   ASSIGN_OR_RETURN(int64_t prompt_tokens, a.GetInt("prompt-tokens", 64));
   ASSIGN_OR_RETURN(int64_t vocab, a.GetInt("vocab", 32000));
+  // A start every prompt shares (a long system prompt): what prefix caching reuses.
+  ASSIGN_OR_RETURN(int64_t shared, a.GetInt("shared-prefix-tokens", 0));
+  std::vector<int32_t> prefix(std::max<int64_t>(0, shared));
+  {
+    std::mt19937 rng(7);
+    for (auto& t : prefix) t = static_cast<int32_t>(3 + rng() % (vocab - 3));
+  }
   std::vector<int> levels;
   for (absl::string_view c : absl::StrSplit(a.GetOr("concurrency", "1,4,16"), ',')) {
     int v;
@@ -146,10 +153,11 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
     levels.push_back(v);
   }
   std::printf(
-      "load: %s:%d model '%s', prompts of %lld random tokens, %lld greedy output tokens, "
-      "%lld requests per client\n",
-      host.c_str(), port, model.c_str(), static_cast<long long>(prompt_tokens),
-      static_cast<long long>(max_tokens), static_cast<long long>(per_client));
+      "load: %s:%d model '%s', prompts of %lld shared and %lld random tokens, %lld greedy output "
+      "tokens, %lld requests per client\n",
+      host.c_str(), port, model.c_str(), static_cast<long long>(prefix.size()),
+      static_cast<long long>(prompt_tokens), static_cast<long long>(max_tokens),
+      static_cast<long long>(per_client));
   if (mport != 0) {
     // Overhead probe: one client, a one-token prompt, so every step is a one-token decode step;
     // what the client waits beyond the leader rank's forward pass is HTTP, scheduling and
@@ -183,8 +191,10 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
       clients.emplace_back([&, i] {
         std::mt19937 rng(1000 * c + i);
         for (int64_t r = 0; r < per_client; ++r) {
-          std::vector<int32_t> prompt(prompt_tokens);
-          for (auto& t : prompt) t = static_cast<int32_t>(3 + rng() % (vocab - 3));
+          std::vector<int32_t> prompt(prefix);
+          for (int64_t k = 0; k < prompt_tokens; ++k) {
+            prompt.push_back(static_cast<int32_t>(3 + rng() % (vocab - 3)));
+          }
           const json body = {{"model", model},   {"prompt", prompt},   {"max_tokens", max_tokens},
                              {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
                              {"logprobs", 0}};

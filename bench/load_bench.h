@@ -14,7 +14,8 @@ namespace shardserve {
 absl::Status RunLoadBench(const std::vector<std::string>& argv);
 inline constexpr char kLoadBenchUsage[] =
     "[--url HOST:PORT --model NAME --concurrency 1,4,16 --requests-per-client N\n--max-tokens N "
-    "--prompt-tokens N --vocab N --rank-metrics HOST:PORT --api-key KEY]\n(concurrent clients "
-    "against a served model)";
+    "--prompt-tokens N --shared-prefix-tokens N --vocab N --rank-metrics HOST:PORT --api-key KEY]\n"
+    "(concurrent clients against a served model; every prompt starts with the same shared "
+    "tokens)";
 
 }  // namespace shardserve

@@ -18,16 +18,8 @@ if [ ! -f "$dir/config.json" ]; then
     --intermediate 5632 --heads 32 --kv-heads 4 --vocab 32000 --dtype bf16 --seed 1
 fi
 tmp=$(mktemp -d)
-cat > "$tmp/model.yaml" <<YAML
-apiVersion: shardserve.io/v1alpha1
-kind: ShardedModel
-metadata: {name: tinyllama}
-spec:
-  model: {name: tinyllama, uri: "file://$dir"}
-  parallelism: {tensor: 2, pipeline: 1}
-  serving: {port: 18400, maxBatchSize: 16, maxSequenceLength: 2048}
-YAML
 source scripts/local_lib.sh
+write_manifest "$tmp/model.yaml" tinyllama "$dir" 2 1 "port: 18400, maxBatchSize: 16, maxSequenceLength: 2048"
 LOCAL_CLEANUP='rm -rf "$tmp"'
 start_local "$tmp/log" "$tmp/model.yaml" --metrics-port-base 18500
 echo "TinyLlama-1.1B shape, BF16, TP=2 (one rank per core), maxBatchSize 16"

@@ -67,6 +67,16 @@ class Fields {
     out = n.Scalar();
     return absl::OkStatus();
   }
+  absl::Status Bool(const std::string& key, bool& out) {
+    YAML::Node n = Get(key);
+    if (!n || n.IsNull()) return absl::OkStatus();
+    if (!n.IsScalar() || (n.Scalar() != "true" && n.Scalar() != "false")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Path(key), " must be true or false, got ", Describe(n)));
+    }
+    out = n.Scalar() == "true";
+    return absl::OkStatus();
+  }
   absl::Status StringMap(const std::string& key, std::map<std::string, std::string>& out) {
     YAML::Node n = Get(key);
     if (!n || n.IsNull()) return absl::OkStatus();
@@ -245,6 +255,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
+  RETURN_IF_ERROR(serving.Bool("prefixCaching", s.prefix_caching));
   RETURN_IF_ERROR(serving.NoOthers());
   Fields startup(spec.Get("startup"), "spec.startup");
   RETURN_IF_ERROR(startup.CheckMap());
@@ -270,6 +281,7 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.kv_cache_tokens = spec.kv_cache_tokens();
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
+  w.prefix_caching = spec.prefix_caching;
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
 }

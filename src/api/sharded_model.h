@@ -74,6 +74,7 @@ struct ShardedModelSpec {
   // transformers and vLLM do) or "text" (as the characters they are; a user cannot forge a turn).
   std::string special_tokens_in_content = "special";
   std::string tool_call_parser = "auto";  // auto (the chat template's), hermes, llama3_json
+  bool prefix_caching = true;             // full KV blocks stay cached and are shared
   // Start-up (spec.startup): a rank waits this long at the rendezvous for the other stages' pods
   // (pulling an image, starting, reaching it), and gives up when its loading makes no progress
   // for load_stall_seconds.

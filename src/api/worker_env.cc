@@ -87,6 +87,7 @@ const BoolVar kBools[] = {
     {"SHARDSERVE_API_METRICS_AUTH", &WorkerEnv::api_metrics_auth, "true", "false"},
     {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &WorkerEnv::special_tokens_as_text, "text", "special"},
     {"SHARDSERVE_REPORT_MEMORY", &WorkerEnv::report_memory, "1", "0"},
+    {"SHARDSERVE_PREFIX_CACHING", &WorkerEnv::prefix_caching, "true", "false"},
 };
 
 // The variable of a field, for errors that name it.

@@ -105,6 +105,9 @@ struct WorkerEnv {
   // The format of the model's tool calls (spec.serving.toolCallParser): hermes, llama3_json, or
   // empty: the one its chat template shows (ChatTemplate::tool_call_format).
   std::string tool_call_parser;
+  // Full KV blocks stay cached after their sequences and are shared by later ones with the same
+  // prefix (spec.serving.prefixCaching).
+  bool prefix_caching = true;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the

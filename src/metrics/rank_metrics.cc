@@ -187,6 +187,39 @@ LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
                            "for one token of one sequence")
                        .Register(r)
                        .Add(labels_, SecondsBuckets(1e-6));
+  prefix_queried_ = &prometheus::BuildCounter()
+                         .Name("shardserve_prefix_cache_queried_tokens_total")
+                         .Help("Prompt tokens looked up in the prefix cache")
+                         .Register(r)
+                         .Add(labels_);
+  prefix_hit_ = &prometheus::BuildCounter()
+                     .Name("shardserve_prefix_cache_hit_tokens_total")
+                     .Help("Prompt tokens found in the prefix cache (their prefill skipped)")
+                     .Register(r)
+                     .Add(labels_);
+  auto& blocks = prometheus::BuildGauge()
+                     .Name("shardserve_prefix_cache_blocks")
+                     .Help(
+                         "The replica's KV blocks: held by sequences (used), or holding a "
+                         "cached prefix (cached; held or not)")
+                     .Register(r);
+  auto with = [&](const char* state) {
+    auto l = labels_;
+    l["state"] = state;
+    return l;
+  };
+  blocks_used_ = &blocks.Add(with("used"));
+  blocks_cached_ = &blocks.Add(with("cached"));
+}
+
+void LeaderMetrics::CountPrefixLookup(int64_t queried, int64_t hit) {
+  prefix_queried_->Increment(static_cast<double>(queried));
+  prefix_hit_->Increment(static_cast<double>(hit));
+}
+
+void LeaderMetrics::SetCacheBlocks(int64_t used, int64_t cached) {
+  blocks_used_->Set(static_cast<double>(used));
+  blocks_cached_->Set(static_cast<double>(cached));
 }
 
 void LeaderMetrics::ObserveGrammarMask(double seconds) { grammar_mask_->Observe(seconds); }

@@ -48,7 +48,9 @@ class RankMetrics;
 //   shardserve_requests_total{code}, shardserve_request_queue_depth,
 //   shardserve_time_to_first_token_seconds, shardserve_inter_token_latency_seconds
 //   (histograms), shardserve_generated_tokens_total, shardserve_grammar_mask_seconds (histogram:
-//   the leader's structured-output mask for one token of one sequence).
+//   the leader's structured-output mask for one token of one sequence),
+//   shardserve_prefix_cache_queried_tokens_total and _hit_tokens_total (prompt tokens looked up
+//   in the prefix cache, and found), shardserve_prefix_cache_blocks{state="used"|"cached"}.
 // Registered into the registry of the leader rank's page. Thread-safe.
 class LeaderMetrics {
  public:
@@ -60,6 +62,8 @@ class LeaderMetrics {
   void ObserveInterToken(double seconds);
   void AddGenerated(double tokens);
   void ObserveGrammarMask(double seconds);
+  void CountPrefixLookup(int64_t queried, int64_t hit);
+  void SetCacheBlocks(int64_t used, int64_t cached);
 
  private:
   std::map<std::string, std::string> labels_;
@@ -69,6 +73,8 @@ class LeaderMetrics {
   prometheus::Histogram* itl_;
   prometheus::Counter* generated_;
   prometheus::Histogram* grammar_mask_;
+  prometheus::Counter *prefix_queried_, *prefix_hit_;
+  prometheus::Gauge *blocks_used_, *blocks_cached_;
 };
 
 class RankMetrics {

@@ -13,6 +13,10 @@ KvCache::KvCache(int64_t block_size, int64_t num_blocks, std::unique_ptr<KvStora
 absl::Status KvCache::Reserve(SequenceKv& seq, int64_t positions) {
   const int64_t need = BlocksFor(positions) - static_cast<int64_t>(seq.blocks.size());
   if (need <= 0) return absl::OkStatus();
+  if (follow_) {
+    return absl::DataLossError(absl::StrCat("a block table of ", seq.blocks.size(), " blocks for ",
+                                            positions, " positions"));
+  }
   if (need > free_blocks()) {
     return absl::ResourceExhaustedError(absl::StrCat("KV cache full: ", positions,
                                                      " positions need ", need, " more blocks, ",

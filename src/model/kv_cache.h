@@ -30,6 +30,9 @@ class KvCache {
   absl::Status Reserve(SequenceKv& seq, int64_t positions);
   // Returns all of seq's blocks to the free list and empties it.
   void Release(SequenceKv& seq);
+  // The block tables come from elsewhere (a replica's leader, serve/prefix_cache.h): Reserve
+  // takes nothing from the free list and fails (DataLoss) when a table is too short.
+  void FollowTables() { follow_ = true; }
 
   // The backend's storage (null for block tables alone).
   const KvStorage* storage() const { return storage_.get(); }
@@ -40,6 +43,7 @@ class KvCache {
  private:
   int64_t block_size_, num_blocks_;
   std::vector<int32_t> free_;
+  bool follow_ = false;
   std::unique_ptr<KvStorage> storage_;
 };
 

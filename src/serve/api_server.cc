@@ -266,13 +266,19 @@ struct ApiServer::Impl {
     return d;
   }
 
+  // OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens whose KV came
+  // from the prefix cache (each prompt's first sequence's).
   json Usage(const std::vector<Choice>& choices) const {
-    int64_t p = 0, g = 0;
+    int64_t p = 0, g = 0, cached = 0;
     for (const Choice& c : choices) {
       p += c.prompt_tokens;
       g += c.completion_tokens;
+      if (c.prompt_tokens > 0) cached += c.stream->cached_tokens();
     }
-    return {{"prompt_tokens", p}, {"completion_tokens", g}, {"total_tokens", p + g}};
+    return {{"prompt_tokens", p},
+            {"completion_tokens", g},
+            {"total_tokens", p + g},
+            {"prompt_tokens_details", {{"cached_tokens", cached}}}};
   }
 
   // A prompt's tokens, its cost bounded by the context before any work: a text that cannot fit
@@ -840,6 +846,8 @@ EngineObserver ApiServer::Observer() {
   o.inter_token = [m](double s) { m->ObserveInterToken(s); };
   o.generated = [m](int64_t n) { m->AddGenerated(static_cast<double>(n)); };
   o.grammar_mask = [m](double s) { m->ObserveGrammarMask(s); };
+  o.prefix_lookup = [m](int64_t queried, int64_t hit) { m->CountPrefixLookup(queried, hit); };
+  o.cache_blocks = [m](int64_t used, int64_t cached) { m->SetCacheBlocks(used, cached); };
   return o;
 }
 

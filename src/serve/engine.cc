@@ -43,11 +43,14 @@ struct Engine::Sequence {
   GenerationRequest request;
   std::shared_ptr<RequestStream> stream = std::make_shared<RequestStream>();
   std::vector<int32_t> generated;
-  int64_t fed = 0;       // positions in the replica's KV cache
-  int64_t blocks = 0;    // cache blocks those positions hold
-  int64_t admitted = 0;  // admission order: the newest is preempted first
-  bool started = false;  // the ranks know its parameters
-  bool in_step = false;  // has a chunk in the step being built
+  int64_t fed = 0;               // positions in the replica's KV cache
+  std::vector<int32_t> table;    // the blocks those positions (and the ones being fed) hold
+  std::vector<BlockHash> names;  // of its full blocks, as far as they are named
+  int64_t registered = 0;        // table's first blocks offered to the prefix cache
+  bool first_start = true;       // not yet admitted (its cached tokens count for usage)
+  int64_t admitted = 0;          // admission order: the newest is preempted first
+  bool started = false;          // the ranks know its parameters
+  bool in_step = false;          // has a chunk in the step being built
   int mb = -1;
   Clock::time_point submitted, last_token;
 
@@ -61,7 +64,10 @@ struct Engine::Sequence {
 };
 
 Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver observer)
-    : executor_(executor), options_(std::move(options)), observer_(std::move(observer)) {
+    : executor_(executor),
+      options_(std::move(options)),
+      observer_(std::move(observer)),
+      pool_(options_.kv_blocks, options_.kv_block_size, options_.prefix_caching) {
   options_.microbatches = std::max(1, options_.microbatches);
   mbs_.resize(options_.microbatches);
 }
@@ -134,21 +140,76 @@ size_t Engine::queue_depth() const {
   return waiting_.size();
 }
 
+void Engine::ReleaseBlocks(Sequence* s) {
+  if (s->started) release_.push_back(s->id);
+  pool_.Release(s->table);
+  s->table.clear();
+  s->registered = 0;
+  s->fed = 0;
+  s->started = false;
+}
+
+// The hash chain runs over the sequence's tokens in order, one name per full block; the names
+// computed once are kept (a preempted sequence's tokens do not change).
+void Engine::MatchPrefix(Sequence* s) {
+  const int64_t bs = options_.kv_block_size;
+  if (!pool_.caching()) return;
+  // At least the last token is computed: its logits choose the next.
+  const int64_t full = (s->total() - 1) / bs;
+  std::vector<int32_t> tokens(bs);
+  while (static_cast<int64_t>(s->names.size()) < full) {
+    const int64_t b = static_cast<int64_t>(s->names.size());
+    for (int64_t i = 0; i < bs; ++i) tokens[i] = s->token(b * bs + i);
+    s->names.push_back(
+        HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]), tokens.data(), bs));
+  }
+  s->table = pool_.Match(std::vector<BlockHash>(s->names.begin(), s->names.begin() + full));
+  s->fed = static_cast<int64_t>(s->table.size()) * bs;
+  s->registered = static_cast<int64_t>(s->table.size());
+  if (s->first_start) {
+    s->first_start = false;
+    s->stream->set_cached_tokens(s->fed);
+    if (observer_.prefix_lookup) {
+      observer_.prefix_lookup(static_cast<int64_t>(s->request.prompt_ids.size()), s->fed);
+    }
+  }
+}
+
+bool Engine::PrefixBeingComputed(const Sequence* s) const {
+  const size_t next = s->table.size();
+  if (!pool_.caching() || next >= s->names.size()) return false;
+  for (const auto& r : running_) {
+    for (size_t k = static_cast<size_t>(r->registered); k < r->names.size(); ++k) {
+      if (r->names[k] == s->names[next]) return true;
+    }
+  }
+  return false;
+}
+
+void Engine::RegisterBlocks(Sequence* s) {
+  const int64_t bs = options_.kv_block_size;
+  std::vector<int32_t> tokens(bs);
+  for (; s->registered < s->fed / bs; ++s->registered) {
+    const int64_t b = s->registered;
+    if (static_cast<int64_t>(s->names.size()) == b) {
+      for (int64_t i = 0; i < bs; ++i) tokens[i] = s->token(b * bs + i);
+      s->names.push_back(
+          HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]), tokens.data(), bs));
+    }
+    pool_.Register(s->table[b], s->names[b]);
+  }
+}
+
 void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& status) {
   s->stream->Finish(reason, status);
-  if (s->fed > 0) release_.push_back(s->id);
-  used_blocks_ -= s->blocks;
+  ReleaseBlocks(s);
   if (s->mb >= 0) std::erase(mbs_[s->mb].seqs, s);
   std::erase_if(running_, [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
   running_count_.store(static_cast<int>(running_.size()));
 }
 
 void Engine::Preempt(Sequence* s) {
-  if (s->fed > 0) release_.push_back(s->id);
-  used_blocks_ -= s->blocks;
-  s->blocks = 0;
-  s->fed = 0;
-  s->started = false;
+  ReleaseBlocks(s);
   std::erase(mbs_[s->mb].seqs, s);
   s->mb = -1;
   auto it = std::find_if(running_.begin(), running_.end(),
@@ -179,8 +240,14 @@ StepDesc Engine::BuildStep(int mb) {
     while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
            batch.seqs.size() < share) {
       Sequence* s = waiting_.front().get();
-      const int64_t need = (s->total() + options_.kv_block_size) / options_.kv_block_size;
-      if (need > FreeBlocks()) break;  // first in line waits for room
+      MatchPrefix(s);
+      const int64_t need = (s->total() + options_.kv_block_size) / options_.kv_block_size -
+                           static_cast<int64_t>(s->table.size());
+      // First in line waits for room, or for the blocks of its prefix being computed now.
+      if (need > pool_.available() || PrefixBeingComputed(s)) {
+        ReleaseBlocks(s);
+        break;
+      }
       s->mb = mb;
       s->admitted = ++admitted_order;
       batch.seqs.push_back(s);
@@ -200,7 +267,7 @@ StepDesc Engine::BuildStep(int mb) {
   auto victim = [&]() -> Sequence* {
     Sequence* v = nullptr;
     for (const auto& s : running_) {
-      if (s->in_step || s->blocks == 0 || mbs_[s->mb].in_flight) continue;
+      if (s->in_step || s->table.empty() || mbs_[s->mb].in_flight) continue;
       if (v == nullptr || s->admitted > v->admitted) v = s.get();
     }
     return v;
@@ -229,7 +296,7 @@ StepDesc Engine::BuildStep(int mb) {
     }
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
-    while (blocks_for(s->fed + n) - s->blocks > FreeBlocks()) {
+    while (blocks_for(s->fed + n) - static_cast<int64_t>(s->table.size()) > pool_.available()) {
       Sequence* v = victim();
       if (v == nullptr) {
         fits = false;
@@ -253,11 +320,15 @@ StepDesc Engine::BuildStep(int mb) {
       chunk.params = s->request.params;
       chunk.draws = static_cast<int64_t>(s->generated.size());
       chunk.prompt_tokens = static_cast<int64_t>(s->request.prompt_ids.size());
+      chunk.start = s->fed;     // a cached prefix: the ranks skip it
+      chunk.cached = s->table;  // and read its blocks
       s->started = true;
     }
     s->fed += n;
-    used_blocks_ += blocks_for(s->fed) - s->blocks;
-    s->blocks = blocks_for(s->fed);
+    while (static_cast<int64_t>(s->table.size()) < blocks_for(s->fed)) {
+      chunk.blocks.push_back(pool_.Allocate());
+      s->table.push_back(chunk.blocks.back());
+    }
     desc.chunks.push_back(std::move(chunk));
   }
   for (Sequence* s : batch.seqs) s->in_step = false;
@@ -268,6 +339,9 @@ StepDesc Engine::BuildStep(int mb) {
 void Engine::Accept(const StepResult& result) {
   MicroBatch& batch = mbs_[result.microbatch];
   batch.in_flight = false;
+  // The step is done on every rank: the blocks it filled hold their KV and may be shared.
+  for (Sequence* s : batch.seqs) RegisterBlocks(s);
+  if (observer_.cache_blocks) observer_.cache_blocks(pool_.used(), pool_.cached());
   const auto now = Clock::now();
   for (const StepToken& t : result.tokens) {
     auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),

@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "api/worker_env.h"
 #include "model/generation.h"
+#include "serve/prefix_cache.h"
 #include "serve/step.h"
 
 namespace shardserve {
@@ -34,6 +35,10 @@ struct EngineObserver {
   std::function<void(double seconds)> inter_token;
   std::function<void(int64_t tokens)> generated;
   std::function<void(double seconds)> grammar_mask;  // one sequence's mask for one token
+  // A sequence's prompt looked up in the prefix cache: its tokens, and those found cached.
+  std::function<void(int64_t queried, int64_t hit)> prefix_lookup;
+  // The replica's KV blocks held by sequences, and those holding a cached prefix.
+  std::function<void(int64_t used, int64_t cached)> cache_blocks;
 };
 
 struct EngineOptions {
@@ -45,6 +50,9 @@ struct EngineOptions {
   int64_t max_step_tokens = WorkerEnv::Defaults().max_step_tokens;
   int64_t kv_blocks = 0;  // the replica's KV cache (every rank has the same blocks)
   int64_t kv_block_size = 16;
+  // Full blocks stay cached after their sequences end and later sequences with the same prefix
+  // share them (serve/prefix_cache.h); spec.serving.prefixCaching turns it off.
+  bool prefix_caching = true;
   int64_t max_context = 0;  // prompt + generated tokens per sequence
   int64_t vocab_size = 0;
   std::vector<int64_t> eos_token_ids;
@@ -73,6 +81,9 @@ class RequestStream {
   // its cache at the next step boundary.
   void Cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
+  // Prompt tokens whose KV came from the prefix cache when the sequence started.
+  int64_t cached_tokens() const { return cached_tokens_.load(); }
+  void set_cached_tokens(int64_t n) { cached_tokens_.store(n); }
 
   // Engine side.
   void Push(Token t);
@@ -87,6 +98,7 @@ class RequestStream {
   std::string reason_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> cancelled_{false};
+  std::atomic<int64_t> cached_tokens_{0};
 };
 
 class Engine {
@@ -126,7 +138,15 @@ class Engine {
   void Retire(Sequence* s, const std::string& reason, const absl::Status& status);
   void Preempt(Sequence* s);
   void FailAll(const absl::Status& status);
-  int64_t FreeBlocks() const { return options_.kv_blocks - used_blocks_; }
+  // Gives a sequence's blocks back (cached ones stay, evictable) and tells the ranks to drop it.
+  void ReleaseBlocks(Sequence* s);
+  // Takes the cached blocks that start s's tokens (leaving at least one token to compute).
+  void MatchPrefix(Sequence* s);
+  // Names the blocks s has filled since the last call (hash chain), caching them.
+  void RegisterBlocks(Sequence* s);
+  // Whether a running sequence is computing the block that would extend s's cached prefix (the
+  // n choices of one prompt, the same prompt sent at once): s waits to share it.
+  bool PrefixBeingComputed(const Sequence* s) const;
 
   StepExecutor* executor_;
   EngineOptions options_;
@@ -147,7 +167,7 @@ class Engine {
   std::deque<int> in_flight_;  // micro-batches, in issue order
   std::vector<std::unique_ptr<Sequence>> running_;
   std::vector<int64_t> release_;
-  int64_t used_blocks_ = 0;
+  BlockPool pool_;
 };
 
 // Runs `requests` to completion as one batch on the replica behind `executor` (the one-shot

@@ -100,8 +100,18 @@ class Rank : public StepExecutor {
   }
   void ReportCacheUsage() {
     if (!metrics_) return;
-    metrics_->SetKvCacheUsage(1.0 - static_cast<double>(cache_->free_blocks()) /
-                                        static_cast<double>(cache_->num_blocks()));
+    metrics_->SetKvCacheUsage(static_cast<double>(blocks_held_) /
+                              static_cast<double>(cache_->num_blocks()));
+  }
+  // The blocks the sequences' tables hold (a block shared by several counts once).
+  void Hold(const std::vector<int32_t>& ids) {
+    for (int32_t b : ids) blocks_held_ += block_refs_[b]++ == 0;
+  }
+  void Drop(int64_t seq) {
+    auto it = kv_.find(seq);
+    if (it == kv_.end()) return;
+    for (int32_t b : it->second.blocks) blocks_held_ -= --block_refs_[b] == 0;
+    kv_.erase(it);
   }
 
   RankConfig cfg_;
@@ -116,6 +126,8 @@ class Rank : public StepExecutor {
   std::vector<float> hidden_;  // hidden states crossing the host mesh
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
+  std::vector<int32_t> block_refs_;  // per block: the tables holding it
+  int64_t blocks_held_ = 0;
   std::map<int64_t, SamplingParams> params_;  // on the last stage
   std::map<int64_t, Sampler> samplers_;       // on the last stage's tp_rank 0
   std::deque<StepResult> ready_;              // the leader's own results (PP = 1)
@@ -215,6 +227,8 @@ absl::Status Rank::Init() {
       if (metrics_) metrics_->SetLoadProgress(share);
     };
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
+    cache_->FollowTables();  // the leader hands out the blocks (serve/prefix_cache.h)
+    block_refs_.assign(cache_->num_blocks(), 0);
     return absl::OkStatus();
   }();
   if (!loaded.ok()) {
@@ -232,9 +246,8 @@ absl::Status Rank::Init() {
 }
 
 absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step) {
-  for (int64_t seq : step.release) {
-    if (kv_.count(seq)) cache_->Release(kv_[seq]);
-    kv_.erase(seq);
+  for (int64_t seq : step.release) {  // its blocks are the leader's to reuse
+    Drop(seq);
     params_.erase(seq);
     samplers_.erase(seq);
   }
@@ -255,6 +268,30 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     if (auto it = samplers_.find(ch.seq); sampler && it != samplers_.end()) {
       it->second.Observe(ch.tokens.data(), static_cast<int64_t>(ch.tokens.size()));
       if (!ch.allowed.empty()) it->second.Allow(ch.allowed);
+    }
+    {  // the leader's block table (every id checked: a step is input too)
+      if (ch.params) Drop(ch.seq);
+      SequenceKv& kv = kv_[ch.seq];
+      const int64_t blocks = cache_->num_blocks(), bs = cache_->block_size();
+      auto bad = [&](const std::vector<int32_t>& ids) {
+        return std::any_of(ids.begin(), ids.end(), [&](int32_t b) { return b < 0 || b >= blocks; });
+      };
+      if (ch.params) {
+        if (bad(ch.cached) || ch.start != static_cast<int64_t>(ch.cached.size()) * bs) {
+          return absl::DataLossError(absl::StrCat("sequence ", ch.seq, ": a cached prefix of ",
+                                                  ch.cached.size(), " blocks for ", ch.start,
+                                                  " positions, or a block outside the cache"));
+        }
+        kv.blocks = ch.cached;
+        kv.length = ch.start;
+        Hold(ch.cached);
+      }
+      if (bad(ch.blocks)) {
+        return absl::DataLossError(
+            absl::StrCat("sequence ", ch.seq, ": a block outside the cache of ", blocks));
+      }
+      kv.blocks.insert(kv.blocks.end(), ch.blocks.begin(), ch.blocks.end());
+      Hold(ch.blocks);
     }
     if (ch.sample && model_->last_stage() && !params_.count(ch.seq)) {
       return absl::DataLossError(
@@ -392,6 +429,7 @@ LeaderContext Rank::Context() {
   o.microbatches = std::max(1, env.microbatches > 0 ? env.microbatches : env.pp);
   o.kv_blocks = cache_->num_blocks();
   o.kv_block_size = cache_->block_size();
+  o.prefix_caching = env.prefix_caching;
   o.max_context = env.max_sequence_length > 0 ? std::min(c.max_context, env.max_sequence_length)
                                               : c.max_context;
   o.vocab_size = c.vocab_size;

@@ -21,6 +21,12 @@ struct StepChunk {
   int64_t draws = 0;
   int64_t prompt_tokens = 0;
   bool sample = true;  // false for a prompt chunk that is not the prompt's last
+  // The sequence's KV blocks, as the leader hands them out (serve/prefix_cache.h): on its first
+  // chunk (params set) the cached blocks it starts with, holding positions [0, start) that the
+  // ranks skip; on every chunk the blocks added to its table for these tokens.
+  int64_t start = 0;
+  std::vector<int32_t> cached;
+  std::vector<int32_t> blocks;
   // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
   std::vector<uint32_t> allowed;
 };

@@ -90,7 +90,7 @@ absl::StatusOr<std::vector<int64_t>> Int64s(const json& m, const char* key) {
 json EncodeStep(const StepDesc& d) {
   json chunks = json::array();
   for (const StepChunk& c : d.chunks) {
-    json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}};
+    json ch = {{"seq", c.seq}, {"tokens", c.tokens}, {"sample", c.sample}, {"blocks", c.blocks}};
     if (!c.allowed.empty()) {  // the mask's words, little-endian, in base64
       std::string bytes(c.allowed.size() * 4, '\0');
       for (size_t i = 0; i < c.allowed.size(); ++i) {
@@ -102,6 +102,8 @@ json EncodeStep(const StepDesc& d) {
       ch["params"] = EncodeSamplingParams(*c.params);
       ch["draws"] = c.draws;
       ch["prompt_tokens"] = c.prompt_tokens;
+      ch["start"] = c.start;
+      ch["cached"] = c.cached;
     }
     chunks.push_back(std::move(ch));
   }
@@ -140,6 +142,8 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
         }
         c.tokens.push_back(static_cast<int32_t>(t));
       }
+      ASSIGN_OR_RETURN(std::vector<int64_t> blocks, JsonInts(ch, "blocks", 0, kMaxInt32));
+      c.blocks.assign(blocks.begin(), blocks.end());
       if (auto allowed = ch.find("allowed"); allowed != ch.end()) {
         std::string bytes;
         if (!allowed->is_string() || !absl::Base64Unescape(allowed->get<std::string>(), &bytes) ||
@@ -161,6 +165,9 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
         c.params = *p;
         ASSIGN_OR_RETURN(c.draws, JsonInt(ch, "draws", 0, kMaxInt64));
         ASSIGN_OR_RETURN(c.prompt_tokens, JsonInt(ch, "prompt_tokens", 0, kMaxInt64));
+        ASSIGN_OR_RETURN(c.start, JsonInt(ch, "start", 0, kMaxInt64));
+        ASSIGN_OR_RETURN(std::vector<int64_t> cached, JsonInts(ch, "cached", 0, kMaxInt32));
+        c.cached.assign(cached.begin(), cached.end());
       }
       d.chunks.push_back(std::move(c));
     }

@@ -88,8 +88,9 @@ try:
     check("".join(lp["tokens"]) == body["choices"][0]["text"] and
           lp["text_offset"][0] == 0, "logprob tokens spell the text; offsets start at 0")
     u = body["usage"]
-    check(u == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29},
-          f"usage counts prompt and completion tokens ({u})")
+    check(u == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29,
+                "prompt_tokens_details": {"cached_tokens": 0}},
+          f"usage counts prompt and completion tokens, none cached ({u})")
     check(body["object"] == "text_completion" and body["id"].startswith("cmpl-") and
           body["choices"][0]["finish_reason"] == "length", "completion response shape")
 

@@ -57,6 +57,12 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ASSERT_TRUE(tools.ok()) << tools.status();
   ApplyServing(tools->spec, w);
   EXPECT_EQ(w.tool_call_parser, "hermes");
+  // Prefix caching: on by default, off when the manifest says so.
+  EXPECT_TRUE(w.prefix_caching);
+  auto uncached = ParseShardedModel(std::string(kGood) + "  serving: {prefixCaching: false}\n");
+  ASSERT_TRUE(uncached.ok()) << uncached.status();
+  ApplyServing(uncached->spec, w);
+  EXPECT_FALSE(w.prefix_caching);
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -138,6 +144,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.specialTokensInContent"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: mistral}"),
        "spec.serving.toolCallParser"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCaching: maybe}"),
+       "spec.serving.prefixCaching must be true or false, got"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),
        "spec.startup.timeoutSeconds must be between 1 and 86400, got 0"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {loadStallSeconds: 100000}"),

@@ -72,6 +72,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.request = R"({"prompt_ids":[1,2]})";
   w.result_file = "/tmp/r.json";
   w.report_memory = true;
+  w.prefix_caching = false;
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.

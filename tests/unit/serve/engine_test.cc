@@ -28,25 +28,30 @@ using testing::WriteModel;
 class LocalExecutor : public StepExecutor {
  public:
   LocalExecutor(Transformer* model, int64_t kv_tokens)
-      : model_(model), cache_(*model->NewKvCache(kv_tokens)) {}
+      : model_(model), cache_(*model->NewKvCache(kv_tokens)) {
+    cache_->FollowTables();  // the engine hands out the blocks
+  }
 
   absl::Status Issue(const StepDesc& step) override {
     if (fail_after_ >= 0 && issued_++ >= fail_after_) {
       return absl::UnavailableError("rank 1 died");
     }
-    for (int64_t seq : step.release) {
-      cache_->Release(kv_[seq]);
+    for (int64_t seq : step.release) {  // the blocks are the engine's
       kv_.erase(seq);
       samplers_.erase(seq);
       ++releases_;
     }
     std::vector<SequenceChunk> chunks;
     for (const StepChunk& c : step.chunks) {
+      SequenceKv& kv = kv_[c.seq];
       if (c.params) {
+        kv = SequenceKv{c.cached, c.start};
+        cached_ += c.start;
         samplers_.erase(c.seq);
         samplers_.emplace(c.seq, Sampler(*c.params)).first->second.Skip(c.draws);
         resumed_ += c.draws > 0;
       }
+      kv.blocks.insert(kv.blocks.end(), c.blocks.begin(), c.blocks.end());
       chunked_ += !c.sample;
       masks_ += !c.allowed.empty();
       if (!c.allowed.empty()) samplers_.at(c.seq).Allow(c.allowed);
@@ -86,6 +91,7 @@ class LocalExecutor : public StepExecutor {
   }
 
   int resumed_ = 0, chunked_ = 0, releases_ = 0, masks_ = 0;
+  int64_t cached_ = 0;  // prompt positions skipped for a cached prefix
   int fail_after_ = -1, issued_ = 0;
 
  private:
@@ -210,6 +216,80 @@ TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {
   ASSERT_TRUE(want.ok() && got.ok());
   EXPECT_GT(tight.resumed_, 0);
   for (size_t i = 0; i < requests_.size(); ++i) EXPECT_EQ((*got)[i].tokens, (*want)[i].tokens);
+}
+
+// Runs `r` alone on a running engine: its tokens, logprobs and cached prompt tokens.
+GenerationResult RunOne(Engine& engine, const GenerationRequest& r, int64_t* cached) {
+  GenerationResult out;
+  auto stream = engine.Submit(r);
+  EXPECT_TRUE(stream.ok()) << stream.status();
+  if (!stream.ok()) return out;
+  for (;;) {
+    auto u = (*stream)->Next(std::chrono::seconds(10));
+    for (auto& t : u.tokens) {
+      out.tokens.push_back(t.id);
+      out.logprobs.push_back(t.logprob);
+    }
+    if (u.finished) break;
+  }
+  *cached = (*stream)->cached_tokens();
+  return out;
+}
+
+// Prefix caching: requests that share a 40-token start (two full 16-token blocks) take the
+// first one's blocks after it ends and skip their prefill; a 49-token prompt sent again takes
+// all its blocks but the one with its last token; answers equal the uncached ones. In a cache of
+// four blocks the other prompts evict it, and answers stay equal; turned off, nothing is cached.
+TEST_F(EngineTest, CachedPrefixesGiveTheUncachedAnswers) {
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 4; ++i) {
+    GenerationRequest r;
+    for (int k = 0; k < 40; ++k) r.prompt_ids.push_back(3 + (k * 7) % 50);
+    for (int k = 0; k <= i; ++k) r.prompt_ids.push_back(60 + 5 * i + k);
+    r.params.max_tokens = 6;
+    r.params.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  reqs.push_back(reqs[0]);  // a 49-token prompt: three full blocks, sent twice
+  for (int k = 1; k < 9; ++k) reqs.back().prompt_ids.push_back(90 + k);
+  reqs.push_back(reqs.back());
+  const std::vector<GenerationResult> want = *Generate(*model_, reqs);
+  const int64_t bs = LocalExecutor(model_.get(), 16).Options().kv_block_size;
+  ASSERT_EQ(bs, 16);
+  for (const auto& [kv_tokens, caching] :
+       {std::pair{4096, true}, std::pair{64, true}, std::pair{4096, false}}) {
+    LocalExecutor exec(model_.get(), kv_tokens);
+    EngineOptions o = exec.Options();
+    o.prefix_caching = caching;
+    Engine engine(&exec, o);
+    std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      int64_t cached = -1;
+      const GenerationResult got = RunOne(engine, reqs[i], &cached);
+      EXPECT_EQ(got.tokens, want[i].tokens) << "request " << i << " cache " << kv_tokens;
+      for (size_t k = 0; k < got.logprobs.size() && k < want[i].logprobs.size(); ++k) {
+        EXPECT_NEAR(got.logprobs[k], want[i].logprobs[k], 1e-4) << "request " << i;
+      }
+      const int64_t expect = !caching || i == 0 ? 0
+                             : kv_tokens == 64  ? -1  // evicted or not: checked for equality only
+                             : i < 5            ? 32
+                                                : 48;  // all but the last prompt token
+      if (expect >= 0) EXPECT_EQ(cached, expect) << "request " << i << " cache " << kv_tokens;
+    }
+    engine.Shutdown();
+    loop.join();
+    if (caching && kv_tokens == 4096) EXPECT_EQ(exec.cached_, 4 * 32 + 48);
+    if (!caching) EXPECT_EQ(exec.cached_, 0);
+  }
+  // Three sequences of one prompt sent at once (a request's n choices): the first computes the
+  // prompt, the others wait for its blocks and take them.
+  std::vector<GenerationRequest> same(3, reqs[5]);
+  const std::vector<GenerationResult> once = *Generate(*model_, same);
+  LocalExecutor exec(model_.get(), 4096);
+  auto got = GenerateAll(&exec, exec.Options(), same);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < same.size(); ++i) EXPECT_EQ((*got)[i].tokens, once[i].tokens);
+  EXPECT_EQ(exec.cached_, 2 * 48);
 }
 
 TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
