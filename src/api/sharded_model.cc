@@ -371,10 +371,10 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
                                                    "' must be special or text"));
   }
   if (s.tool_call_parser != "auto" && s.tool_call_parser != "hermes" &&
-      s.tool_call_parser != "llama3_json") {
-    return absl::InvalidArgumentError(absl::StrCat("spec.serving.toolCallParser '",
-                                                   s.tool_call_parser,
-                                                   "' must be auto, hermes or llama3_json"));
+      s.tool_call_parser != "llama3_json" && s.tool_call_parser != "mistral") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.serving.toolCallParser '", s.tool_call_parser,
+                     "' must be auto, hermes, llama3_json or mistral"));
   }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
   for (auto [field, v] : {std::pair{"spec.startup.timeoutSeconds", s.startup_timeout_seconds},

@@ -181,10 +181,10 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
                      NameOf(kInts, &WorkerEnv::pp), " ", w.pp));
   }
   if (!w.tool_call_parser.empty() && w.tool_call_parser != "hermes" &&
-      w.tool_call_parser != "llama3_json") {
+      w.tool_call_parser != "llama3_json" && w.tool_call_parser != "mistral") {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::tool_call_parser), "='",
-                     w.tool_call_parser, "' must be hermes or llama3_json"));
+                     w.tool_call_parser, "' must be hermes, llama3_json or mistral"));
   }
   if (!w.leader_addr.empty()) {
     const size_t colon = w.leader_addr.rfind(':');

@@ -385,6 +385,35 @@ constexpr char kMistralTemplate[] =
     "{{ '[INST] ' + (system if loop.first else '') + message['content'] | trim + '[/INST]' }}"
     "{% else %}{{ ' ' + message['content'] | trim + eos_token }}{% endif %}{% endfor %}";
 
+// Mistral v0.3's shape with tools: the tools' JSON list in [AVAILABLE_TOOLS] before the last
+// user turn, the assistant's calls as [TOOL_CALLS] and a JSON list of {"name", "arguments",
+// "id"}, a tool's answer in [TOOL_RESULTS]; the bracketed markers are special tokens.
+constexpr char kMistralToolsTemplate[] =
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set turns = messages[1:] %}{%- else %}{%- set system = '' %}"
+    "{%- set turns = messages %}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in turns %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{{- bos_token }}"
+    "{%- for message in turns %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last_user %}"
+    "{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- if system and loop.index0 == ns.last_user %}"
+    "{{- '[INST] ' + system + '\n\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '[TOOL_CALLS] [' }}{%- for c in message['tool_calls'] %}"
+    "{{- {'name': c['function']['name'], 'arguments': c['function']['arguments'], "
+    "'id': c['id']} | tojson }}{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}"
+    "{{- ']' + eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] ' + ({'content': message['content'], 'call_id': "
+    "message['tool_call_id']} | tojson) + '[/TOOL_RESULTS]' }}"
+    "{%- endif %}{%- endfor %}";
+
 // ChatML with tools in the Hermes format (as Qwen 2.5 / 3 and Hermes teach them): the tools'
 // JSON schemas in the system turn, the assistant's calls as <tool_call>{"name": ...,
 // "arguments": {...}}</tool_call>, the tools' answers in a user turn as <tool_response>s.
@@ -547,10 +576,12 @@ absl::Status GenModelOptions::Validate() const {
   }
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
-      chat_template != "llama3-tools" && chat_template != "none") {
+      chat_template != "llama3-tools" && chat_template != "mistral-tools" &&
+      chat_template != "none") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--chat-template '", chat_template,
-        "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools or none"));
+        "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools, mistral-tools or "
+        "none"));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
       rope_scaling != "yarn") {
@@ -581,8 +612,15 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   const std::vector<std::string> chat_tokens =
       chat == "llama3"
           ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
-      : chat == "chatml" ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
-                         : std::vector<std::string>{};
+      : chat == "chatml"        ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
+      : chat == "mistral-tools" ? std::vector<std::string>{"[INST]",
+                                                           "[/INST]",
+                                                           "[TOOL_CALLS]",
+                                                           "[AVAILABLE_TOOLS]",
+                                                           "[/AVAILABLE_TOOLS]",
+                                                           "[TOOL_RESULTS]",
+                                                           "[/TOOL_RESULTS]"}
+                                : std::vector<std::string>{};
   ASSIGN_OR_RETURN(TrainedTokenizer tok,
                    TrainBpeTokenizer(corpus, o.tokenizer, o.vocab, chat_tokens));
   RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", tok.json));
@@ -597,6 +635,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   if (chat == "hermes") tok_config["chat_template"] = kHermesTemplate;
   if (chat == "llama3-tools") tok_config["chat_template"] = kLlama3ToolsTemplate;
+  if (chat == "mistral-tools") tok_config["chat_template"] = kMistralToolsTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
   const std::string arch_name = o.arch == "mixtral"       ? "MixtralForCausalLM"

@@ -321,8 +321,9 @@ struct ApiServer::Impl {
     if (req.chat) {
       RETURN_IF_ERROR(ToolsRunHere(req));
       if (req.tool_choice == "required" || req.tool_choice == "function") {  // a call must come
-        req.grammar = ToolCallGrammar(ToolCallFormat(), req.tools, req.tool_choice,
-                                      req.tool_choice_name, req.parallel_tool_calls);
+        req.grammar =
+            ToolCallGrammar(ToolCallFormat(), req.tools, req.tool_choice, req.tool_choice_name,
+                            req.parallel_tool_calls, MistralMarker().value_or(-1));
         req.grammar_param = "tool_choice";
       }
       absl::StatusOr<RenderedChat> rendered =
@@ -387,7 +388,9 @@ struct ApiServer::Impl {
                      ? BadParam("max_tokens", std::string(s.message()))
                      : s;
         }
-        choices.emplace_back(*std::move(stream), TextStream(tokenizer.get(), req.stop),
+        std::vector<int32_t> keep;  // the tool-call marker Mistral's parser reads
+        if (req.tool_choice != "none" && ToolCallFormat() == "mistral") keep = {*MistralMarker()};
+        choices.emplace_back(*std::move(stream), TextStream(tokenizer.get(), req.stop, keep),
                              j == 0 ? n : 0);
         Choice& c = choices.back();
         if (req.echo) {
@@ -419,16 +422,24 @@ struct ApiServer::Impl {
                                             ") does not render tools"));
     }
     const std::string format = ToolCallFormat();
-    if (format != "hermes" && format != "llama3_json") {
-      return BadParam(
-          "tools",
-          format.empty()
-              ? "this model's chat template shows no tool-call format shardserve parses (Hermes "
-                "<tool_call> JSON, Llama 3 JSON); spec.serving.toolCallParser names one"
-              : absl::StrCat("the tool-call format of this model's chat template (", format,
-                             ") is not parsed yet (Hermes <tool_call> JSON, Llama 3 JSON are)"));
+    if (format.empty()) {
+      return BadParam("tools",
+                      "this model's chat template shows no tool-call format shardserve parses "
+                      "(Hermes <tool_call> JSON, Llama 3 JSON, Mistral [TOOL_CALLS]); "
+                      "spec.serving.toolCallParser names one");
+    }
+    if (format == "mistral" && !MistralMarker()) {
+      return BadParam("tools",
+                      "the chat template writes Mistral's [TOOL_CALLS], which this model's "
+                      "tokenizer has no special token for");
     }
     return absl::OkStatus();
+  }
+
+  // Mistral's [TOOL_CALLS] token: a special token whose text the output keeps for the parser.
+  std::optional<int32_t> MistralMarker() const {
+    std::optional<int32_t> id = tokenizer->TokenId("[TOOL_CALLS]");
+    return id && tokenizer->IsSpecial(*id) ? id : std::nullopt;
   }
 
   json ChunkHeader(const ApiRequest& req, const std::string& id, int64_t created) const {

@@ -11,15 +11,14 @@
 //   streamed), echo (without logprobs); logprobs (completions: an integer;
 //   chat: a boolean with top_logprobs); presence_penalty and frequency_penalty ([-2, 2]),
 //   repetition_penalty ((0, 10], vLLM's), logit_bias ({"id": [-100, 100]}), min_tokens (vLLM's;
-//   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto" or
-//   "none", parallel_tool_calls; messages of role tool (tool_call_id) and assistant messages
-//   with tool_calls. Structured output (serve/grammar.h): response_format json_object or
-//   json_schema, or vLLM's guided_json, guided_regex, guided_grammar (Lark), guided_choice; one
-//   at a time, not with tools or min_tokens. Unsupported options that would change the answer
-//   (echo with logprobs,
-//   suffix, tool_choice "required" or a named function, a function's strict: true (each needs
-//   constrained sampling), the deprecated functions /
-//   function_call) are refused by name; unknown fields are
+//   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto",
+//   "none", "required" or a named function (the last two constrained), parallel_tool_calls;
+//   messages of role tool (tool_call_id) and assistant messages with tool_calls. Structured
+//   output (serve/grammar.h): response_format json_object or json_schema, or vLLM's guided_json,
+//   guided_regex, guided_grammar (Lark), guided_choice; one at a time, not with tools or
+//   min_tokens. Unsupported options that would change the answer (echo with logprobs, suffix, a
+//   function's strict: true with tool_choice "auto", the deprecated functions / function_call)
+//   are refused by name; unknown fields are
 //   ignored, as OpenAI does. Bodies are ordered JSON: tool schemas reach the chat template with
 //   their keys in the client's order, as Hugging Face's apply_chat_template gets them.
 #include <cstdint>

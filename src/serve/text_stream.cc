@@ -85,7 +85,7 @@ std::string TextStream::NewText() const {
 
 std::string TextStream::DecodeRange(size_t begin, size_t end) const {
   return tokenizer_->Decode(std::vector<int32_t>(ids_.begin() + begin, ids_.begin() + end),
-                            /*skip_special_tokens=*/true);
+                            /*skip_special_tokens=*/true, keep_);
 }
 
 }  // namespace shardserve

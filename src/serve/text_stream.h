@@ -16,8 +16,10 @@ namespace shardserve {
 
 class TextStream {
  public:
-  TextStream(const Tokenizer* tokenizer, std::vector<std::string> stops)
-      : tokenizer_(tokenizer), stops_(std::move(stops)) {}
+  // `keep_special`: special tokens whose text the stream keeps (others are skipped).
+  TextStream(const Tokenizer* tokenizer, std::vector<std::string> stops,
+             std::vector<int32_t> keep_special = {})
+      : tokenizer_(tokenizer), stops_(std::move(stops)), keep_(std::move(keep_special)) {}
 
   struct Delta {
     std::vector<std::string> token_texts;  // one per added token (may be empty strings)
@@ -32,6 +34,7 @@ class TextStream {
  private:
   const Tokenizer* tokenizer_;
   std::vector<std::string> stops_;
+  std::vector<int32_t> keep_;
   std::string DecodeRange(size_t begin, size_t end) const;
   // What the tokens since read_offset_ add to the window's decode (past prefix_text_).
   std::string NewText() const;

@@ -11,6 +11,8 @@ namespace {
 
 using json = nlohmann::ordered_json;
 constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
+// Mistral's: a special token (the text stream keeps it for the parser), then a JSON list.
+constexpr std::string_view kMistralCalls = "[TOOL_CALLS]";
 
 std::string CallId() {
   static constexpr char kAlphabet[] =
@@ -157,20 +159,27 @@ ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
     }
     if (state_ == State::kJson) return out;  // whole at the end
     if (state_ == State::kContent) {
-      if (format_ != "hermes") {
+      if (format_ != "hermes" && format_ != "mistral") {
         out.content += buffer_;
         buffer_.clear();
         return out;
       }
-      const size_t open = buffer_.find(kOpen);
+      // Text, then a call's opening tag (Hermes) or [TOOL_CALLS] and the list of calls
+      // (Mistral's, read whole at the end).
+      const std::string_view marker = format_ == "hermes" ? kOpen : kMistralCalls;
+      const size_t open = buffer_.find(marker);
       if (open == std::string::npos) {
-        const size_t keep = PartialMarker(buffer_, kOpen);
+        const size_t keep = PartialMarker(buffer_, marker);
         out.content += buffer_.substr(0, buffer_.size() - keep);
         buffer_.erase(0, buffer_.size() - keep);
         return out;
       }
       out.content += buffer_.substr(0, open);
-      buffer_.erase(0, open + kOpen.size());
+      buffer_.erase(0, open + marker.size());
+      if (format_ == "mistral") {
+        state_ = State::kJson;
+        return out;
+      }
       state_ = State::kInCall;
       mode_ = CallMode::kHeader;
       continue;
@@ -194,7 +203,14 @@ ToolCallParser::Out ToolCallParser::Finish() {
   if (state_ == State::kInCall) {  // unclosed: a call if what follows the tag is one
     if (mode_ != CallMode::kStreamed) Call(buffer_, std::string(kOpen) + buffer_, out);
   } else if (state_ == State::kJson) {
-    const std::vector<json> values = JsonSequence(buffer_);
+    std::vector<json> values;
+    if (format_ == "mistral") {  // a list of calls (or one call)
+      json j = json::parse(buffer_, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object()) values.push_back(std::move(j));
+      if (j.is_array()) values.assign(j.begin(), j.end());
+    } else {
+      values = JsonSequence(buffer_);
+    }
     const int before = next_index_;
     Out calls;
     bool all = !values.empty();
@@ -203,7 +219,7 @@ ToolCallParser::Out ToolCallParser::Finish() {
       out.calls = std::move(calls.calls);
     } else {  // one part is not a call: the whole output is text
       next_index_ = before;
-      out.content += buffer_;
+      out.content += format_ == "mistral" ? std::string(kMistralCalls) + buffer_ : buffer_;
     }
   } else {
     out.content += buffer_;
@@ -214,9 +230,10 @@ ToolCallParser::Out ToolCallParser::Finish() {
 }
 
 Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
-                        const std::string& choice, const std::string& name, bool parallel) {
+                        const std::string& choice, const std::string& name, bool parallel,
+                        int32_t marker) {
   using ojson = nlohmann::ordered_json;
-  const bool hermes = format == "hermes";
+  const bool hermes = format == "hermes", llama3 = format == "llama3_json";
   ojson calls = ojson::array();  // one schema per function the call may name
   for (const ojson& t : tools) {
     const ojson& fn = t["function"];
@@ -224,15 +241,22 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
     ojson params = fn.contains("parameters") && fn["parameters"].is_object()
                        ? fn["parameters"]
                        : ojson({{"type", "object"}});
-    const char* args = hermes ? "arguments" : "parameters";
+    const char* args = llama3 ? "parameters" : "arguments";
     calls.push_back({{"type", "object"},
                      {"properties", {{"name", {{"const", fn["name"]}}}, {args, std::move(params)}}},
                      {"required", {"name", args}},
                      {"additionalProperties", false}});
   }
   ojson schema = calls.size() == 1 ? calls[0] : ojson({{"anyOf", calls}});
-  schema["x-guidance"] = {
+  const ojson style = {
       {"whitespace_flexible", false}, {"item_separator", ", "}, {"key_separator", ": "}};
+  if (format == "mistral") {  // [TOOL_CALLS] (its token), then a list of calls
+    ojson list = {{"type", "array"}, {"items", std::move(schema)}, {"minItems", 1}};
+    if (!(parallel && choice == "required")) list["maxItems"] = 1;
+    list["x-guidance"] = style;
+    return Grammar{"lark", absl::StrCat("start: <[", marker, "]> %json ", list.dump(), "\n")};
+  }
+  schema["x-guidance"] = style;
   const std::string call = hermes ? absl::StrCat(ojson("<tool_call>\n").dump(), " %json ",
                                                  schema.dump(), " ", ojson("\n</tool_call>").dump())
                                   : absl::StrCat("%json ", schema.dump());

@@ -5,7 +5,9 @@
 //                (Hermes, Qwen 2.5 / 3); a call left unclosed at the end of the output counts;
 //   llama3_json  an output that is one JSON object {"name": ..., "parameters" (or "arguments"):
 //                {...}}, or several separated by ';' (Llama 3.1-3.3; <|python_tag|> is a
-//                special token, gone from the text).
+//                special token, gone from the text);
+//   mistral      text, then [TOOL_CALLS] (a special token the text stream keeps for this
+//                format) and a JSON list of {"name": ..., "arguments": {...}} (Mistral v0.3+).
 // A call that does not parse, or names a function the request did not give, stays text, as
 // vLLM's parsers leave it. The parser takes the output as it streams: Add returns the text that
 // can be shown now (it holds back what may be the start of a call) and the calls as they come,
@@ -63,8 +65,8 @@ class JsonScan {
 
 class ToolCallParser {
  public:
-  // `format`: "hermes" or "llama3_json"; `tools`: the request's list (the names a call may
-  // use); `parallel` false keeps only the first call.
+  // `format`: "hermes", "llama3_json" or "mistral"; `tools`: the request's list (the names a call
+  // may use); `parallel` false keeps only the first call.
   ToolCallParser(std::string format, const nlohmann::ordered_json& tools, bool parallel);
 
   struct Out {
@@ -103,10 +105,12 @@ class ToolCallParser {
 
 // The grammar (llguidance's Lark, each call an embedded JSON schema) that a constrained tool
 // call follows in `format` ("hermes": <tool_call> blocks; "llama3_json": JSON objects joined by
-// "; "): for tool_choice "required" one call of any of `tools` (several, one a line, when
-// `parallel`), for "function" one call of `name`. A call's arguments follow its function's
-// parameters (any object without them), written as json.dumps writes them (", " and ": ").
+// "; "; "mistral": the [TOOL_CALLS] token, id `marker`, then a JSON list): for tool_choice
+// "required" one call of any of `tools` (several when `parallel`), for "function" one call of
+// `name`. A call's arguments follow its function's parameters (any object without them), written
+// as json.dumps writes them (", " and ": ").
 Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
-                        const std::string& choice, const std::string& name, bool parallel);
+                        const std::string& choice, const std::string& name, bool parallel,
+                        int32_t marker = -1);
 
 }  // namespace shardserve

@@ -872,7 +872,8 @@ std::string ByteLevelBytes(const Tokenizer::Impl& m, const std::string& t) {
 
 }  // namespace
 
-std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
+std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special_tokens,
+                              const std::vector<int32_t>& keep) const {
   const Impl& m = *impl_;
   // As Hugging Face does: every token's string (added tokens' content included) goes through the
   // decoder chain in one list.
@@ -881,7 +882,10 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids, bool skip_special
     if (id < 0 || id >= static_cast<int32_t>(m.id_to_token.size()) || m.id_to_token[id].empty()) {
       continue;
     }
-    if (skip_special_tokens && m.special[id]) continue;
+    if (skip_special_tokens && m.special[id] &&
+        std::find(keep.begin(), keep.end(), id) == keep.end()) {
+      continue;
+    }
     toks.push_back(m.id_to_token[id]);
   }
   for (const Decoder& d : m.decoders) {

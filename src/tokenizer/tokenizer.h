@@ -48,8 +48,10 @@ class Tokenizer {
   // whitespace around them, a pre-tokenizer that drops what it matches, an unk token fused over
   // runs of unknown characters).
   std::optional<size_t> MaxBytesPerToken() const;
-  // Ids that the tokenizer does not know are skipped, as Hugging Face does.
-  std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
+  // Ids that the tokenizer does not know are skipped, as Hugging Face does. Special tokens in
+  // `keep` are decoded even when skipping the others (a tool-call marker a parser reads).
+  std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false,
+                     const std::vector<int32_t>& keep = {}) const;
 
   // The bytes token `id` adds inside a text (no UTF-8 repair; not the text's start, so no strip
   // of a leading space); "" for an id the tokenizer lacks. Special tokens give their content.

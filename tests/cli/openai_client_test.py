@@ -36,8 +36,10 @@ FAMILIES = [("llama3", ["--arch", "llama"]), ("chatml", ["--arch", "qwen2"]),
             ("llama2", ["--arch", "llama", "--tokenizer", "sentencepiece"]),
             ("mistral", ["--arch", "mistral", "--tokenizer", "sentencepiece"]),
             ("hermes", ["--arch", "qwen2", "--chat-template", "hermes"]),
-            ("llama3-tools", ["--arch", "llama", "--chat-template", "llama3-tools"])]
-TOOL_FAMILIES = ("hermes", "llama3-tools")
+            ("llama3-tools", ["--arch", "llama", "--chat-template", "llama3-tools"]),
+            ("mistral-tools", ["--arch", "mistral", "--tokenizer", "sentencepiece",
+                               "--chat-template", "mistral-tools"])]
+TOOL_FAMILIES = ("hermes", "llama3-tools", "mistral-tools")
 
 # A tool round trip as an application sends it: the tools (their schema's keys not in sorted
 # order), the assistant's call with its arguments as a JSON string, the tool's answer.

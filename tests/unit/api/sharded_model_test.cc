@@ -142,7 +142,7 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.apiKeySecret"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {specialTokensInContent: plain}"),
        "spec.serving.specialTokensInContent"},
-      {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: mistral}"),
+      {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: pythonic}"),
        "spec.serving.toolCallParser"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCaching: maybe}"),
        "spec.serving.prefixCaching must be true or false, got"},

@@ -126,8 +126,9 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_MAX_BODY_BYTES='10' must be an integer in [1024, "));
   EXPECT_THAT(error({{"SHARDSERVE_MAX_BATCH_SIZE", "0"}}),
               HasSubstr("SHARDSERVE_MAX_BATCH_SIZE='0' must be an integer in [1, "));
-  EXPECT_THAT(error({{"SHARDSERVE_TOOL_CALL_PARSER", "mistral"}}),
-              HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='mistral' must be hermes or llama3_json"));
+  EXPECT_THAT(
+      error({{"SHARDSERVE_TOOL_CALL_PARSER", "pythonic"}}),
+      HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='pythonic' must be hermes, llama3_json or mistral"));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),
               HasSubstr("SHARDSERVE_STAGE 0 / SHARDSERVE_TP_RANK 2 are outside SHARDSERVE_TP 2"));
   EXPECT_THAT(error({{"SHARDSERVE_PP", "2"}, {"SHARDSERVE_STAGE", "2"}}),

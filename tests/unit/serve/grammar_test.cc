@@ -175,6 +175,51 @@ TEST_P(GrammarTest, ToolCallGrammarsGiveCallsThatParse) {
   }
 }
 
+// Mistral's constrained calls: the [TOOL_CALLS] token (a special token, named by id in the
+// grammar), then a JSON list that parses into calls.
+TEST(GrammarVocabularyTest, MistralCallsStartWithTheirToken) {
+  auto t =
+      TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kSentencePiece, 700, {"[TOOL_CALLS]"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto tok = Tokenizer::FromJson(t->json, "test");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::optional<int32_t> marker = (*tok)->TokenId("[TOOL_CALLS]");
+  ASSERT_TRUE(marker && (*tok)->IsSpecial(*marker));
+  auto vocab = GrammarVocabulary::Create(**tok, (*tok)->vocab_size(), {kEos});
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  const auto tools = nlohmann::ordered_json::parse(R"([{"type": "function", "function": {
+      "name": "pick", "parameters": {"type": "object", "properties": {"n": {"type": "integer",
+      "minimum": 1, "maximum": 9}}, "required": ["n"], "additionalProperties": false}}}])");
+  auto c = vocab.value()->Compile(ToolCallGrammar("mistral", tools, "required", "", true, *marker));
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<uint32_t> mask;
+  ASSERT_TRUE((*c)->Allowed(&mask).ok());
+  for (size_t i = 0; i < mask.size() * 32; ++i) {  // the marker first, nothing else
+    EXPECT_EQ(mask[i / 32] >> (i % 32) & 1u, i == static_cast<size_t>(*marker) ? 1u : 0u) << i;
+  }
+  std::mt19937 rng(3);
+  std::vector<int32_t> ids;
+  while (!(*c)->Finished() && ids.size() < 200) {
+    ASSERT_TRUE((*c)->Allowed(&mask).ok());
+    std::vector<int32_t> allowed;
+    for (size_t i = 0; i < mask.size() * 32; ++i) {
+      if (mask[i / 32] >> (i % 32) & 1u) allowed.push_back(static_cast<int32_t>(i));
+    }
+    const int32_t id =
+        std::count(allowed.begin(), allowed.end(), kEos) ? kEos : allowed[rng() % allowed.size()];
+    ASSERT_TRUE((*c)->Accept(id).ok());
+    if (id != kEos) ids.push_back(id);
+  }
+  ToolCallParser parser("mistral", tools, true);
+  ToolCallParser::Out out = parser.Add((*tok)->Decode(ids, true, {*marker}));
+  ToolCallParser::Out rest = parser.Finish();
+  out.calls.insert(out.calls.end(), rest.calls.begin(), rest.calls.end());
+  ASSERT_GE(out.calls.size(), 1u) << (*tok)->Decode(ids);
+  EXPECT_EQ(out.calls[0].name, "pick");
+  const json args = json::parse(out.calls[0].arguments);
+  EXPECT_TRUE(args["n"].is_number_integer() && args["n"] >= 1 && args["n"] <= 9);
+}
+
 TEST_P(GrammarTest, ATokenOutsideTheMaskIsRefused) {
   auto c = vocab_->Compile({"regex", "[0-9]+"});
   ASSERT_TRUE(c.ok()) << c.status();

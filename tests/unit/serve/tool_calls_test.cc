@@ -166,5 +166,34 @@ TEST(ToolCallParser, Llama3JsonOutputIsCallsOrText) {
   }
 }
 
+// Mistral's format: text streamed up to the [TOOL_CALLS] marker (its start held back), then a
+// JSON list of calls read whole at the end; a list that is not calls stays text, marker and all.
+TEST(ToolCallParser, MistralListAfterTheMarker) {
+  const std::string text =
+      "Checking.[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}, "
+      "\"id\": \"abc123def\"}, {\"name\": \"add\", \"arguments\": {\"a\": 1}}]";
+  for (size_t step : {1, 4, 1000}) {
+    ToolCallParser p("mistral", kTools, true);
+    std::vector<std::string> pieces;
+    const ToolCallParser::Out out = Feed(p, text, step, &pieces);
+    EXPECT_EQ(out.content, "Checking.") << step;
+    ASSERT_EQ(out.calls.size(), 2u) << step;
+    EXPECT_EQ(out.calls[0].name, "get_weather");
+    EXPECT_EQ(out.calls[0].arguments, R"({"city":"Oslo"})");
+    EXPECT_EQ(out.calls[1].name, "add");
+    if (step == 1) EXPECT_GT(pieces.size(), 5u);  // the text before the marker streamed
+  }
+  ToolCallParser one("mistral", kTools, false);  // parallel_tool_calls false: the first only
+  EXPECT_EQ(Feed(one, text, 7).calls.size(), 1u);
+  ToolCallParser bad("mistral", kTools, true);
+  const std::string broken = "Hm [TOOL_CALLS] [{\"name\": \"nope\", \"arguments\": {}}]";
+  const ToolCallParser::Out out = Feed(bad, broken, 3);
+  EXPECT_EQ(out.content, broken);
+  EXPECT_TRUE(out.calls.empty());
+  ToolCallParser plain("mistral", kTools, true);
+  EXPECT_EQ(Feed(plain, "[TOOL_CALLS is not the marker]", 2).content,
+            "[TOOL_CALLS is not the marker]");
+}
+
 }  // namespace
 }  // namespace shardserve
