@@ -156,23 +156,10 @@ void Engine::MatchPrefix(Sequence* s) {
   if (!pool_.caching()) return;
   // At least the last token is computed: its logits choose the next.
   const int64_t full = (s->total() - 1) / bs;
-  std::vector<int32_t> tokens(bs);
-  while (static_cast<int64_t>(s->names.size()) < full) {
-    const int64_t b = static_cast<int64_t>(s->names.size());
-    for (int64_t i = 0; i < bs; ++i) tokens[i] = s->token(b * bs + i);
-    s->names.push_back(
-        HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]), tokens.data(), bs));
-  }
+  NameBlocks(s, full);
   s->table = pool_.Match(std::vector<BlockHash>(s->names.begin(), s->names.begin() + full));
   s->fed = static_cast<int64_t>(s->table.size()) * bs;
   s->registered = static_cast<int64_t>(s->table.size());
-  if (s->first_start) {
-    s->first_start = false;
-    s->stream->set_cached_tokens(s->fed);
-    if (observer_.prefix_lookup) {
-      observer_.prefix_lookup(static_cast<int64_t>(s->request.prompt_ids.size()), s->fed);
-    }
-  }
 }
 
 bool Engine::PrefixBeingComputed(const Sequence* s) const {
@@ -186,17 +173,22 @@ bool Engine::PrefixBeingComputed(const Sequence* s) const {
   return false;
 }
 
-void Engine::RegisterBlocks(Sequence* s) {
+void Engine::NameBlocks(Sequence* s, int64_t blocks) {
   const int64_t bs = options_.kv_block_size;
   std::vector<int32_t> tokens(bs);
-  for (; s->registered < s->fed / bs; ++s->registered) {
-    const int64_t b = s->registered;
-    if (static_cast<int64_t>(s->names.size()) == b) {
-      for (int64_t i = 0; i < bs; ++i) tokens[i] = s->token(b * bs + i);
-      s->names.push_back(
-          HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]), tokens.data(), bs));
-    }
-    pool_.Register(s->table[b], s->names[b]);
+  while (static_cast<int64_t>(s->names.size()) < blocks) {
+    const int64_t b = static_cast<int64_t>(s->names.size());
+    for (int64_t i = 0; i < bs; ++i) tokens[i] = s->token(b * bs + i);
+    s->names.push_back(
+        HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]), tokens.data(), bs));
+  }
+}
+
+void Engine::RegisterBlocks(Sequence* s) {
+  const int64_t full = s->fed / options_.kv_block_size;
+  NameBlocks(s, full);
+  for (; s->registered < full; ++s->registered) {
+    pool_.Register(s->table[s->registered], s->names[s->registered]);
   }
 }
 
@@ -247,6 +239,13 @@ StepDesc Engine::BuildStep(int mb) {
       if (need > pool_.available() || PrefixBeingComputed(s)) {
         ReleaseBlocks(s);
         break;
+      }
+      if (s->first_start && pool_.caching()) {  // what its first admission found cached
+        s->first_start = false;
+        s->stream->set_cached_tokens(s->fed);
+        if (observer_.prefix_lookup) {
+          observer_.prefix_lookup(static_cast<int64_t>(s->request.prompt_ids.size()), s->fed);
+        }
       }
       s->mb = mb;
       s->admitted = ++admitted_order;

@@ -142,7 +142,9 @@ class Engine {
   void ReleaseBlocks(Sequence* s);
   // Takes the cached blocks that start s's tokens (leaving at least one token to compute).
   void MatchPrefix(Sequence* s);
-  // Names the blocks s has filled since the last call (hash chain), caching them.
+  // Names s's first `blocks` full blocks (the hash chain over its tokens), as far as not yet.
+  void NameBlocks(Sequence* s, int64_t blocks);
+  // Names the blocks s has filled since the last call, caching them.
   void RegisterBlocks(Sequence* s);
   // Whether a running sequence is computing the block that would extend s's cached prefix (the
   // n choices of one prompt, the same prompt sent at once): s waits to share it.

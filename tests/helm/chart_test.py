@@ -227,6 +227,24 @@ own_sa = render("serviceAccount.create=false", "serviceAccount.name=platform-sa"
 check(not find(own_sa, "ServiceAccount") and
       find(own_sa, "Deployment")[0]["spec"]["template"]["spec"]["serviceAccountName"]
       == "platform-sa", "an existing ServiceAccount")
+# An InferencePool per entry: the model's leaders (the Service's selector), its API port, the EPP.
+pools = find(render("inferencePools[0].model=llama", "inferencePools[0].port=8100",
+                    "inferencePools[0].endpointPicker.name=llama-epp",
+                    "inferencePools[1].model=qwen", "inferencePools[1].namespace=team-b",
+                    "inferencePools[1].endpointPicker.name=qwen-epp",
+                    "inferencePools[1].endpointPicker.failureMode=FailClose"), "InferencePool")
+check(len(pools) == 2 and pools[0]["apiVersion"] == "inference.networking.k8s.io/v1" and
+      pools[0]["metadata"]["name"] == "llama" and pools[0]["metadata"]["namespace"] == NS and
+      pools[0]["spec"]["selector"]["matchLabels"] == {"shardserve.io/model": "llama",
+                                                      "shardserve.io/role": "leader"} and
+      pools[0]["spec"]["targetPorts"] == [{"number": 8100}] and
+      pools[0]["spec"]["endpointPickerRef"] == {"name": "llama-epp", "port": {"number": 9002},
+                                                "failureMode": "FailOpen"} and
+      pools[1]["metadata"]["namespace"] == "team-b" and
+      pools[1]["spec"]["targetPorts"] == [{"number": 8000}] and
+      pools[1]["spec"]["endpointPickerRef"]["failureMode"] == "FailClose",
+      f"inferencePools: an InferencePool on each model's leaders ({pools})")
+check(not find(default, "InferencePool"), "no InferencePool by default")
 crds = [o for o in render(crds=True) if o["kind"] == "CustomResourceDefinition"]
 with open(os.path.join(ROOT, "crds", "shardedmodel.yaml")) as f:
     check(crds == [yaml.safe_load(f)], "the chart's CRD is crds/shardedmodel.yaml (one source)")
@@ -240,7 +258,9 @@ BAD = [("operator.replicas=0", "/operator/replicas"),
        ("metrics.podMonitor.interval=fifteen", "/metrics/podMonitor/interval"),
        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
        ("workerDefaults.env[0].name=1BAD", "/workerDefaults/env/0/name"),
-       ("operater.replicas=2", "operater")]
+       ("operater.replicas=2", "operater"),
+       ("inferencePools[0].model=llama", "/inferencePools/0"),
+       ("inferencePools[0].endpointPicker.failureMode=Maybe", "/inferencePools/0")]
 for s, where in BAD:
     r = helm("template", "x", CHART, "--set", s)
     check(r.returncode != 0 and where in r.stderr,

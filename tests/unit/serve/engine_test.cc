@@ -290,6 +290,21 @@ TEST_F(EngineTest, CachedPrefixesGiveTheUncachedAnswers) {
   ASSERT_TRUE(got.ok()) << got.status();
   for (size_t i = 0; i < same.size(); ++i) EXPECT_EQ((*got)[i].tokens, once[i].tokens);
   EXPECT_EQ(exec.cached_, 2 * 48);
+  // Sent at once to a running engine, the second waits and reports what it found cached.
+  LocalExecutor live(model_.get(), 4096);
+  Engine engine(&live, live.Options());
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  auto a = engine.Submit(same[0]);
+  auto b = engine.Submit(same[1]);
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (auto* stream : {&*a, &*b}) {
+    while (!(*stream)->Next(std::chrono::seconds(10)).finished) {
+    }
+  }
+  EXPECT_EQ((*a)->cached_tokens(), 0);
+  EXPECT_EQ((*b)->cached_tokens(), 48);
+  engine.Shutdown();
+  loop.join();
 }
 
 TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
