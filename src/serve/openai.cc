@@ -453,32 +453,72 @@ absl::Status ParseStructuredOutput(const json& body, ApiRequest& r) {
                       "\"json_schema\"");
     }
   }
-  if (auto it = body.find("guided_json"); it != body.end() && !it->is_null()) {
-    if (it->is_string()) {
-      RETURN_IF_ERROR(set("guided_json", "json_schema", it->get<std::string>()));
-    } else if (it->is_object()) {
-      RETURN_IF_ERROR(set("guided_json", "json_schema", it->dump()));
-    } else {
-      return BadParam("guided_json", "'guided_json' must be a JSON schema (an object or its text)");
+  // vLLM's: guided_json, guided_regex, guided_grammar, guided_choice in the body, or the same as
+  // json, regex, grammar, choice in its newer structured_outputs object.
+  auto guided = [&](const json& from, const std::string& prefix, bool nested) -> absl::Status {
+    for (const char* key : {"json", "regex", "grammar", "choice"}) {
+      const std::string field = prefix + key;
+      auto it = from.find(nested ? std::string(key) : field);
+      if (it == from.end() || it->is_null()) continue;
+      const std::string k = key;
+      if (k == "json") {
+        if (!it->is_string() && !it->is_object()) {
+          return BadParam(
+              field, absl::StrCat("'", field, "' must be a JSON schema (an object or its text)"));
+        }
+        RETURN_IF_ERROR(set(field.c_str(), "json_schema",
+                            it->is_string() ? it->get<std::string>() : it->dump()));
+      } else if (k == "choice") {
+        if (!it->is_array() || it->empty() ||
+            !std::all_of(it->begin(), it->end(), [](const json& c) { return c.is_string(); })) {
+          return BadParam(field, absl::StrCat("'", field, "' must be a list of strings"));
+        }
+        std::string lark = "start: ";  // the choices as literals (JSON string syntax)
+        for (size_t i = 0; i < it->size(); ++i) {
+          absl::StrAppend(&lark, i ? " | " : "", json((*it)[i].get<std::string>()).dump());
+        }
+        RETURN_IF_ERROR(set(field.c_str(), "lark", lark));
+      } else {
+        if (!it->is_string())
+          return BadParam(field, absl::StrCat("'", field, "' must be a string"));
+        RETURN_IF_ERROR(
+            set(field.c_str(), k == "regex" ? "regex" : "lark", it->get<std::string>()));
+      }
+    }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(guided(body, "guided_", false));
+  if (auto so = body.find("structured_outputs"); so != body.end() && !so->is_null()) {
+    if (!so->is_object()) {
+      return BadParam("structured_outputs", "'structured_outputs' must be an object");
+    }
+    for (const auto& [key, value] : so->items()) {
+      if (key == "json_object" && value.is_boolean()) continue;
+      if (key != "json" && key != "regex" && key != "grammar" && key != "choice") {
+        return BadParam("structured_outputs." + key,
+                        absl::StrCat("'structured_outputs.", key,
+                                     "' is not supported (json, regex, grammar, choice and "
+                                     "json_object are)"));
+      }
+    }
+    RETURN_IF_ERROR(guided(*so, "structured_outputs.", true));
+    if (auto jo = so->find("json_object"); jo != so->end() && *jo == true) {
+      RETURN_IF_ERROR(set("structured_outputs.json_object", "json_object", ""));
     }
   }
-  for (const auto& [field, kind] :
-       {std::pair{"guided_regex", "regex"}, std::pair{"guided_grammar", "lark"}}) {
-    if (auto it = body.find(field); it != body.end() && !it->is_null()) {
-      if (!it->is_string()) return BadParam(field, absl::StrCat("'", field, "' must be a string"));
-      RETURN_IF_ERROR(set(field, kind, it->get<std::string>()));
+  // The engine is llguidance whatever a client names; another is refused rather than ignored,
+  // as is a whitespace pattern (JSON comes without whitespace; a schema's x-guidance sets it).
+  if (auto it = body.find("guided_decoding_backend"); it != body.end() && !it->is_null()) {
+    if (!it->is_string() || (*it != "auto" && *it != "llguidance" && *it != "guidance")) {
+      return BadParam("guided_decoding_backend",
+                      "'guided_decoding_backend' must be auto or llguidance (the one engine "
+                      "here)");
     }
   }
-  if (auto it = body.find("guided_choice"); it != body.end() && !it->is_null()) {
-    if (!it->is_array() || it->empty() ||
-        !std::all_of(it->begin(), it->end(), [](const json& c) { return c.is_string(); })) {
-      return BadParam("guided_choice", "'guided_choice' must be a list of strings");
-    }
-    std::string lark = "start: ";  // the choices as literals (JSON string syntax)
-    for (size_t i = 0; i < it->size(); ++i) {
-      absl::StrAppend(&lark, i ? " | " : "", json((*it)[i].get<std::string>()).dump());
-    }
-    RETURN_IF_ERROR(set("guided_choice", "lark", lark));
+  if (auto it = body.find("guided_whitespace_pattern"); it != body.end() && !it->is_null()) {
+    return BadParam("guided_whitespace_pattern",
+                    "'guided_whitespace_pattern' is not supported; a JSON schema's \"x-guidance\" "
+                    "options (whitespace_pattern) set it");
   }
   if (r.grammar && r.tool_choice != "none") {
     return BadParam(r.grammar_param, absl::StrCat("'", r.grammar_param,

@@ -15,10 +15,12 @@
 //   "none", "required" or a named function (the last two constrained), parallel_tool_calls;
 //   messages of role tool (tool_call_id) and assistant messages with tool_calls. Structured
 //   output (serve/grammar.h): response_format json_object or json_schema, or vLLM's guided_json,
-//   guided_regex, guided_grammar (Lark), guided_choice; one at a time, not with tools or
-//   min_tokens. Unsupported options that would change the answer (echo with logprobs, suffix, a
-//   function's strict: true with tool_choice "auto", the deprecated functions / function_call)
-//   are refused by name; unknown fields are
+//   guided_regex, guided_grammar (Lark), guided_choice (or structured_outputs' json, regex,
+//   grammar, choice, json_object); one at a time, not with tools or min_tokens. Unsupported
+//   options that would change the answer (echo with logprobs, suffix, a function's strict: true
+//   with tool_choice "auto", other structured_outputs keys, guided_whitespace_pattern, a
+//   guided_decoding_backend other than llguidance, the deprecated functions / function_call) are
+//   refused by name; unknown fields are
 //   ignored, as OpenAI does. Bodies are ordered JSON: tool schemas reach the chat template with
 //   their keys in the client's order, as Hugging Face's apply_chat_template gets them.
 #include <cstdint>

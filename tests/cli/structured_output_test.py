@@ -135,12 +135,13 @@ try:
     check(count > 0, "the masks were measured")
     print(f"mask cost: {1e6 * total / max(count, 1):.1f} us per token over {count:.0f} tokens")
 
-    # vLLM's extensions on /v1/completions.
+    # vLLM's extensions on /v1/completions (its older guided_* fields and structured_outputs).
     for field, value, pattern in [
             ("guided_regex", "[0-9]{3}-[0-9]{4}", r"[0-9]{3}-[0-9]{4}"),
             ("guided_grammar", 'start: "The answer is " ("yes" | "no") "."',
              r"The answer is (yes|no)\."),
-            ("guided_choice", ["alpha", "beta", "gamma"], r"alpha|beta|gamma")]:
+            ("guided_choice", ["alpha", "beta", "gamma"], r"alpha|beta|gamma"),
+            ("structured_outputs", {"regex": "[a-c]{4}"}, r"[a-c]{4}")]:
         for temperature in (0.0, 1.0):
             status, _, r = d.post("/v1/completions", {
                 "model": "smollm2", "prompt": "Answer:", "max_tokens": 32, field: value,

@@ -164,6 +164,18 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
        "guided_choice"},
       {R"({"model": "m", "prompt": "x", "guided_choice": []})", false, "guided_choice"},
       {R"({"model": "m", "prompt": "x", "guided_json": 7})", false, "guided_json"},
+      {R"({"model": "m", "prompt": "x", "structured_outputs": {"structural_tag": "t"}})", false,
+       "structured_outputs.structural_tag"},
+      {R"({"model": "m", "prompt": "x", "structured_outputs": {"regex": 3}})", false,
+       "structured_outputs.regex"},
+      {R"({"model": "m", "prompt": "x", "structured_outputs": "json"})", false,
+       "structured_outputs"},
+      {R"({"model": "m", "prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}})",
+       false, "structured_outputs.regex"},
+      {R"({"model": "m", "prompt": "x", "guided_regex": "a", "guided_decoding_backend": "xgrammar"})",
+       false, "guided_decoding_backend"},
+      {R"({"model": "m", "prompt": "x", "guided_json": {}, "guided_whitespace_pattern": " "})",
+       false, "guided_whitespace_pattern"},
       {R"({"model": "m", "prompt": "x", "guided_grammar": {"start": 1}})", false, "guided_grammar"},
       {R"({"model": "m", "prompt": "x", "guided_regex": "a+", "min_tokens": 2})", false,
        "min_tokens"},
@@ -210,6 +222,14 @@ TEST(OpenAiParse, StructuredOutputFields) {
   EXPECT_EQ(grammar(R"("guided_json": "{\"type\": \"integer\"}")"),
             R"(json_schema {"type": "integer"} guided_json)");
   EXPECT_EQ(grammar(R"("guided_regex": "[0-9]+")"), "regex [0-9]+ guided_regex");
+  EXPECT_EQ(grammar(R"("structured_outputs": {"regex": "a+"})"),
+            "regex a+ structured_outputs.regex");
+  EXPECT_EQ(grammar(R"("structured_outputs": {"choice": ["x"]})"),
+            R"(lark start: "x" structured_outputs.choice)");
+  EXPECT_EQ(grammar(R"("structured_outputs": {"json_object": true})"),
+            "json_object  structured_outputs.json_object");
+  EXPECT_EQ(grammar(R"("guided_regex": "b", "guided_decoding_backend": "llguidance")"),
+            "regex b guided_regex");
   EXPECT_EQ(grammar(R"("guided_grammar": "start: \"a\"")"), R"(lark start: "a" guided_grammar)");
   EXPECT_EQ(grammar(R"("guided_choice": ["yes", "n\"o"])"),
             R"(lark start: "yes" | "n\"o" guided_choice)");
