@@ -29,6 +29,9 @@ struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   SamplingParams params;
   std::shared_ptr<TokenConstraint> constraint;  // null: any token
+  // The prompt's log-probabilities (echo with logprobs): each prompt token after the first with
+  // this many alternatives; -1: none. The prompt is then computed whole (no cached prefix).
+  int64_t prompt_logprobs = -1;
 };
 
 struct GenerationResult {
@@ -36,6 +39,9 @@ struct GenerationResult {
   std::vector<float> logprobs;
   std::vector<std::vector<TokenLogprob>> top_logprobs;
   std::string finish_reason;  // "stop" or "length"
+  // With prompt_logprobs: the prompt's tokens after the first, each with its log-probability and
+  // alternatives.
+  std::vector<SampledToken> prompt_logprobs;
 };
 
 }  // namespace shardserve

@@ -56,7 +56,7 @@ Transformer::Transformer(ModelConfig config, std::unique_ptr<WeightStore> weight
         &buf_.offsets, &buf_.sel,    &buf_.weights, &buf_.routes,   &buf_.route_weights,
         &buf_.last,    &buf_.logits, &buf_.padded,  &buf_.gathered, &buf_.full,
         &buf_.qa,      &buf_.qr,     &buf_.lat,     &buf_.kr,       &buf_.qlat,
-        &buf_.olat}) {
+        &buf_.olat,    &buf_.targets}) {
     *b = backend_->NewBuffer();
   }
 }
@@ -1050,6 +1050,57 @@ absl::StatusOr<std::vector<SampledToken>> Transformer::Greedy(int64_t top_logpro
   RETURN_IF_ERROR(backend_->VocabSummaries(Ptr<float>(buf_.logits), seqs_, N, N, vocab_begin_,
                                            SummaryCandidates(top_logprobs), mine.data()));
   return GreedyFromSummaries(mine, seqs_, top_logprobs, tp_group);
+}
+
+absl::StatusOr<std::vector<SampledToken>> Transformer::Score(const std::vector<int32_t>& rows,
+                                                             const std::vector<int32_t>& targets,
+                                                             int64_t top_logprobs,
+                                                             Communicator* tp_group) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const int64_t H = config_.hidden_size, N = lm_head_.rows, R = static_cast<int64_t>(rows.size());
+  if (!last_stage() || targets.size() != rows.size()) {
+    return absl::InternalError("Score: on the last stage, a target per row");
+  }
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  std::vector<SampledToken> out;
+  out.reserve(R);
+  for (int64_t b = 0; b < R; b += kScoreRows) {
+    const int64_t n = std::min(kScoreRows, R - b);
+    std::vector<int32_t> picked(rows.begin() + b, rows.begin() + b + n);
+    std::vector<int32_t> want(targets.begin() + b, targets.begin() + b + n);
+    // Each target's logit, as a one-float row of the logits (row r's first id where the target
+    // is outside this rank's slice, masked after).
+    std::vector<int32_t> at(n);
+    for (int64_t r = 0; r < n; ++r) {
+      if (picked[r] < 0 || picked[r] >= rows_ || want[r] < 0 || want[r] >= config_.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("Score: row ", picked[r], " of ", rows_, ", target ", want[r]));
+      }
+      const bool here = want[r] >= vocab_begin_ && want[r] < vocab_end_;
+      at[r] = static_cast<int32_t>(r * N + (here ? want[r] - vocab_begin_ : 0));
+    }
+    RETURN_IF_ERROR(Put(*m.last, picked));
+    RETURN_IF_ERROR(m.in->Reserve(static_cast<size_t>(n * H) * sizeof(float)));
+    RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), n, Ptr<float>(m.in)));
+    RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.in), n, H, final_norm_, eps, Ptr<float>(m.h)));
+    RETURN_IF_ERROR(Gemm(lm_head_, *m.h, n, *m.logits));
+    std::vector<float> mine(n * SummaryWidth(top_logprobs)), target_logits(n);
+    RETURN_IF_ERROR(be.VocabSummaries(Ptr<float>(m.logits), n, N, N, vocab_begin_,
+                                      SummaryCandidates(top_logprobs), mine.data()));
+    RETURN_IF_ERROR(Put(*m.ids, at));
+    RETURN_IF_ERROR(m.targets->Reserve(static_cast<size_t>(n) * sizeof(float)));
+    RETURN_IF_ERROR(
+        be.GatherRows(Ptr<float>(m.logits), 1, Ptr<int32_t>(m.ids), n, Ptr<float>(m.targets)));
+    RETURN_IF_ERROR(be.CopyToHost(target_logits.data(), m.targets->data(), n * sizeof(float)));
+    for (int64_t r = 0; r < n; ++r) {
+      if (want[r] < vocab_begin_ || want[r] >= vocab_end_) target_logits[r] = -INFINITY;
+    }
+    ASSIGN_OR_RETURN(std::vector<SampledToken> scored,
+                     ScoreFromSummaries(mine, target_logits, want, top_logprobs, tp_group));
+    for (SampledToken& t : scored) out.push_back(std::move(t));
+  }
+  return out;
 }
 
 absl::StatusOr<const float*> Transformer::FullLogits() {

@@ -105,6 +105,14 @@ class Transformer {
   // log-probability and top_logprobs alternatives. tp_group exchanges the summaries (host
   // pointers; null for one rank).
   absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs, Communicator* tp_group);
+  // After Run on the last stage (and after Greedy or Sample, whose logits it overwrites), every
+  // rank of the TP group: the log-probability of targets[i] at batch row rows[i] (the prompt's
+  // next token: echo with logprobs) and the top_logprobs alternatives there. The LM head runs on
+  // those rows in groups of kScoreRows. tp_group as for Greedy.
+  static constexpr int64_t kScoreRows = 64;
+  absl::StatusOr<std::vector<SampledToken>> Score(const std::vector<int32_t>& rows,
+                                                  const std::vector<int32_t>& targets,
+                                                  int64_t top_logprobs, Communicator* tp_group);
   // After Run on the last stage, every rank of the TP group (the logits are gathered over the TP
   // communicator, so that a seed gives the same tokens at every TP size): on the rank that holds
   // the sequences' generators (samplers[s], null for a sequence not sampled now) each sequence's
@@ -176,7 +184,7 @@ class Transformer {
   // Backend memory, grown as batches grow.
   struct Buffers {
     std::unique_ptr<Buffer> x, h, q, k, v, attn, o, g, u, d, in, router, ids, pos, table, offsets,
-        sel, weights, routes, route_weights, last, logits, padded, gathered, full;
+        sel, weights, routes, route_weights, last, logits, padded, gathered, full, targets;
     std::unique_ptr<Buffer> qa, qr, lat, kr, qlat, olat;  // multi-head latent attention
   };
 

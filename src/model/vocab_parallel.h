@@ -34,6 +34,13 @@ absl::StatusOr<std::vector<SampledToken>> GreedyFromSummaries(const std::vector<
                                                               int64_t S, int64_t top_logprobs,
                                                               Communicator* comm);
 
+// Prompt scoring: each row's target token (targets[s]) with its log-probability and the
+// top_logprobs alternatives, from this rank's summaries and its logit of each target (-inf where
+// the target is outside its slice); one all-gather over comm.
+absl::StatusOr<std::vector<SampledToken>> ScoreFromSummaries(
+    const std::vector<float>& mine, const std::vector<float>& target_logits,
+    const std::vector<int32_t>& targets, int64_t top_logprobs, Communicator* comm);
+
 // Both steps on host logits. local: S rows of this rank's logits for vocabulary ids
 // [vocab_begin, vocab_end), row stride ld.
 absl::StatusOr<std::vector<SampledToken>> GreedyFromVocabSlices(const float* local, int64_t S,

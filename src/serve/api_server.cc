@@ -65,7 +65,11 @@ struct Choice {
   int64_t completion_tokens = 0;
   double cumulative_logprob = 0;  // best_of's measure
   std::string echo;               // echo: the prompt's text, sent before the first piece
-  std::string finish_reason;      // set when done
+  // echo with logprobs: the prompt, whose tokens lead the log-probabilities (the first with
+  // none), and how many of them are reported so far.
+  std::vector<int32_t> prompt_ids;
+  size_t prompt_reported = 0;
+  std::string finish_reason;  // set when done
   absl::Status error;
   bool done = false;
   bool sent_role = false;
@@ -185,9 +189,48 @@ struct ApiServer::Impl {
     }
     TextStream::Delta td = c.text.Add(ids);
     c.completion_tokens += static_cast<int64_t>(u.tokens.size());
-    if (req.logprobs && !u.tokens.empty()) {
+    const size_t first_offset = c.lp_tokens.size();
+    // A completions entry: the token's text, its log-probability and the alternatives (the
+    // token itself among them, as vLLM reports it); null ones for the prompt's first token.
+    auto completion_entry = [&](const std::string& piece, const RequestStream::Token* t) {
+      c.lp_tokens.push_back(piece);
+      c.lp_offsets.push_back(c.all_text.size());
+      c.all_text += piece;
+      if (t == nullptr) {
+        c.lp_values.push_back(nullptr);
+        c.lp_top.push_back(nullptr);
+        return;
+      }
+      json top = json::object();
+      for (const TokenLogprob& a : t->top) top[TokenText(a.id)] = a.logprob;
+      if (!top.contains(piece)) top[piece] = t->logprob;
+      c.lp_values.push_back(t->logprob);
+      c.lp_top.push_back(std::move(top));
+    };
+    // echo with logprobs: the prompt's tokens lead, each with its text.
+    const bool prompt_due = !c.prompt_ids.empty() && c.prompt_reported < c.prompt_ids.size() &&
+                            (!u.prompt.empty() || !u.tokens.empty() || u.finished);
+    if (prompt_due) {
+      // u.prompt[i] scores position base + i (the first position has no score).
+      const size_t base = std::max<size_t>(1, c.prompt_reported);
+      const size_t end = std::min(c.prompt_ids.size(), base + u.prompt.size());
+      // Pieces that spell the echoed text: special tokens kept, the held-back end released.
+      std::vector<int32_t> specials;
+      for (int32_t id : c.prompt_ids) {
+        if (tokenizer->IsSpecial(id)) specials.push_back(id);
+      }
+      TextStream whole(tokenizer.get(), {}, specials);
+      std::vector<std::string> pieces =
+          whole.Add(std::vector<int32_t>(c.prompt_ids.begin(), c.prompt_ids.begin() + end))
+              .token_texts;
+      if (end == c.prompt_ids.size()) pieces.back() += whole.Flush();
+      for (size_t q = c.prompt_reported; q < end; ++q) {
+        completion_entry(pieces[q], q == 0 ? nullptr : &u.prompt[q - base]);
+      }
+      c.prompt_reported = end;
+    }
+    if (req.logprobs && (!u.tokens.empty() || prompt_due)) {
       json content = json::array();
-      const size_t first_offset = c.lp_tokens.size();
       for (size_t i = 0; i < u.tokens.size(); ++i) {
         const auto& t = u.tokens[i];
         const std::string& piece = td.token_texts[i];
@@ -201,16 +244,10 @@ struct ApiServer::Impl {
                              {"logprob", t.logprob},
                              {"bytes", Bytes(piece)},
                              {"top_logprobs", top}});
+          c.all_text += piece;
         } else {
-          json top = json::object();
-          for (const TokenLogprob& a : t.top) top[TokenText(a.id)] = a.logprob;
-          if (t.top.empty()) top[piece] = t.logprob;
-          c.lp_tokens.push_back(piece);
-          c.lp_values.push_back(t.logprob);
-          c.lp_top.push_back(top);
-          c.lp_offsets.push_back(c.all_text.size());
+          completion_entry(piece, &t);
         }
-        c.all_text += piece;
       }
       if (req.chat) {
         for (json& e : content) c.lp_content.push_back(e);
@@ -377,6 +414,7 @@ struct ApiServer::Impl {
         g.prompt_ids = ids;
         g.params = req.params;
         g.params.seed = req.params.seed + static_cast<uint64_t>(j);
+        if (req.echo && req.logprobs) g.prompt_logprobs = req.params.top_logprobs;
         if (req.grammar) g.constraint = constraints[p * req.best_of + j];
         if (!req.max_tokens_set && req.chat) g.params.max_tokens = max_context - n;
         auto stream = engine->Submit(g);
@@ -395,6 +433,7 @@ struct ApiServer::Impl {
         Choice& c = choices.back();
         if (req.echo) {
           c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
+          if (req.logprobs) c.prompt_ids = ids;
         }
         if (req.tool_choice != "none") {
           c.tool_parser = std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools,

@@ -12,10 +12,11 @@ using Clock = std::chrono::steady_clock;
 RequestStream::Update RequestStream::Next(std::chrono::milliseconds timeout) {
   const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
   absl::MutexLock lock(&mu_);
-  while (pending_.empty() && !finished_) {
+  while (pending_.empty() && prompt_.empty() && !finished_) {
     if (cv_.WaitWithDeadline(&mu_, deadline)) break;
   }
   Update u;
+  u.prompt.swap(prompt_);
   u.tokens.swap(pending_);
   u.finished = finished_;
   u.finish_reason = reason_;
@@ -26,6 +27,12 @@ RequestStream::Update RequestStream::Next(std::chrono::milliseconds timeout) {
 void RequestStream::Push(Token t) {
   absl::MutexLock lock(&mu_);
   pending_.push_back(std::move(t));
+  cv_.SignalAll();
+}
+
+void RequestStream::PushPrompt(Token t) {
+  absl::MutexLock lock(&mu_);
+  prompt_.push_back(std::move(t));
   cv_.SignalAll();
 }
 
@@ -47,6 +54,7 @@ struct Engine::Sequence {
   std::vector<int32_t> table;    // the blocks those positions (and the ones being fed) hold
   std::vector<BlockHash> names;  // of its full blocks, as far as they are named
   int64_t registered = 0;        // table's first blocks offered to the prefix cache
+  int64_t scored = 1;            // prompt positions whose log-probability is asked of the ranks
   bool first_start = true;       // not yet admitted (its cached tokens count for usage)
   int64_t admitted = 0;          // admission order: the newest is preempted first
   bool started = false;          // the ranks know its parameters
@@ -56,6 +64,10 @@ struct Engine::Sequence {
 
   int64_t total() const {
     return static_cast<int64_t>(request.prompt_ids.size() + generated.size());
+  }
+  // The prompt positions scored up to (prompt logprobs), 0 when not asked.
+  int64_t score_end() const {
+    return request.prompt_logprobs >= 0 ? static_cast<int64_t>(request.prompt_ids.size()) : 0;
   }
   int32_t token(int64_t i) const {
     const int64_t p = static_cast<int64_t>(request.prompt_ids.size());
@@ -89,6 +101,10 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
     return absl::InvalidArgumentError(
         absl::StrCat("this model's maximum context length is ", limit, " tokens; the prompt holds ",
                      prompt, " and max_tokens asks for ", request.params.max_tokens, " more"));
+  }
+  if (request.prompt_logprobs < -1 || request.prompt_logprobs > options_.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_logprobs ", request.prompt_logprobs,
+                                                   " is outside [-1, ", options_.vocab_size, "]"));
   }
   for (const auto& [id, bias] : request.params.logit_bias) {
     if (id >= options_.vocab_size) {
@@ -153,7 +169,8 @@ void Engine::ReleaseBlocks(Sequence* s) {
 // computed once are kept (a preempted sequence's tokens do not change).
 void Engine::MatchPrefix(Sequence* s) {
   const int64_t bs = options_.kv_block_size;
-  if (!pool_.caching()) return;
+  // Prompt log-probabilities need every prompt row computed.
+  if (!pool_.caching() || s->scored < s->score_end()) return;
   // At least the last token is computed: its logits choose the next.
   const int64_t full = (s->total() - 1) / bs;
   NameBlocks(s, full);
@@ -315,6 +332,15 @@ StepDesc Engine::BuildStep(int mb) {
     for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
     chunk.sample = s->fed + n == s->total();
     chunk.allowed = std::move(allowed);
+    // Row i predicts token fed + i + 1: the prompt's tokens in [fed + 1, fed + n] not yet scored.
+    if (const int64_t q0 = std::max(s->scored, s->fed + 1),
+        q1 = std::min(s->fed + n + 1, s->score_end());
+        q1 > q0) {
+      chunk.score_from = q0 - 1 - s->fed;
+      chunk.score.assign(s->request.prompt_ids.begin() + q0, s->request.prompt_ids.begin() + q1);
+      chunk.score_top = s->request.prompt_logprobs;
+      s->scored = q1;
+    }
     if (!s->started) {
       chunk.params = s->request.params;
       chunk.draws = static_cast<int64_t>(s->generated.size());
@@ -341,6 +367,11 @@ void Engine::Accept(const StepResult& result) {
   // The step is done on every rank: the blocks it filled hold their KV and may be shared.
   for (Sequence* s : batch.seqs) RegisterBlocks(s);
   if (observer_.cache_blocks) observer_.cache_blocks(pool_.used(), pool_.cached());
+  for (const StepToken& t : result.prompt) {
+    auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
+                           [&](Sequence* s) { return s->id == t.seq; });
+    if (it != batch.seqs.end()) (*it)->stream->PushPrompt({t.token, t.logprob, t.top});
+  }
   const auto now = Clock::now();
   for (const StepToken& t : result.tokens) {
     auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
@@ -471,6 +502,9 @@ absl::StatusOr<std::vector<GenerationResult>> GenerateAll(
   std::vector<GenerationResult> results(requests.size());
   for (size_t i = 0; i < streams.size(); ++i) {
     RequestStream::Update u = streams[i]->Next(std::chrono::milliseconds(0));
+    for (RequestStream::Token& t : u.prompt) {
+      results[i].prompt_logprobs.push_back({t.id, t.logprob, std::move(t.top)});
+    }
     for (RequestStream::Token& t : u.tokens) {
       results[i].tokens.push_back(t.id);
       results[i].logprobs.push_back(t.logprob);

@@ -69,6 +69,7 @@ class RequestStream {
     std::vector<TokenLogprob> top;
   };
   struct Update {
+    std::vector<Token> prompt;  // the prompt's scored tokens (GenerationRequest::prompt_logprobs)
     std::vector<Token> tokens;
     bool finished = false;
     std::string finish_reason;  // "stop" | "length" when finished without error
@@ -87,12 +88,14 @@ class RequestStream {
 
   // Engine side.
   void Push(Token t);
+  void PushPrompt(Token t);
   void Finish(std::string reason, absl::Status status = absl::OkStatus());
 
  private:
   absl::Mutex mu_;
   absl::CondVar cv_;
   std::vector<Token> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<Token> prompt_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool reported_ ABSL_GUARDED_BY(mu_) = false;
   std::string reason_ ABSL_GUARDED_BY(mu_);

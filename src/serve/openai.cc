@@ -684,10 +684,10 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
                     "'best_of' greater than 'n' cannot stream: the best are known "
                     "only at the end");
   }
-  if (r.echo && r.logprobs) {
-    return BadParam("echo",
-                    "'echo' with 'logprobs' needs the prompt's log-probabilities, which "
-                    "are not computed; 'echo' alone is supported");
+  if (body.contains("prompt_logprobs") && !body["prompt_logprobs"].is_null()) {
+    return BadParam("prompt_logprobs",
+                    "'prompt_logprobs' (vLLM's per-id form) is not supported; /v1/completions "
+                    "with 'echo': true and 'logprobs' gives the prompt's log-probabilities");
   }
   if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
     if (!it->is_object()) return BadParam("stream_options", "'stream_options' must be an object");

@@ -29,6 +29,12 @@ struct StepChunk {
   std::vector<int32_t> blocks;
   // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
   std::vector<uint32_t> allowed;
+  // Prompt log-probabilities (echo with logprobs): rows [score_from, score_from + score.size())
+  // of this chunk are scored, row score_from + i against token score[i] (the prompt's next), with
+  // score_top alternatives each.
+  int64_t score_from = 0;
+  std::vector<int32_t> score;
+  int64_t score_top = 0;
 };
 
 struct StepDesc {
@@ -47,6 +53,8 @@ struct StepToken {
 struct StepResult {
   int microbatch = 0;
   std::vector<StepToken> tokens;
+  // The scored prompt tokens (StepChunk::score), in chunk and row order: token is the prompt's.
+  std::vector<StepToken> prompt;
 };
 
 // The leader's handle on its replica. Not thread-safe: one scheduler thread drives it.

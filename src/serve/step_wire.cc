@@ -98,6 +98,11 @@ json EncodeStep(const StepDesc& d) {
       }
       ch["allowed"] = absl::Base64Escape(bytes);
     }
+    if (!c.score.empty()) {
+      ch["score_from"] = c.score_from;
+      ch["score"] = c.score;
+      ch["score_top"] = c.score_top;
+    }
     if (c.params) {
       ch["params"] = EncodeSamplingParams(*c.params);
       ch["draws"] = c.draws;
@@ -159,6 +164,19 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
           }
         }
       }
+      if (ch.contains("score")) {
+        ASSIGN_OR_RETURN(std::vector<int64_t> score, JsonInts(ch, "score", 0, kMaxInt32));
+        ASSIGN_OR_RETURN(c.score_from, JsonInt(ch, "score_from", 0, kMaxInt64));
+        ASSIGN_OR_RETURN(c.score_top, JsonInt(ch, "score_top", 0, kMaxInt32));
+        if (score.empty() || c.score_from > static_cast<int64_t>(c.tokens.size()) ||
+            static_cast<int64_t>(score.size()) >
+                static_cast<int64_t>(c.tokens.size()) - c.score_from) {
+          return absl::DataLossError(absl::StrCat("chunk of sequence ", c.seq, ": ", score.size(),
+                                                  " scored rows from row ", c.score_from,
+                                                  " of a chunk of ", c.tokens.size()));
+        }
+        c.score.assign(score.begin(), score.end());
+      }
       if (auto params = ch.find("params"); params != ch.end()) {
         auto p = DecodeSamplingParams(*params);
         if (!p.ok()) return In(absl::StrCat("chunk of sequence ", c.seq), p.status());
@@ -177,14 +195,47 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
   return d;
 }
 
-json EncodeStepResult(const StepResult& r) {
+namespace {
+
+json EncodeTokens(const std::vector<StepToken>& tokens) {
   json results = json::array();
-  for (const StepToken& t : r.tokens) {
+  for (const StepToken& t : tokens) {
     json top = json::array();
     for (const TokenLogprob& a : t.top) top.push_back({a.id, a.logprob});
     results.push_back({{"seq", t.seq}, {"token", t.token}, {"logprob", t.logprob}, {"top", top}});
   }
-  return {{"mb", r.microbatch}, {"results", results}};
+  return results;
+}
+
+absl::Status DecodeTokens(const json& m, const char* key, std::vector<StepToken>& out) {
+  ASSIGN_OR_RETURN(const json* results, JsonArray(m, key));
+  for (const json& t : *results) {
+    if (!t.is_object()) return absl::DataLossError("a result is not an object");
+    StepToken tok;
+    ASSIGN_OR_RETURN(tok.seq, JsonInt(t, "seq", 0, kMaxInt64));
+    ASSIGN_OR_RETURN(int64_t token, JsonInt(t, "token", 0, kMaxInt32));
+    ASSIGN_OR_RETURN(double logprob, JsonNumber(t, "logprob"));
+    tok.token = static_cast<int32_t>(token);
+    tok.logprob = static_cast<float>(logprob);
+    ASSIGN_OR_RETURN(const json* top, JsonArray(t, "top"));
+    for (const json& a : *top) {
+      if (!a.is_array() || a.size() != 2 || !a[0].is_number_integer() || !a[1].is_number()) {
+        return absl::DataLossError(
+            absl::StrCat("sequence ", tok.seq, ": an alternative is not [token, logprob]"));
+      }
+      tok.top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
+    }
+    out.push_back(std::move(tok));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+json EncodeStepResult(const StepResult& r) {
+  json m = {{"mb", r.microbatch}, {"results", EncodeTokens(r.tokens)}};
+  if (!r.prompt.empty()) m["prompt"] = EncodeTokens(r.prompt);
+  return m;
 }
 
 absl::StatusOr<StepResult> DecodeStepResult(const json& m) {
@@ -192,25 +243,8 @@ absl::StatusOr<StepResult> DecodeStepResult(const json& m) {
   absl::Status s = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(int64_t mb, JsonInt(m, "mb", 0, kMaxInt32));
     r.microbatch = static_cast<int>(mb);
-    ASSIGN_OR_RETURN(const json* results, JsonArray(m, "results"));
-    for (const json& t : *results) {
-      if (!t.is_object()) return absl::DataLossError("a result is not an object");
-      StepToken tok;
-      ASSIGN_OR_RETURN(tok.seq, JsonInt(t, "seq", 0, kMaxInt64));
-      ASSIGN_OR_RETURN(int64_t token, JsonInt(t, "token", 0, kMaxInt32));
-      ASSIGN_OR_RETURN(double logprob, JsonNumber(t, "logprob"));
-      tok.token = static_cast<int32_t>(token);
-      tok.logprob = static_cast<float>(logprob);
-      ASSIGN_OR_RETURN(const json* top, JsonArray(t, "top"));
-      for (const json& a : *top) {
-        if (!a.is_array() || a.size() != 2 || !a[0].is_number_integer() || !a[1].is_number()) {
-          return absl::DataLossError(
-              absl::StrCat("sequence ", tok.seq, ": an alternative is not [token, logprob]"));
-        }
-        tok.top.push_back({a[0].get<int32_t>(), a[1].get<float>()});
-      }
-      r.tokens.push_back(std::move(tok));
-    }
+    RETURN_IF_ERROR(DecodeTokens(m, "results", r.tokens));
+    if (m.contains("prompt")) RETURN_IF_ERROR(DecodeTokens(m, "prompt", r.prompt));
     return absl::OkStatus();
   }();
   if (!s.ok()) return In("malformed step results", s);

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """`shardserve local` on the CUDA backend answers completions with the CPU backend's tokens: the
-same manifest and generated model (F32 and BF16), PP 1 and 2, greedy, through the real API.
+same manifest and generated model (F32 and BF16), PP 1 and 2, greedy, through the real API; with
+echo, the prompt's log-probabilities too (the LM head on every prompt row).
 Exits 77 (skipped) where there is no GPU or no CUDA build."""
 import os
 import subprocess
@@ -24,7 +25,7 @@ def answers(model, backend, pp):
         for p in PROMPTS:
             status, _, body = d.post("/v1/completions", {
                 "model": "tiny", "prompt": p, "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True, "logprobs": 1})
+                "ignore_eos": True, "logprobs": 1, "echo": True})
             if status != 200:
                 raise RuntimeError(f"{backend} pp={pp}: HTTP {status}: {body}")
             lp = body["choices"][0]["logprobs"]
@@ -56,7 +57,7 @@ with tempfile.TemporaryDirectory() as tmp:
             check("CUDA backend on GPU" in log, f"{dtype} pp={pp}: the ranks report the CUDA "
                   "backend")
             for p in PROMPTS:
-                d = max(abs(a - b) for a, b in zip(got[p][2], want[p][2]))
+                d = max(abs(a - b) for a, b in zip(got[p][2], want[p][2]) if a is not None)
                 check(got[p][:2] == want[p][:2] and d <= tol,
                       f"{dtype} pp={pp} {p!r}: the CPU's tokens {got[p][1] == want[p][1]}, "
                       f"max |dlogprob| {d:.1e} <= {tol}")

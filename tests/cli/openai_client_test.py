@@ -209,6 +209,21 @@ for family, args in FAMILIES:
         check(comp.usage.completion_tokens >= 1 and comp.choices[0].logprobs is not None and
               len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens,
               "completions.create with logprobs")
+        if tok is not None:  # echo with logprobs: the prompt scored as transformers scores it
+            import torch
+            from transformers import AutoModelForCausalLM
+            ids = tok("Once upon a time, in a land far away")["input_ids"]
+            hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+            with torch.no_grad():
+                lsm = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+            want = [float(lsm[q - 1, ids[q]]) for q in range(1, len(ids))]
+            echo = client.completions.create(model="tiny", prompt=ids, max_tokens=1,
+                                             temperature=0, logprobs=1, echo=True)
+            got = echo.choices[0].logprobs.token_logprobs
+            diff = max(abs(a - b) for a, b in zip(got[1:len(ids)], want))
+            check(got[0] is None and len(got) == len(ids) + 1 and diff < 1e-3,
+                  f"echo with logprobs gives transformers' prompt log-probabilities at TP=2 x "
+                  f"PP=2 (max diff {diff:.1e})")
         pieces, finish = [], None
         for chunk in client.completions.create(model="tiny", prompt="Once upon a time",
                                                max_tokens=8, temperature=0, stream=True):

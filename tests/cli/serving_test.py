@@ -81,10 +81,11 @@ try:
     check(len(lp["token_logprobs"]) == 24 and diff < 2e-3,
           f"logprobs match single-process generation (max diff {diff:.2e})")
     # Alternatives whose text is the same (partial UTF-8 bytes) share one key, as with OpenAI.
-    check(all(1 <= len(t) <= 3 for t in lp["top_logprobs"]) and
+    check(all(1 <= len(t) <= 4 for t in lp["top_logprobs"]) and
           all(max(t.values()) <= v + 1e-6 for t, v in zip(lp["top_logprobs"],
                                                           lp["token_logprobs"])),
-          "top_logprobs hold up to 3 alternatives and none beats the greedy token")
+          "top_logprobs hold up to 3 alternatives and the chosen token (OpenAI's logprobs + 1), "
+          "none beats the greedy token")
     check("".join(lp["tokens"]) == body["choices"][0]["text"] and
           lp["text_offset"][0] == 0, "logprob tokens spell the text; offsets start at 0")
     u = body["usage"]
@@ -185,6 +186,31 @@ try:
     check(echoed["choices"][0]["text"] == "hello world" + unechoed["choices"][0]["text"] and
           "".join(e["choices"][0]["text"] for e in events) == echoed["choices"][0]["text"],
           "echo puts the prompt's text before the answer, streamed too")
+    # echo with logprobs: the prompt's tokens lead (the first with none); where the prompt is
+    # the greedy continuation, their log-probabilities are the generated ones. Sent first without
+    # echo, its blocks are cached, which echo does not take: every prompt row is computed.
+    scored = PROMPTS[0] + ref["tokens"]
+    completion(d, scored, 2)
+    status, _, e = completion(d, scored, 3, echo=True, logprobs=2)
+    elp = e["choices"][0]["logprobs"]
+    diff = max(abs(a - b) for a, b in zip(elp["token_logprobs"][5:29], ref["logprobs"]))
+    check(status == 200 and len(elp["tokens"]) == 32 and elp["token_logprobs"][0] is None and
+          elp["top_logprobs"][0] is None and diff < 2e-3 and
+          all(len(t) <= 4 and max(t.values()) >= v - 1e-6
+              for t, v in zip(elp["top_logprobs"][1:], elp["token_logprobs"][1:])),
+          f"echo with logprobs scores the prompt as generation does (max diff {diff:.2e})")
+    check("".join(elp["tokens"]) == e["choices"][0]["text"] and
+          elp["text_offset"] == sorted(elp["text_offset"]) and
+          e["usage"]["prompt_tokens_details"]["cached_tokens"] == 0,
+          "echoed logprob tokens spell the echoed text, offsets from the prompt's start, "
+          "nothing taken from the cache")
+    status, events, _ = d.stream("/v1/completions", {
+        "model": "tiny", "prompt": scored, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+        "echo": True, "logprobs": 2, "stream": True})
+    streamed = [v for ev in events if ev["choices"][0]["logprobs"]
+                for v in ev["choices"][0]["logprobs"]["token_logprobs"]]
+    check(status == 200 and streamed == elp["token_logprobs"],
+          "echo with logprobs streams the same log-probabilities")
     _, _, chat2 = d.post("/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
         "temperature": 0, "ignore_eos": True})
@@ -276,8 +302,6 @@ try:
         ("temperature out of range", {"model": "tiny", "prompt": "x", "temperature": 9}, None,
          400, "temperature"),
         ("n over 16", {"model": "tiny", "prompt": "x", "n": 17}, None, 400, "n"),
-        ("echo with logprobs", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1},
-         None, 400, "echo"),
         ("logit_bias outside the vocabulary", {"model": "tiny", "prompt": "x",
                                                "logit_bias": {"99999": 1}}, None, 400, None),
         ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 99999]}, None, 400,

@@ -68,6 +68,29 @@ class LocalExecutor : public StepExecutor {
         SampledToken t = samplers_.at(step.chunks[i].seq).Sample(logits.data() + i * V, V);
         r.tokens.push_back({step.chunks[i].seq, t.id, t.logprob, t.top});
       }
+      // The prompt rows asked for, as a rank scores them.
+      std::vector<int32_t> rows, targets;
+      int64_t row = 0, top = 0;
+      for (const StepChunk& c : step.chunks) {
+        for (size_t i = 0; i < c.score.size(); ++i) {
+          rows.push_back(static_cast<int32_t>(row + c.score_from + i));
+          targets.push_back(c.score[i]);
+        }
+        top = std::max(top, c.score_top);
+        row += static_cast<int64_t>(c.tokens.size());
+      }
+      scored_ += static_cast<int64_t>(rows.size());
+      if (!rows.empty()) {
+        ASSIGN_OR_RETURN(std::vector<SampledToken> scored,
+                         model_->Score(rows, targets, top, nullptr));
+        size_t next = 0;
+        for (const StepChunk& c : step.chunks) {
+          for (size_t i = 0; i < c.score.size(); ++i, ++next) {
+            scored[next].top.resize(std::min<size_t>(scored[next].top.size(), c.score_top));
+            r.prompt.push_back({c.seq, scored[next].id, scored[next].logprob, scored[next].top});
+          }
+        }
+      }
     }
     done_.push_back(std::move(r));
     return absl::OkStatus();
@@ -92,6 +115,7 @@ class LocalExecutor : public StepExecutor {
 
   int resumed_ = 0, chunked_ = 0, releases_ = 0, masks_ = 0;
   int64_t cached_ = 0;  // prompt positions skipped for a cached prefix
+  int64_t scored_ = 0;  // prompt rows scored
   int fail_after_ = -1, issued_ = 0;
 
  private:
@@ -219,19 +243,26 @@ TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {
 }
 
 // Runs `r` alone on a running engine: its tokens, logprobs and cached prompt tokens.
-GenerationResult RunOne(Engine& engine, const GenerationRequest& r, int64_t* cached) {
+// A stream's whole output.
+GenerationResult Drain(RequestStream& stream) {
   GenerationResult out;
-  auto stream = engine.Submit(r);
-  EXPECT_TRUE(stream.ok()) << stream.status();
-  if (!stream.ok()) return out;
   for (;;) {
-    auto u = (*stream)->Next(std::chrono::seconds(10));
+    auto u = stream.Next(std::chrono::seconds(10));
+    for (auto& t : u.prompt) out.prompt_logprobs.push_back({t.id, t.logprob, t.top});
     for (auto& t : u.tokens) {
       out.tokens.push_back(t.id);
       out.logprobs.push_back(t.logprob);
     }
     if (u.finished) break;
   }
+  return out;
+}
+
+GenerationResult RunOne(Engine& engine, const GenerationRequest& r, int64_t* cached) {
+  auto stream = engine.Submit(r);
+  EXPECT_TRUE(stream.ok()) << stream.status();
+  if (!stream.ok()) return {};
+  GenerationResult out = Drain(**stream);
   *cached = (*stream)->cached_tokens();
   return out;
 }
@@ -305,6 +336,85 @@ TEST_F(EngineTest, CachedPrefixesGiveTheUncachedAnswers) {
   EXPECT_EQ((*b)->cached_tokens(), 48);
   engine.Shutdown();
   loop.join();
+}
+
+// Echo with logprobs: each prompt token after the first gets the log-probability the model gives
+// it after the tokens before it (and its alternatives), once, through chunked prompts, preemption
+// and a prefix cache that already holds the prompt (which such a request does not take).
+TEST_F(EngineTest, PromptLogprobsAreTheModelsAtEveryPosition) {
+  const int64_t V = model_->config().vocab_size;
+  auto reference = [&](const std::vector<int32_t>& prompt, size_t q) {
+    auto cache = *model_->NewKvCache(256);
+    SequenceKv kv;
+    std::vector<SequenceChunk> chunks = {
+        {std::vector<int32_t>(prompt.begin(), prompt.begin() + q), &kv}};
+    std::vector<float> logits;
+    EXPECT_TRUE(model_->Forward(chunks, *cache, logits).ok());
+    double m = -INFINITY, z = 0;
+    for (int64_t v = 0; v < V; ++v) m = std::max<double>(m, logits[v]);
+    for (int64_t v = 0; v < V; ++v) z += std::exp(logits[v] - m);
+    std::vector<std::pair<double, int32_t>> all;
+    for (int64_t v = 0; v < V; ++v) all.push_back({logits[v] - m - std::log(z), v});
+    std::stable_sort(all.begin(), all.end(), [](auto a, auto b) { return a.first > b.first; });
+    return std::pair(all, logits[prompt[q]] - m - std::log(z));
+  };
+  std::vector<GenerationRequest> reqs = requests_;
+  for (GenerationRequest& r : reqs) {
+    for (int k = 0; k < 20; ++k) r.prompt_ids.push_back(5 + (k * 11) % 90);
+    r.prompt_logprobs = 3;
+  }
+  reqs[1].prompt_logprobs = 0;
+  reqs[2].prompt_logprobs = -1;  // not asked
+  for (const bool cramped : {false, true}) {
+    LocalExecutor exec(model_.get(), cramped ? 64 : 4096);
+    Engine engine(&exec, cramped ? Cramped(exec) : exec.Options());
+    std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+    // The same prompts sent before without logprobs, one at a time: the last one's blocks (the
+    // others' too when the cache holds them) stay cached.
+    for (GenerationRequest r : reqs) {
+      r.prompt_logprobs = -1;
+      int64_t cached = 0;
+      RunOne(engine, r, &cached);
+    }
+    int64_t cached = 0;
+    GenerationRequest again = reqs.back();
+    again.prompt_logprobs = -1;
+    RunOne(engine, again, &cached);
+    EXPECT_GT(cached, 0) << "the prompts were meant to be cached";
+    exec.resumed_ = 0;
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const GenerationRequest& r : reqs) streams.push_back(*engine.Submit(r));
+    std::vector<GenerationResult> results;
+    for (auto& stream : streams) results.push_back(Drain(*stream));
+    engine.Shutdown();
+    loop.join();
+    const std::vector<GenerationResult>* got = &results;
+    const std::vector<GenerationResult> want = *Generate(*model_, reqs);
+    int64_t asked = 0;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::vector<int32_t>& p = reqs[i].prompt_ids;
+      EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
+      if (reqs[i].prompt_logprobs < 0) {
+        EXPECT_TRUE((*got)[i].prompt_logprobs.empty());
+        continue;
+      }
+      asked += static_cast<int64_t>(p.size()) - 1;
+      ASSERT_EQ((*got)[i].prompt_logprobs.size(), p.size() - 1) << "request " << i;
+      for (size_t q = 1; q < p.size(); ++q) {
+        const SampledToken& t = (*got)[i].prompt_logprobs[q - 1];
+        const auto [ranked, lp] = reference(p, q);
+        EXPECT_EQ(t.id, p[q]);
+        EXPECT_NEAR(t.logprob, lp, 1e-4) << "request " << i << " position " << q;
+        ASSERT_EQ(t.top.size(), static_cast<size_t>(reqs[i].prompt_logprobs));
+        for (size_t k = 0; k < t.top.size(); ++k) {
+          EXPECT_NEAR(t.top[k].logprob, ranked[k].first, 1e-4);
+          if (k + 1 < t.top.size()) EXPECT_GE(t.top[k].logprob, t.top[k + 1].logprob);
+        }
+      }
+    }
+    if (cramped) EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
+    EXPECT_EQ(exec.scored_, asked) << "every prompt row scored once, none from the cache";
+  }
 }
 
 TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {

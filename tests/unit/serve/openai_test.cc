@@ -71,7 +71,7 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
       {R"({"model": "m", "prompt": "x", "n": 0})", false, "n"},
       {R"({"model": "m", "prompt": [[1], [2], [3], [4], [5], [6], [7], [8], [9]], "n": 16})", false,
        "n"},
-      {R"({"model": "m", "prompt": "x", "echo": true, "logprobs": 1})", false, "echo"},
+      {R"({"model": "m", "prompt": "x", "prompt_logprobs": 1})", false, "prompt_logprobs"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": true})", true,
        "echo"},
       {R"({"model": "m", "prompt": "x", "n": 3, "best_of": 2})", false, "best_of"},

@@ -88,6 +88,9 @@ StepDesc SomeStep() {
   prompt.draws = 5;
   prompt.prompt_tokens = 3;
   prompt.allowed = {0x80000001u, 0, 0xDEADBEEFu};  // structured output's mask
+  prompt.score_from = 1;                           // echo with logprobs: rows 1 and 2 scored
+  prompt.score = {8, 9};
+  prompt.score_top = 4;
   StepChunk decode;
   decode.seq = 4;
   decode.tokens = {42};
@@ -118,6 +121,10 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
                        p.presence_penalty),
             std::tuple(3, std::vector<int64_t>{2, 9}, 1.2f, -0.5f, 0.25f));
   EXPECT_EQ(back->chunks[0].allowed, d.chunks[0].allowed);
+  EXPECT_EQ(
+      std::tuple(back->chunks[0].score_from, back->chunks[0].score, back->chunks[0].score_top),
+      std::tuple(1, std::vector<int32_t>{8, 9}, 4));
+  EXPECT_TRUE(back->chunks[1].score.empty());
   EXPECT_FALSE(back->chunks[1].params.has_value());
   EXPECT_FALSE(back->chunks[1].sample);
   EXPECT_TRUE(back->chunks[1].allowed.empty());
@@ -127,8 +134,13 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   StepResult r;
   r.microbatch = 1;
   r.tokens.push_back({3, 17, -0.25f, {{17, -0.25f}, {5, -2.0f}}});
+  r.prompt.push_back({3, 8, -1.5f, {{2, -0.5f}}});
   auto rback = DecodeStepResult(json::parse(EncodeStepResult(r).dump()));
   ASSERT_TRUE(rback.ok()) << rback.status();
+  ASSERT_EQ(rback->prompt.size(), 1u);
+  EXPECT_EQ(std::tuple(rback->prompt[0].seq, rback->prompt[0].token, rback->prompt[0].logprob,
+                       rback->prompt[0].top.size()),
+            std::tuple(3, 8, -1.5f, 1u));
   ASSERT_EQ(rback->tokens.size(), 1u);
   EXPECT_EQ(rback->tokens[0].token, 17);
   EXPECT_EQ(rback->tokens[0].top.size(), 2u);
@@ -165,6 +177,14 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
     EXPECT_THAT(refused([&](json& m) { m["chunks"][0]["allowed"] = bad; }),
                 HasSubstr("chunk of sequence 3: 'allowed' is not a sampled token's base64 mask"));
   }
+  // Scored rows past the chunk's end (3 tokens): a step is input too.
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["score_from"] = 2; }),
+              HasSubstr("chunk of sequence 3: 2 scored rows from row 2 of a chunk of 3"));
+  EXPECT_THAT(refused([](json& m) {
+                m["chunks"][0]["score"] = {1, 2, 3, 4};
+              }),
+              HasSubstr("4 scored rows from row 1"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["score"] = {-1}; }), HasSubstr("'score'"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][1]["allowed"] = "AAAAAA=="; }),
               HasSubstr("chunk of sequence 4: 'allowed' is not a sampled token's base64 mask"));
   EXPECT_THAT(Error(DecodeStepMessageType({{"type", "dance"}}).status()),
