@@ -28,6 +28,7 @@ struct Sample {
   double ttft = 0;
   std::vector<double> itl;
   int64_t tokens = 0;
+  int64_t prompt_tokens = 0, cached_tokens = 0;  // the answer's usage
   bool ok = false;
   std::string error;
 };
@@ -74,6 +75,12 @@ Sample StreamOnce(const std::string& host, int port, const std::string& api_key,
       if (j.is_discarded() || j.contains("error")) {
         s.error = event;
         return false;
+      }
+      if (j.contains("usage") && j["usage"].is_object()) {  // stream_options.include_usage
+        s.prompt_tokens = j["usage"].value("prompt_tokens", 0);
+        if (auto d = j["usage"].find("prompt_tokens_details"); d != j["usage"].end()) {
+          s.cached_tokens = d->value("cached_tokens", 0);
+        }
       }
       if (j["choices"].empty() || !j["choices"][0]["logprobs"].is_object()) continue;
       const auto now = Clock::now();
@@ -123,13 +130,20 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
                                        {"url", "model", "concurrency", "requests-per-client",
                                         "max-tokens", "prompt-tokens", "vocab", "rank-metrics",
-                                        "api-key", "shared-prefix-tokens"},
+                                        "api-key", "shared-prefix-tokens", "turns"},
                                        {}, "shardserve bench load", kLoadBenchUsage));
   // Named copies, not structured bindings: the client threads below capture them.
-  const auto url = HostPort(a.GetOr("url", "127.0.0.1:8000"));
-  const std::string host = url.first;
-  const int port = url.second;
-  if (port == 0) return absl::InvalidArgumentError("--url must be HOST:PORT");
+  std::vector<std::pair<std::string, int>> urls;
+  for (absl::string_view u : absl::StrSplit(a.GetOr("url", "127.0.0.1:8000"), ',')) {
+    urls.push_back(HostPort(std::string(u)));
+    if (urls.back().second == 0) {
+      return absl::InvalidArgumentError("--url must be HOST:PORT[,HOST:PORT...]");
+    }
+  }
+  const std::string host = urls[0].first;
+  const int port = urls[0].second;
+  ASSIGN_OR_RETURN(int64_t turns, a.GetInt("turns", 1));
+  if (turns < 1) return absl::InvalidArgumentError("--turns must be at least 1");
   const auto [mhost, mport] = HostPort(a.GetOr("rank-metrics", ""));
   const std::string model = a.GetOr("model", "model");
   const std::string api_key = a.GetOr("api-key", "");
@@ -153,11 +167,12 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
     levels.push_back(v);
   }
   std::printf(
-      "load: %s:%d model '%s', prompts of %lld shared and %lld random tokens, %lld greedy output "
-      "tokens, %lld requests per client\n",
-      host.c_str(), port, model.c_str(), static_cast<long long>(prefix.size()),
-      static_cast<long long>(prompt_tokens), static_cast<long long>(max_tokens),
-      static_cast<long long>(per_client));
+      "load: %s model '%s', prompts of %lld shared and %lld random tokens, %lld greedy output "
+      "tokens, %lld %s per client\n",
+      a.GetOr("url", "127.0.0.1:8000").c_str(), model.c_str(),
+      static_cast<long long>(prefix.size()), static_cast<long long>(prompt_tokens),
+      static_cast<long long>(max_tokens), static_cast<long long>(per_client),
+      turns > 1 ? absl::StrCat("conversations of ", turns, " turns").c_str() : "requests");
   if (mport != 0) {
     // Overhead probe: one client, a one-token prompt, so every step is a one-token decode step;
     // what the client waits beyond the leader rank's forward pass is HTTP, scheduling and
@@ -179,8 +194,8 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
         "HTTP + scheduling + sampling %.2f ms = %.1f%% of the step\n",
         1e3 * itl, 1e3 * step, 1e3 * (itl - step), 100 * (itl - step) / itl);
   }
-  std::printf("%-11s %10s %9s %9s %9s %9s\n", "concurrency", "out tok/s", "ttft p50", "ttft p99",
-              "itl p50", "itl p99");
+  std::printf("%-11s %10s %9s %9s %9s %9s %9s\n", "concurrency", "out tok/s", "ttft p50",
+              "ttft p99", "itl p50", "itl p99", "hit rate");
   double base_tps = 0;
   for (int c : levels) {
     absl::Mutex mu;
@@ -190,24 +205,42 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
     for (int i = 0; i < c; ++i) {
       clients.emplace_back([&, i] {
         std::mt19937 rng(1000 * c + i);
+        auto random_tokens = [&](std::vector<int32_t>& to, int64_t n) {
+          for (int64_t k = 0; k < n; ++k)
+            to.push_back(static_cast<int32_t>(3 + rng() % (vocab - 3)));
+        };
         for (int64_t r = 0; r < per_client; ++r) {
-          std::vector<int32_t> prompt(prefix);
-          for (int64_t k = 0; k < prompt_tokens; ++k) {
-            prompt.push_back(static_cast<int32_t>(3 + rng() % (vocab - 3)));
+          std::vector<int32_t> history;  // the conversation's earlier turns
+          for (int64_t turn = 0; turn < turns; ++turn) {
+            std::vector<int32_t> prompt(prefix);
+            prompt.insert(prompt.end(), history.begin(), history.end());
+            const size_t own = prompt.size();
+            random_tokens(prompt, prompt_tokens);
+            const json body = {{"model", model},
+                               {"prompt", prompt},
+                               {"max_tokens", max_tokens},
+                               {"temperature", 0},
+                               {"ignore_eos", true},
+                               {"stream", true},
+                               {"stream_options", {{"include_usage", true}}},
+                               {"logprobs", 0}};
+            const auto& [h, p] = urls.size() == 1 ? urls[0] : urls[rng() % urls.size()];
+            Sample s = StreamOnce(h, p, api_key, body);
+            {
+              absl::MutexLock lock(&mu);
+              samples.push_back(std::move(s));
+            }
+            // The next turn resends this one: its new tokens and the answer (as many tokens).
+            history.insert(history.end(), prompt.begin() + own, prompt.end());
+            random_tokens(history, max_tokens);
           }
-          const json body = {{"model", model},   {"prompt", prompt},   {"max_tokens", max_tokens},
-                             {"temperature", 0}, {"ignore_eos", true}, {"stream", true},
-                             {"logprobs", 0}};
-          Sample s = StreamOnce(host, port, api_key, body);
-          absl::MutexLock lock(&mu);
-          samples.push_back(std::move(s));
         }
       });
     }
     for (auto& t : clients) t.join();
     const double wall = Seconds(Clock::now() - t0);
     std::vector<double> ttft, itl;
-    int64_t tokens = 0, failed = 0;
+    int64_t tokens = 0, failed = 0, prompted = 0, cached = 0;
     for (const Sample& s : samples) {
       if (!s.ok) {
         ++failed;
@@ -217,13 +250,16 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
       ttft.push_back(s.ttft);
       itl.insert(itl.end(), s.itl.begin(), s.itl.end());
       tokens += s.tokens;
+      prompted += s.prompt_tokens;
+      cached += s.cached_tokens;
     }
     if (failed > 0) return absl::UnavailableError(absl::StrCat(failed, " requests failed"));
     const double tps = tokens / wall;
     if (base_tps == 0) base_tps = tps;
-    std::printf("%-11d %10.1f %8.3fs %8.3fs %8.4fs %8.4fs   (x%.2f of c=%d)\n", c, tps,
+    std::printf("%-11d %10.1f %8.3fs %8.3fs %8.4fs %8.4fs %8.1f%%   (x%.2f of c=%d)\n", c, tps,
                 Percentile(ttft, 0.5), Percentile(ttft, 0.99), Percentile(itl, 0.5),
-                Percentile(itl, 0.99), tps / base_tps, levels.front());
+                Percentile(itl, 0.99), prompted > 0 ? 100.0 * cached / prompted : 0.0,
+                tps / base_tps, levels.front());
     std::fflush(stdout);
   }
   return absl::OkStatus();

@@ -67,6 +67,21 @@ void AddScheduling(const ShardedModelSpec& s, json& spec) {
   }
 }
 
+// What a leader and a router mount: the API keys (when the model has them) and the router token.
+void AddLeaderSecrets(const ModelView& m, json& volumes, json& mounts) {
+  const ShardedModelSpec& s = m.model.spec;
+  if (!s.api_key_secret.empty()) {
+    volumes.push_back({{"name", "api-keys"},
+                       {"secret", {{"secretName", s.api_key_secret}, {"defaultMode", 0440}}}});
+    mounts.push_back({{"name", "api-keys"}, {"mountPath", kApiKeysMount}, {"readOnly", true}});
+  }
+  volumes.push_back(
+      {{"name", "router-token"},
+       {"secret", {{"secretName", RouterTokenSecretName(m.model.name)}, {"defaultMode", 0440}}}});
+  mounts.push_back(
+      {{"name", "router-token"}, {"mountPath", kRouterTokenMount}, {"readOnly", true}});
+}
+
 }  // namespace
 
 std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
@@ -74,6 +89,8 @@ std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
 }
 
 std::string InspectPodName(const std::string& model) { return model + "-inspect"; }
+
+std::string RouterTokenSecretName(const std::string& model) { return model + "-router-token"; }
 
 std::string RendezvousSecretName(const std::string& model, int64_t replica) {
   return absl::StrCat(model, "-", replica, "-rendezvous");
@@ -235,6 +252,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   w.termination_log = "/dev/termination-log";  // the first rank error, for status
   w.peer_timeout_ms = kPeerTimeoutMs;
   if (leader && !s.api_key_secret.empty()) w.api_keys_file = kApiKeysMount;
+  if (leader) w.router_token_file = absl::StrCat(kRouterTokenMount, "/token");
   json env = json::array();
   for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});
   // The rendezvous and the mesh listen on the pod's own address only.
@@ -299,11 +317,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   volumes.push_back(
       {{"name", "rendezvous"},
        {"secret", {{"secretName", RendezvousSecretName(name, replica)}, {"defaultMode", 0440}}}});
-  if (leader && !s.api_key_secret.empty()) {
-    volumes.push_back({{"name", "api-keys"},
-                       {"secret", {{"secretName", s.api_key_secret}, {"defaultMode", 0440}}}});
-    mounts.push_back({{"name", "api-keys"}, {"mountPath", kApiKeysMount}, {"readOnly", true}});
-  }
+  if (leader) AddLeaderSecrets(m, volumes, mounts);
 
   json container = {{"name", "worker"},
                     {"image", s.image},
@@ -408,9 +422,9 @@ json BuildWorkersService(const ModelView& m) {
             {"ports", {{{"name", "rendezvous"}, {"port", kRendezvousPort}}}}}}};
 }
 
-json BuildLeaderService(const ModelView& m) {
+json BuildLeaderService(const ModelView& m, bool routers_ready) {
   json selector = Labels(m);
-  selector[kRoleLabel] = "leader";
+  selector[kRoleLabel] = Routed(m) && routers_ready ? kRouterRole : "leader";
   return {
       {"apiVersion", "v1"},
       {"kind", "Service"},
@@ -419,6 +433,96 @@ json BuildLeaderService(const ModelView& m) {
        {{"selector", selector},
         {"ports",
          {{{"name", "api"}, {"port", m.model.spec.port}, {"targetPort", m.model.spec.port}}}}}}};
+}
+
+json BuildLeadersService(const ModelView& m) {
+  json selector = Labels(m);
+  selector[kRoleLabel] = "leader";
+  return {
+      {"apiVersion", "v1"},
+      {"kind", "Service"},
+      {"metadata", ChildMeta(m, m.model.name + "-leaders")},
+      {"spec",
+       {{"clusterIP", "None"},
+        {"publishNotReadyAddresses", false},  // a router follows the ready leaders only
+        {"selector", selector},
+        {"ports",
+         {{{"name", "api"}, {"port", m.model.spec.port}, {"targetPort", m.model.spec.port}}}}}}};
+}
+
+json BuildRouterDeployment(const ModelView& m) {
+  const ShardedModelSpec& s = m.model.spec;
+  const std::string& name = m.model.name;
+  const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
+  json labels = Labels(m);
+  labels[kRoleLabel] = kRouterRole;
+  json env = json::array(
+      {{{"name", "SHARDSERVE_ROUTER_LEADERS"},
+        {"value", absl::StrCat("dns:", name, "-leaders.", m.model.namespace_, ".svc:", s.port)}},
+       {{"name", "SHARDSERVE_ROUTER_PORT"}, {"value", std::to_string(s.port)}},
+       {{"name", kModelPathEnv}, {"value", ModelPath(uri)}},
+       {{"name", "SHARDSERVE_DEPLOYMENT"}, {"value", name}},
+       {{"name", kRouterTokenFileEnv}, {"value", absl::StrCat(kRouterTokenMount, "/token")}},
+       {{"name", "SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT"},
+        {"value", s.special_tokens_in_content == "text" ? "text" : "special"}}});
+  if (!s.api_key_secret.empty())
+    env.push_back({{"name", kApiKeysFileEnv}, {"value", kApiKeysMount}});
+  json volumes = json::array({ModelVolume(uri)});
+  json mounts = json::array({ModelVolumeMount()});
+  AddLeaderSecrets(m, volumes, mounts);
+  json probe = {{"httpGet", {{"path", "/readyz"}, {"port", s.port}}},
+                {"periodSeconds", 2},
+                {"timeoutSeconds", 5},
+                {"failureThreshold", 3}};
+  json container = {
+      {"name", "router"},
+      {"image", s.image},
+      {"command", json::array({"shardserve-router"})},
+      {"env", env},
+      {"ports", json::array({{{"name", "api"}, {"containerPort", s.port}}})},
+      {"resources", {{"requests", {{"cpu", "100m"}, {"memory", "256Mi"}}}}},
+      {"readinessProbe", probe},
+      {"livenessProbe",
+       {{"httpGet", {{"path", "/healthz"}, {"port", s.port}}}, {"periodSeconds", 10}}},
+      // Before SIGTERM, kube-proxy forgets the router; then it finishes what it relays.
+      {"lifecycle", {{"preStop", {{"sleep", {{"seconds", kPreStopSeconds}}}}}}},
+      {"volumeMounts", mounts},
+      {"securityContext", m.defaults.security_context}};
+  json pod_spec = {
+      {"automountServiceAccountToken", false},  // a router never talks to the apiserver
+      {"terminationGracePeriodSeconds", 40},    // it finishes what it relays (30 s)
+      {"securityContext", m.defaults.pod_security_context},
+      // The two on different nodes where there are: one node lost keeps a router.
+      {"affinity",
+       {{"podAntiAffinity",
+         {{"preferredDuringSchedulingIgnoredDuringExecution",
+           json::array({{{"weight", 100},
+                         {"podAffinityTerm",
+                          {{"topologyKey", "kubernetes.io/hostname"},
+                           {"labelSelector", {{"matchLabels", labels}}}}}}})}}}}},
+      {"containers", json::array({container})},
+      {"volumes", volumes}};
+  AddScheduling(s, pod_spec);  // the nodes that have the model's files
+  json meta = ChildMeta(m, name + "-router");
+  meta["labels"][kRoleLabel] = kRouterRole;
+  return {
+      {"apiVersion", "apps/v1"},
+      {"kind", "Deployment"},
+      {"metadata", meta},
+      {"spec",
+       {{"replicas", Routed(m) ? kRouterPods : 0},
+        {"selector", {{"matchLabels", labels}}},
+        {"strategy",
+         {{"type", "RollingUpdate"}, {"rollingUpdate", {{"maxUnavailable", 0}, {"maxSurge", 1}}}}},
+        {"template", {{"metadata", {{"labels", labels}}}, {"spec", pod_spec}}}}}};
+}
+
+json BuildRouterTokenSecret(const ModelView& m, const std::string& token) {
+  return {{"apiVersion", "v1"},
+          {"kind", "Secret"},
+          {"metadata", ChildMeta(m, RouterTokenSecretName(m.model.name))},
+          {"type", "Opaque"},
+          {"stringData", {{"token", token}}}};
 }
 
 json BuildNetworkPolicy(const ModelView& m) {

@@ -15,6 +15,12 @@
 //   BuildRendezvousSecret(model, replica, secret)  <name>-<r>-rendezvous: the secret the
 //       replica's ranks prove to each other (created once; the operator never reads it back)
 //   BuildDisruptionBudget(model, replica, leader pod)  the replica's gang as one budget
+//   BuildRouterDeployment(model)  <name>-router: kRouterPods shardserve-router pods in front of
+//       the leaders when the model has several replicas (none with one), in the worker image,
+//       with the model's files (its tokenizer), the API keys and the router token
+//   BuildLeadersService(model)  headless <name>-leaders: the ready leaders the routers resolve
+//   BuildRouterTokenSecret(model, token)  <name>-router-token: what a router proves to the
+//       leaders' KV events (mounted by the leaders and the routers; created once)
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -46,6 +52,9 @@ inline constexpr char kModelUriAnnotation[] = "shardserve.io/model-uri";
 inline constexpr int kInspectDeadlineSeconds = 600;
 inline constexpr char kRendezvousSecretMount[] = "/var/run/shardserve/rendezvous";
 inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
+inline constexpr char kRouterTokenMount[] = "/var/run/shardserve/router-token";
+inline constexpr char kRouterRole[] = "router";
+inline constexpr int kRouterPods = 2;
 // A deleted worker pod waits this long before its SIGTERM, so that no new request is routed to
 // a leader that has begun to drain.
 inline constexpr int kPreStopSeconds = 5;
@@ -120,7 +129,16 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                    const std::vector<std::string>& nodes);
 json BuildInspectPod(const ModelView& m);
 json BuildWorkersService(const ModelView& m);
-json BuildLeaderService(const ModelView& m);
+// The model's Service (the API): on its router pods when `routers_ready` (the model has several
+// replicas and a router pod is ready), else on its leaders, so that one replica, or routers
+// that are all down, still serve.
+json BuildLeaderService(const ModelView& m, bool routers_ready = false);
+json BuildLeadersService(const ModelView& m);
+json BuildRouterDeployment(const ModelView& m);
+json BuildRouterTokenSecret(const ModelView& m, const std::string& token);
+std::string RouterTokenSecretName(const std::string& model);
+// Several replicas: the routers run.
+inline bool Routed(const ModelView& m) { return m.model.spec.replicas > 1; }
 // NetworkPolicy <name>-workers: the model's pods take any traffic from each other (rendezvous,
 // TCP/NCCL communication) and only the API and metrics ports from elsewhere.
 json BuildNetworkPolicy(const ModelView& m);

@@ -504,7 +504,8 @@ std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::T
   std::set<std::string> seen;
   for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
     if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
-    if (pod["metadata"]["labels"].value(kRoleLabel, "") == kInspectRole) continue;
+    const std::string role = pod["metadata"]["labels"].value(kRoleLabel, "");
+    if (role == kInspectRole || role == kRouterRole) continue;  // not a replica's
     PodView v = ReadPodOf(m.model.namespace_, pod, now, m.model.spec.tensor);
     seen.insert(v.name);
     // Created by us but seen here before the informer delivered the creation: now seen.
@@ -578,9 +579,28 @@ absl::StatusOr<SpecPlan> Controller::PlanModel(const ModelView& m, const json& o
   return PlanSpec(*m.footprint, spec, Nodes(spec.gpu_resource));
 }
 
+bool Controller::RoutersReady(const ModelView& m) {
+  for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
+    if (pod["metadata"].value("namespace", "") != m.model.namespace_ ||
+        pod["metadata"]["labels"].value(kRoleLabel, "") != kRouterRole ||
+        pod["metadata"].contains("deletionTimestamp")) {
+      continue;
+    }
+    for (const json& c : pod.value("status", json::object()).value("conditions", json::array())) {
+      if (c.value("type", "") == "Ready" && c.value("status", "") == "True") return true;
+    }
+  }
+  return false;
+}
+
 absl::Status Controller::EnsureChildren(const ModelView& m, Memory& mem) {
+  // The model's Service goes to its routers once one is ready (several replicas), else to its
+  // leaders: scaling up, or routers that are all down, never leave it without endpoints.
   std::vector<std::pair<const k8s::ResourceType*, json>> children = {
-      {&kServices, BuildWorkersService(m)}, {&kServices, BuildLeaderService(m)}};
+      {&kServices, BuildWorkersService(m)},
+      {&kServices, BuildLeaderService(m, Routed(m) && RoutersReady(m))},
+      {&kServices, BuildLeadersService(m)},
+      {&k8s::kDeployments, BuildRouterDeployment(m)}};
   if (options_.network_policies)
     children.push_back({&k8s::kNetworkPolicies, BuildNetworkPolicy(m)});
   for (auto& [type, obj] : children) {
@@ -799,6 +819,20 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
     int64_t r;
     if (absl::SimpleAtoi(pod["metadata"]["labels"].value(kReplicaLabel, ""), &r))
       replicas.insert(r);
+  }
+  // The token the routers prove to the leaders' KV events: before any leader or router mounts
+  // it, once per model (kept, as the rendezvous secrets are).
+  if (const std::string memo = "secrets/" + RouterTokenSecretName(m.model.name);
+      mem.children[memo].empty()) {
+    absl::StatusOr<std::string> token = NewSecretValue();
+    if (!token.ok()) return token.status();
+    auto created =
+        client_->Create(k8s::kSecrets, m.model.namespace_, BuildRouterTokenSecret(m, *token));
+    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
+      return absl::Status(created.status().code(),
+                          absl::StrCat("creating the router token: ", created.status().message()));
+    }
+    mem.children[memo] = "created";
   }
   for (int64_t r : replicas) {
     absl::StatusOr<std::string> secret = NewSecretValue();

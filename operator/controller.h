@@ -124,6 +124,8 @@ class Controller {
   absl::Status Act(const ModelView& m, const Decision& d, const std::vector<json>& to_create,
                    const std::vector<PodView>& pods, Memory& mem, absl::Time now);
   // The model's Services (and NetworkPolicy, when enabled), written when missing or drifted.
+  // A router pod of the model is ready (the Service may go to the routers).
+  bool RoutersReady(const ModelView& m);
   absl::Status EnsureChildren(const ModelView& m, Memory& mem);
   // Nodes as placement reads them for `resource`, kept current by the node informer.
   std::vector<NodeInfo> Nodes(const std::string& resource);

@@ -15,14 +15,15 @@ start_local() {
   echo "shardserve local did not become ready:"; cat "$log"; exit 1
 }
 
-# write_manifest FILE NAME MODEL_DIR TP PP SERVING: a ShardedModel for `shardserve local`, its
-# spec.serving the flow mapping SERVING ("port: 18400, maxBatchSize: 16").
+# write_manifest FILE NAME MODEL_DIR TP PP SERVING [REPLICAS]: a ShardedModel for `shardserve
+# local`, its spec.serving the flow mapping SERVING ("port: 18400, maxBatchSize: 16").
 write_manifest() {
   cat >"$1" <<YAML
 apiVersion: shardserve.io/v1alpha1
 kind: ShardedModel
 metadata: {name: $2}
 spec:
+  replicas: ${7:-1}
   model: {name: $2, uri: "file://$3"}
   parallelism: {tensor: $4, pipeline: $5}
   serving: {$6}

@@ -3,7 +3,8 @@
 # Docker daemon (oci.py), into build/images/; prints that directory. They honour the Dockerfiles'
 # contract: user 65532, the same entrypoints and ports, /models as the model mount point, and a
 # root filesystem that may be mounted read-only. Rebuilds only what changed. Names:
-#   localhost/shardserve/worker:dev    shardserve-worker and shardserve, with their libraries
+#   localhost/shardserve/worker:dev    shardserve-worker, shardserve and shardserve-router, with
+#                                      their libraries
 #   localhost/shardserve/operator:dev  shardserve-operator
 #   localhost/shardserve/pause:dev     the pod sandbox (pause.c, static)
 # Real registries get their images from worker/Dockerfile and operator/Dockerfile.
@@ -37,10 +38,11 @@ if [ ! -x "$pause" ] || [ "$here/pause.c" -nt "$pause" ]; then
 fi
 build pause "$pause" -- --name localhost/shardserve/pause:dev \
   --file "$pause:/pause" --entrypoint '["/pause"]' --user 65535:65535
-build worker "$BIN/shardserve-worker" "$BIN/shardserve" -- \
+build worker "$BIN/shardserve-worker" "$BIN/shardserve" "$BIN/shardserve-router" -- \
   --name localhost/shardserve/worker:dev \
   --exe "$BIN/shardserve-worker:/usr/local/bin/shardserve-worker" \
   --exe "$BIN/shardserve:/usr/local/bin/shardserve" \
+  --exe "$BIN/shardserve-router:/usr/local/bin/shardserve-router" \
   --entrypoint '["shardserve-worker"]' --cmd '["launch"]' --user 65532:65532 --dir /models \
   --port 8000 --port 29500 $(printf -- '--port %s ' $(seq 9400 9407))
 build operator "$BIN/shardserve-operator" -- --name localhost/shardserve/operator:dev \

@@ -52,6 +52,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_API_HOST", &WorkerEnv::api_host},
     {kApiKeyEnv, &WorkerEnv::api_key},
     {kApiKeysFileEnv, &WorkerEnv::api_keys_file},
+    {kRouterTokenFileEnv, &WorkerEnv::router_token_file},
     {kRequestEnv, &WorkerEnv::request},
     {"SHARDSERVE_RESULT_FILE", &WorkerEnv::result_file},
     {"SHARDSERVE_TOOL_CALL_PARSER", &WorkerEnv::tool_call_parser},

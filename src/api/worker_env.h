@@ -46,6 +46,7 @@ inline constexpr char kSecretFileEnv[] = "SHARDSERVE_RENDEZVOUS_SECRET_FILE";
 inline constexpr char kBackendEnv[] = "SHARDSERVE_BACKEND";
 inline constexpr char kApiKeyEnv[] = "SHARDSERVE_API_KEY";
 inline constexpr char kApiKeysFileEnv[] = "SHARDSERVE_API_KEYS_FILE";
+inline constexpr char kRouterTokenFileEnv[] = "SHARDSERVE_ROUTER_TOKEN_FILE";
 inline constexpr char kRequestEnv[] = "SHARDSERVE_REQUEST";
 inline constexpr char kStageLayersEnv[] = "SHARDSERVE_STAGE_LAYERS";
 
@@ -110,6 +111,9 @@ struct WorkerEnv {
   bool prefix_caching = true;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
+  // The token a router proves to read the leader's KV events (GET /v1/kv-events), a keys file as
+  // api_keys_file; unset: the API keys, if any, are asked instead.
+  std::string router_token_file;
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the
   // result goes.
   std::string request;

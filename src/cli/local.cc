@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "api/sharded_model.h"
 #include "api/worker_env.h"
 #include "comm/handshake.h"
@@ -71,7 +72,7 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel
 absl::Status RunLocal(std::vector<std::string> argv) {
   ASSIGN_OR_RETURN(
       Args a, Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"},
-                          {}, "shardserve local", kLocalUsage));
+                          {"no-router"}, "shardserve local", kLocalUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
   auto parsed = ParseShardedModel(text);
@@ -145,7 +146,9 @@ absl::Status RunLocal(std::vector<std::string> argv) {
                    a.GetInt("threads", std::max(1, cores / (R * ranks_per_replica))));
   ASSIGN_OR_RETURN(int64_t port, a.GetInt("port", spec.port));
   ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", kMetricsPortBase));
-  if (threads < 1 || port < 1 || port + R > 65536 || metrics_base < 1 ||
+  // Several replicas: the router takes the port, as a Kubernetes Service would reach it.
+  const bool routed = R > 1 && !a.Has("no-router");
+  if (threads < 1 || port < 1 || port + R + 1 > 65536 || metrics_base < 1 ||
       metrics_base + R * ranks_per_replica > 65536) {
     return absl::InvalidArgumentError(
         "--threads, --port and --metrics-port-base must be positive "
@@ -159,7 +162,12 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       "per rank\n",
       R, P, T, static_cast<long long>(threads));
   std::vector<LocalReplica> replicas;
-  std::vector<SecretFile> secrets;  // one per replica, gone when the run ends
+  std::vector<SecretFile> secrets;         // one per replica, gone when the run ends
+  std::optional<SecretFile> router_token;  // the router's proof to the leaders' KV events
+  if (routed) {
+    ASSIGN_OR_RETURN(SecretFile token, SecretFile::Create());
+    router_token.emplace(std::move(token));
+  }
   std::vector<Child> launchers;
   const std::string self = SelfDirectory() + "/shardserve-worker";
   auto fail = [&](const absl::Status& s) {
@@ -169,7 +177,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   for (int r = 0; r < R; ++r) {
     LocalReplica rep;
     rep.index = r;
-    rep.api_port = static_cast<int>(port) + r;
+    rep.api_port = static_cast<int>(port) + r + (routed ? 1 : 0);
     rep.metrics_base = static_cast<int>(metrics_base) + r * ranks_per_replica;
     auto rendezvous_port = ChooseFreePort("127.0.0.1");
     if (!rendezvous_port.ok()) return fail(rendezvous_port.status());
@@ -209,6 +217,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       ApplyServing(spec, w);
       w.rendezvous_secret_file = secrets.back().path();
       w.api_keys_file = key_file;
+      if (router_token) w.router_token_file = router_token->path();
       const auto contract = w.ToEnv();
       env.insert(env.end(), contract.begin(), contract.end());
       auto pid = Spawn(self, {"launch"}, env);
@@ -216,6 +225,25 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});
     }
     replicas.push_back(rep);
+  }
+  if (routed) {
+    std::vector<std::string> leaders;
+    for (const LocalReplica& rep : replicas)
+      leaders.push_back(absl::StrCat("127.0.0.1:", rep.api_port));
+    std::vector<std::pair<std::string, std::string>> env = {
+        {"SHARDSERVE_ROUTER_LEADERS", absl::StrJoin(leaders, ",")},
+        {"SHARDSERVE_ROUTER_PORT", std::to_string(port)},
+        {kModelPathEnv, uri.path},
+        {kRouterTokenFileEnv, router_token->path()},
+        {"SHARDSERVE_DEPLOYMENT", m.name},
+        {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT",
+         spec.special_tokens_in_content == "text" ? "text" : "special"}};
+    if (!key_file.empty()) env.emplace_back(kApiKeysFileEnv, key_file);
+    auto pid = Spawn(SelfDirectory() + "/shardserve-router", {"--host", "127.0.0.1"}, env);
+    if (!pid.ok()) return fail(pid.status());
+    launchers.push_back({*pid, "router"});
+    std::printf("router: API http://127.0.0.1:%lld/v1%s in front of the %d replicas\n",
+                static_cast<long long>(port), keyed ? " (API keys required)" : "", R);
   }
   std::fflush(stdout);
   std::atomic<bool> stop{false};

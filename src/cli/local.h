@@ -12,8 +12,10 @@ namespace shardserve {
 // SHARDSERVE_API_KEY / SHARDSERVE_API_KEYS_FILE), which a manifest with apiKeySecret needs.
 absl::Status RunLocal(std::vector<std::string> argv);
 inline constexpr char kLocalUsage[] =
-    "-f MANIFEST.yaml [--port N --metrics-port-base N --threads N --api-key-file FILE]\n"
+    "-f MANIFEST.yaml [--port N --metrics-port-base N --threads N --api-key-file FILE\n"
+    "--no-router]\n"
     "(a ShardedModel on this machine: its replicas, stages and ranks as processes, the OpenAI API\n"
-    "on http://127.0.0.1:PORT/v1; Ctrl-C stops)";
+    "on http://127.0.0.1:PORT/v1: with several replicas, shardserve-router there in front of\n"
+    "them (PORT + 1 + r), unless --no-router (then replica r on PORT + r); Ctrl-C stops)";
 
 }  // namespace shardserve

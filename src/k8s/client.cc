@@ -117,6 +117,7 @@ const ResourceType kNetworkPolicies{"networking.k8s.io", "v1", "networkpolicies"
                                     true};
 const ResourceType kLeases{"coordination.k8s.io", "v1", "leases", "Lease", true};
 const ResourceType kSecrets{"", "v1", "secrets", "Secret", true};
+const ResourceType kDeployments{"apps", "v1", "deployments", "Deployment", true};
 const ResourceType kPodDisruptionBudgets{"policy", "v1", "poddisruptionbudgets",
                                          "PodDisruptionBudget", true};
 const ResourceType kTokenReviews{"authentication.k8s.io", "v1", "tokenreviews", "TokenReview",

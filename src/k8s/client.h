@@ -36,7 +36,8 @@ struct ResourceType {
 };
 
 extern const ResourceType kPods, kNodes, kServices, kEvents, kLeases, kShardedModels,
-    kNetworkPolicies, kSecrets, kPodDisruptionBudgets, kTokenReviews, kSubjectAccessReviews;
+    kNetworkPolicies, kSecrets, kPodDisruptionBudgets, kTokenReviews, kSubjectAccessReviews,
+    kDeployments;
 
 // The apiserver's verdict, kept on a Status.
 bool ApiNotFound(const absl::Status& s);

@@ -20,7 +20,9 @@
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
 #include "serve/api_keys.h"
+#include "serve/kv_events.h"
 #include "serve/openai.h"
+#include "serve/prompts.h"
 #include "serve/text_stream.h"
 #include "serve/tool_calls.h"
 #include "tokenizer/tokenizer.h"
@@ -115,7 +117,12 @@ struct ApiServer::Impl {
   ServeConfig config;
   std::unique_ptr<Tokenizer> tokenizer;
   ChatTemplate chat;
+  std::unique_ptr<PromptBuilder> prompt_builder;
   std::unique_ptr<ApiKeys> keys;  // null: the API is open
+  // The routers' token for the KV events (null: the API keys stand for it).
+  std::unique_ptr<ApiKeys> router_keys;
+  KvEventLog kv_events;
+  const std::string epoch = RequestId("");  // names this run in the KV events' hello
   std::unique_ptr<http::Server> http;
   std::shared_ptr<prometheus::Registry> own_registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<LeaderMetrics> metrics;
@@ -318,30 +325,6 @@ struct ApiServer::Impl {
             {"prompt_tokens_details", {{"cached_tokens", cached}}}};
   }
 
-  // A prompt's tokens, its cost bounded by the context before any work: a text that cannot fit
-  // is refused by its size, and tokenizing stops as soon as the context is exceeded.
-  // `text_ranges`: where special tokens are text (Tokenizer::Encode).
-  absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_special,
-                                                int64_t context, const std::string& param,
-                                                const std::vector<TextRange>& text_ranges = {}) {
-    auto too_long = [&](const std::string& what) {
-      return BadParam(param, absl::StrCat("this model's maximum context length is ", context,
-                                          " tokens; the prompt ", what));
-    };
-    if (auto per_token = tokenizer->MaxBytesPerToken();
-        per_token && text.size() > static_cast<size_t>(context) * *per_token) {
-      return too_long(
-          absl::StrCat("has ", text.size(), " bytes, and no token covers more than ", *per_token));
-    }
-    absl::StatusOr<std::vector<int32_t>> ids =
-        tokenizer->Encode(text, add_special, static_cast<size_t>(context), text_ranges);
-    if (ids.status().code() == absl::StatusCode::kOutOfRange) {
-      return too_long(absl::StrCat("holds more than ", context, " tokens"));
-    }
-    if (!ids.ok()) return BadParam(param, std::string(ids.status().message()));
-    return ids;
-  }
-
   // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
   absl::Status Submit(ApiRequest& req, std::vector<Choice>& choices) {
     int64_t context, vocab;
@@ -363,13 +346,7 @@ struct ApiServer::Impl {
                             req.parallel_tool_calls, MistralMarker().value_or(-1));
         req.grammar_param = "tool_choice";
       }
-      absl::StatusOr<RenderedChat> rendered =
-          chat.Render(req.messages, req.tool_choice != "none" ? req.tools : ojson(nullptr));
-      if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
-      ASSIGN_OR_RETURN(auto ids,
-                       Tokenize(rendered->text, /*add_special=*/false, context, param,
-                                config.env.special_tokens_as_text ? rendered->content
-                                                                  : std::vector<TextRange>{}));
+      ASSIGN_OR_RETURN(auto ids, prompt_builder->Chat(req, context));
       prompts.push_back(std::move(ids));
       for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
     } else {
@@ -383,7 +360,8 @@ struct ApiServer::Impl {
           }
           prompts.push_back(req.prompt_ids[i]);
         } else {
-          ASSIGN_OR_RETURN(auto ids, Tokenize(req.prompt_texts[i], true, context, param));
+          ASSIGN_OR_RETURN(auto ids,
+                           prompt_builder->Tokenize(req.prompt_texts[i], true, context, param));
           prompts.push_back(std::move(ids));
         }
       }
@@ -573,24 +551,75 @@ struct ApiServer::Impl {
         chat_body["model"] = config.env.model_name;
         ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(chat_body, true));
         RETURN_IF_ERROR(ToolsRunHere(req));
-        absl::StatusOr<RenderedChat> rendered =
-            chat.Render(req.messages, req.tool_choice != "none" ? req.tools : ojson(nullptr));
-        if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
-        ASSIGN_OR_RETURN(ids,
-                         Tokenize(rendered->text, add_special, context, "messages",
-                                  config.env.special_tokens_as_text ? rendered->content
-                                                                    : std::vector<TextRange>{}));
+        ASSIGN_OR_RETURN(ids, prompt_builder->Chat(req, context, add_special));
       } else {
         auto p = body->find("prompt");
         if (p == body->end() || !p->is_string()) {
           return BadParam("prompt", "'prompt' must be a string (or give 'messages')");
         }
-        ASSIGN_OR_RETURN(ids, Tokenize(p->get<std::string>(), add_special, context, "prompt"));
+        ASSIGN_OR_RETURN(
+            ids, prompt_builder->Tokenize(p->get<std::string>(), add_special, context, "prompt"));
       }
       return json{{"count", ids.size()}, {"max_model_len", context}, {"tokens", ids}};
     }();
     if (!out.ok()) return Reply(out.status());
     return Json(*out);
+  }
+
+  // GET /v1/kv-events: the replica's cached block names and load for a router
+  // (serve/kv_events.h), until the router leaves or the server stops.
+  void KvEvents(const http::Request& http_req, http::Exchange& ex) {
+    if (ApiKeys* k = router_keys != nullptr ? router_keys.get() : keys.get()) {
+      if (absl::Status st = k->Check(http_req.Header("authorization")); !st.ok()) {
+        http::Response r = Reply(st);
+        ex.Respond(std::move(r));
+        return;
+      }
+    }
+    int64_t block_size;
+    {
+      absl::ReaderMutexLock lock(&engine_mu);
+      if (engine == nullptr) return ex.Respond(Reply(absl::UnavailableError(not_ready)));
+      block_size = engine->options().kv_block_size;
+    }
+    metrics->CountRequest(200);
+    if (!ex.StartStream({200, "application/x-ndjson", "", {{"Cache-Control", "no-cache"}}})) {
+      return;
+    }
+    auto send = [&](const std::vector<std::string>& lines) {
+      std::string out;
+      for (const std::string& l : lines) absl::StrAppend(&out, l, "\n");
+      return ex.Write(out);
+    };
+    uint64_t position = 0;
+    auto snapshot = [&] { return send(EncodeKvSnapshot(kv_events.Snapshot(&position))); };
+    if (!send({EncodeKvHello(config.env.model_name, block_size, epoch)}) || !snapshot()) return;
+    constexpr auto kLoadEvery = std::chrono::milliseconds(200);
+    auto next_load = Clock::now();
+    for (;;) {
+      std::vector<std::string> lines;
+      if (Clock::now() >= next_load) {
+        absl::ReaderMutexLock lock(&engine_mu);
+        if (engine == nullptr || !engine->healthy()) break;  // the replica is gone
+        ReplicaLoad l;
+        l.waiting = static_cast<int64_t>(engine->queue_depth());
+        l.running = engine->running();
+        l.max_batch = engine->options().max_batch;
+        l.kv_used = engine->kv_used_blocks();
+        l.kv_blocks = engine->options().kv_blocks;
+        lines.push_back(EncodeKvLoad(l));
+        next_load = Clock::now() + kLoadEvery;
+      }
+      std::vector<KvEvent> events;
+      if (!kv_events.Since(&position, kLoadEvery, &events)) {  // fell behind: start again
+        if (!send({EncodeKvReset()}) || !snapshot()) return;
+        continue;
+      }
+      for (std::string& l : EncodeKvEvents(events)) lines.push_back(std::move(l));
+      if (!lines.empty() && !send(lines)) return;
+      if (ex.ClientGone()) return;
+    }
+    ex.End();
   }
 
   // POST /v1/completions and /v1/chat/completions, on a thread of their own.
@@ -771,8 +800,11 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   impl->config = config;
   const WorkerEnv& env = config.env;
   ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(env.api_key, env.api_keys_file));
+  ASSIGN_OR_RETURN(impl->router_keys, ApiKeys::Open("", env.router_token_file));
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(env.model_path));
   impl->chat = ChatTemplate::ForModel(env.model_path, *impl->tokenizer);
+  impl->prompt_builder = std::make_unique<PromptBuilder>(impl->tokenizer.get(), &impl->chat,
+                                                         env.special_tokens_as_text);
   impl->metrics = std::make_unique<LeaderMetrics>(*impl->own_registry, env.metrics_model(),
                                                   std::to_string(env.replica));
   Impl* s = impl.get();
@@ -812,6 +844,8 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   routes.PostBlocking("/detokenize", [s](const http::Request& req, http::Exchange& ex) {
     ex.Respond(s->Tokenization(req, true));
   });
+  routes.GetBlocking("/v1/kv-events",
+                     [s](const http::Request& req, http::Exchange& ex) { s->KvEvents(req, ex); });
   routes.Get("/v1/models", [s](const http::Request& req) {
     if (auto denied = s->Deny(req)) return *std::move(denied);
     json model = {{"id", s->config.env.model_name},
@@ -898,6 +932,7 @@ EngineObserver ApiServer::Observer() {
   o.grammar_mask = [m](double s) { m->ObserveGrammarMask(s); };
   o.prefix_lookup = [m](int64_t queried, int64_t hit) { m->CountPrefixLookup(queried, hit); };
   o.cache_blocks = [m](int64_t used, int64_t cached) { m->SetCacheBlocks(used, cached); };
+  o.kv_events = [log = &impl_->kv_events](const std::vector<KvEvent>& e) { log->Apply(e); };
   return o;
 }
 

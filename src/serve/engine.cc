@@ -358,7 +358,15 @@ StepDesc Engine::BuildStep(int mb) {
   }
   for (Sequence* s : batch.seqs) s->in_step = false;
   desc.release.swap(release_);
+  ReportCache();
   return desc;
+}
+
+void Engine::ReportCache() {
+  kv_used_.store(pool_.used());
+  if (observer_.cache_blocks) observer_.cache_blocks(pool_.used(), pool_.cached());
+  std::vector<KvEvent> events = pool_.TakeEvents();
+  if (observer_.kv_events && !events.empty()) observer_.kv_events(events);
 }
 
 void Engine::Accept(const StepResult& result) {
@@ -366,7 +374,7 @@ void Engine::Accept(const StepResult& result) {
   batch.in_flight = false;
   // The step is done on every rank: the blocks it filled hold their KV and may be shared.
   for (Sequence* s : batch.seqs) RegisterBlocks(s);
-  if (observer_.cache_blocks) observer_.cache_blocks(pool_.used(), pool_.cached());
+  ReportCache();
   for (const StepToken& t : result.prompt) {
     auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
                            [&](Sequence* s) { return s->id == t.seq; });

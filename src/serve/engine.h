@@ -39,6 +39,8 @@ struct EngineObserver {
   std::function<void(int64_t queried, int64_t hit)> prefix_lookup;
   // The replica's KV blocks held by sequences, and those holding a cached prefix.
   std::function<void(int64_t used, int64_t cached)> cache_blocks;
+  // Names of KV blocks that became cached or were evicted, in order (serve/kv_events.h).
+  std::function<void(const std::vector<KvEvent>&)> kv_events;
 };
 
 struct EngineOptions {
@@ -124,6 +126,8 @@ class Engine {
   // Healthy and taking requests (not draining).
   bool accepting() const;
   size_t queue_depth() const;
+  int running() const { return running_count_.load(); }
+  int64_t kv_used_blocks() const { return kv_used_.load(); }
   const EngineOptions& options() const { return options_; }
 
  private:
@@ -138,6 +142,8 @@ class Engine {
   // feeds chunks within the token and cache budgets, preempting when the cache is full.
   StepDesc BuildStep(int mb);
   void Accept(const StepResult& result);
+  // The cache's figures and events after the pool changed.
+  void ReportCache();
   void Retire(Sequence* s, const std::string& reason, const absl::Status& status);
   void Preempt(Sequence* s);
   void FailAll(const absl::Status& status);
@@ -166,6 +172,7 @@ class Engine {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<bool> healthy_{true};
   std::atomic<int> running_count_{0};  // running_.size(), for Submit
+  std::atomic<int64_t> kv_used_{0};    // pool_.used(), for the leader's load reports
 
   // Scheduler thread only.
   std::vector<MicroBatch> mbs_;

@@ -26,6 +26,16 @@ BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* token
   return h;
 }
 
+std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t block_size) {
+  std::vector<BlockHash> out;
+  const int64_t full = static_cast<int64_t>(tokens.size()) / block_size;
+  for (int64_t b = 0; b < full; ++b) {
+    out.push_back(HashBlock(b == 0 ? std::nullopt : std::optional(out.back()),
+                            tokens.data() + b * block_size, block_size));
+  }
+  return out;
+}
+
 BlockPool::BlockPool(int64_t num_blocks, int64_t block_size, bool caching)
     : num_blocks_(num_blocks), block_size_(block_size), caching_(caching), blocks_(num_blocks) {
   free_.reserve(num_blocks);
@@ -54,6 +64,7 @@ int32_t BlockPool::Allocate() {
     id = lru_.front();
     lru_.pop_front();
     by_hash_.erase(*blocks_[id].hash);
+    events_.push_back({*blocks_[id].hash, false});
     blocks_[id].hash.reset();
   }
   blocks_[id].refs = 1;
@@ -79,6 +90,7 @@ void BlockPool::Register(int32_t id, const BlockHash& hash) {
   if (!caching_ || b.hash || by_hash_.count(hash)) return;
   b.hash = hash;
   by_hash_.emplace(hash, id);
+  events_.push_back({hash, true});
 }
 
 }  // namespace shardserve

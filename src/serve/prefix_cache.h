@@ -11,6 +11,7 @@
 #include <list>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -21,6 +22,24 @@ using BlockHash = std::array<uint8_t, 16>;  // the first 16 bytes of the SHA-256
 
 // The name of the block after `parent` (nullopt: the first block) holding `tokens`.
 BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* tokens, int64_t n);
+// The names of the full blocks of `tokens`, in order (the chain a prompt's prefix is matched by).
+std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t block_size);
+
+struct BlockHashHasher {
+  size_t operator()(const BlockHash& h) const {
+    size_t v;
+    static_assert(sizeof(v) <= sizeof(BlockHash));
+    std::copy_n(h.data(), sizeof(v), reinterpret_cast<uint8_t*>(&v));
+    return v;
+  }
+};
+
+// A name that became cached (stored) or stopped being cached (evicted): what a router learns the
+// replica's cache from (serve/kv_events.h).
+struct KvEvent {
+  BlockHash hash;
+  bool stored = true;  // else removed
+};
 
 class BlockPool {
  public:
@@ -48,16 +67,10 @@ class BlockPool {
   // Block `b`, now full and written, holds the block named `hash`: later sequences may share
   // it. A name already cached keeps its block (b stays private to its sequence).
   void Register(int32_t b, const BlockHash& hash);
+  // The names stored and evicted since the last call, in order.
+  std::vector<KvEvent> TakeEvents() { return std::exchange(events_, {}); }
 
  private:
-  struct Hasher {
-    size_t operator()(const BlockHash& h) const {
-      size_t v;
-      static_assert(sizeof(v) <= sizeof(BlockHash));
-      std::copy_n(h.data(), sizeof(v), reinterpret_cast<uint8_t*>(&v));
-      return v;
-    }
-  };
   struct Block {
     int32_t refs = 0;
     std::optional<BlockHash> hash;     // set while it is cached
@@ -68,7 +81,8 @@ class BlockPool {
   std::vector<Block> blocks_;
   std::vector<int32_t> free_;
   std::list<int32_t> lru_;  // cached, held by no sequence: least recently used first
-  std::unordered_map<BlockHash, int32_t, Hasher> by_hash_;
+  std::unordered_map<BlockHash, int32_t, BlockHashHasher> by_hash_;
+  std::vector<KvEvent> events_;
 };
 
 }  // namespace shardserve

@@ -24,7 +24,7 @@ kind: ShardedModel
 metadata:
   name: {name}
 spec:
-  replicas: 1
+  replicas: {replicas}
   model:
     name: {name}
     uri: file://{model}
@@ -44,18 +44,24 @@ spec:
 
 class Deployment:
     def __init__(self, binary, model, name="tiny", tp=2, pp=2, max_batch=8, max_seq=1024,
-                 env=None, args=(), api_key=None, serving=None):
+                 env=None, args=(), api_key=None, serving=None, replicas=1, base_port=None):
         self.binary = binary
         self.name = name
         self.tmp = tempfile.mkdtemp(prefix="shardserve-deploy-")
-        base = free_ports(2 + tp * pp)
+        # The API (the router's with several replicas), each replica's API behind the router, then
+        # every rank's metrics.
+        routed = replicas > 1 and "--no-router" not in args
+        base = base_port or free_ports(2 + replicas + replicas * tp * pp)
         self.port = base
-        self.metrics_ports = [base + 1 + r for r in range(tp * pp)]
+        self.replica_ports = [base + (1 if routed else 0) + r for r in range(replicas)]
+        metrics_base = base + 1 + replicas
+        self.metrics_ports = [metrics_base + r for r in range(replicas * tp * pp)]
         env = dict(env or {})
         env_yaml = "\n".join(f"      - name: {k}\n        value: \"{v}\"" for k, v in env.items())
         self.manifest = os.path.join(self.tmp, "model.yaml")
         with open(self.manifest, "w") as f:
             f.write(MANIFEST.format(name=name, model=model, tp=tp, pp=pp, port=base,
+                                    replicas=replicas,
                                     max_batch=max_batch, max_seq=max_seq,
                                     env=env_yaml or "      []",
                                     serving="".join(f"    {k}: {v}\n"
@@ -63,7 +69,8 @@ class Deployment:
         self.log_lines = []
         self.api_key = api_key  # sent with every request when set
         self.proc = subprocess.Popen(
-            [binary, "local", "-f", self.manifest, "--metrics-port-base", str(base + 1), *args],
+            [binary, "local", "-f", self.manifest, "--metrics-port-base", str(metrics_base),
+             *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -80,9 +87,9 @@ class Deployment:
     def log(self):
         return "".join(self.log_lines)
 
-    def request(self, method, path, body=None, timeout=120, headers=None, raw=None):
+    def request(self, method, path, body=None, timeout=120, headers=None, raw=None, port=None):
         """(status, headers, body bytes)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=timeout)
         data = raw if raw is not None else (json.dumps(body) if body is not None else None)
         h = {"Content-Type": "application/json"}
         if self.api_key:

@@ -32,6 +32,7 @@ the roll, leader failover) are printed as `figure:` lines.
 
 usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm]"""
 import http.client
+import json
 import os
 import re
 import secrets
@@ -276,6 +277,7 @@ def chart_checks():
             ("update", "shardedmodels.shardserve.io", "--subresource=finalizers"),
             ("create", "networkpolicies.networking.k8s.io"),
             ("create", "services"), ("patch", "services"), ("create", "events"),
+            ("create", "deployments.apps"), ("patch", "deployments.apps"),
             ("list", "events"), ("create", "secrets"), ("create", "poddisruptionbudgets.policy"),
             ("create", "leases.coordination.k8s.io"),
             ("get", f"leases.coordination.k8s.io/{RELEASE}-shardserve"),
@@ -368,6 +370,43 @@ try:
 
     check(wait_until(both_answer, 60), "the new replica answers through the Service")
     figure("scale-up -> new replica answering", time.monotonic() - t0)
+
+    # --- 2b. two replicas: the model's Service reaches shardserve-router pods ----------------
+    def routers():
+        return [p for p in m.pods(NAME, "shardserve.io/role=router")
+                if p["status"].get("phase") == "Running"]
+    check(wait_until(lambda: len(routers()) == 2 and c.get("service", NAME)["spec"]["selector"]
+                     .get("shardserve.io/role") == "router", 120),
+          f"two router pods run on real nodes and the Service goes to them "
+          f"({[p['spec'].get('nodeName') for p in routers()]})")
+    conversation = "You are a terse assistant who answers in one word. " * 6
+    seen = []
+    for turn in range(3):
+        conn = http.client.HTTPConnection(host, 8000, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": NAME, "prompt": conversation + f"Question {turn}?", "max_tokens": 4}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        seen.append((r.status, r.getheader("x-shardserve-replica"),
+                     body.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens")))
+        conn.close()
+    check(all(s == 200 for s, _, _ in seen) and len({r for _, r, _ in seen}) == 1 and
+          all(cached and cached > 0 for _, _, cached in seen[1:]),
+          f"a conversation's turns go to the replica that caches its start ({seen})")
+    pages = []
+    for p in routers():
+        conn = http.client.HTTPConnection(p["status"]["podIP"], 8000, timeout=10)
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        pages.append(conn.getresponse().read().decode())
+        conn.close()
+    prefix = sum(float(x.group(1)) for page in pages for x in re.finditer(
+        r'^shardserve_router_decisions_total\{[^}]*reason="prefix"[^}]*\} (\S+)', page, re.M))
+    routable = [float(x.group(1)) for page in pages for x in re.finditer(
+        r'^shardserve_router_replicas\{[^}]*state="routable"[^}]*\} (\S+)', page, re.M)]
+    check(prefix >= 2 and routable == [2.0, 2.0],
+          f"the routers follow both leaders' KV events and count prefix decisions "
+          f"({prefix:.0f}, routable {routable})")
     loop = ClientLoop(m, NAME)
     time.sleep(1)
     c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)

@@ -246,8 +246,28 @@ try:
     check(wait(lambda: budgets() == ["0", "1", "2"]), "a disruption budget per replica gang")
     secrets = [c.kubectl("get", "secret", f"scaler-{r}-rendezvous")[0] for r in range(3)]
     check(secrets == [0, 0, 0], "a rendezvous secret per replica")
+
+    def routers():
+        return c.get("deployment", "scaler-router")["spec"]["replicas"]
+    # Several replicas: two router pods in front (no deployment controller here to run them, so
+    # no router is ready and the Service stays on the leaders).
+    check(wait(lambda: routers() == 2), "3 replicas: the scaler-router Deployment runs 2 routers")
+    tmpl = c.get("deployment", "scaler-router")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in tmpl["env"]}
+    check(tmpl["command"] == ["shardserve-router"] and
+          env["SHARDSERVE_ROUTER_LEADERS"] == "dns:scaler-leaders.default.svc:8000",
+          "the routers follow the ready leaders through the headless scaler-leaders")
+    leaders = c.get("service", "scaler-leaders")
+    check(leaders["spec"]["clusterIP"] == "None" and
+          leaders["spec"]["selector"]["shardserve.io/role"] == "leader",
+          "headless <name>-leaders selects the leaders")
+    check(c.get("service", "scaler")["spec"]["selector"]["shardserve.io/role"] == "leader",
+          "with no router ready, Service <name> stays on the leaders")
+    check(c.kubectl("get", "secret", "scaler-router-token")[0] == 0,
+          "the router token the leaders and routers share exists")
     c.kubectl("scale", "smodel", "scaler", "--replicas=1", check=True)
     check(wait(lambda: converged("scaler", 1)), "kubectl scale --replicas=1: 1 replica")
+    check(wait(lambda: routers() == 0), "1 replica: no router")
     check(uids("scaler") == first, "scaling down removed replicas 2 and 1, kept replica 0")
     check(wait(lambda: budgets() == ["0"]), "the removed replicas' budgets went with their pods")
 

@@ -69,6 +69,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.tool_call_parser = "llama3_json";
   w.api_key = "sk-0123456789abcdef";
   w.api_keys_file = "/keys";
+  w.router_token_file = "/router-token";
   w.request = R"({"prompt_ids":[1,2]})";
   w.result_file = "/tmp/r.json";
   w.report_memory = true;

@@ -276,6 +276,55 @@ TEST(Builders, PodsHoldOnlyWhatTheyNeed) {
   EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"resources": {"request": {}}})")).ok());
 }
 
+// Several replicas: two router pods in the worker image in front of the leaders (found through
+// the headless <name>-leaders), with the model's files, the keys and the router token; the
+// model's Service goes to them once one is ready, to the leaders otherwise and with one replica.
+TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
+  json object = Model();
+  object["spec"]["serving"]["apiKeySecret"] = "llama-keys";
+  auto m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json d = BuildRouterDeployment(*m);
+  EXPECT_EQ(d["kind"], "Deployment");
+  EXPECT_EQ(d["metadata"]["name"], "llama-router");
+  EXPECT_EQ(d["spec"]["replicas"], 2);
+  const json& pod = d["spec"]["template"];
+  EXPECT_EQ(pod["metadata"]["labels"][kRoleLabel], "router");
+  EXPECT_EQ(d["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]);
+  const json& c = pod["spec"]["containers"][0];
+  EXPECT_EQ(c["image"], "w:1");
+  EXPECT_EQ(c["command"][0], "shardserve-router");
+  EXPECT_EQ(pod["spec"]["automountServiceAccountToken"], false);
+  EXPECT_EQ(pod["spec"]["nodeSelector"]["pool"], "gpu");  // where the model's files are
+  json as_pod = {{"spec", pod["spec"]}};
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_LEADERS"), "dns:llama-leaders.ml.svc:8000");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_MODEL_PATH"), "/models/llama/70b");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_API_KEYS_FILE"), "/var/run/shardserve/api-keys");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_TOKEN_FILE"), "/var/run/shardserve/router-token/token");
+  ASSERT_NE(Volume(as_pod, "router-token"), nullptr);
+  EXPECT_EQ((*Volume(as_pod, "router-token"))["secret"]["secretName"], "llama-router-token");
+  ASSERT_NE(Volume(as_pod, "model"), nullptr);
+  // The leaders read the same token; the other stages do not mount it.
+  const json leader = BuildStagePod(*m, 0, 0, {"a", "b"}),
+             worker = BuildStagePod(*m, 0, 1, {"a", "b"});
+  EXPECT_EQ(Env(leader, "SHARDSERVE_ROUTER_TOKEN_FILE"), "/var/run/shardserve/router-token/token");
+  EXPECT_NE(Volume(leader, "router-token"), nullptr);
+  EXPECT_EQ(Volume(worker, "router-token"), nullptr);
+  EXPECT_EQ(BuildRouterTokenSecret(*m, "t")["stringData"]["token"], "t");
+  const json leaders = BuildLeadersService(*m);
+  EXPECT_EQ(leaders["metadata"]["name"], "llama-leaders");
+  EXPECT_EQ(leaders["spec"]["clusterIP"], "None");
+  EXPECT_EQ(leaders["spec"]["publishNotReadyAddresses"], false);
+  EXPECT_EQ(leaders["spec"]["selector"][kRoleLabel], "leader");
+  EXPECT_EQ(BuildLeaderService(*m, true)["spec"]["selector"][kRoleLabel], "router");
+  EXPECT_EQ(BuildLeaderService(*m, false)["spec"]["selector"][kRoleLabel], "leader");
+  json one = object;
+  one["spec"]["replicas"] = 1;
+  auto single = ReadModel(one);
+  EXPECT_EQ(BuildRouterDeployment(*single)["spec"]["replicas"], 0);
+  EXPECT_EQ(BuildLeaderService(*single, true)["spec"]["selector"][kRoleLabel], "leader");
+}
+
 TEST(Builders, HostPathsAndImagesOnlyAsThePlatformAllows) {
   const ModelPolicy policy{{"/data", "/models/"}, {"registry.example/ml/", "w:"}};
   EXPECT_TRUE(ReadModel(Model("hostpath:///data/llama"), {}, policy).ok());

@@ -1,0 +1,98 @@
+// shardserve-router: the front of a model's replicas (router/router.h). Flags, each also from
+// the environment the operator sets (SHARDSERVE_ROUTER_*, and the worker contract's model path
+// and API keys):
+//   --leader HOST:PORT | dns:NAME:PORT   (repeatable, or comma-separated;
+//   SHARDSERVE_ROUTER_LEADERS)
+//   --model DIR                         (SHARDSERVE_MODEL_PATH): the tokenizer and chat template
+//   --port N (SHARDSERVE_ROUTER_PORT, 8000)  --host ADDR (0.0.0.0)
+//   --api-key-file FILE (SHARDSERVE_API_KEYS_FILE)  --leader-token-file FILE
+//   (SHARDSERVE_ROUTER_TOKEN_FILE)  --model-label NAME (SHARDSERVE_DEPLOYMENT)
+//   --special-tokens-as-text (SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT=text)
+//   --prefix-weight W --load-weight W --kv-weight W
+// Runs until SIGINT/SIGTERM, then finishes the requests in progress (up to 30 s).
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "api/worker_env.h"
+#include "common/args.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "router/router.h"
+
+namespace {
+
+std::string Env(const char* name, const std::string& def = "") {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v ? std::string(v) : def;
+}
+
+absl::Status Run(int argc, char** argv) {
+  using namespace shardserve;
+  ASSIGN_OR_RETURN(
+      Args a,
+      Args::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                  {"leader", "model", "port", "host", "api-key-file", "leader-token-file",
+                   "model-label", "prefix-weight", "load-weight", "kv-weight"},
+                  {"special-tokens-as-text"}, "shardserve-router",
+                  "Routes a model's requests to the replica that caches their prompt's prefix."));
+  RouterOptions o;
+  o.leaders = absl::StrSplit(a.GetOr("leader", Env("SHARDSERVE_ROUTER_LEADERS")), ',',
+                             absl::SkipWhitespace());
+  o.model_path = a.GetOr("model", Env(kModelPathEnv));
+  if (o.model_path.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model (or ", kModelPathEnv, ") names the model directory"));
+  }
+  ASSIGN_OR_RETURN(int64_t port,
+                   a.GetInt("port", std::atoi(Env("SHARDSERVE_ROUTER_PORT", "8000").c_str())));
+  if (port < 0 || port > 65535) return absl::InvalidArgumentError("--port must be in 0-65535");
+  o.port = static_cast<int>(port);
+  o.host = a.GetOr("host", "0.0.0.0");
+  o.api_keys_file = a.GetOr("api-key-file", Env(kApiKeysFileEnv));
+  o.api_key = Env(kApiKeyEnv);
+  o.leader_token_file = a.GetOr("leader-token-file", Env(kRouterTokenFileEnv));
+  o.model_label = a.GetOr("model-label", Env("SHARDSERVE_DEPLOYMENT", "model"));
+  o.special_tokens_as_text =
+      a.Has("special-tokens-as-text") || Env("SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT") == "text";
+  ASSIGN_OR_RETURN(o.weights.prefix, a.GetDouble("prefix-weight", o.weights.prefix));
+  ASSIGN_OR_RETURN(o.weights.load, a.GetDouble("load-weight", o.weights.load));
+  ASSIGN_OR_RETURN(o.weights.kv, a.GetDouble("kv-weight", o.weights.kv));
+
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  ASSIGN_OR_RETURN(std::unique_ptr<Router> router, Router::Start(o));
+  std::printf("shardserve-router: http://%s:%d/v1 in front of %s\n", o.host.c_str(), router->port(),
+              absl::StrJoin(o.leaders, ", ").c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&set, &sig);
+  LogInfo("router: stopping (signal ", sig, ")");
+  router->Stop(std::chrono::seconds(30));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::Status s = Run(argc, argv);
+  if (shardserve::IsHelp(s)) {
+    std::printf("%s\n", std::string(s.message()).c_str());
+    return 0;
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "shardserve-router: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

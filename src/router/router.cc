@@ -1,0 +1,704 @@
+#include "router/router.h"
+
+#include <netdb.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/text.h"
+#include "http/server.h"
+#include "http/upstream.h"
+#include "model/config.h"
+#include "serve/api_keys.h"
+#include "serve/kv_events.h"
+#include "serve/openai.h"
+#include "serve/prompts.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace shardserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
+
+// A replica whose stream says nothing for this long is not routed by its cache.
+constexpr auto kStale = std::chrono::milliseconds(2000);
+constexpr size_t kMaxAnswerBytes = 64 << 20;
+
+struct LeaderSpec {
+  bool dns = false;
+  std::string host;
+  int port = 0;
+};
+
+absl::StatusOr<LeaderSpec> ParseLeaderSpec(const std::string& spec) {
+  LeaderSpec out;
+  std::string rest = spec;
+  if (absl::StartsWith(rest, "dns:")) {
+    out.dns = true;
+    rest = rest.substr(4);
+  }
+  const size_t colon = rest.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("leader '", spec, "' is not HOST:PORT or dns:NAME:PORT (a port in 1-65535)"));
+  }
+  out.host = rest.substr(0, colon);
+  out.port = port;
+  return out;
+}
+
+// What the router knows of one replica; its thread follows the leader's KV events.
+struct Replica {
+  std::string address, host;
+  int port = 0;
+  std::thread thread;
+  absl::Notification stop;
+  std::atomic<int64_t> in_flight{0};
+
+  absl::Mutex mu;
+  bool live ABSL_GUARDED_BY(mu) = false;  // a snapshot was read and the stream goes on
+  Clock::time_point last_message ABSL_GUARDED_BY(mu);
+  int64_t block_size ABSL_GUARDED_BY(mu) = 0;
+  BlockHashSet cached ABSL_GUARDED_BY(mu), building ABSL_GUARDED_BY(mu);
+  bool in_snapshot ABSL_GUARDED_BY(mu) = false;
+  ReplicaLoad load ABSL_GUARDED_BY(mu);
+  std::string why ABSL_GUARDED_BY(mu);  // why it is not live (logged on change)
+};
+
+// The first line of the token file (the leaders accept it as a key file).
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read the token file ", path));
+  std::string line;
+  while (std::getline(in, line)) {
+    line = std::string(absl::StripAsciiWhitespace(line));
+    if (!line.empty() && line[0] != '#') return line;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("the token file ", path, " holds no token"));
+}
+
+}  // namespace
+
+absl::Status CheckLeaderSpec(const std::string& spec) { return ParseLeaderSpec(spec).status(); }
+
+struct Router::Impl {
+  RouterOptions options;
+  std::vector<LeaderSpec> specs;
+  std::unique_ptr<Tokenizer> tokenizer;
+  ChatTemplate chat;
+  std::unique_ptr<PromptBuilder> prompts;
+  int64_t context = 0;
+  std::unique_ptr<ApiKeys> keys;
+  std::string leader_token;
+
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::map<std::string, std::string> labels;
+  prometheus::Family<prometheus::Counter>* requests = nullptr;
+  prometheus::Family<prometheus::Counter>* decisions = nullptr;
+  prometheus::Counter *failovers = nullptr, *prompt_tokens = nullptr, *expected_cached = nullptr;
+  prometheus::Histogram* overhead = nullptr;
+  prometheus::Family<prometheus::Gauge>* replicas_gauge = nullptr;
+  prometheus::Family<prometheus::Gauge>*in_flight_g = nullptr, *running_g = nullptr,
+  *waiting_g = nullptr, *kv_g = nullptr, *cached_g = nullptr;
+
+  absl::Mutex mu;
+  std::map<std::string, std::shared_ptr<Replica>> replicas ABSL_GUARDED_BY(mu);
+  absl::Notification stopping;
+  std::thread discovery;
+  std::atomic<uint64_t> turn{0};
+  std::atomic<int> active{0};
+  std::unique_ptr<http::Server> http;
+
+  void InitMetrics() {
+    auto& r = *registry;
+    labels = {{"model", options.model_label}};
+    requests = &prometheus::BuildCounter()
+                    .Name("shardserve_router_requests_total")
+                    .Help("Requests the router answered, by HTTP status")
+                    .Register(r);
+    decisions = &prometheus::BuildCounter()
+                     .Name("shardserve_router_decisions_total")
+                     .Help("Generation requests routed, by why their replica was chosen")
+                     .Register(r);
+    failovers = &prometheus::BuildCounter()
+                     .Name("shardserve_router_failovers_total")
+                     .Help("Requests sent on to another replica after one did not answer")
+                     .Register(r)
+                     .Add(labels);
+    prompt_tokens = &prometheus::BuildCounter()
+                         .Name("shardserve_router_prompt_tokens_total")
+                         .Help("Prompt tokens of the generation requests routed")
+                         .Register(r)
+                         .Add(labels);
+    expected_cached = &prometheus::BuildCounter()
+                           .Name("shardserve_router_expected_cached_tokens_total")
+                           .Help("Prompt tokens the chosen replicas were known to cache")
+                           .Register(r)
+                           .Add(labels);
+    overhead = &prometheus::BuildHistogram()
+                    .Name("shardserve_router_overhead_seconds")
+                    .Help("A request's time in the router before it is sent to a replica")
+                    .Register(r)
+                    .Add(labels, prometheus::Histogram::BucketBoundaries{0.0001, 0.00025, 0.0005,
+                                                                         0.001, 0.0025, 0.005, 0.01,
+                                                                         0.025, 0.05, 0.1, 0.25});
+    replicas_gauge = &prometheus::BuildGauge()
+                          .Name("shardserve_router_replicas")
+                          .Help(
+                              "Replicas the router knows, by state (routable: its KV events "
+                              "stream is live)")
+                          .Register(r);
+    auto gauge = [&](const char* name, const char* help) {
+      return &prometheus::BuildGauge().Name(name).Help(help).Register(r);
+    };
+    in_flight_g = gauge("shardserve_router_replica_in_flight",
+                        "This router's requests in progress at the replica");
+    running_g = gauge("shardserve_router_replica_running",
+                      "Sequences running at the replica (its leader's report)");
+    waiting_g = gauge("shardserve_router_replica_waiting",
+                      "Requests waiting at the replica (its leader's report)");
+    kv_g = gauge("shardserve_router_replica_kv_usage_ratio",
+                 "Share of the replica's KV blocks in use (its leader's report)");
+    cached_g = gauge("shardserve_router_replica_cached_blocks",
+                     "KV blocks the replica caches, as the router knows them");
+  }
+
+  std::map<std::string, std::string> ReplicaLabels(const Replica& r) const {
+    auto l = labels;
+    l["replica"] = r.address;
+    return l;
+  }
+
+  void CountRequest(int status) {
+    auto l = labels;
+    l["code"] = std::to_string(status);
+    requests->Add(l).Increment();
+  }
+
+  http::Response Error(int status, const std::string& message, const std::string& type) {
+    CountRequest(status);
+    json body = {
+        {"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}}}};
+    http::Response r{status, "application/json", body.dump(), {}};
+    if (status == 503) r.headers.emplace_back("Retry-After", "1");
+    return r;
+  }
+
+  // ---- following the leaders
+
+  void Forget(Replica& r, const std::string& why) {
+    absl::MutexLock lock(&r.mu);
+    if (r.live || r.why != why)
+      LogInfo("router: replica ", r.address, " not routed by cache: ", why);
+    r.live = false;
+    r.why = why;
+    r.cached.clear();
+    r.building.clear();
+    r.in_snapshot = false;
+  }
+
+  absl::Status Apply(Replica& r, const std::string& line) {
+    ASSIGN_OR_RETURN(KvMessage m, DecodeKvMessage(line));
+    absl::MutexLock lock(&r.mu);
+    r.last_message = Clock::now();
+    switch (m.type) {
+      case KvMessage::Type::kHello:
+        r.block_size = m.block_size;
+        r.in_snapshot = true;
+        r.building.clear();
+        break;
+      case KvMessage::Type::kReset:
+        r.in_snapshot = true;
+        r.building.clear();
+        break;
+      case KvMessage::Type::kSnapshot:
+        if (!r.in_snapshot) return absl::DataLossError("a snapshot piece outside a snapshot");
+        r.building.insert(m.hashes.begin(), m.hashes.end());
+        if (m.last) {
+          r.cached.swap(r.building);
+          r.building.clear();
+          r.in_snapshot = false;
+          if (!r.live)
+            LogInfo("router: replica ", r.address, " routable (", r.cached.size(),
+                    " cached blocks)");
+          r.live = true;
+          r.why.clear();
+        }
+        break;
+      case KvMessage::Type::kStored:
+      case KvMessage::Type::kRemoved: {
+        BlockHashSet& set = r.in_snapshot ? r.building : r.cached;
+        for (const BlockHash& h : m.hashes) {
+          if (m.type == KvMessage::Type::kStored) {
+            set.insert(h);
+          } else {
+            set.erase(h);
+          }
+        }
+        break;
+      }
+      case KvMessage::Type::kLoad:
+        r.load = m.load;
+        break;
+    }
+    return absl::OkStatus();
+  }
+
+  void Follow(Replica& r) {
+    http::Headers headers;
+    if (!leader_token.empty()) headers.emplace_back("authorization", "Bearer " + leader_token);
+    auto backoff = std::chrono::milliseconds(200);
+    while (!r.stop.HasBeenNotified()) {
+      auto call = http::UpstreamCall::Start(r.host, r.port, "GET", "/v1/kv-events", headers, "",
+                                            options.connect_timeout, options.connect_timeout);
+      absl::Status end;
+      if (!call.ok()) {
+        end = call.status();
+      } else if ((*call)->head().status != 200) {
+        end = absl::UnavailableError(
+            absl::StrCat("GET /v1/kv-events answered ", (*call)->head().status));
+      } else {
+        backoff = std::chrono::milliseconds(200);
+        {
+          absl::MutexLock lock(&r.mu);
+          r.last_message = Clock::now();
+        }
+        end = ReadStream(r, **call);
+      }
+      Forget(r, std::string(end.message()));
+      if (r.stop.WaitForNotificationWithTimeout(absl::FromChrono(backoff))) break;
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
+    }
+  }
+
+  absl::Status ReadStream(Replica& r, http::UpstreamCall& call) {
+    std::string pending;
+    while (!r.stop.HasBeenNotified()) {
+      bool done = false;
+      absl::StatusOr<std::string> piece = call.Read(std::chrono::milliseconds(250), &done);
+      if (!piece.ok()) {
+        if (piece.status().code() != absl::StatusCode::kDeadlineExceeded) return piece.status();
+        absl::MutexLock lock(&r.mu);
+        if (Clock::now() - r.last_message > kStale) {
+          return absl::UnavailableError("its KV events stream said nothing for 2 s");
+        }
+        continue;
+      }
+      if (done) return absl::UnavailableError("the leader ended its KV events stream");
+      pending += *piece;
+      size_t start = 0, nl;
+      while ((nl = pending.find('\n', start)) != std::string::npos) {
+        RETURN_IF_ERROR(Apply(r, pending.substr(start, nl - start)));
+        start = nl + 1;
+      }
+      pending.erase(0, start);
+      if (pending.size() > kMaxKvEventLine) {
+        return absl::DataLossError("a KV events line over 1 MiB");
+      }
+    }
+    return absl::CancelledError("stopped");
+  }
+
+  // The addresses the specs name now ("host:port").
+  std::map<std::string, std::pair<std::string, int>> Resolve() {
+    std::map<std::string, std::pair<std::string, int>> out;
+    for (const LeaderSpec& s : specs) {
+      if (!s.dns) {
+        out[absl::StrCat(s.host, ":", s.port)] = {s.host, s.port};
+        continue;
+      }
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      addrinfo* res = nullptr;
+      if (getaddrinfo(s.host.c_str(), nullptr, &hints, &res) != 0) continue;  // none ready yet
+      for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+        char ip[NI_MAXHOST];
+        if (getnameinfo(a->ai_addr, a->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST) !=
+            0) {
+          continue;
+        }
+        const bool v6 = a->ai_family == AF_INET6;
+        out[absl::StrCat(v6 ? "[" : "", ip, v6 ? "]" : "", ":", s.port)] = {ip, s.port};
+      }
+      freeaddrinfo(res);
+    }
+    return out;
+  }
+
+  void Discover() {
+    do {
+      auto want = Resolve();
+      std::vector<std::shared_ptr<Replica>> gone;
+      {
+        absl::MutexLock lock(&mu);
+        for (auto it = replicas.begin(); it != replicas.end();) {
+          if (want.count(it->first)) {
+            ++it;
+            continue;
+          }
+          gone.push_back(it->second);
+          it = replicas.erase(it);
+        }
+        for (const auto& [address, hp] : want) {
+          if (replicas.count(address)) continue;
+          auto r = std::make_shared<Replica>();
+          r->address = address;
+          r->host = hp.first;
+          r->port = hp.second;
+          {
+            absl::MutexLock rl(&r->mu);
+            r->why = "its KV events stream is not read yet";
+          }
+          r->thread = std::thread([this, r] { Follow(*r); });
+          replicas[address] = r;
+          LogInfo("router: following replica ", address);
+        }
+      }
+      for (auto& r : gone) {
+        LogInfo("router: replica ", r->address, " is gone from the leaders' list");
+        r->stop.Notify();
+        r->thread.join();
+        for (auto* f : {in_flight_g, running_g, waiting_g, kv_g, cached_g}) {
+          f->Remove(&f->Add(ReplicaLabels(*r)));
+        }
+      }
+      PublishReplicas();
+    } while (!stopping.WaitForNotificationWithTimeout(absl::FromChrono(options.resolve_every)));
+  }
+
+  std::vector<std::shared_ptr<Replica>> Snapshot() {
+    absl::MutexLock lock(&mu);
+    std::vector<std::shared_ptr<Replica>> out;
+    for (const auto& [a, r] : replicas) out.push_back(r);
+    return out;
+  }
+
+  bool Routable(Replica& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) {
+    return r.live && Clock::now() - r.last_message <= kStale;
+  }
+
+  void PublishReplicas() {
+    int routable = 0, other = 0;
+    for (auto& r : Snapshot()) {
+      absl::MutexLock lock(&r->mu);
+      (Routable(*r) ? routable : other)++;
+      const auto l = ReplicaLabels(*r);
+      in_flight_g->Add(l).Set(static_cast<double>(r->in_flight.load()));
+      running_g->Add(l).Set(static_cast<double>(r->load.running));
+      waiting_g->Add(l).Set(static_cast<double>(r->load.waiting));
+      kv_g->Add(l).Set(r->load.kv_blocks > 0 ? static_cast<double>(r->load.kv_used) /
+                                                   static_cast<double>(r->load.kv_blocks)
+                                             : 0.0);
+      cached_g->Add(l).Set(static_cast<double>(r->cached.size()));
+    }
+    auto l = labels;
+    l["state"] = "routable";
+    replicas_gauge->Add(l).Set(routable);
+    l["state"] = "unroutable";
+    replicas_gauge->Add(l).Set(other);
+  }
+
+  // ---- requests
+
+  // The prompt's tokens as the leader would feed them (the first prompt of a completion).
+  absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& body, bool chat) {
+    if (JsonNestsDeeperThan(body, 64)) return absl::InvalidArgumentError("too deeply nested");
+    ojson parsed = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded()) return absl::InvalidArgumentError("not JSON");
+    ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
+    if (chat) return prompts->Chat(req, context);
+    if (req.prompt_ids.empty()) return absl::InvalidArgumentError("no prompt");
+    if (!req.prompt_ids[0].empty()) return req.prompt_ids[0];
+    return prompts->Tokenize(req.prompt_texts[0], true, context, "prompt");
+  }
+
+  void Proxy(const http::Request& req, http::Exchange& ex, bool generation, bool chat) {
+    const auto t0 = Clock::now();
+    ++active;
+    struct Done {
+      std::atomic<int>& n;
+      ~Done() { --n; }
+    } done{active};
+    if (keys != nullptr) {
+      if (absl::Status st = keys->Check(req.Header("authorization")); !st.ok()) {
+        http::Response r = Error(401, std::string(st.message()), "authentication_error");
+        r.headers.emplace_back("WWW-Authenticate", "Bearer");
+        return ex.Respond(std::move(r));
+      }
+    }
+    std::vector<std::shared_ptr<Replica>> reps = Snapshot();
+    if (reps.empty()) {
+      return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
+    }
+    std::optional<std::vector<int32_t>> tokens;
+    if (generation) {
+      if (auto t = PromptOf(req.body, chat); t.ok()) tokens = *std::move(t);
+    }
+    // Each replica's match: the prompt's chain of full blocks (by block size), from the first.
+    std::map<int64_t, std::vector<BlockHash>> chains;
+    std::vector<Candidate> cands(reps.size());
+    int64_t block_size = 0;
+    for (size_t i = 0; i < reps.size(); ++i) {
+      Replica& r = *reps[i];
+      absl::MutexLock lock(&r.mu);
+      Candidate& c = cands[i];
+      c.routable = Routable(r);
+      c.in_flight = r.in_flight.load();
+      c.running = r.load.running;
+      c.waiting = r.load.waiting;
+      c.max_batch = r.load.max_batch;
+      c.kv_usage = r.load.kv_blocks > 0
+                       ? static_cast<double>(r.load.kv_used) / static_cast<double>(r.load.kv_blocks)
+                       : 0.0;
+      if (!tokens || !c.routable || r.block_size <= 0) continue;
+      block_size = r.block_size;
+      auto [it, fresh] = chains.try_emplace(r.block_size);
+      if (fresh) it->second = HashBlocks(*tokens, r.block_size);
+      for (const BlockHash& h : it->second) {
+        if (!r.cached.contains(h)) break;
+        ++c.matched_blocks;
+      }
+    }
+    const int64_t prompt_blocks = !tokens ? -1
+                                  : block_size > 0
+                                      ? static_cast<int64_t>(tokens->size()) / block_size
+                                      : 0;
+    const Ranking rank = RankReplicas(cands, prompt_blocks, options.weights, turn++);
+    if (generation) {
+      auto l = labels;
+      l["reason"] = ChoiceReasonName(rank.reason);
+      decisions->Add(l).Increment();
+      if (tokens) {
+        prompt_tokens->Increment(static_cast<double>(tokens->size()));
+        expected_cached->Increment(
+            static_cast<double>(cands[rank.order[0]].matched_blocks * block_size));
+      }
+    }
+    http::Headers headers;
+    for (const char* h : {"authorization", "content-type", "accept", "x-request-id"}) {
+      if (req.HasHeader(h)) headers.emplace_back(h, req.Header(h));
+    }
+    overhead->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
+    std::string last_error = "no replica is known";
+    for (size_t k = 0; k < rank.order.size(); ++k) {
+      Replica& r = *reps[rank.order[k]];
+      ++r.in_flight;
+      struct Leave {
+        std::atomic<int64_t>& n;
+        ~Leave() { --n; }
+      } leave{r.in_flight};
+      auto call =
+          http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, req.body,
+                                    options.connect_timeout, options.answer_timeout);
+      const bool more = k + 1 < rank.order.size();
+      if (!call.ok()) {
+        last_error = std::string(call.status().message());
+        // Nothing reached the leader: another may answer. (Once it has the request, it may
+        // have acted on it: no second try.)
+        if (call.status().code() == absl::StatusCode::kUnavailable && more) {
+          failovers->Increment();
+          continue;
+        }
+        const int status = call.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;
+        return ex.Respond(Error(status, absl::StrCat("the replica did not answer: ", last_error),
+                                "server_error"));
+      }
+      if ((*call)->head().status == 503 && more) {  // not ready, or draining: nothing was done
+        last_error = absl::StrCat(r.address, " answered 503");
+        failovers->Increment();
+        continue;
+      }
+      return Relay(**call, r.address, ex);
+    }
+    ex.Respond(
+        Error(503, absl::StrCat("no replica of the model answered: ", last_error), "server_error"));
+  }
+
+  // The leader's answer, passed on: a whole answer with its length, a stream as it comes.
+  void Relay(http::UpstreamCall& call, const std::string& address, http::Exchange& ex) {
+    const auto& head = call.head();
+    http::Response out{head.status, head.content_type, "", {}};
+    bool streamed = true;
+    for (const auto& [k, v] : head.headers) {
+      if (k == "retry-after" || k == "www-authenticate" || k == "cache-control") {
+        out.headers.emplace_back(k, v);
+      }
+      if (k == "content-length") streamed = false;
+    }
+    out.headers.emplace_back("x-shardserve-replica", address);
+    CountRequest(head.status);
+    const auto deadline = Clock::now() + options.answer_timeout;
+    if (!streamed) {
+      for (;;) {
+        bool end = false;
+        absl::StatusOr<std::string> piece = call.Read(std::chrono::milliseconds(1000), &end);
+        if (!piece.ok() && piece.status().code() == absl::StatusCode::kDeadlineExceeded &&
+            Clock::now() < deadline && !ex.ClientGone()) {
+          continue;
+        }
+        if (!piece.ok() || out.body.size() + piece->size() > kMaxAnswerBytes) {
+          return ex.Respond(Error(502,
+                                  absl::StrCat("the replica's answer broke off: ",
+                                               piece.ok() ? "too long" : piece.status().message()),
+                                  "server_error"));
+        }
+        out.body += *piece;
+        if (end) return ex.Respond(std::move(out));
+      }
+    }
+    if (!ex.StartStream(out)) return;
+    for (;;) {
+      bool end = false;
+      absl::StatusOr<std::string> piece = call.Read(std::chrono::milliseconds(200), &end);
+      if (!piece.ok()) {
+        if (piece.status().code() == absl::StatusCode::kDeadlineExceeded &&
+            Clock::now() < deadline) {
+          if (ex.ClientGone()) return call.Close();  // the leader frees the sequence
+          continue;
+        }
+        LogWarning("router: the stream from ", address, " broke off: ", piece.status().message());
+        return ex.End();
+      }
+      if (!piece->empty() && !ex.Write(*piece)) return call.Close();
+      if (end) return ex.End();
+    }
+  }
+};
+
+Router::Router(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Router::~Router() { Stop(std::chrono::milliseconds(0)); }
+
+int Router::port() const { return impl_->http->port(); }
+
+void Router::Stop(std::chrono::milliseconds drain) {
+  if (!impl_ || impl_->stopping.HasBeenNotified()) return;
+  const auto deadline = Clock::now() + drain;
+  while (impl_->active.load() > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  impl_->stopping.Notify();
+  if (impl_->http) impl_->http->Stop();
+  if (impl_->discovery.joinable()) impl_->discovery.join();
+  for (auto& r : impl_->Snapshot()) {
+    r->stop.Notify();
+    if (r->thread.joinable()) r->thread.join();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  Impl* s = impl.get();
+  s->options = options;
+  if (options.leaders.empty()) {
+    return absl::InvalidArgumentError("no leaders: give --leader HOST:PORT or dns:NAME:PORT");
+  }
+  for (const std::string& l : options.leaders) {
+    ASSIGN_OR_RETURN(LeaderSpec spec, ParseLeaderSpec(l));
+    s->specs.push_back(spec);
+  }
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(options.model_path));
+  s->context = config.max_context;
+  ASSIGN_OR_RETURN(s->tokenizer, Tokenizer::Load(options.model_path));
+  s->chat = ChatTemplate::ForModel(options.model_path, *s->tokenizer);
+  s->prompts =
+      std::make_unique<PromptBuilder>(s->tokenizer.get(), &s->chat, options.special_tokens_as_text);
+  ASSIGN_OR_RETURN(s->keys, ApiKeys::Open(options.api_key, options.api_keys_file));
+  if (!options.leader_token_file.empty()) {
+    ASSIGN_OR_RETURN(s->leader_token, ReadToken(options.leader_token_file));
+  }
+  s->InitMetrics();
+
+  http::ServerOptions server;
+  server.host = options.host;
+  server.port = options.port;
+  server.max_body_bytes = options.max_body_bytes;
+  server.max_blocking = options.max_blocking;
+  server.error = [s](int status, const std::string& reason) {
+    return s->Error(status, reason, status >= 500 ? "server_error" : "invalid_request_error");
+  };
+  http::Routes routes;
+  routes.PostBlocking("/v1/completions", [s](const http::Request& req, http::Exchange& ex) {
+    s->Proxy(req, ex, true, false);
+  });
+  routes.PostBlocking("/v1/chat/completions", [s](const http::Request& req, http::Exchange& ex) {
+    s->Proxy(req, ex, true, true);
+  });
+  for (const char* path : {"/tokenize", "/detokenize"}) {
+    routes.PostBlocking(path, [s](const http::Request& req, http::Exchange& ex) {
+      s->Proxy(req, ex, false, false);
+    });
+  }
+  routes.GetBlocking("/v1/models", [s](const http::Request& req, http::Exchange& ex) {
+    s->Proxy(req, ex, false, false);
+  });
+  routes.Get("/healthz", [](const http::Request&) {
+    return http::Response{200, "application/json", "{\"status\":\"ok\"}", {}};
+  });
+  routes.Get("/readyz", [s](const http::Request&) {
+    int routable = 0;
+    for (auto& r : s->Snapshot()) {
+      absl::MutexLock lock(&r->mu);
+      routable += s->Routable(*r);
+    }
+    if (routable > 0) {
+      return http::Response{200,
+                            "application/json",
+                            json{{"ready", true}, {"routable_replicas", routable}}.dump(),
+                            {}};
+    }
+    return http::Response{
+        503,
+        "application/json",
+        json{{"ready", false}, {"reason", "no replica's KV events stream is live"}}.dump(),
+        {}};
+  });
+  routes.Get("/metrics", [s](const http::Request& req) {
+    if (s->keys != nullptr) {  // as the leaders' page: with keys, one of them
+      if (absl::Status st = s->keys->Check(req.Header("authorization")); !st.ok()) {
+        http::Response r = s->Error(401, std::string(st.message()), "authentication_error");
+        r.headers.emplace_back("WWW-Authenticate", "Bearer");
+        return r;
+      }
+    }
+    s->PublishReplicas();
+    return http::Response{200,
+                          "text/plain; version=0.0.4",
+                          prometheus::TextSerializer().Serialize(s->registry->Collect()),
+                          {}};
+  });
+  ASSIGN_OR_RETURN(s->http, http::Server::Start(server, std::move(routes)));
+  s->discovery = std::thread([s] { s->Discover(); });
+  if (s->keys == nullptr) {
+    LogWarning("router: no API keys: anyone who reaches ", options.host, ":", s->http->port(),
+               " can use the model");
+  }
+  return std::unique_ptr<Router>(new Router(std::move(impl)));
+}
+
+}  // namespace shardserve

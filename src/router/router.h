@@ -1,0 +1,72 @@
+#pragma once
+// shardserve-router (DESIGN.md §1): the front of a model with several replicas. It sends each
+// request to the replica whose prefix cache holds the longest start of its prompt, weighed
+// against the replicas' load (router/choice.h), and streams the answer back unchanged.
+//
+//   - Replicas: the leaders' API addresses, given as HOST:PORT or as dns:NAME:PORT (every address
+//     NAME resolves to, looked up again every few seconds: a headless Service of the leaders);
+//     a leader that is gone from the list is forgotten, a new one followed.
+//   - What each caches: the leader's own report, GET /v1/kv-events (serve/kv_events.h), read
+//     from a snapshot on, with the leader's token. A stream that breaks, or says nothing for
+//     2 s, forgets the replica's cache until it is read again from a new snapshot (a recreated
+//     replica starts empty, and says so).
+//   - The prompt: the request rendered and tokenized as the leader does (serve/prompts.h, the
+//     model's tokenizer and chat template), its full blocks named by the same hash chain.
+//   - The API keys: with keys, a request without a valid one is answered 401 here, as the
+//     leader would; the header goes on to the leader, which checks it again.
+//   - Failover: a replica that refuses the connection or answers 503 before any byte of the
+//     answer is sent on is skipped for the next in the ranking; the client sees an error only
+//     when none answers.
+//   - /metrics (with keys, one of them is asked, as the leaders do):
+//   shardserve_router_requests_total{code}, _decisions_total{reason},
+//     _failovers_total, _prompt_tokens_total and _expected_cached_tokens_total (the hit rate it
+//     expected), _overhead_seconds (a request's time in the router before it is sent on),
+//     _replicas{state}, and per replica (label `replica`, its address) _replica_in_flight,
+//     _replica_running, _replica_waiting, _replica_kv_usage_ratio, _replica_cached_blocks.
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "router/choice.h"
+
+namespace shardserve {
+
+struct RouterOptions {
+  std::string host = "0.0.0.0";
+  int port = 8000;
+  std::vector<std::string> leaders;  // HOST:PORT or dns:NAME:PORT
+  std::string model_path;            // the tokenizer and chat template
+  std::string model_label;           // the metrics' `model`
+  bool special_tokens_as_text = false;
+  std::string api_key, api_keys_file;  // the clients' keys, as the leaders have them
+  std::string leader_token_file;       // proves the router to the leaders' /v1/kv-events
+  ChoiceWeights weights;
+  std::chrono::milliseconds resolve_every{2000};
+  std::chrono::milliseconds connect_timeout{2000};
+  std::chrono::milliseconds answer_timeout{600000};  // a leader's whole answer
+  size_t max_body_bytes = 8 << 20;
+  int max_blocking = 256;
+};
+
+// "HOST:PORT" or "dns:NAME:PORT", checked; InvalidArgument names the bad entry.
+absl::Status CheckLeaderSpec(const std::string& spec);
+
+class Router {
+ public:
+  // Loads the tokenizer, binds host:port and starts following the leaders.
+  static absl::StatusOr<std::unique_ptr<Router>> Start(const RouterOptions& options);
+  ~Router();
+  int port() const;
+  // Stops listening and following; waits for the requests in progress (at most `drain`).
+  void Stop(std::chrono::milliseconds drain);
+
+  struct Impl;
+
+ private:
+  explicit Router(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardserve

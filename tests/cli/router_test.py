@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""shardserve-router through real processes and sockets (issue 35 part 2).
+
+1. `shardserve local` with 2 replicas puts the router on the model's port: every turn of a
+   conversation (a long shared start, a growing history) goes to the replica that caches it and
+   is answered from its cache; conversations spread over both replicas; answers equal a replica's
+   own, streamed too; keys are checked at the router and the leaders' KV events need the
+   router's token; a hot prefix spreads once its replica is loaded; the router's /metrics is
+   promtool-clean and counts its decisions.
+2. A router in front of two single-replica deployments: one stops, requests keep being answered
+   by the other; it comes back on the same address with an empty cache, and the router follows it
+   again without routing by what it held before."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import Checks, free_ports, wait_until  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+BIN = sys.argv[1]
+ROUTER = os.path.join(os.path.dirname(BIN), "shardserve-router")
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-router-")
+MODEL = os.path.join(tmp, "model")
+gen_model(BIN, MODEL)
+KEY = "sk-router-cli-0123456789"
+KEYS = os.path.join(tmp, "keys")
+with open(KEYS, "w") as f:
+    f.write(KEY + "\n")
+
+
+def completion(d, prompt, max_tokens=4, port=None, **extra):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    body.update(extra)
+    status, headers, data = d.request("POST", "/v1/completions", body, port=port)
+    headers = {k.lower(): v for k, v in headers.items()}
+    try:
+        data = json.loads(data)
+    except ValueError:
+        pass
+    return status, headers.get("x-shardserve-replica"), data
+
+
+def metric(page, name, **labels):
+    total = None
+    for line in page.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total = (total or 0) + float(line.split()[-1])
+    return total
+
+
+def conversation(c, turn):
+    """Conversation c's prompt at its turn: a 160-token start of its own, then its history."""
+    start = [1] + [(7 * c + 3 * k) % 400 + 50 for k in range(159)]
+    history = [(11 * c + 5 * k) % 300 + 100 for k in range(24 * turn)]
+    return start + history
+
+
+# --- 1. the routed local deployment -------------------------------------------------------
+d = Deployment(BIN, MODEL, tp=1, pp=1, replicas=2, max_batch=2, max_seq=2048,
+               args=("--api-key-file", KEYS), api_key=KEY)
+try:
+    status, _, body = d.request("GET", "/readyz")
+    check(status == 200 and json.loads(body)["routable_replicas"] == 2,
+          "the router on the model's port is ready with both replicas routable")
+    placed = {}
+    ok = True
+    for turn in range(3):
+        for c in range(6):
+            status, replica, body = completion(d, conversation(c, turn))
+            ok &= status == 200
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"] if status == 200 else 0
+            if turn == 0:
+                placed[c] = replica
+            else:
+                ok &= replica == placed[c] and cached >= 160
+    check(ok, f"every turn of a conversation goes to the replica that caches it and is answered "
+              f"from its cache ({placed})")
+    check(len(set(placed.values())) == 2, "conversations spread over both replicas")
+    page = d.metrics_page()
+    prefix = metric(page, "shardserve_router_decisions_total", reason="prefix") or 0
+    expected = metric(page, "shardserve_router_expected_cached_tokens_total")
+    prompts = metric(page, "shardserve_router_prompt_tokens_total")
+    check(prefix == 12 and expected / prompts > 0.5,
+          f"the router counts its decisions (prefix {prefix}) and the hit rate it expected "
+          f"({expected:.0f} of {prompts:.0f} prompt tokens)")
+    lint = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
+                          text=True)
+    check(lint.returncode == 0, f"promtool check metrics is clean on the router {lint.stdout}"
+                                f"{lint.stderr}".strip())
+
+    # The router's answers are a replica's own, streamed too.
+    prompt = conversation(0, 1)
+    _, replica, via = completion(d, prompt, 8)
+    port = int(replica.rsplit(":", 1)[1])
+    _, _, direct = completion(d, prompt, 8, port=port)
+    status, events, done = d.stream("/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "stream": True})
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    check(via["choices"][0]["text"] == direct["choices"][0]["text"] == streamed and done,
+          "answers through the router equal the replica's own, streamed too")
+
+    # Keys: checked at the router; the leaders' KV events want the router's token.
+    saved, d.api_key = d.api_key, None
+    status, _, _ = completion(d, [1, 2, 3])
+    d.api_key = "sk-not-the-key-0123456789"
+    status_wrong, _, _ = completion(d, [1, 2, 3])
+    d.api_key = saved
+    check(status == 401 and status_wrong == 401, "the router answers 401 without a valid key")
+    for p in d.replica_ports:
+        s1, _, _ = d.request("GET", "/v1/kv-events", port=p, timeout=10,
+                             headers={"Authorization": "Bearer " + KEY})
+        d.api_key = None
+        s2, _, _ = d.request("GET", "/v1/kv-events", port=p, timeout=10)
+        d.api_key = saved
+        check(s1 == 401 and s2 == 401,
+              f"a leader's KV events want the router's token, not an API key ({s1}, {s2})")
+
+    # A hot prefix: 8 requests at once (batches of 2) spread once its replica is loaded.
+    hot = conversation(9, 0)
+    completion(d, hot)
+    seen, lock = [], threading.Lock()
+
+    def one(i):
+        _, replica, _ = completion(d, hot + [400 + i], 256)
+        with lock:
+            seen.append(replica)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    load = metric(d.metrics_page(), "shardserve_router_decisions_total", reason="load") or 0
+    check(len(set(seen)) == 2 and load >= 1,
+          f"a hot prefix spreads to the other replica once its own is loaded "
+          f"({seen.count(seen[0])} of 8 on one, {load:.0f} chosen by load)")
+finally:
+    code = d.stop(signal.SIGINT)
+check(code == 0, f"Ctrl-C stops the routed deployment cleanly (exit {code})")
+
+# --- 2. a replica goes away and comes back -----------------------------------------------
+a = Deployment(BIN, MODEL, tp=1, pp=1)
+b = Deployment(BIN, MODEL, tp=1, pp=1)
+router_port = free_ports(1)
+router = subprocess.Popen([ROUTER, "--leader", f"127.0.0.1:{a.port},127.0.0.1:{b.port}",
+                           "--model", MODEL, "--port", str(router_port), "--host", "127.0.0.1",
+                           "--model-label", "tiny"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+a2 = None
+try:
+    def routable():
+        try:
+            s, _, body = a.request("GET", "/readyz", port=router_port, timeout=5)
+            return json.loads(body).get("routable_replicas", 0) if s == 200 else 0
+        except OSError:
+            return 0
+
+    check(wait_until(lambda: routable() == 2), "the standalone router follows both leaders")
+    x = conversation(3, 0)
+    _, first, _ = completion(a, x, port=router_port)
+    stop, other = (a, b) if first.endswith(f":{a.port}") else (b, a)
+    stop.stop(signal.SIGINT)
+    statuses = set()
+    for i in range(4):
+        s, replica, body = completion(other, x + [i], port=router_port)
+        statuses.add((s, replica))
+    check(statuses == {(200, f"127.0.0.1:{other.port}")},
+          f"with one replica gone, every request is answered by the other ({statuses})")
+    check(wait_until(lambda: routable() == 1), "the router stops routing to the gone replica")
+    # It comes back on the same address, with an empty cache.
+    a2 = Deployment(BIN, MODEL, tp=1, pp=1, base_port=stop.port)
+    check(wait_until(lambda: routable() == 2, 30), "the router follows the recreated replica")
+    page = other.metrics_page(router_port)
+    cached = metric(page, "shardserve_router_replica_cached_blocks", replica=f"127.0.0.1:{a2.port}")
+    check(cached == 0, f"the recreated replica's cache starts empty at the router ({cached})")
+    s, replica, _ = completion(other, x + [99], port=router_port)
+    check(s == 200 and replica == f"127.0.0.1:{other.port}",
+          "the prompt goes to the replica that still caches it, not by what the old one held")
+finally:
+    router.send_signal(signal.SIGINT)
+    try:
+        rc = router.wait(30)
+    except subprocess.TimeoutExpired:
+        router.kill()
+        rc = -1
+    for dep in (a, b, a2):
+        if dep is not None:
+            dep.stop(signal.SIGINT)
+check(rc == 0, f"the router stops cleanly on SIGINT (exit {rc})")
+check.finish()

@@ -1,0 +1,202 @@
+// The router (router/router.h) in front of two fake leaders on real sockets: it follows their KV
+// events streams, sends a prompt to the one that caches its blocks, fails over when that one
+// answers 503 (draining), relays a stream piece by piece, answers 401 itself without a key, and
+// stops routing by a replica's cache once its stream ends.
+#include "router/router.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "http/server.h"
+#include "model/test_models.h"
+#include "serve/kv_events.h"
+#include "serve/prefix_cache.h"
+
+namespace shardserve {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+// A leader as the router sees it: /v1/kv-events with a snapshot of `cached`, and completions
+// answered with `status` and its name (as SSE pieces when the request streams).
+class FakeLeader {
+ public:
+  FakeLeader(std::string name, std::vector<BlockHash> cached)
+      : name_(std::move(name)), cached_(std::move(cached)) {
+    http::Routes routes;
+    routes.GetBlocking("/v1/kv-events", [this](const http::Request&, http::Exchange& ex) {
+      if (!ex.StartStream({200, "application/x-ndjson", "", {}})) return;
+      std::string out = EncodeKvHello("m", 4, name_) + "\n";
+      for (const std::string& l : EncodeKvSnapshot(cached_)) out += l + "\n";
+      if (!ex.Write(out)) return;
+      while (!stop_stream_.load() && !ex.ClientGone()) {
+        if (!ex.Write(EncodeKvLoad({0, 0, 8, 0, 100}) + "\n")) return;
+        std::this_thread::sleep_for(50ms);
+      }
+      ex.End();
+    });
+    routes.PostBlocking("/v1/completions", [this](const http::Request& req, http::Exchange& ex) {
+      ++requests_;
+      if (req.body.find("\"stream\": true") != std::string::npos) {
+        if (!ex.StartStream({200, "text/event-stream", "", {}})) return;
+        for (int i = 0; i < 3; ++i) {
+          ex.Write(absl::StrCat("data: ", name_, i, "\n\n"));
+          std::this_thread::sleep_for(20ms);
+        }
+        ex.Write("data: [DONE]\n\n");
+        return ex.End();
+      }
+      ex.Respond(
+          {status_.load(), "application/json", absl::StrCat("{\"from\":\"", name_, "\"}"), {}});
+    });
+    http::ServerOptions o;
+    o.host = "127.0.0.1";
+    server_ = *http::Server::Start(o, std::move(routes));
+  }
+  int port() const { return server_->port(); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port()); }
+
+  std::string name_;
+  std::vector<BlockHash> cached_;
+  std::atomic<int> status_{200};
+  std::atomic<int> requests_{0};
+  std::atomic<bool> stop_stream_{false};
+  std::unique_ptr<http::Server> server_;
+};
+
+class RouterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::WriteModel(testing::SmallModel("llama", dir_.Sub("m")));
+    for (int i = 1; i <= 12; ++i) prompt_.push_back(i);
+  }
+  std::unique_ptr<Router> Start(const std::vector<std::string>& leaders,
+                                const std::string& keys_file = "") {
+    RouterOptions o;
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.leaders = leaders;
+    o.model_path = model_;
+    o.model_label = "m";
+    o.api_keys_file = keys_file;
+    o.resolve_every = 100ms;
+    auto r = Router::Start(o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *std::move(r) : nullptr;
+  }
+  // /readyz's count of routable replicas, once it reaches `want` (or the last seen).
+  int Routable(Router& r, int want) {
+    int n = -1;
+    for (int i = 0; i < 100 && n != want; ++i) {
+      auto res = http::Fetch("127.0.0.1", r.port(), "GET", "/readyz", {}, "", 5s);
+      n = res.ok() && res->status == 200
+              ? std::atoi(res->body.substr(res->body.find("replicas\":") + 10).c_str())
+              : 0;
+      if (n != want) std::this_thread::sleep_for(50ms);
+    }
+    return n;
+  }
+  std::string Body(bool stream = false) {
+    std::string ids;
+    for (int32_t t : prompt_) absl::StrAppend(&ids, ids.empty() ? "" : ",", t);
+    return absl::StrCat("{\"model\": \"m\", \"prompt\": [", ids, "]",
+                        stream ? ", \"stream\": true" : "", "}");
+  }
+  absl::StatusOr<http::ClientResponse> Post(Router& r, bool stream = false,
+                                            http::Headers headers = {}) {
+    headers.emplace_back("Content-Type", "application/json");
+    return http::Fetch("127.0.0.1", r.port(), "POST", "/v1/completions", headers, Body(stream),
+                       10s);
+  }
+  static std::string Header(const http::ClientResponse& r, const std::string& name) {
+    for (const auto& [k, v] : r.headers) {
+      if (k == name) return v;
+    }
+    return "";
+  }
+  std::string Metrics(Router& r) {
+    return http::Fetch("127.0.0.1", r.port(), "GET", "/metrics", {}, "", 5s)->body;
+  }
+
+  testing::TempDir dir_;
+  std::string model_;
+  std::vector<int32_t> prompt_;
+};
+
+TEST_F(RouterTest, ThePromptGoesWhereItsBlocksAreCachedAndFailsOverOn503) {
+  FakeLeader a("A", HashBlocks(prompt_, 4)), b("B", {});
+  auto router = Start({a.address(), b.address()});
+  ASSERT_NE(router, nullptr);
+  ASSERT_EQ(Routable(*router, 2), 2);
+  for (int i = 0; i < 3; ++i) {  // every time, not by turn
+    auto r = Post(*router);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->body, "{\"from\":\"A\"}");
+    EXPECT_EQ(Header(*r, "x-shardserve-replica"), a.address());
+  }
+  EXPECT_EQ(b.requests_.load(), 0);
+  // A drains (503): the request goes on to B.
+  a.status_ = 503;
+  auto r = Post(*router);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body, "{\"from\":\"B\"}");
+  const std::string m = Metrics(*router);
+  EXPECT_THAT(m, HasSubstr("shardserve_router_decisions_total{model=\"m\",reason=\"prefix\"} 4"));
+  EXPECT_THAT(m, HasSubstr("shardserve_router_failovers_total{model=\"m\"} 1"));
+  EXPECT_THAT(m, HasSubstr("shardserve_router_prompt_tokens_total{model=\"m\"} 48"));
+  EXPECT_THAT(m, HasSubstr("shardserve_router_expected_cached_tokens_total{model=\"m\"} 48"));
+  EXPECT_THAT(m, HasSubstr(absl::StrCat("shardserve_router_replica_cached_blocks{model=\"m\","
+                                        "replica=\"",
+                                        a.address(), "\"} 3")));
+  // Its stream ends: A is no longer routed by its cache; the prompt goes by load.
+  a.stop_stream_ = true;
+  a.status_ = 200;
+  EXPECT_EQ(Routable(*router, 1), 1);
+  EXPECT_THAT(Metrics(*router), HasSubstr("state=\"unroutable\"} 1"));
+}
+
+TEST_F(RouterTest, StreamsArePassedOnAsTheyCome) {
+  FakeLeader a("A", HashBlocks(prompt_, 4)), b("B", {});
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 2), 2);
+  auto r = Post(*router, true);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->body, "data: A0\n\ndata: A1\n\ndata: A2\n\ndata: [DONE]\n\n");
+  EXPECT_EQ(Header(*r, "content-type"), "text/event-stream");
+}
+
+TEST_F(RouterTest, KeysAreCheckedBeforeAnyReplicaIsAsked) {
+  FakeLeader a("A", {});
+  testing::WriteFile(dir_.Sub("keys"), "sk-router-test-0123456789\n");
+  auto router = Start({a.address()}, dir_.Sub("keys"));
+  ASSERT_EQ(Routable(*router, 1), 1);
+  auto r = Post(*router);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 401);
+  EXPECT_EQ(Header(*r, "www-authenticate"), "Bearer");
+  EXPECT_EQ(a.requests_.load(), 0);
+  r = Post(*router, false, {{"Authorization", "Bearer sk-router-test-0123456789"}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(a.requests_.load(), 1);
+}
+
+TEST_F(RouterTest, BadLeaderSpecsAreNamed) {
+  for (const char* bad : {"nohost", "host:0", "dns:name", "host:99999", ":80"}) {
+    EXPECT_FALSE(CheckLeaderSpec(bad).ok()) << bad;
+  }
+  EXPECT_TRUE(CheckLeaderSpec("dns:tiny-leaders.default.svc:8000").ok());
+  RouterOptions o;
+  o.model_path = model_;
+  EXPECT_THAT(std::string(Router::Start(o).status().message()), HasSubstr("no leaders"));
+}
+
+}  // namespace
+}  // namespace shardserve
