@@ -41,11 +41,12 @@ struct LocalReplica {
   int metrics_base = 0;
 };
 
-// Polls every replica's /readyz until all are ready (printing each) or `stop` is set.
-void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel& m,
+// Polls every replica's /readyz until all are ready (printing each), then the router's (port
+// `router`, 0: none) until it routes to them all, or until `stop` is set.
+void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const ShardedModel& m,
                    const std::atomic<bool>& stop) {
   std::vector<bool> ready(replicas.size(), false);
-  size_t left = replicas.size();
+  size_t left = replicas.size() + (router > 0 ? 1 : 0);
   while (left > 0 && !stop.load()) {
     for (size_t i = 0; i < replicas.size(); ++i) {
       if (ready[i]) continue;
@@ -57,6 +58,17 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, const ShardedModel
         std::printf("replica %d ready: http://127.0.0.1:%d/v1 (model '%s')\n", replicas[i].index,
                     replicas[i].api_port, m.spec.model_name.c_str());
         std::fflush(stdout);
+      }
+    }
+    if (router > 0 && left == 1) {  // every replica ready: the router follows them all
+      auto res = http::Fetch("127.0.0.1", router, "GET", "/readyz", {}, "",
+                             std::chrono::milliseconds(500));
+      if (res.ok() && res->status == 200 &&
+          res->body.find(absl::StrCat("\"routable_replicas\":", replicas.size())) !=
+              std::string::npos) {
+        --left;
+        std::printf("router ready: http://127.0.0.1:%d/v1 in front of %zu replicas\n", router,
+                    replicas.size());
       }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -247,7 +259,8 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   }
   std::fflush(stdout);
   std::atomic<bool> stop{false};
-  std::thread announce([&] { AnnounceReady(replicas, m, stop); });
+  std::thread announce(
+      [&] { AnnounceReady(replicas, routed ? static_cast<int>(port) : 0, m, stop); });
   absl::Status status = SuperviseAll(launchers, std::chrono::milliseconds(15000));
   stop.store(true);
   announce.join();

@@ -78,8 +78,8 @@ def ready(name, n):
 
 
 def model_pods(name):
-    """The model's stage pods (its inspect pod, while it runs, is not one)."""
-    return m.pods(name, "shardserve.io/role!=inspect")
+    """The model's stage pods (its inspect pod, while it runs, and its routers are not)."""
+    return m.pods(name, "shardserve.io/role in (leader,worker)")
 
 
 def service_ip(name=NAME):
@@ -379,6 +379,20 @@ try:
                      .get("shardserve.io/role") == "router", 120),
           f"two router pods run on real nodes and the Service goes to them "
           f"({[p['spec'].get('nodeName') for p in routers()]})")
+
+    def router_pages():
+        pages = []
+        for p in routers():
+            conn = http.client.HTTPConnection(p["status"]["podIP"], 8000, timeout=10)
+            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+            pages.append(conn.getresponse().read().decode())
+            conn.close()
+        return pages
+
+    def routable():
+        return [float(x.group(1)) for page in router_pages() for x in re.finditer(
+            r'^shardserve_router_replicas\{[^}]*state="routable"[^}]*\} (\S+)', page, re.M)]
+    wait_until(lambda: routable() == [2.0, 2.0], 30)
     conversation = "You are a terse assistant who answers in one word. " * 6
     seen = []
     for turn in range(3):
@@ -394,19 +408,11 @@ try:
     check(all(s == 200 for s, _, _ in seen) and len({r for _, r, _ in seen}) == 1 and
           all(cached and cached > 0 for _, _, cached in seen[1:]),
           f"a conversation's turns go to the replica that caches its start ({seen})")
-    pages = []
-    for p in routers():
-        conn = http.client.HTTPConnection(p["status"]["podIP"], 8000, timeout=10)
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        pages.append(conn.getresponse().read().decode())
-        conn.close()
-    prefix = sum(float(x.group(1)) for page in pages for x in re.finditer(
+    prefix = sum(float(x.group(1)) for page in router_pages() for x in re.finditer(
         r'^shardserve_router_decisions_total\{[^}]*reason="prefix"[^}]*\} (\S+)', page, re.M))
-    routable = [float(x.group(1)) for page in pages for x in re.finditer(
-        r'^shardserve_router_replicas\{[^}]*state="routable"[^}]*\} (\S+)', page, re.M)]
-    check(prefix >= 2 and routable == [2.0, 2.0],
+    check(prefix >= 2 and routable() == [2.0, 2.0],
           f"the routers follow both leaders' KV events and count prefix decisions "
-          f"({prefix:.0f}, routable {routable})")
+          f"({prefix:.0f}, routable {routable()})")
     loop = ClientLoop(m, NAME)
     time.sleep(1)
     c.kubectl("scale", "smodel", NAME, "--replicas=1", check=True)

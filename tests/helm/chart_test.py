@@ -387,8 +387,8 @@ try:
                        ("patch a ShardedModel's spec", ["patch", "smodel", "rbac-check", "-n",
                                                         NS, "--type=merge", "-p",
                                                         '{"spec":{"replicas":3}}']),
-                       ("create a Deployment", ["create", "deployment", "x", "--image=x", "-n",
-                                                NS]),
+                       ("delete a Deployment", ["delete", "deployment", "x", "-n", NS]),
+                       ("read a Deployment", ["get", "deployments", "-n", NS]),
                        ("create pods in another namespace", ["run", "x", "--image=x", "-n",
                                                              "default"])]:
         r = as_sa(*args)
