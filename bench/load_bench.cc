@@ -194,8 +194,8 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
         "HTTP + scheduling + sampling %.2f ms = %.1f%% of the step\n",
         1e3 * itl, 1e3 * step, 1e3 * (itl - step), 100 * (itl - step) / itl);
   }
-  std::printf("%-11s %10s %9s %9s %9s %9s %9s\n", "concurrency", "out tok/s", "ttft p50",
-              "ttft p99", "itl p50", "itl p99", "hit rate");
+  std::printf("%-11s %10s %9s %9s %9s %9s %9s %9s\n", "concurrency", "out tok/s", "ttft p50",
+              "ttft p99", "itl p50", "itl p99", "hit rate", "own hit");
   double base_tps = 0;
   for (int c : levels) {
     absl::Mutex mu;
@@ -240,7 +240,7 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
     for (auto& t : clients) t.join();
     const double wall = Seconds(Clock::now() - t0);
     std::vector<double> ttft, itl;
-    int64_t tokens = 0, failed = 0, prompted = 0, cached = 0;
+    int64_t tokens = 0, failed = 0, prompted = 0, cached = 0, own = 0, own_cached = 0;
     for (const Sample& s : samples) {
       if (!s.ok) {
         ++failed;
@@ -252,14 +252,17 @@ absl::Status RunLoadBench(const std::vector<std::string>& argv) {
       tokens += s.tokens;
       prompted += s.prompt_tokens;
       cached += s.cached_tokens;
+      // Past the shared start: the conversation's own tokens, and those found cached.
+      own += std::max<int64_t>(0, s.prompt_tokens - static_cast<int64_t>(prefix.size()));
+      own_cached += std::max<int64_t>(0, s.cached_tokens - static_cast<int64_t>(prefix.size()));
     }
     if (failed > 0) return absl::UnavailableError(absl::StrCat(failed, " requests failed"));
     const double tps = tokens / wall;
     if (base_tps == 0) base_tps = tps;
-    std::printf("%-11d %10.1f %8.3fs %8.3fs %8.4fs %8.4fs %8.1f%%   (x%.2f of c=%d)\n", c, tps,
-                Percentile(ttft, 0.5), Percentile(ttft, 0.99), Percentile(itl, 0.5),
+    std::printf("%-11d %10.1f %8.3fs %8.3fs %8.4fs %8.4fs %8.1f%% %8.1f%%   (x%.2f of c=%d)\n", c,
+                tps, Percentile(ttft, 0.5), Percentile(ttft, 0.99), Percentile(itl, 0.5),
                 Percentile(itl, 0.99), prompted > 0 ? 100.0 * cached / prompted : 0.0,
-                tps / base_tps, levels.front());
+                own > 0 ? 100.0 * own_cached / own : 0.0, tps / base_tps, levels.front());
     std::fflush(stdout);
   }
   return absl::OkStatus();

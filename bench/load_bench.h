@@ -6,7 +6,9 @@
 // scheduling and sampling). With --turns T each client's requests are conversations: every turn
 // resends the shared start and the conversation's history so far (its earlier prompts and as
 // many tokens as each answer held) with new tokens of its own, and the prefix cache's hit rate
-// (usage.prompt_tokens_details.cached_tokens over prompt tokens) is reported. With several
+// (usage.prompt_tokens_details.cached_tokens over prompt tokens) is reported, overall and past
+// the shared start ("own": the conversations' own tokens, which only the replica that served
+// the conversation before can hold). With several
 // --url addresses each request goes to one of them at random, as a plain Kubernetes Service
 // spreads connections.
 #include <string>

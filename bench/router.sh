@@ -3,17 +3,19 @@
 # kube-proxy spreads connections) and behind shardserve-router (issue 35 part 4), on CPU:
 # SmolLM2-135M-Instruct (Q4_1) served by `shardserve local`, one rank and one thread a replica.
 # `shardserve bench load --turns` runs conversations: every turn resends a 1,000-token shared
-# system prompt and the conversation's history with 32 new tokens, and streams a 16-token greedy
+# system prompt and the conversation's history with OWN new tokens, and streams a 16-token greedy
 # answer. Printed for 1 replica, then 2 and 4 replicas each way: output tokens/s, time to first
 # token p50/p99 and the prefix cache's hit rate (cached over prompt tokens, from the answers'
-# usage); for the router, its decisions by reason.
-# Usage: bench/router.sh [CLIENTS] [CONVERSATIONS_PER_CLIENT] [TURNS] [REPLICA_COUNTS]
+# usage), overall and past the shared prompt; for the router, its decisions by reason and its
+# time per request before sending it on.
+# Usage: bench/router.sh [CLIENTS] [CONVERSATIONS_PER_CLIENT] [TURNS] [REPLICA_COUNTS] [OWN]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLIENTS="${1:-4}"
 CONVERSATIONS="${2:-3}"
 TURNS="${3:-4}"
 COUNTS="${4:-2 4}"
+OWN="${5:-128}"
 SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
 bash scripts/build.sh
 dir="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}/models/smollm2-135m-instruct"
@@ -34,7 +36,7 @@ run() {  # REPLICAS MODE (single | service | router)
     echo "=== $replicas replica(s), $mode ($CLIENTS clients x $CONVERSATIONS conversations x $TURNS turns)"
     build/bin/shardserve bench load --url "$urls" --model smollm2 --concurrency "$CLIENTS" \
       --requests-per-client "$CONVERSATIONS" --turns "$TURNS" --max-tokens 16 \
-      --prompt-tokens 32 --shared-prefix-tokens 1000 --vocab 49152
+      --prompt-tokens "$OWN" --shared-prefix-tokens 1000 --vocab 49152
     if [ "$mode" = router ]; then
       curl -s http://127.0.0.1:18600/metrics |
         awk '/^shardserve_router_decisions_total/ {sub(/.*reason="/, ""); sub(/"}/, ""); printf "router decisions: %s %s\n", $1, $2}

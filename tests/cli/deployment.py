@@ -54,7 +54,7 @@ class Deployment:
         base = base_port or free_ports(2 + replicas + replicas * tp * pp)
         self.port = base
         self.replica_ports = [base + (1 if routed else 0) + r for r in range(replicas)]
-        metrics_base = base + 1 + replicas
+        metrics_base = self.replica_ports[-1] + 1
         self.metrics_ports = [metrics_base + r for r in range(replicas * tp * pp)]
         env = dict(env or {})
         env_yaml = "\n".join(f"      - name: {k}\n        value: \"{v}\"" for k, v in env.items())

@@ -3,7 +3,8 @@
 (wrong types, missing and extra fields, extreme numbers, broken JSON, random bytes, odd paths and
 methods) from several clients at once. Every answer must be 2xx or a 4xx with an OpenAI error
 body (never a 5xx, a hang or a dropped connection), valid requests interleaved with the noise must
-keep their exact greedy answer, and the deployment must still be up and ready at the end."""
+keep their exact greedy answer, and the deployment must still be up and ready at the end. With
+SHARDSERVE_FUZZ_REPLICAS=2 the same goes through shardserve-router in front of two replicas."""
 import http.client
 import json
 import os
@@ -91,7 +92,8 @@ def mutate(rng):
     return method, path, text
 
 
-d = Deployment(BIN, model, tp=2, pp=1, max_batch=8, max_seq=128)
+d = Deployment(BIN, model, tp=2, pp=1, max_batch=8, max_seq=128,
+               replicas=int(os.environ.get("SHARDSERVE_FUZZ_REPLICAS", "1")))
 problems = []
 statuses = {}
 lock = threading.Lock()

@@ -34,6 +34,7 @@ usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm
 import http.client
 import json
 import os
+import random
 import re
 import secrets
 import signal
@@ -408,6 +409,30 @@ try:
     check(all(s == 200 for s, _, _ in seen) and len({r for _, r, _ in seen}) == 1 and
           all(cached and cached > 0 for _, _, cached in seen[1:]),
           f"a conversation's turns go to the replica that caches its start ({seen})")
+    # The figure of issue 35 on real nodes: conversations through the routers against the same
+    # conversations sent to a leader at random (a Service without the routers).
+    leader_ips = [p["status"]["podIP"] for p in m.pods(NAME, "shardserve.io/role=leader")]
+    rng = random.Random(7)
+
+    def hit_rate(pick, tag):
+        prompt_tokens = cached_tokens = 0
+        for conv in range(6):
+            history = f"{tag} conversation {conv}: " + "a long shared history line. " * 12
+            for turn in range(3):
+                history += f" question {turn}? answer {turn}."
+                status, body = post(pick(), {"model": NAME, "prompt": history, "max_tokens": 2})
+                if status == 200:
+                    prompt_tokens += body["usage"]["prompt_tokens"]
+                    cached_tokens += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return cached_tokens / max(1, prompt_tokens)
+    routed_hit = hit_rate(lambda: host, "routed")
+    random_hit = hit_rate(lambda: rng.choice(leader_ips), "random")
+    print(f"figure: prefix cache hit rate of 6 conversations x 3 turns, 2 replicas: "
+          f"{routed_hit:.1%} through the routers, {random_hit:.1%} to a leader at random",
+          flush=True)
+    check(routed_hit > random_hit,
+          f"the routers keep more of the conversations' prompts cached than a random spread "
+          f"({routed_hit:.1%} vs {random_hit:.1%})")
     prefix = sum(float(x.group(1)) for page in router_pages() for x in re.finditer(
         r'^shardserve_router_decisions_total\{[^}]*reason="prefix"[^}]*\} (\S+)', page, re.M))
     check(prefix >= 2 and routable() == [2.0, 2.0],
