@@ -12,6 +12,7 @@
 #include <atomic>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -205,6 +206,17 @@ struct Router::Impl {
         {"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", nullptr}}}};
     http::Response r{status, "application/json", body.dump(), {}};
     if (status == 503) r.headers.emplace_back("Retry-After", "1");
+    return r;
+  }
+
+  // The 401 of a request without a known key, as the leaders answer it (the same body).
+  std::optional<http::Response> Deny(const http::Request& req) {
+    if (keys == nullptr) return std::nullopt;
+    absl::Status st = keys->Check(req.Header("authorization"));
+    if (st.ok()) return std::nullopt;
+    CountRequest(401);
+    http::Response r{401, "application/json", DumpJson(ErrorBody(st)), {}};
+    r.headers.emplace_back("WWW-Authenticate", "Bearer");
     return r;
   }
 
@@ -444,13 +456,7 @@ struct Router::Impl {
       std::atomic<int>& n;
       ~Done() { --n; }
     } done{active};
-    if (keys != nullptr) {
-      if (absl::Status st = keys->Check(req.Header("authorization")); !st.ok()) {
-        http::Response r = Error(401, std::string(st.message()), "authentication_error");
-        r.headers.emplace_back("WWW-Authenticate", "Bearer");
-        return ex.Respond(std::move(r));
-      }
-    }
+    if (auto denied = Deny(req)) return ex.Respond(*std::move(denied));
     std::vector<std::shared_ptr<Replica>> reps = Snapshot();
     if (reps.empty()) {
       return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
@@ -679,13 +685,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
         {}};
   });
   routes.Get("/metrics", [s](const http::Request& req) {
-    if (s->keys != nullptr) {  // as the leaders' page: with keys, one of them
-      if (absl::Status st = s->keys->Check(req.Header("authorization")); !st.ok()) {
-        http::Response r = s->Error(401, std::string(st.message()), "authentication_error");
-        r.headers.emplace_back("WWW-Authenticate", "Bearer");
-        return r;
-      }
-    }
+    if (auto denied = s->Deny(req)) return *std::move(denied);  // as the leaders' page
     s->PublishReplicas();
     return http::Response{200,
                           "text/plain; version=0.0.4",

@@ -181,6 +181,8 @@ TEST_F(RouterTest, KeysAreCheckedBeforeAnyReplicaIsAsked) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 401);
   EXPECT_EQ(Header(*r, "www-authenticate"), "Bearer");
+  EXPECT_THAT(r->body, HasSubstr("\"code\":\"invalid_api_key\""));  // the leaders' answer
+  EXPECT_EQ(http::Fetch("127.0.0.1", router->port(), "GET", "/metrics", {}, "", 5s)->status, 401);
   EXPECT_EQ(a.requests_.load(), 0);
   r = Post(*router, false, {{"Authorization", "Bearer sk-router-test-0123456789"}});
   ASSERT_TRUE(r.ok());
