@@ -84,6 +84,7 @@ struct Replica {
   bool live ABSL_GUARDED_BY(mu) = false;  // a snapshot was read and the stream goes on
   Clock::time_point last_message ABSL_GUARDED_BY(mu);
   int64_t block_size ABSL_GUARDED_BY(mu) = 0;
+  std::string epoch ABSL_GUARDED_BY(mu);  // the leader's run, from its hello
   BlockHashSet cached ABSL_GUARDED_BY(mu), building ABSL_GUARDED_BY(mu);
   bool in_snapshot ABSL_GUARDED_BY(mu) = false;
   ReplicaLoad load ABSL_GUARDED_BY(mu);
@@ -239,6 +240,11 @@ struct Router::Impl {
     r.last_message = Clock::now();
     switch (m.type) {
       case KvMessage::Type::kHello:
+        if (!r.epoch.empty() && r.epoch != m.epoch) {
+          LogInfo("router: replica ", r.address, " is a new run of its leader (", m.epoch,
+                  " after ", r.epoch, "): its cache is read anew");
+        }
+        r.epoch = m.epoch;
         r.block_size = m.block_size;
         r.in_snapshot = true;
         r.building.clear();
