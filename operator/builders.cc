@@ -467,6 +467,12 @@ json BuildRouterDeployment(const ModelView& m) {
         {"value", s.special_tokens_in_content == "text" ? "text" : "special"}}});
   if (!s.api_key_secret.empty())
     env.push_back({{"name", kApiKeysFileEnv}, {"value", kApiKeysMount}});
+  for (const ShardedModelSpec::EnvVar& e :
+       s.env) {  // the leaders' body bound, if the model sets it
+    if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty()) {
+      env.push_back({{"name", e.name}, {"value", e.value}});
+    }
+  }
   json volumes = json::array({ModelVolume(uri)});
   json mounts = json::array({ModelVolumeMount()});
   AddLeaderSecrets(m, volumes, mounts);

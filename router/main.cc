@@ -7,7 +7,8 @@
 //   --port N (SHARDSERVE_ROUTER_PORT, 8000)  --host ADDR (0.0.0.0)
 //   --api-key-file FILE (SHARDSERVE_API_KEYS_FILE)  --leader-token-file FILE
 //   (SHARDSERVE_ROUTER_TOKEN_FILE)  --model-label NAME (SHARDSERVE_DEPLOYMENT)
-//   --special-tokens-as-text (SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT=text)
+//   --special-tokens-as-text (SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT=text); SHARDSERVE_MAX_BODY_BYTES
+//   as the leaders have it
 //   --prefix-weight W --load-weight W --kv-weight W
 // Runs until SIGINT/SIGTERM, then finishes the requests in progress (up to 30 s).
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -61,6 +63,16 @@ absl::Status Run(int argc, char** argv) {
   o.model_label = a.GetOr("model-label", Env("SHARDSERVE_DEPLOYMENT", "model"));
   o.special_tokens_as_text =
       a.Has("special-tokens-as-text") || Env("SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT") == "text";
+  // The leaders' body bound (a model's env may change it), so that what they refuse is refused
+  // here before it is tokenized.
+  if (const std::string bound = Env("SHARDSERVE_MAX_BODY_BYTES"); !bound.empty()) {
+    int64_t bytes = 0;
+    if (!absl::SimpleAtoi(bound, &bytes) || bytes < 1024) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "environment variable SHARDSERVE_MAX_BODY_BYTES '", bound, "' is not a count >= 1024"));
+    }
+    o.max_body_bytes = static_cast<size_t>(bytes);
+  }
   ASSIGN_OR_RETURN(o.weights.prefix, a.GetDouble("prefix-weight", o.weights.prefix));
   ASSIGN_OR_RETURN(o.weights.load, a.GetDouble("load-weight", o.weights.load));
   ASSIGN_OR_RETURN(o.weights.kv, a.GetDouble("kv-weight", o.weights.kv));

@@ -251,6 +251,11 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT",
          spec.special_tokens_in_content == "text" ? "text" : "special"}};
     if (!key_file.empty()) env.emplace_back(kApiKeysFileEnv, key_file);
+    for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
+      if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty()) {
+        env.emplace_back(e.name, e.value);
+      }
+    }
     auto pid = Spawn(SelfDirectory() + "/shardserve-router", {"--host", "127.0.0.1"}, env);
     if (!pid.ok()) return fail(pid.status());
     launchers.push_back({*pid, "router"});

@@ -85,6 +85,7 @@ struct Replica {
   Clock::time_point last_message ABSL_GUARDED_BY(mu);
   int64_t block_size ABSL_GUARDED_BY(mu) = 0;
   std::string epoch ABSL_GUARDED_BY(mu);  // the leader's run, from its hello
+  std::string model ABSL_GUARDED_BY(mu);  // the model it serves, from its hello
   BlockHashSet cached ABSL_GUARDED_BY(mu), building ABSL_GUARDED_BY(mu);
   bool in_snapshot ABSL_GUARDED_BY(mu) = false;
   ReplicaLoad load ABSL_GUARDED_BY(mu);
@@ -245,6 +246,7 @@ struct Router::Impl {
                   " after ", r.epoch, "): its cache is read anew");
         }
         r.epoch = m.epoch;
+        r.model = m.model;
         r.block_size = m.block_size;
         r.in_snapshot = true;
         r.building.clear();
@@ -260,9 +262,10 @@ struct Router::Impl {
           r.cached.swap(r.building);
           r.building.clear();
           r.in_snapshot = false;
-          if (!r.live)
-            LogInfo("router: replica ", r.address, " routable (", r.cached.size(),
-                    " cached blocks)");
+          if (!r.live) {
+            LogInfo("router: replica ", r.address, " of model '", r.model, "' routable (",
+                    r.cached.size(), " cached blocks)");
+          }
           r.live = true;
           r.why.clear();
         }

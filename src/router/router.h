@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/worker_env.h"
 #include "router/choice.h"
 
 namespace shardserve {
@@ -46,7 +47,8 @@ struct RouterOptions {
   std::chrono::milliseconds resolve_every{2000};
   std::chrono::milliseconds connect_timeout{2000};
   std::chrono::milliseconds answer_timeout{600000};  // a leader's whole answer
-  size_t max_body_bytes = 8 << 20;
+  // The leaders' bound: a body they would refuse is refused here before it is tokenized.
+  size_t max_body_bytes = static_cast<size_t>(WorkerEnv::Defaults().max_body_bytes);
   int max_blocking = 256;
 };
 

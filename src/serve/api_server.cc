@@ -71,6 +71,8 @@ struct Choice {
   // none), and how many of them are reported so far.
   std::vector<int32_t> prompt_ids;
   size_t prompt_reported = 0;
+  // The prompt's pieces as they are reported, spelling the echoed text (special tokens kept).
+  std::unique_ptr<TextStream> prompt_text;
   std::string finish_reason;  // set when done
   absl::Status error;
   bool done = false;
@@ -221,18 +223,15 @@ struct ApiServer::Impl {
       // u.prompt[i] scores position base + i (the first position has no score).
       const size_t base = std::max<size_t>(1, c.prompt_reported);
       const size_t end = std::min(c.prompt_ids.size(), base + u.prompt.size());
-      // Pieces that spell the echoed text: special tokens kept, the held-back end released.
-      std::vector<int32_t> specials;
-      for (int32_t id : c.prompt_ids) {
-        if (tokenizer->IsSpecial(id)) specials.push_back(id);
-      }
-      TextStream whole(tokenizer.get(), {}, specials);
+      // The new positions' pieces; at the prompt's end, its held-back text too.
       std::vector<std::string> pieces =
-          whole.Add(std::vector<int32_t>(c.prompt_ids.begin(), c.prompt_ids.begin() + end))
+          c.prompt_text
+              ->Add(std::vector<int32_t>(c.prompt_ids.begin() + c.prompt_reported,
+                                         c.prompt_ids.begin() + end))
               .token_texts;
-      if (end == c.prompt_ids.size()) pieces.back() += whole.Flush();
+      if (end == c.prompt_ids.size()) pieces.back() += c.prompt_text->Flush();
       for (size_t q = c.prompt_reported; q < end; ++q) {
-        completion_entry(pieces[q], q == 0 ? nullptr : &u.prompt[q - base]);
+        completion_entry(pieces[q - c.prompt_reported], q == 0 ? nullptr : &u.prompt[q - base]);
       }
       c.prompt_reported = end;
     }
@@ -411,7 +410,15 @@ struct ApiServer::Impl {
         Choice& c = choices.back();
         if (req.echo) {
           c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
-          if (req.logprobs) c.prompt_ids = ids;
+          if (req.logprobs) {
+            c.prompt_ids = ids;
+            std::vector<int32_t> specials;  // kept, so that the pieces spell the echoed text
+            for (int32_t id : ids) {
+              if (tokenizer->IsSpecial(id)) specials.push_back(id);
+            }
+            c.prompt_text =
+                std::make_unique<TextStream>(tokenizer.get(), std::vector<std::string>{}, specials);
+          }
         }
         if (req.tool_choice != "none") {
           c.tool_parser = std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools,

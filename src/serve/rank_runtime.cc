@@ -255,8 +255,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   std::vector<SequenceChunk> chunks;
   std::vector<int64_t> ids;
   std::vector<bool> sample;
-  std::vector<int32_t> score_rows;
-  int64_t rows = 0, score_top = 0;
+  int64_t rows = 0;
   for (const StepChunk& ch : step.chunks) {
     if (ch.params && model_->last_stage()) {
       params_[ch.seq] = *ch.params;
@@ -301,10 +300,6 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     SequenceChunk chunk;
     chunk.tokens = ch.tokens;
     chunk.kv = &kv_[ch.seq];
-    for (size_t i = 0; i < ch.score.size(); ++i) {  // the prompt's rows to score (DecodeStep
-      score_rows.push_back(static_cast<int32_t>(rows + ch.score_from + i));  // bounds them)
-      score_top = std::max(score_top, ch.score_top);
-    }
     rows += static_cast<int64_t>(chunk.tokens.size());
     chunks.push_back(std::move(chunk));
     ids.push_back(ch.seq);
@@ -360,12 +355,11 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     }
     ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k));
   }
+  // Echo with logprobs: the prompt's rows (DecodeStep bounded them), after the choice.
+  const ScoreRows score = ScoreRowsOf(step);
   std::vector<SampledToken> scored;
-  if (!score_rows.empty()) {  // echo with logprobs: the prompt's tokens, after the choice
-    std::vector<int32_t> targets;
-    for (const StepChunk& ch : step.chunks)
-      targets.insert(targets.end(), ch.score.begin(), ch.score.end());
-    ASSIGN_OR_RETURN(scored, model_->Score(score_rows, targets, score_top, tp_group_.get()));
+  if (!score.rows.empty()) {
+    ASSIGN_OR_RETURN(scored, model_->Score(score.rows, score.targets, score.top, tp_group_.get()));
   }
   if (!sampler) return std::nullopt;
   for (int64_t s = 0; s < S; ++s) {
@@ -374,14 +368,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     t.top.resize(std::min<size_t>(t.top.size(), params_[ids[s]].top_logprobs));
     result.tokens.push_back({ids[s], t.id, t.logprob, std::move(t.top)});
   }
-  size_t next = 0;
-  for (const StepChunk& ch : step.chunks) {
-    for (size_t i = 0; i < ch.score.size(); ++i, ++next) {
-      SampledToken& t = scored[next];
-      t.top.resize(std::min<size_t>(t.top.size(), ch.score_top));
-      result.prompt.push_back({ch.seq, t.id, t.logprob, std::move(t.top)});
-    }
-  }
+  AddPromptScores(step, std::move(scored), result);
   return result;
 }
 

@@ -2,6 +2,7 @@
 // What the leader's scheduler asks of a replica, one step at a time (DESIGN.md §5): the
 // sequences of one micro-batch with their new tokens, and the sequences whose KV cache every
 // rank must free. A step's result carries one sampled token per sequence that asked for one.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -56,6 +57,38 @@ struct StepResult {
   // The scored prompt tokens (StepChunk::score), in chunk and row order: token is the prompt's.
   std::vector<StepToken> prompt;
 };
+
+// The batch rows a step asks the last stage to score (StepChunk::score, every chunk's in order),
+// their targets and the most alternatives any asks for.
+struct ScoreRows {
+  std::vector<int32_t> rows, targets;
+  int64_t top = 0;
+};
+inline ScoreRows ScoreRowsOf(const StepDesc& step) {
+  ScoreRows out;
+  int64_t row = 0;  // the chunk's first row in the batch
+  for (const StepChunk& c : step.chunks) {
+    for (size_t i = 0; i < c.score.size(); ++i) {
+      out.rows.push_back(static_cast<int32_t>(row + c.score_from + static_cast<int64_t>(i)));
+      out.targets.push_back(c.score[i]);
+    }
+    out.top = std::max(out.top, c.score_top);
+    row += static_cast<int64_t>(c.tokens.size());
+  }
+  return out;
+}
+// The scored rows (in ScoreRowsOf's order) into the result, each with its chunk's alternatives.
+inline void AddPromptScores(const StepDesc& step, std::vector<SampledToken> scored,
+                            StepResult& result) {
+  size_t next = 0;
+  for (const StepChunk& c : step.chunks) {
+    for (size_t i = 0; i < c.score.size() && next < scored.size(); ++i, ++next) {
+      SampledToken& t = scored[next];
+      t.top.resize(std::min<size_t>(t.top.size(), static_cast<size_t>(c.score_top)));
+      result.prompt.push_back({c.seq, t.id, t.logprob, std::move(t.top)});
+    }
+  }
+}
 
 // The leader's handle on its replica. Not thread-safe: one scheduler thread drives it.
 class StepExecutor {

@@ -282,6 +282,8 @@ TEST(Builders, PodsHoldOnlyWhatTheyNeed) {
 TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
   json object = Model();
   object["spec"]["serving"]["apiKeySecret"] = "llama-keys";
+  object["spec"]["worker"]["env"].push_back(
+      {{"name", "SHARDSERVE_MAX_BODY_BYTES"}, {"value", "65536"}});
   auto m = ReadModel(object);
   ASSERT_TRUE(m.ok()) << m.status();
   const json d = BuildRouterDeployment(*m);
@@ -301,6 +303,8 @@ TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
   EXPECT_EQ(Env(as_pod, "SHARDSERVE_MODEL_PATH"), "/models/llama/70b");
   EXPECT_EQ(Env(as_pod, "SHARDSERVE_API_KEYS_FILE"), "/var/run/shardserve/api-keys");
   EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_TOKEN_FILE"), "/var/run/shardserve/router-token/token");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_MAX_BODY_BYTES"), "65536");  // the leaders' bound
+  EXPECT_EQ(Env(as_pod, "NCCL_DEBUG"), "<absent>");              // not the rest of their env
   ASSERT_NE(Volume(as_pod, "router-token"), nullptr);
   EXPECT_EQ((*Volume(as_pod, "router-token"))["secret"]["secretName"], "llama-router-token");
   ASSERT_NE(Volume(as_pod, "model"), nullptr);

@@ -11,7 +11,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "http/server.h"
+#include "http/upstream.h"
 #include "model/test_models.h"
 #include "serve/kv_events.h"
 #include "serve/prefix_cache.h"
@@ -43,11 +45,12 @@ class FakeLeader {
     routes.PostBlocking("/v1/completions", [this](const http::Request& req, http::Exchange& ex) {
       ++requests_;
       if (req.body.find("\"stream\": true") != std::string::npos) {
+        // The first piece, then the rest only once the client has it (go_): a router that
+        // waited for the whole answer would never pass it on.
         if (!ex.StartStream({200, "text/event-stream", "", {}})) return;
-        for (int i = 0; i < 3; ++i) {
-          ex.Write(absl::StrCat("data: ", name_, i, "\n\n"));
-          std::this_thread::sleep_for(20ms);
-        }
+        ex.Write(absl::StrCat("data: ", name_, "0\n\n"));
+        go_.WaitForNotificationWithTimeout(absl::Seconds(10));
+        for (int i = 1; i < 3; ++i) ex.Write(absl::StrCat("data: ", name_, i, "\n\n"));
         ex.Write("data: [DONE]\n\n");
         return ex.End();
       }
@@ -66,6 +69,7 @@ class FakeLeader {
   std::atomic<int> status_{200};
   std::atomic<int> requests_{0};
   std::atomic<bool> stop_stream_{false};
+  absl::Notification go_;
   std::unique_ptr<http::Server> server_;
 };
 
@@ -165,11 +169,27 @@ TEST_F(RouterTest, StreamsArePassedOnAsTheyCome) {
   FakeLeader a("A", HashBlocks(prompt_, 4)), b("B", {});
   auto router = Start({a.address(), b.address()});
   ASSERT_EQ(Routable(*router, 2), 2);
-  auto r = Post(*router, true);
-  ASSERT_TRUE(r.ok());
-  EXPECT_EQ(r->status, 200);
-  EXPECT_EQ(r->body, "data: A0\n\ndata: A1\n\ndata: A2\n\ndata: [DONE]\n\n");
-  EXPECT_EQ(Header(*r, "content-type"), "text/event-stream");
+  auto call = http::UpstreamCall::Start("127.0.0.1", router->port(), "POST", "/v1/completions",
+                                        {{"content-type", "application/json"}}, Body(true), 5s, 5s);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ((*call)->head().status, 200);
+  EXPECT_EQ((*call)->head().content_type, "text/event-stream");
+  // The first piece arrives while the leader still holds back the rest.
+  std::string body;
+  bool done = false;
+  while (body.find("A0") == std::string::npos && !done) {
+    auto piece = (*call)->Read(5s, &done);
+    ASSERT_TRUE(piece.ok()) << "the first piece did not come before the rest: " << piece.status();
+    body += *piece;
+  }
+  EXPECT_EQ(body, "data: A0\n\n");
+  a.go_.Notify();
+  while (!done) {
+    auto piece = (*call)->Read(5s, &done);
+    ASSERT_TRUE(piece.ok()) << piece.status();
+    body += *piece;
+  }
+  EXPECT_EQ(body, "data: A0\n\ndata: A1\n\ndata: A2\n\ndata: [DONE]\n\n");
 }
 
 TEST_F(RouterTest, KeysAreCheckedBeforeAnyReplicaIsAsked) {

@@ -69,27 +69,12 @@ class LocalExecutor : public StepExecutor {
         r.tokens.push_back({step.chunks[i].seq, t.id, t.logprob, t.top});
       }
       // The prompt rows asked for, as a rank scores them.
-      std::vector<int32_t> rows, targets;
-      int64_t row = 0, top = 0;
-      for (const StepChunk& c : step.chunks) {
-        for (size_t i = 0; i < c.score.size(); ++i) {
-          rows.push_back(static_cast<int32_t>(row + c.score_from + i));
-          targets.push_back(c.score[i]);
-        }
-        top = std::max(top, c.score_top);
-        row += static_cast<int64_t>(c.tokens.size());
-      }
-      scored_ += static_cast<int64_t>(rows.size());
-      if (!rows.empty()) {
+      const ScoreRows score = ScoreRowsOf(step);
+      scored_ += static_cast<int64_t>(score.rows.size());
+      if (!score.rows.empty()) {
         ASSIGN_OR_RETURN(std::vector<SampledToken> scored,
-                         model_->Score(rows, targets, top, nullptr));
-        size_t next = 0;
-        for (const StepChunk& c : step.chunks) {
-          for (size_t i = 0; i < c.score.size(); ++i, ++next) {
-            scored[next].top.resize(std::min<size_t>(scored[next].top.size(), c.score_top));
-            r.prompt.push_back({c.seq, scored[next].id, scored[next].logprob, scored[next].top});
-          }
-        }
+                         model_->Score(score.rows, score.targets, score.top, nullptr));
+        AddPromptScores(step, std::move(scored), r);
       }
     }
     done_.push_back(std::move(r));
