@@ -31,16 +31,17 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   std::vector<float> row(K), x(K);
   for (float& v : x) v = dist(rng);
   std::printf(
-      "%-6s %12s %12s   (%lld thread(s), %lld columns; GB/s of weights read; the read bandwidth "
-      "of these threads: %.2f GB/s)\n",
-      "type", "in L2", "from memory", static_cast<long long>(threads), static_cast<long long>(K),
-      ReadBandwidth(pool) / 1e9);
+      "%-6s %12s %12s %14s   (%lld thread(s), %lld columns; GB/s of weights read, and G weights "
+      "a second from memory; the read bandwidth of these threads: %.2f GB/s)\n",
+      "type", "in L2", "from memory", "G weights/s", static_cast<long long>(threads),
+      static_cast<long long>(K), ReadBandwidth(pool) / 1e9);
   // Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX,
   // Q6_KX).
-  for (DType dt : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
-                   DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
+  for (DType dt :
+       {DType::kBF16, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
+        DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
     if (K % DTypeBlock(dt) != 0) {  // the K-quants' rows hold whole super-blocks of 256
-      std::printf("%-6s %12s %12s\n", DTypeName(dt), "-", "-");
+      std::printf("%-6s %12s %12s %14s\n", DTypeName(dt), "-", "-", "-");
       continue;
     }
     const DType file = cpu::FileType(dt);
@@ -85,7 +86,9 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
       rate[memory] = static_cast<double>(bytes.size()) / s / 1e9;
     }
-    std::printf("%-6s %12.2f %12.2f\n", DTypeName(dt), rate[0], rate[1]);
+    const double per_value = static_cast<double>(DTypeBytes(dt, K)) / static_cast<double>(K);
+    std::printf("%-6s %12.2f %12.2f %14.2f\n", DTypeName(dt), rate[0], rate[1],
+                rate[1] / per_value);
   }
   return absl::OkStatus();
 }

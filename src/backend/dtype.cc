@@ -35,6 +35,8 @@ const char* DTypeName(DType t) {
       return "Q4_1X";
     case DType::kF8E4M3:
       return "F8_E4M3";
+    case DType::kF8_128:
+      return "F8_128";
     case DType::kU8:
       return "U8";
     case DType::kMXFP4:

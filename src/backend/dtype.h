@@ -17,7 +17,12 @@ namespace shardserve {
 // RepackQ4_1 and RepackQ6K; Q4_KX with its scales and minimums a byte each).
 // kF8E4M3 is the FP8 of fine-grained FP8 checkpoints (safetensors F8_E4M3: 1 sign, 4 exponent,
 // 3 mantissa bits, no infinities): stored with a scale per block in a tensor beside it, it reaches
-// no kernel; the model expands each rank's slice into the model's dtype at load (model/fp8.h).
+// no kernel; the model repacks each rank's slice into kF8_128, or where its blocks do not allow
+// that expands it into the model's dtype at load (model/fp8.h).
+// kF8_128 is no file's: FP8 as the backends compute with it, rows in blocks of 128 values, each
+// an F32 scale and then 128 E4M3 bytes (value = scale * e4m3). An FP8 checkpoint whose scale
+// blocks are 128 columns wide or wider (or one scale per tensor) is repacked into it at load
+// (model/fp8.h, PackFp8): the weights stay one byte a value, plus 3 %.
 // kU8 is raw bytes (safetensors U8): MXFP4's packed values and E8M0 scales, which the model
 // likewise expands at load (model/mxfp4.h). kMXFP4 is the same format as ggml stores it in GGUF
 // files (blocks of 32 values: an E8M0 byte, then 16 bytes of E2M1 codes), expanded alike.
@@ -35,6 +40,7 @@ enum class DType {
   kQ4_1X,
   kQ6_KX,
   kF8E4M3,
+  kF8_128,
   kU8,
   kMXFP4
 };
@@ -54,6 +60,8 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kQ4_1X:
     case DType::kMXFP4:
       return 32;
+    case DType::kF8_128:
+      return 128;
     case DType::kQ4_K:
     case DType::kQ5_K:
     case DType::kQ6_K:
@@ -91,6 +99,8 @@ constexpr size_t DTypeBlockBytes(DType t) {
       return 210;  // 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, F16 d
     case DType::kMXFP4:
       return 17;  // E8M0 scale, 32 x 4 bits
+    case DType::kF8_128:
+      return 132;  // F32 scale, 128 x E4M3
   }
   return 0;
 }
@@ -98,7 +108,7 @@ constexpr size_t DTypeBlockBytes(DType t) {
 constexpr bool IsStorageOnly(DType t) {
   return t == DType::kF8E4M3 || t == DType::kU8 || t == DType::kMXFP4;
 }
-// The block-quantized types the kernels compute with.
+// The block types the kernels compute with (GGUF's, and kF8_128).
 constexpr bool IsQuantized(DType t) { return DTypeBlock(t) > 1 && !IsStorageOnly(t); }
 // Bytes of n consecutive values of a row (n a multiple of the block).
 inline size_t DTypeBytes(DType t, int64_t n) {
@@ -109,7 +119,8 @@ inline size_t DTypeSize(DType t) {
   return t == DType::kF32 ? 4 : t == DType::kF8E4M3 || t == DType::kU8 ? 1 : 2;
 }
 const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names),
-                                 // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3", "U8", "MXFP4"
+                                 // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3", "F8_128", "U8",
+                                 // "MXFP4"
 // A safetensors dtype (F32, F16, BF16, F8_E4M3, U8).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

@@ -51,7 +51,7 @@ constexpr char kGenModelUsage[] =
     "--q-lora N --kv-lora N --rope-dim N --nope-dim N --v-dim N --groups N --topk-groups N\n"
     "--shared-experts N --first-dense N --moe-intermediate N (deepseek_v3)\n"
     "--sliding-window N --swiglu-limit X --mxfp4 (gpt_oss)\n"
-    "--dtype bf16|f16|f32 --fp8-block N --seed N --tie-embeddings --attention-bias\n"
+    "--dtype bf16|f16|f32 --fp8-block N|tensor --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|hermes|llama3-tools|mistral-tools|none\n"
     "--corpus FILE --shard-size BYTES\n"
@@ -61,7 +61,7 @@ constexpr char kGenModelUsage[] =
     "names the .gguf file, weights stored as --gguf-type, default the --dtype, MXFP4 experts as\n"
     "MXFP4; --gguf-legacy-mla: DeepSeek-V3's kv_b_proj as one attn_kv_b, as older llama.cpp\n"
     "files hold it; --fp8-block N: the linear weights as a fine-grained FP8 checkpoint, E4M3\n"
-    "with a scale per N x N block)";
+    "with a scale per N x N block; tensor: one scale per weight)";
 constexpr char kGenerateUsage[] =
     "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
@@ -160,7 +160,11 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
   o.seed = static_cast<uint64_t>(seed);
   ASSIGN_OR_RETURN(o.shard_bytes, a.GetInt("shard-size", 0));
-  ASSIGN_OR_RETURN(o.fp8_block, a.GetInt("fp8-block", 0));
+  if (a.GetOr("fp8-block", "") == "tensor") {
+    o.fp8_block = GenModelOptions::kFp8PerTensor;
+  } else {
+    ASSIGN_OR_RETURN(o.fp8_block, a.GetInt("fp8-block", 0));
+  }
   const std::string dtype = a.GetOr("dtype", "bf16");
   if (dtype == "bf16") {
     o.dtype = DType::kBF16;

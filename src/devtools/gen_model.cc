@@ -77,6 +77,12 @@ std::vector<float> BlockScales(const std::vector<float>& v, int64_t rows, int64_
   return s;
 }
 
+// The square block an FP8 weight of `shape` is scaled in: the option's, or the whole matrix
+// (GenModelOptions::kFp8PerTensor).
+int64_t ScaleBlock(int64_t block, const std::vector<int64_t>& shape) {
+  return block == GenModelOptions::kFp8PerTensor ? std::max(shape[0], shape[1]) : block;
+}
+
 // The E2M1 code nearest to v (ties to the even code's magnitude order: the lower).
 uint8_t Fp4Code(float v) {
   static constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -119,10 +125,10 @@ void FillMxfp4(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
 
 void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
   if (p.mxfp4) return FillMxfp4(p, seed, bytes);
-  if (p.block > 0 && p.spec.dtype == DType::kF32) {  // the scales of an FP8 weight
+  if (p.block != 0 && p.spec.dtype == DType::kF32) {  // the scales of an FP8 weight
     const std::vector<int64_t>& ws = p.weight_shape;
-    const std::vector<float> s =
-        BlockScales(Values(p.weight, p.init, ws[0] * ws[1], seed), ws[0], ws[1], p.block);
+    const std::vector<float> s = BlockScales(Values(p.weight, p.init, ws[0] * ws[1], seed), ws[0],
+                                             ws[1], ScaleBlock(p.block, ws));
     std::memcpy(bytes.data(), s.data(), 4 * s.size());
     return;
   }
@@ -130,11 +136,11 @@ void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
   const std::vector<float> v = Values(p.spec.name, p.init, n, seed);
   if (p.spec.dtype == DType::kF8E4M3) {
     const int64_t rows = p.spec.shape[0], cols = p.spec.shape[1];
-    const int64_t gc = (cols + p.block - 1) / p.block;
-    const std::vector<float> s = BlockScales(v, rows, cols, p.block);
+    const int64_t block = ScaleBlock(p.block, p.spec.shape), gc = (cols + block - 1) / block;
+    const std::vector<float> s = BlockScales(v, rows, cols, block);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
-        bytes[r * cols + c] = F32ToF8E4M3(v[r * cols + c] / s[(r / p.block) * gc + c / p.block]);
+        bytes[r * cols + c] = F32ToF8E4M3(v[r * cols + c] / s[(r / block) * gc + c / block]);
       }
     }
     return;
@@ -172,9 +178,10 @@ std::vector<Planned> AsFp8(std::vector<Planned> plain, int64_t block) {
     p.spec.dtype = DType::kF8E4M3;
     p.block = block;
     Planned scale;
-    scale.spec = {p.spec.name + "_scale_inv",
-                  DType::kF32,
-                  {(shape[0] + block - 1) / block, (shape[1] + block - 1) / block}};
+    scale.spec = {p.spec.name + "_scale_inv", DType::kF32, {}};  // per tensor: a scalar
+    if (block != GenModelOptions::kFp8PerTensor) {
+      scale.spec.shape = {(shape[0] + block - 1) / block, (shape[1] + block - 1) / block};
+    }
     scale.init = p.init;
     scale.block = block;
     scale.weight = p.spec.name;
@@ -570,9 +577,9 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--top-k ", top_k, " must be between 1 and --experts ", experts));
   }
-  if (fp8_block < 0 || fp8_block > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--fp8-block ", fp8_block, " is not a block size in [1, 4096] (or 0: none)"));
+  if ((fp8_block < 0 && fp8_block != kFp8PerTensor) || fp8_block > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fp8-block ", fp8_block, " is not a block size in [1, 4096] (or 0: none; tensor)"));
   }
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
@@ -734,11 +741,14 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                                       {"model.layers.*.self_attn", "model.layers.*.mlp.router",
                                        "model.embed_tokens", "lm_head"}}};
   }
-  if (o.fp8_block > 0) {  // as Hugging Face's FineGrainedFP8Config writes it
+  if (o.fp8_block != 0) {  // as Hugging Face's FineGrainedFP8Config writes it
     config["quantization_config"] = {{"quant_method", "fp8"},
                                      {"fmt", "e4m3"},
                                      {"activation_scheme", "dynamic"},
                                      {"weight_block_size", {o.fp8_block, o.fp8_block}}};
+    if (o.fp8_block == GenModelOptions::kFp8PerTensor) {
+      config["quantization_config"]["weight_block_size"] = nullptr;
+    }
   }
   if (o.rope_scaling == "llama3") {
     config["rope_scaling"] = {{"rope_type", "llama3"},
@@ -767,7 +777,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   RETURN_IF_ERROR(WriteText(dir / "generation_config.json", gen_config.dump(2)));
 
   std::vector<Planned> planned = PlanTensors(o, head_dim);
-  if (o.fp8_block > 0) planned = AsFp8(std::move(planned), o.fp8_block);
+  if (o.fp8_block != 0) planned = AsFp8(std::move(planned), o.fp8_block);
   if (o.mxfp4) planned = AsMxfp4(std::move(planned));
   // Group tensors into shards of about shard_bytes (one file when shard_bytes == 0).
   std::vector<std::vector<size_t>> shards(1);

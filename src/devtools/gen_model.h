@@ -46,7 +46,9 @@ struct GenModelOptions {
   int64_t shard_bytes = 0;  // > 0: split weights into files of about this size
   // > 0: a fine-grained FP8 checkpoint (model/fp8.h): the attention and MLP projections (the
   // experts' too) as F8_E4M3 with an F32 `_scale_inv` per fp8_block x fp8_block block, the rest
-  // in dtype, and quantization_config saying so.
+  // in dtype, and quantization_config saying so; kFp8PerTensor: one scale per weight (a scalar
+  // `_scale_inv`, weight_block_size null).
+  static constexpr int64_t kFp8PerTensor = -1;
   int64_t fp8_block = 0;
   // The chat template written to tokenizer_config.json: llama3, chatml, llama2, mistral, none,
   // or auto (chatml for qwen2; llama2 / mistral for SentencePiece llama / others; llama3 for

@@ -59,6 +59,7 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
     case DType::kMXFP4:
       return GgmlType::kMXFP4;
     case DType::kF8E4M3:
+    case DType::kF8_128:
     case DType::kU8:
       break;  // scaled by blocks, no GGUF type
   }
@@ -312,6 +313,16 @@ std::string QuantizeQ6K(const float* x) {
 
 std::string QuantizeRow(DType type, const float* x, int64_t n) {
   std::string out;
+  if (type == DType::kF8_128) {  // scale max|x| / 448 (E4M3's largest), values rounded to E4M3
+    for (int64_t b = 0; b < n; b += 128) {
+      float amax = 0;
+      for (int j = 0; j < 128; ++j) amax = std::max(amax, std::fabs(x[b + j]));
+      const float scale = amax > 0 ? amax / 448 : 1;
+      out.append(reinterpret_cast<const char*>(&scale), 4);
+      for (int j = 0; j < 128; ++j) out.push_back(static_cast<char>(F32ToF8E4M3(x[b + j] / scale)));
+    }
+    return out;
+  }
   if (DTypeBlock(type) == 256) {
     for (int64_t b = 0; b < n; b += 256) {
       out += type == DType::kQ6_K ? QuantizeQ6K(x + b)

@@ -96,14 +96,21 @@ inline absl::StatusOr<DType> TorchDtype(const Reader& r) {
 }
 
 // quantization_config.weight_block_size of a fine-grained FP8 checkpoint ([rows, columns] of the
-// blocks that share a scale; 128 x 128, Hugging Face's default, where it is absent).
+// blocks that share a scale; 128 x 128, Hugging Face's default, where it is absent; 0 x 0 for
+// null, a scale per tensor).
 inline absl::StatusOr<std::array<int64_t, 2>> WeightBlockSize(const json& q, const Reader& qr) {
+  // null: one scale per tensor (transformers' FP8Linear with block_size None).
+  if (q.contains("weight_block_size") && q["weight_block_size"].is_null()) {
+    return std::array<int64_t, 2>{0, 0};
+  }
   if (!qr.Has("weight_block_size")) return std::array<int64_t, 2>{128, 128};
   const json& b = q["weight_block_size"];
   if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
       b[0].get<int64_t>() < 1 || b[1].get<int64_t>() < 1 || b[0].get<int64_t>() > 65536 ||
       b[1].get<int64_t>() > 65536) {
-    return qr.Error("weight_block_size", "must be two integers in [1, 65536]: [rows, columns]");
+    return qr.Error("weight_block_size",
+                    "must be two integers in [1, 65536]: [rows, columns] (or null: a scale per "
+                    "tensor)");
   }
   return std::array<int64_t, 2>{b[0].get<int64_t>(), b[1].get<int64_t>()};
 }

@@ -12,6 +12,7 @@
 #include "common/text.h"
 #include "model/config.h"
 #include "model/config_reader.h"
+#include "model/fp8.h"
 
 namespace shardserve {
 namespace {
@@ -70,7 +71,11 @@ struct Format {
     switch (kind) {
       case Kind::kPlain:
         return Plain(rows * cols);
-      case Kind::kFp8Block:  // expanded into the model's dtype at load (model/fp8.h)
+      case Kind::kFp8Block:  // repacked into blocks of 128 with an F32 scale, or expanded into
+                             // the model's dtype where its blocks do not allow that (model/fp8.h)
+        if (Fp8Packs(Fp8Blocks{block_rows, block_cols}, 0, static_cast<int64_t>(cols))) {
+          return rows * cols * DTypeBlockBytes(DType::kF8_128) / kFp8Group;
+        }
         return Plain(rows * cols);
       case Kind::kFp8Row:  // one F32 scale per output row
         return rows * cols + rows * 4;
@@ -79,6 +84,11 @@ struct Format {
     }
     return Plain(rows * cols);
   }
+  // A weight whose rows a rank picks per head (MLA's q and kv_b projections): the per-head
+  // products take F32, F16 or BF16, so an FP8 one is expanded (model/transformer.cc, Picked).
+  double PerHead(const std::string& module, double rows, double cols) const {
+    return kind == Kind::kFp8Block ? Plain(rows * cols) : Linear(module, rows, cols);
+  }
   std::string Describe() const {
     std::string kept =
         keep.empty() ? "" : absl::StrCat("; ", dtype, " where modules_to_not_convert says");
@@ -86,9 +96,18 @@ struct Format {
       case Kind::kPlain:
         return dtype;
       case Kind::kFp8Block:
-        return absl::StrCat("FP8 E4M3 linear weights (a scale per ", block_rows, "x", block_cols,
-                            " block), held as ", dtype,
-                            ": expanded at load, no backend computes in FP8 yet");
+        return absl::StrCat(
+            "FP8 E4M3 linear weights (",
+            Fp8Blocks{block_rows, block_cols}.per_tensor()
+                ? std::string("a scale per tensor")
+                : absl::StrCat("a scale per ", block_rows, "x", block_cols, " block"),
+            "), ",
+            Fp8Packs(Fp8Blocks{block_rows, block_cols}, 0, kFp8Group)
+                ? absl::StrCat("computed in FP8 (an F32 scale per 128 values; ", dtype,
+                               " where a slice's columns are not groups of 128)")
+                : absl::StrCat("held as ", dtype,
+                               ": expanded at load (FP8 computes with "
+                               "blocks 128 or more columns wide)"));
       case Kind::kFp8Row:
         return absl::StrCat("FP8 E4M3 linear weights with an F32 scale per row, ", dtype,
                             " embeddings, norms and routers", kept, " (does not load yet)");
@@ -264,6 +283,10 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
       into += copies * f.Linear(at + module, rows, cols);
       params += copies * rows * cols;
     };
+    auto per_head = [&](const std::string& module, double rows, double cols, double& into) {
+      into += f.PerHead(at + module, rows, cols);
+      params += rows * cols;
+    };
     auto plain = [&](double n, double& into) {
       into += f.Plain(n);
       params += n;
@@ -274,15 +297,15 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
       if (d.q_lora > 0) {
         linear("self_attn.q_a_proj", static_cast<double>(d.q_lora), H, l.whole_bytes);
         plain(static_cast<double>(d.q_lora), l.whole_bytes);
-        linear("self_attn.q_b_proj", nh * qk, static_cast<double>(d.q_lora), l.split_bytes);
+        per_head("self_attn.q_b_proj", nh * qk, static_cast<double>(d.q_lora), l.split_bytes);
       } else {
-        linear("self_attn.q_proj", nh * qk, H, l.split_bytes);
+        per_head("self_attn.q_proj", nh * qk, H, l.split_bytes);
       }
       linear("self_attn.kv_a_proj_with_mqa", static_cast<double>(d.kv_lora + d.rope_dim), H,
              l.whole_bytes);
       plain(static_cast<double>(d.kv_lora), l.whole_bytes);
-      linear("self_attn.kv_b_proj", nh * static_cast<double>(d.nope_dim + d.v_dim),
-             static_cast<double>(d.kv_lora), l.split_bytes);
+      per_head("self_attn.kv_b_proj", nh * static_cast<double>(d.nope_dim + d.v_dim),
+               static_cast<double>(d.kv_lora), l.split_bytes);
       linear("self_attn.o_proj", H, nh * static_cast<double>(d.v_dim), l.split_bytes);
       l.whole_values = d.kv_lora + d.rope_dim;
       out.full_kv_values = d.heads * (d.nope_dim + d.rope_dim + d.v_dim);

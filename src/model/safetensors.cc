@@ -187,10 +187,11 @@ absl::Status WeightStore::PairFp8Scales() {
                                                      "', are not in the model"));
     }
     if ((s->second.dtype != DType::kF32 && s->second.dtype != DType::kBF16) ||
-        s->second.shape.size() != 2) {
+        (s->second.shape.size() != 2 && s->second.numel() != 1)) {
       return absl::InvalidArgumentError(absl::StrCat(
           s->second.file, ": tensor '", scale_name, "' is ", DTypeName(s->second.dtype), " ",
-          s->second.ShapeString(), "; FP8 scales are an F32 or BF16 matrix of blocks"));
+          s->second.ShapeString(),
+          "; FP8 scales are an F32 or BF16 matrix of blocks, or one scale for the tensor"));
     }
     t.scale = &s->second;
   }

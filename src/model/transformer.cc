@@ -67,6 +67,7 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
                                                                const Options& options,
                                                                std::unique_ptr<Backend> backend) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(model_dir));
+  ASSIGN_OR_RETURN(const bool fp8_compute, Fp8ComputeFromEnv());
   ASSIGN_OR_RETURN(auto weights, WeightStore::Open(model_dir));
   if (backend == nullptr) {
     RETURN_IF_ERROR(cpu::CheckCpu());
@@ -79,6 +80,7 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
   }
   std::unique_ptr<Transformer> t(
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
+  t->fp8_compute_ = fp8_compute;
   absl::Status s = t->CheckSplit();
   if (s.ok()) s = t->BindWeights();
   t->options_.progress = nullptr;  // loading is over; what it told may be gone
@@ -146,20 +148,24 @@ absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t 
                      " values) does not split over ", "tensor parallelism ", options_.tp_size,
                      ": its slice [", c0, ", ", c1, ") does not fall on block boundaries"));
   }
-  const DType to = config_.dtype;
+  // FP8 stays FP8 (an F32 scale per 128 values) where the slice's columns allow it.
+  const bool packed = fp8 && fp8_compute_ && Fp8Packs(config_.fp8_blocks, c0, c1);
+  const DType to = packed ? DType::kF8_128 : config_.dtype;
   const int64_t rows = r1 - r0, width = c1 - c0;
-  auto buf = std::unique_ptr<uint8_t[]>(
-      new (std::nothrow) uint8_t[std::max<size_t>(rows * width * DTypeSize(to), 1)]);
+  const size_t bytes = rows * DTypeBytes(to, width);
+  auto buf = std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[std::max<size_t>(bytes, 1)]);
   if (buf == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate ", rows * width * DTypeSize(to), " bytes to expand '", t.name, "'"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", bytes, " bytes to expand '", t.name, "'"));
   }
-  if (fp8) {
+  if (packed) {
+    RETURN_IF_ERROR(PackFp8(t, config_.fp8_blocks, r0, r1, c0, c1, buf.get()));
+  } else if (fp8) {
     RETURN_IF_ERROR(ExpandFp8(t, config_.fp8_blocks, r0, r1, c0, c1, to, buf.get()));
   } else {
     RETURN_IF_ERROR(ExpandGgmlMxfp4(t, r0, r1, c0, c1, to, buf.get()));
   }
-  shard_bytes_ += rows * width * DTypeSize(to);
+  shard_bytes_ += bytes;
   stage_bytes_ += t.nbytes;
   owned_.push_back(std::move(buf));
   return backend_->Upload(WeightMatrix{to, owned_.back().get(), rows, width, width});

@@ -262,6 +262,7 @@ class Transformer {
   int64_t expert_begin_ = 0, expert_end_ = 0, vocab_begin_ = 0, vocab_end_ = 0;
   size_t shard_bytes_ = 0, stage_bytes_ = 0;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // column slices read from the files
+  bool fp8_compute_ = true;  // FP8 weights kept as DType::kF8_128 (Fp8ComputeFromEnv)
   std::unique_ptr<WeightStore> weights_;
   std::unique_ptr<Backend> backend_;
   std::vector<std::unique_ptr<Buffer>> tables_;  // the experts' pointer arrays

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Generation on the CUDA backend through the real binaries (`SHARDSERVE_BACKEND=cuda shardserve
 generate`: rank processes, rendezvous, NCCL where the ranks have GPUs of their own) against the
-CPU backend on generated models (F32, FP8, GGUF files in each block type the GPU runs): the same
+CPU backend on generated models (F32, FP8 expanded and computed as FP8, GGUF files in each block
+type the GPU runs): the same
 greedy tokens and logprobs, the same sampled tokens
 for a seed (the device sampler draws from the sequence's generator), with one stage and with two
 (hidden states over an NCCL link when the stages have different GPUs, through the host when they
@@ -38,12 +39,21 @@ def gpus():
 
 with tempfile.TemporaryDirectory() as tmp:
     models = small_models(BIN, tmp, "f32")
-    # A fine-grained FP8 checkpoint: each rank expands its slice at load, then the GPU runs F32.
+    # A fine-grained FP8 checkpoint in blocks of 32: each rank expands its slice at load, then the
+    # GPU runs F32.
     models["llama-fp8"] = os.path.join(tmp, "llama-fp8")
     subprocess.run([BIN, "gen-model", "--arch", "llama", "--out", models["llama-fp8"],
                     "--layers", "3", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                     "--intermediate", "96", "--vocab", "401", "--dtype", "f32", "--fp8-block", "32"],
                    check=True, capture_output=True)
+    # FP8 computed as FP8 (F8_128 blocks: the GPU's quantized GEMV and tile expansion), with
+    # 128 x 128 block scales and with one scale per tensor.
+    for name, block in [("llama-fp8-128", "128"), ("qwen3-fp8-tensor", "tensor")]:
+        models[name] = os.path.join(tmp, name)
+        subprocess.run([BIN, "gen-model", "--arch", name.split("-")[0], "--out", models[name],
+                        "--layers", "3", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
+                        "--intermediate", "512", "--vocab", "401", "--dtype", "f32",
+                        "--fp8-block", block], check=True, capture_output=True)
     # DeepSeek-V3: latent attention (HeadGemm, WriteLatentKv, LatentAttention), grouped routing.
     models["deepseek-v3"] = os.path.join(tmp, "deepseek-v3")
     subprocess.run([BIN, "gen-model", "--arch", "deepseek_v3", "--out", models["deepseek-v3"],
@@ -81,8 +91,8 @@ with tempfile.TemporaryDirectory() as tmp:
                                           "--seed", "5"])]
     # Quantized weights: the CPU multiplies with its activations rounded to 16-bit integers
     # (kernels_test.cc), the GPU with them in F32 (on an H200, worst |dlogprob| 1.8e-4).
-    for arch in ["llama", "mixtral", "llama-fp8", "deepseek-v3", "gpt-oss"] + quantized + \
-            ["mixtral-q4_k"]:
+    for arch in ["llama", "mixtral", "llama-fp8", "llama-fp8-128", "qwen3-fp8-tensor",
+                 "deepseek-v3", "gpt-oss"] + quantized + ["mixtral-q4_k"]:
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):

@@ -59,6 +59,15 @@ CASES = {
     "qwen3_moe_fp8_bf16": ["--arch", "qwen3_moe", "--dtype", "bf16", "--heads", "8",
                            "--kv-heads", "4", "--experts", "8", "--top-k", "2",
                            "--intermediate", "64", "--fp8-block", "16"],
+    # FP8 as the checkpoints of 2026 ship it (128 x 128 blocks) and with one scale per tensor
+    # (weight_block_size null): computed in FP8 where a rank's columns fall in groups of 128
+    # (F8_128; its values exactly transformers' dequantized F32 ones), expanded where they do not
+    # (o_proj at TP=4).
+    "qwen3_fp8_128_f32": ["--arch", "qwen3", "--dtype", "f32", "--hidden", "256", "--heads", "4",
+                          "--kv-heads", "2", "--intermediate", "512", "--fp8-block", "128"],
+    "llama_fp8_tensor_f32": ["--arch", "llama", "--dtype", "f32", "--hidden", "128", "--heads",
+                             "4", "--kv-heads", "2", "--intermediate", "256", "--fp8-block",
+                             "tensor"],
     # YaRN where the whole head rotates: its attention factor (0.1 ln 4 + 1) on cos and sin.
     "qwen3_yarn_f32": ["--arch", "qwen3", "--dtype", "f32", "--heads", "8", "--kv-heads", "4",
                        "--rope-scaling", "yarn"],
@@ -92,6 +101,8 @@ LAYOUTS = {"qwen3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "qwen3_moe_nonorm_bf16": [(1, 1), (2, 2)],
            "qwen3_fp8_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "qwen3_moe_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+           "qwen3_fp8_128_f32": [(1, 1), (2, 1), (4, 1), (2, 2)],
+           "llama_fp8_tensor_f32": [(1, 1), (2, 1), (1, 2)],
            "deepseek_v3_f32": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
            "deepseek_v3_plain_bf16": [(1, 1), (2, 2)],
            "deepseek_v3_fp8_bf16": [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],

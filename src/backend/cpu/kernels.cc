@@ -22,9 +22,33 @@ namespace {
 // decode step at one thread.
 inline __m256 Exp8(__m256 x) { return _ZGVdN8v_expf(x); }
 
+// FP8 (DType::kF8_128): E4M3 bytes as F16 bits, sign to bit 15 and the other 7 bits to bits
+// 13-7 (exponent and mantissa line up; subnormals too): the F16 is the E4M3 value times 2^-8,
+// which the block's scale times 256 undoes exactly. So a weight is one rounding of value x
+// scale, as FP8's expansion into F32 gives it (model/fp8.h).
+// Each byte to the top of a 16-bit lane (s eeee mmm, then 8 zeros), shifted right one place with
+// its sign (s s eeee mmm 0...), the second sign bit cleared.
+inline __m256 F8x8(const uint8_t* bytes) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(-0x4001)));
+}
+// The block of kF8_128 holding value idx of a row, and that value's place in it.
+inline const uint8_t* F8Block(const void* base, int64_t idx) {
+  return static_cast<const uint8_t*>(base) + idx / 128 * DTypeBlockBytes(DType::kF8_128);
+}
+inline float F8Scale256(const uint8_t* block) {
+  float s;
+  std::memcpy(&s, block, 4);
+  return s * 256.0f;
+}
+
 template <DType D>
 inline __m256 Load8(const void* base, int64_t idx) {
-  if constexpr (D == DType::kF32) {
+  if constexpr (D == DType::kF8_128) {  // idx a multiple of 8
+    const uint8_t* block = F8Block(base, idx);
+    return _mm256_mul_ps(F8x8(block + 4 + idx % 128), _mm256_set1_ps(F8Scale256(block)));
+  } else if constexpr (D == DType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
   } else if constexpr (D == DType::kF16) {
     return _mm256_cvtph_ps(_mm_loadu_si128(
@@ -38,7 +62,12 @@ inline __m256 Load8(const void* base, int64_t idx) {
 
 template <DType D>
 inline float LoadScalar(const void* base, int64_t idx) {
-  if constexpr (D == DType::kF32) {
+  if constexpr (D == DType::kF8_128) {
+    const uint8_t* block = F8Block(base, idx);
+    float s;
+    std::memcpy(&s, block, 4);
+    return F8E4M3ToF32(block[4 + idx % 128]) * s;
+  } else if constexpr (D == DType::kF32) {
     return static_cast<const float*>(base)[idx];
   } else if constexpr (D == DType::kF16) {
     return F16ToF32(static_cast<const uint16_t*>(base)[idx]);
@@ -72,6 +101,43 @@ inline void GemvTile(const WeightMatrix& w, int64_t n, const float* x, int64_t l
       for (int64_t kk = k; kk < K; ++kk) s += LoadScalar<D>(rows[r], kk) * x[t * ldx + kk];
       y[t * ldy + n + r] = s;
     }
+  }
+}
+
+// FP8 (kF8_128) decode path: GemvTile's, a block of 128 values at a time, its scale read once
+// (each weight still value x scale rounded once, as Load8 gives it).
+template <int R, int MT>
+inline void GemvTileF8(const WeightMatrix& w, int64_t n, const float* x, int64_t ldx, float* y,
+                       int64_t ldy) {
+  constexpr int64_t kBytes = DTypeBlockBytes(DType::kF8_128);
+  const int64_t blocks = w.cols / 128;
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = RowPtr(w, n + r);
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 scale[R];
+    for (int r = 0; r < R; ++r) {
+      scale[r] = _mm256_set1_ps(F8Scale256(rows[r] + b * kBytes));
+      // Blocks ahead, fetched while these convert (the conversion is slow enough that the
+      // hardware prefetcher alone left the rows waiting on memory).
+      const char* ahead = reinterpret_cast<const char*>(rows[r] + (b + 4) * kBytes);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    }
+    for (int64_t k = 0; k < 128; k += 8) {
+      __m256 xv[MT];
+      for (int t = 0; t < MT; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + b * 128 + k);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_mul_ps(F8x8(rows[r] + b * kBytes + 4 + k), scale[r]);
+        for (int t = 0; t < MT; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < MT; ++t) y[t * ldy + n + r] = HSum(acc[r][t]);
   }
 }
 
@@ -125,8 +191,13 @@ template <DType D, int MT>
 void GemvRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, float* y,
                int64_t ldy) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) GemvTile<D, 4, MT>(w, n, x, ldx, y, ldy);
-  for (; n < n1; ++n) GemvTile<D, 1, MT>(w, n, x, ldx, y, ldy);
+  if constexpr (D == DType::kF8_128) {
+    for (; n + 4 <= n1; n += 4) GemvTileF8<4, MT>(w, n, x, ldx, y, ldy);
+    for (; n < n1; ++n) GemvTileF8<1, MT>(w, n, x, ldx, y, ldy);
+  } else {
+    for (; n + 4 <= n1; n += 4) GemvTile<D, 4, MT>(w, n, x, ldx, y, ldy);
+    for (; n < n1; ++n) GemvTile<D, 1, MT>(w, n, x, ldx, y, ldy);
+  }
 }
 
 // Prefill path: the tokens packed in panels of 16, the weights expanded a block of rows at a time
@@ -395,12 +466,12 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   int16_t* wq = reinterpret_cast<int16_t*>(wbuf);
   float* wf = wbuf + kNb * kKc / 2;
   float* wm = wf + kNb * (kKc / 16);
-  constexpr int64_t nbr = IsQuantized(D) ? kNbInt : kNb, mr = IsQuantized(D) ? kMrInt : kMr;
+  constexpr int64_t nbr = UnpacksToInts(D) ? kNbInt : kNb, mr = UnpacksToInts(D) ? kMrInt : kMr;
   for (int64_t nb = n0; nb < n1; nb += nbr) {
     const int64_t nr = std::min(nbr, n1 - nb);
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
-      if constexpr (IsQuantized(D)) {
+      if constexpr (UnpacksToInts(D)) {
         for (int64_t r = 0; r < nr; ++r) {
           UnpackInts(D, RowPtr(w, nb + r) + DTypeBytes(D, k0), kc, wq + r * kKc,
                      wf + r * (kKc / 16), wm + r * (kKc / 32));
@@ -422,7 +493,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
       for (int64_t t = 0; t < mp; t += kNr) {
         for (int64_t r = 0; r < nr; r += mr) {
           const int64_t rows = std::min(mr, nr - r);
-          if constexpr (IsQuantized(D)) {
+          if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
             MicroKernelIntAny<IntGroup(D), HasMin(D)>(
                 rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
@@ -508,7 +579,7 @@ void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& po
 template <DType D>
 void Gemm(const WeightMatrix& w, const PackedTokens& x, int64_t M, float* y, int64_t ldy,
           ThreadPool& pool) {
-  pool.ParallelFor(w.rows, IsQuantized(D) ? kMrInt : kMr,
+  pool.ParallelFor(w.rows, UnpacksToInts(D) ? kMrInt : kMr,
                    [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, y, ldy); });
 }
 
@@ -573,7 +644,7 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
           split[(M + t) * half + j] = x[t * ldx + 2 * j + 1];
         }
       }
-    } else if (IsQuantized(w.dtype)) {
+    } else if (UnpacksToInts(w.dtype)) {
       const int order = ActivationOrder(w.dtype);
       if (!have_quantized[order]) {
         have_quantized[order] = true;
@@ -591,6 +662,8 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
         return GemvRows<DType::kF16>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
       case DType::kBF16:
         return GemvRows<DType::kBF16>(w, b, e, x, ldx, split.data(), M, t.y, t.ldy);
+      case DType::kF8_128:
+        return GemvRows<DType::kF8_128>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
       default:
         return DecodeRows(w, b, e, quantized[ActivationOrder(w.dtype)], M, t.y, t.ldy);
     }
@@ -623,13 +696,13 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
   PackedTokens packed;
   for (size_t i = 0; i < n; ++i) {
     const int64_t K = targets[i].w->cols;
-    if (IsQuantized(targets[i].w->dtype) && packed.q == nullptr) {
+    if (UnpacksToInts(targets[i].w->dtype) && packed.q == nullptr) {
       QuantizeActivations(x, M, ldx, K, kActivationsInOrder, pool, &quantized);
       PackQuantized(quantized, M, K, pool, &q, &d, &ds);
       packed.q = q.data();
       packed.d = d.data();
       packed.ds = ds.data();
-    } else if (!IsQuantized(targets[i].w->dtype) && packed.f32 == nullptr) {
+    } else if (!UnpacksToInts(targets[i].w->dtype) && packed.f32 == nullptr) {
       float* xpack = nullptr;
       PackTokens(x, M, ldx, K, pool, &storage, &xpack);
       packed.f32 = xpack;
@@ -677,6 +750,9 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       case DType::kQ6_KX:
         Gemm<DType::kQ6_KX>(w, packed, M, y, ldy, pool);
         break;
+      case DType::kF8_128:
+        Gemm<DType::kF8_128>(w, packed, M, y, ldy, pool);
+        break;
       case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses them)
       case DType::kU8:
       case DType::kMXFP4:
@@ -692,7 +768,7 @@ void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float
 }
 
 void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
-  if (IsQuantized(dtype)) return Dequantize(dtype, data, n, out);
+  if (UnpacksToInts(dtype)) return Dequantize(dtype, data, n, out);
   for (int64_t i = 0; i < n; ++i) {
     switch (dtype) {
       case DType::kF32:
@@ -703,6 +779,9 @@ void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
         break;
       case DType::kBF16:
         out[i] = LoadScalar<DType::kBF16>(data, i);
+        break;
+      case DType::kF8_128:
+        out[i] = LoadScalar<DType::kF8_128>(data, i);
         break;
       default:
         break;

@@ -87,6 +87,9 @@ constexpr DType FileType(DType kept) {
          : kept == DType::kQ4_1X ? DType::kQ4_1
                                  : kept;
 }
+// Whether a block type's kernels multiply integers (GGUF's types: their values unpack to int16
+// with factors); FP8 (kF8_128) takes the float kernels, its values expanded to F32.
+constexpr bool UnpacksToInts(DType d) { return IsQuantized(d) && d != DType::kF8_128; }
 // Whether a quantized type's weights have a minimum term (factor * q + min).
 constexpr bool HasMin(DType d) {
   return FileType(d) != DType::kQ8_0 && FileType(d) != DType::kQ6_K;

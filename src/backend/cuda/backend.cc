@@ -72,7 +72,7 @@ class CudaBackend : public Backend {
       return absl::UnimplementedError(
           absl::StrCat(DTypeName(m.dtype),
                        " weights do not run on the CUDA backend (F32, F16, BF16, Q8_0, "
-                       "Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)"));
+                       "Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F8_128)"));
     }
     // Rows of whole blocks, as the file keeps them; 16 bytes past the end, so that the kernels'
     // aligned loads around a row's last bytes stay inside the allocation.

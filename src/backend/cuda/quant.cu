@@ -1,5 +1,6 @@
 // The CUDA backend: block-quantized weights as GGUF files store them (Q8_0, Q4_0, Q4_1, Q4_K,
-// Q5_K, Q6_K in ggml's layouts, kept on the device as the file has them). Decode reads the blocks
+// Q5_K, Q6_K in ggml's layouts, kept on the device as the file has them), and FP8 checkpoints'
+// weights in blocks of 128 values with an F32 scale (kF8_128, model/fp8.h). Decode reads the blocks
 // (no expanded copy of a weight): a warp per output row copies 32 chunks of 32 values of its row at
 // a time into shared memory (cp.async, 16-byte units, three rounds ahead of the one in use), then
 // each lane expands one chunk and multiplies it with up to 8 F32 inputs. Prefill expands tiles of
@@ -218,6 +219,9 @@ absl::Status ForQuantized(DType dtype, const char* what, F f) {
     case DType::kQ6_K:
       f(std::integral_constant<DType, DType::kQ6_K>{});
       break;
+    case DType::kF8_128:
+      f(std::integral_constant<DType, DType::kF8_128>{});
+      break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": no CUDA kernel for ", DTypeName(dtype), " weights"));
@@ -235,6 +239,7 @@ bool RunsQuantized(DType dtype) {
     case DType::kQ4_K:
     case DType::kQ5_K:
     case DType::kQ6_K:
+    case DType::kF8_128:
       return true;
     default:
       return false;

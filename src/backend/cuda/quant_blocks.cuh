@@ -1,8 +1,8 @@
 #pragma once
 // The blocks of GGUF's quantized types as ggml lays them out (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K),
-// read 32 values at a time: the CUDA backend's kernels (quant.cu) expand them on the device, and
-// tests/unit/backend/quant_blocks_test.cu checks them on the host against the CPU's reading.
-// Internal to backend/cuda.
+// and FP8 in blocks of 128 (kF8_128), read 32 values at a time: the CUDA backend's kernels
+// (quant.cu) expand them on the device, and tests/unit/backend/quant_blocks_test.cu checks them on
+// the host against the CPU's reading. Internal to backend/cuda.
 #include <cuda_fp16.h>
 #include <vector_types.h>
 
@@ -18,8 +18,8 @@ __host__ __device__ __forceinline__ float HalfAt(const uint8_t* p) {  // p 2-byt
 
 // Chunk j (32 consecutive values) of the blocks starting at `b` (block-aligned as in the file),
 // expanded to floats. Reads only with the alignment the layout guarantees: 2 bytes for Q8_0,
-// Q4_0 and Q6_K (blocks of 34, 18 and 210 bytes), 4 for Q4_1 (20), 16 for Q4_K and Q5_K (144,
-// 176).
+// Q4_0 and Q6_K (blocks of 34, 18 and 210 bytes), 4 for Q4_1 and F8_128 (20, 132), 16 for Q4_K
+// and Q5_K (144, 176).
 template <DType D>
 struct Blocks;
 
@@ -156,6 +156,30 @@ struct Blocks<DType::kQ6_K> {
         const uint32_t q = ((l >> (8 * e + lshift)) & 15) | (((hb >> (8 * e + hshift)) & 3) << 4);
         v[2 * i + e] = (i < 8 ? s0 : s1) * (static_cast<float>(q) - 32.f);
       }
+    }
+  }
+};
+
+// FP8 as the backends keep it (DType::kF8_128, model/fp8.h): blocks of an F32 scale and 128 E4M3
+// bytes, 4 chunks a block. An E4M3 byte becomes F16 bits (sign to bit 15, the other 7 bits to
+// 13-7: the value times 2^-8, subnormals included), undone by the scale times 256: one rounding
+// of value x scale, as the CPU's kernels (backend/cpu/kernels.cc, F8x8) and the expansion give.
+__host__ __device__ __forceinline__ float F8AsHalfTimes256th(uint32_t byte) {
+  const uint16_t h = static_cast<uint16_t>(((byte & 0x7F) << 7) | ((byte & 0x80) << 8));
+  return __half2float(__ushort_as_half(h));
+}
+
+template <>
+struct Blocks<DType::kF8_128> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    b += (j / 4) * 132;  // 4-byte aligned
+    const float s = *reinterpret_cast<const float*>(b) * 256.f;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(b + 4 + 32 * (j % 4));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t u = q[i];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[4 * i + e] = F8AsHalfTimes256th(u >> (8 * e)) * s;
     }
   }
 };

@@ -146,17 +146,18 @@ TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("32 columns")) << s;
 }
 
-// Weights in GGUF's block types, as each backend keeps them (the CPU repacks some; the GPU keeps
-// the file's blocks): decode sizes (up to 8 rows, the GPU's GEMV over the blocks) and prefill
-// sizes (the GPU expands tiles into BF16 for its tensor cores) against the exact products of the
-// blocks' values (ToFloat), a slice's rows (row stride past its columns), a group of one type as
-// one product, embedding rows and expert products. Tolerances: decode within 1e-3 plus the
-// CPU's activation rounding (Q16, kernels_test.cc states it); prefill within 1e-3 plus 4 sigma of
-// BF16 rounding of both operands (2^-8 relative each product).
+// Weights in GGUF's block types and FP8 (F8_128: an F32 scale per 128 E4M3 values), as each
+// backend keeps them (the CPU repacks some; the GPU keeps the file's blocks): decode sizes (up to 8
+// rows, the GPU's GEMV over the blocks) and prefill sizes (the GPU expands tiles into BF16 for its
+// tensor cores) against the exact products of the blocks' values (ToFloat), a slice's rows (row
+// stride past its columns), a group of one type as one product, embedding rows and expert products.
+// Tolerances: decode within 1e-3 plus the CPU's activation rounding (Q16, kernels_test.cc states
+// it); prefill within 1e-3 plus 4 sigma of BF16 rounding of both operands (2^-8 relative each
+// product).
 TEST_P(BackendOpsTest, QuantizedWeightsMatchTheBlockValues) {
   const int64_t N = 37, K = 512, stride = 768;
-  for (DType dtype :
-       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+  for (DType dtype : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K,
+                      DType::kQ6_K, DType::kF8_128}) {
     const std::vector<float> w = Random(N * stride, 50 + static_cast<int>(dtype));
     std::string bytes;
     for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, w.data() + n * stride, stride);

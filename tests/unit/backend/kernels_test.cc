@@ -428,7 +428,7 @@ TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
   const std::vector<std::pair<DType, int64_t>> shapes = {
       {DType::kQ4_K, 37},  {DType::kQ6_K, 5},  {DType::kBF16, 0},  {DType::kQ8_0, 70},
       {DType::kF32, 9},    {DType::kQ5_K, 66}, {DType::kBF16, 13}, {DType::kQ4_1, 3},
-      {DType::kQ4_KX, 11}, {DType::kQ6_KX, 7}, {DType::kQ4_1X, 9}};
+      {DType::kQ4_KX, 11}, {DType::kQ6_KX, 7}, {DType::kQ4_1X, 9}, {DType::kF8_128, 21}};
   std::vector<std::string> storage;
   std::vector<WeightMatrix> ws;
   for (auto [dtype, rows] : shapes) {
@@ -492,6 +492,47 @@ TEST(KernelsTest, ACpuWithoutTheKernelsIsaIsRefusedByName) {
 
 // The op conformance suite on the CPU backend, with one thread and with a pool that splits work.
 using testing::BackendCase;
+// FP8 as the CPU computes it (F8_128: an F32 scale per 128 E4M3 bytes, each byte read as F16
+// bits): every finite byte, subnormals and negative zero included, is its value times the scale
+// rounded once, and products equal those of the same values in F32, bit for bit, decode and
+// prefill (the same float kernels read them).
+TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
+  const int64_t N = 7, K = 512;
+  std::vector<uint8_t> bytes(N * DTypeBytes(DType::kF8_128, K));
+  std::vector<float> values(N * K);
+  const float scales[] = {0.0123f, 3.5f, 1.0f, -0.75f, 1e-3f, 448.0f, 2.0e-5f};
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b < K / 128; ++b) {
+      uint8_t* block = bytes.data() + n * DTypeBytes(DType::kF8_128, K) + b * 132;
+      const float s = scales[(n + b) % 7];
+      std::memcpy(block, &s, 4);
+      for (int64_t j = 0; j < 128; ++j) {
+        uint8_t v = static_cast<uint8_t>((n * 131 + b * 128 + j) % 256);
+        if ((v & 0x7F) == 0x7F) v ^= 1;  // E4M3's NaNs are not in a checked block
+        block[4 + j] = v;
+        values[n * K + b * 128 + j] = F8E4M3ToF32(v) * s;
+      }
+    }
+  }
+  std::vector<float> row(K);
+  for (int64_t n = 0; n < N; ++n) {
+    ToFloat(DType::kF8_128, bytes.data() + n * DTypeBytes(DType::kF8_128, K), K, row.data());
+    for (int64_t k = 0; k < K; ++k) ASSERT_EQ(row[k], values[n * K + k]) << n << "," << k;
+  }
+  const WeightMatrix f8{DType::kF8_128, bytes.data(), N, K, K};
+  const WeightMatrix f32{DType::kF32, values.data(), N, K, K};
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  ThreadPool pool(2);
+  for (int64_t M : {1, 2, 5, 12, 13, 40}) {
+    std::vector<float> x(M * K), a(M * N, NAN), b(M * N, NAN);
+    for (float& v : x) v = dist(rng);
+    MatMul(f8, x.data(), M, K, a.data(), N, pool);
+    MatMul(f32, x.data(), M, K, b.data(), N, pool);
+    EXPECT_EQ(a, b) << "M=" << M;
+  }
+}
+
 using testing::BackendOpsTest;
 INSTANTIATE_TEST_SUITE_P(Cpu, BackendOpsTest,
                          ::testing::Values(BackendCase{"threads1", [] { return NewBackend(1); }},

@@ -1,6 +1,6 @@
-// The GPU's reading of GGUF's quantized blocks (backend/cuda/quant_blocks.cuh), run on the host
-// (no GPU needed): every chunk of 32 values, as the decode and prefill kernels expand it, equals
-// the CPU backend's expansion of the same row (cpu::ToFloat), for rows quantized by our GGUF
+// The GPU's reading of GGUF's quantized blocks and of FP8's (backend/cuda/quant_blocks.cuh), run on
+// the host (no GPU needed): every chunk of 32 values, as the decode and prefill kernels expand it,
+// equals the CPU backend's expansion of the same row (cpu::ToFloat), for rows quantized by our GGUF
 // writer and for rows of random bytes (any scales and quants a file may hold).
 #include <gtest/gtest.h>
 
@@ -67,6 +67,7 @@ TEST(QuantBlocksTest, EveryChunkIsTheCpusExpansion) {
   CheckType<DType::kQ4_K>();
   CheckType<DType::kQ5_K>();
   CheckType<DType::kQ6_K>();
+  CheckType<DType::kF8_128>();  // the random bytes' scales: byte 3 the F32's top (|scale| < 2)
 }
 
 }  // namespace

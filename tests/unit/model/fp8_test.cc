@@ -11,6 +11,8 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/kernels.h"
+#include "devtools/gen_model.h"
 #include "model/config.h"
 #include "model/generator.h"
 #include "model/test_models.h"
@@ -106,6 +108,70 @@ TEST(Fp8Test, BadScalesAndNaNsAreNamed) {
               HasSubstr("tensor 'w.weight_scale_inv' holds a scale that is not finite"));
 }
 
+// A 3 x 384 weight in blocks of 2 x 128 (a 2 x 3 grid of scales): a slice of rows 1-2 and
+// columns [128, 384) packs into blocks of an F32 scale and 128 bytes, the values the expansion's.
+TEST(Fp8Test, ASlicePacksIntoBlocksOf128WithTheirScales) {
+  std::vector<uint8_t> q(3 * 384);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<uint8_t>((i * 37 + 11) % 0x7E);
+  std::vector<float> scales{0.5f, 2.0f, -0.25f, 3.0f, 0.125f, 7.0f};
+  TensorView s{"w.weight_scale_inv", "f", DType::kF32, {2, 3}, scales.data(), 24};
+  TensorView w{"w.weight", "f", DType::kF8E4M3, {3, 384}, q.data(), 3 * 384};
+  w.scale = &s;
+  EXPECT_TRUE(Fp8Packs({2, 128}, 128, 384));
+  EXPECT_TRUE(Fp8Packs({128, 256}, 0, 512));
+  EXPECT_TRUE(Fp8Packs({0, 0}, 0, 128));      // one scale per tensor
+  EXPECT_FALSE(Fp8Packs({128, 64}, 0, 128));  // two scales in a group
+  EXPECT_FALSE(Fp8Packs({128, 128}, 64, 192));
+  EXPECT_FALSE(Fp8Packs({128, 128}, 0, 96));
+  std::vector<uint8_t> packed(2 * DTypeBytes(DType::kF8_128, 256));
+  ASSERT_TRUE(PackFp8(w, {2, 128}, 1, 3, 128, 384, packed.data()).ok());
+  std::vector<float> want(2 * 256), got(256);
+  ASSERT_TRUE(
+      ExpandFp8(w, {2, 128}, 1, 3, 128, 384, DType::kF32, reinterpret_cast<uint8_t*>(want.data()))
+          .ok());
+  for (int r = 0; r < 2; ++r) {
+    const uint8_t* row = packed.data() + r * DTypeBytes(DType::kF8_128, 256);
+    float first_scale;
+    std::memcpy(&first_scale, row, 4);
+    EXPECT_EQ(first_scale, scales[(r + 1) / 2 * 3 + 1]) << r;
+    EXPECT_EQ(row[4], q[(r + 1) * 384 + 128]) << r;
+    cpu::ToFloat(DType::kF8_128, row, 256, got.data());
+    for (int c = 0; c < 256; ++c) EXPECT_EQ(got[c], want[r * 256 + c]) << r << "," << c;
+  }
+  EXPECT_THAT(PackFp8(w, {2, 128}, 0, 3, 64, 320, packed.data()).message(),
+              HasSubstr("columns [64, 320) of tensor 'w.weight' do not fall in groups of 128 "
+                        "under one scale each"));
+  q[2 * 384 + 300] = 0x7F;
+  EXPECT_THAT(PackFp8(w, {2, 128}, 1, 3, 128, 384, packed.data()).message(),
+              HasSubstr("tensor 'w.weight' holds a NaN (E4M3 0x7f) at row 2, column 300"));
+  scales[5] = NAN;
+  EXPECT_THAT(PackFp8(w, {2, 128}, 0, 3, 256, 384, packed.data()).message(),
+              HasSubstr("tensor 'w.weight_scale_inv' holds a scale that is not finite"));
+}
+
+// weight_block_size null: one scale, shape [] (as transformers' FP8Linear keeps it) or [1].
+TEST(Fp8Test, OneScalePerTensorExpandsAndPacks) {
+  std::vector<uint8_t> q(2 * 128);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<uint8_t>(i % 0x7E);
+  float scale = 0.375f;
+  TensorView s{"w.weight_scale_inv", "f", DType::kF32, {}, &scale, 4};
+  TensorView w{"w.weight", "f", DType::kF8E4M3, {2, 128}, q.data(), 256};
+  w.scale = &s;
+  std::vector<float> f32(256);
+  ASSERT_TRUE(
+      ExpandFp8(w, {0, 0}, 0, 2, 0, 128, DType::kF32, reinterpret_cast<uint8_t*>(f32.data())).ok());
+  for (int i = 0; i < 256; ++i) EXPECT_EQ(f32[i], F8E4M3ToF32(q[i]) * scale) << i;
+  std::vector<uint8_t> packed(2 * 132);
+  ASSERT_TRUE(PackFp8(w, {0, 0}, 0, 2, 0, 128, packed.data()).ok());
+  EXPECT_EQ(std::memcmp(packed.data() + 132, &scale, 4), 0);
+  s.shape = {1};
+  EXPECT_TRUE(PackFp8(w, {0, 0}, 0, 2, 0, 128, packed.data()).ok());
+  s.shape = {1, 2};
+  EXPECT_THAT(PackFp8(w, {0, 0}, 0, 2, 0, 128, packed.data()).message(),
+              HasSubstr("tensor 'w.weight_scale_inv' has shape [1,2]; with one scale per tensor "
+                        "(quantization_config.weight_block_size null) it is [] or [1]"));
+}
+
 class Fp8ModelTest : public ::testing::Test {
  protected:
   std::string Write() {
@@ -127,27 +193,53 @@ class Fp8ModelTest : public ::testing::Test {
   testing::TempDir dir_;
 };
 
-// The same model in FP8 and expanded by hand into F32 safetensors gives the same tokens.
-TEST_F(Fp8ModelTest, LoadsAsTheModelItsExpansionIs) {
-  Write();
+// The same model in FP8 and expanded by hand into F32 safetensors gives the same tokens and the
+// same log-probabilities, bit for bit: with blocks of 32 (expanded at load), of 128 and one scale
+// per tensor (computed in FP8, as DType::kF8_128: about a byte a weight, checked by the shard's
+// bytes against the expanded load's), decode and a prefill long enough for the CPU's GEMM.
+class Fp8ExpansionTest : public Fp8ModelTest, public ::testing::WithParamInterface<int64_t> {};
+
+TEST_P(Fp8ExpansionTest, LoadsAsTheModelItsExpansionIs) {
+  const int64_t block = GetParam();
+  auto o = testing::SmallModel("llama", dir_.Sub("m"));
+  o.fp8_block = block;
+  if (block != 32) {  // columns in groups of 128
+    o.hidden = 128;
+    o.intermediate = 256;
+  }
+  testing::WriteModel(o);
   auto fp8 = Transformer::Load(dir_.Sub("m"), {});
   ASSERT_TRUE(fp8.ok()) << fp8.status();
+  const Fp8Blocks blocks =
+      block == GenModelOptions::kFp8PerTensor ? Fp8Blocks{0, 0} : Fp8Blocks{block, block};
   auto store = WeightStore::Open(dir_.Sub("m"));
   ASSERT_TRUE(store.ok());
   std::vector<TensorSpec> specs;
   std::vector<std::vector<uint8_t>> data;
+  size_t fp8_values = 0;
   for (const auto& [name, t] : (*store)->tensors()) {
     if (name.ends_with("_scale_inv")) continue;
     std::vector<uint8_t> bytes(t.numel() * 4);
     if (t.dtype == DType::kF8E4M3) {
       ASSERT_TRUE(
-          ExpandFp8(t, {32, 32}, 0, t.shape[0], 0, t.shape[1], DType::kF32, bytes.data()).ok());
+          ExpandFp8(t, blocks, 0, t.shape[0], 0, t.shape[1], DType::kF32, bytes.data()).ok());
+      fp8_values += t.numel();
     } else {
       ASSERT_EQ(t.dtype, DType::kF32);
       std::memcpy(bytes.data(), t.data, bytes.size());
     }
     specs.push_back({name, DType::kF32, t.shape});
     data.push_back(std::move(bytes));
+  }
+  // The shard keeps FP8 weights in 132 bytes a 128 (or, expanded, 4 a value).
+  const bool computes_fp8 = block != 32;
+  {
+    ::setenv("SHARDSERVE_FP8", "expand", 1);
+    auto expanded = Transformer::Load(dir_.Sub("m"), {});
+    ::unsetenv("SHARDSERVE_FP8");
+    ASSERT_TRUE(expanded.ok()) << expanded.status();
+    const size_t saved = computes_fp8 ? fp8_values * 4 - fp8_values / 128 * 132 : 0;
+    EXPECT_EQ((*fp8)->shard_weight_bytes() + saved, (*expanded)->shard_weight_bytes());
   }
   std::filesystem::create_directories(dir_.Sub("plain"));
   for (const char* f : {"config.json", "tokenizer.json", "tokenizer_config.json"}) {
@@ -164,12 +256,27 @@ TEST_F(Fp8ModelTest, LoadsAsTheModelItsExpansionIs) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   GenerationRequest req;
   req.prompt_ids = {1, 17, 42, 300, 7};
+  for (int i = 0; i < 20; ++i) req.prompt_ids.push_back(3 + 11 * i);  // past 12 rows: the GEMM
   req.params.max_tokens = 5;
   req.params.ignore_eos = true;
   auto a = Generate(**fp8, {req}), b = Generate(**plain, {req});
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ((*a)[0].tokens, (*b)[0].tokens);
   EXPECT_EQ((*a)[0].logprobs, (*b)[0].logprobs);
+}
+
+INSTANTIATE_TEST_SUITE_P(Blocks, Fp8ExpansionTest,
+                         ::testing::Values(int64_t{32}, int64_t{128},
+                                           GenModelOptions::kFp8PerTensor));
+
+TEST_F(Fp8ModelTest, AnUnknownFp8SettingIsNamed) {
+  auto o = testing::SmallModel("llama", dir_.Sub("m"));
+  o.fp8_block = 32;
+  testing::WriteModel(o);
+  ::setenv("SHARDSERVE_FP8", "fast", 1);
+  const std::string error = LoadError();
+  ::unsetenv("SHARDSERVE_FP8");
+  EXPECT_THAT(error, HasSubstr("environment variable SHARDSERVE_FP8='fast' must be blocks"));
 }
 
 TEST_F(Fp8ModelTest, WhatIsMissingOrNotLoadedIsNamed) {
