@@ -41,21 +41,37 @@ for m in $MODELS; do
     "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$dir" "${shape[@]}" --dtype bf16 \
       --seed 1
   # Row sets: "DTYPE PROMPT BATCHES" (128-token prompts at batch 1 and 32, then the long ones,
-  # then the same model's weights as a GGUF of BENCH_QUANT, default Q4_K, at batch 1 and 32).
+  # then the same model's weights as a GGUF of BENCH_QUANT, default Q4_K, and as FP8, at batch 1
+  # and 32).
   rows=("bf16 128 1,32")
   if [ "$m" = tinyllama ]; then  # the long rows on the small shape: they fit one lease
     for ctx in ${BENCH_CONTEXTS-2048 8192}; do rows+=("bf16 $ctx 1,16"); done
   fi
   for q in ${BENCH_QUANT-q4_k}; do rows+=("$q 128 1,32"); done
+  # FP8 in 128x128 blocks, as the -FP8 checkpoints ship (computed as F8_128; BENCH_FP8=0: none).
+  [ "${BENCH_FP8:-1}" = 0 ] || rows+=("fp8 128 1,32")
   for row in "${rows[@]}"; do
     read -r type prompt batches <<<"$row"
     echo "=== $m, $type, $prompt-token prompt"
+    if [ "$type" = fp8 ]; then
+      [ -f "$MODEL_DIR/$m-fp8/config.json" ] ||
+        "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$MODEL_DIR/$m-fp8" \
+          "${shape[@]}" --dtype bf16 --seed 1 --fp8-block 128
+      "$SHARDSERVE_BIN/shardserve" bench cuda --model "$MODEL_DIR/$m-fp8" --batch "$batches" \
+        --steps 64 --prompt-tokens "$prompt"
+      continue
+    fi
     if [ "$type" != bf16 ]; then  # random weights of the same shape, stored as the GGUF type
       [ -f "$MODEL_DIR/$m-$type.gguf" ] ||
         "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$MODEL_DIR/$m-$type.gguf" \
           "${shape[@]}" --dtype bf16 --seed 1 --format gguf --gguf-type "$type"
       "$SHARDSERVE_BIN/shardserve" bench cuda --model "$MODEL_DIR/$m-$type.gguf" \
         --batch "$batches" --steps 64 --prompt-tokens "$prompt"
+      # The dp4a GEMV beside it, same machine (BENCH_DP4A=0: not).
+      [ "${BENCH_DP4A:-1}" = 0 ] ||
+        SHARDSERVE_CUDA_QUANT_GEMV=dp4a "$SHARDSERVE_BIN/shardserve" bench cuda \
+          --model "$MODEL_DIR/$m-$type.gguf" --batch "$batches" --steps 64 \
+          --prompt-tokens "$prompt" | grep -E '^decode batch' | sed 's/^/[quant dp4a] /'
       continue
     fi
     ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" --batch "$batches" --steps 64 \

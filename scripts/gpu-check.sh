@@ -126,12 +126,16 @@ for v in split split-batched heads; do
   check "cuda_attention_$v" env SHARDSERVE_CUDA_ATTN_KERNEL=$v "$BIN/cuda_tests" \
     --gtest_filter='*Attention*'
 done
+# The dp4a quantized GEMV (int8 inputs; off by default until a GPU run has passed and timed it)
+# through the quantized-weights cases.
+check cuda_quant_dp4a env SHARDSERVE_CUDA_QUANT_GEMV=dp4a "$BIN/cuda_tests" \
+  --gtest_filter='*Quantized*'
 check cuda_generate python3 tests/cli/cuda_generate_test.py "$BIN/shardserve"
 check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"
 if ((BENCH)); then
   check bench env SHARDSERVE_BIN="$BIN" BENCH_MODELS="${BENCH_MODELS:-/tmp/shardserve-bench-models}" PEER_PYTHON=python3 \
     bash bench/cuda.sh "$BENCH_SET"
-  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer|\[attention|concurrency|[0-9]+ +[0-9.]+ )' "$OUT/bench.log" |
+  grep -E '^(===|model:|decode batch|prefill batch|peer |shardserve / peer|\[attention|\[quant|concurrency|[0-9]+ +[0-9.]+ )' "$OUT/bench.log" |
     tee -a "$SUMMARY"
 fi
 if ((PROFILE)); then

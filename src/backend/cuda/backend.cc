@@ -259,6 +259,7 @@ absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device) {
                                                       DeviceCount(), " GPU(s) visible)"));
   }
   RETURN_IF_ERROR(AttentionKernelOverride().status());
+  RETURN_IF_ERROR(QuantGemvOverride().status());
   ASSIGN_OR_RETURN(std::unique_ptr<Context> ctx, Context::Create(device));
   return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(std::move(ctx)));
 }

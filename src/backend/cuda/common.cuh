@@ -187,8 +187,8 @@ void GemvRounds(GemvGroup g, int64_t cols, const float* x, int64_t m, Launch lau
 // Block-quantized weights (quant.cu; RunsQuantized in cuda_backend.h says which).
 // The decode product of a group of quantized matrices of one dtype (M <= kGemvMaxRows rows of x
 // at a time; more run in rounds), cols a multiple of the block.
-absl::Status QuantGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
-                            int64_t M);
+absl::Status QuantGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,
+                            const float* x, int64_t M);
 // Rows [r0, r0 + n) of quantized w expanded into BF16, [n][w.cols] at `out` (prefill's tiles).
 absl::Status ExpandRows(const WeightMatrix& w, int64_t r0, int64_t n, void* out);
 // Embed and ExpertMatVec (cuda_backend.h) of quantized tables and experts.

@@ -122,6 +122,13 @@ absl::Status WriteKv(const DeviceKv& cache, const float* k, const float* v, int6
 enum class AttentionKernel { kByShape, kSplit, kSplitBatched, kHeads };
 absl::StatusOr<AttentionKernel> AttentionKernelOverride();
 
+// The quantized decode GEMV SHARDSERVE_CUDA_QUANT_GEMV chooses: float (the default: each lane
+// expands a chunk of the blocks to F32 and multiplies it with F32 inputs) or dp4a (the inputs
+// quantized to int8 per 32, the GGUF types' chunks read as integers, four products an
+// instruction; FP8 keeps the float kernel). Any other value is an error naming it.
+enum class QuantGemvMode { kFloat, kDp4a };
+absl::StatusOr<QuantGemvMode> QuantGemvOverride();
+
 // Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
 // sequence (blocks at block_offset[r]); head h reads KV head (head0 + h) / group - kv_head0.
 // Writes rows x heads x head_dim floats; scale is 1/sqrt(head_dim).

@@ -84,8 +84,8 @@ void LaunchGemv(const GemvGroup& g, int64_t cols, const float* x, int64_t m) {
   });
 }
 
-absl::Status LaunchGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
-                             int64_t M) {
+absl::Status LaunchGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,
+                             const float* x, int64_t M) {
   switch (dtype) {
     case DType::kF32:
       LaunchGemv<float>(g, cols, x, M);
@@ -97,7 +97,7 @@ absl::Status LaunchGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, cons
       LaunchGemv<__nv_bfloat16>(g, cols, x, M);
       break;
     default:
-      return QuantGemvGroup(g, dtype, cols, x, M);
+      return QuantGemvGroup(ctx, g, dtype, cols, x, M);
   }
   return Check(cudaGetLastError(), "Gemv launch");
 }
@@ -310,7 +310,7 @@ absl::Status Gemm(Context& ctx, const WeightMatrix& w, const float* x, int64_t M
     g.rows[0] = g.end[0] = w.rows;
     g.y[0] = y;
     g.n = 1;
-    return LaunchGemvGroup(g, w.dtype, K, x, M);
+    return LaunchGemvGroup(ctx, g, w.dtype, K, x, M);
   }
   if (IsQuantized(w.dtype)) return QuantGemm(ctx, w, x, M, y);
   const void* b = x;
@@ -353,7 +353,7 @@ absl::Status GemmGroup(Context& ctx, const WeightMatrix* const* ws, float* const
     g.y[i] = ys[i];
   }
   g.n = static_cast<int>(n);
-  return LaunchGemvGroup(g, ws[0]->dtype, ws[0]->cols, x, M);
+  return LaunchGemvGroup(ctx, g, ws[0]->dtype, ws[0]->cols, x, M);
 }
 
 absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,

@@ -7,6 +7,8 @@
 // rows into BF16 for cuBLAS (gemm.cu).
 #include <cuda_pipeline.h>
 
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -122,6 +124,56 @@ __global__ void __launch_bounds__(kQuantWarps * 32, 6)
   const uint8_t* w = static_cast<const uint8_t*>(g.w[i]) + row * BytesOf<D>(g.stride[i]);
   float acc[M] = {};
   RowDot<D, M>(w, cols, x, cols, stage[threadIdx.x / 32], acc);
+  WriteWarpSums(acc, g.y[i], g.rows[i], row);
+}
+
+// The dp4a decode (SHARDSERVE_CUDA_QUANT_GEMV=dp4a): the inputs quantized once per product to
+// int8 chunks of 32 (QuantizeChunk: a scale and the chunk's sum beside each), then a warp per
+// output row whose lanes each take a chunk of the row at a time, read as integers (IntBlocks),
+// and multiply it with four dp4a a half: no float expansion of the weights (llama.cpp's mmvq
+// design). Accuracy: each input rounded to 1/254 of its chunk's largest magnitude.
+__global__ void QuantizeInputsKernel(const float* __restrict__ x, int64_t chunks, int32_t* q,
+                                     float* scale, int* sum) {
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v[32];
+    const float4* src = reinterpret_cast<const float4*>(x + c * 32);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 f = __ldg(src + i);
+      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+    int32_t w[8];
+    QuantizeChunk(v, w, scale + c, sum + c);
+    int4* o = reinterpret_cast<int4*>(q + c * 8);
+    o[0] = make_int4(w[0], w[1], w[2], w[3]);
+    o[1] = make_int4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+template <DType D, int M>
+__global__ void __launch_bounds__(kQuantWarps * 32)
+    QuantGemvDp4aKernel(GemvGroup g, int64_t cols, const int32_t* __restrict__ qx,
+                        const float* __restrict__ x_scale, const int* __restrict__ x_sum) {
+  int i;
+  int64_t row;
+  if (!GroupRow(g, blockIdx.x * kQuantWarps + threadIdx.x / 32, &i, &row)) return;
+  const uint8_t* w = static_cast<const uint8_t*>(g.w[i]) + row * BytesOf<D>(g.stride[i]);
+  const int64_t chunks = cols / 32;
+  constexpr int64_t per_block = Layout<D>::kBlock / 32;
+  float acc[M] = {};
+  for (int64_t c = threadIdx.x % 32; c < chunks; c += 32) {
+    IntChunk wc;
+    IntBlocks<D>::Chunk(w + BytesOf<D>(c / per_block * Layout<D>::kBlock),
+                        static_cast<int>(c % per_block), wc);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int4* xv = reinterpret_cast<const int4*>(qx + (m * chunks + c) * 8);
+      const int4 a = __ldg(xv), b = __ldg(xv + 1);
+      const int32_t xq[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      acc[m] += ChunkDot(wc, xq, __ldg(x_scale + m * chunks + c), __ldg(x_sum + m * chunks + c));
+    }
+  }
   WriteWarpSums(acc, g.y[i], g.rows[i], row);
 }
 
@@ -246,9 +298,39 @@ bool RunsQuantized(DType dtype) {
   }
 }
 
-absl::Status QuantGemvGroup(const GemvGroup& g, DType dtype, int64_t cols, const float* x,
-                            int64_t M) {
+absl::StatusOr<QuantGemvMode> QuantGemvOverride() {
+  const char* v = std::getenv("SHARDSERVE_CUDA_QUANT_GEMV");
+  if (v == nullptr || *v == '\0' || std::string_view(v) == "float") return QuantGemvMode::kFloat;
+  if (std::string_view(v) == "dp4a") return QuantGemvMode::kDp4a;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "environment variable SHARDSERVE_CUDA_QUANT_GEMV='", v,
+      "' must be float (the blocks expanded to F32, the default) or dp4a (int8 inputs, integer "
+      "products)"));
+}
+
+absl::Status QuantGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,
+                            const float* x, int64_t M) {
   const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kQuantWarps - 1) / kQuantWarps);
+  static const QuantGemvMode mode = QuantGemvOverride().value_or(QuantGemvMode::kFloat);
+  if (mode == QuantGemvMode::kDp4a && dtype != DType::kF8_128) {
+    const int64_t chunks = M * cols / 32;
+    ASSIGN_OR_RETURN(void* scratch, ctx.Scratch(static_cast<size_t>(chunks) * (32 + 8)));
+    auto* q = static_cast<int32_t*>(scratch);
+    auto* scale = reinterpret_cast<float*>(q + chunks * 8);
+    auto* sum = reinterpret_cast<int*>(scale + chunks);
+    QuantizeInputsKernel<<<Grid(chunks), 256>>>(x, chunks, q, scale, sum);
+    RETURN_IF_ERROR(Check(cudaGetLastError(), "input quantization launch"));
+    return ForQuantized(dtype, "dp4a GEMV launch", [&](auto d) {
+      constexpr DType kD = decltype(d)::value;
+      if constexpr (HasIntBlocks(kD)) {
+        GemvRounds(g, cols, x, M, [&](auto rows, const GemvGroup& round, const float* xr) {
+          const int64_t c0 = (xr - x) / 32;  // the round's first chunk
+          QuantGemvDp4aKernel<kD, decltype(rows)::value>
+              <<<blocks, kQuantWarps * 32>>>(round, cols, q + c0 * 8, scale + c0, sum + c0);
+        });
+      }
+    });
+  }
   return ForQuantized(dtype, "quantized GEMV launch", [&](auto d) {
     GemvRounds(g, cols, x, M, [&](auto rows, const GemvGroup& round, const float* xr) {
       QuantGemvKernel<decltype(d)::value, decltype(rows)::value>

@@ -184,6 +184,195 @@ struct Blocks<DType::kF8_128> {
   }
 };
 
+// --- Integer reading (the dp4a decode GEMV, quant.cu): chunk j of a GGUF block type as 32
+// integers q, four int8 a word (value 4i + k in byte k of word i), with value i =
+// d[i / 16] * q_i + m: the 4- and 5-bit types' quants unsigned (their offset or minimum in m),
+// Q8_0's and Q6_K's signed (m = 0; Q6_K's two 16-value scales in d[0] and d[1]; the others'
+// d[0] == d[1]). The same values as Chunk, each one float operation from q.
+struct IntChunk {
+  int32_t q[8];
+  float d[2];
+  float m;
+};
+
+// a . b over four int8 lanes, plus c (the device's __dp4a; the host's the same in C++).
+__host__ __device__ __forceinline__ int Dp4a(int32_t a, int32_t b, int c) {
+#ifdef __CUDA_ARCH__
+  return __dp4a(a, b, c);
+#else
+  for (int k = 0; k < 4; ++k) {
+    c += static_cast<int8_t>(static_cast<uint32_t>(a) >> (8 * k)) *
+         static_cast<int8_t>(static_cast<uint32_t>(b) >> (8 * k));
+  }
+  return c;
+#endif
+}
+
+// Four bytes of 0..63 less 32 each, as int8 (no borrow crosses a byte: each is 0x80 + b first).
+__host__ __device__ __forceinline__ uint32_t Less32(uint32_t x) {
+  return ((x | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+}
+
+template <DType D>
+struct IntBlocks;
+
+template <>
+struct IntBlocks<DType::kQ8_0> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
+    b += j * 34;
+    c.d[0] = c.d[1] = HalfAt(b);
+    c.m = 0;
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(b + 2);  // 2-byte aligned
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      c.q[i] = static_cast<int32_t>(q[2 * i] | (uint32_t{q[2 * i + 1]} << 16));
+  }
+};
+
+// Q4_0 and Q4_1: value i in the low nibble of byte i, i + 16 in the high one.
+template <DType D>
+__host__ __device__ __forceinline__ void NibbleChunk(const uint8_t* qs, IntChunk& c) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (D == DType::kQ4_0) {  // 2-byte aligned
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(qs);
+      w[i] = h[2 * i] | (uint32_t{h[2 * i + 1]} << 16);
+    } else {
+      w[i] = reinterpret_cast<const uint32_t*>(qs)[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    c.q[i] = static_cast<int32_t>(w[i] & 0x0F0F0F0Fu);
+    c.q[i + 4] = static_cast<int32_t>((w[i] >> 4) & 0x0F0F0F0Fu);
+  }
+}
+
+template <>
+struct IntBlocks<DType::kQ4_0> {  // d * (q - 8)
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
+    b += j * 18;
+    c.d[0] = c.d[1] = HalfAt(b);
+    c.m = -8.f * c.d[0];
+    NibbleChunk<DType::kQ4_0>(b + 2, c);
+  }
+};
+
+template <>
+struct IntBlocks<DType::kQ4_1> {  // d * q + m
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
+    b += j * 20;
+    c.d[0] = c.d[1] = HalfAt(b);
+    c.m = HalfAt(b + 2);
+    NibbleChunk<DType::kQ4_1>(b + 4, c);
+  }
+};
+
+// Q4_K and Q5_K as KQuantChunk reads them: d * scale_j * q - dmin * min_j.
+template <bool kFifthBit>
+__host__ __device__ __forceinline__ void KQuantIntChunk(const uint8_t* b, int j, IntChunk& c) {
+  constexpr int kBlockBytes = kFifthBit ? 176 : 144, kQuants = kFifthBit ? 48 : 16;
+  b += (j / 8) * kBlockBytes;
+  j %= 8;
+  float sc, mn;
+  ScaleMin(b + 4, j, &sc, &mn);
+  c.d[0] = c.d[1] = HalfAt(b) * sc;
+  c.m = -(HalfAt(b + 2) * mn);
+  uint32_t w[8], h[8] = {};
+  Load32(b + kQuants + 32 * (j / 2), w);
+  if constexpr (kFifthBit) Load32(b + 16, h);
+  const int shift = 4 * (j % 2);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t q = (w[i] >> shift) & 0x0F0F0F0Fu;
+    if constexpr (kFifthBit) q |= ((h[i] >> j) & 0x01010101u) << 4;
+    c.q[i] = static_cast<int32_t>(q);
+  }
+}
+
+template <>
+struct IntBlocks<DType::kQ4_K> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
+    KQuantIntChunk<false>(b, j, c);
+  }
+};
+
+template <>
+struct IntBlocks<DType::kQ5_K> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
+    KQuantIntChunk<true>(b, j, c);
+  }
+};
+
+template <>
+struct IntBlocks<DType::kQ6_K> {  // as Blocks<kQ6_K>: d * scale * (q - 32), q - 32 signed
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
+    b += (j / 8) * 210;
+    j %= 8;
+    const int half = j / 4, k = j % 4;
+    const uint16_t* ql = reinterpret_cast<const uint16_t*>(b + 64 * half + 32 * (k % 2));
+    const uint16_t* qh = reinterpret_cast<const uint16_t*>(b + 128 + 32 * half);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * k);
+    const float d = HalfAt(b + 208);
+    c.d[0] = d * scales[0];
+    c.d[1] = d * scales[1];
+    c.m = 0;
+    const int lshift = 4 * (k / 2), hshift = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t l = ql[2 * i] | (uint32_t{ql[2 * i + 1]} << 16);
+      const uint32_t h = qh[2 * i] | (uint32_t{qh[2 * i + 1]} << 16);
+      c.q[i] = static_cast<int32_t>(
+          Less32(((l >> lshift) & 0x0F0F0F0Fu) | (((h >> hshift) & 0x03030303u) << 4)));
+    }
+  }
+};
+
+// Whether IntBlocks reads D.
+constexpr bool HasIntBlocks(DType d) {
+  return d == DType::kQ8_0 || d == DType::kQ4_0 || d == DType::kQ4_1 || d == DType::kQ4_K ||
+         d == DType::kQ5_K || d == DType::kQ6_K;
+}
+
+// 32 activations quantized for the dp4a GEMV: q_i = round(x_i / scale) in [-127, 127], scale =
+// max |x| / 127 (0 for a chunk of zeros), and the sum of the q (for the minimum's term).
+__host__ __device__ __forceinline__ void QuantizeChunk(const float* x, int32_t (&q)[8],
+                                                       float* scale, int* sum) {
+  float amax = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  const float s = amax / 127.f, inv = amax > 0 ? 127.f / amax : 0.f;
+  int total = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int v = static_cast<int>(rintf(x[4 * i + k] * inv));
+      total += v;
+      w |= (static_cast<uint32_t>(v) & 0xFF) << (8 * k);
+    }
+    q[i] = static_cast<int32_t>(w);
+  }
+  *scale = s;
+  *sum = total;
+}
+
+// The dot product of a weight chunk with a quantized activation chunk (scale, sum): each half's
+// 16 products in integers, then scaled.
+__host__ __device__ __forceinline__ float ChunkDot(const IntChunk& c, const int32_t (&x)[8],
+                                                   float x_scale, int x_sum) {
+  int lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    lo = Dp4a(c.q[i], x[i], lo);
+    hi = Dp4a(c.q[i + 4], x[i + 4], hi);
+  }
+  return x_scale * (c.d[0] * static_cast<float>(lo) + c.d[1] * static_cast<float>(hi) +
+                    c.m * static_cast<float>(x_sum));
+}
+
 // Values and bytes of a block of D, as constants device code can use.
 template <DType D>
 struct Layout {

@@ -70,6 +70,25 @@ TEST(CudaBackendTest, AttentionKernelOverrideNamesAKernelOrIsUnset) {
   unsetenv("SHARDSERVE_CUDA_ATTN_KERNEL");
 }
 
+TEST(CudaBackendTest, QuantGemvOverrideNamesAKernelOrIsUnset) {
+  using cuda::QuantGemvMode;
+  unsetenv("SHARDSERVE_CUDA_QUANT_GEMV");
+  EXPECT_EQ(*cuda::QuantGemvOverride(), QuantGemvMode::kFloat);
+  setenv("SHARDSERVE_CUDA_QUANT_GEMV", "float", 1);
+  EXPECT_EQ(*cuda::QuantGemvOverride(), QuantGemvMode::kFloat);
+  setenv("SHARDSERVE_CUDA_QUANT_GEMV", "dp4a", 1);
+  EXPECT_EQ(*cuda::QuantGemvOverride(), QuantGemvMode::kDp4a);
+  setenv("SHARDSERVE_CUDA_QUANT_GEMV", "int4", 1);
+  EXPECT_THAT(std::string(cuda::QuantGemvOverride().status().message()),
+              ::testing::HasSubstr("SHARDSERVE_CUDA_QUANT_GEMV='int4' must be float"));
+  if (cuda::DeviceCount() > 0) {
+    auto b = cuda::NewBackend(0);
+    EXPECT_FALSE(b.ok());
+    EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("QUANT_GEMV"));
+  }
+  unsetenv("SHARDSERVE_CUDA_QUANT_GEMV");
+}
+
 TEST(CudaBackendTest, NcclLibraryLoads) {
   EXPECT_NE(nccl::Version(), "unknown");  // runs without a GPU: the library links and loads
 }

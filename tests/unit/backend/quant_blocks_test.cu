@@ -39,6 +39,51 @@ void ExpectChunksMatchTheCpu(const std::string& bytes, int64_t n, const std::str
   }
 }
 
+// IntBlocks (the dp4a GEMV's reading): each chunk's d[i / 16] * q_i + m is the chunk's float
+// value; ChunkDot with inputs quantized by QuantizeChunk is the float dot product within the
+// inputs' rounding (half a step, max |x| / 254, times the weights' magnitudes).
+template <DType D>
+void ExpectIntChunksMatch(const std::string& bytes, int64_t n, const std::string& what) {
+  if constexpr (HasIntBlocks(D)) {
+    std::vector<uint4> aligned((bytes.size() + 15) / 16);
+    std::memcpy(aligned.data(), bytes.data(), bytes.size());
+    const auto* row = reinterpret_cast<const uint8_t*>(aligned.data());
+    constexpr int64_t per_block = Layout<D>::kBlock / 32;
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> dist(-3, 3);
+    for (int64_t c = 0; c < n / 32; ++c) {
+      const uint8_t* block = row + BytesOf<D>(c / per_block * Layout<D>::kBlock);
+      float v[32];
+      Blocks<D>::Chunk(block, static_cast<int>(c % per_block), v);
+      IntChunk ic;
+      IntBlocks<D>::Chunk(block, static_cast<int>(c % per_block), ic);
+      float x[32];
+      for (float& e : x) e = dist(rng);
+      int32_t xq[8];
+      float x_scale;
+      int x_sum;
+      QuantizeChunk(x, xq, &x_scale, &x_sum);
+      double want = 0, bound = 0;
+      bool finite = true;
+      for (int i = 0; i < 32; ++i) {
+        const int q = static_cast<int8_t>(static_cast<uint32_t>(ic.q[i / 4]) >> (8 * (i % 4)));
+        const float value = ic.d[i / 16] * static_cast<float>(q) + ic.m;
+        if (std::isnan(v[i])) {  // random bytes: an F16 scale may be NaN
+          finite = false;
+          continue;
+        }
+        ASSERT_NEAR(value, v[i], 1e-6 * std::max(1.0f, std::fabs(v[i])))
+            << DTypeName(D) << " " << what << ": chunk " << c << " value " << i;
+        want += double(v[i]) * x[i];
+        bound += std::fabs(v[i]) * x_scale / 2 * 1.001 + 1e-5;
+      }
+      if (!finite) continue;
+      ASSERT_NEAR(ChunkDot(ic, xq, x_scale, x_sum), want, bound)
+          << DTypeName(D) << " " << what << ": chunk " << c;
+    }
+  }
+}
+
 template <DType D>
 void CheckType() {
   std::mt19937 rng(static_cast<uint32_t>(D) + 1);
@@ -47,6 +92,7 @@ void CheckType() {
   std::vector<float> x(n);
   for (float& v : x) v = dist(rng);
   ExpectChunksMatchTheCpu<D>(QuantizeRow(D, x.data(), n), n, "quantized row");
+  ExpectIntChunksMatch<D>(QuantizeRow(D, x.data(), n), n, "quantized row");
   std::uniform_int_distribution<int> byte(0, 255);
   std::string random(DTypeBytes(D, n), '\0');
   for (char& b : random) b = static_cast<char>(byte(rng));
@@ -58,6 +104,7 @@ void CheckType() {
     }
   }
   ExpectChunksMatchTheCpu<D>(random, n, "random bytes");
+  ExpectIntChunksMatch<D>(random, n, "random bytes");
 }
 
 TEST(QuantBlocksTest, EveryChunkIsTheCpusExpansion) {
