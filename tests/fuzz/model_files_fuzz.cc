@@ -239,6 +239,16 @@ int Run(int iterations, uint64_t seed) {
     std::fprintf(stderr, "gen-model --fp8-block: %s\n", std::string(s.message()).c_str());
     return 1;
   }
+  // And in blocks of 128 with columns in groups of 128: repacked and computed as FP8 (F8_128).
+  GenModelOptions g128 = g8;
+  g128.out_dir = tmp.Sub("fp8-128");
+  g128.fp8_block = 128;
+  g128.hidden = 128;
+  g128.intermediate = 256;
+  if (absl::Status s = GenerateModel(g128); !s.ok()) {
+    std::fprintf(stderr, "gen-model --fp8-block 128: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
   // And a DeepSeek-V3 (multi-head latent attention, grouped routing, a dense layer, YaRN).
   GenModelOptions ds = testing::SmallModel("deepseek_v3", tmp.Sub("ds"));
   ds.layers = 2;
@@ -282,6 +292,7 @@ int Run(int iterations, uint64_t seed) {
       // Its header and its bytes (NaN codes, scales that are not finite) alike.
       {"FP8 safetensors", tmp.Sub("fp8"), "model.safetensors", Target::kWhole},
       {"FP8 config.json", tmp.Sub("fp8"), "config.json", Target::kJson},
+      {"FP8 computed as FP8", tmp.Sub("fp8-128"), "model.safetensors", Target::kWhole},
       {"MLA safetensors", tmp.Sub("ds"), "model.safetensors", Target::kSafetensors},
       {"MLA config.json", tmp.Sub("ds"), "config.json", Target::kJson},
       {"gpt-oss MXFP4", tmp.Sub("go"), "model.safetensors", Target::kWhole},
