@@ -136,25 +136,40 @@ struct Blocks<DType::kQ5_K> {
 // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 values), F16
 // d. In each half of 128 values, chunk c takes the low (c < 2) or high nibbles of low-nibble
 // bytes 32 (c % 2) .. + 31 and bit pair c of the half's 32 high-bit bytes: d * scale * (q - 32).
-template <>
-struct Blocks<DType::kQ6_K> {
-  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+// Q6KChunk locates chunk j (of 8): its low-nibble and high-bit-pair bytes (as 16 uint16), which
+// nibble and bit pair, and the scales of its two 16-value halves.
+struct Q6KChunk {
+  const uint16_t* ql;
+  const uint16_t* qh;
+  float s0, s1;
+  int lshift, hshift;
+  __host__ __device__ Q6KChunk(const uint8_t* b, int j) {
     b += (j / 8) * 210;
     j %= 8;
     const int half = j / 4, c = j % 4;
-    const uint16_t* ql = reinterpret_cast<const uint16_t*>(b + 64 * half + 32 * (c % 2));
-    const uint16_t* qh = reinterpret_cast<const uint16_t*>(b + 128 + 32 * half);
+    ql = reinterpret_cast<const uint16_t*>(b + 64 * half + 32 * (c % 2));
+    qh = reinterpret_cast<const uint16_t*>(b + 128 + 32 * half);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * c);
     const float d = HalfAt(b + 208);
-    const float s0 = d * scales[0], s1 = d * scales[1];
-    const int lshift = 4 * (c / 2), hshift = 2 * c;
+    s0 = d * scales[0];
+    s1 = d * scales[1];
+    lshift = 4 * (c / 2);
+    hshift = 2 * c;
+  }
+};
+
+template <>
+struct Blocks<DType::kQ6_K> {
+  static __host__ __device__ void Chunk(const uint8_t* b, int j, float (&v)[32]) {
+    const Q6KChunk c(b, j);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const uint32_t l = ql[i], hb = qh[i];
+      const uint32_t l = c.ql[i], hb = c.qh[i];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const uint32_t q = ((l >> (8 * e + lshift)) & 15) | (((hb >> (8 * e + hshift)) & 3) << 4);
-        v[2 * i + e] = (i < 8 ? s0 : s1) * (static_cast<float>(q) - 32.f);
+        const uint32_t q =
+            ((l >> (8 * e + c.lshift)) & 15) | (((hb >> (8 * e + c.hshift)) & 3) << 4);
+        v[2 * i + e] = (i < 8 ? c.s0 : c.s1) * (static_cast<float>(q) - 32.f);
       }
     }
   }
@@ -308,23 +323,16 @@ struct IntBlocks<DType::kQ5_K> {
 template <>
 struct IntBlocks<DType::kQ6_K> {  // as Blocks<kQ6_K>: d * scale * (q - 32), q - 32 signed
   static __host__ __device__ void Chunk(const uint8_t* b, int j, IntChunk& c) {
-    b += (j / 8) * 210;
-    j %= 8;
-    const int half = j / 4, k = j % 4;
-    const uint16_t* ql = reinterpret_cast<const uint16_t*>(b + 64 * half + 32 * (k % 2));
-    const uint16_t* qh = reinterpret_cast<const uint16_t*>(b + 128 + 32 * half);
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half + 2 * k);
-    const float d = HalfAt(b + 208);
-    c.d[0] = d * scales[0];
-    c.d[1] = d * scales[1];
+    const Q6KChunk k(b, j);
+    c.d[0] = k.s0;
+    c.d[1] = k.s1;
     c.m = 0;
-    const int lshift = 4 * (k / 2), hshift = 2 * k;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const uint32_t l = ql[2 * i] | (uint32_t{ql[2 * i + 1]} << 16);
-      const uint32_t h = qh[2 * i] | (uint32_t{qh[2 * i + 1]} << 16);
+      const uint32_t l = k.ql[2 * i] | (uint32_t{k.ql[2 * i + 1]} << 16);
+      const uint32_t h = k.qh[2 * i] | (uint32_t{k.qh[2 * i + 1]} << 16);
       c.q[i] = static_cast<int32_t>(
-          Less32(((l >> lshift) & 0x0F0F0F0Fu) | (((h >> hshift) & 0x03030303u) << 4)));
+          Less32(((l >> k.lshift) & 0x0F0F0F0Fu) | (((h >> k.hshift) & 0x03030303u) << 4)));
     }
   }
 };
