@@ -26,7 +26,7 @@ struct Fp8Blocks {
 };
 
 // The values of one block of DType::kF8_128.
-inline constexpr int64_t kFp8Group = 128;
+inline constexpr int64_t kFp8Group = DTypeBlock(DType::kF8_128);
 
 // Whether FP8 weights are kept as DType::kF8_128 (true, the default) or expanded into the
 // model's dtype everywhere: the environment variable SHARDSERVE_FP8, `blocks` or `expand`

@@ -25,9 +25,9 @@ inline __m256 Exp8(__m256 x) { return _ZGVdN8v_expf(x); }
 // FP8 (DType::kF8_128): E4M3 bytes as F16 bits, sign to bit 15 and the other 7 bits to bits
 // 13-7 (exponent and mantissa line up; subnormals too): the F16 is the E4M3 value times 2^-8,
 // which the block's scale times 256 undoes exactly. So a weight is one rounding of value x
-// scale, as FP8's expansion into F32 gives it (model/fp8.h).
-// Each byte to the top of a 16-bit lane (s eeee mmm, then 8 zeros), shifted right one place with
-// its sign (s s eeee mmm 0...), the second sign bit cleared.
+// scale, as FP8's expansion into F32 gives it (model/fp8.h). F8x8 puts each byte at the top of
+// a 16-bit lane (s eeee mmm, then 8 zeros), shifts it right one place with its sign (s s eeee
+// mmm 0...) and clears the second sign bit.
 inline __m256 F8x8(const uint8_t* bytes) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
   const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
