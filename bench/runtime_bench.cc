@@ -111,7 +111,10 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
   const ModelConfig& c = model->config();
   const double H = c.hidden_size, V = c.vocab_size;
-  const DecodeCost cost = DecodeCostOf(c, model->weight_bytes());
+  // The bytes the rank holds (an FP8 checkpoint's as F8_128, or expanded into the model's dtype
+  // with SHARDSERVE_FP8=expand), which a decode step reads.
+  const double held = static_cast<double>(model->shard_weight_bytes());
+  const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());
   const double bytes_per_param = cost.bytes_per_param;
   const double active_layer_params = cost.active_layer_params;
   const double decode_bytes = cost.weight_bytes_per_step;
@@ -121,7 +124,7 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
       "weights %.2f GB (%.2f bytes/param)  threads %lld\n",
       c.architecture.c_str(), (long long)c.num_layers, (long long)c.hidden_size,
       (long long)c.intermediate_size, (long long)c.num_heads, (long long)c.num_kv_heads,
-      (long long)c.vocab_size, model->weight_bytes() / 1e9, bytes_per_param, (long long)threads);
+      (long long)c.vocab_size, held / 1e9, bytes_per_param, (long long)threads);
   // The machine's capacity is measured before and after the model work and the higher figure
   // kept: on a VM with steal time a single measurement can land in a slow moment.
   ThreadPool pool(static_cast<int>(threads));
@@ -188,8 +191,7 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   std::printf(
       "memory: RSS %.2f GB after decode; weights %.2f GB + KV cache in use %.3f GB "
       "=> RSS is %.1f%% over weights + KV\n",
-      rss / 1e9, model->weight_bytes() / 1e9, kv_bytes / 1e9,
-      100.0 * (rss / (model->weight_bytes() + kv_bytes) - 1));
+      rss / 1e9, held / 1e9, kv_bytes / 1e9, 100.0 * (rss / (held + kv_bytes) - 1));
   return absl::OkStatus();
 }
 

@@ -150,7 +150,7 @@ else
   echo "FAIL: plan's memory for DeepSeek-V3: $out"; fails=$((fails + 1))
 fi
 sed 's/tensor: auto, pipeline: auto/tensor: 8, pipeline: 1/' "$TMP/ds-auto.yaml" > "$TMP/ds-8.yaml"
-expect_error "3 with too little GPU memory: stage 0 needs 109.7 GiB" \
+expect_error "3 with too little GPU memory: stage 0 needs 110.1 GiB" \
   "$BIN" plan -f "$TMP/ds-8.yaml" --nodes "$TMP/h100.yaml" --model "$EX/plan/deepseek-v3"
 expect_error "spec.parallelism auto needs the model's config" \
   "$BIN" plan -f "$TMP/ds-auto.yaml" --nodes "$TMP/h100.yaml"
