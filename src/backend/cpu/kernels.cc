@@ -246,6 +246,15 @@ void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_
   for (int64_t r = 0; r < nr; ++r, out += kKc) {
     const uint8_t* row = RowPtr(w, n + r);
     int64_t k = 0;
+    if constexpr (D == DType::kF8_128) {  // k0 and kc multiples of 128: a block's scale once
+      for (; k < kc; k += 128) {
+        const uint8_t* block = F8Block(row, k0 + k);
+        const __m256 scale = _mm256_set1_ps(F8Scale256(block));
+        for (int64_t j = 0; j < 128; j += 8) {
+          _mm256_store_ps(out + k + j, _mm256_mul_ps(F8x8(block + 4 + j), scale));
+        }
+      }
+    }
     for (; k + 8 <= kc; k += 8) _mm256_store_ps(out + k, Load8<D>(row, k0 + k));
     for (; k < kc; ++k) out[k] = LoadScalar<D>(row, k0 + k);
   }
