@@ -114,7 +114,7 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   // The bytes the rank holds (an FP8 checkpoint's as F8_128, or expanded into the model's dtype
   // with SHARDSERVE_FP8=expand), which a decode step reads.
   const double held = static_cast<double>(model->shard_weight_bytes());
-  const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());
+  const DecodeCost cost = DecodeCostOf(c, static_cast<size_t>(held));
   const double bytes_per_param = cost.bytes_per_param;
   const double active_layer_params = cost.active_layer_params;
   const double decode_bytes = cost.weight_bytes_per_step;

@@ -157,6 +157,13 @@ absl::Status PackFp8(const TensorView& w, const Fp8Blocks& blocks, int64_t r0, i
     uint8_t* dst = out + (r - r0) * row_bytes;
     for (int64_t c = c0; c < c1; c += kFp8Group, dst += DTypeBlockBytes(DType::kF8_128)) {
       ASSIGN_OR_RETURN(const float scale, scales.At(r, c));
+      // The kernels multiply by scale x 256 (an E4M3 byte read as F16 is its value x 2^-8).
+      if (!std::isfinite(scale * 256.0f)) {
+        return absl::OutOfRangeError(absl::StrCat(
+            "tensor '", w.name, "' has a scale of ", scale, " (for row ", r, ", column ", c,
+            "): FP8 computes with scales of magnitude up to 1.3e36 (SHARDSERVE_FP8=expand "
+            "expands it instead)"));
+      }
       for (int64_t i = c; i < c + kFp8Group; ++i) {
         // E4M3's NaNs: 0x7F and 0xFF.
         if ((row[i] & 0x7F) == 0x7F) return NaNAt(w, r, i, row[i]);

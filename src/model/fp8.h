@@ -44,7 +44,8 @@ bool Fp8Packs(const Fp8Blocks& blocks, int64_t c0, int64_t c1);
 absl::Status ExpandFp8(const TensorView& w, const Fp8Blocks& blocks, int64_t r0, int64_t r1,
                        int64_t c0, int64_t c1, DType to, uint8_t* out);
 // The same slice (Fp8Packs true) as DType::kF8_128 rows into `out` ((r1 - r0) rows of
-// DTypeBytes(kF8_128, c1 - c0) bytes), checked as ExpandFp8 checks.
+// DTypeBytes(kF8_128, c1 - c0) bytes), checked as ExpandFp8 checks; a scale whose magnitude
+// times 256 is not finite (past 1.3e36) is refused by name.
 absl::Status PackFp8(const TensorView& w, const Fp8Blocks& blocks, int64_t r0, int64_t r1,
                      int64_t c0, int64_t c1, uint8_t* out);
 

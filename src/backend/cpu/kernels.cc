@@ -45,10 +45,7 @@ inline float F8Scale256(const uint8_t* block) {
 
 template <DType D>
 inline __m256 Load8(const void* base, int64_t idx) {
-  if constexpr (D == DType::kF8_128) {  // idx a multiple of 8
-    const uint8_t* block = F8Block(base, idx);
-    return _mm256_mul_ps(F8x8(block + 4 + idx % 128), _mm256_set1_ps(F8Scale256(block)));
-  } else if constexpr (D == DType::kF32) {
+  if constexpr (D == DType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
   } else if constexpr (D == DType::kF16) {
     return _mm256_cvtph_ps(_mm_loadu_si128(
@@ -245,18 +242,19 @@ template <DType D>
 void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* out) {
   for (int64_t r = 0; r < nr; ++r, out += kKc) {
     const uint8_t* row = RowPtr(w, n + r);
-    int64_t k = 0;
     if constexpr (D == DType::kF8_128) {  // k0 and kc multiples of 128: a block's scale once
-      for (; k < kc; k += 128) {
+      for (int64_t k = 0; k < kc; k += 128) {
         const uint8_t* block = F8Block(row, k0 + k);
         const __m256 scale = _mm256_set1_ps(F8Scale256(block));
         for (int64_t j = 0; j < 128; j += 8) {
           _mm256_store_ps(out + k + j, _mm256_mul_ps(F8x8(block + 4 + j), scale));
         }
       }
+    } else {
+      int64_t k = 0;
+      for (; k + 8 <= kc; k += 8) _mm256_store_ps(out + k, Load8<D>(row, k0 + k));
+      for (; k < kc; ++k) out[k] = LoadScalar<D>(row, k0 + k);
     }
-    for (; k + 8 <= kc; k += 8) _mm256_store_ps(out + k, Load8<D>(row, k0 + k));
-    for (; k < kc; ++k) out[k] = LoadScalar<D>(row, k0 + k);
   }
 }
 

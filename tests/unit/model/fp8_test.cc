@@ -144,6 +144,10 @@ TEST(Fp8Test, ASlicePacksIntoBlocksOf128WithTheirScales) {
   q[2 * 384 + 300] = 0x7F;
   EXPECT_THAT(PackFp8(w, {2, 128}, 1, 3, 128, 384, packed.data()).message(),
               HasSubstr("tensor 'w.weight' holds a NaN (E4M3 0x7f) at row 2, column 300"));
+  scales[5] = 2e36f;  // finite, but not times 256
+  EXPECT_THAT(PackFp8(w, {2, 128}, 0, 3, 256, 384, packed.data()).message(),
+              HasSubstr("tensor 'w.weight' has a scale of 2e+36 (for row 2, column 256): FP8 "
+                        "computes with scales of magnitude up to 1.3e36"));
   scales[5] = NAN;
   EXPECT_THAT(PackFp8(w, {2, 128}, 0, 3, 256, 384, packed.data()).message(),
               HasSubstr("tensor 'w.weight_scale_inv' holds a scale that is not finite"));
