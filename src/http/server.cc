@@ -470,8 +470,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
       }
       return WriteResponse(r);
     }
-    if (!s_->TakeBlocking()) {
-      Response r = s_->Error(503, "the server is busy: too many requests in progress");
+    if (!s_->TakeBlocking()) {  // the client's to retry later: 429, as for a full queue
+      Response r = s_->Error(429, "the server is busy: too many requests in progress");
       r.headers.emplace_back("Retry-After", "1");
       return WriteResponse(r);
     }

@@ -13,16 +13,21 @@ namespace shardserve {
 
 // A rule the generated tokens must follow (structured output: serve/grammar.h), kept by the
 // leader's engine: before each sampled token it gives the ids allowed next, after it takes the
-// token. One sequence's, used by one thread at a time.
+// token. One sequence's, used by one thread at a time (Cancel excepted).
 class TokenConstraint {
  public:
   virtual ~TokenConstraint() = default;
+  // From any thread: a running or later Allowed / Accept gives up at once with an error (the
+  // sequence is over: its mask took too long, or it was cancelled).
+  virtual void Cancel() {}
   // The allowed ids as a bit mask: bit i % 32 of word i / 32 for token i (ids past the mask are
   // not allowed).
   virtual absl::Status Allowed(std::vector<uint32_t>* mask) = 0;
   virtual absl::Status Accept(int32_t token) = 0;
   // The rule is complete and allows nothing more: the generation ends here.
   virtual bool Finished() const = 0;
+  // An independent copy in the same state (one compiled grammar for a request's sequences).
+  virtual std::unique_ptr<TokenConstraint> Clone() const = 0;
 };
 
 struct GenerationRequest {
@@ -32,6 +37,9 @@ struct GenerationRequest {
   // The prompt's log-probabilities (echo with logprobs): each prompt token after the first with
   // this many alternatives; -1: none. The prompt is then computed whole (no cached prefix).
   int64_t prompt_logprobs = -1;
+  // Salts the names of its KV blocks (serve/prefix_cache.h: PrefixCacheSalt): it shares cached
+  // blocks only with sequences of the same salt.
+  std::string cache_salt;
 };
 
 struct GenerationResult {

@@ -20,8 +20,10 @@
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
 #include "serve/api_keys.h"
+#include "serve/grammar_workers.h"
 #include "serve/kv_events.h"
 #include "serve/openai.h"
+#include "serve/prefix_cache.h"
 #include "serve/prompts.h"
 #include "serve/text_stream.h"
 #include "serve/tool_calls.h"
@@ -35,6 +37,9 @@ using ojson = nlohmann::ordered_json;  // request bodies, in their keys' order
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(50);
 constexpr int kMaxNesting = 64;
+// A request's grammar compiles within this, or the request is refused (400).
+constexpr auto kCompileTimeout = std::chrono::seconds(5);
+constexpr size_t kMaxQueuedCompiles = 64;
 
 // A POST body must say it is JSON: a form or text/plain body (what a web page may send to a
 // server on localhost without asking) is refused.
@@ -141,10 +146,15 @@ struct ApiServer::Impl {
   // Structured output's view of the vocabulary, made at the first request that needs it.
   absl::Mutex grammar_mu;
   std::shared_ptr<const GrammarVocabulary> grammar_vocab ABSL_GUARDED_BY(grammar_mu);
+  // Grammars compile here, on threads whose stacks hold llguidance's recursion, within
+  // kCompileTimeout; the HTTP thread waits for its own.
+  std::unique_ptr<GrammarWorkers> compilers =
+      std::make_unique<GrammarWorkers>(2, kGrammarStackBytes, kMaxQueuedCompiles);
 
-  // One matcher per sequence of the request's grammar; a grammar that does not compile is a 400
-  // naming the field that gave it.
-  absl::StatusOr<std::shared_ptr<TokenConstraint>> CompileGrammar(const ApiRequest& req,
+  // The request's grammar, compiled once (its sequences take clones); a grammar that does not
+  // compile, or not in time, is a 400 naming the field that gave it; too many waiting to
+  // compile, a 429.
+  absl::StatusOr<std::unique_ptr<TokenConstraint>> CompileGrammar(const ApiRequest& req,
                                                                   int64_t vocab,
                                                                   std::vector<int64_t> ends) {
     std::shared_ptr<const GrammarVocabulary> v;
@@ -157,12 +167,44 @@ struct ApiServer::Impl {
       }
       v = grammar_vocab;
     }
-    absl::StatusOr<std::unique_ptr<TokenConstraint>> m = v->Compile(*req.grammar);
-    if (!m.ok()) {
-      return BadParam(req.grammar_param,
-                      absl::StrCat("'", req.grammar_param, "': ", m.status().message()));
+    auto bad = [&](absl::string_view message) {
+      return BadParam(req.grammar_param, absl::StrCat("'", req.grammar_param, "': ", message));
+    };
+    // Cheap bounds first, on this thread: a grammar past them never takes a compiler's time.
+    if (absl::Status s = CheckGrammarBounds(*req.grammar); !s.ok()) return bad(s.message());
+    struct Job {
+      absl::Mutex mu;
+      bool done ABSL_GUARDED_BY(mu) = false;
+      bool abandoned ABSL_GUARDED_BY(mu) = false;
+      absl::StatusOr<std::unique_ptr<TokenConstraint>> result ABSL_GUARDED_BY(mu);
+    };
+    auto job = std::make_shared<Job>();
+    const bool posted = compilers->Post([job, v, grammar = *req.grammar] {
+      {
+        absl::MutexLock lock(&job->mu);
+        if (job->abandoned) return;  // its request already answered: no work for nobody
+      }
+      auto m = v->Compile(grammar);
+      absl::MutexLock lock(&job->mu);
+      job->result = std::move(m);
+      job->done = true;
+    });
+    if (!posted && !compilers->error().empty()) return absl::UnavailableError(compilers->error());
+    if (!posted) {
+      return absl::ResourceExhaustedError(absl::StrCat("too many grammars are waiting to compile (",
+                                                       kMaxQueuedCompiles, "); retry later"));
     }
-    return std::shared_ptr<TokenConstraint>(*std::move(m));
+    absl::MutexLock lock(&job->mu);
+    job->mu.AwaitWithTimeout(absl::Condition(&job->done), absl::FromChrono(kCompileTimeout));
+    if (!job->done) {
+      job->abandoned = true;
+      return bad(
+          absl::StrCat("the grammar did not compile within ",
+                       std::chrono::duration_cast<std::chrono::seconds>(kCompileTimeout).count(),
+                       " s; simplify it"));
+    }
+    if (!job->result.ok()) return bad(job->result.status().message());
+    return std::move(job->result);
   }
 
   std::string TokenText(int32_t id) const { return tokenizer->Decode({id}, false); }
@@ -325,7 +367,10 @@ struct ApiServer::Impl {
   }
 
   // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
-  absl::Status Submit(ApiRequest& req, std::vector<Choice>& choices) {
+  absl::Status Submit(ApiRequest& req, const http::Request& http_req,
+                      std::vector<Choice>& choices) {
+    const std::string salt = PrefixCacheSalt(config.env.prefix_cache_per_key && keys != nullptr,
+                                             http_req.Header("authorization"), req.cache_salt);
     int64_t context, vocab;
     std::vector<int64_t> ends;
     {
@@ -365,65 +410,67 @@ struct ApiServer::Impl {
         }
       }
     }
-    absl::ReaderMutexLock lock(&engine_mu);
-    if (engine == nullptr) return absl::UnavailableError(not_ready);
     for (const auto& ids : prompts) {  // every prompt checked before any is queued
-      if (static_cast<int64_t>(ids.size()) >= max_context) {
-        return BadParam(param, absl::StrCat("this model's maximum context length is ", max_context,
+      if (static_cast<int64_t>(ids.size()) >= context) {
+        return BadParam(param, absl::StrCat("this model's maximum context length is ", context,
                                             " tokens; the prompt holds ", ids.size()));
       }
     }
-    // Every sequence's matcher, compiled before any is queued.
-    std::vector<std::shared_ptr<TokenConstraint>> constraints;
+    // The grammar compiled before any sequence is queued; each sequence takes a clone.
+    std::unique_ptr<TokenConstraint> compiled;
     if (req.grammar) {
-      for (size_t k = 0; k < prompts.size() * static_cast<size_t>(req.best_of); ++k) {
-        ASSIGN_OR_RETURN(auto c, CompileGrammar(req, vocab, ends));
-        constraints.push_back(std::move(c));
-      }
+      ASSIGN_OR_RETURN(compiled, CompileGrammar(req, vocab, ends));
     }
-    for (size_t p = 0; p < prompts.size(); ++p) {
-      const std::vector<int32_t>& ids = prompts[p];
-      const int64_t n = static_cast<int64_t>(ids.size());
-      // best_of sequences of the prompt (n when best_of is not asked), each with a generator of
-      // its own (seed + j), so that sampled choices differ.
+    absl::ReaderMutexLock lock(&engine_mu);
+    if (engine == nullptr) return absl::UnavailableError(not_ready);
+    // best_of sequences of each prompt (n when best_of is not asked), each with a generator of
+    // its own (seed + j), so that sampled choices differ; queued together or not at all.
+    std::vector<GenerationRequest> seqs;
+    for (const std::vector<int32_t>& ids : prompts) {
       for (int64_t j = 0; j < req.best_of; ++j) {
         GenerationRequest g;
         g.prompt_ids = ids;
         g.params = req.params;
         g.params.seed = req.params.seed + static_cast<uint64_t>(j);
+        g.cache_salt = salt;
         if (req.echo && req.logprobs) g.prompt_logprobs = req.params.top_logprobs;
-        if (req.grammar) g.constraint = constraints[p * req.best_of + j];
-        if (!req.max_tokens_set && req.chat) g.params.max_tokens = max_context - n;
-        auto stream = engine->Submit(g);
-        if (!stream.ok()) {
-          for (Choice& c : choices) c.stream->Cancel();
-          choices.clear();
-          const absl::Status& s = stream.status();
-          return s.code() == absl::StatusCode::kInvalidArgument && ErrorParam(s).empty()
-                     ? BadParam("max_tokens", std::string(s.message()))
-                     : s;
+        if (compiled) g.constraint = compiled->Clone();
+        if (!req.max_tokens_set && req.chat) {
+          g.params.max_tokens = max_context - static_cast<int64_t>(ids.size());
         }
-        std::vector<int32_t> keep;  // the tool-call marker Mistral's parser reads
-        if (req.tool_choice != "none" && ToolCallFormat() == "mistral") keep = {*MistralMarker()};
-        choices.emplace_back(*std::move(stream), TextStream(tokenizer.get(), req.stop, keep),
-                             j == 0 ? n : 0);
-        Choice& c = choices.back();
-        if (req.echo) {
-          c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
-          if (req.logprobs) {
-            c.prompt_ids = ids;
-            std::vector<int32_t> specials;  // kept, so that the pieces spell the echoed text
-            for (int32_t id : ids) {
-              if (tokenizer->IsSpecial(id)) specials.push_back(id);
-            }
-            c.prompt_text =
-                std::make_unique<TextStream>(tokenizer.get(), std::vector<std::string>{}, specials);
+        seqs.push_back(std::move(g));
+      }
+    }
+    auto streams = engine->SubmitGroup(seqs);
+    if (!streams.ok()) {
+      const absl::Status& s = streams.status();
+      return s.code() == absl::StatusCode::kInvalidArgument && ErrorParam(s).empty()
+                 ? BadParam("max_tokens", std::string(s.message()))
+                 : s;
+    }
+    for (size_t k = 0; k < streams->size(); ++k) {
+      const size_t p = k / req.best_of, j = k % req.best_of;
+      const std::vector<int32_t>& ids = prompts[p];
+      std::vector<int32_t> keep;  // the tool-call marker Mistral's parser reads
+      if (req.tool_choice != "none" && ToolCallFormat() == "mistral") keep = {*MistralMarker()};
+      choices.emplace_back((*streams)[k], TextStream(tokenizer.get(), req.stop, keep),
+                           j == 0 ? static_cast<int64_t>(ids.size()) : 0);
+      Choice& c = choices.back();
+      if (req.echo) {
+        c.echo = req.prompt_texts[p].empty() ? tokenizer->Decode(ids) : req.prompt_texts[p];
+        if (req.logprobs) {
+          c.prompt_ids = ids;
+          std::vector<int32_t> specials;  // kept, so that the pieces spell the echoed text
+          for (int32_t id : ids) {
+            if (tokenizer->IsSpecial(id)) specials.push_back(id);
           }
+          c.prompt_text =
+              std::make_unique<TextStream>(tokenizer.get(), std::vector<std::string>{}, specials);
         }
-        if (req.tool_choice != "none") {
-          c.tool_parser = std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools,
-                                                           req.parallel_tool_calls);
-        }
+      }
+      if (req.tool_choice != "none") {
+        c.tool_parser =
+            std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools, req.parallel_tool_calls);
       }
     }
     return absl::OkStatus();
@@ -576,12 +623,15 @@ struct ApiServer::Impl {
   // GET /v1/kv-events: the replica's cached block names and load for a router
   // (serve/kv_events.h), until the router leaves or the server stops.
   void KvEvents(const http::Request& http_req, http::Exchange& ex) {
-    if (ApiKeys* k = router_keys != nullptr ? router_keys.get() : keys.get()) {
-      if (absl::Status st = k->Check(http_req.Header("authorization")); !st.ok()) {
-        http::Response r = Reply(st);
-        ex.Respond(std::move(r));
-        return;
-      }
+    // Only a router reads them, with its token: an API key never does (the block names and
+    // the load are the deployment's, not a tenant's), and without a token nobody does.
+    if (router_keys == nullptr) {
+      return ex.Respond(Reply(absl::PermissionDeniedError(
+          "the KV events are read by the model's router only, and this server has no router "
+          "token (SHARDSERVE_ROUTER_TOKEN_FILE)")));
+    }
+    if (absl::Status st = router_keys->Check(http_req.Header("authorization")); !st.ok()) {
+      return ex.Respond(Reply(st));
     }
     int64_t block_size;
     {
@@ -614,6 +664,7 @@ struct ApiServer::Impl {
         l.max_batch = engine->options().max_batch;
         l.kv_used = engine->kv_used_blocks();
         l.kv_blocks = engine->options().kv_blocks;
+        l.accepting = engine->accepting();
         lines.push_back(EncodeKvLoad(l));
         next_load = Clock::now() + kLoadEvery;
       }
@@ -647,7 +698,7 @@ struct ApiServer::Impl {
     if (!req.seed_set)
       req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
     std::vector<Choice> choices;
-    if (absl::Status s = Submit(req, choices); !s.ok()) return ex.Respond(Reply(s));
+    if (absl::Status s = Submit(req, http_req, choices); !s.ok()) return ex.Respond(Reply(s));
     const std::string id = RequestId(chat ? "chatcmpl-" : "cmpl-");
     const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
@@ -735,9 +786,16 @@ struct ApiServer::Impl {
 
   // Server-sent events until every choice is done, the client leaves, or the replica fails (an
   // error event).
+  // Counted once it ends: 200 when it was whole, the error's code when the replica failed,
+  // 499 when the client left.
   void Stream(const ApiRequest& req, std::vector<Choice>& choices, const std::string& id,
               int64_t created, http::Exchange& ex) {
-    metrics->CountRequest(200);
+    int code = 499;
+    struct Count {
+      LeaderMetrics& m;
+      int& code;
+      ~Count() { m.CountRequest(code); }
+    } count{*metrics, code};
     if (!ex.StartStream({200, "text/event-stream", "", {{"Cache-Control", "no-cache"}}})) return;
     auto send = [&](const json& event) {
       return ex.Write(absl::StrCat("data: ", DumpJson(event), "\n\n"));
@@ -753,6 +811,7 @@ struct ApiServer::Impl {
         ChoiceDelta d = Poll(c, req, waited ? std::chrono::milliseconds(0) : kPoll);
         waited = true;
         if (!c.error.ok()) {
+          code = HttpStatusFor(c.error);
           send(ErrorBody(c.error));
           return ex.End();
         }
@@ -787,7 +846,10 @@ struct ApiServer::Impl {
       event["usage"] = Usage(choices);
       if (!send(event)) return;
     }
-    if (ex.Write("data: [DONE]\n\n")) ex.End();
+    if (ex.Write("data: [DONE]\n\n")) {
+      code = 200;
+      ex.End();
+    }
   }
 };
 

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "serve/grammar_workers.h"
 
 namespace shardserve {
 
@@ -45,9 +48,23 @@ void RequestStream::Finish(std::string reason, absl::Status status) {
   cv_.SignalAll();
 }
 
+// A constrained sequence's next mask, computed on a grammar thread: shared by the engine's thread
+// and the job.
+struct Engine::MaskJob {
+  absl::Mutex mu;
+  absl::CondVar cv;
+  bool busy ABSL_GUARDED_BY(mu) = false;
+  Clock::time_point since ABSL_GUARDED_BY(mu);  // when the computation was posted
+  absl::Status status ABSL_GUARDED_BY(mu);
+  bool finished ABSL_GUARDED_BY(mu) = false;  // the grammar is complete: the sequence ends
+  std::vector<uint32_t> mask ABSL_GUARDED_BY(mu);
+};
+
 struct Engine::Sequence {
   int64_t id = 0;
+  int64_t group = 0;  // the request it belongs to (its n choices, its prompts): the fair unit
   GenerationRequest request;
+  std::shared_ptr<MaskJob> mask;  // with a constraint
   std::shared_ptr<RequestStream> stream = std::make_shared<RequestStream>();
   std::vector<int32_t> generated;
   int64_t fed = 0;               // positions in the replica's KV cache
@@ -82,11 +99,108 @@ Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver obs
       pool_(options_.kv_blocks, options_.kv_block_size, options_.prefix_caching) {
   options_.microbatches = std::max(1, options_.microbatches);
   mbs_.resize(options_.microbatches);
+  grammar_workers_ = std::make_unique<GrammarWorkers>(std::max(1, options_.grammar_threads),
+                                                      kGrammarStackBytes, /*max_queued=*/1 << 16);
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // Masks still being computed give up at once; the workers then join.
+  for (const auto& s : running_) {
+    if (s->request.constraint) s->request.constraint->Cancel();
+  }
+  absl::MutexLock lock(&mu_);
+  for (const auto& s : waiting_) {
+    if (s->request.constraint) s->request.constraint->Cancel();
+  }
+}
 
-absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRequest& request) {
+void Engine::MaskDone() {
+  {
+    absl::MutexLock lock(&mu_);
+    ++masks_done_;
+  }
+  wake_.SignalAll();
+}
+
+void Engine::StartMask(Sequence* s, std::optional<int32_t> token) {
+  std::shared_ptr<MaskJob> job = s->mask;
+  {
+    absl::MutexLock lock(&job->mu);
+    job->busy = true;
+    job->since = Clock::now();
+    job->mask.clear();
+  }
+  std::shared_ptr<TokenConstraint> c = s->request.constraint;
+  const bool posted = grammar_workers_->Post([this, job, c, token] {
+    absl::Status st;
+    bool finished = false;
+    std::vector<uint32_t> mask;
+    if (token) st = c->Accept(*token);
+    if (st.ok()) finished = c->Finished();
+    if (st.ok() && !finished) {
+      const auto t0 = Clock::now();
+      st = c->Allowed(&mask);
+      if (observer_.grammar_mask) {
+        observer_.grammar_mask(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      if (st.ok() && std::none_of(mask.begin(), mask.end(), [](uint32_t w) { return w; })) {
+        st = absl::InvalidArgumentError("the output's grammar allows no token");
+      }
+    }
+    {
+      absl::MutexLock lock(&job->mu);
+      job->busy = false;
+      job->status = std::move(st);
+      job->finished = finished;
+      job->mask = std::move(mask);
+    }
+    job->cv.SignalAll();
+    MaskDone();
+  });
+  if (!posted) {
+    absl::MutexLock lock(&job->mu);
+    job->busy = false;
+    job->status = grammar_workers_->error().empty()
+                      ? absl::ResourceExhaustedError("the grammar threads' queue is full")
+                      : absl::UnavailableError(grammar_workers_->error());
+  }
+}
+
+bool Engine::TakeMask(Sequence* s, Clock::time_point until, std::vector<uint32_t>* allowed) {
+  MaskJob& job = *s->mask;
+  absl::Status status;
+  bool finished = false;
+  {
+    absl::MutexLock lock(&job.mu);
+    const absl::Time deadline =
+        absl::FromChrono(std::chrono::system_clock::now() + (until - Clock::now()));
+    while (job.busy && Clock::now() < until) {
+      if (job.cv.WaitWithDeadline(&job.mu, deadline)) break;
+    }
+    if (job.busy) {
+      if (Clock::now() - job.since <= options_.mask_timeout) return false;  // sits this step out
+      status = absl::InvalidArgumentError(
+          absl::StrCat("the output's grammar took longer than ", options_.mask_timeout.count(),
+                       " ms to compute which tokens may come next; simplify it"));
+      s->request.constraint->Cancel();
+    } else {
+      status = job.status;
+      finished = job.finished;
+      if (status.ok() && !finished) *allowed = job.mask;
+    }
+  }
+  if (!status.ok()) {
+    Retire(s, "", status);
+    return false;
+  }
+  if (finished) {
+    Retire(s, "stop", absl::OkStatus());
+    return false;
+  }
+  return true;
+}
+
+absl::Status Engine::Check(const GenerationRequest& request) const {
   RETURN_IF_ERROR(request.params.Validate());
   const int64_t prompt = static_cast<int64_t>(request.prompt_ids.size());
   if (prompt == 0) return absl::InvalidArgumentError("the prompt is empty");
@@ -112,28 +226,70 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
           "logit_bias token id ", id, " is outside the vocabulary [0, ", options_.vocab_size, ")"));
     }
   }
-  auto seq = std::make_unique<Sequence>();
-  seq->request = request;
-  seq->submitted = Clock::now();
-  seq->request.params.SetEndIds(options_.eos_token_ids);  // what min_tokens holds back
-  std::shared_ptr<RequestStream> stream = seq->stream;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRequest& request) {
+  ASSIGN_OR_RETURN(auto streams, SubmitGroup({request}));
+  return streams[0];
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Engine::SubmitGroup(
+    const std::vector<GenerationRequest>& requests) {
+  if (requests.empty()) return absl::InvalidArgumentError("a request with no sequence");
+  for (const GenerationRequest& r : requests) RETURN_IF_ERROR(Check(r));
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const GenerationRequest& r : requests) {
+    auto seq = std::make_unique<Sequence>();
+    seq->request = r;
+    seq->submitted = Clock::now();
+    seq->request.params.SetEndIds(options_.eos_token_ids);  // what min_tokens holds back
+    if (seq->request.constraint) {
+      seq->mask = std::make_shared<MaskJob>();
+      StartMask(seq.get(), std::nullopt);  // ready by the time its prompt is computed
+    }
+    streams.push_back(seq->stream);
+    seqs.push_back(std::move(seq));
+  }
   size_t depth;
   {
     absl::MutexLock lock(&mu_);
-    if (!accepting_) return absl::UnavailableError("the server is not serving");
-    // Requests that the batch's free slots will take at the next step do not count as queued.
-    const int free_slots = std::max(0, options_.max_batch - running_count_.load());
-    if (static_cast<int>(waiting_.size()) >= options_.max_queue + free_slots) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the request queue is full (", options_.max_queue, " waiting)"));
+    absl::Status refused;
+    if (!accepting_) {
+      refused = absl::UnavailableError("the server is not serving");
+    } else {
+      // A queue place per request, however many sequences it has; requests that the batch's
+      // free slots will take at the next step do not count as queued.
+      const int free_slots = std::max(0, options_.max_batch - running_count_.load());
+      if (WaitingRequests() >= static_cast<size_t>(options_.max_queue + free_slots)) {
+        refused = absl::ResourceExhaustedError(
+            absl::StrCat("the request queue is full (", options_.max_queue, " waiting)"));
+      }
     }
-    seq->id = next_id_++;
-    waiting_.push_back(std::move(seq));
-    depth = waiting_.size();
+    if (!refused.ok()) {
+      for (const auto& seq : seqs) {
+        if (seq->request.constraint) seq->request.constraint->Cancel();
+      }
+      return refused;
+    }
+    const int64_t group = next_id_;
+    for (auto& seq : seqs) {
+      seq->id = next_id_++;
+      seq->group = group;
+      waiting_.push_back(std::move(seq));
+    }
+    depth = WaitingRequests();
   }
   wake_.SignalAll();
   if (observer_.queue_depth) observer_.queue_depth(depth);
-  return stream;
+  return streams;
+}
+
+size_t Engine::WaitingRequests() const {
+  absl::flat_hash_set<int64_t> groups;
+  for (const auto& s : waiting_) groups.insert(s->group);
+  return groups.size();
 }
 
 void Engine::Shutdown(std::chrono::milliseconds drain) {
@@ -153,7 +309,7 @@ bool Engine::accepting() const {
 
 size_t Engine::queue_depth() const {
   absl::MutexLock lock(&mu_);
-  return waiting_.size();
+  return WaitingRequests();
 }
 
 void Engine::ReleaseBlocks(Sequence* s) {
@@ -196,8 +352,8 @@ void Engine::NameBlocks(Sequence* s, int64_t blocks) {
   while (static_cast<int64_t>(s->names.size()) < blocks) {
     const int64_t b = static_cast<int64_t>(s->names.size());
     for (int64_t i = 0; i < bs; ++i) tokens[i] = s->token(b * bs + i);
-    s->names.push_back(
-        HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]), tokens.data(), bs));
+    s->names.push_back(HashBlock(b == 0 ? std::nullopt : std::optional(s->names[b - 1]),
+                                 tokens.data(), bs, s->request.cache_salt));
   }
 }
 
@@ -210,6 +366,7 @@ void Engine::RegisterBlocks(Sequence* s) {
 }
 
 void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& status) {
+  if (s->request.constraint) s->request.constraint->Cancel();  // a mask in progress stops
   s->stream->Finish(reason, status);
   ReleaseBlocks(s);
   if (s->mb >= 0) std::erase(mbs_[s->mb].seqs, s);
@@ -230,25 +387,74 @@ void Engine::Preempt(Sequence* s) {
   waiting_.push_front(std::move(owned));
 }
 
+void Engine::MakeRoomForWaitingRequests() {
+  while (static_cast<int>(running_.size()) >= options_.max_batch) {
+    absl::flat_hash_map<int64_t, int> held;  // running sequences by request
+    for (const auto& s : running_) ++held[s->group];
+    absl::flat_hash_set<int64_t> waiting;  // requests with a sequence waiting
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& s : waiting_) waiting.insert(s->group);
+    }
+    size_t requests = held.size();
+    for (int64_t g : waiting) requests += held.contains(g) ? 0 : 1;
+    const int share = std::max<int>(1, options_.max_batch / static_cast<int>(requests));
+    // A request below its share waits: the batch is not shared fairly.
+    if (std::none_of(waiting.begin(), waiting.end(), [&](int64_t g) {
+          auto it = held.find(g);
+          return it == held.end() || it->second < share;
+        })) {
+      return;
+    }
+    // The newest sequence of the request holding the most slots, if that is over its share and
+    // the sequence can leave now (not in a step in flight).
+    Sequence* victim = nullptr;
+    for (const auto& s : running_) {
+      if (held[s->group] <= share || mbs_[s->mb].in_flight) continue;
+      if (victim == nullptr || held[s->group] > held[victim->group] ||
+          (held[s->group] == held[victim->group] && s->admitted > victim->admitted)) {
+        victim = s.get();
+      }
+    }
+    if (victim == nullptr) return;
+    Preempt(victim);
+  }
+}
+
 StepDesc Engine::BuildStep(int mb) {
   MicroBatch& batch = mbs_[mb];
   for (Sequence* s : std::vector<Sequence*>(batch.seqs)) {
     if (s->stream->cancelled()) Retire(s, "cancelled", absl::OkStatus());
   }
-  int64_t admitted_order = 0;
-  for (const auto& s : running_) admitted_order = std::max(admitted_order, s->admitted);
   {
     absl::MutexLock lock(&mu_);
     std::erase_if(waiting_, [](const std::unique_ptr<Sequence>& s) {
       if (!s->stream->cancelled()) return false;
+      if (s->request.constraint) s->request.constraint->Cancel();
       s->stream->Finish("cancelled");
       return true;
     });
+  }
+  MakeRoomForWaitingRequests();
+  int64_t admitted_order = 0;
+  absl::flat_hash_map<int64_t, int> held;  // running sequences by request
+  for (const auto& s : running_) {
+    admitted_order = std::max(admitted_order, s->admitted);
+    ++held[s->group];
+  }
+  {
+    absl::MutexLock lock(&mu_);
     const size_t m = mbs_.size();
     const size_t share = (running_.size() + waiting_.size() + m - 1) / m;
     while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
            batch.seqs.size() < share) {
-      Sequence* s = waiting_.front().get();
+      // Next: the waiting sequence of the request with the fewest running, first in line among
+      // equals (a preempted sequence is first in line).
+      size_t next = 0;
+      for (size_t i = 1; i < waiting_.size(); ++i) {
+        if (held[waiting_[i]->group] < held[waiting_[next]->group]) next = i;
+      }
+      Sequence* s = waiting_[next].get();
       MatchPrefix(s);
       const int64_t need = (s->total() + options_.kv_block_size) / options_.kv_block_size -
                            static_cast<int64_t>(s->table.size());
@@ -266,9 +472,10 @@ StepDesc Engine::BuildStep(int mb) {
       }
       s->mb = mb;
       s->admitted = ++admitted_order;
+      ++held[s->group];
       batch.seqs.push_back(s);
-      running_.push_back(std::move(waiting_.front()));
-      waiting_.pop_front();
+      running_.push_back(std::move(waiting_[next]));
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(next));
     }
     running_count_.store(static_cast<int>(running_.size()));
   }
@@ -276,6 +483,7 @@ StepDesc Engine::BuildStep(int mb) {
   StepDesc desc;
   desc.microbatch = mb;
   int64_t budget = options_.max_step_tokens;
+  const Clock::time_point mask_until = Clock::now() + options_.mask_wait;
   auto blocks_for = [&](int64_t positions) {
     return (positions + options_.kv_block_size - 1) / options_.kv_block_size;
   };
@@ -294,21 +502,11 @@ StepDesc Engine::BuildStep(int mb) {
     const int64_t n = remaining == 1 ? 1 : std::min(remaining, budget);
     if (n <= 0) continue;
     // Structured output: the ids the token this chunk samples may take, from the sequence's
-    // grammar as its tokens so far left it.
+    // grammar as its tokens so far left it (computed on a grammar thread; see TakeMask).
     std::vector<uint32_t> allowed;
-    if (s->request.constraint != nullptr && s->fed + n == s->total()) {
-      const auto t0 = Clock::now();
-      absl::Status st = s->request.constraint->Allowed(&allowed);
-      if (observer_.grammar_mask) {
-        observer_.grammar_mask(std::chrono::duration<double>(Clock::now() - t0).count());
-      }
-      if (st.ok() && std::none_of(allowed.begin(), allowed.end(), [](uint32_t w) { return w; })) {
-        st = absl::InternalError("the output's grammar allows no token");
-      }
-      if (!st.ok()) {
-        Retire(s, "", st);
-        continue;
-      }
+    if (s->request.constraint != nullptr && s->fed + n == s->total() &&
+        !TakeMask(s, mask_until, &allowed)) {
+      continue;
     }
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
@@ -387,12 +585,6 @@ void Engine::Accept(const StepResult& result) {
     if (it == batch.seqs.end()) continue;
     Sequence* s = *it;
     if (s->stream->cancelled()) continue;  // retired when its micro-batch is next built
-    if (s->request.constraint != nullptr) {
-      if (absl::Status st = s->request.constraint->Accept(t.token); !st.ok()) {
-        Retire(s, "", st);
-        continue;
-      }
-    }
     s->generated.push_back(t.token);
     s->stream->Push({t.token, t.logprob, t.top});
     if (s->generated.size() == 1) {
@@ -408,12 +600,15 @@ void Engine::Accept(const StepResult& result) {
     const auto& stops = p.stop_token_ids;
     const auto& eos = options_.eos_token_ids;
     if (std::find(stops.begin(), stops.end(), t.token) != stops.end() ||
-        (!p.ignore_eos && std::find(eos.begin(), eos.end(), t.token) != eos.end()) ||
-        (s->request.constraint != nullptr && s->request.constraint->Finished())) {
+        (!p.ignore_eos && std::find(eos.begin(), eos.end(), t.token) != eos.end())) {
       Retire(s, "stop", absl::OkStatus());
     } else if (static_cast<int64_t>(s->generated.size()) >= p.max_tokens ||
                s->total() >= options_.max_context) {
       Retire(s, "length", absl::OkStatus());
+    } else if (s->request.constraint != nullptr) {
+      // The grammar takes the token and computes the next mask while other steps run; it may
+      // also say the output is complete (TakeMask ends the sequence then).
+      StartMask(s, t.token);
     }
   }
 }
@@ -436,17 +631,25 @@ absl::Status Engine::Loop() {
     }
     if (observer_.queue_depth) observer_.queue_depth(queue_depth());
     if (in_flight_.empty()) {
-      bool woken = false;
+      // Sequences running without a step wait for their masks (TakeMask): the loop wakes when
+      // one is ready, or soon, to end those past their time.
+      const bool masks_pending = !running_.empty();
+      bool woken = masks_pending;
       {
         absl::MutexLock lock(&mu_);
-        if (options_.exit_when_idle && waiting_.empty()) return absl::OkStatus();
-        if (!waiting_.empty()) continue;  // admitted on the next pass
-        if (shutdown_) continue;          // drained
-        const absl::Time deadline = absl::Now() + absl::FromChrono(options_.ping_every);
-        while (!shutdown_ && waiting_.empty()) {
+        if (options_.exit_when_idle && waiting_.empty() && !masks_pending) {
+          return absl::OkStatus();
+        }
+        if (!masks_pending && !waiting_.empty()) continue;  // admitted on the next pass
+        if (!masks_pending && shutdown_) continue;          // drained
+        const absl::Time deadline =
+            absl::Now() +
+            absl::FromChrono(masks_pending ? options_.mask_wait : options_.ping_every);
+        const int64_t seen = masks_done_;
+        while (!shutdown_ && waiting_.empty() && masks_done_ == seen) {
           if (wake_.WaitWithDeadline(&mu_, deadline)) break;
         }
-        woken = shutdown_ || !waiting_.empty();
+        woken |= shutdown_ || !waiting_.empty();
       }
       if (!woken) RETURN_IF_ERROR(executor_->Ping());  // idle: is the replica still there?
       continue;
@@ -463,13 +666,19 @@ absl::Status Engine::Loop() {
 }
 
 void Engine::FailAll(const absl::Status& status) {
-  for (const auto& s : running_) s->stream->Finish("", status);
+  for (const auto& s : running_) {
+    if (s->request.constraint) s->request.constraint->Cancel();
+    s->stream->Finish("", status);
+  }
   running_.clear();
   running_count_.store(0);
   for (MicroBatch& mb : mbs_) mb.seqs.clear();
   absl::MutexLock lock(&mu_);
   accepting_ = false;
-  for (const auto& s : waiting_) s->stream->Finish("", status);
+  for (const auto& s : waiting_) {
+    if (s->request.constraint) s->request.constraint->Cancel();
+    s->stream->Finish("", status);
+  }
   waiting_.clear();
 }
 

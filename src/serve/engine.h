@@ -5,16 +5,20 @@
 // running sequences keep decoding. KV cache blocks are taken as sequences grow (never reserved
 // for max_tokens up front); when the cache runs out, the newest sequence is preempted: its blocks
 // are freed and it is requeued first in line, to resume by recomputing its prompt and the
-// tokens it already produced (same tokens, same sampler stream).
+// tokens it already produced (same tokens, same sampler stream). Requests share the batch
+// fairly (SubmitGroup). A constrained sequence's masks are computed on grammar threads while
+// steps run (EngineOptions::mask_wait, mask_timeout).
 //
 // Threads: Submit, RequestStream methods, Shutdown and the accessors are safe from any thread;
-// Run is the scheduler thread and the only user of the StepExecutor.
+// Run is the scheduler thread and the only user of the StepExecutor; the grammar threads touch
+// only a sequence's constraint and its MaskJob.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +31,8 @@
 #include "serve/step.h"
 
 namespace shardserve {
+
+class GrammarWorkers;
 
 // Where the engine reports request-level figures (the leader's metrics); may be absent.
 struct EngineObserver {
@@ -59,7 +65,15 @@ struct EngineOptions {
   int64_t vocab_size = 0;
   std::vector<int64_t> eos_token_ids;
   std::chrono::milliseconds ping_every{1000};  // liveness check of an idle replica
-  bool exit_when_idle = false;                 // Run returns once nothing is left to do
+  // Structured output: each constrained sequence's next mask is computed on a grammar thread
+  // (serve/grammar_workers.h) while steps run. A step waits at most mask_wait (all its
+  // sequences together) for masks still being computed; a sequence whose mask is not ready
+  // then sits the step out, and one whose mask takes longer than mask_timeout ends with an
+  // error (its own request only).
+  int grammar_threads = 2;
+  std::chrono::milliseconds mask_wait{10};
+  std::chrono::milliseconds mask_timeout{1000};
+  bool exit_when_idle = false;  // Run returns once nothing is left to do
 };
 
 // One sequence's output as the engine produces it. The consumer takes what arrived with Next.
@@ -114,6 +128,12 @@ class Engine {
   // Queues a request. InvalidArgument names a bad parameter or a prompt that cannot fit;
   // ResourceExhausted means the queue is full; Unavailable means the engine stopped or failed.
   absl::StatusOr<std::shared_ptr<RequestStream>> Submit(const GenerationRequest& request);
+  // Queues one request's sequences (its prompts, its n choices) together, or none of them. The
+  // queue counts requests, and the batch is shared fairly between them: while another request
+  // waits with nothing running, a request holding more than its share of the batch
+  // (max_batch / requests) gives up its newest sequence for it (preempted, resumed later).
+  absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> SubmitGroup(
+      const std::vector<GenerationRequest>& requests);
 
   // Schedules until Shutdown (or, with exit_when_idle, until nothing is left), then stops the
   // replica. A replica failure ends every request with the error and is returned.
@@ -125,19 +145,25 @@ class Engine {
   bool healthy() const { return healthy_.load(); }
   // Healthy and taking requests (not draining).
   bool accepting() const;
-  size_t queue_depth() const;
+  size_t queue_depth() const;  // waiting requests
   int running() const { return running_count_.load(); }
   int64_t kv_used_blocks() const { return kv_used_.load(); }
   const EngineOptions& options() const { return options_; }
 
  private:
   struct Sequence;
+  struct MaskJob;
   struct MicroBatch {
     std::vector<Sequence*> seqs;
     bool in_flight = false;
   };
 
   absl::Status Loop();
+  absl::Status Check(const GenerationRequest& request) const;
+  size_t WaitingRequests() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Preempts sequences of requests over their share of the batch while a request waits with
+  // nothing running, and gives the next free slot to the least served request.
+  void MakeRoomForWaitingRequests();
   // Builds the next step of micro-batch `mb`: drops cancelled sequences, admits waiting ones,
   // feeds chunks within the token and cache budgets, preempting when the cache is full.
   StepDesc BuildStep(int mb);
@@ -158,6 +184,13 @@ class Engine {
   // Whether a running sequence is computing the block that would extend s's cached prefix (the
   // n choices of one prompt, the same prompt sent at once): s waits to share it.
   bool PrefixBeingComputed(const Sequence* s) const;
+  // Posts the computation of s's next mask (after `token`, when given) to a grammar thread.
+  void StartMask(Sequence* s, std::optional<int32_t> token);
+  // s's mask for its next sampled token, waiting for it until `until`; false when the sequence
+  // cannot sample in this step (still computing: it sits the step out; or it ended: retired).
+  bool TakeMask(Sequence* s, std::chrono::steady_clock::time_point until,
+                std::vector<uint32_t>* allowed);
+  void MaskDone();
 
   StepExecutor* executor_;
   EngineOptions options_;
@@ -170,6 +203,7 @@ class Engine {
   std::chrono::steady_clock::time_point drain_until_ ABSL_GUARDED_BY(mu_);
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t masks_done_ ABSL_GUARDED_BY(mu_) = 0;  // wakes the loop when a mask is ready
   std::atomic<bool> healthy_{true};
   std::atomic<int> running_count_{0};  // running_.size(), for Submit
   std::atomic<int64_t> kv_used_{0};    // pool_.used(), for the leader's load reports
@@ -180,6 +214,8 @@ class Engine {
   std::vector<std::unique_ptr<Sequence>> running_;
   std::vector<int64_t> release_;
   BlockPool pool_;
+  // Last: destroyed first, while the jobs it still runs may reach the engine.
+  std::unique_ptr<GrammarWorkers> grammar_workers_;
 };
 
 // Runs `requests` to completion as one batch on the replica behind `executor` (the one-shot

@@ -2,10 +2,15 @@
 
 #include <llguidance.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <string_view>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
 #include "common/text.h"
 
 namespace shardserve {
@@ -25,10 +30,80 @@ size_t Tokenize(const void* user_data, const uint8_t* bytes, size_t len, uint32_
   return ids->size();
 }
 
+// llguidance's message in our words: its first line, bounded, without the parser's state or a
+// backtrace, and the reasons a client meets most said plainly.
+std::string Reason(const char* message) {
+  if (message == nullptr || *message == '\0') return "no reason given";
+  absl::string_view m(message);
+  m = m.substr(0, m.find('\n'));
+  const std::string first(m.substr(0, 300));
+  if (absl::StrContains(first, "panicked")) {
+    return "the grammar compiler could not handle it (it may be too large or refer to itself)";
+  }
+  if (absl::StrContains(first, "NoExtensionBias")) {
+    return "it refers to itself without end: no text can complete it";
+  }
+  if (absl::StrContains(first, "fuel") || absl::StrContains(first, "too many") ||
+      absl::StrContains(first, "too large") || absl::StrContains(first, "grammar size") ||
+      absl::StrContains(first, "max is")) {
+    return absl::StrCat("it is too large or complex for the server's limits (", first, ")");
+  }
+  return first;
+}
+
+// The deepest nesting of brackets in `text` (grammar and regex syntax), stopping past `limit`.
+int BracketDepth(std::string_view text, int limit) {
+  int depth = 0, deepest = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\\') {
+      ++i;  // an escaped character
+    } else if (c == '(' || c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > limit) break;
+    } else if ((c == ')' || c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// Lines that start a Lark rule or terminal ("name:", "?name:", "NAME.2:"): one a line.
+size_t LarkRules(absl::string_view text) {
+  size_t rules = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    size_t i = line.find_first_not_of(" \t");
+    if (i == absl::string_view::npos) continue;
+    if (line[i] == '?' || line[i] == '!') ++i;
+    const size_t name = i;
+    while (i < line.size() && (absl::ascii_isalnum(line[i]) || line[i] == '_' || line[i] == '.'))
+      ++i;
+    if (i == name) continue;
+    i = line.find_first_not_of(" \t", i);
+    if (i != absl::string_view::npos && line[i] == ':') ++rules;
+  }
+  return rules;
+}
+
+size_t Count(std::string_view text, std::string_view what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string_view::npos; at = text.find(what, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
 class GrammarMatcher final : public TokenConstraint {
  public:
-  explicit GrammarMatcher(LlgMatcher* m) : m_(m) {}
-  ~GrammarMatcher() override { llg_free_matcher(m_); }
+  explicit GrammarMatcher(LlgMatcher* m) : m_(m), cancel_(llg_matcher_get_cancellation_handle(m)) {}
+  ~GrammarMatcher() override {
+    llg_free_matcher(m_);
+    llg_free_cancellation_handle(cancel_);
+  }
+
+  void Cancel() override {
+    if (cancel_ != nullptr) llg_cancel(cancel_);
+  }
 
   absl::Status Allowed(std::vector<uint32_t>* mask) override {
     const size_t bytes = llg_matcher_get_mask_byte_size(m_);
@@ -46,14 +121,37 @@ class GrammarMatcher final : public TokenConstraint {
 
   bool Finished() const override { return llg_matcher_is_stopped(m_); }
 
- private:
-  absl::Status Error(const std::string& what) {
-    const char* e = llg_matcher_get_error(m_);
-    return absl::InternalError(absl::StrCat("the output's grammar failed on ", what, ": ",
-                                            e != nullptr ? e : "(no message)"));
+  std::unique_ptr<TokenConstraint> Clone() const override {
+    return std::make_unique<GrammarMatcher>(llg_clone_matcher(m_));
   }
+
+ private:
+  // The grammar the client gave cannot go on (a limit of its work, or a cancellation): the
+  // client's to change, so InvalidArgument.
+  absl::Status Error(const std::string& what) {
+    if (llg_matcher_is_cancelled(m_)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the output's grammar was stopped while computing ", what));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("the output's grammar failed on ", what, ": ", reason()));
+  }
+
+ public:
+  std::string reason() { return Reason(llg_matcher_get_error(m_)); }
+
+ private:
   LlgMatcher* m_;
+  LlgCancellationHandle* cancel_;
 };
+
+// What the client gave, as an error message names it.
+std::string KindName(const std::string& kind) {
+  if (kind == "json_schema") return "the JSON schema";
+  if (kind == "json_object") return "the JSON object grammar";
+  if (kind == "regex") return "the regular expression";
+  return "the grammar";
+}
 
 }  // namespace
 
@@ -128,12 +226,20 @@ absl::StatusOr<std::unique_ptr<TokenConstraint>> GrammarVocabulary::Compile(
       grammar.kind != "lark") {
     return absl::InvalidArgumentError(absl::StrCat("no grammar of kind '", grammar.kind, "'"));
   }
+  RETURN_IF_ERROR(CheckGrammarBounds(grammar));
   LlgConstraintInit init = {};
   llg_constraint_init_set_defaults(&init, tokenizer_);
   init.log_stderr_level = 0;  // errors come back as statuses
   init.log_buffer_level = 0;
-  // llguidance's limits bound the work of a hostile grammar (its size, the lexer's states, each
-  // mask's fuel); their defaults are its own.
+  // llguidance's limits bound the work of a hostile grammar: its size in symbols, the lexer's
+  // states and the fuel of its construction (about 20 ms), each mask's lexer fuel and Earley
+  // items (about 15 and 3 ms); its errors leave out the parser's state.
+  init.limits.max_grammar_size = kMaxGrammarSymbols;
+  init.limits.initial_lexer_fuel = 1'000'000;
+  init.limits.max_lexer_states = 100'000;
+  init.limits.step_lexer_fuel = 200'000;
+  init.limits.step_max_items = 50'000;
+  init.limits.verbose_errors = false;
   std::string data = grammar.data;
   const char* kind = grammar.kind.c_str();
   if (grammar.kind == "json_object" || grammar.kind == "json_schema") {
@@ -158,12 +264,53 @@ absl::StatusOr<std::unique_ptr<TokenConstraint>> GrammarVocabulary::Compile(
     return absl::InvalidArgumentError("the grammar holds a NUL character");
   }
   LlgMatcher* m = llg_new_matcher(&init, kind, data.c_str());
-  auto matcher = std::make_unique<GrammarMatcher>(m);
   if (llg_matcher_is_error(m)) {
-    const char* e = llg_matcher_get_error(m);
-    return absl::InvalidArgumentError(e != nullptr ? e : "the grammar does not compile");
+    const std::string reason = Reason(llg_matcher_get_error(m));
+    llg_free_matcher(m);
+    return absl::InvalidArgumentError(
+        absl::StrCat(KindName(grammar.kind), " cannot be used: ", reason));
+  }
+  auto matcher = std::make_unique<GrammarMatcher>(m);
+  // The first mask, once: a grammar that cannot start (it refers to itself without end, or
+  // matches nothing) is the client's error now rather than in the middle of a generation.
+  std::vector<uint32_t> mask;
+  if (!matcher->Allowed(&mask).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(KindName(grammar.kind), " cannot be used: ", matcher->reason()));
+  }
+  if (std::none_of(mask.begin(), mask.end(), [](uint32_t w) { return w != 0; })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(KindName(grammar.kind), " cannot be used: it matches no text"));
   }
   return matcher;
+}
+
+absl::Status CheckGrammarBounds(const Grammar& grammar) {
+  const std::string what = KindName(grammar.kind);
+  if (grammar.data.size() > kMaxGrammarBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is ", grammar.data.size(),
+                                                   " bytes long; at most ", kMaxGrammarBytes,
+                                                   " are accepted"));
+  }
+  // llguidance's compiler recurses once per `$ref` it follows, per rule a rule names and per
+  // nested bracket: these bounds keep its depth within a grammar thread's stack.
+  if (const size_t refs = Count(grammar.data, "\"$ref\""); refs > kMaxGrammarRefs) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", refs, " \"$ref\"s; at most ",
+                                                   kMaxGrammarRefs, " are accepted"));
+  }
+  if (grammar.kind == "lark") {
+    if (const size_t rules = LarkRules(grammar.data); rules > kMaxLarkRules) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " defines up to ", rules, " rules; at most ", kMaxLarkRules, " are accepted"));
+    }
+  }
+  if (grammar.kind == "lark" || grammar.kind == "regex") {
+    if (BracketDepth(grammar.data, kMaxGrammarNesting) > kMaxGrammarNesting) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " nests brackets deeper than ", kMaxGrammarNesting, " levels"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardserve

@@ -17,6 +17,16 @@ struct LlgTokenizer;
 
 namespace shardserve {
 
+// The bounds a grammar is held to before llguidance sees it (CheckGrammarBounds): its text, its
+// `$ref`s (each one a level of the compiler's recursion), a Lark grammar's rules and any
+// grammar's bracket nesting. With them, the deepest compilation fits a grammar thread's stack
+// (serve/grammar_workers.h).
+inline constexpr size_t kMaxGrammarBytes = 1 << 20;
+inline constexpr size_t kMaxGrammarRefs = 20000;
+inline constexpr size_t kMaxLarkRules = 20000;
+inline constexpr int kMaxGrammarNesting = 100;
+inline constexpr size_t kMaxGrammarSymbols = 200'000;  // llguidance's max_grammar_size
+
 struct Grammar {
   // llguidance's kinds: "json_schema" (data: the schema, JSON text), "json_object" (any JSON
   // object), "regex" (Rust regex syntax, matched whole), "lark" (llguidance's Lark dialect).
@@ -38,13 +48,18 @@ class GrammarVocabulary {
   GrammarVocabulary(const GrammarVocabulary&) = delete;
   GrammarVocabulary& operator=(const GrammarVocabulary&) = delete;
 
-  // A matcher of `grammar` at its start; InvalidArgument quoting llguidance when the grammar
-  // does not compile (a bad schema, regex or Lark text, or one past its size limits).
+  // A matcher of `grammar` at its start; InvalidArgument in our words, with llguidance's reason,
+  // when the grammar does not compile (a bad schema, regex or Lark text, or one past the bounds
+  // above or llguidance's limits). Recursion as deep as the bounds allow: call it on a grammar
+  // thread (serve/grammar_workers.h).
   absl::StatusOr<std::unique_ptr<TokenConstraint>> Compile(const Grammar& grammar) const;
 
  private:
   GrammarVocabulary() = default;
   LlgTokenizer* tokenizer_ = nullptr;
 };
+
+// InvalidArgument naming the bound `grammar` exceeds, if any.
+absl::Status CheckGrammarBounds(const Grammar& grammar);
 
 }  // namespace shardserve

@@ -22,6 +22,8 @@ constexpr size_t kMaxLogitBias = 1024;
 constexpr size_t kMaxTools = 128;
 constexpr int64_t kMaxChoices = 16;    // n, best_of
 constexpr size_t kMaxSequences = 128;  // prompts x best_of
+constexpr size_t kMaxCacheSalt = 1024;
+constexpr size_t kMaxGuidedChoices = 2000;
 
 // Typed field access: absent and null read as "not given"; a wrong type names the field.
 absl::StatusOr<std::optional<double>> Number(const json& body, const char* name) {
@@ -473,6 +475,12 @@ absl::Status ParseStructuredOutput(const json& body, ApiRequest& r) {
             !std::all_of(it->begin(), it->end(), [](const json& c) { return c.is_string(); })) {
           return BadParam(field, absl::StrCat("'", field, "' must be a list of strings"));
         }
+        // Each choice is an item of one Earley row, whose width llguidance bounds (2,000).
+        if (it->size() > kMaxGuidedChoices) {
+          return BadParam(field,
+                          absl::StrCat("'", field, "' has ", it->size(), " choices; at most ",
+                                       kMaxGuidedChoices, " are accepted"));
+        }
         std::string lark = "start: ";  // the choices as literals (JSON string syntax)
         for (size_t i = 0; i < it->size(); ++i) {
           absl::StrAppend(&lark, i ? " | " : "", json((*it)[i].get<std::string>()).dump());
@@ -676,6 +684,16 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
       r.logprobs = true;
       p.top_logprobs = *logprobs;
     }
+  }
+  // vLLM's cache_salt: the request shares cached prefixes only with requests of the same salt.
+  if (auto it = body.find("cache_salt"); it != body.end() && !it->is_null()) {
+    if (!it->is_string() || it->get<std::string>().empty() ||
+        it->get<std::string>().size() > kMaxCacheSalt) {
+      return BadParam("cache_salt",
+                      absl::StrCat("'cache_salt' must be a non-empty string of at most ",
+                                   kMaxCacheSalt, " bytes"));
+    }
+    r.cache_salt = it->get<std::string>();
   }
   ASSIGN_OR_RETURN(auto stream, Boolean(body, "stream"));
   r.stream = stream.value_or(false);

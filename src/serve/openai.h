@@ -16,7 +16,8 @@
 //   messages of role tool (tool_call_id) and assistant messages with tool_calls. Structured
 //   output (serve/grammar.h): response_format json_object or json_schema, or vLLM's guided_json,
 //   guided_regex, guided_grammar (Lark), guided_choice (or structured_outputs' json, regex,
-//   grammar, choice, json_object); one at a time, not with tools or min_tokens. Unsupported
+//   grammar, choice, json_object); one at a time, not with tools or min_tokens. cache_salt
+//   (vLLM's): cached prefixes are shared only with requests of the same salt. Unsupported
 //   options that would change the answer (echo with logprobs, suffix, a function's strict: true
 //   with tool_choice "auto", other structured_outputs keys, guided_whitespace_pattern, a
 //   guided_decoding_backend other than llguidance, the deprecated functions / function_call) are
@@ -61,6 +62,7 @@ struct ApiRequest {
   bool logprobs = false;           // report log-probabilities (top_logprobs alternatives in params)
   std::optional<Grammar> grammar;  // structured output: the rule the output follows
   std::string grammar_param;       // the field that gave it
+  std::string cache_salt;          // vLLM's: salts the prompt's KV block names (may be empty)
 };
 
 // Parses a request body. `chat` selects /v1/chat/completions.

@@ -229,12 +229,42 @@ ToolCallParser::Out ToolCallParser::Finish() {
   return out;
 }
 
+namespace {
+
+// A function's parameters schema, moved under `base` (a JSON pointer of the call's schema): its
+// local references ("#", "#/$defs/City": pydantic's nested models) point where they now are.
+// Data keywords (const, enum, default, examples) are left as they are.
+void RebaseRefs(nlohmann::ordered_json& node, const std::string& base, int depth) {
+  if (depth > 128) return;  // request bodies nest at most 64 levels
+  if (node.is_array()) {
+    for (auto& v : node) RebaseRefs(v, base, depth + 1);
+    return;
+  }
+  if (!node.is_object()) return;
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    const std::string& key = it.key();
+    if (key == "$ref" && it->is_string()) {
+      const std::string ref = it->get<std::string>();
+      if (!ref.empty() && ref[0] == '#') *it = base + ref.substr(1);
+    } else if (key != "const" && key != "enum" && key != "default" && key != "examples") {
+      RebaseRefs(*it, base, depth + 1);
+    }
+  }
+}
+
+}  // namespace
+
 Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
                         const std::string& choice, const std::string& name, bool parallel,
                         int32_t marker) {
   using ojson = nlohmann::ordered_json;
   const bool hermes = format == "hermes", llama3 = format == "llama3_json";
   ojson calls = ojson::array();  // one schema per function the call may name
+  size_t count = 0;
+  for (const ojson& t : tools) {
+    const ojson& fn = t["function"];
+    count += !(choice == "function" && fn["name"] != name);
+  }
   for (const ojson& t : tools) {
     const ojson& fn = t["function"];
     if (choice == "function" && fn["name"] != name) continue;
@@ -242,6 +272,13 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
                        ? fn["parameters"]
                        : ojson({{"type", "object"}});
     const char* args = llama3 ? "parameters" : "arguments";
+    // Where the parameters land in the schema of the call (below: one call, or anyOf's entry;
+    // Mistral's calls are a list's items).
+    RebaseRefs(
+        params,
+        absl::StrCat("#", format == "mistral" ? "/items" : "",
+                     count == 1 ? "" : absl::StrCat("/anyOf/", calls.size()), "/properties/", args),
+        0);
     calls.push_back({{"type", "object"},
                      {"properties", {{"name", {{"const", fn["name"]}}}, {args, std::move(params)}}},
                      {"required", {"name", args}},

@@ -4,7 +4,10 @@
 methods) from several clients at once. Every answer must be 2xx or a 4xx with an OpenAI error
 body (never a 5xx, a hang or a dropped connection), valid requests interleaved with the noise must
 keep their exact greedy answer, and the deployment must still be up and ready at the end. With
-SHARDSERVE_FUZZ_REPLICAS=2 the same goes through shardserve-router in front of two replicas."""
+SHARDSERVE_FUZZ_REPLICAS=2 the same goes through shardserve-router in front of two replicas.
+Structured output is fuzzed too: response_format, guided_* and structured_outputs, and tools'
+parameters under tool_choice required or named, with odd, self-referring, deep and large
+grammars (each must be answered 200 or 400, never 5xx or a crash)."""
 import http.client
 import json
 import os
@@ -47,6 +50,37 @@ KEYS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "to
         "max_completion_tokens", "user", "zzz", "tools", "tool_choice", "parallel_tool_calls",
         "functions", "response_format"]
 MESSAGE_KEYS = ["role", "content", "x", "tool_calls", "tool_call_id", "name"]
+# Structured output and tools' parameters: grammars that are odd, self-referring, deep or large.
+SCHEMAS = [{"type": "object"}, {"$ref": "#"}, {"type": "frobnicate"}, {"$ref": "#/$defs/x"},
+           {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+           {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(300)} | {
+               "d300": {"type": "integer"}}, "$ref": "#/$defs/d0"},
+           {"type": "array", "items": {"type": "array", "items": {"type": "string"}},
+            "minItems": 2 ** 40}, {"anyOf": [{"const": i} for i in range(500)]},
+           {"type": "string", "pattern": "(a+)+$"}, {"properties": {"a": {"$ref": "#"}}}]
+GRAMMARS = ["start: start", "start: (", 'start: "a"* "b"', "start: a\na: b\nb: a",
+            "start: %json {\"$ref\": \"#\"}", "(" * 150 + "a" + ")" * 150,
+            "start: " + " | ".join(f'"w{i}"' for i in range(2000))]
+REGEXES = ["(a{1000}){1000}", "(a|a)*b", "[", "\\", "a{99999}", "(?:x*)*y", ".*" * 50]
+GUIDED = {
+    "guided_json": lambda rng: rng.choice(SCHEMAS + [json.dumps(rng.choice(SCHEMAS))]),
+    "guided_regex": lambda rng: rng.choice(REGEXES),
+    "guided_grammar": lambda rng: rng.choice(GRAMMARS),
+    "guided_choice": lambda rng: rng.choice([[], ["a"], [f"c{i}" for i in range(3000)], [1, 2]]),
+    "response_format": lambda rng: rng.choice([
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": rng.choice(SCHEMAS)}},
+        {"type": "json_object"}, {"type": "json_schema"}, {"type": "grammar"}]),
+    "structured_outputs": lambda rng: rng.choice([{"regex": rng.choice(REGEXES)},
+                                                  {"grammar": rng.choice(GRAMMARS)},
+                                                  {"json": rng.choice(SCHEMAS)}]),
+}
+
+
+def with_tool_parameters(rng, body):
+    """A tool call constrained to a function whose parameters are one of SCHEMAS."""
+    body.update({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": rng.choice(SCHEMAS)}}],
+        "tool_choice": rng.choice(["required", {"type": "function", "function": {"name": "f"}}])})
 
 
 def mutate(rng):
@@ -69,6 +103,11 @@ def mutate(rng):
                     m[rng.choice(MESSAGE_KEYS)] = rng.choice(WEIRD)
         elif op < 0.7:
             body["max_tokens"] = rng.randint(-5, 400)
+        elif op < 0.8:
+            key = rng.choice(list(GUIDED))
+            body[key] = GUIDED[key](rng)
+        elif op < 0.84 and "messages" in body:
+            with_tool_parameters(rng, body)
         else:
             body[rng.choice(KEYS)] = rng.choice(WEIRD)
     text = json.dumps(body).encode()

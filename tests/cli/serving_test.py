@@ -2,9 +2,10 @@
 """The OpenAI-compatible API of a `shardserve local` TP=2 x PP=2 deployment, through real
 processes and sockets: every endpoint, greedy answers equal to single-process generation,
 streaming, logprobs, n, best_of, echo, stop strings, concurrency, bad requests, queue-full 429, disconnects that
-free their slot, promtool-clean metrics, Ctrl-C; then a second deployment loses a rank
-mid-request."""
+free their slot (counted 499), promtool-clean metrics, Ctrl-C; then a second deployment loses a
+rank mid-request (an error to each request) and restarts that replica, which serves again."""
 import json
+import re
 import os
 import signal
 import socket
@@ -367,6 +368,14 @@ try:
     check(status == 200 and freed < 5, f"disconnected clients freed their slots "
           f"(a new request was admitted {freed:.2f} s after they left)")
 
+    def code_count(code):
+        m = re.search(r'^shardserve_requests_total\{[^}]*code="' + code + r'"[^}]*\} (\S+)',
+                      d.metrics_page(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    check(wait_until(lambda: code_count("499") >= 6, 10),
+          f"streams cut short by their clients count as 499, not 200 ({code_count('499')})")
+
     # A non-streamed request whose client leaves also frees its slot.
     held = []
     for i in range(4):
@@ -483,9 +492,20 @@ try:
     status, _, body = outcome.get("plain", (None, None, None))
     check(status == 503 and error_shape(body), f"the plain request ends with 503 ({status})")
     check(elapsed < 20, f"both ended in {elapsed:.1f} s, not a hang")
-    code = d.proc.wait(30)
-    check(code != 0 and "rank 3" in d.log(), f"shardserve local exits non-zero ({code}) naming "
-          "the rank")
+    check(wait_until(lambda: "replica 0 failed" in d.log() and "rank 3" in d.log()
+                     and "restarting it" in d.log(), 30),
+          "shardserve local names the failed rank and restarts its replica")
+
+    def ready_again():
+        try:
+            return d.request("GET", "/readyz", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    check(wait_until(ready_again, 90), "the restarted replica is ready again")
+    status, _, body = d.post("/v1/completions", {"model": "tiny", "prompt": PROMPTS[0],
+                                                 "max_tokens": 4, "temperature": 0})
+    check(status == 200, f"and serves ({status})")
 finally:
     d.stop(signal.SIGKILL)
 check(wait_until(lambda: not workers_running(WORKER), 10),

@@ -3,8 +3,10 @@
 // sequence gets the tokens the plain batched generator gives it.
 #include "serve/engine.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -33,6 +35,7 @@ class LocalExecutor : public StepExecutor {
   }
 
   absl::Status Issue(const StepDesc& step) override {
+    ++steps_;
     if (fail_after_ >= 0 && issued_++ >= fail_after_) {
       return absl::UnavailableError("rank 1 died");
     }
@@ -102,6 +105,7 @@ class LocalExecutor : public StepExecutor {
   int64_t cached_ = 0;  // prompt positions skipped for a cached prefix
   int64_t scored_ = 0;  // prompt rows scored
   int fail_after_ = -1, issued_ = 0;
+  std::atomic<int> steps_{0};  // steps issued, read by the test's thread
 
  private:
   Transformer* model_;
@@ -465,9 +469,96 @@ TEST_F(EngineTest, SubmitRefusesBadRequestsAndAFullQueue) {
   EXPECT_NE(engine.Submit(r).status().message().find("maximum context length is 256"),
             std::string::npos);
   r.params.max_tokens = 4;
-  ASSERT_TRUE(engine.Submit(r).ok());  // takes the free batch slot
+  // A queue place per request: five sequences of one request take the free batch slot's place.
+  ASSERT_TRUE(engine.SubmitGroup({r, r, r, r, r}).ok());
   ASSERT_TRUE(engine.Submit(r).ok());  // queued
   EXPECT_EQ(engine.Submit(r).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(engine.queue_depth(), 2u);
+}
+
+// One request's many sequences (prompts x n) fill the batch; another request that arrives then
+// gets a slot within a few steps (a sequence of the big request is preempted for it) instead of
+// waiting for the big one's sequences to end.
+TEST_F(EngineTest, ABigRequestLeavesAnotherItsShareOfTheBatch) {
+  LocalExecutor exec(model_.get(), 4096);
+  EngineOptions o = exec.Options();
+  o.max_batch = 4;
+  Engine engine(&exec, o);
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  GenerationRequest long_one = requests_[0];
+  long_one.params.max_tokens = 60;
+  auto big = engine.SubmitGroup(std::vector<GenerationRequest>(12, long_one));
+  ASSERT_TRUE(big.ok());
+  ASSERT_FALSE((*big)[0]->Next(std::chrono::seconds(10)).tokens.empty());  // running
+  const int submitted_at = exec.steps_.load();
+  GenerationRequest plain = requests_[1];
+  plain.params.max_tokens = 4;
+  auto small = engine.Submit(plain);
+  ASSERT_TRUE(small.ok());
+  RequestStream::Update u;
+  while (u.tokens.empty() && !u.finished) u = (*small)->Next(std::chrono::seconds(30));
+  ASSERT_FALSE(u.tokens.empty());
+  EXPECT_LE(exec.steps_.load() - submitted_at, 4)
+      << "steps the plain request waited for its first token";
+  for (auto& st : *big) st->Cancel();
+  (*small)->Cancel();
+  engine.Shutdown();
+  loop.join();
+}
+
+// A constraint whose mask never comes (a hostile grammar): Allowed runs until cancelled.
+class StuckConstraint : public TokenConstraint {
+ public:
+  absl::Status Allowed(std::vector<uint32_t>* mask) override {
+    for (int i = 0; i < 30000 && !cancelled_->load(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return absl::InvalidArgumentError("cancelled");
+  }
+  absl::Status Accept(int32_t) override { return absl::OkStatus(); }
+  bool Finished() const override { return false; }
+  void Cancel() override { cancelled_->store(true); }
+  std::unique_ptr<TokenConstraint> Clone() const override {
+    return std::make_unique<StuckConstraint>();
+  }
+  std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
+};
+
+// Its mask past mask_timeout ends that sequence with a 400-class error naming the grammar; the
+// others give their own answers, unaffected.
+TEST_F(EngineTest, AGrammarPastItsMaskTimeEndsOnlyItsSequence) {
+  const std::vector<GenerationResult> want = Reference();
+  LocalExecutor exec(model_.get(), 4096);
+  EngineOptions o = exec.Options();
+  o.mask_timeout = std::chrono::milliseconds(300);
+  Engine engine(&exec, o);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  auto stuck = std::make_shared<StuckConstraint>();
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    GenerationRequest r = requests_[i];
+    if (i == 2) r.constraint = stuck;
+    streams.push_back(*engine.Submit(r));
+  }
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  for (size_t i = 0; i < streams.size(); ++i) {
+    std::vector<int32_t> tokens;
+    RequestStream::Update u;
+    while (!u.finished) {
+      u = streams[i]->Next(std::chrono::seconds(30));
+      for (auto& t : u.tokens) tokens.push_back(t.id);
+    }
+    if (i == 2) {
+      EXPECT_EQ(u.status.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(u.status.message()), ::testing::HasSubstr("took longer than 300 ms"));
+      EXPECT_TRUE(tokens.empty());
+      EXPECT_TRUE(stuck->cancelled_->load()) << "the mask in progress must be stopped";
+    } else {
+      EXPECT_TRUE(u.status.ok()) << u.status;
+      EXPECT_EQ(tokens, want[i].tokens) << "request " << i;
+    }
+  }
+  engine.Shutdown();
+  loop.join();
 }
 
 TEST_F(EngineTest, AReplicaFailureEndsEveryRequestWithTheError) {

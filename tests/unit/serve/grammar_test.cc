@@ -11,8 +11,11 @@
 #include <random>
 #include <regex>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "devtools/bpe_trainer.h"
 #include "devtools/corpus.h"
+#include "serve/grammar_workers.h"
 #include "serve/tool_calls.h"
 
 namespace shardserve {
@@ -177,6 +180,35 @@ TEST_P(GrammarTest, ToolCallGrammarsGiveCallsThatParse) {
 
 // Mistral's constrained calls: the [TOOL_CALLS] token (a special token, named by id in the
 // grammar), then a JSON list that parses into calls.
+// A tool whose parameters refer to their own $defs (pydantic's nested models, as LangChain sends
+// them), constrained under tool_choice required and named, in every format: the references
+// resolve where the parameters land in the call's schema.
+TEST_P(GrammarTest, ToolParametersWithDefsAndRefsCompileAndFollowThem) {
+  const auto tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "plan_trip", "parameters": {
+      "$defs": {"City": {"type": "object", "properties": {"name": {"enum": ["Oslo", "Rome"]}},
+                         "required": ["name"], "additionalProperties": false}},
+      "type": "object", "properties": {"to": {"$ref": "#/$defs/City"}},
+      "required": ["to"], "additionalProperties": false}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
+      "properties": {}, "additionalProperties": false}}}])");
+  for (const char* format : {"hermes", "llama3_json"}) {
+    for (const auto& [choice, name] :
+         {std::pair{"required", ""}, std::pair{"function", "plan_trip"}}) {
+      auto c = vocab_->Compile(ToolCallGrammar(format, tools, choice, name, false));
+      ASSERT_TRUE(c.ok()) << format << " " << choice << ": " << c.status();
+      for (uint32_t seed = 0; seed < 4; ++seed) {
+        auto walk = vocab_->Compile(ToolCallGrammar(format, tools, choice, name, false));
+        const std::string text = Walk(**walk, seed);
+        if (text.find("plan_trip") == std::string::npos) continue;
+        EXPECT_TRUE(text.find("\"Oslo\"") != std::string::npos ||
+                    text.find("\"Rome\"") != std::string::npos)
+            << text;
+      }
+    }
+  }
+}
+
 TEST(GrammarVocabularyTest, MistralCallsStartWithTheirToken) {
   auto t =
       TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kSentencePiece, 700, {"[TOOL_CALLS]"});
@@ -225,8 +257,91 @@ TEST_P(GrammarTest, ATokenOutsideTheMaskIsRefused) {
   ASSERT_TRUE(c.ok()) << c.status();
   const std::optional<int32_t> x = tok_->Encode("x", false)->front();
   const absl::Status s = (*c)->Accept(*x);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("the output's grammar failed on token"));
+}
+
+// A schema whose $refs chain `n` definitions, and a Lark grammar whose rules chain `n` rules:
+// each link one level of llguidance's compiler's recursion.
+std::string RefChain(int n) {
+  json defs = json::object();
+  for (int i = 0; i < n; ++i)
+    defs["d" + std::to_string(i)] = {{"$ref", "#/$defs/d" + std::to_string(i + 1)}};
+  defs["d" + std::to_string(n)] = {{"type", "integer"}};
+  return json{{"$defs", defs}, {"$ref", "#/$defs/d0"}}.dump();
+}
+std::string RuleChain(int n) {
+  std::string lark = "start: r0\n";
+  for (int i = 0; i < n; ++i) absl::StrAppend(&lark, "r", i, ": r", i + 1, "\n");
+  absl::StrAppend(&lark, "r", n, ": \"x\"\n");
+  return lark;
+}
+
+// Grammars that once crashed or stalled a replica: chains past the bounds are refused by name
+// before llguidance sees them; chains within them compile on a grammar thread (whose stack holds
+// the recursion an 8 MiB thread did not); nesting, size and pathological regexes are bounded.
+TEST_P(GrammarTest, HostileGrammarsAreBoundedAndCompileOnAGrammarThread) {
+  auto refused = [&](const Grammar& g) {
+    const absl::Status s = CheckGrammarBounds(g);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << g.data.substr(0, 80);
+    return std::string(s.message());
+  };
+  EXPECT_THAT(refused({"json_schema", RefChain(kMaxGrammarRefs + 1)}),
+              HasSubstr(absl::StrCat("at most ", kMaxGrammarRefs, " are accepted")));
+  EXPECT_THAT(refused({"lark", RuleChain(kMaxLarkRules)}),
+              HasSubstr(absl::StrCat("rules; at most ", kMaxLarkRules)));
+  EXPECT_THAT(refused({"regex", std::string(200, '(') + "a" + std::string(200, ')')}),
+              HasSubstr("nests brackets deeper than 100"));
+  EXPECT_THAT(refused({"regex", std::string(kMaxGrammarBytes + 1, 'a')}), HasSubstr("bytes long"));
+  EXPECT_TRUE(CheckGrammarBounds({"regex", "\\(\\(\\(\\([(]"}).ok()) << "escaped brackets";
+
+  GrammarWorkers workers(2, kGrammarStackBytes, 8);
+  for (const Grammar& g : {Grammar{"json_schema", RefChain(kMaxGrammarRefs - 2)},
+                           Grammar{"lark", RuleChain(kMaxLarkRules - 3)}}) {
+    absl::Notification done;
+    absl::Status status;
+    ASSERT_TRUE(workers.Post([&] {
+      status = vocab_->Compile(g).status();
+      done.Notify();
+    }));
+    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(120))) << g.kind;
+    EXPECT_TRUE(status.ok()) << g.kind << ": " << status;
+  }
+}
+
+// What a client gets wrong is told in our words: the kind of grammar and a one-line reason,
+// never llguidance's parser state, a panic or a backtrace; a grammar that matches nothing is
+// refused when compiled, not when generating.
+TEST_P(GrammarTest, UserGrammarFailuresAreOneLineReasons) {
+  for (
+      const Grammar& g :
+      {Grammar{"json_schema", R"({"$ref": "#"})"},
+       Grammar{
+           "json_schema",
+           R"({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"},
+       Grammar{"lark", "start: start"}, Grammar{"json_schema", R"({"$ref": "#/$defs/missing"})"}}) {
+    auto c = vocab_->Compile(g);
+    ASSERT_FALSE(c.ok()) << g.data;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << g.data;
+    const std::string m(c.status().message());
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    EXPECT_LT(m.size(), 500u) << m;
+    EXPECT_THAT(m, ::testing::Not(HasSubstr("panicked"))) << m;
+    EXPECT_THAT(m, ::testing::Not(HasSubstr("backtrace"))) << m;
+    EXPECT_THAT(m, ::testing::AnyOf(HasSubstr("the JSON schema"), HasSubstr("the grammar"),
+                                    HasSubstr("the regular expression")))
+        << m;
+  }
+}
+
+// One compiled grammar serves a request's sequences: each clone goes its own way.
+TEST_P(GrammarTest, ClonesAreIndependent) {
+  auto c = vocab_->Compile({"regex", "(ab|cd)"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::unique_ptr<TokenConstraint> other = (*c)->Clone();
+  const std::string a = Walk(**c, 1), b = Walk(*other, 2);
+  EXPECT_TRUE(a == "ab" || a == "cd") << a;
+  EXPECT_TRUE(b == "ab" || b == "cd") << b;
 }
 
 TEST_P(GrammarTest, GrammarsThatDoNotCompileAreRefusedWithTheReason) {
