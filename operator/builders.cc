@@ -464,7 +464,8 @@ json BuildRouterDeployment(const ModelView& m) {
        {{"name", "SHARDSERVE_DEPLOYMENT"}, {"value", name}},
        {{"name", kRouterTokenFileEnv}, {"value", absl::StrCat(kRouterTokenMount, "/token")}},
        {{"name", "SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT"},
-        {"value", s.special_tokens_in_content == "text" ? "text" : "special"}}});
+        {"value", s.special_tokens_in_content == "text" ? "text" : "special"}},
+       {{"name", "SHARDSERVE_PREFIX_CACHE_ISOLATION"}, {"value", s.prefix_cache_isolation}}});
   if (!s.api_key_secret.empty())
     env.push_back({{"name", kApiKeysFileEnv}, {"value", kApiKeysMount}});
   for (const ShardedModelSpec::EnvVar& e :

@@ -8,7 +8,7 @@
 //   --api-key-file FILE (SHARDSERVE_API_KEYS_FILE)  --leader-token-file FILE
 //   (SHARDSERVE_ROUTER_TOKEN_FILE)  --model-label NAME (SHARDSERVE_DEPLOYMENT)
 //   --special-tokens-as-text (SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT=text); SHARDSERVE_MAX_BODY_BYTES
-//   as the leaders have it
+//   and SHARDSERVE_PREFIX_CACHE_ISOLATION (none | perKey) as the leaders have them
 //   --prefix-weight W --load-weight W --kv-weight W
 // Runs until SIGINT/SIGTERM, then finishes the requests in progress (up to 30 s).
 #include <signal.h>
@@ -63,6 +63,13 @@ absl::Status Run(int argc, char** argv) {
   o.model_label = a.GetOr("model-label", Env("SHARDSERVE_DEPLOYMENT", "model"));
   o.special_tokens_as_text =
       a.Has("special-tokens-as-text") || Env("SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT") == "text";
+  const std::string isolation = Env("SHARDSERVE_PREFIX_CACHE_ISOLATION", "none");
+  if (isolation != "none" && isolation != "perKey") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable SHARDSERVE_PREFIX_CACHE_ISOLATION '", isolation,
+                     "' must be none or perKey"));
+  }
+  o.prefix_cache_per_key = isolation == "perKey";
   // The leaders' body bound (a model's env may change it), so that what they refuse is refused
   // here before it is tokenized.
   if (const std::string bound = Env("SHARDSERVE_MAX_BODY_BYTES"); !bound.empty()) {

@@ -256,6 +256,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("prefixCaching", s.prefix_caching));
+  RETURN_IF_ERROR(serving.String("prefixCacheIsolation", s.prefix_cache_isolation));
   RETURN_IF_ERROR(serving.NoOthers());
   Fields startup(spec.Get("startup"), "spec.startup");
   RETURN_IF_ERROR(startup.CheckMap());
@@ -282,6 +283,7 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
   w.prefix_caching = spec.prefix_caching;
+  w.prefix_cache_per_key = spec.prefix_cache_isolation == "perKey";
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
 }
@@ -369,6 +371,11 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.specialTokensInContent '",
                                                    s.special_tokens_in_content,
                                                    "' must be special or text"));
+  }
+  if (s.prefix_cache_isolation != "none" && s.prefix_cache_isolation != "perKey") {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.prefixCacheIsolation '",
+                                                   s.prefix_cache_isolation,
+                                                   "' must be none or perKey"));
   }
   if (s.tool_call_parser != "auto" && s.tool_call_parser != "hermes" &&
       s.tool_call_parser != "llama3_json" && s.tool_call_parser != "mistral") {

@@ -75,6 +75,9 @@ struct ShardedModelSpec {
   std::string special_tokens_in_content = "special";
   std::string tool_call_parser = "auto";  // auto (the chat template's), hermes, llama3_json
   bool prefix_caching = true;             // full KV blocks stay cached and are shared
+  // none: every request may share every cached prefix; perKey: only requests with the same API
+  // key do (the key salts every block name).
+  std::string prefix_cache_isolation = "none";
   // Start-up (spec.startup): a rank waits this long at the rendezvous for the other stages' pods
   // (pulling an image, starting, reaching it), and gives up when its loading makes no progress
   // for load_stall_seconds.

@@ -89,6 +89,7 @@ const BoolVar kBools[] = {
     {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &WorkerEnv::special_tokens_as_text, "text", "special"},
     {"SHARDSERVE_REPORT_MEMORY", &WorkerEnv::report_memory, "1", "0"},
     {"SHARDSERVE_PREFIX_CACHING", &WorkerEnv::prefix_caching, "true", "false"},
+    {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &WorkerEnv::prefix_cache_per_key, "perKey", "none"},
 };
 
 // The variable of a field, for errors that name it.

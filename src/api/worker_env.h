@@ -109,10 +109,13 @@ struct WorkerEnv {
   // Full KV blocks stay cached after their sequences and are shared by later ones with the same
   // prefix (spec.serving.prefixCaching).
   bool prefix_caching = true;
+  // Cached prefixes are shared only between requests with the same API key: the key's digest
+  // salts every block name (spec.serving.prefixCacheIsolation: perKey).
+  bool prefix_cache_per_key = false;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
   // The token a router proves to read the leader's KV events (GET /v1/kv-events), a keys file as
-  // api_keys_file; unset: the API keys, if any, are asked instead.
+  // api_keys_file; unset: nobody reads them (an API key never does).
   std::string router_token_file;
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the
   // result goes.

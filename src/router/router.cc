@@ -32,6 +32,7 @@
 #include "serve/api_keys.h"
 #include "serve/kv_events.h"
 #include "serve/openai.h"
+#include "serve/prefix_cache.h"
 #include "serve/prompts.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -52,6 +53,17 @@ struct LeaderSpec {
   std::string host;
   int port = 0;
 };
+
+// The last event of a relayed stream that broke off: an OpenAI error body, so that a client
+// sees an error and never a finished answer.
+std::string BrokenStreamEvent(const std::string& why) {
+  json body = {{"error",
+                {{"message", absl::StrCat("the model replica stopped answering: ", why)},
+                 {"type", "server_error"},
+                 {"param", nullptr},
+                 {"code", 502}}}};
+  return absl::StrCat("data: ", body.dump(), "\n\n");
+}
 
 absl::StatusOr<LeaderSpec> ParseLeaderSpec(const std::string& spec) {
   LeaderSpec out;
@@ -89,6 +101,9 @@ struct Replica {
   BlockHashSet cached ABSL_GUARDED_BY(mu), building ABSL_GUARDED_BY(mu);
   bool in_snapshot ABSL_GUARDED_BY(mu) = false;
   ReplicaLoad load ABSL_GUARDED_BY(mu);
+  // An answer from it broke off: not routed until then (its KV events stream, if it is really
+  // gone, breaks within kStale and keeps it out).
+  Clock::time_point out_until ABSL_GUARDED_BY(mu);
   std::string why ABSL_GUARDED_BY(mu);  // why it is not live (logged on change)
 };
 
@@ -117,6 +132,7 @@ struct Router::Impl {
   int64_t context = 0;
   std::unique_ptr<ApiKeys> keys;
   std::string leader_token;
+  std::unique_ptr<ApiKeys> metrics_keys;  // the router token, for /metrics
 
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::map<std::string, std::string> labels;
@@ -219,6 +235,25 @@ struct Router::Impl {
     CountRequest(401);
     http::Response r{401, "application/json", DumpJson(ErrorBody(st)), {}};
     r.headers.emplace_back("WWW-Authenticate", "Bearer");
+    return r;
+  }
+
+  // /metrics: with the router token; a router without one shows its page only when it has no
+  // API keys either (an open deployment).
+  std::optional<http::Response> DenyMetrics(const http::Request& req) {
+    absl::Status st;
+    if (metrics_keys != nullptr) {
+      st = metrics_keys->Check(req.Header("authorization"));
+    } else if (keys != nullptr) {
+      st = absl::PermissionDeniedError(
+          "the router's metrics are read with its router token (SHARDSERVE_ROUTER_TOKEN_FILE), "
+          "and it has none");
+    }
+    if (st.ok()) return std::nullopt;
+    const int code = st.code() == absl::StatusCode::kPermissionDenied ? 403 : 401;
+    CountRequest(code);
+    http::Response r{code, "application/json", DumpJson(ErrorBody(st)), {}};
+    if (code == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer");
     return r;
   }
 
@@ -419,8 +454,18 @@ struct Router::Impl {
     return out;
   }
 
+  // Its cache is known, it said something lately, it takes requests (not draining) and no
+  // answer of it broke off just now.
   bool Routable(Replica& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) {
-    return r.live && Clock::now() - r.last_message <= kStale;
+    const auto now = Clock::now();
+    return r.live && now - r.last_message <= kStale && r.load.accepting && now >= r.out_until;
+  }
+
+  // An answer of r broke off (its leader died, or the connection did): r is out at once.
+  void MarkOut(Replica& r, const std::string& why) {
+    absl::MutexLock lock(&r.mu);
+    r.out_until = Clock::now() + kStale;
+    LogWarning("router: replica ", r.address, " taken out of routing: ", why);
   }
 
   void PublishReplicas() {
@@ -446,16 +491,31 @@ struct Router::Impl {
 
   // ---- requests
 
-  // The prompt's tokens as the leader would feed them (the first prompt of a completion).
-  absl::StatusOr<std::vector<int32_t>> PromptOf(const std::string& body, bool chat) {
+  // The prompt's tokens as the leader would feed them (the first prompt of a completion), and
+  // the salt of its block names as the leader computes it.
+  struct Prompt {
+    std::vector<int32_t> tokens;
+    std::string salt;
+  };
+  absl::StatusOr<Prompt> PromptOf(const http::Request& http_req, bool chat) {
+    const std::string& body = http_req.body;
     if (JsonNestsDeeperThan(body, 64)) return absl::InvalidArgumentError("too deeply nested");
     ojson parsed = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
     if (parsed.is_discarded()) return absl::InvalidArgumentError("not JSON");
     ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
-    if (chat) return prompts->Chat(req, context);
-    if (req.prompt_ids.empty()) return absl::InvalidArgumentError("no prompt");
-    if (!req.prompt_ids[0].empty()) return req.prompt_ids[0];
-    return prompts->Tokenize(req.prompt_texts[0], true, context, "prompt");
+    Prompt p;
+    p.salt = PrefixCacheSalt(options.prefix_cache_per_key && keys != nullptr,
+                             http_req.Header("authorization"), req.cache_salt);
+    if (chat) {
+      ASSIGN_OR_RETURN(p.tokens, prompts->Chat(req, context));
+    } else if (req.prompt_ids.empty()) {
+      return absl::InvalidArgumentError("no prompt");
+    } else if (!req.prompt_ids[0].empty()) {
+      p.tokens = req.prompt_ids[0];
+    } else {
+      ASSIGN_OR_RETURN(p.tokens, prompts->Tokenize(req.prompt_texts[0], true, context, "prompt"));
+    }
+    return p;
   }
 
   void Proxy(const http::Request& req, http::Exchange& ex, bool generation, bool chat) {
@@ -471,8 +531,12 @@ struct Router::Impl {
       return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
     }
     std::optional<std::vector<int32_t>> tokens;
+    std::string salt;
     if (generation) {
-      if (auto t = PromptOf(req.body, chat); t.ok()) tokens = *std::move(t);
+      if (auto p = PromptOf(req, chat); p.ok()) {
+        tokens = std::move(p->tokens);
+        salt = std::move(p->salt);
+      }
     }
     // Each replica's match: the prompt's chain of full blocks (by block size), from the first.
     std::map<int64_t, std::vector<BlockHash>> chains;
@@ -493,7 +557,7 @@ struct Router::Impl {
       if (!tokens || !c.routable || r.block_size <= 0) continue;
       block_size = r.block_size;
       auto [it, fresh] = chains.try_emplace(r.block_size);
-      if (fresh) it->second = HashBlocks(*tokens, r.block_size);
+      if (fresh) it->second = HashBlocks(*tokens, r.block_size, salt);
       for (const BlockHash& h : it->second) {
         if (!r.cached.contains(h)) break;
         ++c.matched_blocks;
@@ -548,14 +612,17 @@ struct Router::Impl {
         failovers->Increment();
         continue;
       }
-      return Relay(**call, r.address, ex);
+      return Relay(**call, r, ex);
     }
     ex.Respond(
         Error(503, absl::StrCat("no replica of the model answered: ", last_error), "server_error"));
   }
 
-  // The leader's answer, passed on: a whole answer with its length, a stream as it comes.
-  void Relay(http::UpstreamCall& call, const std::string& address, http::Exchange& ex) {
+  // The leader's answer, passed on: a whole answer with its length, a stream as it comes. An
+  // answer that breaks off takes the replica out of routing at once; a stream then ends with an
+  // error event (never as a finished answer: no [DONE]).
+  void Relay(http::UpstreamCall& call, Replica& replica, http::Exchange& ex) {
+    const std::string& address = replica.address;
     const auto& head = call.head();
     http::Response out{head.status, head.content_type, "", {}};
     bool streamed = true;
@@ -576,6 +643,7 @@ struct Router::Impl {
             Clock::now() < deadline && !ex.ClientGone()) {
           continue;
         }
+        if (!piece.ok()) MarkOut(replica, std::string(piece.status().message()));
         if (!piece.ok() || out.body.size() + piece->size() > kMaxAnswerBytes) {
           return ex.Respond(Error(502,
                                   absl::StrCat("the replica's answer broke off: ",
@@ -587,6 +655,7 @@ struct Router::Impl {
       }
     }
     if (!ex.StartStream(out)) return;
+    std::string tail;  // the stream's last bytes
     for (;;) {
       bool end = false;
       absl::StatusOr<std::string> piece = call.Read(std::chrono::milliseconds(200), &end);
@@ -596,11 +665,24 @@ struct Router::Impl {
           if (ex.ClientGone()) return call.Close();  // the leader frees the sequence
           continue;
         }
-        LogWarning("router: the stream from ", address, " broke off: ", piece.status().message());
+        const std::string why =
+            absl::StrCat("its answer stream broke off: ", piece.status().message());
+        MarkOut(replica, why);
+        ex.Write(BrokenStreamEvent(why));
         return ex.End();
       }
       if (!piece->empty() && !ex.Write(*piece)) return call.Close();
-      if (end) return ex.End();
+      if (end) {
+        // A stream the leader ended without its last event ([DONE], or an error it sent) was
+        // cut short: its process stopped in the middle.
+        tail = (tail + *piece).substr(std::max<size_t>(tail.size() + piece->size(), 64) - 64);
+        if (!absl::StrContains(tail, "[DONE]") && !absl::StrContains(tail, "\"error\"")) {
+          MarkOut(replica, "its answer stream ended unfinished");
+          ex.Write(BrokenStreamEvent("the replica's answer stream ended unfinished"));
+        }
+        return ex.End();
+      }
+      tail = (tail + *piece).substr(std::max<size_t>(tail.size() + piece->size(), 64) - 64);
     }
   }
 };
@@ -646,6 +728,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
   ASSIGN_OR_RETURN(s->keys, ApiKeys::Open(options.api_key, options.api_keys_file));
   if (!options.leader_token_file.empty()) {
     ASSIGN_OR_RETURN(s->leader_token, ReadToken(options.leader_token_file));
+    ASSIGN_OR_RETURN(s->metrics_keys, ApiKeys::Open("", options.leader_token_file));
   }
   s->InitMetrics();
 
@@ -694,7 +777,9 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
         {}};
   });
   routes.Get("/metrics", [s](const http::Request& req) {
-    if (auto denied = s->Deny(req)) return *std::move(denied);  // as the leaders' page
+    // The router's figures (expected hits, every replica's load) are the deployment's: read
+    // with the router token, never with a tenant's API key.
+    if (auto denied = s->DenyMetrics(req)) return *std::move(denied);
     s->PublishReplicas();
     return http::Response{200,
                           "text/plain; version=0.0.4",

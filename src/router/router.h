@@ -17,7 +17,11 @@
 //   - Failover: a replica that refuses the connection or answers 503 before any byte of the
 //     answer is sent on is skipped for the next in the ranking; the client sees an error only
 //     when none answers.
-//   - /metrics (with keys, one of them is asked, as the leaders do):
+//   - A replica whose answer breaks off is taken out of routing at once; a stream cut short ends
+//     with an error event (no [DONE]). /readyz: ready while some replica is routable (its KV
+//     events live and it takes requests: a draining replica does not count).
+//   - /metrics (with the router token; never with an API key: the expected hits and the
+//     replicas' load are the deployment's, not a tenant's):
 //   shardserve_router_requests_total{code}, _decisions_total{reason},
 //     _failovers_total, _prompt_tokens_total and _expected_cached_tokens_total (the hit rate it
 //     expected), _overhead_seconds (a request's time in the router before it is sent on),
@@ -43,6 +47,9 @@ struct RouterOptions {
   bool special_tokens_as_text = false;
   std::string api_key, api_keys_file;  // the clients' keys, as the leaders have them
   std::string leader_token_file;       // proves the router to the leaders' /v1/kv-events
+  // spec.serving.prefixCacheIsolation perKey: block names salted with the client's key, as the
+  // leaders name them.
+  bool prefix_cache_per_key = false;
   ChoiceWeights weights;
   std::chrono::milliseconds resolve_every{2000};
   std::chrono::milliseconds connect_timeout{2000};

@@ -136,7 +136,8 @@ std::string EncodeKvReset() { return json{{"type", "reset"}}.dump(); }
 
 std::string EncodeKvLoad(const ReplicaLoad& l) {
   return json{{"type", "load"},           {"waiting", l.waiting}, {"running", l.running},
-              {"max_batch", l.max_batch}, {"kv_used", l.kv_used}, {"kv_blocks", l.kv_blocks}}
+              {"max_batch", l.max_batch}, {"kv_used", l.kv_used}, {"kv_blocks", l.kv_blocks},
+              {"accepting", l.accepting}}
       .dump();
 }
 
@@ -172,6 +173,7 @@ absl::StatusOr<KvMessage> DecodeKvMessage(const std::string& line) {
       ASSIGN_OR_RETURN(out.load.max_batch, JsonInt(m, "max_batch", 0, kMax));
       ASSIGN_OR_RETURN(out.load.kv_used, JsonInt(m, "kv_used", 0, kMax));
       ASSIGN_OR_RETURN(out.load.kv_blocks, JsonInt(m, "kv_blocks", 0, kMax));
+      ASSIGN_OR_RETURN(out.load.accepting, JsonBool(m, "accepting"));
     } else {
       return absl::DataLossError(absl::StrCat("a KV event of unknown type '", type, "'"));
     }

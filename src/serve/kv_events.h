@@ -59,6 +59,7 @@ class KvEventLog {
 // The replica's load as a leader reports it.
 struct ReplicaLoad {
   int64_t waiting = 0, running = 0, max_batch = 0, kv_used = 0, kv_blocks = 0;
+  bool accepting = true;  // false while the replica drains: nothing new is sent to it
 };
 
 // One message of the stream, decoded.

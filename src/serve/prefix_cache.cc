@@ -5,14 +5,27 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
 namespace shardserve {
 
-BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* tokens, int64_t n) {
+BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* tokens, int64_t n,
+                    std::string_view salt) {
   SHA256_CTX ctx;
   SHA256_Init(&ctx);
-  const uint8_t first = parent ? 1 : 0;
+  // 0: a first block, 1: a later one, 2: a first block with a salt (its length, then its bytes).
+  const uint8_t first = parent ? 1 : salt.empty() ? 0 : 2;
   SHA256_Update(&ctx, &first, 1);
   if (parent) SHA256_Update(&ctx, parent->data(), parent->size());
+  if (!parent && !salt.empty()) {
+    const uint64_t len = salt.size();
+    uint8_t b[8];
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<uint8_t>(len >> (8 * i));
+    SHA256_Update(&ctx, b, 8);
+    SHA256_Update(&ctx, salt.data(), salt.size());
+  }
   for (int64_t i = 0; i < n; ++i) {  // little-endian ids, whatever the host
     const uint32_t t = static_cast<uint32_t>(tokens[i]);
     const uint8_t b[4] = {static_cast<uint8_t>(t), static_cast<uint8_t>(t >> 8),
@@ -26,14 +39,33 @@ BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* token
   return h;
 }
 
-std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t block_size) {
+std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t block_size,
+                                  std::string_view salt) {
   std::vector<BlockHash> out;
   const int64_t full = static_cast<int64_t>(tokens.size()) / block_size;
   for (int64_t b = 0; b < full; ++b) {
     out.push_back(HashBlock(b == 0 ? std::nullopt : std::optional(out.back()),
-                            tokens.data() + b * block_size, block_size));
+                            tokens.data() + b * block_size, block_size, salt));
   }
   return out;
+}
+
+std::string PrefixCacheSalt(bool per_key, std::string_view authorization,
+                            std::string_view cache_salt) {
+  std::string tenant;
+  if (per_key) {
+    // The key as ApiKeys reads it: after "Bearer ", trimmed.
+    absl::string_view key =
+        absl::StripAsciiWhitespace(absl::string_view(authorization.data(), authorization.size()));
+    if (absl::StartsWithIgnoreCase(key, "bearer ")) key = absl::StripAsciiWhitespace(key.substr(7));
+    uint8_t digest[SHA256_DIGEST_LENGTH];
+    SHA256(reinterpret_cast<const uint8_t*>(key.data()), key.size(), digest);
+    tenant.assign(reinterpret_cast<const char*>(digest), sizeof(digest));
+  }
+  if (tenant.empty() && cache_salt.empty()) return "";
+  // Unambiguous: the tenant's 32 bytes (or none) with a marker, then the request's salt.
+  return absl::StrCat(tenant.empty() ? "-" : "k", tenant,
+                      absl::string_view(cache_salt.data(), cache_salt.size()));
 }
 
 BlockPool::BlockPool(int64_t num_blocks, int64_t block_size, bool caching)

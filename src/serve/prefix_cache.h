@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <list>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -20,10 +22,21 @@ namespace shardserve {
 
 using BlockHash = std::array<uint8_t, 16>;  // the first 16 bytes of the SHA-256
 
-// The name of the block after `parent` (nullopt: the first block) holding `tokens`.
-BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* tokens, int64_t n);
+// The name of the block after `parent` (nullopt: the first block) holding `tokens`. A salt
+// (PrefixCacheSalt) enters the first block's name, so every name of the chain: only sequences
+// with the same salt share blocks, and a name cannot be computed from the tokens alone.
+BlockHash HashBlock(const std::optional<BlockHash>& parent, const int32_t* tokens, int64_t n,
+                    std::string_view salt = "");
 // The names of the full blocks of `tokens`, in order (the chain a prompt's prefix is matched by).
-std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t block_size);
+std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t block_size,
+                                  std::string_view salt = "");
+
+// The salt of a request's block names: with spec.serving.prefixCacheIsolation perKey, the
+// tenant's (the SHA-256 of its API key, from the Authorization header: `authorization`); and
+// the request's own cache_salt (vLLM's). Empty when neither applies. The leaders and the router
+// compute it alike.
+std::string PrefixCacheSalt(bool per_key, std::string_view authorization,
+                            std::string_view cache_salt);
 
 struct BlockHashHasher {
   size_t operator()(const BlockHash& h) const {

@@ -31,6 +31,7 @@ Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready
 the roll, leader failover) are printed as `figure:` lines.
 
 usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm]"""
+import base64
 import http.client
 import json
 import os
@@ -381,11 +382,16 @@ try:
           f"two router pods run on real nodes and the Service goes to them "
           f"({[p['spec'].get('nodeName') for p in routers()]})")
 
+    # The routers' metrics are read with the router token (the Secret the operator made),
+    # never with an API key.
+    router_token = base64.b64decode(
+        c.get("secret", f"{NAME}-router-token")["data"]["token"]).decode()
+
     def router_pages():
         pages = []
         for p in routers():
             conn = http.client.HTTPConnection(p["status"]["podIP"], 8000, timeout=10)
-            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {router_token}"})
             pages.append(conn.getresponse().read().decode())
             conn.close()
         return pages

@@ -63,6 +63,13 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ASSERT_TRUE(uncached.ok()) << uncached.status();
   ApplyServing(uncached->spec, w);
   EXPECT_FALSE(w.prefix_caching);
+  // Prefix cache isolation: none by default; perKey in the contract when the manifest says so.
+  EXPECT_FALSE(w.prefix_cache_per_key);
+  auto per_key =
+      ParseShardedModel(std::string(kGood) + "  serving: {prefixCacheIsolation: perKey}\n");
+  ASSERT_TRUE(per_key.ok()) << per_key.status();
+  ApplyServing(per_key->spec, w);
+  EXPECT_TRUE(w.prefix_cache_per_key);
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -144,6 +151,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.specialTokensInContent"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: pythonic}"),
        "spec.serving.toolCallParser"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCacheIsolation: perUser}"),
+       "spec.serving.prefixCacheIsolation"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCaching: maybe}"),
        "spec.serving.prefixCaching must be true or false, got"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),

@@ -74,6 +74,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.result_file = "/tmp/r.json";
   w.report_memory = true;
   w.prefix_caching = false;
+  w.prefix_cache_per_key = true;
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.

@@ -37,7 +37,9 @@ class FakeLeader {
       for (const std::string& l : EncodeKvSnapshot(cached_)) out += l + "\n";
       if (!ex.Write(out)) return;
       while (!stop_stream_.load() && !ex.ClientGone()) {
-        if (!ex.Write(EncodeKvLoad({0, 0, 8, 0, 100}) + "\n")) return;
+        ReplicaLoad load{0, 0, 8, 0, 100};
+        load.accepting = accepting_.load();
+        if (!ex.Write(EncodeKvLoad(load) + "\n")) return;
         std::this_thread::sleep_for(50ms);
       }
       ex.End();
@@ -49,6 +51,7 @@ class FakeLeader {
         // waited for the whole answer would never pass it on.
         if (!ex.StartStream({200, "text/event-stream", "", {}})) return;
         ex.Write(absl::StrCat("data: ", name_, "0\n\n"));
+        if (die_mid_stream_.load()) return;  // cut short, as when the leader's process dies
         go_.WaitForNotificationWithTimeout(absl::Seconds(10));
         for (int i = 1; i < 3; ++i) ex.Write(absl::StrCat("data: ", name_, i, "\n\n"));
         ex.Write("data: [DONE]\n\n");
@@ -69,6 +72,8 @@ class FakeLeader {
   std::atomic<int> status_{200};
   std::atomic<int> requests_{0};
   std::atomic<bool> stop_stream_{false};
+  std::atomic<bool> accepting_{true};
+  std::atomic<bool> die_mid_stream_{false};
   absl::Notification go_;
   std::unique_ptr<http::Server> server_;
 };
@@ -80,7 +85,8 @@ class RouterTest : public ::testing::Test {
     for (int i = 1; i <= 12; ++i) prompt_.push_back(i);
   }
   std::unique_ptr<Router> Start(const std::vector<std::string>& leaders,
-                                const std::string& keys_file = "") {
+                                const std::string& keys_file = "",
+                                const std::string& token_file = "") {
     RouterOptions o;
     o.host = "127.0.0.1";
     o.port = 0;
@@ -88,6 +94,7 @@ class RouterTest : public ::testing::Test {
     o.model_path = model_;
     o.model_label = "m";
     o.api_keys_file = keys_file;
+    o.leader_token_file = token_file;
     o.resolve_every = 100ms;
     auto r = Router::Start(o);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -202,12 +209,78 @@ TEST_F(RouterTest, KeysAreCheckedBeforeAnyReplicaIsAsked) {
   EXPECT_EQ(r->status, 401);
   EXPECT_EQ(Header(*r, "www-authenticate"), "Bearer");
   EXPECT_THAT(r->body, HasSubstr("\"code\":\"invalid_api_key\""));  // the leaders' answer
-  EXPECT_EQ(http::Fetch("127.0.0.1", router->port(), "GET", "/metrics", {}, "", 5s)->status, 401);
+  // Its metrics are the deployment's: without a router token, nobody with keys reads them.
+  EXPECT_EQ(http::Fetch("127.0.0.1", router->port(), "GET", "/metrics",
+                        {{"Authorization", "Bearer sk-router-test-0123456789"}}, "", 5s)
+                ->status,
+            403);
   EXPECT_EQ(a.requests_.load(), 0);
   r = Post(*router, false, {{"Authorization", "Bearer sk-router-test-0123456789"}});
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 200);
   EXPECT_EQ(a.requests_.load(), 1);
+}
+
+// The expected hits and the replicas' load are read with the router token, never with a
+// tenant's API key.
+TEST_F(RouterTest, MetricsNeedTheRouterTokenNotAnApiKey) {
+  FakeLeader a("A", {});
+  testing::WriteFile(dir_.Sub("keys"), "sk-router-test-0123456789\n");
+  testing::WriteFile(dir_.Sub("token"), "router-token-0123456789abcdef\n");
+  auto router = Start({a.address()}, dir_.Sub("keys"), dir_.Sub("token"));
+  ASSERT_NE(router, nullptr);
+  auto metrics = [&](const std::string& key) {
+    return http::Fetch("127.0.0.1", router->port(), "GET", "/metrics",
+                       {{"Authorization", "Bearer " + key}}, "", 5s)
+        ->status;
+  };
+  EXPECT_EQ(metrics("sk-router-test-0123456789"), 401);
+  EXPECT_EQ(metrics("router-token-0123456789abcdef"), 200);
+}
+
+// A leader that dies in the middle of a stream: the client gets an error event (never a clean
+// end that looks like a finished answer), and the replica is out of routing at once.
+TEST_F(RouterTest, AStreamCutShortEndsWithAnErrorAndTakesItsReplicaOut) {
+  FakeLeader a("A", HashBlocks(prompt_, 4)), b("B", {});
+  a.die_mid_stream_ = true;
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 2), 2);
+  auto call = http::UpstreamCall::Start("127.0.0.1", router->port(), "POST", "/v1/completions",
+                                        {{"content-type", "application/json"}}, Body(true), 5s, 5s);
+  ASSERT_TRUE(call.ok()) << call.status();
+  std::string body;
+  bool done = false;
+  while (!done) {
+    auto piece = (*call)->Read(10s, &done);
+    if (!piece.ok()) break;
+    body += *piece;
+  }
+  EXPECT_THAT(body, HasSubstr("data: A0"));
+  EXPECT_THAT(body, HasSubstr("\"error\""));
+  EXPECT_THAT(body, HasSubstr("stopped answering"));
+  EXPECT_THAT(body, ::testing::Not(HasSubstr("[DONE]")));
+  auto res = http::Fetch("127.0.0.1", router->port(), "GET", "/readyz", {}, "", 5s);
+  ASSERT_TRUE(res.ok());
+  EXPECT_THAT(res->body, HasSubstr("\"routable_replicas\":1")) << "A must be out at once";
+  // The next request goes to B, though A caches its prompt.
+  auto r = Post(*router);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->body, "{\"from\":\"B\"}");
+}
+
+// A replica that drains (its leader stops taking requests) is not routed, and the router's
+// /readyz follows the replicas still taking requests.
+TEST_F(RouterTest, ReadinessFollowsTheReplicasTakingRequests) {
+  FakeLeader a("A", {});
+  auto router = Start({a.address()});
+  ASSERT_EQ(Routable(*router, 1), 1);
+  a.accepting_ = false;
+  EXPECT_EQ(Routable(*router, 0), 0);
+  auto res = http::Fetch("127.0.0.1", router->port(), "GET", "/readyz", {}, "", 5s);
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ(res->status, 503);
+  a.accepting_ = true;
+  EXPECT_EQ(Routable(*router, 1), 1);
 }
 
 TEST_F(RouterTest, BadLeaderSpecsAreNamed) {

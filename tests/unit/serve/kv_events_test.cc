@@ -79,6 +79,12 @@ TEST(KvEventsTest, MessagesRoundTripAndBadLinesAreNamed) {
   auto load = DecodeKvMessage(EncodeKvLoad({1, 2, 8, 30, 100}));
   ASSERT_TRUE(load.ok());
   EXPECT_EQ(load->load.kv_used, 30);
+  EXPECT_TRUE(load->load.accepting);
+  ReplicaLoad draining{1, 2, 8, 30, 100};
+  draining.accepting = false;
+  auto drained = DecodeKvMessage(EncodeKvLoad(draining));
+  ASSERT_TRUE(drained.ok());
+  EXPECT_FALSE(drained->load.accepting);
   for (const auto& [line, why] : std::vector<std::pair<std::string, std::string>>{
            {"not json", "not a JSON object"},
            {R"({"type":"dance"})", "unknown type 'dance'"},

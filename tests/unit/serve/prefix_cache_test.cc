@@ -24,6 +24,28 @@ TEST(PrefixCacheTest, NamesAreHashChains) {
   EXPECT_NE(HashBlock(std::nullopt, a.data(), 2), HashBlock(Chain(a, 2)[0], a.data(), 2));
 }
 
+// A salt (a request's cache_salt, a tenant's key under perKey isolation) enters the first name
+// and so every name of the chain: equal tokens under other salts share nothing, and the names
+// cannot be computed from the tokens alone.
+TEST(PrefixCacheTest, SaltedChainsShareNothingWithOtherSalts) {
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6};
+  const auto plain = HashBlocks(a, 2), x = HashBlocks(a, 2, "x"), y = HashBlocks(a, 2, "y");
+  for (size_t b = 0; b < plain.size(); ++b) {
+    EXPECT_NE(plain[b], x[b]) << b;
+    EXPECT_NE(x[b], y[b]) << b;
+  }
+  EXPECT_EQ(x, HashBlocks(a, 2, "x"));
+  EXPECT_EQ(PrefixCacheSalt(false, "Bearer sk-one-0123456789abcdef", ""), "");
+  const std::string one = PrefixCacheSalt(true, "Bearer sk-one-0123456789abcdef", "");
+  const std::string two = PrefixCacheSalt(true, "Bearer sk-two-0123456789abcdef", "");
+  EXPECT_FALSE(one.empty());
+  EXPECT_NE(one, two);
+  EXPECT_EQ(one, PrefixCacheSalt(true, "bearer  sk-one-0123456789abcdef ", ""));
+  EXPECT_NE(one, PrefixCacheSalt(true, "Bearer sk-one-0123456789abcdef", "s"));
+  EXPECT_NE(PrefixCacheSalt(false, "", "s"), PrefixCacheSalt(true, "Bearer k", "s"));
+  EXPECT_EQ(one.find("sk-one"), std::string::npos) << "the key itself is never in a salt";
+}
+
 TEST(PrefixCacheTest, SharedThenEvictedLeastRecentlyUsedTailFirst) {
   BlockPool pool(4, 2, true);
   const auto names = Chain({1, 2, 3, 4, 5, 6}, 2);
