@@ -1,7 +1,8 @@
 // `shardserve local -f MANIFEST.yaml`: a ShardedModel on this machine (DESIGN.md §4). Every
 // replica's stages run as `shardserve-worker launch` processes, each starting its T ranks, with
 // the pod contract's environment; ports are offset per replica and global rank and printed.
-// Ctrl-C or SIGTERM stops everything cleanly; a failed rank ends the run with its name.
+// Ctrl-C or SIGTERM stops everything cleanly; a replica whose rank fails is restarted (with
+// backoff) while the others keep serving.
 #include "cli/local.h"
 
 #include <signal.h>
@@ -41,11 +42,11 @@ struct LocalReplica {
   int metrics_base = 0;
 };
 
-// Polls every replica's /readyz until all are ready (printing each), then the router's (port
-// `router`, 0: none) until it routes to them all, or until `stop` is set.
+// Polls every replica's /readyz until all are ready (printing each, and setting its `ready`
+// flag), then the router's (port `router`, 0: none; the last flag) until it routes to them all,
+// or until `stop` is set.
 void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const ShardedModel& m,
-                   const std::atomic<bool>& stop) {
-  std::vector<bool> ready(replicas.size(), false);
+                   const std::atomic<bool>& stop, std::vector<std::atomic<bool>>& ready) {
   size_t left = replicas.size() + (router > 0 ? 1 : 0);
   while (left > 0 && !stop.load()) {
     for (size_t i = 0; i < replicas.size(); ++i) {
@@ -67,6 +68,7 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const 
           res->body.find(absl::StrCat("\"routable_replicas\":", replicas.size())) !=
               std::string::npos) {
         --left;
+        ready.back() = true;
         std::printf("router ready: http://127.0.0.1:%d/v1 in front of %zu replicas\n", router,
                     replicas.size());
       }
@@ -82,9 +84,10 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const 
 }  // namespace
 
 absl::Status RunLocal(std::vector<std::string> argv) {
-  ASSIGN_OR_RETURN(
-      Args a, Args::Parse(argv, {"file", "port", "metrics-port-base", "threads", "api-key-file"},
-                          {"no-router"}, "shardserve local", kLocalUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
+                                       {"file", "port", "metrics-port-base", "threads",
+                                        "api-key-file", "router-token-file"},
+                                       {"no-router"}, "shardserve local", kLocalUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
   auto parsed = ParseShardedModel(text);
@@ -174,29 +177,37 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       "per rank\n",
       R, P, T, static_cast<long long>(threads));
   std::vector<LocalReplica> replicas;
-  std::vector<SecretFile> secrets;         // one per replica, gone when the run ends
-  std::optional<SecretFile> router_token;  // the router's proof to the leaders' KV events
-  if (routed) {
+  std::vector<SecretFile> secrets;  // one per replica, gone when the run ends
+  // The router's proof to the leaders' KV events, and what reads its /metrics: the file given
+  // (--router-token-file, to scrape the router), else a new secret.
+  std::optional<SecretFile> router_token;
+  std::string router_token_file = a.GetOr("router-token-file", "");
+  if (!router_token_file.empty()) {
+    RETURN_IF_ERROR(ApiKeys::Create("", router_token_file).status());
+  } else if (routed) {
     ASSIGN_OR_RETURN(SecretFile token, SecretFile::Create());
+    router_token_file = token.path();
     router_token.emplace(std::move(token));
   }
-  std::vector<Child> launchers;
-  const std::string self = SelfDirectory() + "/shardserve-worker";
-  auto fail = [&](const absl::Status& s) {
-    for (const Child& c : launchers) kill(c.pid, SIGKILL);
-    return s;
+  // Each replica's stage launchers, and the router, as groups: a failed replica is restarted
+  // (with backoff, as the operator recreates one) while the others keep serving.
+  std::vector<ChildGroup> groups;
+  // Whether each replica (and last, the router) has been ready once: one that fails before that
+  // has a problem a restart would not mend (its model, its settings), and ends the run.
+  std::vector<std::atomic<bool>> ever_ready(R + 1);
+  auto was_ready = [&ever_ready](size_t k) {
+    return [&ever_ready, k] { return ever_ready[k].load(); };
   };
+  const std::string self = SelfDirectory() + "/shardserve-worker";
   for (int r = 0; r < R; ++r) {
     LocalReplica rep;
     rep.index = r;
     rep.api_port = static_cast<int>(port) + r + (routed ? 1 : 0);
     rep.metrics_base = static_cast<int>(metrics_base) + r * ranks_per_replica;
-    auto rendezvous_port = ChooseFreePort("127.0.0.1");
-    if (!rendezvous_port.ok()) return fail(rendezvous_port.status());
-    rep.rendezvous_port = *rendezvous_port;
-    auto secret = SecretFile::Create();
-    if (!secret.ok()) return fail(secret.status());
-    secrets.push_back(*std::move(secret));
+    ASSIGN_OR_RETURN(rep.rendezvous_port, ChooseFreePort("127.0.0.1"));
+    ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
+    secrets.push_back(std::move(secret));
+    std::vector<std::vector<std::pair<std::string, std::string>>> stage_envs;
     std::printf("replica %d: API http://127.0.0.1:%d/v1%s, rendezvous :%d\n", r, rep.api_port,
                 keyed ? " (API keys required)" : "", rep.rendezvous_port);
     for (int s = 0; s < P; ++s) {
@@ -229,13 +240,26 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       ApplyServing(spec, w);
       w.rendezvous_secret_file = secrets.back().path();
       w.api_keys_file = key_file;
-      if (router_token) w.router_token_file = router_token->path();
+      w.router_token_file = router_token_file;  // "" without a router: nobody reads the events
       const auto contract = w.ToEnv();
       env.insert(env.end(), contract.begin(), contract.end());
-      auto pid = Spawn(self, {"launch"}, env);
-      if (!pid.ok()) return fail(pid.status());
-      launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});
+      stage_envs.push_back(std::move(env));
     }
+    groups.push_back(
+        {absl::StrCat("replica ", r),
+         [self, r, stage_envs]() -> absl::StatusOr<std::vector<Child>> {
+           std::vector<Child> launchers;
+           for (size_t s = 0; s < stage_envs.size(); ++s) {
+             auto pid = Spawn(self, {"launch"}, stage_envs[s]);
+             if (!pid.ok()) {
+               for (const Child& c : launchers) kill(-c.pid, SIGKILL);
+               return pid.status();
+             }
+             launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});
+           }
+           return launchers;
+         },
+         was_ready(r)});
     replicas.push_back(rep);
   }
   if (routed) {
@@ -246,27 +270,37 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         {"SHARDSERVE_ROUTER_LEADERS", absl::StrJoin(leaders, ",")},
         {"SHARDSERVE_ROUTER_PORT", std::to_string(port)},
         {kModelPathEnv, uri.path},
-        {kRouterTokenFileEnv, router_token->path()},
+        {kRouterTokenFileEnv, router_token_file},
         {"SHARDSERVE_DEPLOYMENT", m.name},
         {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT",
-         spec.special_tokens_in_content == "text" ? "text" : "special"}};
+         spec.special_tokens_in_content == "text" ? "text" : "special"},
+        {"SHARDSERVE_PREFIX_CACHE_ISOLATION", spec.prefix_cache_isolation}};
     if (!key_file.empty()) env.emplace_back(kApiKeysFileEnv, key_file);
     for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
       if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty()) {
         env.emplace_back(e.name, e.value);
       }
     }
-    auto pid = Spawn(SelfDirectory() + "/shardserve-router", {"--host", "127.0.0.1"}, env);
-    if (!pid.ok()) return fail(pid.status());
-    launchers.push_back({*pid, "router"});
+    groups.push_back({"the router",
+                      [env]() -> absl::StatusOr<std::vector<Child>> {
+                        ASSIGN_OR_RETURN(pid_t pid, Spawn(SelfDirectory() + "/shardserve-router",
+                                                          {"--host", "127.0.0.1"}, env));
+                        return std::vector<Child>{{pid, "router"}};
+                      },
+                      was_ready(R)});
     std::printf("router: API http://127.0.0.1:%lld/v1%s in front of the %d replicas\n",
                 static_cast<long long>(port), keyed ? " (API keys required)" : "", R);
   }
   std::fflush(stdout);
   std::atomic<bool> stop{false};
   std::thread announce(
-      [&] { AnnounceReady(replicas, routed ? static_cast<int>(port) : 0, m, stop); });
-  absl::Status status = SuperviseAll(launchers, std::chrono::milliseconds(15000));
+      [&] { AnnounceReady(replicas, routed ? static_cast<int>(port) : 0, m, stop, ever_ready); });
+  absl::Status status = SuperviseGroups(groups, std::chrono::milliseconds(15000),
+                                        [](const std::string& group, const std::string& why) {
+                                          std::printf("shardserve local: %s failed (%s)\n",
+                                                      group.c_str(), why.c_str());
+                                          std::fflush(stdout);
+                                        });
   stop.store(true);
   announce.join();
   if (status.ok()) std::printf("shardserve local: stopped\n");

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -139,6 +140,125 @@ absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::millisecond
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return first;
+}
+
+absl::Status SuperviseGroups(
+    std::vector<ChildGroup>& groups, std::chrono::milliseconds grace,
+    const std::function<void(const std::string&, const std::string&)>& on_restart) {
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kFirstBackoff = std::chrono::seconds(1), kMaxBackoff = std::chrono::seconds(30),
+                 kHealthyRun = std::chrono::seconds(60);
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  struct State {
+    std::vector<Child> children;
+    std::vector<bool> running;
+    bool failed = false;  // being stopped, to be started again
+    Clock::time_point started, restart_at, kill_at;
+    std::chrono::milliseconds backoff = kFirstBackoff;
+  };
+  std::vector<State> state(groups.size());
+  bool stopping = false;
+  auto stop_all = [&](int sig) {
+    for (State& g : state) {
+      for (size_t i = 0; i < g.children.size(); ++i) {
+        if (!g.running[i]) continue;
+        kill(g.children[i].pid, sig);
+        if (sig == SIGKILL) kill(-g.children[i].pid, SIGKILL);
+      }
+    }
+  };
+  auto start = [&](size_t k) -> absl::Status {
+    absl::StatusOr<std::vector<Child>> children = groups[k].start();
+    if (!children.ok()) return children.status();
+    State& g = state[k];
+    g.children = *std::move(children);
+    g.running.assign(g.children.size(), true);
+    g.failed = false;
+    g.started = Clock::now();
+    return absl::OkStatus();
+  };
+  absl::Status result;
+  for (size_t k = 0; k < groups.size() && result.ok(); ++k) result = start(k);
+  if (!result.ok()) {
+    stopping = true;
+    stop_all(SIGKILL);
+  }
+  auto kill_at = Clock::time_point::max();  // while stopping: SIGKILL then
+  for (;;) {
+    size_t alive = 0;
+    for (const State& g : state) alive += std::count(g.running.begin(), g.running.end(), true);
+    if (stopping && alive == 0) return result;
+    int status;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (size_t k = 0; k < state.size(); ++k) {
+        State& g = state[k];
+        for (size_t i = 0; i < g.children.size(); ++i) {
+          if (g.children[i].pid != pid || !g.running[i]) continue;
+          g.running[i] = false;
+          if (stopping || g.failed) continue;
+          // A child of a running group ended: the group is restarted, if it may be.
+          const std::string why = absl::StrCat(g.children[i].name, " ", Describe(status));
+          if (groups[k].restartable && !groups[k].restartable()) {
+            result = absl::AbortedError(why);
+            stopping = true;
+            stop_all(SIGTERM);
+            kill_at = Clock::now() + grace;
+            continue;
+          }
+          g.failed = true;
+          if (Clock::now() - g.started > kHealthyRun) g.backoff = kFirstBackoff;
+          g.restart_at = Clock::now() + g.backoff;
+          g.kill_at = Clock::now() + grace;
+          if (on_restart) {
+            on_restart(groups[k].name,
+                       absl::StrCat(why, "; restarting it in ", g.backoff.count() / 1000.0, " s"));
+          }
+          g.backoff = std::min<std::chrono::milliseconds>(g.backoff * 2, kMaxBackoff);
+          for (size_t j = 0; j < g.children.size(); ++j) {
+            if (g.running[j]) kill(g.children[j].pid, SIGTERM);
+          }
+        }
+      }
+      continue;
+    }
+    if (g_stop_signal.exchange(0) != 0 && !stopping) {
+      stopping = true;
+      stop_all(SIGTERM);
+      kill_at = Clock::now() + grace;
+    }
+    const auto now = Clock::now();
+    if (stopping && now > kill_at) {
+      stop_all(SIGKILL);
+      kill_at = Clock::time_point::max();
+    }
+    for (size_t k = 0; k < state.size() && !stopping; ++k) {
+      State& g = state[k];
+      if (!g.failed) continue;
+      const bool any = std::count(g.running.begin(), g.running.end(), true) > 0;
+      if (any && now > g.kill_at) {  // what SIGTERM did not stop
+        for (size_t j = 0; j < g.children.size(); ++j) {
+          if (!g.running[j]) continue;
+          kill(g.children[j].pid, SIGKILL);
+          kill(-g.children[j].pid, SIGKILL);
+        }
+        g.kill_at = Clock::time_point::max();
+      }
+      if (!any && now >= g.restart_at) {
+        if (absl::Status s = start(k); !s.ok()) {
+          result = absl::AbortedError(
+              absl::StrCat("cannot restart ", groups[k].name, ": ", s.message()));
+          stopping = true;
+          stop_all(SIGTERM);
+          kill_at = now + grace;
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 size_t ResidentBytes() {

@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,27 @@ absl::StatusOr<pid_t> Spawn(const std::string& exe, const std::vector<std::strin
 // Waits for every child. OK when all exit 0; otherwise terminates the rest and returns
 // Aborted naming the first failure ("rank 3 (stage 1, tp 1) exited with code 1").
 absl::Status SuperviseAll(std::vector<Child>& children, std::chrono::milliseconds grace);
+
+// Children started and restarted together: a model replica's stage launchers, a router.
+struct ChildGroup {
+  std::string name;  // for messages, e.g. "replica 1"
+  // Starts the group's children (again, after a failure); an error ends the supervision.
+  std::function<absl::StatusOr<std::vector<Child>>()> start;
+  // Whether a failure is restarted (null: always); when not, it ends the supervision with the
+  // failure, as SuperviseAll does.
+  std::function<bool()> restartable;
+};
+
+// Starts every group and keeps them running, as the operator keeps a model's replicas: when a
+// child of a group fails (or exits while nothing asked it to), the rest of its group gets
+// SIGTERM (then SIGKILL after `grace`), and once all of it has exited the group is started
+// again after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of running); the
+// other groups keep serving. `on_restart(group, why)` is told each time. On SIGINT/SIGTERM every
+// child is stopped (SIGTERM, then SIGKILL after `grace`) and the result is OK; an error starting
+// a group ends everything with it.
+absl::Status SuperviseGroups(
+    std::vector<ChildGroup>& groups, std::chrono::milliseconds grace,
+    const std::function<void(const std::string&, const std::string&)>& on_restart = nullptr);
 
 // The pod's first fatal error becomes its container's termination message: the operator sets
 // SHARDSERVE_TERMINATION_LOG to the file the kubelet reads into the terminated state, and the

@@ -129,10 +129,11 @@ class Deployment:
         conn.close()
         return r.status, events, done
 
-    def metrics_page(self, port=None):
+    def metrics_page(self, port=None, token=None):
+        """A /metrics page, read with `token` (a router's) or else the API key."""
         conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=10)
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {self.api_key}"}
-                     if self.api_key else {})
+        key = token or self.api_key
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
         r = conn.getresponse()
         page = r.read().decode()
         conn.close()

@@ -6,10 +6,13 @@
    is answered from its cache; conversations spread over both replicas; answers equal a replica's
    own, streamed too; keys are checked at the router and the leaders' KV events need the
    router's token; a hot prefix spreads once its replica is loaded; the router's /metrics is
-   promtool-clean and counts its decisions.
+   promtool-clean, counts its decisions and is read with the router token (not an API key); a
+   leader killed mid-stream gives an error event, its replica is out at once, the other serves,
+   and shardserve local restarts it.
 2. A router in front of two single-replica deployments: one stops, requests keep being answered
    by the other; it comes back on the same address with an empty cache, and the router follows it
    again without routing by what it held before."""
+import http.client
 import json
 import os
 import signal
@@ -33,6 +36,29 @@ KEY = "sk-router-cli-0123456789"
 KEYS = os.path.join(tmp, "keys")
 with open(KEYS, "w") as f:
     f.write(KEY + "\n")
+TOKEN = "router-token-cli-0123456789"
+TOKEN_FILE = os.path.join(tmp, "token")
+with open(TOKEN_FILE, "w") as f:
+    f.write(TOKEN + "\n")
+
+
+def listening_pid(port):
+    """The process listening on 127.0.0.1:port (from /proc: its socket's inode among its fds)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(cols[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
 
 
 def completion(d, prompt, max_tokens=4, port=None, **extra):
@@ -65,7 +91,7 @@ def conversation(c, turn):
 
 # --- 1. the routed local deployment -------------------------------------------------------
 d = Deployment(BIN, MODEL, tp=1, pp=1, replicas=2, max_batch=2, max_seq=2048,
-               args=("--api-key-file", KEYS), api_key=KEY)
+               args=("--api-key-file", KEYS, "--router-token-file", TOKEN_FILE), api_key=KEY)
 try:
     status, _, body = d.request("GET", "/readyz")
     check(status == 200 and json.loads(body)["routable_replicas"] == 2,
@@ -84,7 +110,7 @@ try:
     check(ok, f"every turn of a conversation goes to the replica that caches it and is answered "
               f"from its cache ({placed})")
     check(len(set(placed.values())) == 2, "conversations spread over both replicas")
-    page = d.metrics_page()
+    page = d.metrics_page(token=TOKEN)
     prefix = metric(page, "shardserve_router_decisions_total", reason="prefix") or 0
     expected = metric(page, "shardserve_router_expected_cached_tokens_total")
     prompts = metric(page, "shardserve_router_prompt_tokens_total")
@@ -139,21 +165,60 @@ try:
         t.start()
     for t in threads:
         t.join()
-    load = metric(d.metrics_page(), "shardserve_router_decisions_total", reason="load") or 0
+    load = metric(d.metrics_page(token=TOKEN), "shardserve_router_decisions_total",
+                  reason="load") or 0
     check(len(set(seen)) == 2 and load >= 1,
           f"a hot prefix spreads to the other replica once its own is loaded "
           f"({seen.count(seen[0])} of 8 on one, {load:.0f} chosen by load)")
+    page = d.metrics_page(token=KEY)
+    check("shardserve_router_expected_cached_tokens_total" not in page,
+          "the router's expected hits are not readable with an API key")
+
+    # A leader dies in the middle of a stream: the client gets an error event, not a finished
+    # answer; the replica is out at once and the other answers; shardserve local restarts it.
+    victim = placed[0]
+    victim_port = int(victim.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json",
+                                                      "Authorization": f"Bearer {KEY}"},
+                 body=json.dumps({"model": "tiny", "prompt": conversation(0, 0), "stream": True,
+                                  "max_tokens": 1500, "temperature": 0, "ignore_eos": True}))
+    r = conn.getresponse()
+    first = r.readline()
+    os.kill(listening_pid(victim_port), signal.SIGKILL)
+    rest = first + r.read()
+    conn.close()
+    check(b'"error"' in rest and b"[DONE]" not in rest,
+          f"a stream cut short by a dead leader ends with an error event, never [DONE] "
+          f"({rest[-160:]!r})")
+    status, _, body = d.request("GET", "/readyz")
+    check(status == 200 and json.loads(body)["routable_replicas"] == 1,
+          f"the dead replica is out of routing at once ({body!r})")
+    answered = {completion(d, conversation(0, 0) + [i])[:2] for i in range(3)}
+    other = next(p for p in d.replica_ports if p != victim_port)
+    check(answered == {(200, f"127.0.0.1:{other}")},
+          f"the healthy replica keeps serving ({answered})")
+    check(wait_until(lambda: "restarting it" in d.log(), 20),
+          "shardserve local says it restarts the failed replica")
+
+    def both_routable():
+        s, _, b = d.request("GET", "/readyz", timeout=5)
+        return s == 200 and json.loads(b)["routable_replicas"] == 2
+
+    check(wait_until(both_routable, 90), "the restarted replica is routed again")
 finally:
     code = d.stop(signal.SIGINT)
 check(code == 0, f"Ctrl-C stops the routed deployment cleanly (exit {code})")
 
 # --- 2. a replica goes away and comes back -----------------------------------------------
-a = Deployment(BIN, MODEL, tp=1, pp=1)
-b = Deployment(BIN, MODEL, tp=1, pp=1)
+# Single-replica deployments whose leaders take the router's token (--router-token-file).
+TOKENED = ("--router-token-file", TOKEN_FILE)
+a = Deployment(BIN, MODEL, tp=1, pp=1, args=TOKENED)
+b = Deployment(BIN, MODEL, tp=1, pp=1, args=TOKENED)
 router_port = free_ports(1)
 router = subprocess.Popen([ROUTER, "--leader", f"127.0.0.1:{a.port},127.0.0.1:{b.port}",
                            "--model", MODEL, "--port", str(router_port), "--host", "127.0.0.1",
-                           "--model-label", "tiny"],
+                           "--model-label", "tiny", "--leader-token-file", TOKEN_FILE],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 a2 = None
 try:
@@ -177,9 +242,9 @@ try:
           f"with one replica gone, every request is answered by the other ({statuses})")
     check(wait_until(lambda: routable() == 1), "the router stops routing to the gone replica")
     # It comes back on the same address, with an empty cache.
-    a2 = Deployment(BIN, MODEL, tp=1, pp=1, base_port=stop.port)
+    a2 = Deployment(BIN, MODEL, tp=1, pp=1, base_port=stop.port, args=TOKENED)
     check(wait_until(lambda: routable() == 2, 30), "the router follows the recreated replica")
-    page = other.metrics_page(router_port)
+    page = other.metrics_page(router_port, token=TOKEN)
     cached = metric(page, "shardserve_router_replica_cached_blocks", replica=f"127.0.0.1:{a2.port}")
     check(cached == 0, f"the recreated replica's cache starts empty at the router ({cached})")
     s, replica, _ = completion(other, x + [99], port=router_port)
