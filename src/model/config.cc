@@ -83,11 +83,12 @@ absl::Status ParseRope(const json& scaling, const Reader& r, ModelConfig& c) {
 // (ModelConfig's comments).
 absl::Status ParseGptOss(const json& j, const Reader& r, ModelConfig& c) {
   c.gpt_oss = c.moe = true;
-  ASSIGN_OR_RETURN(c.num_experts, r.Positive("num_local_experts", {}, kMaxHeads));
+  ASSIGN_OR_RETURN(const std::string experts, r.Named({"num_local_experts", "num_experts"}));
+  ASSIGN_OR_RETURN(c.num_experts, r.Positive(experts, {}, kMaxHeads));
   ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
   if (c.experts_per_token > c.num_experts) {
     return r.Error("num_experts_per_tok",
-                   absl::StrCat(c.experts_per_token, " exceeds num_local_experts ", c.num_experts));
+                   absl::StrCat(c.experts_per_token, " exceeds ", experts, " ", c.num_experts));
   }
   ASSIGN_OR_RETURN(c.swiglu_alpha, r.Number("swiglu_alpha", 1.702, 0.0, 1e6));
   ASSIGN_OR_RETURN(c.swiglu_limit, r.Number("swiglu_limit", 7.0, 0.0, 1e30));
@@ -133,11 +134,12 @@ absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
   ASSIGN_OR_RETURN(c.rope_interleave, r.Bool("rope_interleave", true));
   ASSIGN_OR_RETURN(c.dense_intermediate_size, r.Positive("intermediate_size"));
   ASSIGN_OR_RETURN(c.intermediate_size, r.Positive("moe_intermediate_size"));
-  ASSIGN_OR_RETURN(c.num_experts, r.Positive("n_routed_experts", {}, kMaxHeads));
+  ASSIGN_OR_RETURN(const std::string experts, r.Named({"n_routed_experts", "num_local_experts"}));
+  ASSIGN_OR_RETURN(c.num_experts, r.Positive(experts, {}, kMaxHeads));
   ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
   if (c.experts_per_token > c.num_experts) {
     return r.Error("num_experts_per_tok",
-                   absl::StrCat(c.experts_per_token, " exceeds n_routed_experts ", c.num_experts));
+                   absl::StrCat(c.experts_per_token, " exceeds ", experts, " ", c.num_experts));
   }
   ASSIGN_OR_RETURN(c.shared_experts, r.Int("n_shared_experts", 0));
   if (c.shared_experts < 0 || c.shared_experts > kMaxHeads) {
@@ -352,7 +354,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
   }
   if (c.moe && !deepseek && !gpt_oss) {
     const bool qwen = c.architecture == "Qwen3MoeForCausalLM";
-    const char* experts = qwen ? "num_experts" : "num_local_experts";
+    // transformers 5 writes num_local_experts for both (num_experts: its alias).
+    ASSIGN_OR_RETURN(const std::string experts, r.Named({"num_local_experts", "num_experts"}));
     ASSIGN_OR_RETURN(c.num_experts, r.Positive(experts, {}, kMaxHeads));
     ASSIGN_OR_RETURN(c.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     if (c.experts_per_token > c.num_experts) {

@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -37,6 +38,21 @@ class Reader {
     return absl::InvalidArgumentError(absl::StrCat(source_, ": '", key, "' ", what));
   }
   bool Has(const std::string& key) const { return j_.contains(key) && !j_[key].is_null(); }
+  // A field transformers' config class knows by several names (its attribute_map: Qwen3-MoE's
+  // num_experts is num_local_experts in transformers 5): the name the file uses, the first of
+  // `names` where it uses none (so that an error names that one); two that disagree are an error.
+  absl::StatusOr<std::string> Named(std::initializer_list<const char*> names) const {
+    const char* found = nullptr;
+    for (const char* n : names) {
+      if (!Has(n)) continue;
+      if (found != nullptr && j_[n] != j_[found]) {
+        return Error(n, absl::StrCat("disagrees with '", found, "' (transformers reads them as ",
+                                     "one field)"));
+      }
+      if (found == nullptr) found = n;
+    }
+    return std::string(found != nullptr ? found : *names.begin());
+  }
 
   absl::StatusOr<int64_t> Int(const std::string& key, std::optional<int64_t> def = {}) const {
     if (!Has(key)) {

@@ -203,7 +203,8 @@ absl::StatusOr<Dims> DimsOf(const json& j, const Reader& r) {
     ASSIGN_OR_RETURN(d.rope_dim, r.Positive("qk_rope_head_dim"));
     ASSIGN_OR_RETURN(d.nope_dim, r.Positive("qk_nope_head_dim"));
     ASSIGN_OR_RETURN(d.v_dim, r.Positive("v_head_dim"));
-    ASSIGN_OR_RETURN(d.experts, r.Positive("n_routed_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(const std::string experts, r.Named({"n_routed_experts", "num_local_experts"}));
+    ASSIGN_OR_RETURN(d.experts, r.Positive(experts, {}, kMaxHeads));
     ASSIGN_OR_RETURN(d.expert_intermediate, r.Positive("moe_intermediate_size"));
     ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     ASSIGN_OR_RETURN(d.shared_experts, r.Int("n_shared_experts", 0));
@@ -225,7 +226,8 @@ absl::StatusOr<Dims> DimsOf(const json& j, const Reader& r) {
                                      "shardserve does not load them"));
     }
   } else if (gpt_oss) {
-    ASSIGN_OR_RETURN(d.experts, r.Positive("num_local_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(const std::string experts, r.Named({"num_local_experts", "num_experts"}));
+    ASSIGN_OR_RETURN(d.experts, r.Positive(experts, {}, kMaxHeads));
     ASSIGN_OR_RETURN(d.expert_intermediate, r.Positive("intermediate_size"));
     ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     d.expert_bias = d.router_bias = d.sinks = true;
@@ -235,8 +237,8 @@ absl::StatusOr<Dims> DimsOf(const json& j, const Reader& r) {
           "(the KV cache is one size for every layer)");
     }
   } else if (mixtral || qwen_moe) {
-    ASSIGN_OR_RETURN(d.experts,
-                     r.Positive(mixtral ? "num_local_experts" : "num_experts", {}, kMaxHeads));
+    ASSIGN_OR_RETURN(const std::string experts, r.Named({"num_local_experts", "num_experts"}));
+    ASSIGN_OR_RETURN(d.experts, r.Positive(experts, {}, kMaxHeads));
     ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
     ASSIGN_OR_RETURN(d.expert_intermediate,
                      r.Positive(mixtral ? "intermediate_size" : "moe_intermediate_size"));

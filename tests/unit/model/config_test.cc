@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/text.h"
+#include "model/footprint.h"
 #include "model/rope.h"
 
 namespace shardserve {
@@ -76,6 +77,42 @@ TEST(ConfigTest, QwenBiasMistralWindowMixtralExperts) {
 }
 
 // Qwen3: q/k norms per head, biases only with attention_bias, no window unless it is used.
+// The experts' count under each name transformers' config classes give it (attribute_map):
+// transformers 5 writes num_local_experts for Qwen3-MoE, Mixtral and gpt-oss, and DeepSeek-V3's
+// n_routed_experts may come as num_local_experts; the runtime and the plan read the same, and two
+// names that disagree are refused.
+TEST(ConfigTest, ExpertsUnderEitherNameTransformersGivesThem) {
+  json q = Llama();
+  q["architectures"] = {"Qwen3MoeForCausalLM"};
+  q["num_experts_per_tok"] = 2;
+  q["moe_intermediate_size"] = 24;
+  for (const char* name : {"num_experts", "num_local_experts"}) {
+    json named = q;
+    named[name] = 8;
+    auto c = ParseModelConfig(named.dump());
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status();
+    EXPECT_EQ(c->num_experts, 8) << name;
+    auto f = FootprintFromConfig(named.dump());
+    ASSERT_TRUE(f.ok()) << name << ": " << f.status();
+    EXPECT_EQ(f->experts, 8) << name;
+  }
+  json both = q;
+  both["num_experts"] = 8;
+  both["num_local_experts"] = 16;
+  EXPECT_THAT(std::string(ParseModelConfig(both.dump()).status().message()),
+              HasSubstr("'num_experts' disagrees with 'num_local_experts'"));
+  both["num_local_experts"] = 8;
+  EXPECT_TRUE(ParseModelConfig(both.dump()).ok());
+  json mixtral = Llama();
+  mixtral["architectures"] = {"MixtralForCausalLM"};
+  mixtral["num_experts"] = 4;
+  mixtral["num_experts_per_tok"] = 2;
+  auto m = ParseModelConfig(mixtral.dump());
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->num_experts, 4);
+  EXPECT_EQ(FootprintFromConfig(mixtral.dump())->experts, 4);
+}
+
 TEST(ConfigTest, Qwen3NormsQueriesAndKeys) {
   json q = Llama();
   q["architectures"] = {"Qwen3ForCausalLM"};
