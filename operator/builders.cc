@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "api/router_env.h"
 #include "comm/shm_comm.h"
 #include "common/status.h"
 
@@ -456,24 +457,16 @@ json BuildRouterDeployment(const ModelView& m) {
   const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
   json labels = Labels(m);
   labels[kRoleLabel] = kRouterRole;
-  json env = json::array(
-      {{{"name", "SHARDSERVE_ROUTER_LEADERS"},
-        {"value", absl::StrCat("dns:", name, "-leaders.", m.model.namespace_, ".svc:", s.port)}},
-       {{"name", "SHARDSERVE_ROUTER_PORT"}, {"value", std::to_string(s.port)}},
-       {{"name", kModelPathEnv}, {"value", ModelPath(uri)}},
-       {{"name", "SHARDSERVE_DEPLOYMENT"}, {"value", name}},
-       {{"name", kRouterTokenFileEnv}, {"value", absl::StrCat(kRouterTokenMount, "/token")}},
-       {{"name", "SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT"},
-        {"value", s.special_tokens_in_content == "text" ? "text" : "special"}},
-       {{"name", "SHARDSERVE_PREFIX_CACHE_ISOLATION"}, {"value", s.prefix_cache_isolation}}});
-  if (!s.api_key_secret.empty())
-    env.push_back({{"name", kApiKeysFileEnv}, {"value", kApiKeysMount}});
-  for (const ShardedModelSpec::EnvVar& e :
-       s.env) {  // the leaders' body bound, if the model sets it
-    if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty()) {
-      env.push_back({{"name", e.name}, {"value", e.value}});
-    }
-  }
+  RouterEnv r;  // the router's contract (api/router_env.h)
+  r.leaders = absl::StrCat("dns:", name, "-leaders.", m.model.namespace_, ".svc:", s.port);
+  r.port = static_cast<int>(s.port);
+  r.model_path = ModelPath(uri);
+  r.deployment = name;
+  r.token_file = absl::StrCat(kRouterTokenMount, "/token");
+  if (!s.api_key_secret.empty()) r.api_keys_file = kApiKeysMount;
+  ApplyServing(s, r);
+  json env = json::array();
+  for (const auto& [k, v] : r.ToEnv()) env.push_back({{"name", k}, {"value", v}});
   json volumes = json::array({ModelVolume(uri)});
   json mounts = json::array({ModelVolumeMount()});
   AddLeaderSecrets(m, volumes, mounts);

@@ -1,6 +1,5 @@
-// shardserve-router: the front of a model's replicas (router/router.h). Flags, each also from
-// the environment the operator sets (SHARDSERVE_ROUTER_*, and the worker contract's model path
-// and API keys):
+// shardserve-router: the front of a model's replicas (router/router.h). Flags, each over the
+// router's contract (api/router_env.h: what the operator and `shardserve local` set):
 //   --leader HOST:PORT | dns:NAME:PORT   (repeatable, or comma-separated;
 //   SHARDSERVE_ROUTER_LEADERS)
 //   --model DIR                         (SHARDSERVE_MODEL_PATH): the tokenizer and chat template
@@ -22,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "api/router_env.h"
 #include "api/worker_env.h"
 #include "common/args.h"
 #include "common/log.h"
@@ -29,11 +29,6 @@
 #include "router/router.h"
 
 namespace {
-
-std::string Env(const char* name, const std::string& def = "") {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v ? std::string(v) : def;
-}
 
 absl::Status Run(int argc, char** argv) {
   using namespace shardserve;
@@ -44,42 +39,27 @@ absl::Status Run(int argc, char** argv) {
                    "model-label", "prefix-weight", "load-weight", "kv-weight"},
                   {"special-tokens-as-text"}, "shardserve-router",
                   "Routes a model's requests to the replica that caches their prompt's prefix."));
+  // The contract (api/router_env.h), then the flags over it.
+  ASSIGN_OR_RETURN(RouterEnv env, RouterEnv::FromEnv());
   RouterOptions o;
-  o.leaders = absl::StrSplit(a.GetOr("leader", Env("SHARDSERVE_ROUTER_LEADERS")), ',',
-                             absl::SkipWhitespace());
-  o.model_path = a.GetOr("model", Env(kModelPathEnv));
+  o.leaders = absl::StrSplit(a.GetOr("leader", env.leaders), ',', absl::SkipWhitespace());
+  o.model_path = a.GetOr("model", env.model_path);
   if (o.model_path.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--model (or ", kModelPathEnv, ") names the model directory"));
   }
-  ASSIGN_OR_RETURN(int64_t port,
-                   a.GetInt("port", std::atoi(Env("SHARDSERVE_ROUTER_PORT", "8000").c_str())));
+  ASSIGN_OR_RETURN(int64_t port, a.GetInt("port", env.port));
   if (port < 0 || port > 65535) return absl::InvalidArgumentError("--port must be in 0-65535");
   o.port = static_cast<int>(port);
   o.host = a.GetOr("host", "0.0.0.0");
-  o.api_keys_file = a.GetOr("api-key-file", Env(kApiKeysFileEnv));
-  o.api_key = Env(kApiKeyEnv);
-  o.leader_token_file = a.GetOr("leader-token-file", Env(kRouterTokenFileEnv));
-  o.model_label = a.GetOr("model-label", Env("SHARDSERVE_DEPLOYMENT", "model"));
-  o.special_tokens_as_text =
-      a.Has("special-tokens-as-text") || Env("SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT") == "text";
-  const std::string isolation = Env("SHARDSERVE_PREFIX_CACHE_ISOLATION", "none");
-  if (isolation != "none" && isolation != "perKey") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment variable SHARDSERVE_PREFIX_CACHE_ISOLATION '", isolation,
-                     "' must be none or perKey"));
-  }
-  o.prefix_cache_per_key = isolation == "perKey";
-  // The leaders' body bound (a model's env may change it), so that what they refuse is refused
-  // here before it is tokenized.
-  if (const std::string bound = Env("SHARDSERVE_MAX_BODY_BYTES"); !bound.empty()) {
-    int64_t bytes = 0;
-    if (!absl::SimpleAtoi(bound, &bytes) || bytes < 1024) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "environment variable SHARDSERVE_MAX_BODY_BYTES '", bound, "' is not a count >= 1024"));
-    }
-    o.max_body_bytes = static_cast<size_t>(bytes);
-  }
+  o.api_keys_file = a.GetOr("api-key-file", env.api_keys_file);
+  o.api_key = env.api_key;
+  o.leader_token_file = a.GetOr("leader-token-file", env.token_file);
+  o.model_label = a.GetOr("model-label", env.deployment);
+  o.special_tokens_as_text = a.Has("special-tokens-as-text") || env.special_tokens_as_text;
+  o.prefix_cache_per_key = env.prefix_cache_per_key;
+  // The leaders' body bound, so that what they refuse is refused here before it is tokenized.
+  o.max_body_bytes = static_cast<size_t>(env.max_body_bytes);
   ASSIGN_OR_RETURN(o.weights.prefix, a.GetDouble("prefix-weight", o.weights.prefix));
   ASSIGN_OR_RETURN(o.weights.load, a.GetDouble("load-weight", o.weights.load));
   ASSIGN_OR_RETURN(o.weights.kv, a.GetDouble("kv-weight", o.weights.kv));

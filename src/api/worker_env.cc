@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "api/env_table.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -12,30 +13,14 @@ namespace {
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 
-// The variables and where they live in WorkerEnv: one table, so that writing and reading cannot
-// drift apart. `identity` variables (the replica's identity) are written even at their default.
-struct StringVar {
-  const char* name;
-  std::string WorkerEnv::*field;
-  bool identity = false;
-};
-struct IntVar {
-  const char* name;
-  int WorkerEnv::*field;
-  int64_t min, max;
-  bool identity = false;
-};
-struct Int64Var {
-  const char* name;
-  int64_t WorkerEnv::*field;
-  int64_t min, max;
-};
-struct BoolVar {
-  const char* name;
-  bool WorkerEnv::*field;
-  const char* yes;  // the words for true and false
-  const char* no;
-};
+// The variables and where they live in WorkerEnv: one table (api/env_table.h), so that writing
+// and reading cannot drift apart. `identity` variables (the replica's identity) are written even
+// at their default.
+using StringVar = env_internal::StringVar<WorkerEnv>;
+using IntVar = env_internal::IntVar<WorkerEnv>;
+using Int64Var = env_internal::Int64Var<WorkerEnv>;
+using BoolVar = env_internal::BoolVar<WorkerEnv>;
+using env_internal::NameOf;
 
 const StringVar kStrings[] = {
     {kModelPathEnv, &WorkerEnv::model_path, true},
@@ -92,28 +77,7 @@ const BoolVar kBools[] = {
     {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &WorkerEnv::prefix_cache_per_key, "perKey", "none"},
 };
 
-// The variable of a field, for errors that name it.
-template <typename Table, typename Field>
-const char* NameOf(const Table& table, Field field) {
-  for (const auto& v : table) {
-    if (v.field == field) return v.name;
-  }
-  return "?";
-}
-
-// An integer variable: `def` when unset or empty; otherwise it must lie in [min, max], or the
-// error names the variable and its value.
-absl::StatusOr<int64_t> EnvInt(const EnvLookup& env, const char* name, int64_t def, int64_t min,
-                               int64_t max) {
-  const char* v = env(name);
-  if (v == nullptr || *v == '\0') return def;
-  int64_t out;
-  if (!absl::SimpleAtoi(v, &out) || out < min || out > max) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "environment variable ", name, "='", v, "' must be an integer in [", min, ", ", max, "]"));
-  }
-  return out;
-}
+const env_internal::Table<WorkerEnv> kTable{kStrings, kInts, kInt64s, kBools};
 
 }  // namespace
 
@@ -125,57 +89,14 @@ const WorkerEnv& WorkerEnv::Defaults() {
 }
 
 std::vector<std::pair<std::string, std::string>> WorkerEnv::ToEnv() const {
-  const WorkerEnv& defaults = Defaults();
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const StringVar& v : kStrings) {
-    if (this->*v.field != defaults.*v.field || v.identity) out.emplace_back(v.name, this->*v.field);
-  }
-  for (const IntVar& v : kInts) {
-    if (this->*v.field != defaults.*v.field || v.identity) {
-      out.emplace_back(v.name, std::to_string(this->*v.field));
-    }
-  }
-  for (const Int64Var& v : kInt64s) {
-    if (this->*v.field != defaults.*v.field)
-      out.emplace_back(v.name, std::to_string(this->*v.field));
-  }
-  for (const BoolVar& v : kBools) {
-    if (this->*v.field != defaults.*v.field)
-      out.emplace_back(v.name, this->*v.field ? v.yes : v.no);
-  }
-  return out;
+  return env_internal::ToEnv(kTable, *this, Defaults());
 }
 
-std::vector<std::string> WorkerEnv::Names() {
-  std::vector<std::string> names;
-  for (const StringVar& v : kStrings) names.push_back(v.name);
-  for (const IntVar& v : kInts) names.push_back(v.name);
-  for (const Int64Var& v : kInt64s) names.push_back(v.name);
-  for (const BoolVar& v : kBools) names.push_back(v.name);
-  return names;
-}
+std::vector<std::string> WorkerEnv::Names() { return env_internal::Names(kTable); }
 
 absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
   WorkerEnv w;
-  for (const StringVar& v : kStrings) {
-    if (const char* s = env(v.name); s != nullptr && *s) w.*v.field = s;
-  }
-  for (const IntVar& v : kInts) {
-    ASSIGN_OR_RETURN(int64_t x, EnvInt(env, v.name, w.*v.field, v.min, v.max));
-    w.*v.field = static_cast<int>(x);
-  }
-  for (const Int64Var& v : kInt64s) {
-    ASSIGN_OR_RETURN(w.*v.field, EnvInt(env, v.name, w.*v.field, v.min, v.max));
-  }
-  for (const BoolVar& v : kBools) {
-    const char* s = env(v.name);
-    if (s == nullptr || *s == '\0') continue;
-    if (std::string_view(s) != v.yes && std::string_view(s) != v.no) {
-      return absl::InvalidArgumentError(absl::StrCat("environment variable ", v.name, "='", s,
-                                                     "' must be ", v.yes, " or ", v.no));
-    }
-    w.*v.field = std::string_view(s) == v.yes;
-  }
+  RETURN_IF_ERROR(env_internal::FromEnv(kTable, env, w));
   if (w.stage >= w.pp || w.tp_rank >= w.tp) {
     return absl::InvalidArgumentError(
         absl::StrCat(NameOf(kInts, &WorkerEnv::stage), " ", w.stage, " / ", kTpRankEnv, " ",

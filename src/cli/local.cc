@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/router_env.h"
 #include "api/sharded_model.h"
 #include "api/worker_env.h"
 #include "comm/handshake.h"
@@ -266,21 +267,15 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     std::vector<std::string> leaders;
     for (const LocalReplica& rep : replicas)
       leaders.push_back(absl::StrCat("127.0.0.1:", rep.api_port));
-    std::vector<std::pair<std::string, std::string>> env = {
-        {"SHARDSERVE_ROUTER_LEADERS", absl::StrJoin(leaders, ",")},
-        {"SHARDSERVE_ROUTER_PORT", std::to_string(port)},
-        {kModelPathEnv, uri.path},
-        {kRouterTokenFileEnv, router_token_file},
-        {"SHARDSERVE_DEPLOYMENT", m.name},
-        {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT",
-         spec.special_tokens_in_content == "text" ? "text" : "special"},
-        {"SHARDSERVE_PREFIX_CACHE_ISOLATION", spec.prefix_cache_isolation}};
-    if (!key_file.empty()) env.emplace_back(kApiKeysFileEnv, key_file);
-    for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
-      if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty()) {
-        env.emplace_back(e.name, e.value);
-      }
-    }
+    RouterEnv r;  // the router's contract (api/router_env.h)
+    r.leaders = absl::StrJoin(leaders, ",");
+    r.port = static_cast<int>(port);
+    r.model_path = uri.path;
+    r.token_file = router_token_file;
+    r.deployment = m.name;
+    r.api_keys_file = key_file;
+    ApplyServing(spec, r);
+    const auto env = r.ToEnv();
     groups.push_back({"the router",
                       [env]() -> absl::StatusOr<std::vector<Child>> {
                         ASSIGN_OR_RETURN(pid_t pid, Spawn(SelfDirectory() + "/shardserve-router",

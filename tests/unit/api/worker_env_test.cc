@@ -7,6 +7,8 @@
 
 #include <map>
 
+#include "api/router_env.h"
+
 namespace shardserve {
 namespace {
 
@@ -19,7 +21,8 @@ EnvLookup From(const std::map<std::string, std::string>& vars) {
   };
 }
 
-std::map<std::string, std::string> AsMap(const WorkerEnv& w) {
+template <typename Env>
+std::map<std::string, std::string> AsMap(const Env& w) {
   std::map<std::string, std::string> m;
   for (const auto& [k, v] : w.ToEnv()) {
     EXPECT_TRUE(m.emplace(k, v).second) << k << " written twice";
@@ -135,6 +138,35 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_STAGE 0 / SHARDSERVE_TP_RANK 2 are outside SHARDSERVE_TP 2"));
   EXPECT_THAT(error({{"SHARDSERVE_PP", "2"}, {"SHARDSERVE_STAGE", "2"}}),
               HasSubstr("SHARDSERVE_STAGE 2"));
+}
+
+// The router's contract as one table, as the worker's: every setting differing from its default
+// is written, and reads back equal; a bad value is named.
+TEST(RouterEnvTest, EveryFieldSurvivesTheRoundTrip) {
+  RouterEnv r;
+  r.leaders = "dns:m-leaders.ns.svc:8000";
+  r.port = 9000;
+  r.model_path = "/models/m";
+  r.deployment = "m";
+  r.api_key = "sk-0123456789abcdef";
+  r.api_keys_file = "/keys";
+  r.token_file = "/router-token";
+  r.special_tokens_as_text = true;
+  r.prefix_cache_per_key = true;
+  r.max_body_bytes = 1 << 16;
+  const auto written = AsMap(r);
+  EXPECT_EQ(written.size(), RouterEnv::Names().size());
+  for (const std::string& name : RouterEnv::Names()) EXPECT_TRUE(written.count(name)) << name;
+  auto back = RouterEnv::FromEnv(From(written));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, r);
+  auto bad = written;
+  bad["SHARDSERVE_PREFIX_CACHE_ISOLATION"] = "perUser";
+  EXPECT_THAT(std::string(RouterEnv::FromEnv(From(bad)).status().message()),
+              HasSubstr("SHARDSERVE_PREFIX_CACHE_ISOLATION='perUser' must be perKey or none"));
+  bad = written;
+  bad["SHARDSERVE_ROUTER_PORT"] = "70000";
+  EXPECT_FALSE(RouterEnv::FromEnv(From(bad)).ok());
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
+
+#include "api/router_env.h"
 #include "comm/shm_comm.h"
 
 namespace shardserve::op {
@@ -305,6 +309,36 @@ TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
   EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_TOKEN_FILE"), "/var/run/shardserve/router-token/token");
   EXPECT_EQ(Env(as_pod, "SHARDSERVE_MAX_BODY_BYTES"), "65536");  // the leaders' bound
   EXPECT_EQ(Env(as_pod, "NCCL_DEBUG"), "<absent>");              // not the rest of their env
+  // The router reads its environment through its contract's table: every setting as the model
+  // gives it to its leaders.
+  std::map<std::string, std::string> vars;
+  for (const json& e : c["env"]) vars[e["name"]] = e["value"];
+  auto r = RouterEnv::FromEnv([&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->leaders, "dns:llama-leaders.ml.svc:8000");
+  EXPECT_EQ(r->deployment, "llama");
+  EXPECT_EQ(r->max_body_bytes, 65536);
+  EXPECT_FALSE(r->prefix_cache_per_key);
+  for (const auto& [name, value] : vars) {
+    const auto names = RouterEnv::Names();
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end())
+        << name << " is written but not in the router's table";
+  }
+  json isolated = object;
+  isolated["spec"]["serving"]["prefixCacheIsolation"] = "perKey";
+  isolated["spec"]["serving"]["specialTokensInContent"] = "text";
+  auto isolated_model = ReadModel(isolated);
+  ASSERT_TRUE(isolated_model.ok()) << isolated_model.status();
+  const json iso_deployment = BuildRouterDeployment(*isolated_model);
+  std::map<std::string, std::string> iso;
+  for (const json& e : iso_deployment["spec"]["template"]["spec"]["containers"][0]["env"]) {
+    iso[e["name"]] = e["value"];
+  }
+  EXPECT_EQ(iso["SHARDSERVE_PREFIX_CACHE_ISOLATION"], "perKey");
+  EXPECT_EQ(iso["SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT"], "text");
   ASSERT_NE(Volume(as_pod, "router-token"), nullptr);
   EXPECT_EQ((*Volume(as_pod, "router-token"))["secret"]["secretName"], "llama-router-token");
   ASSERT_NE(Volume(as_pod, "model"), nullptr);

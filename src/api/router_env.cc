@@ -1,0 +1,72 @@
+#include "api/router_env.h"
+
+#include <limits>
+
+#include "absl/strings/numbers.h"
+#include "api/env_table.h"
+#include "api/sharded_model.h"
+
+namespace shardserve {
+namespace {
+
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+
+using StringVar = env_internal::StringVar<RouterEnv>;
+using IntVar = env_internal::IntVar<RouterEnv>;
+using Int64Var = env_internal::Int64Var<RouterEnv>;
+using BoolVar = env_internal::BoolVar<RouterEnv>;
+
+const StringVar kStrings[] = {
+    {"SHARDSERVE_ROUTER_LEADERS", &RouterEnv::leaders, true},
+    {kModelPathEnv, &RouterEnv::model_path, true},
+    {"SHARDSERVE_DEPLOYMENT", &RouterEnv::deployment},
+    {kApiKeyEnv, &RouterEnv::api_key},
+    {kApiKeysFileEnv, &RouterEnv::api_keys_file},
+    {kRouterTokenFileEnv, &RouterEnv::token_file},
+};
+const IntVar kInts[] = {
+    {"SHARDSERVE_ROUTER_PORT", &RouterEnv::port, 0, 65535},
+};
+const Int64Var kInt64s[] = {
+    {"SHARDSERVE_MAX_BODY_BYTES", &RouterEnv::max_body_bytes, 1024, kIntMax},
+};
+const BoolVar kBools[] = {
+    {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &RouterEnv::special_tokens_as_text, "text", "special"},
+    {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &RouterEnv::prefix_cache_per_key, "perKey", "none"},
+};
+const env_internal::Table<RouterEnv> kTable{kStrings, kInts, kInt64s, kBools};
+
+}  // namespace
+
+const RouterEnv& RouterEnv::Defaults() {
+  static const RouterEnv* defaults = new RouterEnv;
+  return *defaults;
+}
+
+std::vector<std::pair<std::string, std::string>> RouterEnv::ToEnv() const {
+  return env_internal::ToEnv(kTable, *this, Defaults());
+}
+
+std::vector<std::string> RouterEnv::Names() { return env_internal::Names(kTable); }
+
+absl::StatusOr<RouterEnv> RouterEnv::FromEnv(const EnvLookup& env) {
+  RouterEnv r;
+  RETURN_IF_ERROR(env_internal::FromEnv(kTable, env, r));
+  return r;
+}
+
+void ApplyServing(const ShardedModelSpec& spec, RouterEnv& r) {
+  WorkerEnv w;
+  ApplyServing(spec, w);
+  r.special_tokens_as_text = w.special_tokens_as_text;
+  r.prefix_cache_per_key = w.prefix_cache_per_key;
+  for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
+    int64_t bytes = 0;
+    if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty() &&
+        absl::SimpleAtoi(e.value, &bytes)) {
+      r.max_body_bytes = bytes;
+    }
+  }
+}
+
+}  // namespace shardserve
