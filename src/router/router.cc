@@ -672,17 +672,17 @@ struct Router::Impl {
         return ex.End();
       }
       if (!piece->empty() && !ex.Write(*piece)) return call.Close();
+      tail += *piece;
+      if (tail.size() > 64) tail.erase(0, tail.size() - 64);
       if (end) {
         // A stream the leader ended without its last event ([DONE], or an error it sent) was
         // cut short: its process stopped in the middle.
-        tail = (tail + *piece).substr(std::max<size_t>(tail.size() + piece->size(), 64) - 64);
         if (!absl::StrContains(tail, "[DONE]") && !absl::StrContains(tail, "\"error\"")) {
           MarkOut(replica, "its answer stream ended unfinished");
           ex.Write(BrokenStreamEvent("the replica's answer stream ended unfinished"));
         }
         return ex.End();
       }
-      tail = (tail + *piece).substr(std::max<size_t>(tail.size() + piece->size(), 64) - 64);
     }
   }
 };

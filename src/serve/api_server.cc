@@ -182,7 +182,7 @@ struct ApiServer::Impl {
     const bool posted = compilers->Post([job, v, grammar = *req.grammar] {
       {
         absl::MutexLock lock(&job->mu);
-        if (job->abandoned) return;  // its request already answered: no work for nobody
+        if (job->abandoned) return;  // its request was already answered: nobody waits
       }
       auto m = v->Compile(grammar);
       absl::MutexLock lock(&job->mu);
