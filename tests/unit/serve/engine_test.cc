@@ -13,6 +13,8 @@
 #include <regex>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/status.h"
 #include "model/generator.h"
 #include "model/test_models.h"
@@ -35,7 +37,10 @@ class LocalExecutor : public StepExecutor {
   }
 
   absl::Status Issue(const StepDesc& step) override {
-    ++steps_;
+    if (++steps_ == pause_at_) {  // the test acts while the engine waits here
+      paused_.Notify();
+      resume_.WaitForNotification();
+    }
     if (fail_after_ >= 0 && issued_++ >= fail_after_) {
       return absl::UnavailableError("rank 1 died");
     }
@@ -70,6 +75,8 @@ class LocalExecutor : public StepExecutor {
         if (!step.chunks[i].sample) continue;
         SampledToken t = samplers_.at(step.chunks[i].seq).Sample(logits.data() + i * V, V);
         r.tokens.push_back({step.chunks[i].seq, t.id, t.logprob, t.top});
+        absl::MutexLock lock(&first_mu_);
+        first_token_step_.emplace(step.chunks[i].seq, steps_.load());
       }
       // The prompt rows asked for, as a rank scores them.
       const ScoreRows score = ScoreRowsOf(step);
@@ -105,7 +112,16 @@ class LocalExecutor : public StepExecutor {
   int64_t cached_ = 0;  // prompt positions skipped for a cached prefix
   int64_t scored_ = 0;  // prompt rows scored
   int fail_after_ = -1, issued_ = 0;
-  std::atomic<int> steps_{0};  // steps issued, read by the test's thread
+  std::atomic<int> steps_{0};  // steps issued
+  // Issue blocks at step pause_at_ (paused_) until the test says resume_.
+  int pause_at_ = -1;
+  absl::Notification paused_, resume_;
+  // A sequence's first sampled token: at which step.
+  int FirstTokenStep(int64_t seq) {
+    absl::MutexLock lock(&first_mu_);
+    auto it = first_token_step_.find(seq);
+    return it == first_token_step_.end() ? -1 : it->second;
+  }
 
  private:
   Transformer* model_;
@@ -113,6 +129,8 @@ class LocalExecutor : public StepExecutor {
   std::map<int64_t, SequenceKv> kv_;
   std::map<int64_t, Sampler> samplers_;
   std::deque<StepResult> done_;
+  absl::Mutex first_mu_;
+  std::map<int64_t, int> first_token_step_ ABSL_GUARDED_BY(first_mu_);
 };
 
 class EngineTest : public ::testing::Test {
@@ -481,27 +499,30 @@ TEST_F(EngineTest, SubmitRefusesBadRequestsAndAFullQueue) {
 // waiting for the big one's sequences to end.
 TEST_F(EngineTest, ABigRequestLeavesAnotherItsShareOfTheBatch) {
   LocalExecutor exec(model_.get(), 4096);
+  exec.pause_at_ = 3;  // the big request fills the batch by then
   EngineOptions o = exec.Options();
   o.max_batch = 4;
   Engine engine(&exec, o);
-  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
   GenerationRequest long_one = requests_[0];
   long_one.params.max_tokens = 60;
   auto big = engine.SubmitGroup(std::vector<GenerationRequest>(12, long_one));
   ASSERT_TRUE(big.ok());
-  ASSERT_FALSE((*big)[0]->Next(std::chrono::seconds(10)).tokens.empty());  // running
-  const int submitted_at = exec.steps_.load();
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  exec.paused_.WaitForNotification();
+  EXPECT_EQ(engine.running(), 4);
   GenerationRequest plain = requests_[1];
   plain.params.max_tokens = 4;
-  auto small = engine.Submit(plain);
+  auto small = engine.Submit(plain);  // sequence 12
   ASSERT_TRUE(small.ok());
+  exec.resume_.Notify();
   RequestStream::Update u;
-  while (u.tokens.empty() && !u.finished) u = (*small)->Next(std::chrono::seconds(30));
-  ASSERT_FALSE(u.tokens.empty());
-  EXPECT_LE(exec.steps_.load() - submitted_at, 4)
-      << "steps the plain request waited for its first token";
+  while (!u.finished) u = (*small)->Next(std::chrono::seconds(30));
+  EXPECT_EQ(u.finish_reason, "length");
+  // First come, first served, it would wait for a big sequence to end: 60 steps.
+  const int first = exec.FirstTokenStep(12);
+  ASSERT_GE(first, 0);
+  EXPECT_LE(first - exec.pause_at_, 3) << "steps the plain request waited for its first token";
   for (auto& st : *big) st->Cancel();
-  (*small)->Cancel();
   engine.Shutdown();
   loop.join();
 }
