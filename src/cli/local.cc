@@ -130,6 +130,13 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         "--api-key-file FILE (one a line) or ",
         kApiKeyEnv));
   }
+  if (spec.prefix_cache_isolation == "perKey" && !keyed) {  // else it would isolate nothing
+    return absl::FailedPreconditionError(absl::StrCat(
+        file,
+        ": spec.serving.prefixCacheIsolation perKey separates the cache by API key, and "
+        "this deployment has none: give them with --api-key-file FILE or ",
+        kApiKeyEnv));
+  }
   if (!key_file.empty()) {  // checked before any rank starts
     RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());
   }

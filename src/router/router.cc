@@ -786,6 +786,10 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
                           prometheus::TextSerializer().Serialize(s->registry->Collect()),
                           {}};
   });
+  if (options.prefix_cache_per_key && s->keys == nullptr) {  // else it would isolate nothing
+    return absl::FailedPreconditionError(
+        "prefix cache isolation perKey names block chains by API key, and the router has none");
+  }
   ASSIGN_OR_RETURN(s->http, http::Server::Start(server, std::move(routes)));
   s->discovery = std::thread([s] { s->Discover(); });
   if (s->keys == nullptr) {

@@ -958,6 +958,11 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
     return http::Response{
         200, "text/plain; version=0.0.4", prometheus::TextSerializer().Serialize(families), {}};
   });
+  if (env.prefix_cache_per_key && s->keys == nullptr) {  // else it would isolate nothing
+    return absl::FailedPreconditionError(
+        "SHARDSERVE_PREFIX_CACHE_ISOLATION=perKey separates the prefix cache by API key, and the "
+        "API has none (SHARDSERVE_API_KEY, SHARDSERVE_API_KEYS_FILE)");
+  }
   ASSIGN_OR_RETURN(s->http, http::Server::Start(options, std::move(routes)));
   if (s->keys == nullptr) {
     LogWarning("leader: the API has no keys (", kApiKeyEnv, ", ", kApiKeysFileEnv,

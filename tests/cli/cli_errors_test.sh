@@ -80,6 +80,10 @@ manifest "$TMP/deep.yaml" "file://$TMP/m" 1 4
 expect_error "spec.parallelism.pipeline 4:" "$BIN" local -f "$TMP/deep.yaml"
 manifest "$TMP/zero.yaml" "file://$TMP/m" 0 1
 expect_error "spec.parallelism.tensor must be at least 1, got 0" "$BIN" local -f "$TMP/zero.yaml"
+# perKey isolation separates the cache by API key: without keys it would isolate nothing.
+manifest "$TMP/perkey.yaml" "file://$TMP/m" 1 1 "  serving: {prefixCacheIsolation: perKey}"
+expect_error "prefixCacheIsolation perKey separates the cache by API key, and this deployment has none" \
+  "$BIN" local -f "$TMP/perkey.yaml"
 manifest "$TMP/typo.yaml" "file://$TMP/m" 1 1 "  replica: 2"
 expect_error "spec.replica is not a field of spec" "$BIN" local -f "$TMP/typo.yaml"
 manifest "$TMP/heads.yaml" "file://$TMP/m" 3 1
