@@ -56,7 +56,7 @@ fi
 # (which includes Boost.Asio) with the compile flags of a configured build and keep each header
 # the compiler opened.
 stamp="$PREFIX/.gathered"
-sources=$(grep -rlE '#include <(boost|cpprest|pplx)/' src operator worker tests bench | sort)
+sources=$(grep -rlE '#include <(boost|cpprest|pplx)/' src operator worker tests | sort)
 rust=(src/rust/Cargo.toml src/rust/Cargo.lock src/rust/src/lib.rs src/tokenizer/jinja/Cargo.toml src/tokenizer/jinja/src/lib.rs)
 sum=$( (printf '%s\n' "${PKGS[@]}"; cat $sources "${rust[@]}") | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sum" ]; then exit 0; fi

@@ -41,6 +41,8 @@ const StringVar kStrings[] = {
     {kRequestEnv, &WorkerEnv::request},
     {"SHARDSERVE_RESULT_FILE", &WorkerEnv::result_file},
     {"SHARDSERVE_TOOL_CALL_PARSER", &WorkerEnv::tool_call_parser},
+    {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
+    {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_REPLICA", &WorkerEnv::replica, 0, kIntMax, true},
@@ -75,6 +77,7 @@ const BoolVar kBools[] = {
     {"SHARDSERVE_REPORT_MEMORY", &WorkerEnv::report_memory, "1", "0"},
     {"SHARDSERVE_PREFIX_CACHING", &WorkerEnv::prefix_caching, "true", "false"},
     {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &WorkerEnv::prefix_cache_per_key, "perKey", "none"},
+    {"SHARDSERVE_FP8", &WorkerEnv::fp8_blocks, "blocks", "expand"},
 };
 
 const env_internal::Table<WorkerEnv> kTable{kStrings, kInts, kInt64s, kBools};

@@ -49,6 +49,8 @@ inline constexpr char kApiKeysFileEnv[] = "SHARDSERVE_API_KEYS_FILE";
 inline constexpr char kRouterTokenFileEnv[] = "SHARDSERVE_ROUTER_TOKEN_FILE";
 inline constexpr char kRequestEnv[] = "SHARDSERVE_REQUEST";
 inline constexpr char kStageLayersEnv[] = "SHARDSERVE_STAGE_LAYERS";
+inline constexpr char kCudaAttnKernelEnv[] = "SHARDSERVE_CUDA_ATTN_KERNEL";
+inline constexpr char kCudaQuantGemvEnv[] = "SHARDSERVE_CUDA_QUANT_GEMV";
 
 // Reads an environment variable (std::getenv, or a map in tests); null when unset.
 using EnvLookup = std::function<const char*(const char*)>;
@@ -74,6 +76,13 @@ struct WorkerEnv {
   std::string backend = "auto";  // cpu, cuda or auto (the rank checks)
   int64_t kv_cache_tokens = 8192;
   int64_t max_sequence_length = 0;  // 0: the model's context
+  // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
+  bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
+  // The CUDA backend's decode kernels: the attention kernel forced (split, split-batched, heads;
+  // "": the shape chooses) and the quantized GEMV (float or dp4a); the CUDA stage backend reads
+  // the names (backend/cuda/cuda_backend.h), a CPU rank ignores them.
+  std::string cuda_attention_kernel;
+  std::string cuda_quant_gemv = "float";
   // Finding the others.
   std::string leader_addr;  // host:port of the rendezvous
   std::string host;         // this rank's address as others reach it

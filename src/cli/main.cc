@@ -359,7 +359,13 @@ absl::Status Generate(const std::vector<std::string>& argv) {
       tp * pp == 1 && (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
   std::unique_ptr<Transformer> model;
   if (in_process) {  // load first: a bad directory is reported as the model's problem
-    ASSIGN_OR_RETURN(model, Transformer::Load(dir, {static_cast<int>(threads)}));
+    // The worker contract's settings for how weights compute (SHARDSERVE_FP8), as a rank reads
+    // them.
+    ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+    Transformer::Options o;
+    o.num_threads = static_cast<int>(threads);
+    o.fp8_blocks = env.fp8_blocks;
+    ASSIGN_OR_RETURN(model, Transformer::Load(dir, o));
   }
   ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::Load(dir));
   if (a.Has("prompt")) {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -91,16 +90,6 @@ absl::Status NaNAt(const TensorView& w, int64_t r, int64_t c, uint8_t byte) {
 }
 
 }  // namespace
-
-absl::StatusOr<bool> Fp8ComputeFromEnv() {
-  const char* v = std::getenv("SHARDSERVE_FP8");
-  if (v == nullptr || *v == '\0' || std::string_view(v) == "blocks") return true;
-  if (std::string_view(v) == "expand") return false;
-  return absl::InvalidArgumentError(
-      absl::StrCat("environment variable SHARDSERVE_FP8='", v,
-                   "' must be blocks (FP8 weights computed as FP8, the default) or expand (into "
-                   "the model's dtype at load)"));
-}
 
 bool Fp8Packs(const Fp8Blocks& blocks, int64_t c0, int64_t c1) {
   if (c0 % kFp8Group != 0 || (c1 - c0) % kFp8Group != 0) return false;

@@ -28,11 +28,6 @@ struct Fp8Blocks {
 // The values of one block of DType::kF8_128.
 inline constexpr int64_t kFp8Group = DTypeBlock(DType::kF8_128);
 
-// Whether FP8 weights are kept as DType::kF8_128 (true, the default) or expanded into the
-// model's dtype everywhere: the environment variable SHARDSERVE_FP8, `blocks` or `expand`
-// (anything else is an error naming it).
-absl::StatusOr<bool> Fp8ComputeFromEnv();
-
 // Whether columns [c0, c1) of an FP8 weight in `blocks` repack into DType::kF8_128: each 128 of
 // them (from c0) under one scale.
 bool Fp8Packs(const Fp8Blocks& blocks, int64_t c0, int64_t c1);

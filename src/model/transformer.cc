@@ -67,7 +67,6 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
                                                                const Options& options,
                                                                std::unique_ptr<Backend> backend) {
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(model_dir));
-  ASSIGN_OR_RETURN(const bool fp8_compute, Fp8ComputeFromEnv());
   ASSIGN_OR_RETURN(auto weights, WeightStore::Open(model_dir));
   if (backend == nullptr) {
     RETURN_IF_ERROR(cpu::CheckCpu());
@@ -80,7 +79,6 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
   }
   std::unique_ptr<Transformer> t(
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
-  t->fp8_compute_ = fp8_compute;
   absl::Status s = t->CheckSplit();
   if (s.ok()) s = t->BindWeights();
   t->options_.progress = nullptr;  // loading is over; what it told may be gone
@@ -149,7 +147,7 @@ absl::StatusOr<WeightMatrix> Transformer::Expanded(const TensorView& t, int64_t 
                      ": its slice [", c0, ", ", c1, ") does not fall on block boundaries"));
   }
   // FP8 stays FP8 (an F32 scale per 128 values) where the slice's columns allow it.
-  const bool packed = fp8 && fp8_compute_ && Fp8Packs(config_.fp8_blocks, c0, c1);
+  const bool packed = fp8 && options_.fp8_blocks && Fp8Packs(config_.fp8_blocks, c0, c1);
   const DType to = packed ? DType::kF8_128 : config_.dtype;
   const int64_t rows = r1 - r0, width = c1 - c0;
   const size_t bytes = rows * DTypeBytes(to, width);

@@ -60,6 +60,9 @@ class Transformer {
     Communicator* tp_comm = nullptr;  // the stage's TP group; required when tp_size > 1
     int64_t layer_begin = 0;
     int64_t layer_end = -1;  // -1: through the last layer
+    // FP8 weights kept as DType::kF8_128 where their blocks allow (the default), or expanded into
+    // the model's dtype everywhere (the worker contract's SHARDSERVE_FP8=expand).
+    bool fp8_blocks = true;
     // Told the share of the stage's weights bound so far, in [0, 1]: at the start, after the
     // embeddings and head, and after each layer (a start-up watchdog reads it).
     std::function<void(double)> progress = nullptr;
@@ -262,7 +265,6 @@ class Transformer {
   int64_t expert_begin_ = 0, expert_end_ = 0, vocab_begin_ = 0, vocab_end_ = 0;
   size_t shard_bytes_ = 0, stage_bytes_ = 0;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;  // column slices read from the files
-  bool fp8_compute_ = true;  // FP8 weights kept as DType::kF8_128 (Fp8ComputeFromEnv)
   std::unique_ptr<WeightStore> weights_;
   std::unique_ptr<Backend> backend_;
   std::vector<std::unique_ptr<Buffer>> tables_;  // the experts' pointer arrays

@@ -222,6 +222,7 @@ absl::Status Rank::Init() {
     o.tp_comm = tp_group_.get();
     o.layer_begin = layers.begin;
     o.layer_end = layers.end;
+    o.fp8_blocks = cfg_.env.fp8_blocks;
     o.progress = [&](double share) {
       watchdog.Progress(share);
       if (metrics_) metrics_->SetLoadProgress(share);

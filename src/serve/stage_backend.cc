@@ -38,7 +38,8 @@ class CpuBackend : public StageBackend {
 // previous and next stage where the two ranks have different GPUs.
 class CudaBackend : public StageBackend {
  public:
-  CudaBackend(const RankConfig& config, const WorldConfig& world) : cfg_(config), world_(world) {}
+  CudaBackend(const RankConfig& config, const WorldConfig& world, cuda::KernelChoice kernels)
+      : cfg_(config), world_(world), kernels_(kernels) {}
 
   // An NCCL id per stage's TP group (tp > 1), then one per link (stage s, tp_rank t) ->
   // (s + 1, t) at pp + s * tp + t; empty where unused.
@@ -71,7 +72,7 @@ class CudaBackend : public StageBackend {
     const int device = DeviceOf(world_.rank());
     RETURN_IF_ERROR(Join(info, device, observe));
     if (tp_timed_) o.tp_comm = tp_timed_.get();
-    ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(device));
+    ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(device, kernels_));
     ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.env.model_path, o, std::move(gpu)));
     ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.env.kv_cache_tokens));
     LogInfo("CUDA backend on GPU ", device);
@@ -128,6 +129,7 @@ class CudaBackend : public StageBackend {
 
   const RankConfig& cfg_;
   const WorldConfig& world_;
+  const cuda::KernelChoice kernels_;
   // The NCCL communicators, and the same timed into the metrics (as the runtime uses them).
   std::unique_ptr<Communicator> tp_, prev_, next_;
   std::unique_ptr<Communicator> tp_timed_, prev_timed_, next_timed_;
@@ -136,13 +138,34 @@ class CudaBackend : public StageBackend {
 
 }  // namespace
 
+#ifdef SHARDSERVE_WITH_CUDA
+absl::StatusOr<cuda::KernelChoice> CudaKernelsOf(const WorkerEnv& env) {
+  cuda::KernelChoice k;
+  absl::StatusOr<cuda::AttentionKernel> attention =
+      cuda::AttentionKernelNamed(env.cuda_attention_kernel);
+  if (!attention.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", kCudaAttnKernelEnv, "=",
+                                                   attention.status().message()));
+  }
+  absl::StatusOr<cuda::QuantGemvMode> gemv = cuda::QuantGemvNamed(env.cuda_quant_gemv);
+  if (!gemv.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", kCudaQuantGemvEnv, "=", gemv.status().message()));
+  }
+  k.attention = *attention;
+  k.quant_gemv = *gemv;
+  return k;
+}
+#endif
+
 absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankConfig& config,
                                                                    const WorldConfig& world) {
   const std::string& name = config.env.backend;
 #ifdef SHARDSERVE_WITH_CUDA
   const bool gpu = cuda::DeviceCount() > 0;
+  ASSIGN_OR_RETURN(const cuda::KernelChoice kernels, CudaKernelsOf(config.env));
   auto cuda = [&]() -> std::unique_ptr<StageBackend> {
-    return std::make_unique<CudaBackend>(config, world);
+    return std::make_unique<CudaBackend>(config, world, kernels);
   };
 #else
   const bool gpu = false;

@@ -13,10 +13,20 @@
 #include "comm/world.h"
 #include "model/kv_cache.h"
 #include "model/transformer.h"
+#ifdef SHARDSERVE_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace shardserve {
 
 struct RankConfig;
+struct WorkerEnv;
+
+#ifdef SHARDSERVE_WITH_CUDA
+// The CUDA kernels the contract chooses (SHARDSERVE_CUDA_ATTN_KERNEL, SHARDSERVE_CUDA_QUANT_GEMV);
+// a name the backend does not know is an error naming the variable.
+absl::StatusOr<cuda::KernelChoice> CudaKernelsOf(const WorkerEnv& env);
+#endif
 
 class StageBackend {
  public:

@@ -508,17 +508,15 @@ void LaunchAttentionSplit(int kg, int per, bool batched, dim3 grid, const float*
   }
 }
 
-absl::StatusOr<AttentionKernel> AttentionKernelOverride() {
-  const char* v = std::getenv("SHARDSERVE_CUDA_ATTN_KERNEL");
-  if (v == nullptr || *v == '\0') return AttentionKernel::kByShape;
-  const std::string_view name(v);
+absl::StatusOr<AttentionKernel> AttentionKernelNamed(std::string_view name) {
+  if (name.empty()) return AttentionKernel::kByShape;
   if (name == "split") return AttentionKernel::kSplit;
   if (name == "split-batched") return AttentionKernel::kSplitBatched;
   if (name == "heads") return AttentionKernel::kHeads;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "environment variable SHARDSERVE_CUDA_ATTN_KERNEL='", v,
-      "' must be split, split-batched or heads (the decode attention kernel to force); unset, "
-      "the shape chooses"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", std::string(name),
+                   "' must be split, split-batched or heads (the decode attention kernel to "
+                   "force); unset, the shape chooses"));
 }
 
 namespace {
@@ -587,14 +585,13 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
   const int kg = g <= 1 ? 1 : g <= 2 ? 2 : g <= 4 ? 4 : g <= 8 ? 8 : 16;
   const int64_t units = (std::min<int64_t>(group, heads) + kg - 1) / kg;
   const int64_t blocks_x = rows * kv_count * units;
-  // The kernel (SHARDSERVE_CUDA_ATTN_KERNEL forces one; NewBackend checked it): per query head
+  // The kernel (the context's KernelChoice may force one): per query head
   // for a window or sinks, and where few (row, KV head) items leave the split-K kernel's blocks
   // too few and too long (batch 1-8 at Llama-3-8B) over contexts short enough that reading each KV
   // row once per query head costs little; else the split-K kernel, batched where few blocks must
   // hide their own latency (on an H200, bench/cuda-notes.md: 3-13 % faster there and 9 % slower
   // at TinyLlama batch 32 after 128 tokens).
-  static const AttentionKernel force =
-      AttentionKernelOverride().value_or(AttentionKernel::kByShape);
+  const AttentionKernel force = ctx.kernels().attention;
   AttentionKernel kernel = force;
   if (extras.window > 0 || extras.sinks != nullptr) kernel = AttentionKernel::kHeads;
   if (kernel == AttentionKernel::kByShape) {

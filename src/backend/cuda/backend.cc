@@ -253,14 +253,12 @@ class CudaBackend : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device) {
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device, KernelChoice kernels) {
   if (DeviceCount() <= device) {
     return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available (",
                                                       DeviceCount(), " GPU(s) visible)"));
   }
-  RETURN_IF_ERROR(AttentionKernelOverride().status());
-  RETURN_IF_ERROR(QuantGemvOverride().status());
-  ASSIGN_OR_RETURN(std::unique_ptr<Context> ctx, Context::Create(device));
+  ASSIGN_OR_RETURN(std::unique_ptr<Context> ctx, Context::Create(device, kernels));
   return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(std::move(ctx)));
 }
 

@@ -202,6 +202,7 @@ struct Context::Impl {
   cublasHandle_t blas = nullptr;
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
+  KernelChoice kernels;
 };
 
 }  // namespace shardserve::cuda

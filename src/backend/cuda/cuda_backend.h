@@ -5,17 +5,39 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
 
 namespace shardserve::cuda {
 
+// The decode attention kernel to force (the worker contract's SHARDSERVE_CUDA_ATTN_KERNEL):
+// split (split-K, a block per group of query heads sharing a KV head), split-batched (the same
+// with more loads in flight a warp) or heads (a block per query head and split); empty, Attention
+// chooses by shape. Any other name is an error naming it. A window or sinks always take the
+// per-head kernel.
+enum class AttentionKernel { kByShape, kSplit, kSplitBatched, kHeads };
+absl::StatusOr<AttentionKernel> AttentionKernelNamed(std::string_view name);
+
+// The quantized decode GEMV (SHARDSERVE_CUDA_QUANT_GEMV): float (the default: each lane expands
+// a chunk of the blocks to F32 and multiplies it with F32 inputs) or dp4a (the inputs quantized
+// to int8 per 32, the GGUF types' chunks read as integers, four products an instruction; FP8
+// keeps the float kernel). Any other name is an error naming it.
+enum class QuantGemvMode { kFloat, kDp4a };
+absl::StatusOr<QuantGemvMode> QuantGemvNamed(std::string_view name);
+
+// The kernels a backend runs where it has several; NewBackend takes them, Context keeps them.
+struct KernelChoice {
+  AttentionKernel attention = AttentionKernel::kByShape;
+  QuantGemvMode quant_gemv = QuantGemvMode::kFloat;
+};
+
 // Number of usable GPUs; 0 when there is no GPU or no driver.
 int DeviceCount();
 // The backend seam (backend/backend.h) on GPU `device`: the ops below on its default stream,
-// weights copied to the device (backend/cuda/backend.cc).
-absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device);
+// weights copied to the device (backend/cuda/backend.cc), running the kernels `kernels` chooses.
+absl::StatusOr<std::unique_ptr<Backend>> NewBackend(int device, KernelChoice kernels = {});
 absl::Status Synchronize();
 // The device's memory bandwidth as a copy measures it: bytes read + written per second of
 // cudaMemcpy between two device buffers of `bytes` (best of `reps`).
@@ -46,16 +68,18 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
-// Per-device state the ops share: the cuBLAS handle and a scratch buffer that grows as needed.
+// Per-device state the ops share: the cuBLAS handle, a scratch buffer that grows as needed, and
+// the kernels chosen.
 // One Context per thread of work; the ops run on the device's default stream.
 class Context {
  public:
-  static absl::StatusOr<std::unique_ptr<Context>> Create(int device = 0);
+  static absl::StatusOr<std::unique_ptr<Context>> Create(int device = 0, KernelChoice kernels = {});
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
   // At least `bytes` of device scratch, valid until the next call.
   absl::StatusOr<void*> Scratch(size_t bytes);
+  const KernelChoice& kernels() const;
   struct Impl;
   Impl* impl() const { return impl_.get(); }
 
@@ -114,20 +138,6 @@ struct DeviceKv {
 // blocks[block_offset[r] + pos / block_size], slot pos % block_size.
 absl::Status WriteKv(const DeviceKv& cache, const float* k, const float* v, int64_t rows,
                      const int32_t* positions, const int32_t* blocks, const int32_t* block_offset);
-
-// The decode attention kernel SHARDSERVE_CUDA_ATTN_KERNEL forces: split (split-K, a block per
-// group of query heads sharing a KV head), split-batched (the same with more loads in flight a
-// warp) or heads (a block per query head and split); unset, Attention chooses by shape. Any other
-// value is an error naming it. A window or sinks always take the per-head kernel.
-enum class AttentionKernel { kByShape, kSplit, kSplitBatched, kHeads };
-absl::StatusOr<AttentionKernel> AttentionKernelOverride();
-
-// The quantized decode GEMV SHARDSERVE_CUDA_QUANT_GEMV chooses: float (the default: each lane
-// expands a chunk of the blocks to F32 and multiplies it with F32 inputs) or dp4a (the inputs
-// quantized to int8 per 32, the GGUF types' chunks read as integers, four products an
-// instruction; FP8 keeps the float kernel). Any other value is an error naming it.
-enum class QuantGemvMode { kFloat, kDp4a };
-absl::StatusOr<QuantGemvMode> QuantGemvOverride();
 
 // Causal attention of every row's `heads` query heads over positions [0, positions[r]] of its
 // sequence (blocks at block_offset[r]); head h reads KV head (head0 + h) / group - kv_head0.

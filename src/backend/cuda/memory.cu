@@ -18,15 +18,18 @@ Context::~Context() {
   if (impl_->scratch != nullptr) cudaFree(impl_->scratch);
 }
 
-absl::StatusOr<std::unique_ptr<Context>> Context::Create(int device) {
+absl::StatusOr<std::unique_ptr<Context>> Context::Create(int device, KernelChoice kernels) {
   RETURN_IF_CUDA(cudaSetDevice(device), "cudaSetDevice");
   auto impl = std::make_unique<Impl>();
   impl->device = device;
+  impl->kernels = kernels;
   if (cublasStatus_t st = cublasCreate(&impl->blas); st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cublasCreate: ", cublasGetStatusString(st)));
   }
   return std::unique_ptr<Context>(new Context(std::move(impl)));
 }
+
+const KernelChoice& Context::kernels() const { return impl_->kernels; }
 
 absl::StatusOr<void*> Context::Scratch(size_t bytes) {
   if (bytes <= impl_->scratch_bytes) return impl_->scratch;

@@ -298,12 +298,11 @@ bool RunsQuantized(DType dtype) {
   }
 }
 
-absl::StatusOr<QuantGemvMode> QuantGemvOverride() {
-  const char* v = std::getenv("SHARDSERVE_CUDA_QUANT_GEMV");
-  if (v == nullptr || *v == '\0' || std::string_view(v) == "float") return QuantGemvMode::kFloat;
-  if (std::string_view(v) == "dp4a") return QuantGemvMode::kDp4a;
+absl::StatusOr<QuantGemvMode> QuantGemvNamed(std::string_view name) {
+  if (name.empty() || name == "float") return QuantGemvMode::kFloat;
+  if (name == "dp4a") return QuantGemvMode::kDp4a;
   return absl::InvalidArgumentError(absl::StrCat(
-      "environment variable SHARDSERVE_CUDA_QUANT_GEMV='", v,
+      "'", std::string(name),
       "' must be float (the blocks expanded to F32, the default) or dp4a (int8 inputs, integer "
       "products)"));
 }
@@ -311,8 +310,7 @@ absl::StatusOr<QuantGemvMode> QuantGemvOverride() {
 absl::Status QuantGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,
                             const float* x, int64_t M) {
   const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kQuantWarps - 1) / kQuantWarps);
-  static const QuantGemvMode mode = QuantGemvOverride().value_or(QuantGemvMode::kFloat);
-  if (mode == QuantGemvMode::kDp4a && dtype != DType::kF8_128) {
+  if (ctx.kernels().quant_gemv == QuantGemvMode::kDp4a && dtype != DType::kF8_128) {
     const int64_t chunks = M * cols / 32;
     ASSIGN_OR_RETURN(void* scratch, ctx.Scratch(static_cast<size_t>(chunks) * (32 + 8)));
     auto* q = static_cast<int32_t*>(scratch);

@@ -78,6 +78,9 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.report_memory = true;
   w.prefix_caching = false;
   w.prefix_cache_per_key = true;
+  w.fp8_blocks = false;
+  w.cuda_attention_kernel = "split";
+  w.cuda_quant_gemv = "dp4a";
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.
@@ -134,6 +137,8 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
   EXPECT_THAT(
       error({{"SHARDSERVE_TOOL_CALL_PARSER", "pythonic"}}),
       HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='pythonic' must be hermes, llama3_json or mistral"));
+  EXPECT_THAT(error({{"SHARDSERVE_FP8", "fast"}}),
+              HasSubstr("environment variable SHARDSERVE_FP8='fast' must be blocks or expand"));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),
               HasSubstr("SHARDSERVE_STAGE 0 / SHARDSERVE_TP_RANK 2 are outside SHARDSERVE_TP 2"));
   EXPECT_THAT(error({{"SHARDSERVE_PP", "2"}, {"SHARDSERVE_STAGE", "2"}}),

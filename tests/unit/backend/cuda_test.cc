@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "api/worker_env.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/cuda_backend.h"
@@ -26,6 +27,7 @@
 #include "model/test_models.h"
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
+#include "serve/stage_backend.h"
 
 namespace shardserve {
 namespace {
@@ -33,10 +35,22 @@ namespace {
 #define REQUIRE_GPU() \
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no GPU on this machine"
 
+// The kernels this run forces, as a rank reads them from the worker contract
+// (scripts/gpu-check.sh runs the suite under each SHARDSERVE_CUDA_ATTN_KERNEL and
+// SHARDSERVE_CUDA_QUANT_GEMV).
+cuda::KernelChoice ContractKernels() {
+  absl::StatusOr<cuda::KernelChoice> k = []() -> absl::StatusOr<cuda::KernelChoice> {
+    ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+    return CudaKernelsOf(env);
+  }();
+  EXPECT_TRUE(k.ok()) << k.status();
+  return k.value_or(cuda::KernelChoice{});
+}
+
 // The op conformance suite (backend_ops_test.h) on GPU 0.
 std::unique_ptr<Backend> Gpu0() {
   if (cuda::DeviceCount() == 0) return nullptr;
-  auto b = cuda::NewBackend(0);
+  auto b = cuda::NewBackend(0, ContractKernels());
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? *std::move(b) : nullptr;
 }
@@ -45,48 +59,33 @@ using testing::BackendOpsTest;
 INSTANTIATE_TEST_SUITE_P(Cuda, BackendOpsTest, ::testing::Values(BackendCase{"gpu0", Gpu0}),
                          testing::BackendCaseName);
 
-// The decode attention kernel override names a kernel or is unset; anything else is refused by
-// name (no GPU needed: NewBackend refuses before it touches the device).
-TEST(CudaBackendTest, AttentionKernelOverrideNamesAKernelOrIsUnset) {
+// The kernel choices of the worker contract name a kernel or are unset; anything else is refused
+// naming the variable (no GPU needed).
+TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   using cuda::AttentionKernel;
-  unsetenv("SHARDSERVE_CUDA_ATTN_KERNEL");
-  EXPECT_EQ(*cuda::AttentionKernelOverride(), AttentionKernel::kByShape);
+  using cuda::QuantGemvMode;
+  WorkerEnv env;
+  ASSERT_TRUE(CudaKernelsOf(env).ok());
+  EXPECT_EQ(CudaKernelsOf(env)->attention, AttentionKernel::kByShape);
+  EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kFloat);
   for (const auto& [name, kernel] : {std::pair{"split", AttentionKernel::kSplit},
                                      std::pair{"split-batched", AttentionKernel::kSplitBatched},
                                      std::pair{"heads", AttentionKernel::kHeads}}) {
-    setenv("SHARDSERVE_CUDA_ATTN_KERNEL", name, 1);
-    EXPECT_EQ(*cuda::AttentionKernelOverride(), kernel) << name;
+    env.cuda_attention_kernel = name;
+    ASSERT_TRUE(CudaKernelsOf(env).ok()) << name;
+    EXPECT_EQ(CudaKernelsOf(env)->attention, kernel) << name;
   }
-  setenv("SHARDSERVE_CUDA_ATTN_KERNEL", "1", 1);
-  const absl::Status s = cuda::AttentionKernelOverride().status();
-  EXPECT_THAT(std::string(s.message()),
-              ::testing::HasSubstr("SHARDSERVE_CUDA_ATTN_KERNEL='1' must be split, split-batched "
-                                   "or heads"));
-  if (cuda::DeviceCount() > 0) {
-    auto b = cuda::NewBackend(0);
-    EXPECT_FALSE(b.ok());
-    EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("ATTN_KERNEL"));
-  }
-  unsetenv("SHARDSERVE_CUDA_ATTN_KERNEL");
-}
-
-TEST(CudaBackendTest, QuantGemvOverrideNamesAKernelOrIsUnset) {
-  using cuda::QuantGemvMode;
-  unsetenv("SHARDSERVE_CUDA_QUANT_GEMV");
-  EXPECT_EQ(*cuda::QuantGemvOverride(), QuantGemvMode::kFloat);
-  setenv("SHARDSERVE_CUDA_QUANT_GEMV", "float", 1);
-  EXPECT_EQ(*cuda::QuantGemvOverride(), QuantGemvMode::kFloat);
-  setenv("SHARDSERVE_CUDA_QUANT_GEMV", "dp4a", 1);
-  EXPECT_EQ(*cuda::QuantGemvOverride(), QuantGemvMode::kDp4a);
-  setenv("SHARDSERVE_CUDA_QUANT_GEMV", "int4", 1);
-  EXPECT_THAT(std::string(cuda::QuantGemvOverride().status().message()),
-              ::testing::HasSubstr("SHARDSERVE_CUDA_QUANT_GEMV='int4' must be float"));
-  if (cuda::DeviceCount() > 0) {
-    auto b = cuda::NewBackend(0);
-    EXPECT_FALSE(b.ok());
-    EXPECT_THAT(std::string(b.status().message()), ::testing::HasSubstr("QUANT_GEMV"));
-  }
-  unsetenv("SHARDSERVE_CUDA_QUANT_GEMV");
+  env.cuda_quant_gemv = "dp4a";
+  EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kDp4a);
+  env.cuda_attention_kernel = "1";
+  EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
+              ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_ATTN_KERNEL='1' must be "
+                                   "split, split-batched or heads"));
+  env.cuda_attention_kernel = "";
+  env.cuda_quant_gemv = "int4";
+  EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
+              ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_QUANT_GEMV='int4' must "
+                                   "be float"));
 }
 
 TEST(CudaBackendTest, NcclLibraryLoads) {
@@ -488,7 +487,7 @@ class CudaGenerationTest : public ::testing::TestWithParam<std::pair<std::string
 // The model of `path` on GPU 0.
 absl::StatusOr<std::unique_ptr<Transformer>> LoadOnGpu(const std::string& path,
                                                        const Transformer::Options& options) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0, ContractKernels()));
   return Transformer::Load(path, options, std::move(gpu));
 }
 

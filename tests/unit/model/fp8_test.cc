@@ -238,9 +238,9 @@ TEST_P(Fp8ExpansionTest, LoadsAsTheModelItsExpansionIs) {
   // The shard keeps FP8 weights in 132 bytes a 128 (or, expanded, 4 a value).
   const bool computes_fp8 = block != 32;
   {
-    ::setenv("SHARDSERVE_FP8", "expand", 1);
-    auto expanded = Transformer::Load(dir_.Sub("m"), {});
-    ::unsetenv("SHARDSERVE_FP8");
+    Transformer::Options expand;
+    expand.fp8_blocks = false;
+    auto expanded = Transformer::Load(dir_.Sub("m"), expand);
     ASSERT_TRUE(expanded.ok()) << expanded.status();
     const size_t saved = computes_fp8 ? fp8_values * 4 - fp8_values / 128 * 132 : 0;
     EXPECT_EQ((*fp8)->shard_weight_bytes() + saved, (*expanded)->shard_weight_bytes());
@@ -272,16 +272,6 @@ TEST_P(Fp8ExpansionTest, LoadsAsTheModelItsExpansionIs) {
 INSTANTIATE_TEST_SUITE_P(Blocks, Fp8ExpansionTest,
                          ::testing::Values(int64_t{32}, int64_t{128},
                                            GenModelOptions::kFp8PerTensor));
-
-TEST_F(Fp8ModelTest, AnUnknownFp8SettingIsNamed) {
-  auto o = testing::SmallModel("llama", dir_.Sub("m"));
-  o.fp8_block = 32;
-  testing::WriteModel(o);
-  ::setenv("SHARDSERVE_FP8", "fast", 1);
-  const std::string error = LoadError();
-  ::unsetenv("SHARDSERVE_FP8");
-  EXPECT_THAT(error, HasSubstr("environment variable SHARDSERVE_FP8='fast' must be blocks"));
-}
 
 TEST_F(Fp8ModelTest, WhatIsMissingOrNotLoadedIsNamed) {
   Write();

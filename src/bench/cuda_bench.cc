@@ -6,11 +6,13 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "api/worker_env.h"
 #include "backend/cuda/cuda_backend.h"
 #include "bench/runtime_bench.h"
 #include "common/args.h"
 #include "common/status.h"
 #include "model/transformer.h"
+#include "serve/stage_backend.h"
 
 namespace shardserve {
 
@@ -36,8 +38,14 @@ absl::Status RunCudaBench(const std::vector<std::string>& argv) {
     return absl::FailedPreconditionError("no GPU visible: the CUDA decode benchmark needs one");
   }
   ASSIGN_OR_RETURN(double copy_bw, cuda::CopyBandwidth(size_t{1} << 30));
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0));
-  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {}, std::move(gpu)));
+  // The kernels and the FP8 computation as a rank reads them from the worker contract
+  // (SHARDSERVE_CUDA_ATTN_KERNEL, SHARDSERVE_CUDA_QUANT_GEMV, SHARDSERVE_FP8).
+  ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+  ASSIGN_OR_RETURN(const cuda::KernelChoice kernels, CudaKernelsOf(env));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0, kernels));
+  Transformer::Options o;
+  o.fp8_blocks = env.fp8_blocks;
+  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, o, std::move(gpu)));
   const ModelConfig& c = model->config();
   const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());
   std::printf(

@@ -8,6 +8,7 @@
 #include <memory>
 #include <thread>
 
+#include "api/worker_env.h"
 #include "common/args.h"
 #include "common/process.h"
 #include "common/status.h"
@@ -108,7 +109,12 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t decode_tokens, a.GetInt("decode-tokens", 32));
   ASSIGN_OR_RETURN(int64_t prefill_tokens, a.GetInt("prefill-tokens", 512));
 
-  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, {static_cast<int>(threads)}));
+  // How the weights compute, as a rank reads it from the worker contract (SHARDSERVE_FP8).
+  ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+  Transformer::Options o;
+  o.num_threads = static_cast<int>(threads);
+  o.fp8_blocks = env.fp8_blocks;
+  ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, o));
   const ModelConfig& c = model->config();
   const double H = c.hidden_size, V = c.vocab_size;
   // The bytes the rank holds (an FP8 checkpoint's as F8_128, or expanded into the model's dtype
