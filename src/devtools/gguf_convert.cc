@@ -533,7 +533,7 @@ absl::Status GptOssExperts(GgufWriter& w, const WeightStore& weights, const Mode
   w.AddTensor(blk + "ffn_up_exps.bias", GgmlType::kF32, {I, E}, Encode(DType::kF32, up_bias, E, I));
   w.AddTensor(blk + "ffn_down_exps.bias", GgmlType::kF32, {H, E},
               Encode(DType::kF32, Floats(db), E, H));
-  if (c.mxfp4) {
+  if (c.mxfp4()) {
     const int64_t gh = H / 32, gi = I / 32;
     ASSIGN_OR_RETURN(const TensorView gb,
                      weights.Get(m + "gate_up_proj_blocks", {E, 2 * I, gh, 16}));

@@ -190,31 +190,54 @@ absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
   return absl::OkStatus();
 }
 
-// The dtype FP8 and MXFP4 weights expand into, and the FP8 checkpoint's scale blocks: quant_method
-// fp8 (E4M3 weights, scales computed at load for the activations) and, for gpt-oss's experts,
-// mxfp4 load; the others are refused by name.
+// The dtype FP8 and MXFP4 weights expand into, and how the checkpoint stores its weights:
+// quant_method fp8 (E4M3 weights, scales computed at load for the activations) and, for gpt-oss's
+// experts, mxfp4 load; fbgemm_fp8 (a scale per output row) is described for the planner, with
+// not_loaded saying why it does not load; the others are refused by name.
 absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
   ASSIGN_OR_RETURN(c.dtype, config_internal::TorchDtype(r));
   if (!r.Has("quantization_config")) return absl::OkStatus();
   const json& q = j["quantization_config"];
   if (!q.is_object()) return r.Error("quantization_config", "must be an object");
   const Reader qr(q, absl::StrCat(r.source(), " quantization_config"));
+  if (qr.Has("modules_to_not_convert") && !q["modules_to_not_convert"].is_null()) {
+    const json& keep = q["modules_to_not_convert"];
+    if (!keep.is_array() || keep.size() > 4096) {
+      return qr.Error("modules_to_not_convert", "must be a list of at most 4096 names");
+    }
+    for (const json& k : keep) {
+      if (!k.is_string() || k.get<std::string>().empty() || k.get<std::string>().size() > 256) {
+        return qr.Error("modules_to_not_convert", "must hold names of 1 to 256 characters");
+      }
+      c.keep_modules.push_back(k.get<std::string>());
+    }
+  }
   ASSIGN_OR_RETURN(const std::string method, qr.String("quant_method", ""));
   if (method.empty()) return qr.Error("quant_method", "is required");
   if (method == "mxfp4") {
+    c.weights = WeightFormat::kMxfp4;
     if (c.architecture != "GptOssForCausalLM") {
-      return qr.Error("quant_method", absl::StrCat("'mxfp4' loads for GptOssForCausalLM's experts, "
-                                                   "not for ",
-                                                   c.architecture));
+      c.not_loaded = std::string(
+          qr.Error("quant_method", absl::StrCat("'mxfp4' loads for GptOssForCausalLM's experts, "
+                                                "not for ",
+                                                c.architecture))
+              .message());
     }
-    c.mxfp4 = true;
+    return absl::OkStatus();
+  }
+  if (method == "fbgemm_fp8") {
+    c.weights = WeightFormat::kFp8PerRow;
+    c.not_loaded = std::string(qr.Error("quant_method",
+                                        "'fbgemm_fp8' (FP8 with a scale per output row) does not "
+                                        "load in shardserve yet (fine-grained FP8, fp8, does)")
+                                   .message());
     return absl::OkStatus();
   }
   if (method != "fp8") {
     return qr.Error("quant_method",
                     absl::StrCat("'", method,
                                  "' does not load in shardserve (fine-grained FP8, fp8, does; "
-                                 "mxfp4 for gpt-oss)"));
+                                 "mxfp4 for gpt-oss; fbgemm_fp8 is planned for)"));
   }
   ASSIGN_OR_RETURN(const std::string fmt, qr.String("fmt", "e4m3"));
   if (fmt != "e4m3") return qr.Error("fmt", absl::StrCat("'", fmt, "' is not e4m3"));
@@ -225,15 +248,15 @@ absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
                                                       "time; static input scales do not load)"));
   }
   ASSIGN_OR_RETURN(const auto block, config_internal::WeightBlockSize(q, qr));
-  c.fp8 = true;
+  c.weights = WeightFormat::kFp8;
   c.fp8_blocks = {block[0], block[1]};
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
-                                             const std::string& source) {
+absl::StatusOr<ModelConfig> DescribeModelConfig(const std::string& json_text,
+                                                const std::string& source) {
   json j;
   try {
     j = json::parse(json_text);
@@ -402,6 +425,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
       }
     }
   }
+  return c;
+}
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
+                                             const std::string& source) {
+  ASSIGN_OR_RETURN(ModelConfig c, DescribeModelConfig(json_text, source));
+  if (!c.not_loaded.empty()) return absl::InvalidArgumentError(c.not_loaded);
   return c;
 }
 

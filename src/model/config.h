@@ -1,6 +1,8 @@
 #pragma once
-// The model configuration read from a Hugging Face config.json. Only what shardserve runs
-// exactly is accepted; anything else is refused with a message naming the option.
+// The model configuration read from a Hugging Face config.json: the one reader of the file, for
+// the runtime (ParseModelConfig: only what shardserve runs exactly is accepted; anything else is
+// refused with a message naming the option) and for the planner (DescribeModelConfig, which also
+// describes the weight formats shardserve plans for but does not load yet).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -13,6 +15,12 @@
 namespace shardserve {
 
 enum class RopeScaling { kNone, kLinear, kLlama3, kYarn };
+
+// How a checkpoint stores its linear weights (quantization_config's quant_method): in the model's
+// dtype; fine-grained FP8 (fp8: E4M3, a scale per block, model/fp8.h); FP8 with a scale per
+// output row (fbgemm_fp8: planned for, not loaded); MXFP4 experts (mxfp4, gpt-oss's,
+// model/mxfp4.h).
+enum class WeightFormat { kPlain, kFp8, kFp8PerRow, kMxfp4 };
 
 struct ModelConfig {
   std::string architecture;  // e.g. "LlamaForCausalLM"
@@ -76,7 +84,6 @@ struct ModelConfig {
   // clamped (gate at most swiglu_limit, up within +-swiglu_limit, (up + 1) * gate *
   // sigmoid(swiglu_alpha * gate)); experts stored fused ([E][in][out], gate and up interleaved).
   bool gpt_oss = false;
-  bool mxfp4 = false;  // its experts in MXFP4 (quant_method mxfp4, model/mxfp4.h)
   int64_t sliding_window = 0;
   std::vector<bool> sliding_layers;  // per layer (gpt-oss), empty: none
   double swiglu_alpha = 1.702, swiglu_limit = 7.0;
@@ -85,9 +92,15 @@ struct ModelConfig {
   std::string torch_dtype;  // informational
   // The dtype FP8 weights expand into at load: torch_dtype's (BF16 where it names none).
   DType dtype = DType::kBF16;
-  // A fine-grained FP8 checkpoint (quantization_config, model/fp8.h): its scales' block.
-  bool fp8 = false;
-  Fp8Blocks fp8_blocks;
+  WeightFormat weights = WeightFormat::kPlain;
+  Fp8Blocks fp8_blocks;  // kFp8: its scales' block
+  // quantization_config.modules_to_not_convert: modules kept in the model's dtype (HF's patterns).
+  std::vector<std::string> keep_modules;
+  // Why the runtime does not load this model, "" where it does (DescribeModelConfig only).
+  std::string not_loaded;
+
+  bool fp8() const { return weights == WeightFormat::kFp8; }
+  bool mxfp4() const { return weights == WeightFormat::kMxfp4; }
 
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
@@ -115,8 +128,14 @@ struct ModelConfig {
   }
 };
 
+// What runs: every field read and checked; a format or option shardserve does not run is an
+// error naming it.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                                              const std::string& source = "config.json");
+// What the model is, for the planner: ParseModelConfig's reading, except that a weight format
+// shardserve plans for but does not load yet (fbgemm_fp8) is described, not_loaded saying why.
+absl::StatusOr<ModelConfig> DescribeModelConfig(const std::string& json_text,
+                                                const std::string& source = "config.json");
 // config.json of a model directory, or the metadata of the GGUF file the path names.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 

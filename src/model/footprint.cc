@@ -6,21 +6,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "common/text.h"
 #include "model/config.h"
-#include "model/config_reader.h"
 #include "model/fp8.h"
 
 namespace shardserve {
 namespace {
-
-using json = nlohmann::json;
-using config_internal::kMaxHeads;
-using config_internal::kMaxLayers;
-using config_internal::Reader;
 
 // The sizes of one architecture's layers, read from its config.
 struct Dims {
@@ -119,143 +112,74 @@ struct Format {
   }
 };
 
-absl::StatusOr<Format> FormatOf(const json& j, const Reader& r) {
+// How ModelConfig says the checkpoint stores its weights.
+Format FormatOf(const ModelConfig& c) {
   Format f;
-  ASSIGN_OR_RETURN(const DType dtype, config_internal::TorchDtype(r));
-  f.dtype = DTypeName(dtype);
-  f.dtype_bytes = static_cast<double>(DTypeSize(dtype));
-  if (!r.Has("quantization_config")) return f;
-  const json& q = j["quantization_config"];
-  if (!q.is_object()) return r.Error("quantization_config", "must be an object");
-  Reader qr(q, "config.json quantization_config");
-  ASSIGN_OR_RETURN(std::string method, qr.String("quant_method", ""));
-  if (method == "fp8") {
-    f.kind = Format::Kind::kFp8Block;
-    ASSIGN_OR_RETURN(std::string fmt, qr.String("fmt", "e4m3"));
-    if (fmt != "e4m3") return qr.Error("fmt", absl::StrCat("'", fmt, "' is not e4m3"));
-    ASSIGN_OR_RETURN(const auto block, config_internal::WeightBlockSize(q, qr));
-    f.block_rows = block[0];
-    f.block_cols = block[1];
-  } else if (method == "fbgemm_fp8") {
-    f.kind = Format::Kind::kFp8Row;
-  } else if (method == "mxfp4") {
-    f.kind = Format::Kind::kMxfp4;
-  } else {
-    return qr.Error("quant_method", absl::StrCat("'", method,
-                                                 "' is not one shardserve plans for (fp8, "
-                                                 "fbgemm_fp8, mxfp4)"));
-  }
-  if (qr.Has("modules_to_not_convert")) {
-    const json& keep = q["modules_to_not_convert"];
-    if (!keep.is_array() || keep.size() > 4096) {
-      return qr.Error("modules_to_not_convert", "must be a list of at most 4096 names");
-    }
-    for (const json& k : keep) {
-      if (!k.is_string() || k.get<std::string>().empty() || k.get<std::string>().size() > 256) {
-        return qr.Error("modules_to_not_convert", "must hold names of 1 to 256 characters");
-      }
-      f.keep.push_back(k.get<std::string>());
-    }
+  f.dtype = DTypeName(c.dtype);
+  f.dtype_bytes = static_cast<double>(DTypeSize(c.dtype));
+  f.keep = c.keep_modules;
+  switch (c.weights) {
+    case WeightFormat::kPlain:
+      f.kind = Format::Kind::kPlain;
+      break;
+    case WeightFormat::kFp8:
+      f.kind = Format::Kind::kFp8Block;
+      f.block_rows = c.fp8_blocks.rows;
+      f.block_cols = c.fp8_blocks.cols;
+      break;
+    case WeightFormat::kFp8PerRow:
+      f.kind = Format::Kind::kFp8Row;
+      break;
+    case WeightFormat::kMxfp4:
+      f.kind = Format::Kind::kMxfp4;
+      break;
   }
   return f;
 }
 
-absl::StatusOr<Dims> DimsOf(const json& j, const Reader& r) {
+// The sizes of the layers as ModelConfig read them (for MoE models its intermediate_size is an
+// expert's; DeepSeek-V3's dense layers have dense_intermediate_size, its head_dim is the rotated
+// dims).
+Dims DimsOf(const ModelConfig& c) {
   Dims d;
-  if (!j.contains("architectures") || !j["architectures"].is_array() ||
-      j["architectures"].size() != 1 || !j["architectures"][0].is_string()) {
-    return r.Error("architectures", "must list exactly one architecture");
-  }
-  d.architecture = j["architectures"][0].get<std::string>();
-  const std::string& a = d.architecture;
-  const bool deepseek = a == "DeepseekV3ForCausalLM";
-  const bool gpt_oss = a == "GptOssForCausalLM";
-  const bool mixtral = a == "MixtralForCausalLM";
-  const bool qwen_moe = a == "Qwen3MoeForCausalLM";
-  if (!deepseek && !gpt_oss && !mixtral && !qwen_moe && a != "LlamaForCausalLM" &&
-      a != "MistralForCausalLM" && a != "Qwen2ForCausalLM" && a != "Qwen3ForCausalLM") {
-    return r.Error("architectures",
-                   absl::StrCat("names '", a,
-                                "', which shardserve does not plan for (LlamaForCausalLM, "
-                                "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                "MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, "
-                                "GptOssForCausalLM)"));
-  }
-  ASSIGN_OR_RETURN(d.hidden, r.Positive("hidden_size"));
-  ASSIGN_OR_RETURN(d.layers, r.Positive("num_hidden_layers", {}, kMaxLayers));
-  ASSIGN_OR_RETURN(d.vocab, r.Positive("vocab_size"));
-  ASSIGN_OR_RETURN(d.heads, r.Positive("num_attention_heads", {}, kMaxHeads));
-  ASSIGN_OR_RETURN(d.kv_heads, r.Positive("num_key_value_heads", d.heads, kMaxHeads));
-  ASSIGN_OR_RETURN(d.head_dim, r.Positive("head_dim", std::max<int64_t>(1, d.hidden / d.heads)));
-  d.qkv_bias = a == "Qwen2ForCausalLM";
-  d.qk_norm = a == "Qwen3ForCausalLM" || qwen_moe;
-  if (!d.qkv_bias) {
-    ASSIGN_OR_RETURN(bool bias, r.Bool("attention_bias", false));
-    d.qkv_bias = d.o_bias = bias;
-  }
-  if (deepseek) {
-    ASSIGN_OR_RETURN(d.intermediate, r.Positive("intermediate_size"));
-    ASSIGN_OR_RETURN(d.q_lora, r.Int("q_lora_rank", 0));
-    if (d.q_lora < 0 || d.q_lora > config_internal::kMaxSize) {
-      return r.Error("q_lora_rank", "must be null or a positive size");
-    }
-    ASSIGN_OR_RETURN(d.kv_lora, r.Positive("kv_lora_rank"));
-    ASSIGN_OR_RETURN(d.rope_dim, r.Positive("qk_rope_head_dim"));
-    ASSIGN_OR_RETURN(d.nope_dim, r.Positive("qk_nope_head_dim"));
-    ASSIGN_OR_RETURN(d.v_dim, r.Positive("v_head_dim"));
-    ASSIGN_OR_RETURN(const std::string experts, r.Named({"n_routed_experts", "num_local_experts"}));
-    ASSIGN_OR_RETURN(d.experts, r.Positive(experts, {}, kMaxHeads));
-    ASSIGN_OR_RETURN(d.expert_intermediate, r.Positive("moe_intermediate_size"));
-    ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
-    ASSIGN_OR_RETURN(d.shared_experts, r.Int("n_shared_experts", 0));
-    if (d.shared_experts < 0 || d.shared_experts > kMaxHeads) {
-      return r.Error("n_shared_experts", "must be between 0 and 4096");
-    }
-    ASSIGN_OR_RETURN(d.first_dense, r.Int("first_k_dense_replace", 0));
-    if (d.first_dense < 0 || d.first_dense > d.layers) {
-      return r.Error("first_k_dense_replace",
-                     absl::StrCat("must be between 0 and num_hidden_layers ", d.layers));
-    }
-    ASSIGN_OR_RETURN(int64_t freq, r.Int("moe_layer_freq", 1));
-    if (freq != 1) return r.Error("moe_layer_freq", "other than 1 is not planned for");
-    d.router_bias = true;  // e_score_correction_bias
-    ASSIGN_OR_RETURN(int64_t mtp, r.Int("num_nextn_predict_layers", 0));
-    if (mtp > 0) {
-      d.notes.push_back(absl::StrCat("its ", mtp,
-                                     " multi-token-prediction layer(s) are not counted: "
-                                     "shardserve does not load them"));
-    }
-  } else if (gpt_oss) {
-    ASSIGN_OR_RETURN(const std::string experts, r.Named({"num_local_experts", "num_experts"}));
-    ASSIGN_OR_RETURN(d.experts, r.Positive(experts, {}, kMaxHeads));
-    ASSIGN_OR_RETURN(d.expert_intermediate, r.Positive("intermediate_size"));
-    ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
-    d.expert_bias = d.router_bias = d.sinks = true;
-    if (r.Has("sliding_window")) {
-      d.notes.push_back(
-          "its sliding-window layers are counted with a cache as long as the full layers' "
-          "(the KV cache is one size for every layer)");
-    }
-  } else if (mixtral || qwen_moe) {
-    ASSIGN_OR_RETURN(const std::string experts, r.Named({"num_local_experts", "num_experts"}));
-    ASSIGN_OR_RETURN(d.experts, r.Positive(experts, {}, kMaxHeads));
-    ASSIGN_OR_RETURN(d.experts_per_token, r.Positive("num_experts_per_tok", {}, kMaxHeads));
-    ASSIGN_OR_RETURN(d.expert_intermediate,
-                     r.Positive(mixtral ? "intermediate_size" : "moe_intermediate_size"));
-    if (qwen_moe) {  // dense layers among the sparse ones are not counted: refused, not guessed
-      ASSIGN_OR_RETURN(int64_t step, r.Int("decoder_sparse_step", 1));
-      if (step != 1) return r.Error("decoder_sparse_step", "other than 1 is not planned for");
-      if (r.Has("mlp_only_layers") &&
-          (!j["mlp_only_layers"].is_array() || !j["mlp_only_layers"].empty())) {
-        return r.Error("mlp_only_layers", "dense layers in a Qwen3-MoE model are not planned for");
-      }
-    }
+  d.architecture = c.architecture;
+  d.hidden = c.hidden_size;
+  d.layers = c.num_layers;
+  d.vocab = c.vocab_size;
+  d.heads = c.num_heads;
+  d.kv_heads = c.num_kv_heads;
+  d.head_dim = c.head_dim;
+  d.qkv_bias = c.qkv_bias;
+  d.o_bias = c.o_bias;
+  d.qk_norm = c.qk_norm;
+  d.sinks = d.expert_bias = c.gpt_oss;
+  d.router_bias = c.gpt_oss || c.sigmoid_routing;  // gpt-oss's bias, DeepSeek's correction
+  if (c.moe) {
+    d.experts = c.num_experts;
+    d.experts_per_token = c.experts_per_token;
+    d.expert_intermediate = c.intermediate_size;
+    d.shared_experts = c.shared_experts;
+    d.first_dense = c.first_dense_layers;
+    d.intermediate = c.dense_intermediate_size;
   } else {
-    ASSIGN_OR_RETURN(d.intermediate, r.Positive("intermediate_size"));
+    d.intermediate = c.intermediate_size;
   }
-  if (d.experts_per_token > d.experts) {
-    return r.Error("num_experts_per_tok",
-                   absl::StrCat(d.experts_per_token, " exceeds the ", d.experts, " experts"));
+  if (c.mla) {
+    d.q_lora = c.q_lora_rank;
+    d.kv_lora = c.kv_lora_rank;
+    d.rope_dim = c.head_dim;
+    d.nope_dim = c.qk_nope_dim;
+    d.v_dim = c.v_head_dim;
+  }
+  if (c.mtp_layers > 0) {
+    d.notes.push_back(absl::StrCat("its ", c.mtp_layers,
+                                   " multi-token-prediction layer(s) are not counted: "
+                                   "shardserve does not load them"));
+  }
+  if (std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end()) {
+    d.notes.push_back(
+        "its sliding-window layers are counted with a cache as long as the full layers' "
+        "(the KV cache is one size for every layer)");
   }
   return d;
 }
@@ -377,15 +301,14 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
 
 }  // namespace
 
+ModelFootprint FootprintOf(const ModelConfig& config) {
+  return Compute(DimsOf(config), FormatOf(config));
+}
+
 absl::StatusOr<ModelFootprint> FootprintFromConfig(const std::string& json_text,
                                                    const std::string& source) {
-  json j = json::parse(json_text, nullptr, false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON"));
-  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": not an object"));
-  Reader r(j, source);
-  ASSIGN_OR_RETURN(Dims d, DimsOf(j, r));
-  ASSIGN_OR_RETURN(Format f, FormatOf(j, r));
-  return Compute(d, f);
+  ASSIGN_OR_RETURN(const ModelConfig c, DescribeModelConfig(json_text, source));
+  return FootprintOf(c);
 }
 
 absl::StatusOr<ModelFootprint> LoadFootprint(const std::string& model_path) {
@@ -397,24 +320,7 @@ absl::StatusOr<ModelFootprint> LoadFootprint(const std::string& model_path) {
   }
   // A GGUF file: its shape from the metadata, its bytes from the file.
   ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(model_path));
-  Dims d;
-  d.architecture = c.architecture;
-  d.hidden = c.hidden_size;
-  d.layers = c.num_layers;
-  d.vocab = c.vocab_size;
-  d.heads = c.num_heads;
-  d.kv_heads = c.num_kv_heads;
-  d.head_dim = c.head_dim;
-  d.qkv_bias = c.qkv_bias;
-  d.o_bias = c.o_bias;
-  d.qk_norm = c.qk_norm;
-  if (c.moe) {
-    d.experts = c.num_experts;
-    d.experts_per_token = c.experts_per_token;
-    d.expert_intermediate = c.intermediate_size;
-  } else {
-    d.intermediate = c.intermediate_size;
-  }
+  const Dims d = DimsOf(c);
   Format f;
   f.dtype_bytes = 1;
   const ModelFootprint unit = Compute(d, f);  // in parameters

@@ -8,10 +8,13 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "model/config.h"
 #include "plan/footprint.h"
 
 namespace shardserve {
 
+// From what config.json says (DescribeModelConfig: the one reader of the file).
+ModelFootprint FootprintOf(const ModelConfig& config);
 // From config.json's text; errors name the source and the key.
 absl::StatusOr<ModelFootprint> FootprintFromConfig(const std::string& json_text,
                                                    const std::string& source = "config.json");

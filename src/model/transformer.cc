@@ -129,7 +129,7 @@ absl::Status Transformer::CheckSplit() const {
 }
 
 absl::Status Transformer::Fp8Declared(const TensorView& t) const {
-  if (config_.fp8) return absl::OkStatus();
+  if (config_.fp8()) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("tensor '", t.name,
                    "' is F8_E4M3 but config.json has no quantization_config of an FP8 "
@@ -572,7 +572,7 @@ absl::Status Transformer::BindFusedExperts(Layer& L, const std::string& p) {
     ASSIGN_OR_RETURN(x.down_bias, ExpertBias(down_bias, e, 0, 1, H));
     L.experts.push_back(x);
   }
-  if (c.mxfp4) {  // [E][out][in / 32] blocks and scales; gate: even rows of gate_up, up: odd
+  if (c.mxfp4()) {  // [E][out][in / 32] blocks and scales; gate: even rows of gate_up, up: odd
     for (const auto& [field, value] : {std::pair{"hidden_size", H}, {"intermediate_size", I}}) {
       if (value % kMxfp4Block != 0) {
         return absl::InvalidArgumentError(absl::StrCat(

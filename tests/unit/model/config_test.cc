@@ -253,7 +253,7 @@ TEST(ConfigTest, ParsesDeepseekV3) {
   // transformers' softmax scale: (128 + 64)^-0.5 x (0.1 ln 40 + 1)^2.
   const double m = 0.1 * std::log(40.0) + 1.0;
   EXPECT_NEAR(c->attention_scale(), m * m / std::sqrt(192.0), 1e-12);
-  EXPECT_TRUE(c->fp8);
+  EXPECT_TRUE(c->fp8());
 }
 
 TEST(ConfigTest, RefusesDeepseekV3OptionsItDoesNotRun) {
@@ -290,7 +290,7 @@ TEST(ConfigTest, ParsesGptOss) {
   json j = json::parse(*text);
   auto c = ParseModelConfig(j.dump());
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE(c->gpt_oss && c->moe && c->qkv_bias && c->o_bias && c->mxfp4);
+  EXPECT_TRUE(c->gpt_oss && c->moe && c->qkv_bias && c->o_bias && c->mxfp4());
   EXPECT_EQ(c->num_experts, 128);
   EXPECT_EQ(c->experts_per_token, 4);
   EXPECT_EQ(c->intermediate_size, 2880);

@@ -278,7 +278,8 @@ TEST_F(Fp8ModelTest, WhatIsMissingOrNotLoadedIsNamed) {
   EditConfig([](json& c) { c["quantization_config"]["quant_method"] = "gptq"; });
   EXPECT_THAT(LoadError(),
               HasSubstr("quantization_config: 'quant_method' 'gptq' does not load in "
-                        "shardserve (fine-grained FP8, fp8, does; mxfp4 for gpt-oss)"));
+                        "shardserve (fine-grained FP8, fp8, does; mxfp4 for gpt-oss; fbgemm_fp8 is "
+                        "planned for)"));
   EditConfig([](json& c) {
     c["quantization_config"]["quant_method"] = "fp8";
     c["quantization_config"]["activation_scheme"] = "static";

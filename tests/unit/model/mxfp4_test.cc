@@ -114,7 +114,7 @@ TEST(Mxfp4Test, AGptOssCheckpointInMxfp4LoadsAndShards) {
   testing::WriteModel(o);
   auto one = Transformer::Load(o.out_dir, {});
   ASSERT_TRUE(one.ok()) << one.status();
-  EXPECT_TRUE((*one)->config().mxfp4);
+  EXPECT_TRUE((*one)->config().mxfp4());
   GenerationRequest req;
   req.prompt_ids = {1, 17, 42, 300, 7};
   req.params.max_tokens = 5;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "common/text.h"
 #include "devtools/gguf_convert.h"
@@ -111,19 +112,50 @@ TEST(FootprintTest, AGgufFileWeighsWhatItHolds) {
 
 TEST(FootprintTest, ConfigErrorsNameTheKey) {
   EXPECT_THAT(Why(FootprintFromConfig(R"({"architectures": ["FooForCausalLM"]})").status()),
-              HasSubstr("'FooForCausalLM', which shardserve does not plan for"));
+              HasSubstr("'FooForCausalLM', which shardserve does not run"));
   EXPECT_THAT(Why(FootprintFromConfig(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
       "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 4, "intermediate_size": 8,
       "quantization_config": {"quant_method": "gptq"}})")
                       .status()),
-              HasSubstr("'gptq' is not one shardserve plans for"));
+              HasSubstr("'gptq' does not load in shardserve"));
   EXPECT_THAT(Why(FootprintFromConfig("{").status()), HasSubstr("not valid JSON"));
   std::string qwen = ReadFileToString(std::string(SHARDSERVE_SOURCE_DIR) +
                                       "/examples/plan/qwen3-235b-a22b/config.json")
                          .value();
   qwen.replace(qwen.find("\"mlp_only_layers\": []"), 21, "\"mlp_only_layers\": [0]");
   EXPECT_THAT(Why(FootprintFromConfig(qwen).status()),
-              HasSubstr("'mlp_only_layers' dense layers in a Qwen3-MoE model are not planned for"));
+              HasSubstr("'mlp_only_layers' dense layers in a Qwen3-MoE model are not supported"));
+}
+
+// The plan reads config.json through the runtime's reader (DescribeModelConfig): a field the
+// runtime defaults is the plan's default too (gpt-oss's attention biases are on unless the config
+// says otherwise, as transformers' GptOssConfig has them), and a format the runtime does not load
+// yet is planned for while the runtime refuses it by name.
+TEST(FootprintTest, ThePlanReadsConfigsAsTheRuntimeDoes) {
+  const std::string dir = std::string(SHARDSERVE_SOURCE_DIR) + "/examples/plan/";
+  nlohmann::json oss =
+      nlohmann::json::parse(ReadFileToString(dir + "gpt-oss-120b/config.json").value());
+  ASSERT_EQ(oss["attention_bias"], true);
+  const ModelFootprint with = FootprintFromConfig(oss.dump()).value();
+  oss.erase("attention_bias");
+  auto without = FootprintFromConfig(oss.dump());
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_EQ(without->params, with.params);
+  EXPECT_TRUE(ParseModelConfig(oss.dump())->o_bias);
+
+  const std::string fbgemm = ReadFileToString(dir + "llama-3.1-405b-fp8/config.json").value();
+  auto runs = ParseModelConfig(fbgemm);
+  ASSERT_FALSE(runs.ok());
+  EXPECT_THAT(Why(runs.status()), HasSubstr("'fbgemm_fp8' (FP8 with a scale per output row) does "
+                                            "not load in shardserve yet"));
+  auto is = DescribeModelConfig(fbgemm);
+  ASSERT_TRUE(is.ok()) << is.status();
+  EXPECT_EQ(is->weights, WeightFormat::kFp8PerRow);
+  EXPECT_FALSE(is->keep_modules.empty());
+  EXPECT_EQ(is->not_loaded, std::string(runs.status().message()));
+  auto planned = FootprintFromConfig(fbgemm);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_THAT(planned->weights, HasSubstr("with an F32 scale per row"));
 }
 
 TEST(MemoryTest, AStageHoldsItsLayersShareAndTheEndsTheirs) {
