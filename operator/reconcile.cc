@@ -42,86 +42,6 @@ std::string Seconds(absl::Duration d) {
                       "s");
 }
 
-// What the reconciler sees of one replica index.
-struct Observed {
-  int64_t index = 0;
-  std::vector<const PodView*> pods;  // every pod, deleting ones included
-  std::vector<const PodView*> live;  // not being deleted
-  bool outdated = false;             // a live pod at another revision
-  bool ready = false;                // every stage live, Running and Ready
-  std::string failure;               // why the replica failed
-  std::string unschedulable;         // a pod unschedulable past the timeout
-  std::string waiting;               // a pod unschedulable, not yet for that long
-  std::string stuck;                 // a pod that cannot start (image, volume, configuration)
-  std::string starting;              // what its pods that are not ready are doing
-  std::vector<int64_t> missing;      // stages without a live pod
-  bool unbound = false;              // a live pod not yet bound to its node
-  bool started = false;              // a pod of it has run
-};
-
-// `creating`: the last status had the replica Placing, so stages missing without a trace of
-// deletion are an interrupted creation, not a failure.
-Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool creating,
-                 const ModelView& m, absl::Time now, const Timing& timing,
-                 absl::Duration& requeue) {
-  Observed o;
-  o.index = index;
-  o.pods = pods;
-  const int64_t P = m.model.spec.pipeline;
-  std::set<int64_t> stages;
-  std::vector<std::pair<int64_t, std::string>> starting;  // by stage
-  bool deleted_pod = false;
-  for (const PodView* p : pods) {
-    o.started |= p->started;
-    if (p->deleting) {
-      deleted_pod = true;
-      continue;
-    }
-    o.live.push_back(p);
-    stages.insert(p->stage);
-    if (p->revision != m.revision || p->stage >= P) o.outdated = true;
-    if (p->node.empty()) o.unbound = true;
-    if (o.failure.empty() && !p->failure.empty()) o.failure = p->failure;
-    if (o.stuck.empty() && !p->stuck.empty()) o.stuck = p->stuck;
-    if (!p->ready && !p->startup.empty()) {
-      starting.emplace_back(p->stage, p->startup);
-      // Progress (a pull, loading) shows in no watched object: look again.
-      requeue = std::min(requeue, kStartupRefresh);
-    }
-    // Volumes that cannot be mounted show only in events, which nothing watches: look again.
-    if (p->creating && p->stuck.empty()) requeue = std::min(requeue, absl::Seconds(10));
-    if (p->phase == "Pending" && p->unschedulable && o.unschedulable.empty()) {
-      const absl::Time deadline = p->created + timing.unschedulable_timeout;
-      if (now >= deadline) {
-        o.unschedulable = absl::StrCat("pod ", p->name, " stayed unschedulable for ",
-                                       Seconds(now - p->created), ": ", p->unschedulable_message);
-      } else {
-        requeue = std::min(requeue, deadline - now);
-        o.waiting = absl::StrCat("pod ", p->name, " is unschedulable (", p->unschedulable_message,
-                                 "); planning the replica again in ", Seconds(deadline - now),
-                                 " if it stays so");
-      }
-    }
-  }
-  for (int64_t s = 0; s < P; ++s) {
-    if (!stages.count(s)) o.missing.push_back(s);
-  }
-  std::sort(starting.begin(), starting.end());
-  for (const auto& [stage, what] : starting) {
-    absl::StrAppend(&o.starting, o.starting.empty() ? "" : "; ", what);
-  }
-  if (!o.live.empty() && o.failure.empty() && !o.missing.empty() &&
-      (deleted_pod || (o.started && !creating))) {
-    o.failure = absl::StrCat("stage ", o.missing.front(), " pod ",
-                             PodName(m.model.name, index, o.missing.front()),
-                             deleted_pod ? " was deleted" : " is gone");
-  }
-  o.ready = !o.live.empty() && o.missing.empty() && o.failure.empty() &&
-            std::all_of(o.live.begin(), o.live.end(),
-                        [](const PodView* p) { return p->phase == "Running" && p->ready; });
-  return o;
-}
-
 std::string OldPhase(const json& status, int64_t index) {
   if (!status.is_object()) return "";
   for (const json& e : status.value("replicaStatuses", json::array())) {
@@ -144,7 +64,7 @@ ReplicaState RecordOf(const json& status, int64_t index) {
   return r;
 }
 
-void DeleteLive(const Observed& o, Decision& d) {
+void DeleteLive(const decide::Observed& o, Decision& d) {
   for (const PodView* p : o.live) d.deletes.push_back({p->name, p->uid});
 }
 
@@ -330,13 +250,210 @@ void WaitForShape(const ShapeView& shape, Decision& d) {
   d.creates.clear();
 }
 
+// `creating`: the last status had the replica Placing, so stages missing without a trace of
+// deletion are an interrupted creation, not a failure.
+namespace decide {
+
+Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool creating,
+                 const ModelView& m, absl::Time now, const Timing& timing,
+                 absl::Duration& requeue) {
+  Observed o;
+  o.index = index;
+  o.pods = pods;
+  const int64_t P = m.model.spec.pipeline;
+  std::set<int64_t> stages;
+  std::vector<std::pair<int64_t, std::string>> starting;  // by stage
+  bool deleted_pod = false;
+  for (const PodView* p : pods) {
+    o.started |= p->started;
+    if (p->deleting) {
+      deleted_pod = true;
+      continue;
+    }
+    o.live.push_back(p);
+    stages.insert(p->stage);
+    if (p->revision != m.revision || p->stage >= P) o.outdated = true;
+    if (p->node.empty()) o.unbound = true;
+    if (o.failure.empty() && !p->failure.empty()) o.failure = p->failure;
+    if (o.stuck.empty() && !p->stuck.empty()) o.stuck = p->stuck;
+    if (!p->ready && !p->startup.empty()) {
+      starting.emplace_back(p->stage, p->startup);
+      // Progress (a pull, loading) shows in no watched object: look again.
+      requeue = std::min(requeue, kStartupRefresh);
+    }
+    // Volumes that cannot be mounted show only in events, which nothing watches: look again.
+    if (p->creating && p->stuck.empty()) requeue = std::min(requeue, absl::Seconds(10));
+    if (p->phase == "Pending" && p->unschedulable && o.unschedulable.empty()) {
+      const absl::Time deadline = p->created + timing.unschedulable_timeout;
+      if (now >= deadline) {
+        o.unschedulable = absl::StrCat("pod ", p->name, " stayed unschedulable for ",
+                                       Seconds(now - p->created), ": ", p->unschedulable_message);
+      } else {
+        requeue = std::min(requeue, deadline - now);
+        o.waiting = absl::StrCat("pod ", p->name, " is unschedulable (", p->unschedulable_message,
+                                 "); planning the replica again in ", Seconds(deadline - now),
+                                 " if it stays so");
+      }
+    }
+  }
+  for (int64_t s = 0; s < P; ++s) {
+    if (!stages.count(s)) o.missing.push_back(s);
+  }
+  std::sort(starting.begin(), starting.end());
+  for (const auto& [stage, what] : starting) {
+    absl::StrAppend(&o.starting, o.starting.empty() ? "" : "; ", what);
+  }
+  if (!o.live.empty() && o.failure.empty() && !o.missing.empty() &&
+      (deleted_pod || (o.started && !creating))) {
+    o.failure = absl::StrCat("stage ", o.missing.front(), " pod ",
+                             PodName(m.model.name, index, o.missing.front()),
+                             deleted_pod ? " was deleted" : " is gone");
+  }
+  o.ready = !o.live.empty() && o.missing.empty() && o.failure.empty() &&
+            std::all_of(o.live.begin(), o.live.end(),
+                        [](const PodView* p) { return p->phase == "Running" && p->ready; });
+  return o;
+}
+
+Reach ReachOf(const std::map<int64_t, Observed>& obs, int64_t replicas, int64_t max_surge) {
+  bool outdated_left = false, surge_exists = false, base_unready = false;
+  for (const auto& [index, o] : obs) {
+    if (index < replicas && o.outdated) outdated_left = true;
+    if (index < replicas && !o.ready) base_unready = true;
+    if (index >= replicas && !o.live.empty() && !o.outdated) surge_exists = true;
+  }
+  Reach r;
+  r.surge = max_surge > 0 && (outdated_left || (surge_exists && base_unready));
+  r.limit = r.surge ? replicas + max_surge : replicas;
+  return r;
+}
+
+Verdict Judge(const Observed& o, ReplicaState r, const ModelView& m, absl::Time now,
+              const Timing& timing) {
+  const ShardedModelSpec& spec = m.model.spec;
+  const int64_t index = o.index;
+  Verdict v;
+  r.revision = o.live.empty() ? m.revision : o.live.front()->revision;
+  r.exists = !o.live.empty();
+  r.updated = r.exists && !o.outdated && o.missing.empty();
+  for (int64_t s = 0; s < spec.pipeline && r.exists; ++s) {
+    std::string node;
+    for (const PodView* p : o.live) {
+      if (p->stage == s)
+        node = p->node.empty() && s < static_cast<int64_t>(p->placement.size()) ? p->placement[s]
+                                                                                : p->node;
+    }
+    r.nodes.push_back(node);
+  }
+
+  if (o.live.empty()) {
+    if (r.last_failure + r.backoff > now) {
+      r.phase = ReplicaPhase::kFailed;
+      r.message = absl::StrCat(r.last_failure_message.empty() ? "" : r.last_failure_message + "; ",
+                               "recreating in ", Seconds(r.last_failure + r.backoff - now),
+                               " (restart ", r.restarts, ")");
+      v.requeue_after = r.last_failure + r.backoff - now;
+    } else if (!o.pods.empty()) {
+      r.phase = ReplicaPhase::kPending;
+      r.message = "waiting for the previous pods to terminate";
+    } else {
+      r.phase = ReplicaPhase::kPending;
+      r.message = "placing";
+      v.place = true;
+    }
+  } else if (o.outdated) {
+    r.phase = o.ready ? ReplicaPhase::kReady : ReplicaPhase::kStarting;
+    r.message = absl::StrCat("at revision ", r.revision, "; to be replaced by ", m.revision);
+    if (o.ready) {
+      v.outdated_serving = true;
+    } else {
+      v.events.push_back(
+          {"Normal", "RollingReplica",
+           absl::StrCat("replacing replica ", index, " (not serving) with revision ", m.revision)});
+      v.delete_live = true;
+    }
+  } else if (!o.failure.empty()) {
+    r.phase = ReplicaPhase::kFailed;
+    if (spec.failure_policy == "None") {
+      r.message = absl::StrCat(o.failure, "; failurePolicy None leaves it");
+    } else {
+      const bool recent = r.last_failure + timing.backoff_reset > now;
+      r.backoff = recent && r.backoff > absl::ZeroDuration()
+                      ? std::min(r.backoff * 2, timing.backoff_max)
+                      : timing.backoff_base;
+      r.last_failure = now;
+      r.last_failure_message = o.failure;
+      ++r.restarts;
+      v.restart = true;
+      r.message = absl::StrCat(o.failure, "; recreating the replica in ", Seconds(r.backoff),
+                               " (restart ", r.restarts, ")");
+      v.events.push_back(
+          {"Warning", "RecreatingReplica", absl::StrCat("replica ", index, ": ", r.message)});
+      v.requeue_after = r.backoff;
+      v.delete_live = true;
+    }
+  } else if (!o.unschedulable.empty()) {
+    r.phase = ReplicaPhase::kPending;
+    r.message = absl::StrCat(o.unschedulable, "; planning the replica again");
+    v.replan = true;
+    v.events.push_back({"Warning", "Replanning", absl::StrCat("replica ", index, ": ", r.message)});
+    v.delete_live = true;
+  } else if (!o.missing.empty()) {
+    // Created in part (the operator stopped half-way): the rest goes on the same plan.
+    const std::vector<std::string>& plan = o.live.front()->placement;
+    if (static_cast<int64_t>(plan.size()) == spec.pipeline) {
+      r.phase = ReplicaPhase::kPlacing;
+      r.message = absl::StrCat("completing the creation of ", o.missing.size(), " stage(s)");
+      r.nodes = plan;
+      v.create_stages = o.missing;
+    } else {
+      r.phase = ReplicaPhase::kPending;
+      r.message = "created in part without a plan; planning it again";
+      v.delete_live = true;
+    }
+  } else if (o.ready) {
+    r.phase = ReplicaPhase::kReady;
+    r.message = "";
+  } else if (o.unbound) {
+    r.phase = ReplicaPhase::kPlacing;
+    r.message = o.waiting.empty()
+                    ? "waiting for kube-scheduler to bind the pods to their planned nodes"
+                    : o.waiting;
+  } else {
+    r.phase = ReplicaPhase::kStarting;
+    r.message = o.starting.empty() ? "waiting for every rank to be ready" : o.starting;
+  }
+  // A pod that cannot start by itself blocks its replica; recreating it would not help, a new
+  // spec (or a fixed node) does.
+  if (r.phase == ReplicaPhase::kStarting && !o.stuck.empty()) {
+    r.phase = ReplicaPhase::kBlocked;
+    r.message = o.stuck;
+  }
+  v.state = std::move(r);
+  return v;
+}
+
+std::vector<int64_t> ToReplace(std::vector<int64_t> outdated_serving, int64_t serving,
+                               int64_t min_serving) {
+  std::sort(outdated_serving.rbegin(), outdated_serving.rend());
+  std::vector<int64_t> out;
+  for (int64_t index : outdated_serving) {
+    if (serving - 1 < min_serving) break;
+    --serving;
+    out.push_back(index);
+  }
+  return out;
+}
+
+}  // namespace decide
+
 Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json& status,
                 absl::Time now, const Timing& timing) {
+  using decide::Observed;
   Decision d;
   const ShardedModelSpec& spec = m.model.spec;
   const int64_t N = spec.replicas;
-  const int64_t S = spec.max_surge;
-  const int64_t U = std::max<int64_t>(spec.max_unavailable, S == 0 ? 1 : 0);
+  const int64_t U = std::max<int64_t>(spec.max_unavailable, spec.max_surge == 0 ? 1 : 0);
 
   // Pods of an earlier model of the same name (another uid) wait for the garbage collector; they
   // are deleted here too and hold their index until gone.
@@ -354,145 +471,44 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
 
   std::map<int64_t, Observed> obs;
   for (const auto& [index, list] : by_index) {
-    obs[index] =
-        Observe(index, list, OldPhase(status, index) == "Placing", m, now, timing, d.requeue_after);
+    obs[index] = decide::Observe(index, list, OldPhase(status, index) == "Placing", m, now, timing,
+                                 d.requeue_after);
   }
-  bool outdated_left = false, surge_exists = false, base_unready = false;
-  for (const auto& [index, o] : obs) {
-    if (index < N && o.outdated) outdated_left = true;
-    if (index < N && !o.ready) base_unready = true;
-    if (index >= N && !o.live.empty() && !o.outdated) surge_exists = true;
-  }
-  // Surge replicas are made while outdated replicas remain and kept until all are ready.
-  const bool surge_wanted = S > 0 && (outdated_left || (surge_exists && base_unready));
-  const int64_t limit = surge_wanted ? N + S : N;
-  for (int64_t i = N; i < limit; ++i) {
-    if (!obs.count(i)) obs[i] = Observe(i, {}, false, m, now, timing, d.requeue_after);
+  const decide::Reach reach = decide::ReachOf(obs, N, spec.max_surge);
+  for (int64_t i = N; i < reach.limit; ++i) {
+    if (!obs.count(i)) obs[i] = decide::Observe(i, {}, false, m, now, timing, d.requeue_after);
   }
 
-  int64_t available = 0;
-  std::vector<int64_t> outdated_ready;
+  int64_t serving = 0;
+  std::vector<int64_t> outdated_serving;
   for (auto& [index, o] : obs) {
-    if (index >= limit || (index >= N && o.outdated)) {
+    if (index >= reach.limit || (index >= N && o.outdated)) {
       if (!o.live.empty()) {
-        d.events.push_back({"Normal", index >= N && surge_wanted ? "RemovingSurge" : "ScalingDown",
+        d.events.push_back({"Normal", index >= N && reach.surge ? "RemovingSurge" : "ScalingDown",
                             absl::StrCat("deleting replica ", index)});
         DeleteLive(o, d);
       }
       continue;
     }
-    ReplicaState r = RecordOf(status, index);
-    r.revision = o.live.empty() ? m.revision : o.live.front()->revision;
-    r.exists = !o.live.empty();
-    r.updated = r.exists && !o.outdated && o.missing.empty();
-    for (int64_t s = 0; s < spec.pipeline; ++s) {
-      std::string node;
-      for (const PodView* p : o.live) {
-        if (p->stage == s)
-          node = p->node.empty() && s < static_cast<int64_t>(p->placement.size()) ? p->placement[s]
-                                                                                  : p->node;
-      }
-      if (r.exists) r.nodes.push_back(node);
-    }
-
-    if (o.live.empty()) {
-      if (r.last_failure + r.backoff > now) {
-        r.phase = ReplicaPhase::kFailed;
-        r.message = absl::StrCat(
-            r.last_failure_message.empty() ? "" : r.last_failure_message + "; ", "recreating in ",
-            Seconds(r.last_failure + r.backoff - now), " (restart ", r.restarts, ")");
-        d.requeue_after = std::min(d.requeue_after, r.last_failure + r.backoff - now);
-      } else if (!o.pods.empty()) {
-        r.phase = ReplicaPhase::kPending;
-        r.message = "waiting for the previous pods to terminate";
-      } else {
-        r.phase = ReplicaPhase::kPending;
-        r.message = "placing";
-        d.place.push_back(index);
-      }
-    } else if (o.outdated) {
-      r.phase = o.ready ? ReplicaPhase::kReady : ReplicaPhase::kStarting;
-      r.message = absl::StrCat("at revision ", r.revision, "; to be replaced by ", m.revision);
-      if (o.ready) {
-        ++available;
-        outdated_ready.push_back(index);
-      } else {
-        d.events.push_back({"Normal", "RollingReplica",
-                            absl::StrCat("replacing replica ", index,
-                                         " (not serving) with revision ", m.revision)});
-        DeleteLive(o, d);
-      }
-    } else if (!o.failure.empty()) {
-      r.phase = ReplicaPhase::kFailed;
-      if (spec.failure_policy == "None") {
-        r.message = absl::StrCat(o.failure, "; failurePolicy None leaves it");
-      } else {
-        const bool recent = r.last_failure + timing.backoff_reset > now;
-        r.backoff = recent && r.backoff > absl::ZeroDuration()
-                        ? std::min(r.backoff * 2, timing.backoff_max)
-                        : timing.backoff_base;
-        r.last_failure = now;
-        r.last_failure_message = o.failure;
-        ++r.restarts;
-        ++d.restarts;
-        r.message = absl::StrCat(o.failure, "; recreating the replica in ", Seconds(r.backoff),
-                                 " (restart ", r.restarts, ")");
-        d.events.push_back(
-            {"Warning", "RecreatingReplica", absl::StrCat("replica ", index, ": ", r.message)});
-        d.requeue_after = std::min(d.requeue_after, r.backoff);
-        DeleteLive(o, d);
-      }
-    } else if (!o.unschedulable.empty()) {
-      r.phase = ReplicaPhase::kPending;
-      r.message = absl::StrCat(o.unschedulable, "; planning the replica again");
-      ++d.replans;
-      d.events.push_back(
-          {"Warning", "Replanning", absl::StrCat("replica ", index, ": ", r.message)});
-      DeleteLive(o, d);
-    } else if (!o.missing.empty()) {
-      // Created in part (the operator stopped half-way): the rest goes on the same plan.
-      const std::vector<std::string>& plan = o.live.front()->placement;
-      if (static_cast<int64_t>(plan.size()) == spec.pipeline) {
-        r.phase = ReplicaPhase::kPlacing;
-        r.message = absl::StrCat("completing the creation of ", o.missing.size(), " stage(s)");
-        r.nodes = plan;
-        for (int64_t s : o.missing) d.creates.push_back({index, s, plan});
-      } else {
-        r.phase = ReplicaPhase::kPending;
-        r.message = "created in part without a plan; planning it again";
-        DeleteLive(o, d);
-      }
-    } else if (o.ready) {
-      r.phase = ReplicaPhase::kReady;
-      r.message = "";
-      ++available;
-    } else if (o.unbound) {
-      r.phase = ReplicaPhase::kPlacing;
-      r.message = o.waiting.empty()
-                      ? "waiting for kube-scheduler to bind the pods to their planned nodes"
-                      : o.waiting;
-    } else {
-      r.phase = ReplicaPhase::kStarting;
-      r.message = o.starting.empty() ? "waiting for every rank to be ready" : o.starting;
-    }
-    // A pod that cannot start by itself blocks its replica; recreating it would not help, a new
-    // spec (or a fixed node) does.
-    if (r.phase == ReplicaPhase::kStarting && !o.stuck.empty()) {
-      r.phase = ReplicaPhase::kBlocked;
-      r.message = o.stuck;
-    }
-    d.replicas.push_back(std::move(r));
+    decide::Verdict v = decide::Judge(o, RecordOf(status, index), m, now, timing);
+    if (v.delete_live) DeleteLive(o, d);
+    if (v.place) d.place.push_back(index);
+    for (int64_t s : v.create_stages) d.creates.push_back({index, s, v.state.nodes});
+    if (v.state.phase == ReplicaPhase::kReady) ++serving;
+    if (v.outdated_serving) outdated_serving.push_back(index);
+    d.restarts += v.restart ? 1 : 0;
+    d.replans += v.replan ? 1 : 0;
+    d.requeue_after = std::min(d.requeue_after, v.requeue_after);
+    d.events.insert(d.events.end(), v.events.begin(), v.events.end());
+    d.replicas.push_back(std::move(v.state));
   }
 
   // Serving outdated replicas go one at a time (highest index first) within maxUnavailable.
-  const int64_t min_available = std::max<int64_t>(0, N - U);
-  std::sort(outdated_ready.rbegin(), outdated_ready.rend());
-  for (int64_t index : outdated_ready) {
-    if (available - 1 < min_available) break;
-    --available;
+  for (int64_t index : decide::ToReplace(outdated_serving, serving, std::max<int64_t>(0, N - U))) {
+    --serving;
     d.events.push_back({"Normal", "RollingReplica",
                         absl::StrCat("replacing replica ", index, " with revision ", m.revision,
-                                     " (", available, " of ", N, " replicas serving meanwhile)")});
+                                     " (", serving, " of ", N, " replicas serving meanwhile)")});
     DeleteLive(obs[index], d);
     for (ReplicaState& r : d.replicas) {
       if (r.index == index) r.message = absl::StrCat("being replaced by revision ", m.revision);

@@ -146,6 +146,64 @@ struct Decision {
 Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json& status,
                 absl::Time now, const Timing& timing);
 
+// Decide's steps, each pure and each with its table test (reconcile_test.cc): Observe reads one
+// index's pods, ReachOf says how far the replicas reach (surge), Judge gives one replica its
+// phase and what to do about it, ToReplace picks the serving outdated replicas a rollout takes
+// down now.
+namespace decide {
+
+// What the reconciler sees of one replica index.
+struct Observed {
+  int64_t index = 0;
+  std::vector<const PodView*> pods;  // every pod, deleting ones included
+  std::vector<const PodView*> live;  // not being deleted
+  bool outdated = false;             // a live pod at another revision
+  bool ready = false;                // every stage live, Running and Ready
+  std::string failure;               // why the replica failed
+  std::string unschedulable;         // a pod unschedulable past the timeout
+  std::string waiting;               // a pod unschedulable, not yet for that long
+  std::string stuck;                 // a pod that cannot start (image, volume, configuration)
+  std::string starting;              // what its pods that are not ready are doing
+  std::vector<int64_t> missing;      // stages without a live pod
+  bool unbound = false;              // a live pod not yet bound to its node
+  bool started = false;              // a pod of it has run
+};
+// `creating`: the last status had the replica Placing, so stages missing without a trace of
+// deletion are an interrupted creation, not a failure. `requeue` is lowered to when the pods
+// should be looked at again (a deadline, progress that no watched object shows).
+Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool creating,
+                 const ModelView& m, absl::Time now, const Timing& timing, absl::Duration& requeue);
+
+// Surge replicas (indices >= spec.replicas) are made while outdated replicas remain and kept
+// until every replica is ready; `limit` is one past the highest index wanted.
+struct Reach {
+  bool surge = false;
+  int64_t limit = 0;
+};
+Reach ReachOf(const std::map<int64_t, Observed>& obs, int64_t replicas, int64_t max_surge);
+
+// One replica's state (from `record`, what the last status kept of it) and what to do about it.
+struct Verdict {
+  ReplicaState state;
+  bool delete_live = false;            // delete its live pods
+  bool place = false;                  // plan and create it
+  std::vector<int64_t> create_stages;  // complete an interrupted creation on its plan
+  bool outdated_serving = false;       // serves at an older revision: ToReplace decides
+  bool restart = false;                // recreated after a failure
+  bool replan = false;                 // re-planned after staying unschedulable
+  std::vector<Event> events;
+  absl::Duration requeue_after = absl::InfiniteDuration();
+};
+Verdict Judge(const Observed& o, ReplicaState record, const ModelView& m, absl::Time now,
+              const Timing& timing);
+
+// Of the serving replicas at an older revision, those to take down now: highest index first,
+// while at least `min_serving` of the `serving` replicas keep serving.
+std::vector<int64_t> ToReplace(std::vector<int64_t> outdated_serving, int64_t serving,
+                               int64_t min_serving);
+
+}  // namespace decide
+
 // What placement made of Decision::place.
 struct PlacementOutcome {
   std::map<int64_t, std::vector<std::string>> placed;  // replica -> node per stage

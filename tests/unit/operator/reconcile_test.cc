@@ -696,5 +696,486 @@ TEST(Decide, AFailedReplicaKeepsSayingWhyThroughItsBackoff) {
       << State(d, 0).message;
 }
 
+// Decide's steps, each on its own (operator/reconcile.h, namespace decide).
+
+// Observe: one index's pods as the reconciler reads them, a row per situation.
+TEST(DecideSteps, ObserveReadsOneIndexsPods) {
+  const ModelView m = ModelBuilder().Build();
+  struct Row {
+    const char* name;
+    std::vector<PodView> pods;
+    bool creating;
+    bool ready, outdated, unbound;
+    std::string failure;  // a substring; "" none
+    std::vector<int64_t> missing;
+    bool unschedulable, waiting;
+  };
+  PodView deleting = PodBuilder(m, 0, 1);
+  deleting.deleting = true;
+  PodView starting = PodBuilder(m, 0, 1).NotReady();
+  starting.startup = "stage 1 rank 0: loading 41 %";
+  const std::vector<Row> rows = {
+      {"ready", Replica(m, 0), false, true, false, false, "", {}, false, false},
+      {"not ready",
+       {PodBuilder(m, 0, 0), starting},
+       false,
+       false,
+       false,
+       false,
+       "",
+       {},
+       false,
+       false},
+      {"another revision",
+       {PodBuilder(m, 0, 0).Revision("old"), PodBuilder(m, 0, 1)},
+       false,
+       true,
+       true,
+       false,
+       "",
+       {},
+       false,
+       false},
+      {"a failed pod",
+       {PodBuilder(m, 0, 0), PodBuilder(m, 0, 1).Failed()},
+       false,
+       false,
+       false,
+       false,
+       "failed",
+       {},
+       false,
+       false},
+      {"a stage deleted",
+       {PodBuilder(m, 0, 0), deleting},
+       false,
+       false,
+       false,
+       false,
+       "was deleted",
+       {1},
+       false,
+       false},
+      {"a started stage gone",
+       {PodBuilder(m, 0, 0)},
+       false,
+       false,
+       false,
+       false,
+       "is gone",
+       {1},
+       false,
+       false},
+      {"creation interrupted",
+       {PodBuilder(m, 0, 0)},
+       true,
+       false,
+       false,
+       false,
+       "",
+       {1},
+       false,
+       false},
+      {"unschedulable past the timeout",
+       {PodBuilder(m, 0, 0).Pending(true, absl::Minutes(3)), PodBuilder(m, 0, 1)},
+       false,
+       false,
+       false,
+       true,
+       "",
+       {},
+       true,
+       false},
+      {"unschedulable within the timeout",
+       {PodBuilder(m, 0, 0).Pending(true, absl::Seconds(30)), PodBuilder(m, 0, 1)},
+       false,
+       false,
+       false,
+       true,
+       "",
+       {},
+       false,
+       true},
+      {"no pods", {}, false, false, false, false, "", {0, 1}, false, false},
+  };
+  for (const Row& row : rows) {
+    std::vector<const PodView*> list;
+    for (const PodView& p : row.pods) list.push_back(&p);
+    absl::Duration requeue = absl::InfiniteDuration();
+    const decide::Observed o = decide::Observe(0, list, row.creating, m, kNow, Timing(), requeue);
+    EXPECT_EQ(o.ready, row.ready) << row.name;
+    EXPECT_EQ(o.outdated, row.outdated) << row.name;
+    EXPECT_EQ(o.unbound, row.unbound) << row.name;
+    EXPECT_EQ(o.missing, row.missing) << row.name;
+    if (row.failure.empty()) {
+      EXPECT_EQ(o.failure, "") << row.name;
+    } else {
+      EXPECT_NE(o.failure.find(row.failure), std::string::npos) << row.name << ": " << o.failure;
+    }
+    EXPECT_EQ(!o.unschedulable.empty(), row.unschedulable) << row.name;
+    EXPECT_EQ(!o.waiting.empty(), row.waiting) << row.name;
+    if (row.waiting) EXPECT_EQ(requeue, absl::Seconds(90)) << row.name;  // the 2 min timeout
+  }
+  // What starting stages are doing is kept, and brings the next look forward.
+  std::vector<const PodView*> list = {&starting};
+  absl::Duration requeue = absl::InfiniteDuration();
+  EXPECT_EQ(decide::Observe(0, list, false, m, kNow, Timing(), requeue).starting,
+            "stage 1 rank 0: loading 41 %");
+  EXPECT_EQ(requeue, absl::Seconds(5));
+}
+
+// ReachOf: surge replicas while outdated replicas remain, kept until every replica is ready.
+TEST(DecideSteps, ReachOfSurgesOnlyDuringARollout) {
+  auto observed = [](bool outdated, bool ready, bool live) {
+    decide::Observed o;
+    o.outdated = outdated;
+    o.ready = ready;
+    static const PodView pod;
+    if (live) o.live = {&pod};
+    return o;
+  };
+  struct Row {
+    const char* name;
+    std::map<int64_t, decide::Observed> obs;
+    int64_t replicas, max_surge;
+    bool surge;
+    int64_t limit;
+  };
+  const std::vector<Row> rows = {
+      {"steady",
+       {{0, observed(false, true, true)}, {1, observed(false, true, true)}},
+       2,
+       1,
+       false,
+       2},
+      {"an outdated replica",
+       {{0, observed(true, true, true)}, {1, observed(false, true, true)}},
+       2,
+       1,
+       true,
+       3},
+      {"outdated, no surge allowed", {{0, observed(true, true, true)}}, 1, 0, false, 1},
+      {"surge kept while one is not ready",
+       {{0, observed(false, false, true)}, {1, observed(false, true, true)}},
+       1,
+       1,
+       true,
+       2},
+      {"surge dropped once all are ready",
+       {{0, observed(false, true, true)}, {1, observed(false, true, true)}},
+       1,
+       1,
+       false,
+       1},
+      {"an outdated surge replica is no surge",
+       {{0, observed(false, false, true)}, {1, observed(true, true, true)}},
+       1,
+       1,
+       false,
+       1},
+  };
+  for (const Row& row : rows) {
+    const decide::Reach r = decide::ReachOf(row.obs, row.replicas, row.max_surge);
+    EXPECT_EQ(r.surge, row.surge) << row.name;
+    EXPECT_EQ(r.limit, row.limit) << row.name;
+  }
+}
+
+// Judge: one replica's phase and the action it needs, a row per branch.
+TEST(DecideSteps, JudgeGivesEachReplicaItsPhaseAndAction) {
+  const ModelView m = ModelBuilder().Build();
+  const ModelView none = ModelBuilder().FailurePolicy("None").Build();
+  PodView old = PodBuilder(m, 0, 0).Revision("old");
+  PodView old1 = PodBuilder(m, 0, 1).Revision("old");
+  PodView ready0 = PodBuilder(m, 0, 0), ready1 = PodBuilder(m, 0, 1);
+  PodView unbound = PodBuilder(m, 0, 1).Pending(false, absl::Seconds(1));
+  PodView unplanned = PodBuilder(m, 0, 0);
+  unplanned.placement.clear();
+  auto obs = [](std::vector<const PodView*> live) {
+    decide::Observed o;
+    o.live = live;
+    o.pods = live;
+    o.ready = !live.empty();
+    return o;
+  };
+  ReplicaState fresh;
+  ReplicaState backing_off;
+  backing_off.last_failure = kNow - absl::Seconds(1);
+  backing_off.backoff = absl::Seconds(4);
+  backing_off.restarts = 1;
+  backing_off.last_failure_message = "pod x failed";
+  ReplicaState failed_before = backing_off;  // failed 1 s ago with a 4 s backoff: doubles
+  struct Row {
+    const char* name;
+    decide::Observed o;
+    ReplicaState record;
+    const ModelView* model;
+    ReplicaPhase phase;
+    std::string message;  // a substring
+    bool delete_live, place, outdated_serving, restart, replan;
+    std::vector<int64_t> create_stages;
+    absl::Duration requeue;
+  };
+  decide::Observed empty = obs({});
+  decide::Observed leftovers = obs({});
+  leftovers.pods = {&old};
+  decide::Observed outdated_ready = obs({&old, &old1});
+  outdated_ready.outdated = true;
+  decide::Observed outdated_starting = outdated_ready;
+  outdated_starting.ready = false;
+  decide::Observed failed = obs({&ready0, &ready1});
+  failed.ready = false;
+  failed.failure = "pod m-0-1 failed";
+  decide::Observed unschedulable = obs({&ready0, &unbound});
+  unschedulable.ready = false;
+  unschedulable.unschedulable = "pod m-0-1 stayed unschedulable for 121s";
+  decide::Observed partial = obs({&ready0});
+  partial.ready = false;
+  partial.missing = {1};
+  decide::Observed partial_unplanned = obs({&unplanned});
+  partial_unplanned.ready = false;
+  partial_unplanned.missing = {1};
+  decide::Observed binding = obs({&ready0, &unbound});
+  binding.ready = false;
+  binding.unbound = true;
+  decide::Observed starting = obs({&ready0, &ready1});
+  starting.ready = false;
+  starting.starting = "stage 1 rank 0: loading 41 %";
+  decide::Observed stuck = starting;
+  stuck.stuck = "stage 1: image w:1 cannot be pulled";
+  const absl::Duration never = absl::InfiniteDuration();
+  const std::vector<Row> rows = {
+      {"nothing yet",
+       empty,
+       fresh,
+       &m,
+       ReplicaPhase::kPending,
+       "placing",
+       false,
+       true,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"in its backoff",
+       empty,
+       backing_off,
+       &m,
+       ReplicaPhase::kFailed,
+       "pod x failed; recreating in 3s (restart 1)",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       absl::Seconds(3)},
+      {"old pods terminating",
+       leftovers,
+       fresh,
+       &m,
+       ReplicaPhase::kPending,
+       "waiting for the previous pods to terminate",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"outdated and serving",
+       outdated_ready,
+       fresh,
+       &m,
+       ReplicaPhase::kReady,
+       "to be replaced by",
+       false,
+       false,
+       true,
+       false,
+       false,
+       {},
+       never},
+      {"outdated, not serving",
+       outdated_starting,
+       fresh,
+       &m,
+       ReplicaPhase::kStarting,
+       "to be replaced by",
+       true,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"failed",
+       failed,
+       fresh,
+       &m,
+       ReplicaPhase::kFailed,
+       "pod m-0-1 failed; recreating the replica in 2s (restart 1)",
+       true,
+       false,
+       false,
+       true,
+       false,
+       {},
+       absl::Seconds(2)},
+      {"failed again soon: the backoff doubles",
+       failed,
+       failed_before,
+       &m,
+       ReplicaPhase::kFailed,
+       "recreating the replica in 8s (restart 2)",
+       true,
+       false,
+       false,
+       true,
+       false,
+       {},
+       absl::Seconds(8)},
+      {"failed under failurePolicy None",
+       failed,
+       fresh,
+       &none,
+       ReplicaPhase::kFailed,
+       "failurePolicy None leaves it",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"unschedulable",
+       unschedulable,
+       fresh,
+       &m,
+       ReplicaPhase::kPending,
+       "planning the replica again",
+       true,
+       false,
+       false,
+       false,
+       true,
+       {},
+       never},
+      {"created in part",
+       partial,
+       fresh,
+       &m,
+       ReplicaPhase::kPlacing,
+       "completing the creation of 1 stage(s)",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {1},
+       never},
+      {"created in part without a plan",
+       partial_unplanned,
+       fresh,
+       &m,
+       ReplicaPhase::kPending,
+       "planning it again",
+       true,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"ready",
+       obs({&ready0, &ready1}),
+       fresh,
+       &m,
+       ReplicaPhase::kReady,
+       "",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"being bound",
+       binding,
+       fresh,
+       &m,
+       ReplicaPhase::kPlacing,
+       "kube-scheduler",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"starting",
+       starting,
+       fresh,
+       &m,
+       ReplicaPhase::kStarting,
+       "loading 41 %",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+      {"stuck",
+       stuck,
+       fresh,
+       &m,
+       ReplicaPhase::kBlocked,
+       "cannot be pulled",
+       false,
+       false,
+       false,
+       false,
+       false,
+       {},
+       never},
+  };
+  for (const Row& row : rows) {
+    const decide::Verdict v = decide::Judge(row.o, row.record, *row.model, kNow, Timing());
+    EXPECT_EQ(v.state.phase, row.phase) << row.name << ": " << PhaseName(v.state.phase);
+    EXPECT_NE(v.state.message.find(row.message), std::string::npos)
+        << row.name << ": " << v.state.message;
+    if (row.message.empty()) EXPECT_EQ(v.state.message, "") << row.name;
+    EXPECT_EQ(v.delete_live, row.delete_live) << row.name;
+    EXPECT_EQ(v.place, row.place) << row.name;
+    EXPECT_EQ(v.outdated_serving, row.outdated_serving) << row.name;
+    EXPECT_EQ(v.restart, row.restart) << row.name;
+    EXPECT_EQ(v.replan, row.replan) << row.name;
+    EXPECT_EQ(v.create_stages, row.create_stages) << row.name;
+    EXPECT_EQ(v.requeue_after, row.requeue) << row.name;
+  }
+}
+
+// ToReplace: serving outdated replicas go highest first while enough keep serving.
+TEST(DecideSteps, ToReplaceKeepsEnoughServing) {
+  struct Row {
+    std::vector<int64_t> outdated;
+    int64_t serving, min_serving;
+    std::vector<int64_t> want;
+  };
+  const std::vector<Row> rows = {
+      {{0, 1, 2}, 3, 2, {2}},     // maxUnavailable 1 of 3
+      {{0, 1, 2}, 3, 1, {2, 1}},  // maxUnavailable 2
+      {{0, 2}, 2, 2, {}},         // nothing to spare: one not serving already
+      {{1, 0}, 4, 0, {1, 0}},     // with surge: all may go
+      {{}, 3, 2, {}},
+  };
+  for (const Row& row : rows) {
+    EXPECT_EQ(decide::ToReplace(row.outdated, row.serving, row.min_serving), row.want)
+        << row.serving << " serving, at least " << row.min_serving;
+  }
+}
+
 }  // namespace
 }  // namespace shardserve::op
