@@ -661,120 +661,119 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
   }
   Memory& mem = *mem_ptr;
 
-  std::vector<Event> events;
-  json status;
+  Pass pass;
   auto view = ReadModel(*object, options_.defaults, options_.policy);
   if (!view.ok()) {
-    status =
-        InvalidStatus(generation, std::string(view.status().message()), old_status, now, events);
-    {
-      absl::MutexLock l(&mu_);
+    pass.status = InvalidStatus(generation, std::string(view.status().message()), old_status, now,
+                                pass.events);
+  } else {
+    pass = Assess(key, *std::move(view), generation, old_status, mem, now);
+  }
+  {
+    absl::MutexLock l(&mu_);
+    if (pass.waiting) {
+      waiting_.insert(key);
+    } else {
       waiting_.erase(key);
     }
-  } else {
-    ModelView& m = *view;
-    // The model's shape, then the layer split (computed here, once, for every rank).
-    const std::string inspect_key =
-        absl::StrCat(m.model.namespace_, "/", InspectPodName(m.model.name));
-    std::optional<PodView> inspect_pod;
-    if (std::optional<json> pod = pods_->store().Get(inspect_key)) {
-      inspect_pod = ReadPodOf(m.model.namespace_, *pod, now, 0);
-    }
-    const ShapeView shape =
-        ReadShape(m.model.spec.model_uri, old_status, inspect_pod ? &*inspect_pod : nullptr);
-    std::string unplannable;
-    if (shape.state == ShapeView::State::kKnown) {
-      m.footprint = shape.footprint;
-      auto plan = PlanModel(m, old_status);
-      if (plan.ok()) {
-        m.stage_layers = plan->choice.layers;
-        SetParallelism(m, plan->choice.tensor, plan->choice.pipeline);
-        m.memory = *std::move(plan);
-      } else {
-        unplannable = std::string(plan.status().message());
-      }
-    } else if (shape.state == ShapeView::State::kFailed) {
-      unplannable = absl::StrCat("spec.model.uri '", m.model.spec.model_uri, "': ", shape.message);
-    }
-    if (!unplannable.empty()) {  // the replicas that run keep running, as for an invalid spec
-      status = InvalidStatus(generation, unplannable, old_status, now, events);
-      if (m.footprint) {
-        status["model"] = ModelStatus(m.model.spec.model_uri, *m.footprint);
-      } else {
-        status.erase("model");  // of an earlier uri
-      }
-      {
-        absl::MutexLock l(&mu_);
-        waiting_.erase(key);
-      }
-      RETURN_IF_ERROR(WriteStatus(*object, mem, status));
-      RETURN_IF_ERROR(Inspect(m, shape, inspect_pod));
-      for (const Event& e : events) recorder_.Record(*object, e);
-      return absl::OkStatus();
-    }
-    std::vector<PodView> pods = PodsOf(m, mem, now);
-    Decision d = Decide(m, pods, old_status, now, options_.timing);
-    std::vector<json> to_create;
-    PlacementOutcome outcome;
-    if (shape.state == ShapeView::State::kKnown) {
-      outcome = Place(m, d, to_create);
-    } else {
-      WaitForShape(shape, d);  // no stage pod before its layers are known
-      // A volume that cannot be mounted shows only in Events (MountFailure): look again.
-      d.requeue_after = std::min(d.requeue_after, kMountGrace);
-    }
-    ApplyPlacement(outcome, m.revision, d);
-    {
-      absl::MutexLock l(&mu_);
-      if (outcome.unplaced.empty()) {
-        waiting_.erase(key);
-      } else {
-        waiting_.insert(key);
-      }
-    }
-    if (!outcome.unplaced.empty()) {
-      d.requeue_after = std::min(d.requeue_after, options_.timing.placement_retry);
-      for (size_t i = 0; i < outcome.unplaced.size(); ++i) {
-        metrics_->AddPlacementFailure(key, "InsufficientGPUs");
-      }
-    }
-    for (int64_t i = 0; i < d.replans; ++i) metrics_->AddPlacementFailure(key, "Unschedulable");
-    if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
-    status = BuildStatus(m, generation, d, outcome, old_status, now, events);
-    events.insert(events.begin(), d.events.begin(), d.events.end());
-    if (!outcome.placed.empty()) {
-      std::vector<std::string> placed;
-      for (const auto& [replica, nodes] : outcome.placed) {
-        placed.push_back(absl::StrCat(replica, " on ", absl::StrJoin(nodes, ", ")));
-      }
-      events.push_back({"Normal", "PlacedReplicas",
-                        absl::StrCat("revision ", m.revision, ": replica ",
-                                     absl::StrJoin(placed, "; replica "))});
-    }
-    std::map<std::string, int64_t> by_state;
-    for (const ReplicaState& r : d.replicas) ++by_state[PhaseName(r.phase)];
-    metrics_->SetReplicas(key, by_state);
-    requeue_after = d.requeue_after;
-
-    // The status goes first: it records the plan of each replica being created (so creation
-    // interrupted by a crash is completed, not taken for a failure) and restart counts before
-    // the pods go.
-    absl::Status written = WriteStatus(*object, mem, status);
-    if (written.ok()) written = Inspect(m, shape, inspect_pod);
-    if (written.ok()) written = Act(m, d, to_create, pods, mem, now);
-    if (!written.ok()) {
-      for (const json& p : to_create) {
-        const std::string n = p["metadata"]["name"];
-        if (!mem.created.count(n)) ledger_.Remove(absl::StrCat(m.model.namespace_, "/", n));
-      }
-      return written;
-    }
-    for (const Event& e : events) recorder_.Record(*object, e);
-    return absl::OkStatus();
   }
-  RETURN_IF_ERROR(WriteStatus(*object, mem, status));
-  for (const Event& e : events) recorder_.Record(*object, e);
+  requeue_after = pass.requeue_after;
+
+  // The status goes first: it records the plan of each replica being created (so creation
+  // interrupted by a crash is completed, not taken for a failure) and restart counts before
+  // the pods go.
+  absl::Status done = WriteStatus(*object, mem, pass.status);
+  if (done.ok() && pass.model) done = Inspect(*pass.model, pass.shape, pass.inspect_pod);
+  if (done.ok() && pass.decision) {
+    done = Act(*pass.model, *pass.decision, pass.to_create, pass.pods, mem, now);
+  }
+  if (!done.ok()) {  // the GPUs reserved for pods not created go back
+    for (const json& p : pass.to_create) {
+      const std::string n = p["metadata"]["name"];
+      if (!mem.created.count(n)) {
+        ledger_.Remove(absl::StrCat(pass.model->model.namespace_, "/", n));
+      }
+    }
+    return done;
+  }
+  for (const Event& e : pass.events) recorder_.Record(*object, e);
   return absl::OkStatus();
+}
+
+Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t generation,
+                                    const json& old_status, Memory& mem, absl::Time now) {
+  Pass pass;
+  // The model's shape, then the layer split (computed here, once, for every rank).
+  const std::string inspect_key =
+      absl::StrCat(m.model.namespace_, "/", InspectPodName(m.model.name));
+  if (std::optional<json> pod = pods_->store().Get(inspect_key)) {
+    pass.inspect_pod = ReadPodOf(m.model.namespace_, *pod, now, 0);
+  }
+  pass.shape = ReadShape(m.model.spec.model_uri, old_status,
+                         pass.inspect_pod ? &*pass.inspect_pod : nullptr);
+  const ShapeView& shape = pass.shape;
+  std::string unplannable;
+  if (shape.state == ShapeView::State::kKnown) {
+    m.footprint = shape.footprint;
+    auto plan = PlanModel(m, old_status);
+    if (plan.ok()) {
+      m.stage_layers = plan->choice.layers;
+      SetParallelism(m, plan->choice.tensor, plan->choice.pipeline);
+      m.memory = *std::move(plan);
+    } else {
+      unplannable = std::string(plan.status().message());
+    }
+  } else if (shape.state == ShapeView::State::kFailed) {
+    unplannable = absl::StrCat("spec.model.uri '", m.model.spec.model_uri, "': ", shape.message);
+  }
+  if (!unplannable.empty()) {  // the replicas that run keep running, as for an invalid spec
+    pass.status = InvalidStatus(generation, unplannable, old_status, now, pass.events);
+    if (m.footprint) {
+      pass.status["model"] = ModelStatus(m.model.spec.model_uri, *m.footprint);
+    } else {
+      pass.status.erase("model");  // of an earlier uri
+    }
+    pass.model = std::move(m);
+    return pass;
+  }
+  pass.pods = PodsOf(m, mem, now);
+  Decision d = Decide(m, pass.pods, old_status, now, options_.timing);
+  PlacementOutcome outcome;
+  if (shape.state == ShapeView::State::kKnown) {
+    outcome = Place(m, d, pass.to_create);
+  } else {
+    WaitForShape(shape, d);  // no stage pod before its layers are known
+    // A volume that cannot be mounted shows only in Events (MountFailure): look again.
+    d.requeue_after = std::min(d.requeue_after, kMountGrace);
+  }
+  ApplyPlacement(outcome, m.revision, d);
+  pass.waiting = !outcome.unplaced.empty();
+  if (!outcome.unplaced.empty()) {
+    d.requeue_after = std::min(d.requeue_after, options_.timing.placement_retry);
+    for (size_t i = 0; i < outcome.unplaced.size(); ++i) {
+      metrics_->AddPlacementFailure(key, "InsufficientGPUs");
+    }
+  }
+  for (int64_t i = 0; i < d.replans; ++i) metrics_->AddPlacementFailure(key, "Unschedulable");
+  if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
+  pass.status = BuildStatus(m, generation, d, outcome, old_status, now, pass.events);
+  pass.events.insert(pass.events.begin(), d.events.begin(), d.events.end());
+  if (!outcome.placed.empty()) {
+    std::vector<std::string> placed;
+    for (const auto& [replica, nodes] : outcome.placed) {
+      placed.push_back(absl::StrCat(replica, " on ", absl::StrJoin(nodes, ", ")));
+    }
+    pass.events.push_back(
+        {"Normal", "PlacedReplicas",
+         absl::StrCat("revision ", m.revision, ": replica ", absl::StrJoin(placed, "; replica "))});
+  }
+  std::map<std::string, int64_t> by_state;
+  for (const ReplicaState& r : d.replicas) ++by_state[PhaseName(r.phase)];
+  metrics_->SetReplicas(key, by_state);
+  pass.requeue_after = d.requeue_after;
+  pass.decision = std::move(d);
+  pass.model = std::move(m);
+  return pass;
 }
 
 absl::Status Controller::Inspect(const ModelView& m, const ShapeView& shape,

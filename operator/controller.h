@@ -91,6 +91,26 @@ class Controller {
     std::set<std::string> budgeted;  // leader pod uids whose disruption budget exists
   };
 
+  // One pass's findings: the status to write, its Events, and what to carry out once the status
+  // is written; Reconcile writes, carries out and records them in one place.
+  struct Pass {
+    json status;
+    std::vector<Event> events;
+    bool waiting = false;            // replicas wait for GPUs (EnqueueWaiting looks again)
+    std::optional<ModelView> model;  // a valid spec: the inspect pod's part of `shape` is done
+    ShapeView shape;
+    std::optional<PodView> inspect_pod;
+    std::optional<Decision> decision;  // decided: what Act carries out
+    std::vector<json> to_create;       // the pods placed (their GPUs reserved)
+    std::vector<PodView> pods;         // the model's pods as read
+    absl::Duration requeue_after = absl::InfiniteDuration();
+  };
+  // The pass for a valid spec: the model's shape and memory plan (or why there is none: an
+  // Invalid status, the running replicas left alone), the decision and its placement, the
+  // status that describes them.
+  Pass Assess(const std::string& key, ModelView m, int64_t generation, const json& old_status,
+              Memory& mem, absl::Time now);
+
   void Worker();
   void Enqueue(const std::string& key);
   void EnqueueWaiting();
