@@ -189,6 +189,12 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
         "' is a file:// uri, which only shardserve local reads; on a cluster use pvc:// or "
         "hostpath://"));
   }
+  if (uri.remote()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.model.uri '", v.model.spec.model_uri,
+        "' is fetched from where it lives by shardserve local and shardserve plan; the operator "
+        "does not fetch it yet: on a cluster use pvc:// or hostpath://"));
+  }
   if (uri.scheme == ModelUri::Scheme::kHostPath) {
     RETURN_IF_ERROR(CheckHostPath(uri.path, policy.host_paths));
   }

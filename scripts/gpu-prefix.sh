@@ -20,7 +20,7 @@ log() { echo "gpu-prefix: $*" >&2; }
 PKGS=(libabsl-dev libabsl20220623 nlohmann-json3-dev libgtest-dev libgmock-dev libcli11-dev
   libssl-dev libssl3 zlib1g-dev zlib1g libbrotli-dev libbrotli1
   prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libprometheus-cpp-push1.0
-  libcivetweb-dev libcivetweb1 civetweb libcurl4-openssl-dev libcurl4
+  libcivetweb-dev libcivetweb1 civetweb libcurl4-openssl-dev libcurl4 libpugixml-dev libpugixml1v5
   libcpprest-dev libcpprest2.10 libwebsocketpp-dev libyaml-cpp-dev libyaml-cpp0.7
   libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2 libcpp-httplib-dev libcpp-httplib0.11
   libboost1.74-dev libboost-system1.74-dev libboost-system1.74.0

@@ -26,6 +26,7 @@ setup_build() {
   APT_PKGS=(build-essential cmake ninja-build pkg-config git curl clang-format clang
     libgtest-dev libgmock-dev libabsl-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev
     libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev prometheus python3-venv libcpp-httplib-dev
+    libcurl4-openssl-dev libpugixml-dev
     openssl unzip python3-yaml libboost-dev libssl-dev libcli11-dev ccache
     containerd runc containernetworking-plugins iptables)  # the real nodes of the e2e tier
   missing=()
@@ -84,7 +85,7 @@ setup_tests() {
   # --- Python reference environment (transformers + torch) -------------------------------------
   REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6
     openai==3.52.0 gguf==0.19.0 accelerate==1.15.0 jsonschema==4.26.0 langchain-openai==1.7.4
-    langchain-core==1.8.3)
+    langchain-core==1.8.3 "moto[server]==5.2.5" boto3==1.44.8)
   ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
   if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
     log "installing the Python reference environment into $VENV (one time, large)"

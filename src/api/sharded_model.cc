@@ -67,6 +67,23 @@ class Fields {
     out = n.Scalar();
     return absl::OkStatus();
   }
+  // A list of strings, at most `max` of at most 256 bytes each.
+  absl::Status Strings(const std::string& key, std::vector<std::string>& out, size_t max) {
+    YAML::Node n = Get(key);
+    if (!n || n.IsNull()) return absl::OkStatus();
+    if (!n.IsSequence() || n.size() > max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Path(key), " must be a list of at most ", max, " strings"));
+    }
+    for (const auto& e : n) {
+      if (!e.IsScalar() || e.Scalar().empty() || e.Scalar().size() > 256) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Path(key), " must hold strings of 1 to 256 characters"));
+      }
+      out.push_back(e.Scalar());
+    }
+    return absl::OkStatus();
+  }
   absl::Status Bool(const std::string& key, bool& out) {
     YAML::Node n = Get(key);
     if (!n || n.IsNull()) return absl::OkStatus();
@@ -192,6 +209,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(model.CheckMap());
   RETURN_IF_ERROR(model.String("name", s.model_name));
   RETURN_IF_ERROR(model.String("uri", s.model_uri));
+  RETURN_IF_ERROR(model.Strings("files", s.model_files, 256));
   RETURN_IF_ERROR(model.NoOthers());
   Fields par(spec.Get("parallelism"), "spec.parallelism");
   RETURN_IF_ERROR(par.CheckMap());
@@ -293,8 +311,26 @@ absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.model.uri '", uri, "' ", why,
-                     "; expected pvc://CLAIM/PATH, hostpath:///DIR or file:///DIR"));
+                     "; expected pvc://CLAIM/PATH, hostpath:///DIR, file:///DIR or "
+                     "s3://BUCKET/PREFIX"));
   };
+  if (uri.rfind("s3://", 0) == 0) {
+    const std::string rest = uri.substr(5);
+    const size_t slash = rest.find('/');
+    u.scheme = ModelUri::Scheme::kS3;
+    u.bucket = rest.substr(0, slash);
+    u.path = slash == std::string::npos ? "" : rest.substr(slash + 1);
+    // S3's bucket names: 3 to 63 lower-case letters, digits, dots and hyphens.
+    static const std::regex kBucket("[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]");
+    if (!std::regex_match(u.bucket, kBucket)) {
+      return bad("names no bucket (3 to 63 lower-case letters, digits, '.' and '-')");
+    }
+    if (u.path.size() > 1024 || u.path.find("..") != std::string::npos) {
+      return bad("has a prefix longer than 1024 bytes or holding '..'");
+    }
+    while (!u.path.empty() && u.path.back() == '/') u.path.pop_back();
+    return u;
+  }
   if (uri.rfind("pvc://", 0) == 0) {
     const std::string rest = uri.substr(6);
     const size_t slash = rest.find('/');
@@ -348,7 +384,13 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   RETURN_IF_ERROR(AtLeast("spec.replicas", s.replicas, 0));
   if (s.model_name.empty()) return absl::InvalidArgumentError("spec.model.name is required");
   if (s.model_uri.empty()) return absl::InvalidArgumentError("spec.model.uri is required");
-  RETURN_IF_ERROR(ParseModelUri(s.model_uri).status());
+  ASSIGN_OR_RETURN(const ModelUri uri, ParseModelUri(s.model_uri));
+  if (!s.model_files.empty() && !uri.remote()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.model.files chooses which files of a remote model (s3://) to fetch; "
+                     "spec.model.uri '",
+                     s.model_uri, "' is read as it is"));
+  }
   RETURN_IF_ERROR(AtLeast("spec.parallelism.tensor", s.tensor, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.pipeline", s.pipeline, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.microBatches", s.micro_batches, 0));

@@ -22,13 +22,16 @@ inline constexpr char kApiVersion[] = "shardserve.io/v1alpha1";
 inline constexpr char kShardedModelKind[] = "ShardedModel";
 
 struct ModelUri {
-  enum class Scheme { kPvc, kHostPath, kFile };
+  enum class Scheme { kPvc, kHostPath, kFile, kS3 };
   Scheme scheme = Scheme::kFile;
-  std::string claim;  // pvc only
-  std::string path;   // inside the claim, or the directory
+  std::string claim;   // pvc only
+  std::string bucket;  // s3 only
+  std::string path;    // inside the claim, the directory, or the objects' key prefix (s3)
+  // Fetched from where it lives into a cache before a rank reads it (source/model_source.h).
+  bool remote() const { return scheme == Scheme::kS3; }
 };
 
-// pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR
+// pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR | s3://BUCKET[/PREFIX]
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri);
 
 // A pod's toleration of node taints (spec.worker.tolerations; placement checks them).
@@ -41,6 +44,9 @@ struct ShardedModelSpec {
   int64_t replicas = 1;
   std::string model_name;
   std::string model_uri;
+  // spec.model.files: which of a remote model's files to fetch (shell patterns of their paths
+  // under the uri; empty: all).
+  std::vector<std::string> model_files;
   // parallelism.tensor / pipeline; "auto" sets the flag and leaves 1 until a plan that knows the
   // model's memory and the nodes' GPUs chooses (plan/memory.h: ChooseParallelism).
   int64_t tensor = 1;

@@ -31,6 +31,7 @@
 #include "plan/memory.h"
 #include "serve/api_keys.h"
 #include "serve/rank_runtime.h"
+#include "source/model_source.h"
 #include "tokenizer/tokenizer.h"
 
 namespace shardserve {
@@ -82,6 +83,39 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const 
   }
 }
 
+// The directory of a remote spec.model.uri, fetched into the model cache first.
+absl::StatusOr<std::string> FetchModel(const std::string& file, const ShardedModelSpec& spec) {
+  source::ResolveOptions o;
+  o.env = [](const char* name) { return std::getenv(name); };
+  o.cache_root = source::DefaultCacheRoot(o.env);
+  o.files = spec.model_files;
+  int64_t last_report = -1;
+  o.progress = [&](int64_t done, int64_t total) {
+    const int64_t step = total / 10 + 1;  // a line every tenth
+    if (done / step != last_report) {
+      last_report = done / step;
+      std::fprintf(stderr, "shardserve local: fetching %s: %.1f of %.1f MB\n",
+                   spec.model_uri.c_str(), done / 1e6, total / 1e6);
+    }
+  };
+  ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(spec.model_uri));
+  absl::StatusOr<source::FetchReport> r = source::ResolveModel(uri, spec.model_uri, o);
+  if (!r.ok()) {
+    return absl::Status(r.status().code(),
+                        absl::StrCat(file, ": spec.model.uri: ", r.status().message()));
+  }
+  std::fprintf(stderr, "shardserve local: %s is %s (%.1f MB%s; %.1f MB fetched now)\n",
+               spec.model_uri.c_str(), r->dir.c_str(), r->bytes_total / 1e6,
+               r->cache_hit ? ", in the cache already" : "", r->bytes_fetched / 1e6);
+  if (!r->weak_checks.empty()) {
+    std::fprintf(stderr,
+                 "shardserve local: %zu file(s) checked by size alone (the source gives no "
+                 "checksum for them): %s\n",
+                 r->weak_checks.size(), r->weak_checks.front().c_str());
+  }
+  return r->dir;
+}
+
 }  // namespace
 
 absl::Status RunLocal(std::vector<std::string> argv) {
@@ -107,6 +141,9 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   if (spec.replicas == 0) {
     return absl::FailedPreconditionError(
         absl::StrCat(file, ": spec.replicas is 0, nothing to run"));
+  }
+  if (uri.remote()) {  // fetched into the model cache (once: a second run finds it there)
+    ASSIGN_OR_RETURN(uri.path, FetchModel(file, spec));
   }
   auto config = LoadModelConfig(uri.path);
   if (!config.ok()) {

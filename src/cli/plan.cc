@@ -7,10 +7,12 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "api/sharded_model.h"
@@ -21,6 +23,7 @@
 #include "plan/cluster_view.h"
 #include "plan/layer_split.h"
 #include "plan/memory.h"
+#include "source/model_source.h"
 
 namespace shardserve {
 namespace {
@@ -97,13 +100,37 @@ absl::Status AddPodRequests(const std::string& path, const std::string& resource
   return absl::OkStatus();
 }
 
-// The model's footprint from --model, else from spec.model.uri when its files are on this machine
-// (file://, or a host path that exists here); nullopt when they are not.
+// The config.json of a remote model (s3://), fetched alone into the model cache: a plan reads
+// nothing else.
+absl::StatusOr<std::string> RemoteConfig(const ModelUri& uri, const std::string& uri_text) {
+  source::ResolveOptions o;
+  o.env = [](const char* name) { return std::getenv(name); };
+  o.cache_root = source::DefaultCacheRoot(o.env);
+  o.files = {"config.json"};
+  ASSIGN_OR_RETURN(source::FetchReport r, source::ResolveModel(uri, uri_text, o));
+  return r.dir;
+}
+
+// The model's footprint from --model (a directory, a config.json, a GGUF file or a remote uri),
+// else from spec.model.uri when its files are on this machine (file://, or a host path that exists
+// here) or remote (s3://: its config.json fetched); nullopt when they are not.
 absl::StatusOr<std::optional<ModelFootprint>> FootprintFor(
     const std::string& file, const ShardedModelSpec& spec,
     const std::optional<std::string>& model) {
   std::string path;
-  if (model) {
+  const std::string where = model ? "--model" : absl::StrCat(file, ": spec.model.uri");
+  auto fetched = [&](const std::string& uri_text) -> absl::StatusOr<std::string> {
+    absl::StatusOr<ModelUri> uri = ParseModelUri(uri_text);
+    absl::StatusOr<std::string> dir =
+        uri.ok() ? RemoteConfig(*uri, uri_text) : absl::StatusOr<std::string>(uri.status());
+    if (!dir.ok()) {
+      return absl::Status(dir.status().code(), absl::StrCat(where, ": ", dir.status().message()));
+    }
+    return dir;
+  };
+  if (model && absl::StartsWith(*model, "s3://")) {
+    ASSIGN_OR_RETURN(path, fetched(*model));
+  } else if (model) {
     path = *model;
     if (std::filesystem::path(path).filename() == "config.json") {
       path = std::filesystem::path(path).parent_path().string();
@@ -111,16 +138,18 @@ absl::StatusOr<std::optional<ModelFootprint>> FootprintFor(
   } else {
     auto uri = ParseModelUri(spec.model_uri);
     std::error_code ec;
-    if (!uri.ok() || uri->scheme == ModelUri::Scheme::kPvc ||
-        !std::filesystem::exists(uri->path, ec)) {
+    if (uri.ok() && uri->remote()) {
+      ASSIGN_OR_RETURN(path, fetched(spec.model_uri));
+    } else if (!uri.ok() || uri->scheme == ModelUri::Scheme::kPvc ||
+               !std::filesystem::exists(uri->path, ec)) {
       return std::nullopt;
+    } else {
+      path = uri->path;
     }
-    path = uri->path;
   }
   auto f = LoadFootprint(path);
   if (!f.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        model ? "--model" : absl::StrCat(file, ": spec.model.uri"), ": ", f.status().message()));
+    return absl::FailedPreconditionError(absl::StrCat(where, ": ", f.status().message()));
   }
   return std::optional<ModelFootprint>(*std::move(f));
 }

@@ -27,8 +27,8 @@ spec:
   replicas: {replicas}
   model:
     name: {name}
-    uri: file://{model}
-  parallelism:
+    uri: {uri}
+{files}  parallelism:
     tensor: {tp}
     pipeline: {pp}
   worker:
@@ -44,7 +44,10 @@ spec:
 
 class Deployment:
     def __init__(self, binary, model, name="tiny", tp=2, pp=2, max_batch=8, max_seq=1024,
-                 env=None, args=(), api_key=None, serving=None, replicas=1, base_port=None):
+                 env=None, args=(), api_key=None, serving=None, replicas=1, base_port=None,
+                 uri=None, files=None, proc_env=None):
+        """`uri` (default file://MODEL) and `files` (spec.model.files) say where the model lives;
+        `proc_env` is the environment of `shardserve local` (default this process's)."""
         self.binary = binary
         self.name = name
         self.tmp = tempfile.mkdtemp(prefix="shardserve-deploy-")
@@ -60,7 +63,10 @@ class Deployment:
         env_yaml = "\n".join(f"      - name: {k}\n        value: \"{v}\"" for k, v in env.items())
         self.manifest = os.path.join(self.tmp, "model.yaml")
         with open(self.manifest, "w") as f:
-            f.write(MANIFEST.format(name=name, model=model, tp=tp, pp=pp, port=base,
+            files_yaml = ("    files:\n" + "".join(f"      - \"{p}\"\n" for p in files)
+                          if files else "")
+            f.write(MANIFEST.format(name=name, uri=uri or f"file://{model}", files=files_yaml,
+                                    tp=tp, pp=pp, port=base,
                                     replicas=replicas,
                                     max_batch=max_batch, max_seq=max_seq,
                                     env=env_yaml or "      []",
@@ -71,7 +77,7 @@ class Deployment:
         self.proc = subprocess.Popen(
             [binary, "local", "-f", self.manifest, "--metrics-port-base", str(metrics_base),
              *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=proc_env)
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         if not self.ready.wait(120):

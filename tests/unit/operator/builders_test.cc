@@ -185,6 +185,10 @@ TEST(Builders, ServicesAndRevisions) {
             "/data/llama");
   auto local = ReadModel(Model("file:///tmp/llama"));
   EXPECT_NE(local.status().message().find("only shardserve local"), std::string::npos);
+  // Fetched from where it lives by shardserve local and plan; the operator does not fetch yet.
+  auto remote = ReadModel(Model("s3://models/llama"));
+  EXPECT_NE(remote.status().message().find("the operator does not fetch it yet"),
+            std::string::npos);
 }
 
 TEST(Builders, WorkerDefaultsFromThePlatformUnderTheModelsOwn) {

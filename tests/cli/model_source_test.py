@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Models from S3 (issue 51) against a real S3-compatible server: moto's (PyPI, in the reference
+environment; the Go module proxy lists no version of MinIO's server), holding a generated
+model uploaded with boto3 (SHA-256 checksums on all files but one, whose ETag's MD5 checks it).
+
+`shardserve local` with spec.model.uri s3://BUCKET/PREFIX fetches the files spec.model.files
+chooses into the model cache and serves them with the answers of the same model read from its
+directory; a second start fetches nothing; a fetch cut short resumes without fetching again what
+it had; `shardserve plan` fetches config.json alone. Through a proxy of this test that flips one
+byte of the weights' bodies (a corrupted transfer), the fetch is refused naming the file, and
+nothing counts as present. A missing bucket, bad credentials and a pattern matching nothing are
+named. Usage: model_source_test.py SHARDSERVE_BINARY"""
+import http.client
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks, free_ports  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+import boto3  # noqa: E402
+
+BIN = sys.argv[1]
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-s3-")
+S3_PORT = free_ports(2)
+PROXY_PORT = S3_PORT + 1
+
+moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                         str(S3_PORT)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_port(port, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+class Proxy(http.server.BaseHTTPRequestHandler):
+    """Forwards to the S3 server; flips one byte in the body of a GET of a file whose name ends
+    with `corrupt`, and answers 503 to every GET of a file named `refuse`."""
+    corrupt = ".safetensors"
+    refuse = None
+
+    def forward(self):
+        if (self.command == "GET" and self.refuse and
+                self.path.split("?")[0].endswith(self.refuse)):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        conn = http.client.HTTPConnection("127.0.0.1", S3_PORT, timeout=60)
+        conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+        r = conn.getresponse()
+        data = r.read()
+        if (self.command == "GET" and self.corrupt and
+                self.path.split("?")[0].endswith(self.corrupt) and data):
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0xFF
+            data = bytes(data)
+        self.send_response(r.status)
+        for k, v in r.getheaders():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_HEAD = forward
+
+    def log_message(self, *args):
+        pass
+
+
+proxy = http.server.ThreadingHTTPServer(("127.0.0.1", PROXY_PORT), Proxy)
+threading.Thread(target=proxy.serve_forever, daemon=True).start()
+
+
+def env_for(endpoint_port, cache, **extra):
+    e = dict(os.environ, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
+             AWS_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://127.0.0.1:{endpoint_port}",
+             SHARDSERVE_MODEL_CACHE=cache)
+    e.update(extra)
+    return e
+
+
+def manifest(uri, files=None):
+    path = os.path.join(tmp, f"m{time.monotonic_ns()}.yaml")
+    files_yaml = "".join(f"      - \"{p}\"\n" for p in files or [])
+    with open(path, "w") as f:
+        f.write(f"""apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata:
+  name: tiny
+spec:
+  model:
+    name: tiny
+    uri: {uri}
+{"    files:" + chr(10) + files_yaml if files else ""}  worker:
+    image: shardserve/worker:test
+""")
+    return path
+
+
+def local_fails(uri, env, files=None):
+    """shardserve local on a model it must refuse: its exit code and output."""
+    r = subprocess.run([BIN, "local", "-f", manifest(uri, files)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    return r.returncode, r.stdout + r.stderr
+
+
+def greedy(d):
+    status, _, body = d.post("/v1/completions", {"model": "tiny", "prompt": "the quick brown",
+                                                 "max_tokens": 8, "temperature": 0})
+    return status, body["choices"][0]["text"] if status == 200 else body
+
+
+def manifests_under(cache):
+    return [os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs
+            if f == ".manifest.json"]
+
+
+try:
+    check(wait_port(S3_PORT), "moto's S3 server listens")
+    model = os.path.join(tmp, "model")
+    gen_model(BIN, model)
+    s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{S3_PORT}",
+                      aws_access_key_id="test", aws_secret_access_key="test",
+                      region_name="us-east-1")
+    s3.create_bucket(Bucket="models")
+    names = sorted(os.listdir(model))
+    for name in names:
+        with open(os.path.join(model, name), "rb") as f:
+            body = f.read()
+        extra = {} if name == "tokenizer_config.json" else {"ChecksumAlgorithm": "SHA256"}
+        s3.put_object(Bucket="models", Key=f"llama/tiny/{name}", Body=body, **extra)
+    s3.put_object(Bucket="models", Key="llama/tiny/README.md", Body=b"# not a model file\n")
+    total = sum(os.path.getsize(os.path.join(model, n)) for n in names)
+
+    # The same model from its directory, for the answers.
+    ref = Deployment(BIN, model, tp=2, pp=1)
+    try:
+        want = greedy(ref)
+    finally:
+        ref.stop()
+    check(want[0] == 200, f"the model answers from its directory: {want}")
+
+    cache = os.path.join(tmp, "cache")
+    files = ["*.safetensors", "*.json"]
+    d = Deployment(BIN, None, tp=2, pp=1, uri="s3://models/llama/tiny", files=files,
+                   proc_env=env_for(S3_PORT, cache))
+    try:
+        check(greedy(d) == want, "served from s3:// with the directory's answers")
+        log = d.log()
+    finally:
+        d.stop()
+    check(f"{total / 1e6:.1f} MB fetched now" in log,
+          f"the first start fetched the model's {total} bytes: {log[-600:]}")
+    fetched = manifests_under(cache)
+    check(len(fetched) == 1, f"one model in the cache: {fetched}")
+    cached_dir = os.path.dirname(fetched[0]) if fetched else ""
+    check(sorted(f for f in os.listdir(cached_dir) if not f.startswith(".")) == names,
+          "spec.model.files chose the model's files and not README.md")
+    for name in names:
+        same = open(os.path.join(model, name), "rb").read() == \
+            open(os.path.join(cached_dir, name), "rb").read()
+        check(same, f"{name} arrived whole")
+
+    d = Deployment(BIN, None, tp=2, pp=1, uri="s3://models/llama/tiny", files=files,
+                   proc_env=env_for(S3_PORT, cache))
+    try:
+        check(greedy(d) == want, "a second start serves the same answers")
+        log = d.log()
+    finally:
+        d.stop()
+    check("in the cache already" in log and "0.0 MB fetched now" in log,
+          f"a second start fetches nothing: {log[-400:]}")
+
+    # A fetch cut short (the tokenizer refused by the proxy) resumes: what it had stays.
+    resumed = os.path.join(tmp, "resumed")
+    Proxy.corrupt, Proxy.refuse = None, "tokenizer.json"
+    rc, out = local_fails("s3://models/llama/tiny", env_for(PROXY_PORT, resumed), files)
+    check(rc != 0 and "tokenizer.json: HTTP 503" in out,
+          f"a file the server keeps refusing stops the fetch, named: {out[-400:]}")
+    check(manifests_under(resumed) == [], "a fetch cut short leaves no model present")
+    Proxy.refuse = None
+    d = Deployment(BIN, None, tp=2, pp=1, uri="s3://models/llama/tiny", files=files,
+                   proc_env=env_for(S3_PORT, resumed))
+    try:
+        check(greedy(d) == want, "the resumed fetch serves the same answers")
+        log = d.log()
+    finally:
+        d.stop()
+    kept = sum(os.path.getsize(os.path.join(model, n)) for n in names if n < "tokenizer.json")
+    check(f"{(total - kept) / 1e6:.1f} MB fetched now" in log,
+          f"the resumed fetch fetched only what it lacked ({total - kept} bytes): {log[-300:]}")
+
+    # A byte corrupted in transit: refused by name, nothing present.
+    corrupt = os.path.join(tmp, "corrupt")
+    Proxy.corrupt = ".safetensors"
+    rc, out = local_fails("s3://models/llama/tiny", env_for(PROXY_PORT, corrupt), files)
+    check(rc != 0 and "model.safetensors has SHA-256" in out and "corrupt" in out,
+          f"a corrupted file is refused by name: {out[-400:]}")
+    check(manifests_under(corrupt) == [], "nothing of the corrupt fetch counts as present")
+    Proxy.corrupt = "tokenizer_config.json"  # the file checked by its ETag's MD5
+    rc, out = local_fails("s3://models/llama/tiny", env_for(PROXY_PORT, corrupt), files)
+    check(rc != 0 and "tokenizer_config.json has MD5" in out,
+          f"a file without a SHA-256 is checked by its ETag: {out[-400:]}")
+    Proxy.corrupt = None
+
+    # What plan reads: config.json alone.
+    planned = os.path.join(tmp, "plan")
+    r = subprocess.run([BIN, "plan", "--footprint", "--model", "s3://models/llama/tiny"],
+                       env=env_for(S3_PORT, planned), capture_output=True, text=True, timeout=60)
+    check(r.returncode == 0 and '"architecture":"LlamaForCausalLM"' in r.stdout,
+          f"shardserve plan reads the model's footprint from s3://: {r.stdout[:200]}{r.stderr}")
+    got = [os.path.basename(p) for p in manifests_under(planned)]
+    plan_dir = os.path.dirname(manifests_under(planned)[0]) if got else ""
+    check(got and sorted(f for f in os.listdir(plan_dir) if not f.startswith(".")) ==
+          ["config.json"], "the plan fetched config.json alone")
+
+    # Errors named.
+    rc, out = local_fails("s3://no-such-bucket/x", env_for(S3_PORT, cache))
+    check(rc != 0 and "s3://no-such-bucket/x: listing the bucket: HTTP 404" in out,
+          f"a missing bucket is named: {out[-300:]}")
+    rc, out = local_fails("s3://models/llama/none", env_for(S3_PORT, cache))
+    check(rc != 0 and "no objects under the prefix" in out, f"an empty prefix is named: {out[-300:]}")
+    rc, out = local_fails("s3://models/llama/tiny", env_for(S3_PORT, cache), ["*.gguf"])
+    check(rc != 0 and "'*.gguf' matches none of the model's" in out,
+          f"a pattern matching nothing is named: {out[-300:]}")
+    rc, out = local_fails("s3://models/llama/tiny",
+                          env_for(S3_PORT, cache, AWS_SECRET_ACCESS_KEY=""))
+    check(rc != 0 and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY go together" in out,
+          f"half the credentials are named: {out[-300:]}")
+    rc, out = local_fails("s3://models/llama/tiny", env_for(S3_PORT + 7, cache))
+    check(rc != 0 and "s3://models/llama/tiny: listing the bucket: http://127.0.0.1:" in out and
+          "connect" in out.lower(), f"an unreachable endpoint is named: {out[-300:]}")
+finally:
+    proxy.shutdown()
+    moto.terminate()
+    moto.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+check.finish()

@@ -1,0 +1,188 @@
+// Model sources (source/): the s3:// uri, S3's listing XML as a hostile server may send it, the
+// cache's rules for what a listing may name, spec.model.files, the listing's content address and
+// the environment the AWS tools read. The fetches themselves run against a real S3 server in
+// cli.model_source.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+
+#include "api/sharded_model.h"
+#include "model/test_models.h"
+#include "source/model_cache.h"
+#include "source/model_source.h"
+#include "source/s3.h"
+
+namespace shardserve::source {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string Why(const absl::Status& s) { return std::string(s.message()); }
+
+TEST(ModelUriTest, S3UrisNameABucketAndAPrefix) {
+  auto u = ParseModelUri("s3://models/llama/8b/");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(u->scheme, ModelUri::Scheme::kS3);
+  EXPECT_EQ(u->bucket, "models");
+  EXPECT_EQ(u->path, "llama/8b");
+  EXPECT_TRUE(u->remote());
+  EXPECT_EQ(ParseModelUri("s3://models")->path, "");
+  EXPECT_THAT(Why(ParseModelUri("s3://").status()), HasSubstr("names no bucket"));
+  EXPECT_THAT(Why(ParseModelUri("s3://Bad_Bucket/x").status()), HasSubstr("names no bucket"));
+  EXPECT_THAT(Why(ParseModelUri("s3://models/../etc").status()), HasSubstr("'..'"));
+  EXPECT_FALSE(ParseModelUri("file:///m")->remote());
+}
+
+TEST(ModelUriTest, FilesAreForRemoteModelsOnly) {
+  auto m = ParseShardedModel(R"(apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata: {name: m}
+spec:
+  model: {name: m, uri: "file:///models/m", files: ["*.json"]}
+  worker: {image: w}
+)");
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(Why(m.status()), HasSubstr("spec.model.files chooses which files of a remote model"));
+  auto s3 = ParseShardedModel(R"(apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata: {name: m}
+spec:
+  model: {name: m, uri: "s3://models/m", files: ["*.json", "*.safetensors"]}
+  worker: {image: w}
+)");
+  ASSERT_TRUE(s3.ok()) << s3.status();
+  EXPECT_EQ(s3->spec.model_files, (std::vector<std::string>{"*.json", "*.safetensors"}));
+}
+
+TEST(S3Test, ReadsAListingPageAndItsContinuation) {
+  auto page = ParseS3Listing(R"(<?xml version="1.0" encoding="UTF-8"?>
+<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">
+  <Name>models</Name><Prefix>llama/</Prefix><IsTruncated>true</IsTruncated>
+  <NextContinuationToken>abc==</NextContinuationToken>
+  <Contents><Key>llama/config.json</Key><Size>512</Size>
+    <ETag>&quot;0123456789abcdef0123456789abcdef&quot;</ETag></Contents>
+  <Contents><Key>llama/model.safetensors</Key><Size>1073741824</Size>
+    <ETag>"9b2cf535f27731c974343645a3985328-64"</ETag></Contents>
+</ListBucketResult>)",
+                             "s3://models/llama");
+  ASSERT_TRUE(page.ok()) << page.status();
+  ASSERT_EQ(page->objects.size(), 2u);
+  EXPECT_EQ(page->objects[0].key, "llama/config.json");
+  EXPECT_EQ(page->objects[0].etag, "0123456789abcdef0123456789abcdef");
+  EXPECT_EQ(page->objects[1].size, int64_t{1} << 30);
+  EXPECT_EQ(page->next_token, "abc==");
+}
+
+TEST(S3Test, AListingThatIsNotOneIsNamed) {
+  for (const char* body :
+       {"", "not xml", "<Error><Code>AccessDenied</Code></Error>",
+        "<ListBucketResult><Contents><Key>a</Key><Size>-1</Size></Contents></ListBucketResult>",
+        "<ListBucketResult><Contents><Size>1</Size></Contents></ListBucketResult>",
+        "<ListBucketResult><IsTruncated>true</IsTruncated></ListBucketResult>",
+        // An entity from a DTD (the billion laughs' first step) is not expanded.
+        "<!DOCTYPE l [<!ENTITY a \"aaaa\">]><ListBucketResult><Contents><Key>&a;</Key>"
+        "<Size>1</Size></Contents></ListBucketResult>"}) {
+    auto page = ParseS3Listing(body, "s3://b/p");
+    if (page.ok()) {
+      for (const auto& o : page->objects) EXPECT_NE(o.key, "aaaa") << body;
+      continue;
+    }
+    EXPECT_THAT(Why(page.status()), HasSubstr("s3://b/p: ")) << body;
+  }
+}
+
+TEST(S3Test, OptionsFromTheEnvironmentEveryAwsToolReads) {
+  std::map<std::string, std::string> vars = {{"AWS_ACCESS_KEY_ID", "AKIA"},
+                                             {"AWS_SECRET_ACCESS_KEY", "secret"},
+                                             {"AWS_DEFAULT_REGION", "eu-west-1"},
+                                             {"AWS_ENDPOINT_URL", "http://minio:9000"}};
+  auto env = [&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+  auto o = S3Options::FromEnv(env);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->region, "eu-west-1");
+  EXPECT_EQ(o->endpoint, "http://minio:9000");
+  vars["AWS_REGION"] = "us-west-2";
+  vars["AWS_ENDPOINT_URL_S3"] = "https://s3.internal";
+  EXPECT_EQ(S3Options::FromEnv(env)->region, "us-west-2");
+  EXPECT_EQ(S3Options::FromEnv(env)->endpoint, "https://s3.internal");
+  vars["AWS_ENDPOINT_URL_S3"] = "ftp://s3.internal";
+  EXPECT_THAT(Why(S3Options::FromEnv(env).status()), HasSubstr("must be an http:// or https://"));
+  vars.erase("AWS_ENDPOINT_URL_S3");
+  vars.erase("AWS_SECRET_ACCESS_KEY");
+  EXPECT_THAT(Why(S3Options::FromEnv(env).status()), HasSubstr("go together"));
+  vars["AWS_SECRET_ACCESS_KEY"] = "s";
+  vars["AWS_REGION"] = "us-west-2/../x";
+  EXPECT_THAT(Why(S3Options::FromEnv(env).status()), HasSubstr("is no region"));
+}
+
+RemoteFile File(const std::string& path, int64_t size = 1) {
+  RemoteFile f;
+  f.path = path;
+  f.size = size;
+  f.get.url = "http://127.0.0.1:1/" + path;  // never reached: refused before any fetch
+  return f;
+}
+
+// A listing is a hostile server's word: nothing it names may land outside the model's directory
+// or on the cache's own files.
+TEST(ModelCacheTest, AListingCannotNameAFileOutsideItsDirectory) {
+  testing::TempDir dir;
+  for (const char* path : {"../escape", "a/../../escape", "/etc/passwd", "a//b", "./a", "",
+                           ".manifest.json", "x.part", "x.part.done", ".lock", "a\nb", "a\\b"}) {
+    auto r = Materialize(dir.path(), "s3://b/m", "k", {File(path)});
+    ASSERT_FALSE(r.ok()) << path;
+    EXPECT_THAT(Why(r.status()), HasSubstr("s3://b/m: the source lists a file")) << path;
+  }
+  auto twice = Materialize(dir.path(), "s3://b/m", "k", {File("a"), File("a")});
+  EXPECT_THAT(Why(twice.status()), HasSubstr("lists a twice"));
+  EXPECT_THAT(Why(Materialize(dir.path(), "s3://b/m", "../k", {File("a")}).status()),
+              HasSubstr("no revision"));
+  EXPECT_THAT(Why(Materialize(dir.path(), "s3://b/m", "k", {}).status()),
+              HasSubstr("lists no files"));
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir.path()).parent_path() / "escape"));
+}
+
+TEST(ModelCacheTest, FilesChooseByPatternAndAPatternMatchingNothingIsNamed) {
+  const std::vector<RemoteFile> all = {File("config.json"), File("model-00001.safetensors"),
+                                       File("original/consolidated.pth"), File("README.md")};
+  auto chosen = Choose(all, {"*.json", "*.safetensors"});
+  ASSERT_TRUE(chosen.ok());
+  ASSERT_EQ(chosen->size(), 2u);
+  EXPECT_EQ((*chosen)[1].path, "model-00001.safetensors");
+  EXPECT_EQ(Choose(all, {})->size(), 4u);
+  EXPECT_EQ(Choose(all, {"*.pth"}).status().code(), absl::StatusCode::kNotFound);  // '*' stops at /
+  EXPECT_THAT(Why(Choose(all, {"*.gguf"}).status()), HasSubstr("'*.gguf' matches none"));
+}
+
+TEST(ModelCacheTest, TheListingKeyFollowsWhatItListsNotItsOrder) {
+  RemoteFile a = File("a", 10), b = File("b", 20);
+  EXPECT_EQ(ListingKey({a, b}), ListingKey({b, a}));
+  RemoteFile b2 = b;
+  b2.md5 = "00";
+  EXPECT_NE(ListingKey({a, b}), ListingKey({a, b2}));
+  b2 = b;
+  b2.size = 21;
+  EXPECT_NE(ListingKey({a, b}), ListingKey({a, b2}));
+  EXPECT_EQ(ListingKey({a}).size(), 64u);
+}
+
+TEST(ModelSourceTest, TheCacheRootFollowsTheEnvironment) {
+  std::map<std::string, std::string> vars = {{"HOME", "/home/u"}};
+  auto env = [&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+  EXPECT_EQ(DefaultCacheRoot(env), "/home/u/.cache/shardserve/models");
+  vars["XDG_CACHE_HOME"] = "/xdg";
+  EXPECT_EQ(DefaultCacheRoot(env), "/xdg/shardserve/models");
+  vars["SHARDSERVE_MODEL_CACHE"] = "/models";
+  EXPECT_EQ(DefaultCacheRoot(env), "/models");
+}
+
+}  // namespace
+}  // namespace shardserve::source
