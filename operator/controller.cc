@@ -758,18 +758,8 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
   pass.status = BuildStatus(m, generation, d, outcome, old_status, now, pass.events);
   pass.events.insert(pass.events.begin(), d.events.begin(), d.events.end());
-  if (!outcome.placed.empty()) {
-    std::vector<std::string> placed;
-    for (const auto& [replica, nodes] : outcome.placed) {
-      placed.push_back(absl::StrCat(replica, " on ", absl::StrJoin(nodes, ", ")));
-    }
-    pass.events.push_back(
-        {"Normal", "PlacedReplicas",
-         absl::StrCat("revision ", m.revision, ": replica ", absl::StrJoin(placed, "; replica "))});
-  }
-  std::map<std::string, int64_t> by_state;
-  for (const ReplicaState& r : d.replicas) ++by_state[PhaseName(r.phase)];
-  metrics_->SetReplicas(key, by_state);
+  if (std::optional<Event> e = PlacedEvent(outcome, m.revision)) pass.events.push_back(*e);
+  metrics_->SetReplicas(key, ReplicasByPhase(d));
   pass.requeue_after = d.requeue_after;
   pass.decision = std::move(d);
   pass.model = std::move(m);

@@ -524,6 +524,23 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
   return d;
 }
 
+std::optional<Event> PlacedEvent(const PlacementOutcome& outcome, const std::string& revision) {
+  if (outcome.placed.empty()) return std::nullopt;
+  std::vector<std::string> placed;
+  for (const auto& [replica, nodes] : outcome.placed) {
+    placed.push_back(absl::StrCat(replica, " on ", absl::StrJoin(nodes, ", ")));
+  }
+  return Event{
+      "Normal", "PlacedReplicas",
+      absl::StrCat("revision ", revision, ": replica ", absl::StrJoin(placed, "; replica "))};
+}
+
+std::map<std::string, int64_t> ReplicasByPhase(const Decision& d) {
+  std::map<std::string, int64_t> by_phase;
+  for (const ReplicaState& r : d.replicas) ++by_phase[PhaseName(r.phase)];
+  return by_phase;
+}
+
 void ApplyPlacement(const PlacementOutcome& outcome, const std::string& revision, Decision& d) {
   for (ReplicaState& r : d.replicas) {
     if (auto it = outcome.placed.find(r.index); it != outcome.placed.end()) {

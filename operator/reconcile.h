@@ -29,6 +29,7 @@
 //     at the newest revision is outdated.
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -217,6 +218,12 @@ void WaitForShape(const ShapeView& shape, Decision& d);
 
 // Folds the placement into the decision's replicas (Placing or Pending with the reason).
 void ApplyPlacement(const PlacementOutcome& outcome, const std::string& revision, Decision& d);
+
+// The Event of the replicas placed in this pass ("revision R: replica 0 on n1, n2; replica 1
+// on ..."), none when none were.
+std::optional<Event> PlacedEvent(const PlacementOutcome& outcome, const std::string& revision);
+// How many replicas are in each phase (by PhaseName), for the operator's metrics.
+std::map<std::string, int64_t> ReplicasByPhase(const Decision& d);
 
 // The whole status for a valid spec; `events` gets one per condition transition.
 json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,

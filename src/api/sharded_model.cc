@@ -311,9 +311,26 @@ absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.model.uri '", uri, "' ", why,
-                     "; expected pvc://CLAIM/PATH, hostpath:///DIR, file:///DIR or "
-                     "s3://BUCKET/PREFIX"));
+                     "; expected pvc://CLAIM/PATH, hostpath:///DIR, file:///DIR, "
+                     "s3://BUCKET/PREFIX or hf://ORG/NAME[@REVISION]"));
   };
+  if (uri.rfind("hf://", 0) == 0) {
+    const std::string rest = uri.substr(5);
+    const size_t at = rest.find('@');
+    u.scheme = ModelUri::Scheme::kHf;
+    u.repo = rest.substr(0, at);
+    u.revision = at == std::string::npos ? "main" : rest.substr(at + 1);
+    // The Hub's names: ORG/NAME of letters, digits, '.', '_' and '-'; a revision (a branch may
+    // hold '/') of the same and '/'.
+    static const std::regex kRepo(
+        "[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}");
+    static const std::regex kRevision("[A-Za-z0-9._][A-Za-z0-9._/-]{0,255}");
+    if (!std::regex_match(u.repo, kRepo)) return bad("names no repository ORG/NAME");
+    if (!std::regex_match(u.revision, kRevision) || u.revision.find("..") != std::string::npos) {
+      return bad("names no revision (a branch, a tag or a commit)");
+    }
+    return u;
+  }
   if (uri.rfind("s3://", 0) == 0) {
     const std::string rest = uri.substr(5);
     const size_t slash = rest.find('/');
@@ -386,10 +403,10 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   if (s.model_uri.empty()) return absl::InvalidArgumentError("spec.model.uri is required");
   ASSIGN_OR_RETURN(const ModelUri uri, ParseModelUri(s.model_uri));
   if (!s.model_files.empty() && !uri.remote()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.model.files chooses which files of a remote model (s3://) to fetch; "
-                     "spec.model.uri '",
-                     s.model_uri, "' is read as it is"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.model.files chooses which files of a remote model (s3://, hf://) to fetch; "
+        "spec.model.uri '",
+        s.model_uri, "' is read as it is"));
   }
   RETURN_IF_ERROR(AtLeast("spec.parallelism.tensor", s.tensor, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.pipeline", s.pipeline, 1));

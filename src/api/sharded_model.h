@@ -22,16 +22,18 @@ inline constexpr char kApiVersion[] = "shardserve.io/v1alpha1";
 inline constexpr char kShardedModelKind[] = "ShardedModel";
 
 struct ModelUri {
-  enum class Scheme { kPvc, kHostPath, kFile, kS3 };
+  enum class Scheme { kPvc, kHostPath, kFile, kS3, kHf };
   Scheme scheme = Scheme::kFile;
-  std::string claim;   // pvc only
-  std::string bucket;  // s3 only
-  std::string path;    // inside the claim, the directory, or the objects' key prefix (s3)
+  std::string claim;     // pvc only
+  std::string bucket;    // s3 only
+  std::string repo;      // hf only: ORG/NAME
+  std::string revision;  // hf only: a branch, a tag or a commit ("main" when not given)
+  std::string path;      // inside the claim, the directory, or the objects' key prefix (s3)
   // Fetched from where it lives into a cache before a rank reads it (source/model_source.h).
-  bool remote() const { return scheme == Scheme::kS3; }
+  bool remote() const { return scheme == Scheme::kS3 || scheme == Scheme::kHf; }
 };
 
-// pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR | s3://BUCKET[/PREFIX]
+// pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR | s3://BUCKET[/PREFIX] | hf://ORG/NAME[@REV]
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri);
 
 // A pod's toleration of node taints (spec.worker.tolerations; placement checks them).

@@ -128,7 +128,7 @@ absl::StatusOr<std::optional<ModelFootprint>> FootprintFor(
     }
     return dir;
   };
-  if (model && absl::StartsWith(*model, "s3://")) {
+  if (model && ParseModelUri(*model).ok() && ParseModelUri(*model)->remote()) {
     ASSIGN_OR_RETURN(path, fetched(*model));
   } else if (model) {
     path = *model;

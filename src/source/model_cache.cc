@@ -69,11 +69,14 @@ absl::Status CheckPath(const std::string& name, const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> Digest(const std::string& path, const EVP_MD* md) {
+// The digest of `head` and then the file's bytes.
+absl::StatusOr<std::string> Digest(const std::string& path, const EVP_MD* md,
+                                   const std::string& head = "") {
   Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (f.fd < 0) return absl::NotFoundError(Errno(path));
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   EVP_DigestInit_ex(ctx.get(), md, nullptr);
+  EVP_DigestUpdate(ctx.get(), head.data(), head.size());
   std::vector<char> buf(size_t{1} << 20);
   for (;;) {
     const ssize_t n = ::read(f.fd, buf.data(), buf.size());
@@ -104,6 +107,14 @@ absl::Status Verify(const std::string& name, const RemoteFile& f, const std::str
     if (got != f.sha256) {
       return absl::DataLossError(absl::StrCat(name, ": ", f.path, " has SHA-256 ", got,
                                               " where the source says ", f.sha256,
+                                              ": the download is corrupt (deleted)"));
+    }
+  } else if (!f.git_sha1.empty()) {
+    ASSIGN_OR_RETURN(const std::string got,
+                     Digest(part, EVP_sha1(), absl::StrCat("blob ", f.size, std::string(1, '\0'))));
+    if (got != f.git_sha1) {
+      return absl::DataLossError(absl::StrCat(name, ": ", f.path, " has git blob id ", got,
+                                              " where the source says ", f.git_sha1,
                                               ": the download is corrupt (deleted)"));
     }
   } else if (!f.md5.empty()) {
@@ -249,7 +260,11 @@ json ManifestFiles(std::vector<RemoteFile> files) {
             [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
   json out = json::array();
   for (const RemoteFile& f : files) {
-    out.push_back({{"path", f.path}, {"size", f.size}, {"sha256", f.sha256}, {"md5", f.md5}});
+    out.push_back({{"path", f.path},
+                   {"size", f.size},
+                   {"sha256", f.sha256},
+                   {"md5", f.md5},
+                   {"git_sha1", f.git_sha1}});
   }
   return out;
 }
@@ -281,7 +296,8 @@ std::string ListingKey(std::vector<RemoteFile> files) {
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
   for (const RemoteFile& f : files) {
-    const std::string line = absl::StrCat(f.path, "\t", f.size, "\t", f.sha256, "\t", f.md5, "\n");
+    const std::string line =
+        absl::StrCat(f.path, "\t", f.size, "\t", f.sha256, "\t", f.md5, "\t", f.git_sha1, "\n");
     EVP_DigestUpdate(ctx.get(), line.data(), line.size());
   }
   unsigned char out[EVP_MAX_MD_SIZE];

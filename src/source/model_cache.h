@@ -7,8 +7,9 @@
 // A file is fetched into NAME.part in ranges (several at once for a large file); the ranges done
 // are recorded beside it, so a fetch cut short (a killed pod, a lost connection) resumes where it
 // stopped. Every file is checked before the model counts as present: its SHA-256 where the
-// source gives one, else its MD5 (S3's ETag of a single-part upload), else only its size (named
-// as the weaker check); a file that fails is deleted and the error names it.
+// source gives one, else its git blob id (the Hub's small files), else its MD5 (S3's ETag of a
+// single-part upload), else only its size (named as the weaker check); a file that fails is
+// deleted and the error names it.
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -24,9 +25,10 @@ namespace shardserve::source {
 struct RemoteFile {
   std::string path;  // under the model's directory ("config.json", "shards/00001.safetensors")
   int64_t size = 0;
-  std::string sha256;  // hex, "" when the source gives none
-  std::string md5;     // hex, "" when the source gives none
-  HttpRequest get;     // how to fetch it (url, headers, signing); ranges are added
+  std::string sha256;    // hex, "" when the source gives none
+  std::string md5;       // hex, "" when the source gives none
+  std::string git_sha1;  // hex git blob id (SHA-1 of "blob SIZE\0" + bytes), "" when none
+  HttpRequest get;       // how to fetch it (url, headers, signing); ranges are added
 };
 
 struct FetchOptions {

@@ -1,7 +1,9 @@
 #include "source/model_source.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/status.h"
+#include "source/hf.h"
 #include "source/s3.h"
 
 namespace shardserve::source {
@@ -22,6 +24,18 @@ absl::StatusOr<FetchReport> ResolveModel(const ModelUri& uri, const std::string&
     local.dir = uri.path;
     local.cache_hit = true;
     return local;
+  }
+  if (uri.scheme == ModelUri::Scheme::kHf) {
+    ASSIGN_OR_RETURN(const HfOptions hf, HfOptions::FromEnv(options.env));
+    ASSIGN_OR_RETURN(HfListing listing, ListHf(hf, uri.repo, uri.revision, uri_text));
+    ASSIGN_OR_RETURN(std::vector<RemoteFile> chosen, Choose(listing.files, options.files));
+    // The commit addresses the revision; the files chosen from it, their own directory.
+    const std::string key =
+        options.files.empty() ? listing.commit
+                              : absl::StrCat(listing.commit, "-", ListingKey(chosen).substr(0, 12));
+    const std::string root =
+        absl::StrCat(options.cache_root, "/hf/", absl::StrReplaceAll(uri.repo, {{"/", "--"}}));
+    return Materialize(root, uri_text, key, chosen, options.fetch, options.progress);
   }
   ASSIGN_OR_RETURN(const S3Options s3, S3Options::FromEnv(options.env));
   ASSIGN_OR_RETURN(std::vector<RemoteFile> all, ListS3(s3, uri.bucket, uri.path, uri_text));

@@ -1,8 +1,8 @@
 #pragma once
 // A model from where it lives (spec.model.uri): a local uri is its directory; a remote one
-// (s3://) is listed, the files spec.model.files chooses are fetched into the model cache
+// (s3://, hf://) is listed, the files spec.model.files chooses are fetched into the model cache
 // (source/model_cache.h), and the cache's directory is the model's. Credentials and endpoints
-// come from the environment every user of the source already sets (source/s3.h).
+// come from the environment every user of the source already sets (source/s3.h, source/hf.h).
 #include <functional>
 #include <string>
 #include <vector>

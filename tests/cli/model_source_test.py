@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Models from S3 (issue 51) against a real S3-compatible server: moto's (PyPI, in the reference
+"""Models from S3 and the Hugging Face Hub (issue 51). S3: against a real S3-compatible server: moto's (PyPI, in the reference
 environment; the Go module proxy lists no version of MinIO's server), holding a generated
 model uploaded with boto3 (SHA-256 checksums on all files but one, whose ETag's MD5 checks it).
 
@@ -9,7 +9,13 @@ directory; a second start fetches nothing; a fetch cut short resumes without fet
 it had; `shardserve plan` fetches config.json alone. Through a proxy of this test that flips one
 byte of the weights' bodies (a corrupted transfer), the fetch is refused naming the file, and
 nothing counts as present. A missing bucket, bad credentials and a pattern matching nothing are
-named. Usage: model_source_test.py SHARDSERVE_BINARY"""
+named.
+
+The Hub: against a test server of ours that answers the Hub's documented endpoints
+(hub_server.py): hf://ORG/NAME resolved to its commit, fetched with a token, each file checked
+(LFS files by SHA-256, the others by git blob id), served with the same answers; a missing
+token, an unknown revision and a corrupted file are named.
+Usage: model_source_test.py SHARDSERVE_BINARY"""
 import http.client
 import http.server
 import os
@@ -24,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks, free_ports  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from hub_server import HubServer  # noqa: E402
 
 import boto3  # noqa: E402
 
@@ -250,6 +257,56 @@ try:
     rc, out = local_fails("s3://models/llama/tiny", env_for(S3_PORT + 7, cache))
     check(rc != 0 and "s3://models/llama/tiny: listing the bucket: http://127.0.0.1:" in out and
           "connect" in out.lower(), f"an unreachable endpoint is named: {out[-300:]}")
+
+    # The Hub.
+    hub = HubServer(model, "tiny-org/tiny-llama", token="hf_test")
+    try:
+        hf_cache = os.path.join(tmp, "hf")
+        hf_env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{hub.port}", HF_TOKEN="hf_test",
+                      SHARDSERVE_MODEL_CACHE=hf_cache)
+        d = Deployment(BIN, None, tp=2, pp=1, uri="hf://tiny-org/tiny-llama", proc_env=hf_env)
+        try:
+            check(greedy(d) == want, "served from hf:// with the directory's answers")
+        finally:
+            d.stop()
+        present = manifests_under(hf_cache)
+        check(len(present) == 1 and os.path.basename(os.path.dirname(present[0])) == hub.commit,
+              f"the revision's commit addresses it in the cache: {present}")
+        check(any(p.startswith("/lfs-cdn/") for p in hub.requests),
+              "the weights came through the Hub's redirect")
+        d = Deployment(BIN, None, tp=2, pp=1, uri=f"hf://tiny-org/tiny-llama@{hub.commit}",
+                       proc_env=hf_env)
+        try:
+            check(greedy(d) == want, "the commit names the same revision")
+            log = d.log()
+        finally:
+            d.stop()
+        check("in the cache already" in log, "the same commit is in the cache already")
+        r = subprocess.run([BIN, "plan", "--footprint", "--model", "hf://tiny-org/tiny-llama"],
+                           env=dict(hf_env, SHARDSERVE_MODEL_CACHE=os.path.join(tmp, "hfplan")),
+                           capture_output=True, text=True, timeout=60)
+        check(r.returncode == 0 and '"architecture":"LlamaForCausalLM"' in r.stdout,
+              f"shardserve plan reads the footprint from hf://: {r.stderr[-300:]}")
+        rc, out = local_fails("hf://tiny-org/tiny-llama", dict(hf_env, HF_TOKEN=""))
+        check(rc != 0 and "hf://tiny-org/tiny-llama: the Hub refuses (HTTP 401)" in out and
+              "needs HF_TOKEN" in out, f"a model that needs a token says so: {out[-300:]}")
+        rc, out = local_fails("hf://tiny-org/tiny-llama@nope", hf_env)
+        check(rc != 0 and "has no revision 'nope' of tiny-org/tiny-llama" in out,
+              f"an unknown revision is named: {out[-300:]}")
+        rc, out = local_fails("hf://tiny-org/other", hf_env)
+        check(rc != 0 and "hf://tiny-org/other: the Hub has no revision 'main'" in out,
+              f"an unknown repository is named: {out[-300:]}")
+        for name, how in (("model.safetensors", "has SHA-256"), ("config.json", "has git blob id")):
+            hub.corrupt = name
+            bad = os.path.join(tmp, f"hf-corrupt-{name}")
+            rc, out = local_fails("hf://tiny-org/tiny-llama",
+                                  dict(hf_env, SHARDSERVE_MODEL_CACHE=bad))
+            check(rc != 0 and f"{name} {how}" in out and "corrupt" in out,
+                  f"a corrupted {name} is refused by name: {out[-300:]}")
+            check(manifests_under(bad) == [], f"nothing of the corrupt {name} counts as present")
+        hub.corrupt = None
+    finally:
+        hub.stop()
 finally:
     proxy.shutdown()
     moto.terminate()

@@ -1177,5 +1177,45 @@ TEST(DecideSteps, ToReplaceKeepsEnoughServing) {
   }
 }
 
+// The pass's own steps: the Event of what was placed, and the replicas by phase for the metrics.
+TEST(DecideSteps, PlacedEventNamesEachReplicasNodes) {
+  struct Row {
+    std::map<int64_t, std::vector<std::string>> placed;
+    std::optional<std::string> message;
+  };
+  const std::vector<Row> rows = {
+      {{}, std::nullopt},
+      {{{0, {"n1"}}}, "revision r1: replica 0 on n1"},
+      {{{0, {"n1", "n2"}}, {2, {"n3", "n4"}}},
+       "revision r1: replica 0 on n1, n2; replica 2 on n3, n4"},
+  };
+  for (const Row& row : rows) {
+    PlacementOutcome outcome;
+    outcome.placed = row.placed;
+    outcome.unplaced = {{5, "no GPUs"}};  // what was not placed is not in it
+    const std::optional<Event> e = PlacedEvent(outcome, "r1");
+    ASSERT_EQ(e.has_value(), row.message.has_value());
+    if (e) {
+      EXPECT_EQ(e->reason, "PlacedReplicas");
+      EXPECT_EQ(e->message, *row.message);
+    }
+  }
+}
+
+TEST(DecideSteps, ReplicasByPhaseCountsEachPhase) {
+  Decision d;
+  for (ReplicaPhase p : {ReplicaPhase::kReady, ReplicaPhase::kReady, ReplicaPhase::kFailed,
+                         ReplicaPhase::kStarting}) {
+    ReplicaState r;
+    r.phase = p;
+    d.replicas.push_back(r);
+  }
+  const std::map<std::string, int64_t> want = {{PhaseName(ReplicaPhase::kReady), 2},
+                                               {PhaseName(ReplicaPhase::kFailed), 1},
+                                               {PhaseName(ReplicaPhase::kStarting), 1}};
+  EXPECT_EQ(ReplicasByPhase(d), want);
+  EXPECT_TRUE(ReplicasByPhase(Decision()).empty());
+}
+
 }  // namespace
 }  // namespace shardserve::op

@@ -8,8 +8,10 @@
 #include <filesystem>
 #include <map>
 
+#include "absl/strings/str_cat.h"
 #include "api/sharded_model.h"
 #include "model/test_models.h"
+#include "source/hf.h"
 #include "source/model_cache.h"
 #include "source/model_source.h"
 #include "source/s3.h"
@@ -182,6 +184,71 @@ TEST(ModelSourceTest, TheCacheRootFollowsTheEnvironment) {
   EXPECT_EQ(DefaultCacheRoot(env), "/xdg/shardserve/models");
   vars["SHARDSERVE_MODEL_CACHE"] = "/models";
   EXPECT_EQ(DefaultCacheRoot(env), "/models");
+}
+
+TEST(ModelUriTest, HfUrisNameARepositoryAndARevision) {
+  auto u = ParseModelUri("hf://meta-llama/Llama-3.1-8B-Instruct");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(u->scheme, ModelUri::Scheme::kHf);
+  EXPECT_EQ(u->repo, "meta-llama/Llama-3.1-8B-Instruct");
+  EXPECT_EQ(u->revision, "main");
+  EXPECT_TRUE(u->remote());
+  EXPECT_EQ(ParseModelUri("hf://Qwen/Qwen3-8B@refs/pr/3")->revision, "refs/pr/3");
+  for (const char* bad : {"hf://", "hf://llama", "hf://a/b/c", "hf://a/b@", "hf://a/b@x/../y",
+                          "hf://a b/c", "hf://-a/b"}) {
+    EXPECT_FALSE(ParseModelUri(bad).ok()) << bad;
+  }
+}
+
+TEST(HfTest, ReadsTheHubsListingAndChecksEachFile) {
+  HfOptions o;
+  o.endpoint = "http://hub.internal";
+  o.token = "hf_x";
+  const std::string sha(40, 'a'), lfs(64, 'b'), blob(40, 'c');
+  auto l = ParseHfListing(absl::StrCat(R"({"id": "o/m", "sha": ")", sha, R"(", "siblings": [
+      {"rfilename": "config.json", "size": 700, "blobId": ")",
+                                       blob, R"("},
+      {"rfilename": "model.safetensors", "size": 134, "blobId": ")",
+                                       blob, R"(", "lfs": {"sha256": ")", lfs,
+                                       R"(", "size": 4000000000, "pointerSize": 134}}]})"),
+                          o, "o/m", "hf://o/m");
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->commit, sha);
+  ASSERT_EQ(l->files.size(), 2u);
+  EXPECT_EQ(l->files[0].git_sha1, blob);
+  EXPECT_EQ(l->files[0].size, 700);
+  EXPECT_EQ(l->files[1].sha256, lfs);
+  EXPECT_EQ(l->files[1].size, 4000000000);  // the LFS object's, not the pointer's
+  EXPECT_EQ(l->files[1].get.url,
+            absl::StrCat("http://hub.internal/o/m/resolve/", sha, "/model.safetensors"));
+  EXPECT_EQ(l->files[1].get.headers, std::vector<std::string>{"Authorization: Bearer hf_x"});
+  for (const std::string& bad :
+       {std::string("[]"), std::string(R"({"sha": "main", "siblings": []})"),
+        absl::StrCat(R"({"sha": ")", sha, R"("})"),
+        absl::StrCat(R"({"sha": ")", sha, R"(", "siblings": [{"rfilename": "a"}]})"),
+        absl::StrCat(R"({"sha": ")", sha,
+                     R"(", "siblings": [{"rfilename": "a", "lfs": {"sha256": "x", "size": 1}}]})"),
+        absl::StrCat(R"({"sha": ")", sha, R"(", "siblings": []})")}) {
+    auto r = ParseHfListing(bad, o, "o/m", "hf://o/m");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_THAT(Why(r.status()), HasSubstr("hf://o/m: ")) << bad;
+  }
+}
+
+TEST(HfTest, OptionsFromTheEnvironmentHuggingfaceHubReads) {
+  std::map<std::string, std::string> vars;
+  auto env = [&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+  EXPECT_EQ(HfOptions::FromEnv(env)->endpoint, "https://huggingface.co");
+  vars = {{"HF_ENDPOINT", "http://mirror:8090/"}, {"HF_TOKEN", "hf_abc"}};
+  EXPECT_EQ(HfOptions::FromEnv(env)->endpoint, "http://mirror:8090");
+  EXPECT_EQ(HfOptions::FromEnv(env)->token, "hf_abc");
+  vars["HF_TOKEN"] = "hf abc";
+  EXPECT_THAT(Why(HfOptions::FromEnv(env).status()), HasSubstr("HF_TOKEN holds a character"));
+  vars = {{"HF_ENDPOINT", "mirror"}};
+  EXPECT_THAT(Why(HfOptions::FromEnv(env).status()), HasSubstr("must be an http://"));
 }
 
 }  // namespace
