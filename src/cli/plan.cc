@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "api/sharded_model.h"
