@@ -14,14 +14,6 @@ using json = nlohmann::json;
 
 constexpr size_t kMaxFiles = 10000;
 
-bool IsHex(const std::string& s, size_t n) {
-  if (s.size() != n) return false;
-  for (char ch : s) {
-    if (!absl::ascii_isxdigit(static_cast<unsigned char>(ch))) return false;
-  }
-  return true;
-}
-
 HttpRequest WithToken(const HfOptions& o, const std::string& url) {
   HttpRequest r;
   r.url = url;

@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -46,6 +47,16 @@ struct Fd {
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
 };
+
+// The digest so far, in hex.
+std::string FinalHex(EVP_MD_CTX* ctx) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, out, &len);
+  std::string hex;
+  for (unsigned int i = 0; i < len; ++i) absl::StrAppend(&hex, absl::Hex(out[i], absl::kZeroPad2));
+  return hex;
+}
 
 // A path a source lists must stay inside the model's directory: relative, no '.' or '..'
 // component, no empty component, printable, bounded.
@@ -85,12 +96,7 @@ absl::StatusOr<std::string> Digest(const std::string& path, const EVP_MD* md,
     if (n == 0) break;
     EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(n));
   }
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx.get(), out, &len);
-  std::string hex;
-  for (unsigned int i = 0; i < len; ++i) absl::StrAppend(&hex, absl::Hex(out[i], absl::kZeroPad2));
-  return hex;
+  return FinalHex(ctx.get());
 }
 
 // The whole file checked against what the source says of it.
@@ -290,6 +296,12 @@ absl::StatusOr<std::string> FileSha256(const std::string& path) {
 }
 absl::StatusOr<std::string> FileMd5(const std::string& path) { return Digest(path, EVP_md5()); }
 
+bool IsHex(const std::string& s, size_t n) {
+  return s.size() == n && std::all_of(s.begin(), s.end(), [](char ch) {
+           return absl::ascii_isxdigit(static_cast<unsigned char>(ch));
+         });
+}
+
 std::string ListingKey(std::vector<RemoteFile> files) {
   std::sort(files.begin(), files.end(),
             [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
@@ -300,12 +312,7 @@ std::string ListingKey(std::vector<RemoteFile> files) {
         absl::StrCat(f.path, "\t", f.size, "\t", f.sha256, "\t", f.md5, "\t", f.git_sha1, "\n");
     EVP_DigestUpdate(ctx.get(), line.data(), line.size());
   }
-  unsigned char out[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx.get(), out, &len);
-  std::string hex;
-  for (unsigned int i = 0; i < len; ++i) absl::StrAppend(&hex, absl::Hex(out[i], absl::kZeroPad2));
-  return hex;
+  return FinalHex(ctx.get());
 }
 
 absl::StatusOr<std::vector<RemoteFile>> Choose(const std::vector<RemoteFile>& files,

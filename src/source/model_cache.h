@@ -70,5 +70,7 @@ absl::StatusOr<std::vector<RemoteFile>> Choose(const std::vector<RemoteFile>& fi
 // Hex SHA-256 / MD5 of a file's bytes.
 absl::StatusOr<std::string> FileSha256(const std::string& path);
 absl::StatusOr<std::string> FileMd5(const std::string& path);
+// Whether `s` is `n` hex digits (a digest as a source gives it).
+bool IsHex(const std::string& s, size_t n);
 
 }  // namespace shardserve::source

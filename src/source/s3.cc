@@ -38,14 +38,6 @@ HttpRequest Signed(const S3Options& o, const std::string& url) {
   return r;
 }
 
-bool IsHex(const std::string& s, size_t n) {
-  if (s.size() != n) return false;
-  for (char ch : s) {
-    if (!absl::ascii_isxdigit(static_cast<unsigned char>(ch))) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 absl::StatusOr<S3Options> S3Options::FromEnv(const std::function<const char*(const char*)>& env) {
