@@ -26,6 +26,7 @@ struct Transfer {
   const HttpRequest* request;
   int fd = -1;
   int64_t offset = 0;
+  int64_t max_bytes = 0;  // to the file
   std::atomic<int64_t>* received = nullptr;
   bool too_big = false;
   int write_errno = 0;
@@ -61,6 +62,11 @@ size_t OnBody(char* data, size_t size, size_t n, void* user) {
     t->response->body.append(data, bytes);
     return bytes;
   }
+  if (static_cast<int64_t>(bytes) > t->max_bytes) {
+    t->too_big = true;
+    return 0;
+  }
+  t->max_bytes -= static_cast<int64_t>(bytes);
   size_t done = 0;
   while (done < bytes) {
     const ssize_t w = ::pwrite(t->fd, data + done, bytes - done, t->offset);
@@ -76,13 +82,13 @@ size_t OnBody(char* data, size_t size, size_t n, void* user) {
   return bytes;
 }
 
-absl::StatusOr<HttpResponse> Run(const HttpRequest& req, int fd, int64_t offset,
+absl::StatusOr<HttpResponse> Run(const HttpRequest& req, int fd, int64_t offset, int64_t max_bytes,
                                  std::atomic<int64_t>* received) {
   GlobalInit();
   std::unique_ptr<CURL, decltype(&curl_easy_cleanup)> curl(curl_easy_init(), curl_easy_cleanup);
   if (!curl) return absl::InternalError("libcurl: cannot make a handle");
   HttpResponse response;
-  Transfer t{&response, &req, fd, offset, received};
+  Transfer t{&response, &req, fd, offset, max_bytes, received};
   CURL* c = curl.get();
   curl_easy_setopt(c, CURLOPT_URL, req.url.c_str());
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
@@ -114,8 +120,9 @@ absl::StatusOr<HttpResponse> Run(const HttpRequest& req, int fd, int64_t offset,
   if (headers != nullptr) curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
   const CURLcode rc = curl_easy_perform(c);
   if (t.too_big) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(req.url, ": the answer is longer than ", req.max_body, " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        req.url, ": the answer is longer than ",
+        fd >= 0 ? static_cast<int64_t>(max_bytes) : static_cast<int64_t>(req.max_body), " bytes"));
   }
   if (t.write_errno != 0) {
     return absl::InternalError(
@@ -132,11 +139,11 @@ absl::StatusOr<HttpResponse> Run(const HttpRequest& req, int fd, int64_t offset,
 
 }  // namespace
 
-absl::StatusOr<HttpResponse> Fetch(const HttpRequest& req) { return Run(req, -1, 0, nullptr); }
+absl::StatusOr<HttpResponse> Fetch(const HttpRequest& req) { return Run(req, -1, 0, 0, nullptr); }
 
 absl::StatusOr<HttpResponse> FetchToFile(const HttpRequest& req, int fd, int64_t offset,
-                                         std::atomic<int64_t>* received) {
-  return Run(req, fd, offset, received);
+                                         int64_t max_bytes, std::atomic<int64_t>* received) {
+  return Run(req, fd, offset, max_bytes, received);
 }
 
 absl::Status HttpError(const HttpResponse& r, const std::string& what) {

@@ -38,10 +38,11 @@ struct HttpResponse {
 // name.
 absl::StatusOr<HttpResponse> Fetch(const HttpRequest& req);
 
-// The body written into `fd` from `offset` on (pwrite), `received` counting its bytes as they
-// come; only a 200 or 206 body is written (another status's body is kept in memory, bounded).
+// The body written into `fd` from `offset` on (pwrite), at most `max_bytes` of it (a longer body
+// is an error, nothing past the limit written), `received` counting its bytes as they come; only
+// a 200 or 206 body is written (another status's body is kept in memory, bounded).
 absl::StatusOr<HttpResponse> FetchToFile(const HttpRequest& req, int fd, int64_t offset,
-                                         std::atomic<int64_t>* received);
+                                         int64_t max_bytes, std::atomic<int64_t>* received);
 
 // An HTTP status as a Status naming what was asked: 401/403 PermissionDenied, 404 NotFound,
 // 416 OutOfRange, 429/5xx Unavailable, others Unknown; OK for 2xx.

@@ -155,6 +155,8 @@ class FileFetch {
     std::error_code ec;
     fs::create_directories(fs::path(dest_).parent_path(), ec);
     const std::string part = dest_ + ".part", done_path = dest_ + ".part.done";
+    // Ranges recorded as done count only with the .part that holds them.
+    if (!fs::exists(part, ec)) fs::remove(done_path, ec);
     Fd fd(::open(part.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
     if (fd.fd < 0) return absl::InternalError(Errno(part));
     if (::ftruncate(fd.fd, f_.size) != 0) return absl::InternalError(Errno(part));
@@ -221,10 +223,11 @@ class FileFetch {
       r.range_begin = begin;
       r.range_end = end - 1;
       std::atomic<int64_t> got{0};
-      absl::StatusOr<HttpResponse> resp = FetchToFile(r, fd, begin, &got);
+      absl::StatusOr<HttpResponse> resp = FetchToFile(r, fd, begin, end - begin, &got);
       fetched_ += got.load();
       if (!resp.ok()) {
-        last = resp.status();
+        last = absl::Status(resp.status().code(),
+                            absl::StrCat(name_, ": ", f_.path, ": ", resp.status().message()));
         continue;
       }
       last = HttpError(*resp, absl::StrCat(name_, ": ", f_.path));

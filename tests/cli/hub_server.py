@@ -3,7 +3,8 @@ directory, as the Hub does: GET /api/models/ORG/NAME/revision/REV[?blobs=true] (
 each file with its size, git blob id and, for LFS files, SHA-256), and GET|HEAD
 /ORG/NAME/resolve/REV/PATH with byte ranges, LFS files redirected to a second path as the Hub
 redirects them to its CDN. A token, when set, is required on the Hub's paths (401 without it) and
-not on the CDN's. `corrupt` names a file whose bytes are served with one byte flipped. (olah, the
+not on the CDN's. `corrupt` names a file whose bytes are served with one byte flipped, `overlong`
+one whose answers carry a megabyte more than asked. (olah, the
 Hub mirror on PyPI, serves only what it fetched from an upstream Hub, which no test here reaches.)
 Standard library only."""
 import hashlib
@@ -25,6 +26,7 @@ class HubServer:
         self.repo = repo
         self.token = token
         self.corrupt = None
+        self.overlong = None
         self.files = {}
         for name in sorted(os.listdir(model_dir)):
             with open(os.path.join(model_dir, name), "rb") as f:
@@ -64,7 +66,8 @@ class HubServer:
                     last = int(last) if last else len(data) - 1
                     if first >= len(data):
                         return self.answer(416)
-                    return self.answer(206, data[first:last + 1], [
+                    extra = b"x" * (1 << 20) if name == server.overlong else b""
+                    return self.answer(206, data[first:last + 1] + extra, [
                         ("Content-Range", f"bytes {first}-{last}/{len(data)}")])
                 return self.answer(200, data)
 

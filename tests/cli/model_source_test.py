@@ -305,6 +305,17 @@ try:
                   f"a corrupted {name} is refused by name: {out[-300:]}")
             check(manifests_under(bad) == [], f"nothing of the corrupt {name} counts as present")
         hub.corrupt = None
+        hub.overlong = "tokenizer.json"  # a server that sends more than asked: never written
+        bad = os.path.join(tmp, "hf-overlong")
+        rc, out = local_fails("hf://tiny-org/tiny-llama", dict(hf_env, SHARDSERVE_MODEL_CACHE=bad))
+        check(rc != 0 and "tokenizer.json: the answer is longer than" in out,
+              f"an answer longer than the range asked is refused: {out[-300:]}")
+        sizes = {n: os.path.getsize(os.path.join(model, n)) for n in names}
+        too_big = [os.path.join(r, f) for r, _, fs in os.walk(bad) for f in fs
+                   if f.split(".part")[0] in sizes and
+                   os.path.getsize(os.path.join(r, f)) > sizes[f.split(".part")[0]]]
+        check(too_big == [], f"nothing past the range was written: {too_big}")
+        hub.overlong = None
     finally:
         hub.stop()
 finally:
