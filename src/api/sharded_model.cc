@@ -312,8 +312,43 @@ absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.model.uri '", uri, "' ", why,
                      "; expected pvc://CLAIM/PATH, hostpath:///DIR, file:///DIR, "
-                     "s3://BUCKET/PREFIX or hf://ORG/NAME[@REVISION]"));
+                     "s3://BUCKET/PREFIX, hf://ORG/NAME[@REVISION] or "
+                     "oci://REGISTRY/REPO[:TAG|@sha256:DIGEST]"));
   };
+  if (uri.rfind("oci://", 0) == 0) {
+    const std::string rest = uri.substr(6);
+    const size_t slash = rest.find('/');
+    if (slash == std::string::npos) return bad("names no repository after its registry");
+    u.scheme = ModelUri::Scheme::kOci;
+    u.registry = rest.substr(0, slash);
+    std::string name = rest.substr(slash + 1);
+    if (const size_t at = name.find('@'); at != std::string::npos) {
+      u.revision = name.substr(at + 1);
+      name.resize(at);
+    } else if (const size_t colon = name.rfind(':'); colon != std::string::npos) {
+      u.revision = name.substr(colon + 1);
+      name.resize(colon);
+    } else {
+      u.revision = "latest";
+    }
+    u.repo = name;
+    // The distribution spec's grammar: a host[:port]; a repository of lower-case path components
+    // joined by '.', '_', '__' or '-'; a tag of at most 128 characters; a sha256 digest.
+    static const std::regex kRegistry(
+        "[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?(:[0-9]{1,5})?");
+    static const std::regex kRepoPath(
+        "[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*){0,15}");
+    static const std::regex kTag("[A-Za-z0-9_][A-Za-z0-9._-]{0,127}");
+    static const std::regex kDigest("sha256:[a-f0-9]{64}");
+    if (!std::regex_match(u.registry, kRegistry)) return bad("names no registry HOST[:PORT]");
+    if (u.repo.size() > 255 || !std::regex_match(u.repo, kRepoPath)) {
+      return bad("names no repository (lower-case path components)");
+    }
+    if (!std::regex_match(u.revision, kTag) && !std::regex_match(u.revision, kDigest)) {
+      return bad("names no tag or sha256 digest");
+    }
+    return u;
+  }
   if (uri.rfind("hf://", 0) == 0) {
     const std::string rest = uri.substr(5);
     const size_t at = rest.find('@');
@@ -404,7 +439,7 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   ASSIGN_OR_RETURN(const ModelUri uri, ParseModelUri(s.model_uri));
   if (!s.model_files.empty() && !uri.remote()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "spec.model.files chooses which files of a remote model (s3://, hf://) to fetch; "
+        "spec.model.files chooses which files of a remote model (s3://, hf://, oci://) to fetch; "
         "spec.model.uri '",
         s.model_uri, "' is read as it is"));
   }

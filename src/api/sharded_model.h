@@ -22,18 +22,24 @@ inline constexpr char kApiVersion[] = "shardserve.io/v1alpha1";
 inline constexpr char kShardedModelKind[] = "ShardedModel";
 
 struct ModelUri {
-  enum class Scheme { kPvc, kHostPath, kFile, kS3, kHf };
+  enum class Scheme { kPvc, kHostPath, kFile, kS3, kHf, kOci };
   Scheme scheme = Scheme::kFile;
   std::string claim;     // pvc only
   std::string bucket;    // s3 only
-  std::string repo;      // hf only: ORG/NAME
-  std::string revision;  // hf only: a branch, a tag or a commit ("main" when not given)
-  std::string path;      // inside the claim, the directory, or the objects' key prefix (s3)
+  std::string registry;  // oci only: HOST[:PORT]
+  std::string repo;      // hf: ORG/NAME; oci: the repository's path in the registry
+  // hf: a branch, a tag or a commit ("main" when not given); oci: a tag ("latest" when not
+  // given) or "sha256:HEX"
+  std::string revision;
+  std::string path;  // inside the claim, the directory, or the objects' key prefix (s3)
   // Fetched from where it lives into a cache before a rank reads it (source/model_source.h).
-  bool remote() const { return scheme == Scheme::kS3 || scheme == Scheme::kHf; }
+  bool remote() const {
+    return scheme == Scheme::kS3 || scheme == Scheme::kHf || scheme == Scheme::kOci;
+  }
 };
 
 // pvc://CLAIM/PATH | hostpath:///DIR | file:///DIR | s3://BUCKET[/PREFIX] | hf://ORG/NAME[@REV]
+// | oci://REGISTRY/REPO[:TAG|@sha256:DIGEST]
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri);
 
 // A pod's toleration of node taints (spec.worker.tolerations; placement checks them).

@@ -1,4 +1,4 @@
-// shardserve: the user CLI. Subcommands: local, plan, gen-model, generate, bench.
+// shardserve: the user CLI. Subcommands: local, plan, fetch, gen-model, generate, bench.
 #include <signal.h>
 #include <unistd.h>
 
@@ -24,6 +24,7 @@
 #include "bench/load_bench.h"
 #include "bench/runtime_bench.h"
 #include "bench/tokenize_bench.h"
+#include "cli/fetch.h"
 #include "cli/local.h"
 #include "cli/plan.h"
 #include "comm/handshake.h"
@@ -75,6 +76,7 @@ constexpr char kGenerateUsage[] =
 std::string Usage() {
   const std::pair<const char*, const char*> commands[] = {{"local", kLocalUsage},
                                                           {"plan", kPlanUsage},
+                                                          {"fetch", kFetchUsage},
                                                           {"gen-model", kGenModelUsage},
                                                           {"generate", kGenerateUsage},
                                                           {"bench [runtime]", kRuntimeBenchUsage},
@@ -426,6 +428,8 @@ int Main(int argc, char** argv) {
     s = RunLocal(rest);
   } else if (cmd == "plan") {
     s = RunPlan(rest);
+  } else if (cmd == "fetch") {
+    s = RunFetch(rest);
   } else if (cmd == "gen-model") {
     s = GenModel(rest);
   } else if (cmd == "generate") {

@@ -5,6 +5,8 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_format.h"
 
 namespace shardserve {
 
@@ -87,6 +89,12 @@ bool JsonNestsDeeperThan(std::string_view text, int limit) {
     }
   }
   return false;
+}
+
+std::string HumanBytes(int64_t bytes) {
+  if (bytes < 1000 && bytes > -1000) return absl::StrCat(bytes, " B");
+  if (bytes < 1000000000 && bytes > -1000000000) return absl::StrFormat("%.2f MB", bytes / 1e6);
+  return absl::StrFormat("%.2f GB", bytes / 1e9);
 }
 
 }  // namespace shardserve

@@ -1,5 +1,6 @@
 #pragma once
 // Small text and file helpers shared by the model code.
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,6 +18,8 @@ bool IsValidUtf8(std::string_view s);
 std::vector<std::string> SplitUtf8Chars(std::string_view s);
 // The whole file, or NotFound "PATH: cannot open".
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// A size for people: "557 B", "1.47 MB", "2.30 GB" (decimal units, as disks and downloads say).
+std::string HumanBytes(int64_t bytes);
 // Whether JSON text nests arrays and objects deeper than `limit` (a scan, before any parser
 // recurses into it; strings are skipped).
 bool JsonNestsDeeperThan(std::string_view text, int limit);

@@ -31,6 +31,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 constexpr char kManifest[] = ".manifest.json";
+constexpr char kInUse[] = ".inuse";  // a running model's processes hold a shared flock on it
 constexpr size_t kMaxFiles = 10000;
 
 std::string Errno(const std::string& what) {
@@ -73,7 +74,7 @@ absl::Status CheckPath(const std::string& name, const std::string& path) {
   for (absl::string_view part : absl::StrSplit(path, '/')) {
     if (part.empty() || part == "." || part == "..") return bad("whose path leaves its directory");
     if (absl::StartsWith(part, ".manifest") || absl::EndsWith(part, ".part") ||
-        absl::EndsWith(part, ".part.done") || part == ".lock") {
+        absl::EndsWith(part, ".part.done") || part == ".lock" || part == kInUse) {
       return bad("whose name the cache keeps for itself");
     }
   }
@@ -299,6 +300,13 @@ absl::StatusOr<std::string> FileSha256(const std::string& path) {
 }
 absl::StatusOr<std::string> FileMd5(const std::string& path) { return Digest(path, EVP_md5()); }
 
+std::string BytesSha256(const std::string& bytes) {
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr);
+  EVP_DigestUpdate(ctx.get(), bytes.data(), bytes.size());
+  return FinalHex(ctx.get());
+}
+
 bool IsHex(const std::string& s, size_t n) {
   return s.size() == n && std::all_of(s.begin(), s.end(), [](char ch) {
            return absl::ascii_isxdigit(static_cast<unsigned char>(ch));
@@ -371,6 +379,7 @@ absl::StatusOr<FetchReport> Materialize(const std::string& root, const std::stri
   std::error_code ec;
   fs::create_directories(report.dir, ec);
   if (ec) return absl::InternalError(absl::StrCat(report.dir, ": ", ec.message()));
+  { Fd in_use(::open((report.dir + "/" + kInUse).c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644)); }
   // One process fetches; the others wait here and then find the model present.
   Fd lock(::open((report.dir + "/.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (lock.fd < 0) return absl::InternalError(Errno(report.dir + "/.lock"));
@@ -414,6 +423,108 @@ absl::StatusOr<FetchReport> Materialize(const std::string& root, const std::stri
     return absl::InternalError(Errno(report.dir + "/" + kManifest));
   }
   if (progress) progress(report.bytes_total, report.bytes_total);
+  return report;
+}
+
+namespace {
+
+// Bytes of the files under `dir` (as listed: a sparse .part counts whole).
+int64_t BytesUnder(const std::string& dir) {
+  int64_t bytes = 0;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->is_regular_file(ec)) bytes += static_cast<int64_t>(it->file_size(ec));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<CachedModel> CachedModels(const std::string& root) {
+  std::vector<CachedModel> out;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!it->is_directory(ec) || it->is_symlink(ec)) {
+      continue;
+    }
+    const std::string manifest = it->path().string() + "/" + kManifest;
+    if (!fs::exists(manifest, ec)) {
+      if (it.depth() > 20) it.disable_recursion_pending();
+      continue;
+    }
+    CachedModel m;
+    m.dir = it->path().string();
+    m.bytes = BytesUnder(m.dir);
+    m.used = fs::last_write_time(manifest, ec);
+    out.push_back(std::move(m));
+    it.disable_recursion_pending();  // a model's own directories hold files, not models
+  }
+  std::sort(out.begin(), out.end(),
+            [](const CachedModel& a, const CachedModel& b) { return a.used < b.used; });
+  return out;
+}
+
+int64_t CacheBytes(const std::string& root) { return BytesUnder(root); }
+
+bool InUse(const std::string& dir) {
+  Fd f(::open((dir + "/" + kInUse).c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) return false;
+  return ::flock(f.fd, LOCK_EX | LOCK_NB) != 0;
+}
+
+absl::StatusOr<int> HoldInUse(const std::string& dir) {
+  const int fd = ::open((dir + "/" + kInUse).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(Errno(dir + "/" + kInUse));
+  while (::flock(fd, LOCK_SH) != 0) {
+    if (errno != EINTR) {
+      const absl::Status s = absl::InternalError(Errno(dir + "/" + kInUse));
+      ::close(fd);
+      return s;
+    }
+  }
+  return fd;
+}
+
+absl::StatusOr<EvictReport> MakeRoom(const std::string& root, int64_t need, int64_t limit,
+                                     const std::string& keep, std::chrono::seconds grace) {
+  EvictReport report;
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  // One eviction at a time in a cache (each fetch of a node asks before it downloads).
+  Fd lock(::open((root + "/.evict.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (lock.fd < 0) return absl::InternalError(Errno(root + "/.evict.lock"));
+  while (::flock(lock.fd, LOCK_EX) != 0) {
+    if (errno != EINTR) return absl::InternalError(Errno(root + "/.evict.lock"));
+  }
+  report.cache_bytes = CacheBytes(root);
+  if (limit <= 0 || report.cache_bytes + need <= limit) return report;
+  const auto now = fs::file_time_type::clock::now();
+  int64_t busy = 0;
+  for (const CachedModel& m : CachedModels(root)) {
+    if (report.cache_bytes + need <= limit) break;
+    if (fs::path(m.dir) == fs::path(keep)) continue;
+    // In use: a running model's processes hold its .inuse; used within `grace`: a pod whose
+    // fetch found it may not have started its ranks yet; fetching: its .lock is held.
+    Fd fetch_lock(::open((m.dir + "/.lock").c_str(), O_RDONLY | O_CLOEXEC));
+    if (InUse(m.dir) || now - m.used < grace ||
+        (fetch_lock.fd >= 0 && ::flock(fetch_lock.fd, LOCK_EX | LOCK_NB) != 0)) {
+      busy += m.bytes;
+      continue;
+    }
+    // Out of its place first (a reader that looks now finds it absent, never half there).
+    const std::string doomed =
+        absl::StrCat(root, "/.evicting-", ::getpid(), "-", report.evicted.size());
+    if (::rename(m.dir.c_str(), doomed.c_str()) != 0) continue;
+    fs::remove_all(doomed, ec);
+    report.cache_bytes -= m.bytes;
+    report.evicted.push_back(m.dir);
+  }
+  if (report.cache_bytes + need > limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the model cache ", root, " (limit ", HumanBytes(limit), ") holds ",
+                     HumanBytes(report.cache_bytes), ", ", HumanBytes(busy),
+                     " of it models in use or just used; ", HumanBytes(need), " more do not fit"));
+  }
   return report;
 }
 

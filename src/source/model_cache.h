@@ -11,7 +11,9 @@
 // single-part upload), else only its size (named as the weaker check); a file that fails is
 // deleted and the error names it.
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -67,9 +69,39 @@ std::string ListingKey(std::vector<RemoteFile> files);
 absl::StatusOr<std::vector<RemoteFile>> Choose(const std::vector<RemoteFile>& files,
                                                const std::vector<std::string>& patterns);
 
+// A model present in a cache, for eviction and metrics.
+struct CachedModel {
+  std::string dir;
+  int64_t bytes = 0;
+  std::filesystem::file_time_type used;  // its last use (a fetch that found or made it)
+};
+
+// Every model present under `root` (a directory holding a manifest), least recently used first.
+std::vector<CachedModel> CachedModels(const std::string& root);
+// Bytes of every file under `root` (present models, partial fetches).
+int64_t CacheBytes(const std::string& root);
+
+// A model's processes hold a shared lock on its .inuse file while they run (HoldInUse: the
+// descriptor, kept open for the process's life); eviction passes over a model so held.
+absl::StatusOr<int> HoldInUse(const std::string& dir);
+bool InUse(const std::string& dir);
+
+struct EvictReport {
+  int64_t cache_bytes = 0;           // after eviction
+  std::vector<std::string> evicted;  // directories removed
+};
+
+// Room for `need` more bytes in the cache `root` of at most `limit` bytes (0: no limit):
+// the least recently used models are evicted until they fit, passing over `keep`, every model in
+// use, being fetched, or used within `grace` (a pod that found it may not run yet). Too little
+// that can go is an error saying how much is held.
+absl::StatusOr<EvictReport> MakeRoom(const std::string& root, int64_t need, int64_t limit,
+                                     const std::string& keep, std::chrono::seconds grace);
+
 // Hex SHA-256 / MD5 of a file's bytes.
 absl::StatusOr<std::string> FileSha256(const std::string& path);
 absl::StatusOr<std::string> FileMd5(const std::string& path);
+std::string BytesSha256(const std::string& bytes);
 // Whether `s` is `n` hex digits (a digest as a source gives it).
 bool IsHex(const std::string& s, size_t n);
 

@@ -1,11 +1,12 @@
 // Model sources (source/): the s3:// uri, S3's listing XML as a hostile server may send it, the
 // cache's rules for what a listing may name, spec.model.files, the listing's content address and
-// the environment the AWS tools read. The fetches themselves run against a real S3 server in
-// cli.model_source.
+// the environment the AWS tools read; oci:// and a registry's manifest. The fetches themselves run
+// against a real S3 server in cli.model_source.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,7 @@
 #include "source/hf.h"
 #include "source/model_cache.h"
 #include "source/model_source.h"
+#include "source/oci.h"
 #include "source/s3.h"
 
 namespace shardserve::source {
@@ -233,6 +235,80 @@ TEST(HfTest, ReadsTheHubsListingAndChecksEachFile) {
     ASSERT_FALSE(r.ok()) << bad;
     EXPECT_THAT(Why(r.status()), HasSubstr("hf://o/m: ")) << bad;
   }
+}
+
+TEST(ModelUriTest, OciUrisNameARegistryARepositoryAndATagOrDigest) {
+  auto u = ParseModelUri("oci://registry.example.com:5000/team/models/llama-3:v1.2");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(u->scheme, ModelUri::Scheme::kOci);
+  EXPECT_EQ(u->registry, "registry.example.com:5000");
+  EXPECT_EQ(u->repo, "team/models/llama-3");
+  EXPECT_EQ(u->revision, "v1.2");
+  EXPECT_TRUE(u->remote());
+  EXPECT_EQ(ParseModelUri("oci://ghcr.io/o/m")->revision, "latest");
+  const std::string digest = absl::StrCat("sha256:", std::string(64, 'a'));
+  EXPECT_EQ(ParseModelUri(absl::StrCat("oci://ghcr.io/o/m@", digest))->revision, digest);
+  for (const std::string bad : {"oci://", "oci://ghcr.io", "oci://ghcr.io/", "oci://ghcr.io/Upper",
+                                "oci://ghcr.io/o/m:", "oci://ghcr.io/o/m@sha256:xyz",
+                                "oci://ghcr.io/o/../m", "oci://-x.io/o/m", "oci://ghcr.io/o//m"}) {
+    EXPECT_FALSE(ParseModelUri(bad).ok()) << bad;
+  }
+}
+
+TEST(OciTest, ReadsAnArtifactsManifestOneLayerAFile) {
+  const std::string a(64, 'a'), b(64, 'b');
+  auto files =
+      ParseOciManifest(absl::StrCat(R"({"schemaVersion": 2,
+      "mediaType": "application/vnd.oci.image.manifest.v1+json",
+      "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": "sha256:x", "size": 2},
+      "layers": [
+        {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": "sha256:)",
+                                    a, R"(", "size": 700,
+         "annotations": {"org.opencontainers.image.title": "config.json"}},
+        {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": "sha256:)",
+                                    b, R"(", "size": 4000000000,
+         "annotations": {"org.opencontainers.image.title": "model.safetensors"}}]})"),
+                       "https://r.io/v2/o/m/blobs/", "Authorization: Bearer t", "oci://r.io/o/m");
+  ASSERT_TRUE(files.ok()) << files.status();
+  ASSERT_EQ(files->size(), 2u);
+  EXPECT_EQ((*files)[1].path, "model.safetensors");
+  EXPECT_EQ((*files)[1].size, 4000000000);
+  EXPECT_EQ((*files)[1].sha256, b);
+  EXPECT_EQ((*files)[1].get.url, absl::StrCat("https://r.io/v2/o/m/blobs/sha256:", b));
+  EXPECT_EQ((*files)[1].get.headers, std::vector<std::string>{"Authorization: Bearer t"});
+  const std::string layer = absl::StrCat(R"({"digest": "sha256:)", a, R"(", "size": 1)");
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"[]", "is not a JSON object"},
+           {R"({"mediaType": "application/vnd.oci.image.index.v1+json", "manifests": []})",
+            "an index of images"},
+           {R"({"layers": {}})", "lists no layers"},
+           {R"({"layers": [{"digest": "md5:x", "size": 1}]})", "shardserve checks sha256"},
+           {absl::StrCat(R"({"layers": [)", layer, "}]}"), "not a file of a model artifact"},
+           {R"({"layers": []})", "has no layers"}}) {
+    auto r = ParseOciManifest(bad, "https://r.io/v2/o/m/blobs/", "", "oci://r.io/o/m");
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_THAT(Why(r.status()), HasSubstr(why)) << bad;
+  }
+}
+
+TEST(OciTest, CredentialsFromTheDockerConfigEveryRegistryClientReads) {
+  std::map<std::string, std::string> vars;
+  auto env = [&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+  const std::string dir = ::testing::TempDir() + "/oci-docker-config";
+  std::filesystem::create_directories(dir);
+  { std::ofstream(dir + "/config.json") << R"({"auths": {"r.io": {"auth": "dTpw"}}})"; }
+  vars["DOCKER_CONFIG"] = dir;
+  vars["SHARDSERVE_OCI_PLAIN_HTTP"] = "mirror:5000, other:80";
+  auto o = OciOptions::FromEnv(env);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_THAT(o->docker_config, HasSubstr("dTpw"));
+  EXPECT_EQ(o->plain_http, (std::vector<std::string>{"mirror:5000", "other:80"}));
+  vars.erase("DOCKER_CONFIG");
+  vars["HOME"] = "/nonexistent";
+  EXPECT_EQ(OciOptions::FromEnv(env)->docker_config, "");
 }
 
 TEST(HfTest, OptionsFromTheEnvironmentHuggingfaceHubReads) {

@@ -1,0 +1,347 @@
+#!/usr/bin/env python3
+"""Models from an OCI registry, and the fetch step of a worker pod (issue 51).
+
+The registry is the CNCF distribution registry (built from its Go module by
+scripts/servers-build.sh), with htpasswd (basic) authentication, holding a generated model pushed
+as an OCI artifact, one layer a file titled by org.opencontainers.image.title (as `oras push`
+makes it; pushed here through the distribution API).
+
+`shardserve local` with oci://REGISTRY/REPO:TAG serves the same answers as the model's directory;
+@sha256:DIGEST names the same revision; credentials come from a Docker config; without them, an
+unknown tag, and a byte corrupted in the registry's storage are named. `shardserve fetch` (the
+pods' fetch step): two fetches of one model into one cache at once download it once (one
+waits, saying so on /startupz, while the other reports bytes, total, rate and ETA); credentials
+from a Secret-like directory; a cache limit evicts the least recently used model nobody holds,
+and refuses, naming what holds it, when the model is held (a shared flock on .inuse, as ranks
+keep it).
+Usage: model_fetch_test.py SHARDSERVE_BINARY SERVERS_BIN"""
+import base64
+import fcntl
+import hashlib
+import http.client
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks, free_ports  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+BIN, SERVERS = sys.argv[1], sys.argv[2]
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-oci-")
+REG_PORT = free_ports(3)
+SLOW_PORT, PROGRESS_PORT = REG_PORT + 1, REG_PORT + 2
+USER, PASSWORD = "puller", "puller-pass"
+# bcrypt of PASSWORD (the registry's htpasswd reads bcrypt only)
+HTPASSWD = f"{USER}:$2b$05$wGRmpsxEXj5GYBecdG6Zwuim0tLqAr7Q6oDSj3KDH76xIohFSJMK.\n"
+AUTH = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+REGISTRY = f"127.0.0.1:{REG_PORT}"
+
+storage = os.path.join(tmp, "registry")
+with open(os.path.join(tmp, "htpasswd"), "w") as f:
+    f.write(HTPASSWD)
+with open(os.path.join(tmp, "registry.yml"), "w") as f:
+    f.write(f"""version: 0.1
+log: {{level: error}}
+storage: {{filesystem: {{rootdirectory: {storage}}}, delete: {{enabled: true}}}}
+http: {{addr: "{REGISTRY}"}}
+auth: {{htpasswd: {{realm: shardserve-test, path: {tmp}/htpasswd}}}}
+""")
+registry = subprocess.Popen([os.path.join(SERVERS, "registry"), "serve",
+                             os.path.join(tmp, "registry.yml")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_port(port, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def call(method, path, body=None, headers=None, auth=AUTH):
+    conn = http.client.HTTPConnection("127.0.0.1", REG_PORT, timeout=60)
+    conn.request(method, path, body=body,
+                 headers={**({"Authorization": auth} if auth else {}), **(headers or {})})
+    r = conn.getresponse()
+    return r.status, dict(r.getheaders()), r.read()
+
+
+def push_blob(repo, data):
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    status, headers, _ = call("POST", f"/v2/{repo}/blobs/uploads/")
+    assert status == 202, status
+    location = headers["Location"]
+    location += ("&" if "?" in location else "?") + f"digest={digest}"
+    location = location.split(f"127.0.0.1:{REG_PORT}")[-1]
+    status, _, body = call("PUT", location, data, {"Content-Type": "application/octet-stream"})
+    assert status == 201, (status, body)
+    return digest
+
+
+def push_model(repo, tag, model_dir, names):
+    """An OCI artifact as `oras push` makes one: an empty config, a layer a file."""
+    config = push_blob(repo, b"{}")
+    layers = []
+    for name in names:
+        data = open(os.path.join(model_dir, name), "rb").read()
+        layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                       "digest": push_blob(repo, data), "size": len(data),
+                       "annotations": {"org.opencontainers.image.title": name}})
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": "application/vnd.shardserve.model.v1",
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": config, "size": 2},
+        "layers": layers}).encode()
+    status, _, body = call("PUT", f"/v2/{repo}/manifests/{tag}", manifest,
+                           {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert status == 201, (status, body)
+    return "sha256:" + hashlib.sha256(manifest).hexdigest()
+
+
+class Slow(http.server.BaseHTTPRequestHandler):
+    """The registry, its blobs sent in 64 KiB pieces 50 ms apart (a download long enough to watch)."""
+
+    def do_GET(self):
+        status, headers, body = call("GET", self.path, auth=self.headers.get("Authorization"),
+                                     headers={k: v for k, v in self.headers.items()
+                                              if k.lower() in ("range", "accept")})
+        self.send_response(status)
+        for k, v in headers.items():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        for i in range(0, len(body), 65536):
+            self.wfile.write(body[i:i + 65536])
+            if "/blobs/" in self.path:
+                time.sleep(0.05)
+
+    def log_message(self, *args):
+        pass
+
+
+slow = http.server.ThreadingHTTPServer(("127.0.0.1", SLOW_PORT), Slow)
+threading.Thread(target=slow.serve_forever, daemon=True).start()
+
+
+def docker_config(where, user=USER, password=PASSWORD):
+    os.makedirs(where, exist_ok=True)
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    with open(os.path.join(where, "config.json"), "w") as f:
+        json.dump({"auths": {REGISTRY: {"auth": auth}}}, f)
+    return where
+
+
+def env_for(cache, config=None, **extra):
+    e = dict(os.environ, SHARDSERVE_MODEL_CACHE=cache, DOCKER_CONFIG=config or "/nonexistent")
+    e.update(extra)
+    return e
+
+
+def manifest(uri):
+    path = os.path.join(tmp, f"m{time.monotonic_ns()}.yaml")
+    with open(path, "w") as f:
+        f.write(f"""apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata:
+  name: tiny
+spec:
+  model:
+    name: tiny
+    uri: {uri}
+  worker:
+    image: shardserve/worker:test
+""")
+    return path
+
+
+def local_fails(uri, env):
+    r = subprocess.run([BIN, "local", "-f", manifest(uri)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    return r.returncode, r.stdout + r.stderr
+
+
+def greedy(d):
+    status, _, body = d.post("/v1/completions", {"model": "tiny", "prompt": "the quick brown",
+                                                 "max_tokens": 8, "temperature": 0})
+    return status, body["choices"][0]["text"] if status == 200 else body
+
+
+def manifests_under(cache):
+    return [os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs
+            if f == ".manifest.json"]
+
+
+def fetch(uri, cache, *extra, env=None, wait=True):
+    argv = [BIN, "fetch", "--uri", uri, "--cache", cache, *extra]
+    if not wait:
+        return subprocess.Popen(argv, env=env or os.environ, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    r = subprocess.run(argv, env=env or os.environ, capture_output=True, text=True, timeout=120)
+    report = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    return r.returncode, report, r.stderr
+
+
+def startupz(port):
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/startupz")
+        return json.loads(conn.getresponse().read())
+    except (OSError, ValueError):
+        return None
+
+
+try:
+    check(wait_port(REG_PORT), "the distribution registry listens")
+    model = os.path.join(tmp, "model")
+    gen_model(BIN, model)
+    names = sorted(os.listdir(model))
+    total = sum(os.path.getsize(os.path.join(model, n)) for n in names)
+    digest = push_model("models/tiny", "v1", model, names)
+    push_model("models/tiny-config", "v1", model, ["config.json"])
+
+    ref = Deployment(BIN, model, tp=2, pp=1)
+    try:
+        want = greedy(ref)
+    finally:
+        ref.stop()
+    check(want[0] == 200, f"the model answers from its directory: {want}")
+
+    cache = os.path.join(tmp, "cache")
+    config = docker_config(os.path.join(tmp, "docker"))
+    d = Deployment(BIN, None, tp=2, pp=1, uri=f"oci://{REGISTRY}/models/tiny:v1",
+                   proc_env=env_for(cache, config))
+    try:
+        check(greedy(d) == want, "served from oci:// with the directory's answers")
+        log = d.log()
+    finally:
+        d.stop()
+    check(f"{total / 1e6:.1f} MB fetched now" in log, f"the model's bytes fetched: {log[-400:]}")
+    present = manifests_under(cache)
+    check(len(present) == 1 and os.path.basename(os.path.dirname(present[0])) == digest[7:],
+          f"the manifest's digest addresses it in the cache: {present}")
+    d = Deployment(BIN, None, tp=2, pp=1, uri=f"oci://{REGISTRY}/models/tiny@{digest}",
+                   proc_env=env_for(cache, config))
+    try:
+        check(greedy(d) == want, "the digest names the same model")
+        log = d.log()
+    finally:
+        d.stop()
+    check("in the cache already" in log, f"the same digest is in the cache: {log[-300:]}")
+
+    rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v1", env_for(os.path.join(tmp, "c2")))
+    check(rc != 0 and "the registry refuses (HTTP 401)" in out and "needs credentials" in out,
+          f"a registry that wants credentials says so: {out[-300:]}")
+    wrong = docker_config(os.path.join(tmp, "wrong"), password="nope")
+    rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v1", env_for(os.path.join(tmp, "c2"), wrong))
+    check(rc != 0 and "HTTP 401" in out and "lack pull access" in out,
+          f"wrong credentials are named: {out[-300:]}")
+    rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v9", env_for(os.path.join(tmp, "c2"), config))
+    check(rc != 0 and "has no models/tiny at 'v9' (HTTP 404)" in out,
+          f"an unknown tag is named: {out[-300:]}")
+
+    # The pods' fetch step: credentials from a mounted Secret (.dockerconfigjson), progress on
+    # /startupz, two fetches of a node at once downloading once.
+    secret = os.path.join(tmp, "secret")
+    os.makedirs(secret)
+    node = os.path.join(tmp, "node")
+    slow_uri = f"oci://127.0.0.1:{SLOW_PORT}/models/tiny:v1"
+    slow_env = dict(os.environ, SHARDSERVE_OCI_PLAIN_HTTP=f"127.0.0.1:{SLOW_PORT}")
+    with open(os.path.join(secret, ".dockerconfigjson"), "w") as f:
+        json.dump({"auths": {f"127.0.0.1:{SLOW_PORT}": {"auth": AUTH.split()[1]}}}, f)
+    first = fetch(slow_uri, node, "--credentials", secret, "--progress-port", str(PROGRESS_PORT),
+                  "--report", os.path.join(tmp, "first.json"), env=slow_env, wait=False)
+    seen_first = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and seen_first is None:
+        s = startupz(PROGRESS_PORT)
+        if s and s.get("download", {}).get("rate", 0) > 0:
+            seen_first = s
+        time.sleep(0.05)
+    second = fetch(slow_uri, node, "--credentials", secret, "--progress-port",
+                   str(PROGRESS_PORT + 1), env=slow_env, wait=False)
+    seen_second = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and seen_second is None and second.poll() is None:
+        s = startupz(PROGRESS_PORT + 1)
+        if s and "waiting for this node's download" in s.get("state", ""):
+            seen_second = s
+        time.sleep(0.05)
+    out1, err1 = first.communicate(timeout=120)
+    out2, err2 = second.communicate(timeout=120)
+    check(first.returncode == 0 and second.returncode == 0,
+          f"both fetches succeed: {err1[-300:]} {err2[-300:]}")
+    check(seen_first is not None and seen_first["download"]["total"] == total and
+          "downloading oci://" in seen_first["state"],
+          f"the downloading fetch reports bytes and total on /startupz: {seen_first}")
+    check(seen_first is not None and seen_first["download"]["eta"] > 0 and
+          "/s, " in seen_first["state"] and " s left" in seen_first["state"],
+          f"... and rate and ETA: {seen_first}")
+    check(seen_second is not None and seen_second.get("download", {}).get("total") == total,
+          f"the other fetch says it waits for the node's download, with its bytes: {seen_second}")
+    r1, r2 = json.loads(out1.splitlines()[-1]), json.loads(out2.splitlines()[-1])
+    check(r1["bytes_fetched"] + r2["bytes_fetched"] == total and r2["cache_hit"],
+          f"the node downloaded the model once: {r1['bytes_fetched']} + {r2['bytes_fetched']}")
+    check(json.load(open(os.path.join(tmp, "first.json")))["revision"] == digest,
+          "the report names the revision (the manifest's digest)")
+    rc, r3, err = fetch(slow_uri, node, "--credentials", secret, "--revision", digest, env=slow_env)
+    check(rc == 0 and r3["bytes_fetched"] == 0 and r3["cache_hit"],
+          f"a pinned fetch of a present model moves nothing: {r3} {err[-200:]}")
+    rc, _, err = fetch(slow_uri, node, "--credentials", secret, "--revision", "sha256:" + "0" * 64,
+                       env=slow_env)
+    check(rc != 0 and "HTTP 404" in err, f"a pinned digest the registry lacks is named: {err[-200:]}")
+
+    # The cache's limit: the least recently used model nobody holds is evicted; one held is not.
+    small = f"oci://{REGISTRY}/models/tiny-config:v1"
+    creds = ["--credentials", os.path.join(tmp, "secret-direct")]
+    os.makedirs(creds[1])
+    shutil.copy(os.path.join(config, "config.json"), os.path.join(creds[1], ".dockerconfigjson"))
+    big_dir = os.path.dirname(manifests_under(node)[0])
+    held = open(os.path.join(big_dir, ".inuse"))
+    fcntl.flock(held, fcntl.LOCK_SH)
+    rc, _, err = fetch(small, node, *creds, "--cache-limit", str(total + 100),
+                       "--used-grace-seconds", "0")
+    check(rc != 0 and "of it models in use or just used" in err,
+          f"a full cache whose models are held refuses, saying so: {err[-300:]}")
+    check(os.path.isdir(big_dir), "the held model stays")
+    rc, _, err = fetch(small, node, *creds, "--cache-limit", str(total + 100))
+    check(rc != 0 and "in use or just used" in err, "a model used just now stays (the grace)")
+    fcntl.flock(held, fcntl.LOCK_UN)
+    held.close()
+    rc, r4, err = fetch(small, node, *creds, "--cache-limit", str(total + 100),
+                        "--used-grace-seconds", "0")
+    check(rc == 0 and r4["evicted"] and not os.path.exists(big_dir),
+          f"the least recently used model nobody holds is evicted: {r4} {err[-300:]}")
+    check(rc == 0 and r4["cache_bytes"] <= total + 100, "the cache stays under its limit")
+
+    # A byte corrupted in the registry's storage: refused by name, nothing present.
+    blob = os.path.join(storage, "docker/registry/v2/blobs/sha256")
+    weights = hashlib.sha256(open(os.path.join(model, "model.safetensors"), "rb").read()).hexdigest()
+    path = os.path.join(blob, weights[:2], weights, "data")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    bad = os.path.join(tmp, "bad")
+    rc, _, err = fetch(f"oci://{REGISTRY}/models/tiny:v1", bad, *creds)
+    check(rc != 0 and "model.safetensors has SHA-256" in err and "corrupt" in err,
+          f"a corrupted layer is refused by name: {err[-300:]}")
+    check(manifests_under(bad) == [], "nothing of the corrupt fetch counts as present")
+finally:
+    slow.shutdown()
+    registry.terminate()
+    registry.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+check.finish()
