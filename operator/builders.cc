@@ -16,6 +16,9 @@ namespace shardserve::op {
 namespace {
 
 constexpr char kModelMount[] = "/models";
+constexpr char kCacheMount[] = "/var/lib/shardserve/models";  // the node's cache, in a fetch step
+constexpr char kFetchMount[] = "/var/run/shardserve/fetch";
+constexpr char kCredentialsMount[] = "/var/run/shardserve/model-credentials";
 
 uint64_t Fnv(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -39,20 +42,128 @@ json ChildMeta(const ModelView& m, const std::string& name) {
           {"ownerReferences", json::array({OwnerReference(m)})}};
 }
 
-// The model's files, read-only at kModelMount, and where a worker finds them.
-json ModelVolume(const ModelUri& uri) {
-  if (uri.scheme == ModelUri::Scheme::kPvc) {
-    return {{"name", "model"},
-            {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}};
+// The spec's env for a container: the platform's defaults, then the model's own (same name wins).
+json SpecEnv(const ModelView& m) {
+  const ShardedModelSpec& s = m.model.spec;
+  auto entry = [](const ShardedModelSpec::EnvVar& e) {
+    return e.value_from.empty() ? json{{"name", e.name}, {"value", e.value}}
+                                : json{{"name", e.name}, {"valueFrom", json::parse(e.value_from)}};
+  };
+  json env = json::array();
+  for (const ShardedModelSpec::EnvVar& e : m.defaults.env) {
+    const bool overridden = std::any_of(s.env.begin(), s.env.end(),
+                                        [&](const auto& own) { return own.name == e.name; });
+    if (!overridden) env.push_back(entry(e));
   }
-  return {{"name", "model"}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}};
+  for (const ShardedModelSpec::EnvVar& e : s.env) env.push_back(entry(e));
+  return env;
 }
-json ModelVolumeMount() {
-  return {{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}};
+
+// Where a pod finds the model's files: its volumes, the mounts of the container that reads
+// them, the path it reads, and for a remote model the init container that fetches them first.
+struct ModelFiles {
+  json volumes = json::array();
+  json mounts = json::array();
+  std::string path;
+  json init = nullptr;
+};
+
+// The fetch step of a remote model (`shardserve fetch`, cli/fetch.h): pinned to the revision the
+// inspect pod resolved, its credentials (spec.model.secret) mounted here only, its progress on
+// the first metrics port (the operator reads /startupz there while the pod initializes).
+json FetchContainer(const ModelView& m, const std::string& cache, json mounts,
+                    std::vector<std::string> extra, json security_context, json& volumes) {
+  const ShardedModelSpec& s = m.model.spec;
+  json command = {
+      "shardserve",       "fetch",   "--uri", s.model_uri,       "--revision",
+      m.source->revision, "--cache", cache,   "--progress-port", std::to_string(kMetricsPortBase)};
+  if (!s.model_files.empty()) {
+    command.push_back("--files");
+    command.push_back(absl::StrJoin(s.model_files, ","));
+  }
+  if (!s.model_secret.empty()) {
+    volumes.push_back({{"name", "model-credentials"},
+                       {"secret", {{"secretName", s.model_secret}, {"defaultMode", 0440}}}});
+    mounts.push_back(
+        {{"name", "model-credentials"}, {"mountPath", kCredentialsMount}, {"readOnly", true}});
+    command.push_back("--credentials");
+    command.push_back(kCredentialsMount);
+  }
+  for (std::string& e : extra) command.push_back(std::move(e));
+  return {
+      {"name", "fetch"},
+      {"image", s.image},
+      {"command", command},
+      {"env", SpecEnv(m)},  // endpoints and regions (AWS_ENDPOINT_URL, HF_ENDPOINT, ...)
+      {"ports", json::array({{{"name", "fetch"}, {"containerPort", kMetricsPortBase}}})},
+      {"terminationMessagePolicy", "FallbackToLogsOnError"},
+      {"volumeMounts", mounts},
+      {"securityContext", security_context},
+      {"resources",
+       {{"requests", {{"cpu", "100m"}, {"memory", "128Mi"}}}, {"limits", {{"memory", "1Gi"}}}}}};
 }
-std::string ModelPath(const ModelUri& uri) {
-  return uri.scheme == ModelUri::Scheme::kPvc ? absl::StrCat(kModelMount, "/", uri.path)
-                                              : std::string(kModelMount);
+
+// A stage's model. pvc:// and hostpath://: the volume, read-only. A remote model: the node's
+// model cache (a hostPath the platform sets), fetched into by the init container, which alone
+// mounts the whole cache (as root: the directory is the node's; no capability); the ranks mount
+// their model's directory only (subPath), read-only, so no pod reads or writes another model's
+// files; the fetch's report reaches the ranks' metrics through a small emptyDir.
+ModelFiles StageModelFiles(const ModelView& m) {
+  const ModelUri uri = *ParseModelUri(m.model.spec.model_uri);  // checked by ReadModel
+  ModelFiles f;
+  if (!uri.remote()) {
+    if (uri.scheme == ModelUri::Scheme::kPvc) {
+      f.volumes.push_back(
+          {{"name", "model"},
+           {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
+      f.path = absl::StrCat(kModelMount, "/", uri.path);
+    } else {
+      f.volumes.push_back(
+          {{"name", "model"}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}});
+      f.path = kModelMount;
+    }
+    f.mounts.push_back({{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}});
+    return f;
+  }
+  f.volumes.push_back(
+      {{"name", "model-cache"},
+       {"hostPath", {{"path", m.defaults.model_cache.host_path}, {"type", "DirectoryOrCreate"}}}});
+  f.volumes.push_back({{"name", "fetch"}, {"emptyDir", {{"sizeLimit", "1Mi"}}}});
+  f.mounts.push_back({{"name", "model-cache"},
+                      {"mountPath", kModelMount},
+                      {"subPath", m.source->dir},
+                      {"readOnly", true}});
+  f.mounts.push_back({{"name", "fetch"}, {"mountPath", kFetchMount}, {"readOnly", true}});
+  f.path = kModelMount;
+  json security = m.defaults.security_context;
+  security["runAsUser"] = 0;
+  security["runAsGroup"] = 0;
+  security["runAsNonRoot"] = false;
+  std::vector<std::string> extra = {"--report", absl::StrCat(kFetchMount, "/report.json")};
+  if (m.defaults.model_cache.size_limit > 0) {
+    extra.push_back("--cache-limit");
+    extra.push_back(std::to_string(m.defaults.model_cache.size_limit));
+  }
+  f.init = FetchContainer(m, kCacheMount,
+                          json::array({{{"name", "model-cache"}, {"mountPath", kCacheMount}},
+                                       {{"name", "fetch"}, {"mountPath", kFetchMount}}}),
+                          std::move(extra), security, f.volumes);
+  return f;
+}
+
+// A router's model: what it reads is the tokenizer and the config, so a remote model's small
+// files only (no weights), fetched into an emptyDir of the pod.
+ModelFiles RouterModelFiles(const ModelView& m) {
+  const ModelUri uri = *ParseModelUri(m.model.spec.model_uri);  // checked by ReadModel
+  if (!uri.remote()) return StageModelFiles(m);
+  ModelFiles f;
+  f.volumes.push_back({{"name", "model"}, {"emptyDir", {{"sizeLimit", "1Gi"}}}});
+  f.mounts.push_back({{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}});
+  f.path = absl::StrCat(kModelMount, "/model");
+  f.init = FetchContainer(m, absl::StrCat(kModelMount, "/cache"),
+                          json::array({{{"name", "model"}, {"mountPath", kModelMount}}}),
+                          {"--small", "--link", f.path}, m.defaults.security_context, f.volumes);
+  return f;
 }
 
 // The spec's node selector and tolerations, on a pod spec.
@@ -128,10 +239,31 @@ absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
             absl::StrCat("worker defaults: ", k, " must be an object"));
       }
       (k == "securityContext" ? d.security_context : d.pod_security_context) = v;
+    } else if (k == "modelCache") {
+      if (!v.is_object()) {
+        return absl::InvalidArgumentError("worker defaults: modelCache must be an object");
+      }
+      for (const auto& [field, value] : v.items()) {
+        if (field == "hostPath" && value.is_string() &&
+            absl::StartsWith(value.get<std::string>(), "/") &&
+            value.get<std::string>().find("..") == std::string::npos) {
+          d.model_cache.host_path = value.get<std::string>();
+        } else if (field == "sizeLimit" && value.is_string()) {
+          ASSIGN_OR_RETURN(
+              d.model_cache.size_limit,
+              ParseByteQuantity(value.get<std::string>(), "worker defaults: modelCache.sizeLimit"));
+        } else if (field == "sizeLimit" && value.is_number_unsigned()) {
+          d.model_cache.size_limit = value.get<int64_t>();
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat("worker defaults: modelCache.", field,
+                           " is not hostPath (an absolute path) or sizeLimit (a quantity)"));
+        }
+      }
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("worker defaults: unknown key '", k,
-                       "' (env, resources, securityContext, podSecurityContext)"));
+                       "' (env, resources, securityContext, podSecurityContext, modelCache)"));
     }
   }
   return d;
@@ -189,12 +321,6 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
         "' is a file:// uri, which only shardserve local reads; on a cluster use pvc:// or "
         "hostpath://"));
   }
-  if (uri.remote()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.model.uri '", v.model.spec.model_uri,
-        "' is fetched from where it lives by shardserve local and shardserve plan; the operator "
-        "does not fetch it yet: on a cluster use pvc:// or hostpath://"));
-  }
   if (uri.scheme == ModelUri::Scheme::kHostPath) {
     RETURN_IF_ERROR(CheckHostPath(uri.path, policy.host_paths));
   }
@@ -230,7 +356,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   const std::string& name = m.model.name;
   const std::string pod = PodName(name, replica, stage);
   const std::string workers = name + "-workers";
-  const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
+  const ModelFiles files = StageModelFiles(m);
   const bool leader = stage == 0;
 
   json labels = Labels(m);
@@ -242,7 +368,8 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   WorkerEnv w;
   w.model_name = s.model_name;
   w.deployment = name;  // the metrics' `model` label
-  w.model_path = ModelPath(uri);
+  w.model_path = files.path;
+  if (!files.init.is_null()) w.fetch_report = absl::StrCat(kFetchMount, "/report.json");
   w.replica = replica;
   w.stage = stage;
   w.stage_layers = FormatStageLayers(m.stage_layers);
@@ -265,16 +392,10 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   // The rendezvous and the mesh listen on the pod's own address only.
   env.push_back(
       {{"name", kPodIpEnv}, {"valueFrom", {{"fieldRef", {{"fieldPath", "status.podIP"}}}}}});
-  auto env_entry = [](const ShardedModelSpec::EnvVar& e) {
-    return e.value_from.empty() ? json{{"name", e.name}, {"value", e.value}}
-                                : json{{"name", e.name}, {"valueFrom", json::parse(e.value_from)}};
-  };
-  for (const ShardedModelSpec::EnvVar& e : m.defaults.env) {
-    const bool overridden = std::any_of(s.env.begin(), s.env.end(),
-                                        [&](const auto& own) { return own.name == e.name; });
-    if (!overridden) env.push_back(env_entry(e));
-  }
-  for (const ShardedModelSpec::EnvVar& e : s.env) env.push_back(env_entry(e));
+  // The metrics' `node` label.
+  env.push_back(
+      {{"name", kNodeNameEnv}, {"valueFrom", {{"fieldRef", {{"fieldPath", "spec.nodeName"}}}}}});
+  for (json& e : SpecEnv(m)) env.push_back(std::move(e));
 
   json ports = json::array({{{"name", "rendezvous"}, {"containerPort", kRendezvousPort}}});
   if (leader) ports.push_back({{"name", "api"}, {"containerPort", s.port}});
@@ -313,14 +434,14 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {{{"name", "shm"},
         {"emptyDir",
          {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
-  volumes.push_back(ModelVolume(uri));
+  for (const json& v : files.volumes) volumes.push_back(v);
 
   // Secrets the kubelet mounts, readable by the pod's group (fsGroup) only: the replica's
   // rendezvous secret, and on the leader the API keys.
-  json mounts = {
-      {{"name", "shm"}, {"mountPath", "/dev/shm"}},
-      ModelVolumeMount(),
-      {{"name", "rendezvous"}, {"mountPath", kRendezvousSecretMount}, {"readOnly", true}}};
+  json mounts = {{{"name", "shm"}, {"mountPath", "/dev/shm"}}};
+  for (const json& v : files.mounts) mounts.push_back(v);
+  mounts.push_back(
+      {{"name", "rendezvous"}, {"mountPath", kRendezvousSecretMount}, {"readOnly", true}});
   volumes.push_back(
       {{"name", "rendezvous"},
        {"secret", {{"secretName", RendezvousSecretName(name, replica)}, {"defaultMode", 0440}}}});
@@ -363,6 +484,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {"securityContext", m.defaults.pod_security_context},
       {"containers", json::array({container})},
       {"volumes", volumes}};
+  if (!files.init.is_null()) spec["initContainers"] = json::array({files.init});
   AddScheduling(s, spec);
 
   return {{"apiVersion", "v1"},
@@ -380,10 +502,34 @@ json BuildInspectPod(const ModelView& m) {
   const ShardedModelSpec& s = m.model.spec;
   const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
   WorkerEnv w;
-  w.model_path = ModelPath(uri);
   w.termination_log = "/dev/termination-log";
+  json volumes = json::array(), mounts = json::array();
+  if (uri.remote()) {
+    // Listed (its revision pinned for the stages) with the model's credentials, and its small
+    // files (config, tokenizer) fetched into a scratch directory where they are read.
+    w.model_uri = s.model_uri;
+    w.model_files = absl::StrJoin(s.model_files, ",");
+    w.model_path = kModelMount;
+    volumes.push_back({{"name", "model"}, {"emptyDir", {{"sizeLimit", "1Gi"}}}});
+    mounts.push_back({{"name", "model"}, {"mountPath", kModelMount}});
+    if (!s.model_secret.empty()) {
+      w.credentials_dir = kCredentialsMount;
+      volumes.push_back({{"name", "model-credentials"},
+                         {"secret", {{"secretName", s.model_secret}, {"defaultMode", 0440}}}});
+      mounts.push_back(
+          {{"name", "model-credentials"}, {"mountPath", kCredentialsMount}, {"readOnly", true}});
+    }
+  } else {
+    const ModelFiles files = StageModelFiles(m);
+    w.model_path = files.path;
+    volumes = files.volumes;
+    mounts = files.mounts;
+  }
   json env = json::array();
   for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});
+  if (uri.remote()) {
+    for (json& e : SpecEnv(m)) env.push_back(std::move(e));
+  }
   json labels = Labels(m);
   labels[kRoleLabel] = kInspectRole;
   json container = {{"name", "inspect"},
@@ -392,7 +538,7 @@ json BuildInspectPod(const ModelView& m) {
                     {"terminationMessagePath", "/dev/termination-log"},
                     {"terminationMessagePolicy", "FallbackToLogsOnError"},
                     {"env", env},
-                    {"volumeMounts", json::array({ModelVolumeMount()})},
+                    {"volumeMounts", mounts},
                     {"securityContext", m.defaults.security_context},
                     // It reads a config and a tokenizer: small, and stated, so that a namespace
                     // whose quota wants requests and limits admits it (and no GPU).
@@ -405,7 +551,7 @@ json BuildInspectPod(const ModelView& m) {
                {"terminationGracePeriodSeconds", 5},
                {"securityContext", m.defaults.pod_security_context},
                {"containers", json::array({container})},
-               {"volumes", json::array({ModelVolume(uri)})}};
+               {"volumes", volumes}};
   AddScheduling(s, spec);
   return {{"apiVersion", "v1"},
           {"kind", "Pod"},
@@ -460,21 +606,21 @@ json BuildLeadersService(const ModelView& m) {
 json BuildRouterDeployment(const ModelView& m) {
   const ShardedModelSpec& s = m.model.spec;
   const std::string& name = m.model.name;
-  const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
+  const ModelFiles files = RouterModelFiles(m);
   json labels = Labels(m);
   labels[kRoleLabel] = kRouterRole;
   RouterEnv r;  // the router's contract (api/router_env.h)
   r.leaders = absl::StrCat("dns:", name, "-leaders.", m.model.namespace_, ".svc:", s.port);
   r.port = static_cast<int>(s.port);
-  r.model_path = ModelPath(uri);
+  r.model_path = files.path;
   r.deployment = name;
   r.token_file = absl::StrCat(kRouterTokenMount, "/token");
   if (!s.api_key_secret.empty()) r.api_keys_file = kApiKeysMount;
   ApplyServing(s, r);
   json env = json::array();
   for (const auto& [k, v] : r.ToEnv()) env.push_back({{"name", k}, {"value", v}});
-  json volumes = json::array({ModelVolume(uri)});
-  json mounts = json::array({ModelVolumeMount()});
+  json volumes = files.volumes;
+  json mounts = files.mounts;
   AddLeaderSecrets(m, volumes, mounts);
   json probe = {{"httpGet", {{"path", "/readyz"}, {"port", s.port}}},
                 {"periodSeconds", 2},
@@ -508,6 +654,7 @@ json BuildRouterDeployment(const ModelView& m) {
                            {"labelSelector", {{"matchLabels", labels}}}}}}})}}}}},
       {"containers", json::array({container})},
       {"volumes", volumes}};
+  if (!files.init.is_null()) pod_spec["initContainers"] = json::array({files.init});
   AddScheduling(s, pod_spec);  // the nodes that have the model's files
   json meta = ChildMeta(m, name + "-router");
   meta["labels"][kRoleLabel] = kRouterRole;

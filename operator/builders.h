@@ -70,6 +70,12 @@ inline constexpr int kPeerTimeoutMs = 10000;
 // image's user, and fsGroup so that the mounted Secrets (mode 0440) are readable by the ranks.
 struct WorkerDefaults {
   std::vector<ShardedModelSpec::EnvVar> env;
+  // Each node's cache of remote models (hf://, s3://, oci://): a directory of the node's and the
+  // most it may hold (0: no limit; beyond it the least recently used models no pod holds go).
+  struct ModelCache {
+    std::string host_path = "/var/lib/shardserve/models";
+    int64_t size_limit = 0;
+  } model_cache;
   json resources = json::object();
   json security_context = {{"runAsNonRoot", true},
                            {"runAsUser", 65532},
@@ -81,7 +87,8 @@ struct WorkerDefaults {
                                {"seccompProfile", {{"type", "RuntimeDefault"}}}};
 };
 
-// {"env": [...], "resources": {...}, "securityContext": {...}, "podSecurityContext": {...}};
+// {"env": [...], "resources": {...}, "securityContext": {...}, "podSecurityContext": {...},
+//  "modelCache": {"hostPath": "/var/lib/shardserve/models", "sizeLimit": "500Gi"}};
 // absent keys keep the defaults above. InvalidArgument names the key.
 absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j);
 
@@ -113,6 +120,15 @@ struct ModelView {
   std::vector<LayerRange> stage_layers;
   std::optional<SpecPlan> memory;
   std::string auto_for;  // parallelism auto: the revision of the spec the sizes were chosen for
+  // A remote model as the inspect pod resolved it (status.model.source): the revision every
+  // stage fetches, and its directory in a node's cache. Set with the footprint.
+  struct Source {
+    std::string revision;
+    std::string dir;
+    int64_t bytes = 0;
+    int64_t files = 0;
+  };
+  std::optional<Source> source;
 };
 
 // The plan's sizes into the spec; where parallelism says auto, the revision also hashes them (a

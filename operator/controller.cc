@@ -80,24 +80,26 @@ void SlimPod(json& pod) {
   for (const json& c : pod["status"].value("conditions", json::array())) {
     status["conditions"].push_back(Pick(c, {"type", "status", "reason", "message"}));
   }
-  for (const json& c : pod["status"].value("containerStatuses", json::array())) {
-    json cs = Pick(c, {"name", "restartCount"});
-    if (c.contains("state")) {
-      if (c["state"].contains("running")) cs["state"]["running"] = json::object();
-      // Why a container ended or cannot start, as one line (reconcile.cc quotes it); whole (4 KiB,
-      // what Kubernetes keeps) for an ended one: an inspect pod's report is read back.
-      for (const char* state : {"terminated", "waiting"}) {
-        if (!c["state"].contains(state) || !c["state"][state].is_object()) continue;
-        json& out = cs["state"][state];
-        out = Pick(c["state"][state], {"exitCode", "reason"});
-        const json& message = c["state"][state].value("message", json());
-        if (message.is_string()) {
-          out["message"] =
-              LastLine(message.get<std::string>(), std::string(state) == "terminated" ? 4096 : 300);
+  for (const char* list : {"initContainerStatuses", "containerStatuses"}) {
+    for (const json& c : pod["status"].value(list, json::array())) {
+      json cs = Pick(c, {"name", "restartCount"});
+      if (c.contains("state")) {
+        if (c["state"].contains("running")) cs["state"]["running"] = json::object();
+        // Why a container ended or cannot start, as one line (reconcile.cc quotes it); whole (4
+        // KiB, what Kubernetes keeps) for an ended one: an inspect pod's report is read back.
+        for (const char* state : {"terminated", "waiting"}) {
+          if (!c["state"].contains(state) || !c["state"][state].is_object()) continue;
+          json& out = cs["state"][state];
+          out = Pick(c["state"][state], {"exitCode", "reason"});
+          const json& message = c["state"][state].value("message", json());
+          if (message.is_string()) {
+            out["message"] = LastLine(message.get<std::string>(),
+                                      std::string(state) == "terminated" ? 4096 : 300);
+          }
         }
       }
+      status[list].push_back(std::move(cs));
     }
-    status["containerStatuses"].push_back(std::move(cs));
   }
   json spec = {{"containers", containers}};
   if (pod["spec"].contains("nodeName")) spec["nodeName"] = pod["spec"]["nodeName"];
@@ -483,6 +485,30 @@ std::string Controller::RanksStarting(const PodView& pod, int64_t tensor) {
   return out;
 }
 
+void Controller::FetchProgress(PodView& pod) {
+  pod.startup = absl::StrCat("stage ", pod.stage, ": fetching the model");
+  absl::StatusOr<std::string> body =
+      http::Get(pod.pod_ip, kMetricsPortBase, "/startupz", kStartupAsk, kStartupBytes);
+  if (!body.ok()) return;
+  const json j = json::parse(*body, nullptr, false);
+  if (!j.is_object()) return;
+  const std::string state = Field(j, "state");
+  if (!state.empty()) {
+    pod.startup = absl::StrCat("stage ", pod.stage, ": ", LastLine(state).substr(0, 200));
+  }
+  const json d = j.value("download", json());
+  if (d.is_object() && d.value("bytes", json()).is_number_integer() &&
+      d.value("total", json()).is_number_integer() && d.value("rate", json()).is_number() &&
+      d.value("eta", json()).is_number()) {
+    PodView::Download dl;
+    dl.bytes = std::max<int64_t>(0, d["bytes"].get<int64_t>());
+    dl.total = std::max<int64_t>(0, d["total"].get<int64_t>());
+    dl.rate = std::max(0.0, d["rate"].get<double>());
+    dl.eta = d["eta"].get<double>();
+    pod.download = dl;
+  }
+}
+
 PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time now,
                               int64_t tensor) {
   PodView v = ReadPod(pod);
@@ -493,6 +519,8 @@ PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time
     v.startup = absl::StrCat(
         "stage ", v.stage, ": ",
         news.pulling ? absl::StrCat("pulling image ", v.image) : "creating its container");
+  } else if (v.fetching && !v.pod_ip.empty()) {
+    FetchProgress(v);
   } else if (tensor > 0 && v.phase == "Running" && !v.ready && !v.pod_ip.empty()) {
     v.startup = RanksStarting(v, tensor);
   }
@@ -715,6 +743,7 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   std::string unplannable;
   if (shape.state == ShapeView::State::kKnown) {
     m.footprint = shape.footprint;
+    m.source = shape.source;
     auto plan = PlanModel(m, old_status);
     if (plan.ok()) {
       m.stage_layers = plan->choice.layers;
@@ -729,7 +758,7 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   if (!unplannable.empty()) {  // the replicas that run keep running, as for an invalid spec
     pass.status = InvalidStatus(generation, unplannable, old_status, now, pass.events);
     if (m.footprint) {
-      pass.status["model"] = ModelStatus(m.model.spec.model_uri, *m.footprint);
+      pass.status["model"] = ModelStatus(m.model.spec.model_uri, *m.footprint, m.source);
     } else {
       pass.status.erase("model");  // of an earlier uri
     }
@@ -757,6 +786,7 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   for (int64_t i = 0; i < d.replans; ++i) metrics_->AddPlacementFailure(key, "Unschedulable");
   if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
   pass.status = BuildStatus(m, generation, d, outcome, old_status, now, pass.events);
+  ApplyDownloads(pass.pods, m.model.spec.model_uri, old_status, pass.status, pass.events);
   pass.events.insert(pass.events.begin(), d.events.begin(), d.events.end());
   if (std::optional<Event> e = PlacedEvent(outcome, m.revision)) pass.events.push_back(*e);
   metrics_->SetReplicas(key, ReplicasByPhase(d));

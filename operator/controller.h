@@ -125,6 +125,8 @@ class Controller {
   KubeletNews EventsOf(const std::string& ns, const PodView& pod);
   // What the `tensor` ranks of a running pod that is not ready say they are doing (each rank's
   // /startupz, bounded in time and size), as the replica's status quotes it.
+  // What a pod's fetch step says (its /startupz): into its startup line and its download.
+  void FetchProgress(PodView& pod);
   std::string RanksStarting(const PodView& pod, int64_t tensor);
   // ReadPod, and for a pod that is not ready, what holds it: for one whose volumes stay
   // unmounted past a grace period, why (stuck); otherwise what it is doing (startup), from its

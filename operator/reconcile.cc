@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/text.h"
 
 namespace shardserve::op {
 namespace {
@@ -140,6 +141,28 @@ PodView ReadPod(const json& pod) {
       v.unschedulable_message = c.value("message", "");
     }
   }
+  // A remote model's fetch step (an init container): running, or failed (it names why).
+  for (const json& c : status.value("initContainerStatuses", json::array())) {
+    const json& state = c.value("state", json::object());
+    if (state.contains("running") && c.value("name", "") == "fetch") v.fetching = true;
+    const json& waiting = state.value("waiting", json());
+    if (waiting.is_object() && waiting.value("reason", "") == "ContainerCreating") {
+      v.creating = true;
+    }
+    if (waiting.is_object() && v.stuck.empty() && Stuck(waiting.value("reason", ""))) {
+      v.stuck =
+          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), ": ",
+                       waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
+    }
+    const json& term = state.value("terminated", json());
+    if (term.is_object() && term.value("exitCode", 0) != 0 && v.failure.empty()) {
+      v.failure =
+          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
+                       term.value("exitCode", 0), " (", term.value("reason", "no reason"), ")");
+      const std::string why = LastLine(term.value("message", ""));
+      if (!why.empty()) absl::StrAppend(&v.failure, ": ", why);
+    }
+  }
   for (const json& c : status.value("containerStatuses", json::array())) {
     v.restarts += c.value("restartCount", int64_t{0});
     if (c.contains("state") && c["state"].contains("running")) v.started = true;
@@ -177,20 +200,59 @@ PodView ReadPod(const json& pod) {
   return v;
 }
 
-json ModelStatus(const std::string& uri, const ModelFootprint& footprint) {
-  return {{"uri", uri},
-          {"shape", ShapeToJson(footprint.shape)},
-          {"footprint", FootprintToJson(footprint)}};
+json ModelStatus(const std::string& uri, const ModelFootprint& footprint,
+                 const std::optional<ModelView::Source>& source) {
+  json out = {{"uri", uri},
+              {"shape", ShapeToJson(footprint.shape)},
+              {"footprint", FootprintToJson(footprint)}};
+  if (source) {
+    out["source"] = {{"revision", source->revision},
+                     {"dir", source->dir},
+                     {"bytes", source->bytes},
+                     {"files", source->files}};
+  }
+  return out;
+}
+
+std::optional<ModelView::Source> SourceFromJson(const json& j) {
+  if (!j.is_object()) return std::nullopt;
+  ModelView::Source s;
+  const json revision = j.value("revision", json()), dir = j.value("dir", json());
+  const json bytes = j.value("bytes", json()), files = j.value("files", json());
+  if (!revision.is_string() || !dir.is_string() || !bytes.is_number_integer() ||
+      !files.is_number_integer()) {
+    return std::nullopt;
+  }
+  s.revision = revision.get<std::string>();
+  s.dir = dir.get<std::string>();
+  s.bytes = bytes.get<int64_t>();
+  s.files = files.get<int64_t>();
+  // A directory under the node's cache (it becomes a mount's subPath): relative, no '..', and a
+  // revision as the fetch step takes it (one argument, printable).
+  const auto printable = [](const std::string& t) {
+    return !t.empty() && t.size() <= 512 &&
+           std::all_of(t.begin(), t.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+  };
+  if (!printable(s.revision) || !printable(s.dir) || s.dir[0] == '/' ||
+      s.dir.find("..") != std::string::npos || s.bytes < 0 || s.files < 0) {
+    return std::nullopt;
+  }
+  return s;
 }
 
 ShapeView ReadShape(const std::string& uri, const json& status, const PodView* pod) {
   ShapeView out;
+  const auto parsed = ParseModelUri(uri);
+  const bool remote = parsed.ok() && parsed->remote();
   const json model = status.is_object() ? status.value("model", json::object()) : json::object();
   if (model.is_object() && model.value("uri", "") == uri) {
     auto footprint = FootprintFromJson(model.value("footprint", json()));
-    if (footprint.ok()) {  // a status without one (an earlier operator's) is read again
+    auto source = SourceFromJson(model.value("source", json()));
+    // A status without them (an earlier operator's) is read again.
+    if (footprint.ok() && (source || !remote)) {
       out.state = ShapeView::State::kKnown;
       out.footprint = *footprint;
+      out.source = source;
       out.delete_pod = pod != nullptr;
       return out;
     }
@@ -210,13 +272,18 @@ ShapeView ReadShape(const std::string& uri, const json& status, const PodView* p
     return out;
   }
   if (pod->phase == "Succeeded") {
-    auto footprint = FootprintFromJson(json::parse(pod->report, nullptr, false));
-    if (footprint.ok()) {
+    const json report = json::parse(pod->report, nullptr, false);
+    auto footprint = FootprintFromJson(report);
+    auto source = SourceFromJson(report.is_object() ? report.value("source", json()) : json());
+    if (footprint.ok() && (source || !remote)) {
       out.state = ShapeView::State::kKnown;
       out.footprint = *footprint;
+      out.source = source;
       out.delete_pod = true;
       return out;
     }
+    if (footprint.ok())
+      footprint = absl::InvalidArgumentError("no source (revision, dir) for a remote model");
     out.state = ShapeView::State::kFailed;
     out.message = absl::StrCat("pod ", pod->name, " reported '", pod->report.substr(0, 200),
                                "', not the model's footprint: ", footprint.status().message(),
@@ -535,6 +602,54 @@ std::optional<Event> PlacedEvent(const PlacementOutcome& outcome, const std::str
       absl::StrCat("revision ", revision, ": replica ", absl::StrJoin(placed, "; replica "))};
 }
 
+void ApplyDownloads(const std::vector<PodView>& pods, const std::string& uri,
+                    const json& old_status, json& status, std::vector<Event>& events) {
+  // The pods of a node that fetch at once wait for one download and say its numbers: a node's
+  // is the furthest any of its pods reports.
+  std::map<std::string, PodView::Download> by_node;
+  std::map<std::string, std::vector<std::string>> pods_of;
+  for (const PodView& p : pods) {
+    if (!p.fetching || p.node.empty() || p.deleting) continue;
+    pods_of[p.node].push_back(p.name);
+    PodView::Download& d = by_node[p.node];
+    if (p.download && p.download->bytes >= d.bytes) d = *p.download;
+  }
+  std::set<std::string> before;
+  for (const json& e : old_status.value("downloads", json::array())) {
+    if (e.is_object() && e.value("node", json()).is_string()) before.insert(e["node"]);
+  }
+  json downloads = json::array();
+  for (const auto& [node, d] : by_node) {
+    json e = {{"node", node},
+              {"bytes", d.bytes},
+              {"totalBytes", d.total},
+              {"bytesPerSecond", static_cast<int64_t>(d.rate)},
+              {"pods", pods_of[node]}};
+    if (d.eta >= 0) e["etaSeconds"] = static_cast<int64_t>(d.eta);
+    downloads.push_back(std::move(e));
+    if (!before.count(node)) {
+      events.push_back(
+          {"Normal", "Downloading",
+           absl::StrCat("node ", node, ": fetching ", uri,
+                        d.total > 0 ? absl::StrCat(" (", HumanBytes(d.total), ")") : "",
+                        " into its model cache")});
+    }
+  }
+  for (const std::string& node : before) {
+    if (!by_node.count(node)) {
+      events.push_back({"Normal", "Downloaded",
+                        absl::StrCat("node ", node, ": ", uri, " is in its model cache")});
+    }
+  }
+  if (downloads.empty()) {
+    status.erase("downloads");
+    return;
+  }
+  status["downloads"] = downloads;
+  const std::string phase = status.value("phase", "");
+  if (phase == "Progressing" || phase == "Pending") status["phase"] = "Downloading";
+}
+
 std::map<std::string, int64_t> ReplicasByPhase(const Decision& d) {
   std::map<std::string, int64_t> by_phase;
   for (const ReplicaState& r : d.replicas) ++by_phase[PhaseName(r.phase)];
@@ -710,7 +825,7 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
       {"plan", plan},
       {"replicaStatuses", replicas},
       {"conditions", Conditions(c, generation, old_status, now, events)}};
-  if (m.footprint) out["model"] = ModelStatus(spec.model_uri, *m.footprint);
+  if (m.footprint) out["model"] = ModelStatus(spec.model_uri, *m.footprint, m.source);
   return out;
 }
 

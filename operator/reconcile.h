@@ -55,6 +55,13 @@ struct PodView {
   std::string failure;    // why it failed ("" while it has not)
   std::string stuck;      // why it cannot start (its image, a volume), "" when nothing holds it
   bool creating = false;  // bound, its containers not yet created (volumes being mounted)
+  bool fetching = false;  // its fetch step (a remote model into the node's cache) runs
+  // What the fetch step says of the node's download (its /startupz): bytes, total, rate, ETA.
+  struct Download {
+    int64_t bytes = 0, total = 0;
+    double rate = 0, eta = -1;
+  };
+  std::optional<Download> download;
   std::string model_uri;  // the inspect pod's: the uri it reads (kModelUriAnnotation)
   std::string report;     // the termination message of its (last) ended container
   std::string pod_ip;     // status.podIP
@@ -75,16 +82,22 @@ struct ShapeView {
   enum class State { kKnown, kReading, kFailed };
   State state = State::kReading;
   ModelFootprint footprint;  // kKnown: what the memory plan weighs, with the model's shape
-  std::string message;       // kReading: what it waits on; kFailed: why
-  bool blocked = false;      // kReading: the inspect pod cannot start (its image, its volume)
-  bool create_pod = false;   // no inspect pod reads this uri: create one
-  bool delete_pod = false;   // the inspect pod has done its work (or reads another uri)
+  // kKnown, a remote model: the revision the inspect pod resolved and its cache directory
+  std::optional<ModelView::Source> source;
+  std::string message;      // kReading: what it waits on; kFailed: why
+  bool blocked = false;     // kReading: the inspect pod cannot start (its image, its volume)
+  bool create_pod = false;  // no inspect pod reads this uri: create one
+  bool delete_pod = false;  // the inspect pod has done its work (or reads another uri)
 };
 // From status.model while it is of `uri`, else from the inspect pod (null: none). A failed
 // reading stays (its pod says why) until the uri changes or someone deletes the pod.
 ShapeView ReadShape(const std::string& uri, const json& status, const PodView* inspect_pod);
-// status.model: {"uri": ..., "shape": {...}, "footprint": {...}}.
-json ModelStatus(const std::string& uri, const ModelFootprint& footprint);
+// status.model: {"uri": ..., "shape": {...}, "footprint": {...}, "source": {...}}; a remote
+// model's source: {"revision", "dir", "bytes", "files"} (SourceFromJson checks what it reads
+// back: the directory becomes a mount's subPath).
+json ModelStatus(const std::string& uri, const ModelFootprint& footprint,
+                 const std::optional<ModelView::Source>& source);
+std::optional<ModelView::Source> SourceFromJson(const json& j);
 
 struct Timing {
   absl::Duration unschedulable_timeout = absl::Minutes(2);
@@ -222,6 +235,12 @@ void ApplyPlacement(const PlacementOutcome& outcome, const std::string& revision
 // The Event of the replicas placed in this pass ("revision R: replica 0 on n1, n2; replica 1
 // on ..."), none when none were.
 std::optional<Event> PlacedEvent(const PlacementOutcome& outcome, const std::string& revision);
+// status.downloads: each node where pods fetch the remote model `uri` (their fetch steps'
+// /startupz), its bytes, total, rate and ETA; the phase Downloading while a download runs and
+// nothing has failed; events Downloading and Downloaded as a node's download starts and ends.
+void ApplyDownloads(const std::vector<PodView>& pods, const std::string& uri,
+                    const json& old_status, json& status, std::vector<Event>& events);
+
 // How many replicas are in each phase (by PhaseName), for the operator's metrics.
 std::map<std::string, int64_t> ReplicasByPhase(const Decision& d);
 

@@ -7,13 +7,16 @@
 //           SHARDSERVE_RESULT_FILE. The other ranks keep serving until the leader stops them.
 //   inspect reads the model at SHARDSERVE_MODEL_PATH (its config and tokenizer) and prints its
 //           shape (plan/layer_split.h), also as the termination message: the operator runs it in
-//           a pod of its own to plan the layer split before any rank starts.
+//           a pod of its own to plan the layer split before any rank starts. A remote model
+//           (SHARDSERVE_MODEL_URI) is listed first, its revision pinned in the report ("source")
+//           and its small files fetched into SHARDSERVE_MODEL_PATH.
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -22,6 +25,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/world.h"
 #include "common/log.h"
@@ -33,6 +37,8 @@
 #include "serve/api_server.h"
 #include "serve/generate_wire.h"
 #include "serve/rank_runtime.h"
+#include "source/model_cache.h"
+#include "source/model_source.h"
 #include "tokenizer/tokenizer.h"
 
 namespace shardserve {
@@ -43,6 +49,12 @@ absl::Status Launch(const WorkerEnv& env) {
   SetLogIdentity(absl::StrCat("stage ", cfg.env.stage, " launcher"));
   ASSIGN_OR_RETURN(WorldConfig world,
                    WorldConfig::Create(cfg.env.tp, cfg.env.pp, cfg.env.stage * cfg.env.tp));
+  // A model of the node's cache (a remote uri): held while the stage runs, so that the cache's
+  // eviction passes over it (source/model_cache.h). The descriptor lives as long as the process.
+  if (std::filesystem::exists(cfg.env.model_path + "/.inuse")) {
+    ASSIGN_OR_RETURN(const int held, source::HoldInUse(cfg.env.model_path));
+    (void)held;
+  }
   std::vector<Child> ranks;
   const std::string self = SelfDirectory() + "/shardserve-worker";
   for (int t = 0; t < cfg.env.tp; ++t) {
@@ -194,18 +206,69 @@ absl::Status RunOneRank(const WorkerEnv& env) {
   return absl::OkStatus();
 }
 
+// A remote model's listing, pinned for the stages (status.model.source), and its small files (the
+// config, the tokenizer: not the weights) fetched into `scratch`, where Inspect reads them.
+struct Listed {
+  std::string dir;  // where the small files are
+  nlohmann::json source;
+};
+
+absl::StatusOr<Listed> ListRemote(const WorkerEnv& env, const std::string& scratch) {
+  ASSIGN_OR_RETURN(const ModelUri uri, ParseModelUri(env.model_uri));
+  const std::vector<std::string> patterns =
+      absl::StrSplit(env.model_files, ',', absl::SkipWhitespace());
+  ASSIGN_OR_RETURN(const source::ModelListing listing,
+                   source::ListModel(uri, env.model_uri, patterns,
+                                     source::SecretEnv(env.credentials_dir, ProcessEnv)));
+  std::vector<source::RemoteFile> small;
+  int64_t bytes = 0;
+  bool config = false;
+  for (const source::RemoteFile& f : listing.files) {
+    bytes += f.size;
+    const bool weights = absl::EndsWith(f.path, ".safetensors") ||
+                         absl::EndsWith(f.path, ".gguf") || absl::EndsWith(f.path, ".bin") ||
+                         absl::EndsWith(f.path, ".pt") || absl::EndsWith(f.path, ".pth");
+    if (!weights && f.size <= (int64_t{64} << 20)) small.push_back(f);
+    config |= f.path == "config.json";
+  }
+  if (!config) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        env.model_uri, " lists no config.json",
+        patterns.empty() ? "" : " among the files spec.model.files chooses",
+        " (a cluster reads a remote model's shape from it; a GGUF file is served from pvc:// or "
+        "hostpath:// on a cluster)"));
+  }
+  ASSIGN_OR_RETURN(const source::FetchReport r,
+                   source::Materialize(absl::StrCat(scratch, "/", listing.root), env.model_uri,
+                                       listing.key, small));
+  return Listed{r.dir,
+                {{"revision", listing.revision},
+                 {"dir", listing.dir()},
+                 {"bytes", bytes},
+                 {"files", listing.files.size()}}};
+}
+
 absl::Status Inspect(const WorkerEnv& env) {
   if (env.model_path.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", kModelPathEnv, " is not set"));
   }
-  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(env.model_path));
-  RETURN_IF_ERROR(Tokenizer::Load(env.model_path).status());  // the leader would fail on it later
+  std::string dir = env.model_path;
+  nlohmann::json source;
+  if (!env.model_uri.empty()) {  // remote: model_path is a scratch directory
+    ASSIGN_OR_RETURN(Listed listed, ListRemote(env, env.model_path));
+    dir = listed.dir;
+    source = std::move(listed.source);
+  }
+  ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  RETURN_IF_ERROR(Tokenizer::Load(dir).status());  // the leader would fail on it later
   // What the memory plan weighs, with the shape the layer split weighs (the config's, as the
   // ranks will compute it); one line, well inside a termination message's 4 KiB.
-  ASSIGN_OR_RETURN(ModelFootprint footprint, LoadFootprint(env.model_path));
+  ASSIGN_OR_RETURN(ModelFootprint footprint, LoadFootprint(dir));
   footprint.shape = config.shape();
-  const std::string report = FootprintToJson(footprint).dump();
+  nlohmann::json out = FootprintToJson(footprint);
+  if (!source.is_null()) out["source"] = source;
+  const std::string report = out.dump();
   if (report.size() > 4000) {  // Kubernetes keeps 4096 bytes of a termination message
     return absl::FailedPreconditionError(
         absl::StrCat("the model's footprint is ", report.size(), " bytes (its layers differ in ",

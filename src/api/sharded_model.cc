@@ -210,6 +210,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(model.String("name", s.model_name));
   RETURN_IF_ERROR(model.String("uri", s.model_uri));
   RETURN_IF_ERROR(model.Strings("files", s.model_files, 256));
+  RETURN_IF_ERROR(model.String("secret", s.model_secret));
   RETURN_IF_ERROR(model.NoOthers());
   Fields par(spec.Get("parallelism"), "spec.parallelism");
   RETURN_IF_ERROR(par.CheckMap());
@@ -426,6 +427,7 @@ absl::StatusOr<int64_t> ParseByteQuantity(const std::string& text, const std::st
 
 absl::Status ValidateShardedModel(const ShardedModel& m) {
   static const std::regex kDnsLabel("[a-z0-9]([-a-z0-9]*[a-z0-9])?");
+  static const std::regex kDnsSubdomain("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
   // Pods are named <name>-<replica>-<stage> and must stay within 63 characters.
   if (m.name.empty() || m.name.size() > 45 || !std::regex_match(m.name, kDnsLabel)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -442,6 +444,17 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
         "spec.model.files chooses which files of a remote model (s3://, hf://, oci://) to fetch; "
         "spec.model.uri '",
         s.model_uri, "' is read as it is"));
+  }
+  if (!s.model_secret.empty() && !uri.remote()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.model.secret holds a remote model's credentials (s3://, hf://, oci://); "
+        "spec.model.uri '",
+        s.model_uri, "' needs none"));
+  }
+  if (!s.model_secret.empty() &&
+      (s.model_secret.size() > 253 || !std::regex_match(s.model_secret, kDnsSubdomain))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.model.secret '", s.model_secret, "' is not a Secret's name"));
   }
   RETURN_IF_ERROR(AtLeast("spec.parallelism.tensor", s.tensor, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.pipeline", s.pipeline, 1));
@@ -485,7 +498,6 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
           absl::StrCat(field, " must be between 1 and ", kMaxStartupSeconds, ", got ", v));
     }
   }
-  static const std::regex kDnsSubdomain("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
   if (!s.api_key_secret.empty() &&
       (s.api_key_secret.size() > 253 || !std::regex_match(s.api_key_secret, kDnsSubdomain))) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.apiKeySecret '", s.api_key_secret,

@@ -55,6 +55,11 @@ struct ShardedModelSpec {
   // spec.model.files: which of a remote model's files to fetch (shell patterns of their paths
   // under the uri; empty: all).
   std::vector<std::string> model_files;
+  // spec.model.secret: a Secret in the model's namespace with the remote source's credentials,
+  // its keys named as the variables every client reads (HF_TOKEN; AWS_ACCESS_KEY_ID,
+  // AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN; an image pull Secret's .dockerconfigjson); mounted
+  // only where the model is listed and fetched, never where its ranks run.
+  std::string model_secret;
   // parallelism.tensor / pipeline; "auto" sets the flag and leaves 1 until a plan that knows the
   // model's memory and the nodes' GPUs chooses (plan/memory.h: ChooseParallelism).
   int64_t tensor = 1;

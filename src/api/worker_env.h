@@ -42,6 +42,8 @@ inline constexpr char kPodIpEnv[] = "SHARDSERVE_POD_IP";
 // Where the first fatal error goes (read even when the rest of the contract is malformed).
 inline constexpr char kTerminationLogEnv[] = "SHARDSERVE_TERMINATION_LOG";
 inline constexpr char kModelPathEnv[] = "SHARDSERVE_MODEL_PATH";
+// The node the pod runs on (the metrics' `node` label): the downward API's spec.nodeName.
+inline constexpr char kNodeNameEnv[] = "SHARDSERVE_NODE_NAME";
 inline constexpr char kSecretFileEnv[] = "SHARDSERVE_RENDEZVOUS_SECRET_FILE";
 inline constexpr char kBackendEnv[] = "SHARDSERVE_BACKEND";
 inline constexpr char kApiKeyEnv[] = "SHARDSERVE_API_KEY";
@@ -63,6 +65,15 @@ struct WorkerEnv {
   std::string model_path;            // required
   std::string model_name = "model";  // the name served on the API
   std::string deployment;            // the metrics' `model` label ("": model_name)
+  // A remote model (spec.model.uri hf://, s3://, oci://; source/model_source.h): the inspect
+  // step lists it and fetches its small files into model_path (a scratch directory), with the
+  // credentials of a mounted Secret; a stage's fetch step (`shardserve fetch`, an init container)
+  // wrote what it did to fetch_report, which the metrics read.
+  std::string model_uri;
+  std::string model_files;  // spec.model.files, comma-separated
+  std::string credentials_dir;
+  std::string fetch_report;
+  std::string node_name;
   int replica = 0;
   std::string job_id;  // names the replica's shared memory
   // The shape and this process's place in it.

@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -17,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "api/sharded_model.h"
+#include "api/worker_env.h"
 #include "common/args.h"
 #include "common/status.h"
 #include "common/text.h"
@@ -28,41 +28,6 @@ namespace {
 
 using json = nlohmann::json;
 namespace fs = std::filesystem;
-
-constexpr size_t kMaxCredential = 1 << 20;
-
-// The environment, with the files of a mounted Secret first: a file named as a variable stands
-// for it; a registry's .dockerconfigjson becomes REGISTRY_AUTH_FILE.
-class CredentialEnv {
- public:
-  explicit CredentialEnv(const std::string& dir) {
-    if (dir.empty()) return;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(dir, ec)) {
-      const std::string name = e.path().filename().string();
-      // A Secret's volume holds each key as a link into a ..data directory; names of variables
-      // are letters, digits and '_'.
-      if (name.empty() || name[0] == '.') continue;
-      if (!e.is_regular_file(ec) || e.file_size(ec) > kMaxCredential) continue;
-      absl::StatusOr<std::string> read = ReadFileToString(e.path().string());
-      if (!read.ok()) continue;
-      std::string v = *std::move(read);
-      while (!v.empty() && (v.back() == '\n' || v.back() == '\r')) v.pop_back();
-      values_[name] = v;
-    }
-    if (fs::exists(dir + "/.dockerconfigjson", ec)) {
-      values_["REGISTRY_AUTH_FILE"] = dir + "/.dockerconfigjson";
-      values_["DOCKER_CONFIG"] = "";  // the Secret's, not one of the image
-    }
-  }
-  const char* operator()(const char* name) const {
-    if (auto it = values_.find(name); it != values_.end()) return it->second.c_str();
-    return std::getenv(name);
-  }
-
- private:
-  std::map<std::string, std::string> values_;
-};
 
 // What the fetch is doing, for /startupz: its own download, or the node's one it waits for
 // (read from the progress file the downloading process writes beside the model's directory).
@@ -154,16 +119,19 @@ absl::Status RunFetch(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(const int64_t port, a.GetInt("progress-port", -1));
   // A model just found in the cache stays out of eviction this long: its pod's ranks start next.
   ASSIGN_OR_RETURN(const int64_t grace, a.GetInt("used-grace-seconds", 600));
-  const CredentialEnv env(a.GetOr("credentials", ""));
-  const source::Env getenv = [&env](const char* n) { return env(n); };
+  const source::Env getenv = source::SecretEnv(a.GetOr("credentials", ""), ProcessEnv);
   const std::string cache = a.GetOr("cache", source::DefaultCacheRoot(getenv));
   std::vector<std::string> patterns;
   if (auto f = a.Get("files")) patterns = absl::StrSplit(*f, ',', absl::SkipWhitespace());
   const absl::Time start = absl::Now();
   ::umask(022);  // the files are read by the ranks' user, whoever fetches them
 
-  ASSIGN_OR_RETURN(const source::ModelListing listing,
+  ASSIGN_OR_RETURN(source::ModelListing listing,
                    source::ListModel(uri, uri_text, patterns, getenv, a.GetOr("revision", "")));
+  if (a.Has("small")) {  // what a router reads: not the weights, in a directory of their own
+    listing.files = source::SmallFiles(listing.files);
+    listing.key += "-small";
+  }
   const std::string dir = absl::StrCat(cache, "/", listing.dir());
   std::error_code ec;
   fs::create_directories(fs::path(dir).parent_path(), ec);
@@ -209,6 +177,11 @@ absl::Status RunFetch(const std::vector<std::string>& argv) {
                        {"evicted", room.evicted},
                        {"weak_checks", r->weak_checks},
                        {"seconds", absl::ToDoubleSeconds(absl::Now() - start)}};
+  if (auto link = a.Get("link")) {  // a path that does not depend on the revision
+    fs::remove(*link, ec);
+    fs::create_symlink(r->dir, *link, ec);
+    if (ec) return absl::InternalError(absl::StrCat("--link ", *link, ": ", ec.message()));
+  }
   if (auto file = a.Get("report")) {
     std::ofstream out(*file, std::ios::trunc);
     out << report.dump() << "\n";

@@ -153,6 +153,35 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
 
 RankMetrics::~RankMetrics() = default;
 
+void RankMetrics::SetModelFetch(const std::string& node, int64_t downloaded, bool cache_hit,
+                                int64_t cache_bytes) {
+  const std::map<std::string, std::string> labels = {{"model", labels_.model},
+                                                     {"replica", labels_.replica},
+                                                     {"stage", labels_.stage},
+                                                     {"node", node}};
+  auto& r = *registry_;
+  prometheus::BuildGauge()
+      .Name("shardserve_model_fetch_bytes")
+      .Help("Bytes the pod's fetch step downloaded into its node's model cache (0: none)")
+      .Register(r)
+      .Add(labels)
+      .Set(static_cast<double>(downloaded));
+  prometheus::BuildGauge()
+      .Name("shardserve_model_cache_hit")
+      .Help(
+          "1 when the pod found its model without downloading it (in the node's cache, or a "
+          "volume)")
+      .Register(r)
+      .Add(labels)
+      .Set(cache_hit ? 1 : 0);
+  prometheus::BuildGauge()
+      .Name("shardserve_model_cache_bytes")
+      .Help("Bytes in the node's model cache when the pod's fetch step ended (0: no cache)")
+      .Register(r)
+      .Add(labels)
+      .Set(static_cast<double>(cache_bytes));
+}
+
 LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
                              const std::string& replica)
     : labels_{{"model", model}, {"replica", replica}} {

@@ -99,6 +99,11 @@ class RankMetrics {
   void SetWeightsBytes(double bytes);
   void SetKvCacheUsage(double ratio);
   void AddTokens(double tokens);
+  // How the pod's model reached its node (a stage's first rank sets it once): the bytes its fetch
+  // step downloaded (0: none, the model was in the node's cache or is read from a volume),
+  // whether it was in the cache already, and the node cache's bytes; labelled with the `node`.
+  void SetModelFetch(const std::string& node, int64_t downloaded, bool cache_hit,
+                     int64_t cache_bytes);
 
  private:
   RankMetrics() = default;

@@ -23,6 +23,7 @@
 #include "common/process.h"
 #include "common/stall_watchdog.h"
 #include "common/status.h"
+#include "common/text.h"
 #include "metrics/rank_metrics.h"
 #include "model/sampler.h"
 #include "model/transformer.h"
@@ -133,6 +134,36 @@ class Rank : public StepExecutor {
   std::deque<StepResult> ready_;              // the leader's own results (PP = 1)
 };
 
+// How the model reached this pod (its fetch step's report, serve/../cli/fetch.h), on the
+// metrics of a stage's first rank; a model read from a volume downloaded nothing.
+void ReportModelFetch(const WorkerEnv& env, RankMetrics& metrics) {
+  std::string node = env.node_name;
+  if (node.empty()) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) == 0) node = host;
+  }
+  int64_t fetched = 0, cache_bytes = 0;
+  bool hit = true;
+  if (!env.fetch_report.empty()) {
+    absl::StatusOr<std::string> text = ReadFileToString(env.fetch_report);
+    const nlohmann::json j =
+        text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+    if (!j.is_object()) {
+      LogWarning("the fetch step's report ", env.fetch_report, " is unreadable");
+      return;
+    }
+    const auto count = [&j](const char* key) {
+      const auto it = j.find(key);
+      return it != j.end() && it->is_number_unsigned() ? it->get<int64_t>() : int64_t{0};
+    };
+    fetched = count("bytes_fetched");
+    cache_bytes = count("cache_bytes");
+    const auto it = j.find("cache_hit");
+    hit = it != j.end() && it->is_boolean() && it->get<bool>();
+  }
+  metrics.SetModelFetch(node, fetched, hit, cache_bytes);
+}
+
 absl::Status Rank::Init() {
   const int rank = world_.rank();
   if (cfg_.metrics_port >= 0) {
@@ -143,6 +174,7 @@ absl::Status Rank::Init() {
                             std::to_string(cfg_.env.stage), std::to_string(cfg_.env.tp_rank)}));
     metrics_->SetUp(false);
     LogInfo("metrics on ", cfg_.host, ":", metrics_->port(), "/metrics");
+    if (cfg_.env.tp_rank == 0) ReportModelFetch(cfg_.env, *metrics_);
   }
   auto observe = [this](const char* op, double seconds, size_t bytes) {
     if (metrics_) metrics_->ObserveComm(op, seconds, bytes);

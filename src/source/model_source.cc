@@ -1,9 +1,14 @@
 #include "source/model_source.h"
 
+#include <filesystem>
+#include <map>
+#include <memory>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/status.h"
+#include "common/text.h"
 #include "source/hf.h"
 #include "source/oci.h"
 #include "source/s3.h"
@@ -11,12 +16,44 @@
 namespace shardserve::source {
 namespace {
 
+namespace fs = std::filesystem;
+
+constexpr size_t kMaxCredential = 1 << 20;
+
 // The key of a revision, narrowed to the files chosen from it when not all are.
 std::string KeyOf(const std::string& revision, bool chosen, const std::vector<RemoteFile>& files) {
   return chosen ? absl::StrCat(revision, "-", ListingKey(files).substr(0, 12)) : revision;
 }
 
 }  // namespace
+
+Env SecretEnv(const std::string& dir, Env base) {
+  auto values = std::make_shared<std::map<std::string, std::string>>();
+  std::error_code ec;
+  if (!dir.empty()) {
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      // A Secret's volume also holds ..data and the links' targets: names of variables are
+      // letters, digits and '_'.
+      if (name.empty() || name[0] == '.' || !e.is_regular_file(ec) ||
+          e.file_size(ec) > kMaxCredential) {
+        continue;
+      }
+      absl::StatusOr<std::string> v = ReadFileToString(e.path().string());
+      if (!v.ok()) continue;
+      while (!v->empty() && (v->back() == '\n' || v->back() == '\r')) v->pop_back();
+      (*values)[name] = *std::move(v);
+    }
+    if (fs::exists(dir + "/.dockerconfigjson", ec)) {
+      (*values)["REGISTRY_AUTH_FILE"] = dir + "/.dockerconfigjson";
+      (*values)["DOCKER_CONFIG"] = "";  // the Secret's, not a config of the image
+    }
+  }
+  return [values, base = std::move(base)](const char* name) -> const char* {
+    if (auto it = values->find(name); it != values->end()) return it->second.c_str();
+    return base(name);
+  };
+}
 
 std::string DefaultCacheRoot(const Env& env) {
   if (const char* v = env("SHARDSERVE_MODEL_CACHE"); v != nullptr && *v) return v;
@@ -73,6 +110,18 @@ absl::StatusOr<ModelListing> ListModel(const ModelUri& uri, const std::string& u
     default:
       return absl::InvalidArgumentError(absl::StrCat(uri_text, " is not a remote model"));
   }
+}
+
+std::vector<RemoteFile> SmallFiles(const std::vector<RemoteFile>& files) {
+  std::vector<RemoteFile> out;
+  for (const RemoteFile& f : files) {
+    bool weights = false;
+    for (const char* ext : {".safetensors", ".gguf", ".bin", ".pt", ".pth", ".onnx", ".h5"}) {
+      weights |= absl::EndsWith(f.path, ext);
+    }
+    if (!weights && f.size <= (int64_t{64} << 20)) out.push_back(f);
+  }
+  return out;
 }
 
 absl::StatusOr<FetchReport> ResolveModel(const ModelUri& uri, const std::string& uri_text,

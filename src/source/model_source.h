@@ -36,6 +36,10 @@ absl::StatusOr<ModelListing> ListModel(const ModelUri& uri, const std::string& u
                                        const std::vector<std::string>& patterns, const Env& env,
                                        const std::string& revision = "");
 
+// The files of a model that are not its weights (config, tokenizer, chat template: what the
+// inspect step and a router read), at most 64 MiB each.
+std::vector<RemoteFile> SmallFiles(const std::vector<RemoteFile>& files);
+
 struct ResolveOptions {
   std::string cache_root;          // the model cache (DefaultCacheRoot())
   std::vector<std::string> files;  // spec.model.files; empty: all
@@ -49,6 +53,11 @@ struct ResolveOptions {
 // in errors.
 absl::StatusOr<FetchReport> ResolveModel(const ModelUri& uri, const std::string& uri_text,
                                          const ResolveOptions& options);
+
+// The environment `base`, with the files of a mounted Secret in `dir` first ("" : none): a file
+// named as a variable (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) stands for it; a registry's
+// .dockerconfigjson (an image pull Secret's key) becomes REGISTRY_AUTH_FILE.
+Env SecretEnv(const std::string& dir, Env base);
 
 // $SHARDSERVE_MODEL_CACHE, else $XDG_CACHE_HOME/shardserve/models, else
 // ~/.cache/shardserve/models.

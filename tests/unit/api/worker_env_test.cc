@@ -81,6 +81,11 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.fp8_blocks = false;
   w.cuda_attention_kernel = "split";
   w.cuda_quant_gemv = "dp4a";
+  w.model_uri = "hf://o/m";
+  w.model_files = "*.json";
+  w.credentials_dir = "/creds";
+  w.fetch_report = "/fetch/report.json";
+  w.node_name = "gpu-7";
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.

@@ -185,10 +185,97 @@ TEST(Builders, ServicesAndRevisions) {
             "/data/llama");
   auto local = ReadModel(Model("file:///tmp/llama"));
   EXPECT_NE(local.status().message().find("only shardserve local"), std::string::npos);
-  // Fetched from where it lives by shardserve local and plan; the operator does not fetch yet.
-  auto remote = ReadModel(Model("s3://models/llama"));
-  EXPECT_NE(remote.status().message().find("the operator does not fetch it yet"),
-            std::string::npos);
+}
+
+// The mount of `volume` in `container` (null: none).
+json MountOf(const json& container, const std::string& volume) {
+  for (const json& m : container.value("volumeMounts", json::array())) {
+    if (m["name"] == volume) return m;
+  }
+  return nullptr;
+}
+
+// The value after `flag` in a command (null: absent).
+json FlagOf(const json& command, const std::string& flag) {
+  for (size_t i = 0; i + 1 < command.size(); ++i) {
+    if (command[i] == flag) return command[i + 1];
+  }
+  return nullptr;
+}
+
+TEST(Builders, ARemoteModelIsFetchedIntoTheNodesCacheAndEachPodSeesOnlyItsOwn) {
+  json object = Model("hf://org/llama@main");
+  object["spec"]["model"]["files"] = json::array({"*.safetensors", "*.json"});
+  object["spec"]["model"]["secret"] = "hub-token";
+  auto d = ReadWorkerDefaults(
+      json::parse(R"({"modelCache": {"hostPath": "/var/cache/models", "sizeLimit": "100Gi"}})"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->model_cache.size_limit, int64_t{100} << 30);
+  EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"modelCache": {"hostPath": "rel"}})")).ok());
+  auto m = ReadModel(object, *d);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string commit(40, 'a');
+  m->source = ModelView::Source{commit, "hf/org--llama/" + commit, 1000, 3};
+
+  const json pod = BuildStagePod(*m, 1, 0, {"n1", "n2"});
+  ASSERT_EQ(pod["spec"]["initContainers"].size(), 1u);
+  const json& fetch = pod["spec"]["initContainers"][0];
+  const json& worker = pod["spec"]["containers"][0];
+  EXPECT_EQ(fetch["name"], "fetch");
+  EXPECT_EQ(fetch["image"], "w:1");
+  EXPECT_EQ(fetch["command"][0], "shardserve");
+  EXPECT_EQ(fetch["command"][1], "fetch");
+  EXPECT_EQ(FlagOf(fetch["command"], "--uri"), "hf://org/llama@main");
+  EXPECT_EQ(FlagOf(fetch["command"], "--revision"), commit) << "the revision inspect resolved";
+  EXPECT_EQ(FlagOf(fetch["command"], "--files"), "*.safetensors,*.json");
+  EXPECT_EQ(FlagOf(fetch["command"], "--cache-limit"), std::to_string(int64_t{100} << 30));
+  EXPECT_EQ(FlagOf(fetch["command"], "--progress-port"), std::to_string(kMetricsPortBase));
+  // The credentials reach the fetch step only.
+  EXPECT_FALSE(MountOf(fetch, "model-credentials").is_null());
+  EXPECT_EQ(FlagOf(fetch["command"], "--credentials"),
+            MountOf(fetch, "model-credentials")["mountPath"]);
+  EXPECT_TRUE(MountOf(worker, "model-credentials").is_null());
+  // The fetch step mounts the node's whole cache; the ranks their model's directory, read-only.
+  json cache_volume;
+  for (const json& v : pod["spec"]["volumes"]) {
+    if (v["name"] == "model-cache") cache_volume = v;
+  }
+  EXPECT_EQ(cache_volume["hostPath"]["path"], "/var/cache/models");
+  EXPECT_EQ(cache_volume["hostPath"]["type"], "DirectoryOrCreate");
+  EXPECT_FALSE(MountOf(fetch, "model-cache").contains("subPath"));
+  EXPECT_EQ(FlagOf(fetch["command"], "--cache"), MountOf(fetch, "model-cache")["mountPath"]);
+  const json ranks_mount = MountOf(worker, "model-cache");
+  EXPECT_EQ(ranks_mount["subPath"], "hf/org--llama/" + commit);
+  EXPECT_EQ(ranks_mount["readOnly"], true);
+  EXPECT_EQ(Env(pod, "SHARDSERVE_MODEL_PATH"), ranks_mount["mountPath"].get<std::string>());
+  EXPECT_EQ(Env(pod, "SHARDSERVE_FETCH_REPORT"), FlagOf(fetch["command"], "--report"));
+  // As root (the node's directory), without a capability or a way to gain one.
+  EXPECT_EQ(fetch["securityContext"]["runAsUser"], 0);
+  EXPECT_EQ(fetch["securityContext"]["allowPrivilegeEscalation"], false);
+  EXPECT_EQ(fetch["securityContext"]["capabilities"]["drop"], json::array({"ALL"}));
+  EXPECT_EQ(worker["securityContext"]["runAsUser"], 65532);
+  // Endpoints and regions from the model's env reach the fetch step.
+  EXPECT_NE(fetch["env"].dump().find("NCCL_DEBUG"), std::string::npos);
+
+  // The inspect pod lists it (and pins the revision) with the credentials, into a scratch dir.
+  const json inspect = BuildInspectPod(*m);
+  EXPECT_EQ(Env(inspect, "SHARDSERVE_MODEL_URI"), "hf://org/llama@main");
+  EXPECT_EQ(Env(inspect, "SHARDSERVE_MODEL_FILES"), "*.safetensors,*.json");
+  EXPECT_EQ(Env(inspect, "SHARDSERVE_CREDENTIALS_DIR"),
+            MountOf(inspect["spec"]["containers"][0], "model-credentials")["mountPath"]);
+  EXPECT_EQ(inspect["spec"]["volumes"].dump().find("hostPath"), std::string::npos);
+
+  // A router fetches the small files (its tokenizer) into its own pod, never the node's cache.
+  const json router = BuildRouterDeployment(*m)["spec"]["template"];
+  const json& rfetch = router["spec"]["initContainers"][0];
+  EXPECT_NE(std::find(rfetch["command"].begin(), rfetch["command"].end(), "--small"),
+            rfetch["command"].end());
+  EXPECT_EQ(router["spec"]["volumes"].dump().find("hostPath"), std::string::npos);
+  EXPECT_EQ(rfetch["securityContext"]["runAsUser"], 65532);
+
+  // A model read from a volume has no fetch step.
+  auto pvc = ReadModel(Model(), *d);
+  EXPECT_FALSE(BuildStagePod(*pvc, 0, 0, {"n1", "n2"})["spec"].contains("initContainers"));
 }
 
 TEST(Builders, WorkerDefaultsFromThePlatformUnderTheModelsOwn) {

@@ -409,7 +409,7 @@ TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
   const ModelFootprint footprint = TinyLlama();
   const ModelShape shape = footprint.shape;
   const std::string report = FootprintToJson(footprint).dump();
-  const json status = {{"model", ModelStatus(uri, footprint)}};
+  const json status = {{"model", ModelStatus(uri, footprint, std::nullopt)}};
   ShapeView v = ReadShape(uri, status, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
   EXPECT_EQ(v.footprint.shape, shape);
@@ -426,6 +426,101 @@ TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
   v = ReadShape("hostpath:///models/other", status, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_TRUE(v.create_pod);
+}
+
+TEST(ReadShape, ARemoteModelNeedsTheRevisionItResolvedTo) {
+  const std::string uri = "oci://r.io/m:v1";
+  const ModelFootprint footprint = TinyLlama();
+  json report = FootprintToJson(footprint);
+  // Without a source (an older worker image): not known, the pod says why.
+  const PodView without = InspectPod(uri, "Succeeded", report.dump());
+  EXPECT_EQ(ReadShape(uri, json::object(), &without).state, ShapeView::State::kFailed);
+  const std::string digest = "sha256:" + std::string(64, 'b');
+  report["source"] = {{"revision", digest}, {"dir", "oci/r.io/m/bbb"}, {"bytes", 10}, {"files", 2}};
+  const PodView with = InspectPod(uri, "Succeeded", report.dump());
+  ShapeView v = ReadShape(uri, json::object(), &with);
+  ASSERT_EQ(v.state, ShapeView::State::kKnown);
+  ASSERT_TRUE(v.source);
+  EXPECT_EQ(v.source->revision, digest);
+  EXPECT_EQ(v.source->dir, "oci/r.io/m/bbb");
+  // Kept in status.model, read back from there.
+  const json status = {{"model", ModelStatus(uri, footprint, v.source)}};
+  ShapeView again = ReadShape(uri, status, nullptr);
+  ASSERT_EQ(again.state, ShapeView::State::kKnown);
+  EXPECT_EQ(again.source->dir, "oci/r.io/m/bbb");
+  // A directory that would leave the cache is not taken (it becomes a mount's subPath).
+  for (const char* dir : {"/etc", "oci/../../etc", ""}) {
+    json bad = status;
+    bad["model"]["source"]["dir"] = dir;
+    EXPECT_TRUE(ReadShape(uri, bad, nullptr).create_pod) << dir;
+  }
+}
+
+TEST(ApplyDownloads, EachNodesDownloadInStatusWithItsEvents) {
+  auto fetching = [](const std::string& name, const std::string& node, int64_t bytes) {
+    PodView p;
+    p.name = name;
+    p.node = node;
+    p.fetching = true;
+    if (bytes >= 0) p.download = PodView::Download{bytes, 1000, 100.0, (1000.0 - bytes) / 100};
+    return p;
+  };
+  PodView running;
+  running.name = "m-0-1";
+  running.node = "n3";
+  const std::vector<PodView> pods = {fetching("m-0-0", "n1", 400), fetching("m-1-0", "n1", -1),
+                                     fetching("m-1-1", "n2", 100), running};
+  json status = {{"phase", "Progressing"}};
+  std::vector<Event> events;
+  ApplyDownloads(pods, "hf://o/m", json::object(), status, events);
+  EXPECT_EQ(status["phase"], "Downloading");
+  ASSERT_EQ(status["downloads"].size(), 2u);
+  EXPECT_EQ(status["downloads"][0]["node"], "n1");
+  EXPECT_EQ(status["downloads"][0]["bytes"], 400);
+  EXPECT_EQ(status["downloads"][0]["totalBytes"], 1000);
+  EXPECT_EQ(status["downloads"][0]["bytesPerSecond"], 100);
+  EXPECT_EQ(status["downloads"][0]["etaSeconds"], 6);
+  EXPECT_EQ(status["downloads"][0]["pods"], json::array({"m-0-0", "m-1-0"}));
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].reason, "Downloading");
+  EXPECT_NE(events[0].message.find("node n1: fetching hf://o/m"), std::string::npos);
+  // Done on n1: its Downloaded event; a degraded model stays Degraded.
+  const json old = status;
+  json next = {{"phase", "Degraded"}};
+  events.clear();
+  ApplyDownloads({pods[2]}, "hf://o/m", old, next, events);
+  EXPECT_EQ(next["phase"], "Degraded");
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].reason, "Downloaded");
+  EXPECT_NE(events[0].message.find("node n1"), std::string::npos);
+  // Nothing fetching: no downloads in status.
+  json done = {{"phase", "Ready"}, {"downloads", json::array()}};
+  ApplyDownloads({running}, "hf://o/m", next, done, events);
+  EXPECT_FALSE(done.contains("downloads"));
+}
+
+TEST(ReadPod, AFailedFetchStepNamesWhy) {
+  json pod = {{"metadata", {{"name", "m-0-0"}, {"uid", "u"}}},
+              {"status",
+               {{"phase", "Failed"},
+                {"initContainerStatuses",
+                 json::array({{{"name", "fetch"},
+                               {"state",
+                                {{"terminated",
+                                  {{"exitCode", 1},
+                                   {"reason", "Error"},
+                                   {"message",
+                                    "shardserve fetch: hf://o/m: model.safetensors has "
+                                    "SHA-256 x where the source says y"}}}}}}})},
+                {"containerStatuses",
+                 json::array({{{"name", "worker"},
+                               {"state", {{"waiting", {{"reason", "PodInitializing"}}}}}}})}}}};
+  const PodView v = ReadPod(pod);
+  EXPECT_NE(v.failure.find("container fetch exited with code 1"), std::string::npos) << v.failure;
+  EXPECT_NE(v.failure.find("model.safetensors has SHA-256"), std::string::npos);
+  pod["status"]["phase"] = "Pending";
+  pod["status"]["initContainerStatuses"][0]["state"] = {{"running", json::object()}};
+  EXPECT_TRUE(ReadPod(pod).fetching);
 }
 
 TEST(ReadShape, FromTheInspectPodsReport) {
