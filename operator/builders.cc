@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "api/router_env.h"
 #include "comm/shm_comm.h"
@@ -74,9 +75,12 @@ struct ModelFiles {
 json FetchContainer(const ModelView& m, const std::string& cache, json mounts,
                     std::vector<std::string> extra, json security_context, json& volumes) {
   const ShardedModelSpec& s = m.model.spec;
-  json command = {
-      "shardserve",       "fetch",   "--uri", s.model_uri,       "--revision",
-      m.source->revision, "--cache", cache,   "--progress-port", std::to_string(kMetricsPortBase)};
+  json command = {"shardserve", "fetch", "--uri",           s.model_uri,
+                  "--cache",    cache,   "--progress-port", std::to_string(kMetricsPortBase)};
+  if (m.source) {  // a router built before the inspect pod resolved it has none (and no pods)
+    command.push_back("--revision");
+    command.push_back(m.source->revision);
+  }
   if (!s.model_files.empty()) {
     command.push_back("--files");
     command.push_back(absl::StrJoin(s.model_files, ","));
@@ -108,7 +112,7 @@ json FetchContainer(const ModelView& m, const std::string& cache, json mounts,
 // mounts the whole cache (as root: the directory is the node's; no capability); the ranks mount
 // their model's directory only (subPath), read-only, so no pod reads or writes another model's
 // files; the fetch's report reaches the ranks' metrics through a small emptyDir.
-ModelFiles StageModelFiles(const ModelView& m) {
+ModelFiles StageModelFiles(const ModelView& m, const std::string& node) {
   const ModelUri uri = *ParseModelUri(m.model.spec.model_uri);  // checked by ReadModel
   ModelFiles f;
   if (!uri.remote()) {
@@ -127,11 +131,15 @@ ModelFiles StageModelFiles(const ModelView& m) {
   }
   f.volumes.push_back(
       {{"name", "model-cache"},
-       {"hostPath", {{"path", m.defaults.model_cache.host_path}, {"type", "DirectoryOrCreate"}}}});
+       {"hostPath",
+        {{"path", absl::StrReplaceAll(m.defaults.model_cache.host_path, {{"{node}", node}})},
+         {"type", "DirectoryOrCreate"}}}});
   f.volumes.push_back({{"name", "fetch"}, {"emptyDir", {{"sizeLimit", "1Mi"}}}});
+  // Stage pods are built once the inspect pod resolved the model (its shape, its source); never
+  // the whole cache, whatever happens.
   f.mounts.push_back({{"name", "model-cache"},
                       {"mountPath", kModelMount},
-                      {"subPath", m.source->dir},
+                      {"subPath", m.source ? m.source->dir : "unresolved"},
                       {"readOnly", true}});
   f.mounts.push_back({{"name", "fetch"}, {"mountPath", kFetchMount}, {"readOnly", true}});
   f.path = kModelMount;
@@ -155,7 +163,7 @@ ModelFiles StageModelFiles(const ModelView& m) {
 // files only (no weights), fetched into an emptyDir of the pod.
 ModelFiles RouterModelFiles(const ModelView& m) {
   const ModelUri uri = *ParseModelUri(m.model.spec.model_uri);  // checked by ReadModel
-  if (!uri.remote()) return StageModelFiles(m);
+  if (!uri.remote()) return StageModelFiles(m, "");
   ModelFiles f;
   f.volumes.push_back({{"name", "model"}, {"emptyDir", {{"sizeLimit", "1Gi"}}}});
   f.mounts.push_back({{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}});
@@ -356,7 +364,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   const std::string& name = m.model.name;
   const std::string pod = PodName(name, replica, stage);
   const std::string workers = name + "-workers";
-  const ModelFiles files = StageModelFiles(m);
+  const ModelFiles files = StageModelFiles(m, node);
   const bool leader = stage == 0;
 
   json labels = Labels(m);
@@ -520,7 +528,7 @@ json BuildInspectPod(const ModelView& m) {
           {{"name", "model-credentials"}, {"mountPath", kCredentialsMount}, {"readOnly", true}});
     }
   } else {
-    const ModelFiles files = StageModelFiles(m);
+    const ModelFiles files = StageModelFiles(m, "");
     w.model_path = files.path;
     volumes = files.volumes;
     mounts = files.mounts;
@@ -663,7 +671,8 @@ json BuildRouterDeployment(const ModelView& m) {
       {"kind", "Deployment"},
       {"metadata", meta},
       {"spec",
-       {{"replicas", Routed(m) ? kRouterPods : 0},
+       // A remote model's routers wait for its revision (they fetch its tokenizer).
+       {{"replicas", Routed(m) && (files.init.is_null() || m.source) ? kRouterPods : 0},
         {"selector", {{"matchLabels", labels}}},
         {"strategy",
          {{"type", "RollingUpdate"}, {"rollingUpdate", {{"maxUnavailable", 0}, {"maxSurge", 1}}}}},

@@ -70,8 +70,9 @@ inline constexpr int kPeerTimeoutMs = 10000;
 // image's user, and fsGroup so that the mounted Secrets (mode 0440) are readable by the ranks.
 struct WorkerDefaults {
   std::vector<ShardedModelSpec::EnvVar> env;
-  // Each node's cache of remote models (hf://, s3://, oci://): a directory of the node's and the
-  // most it may hold (0: no limit; beyond it the least recently used models no pod holds go).
+  // Each node's cache of remote models (hf://, s3://, oci://): a directory of the node's ("{node}"
+  // in it is the node's name: a directory per node where nodes share a file system) and the most
+  // it may hold (0: no limit; beyond it the least recently used models no pod holds go).
   struct ModelCache {
     std::string host_path = "/var/lib/shardserve/models";
     int64_t size_limit = 0;

@@ -36,6 +36,8 @@ constexpr absl::Duration kMountGrace = absl::Seconds(10);
 // Asking a starting rank what it is doing (its /startupz): how long, and how much it may say.
 constexpr std::chrono::milliseconds kStartupAsk(500);
 constexpr size_t kStartupBytes = 4096;
+// How often status.downloads is refreshed while a node fetches a remote model.
+constexpr absl::Duration kDownloadLook = absl::Seconds(2);
 
 json Pick(const json& from, std::initializer_list<const char*> keys) {
   json out = json::object();
@@ -787,6 +789,8 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   if (d.restarts > 0) metrics_->AddRestarts(key, d.restarts);
   pass.status = BuildStatus(m, generation, d, outcome, old_status, now, pass.events);
   ApplyDownloads(pass.pods, m.model.spec.model_uri, old_status, pass.status, pass.events);
+  // A download changes no object while it runs: look again for its progress.
+  if (pass.status.contains("downloads")) d.requeue_after = std::min(d.requeue_after, kDownloadLook);
   pass.events.insert(pass.events.begin(), d.events.begin(), d.events.end());
   if (std::optional<Event> e = PlacedEvent(outcome, m.revision)) pass.events.push_back(*e);
   metrics_->SetReplicas(key, ReplicasByPhase(d));

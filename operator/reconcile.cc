@@ -606,13 +606,13 @@ void ApplyDownloads(const std::vector<PodView>& pods, const std::string& uri,
                     const json& old_status, json& status, std::vector<Event>& events) {
   // The pods of a node that fetch at once wait for one download and say its numbers: a node's
   // is the furthest any of its pods reports.
-  std::map<std::string, PodView::Download> by_node;
+  std::map<std::string, std::optional<PodView::Download>> by_node;
   std::map<std::string, std::vector<std::string>> pods_of;
   for (const PodView& p : pods) {
     if (!p.fetching || p.node.empty() || p.deleting) continue;
     pods_of[p.node].push_back(p.name);
-    PodView::Download& d = by_node[p.node];
-    if (p.download && p.download->bytes >= d.bytes) d = *p.download;
+    std::optional<PodView::Download>& d = by_node[p.node];
+    if (p.download && (!d || p.download->bytes >= d->bytes)) d = p.download;
   }
   std::set<std::string> before;
   for (const json& e : old_status.value("downloads", json::array())) {
@@ -620,18 +620,19 @@ void ApplyDownloads(const std::vector<PodView>& pods, const std::string& uri,
   }
   json downloads = json::array();
   for (const auto& [node, d] : by_node) {
-    json e = {{"node", node},
-              {"bytes", d.bytes},
-              {"totalBytes", d.total},
-              {"bytesPerSecond", static_cast<int64_t>(d.rate)},
-              {"pods", pods_of[node]}};
-    if (d.eta >= 0) e["etaSeconds"] = static_cast<int64_t>(d.eta);
+    json e = {{"node", node}, {"pods", pods_of[node]}};  // numbers once its fetch step says them
+    if (d) {
+      e["bytes"] = d->bytes;
+      e["totalBytes"] = d->total;
+      e["bytesPerSecond"] = static_cast<int64_t>(d->rate);
+      if (d->eta >= 0) e["etaSeconds"] = static_cast<int64_t>(d->eta);
+    }
     downloads.push_back(std::move(e));
     if (!before.count(node)) {
       events.push_back(
           {"Normal", "Downloading",
            absl::StrCat("node ", node, ": fetching ", uri,
-                        d.total > 0 ? absl::StrCat(" (", HumanBytes(d.total), ")") : "",
+                        d && d->total > 0 ? absl::StrCat(" (", HumanBytes(d->total), ")") : "",
                         " into its model cache")});
     }
   }

@@ -10,11 +10,14 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
 #include "common/log.h"
+#include "common/prefetch.h"
 #include "common/status.h"
 #include "model/fp8.h"
 #include "model/mxfp4.h"
@@ -358,6 +361,29 @@ absl::StatusOr<ExpertTable> Transformer::TableOf(const std::vector<const WeightM
                      mats[0]->rows,  mats[0]->cols};
 }
 
+absl::Status Transformer::ReadStageWeights() {
+  if (options_.read_threads <= 0) return absl::OkStatus();
+  const ModelConfig& c = config_;
+  const std::string head = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+  std::vector<FileRange> ranges;
+  for (const auto& [name, t] : weights_->tensors()) {
+    bool mine = (first_stage() && name == "model.embed_tokens.weight") ||
+                (last_stage() && (name == head || name == "model.norm.weight"));
+    int64_t layer = -1;
+    if (absl::StartsWith(name, "model.layers.")) {
+      const std::string rest = name.substr(13);
+      mine |= absl::SimpleAtoi(rest.substr(0, rest.find('.')), &layer) && layer >= layer_begin_ &&
+              layer < layer_end_;
+    }
+    if (mine && !t.file.empty() && t.nbytes > 0)
+      ranges.push_back({t.file, t.file_offset, t.nbytes});
+  }
+  // The TP group reads a share each: the node reads each byte once, in parallel.
+  return ReadIntoPageCache(Pieces(std::move(ranges), uint64_t{16} << 20), options_.read_threads,
+                           options_.tp_rank, options_.tp_size)
+      .status();
+}
+
 absl::Status Transformer::BindWeights() {
   const ModelConfig& c = config_;
   const int T = options_.tp_size, t = options_.tp_rank;
@@ -378,6 +404,7 @@ absl::Status Transformer::BindWeights() {
   vocab_end_ = V * (t + 1) / T;
 
   const WeightStore& w = *weights_;
+  RETURN_IF_ERROR(ReadStageWeights());
   const int64_t units = layer_end_ - layer_begin_ + 1;  // the layers, and the rest as one
   auto progress = [&](int64_t done) {
     if (options_.progress) options_.progress(static_cast<double>(done) / units);

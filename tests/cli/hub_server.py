@@ -22,7 +22,7 @@ def git_blob_id(data):
 
 
 class HubServer:
-    def __init__(self, model_dir, repo, token=None):
+    def __init__(self, model_dir, repo, token=None, host="127.0.0.1"):
         self.repo = repo
         self.token = token
         self.corrupt = None
@@ -111,7 +111,7 @@ class HubServer:
 
             do_HEAD = do_GET
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 

@@ -15,133 +15,35 @@ from a Secret-like directory; a cache limit evicts the least recently used model
 and refuses, naming what holds it, when the model is held (a shared flock on .inuse, as ranks
 keep it).
 Usage: model_fetch_test.py SHARDSERVE_BINARY SERVERS_BIN"""
-import base64
 import fcntl
 import hashlib
 import http.client
-import http.server
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks, free_ports  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from registry_server import RegistryServer, SlowProxy, docker_config  # noqa: E402
 
 BIN, SERVERS = sys.argv[1], sys.argv[2]
 check = Checks()
 tmp = tempfile.mkdtemp(prefix="shardserve-oci-")
-REG_PORT = free_ports(3)
-SLOW_PORT, PROGRESS_PORT = REG_PORT + 1, REG_PORT + 2
-USER, PASSWORD = "puller", "puller-pass"
-# bcrypt of PASSWORD (the registry's htpasswd reads bcrypt only)
-HTPASSWD = f"{USER}:$2b$05$wGRmpsxEXj5GYBecdG6Zwuim0tLqAr7Q6oDSj3KDH76xIohFSJMK.\n"
-AUTH = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-REGISTRY = f"127.0.0.1:{REG_PORT}"
-
-storage = os.path.join(tmp, "registry")
-with open(os.path.join(tmp, "htpasswd"), "w") as f:
-    f.write(HTPASSWD)
-with open(os.path.join(tmp, "registry.yml"), "w") as f:
-    f.write(f"""version: 0.1
-log: {{level: error}}
-storage: {{filesystem: {{rootdirectory: {storage}}}, delete: {{enabled: true}}}}
-http: {{addr: "{REGISTRY}"}}
-auth: {{htpasswd: {{realm: shardserve-test, path: {tmp}/htpasswd}}}}
-""")
-registry = subprocess.Popen([os.path.join(SERVERS, "registry"), "serve",
-                             os.path.join(tmp, "registry.yml")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+PROGRESS_PORT = free_ports(2)
+registry = RegistryServer(SERVERS, tmp)
+slow = SlowProxy(registry)
+REGISTRY = registry.address
 
 
-def wait_port(port, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return True
-        except OSError:
-            time.sleep(0.2)
-    return False
-
-
-def call(method, path, body=None, headers=None, auth=AUTH):
-    conn = http.client.HTTPConnection("127.0.0.1", REG_PORT, timeout=60)
-    conn.request(method, path, body=body,
-                 headers={**({"Authorization": auth} if auth else {}), **(headers or {})})
-    r = conn.getresponse()
-    return r.status, dict(r.getheaders()), r.read()
-
-
-def push_blob(repo, data):
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    status, headers, _ = call("POST", f"/v2/{repo}/blobs/uploads/")
-    assert status == 202, status
-    location = headers["Location"]
-    location += ("&" if "?" in location else "?") + f"digest={digest}"
-    location = location.split(f"127.0.0.1:{REG_PORT}")[-1]
-    status, _, body = call("PUT", location, data, {"Content-Type": "application/octet-stream"})
-    assert status == 201, (status, body)
-    return digest
-
-
-def push_model(repo, tag, model_dir, names):
-    """An OCI artifact as `oras push` makes one: an empty config, a layer a file."""
-    config = push_blob(repo, b"{}")
-    layers = []
-    for name in names:
-        data = open(os.path.join(model_dir, name), "rb").read()
-        layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar",
-                       "digest": push_blob(repo, data), "size": len(data),
-                       "annotations": {"org.opencontainers.image.title": name}})
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "artifactType": "application/vnd.shardserve.model.v1",
-        "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": config, "size": 2},
-        "layers": layers}).encode()
-    status, _, body = call("PUT", f"/v2/{repo}/manifests/{tag}", manifest,
-                           {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
-    assert status == 201, (status, body)
-    return "sha256:" + hashlib.sha256(manifest).hexdigest()
-
-
-class Slow(http.server.BaseHTTPRequestHandler):
-    """The registry, its blobs sent in 64 KiB pieces 50 ms apart (a download long enough to watch)."""
-
-    def do_GET(self):
-        status, headers, body = call("GET", self.path, auth=self.headers.get("Authorization"),
-                                     headers={k: v for k, v in self.headers.items()
-                                              if k.lower() in ("range", "accept")})
-        self.send_response(status)
-        for k, v in headers.items():
-            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        for i in range(0, len(body), 65536):
-            self.wfile.write(body[i:i + 65536])
-            if "/blobs/" in self.path:
-                time.sleep(0.05)
-
-    def log_message(self, *args):
-        pass
-
-
-slow = http.server.ThreadingHTTPServer(("127.0.0.1", SLOW_PORT), Slow)
-threading.Thread(target=slow.serve_forever, daemon=True).start()
-
-
-def docker_config(where, user=USER, password=PASSWORD):
+def docker_config_dir(where, **kw):
     os.makedirs(where, exist_ok=True)
-    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
     with open(os.path.join(where, "config.json"), "w") as f:
-        json.dump({"auths": {REGISTRY: {"auth": auth}}}, f)
+        f.write(docker_config(REGISTRY, **kw))
     return where
 
 
@@ -205,13 +107,12 @@ def startupz(port):
 
 
 try:
-    check(wait_port(REG_PORT), "the distribution registry listens")
     model = os.path.join(tmp, "model")
     gen_model(BIN, model)
     names = sorted(os.listdir(model))
     total = sum(os.path.getsize(os.path.join(model, n)) for n in names)
-    digest = push_model("models/tiny", "v1", model, names)
-    push_model("models/tiny-config", "v1", model, ["config.json"])
+    digest = registry.push_model("models/tiny", "v1", model, names)
+    registry.push_model("models/tiny-config", "v1", model, ["config.json"])
 
     ref = Deployment(BIN, model, tp=2, pp=1)
     try:
@@ -221,7 +122,7 @@ try:
     check(want[0] == 200, f"the model answers from its directory: {want}")
 
     cache = os.path.join(tmp, "cache")
-    config = docker_config(os.path.join(tmp, "docker"))
+    config = docker_config_dir(os.path.join(tmp, "docker"))
     d = Deployment(BIN, None, tp=2, pp=1, uri=f"oci://{REGISTRY}/models/tiny:v1",
                    proc_env=env_for(cache, config))
     try:
@@ -245,7 +146,7 @@ try:
     rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v1", env_for(os.path.join(tmp, "c2")))
     check(rc != 0 and "the registry refuses (HTTP 401)" in out and "needs credentials" in out,
           f"a registry that wants credentials says so: {out[-300:]}")
-    wrong = docker_config(os.path.join(tmp, "wrong"), password="nope")
+    wrong = docker_config_dir(os.path.join(tmp, "wrong"), password="nope")
     rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v1", env_for(os.path.join(tmp, "c2"), wrong))
     check(rc != 0 and "HTTP 401" in out and "lack pull access" in out,
           f"wrong credentials are named: {out[-300:]}")
@@ -258,10 +159,10 @@ try:
     secret = os.path.join(tmp, "secret")
     os.makedirs(secret)
     node = os.path.join(tmp, "node")
-    slow_uri = f"oci://127.0.0.1:{SLOW_PORT}/models/tiny:v1"
-    slow_env = dict(os.environ, SHARDSERVE_OCI_PLAIN_HTTP=f"127.0.0.1:{SLOW_PORT}")
+    slow_uri = f"oci://{slow.address}/models/tiny:v1"
+    slow_env = dict(os.environ, SHARDSERVE_OCI_PLAIN_HTTP=slow.address)
     with open(os.path.join(secret, ".dockerconfigjson"), "w") as f:
-        json.dump({"auths": {f"127.0.0.1:{SLOW_PORT}": {"auth": AUTH.split()[1]}}}, f)
+        f.write(docker_config(slow.address))
     first = fetch(slow_uri, node, "--credentials", secret, "--progress-port", str(PROGRESS_PORT),
                   "--report", os.path.join(tmp, "first.json"), env=slow_env, wait=False)
     seen_first = None
@@ -328,9 +229,7 @@ try:
     check(rc == 0 and r4["cache_bytes"] <= total + 100, "the cache stays under its limit")
 
     # A byte corrupted in the registry's storage: refused by name, nothing present.
-    blob = os.path.join(storage, "docker/registry/v2/blobs/sha256")
-    weights = hashlib.sha256(open(os.path.join(model, "model.safetensors"), "rb").read()).hexdigest()
-    path = os.path.join(blob, weights[:2], weights, "data")
+    path = registry.blob_file(open(os.path.join(model, "model.safetensors"), "rb").read())
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
@@ -340,8 +239,7 @@ try:
           f"a corrupted layer is refused by name: {err[-300:]}")
     check(manifests_under(bad) == [], "nothing of the corrupt fetch counts as present")
 finally:
-    slow.shutdown()
-    registry.terminate()
-    registry.wait()
+    slow.stop()
+    registry.stop()
     shutil.rmtree(tmp, ignore_errors=True)
 check.finish()

@@ -30,7 +30,11 @@ security in force on the running operator process.
 Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready, failures during
 the roll, leader failover) are printed as `figure:` lines.
 
-usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm]"""
+Without --helm, then: models from where they live (tests/e2e/sources.py): s3://, hf:// and
+oci:// on real servers, each node's cache, Downloading in status, corruption refused by name.
+
+usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm | --sources-only]
+(--sources-only: the set-up and the model sources' flow alone, for working on it)"""
 import base64
 import http.client
 import json
@@ -39,6 +43,7 @@ import random
 import re
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,12 +54,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "k8s"))
 from checks import Checks, wait_until  # noqa: E402
 from cluster import ROOT, Cluster, Operator  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+import sources  # noqa: E402
 from realnodes import (ClientLoop, HeldRegistry, Models, container_pid, figure,  # noqa: E402
                        helm_install, lease_holder as chart_lease_holder, manifest,
                        operator_pods as chart_operator_pods, rank_pid, readable_models)
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
 HELM_MODE = "--helm" in sys.argv[3:]
+SOURCES_ONLY = "--sources-only" in sys.argv[3:]
 NS = "shardserve" if HELM_MODE else "default"  # the chart's operator watches its namespace
 RELEASE = "ss"
 NAME = "tiny"
@@ -137,6 +144,7 @@ def same_answer(a, b):
 # --- set-up: a model readable by the containers' user, the cluster, the operator, the key -----
 tmp = tempfile.mkdtemp(prefix="shardserve-e2e-")
 models, model_dir = readable_models(SHARDSERVE, tmp, gen_model)
+NODE_CACHES = os.path.join(tmp, "node-caches")  # each node's model cache, NODE_CACHES/NODE
 reference = local_reference(model_dir)
 
 t = time.monotonic()
@@ -317,13 +325,9 @@ def chart_checks():
         check(root and "ro" in root[-1][5].split(","), "on a read-only root filesystem")
 
 
-try:
-    if HELM_MODE:
-        install_chart()
-    else:
-        op = Operator(c, OPERATOR, host_paths=models)
-    c.kubectl("create", "secret", "generic", "tiny-api-keys", f"--from-literal=key={KEY}",
-              check=True)
+
+def flows():
+    """Flows 1 to 5 (and the chart's checks with --helm)."""
 
     # --- 1. apply -> Ready -> the same answers as shardserve local --------------------------
     t0 = time.monotonic()
@@ -549,8 +553,27 @@ try:
           f"the serving model is undisturbed by the bad ones (restarts "
           f"{replica(NAME, 0).get('restarts')}: only the kill -9's)")
 
+
+try:
+    if HELM_MODE:
+        install_chart()
+    else:
+        op = Operator(c, OPERATOR, "--worker-defaults",
+                      sources.node_cache_defaults(NODE_CACHES, tmp), host_paths=models)
+    c.kubectl("create", "secret", "generic", "tiny-api-keys", f"--from-literal=key={KEY}",
+              check=True)
+    if not SOURCES_ONLY:
+        flows()
     if not HELM_MODE:
-        slow_peer()
+        if not SOURCES_ONLY:
+            slow_peer()
+            c.kubectl("delete", "smodel", NAME, "--wait=true", "--timeout=120s")
+            check(wait_until(lambda: not model_pods(NAME), 120), f"{NAME}: deleted (GPUs)")
+        # --- 8. models from where they live (s3://, hf://, oci://) -------------------------
+        servers = subprocess.run(["bash", os.path.join(ROOT, "scripts", "servers-build.sh")],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        sources.run(c, m, check, SHARDSERVE, servers, tmp, model_dir, NODE_CACHES, reference[0],
+                    same_answer)
 finally:
     if check.failures:
         c.print_logs()

@@ -214,6 +214,12 @@ TEST(Builders, ARemoteModelIsFetchedIntoTheNodesCacheAndEachPodSeesOnlyItsOwn) {
   EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"modelCache": {"hostPath": "rel"}})")).ok());
   auto m = ReadModel(object, *d);
   ASSERT_TRUE(m.ok()) << m.status();
+  // Before the inspect pod resolved it, its routers (built with the other children) wait.
+  const json early = BuildRouterDeployment(*m);
+  EXPECT_EQ(early["spec"]["replicas"], 0);
+  EXPECT_TRUE(
+      FlagOf(early["spec"]["template"]["spec"]["initContainers"][0]["command"], "--revision")
+          .is_null());
   const std::string commit(40, 'a');
   m->source = ModelView::Source{commit, "hf/org--llama/" + commit, 1000, 3};
 
@@ -272,6 +278,8 @@ TEST(Builders, ARemoteModelIsFetchedIntoTheNodesCacheAndEachPodSeesOnlyItsOwn) {
             rfetch["command"].end());
   EXPECT_EQ(router["spec"]["volumes"].dump().find("hostPath"), std::string::npos);
   EXPECT_EQ(rfetch["securityContext"]["runAsUser"], 65532);
+  EXPECT_EQ(FlagOf(rfetch["command"], "--revision"), commit);
+  EXPECT_EQ(BuildRouterDeployment(*m)["spec"]["replicas"], 2);
 
   // A model read from a volume has no fetch step.
   auto pvc = ReadModel(Model(), *d);

@@ -469,26 +469,29 @@ TEST(ApplyDownloads, EachNodesDownloadInStatusWithItsEvents) {
   running.name = "m-0-1";
   running.node = "n3";
   const std::vector<PodView> pods = {fetching("m-0-0", "n1", 400), fetching("m-1-0", "n1", -1),
-                                     fetching("m-1-1", "n2", 100), running};
+                                     fetching("m-1-1", "n2", 100), running,
+                                     fetching("m-2-0", "n4", -1)};
   json status = {{"phase", "Progressing"}};
   std::vector<Event> events;
   ApplyDownloads(pods, "hf://o/m", json::object(), status, events);
   EXPECT_EQ(status["phase"], "Downloading");
-  ASSERT_EQ(status["downloads"].size(), 2u);
+  ASSERT_EQ(status["downloads"].size(), 3u);
+  // A node whose fetch step has not said its numbers yet: its pods, no numbers.
+  EXPECT_EQ(status["downloads"][2], json::parse(R"({"node": "n4", "pods": ["m-2-0"]})"));
   EXPECT_EQ(status["downloads"][0]["node"], "n1");
   EXPECT_EQ(status["downloads"][0]["bytes"], 400);
   EXPECT_EQ(status["downloads"][0]["totalBytes"], 1000);
   EXPECT_EQ(status["downloads"][0]["bytesPerSecond"], 100);
   EXPECT_EQ(status["downloads"][0]["etaSeconds"], 6);
   EXPECT_EQ(status["downloads"][0]["pods"], json::array({"m-0-0", "m-1-0"}));
-  ASSERT_EQ(events.size(), 2u);
+  ASSERT_EQ(events.size(), 3u);
   EXPECT_EQ(events[0].reason, "Downloading");
   EXPECT_NE(events[0].message.find("node n1: fetching hf://o/m"), std::string::npos);
   // Done on n1: its Downloaded event; a degraded model stays Degraded.
   const json old = status;
   json next = {{"phase", "Degraded"}};
   events.clear();
-  ApplyDownloads({pods[2]}, "hf://o/m", old, next, events);
+  ApplyDownloads({pods[2], pods[4]}, "hf://o/m", old, next, events);
   EXPECT_EQ(next["phase"], "Degraded");
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].reason, "Downloaded");
