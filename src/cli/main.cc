@@ -19,6 +19,7 @@
 #include "api/worker_env.h"
 #include "bench/comm_bench.h"
 #include "bench/cuda_bench.h"  // its usage is listed in every build; it runs in CUDA ones
+#include "bench/disk_bench.h"
 #include "bench/informer_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/load_bench.h"
@@ -85,6 +86,7 @@ std::string Usage() {
                                                           {"bench informer", kInformerBenchUsage},
                                                           {"bench kernels", kKernelsBenchUsage},
                                                           {"bench load", kLoadBenchUsage},
+                                                          {"bench disk", kDiskBenchUsage},
                                                           {"bench tokenize", kTokenizeBenchUsage}};
   std::string out =
       "usage: shardserve COMMAND [flags]   (shardserve COMMAND --help: its flags)\n\ncommands:\n";
@@ -442,6 +444,8 @@ int Main(int argc, char** argv) {
     s = RunKernelsBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "tokenize") {
     s = RunTokenizeBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "disk") {
+    s = RunDiskBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "load") {
     s = RunLoadBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "cuda") {

@@ -66,7 +66,7 @@ absl::StatusOr<int64_t> ReadIntoPageCache(const std::vector<FileRange>& pieces, 
     std::vector<std::thread> pool;
     for (int t = 0; t < std::max(1, threads); ++t) {
       pool.emplace_back([&] {
-        std::vector<char> buf(size_t{4} << 20);
+        std::vector<char> buf(size_t{16} << 20);
         for (size_t i = next++; i < mine.size(); i = next++) {
           const FileRange& p = *mine[i];
           const int fd = fds.at(p.path);

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
 #include "comm/communicator.h"
+#include "common/prefetch.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
 #include "model/safetensors.h"
@@ -66,9 +67,9 @@ class Transformer {
     // Told the share of the stage's weights bound so far, in [0, 1]: at the start, after the
     // embeddings and head, and after each layer (a start-up watchdog reads it).
     std::function<void(double)> progress = nullptr;
-    // Threads that read the stage's weights into the page cache before they are bound
-    // (common/prefetch.h), the TP group sharing the pieces; 0: no such reading.
-    int read_threads = 4;
+    // Threads that read the stage's weight files into the page cache while the layers are bound
+    // (common/prefetch.h), the TP group sharing the pieces; 0: none (binding faults pages in).
+    int read_threads = 2;
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
@@ -198,8 +199,8 @@ class Transformer {
               std::unique_ptr<Backend> backend);
   absl::Status CheckSplit() const;
   absl::Status BindWeights();
-  // The stage's share of the weight files, read into the page cache first (Options::read_threads).
-  absl::Status ReadStageWeights();
+  // The byte ranges of the weight files this stage binds, in pieces (common/prefetch.h).
+  std::vector<FileRange> StagePieces() const;
   // Rows [begin, end) of a weight matrix: a view into the mapping (contiguous, so only those
   // pages ever become resident), in the backend.
   absl::StatusOr<WeightMatrix> Rows(const TensorView& t, int64_t begin, int64_t end);

@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -361,8 +363,7 @@ absl::StatusOr<ExpertTable> Transformer::TableOf(const std::vector<const WeightM
                      mats[0]->rows,  mats[0]->cols};
 }
 
-absl::Status Transformer::ReadStageWeights() {
-  if (options_.read_threads <= 0) return absl::OkStatus();
+std::vector<FileRange> Transformer::StagePieces() const {
   const ModelConfig& c = config_;
   const std::string head = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
   std::vector<FileRange> ranges;
@@ -378,10 +379,7 @@ absl::Status Transformer::ReadStageWeights() {
     if (mine && !t.file.empty() && t.nbytes > 0)
       ranges.push_back({t.file, t.file_offset, t.nbytes});
   }
-  // The TP group reads a share each: the node reads each byte once, in parallel.
-  return ReadIntoPageCache(Pieces(std::move(ranges), uint64_t{16} << 20), options_.read_threads,
-                           options_.tp_rank, options_.tp_size)
-      .status();
+  return Pieces(std::move(ranges), uint64_t{16} << 20);
 }
 
 absl::Status Transformer::BindWeights() {
@@ -404,7 +402,21 @@ absl::Status Transformer::BindWeights() {
   vocab_end_ = V * (t + 1) / T;
 
   const WeightStore& w = *weights_;
-  RETURN_IF_ERROR(ReadStageWeights());
+  // The stage's share of the weight files read into the page cache by threads of their own while
+  // the layers are bound, so that the disk works beside the conversions; binding a layer the
+  // readers have not reached yet faults its pages in itself. The TP group reads a share each:
+  // the node reads each byte once.
+  std::thread reader;
+  if (options_.read_threads > 0) {
+    reader = std::thread([this, pieces = StagePieces()] {
+      absl::StatusOr<int64_t> read =
+          ReadIntoPageCache(pieces, options_.read_threads, options_.tp_rank, options_.tp_size);
+      if (!read.ok()) LogWarning("reading the weights ahead: ", read.status().message());
+    });
+  }
+  absl::Cleanup join_reader = [&reader] {
+    if (reader.joinable()) reader.join();
+  };
   const int64_t units = layer_end_ - layer_begin_ + 1;  // the layers, and the rest as one
   auto progress = [&](int64_t done) {
     if (options_.progress) options_.progress(static_cast<double>(done) / units);
