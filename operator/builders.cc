@@ -256,6 +256,8 @@ absl::StatusOr<WorkerDefaults> ReadWorkerDefaults(const json& j) {
             absl::StartsWith(value.get<std::string>(), "/") &&
             value.get<std::string>().find("..") == std::string::npos) {
           d.model_cache.host_path = value.get<std::string>();
+        } else if (field == "sizeLimit" && value == "0") {
+          d.model_cache.size_limit = 0;  // no limit
         } else if (field == "sizeLimit" && value.is_string()) {
           ASSIGN_OR_RETURN(
               d.model_cache.size_limit,

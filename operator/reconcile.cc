@@ -141,49 +141,38 @@ PodView ReadPod(const json& pod) {
       v.unschedulable_message = c.value("message", "");
     }
   }
-  // A remote model's fetch step (an init container): running, or failed (it names why).
-  for (const json& c : status.value("initContainerStatuses", json::array())) {
-    const json& state = c.value("state", json::object());
-    if (state.contains("running") && c.value("name", "") == "fetch") v.fetching = true;
-    const json& waiting = state.value("waiting", json());
-    if (waiting.is_object() && waiting.value("reason", "") == "ContainerCreating") {
-      v.creating = true;
-    }
-    if (waiting.is_object() && v.stuck.empty() && Stuck(waiting.value("reason", ""))) {
-      v.stuck =
-          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), ": ",
-                       waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
-    }
-    const json& term = state.value("terminated", json());
-    if (term.is_object() && term.value("exitCode", 0) != 0 && v.failure.empty()) {
-      v.failure =
-          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
-                       term.value("exitCode", 0), " (", term.value("reason", "no reason"), ")");
-      const std::string why = LastLine(term.value("message", ""));
-      if (!why.empty()) absl::StrAppend(&v.failure, ": ", why);
-    }
-  }
-  for (const json& c : status.value("containerStatuses", json::array())) {
-    v.restarts += c.value("restartCount", int64_t{0});
-    if (c.contains("state") && c["state"].contains("running")) v.started = true;
-    const json& waiting = c.value("state", json::object()).value("waiting", json());
-    if (waiting.is_object() && waiting.value("reason", "") == "ContainerCreating") {
-      v.creating = true;
-    }
-    if (waiting.is_object() && v.stuck.empty() && Stuck(waiting.value("reason", ""))) {
-      v.stuck =
-          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), ": ",
-                       waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
-    }
-    const json& term = c.value("state", json::object()).value("terminated", json());
-    // Whole: an inspect pod's report (the model's footprint) is read back; Kubernetes keeps 4 KiB.
-    if (term.is_object()) v.report = LastLine(term.value("message", ""), 4096);
-    if (term.is_object() && v.failure.empty()) {
-      v.failure =
-          absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
-                       term.value("exitCode", 0), " (", term.value("reason", "no reason"), ")");
-      const std::string why = LastLine(term.value("message", ""));
-      if (!why.empty()) absl::StrAppend(&v.failure, ": ", why);
+  // The init containers first (a remote model's fetch step: running, or failed naming why),
+  // then the containers.
+  for (const char* list : {"initContainerStatuses", "containerStatuses"}) {
+    const bool init = list[0] == 'i';
+    for (const json& c : status.value(list, json::array())) {
+      const json& state = c.value("state", json::object());
+      if (init && state.contains("running") && c.value("name", "") == "fetch") v.fetching = true;
+      if (!init) {
+        v.restarts += c.value("restartCount", int64_t{0});
+        if (state.contains("running")) v.started = true;
+      }
+      const json& waiting = state.value("waiting", json());
+      if (waiting.is_object() && waiting.value("reason", "") == "ContainerCreating") {
+        v.creating = true;
+      }
+      if (waiting.is_object() && v.stuck.empty() && Stuck(waiting.value("reason", ""))) {
+        v.stuck =
+            absl::StrCat("pod ", v.name, " container ", c.value("name", ""), ": ",
+                         waiting.value("reason", ""), ": ", LastLine(waiting.value("message", "")));
+      }
+      const json& term = state.value("terminated", json());
+      // Whole: an inspect pod's report (the model's footprint) is read back; Kubernetes keeps
+      // 4 KiB.
+      if (!init && term.is_object()) v.report = LastLine(term.value("message", ""), 4096);
+      // An init container that ended well is a step done, not a failure.
+      if (term.is_object() && (!init || term.value("exitCode", 0) != 0) && v.failure.empty()) {
+        v.failure =
+            absl::StrCat("pod ", v.name, " container ", c.value("name", ""), " exited with code ",
+                         term.value("exitCode", 0), " (", term.value("reason", "no reason"), ")");
+        const std::string why = LastLine(term.value("message", ""));
+        if (!why.empty()) absl::StrAppend(&v.failure, ": ", why);
+      }
     }
   }
   if (v.phase == "Failed" || v.phase == "Succeeded") {

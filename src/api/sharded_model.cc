@@ -446,10 +446,10 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
         s.model_uri, "' is read as it is"));
   }
   if (!s.model_secret.empty() && !uri.remote()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.model.secret holds a remote model's credentials (s3://, hf://, oci://); "
-        "spec.model.uri '",
-        s.model_uri, "' needs none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.model.secret holds a remote model's credentials (s3://, hf://, oci://); "
+                     "spec.model.uri '",
+                     s.model_uri, "' needs none"));
   }
   if (!s.model_secret.empty() &&
       (s.model_secret.size() > 253 || !std::regex_match(s.model_secret, kDnsSubdomain))) {

@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks, free_ports  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from source_helpers import greedy, local_fails, manifests_under  # noqa: E402
 from registry_server import RegistryServer, SlowProxy, docker_config  # noqa: E402
 
 BIN, SERVERS = sys.argv[1], sys.argv[2]
@@ -51,40 +52,6 @@ def env_for(cache, config=None, **extra):
     e = dict(os.environ, SHARDSERVE_MODEL_CACHE=cache, DOCKER_CONFIG=config or "/nonexistent")
     e.update(extra)
     return e
-
-
-def manifest(uri):
-    path = os.path.join(tmp, f"m{time.monotonic_ns()}.yaml")
-    with open(path, "w") as f:
-        f.write(f"""apiVersion: shardserve.io/v1alpha1
-kind: ShardedModel
-metadata:
-  name: tiny
-spec:
-  model:
-    name: tiny
-    uri: {uri}
-  worker:
-    image: shardserve/worker:test
-""")
-    return path
-
-
-def local_fails(uri, env):
-    r = subprocess.run([BIN, "local", "-f", manifest(uri)], env=env, capture_output=True,
-                       text=True, timeout=120)
-    return r.returncode, r.stdout + r.stderr
-
-
-def greedy(d):
-    status, _, body = d.post("/v1/completions", {"model": "tiny", "prompt": "the quick brown",
-                                                 "max_tokens": 8, "temperature": 0})
-    return status, body["choices"][0]["text"] if status == 200 else body
-
-
-def manifests_under(cache):
-    return [os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs
-            if f == ".manifest.json"]
 
 
 def fetch(uri, cache, *extra, env=None, wait=True):
@@ -143,14 +110,15 @@ try:
         d.stop()
     check("in the cache already" in log, f"the same digest is in the cache: {log[-300:]}")
 
-    rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v1", env_for(os.path.join(tmp, "c2")))
+    c2 = os.path.join(tmp, "c2")
+    rc, out = local_fails(BIN, tmp, f"oci://{REGISTRY}/models/tiny:v1", env_for(c2))
     check(rc != 0 and "the registry refuses (HTTP 401)" in out and "needs credentials" in out,
           f"a registry that wants credentials says so: {out[-300:]}")
     wrong = docker_config_dir(os.path.join(tmp, "wrong"), password="nope")
-    rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v1", env_for(os.path.join(tmp, "c2"), wrong))
+    rc, out = local_fails(BIN, tmp, f"oci://{REGISTRY}/models/tiny:v1", env_for(c2, wrong))
     check(rc != 0 and "HTTP 401" in out and "lack pull access" in out,
           f"wrong credentials are named: {out[-300:]}")
-    rc, out = local_fails(f"oci://{REGISTRY}/models/tiny:v9", env_for(os.path.join(tmp, "c2"), config))
+    rc, out = local_fails(BIN, tmp, f"oci://{REGISTRY}/models/tiny:v9", env_for(c2, config))
     check(rc != 0 and "has no models/tiny at 'v9' (HTTP 404)" in out,
           f"an unknown tag is named: {out[-300:]}")
 

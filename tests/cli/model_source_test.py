@@ -16,20 +16,19 @@ The Hub: against a test server of ours that answers the Hub's documented endpoin
 (LFS files by SHA-256, the others by git blob id), served with the same answers; a missing
 token, an unknown revision and a corrupted file are named.
 Usage: model_source_test.py SHARDSERVE_BINARY"""
-import http.client
-import http.server
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks, free_ports  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from source_helpers import greedy, local_fails, manifests_under  # noqa: E402
+from fault_proxy import FaultProxy  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 
 import boto3  # noqa: E402
@@ -55,47 +54,7 @@ def wait_port(port, timeout=60):
     return False
 
 
-class Proxy(http.server.BaseHTTPRequestHandler):
-    """Forwards to the S3 server; flips one byte in the body of a GET of a file whose name ends
-    with `corrupt`, and answers 503 to every GET of a file named `refuse`."""
-    corrupt = ".safetensors"
-    refuse = None
-
-    def forward(self):
-        if (self.command == "GET" and self.refuse and
-                self.path.split("?")[0].endswith(self.refuse)):
-            self.send_response(503)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else None
-        conn = http.client.HTTPConnection("127.0.0.1", S3_PORT, timeout=60)
-        conn.request(self.command, self.path, body=body, headers=dict(self.headers))
-        r = conn.getresponse()
-        data = r.read()
-        if (self.command == "GET" and self.corrupt and
-                self.path.split("?")[0].endswith(self.corrupt) and data):
-            data = bytearray(data)
-            data[len(data) // 2] ^= 0xFF
-            data = bytes(data)
-        self.send_response(r.status)
-        for k, v in r.getheaders():
-            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_HEAD = forward
-
-    def log_message(self, *args):
-        pass
-
-
-proxy = http.server.ThreadingHTTPServer(("127.0.0.1", PROXY_PORT), Proxy)
-threading.Thread(target=proxy.serve_forever, daemon=True).start()
+proxy = FaultProxy("127.0.0.1", S3_PORT, port=PROXY_PORT, corrupt=".safetensors")
 
 
 def env_for(endpoint_port, cache, **extra):
@@ -104,42 +63,6 @@ def env_for(endpoint_port, cache, **extra):
              SHARDSERVE_MODEL_CACHE=cache)
     e.update(extra)
     return e
-
-
-def manifest(uri, files=None):
-    path = os.path.join(tmp, f"m{time.monotonic_ns()}.yaml")
-    files_yaml = "".join(f"      - \"{p}\"\n" for p in files or [])
-    with open(path, "w") as f:
-        f.write(f"""apiVersion: shardserve.io/v1alpha1
-kind: ShardedModel
-metadata:
-  name: tiny
-spec:
-  model:
-    name: tiny
-    uri: {uri}
-{"    files:" + chr(10) + files_yaml if files else ""}  worker:
-    image: shardserve/worker:test
-""")
-    return path
-
-
-def local_fails(uri, env, files=None):
-    """shardserve local on a model it must refuse: its exit code and output."""
-    r = subprocess.run([BIN, "local", "-f", manifest(uri, files)], env=env, capture_output=True,
-                       text=True, timeout=120)
-    return r.returncode, r.stdout + r.stderr
-
-
-def greedy(d):
-    status, _, body = d.post("/v1/completions", {"model": "tiny", "prompt": "the quick brown",
-                                                 "max_tokens": 8, "temperature": 0})
-    return status, body["choices"][0]["text"] if status == 200 else body
-
-
-def manifests_under(cache):
-    return [os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs
-            if f == ".manifest.json"]
 
 
 try:
@@ -200,12 +123,12 @@ try:
 
     # A fetch cut short (the tokenizer refused by the proxy) resumes: what it had stays.
     resumed = os.path.join(tmp, "resumed")
-    Proxy.corrupt, Proxy.refuse = None, "tokenizer.json"
-    rc, out = local_fails("s3://models/llama/tiny", env_for(PROXY_PORT, resumed), files)
+    proxy.corrupt, proxy.refuse = None, "tokenizer.json"
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/tiny", env_for(PROXY_PORT, resumed), files)
     check(rc != 0 and "tokenizer.json: HTTP 503" in out,
           f"a file the server keeps refusing stops the fetch, named: {out[-400:]}")
     check(manifests_under(resumed) == [], "a fetch cut short leaves no model present")
-    Proxy.refuse = None
+    proxy.refuse = None
     d = Deployment(BIN, None, tp=2, pp=1, uri="s3://models/llama/tiny", files=files,
                    proc_env=env_for(S3_PORT, resumed))
     try:
@@ -219,16 +142,16 @@ try:
 
     # A byte corrupted in transit: refused by name, nothing present.
     corrupt = os.path.join(tmp, "corrupt")
-    Proxy.corrupt = ".safetensors"
-    rc, out = local_fails("s3://models/llama/tiny", env_for(PROXY_PORT, corrupt), files)
+    proxy.corrupt = ".safetensors"
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/tiny", env_for(PROXY_PORT, corrupt), files)
     check(rc != 0 and "model.safetensors has SHA-256" in out and "corrupt" in out,
           f"a corrupted file is refused by name: {out[-400:]}")
     check(manifests_under(corrupt) == [], "nothing of the corrupt fetch counts as present")
-    Proxy.corrupt = "tokenizer_config.json"  # the file checked by its ETag's MD5
-    rc, out = local_fails("s3://models/llama/tiny", env_for(PROXY_PORT, corrupt), files)
+    proxy.corrupt = "tokenizer_config.json"  # the file checked by its ETag's MD5
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/tiny", env_for(PROXY_PORT, corrupt), files)
     check(rc != 0 and "tokenizer_config.json has MD5" in out,
           f"a file without a SHA-256 is checked by its ETag: {out[-400:]}")
-    Proxy.corrupt = None
+    proxy.corrupt = None
 
     # What plan reads: config.json alone.
     planned = os.path.join(tmp, "plan")
@@ -242,19 +165,19 @@ try:
           ["config.json"], "the plan fetched config.json alone")
 
     # Errors named.
-    rc, out = local_fails("s3://no-such-bucket/x", env_for(S3_PORT, cache))
+    rc, out = local_fails(BIN, tmp, "s3://no-such-bucket/x", env_for(S3_PORT, cache))
     check(rc != 0 and "s3://no-such-bucket/x: listing the bucket: HTTP 404" in out,
           f"a missing bucket is named: {out[-300:]}")
-    rc, out = local_fails("s3://models/llama/none", env_for(S3_PORT, cache))
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/none", env_for(S3_PORT, cache))
     check(rc != 0 and "no objects under the prefix" in out, f"an empty prefix is named: {out[-300:]}")
-    rc, out = local_fails("s3://models/llama/tiny", env_for(S3_PORT, cache), ["*.gguf"])
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/tiny", env_for(S3_PORT, cache), ["*.gguf"])
     check(rc != 0 and "'*.gguf' matches none of the model's" in out,
           f"a pattern matching nothing is named: {out[-300:]}")
-    rc, out = local_fails("s3://models/llama/tiny",
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/tiny",
                           env_for(S3_PORT, cache, AWS_SECRET_ACCESS_KEY=""))
     check(rc != 0 and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY go together" in out,
           f"half the credentials are named: {out[-300:]}")
-    rc, out = local_fails("s3://models/llama/tiny", env_for(S3_PORT + 7, cache))
+    rc, out = local_fails(BIN, tmp, "s3://models/llama/tiny", env_for(S3_PORT + 7, cache))
     check(rc != 0 and "s3://models/llama/tiny: listing the bucket: http://127.0.0.1:" in out and
           "connect" in out.lower(), f"an unreachable endpoint is named: {out[-300:]}")
 
@@ -287,19 +210,19 @@ try:
                            capture_output=True, text=True, timeout=60)
         check(r.returncode == 0 and '"architecture":"LlamaForCausalLM"' in r.stdout,
               f"shardserve plan reads the footprint from hf://: {r.stderr[-300:]}")
-        rc, out = local_fails("hf://tiny-org/tiny-llama", dict(hf_env, HF_TOKEN=""))
+        rc, out = local_fails(BIN, tmp, "hf://tiny-org/tiny-llama", dict(hf_env, HF_TOKEN=""))
         check(rc != 0 and "hf://tiny-org/tiny-llama: the Hub refuses (HTTP 401)" in out and
               "needs HF_TOKEN" in out, f"a model that needs a token says so: {out[-300:]}")
-        rc, out = local_fails("hf://tiny-org/tiny-llama@nope", hf_env)
+        rc, out = local_fails(BIN, tmp, "hf://tiny-org/tiny-llama@nope", hf_env)
         check(rc != 0 and "has no revision 'nope' of tiny-org/tiny-llama" in out,
               f"an unknown revision is named: {out[-300:]}")
-        rc, out = local_fails("hf://tiny-org/other", hf_env)
+        rc, out = local_fails(BIN, tmp, "hf://tiny-org/other", hf_env)
         check(rc != 0 and "hf://tiny-org/other: the Hub has no revision 'main'" in out,
               f"an unknown repository is named: {out[-300:]}")
         for name, how in (("model.safetensors", "has SHA-256"), ("config.json", "has git blob id")):
             hub.corrupt = name
             bad = os.path.join(tmp, f"hf-corrupt-{name}")
-            rc, out = local_fails("hf://tiny-org/tiny-llama",
+            rc, out = local_fails(BIN, tmp, "hf://tiny-org/tiny-llama",
                                   dict(hf_env, SHARDSERVE_MODEL_CACHE=bad))
             check(rc != 0 and f"{name} {how}" in out and "corrupt" in out,
                   f"a corrupted {name} is refused by name: {out[-300:]}")
@@ -307,7 +230,7 @@ try:
         hub.corrupt = None
         hub.overlong = "tokenizer.json"  # a server that sends more than asked: never written
         bad = os.path.join(tmp, "hf-overlong")
-        rc, out = local_fails("hf://tiny-org/tiny-llama", dict(hf_env, SHARDSERVE_MODEL_CACHE=bad))
+        rc, out = local_fails(BIN, tmp, "hf://tiny-org/tiny-llama", dict(hf_env, SHARDSERVE_MODEL_CACHE=bad))
         check(rc != 0 and "tokenizer.json: the answer is longer than" in out,
               f"an answer longer than the range asked is refused: {out[-300:]}")
         sizes = {n: os.path.getsize(os.path.join(model, n)) for n in names}
@@ -319,7 +242,7 @@ try:
     finally:
         hub.stop()
 finally:
-    proxy.shutdown()
+    proxy.stop()
     moto.terminate()
     moto.wait()
     shutil.rmtree(tmp, ignore_errors=True)

@@ -17,18 +17,17 @@ cache (workerDefaults.modelCache.hostPath with "{node}": the test's nodes share 
 Figures: apply -> Ready for a first start downloading, a restart from the node cache and a second
 replica on warm nodes, with the bytes each moved."""
 import http.client
-import http.server
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "cli"))
 from checks import free_ports, wait_until  # noqa: E402
+from fault_proxy import FaultProxy  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 from registry_server import RegistryServer, SlowProxy, docker_config, wait_port  # noqa: E402
 from realnodes import figure, manifest  # noqa: E402
@@ -42,38 +41,6 @@ def node_cache_defaults(path, tmp):
     with open(f, "w") as out:
         json.dump({"modelCache": {"hostPath": os.path.join(path, "{node}")}}, out)
     return f
-
-
-class FlipProxy(http.server.ThreadingHTTPServer):
-    """S3 behind a proxy that flips one byte in every GET body of a .safetensors object."""
-
-    def __init__(self, target_port):
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def forward(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                conn = http.client.HTTPConnection(HOST, target_port, timeout=60)
-                conn.request(self.command, self.path, body=body, headers=dict(self.headers))
-                r = conn.getresponse()
-                data = r.read()
-                if self.command == "GET" and self.path.split("?")[0].endswith(".safetensors"):
-                    data = bytearray(data)
-                    data[len(data) // 2] ^= 0xFF
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(bytes(data))
-
-            do_GET = do_HEAD = do_PUT = forward
-
-            def log_message(self, *args):
-                pass
-
-        super().__init__((HOST, 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 def rank_metric(c, pod, name):
@@ -159,8 +126,8 @@ def run(c, m, check, shardserve, servers_bin, tmp, model_dir, cache_root, refere
         # 16 KiB a tenth of a second: a download of some seconds, long enough to watch.
         slow = SlowProxy(registry, host=HOST, piece=16384, pause=0.1)
         stops.append(slow.stop)
-        flip = FlipProxy(moto_port)
-        stops.append(flip.shutdown)
+        flip = FaultProxy(HOST, moto_port, host=HOST, corrupt=".safetensors")
+        stops.append(flip.stop)
 
         c.kubectl("create", "secret", "generic", "s3-creds", "--from-literal=AWS_ACCESS_KEY_ID=e2e",
                   "--from-literal=AWS_SECRET_ACCESS_KEY=e2e-secret", check=True)
@@ -278,7 +245,7 @@ def run(c, m, check, shardserve, servers_bin, tmp, model_dir, cache_root, refere
 
         # --- refused by name ----------------------------------------------------------------------
         m.apply(spec("corrupt", "s3://models/corrupt", "s3-creds",
-                     {"AWS_ENDPOINT_URL": f"http://{HOST}:{flip.server_address[1]}",
+                     {"AWS_ENDPOINT_URL": f"http://{HOST}:{flip.port}",
                       "AWS_REGION": "us-east-1"}))
 
         def refused():

@@ -212,6 +212,10 @@ TEST(Builders, ARemoteModelIsFetchedIntoTheNodesCacheAndEachPodSeesOnlyItsOwn) {
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->model_cache.size_limit, int64_t{100} << 30);
   EXPECT_FALSE(ReadWorkerDefaults(json::parse(R"({"modelCache": {"hostPath": "rel"}})")).ok());
+  // The chart's default: no limit.
+  auto unlimited = ReadWorkerDefaults(json::parse(R"({"modelCache": {"sizeLimit": "0"}})"));
+  ASSERT_TRUE(unlimited.ok()) << unlimited.status();
+  EXPECT_EQ(unlimited->model_cache.size_limit, 0);
   auto m = ReadModel(object, *d);
   ASSERT_TRUE(m.ok()) << m.status();
   // Before the inspect pod resolved it, its routers (built with the other children) wait.
