@@ -107,8 +107,8 @@ absl::Status RunFetch(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a,
                    Args::Parse(argv,
                                {"uri", "files", "revision", "cache", "cache-limit", "credentials",
-                                "progress-port", "report", "used-grace-seconds"},
-                               {}, "shardserve fetch", kFetchUsage));
+                                "progress-port", "report", "used-grace-seconds", "link"},
+                               {"small"}, "shardserve fetch", kFetchUsage));
   ASSIGN_OR_RETURN(const std::string uri_text, a.Require("uri"));
   ASSIGN_OR_RETURN(const ModelUri uri, ParseModelUri(uri_text));
   if (!uri.remote()) {

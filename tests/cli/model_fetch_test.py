@@ -173,6 +173,16 @@ try:
                        env=slow_env)
     check(rc != 0 and "HTTP 404" in err, f"a pinned digest the registry lacks is named: {err[-200:]}")
 
+    # What a router fetches: the files that are not weights, reached through a link.
+    router = os.path.join(tmp, "router")
+    rc, r5, err = fetch(slow_uri, router, "--credentials", secret, "--small", "--link",
+                        os.path.join(router, "model"), env=slow_env)
+    linked = os.path.join(router, "model")
+    check(rc == 0 and os.path.islink(linked) and
+          sorted(n for n in os.listdir(linked) if not n.startswith(".")) ==
+          [n for n in names if not n.endswith(".safetensors")],
+          f"--small --link: the config and tokenizer files, no weights, at the link: {err[-300:]}")
+
     # The cache's limit: the least recently used model nobody holds is evicted; one held is not.
     small = f"oci://{REGISTRY}/models/tiny-config:v1"
     creds = ["--credentials", os.path.join(tmp, "secret-direct")]

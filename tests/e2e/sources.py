@@ -171,6 +171,14 @@ def run(c, m, check, shardserve, servers_bin, tmp, model_dir, cache_root, refere
         c.kubectl("scale", "smodel", "from-s3", "--replicas=2", check=True)
         check(wait_until(lambda: m.ready("from-s3", 2), 300), "from-s3: 2 replicas Ready")
         figure("s3:// second replica -> Ready", time.monotonic() - t0)
+
+        def routers_ready():
+            pods = m.pods("from-s3", "shardserve.io/role=router")
+            return len(pods) == 2 and all(
+                any(x["type"] == "Ready" and x["status"] == "True"
+                    for x in p.get("status", {}).get("conditions", [])) for p in pods)
+        check(wait_until(routers_ready, 180),
+              "from-s3: its two routers fetched the tokenizer (no weights) and are Ready")
         f1 = {p: v for p, v in fetched("from-s3").items() if p.startswith("from-s3-1-")}
         warm = {p: v for p, v in f1.items() if v[0] in nodes0}
         cold = {p: v for p, v in f1.items() if v[0] not in nodes0}
