@@ -9,8 +9,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -83,8 +87,9 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const 
   }
 }
 
-// The directory of a remote spec.model.uri, fetched into the model cache first.
-absl::StatusOr<std::string> FetchModel(const std::string& file, const ShardedModelSpec& spec) {
+// A remote spec.model.uri fetched into the model cache (its directory, what moved).
+absl::StatusOr<source::FetchReport> FetchModel(const std::string& file,
+                                               const ShardedModelSpec& spec) {
   source::ResolveOptions o;
   o.env = [](const char* name) { return std::getenv(name); };
   o.cache_root = source::DefaultCacheRoot(o.env);
@@ -113,8 +118,39 @@ absl::StatusOr<std::string> FetchModel(const std::string& file, const ShardedMod
                  "checksum for them): %s\n",
                  r->weak_checks.size(), r->weak_checks.front().c_str());
   }
-  return r->dir;
+  return *std::move(r);
 }
+
+// What the fetch did, as a pod's fetch step reports it (cli/fetch.h), for the ranks' metrics: a
+// file of this run, removed with it.
+class FetchReportFile {
+ public:
+  static absl::StatusOr<FetchReportFile> Write(const source::FetchReport& r, int64_t cache_bytes) {
+    char path[] = "/tmp/shardserve-fetch-XXXXXX";
+    const int fd = ::mkstemp(path);
+    if (fd < 0) return absl::InternalError(absl::StrCat("mkstemp: ", std::strerror(errno)));
+    const std::string body = nlohmann::json{
+        {"bytes_total", r.bytes_total},
+        {"bytes_fetched", r.bytes_fetched},
+        {"cache_hit", r.cache_hit},
+        {"cache_bytes",
+         cache_bytes}}.dump();
+    const bool ok = ::write(fd, body.data(), body.size()) == static_cast<ssize_t>(body.size());
+    ::close(fd);
+    if (!ok) return absl::InternalError(absl::StrCat(path, ": cannot write"));
+    return FetchReportFile(path);
+  }
+  FetchReportFile(FetchReportFile&& o) noexcept : path_(std::move(o.path_)) { o.path_.clear(); }
+  FetchReportFile& operator=(FetchReportFile&&) = delete;
+  ~FetchReportFile() {
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit FetchReportFile(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
 
 }  // namespace
 
@@ -142,8 +178,14 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     return absl::FailedPreconditionError(
         absl::StrCat(file, ": spec.replicas is 0, nothing to run"));
   }
+  std::optional<FetchReportFile> fetch_report;
   if (uri.remote()) {  // fetched into the model cache (once: a second run finds it there)
-    ASSIGN_OR_RETURN(uri.path, FetchModel(file, spec));
+    ASSIGN_OR_RETURN(const source::FetchReport fetched, FetchModel(file, spec));
+    uri.path = fetched.dir;
+    const int64_t cache_bytes =
+        source::CacheBytes(source::DefaultCacheRoot([](const char* n) { return std::getenv(n); }));
+    ASSIGN_OR_RETURN(FetchReportFile written, FetchReportFile::Write(fetched, cache_bytes));
+    fetch_report.emplace(std::move(written));
   }
   auto config = LoadModelConfig(uri.path);
   if (!config.ok()) {
@@ -270,6 +312,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       w.model_name = spec.model_name;
       w.deployment = m.name;
       w.model_path = uri.path;
+      if (fetch_report) w.fetch_report = fetch_report->path();
       w.replica = r;
       w.stage = s;
       w.stage_layers = FormatStageLayers(*layers);

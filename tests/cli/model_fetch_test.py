@@ -20,6 +20,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,8 +96,13 @@ try:
     try:
         check(greedy(d) == want, "served from oci:// with the directory's answers")
         log = d.log()
+        page = d.metrics_page(port=d.metrics_ports[0])
     finally:
         d.stop()
+    fetched_metric = re.search(r"^shardserve_model_fetch_bytes\{[^}]*node=\"[^\"]+\"[^}]*\} (\S+)",
+                               page, re.M)
+    check(fetched_metric is not None and float(fetched_metric.group(1)) == total,
+          f"the first rank's metrics say what the fetch downloaded: {fetched_metric}")
     check(f"{total / 1e6:.1f} MB fetched now" in log, f"the model's bytes fetched: {log[-400:]}")
     present = manifests_under(cache)
     check(len(present) == 1 and os.path.basename(os.path.dirname(present[0])) == digest[7:],
@@ -106,8 +112,12 @@ try:
     try:
         check(greedy(d) == want, "the digest names the same model")
         log = d.log()
+        page = d.metrics_page(port=d.metrics_ports[0])
     finally:
         d.stop()
+    check(re.search(r"^shardserve_model_cache_hit\{[^}]*\} 1$", page, re.M) is not None and
+          re.search(r"^shardserve_model_fetch_bytes\{[^}]*\} 0$", page, re.M) is not None,
+          "... and a start from the cache: a hit, 0 bytes")
     check("in the cache already" in log, f"the same digest is in the cache: {log[-300:]}")
 
     c2 = os.path.join(tmp, "c2")
