@@ -194,7 +194,7 @@ def slow_peer():
             return lambda node: (lambda n: n.get(1) == node and n.get(0) != node)(
                 stage_nodes(name))
 
-        # --- 6. a stage held back at its image pull for 130 s ---------------------------------
+        # --- 7. a stage held back at its image pull for 130 s ---------------------------------
         hold = 130
         reg.hold(stage1_only("held"), hold)
         t0 = time.monotonic()
@@ -233,7 +233,7 @@ def slow_peer():
         c.kubectl("delete", "smodel", "held", "--wait=true", "--timeout=120s")
         check(wait_until(lambda: not model_pods("held"), 120), "held: deleted")
 
-        # --- 7. the same wait past spec.startup.timeoutSeconds is a failure that says why -----
+        # --- 8. the same wait past spec.startup.timeoutSeconds is a failure that says why -----
         reg.hold(stage1_only("hung"), 600)
         apply(manifest("hung", f"hostpath://{model_dir}", key_secret=False,
                        image=reg.image("hung"), startup={"timeoutSeconds": 15}))
@@ -565,15 +565,17 @@ try:
     if not SOURCES_ONLY:
         flows()
     if not HELM_MODE:
+        # --- 6. models from where they live (s3://, hf://, oci://): before the held pulls (after
+        # them one node's containerd no longer resolved the worker image by its name) ----------
         if not SOURCES_ONLY:
-            slow_peer()
             c.kubectl("delete", "smodel", NAME, "--wait=true", "--timeout=120s")
             check(wait_until(lambda: not model_pods(NAME), 120), f"{NAME}: deleted (GPUs)")
-        # --- 8. models from where they live (s3://, hf://, oci://) -------------------------
         servers = subprocess.run(["bash", os.path.join(ROOT, "scripts", "servers-build.sh")],
                                  capture_output=True, text=True, check=True).stdout.strip()
         sources.run(c, m, check, SHARDSERVE, servers, tmp, model_dir, NODE_CACHES, reference[0],
                     same_answer)
+        if not SOURCES_ONLY:
+            slow_peer()
 finally:
     if check.failures:
         c.print_logs()
