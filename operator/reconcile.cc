@@ -175,6 +175,9 @@ PodView ReadPod(const json& pod) {
       }
     }
   }
+  // A ready pod's containers run: whatever an init container's status still says, it fetches no
+  // more.
+  if (v.ready) v.fetching = false;
   if (v.phase == "Failed" || v.phase == "Succeeded") {
     if (v.failure.empty()) {
       v.failure = absl::StrCat(

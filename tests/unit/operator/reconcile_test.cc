@@ -524,6 +524,9 @@ TEST(ReadPod, AFailedFetchStepNamesWhy) {
   pod["status"]["phase"] = "Pending";
   pod["status"]["initContainerStatuses"][0]["state"] = {{"running", json::object()}};
   EXPECT_TRUE(ReadPod(pod).fetching);
+  // Ready: its fetch step is over, whatever a stale init status says.
+  pod["status"]["conditions"] = json::array({{{"type", "Ready"}, {"status", "True"}}});
+  EXPECT_FALSE(ReadPod(pod).fetching);
 }
 
 TEST(ReadShape, FromTheInspectPodsReport) {
