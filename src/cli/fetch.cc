@@ -87,7 +87,8 @@ class Progress {
     absl::StatusOr<std::string> text = ReadFileToString(file_);
     if (!text.ok()) return nullptr;
     const json j = json::parse(*text, nullptr, false);
-    return j.is_object() && j.contains("bytes") && j.contains("total") && j.contains("rate")
+    const auto number = [&j](const char* key) { return j.contains(key) && j[key].is_number(); };
+    return j.is_object() && number("bytes") && number("total") && number("rate") && number("eta")
                ? j
                : json(nullptr);
   }

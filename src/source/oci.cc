@@ -184,7 +184,12 @@ absl::StatusOr<std::vector<RemoteFile>> ParseOciManifest(const std::string& body
     return absl::DataLossError(absl::StrCat(name, ": the registry's manifest ", why));
   };
   if (j.is_discarded() || !j.is_object()) return bad("is not a JSON object");
-  const std::string media = j.value("mediaType", "");
+  // A hostile registry's JSON may put anything anywhere: strings read only where they are ones.
+  const auto text = [](const json& o, const char* key) {
+    const auto it = o.find(key);
+    return it != o.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  const std::string media = text(j, "mediaType");
   if (absl::StrContains(media, "index") || absl::StrContains(media, "manifest.list") ||
       j.contains("manifests")) {
     return absl::InvalidArgumentError(
@@ -199,7 +204,7 @@ absl::StatusOr<std::vector<RemoteFile>> ParseOciManifest(const std::string& body
   std::vector<RemoteFile> files;
   for (const json& l : j["layers"]) {
     if (!l.is_object()) return bad("lists a layer that is not an object");
-    const std::string digest = l.value("digest", "");
+    const std::string digest = text(l, "digest");
     if (!absl::StartsWith(digest, "sha256:") || !IsHex(digest.substr(7), 64)) {
       return bad(absl::StrCat("gives a layer the digest '", digest.substr(0, 80),
                               "' (shardserve checks sha256 digests)"));

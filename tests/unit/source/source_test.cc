@@ -282,6 +282,9 @@ TEST(OciTest, ReadsAnArtifactsManifestOneLayerAFile) {
            {R"({"mediaType": "application/vnd.oci.image.index.v1+json", "manifests": []})",
             "an index of images"},
            {R"({"layers": {}})", "lists no layers"},
+           // Types a hostile registry may send where strings belong: named, never thrown.
+           {R"({"mediaType": 7, "layers": {}})", "lists no layers"},
+           {R"({"layers": [{"digest": 12, "size": 1}]})", "shardserve checks sha256"},
            {R"({"layers": [{"digest": "md5:x", "size": 1}]})", "shardserve checks sha256"},
            {absl::StrCat(R"({"layers": [)", layer, "}]}"), "not a file of a model artifact"},
            {R"({"layers": []})", "has no layers"}}) {
