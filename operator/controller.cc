@@ -818,10 +818,16 @@ absl::Status Controller::Inspect(const ModelView& m, const ShapeView& shape,
 
 absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json& status) {
   ApiTimer timer;
-  if (status != mem.status && status != object.value("status", json::object())) {
+  const json seen = object.value("status", json::object());
+  if (status != mem.status && status != seen) {
+    // What the server holds: the status read, and what this operator last wrote over it (the
+    // cache may not have it yet). A member no longer wanted (a node's download done) is nulled.
+    json held = seen;
+    if (mem.status.is_object()) held.merge_patch(mem.status);
     const json& meta = object["metadata"];
-    auto patched = client_->MergePatch(kShardedModels, meta.value("namespace", ""),
-                                       meta.value("name", ""), {{"status", status}}, "status");
+    auto patched =
+        client_->MergePatch(kShardedModels, meta.value("namespace", ""), meta.value("name", ""),
+                            {{"status", k8s::MergePatchBetween(held, status)}}, "status");
     if (!patched.ok() && !k8s::ApiNotFound(patched.status())) {  // NotFound: deleted meanwhile
       return absl::Status(patched.status().code(),
                           absl::StrCat("writing status: ", patched.status().message()));

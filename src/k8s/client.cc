@@ -144,6 +144,23 @@ bool ApiAlreadyExists(const absl::Status& s) {
 bool ApiConflict(const absl::Status& s) {
   return PayloadCode(s) == 409 && PayloadReason(s) != "AlreadyExists";
 }
+json MergePatchBetween(const json& from, const json& to) {
+  if (!from.is_object() || !to.is_object()) return to;
+  json patch = json::object();
+  for (const auto& [key, old] : from.items()) {
+    if (!to.contains(key)) patch[key] = nullptr;
+  }
+  for (const auto& [key, now] : to.items()) {
+    const auto it = from.find(key);
+    if (it == from.end()) {
+      patch[key] = now;
+    } else if (*it != now) {
+      patch[key] = MergePatchBetween(*it, now);
+    }
+  }
+  return patch;
+}
+
 bool ApiGone(const absl::Status& s) {
   return PayloadCode(s) == 410 || PayloadReason(s) == "Expired" || PayloadReason(s) == "Gone";
 }

@@ -45,6 +45,11 @@ bool ApiAlreadyExists(const absl::Status& s);
 bool ApiConflict(const absl::Status& s);  // 409 on an update: the object changed since it was read
 bool ApiGone(const absl::Status& s);      // 410: a resourceVersion too old to watch from
 
+// The JSON merge patch (RFC 7386) that turns `from` into `to`: a member `to` lacks is null (a
+// merge patch that leaves a member out keeps it), objects are compared member by member, anything
+// else (arrays included) is replaced whole.
+json MergePatchBetween(const json& from, const json& to);
+
 struct ClientOptions {
   double qps = 50;  // client-side rate limit (token bucket), as client-go's defaults scaled up
   int burst = 100;

@@ -78,6 +78,7 @@ size_t OnBody(char* data, size_t size, size_t n, void* user) {
     done += static_cast<size_t>(w);
     t->offset += w;
   }
+  t->response->written += static_cast<int64_t>(bytes);
   if (t->received != nullptr) *t->received += static_cast<int64_t>(bytes);
   return bytes;
 }

@@ -31,6 +31,7 @@ struct HttpResponse {
   long status = 0;
   std::map<std::string, std::string> headers;  // names lower-cased; the last of each kept
   std::string body;                            // in memory (Fetch), empty for FetchToFile
+  int64_t written = 0;                         // the body's bytes written to the file (FetchToFile)
 };
 
 // The response in memory; a transport failure (no connection, TLS, a stall, a body past
@@ -39,8 +40,9 @@ struct HttpResponse {
 absl::StatusOr<HttpResponse> Fetch(const HttpRequest& req);
 
 // The body written into `fd` from `offset` on (pwrite), at most `max_bytes` of it (a longer body
-// is an error, nothing past the limit written), `received` counting its bytes as they come; only
-// a 200 or 206 body is written (another status's body is kept in memory, bounded).
+// is an error, nothing past the limit written), `received` adding its bytes as they come (a
+// counter other transfers may share); only a 200 or 206 body is written (another status's body is
+// kept in memory, bounded).
 absl::StatusOr<HttpResponse> FetchToFile(const HttpRequest& req, int fd, int64_t offset,
                                          int64_t max_bytes, std::atomic<int64_t>* received);
 

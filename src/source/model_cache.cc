@@ -16,11 +16,13 @@
 #include <set>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/status.h"
 #include "common/text.h"
 
@@ -187,7 +189,7 @@ class FileFetch {
           return;
         }
         done_out_ << todo[k] << "\n" << std::flush;
-        tick_();  // under the lock: the caller's progress is told one range at a time
+        tick_();
       }
     };
     const int threads = static_cast<int>(
@@ -223,9 +225,8 @@ class FileFetch {
       HttpRequest r = f_.get;
       r.range_begin = begin;
       r.range_end = end - 1;
-      std::atomic<int64_t> got{0};
-      absl::StatusOr<HttpResponse> resp = FetchToFile(r, fd, begin, end - begin, &got);
-      fetched_ += got.load();
+      // Counted as they arrive: the progress of a large range shows while it comes.
+      absl::StatusOr<HttpResponse> resp = FetchToFile(r, fd, begin, end - begin, &fetched_);
       if (!resp.ok()) {
         last = absl::Status(resp.status().code(),
                             absl::StrCat(name_, ": ", f_.path, ": ", resp.status().message()));
@@ -242,9 +243,9 @@ class FileFetch {
         return absl::FailedPreconditionError(absl::StrCat(
             name_, ": ", f_.path, ": the server ignores byte ranges (HTTP 200 to a range)"));
       }
-      if (got.load() != end - begin) {
+      if (resp->written != end - begin) {
         last = absl::DataLossError(absl::StrCat(name_, ": ", f_.path, ": bytes ", begin, "-",
-                                                end - 1, " came short (", got.load(), " of ",
+                                                end - 1, " came short (", resp->written, " of ",
                                                 end - begin, ")"));
         continue;
       }
@@ -393,10 +394,26 @@ absl::StatusOr<FetchReport> Materialize(const std::string& root, const std::stri
     return report;
   }
   fs::remove(report.dir + "/" + kManifest, ec);
-  std::atomic<int64_t> fetched{0};
-  int64_t whole = 0;  // bytes of the files already whole
+  std::atomic<int64_t> fetched{0};  // bytes moved, failed tries included
+  std::atomic<int64_t> whole{0};    // bytes of the files already whole
+  // The caller is told one call at a time: when a range is done, and twice a second between
+  // (a range is 64 MiB; a slow link takes a while for one).
+  absl::Mutex telling;
   const std::function<void()> tick = [&] {
-    if (progress) progress(whole + fetched.load(), report.bytes_total);
+    if (!progress) return;
+    absl::MutexLock lock(&telling);
+    progress(std::min(report.bytes_total, whole.load() + fetched.load()), report.bytes_total);
+  };
+  absl::Notification over;
+  std::thread ticker;
+  if (progress) {
+    ticker = std::thread([&] {
+      while (!over.WaitForNotificationWithTimeout(absl::Milliseconds(500))) tick();
+    });
+  }
+  absl::Cleanup stop_ticker = [&] {
+    over.Notify();
+    if (ticker.joinable()) ticker.join();
   };
   for (const RemoteFile& f : files) {
     const std::string dest = report.dir + "/" + f.path;
@@ -412,6 +429,7 @@ absl::StatusOr<FetchReport> Materialize(const std::string& root, const std::stri
     if (!s.ok()) return s;
   }
   report.bytes_fetched = fetched.load();
+  std::move(stop_ticker).Invoke();
   const json manifest = {{"name", name}, {"key", key}, {"files", ManifestFiles(files)}};
   const std::string tmp = report.dir + "/" + kManifest + ".tmp";
   {

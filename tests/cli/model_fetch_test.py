@@ -144,20 +144,28 @@ try:
     first = fetch(slow_uri, node, "--credentials", secret, "--progress-port", str(PROGRESS_PORT),
                   "--report", os.path.join(tmp, "first.json"), env=slow_env, wait=False)
     seen_first = None
+    told = set()  # every byte count the downloading fetch said
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and seen_first is None:
+
+    def watch_first():
         s = startupz(PROGRESS_PORT)
         if s and s.get("download", {}).get("rate", 0) > 0:
-            seen_first = s
+            told.add(s["download"]["bytes"])
+            return s
+        return None
+
+    while time.monotonic() < deadline and first.poll() is None and seen_first is None:
+        seen_first = watch_first()
         time.sleep(0.05)
     second = fetch(slow_uri, node, "--credentials", secret, "--progress-port",
                    str(PROGRESS_PORT + 1), env=slow_env, wait=False)
     seen_second = None
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and seen_second is None and second.poll() is None:
+    while time.monotonic() < deadline and first.poll() is None:
+        watch_first()
         s = startupz(PROGRESS_PORT + 1)
         if s and "waiting for this node's download" in s.get("state", ""):
-            seen_second = s
+            seen_second = seen_second or s
         time.sleep(0.05)
     out1, err1 = first.communicate(timeout=120)
     out2, err2 = second.communicate(timeout=120)
@@ -169,6 +177,13 @@ try:
     check(seen_first is not None and seen_first["download"]["eta"] > 0 and
           "/s, " in seen_first["state"] and " s left" in seen_first["state"],
           f"... and rate and ETA: {seen_first}")
+    # Told as the bytes come, not a file (one range of 64 MiB) at a time: a count that no set of
+    # whole files adds up to.
+    sizes = [os.path.getsize(os.path.join(model, n)) for n in names]
+    whole_files = {sum(sz for i, sz in enumerate(sizes) if mask >> i & 1)
+                   for mask in range(1 << len(sizes))}
+    check(any(b not in whole_files for b in told),
+          f"... and its bytes climb within a file ({sorted(told)})")
     check(seen_second is not None and seen_second.get("download", {}).get("total") == total,
           f"the other fetch says it waits for the node's download, with its bytes: {seen_second}")
     r1, r2 = json.loads(out1.splitlines()[-1]), json.loads(out2.splitlines()[-1])

@@ -159,6 +159,21 @@ TEST(K8sClient, TypedWritesAndTheApiserversErrors) {
   auto status = c->MergePatch(kShardedModels, "default", "typed-model",
                               {{"status", {{"phase", "Pending"}}}}, "status");
   ASSERT_TRUE(status.ok()) << status.status();
+  // A member dropped from the status (a node's download done) is gone on the server, not kept
+  // by the merge patch.
+  const json downloading = {
+      {"phase", "Downloading"},
+      {"downloads", {{{"node", "n1"}, {"bytes", 5}}}},
+      {"model", {{"source", {{"revision", "abc"}}}, {"footprint", {{"layers", 2}}}}}};
+  const json done = {{"phase", "Ready"}, {"model", {{"source", {{"revision", "abc"}}}}}};
+  ASSERT_TRUE(c->MergePatch(kShardedModels, "default", "typed-model",
+                            {{"status", MergePatchBetween((*status)["status"], downloading)}},
+                            "status")
+                  .ok());
+  ASSERT_TRUE(c->MergePatch(kShardedModels, "default", "typed-model",
+                            {{"status", MergePatchBetween(downloading, done)}}, "status")
+                  .ok());
+  EXPECT_EQ((*c->Get(kShardedModels, "default", "typed-model"))["status"], done);
   json event = {{"metadata", {{"name", "typed-model.1"}}},
                 {"involvedObject",
                  {{"apiVersion", "shardserve.io/v1alpha1"},
