@@ -43,6 +43,16 @@ json ChildMeta(const ModelView& m, const std::string& name) {
           {"ownerReferences", json::array({OwnerReference(m)})}};
 }
 
+// spec.serving.chatTemplate from a ConfigMap: the leaders' and routers' variable reads its key
+// (the kubelet fills it in; a ConfigMap or key that is missing holds the pod, named in status).
+void AddChatTemplateRef(const ShardedModelSpec& s, json& env) {
+  if (s.chat_template_config_map.empty()) return;
+  env.push_back({{"name", kChatTemplateEnv},
+                 {"valueFrom",
+                  {{"configMapKeyRef",
+                    {{"name", s.chat_template_config_map}, {"key", s.chat_template_key}}}}}});
+}
+
 // The spec's env for a container: the platform's defaults, then the model's own (same name wins).
 json SpecEnv(const ModelView& m) {
   const ShardedModelSpec& s = m.model.spec;
@@ -406,6 +416,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   env.push_back(
       {{"name", kNodeNameEnv}, {"valueFrom", {{"fieldRef", {{"fieldPath", "spec.nodeName"}}}}}});
   for (json& e : SpecEnv(m)) env.push_back(std::move(e));
+  if (leader) AddChatTemplateRef(s, env);
 
   json ports = json::array({{{"name", "rendezvous"}, {"containerPort", kRendezvousPort}}});
   if (leader) ports.push_back({{"name", "api"}, {"containerPort", s.port}});
@@ -629,6 +640,7 @@ json BuildRouterDeployment(const ModelView& m) {
   ApplyServing(s, r);
   json env = json::array();
   for (const auto& [k, v] : r.ToEnv()) env.push_back({{"name", k}, {"value", v}});
+  AddChatTemplateRef(s, env);
   json volumes = files.volumes;
   json mounts = files.mounts;
   AddLeaderSecrets(m, volumes, mounts);

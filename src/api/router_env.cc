@@ -23,6 +23,7 @@ const StringVar kStrings[] = {
     {kApiKeyEnv, &RouterEnv::api_key},
     {kApiKeysFileEnv, &RouterEnv::api_keys_file},
     {kRouterTokenFileEnv, &RouterEnv::token_file},
+    {kChatTemplateEnv, &RouterEnv::chat_template},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_ROUTER_PORT", &RouterEnv::port, 0, 65535},
@@ -32,6 +33,8 @@ const Int64Var kInt64s[] = {
 };
 const BoolVar kBools[] = {
     {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &RouterEnv::special_tokens_as_text, "text", "special"},
+    {"SHARDSERVE_TRUST_REQUEST_CHAT_TEMPLATE", &RouterEnv::trust_request_chat_template, "true",
+     "false"},
     {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &RouterEnv::prefix_cache_per_key, "perKey", "none"},
 };
 const env_internal::Table<RouterEnv> kTable{kStrings, kInts, kInt64s, kBools};
@@ -59,6 +62,8 @@ void ApplyServing(const ShardedModelSpec& spec, RouterEnv& r) {
   WorkerEnv w;
   ApplyServing(spec, w);
   r.special_tokens_as_text = w.special_tokens_as_text;
+  r.chat_template = w.chat_template;
+  r.trust_request_chat_template = w.trust_request_chat_template;
   r.prefix_cache_per_key = w.prefix_cache_per_key;
   for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
     int64_t bytes = 0;

@@ -28,6 +28,8 @@ struct RouterEnv {
   // As the leaders have them (WorkerEnv): a chat message's special-token strings as text; the
   // API key salting every block name; the body bound.
   bool special_tokens_as_text = false;
+  std::string chat_template;  // spec.serving.chatTemplate (inline or from its ConfigMap)
+  bool trust_request_chat_template = false;
   bool prefix_cache_per_key = false;
   int64_t max_body_bytes = WorkerEnv::Defaults().max_body_bytes;
 

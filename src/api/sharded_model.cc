@@ -274,6 +274,16 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
+  RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
+  Fields chat_template(serving.Get("chatTemplate"), "spec.serving.chatTemplate");
+  RETURN_IF_ERROR(chat_template.CheckMap());
+  RETURN_IF_ERROR(chat_template.String("inline", s.chat_template_inline));
+  Fields config_map(chat_template.Get("configMap"), "spec.serving.chatTemplate.configMap");
+  RETURN_IF_ERROR(config_map.CheckMap());
+  RETURN_IF_ERROR(config_map.String("name", s.chat_template_config_map));
+  RETURN_IF_ERROR(config_map.String("key", s.chat_template_key));
+  RETURN_IF_ERROR(config_map.NoOthers());
+  RETURN_IF_ERROR(chat_template.NoOthers());
   RETURN_IF_ERROR(serving.Bool("prefixCaching", s.prefix_caching));
   RETURN_IF_ERROR(serving.String("prefixCacheIsolation", s.prefix_cache_isolation));
   RETURN_IF_ERROR(serving.NoOthers());
@@ -284,6 +294,9 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(startup.NoOthers());
   return spec.NoOthers();
 }
+
+// spec.serving.chatTemplate's bytes (an environment variable carries them to the pods).
+constexpr size_t kMaxChatTemplateBytes = 100 << 10;
 
 // A day: more than any pull or load takes, and within the int milliseconds of the contract.
 constexpr int64_t kMaxStartupSeconds = 86400;
@@ -301,6 +314,8 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.kv_cache_tokens = spec.kv_cache_tokens();
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
+  w.chat_template = spec.chat_template_inline;  // a ConfigMap's: the operator's env reference
+  w.trust_request_chat_template = spec.trust_request_chat_template;
   w.prefix_caching = spec.prefix_caching;
   w.prefix_cache_per_key = spec.prefix_cache_isolation == "perKey";
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
@@ -489,6 +504,25 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.serving.toolCallParser '", s.tool_call_parser,
                      "' must be auto, hermes, llama3_json or mistral"));
+  }
+  {
+    const bool inline_template = !s.chat_template_inline.empty();
+    const bool from_config_map =
+        !s.chat_template_config_map.empty() || !s.chat_template_key.empty();
+    if (inline_template && from_config_map) {
+      return absl::InvalidArgumentError(
+          "spec.serving.chatTemplate takes inline or configMap, not both");
+    }
+    if (from_config_map && (s.chat_template_config_map.empty() || s.chat_template_key.empty())) {
+      return absl::InvalidArgumentError(
+          "spec.serving.chatTemplate.configMap needs its name and the key holding the template");
+    }
+    // An environment variable carries it (Linux takes 128 KiB in one).
+    if (s.chat_template_inline.size() > kMaxChatTemplateBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.serving.chatTemplate.inline has ",
+                                                     s.chat_template_inline.size(),
+                                                     " bytes; at most ", kMaxChatTemplateBytes));
+    }
   }
   RETURN_IF_ERROR(AtLeast("spec.serving.maxSequenceLength", s.max_sequence_length, 2));
   for (auto [field, v] : {std::pair{"spec.startup.timeoutSeconds", s.startup_timeout_seconds},

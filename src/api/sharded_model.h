@@ -93,7 +93,12 @@ struct ShardedModelSpec {
   // transformers and vLLM do) or "text" (as the characters they are; a user cannot forge a turn).
   std::string special_tokens_in_content = "special";
   std::string tool_call_parser = "auto";  // auto (the chat template's), hermes, llama3_json
-  bool prefix_caching = true;             // full KV blocks stay cached and are shared
+  // spec.serving.chatTemplate: a template replacing the model's, inline or a ConfigMap's key.
+  std::string chat_template_inline;
+  std::string chat_template_config_map, chat_template_key;
+  // spec.serving.trustRequestChatTemplate: a request may bring its own chat_template.
+  bool trust_request_chat_template = false;
+  bool prefix_caching = true;  // full KV blocks stay cached and are shared
   // none: every request may share every cached prefix; perKey: only requests with the same API
   // key do (the key salts every block name).
   std::string prefix_cache_isolation = "none";

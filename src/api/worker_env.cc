@@ -46,6 +46,7 @@ const StringVar kStrings[] = {
     {kRequestEnv, &WorkerEnv::request},
     {"SHARDSERVE_RESULT_FILE", &WorkerEnv::result_file},
     {"SHARDSERVE_TOOL_CALL_PARSER", &WorkerEnv::tool_call_parser},
+    {kChatTemplateEnv, &WorkerEnv::chat_template},
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
 };
@@ -79,6 +80,8 @@ const BoolVar kBools[] = {
     {"SHARDSERVE_METRICS", &WorkerEnv::metrics, "on", "off"},
     {"SHARDSERVE_API_METRICS_AUTH", &WorkerEnv::api_metrics_auth, "true", "false"},
     {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &WorkerEnv::special_tokens_as_text, "text", "special"},
+    {"SHARDSERVE_TRUST_REQUEST_CHAT_TEMPLATE", &WorkerEnv::trust_request_chat_template, "true",
+     "false"},
     {"SHARDSERVE_REPORT_MEMORY", &WorkerEnv::report_memory, "1", "0"},
     {"SHARDSERVE_PREFIX_CACHING", &WorkerEnv::prefix_caching, "true", "false"},
     {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &WorkerEnv::prefix_cache_per_key, "perKey", "none"},

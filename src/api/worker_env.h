@@ -42,6 +42,9 @@ inline constexpr char kPodIpEnv[] = "SHARDSERVE_POD_IP";
 // Where the first fatal error goes (read even when the rest of the contract is malformed).
 inline constexpr char kTerminationLogEnv[] = "SHARDSERVE_TERMINATION_LOG";
 inline constexpr char kModelPathEnv[] = "SHARDSERVE_MODEL_PATH";
+// A chat template replacing the model's (spec.serving.chatTemplate; on a cluster possibly from a
+// ConfigMap's key).
+inline constexpr char kChatTemplateEnv[] = "SHARDSERVE_CHAT_TEMPLATE";
 // The node the pod runs on (the metrics' `node` label): the downward API's spec.nodeName.
 inline constexpr char kNodeNameEnv[] = "SHARDSERVE_NODE_NAME";
 inline constexpr char kSecretFileEnv[] = "SHARDSERVE_RENDEZVOUS_SECRET_FILE";
@@ -126,6 +129,10 @@ struct WorkerEnv {
   // The format of the model's tool calls (spec.serving.toolCallParser): hermes, llama3_json, or
   // empty: the one its chat template shows (ChatTemplate::tool_call_format).
   std::string tool_call_parser;
+  // The chat template used instead of the model's (spec.serving.chatTemplate), "" for the model's.
+  std::string chat_template;
+  // A request may bring its own chat_template (spec.serving.trustRequestChatTemplate).
+  bool trust_request_chat_template = false;
   // Full KV blocks stay cached after their sequences and are shared by later ones with the same
   // prefix (spec.serving.prefixCaching).
   bool prefix_caching = true;

@@ -216,6 +216,12 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         "this deployment has none: give them with --api-key-file FILE or ",
         kApiKeyEnv));
   }
+  if (!spec.chat_template_config_map.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file, ": spec.serving.chatTemplate.configMap names the Kubernetes ConfigMap '",
+        spec.chat_template_config_map,
+        "', which shardserve local cannot read: give the template as chatTemplate.inline"));
+  }
   if (!key_file.empty()) {  // checked before any rank starts
     RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());
   }

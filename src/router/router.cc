@@ -722,9 +722,10 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(options.model_path));
   s->context = config.max_context;
   ASSIGN_OR_RETURN(s->tokenizer, Tokenizer::Load(options.model_path));
-  s->chat = ChatTemplate::ForModel(options.model_path, *s->tokenizer);
+  s->chat = ChatTemplate::ForModel(options.model_path, *s->tokenizer, options.chat_template);
   s->prompts =
-      std::make_unique<PromptBuilder>(s->tokenizer.get(), &s->chat, options.special_tokens_as_text);
+      std::make_unique<PromptBuilder>(s->tokenizer.get(), &s->chat, options.special_tokens_as_text,
+                                      options.trust_request_chat_template);
   ASSIGN_OR_RETURN(s->keys, ApiKeys::Open(options.api_key, options.api_keys_file));
   if (!options.leader_token_file.empty()) {
     ASSIGN_OR_RETURN(s->leader_token, ReadToken(options.leader_token_file));

@@ -45,8 +45,10 @@ struct RouterOptions {
   std::string model_path;            // the tokenizer and chat template
   std::string model_label;           // the metrics' `model`
   bool special_tokens_as_text = false;
-  std::string api_key, api_keys_file;  // the clients' keys, as the leaders have them
-  std::string leader_token_file;       // proves the router to the leaders' /v1/kv-events
+  std::string chat_template;                 // spec.serving.chatTemplate, "" for the model's
+  bool trust_request_chat_template = false;  // spec.serving.trustRequestChatTemplate
+  std::string api_key, api_keys_file;        // the clients' keys, as the leaders have them
+  std::string leader_token_file;             // proves the router to the leaders' /v1/kv-events
   // spec.serving.prefixCacheIsolation perKey: block names salted with the client's key, as the
   // leaders name them.
   bool prefix_cache_per_key = false;

@@ -69,10 +69,17 @@ std::optional<http::Response> ApiServer::Impl::Deny(const http::Request& req) {
   return Reply(s);
 }
 
+// The template a request renders with: its own (PromptBuilder refuses it where untrusted), else
+// the deployment's.
+ChatTemplate ApiServer::Impl::TemplateFor(const ApiRequest& req) const {
+  return req.chat_template ? chat.WithTemplate(*req.chat_template, "the request's chat_template")
+                           : chat;
+}
+
 // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
-// one its chat template shows.
-std::string ApiServer::Impl::ToolCallFormat() const {
-  return config.env.tool_call_parser.empty() ? chat.tool_call_format()
+// one the request's chat template shows.
+std::string ApiServer::Impl::ToolCallFormat(const ApiRequest& req) const {
+  return config.env.tool_call_parser.empty() ? TemplateFor(req).tool_call_format()
                                              : config.env.tool_call_parser;
 }
 
@@ -81,11 +88,12 @@ std::string ApiServer::Impl::ToolCallFormat() const {
 // them and parses nothing (as vLLM does by default).
 absl::Status ApiServer::Impl::ToolsRunHere(const ApiRequest& req) const {
   if (req.tool_choice == "none") return absl::OkStatus();
-  if (!chat.renders_tools()) {
-    return BadParam("tools", absl::StrCat("this model's chat template (", chat.source(),
+  const ChatTemplate t = TemplateFor(req);
+  if (!t.renders_tools()) {
+    return BadParam("tools", absl::StrCat("this model's chat template (", t.source(),
                                           ") does not render tools"));
   }
-  const std::string format = ToolCallFormat();
+  const std::string format = ToolCallFormat(req);
   if (format.empty()) {
     return BadParam("tools",
                     "this model's chat template shows no tool-call format shardserve parses "
@@ -152,9 +160,10 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(env.api_key, env.api_keys_file));
   ASSIGN_OR_RETURN(impl->router_keys, ApiKeys::Open("", env.router_token_file));
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(env.model_path));
-  impl->chat = ChatTemplate::ForModel(env.model_path, *impl->tokenizer);
-  impl->prompt_builder = std::make_unique<PromptBuilder>(impl->tokenizer.get(), &impl->chat,
-                                                         env.special_tokens_as_text);
+  impl->chat = ChatTemplate::ForModel(env.model_path, *impl->tokenizer, env.chat_template);
+  impl->prompt_builder =
+      std::make_unique<PromptBuilder>(impl->tokenizer.get(), &impl->chat,
+                                      env.special_tokens_as_text, env.trust_request_chat_template);
   impl->metrics = std::make_unique<LeaderMetrics>(*impl->own_registry, env.metrics_model(),
                                                   std::to_string(env.replica));
   Impl* s = impl.get();

@@ -7,6 +7,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -24,6 +25,9 @@ constexpr int64_t kMaxChoices = 16;    // n, best_of
 constexpr size_t kMaxSequences = 128;  // prompts x best_of
 constexpr size_t kMaxCacheSalt = 1024;
 constexpr size_t kMaxGuidedChoices = 2000;
+constexpr size_t kMaxTemplateBytes = 256 << 10;  // a request's own chat_template
+constexpr size_t kMaxKwargsBytes = 64 << 10;     // chat_template_kwargs, written as JSON
+constexpr size_t kMaxDocuments = 256;
 
 // Typed field access: absent and null read as "not given"; a wrong type names the field.
 absl::StatusOr<std::optional<double>> Number(const json& body, const char* name) {
@@ -310,7 +314,7 @@ absl::Status ParseMessages(const json& body, ApiRequest& r) {
     }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
-      if (!msg.tool_calls.empty()) {  // an assistant's turn of calls alone
+      if (!msg.tool_calls.empty()) {  // an assistant's turn of calls alone: "" as vLLM gives it
         msg.content_null = true;
         r.messages.push_back(std::move(msg));
         continue;
@@ -320,18 +324,23 @@ absl::Status ParseMessages(const json& body, ApiRequest& r) {
     if (content->is_string()) {
       msg.content = content->get<std::string>();
     } else if (content->is_array()) {
+      // Text parts (vLLM's text types); a string-style template gets them joined by "\n".
       for (const json& part : *content) {
         auto type = part.is_object() ? part.find("type") : part.end();
         auto text = part.is_object() ? part.find("text") : part.end();
-        if (!part.is_object() || type == part.end() || !type->is_string() || *type != "text" ||
-            text == part.end() || !text->is_string()) {
+        const bool text_type = type != part.end() && type->is_string() &&
+                               (*type == "text" || *type == "input_text" ||
+                                *type == "output_text" || *type == "refusal");
+        if (!part.is_object() || !text_type || text == part.end() || !text->is_string()) {
           return BadParam(param + ".content",
                           absl::StrCat("'", param,
                                        ".content' parts must be {\"type\": \"text\", \"text\": "
                                        "...}; this model reads text only"));
         }
-        msg.content += part["text"].get<std::string>();
+        msg.parts.push_back(part["text"].get<std::string>());
       }
+      msg.content = absl::StrJoin(msg.parts, "\n");
+      msg.content_null = msg.parts.empty();  // no part: "" (or []) as vLLM gives it
     } else {
       return BadParam(param + ".content",
                       absl::StrCat("'", param, ".content' must be a string or a list of parts"));
@@ -544,6 +553,82 @@ absl::Status ParseStructuredOutput(const json& body, ApiRequest& r) {
 
 }  // namespace
 
+namespace {
+
+// How the chat template renders the messages: vLLM's add_generation_prompt,
+// continue_final_message, chat_template_kwargs, documents and a request's own chat_template
+// (which the server takes only where the deployment trusts them).
+absl::Status ParseChatOptions(const json& body, ApiRequest& r) {
+  ChatOptions& o = r.chat_options;
+  auto flag = [&](const char* name) -> absl::StatusOr<std::optional<bool>> {
+    auto it = body.find(name);
+    if (it == body.end() || it->is_null()) return std::nullopt;
+    if (!it->is_boolean()) return BadParam(name, absl::StrCat("'", name, "' must be a boolean"));
+    return it->get<bool>();
+  };
+  ASSIGN_OR_RETURN(const std::optional<bool> generation, flag("add_generation_prompt"));
+  ASSIGN_OR_RETURN(const std::optional<bool> continuing, flag("continue_final_message"));
+  o.continue_final_message = continuing.value_or(false);
+  if (o.continue_final_message && generation.value_or(false)) {
+    return BadParam("continue_final_message",
+                    "'continue_final_message' and 'add_generation_prompt' cannot both be true: "
+                    "the prompt either continues the final message or starts a new one");
+  }
+  o.add_generation_prompt = generation.value_or(!o.continue_final_message);
+  if (auto it = body.find("chat_template_kwargs"); it != body.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return BadParam("chat_template_kwargs",
+                      "'chat_template_kwargs' must be an object of the template's variables");
+    }
+    if (it->dump().size() > kMaxKwargsBytes) {
+      return BadParam("chat_template_kwargs", absl::StrCat("'chat_template_kwargs' may hold at "
+                                                           "most ",
+                                                           kMaxKwargsBytes, " bytes of JSON"));
+    }
+    for (const auto& [key, value] : it->items()) {
+      static constexpr const char* kOwnFields[] = {
+          "messages",     "tools", "documents", "add_generation_prompt", "continue_final_message",
+          "chat_template"};
+      static constexpr const char* kTokens[] = {"bos_token", "eos_token", "unk_token", "pad_token"};
+      for (const char* own : kOwnFields) {
+        if (key == own) {
+          return BadParam("chat_template_kwargs",
+                          absl::StrCat("'chat_template_kwargs' may not set '", key,
+                                       "': it is the request's own field"));
+        }
+      }
+      for (const char* token : kTokens) {
+        if (key == token) {
+          return BadParam("chat_template_kwargs",
+                          absl::StrCat("'chat_template_kwargs' may not set '", key,
+                                       "': the model's tokenizer gives it"));
+        }
+      }
+    }
+    o.kwargs = *it;
+  }
+  if (auto it = body.find("documents"); it != body.end() && !it->is_null()) {
+    if (!it->is_array() || it->size() > kMaxDocuments ||
+        !std::all_of(it->begin(), it->end(), [](const json& d) { return d.is_object(); })) {
+      return BadParam("documents", absl::StrCat("'documents' must be a list of at most ",
+                                                kMaxDocuments, " objects (title, text)"));
+    }
+    o.documents = *it;
+  }
+  if (auto it = body.find("chat_template"); it != body.end() && !it->is_null()) {
+    if (!it->is_string() || it->get_ref<const std::string&>().empty() ||
+        it->get_ref<const std::string&>().size() > kMaxTemplateBytes) {
+      return BadParam("chat_template", absl::StrCat("'chat_template' must be a Jinja template of "
+                                                    "at most ",
+                                                    kMaxTemplateBytes, " bytes"));
+    }
+    r.chat_template = it->get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   if (!body.is_object()) return BadParam("", "the request body must be a JSON object");
   ApiRequest r;
@@ -554,6 +639,7 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   }
   r.model = model->get<std::string>();
   RETURN_IF_ERROR(chat ? ParseMessages(body, r) : ParsePrompt(body, r));
+  if (chat) RETURN_IF_ERROR(ParseChatOptions(body, r));
 
   SamplingParams& p = r.params;
   ASSIGN_OR_RETURN(auto max_tokens, Integer(body, "max_tokens"));

@@ -13,7 +13,10 @@
 //   repetition_penalty ((0, 10], vLLM's), logit_bias ({"id": [-100, 100]}), min_tokens (vLLM's;
 //   SamplingParams says how each applies). Chat: tools (functions), tool_choice "auto",
 //   "none", "required" or a named function (the last two constrained), parallel_tool_calls;
-//   messages of role tool (tool_call_id) and assistant messages with tool_calls. Structured
+//   messages of role tool (tool_call_id) and assistant messages with tool_calls; how the
+//   template renders them: add_generation_prompt, continue_final_message, chat_template_kwargs
+//   (its variables; not the request's own fields or the tokenizer's tokens), documents, and a
+//   request's own chat_template (served where the deployment trusts them). Structured
 //   output (serve/grammar.h): response_format json_object or json_schema, or vLLM's guided_json,
 //   guided_regex, guided_grammar (Lark), guided_choice (or structured_outputs' json, regex,
 //   grammar, choice, json_object); one at a time, not with tools or min_tokens. cache_salt
@@ -44,7 +47,11 @@ struct ApiRequest {
   std::vector<std::string> prompt_texts;
   std::vector<std::vector<int32_t>> prompt_ids;
   std::vector<ChatMessage> messages;
-  nlohmann::ordered_json tools;  // the request's tools as given; null: none
+  // How the template renders them: add_generation_prompt, continue_final_message,
+  // chat_template_kwargs, documents (its tools are set from `tools` when it is rendered).
+  ChatOptions chat_options;
+  std::optional<std::string> chat_template;  // the request's own (taken only where trusted)
+  nlohmann::ordered_json tools;              // the request's tools as given; null: none
   // "auto" (tools given, calls parsed), "none", "required" (one call or more, constrained) or
   // "function" (a call of tool_choice_name, constrained).
   std::string tool_choice = "none";

@@ -1,5 +1,6 @@
 #include "serve/prompts.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -26,11 +27,56 @@ absl::StatusOr<std::vector<int32_t>> PromptBuilder::Tokenize(
   return ids;
 }
 
+namespace {
+
+// The strings of a JSON value (nested), for the special-token check.
+void Strings(const nlohmann::ordered_json& j, std::vector<const std::string*>& out) {
+  if (j.is_string()) out.push_back(&j.get_ref<const std::string&>());
+  if (j.is_structured()) {
+    for (const auto& v : j) Strings(v, out);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<int32_t>> PromptBuilder::Chat(const ApiRequest& req, int64_t context,
                                                          bool add_special) const {
-  absl::StatusOr<RenderedChat> rendered = chat_->Render(
-      req.messages, req.tool_choice != "none" ? req.tools : nlohmann::ordered_json(nullptr));
-  if (!rendered.ok()) return BadParam("messages", std::string(rendered.status().message()));
+  ChatOptions options = req.chat_options;
+  options.tools = req.tool_choice != "none" ? req.tools : nlohmann::ordered_json(nullptr);
+  std::optional<ChatTemplate> own;
+  if (req.chat_template) {
+    if (!trust_request_templates_) {
+      return BadParam("chat_template",
+                      "a request's own 'chat_template' is refused: this deployment renders the "
+                      "model's (spec.serving.trustRequestChatTemplate allows them)");
+    }
+    own = chat_->WithTemplate(*req.chat_template, "the request's chat_template");
+  }
+  if (special_tokens_as_text_) {
+    std::vector<const std::string*> strings;
+    Strings(options.kwargs, strings);
+    for (const std::string* s : strings) {
+      if (s->empty()) continue;
+      absl::StatusOr<std::vector<int32_t>> plain =
+          tokenizer_->Encode(*s, false, static_cast<size_t>(context), {{0, s->size()}});
+      absl::StatusOr<std::vector<int32_t>> parsed =
+          tokenizer_->Encode(*s, false, static_cast<size_t>(context));
+      if (!plain.ok() || !parsed.ok() || *plain != *parsed) {
+        return BadParam("chat_template_kwargs",
+                        "a 'chat_template_kwargs' string holds a special token's text, which "
+                        "this deployment keeps out of prompts (spec.serving."
+                        "specialTokensInContent: text)");
+      }
+    }
+  }
+  absl::StatusOr<RenderedChat> rendered = (own ? *own : *chat_).Render(req.messages, options);
+  if (!rendered.ok()) {
+    const absl::string_view m = rendered.status().message();
+    return BadParam(absl::StartsWith(m, "continue_final_message") ? "continue_final_message"
+                    : own                                         ? "chat_template"
+                                                                  : "messages",
+                    std::string(m));
+  }
   return Tokenize(rendered->text, add_special, context, "messages",
                   special_tokens_as_text_ ? rendered->content : std::vector<TextRange>{});
 }

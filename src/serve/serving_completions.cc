@@ -309,7 +309,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     RETURN_IF_ERROR(ToolsRunHere(req));
     if (req.tool_choice == "required" || req.tool_choice == "function") {  // a call must come
       req.grammar =
-          ToolCallGrammar(ToolCallFormat(), req.tools, req.tool_choice, req.tool_choice_name,
+          ToolCallGrammar(ToolCallFormat(req), req.tools, req.tool_choice, req.tool_choice_name,
                           req.parallel_tool_calls, MistralMarker().value_or(-1));
       req.grammar_param = "tool_choice";
     }
@@ -375,7 +375,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     const size_t p = k / req.best_of, j = k % req.best_of;
     const std::vector<int32_t>& ids = prompts[p];
     std::vector<int32_t> keep;  // the tool-call marker Mistral's parser reads
-    if (req.tool_choice != "none" && ToolCallFormat() == "mistral") keep = {*MistralMarker()};
+    if (req.tool_choice != "none" && ToolCallFormat(req) == "mistral") keep = {*MistralMarker()};
     choices.emplace_back((*streams)[k], TextStream(tokenizer.get(), req.stop, keep),
                          j == 0 ? static_cast<int64_t>(ids.size()) : 0);
     Choice& c = choices.back();
@@ -393,7 +393,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     }
     if (req.tool_choice != "none") {
       c.tool_parser =
-          std::make_unique<ToolCallParser>(ToolCallFormat(), req.tools, req.parallel_tool_calls);
+          std::make_unique<ToolCallParser>(ToolCallFormat(req), req.tools, req.parallel_tool_calls);
     }
   }
   return absl::OkStatus();

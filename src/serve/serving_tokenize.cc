@@ -9,8 +9,9 @@ using api_internal::json;
 using api_internal::ojson;
 
 // POST /tokenize and /detokenize as vLLM serves them: a prompt (with add_special_tokens,
-// default true) or chat messages and tools (rendered as for /v1/chat/completions,
-// add_generation_prompt true) to {"count", "max_model_len", "tokens"}; token ids to {"prompt"}.
+// default true) or chat messages and tools (rendered as for /v1/chat/completions, with its chat
+// options: add_generation_prompt, continue_final_message, chat_template_kwargs, documents,
+// chat_template) to {"count", "max_model_len", "tokens"}; token ids to {"prompt"}.
 // `model` may be left out.
 http::Response ApiServer::Impl::Tokenization(const http::Request& http_req, bool detokenize) {
   if (auto denied = Deny(http_req)) return *std::move(denied);
@@ -54,12 +55,6 @@ http::Response ApiServer::Impl::Tokenization(const http::Request& http_req, bool
       add_special = a->get<bool>();
     }
     if (body->contains("messages")) {
-      if (auto g = body->find("add_generation_prompt");
-          g != body->end() && !(g->is_boolean() && g->get<bool>())) {
-        return BadParam("add_generation_prompt",
-                        "'add_generation_prompt' other than true is not supported: the chat "
-                        "prompt ends where the assistant's reply begins");
-      }
       ojson chat_body = *body;
       chat_body["model"] = config.env.model_name;
       ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(chat_body, true));

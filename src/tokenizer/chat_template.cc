@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -48,7 +49,23 @@ std::string TemplateText(const json& config) {
 
 }  // namespace
 
-ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenizer& tokenizer) {
+void ChatTemplate::SetTemplate(std::string text) {
+  template_ = std::move(text);
+  // vLLM's content-format detection: a loop over a message's content takes the parts.
+  static const std::regex kLoopOverContent(
+      R"(\{%-?\s*for\s+\w+\s+in\s+\w+\s*(\[\s*['"]content['"]\s*\]|\.content)\s*[-|%])");
+  list_content_ = std::regex_search(template_, kLoopOverContent);
+}
+
+ChatTemplate ChatTemplate::WithTemplate(std::string text, std::string source) const {
+  ChatTemplate t = *this;
+  t.SetTemplate(std::move(text));
+  t.source_ = std::move(source);
+  return t;
+}
+
+ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenizer& tokenizer,
+                                    const std::string& own) {
   ChatTemplate t;
   json config = json::object();
   std::string path = (std::filesystem::path(model_dir) / "tokenizer_config.json").string();
@@ -94,7 +111,12 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
     t.special_.emplace_back(key, TokenText(config, key));
   }
-  t.template_ = TemplateText(config);
+  if (!own.empty()) {
+    t.SetTemplate(own);
+    t.source_ = "spec.serving.chatTemplate";
+  } else {
+    t.SetTemplate(TemplateText(config));
+  }
   if (t.template_.empty()) {
     t.reason_ = absl::StrCat(path, " gives no chat_template");
     return t;
@@ -107,7 +129,9 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
   probe_turn[0].content = "hi";
   probe_turn[1].role = "assistant";
   probe_turn[1].content = probe;
-  absl::StatusOr<std::string> turn = t.RenderText(probe_turn, nullptr, false);
+  ChatOptions probe_options;
+  probe_options.add_generation_prompt = false;
+  absl::StatusOr<std::string> turn = t.RenderText(probe_turn, probe_options, false);
   if (turn.ok() && turn->find(probe) != std::string::npos) {
     const std::string after = turn->substr(turn->find(probe) + probe.size(), 64);
     absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(after, false);
@@ -136,48 +160,120 @@ std::string ChatTemplate::tool_call_format() const {
   return "";
 }
 
+namespace {
+
+// transformers' marker for the end of a message to be continued.
+constexpr absl::string_view kContinueTag = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+std::string Marker(size_t k) { return absl::StrCat("\x02", k, "\x03"); }
+
+// A message's text parts: as given in a list, else its content (none when null).
+std::vector<absl::string_view> PartsOf(const ChatMessage& m) {
+  if (!m.parts.empty()) return {m.parts.begin(), m.parts.end()};
+  if (m.content_null) return {};
+  return {m.content};
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> ChatTemplate::RenderText(const std::vector<ChatMessage>& messages,
-                                                     const nlohmann::ordered_json& tools,
-                                                     bool add_generation_prompt) const {
-  nlohmann::ordered_json ctx;
-  nlohmann::ordered_json list = nlohmann::ordered_json::array();
-  // Each message as apply_chat_template receives the request's: its role and content (null for
-  // an assistant's calls alone), then what else it carries.
-  for (const ChatMessage& m : messages) {
-    nlohmann::ordered_json msg = {{"role", m.role}};
-    msg["content"] =
-        m.content_null ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(m.content);
+                                                     const ChatOptions& options,
+                                                     bool marked) const {
+  using ojson = nlohmann::ordered_json;
+  const bool continuing = options.continue_final_message;
+  if (continuing) {
+    if (messages.empty()) {
+      return absl::InvalidArgumentError("continue_final_message: there is no message to continue");
+    }
+    if (PartsOf(messages.back()).empty()) {
+      return absl::InvalidArgumentError(
+          "continue_final_message: the final message has no text to continue");
+    }
+    if (template_.find("content") == std::string::npos) {
+      return absl::InvalidArgumentError(
+          "continue_final_message: this chat template writes no message's content");
+    }
+  }
+  ojson ctx;
+  ojson list = ojson::array();
+  size_t unit = 0;  // the text's place among the messages' texts (a marker's number)
+  // Each message as vLLM hands it to apply_chat_template: its role and content, then what else
+  // it carries.
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    const bool last = continuing && i + 1 == messages.size();
+    ojson msg = {{"role", m.role}};
+    if (list_content_) {
+      const std::vector<absl::string_view> texts = PartsOf(m);
+      ojson parts = ojson::array();
+      for (size_t p = 0; p < texts.size(); ++p) {
+        std::string text = marked ? Marker(unit++) : std::string(texts[p]);
+        if (last && p + 1 == texts.size()) absl::StrAppend(&text, kContinueTag);
+        parts.push_back({{"type", "text"}, {"text", std::move(text)}});
+      }
+      msg["content"] = std::move(parts);
+    } else {
+      std::string text = marked && !m.content_null ? Marker(unit++) : m.content;
+      if (last) absl::StrAppend(&text, kContinueTag);
+      msg["content"] = std::move(text);
+    }
     if (!m.name.empty()) msg["name"] = m.name;
     if (!m.tool_call_id.empty()) msg["tool_call_id"] = m.tool_call_id;
     if (!m.tool_calls.is_null()) msg["tool_calls"] = m.tool_calls;
     list.push_back(std::move(msg));
   }
-  ctx["messages"] = std::move(list);
-  ctx["tools"] = tools;
-  ctx["documents"] = nullptr;
-  ctx["add_generation_prompt"] = add_generation_prompt;
   for (const auto& [key, value] : special_) {
     if (!value.empty()) ctx[key] = value;
   }
-  return RenderJinja(template_, ctx);
+  if (options.kwargs.is_object()) {
+    for (const auto& [key, value] : options.kwargs.items()) ctx[key] = value;
+  }
+  ctx["messages"] = std::move(list);
+  ctx["tools"] = options.tools;
+  ctx["documents"] = options.documents;
+  ctx["add_generation_prompt"] = options.add_generation_prompt && !continuing;
+  ASSIGN_OR_RETURN(std::string text, RenderJinja(template_, ctx));
+  if (!continuing) return text;
+  // Cut where the final message's text ends (transformers' check and cut).
+  const absl::string_view tag = absl::StripTrailingAsciiWhitespace(kContinueTag);
+  const size_t at = text.rfind(tag.data(), std::string::npos, tag.size());
+  const std::string final_text =
+      marked ? Marker(unit - 1)
+             : std::string(absl::StripAsciiWhitespace(PartsOf(messages.back()).back()));
+  if (at == std::string::npos || text.find(final_text) == std::string::npos) {
+    return absl::InvalidArgumentError(
+        "continue_final_message: the final message's text does not appear in the prompt (the "
+        "chat template drops part of it)");
+  }
+  if (absl::string_view(text).substr(at, kContinueTag.size()) == kContinueTag) {
+    text.resize(at);
+  } else {
+    text = std::string(absl::StripTrailingAsciiWhitespace(absl::string_view(text).substr(0, at)));
+  }
+  return text;
 }
 
 absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>& messages,
-                                                  const nlohmann::ordered_json& tools) const {
+                                                  const ChatOptions& options) const {
   if (!has_template()) {
     return absl::FailedPreconditionError(
         absl::StrCat("this model has no chat template: ", reason_, "; use /v1/completions"));
   }
   RenderedChat r;
-  ASSIGN_OR_RETURN(r.text, RenderText(messages, tools, true));
-  // Where the messages' text lies: the same template rendered with a marker for each message's
-  // text, each marker then replaced by the text (as given, or trimmed, as templates often write
-  // it), must give the prompt; the replacements' places are the ranges.
-  std::vector<ChatMessage> marked = messages;
-  for (size_t i = 0; i < marked.size(); ++i) {
-    if (!marked[i].content_null) marked[i].content = absl::StrCat("\x02", i, "\x03");
+  ASSIGN_OR_RETURN(r.text, RenderText(messages, options, false));
+  // Where the messages' text lies: the same template rendered with a marker for each text (a
+  // part in list style, a message's content else), each marker then replaced by the text (as
+  // given, or trimmed, as templates often write it), must give the prompt; the replacements'
+  // places are the ranges.
+  std::vector<absl::string_view> texts;
+  for (const ChatMessage& m : messages) {
+    if (list_content_) {
+      for (absl::string_view p : PartsOf(m)) texts.push_back(p);
+    } else if (!m.content_null) {
+      texts.push_back(m.content);
+    }
   }
-  absl::StatusOr<std::string> layout = RenderText(marked, tools, true);
+  absl::StatusOr<std::string> layout = RenderText(messages, options, true);
   if (!layout.ok()) return r;  // the template looks at the text itself: no ranges
   for (const bool trimmed : {false, true}) {
     std::string text;
@@ -186,16 +282,14 @@ absl::StatusOr<RenderedChat> ChatTemplate::Render(const std::vector<ChatMessage>
     for (;;) {
       const size_t open = layout->find('\x02', at);
       const size_t close = open == std::string::npos ? open : layout->find('\x03', open);
-      size_t i = 0;
+      size_t k = 0;
       if (close == std::string::npos ||
-          !absl::SimpleAtoi(layout->substr(open + 1, close - open - 1), &i) ||
-          i >= messages.size()) {
+          !absl::SimpleAtoi(layout->substr(open + 1, close - open - 1), &k) || k >= texts.size()) {
         text += layout->substr(at);
         break;
       }
       text += layout->substr(at, open - at);
-      const absl::string_view content =
-          trimmed ? absl::StripAsciiWhitespace(messages[i].content) : messages[i].content;
+      const absl::string_view content = trimmed ? absl::StripAsciiWhitespace(texts[k]) : texts[k];
       if (!content.empty()) ranges.push_back({text.size(), text.size() + content.size()});
       absl::StrAppend(&text, content);
       at = close + 1;

@@ -63,11 +63,13 @@ ROUND_TRIP = [{"role": "user", "content": "Weather in Oslo?"},
 
 
 def for_transformers(messages):
-    """The messages as Hugging Face templates take them: a call's arguments as a dict (vLLM
-    hands them over so)."""
+    """The messages as vLLM hands them to Hugging Face templates: a call's arguments as a dict,
+    a null content as ""."""
     out = []
     for m in messages:
         m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
         if m.get("tool_calls"):
             m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
                 c["function"]["arguments"]))) for c in m["tool_calls"]]

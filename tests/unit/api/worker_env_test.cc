@@ -70,6 +70,8 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.api_metrics_auth = false;
   w.special_tokens_as_text = true;
   w.tool_call_parser = "llama3_json";
+  w.chat_template = "{{ messages[0].content }}";
+  w.trust_request_chat_template = true;
   w.api_key = "sk-0123456789abcdef";
   w.api_keys_file = "/keys";
   w.router_token_file = "/router-token";
@@ -163,6 +165,8 @@ TEST(RouterEnvTest, EveryFieldSurvivesTheRoundTrip) {
   r.token_file = "/router-token";
   r.special_tokens_as_text = true;
   r.prefix_cache_per_key = true;
+  r.chat_template = "{{ messages[0].content }}";
+  r.trust_request_chat_template = true;
   r.max_body_bytes = 1 << 16;
   const auto written = AsMap(r);
   EXPECT_EQ(written.size(), RouterEnv::Names().size());

@@ -25,6 +25,14 @@ struct Case {
 };
 
 const Case kCases[] = {
+    // Jinja2's iterable test (vLLM's Hermes template guards its tools header with it): None is
+    // not iterable, an undefined value is.
+    {"iterable",
+     R"J({{ none is iterable }} {{ nothing is iterable }} {{ messages is iterable }} {{ 'ab' is iterable }} {{ 3 is iterable }} {{ extra is iterable }})J",
+     "False True True True False True"},
+    // A template written with CRLF line endings renders as Jinja2 reads it: "\n".
+    {"crlf", "{% for m in messages %}\r\n<{{ m.role }}>\r\n{% endfor %}\r\nend\r\n",
+     "<system>\n<user>\n<assistant>\n<user>\nend"},
     {"chatml",
      R"J({% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %})J",
      R"J(<|im_start|>system

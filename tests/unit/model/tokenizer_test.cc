@@ -378,7 +378,9 @@ TEST(ChatTemplateTest, ToolsAndTheirFormat) {
   messages[2].content = "sunny";
   const auto tools = nlohmann::ordered_json::parse(
       R"([{"type": "function", "function": {"name": "get_weather", "parameters": {"b": 1, "a": 2}}}])");
-  auto r = t.Render(messages, tools);
+  ChatOptions with_tools;
+  with_tools.tools = tools;
+  auto r = t.Render(messages, with_tools);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_NE(r->text.find(R"({"name": "get_weather", "parameters": {"b": 1, "a": 2}})"),
             std::string::npos)

@@ -442,6 +442,29 @@ TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
   }
   EXPECT_EQ(iso["SHARDSERVE_PREFIX_CACHE_ISOLATION"], "perKey");
   EXPECT_EQ(iso["SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT"], "text");
+  // spec.serving.chatTemplate from a ConfigMap: the leaders and routers read its key (the
+  // kubelet fills the variable in); a request's own templates where trusted.
+  json templated = object;
+  templated["spec"]["serving"]["chatTemplate"] = {{"configMap", {{"name", "tpl"}, {"key", "t"}}}};
+  templated["spec"]["serving"]["trustRequestChatTemplate"] = true;
+  auto templated_model = ReadModel(templated);
+  ASSERT_TRUE(templated_model.ok()) << templated_model.status();
+  const json ref = {{"configMapKeyRef", {{"name", "tpl"}, {"key", "t"}}}};
+  auto env_of = [](const json& container) {
+    std::map<std::string, json> out;
+    for (const json& e : container["env"]) out[e["name"]] = e;
+    return out;
+  };
+  auto router_env =
+      env_of(BuildRouterDeployment(*templated_model)["spec"]["template"]["spec"]["containers"][0]);
+  EXPECT_EQ(router_env["SHARDSERVE_CHAT_TEMPLATE"]["valueFrom"], ref);
+  EXPECT_EQ(router_env["SHARDSERVE_TRUST_REQUEST_CHAT_TEMPLATE"]["value"], "true");
+  auto leader_env =
+      env_of(BuildStagePod(*templated_model, 0, 0, {"a", "b"})["spec"]["containers"][0]);
+  EXPECT_EQ(leader_env["SHARDSERVE_CHAT_TEMPLATE"]["valueFrom"], ref);
+  EXPECT_EQ(leader_env["SHARDSERVE_TRUST_REQUEST_CHAT_TEMPLATE"]["value"], "true");
+  EXPECT_FALSE(env_of(BuildStagePod(*templated_model, 0, 1, {"a", "b"})["spec"]["containers"][0])
+                   .count("SHARDSERVE_CHAT_TEMPLATE"));
   ASSERT_NE(Volume(as_pod, "router-token"), nullptr);
   EXPECT_EQ((*Volume(as_pod, "router-token"))["secret"]["secretName"], "llama-router-token");
   ASSERT_NE(Volume(as_pod, "model"), nullptr);

@@ -34,7 +34,8 @@ TEST(OpenAiParse, AcceptsTheOpenAiShapes) {
                            true);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->messages[0].role, "system");
-  EXPECT_EQ(c->messages[1].content, "ab");
+  EXPECT_EQ(c->messages[1].content, "a\nb");  // joined as vLLM joins text parts
+  EXPECT_EQ(c->messages[1].parts, (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(c->params.max_tokens, 7);
   EXPECT_EQ(c->params.top_logprobs, 3);
   EXPECT_FLOAT_EQ(c->params.temperature, 1.0f);  // OpenAI's default

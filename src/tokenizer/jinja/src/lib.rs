@@ -170,7 +170,21 @@ fn tojson(v: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String, Er
     Ok(out)
 }
 
+/// Jinja2's `iterable` test: what Python's iter() takes. None (and a number or a boolean) is not,
+/// an undefined value is (Jinja2's Undefined iterates as empty); minijinja would iterate a none.
+fn is_iterable(v: &Value) -> bool {
+    match v.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        ValueKind::Undefined | ValueKind::String | ValueKind::Bytes => true,
+        _ => v.try_iter().is_ok(),
+    }
+}
+
 fn render(template: &str, context: &str) -> Result<String, String> {
+    // Jinja2 reads a template's line endings as "\n" (its newline_sequence): a file written with
+    // CRLF renders as one written with LF.
+    let template = template.replace("\r\n", "\n").replace('\r', "\n");
+    let template = template.as_str();
     let ctx: serde_json::Value =
         serde_json::from_str(context).map_err(|e| format!("the context is not JSON: {e}"))?;
     let mut env = Environment::new();
@@ -186,6 +200,7 @@ fn render(template: &str, context: &str) -> Result<String, String> {
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
+    env.add_test("iterable", is_iterable);
     // Python's spelling of True, False and None where a template prints one.
     env.set_formatter(|out, state, value| match value.kind() {
         ValueKind::Bool => out.write_str(if value.is_true() { "True" } else { "False" }).map_err(Error::from),

@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""Chat templates rendered as transformers renders them, with vLLM's request options.
+
+Fixture templates of our own, each in a shape real templates take (a Hermes-style header behind
+`tools is iterable and tools | length > 0`, content iterated as a list of parts, CRLF line
+endings, an assistant's tool calls with content null, Qwen3's `enable_thinking`, documents), are
+sent as a request's own `chat_template` to a `shardserve local` deployment that trusts them; the
+tokens /tokenize and /v1/chat/completions give must be transformers' `apply_chat_template` with
+the same template on the messages as vLLM hands them over (null content "", text parts joined by
+"\\n" for a string-style template), token for token. Then the options: chat_template_kwargs,
+add_generation_prompt, continue_final_message, documents, refused by name where they are wrong;
+a deployment that does not trust request templates refuses them by name and renders its
+spec.serving.chatTemplate instead of the model's."""
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import Checks  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+BIN = sys.argv[1]
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-templates-")
+
+# A Hermes-style template (vLLM's collection writes its tool header so): the header only when
+# tools is a non-empty list; a turn of tool calls by `tool_calls is defined`; content appended
+# with + (a null would fail).
+HERMES_LIKE = (
+    "{{- bos_token }}"
+    "{%- if tools is iterable and tools | length > 0 %}"
+    "{{- '<|im_start|>system\\nTools: ' }}{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined %}"
+    "{{- '<|im_start|>assistant' + message.content }}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n' + call.function.name + ' ' + call.function.arguments | tojson }}"
+    "{{- '\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+# Content iterated as parts (vLLM's "openai" content format).
+LIST_STYLE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- '[' + part['text'] + ']' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+# Written on Windows: every line ends in CRLF (Jinja2 reads them as "\n").
+CRLF = ("{% for message in messages %}\r\n"
+        "<|im_start|>{{ message.role }}\r\n"
+        "{{ message.content }}<|im_end|>\r\n"
+        "{% endfor %}\r\n"
+        "{% if add_generation_prompt %}<|im_start|>assistant\r\n{% endif %}")
+
+# Qwen3's switch: an empty thought when enable_thinking is false.
+THINKING = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+# Documents (RAG templates) and a variable of the app's own.
+DOCUMENTS = (
+    "{%- if documents %}{{- '<|im_start|>system\\n' }}"
+    "{%- for d in documents %}{{- d.title + ': ' + d.text + '\\n' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if persona is defined %}{{- 'Persona: ' + persona + '\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+# The deployment's own (spec.serving.chatTemplate): marks its turns so that they show.
+DEPLOYMENT = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + ' (ours)\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."}]
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "First part."},
+                                      {"type": "text", "text": "Second part."}]}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CALLS = [{"role": "user", "content": "Weather in Oslo?"},
+         {"role": "assistant", "content": None, "tool_calls": [{
+             "id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 3}"}]
+CONTINUE = [{"role": "user", "content": "Complete: the sky is"},
+            {"role": "assistant", "content": "The sky is"}]
+DOCS = [{"title": "Oslo", "text": "Capital of Norway."}, {"title": "Bergen", "text": "Rainy."}]
+
+
+def as_vllm_hands_them(messages, list_style):
+    """The messages as vLLM gives them to apply_chat_template: content null -> "" ([] for a
+    list-style template), a string -> one text part (list style), parts -> joined by "\\n"
+    (string style); a call's arguments as a dict."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        content = m.get("content")
+        parts = ([] if content is None else
+                 [content] if isinstance(content, str) else [p["text"] for p in content])
+        m["content"] = ([{"type": "text", "text": p} for p in parts] if list_style
+                        else "\n".join(parts))
+        if m.get("tool_calls"):
+            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
+                c["function"]["arguments"]))) for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def reference(tok, template, messages, list_style=False, **kw):
+    return list(tok.apply_chat_template(as_vllm_hands_them(messages, list_style),
+                                        chat_template=template, tokenize=True,
+                                        return_dict=False, **kw))
+
+
+deployments = []
+try:
+    model = os.path.join(tmp, "model")
+    gen_model(BIN, model, "--arch", "qwen2")
+    tok = AutoTokenizer.from_pretrained(model)
+    d = Deployment(BIN, model, tp=1, pp=1, serving={"trustRequestChatTemplate": "true"})
+    deployments.append(d)
+
+    def tokens(messages, template, **extra):
+        status, _, body = d.post("/tokenize", {"model": "tiny", "messages": messages,
+                                               "chat_template": template, **extra})
+        return status, body
+
+    def same(name, messages, template, list_style=False, ours=None, **kw):
+        status, body = tokens(messages, template, **(ours or {}))
+        want = reference(tok, template, messages, list_style, **kw)
+        check(status == 200 and body.get("tokens") == want,
+              f"{name}: transformers' tokens, token for token ({status}, "
+              f"{body.get('count', body)} vs {len(want)}: {tok.decode(want)!r})")
+        return want
+
+    # --- the shapes ------------------------------------------------------------------------------
+    same("hermes-style, a plain chat (tools None is no list)", CHAT, HERMES_LIKE,
+         add_generation_prompt=True)
+    same("hermes-style with tools", CHAT, HERMES_LIKE, ours={"tools": TOOLS}, tools=TOOLS,
+         add_generation_prompt=True)
+    same("hermes-style, an assistant's calls with content null", CALLS, HERMES_LIKE,
+         ours={"tools": TOOLS}, tools=TOOLS, add_generation_prompt=True)
+    same("list style: a string content is one part", CHAT, LIST_STYLE, list_style=True,
+         add_generation_prompt=True)
+    same("list style: each text part apart", PARTS, LIST_STYLE, list_style=True,
+         add_generation_prompt=True)
+    same("string style: text parts joined by a newline", PARTS, HERMES_LIKE,
+         add_generation_prompt=True)
+    want = same("CRLF line endings read as Jinja2 reads them", CHAT, CRLF,
+                add_generation_prompt=True)
+    check("\r" not in tok.decode(want), "... the reference has no CR either")
+
+    # --- the options -----------------------------------------------------------------------------
+    thinking = same("chat_template_kwargs enable_thinking false", CHAT, THINKING,
+                    ours={"chat_template_kwargs": {"enable_thinking": False}},
+                    add_generation_prompt=True, enable_thinking=False)
+    plain = same("... and without it", CHAT, THINKING, add_generation_prompt=True)
+    check(len(thinking) > len(plain), "chat_template_kwargs changes the prompt")
+    same("add_generation_prompt false", CHAT, HERMES_LIKE,
+         ours={"add_generation_prompt": False}, add_generation_prompt=False)
+    same("continue_final_message", CONTINUE, HERMES_LIKE,
+         ours={"continue_final_message": True, "add_generation_prompt": False},
+         continue_final_message=True, add_generation_prompt=False)
+    same("continue_final_message alone (add_generation_prompt then false)", CONTINUE,
+         LIST_STYLE, list_style=True, ours={"continue_final_message": True},
+         continue_final_message=True, add_generation_prompt=False)
+    same("documents and a variable of the app's", CHAT, DOCUMENTS,
+         ours={"documents": DOCS, "chat_template_kwargs": {"persona": "pirate"}},
+         documents=DOCS, persona="pirate", add_generation_prompt=True)
+
+    # The chat endpoint takes the same options (not /tokenize only): its prompt is the same.
+    status, _, chat = d.post("/v1/chat/completions", {
+        "model": "tiny", "messages": CHAT, "chat_template": THINKING, "max_tokens": 1,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    check(status == 200 and chat["usage"]["prompt_tokens"] == len(thinking),
+          f"/v1/chat/completions renders with chat_template_kwargs ({status}, "
+          f"{chat.get('usage', chat)} vs {len(thinking)})")
+    status, _, chat = d.post("/v1/chat/completions", {
+        "model": "tiny", "messages": CONTINUE, "chat_template": HERMES_LIKE, "max_tokens": 1,
+        "continue_final_message": True})
+    want = reference(tok, HERMES_LIKE, CONTINUE, continue_final_message=True,
+                     add_generation_prompt=False)
+    check(status == 200 and chat["usage"]["prompt_tokens"] == len(want),
+          f"/v1/chat/completions continues the final message ({status}, "
+          f"{chat.get('usage', chat)} vs {len(want)})")
+
+    # --- refused by name -------------------------------------------------------------------------
+    def refused(name, body, param, words):
+        status, _, out = d.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
+                                                         **body})
+        err = out.get("error", {}) if isinstance(out, dict) else {}
+        check(status == 400 and err.get("param") == param and words in err.get("message", ""),
+              f"refused by name: {name} ({status}, {out})")
+
+    refused("both continue_final_message and add_generation_prompt",
+            {"messages": CONTINUE, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message", "cannot both be true")
+    refused("chat_template_kwargs setting a request field",
+            {"messages": CHAT, "chat_template_kwargs": {"tools": []}},
+            "chat_template_kwargs", "may not set 'tools'")
+    refused("chat_template_kwargs setting a special token",
+            {"messages": CHAT, "chat_template_kwargs": {"eos_token": "x"}},
+            "chat_template_kwargs", "may not set 'eos_token'")
+    refused("chat_template_kwargs not an object",
+            {"messages": CHAT, "chat_template_kwargs": ["enable_thinking"]},
+            "chat_template_kwargs", "must be an object")
+    refused("continue_final_message with a template that drops the text",
+            {"messages": CONTINUE, "continue_final_message": True,
+             "chat_template": "{% for m in messages %}{{ m.role }}:content{% endfor %}"},
+            "continue_final_message", "does not appear")
+    refused("a request template that fails",
+            {"messages": CHAT, "chat_template": "{{ raise_exception('no such turn') }}"},
+            "chat_template", "no such turn")
+
+    # --- a deployment's own template, request templates untrusted --------------------------------
+    d = Deployment(BIN, model, tp=1, pp=1,
+                   serving={"chatTemplate": json.dumps({"inline": DEPLOYMENT})})
+    deployments.append(d)
+    status, body = tokens(CHAT, HERMES_LIKE)
+    check(status == 400 and body.get("error", {}).get("param") == "chat_template" and
+          "trustRequestChatTemplate" in body["error"].get("message", ""),
+          f"an untrusting deployment refuses a request's template by name ({status}, {body})")
+    status, _, body = d.post("/tokenize", {"model": "tiny", "messages": CHAT})
+    want = reference(tok, DEPLOYMENT, CHAT, add_generation_prompt=True)
+    check(status == 200 and body.get("tokens") == want and "(ours)" in tok.decode(want),
+          f"spec.serving.chatTemplate replaces the model's ({status}, {body.get('count')} vs "
+          f"{len(want)})")
+finally:
+    for dep in deployments:
+        dep.stop()
+check.finish()
