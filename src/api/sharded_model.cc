@@ -275,6 +275,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
+  RETURN_IF_ERROR(serving.String("reasoningParser", s.reasoning_parser));
   Fields chat_template(serving.Get("chatTemplate"), "spec.serving.chatTemplate");
   RETURN_IF_ERROR(chat_template.CheckMap());
   RETURN_IF_ERROR(chat_template.String("inline", s.chat_template_inline));
@@ -314,6 +315,9 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.kv_cache_tokens = spec.kv_cache_tokens();
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
+  w.reasoning_parser = spec.reasoning_parser == "auto"   ? ""
+                       : spec.reasoning_parser == "none" ? "none"
+                                                         : "think";
   w.chat_template = spec.chat_template_inline;  // a ConfigMap's: the operator's env reference
   w.trust_request_chat_template = spec.trust_request_chat_template;
   w.prefix_caching = spec.prefix_caching;
@@ -504,6 +508,13 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.serving.toolCallParser '", s.tool_call_parser,
                      "' must be auto, hermes, llama3_json or mistral"));
+  }
+  if (s.reasoning_parser != "auto" && s.reasoning_parser != "none" &&
+      s.reasoning_parser != "deepseek_r1" && s.reasoning_parser != "qwen3") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.serving.reasoningParser '", s.reasoning_parser,
+        "' must be auto, none, deepseek_r1 or qwen3 (<think> blocks; gpt-oss's channels are not "
+        "parsed yet)"));
   }
   {
     const bool inline_template = !s.chat_template_inline.empty();

@@ -93,6 +93,9 @@ struct ShardedModelSpec {
   // transformers and vLLM do) or "text" (as the characters they are; a user cannot forge a turn).
   std::string special_tokens_in_content = "special";
   std::string tool_call_parser = "auto";  // auto (the chat template's), hermes, llama3_json
+  // spec.serving.reasoningParser: auto (<think> blocks where the template writes them), none,
+  // deepseek_r1 or qwen3 (vLLM's names; both <think> blocks).
+  std::string reasoning_parser = "auto";
   // spec.serving.chatTemplate: a template replacing the model's, inline or a ConfigMap's key.
   std::string chat_template_inline;
   std::string chat_template_config_map, chat_template_key;

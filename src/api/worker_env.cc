@@ -47,6 +47,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_RESULT_FILE", &WorkerEnv::result_file},
     {"SHARDSERVE_TOOL_CALL_PARSER", &WorkerEnv::tool_call_parser},
     {kChatTemplateEnv, &WorkerEnv::chat_template},
+    {"SHARDSERVE_REASONING_PARSER", &WorkerEnv::reasoning_parser},
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
 };
@@ -113,6 +114,12 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
         absl::StrCat(NameOf(kInts, &WorkerEnv::stage), " ", w.stage, " / ", kTpRankEnv, " ",
                      w.tp_rank, " are outside ", NameOf(kInts, &WorkerEnv::tp), " ", w.tp, " x ",
                      NameOf(kInts, &WorkerEnv::pp), " ", w.pp));
+  }
+  if (!w.reasoning_parser.empty() && w.reasoning_parser != "think" &&
+      w.reasoning_parser != "none") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::reasoning_parser), "='",
+                     w.reasoning_parser, "' must be think or none"));
   }
   if (!w.tool_call_parser.empty() && w.tool_call_parser != "hermes" &&
       w.tool_call_parser != "llama3_json" && w.tool_call_parser != "mistral") {

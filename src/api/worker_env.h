@@ -129,6 +129,9 @@ struct WorkerEnv {
   // The format of the model's tool calls (spec.serving.toolCallParser): hermes, llama3_json, or
   // empty: the one its chat template shows (ChatTemplate::tool_call_format).
   std::string tool_call_parser;
+  // Reasoning apart from the answer (spec.serving.reasoningParser): "think" (<think> blocks),
+  // "none", or empty: "think" where the chat template writes </think>.
+  std::string reasoning_parser;
   // The chat template used instead of the model's (spec.serving.chatTemplate), "" for the model's.
   std::string chat_template;
   // A request may bring its own chat_template (spec.serving.trustRequestChatTemplate).

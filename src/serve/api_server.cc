@@ -76,6 +76,14 @@ ChatTemplate ApiServer::Impl::TemplateFor(const ApiRequest& req) const {
                            : chat;
 }
 
+// Whether a chat's output has its <think> blocks taken out as reasoning_content: the manifest's
+// choice (spec.serving.reasoningParser), else where the request's chat template writes </think>.
+bool ApiServer::Impl::ReasoningRuns(const ApiRequest& req) const {
+  const std::string& parser = config.env.reasoning_parser;
+  if (!parser.empty()) return parser == "think";
+  return TemplateFor(req).writes("</think>");
+}
+
 // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
 // one the request's chat template shows.
 std::string ApiServer::Impl::ToolCallFormat(const ApiRequest& req) const {

@@ -96,6 +96,7 @@ struct ApiServer::Impl {
   // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
   // one its chat template shows.
   ChatTemplate TemplateFor(const ApiRequest& req) const;
+  bool ReasoningRuns(const ApiRequest& req) const;
   std::string ToolCallFormat(const ApiRequest& req) const;
   // A request's tools (tool_choice "auto", "required" or a named function) need a template that
   // renders them and shows a call format we parse; tool_choice "none" renders the prompt without

@@ -568,6 +568,8 @@ absl::Status ParseChatOptions(const json& body, ApiRequest& r) {
   };
   ASSIGN_OR_RETURN(const std::optional<bool> generation, flag("add_generation_prompt"));
   ASSIGN_OR_RETURN(const std::optional<bool> continuing, flag("continue_final_message"));
+  ASSIGN_OR_RETURN(const std::optional<bool> reasoning, flag("include_reasoning"));
+  r.include_reasoning = reasoning.value_or(true);
   o.continue_final_message = continuing.value_or(false);
   if (o.continue_final_message && generation.value_or(false)) {
     return BadParam("continue_final_message",

@@ -51,6 +51,7 @@ struct ApiRequest {
   // chat_template_kwargs, documents (its tools are set from `tools` when it is rendered).
   ChatOptions chat_options;
   std::optional<std::string> chat_template;  // the request's own (taken only where trusted)
+  bool include_reasoning = true;             // vLLM's: false drops reasoning_content
   nlohmann::ordered_json tools;              // the request's tools as given; null: none
   // "auto" (tools given, calls parsed), "none", "required" (one call or more, constrained) or
   // "function" (a call of tool_choice_name, constrained).

@@ -40,7 +40,8 @@ void Strings(const nlohmann::ordered_json& j, std::vector<const std::string*>& o
 }  // namespace
 
 absl::StatusOr<std::vector<int32_t>> PromptBuilder::Chat(const ApiRequest& req, int64_t context,
-                                                         bool add_special) const {
+                                                         bool add_special,
+                                                         std::string* text) const {
   ChatOptions options = req.chat_options;
   options.tools = req.tool_choice != "none" ? req.tools : nlohmann::ordered_json(nullptr);
   std::optional<ChatTemplate> own;
@@ -77,6 +78,7 @@ absl::StatusOr<std::vector<int32_t>> PromptBuilder::Chat(const ApiRequest& req, 
                                                                   : "messages",
                     std::string(m));
   }
+  if (text != nullptr) *text = rendered->text;
   return Tokenize(rendered->text, add_special, context, "messages",
                   special_tokens_as_text_ ? rendered->content : std::vector<TextRange>{});
 }

@@ -38,8 +38,10 @@ class PromptBuilder {
   // then tokenized; a template error is BadParam("messages") quoting it. Where special tokens in
   // content are text, a chat_template_kwargs string holding one is refused (the template would
   // write it where no message's text is).
+  // `text`, when given, receives the rendered prompt.
   absl::StatusOr<std::vector<int32_t>> Chat(const ApiRequest& req, int64_t context,
-                                            bool add_special = false) const;
+                                            bool add_special = false,
+                                            std::string* text = nullptr) const;
 
  private:
   const Tokenizer* tokenizer_;

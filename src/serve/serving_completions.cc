@@ -10,6 +10,7 @@
 #include "common/text.h"
 #include "serve/api_server_impl.h"
 #include "serve/prefix_cache.h"
+#include "serve/reasoning.h"
 #include "serve/text_stream.h"
 #include "serve/tool_calls.h"
 
@@ -48,13 +49,16 @@ struct Choice {
   json lp_tokens = json::array(), lp_values = json::array(), lp_top = json::array(),
        lp_offsets = json::array(), lp_content = json::array();
   std::string all_text;
+  // Reasoning apart (spec.serving.reasoningParser): the <think> block taken out of the text.
+  std::unique_ptr<ReasoningParser> reasoning;
   // The request's tools in use: the output's tool calls parsed out of its text.
   std::unique_ptr<ToolCallParser> tool_parser;
 };
 
 // What one poll of a choice's stream adds.
 struct ChoiceDelta {
-  std::string text;  // content (the tool calls' text taken out)
+  std::string reasoning;  // reasoning_content
+  std::string text;       // content (the reasoning and the tool calls' text taken out)
   std::vector<ToolCall> calls;
   json logprobs;  // null unless requested and tokens arrived
   bool finished = false;
@@ -255,6 +259,16 @@ ChoiceDelta ApiServer::Impl::Poll(Choice& c, const ApiRequest& req,
       c.finish_reason = u.finish_reason;
     }
   }
+  if (c.reasoning != nullptr) {
+    ReasoningParser::Out r = c.reasoning->Add(d.text);
+    if (d.finished) {
+      ReasoningParser::Out rest = c.reasoning->Finish();
+      r.reasoning += rest.reasoning;
+      r.content += rest.content;
+    }
+    if (req.include_reasoning) d.reasoning = std::move(r.reasoning);
+    d.text = std::move(r.content);
+  }
   if (c.tool_parser != nullptr) {
     ToolCallParser::Out out = c.tool_parser->Add(d.text);
     if (d.finished) {
@@ -305,6 +319,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   }
   std::vector<std::vector<int32_t>> prompts;
   const std::string param = req.chat ? "messages" : "prompt";
+  bool reasoning = false, thinking = false;  // <think> blocks parsed; the prompt opens one
   if (req.chat) {
     RETURN_IF_ERROR(ToolsRunHere(req));
     if (req.tool_choice == "required" || req.tool_choice == "function") {  // a call must come
@@ -313,8 +328,19 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
                           req.parallel_tool_calls, MistralMarker().value_or(-1));
       req.grammar_param = "tool_choice";
     }
-    ASSIGN_OR_RETURN(auto ids, prompt_builder->Chat(req, context));
+    std::string rendered;
+    ASSIGN_OR_RETURN(auto ids, prompt_builder->Chat(req, context, false, &rendered));
     prompts.push_back(std::move(ids));
+    reasoning = ReasoningRuns(req);
+    thinking = reasoning && PromptEndsThinking(rendered);
+    if (thinking && req.grammar) {
+      return BadParam(req.grammar_param,
+                      absl::StrCat("'", req.grammar_param,
+                                   "' with a prompt that opens the model's reasoning (<think>) "
+                                   "is not supported yet: the constraint would apply to the "
+                                   "reasoning; turn it off (chat_template_kwargs) or drop the "
+                                   "constraint"));
+    }
     for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
   } else {
     for (size_t i = 0; i < req.prompt_ids.size(); ++i) {
@@ -391,6 +417,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
             std::make_unique<TextStream>(tokenizer.get(), std::vector<std::string>{}, specials);
       }
     }
+    if (reasoning) c.reasoning = std::make_unique<ReasoningParser>(thinking);
     if (req.tool_choice != "none") {
       c.tool_parser =
           std::make_unique<ToolCallParser>(ToolCallFormat(req), req.tools, req.parallel_tool_calls);
@@ -441,13 +468,14 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
 // A non-streamed answer: waits for every choice, cancelling them if the client goes away.
 void ApiServer::Impl::Answer(const ApiRequest& req, std::vector<Choice>& choices,
                              const std::string& id, int64_t created, http::Exchange& ex) {
-  std::vector<std::string> texts(choices.size());
+  std::vector<std::string> texts(choices.size()), reasonings(choices.size());
   std::vector<std::vector<ToolCall>> calls(choices.size());
   for (;;) {
     bool all_done = true;
     for (size_t i = 0; i < choices.size(); ++i) {
       ChoiceDelta d = Poll(choices[i], req, all_done ? kPoll : std::chrono::milliseconds(0));
       texts[i] += d.text;
+      reasonings[i] += d.reasoning;
       for (ToolCall& piece : d.calls) {  // a call's pieces joined
         if (piece.index == static_cast<int>(calls[i].size())) {
           calls[i].push_back(std::move(piece));
@@ -494,6 +522,7 @@ void ApiServer::Impl::Answer(const ApiRequest& req, std::vector<Choice>& choices
     json choice = {{"index", k}, {"logprobs", lp}, {"finish_reason", c.finish_reason}};
     if (req.chat) {
       choice["message"] = {{"role", "assistant"}, {"content", texts[i]}};
+      if (!reasonings[i].empty()) choice["message"]["reasoning_content"] = reasonings[i];
       if (!calls[i].empty()) {
         if (texts[i].empty()) choice["message"]["content"] = nullptr;
         choice["message"]["tool_calls"] = ToolCallsJson(calls[i], false);
@@ -549,7 +578,8 @@ void ApiServer::Impl::Stream(const ApiRequest& req, std::vector<Choice>& choices
       if (req.chat) {
         json delta = json::object();
         if (!c.sent_role) delta["role"] = "assistant";
-        if (!d.text.empty() || !c.sent_role) delta["content"] = d.text;
+        if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+        if (!d.text.empty() || (!c.sent_role && d.reasoning.empty())) delta["content"] = d.text;
         if (!d.calls.empty()) delta["tool_calls"] = ToolCallsJson(d.calls, true);
         c.sent_role = true;
         if (delta.empty() && !d.finished && d.logprobs.is_null()) continue;

@@ -11,6 +11,7 @@
 // a template gets none, and the reason says so.
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -71,6 +72,8 @@ class ChatTemplate {
   // roles out of turn, ...) are InvalidArgument quoting it.
   absl::StatusOr<RenderedChat> Render(const std::vector<ChatMessage>& messages,
                                       const ChatOptions& options = {}) const;
+  // Whether the template's text holds `text` (a marker it writes).
+  bool writes(std::string_view text) const { return template_.find(text) != std::string::npos; }
   // Whether the template reads the `tools` variable at all (one that does not would drop them).
   bool renders_tools() const;
   // Whether it iterates a message's content (vLLM's "openai" content format): it gets the parts.

@@ -10,7 +10,8 @@ the same template on the messages as vLLM hands them over (null content "", text
 "\\n" for a string-style template), token for token. Then the options: chat_template_kwargs,
 add_generation_prompt, continue_final_message, documents, refused by name where they are wrong;
 a deployment that does not trust request templates refuses them by name and renders its
-spec.serving.chatTemplate instead of the model's."""
+spec.serving.chatTemplate instead of the model's. A template that opens the reply in a <think>
+block gives the output as reasoning_content (whole and streamed), apart from the content."""
 import json
 import os
 import sys
@@ -93,6 +94,16 @@ DEPLOYMENT = (
     "{{- '<|im_start|>' + message.role + ' (ours)\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+# DeepSeek-R1's way: the reply begins inside a <think> block; an earlier answer loses its thought.
+THINK_OPEN = (
+    "{%- for message in messages %}"
+    "{%- set content = message.content %}"
+    "{%- if message.role == 'assistant' %}{%- set content = content.split('</think>')[-1] %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n' }}{%- endif %}")
 
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name a colour."}]
@@ -208,6 +219,42 @@ try:
     check(status == 200 and chat["usage"]["prompt_tokens"] == len(want),
           f"/v1/chat/completions continues the final message ({status}, "
           f"{chat.get('usage', chat)} vs {len(want)})")
+
+    # --- reasoning apart from the answer ------------------------------------------------------
+    status, _, body = d.post("/tokenize", {"model": "tiny", "messages": CHAT,
+                                           "chat_template": THINK_OPEN})
+    status, _, comp = d.post("/v1/completions", {"model": "tiny", "prompt": body["tokens"],
+                                                 "max_tokens": 12, "temperature": 0,
+                                                 "ignore_eos": True})
+    output = comp["choices"][0]["text"]
+    think = {"model": "tiny", "messages": CHAT, "chat_template": THINK_OPEN, "max_tokens": 12,
+             "temperature": 0, "ignore_eos": True}
+    status, _, chat = d.post("/v1/chat/completions", think)
+    message = chat["choices"][0]["message"] if status == 200 else {}
+    check(status == 200 and "</think>" not in output and
+          message.get("reasoning_content") == output and not message.get("content"),
+          f"a reply that begins in <think> is reasoning_content, apart from the content "
+          f"({status}, {message} vs {output!r})")
+    status, events, done = d.stream("/v1/chat/completions", dict(think, stream=True))
+    streamed = "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events
+                       if e.get("choices"))
+    streamed_content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                               if e.get("choices"))
+    check(status == 200 and done and streamed == output and not streamed_content,
+          f"... streamed as reasoning_content deltas ({streamed!r} vs {output!r})")
+    status, _, chat = d.post("/v1/chat/completions", dict(think, include_reasoning=False))
+    message = chat["choices"][0]["message"] if status == 200 else {}
+    check(status == 200 and "reasoning_content" not in message and not message.get("content"),
+          f"include_reasoning false drops it ({status}, {message})")
+    status, _, chat = d.post("/v1/chat/completions", dict(think, chat_template=THINKING))
+    message = chat["choices"][0]["message"] if status == 200 else {}
+    check(status == 200 and "reasoning_content" not in message and message.get("content"),
+          f"a template without <think> blocks gives content only ({status}, {message})")
+    status, _, out = d.post("/v1/chat/completions",
+                            dict(think, response_format={"type": "json_object"}))
+    check(status == 400 and out.get("error", {}).get("param") == "response_format" and
+          "reasoning" in out["error"].get("message", ""),
+          f"a constraint on a reply that begins in <think> is refused by name ({status}, {out})")
 
     # --- refused by name -------------------------------------------------------------------------
     def refused(name, body, param, words):

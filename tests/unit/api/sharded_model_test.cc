@@ -158,6 +158,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.chatTemplate.configMap needs its name and the key"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {chatTemplate: {file: t}}"),
        "spec.serving.chatTemplate"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {reasoningParser: gpt_oss}"),
+       "spec.serving.reasoningParser 'gpt_oss' must be auto, none, deepseek_r1 or qwen3"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {trustRequestChatTemplate: maybe}"),
        "spec.serving.trustRequestChatTemplate"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCacheIsolation: perUser}"),

@@ -71,6 +71,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.special_tokens_as_text = true;
   w.tool_call_parser = "llama3_json";
   w.chat_template = "{{ messages[0].content }}";
+  w.reasoning_parser = "think";
   w.trust_request_chat_template = true;
   w.api_key = "sk-0123456789abcdef";
   w.api_keys_file = "/keys";
