@@ -254,8 +254,15 @@ absl::StatusOr<std::unique_ptr<TokenConstraint>> GrammarVocabulary::Compile(
       schema = nlohmann::json::parse(grammar.data, nullptr, /*allow_exceptions=*/false);
       if (schema.is_discarded()) return absl::InvalidArgumentError("the schema is not JSON");
     }
-    if (schema.is_object() && !schema.contains("x-guidance")) {
-      schema["x-guidance"] = {{"whitespace_flexible", false}};
+    // Our defaults, kept for what a schema's own x-guidance does not set: no whitespace, and
+    // oneOf taken as anyOf (sound where its branches exclude each other, as real schemas' mostly
+    // do; an answer matching two of them is possible, and documented).
+    if (schema.is_object()) {
+      nlohmann::json& options = schema["x-guidance"];
+      if (options.is_null()) options = nlohmann::json::object();
+      if (!options.is_object()) return absl::InvalidArgumentError("x-guidance must be an object");
+      if (!options.contains("whitespace_flexible")) options["whitespace_flexible"] = false;
+      if (!options.contains("coerce_one_of")) options["coerce_one_of"] = true;
     }
     data = schema.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     kind = "json";

@@ -358,6 +358,33 @@ TEST_P(GrammarTest, GrammarsThatDoNotCompileAreRefusedWithTheReason) {
   EXPECT_FALSE(refused({"lark", "start: ("}).empty());
   EXPECT_THAT(refused({"yaml", "a: b"}), HasSubstr("no grammar of kind 'yaml'"));
   EXPECT_THAT(refused({"regex", std::string("a\0b", 3)}), HasSubstr("NUL"));
+  EXPECT_THAT(refused({"json_schema", R"({"type": "object", "x-guidance": 3})"}),
+              HasSubstr("x-guidance must be an object"));
+  EXPECT_THAT(refused({"json_schema", R"({"type": "array", "uniqueItems": true})"}),
+              HasSubstr("uniqueItems"));
+}
+
+// oneOf is taken as anyOf (real schemas' branches mostly exclude each other); a schema's own
+// x-guidance keeps our defaults for what it does not set (no whitespace).
+TEST_P(GrammarTest, OneOfAndOwnOptionsKeepTheDefaults) {
+  const json schema = json::parse(R"({
+    "oneOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+               "required": ["a"],
+               "additionalProperties": false},
+              {"type": "object", "properties": {"b": {"enum": ["x", "y"]}}, "required": ["b"],
+               "additionalProperties": false}],
+    "x-guidance": {"item_separator": ","}})");
+  for (uint32_t seed = 0; seed < 10; ++seed) {
+    auto c = vocab_->Compile({"json_schema", schema.dump()});
+    ASSERT_TRUE(c.ok()) << c.status();
+    const std::string text = Walk(**c, seed);
+    const json v = json::parse(text, nullptr, false);
+    ASSERT_TRUE(v.is_object() && v.size() == 1) << text;
+    EXPECT_TRUE((v.contains("a") && v["a"].is_number_integer()) ||
+                (v.contains("b") && (v["b"] == "x" || v["b"] == "y")))
+        << text;
+    EXPECT_EQ(text.find(' '), std::string::npos) << "no whitespace: " << text;
+  }
 }
 
 TEST(GrammarVocabularyTest, NeedsAnEndOfSequence) {
