@@ -503,11 +503,10 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
                                                    s.prefix_cache_isolation,
                                                    "' must be none or perKey"));
   }
-  if (s.tool_call_parser != "auto" && s.tool_call_parser != "hermes" &&
-      s.tool_call_parser != "llama3_json" && s.tool_call_parser != "mistral") {
+  if (s.tool_call_parser != "auto" && !IsToolCallFormat(s.tool_call_parser)) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.serving.toolCallParser '", s.tool_call_parser,
-                     "' must be auto, hermes, llama3_json or mistral"));
+                     "' must be auto, hermes, llama3_json, mistral, pythonic or qwen3_coder"));
   }
   if (s.reasoning_parser != "auto" && s.reasoning_parser != "none" &&
       s.reasoning_parser != "deepseek_r1" && s.reasoning_parser != "qwen3") {

@@ -121,11 +121,10 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::reasoning_parser), "='",
                      w.reasoning_parser, "' must be think or none"));
   }
-  if (!w.tool_call_parser.empty() && w.tool_call_parser != "hermes" &&
-      w.tool_call_parser != "llama3_json" && w.tool_call_parser != "mistral") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::tool_call_parser), "='",
-                     w.tool_call_parser, "' must be hermes, llama3_json or mistral"));
+  if (!w.tool_call_parser.empty() && !IsToolCallFormat(w.tool_call_parser)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable ", NameOf(kStrings, &WorkerEnv::tool_call_parser), "='",
+        w.tool_call_parser, "' must be hermes, llama3_json, mistral, pythonic or qwen3_coder"));
   }
   if (!w.leader_addr.empty()) {
     const size_t colon = w.leader_addr.rfind(':');

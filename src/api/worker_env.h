@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,12 @@ inline constexpr char kModelPathEnv[] = "SHARDSERVE_MODEL_PATH";
 // A chat template replacing the model's (spec.serving.chatTemplate; on a cluster possibly from a
 // ConfigMap's key).
 inline constexpr char kChatTemplateEnv[] = "SHARDSERVE_CHAT_TEMPLATE";
+
+// The tool-call formats the leader parses (serve/tool_calls.h).
+inline bool IsToolCallFormat(std::string_view f) {
+  return f == "hermes" || f == "llama3_json" || f == "mistral" || f == "pythonic" ||
+         f == "qwen3_coder";
+}
 // The node the pod runs on (the metrics' `node` label): the downward API's spec.nodeName.
 inline constexpr char kNodeNameEnv[] = "SHARDSERVE_NODE_NAME";
 inline constexpr char kSecretFileEnv[] = "SHARDSERVE_RENDEZVOUS_SECRET_FILE";

@@ -104,9 +104,16 @@ absl::Status ApiServer::Impl::ToolsRunHere(const ApiRequest& req) const {
   const std::string format = ToolCallFormat(req);
   if (format.empty()) {
     return BadParam("tools",
-                    "this model's chat template shows no tool-call format shardserve parses "
-                    "(Hermes <tool_call> JSON, Llama 3 JSON, Mistral [TOOL_CALLS]); "
-                    "spec.serving.toolCallParser names one");
+                    "this model's chat template shows no tool-call format shardserve parses, or "
+                    "more than one (Hermes <tool_call> JSON, Qwen3-Coder's XML, Llama 3 JSON, "
+                    "pythonic, Mistral [TOOL_CALLS]); spec.serving.toolCallParser names one");
+  }
+  if ((req.tool_choice == "required" || req.tool_choice == "function") &&
+      (format == "pythonic" || format == "qwen3_coder")) {
+    return BadParam("tool_choice",
+                    absl::StrCat("'tool_choice' ", req.tool_choice,
+                                 " (a constrained call) is not supported yet in the ", format,
+                                 " format; 'auto' parses its calls"));
   }
   if (format == "mistral" && !MistralMarker()) {
     return BadParam("tools",

@@ -53,20 +53,30 @@ absl::StatusOr<std::vector<int32_t>> PromptBuilder::Chat(const ApiRequest& req, 
     }
     own = chat_->WithTemplate(*req.chat_template, "the request's chat_template");
   }
+  // The template writes these strings where no message's text is: with special tokens in
+  // content as text, one holding a special token's text would slip one into the prompt.
   if (special_tokens_as_text_) {
-    std::vector<const std::string*> strings;
-    Strings(options.kwargs, strings);
-    for (const std::string* s : strings) {
-      if (s->empty()) continue;
-      absl::StatusOr<std::vector<int32_t>> plain =
-          tokenizer_->Encode(*s, false, static_cast<size_t>(context), {{0, s->size()}});
-      absl::StatusOr<std::vector<int32_t>> parsed =
-          tokenizer_->Encode(*s, false, static_cast<size_t>(context));
-      if (!plain.ok() || !parsed.ok() || *plain != *parsed) {
-        return BadParam("chat_template_kwargs",
-                        "a 'chat_template_kwargs' string holds a special token's text, which "
-                        "this deployment keeps out of prompts (spec.serving."
-                        "specialTokensInContent: text)");
+    for (const auto& [field, value] : {std::pair<const char*, const nlohmann::ordered_json*>{
+                                           "chat_template_kwargs", &options.kwargs},
+                                       {"documents", &options.documents}}) {
+      std::vector<const std::string*> strings;
+      Strings(*value, strings);
+      for (const std::string* s : strings) {
+        if (s->empty()) continue;
+        // (bounded: the request body's size; no context limit, or a long text would read as
+        // one holding a special token)
+        absl::StatusOr<std::vector<int32_t>> plain =
+            tokenizer_->Encode(*s, false, 0, {{0, s->size()}});
+        absl::StatusOr<std::vector<int32_t>> parsed = tokenizer_->Encode(*s, false, 0);
+        if (!plain.ok() || !parsed.ok()) {
+          return BadParam(field, std::string((plain.ok() ? parsed : plain).status().message()));
+        }
+        if (*plain != *parsed) {
+          return BadParam(field, absl::StrCat("a '", field,
+                                              "' string holds a special token's text, which "
+                                              "this deployment keeps out of prompts "
+                                              "(spec.serving.specialTokensInContent: text)"));
+        }
       }
     }
   }

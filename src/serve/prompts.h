@@ -36,8 +36,8 @@ class PromptBuilder {
   // A chat request's prompt: its messages (and tools, unless tool_choice is none) rendered with
   // its chat options (by its own template where trusted, else refused naming chat_template),
   // then tokenized; a template error is BadParam("messages") quoting it. Where special tokens in
-  // content are text, a chat_template_kwargs string holding one is refused (the template would
-  // write it where no message's text is).
+  // content are text, a chat_template_kwargs or documents string holding one is refused (the
+  // template would write it where no message's text is).
   // `text`, when given, receives the rendered prompt.
   absl::StatusOr<std::vector<int32_t>> Chat(const ApiRequest& req, int64_t context,
                                             bool add_special = false,

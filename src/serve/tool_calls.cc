@@ -1,6 +1,7 @@
 #include "serve/tool_calls.h"
 
 #include <algorithm>
+#include <optional>
 #include <random>
 
 #include "absl/strings/ascii.h"
@@ -53,10 +54,211 @@ std::vector<json> JsonSequence(std::string_view text) {
   return out;
 }
 
+// Python literals as a pythonic call writes its arguments (Llama 3.2 / 4, xLAM): strings in
+// either quotes, numbers, True / False / None, lists, tuples and dicts, nested at most 64 deep.
+class PythonLiterals {
+ public:
+  explicit PythonLiterals(std::string_view s) : s_(s) {}
+
+  // [name(key=value, ...), ...]: the calls, or nullopt when the text is not that whole.
+  std::optional<std::vector<std::pair<std::string, json>>> Calls() {
+    std::vector<std::pair<std::string, json>> calls;
+    if (!Eat('[')) return std::nullopt;
+    if (!Eat(']')) {
+      do {
+        std::string name = Name();
+        if (name.empty() || !Eat('(')) return std::nullopt;
+        json args = json::object();
+        if (!Eat(')')) {
+          do {
+            if (Space(), at_ < s_.size() && s_[at_] == ')') break;  // a trailing comma
+            std::string key = Name();
+            if (key.empty() || key.find('.') != std::string::npos || !Eat('=')) {
+              return std::nullopt;
+            }
+            std::optional<json> v = Value(0);
+            if (!v) return std::nullopt;
+            args[key] = std::move(*v);
+          } while (Eat(','));
+          if (!Eat(')')) return std::nullopt;
+        }
+        calls.emplace_back(std::move(name), std::move(args));
+      } while (Eat(','));
+      if (!Eat(']')) return std::nullopt;
+    }
+    Space();
+    if (at_ != s_.size()) return std::nullopt;
+    return calls;
+  }
+
+ private:
+  void Space() {
+    while (at_ < s_.size() && absl::ascii_isspace(s_[at_])) ++at_;
+  }
+  bool Eat(char c) {
+    Space();
+    if (at_ < s_.size() && s_[at_] == c) {
+      ++at_;
+      return true;
+    }
+    return false;
+  }
+  // An identifier, dotted names allowed (a module's function).
+  std::string Name() {
+    Space();
+    const size_t from = at_;
+    if (at_ >= s_.size() || absl::ascii_isdigit(s_[at_])) return "";  // a number, not a name
+    while (at_ < s_.size() &&
+           (absl::ascii_isalnum(s_[at_]) || s_[at_] == '_' || (s_[at_] == '.' && at_ > from))) {
+      ++at_;
+    }
+    if (at_ == from) return "";
+    return std::string(s_.substr(from, at_ - from));
+  }
+  std::optional<json> Value(int depth) {
+    if (depth > 64) return std::nullopt;
+    Space();
+    if (at_ >= s_.size()) return std::nullopt;
+    const char c = s_[at_];
+    if (c == '"' || c == '\'') return String();
+    if (c == '[' || c == '(') {
+      const char close = c == '[' ? ']' : ')';
+      ++at_;
+      json list = json::array();
+      if (Eat(close)) return list;
+      do {
+        if (Space(), at_ < s_.size() && s_[at_] == close) break;  // a trailing comma
+        std::optional<json> v = Value(depth + 1);
+        if (!v) return std::nullopt;
+        list.push_back(std::move(*v));
+      } while (Eat(','));
+      if (!Eat(close)) return std::nullopt;
+      return list;
+    }
+    if (c == '{') {
+      ++at_;
+      json object = json::object();
+      if (Eat('}')) return object;
+      do {
+        if (Space(), at_ < s_.size() && s_[at_] == '}') break;
+        Space();
+        if (at_ >= s_.size() || (s_[at_] != '"' && s_[at_] != '\'')) return std::nullopt;
+        std::optional<json> key = String();
+        if (!key || !Eat(':')) return std::nullopt;
+        std::optional<json> v = Value(depth + 1);
+        if (!v) return std::nullopt;
+        object[key->get<std::string>()] = std::move(*v);
+      } while (Eat(','));
+      if (!Eat('}')) return std::nullopt;
+      return object;
+    }
+    const std::string word = Name();
+    if (word == "True") return json(true);
+    if (word == "False") return json(false);
+    if (word == "None") return json(nullptr);
+    if (!word.empty()) return std::nullopt;
+    // A number, as JSON reads it (Python's forms JSON lacks are not a call's).
+    const size_t from = at_;
+    while (at_ < s_.size() &&
+           std::string_view("+-0123456789.eE").find(s_[at_]) != std::string_view::npos) {
+      ++at_;
+    }
+    json n = json::parse(s_.substr(from, at_ - from), nullptr, /*allow_exceptions=*/false);
+    if (n.is_discarded() || !n.is_number()) return std::nullopt;
+    return n;
+  }
+  // A quoted string with Python's common escapes.
+  std::optional<json> String() {
+    const char quote = s_[at_++];
+    std::string out;
+    while (at_ < s_.size() && s_[at_] != quote) {
+      char c = s_[at_++];
+      if (c == '\\') {
+        if (at_ >= s_.size()) return std::nullopt;
+        const char e = s_[at_++];
+        switch (e) {
+          case 'n':
+            c = '\n';
+            break;
+          case 't':
+            c = '\t';
+            break;
+          case 'r':
+            c = '\r';
+            break;
+          case '0':
+            c = '\0';
+            break;
+          default:
+            c = e;  // \\ \' \" and the rest as written
+        }
+      }
+      out += c;
+    }
+    if (at_ >= s_.size()) return std::nullopt;
+    ++at_;
+    return json(std::move(out));
+  }
+
+  std::string_view s_;
+  size_t at_ = 0;
+};
+
+std::string Trimmed(std::string_view s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return "";
+  return std::string(s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1));
+}
+
+// Qwen3-Coder's XML call: <function=NAME> then <parameter=KEY>\nVALUE\n</parameter> each, then
+// </function>. A value is text for a string parameter (of the function's schema), else JSON
+// (a number, a boolean, an object, a list), else text.
+std::optional<std::pair<std::string, json>> XmlCall(std::string_view body, const json& tools) {
+  constexpr std::string_view kFunction = "<function=", kParameter = "<parameter=",
+                             kParameterEnd = "</parameter>", kFunctionEnd = "</function>";
+  const size_t f = body.find(kFunction);
+  if (f == std::string_view::npos) return std::nullopt;
+  const size_t name_end = body.find('>', f);
+  if (name_end == std::string_view::npos) return std::nullopt;
+  std::string name = Trimmed(body.substr(f + kFunction.size(), name_end - f - kFunction.size()));
+  json properties = json::object();
+  for (const json& t : tools) {
+    if (t.is_object() && t.contains("function") && t["function"].is_object() &&
+        t["function"].value("name", json()) == name && t["function"].contains("parameters") &&
+        t["function"]["parameters"].is_object() &&
+        t["function"]["parameters"].contains("properties") &&
+        t["function"]["parameters"]["properties"].is_object()) {
+      properties = t["function"]["parameters"]["properties"];
+    }
+  }
+  json args = json::object();
+  size_t at = name_end + 1;
+  for (;;) {
+    const size_t p = body.find(kParameter, at);
+    const size_t end_fn = body.find(kFunctionEnd, at);
+    if (p == std::string_view::npos || (end_fn != std::string_view::npos && end_fn < p)) break;
+    const size_t key_end = body.find('>', p);
+    if (key_end == std::string_view::npos) return std::nullopt;
+    const std::string key =
+        Trimmed(body.substr(p + kParameter.size(), key_end - p - kParameter.size()));
+    const size_t value_end = body.find(kParameterEnd, key_end);
+    if (value_end == std::string_view::npos) return std::nullopt;
+    std::string_view value = body.substr(key_end + 1, value_end - key_end - 1);
+    if (!value.empty() && value.front() == '\n') value.remove_prefix(1);
+    if (!value.empty() && value.back() == '\n') value.remove_suffix(1);
+    const json schema = properties.contains(key) ? properties[key] : json();
+    const bool text = schema.is_object() && schema.value("type", json()) == "string";
+    json v = text ? json(nullptr) : json::parse(value, nullptr, /*allow_exceptions=*/false);
+    args[key] = text || v.is_discarded() ? json(std::string(value)) : std::move(v);
+    at = value_end + kParameterEnd.size();
+  }
+  return std::make_pair(std::move(name), std::move(args));
+}
+
 }  // namespace
 
 ToolCallParser::ToolCallParser(std::string format, const json& tools, bool parallel)
-    : format_(std::move(format)), parallel_(parallel), state_(State::kStart) {
+    : format_(std::move(format)), tools_(tools), parallel_(parallel), state_(State::kStart) {
   if (tools.is_array()) {
     for (const json& t : tools) {
       if (t.is_object() && t.contains("function") && t["function"].is_object() &&
@@ -142,6 +344,13 @@ bool ToolCallParser::CallFromJson(const json& j, Out& out) {
 }
 
 void ToolCallParser::Call(std::string_view body, std::string_view raw, Out& out) {
+  if (format_ == "qwen3_coder") {
+    const std::optional<std::pair<std::string, json>> call = XmlCall(body, tools_);
+    if (!call || !CallFromJson({{"name", call->first}, {"arguments", call->second}}, out)) {
+      out.content += raw;  // stays text
+    }
+    return;
+  }
   const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !CallFromJson(j, out)) out.content += raw;  // stays text
 }
@@ -154,19 +363,24 @@ ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
       // llama3_json: the output is calls when it begins with an object.
       const size_t first = buffer_.find_first_not_of(" \t\r\n");
       if (first == std::string::npos) return out;  // white space so far: undecided
-      state_ = format_ == "llama3_json" && buffer_[first] == '{' ? State::kJson : State::kContent;
+      // llama3_json: an object first; pythonic: a list first (the calls, read whole at the end).
+      state_ = (format_ == "llama3_json" && buffer_[first] == '{') ||
+                       (format_ == "pythonic" && buffer_[first] == '[')
+                   ? State::kJson
+                   : State::kContent;
       continue;
     }
     if (state_ == State::kJson) return out;  // whole at the end
     if (state_ == State::kContent) {
-      if (format_ != "hermes" && format_ != "mistral") {
+      const bool tagged = format_ == "hermes" || format_ == "qwen3_coder";
+      if (!tagged && format_ != "mistral") {
         out.content += buffer_;
         buffer_.clear();
         return out;
       }
       // Text, then a call's opening tag (Hermes) or [TOOL_CALLS] and the list of calls
       // (Mistral's, read whole at the end).
-      const std::string_view marker = format_ == "hermes" ? kOpen : kMistralCalls;
+      const std::string_view marker = tagged ? kOpen : kMistralCalls;
       const size_t open = buffer_.find(marker);
       if (open == std::string::npos) {
         const size_t keep = PartialMarker(buffer_, marker);
@@ -181,10 +395,11 @@ ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
         return out;
       }
       state_ = State::kInCall;
-      mode_ = CallMode::kHeader;
+      // A Hermes call's arguments stream; Qwen3-Coder's XML call is read whole.
+      mode_ = format_ == "hermes" ? CallMode::kHeader : CallMode::kWhole;
       continue;
     }
-    // kInCall (hermes): the arguments as they come, or the whole call at the closing tag.
+    // kInCall: the arguments as they come, or the whole call at the closing tag.
     const size_t close = buffer_.find(kClose);
     StreamArguments(
         close != std::string::npos ? close : buffer_.size() - PartialMarker(buffer_, kClose), out);
@@ -208,6 +423,10 @@ ToolCallParser::Out ToolCallParser::Finish() {
       json j = json::parse(buffer_, nullptr, /*allow_exceptions=*/false);
       if (j.is_object()) values.push_back(std::move(j));
       if (j.is_array()) values.assign(j.begin(), j.end());
+    } else if (format_ == "pythonic") {  // [f(a=1), g(b="x")]
+      if (auto calls = PythonLiterals(buffer_).Calls()) {
+        for (auto& [name, args] : *calls) values.push_back({{"name", name}, {"arguments", args}});
+      }
     } else {
       values = JsonSequence(buffer_);
     }

@@ -7,7 +7,12 @@
 //                {...}}, or several separated by ';' (Llama 3.1-3.3; <|python_tag|> is a
 //                special token, gone from the text);
 //   mistral      text, then [TOOL_CALLS] (a special token the text stream keeps for this
-//                format) and a JSON list of {"name": ..., "arguments": {...}} (Mistral v0.3+).
+//                format) and a JSON list of {"name": ..., "arguments": {...}} (Mistral v0.3+);
+//   pythonic     an output that is a Python list of calls, [f(a=1, b="x"), g()] (Llama 3.2 / 4's
+//                pythonic templates, xLAM), its arguments Python literals;
+//   qwen3_coder  text, then <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
+//                </function></tool_call> per call (Qwen3-Coder), each value text for a string
+//                parameter of the function's schema, else JSON.
 // A call that does not parse, or names a function the request did not give, stays text, as
 // vLLM's parsers leave it. The parser takes the output as it streams: Add returns the text that
 // can be shown now (it holds back what may be the start of a call) and the calls as they come,
@@ -65,8 +70,9 @@ class JsonScan {
 
 class ToolCallParser {
  public:
-  // `format`: "hermes", "llama3_json" or "mistral"; `tools`: the request's list (the names a call
-  // may use); `parallel` false keeps only the first call.
+  // `format`: "hermes", "llama3_json", "mistral", "pythonic" or "qwen3_coder"; `tools`: the
+  // request's list (the names a call may use, their parameters' types); `parallel` false keeps
+  // only the first call.
   ToolCallParser(std::string format, const nlohmann::ordered_json& tools, bool parallel);
 
   struct Out {
@@ -89,6 +95,7 @@ class ToolCallParser {
   int NextIndex();
 
   std::string format_;
+  nlohmann::ordered_json tools_;
   std::vector<std::string> names_;
   bool parallel_;
   enum class State { kStart, kContent, kInCall, kJson } state_;

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <regex>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -49,12 +48,58 @@ std::string TemplateText(const json& config) {
 
 }  // namespace
 
+namespace {
+
+// Whether the template loops over a message's content ({% for part in message['content'] %} or
+// message.content): vLLM's content-format detection. A linear scan (a template may be a
+// request's, and std::regex recurses per character).
+bool LoopsOverContent(std::string_view t) {
+  auto space = [&](size_t& i) {
+    while (i < t.size() && absl::ascii_isspace(t[i])) ++i;
+  };
+  auto word = [&](size_t& i) {
+    const size_t from = i;
+    while (i < t.size() && (absl::ascii_isalnum(t[i]) || t[i] == '_')) ++i;
+    return t.substr(from, i - from);
+  };
+  for (size_t at = t.find("{%"); at != std::string_view::npos; at = t.find("{%", at + 2)) {
+    size_t i = at + 2;
+    if (i < t.size() && t[i] == '-') ++i;
+    space(i);
+    if (word(i) != "for") continue;
+    space(i);
+    if (word(i).empty()) continue;
+    space(i);
+    if (word(i) != "in") continue;
+    space(i);
+    if (word(i).empty()) continue;
+    space(i);
+    if (t.substr(i, 8) == ".content") {
+      i += 8;
+    } else if (i < t.size() && t[i] == '[') {
+      ++i;
+      space(i);
+      if (i >= t.size() || (t[i] != '\'' && t[i] != '"')) continue;
+      const char quote = t[i++];
+      if (t.substr(i, 7) != "content" || i + 7 >= t.size() || t[i + 7] != quote) continue;
+      i += 8;
+      space(i);
+      if (i >= t.size() || t[i] != ']') continue;
+      ++i;
+    } else {
+      continue;
+    }
+    space(i);
+    if (i < t.size() && (t[i] == '-' || t[i] == '|' || t[i] == '%')) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 void ChatTemplate::SetTemplate(std::string text) {
   template_ = std::move(text);
-  // vLLM's content-format detection: a loop over a message's content takes the parts.
-  static const std::regex kLoopOverContent(
-      R"(\{%-?\s*for\s+\w+\s+in\s+\w+\s*(\[\s*['"]content['"]\s*\]|\.content)\s*[-|%])");
-  list_content_ = std::regex_search(template_, kLoopOverContent);
+  list_content_ = LoopsOverContent(template_);
 }
 
 ChatTemplate ChatTemplate::WithTemplate(std::string text, std::string source) const {
@@ -151,13 +196,17 @@ ChatTemplate ChatTemplate::ForModel(const std::string& model_dir, const Tokenize
 bool ChatTemplate::renders_tools() const { return template_.find("tools") != std::string::npos; }
 
 std::string ChatTemplate::tool_call_format() const {
-  if (template_.find("<tool_call>") != std::string::npos) return "hermes";
-  if (template_.find("[TOOL_CALLS]") != std::string::npos) return "mistral";
-  if (template_.find("<|python_tag|>") != std::string::npos ||
-      template_.find("ipython") != std::string::npos) {
-    return "llama3_json";
+  std::vector<const char*> shown;
+  if (writes("<tool_call>")) shown.push_back(writes("<function=") ? "qwen3_coder" : "hermes");
+  if (writes("[TOOL_CALLS]")) shown.push_back("mistral");
+  // Llama 3.2 / 4's pythonic templates teach "[func_name1(params_name1=params_value1, ...)]"
+  // (and name the ipython role, as Llama 3.1's JSON ones do).
+  if (writes("[func_name1(")) {
+    shown.push_back("pythonic");
+  } else if (writes("<|python_tag|>") || writes("ipython")) {
+    shown.push_back("llama3_json");
   }
-  return "";
+  return shown.size() == 1 ? shown[0] : "";  // none, or more than one: not guessed
 }
 
 namespace {

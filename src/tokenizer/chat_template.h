@@ -80,8 +80,10 @@ class ChatTemplate {
   bool list_content() const { return list_content_; }
   // The format the template teaches the model for its tool calls, by the markers it writes:
   // "hermes" (<tool_call>{"name": ..., "arguments": ...}</tool_call>: Hermes, Qwen 2.5/3),
-  // "llama3_json" (a bare {"name": ..., "parameters": ...}: Llama 3.1-3.3, <|python_tag|>),
-  // "mistral" ([TOOL_CALLS]), or "" when it shows none.
+  // "qwen3_coder" (<tool_call><function=...>: Qwen3-Coder's XML), "llama3_json" (a bare
+  // {"name": ..., "parameters": ...}: Llama 3.1-3.3, <|python_tag|>), "pythonic"
+  // ([func_name1(params_name1=...)]: Llama 3.2 / 4 pythonic), "mistral" ([TOOL_CALLS]); "" when
+  // it shows none, or the markers of more than one (spec.serving.toolCallParser names it then).
   std::string tool_call_format() const;
   // Tokens that end the assistant's turn (generation stops there): the special token the template
   // writes right after an assistant message, and the tokenizer's eos_token.

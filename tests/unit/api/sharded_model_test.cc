@@ -149,7 +149,7 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.apiKeySecret"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {specialTokensInContent: plain}"),
        "spec.serving.specialTokensInContent"},
-      {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: pythonic}"),
+      {with("  replicas: 2", "  replicas: 2\n  serving: {toolCallParser: harmony}"),
        "spec.serving.toolCallParser"},
       {with("  replicas: 2",
             "  replicas: 2\n  serving: {chatTemplate: {inline: x, configMap: {name: t, key: k}}}"),

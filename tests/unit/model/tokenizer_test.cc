@@ -406,6 +406,35 @@ TEST(ChatTemplateTest, ToolsAndTheirFormat) {
   const ChatTemplate l3 = template_of("llama", "llama3-tools");
   EXPECT_TRUE(l3.renders_tools());
   EXPECT_EQ(l3.tool_call_format(), "llama3_json");
+  // Formats named by their markers only where one shows; a template showing two is not guessed.
+  const struct {
+    const char* text;
+    const char* format;
+  } kShown[] = {
+      {"{% if tools %}Use [func_name1(params_name1=params_value1)]{% endif %}"
+       "{% for m in messages %}{% if m.role == 'ipython' %}{{ m.content }}{% endif %}{% endfor %}",
+       "pythonic"},
+      {"{{ tools }}<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>", "qwen3_coder"},
+      {"{{ tools }}<tool_call>{\"name\": ...}</tool_call>", "hermes"},
+      {"{{ tools }}<tool_call> or [TOOL_CALLS]", ""},
+      {"{{ tools }}<｜tool▁calls▁begin｜>", ""},
+  };
+  for (const auto& [text, format] : kShown) {
+    EXPECT_EQ(plain.WithTemplate(text, "test").tool_call_format(), format) << text;
+  }
+  // vLLM's content formats: a loop over a message's content gets the parts.
+  for (const char* list : {"{%- for part in message['content'] -%}{{ part.text }}{% endfor %}",
+                           "{% for c in m.content|reverse %}{{ c.text }}{% endfor %}",
+                           "{%for c in m[ \"content\" ]%}{% endfor %}"}) {
+    EXPECT_TRUE(plain.WithTemplate(list, "test").list_content()) << list;
+  }
+  for (const char* string : {"{% for m in messages %}{{ m.content }}{% endfor %}",
+                             "{% for c in m['contents'] %}{% endfor %}", "{% for"}) {
+    EXPECT_FALSE(plain.WithTemplate(string, "test").list_content()) << string;
+  }
+  // A request's template is hostile: a long one is scanned in linear time, without recursion.
+  const std::string spaces = "{% for x in y" + std::string(1 << 20, ' ') + ".content %}";
+  EXPECT_TRUE(plain.WithTemplate(spaces, "test").list_content());
 }
 
 }  // namespace

@@ -166,6 +166,63 @@ TEST(ToolCallParser, Llama3JsonOutputIsCallsOrText) {
   }
 }
 
+// Pythonic calls (Llama 3.2 / 4): an output that is a Python list of calls, its arguments Python
+// literals turned into JSON; anything else, or a list that is not all calls, stays text.
+TEST(ToolCallParser, PythonicListOfCalls) {
+  for (size_t step : {1, 3, 100}) {
+    ToolCallParser p("pythonic", kTools, true);
+    ToolCallParser::Out out =
+        Feed(p,
+             "[get_weather(city='Oslo, \\'N\\'', days=3, metric=True, extra=None), "
+             "add(a=-1.5e2, b=[1, (2, 3)], c={'k': \"v\"},)]",
+             step);
+    EXPECT_EQ(out.content, "") << step;
+    ASSERT_EQ(out.calls.size(), 2u) << step;
+    EXPECT_EQ(out.calls[0].name, "get_weather");
+    EXPECT_EQ(out.calls[0].arguments,
+              R"({"city":"Oslo, 'N'","days":3,"metric":true,"extra":null})");
+    EXPECT_EQ(out.calls[1].arguments, R"({"a":-150.0,"b":[1,[2,3]],"c":{"k":"v"}})");
+  }
+  for (const char* text :
+       {"[get_weather(city='Oslo')] and more", "[unknown_fn()]", "[get_weather(city=os.getcwd())]",
+        "[get_weather('Oslo')]", "The list [1, 2] is short.", "[get_weather(city='Oslo'"}) {
+    ToolCallParser p("pythonic", kTools, true);
+    ToolCallParser::Out out = Feed(p, text, 4);
+    EXPECT_EQ(out.content, text);
+    EXPECT_TRUE(out.calls.empty()) << text;
+  }
+  ToolCallParser one("pythonic", kTools, false);  // parallel_tool_calls false: the first only
+  EXPECT_EQ(Feed(one, "[add(a=1), add(a=2)]", 2).calls.size(), 1u);
+}
+
+// Qwen3-Coder's XML calls: text, then <tool_call> blocks, each value typed by the function's
+// schema (a string parameter stays text, others are JSON).
+TEST(ToolCallParser, Qwen3CoderXmlCalls) {
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+        "days": {"type": "integer"}, "opts": {"type": "object"}}}}}])");
+  for (size_t step : {1, 7, 1000}) {
+    ToolCallParser p("qwen3_coder", tools, true);
+    ToolCallParser::Out out =
+        Feed(p,
+             "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n"
+             "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"x\": [1]}\n"
+             "</parameter>\n</function>\n</tool_call>",
+             step);
+    EXPECT_EQ(out.content, "Let me check.\n") << step;
+    ASSERT_EQ(out.calls.size(), 1u) << step;
+    EXPECT_EQ(out.calls[0].name, "get_weather");
+    EXPECT_EQ(out.calls[0].arguments, R"({"city":"42","days":3,"opts":{"x":[1]}})");
+  }
+  ToolCallParser p("qwen3_coder", tools, true);
+  const std::string unknown =
+      "<tool_call>\n<function=rm_rf>\n<parameter=path>\n/\n</parameter>\n</function>\n"
+      "</tool_call>";
+  ToolCallParser::Out out = Feed(p, unknown, 5);
+  EXPECT_EQ(out.content, unknown);  // a function not given stays text
+  EXPECT_TRUE(out.calls.empty());
+}
+
 // Mistral's format: text streamed up to the [TOOL_CALLS] marker (its start held back), then a
 // JSON list of calls read whole at the end; a list that is not calls stays text, marker and all.
 TEST(ToolCallParser, MistralListAfterTheMarker) {
