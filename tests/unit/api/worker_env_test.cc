@@ -143,8 +143,11 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
   EXPECT_THAT(error({{"SHARDSERVE_MAX_BATCH_SIZE", "0"}}),
               HasSubstr("SHARDSERVE_MAX_BATCH_SIZE='0' must be an integer in [1, "));
   EXPECT_THAT(
-      error({{"SHARDSERVE_TOOL_CALL_PARSER", "pythonic"}}),
-      HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='pythonic' must be hermes, llama3_json or mistral"));
+      error({{"SHARDSERVE_TOOL_CALL_PARSER", "harmony"}}),
+      HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='harmony' must be hermes, llama3_json, mistral, "
+                "pythonic or qwen3_coder"));
+  EXPECT_THAT(error({{"SHARDSERVE_REASONING_PARSER", "gpt_oss"}}),
+              HasSubstr("SHARDSERVE_REASONING_PARSER='gpt_oss' must be think or none"));
   EXPECT_THAT(error({{"SHARDSERVE_FP8", "fast"}}),
               HasSubstr("environment variable SHARDSERVE_FP8='fast' must be blocks or expand"));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),
