@@ -641,7 +641,17 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
   }
   r.model = model->get<std::string>();
   RETURN_IF_ERROR(chat ? ParseMessages(body, r) : ParsePrompt(body, r));
-  if (chat) RETURN_IF_ERROR(ParseChatOptions(body, r));
+  if (chat) {
+    RETURN_IF_ERROR(ParseChatOptions(body, r));
+  } else {
+    for (const char* field :
+         {"chat_template", "chat_template_kwargs", "documents", "add_generation_prompt",
+          "continue_final_message", "include_reasoning"}) {
+      if (auto it = body.find(field); it != body.end() && !it->is_null()) {
+        return BadParam(field, absl::StrCat("'", field, "' belongs to /v1/chat/completions"));
+      }
+    }
+  }
 
   SamplingParams& p = r.params;
   ASSIGN_OR_RETURN(auto max_tokens, Integer(body, "max_tokens"));

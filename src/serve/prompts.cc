@@ -80,7 +80,22 @@ absl::StatusOr<std::vector<int32_t>> PromptBuilder::Chat(const ApiRequest& req, 
       }
     }
   }
-  absl::StatusOr<RenderedChat> rendered = (own ? *own : *chat_).Render(req.messages, options);
+  // What the template does not read would be dropped without a word: refused by name.
+  const ChatTemplate& t = own ? *own : *chat_;
+  if (options.kwargs.is_object()) {
+    for (const auto& [key, value] : options.kwargs.items()) {
+      if (!t.reads(key)) {
+        return BadParam("chat_template_kwargs",
+                        absl::StrCat("the chat template (", t.source(), ") does not read '", key,
+                                     "' (chat_template_kwargs)"));
+      }
+    }
+  }
+  if (!options.documents.is_null() && !t.reads("documents")) {
+    return BadParam("documents",
+                    absl::StrCat("the chat template (", t.source(), ") does not render documents"));
+  }
+  absl::StatusOr<RenderedChat> rendered = t.Render(req.messages, options);
   if (!rendered.ok()) {
     const absl::string_view m = rendered.status().message();
     return BadParam(absl::StartsWith(m, "continue_final_message") ? "continue_final_message"

@@ -97,6 +97,18 @@ bool LoopsOverContent(std::string_view t) {
 
 }  // namespace
 
+bool ChatTemplate::reads(std::string_view name) const {
+  if (name.empty()) return false;
+  auto word = [](char c) { return absl::ascii_isalnum(c) || c == '_'; };
+  for (size_t at = template_.find(name); at != std::string::npos;
+       at = template_.find(name, at + 1)) {
+    const size_t end = at + name.size();
+    if ((at == 0 || !word(template_[at - 1])) && (end == template_.size() || !word(template_[end])))
+      return true;
+  }
+  return false;
+}
+
 void ChatTemplate::SetTemplate(std::string text) {
   template_ = std::move(text);
   list_content_ = LoopsOverContent(template_);

@@ -74,6 +74,9 @@ class ChatTemplate {
                                       const ChatOptions& options = {}) const;
   // Whether the template's text holds `text` (a marker it writes).
   bool writes(std::string_view text) const { return template_.find(text) != std::string::npos; }
+  // Whether it names the variable `name` (a whole word: `enable_thinkin` is not
+  // `enable_thinking`).
+  bool reads(std::string_view name) const;
   // Whether the template reads the `tools` variable at all (one that does not would drop them).
   bool renders_tools() const;
   // Whether it iterates a message's content (vLLM's "openai" content format): it gets the parts.

@@ -90,6 +90,8 @@ DOCUMENTS = (
 
 # The deployment's own (spec.serving.chatTemplate): marks its turns so that they show.
 DEPLOYMENT = (
+    "{%- if persona is defined %}{{- 'Persona: ' + persona + '\\n' }}{%- endif %}"
+    "{%- for d in documents or [] %}{{- d.text + '\\n' }}{%- endfor %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message.role + ' (ours)\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endfor %}"
@@ -299,6 +301,17 @@ try:
         "model": "tiny", "messages": CHAT, "tools": TOOLS, "chat_template": pythonic,
         "max_tokens": 2})
     check(status == 200, f"tool_choice auto with a pythonic template is served ({status}, {chat})")
+    refused("a chat_template_kwargs variable the template does not read",
+            {"messages": CHAT, "chat_template": THINKING,
+             "chat_template_kwargs": {"enable_thinkin": False}},
+            "chat_template_kwargs", "does not read 'enable_thinkin'")
+    refused("documents on a template without them",
+            {"messages": CHAT, "chat_template": THINKING, "documents": DOCS},
+            "documents", "does not render documents")
+    status, _, out = d.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1,
+                                                "chat_template_kwargs": {"x": 1}})
+    check(status == 400 and out.get("error", {}).get("param") == "chat_template_kwargs",
+          f"a chat option on /v1/completions is refused by name ({status}, {out})")
     refused("a request template that fails",
             {"messages": CHAT, "chat_template": "{{ raise_exception('no such turn') }}"},
             "chat_template", "no such turn")
