@@ -56,14 +56,15 @@ constexpr char kGenModelUsage[] =
     "--dtype bf16|f16|f32 --fp8-block N|tensor --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|hermes|llama3-tools|mistral-tools|none\n"
-    "--corpus FILE --shard-size BYTES\n"
+    "--corpus FILE --shard-size BYTES --think-tokens\n"
     "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k\n"
     "--gguf-legacy-mla]\n"
     "(a small random model with a trained tokenizer, for tests and demos; --format gguf: --out\n"
     "names the .gguf file, weights stored as --gguf-type, default the --dtype, MXFP4 experts as\n"
     "MXFP4; --gguf-legacy-mla: DeepSeek-V3's kv_b_proj as one attn_kv_b, as older llama.cpp\n"
     "files hold it; --fp8-block N: the linear weights as a fine-grained FP8 checkpoint, E4M3\n"
-    "with a scale per N x N block; tensor: one scale per weight)";
+    "with a scale per N x N block; tensor: one scale per weight; --think-tokens: <think> and\n"
+    "</think> added to the tokenizer, not special, as reasoning models have them)";
 constexpr char kGenerateUsage[] =
     "--model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N --temperature T\n"
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
@@ -130,7 +131,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
                                               "first-dense",    "moe-intermediate",
                                               "sliding-window", "swiglu-limit"},
                                        {"tie-embeddings", "attention-bias", "no-norm-topk-prob",
-                                        "mxfp4", "gguf-legacy-mla"},
+                                        "mxfp4", "gguf-legacy-mla", "think-tokens"},
                                        "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
@@ -190,6 +191,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   o.attention_bias = a.Has("attention-bias");
   o.rope_scaling = a.GetOr("rope-scaling", "");
   o.corpus_file = a.GetOr("corpus", "");
+  o.think_tokens = a.Has("think-tokens");
   o.chat_template = a.GetOr("chat-template", "auto");
   const std::string format = a.GetOr("format", "safetensors");
   if (format == "safetensors") {

@@ -616,7 +616,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     ASSIGN_OR_RETURN(corpus, ReadFileToString(o.corpus_file));
   }
   const std::string chat = ChatTemplateFor(o);
-  const std::vector<std::string> chat_tokens =
+  std::vector<std::string> chat_tokens =
       chat == "llama3"
           ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
       : chat == "chatml"        ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
@@ -628,8 +628,16 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                                                            "[TOOL_RESULTS]",
                                                            "[/TOOL_RESULTS]"}
                                 : std::vector<std::string>{};
+  if (o.think_tokens) chat_tokens.insert(chat_tokens.end(), {"<think>", "</think>"});
   ASSIGN_OR_RETURN(TrainedTokenizer tok,
                    TrainBpeTokenizer(corpus, o.tokenizer, o.vocab, chat_tokens));
+  if (o.think_tokens) {  // added, not special: decoded text keeps them
+    json t = json::parse(tok.json);
+    for (json& added : t["added_tokens"]) {
+      if (added["content"] == "<think>" || added["content"] == "</think>") added["special"] = false;
+    }
+    tok.json = t.dump(2);
+  }
   RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", tok.json));
   json tok_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
                      {"bos_token", "<s>"},

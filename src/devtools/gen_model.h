@@ -43,6 +43,9 @@ struct GenModelOptions {
   std::string rope_scaling;     // "", "llama3", "linear" or "yarn"
   TokenizerStyle tokenizer = TokenizerStyle::kByteLevel;
   std::string corpus_file;  // train the tokenizer on this text instead of the built-in one
+  // The tokenizer also has <think> and </think> as added tokens that are not special (they stay
+  // in decoded text), as Qwen3's and DeepSeek-R1's have.
+  bool think_tokens = false;
   int64_t shard_bytes = 0;  // > 0: split weights into files of about this size
   // > 0: a fine-grained FP8 checkpoint (model/fp8.h): the attention and MLP projections (the
   // experts' too) as F8_E4M3 with an F32 `_scale_inv` per fp8_block x fp8_block block, the rest

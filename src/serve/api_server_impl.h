@@ -26,6 +26,7 @@
 #include "serve/kv_events.h"
 #include "serve/openai.h"
 #include "serve/prompts.h"
+#include "serve/reasoning.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -78,6 +79,7 @@ struct ApiServer::Impl {
   // Structured output's view of the vocabulary, made at the first request that needs it.
   absl::Mutex grammar_mu;
   std::shared_ptr<const GrammarVocabulary> grammar_vocab ABSL_GUARDED_BY(grammar_mu);
+  std::shared_ptr<const ReasoningGate> reasoning_gate ABSL_GUARDED_BY(grammar_mu);
   // Grammars compile here, on threads whose stacks hold llguidance's recursion, within
   // kCompileTimeout; the HTTP thread waits for its own.
   std::unique_ptr<GrammarWorkers> compilers =

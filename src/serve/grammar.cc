@@ -145,6 +145,153 @@ class GrammarMatcher final : public TokenConstraint {
   LlgCancellationHandle* cancel_;
 };
 
+// The formats llguidance enforces (its json/formats.rs); any other is an annotation, as JSON
+// Schema makes an unknown format for validators.
+constexpr std::string_view kKnownFormats[] = {"date-time", "time",     "date", "duration",
+                                              "email",     "hostname", "uuid", "uri"};
+
+void Rewrite(nlohmann::json& schema, int depth);
+
+// Whether a `type` value (a name or a list of names) names `type`.
+bool NamesType(const nlohmann::json& value, std::string_view type) {
+  if (value.is_string()) return value.get_ref<const std::string&>() == type;
+  if (!value.is_array()) return false;
+  return std::any_of(value.begin(), value.end(), [&](const nlohmann::json& v) {
+    return v.is_string() && v.get_ref<const std::string&>() == type;
+  });
+}
+
+// Each schema in a keyword's value: a schema, a list of them or a map of them.
+void RewriteEach(nlohmann::json& value, int depth, bool map, bool list) {
+  if (map && value.is_object()) {
+    for (auto& [_, sub] : value.items()) Rewrite(sub, depth + 1);
+  } else if (list && value.is_array()) {
+    for (auto& sub : value) Rewrite(sub, depth + 1);
+  } else if (!map) {
+    Rewrite(value, depth + 1);
+  }
+}
+
+// A schema as llguidance takes it, where a keyword it lacks has a sound stand-in (every value the
+// result allows, the schema allows): an unknown `format` is an annotation and dropped;
+// `uniqueItems` caps the array at one item (one item is unique) unless minItems asks for more;
+// `dependencies`, `dependentRequired` and `dependentSchemas` apply always (the named properties
+// required, the schema in allOf), whether or not their property is there; `not` of everything
+// ({} or true) is `false`, and `not` of types alone keeps the other types. The rest is left for
+// llguidance to refuse by name. Only schema positions are walked (a property called "format" is
+// a name, `enum` and `default` are data); depth is bounded by the caller's nesting check.
+void Rewrite(nlohmann::json& schema, int depth) {
+  if (!schema.is_object() || depth > 128) return;
+  static constexpr std::pair<const char*, std::pair<bool, bool>> kSchemaKeywords[] = {
+      // keyword, {a map of schemas, a list of schemas} (neither: one schema; both: either)
+      {"properties", {true, false}},
+      {"patternProperties", {true, false}},
+      {"definitions", {true, false}},
+      {"$defs", {true, false}},
+      {"dependentSchemas", {true, false}},
+      {"items", {false, true}},
+      {"prefixItems", {false, true}},
+      {"allOf", {false, true}},
+      {"anyOf", {false, true}},
+      {"oneOf", {false, true}},
+      {"additionalProperties", {false, false}},
+      {"additionalItems", {false, false}},
+      {"not", {false, false}},
+      {"if", {false, false}},
+      {"then", {false, false}},
+      {"else", {false, false}},
+      {"contains", {false, false}},
+      {"propertyNames", {false, false}},
+      {"unevaluatedProperties", {false, false}},
+      {"unevaluatedItems", {false, false}}};
+  for (const auto& [keyword, shape] : kSchemaKeywords) {
+    if (auto it = schema.find(keyword); it != schema.end()) {
+      const bool items_list = std::string_view(keyword) == "items" && it->is_array();
+      RewriteEach(*it, depth, shape.first, items_list || shape.second);
+    }
+  }
+  if (auto it = schema.find("dependencies"); it != schema.end() && it->is_object()) {
+    for (auto& [_, sub] : it->items()) {
+      if (!sub.is_array()) Rewrite(sub, depth + 1);
+    }
+  }
+
+  if (auto it = schema.find("format");
+      it != schema.end() && it->is_string() &&
+      std::find(std::begin(kKnownFormats), std::end(kKnownFormats), it->get<std::string>()) ==
+          std::end(kKnownFormats)) {
+    schema.erase(it);
+  }
+  if (auto it = schema.find("uniqueItems"); it != schema.end() && it->is_boolean()) {
+    const auto min = schema.find("minItems");
+    const bool many = min != schema.end() && min->is_number() && min->get<double>() > 1;
+    if (!it->get<bool>()) {
+      schema.erase(it);
+    } else if (!many) {
+      schema.erase(it);
+      const auto max = schema.find("maxItems");
+      if (max == schema.end() || !max->is_number() || max->get<double>() > 1)
+        schema["maxItems"] = 1;
+    }
+  }
+  // Dependencies applied always.
+  for (const char* keyword : {"dependencies", "dependentRequired", "dependentSchemas"}) {
+    auto it = schema.find(keyword);
+    if (it == schema.end() || !it->is_object()) continue;
+    nlohmann::json required = schema.value("required", nlohmann::json::array());
+    nlohmann::json all_of = schema.value("allOf", nlohmann::json::array());
+    if (!required.is_array() || !all_of.is_array()) continue;
+    bool whole = true;
+    for (const auto& [_, dep] : it->items()) {
+      if (dep.is_array()) {
+        for (const auto& name : dep) {
+          if (!name.is_string()) whole = false;
+          if (name.is_string() &&
+              std::find(required.begin(), required.end(), name) == required.end()) {
+            required.push_back(name);
+          }
+        }
+      } else if (dep.is_object() || dep.is_boolean()) {
+        all_of.push_back(dep);
+      } else {
+        whole = false;
+      }
+    }
+    if (!whole) continue;  // llguidance names what it cannot take
+    schema.erase(keyword);
+    if (!required.empty()) schema["required"] = required;
+    if (!all_of.empty()) schema["allOf"] = all_of;
+  }
+  if (auto it = schema.find("not"); it != schema.end()) {
+    static constexpr std::string_view kTypes[] = {"null",   "boolean", "number", "integer",
+                                                  "string", "array",   "object"};
+    if (it->is_boolean() ? it->get<bool>() : it->is_object() && it->empty()) {
+      schema = false;  // nothing is allowed
+      return;
+    }
+    if (it->is_object() && it->size() == 1 && it->contains("type")) {
+      const nlohmann::json& excluded = (*it)["type"];
+      auto out = [&](std::string_view t) { return NamesType(excluded, t); };
+      // Excluding number excludes its integers; excluding integer alone leaves fractional
+      // numbers, which no type names: that is left for llguidance to refuse.
+      const bool fractions = out("integer") && !out("number");
+      const nlohmann::json own = schema.value("type", nlohmann::json());
+      nlohmann::json allowed = nlohmann::json::array();
+      for (std::string_view t : kTypes) {
+        const bool listed = own.is_null() || NamesType(own, t);
+        if (listed && !out(t) && !(t == "integer" && out("number"))) allowed.push_back(t);
+      }
+      if (fractions && NamesType(allowed, "number")) return;
+      schema.erase("not");
+      if (allowed.empty()) {
+        schema = false;
+      } else {
+        schema["type"] = allowed;
+      }
+    }
+  }
+}
+
 // What the client gave, as an error message names it.
 std::string KindName(const std::string& kind) {
   if (kind == "json_schema") return "the JSON schema";
@@ -253,6 +400,19 @@ absl::StatusOr<std::unique_ptr<TokenConstraint>> GrammarVocabulary::Compile(
       }
       schema = nlohmann::json::parse(grammar.data, nullptr, /*allow_exceptions=*/false);
       if (schema.is_discarded()) return absl::InvalidArgumentError("the schema is not JSON");
+    }
+    Rewrite(schema, 0);
+    // A dialect llguidance does not know ($schema a URI of its own, as Snowplow's
+    // self-describing schemas name theirs) would be fetched: read as the latest draft instead,
+    // as the jsonschema package reads one.
+    if (schema.is_object()) {
+      auto it = schema.find("$schema");
+      if (it != schema.end() &&
+          (!it->is_string() ||
+           !(absl::StartsWith(it->get<std::string>(), "http://json-schema.org/") ||
+             absl::StartsWith(it->get<std::string>(), "https://json-schema.org/")))) {
+        schema.erase(it);
+      }
     }
     // Our defaults, kept for what a schema's own x-guidance does not set: no whitespace, and
     // oneOf taken as anyOf (sound where its branches exclude each other, as real schemas' mostly

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/status.h"
+
 namespace shardserve {
 namespace {
 
@@ -16,7 +18,93 @@ size_t PartialTagAtEnd(std::string_view text, std::string_view tag) {
   return 0;
 }
 
+// The gate in one sequence's state (see ReasoningGate).
+class GatedConstraint final : public TokenConstraint {
+ public:
+  enum class State { kFirst, kReasoning, kAnswer };
+  GatedConstraint(std::unique_ptr<TokenConstraint> inner, const Tokenizer* tokenizer,
+                  std::shared_ptr<const std::vector<uint32_t>> free_mask, int32_t open_id,
+                  State state)
+      : inner_(std::move(inner)),
+        tokenizer_(tokenizer),
+        free_mask_(std::move(free_mask)),
+        open_id_(open_id),
+        state_(state) {}
+
+  void Cancel() override { inner_->Cancel(); }
+
+  absl::Status Allowed(std::vector<uint32_t>* mask) override {
+    if (state_ == State::kReasoning) {
+      *mask = *free_mask_;
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(inner_->Allowed(mask));
+    if (state_ == State::kFirst && open_id_ >= 0) {  // or the output opens its reasoning
+      const size_t word = static_cast<size_t>(open_id_) / 32;
+      if (mask->size() <= word) mask->resize(word + 1, 0);
+      (*mask)[word] |= 1u << (open_id_ % 32);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Accept(int32_t token) override {
+    if (state_ == State::kFirst) {
+      state_ = token == open_id_ && open_id_ >= 0 ? State::kReasoning : State::kAnswer;
+      if (state_ == State::kReasoning) return absl::OkStatus();
+    }
+    if (state_ == State::kAnswer) return inner_->Accept(token);
+    tail_ += tokenizer_->TokenBytes(token);
+    if (tail_.find(kClose) != std::string::npos) {
+      state_ = State::kAnswer;  // what follows </think> in its token is white space (the mask)
+      tail_.clear();
+    } else if (tail_.size() > kClose.size()) {
+      tail_.erase(0, tail_.size() - kClose.size());
+    }
+    return absl::OkStatus();
+  }
+
+  bool Finished() const override { return state_ == State::kAnswer && inner_->Finished(); }
+
+  std::unique_ptr<TokenConstraint> Clone() const override {
+    auto c = std::make_unique<GatedConstraint>(inner_->Clone(), tokenizer_, free_mask_, open_id_,
+                                               state_);
+    c->tail_ = tail_;
+    return c;
+  }
+
+ private:
+  std::unique_ptr<TokenConstraint> inner_;
+  const Tokenizer* tokenizer_;
+  std::shared_ptr<const std::vector<uint32_t>> free_mask_;
+  int32_t open_id_;
+  State state_;
+  std::string tail_;  // the last bytes of the reasoning, where </think> is looked for
+};
+
 }  // namespace
+
+ReasoningGate::ReasoningGate(const Tokenizer& tokenizer, int64_t vocab_size)
+    : tokenizer_(&tokenizer) {
+  auto mask = std::make_shared<std::vector<uint32_t>>((vocab_size + 31) / 32, 0u);
+  for (int64_t id = 0; id < std::min(vocab_size, tokenizer.vocab_size()); ++id) {
+    const std::string bytes = tokenizer.TokenBytes(static_cast<int32_t>(id));
+    const size_t gt = bytes.find('>');
+    const bool carries =
+        gt != std::string::npos && bytes.find_first_not_of(" \t\r\n", gt + 1) != std::string::npos;
+    if (!carries) (*mask)[id / 32] |= 1u << (id % 32);
+  }
+  free_mask_ = std::move(mask);
+  auto ids = tokenizer.Encode(kOpen, /*add_special_tokens=*/false);
+  if (ids.ok() && ids->size() == 1 && tokenizer.TokenBytes((*ids)[0]) == kOpen)
+    open_id_ = (*ids)[0];
+}
+
+std::unique_ptr<TokenConstraint> ReasoningGate::Wrap(std::unique_ptr<TokenConstraint> inner,
+                                                     bool in_block) const {
+  return std::make_unique<GatedConstraint>(
+      std::move(inner), tokenizer_, free_mask_, open_id_,
+      in_block ? GatedConstraint::State::kReasoning : GatedConstraint::State::kFirst);
+}
 
 ReasoningParser::ReasoningParser(bool in_block)
     : state_(in_block ? State::kReasoning : State::kStart), fresh_(in_block) {}

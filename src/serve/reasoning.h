@@ -7,8 +7,13 @@
 // the output is all answer). Text after </think> is the answer; an output that ends inside the
 // block is all reasoning (the model never answered). The parser takes the output as it streams:
 // it holds back only what may be the start of a tag.
+#include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "model/generation.h"
+#include "tokenizer/tokenizer.h"
 
 namespace shardserve {
 
@@ -29,6 +34,28 @@ class ReasoningParser {
   State state_;
   bool fresh_;  // at the start of a block the prompt opened
   std::string held_;
+};
+
+// Structured output applied to the answer, after the reasoning (as vLLM's reasoning parsers do):
+// a constraint held off while the model reasons. Any token is allowed in a <think> block the
+// prompt opened, or in one the output opens with the tokenizer's own <think> token as its first;
+// from the token after </think> on, the inner constraint rules (its grammar starts there). While
+// reasoning, a token that would end the block and carry text after it (`>` followed by more than
+// white space) is not allowed: the grammar sees all of the answer.
+class ReasoningGate {
+ public:
+  // Built once per model: the vocabulary's free mask and its <think> token (-1: none).
+  ReasoningGate(const Tokenizer& tokenizer, int64_t vocab_size);
+
+  // `inner` behind the gate; `in_block`: the prompt ends inside a <think> block. The tokenizer
+  // given above must outlive the result.
+  std::unique_ptr<TokenConstraint> Wrap(std::unique_ptr<TokenConstraint> inner,
+                                        bool in_block) const;
+
+ private:
+  const Tokenizer* tokenizer_;
+  std::shared_ptr<const std::vector<uint32_t>> free_mask_;
+  int32_t open_id_ = -1;
 };
 
 // Whether a rendered prompt ends inside a <think> block (its last <think> after its last

@@ -333,14 +333,6 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     prompts.push_back(std::move(ids));
     reasoning = ReasoningRuns(req);
     thinking = reasoning && PromptEndsThinking(rendered);
-    if (thinking && req.grammar) {
-      return BadParam(req.grammar_param,
-                      absl::StrCat("'", req.grammar_param,
-                                   "' with a prompt that opens the model's reasoning (<think>) "
-                                   "is not supported yet: the constraint would apply to the "
-                                   "reasoning; turn it off (chat_template_kwargs) or drop the "
-                                   "constraint"));
-    }
     for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
   } else {
     for (size_t i = 0; i < req.prompt_ids.size(); ++i) {
@@ -369,6 +361,13 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   std::unique_ptr<TokenConstraint> compiled;
   if (req.grammar) {
     ASSIGN_OR_RETURN(compiled, CompileGrammar(req, vocab, ends));
+    if (reasoning) {  // the constraint applies to the answer, after the reasoning
+      absl::MutexLock lock(&grammar_mu);
+      if (reasoning_gate == nullptr) {
+        reasoning_gate = std::make_shared<const ReasoningGate>(*tokenizer, vocab);
+      }
+      compiled = reasoning_gate->Wrap(std::move(compiled), thinking);
+    }
   }
   absl::ReaderMutexLock lock(&engine_mu);
   if (engine == nullptr) return absl::UnavailableError(not_ready);

@@ -11,7 +11,8 @@ the same template on the messages as vLLM hands them over (null content "", text
 add_generation_prompt, continue_final_message, documents, refused by name where they are wrong;
 a deployment that does not trust request templates refuses them by name and renders its
 spec.serving.chatTemplate instead of the model's. A template that opens the reply in a <think>
-block gives the output as reasoning_content (whole and streamed), apart from the content."""
+block gives the output as reasoning_content (whole and streamed), apart from the content, and a
+response_format applies to the answer after </think>."""
 import json
 import os
 import sys
@@ -159,7 +160,7 @@ def reference(tok, template, messages, list_style=False, **kw):
 deployments = []
 try:
     model = os.path.join(tmp, "model")
-    gen_model(BIN, model, "--arch", "qwen2")
+    gen_model(BIN, model, "--arch", "qwen2", "--think-tokens")
     tok = AutoTokenizer.from_pretrained(model)
     d = Deployment(BIN, model, tp=1, pp=1, serving={"trustRequestChatTemplate": "true"})
     deployments.append(d)
@@ -258,11 +259,27 @@ try:
     message = chat["choices"][0]["message"] if status == 200 else {}
     check(status == 200 and "reasoning_content" not in message and message.get("content"),
           f"a template without <think> blocks gives content only ({status}, {message})")
-    status, _, out = d.post("/v1/chat/completions",
-                            dict(think, response_format={"type": "json_object"}))
-    check(status == 400 and out.get("error", {}).get("param") == "response_format" and
-          "reasoning" in out["error"].get("message", ""),
-          f"a constraint on a reply that begins in <think> is refused by name ({status}, {out})")
+    # Structured output applies to the answer, after the reasoning: the model is pushed to close
+    # its block at once (a bias on </think>, which the grammar then masks), and the answer is the
+    # schema's; not opened by the prompt, the answer is constrained from its first token.
+    close_id = tok.convert_tokens_to_ids("</think>")
+    yes_no = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["yes", "no"]}}}
+    gated = dict(think, ignore_eos=False, max_tokens=30, response_format=yes_no,
+                 logit_bias={str(close_id): 100})
+    status, _, chat = d.post("/v1/chat/completions", gated)
+    message = chat["choices"][0]["message"] if status == 200 else {}
+    check(status == 200 and message.get("content", "").strip() in ('"yes"', '"no"') and
+          not message.get("reasoning_content"),
+          f"response_format applies after </think> ({status}, {chat})")
+    status, events, done = d.stream("/v1/chat/completions", dict(gated, stream=True))
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e.get("choices"))
+    check(status == 200 and done and streamed.strip() in ('"yes"', '"no"'),
+          f"... streamed ({status}, {streamed!r})")
+    status, _, chat = d.post("/v1/chat/completions", dict(gated, chat_template=THINKING))
+    message = chat["choices"][0]["message"] if status == 200 else {}
+    check(status == 200 and message.get("content", "").strip() in ('"yes"', '"no"'),
+          f"... and from the first token where the prompt opens no reasoning ({status}, {chat})")
 
     # --- refused by name -------------------------------------------------------------------------
     def refused(name, body, param, words):

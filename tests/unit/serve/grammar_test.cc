@@ -10,12 +10,14 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "devtools/bpe_trainer.h"
 #include "devtools/corpus.h"
 #include "serve/grammar_workers.h"
+#include "serve/reasoning.h"
 #include "serve/tool_calls.h"
 
 namespace shardserve {
@@ -360,8 +362,8 @@ TEST_P(GrammarTest, GrammarsThatDoNotCompileAreRefusedWithTheReason) {
   EXPECT_THAT(refused({"regex", std::string("a\0b", 3)}), HasSubstr("NUL"));
   EXPECT_THAT(refused({"json_schema", R"({"type": "object", "x-guidance": 3})"}),
               HasSubstr("x-guidance must be an object"));
-  EXPECT_THAT(refused({"json_schema", R"({"type": "array", "uniqueItems": true})"}),
-              HasSubstr("uniqueItems"));
+  EXPECT_THAT(refused({"json_schema", R"({"type": "array", "contains": {"const": 1}})"}),
+              HasSubstr("contains"));
 }
 
 // oneOf is taken as anyOf (real schemas' branches mostly exclude each other); a schema's own
@@ -385,6 +387,111 @@ TEST_P(GrammarTest, OneOfAndOwnOptionsKeepTheDefaults) {
         << text;
     EXPECT_EQ(text.find(' '), std::string::npos) << "no whitespace: " << text;
   }
+}
+
+// Keywords llguidance lacks, taken where a sound stand-in exists (every answer still valid
+// against the schema as written): a dialect of its own is read as the latest draft (llguidance
+// would fetch it), an unknown format is an annotation, uniqueItems caps the array
+// at one item, dependencies apply always, `not` of everything is false and `not` of types keeps
+// the others. A property named like a keyword is a name, not a keyword.
+TEST_P(GrammarTest, KeywordsLlguidanceLacksHaveSoundStandIns) {
+  const json schema = json::parse(R"({
+    "$schema": "http://iglucentral.com/schemas/com.snowplowanalytics.self-desc/schema/jsonschema/1-0-0#",
+    "type": "object",
+    "properties": {
+      "format": {"type": "string", "format": "feed-onestop-id", "maxLength": 6},
+      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": true},
+      "street": {"type": "string", "maxLength": 4},
+      "box": {"type": "integer", "minimum": 0, "maximum": 9},
+      "gone": {"not": {}},
+      "id": {"not": {"type": ["string", "object", "array", "boolean", "null"]}, "minimum": 0,
+             "maximum": 99}
+    },
+    "required": ["format", "id"],
+    "dependencies": {"box": ["street"], "format": {"properties": {"box": {"maximum": 3}}}},
+    "additionalProperties": false})");
+  for (uint32_t seed = 0; seed < 12; ++seed) {
+    auto c = vocab_->Compile({"json_schema", schema.dump()});
+    ASSERT_TRUE(c.ok()) << c.status();
+    const std::string text = Walk(**c, seed);
+    const json v = json::parse(text, nullptr, false);
+    ASSERT_TRUE(v.is_object()) << text;
+    EXPECT_TRUE(v["format"].is_string()) << text;
+    EXPECT_TRUE(v["id"].is_number()) << text;
+    if (v.contains("tags")) EXPECT_LE(v["tags"].size(), 1u) << text;
+    EXPECT_FALSE(v.contains("gone")) << text;
+    EXPECT_TRUE(v.contains("street")) << "dependencies apply always: " << text;
+    if (v.contains("box")) EXPECT_LE(v["box"].get<int>(), 3) << text;
+  }
+  // What has no sound stand-in is refused by name.
+  for (const auto& [refused, word] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"type": "array", "uniqueItems": true, "minItems": 2})", "uniqueItems"},
+           {R"({"type": "string", "not": {"pattern": "^a"}})", "not"},
+           {R"({"type": "number", "not": {"type": "integer"}})", "not"}}) {
+    auto c = vocab_->Compile({"json_schema", refused});
+    ASSERT_FALSE(c.ok()) << refused;
+    EXPECT_THAT(std::string(c.status().message()), HasSubstr(word)) << c.status();
+  }
+}
+
+// Structured output after the reasoning: behind the gate any token goes while the model reasons
+// (save one that would close the block and carry text past it), and the grammar rules from the
+// token after </think>; without a block the prompt opened, the first token may open one with
+// <think> or start the answer.
+TEST(ReasoningGateTest, TheGrammarStartsAfterTheReasoning) {
+  auto t =
+      TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kByteLevel, 700, {"<think>", "</think>"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto tok = Tokenizer::FromJson(t->json, "test");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const int32_t open = *(*tok)->TokenId("<think>"), close = *(*tok)->TokenId("</think>");
+  auto vocab = GrammarVocabulary::Create(**tok, (*tok)->vocab_size(), {kEos});
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  const ReasoningGate gate(**tok, (*tok)->vocab_size());
+  auto allowed = [](TokenConstraint& c) {
+    std::vector<uint32_t> mask;
+    EXPECT_TRUE(c.Allowed(&mask).ok());
+    std::set<int32_t> ids;
+    for (size_t i = 0; i < mask.size() * 32; ++i) {
+      if (mask[i / 32] >> (i % 32) & 1u) ids.insert(static_cast<int32_t>(i));
+    }
+    return ids;
+  };
+  auto inner = [&] { return *vocab.value()->Compile({"regex", "ab|cd"}); };
+  const std::set<int32_t> answer = allowed(*inner());
+  const auto a = (*tok)->Encode("a", false), x = (*tok)->Encode("x", false);
+  ASSERT_TRUE(a.ok() && x.ok() && a->size() == 1 && x->size() == 1);
+
+  // Opened by the prompt: free, then the grammar.
+  auto c = gate.Wrap(inner(), /*in_block=*/true);
+  const std::set<int32_t> free = allowed(*c);
+  EXPECT_TRUE(free.count((*x)[0]) && free.count(close) && free.count(kEos));
+  for (int32_t id = 0; id < (*tok)->vocab_size(); ++id) {
+    const std::string bytes = (*tok)->TokenBytes(id);
+    const size_t gt = bytes.find('>');
+    EXPECT_EQ(
+        free.count(id) == 0,
+        gt != std::string::npos && bytes.find_first_not_of(" \t\r\n", gt + 1) != std::string::npos)
+        << bytes;
+  }
+  ASSERT_TRUE(c->Accept((*x)[0]).ok()) << "reasoning is free text";
+  EXPECT_FALSE(c->Finished());
+  ASSERT_TRUE(c->Accept(close).ok());
+  EXPECT_EQ(allowed(*c), answer) << "the grammar, from its start";
+  auto clone = c->Clone();
+  EXPECT_FALSE(c->Accept((*x)[0]).ok()) << "the answer follows the grammar";
+  EXPECT_EQ(allowed(*clone), answer) << "a clone goes its own way";
+
+  // Not opened by the prompt: <think> first opens it; anything else is the answer's start.
+  auto opens = gate.Wrap(inner(), false);
+  std::set<int32_t> first = answer;
+  first.insert(open);
+  EXPECT_EQ(allowed(*opens), first);
+  ASSERT_TRUE(opens->Accept(open).ok());
+  EXPECT_EQ(allowed(*opens), free);
+  auto answers = gate.Wrap(inner(), false);
+  ASSERT_TRUE(answers->Accept((*a)[0]).ok());
+  EXPECT_FALSE(answers->Accept(open).ok()) << "no reasoning once the answer began";
 }
 
 TEST(GrammarVocabularyTest, NeedsAnEndOfSequence) {
