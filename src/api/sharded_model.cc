@@ -504,9 +504,8 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
                                                    "' must be none or perKey"));
   }
   if (s.tool_call_parser != "auto" && !IsToolCallFormat(s.tool_call_parser)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.serving.toolCallParser '", s.tool_call_parser,
-                     "' must be auto, hermes, llama3_json, mistral, pythonic or qwen3_coder"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.serving.toolCallParser '", s.tool_call_parser, "' must be auto, ", kToolCallFormats));
   }
   if (s.reasoning_parser != "auto" && s.reasoning_parser != "none" &&
       s.reasoning_parser != "deepseek_r1" && s.reasoning_parser != "qwen3") {

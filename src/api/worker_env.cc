@@ -122,9 +122,9 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
                      w.reasoning_parser, "' must be think or none"));
   }
   if (!w.tool_call_parser.empty() && !IsToolCallFormat(w.tool_call_parser)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "environment variable ", NameOf(kStrings, &WorkerEnv::tool_call_parser), "='",
-        w.tool_call_parser, "' must be hermes, llama3_json, mistral, pythonic or qwen3_coder"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::tool_call_parser), "='",
+                     w.tool_call_parser, "' must be ", kToolCallFormats));
   }
   if (!w.leader_addr.empty()) {
     const size_t colon = w.leader_addr.rfind(':');

@@ -48,9 +48,11 @@ inline constexpr char kModelPathEnv[] = "SHARDSERVE_MODEL_PATH";
 inline constexpr char kChatTemplateEnv[] = "SHARDSERVE_CHAT_TEMPLATE";
 
 // The tool-call formats the leader parses (serve/tool_calls.h).
+inline constexpr char kToolCallFormats[] =
+    "hermes, llama3_json, mistral, pythonic, qwen3_coder, deepseek_v3, deepseek_v31 or kimi_k2";
 inline bool IsToolCallFormat(std::string_view f) {
   return f == "hermes" || f == "llama3_json" || f == "mistral" || f == "pythonic" ||
-         f == "qwen3_coder";
+         f == "qwen3_coder" || f == "deepseek_v3" || f == "deepseek_v31" || f == "kimi_k2";
 }
 // The node the pod runs on (the metrics' `node` label): the downward API's spec.nodeName.
 inline constexpr char kNodeNameEnv[] = "SHARDSERVE_NODE_NAME";

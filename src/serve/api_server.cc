@@ -106,7 +106,8 @@ absl::Status ApiServer::Impl::ToolsRunHere(const ApiRequest& req) const {
     return BadParam("tools",
                     "this model's chat template shows no tool-call format shardserve parses, or "
                     "more than one (Hermes <tool_call> JSON, Qwen3-Coder's XML, Llama 3 JSON, "
-                    "pythonic, Mistral [TOOL_CALLS]); spec.serving.toolCallParser names one");
+                    "pythonic, Mistral [TOOL_CALLS], DeepSeek-V3 / V3.1, Kimi K2); "
+                    "spec.serving.toolCallParser names one");
   }
   if ((req.tool_choice == "required" || req.tool_choice == "function") &&
       (format == "pythonic" || format == "qwen3_coder")) {
@@ -127,6 +128,15 @@ absl::Status ApiServer::Impl::ToolsRunHere(const ApiRequest& req) const {
 std::optional<int32_t> ApiServer::Impl::MistralMarker() const {
   std::optional<int32_t> id = tokenizer->TokenId("[TOOL_CALLS]");
   return id && tokenizer->IsSpecial(*id) ? id : std::nullopt;
+}
+
+MarkerIds ApiServer::Impl::SpecialMarkers(const std::string& format) const {
+  MarkerIds out;
+  for (std::string_view text : ToolCallMarkers(format)) {
+    const std::optional<int32_t> id = tokenizer->TokenId(std::string(text));
+    if (id && tokenizer->IsSpecial(*id)) out.emplace(std::string(text), *id);
+  }
+  return out;
 }
 
 // A request's JSON body: its content type, its depth and its syntax checked.

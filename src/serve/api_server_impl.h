@@ -27,6 +27,7 @@
 #include "serve/openai.h"
 #include "serve/prompts.h"
 #include "serve/reasoning.h"
+#include "serve/tool_calls.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -106,6 +107,9 @@ struct ApiServer::Impl {
   absl::Status ToolsRunHere(const ApiRequest& req) const;
   // Mistral's [TOOL_CALLS] token: a special token whose text the output keeps for the parser.
   std::optional<int32_t> MistralMarker() const;
+  // The special tokens among a tool-call format's markers (kept in the text for its parser, named
+  // by id in its grammar).
+  MarkerIds SpecialMarkers(const std::string& format) const;
 
   // --- POST /v1/completions and /v1/chat/completions (serving_completions.cc).
   // POST /v1/completions and /v1/chat/completions, on a thread of their own.

@@ -323,9 +323,9 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   if (req.chat) {
     RETURN_IF_ERROR(ToolsRunHere(req));
     if (req.tool_choice == "required" || req.tool_choice == "function") {  // a call must come
-      req.grammar =
-          ToolCallGrammar(ToolCallFormat(req), req.tools, req.tool_choice, req.tool_choice_name,
-                          req.parallel_tool_calls, MistralMarker().value_or(-1));
+      const std::string format = ToolCallFormat(req);
+      req.grammar = ToolCallGrammar(format, req.tools, req.tool_choice, req.tool_choice_name,
+                                    req.parallel_tool_calls, SpecialMarkers(format));
       req.grammar_param = "tool_choice";
     }
     std::string rendered;
@@ -399,8 +399,10 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   for (size_t k = 0; k < streams->size(); ++k) {
     const size_t p = k / req.best_of, j = k % req.best_of;
     const std::vector<int32_t>& ids = prompts[p];
-    std::vector<int32_t> keep;  // the tool-call marker Mistral's parser reads
-    if (req.tool_choice != "none" && ToolCallFormat(req) == "mistral") keep = {*MistralMarker()};
+    std::vector<int32_t> keep;  // the special tokens among the tool-call markers the parser reads
+    if (req.chat && req.tool_choice != "none" && !req.tools.empty()) {
+      for (const auto& [_, id] : SpecialMarkers(ToolCallFormat(req))) keep.push_back(id);
+    }
     choices.emplace_back((*streams)[k], TextStream(tokenizer.get(), req.stop, keep),
                          j == 0 ? static_cast<int64_t>(ids.size()) : 0);
     Choice& c = choices.back();

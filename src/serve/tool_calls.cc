@@ -5,7 +5,9 @@
 #include <random>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace shardserve {
 namespace {
@@ -14,6 +16,24 @@ using json = nlohmann::ordered_json;
 constexpr std::string_view kOpen = "<tool_call>", kClose = "</tool_call>";
 // Mistral's: a special token (the text stream keeps it for the parser), then a JSON list.
 constexpr std::string_view kMistralCalls = "[TOOL_CALLS]";
+
+// The formats whose calls stand in a section: its opening, each call's opening and closing,
+// its closing (tokens of the model's vocabulary, special or not: the text stream keeps them).
+struct Section {
+  std::string_view begin, call_begin, call_end, end;
+  std::string_view separator;  // between a call's name and its arguments
+};
+constexpr Section kDeepSeek = {"<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                               "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<｜tool▁sep｜>"};
+constexpr Section kKimi = {"<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+                           "<|tool_call_end|>", "<|tool_calls_section_end|>",
+                           "<|tool_call_argument_begin|>"};
+
+const Section* SectionOf(std::string_view format) {
+  if (format == "deepseek_v3" || format == "deepseek_v31") return &kDeepSeek;
+  if (format == "kimi_k2") return &kKimi;
+  return nullptr;
+}
 
 std::string CallId() {
   static constexpr char kAlphabet[] =
@@ -255,7 +275,41 @@ std::optional<std::pair<std::string, json>> XmlCall(std::string_view body, const
   return std::make_pair(std::move(name), std::move(args));
 }
 
+// A call in a section, NAME SEPARATOR ARGUMENTS: DeepSeek-V3.1's as it stands; DeepSeek-V3's
+// "function" SEPARATOR NAME ```json ARGUMENTS ```; Kimi K2's name written functions.NAME:INDEX.
+std::optional<std::pair<std::string, json>> SectionCall(const Section& section,
+                                                        std::string_view body) {
+  const size_t sep = body.find(section.separator);
+  if (sep == std::string_view::npos) return std::nullopt;
+  std::string name = Trimmed(body.substr(0, sep));
+  std::string_view args = body.substr(sep + section.separator.size());
+  if (&section == &kDeepSeek && name == "function") {  // V3: the type first, then the name
+    const size_t fence = args.find("```json");
+    const size_t last = args.rfind("```");
+    if (fence == std::string_view::npos || last == std::string_view::npos || last <= fence) {
+      return std::nullopt;
+    }
+    name = Trimmed(args.substr(0, fence));
+    args = args.substr(fence + 7, last - fence - 7);
+  }
+  if (&section == &kKimi) {
+    if (absl::StartsWith(name, "functions.")) name.erase(0, 10);
+    if (const size_t colon = name.rfind(':'); colon != std::string::npos) name.resize(colon);
+  }
+  json j = json::parse(args, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || name.empty()) return std::nullopt;
+  return std::make_pair(std::move(name), std::move(j));
+}
+
 }  // namespace
+
+std::vector<std::string_view> ToolCallMarkers(std::string_view format) {
+  if (format == "mistral") return {kMistralCalls};
+  if (const Section* s = SectionOf(format)) {
+    return {s->begin, s->call_begin, s->call_end, s->end, s->separator};
+  }
+  return {};
+}
 
 ToolCallParser::ToolCallParser(std::string format, const json& tools, bool parallel)
     : format_(std::move(format)), tools_(tools), parallel_(parallel), state_(State::kStart) {
@@ -344,6 +398,13 @@ bool ToolCallParser::CallFromJson(const json& j, Out& out) {
 }
 
 void ToolCallParser::Call(std::string_view body, std::string_view raw, Out& out) {
+  if (const Section* section = SectionOf(format_)) {
+    const std::optional<std::pair<std::string, json>> call = SectionCall(*section, body);
+    if (!call || !CallFromJson({{"name", call->first}, {"arguments", call->second}}, out)) {
+      out.content += raw;  // stays text
+    }
+    return;
+  }
   if (format_ == "qwen3_coder") {
     const std::optional<std::pair<std::string, json>> call = XmlCall(body, tools_);
     if (!call || !CallFromJson({{"name", call->first}, {"arguments", call->second}}, out)) {
@@ -371,16 +432,39 @@ ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
       continue;
     }
     if (state_ == State::kJson) return out;  // whole at the end
+    const Section* section = SectionOf(format_);
+    if (state_ == State::kSection) {
+      // Between a section's calls: the next call, or the section's end.
+      const size_t first = buffer_.find_first_not_of(" \t\r\n");
+      if (first == std::string::npos) return out;
+      const std::string_view rest = std::string_view(buffer_).substr(first);
+      if (rest.starts_with(section->call_begin)) {
+        buffer_.erase(0, first + section->call_begin.size());
+        state_ = State::kInCall;
+        mode_ = CallMode::kWhole;
+        continue;
+      }
+      if (rest.starts_with(section->end)) {
+        buffer_.erase(0, first + section->end.size());
+        state_ = State::kContent;
+        continue;
+      }
+      if (section->call_begin.starts_with(rest) || section->end.starts_with(rest)) {
+        return out;  // may be either
+      }
+      state_ = State::kContent;  // not a call: text
+      continue;
+    }
     if (state_ == State::kContent) {
       const bool tagged = format_ == "hermes" || format_ == "qwen3_coder";
-      if (!tagged && format_ != "mistral") {
+      if (!tagged && format_ != "mistral" && section == nullptr) {
         out.content += buffer_;
         buffer_.clear();
         return out;
       }
       // Text, then a call's opening tag (Hermes) or [TOOL_CALLS] and the list of calls
       // (Mistral's, read whole at the end).
-      const std::string_view marker = tagged ? kOpen : kMistralCalls;
+      const std::string_view marker = tagged ? kOpen : section ? section->begin : kMistralCalls;
       const size_t open = buffer_.find(marker);
       if (open == std::string::npos) {
         const size_t keep = PartialMarker(buffer_, marker);
@@ -394,29 +478,41 @@ ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
         state_ = State::kJson;
         return out;
       }
+      if (section != nullptr) {
+        state_ = State::kSection;
+        continue;
+      }
       state_ = State::kInCall;
       // A Hermes call's arguments stream; Qwen3-Coder's XML call is read whole.
       mode_ = format_ == "hermes" ? CallMode::kHeader : CallMode::kWhole;
       continue;
     }
     // kInCall: the arguments as they come, or the whole call at the closing tag.
-    const size_t close = buffer_.find(kClose);
+    const std::string_view open_tag = section ? section->call_begin : kOpen;
+    const std::string_view close_tag = section ? section->call_end : kClose;
+    const size_t close = buffer_.find(close_tag);
     StreamArguments(
-        close != std::string::npos ? close : buffer_.size() - PartialMarker(buffer_, kClose), out);
+        close != std::string::npos ? close : buffer_.size() - PartialMarker(buffer_, close_tag),
+        out);
     if (close == std::string::npos) return out;
     if (mode_ != CallMode::kStreamed) {
       const std::string body = buffer_.substr(0, close);
-      Call(body, std::string(kOpen) + body + std::string(kClose), out);
+      Call(body, std::string(open_tag) + body + std::string(close_tag), out);
     }
-    buffer_.erase(0, close + kClose.size());
-    state_ = State::kContent;
+    buffer_.erase(0, close + close_tag.size());
+    state_ = section ? State::kSection : State::kContent;
   }
 }
 
 ToolCallParser::Out ToolCallParser::Finish() {
   Out out = Add("");
   if (state_ == State::kInCall) {  // unclosed: a call if what follows the tag is one
-    if (mode_ != CallMode::kStreamed) Call(buffer_, std::string(kOpen) + buffer_, out);
+    const Section* section = SectionOf(format_);
+    if (mode_ != CallMode::kStreamed) {
+      Call(buffer_, std::string(section ? section->call_begin : kOpen) + buffer_, out);
+    }
+  } else if (state_ == State::kSection) {  // a section left open: what is left is no call
+    if (!absl::StripAsciiWhitespace(buffer_).empty()) out.content += buffer_;
   } else if (state_ == State::kJson) {
     std::vector<json> values;
     if (format_ == "mistral") {  // a list of calls (or one call)
@@ -475,9 +571,46 @@ void RebaseRefs(nlohmann::ordered_json& node, const std::string& base, int depth
 
 Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
                         const std::string& choice, const std::string& name, bool parallel,
-                        int32_t marker) {
+                        const MarkerIds& markers) {
   using ojson = nlohmann::ordered_json;
   const bool hermes = format == "hermes", llama3 = format == "llama3_json";
+  // A marker in Lark: its token where it is a special one, else its text.
+  auto marker = [&](std::string_view text) {
+    const auto it = markers.find(text);
+    return it != markers.end() ? absl::StrCat("<[", it->second, "]>") : ojson(text).dump();
+  };
+  const ojson style = {
+      {"whitespace_flexible", false}, {"item_separator", ", "}, {"key_separator", ": "}};
+  if (const Section* section = SectionOf(format)) {
+    // A section of calls, each its function's name and arguments in the format's words.
+    std::string alternatives;
+    for (const ojson& t : tools) {
+      const ojson& fn = t["function"];
+      if (choice == "function" && fn["name"] != name) continue;
+      ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                         ? fn["parameters"]
+                         : ojson({{"type", "object"}});
+      params["x-guidance"] = style;
+      const std::string fname = fn["name"].get<std::string>();
+      const std::string sep = marker(section->separator);
+      std::string head, tail;
+      if (format == "deepseek_v3") {
+        head = absl::StrCat(ojson("function").dump(), " ", sep, " ",
+                            ojson(absl::StrCat(fname, "\n```json\n")).dump());
+        tail = absl::StrCat(" ", ojson("\n```").dump());
+      } else if (format == "kimi_k2") {
+        head = absl::StrCat(ojson(absl::StrCat("functions.", fname, ":")).dump(), " /[0-9]{1,3}/ ",
+                            sep);
+      } else {
+        head = absl::StrCat(ojson(fname).dump(), " ", sep);
+      }
+      absl::StrAppend(&alternatives, alternatives.empty() ? "" : " | ", marker(section->call_begin),
+                      " ", head, " %json ", params.dump(), tail, " ", marker(section->call_end));
+    }
+    return Grammar{"lark", absl::StrCat("start: ", marker(section->begin), " call",
+                                        parallel && choice == "required" ? " call*" : "", " ",
+                                        marker(section->end), "\ncall: ", alternatives, "\n")};
+  }
   ojson calls = ojson::array();  // one schema per function the call may name
   size_t count = 0;
   for (const ojson& t : tools) {
@@ -504,13 +637,12 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
                      {"additionalProperties", false}});
   }
   ojson schema = calls.size() == 1 ? calls[0] : ojson({{"anyOf", calls}});
-  const ojson style = {
-      {"whitespace_flexible", false}, {"item_separator", ", "}, {"key_separator", ": "}};
   if (format == "mistral") {  // [TOOL_CALLS] (its token), then a list of calls
     ojson list = {{"type", "array"}, {"items", std::move(schema)}, {"minItems", 1}};
     if (!(parallel && choice == "required")) list["maxItems"] = 1;
     list["x-guidance"] = style;
-    return Grammar{"lark", absl::StrCat("start: <[", marker, "]> %json ", list.dump(), "\n")};
+    return Grammar{"lark",
+                   absl::StrCat("start: ", marker(kMistralCalls), " %json ", list.dump(), "\n")};
   }
   schema["x-guidance"] = style;
   const std::string call = hermes ? absl::StrCat(ojson("<tool_call>\n").dump(), " %json ",

@@ -12,13 +12,23 @@
 //                pythonic templates, xLAM), its arguments Python literals;
 //   qwen3_coder  text, then <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
 //                </function></tool_call> per call (Qwen3-Coder), each value text for a string
-//                parameter of the function's schema, else JSON.
+//                parameter of the function's schema, else JSON;
+//   deepseek_v3  text, then <｜tool▁calls▁begin｜>, per call <｜tool▁call▁begin｜>function
+//                <｜tool▁sep｜>NAME ```json ARGS ```<｜tool▁call▁end｜>, <｜tool▁calls▁end｜>
+//                (DeepSeek-V3, R1); deepseek_v31: the same section, each call
+//                NAME<｜tool▁sep｜>ARGS (DeepSeek-V3.1; either body is read in either format);
+//   kimi_k2      text, then <|tool_calls_section_begin|>, per call <|tool_call_begin|>
+//                functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>,
+//                <|tool_calls_section_end|> (Kimi K2).
+// The markers of a format are its tokens; special ones are kept in the text for the parser
+// (ToolCallMarkers).
 // A call that does not parse, or names a function the request did not give, stays text, as
 // vLLM's parsers leave it. The parser takes the output as it streams: Add returns the text that
 // can be shown now (it holds back what may be the start of a call) and the calls as they come,
 // as OpenAI streams them: a Hermes call written {"name": ..., "arguments": {...}} is announced
 // (id and name) once its arguments begin, then its arguments follow piece by piece as the model
 // writes them; a call written otherwise, and Llama 3's, come whole once they have parsed.
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -98,7 +108,7 @@ class ToolCallParser {
   nlohmann::ordered_json tools_;
   std::vector<std::string> names_;
   bool parallel_;
-  enum class State { kStart, kContent, kInCall, kJson } state_;
+  enum class State { kStart, kContent, kSection, kInCall, kJson } state_;
   std::string buffer_;
   int next_index_ = 0;
   // The Hermes call being read: undecided (its header not whole yet), streamed (announced, its
@@ -110,14 +120,22 @@ class ToolCallParser {
   bool args_done_ = false;
 };
 
+// The markers of `format` that the text stream must keep when the tokenizer makes them special
+// tokens (decoding drops those otherwise).
+std::vector<std::string_view> ToolCallMarkers(std::string_view format);
+
+// The special tokens among a format's markers, by their text.
+using MarkerIds = std::map<std::string, int32_t, std::less<>>;
+
 // The grammar (llguidance's Lark, each call an embedded JSON schema) that a constrained tool
 // call follows in `format` ("hermes": <tool_call> blocks; "llama3_json": JSON objects joined by
-// "; "; "mistral": the [TOOL_CALLS] token, id `marker`, then a JSON list): for tool_choice
-// "required" one call of any of `tools` (several when `parallel`), for "function" one call of
-// `name`. A call's arguments follow its function's parameters (any object without them), written
-// as json.dumps writes them (", " and ": ").
+// "; "; "mistral": the [TOOL_CALLS] token, then a JSON list; "deepseek_v3", "deepseek_v31",
+// "kimi_k2": their section of calls): for tool_choice "required" one call of any of `tools`
+// (several when `parallel`), for "function" one call of `name`. A call's arguments follow its
+// function's parameters (any object without them), written as json.dumps writes them (", " and
+// ": "). A marker named in `markers` is that special token; any other is its text.
 Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
                         const std::string& choice, const std::string& name, bool parallel,
-                        int32_t marker = -1);
+                        const MarkerIds& markers = {});
 
 }  // namespace shardserve

@@ -211,6 +211,11 @@ std::string ChatTemplate::tool_call_format() const {
   std::vector<const char*> shown;
   if (writes("<tool_call>")) shown.push_back(writes("<function=") ? "qwen3_coder" : "hermes");
   if (writes("[TOOL_CALLS]")) shown.push_back("mistral");
+  // DeepSeek-V3 writes each call's arguments in a ```json fence after its name; V3.1 bare.
+  if (writes("<｜tool▁calls▁begin｜>")) {
+    shown.push_back(writes("```json") ? "deepseek_v3" : "deepseek_v31");
+  }
+  if (writes("<|tool_calls_section_begin|>")) shown.push_back("kimi_k2");
   // Llama 3.2 / 4's pythonic templates teach "[func_name1(params_name1=params_value1, ...)]"
   // (and name the ipython role, as Llama 3.1's JSON ones do).
   if (writes("[func_name1(")) {

@@ -85,7 +85,9 @@ class ChatTemplate {
   // "hermes" (<tool_call>{"name": ..., "arguments": ...}</tool_call>: Hermes, Qwen 2.5/3),
   // "qwen3_coder" (<tool_call><function=...>: Qwen3-Coder's XML), "llama3_json" (a bare
   // {"name": ..., "parameters": ...}: Llama 3.1-3.3, <|python_tag|>), "pythonic"
-  // ([func_name1(params_name1=...)]: Llama 3.2 / 4 pythonic), "mistral" ([TOOL_CALLS]); "" when
+  // ([func_name1(params_name1=...)]: Llama 3.2 / 4 pythonic), "mistral" ([TOOL_CALLS]),
+  // "deepseek_v3" / "deepseek_v31" (<｜tool▁calls▁begin｜>, the arguments in a ```json fence or
+  // not), "kimi_k2" (<|tool_calls_section_begin|>); "" when
   // it shows none, or the markers of more than one (spec.serving.toolCallParser names it then).
   std::string tool_call_format() const;
   // Tokens that end the assistant's turn (generation stops there): the special token the template

@@ -142,10 +142,9 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_MAX_BODY_BYTES='10' must be an integer in [1024, "));
   EXPECT_THAT(error({{"SHARDSERVE_MAX_BATCH_SIZE", "0"}}),
               HasSubstr("SHARDSERVE_MAX_BATCH_SIZE='0' must be an integer in [1, "));
-  EXPECT_THAT(
-      error({{"SHARDSERVE_TOOL_CALL_PARSER", "harmony"}}),
-      HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='harmony' must be hermes, llama3_json, mistral, "
-                "pythonic or qwen3_coder"));
+  EXPECT_THAT(error({{"SHARDSERVE_TOOL_CALL_PARSER", "xlam"}}),
+              HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='xlam' must be hermes, llama3_json, mistral, "
+                        "pythonic, qwen3_coder, deepseek_v3, deepseek_v31 or kimi_k2"));
   EXPECT_THAT(error({{"SHARDSERVE_REASONING_PARSER", "gpt_oss"}}),
               HasSubstr("SHARDSERVE_REASONING_PARSER='gpt_oss' must be think or none"));
   EXPECT_THAT(error({{"SHARDSERVE_FP8", "fast"}}),

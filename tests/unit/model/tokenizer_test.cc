@@ -417,7 +417,13 @@ TEST(ChatTemplateTest, ToolsAndTheirFormat) {
       {"{{ tools }}<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>", "qwen3_coder"},
       {"{{ tools }}<tool_call>{\"name\": ...}</tool_call>", "hermes"},
       {"{{ tools }}<tool_call> or [TOOL_CALLS]", ""},
-      {"{{ tools }}<｜tool▁calls▁begin｜>", ""},
+      {"{{ tools }}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ t.type }}<｜tool▁sep｜>"
+       "{{ t.name }}\n```json\n{{ t.arguments }}\n```",
+       "deepseek_v3"},
+      {"{{ tools }}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ t.name }}<｜tool▁sep｜>",
+       "deepseek_v31"},
+      {"{{ tools }}<|tool_calls_section_begin|><|tool_call_begin|>", "kimi_k2"},
+      {"{{ tools }}<|tool_calls_section_begin|> or <tool_call>", ""},
   };
   for (const auto& [text, format] : kShown) {
     EXPECT_EQ(plain.WithTemplate(text, "test").tool_call_format(), format) << text;

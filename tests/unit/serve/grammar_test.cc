@@ -47,7 +47,7 @@ class GrammarTest : public ::testing::TestWithParam<TokenizerStyle> {
   std::string Walk(TokenConstraint& c, uint32_t seed) {
     std::mt19937 rng(seed);
     std::vector<int32_t> ids;
-    for (int step = 0; step < 400 && !c.Finished(); ++step) {
+    for (int step = 0; step < 2000 && !c.Finished(); ++step) {
       std::vector<uint32_t> mask;
       EXPECT_TRUE(c.Allowed(&mask).ok());
       std::vector<int32_t> allowed;
@@ -147,7 +147,7 @@ TEST_P(GrammarTest, ToolCallGrammarsGiveCallsThatParse) {
       "additionalProperties": false}}},
     {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
       "properties": {}, "additionalProperties": false}}}])");
-  for (const char* format : {"hermes", "llama3_json"}) {
+  for (const char* format : {"hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2"}) {
     for (const auto& [choice, name] : {std::pair{"required", ""}, std::pair{"function", "now"},
                                        std::pair{"function", "get_weather"}}) {
       for (uint32_t seed = 0; seed < 6; ++seed) {
@@ -224,7 +224,8 @@ TEST(GrammarVocabularyTest, MistralCallsStartWithTheirToken) {
   const auto tools = nlohmann::ordered_json::parse(R"([{"type": "function", "function": {
       "name": "pick", "parameters": {"type": "object", "properties": {"n": {"type": "integer",
       "minimum": 1, "maximum": 9}}, "required": ["n"], "additionalProperties": false}}}])");
-  auto c = vocab.value()->Compile(ToolCallGrammar("mistral", tools, "required", "", true, *marker));
+  auto c = vocab.value()->Compile(
+      ToolCallGrammar("mistral", tools, "required", "", true, {{"[TOOL_CALLS]", *marker}}));
   ASSERT_TRUE(c.ok()) << c.status();
   std::vector<uint32_t> mask;
   ASSERT_TRUE((*c)->Allowed(&mask).ok());

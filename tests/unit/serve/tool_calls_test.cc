@@ -252,5 +252,60 @@ TEST(ToolCallParser, MistralListAfterTheMarker) {
             "[TOOL_CALLS is not the marker]");
 }
 
+// Sections of calls: DeepSeek-V3's (the type, then the name and a ```json fence), V3.1's (name,
+// separator, arguments) and Kimi K2's (functions.NAME:INDEX); text before the section streams,
+// each call comes whole once it closes (before the output ends), and a call that does not
+// parse, or names a function not given, stays text.
+TEST(ToolCallParser, SectionsOfCalls) {
+  const std::string v3 =
+      "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+      "```json\n{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function"
+      "<｜tool▁sep｜>add\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  const std::string v31 =
+      "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+      "{\"city\": \"Oslo\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 1}"
+      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  const std::string kimi =
+      "Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+      "<|tool_call_argument_begin|>{\"city\": \"Oslo\"}<|tool_call_end|><|tool_call_begin|>"
+      "functions.add:1<|tool_call_argument_begin|>{\"a\": 1}<|tool_call_end|>"
+      "<|tool_calls_section_end|>";
+  for (const auto& [format, text] : std::vector<std::pair<std::string, std::string>>{
+           {"deepseek_v3", v3}, {"deepseek_v31", v31}, {"deepseek_v3", v31}, {"kimi_k2", kimi}}) {
+    for (size_t step : {1, 5, 1000}) {
+      ToolCallParser p(format, kTools, true);
+      const ToolCallParser::Out out = Feed(p, text, step);
+      EXPECT_EQ(out.content, "Let me look.") << format << " " << step;
+      ASSERT_EQ(out.calls.size(), 2u) << format << " " << step;
+      EXPECT_EQ(out.calls[0].name, "get_weather");
+      EXPECT_EQ(out.calls[0].arguments, R"({"city":"Oslo"})");
+      EXPECT_EQ(out.calls[1].name, "add");
+      EXPECT_EQ(out.calls[1].arguments, R"({"a":1})");
+    }
+    // The first call comes as soon as it closes.
+    ToolCallParser p(format, kTools, true);
+    const size_t first_end =
+        text.find(format == "kimi_k2" ? "<|tool_call_end|>" : "<｜tool▁call▁end｜>");
+    const ToolCallParser::Out early = p.Add(text.substr(0, first_end + 30));
+    ASSERT_EQ(early.calls.size(), 1u) << format;
+    EXPECT_EQ(early.calls[0].name, "get_weather");
+  }
+  ToolCallParser bad("deepseek_v31", kTools, true);
+  const std::string unknown =
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+      "<｜tool▁calls▁end｜>";
+  const ToolCallParser::Out out = Feed(bad, unknown, 3);
+  EXPECT_EQ(out.content, "<｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜>");
+  EXPECT_TRUE(out.calls.empty());
+  ToolCallParser broken("kimi_k2", kTools, true);
+  const ToolCallParser::Out cut =
+      Feed(broken,
+           "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+           "<|tool_call_argument_begin|>{\"a\": ",
+           4);
+  EXPECT_TRUE(cut.calls.empty());
+  EXPECT_EQ(cut.content, "<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{\"a\": ");
+}
+
 }  // namespace
 }  // namespace shardserve
