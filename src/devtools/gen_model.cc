@@ -378,6 +378,18 @@ constexpr char kChatMlTemplate[] =
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+// ChatML as DeepSeek-R1's and Qwen3's thinking templates open the reply: inside a <think> block
+// (the tokenizer then has <think> and </think>, not special, as theirs do); an earlier answer
+// keeps only what follows its </think>.
+constexpr char kChatMlThinkTemplate[] =
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' %}{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}"
+    "{% endif %}";
 constexpr char kLlama2Template[] =
     "{% if messages[0]['role'] == 'system' %}{% set system = '<<SYS>>\n' + "
     "messages[0]['content'] + '\n<</SYS>>\n\n' %}{% set turns = messages[1:] %}{% else %}"
@@ -459,6 +471,37 @@ constexpr char kHermesTemplate[] =
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}";
+
+// DeepSeek-V3.1's shape with tools: the tools' JSON and the call format in the system text, the
+// turns after <｜User｜> / <｜Assistant｜>, the assistant's calls as a <｜tool▁calls▁begin｜>
+// section of NAME<｜tool▁sep｜>ARGUMENTS calls, a tool's answer between <｜tool▁output▁begin｜>
+// and <｜tool▁output▁end｜>; the markers are special tokens.
+constexpr char kDeepSeekToolsTemplate[] =
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- endif %}"
+    "{%- if tools %}"
+    "{{- '\n\n## Tools\nYou may call these functions:\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson + '\n' }}{%- endfor %}"
+    "{{- 'A call: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>"
+    "tool_call_arguments<｜tool▁call▁end｜><｜tool▁calls▁end｜>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<｜Assistant｜>' + (message['content'] or '') + '<｜tool▁calls▁begin｜>' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{- '<｜tool▁call▁begin｜>' + call['function']['name'] + '<｜tool▁sep｜>' + "
+    "(args if args is string else args | tojson) + '<｜tool▁call▁end｜>' }}"
+    "{%- endfor %}"
+    "{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}";
 
 // Llama 3 with tools in the form Llama 3.1-3.3 teach: the ipython environment in the system turn,
 // the functions (JSON, indented) before the first user message's text, a call as a bare
@@ -584,11 +627,12 @@ absl::Status GenModelOptions::Validate() const {
   if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
       chat_template != "llama3-tools" && chat_template != "mistral-tools" &&
+      chat_template != "deepseek-tools" && chat_template != "chatml-think" &&
       chat_template != "none") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--chat-template '", chat_template,
-        "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools, mistral-tools or "
-        "none"));
+        "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools, mistral-tools, "
+        "deepseek-tools, chatml-think or none"));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
       rope_scaling != "yarn") {
@@ -619,19 +663,31 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   std::vector<std::string> chat_tokens =
       chat == "llama3"
           ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
-      : chat == "chatml"        ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
-      : chat == "mistral-tools" ? std::vector<std::string>{"[INST]",
-                                                           "[/INST]",
-                                                           "[TOOL_CALLS]",
-                                                           "[AVAILABLE_TOOLS]",
-                                                           "[/AVAILABLE_TOOLS]",
-                                                           "[TOOL_RESULTS]",
-                                                           "[/TOOL_RESULTS]"}
-                                : std::vector<std::string>{};
-  if (o.think_tokens) chat_tokens.insert(chat_tokens.end(), {"<think>", "</think>"});
+      : chat == "chatml" || chat == "chatml-think"
+          ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
+      : chat == "mistral-tools"  ? std::vector<std::string>{"[INST]",
+                                                            "[/INST]",
+                                                            "[TOOL_CALLS]",
+                                                            "[AVAILABLE_TOOLS]",
+                                                            "[/AVAILABLE_TOOLS]",
+                                                            "[TOOL_RESULTS]",
+                                                            "[/TOOL_RESULTS]"}
+      : chat == "deepseek-tools" ? std::vector<std::string>{"<｜User｜>",
+                                                            "<｜Assistant｜>",
+                                                            "<｜end▁of▁sentence｜>",
+                                                            "<｜tool▁calls▁begin｜>",
+                                                            "<｜tool▁calls▁end｜>",
+                                                            "<｜tool▁call▁begin｜>",
+                                                            "<｜tool▁call▁end｜>",
+                                                            "<｜tool▁sep｜>",
+                                                            "<｜tool▁output▁begin｜>",
+                                                            "<｜tool▁output▁end｜>"}
+                                 : std::vector<std::string>{};
+  const bool think_tokens = o.think_tokens || chat == "chatml-think";
+  if (think_tokens) chat_tokens.insert(chat_tokens.end(), {"<think>", "</think>"});
   ASSIGN_OR_RETURN(TrainedTokenizer tok,
                    TrainBpeTokenizer(corpus, o.tokenizer, o.vocab, chat_tokens));
-  if (o.think_tokens) {  // added, not special: decoded text keeps them
+  if (think_tokens) {  // added, not special: decoded text keeps them
     json t = json::parse(tok.json);
     for (json& added : t["added_tokens"]) {
       if (added["content"] == "<think>" || added["content"] == "</think>") added["special"] = false;
@@ -646,11 +702,13 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                      {"model_max_length", o.max_position}};
   if (chat == "llama3") tok_config["chat_template"] = kLlama3Template;
   if (chat == "chatml") tok_config["chat_template"] = kChatMlTemplate;
+  if (chat == "chatml-think") tok_config["chat_template"] = kChatMlThinkTemplate;
   if (chat == "llama2") tok_config["chat_template"] = kLlama2Template;
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   if (chat == "hermes") tok_config["chat_template"] = kHermesTemplate;
   if (chat == "llama3-tools") tok_config["chat_template"] = kLlama3ToolsTemplate;
   if (chat == "mistral-tools") tok_config["chat_template"] = kMistralToolsTemplate;
+  if (chat == "deepseek-tools") tok_config["chat_template"] = kDeepSeekToolsTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
   const std::string arch_name = o.arch == "mixtral"       ? "MixtralForCausalLM"

@@ -3,8 +3,10 @@
 completions, chat and streaming on a `shardserve local` TP=2 x PP=2 deployment that requires an
 API key, and its error types see our errors (a wrong key is an AuthenticationError). With
 transformers in the same environment, the chat prompt the server renders is checked against
-transformers' apply_chat_template for each chat family, and, on a Hermes-style template, with
-tools and a tool round trip (an assistant's calls, a tool's answer)."""
+transformers' apply_chat_template for each chat family, and, on the templates with tools (Hermes,
+Llama 3 JSON, Mistral, DeepSeek-V3.1), with tools and a tool round trip (an assistant's calls, a
+tool's answer) and constrained calls in each format; on a thinking template, the reasoning as the
+client reads it (reasoning_content) and structured output after it."""
 import json
 import os
 import signal
@@ -38,8 +40,11 @@ FAMILIES = [("llama3", ["--arch", "llama"]), ("chatml", ["--arch", "qwen2"]),
             ("hermes", ["--arch", "qwen2", "--chat-template", "hermes"]),
             ("llama3-tools", ["--arch", "llama", "--chat-template", "llama3-tools"]),
             ("mistral-tools", ["--arch", "mistral", "--tokenizer", "sentencepiece",
-                               "--chat-template", "mistral-tools"])]
-TOOL_FAMILIES = ("hermes", "llama3-tools", "mistral-tools")
+                               "--chat-template", "mistral-tools"]),
+            ("deepseek-tools", ["--arch", "qwen2", "--chat-template", "deepseek-tools"]),
+            ("chatml-think", ["--arch", "qwen2", "--chat-template", "chatml-think"])]
+TOOL_FAMILIES = ("hermes", "llama3-tools", "mistral-tools", "deepseek-tools")
+THINK_FAMILIES = ("chatml-think",)
 
 # A tool round trip as an application sends it: the tools (their schema's keys not in sorted
 # order), the assistant's call with its arguments as a JSON string, the tool's answer.
@@ -164,6 +169,45 @@ def tool_checks(family, client, d, tok):
                   f"{family}: tool_choice {choice} gives a valid call "
                   f"({'streamed' if stream else 'whole'}): {calls} {finish}")
 
+def reasoning_checks(family, client, tok):
+    """A template that opens the reply in <think> (DeepSeek-R1's, Qwen3's way): the client reads
+    the output as message.reasoning_content (and delta.reasoning_content streamed), apart from
+    the content; a response_format applies to the answer after </think> (the model pushed to
+    close its block at once by a bias on </think>)."""
+    if family not in THINK_FAMILIES:
+        return
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(**kw)
+    message = chat.choices[0].message
+    reasoning = getattr(message, "reasoning_content", None)
+    check(reasoning and not message.content,
+          f"{family}: message.reasoning_content holds the thought ({message})")
+    streamed = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            streamed += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+    check(streamed == reasoning, f"{family}: streamed as delta.reasoning_content "
+                                 f"({streamed!r} vs {reasoning!r})")
+    if tok is None:
+        return
+    close_id = tok.convert_tokens_to_ids("</think>")
+    answer = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=30, temperature=0,
+        logit_bias={str(close_id): 100},
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "colour", "schema": {"type": "object", "properties": {
+                "colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+                "additionalProperties": False}}})
+    content = answer.choices[0].message.content or ""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        value = None
+    check(isinstance(value, dict) and value.get("colour") in ("red", "green"),
+          f"{family}: response_format applies to the answer after the reasoning ({content!r})")
+
+
 try:
     from transformers import AutoTokenizer
 except ImportError:
@@ -201,9 +245,14 @@ for family, args in FAMILIES:
                   f" vs {len(ids)})")
             same = client.completions.create(model="tiny", prompt=list(ids), max_tokens=10,
                                              temperature=0, extra_body={"ignore_eos": True})
-            check(same.choices[0].text == chat.choices[0].message.content,
+            # A thinking template's output is all reasoning (the block the prompt opened).
+            answer = chat.choices[0].message.content
+            if family in THINK_FAMILIES:
+                answer = getattr(chat.choices[0].message, "reasoning_content", None)
+            check(same.choices[0].text == answer,
                   f"{family}: chat answer == completion of transformers' chat prompt ids")
         tool_checks(family, client, d, tok)
+        reasoning_checks(family, client, tok)
         if family != "llama3":
             continue
         comp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
