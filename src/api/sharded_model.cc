@@ -315,9 +315,10 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.kv_cache_tokens = spec.kv_cache_tokens();
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
-  w.reasoning_parser = spec.reasoning_parser == "auto"   ? ""
-                       : spec.reasoning_parser == "none" ? "none"
-                                                         : "think";
+  w.reasoning_parser = spec.reasoning_parser == "auto"            ? ""
+                       : spec.reasoning_parser == "none"          ? "none"
+                       : spec.reasoning_parser == "openai_gptoss" ? "harmony"
+                                                                  : "think";
   w.chat_template = spec.chat_template_inline;  // a ConfigMap's: the operator's env reference
   w.trust_request_chat_template = spec.trust_request_chat_template;
   w.prefix_caching = spec.prefix_caching;
@@ -508,11 +509,12 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
         "spec.serving.toolCallParser '", s.tool_call_parser, "' must be auto, ", kToolCallFormats));
   }
   if (s.reasoning_parser != "auto" && s.reasoning_parser != "none" &&
-      s.reasoning_parser != "deepseek_r1" && s.reasoning_parser != "qwen3") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.serving.reasoningParser '", s.reasoning_parser,
-        "' must be auto, none, deepseek_r1 or qwen3 (<think> blocks; gpt-oss's channels are not "
-        "parsed yet)"));
+      s.reasoning_parser != "deepseek_r1" && s.reasoning_parser != "qwen3" &&
+      s.reasoning_parser != "openai_gptoss") {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.reasoningParser '",
+                                                   s.reasoning_parser,
+                                                   "' must be auto, none, deepseek_r1, qwen3 "
+                                                   "(<think> blocks) or openai_gptoss (harmony)"));
   }
   {
     const bool inline_template = !s.chat_template_inline.empty();

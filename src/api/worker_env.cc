@@ -116,10 +116,10 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
                      NameOf(kInts, &WorkerEnv::pp), " ", w.pp));
   }
   if (!w.reasoning_parser.empty() && w.reasoning_parser != "think" &&
-      w.reasoning_parser != "none") {
+      w.reasoning_parser != "harmony" && w.reasoning_parser != "none") {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::reasoning_parser), "='",
-                     w.reasoning_parser, "' must be think or none"));
+                     w.reasoning_parser, "' must be think, harmony or none"));
   }
   if (!w.tool_call_parser.empty() && !IsToolCallFormat(w.tool_call_parser)) {
     return absl::InvalidArgumentError(

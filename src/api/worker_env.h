@@ -49,10 +49,12 @@ inline constexpr char kChatTemplateEnv[] = "SHARDSERVE_CHAT_TEMPLATE";
 
 // The tool-call formats the leader parses (serve/tool_calls.h).
 inline constexpr char kToolCallFormats[] =
-    "hermes, llama3_json, mistral, pythonic, qwen3_coder, deepseek_v3, deepseek_v31 or kimi_k2";
+    "hermes, llama3_json, mistral, pythonic, qwen3_coder, deepseek_v3, deepseek_v31, kimi_k2 or "
+    "openai (gpt-oss's harmony)";
 inline bool IsToolCallFormat(std::string_view f) {
   return f == "hermes" || f == "llama3_json" || f == "mistral" || f == "pythonic" ||
-         f == "qwen3_coder" || f == "deepseek_v3" || f == "deepseek_v31" || f == "kimi_k2";
+         f == "qwen3_coder" || f == "deepseek_v3" || f == "deepseek_v31" || f == "kimi_k2" ||
+         f == "openai";
 }
 // The node the pod runs on (the metrics' `node` label): the downward API's spec.nodeName.
 inline constexpr char kNodeNameEnv[] = "SHARDSERVE_NODE_NAME";
@@ -135,11 +137,12 @@ struct WorkerEnv {
   bool api_metrics_auth = true;  // with API keys, /metrics needs one too
   // Chat messages' special-token strings are text (spec.serving.specialTokensInContent: text).
   bool special_tokens_as_text = false;
-  // The format of the model's tool calls (spec.serving.toolCallParser): hermes, llama3_json, or
-  // empty: the one its chat template shows (ChatTemplate::tool_call_format).
+  // The format of the model's tool calls (spec.serving.toolCallParser): one of kToolCallFormats,
+  // or empty: the one its chat template shows (ChatTemplate::tool_call_format).
   std::string tool_call_parser;
   // Reasoning apart from the answer (spec.serving.reasoningParser): "think" (<think> blocks),
-  // "none", or empty: "think" where the chat template writes </think>.
+  // "harmony" (gpt-oss's channels), "none", or empty: harmony where the chat template writes
+  // <|channel|>, else "think" where it writes </think>.
   std::string reasoning_parser;
   // The chat template used instead of the model's (spec.serving.chatTemplate), "" for the model's.
   std::string chat_template;

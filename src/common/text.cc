@@ -96,4 +96,11 @@ std::string HumanBytes(int64_t bytes) {
   return absl::StrFormat("%.2f GB", bytes / 1e9);
 }
 
+size_t PartialMarker(std::string_view text, std::string_view marker) {
+  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n) {
+    if (text.substr(text.size() - n) == marker.substr(0, n)) return n;
+  }
+  return 0;
+}
+
 }  // namespace shardserve

@@ -24,4 +24,8 @@ std::string HumanBytes(int64_t bytes);
 // recurses into it; strings are skipped).
 bool JsonNestsDeeperThan(std::string_view text, int limit);
 
+// The length of the longest suffix of `text` that is a proper prefix of `marker`: what a stream
+// parser holds back, as it may be the marker's beginning.
+size_t PartialMarker(std::string_view text, std::string_view marker);
+
 }  // namespace shardserve

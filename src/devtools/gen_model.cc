@@ -503,6 +503,48 @@ constexpr char kDeepSeekToolsTemplate[] =
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}";
 
+// gpt-oss's harmony in brief: a system message naming the channels, the tools as a TypeScript
+// namespace in a developer message, each message <|start|>ROLE...<|message|>TEXT<|end|>, an
+// assistant's call a commentary message to functions.NAME ending in <|call|>, a tool's answer a
+// message from functions.NAME; the last assistant message ends in <|return|> (the end of a
+// turn), and the reply opens with <|start|>assistant. The markers are special tokens.
+constexpr char kHarmonyTemplate[] =
+    "{{- '<|start|>system<|message|>You are a helpful assistant.\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every "
+    "message.<|end|>' }}"
+    "{%- if tools %}"
+    "{{- '<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n' }}"
+    "{%- for tool in tools %}"
+    "{{- '\ntype ' + tool.function.name + ' = (_: ' + (tool.function.parameters | tojson) + "
+    "') => any;\n' }}"
+    "{%- endfor %}"
+    "{{- '\n} // namespace functions<|end|>' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_call='') %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{{- '<|start|>developer<|message|># Instructions\n\n' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set ns.last_call = call.function.name %}"
+    "{%- set args = call.function.arguments %}"
+    "{{- '<|start|>assistant<|channel|>commentary to=functions.' + call.function.name + "
+    "' <|constrain|>json<|message|>' + (args if args is string else args | tojson) + "
+    "'<|call|>' }}"
+    "{%- endfor %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content }}"
+    "{%- if loop.last and not add_generation_prompt %}{{- '<|return|>' }}"
+    "{%- else %}{{- '<|end|>' }}{%- endif %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start|>functions.' + ns.last_call + ' to=assistant<|channel|>commentary<|message|>' "
+    "+ message.content + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}";
+
 // Llama 3 with tools in the form Llama 3.1-3.3 teach: the ipython environment in the system turn,
 // the functions (JSON, indented) before the first user message's text, a call as a bare
 // {"name": ..., "parameters": {...}} turn, a tool's answer in an ipython turn.
@@ -628,11 +670,11 @@ absl::Status GenModelOptions::Validate() const {
       chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
       chat_template != "llama3-tools" && chat_template != "mistral-tools" &&
       chat_template != "deepseek-tools" && chat_template != "chatml-think" &&
-      chat_template != "none") {
+      chat_template != "harmony" && chat_template != "none") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--chat-template '", chat_template,
         "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools, mistral-tools, "
-        "deepseek-tools, chatml-think or none"));
+        "deepseek-tools, chatml-think, harmony or none"));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
       rope_scaling != "yarn") {
@@ -682,7 +724,10 @@ absl::Status GenerateModel(const GenModelOptions& o) {
                                                             "<｜tool▁sep｜>",
                                                             "<｜tool▁output▁begin｜>",
                                                             "<｜tool▁output▁end｜>"}
-                                 : std::vector<std::string>{};
+      : chat == "harmony"
+          ? std::vector<std::string>{"<|start|>",     "<|message|>", "<|end|>",   "<|channel|>",
+                                     "<|constrain|>", "<|call|>",    "<|return|>"}
+          : std::vector<std::string>{};
   const bool think_tokens = o.think_tokens || chat == "chatml-think";
   if (think_tokens) chat_tokens.insert(chat_tokens.end(), {"<think>", "</think>"});
   ASSIGN_OR_RETURN(TrainedTokenizer tok,
@@ -709,6 +754,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "llama3-tools") tok_config["chat_template"] = kLlama3ToolsTemplate;
   if (chat == "mistral-tools") tok_config["chat_template"] = kMistralToolsTemplate;
   if (chat == "deepseek-tools") tok_config["chat_template"] = kDeepSeekToolsTemplate;
+  if (chat == "harmony") tok_config["chat_template"] = kHarmonyTemplate;
   RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", tok_config.dump(2)));
 
   const std::string arch_name = o.arch == "mixtral"       ? "MixtralForCausalLM"

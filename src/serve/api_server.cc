@@ -84,6 +84,16 @@ bool ApiServer::Impl::ReasoningRuns(const ApiRequest& req) const {
   return TemplateFor(req).writes("</think>");
 }
 
+// Whether a chat's output is read as gpt-oss's harmony messages: the manifest's choice (either
+// parser naming it, or the tool-call format taken from the template), else where the request's
+// chat template writes <|channel|>.
+bool ApiServer::Impl::Harmony(const ApiRequest& req) const {
+  const std::string& reasoning = config.env.reasoning_parser;
+  const std::string& tools = config.env.tool_call_parser;
+  if (reasoning == "harmony" || ToolCallFormat(req) == "openai") return true;
+  return reasoning.empty() && tools.empty() && TemplateFor(req).writes("<|channel|>");
+}
+
 // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
 // one the request's chat template shows.
 std::string ApiServer::Impl::ToolCallFormat(const ApiRequest& req) const {
@@ -106,15 +116,9 @@ absl::Status ApiServer::Impl::ToolsRunHere(const ApiRequest& req) const {
     return BadParam("tools",
                     "this model's chat template shows no tool-call format shardserve parses, or "
                     "more than one (Hermes <tool_call> JSON, Qwen3-Coder's XML, Llama 3 JSON, "
-                    "pythonic, Mistral [TOOL_CALLS], DeepSeek-V3 / V3.1, Kimi K2); "
+                    "pythonic, Mistral [TOOL_CALLS], DeepSeek-V3 / V3.1, Kimi K2, gpt-oss's "
+                    "harmony); "
                     "spec.serving.toolCallParser names one");
-  }
-  if ((req.tool_choice == "required" || req.tool_choice == "function") &&
-      (format == "pythonic" || format == "qwen3_coder")) {
-    return BadParam("tool_choice",
-                    absl::StrCat("'tool_choice' ", req.tool_choice,
-                                 " (a constrained call) is not supported yet in the ", format,
-                                 " format; 'auto' parses its calls"));
   }
   if (format == "mistral" && !MistralMarker()) {
     return BadParam("tools",

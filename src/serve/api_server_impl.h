@@ -107,6 +107,7 @@ struct ApiServer::Impl {
   absl::Status ToolsRunHere(const ApiRequest& req) const;
   // Mistral's [TOOL_CALLS] token: a special token whose text the output keeps for the parser.
   std::optional<int32_t> MistralMarker() const;
+  bool Harmony(const ApiRequest& req) const;
   // The special tokens among a tool-call format's markers (kept in the text for its parser, named
   // by id in its grammar).
   MarkerIds SpecialMarkers(const std::string& format) const;

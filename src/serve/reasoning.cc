@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/status.h"
+#include "common/text.h"
 
 namespace shardserve {
 namespace {
@@ -10,25 +11,19 @@ namespace {
 constexpr std::string_view kOpen = "<think>";
 constexpr std::string_view kClose = "</think>";
 
-// The length of the longest suffix of `text` that is a proper prefix of `tag`.
-size_t PartialTagAtEnd(std::string_view text, std::string_view tag) {
-  for (size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n) {
-    if (text.substr(text.size() - n) == tag.substr(0, n)) return n;
-  }
-  return 0;
-}
-
-// The gate in one sequence's state (see ReasoningGate).
+// The gate in one sequence's state (see ReasoningGate): free until `ends` have appeared in the
+// output, in order.
 class GatedConstraint final : public TokenConstraint {
  public:
   enum class State { kFirst, kReasoning, kAnswer };
   GatedConstraint(std::unique_ptr<TokenConstraint> inner, const Tokenizer* tokenizer,
                   std::shared_ptr<const std::vector<uint32_t>> free_mask, int32_t open_id,
-                  State state)
+                  std::vector<std::string_view> ends, State state)
       : inner_(std::move(inner)),
         tokenizer_(tokenizer),
         free_mask_(std::move(free_mask)),
         open_id_(open_id),
+        ends_(std::move(ends)),
         state_(state) {}
 
   void Cancel() override { inner_->Cancel(); }
@@ -54,12 +49,18 @@ class GatedConstraint final : public TokenConstraint {
     }
     if (state_ == State::kAnswer) return inner_->Accept(token);
     tail_ += tokenizer_->TokenBytes(token);
-    if (tail_.find(kClose) != std::string::npos) {
-      state_ = State::kAnswer;  // what follows </think> in its token is white space (the mask)
-      tail_.clear();
-    } else if (tail_.size() > kClose.size()) {
-      tail_.erase(0, tail_.size() - kClose.size());
+    for (;;) {  // what follows the last marker in its token is white space (the mask)
+      const size_t at = tail_.find(ends_[found_]);
+      if (at == std::string::npos) break;
+      tail_.erase(0, at + ends_[found_].size());
+      if (++found_ == ends_.size()) {
+        state_ = State::kAnswer;
+        tail_.clear();
+        return absl::OkStatus();
+      }
     }
+    const size_t longest = ends_[found_].size();
+    if (tail_.size() > longest) tail_.erase(0, tail_.size() - longest);
     return absl::OkStatus();
   }
 
@@ -67,8 +68,9 @@ class GatedConstraint final : public TokenConstraint {
 
   std::unique_ptr<TokenConstraint> Clone() const override {
     auto c = std::make_unique<GatedConstraint>(inner_->Clone(), tokenizer_, free_mask_, open_id_,
-                                               state_);
+                                               ends_, state_);
     c->tail_ = tail_;
+    c->found_ = found_;
     return c;
   }
 
@@ -77,8 +79,10 @@ class GatedConstraint final : public TokenConstraint {
   const Tokenizer* tokenizer_;
   std::shared_ptr<const std::vector<uint32_t>> free_mask_;
   int32_t open_id_;
+  std::vector<std::string_view> ends_;  // the markers that end the reasoning, in order
+  size_t found_ = 0;                    // how many have appeared
   State state_;
-  std::string tail_;  // the last bytes of the reasoning, where </think> is looked for
+  std::string tail_;  // the last bytes of the reasoning, where the next marker is looked for
 };
 
 }  // namespace
@@ -102,8 +106,16 @@ ReasoningGate::ReasoningGate(const Tokenizer& tokenizer, int64_t vocab_size)
 std::unique_ptr<TokenConstraint> ReasoningGate::Wrap(std::unique_ptr<TokenConstraint> inner,
                                                      bool in_block) const {
   return std::make_unique<GatedConstraint>(
-      std::move(inner), tokenizer_, free_mask_, open_id_,
+      std::move(inner), tokenizer_, free_mask_, open_id_, std::vector<std::string_view>{kClose},
       in_block ? GatedConstraint::State::kReasoning : GatedConstraint::State::kFirst);
+}
+
+std::unique_ptr<TokenConstraint> ReasoningGate::WrapHarmony(
+    std::unique_ptr<TokenConstraint> inner) const {
+  return std::make_unique<GatedConstraint>(
+      std::move(inner), tokenizer_, free_mask_, -1,
+      std::vector<std::string_view>{"<|channel|>final", "<|message|>"},
+      GatedConstraint::State::kReasoning);
 }
 
 ReasoningParser::ReasoningParser(bool in_block)
@@ -145,7 +157,7 @@ ReasoningParser::Out ReasoningParser::Add(std::string_view text) {
       state_ = State::kContent;
       continue;
     }
-    const size_t keep = PartialTagAtEnd(held_, kClose);
+    const size_t keep = PartialMarker(held_, kClose);
     out.reasoning += held_.substr(0, held_.size() - keep);
     held_.erase(0, held_.size() - keep);
     return out;

@@ -51,6 +51,9 @@ class ReasoningGate {
   // given above must outlive the result.
   std::unique_ptr<TokenConstraint> Wrap(std::unique_ptr<TokenConstraint> inner,
                                         bool in_block) const;
+  // gpt-oss's harmony: free until the final channel's message begins
+  // (<|channel|>final ... <|message|>), then `inner`.
+  std::unique_ptr<TokenConstraint> WrapHarmony(std::unique_ptr<TokenConstraint> inner) const;
 
  private:
   const Tokenizer* tokenizer_;

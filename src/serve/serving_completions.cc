@@ -9,6 +9,7 @@
 #include "common/status.h"
 #include "common/text.h"
 #include "serve/api_server_impl.h"
+#include "serve/harmony.h"
 #include "serve/prefix_cache.h"
 #include "serve/reasoning.h"
 #include "serve/text_stream.h"
@@ -53,6 +54,8 @@ struct Choice {
   std::unique_ptr<ReasoningParser> reasoning;
   // The request's tools in use: the output's tool calls parsed out of its text.
   std::unique_ptr<ToolCallParser> tool_parser;
+  // gpt-oss's harmony messages: reasoning, content and calls at once (instead of the two above).
+  std::unique_ptr<HarmonyParser> harmony;
 };
 
 // What one poll of a choice's stream adds.
@@ -259,6 +262,20 @@ ChoiceDelta ApiServer::Impl::Poll(Choice& c, const ApiRequest& req,
       c.finish_reason = u.finish_reason;
     }
   }
+  if (c.harmony != nullptr) {
+    HarmonyParser::Out h = c.harmony->Add(d.text);
+    if (d.finished) {
+      HarmonyParser::Out rest = c.harmony->Finish();
+      h.reasoning += rest.reasoning;
+      h.content += rest.content;
+      h.calls.insert(h.calls.end(), rest.calls.begin(), rest.calls.end());
+      if (c.harmony->calls() > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+    }
+    if (req.include_reasoning) d.reasoning = std::move(h.reasoning);
+    d.text = std::move(h.content);
+    d.calls = std::move(h.calls);
+    return d;
+  }
   if (c.reasoning != nullptr) {
     ReasoningParser::Out r = c.reasoning->Add(d.text);
     if (d.finished) {
@@ -319,7 +336,8 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   }
   std::vector<std::vector<int32_t>> prompts;
   const std::string param = req.chat ? "messages" : "prompt";
-  bool reasoning = false, thinking = false;  // <think> blocks parsed; the prompt opens one
+  // <think> blocks parsed; the prompt opens one; gpt-oss's harmony messages parsed
+  bool reasoning = false, thinking = false, harmony = false;
   if (req.chat) {
     RETURN_IF_ERROR(ToolsRunHere(req));
     if (req.tool_choice == "required" || req.tool_choice == "function") {  // a call must come
@@ -331,7 +349,8 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     std::string rendered;
     ASSIGN_OR_RETURN(auto ids, prompt_builder->Chat(req, context, false, &rendered));
     prompts.push_back(std::move(ids));
-    reasoning = ReasoningRuns(req);
+    harmony = Harmony(req);
+    reasoning = !harmony && ReasoningRuns(req);
     thinking = reasoning && PromptEndsThinking(rendered);
     for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
   } else {
@@ -361,12 +380,15 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   std::unique_ptr<TokenConstraint> compiled;
   if (req.grammar) {
     ASSIGN_OR_RETURN(compiled, CompileGrammar(req, vocab, ends));
-    if (reasoning) {  // the constraint applies to the answer, after the reasoning
+    // The constraint applies to the answer, after the reasoning (a constrained call in harmony
+    // opens its own message: its grammar starts at once).
+    if (reasoning || (harmony && req.grammar_param != "tool_choice")) {
       absl::MutexLock lock(&grammar_mu);
       if (reasoning_gate == nullptr) {
         reasoning_gate = std::make_shared<const ReasoningGate>(*tokenizer, vocab);
       }
-      compiled = reasoning_gate->Wrap(std::move(compiled), thinking);
+      compiled = harmony ? reasoning_gate->WrapHarmony(std::move(compiled))
+                         : reasoning_gate->Wrap(std::move(compiled), thinking);
     }
   }
   absl::ReaderMutexLock lock(&engine_mu);
@@ -399,9 +421,11 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
   for (size_t k = 0; k < streams->size(); ++k) {
     const size_t p = k / req.best_of, j = k % req.best_of;
     const std::vector<int32_t>& ids = prompts[p];
-    std::vector<int32_t> keep;  // the special tokens among the tool-call markers the parser reads
-    if (req.chat && req.tool_choice != "none" && !req.tools.empty()) {
-      for (const auto& [_, id] : SpecialMarkers(ToolCallFormat(req))) keep.push_back(id);
+    std::vector<int32_t> keep;  // the special tokens among the markers the parsers read
+    if (req.chat && (harmony || (req.tool_choice != "none" && !req.tools.empty()))) {
+      for (const auto& [_, id] : SpecialMarkers(harmony ? "openai" : ToolCallFormat(req))) {
+        keep.push_back(id);
+      }
     }
     choices.emplace_back((*streams)[k], TextStream(tokenizer.get(), req.stop, keep),
                          j == 0 ? static_cast<int64_t>(ids.size()) : 0);
@@ -417,6 +441,12 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
         c.prompt_text =
             std::make_unique<TextStream>(tokenizer.get(), std::vector<std::string>{}, specials);
       }
+    }
+    if (harmony) {
+      c.harmony = std::make_unique<HarmonyParser>(
+          req.tool_choice != "none" ? req.tools : nlohmann::ordered_json::array(),
+          req.parallel_tool_calls);
+      continue;
     }
     if (reasoning) c.reasoning = std::make_unique<ReasoningParser>(thinking);
     if (req.tool_choice != "none") {

@@ -8,6 +8,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/text.h"
+#include "serve/harmony.h"
 
 namespace shardserve {
 namespace {
@@ -35,7 +37,9 @@ const Section* SectionOf(std::string_view format) {
   return nullptr;
 }
 
-std::string CallId() {
+}  // namespace
+
+std::string ToolCallId() {
   static constexpr char kAlphabet[] =
       "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
   thread_local std::mt19937_64 rng(std::random_device{}());
@@ -44,13 +48,7 @@ std::string CallId() {
   return id;
 }
 
-// The length of the longest suffix of `text` that is a proper prefix of `marker`.
-size_t PartialMarker(std::string_view text, std::string_view marker) {
-  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n) {
-    if (text.substr(text.size() - n) == marker.substr(0, n)) return n;
-  }
-  return 0;
-}
+namespace {
 
 // The JSON values of `text` one after another, separated by ';' or white space; empty when any
 // part is not JSON.
@@ -176,6 +174,9 @@ class PythonLiterals {
     if (word == "True") return json(true);
     if (word == "False") return json(false);
     if (word == "None") return json(nullptr);
+    // JSON's words too, where a constrained call's nested JSON value wrote them.
+    if (word == "true" || word == "false") return json(word == "true");
+    if (word == "null") return json(nullptr);
     if (!word.empty()) return std::nullopt;
     // A number, as JSON reads it (Python's forms JSON lacks are not a call's).
     const size_t from = at_;
@@ -268,8 +269,11 @@ std::optional<std::pair<std::string, json>> XmlCall(std::string_view body, const
     if (!value.empty() && value.back() == '\n') value.remove_suffix(1);
     const json schema = properties.contains(key) ? properties[key] : json();
     const bool text = schema.is_object() && schema.value("type", json()) == "string";
-    json v = text ? json(nullptr) : json::parse(value, nullptr, /*allow_exceptions=*/false);
-    args[key] = text || v.is_discarded() ? json(std::string(value)) : std::move(v);
+    json v = json::parse(value, nullptr, /*allow_exceptions=*/false);
+    // A string parameter's value is its text, unless written whole as a JSON string (as a
+    // constrained call writes one with a pattern or a format).
+    if (text && !v.is_string()) v = json(std::string(value));
+    args[key] = v.is_discarded() ? json(std::string(value)) : std::move(v);
     at = value_end + kParameterEnd.size();
   }
   return std::make_pair(std::move(name), std::move(args));
@@ -305,6 +309,7 @@ std::optional<std::pair<std::string, json>> SectionCall(const Section& section,
 
 std::vector<std::string_view> ToolCallMarkers(std::string_view format) {
   if (format == "mistral") return {kMistralCalls};
+  if (format == "openai") return HarmonyMarkers();
   if (const Section* s = SectionOf(format)) {
     return {s->begin, s->call_begin, s->call_end, s->end, s->separator};
   }
@@ -369,7 +374,7 @@ void ToolCallParser::StreamArguments(size_t limit, Out& out) {
     }
     mode_ = CallMode::kStreamed;
     streamed_index_ = NextIndex();
-    if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, CallId(), name, ""});
+    if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, ToolCallId(), name, ""});
     args_at_ = at - 1;  // the arguments' opening brace
     args_scan_ = JsonScan();
     args_done_ = false;
@@ -393,7 +398,7 @@ bool ToolCallParser::CallFromJson(const json& j, Out& out) {
   }
   if (!args.is_object()) return false;
   const int index = NextIndex();
-  if (index >= 0) out.calls.push_back({index, CallId(), name, args.dump()});  // else dropped
+  if (index >= 0) out.calls.push_back({index, ToolCallId(), name, args.dump()});  // else dropped
   return true;
 }
 
@@ -581,6 +586,114 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
   };
   const ojson style = {
       {"whitespace_flexible", false}, {"item_separator", ", "}, {"key_separator", ": "}};
+  if (format == "pythonic" || format == "qwen3_coder") {
+    // Each function's parameters one by one (in their schema's order, the required ones always,
+    // the others perhaps): pythonic as NAME(key=value, ...) in a list, True / False / None for a
+    // boolean or null parameter and JSON for the rest (JSON's own words read back too);
+    // Qwen3-Coder as <parameter=KEY> blocks, a string parameter's text free of '<', any other
+    // value JSON. Each value's schema carries the function's $defs.
+    const bool py = format == "pythonic";
+    std::string rules, alternatives;
+    int rule = 0;
+    for (const ojson& t : tools) {
+      const ojson& fn = t["function"];
+      if (choice == "function" && fn["name"] != name) continue;
+      const ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                               ? fn["parameters"]
+                               : ojson::object();
+      const ojson props = params.contains("properties") && params["properties"].is_object()
+                              ? params["properties"]
+                              : ojson::object();
+      const ojson required = params.value("required", ojson::array());
+      std::vector<std::pair<std::string, bool>> items;  // the Lark of each, and whether required
+      for (const auto& [key, schema] : props.items()) {
+        ojson sub = schema.is_object() ? schema : ojson::object();
+        for (const char* defs : {"$defs", "definitions"}) {
+          if (params.contains(defs)) sub[defs] = params[defs];
+        }
+        sub["x-guidance"] = style;
+        const std::string type =
+            sub.value("type", ojson()).is_string() ? sub["type"].get<std::string>() : "";
+        std::string value;
+        if (py && type == "boolean") {
+          value = R"(("True" | "False"))";
+        } else if (py && type == "null") {
+          value = R"("None")";
+        } else if (!py && type == "string" && !sub.contains("enum") && !sub.contains("const") &&
+                   !sub.contains("pattern") && !sub.contains("format")) {
+          // Text, its length bounded as the schema bounds it.
+          const auto bound = [&](const char* k) {
+            return sub.contains(k) && sub[k].is_number_unsigned() ? sub[k].get<uint64_t>() : 0;
+          };
+          const uint64_t min = bound("minLength"), max = bound("maxLength");
+          value = sub.contains("maxLength") ? absl::StrCat("/[^<]{", min, ",", max, "}/")
+                                            : absl::StrCat("/[^<]{", min, ",}/");
+        } else {
+          value = absl::StrCat("%json ", sub.dump());
+        }
+        const std::string item = py ? absl::StrCat(ojson(key + "=").dump(), " ", value)
+                                    : absl::StrCat(ojson("<parameter=" + key + ">\n").dump(), " ",
+                                                   value, " ", ojson("\n</parameter>\n").dump());
+        const bool must = std::find(required.begin(), required.end(), key) != required.end();
+        items.emplace_back(item, must);
+      }
+      std::string args;
+      if (!py) {  // no separators: each block in turn
+        for (const auto& [item, must] : items) {
+          absl::StrAppend(&args, " ", must ? item : absl::StrCat("(", item, ")?"));
+        }
+      } else {
+        // rest_i: what may follow item i-1 (", " before each item present); first_i: the first
+        // present item from i on (none when no item from i on is required).
+        const std::string base = absl::StrCat("f", rule++, "_");
+        for (size_t i = items.size() + 1; i-- > 0;) {
+          std::string rest = "\"\"", first = "\"\"";
+          if (i < items.size()) {
+            const auto& [item, must] = items[i];
+            const std::string next_rest = absl::StrCat(base, "rest", i + 1);
+            const std::string next_first = absl::StrCat(base, "first", i + 1);
+            rest = must ? absl::StrCat("\", \" ", item, " ", next_rest)
+                        : absl::StrCat("\", \" ", item, " ", next_rest, " | ", next_rest);
+            first = must ? absl::StrCat(item, " ", next_rest)
+                         : absl::StrCat(item, " ", next_rest, " | ", next_first);
+          }
+          absl::StrAppend(&rules, base, "rest", i, ": ", rest, "\n", base, "first", i, ": ", first,
+                          "\n");
+        }
+        args = absl::StrCat(" ", base, "first0");
+      }
+      const std::string fname = fn["name"].get<std::string>();
+      absl::StrAppend(&alternatives, alternatives.empty() ? "" : " | ",
+                      py ? absl::StrCat(ojson(fname + "(").dump(), args, " ", ojson(")").dump())
+                         : absl::StrCat(ojson("<tool_call>\n<function=" + fname + ">\n").dump(),
+                                        args, " ", ojson("</function>\n</tool_call>").dump()));
+    }
+    const bool many = parallel && choice == "required";
+    const std::string start =
+        py ? absl::StrCat("start: \"[\" call", many ? " (\", \" call)*" : "", " \"]\"\n")
+           : absl::StrCat("start: call", many ? " (\"\\n\" call)*" : "", "\n");
+    return Grammar{"lark", absl::StrCat(start, "call: ", alternatives, "\n", rules)};
+  }
+  if (format == "openai") {
+    // gpt-oss's harmony: a commentary message to the function, its body JSON; the call's stop
+    // token (<|call|>, an end id) follows.
+    std::string alternatives;
+    for (const ojson& t : tools) {
+      const ojson& fn = t["function"];
+      if (choice == "function" && fn["name"] != name) continue;
+      ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                         ? fn["parameters"]
+                         : ojson({{"type", "object"}});
+      params["x-guidance"] = style;
+      absl::StrAppend(
+          &alternatives, alternatives.empty() ? "" : " | ", marker("<|channel|>"), " ",
+          ojson(absl::StrCat("commentary to=functions.", fn["name"].get<std::string>(), " "))
+              .dump(),
+          " ", marker("<|constrain|>"), " ", ojson("json").dump(), " ", marker("<|message|>"),
+          " %json ", params.dump());
+    }
+    return Grammar{"lark", absl::StrCat("start: ", alternatives, "\n")};
+  }
   if (const Section* section = SectionOf(format)) {
     // A section of calls, each its function's name and arguments in the format's words.
     std::string alternatives;

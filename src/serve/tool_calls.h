@@ -47,6 +47,9 @@ struct ToolCall {
   std::string arguments;  // this piece of the arguments
 };
 
+// A new call's id, as OpenAI writes them: "call_" and 24 random letters and digits.
+std::string ToolCallId();
+
 // The bracket depth of JSON text read a character at a time, strings (and their escapes)
 // skipped.
 class JsonScan {

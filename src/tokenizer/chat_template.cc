@@ -216,6 +216,7 @@ std::string ChatTemplate::tool_call_format() const {
     shown.push_back(writes("```json") ? "deepseek_v3" : "deepseek_v31");
   }
   if (writes("<|tool_calls_section_begin|>")) shown.push_back("kimi_k2");
+  if (writes("<|channel|>")) shown.push_back("openai");  // gpt-oss's harmony
   // Llama 3.2 / 4's pythonic templates teach "[func_name1(params_name1=params_value1, ...)]"
   // (and name the ipython role, as Llama 3.1's JSON ones do).
   if (writes("[func_name1(")) {

@@ -87,7 +87,8 @@ class ChatTemplate {
   // {"name": ..., "parameters": ...}: Llama 3.1-3.3, <|python_tag|>), "pythonic"
   // ([func_name1(params_name1=...)]: Llama 3.2 / 4 pythonic), "mistral" ([TOOL_CALLS]),
   // "deepseek_v3" / "deepseek_v31" (<｜tool▁calls▁begin｜>, the arguments in a ```json fence or
-  // not), "kimi_k2" (<|tool_calls_section_begin|>); "" when
+  // not), "kimi_k2" (<|tool_calls_section_begin|>), "openai" (<|channel|>: gpt-oss's harmony);
+  // "" when
   // it shows none, or the markers of more than one (spec.serving.toolCallParser names it then).
   std::string tool_call_format() const;
   // Tokens that end the assistant's turn (generation stops there): the special token the template

@@ -307,9 +307,28 @@ try:
             "continue_final_message", "does not appear")
     pythonic = ("{%- if tools %}Call as [func_name1(params_name1=params_value1)]: "
                 "{% for t in tools %}{{ t.function.name }} {% endfor %}{%- endif %}" + CHAT_ONLY)
-    refused("a constrained call in a format without its grammar yet (pythonic)",
-            {"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
-             "chat_template": pythonic}, "tool_choice", "not supported yet in the pythonic")
+    # Constrained calls in each format's own syntax (pythonic, Qwen3-Coder's XML): the answer
+    # parses into a call of the function, its arguments within the schema.
+    coder = ("{%- if tools %}<tool_call>\n<function=NAME>\n<parameter=KEY>\nV\n</parameter>"
+             "{% for t in tools %}{{ t.function.name }} {% endfor %}{%- endif %}" + CHAT_ONLY)
+    bounded = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                              "maximum": 7},
+            "metric": {"type": "boolean"}}, "required": ["city", "days"]}}}]
+    for name, template in (("pythonic", pythonic), ("qwen3_coder", coder)):
+        status, _, chat = d.post("/v1/chat/completions", {
+            "model": "tiny", "messages": CHAT, "tools": bounded, "chat_template": template,
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 300,
+            "temperature": 1.0, "seed": 3})
+        calls = (chat["choices"][0]["message"].get("tool_calls") or []) if status == 200 else []
+        args = json.loads(calls[0]["function"]["arguments"]) if calls else {}
+        check(len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and
+              isinstance(args.get("city"), str) and len(args["city"]) <= 8 and
+              args.get("days") in range(1, 8) and args.get("metric", True) in (True, False) and
+              chat["choices"][0]["finish_reason"] == "tool_calls",
+              f"tool_choice required in the {name} format gives a call in its syntax "
+              f"({status}, {chat})")
     refused("tools with a template that shows two formats (not guessed)",
             {"messages": CHAT, "tools": TOOLS,
              "chat_template": "{{ tools }}<tool_call> [TOOL_CALLS]" + CHAT_ONLY},

@@ -4,7 +4,7 @@ completions, chat and streaming on a `shardserve local` TP=2 x PP=2 deployment t
 API key, and its error types see our errors (a wrong key is an AuthenticationError). With
 transformers in the same environment, the chat prompt the server renders is checked against
 transformers' apply_chat_template for each chat family, and, on the templates with tools (Hermes,
-Llama 3 JSON, Mistral, DeepSeek-V3.1), with tools and a tool round trip (an assistant's calls, a
+Llama 3 JSON, Mistral, DeepSeek-V3.1, gpt-oss's harmony), with tools and a tool round trip (an assistant's calls, a
 tool's answer) and constrained calls in each format; on a thinking template, the reasoning as the
 client reads it (reasoning_content) and structured output after it."""
 import json
@@ -42,8 +42,9 @@ FAMILIES = [("llama3", ["--arch", "llama"]), ("chatml", ["--arch", "qwen2"]),
             ("mistral-tools", ["--arch", "mistral", "--tokenizer", "sentencepiece",
                                "--chat-template", "mistral-tools"]),
             ("deepseek-tools", ["--arch", "qwen2", "--chat-template", "deepseek-tools"]),
-            ("chatml-think", ["--arch", "qwen2", "--chat-template", "chatml-think"])]
-TOOL_FAMILIES = ("hermes", "llama3-tools", "mistral-tools", "deepseek-tools")
+            ("chatml-think", ["--arch", "qwen2", "--chat-template", "chatml-think"]),
+            ("harmony", ["--arch", "qwen2", "--chat-template", "harmony"])]
+TOOL_FAMILIES = ("hermes", "llama3-tools", "mistral-tools", "deepseek-tools", "harmony")
 THINK_FAMILIES = ("chatml-think",)
 
 # A tool round trip as an application sends it: the tools (their schema's keys not in sorted

@@ -147,7 +147,8 @@ TEST_P(GrammarTest, ToolCallGrammarsGiveCallsThatParse) {
       "additionalProperties": false}}},
     {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
       "properties": {}, "additionalProperties": false}}}])");
-  for (const char* format : {"hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2"}) {
+  for (const char* format : {"hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                             "pythonic", "qwen3_coder"}) {
     for (const auto& [choice, name] : {std::pair{"required", ""}, std::pair{"function", "now"},
                                        std::pair{"function", "get_weather"}}) {
       for (uint32_t seed = 0; seed < 6; ++seed) {
@@ -194,7 +195,7 @@ TEST_P(GrammarTest, ToolParametersWithDefsAndRefsCompileAndFollowThem) {
       "required": ["to"], "additionalProperties": false}}},
     {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
       "properties": {}, "additionalProperties": false}}}])");
-  for (const char* format : {"hermes", "llama3_json"}) {
+  for (const char* format : {"hermes", "llama3_json", "pythonic", "qwen3_coder"}) {
     for (const auto& [choice, name] :
          {std::pair{"required", ""}, std::pair{"function", "plan_trip"}}) {
       auto c = vocab_->Compile(ToolCallGrammar(format, tools, choice, name, false));
@@ -493,6 +494,21 @@ TEST(ReasoningGateTest, TheGrammarStartsAfterTheReasoning) {
   auto answers = gate.Wrap(inner(), false);
   ASSERT_TRUE(answers->Accept((*a)[0]).ok());
   EXPECT_FALSE(answers->Accept(open).ok()) << "no reasoning once the answer began";
+
+  // gpt-oss's harmony: free through the analysis channel (and a "final" said there), the grammar
+  // from the final channel's message.
+  auto harmony = gate.WrapHarmony(inner());
+  auto feed = [&](const std::string& text) {
+    auto ids = (*tok)->Encode(text, false);
+    ASSERT_TRUE(ids.ok());
+    for (int32_t id : *ids) ASSERT_TRUE(harmony->Accept(id).ok()) << text;
+  };
+  feed("<|channel|>analysis<|message|>the final word<|end|><|start|>assistant");
+  EXPECT_EQ(allowed(*harmony), free);
+  feed("<|channel|>final");
+  EXPECT_EQ(allowed(*harmony), free) << "the header is not over";
+  feed("<|message|>");
+  EXPECT_EQ(allowed(*harmony), answer);
 }
 
 TEST(GrammarVocabularyTest, NeedsAnEndOfSequence) {
