@@ -34,6 +34,7 @@
 #include "serve/openai.h"
 #include "serve/prefix_cache.h"
 #include "serve/prompts.h"
+#include "serve/responses.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -56,13 +57,29 @@ struct LeaderSpec {
 
 // The last event of a relayed stream that broke off: an OpenAI error body, so that a client
 // sees an error and never a finished answer.
-std::string BrokenStreamEvent(const std::string& why) {
-  json body = {{"error",
-                {{"message", absl::StrCat("the model replica stopped answering: ", why)},
-                 {"type", "server_error"},
-                 {"param", nullptr},
-                 {"code", 502}}}};
+// A Responses stream's is its typed error event.
+std::string BrokenStreamEvent(const std::string& why, bool responses) {
+  const std::string message = absl::StrCat("the model replica stopped answering: ", why);
+  if (responses) {
+    json event = {
+        {"type", "error"}, {"code", "server_error"}, {"message", message}, {"param", nullptr}};
+    return absl::StrCat("event: error\ndata: ", event.dump(), "\n\n");
+  }
+  json body = {
+      {"error",
+       {{"message", message}, {"type", "server_error"}, {"param", nullptr}, {"code", 502}}}};
   return absl::StrCat("data: ", body.dump(), "\n\n");
+}
+
+// Whether a relayed stream's last bytes end it as its server ends one: [DONE] (or an error
+// event) for the chat and completions; a Responses stream's last event is response.completed,
+// response.incomplete, response.failed or error (`last_event`: the type of the last one seen).
+bool StreamFinished(const std::string& tail, const std::string& last_event, bool responses) {
+  if (responses) {
+    return last_event == "response.completed" || last_event == "response.incomplete" ||
+           last_event == "response.failed" || last_event == "error";
+  }
+  return absl::StrContains(tail, "[DONE]") || absl::StrContains(tail, "\"error\"");
 }
 
 absl::StatusOr<LeaderSpec> ParseLeaderSpec(const std::string& spec) {
@@ -497,11 +514,14 @@ struct Router::Impl {
     std::vector<int32_t> tokens;
     std::string salt;
   };
-  absl::StatusOr<Prompt> PromptOf(const http::Request& http_req, bool chat) {
+  absl::StatusOr<Prompt> PromptOf(const http::Request& http_req, bool chat, bool responses) {
     const std::string& body = http_req.body;
     if (JsonNestsDeeperThan(body, 64)) return absl::InvalidArgumentError("too deeply nested");
     ojson parsed = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
     if (parsed.is_discarded()) return absl::InvalidArgumentError("not JSON");
+    if (responses) {  // the chat a Responses request stands for
+      ASSIGN_OR_RETURN(parsed, ResponsesToChat(parsed));
+    }
     ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
     Prompt p;
     p.salt = PrefixCacheSalt(options.prefix_cache_per_key && keys != nullptr,
@@ -518,7 +538,8 @@ struct Router::Impl {
     return p;
   }
 
-  void Proxy(const http::Request& req, http::Exchange& ex, bool generation, bool chat) {
+  void Proxy(const http::Request& req, http::Exchange& ex, bool generation, bool chat,
+             bool responses = false) {
     const auto t0 = Clock::now();
     ++active;
     struct Done {
@@ -533,7 +554,7 @@ struct Router::Impl {
     std::optional<std::vector<int32_t>> tokens;
     std::string salt;
     if (generation) {
-      if (auto p = PromptOf(req, chat); p.ok()) {
+      if (auto p = PromptOf(req, chat, responses); p.ok()) {
         tokens = std::move(p->tokens);
         salt = std::move(p->salt);
       }
@@ -612,7 +633,7 @@ struct Router::Impl {
         failovers->Increment();
         continue;
       }
-      return Relay(**call, r, ex);
+      return Relay(**call, r, ex, responses);
     }
     ex.Respond(
         Error(503, absl::StrCat("no replica of the model answered: ", last_error), "server_error"));
@@ -621,7 +642,7 @@ struct Router::Impl {
   // The leader's answer, passed on: a whole answer with its length, a stream as it comes. An
   // answer that breaks off takes the replica out of routing at once; a stream then ends with an
   // error event (never as a finished answer: no [DONE]).
-  void Relay(http::UpstreamCall& call, Replica& replica, http::Exchange& ex) {
+  void Relay(http::UpstreamCall& call, Replica& replica, http::Exchange& ex, bool responses) {
     const std::string& address = replica.address;
     const auto& head = call.head();
     http::Response out{head.status, head.content_type, "", {}};
@@ -655,7 +676,9 @@ struct Router::Impl {
       }
     }
     if (!ex.StartStream(out)) return;
-    std::string tail;  // the stream's last bytes
+    std::string tail;        // the stream's last bytes
+    std::string last_event;  // a Responses stream's last event type ("event: TYPE" lines)
+    std::string line;        // the line being read, for those
     for (;;) {
       bool end = false;
       absl::StatusOr<std::string> piece = call.Read(std::chrono::milliseconds(200), &end);
@@ -668,18 +691,26 @@ struct Router::Impl {
         const std::string why =
             absl::StrCat("its answer stream broke off: ", piece.status().message());
         MarkOut(replica, why);
-        ex.Write(BrokenStreamEvent(why));
+        ex.Write(BrokenStreamEvent(why, responses));
         return ex.End();
       }
       if (!piece->empty() && !ex.Write(*piece)) return call.Close();
       tail += *piece;
       if (tail.size() > 64) tail.erase(0, tail.size() - 64);
+      for (char c : responses ? *piece : std::string()) {
+        if (c != '\n') {
+          if (line.size() < 128) line += c;  // event lines are short; data lines need no copy
+          continue;
+        }
+        if (absl::StartsWith(line, "event: ")) last_event = line.substr(7);
+        line.clear();
+      }
       if (end) {
-        // A stream the leader ended without its last event ([DONE], or an error it sent) was
-        // cut short: its process stopped in the middle.
-        if (!absl::StrContains(tail, "[DONE]") && !absl::StrContains(tail, "\"error\"")) {
+        // A stream the leader ended without its last event was cut short: its process stopped
+        // in the middle.
+        if (!StreamFinished(tail, last_event, responses)) {
           MarkOut(replica, "its answer stream ended unfinished");
-          ex.Write(BrokenStreamEvent("the replica's answer stream ended unfinished"));
+          ex.Write(BrokenStreamEvent("the replica's answer stream ended unfinished", responses));
         }
         return ex.End();
       }
@@ -747,6 +778,9 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
   });
   routes.PostBlocking("/v1/chat/completions", [s](const http::Request& req, http::Exchange& ex) {
     s->Proxy(req, ex, true, true);
+  });
+  routes.PostBlocking("/v1/responses", [s](const http::Request& req, http::Exchange& ex) {
+    s->Proxy(req, ex, true, true, /*responses=*/true);
   });
   for (const char* path : {"/tokenize", "/detokenize"}) {
     routes.PostBlocking(path, [s](const http::Request& req, http::Exchange& ex) {

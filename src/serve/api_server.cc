@@ -225,6 +225,8 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   routes.PostBlocking("/v1/chat/completions", [s](const http::Request& req, http::Exchange& ex) {
     s->Generate(req, ex, true);
   });
+  routes.PostBlocking("/v1/responses",
+                      [s](const http::Request& req, http::Exchange& ex) { s->Responses(req, ex); });
   // Tokenizing a long text takes a while: off the event loop, as generation is.
   routes.PostBlocking("/tokenize", [s](const http::Request& req, http::Exchange& ex) {
     ex.Respond(s->Tokenization(req, false));

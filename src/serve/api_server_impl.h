@@ -128,6 +128,13 @@ struct ApiServer::Impl {
   // from the prefix cache (each prompt's first sequence's).
   json Usage(const std::vector<Choice>& choices) const;
   json ChunkHeader(const ApiRequest& req, const std::string& id, int64_t created) const;
+  // Waits for every choice, its text, reasoning and calls (each call's pieces joined); false
+  // when the client went away (counted: nothing to answer).
+  bool Collect(const ApiRequest& req, std::vector<Choice>& choices, http::Exchange& ex,
+               std::vector<std::string>& texts, std::vector<std::string>& reasonings,
+               std::vector<std::vector<ToolCall>>& calls);
+  // POST /v1/responses (serve/responses.h), answered whole or as its events.
+  void Responses(const http::Request& http_req, http::Exchange& ex);
   // A non-streamed answer: waits for every choice, cancelling them if the client goes away.
   void Answer(const ApiRequest& req, std::vector<Choice>& choices, const std::string& id,
               int64_t created, http::Exchange& ex);

@@ -302,6 +302,46 @@ std::string KindName(const std::string& kind) {
 
 }  // namespace
 
+absl::StatusOr<std::string> PreparedSchema(const Grammar& grammar) {
+  // JSON without whitespace between its tokens (", " and ": " as separators) unless the schema
+  // asks otherwise (llguidance's "x-guidance" options): a model free to add whitespace can add it
+  // without end, and the output would stop at max_tokens, unparsed.
+  nlohmann::json schema = nlohmann::json::object({{"type", "object"}});
+  if (grammar.kind == "json_schema") {
+    if (JsonNestsDeeperThan(grammar.data, 64)) {
+      return absl::InvalidArgumentError("the schema nests deeper than 64 levels");
+    }
+    schema = nlohmann::json::parse(grammar.data, nullptr, /*allow_exceptions=*/false);
+    if (schema.is_discarded()) return absl::InvalidArgumentError("the schema is not JSON");
+  } else if (grammar.kind != "json_object") {
+    return absl::InvalidArgumentError(absl::StrCat("a ", grammar.kind, " grammar is no schema"));
+  }
+  Rewrite(schema, 0);
+  // A dialect llguidance does not know ($schema a URI of its own, as Snowplow's self-describing
+  // schemas name theirs) would be fetched: read as the latest draft instead, as the jsonschema
+  // package reads one.
+  if (schema.is_object()) {
+    auto it = schema.find("$schema");
+    if (it != schema.end() &&
+        (!it->is_string() ||
+         !(absl::StartsWith(it->get<std::string>(), "http://json-schema.org/") ||
+           absl::StartsWith(it->get<std::string>(), "https://json-schema.org/")))) {
+      schema.erase(it);
+    }
+  }
+  // Our defaults, kept for what a schema's own x-guidance does not set: no whitespace, and oneOf
+  // taken as anyOf (sound where its branches exclude each other, as real schemas' mostly do; an
+  // answer matching two of them is possible, and documented).
+  if (schema.is_object()) {
+    nlohmann::json& options = schema["x-guidance"];
+    if (options.is_null()) options = nlohmann::json::object();
+    if (!options.is_object()) return absl::InvalidArgumentError("x-guidance must be an object");
+    if (!options.contains("whitespace_flexible")) options["whitespace_flexible"] = false;
+    if (!options.contains("coerce_one_of")) options["coerce_one_of"] = true;
+  }
+  return schema.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 absl::StatusOr<std::shared_ptr<const GrammarVocabulary>> GrammarVocabulary::Create(
     const Tokenizer& tokenizer, int64_t vocab_size, const std::vector<int64_t>& end_ids) {
   vocab_size = std::max(vocab_size, tokenizer.vocab_size());
@@ -390,41 +430,7 @@ absl::StatusOr<std::unique_ptr<TokenConstraint>> GrammarVocabulary::Compile(
   std::string data = grammar.data;
   const char* kind = grammar.kind.c_str();
   if (grammar.kind == "json_object" || grammar.kind == "json_schema") {
-    // JSON without whitespace between its tokens (", " and ": " as separators) unless the schema
-    // asks otherwise (llguidance's "x-guidance" options): a model free to add whitespace can add
-    // it without end, and the output would stop at max_tokens, unparsed.
-    nlohmann::json schema = nlohmann::json::object({{"type", "object"}});
-    if (grammar.kind == "json_schema") {
-      if (JsonNestsDeeperThan(grammar.data, 64)) {
-        return absl::InvalidArgumentError("the schema nests deeper than 64 levels");
-      }
-      schema = nlohmann::json::parse(grammar.data, nullptr, /*allow_exceptions=*/false);
-      if (schema.is_discarded()) return absl::InvalidArgumentError("the schema is not JSON");
-    }
-    Rewrite(schema, 0);
-    // A dialect llguidance does not know ($schema a URI of its own, as Snowplow's
-    // self-describing schemas name theirs) would be fetched: read as the latest draft instead,
-    // as the jsonschema package reads one.
-    if (schema.is_object()) {
-      auto it = schema.find("$schema");
-      if (it != schema.end() &&
-          (!it->is_string() ||
-           !(absl::StartsWith(it->get<std::string>(), "http://json-schema.org/") ||
-             absl::StartsWith(it->get<std::string>(), "https://json-schema.org/")))) {
-        schema.erase(it);
-      }
-    }
-    // Our defaults, kept for what a schema's own x-guidance does not set: no whitespace, and
-    // oneOf taken as anyOf (sound where its branches exclude each other, as real schemas' mostly
-    // do; an answer matching two of them is possible, and documented).
-    if (schema.is_object()) {
-      nlohmann::json& options = schema["x-guidance"];
-      if (options.is_null()) options = nlohmann::json::object();
-      if (!options.is_object()) return absl::InvalidArgumentError("x-guidance must be an object");
-      if (!options.contains("whitespace_flexible")) options["whitespace_flexible"] = false;
-      if (!options.contains("coerce_one_of")) options["coerce_one_of"] = true;
-    }
-    data = schema.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    ASSIGN_OR_RETURN(data, PreparedSchema(grammar));
     kind = "json";
   }
   if (data.find('\0') != std::string::npos) {

@@ -59,6 +59,11 @@ class GrammarVocabulary {
   LlgTokenizer* tokenizer_ = nullptr;
 };
 
+// A JSON schema or JSON object grammar as llguidance takes it: keywords it lacks given their
+// sound stand-ins, our x-guidance defaults (no whitespace, oneOf as anyOf) where the schema sets
+// none; the schema's JSON text (for llguidance's "json" kind or a Lark grammar's %json).
+absl::StatusOr<std::string> PreparedSchema(const Grammar& grammar);
+
 // InvalidArgument naming the bound `grammar` exceeds, if any.
 absl::Status CheckGrammarBounds(const Grammar& grammar);
 

@@ -60,7 +60,7 @@ void HarmonyParser::EndMessage(Out& out) {
   const bool known = std::find(names_.begin(), names_.end(), recipient_) != names_.end();
   if (args.is_object() && known) {
     if (parallel_ || next_index_ == 0) {
-      out.calls.push_back({next_index_++, ToolCallId(), recipient_, args.dump()});
+      out.calls.push_back({next_index_++, RandomId("call_"), recipient_, args.dump()});
     }
   } else {
     out.content += call_args_;  // not a call of a function given: text, as vLLM leaves it

@@ -305,6 +305,15 @@ absl::Status ParseMessages(const json& body, ApiRequest& r) {
       }
       msg.tool_call_id = id->get<std::string>();
     }
+    if (auto reasoning = m.find("reasoning_content");
+        reasoning != m.end() && !reasoning->is_null()) {
+      if (msg.role != "assistant" || !reasoning->is_string()) {
+        return BadParam(
+            param + ".reasoning_content",
+            absl::StrCat("'", param, ".reasoning_content' is an assistant message's text"));
+      }
+      msg.reasoning_content = *reasoning;
+    }
     if (auto calls = m.find("tool_calls"); calls != m.end() && !calls->is_null()) {
       if (msg.role != "assistant") {
         return BadParam(param + ".tool_calls",
@@ -537,11 +546,14 @@ absl::Status ParseStructuredOutput(const json& body, ApiRequest& r) {
                     "'guided_whitespace_pattern' is not supported; a JSON schema's \"x-guidance\" "
                     "options (whitespace_pattern) set it");
   }
-  if (r.grammar && r.tool_choice != "none") {
+  // With tools: a call that must come (required, named) leaves no answer for the grammar to
+  // shape; with auto, the output is a call or the answer (a JSON schema's or object's).
+  if (r.grammar && r.tool_choice == "auto" && r.grammar->kind != "json_schema" &&
+      r.grammar->kind != "json_object") {
     return BadParam(r.grammar_param, absl::StrCat("'", r.grammar_param,
-                                                  "' with tools (tool_choice \"", r.tool_choice,
-                                                  "\") is not supported: the output is either "
-                                                  "a constrained answer or a tool call"));
+                                                  "' with tools (tool_choice \"auto\") is "
+                                                  "served for a JSON schema or object only: the "
+                                                  "output is a call or the answer"));
   }
   if (r.grammar && r.params.min_tokens > 0) {
     return BadParam("min_tokens", absl::StrCat("'min_tokens' with '", r.grammar_param,

@@ -56,9 +56,13 @@ absl::StatusOr<std::vector<int32_t>> PromptBuilder::Chat(const ApiRequest& req, 
   // The template writes these strings where no message's text is: with special tokens in
   // content as text, one holding a special token's text would slip one into the prompt.
   if (special_tokens_as_text_) {
-    for (const auto& [field, value] : {std::pair<const char*, const nlohmann::ordered_json*>{
-                                           "chat_template_kwargs", &options.kwargs},
-                                       {"documents", &options.documents}}) {
+    std::vector<std::pair<std::string, const nlohmann::ordered_json*>> fields = {
+        {"chat_template_kwargs", &options.kwargs}, {"documents", &options.documents}};
+    for (size_t i = 0; i < req.messages.size(); ++i) {
+      fields.emplace_back(absl::StrCat("messages[", i, "].reasoning_content"),
+                          &req.messages[i].reasoning_content);
+    }
+    for (const auto& [field, value] : fields) {
       std::vector<const std::string*> strings;
       Strings(*value, strings);
       for (const std::string* s : strings) {

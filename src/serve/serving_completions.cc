@@ -5,13 +5,16 @@
 #include <random>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/status.h"
 #include "common/text.h"
 #include "serve/api_server_impl.h"
 #include "serve/harmony.h"
 #include "serve/prefix_cache.h"
 #include "serve/reasoning.h"
+#include "serve/responses.h"
 #include "serve/text_stream.h"
 #include "serve/tool_calls.h"
 
@@ -345,6 +348,15 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       req.grammar = ToolCallGrammar(format, req.tools, req.tool_choice, req.tool_choice_name,
                                     req.parallel_tool_calls, SpecialMarkers(format));
       req.grammar_param = "tool_choice";
+    } else if (req.grammar && req.tool_choice == "auto") {  // a call, or the JSON answer
+      absl::StatusOr<std::string> answer = PreparedSchema(*req.grammar);
+      if (!answer.ok()) {
+        return BadParam(req.grammar_param,
+                        absl::StrCat("'", req.grammar_param, "': ", answer.status().message()));
+      }
+      const std::string format = ToolCallFormat(req);
+      req.grammar = ToolCallOrAnswerGrammar(format, req.tools, req.parallel_tool_calls,
+                                            SpecialMarkers(format), *answer);
     }
     std::string rendered;
     ASSIGN_OR_RETURN(auto ids, prompt_builder->Chat(req, context, false, &rendered));
@@ -496,11 +508,15 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
   for (Choice& c : choices) c.stream->Cancel();  // ended, or the client is gone
 }
 
-// A non-streamed answer: waits for every choice, cancelling them if the client goes away.
-void ApiServer::Impl::Answer(const ApiRequest& req, std::vector<Choice>& choices,
-                             const std::string& id, int64_t created, http::Exchange& ex) {
-  std::vector<std::string> texts(choices.size()), reasonings(choices.size());
-  std::vector<std::vector<ToolCall>> calls(choices.size());
+// Waits for every choice, its text, reasoning and calls (each call's pieces joined); false when
+// the client went away (counted, nothing to answer).
+bool ApiServer::Impl::Collect(const ApiRequest& req, std::vector<Choice>& choices,
+                              http::Exchange& ex, std::vector<std::string>& texts,
+                              std::vector<std::string>& reasonings,
+                              std::vector<std::vector<ToolCall>>& calls) {
+  texts.assign(choices.size(), "");
+  reasonings.assign(choices.size(), "");
+  calls.assign(choices.size(), {});
   for (;;) {
     bool all_done = true;
     for (size_t i = 0; i < choices.size(); ++i) {
@@ -516,12 +532,20 @@ void ApiServer::Impl::Answer(const ApiRequest& req, std::vector<Choice>& choices
       }
       all_done &= choices[i].done;
     }
-    if (all_done) break;
+    if (all_done) return true;
     if (ex.ClientGone()) {
       metrics->CountRequest(499);  // the client closed the request; nobody reads an answer
-      return;
+      return false;
     }
   }
+}
+
+// A non-streamed answer: waits for every choice, cancelling them if the client goes away.
+void ApiServer::Impl::Answer(const ApiRequest& req, std::vector<Choice>& choices,
+                             const std::string& id, int64_t created, http::Exchange& ex) {
+  std::vector<std::string> texts, reasonings;
+  std::vector<std::vector<ToolCall>> calls;
+  if (!Collect(req, choices, ex, texts, reasonings, calls)) return;
   for (const Choice& c : choices) {
     if (!c.error.ok()) return ex.Respond(Reply(c.error));
   }
@@ -635,6 +659,103 @@ void ApiServer::Impl::Stream(const ApiRequest& req, std::vector<Choice>& choices
     if (!send(event)) return;
   }
   if (ex.Write("data: [DONE]\n\n")) {
+    code = 200;
+    ex.End();
+  }
+}
+
+namespace {
+
+// A chat parser's error in the Responses request's words: the field it names mapped back.
+absl::Status ResponsesParam(const absl::Status& s) {
+  const std::string param = ErrorParam(s);
+  if (param.empty() || s.code() != absl::StatusCode::kInvalidArgument) return s;
+  std::string mapped = param;
+  for (const auto& [chat, responses] :
+       {std::pair{"max_tokens", "max_output_tokens"}, std::pair{"response_format", "text.format"},
+        std::pair{"chat_template_kwargs", "reasoning.effort"}, std::pair{"messages", "input"}}) {
+    if (absl::StartsWith(param, chat)) mapped = responses;
+  }
+  if (absl::StartsWith(param, "tools[")) {
+    mapped = absl::StrReplaceAll(param, {{".function.", "."}, {".function", ""}});
+  }
+  return BadParam(mapped, std::string(s.message()));
+}
+
+}  // namespace
+
+// POST /v1/responses: the request read as the chat it stands for (serve/responses.h), answered
+// as a response object or its stream of typed events; on a thread of its own.
+void ApiServer::Impl::Responses(const http::Request& http_req, http::Exchange& ex) {
+  ++active;
+  struct Done {
+    std::atomic<int>& n;
+    ~Done() { --n; }
+  } done{active};
+  if (auto denied = Deny(http_req)) return ex.Respond(*std::move(denied));
+  absl::StatusOr<ojson> body = Body(http_req);
+  if (!body.ok()) return ex.Respond(Reply(body.status()));
+  absl::StatusOr<ojson> chat_body = ResponsesToChat(*body);
+  if (!chat_body.ok()) return ex.Respond(Reply(chat_body.status()));
+  auto parsed = ParseApiRequest(*chat_body, /*chat=*/true);
+  if (!parsed.ok()) return ex.Respond(Reply(ResponsesParam(parsed.status())));
+  ApiRequest& req = *parsed;
+  if (absl::Status s = Served(req.model); !s.ok()) return ex.Respond(Reply(s));
+  req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
+  std::vector<Choice> choices;
+  if (absl::Status s = Submit(req, http_req, choices); !s.ok()) {
+    return ex.Respond(Reply(ResponsesParam(s)));
+  }
+  const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+  ResponseBuilder builder(*body, RandomId("resp_"), created, config.env.model_name);
+  struct Cancel {
+    std::vector<Choice>& choices;
+    ~Cancel() {
+      for (Choice& c : choices) c.stream->Cancel();  // ended, or the client is gone
+    }
+  } cancel{choices};
+  if (!req.stream) {
+    std::vector<std::string> texts, reasonings;
+    std::vector<std::vector<ToolCall>> calls;
+    if (!Collect(req, choices, ex, texts, reasonings, calls)) return;
+    if (!choices[0].error.ok()) return ex.Respond(Reply(choices[0].error));
+    builder.Add(reasonings[0], texts[0], calls[0]);
+    builder.Finish(choices[0].finish_reason, Usage(choices));
+    return ex.Respond(Json(builder.Response()));
+  }
+  int code = 499;
+  struct Count {
+    LeaderMetrics& m;
+    int& code;
+    ~Count() { m.CountRequest(code); }
+  } count{*metrics, code};
+  if (!ex.StartStream({200, "text/event-stream", "", {{"Cache-Control", "no-cache"}}})) return;
+  auto send = [&](const std::vector<json>& events) {
+    for (const json& e : events) {
+      if (!ex.Write(absl::StrCat("event: ", e["type"].get<std::string>(), "\ndata: ", DumpJson(e),
+                                 "\n\n"))) {
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!send(builder.Start())) return;
+  Choice& c = choices[0];
+  while (!c.done) {
+    if (ex.ClientGone()) return;
+    ChoiceDelta d = Poll(c, req, kPoll);
+    if (!c.error.ok()) {
+      code = HttpStatusFor(c.error);
+      json error = ErrorBody(c.error)["error"];
+      error["type"] = "error";
+      send({error});
+      return ex.End();
+    }
+    if (!send(builder.Add(d.reasoning, d.text, d.calls))) return;
+  }
+  if (send(builder.Finish(c.finish_reason, Usage(choices)))) {
     code = 200;
     ex.End();
   }

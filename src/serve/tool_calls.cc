@@ -39,11 +39,11 @@ const Section* SectionOf(std::string_view format) {
 
 }  // namespace
 
-std::string ToolCallId() {
+std::string RandomId(std::string_view prefix) {
   static constexpr char kAlphabet[] =
       "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
   thread_local std::mt19937_64 rng(std::random_device{}());
-  std::string id = "call_";
+  std::string id(prefix);
   for (int i = 0; i < 24; ++i) id += kAlphabet[rng() % (sizeof(kAlphabet) - 1)];
   return id;
 }
@@ -374,7 +374,7 @@ void ToolCallParser::StreamArguments(size_t limit, Out& out) {
     }
     mode_ = CallMode::kStreamed;
     streamed_index_ = NextIndex();
-    if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, ToolCallId(), name, ""});
+    if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, RandomId("call_"), name, ""});
     args_at_ = at - 1;  // the arguments' opening brace
     args_scan_ = JsonScan();
     args_done_ = false;
@@ -398,7 +398,8 @@ bool ToolCallParser::CallFromJson(const json& j, Out& out) {
   }
   if (!args.is_object()) return false;
   const int index = NextIndex();
-  if (index >= 0) out.calls.push_back({index, ToolCallId(), name, args.dump()});  // else dropped
+  if (index >= 0)
+    out.calls.push_back({index, RandomId("call_"), name, args.dump()});  // else dropped
   return true;
 }
 
@@ -766,6 +767,16 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
       "start: call", parallel && choice == "required" ? absl::StrCat(" (", between, " call)*") : "",
       "\ncall: ", call, "\n");
   return Grammar{"lark", std::move(lark)};
+}
+
+Grammar ToolCallOrAnswerGrammar(const std::string& format, const nlohmann::ordered_json& tools,
+                                bool parallel, const MarkerIds& markers,
+                                const std::string& answer_schema) {
+  Grammar calls = ToolCallGrammar(format, tools, "required", "", parallel, markers);
+  // Its start rule renamed (every call grammar begins with it).
+  calls.data = absl::StrCat("start: calls | answer\nanswer: %json ", answer_schema,
+                            "\ncalls:", calls.data.substr(6));
+  return calls;
 }
 
 }  // namespace shardserve

@@ -47,8 +47,9 @@ struct ToolCall {
   std::string arguments;  // this piece of the arguments
 };
 
-// A new call's id, as OpenAI writes them: "call_" and 24 random letters and digits.
-std::string ToolCallId();
+// A new id as OpenAI writes them: `prefix` ("call_" for a tool call) and 24 random letters and
+// digits.
+std::string RandomId(std::string_view prefix);
 
 // The bracket depth of JSON text read a character at a time, strings (and their escapes)
 // skipped.
@@ -140,5 +141,12 @@ using MarkerIds = std::map<std::string, int32_t, std::less<>>;
 Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json& tools,
                         const std::string& choice, const std::string& name, bool parallel,
                         const MarkerIds& markers = {});
+
+// tool_choice auto with a JSON answer asked for (response_format): the output is calls of any of
+// `tools` in `format` (as ToolCallGrammar's required) or the answer, `answer_schema` (a prepared
+// schema's JSON: PreparedSchema).
+Grammar ToolCallOrAnswerGrammar(const std::string& format, const nlohmann::ordered_json& tools,
+                                bool parallel, const MarkerIds& markers,
+                                const std::string& answer_schema);
 
 }  // namespace shardserve

@@ -287,6 +287,7 @@ absl::StatusOr<std::string> ChatTemplate::RenderText(const std::vector<ChatMessa
     if (!m.name.empty()) msg["name"] = m.name;
     if (!m.tool_call_id.empty()) msg["tool_call_id"] = m.tool_call_id;
     if (!m.tool_calls.is_null()) msg["tool_calls"] = m.tool_calls;
+    if (!m.reasoning_content.is_null()) msg["reasoning_content"] = m.reasoning_content;
     list.push_back(std::move(msg));
   }
   for (const auto& [key, value] : special_) {

@@ -27,6 +27,9 @@ struct ChatMessage {
   std::string tool_call_id;   // tool: the call it answers
   // assistant: [{id?, type: "function", function: {name, arguments (an object)}}]; null: none.
   nlohmann::ordered_json tool_calls;
+  // assistant: its reasoning, given back (reasoning_content, as vLLM passes it to the template;
+  // a template that does not read it drops it, as transformers' does); null: none.
+  nlohmann::ordered_json reasoning_content;
   // The content's text parts when it came as a list (list-style templates get them apart); empty:
   // the content is one part (none when null).
   std::vector<std::string> parts;
