@@ -41,6 +41,13 @@ bool Given(const ojson& body, const char* key) {
   return body.contains(key) && !body[key].is_null();
 }
 
+// A member that is a string, else "" (the client's types are never trusted).
+std::string StringAt(const ojson& object, const char* key) {
+  return object.is_object() && object.contains(key) && object[key].is_string()
+             ? object[key].get<std::string>()
+             : "";
+}
+
 // A list of text parts (input_text, output_text, refusal) or a string, as the chat's content.
 absl::StatusOr<ojson> Content(const ojson& content, const std::string& param) {
   if (content.is_string()) return content;
@@ -50,9 +57,7 @@ absl::StatusOr<ojson> Content(const ojson& content, const std::string& param) {
   ojson parts = ojson::array();
   for (size_t i = 0; i < content.size(); ++i) {
     const ojson& part = content[i];
-    const std::string type = part.is_object() && part.contains("type") && part["type"].is_string()
-                                 ? part["type"].get<std::string>()
-                                 : "";
+    const std::string type = StringAt(part, "type");
     if (type != "input_text" && type != "output_text" && type != "text" && type != "refusal") {
       return BadParam(absl::StrCat(param, "[", i, "]"),
                       absl::StrCat("'", param, "[", i, "]' is a '", type,
@@ -232,7 +237,7 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
     for (size_t i = 0; i < body["tools"].size(); ++i) {
       const ojson& t = body["tools"][i];
       const std::string param = absl::StrCat("tools[", i, "]");
-      if (!t.is_object() || t.value("type", "") != "function") {
+      if (StringAt(t, "type") != "function") {
         return BadParam(param + ".type",
                         absl::StrCat("'", param,
                                      ".type' must be \"function\": built-in tools (web search, "
@@ -254,7 +259,7 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
   if (Given(body, "tool_choice")) {
     const ojson& choice = body["tool_choice"];
     if (choice.is_object()) {
-      if (choice.value("type", "") != "function" || !choice.contains("name")) {
+      if (StringAt(choice, "type") != "function" || !choice.contains("name")) {
         return BadParam("tool_choice",
                         "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                         "{\"type\": \"function\", \"name\": ...}");
@@ -277,10 +282,7 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
     }
     if (Given(text, "format")) {
       const ojson& format = text["format"];
-      const std::string type =
-          format.is_object() && format.contains("type") && format["type"].is_string()
-              ? format["type"].get<std::string>()
-              : "";
+      const std::string type = StringAt(format, "type");
       if (type == "json_object") {
         chat["response_format"] = {{"type", "json_object"}};
       } else if (type == "json_schema") {

@@ -124,6 +124,8 @@ def mutate(rng):
     elif r < 0.27:
         text = b"[" * rng.randint(50, 100000)
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    if rng.random() < 0.1:  # the Responses API reads bodies of its own; these are noise there
+        path = "/v1/responses"
     if rng.random() < 0.05:
         path = rng.choice(["/v1/completion", "/", "/v1/models/x", "/v1/completions?x=1",
                            "/%00", "/v1/" + "a" * 3000])
@@ -214,6 +216,20 @@ try:
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2, "stop": "x"}),
+        ("/v1/responses", {"model": "tiny", "instructions": "be brief", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text",
+                                                               "text": "hm"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+            "text": {"format": {"type": "json_schema", "name": "x",
+                                "schema": {"type": "object"}}},
+            "max_output_tokens": 3, "temperature": 0.5, "top_p": 0.9, "metadata": {"a": "b"},
+            "stream": False}),
+        ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2,
+                           "stream": True, "tool_choice": "none",
+                           "tools": [{"type": "function", "name": "f",
+                                      "parameters": {"type": "object"}}]}),
     ]
     wrong = [5, -1, 2**64, 1.5, "x", "", None, True, [], [5], {}, {"type": 5}]
 
