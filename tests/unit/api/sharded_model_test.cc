@@ -159,7 +159,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
       {with("  replicas: 2", "  replicas: 2\n  serving: {chatTemplate: {file: t}}"),
        "spec.serving.chatTemplate"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {reasoningParser: gpt_oss}"),
-       "spec.serving.reasoningParser 'gpt_oss' must be auto, none, deepseek_r1 or qwen3"},
+       "spec.serving.reasoningParser 'gpt_oss' must be auto, none, deepseek_r1, qwen3 (<think> "
+       "blocks) or openai_gptoss (harmony)"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {trustRequestChatTemplate: maybe}"),
        "spec.serving.trustRequestChatTemplate"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCacheIsolation: perUser}"),

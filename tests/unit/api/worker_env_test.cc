@@ -144,9 +144,9 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_MAX_BATCH_SIZE='0' must be an integer in [1, "));
   EXPECT_THAT(error({{"SHARDSERVE_TOOL_CALL_PARSER", "xlam"}}),
               HasSubstr("SHARDSERVE_TOOL_CALL_PARSER='xlam' must be hermes, llama3_json, mistral, "
-                        "pythonic, qwen3_coder, deepseek_v3, deepseek_v31 or kimi_k2"));
+                        "pythonic, qwen3_coder, deepseek_v3, deepseek_v31, kimi_k2 or openai"));
   EXPECT_THAT(error({{"SHARDSERVE_REASONING_PARSER", "gpt_oss"}}),
-              HasSubstr("SHARDSERVE_REASONING_PARSER='gpt_oss' must be think or none"));
+              HasSubstr("SHARDSERVE_REASONING_PARSER='gpt_oss' must be think, harmony or none"));
   EXPECT_THAT(error({{"SHARDSERVE_FP8", "fast"}}),
               HasSubstr("environment variable SHARDSERVE_FP8='fast' must be blocks or expand"));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),

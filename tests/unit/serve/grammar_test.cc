@@ -511,6 +511,37 @@ TEST(ReasoningGateTest, TheGrammarStartsAfterTheReasoning) {
   EXPECT_EQ(allowed(*harmony), answer);
 }
 
+// tool_choice auto with a JSON answer asked for: every walk is calls in the format or the
+// answer in its schema, never anything else.
+TEST_P(GrammarTest, CallsOrTheAnswer) {
+  const auto tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object",
+      "properties": {}, "additionalProperties": false}}}])");
+  auto answer = PreparedSchema(
+      {"json_schema", R"({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                          "required": ["ok"], "additionalProperties": false})"});
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  for (const char* format : {"hermes", "llama3_json", "deepseek_v31", "pythonic"}) {
+    int calls = 0, answers = 0;
+    for (uint32_t seed = 0; seed < 12; ++seed) {
+      auto c = vocab_->Compile(ToolCallOrAnswerGrammar(format, tools, false, {}, *answer));
+      ASSERT_TRUE(c.ok()) << format << ": " << c.status();
+      const std::string text = Walk(**c, seed);
+      ToolCallParser parser(format, tools, false);
+      ToolCallParser::Out out = parser.Add(text);
+      ToolCallParser::Out rest = parser.Finish();
+      if (parser.calls() > 0) {
+        ++calls;
+        continue;
+      }
+      const json v = json::parse(out.content + rest.content, nullptr, false);
+      EXPECT_TRUE(v.is_object() && v.size() == 1 && v["ok"].is_boolean()) << format << ": " << text;
+      ++answers;
+    }
+    EXPECT_GT(calls + answers, 0) << format;
+  }
+}
+
 TEST(GrammarVocabularyTest, NeedsAnEndOfSequence) {
   auto t = TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kByteLevel, 300);
   ASSERT_TRUE(t.ok());
