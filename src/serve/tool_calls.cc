@@ -587,6 +587,14 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
   };
   const ojson style = {
       {"whitespace_flexible", false}, {"item_separator", ", "}, {"key_separator", ": "}};
+  // A function's parameters (any object without them) as an embedded %json takes them.
+  auto styled_parameters = [&](const ojson& fn) {
+    ojson params = fn.contains("parameters") && fn["parameters"].is_object()
+                       ? fn["parameters"]
+                       : ojson({{"type", "object"}});
+    params["x-guidance"] = style;
+    return params;
+  };
   if (format == "pythonic" || format == "qwen3_coder") {
     // Each function's parameters one by one (in their schema's order, the required ones always,
     // the others perhaps): pythonic as NAME(key=value, ...) in a list, True / False / None for a
@@ -682,10 +690,7 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
     for (const ojson& t : tools) {
       const ojson& fn = t["function"];
       if (choice == "function" && fn["name"] != name) continue;
-      ojson params = fn.contains("parameters") && fn["parameters"].is_object()
-                         ? fn["parameters"]
-                         : ojson({{"type", "object"}});
-      params["x-guidance"] = style;
+      const ojson params = styled_parameters(fn);
       absl::StrAppend(
           &alternatives, alternatives.empty() ? "" : " | ", marker("<|channel|>"), " ",
           ojson(absl::StrCat("commentary to=functions.", fn["name"].get<std::string>(), " "))
@@ -701,10 +706,7 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
     for (const ojson& t : tools) {
       const ojson& fn = t["function"];
       if (choice == "function" && fn["name"] != name) continue;
-      ojson params = fn.contains("parameters") && fn["parameters"].is_object()
-                         ? fn["parameters"]
-                         : ojson({{"type", "object"}});
-      params["x-guidance"] = style;
+      const ojson params = styled_parameters(fn);
       const std::string fname = fn["name"].get<std::string>();
       const std::string sep = marker(section->separator);
       std::string head, tail;
