@@ -49,22 +49,24 @@ void HarmonyParser::Emit(std::string_view text, Out& out) {
       out.content += text;
       break;
     case Kind::kCall:
-      call_args_ += text;
+      if (streamed_index_ >= 0) {  // announced: its arguments as they come
+        if (!text.empty()) out.calls.push_back({streamed_index_, "", "", std::string(text)});
+      } else {
+        call_args_ += text;
+      }
       break;
   }
 }
 
 void HarmonyParser::EndMessage(Out& out) {
   if (kind_ != Kind::kCall) return;
-  const json args = json::parse(call_args_, nullptr, /*allow_exceptions=*/false);
-  const bool known = std::find(names_.begin(), names_.end(), recipient_) != names_.end();
-  if (args.is_object() && known) {
-    if (parallel_ || next_index_ == 0) {
-      out.calls.push_back({next_index_++, RandomId("call_"), recipient_, args.dump()});
-    }
-  } else {
-    out.content += call_args_;  // not a call of a function given: text, as vLLM leaves it
+  if (streamed_index_ >= 0 || dropped_) {  // streamed already, or past the one call allowed
+    streamed_index_ = -1;
+    dropped_ = false;
+    call_args_.clear();
+    return;
   }
+  out.content += call_args_;  // not a call of a function given: text, as vLLM leaves it
   call_args_.clear();
 }
 
@@ -93,6 +95,16 @@ HarmonyParser::Out HarmonyParser::Add(std::string_view text) {
       kind_ = channel == "analysis" ? Kind::kReasoning
               : !recipient_.empty() ? Kind::kCall
                                     : Kind::kContent;
+      // A call of a function given is announced now; its arguments stream.
+      if (kind_ == Kind::kCall &&
+          std::find(names_.begin(), names_.end(), recipient_) != names_.end()) {
+        if (parallel_ || next_index_ == 0) {
+          streamed_index_ = next_index_++;
+          out.calls.push_back({streamed_index_, RandomId("call_"), recipient_, ""});
+        } else {
+          dropped_ = true;
+        }
+      }
       buffer_.erase(0, message + kMessage.size());
       state_ = State::kBody;
       any_message_ = true;

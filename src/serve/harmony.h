@@ -12,7 +12,9 @@
 // markers are special tokens, which the text stream keeps for this parser (HarmonyMarkers); the
 // stop tokens (<|call|>, <|return|>) end the output without appearing in it. The parser takes the
 // output as it streams: bodies pass on as they come, holding back only what may begin a marker; a
-// call comes whole once its message ends. An output that never opens a message is content.
+// call of a function given is announced with its header, its arguments streaming as they are
+// written (one to a function not given stays text). An output that never opens a message is
+// content.
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,8 +47,10 @@ class HarmonyParser {
   bool parallel_;
   enum class State { kHeader, kBody } state_ = State::kHeader;
   enum class Kind { kReasoning, kContent, kCall } kind_ = Kind::kContent;
-  std::string recipient_;  // a call's function name
-  std::string call_args_;  // a call's body so far
+  std::string recipient_;    // a call's function name
+  std::string call_args_;    // the body of a call not announced (a function not given) so far
+  int streamed_index_ = -1;  // the announced call's index (its arguments stream)
+  bool dropped_ = false;     // a call past the one parallel_tool_calls false allows
   std::string buffer_;
   bool any_message_ = false;
   int next_index_ = 0;

@@ -346,27 +346,59 @@ int Expect(std::string_view s, size_t& at, std::string_view token) {
 }
 }  // namespace
 
+int ToolCallParser::HermesHeader(std::string* name, size_t* args) const {
+  // {"name": "NAME", "arguments": {
+  size_t at = 0;
+  int r = 1;
+  for (std::string_view t : {"{", "\"name\"", ":", "\""}) {
+    if ((r = Expect(buffer_, at, t)) != 1) return r;
+  }
+  const size_t end = buffer_.find('"', at);
+  if (end == std::string::npos) {
+    return buffer_.find_first_of("\\\n", at) == std::string::npos ? 0 : -1;
+  }
+  *name = buffer_.substr(at, end - at);
+  at = end + 1;
+  for (std::string_view t : {",", "\"arguments\"", ":", "{"}) {
+    if ((r = Expect(buffer_, at, t)) != 1) return r;
+  }
+  *args = at - 1;  // the arguments' opening brace
+  return 1;
+}
+
+int ToolCallParser::SectionHeader(std::string* name, size_t* args) const {
+  // NAME SEPARATOR {   (DeepSeek-V3: function SEPARATOR NAME ```json {; Kimi: functions.NAME:N)
+  constexpr size_t kLongestName = 256;
+  const Section& section = *SectionOf(format_);
+  const size_t sep = buffer_.find(section.separator);
+  if (sep == std::string::npos) return buffer_.size() > kLongestName ? -1 : 0;
+  std::string n = Trimmed(std::string_view(buffer_).substr(0, sep));
+  size_t at = sep + section.separator.size();
+  if (&section == &kDeepSeek && n == "function") {
+    const size_t fence = buffer_.find("```json", at);
+    if (fence == std::string::npos) return buffer_.size() - at > kLongestName ? -1 : 0;
+    n = Trimmed(std::string_view(buffer_).substr(at, fence - at));
+    at = fence + 7;
+  }
+  if (&section == &kKimi) {
+    if (absl::StartsWith(n, "functions.")) n.erase(0, 10);
+    if (const size_t colon = n.rfind(':'); colon != std::string::npos) n.resize(colon);
+  }
+  const size_t first = buffer_.find_first_not_of(" \t\r\n", at);
+  if (first == std::string::npos) return 0;
+  if (buffer_[first] != '{') return -1;
+  *name = std::move(n);
+  *args = first;
+  return 1;
+}
+
 void ToolCallParser::StreamArguments(size_t limit, Out& out) {
   if (mode_ == CallMode::kHeader) {
-    // {"name": "NAME", "arguments": {   -- anything else is read whole at the closing tag.
-    size_t at = 0;
-    int r = 1;
-    for (std::string_view t : {"{", "\"name\"", ":", "\""}) {
-      if ((r = Expect(buffer_, at, t)) != 1) break;
-    }
+    // The call announced once its name is read, then its arguments passed on as they come;
+    // anything else is read whole at the closing tag.
     std::string name;
-    if (r == 1) {
-      const size_t end = buffer_.find('"', at);
-      if (end == std::string::npos) {
-        r = buffer_.find_first_of("\\\n", at) == std::string::npos ? 0 : -1;
-      } else {
-        name = buffer_.substr(at, end - at);
-        at = end + 1;
-        for (std::string_view t : {",", "\"arguments\"", ":", "{"}) {
-          if ((r = Expect(buffer_, at, t)) != 1) break;
-        }
-      }
-    }
+    size_t at = 0;
+    const int r = SectionOf(format_) ? SectionHeader(&name, &at) : HermesHeader(&name, &at);
     if (r == 0) return;  // not enough yet
     if (r < 0 || std::find(names_.begin(), names_.end(), name) == names_.end()) {
       mode_ = CallMode::kWhole;
@@ -375,7 +407,7 @@ void ToolCallParser::StreamArguments(size_t limit, Out& out) {
     mode_ = CallMode::kStreamed;
     streamed_index_ = NextIndex();
     if (streamed_index_ >= 0) out.calls.push_back({streamed_index_, RandomId("call_"), name, ""});
-    args_at_ = at - 1;  // the arguments' opening brace
+    args_at_ = at;
     args_scan_ = JsonScan();
     args_done_ = false;
   }
@@ -447,7 +479,7 @@ ToolCallParser::Out ToolCallParser::Add(std::string_view text) {
       if (rest.starts_with(section->call_begin)) {
         buffer_.erase(0, first + section->call_begin.size());
         state_ = State::kInCall;
-        mode_ = CallMode::kWhole;
+        mode_ = CallMode::kHeader;
         continue;
       }
       if (rest.starts_with(section->end)) {

@@ -25,9 +25,10 @@
 // A call that does not parse, or names a function the request did not give, stays text, as
 // vLLM's parsers leave it. The parser takes the output as it streams: Add returns the text that
 // can be shown now (it holds back what may be the start of a call) and the calls as they come,
-// as OpenAI streams them: a Hermes call written {"name": ..., "arguments": {...}} is announced
-// (id and name) once its arguments begin, then its arguments follow piece by piece as the model
-// writes them; a call written otherwise, and Llama 3's, come whole once they have parsed.
+// as OpenAI streams them: a Hermes call written {"name": ..., "arguments": {...}}, and a DeepSeek
+// or Kimi call, is announced (id and name) once its arguments begin, then its arguments follow
+// piece by piece as the model writes them; a call written otherwise, and Llama 3's, Mistral's,
+// pythonic and Qwen3-Coder calls, come whole once they have parsed.
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -102,9 +103,13 @@ class ToolCallParser {
  private:
   void Call(std::string_view body, std::string_view raw, Out& out);
   bool CallFromJson(const nlohmann::ordered_json& j, Out& out);
-  // In a Hermes call: announces it once its header is read, then passes on its arguments (up to
-  // buffer_[limit], the closing tag when it has come).
+  // In a Hermes or section call: announces it once its header is read, then passes on its
+  // arguments (up to buffer_[limit], the closing tag when it has come).
   void StreamArguments(size_t limit, Out& out);
+  // A call's header in buffer_: 1 with its name and where its arguments' brace is, 0 when it is
+  // not whole yet, -1 when it is not that shape (the call is read whole).
+  int HermesHeader(std::string* name, size_t* args) const;
+  int SectionHeader(std::string* name, size_t* args) const;
   // A new call's index, or -1 when parallel_tool_calls false has already had one.
   int NextIndex();
 

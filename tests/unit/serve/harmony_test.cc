@@ -11,13 +11,22 @@ using json = nlohmann::ordered_json;
 
 const json kTools = json::parse(R"([{"type": "function", "function": {"name": "get_weather"}}])");
 
-// The output fed in pieces of `step` bytes, then finished; each call's pieces joined.
+// The output fed in pieces of `step` bytes, then finished; each call's pieces joined (its first
+// names it).
 HarmonyParser::Out Feed(HarmonyParser& p, const std::string& text, size_t step) {
   HarmonyParser::Out all;
   auto take = [&](HarmonyParser::Out o) {
     all.reasoning += o.reasoning;
     all.content += o.content;
-    all.calls.insert(all.calls.end(), o.calls.begin(), o.calls.end());
+    for (ToolCall& c : o.calls) {
+      if (c.index == static_cast<int>(all.calls.size())) {
+        EXPECT_FALSE(c.id.empty() || c.name.empty());
+        all.calls.push_back(c);
+      } else {
+        ASSERT_FALSE(all.calls.empty());
+        all.calls.back().arguments += c.arguments;
+      }
+    }
   };
   for (size_t at = 0; at < text.size(); at += step) take(p.Add(text.substr(at, step)));
   take(p.Finish());
@@ -50,7 +59,7 @@ TEST(HarmonyParser, ChannelsAndCalls) {
       EXPECT_EQ(out.content, "");
       ASSERT_EQ(out.calls.size(), 1u) << header << " " << step;
       EXPECT_EQ(out.calls[0].name, "get_weather");
-      EXPECT_EQ(out.calls[0].arguments, R"({"city":"Oslo"})");
+      EXPECT_EQ(out.calls[0].arguments, R"({"city": "Oslo"})") << "as written, streamed";
       EXPECT_EQ(call.calls(), 1);
     }
 
@@ -65,6 +74,13 @@ TEST(HarmonyParser, ChannelsAndCalls) {
   // An output that never opens a message is its answer; a body ending mid-marker keeps the text.
   HarmonyParser plain(kTools, true);
   EXPECT_EQ(Feed(plain, "Just words <| here", 2).content, "Just words <| here");
+  // A call is announced with its header, before its arguments.
+  HarmonyParser announced(kTools, true);
+  HarmonyParser::Out first =
+      announced.Add("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>");
+  ASSERT_EQ(first.calls.size(), 1u);
+  EXPECT_EQ(first.calls[0].name, "get_weather");
+  EXPECT_EQ(announced.Add("{\"ci").calls[0].arguments, "{\"ci");
   HarmonyParser streamed(kTools, true);
   EXPECT_EQ(streamed.Add("<|channel|>final<|message|>Hel").content, "Hel");
   EXPECT_EQ(streamed.Add("lo<|e").content, "lo") << "the start of a terminator is held back";

@@ -254,8 +254,8 @@ TEST(ToolCallParser, MistralListAfterTheMarker) {
 
 // Sections of calls: DeepSeek-V3's (the type, then the name and a ```json fence), V3.1's (name,
 // separator, arguments) and Kimi K2's (functions.NAME:INDEX); text before the section streams,
-// each call comes whole once it closes (before the output ends), and a call that does not
-// parse, or names a function not given, stays text.
+// each call is announced once its arguments begin and they stream as written, and a call that
+// does not have that shape, or names a function not given, stays text.
 TEST(ToolCallParser, SectionsOfCalls) {
   const std::string v3 =
       "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
@@ -278,17 +278,17 @@ TEST(ToolCallParser, SectionsOfCalls) {
       EXPECT_EQ(out.content, "Let me look.") << format << " " << step;
       ASSERT_EQ(out.calls.size(), 2u) << format << " " << step;
       EXPECT_EQ(out.calls[0].name, "get_weather");
-      EXPECT_EQ(out.calls[0].arguments, R"({"city":"Oslo"})");
+      EXPECT_EQ(out.calls[0].arguments, R"({"city": "Oslo"})") << "as written, streamed";
       EXPECT_EQ(out.calls[1].name, "add");
-      EXPECT_EQ(out.calls[1].arguments, R"({"a":1})");
+      EXPECT_EQ(out.calls[1].arguments, R"({"a": 1})");
     }
-    // The first call comes as soon as it closes.
+    // A call is announced once its arguments begin, which then stream.
     ToolCallParser p(format, kTools, true);
-    const size_t first_end =
-        text.find(format == "kimi_k2" ? "<|tool_call_end|>" : "<｜tool▁call▁end｜>");
-    const ToolCallParser::Out early = p.Add(text.substr(0, first_end + 30));
-    ASSERT_EQ(early.calls.size(), 1u) << format;
+    const size_t args = text.find("{\"city");
+    const ToolCallParser::Out early = p.Add(text.substr(0, args + 4));
+    ASSERT_EQ(early.calls.size(), 2u) << format;
     EXPECT_EQ(early.calls[0].name, "get_weather");
+    EXPECT_EQ(early.calls[1].arguments, "{\"ci");
   }
   ToolCallParser bad("deepseek_v31", kTools, true);
   const std::string unknown =
@@ -297,14 +297,21 @@ TEST(ToolCallParser, SectionsOfCalls) {
   const ToolCallParser::Out out = Feed(bad, unknown, 3);
   EXPECT_EQ(out.content, "<｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜>");
   EXPECT_TRUE(out.calls.empty());
+  // Cut off in its arguments (max_tokens): announced, what came of them given (as Hermes').
   ToolCallParser broken("kimi_k2", kTools, true);
   const ToolCallParser::Out cut =
       Feed(broken,
            "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
            "<|tool_call_argument_begin|>{\"a\": ",
            4);
-  EXPECT_TRUE(cut.calls.empty());
-  EXPECT_EQ(cut.content, "<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{\"a\": ");
+  ASSERT_EQ(cut.calls.size(), 1u);
+  EXPECT_EQ(cut.calls[0].name, "add");
+  EXPECT_EQ(cut.calls[0].arguments, "{\"a\": ");
+  EXPECT_EQ(cut.content, "");
+  // Cut off before its arguments: no call, the text stays.
+  ToolCallParser early("kimi_k2", kTools, true);
+  EXPECT_EQ(Feed(early, "<|tool_calls_section_begin|><|tool_call_begin|>functions.ad", 3).content,
+            "<|tool_call_begin|>functions.ad");
 }
 
 }  // namespace
