@@ -250,14 +250,9 @@ absl::Status ParseTools(const json& body, ApiRequest& r) {
   if (r.tool_choice == "required" && r.tools.is_null()) {
     return BadParam("tool_choice", "'tool_choice' \"required\" needs 'tools'");
   }
-  // A function's strict schema is kept by constraining the call, which happens when a call must
-  // come (required, a named function); free to answer in text (auto), the output is not.
-  if (!strict_at.empty() && r.tool_choice == "auto") {
-    return BadParam(strict_at, absl::StrCat("'", strict_at,
-                                            "' true needs 'tool_choice' \"required\" or a "
-                                            "named function (with \"auto\" the output is not "
-                                            "constrained)"));
-  }
+  // A function's strict schema is kept by constraining its calls: always where a call must come
+  // (required, named); with auto, by a grammar of text or calls (the server's, per format).
+  r.strict_param = strict_at;
   ASSIGN_OR_RETURN(auto parallel, Boolean(body, "parallel_tool_calls"));
   r.parallel_tool_calls = parallel.value_or(true);
   return absl::OkStatus();

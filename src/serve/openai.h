@@ -58,6 +58,9 @@ struct ApiRequest {
   std::string tool_choice = "none";
   std::string tool_choice_name;
   bool parallel_tool_calls = true;  // false: at most one call is returned
+  // The first function with strict: true ("tools[i].function.strict"), or empty: with tool_choice
+  // auto, such calls are constrained too (the output is text or calls).
+  std::string strict_param;
   SamplingParams params;
   bool max_tokens_set = false;
   bool seed_set = false;  // without a seed, every request samples differently

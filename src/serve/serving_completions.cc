@@ -357,6 +357,13 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       const std::string format = ToolCallFormat(req);
       req.grammar = ToolCallOrAnswerGrammar(format, req.tools, req.parallel_tool_calls,
                                             SpecialMarkers(format), *answer);
+    } else if (req.tool_choice == "auto" && !req.strict_param.empty()) {  // text, or strict calls
+      const std::string format = ToolCallFormat(req);
+      absl::StatusOr<Grammar> g =
+          ToolCallOrTextGrammar(format, req.tools, req.parallel_tool_calls, SpecialMarkers(format));
+      if (!g.ok()) return BadParam(req.strict_param, std::string(g.status().message()));
+      req.grammar = *std::move(g);
+      req.grammar_param = req.strict_param;
     }
     std::string rendered;
     ASSIGN_OR_RETURN(auto ids, prompt_builder->Chat(req, context, false, &rendered));

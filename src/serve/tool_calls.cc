@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "common/text.h"
 #include "serve/harmony.h"
@@ -811,6 +812,71 @@ Grammar ToolCallOrAnswerGrammar(const std::string& format, const nlohmann::order
   calls.data = absl::StrCat("start: calls | answer\nanswer: %json ", answer_schema,
                             "\ncalls:", calls.data.substr(6));
   return calls;
+}
+
+namespace {
+
+// `text` as a regex matches it literally.
+std::string RegexLiteral(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    if (std::string_view("\\.^$|?*+()[]{}/").find(c) != std::string_view::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Grammar> ToolCallOrTextGrammar(const std::string& format,
+                                              const nlohmann::ordered_json& tools, bool parallel,
+                                              const MarkerIds& markers) {
+  using ojson = nlohmann::ordered_json;
+  const Grammar calls = ToolCallGrammar(format, tools, "required", "", parallel, markers);
+  // The calls grammar's rules: its start rule's body, then the rest.
+  const size_t eol = calls.data.find('\n');
+  const std::string start = calls.data.substr(6, eol - 6);  // after "start:"
+  const std::string rules = calls.data.substr(eol + 1);
+  if (format == "llama3_json" || format == "pythonic") {
+    // The output is calls, or text that does not begin as they do.
+    const char* first = format == "pythonic" ? "\\[" : "{";
+    return Grammar{"lark", absl::StrCat("start: TEXT |", start, "\nTEXT: /(?s:(\\s*[^\\s", first,
+                                        "].*)?)/\n", rules)};
+  }
+  std::string opener;  // the text calls begin with, when it is text (a special token ends TEXT)
+  std::string rest;    // the calls after it
+  if (format == "hermes" || format == "qwen3_coder") {
+    opener = "<tool_call>";
+    // The first call without its opener: each alternative of `call` begins with it.
+    const std::string quoted = ojson(opener).dump();                       // "<tool_call>"
+    const std::string open_literal = quoted.substr(0, quoted.size() - 1);  // "<tool_call>
+    const size_t call_at = rules.find("call: ");
+    if (call_at == std::string::npos) return absl::InternalError("no call rule");
+    std::string first = rules.substr(call_at + 6, rules.find('\n', call_at) - call_at - 6);
+    first = absl::StrReplaceAll(first, {{open_literal, "\""}});
+    rest = absl::StrCat("first", start.substr(start.find("call") + 4), "\nfirst: ", first);
+  } else if (const Section* section = SectionOf(format)) {
+    const std::string begin(section->begin);
+    if (markers.find(section->begin) == markers.end()) {
+      opener = begin;
+      const std::string literal = ojson(begin).dump();
+      const size_t at = start.find(literal);
+      if (at == std::string::npos) return absl::InternalError("no section opener");
+      rest = start.substr(at + literal.size());
+    }
+  } else if (format != "mistral") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a strict function with tool_choice \"auto\" is not supported in the ", format,
+                     " format (\"required\" or a named function constrains its call)"));
+  }
+  if (opener.empty()) {  // a special token opens the calls: text, then perhaps calls
+    return Grammar{"lark", absl::StrCat("start: TEXT | TEXT", start, "\nTEXT: /(?s:.*)/\n", rules)};
+  }
+  // Text that never writes the opener, or text up to it (a lazy lexeme that ends there), then
+  // the calls.
+  return Grammar{"lark", absl::StrCat("start: TEXT | before ", rest, "\nTEXT: /(?s:.*)/ & ~/(?s:.*",
+                                      RegexLiteral(opener), ".*)/\nbefore[suffix=",
+                                      ojson(opener).dump(), "]: /(?s:.*)/\n", rules)};
 }
 
 }  // namespace shardserve

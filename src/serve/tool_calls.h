@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "serve/grammar.h"
 
 namespace shardserve {
@@ -153,5 +154,13 @@ Grammar ToolCallGrammar(const std::string& format, const nlohmann::ordered_json&
 Grammar ToolCallOrAnswerGrammar(const std::string& format, const nlohmann::ordered_json& tools,
                                 bool parallel, const MarkerIds& markers,
                                 const std::string& answer_schema);
+
+// tool_choice auto with a strict function: the output is text or calls in `format`, the calls
+// constrained as ToolCallGrammar's required ones (text first where the format lets it: Hermes,
+// Qwen3-Coder, Mistral, the DeepSeek / Kimi sections; all text or all calls: Llama 3 JSON,
+// pythonic). InvalidArgument for a format it cannot do (gpt-oss's harmony).
+absl::StatusOr<Grammar> ToolCallOrTextGrammar(const std::string& format,
+                                              const nlohmann::ordered_json& tools, bool parallel,
+                                              const MarkerIds& markers);
 
 }  // namespace shardserve

@@ -132,6 +132,16 @@ def tools_family(d, client):
     check(done and deltas == done[0] == events[-1].response.output_text,
           f"streamed text deltas joined == the done text == the response's ({deltas!r})")
 
+    # A strict tool with tool_choice auto: text, or calls that keep the schema.
+    for seed_text in ("Weather in Oslo?", "Say hi.", "Call get_weather."):
+        r = client.responses.create(model="tiny", input=seed_text, tools=[WEATHER],
+                                    tool_choice="auto", temperature=1.0, max_output_tokens=60,
+                                    parallel_tool_calls=False)
+        calls = [o for o in r.output if o.type == "function_call"]
+        check(all(json.loads(c.arguments).get("unit") in ("c", "f") for c in calls),
+              f"a strict tool with tool_choice auto: every call keeps the schema "
+              f"({[o.model_dump() for o in r.output]})")
+
     refused(client, "store true", {"input": "hi", "store": True}, "store")
     refused(client, "previous_response_id", {"input": "hi", "previous_response_id": "resp_x"},
             "previous_response_id")
@@ -153,24 +163,22 @@ def agents_family(port):
     """OpenAI's Agents SDK: an agent with a function tool and a structured final output; the
     first turn must call the tool (tool_choice required), the SDK runs it and sends its output
     back, the second turn (tool_choice reset to auto) answers in the output type's schema."""
-    from agents import (Agent, FunctionTool, ModelSettings, OpenAIResponsesModel, Runner,
+    from typing import Annotated
+
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
                         set_tracing_disabled)
     from pydantic import BaseModel, Field
 
     set_tracing_disabled(True)
     asked = []
 
-    # Not strict: with tool_choice auto (the second turn) a strict tool is refused, as the free
-    # output could not keep it (README, tool calls); its arguments bounded all the same (a random
-    # model would write properties without end).
-    async def run_weather(ctx, args):
-        asked.append(json.loads(args).get("city"))
+    # The SDK's default: a strict tool (its schema closed, every property required); bounded, or
+    # a random model would write a city without end.
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
+        """The weather in a city."""
+        asked.append(city)
         return json.dumps({"temp": 3})
-
-    get_weather = FunctionTool(
-        name="get_weather", description="The weather in a city.",
-        params_json_schema={k: v for k, v in WEATHER["parameters"].items()},
-        on_invoke_tool=run_weather, strict_json_schema=False)
 
     class Report(BaseModel):
         colour: str = Field(json_schema_extra={"enum": ["red", "green", "blue"]})

@@ -542,6 +542,52 @@ TEST_P(GrammarTest, CallsOrTheAnswer) {
   }
 }
 
+// tool_choice auto with a strict function: the output is text, or calls that keep the schema;
+// text first where the format has it (the lazy text ends at the calls' opener).
+TEST_P(GrammarTest, TextOrStrictCalls) {
+  const auto tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "pick", "strict": true, "parameters": {
+      "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+      "required": ["n"], "additionalProperties": false}}}])");
+  for (const char* format :
+       {"hermes", "qwen3_coder", "llama3_json", "pythonic", "deepseek_v31", "kimi_k2"}) {
+    auto g = ToolCallOrTextGrammar(format, tools, true, {});
+    ASSERT_TRUE(g.ok()) << format << ": " << g.status();
+    for (uint32_t seed = 0; seed < 8; ++seed) {
+      auto c = vocab_->Compile(*g);
+      ASSERT_TRUE(c.ok()) << format << ": " << c.status() << "\n" << g->data;
+      const std::string text = Walk(**c, seed);
+      ToolCallParser parser(format, tools, true);
+      ToolCallParser::Out out = parser.Add(text);
+      ToolCallParser::Out rest = parser.Finish();
+      out.calls.insert(out.calls.end(), rest.calls.begin(), rest.calls.end());
+      std::map<int, std::string> args;
+      for (const ToolCall& call : out.calls) args[call.index] += call.arguments;
+      for (const auto& [index, a] : args) {
+        const json v = json::parse(a, nullptr, false);
+        EXPECT_TRUE(v.is_object() && v["n"].is_number_integer() && v["n"] >= 1 && v["n"] <= 9)
+            << format << ": " << text;
+      }
+    }
+  }
+  // Text, then the opener: from there the call keeps the schema.
+  auto g = ToolCallOrTextGrammar("hermes", tools, true, {});
+  ASSERT_TRUE(g.ok());
+  auto c = vocab_->Compile(*g);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto ids = tok_->Encode("Let me see. <tool_call>\n", false);
+  ASSERT_TRUE(ids.ok());
+  for (int32_t id : *ids) ASSERT_TRUE((*c)->Accept(id).ok()) << tok_->TokenBytes(id);
+  std::vector<uint32_t> mask;
+  ASSERT_TRUE((*c)->Allowed(&mask).ok());
+  for (size_t i = 0; i < mask.size() * 32; ++i) {
+    if (mask[i / 32] >> (i % 32) & 1u) {
+      EXPECT_EQ(tok_->TokenBytes(static_cast<int32_t>(i)).substr(0, 1), "{") << i;
+    }
+  }
+  EXPECT_FALSE(ToolCallOrTextGrammar("openai", tools, true, {}).ok()) << "harmony: refused";
+}
+
 TEST(GrammarVocabularyTest, NeedsAnEndOfSequence) {
   auto t = TrainBpeTokenizer(DefaultCorpus(), TokenizerStyle::kByteLevel, 300);
   ASSERT_TRUE(t.ok());

@@ -105,9 +105,6 @@ TEST(OpenAiParse, RefusalsNameTheParameter) {
            "tools": [{"type": "retrieval"}]})",
        true, "tools[0]"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
-           "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]})",
-       true, "tools[0].function.strict"},
-      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}],
            "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}],
            "tool_choice": "required"})",
        true, "tools[0].function.strict"},
@@ -399,6 +396,24 @@ TEST(TextStream, ByteLevelInvalidRunsAreOneReplacementEach) {
     EXPECT_EQ((*tok)->Decode(c.ids, true), c.want);
     EXPECT_EQ(StreamAll(**tok, c.ids), c.want);
   }
+}
+
+}  // namespace
+}  // namespace shardserve
+
+namespace shardserve {
+namespace {
+
+// A strict function with tool_choice auto is taken (the server constrains its calls, the output
+// text or calls), its field named for the errors of that grammar.
+TEST(OpenAiParse, StrictWithAutoIsNamed) {
+  auto r = ParseApiRequest(json::parse(R"({"model": "m", "messages": [{"role": "user",
+      "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}},
+      {"type": "function", "function": {"name": "g", "strict": true}}]})"),
+                           true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tool_choice, "auto");
+  EXPECT_EQ(r->strict_param, "tools[1].function.strict");
 }
 
 }  // namespace
