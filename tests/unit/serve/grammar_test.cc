@@ -254,6 +254,22 @@ TEST(GrammarVocabularyTest, MistralCallsStartWithTheirToken) {
   EXPECT_EQ(out.calls[0].name, "pick");
   const json args = json::parse(out.calls[0].arguments);
   EXPECT_TRUE(args["n"].is_number_integer() && args["n"] >= 1 && args["n"] <= 9);
+  // tool_choice auto with a strict function: text, then perhaps the marker and calls.
+  auto text_or_calls = ToolCallOrTextGrammar("mistral", tools, true, {{"[TOOL_CALLS]", *marker}});
+  ASSERT_TRUE(text_or_calls.ok()) << text_or_calls.status();
+  auto free = vocab.value()->Compile(*text_or_calls);
+  ASSERT_TRUE(free.ok()) << free.status() << "\n" << text_or_calls->data;
+  auto words = (*tok)->Encode("Sure.", false);
+  ASSERT_TRUE(words.ok());
+  for (int32_t id : *words) ASSERT_TRUE((*free)->Accept(id).ok());
+  ASSERT_TRUE((*free)->Accept(*marker).ok()) << "the marker after text";
+  std::vector<uint32_t> after;
+  ASSERT_TRUE((*free)->Allowed(&after).ok());
+  for (size_t i = 0; i < after.size() * 32; ++i) {
+    if (after[i / 32] >> (i % 32) & 1u) {
+      EXPECT_EQ((*tok)->TokenBytes(static_cast<int32_t>(i)).substr(0, 1), "[") << i;
+    }
+  }
 }
 
 TEST_P(GrammarTest, ATokenOutsideTheMaskIsRefused) {
