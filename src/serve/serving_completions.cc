@@ -349,6 +349,12 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
                                     req.parallel_tool_calls, SpecialMarkers(format));
       req.grammar_param = "tool_choice";
     } else if (req.grammar && req.tool_choice == "auto") {  // a call, or the JSON answer
+      if (Harmony(req)) {  // calls are commentary messages; the answer, the final channel's
+        return BadParam(req.grammar_param,
+                        absl::StrCat("'", req.grammar_param,
+                                     "' with tools (tool_choice \"auto\") is not supported in "
+                                     "gpt-oss's harmony format; \"required\" or \"none\" is"));
+      }
       absl::StatusOr<std::string> answer = PreparedSchema(*req.grammar);
       if (!answer.ok()) {
         return BadParam(req.grammar_param,

@@ -170,6 +170,21 @@ def tool_checks(family, client, d, tok):
                   f"{family}: tool_choice {choice} gives a valid call "
                   f"({'streamed' if stream else 'whole'}): {calls} {finish}")
 
+def harmony_checks(family, client):
+    """gpt-oss's harmony: a JSON answer with tools auto would need calls and the answer in
+    different channels; refused by name rather than half kept."""
+    if family != "harmony":
+        return
+    try:
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=BOUNDED_TOOLS, max_tokens=4,
+            tool_choice="auto", response_format={"type": "json_object"})
+        check(False, f"{family}: response_format with tools auto is refused by name")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and "harmony" in str(e),
+              f"{family}: response_format with tools auto is refused by name ({e.message})")
+
+
 def reasoning_checks(family, client, tok):
     """A template that opens the reply in <think> (DeepSeek-R1's, Qwen3's way): the client reads
     the output as message.reasoning_content (and delta.reasoning_content streamed), apart from
@@ -254,6 +269,7 @@ for family, args in FAMILIES:
                   f"{family}: chat answer == completion of transformers' chat prompt ids")
         tool_checks(family, client, d, tok)
         reasoning_checks(family, client, tok)
+        harmony_checks(family, client)
         if family != "llama3":
             continue
         comp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
