@@ -56,7 +56,7 @@ constexpr char kGenModelUsage[] =
     "--dtype bf16|f16|f32 --fp8-block N|tensor --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
     "--chat-template auto|llama3|chatml|llama2|mistral|hermes|llama3-tools|mistral-tools|\n"
-    "deepseek-tools|chatml-think|harmony|none\n"
+    "deepseek-tools|chatml-think|qwen3|harmony|none\n"
     "--corpus FILE --shard-size BYTES --think-tokens\n"
     "--format safetensors|gguf --gguf-type f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k\n"
     "--gguf-legacy-mla]\n"

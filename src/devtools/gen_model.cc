@@ -1,6 +1,7 @@
 #include "devtools/gen_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -8,8 +9,10 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "common/text.h"
 #include "devtools/corpus.h"
@@ -390,6 +393,19 @@ constexpr char kChatMlThinkTemplate[] =
     "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}"
     "{% endif %}";
+// Qwen3's thinking switch: the model opens its own <think> block (the reply starts bare), unless
+// chat_template_kwargs' enable_thinking is false, which writes an empty block into the prompt.
+constexpr char kQwen3Template[] =
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' %}{% set content = content.split('</think>')[-1] | trim "
+    "%}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}";
 constexpr char kLlama2Template[] =
     "{% if messages[0]['role'] == 'system' %}{% set system = '<<SYS>>\n' + "
     "messages[0]['content'] + '\n<</SYS>>\n\n' %}{% set turns = messages[1:] %}{% else %}"
@@ -666,15 +682,13 @@ absl::Status GenModelOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "--fp8-block ", fp8_block, " is not a block size in [1, 4096] (or 0: none; tensor)"));
   }
-  if (chat_template != "auto" && chat_template != "llama3" && chat_template != "chatml" &&
-      chat_template != "llama2" && chat_template != "mistral" && chat_template != "hermes" &&
-      chat_template != "llama3-tools" && chat_template != "mistral-tools" &&
-      chat_template != "deepseek-tools" && chat_template != "chatml-think" &&
-      chat_template != "harmony" && chat_template != "none") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--chat-template '", chat_template,
-        "' is not auto, llama3, chatml, llama2, mistral, hermes, llama3-tools, mistral-tools, "
-        "deepseek-tools, chatml-think, harmony or none"));
+  constexpr std::array<const char*, 13> kTemplates = {
+      "auto",   "llama3",       "chatml",        "llama2",         "mistral",
+      "hermes", "llama3-tools", "mistral-tools", "deepseek-tools", "chatml-think",
+      "qwen3",  "harmony",      "none"};
+  if (absl::c_find(kTemplates, chat_template) == kTemplates.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("--chat-template '", chat_template, "' is not ",
+                                                   absl::StrJoin(kTemplates, ", ")));
   }
   if (!rope_scaling.empty() && rope_scaling != "llama3" && rope_scaling != "linear" &&
       rope_scaling != "yarn") {
@@ -705,7 +719,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   std::vector<std::string> chat_tokens =
       chat == "llama3"
           ? std::vector<std::string>{"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
-      : chat == "chatml" || chat == "chatml-think"
+      : chat == "chatml" || chat == "chatml-think" || chat == "qwen3"
           ? std::vector<std::string>{"<|im_start|>", "<|im_end|>"}
       : chat == "mistral-tools"  ? std::vector<std::string>{"[INST]",
                                                             "[/INST]",
@@ -728,7 +742,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
           ? std::vector<std::string>{"<|start|>",     "<|message|>", "<|end|>",   "<|channel|>",
                                      "<|constrain|>", "<|call|>",    "<|return|>"}
           : std::vector<std::string>{};
-  const bool think_tokens = o.think_tokens || chat == "chatml-think";
+  const bool think_tokens = o.think_tokens || chat == "chatml-think" || chat == "qwen3";
   if (think_tokens) chat_tokens.insert(chat_tokens.end(), {"<think>", "</think>"});
   ASSIGN_OR_RETURN(TrainedTokenizer tok,
                    TrainBpeTokenizer(corpus, o.tokenizer, o.vocab, chat_tokens));
@@ -748,6 +762,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   if (chat == "llama3") tok_config["chat_template"] = kLlama3Template;
   if (chat == "chatml") tok_config["chat_template"] = kChatMlTemplate;
   if (chat == "chatml-think") tok_config["chat_template"] = kChatMlThinkTemplate;
+  if (chat == "qwen3") tok_config["chat_template"] = kQwen3Template;
   if (chat == "llama2") tok_config["chat_template"] = kLlama2Template;
   if (chat == "mistral") tok_config["chat_template"] = kMistralTemplate;
   if (chat == "hermes") tok_config["chat_template"] = kHermesTemplate;
@@ -885,7 +900,16 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     if (o.arch == "gpt_oss") config["rope_scaling"]["truncate"] = false;  // as gpt-oss sets it
   }
   RETURN_IF_ERROR(WriteText(dir / "config.json", config.dump(2)));
-  const json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};
+  json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};
+  if (chat == "harmony") {  // as gpt-oss's: a reply also ends at <|return|> and at <|call|>
+    gen_config["eos_token_id"] = json::array({tok.eos_id});
+    const json t = json::parse(tok.json);
+    for (const json& added : t["added_tokens"]) {
+      if (added["content"] == "<|return|>" || added["content"] == "<|call|>") {
+        gen_config["eos_token_id"].push_back(added["id"]);
+      }
+    }
+  }
   RETURN_IF_ERROR(WriteText(dir / "generation_config.json", gen_config.dump(2)));
 
   std::vector<Planned> planned = PlanTensors(o, head_dim);

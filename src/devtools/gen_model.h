@@ -53,7 +53,8 @@ struct GenModelOptions {
   // `_scale_inv`, weight_block_size null).
   static constexpr int64_t kFp8PerTensor = -1;
   int64_t fp8_block = 0;
-  // The chat template written to tokenizer_config.json: llama3, chatml, llama2, mistral, none,
+  // The chat template written to tokenizer_config.json: llama3, chatml, llama2, mistral, hermes,
+  // llama3-tools, mistral-tools, deepseek-tools, chatml-think, qwen3, harmony, none,
   // or auto (chatml for qwen2; llama2 / mistral for SentencePiece llama / others; llama3 for
   // byte-level llama; mistral for byte-level mistral and mixtral).
   std::string chat_template = "auto";

@@ -21,6 +21,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from checks import Checks  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from vllm_messages import as_vllm_hands_them  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 BIN = sys.argv[1]
@@ -130,25 +131,6 @@ CALLS = [{"role": "user", "content": "Weather in Oslo?"},
 CONTINUE = [{"role": "user", "content": "Complete: the sky is"},
             {"role": "assistant", "content": "The sky is"}]
 DOCS = [{"title": "Oslo", "text": "Capital of Norway."}, {"title": "Bergen", "text": "Rainy."}]
-
-
-def as_vllm_hands_them(messages, list_style):
-    """The messages as vLLM gives them to apply_chat_template: content null -> "" ([] for a
-    list-style template), a string -> one text part (list style), parts -> joined by "\\n"
-    (string style); a call's arguments as a dict."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        content = m.get("content")
-        parts = ([] if content is None else
-                 [content] if isinstance(content, str) else [p["text"] for p in content])
-        m["content"] = ([{"type": "text", "text": p} for p in parts] if list_style
-                        else "\n".join(parts))
-        if m.get("tool_calls"):
-            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
-                c["function"]["arguments"]))) for c in m["tool_calls"]]
-        out.append(m)
-    return out
 
 
 def reference(tok, template, messages, list_style=False, **kw):

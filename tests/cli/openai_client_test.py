@@ -18,6 +18,7 @@ import openai
 sys.path.insert(0, os.path.dirname(__file__))
 from checks import Checks  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
+from vllm_messages import as_vllm_hands_them  # noqa: E402
 
 BIN = sys.argv[1]
 check = Checks()
@@ -68,21 +69,6 @@ ROUND_TRIP = [{"role": "user", "content": "Weather in Oslo?"},
               {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 3}"}]
 
 
-def for_transformers(messages):
-    """The messages as vLLM hands them to Hugging Face templates: a call's arguments as a dict,
-    a null content as ""."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("content") is None:
-            m["content"] = ""
-        if m.get("tool_calls"):
-            m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.loads(
-                c["function"]["arguments"]))) for c in m["tool_calls"]]
-        out.append(m)
-    return out
-
-
 def tool_checks(family, client, d, tok):
     """Tools on the templates that render them (Hermes; Llama 3 with tools): the prompt is
     transformers' apply_chat_template(tools=...) token for token (/tokenize, and
@@ -108,7 +94,7 @@ def tool_checks(family, client, d, tok):
     plain = client.chat.completions.create(model="tiny", messages=ROUND_TRIP, tools=TOOLS,
                                            tool_choice="none", max_tokens=4, temperature=0)
     if tok is not None:
-        want = tok.apply_chat_template(for_transformers(ROUND_TRIP), tools=TOOLS,
+        want = tok.apply_chat_template(as_vllm_hands_them(ROUND_TRIP), tools=TOOLS,
                                        add_generation_prompt=True, tokenize=True, return_dict=False)
         check(status == 200 and body["tokens"] == list(want),
               f"{family}: the tool round trip's prompt is transformers', token for token "
@@ -116,7 +102,7 @@ def tool_checks(family, client, d, tok):
         check(chat.usage.prompt_tokens == len(want),
               f"{family}: chat with tools prompts transformers' tokens ({chat.usage.prompt_tokens} "
               f"vs {len(want)})")
-        bare = tok.apply_chat_template(for_transformers(ROUND_TRIP), add_generation_prompt=True,
+        bare = tok.apply_chat_template(as_vllm_hands_them(ROUND_TRIP), add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
         check(plain.usage.prompt_tokens == len(bare) < len(want),
               f"{family}: tool_choice none leaves the tools out ({plain.usage.prompt_tokens} vs "

@@ -33,6 +33,17 @@ const Case kCases[] = {
     // A template written with CRLF line endings renders as Jinja2 reads it: "\n".
     {"crlf", "{% for m in messages %}\r\n<{{ m.role }}>\r\n{% endfor %}\r\nend\r\n",
      "<system>\n<user>\n<assistant>\n<user>\nend"},
+    // tojson's ensure_ascii (Qwen3.5 templates people edit pass it): past ASCII as \uXXXX,
+    // beyond the BMP as a surrogate pair.
+    {"ensure_ascii",
+     R"J({{ {'é': 'Wetter für 😀'} | tojson(ensure_ascii=true) }}|{{ 'für' | tojson(ensure_ascii=false) }}|{{ tools[0].function.description | tojson(ensure_ascii=true) }})J",
+     R"J({"\u00e9": "Wetter f\u00fcr \ud83d\ude00"}|"für"|"Wetter f\u00fcr eine Stadt")J"},
+    // transformers' {% generation %} block (TRL's templates mark the assistant's turns with it)
+    // renders its body; its whitespace control stays.
+    {"generation",
+     "{% for m in messages %}{% if m.role == 'assistant' %}{%- generation -%}\n [{{ m.content }}]"
+     "{% endgeneration %}{% else %}<{{ m.role }}>{% endif %}{% endfor %}",
+     "<system><user>[hello]<user>"},
     {"chatml",
      R"J({% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %})J",
      R"J(<|im_start|>system

@@ -59,6 +59,28 @@ struct JsonStyle {
     item: String,
     key: String,
     sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+/// A JSON string as Python's json.dumps writes it; with ensure_ascii, every character past ASCII
+/// as \uXXXX (UTF-16, a surrogate pair beyond the BMP).
+fn json_string(s: &str, style: &JsonStyle) -> String {
+    let quoted = serde_json::to_string(s).unwrap();
+    if !style.ensure_ascii || quoted.is_ascii() {
+        return quoted;
+    }
+    let mut out = String::with_capacity(quoted.len() + 16);
+    for c in quoted.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{:04x}", u));
+            }
+        }
+    }
+    out
 }
 
 fn write_json(v: &Value, style: &JsonStyle, depth: usize, out: &mut String) -> Result<(), Error> {
@@ -80,7 +102,7 @@ fn write_json(v: &Value, style: &JsonStyle, depth: usize, out: &mut String) -> R
         ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => write_container(v, style, depth, out)?,
         _ => {
             let s = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
-            out.push_str(&serde_json::to_string(&s).unwrap());
+            out.push_str(&json_string(&s, style));
         }
     }
     Ok(())
@@ -129,7 +151,7 @@ fn write_container(v: &Value, style: &JsonStyle, depth: usize, out: &mut String)
                 }
                 newline(out, depth + 1);
                 let name = k.as_str().map(str::to_owned).unwrap_or_else(|| k.to_string());
-                out.push_str(&serde_json::to_string(&name).unwrap());
+                out.push_str(&json_string(&name, style));
                 out.push_str(&style.key);
                 write_json(&v.get_item(k)?, style, depth + 1, out)?;
             }
@@ -141,9 +163,9 @@ fn write_container(v: &Value, style: &JsonStyle, depth: usize, out: &mut String)
     Ok(())
 }
 
-/// `tojson` as transformers defines it: json.dumps(x, ensure_ascii=False, indent=indent,
-/// separators=separators, sort_keys=sort_keys), Python's default separators (", " and ": ",
-/// "," between items when indented).
+/// `tojson` as transformers defines it: json.dumps(x, ensure_ascii=ensure_ascii (default False),
+/// indent=indent, separators=separators, sort_keys=sort_keys), Python's default separators
+/// (", " and ": ", "," between items when indented).
 fn tojson(v: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String, Error> {
     let indent = match indent.or(kwargs.get::<Option<Value>>("indent")?) {
         Some(i) if i.is_none() => None,
@@ -164,9 +186,10 @@ fn tojson(v: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String, Er
         key = parts[1].as_str().unwrap_or(":").to_string();
     }
     let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
     kwargs.assert_all_used()?;
     let mut out = String::new();
-    write_json(v, &JsonStyle { indent, item, key, sort_keys }, 0, &mut out)?;
+    write_json(v, &JsonStyle { indent, item, key, sort_keys, ensure_ascii }, 0, &mut out)?;
     Ok(out)
 }
 
@@ -180,10 +203,38 @@ fn is_iterable(v: &Value) -> bool {
     }
 }
 
+/// transformers' `{% generation %}` ... `{% endgeneration %}` (its AssistantTracker extension,
+/// which marks the assistant's tokens for training masks and renders the body as it is, as TRL's
+/// templates use it): rewritten as an `if true` block, whitespace control kept.
+fn generation_blocks(template: &str) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(close) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..close];
+        let lead = inner.strip_prefix(['-', '+']).map_or("", |_| &inner[..1]);
+        let trail = inner.strip_suffix(['-', '+']).map_or("", |_| &inner[inner.len() - 1..]);
+        let word = inner[lead.len()..inner.len() - trail.len()].trim();
+        match word {
+            "generation" => out.push_str(&format!("{{%{lead} if true {trail}%}}")),
+            "endgeneration" => out.push_str(&format!("{{%{lead} endif {trail}%}}")),
+            _ => out.push_str(&tag[..close + 2]),
+        }
+        rest = &tag[close + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn render(template: &str, context: &str) -> Result<String, String> {
     // Jinja2 reads a template's line endings as "\n" (its newline_sequence): a file written with
     // CRLF renders as one written with LF.
-    let template = template.replace("\r\n", "\n").replace('\r', "\n");
+    let template = generation_blocks(&template.replace("\r\n", "\n").replace('\r', "\n"));
     let template = template.as_str();
     let ctx: serde_json::Value =
         serde_json::from_str(context).map_err(|e| format!("the context is not JSON: {e}"))?;
