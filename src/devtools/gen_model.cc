@@ -901,13 +901,11 @@ absl::Status GenerateModel(const GenModelOptions& o) {
   }
   RETURN_IF_ERROR(WriteText(dir / "config.json", config.dump(2)));
   json gen_config = {{"bos_token_id", tok.bos_id}, {"eos_token_id", tok.eos_id}};
-  if (chat == "harmony") {  // as gpt-oss's: a reply also ends at <|return|> and at <|call|>
+  if (chat == "harmony") {  // as gpt-oss's: the end of text and <|return|> (not <|call|>)
     gen_config["eos_token_id"] = json::array({tok.eos_id});
     const json t = json::parse(tok.json);
     for (const json& added : t["added_tokens"]) {
-      if (added["content"] == "<|return|>" || added["content"] == "<|call|>") {
-        gen_config["eos_token_id"].push_back(added["id"]);
-      }
+      if (added["content"] == "<|return|>") gen_config["eos_token_id"].push_back(added["id"]);
     }
   }
   RETURN_IF_ERROR(WriteText(dir / "generation_config.json", gen_config.dump(2)));

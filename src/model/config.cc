@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/text.h"
@@ -447,15 +448,52 @@ double ModelConfig::attention_scale() const {
   return rope_attention_factor * rope_attention_factor / std::sqrt(static_cast<double>(head_dim));
 }
 
+absl::Status AddGenerationEosIds(const std::string& json_text, const std::string& source,
+                                 ModelConfig& c) {
+  const json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  }
+  if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return absl::OkStatus();
+  const json& e = j["eos_token_id"];
+  std::vector<json> ids;
+  if (e.is_array() && e.size() <= 64) {
+    ids.assign(e.begin(), e.end());
+  } else {
+    ids.push_back(e);
+  }
+  for (const json& id : ids) {  // all checked before any is taken
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": eos_token_id ", id.dump(), " is not a token of the ",
+                       c.vocab_size, "-token vocabulary (an integer or a list of at most 64)"));
+    }
+  }
+  for (const json& id : ids) {
+    if (absl::c_find(c.eos_token_ids, id.get<int64_t>()) == c.eos_token_ids.end()) {
+      c.eos_token_ids.push_back(id.get<int64_t>());
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir) {
   ASSIGN_OR_RETURN(const std::optional<std::string> gguf, FindGgufFile(model_dir));
   if (gguf) {
     ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f, GgufFile::Open(*gguf));
     return GgufModelConfig(*f);
   }
-  const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
+  const std::filesystem::path dir(model_dir);
+  const std::string path = (dir / "config.json").string();
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
-  return ParseModelConfig(text, path);
+  ASSIGN_OR_RETURN(ModelConfig c, ParseModelConfig(text, path));
+  const std::string generation = (dir / "generation_config.json").string();
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(generation, ec)) {
+    ASSIGN_OR_RETURN(text, ReadFileToString(generation));
+    RETURN_IF_ERROR(AddGenerationEosIds(text, generation, c));
+  }
+  return c;
 }
 
 }  // namespace shardserve

@@ -136,7 +136,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 // shardserve plans for but does not load yet (fbgemm_fp8) is described, not_loaded saying why.
 absl::StatusOr<ModelConfig> DescribeModelConfig(const std::string& json_text,
                                                 const std::string& source = "config.json");
-// config.json of a model directory, or the metadata of the GGUF file the path names.
+// generation_config.json's eos_token_id (an id or a list) added to the end ids, as transformers'
+// generate and vLLM stop at them too (Llama 3 Instruct's <|eot_id|>, gpt-oss's <|return|>).
+absl::Status AddGenerationEosIds(const std::string& json_text, const std::string& source,
+                                 ModelConfig& c);
+// config.json of a model directory (with generation_config.json's end ids where the directory
+// has one), or the metadata of the GGUF file the path names.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model_dir);
 
 }  // namespace shardserve

@@ -143,6 +143,15 @@ MarkerIds ApiServer::Impl::SpecialMarkers(const std::string& format) const {
   return out;
 }
 
+std::vector<int64_t> ApiServer::Impl::HarmonyStops() const {
+  std::vector<int64_t> out;
+  for (const char* text : {"<|return|>", "<|call|>"}) {
+    const std::optional<int32_t> id = tokenizer->TokenId(text);
+    if (id && tokenizer->IsSpecial(*id)) out.push_back(*id);
+  }
+  return out;
+}
+
 // A request's JSON body: its content type, its depth and its syntax checked.
 absl::StatusOr<ojson> ApiServer::Impl::Body(const http::Request& http_req) {
   if (!IsJson(http_req.Header("content-type"))) {

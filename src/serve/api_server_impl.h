@@ -108,6 +108,10 @@ struct ApiServer::Impl {
   // Mistral's [TOOL_CALLS] token: a special token whose text the output keeps for the parser.
   std::optional<int32_t> MistralMarker() const;
   bool Harmony(const ApiRequest& req) const;
+  // gpt-oss's ends of an assistant's action (<|return|> after the answer, <|call|> after a call):
+  // its special tokens' ids, where the tokenizer has them. A harmony reply stops at either, as
+  // vLLM stops it (gpt-oss's generation_config lists only <|return|>).
+  std::vector<int64_t> HarmonyStops() const;
   // The special tokens among a tool-call format's markers (kept in the text for its parser, named
   // by id in its grammar).
   MarkerIds SpecialMarkers(const std::string& format) const;

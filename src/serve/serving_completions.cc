@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -378,6 +379,12 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     reasoning = !harmony && ReasoningRuns(req);
     thinking = reasoning && PromptEndsThinking(rendered);
     for (int64_t id : chat.end_of_turn_ids()) req.params.stop_token_ids.push_back(id);
+    if (harmony) {  // a constrained call may end at <|call|> too
+      for (int64_t id : HarmonyStops()) {
+        req.params.stop_token_ids.push_back(id);
+        if (absl::c_find(ends, id) == ends.end()) ends.push_back(id);
+      }
+    }
   } else {
     for (size_t i = 0; i < req.prompt_ids.size(); ++i) {
       if (!req.prompt_ids[i].empty()) {

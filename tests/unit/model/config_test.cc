@@ -39,6 +39,25 @@ TEST(ConfigTest, ParsesLlamaWithDefaults) {
   EXPECT_EQ(c->max_context, 128);
 }
 
+// generation_config.json's end ids join config.json's (once each), as transformers' generate
+// and vLLM stop at them; a bad one names the file.
+TEST(ConfigTest, GenerationConfigAddsEndIds) {
+  auto c = ParseModelConfig(Llama().dump());
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(AddGenerationEosIds(R"({"eos_token_id": [7, 9], "do_sample": true})", "g", *c).ok());
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{2, 7, 9}));
+  ASSERT_TRUE(AddGenerationEosIds(R"({"eos_token_id": 11})", "g", *c).ok());
+  ASSERT_TRUE(AddGenerationEosIds(R"({"eos_token_id": null, "bos_token_id": 1})", "g", *c).ok());
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{2, 7, 9, 11}));
+  for (const char* bad : {R"({"eos_token_id": [3, 100]})", R"({"eos_token_id": "2"})",
+                          R"({"eos_token_id": -1})", "[1]", "{not json"}) {
+    const absl::Status s = AddGenerationEosIds(bad, "generation_config.json", *c);
+    EXPECT_FALSE(s.ok()) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("generation_config.json")) << bad;
+  }
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{2, 7, 9, 11}));
+}
+
 TEST(ConfigTest, ParsesRopeScalingOldAndNewSpelling) {
   json j = Llama();
   j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};
