@@ -44,6 +44,7 @@ const Case kCases[] = {
      "{% for m in messages %}{% if m.role == 'assistant' %}{%- generation -%}\n [{{ m.content }}]"
      "{% endgeneration %}{% else %}<{{ m.role }}>{% endif %}{% endfor %}",
      "<system><user>[hello]<user>"},
+    {"generation_edges", "{#-#}{%+ if true +%}a{%+ endif +%}{{ 'b' }}", "ab"},
     {"chatml",
      R"J({% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %})J",
      R"J(<|im_start|>system
@@ -146,6 +147,11 @@ TEST(JinjaTest, ErrorsComeBackAsText) {
   ASSERT_FALSE(endless.ok());
   EXPECT_THAT(std::string(endless.status().message()), HasSubstr("fuel"));
   EXPECT_FALSE(RenderJinja("{{ x }}", json::array()).ok());
+  for (const char* tag : {"{%-%}", "{%--%}", "{%+-%}", "{%-", "{% endgeneration %}"}) {
+    auto bad = RenderJinja(tag, Context());
+    ASSERT_FALSE(bad.ok()) << tag;
+    EXPECT_THAT(std::string(bad.status().message()), HasSubstr("the chat template: ")) << tag;
+  }
 }
 
 TEST(JinjaTest, StrftimeNowFormatsTheDate) {

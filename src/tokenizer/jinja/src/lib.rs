@@ -217,9 +217,15 @@ fn generation_blocks(template: &str) -> String {
             return out;
         };
         let inner = &tag[2..close];
-        let lead = inner.strip_prefix(['-', '+']).map_or("", |_| &inner[..1]);
-        let trail = inner.strip_suffix(['-', '+']).map_or("", |_| &inner[inner.len() - 1..]);
-        let word = inner[lead.len()..inner.len() - trail.len()].trim();
+        let (lead, body) = match inner.strip_prefix(['-', '+']) {
+            Some(body) => (&inner[..1], body),
+            None => ("", inner),
+        };
+        let (trail, body) = match body.strip_suffix(['-', '+']) {
+            Some(rest) => (&body[rest.len()..], rest),
+            None => ("", body),
+        };
+        let word = body.trim();
         match word {
             "generation" => out.push_str(&format!("{{%{lead} if true {trail}%}}")),
             "endgeneration" => out.push_str(&format!("{{%{lead} endif {trail}%}}")),
