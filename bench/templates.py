@@ -117,6 +117,7 @@ def main():
                                      f"{tok.decode(theirs[at:at + 12])!r}")
                 elif ours is None and theirs is None:
                     kind = "both refuse"
+                    notes.append(f"{name}: both refuse (transformers: {why[:120]})")
                 elif ours is None:
                     message = body.get("error", {}).get("message", "")
                     kind = "we refuse by name" if any(w in message for w in BY_NAME) else "we refuse"
