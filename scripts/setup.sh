@@ -78,6 +78,17 @@ setup_build() {
     touch "$stamp"
   fi
 
+  # --- UCX from the libucx wheel (the KV transfer between replicas: src/comm/kv_transfer.h) ----
+  UCX_PKG=libucx-cu13==1.22.0
+  UCX_DIR="$CACHE/ucx"
+  ucx_stamp="$UCX_DIR/.shardserve-$(echo "$UCX_PKG" | md5sum | cut -c1-12)"
+  if [ ! -f "$ucx_stamp" ]; then
+    log "installing UCX ($UCX_PKG) into $UCX_DIR"
+    rm -rf "$UCX_DIR"
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-warn-script-location --no-deps \
+      --target "$UCX_DIR" "$UCX_PKG"
+    touch "$ucx_stamp"
+  fi
 }
 
 setup_tests() {
