@@ -74,6 +74,12 @@ class Backend;
 class KvStorage {
  public:
   virtual ~KvStorage() = default;
+  // One layer's K (kv 0) or V (kv 1) of one block: [kv_heads][block_size][head_dim] floats,
+  // contiguous (a latent cache: kv 0 alone, [block_size][dim]) — what moves between replicas.
+  virtual void* block_data(int64_t layer, int kv, int64_t block) const = 0;
+  virtual size_t block_bytes() const = 0;
+  // Whether block_data is host memory (else the owner's device memory).
+  virtual bool on_host() const = 0;
   const Backend* owner = nullptr;
 };
 

@@ -178,6 +178,7 @@ try:
     # answer; the replica is out at once and the other answers; shardserve local restarts it.
     victim = placed[0]
     victim_port = int(victim.rsplit(":", 1)[1])
+    victim_pid = listening_pid(victim_port)  # found before the stream: killed at once
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json",
                                                       "Authorization": f"Bearer {KEY}"},
@@ -185,7 +186,7 @@ try:
                                   "max_tokens": 1500, "temperature": 0, "ignore_eos": True}))
     r = conn.getresponse()
     first = r.readline()
-    os.kill(listening_pid(victim_port), signal.SIGKILL)
+    os.kill(victim_pid, signal.SIGKILL)
     rest = first + r.read()
     conn.close()
     check(b'"error"' in rest and b"[DONE]" not in rest,

@@ -53,6 +53,13 @@ struct HostKv : KvStorage {
     return data.get() +
            (((layer * 2 + kv) * blocks + block) * kv_heads + kv_head) * block_size * head_dim;
   }
+  void* block_data(int64_t layer, int kv, int64_t block) const override {
+    return Slab(layer, kv, block, 0);
+  }
+  size_t block_bytes() const override {
+    return static_cast<size_t>(kv_heads * block_size * head_dim) * sizeof(float);
+  }
+  bool on_host() const override { return true; }
 };
 
 // A latent cache (Backend::AllocLatentKv): per layer [blocks][block_size][dim] floats.
@@ -63,6 +70,13 @@ struct HostLatentKv : KvStorage {
   float* Block(int64_t layer, int64_t block) const {
     return data.get() + (layer * blocks + block) * block_size * dim();
   }
+  void* block_data(int64_t layer, int kv, int64_t block) const override {
+    return kv == 0 ? Block(layer, block) : nullptr;
+  }
+  size_t block_bytes() const override {
+    return static_cast<size_t>(block_size * dim()) * sizeof(float);
+  }
+  bool on_host() const override { return true; }
 };
 
 absl::Status HalfOrFloat(const WeightMatrix& w, const char* op) {

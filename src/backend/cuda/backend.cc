@@ -40,6 +40,13 @@ struct GpuKv : KvStorage {
     return DeviceKv{static_cast<float*>(k[layer].data()), static_cast<float*>(v[layer].data()),
                     kv_heads, block_size, head_dim};
   }
+  void* block_data(int64_t layer, int kv, int64_t block) const override {
+    return static_cast<char*>((kv == 0 ? k : v)[layer].data()) + block * block_bytes();
+  }
+  size_t block_bytes() const override {
+    return static_cast<size_t>(kv_heads * block_size * head_dim) * sizeof(float);
+  }
+  bool on_host() const override { return false; }
 };
 
 // One device buffer per layer of a latent cache.
@@ -54,6 +61,13 @@ struct GpuLatentKv : KvStorage {
     return DeviceLatentKv{static_cast<float*>(layers[layer].data()), block_size, latent_dim,
                           rope_dim};
   }
+  void* block_data(int64_t layer, int kv, int64_t block) const override {
+    return kv == 0 ? static_cast<char*>(layers[layer].data()) + block * block_bytes() : nullptr;
+  }
+  size_t block_bytes() const override {
+    return static_cast<size_t>(block_size * (latent_dim + rope_dim)) * sizeof(float);
+  }
+  bool on_host() const override { return false; }
 };
 
 class CudaBackend : public Backend {

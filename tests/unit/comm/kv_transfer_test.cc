@@ -202,6 +202,40 @@ TEST(KvTransferTest, ManyPullersAtOnce) {
   EXPECT_TRUE((*exporter)->Withdraw(*ticket));
 }
 
+// A puller process (kv_transfer_peer) pulling `bytes` of the offer over and over, once its first
+// pull is done; its output goes to *out_path.
+absl::StatusOr<pid_t> StartPeer(const KvExporter& exporter, const KvTicket& ticket, size_t bytes,
+                                std::string* out_path) {
+  char path[] = "/tmp/kv_transfer_peer_XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) return absl::InternalError("mkstemp");
+  close(fd);
+  *out_path = path;
+  const std::string peer = SelfDirectory() + "/kv_transfer_peer";
+  auto pid = Spawn("/bin/sh",
+                   {"-c", "exec \"$0\" \"$1\" \"$2\" \"$3\" > \"$4\"", peer,
+                    absl::BytesToHexString(exporter.address()),
+                    absl::BytesToHexString(std::string(ticket.begin(), ticket.end())),
+                    std::to_string(bytes), path},
+                   {}, true);
+  if (!pid.ok()) return pid.status();
+  std::string seen;
+  for (int i = 0; i < 300 && seen.find("pulled") == std::string::npos; ++i) {
+    usleep(50000);
+    if (FILE* f = fopen(path, "r")) {
+      char buf[256];
+      size_t n = fread(buf, 1, sizeof(buf), f);
+      seen.assign(buf, n);
+      fclose(f);
+    }
+  }
+  if (seen.find("pulled") == std::string::npos) {
+    kill(*pid, SIGKILL);
+    return absl::DeadlineExceededError("the peer pulled nothing: " + seen);
+  }
+  return *pid;
+}
+
 // A puller process killed with SIGKILL in the middle of its pulls (large ones, by rendezvous):
 // the exporter lives on, serves another puller, and the offer can be withdrawn (its sends to the
 // dead peer end).
@@ -212,35 +246,14 @@ TEST(KvTransferTest, APullerKilledMidTransferLeavesTheExporterServing) {
   auto ticket = NewKvTicket();
   ASSERT_TRUE(
       (*exporter)->Offer(*ticket, {{a.data(), a.size()}}, absl::Now() + absl::Seconds(120)).ok());
-  char out_path[] = "/tmp/kv_transfer_peer_XXXXXX";
-  const int fd = mkstemp(out_path);
-  ASSERT_GE(fd, 0);
-  close(fd);
-  const std::string peer = SelfDirectory() + "/kv_transfer_peer";
-  auto pid = Spawn("/bin/sh",
-                   {"-c", "exec \"$0\" \"$1\" \"$2\" \"$3\" > \"$4\"", peer,
-                    absl::BytesToHexString((*exporter)->address()),
-                    absl::BytesToHexString(std::string(ticket->begin(), ticket->end())),
-                    std::to_string(a.size()), out_path},
-                   {}, true);
+  std::string out_path;
+  auto pid = StartPeer(**exporter, *ticket, a.size(), &out_path);
   ASSERT_TRUE(pid.ok()) << pid.status();
-  // Wait for its first pull to finish, then kill it while it pulls again.
-  std::string seen;
-  for (int i = 0; i < 300 && seen.find("pulled") == std::string::npos; ++i) {
-    usleep(50000);
-    if (FILE* f = fopen(out_path, "r")) {
-      char buf[256];
-      size_t n = fread(buf, 1, sizeof(buf), f);
-      seen.assign(buf, n);
-      fclose(f);
-    }
-  }
-  ASSERT_NE(seen.find("pulled"), std::string::npos) << seen;
   usleep(20000);
   kill(*pid, SIGKILL);
   int status = 0;
   waitpid(*pid, &status, 0);
-  unlink(out_path);
+  unlink(out_path.c_str());
   auto puller = KvPuller::Create();
   ASSERT_TRUE(puller.ok());
   std::vector<uint8_t> out(1 << 20);
@@ -251,6 +264,30 @@ TEST(KvTransferTest, APullerKilledMidTransferLeavesTheExporterServing) {
   const absl::Time start = absl::Now();
   EXPECT_TRUE((*exporter)->Withdraw(*ticket));
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+}
+
+// A puller that stops taking its bytes (a process stopped mid-pull): withdrawing the offer does
+// not wait for it for ever — after a grace its endpoint is closed and the send ends.
+TEST(KvTransferTest, WithdrawEndsSendsToAPullerThatStoppedTakingThem) {
+  auto exporter = KvExporter::Create();
+  ASSERT_TRUE(exporter.ok());
+  const std::vector<uint8_t> a = Pattern(256 << 20, 8);
+  auto ticket = NewKvTicket();
+  ASSERT_TRUE(
+      (*exporter)->Offer(*ticket, {{a.data(), a.size()}}, absl::Now() + absl::Seconds(120)).ok());
+  std::string out_path;
+  auto pid = StartPeer(**exporter, *ticket, a.size(), &out_path);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  usleep(30000);
+  kill(*pid, SIGSTOP);
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE((*exporter)->Withdraw(*ticket));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  EXPECT_EQ((*exporter)->offers(), 0u);
+  kill(*pid, SIGKILL);
+  int status = 0;
+  waitpid(*pid, &status, 0);
+  unlink(out_path.c_str());
 }
 
 }  // namespace
