@@ -2,11 +2,7 @@
 # SHARDSERVE_HAVE_CUDA. Hints: -DCUDAToolkit_ROOT=..., -DNCCL_ROOT=..., or $SHARDSERVE_CACHE.
 set(SHARDSERVE_HAVE_CUDA OFF)
 if(NOT SHARDSERVE_CUDA STREQUAL "OFF")
-  if(DEFINED ENV{SHARDSERVE_CACHE})
-    set(_ss_cache "$ENV{SHARDSERVE_CACHE}")
-  else()
-    set(_ss_cache "$ENV{HOME}/.cache/shardserve")
-  endif()
+  set(_ss_cache "${SHARDSERVE_CACHE_DIR}")
   if(NOT CUDAToolkit_ROOT AND EXISTS "${_ss_cache}/cuda13/nvidia/cu13/bin/nvcc")
     set(CUDAToolkit_ROOT "${_ss_cache}/cuda13/nvidia/cu13")
   endif()

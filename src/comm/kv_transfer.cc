@@ -417,7 +417,6 @@ void KvExporter::ResumeForTest() {
 struct KvPuller::Impl {
   struct Current {
     uint64_t request_id = 0;
-    const std::vector<KvRange>* ranges = nullptr;
     uint64_t bytes = 0;
     bool done = false;
     absl::Status status;
@@ -566,7 +565,6 @@ absl::Status KvPuller::Pull(const std::string& exporter_address, const KvTicket&
   }
   Impl::Current c;
   c.request_id = impl_->next_request++;
-  c.ranges = &ranges;
   std::vector<WireRange> wire(ranges.size());
   for (size_t i = 0; i < ranges.size(); ++i) {
     wire[i] = {ranges[i].segment, 0, ranges[i].offset, ranges[i].size};

@@ -10,8 +10,9 @@
 // segments; the exporter checks the ticket (in constant time) and the ranges, and sends exactly
 // those bytes, gathered from the segments without a copy. Nothing else of the process's memory is
 // reachable: no memory is registered for remote access, so a peer that knows the worker's
-// address and no ticket reads nothing (UCX's own transports authenticate nobody). An offer
-// expires at its deadline; Withdraw waits for the sends in flight, so the memory can be reused.
+// address and no ticket reads nothing (UCX's own transports authenticate nobody). Past its
+// deadline an offer refuses pulls; it is held until its owner withdraws it, and Withdraw waits
+// for the sends in flight, so the memory can be reused.
 //
 // The pulling side (KvPuller) sends a pull and waits for the bytes, scattered into its
 // destinations, within a deadline; a refusal, a peer that dies or a deadline passed comes back as
@@ -66,12 +67,12 @@ class KvExporter {
   // The worker's UCX address: what a puller connects to (not a secret; the tickets are).
   const std::string& address() const;
 
-  // Offers `segments` under `ticket` until `deadline` (then it is withdrawn by itself).
+  // Offers `segments` under `ticket`; pulls after `deadline` are refused (Withdraw ends it).
   absl::Status Offer(const KvTicket& ticket, std::vector<KvSegment> segments, absl::Time deadline);
   // Ends an offer; returns once no send of it is in flight (its memory may then be reused).
   // False when there was no such offer (withdrawn already, or expired).
   bool Withdraw(const KvTicket& ticket);
-  // Offers held now (expired ones are dropped as pulls arrive and on Withdraw).
+  // Offers held now (expired ones included, until withdrawn).
   size_t offers() const;
   // Stops answering until Resume (a stalled peer, for tests).
   void PauseForTest();
