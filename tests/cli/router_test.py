@@ -176,17 +176,18 @@ try:
 
     # A leader dies in the middle of a stream: the client gets an error event, not a finished
     # answer; the replica is out at once and the other answers; shardserve local restarts it.
-    victim = placed[0]
-    victim_port = int(victim.rsplit(":", 1)[1])
-    victim_pid = listening_pid(victim_port)  # found before the stream: killed at once
+    # Both leaders' pids are found before the stream, so the one serving it dies at once; which
+    # one serves it is the router's choice (cache or load), read from the stream's header.
+    pids = {p: listening_pid(p) for p in d.replica_ports}
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
     conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json",
                                                       "Authorization": f"Bearer {KEY}"},
                  body=json.dumps({"model": "tiny", "prompt": conversation(0, 0), "stream": True,
                                   "max_tokens": 1500, "temperature": 0, "ignore_eos": True}))
     r = conn.getresponse()
+    victim_port = int(r.getheader("x-shardserve-replica", ":0").rsplit(":", 1)[1])
     first = r.readline()
-    os.kill(victim_pid, signal.SIGKILL)
+    os.kill(pids[victim_port], signal.SIGKILL)
     rest = first + r.read()
     conn.close()
     check(b'"error"' in rest and b"[DONE]" not in rest,
