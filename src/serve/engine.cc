@@ -543,8 +543,11 @@ StepDesc Engine::BuildStep(int mb) {
       chunk.params = s->request.params;
       chunk.draws = static_cast<int64_t>(s->generated.size());
       chunk.prompt_tokens = static_cast<int64_t>(s->request.prompt_ids.size());
-      chunk.start = s->fed;     // a cached prefix: the ranks skip it
-      chunk.cached = s->table;  // and read its blocks
+      chunk.start = s->fed;                       // a cached prefix: the ranks skip it
+      chunk.cached = s->table;                    // and read its blocks
+      if (s->request.params.ProcessesLogits()) {  // the sampler reads the skipped tokens too
+        for (int64_t i = 0; i < s->fed; ++i) chunk.history.push_back(s->token(i));
+      }
       s->started = true;
     }
     s->fed += n;

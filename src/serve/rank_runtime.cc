@@ -294,8 +294,9 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
       params_[ch.seq] = *ch.params;
       samplers_.erase(ch.seq);
       if (sampler) {
-        samplers_.emplace(ch.seq, Sampler(*ch.params, ch.prompt_tokens))
-            .first->second.Skip(ch.draws);
+        Sampler& s = samplers_.emplace(ch.seq, Sampler(*ch.params, ch.prompt_tokens)).first->second;
+        s.Skip(ch.draws);
+        s.Observe(ch.history.data(), static_cast<int64_t>(ch.history.size()));
       }
     }
     if (auto it = samplers_.find(ch.seq); sampler && it != samplers_.end()) {

@@ -27,6 +27,9 @@ struct StepChunk {
   // ranks skip; on every chunk the blocks added to its table for these tokens.
   int64_t start = 0;
   std::vector<int32_t> cached;
+  // With a cached start and a sampler that reads the sequence's tokens (penalties): positions
+  // [0, start), which the ranks skip but the sampler reads first.
+  std::vector<int32_t> history;
   std::vector<int32_t> blocks;
   // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
   std::vector<uint32_t> allowed;

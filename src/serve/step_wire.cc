@@ -109,6 +109,7 @@ json EncodeStep(const StepDesc& d) {
       ch["prompt_tokens"] = c.prompt_tokens;
       ch["start"] = c.start;
       ch["cached"] = c.cached;
+      if (!c.history.empty()) ch["history"] = c.history;
     }
     chunks.push_back(std::move(ch));
   }
@@ -186,6 +187,15 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
         ASSIGN_OR_RETURN(c.start, JsonInt(ch, "start", 0, kMaxInt64));
         ASSIGN_OR_RETURN(std::vector<int64_t> cached, JsonInts(ch, "cached", 0, kMaxInt32));
         c.cached.assign(cached.begin(), cached.end());
+        if (ch.contains("history")) {
+          ASSIGN_OR_RETURN(std::vector<int64_t> history, JsonInts(ch, "history", 0, kMaxInt32));
+          if (static_cast<int64_t>(history.size()) != c.start) {
+            return absl::DataLossError(absl::StrCat("chunk of sequence ", c.seq, ": a history of ",
+                                                    history.size(), " tokens for a start of ",
+                                                    c.start));
+          }
+          c.history.assign(history.begin(), history.end());
+        }
       }
       d.chunks.push_back(std::move(c));
     }

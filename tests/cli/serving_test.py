@@ -266,6 +266,19 @@ try:
     check(body["choices"][0]["text"] == json.loads(one)["text"] and
           body["choices"][0]["text"] != unpenalized,
           "penalties at TP=2 x PP=2 choose as one process does, and change the answer")
+    # A prompt whose start the prefix cache holds: the sampler still reads the cached tokens (the
+    # repetition penalty's prompt ids, the counts of what it generated).
+    long_prompt = [1] + [(37 * i) % 250 + 3 for i in range(47)]
+    one = subprocess.run([BIN, "generate", "--model", MODEL, "--prompt-ids",
+                          ",".join(map(str, long_prompt)), "--max-tokens", "16", "--ignore-eos",
+                          "--format", "json", "--frequency-penalty", "1.5", "--presence-penalty",
+                          "0.5", "--repetition-penalty", "1.3"],
+                         check=True, capture_output=True, text=True).stdout
+    answers = [completion(d, long_prompt, 16, **controls)[2] for _ in range(2)]
+    check([a["choices"][0]["text"] for a in answers] == [json.loads(one)["text"]] * 2 and
+          answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32,
+          f"penalties read a cached prefix as they read a computed one "
+          f"({answers[1]['usage']['prompt_tokens_details']['cached_tokens']} cached)")
     # min_tokens holds back the ids that would end the answer.
     first = reference(PROMPTS[4], 1)["tokens"][0]
     _, _, body = completion(d, PROMPTS[4], 8, stop_token_ids=[first])

@@ -87,6 +87,8 @@ StepDesc SomeStep() {
   prompt.params = p;
   prompt.draws = 5;
   prompt.prompt_tokens = 3;
+  prompt.start = 2;  // a cached start, and the tokens the sampler reads first
+  prompt.history = {11, 12};
   prompt.allowed = {0x80000001u, 0, 0xDEADBEEFu};  // structured output's mask
   prompt.score_from = 1;                           // echo with logprobs: rows 1 and 2 scored
   prompt.score = {8, 9};
@@ -115,6 +117,8 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   EXPECT_FLOAT_EQ(back->chunks[0].params->top_p, 0.9f);
   EXPECT_EQ(back->chunks[0].draws, 5);
   EXPECT_EQ(back->chunks[0].prompt_tokens, 3);
+  EXPECT_EQ(std::tuple(back->chunks[0].start, back->chunks[0].history),
+            std::tuple(2, std::vector<int32_t>{11, 12}));
   const SamplingParams& p = *back->chunks[0].params;
   EXPECT_EQ(p.logit_bias, d.chunks[0].params->logit_bias);
   EXPECT_EQ(std::tuple(p.min_tokens, p.end_ids, p.repetition_penalty, p.frequency_penalty,
@@ -170,6 +174,8 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               HasSubstr("'seed' is missing or not an unsigned integer"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][0].erase("draws"); }),
               HasSubstr("'draws' is missing or not an integer"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["history"] = {11}; }),
+              HasSubstr("chunk of sequence 3: a history of 1 tokens for a start of 2"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["sample"] = 1; }),
               HasSubstr("'sample' is missing or not a boolean"));
   EXPECT_THAT(refused([](json& m) { m["chunks"] = {7}; }), HasSubstr("a chunk is not an object"));
