@@ -50,6 +50,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_REASONING_PARSER", &WorkerEnv::reasoning_parser},
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
+    {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_REPLICA", &WorkerEnv::replica, 0, kIntMax, true},
@@ -70,6 +71,8 @@ const IntVar kInts[] = {
     {"SHARDSERVE_HTTP_HEADER_TIMEOUT_MS", &WorkerEnv::http_header_timeout_ms, 100, kIntMax},
     {"SHARDSERVE_HTTP_BODY_TIMEOUT_MS", &WorkerEnv::http_body_timeout_ms, 100, kIntMax},
     {"SHARDSERVE_HTTP_MAX_CONNECTIONS", &WorkerEnv::http_max_connections, 16, kIntMax},
+    {"SHARDSERVE_KV_OFFER_MS", &WorkerEnv::kv_offer_ms, 100, 3600000},
+    {"SHARDSERVE_KV_TRANSFER_TIMEOUT_MS", &WorkerEnv::kv_transfer_timeout_ms, 100, 600000},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_KV_CACHE_TOKENS", &WorkerEnv::kv_cache_tokens, 16, int64_t{1} << 40},
@@ -120,6 +123,11 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::reasoning_parser), "='",
                      w.reasoning_parser, "' must be think, harmony or none"));
+  }
+  if (!w.kv_role.empty() && w.kv_role != "prefill" && w.kv_role != "decode") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::kv_role), "='",
+                     w.kv_role, "' must be prefill or decode (or unset: colocated)"));
   }
   if (!w.tool_call_parser.empty() && !IsToolCallFormat(w.tool_call_parser)) {
     return absl::InvalidArgumentError(

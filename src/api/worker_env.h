@@ -154,6 +154,13 @@ struct WorkerEnv {
   // Cached prefixes are shared only between requests with the same API key: the key's digest
   // salts every block name (spec.serving.prefixCacheIsolation: perKey).
   bool prefix_cache_per_key = false;
+  // Disaggregated serving (serve/kv_handoff.h): "prefill" (the replica offers each exported
+  // prompt's KV blocks over UCX), "decode" (it pulls them), or "" (colocated: neither). An offer
+  // is held at most kv_offer_ms; a pull waits at most kv_transfer_timeout_ms before the decode
+  // replica prefills by itself.
+  std::string kv_role;
+  int kv_offer_ms = 30000;
+  int kv_transfer_timeout_ms = 10000;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
   // The token a router proves to read the leader's KV events (GET /v1/kv-events), a keys file as

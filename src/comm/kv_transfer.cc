@@ -20,6 +20,7 @@ namespace {
 // Active message ids and the wire (little-endian hosts only, as every target of ours).
 constexpr unsigned kPullId = 0x5353;   // puller -> exporter: PullHeader, ranges as data
 constexpr unsigned kReplyId = 0x5354;  // exporter -> puller: ReplyHeader (+ message), bytes as data
+constexpr unsigned kReleaseId = 0x5355;  // puller -> exporter: PullHeader (no ranges)
 constexpr uint32_t kMagic = 0x4b565031;  // "KVP1"
 
 struct PullHeader {
@@ -162,6 +163,7 @@ struct KvExporter::Impl {
   bool stop ABSL_GUARDED_BY(mu) = false;
   bool paused ABSL_GUARDED_BY(mu) = false;
   bool close_pending ABSL_GUARDED_BY(mu) = false;
+  std::function<void(const KvTicket&)> on_release ABSL_GUARDED_BY(mu);
 
   // The offer under `ticket` (constant-time compares), or null.
   Offer* Find(const KvTicket& ticket, uint64_t* id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -300,6 +302,35 @@ struct KvExporter::Impl {
     return UCS_OK;
   }
 
+  // The puller is done with an offer: its owner hears of it (the offer stays until withdrawn).
+  static ucs_status_t OnRelease(void* arg, const void* header, size_t header_length, void*,
+                                size_t length, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<Impl*>(arg);
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_ERR_INVALID_PARAM;
+    PullHeader h;
+    if (header_length != sizeof(h)) return UCS_ERR_INVALID_PARAM;
+    std::memcpy(&h, header, sizeof(h));
+    if (h.magic != kMagic || h.ranges != 0 || length != 0) {
+      self->Reply(param->reply_ep, h.request_id,
+                  absl::InvalidArgumentError("a malformed KV release"));
+      return UCS_OK;
+    }
+    std::function<void(const KvTicket&)> told;
+    {
+      absl::MutexLock lock(&self->mu);
+      uint64_t id = 0;
+      if (self->Find(h.ticket, &id) != nullptr) told = self->on_release;
+    }
+    if (!told) {
+      self->Reply(param->reply_ep, h.request_id,
+                  absl::PermissionDeniedError("no KV offer under this ticket to release"));
+      return UCS_OK;
+    }
+    told(h.ticket);
+    self->Reply(param->reply_ep, h.request_id, absl::OkStatus());
+    return UCS_OK;
+  }
+
   void Loop() {
     for (;;) {
       std::vector<ucp_ep_h> eps;
@@ -330,6 +361,9 @@ absl::StatusOr<std::unique_ptr<KvExporter>> KvExporter::Create(KvTransferLimits 
   impl->limits = limits;
   if (absl::Status s = impl->ucx.Init(); !s.ok()) return s;
   if (absl::Status s = impl->ucx.SetHandler(kPullId, Impl::OnPull, impl.get()); !s.ok()) return s;
+  if (absl::Status s = impl->ucx.SetHandler(kReleaseId, Impl::OnRelease, impl.get()); !s.ok()) {
+    return s;
+  }
   ucp_address_t* addr = nullptr;
   size_t len = 0;
   if (ucs_status_t s = ucp_worker_get_address(impl->ucx.worker, &addr, &len); s != UCS_OK) {
@@ -393,6 +427,11 @@ bool KvExporter::Withdraw(const KvTicket& ticket) {
   }
   impl->offers.erase(id);
   return true;
+}
+
+void KvExporter::OnRelease(std::function<void(const KvTicket&)> released) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->on_release = std::move(released);
 }
 
 size_t KvExporter::offers() const {
@@ -558,6 +597,18 @@ KvPuller::~KvPuller() {
 
 absl::Status KvPuller::Pull(const std::string& exporter_address, const KvTicket& ticket,
                             const std::vector<KvRange>& ranges, absl::Duration timeout) {
+  return Ask(kPullId, exporter_address, ticket, ranges, timeout);
+}
+
+absl::Status KvPuller::Release(const std::string& exporter_address, const KvTicket& ticket,
+                               absl::Duration timeout) {
+  return Ask(kReleaseId, exporter_address, ticket, {}, timeout);
+}
+
+absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
+                           const KvTicket& ticket, const std::vector<KvRange>& ranges,
+                           absl::Duration timeout) {
+  const char* what = am_id == kPullId ? "pull" : "release";
   absl::MutexLock lock(&impl_->mu);
   if (ranges.size() > impl_->limits.max_ranges) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -583,12 +634,13 @@ absl::Status KvPuller::Pull(const std::string& exporter_address, const KvTicket&
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER;
-  ucs_status_ptr_t r = ucp_am_send_nbx(*ep, kPullId, &h, sizeof(h), wire.data(),
-                                       wire.size() * sizeof(WireRange), &p);
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(*ep, am_id, &h, sizeof(h), wire.data(), wire.size() * sizeof(WireRange), &p);
   if (UCS_PTR_IS_ERR(r)) {
     impl_->current = nullptr;
     impl_->Drop(*ep);
-    return absl::UnavailableError(UcsError("sending the KV pull", UCS_PTR_STATUS(r)));
+    return absl::UnavailableError(
+        UcsError(absl::StrCat("sending the KV ", what).c_str(), UCS_PTR_STATUS(r)));
   }
   const absl::Time deadline = absl::Now() + timeout;
   while (!c.done) {
@@ -609,8 +661,9 @@ absl::Status KvPuller::Pull(const std::string& exporter_address, const KvTicket&
   }
   if (!c.done) {
     impl_->Drop(*ep);
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the KV pull (", c.bytes, " bytes) did not finish within ", absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(absl::StrCat("the KV ", what, " (", c.bytes,
+                                                    " bytes) did not finish within ",
+                                                    absl::FormatDuration(timeout)));
   }
   if (!c.status.ok() && absl::IsUnavailable(c.status)) impl_->Drop(*ep);
   return c.status;

@@ -20,6 +20,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +73,9 @@ class KvExporter {
   // Ends an offer; returns once no send of it is in flight (its memory may then be reused).
   // False when there was no such offer (withdrawn already, or expired).
   bool Withdraw(const KvTicket& ticket);
+  // Called (on the exporter's thread) when a puller releases an offer it holds: the puller is
+  // done with it, and its owner may withdraw it.
+  void OnRelease(std::function<void(const KvTicket&)> released);
   // Offers held now (expired ones included, until withdrawn).
   size_t offers() const;
   // Stops answering until Resume (a stalled peer, for tests).
@@ -99,11 +103,17 @@ class KvPuller {
   // unreachable or went away. One pull at a time per puller (calls are serialized).
   absl::Status Pull(const std::string& exporter_address, const KvTicket& ticket,
                     const std::vector<KvRange>& ranges, absl::Duration timeout);
+  // Tells the exporter that this side is done with the offer (KvExporter::OnRelease);
+  // PermissionDenied when it holds no such offer.
+  absl::Status Release(const std::string& exporter_address, const KvTicket& ticket,
+                       absl::Duration timeout);
 
   struct Impl;
 
  private:
   explicit KvPuller(std::unique_ptr<Impl> impl);
+  absl::Status Ask(unsigned am_id, const std::string& exporter_address, const KvTicket& ticket,
+                   const std::vector<KvRange>& ranges, absl::Duration timeout);
   std::unique_ptr<Impl> impl_;
 };
 

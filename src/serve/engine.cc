@@ -76,6 +76,11 @@ struct Engine::Sequence {
   int64_t admitted = 0;          // admission order: the newest is preempted first
   bool started = false;          // the ranks know its parameters
   bool in_step = false;          // has a chunk in the step being built
+  // Disaggregation (SequenceKvRole): the ticket its KV is offered under (prefill), and until it
+  // was tried, where its prompt's KV waits (decode).
+  std::optional<KvTicket> offer;
+  std::shared_ptr<const SequenceKvRole::Source> import;
+  Clock::time_point offer_until;
   int mb = -1;
   Clock::time_point submitted, last_token;
 
@@ -235,23 +240,57 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(const GenerationRe
 }
 
 absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Engine::SubmitGroup(
-    const std::vector<GenerationRequest>& requests) {
+    const std::vector<GenerationRequest>& requests, const std::vector<SequenceKvRole>& kv) {
   if (requests.empty()) return absl::InvalidArgumentError("a request with no sequence");
+  if (!kv.empty() && kv.size() != requests.size()) {
+    return absl::InvalidArgumentError("a KV role for every sequence, or none");
+  }
   for (const GenerationRequest& r : requests) RETURN_IF_ERROR(Check(r));
+  for (const SequenceKvRole& role : kv) {
+    if (role.import &&
+        (role.import->first.id < 0 || role.import->first.id >= options_.vocab_size)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the prefilled first token ", role.import->first.id,
+                       " is outside the vocabulary [0, ", options_.vocab_size, ")"));
+    }
+  }
   std::vector<std::unique_ptr<Sequence>> seqs;
   std::vector<std::shared_ptr<RequestStream>> streams;
-  for (const GenerationRequest& r : requests) {
+  for (size_t i = 0; i < requests.size(); ++i) {
     auto seq = std::make_unique<Sequence>();
-    seq->request = r;
+    seq->request = requests[i];
     seq->submitted = Clock::now();
     seq->request.params.SetEndIds(options_.eos_token_ids);  // what min_tokens holds back
+    if (!kv.empty() && kv[i].offer) {
+      ASSIGN_OR_RETURN(seq->offer, NewKvTicket());
+    }
+    // Decode after a prefill replica: its first token is already there.
+    const RequestStream::Token* first =
+        !kv.empty() && kv[i].import ? &kv[i].import->first : nullptr;
+    if (first) {
+      seq->import = kv[i].import;
+      seq->generated.push_back(first->id);
+      seq->stream->Push(*first);
+      seq->last_token = seq->submitted;
+    }
     if (seq->request.constraint) {
       seq->mask = std::make_shared<MaskJob>();
-      StartMask(seq.get(), std::nullopt);  // ready by the time its prompt is computed
+      // Ready by the time its prompt is computed (after its first token, when that came along).
+      StartMask(seq.get(), first ? std::optional(first->id) : std::nullopt);
     }
     streams.push_back(seq->stream);
     seqs.push_back(std::move(seq));
   }
+  // A first token that ends its sequence leaves nothing to decode (nor KV to take).
+  std::erase_if(seqs, [&](const std::unique_ptr<Sequence>& seq) {
+    if (!seq->import) return false;
+    const std::string end = EndReason(seq.get(), seq->generated[0]);
+    if (end.empty()) return false;
+    if (seq->request.constraint) seq->request.constraint->Cancel();
+    seq->stream->Finish(end);
+    return true;
+  });
+  if (seqs.empty()) return streams;
   size_t depth;
   {
     absl::MutexLock lock(&mu_);
@@ -290,6 +329,64 @@ size_t Engine::WaitingRequests() const {
   absl::flat_hash_set<int64_t> groups;
   for (const auto& s : waiting_) groups.insert(s->group);
   return groups.size();
+}
+
+void Engine::ReleaseOffer(const KvTicket& ticket) {
+  {
+    absl::MutexLock lock(&mu_);
+    offers_released_.push_back(ticket);
+  }
+  wake_.SignalAll();
+}
+
+void Engine::EndOffers() {
+  std::vector<KvTicket> released;
+  {
+    absl::MutexLock lock(&mu_);
+    released.swap(offers_released_);
+  }
+  const auto now = Clock::now();
+  std::erase_if(offered_, [&](const std::unique_ptr<Sequence>& s) {
+    if (now < s->offer_until &&
+        std::find(released.begin(), released.end(), *s->offer) == released.end()) {
+      return false;
+    }
+    ReleaseBlocks(s.get());  // the ranks withdraw the offer as they drop the sequence
+    return true;
+  });
+}
+
+void Engine::Import(Sequence* s) {
+  std::shared_ptr<const SequenceKvRole::Source> from = std::move(s->import);
+  const int64_t bs = options_.kv_block_size;
+  const int64_t positions = static_cast<int64_t>(s->request.prompt_ids.size());
+  const size_t matched = s->table.size();
+  KvImport im;
+  im.seq = s->id;
+  im.ticket = from->ticket;
+  im.source = from->shape;
+  im.addresses = from->addresses;
+  im.positions = positions;
+  im.skip_blocks = static_cast<int64_t>(matched);
+  while (static_cast<int64_t>(s->table.size()) * bs < positions) {
+    s->table.push_back(pool_.Allocate());  // the room was checked at admission
+  }
+  im.blocks = s->table;
+  const auto t0 = Clock::now();
+  absl::Status transfer;
+  replica_failure_ = executor_->ImportKv(im, &transfer);
+  if (!replica_failure_.ok()) return;
+  if (observer_.kv_import) {
+    observer_.kv_import(std::chrono::duration<double>(Clock::now() - t0).count(), transfer);
+  }
+  if (transfer.ok()) {
+    s->fed = positions;
+    return;
+  }
+  // Prefilled here: the blocks past its cached prefix are given back (written or not).
+  pool_.Release(std::vector<int32_t>(s->table.begin() + static_cast<std::ptrdiff_t>(matched),
+                                     s->table.end()));
+  s->table.resize(matched);
 }
 
 void Engine::Shutdown(std::chrono::milliseconds drain) {
@@ -367,10 +464,20 @@ void Engine::RegisterBlocks(Sequence* s) {
 
 void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& status) {
   if (s->request.constraint) s->request.constraint->Cancel();  // a mask in progress stops
+  if (reason == "offered") {  // its KV waits for the decode replica, its blocks held
+    s->stream->set_kv_offer(*s->offer);
+    s->offer_until = Clock::now() + options_.kv_offer_hold;
+  } else {
+    ReleaseBlocks(s);
+  }
   s->stream->Finish(reason, status);
-  ReleaseBlocks(s);
   if (s->mb >= 0) std::erase(mbs_[s->mb].seqs, s);
-  std::erase_if(running_, [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
+  auto it = std::find_if(running_.begin(), running_.end(),
+                         [s](const std::unique_ptr<Sequence>& p) { return p.get() == s; });
+  if (it != running_.end()) {
+    if (reason == "offered") offered_.push_back(std::move(*it));
+    running_.erase(it);
+  }
   running_count_.store(static_cast<int>(running_.size()));
 }
 
@@ -435,6 +542,7 @@ StepDesc Engine::BuildStep(int mb) {
       return true;
     });
   }
+  EndOffers();
   MakeRoomForWaitingRequests();
   int64_t admitted_order = 0;
   absl::flat_hash_map<int64_t, int> held;  // running sequences by request
@@ -470,6 +578,7 @@ StepDesc Engine::BuildStep(int mb) {
           observer_.prefix_lookup(static_cast<int64_t>(s->request.prompt_ids.size()), s->fed);
         }
       }
+      if (s->import) Import(s);
       s->mb = mb;
       s->admitted = ++admitted_order;
       ++held[s->group];
@@ -539,6 +648,8 @@ StepDesc Engine::BuildStep(int mb) {
       chunk.score_top = s->request.prompt_logprobs;
       s->scored = q1;
     }
+    // Prefill for a decode replica: offered once computed (its first token then ends it).
+    if (s->offer && chunk.sample && s->generated.empty()) chunk.offer = s->offer;
     if (!s->started) {
       chunk.params = s->request.params;
       chunk.draws = static_cast<int64_t>(s->generated.size());
@@ -599,21 +710,31 @@ void Engine::Accept(const StepResult& result) {
     }
     s->last_token = now;
     if (observer_.generated) observer_.generated(1);
-    const SamplingParams& p = s->request.params;
-    const auto& stops = p.stop_token_ids;
-    const auto& eos = options_.eos_token_ids;
-    if (std::find(stops.begin(), stops.end(), t.token) != stops.end() ||
-        (!p.ignore_eos && std::find(eos.begin(), eos.end(), t.token) != eos.end())) {
-      Retire(s, "stop", absl::OkStatus());
-    } else if (static_cast<int64_t>(s->generated.size()) >= p.max_tokens ||
-               s->total() >= options_.max_context) {
-      Retire(s, "length", absl::OkStatus());
+    if (const std::string end = EndReason(s, t.token); !end.empty()) {
+      Retire(s, end, absl::OkStatus());
+    } else if (s->offer) {
+      Retire(s, "offered", absl::OkStatus());
     } else if (s->request.constraint != nullptr) {
       // The grammar takes the token and computes the next mask while other steps run; it may
       // also say the output is complete (TakeMask ends the sequence then).
       StartMask(s, t.token);
     }
   }
+}
+
+std::string Engine::EndReason(const Sequence* s, int32_t token) const {
+  const SamplingParams& p = s->request.params;
+  const auto& stops = p.stop_token_ids;
+  const auto& eos = options_.eos_token_ids;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end() ||
+      (!p.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end())) {
+    return "stop";
+  }
+  if (static_cast<int64_t>(s->generated.size()) >= p.max_tokens ||
+      s->total() >= options_.max_context) {
+    return "length";
+  }
+  return "";
 }
 
 absl::Status Engine::Loop() {
@@ -627,6 +748,7 @@ absl::Status Engine::Loop() {
     for (int mb = 0; mb < static_cast<int>(mbs_.size()); ++mb) {
       if (mbs_[mb].in_flight) continue;
       StepDesc desc = BuildStep(mb);
+      RETURN_IF_ERROR(replica_failure_);
       if (desc.chunks.empty() && desc.release.empty()) continue;  // frees cache even when idle
       RETURN_IF_ERROR(executor_->Issue(desc));
       mbs_[mb].in_flight = true;
@@ -649,10 +771,10 @@ absl::Status Engine::Loop() {
             absl::Now() +
             absl::FromChrono(masks_pending ? options_.mask_wait : options_.ping_every);
         const int64_t seen = masks_done_;
-        while (!shutdown_ && waiting_.empty() && masks_done_ == seen) {
+        while (!shutdown_ && waiting_.empty() && masks_done_ == seen && offers_released_.empty()) {
           if (wake_.WaitWithDeadline(&mu_, deadline)) break;
         }
-        woken |= shutdown_ || !waiting_.empty();
+        woken |= shutdown_ || !waiting_.empty() || !offers_released_.empty();
       }
       if (!woken) RETURN_IF_ERROR(executor_->Ping());  // idle: is the replica still there?
       continue;

@@ -47,6 +47,9 @@ struct EngineObserver {
   std::function<void(int64_t used, int64_t cached)> cache_blocks;
   // Names of KV blocks that became cached or were evicted, in order (serve/kv_events.h).
   std::function<void(const std::vector<KvEvent>&)> kv_events;
+  // Disaggregated decode: a prompt's KV taken from a prefill replica (its duration; an error:
+  // the sequence was prefilled here instead).
+  std::function<void(double seconds, const absl::Status& transfer)> kv_import;
 };
 
 struct EngineOptions {
@@ -74,6 +77,9 @@ struct EngineOptions {
   std::chrono::milliseconds mask_wait{10};
   std::chrono::milliseconds mask_timeout{1000};
   bool exit_when_idle = false;  // Run returns once nothing is left to do
+  // Disaggregated prefill: how long an exported sequence's KV stays offered (and its blocks
+  // held) unless released sooner (Engine::ReleaseOffer).
+  std::chrono::milliseconds kv_offer_hold{30000};
 };
 
 // One sequence's output as the engine produces it. The consumer takes what arrived with Next.
@@ -101,6 +107,16 @@ class RequestStream {
   // Prompt tokens whose KV came from the prefix cache when the sequence started.
   int64_t cached_tokens() const { return cached_tokens_.load(); }
   void set_cached_tokens(int64_t n) { cached_tokens_.store(n); }
+  // Disaggregated prefill: the ticket its prompt's KV is offered under, set before it finishes
+  // (with reason "offered"); none when it finished at its first token.
+  std::optional<KvTicket> kv_offer() {
+    absl::MutexLock lock(&mu_);
+    return offer_;
+  }
+  void set_kv_offer(const KvTicket& ticket) {
+    absl::MutexLock lock(&mu_);
+    offer_ = ticket;
+  }
 
   // Engine side.
   void Push(Token t);
@@ -116,8 +132,25 @@ class RequestStream {
   bool reported_ ABSL_GUARDED_BY(mu_) = false;
   std::string reason_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::optional<KvTicket> offer_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> cancelled_{false};
   std::atomic<int64_t> cached_tokens_{0};
+};
+
+// Disaggregated serving: what a sequence does with its prompt's KV besides computing it.
+struct SequenceKvRole {
+  // Prefill: the sequence ends after its first token, its KV offered to a decode replica under a
+  // fresh ticket (RequestStream::kv_offer) and held until released or kv_offer_hold passes.
+  bool offer = false;
+  // Decode: the prompt's KV and first token come from a prefill replica; the sequence starts
+  // after them (prefilling here instead when the transfer fails).
+  struct Source {
+    KvTicket ticket{};
+    KvRoleShape shape;
+    std::vector<std::string> addresses;
+    RequestStream::Token first{};
+  };
+  std::shared_ptr<const Source> import;
 };
 
 class Engine {
@@ -132,8 +165,11 @@ class Engine {
   // queue counts requests, and the batch is shared fairly between them: while another request
   // waits with nothing running, a request holding more than its share of the batch
   // (max_batch / requests) gives up its newest sequence for it (preempted, resumed later).
+  // `kv`: each sequence's part in disaggregated serving (empty: none).
   absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> SubmitGroup(
-      const std::vector<GenerationRequest>& requests);
+      const std::vector<GenerationRequest>& requests, const std::vector<SequenceKvRole>& kv = {});
+  // The decode replica has the KV offered under `ticket`: its blocks are freed at the next step.
+  void ReleaseOffer(const KvTicket& ticket);
 
   // Schedules until Shutdown (or, with exit_when_idle, until nothing is left), then stops the
   // replica. A replica failure ends every request with the error and is returned.
@@ -170,6 +206,13 @@ class Engine {
   void Accept(const StepResult& result);
   // The cache's figures and events after the pool changed.
   void ReportCache();
+  // Why s ends after taking `token` ("stop", "length"), or "" when it goes on.
+  std::string EndReason(const Sequence* s, int32_t token) const;
+  // Offers that were released or have expired: their blocks are freed.
+  void EndOffers();
+  // Takes s's prompt KV from the prefill replica (s admitted, its cached prefix matched): on
+  // success s continues from its first token; otherwise it is prefilled here.
+  void Import(Sequence* s);
   void Retire(Sequence* s, const std::string& reason, const absl::Status& status);
   void Preempt(Sequence* s);
   void FailAll(const absl::Status& status);
@@ -204,6 +247,7 @@ class Engine {
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t masks_done_ ABSL_GUARDED_BY(mu_) = 0;  // wakes the loop when a mask is ready
+  std::vector<KvTicket> offers_released_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> healthy_{true};
   std::atomic<int> running_count_{0};  // running_.size(), for Submit
   std::atomic<int64_t> kv_used_{0};    // pool_.used(), for the leader's load reports
@@ -214,6 +258,9 @@ class Engine {
   std::vector<std::unique_ptr<Sequence>> running_;
   std::vector<int64_t> release_;
   BlockPool pool_;
+  // Exported sequences whose KV is offered, holding their blocks until released or expired.
+  std::vector<std::unique_ptr<Sequence>> offered_;
+  absl::Status replica_failure_;  // met while building a step (an import's mesh)
   // Last: destroyed first, while the jobs it still runs may reach the engine.
   std::unique_ptr<GrammarWorkers> grammar_workers_;
 };

@@ -9,11 +9,13 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "api/worker_env.h"
 #include "comm/handshake.h"
 #include "comm/json_frame.h"
+#include "comm/kv_transfer.h"
 #include "comm/observed_comm.h"
 #include "comm/rendezvous.h"
 #include "comm/shm_comm.h"
@@ -28,6 +30,7 @@
 #include "model/sampler.h"
 #include "model/transformer.h"
 #include "plan/layer_split.h"
+#include "serve/kv_layout.h"
 #include "serve/stage_backend.h"
 #include "serve/step_wire.h"
 
@@ -78,8 +81,16 @@ class Rank : public StepExecutor {
   absl::StatusOr<StepResult> Collect() override;
   absl::Status Ping() override;
   absl::Status Stop() override;
+  absl::Status ImportKv(const KvImport& import, absl::Status* transfer) override;
 
  private:
+  // Disaggregation (WorkerEnv::kv_role): a prefill replica's ranks each run an exporter, whose
+  // addresses the leader gathers; a decode replica's ranks each run a puller.
+  absl::Status StartKvTransfer();
+  // This rank's share of an import: the ranges of each prefill rank it reads, pulled in turn.
+  absl::Status PullKv(const KvImport& import);
+  // A frame from the last stage's sampler: a step result, or (during ImportKv) its import answer.
+  absl::StatusOr<json> RecvFromSampler();
   absl::Status SendToAll(const json& message);
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
   // tp_rank 0 (every step has one, possibly empty) and nothing elsewhere.
@@ -109,6 +120,10 @@ class Rank : public StepExecutor {
     for (int32_t b : ids) blocks_held_ += block_refs_[b]++ == 0;
   }
   void Drop(int64_t seq) {
+    if (auto offer = offers_.find(seq); offer != offers_.end()) {  // its sends end first
+      exporter_->Withdraw(offer->second);
+      offers_.erase(offer);
+    }
     auto it = kv_.find(seq);
     if (it == kv_.end()) return;
     for (int32_t b : it->second.blocks) blocks_held_ -= --block_refs_[b] == 0;
@@ -131,7 +146,13 @@ class Rank : public StepExecutor {
   int64_t blocks_held_ = 0;
   std::map<int64_t, SamplingParams> params_;  // on the last stage
   std::map<int64_t, Sampler> samplers_;       // on the last stage's tp_rank 0
-  std::deque<StepResult> ready_;              // the leader's own results (PP = 1)
+  // Results not yet collected: the leader's own (PP = 1), or read while waiting for an import.
+  std::deque<StepResult> ready_;
+  KvRoleShape kv_shape_;                   // how this replica holds the KV
+  std::unique_ptr<KvExporter> exporter_;   // prefill role
+  std::unique_ptr<KvPuller> puller_;       // decode role
+  std::vector<std::string> kv_addresses_;  // the leader: every rank's exporter
+  std::map<int64_t, KvTicket> offers_;     // the sequences offered, until released
 };
 
 // How the model reached this pod (its fetch step's report, serve/../cli/fetch.h), on the
@@ -262,11 +283,27 @@ absl::Status Rank::Init() {
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
     cache_->FollowTables();  // the leader hands out the blocks (serve/prefix_cache.h)
     block_refs_.assign(cache_->num_blocks(), 0);
+    std::vector<LayerRange> split;
+    for (int st = 0; st < cfg_.env.pp; ++st) {
+      WorkerEnv at = cfg_.env;
+      at.stage = st;
+      ASSIGN_OR_RETURN(LayerRange r, StageLayersOf(at, c));
+      split.push_back(r);
+    }
+    kv_shape_.tp = cfg_.env.tp;
+    for (const LayerRange& r : split) kv_shape_.stages.emplace_back(r.begin, r.end);
+    kv_shape_.latent = c.mla;
+    kv_shape_.kv_heads = c.mla ? 1 : c.num_kv_heads;
+    kv_shape_.block_size = cache_->block_size();
     return absl::OkStatus();
   }();
   if (!loaded.ok()) {
     return world_comm_->Abort(
         absl::Status(loaded.code(), absl::StrCat(world_.Describe(rank), ": ", loaded.message())));
+  }
+  if (absl::Status s = StartKvTransfer(); !s.ok()) {
+    return world_comm_->Abort(
+        absl::Status(s.code(), absl::StrCat(world_.Describe(rank), ": ", s.message())));
   }
   Starting("loaded; waiting for the replica's other ranks to load");
   RETURN_IF_ERROR(mesh_->Barrier());  // everyone loaded: start together
@@ -311,7 +348,8 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
         return std::any_of(ids.begin(), ids.end(), [&](int32_t b) { return b < 0 || b >= blocks; });
       };
       if (ch.params) {
-        if (bad(ch.cached) || ch.start != static_cast<int64_t>(ch.cached.size()) * bs) {
+        // The start is a cached prefix's (whole blocks) or an imported prompt's (any length).
+        if (bad(ch.cached) || (ch.start + bs - 1) / bs != static_cast<int64_t>(ch.cached.size())) {
           return absl::DataLossError(absl::StrCat("sequence ", ch.seq, ": a cached prefix of ",
                                                   ch.cached.size(), " blocks for ", ch.start,
                                                   " positions, or a block outside the cache"));
@@ -356,6 +394,22 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     metrics_->AddTokens(static_cast<double>(rows));
   }
   ReportCacheUsage();
+  // The chunks' KV is written: offered before the step goes on (the next stage, the TP group's
+  // sampling), so that once the leader has the step's result, every rank holds the offer.
+  for (const StepChunk& ch : step.chunks) {
+    if (!ch.offer) continue;
+    if (!exporter_) return absl::DataLossError("a step offers KV on a replica that exports none");
+    const auto hold = absl::Milliseconds(cfg_.env.kv_offer_ms);
+    const int64_t layers = model_->layer_end() - model_->layer_begin();
+    absl::Status offered = exporter_->Offer(
+        *ch.offer, OfferedKv(*cache_->storage(), layers, kv_[ch.seq].blocks), absl::Now() + hold);
+    // Not fatal: the decode replica's pull is refused, and it prefills by itself.
+    if (!offered.ok()) {
+      LogWarning("sequence ", ch.seq, ": its KV is not offered: ", offered.message());
+    } else {
+      offers_[ch.seq] = *ch.offer;
+    }
+  }
   if (!model_->last_stage()) {
     RETURN_IF_ERROR(PassHidden());
     return std::nullopt;
@@ -415,6 +469,12 @@ absl::Status Rank::Follow() {
       RETURN_IF_ERROR(mesh_->Barrier());
       continue;
     }
+    if (type == StepMessageType::kKvImport) {
+      ASSIGN_OR_RETURN(KvImport import, DecodeKvImport(message));
+      const absl::Status pulled = PullKv(import);
+      RETURN_IF_ERROR(SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeKvImported(import.seq, pulled))));
+      continue;
+    }
     ASSIGN_OR_RETURN(StepDesc step, DecodeStep(message));
     ASSIGN_OR_RETURN(std::optional<StepResult> result, ProcessStep(step));
     if (result) RETURN_IF_ERROR(SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeStepResult(*result))));
@@ -440,8 +500,97 @@ absl::StatusOr<StepResult> Rank::Collect() {
     ready_.pop_front();
     return r;
   }
-  ASSIGN_OR_RETURN(json res, RecvFrame(*mesh_, LastSampler()));
+  ASSIGN_OR_RETURN(json res, RecvFromSampler());
   return DecodeStepResult(res);
+}
+
+absl::StatusOr<json> Rank::RecvFromSampler() { return RecvFrame(*mesh_, LastSampler()); }
+
+absl::Status Rank::StartKvTransfer() {
+  const std::string& role = cfg_.env.kv_role;
+  if (role == "decode") {
+    ASSIGN_OR_RETURN(puller_, KvPuller::Create());
+    return absl::OkStatus();
+  }
+  if (role != "prefill") return absl::OkStatus();
+  ASSIGN_OR_RETURN(exporter_, KvExporter::Create());
+  if (!world_.is_leader()) {
+    return SendFrame(*mesh_, 0,
+                     EncodeJsonFrame({{"kv_address", absl::Base64Escape(exporter_->address())}}));
+  }
+  kv_addresses_ = {exporter_->address()};
+  for (int r = 1; r < world_.world_size(); ++r) {
+    ASSIGN_OR_RETURN(json m, RecvFrame(*mesh_, r));
+    ASSIGN_OR_RETURN(const std::string a, JsonString(m, "kv_address", 1 << 16));
+    std::string bytes;
+    if (!absl::Base64Unescape(a, &bytes) || bytes.empty()) {
+      return absl::DataLossError(
+          absl::StrCat(world_.Describe(r), " sent an exporter address that is not base64"));
+    }
+    kv_addresses_.push_back(std::move(bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rank::PullKv(const KvImport& im) {
+  if (!puller_) return absl::FailedPreconditionError("this replica does not take KV from others");
+  if (static_cast<int64_t>(im.blocks.size()) * cache_->block_size() < im.positions ||
+      std::any_of(im.blocks.begin(), im.blocks.end(),
+                  [&](int32_t b) { return b < 0 || b >= cache_->num_blocks(); })) {
+    return absl::InvalidArgumentError(absl::StrCat(im.blocks.size(), " blocks for ", im.positions,
+                                                   " positions, or a block outside the cache"));
+  }
+  ASSIGN_OR_RETURN(std::vector<KvPullPlan> plans,
+                   PlanKvPull(im.source, kv_shape_, cfg_.env.stage, cfg_.env.tp_rank,
+                              *cache_->storage(), im.blocks, static_cast<size_t>(im.skip_blocks)));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(cfg_.env.kv_transfer_timeout_ms);
+  for (const KvPullPlan& plan : plans) {
+    if (plan.ranges.empty()) continue;
+    const size_t from = static_cast<size_t>(plan.stage) * im.source.tp + plan.tp_rank;
+    absl::Status s = puller_->Pull(im.addresses[from], im.ticket, plan.ranges,
+                                   std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("pulling from prefill rank ", from, ": ", s.message()));
+    }
+  }
+  return model_->backend().Synchronize();
+}
+
+absl::Status Rank::ImportKv(const KvImport& im, absl::Status* transfer) {
+  RETURN_IF_ERROR(SendToAll(EncodeKvImport(im)));
+  *transfer = PullKv(im);
+  if (!transfer->ok()) {
+    *transfer =
+        absl::Status(transfer->code(), absl::StrCat(world_.Describe(0), ": ", transfer->message()));
+  }
+  for (int r = 1; r < world_.world_size(); ++r) {
+    json answer;
+    if (r == LastSampler()) {  // the step results it sent before come first
+      for (;;) {
+        ASSIGN_OR_RETURN(answer, RecvFromSampler());
+        if (IsKvImported(answer)) break;
+        ASSIGN_OR_RETURN(StepResult early, DecodeStepResult(answer));
+        ready_.push_back(std::move(early));
+      }
+    } else {
+      ASSIGN_OR_RETURN(answer, RecvFrame(*mesh_, r));
+    }
+    absl::Status theirs;
+    RETURN_IF_ERROR(DecodeKvImported(answer, im.seq, &theirs));
+    if (transfer->ok() && !theirs.ok()) {
+      *transfer =
+          absl::Status(theirs.code(), absl::StrCat(world_.Describe(r), ": ", theirs.message()));
+    }
+  }
+  // Every rank is done with the offer (pulled, or given up): the prefill leader frees it.
+  if (!puller_) return absl::OkStatus();
+  if (absl::Status released = puller_->Release(im.addresses[0], im.ticket, absl::Seconds(2));
+      !released.ok() && transfer->ok()) {
+    LogWarning("sequence ", im.seq, ": the prefill replica did not take its KV back (",
+               released.message(), "); it frees the KV when its offer expires");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Rank::Ping() {
@@ -475,6 +624,13 @@ LeaderContext Rank::Context() {
                                               : c.max_context;
   o.vocab_size = c.vocab_size;
   o.eos_token_ids = c.eos_token_ids;
+  ctx.kv_shape = kv_shape_;
+  ctx.kv_addresses = kv_addresses_;
+  if (exporter_) {
+    ctx.on_kv_release = [e = exporter_.get()](std::function<void(const KvTicket&)> released) {
+      e->OnRelease(std::move(released));
+    };
+  }
   return ctx;
 }
 }  // namespace

@@ -23,6 +23,7 @@
 #include "model/config.h"
 #include "plan/layer_split.h"
 #include "serve/engine.h"
+#include "serve/kv_layout.h"
 #include "serve/step.h"
 
 namespace prometheus {
@@ -79,6 +80,12 @@ struct LeaderContext {
   std::shared_ptr<prometheus::Registry> registry;  // the rank's /metrics; null when off
   // Adds a registry to the rank's /metrics page; null when off.
   std::function<void(std::shared_ptr<prometheus::Registry>)> expose;
+  // How the replica holds the KV, and (a prefill replica) its ranks' exporter addresses and where
+  // the leader hears that a decode replica is done with an offer (set while an engine runs,
+  // reset to null before it goes; called on the exporter's thread).
+  KvRoleShape kv_shape;
+  std::vector<std::string> kv_addresses;
+  std::function<void(std::function<void(const KvTicket&)>)> on_kv_release;
 };
 // Runs on the leader; returning stops the replica (the executor's Stop or, on error, an abort
 // that every rank reports).

@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "comm/kv_transfer.h"
 #include "model/sampler.h"
+#include "serve/kv_layout.h"
 
 namespace shardserve {
 
@@ -30,6 +32,10 @@ struct StepChunk {
   // With a cached start and a sampler that reads the sequence's tokens (penalties): positions
   // [0, start), which the ranks skip but the sampler reads first.
   std::vector<int32_t> history;
+  // Disaggregated prefill (WorkerEnv::kv_role "prefill"): once this chunk's KV is written, every
+  // rank offers the sequence's blocks under this ticket (serve/kv_layout.h's OfferedKv) until the
+  // sequence is released.
+  std::optional<KvTicket> offer;
   std::vector<int32_t> blocks;
   // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
   std::vector<uint32_t> allowed;
@@ -93,6 +99,19 @@ inline void AddPromptScores(const StepDesc& step, std::vector<SampledToken> scor
   }
 }
 
+// Disaggregated decode: the prompt KV a prefill replica offers under `ticket`, pulled by every
+// rank of this replica into `blocks` (the sequence's table for its first `positions` positions),
+// leaving out the first `skip_blocks` (this replica's prefix cache holds them).
+struct KvImport {
+  int64_t seq = 0;
+  KvTicket ticket{};
+  KvRoleShape source;                  // how the prefill replica holds the KV
+  std::vector<std::string> addresses;  // its ranks' exporters, by rank (stage * tp + tp_rank)
+  int64_t positions = 0;
+  std::vector<int32_t> blocks;
+  int64_t skip_blocks = 0;
+};
+
 // The leader's handle on its replica. Not thread-safe: one scheduler thread drives it.
 class StepExecutor {
  public:
@@ -105,6 +124,13 @@ class StepExecutor {
   virtual absl::Status Ping() = 0;
   // Tells every rank to exit cleanly.
   virtual absl::Status Stop() = 0;
+  // Every rank pulls its share of `import` (between steps; the steps issued before it may still
+  // be in flight). The status returned is the replica's (a rank gone); `transfer` the transfer's
+  // (refused, failed, too slow: the sequence is then prefilled here, its blocks overwritten).
+  virtual absl::Status ImportKv(const KvImport& /*import*/, absl::Status* transfer) {
+    *transfer = absl::FailedPreconditionError("this replica does not take KV from others");
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace shardserve

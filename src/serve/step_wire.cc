@@ -1,5 +1,7 @@
 #include "serve/step_wire.h"
 
+#include <algorithm>
+#include <cctype>
 #include <limits>
 #include <string>
 
@@ -111,6 +113,7 @@ json EncodeStep(const StepDesc& d) {
       ch["cached"] = c.cached;
       if (!c.history.empty()) ch["history"] = c.history;
     }
+    if (c.offer) ch["offer"] = KvTicketHex(*c.offer);
     chunks.push_back(std::move(ch));
   }
   return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
@@ -125,6 +128,7 @@ absl::StatusOr<StepMessageType> DecodeStepMessageType(const json& m) {
   if (*type == "step") return StepMessageType::kStep;
   if (*type == "ping") return StepMessageType::kPing;
   if (*type == "stop") return StepMessageType::kStop;
+  if (*type == "kv_import") return StepMessageType::kKvImport;
   return absl::DataLossError(absl::StrCat("a step message of unknown type '", *type, "'"));
 }
 
@@ -197,12 +201,143 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
           c.history.assign(history.begin(), history.end());
         }
       }
+      if (ch.contains("offer")) {
+        ASSIGN_OR_RETURN(const std::string hex, JsonString(ch, "offer", 64));
+        auto ticket = KvTicketFromHex(hex);
+        if (!ticket.ok()) return In(absl::StrCat("chunk of sequence ", c.seq), ticket.status());
+        c.offer = *ticket;
+      }
       d.chunks.push_back(std::move(c));
     }
     return absl::OkStatus();
   }();
   if (!s.ok()) return In("a malformed step", s);
   return d;
+}
+
+std::string KvTicketHex(const KvTicket& t) {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(t.data()), t.size()));
+}
+
+absl::StatusOr<KvTicket> KvTicketFromHex(const std::string& hex) {
+  KvTicket t{};
+  if (hex.size() != 2 * t.size() ||
+      !std::all_of(hex.begin(), hex.end(), [](char c) { return std::isxdigit(c) != 0; })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a KV ticket is ", 2 * t.size(), " hex digits, not '",
+                     hex.substr(0, 2 * t.size() + 1), hex.size() > 2 * t.size() ? "...'" : "'"));
+  }
+  const std::string bytes = absl::HexStringToBytes(hex);
+  std::copy(bytes.begin(), bytes.end(), t.begin());
+  return t;
+}
+
+json EncodeKvRoleShape(const KvRoleShape& shape) {
+  json stages = json::array();
+  for (const auto& [b, e] : shape.stages) stages.push_back({b, e});
+  return {{"tp", shape.tp},
+          {"stages", std::move(stages)},
+          {"kv_heads", shape.kv_heads},
+          {"latent", shape.latent},
+          {"block_size", shape.block_size}};
+}
+
+absl::StatusOr<KvRoleShape> DecodeKvRoleShape(const json& j) {
+  if (!j.is_object()) return absl::InvalidArgumentError("a KV shape is not an object");
+  KvRoleShape shape;
+  ASSIGN_OR_RETURN(const int64_t tp, JsonInt(j, "tp", 1, 1 << 16));
+  shape.tp = static_cast<int>(tp);
+  ASSIGN_OR_RETURN(shape.kv_heads, JsonInt(j, "kv_heads", 1, 1 << 20));
+  ASSIGN_OR_RETURN(shape.latent, JsonBool(j, "latent"));
+  ASSIGN_OR_RETURN(shape.block_size, JsonInt(j, "block_size", 1, 1 << 20));
+  ASSIGN_OR_RETURN(const json* stages, JsonArray(j, "stages"));
+  if (stages->empty() || stages->size() > (1 << 16)) {
+    return absl::InvalidArgumentError(absl::StrCat("a KV shape of ", stages->size(), " stages"));
+  }
+  for (const json& st : *stages) {
+    if (!st.is_array() || st.size() != 2 || !st[0].is_number_integer() ||
+        !st[1].is_number_integer() || st[0].get<int64_t>() < 0 ||
+        st[1].get<int64_t>() <= st[0].get<int64_t>() || st[1].get<int64_t>() > (1 << 20)) {
+      return absl::InvalidArgumentError("a KV shape's stage is not [begin, end) of layers");
+    }
+    shape.stages.emplace_back(st[0].get<int64_t>(), st[1].get<int64_t>());
+  }
+  return shape;
+}
+
+json EncodeKvImport(const KvImport& im) {
+  json addresses = json::array();
+  for (const std::string& a : im.addresses) addresses.push_back(absl::Base64Escape(a));
+  return {{"type", "kv_import"},
+          {"seq", im.seq},
+          {"ticket", KvTicketHex(im.ticket)},
+          {"source", EncodeKvRoleShape(im.source)},
+          {"addresses", std::move(addresses)},
+          {"positions", im.positions},
+          {"blocks", im.blocks},
+          {"skip_blocks", im.skip_blocks}};
+}
+
+absl::StatusOr<KvImport> DecodeKvImport(const json& m) {
+  KvImport im;
+  absl::Status s = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(im.seq, JsonInt(m, "seq", 0, kMaxInt64));
+    ASSIGN_OR_RETURN(const std::string hex, JsonString(m, "ticket", 64));
+    ASSIGN_OR_RETURN(im.ticket, KvTicketFromHex(hex));
+    auto source = m.find("source");
+    if (source == m.end()) return absl::DataLossError("'source' is missing");
+    ASSIGN_OR_RETURN(im.source, DecodeKvRoleShape(*source));
+    ASSIGN_OR_RETURN(const json* addresses, JsonArray(m, "addresses"));
+    const size_t ranks = static_cast<size_t>(im.source.tp) * im.source.stages.size();
+    if (addresses->size() != ranks) {
+      return absl::DataLossError(
+          absl::StrCat(addresses->size(), " exporter addresses for ", ranks, " prefill ranks"));
+    }
+    for (const json& a : *addresses) {
+      std::string bytes;
+      if (!a.is_string() || a.get_ref<const std::string&>().size() > (1 << 16) ||
+          !absl::Base64Unescape(a.get<std::string>(), &bytes) || bytes.empty()) {
+        return absl::DataLossError("an exporter address is not base64 of at most 48 KiB");
+      }
+      im.addresses.push_back(std::move(bytes));
+    }
+    ASSIGN_OR_RETURN(im.positions, JsonInt(m, "positions", 1, kMaxInt32));
+    ASSIGN_OR_RETURN(const std::vector<int64_t> blocks, JsonInts(m, "blocks", 0, kMaxInt32));
+    im.blocks.assign(blocks.begin(), blocks.end());
+    ASSIGN_OR_RETURN(im.skip_blocks,
+                     JsonInt(m, "skip_blocks", 0, static_cast<int64_t>(im.blocks.size())));
+    return absl::OkStatus();
+  }();
+  if (!s.ok()) return In("a malformed KV import", s);
+  return im;
+}
+
+json EncodeKvImported(int64_t seq, const absl::Status& transfer) {
+  return {{"type", "kv_imported"},
+          {"seq", seq},
+          {"code", static_cast<int>(transfer.code())},
+          {"error", std::string(transfer.message())}};
+}
+
+bool IsKvImported(const json& m) {
+  auto type = m.find("type");
+  return type != m.end() && type->is_string() && *type == "kv_imported";
+}
+
+absl::Status DecodeKvImported(const json& m, int64_t seq, absl::Status* transfer) {
+  auto got = JsonInt(m, "seq", 0, kMaxInt64);
+  auto code = JsonInt(m, "code", 0, 16);
+  auto error = JsonString(m, "error", 4096);
+  if (!got.ok() || !code.ok() || !error.ok()) {
+    return absl::DataLossError("a malformed KV import answer");
+  }
+  if (*got != seq) {
+    return absl::DataLossError(
+        absl::StrCat("a KV import answer for sequence ", *got, ", expected ", seq));
+  }
+  *transfer = absl::Status(static_cast<absl::StatusCode>(*code), *error);
+  return absl::OkStatus();
 }
 
 namespace {

@@ -5,6 +5,7 @@
 // checks every field and names the one that is wrong.
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "serve/step.h"
@@ -14,7 +15,7 @@ namespace shardserve {
 // A frame on the mesh holds at most this (a step of a long prompt is the largest).
 inline constexpr uint32_t kMaxStepMessage = 64u << 20;
 
-enum class StepMessageType { kStep, kPing, kStop };
+enum class StepMessageType { kStep, kPing, kStop, kKvImport };
 
 nlohmann::json EncodeStep(const StepDesc& step);
 nlohmann::json EncodePing();
@@ -26,6 +27,24 @@ absl::StatusOr<StepDesc> DecodeStep(const nlohmann::json& message);
 // stopping fields stay on the leader).
 nlohmann::json EncodeSamplingParams(const SamplingParams& params);
 absl::StatusOr<SamplingParams> DecodeSamplingParams(const nlohmann::json& params);
+
+// A ticket as text (hex) and back.
+std::string KvTicketHex(const KvTicket& ticket);
+absl::StatusOr<KvTicket> KvTicketFromHex(const std::string& hex);
+
+// How a role holds the KV ({tp, stages: [[begin, end], ...], kv_heads, latent, block_size}).
+nlohmann::json EncodeKvRoleShape(const KvRoleShape& shape);
+absl::StatusOr<KvRoleShape> DecodeKvRoleShape(const nlohmann::json& shape);
+
+// The leader's import order to every rank, and each rank's answer ("error" empty: pulled).
+nlohmann::json EncodeKvImport(const KvImport& import);
+absl::StatusOr<KvImport> DecodeKvImport(const nlohmann::json& message);
+nlohmann::json EncodeKvImported(int64_t seq, const absl::Status& transfer);
+// Whether a frame from a rank is an import answer (else: a step result).
+bool IsKvImported(const nlohmann::json& message);
+// The answer's transfer status as the rank saw it, into `transfer`; an error when the answer is
+// malformed or for another sequence.
+absl::Status DecodeKvImported(const nlohmann::json& message, int64_t seq, absl::Status* transfer);
 
 nlohmann::json EncodeStepResult(const StepResult& result);
 absl::StatusOr<StepResult> DecodeStepResult(const nlohmann::json& message);

@@ -89,6 +89,9 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.credentials_dir = "/creds";
   w.fetch_report = "/fetch/report.json";
   w.node_name = "gpu-7";
+  w.kv_role = "decode";
+  w.kv_offer_ms = 5000;
+  w.kv_transfer_timeout_ms = 3000;
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.
@@ -147,6 +150,8 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
                         "pythonic, qwen3_coder, deepseek_v3, deepseek_v31, kimi_k2 or openai"));
   EXPECT_THAT(error({{"SHARDSERVE_REASONING_PARSER", "gpt_oss"}}),
               HasSubstr("SHARDSERVE_REASONING_PARSER='gpt_oss' must be think, harmony or none"));
+  EXPECT_THAT(error({{"SHARDSERVE_KV_ROLE", "both"}}),
+              HasSubstr("SHARDSERVE_KV_ROLE='both' must be prefill or decode"));
   EXPECT_THAT(error({{"SHARDSERVE_FP8", "fast"}}),
               HasSubstr("environment variable SHARDSERVE_FP8='fast' must be blocks or expand"));
   EXPECT_THAT(error({{"SHARDSERVE_TP", "2"}, {"SHARDSERVE_TP_RANK", "2"}}),

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/escaping.h"
+#include "absl/synchronization/mutex.h"
 #include "common/process.h"
 
 namespace shardserve {
@@ -37,6 +38,34 @@ Pair MakePair(KvTransferLimits limits = {}) {
   auto p = KvPuller::Create(limits);
   EXPECT_TRUE(p.ok()) << p.status();
   return {std::move(*e), std::move(*p)};
+}
+
+// A puller done with an offer releases it: the exporter's owner hears the ticket (and withdraws
+// it); a ticket it does not hold is refused.
+TEST(KvTransferTest, AReleaseReachesTheOffersOwner) {
+  Pair t = MakePair();
+  const std::vector<uint8_t> a = Pattern(4096, 3);
+  auto ticket = NewKvTicket(), other = NewKvTicket();
+  ASSERT_TRUE(ticket.ok() && other.ok());
+  ASSERT_TRUE(
+      t.exporter->Offer(*ticket, {{a.data(), a.size()}}, absl::Now() + absl::Seconds(60)).ok());
+  absl::Mutex mu;
+  std::vector<KvTicket> heard;
+  t.exporter->OnRelease([&](const KvTicket& k) {
+    absl::MutexLock lock(&mu);
+    heard.push_back(k);
+  });
+  EXPECT_EQ(t.puller->Release(t.exporter->address(), *other, absl::Seconds(10)).code(),
+            absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(t.puller->Release(t.exporter->address(), *ticket, absl::Seconds(10)).ok());
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(heard, std::vector<KvTicket>{*ticket});
+  }
+  EXPECT_TRUE(t.exporter->Withdraw(*ticket));
+  EXPECT_EQ(t.puller->Release(t.exporter->address(), *ticket, absl::Seconds(10)).code(),
+            absl::StatusCode::kPermissionDenied);  // withdrawn: nothing to release
+  t.exporter->OnRelease(nullptr);
 }
 
 // Small ranges (eager messages) and a large pull of many ranges (rendezvous both ways): exactly

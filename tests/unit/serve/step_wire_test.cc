@@ -89,6 +89,8 @@ StepDesc SomeStep() {
   prompt.prompt_tokens = 3;
   prompt.start = 2;  // a cached start, and the tokens the sampler reads first
   prompt.history = {11, 12};
+  prompt.offer = KvTicket{};
+  (*prompt.offer)[31] = 0xAB;                      // disaggregated prefill: offered once computed
   prompt.allowed = {0x80000001u, 0, 0xDEADBEEFu};  // structured output's mask
   prompt.score_from = 1;                           // echo with logprobs: rows 1 and 2 scored
   prompt.score = {8, 9};
@@ -119,6 +121,8 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   EXPECT_EQ(back->chunks[0].prompt_tokens, 3);
   EXPECT_EQ(std::tuple(back->chunks[0].start, back->chunks[0].history),
             std::tuple(2, std::vector<int32_t>{11, 12}));
+  EXPECT_EQ(back->chunks[0].offer, d.chunks[0].offer);
+  EXPECT_FALSE(back->chunks[1].offer.has_value());
   const SamplingParams& p = *back->chunks[0].params;
   EXPECT_EQ(p.logit_bias, d.chunks[0].params->logit_bias);
   EXPECT_EQ(std::tuple(p.min_tokens, p.end_ids, p.repetition_penalty, p.frequency_penalty,
@@ -151,6 +155,76 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   EXPECT_FLOAT_EQ(rback->tokens[0].top[1].logprob, -2.0f);
 }
 
+KvImport SomeImport() {
+  KvImport im;
+  im.seq = 9;
+  for (size_t i = 0; i < im.ticket.size(); ++i) im.ticket[i] = static_cast<uint8_t>(i * 7);
+  im.source.tp = 2;
+  im.source.stages = {{0, 3}, {3, 5}};
+  im.source.kv_heads = 4;
+  im.source.block_size = 16;
+  im.addresses = {std::string("\0a\xff", 3), "b", "c", "d"};  // binary UCX addresses
+  im.positions = 40;
+  im.blocks = {7, 3, 5};
+  im.skip_blocks = 1;
+  return im;
+}
+
+TEST(StepWireTest, KvImportsAndTheirAnswersRoundTrip) {
+  const KvImport im = SomeImport();
+  const json wire = json::parse(EncodeJsonFrame(EncodeKvImport(im)).substr(4));
+  ASSERT_EQ(*DecodeStepMessageType(wire), StepMessageType::kKvImport);
+  auto back = DecodeKvImport(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(std::tuple(back->seq, back->ticket, back->addresses, back->positions, back->blocks,
+                       back->skip_blocks),
+            std::tuple(im.seq, im.ticket, im.addresses, im.positions, im.blocks, im.skip_blocks));
+  EXPECT_EQ(std::tuple(back->source.tp, back->source.stages, back->source.kv_heads,
+                       back->source.latent, back->source.block_size),
+            std::tuple(2, im.source.stages, 4, false, 16));
+
+  const json ok = EncodeKvImported(9, absl::OkStatus());
+  const json refused = EncodeKvImported(9, absl::PermissionDeniedError("no offer"));
+  EXPECT_TRUE(IsKvImported(ok));
+  EXPECT_FALSE(IsKvImported(EncodeStepResult(StepResult{})));
+  absl::Status transfer = absl::UnknownError("unset");
+  ASSERT_TRUE(DecodeKvImported(ok, 9, &transfer).ok());
+  EXPECT_TRUE(transfer.ok()) << transfer;
+  ASSERT_TRUE(DecodeKvImported(refused, 9, &transfer).ok());
+  EXPECT_EQ(transfer, absl::PermissionDeniedError("no offer"));
+  EXPECT_THAT(Error(DecodeKvImported(ok, 8, &transfer)),
+              HasSubstr("a KV import answer for sequence 9, expected 8"));
+  EXPECT_THAT(Error(DecodeKvImported({{"type", "kv_imported"}}, 9, &transfer)),
+              HasSubstr("a malformed KV import answer"));
+
+  EXPECT_EQ(*KvTicketFromHex(KvTicketHex(im.ticket)), im.ticket);
+  EXPECT_THAT(Error(KvTicketFromHex("abc").status()), HasSubstr("a KV ticket is 64 hex digits"));
+  EXPECT_FALSE(KvTicketFromHex(std::string(64, 'g')).ok());
+}
+
+TEST(StepWireTest, MalformedKvImportsNameTheField) {
+  const json good = EncodeKvImport(SomeImport());
+  auto refused = [&](auto mutate) {
+    json m = good;
+    mutate(m);
+    auto d = DecodeKvImport(m);
+    EXPECT_FALSE(d.ok());
+    return Error(d.status());
+  };
+  EXPECT_THAT(refused([](json& m) { m["addresses"].erase(0); }),
+              HasSubstr("a malformed KV import: 3 exporter addresses for 4 prefill ranks"));
+  EXPECT_THAT(refused([](json& m) { m["addresses"][1] = "@@"; }),
+              HasSubstr("an exporter address is not base64"));
+  EXPECT_THAT(refused([](json& m) { m["skip_blocks"] = 4; }), HasSubstr("'skip_blocks' is 4"));
+  EXPECT_THAT(refused([](json& m) { m["ticket"] = "00"; }), HasSubstr("a KV ticket is"));
+  EXPECT_THAT(refused([](json& m) {
+                m["source"]["stages"] = {{3, 1}};
+              }),
+              HasSubstr("a KV shape's stage is not [begin, end) of layers"));
+  EXPECT_THAT(refused([](json& m) { m["source"]["tp"] = 0; }), HasSubstr("'tp' is 0"));
+  EXPECT_THAT(refused([](json& m) { m["blocks"] = {-1}; }), HasSubstr("'blocks'"));
+}
+
 TEST(StepWireTest, MalformedStepsNameTheField) {
   const json good = EncodeStep(SomeStep());
   auto refused = [&](auto mutate) {
@@ -176,6 +250,8 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               HasSubstr("'draws' is missing or not an integer"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["history"] = {11}; }),
               HasSubstr("chunk of sequence 3: a history of 1 tokens for a start of 2"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][0]["offer"] = "xyz"; }),
+              HasSubstr("chunk of sequence 3: a KV ticket is 64 hex digits"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["sample"] = 1; }),
               HasSubstr("'sample' is missing or not a boolean"));
   EXPECT_THAT(refused([](json& m) { m["chunks"] = {7}; }), HasSubstr("a chunk is not an object"));
