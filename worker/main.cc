@@ -132,6 +132,11 @@ absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, StopSignals&
     server->AttachRankMetrics(ctx.registry, ctx.expose);
     const EngineOptions& o = ctx.engine;
     Engine engine(ctx.executor, o, server->Observer());
+    server->SetKvSource(ctx.kv_shape, ctx.kv_addresses);
+    // A prefill replica: a decode replica done with an offer frees its blocks.
+    if (ctx.on_kv_release) {
+      ctx.on_kv_release([&engine](const KvTicket& t) { engine.ReleaseOffer(t); });
+    }
     server->SetEngine(&engine);
     signals.OnStop([&engine, drain = std::chrono::seconds(cfg.env.drain_seconds)] {
       LogInfo("leader: stopping; draining the requests in progress");
@@ -139,6 +144,7 @@ absl::Status Serve(const RankConfig& cfg, const WorldConfig& world, StopSignals&
     });
     LogInfo("leader: ready");
     const absl::Status s = engine.Run();
+    if (ctx.on_kv_release) ctx.on_kv_release(nullptr);
     signals.OnStop(nullptr);
     server->SetEngine(nullptr, s.ok() ? "the server is shutting down"
                                       : absl::StrCat("the model replica failed: ", s.message()));

@@ -239,6 +239,37 @@ LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
   };
   blocks_used_ = &blocks.Add(with("used"));
   blocks_cached_ = &blocks.Add(with("cached"));
+  kv_transfer_seconds_ = &prometheus::BuildHistogram()
+                              .Name("shardserve_kv_transfer_seconds")
+                              .Help(
+                                  "Disaggregated decode: a prompt's KV taken from a prefill "
+                                  "replica, every rank's share, until the last arrived")
+                              .Register(r)
+                              .Add(labels_, SecondsBuckets(1e-4));
+  kv_transfer_bytes_ = &prometheus::BuildCounter()
+                            .Name("shardserve_kv_transfer_bytes_total")
+                            .Help("Disaggregated decode: KV bytes taken from prefill replicas")
+                            .Register(r)
+                            .Add(labels_);
+  auto& transfers = prometheus::BuildCounter()
+                        .Name("shardserve_kv_transfers_total")
+                        .Help(
+                            "Disaggregated decode: prompts whose KV was taken from a prefill "
+                            "replica (pulled) or not (failed: prefilled here instead)")
+                        .Register(r);
+  auto outcome = [&](const char* o) {
+    auto l = labels_;
+    l["outcome"] = o;
+    return l;
+  };
+  kv_pulled_ = &transfers.Add(outcome("pulled"));
+  kv_failed_ = &transfers.Add(outcome("failed"));
+}
+
+void LeaderMetrics::ObserveKvTransfer(double seconds, int64_t bytes, bool pulled) {
+  kv_transfer_seconds_->Observe(seconds);
+  kv_transfer_bytes_->Increment(static_cast<double>(bytes));
+  (pulled ? kv_pulled_ : kv_failed_)->Increment();
 }
 
 void LeaderMetrics::CountPrefixLookup(int64_t queried, int64_t hit) {

@@ -50,7 +50,10 @@ class RankMetrics;
 //   (histograms), shardserve_generated_tokens_total, shardserve_grammar_mask_seconds (histogram:
 //   the leader's structured-output mask for one token of one sequence),
 //   shardserve_prefix_cache_queried_tokens_total and _hit_tokens_total (prompt tokens looked up
-//   in the prefix cache, and found), shardserve_prefix_cache_blocks{state="used"|"cached"}.
+//   in the prefix cache, and found), shardserve_prefix_cache_blocks{state="used"|"cached"};
+//   disaggregated decode: shardserve_kv_transfer_seconds (histogram),
+//   shardserve_kv_transfer_bytes_total and shardserve_kv_transfers_total{outcome="pulled"|
+//   "failed"}.
 // Registered into the registry of the leader rank's page. Thread-safe.
 class LeaderMetrics {
  public:
@@ -64,6 +67,9 @@ class LeaderMetrics {
   void ObserveGrammarMask(double seconds);
   void CountPrefixLookup(int64_t queried, int64_t hit);
   void SetCacheBlocks(int64_t used, int64_t cached);
+  // Disaggregated decode: a prompt's KV taken from a prefill replica (pulled), or not (failed:
+  // prefilled here), its bytes over every rank and its seconds.
+  void ObserveKvTransfer(double seconds, int64_t bytes, bool pulled);
 
  private:
   std::map<std::string, std::string> labels_;
@@ -75,6 +81,8 @@ class LeaderMetrics {
   prometheus::Histogram* grammar_mask_;
   prometheus::Counter *prefix_queried_, *prefix_hit_;
   prometheus::Gauge *blocks_used_, *blocks_cached_;
+  prometheus::Histogram* kv_transfer_seconds_;
+  prometheus::Counter *kv_transfer_bytes_, *kv_pulled_, *kv_failed_;
 };
 
 class RankMetrics {

@@ -326,6 +326,12 @@ void ApiServer::SetEngine(Engine* engine, const std::string& reason) {
   if (!reason.empty()) impl_->not_ready = reason;
 }
 
+void ApiServer::SetKvSource(const KvRoleShape& shape, std::vector<std::string> addresses) {
+  absl::WriterMutexLock lock(&impl_->engine_mu);
+  impl_->kv_shape = shape;
+  impl_->kv_addresses = std::move(addresses);
+}
+
 EngineObserver ApiServer::Observer() {
   LeaderMetrics* m = impl_->metrics.get();
   EngineObserver o;
@@ -336,6 +342,11 @@ EngineObserver ApiServer::Observer() {
   o.grammar_mask = [m](double s) { m->ObserveGrammarMask(s); };
   o.prefix_lookup = [m](int64_t queried, int64_t hit) { m->CountPrefixLookup(queried, hit); };
   o.cache_blocks = [m](int64_t used, int64_t cached) { m->SetCacheBlocks(used, cached); };
+  o.kv_import = [m](double seconds, int64_t bytes, const absl::Status& transfer) {
+    m->ObserveKvTransfer(seconds, bytes, transfer.ok());
+    if (!transfer.ok())
+      LogWarning("a prompt's KV transfer failed; prefilled here: ", transfer.message());
+  };
   o.kv_events = [log = &impl_->kv_events](const std::vector<KvEvent>& e) { log->Apply(e); };
   return o;
 }

@@ -56,6 +56,8 @@ class ApiServer {
                          const std::function<void(std::shared_ptr<prometheus::Registry>)>& expose);
   // Generation is served by `engine` (ready) or not at all (null; `reason` for /readyz).
   void SetEngine(Engine* engine, const std::string& reason = "");
+  // A prefill replica's KV as the decode replicas find it (serve/kv_handoff.h).
+  void SetKvSource(const KvRoleShape& shape, std::vector<std::string> addresses);
   // Figures the engine reports into the request metrics.
   EngineObserver Observer();
   // Waits until the generation requests in progress have been answered (at most `timeout`),

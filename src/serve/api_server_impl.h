@@ -24,6 +24,7 @@
 #include "serve/grammar.h"
 #include "serve/grammar_workers.h"
 #include "serve/kv_events.h"
+#include "serve/kv_handoff.h"
 #include "serve/openai.h"
 #include "serve/prompts.h"
 #include "serve/reasoning.h"
@@ -160,6 +161,21 @@ struct ApiServer::Impl {
   // GET /v1/kv-events: the replica's cached block names and load for a router
   // (serve/kv_events.h), until the router leaves or the server stops.
   void KvEvents(const http::Request& http_req, http::Exchange& ex);
+
+  // Disaggregated serving (serving_kv_transfer.cc, serve/kv_handoff.h). A leg of a disaggregated
+  // request is checked (the router's token, this replica's role, what it asks); the decode leg's
+  // handoff is read (its seed becomes the request's).
+  absl::Status KvLeg(ApiRequest& req, const http::Request& http_req,
+                     std::optional<KvHandoff>* handoff);
+  // Each of `n` sequences' part: offered (the prefill leg), taken from the handoff (decode).
+  absl::StatusOr<std::vector<SequenceKvRole>> KvRoles(const ApiRequest& req,
+                                                      const std::optional<KvHandoff>& handoff,
+                                                      size_t n);
+  // The prefill leg's answer: once every sequence has its first token, the handoff.
+  void AnswerKvOffer(const ApiRequest& req, const std::vector<std::shared_ptr<RequestStream>>& seqs,
+                     http::Exchange& ex);
+  KvRoleShape kv_shape ABSL_GUARDED_BY(engine_mu);  // a prefill replica's (ApiServer::SetKvSource)
+  std::vector<std::string> kv_addresses ABSL_GUARDED_BY(engine_mu);
 };
 
 }  // namespace shardserve

@@ -374,10 +374,11 @@ void Engine::Import(Sequence* s) {
   im.blocks = s->table;
   const auto t0 = Clock::now();
   absl::Status transfer;
-  replica_failure_ = executor_->ImportKv(im, &transfer);
+  int64_t bytes = 0;
+  replica_failure_ = executor_->ImportKv(im, &transfer, &bytes);
   if (!replica_failure_.ok()) return;
   if (observer_.kv_import) {
-    observer_.kv_import(std::chrono::duration<double>(Clock::now() - t0).count(), transfer);
+    observer_.kv_import(std::chrono::duration<double>(Clock::now() - t0).count(), bytes, transfer);
   }
   if (transfer.ok()) {
     s->fed = positions;

@@ -49,7 +49,7 @@ struct EngineObserver {
   std::function<void(const std::vector<KvEvent>&)> kv_events;
   // Disaggregated decode: a prompt's KV taken from a prefill replica (its duration; an error:
   // the sequence was prefilled here instead).
-  std::function<void(double seconds, const absl::Status& transfer)> kv_import;
+  std::function<void(double seconds, int64_t bytes, const absl::Status& transfer)> kv_import;
 };
 
 struct EngineOptions {

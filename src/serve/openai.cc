@@ -800,6 +800,18 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
     }
     r.cache_salt = it->get<std::string>();
   }
+  if (auto it = body.find("kv_transfer_params"); it != body.end() && !it->is_null()) {
+    const auto flag = [&](const char* key) {
+      auto f = it->find(key);
+      return f != it->end() && f->is_boolean() && f->get<bool>();
+    };
+    if (!it->is_object() || flag("do_remote_decode") == flag("do_remote_prefill")) {
+      return BadParam("kv_transfer_params",
+                      "'kv_transfer_params' must be an object with do_remote_decode (a prefill "
+                      "replica's leg) or do_remote_prefill (a decode replica's) true");
+    }
+    r.kv_transfer = nlohmann::json::parse(it->dump());
+  }
   ASSIGN_OR_RETURN(auto stream, Boolean(body, "stream"));
   r.stream = stream.value_or(false);
   if (r.stream && r.best_of > r.n) {

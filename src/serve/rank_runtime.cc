@@ -81,14 +81,14 @@ class Rank : public StepExecutor {
   absl::StatusOr<StepResult> Collect() override;
   absl::Status Ping() override;
   absl::Status Stop() override;
-  absl::Status ImportKv(const KvImport& import, absl::Status* transfer) override;
+  absl::Status ImportKv(const KvImport& import, absl::Status* transfer, int64_t* bytes) override;
 
  private:
   // Disaggregation (WorkerEnv::kv_role): a prefill replica's ranks each run an exporter, whose
   // addresses the leader gathers; a decode replica's ranks each run a puller.
   absl::Status StartKvTransfer();
   // This rank's share of an import: the ranges of each prefill rank it reads, pulled in turn.
-  absl::Status PullKv(const KvImport& import);
+  absl::Status PullKv(const KvImport& import, int64_t* bytes);
   // A frame from the last stage's sampler: a step result, or (during ImportKv) its import answer.
   absl::StatusOr<json> RecvFromSampler();
   absl::Status SendToAll(const json& message);
@@ -471,8 +471,10 @@ absl::Status Rank::Follow() {
     }
     if (type == StepMessageType::kKvImport) {
       ASSIGN_OR_RETURN(KvImport import, DecodeKvImport(message));
-      const absl::Status pulled = PullKv(import);
-      RETURN_IF_ERROR(SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeKvImported(import.seq, pulled))));
+      int64_t bytes = 0;
+      const absl::Status pulled = PullKv(import, &bytes);
+      RETURN_IF_ERROR(
+          SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeKvImported(import.seq, pulled, bytes))));
       continue;
     }
     ASSIGN_OR_RETURN(StepDesc step, DecodeStep(message));
@@ -532,7 +534,8 @@ absl::Status Rank::StartKvTransfer() {
   return absl::OkStatus();
 }
 
-absl::Status Rank::PullKv(const KvImport& im) {
+absl::Status Rank::PullKv(const KvImport& im, int64_t* bytes) {
+  *bytes = 0;
   if (!puller_) return absl::FailedPreconditionError("this replica does not take KV from others");
   if (static_cast<int64_t>(im.blocks.size()) * cache_->block_size() < im.positions ||
       std::any_of(im.blocks.begin(), im.blocks.end(),
@@ -553,13 +556,14 @@ absl::Status Rank::PullKv(const KvImport& im) {
       return absl::Status(s.code(),
                           absl::StrCat("pulling from prefill rank ", from, ": ", s.message()));
     }
+    for (const KvRange& r : plan.ranges) *bytes += static_cast<int64_t>(r.size);
   }
   return model_->backend().Synchronize();
 }
 
-absl::Status Rank::ImportKv(const KvImport& im, absl::Status* transfer) {
+absl::Status Rank::ImportKv(const KvImport& im, absl::Status* transfer, int64_t* bytes) {
   RETURN_IF_ERROR(SendToAll(EncodeKvImport(im)));
-  *transfer = PullKv(im);
+  *transfer = PullKv(im, bytes);
   if (!transfer->ok()) {
     *transfer =
         absl::Status(transfer->code(), absl::StrCat(world_.Describe(0), ": ", transfer->message()));
@@ -577,7 +581,9 @@ absl::Status Rank::ImportKv(const KvImport& im, absl::Status* transfer) {
       ASSIGN_OR_RETURN(answer, RecvFrame(*mesh_, r));
     }
     absl::Status theirs;
-    RETURN_IF_ERROR(DecodeKvImported(answer, im.seq, &theirs));
+    int64_t their_bytes = 0;
+    RETURN_IF_ERROR(DecodeKvImported(answer, im.seq, &theirs, &their_bytes));
+    *bytes += their_bytes;
     if (transfer->ok() && !theirs.ok()) {
       *transfer =
           absl::Status(theirs.code(), absl::StrCat(world_.Describe(r), ": ", theirs.message()));
@@ -620,6 +626,7 @@ LeaderContext Rank::Context() {
   o.kv_blocks = cache_->num_blocks();
   o.kv_block_size = cache_->block_size();
   o.prefix_caching = env.prefix_caching;
+  o.kv_offer_hold = std::chrono::milliseconds(env.kv_offer_ms);
   o.max_context = env.max_sequence_length > 0 ? std::min(c.max_context, env.max_sequence_length)
                                               : c.max_context;
   o.vocab_size = c.vocab_size;

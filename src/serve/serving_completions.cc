@@ -338,6 +338,8 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
     vocab = vocab_size;
     ends = eos_ids;
   }
+  std::optional<KvHandoff> handoff;
+  RETURN_IF_ERROR(KvLeg(req, http_req, &handoff));
   std::vector<std::vector<int32_t>> prompts;
   const std::string param = req.chat ? "messages" : "prompt";
   // <think> blocks parsed; the prompt opens one; gpt-oss's harmony messages parsed
@@ -443,7 +445,11 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       seqs.push_back(std::move(g));
     }
   }
-  auto streams = engine->SubmitGroup(seqs);
+  std::vector<SequenceKvRole> roles;
+  if (!req.kv_transfer.is_null()) {
+    ASSIGN_OR_RETURN(roles, KvRoles(req, handoff, seqs.size()));
+  }
+  auto streams = engine->SubmitGroup(seqs, roles);
   if (!streams.ok()) {
     const absl::Status& s = streams.status();
     return s.code() == absl::StatusCode::kInvalidArgument && ErrorParam(s).empty()
@@ -516,6 +522,13 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
     req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
   std::vector<Choice> choices;
   if (absl::Status s = Submit(req, http_req, choices); !s.ok()) return ex.Respond(Reply(s));
+  if (req.kv_transfer.contains("do_remote_decode")) {  // the prefill leg
+    std::vector<std::shared_ptr<RequestStream>> seqs;
+    for (const Choice& c : choices) seqs.push_back(c.stream);
+    AnswerKvOffer(req, seqs, ex);
+    for (Choice& c : choices) c.stream->Cancel();
+    return;
+  }
   const std::string id = RequestId(chat ? "chatcmpl-" : "cmpl-");
   const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
                               std::chrono::system_clock::now().time_since_epoch())

@@ -127,7 +127,9 @@ class StepExecutor {
   // Every rank pulls its share of `import` (between steps; the steps issued before it may still
   // be in flight). The status returned is the replica's (a rank gone); `transfer` the transfer's
   // (refused, failed, too slow: the sequence is then prefilled here, its blocks overwritten).
-  virtual absl::Status ImportKv(const KvImport& /*import*/, absl::Status* transfer) {
+  // `bytes`: those pulled, over every rank.
+  virtual absl::Status ImportKv(const KvImport& /*import*/, absl::Status* transfer,
+                                int64_t* /*bytes*/) {
     *transfer = absl::FailedPreconditionError("this replica does not take KV from others");
     return absl::OkStatus();
   }

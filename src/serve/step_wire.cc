@@ -313,9 +313,10 @@ absl::StatusOr<KvImport> DecodeKvImport(const json& m) {
   return im;
 }
 
-json EncodeKvImported(int64_t seq, const absl::Status& transfer) {
+json EncodeKvImported(int64_t seq, const absl::Status& transfer, int64_t bytes) {
   return {{"type", "kv_imported"},
           {"seq", seq},
+          {"bytes", bytes},
           {"code", static_cast<int>(transfer.code())},
           {"error", std::string(transfer.message())}};
 }
@@ -325,11 +326,12 @@ bool IsKvImported(const json& m) {
   return type != m.end() && type->is_string() && *type == "kv_imported";
 }
 
-absl::Status DecodeKvImported(const json& m, int64_t seq, absl::Status* transfer) {
+absl::Status DecodeKvImported(const json& m, int64_t seq, absl::Status* transfer, int64_t* bytes) {
   auto got = JsonInt(m, "seq", 0, kMaxInt64);
+  auto pulled = JsonInt(m, "bytes", 0, kMaxInt64);
   auto code = JsonInt(m, "code", 0, 16);
   auto error = JsonString(m, "error", 4096);
-  if (!got.ok() || !code.ok() || !error.ok()) {
+  if (!got.ok() || !code.ok() || !error.ok() || !pulled.ok()) {
     return absl::DataLossError("a malformed KV import answer");
   }
   if (*got != seq) {
@@ -337,6 +339,7 @@ absl::Status DecodeKvImported(const json& m, int64_t seq, absl::Status* transfer
         absl::StrCat("a KV import answer for sequence ", *got, ", expected ", seq));
   }
   *transfer = absl::Status(static_cast<absl::StatusCode>(*code), *error);
+  *bytes = *pulled;
   return absl::OkStatus();
 }
 

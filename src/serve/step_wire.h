@@ -39,12 +39,13 @@ absl::StatusOr<KvRoleShape> DecodeKvRoleShape(const nlohmann::json& shape);
 // The leader's import order to every rank, and each rank's answer ("error" empty: pulled).
 nlohmann::json EncodeKvImport(const KvImport& import);
 absl::StatusOr<KvImport> DecodeKvImport(const nlohmann::json& message);
-nlohmann::json EncodeKvImported(int64_t seq, const absl::Status& transfer);
+nlohmann::json EncodeKvImported(int64_t seq, const absl::Status& transfer, int64_t bytes);
 // Whether a frame from a rank is an import answer (else: a step result).
 bool IsKvImported(const nlohmann::json& message);
-// The answer's transfer status as the rank saw it, into `transfer`; an error when the answer is
-// malformed or for another sequence.
-absl::Status DecodeKvImported(const nlohmann::json& message, int64_t seq, absl::Status* transfer);
+// The answer's transfer status as the rank saw it and the bytes it pulled; an error when the
+// answer is malformed or for another sequence.
+absl::Status DecodeKvImported(const nlohmann::json& message, int64_t seq, absl::Status* transfer,
+                              int64_t* bytes);
 
 nlohmann::json EncodeStepResult(const StepResult& result);
 absl::StatusOr<StepResult> DecodeStepResult(const nlohmann::json& message);

@@ -71,3 +71,12 @@ def small_models(binary, out_dir, dtype, archs=("llama", "mixtral")):
         models[arch] = d
     return models
 
+
+
+def metric(page, name, **labels):
+    """The sum of a Prometheus page's samples of `name` with `labels` (None: no such sample)."""
+    total = None
+    for line in page.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total = (total or 0) + float(line.split()[-1])
+    return total

@@ -23,7 +23,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, wait_until  # noqa: E402
+from checks import Checks, free_ports, metric, wait_until  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -72,14 +72,6 @@ def completion(d, prompt, max_tokens=4, port=None, **extra):
     except ValueError:
         pass
     return status, headers.get("x-shardserve-replica"), data
-
-
-def metric(page, name, **labels):
-    total = None
-    for line in page.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total = (total or 0) + float(line.split()[-1])
-    return total
 
 
 def conversation(c, turn):

@@ -167,7 +167,7 @@ class DisaggregationTest : public ::testing::TestWithParam<std::pair<Shape, Shap
           o.exit_when_idle = true;
           absl::Mutex mu;
           EngineObserver observer;
-          observer.kv_import = [&](double, const absl::Status& s) {
+          observer.kv_import = [&](double, int64_t, const absl::Status& s) {
             absl::MutexLock lock(&mu);
             imports->push_back(s);
           };

@@ -183,18 +183,20 @@ TEST(StepWireTest, KvImportsAndTheirAnswersRoundTrip) {
                        back->source.latent, back->source.block_size),
             std::tuple(2, im.source.stages, 4, false, 16));
 
-  const json ok = EncodeKvImported(9, absl::OkStatus());
-  const json refused = EncodeKvImported(9, absl::PermissionDeniedError("no offer"));
+  const json ok = EncodeKvImported(9, absl::OkStatus(), 4096);
+  const json refused = EncodeKvImported(9, absl::PermissionDeniedError("no offer"), 0);
   EXPECT_TRUE(IsKvImported(ok));
   EXPECT_FALSE(IsKvImported(EncodeStepResult(StepResult{})));
   absl::Status transfer = absl::UnknownError("unset");
-  ASSERT_TRUE(DecodeKvImported(ok, 9, &transfer).ok());
+  int64_t bytes = -1;
+  ASSERT_TRUE(DecodeKvImported(ok, 9, &transfer, &bytes).ok());
   EXPECT_TRUE(transfer.ok()) << transfer;
-  ASSERT_TRUE(DecodeKvImported(refused, 9, &transfer).ok());
+  EXPECT_EQ(bytes, 4096);
+  ASSERT_TRUE(DecodeKvImported(refused, 9, &transfer, &bytes).ok());
   EXPECT_EQ(transfer, absl::PermissionDeniedError("no offer"));
-  EXPECT_THAT(Error(DecodeKvImported(ok, 8, &transfer)),
+  EXPECT_THAT(Error(DecodeKvImported(ok, 8, &transfer, &bytes)),
               HasSubstr("a KV import answer for sequence 9, expected 8"));
-  EXPECT_THAT(Error(DecodeKvImported({{"type", "kv_imported"}}, 9, &transfer)),
+  EXPECT_THAT(Error(DecodeKvImported({{"type", "kv_imported"}}, 9, &transfer, &bytes)),
               HasSubstr("a malformed KV import answer"));
 
   EXPECT_EQ(*KvTicketFromHex(KvTicketHex(im.ticket)), im.ticket);

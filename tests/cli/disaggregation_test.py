@@ -1,0 +1,169 @@
+"""Disaggregated prefill and decode over HTTP between two `shardserve local` deployments of one
+model, sharded differently (prefill TP=2 x PP=1, decode TP=1 x PP=2), real processes and sockets,
+the KV crossing over UCX: a request's prefill leg (kv_transfer_params do_remote_decode, with the
+router's token) answers the handoff; its decode leg (the handoff) answers what the decode replica
+answers alone — text, tokens and logprobs, greedy and seeded, n, stop strings, structured output,
+streamed; a forged ticket is prefilled on the decode replica with the same answer; a leg without
+the router's token or on the wrong role is refused by name."""
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import Checks, metric  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+BIN = sys.argv[1]
+check = Checks()
+tmp = tempfile.mkdtemp(prefix="shardserve-disagg-")
+MODEL = os.path.join(tmp, "model")
+gen_model(BIN, MODEL)
+TOKEN = "router-token-disagg-0123456789"
+TOKEN_FILE = os.path.join(tmp, "router-token")
+with open(TOKEN_FILE, "w") as f:
+    f.write(TOKEN + "\n")
+ROUTER = {"x-shardserve-router": f"Bearer {TOKEN}"}
+LONG = [1] + [(37 * i) % 500 + 3 for i in range(70)]  # 71 tokens: whole blocks and a part
+
+
+def deployment(name, role, tp, pp):
+    return Deployment(BIN, MODEL, name="tiny", tp=tp, pp=pp, max_seq=2048,
+                      env={"SHARDSERVE_KV_ROLE": role},
+                      args=("--router-token-file", TOKEN_FILE))
+
+
+def disaggregated(path, body, forge=False):
+    """The prefill leg, then the decode leg with its handoff: (status, body) of the decode leg."""
+    status, _, pre = prefill.post(path, dict(body, kv_transfer_params={"do_remote_decode": True}),
+                                  headers=ROUTER)
+    if status != 200:
+        return status, pre
+    params = pre["kv_transfer_params"]
+    if forge:
+        for s in params["sequences"]:
+            t = s["ticket"]
+            s["ticket"] = ("0" if t[0] != "0" else "1") + t[1:]
+    status, _, out = decode.post(path, dict(body, kv_transfer_params=params), headers=ROUTER)
+    return status, out
+
+
+def same(a, b, what):
+    """Two completions: the same texts, finish reasons and (where given) tokens and logprobs."""
+    ok = len(a["choices"]) == len(b["choices"])
+    for x, y in zip(a["choices"], b["choices"]):
+        ok &= x.get("text", x.get("message")) == y.get("text", y.get("message"))
+        ok &= x["finish_reason"] == y["finish_reason"]
+        lx, ly = x.get("logprobs"), y.get("logprobs")
+        if lx and "tokens" in lx:
+            ok &= lx["tokens"] == ly["tokens"]
+            ok &= all(abs(p - q) < 1e-3 for p, q in zip(lx["token_logprobs"],
+                                                         ly["token_logprobs"]))
+    check(ok, what if ok else f"{what}\n  {json.dumps(a)[:600]}\n  {json.dumps(b)[:600]}")
+
+
+prefill = deployment("prefill", "prefill", 2, 1)
+decode = deployment("decode", "decode", 1, 2)
+try:
+    greedy = {"model": "tiny", "prompt": LONG, "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True, "logprobs": 2}
+    status, out = disaggregated("/v1/completions", greedy)
+    check(status == 200, f"the two legs answer ({status})")
+    _, _, alone = decode.post("/v1/completions", greedy)
+    same(out, alone, "greedy tokens and logprobs after a TP=2 prefill equal the decode replica's "
+                     "own (TP=1 x PP=2)")
+    check(out["usage"]["prompt_tokens"] == len(LONG) and
+          out["usage"]["completion_tokens"] == 12, f"usage counts the prompt ({out['usage']})")
+    page = decode.metrics_page()
+    pulled = metric(page, "shardserve_kv_transfers_total", outcome="pulled")
+    moved = metric(page, "shardserve_kv_transfer_bytes_total")
+    # 71 positions in 5 blocks of 16, 4 layers, K and V, 2 KV heads of 32 dims: f32 or bf16.
+    check(pulled == 1 and moved in (5 * 16 * 4 * 2 * 64 * 4, 5 * 16 * 4 * 2 * 64 * 2),
+          f"the decode replica took the prompt's KV from the prefill replica ({pulled} pulled, "
+          f"{moved} bytes)")
+
+    # The decode replica caches the prompt's first 4 blocks: a longer prompt moves only the rest.
+    longer = dict(greedy, prompt=LONG + [9] * 12)  # 83 positions: 6 blocks
+    status, out = disaggregated("/v1/completions", longer)
+    more = metric(decode.metrics_page(), "shardserve_kv_transfer_bytes_total") - moved
+    same(out, decode.post("/v1/completions", longer)[2],
+         "a prompt whose start the decode replica caches gives the same answer")
+    check(more in (2 * 16 * 4 * 2 * 64 * 4, 2 * 16 * 4 * 2 * 64 * 2) and
+          out["usage"]["prompt_tokens_details"]["cached_tokens"] == 64,
+          f"and only the blocks past the decode replica's cached prefix move ({more} bytes, "
+          f"{out['usage']['prompt_tokens_details']['cached_tokens']} tokens cached)")
+
+    sampled = {"model": "tiny", "prompt": LONG[:40], "max_tokens": 10, "temperature": 0.9,
+               "seed": 7, "n": 2, "ignore_eos": True, "logprobs": 1, "presence_penalty": 0.5}
+    same(disaggregated("/v1/completions", sampled)[1],
+         decode.post("/v1/completions", sampled)[2],
+         "seeded sampling with n=2 and a penalty goes on from the prefill replica's first token")
+
+    text = alone["choices"][0]["text"]
+    stop = text[3:6] if len(text) > 6 else text[-2:]
+    stopped = dict(greedy, stop=[stop])
+    same(disaggregated("/v1/completions", stopped)[1], decode.post("/v1/completions", stopped)[2],
+         f"a stop string ({stop!r}) ends both the same")
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x " * 40}],
+            "max_tokens": 16, "temperature": 0, "seed": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer"}},
+                "required": ["n"]}}}}
+    status, out = disaggregated("/v1/chat/completions", chat)
+    _, _, alone_chat = decode.post("/v1/chat/completions", chat)
+    same(out, alone_chat, "structured output: the grammar follows the first token across")
+
+    # The decode leg streamed: the same text as the decode replica's own.
+    status, _, pre = prefill.post("/v1/completions",
+                                  dict(greedy, kv_transfer_params={"do_remote_decode": True}),
+                                  headers=ROUTER)
+    body = dict(greedy, stream=True, kv_transfer_params=pre["kv_transfer_params"])
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", decode.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", **ROUTER})
+    events = [json.loads(line[6:]) for line in conn.getresponse().read().decode().splitlines()
+              if line.startswith("data: {")]
+    conn.close()
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    check(streamed == text, f"streamed, the decode leg's text is the same ({streamed!r})")
+
+    # A ticket nobody offered: the decode replica prefills by itself, same answer.
+    status, out = disaggregated("/v1/completions", greedy, forge=True)
+    same(out, alone, "a forged ticket is refused by the prefill replica; the decode replica "
+                     "prefills itself and answers the same")
+    failed = metric(decode.metrics_page(), "shardserve_kv_transfers_total", outcome="failed")
+    check(failed == 1, f"the failed transfer is counted ({failed})")
+
+    # Refusals, by name.
+    s1, _, b1 = prefill.post("/v1/completions",
+                             dict(greedy, kv_transfer_params={"do_remote_decode": True}))
+    s2, _, b2 = prefill.post("/v1/completions",
+                             dict(greedy, kv_transfer_params={"do_remote_decode": True}),
+                             headers={"x-shardserve-router": "Bearer not-the-token-0123456789"})
+    check(s1 == 401 and s2 == 401 and "x-shardserve-router" in b1["error"]["message"],
+          f"a leg without the router's token is refused ({s1}, {s2}: {b1['error']['message']})")
+    s3, _, b3 = decode.post("/v1/completions",
+                            dict(greedy, kv_transfer_params={"do_remote_decode": True}),
+                            headers=ROUTER)
+    check(s3 == 400 and "not a prefill replica" in b3["error"]["message"],
+          f"a prefill leg on a decode replica is refused ({b3['error']['message']})")
+    s4, _, b4 = decode.post("/v1/completions",
+                            dict(greedy, kv_transfer_params={"do_remote_prefill": True}),
+                            headers=ROUTER)
+    check(s4 == 400 and "'kv_transfer_params': 'shape' is missing" in b4["error"]["message"],
+          f"a handoff without its fields is refused by name ({b4['error']['message']})")
+    s5, _, b5 = prefill.post("/v1/completions", dict(greedy, kv_transfer_params={"x": 1}),
+                             headers=ROUTER)
+    check(s5 == 400 and b5["error"]["param"] == "kv_transfer_params",
+          f"kv_transfer_params of neither leg is refused ({b5['error']['message']})")
+    s6, _, b6 = prefill.post("/v1/completions", dict(greedy, echo=True, max_tokens=1,
+                                                     kv_transfer_params={"do_remote_decode": True}),
+                             headers=ROUTER)
+    check(s6 == 400 and "echo with logprobs" in b6["error"]["message"],
+          f"a prompt scored on one replica is not split ({b6['error']['message']})")
+finally:
+    prefill.stop()
+    decode.stop()
+check.finish()
