@@ -1,7 +1,10 @@
 // shardserve-router: the front of a model's replicas (router/router.h). Flags, each over the
 // router's contract (api/router_env.h: what the operator and `shardserve local` set):
 //   --leader HOST:PORT | dns:NAME:PORT   (repeatable, or comma-separated;
-//   SHARDSERVE_ROUTER_LEADERS)
+//   SHARDSERVE_ROUTER_LEADERS): the replicas' leaders (with prefill leaders: the decode replicas')
+//   --prefill-leader ... (SHARDSERVE_ROUTER_PREFILL_LEADERS): disaggregated serving's prefill
+//   replicas; --disaggregate-min-tokens N (SHARDSERVE_ROUTER_DISAGGREGATE_MIN_TOKENS, 0): shorter
+//   prompts are served by a decode replica alone
 //   --model DIR                         (SHARDSERVE_MODEL_PATH): the tokenizer and chat template
 //   --port N (SHARDSERVE_ROUTER_PORT, 8000)  --host ADDR (0.0.0.0)
 //   --api-key-file FILE (SHARDSERVE_API_KEYS_FILE)  --leader-token-file FILE
@@ -35,14 +38,22 @@ absl::Status Run(int argc, char** argv) {
   ASSIGN_OR_RETURN(
       Args a,
       Args::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                  {"leader", "model", "port", "host", "api-key-file", "leader-token-file",
-                   "model-label", "prefix-weight", "load-weight", "kv-weight"},
+                  {"leader", "prefill-leader", "disaggregate-min-tokens", "model", "port", "host",
+                   "api-key-file", "leader-token-file", "model-label", "prefix-weight",
+                   "load-weight", "kv-weight"},
                   {"special-tokens-as-text"}, "shardserve-router",
                   "Routes a model's requests to the replica that caches their prompt's prefix."));
   // The contract (api/router_env.h), then the flags over it.
   ASSIGN_OR_RETURN(RouterEnv env, RouterEnv::FromEnv());
   RouterOptions o;
   o.leaders = absl::StrSplit(a.GetOr("leader", env.leaders), ',', absl::SkipWhitespace());
+  o.prefill_leaders =
+      absl::StrSplit(a.GetOr("prefill-leader", env.prefill_leaders), ',', absl::SkipWhitespace());
+  ASSIGN_OR_RETURN(o.disaggregate_min_tokens,
+                   a.GetInt("disaggregate-min-tokens", env.disaggregate_min_tokens));
+  if (o.disaggregate_min_tokens < 0) {
+    return absl::InvalidArgumentError("--disaggregate-min-tokens must be >= 0");
+  }
   o.model_path = a.GetOr("model", env.model_path);
   if (o.model_path.empty()) {
     return absl::InvalidArgumentError(

@@ -18,6 +18,7 @@ using BoolVar = env_internal::BoolVar<RouterEnv>;
 
 const StringVar kStrings[] = {
     {"SHARDSERVE_ROUTER_LEADERS", &RouterEnv::leaders, true},
+    {"SHARDSERVE_ROUTER_PREFILL_LEADERS", &RouterEnv::prefill_leaders},
     {kModelPathEnv, &RouterEnv::model_path, true},
     {"SHARDSERVE_DEPLOYMENT", &RouterEnv::deployment},
     {kApiKeyEnv, &RouterEnv::api_key},
@@ -30,6 +31,8 @@ const IntVar kInts[] = {
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_MAX_BODY_BYTES", &RouterEnv::max_body_bytes, 1024, kIntMax},
+    {"SHARDSERVE_ROUTER_DISAGGREGATE_MIN_TOKENS", &RouterEnv::disaggregate_min_tokens, 0,
+     int64_t{1} << 40},
 };
 const BoolVar kBools[] = {
     {"SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT", &RouterEnv::special_tokens_as_text, "text", "special"},

@@ -19,6 +19,10 @@ struct ShardedModelSpec;
 struct RouterEnv {
   // The leaders' API addresses, comma-separated: HOST:PORT or dns:NAME:PORT (router/router.h).
   std::string leaders;
+  // Disaggregated serving: the prefill replicas' leaders (then `leaders` are the decode
+  // replicas'), and the prompts shorter than this that a decode replica serves alone.
+  std::string prefill_leaders;
+  int64_t disaggregate_min_tokens = 0;
   int port = kDefaultApiPort;
   std::string model_path;            // the tokenizer and chat template
   std::string deployment = "model";  // the metrics' `model` label

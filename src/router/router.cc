@@ -31,6 +31,7 @@
 #include "model/config.h"
 #include "serve/api_keys.h"
 #include "serve/kv_events.h"
+#include "serve/kv_handoff.h"
 #include "serve/openai.h"
 #include "serve/prefix_cache.h"
 #include "serve/prompts.h"
@@ -53,6 +54,12 @@ struct LeaderSpec {
   bool dns = false;
   std::string host;
   int port = 0;
+  bool prefill = false;  // a prefill replica's (RouterOptions::prefill_leaders)
+};
+struct Resolved {
+  std::string host;
+  int port = 0;
+  bool prefill = false;
 };
 
 // The last event of a relayed stream that broke off: an OpenAI error body, so that a client
@@ -105,6 +112,7 @@ absl::StatusOr<LeaderSpec> ParseLeaderSpec(const std::string& spec) {
 struct Replica {
   std::string address, host;
   int port = 0;
+  bool prefill = false;  // serves disaggregated requests' prefill legs only
   std::thread thread;
   absl::Notification stop;
   std::atomic<int64_t> in_flight{0};
@@ -155,6 +163,7 @@ struct Router::Impl {
   std::map<std::string, std::string> labels;
   prometheus::Family<prometheus::Counter>* requests = nullptr;
   prometheus::Family<prometheus::Counter>* decisions = nullptr;
+  prometheus::Family<prometheus::Counter>* disaggregated = nullptr;
   prometheus::Counter *failovers = nullptr, *prompt_tokens = nullptr, *expected_cached = nullptr;
   prometheus::Histogram* overhead = nullptr;
   prometheus::Family<prometheus::Gauge>* replicas_gauge = nullptr;
@@ -180,6 +189,13 @@ struct Router::Impl {
                      .Name("shardserve_router_decisions_total")
                      .Help("Generation requests routed, by why their replica was chosen")
                      .Register(r);
+    disaggregated = &prometheus::BuildCounter()
+                         .Name("shardserve_router_disaggregated_total")
+                         .Help(
+                             "Requests routed to a prefill replica, then a decode replica "
+                             "(paired), or served by a decode replica alone after the prefill "
+                             "replicas failed them (prefill_failed)")
+                         .Register(r);
     failovers = &prometheus::BuildCounter()
                      .Name("shardserve_router_failovers_total")
                      .Help("Requests sent on to another replica after one did not answer")
@@ -397,11 +413,11 @@ struct Router::Impl {
   }
 
   // The addresses the specs name now ("host:port").
-  std::map<std::string, std::pair<std::string, int>> Resolve() {
-    std::map<std::string, std::pair<std::string, int>> out;
+  std::map<std::string, Resolved> Resolve() {
+    std::map<std::string, Resolved> out;
     for (const LeaderSpec& s : specs) {
       if (!s.dns) {
-        out[absl::StrCat(s.host, ":", s.port)] = {s.host, s.port};
+        out[absl::StrCat(s.host, ":", s.port)] = {s.host, s.port, s.prefill};
         continue;
       }
       addrinfo hints{};
@@ -416,7 +432,7 @@ struct Router::Impl {
           continue;
         }
         const bool v6 = a->ai_family == AF_INET6;
-        out[absl::StrCat(v6 ? "[" : "", ip, v6 ? "]" : "", ":", s.port)] = {ip, s.port};
+        out[absl::StrCat(v6 ? "[" : "", ip, v6 ? "]" : "", ":", s.port)] = {ip, s.port, s.prefill};
       }
       freeaddrinfo(res);
     }
@@ -437,12 +453,13 @@ struct Router::Impl {
           gone.push_back(it->second);
           it = replicas.erase(it);
         }
-        for (const auto& [address, hp] : want) {
+        for (const auto& [address, at] : want) {
           if (replicas.count(address)) continue;
           auto r = std::make_shared<Replica>();
           r->address = address;
-          r->host = hp.first;
-          r->port = hp.second;
+          r->host = at.host;
+          r->port = at.port;
+          r->prefill = at.prefill;
           {
             absl::MutexLock rl(&r->mu);
             r->why = "its KV events stream is not read yet";
@@ -513,6 +530,9 @@ struct Router::Impl {
   struct Prompt {
     std::vector<int32_t> tokens;
     std::string salt;
+    // Its prefill may run on a prefill replica (completions and chat whose prompt is not
+    // scored: echo with logprobs needs every prompt row where the answer is made).
+    bool disaggregable = false;
   };
   absl::StatusOr<Prompt> PromptOf(const http::Request& http_req, bool chat, bool responses) {
     const std::string& body = http_req.body;
@@ -524,6 +544,7 @@ struct Router::Impl {
     }
     ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
     Prompt p;
+    p.disaggregable = !responses && !(req.echo && req.logprobs) && req.kv_transfer.is_null();
     p.salt = PrefixCacheSalt(options.prefix_cache_per_key && keys != nullptr,
                              http_req.Header("authorization"), req.cache_salt);
     if (chat) {
@@ -538,6 +559,123 @@ struct Router::Impl {
     return p;
   }
 
+  // The replicas in the order to try them for a prompt (null: not a generation request), and
+  // each one's cached share of it.
+  struct Ranked {
+    Ranking rank;
+    std::vector<Candidate> cands;
+    int64_t block_size = 0;
+  };
+  Ranked RankFor(const std::vector<std::shared_ptr<Replica>>& reps, const Prompt* prompt) {
+    Ranked out;
+    // Each replica's match: the prompt's chain of full blocks (by block size), from the first.
+    std::map<int64_t, std::vector<BlockHash>> chains;
+    out.cands.resize(reps.size());
+    for (size_t i = 0; i < reps.size(); ++i) {
+      Replica& r = *reps[i];
+      absl::MutexLock lock(&r.mu);
+      Candidate& c = out.cands[i];
+      c.routable = Routable(r);
+      c.in_flight = r.in_flight.load();
+      c.running = r.load.running;
+      c.waiting = r.load.waiting;
+      c.max_batch = r.load.max_batch;
+      c.kv_usage = r.load.kv_blocks > 0
+                       ? static_cast<double>(r.load.kv_used) / static_cast<double>(r.load.kv_blocks)
+                       : 0.0;
+      if (prompt == nullptr || !c.routable || r.block_size <= 0) continue;
+      out.block_size = r.block_size;
+      auto [it, fresh] = chains.try_emplace(r.block_size);
+      if (fresh) it->second = HashBlocks(prompt->tokens, r.block_size, prompt->salt);
+      for (const BlockHash& h : it->second) {
+        if (!r.cached.contains(h)) break;
+        ++c.matched_blocks;
+      }
+    }
+    const int64_t prompt_blocks = prompt == nullptr ? -1
+                                  : out.block_size > 0
+                                      ? static_cast<int64_t>(prompt->tokens.size()) / out.block_size
+                                      : 0;
+    out.rank = RankReplicas(out.cands, prompt_blocks, options.weights, turn++);
+    return out;
+  }
+
+  // A disaggregated request's prefill leg: the request, with do_remote_decode, to the best
+  // prefill replica that answers. The decode leg's body (the request with the handoff), or the
+  // answer to give the client (a 4xx the request itself earned), or an error: the decode replica
+  // then serves the request alone.
+  struct PrefillLeg {
+    std::string decode_body;
+    std::optional<http::Response> answer;
+  };
+  absl::StatusOr<PrefillLeg> Prefill(const http::Request& req, http::Exchange& ex,
+                                     const std::vector<std::shared_ptr<Replica>>& reps,
+                                     const Prompt& prompt, const http::Headers& headers) {
+    ojson body = ojson::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    if (!body.is_object()) return absl::InvalidArgumentError("not a JSON object");
+    ojson leg = body;
+    leg["kv_transfer_params"] = {{"do_remote_decode", true}};
+    leg["stream"] = false;
+    leg.erase("stream_options");
+    const std::string leg_body = leg.dump();
+    const Ranked ranked = RankFor(reps, &prompt);
+    std::string last_error = "no prefill replica is routable";
+    for (size_t k : ranked.rank.order) {
+      Replica& r = *reps[k];
+      if (!ranked.cands[k].routable) continue;
+      ++r.in_flight;
+      struct Leave {
+        std::atomic<int64_t>& n;
+        ~Leave() { --n; }
+      } leave{r.in_flight};
+      auto call =
+          http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, leg_body,
+                                    options.connect_timeout, options.answer_timeout);
+      if (!call.ok()) {
+        last_error = absl::StrCat(r.address, ": ", call.status().message());
+        if (call.status().code() == absl::StatusCode::kUnavailable) continue;  // nothing done
+        return absl::UnavailableError(last_error);
+      }
+      std::string answer;
+      const auto deadline = Clock::now() + options.answer_timeout;
+      for (bool end = false; !end;) {
+        absl::StatusOr<std::string> piece = (*call)->Read(std::chrono::milliseconds(200), &end);
+        if (!piece.ok() && piece.status().code() == absl::StatusCode::kDeadlineExceeded &&
+            Clock::now() < deadline) {
+          if (ex.ClientGone()) {  // the prefill replica frees the offers it made
+            (*call)->Close();
+            return absl::CancelledError("the client left");
+          }
+          continue;
+        }
+        if (!piece.ok()) {
+          MarkOut(r, std::string(piece.status().message()));
+          return absl::UnavailableError(absl::StrCat(r.address, ": ", piece.status().message()));
+        }
+        if (answer.size() + piece->size() > kMaxAnswerBytes) {
+          return absl::UnavailableError(absl::StrCat(r.address, ": an answer over 64 MiB"));
+        }
+        answer += *piece;
+      }
+      const int status = (*call)->head().status;
+      if (status == 503 || status == 429) {  // not ready, draining or full: another may take it
+        last_error = absl::StrCat(r.address, " answered ", status);
+        continue;
+      }
+      if (status >= 400 && status < 500) {  // the request's own fault: the client hears it
+        CountRequest(status);
+        return PrefillLeg{"", http::Response{status, "application/json", std::move(answer), {}}};
+      }
+      const json parsed = json::parse(answer, nullptr, /*allow_exceptions=*/false);
+      if (status != 200 || !parsed.is_object() || !parsed.contains("kv_transfer_params")) {
+        return absl::UnavailableError(absl::StrCat(r.address, " answered ", status));
+      }
+      body["kv_transfer_params"] = ojson::parse(parsed["kv_transfer_params"].dump());
+      return PrefillLeg{body.dump(), std::nullopt};
+    }
+    return absl::UnavailableError(last_error);
+  }
+
   void Proxy(const http::Request& req, http::Exchange& ex, bool generation, bool chat,
              bool responses = false) {
     const auto t0 = Clock::now();
@@ -547,61 +685,52 @@ struct Router::Impl {
       ~Done() { --n; }
     } done{active};
     if (auto denied = Deny(req)) return ex.Respond(*std::move(denied));
-    std::vector<std::shared_ptr<Replica>> reps = Snapshot();
+    std::vector<std::shared_ptr<Replica>> reps, prefill_reps;
+    for (auto& r : Snapshot()) (r->prefill ? prefill_reps : reps).push_back(std::move(r));
     if (reps.empty()) {
       return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
     }
-    std::optional<std::vector<int32_t>> tokens;
-    std::string salt;
+    std::optional<Prompt> prompt;
     if (generation) {
-      if (auto p = PromptOf(req, chat, responses); p.ok()) {
-        tokens = std::move(p->tokens);
-        salt = std::move(p->salt);
-      }
-    }
-    // Each replica's match: the prompt's chain of full blocks (by block size), from the first.
-    std::map<int64_t, std::vector<BlockHash>> chains;
-    std::vector<Candidate> cands(reps.size());
-    int64_t block_size = 0;
-    for (size_t i = 0; i < reps.size(); ++i) {
-      Replica& r = *reps[i];
-      absl::MutexLock lock(&r.mu);
-      Candidate& c = cands[i];
-      c.routable = Routable(r);
-      c.in_flight = r.in_flight.load();
-      c.running = r.load.running;
-      c.waiting = r.load.waiting;
-      c.max_batch = r.load.max_batch;
-      c.kv_usage = r.load.kv_blocks > 0
-                       ? static_cast<double>(r.load.kv_used) / static_cast<double>(r.load.kv_blocks)
-                       : 0.0;
-      if (!tokens || !c.routable || r.block_size <= 0) continue;
-      block_size = r.block_size;
-      auto [it, fresh] = chains.try_emplace(r.block_size);
-      if (fresh) it->second = HashBlocks(*tokens, r.block_size, salt);
-      for (const BlockHash& h : it->second) {
-        if (!r.cached.contains(h)) break;
-        ++c.matched_blocks;
-      }
-    }
-    const int64_t prompt_blocks = !tokens ? -1
-                                  : block_size > 0
-                                      ? static_cast<int64_t>(tokens->size()) / block_size
-                                      : 0;
-    const Ranking rank = RankReplicas(cands, prompt_blocks, options.weights, turn++);
-    if (generation) {
-      auto l = labels;
-      l["reason"] = ChoiceReasonName(rank.reason);
-      decisions->Add(l).Increment();
-      if (tokens) {
-        prompt_tokens->Increment(static_cast<double>(tokens->size()));
-        expected_cached->Increment(
-            static_cast<double>(cands[rank.order[0]].matched_blocks * block_size));
-      }
+      if (auto p = PromptOf(req, chat, responses); p.ok()) prompt = *std::move(p);
     }
     http::Headers headers;
     for (const char* h : {"authorization", "content-type", "accept", "x-request-id"}) {
       if (req.HasHeader(h)) headers.emplace_back(h, req.Header(h));
+    }
+    // Disaggregated: the prompt computed on a prefill replica, its KV handed to the decode leg.
+    std::string body = req.body;
+    if (prompt && prompt->disaggregable && !prefill_reps.empty() &&
+        static_cast<int64_t>(prompt->tokens.size()) >= options.disaggregate_min_tokens) {
+      http::Headers leg_headers = headers;
+      leg_headers.emplace_back(kRouterHeader, absl::StrCat("Bearer ", leader_token));
+      absl::StatusOr<PrefillLeg> leg = Prefill(req, ex, prefill_reps, *prompt, leg_headers);
+      auto l = labels;
+      if (leg.ok() && leg->answer) return ex.Respond(*std::move(leg->answer));
+      if (leg.ok()) {
+        body = std::move(leg->decode_body);
+        headers = std::move(leg_headers);
+        l["outcome"] = "paired";
+      } else if (leg.status().code() == absl::StatusCode::kCancelled) {
+        return;
+      } else {
+        LogWarning("router: prefill failed (", leg.status().message(),
+                   "); a decode replica serves the request alone");
+        l["outcome"] = "prefill_failed";
+      }
+      disaggregated->Add(l).Increment();
+    }
+    const Ranked ranked = RankFor(reps, prompt ? &*prompt : nullptr);
+    const Ranking& rank = ranked.rank;
+    if (generation) {
+      auto l = labels;
+      l["reason"] = ChoiceReasonName(rank.reason);
+      decisions->Add(l).Increment();
+      if (prompt) {
+        prompt_tokens->Increment(static_cast<double>(prompt->tokens.size()));
+        expected_cached->Increment(
+            static_cast<double>(ranked.cands[rank.order[0]].matched_blocks * ranked.block_size));
+      }
     }
     overhead->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
     std::string last_error = "no replica is known";
@@ -612,9 +741,8 @@ struct Router::Impl {
         std::atomic<int64_t>& n;
         ~Leave() { --n; }
       } leave{r.in_flight};
-      auto call =
-          http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, req.body,
-                                    options.connect_timeout, options.answer_timeout);
+      auto call = http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, body,
+                                            options.connect_timeout, options.answer_timeout);
       const bool more = k + 1 < rank.order.size();
       if (!call.ok()) {
         last_error = std::string(call.status().message());
@@ -749,6 +877,16 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
   for (const std::string& l : options.leaders) {
     ASSIGN_OR_RETURN(LeaderSpec spec, ParseLeaderSpec(l));
     s->specs.push_back(spec);
+  }
+  for (const std::string& l : options.prefill_leaders) {
+    ASSIGN_OR_RETURN(LeaderSpec spec, ParseLeaderSpec(l));
+    spec.prefill = true;
+    s->specs.push_back(spec);
+  }
+  if (!options.prefill_leaders.empty() && options.leader_token_file.empty()) {
+    return absl::InvalidArgumentError(
+        "prefill leaders need the router's token (--leader-token-file): the replicas take a "
+        "disaggregated request's legs from the router only");
   }
   ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(options.model_path));
   s->context = config.max_context;

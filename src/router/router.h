@@ -42,8 +42,15 @@ struct RouterOptions {
   std::string host = "0.0.0.0";
   int port = 8000;
   std::vector<std::string> leaders;  // HOST:PORT or dns:NAME:PORT
-  std::string model_path;            // the tokenizer and chat template
-  std::string model_label;           // the metrics' `model`
+  // Disaggregated serving (serve/kv_handoff.h): the prefill replicas' leaders. With them,
+  // `leaders` are the decode replicas; a generation request of at least disaggregate_min_tokens
+  // prompt tokens is prefilled on a prefill replica (chosen by prefix and load) and decoded on a
+  // decode replica (by prefix, load and KV room), its KV crossing between their ranks; a shorter
+  // one, or one a prefill replica cannot take, is served by a decode replica alone.
+  std::vector<std::string> prefill_leaders;
+  int64_t disaggregate_min_tokens = 0;
+  std::string model_path;   // the tokenizer and chat template
+  std::string model_label;  // the metrics' `model`
   bool special_tokens_as_text = false;
   std::string chat_template;                 // spec.serving.chatTemplate, "" for the model's
   bool trust_request_chat_template = false;  // spec.serving.trustRequestChatTemplate

@@ -4,17 +4,23 @@ the KV crossing over UCX: a request's prefill leg (kv_transfer_params do_remote_
 router's token) answers the handoff; its decode leg (the handoff) answers what the decode replica
 answers alone — text, tokens and logprobs, greedy and seeded, n, stop strings, structured output,
 streamed; a forged ticket is prefilled on the decode replica with the same answer; a leg without
-the router's token or on the wrong role is refused by name."""
+the router's token or on the wrong role is refused by name. Then shardserve-router pairs them:
+a client's request is prefilled on the prefill replica and decoded on the decode replica, the
+same answers, streamed too; with the prefill replica gone, the decode replica serves alone."""
+import http.client
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, metric  # noqa: E402
+from checks import Checks, free_ports, metric, wait_until  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
+ROUTER_BIN = os.path.join(os.path.dirname(BIN), "shardserve-router")
 check = Checks()
 tmp = tempfile.mkdtemp(prefix="shardserve-disagg-")
 MODEL = os.path.join(tmp, "model")
@@ -119,7 +125,6 @@ try:
                                   dict(greedy, kv_transfer_params={"do_remote_decode": True}),
                                   headers=ROUTER)
     body = dict(greedy, stream=True, kv_transfer_params=pre["kv_transfer_params"])
-    import http.client
     conn = http.client.HTTPConnection("127.0.0.1", decode.port, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps(body),
                  headers={"Content-Type": "application/json", **ROUTER})
@@ -163,6 +168,58 @@ try:
                              headers=ROUTER)
     check(s6 == 400 and "echo with logprobs" in b6["error"]["message"],
           f"a prompt scored on one replica is not split ({b6['error']['message']})")
+
+    # --- shardserve-router pairs them ---------------------------------------------------------
+    port = free_ports(1)
+    router = subprocess.Popen([ROUTER_BIN, "--leader", f"127.0.0.1:{decode.port}",
+                               "--prefill-leader", f"127.0.0.1:{prefill.port}", "--model", MODEL,
+                               "--port", str(port), "--host", "127.0.0.1", "--model-label",
+                               "tiny", "--leader-token-file", TOKEN_FILE],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def routable():
+            try:
+                s, _, body = decode.request("GET", "/readyz", port=port, timeout=5)
+                return json.loads(body).get("routable_replicas", 0) if s == 200 else 0
+            except OSError:
+                return 0
+
+        def paired(outcome):
+            page = decode.metrics_page(port, token=TOKEN)
+            return metric(page, "shardserve_router_disaggregated_total", outcome=outcome) or 0
+
+        check(wait_until(lambda: routable() == 2, 30), "the router follows both roles' leaders")
+        pulled0 = metric(decode.metrics_page(), "shardserve_kv_transfers_total", outcome="pulled")
+        fresh = dict(greedy, prompt=[2] + LONG[1:])
+        status, headers, out = decode.post("/v1/completions", fresh, port=port)
+        pulled1 = metric(decode.metrics_page(), "shardserve_kv_transfers_total", outcome="pulled")
+        same(out, decode.post("/v1/completions", fresh)[2],
+             "through the router: the decode replica's own answer")
+        check(headers.get("x-shardserve-replica") == f"127.0.0.1:{decode.port}" and
+              paired("paired") == 1 and pulled1 == pulled0 + 1,
+              f"the router paired the roles: prefilled on one, decoded on the other after a KV "
+              f"transfer ({headers.get('x-shardserve-replica')}, {pulled1 - pulled0} pulled)")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(dict(greedy, stream=True)),
+                     headers={"Content-Type": "application/json"})
+        events = [json.loads(line[6:])
+                  for line in conn.getresponse().read().decode().splitlines()
+                  if line.startswith("data: {")]
+        conn.close()
+        check("".join(e["choices"][0]["text"] for e in events if e["choices"]) == text and
+              paired("paired") == 2, "streamed through the router, the same text")
+        s, _, b = decode.post("/v1/completions",
+                              dict(greedy, kv_transfer_params={"do_remote_prefill": True}),
+                              port=port)
+        check(s == 401, f"a client's own kv_transfer_params is refused ({s})")
+        # The prefill replica goes: the decode replica serves alone.
+        prefill.stop()
+        status, _, out = decode.post("/v1/completions", greedy, port=port)
+        same(out, alone, "with the prefill replica gone, the decode replica answers alone")
+        check(paired("prefill_failed") >= 1, "and the router counts it")
+    finally:
+        router.send_signal(signal.SIGINT)
+        router.wait(30)
 finally:
     prefill.stop()
     decode.stop()

@@ -176,6 +176,8 @@ TEST(RouterEnvTest, EveryFieldSurvivesTheRoundTrip) {
   r.chat_template = "{{ messages[0].content }}";
   r.trust_request_chat_template = true;
   r.max_body_bytes = 1 << 16;
+  r.prefill_leaders = "dns:m-prefill-leaders.ns.svc:8000";
+  r.disaggregate_min_tokens = 256;
   const auto written = AsMap(r);
   EXPECT_EQ(written.size(), RouterEnv::Names().size());
   for (const std::string& name : RouterEnv::Names()) EXPECT_TRUE(written.count(name)) << name;
