@@ -334,6 +334,11 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
   if (meta.contains("namespace")) v.model.namespace_ = meta["namespace"].get<std::string>();
   const json& worker = object["spec"]["worker"];
   if (worker.contains("resources")) v.resources = worker["resources"];
+  if (v.model.spec.disaggregation) {  // refused by name, never served colocated in silence
+    return absl::UnimplementedError(
+        "spec.disaggregation is not yet placed on a cluster by the operator (shardserve local "
+        "runs it); remove it to serve the model colocated");
+  }
   ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(v.model.spec.model_uri));
   if (uri.scheme == ModelUri::Scheme::kFile) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -218,6 +218,23 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(par.IntOrAuto("pipeline", s.pipeline, s.pipeline_auto));
   RETURN_IF_ERROR(par.Int("microBatches", s.micro_batches));
   RETURN_IF_ERROR(par.NoOthers());
+  if (YAML::Node dn = spec.Get("disaggregation"); dn && !dn.IsNull()) {
+    ShardedModelSpec::Disaggregation out;
+    Fields d(dn, "spec.disaggregation");
+    RETURN_IF_ERROR(d.CheckMap());
+    Fields pre(d.Get("prefill"), "spec.disaggregation.prefill");
+    RETURN_IF_ERROR(pre.CheckMap());
+    RETURN_IF_ERROR(pre.Int("replicas", out.prefill_replicas));
+    Fields shape(pre.Get("parallelism"), "spec.disaggregation.prefill.parallelism");
+    RETURN_IF_ERROR(shape.CheckMap());
+    RETURN_IF_ERROR(shape.Int("tensor", out.prefill_tensor));
+    RETURN_IF_ERROR(shape.Int("pipeline", out.prefill_pipeline));
+    RETURN_IF_ERROR(shape.NoOthers());
+    RETURN_IF_ERROR(pre.NoOthers());
+    RETURN_IF_ERROR(d.Int("minPromptTokens", out.min_prompt_tokens));
+    RETURN_IF_ERROR(d.NoOthers());
+    s.disaggregation = out;
+  }
   Fields worker(spec.Get("worker"), "spec.worker");
   RETURN_IF_ERROR(worker.CheckMap());
   RETURN_IF_ERROR(worker.String("image", s.image));
@@ -479,6 +496,14 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   RETURN_IF_ERROR(AtLeast("spec.parallelism.tensor", s.tensor, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.pipeline", s.pipeline, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.microBatches", s.micro_batches, 0));
+  if (const auto& d = s.disaggregation) {
+    RETURN_IF_ERROR(AtLeast("spec.disaggregation.prefill.replicas", d->prefill_replicas, 0));
+    RETURN_IF_ERROR(
+        AtLeast("spec.disaggregation.prefill.parallelism.tensor", d->prefill_tensor, 1));
+    RETURN_IF_ERROR(
+        AtLeast("spec.disaggregation.prefill.parallelism.pipeline", d->prefill_pipeline, 1));
+    RETURN_IF_ERROR(AtLeast("spec.disaggregation.minPromptTokens", d->min_prompt_tokens, 0));
+  }
   if (s.failure_policy != "RecreateReplica" && s.failure_policy != "None") {
     return absl::InvalidArgumentError(absl::StrCat("spec.failurePolicy '", s.failure_policy,
                                                    "' must be RecreateReplica or None"));

@@ -110,6 +110,19 @@ struct ShardedModelSpec {
   // for load_stall_seconds.
   int64_t startup_timeout_seconds = 1800;
   int64_t load_stall_seconds = 300;
+  // spec.disaggregation: prefill and decode in separate replicas, the prompt's KV moved between
+  // their ranks (serve/kv_handoff.h). The decode replicas are spec.replicas of
+  // spec.parallelism (the scale subresource, `kubectl scale`, scales them); the prefill replicas
+  // have a count and a shape of their own (`kubectl patch` of
+  // spec.disaggregation.prefill.replicas). Prompts shorter than min_prompt_tokens are served by
+  // a decode replica alone.
+  struct Disaggregation {
+    int64_t prefill_replicas = 1;
+    int64_t prefill_tensor = 1;
+    int64_t prefill_pipeline = 1;
+    int64_t min_prompt_tokens = 0;
+  };
+  std::optional<Disaggregation> disaggregation;
 
   int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
   // Positions the KV cache of each rank holds: a full batch of full-length sequences.

@@ -42,6 +42,8 @@ namespace shardserve {
 namespace {
 
 struct LocalReplica {
+  std::string name;  // "replica 0", "prefill replica 0"
+  std::string role;  // WorkerEnv::kv_role
   int index = 0;
   int api_port = 0;
   int rendezvous_port = 0;
@@ -62,7 +64,7 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const 
       if (res.ok() && res->status == 200) {
         ready[i] = true;
         --left;
-        std::printf("replica %d ready: http://127.0.0.1:%d/v1 (model '%s')\n", replicas[i].index,
+        std::printf("%s ready: http://127.0.0.1:%d/v1 (model '%s')\n", replicas[i].name.c_str(),
                     replicas[i].api_port, m.spec.model_name.c_str());
         std::fflush(stdout);
       }
@@ -246,18 +248,46 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     return absl::FailedPreconditionError(absl::StrCat(
         file, ": spec.parallelism.pipeline ", spec.pipeline, ": ", layers.status().message()));
   }
-  const int T = static_cast<int>(spec.tensor), P = static_cast<int>(spec.pipeline);
-  const int R = static_cast<int>(spec.replicas);
-  const int ranks_per_replica = T * P;
+  // The roles: the replicas (with spec.disaggregation, the decode role's), then the prefill
+  // replicas, each role with its shape and its layers' split.
+  struct Role {
+    std::string name;  // "" (colocated), "decode", "prefill"
+    int T, P, count;
+    std::vector<LayerRange> layers;
+  };
+  const auto& dis = spec.disaggregation;
+  std::vector<Role> roles = {{dis ? "decode" : "", static_cast<int>(spec.tensor),
+                              static_cast<int>(spec.pipeline), static_cast<int>(spec.replicas),
+                              *layers}};
+  if (dis) {
+    auto split = PlanStageLayers(config->shape(), static_cast<int>(dis->prefill_pipeline));
+    if (!split.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file, ": spec.disaggregation.prefill.parallelism.pipeline ",
+                       dis->prefill_pipeline, ": ", split.status().message()));
+    }
+    roles.push_back({"prefill", static_cast<int>(dis->prefill_tensor),
+                     static_cast<int>(dis->prefill_pipeline),
+                     static_cast<int>(dis->prefill_replicas), *split});
+  }
+  int R = 0, ranks = 0;  // replicas and ranks of every role
+  for (const Role& role : roles) {
+    R += role.count;
+    ranks += role.count * role.T * role.P;
+  }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  ASSIGN_OR_RETURN(int64_t threads,
-                   a.GetInt("threads", std::max(1, cores / (R * ranks_per_replica))));
+  ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", std::max(1, cores / std::max(1, ranks))));
   ASSIGN_OR_RETURN(int64_t port, a.GetInt("port", spec.port));
   ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", kMetricsPortBase));
-  // Several replicas: the router takes the port, as a Kubernetes Service would reach it.
-  const bool routed = R > 1 && !a.Has("no-router");
+  // Several replicas, or two roles: the router takes the port, as a Kubernetes Service would
+  // reach it.
+  const bool routed = (R > 1 || dis) && !a.Has("no-router");
+  if (dis && !routed) {
+    return absl::InvalidArgumentError(
+        "spec.disaggregation needs the router (it pairs the roles): drop --no-router");
+  }
   if (threads < 1 || port < 1 || port + R + 1 > 65536 || metrics_base < 1 ||
-      metrics_base + R * ranks_per_replica > 65536) {
+      metrics_base + ranks > 65536) {
     return absl::InvalidArgumentError(
         "--threads, --port and --metrics-port-base must be positive "
         "and leave room for every replica's ports");
@@ -265,10 +295,13 @@ absl::Status RunLocal(std::vector<std::string> argv) {
 
   std::printf("shardserve local: %s, model '%s' from %s\n", m.name.c_str(), spec.model_name.c_str(),
               uri.path.c_str());
-  std::printf(
-      "plan: %d replica(s) x %d stage(s) x %d tensor-parallel rank(s), %lld thread(s) "
-      "per rank\n",
-      R, P, T, static_cast<long long>(threads));
+  for (const Role& role : roles) {
+    std::printf(
+        "plan: %s%d replica(s) x %d stage(s) x %d tensor-parallel rank(s), %lld thread(s) "
+        "per rank\n",
+        role.name.empty() ? "" : (role.name + ": ").c_str(), role.count, role.P, role.T,
+        static_cast<long long>(threads));
+  }
   std::vector<LocalReplica> replicas;
   std::vector<SecretFile> secrets;  // one per replica, gone when the run ends
   // The router's proof to the leaders' KV events, and what reads its /metrics: the file given
@@ -292,76 +325,91 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     return [&ever_ready, k] { return ever_ready[k].load(); };
   };
   const std::string self = SelfDirectory() + "/shardserve-worker";
-  for (int r = 0; r < R; ++r) {
-    LocalReplica rep;
-    rep.index = r;
-    rep.api_port = static_cast<int>(port) + r + (routed ? 1 : 0);
-    rep.metrics_base = static_cast<int>(metrics_base) + r * ranks_per_replica;
-    ASSIGN_OR_RETURN(rep.rendezvous_port, ChooseFreePort("127.0.0.1"));
-    ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
-    secrets.push_back(std::move(secret));
-    std::vector<std::vector<std::pair<std::string, std::string>>> stage_envs;
-    std::printf("replica %d: API http://127.0.0.1:%d/v1%s, rendezvous :%d\n", r, rep.api_port,
-                keyed ? " (API keys required)" : "", rep.rendezvous_port);
-    for (int s = 0; s < P; ++s) {
-      const LayerRange& lr = (*layers)[s];
-      std::printf("  stage %d: layers %s, metrics", s, FormatLayerRange(lr).c_str());
-      for (int t = 0; t < T; ++t) {
-        std::printf(" tp%d :%d", t, rep.metrics_base + s * T + t);
+  int next_metrics = static_cast<int>(metrics_base);
+  for (const Role& role : roles) {
+    const int T = role.T, P = role.P;
+    for (int k = 0; k < role.count; ++k) {
+      const int r = static_cast<int>(replicas.size());  // the replica's number over both roles
+      LocalReplica rep;
+      rep.name = role.name == "prefill" ? absl::StrCat("prefill replica ", k)
+                                        : absl::StrCat("replica ", k);
+      rep.index = r;
+      rep.role = role.name;
+      rep.api_port = static_cast<int>(port) + r + (routed ? 1 : 0);
+      rep.metrics_base = next_metrics;
+      next_metrics += T * P;
+      ASSIGN_OR_RETURN(rep.rendezvous_port, ChooseFreePort("127.0.0.1"));
+      ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
+      secrets.push_back(std::move(secret));
+      std::vector<std::vector<std::pair<std::string, std::string>>> stage_envs;
+      std::printf("%s: API http://127.0.0.1:%d/v1%s, rendezvous :%d\n", rep.name.c_str(),
+                  rep.api_port, keyed ? " (API keys required)" : "", rep.rendezvous_port);
+      for (int s = 0; s < P; ++s) {
+        const LayerRange& lr = role.layers[s];
+        std::printf("  stage %d: layers %s, metrics", s, FormatLayerRange(lr).c_str());
+        for (int t = 0; t < T; ++t) {
+          std::printf(" tp%d :%d", t, rep.metrics_base + s * T + t);
+        }
+        std::printf("\n");
+        std::vector<std::pair<std::string, std::string>> env;
+        for (const ShardedModelSpec::EnvVar& e : spec.env) {
+          if (e.value_from.empty()) env.emplace_back(e.name, e.value);  // valueFrom: pods only
+        }
+        WorkerEnv w;
+        w.model_name = spec.model_name;
+        w.deployment = m.name;
+        w.model_path = uri.path;
+        if (fetch_report) w.fetch_report = fetch_report->path();
+        w.replica = r;
+        w.stage = s;
+        w.stage_layers = FormatStageLayers(role.layers);
+        w.tp = T;
+        w.pp = P;
+        w.leader_addr = absl::StrCat("127.0.0.1:", rep.rendezvous_port);
+        w.microbatches =
+            static_cast<int>(role.name == "prefill" ? P : spec.effective_micro_batches());
+        w.threads = static_cast<int>(threads);
+        w.job_id = absl::StrCat(m.name, "-", r, "-", getpid());
+        w.metrics_port_base = rep.metrics_base;
+        w.api_host = "127.0.0.1";
+        w.api_port = rep.api_port;
+        ApplyServing(spec, w);
+        w.kv_role = role.name;
+        w.rendezvous_secret_file = secrets.back().path();
+        w.api_keys_file = key_file;
+        w.router_token_file = router_token_file;  // "" without a router: nobody reads the events
+        const auto contract = w.ToEnv();
+        env.insert(env.end(), contract.begin(), contract.end());
+        stage_envs.push_back(std::move(env));
       }
-      std::printf("\n");
-      std::vector<std::pair<std::string, std::string>> env;
-      for (const ShardedModelSpec::EnvVar& e : spec.env) {
-        if (e.value_from.empty()) env.emplace_back(e.name, e.value);  // valueFrom: pods only
-      }
-      WorkerEnv w;
-      w.model_name = spec.model_name;
-      w.deployment = m.name;
-      w.model_path = uri.path;
-      if (fetch_report) w.fetch_report = fetch_report->path();
-      w.replica = r;
-      w.stage = s;
-      w.stage_layers = FormatStageLayers(*layers);
-      w.tp = T;
-      w.pp = P;
-      w.leader_addr = absl::StrCat("127.0.0.1:", rep.rendezvous_port);
-      w.microbatches = static_cast<int>(spec.effective_micro_batches());
-      w.threads = static_cast<int>(threads);
-      w.job_id = absl::StrCat(m.name, "-", r, "-", getpid());
-      w.metrics_port_base = rep.metrics_base;
-      w.api_host = "127.0.0.1";
-      w.api_port = rep.api_port;
-      ApplyServing(spec, w);
-      w.rendezvous_secret_file = secrets.back().path();
-      w.api_keys_file = key_file;
-      w.router_token_file = router_token_file;  // "" without a router: nobody reads the events
-      const auto contract = w.ToEnv();
-      env.insert(env.end(), contract.begin(), contract.end());
-      stage_envs.push_back(std::move(env));
-    }
-    groups.push_back(
-        {absl::StrCat("replica ", r),
-         [self, r, stage_envs]() -> absl::StatusOr<std::vector<Child>> {
-           std::vector<Child> launchers;
-           for (size_t s = 0; s < stage_envs.size(); ++s) {
-             auto pid = Spawn(self, {"launch"}, stage_envs[s]);
-             if (!pid.ok()) {
-               for (const Child& c : launchers) kill(-c.pid, SIGKILL);
-               return pid.status();
+      groups.push_back(
+          {rep.name,
+           [self, name = rep.name, stage_envs]() -> absl::StatusOr<std::vector<Child>> {
+             std::vector<Child> launchers;
+             for (size_t s = 0; s < stage_envs.size(); ++s) {
+               auto pid = Spawn(self, {"launch"}, stage_envs[s]);
+               if (!pid.ok()) {
+                 for (const Child& c : launchers) kill(-c.pid, SIGKILL);
+                 return pid.status();
+               }
+               launchers.push_back({*pid, absl::StrCat(name, " stage ", s, " launcher")});
              }
-             launchers.push_back({*pid, absl::StrCat("replica ", r, " stage ", s, " launcher")});
-           }
-           return launchers;
-         },
-         was_ready(r)});
-    replicas.push_back(rep);
+             return launchers;
+           },
+           was_ready(r)});
+      replicas.push_back(rep);
+    }
   }
   if (routed) {
-    std::vector<std::string> leaders;
-    for (const LocalReplica& rep : replicas)
-      leaders.push_back(absl::StrCat("127.0.0.1:", rep.api_port));
+    std::vector<std::string> leaders, prefill_leaders;
+    for (const LocalReplica& rep : replicas) {
+      (rep.role == "prefill" ? prefill_leaders : leaders)
+          .push_back(absl::StrCat("127.0.0.1:", rep.api_port));
+    }
     RouterEnv r;  // the router's contract (api/router_env.h)
     r.leaders = absl::StrJoin(leaders, ",");
+    r.prefill_leaders = absl::StrJoin(prefill_leaders, ",");
+    if (dis) r.disaggregate_min_tokens = dis->min_prompt_tokens;
     r.port = static_cast<int>(port);
     r.model_path = uri.path;
     r.token_file = router_token_file;

@@ -211,54 +211,78 @@ absl::Status RunPlan(std::vector<std::string> argv) {
   if (auto pods = a.Get("pods")) {
     RETURN_IF_ERROR(AddPodRequests(*pods, spec.gpu_resource, nodes));
   }
-  std::vector<int64_t> replicas;
-  for (int64_t i = 0; i < spec.replicas; ++i) replicas.push_back(i);
-  ASSIGN_OR_RETURN(std::optional<ModelFootprint> footprint,
-                   FootprintFor(file, spec, a.Get("model")));
-  std::optional<SpecPlan> plan;
-  if (footprint) {
-    auto planned = PlanSpec(*footprint, spec, nodes);
-    if (!planned.ok()) {
-      return absl::Status(planned.status().code(),
-                          absl::StrCat(file, ": ", planned.status().message()));
-    }
-    plan = *std::move(planned);
-  } else if (spec.tensor_auto || spec.pipeline_auto) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(file,
-                     ": spec.parallelism auto needs the model's config: its files are not "
-                     "on this machine (give --model DIR or config.json)"));
+  // Each role's replicas placed in turn (the decode role's, or the only one, first), each on
+  // the GPUs the ones before it left.
+  std::vector<std::pair<std::string, ShardedModelSpec>> roles = {
+      {spec.disaggregation ? "decode" : "", spec}};
+  if (const auto& d = spec.disaggregation) {
+    ShardedModelSpec prefill = spec;
+    prefill.replicas = d->prefill_replicas;
+    prefill.tensor = d->prefill_tensor;
+    prefill.pipeline = d->prefill_pipeline;
+    prefill.tensor_auto = prefill.pipeline_auto = false;
+    prefill.micro_batches = 0;
+    roles.emplace_back("prefill", prefill);
   }
-  const PlacementRequest request =
-      plan ? MemoryAwareRequest(spec, *plan, replicas) : PlacementRequestFor(spec, replicas);
-  ASSIGN_OR_RETURN(PlacementResult result, PlaceReplicas(request, nodes));
+  size_t unplaced = 0;
+  int64_t wanted = 0;
+  for (const auto& [role, rspec] : roles) {
+    const std::string prefix = role.empty() ? "" : role + " ";
+    std::vector<int64_t> replicas;
+    for (int64_t i = 0; i < rspec.replicas; ++i) replicas.push_back(i);
+    ASSIGN_OR_RETURN(std::optional<ModelFootprint> footprint,
+                     FootprintFor(file, rspec, a.Get("model")));
+    std::optional<SpecPlan> plan;
+    if (footprint) {
+      auto planned = PlanSpec(*footprint, rspec, nodes);
+      if (!planned.ok()) {
+        return absl::Status(planned.status().code(),
+                            absl::StrCat(file, ": ", prefix, planned.status().message()));
+      }
+      plan = *std::move(planned);
+    } else if (rspec.tensor_auto || rspec.pipeline_auto) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file,
+                       ": spec.parallelism auto needs the model's config: its files are not "
+                       "on this machine (give --model DIR or config.json)"));
+    }
+    const PlacementRequest request =
+        plan ? MemoryAwareRequest(rspec, *plan, replicas) : PlacementRequestFor(rspec, replicas);
+    ASSIGN_OR_RETURN(PlacementResult result, PlaceReplicas(request, nodes));
 
-  std::printf("%s: %lld replica(s) of TP=%lld x PP=%lld, %lld %s per replica, on %zu node(s)\n",
-              parsed->name.c_str(), static_cast<long long>(spec.replicas),
-              static_cast<long long>(request.tensor), static_cast<long long>(request.pipeline),
-              static_cast<long long>(request.tensor * request.pipeline), spec.gpu_resource.c_str(),
-              nodes.size());
-  if (plan) {
-    PrintMemory(*footprint, spec, *plan);
-  } else {
-    std::printf("layers: split once the operator has read the model (status.plan.stageLayers)\n");
-  }
-  for (const ReplicaPlacement& p : result.placed) {
-    std::vector<std::string> stages;
-    for (size_t s = 0; s < p.nodes.size(); ++s) {
-      stages.push_back(absl::StrCat("stage ", s, " -> ", p.nodes[s]));
+    std::printf("%s: %s%lld replica(s) of TP=%lld x PP=%lld, %lld %s per replica, on %zu node(s)\n",
+                parsed->name.c_str(), prefix.c_str(), static_cast<long long>(rspec.replicas),
+                static_cast<long long>(request.tensor), static_cast<long long>(request.pipeline),
+                static_cast<long long>(request.tensor * request.pipeline),
+                rspec.gpu_resource.c_str(), nodes.size());
+    if (plan) {
+      PrintMemory(*footprint, rspec, *plan);
+    } else {
+      std::printf("layers: split once the operator has read the model (status.plan.stageLayers)\n");
     }
-    std::printf("replica %lld: %s (%s)\n", static_cast<long long>(p.replica),
-                absl::StrJoin(stages, ", ").c_str(),
-                p.domain.empty() ? ("across " + spec.topology_key + " values").c_str()
-                                 : (spec.topology_key + "=" + p.domain).c_str());
+    for (const ReplicaPlacement& p : result.placed) {
+      std::vector<std::string> stages;
+      for (size_t s = 0; s < p.nodes.size(); ++s) {
+        stages.push_back(absl::StrCat("stage ", s, " -> ", p.nodes[s]));
+        for (NodeInfo& n : nodes) {  // taken: the next role places on what is left
+          if (n.name == p.nodes[s]) n.requested += request.tensor;
+        }
+      }
+      std::printf("%sreplica %lld: %s (%s)\n", prefix.c_str(), static_cast<long long>(p.replica),
+                  absl::StrJoin(stages, ", ").c_str(),
+                  p.domain.empty() ? ("across " + rspec.topology_key + " values").c_str()
+                                   : (rspec.topology_key + "=" + p.domain).c_str());
+    }
+    for (const auto& [replica, why] : result.unplaced) {
+      std::printf("%sreplica %lld: not placed: %s\n", prefix.c_str(),
+                  static_cast<long long>(replica), why.c_str());
+    }
+    unplaced += result.unplaced.size();
+    wanted += rspec.replicas;
   }
-  for (const auto& [replica, why] : result.unplaced) {
-    std::printf("replica %lld: not placed: %s\n", static_cast<long long>(replica), why.c_str());
-  }
-  if (!result.unplaced.empty()) {
+  if (unplaced > 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat(result.unplaced.size(), " of ", spec.replicas,
+        absl::StrCat(unplaced, " of ", wanted,
                      " replica(s) cannot be placed; nothing would be created for them"));
   }
   return absl::OkStatus();

@@ -6,7 +6,9 @@ answers alone — text, tokens and logprobs, greedy and seeded, n, stop strings,
 streamed; a forged ticket is prefilled on the decode replica with the same answer; a leg without
 the router's token or on the wrong role is refused by name. Then shardserve-router pairs them:
 a client's request is prefilled on the prefill replica and decoded on the decode replica, the
-same answers, streamed too; with the prefill replica gone, the decode replica serves alone."""
+same answers, streamed too; with the prefill replica gone, the decode replica serves alone.
+Last, `shardserve local` runs a ShardedModel with spec.disaggregation (both roles and the router)
+and `shardserve plan` places both roles."""
 import http.client
 import json
 import os
@@ -223,4 +225,68 @@ try:
 finally:
     prefill.stop()
     decode.stop()
+
+# --- shardserve local and plan with spec.disaggregation ----------------------------------------
+MANIFEST = f"""apiVersion: shardserve.io/v1alpha1
+kind: ShardedModel
+metadata:
+  name: tiny
+spec:
+  replicas: 1
+  model:
+    name: tiny
+    uri: file://{MODEL}
+  parallelism:
+    tensor: 1
+    pipeline: 2
+  disaggregation:
+    prefill:
+      replicas: 1
+      parallelism:
+        tensor: 2
+        pipeline: 1
+  worker:
+    image: w
+  serving:
+    maxSequenceLength: 2048
+"""
+manifest = os.path.join(tmp, "disaggregated.yaml")
+with open(manifest, "w") as f:
+    f.write(MANIFEST)
+out = subprocess.run([BIN, "plan", "-f", manifest, "--nodes",
+                      os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                                   "nodes.yaml")], capture_output=True, text=True)
+placed = (out.returncode == 0 and "tiny: decode 1 replica(s) of TP=1 x PP=2" in out.stdout and
+          "tiny: prefill 1 replica(s) of TP=2 x PP=1" in out.stdout and
+          "prefill replica 0: stage 0 ->" in out.stdout)
+check(placed, "shardserve plan places both roles" + ("" if placed else out.stdout + out.stderr))
+port = free_ports(2 + 2 + 4)
+local = subprocess.Popen([BIN, "local", "-f", manifest, "--port", str(port),
+                          "--metrics-port-base", str(port + 3)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+lines = []
+try:
+    for line in local.stdout:
+        lines.append(line)
+        if "shardserve local: serving" in line or local.poll() is not None:
+            break
+    log = "".join(lines)
+    both = ("plan: decode: 1 replica(s) x 2 stage(s) x 1 tensor-parallel rank(s)" in log and
+            "plan: prefill: 1 replica(s) x 1 stage(s) x 2 tensor-parallel rank(s)" in log and
+            "shardserve local: serving" in log)
+    check(both, "shardserve local runs both roles, the router in front" + ("" if both else log))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(greedy),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    conn.close()
+    check(r.status == 200 and body["choices"][0]["text"] == text,
+          "and answers as the decode replica alone did")
+    page = decode.metrics_page(port + 1)  # the decode replica's leader
+    check(metric(page, "shardserve_kv_transfers_total", outcome="pulled") == 1,
+          "after a KV transfer between them")
+finally:
+    local.send_signal(signal.SIGINT)
+    check(local.wait(60) == 0, "Ctrl-C stops both roles and the router")
 check.finish()

@@ -119,6 +119,24 @@ TEST(ShardedModel, ByteQuantities) {
   }
 }
 
+TEST(ShardedModel, DisaggregationGivesThePrefillRoleItsShape) {
+  auto none = ParseShardedModel(kGood);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->spec.disaggregation.has_value());
+  auto m = ParseShardedModel(std::string(kGood).replace(
+      std::string(kGood).find("  worker:"), 0,
+      "  disaggregation:\n    prefill: {replicas: 3, parallelism: {tensor: 4}}\n"
+      "    minPromptTokens: 512\n"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->spec.disaggregation.has_value());
+  const auto& d = *m->spec.disaggregation;
+  EXPECT_EQ(
+      std::tuple(d.prefill_replicas, d.prefill_tensor, d.prefill_pipeline, d.min_prompt_tokens),
+      std::tuple(3, 4, 1, 512));
+  EXPECT_EQ(std::tuple(m->spec.replicas, m->spec.tensor, m->spec.pipeline), std::tuple(2, 8, 2))
+      << "the decode role keeps spec.replicas and spec.parallelism";
+}
+
 TEST(ShardedModel, BadManifestsNameTheField) {
   const std::string base = kGood;
   auto with = [&](const std::string& from, const std::string& to) {
@@ -138,6 +156,14 @@ TEST(ShardedModel, BadManifestsNameTheField) {
       {with("name: llama-3-70b, ", ""), "spec.model.name"},
       {with("name: llama\n", "name: Llama_Big\n"), "metadata.name"},
       {with("parallelism:", "paralelism:"), "spec.paralelism"},
+      {with("  worker:", "  disaggregation: {prefill: {replicas: -1}}\n  worker:"),
+       "spec.disaggregation.prefill.replicas"},
+      {with("  worker:", "  disaggregation: {prefill: {parallelism: {tensor: auto}}}\n  worker:"),
+       "spec.disaggregation.prefill.parallelism.tensor must be an integer"},
+      {with("  worker:", "  disaggregation: {prefill: {}, decode: {}}\n  worker:"),
+       "spec.disaggregation.decode is not a field of spec.disaggregation"},
+      {with("  worker:", "  disaggregation: {minPromptTokens: -5}\n  worker:"),
+       "spec.disaggregation.minPromptTokens"},
       {with("  replicas: 2", "  replicas: 2\n  failurePolicy: Sometimes"), "spec.failurePolicy"},
       {with("  replicas: 2", "  replicas: 2\n  rollout: {maxUnavailable: 0, maxSurge: 0}"),
        "spec.rollout.maxUnavailable"},

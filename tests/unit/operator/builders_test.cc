@@ -489,6 +489,16 @@ TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
   EXPECT_EQ(BuildLeaderService(*single, true)["spec"]["selector"][kRoleLabel], "leader");
 }
 
+TEST(Builders, ADisaggregatedModelIsRefusedByNameNotServedColocated) {
+  json m = Model();
+  m["spec"]["disaggregation"] = {{"prefill", {{"replicas", 1}}}};
+  auto read = ReadModel(m);
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(read.status().message().find("spec.disaggregation is not yet placed on a cluster"),
+            std::string::npos)
+      << read.status();
+}
+
 TEST(Builders, HostPathsAndImagesOnlyAsThePlatformAllows) {
   const ModelPolicy policy{{"/data", "/models/"}, {"registry.example/ml/", "w:"}};
   EXPECT_TRUE(ReadModel(Model("hostpath:///data/llama"), {}, policy).ok());
