@@ -455,6 +455,7 @@ void KvExporter::ResumeForTest() {
 
 struct KvPuller::Impl {
   struct Current {
+    ucp_ep_h ep = nullptr;  // where the pull went
     uint64_t request_id = 0;
     uint64_t bytes = 0;
     bool done = false;
@@ -475,7 +476,8 @@ struct KvPuller::Impl {
     auto* self = static_cast<Impl*>(arg);
     self->mu.AssertHeld();
     self->failed[ep] = true;
-    if (self->current != nullptr && !self->current->done) {
+    // Another endpoint's peer (one that went away before) says nothing of this pull.
+    if (self->current != nullptr && self->current->ep == ep && !self->current->done) {
       self->current->done = true;
       self->current->status = absl::UnavailableError(
           absl::StrCat("the KV exporter went away (", ucs_status_string(status), ")"));
@@ -629,6 +631,7 @@ absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
   absl::StatusOr<ucp_ep_h> ep = impl_->Endpoint(exporter_address);
   if (!ep.ok()) return ep.status();
   PullHeader h{kMagic, static_cast<uint32_t>(ranges.size()), c.request_id, ticket};
+  c.ep = *ep;
   impl_->current = &c;
   bool sent = false;
   ucp_request_param_t p{};

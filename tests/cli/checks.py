@@ -80,3 +80,22 @@ def metric(page, name, **labels):
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total = (total or 0) + float(line.split()[-1])
     return total
+
+
+def listening_pid(port):
+    """The process listening on 127.0.0.1:port (from /proc: its socket's inode among its fds)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(cols[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
+                    return int(pid)
+        except OSError:
+            continue
+    return None

@@ -16,9 +16,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, metric, wait_until  # noqa: E402
+from checks import Checks, free_ports, listening_pid, metric, wait_until  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -36,9 +37,17 @@ LONG = [1] + [(37 * i) % 500 + 3 for i in range(70)]  # 71 tokens: whole blocks 
 
 
 def deployment(name, role, tp, pp):
+    # A pull waits at most 3 s before the decode replica prefills by itself.
     return Deployment(BIN, MODEL, name="tiny", tp=tp, pp=pp, max_seq=2048,
-                      env={"SHARDSERVE_KV_ROLE": role},
+                      env={"SHARDSERVE_KV_ROLE": role, "SHARDSERVE_KV_TRANSFER_TIMEOUT_MS": "3000"},
                       args=("--router-token-file", TOKEN_FILE))
+
+
+def ready(d):
+    try:
+        return d.request("GET", "/readyz", timeout=5)[0] == 200
+    except OSError:
+        return False
 
 
 def disaggregated(path, body, forge=False):
@@ -143,6 +152,26 @@ try:
     failed = metric(decode.metrics_page(), "shardserve_kv_transfers_total", outcome="failed")
     check(failed == 1, f"the failed transfer is counted ({failed})")
 
+    # Faults on the prefill replica between its leg and the decode leg: a rank that stops
+    # answering (SIGSTOP: the transfer stalls) and one that dies. The decode replica answers the
+    # same within seconds, by itself.
+    for sig, what in ((signal.SIGSTOP, "stalls"), (signal.SIGKILL, "dies")):
+        check(wait_until(lambda: ready(prefill), 90), "the prefill replica is ready")
+        status, _, pre = prefill.post("/v1/completions",
+                                      dict(greedy, kv_transfer_params={"do_remote_decode": True}),
+                                      headers=ROUTER)
+        rank1 = listening_pid(prefill.metrics_ports[1])
+        os.kill(rank1, sig)
+        t0 = time.monotonic()
+        status, _, out = decode.post("/v1/completions",
+                                     dict(greedy, kv_transfer_params=pre["kv_transfer_params"]),
+                                     headers=ROUTER)
+        took = time.monotonic() - t0
+        if sig == signal.SIGSTOP:
+            os.kill(rank1, signal.SIGKILL)  # its replica is restarted
+        same(out, alone, f"a prefill rank that {what} mid-transfer: the decode replica prefills "
+                         f"itself and answers the same in {took:.1f} s")
+    check(wait_until(lambda: ready(prefill), 90), "the prefill replica is restarted")
     # Refusals, by name.
     s1, _, b1 = prefill.post("/v1/completions",
                              dict(greedy, kv_transfer_params={"do_remote_decode": True}))
@@ -186,11 +215,15 @@ try:
             except OSError:
                 return 0
 
+        def router_log():
+            router.send_signal(signal.SIGINT)
+            return router.communicate(timeout=30)[0][-3000:]
+
         def paired(outcome):
             page = decode.metrics_page(port, token=TOKEN)
             return metric(page, "shardserve_router_disaggregated_total", outcome=outcome) or 0
 
-        check(wait_until(lambda: routable() == 2, 30), "the router follows both roles' leaders")
+        check(wait_until(lambda: routable() == 2, 90), "the router follows both roles' leaders")
         pulled0 = metric(decode.metrics_page(), "shardserve_kv_transfers_total", outcome="pulled")
         fresh = dict(greedy, prompt=[2] + LONG[1:])
         status, headers, out = decode.post("/v1/completions", fresh, port=port)
@@ -200,7 +233,8 @@ try:
         check(headers.get("x-shardserve-replica") == f"127.0.0.1:{decode.port}" and
               paired("paired") == 1 and pulled1 == pulled0 + 1,
               f"the router paired the roles: prefilled on one, decoded on the other after a KV "
-              f"transfer ({headers.get('x-shardserve-replica')}, {pulled1 - pulled0} pulled)")
+              f"transfer ({headers.get('x-shardserve-replica')}, {pulled1 - pulled0} pulled)" +
+              ("" if pulled1 == pulled0 + 1 else decode.log()[-3000:] + router_log()))
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps(dict(greedy, stream=True)),
                      headers={"Content-Type": "application/json"})

@@ -23,7 +23,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, metric, wait_until  # noqa: E402
+from checks import Checks, free_ports, listening_pid, metric, wait_until  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -40,25 +40,6 @@ TOKEN = "router-token-cli-0123456789"
 TOKEN_FILE = os.path.join(tmp, "token")
 with open(TOKEN_FILE, "w") as f:
     f.write(TOKEN + "\n")
-
-
-def listening_pid(port):
-    """The process listening on 127.0.0.1:port (from /proc: its socket's inode among its fds)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.readlines()[1:]:
-                cols = row.split()
-                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
-                    inodes.add(cols[9])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
-                    return int(pid)
-        except OSError:
-            continue
-    return None
 
 
 def completion(d, prompt, max_tokens=4, port=None, **extra):

@@ -200,6 +200,32 @@ TEST(KvTransferTest, AnExporterGoneFailsThePull) {
   EXPECT_TRUE(absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) << s;
 }
 
+// An exporter that went away (a prefill replica restarted) fails only the pulls sent to it: its
+// endpoint's error, arriving later, says nothing of a pull from another exporter.
+TEST(KvTransferTest, AGoneExportersEndpointFailsNoOtherPull) {
+  Pair t = MakePair();
+  auto other = KvExporter::Create();
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::vector<uint8_t> a = Pattern(4096, 6);
+  auto ticket = NewKvTicket();
+  ASSERT_TRUE(
+      t.exporter->Offer(*ticket, {{a.data(), a.size()}}, absl::Now() + absl::Seconds(60)).ok());
+  ASSERT_TRUE(
+      (*other)->Offer(*ticket, {{a.data(), a.size()}}, absl::Now() + absl::Seconds(60)).ok());
+  std::vector<uint8_t> out(a.size());
+  ASSERT_TRUE(
+      t.puller
+          ->Pull(t.exporter->address(), *ticket, {{0, 0, a.size(), out.data()}}, absl::Seconds(10))
+          .ok());
+  t.exporter.reset();
+  for (int i = 0; i < 20; ++i) {
+    absl::Status s = t.puller->Pull((*other)->address(), *ticket, {{0, 0, a.size(), out.data()}},
+                                    absl::Seconds(10));
+    ASSERT_TRUE(s.ok()) << "pull " << i << ": " << s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 // Pullers on their own threads pull from one exporter at once.
 TEST(KvTransferTest, ManyPullersAtOnce) {
   auto exporter = KvExporter::Create();
