@@ -183,8 +183,22 @@ void RankMetrics::SetModelFetch(const std::string& node, int64_t downloaded, boo
 }
 
 LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
-                             const std::string& replica)
+                             const std::string& replica, const std::string& role)
     : labels_{{"model", model}, {"replica", replica}} {
+  auto with_role = labels_;
+  with_role["role"] = role.empty() ? "colocated" : role;
+  running_ = &prometheus::BuildGauge()
+                  .Name("shardserve_running_sequences")
+                  .Help("Sequences in the replica's running batch")
+                  .Register(r)
+                  .Add(with_role);
+  queued_prompt_tokens_ = &prometheus::BuildGauge()
+                               .Name("shardserve_queued_prompt_tokens")
+                               .Help(
+                                   "Prompt tokens still to compute: the waiting requests' and "
+                                   "the running sequences' not yet fed")
+                               .Register(r)
+                               .Add(with_role);
   requests_ = &prometheus::BuildCounter()
                    .Name("shardserve_requests_total")
                    .Help("API requests answered, by HTTP status code")
@@ -264,6 +278,11 @@ LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
   };
   kv_pulled_ = &transfers.Add(outcome("pulled"));
   kv_failed_ = &transfers.Add(outcome("failed"));
+}
+
+void LeaderMetrics::SetBacklog(int running, int64_t prompt_tokens) {
+  running_->Set(running);
+  queued_prompt_tokens_->Set(static_cast<double>(prompt_tokens));
 }
 
 void LeaderMetrics::ObserveKvTransfer(double seconds, int64_t bytes, bool pulled) {

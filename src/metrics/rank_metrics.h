@@ -51,14 +51,18 @@ class RankMetrics;
 //   the leader's structured-output mask for one token of one sequence),
 //   shardserve_prefix_cache_queried_tokens_total and _hit_tokens_total (prompt tokens looked up
 //   in the prefix cache, and found), shardserve_prefix_cache_blocks{state="used"|"cached"};
-//   disaggregated decode: shardserve_kv_transfer_seconds (histogram),
+//   shardserve_running_sequences and shardserve_queued_prompt_tokens (prompt tokens still to
+//   compute), labelled with the replica's `role` (colocated, prefill, decode: what each role
+//   scales on); disaggregated decode: shardserve_kv_transfer_seconds (histogram),
 //   shardserve_kv_transfer_bytes_total and shardserve_kv_transfers_total{outcome="pulled"|
 //   "failed"}.
 // Registered into the registry of the leader rank's page. Thread-safe.
 class LeaderMetrics {
  public:
+  // `role`: disaggregated serving's ("prefill", "decode"; "" colocated), the `role` label of
+  // the backlog gauges.
   LeaderMetrics(prometheus::Registry& registry, const std::string& model,
-                const std::string& replica);
+                const std::string& replica, const std::string& role = "");
   void CountRequest(int http_status);
   void SetQueueDepth(double depth);
   void ObserveFirstToken(double seconds);
@@ -70,6 +74,7 @@ class LeaderMetrics {
   // Disaggregated decode: a prompt's KV taken from a prefill replica (pulled), or not (failed:
   // prefilled here), its bytes over every rank and its seconds.
   void ObserveKvTransfer(double seconds, int64_t bytes, bool pulled);
+  void SetBacklog(int running, int64_t prompt_tokens);
 
  private:
   std::map<std::string, std::string> labels_;
@@ -82,6 +87,7 @@ class LeaderMetrics {
   prometheus::Counter *prefix_queried_, *prefix_hit_;
   prometheus::Gauge *blocks_used_, *blocks_cached_;
   prometheus::Histogram* kv_transfer_seconds_;
+  prometheus::Gauge *running_, *queued_prompt_tokens_;
   prometheus::Counter *kv_transfer_bytes_, *kv_pulled_, *kv_failed_;
 };
 

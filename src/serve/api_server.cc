@@ -203,7 +203,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
       std::make_unique<PromptBuilder>(impl->tokenizer.get(), &impl->chat,
                                       env.special_tokens_as_text, env.trust_request_chat_template);
   impl->metrics = std::make_unique<LeaderMetrics>(*impl->own_registry, env.metrics_model(),
-                                                  std::to_string(env.replica));
+                                                  std::to_string(env.replica), env.kv_role);
   Impl* s = impl.get();
   http::ServerOptions options;
   options.host = config.host;
@@ -336,6 +336,7 @@ EngineObserver ApiServer::Observer() {
   LeaderMetrics* m = impl_->metrics.get();
   EngineObserver o;
   o.queue_depth = [m](size_t d) { m->SetQueueDepth(static_cast<double>(d)); };
+  o.backlog = [m](int running, int64_t prompt) { m->SetBacklog(running, prompt); };
   o.first_token = [m](double s) { m->ObserveFirstToken(s); };
   o.inter_token = [m](double s) { m->ObserveInterToken(s); };
   o.generated = [m](int64_t n) { m->AddGenerated(static_cast<double>(n)); };

@@ -756,6 +756,17 @@ absl::Status Engine::Loop() {
       in_flight_.push_back(mb);
     }
     if (observer_.queue_depth) observer_.queue_depth(queue_depth());
+    if (observer_.backlog) {
+      int64_t prompt = 0;
+      for (const auto& s : running_) {
+        prompt += std::max<int64_t>(0, static_cast<int64_t>(s->request.prompt_ids.size()) - s->fed);
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        for (const auto& s : waiting_) prompt += static_cast<int64_t>(s->request.prompt_ids.size());
+      }
+      observer_.backlog(static_cast<int>(running_.size()), prompt);
+    }
     if (in_flight_.empty()) {
       // Sequences running without a step wait for their masks (TakeMask): the loop wakes when
       // one is ready, or soon, to end those past their time.

@@ -37,6 +37,9 @@ class GrammarWorkers;
 // Where the engine reports request-level figures (the leader's metrics); may be absent.
 struct EngineObserver {
   std::function<void(size_t depth)> queue_depth;
+  // After each round of steps: the sequences running, and the prompt tokens still to compute
+  // (the waiting sequences' and the running ones' not yet fed): what scales prefill.
+  std::function<void(int running, int64_t prompt_tokens)> backlog;
   std::function<void(double seconds)> first_token;
   std::function<void(double seconds)> inter_token;
   std::function<void(int64_t tokens)> generated;

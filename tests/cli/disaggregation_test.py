@@ -95,6 +95,9 @@ try:
     pulled = metric(page, "shardserve_kv_transfers_total", outcome="pulled")
     moved = metric(page, "shardserve_kv_transfer_bytes_total")
     # 71 positions in 5 blocks of 16, 4 layers, K and V, 2 KV heads of 32 dims: f32 or bf16.
+    roles = (metric(prefill.metrics_page(), "shardserve_queued_prompt_tokens", role="prefill"),
+             metric(page, "shardserve_running_sequences", role="decode"))
+    check(None not in roles, f"each leader reports its backlog under its role {roles}")
     check(pulled == 1 and moved in (5 * 16 * 4 * 2 * 64 * 4, 5 * 16 * 4 * 2 * 64 * 2),
           f"the decode replica took the prompt's KV from the prefill replica ({pulled} pulled, "
           f"{moved} bytes)")

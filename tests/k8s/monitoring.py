@@ -133,7 +133,7 @@ def check_dashboards(prom, check, preferred):
             check(options, f"{name}: variable ${v['name']} has values {options[:4]}")
             values[v["name"]] = ([o for o in options if o in preferred] or options or [""])[0]
         for p in dash["panels"]:
-            for t in p["targets"]:
+            for t in p.get("targets", []):  # a row has none
                 expr = _substitute(t["expr"], values)
                 r = prom.query(expr)
                 series = r.get("data", {}).get("result", []) if r.get("status") == "success" else []

@@ -177,6 +177,33 @@ TEST_F(EngineTest, GreedyTokensSurviveChunkingAndPreemption) {
   EXPECT_GT(exec.chunked_, 0) << "prompts were meant to be chunked";
 }
 
+// The backlog a role scales on: the prompt tokens still to compute fall as prompts are fed (3 a
+// step here), to none once every prompt is computed; the running sequences are counted.
+TEST_F(EngineTest, TheBacklogCountsPromptTokensNotYetComputed) {
+  LocalExecutor exec(model_.get(), 1024);
+  EngineOptions o = exec.Options();
+  o.max_step_tokens = 3;
+  o.exit_when_idle = true;
+  std::vector<std::pair<int, int64_t>> seen;
+  EngineObserver observer;
+  observer.backlog = [&](int running, int64_t prompt) { seen.emplace_back(running, prompt); };
+  Engine engine(&exec, o, observer);
+  int64_t total = 0;
+  for (const GenerationRequest& r : requests_) {
+    ASSERT_TRUE(engine.Submit(r).ok());
+    total += static_cast<int64_t>(r.prompt_ids.size());
+  }
+  ASSERT_TRUE(engine.Run().ok());
+  ASSERT_GE(seen.size(), 2u);
+  EXPECT_EQ(seen.front().second, total - 3) << "one step fed 3 prompt tokens";
+  EXPECT_EQ(seen.front().first, 6);
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_LE(seen[i].second, seen[i - 1].second);
+  const auto decoding =
+      std::find_if(seen.begin(), seen.end(), [](auto p) { return p.second == 0; });
+  ASSERT_NE(decoding, seen.end()) << "every prompt computed at last";
+  EXPECT_GE(decoding->first, 1);
+}
+
 // Structured output through the engine: the constrained sequences' tokens follow their
 // grammars (a JSON schema, a regex) and end when the grammar is complete, through preemption and
 // chunked prompts; each of their sampled tokens went out with a mask, and the other sequences'
