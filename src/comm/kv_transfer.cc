@@ -82,6 +82,8 @@ struct Ucx {
     const ucs_status_t s = ucp_worker_set_am_recv_handler(worker, &h);
     return s == UCS_OK ? absl::OkStatus() : absl::UnavailableError(UcsError("handler", s));
   }
+  // One round of progress; how many events it handled.
+  unsigned Progress() { return ucp_worker_progress(worker); }
   // Progresses until nothing is left to do, then waits for an event up to `ms` (-1: for ever).
   void ProgressOrWait(int ms) {
     while (ucp_worker_progress(worker) != 0) {
@@ -645,17 +647,25 @@ absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
     return absl::UnavailableError(
         UcsError(absl::StrCat("sending the KV ", what).c_str(), UCS_PTR_STATUS(r)));
   }
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time started = absl::Now(), deadline = started + timeout;
   while (!c.done) {
     if (r != nullptr && !sent && ucp_request_check_status(r) != UCS_INPROGRESS) {
       ucp_request_free(r);
       r = nullptr;
       sent = true;
     }
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) break;
-    impl_->ucx.ProgressOrWait(
-        static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1, 100)));
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    // The answer's arrival does not always wake the worker's event fd (a reply on the endpoint
+    // the exporter opens back to us): a pull spins on progress, yielding, for its first
+    // milliseconds (where a pull of a prompt's KV ends), then polls every millisecond.
+    if (impl_->ucx.Progress() == 0) {
+      if (now - started < absl::Milliseconds(20)) {
+        std::this_thread::yield();
+      } else {
+        impl_->ucx.ProgressOrWait(1);
+      }
+    }
   }
   impl_->current = nullptr;
   if (r != nullptr && !sent) {
