@@ -274,13 +274,20 @@ struct KvExporter::Impl {
     if (request != nullptr) ucp_request_free(request);
   }
 
+  // A puller's header, where it can be answered; false: dropped (nowhere to answer).
+  static bool ReadHeader(const void* header, size_t header_length, const ucp_am_recv_param_t* param,
+                         PullHeader* h) {
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return false;
+    if (header_length != sizeof(*h)) return false;
+    std::memcpy(h, header, sizeof(*h));
+    return true;
+  }
+
   static ucs_status_t OnPull(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Impl*>(arg);
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_ERR_INVALID_PARAM;
     PullHeader h;
-    if (header_length != sizeof(h)) return UCS_ERR_INVALID_PARAM;
-    std::memcpy(&h, header, sizeof(h));
+    if (!ReadHeader(header, header_length, param, &h)) return UCS_ERR_INVALID_PARAM;
     if (h.magic != kMagic || h.ranges > self->limits.max_ranges ||
         length != static_cast<size_t>(h.ranges) * sizeof(WireRange)) {
       self->Reply(param->reply_ep, h.request_id,
@@ -308,10 +315,8 @@ struct KvExporter::Impl {
   static ucs_status_t OnRelease(void* arg, const void* header, size_t header_length, void*,
                                 size_t length, const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Impl*>(arg);
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_ERR_INVALID_PARAM;
     PullHeader h;
-    if (header_length != sizeof(h)) return UCS_ERR_INVALID_PARAM;
-    std::memcpy(&h, header, sizeof(h));
+    if (!ReadHeader(header, header_length, param, &h)) return UCS_ERR_INVALID_PARAM;
     if (h.magic != kMagic || h.ranges != 0 || length != 0) {
       self->Reply(param->reply_ep, h.request_id,
                   absl::InvalidArgumentError("a malformed KV release"));
