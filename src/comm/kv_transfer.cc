@@ -13,6 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/log.h"
 
 namespace shardserve {
 namespace {
@@ -463,6 +464,7 @@ void KvExporter::ResumeForTest() {
 struct KvPuller::Impl {
   struct Current {
     ucp_ep_h ep = nullptr;  // where the pull went
+    void* recv = nullptr;   // the bytes' rendezvous receive while in flight (it writes `iov`)
     uint64_t request_id = 0;
     uint64_t bytes = 0;
     bool done = false;
@@ -493,6 +495,7 @@ struct KvPuller::Impl {
 
   static void DataReceived(void* request, ucs_status_t status, size_t, void* user) {
     auto* c = static_cast<Current*>(user);
+    c->recv = nullptr;
     c->done = true;
     if (status != UCS_OK) {
       c->status = absl::UnavailableError(UcsError("KV receive", status));
@@ -535,7 +538,11 @@ struct KvPuller::Impl {
       p.datatype = ucp_dt_make_iov();
       ucs_status_ptr_t r =
           ucp_am_recv_data_nbx(self->ucx.worker, data, c->iov.data(), c->iov.size(), &p);
-      if (!UCS_PTR_IS_PTR(r)) DataReceived(nullptr, UCS_PTR_STATUS(r), length, c);
+      if (UCS_PTR_IS_PTR(r)) {
+        c->recv = r;
+      } else {
+        DataReceived(nullptr, UCS_PTR_STATUS(r), length, c);
+      }
       return UCS_OK;
     }
     const char* src = static_cast<const char*>(data);
@@ -623,7 +630,9 @@ absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
     return absl::InvalidArgumentError(absl::StrCat(
         "a KV pull of ", ranges.size(), " ranges (the limit is ", impl_->limits.max_ranges, ")"));
   }
-  Impl::Current c;
+  // On the heap: a receive that outlives a pull given up keeps writing into it (see the end).
+  auto owned = std::make_unique<Impl::Current>();
+  Impl::Current& c = *owned;
   c.request_id = impl_->next_request++;
   std::vector<WireRange> wire(ranges.size());
   for (size_t i = 0; i < ranges.size(); ++i) {
@@ -677,7 +686,22 @@ absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
     ucp_request_cancel(impl_->ucx.worker, r);
     ucp_request_free(r);
   }
-  if (!c.done) {
+  const bool finished = c.done;
+  // A receive still in flight (the deadline passed, or the peer failed, while the bytes came by
+  // rendezvous) would write into the caller's memory after it is reused: cancelled, and waited
+  // for. Should it not end, its Current is left to it and the endpoint closed.
+  if (c.recv != nullptr) {
+    ucp_request_cancel(impl_->ucx.worker, c.recv);
+    const absl::Time end = absl::Now() + absl::Seconds(2);
+    while (c.recv != nullptr && absl::Now() < end) impl_->ucx.Progress();
+    if (c.recv != nullptr) {
+      LogError("a KV receive did not end when cancelled; its endpoint is closed");
+      owned.release();
+      impl_->Drop(*ep);
+      return absl::UnavailableError(absl::StrCat("the KV ", what, " was cut short"));
+    }
+  }
+  if (!finished) {
     impl_->Drop(*ep);
     return absl::DeadlineExceededError(absl::StrCat("the KV ", what, " (", c.bytes,
                                                     " bytes) did not finish within ",

@@ -200,6 +200,38 @@ TEST(KvTransferTest, AnExporterGoneFailsThePull) {
   EXPECT_TRUE(absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) << s;
 }
 
+// A pull that gives up while its bytes are still arriving (a large rendezvous past a short
+// deadline) leaves nothing writing into its destination: the receive is cancelled before the
+// pull returns, so the caller may reuse the memory at once.
+TEST(KvTransferTest, APullGivenUpWritesNothingAfterItReturns) {
+  Pair t = MakePair();
+  const std::vector<uint8_t> a = Pattern(64 << 20, 8);
+  auto ticket = NewKvTicket();
+  ASSERT_TRUE(
+      t.exporter->Offer(*ticket, {{a.data(), a.size()}}, absl::Now() + absl::Seconds(60)).ok());
+  std::vector<uint8_t> out(a.size()), other(4096);
+  int gave_up = 0;
+  for (int ms : {1, 2, 3, 5, 8, 12, 20, 30, 50}) {
+    absl::Status s = t.puller->Pull(t.exporter->address(), *ticket, {{0, 0, a.size(), out.data()}},
+                                    absl::Milliseconds(ms));
+    if (s.ok()) continue;
+    ++gave_up;
+    std::fill(out.begin(), out.end(), 0);  // reused by its owner at once
+    ASSERT_TRUE(t.puller
+                    ->Pull(t.exporter->address(), *ticket, {{0, 0, other.size(), other.data()}},
+                           absl::Seconds(10))
+                    .ok());
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](uint8_t b) { return b == 0; }))
+        << "written after a pull of " << ms << " ms gave up";
+  }
+  EXPECT_GT(gave_up, 0);
+  ASSERT_TRUE(
+      t.puller
+          ->Pull(t.exporter->address(), *ticket, {{0, 0, a.size(), out.data()}}, absl::Seconds(30))
+          .ok());
+  EXPECT_EQ(out, a);
+}
+
 // An exporter that went away (a prefill replica restarted) fails only the pulls sent to it: its
 // endpoint's error, arriving later, says nothing of a pull from another exporter.
 TEST(KvTransferTest, AGoneExportersEndpointFailsNoOtherPull) {
