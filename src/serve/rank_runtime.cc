@@ -510,6 +510,14 @@ absl::StatusOr<json> Rank::RecvFromSampler() { return RecvFrame(*mesh_, LastSamp
 
 absl::Status Rank::StartKvTransfer() {
   const std::string& role = cfg_.env.kv_role;
+  // The transfer reads and writes the blocks through host pointers; a KV cache in GPU memory
+  // (UCX's CUDA transports) is not wired yet: refused by name, never sent from device memory.
+  if (!role.empty() && !cache_->storage()->on_host()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "SHARDSERVE_KV_ROLE=", role,
+        ": disaggregated serving moves host-memory KV caches only; this rank's KV cache is in GPU "
+        "memory (the CUDA backend)"));
+  }
   if (role == "decode") {
     ASSIGN_OR_RETURN(puller_, KvPuller::Create());
     return absl::OkStatus();

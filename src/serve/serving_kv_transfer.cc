@@ -31,6 +31,11 @@ absl::Status ApiServer::Impl::KvLeg(ApiRequest& req, const http::Request& http_r
     return BadParam("kv_transfer_params",
                     "a disaggregated request cannot score its prompt (echo with logprobs)");
   }
+  if (prefill && req.stream) {  // the handoff is one answer
+    return BadParam("stream",
+                    "a prefill leg (kv_transfer_params do_remote_decode) answers the "
+                    "handoff whole: 'stream' must be false");
+  }
   if (prefill) return absl::OkStatus();
   ASSIGN_OR_RETURN(KvHandoff h, DecodeKvHandoff(req.kv_transfer));
   req.params.seed = h.seed;  // the samplers go on from the prefill replica's streams

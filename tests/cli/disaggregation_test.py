@@ -197,6 +197,11 @@ try:
                              headers=ROUTER)
     check(s5 == 400 and b5["error"]["param"] == "kv_transfer_params",
           f"kv_transfer_params of neither leg is refused ({b5['error']['message']})")
+    s7, _, b7 = prefill.post("/v1/completions",
+                             dict(greedy, stream=True, kv_transfer_params={"do_remote_decode": True}),
+                             headers=ROUTER)
+    check(s7 == 400 and b7["error"]["param"] == "stream",
+          f"a streamed prefill leg is refused by name ({b7['error']['message']})")
     s6, _, b6 = prefill.post("/v1/completions", dict(greedy, echo=True, max_tokens=1,
                                                      kv_transfer_params={"do_remote_decode": True}),
                              headers=ROUTER)
