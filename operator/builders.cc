@@ -207,7 +207,7 @@ void AddLeaderSecrets(const ModelView& m, json& volumes, json& mounts) {
   }
   volumes.push_back(
       {{"name", "router-token"},
-       {"secret", {{"secretName", RouterTokenSecretName(m.model.name)}, {"defaultMode", 0440}}}});
+       {"secret", {{"secretName", RouterTokenSecretName(m.group())}, {"defaultMode", 0440}}}});
   mounts.push_back(
       {{"name", "router-token"}, {"mountPath", kRouterTokenMount}, {"readOnly", true}});
 }
@@ -334,10 +334,22 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
   if (meta.contains("namespace")) v.model.namespace_ = meta["namespace"].get<std::string>();
   const json& worker = object["spec"]["worker"];
   if (worker.contains("resources")) v.resources = worker["resources"];
-  if (v.model.spec.disaggregation) {  // refused by name, never served colocated in silence
-    return absl::UnimplementedError(
-        "spec.disaggregation is not yet placed on a cluster by the operator (shardserve local "
-        "runs it); remove it to serve the model colocated");
+  if (v.model.spec.disaggregation) v.kv_role = "decode";
+  if (const std::string& of = v.model.spec.prefill_of; !of.empty()) {
+    // Only the operator makes a prefill role: owned by the model it serves, which alone routes
+    // to it and lends it its router token.
+    const json owners = meta.value("ownerReferences", json::array());
+    const bool owned =
+        owners.is_array() && std::any_of(owners.begin(), owners.end(), [&](const json& o) {
+          return o.is_object() && o.value("kind", "") == "ShardedModel" &&
+                 o.value("name", "") == of && o.value("controller", false);
+        });
+    if (!owned) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.prefillOf '", of, "': this model is not owned by ShardedModel '", of,
+          "' (the operator makes a disaggregated model's prefill role; remove spec.prefillOf)"));
+    }
+    v.kv_role = "prefill";
   }
   ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(v.model.spec.model_uri));
   if (uri.scheme == ModelUri::Scheme::kFile) {
@@ -359,7 +371,7 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
   }
   // Everything that shapes a pod; a change rolls the replicas.
   const json shaping = {object["spec"]["model"], object["spec"]["parallelism"], worker,
-                        object["spec"].value("serving", json::object())};
+                        object["spec"].value("serving", json::object()), v.kv_role};
   v.revision = absl::StrFormat("%012x", Fnv(shaping.dump()) & 0xffffffffffffull);
   return v;
 }
@@ -392,7 +404,9 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
 
   WorkerEnv w;
   w.model_name = s.model_name;
-  w.deployment = name;  // the metrics' `model` label
+  // The metrics' `model` label: a prefill role's are its model's (their `role` label tells them
+  // apart), as with shardserve local, so that a dashboard or a KEDA query sees one model.
+  w.deployment = m.group();
   w.model_path = files.path;
   if (!files.init.is_null()) w.fetch_report = absl::StrCat(kFetchMount, "/report.json");
   w.replica = replica;
@@ -410,6 +424,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   w.rendezvous_secret_file = absl::StrCat(kRendezvousSecretMount, "/secret");
   w.termination_log = "/dev/termination-log";  // the first rank error, for status
   w.peer_timeout_ms = kPeerTimeoutMs;
+  w.kv_role = m.kv_role;
   if (leader && !s.api_key_secret.empty()) w.api_keys_file = kApiKeysMount;
   if (leader) w.router_token_file = absl::StrCat(kRouterTokenMount, "/token");
   json env = json::array();
@@ -641,6 +656,11 @@ json BuildRouterDeployment(const ModelView& m) {
   r.model_path = files.path;
   r.deployment = name;
   r.token_file = absl::StrCat(kRouterTokenMount, "/token");
+  if (const auto& d = s.disaggregation) {
+    r.prefill_leaders = absl::StrCat("dns:", PrefillModelName(name), "-leaders.",
+                                     m.model.namespace_, ".svc:", s.port);
+    r.disaggregate_min_tokens = d->min_prompt_tokens;
+  }
   if (!s.api_key_secret.empty()) r.api_keys_file = kApiKeysMount;
   ApplyServing(s, r);
   json env = json::array();
@@ -711,16 +731,50 @@ json BuildNetworkPolicy(const ModelView& m) {
   for (int64_t t = 0; t < m.model.spec.tensor; ++t) {
     open_ports.push_back({{"protocol", "TCP"}, {"port", kMetricsPortBase + t}});
   }
+  // The model's own pods; a disaggregated model's two roles are one model (KV pulls and releases
+  // go between their ranks over UCX, on ports of its choosing).
+  json from = {{"podSelector", {{"matchLabels", Labels(m)}}}};
+  if (!m.kv_role.empty()) {
+    const json peers = {m.model.name,
+                        m.kv_role == "decode" ? PrefillModelName(m.model.name) : m.group()};
+    from["podSelector"] = {
+        {"matchExpressions",
+         json::array({{{"key", kModelLabel}, {"operator", "In"}, {"values", peers}}})}};
+  }
+  return {{"apiVersion", "networking.k8s.io/v1"},
+          {"kind", "NetworkPolicy"},
+          {"metadata", ChildMeta(m, m.model.name + "-workers")},
+          {"spec",
+           {{"podSelector", {{"matchLabels", Labels(m)}}},
+            {"policyTypes", json::array({"Ingress"})},
+            {"ingress", json::array({{{"from", json::array({from})}}, {{"ports", open_ports}}})}}}};
+}
+
+json BuildPrefillModel(const ModelView& m, const json& object, const json* existing) {
+  const ShardedModelSpec::Disaggregation& d = *m.model.spec.disaggregation;
+  const std::string wanted = std::to_string(d.prefill_replicas);
+  int64_t replicas = d.prefill_replicas;
+  if (existing != nullptr && existing->is_object()) {
+    const json& meta = existing->value("metadata", json::object());
+    const json& spec = existing->value("spec", json::object());
+    const bool applied =
+        meta.value("annotations", json::object()).value(kPrefillReplicasAnnotation, "") == wanted;
+    if (applied && spec.value("replicas", json()).is_number_integer()) {
+      replicas = spec["replicas"].get<int64_t>();  // scaled since: theirs
+    }
+  }
+  json spec = object.at("spec");
+  spec.erase("disaggregation");
+  spec["replicas"] = replicas;
+  spec["parallelism"] = {{"tensor", d.prefill_tensor}, {"pipeline", d.prefill_pipeline}};
+  if (d.prefill_node_selector) spec["worker"]["nodeSelector"] = *d.prefill_node_selector;
+  spec["rollout"] = {{"maxUnavailable", d.prefill_max_unavailable},
+                     {"maxSurge", d.prefill_max_surge}};
+  spec["prefillOf"] = m.model.name;
+  json meta = ChildMeta(m, PrefillModelName(m.model.name));
+  meta["annotations"][kPrefillReplicasAnnotation] = wanted;
   return {
-      {"apiVersion", "networking.k8s.io/v1"},
-      {"kind", "NetworkPolicy"},
-      {"metadata", ChildMeta(m, m.model.name + "-workers")},
-      {"spec",
-       {{"podSelector", {{"matchLabels", Labels(m)}}},
-        {"policyTypes", json::array({"Ingress"})},
-        {"ingress",
-         json::array({{{"from", json::array({{{"podSelector", {{"matchLabels", Labels(m)}}}}})}},
-                      {{"ports", open_ports}}})}}}};
+      {"apiVersion", kApiVersion}, {"kind", "ShardedModel"}, {"metadata", meta}, {"spec", spec}};
 }
 
 json BuildRendezvousSecret(const ModelView& m, int64_t replica, const std::string& secret) {

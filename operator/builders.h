@@ -130,6 +130,15 @@ struct ModelView {
     int64_t files = 0;
   };
   std::optional<Source> source;
+  // Disaggregated serving (spec.disaggregation): "decode" on the model that declares it (its
+  // replicas are the decode role; its routers pair the roles), "prefill" on the ShardedModel the
+  // operator makes for the prefill role (spec.prefillOf), "" on a colocated model.
+  std::string kv_role;
+  // The model whose routers serve this one and whose router token its leaders mount: the
+  // decode role's for a prefill role, else its own name.
+  const std::string& group() const {
+    return model.spec.prefill_of.empty() ? model.name : model.spec.prefill_of;
+  }
 };
 
 // The plan's sizes into the spec; where parallelism says auto, the revision also hashes them (a
@@ -154,8 +163,20 @@ json BuildLeadersService(const ModelView& m);
 json BuildRouterDeployment(const ModelView& m);
 json BuildRouterTokenSecret(const ModelView& m, const std::string& token);
 std::string RouterTokenSecretName(const std::string& model);
-// Several replicas: the routers run.
-inline bool Routed(const ModelView& m) { return m.model.spec.replicas > 1; }
+// Several replicas, or a disaggregated model (its routers pair the roles): the routers run. A
+// prefill role never has its own (the decode role's route to it).
+inline bool Routed(const ModelView& m) {
+  return m.kv_role == "decode" || (m.kv_role.empty() && m.model.spec.replicas > 1);
+}
+// The prefill role of a disaggregated model `m` (kv_role "decode"), a ShardedModel of its own
+// (PrefillModelName) that `m` owns: `object` (m as the apiserver returns it) with the prefill
+// role's replicas, parallelism, node selector and rollout, no spec.disaggregation, and
+// spec.prefillOf naming m. Its replicas are m's spec.disaggregation.prefill.replicas when it is
+// made and whenever that field changes (annotation kPrefillReplicasAnnotation keeps the value
+// applied); in between they are `existing`'s (kubectl scale or KEDA on the prefill role's scale
+// subresource).
+json BuildPrefillModel(const ModelView& m, const json& object, const json* existing);
+inline constexpr char kPrefillReplicasAnnotation[] = "shardserve.io/prefill-replicas";
 // NetworkPolicy <name>-workers: the model's pods take any traffic from each other (rendezvous,
 // TCP/NCCL communication) and only the API and metrics ports from elsewhere.
 json BuildNetworkPolicy(const ModelView& m);

@@ -231,10 +231,20 @@ Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorM
     : client_(client), options_(std::move(options)), metrics_(metrics), recorder_(client) {
   k8s::InformerOptions mo;
   mo.namespace_ = options_.namespace_;
+  // A model, and the model that owns it (a prefill role's change or loss wakes its decode role,
+  // which keeps it as it should be).
+  auto enqueue_model = [this](const json& o) {
+    Enqueue(k8s::Store::KeyOf(o));
+    for (const json& r : o["metadata"].value("ownerReferences", json::array())) {
+      if (r.value("kind", "") == "ShardedModel" && r.value("controller", false)) {
+        Enqueue(absl::StrCat(o["metadata"].value("namespace", ""), "/", r.value("name", "")));
+      }
+    }
+  };
   models_ = std::make_unique<k8s::Informer>(
       client_, kShardedModels, mo,
-      k8s::EventHandlers{[this](const json& o) { Enqueue(k8s::Store::KeyOf(o)); },
-                         [this](const json& old, const json& o) {
+      k8s::EventHandlers{enqueue_model,
+                         [enqueue_model](const json& old, const json& o) {
                            // Our own status writes come back as updates; only spec and lifecycle
                            // matter.
                            const json& a = old["metadata"];
@@ -242,10 +252,10 @@ Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorM
                            if (a.value("generation", 0) != b.value("generation", 0) ||
                                a.contains("deletionTimestamp") != b.contains("deletionTimestamp") ||
                                a.value("uid", "") != b.value("uid", "")) {
-                             Enqueue(k8s::Store::KeyOf(o));
+                             enqueue_model(o);
                            }
                          },
-                         [this](const json& o) { Enqueue(k8s::Store::KeyOf(o)); }});
+                         enqueue_model});
 
   k8s::InformerOptions po;
   po.transform = SlimPod;
@@ -629,23 +639,52 @@ absl::Status Controller::EnsureChildren(const ModelView& m, Memory& mem) {
   std::vector<std::pair<const k8s::ResourceType*, json>> children = {
       {&kServices, BuildWorkersService(m)},
       {&kServices, BuildLeaderService(m, Routed(m) && RoutersReady(m))},
-      {&kServices, BuildLeadersService(m)},
-      {&k8s::kDeployments, BuildRouterDeployment(m)}};
+      {&kServices, BuildLeadersService(m)}};
+  // A prefill role is routed by its decode role's routers.
+  if (m.kv_role != "prefill") children.push_back({&k8s::kDeployments, BuildRouterDeployment(m)});
   if (options_.network_policies)
     children.push_back({&k8s::kNetworkPolicies, BuildNetworkPolicy(m)});
+  // A disaggregated model's prefill role: a ShardedModel it owns (its own replicas, placement,
+  // rollout and scale subresource); gone when the model is no longer disaggregated.
+  const std::string prefill_key =
+      absl::StrCat(m.model.namespace_, "/", PrefillModelName(m.model.name));
+  const std::optional<json> prefill = models_->store().Get(prefill_key);
+  if (m.kv_role == "decode") {
+    const std::optional<json> self =
+        models_->store().Get(absl::StrCat(m.model.namespace_, "/", m.model.name));
+    if (!self) return absl::OkStatus();  // deleted meanwhile: the GC takes the rest
+    children.push_back(
+        {&kShardedModels, BuildPrefillModel(m, *self, prefill ? &*prefill : nullptr)});
+  } else if (prefill && m.kv_role.empty()) {
+    const json& meta = (*prefill)["metadata"];
+    for (const json& o : meta.value("ownerReferences", json::array())) {
+      if (o.value("uid", "") != m.uid || !o.value("controller", false)) continue;
+      absl::Status s = client_->Delete(kShardedModels, m.model.namespace_, meta.value("name", ""),
+                                       meta.value("uid", ""));
+      if (!s.ok() && !k8s::ApiConflict(s)) {
+        return absl::Status(
+            s.code(), absl::StrCat("deleting the prefill role ", prefill_key, ": ", s.message()));
+      }
+      mem.children.erase("shardedmodels/" + PrefillModelName(m.model.name));
+    }
+  }
   for (auto& [type, obj] : children) {
     const std::string hash = ObjectHash(obj);
     obj["metadata"]["annotations"]["shardserve.io/spec-hash"] = hash;
     const std::string name = obj["metadata"]["name"];
     const std::string key = absl::StrCat(m.model.namespace_, "/", name);
     const std::string memo = type->plural + "/" + name;
-    // Services are watched; a NetworkPolicy is written once per change of this process's wish.
+    // Services and ShardedModels are watched: one deleted by hand is made again. A NetworkPolicy
+    // or a Deployment is written once per change of this process's wish.
+    const bool watched = type == &kServices || type == &kShardedModels;
     std::optional<json> cached;
     if (type == &kServices) cached = services_->store().Get(key);
+    if (type == &kShardedModels) cached = prefill;
     const std::string have = cached ? (*cached)["metadata"]
                                           .value("annotations", json::object())
                                           .value("shardserve.io/spec-hash", "")
-                                    : mem.children[memo];  // written, maybe not cached yet
+                             : watched ? ""
+                                       : mem.children[memo];
     if (have == hash) continue;
     // A new object is created (cheaper than an apply); one that drifted is applied over.
     absl::StatusOr<json> written = cached ? client_->Apply(*type, m.model.namespace_, obj)
@@ -851,8 +890,9 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
   }
   // The token the routers prove to the leaders' KV events: before any leader or router mounts
   // it, once per model (kept, as the rendezvous secrets are).
+  // (A prefill role mounts its decode role's.)
   if (const std::string memo = "secrets/" + RouterTokenSecretName(m.model.name);
-      mem.children[memo].empty()) {
+      m.kv_role != "prefill" && mem.children[memo].empty()) {
     absl::StatusOr<std::string> token = NewSecretValue();
     if (!token.ok()) return token.status();
     auto created =

@@ -230,11 +230,22 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
     RETURN_IF_ERROR(shape.Int("tensor", out.prefill_tensor));
     RETURN_IF_ERROR(shape.Int("pipeline", out.prefill_pipeline));
     RETURN_IF_ERROR(shape.NoOthers());
+    if (YAML::Node sel = pre.Get("nodeSelector"); sel && !sel.IsNull()) {
+      std::map<std::string, std::string> selector;
+      RETURN_IF_ERROR(pre.StringMap("nodeSelector", selector));
+      out.prefill_node_selector = std::move(selector);
+    }
+    Fields roll(pre.Get("rollout"), "spec.disaggregation.prefill.rollout");
+    RETURN_IF_ERROR(roll.CheckMap());
+    RETURN_IF_ERROR(roll.Int("maxUnavailable", out.prefill_max_unavailable));
+    RETURN_IF_ERROR(roll.Int("maxSurge", out.prefill_max_surge));
+    RETURN_IF_ERROR(roll.NoOthers());
     RETURN_IF_ERROR(pre.NoOthers());
     RETURN_IF_ERROR(d.Int("minPromptTokens", out.min_prompt_tokens));
     RETURN_IF_ERROR(d.NoOthers());
     s.disaggregation = out;
   }
+  RETURN_IF_ERROR(spec.String("prefillOf", s.prefill_of));
   Fields worker(spec.Get("worker"), "spec.worker");
   RETURN_IF_ERROR(worker.CheckMap());
   RETURN_IF_ERROR(worker.String("image", s.image));
@@ -325,6 +336,23 @@ absl::Status AtLeast(const char* field, int64_t v, int64_t min) {
 }
 
 }  // namespace
+
+ShardedModelSpec PrefillSpec(const ShardedModelSpec& spec) {
+  ShardedModelSpec p = spec;
+  const ShardedModelSpec::Disaggregation& d = *spec.disaggregation;
+  p.replicas = d.prefill_replicas;
+  p.tensor = d.prefill_tensor;
+  p.pipeline = d.prefill_pipeline;
+  p.tensor_auto = p.pipeline_auto = false;
+  p.micro_batches = 0;
+  if (d.prefill_node_selector) p.node_selector = *d.prefill_node_selector;
+  p.max_unavailable = d.prefill_max_unavailable;
+  p.max_surge = d.prefill_max_surge;
+  p.disaggregation.reset();
+  return p;
+}
+
+std::string PrefillModelName(const std::string& model) { return model + "-prefill"; }
 
 void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_batch_size = static_cast<int>(spec.max_batch_size);
@@ -503,6 +531,30 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     RETURN_IF_ERROR(
         AtLeast("spec.disaggregation.prefill.parallelism.pipeline", d->prefill_pipeline, 1));
     RETURN_IF_ERROR(AtLeast("spec.disaggregation.minPromptTokens", d->min_prompt_tokens, 0));
+    RETURN_IF_ERROR(AtLeast("spec.disaggregation.prefill.rollout.maxUnavailable",
+                            d->prefill_max_unavailable, 0));
+    RETURN_IF_ERROR(
+        AtLeast("spec.disaggregation.prefill.rollout.maxSurge", d->prefill_max_surge, 0));
+    if (d->prefill_max_unavailable == 0 && d->prefill_max_surge == 0) {
+      return absl::InvalidArgumentError(
+          "spec.disaggregation.prefill.rollout.maxUnavailable and maxSurge cannot both be 0");
+    }
+    if (m.name.size() > kMaxDisaggregatedNameLength) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "metadata.name '", m.name, "' of a model with spec.disaggregation must be at most ",
+          kMaxDisaggregatedNameLength, " characters (its prefill role is '",
+          PrefillModelName(m.name), "')"));
+    }
+    if (!s.prefill_of.empty()) {
+      return absl::InvalidArgumentError(
+          "spec.prefillOf and spec.disaggregation cannot be set together (a prefill role is not "
+          "disaggregated again)");
+    }
+  }
+  if (!s.prefill_of.empty() && (s.prefill_of.size() > kMaxDisaggregatedNameLength ||
+                                !std::regex_match(s.prefill_of, kDnsLabel))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.prefillOf '", s.prefill_of, "' is not a disaggregated model's name"));
   }
   if (s.failure_policy != "RecreateReplica" && s.failure_policy != "None") {
     return absl::InvalidArgumentError(absl::StrCat("spec.failurePolicy '", s.failure_policy,

@@ -113,16 +113,23 @@ struct ShardedModelSpec {
   // spec.disaggregation: prefill and decode in separate replicas, the prompt's KV moved between
   // their ranks (serve/kv_handoff.h). The decode replicas are spec.replicas of
   // spec.parallelism (the scale subresource, `kubectl scale`, scales them); the prefill replicas
-  // have a count and a shape of their own (`kubectl patch` of
-  // spec.disaggregation.prefill.replicas). Prompts shorter than min_prompt_tokens are served by
-  // a decode replica alone.
+  // have a count, a shape, nodes and a rollout of their own. On a cluster they are a
+  // ShardedModel of their own, <name>-prefill, that the operator makes and owns (PrefillSpec):
+  // its scale subresource scales them. Prompts shorter than min_prompt_tokens are served by a
+  // decode replica alone.
   struct Disaggregation {
     int64_t prefill_replicas = 1;
     int64_t prefill_tensor = 1;
     int64_t prefill_pipeline = 1;
+    std::optional<std::map<std::string, std::string>> prefill_node_selector;  // else the model's
+    int64_t prefill_max_unavailable = 1;
+    int64_t prefill_max_surge = 0;
     int64_t min_prompt_tokens = 0;
   };
   std::optional<Disaggregation> disaggregation;
+  // spec.prefillOf: this model is the prefill role of the named disaggregated model (made by the
+  // operator, owned by that model; never written by hand).
+  std::string prefill_of;
 
   int64_t effective_micro_batches() const { return micro_batches > 0 ? micro_batches : pipeline; }
   // Positions the KV cache of each rank holds: a full batch of full-length sequences.
@@ -135,6 +142,14 @@ struct ShardedModel {
   std::string namespace_ = "default";
   ShardedModelSpec spec;
 };
+
+// The prefill role of a disaggregated spec as a spec of its own: its replicas, shape, nodes and
+// rollout, the rest the model's.
+ShardedModelSpec PrefillSpec(const ShardedModelSpec& spec);
+// The name of a disaggregated model's prefill role on a cluster.
+std::string PrefillModelName(const std::string& model);
+// The longest name of a disaggregated model (its prefill role's name adds "-prefill").
+inline constexpr size_t kMaxDisaggregatedNameLength = 37;
 
 // The serving and start-up settings of `spec` in a worker's contract: its batch, sequence, KV
 // cache and chat-content limits, how long it waits for peers and for loading progress (not the

@@ -169,6 +169,11 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   }
   ShardedModel m = *std::move(parsed);
   ShardedModelSpec& spec = m.spec;
+  if (!spec.prefill_of.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(file, ": spec.prefillOf: this is the prefill role the operator made for '",
+                     spec.prefill_of, "'; run that model's manifest (its spec.disaggregation)"));
+  }
   ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(spec.model_uri));
   if (uri.scheme == ModelUri::Scheme::kPvc) {
     return absl::FailedPreconditionError(

@@ -215,15 +215,7 @@ absl::Status RunPlan(std::vector<std::string> argv) {
   // the GPUs the ones before it left.
   std::vector<std::pair<std::string, ShardedModelSpec>> roles = {
       {spec.disaggregation ? "decode" : "", spec}};
-  if (const auto& d = spec.disaggregation) {
-    ShardedModelSpec prefill = spec;
-    prefill.replicas = d->prefill_replicas;
-    prefill.tensor = d->prefill_tensor;
-    prefill.pipeline = d->prefill_pipeline;
-    prefill.tensor_auto = prefill.pipeline_auto = false;
-    prefill.micro_batches = 0;
-    roles.emplace_back("prefill", prefill);
-  }
+  if (spec.disaggregation) roles.emplace_back("prefill", PrefillSpec(spec));
   size_t unplaced = 0;
   int64_t wanted = 0;
   for (const auto& [role, rspec] : roles) {

@@ -30,11 +30,13 @@ security in force on the running operator process.
 Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready, failures during
 the roll, leader failover) are printed as `figure:` lines.
 
-Without --helm, then: models from where they live (tests/e2e/sources.py): s3://, hf:// and
+Without --helm, then: a disaggregated model (its prefill role a ShardedModel of its own) through
+its routers, its prefill leader killed under load; models from where they live (tests/e2e/sources.py): s3://, hf:// and
 oci:// on real servers, each node's cache, Downloading in status, corruption refused by name.
 
-usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator [--helm | --sources-only]
-(--sources-only: the set-up and the model sources' flow alone, for working on it)"""
+usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator
+       [--helm | --sources-only | --disaggregated-only]
+(--sources-only, --disaggregated-only: the set-up and that flow alone, for working on it)"""
 import base64
 import http.client
 import json
@@ -51,7 +53,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "cli"))
 sys.path.insert(0, os.path.join(HERE, "..", "k8s"))
-from checks import Checks, wait_until  # noqa: E402
+from checks import Checks, metric, wait_until  # noqa: E402
 from cluster import ROOT, Cluster, Operator  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 import sources  # noqa: E402
@@ -62,6 +64,7 @@ from realnodes import (ClientLoop, HeldRegistry, Models, container_pid, figure, 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
 HELM_MODE = "--helm" in sys.argv[3:]
 SOURCES_ONLY = "--sources-only" in sys.argv[3:]
+DISAGGREGATED_ONLY = "--disaggregated-only" in sys.argv[3:]
 NS = "shardserve" if HELM_MODE else "default"  # the chart's operator watches its namespace
 RELEASE = "ss"
 NAME = "tiny"
@@ -283,6 +286,8 @@ def chart_checks():
     used = [("create", "pods"), ("delete", "pods"), ("list", "pods", "-A"), ("watch", "pods", "-A"),
             ("list", "nodes"), ("watch", "nodes"), ("list", "shardedmodels.shardserve.io"),
             ("watch", "shardedmodels.shardserve.io"),
+            ("create", "shardedmodels.shardserve.io"), ("patch", "shardedmodels.shardserve.io"),
+            ("delete", "shardedmodels.shardserve.io"),
             ("patch", "shardedmodels.shardserve.io", "--subresource=status"),
             ("update", "shardedmodels.shardserve.io", "--subresource=finalizers"),
             ("create", "networkpolicies.networking.k8s.io"),
@@ -298,8 +303,7 @@ def chart_checks():
     check(not refused, f"the operator's ServiceAccount may do every verb it uses ({refused})")
     forbidden = [("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),
                  ("delete", "nodes"), ("create", "pods", "--subresource=exec"),
-                 ("patch", "shardedmodels.shardserve.io"),
-                 ("delete", "shardedmodels.shardserve.io"),
+                 ("update", "shardedmodels.shardserve.io"),
                  ("create", "customresourcedefinitions.apiextensions.k8s.io"),
                  ("update", "customresourcedefinitions.apiextensions.k8s.io"),
                  ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
@@ -554,6 +558,70 @@ def flows():
           f"{replica(NAME, 0).get('restarts')}: only the kill -9's)")
 
 
+def disaggregated():
+    """6b. A disaggregated model: a decode replica (TP 1) and its prefill role (TP 2, the KV
+    heads re-sliced in the transfer) as pods on the real nodes, paired by the routers behind the
+    model's Service; the answers are shardserve local's (TP 2 x PP 2); the prefill leader killed
+    under a client loop: no request fails (the decode replica prefills meanwhile)."""
+    t0 = time.monotonic()
+    obj = manifest("split", f"hostpath://{model_dir}", tp=1, pp=1)
+    obj["spec"]["disaggregation"] = {
+        "prefill": {"replicas": 1, "parallelism": {"tensor": 2, "pipeline": 1}}}
+    apply(obj)
+    check(wait_until(lambda: ready("split", 1) and ready("split-prefill", 1), 300),
+          f"split: the decode replica and the prefill role (split-prefill) Ready "
+          f"({status('split').get('phase')}, {status('split-prefill').get('phase')})")
+
+    def routed():
+        running = [p for p in m.pods("split", "shardserve.io/role=router")
+                   if p["status"].get("phase") == "Running"]
+        return len(running) == 2 and c.get("service", "split")["spec"]["selector"].get(
+            "shardserve.io/role") == "router"
+    check(wait_until(routed, 180), "split: its two routers run and its Service goes to them")
+    host = service_ip("split")
+    got = []
+    for p in PROMPTS:
+        wait_until(lambda: m.answers("split", p, host), 60)
+        got.append(post(host, {"model": "split", "prompt": p, "max_tokens": 12, "temperature": 0,
+                               "logprobs": 3})[1])
+    figure("disaggregated apply -> answers through the routers", time.monotonic() - t0)
+    check(all(isinstance(a, dict) and same_answer(a, b) for a, b in zip(got, reference)),
+          "split: tokens and logprobs through the routers equal shardserve local's "
+          f"(TP 2 x PP 2, colocated) ({[a if not isinstance(a, dict) else a['choices'][0]['text'] for a in got]})")
+
+    def page(pod):
+        ip = c.get("pod", pod)["status"]["podIP"]
+        conn = http.client.HTTPConnection(ip, 8000, timeout=10)
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        text = conn.getresponse().read().decode()
+        conn.close()
+        return text
+    pulled = metric(page("split-0-0"), "shardserve_kv_transfers_total", outcome="pulled") or 0
+    moved = metric(page("split-0-0"), "shardserve_kv_transfer_bytes_total") or 0
+    check(pulled >= len(PROMPTS) and moved > 0,
+          f"split: the decode leader pulled each prompt's KV from the prefill pod over UCX "
+          f"({pulled:.0f} pulls, {moved:.0f} bytes)")
+    # The prefill leader killed under a client loop: the decode replica serves alone meanwhile.
+    loop = ClientLoop(m, "split")
+    time.sleep(2)
+    pid = rank_pid("split-prefill-0-0", 0)
+    check(pid is not None, "split: the prefill leader's rank found in its container")
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+    check(wait_until(lambda: m.replica("split-prefill", 0).get("restarts", 0) >= 1, 60) and
+          wait_until(lambda: ready("split-prefill", 1), 240),
+          "split: the prefill replica is recreated")
+    time.sleep(2)
+    loop.stop()
+    check(loop.failed == 0 and loop.ok > 0,
+          f"split: no request failed while the prefill role was down ({loop.ok} ok, "
+          f"{loop.failed} failed: {loop.errors[:3]})")
+    c.kubectl("delete", "smodel", "split", "--wait=true", "--timeout=120s")
+    check(wait_until(lambda: not model_pods("split") and not model_pods("split-prefill") and
+                     c.kubectl("get", "smodel", "split-prefill")[0] != 0, 120),
+          "split: deleted with its prefill role and every pod")
+
+
 try:
     if HELM_MODE:
         install_chart()
@@ -562,14 +630,17 @@ try:
                       sources.node_cache_defaults(NODE_CACHES, tmp), host_paths=models)
     c.kubectl("create", "secret", "generic", "tiny-api-keys", f"--from-literal=key={KEY}",
               check=True)
-    if not SOURCES_ONLY:
+    if DISAGGREGATED_ONLY:
+        disaggregated()
+    elif not SOURCES_ONLY:
         flows()
-    if not HELM_MODE:
+    if not HELM_MODE and not DISAGGREGATED_ONLY:
         # --- 6. models from where they live (s3://, hf://, oci://): before the held pulls (after
         # them one node's containerd no longer resolved the worker image by its name) ----------
         if not SOURCES_ONLY:
             c.kubectl("delete", "smodel", NAME, "--wait=true", "--timeout=120s")
             check(wait_until(lambda: not model_pods(NAME), 120), f"{NAME}: deleted (GPUs)")
+            disaggregated()
         servers = subprocess.run(["bash", os.path.join(ROOT, "scripts", "servers-build.sh")],
                                  capture_output=True, text=True, check=True).stdout.strip()
         sources.run(c, m, check, SHARDSERVE, servers, tmp, model_dir, NODE_CACHES, reference[0],

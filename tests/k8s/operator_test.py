@@ -4,7 +4,8 @@ kube-controller-manager, kube-scheduler, kwok GPU nodes), driven with kubectl li
 gang placement (TP inside a node, stages on distinct nodes of one zone), too few GPUs (no pods,
 a Placed message) then a node added, kubectl scale 1->3->1, a pod deleted or failed (the whole
 replica recreated, restarts counted), failurePolicy None, unschedulable pods re-planned, rolling
-updates within maxUnavailable (and a second change mid-rollout), an invalid spec (a condition,
+updates within maxUnavailable (and a second change mid-rollout), a disaggregated model (its
+prefill role a ShardedModel it owns, scaled on its own), an invalid spec (a condition,
 no crash loop), kill -9 mid-reconcile, an apiserver restart, leader election with failover,
 metrics (promtool), and deletion without orphans.
 
@@ -270,6 +271,65 @@ try:
     check(wait(lambda: routers() == 0), "1 replica: no router")
     check(uids("scaler") == first, "scaling down removed replicas 2 and 1, kept replica 0")
     check(wait(lambda: budgets() == ["0"]), "the removed replicas' budgets went with their pods")
+
+    # --- disaggregation: the prefill role, a ShardedModel of its own ------------------------
+    apply(model("split", tp=1, pp=1, disaggregation={
+        "prefill": {"replicas": 1, "parallelism": {"tensor": 2, "pipeline": 1}},
+        "minPromptTokens": 64}))
+    check(wait(lambda: converged("split", 1) and converged("split-prefill", 1)),
+          "a disaggregated model: its decode replica and its prefill role (split-prefill) Ready")
+    parent, pre = c.get("smodel", "split"), c.get("smodel", "split-prefill")
+    owner = pre["metadata"]["ownerReferences"][0]
+    check(owner["uid"] == parent["metadata"]["uid"] and owner["controller"] and
+          pre["spec"]["prefillOf"] == "split" and pre["spec"]["parallelism"]["tensor"] == 2 and
+          "disaggregation" not in pre["spec"],
+          "split-prefill is owned by split, with the prefill role's shape")
+
+    def env_of(pod):
+        return {e["name"]: e.get("value") for e in
+                c.get("pod", pod)["spec"]["containers"][0]["env"]}
+    check(env_of("split-0-0").get("SHARDSERVE_KV_ROLE") == "decode" and
+          env_of("split-prefill-0-0").get("SHARDSERVE_KV_ROLE") == "prefill",
+          "the decode pods pull KV, the prefill pods offer it")
+    check(c.get("pod", "split-prefill-0-0")["spec"]["containers"][0]["resources"]["limits"]
+          ["nvidia.com/gpu"] == "2", "a prefill pod has its role's 2 GPUs")
+    check(wait(lambda: c.get("deployment", "split-router")["spec"]["replicas"] == 2),
+          "one decode replica, yet two routers: they pair the roles")
+    renv = {e["name"]: e.get("value") for e in c.get("deployment", "split-router")
+            ["spec"]["template"]["spec"]["containers"][0]["env"]}
+    check(renv.get("SHARDSERVE_ROUTER_PREFILL_LEADERS") ==
+          "dns:split-prefill-leaders.default.svc:8000" and
+          renv.get("SHARDSERVE_ROUTER_DISAGGREGATE_MIN_TOKENS") == "64",
+          f"the routers find the prefill leaders ({renv.get('SHARDSERVE_ROUTER_PREFILL_LEADERS')})")
+    check(c.kubectl("get", "deployment", "split-prefill-router")[0] != 0 and
+          c.kubectl("get", "secret", "split-prefill-router-token")[0] != 0 and
+          c.get("service", "split-prefill-leaders")["spec"]["clusterIP"] == "None",
+          "the prefill role has leaders, no routers and no token of its own")
+    c.kubectl("scale", "smodel", "split-prefill", "--replicas=2", check=True)
+    check(wait(lambda: converged("split-prefill", 2)),
+          "kubectl scale smodel/split-prefill --replicas=2: 2 prefill replicas")
+    time.sleep(3)  # the decode role reconciles its prefill role meanwhile
+    check(converged("split-prefill", 2) and converged("split", 1),
+          "and they stay: the scale subresource of the prefill role is its own")
+    c.kubectl("patch", "smodel", "split", "--type=merge", "-p",
+              json.dumps({"spec": {"disaggregation": {"prefill": {"replicas": 3}}}}), check=True)
+    check(wait(lambda: converged("split-prefill", 3)),
+          "spec.disaggregation.prefill.replicas changed to 3: applied to the prefill role")
+    old_uid = pre["metadata"]["uid"]
+    c.kubectl("delete", "smodel", "split-prefill", "--wait=false", check=True)
+    check(wait(lambda: c.kubectl("get", "smodel", "split-prefill")[0] == 0 and
+               c.get("smodel", "split-prefill")["metadata"]["uid"] != old_uid and
+               converged("split-prefill", 3), 90),
+          "the prefill role deleted by hand: made again, 3 replicas")
+    c.kubectl("patch", "smodel", "split", "--type=json", "-p",
+              json.dumps([{"op": "remove", "path": "/spec/disaggregation"}]), check=True)
+    check(wait(lambda: c.kubectl("get", "smodel", "split-prefill")[0] != 0 and
+               pods("split-prefill") == [], 90),
+          "spec.disaggregation removed: the prefill role and its pods go")
+    check(wait(lambda: converged("split", 1) and
+               env_of("split-0-0").get("SHARDSERVE_KV_ROLE") is None, 90),
+          "and the decode replica rolls to a colocated one")
+    c.kubectl("delete", "smodel", "split", check=True)
 
     # --- failure: a pod deleted, a pod failed -> the whole replica recreated ----------------
     before = uids("scaler")

@@ -489,14 +489,125 @@ TEST(Builders, RoutersStandInFrontOfSeveralReplicas) {
   EXPECT_EQ(BuildLeaderService(*single, true)["spec"]["selector"][kRoleLabel], "leader");
 }
 
-TEST(Builders, ADisaggregatedModelIsRefusedByNameNotServedColocated) {
+json Disaggregated() {
   json m = Model();
-  m["spec"]["disaggregation"] = {{"prefill", {{"replicas", 1}}}};
+  m["spec"]["disaggregation"] = {{"prefill",
+                                  {{"replicas", 3},
+                                   {"parallelism", {{"tensor", 2}, {"pipeline", 1}}},
+                                   {"nodeSelector", {{"pool", "prefill"}}},
+                                   {"rollout", {{"maxUnavailable", 0}, {"maxSurge", 1}}}}},
+                                 {"minPromptTokens", 512}};
+  return m;
+}
+
+// The prefill role as the apiserver would return what BuildPrefillModel wrote.
+json Stored(json prefill, const std::string& uid = "u-2") {
+  prefill["metadata"]["uid"] = uid;
+  return prefill;
+}
+
+TEST(Builders, ADisaggregatedModelIsTheDecodeRoleAndOwnsItsPrefillRole) {
+  const json object = Disaggregated();
+  auto m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->kv_role, "decode");
+  EXPECT_EQ(Env(BuildStagePod(*m, 0, 0, {"a", "b"}), "SHARDSERVE_KV_ROLE"), "decode");
+  // Its routers run even with one decode replica, and pair the roles.
+  json one = object;
+  one["spec"]["replicas"] = 1;
+  auto single = ReadModel(one);
+  ASSERT_TRUE(single.ok());
+  const json router = BuildRouterDeployment(*single);
+  EXPECT_EQ(router["spec"]["replicas"], kRouterPods);
+  std::map<std::string, std::string> env;
+  for (const json& e : router["spec"]["template"]["spec"]["containers"][0]["env"]) {
+    env[e["name"]] = e.value("value", "");
+  }
+  EXPECT_EQ(env["SHARDSERVE_ROUTER_PREFILL_LEADERS"], "dns:llama-prefill-leaders.ml.svc:8000");
+  EXPECT_EQ(env["SHARDSERVE_ROUTER_DISAGGREGATE_MIN_TOKENS"], "512");
+  // Becoming disaggregated changes the pods: the replicas roll.
+  EXPECT_NE(m->revision, ReadModel(Model())->revision);
+
+  // The prefill role: a ShardedModel of its own, owned by the model, its shape and placement.
+  const json prefill = BuildPrefillModel(*m, object, nullptr);
+  EXPECT_EQ(prefill["kind"], "ShardedModel");
+  EXPECT_EQ(prefill["metadata"]["name"], "llama-prefill");
+  EXPECT_EQ(prefill["metadata"]["namespace"], "ml");
+  EXPECT_EQ(prefill["metadata"]["ownerReferences"][0]["uid"], "u-1");
+  EXPECT_EQ(prefill["metadata"]["ownerReferences"][0]["controller"], true);
+  const json& ps = prefill["spec"];
+  EXPECT_EQ(ps["replicas"], 3);
+  EXPECT_EQ(ps["parallelism"], json({{"tensor", 2}, {"pipeline", 1}}));
+  EXPECT_EQ(ps["worker"]["nodeSelector"], json({{"pool", "prefill"}}));
+  EXPECT_EQ(ps["worker"]["image"], "w:1");  // the rest is the model's
+  EXPECT_EQ(ps["rollout"], json({{"maxUnavailable", 0}, {"maxSurge", 1}}));
+  EXPECT_EQ(ps["prefillOf"], "llama");
+  EXPECT_FALSE(ps.contains("disaggregation"));
+
+  // Read back, it is the prefill role: KV role prefill, its leaders mount the model's router
+  // token, no routers of its own, its ranks reachable from the decode role's.
+  auto p = ReadModel(Stored(prefill));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->kv_role, "prefill");
+  EXPECT_EQ(p->model.spec.tensor, 2);
+  EXPECT_EQ(p->model.spec.replicas, 3);
+  EXPECT_FALSE(Routed(*p));
+  const json leader = BuildStagePod(*p, 0, 0, {"a"});
+  EXPECT_EQ(leader["metadata"]["name"], "llama-prefill-0-0");
+  EXPECT_EQ(Env(leader, "SHARDSERVE_KV_ROLE"), "prefill");
+  EXPECT_EQ(Env(leader, "SHARDSERVE_DEPLOYMENT"), "llama");  // its metrics are the model's
+  EXPECT_EQ(leader["spec"]["nodeSelector"], json({{"pool", "prefill"}}));
+  bool token = false;
+  for (const json& v : leader["spec"]["volumes"]) {
+    if (v["name"] == "router-token") token = v["secret"]["secretName"] == "llama-router-token";
+  }
+  EXPECT_TRUE(token) << leader["spec"]["volumes"].dump();
+  const json policy = BuildNetworkPolicy(*p);
+  EXPECT_EQ(policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"],
+            json({"llama-prefill", "llama"}));
+  EXPECT_EQ(
+      BuildNetworkPolicy(
+          *m)["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"],
+      json({"llama", "llama-prefill"}));
+}
+
+TEST(Builders, ThePrefillRolesReplicasAreItsOwnUntilTheModelsFieldChanges) {
+  json object = Disaggregated();
+  auto m = ReadModel(object);
+  ASSERT_TRUE(m.ok());
+  json stored = Stored(BuildPrefillModel(*m, object, nullptr));
+  EXPECT_EQ(stored["spec"]["replicas"], 3);
+  // kubectl scale (or KEDA) on the prefill role: kept.
+  stored["spec"]["replicas"] = 5;
+  EXPECT_EQ(BuildPrefillModel(*m, object, &stored)["spec"]["replicas"], 5);
+  // The model's spec.disaggregation.prefill.replicas changed: applied.
+  object["spec"]["disaggregation"]["prefill"]["replicas"] = 2;
+  auto changed = ReadModel(object);
+  ASSERT_TRUE(changed.ok());
+  const json applied = BuildPrefillModel(*changed, object, &stored);
+  EXPECT_EQ(applied["spec"]["replicas"], 2);
+  EXPECT_EQ(applied["metadata"]["annotations"][kPrefillReplicasAnnotation], "2");
+}
+
+TEST(Builders, APrefillRoleNotOwnedByItsModelIsRefused) {
+  json m = Model();
+  m["spec"]["prefillOf"] = "other";
   auto read = ReadModel(m);
-  EXPECT_EQ(read.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(read.status().message().find("spec.disaggregation is not yet placed on a cluster"),
-            std::string::npos)
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(read.status().message().find("not owned by ShardedModel 'other'"), std::string::npos)
       << read.status();
+  m["metadata"]["ownerReferences"] = json::array(
+      {{{"kind", "ShardedModel"}, {"name", "other"}, {"uid", "u-9"}, {"controller", false}}});
+  EXPECT_FALSE(ReadModel(m).ok());  // a reference that is not its controller's
+  m["metadata"]["ownerReferences"][0]["controller"] = true;
+  EXPECT_TRUE(ReadModel(m).ok());
+  // A name too long for its prefill role, both fields at once.
+  json longer = Disaggregated();
+  longer["metadata"]["name"] = std::string(38, 'a');
+  EXPECT_NE(ReadModel(longer).status().message().find("at most 37 characters"), std::string::npos);
+  json both = Disaggregated();
+  both["spec"]["prefillOf"] = "x";
+  EXPECT_NE(ReadModel(both).status().message().find("cannot be set together"), std::string::npos);
 }
 
 TEST(Builders, HostPathsAndImagesOnlyAsThePlatformAllows) {
