@@ -7,8 +7,9 @@ streamed; a forged ticket is prefilled on the decode replica with the same answe
 the router's token or on the wrong role is refused by name. Then shardserve-router pairs them:
 a client's request is prefilled on the prefill replica and decoded on the decode replica, the
 same answers, streamed too; with the prefill replica gone, the decode replica serves alone.
-Last, `shardserve local` runs a ShardedModel with spec.disaggregation (both roles and the router)
-and `shardserve plan` places both roles."""
+Then `shardserve local` runs a ShardedModel with spec.disaggregation (both roles and the router)
+and `shardserve plan` places both roles. Last, the two legs on a GGUF model (Q8_0): the same
+answers."""
 import http.client
 import json
 import os
@@ -36,9 +37,9 @@ ROUTER = {"x-shardserve-router": f"Bearer {TOKEN}"}
 LONG = [1] + [(37 * i) % 500 + 3 for i in range(70)]  # 71 tokens: whole blocks and a part
 
 
-def deployment(name, role, tp, pp):
+def deployment(name, role, tp, pp, model=MODEL):
     # A pull waits at most 3 s before the decode replica prefills by itself.
-    return Deployment(BIN, MODEL, name="tiny", tp=tp, pp=pp, max_seq=2048,
+    return Deployment(BIN, model, name="tiny", tp=tp, pp=pp, max_seq=2048,
                       env={"SHARDSERVE_KV_ROLE": role, "SHARDSERVE_KV_TRANSFER_TIMEOUT_MS": "3000"},
                       args=("--router-token-file", TOKEN_FILE))
 
@@ -50,8 +51,10 @@ def ready(d):
         return False
 
 
-def disaggregated(path, body, forge=False):
-    """The prefill leg, then the decode leg with its handoff: (status, body) of the decode leg."""
+def disaggregated(path, body, forge=False, roles=None):
+    """The prefill leg, then the decode leg with its handoff: (status, body) of the decode leg.
+    `roles`: the (prefill, decode) deployments, else the first two."""
+    prefill, decode = roles or (globals()["prefill"], globals()["decode"])
     status, _, pre = prefill.post(path, dict(body, kv_transfer_params={"do_remote_decode": True}),
                                   headers=ROUTER)
     if status != 200:
@@ -331,4 +334,26 @@ try:
 finally:
     local.send_signal(signal.SIGINT)
     check(local.wait(60) == 0, "Ctrl-C stops both roles and the router")
+
+# A GGUF model (Q8_0 weights): the same transfer, the same answers.
+GGUF = os.path.join(tmp, "model.gguf")
+gen_model(BIN, GGUF, "--format", "gguf", "--gguf-type", "q8_0")
+roles = (deployment("prefill-gguf", "prefill", 2, 1, GGUF), deployment("decode-gguf", "decode", 1,
+                                                                       2, GGUF))
+try:
+    for body in (greedy, sampled):
+        status, out = disaggregated("/v1/completions", body, roles=roles)
+        check(status == 200, f"GGUF: the two legs answer ({status})")
+        if status == 200:
+            same(out, roles[1].post("/v1/completions", body)[2],
+                 f"GGUF (Q8_0): {'greedy' if body is greedy else 'seeded, n=2'} tokens and "
+                 "logprobs after a TP=2 prefill equal the decode replica's own (TP=1 x PP=2)")
+    page = roles[1].metrics_page()
+    pulls = (metric(page, "shardserve_kv_transfers_total", outcome="pulled"),
+             metric(page, "shardserve_kv_transfers_total", outcome="failed"))
+    check(pulls[0] == 3 and not pulls[1], f"GGUF: each sequence's KV taken from the prefill replica "
+                              f"(1 + n=2; pulled, failed: {pulls})")
+finally:
+    for d in roles:
+        d.stop()
 check.finish()

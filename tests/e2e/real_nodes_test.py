@@ -578,6 +578,22 @@ def disaggregated():
         return len(running) == 2 and c.get("service", "split")["spec"]["selector"].get(
             "shardserve.io/role") == "router"
     check(wait_until(routed, 180), "split: its two routers run and its Service goes to them")
+    token = base64.b64decode(c.get("secret", "split-router-token")["data"]["token"]).decode()
+
+    def router_lines(match):
+        out = []
+        for p in m.pods("split", "shardserve.io/role=router"):
+            conn = http.client.HTTPConnection(p["status"]["podIP"], 8000, timeout=10)
+            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {token}"})
+            out += [ln for ln in conn.getresponse().read().decode().splitlines() if match in ln]
+            conn.close()
+        return out
+
+    def both_roles_routable():  # each router follows the decode and the prefill leader
+        return sorted(float(ln.split()[-1]) for ln in router_lines("shardserve_router_replicas{")
+                      if 'state="routable"' in ln) == [2.0, 2.0]
+    check(wait_until(both_roles_routable, 60),
+          f"split: each router follows both roles' leaders ({router_lines('router_replicas{')})")
     host = service_ip("split")
     got = []
     for p in PROMPTS:
@@ -598,9 +614,19 @@ def disaggregated():
         return text
     pulled = metric(page("split-0-0"), "shardserve_kv_transfers_total", outcome="pulled") or 0
     moved = metric(page("split-0-0"), "shardserve_kv_transfer_bytes_total") or 0
-    check(pulled >= len(PROMPTS) and moved > 0,
-          f"split: the decode leader pulled each prompt's KV from the prefill pod over UCX "
-          f"({pulled:.0f} pulls, {moved:.0f} bytes)")
+    ok = pulled >= len(PROMPTS) and moved > 0
+    why = ""
+    paired = sum(float(ln.split()[-1]) for ln in router_lines("disaggregated_total{")
+                 if 'outcome="paired"' in ln)
+    ok = ok and paired >= len(PROMPTS)
+    if not ok:  # what the routers and the two leaders say
+        why = "\n" + "\n".join(router_lines("router_"))
+        for pod in ["split-0-0", "split-prefill-0-0"] + [
+                p["metadata"]["name"] for p in m.pods("split", "shardserve.io/role=router")]:
+            why += f"\n--- {pod}\n" + c.kubectl("logs", pod)[1][-2500:]
+    check(ok, f"split: the routers paired each request and the decode leader pulled its KV from "
+              f"the prefill pod over UCX ({paired:.0f} paired, {pulled:.0f} pulls, "
+              f"{moved:.0f} bytes){why}")
     # The prefill leader killed under a client loop: the decode replica serves alone meanwhile.
     loop = ClientLoop(m, "split")
     time.sleep(2)

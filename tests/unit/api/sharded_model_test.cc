@@ -135,6 +135,23 @@ TEST(ShardedModel, DisaggregationGivesThePrefillRoleItsShape) {
       std::tuple(3, 4, 1, 512));
   EXPECT_EQ(std::tuple(m->spec.replicas, m->spec.tensor, m->spec.pipeline), std::tuple(2, 8, 2))
       << "the decode role keeps spec.replicas and spec.parallelism";
+  EXPECT_FALSE(d.prefill_node_selector.has_value());
+  // The prefill role as a spec of its own (the operator's NAME-prefill, `shardserve plan`).
+  const ShardedModelSpec p = PrefillSpec(m->spec);
+  EXPECT_EQ(std::tuple(p.replicas, p.tensor, p.pipeline), std::tuple(3, 4, 1));
+  EXPECT_FALSE(p.disaggregation.has_value());
+  EXPECT_EQ(p.node_selector, m->spec.node_selector);
+  EXPECT_EQ(p.model_uri, m->spec.model_uri);
+
+  auto placed = ParseShardedModel(std::string(kGood).replace(
+      std::string(kGood).find("  worker:"), 0,
+      "  disaggregation:\n    prefill: {nodeSelector: {pool: cpu}, rollout: {maxSurge: 1, "
+      "maxUnavailable: 0}}\n"));
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  const ShardedModelSpec q = PrefillSpec(placed->spec);
+  EXPECT_EQ(q.node_selector, (std::map<std::string, std::string>{{"pool", "cpu"}}));
+  EXPECT_EQ(std::tuple(q.max_unavailable, q.max_surge), std::tuple(0, 1));
+  EXPECT_EQ(PrefillModelName("llama"), "llama-prefill");
 }
 
 TEST(ShardedModel, BadManifestsNameTheField) {
@@ -160,6 +177,13 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.disaggregation.prefill.replicas"},
       {with("  worker:", "  disaggregation: {prefill: {parallelism: {tensor: auto}}}\n  worker:"),
        "spec.disaggregation.prefill.parallelism.tensor must be an integer"},
+      {with("  worker:",
+            "  disaggregation: {prefill: {rollout: {maxUnavailable: 0, maxSurge: 0}}}\n  worker:"),
+       "spec.disaggregation.prefill.rollout.maxUnavailable and maxSurge cannot both be 0"},
+      {with("  worker:", "  disaggregation: {prefill: {}}\n  prefillOf: x\n  worker:"),
+       "spec.prefillOf and spec.disaggregation cannot be set together"},
+      {with("  worker:", "  prefillOf: Not_A_Name\n  worker:"),
+       "spec.prefillOf 'Not_A_Name' is not a disaggregated model's name"},
       {with("  worker:", "  disaggregation: {prefill: {}, decode: {}}\n  worker:"),
        "spec.disaggregation.decode is not a field of spec.disaggregation"},
       {with("  worker:", "  disaggregation: {minPromptTokens: -5}\n  worker:"),
