@@ -111,15 +111,19 @@ def answers(host=None):
     return m.answers(NAME, PROMPTS[0], host)
 
 
-def leader_requests(pod):
-    """shardserve_requests_total{code="200"} on a leader, read from its pod address."""
+def leader_page(pod):
+    """A leader's /metrics, read from its pod address with the API key."""
     ip = c.get("pod", pod)["status"]["podIP"]
     conn = http.client.HTTPConnection(ip, 8000, timeout=10)
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     page = conn.getresponse().read().decode()
     conn.close()
-    return sum(float(x.group(1)) for x in
-               re.finditer(r'^shardserve_requests_total\{[^}]*code="200"[^}]*\} (\S+)', page, re.M))
+    return page
+
+
+def leader_requests(pod):
+    """shardserve_requests_total{code="200"} on a leader."""
+    return metric(leader_page(pod), "shardserve_requests_total", code="200") or 0
 
 
 def local_reference(model_dir):
@@ -601,19 +605,14 @@ def disaggregated():
         got.append(post(host, {"model": "split", "prompt": p, "max_tokens": 12, "temperature": 0,
                                "logprobs": 3})[1])
     figure("disaggregated apply -> answers through the routers", time.monotonic() - t0)
+    texts = [a["choices"][0]["text"] if isinstance(a, dict) else a for a in got]
     check(all(isinstance(a, dict) and same_answer(a, b) for a, b in zip(got, reference)),
-          "split: tokens and logprobs through the routers equal shardserve local's "
-          f"(TP 2 x PP 2, colocated) ({[a if not isinstance(a, dict) else a['choices'][0]['text'] for a in got]})")
+          f"split: tokens and logprobs through the routers equal shardserve local's "
+          f"(TP 2 x PP 2, colocated) ({texts})")
 
-    def page(pod):
-        ip = c.get("pod", pod)["status"]["podIP"]
-        conn = http.client.HTTPConnection(ip, 8000, timeout=10)
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        text = conn.getresponse().read().decode()
-        conn.close()
-        return text
-    pulled = metric(page("split-0-0"), "shardserve_kv_transfers_total", outcome="pulled") or 0
-    moved = metric(page("split-0-0"), "shardserve_kv_transfer_bytes_total") or 0
+    page = leader_page("split-0-0")
+    pulled = metric(page, "shardserve_kv_transfers_total", outcome="pulled") or 0
+    moved = metric(page, "shardserve_kv_transfer_bytes_total") or 0
     ok = pulled >= len(PROMPTS) and moved > 0
     why = ""
     paired = sum(float(ln.split()[-1]) for ln in router_lines("disaggregated_total{")
