@@ -344,9 +344,10 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
           return o.is_object() && o.value("kind", "") == "ShardedModel" &&
                  o.value("name", "") == of && o.value("controller", false);
         });
-    if (!owned) {
+    if (!owned || v.model.name != PrefillModelName(of)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "spec.prefillOf '", of, "': this model is not owned by ShardedModel '", of,
+          "spec.prefillOf '", of, "': this model is not ", PrefillModelName(of),
+          " owned by ShardedModel '", of,
           "' (the operator makes a disaggregated model's prefill role; remove spec.prefillOf)"));
     }
     v.kv_role = "prefill";

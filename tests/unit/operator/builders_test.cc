@@ -594,12 +594,15 @@ TEST(Builders, APrefillRoleNotOwnedByItsModelIsRefused) {
   m["spec"]["prefillOf"] = "other";
   auto read = ReadModel(m);
   EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(read.status().message().find("not owned by ShardedModel 'other'"), std::string::npos)
+  EXPECT_NE(read.status().message().find("is not other-prefill owned by ShardedModel 'other'"),
+            std::string::npos)
       << read.status();
   m["metadata"]["ownerReferences"] = json::array(
       {{{"kind", "ShardedModel"}, {"name", "other"}, {"uid", "u-9"}, {"controller", false}}});
   EXPECT_FALSE(ReadModel(m).ok());  // a reference that is not its controller's
   m["metadata"]["ownerReferences"][0]["controller"] = true;
+  EXPECT_FALSE(ReadModel(m).ok());  // owned, but not named as its prefill role
+  m["metadata"]["name"] = "other-prefill";
   EXPECT_TRUE(ReadModel(m).ok());
   // A name too long for its prefill role, both fields at once.
   json longer = Disaggregated();
