@@ -56,6 +56,10 @@ constexpr const char* kOps[] = {"all_reduce", "all_gather", "reduce_scatter", "b
 
 }  // namespace
 
+std::string RoleLabel(const std::string& kv_role) {
+  return kv_role.empty() ? "colocated" : kv_role;
+}
+
 absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::string& host, int port,
                                                                 const RankLabels& labels) {
   std::unique_ptr<RankMetrics> m(new RankMetrics());
@@ -81,11 +85,13 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
                      .Help("Bytes of weights this rank holds (its slices)")
                      .Register(r)
                      .Add(base);
+  auto with_role = base;  // what each role of a disaggregated model scales on
+  with_role["role"] = RoleLabel(labels.role);
   m->kv_usage_ = &prometheus::BuildGauge()
                       .Name("shardserve_rank_kv_cache_usage_ratio")
                       .Help("Share of this rank's KV cache blocks in use")
                       .Register(r)
-                      .Add(base);
+                      .Add(with_role);
   m->load_progress_ = &prometheus::BuildGauge()
                            .Name("shardserve_rank_load_progress_ratio")
                            .Help("Share of this rank's weights loaded (1 once loaded)")
@@ -186,7 +192,7 @@ LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
                              const std::string& replica, const std::string& role)
     : labels_{{"model", model}, {"replica", replica}} {
   auto with_role = labels_;
-  with_role["role"] = role.empty() ? "colocated" : role;
+  with_role["role"] = RoleLabel(role);
   running_ = &prometheus::BuildGauge()
                   .Name("shardserve_running_sequences")
                   .Help("Sequences in the replica's running batch")

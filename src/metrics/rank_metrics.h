@@ -40,7 +40,11 @@ struct RankLabels {
   std::string replica;
   std::string stage;
   std::string tp_rank;
+  std::string role;  // disaggregated serving's ("prefill", "decode"; "" colocated)
 };
+
+// The `role` label of a replica's metrics: "colocated", "prefill" or "decode".
+std::string RoleLabel(const std::string& kv_role);
 
 class RankMetrics;
 

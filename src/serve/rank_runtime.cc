@@ -190,9 +190,10 @@ absl::Status Rank::Init() {
   if (cfg_.metrics_port >= 0) {
     ASSIGN_OR_RETURN(
         metrics_,
-        RankMetrics::Start(cfg_.host == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", cfg_.metrics_port,
-                           {cfg_.env.metrics_model(), std::to_string(cfg_.env.replica),
-                            std::to_string(cfg_.env.stage), std::to_string(cfg_.env.tp_rank)}));
+        RankMetrics::Start(
+            cfg_.host == "127.0.0.1" ? "127.0.0.1" : "0.0.0.0", cfg_.metrics_port,
+            {cfg_.env.metrics_model(), std::to_string(cfg_.env.replica),
+             std::to_string(cfg_.env.stage), std::to_string(cfg_.env.tp_rank), cfg_.env.kv_role}));
     metrics_->SetUp(false);
     LogInfo("metrics on ", cfg_.host, ":", metrics_->port(), "/metrics");
     if (cfg_.env.tp_rank == 0) ReportModelFetch(cfg_.env, *metrics_);

@@ -6,7 +6,8 @@ answers alone — text, tokens and logprobs, greedy and seeded, n, stop strings,
 streamed; a forged ticket is prefilled on the decode replica with the same answer; a leg without
 the router's token or on the wrong role is refused by name. Then shardserve-router pairs them:
 a client's request is prefilled on the prefill replica and decoded on the decode replica, the
-same answers, streamed too; with the prefill replica gone, the decode replica serves alone.
+same answers, streamed too; a decode rank killed mid-stream ends the stream with an error event;
+with the prefill replica gone, the decode replica serves alone.
 Then `shardserve local` runs a ShardedModel with spec.disaggregation (both roles and the router)
 and `shardserve plan` places both roles. Last, the two legs on a GGUF model (Q8_0): the same
 answers."""
@@ -101,6 +102,11 @@ try:
     roles = (metric(prefill.metrics_page(), "shardserve_queued_prompt_tokens", role="prefill"),
              metric(page, "shardserve_running_sequences", role="decode"))
     check(None not in roles, f"each leader reports its backlog under its role {roles}")
+    usage = (metric(prefill.metrics_page(prefill.metrics_ports[1]),
+                    "shardserve_rank_kv_cache_usage_ratio", role="prefill"),
+             metric(decode.metrics_page(decode.metrics_ports[1]),
+                    "shardserve_rank_kv_cache_usage_ratio", role="decode"))
+    check(None not in usage, f"and every rank its KV cache usage under its role {usage}")
     check(pulled == 1 and moved in (5 * 16 * 4 * 2 * 64 * 4, 5 * 16 * 4 * 2 * 64 * 2),
           f"the decode replica took the prompt's KV from the prefill replica ({pulled} pulled, "
           f"{moved} bytes)")
@@ -259,6 +265,26 @@ try:
                               dict(greedy, kv_transfer_params={"do_remote_prefill": True}),
                               port=port)
         check(s == 401, f"a client's own kv_transfer_params is refused ({s})")
+        # A decode rank dies mid-stream (a stream the router paired): the client's stream ends
+        # with an error event, never [DONE], and the decode replica is restarted.
+        victim = listening_pid(decode.metrics_ports[1])  # stage 1's rank
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps(dict(greedy, prompt=[3] + LONG[1:], max_tokens=1900,
+                                          stream=True)),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        first = r.readline()
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        rest = first + r.read()
+        took = time.monotonic() - t0
+        conn.close()
+        check(b'"error"' in rest and b"[DONE]" not in rest and paired("paired") == 3,
+              f"a decode rank killed mid-stream: the paired stream ends with an error event after "
+              f"{took:.1f} s, never [DONE] ({rest[-160:]!r})")
+        check(wait_until(lambda: ready(decode), 90) and wait_until(lambda: routable() == 2, 60),
+              "the decode replica is restarted, and the router follows it again")
         # The prefill replica goes: the decode replica serves alone.
         prefill.stop()
         status, _, out = decode.post("/v1/completions", greedy, port=port)

@@ -63,6 +63,8 @@ with tempfile.TemporaryDirectory() as tmp:
                      "shardserve_rank_forward_seconds_count"]:
             check(value(body, name, labels) is not None, f"rank {rank}: {name} with its labels")
         check(value(body, "shardserve_rank_weights_bytes", labels) > 0, f"rank {rank}: weights")
+        check(value(body, "shardserve_rank_kv_cache_usage_ratio", dict(labels, role="colocated"))
+              is not None, f"rank {rank}: its KV cache usage under its role (colocated)")
         check(value(body, "shardserve_rank_load_progress_ratio", labels) == 1,
               f"rank {rank}: its weights loaded in full")
         startupz = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/startupz",
