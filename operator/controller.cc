@@ -665,7 +665,6 @@ absl::Status Controller::EnsureChildren(const ModelView& m, Memory& mem) {
         return absl::Status(
             s.code(), absl::StrCat("deleting the prefill role ", prefill_key, ": ", s.message()));
       }
-      mem.children.erase("shardedmodels/" + PrefillModelName(m.model.name));
     }
   }
   for (auto& [type, obj] : children) {
@@ -889,8 +888,8 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
       replicas.insert(r);
   }
   // The token the routers prove to the leaders' KV events: before any leader or router mounts
-  // it, once per model (kept, as the rendezvous secrets are).
-  // (A prefill role mounts its decode role's.)
+  // it, once per model (kept, as the rendezvous secrets are); a prefill role mounts its decode
+  // role's.
   if (const std::string memo = "secrets/" + RouterTokenSecretName(m.model.name);
       m.kv_role != "prefill" && mem.children[memo].empty()) {
     absl::StatusOr<std::string> token = NewSecretValue();
