@@ -96,7 +96,7 @@ setup_tests() {
   # --- Python reference environment (transformers + torch) -------------------------------------
   REF_PKGS=(torch==2.15.0 transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 numpy==2.4.6
     openai==3.52.0 gguf==0.19.0 accelerate==1.15.0 jsonschema==4.26.0 langchain-openai==1.7.4
-    langchain-core==1.8.3 "moto[server]==5.2.5" boto3==1.44.8 openai-agents==0.24.0)
+    langchain-core==1.8.3 "moto[server]==5.2.5" boto3==1.44.8 openai-agents==0.24.0 peft==0.21.2)
   ref_stamp="$VENV/.shardserve-$(echo "${REF_PKGS[*]}" | md5sum | cut -c1-12)"
   if [ "${SHARDSERVE_SKIP_REFERENCE:-0}" != 1 ] && [ ! -f "$ref_stamp" ]; then
     log "installing the Python reference environment into $VENV (one time, large)"

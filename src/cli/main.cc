@@ -1,4 +1,5 @@
-// shardserve: the user CLI. Subcommands: local, plan, fetch, gen-model, generate, bench.
+// shardserve: the user CLI. Subcommands: local, plan, fetch, gen-model, generate, inspect-adapter,
+// bench.
 #include <signal.h>
 #include <unistd.h>
 
@@ -38,6 +39,7 @@
 #include "devtools/gguf_convert.h"
 #include "model/config.h"
 #include "model/generator.h"
+#include "model/lora.h"
 #include "model/transformer.h"
 #include "plan/layer_split.h"
 #include "serve/generate_wire.h"
@@ -75,6 +77,12 @@ constexpr char kGenerateUsage[] =
     "--metrics-port-base PORT]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)";
 
+constexpr char kInspectAdapterUsage[] =
+    "--model DIR --adapter DIR\n"
+    "(a LoRA adapter as PEFT wrote it, checked against its base model: each module's layer,\n"
+    "projection, rank, sizes, scale and its matrices' sums, as JSON; what shardserve does not run\n"
+    "is refused by name)";
+
 // The overview: every command's usage (`shardserve COMMAND --help` prints one with its flags).
 std::string Usage() {
   const std::pair<const char*, const char*> commands[] = {{"local", kLocalUsage},
@@ -82,6 +90,7 @@ std::string Usage() {
                                                           {"fetch", kFetchUsage},
                                                           {"gen-model", kGenModelUsage},
                                                           {"generate", kGenerateUsage},
+                                                          {"inspect-adapter", kInspectAdapterUsage},
                                                           {"bench [runtime]", kRuntimeBenchUsage},
                                                           {"bench allreduce", kAllReduceBenchUsage},
                                                           {"bench cuda", kCudaBenchUsage},
@@ -420,6 +429,36 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   return absl::OkStatus();
 }
 
+// shardserve inspect-adapter: model/lora.h's reading of an adapter, as JSON.
+absl::Status InspectAdapter(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "adapter"}, {}, "shardserve inspect-adapter",
+                                       kInspectAdapterUsage));
+  ASSIGN_OR_RETURN(std::string model, a.Require("model"));
+  ASSIGN_OR_RETURN(std::string dir, a.Require("adapter"));
+  ASSIGN_OR_RETURN(ModelConfig base, LoadModelConfig(model));
+  ASSIGN_OR_RETURN(LoraAdapter adapter, LoraAdapter::Load(dir, base));
+  nlohmann::json modules = nlohmann::json::array();
+  for (const LoraModule& m : adapter.modules) {
+    double a_sum = 0, a_sq = 0, b_sum = 0, b_sq = 0;
+    for (float v : m.a) a_sum += v, a_sq += static_cast<double>(v) * v;
+    for (float v : m.b) b_sum += v, b_sq += static_cast<double>(v) * v;
+    modules.push_back({{"layer", m.layer},
+                       {"target", LoraTargetName(m.target)},
+                       {"rank", m.rank},
+                       {"in", m.in},
+                       {"out", m.out},
+                       {"scale", m.scale},
+                       {"a_sum", a_sum},
+                       {"a_sq", a_sq},
+                       {"b_sum", b_sum},
+                       {"b_sq", b_sq}});
+  }
+  const nlohmann::json out = {
+      {"base_model", adapter.base_model}, {"max_rank", adapter.max_rank}, {"modules", modules}};
+  std::printf("%s\n", out.dump(2).c_str());
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
       std::string(argv[1]) == "help") {
@@ -437,6 +476,8 @@ int Main(int argc, char** argv) {
     s = RunFetch(rest);
   } else if (cmd == "gen-model") {
     s = GenModel(rest);
+  } else if (cmd == "inspect-adapter") {
+    s = InspectAdapter(rest);
   } else if (cmd == "generate") {
     s = Generate(rest);
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "allreduce") {
