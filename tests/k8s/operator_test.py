@@ -305,12 +305,20 @@ try:
           c.kubectl("get", "secret", "split-prefill-router-token")[0] != 0 and
           c.get("service", "split-prefill-leaders")["spec"]["clusterIP"] == "None",
           "the prefill role has leaders, no routers and no token of its own")
+    def applied_hash():  # what the decode role last applied to its prefill role
+        return c.get("smodel", "split-prefill")["metadata"].get("annotations", {}).get(
+            "shardserve.io/spec-hash")
+    before = applied_hash()
     c.kubectl("scale", "smodel", "split-prefill", "--replicas=2", check=True)
     check(wait(lambda: converged("split-prefill", 2)),
           "kubectl scale smodel/split-prefill --replicas=2: 2 prefill replicas")
-    time.sleep(3)  # the decode role reconciles its prefill role meanwhile
-    check(converged("split-prefill", 2) and converged("split", 1),
-          "and they stay: the scale subresource of the prefill role is its own")
+    # The scale wakes the decode role, which applies its prefill role again (a new hash): with
+    # the 2 replicas kept.
+    check(wait(lambda: applied_hash() != before) and
+          c.get("smodel", "split-prefill")["spec"]["replicas"] == 2 and
+          converged("split-prefill", 2) and converged("split", 1),
+          "and they stay once the decode role has applied its prefill role again: the scale "
+          "subresource of the prefill role is its own")
     c.kubectl("patch", "smodel", "split", "--type=merge", "-p",
               json.dumps({"spec": {"disaggregation": {"prefill": {"replicas": 3}}}}), check=True)
     check(wait(lambda: converged("split-prefill", 3)),
