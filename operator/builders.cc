@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "api/adapters.h"
 #include "api/router_env.h"
 #include "comm/shm_comm.h"
 #include "common/status.h"
@@ -78,6 +79,31 @@ struct ModelFiles {
   std::string path;
   json init = nullptr;
 };
+
+// A stage's LoRA adapters (spec.adapters): each one's volume (its claim or its host directory),
+// read-only at kAdapterMount/N, and the directories the ranks read (SHARDSERVE_LORA_ADAPTERS).
+constexpr char kAdapterMount[] = "/adapters";
+ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs) {
+  ModelFiles f;
+  const auto& adapters = m.model.spec.adapters;
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    const ModelUri uri = *ParseModelUri(adapters[i].uri);  // checked by ReadModel
+    const std::string volume = absl::StrCat("adapter-", i);
+    const std::string at = absl::StrCat(kAdapterMount, "/", i);
+    if (uri.scheme == ModelUri::Scheme::kPvc) {
+      f.volumes.push_back(
+          {{"name", volume},
+           {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
+      refs.push_back({adapters[i].name, absl::StrCat(at, "/", uri.path)});
+    } else {
+      f.volumes.push_back(
+          {{"name", volume}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}});
+      refs.push_back({adapters[i].name, at});
+    }
+    f.mounts.push_back({{"name", volume}, {"mountPath", at}, {"readOnly", true}});
+  }
+  return f;
+}
 
 // The fetch step of a remote model (`shardserve fetch`, cli/fetch.h): pinned to the revision the
 // inspect pod resolved, its credentials (spec.model.secret) mounted here only, its progress on
@@ -293,7 +319,8 @@ namespace {
 
 // A hostPath directory inside one of the allowed ones: both absolute, no '.' or '..' steps or
 // empty ones, compared step by step ("/models" allows "/models/x", not "/models-x").
-absl::Status CheckHostPath(const std::string& path, const std::vector<std::string>& allowed) {
+absl::Status CheckHostPath(const std::string& path, const std::vector<std::string>& allowed,
+                           const std::string& field) {
   auto steps = [](const std::string& p) -> std::optional<std::vector<std::string>> {
     if (p.empty() || p[0] != '/') return std::nullopt;
     std::vector<std::string> out;
@@ -305,8 +332,8 @@ absl::Status CheckHostPath(const std::string& path, const std::vector<std::strin
   };
   const auto want = steps(path);
   if (!want) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.model.uri: the host path '", path,
-                                                   "' must be absolute, without '.' or '..'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": the host path '", path, "' must be absolute, without '.' or '..'"));
   }
   for (const std::string& a : allowed) {
     const auto root = steps(a);
@@ -316,7 +343,7 @@ absl::Status CheckHostPath(const std::string& path, const std::vector<std::strin
     }
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "spec.model.uri: the host path '", path, "' is not inside a directory the platform allows (",
+      field, ": the host path '", path, "' is not inside a directory the platform allows (",
       allowed.empty() ? "none: hostPath models are off"
                       : absl::StrCat("operator.allowedHostPaths: ", absl::StrJoin(allowed, ", ")),
       "); use pvc://CLAIM/PATH"));
@@ -360,7 +387,21 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
         "hostpath://"));
   }
   if (uri.scheme == ModelUri::Scheme::kHostPath) {
-    RETURN_IF_ERROR(CheckHostPath(uri.path, policy.host_paths));
+    RETURN_IF_ERROR(CheckHostPath(uri.path, policy.host_paths, "spec.model.uri"));
+  }
+  for (size_t i = 0; i < v.model.spec.adapters.size(); ++i) {
+    const ShardedModelSpec::Adapter& a = v.model.spec.adapters[i];
+    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(a.uri));
+    if (at.scheme == ModelUri::Scheme::kFile) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.adapters[", i, "].uri '", a.uri,
+                       "' is a file:// uri, which only shardserve local reads; on a cluster use "
+                       "pvc:// or hostpath://"));
+    }
+    if (at.scheme == ModelUri::Scheme::kHostPath) {
+      RETURN_IF_ERROR(
+          CheckHostPath(at.path, policy.host_paths, absl::StrCat("spec.adapters[", i, "].uri")));
+    }
   }
   const std::string& image = v.model.spec.image;
   if (!policy.image_prefixes.empty() &&
@@ -371,8 +412,11 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
                      "operator.allowedImages: ", absl::StrJoin(policy.image_prefixes, ", "), ")"));
   }
   // Everything that shapes a pod; a change rolls the replicas.
-  const json shaping = {object["spec"]["model"], object["spec"]["parallelism"], worker,
-                        object["spec"].value("serving", json::object()), v.kv_role};
+  json shaping = {object["spec"]["model"], object["spec"]["parallelism"], worker,
+                  object["spec"].value("serving", json::object()), v.kv_role};
+  for (const char* field : {"adapters", "lora"}) {  // (absent: the revision a model had before)
+    if (object["spec"].contains(field)) shaping.push_back(object["spec"][field]);
+  }
   v.revision = absl::StrFormat("%012x", Fnv(shaping.dump()) & 0xffffffffffffull);
   return v;
 }
@@ -395,6 +439,8 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   const std::string pod = PodName(name, replica, stage);
   const std::string workers = name + "-workers";
   const ModelFiles files = StageModelFiles(m, node);
+  std::vector<AdapterRef> adapters;
+  const ModelFiles adapter_files = StageAdapterFiles(m, adapters);
   const bool leader = stage == 0;
 
   json labels = Labels(m);
@@ -421,6 +467,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   w.job_id = absl::StrCat(name, "-", replica);
   w.api_port = static_cast<int>(s.port);
   ApplyServing(s, w);
+  w.lora_adapters = EncodeAdapterList(adapters);
   w.host = absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc");
   w.rendezvous_secret_file = absl::StrCat(kRendezvousSecretMount, "/secret");
   w.termination_log = "/dev/termination-log";  // the first rank error, for status
@@ -476,12 +523,16 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {{{"name", "shm"},
         {"emptyDir",
          {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
-  for (const json& v : files.volumes) volumes.push_back(v);
+  for (const ModelFiles* f : {&files, &adapter_files}) {
+    for (const json& v : f->volumes) volumes.push_back(v);
+  }
 
   // Secrets the kubelet mounts, readable by the pod's group (fsGroup) only: the replica's
   // rendezvous secret, and on the leader the API keys.
   json mounts = {{{"name", "shm"}, {"mountPath", "/dev/shm"}}};
-  for (const json& v : files.mounts) mounts.push_back(v);
+  for (const ModelFiles* f : {&files, &adapter_files}) {
+    for (const json& v : f->mounts) mounts.push_back(v);
+  }
   mounts.push_back(
       {{"name", "rendezvous"}, {"mountPath", kRendezvousSecretMount}, {"readOnly", true}});
   volumes.push_back(

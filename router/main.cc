@@ -69,6 +69,7 @@ absl::Status Run(int argc, char** argv) {
   o.model_label = a.GetOr("model-label", env.deployment);
   o.special_tokens_as_text = a.Has("special-tokens-as-text") || env.special_tokens_as_text;
   o.prefix_cache_per_key = env.prefix_cache_per_key;
+  o.model_name = env.model_name;
   o.chat_template = env.chat_template;
   o.trust_request_chat_template = env.trust_request_chat_template;
   // The leaders' body bound, so that what they refuse is refused here before it is tokenized.

@@ -21,6 +21,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_ROUTER_PREFILL_LEADERS", &RouterEnv::prefill_leaders},
     {kModelPathEnv, &RouterEnv::model_path, true},
     {"SHARDSERVE_DEPLOYMENT", &RouterEnv::deployment},
+    {"SHARDSERVE_MODEL_NAME", &RouterEnv::model_name},
     {kApiKeyEnv, &RouterEnv::api_key},
     {kApiKeysFileEnv, &RouterEnv::api_keys_file},
     {kRouterTokenFileEnv, &RouterEnv::token_file},
@@ -68,6 +69,7 @@ void ApplyServing(const ShardedModelSpec& spec, RouterEnv& r) {
   r.chat_template = w.chat_template;
   r.trust_request_chat_template = w.trust_request_chat_template;
   r.prefix_cache_per_key = w.prefix_cache_per_key;
+  r.model_name = spec.model_name;
   for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
     int64_t bytes = 0;
     if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty() &&

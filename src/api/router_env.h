@@ -26,6 +26,7 @@ struct RouterEnv {
   int port = kDefaultApiPort;
   std::string model_path;            // the tokenizer and chat template
   std::string deployment = "model";  // the metrics' `model` label
+  std::string model_name;            // the base model's served name (RouterOptions::model_name)
   std::string api_key;               // the clients' keys, as the leaders have them
   std::string api_keys_file;
   std::string token_file;  // the router token: its proof to the leaders, and what reads /metrics

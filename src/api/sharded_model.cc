@@ -5,8 +5,10 @@
 #include <regex>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/adapters.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -246,6 +248,29 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
     s.disaggregation = out;
   }
   RETURN_IF_ERROR(spec.String("prefillOf", s.prefill_of));
+  if (YAML::Node an = spec.Get("adapters"); an && !an.IsNull()) {
+    if (!an.IsSequence()) {
+      return absl::InvalidArgumentError("spec.adapters must be a list of {name, uri}");
+    }
+    for (size_t i = 0; i < an.size(); ++i) {
+      Fields a(an[i], absl::StrCat("spec.adapters[", i, "]"));
+      RETURN_IF_ERROR(a.CheckMap());
+      ShardedModelSpec::Adapter out;
+      RETURN_IF_ERROR(a.String("name", out.name));
+      RETURN_IF_ERROR(a.String("uri", out.uri));
+      RETURN_IF_ERROR(a.NoOthers());
+      s.adapters.push_back(std::move(out));
+    }
+    s.lora = true;
+  }
+  if (YAML::Node ln = spec.Get("lora"); ln && !ln.IsNull()) {
+    Fields lora(ln, "spec.lora");
+    RETURN_IF_ERROR(lora.CheckMap());
+    RETURN_IF_ERROR(lora.Int("maxLoras", s.max_loras));
+    RETURN_IF_ERROR(lora.Int("maxLoraRank", s.max_lora_rank));
+    RETURN_IF_ERROR(lora.NoOthers());
+    s.lora = true;
+  }
   Fields worker(spec.Get("worker"), "spec.worker");
   RETURN_IF_ERROR(worker.CheckMap());
   RETURN_IF_ERROR(worker.String("image", s.image));
@@ -354,6 +379,52 @@ ShardedModelSpec PrefillSpec(const ShardedModelSpec& spec) {
 
 std::string PrefillModelName(const std::string& model) { return model + "-prefill"; }
 
+namespace {
+// spec.adapters and spec.lora: names an API may serve, distinct and not the model's; local uris
+// (the ranks read the directories); bounds the worker contract takes.
+absl::Status CheckAdapters(const ShardedModelSpec& s) {
+  if (s.max_loras < 1 || s.max_loras > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.lora.maxLoras ", s.max_loras, " must be in [1, 1024]"));
+  }
+  if (s.max_lora_rank < 1 || s.max_lora_rank > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.lora.maxLoraRank ", s.max_lora_rank, " must be in [1, 4096]"));
+  }
+  if (s.adapters.size() > static_cast<size_t>(s.max_loras)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.adapters lists ", s.adapters.size(),
+                                                   " adapters; spec.lora.maxLoras holds ",
+                                                   s.max_loras, " at once"));
+  }
+  std::set<std::string> names;
+  for (size_t i = 0; i < s.adapters.size(); ++i) {
+    const ShardedModelSpec::Adapter& a = s.adapters[i];
+    const std::string at = absl::StrCat("spec.adapters[", i, "]");
+    if (absl::Status st = CheckAdapterName(a.name); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".name: ", st.message()));
+    }
+    if (a.name == s.model_name || !names.insert(a.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".name '", a.name, "' is the model's own name or another adapter's"));
+    }
+    absl::StatusOr<ModelUri> uri = ParseModelUri(a.uri);
+    if (!uri.ok()) {
+      // ParseModelUri names spec.model.uri; here the field is the adapter's.
+      std::string why(uri.status().message());
+      if (absl::StartsWith(why, "spec.model.uri ")) why.erase(0, 15);
+      return absl::InvalidArgumentError(absl::StrCat(at, ".uri ", why));
+    }
+    if (uri->remote()) {
+      return absl::UnimplementedError(
+          absl::StrCat(at, ".uri '", a.uri,
+                       "': an adapter is read from pvc://, hostpath:// or file:// (a remote "
+                       "source is not fetched for adapters yet)"));
+    }
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
 void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_batch_size = static_cast<int>(spec.max_batch_size);
   w.max_sequence_length = spec.max_sequence_length;
@@ -370,6 +441,8 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.prefix_cache_per_key = spec.prefix_cache_isolation == "perKey";
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
+  w.max_loras = spec.lora ? static_cast<int>(spec.max_loras) : 0;
+  w.max_lora_rank = spec.max_lora_rank;
 }
 
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {
@@ -524,6 +597,7 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   RETURN_IF_ERROR(AtLeast("spec.parallelism.tensor", s.tensor, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.pipeline", s.pipeline, 1));
   RETURN_IF_ERROR(AtLeast("spec.parallelism.microBatches", s.micro_batches, 0));
+  RETURN_IF_ERROR(CheckAdapters(s));
   if (const auto& d = s.disaggregation) {
     RETURN_IF_ERROR(AtLeast("spec.disaggregation.prefill.replicas", d->prefill_replicas, 0));
     RETURN_IF_ERROR(

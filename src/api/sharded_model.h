@@ -127,6 +127,18 @@ struct ShardedModelSpec {
     int64_t min_prompt_tokens = 0;
   };
   std::optional<Disaggregation> disaggregation;
+  // spec.adapters: LoRA adapters of the model (model/lora.h), each served under its name (a
+  // request's `model`) beside the base; uri as spec.model.uri's local forms (pvc:// and
+  // hostpath:// on a cluster, file:// and hostpath:// with shardserve local). spec.lora: how many a
+  // replica holds at once (maxLoras) and their largest rank (maxLoraRank); LoRA is on when either
+  // is given.
+  struct Adapter {
+    std::string name, uri;
+  };
+  std::vector<Adapter> adapters;
+  bool lora = false;
+  int64_t max_loras = 4;
+  int64_t max_lora_rank = 64;
   // spec.prefillOf: this model is the prefill role of the named disaggregated model (made by the
   // operator, owned by that model; never written by hand).
   std::string prefill_of;

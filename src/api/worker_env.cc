@@ -51,6 +51,7 @@ const StringVar kStrings[] = {
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
+    {"SHARDSERVE_LORA_ADAPTERS", &WorkerEnv::lora_adapters},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_REPLICA", &WorkerEnv::replica, 0, kIntMax, true},
@@ -73,12 +74,14 @@ const IntVar kInts[] = {
     {"SHARDSERVE_HTTP_MAX_CONNECTIONS", &WorkerEnv::http_max_connections, 16, kIntMax},
     {"SHARDSERVE_KV_OFFER_MS", &WorkerEnv::kv_offer_ms, 100, 3600000},
     {"SHARDSERVE_KV_TRANSFER_TIMEOUT_MS", &WorkerEnv::kv_transfer_timeout_ms, 100, 600000},
+    {"SHARDSERVE_MAX_LORAS", &WorkerEnv::max_loras, 0, 1024},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_KV_CACHE_TOKENS", &WorkerEnv::kv_cache_tokens, 16, int64_t{1} << 40},
     {"SHARDSERVE_MAX_SEQUENCE_LENGTH", &WorkerEnv::max_sequence_length, 0, int64_t{1} << 40},
     {"SHARDSERVE_MAX_STEP_TOKENS", &WorkerEnv::max_step_tokens, 1, kIntMax},
     {"SHARDSERVE_MAX_BODY_BYTES", &WorkerEnv::max_body_bytes, 1024, kIntMax},
+    {"SHARDSERVE_MAX_LORA_RANK", &WorkerEnv::max_lora_rank, 1, 4096},
 };
 const BoolVar kBools[] = {
     {"SHARDSERVE_METRICS", &WorkerEnv::metrics, "on", "off"},

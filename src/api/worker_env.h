@@ -161,6 +161,12 @@ struct WorkerEnv {
   std::string kv_role;
   int kv_offer_ms = 30000;
   int kv_transfer_timeout_ms = 10000;
+  // LoRA adapters (api/adapters.h): up to max_loras held at once (0: LoRA off), each of rank
+  // at most max_lora_rank; those the manifest declares (spec.adapters), a JSON array of
+  // {"name", "path"}, in their slots from the start.
+  int max_loras = 0;
+  int64_t max_lora_rank = 64;
+  std::string lora_adapters;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
   // The token a router proves to read the leader's KV events (GET /v1/kv-events), a keys file as

@@ -37,6 +37,19 @@ struct ExpertTable {
   int64_t expert_begin = 0, count = 0, rows = 0, cols = 0;
 };
 
+// One projection's LoRA factors for every adapter slot of a replica, as Backend::LoraAdd reads
+// them (model/lora.h): slot s's A (rank[s] x in) and B transposed (bt: rank[s] x out, so that a
+// row's update is a sum of contiguous rows), F32 row-major, and its scale; rank 0 where the slot
+// has no update of this projection. The four arrays (`slots`
+// entries each) and the matrices are in backend memory; max_rank bounds every rank.
+struct LoraTable {
+  const float* const* a = nullptr;
+  const float* const* bt = nullptr;
+  const int32_t* rank = nullptr;
+  const float* scale = nullptr;
+  int64_t slots = 0, in = 0, out = 0, max_rank = 0;
+};
+
 // One row's sampling parameters and its generator's uniform draw in [0, 1) (model/sampler.h).
 struct SampleSpec {
   float temperature = 0;  // 0: greedy
@@ -210,6 +223,14 @@ class Backend {
                                   float* out) = 0;
   virtual absl::Status ScaleAddRows(const float* x, int64_t dim, const int32_t* rows,
                                     const float* weight, int64_t n, float* y) = 0;
+
+  // --- LoRA: the gathered product of a batch whose rows run different adapters (Punica's BGMV)
+  // y[r][n] += scale[s] * sum_j bt_s[j][n] * sum_k a_s[j][k] * x[r][k] for each row r < rows whose
+  // slot s = row_slot[r] is in [0, t.slots) with rank[s] > 0; other rows (the base model: slot
+  // -1) are left as they are. x: rows x t.in floats, y: rows x t.out; `scratch`: rows x
+  // t.max_rank floats of backend memory the op may overwrite.
+  virtual absl::Status LoraAdd(const LoraTable& t, const int32_t* row_slot, int64_t rows,
+                               const float* x, float* y, float* scratch) = 0;
 
   // --- MoE
   // Per row of rows x E router logits the k best experts (ties to the lower id) and their

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "api/adapters.h"
 #include "api/router_env.h"
 #include "api/sharded_model.h"
 #include "api/worker_env.h"
@@ -31,6 +32,7 @@
 #include "http/server.h"
 #include "model/config.h"
 #include "model/footprint.h"
+#include "model/lora.h"
 #include "plan/layer_split.h"
 #include "plan/memory.h"
 #include "serve/api_keys.h"
@@ -203,6 +205,26 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   if (auto tok = Tokenizer::Load(uri.path); !tok.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat(file, ": spec.model.uri: ", tok.status().message()));
+  }
+  // spec.adapters: each read and checked against the model now (a rank would fail on it only
+  // after every rank started).
+  std::vector<AdapterRef> adapters;
+  for (size_t i = 0; i < spec.adapters.size(); ++i) {
+    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(spec.adapters[i].uri));
+    if (at.scheme == ModelUri::Scheme::kPvc) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          file, ": spec.adapters[", i, "].uri '", spec.adapters[i].uri,
+          "' is a PersistentVolumeClaim, which needs a cluster; shardserve local reads "
+          "file:///DIR or hostpath:///DIR"));
+    }
+    LoraLimits limits;
+    limits.max_rank = spec.max_lora_rank;
+    if (auto checked = LoraAdapter::Load(at.path, *config, limits); !checked.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(file, ": spec.adapters[", i, "] '",
+                                                        spec.adapters[i].name,
+                                                        "': ", checked.status().message()));
+    }
+    adapters.push_back({spec.adapters[i].name, at.path});
   }
   const std::string key_file = a.GetOr("api-key-file", "");
   const char* env_key = std::getenv(kApiKeyEnv);
@@ -379,6 +401,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         w.api_host = "127.0.0.1";
         w.api_port = rep.api_port;
         ApplyServing(spec, w);
+        w.lora_adapters = EncodeAdapterList(adapters);
         w.kv_role = role.name;
         w.rendezvous_secret_file = secrets.back().path();
         w.api_keys_file = key_file;

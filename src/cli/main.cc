@@ -1,5 +1,5 @@
-// shardserve: the user CLI. Subcommands: local, plan, fetch, gen-model, generate, inspect-adapter,
-// bench.
+// shardserve: the user CLI. Subcommands: local, plan, fetch, gen-model, gen-adapter, generate,
+// inspect-adapter, bench.
 #include <signal.h>
 #include <unistd.h>
 
@@ -24,6 +24,7 @@
 #include "bench/informer_bench.h"
 #include "bench/kernels_bench.h"
 #include "bench/load_bench.h"
+#include "bench/lora_bench.h"
 #include "bench/runtime_bench.h"
 #include "bench/tokenize_bench.h"
 #include "cli/fetch.h"
@@ -35,6 +36,7 @@
 #include "common/process.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "devtools/gen_adapter.h"
 #include "devtools/gen_model.h"
 #include "devtools/gguf_convert.h"
 #include "model/config.h"
@@ -77,6 +79,10 @@ constexpr char kGenerateUsage[] =
     "--metrics-port-base PORT]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)";
 
+constexpr char kGenAdapterUsage[] =
+    "--model DIR --out DIR [--rank N --alpha N --seed N]\n"
+    "(a random LoRA adapter of the model as PEFT writes one: every attention and MLP projection,\n"
+    "F32, for tests and benchmarks)";
 constexpr char kInspectAdapterUsage[] =
     "--model DIR --adapter DIR\n"
     "(a LoRA adapter as PEFT wrote it, checked against its base model: each module's layer,\n"
@@ -90,6 +96,7 @@ std::string Usage() {
                                                           {"fetch", kFetchUsage},
                                                           {"gen-model", kGenModelUsage},
                                                           {"generate", kGenerateUsage},
+                                                          {"gen-adapter", kGenAdapterUsage},
                                                           {"inspect-adapter", kInspectAdapterUsage},
                                                           {"bench [runtime]", kRuntimeBenchUsage},
                                                           {"bench allreduce", kAllReduceBenchUsage},
@@ -97,6 +104,7 @@ std::string Usage() {
                                                           {"bench informer", kInformerBenchUsage},
                                                           {"bench kernels", kKernelsBenchUsage},
                                                           {"bench load", kLoadBenchUsage},
+                                                          {"bench lora", kLoraBenchUsage},
                                                           {"bench disk", kDiskBenchUsage},
                                                           {"bench tokenize", kTokenizeBenchUsage}};
   std::string out =
@@ -459,6 +467,26 @@ absl::Status InspectAdapter(const std::vector<std::string>& argv) {
   return absl::OkStatus();
 }
 
+absl::Status GenAdapter(const std::vector<std::string>& argv) {
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"model", "out", "rank", "alpha", "seed"}, {},
+                                       "shardserve gen-adapter", kGenAdapterUsage));
+  ASSIGN_OR_RETURN(const std::string model, a.Require("model"));
+  ASSIGN_OR_RETURN(const std::string out, a.Require("out"));
+  AdapterOptions o;
+  ASSIGN_OR_RETURN(o.rank, a.GetInt("rank", 8));
+  ASSIGN_OR_RETURN(const int64_t alpha, a.GetInt("alpha", 16));
+  ASSIGN_OR_RETURN(const int64_t seed, a.GetInt("seed", 1));
+  if (o.rank < 1 || o.rank > 4096 || alpha < 1 || seed < 0) {
+    return absl::InvalidArgumentError("--rank must be in [1, 4096], --alpha and --seed positive");
+  }
+  o.alpha = static_cast<double>(alpha);
+  o.seed = static_cast<uint64_t>(seed);
+  ASSIGN_OR_RETURN(const ModelConfig base, LoadModelConfig(model));
+  RETURN_IF_ERROR(WriteRandomAdapter(out, base, o));
+  std::cerr << "wrote a rank-" << o.rank << " LoRA adapter of " << model << " to " << out << "\n";
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
       std::string(argv[1]) == "help") {
@@ -476,6 +504,8 @@ int Main(int argc, char** argv) {
     s = RunFetch(rest);
   } else if (cmd == "gen-model") {
     s = GenModel(rest);
+  } else if (cmd == "gen-adapter") {
+    s = GenAdapter(rest);
   } else if (cmd == "inspect-adapter") {
     s = InspectAdapter(rest);
   } else if (cmd == "generate") {
@@ -492,6 +522,8 @@ int Main(int argc, char** argv) {
     s = RunDiskBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "load") {
     s = RunLoadBench({rest.begin() + 1, rest.end()});
+  } else if (cmd == "bench" && !rest.empty() && rest[0] == "lora") {
+    s = RunLoraBench({rest.begin() + 1, rest.end()});
   } else if (cmd == "bench" && !rest.empty() && rest[0] == "cuda") {
 #ifdef SHARDSERVE_WITH_CUDA
     s = RunCudaBench({rest.begin() + 1, rest.end()});

@@ -65,12 +65,6 @@ absl::Status Transformer::GemmGroup(
   return backend_->GemmGroup(ws.data(), ys.data(), ws.size(), x.as<float>(), M);
 }
 
-template <typename T>
-absl::Status Transformer::Put(Buffer& b, const std::vector<T>& v) {
-  RETURN_IF_ERROR(b.Reserve(std::max<size_t>(1, v.size()) * sizeof(T)));
-  return backend_->CopyFromHost(b.data(), v.data(), v.size() * sizeof(T));
-}
-
 absl::StatusOr<BatchLayout> Transformer::PrepareBatch(std::vector<SequenceChunk>& chunks,
                                                       KvCache& cache) const {
   const ModelConfig& c = config_;
@@ -88,6 +82,12 @@ absl::StatusOr<BatchLayout> Transformer::PrepareBatch(std::vector<SequenceChunk>
     if (end > c.max_context) {
       return absl::InvalidArgumentError(absl::StrCat(
           "sequence of ", end, " positions exceeds the model's context of ", c.max_context));
+    }
+    if (ch.lora_slot != -1 &&
+        (ch.lora_slot < 0 || ch.lora_slot >= static_cast<int32_t>(lora_mem_.size()) ||
+         lora_mem_[ch.lora_slot] == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a sequence runs LoRA slot ", ch.lora_slot, ", which holds no adapter"));
     }
     for (int32_t t : ch.tokens) {
       if (t < 0 || t >= c.vocab_size) {
@@ -107,7 +107,10 @@ absl::StatusOr<BatchLayout> Transformer::PrepareBatch(std::vector<SequenceChunk>
   b.ids.reserve(b.rows);
   b.positions.reserve(b.rows);
   b.block_offset.reserve(b.rows);
+  const bool lora = std::any_of(chunks.begin(), chunks.end(),
+                                [](const SequenceChunk& ch) { return ch.lora_slot >= 0; });
   for (SequenceChunk& ch : chunks) {
+    if (lora) b.lora_slots.insert(b.lora_slots.end(), ch.tokens.size(), ch.lora_slot);
     RETURN_IF_ERROR(cache.Reserve(*ch.kv, ch.kv->length + ch.tokens.size()));
     const int32_t offset = static_cast<int32_t>(b.blocks.size());
     b.blocks.insert(b.blocks.end(), ch.kv->blocks.begin(), ch.kv->blocks.end());
@@ -158,6 +161,12 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   RETURN_IF_ERROR(Put(*m.pos, batch.positions));
   RETURN_IF_ERROR(Put(*m.table, batch.blocks));
   RETURN_IF_ERROR(Put(*m.offsets, batch.block_offset));
+  lora_batch_ = !batch.lora_slots.empty();
+  if (lora_batch_) {
+    RETURN_IF_ERROR(Put(*m.lora_rows, batch.lora_slots));
+    RETURN_IF_ERROR(
+        m.lora_u->Reserve(static_cast<size_t>(rows * options_.lora_max_rank) * sizeof(float)));
+  }
   const size_t x_bytes = static_cast<size_t>(rows * H) * sizeof(float);
   RETURN_IF_ERROR(m.x->Reserve(x_bytes));
   RETURN_IF_ERROR(m.h->Reserve(x_bytes));
@@ -185,11 +194,12 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
     }
     // Row-parallel o_proj: partial sums over this rank's heads, then one all-reduce.
     RETURN_IF_ERROR(Gemm(L.o, *m.attn, rows, *m.o));
+    RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kO, *m.attn, *m.o, rows));  // before the sum
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));
     if (L.o_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.o), rows, H, L.o_bias));
     RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H, L.post_norm, eps,
                                   Ptr<float>(m.h)));
-    RETURN_IF_ERROR(L.sparse ? Moe(L, rows) : Mlp(L, rows));
+    RETURN_IF_ERROR(L.sparse ? Moe(L, rows) : Mlp(L, li, rows));
     RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));  // row-parallel down / experts
     if (li + 1 < layers_.size()) {
       RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H,
@@ -220,6 +230,9 @@ absl::Status Transformer::AttentionLayer(const Layer& L, int64_t li, const KvCac
   const int64_t head0 = options_.tp_rank * heads_;
   const float eps = static_cast<float>(c.rms_norm_eps);
   RETURN_IF_ERROR(GemmGroup({{&L.q, m.q.get()}, {&L.k, m.k.get()}, {&L.v, m.v.get()}}, *m.h, rows));
+  RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kQ, *m.h, *m.q, rows));
+  RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kK, *m.h, *m.k, rows));
+  RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kV, *m.h, *m.v, rows));
   if (L.q_bias != nullptr) {
     RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.q), rows, heads_ * hd, L.q_bias));
     RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.k), rows, kv_heads_ * hd, L.k_bias));
@@ -287,11 +300,14 @@ absl::Status Transformer::LatentAttentionLayer(const Layer& L, int64_t li, const
                      heads_ * vd, vd);
 }
 
-absl::Status Transformer::Mlp(const Layer& L, int64_t rows) {
+absl::Status Transformer::Mlp(const Layer& L, int64_t li, int64_t rows) {
   Buffers& m = buf_;
   RETURN_IF_ERROR(GemmGroup({{&L.gate, m.g.get()}, {&L.up, m.u.get()}}, *m.h, rows));
+  RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kGate, *m.h, *m.g, rows));
+  RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kUp, *m.h, *m.u, rows));
   RETURN_IF_ERROR(backend_->SiluMul(Ptr<float>(m.g), Ptr<float>(m.u), rows * L.gate.rows));
-  return Gemm(L.down, *m.g, rows, *m.o);
+  RETURN_IF_ERROR(Gemm(L.down, *m.g, rows, *m.o));
+  return ApplyLora(li, LoraTarget::kDown, *m.g, *m.o, rows);  // before the sum
 }
 
 absl::Status Transformer::Moe(const Layer& L, int64_t rows) {

@@ -20,6 +20,8 @@
 // parallelism: the rank runs layers [layer_begin, layer_end); the first stage embeds tokens, the
 // others take hidden states; the last stage produces logits, the others hidden states. The TP
 // communicator takes pointers in the backend's memory (host: the shared-memory group; GPU: NCCL).
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -34,6 +36,7 @@
 #include "common/prefetch.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
+#include "model/lora.h"
 #include "model/safetensors.h"
 #include "model/sampler.h"
 
@@ -42,6 +45,7 @@ namespace shardserve {
 struct SequenceChunk {
   std::vector<int32_t> tokens;  // new tokens of this sequence
   SequenceKv* kv = nullptr;     // positions [kv->length, kv->length + tokens.size()) are new
+  int32_t lora_slot = -1;       // the LoRA adapter its rows run (Transformer::LoadLora); -1: none
 };
 
 // A batch of chunks, validated and with its cache blocks reserved, laid out for the backend's
@@ -50,6 +54,7 @@ struct SequenceChunk {
 struct BatchLayout {
   int64_t rows = 0, max_len = 0;
   std::vector<int32_t> ids, positions, blocks, block_offset, last_row;
+  std::vector<int32_t> lora_slots;  // each row's; empty when no chunk runs an adapter
 };
 
 class Transformer {
@@ -70,6 +75,10 @@ class Transformer {
     // Threads that read the stage's weight files into the page cache while the layers are bound
     // (common/prefetch.h), the TP group sharing the pieces; 0: none (binding faults pages in).
     int read_threads = 2;
+    // LoRA adapters held at once (the replica's maxLoras slots) and the largest rank any may have
+    // (maxLoraRank); 0 slots: none.
+    int lora_slots = 0;
+    int64_t lora_max_rank = 0;
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
@@ -144,6 +153,18 @@ class Transformer {
     return (config_.vocab_size + options_.tp_size - 1) / options_.tp_size;
   }
 
+  // LoRA (model/lora.h): puts this rank's share of `adapter` into slot `slot` (of
+  // options.lora_slots), replacing what the slot held: its stage's layers, and of each layer the
+  // rows of B of the column-parallel projections (q, k, v, gate, up: this rank's outputs) and the
+  // columns of A of the row-parallel ones (o, down: this rank's inputs). A chunk with that
+  // lora_slot then runs it. Refused by name: a slot out of range, a rank over lora_max_rank, a
+  // module of a shape this model does not have. The adapter may be freed afterwards.
+  absl::Status LoadLora(int slot, const LoraAdapter& adapter);
+  // Empties a slot (its backend memory freed); a chunk may no longer name it.
+  absl::Status UnloadLora(int slot);
+  // Backend bytes the slot's factors take on this rank (0: empty).
+  size_t lora_bytes(int slot) const;
+
   bool first_stage() const { return layer_begin_ == 0; }
   bool last_stage() const { return layer_end_ == config_.num_layers; }
   int64_t layer_begin() const { return layer_begin_; }
@@ -158,6 +179,27 @@ class Transformer {
   // cache has room (ResourceExhausted, nothing taken), then reserves it and lays out the rows.
   absl::StatusOr<BatchLayout> PrepareBatch(std::vector<SequenceChunk>& chunks,
                                            KvCache& cache) const;
+  // One projection's update of one layer, `slots` entries each: the table LoraAdd reads (its
+  // arrays in backend memory) and the host arrays it is copied from.
+  struct LoraProjection {
+    std::vector<const float*> a, bt;
+    std::vector<int32_t> rank;
+    std::vector<float> scale;
+    std::unique_ptr<Buffer> a_mem, b_mem, rank_mem, scale_mem;
+    LoraTable table;
+  };
+  // This rank's in and out sizes of a projection, and the rows (column-parallel: of B) or columns
+  // (row-parallel: of A) of the full factor it keeps.
+  struct LoraShare {
+    int64_t in = 0, out = 0, begin = 0, end = 0;
+    bool slices_a = false;
+  };
+  LoraShare LoraShareOf(LoraTarget target) const;
+  absl::Status InitLora();  // options.lora_slots empty slots in every layer
+  absl::Status PublishLora(LoraProjection& p);
+  // y += every row's adapter update of `target` in layer `li` (no-op without adapters in the
+  // batch): x rows of the projection's input, y of its output.
+  absl::Status ApplyLora(int64_t li, LoraTarget target, const Buffer& x, Buffer& y, int64_t rows);
   // The weights as the backend holds them.
   struct Expert {
     WeightMatrix gate, up, down;
@@ -193,6 +235,7 @@ class Transformer {
     std::unique_ptr<Buffer> x, h, q, k, v, attn, o, g, u, d, in, router, ids, pos, table, offsets,
         sel, weights, routes, route_weights, last, logits, padded, gathered, full, targets;
     std::unique_ptr<Buffer> qa, qr, lat, kr, qlat, olat;  // multi-head latent attention
+    std::unique_ptr<Buffer> lora_rows, lora_u;            // LoRA: each row's slot, A x
   };
 
   Transformer(ModelConfig config, std::unique_ptr<WeightStore> weights, const Options& options,
@@ -253,9 +296,12 @@ class Transformer {
   absl::Status GemmGroup(std::initializer_list<std::pair<const WeightMatrix*, Buffer*>> outs,
                          const Buffer& x, int64_t M);
   template <typename T>
-  absl::Status Put(Buffer& b, const std::vector<T>& v);
+  absl::Status Put(Buffer& b, const std::vector<T>& v) {
+    if (absl::Status s = b.Reserve(std::max<size_t>(1, v.size()) * sizeof(T)); !s.ok()) return s;
+    return backend_->CopyFromHost(b.data(), v.data(), v.size() * sizeof(T));
+  }
   // Add this rank's MLP / MoE output for `rows` rows of h to o (which they overwrite).
-  absl::Status Mlp(const Layer& L, int64_t rows);
+  absl::Status Mlp(const Layer& L, int64_t li, int64_t rows);
   absl::Status Moe(const Layer& L, int64_t rows);
   absl::Status SharedExperts(const Layer& L, int64_t rows);
   absl::Status MoeGrouped(const Layer& L, int64_t rows);
@@ -277,6 +323,11 @@ class Transformer {
   WeightMatrix embed_, lm_head_;
   const float *final_norm_ = nullptr, *inv_freq_ = nullptr;
   std::vector<Layer> layers_;
+  // LoRA: by stage layer and target; each slot's factors (null: empty); whether the last Run's
+  // batch has rows of an adapter.
+  std::vector<std::array<LoraProjection, kLoraTargets>> lora_;
+  std::vector<std::unique_ptr<Buffer>> lora_mem_;
+  bool lora_batch_ = false;
   Buffers buf_;
   // The last Run: its rows and sequences (the rows of `logits` on the last stage); the rows of
   // the input in x (-1: none given).

@@ -51,13 +51,13 @@ Transformer::Transformer(ModelConfig config, std::unique_ptr<WeightStore> weight
       weights_(std::move(weights)),
       backend_(std::move(backend)) {
   for (std::unique_ptr<Buffer>* b :
-       {&buf_.x,       &buf_.h,      &buf_.q,       &buf_.k,        &buf_.v,
-        &buf_.attn,    &buf_.o,      &buf_.g,       &buf_.u,        &buf_.d,
-        &buf_.in,      &buf_.router, &buf_.ids,     &buf_.pos,      &buf_.table,
-        &buf_.offsets, &buf_.sel,    &buf_.weights, &buf_.routes,   &buf_.route_weights,
-        &buf_.last,    &buf_.logits, &buf_.padded,  &buf_.gathered, &buf_.full,
-        &buf_.qa,      &buf_.qr,     &buf_.lat,     &buf_.kr,       &buf_.qlat,
-        &buf_.olat,    &buf_.targets}) {
+       {&buf_.x,       &buf_.h,       &buf_.q,         &buf_.k,        &buf_.v,
+        &buf_.attn,    &buf_.o,       &buf_.g,         &buf_.u,        &buf_.d,
+        &buf_.in,      &buf_.router,  &buf_.ids,       &buf_.pos,      &buf_.table,
+        &buf_.offsets, &buf_.sel,     &buf_.weights,   &buf_.routes,   &buf_.route_weights,
+        &buf_.last,    &buf_.logits,  &buf_.padded,    &buf_.gathered, &buf_.full,
+        &buf_.qa,      &buf_.qr,      &buf_.lat,       &buf_.kr,       &buf_.qlat,
+        &buf_.olat,    &buf_.targets, &buf_.lora_rows, &buf_.lora_u}) {
     *b = backend_->NewBuffer();
   }
 }
@@ -81,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
   absl::Status s = t->CheckSplit();
   if (s.ok()) s = t->BindWeights();
+  if (s.ok()) s = t->InitLora();
   t->options_.progress = nullptr;  // loading is over; what it told may be gone
   if (s.ok()) s = t->backend_->Synchronize();
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(model_dir, ": ", s.message()));

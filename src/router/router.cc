@@ -545,8 +545,10 @@ struct Router::Impl {
     ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
     Prompt p;
     p.disaggregable = !responses && !(req.echo && req.logprobs) && req.kv_transfer.is_null();
+    const bool adapter = !options.model_name.empty() && req.model != options.model_name;
     p.salt = PrefixCacheSalt(options.prefix_cache_per_key && keys != nullptr,
-                             http_req.Header("authorization"), req.cache_salt);
+                             http_req.Header("authorization"), req.cache_salt,
+                             adapter ? req.model : std::string());
     if (chat) {
       ASSIGN_OR_RETURN(p.tokens, prompts->Chat(req, context));
     } else if (req.prompt_ids.empty()) {

@@ -59,6 +59,9 @@ struct RouterOptions {
   // spec.serving.prefixCacheIsolation perKey: block names salted with the client's key, as the
   // leaders name them.
   bool prefix_cache_per_key = false;
+  // The base model's served name: a request's `model` other than it names a LoRA adapter, whose
+  // blocks the leaders salt with its name (serve/prefix_cache.h). "": every request's is the base.
+  std::string model_name;
   ChoiceWeights weights;
   std::chrono::milliseconds resolve_every{2000};
   std::chrono::milliseconds connect_timeout{2000};

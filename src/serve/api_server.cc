@@ -171,13 +171,19 @@ absl::StatusOr<ojson> ApiServer::Impl::Body(const http::Request& http_req) {
   }
 }
 
-// NotFound naming the model when it is not the one served.
-absl::Status ApiServer::Impl::Served(const std::string& model) const {
-  if (model == config.env.model_name) return absl::OkStatus();
-  absl::Status s = absl::NotFoundError(absl::StrCat(
-      "the model '", model, "' does not exist; this server serves '", config.env.model_name, "'"));
+absl::StatusOr<std::optional<int32_t>> ApiServer::Impl::Served(const std::string& model) const {
+  absl::StatusOr<std::optional<int32_t>> slot =
+      AdapterSlotOf(adapters, config.env.model_name, model);
+  if (slot.ok()) return slot;
+  absl::Status s = slot.status();
   s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
   return s;
+}
+
+absl::Status ApiServer::Impl::ServeModelOf(ApiRequest& req) const {
+  ASSIGN_OR_RETURN(const std::optional<int32_t> slot, Served(req.model));
+  req.lora_slot = slot.value_or(-1);
+  return absl::OkStatus();
 }
 
 ServeConfig ServeConfigFrom(const WorkerEnv& env, bool local) {
@@ -197,6 +203,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   const WorkerEnv& env = config.env;
   ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(env.api_key, env.api_keys_file));
   ASSIGN_OR_RETURN(impl->router_keys, ApiKeys::Open("", env.router_token_file));
+  ASSIGN_OR_RETURN(impl->adapters, ParseAdapterList(env.lora_adapters));
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(env.model_path));
   impl->chat = ChatTemplate::ForModel(env.model_path, *impl->tokenizer, env.chat_template);
   impl->prompt_builder =
@@ -256,7 +263,15 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
       absl::ReaderMutexLock lock(&s->engine_mu);
       if (s->max_context > 0) model["max_model_len"] = s->max_context;
     }
-    return s->Json({{"object", "list"}, {"data", json::array({model})}});
+    json data = json::array({model});
+    for (const AdapterRef& a : s->adapters) {  // as vLLM lists its LoRA modules
+      json lora = {{"id", a.name},   {"object", "model"},
+                   {"created", 0},   {"owned_by", "shardserve"},
+                   {"root", a.name}, {"parent", s->config.env.model_name}};
+      if (model.contains("max_model_len")) lora["max_model_len"] = model["max_model_len"];
+      data.push_back(std::move(lora));
+    }
+    return s->Json({{"object", "list"}, {"data", std::move(data)}});
   });
   routes.Get("/healthz", [](const http::Request&) {
     return http::Response{200, "application/json", "{\"status\":\"ok\"}", {}};

@@ -17,6 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "api/adapters.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
 #include "serve/api_keys.h"
@@ -82,6 +83,8 @@ struct ApiServer::Impl {
   absl::Mutex grammar_mu;
   std::shared_ptr<const GrammarVocabulary> grammar_vocab ABSL_GUARDED_BY(grammar_mu);
   std::shared_ptr<const ReasoningGate> reasoning_gate ABSL_GUARDED_BY(grammar_mu);
+  // The LoRA adapters declared (SHARDSERVE_LORA_ADAPTERS), each in the slot of its place.
+  std::vector<AdapterRef> adapters;
   // Grammars compile here, on threads whose stacks hold llguidance's recursion, within
   // kCompileTimeout; the HTTP thread waits for its own.
   std::unique_ptr<GrammarWorkers> compilers =
@@ -94,8 +97,11 @@ struct ApiServer::Impl {
   std::optional<http::Response> Deny(const http::Request& req);
   // A request's JSON body: its content type, its depth and its syntax checked.
   absl::StatusOr<ojson> Body(const http::Request& http_req);
-  // NotFound naming the model when it is not the one served.
-  absl::Status Served(const std::string& model) const;
+  // The LoRA adapter slot a request's `model` names (api/adapters.h), nullopt for the base
+  // model; NotFound naming the model when it is neither.
+  absl::StatusOr<std::optional<int32_t>> Served(const std::string& model) const;
+  // Served, for a request: its adapter slot set.
+  absl::Status ServeModelOf(ApiRequest& req) const;
   std::string TokenText(int32_t id) const;
   // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
   // one its chat template shows.

@@ -639,6 +639,7 @@ StepDesc Engine::BuildStep(int mb) {
     chunk.tokens.reserve(n);
     for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
     chunk.sample = s->fed + n == s->total();
+    chunk.lora_slot = s->request.lora_slot;
     chunk.allowed = std::move(allowed);
     // Row i predicts token fed + i + 1: the prompt's tokens in [fed + 1, fed + n] not yet scored.
     if (const int64_t q0 = std::max(s->scored, s->fed + 1),

@@ -51,7 +51,7 @@ std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t bl
 }
 
 std::string PrefixCacheSalt(bool per_key, std::string_view authorization,
-                            std::string_view cache_salt) {
+                            std::string_view cache_salt, std::string_view adapter) {
   std::string tenant;
   if (per_key) {
     // The key as ApiKeys reads it: after "Bearer ", trimmed.
@@ -62,10 +62,19 @@ std::string PrefixCacheSalt(bool per_key, std::string_view authorization,
     SHA256(reinterpret_cast<const uint8_t*>(key.data()), key.size(), digest);
     tenant.assign(reinterpret_cast<const char*>(digest), sizeof(digest));
   }
-  if (tenant.empty() && cache_salt.empty()) return "";
-  // Unambiguous: the tenant's 32 bytes (or none) with a marker, then the request's salt.
-  return absl::StrCat(tenant.empty() ? "-" : "k", tenant,
-                      absl::string_view(cache_salt.data(), cache_salt.size()));
+  if (tenant.empty() && cache_salt.empty() && adapter.empty()) return "";
+  // Unambiguous: the adapter (its length, then its bytes) after a marker of its own, or none;
+  // the tenant's 32 bytes (or none) with a marker; then the request's salt.
+  std::string out;
+  if (!adapter.empty()) {
+    adapter = adapter.substr(0, 255);
+    out.push_back('a');
+    out.push_back(static_cast<char>(adapter.size()));
+    out.append(adapter.data(), adapter.size());
+  }
+  absl::StrAppend(&out, tenant.empty() ? "-" : "k", tenant,
+                  absl::string_view(cache_salt.data(), cache_salt.size()));
+  return out;
 }
 
 BlockPool::BlockPool(int64_t num_blocks, int64_t block_size, bool caching)

@@ -33,10 +33,12 @@ std::vector<BlockHash> HashBlocks(const std::vector<int32_t>& tokens, int64_t bl
 
 // The salt of a request's block names: with spec.serving.prefixCacheIsolation perKey, the
 // tenant's (the SHA-256 of its API key, from the Authorization header: `authorization`); and
-// the request's own cache_salt (vLLM's). Empty when neither applies. The leaders and the router
-// compute it alike.
+// the request's own cache_salt (vLLM's); and the LoRA adapter it runs (its name, at most 255
+// bytes; "": the base model), since a block computed under one adapter holds other KV than the
+// same tokens under another. Empty when none applies. The leaders and the router compute it
+// alike.
 std::string PrefixCacheSalt(bool per_key, std::string_view authorization,
-                            std::string_view cache_salt);
+                            std::string_view cache_salt, std::string_view adapter = "");
 
 struct BlockHashHasher {
   size_t operator()(const BlockHash& h) const {

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "api/adapters.h"
 #include "api/worker_env.h"
 #include "comm/handshake.h"
 #include "comm/json_frame.h"
@@ -87,6 +88,8 @@ class Rank : public StepExecutor {
   // Disaggregation (WorkerEnv::kv_role): a prefill replica's ranks each run an exporter, whose
   // addresses the leader gathers; a decode replica's ranks each run a puller.
   absl::Status StartKvTransfer();
+  // The adapters the contract declares (SHARDSERVE_LORA_ADAPTERS), each into its slot.
+  absl::Status LoadDeclaredAdapters();
   // This rank's share of an import: the ranges of each prefill rank it reads, pulled in turn.
   absl::Status PullKv(const KvImport& import, int64_t* bytes);
   // A frame from the last stage's sampler: a step result, or (during ImportKv) its import answer.
@@ -277,11 +280,14 @@ absl::Status Rank::Init() {
     o.layer_begin = layers.begin;
     o.layer_end = layers.end;
     o.fp8_blocks = cfg_.env.fp8_blocks;
+    o.lora_slots = cfg_.env.max_loras;
+    o.lora_max_rank = cfg_.env.max_lora_rank;
     o.progress = [&](double share) {
       watchdog.Progress(share);
       if (metrics_) metrics_->SetLoadProgress(share);
     };
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
+    RETURN_IF_ERROR(LoadDeclaredAdapters());
     cache_->FollowTables();  // the leader hands out the blocks (serve/prefix_cache.h)
     block_refs_.assign(cache_->num_blocks(), 0);
     std::vector<LayerRange> split;
@@ -312,6 +318,28 @@ absl::Status Rank::Init() {
   if (metrics_) {
     metrics_->SetWeightsBytes(static_cast<double>(model_->shard_weight_bytes()));
     metrics_->SetUp(true);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rank::LoadDeclaredAdapters() {
+  ASSIGN_OR_RETURN(const std::vector<AdapterRef> adapters,
+                   ParseAdapterList(cfg_.env.lora_adapters));
+  if (static_cast<int64_t>(adapters.size()) > cfg_.env.max_loras) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SHARDSERVE_LORA_ADAPTERS declares ", adapters.size(),
+                     " adapters, SHARDSERVE_MAX_LORAS ", "holds ", cfg_.env.max_loras, " at once"));
+  }
+  LoraLimits limits;
+  limits.max_rank = cfg_.env.max_lora_rank;
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    Starting(absl::StrCat("loading the LoRA adapter ", adapters[i].name));
+    absl::StatusOr<LoraAdapter> a = LoraAdapter::Load(adapters[i].path, model_->config(), limits);
+    absl::Status s = a.ok() ? model_->LoadLora(static_cast<int>(i), *a) : a.status();
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("the LoRA adapter '", adapters[i].name, "': ", s.message()));
+    }
   }
   return absl::OkStatus();
 }
@@ -373,6 +401,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     SequenceChunk chunk;
     chunk.tokens = ch.tokens;
     chunk.kv = &kv_[ch.seq];
+    chunk.lora_slot = ch.lora_slot;
     rows += static_cast<int64_t>(chunk.tokens.size());
     chunks.push_back(std::move(chunk));
     ids.push_back(ch.seq);

@@ -327,8 +327,9 @@ json ApiServer::Impl::Usage(const std::vector<Choice>& choices) const {
 // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
 absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_req,
                                      std::vector<Choice>& choices) {
-  const std::string salt = PrefixCacheSalt(config.env.prefix_cache_per_key && keys != nullptr,
-                                           http_req.Header("authorization"), req.cache_salt);
+  const std::string salt = PrefixCacheSalt(
+      config.env.prefix_cache_per_key && keys != nullptr, http_req.Header("authorization"),
+      req.cache_salt, req.lora_slot >= 0 ? adapters[req.lora_slot].name : std::string());
   int64_t context, vocab;
   std::vector<int64_t> ends;
   {
@@ -437,6 +438,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       g.params = req.params;
       g.params.seed = req.params.seed + static_cast<uint64_t>(j);
       g.cache_salt = salt;
+      g.lora_slot = req.lora_slot;
       if (req.echo && req.logprobs) g.prompt_logprobs = req.params.top_logprobs;
       if (compiled) g.constraint = compiled->Clone();
       if (!req.max_tokens_set && req.chat) {
@@ -517,7 +519,7 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
   auto parsed = ParseApiRequest(body, chat);
   if (!parsed.ok()) return ex.Respond(Reply(parsed.status()));
   ApiRequest& req = *parsed;
-  if (absl::Status s = Served(req.model); !s.ok()) return ex.Respond(Reply(s));
+  if (absl::Status s = ServeModelOf(req); !s.ok()) return ex.Respond(Reply(s));
   if (!req.seed_set)
     req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
   std::vector<Choice> choices;
@@ -733,7 +735,7 @@ void ApiServer::Impl::Responses(const http::Request& http_req, http::Exchange& e
   auto parsed = ParseApiRequest(*chat_body, /*chat=*/true);
   if (!parsed.ok()) return ex.Respond(Reply(ResponsesParam(parsed.status())));
   ApiRequest& req = *parsed;
-  if (absl::Status s = Served(req.model); !s.ok()) return ex.Respond(Reply(s));
+  if (absl::Status s = ServeModelOf(req); !s.ok()) return ex.Respond(Reply(s));
   req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
   std::vector<Choice> choices;
   if (absl::Status s = Submit(req, http_req, choices); !s.ok()) {

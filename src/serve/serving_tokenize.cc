@@ -21,7 +21,7 @@ http::Response ApiServer::Impl::Tokenization(const http::Request& http_req, bool
     if (!body->is_object()) return BadParam("", "the request body must be a JSON object");
     if (auto m = body->find("model"); m != body->end() && !m->is_null()) {
       if (!m->is_string()) return BadParam("model", "'model' must be a string");
-      RETURN_IF_ERROR(Served(m->get<std::string>()));
+      RETURN_IF_ERROR(Served(m->get<std::string>()).status());
     }
     int64_t context, vocab;
     {

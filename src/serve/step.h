@@ -37,6 +37,8 @@ struct StepChunk {
   // sequence is released.
   std::optional<KvTicket> offer;
   std::vector<int32_t> blocks;
+  // The LoRA adapter slot the sequence runs (every chunk of it; -1: the base model).
+  int32_t lora_slot = -1;
   // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
   std::vector<uint32_t> allowed;
   // Prompt log-probabilities (echo with logprobs): rows [score_from, score_from + score.size())

@@ -114,6 +114,7 @@ json EncodeStep(const StepDesc& d) {
       if (!c.history.empty()) ch["history"] = c.history;
     }
     if (c.offer) ch["offer"] = KvTicketHex(*c.offer);
+    if (c.lora_slot >= 0) ch["lora"] = c.lora_slot;
     chunks.push_back(std::move(ch));
   }
   return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
@@ -154,6 +155,10 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
       }
       ASSIGN_OR_RETURN(std::vector<int64_t> blocks, JsonInts(ch, "blocks", 0, kMaxInt32));
       c.blocks.assign(blocks.begin(), blocks.end());
+      if (ch.contains("lora")) {  // the model checks the slot holds an adapter
+        ASSIGN_OR_RETURN(const int64_t slot, JsonInt(ch, "lora", 0, kMaxInt32));
+        c.lora_slot = static_cast<int32_t>(slot);
+      }
       if (auto allowed = ch.find("allowed"); allowed != ch.end()) {
         std::string bytes;
         if (!allowed->is_string() || !absl::Base64Unescape(allowed->get<std::string>(), &bytes) ||

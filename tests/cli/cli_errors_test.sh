@@ -22,7 +22,8 @@ expect_error "not expected: --bogus" "$BIN" generate --bogus
 expect_error "--tp: 1 required VALUE missing" "$BIN" generate --model "$TMP" --tp
 expect_error "--cols must be a multiple of 32" "$BIN" bench kernels --cols 100
 # Every command answers --help with its own usage, on stdout, successfully.
-for cmd in local plan gen-model generate inspect-adapter "bench load" "bench allreduce" "bench kernels"; do
+for cmd in local plan gen-model gen-adapter generate inspect-adapter "bench load" "bench allreduce" \
+  "bench kernels" "bench lora"; do
   # shellcheck disable=SC2086
   out=$("$BIN" $cmd --help 2>&1); rc=$?
   if [ $rc -eq 0 ] && [[ "$out" == *"Usage: shardserve $cmd [OPTIONS]"* ]] &&
@@ -41,6 +42,8 @@ else
 fi
 expect_error "--model is required" "$BIN" generate --prompt hi
 expect_error "--adapter is required" "$BIN" inspect-adapter --model "$TMP"
+expect_error "--rank must be in [1, 4096]" "$BIN" gen-adapter --model "$TMP" --out "$TMP/a" --rank 0
+expect_error "--adapters: 'x' is not in [1, 1024]" "$BIN" bench lora --model "$TMP" --adapters 1,x
 expect_error "give exactly one of --prompt and --prompt-ids" "$BIN" generate --model "$TMP"
 expect_error "config.json: cannot open" "$BIN" generate --model "$TMP/none" --prompt hi
 expect_error "--logit-bias '7=1' is not ID:BIAS" "$BIN" generate --model "$TMP" --prompt hi \

@@ -39,15 +39,16 @@ spec:
     port: {port}
     maxBatchSize: {max_batch}
     maxSequenceLength: {max_seq}
-{serving}"""
+{serving}{spec}"""
 
 
 class Deployment:
     def __init__(self, binary, model, name="tiny", tp=2, pp=2, max_batch=8, max_seq=1024,
                  env=None, args=(), api_key=None, serving=None, replicas=1, base_port=None,
-                 uri=None, files=None, proc_env=None):
+                 uri=None, files=None, proc_env=None, spec=""):
         """`uri` (default file://MODEL) and `files` (spec.model.files) say where the model lives;
-        `proc_env` is the environment of `shardserve local` (default this process's)."""
+        `proc_env` is the environment of `shardserve local` (default this process's); `spec`:
+        more of the manifest's spec, as YAML lines indented by two."""
         self.binary = binary
         self.name = name
         self.tmp = tempfile.mkdtemp(prefix="shardserve-deploy-")
@@ -71,7 +72,8 @@ class Deployment:
                                     max_batch=max_batch, max_seq=max_seq,
                                     env=env_yaml or "      []",
                                     serving="".join(f"    {k}: {v}\n"
-                                                    for k, v in (serving or {}).items())))
+                                                    for k, v in (serving or {}).items()),
+                                    spec=spec))
         self.log_lines = []
         self.api_key = api_key  # sent with every request when set
         self.proc = subprocess.Popen(

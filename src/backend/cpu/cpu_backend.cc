@@ -356,6 +356,46 @@ class CpuBackend : public Backend {
     return absl::OkStatus();
   }
 
+  // Rows grouped by adapter (Punica's segments), so that each adapter's factors are read once a
+  // step however many of its rows there are; two passes over the pool: every (adapter, j < rank)
+  // pair's row of A against that adapter's rows (u = scale * A x), then every block of output
+  // columns of each adapter's rows, y += sum_j u[j] * bt[j] (contiguous rows of B transposed),
+  // so that a decode batch of a few rows still spreads over every thread.
+  absl::Status LoraAdd(const LoraTable& t, const int32_t* row_slot, int64_t rows, const float* x,
+                       float* y, float* scratch) override {
+    std::vector<std::vector<int64_t>> by_slot(t.slots);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t s = row_slot[r];
+      if (s >= 0 && s < t.slots && t.rank[s] > 0) by_slot[s].push_back(r);
+    }
+    std::vector<std::pair<int32_t, int32_t>> pairs;  // (slot, j)
+    for (int32_t s = 0; s < t.slots; ++s) {
+      if (by_slot[s].empty()) continue;
+      for (int32_t j = 0; j < t.rank[s]; ++j) pairs.emplace_back(s, j);
+    }
+    if (pairs.empty()) return absl::OkStatus();
+    const int64_t R = t.max_rank;
+    pool_.ParallelFor(static_cast<int64_t>(pairs.size()), 1, [&](int, int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [s, j] = pairs[i];
+        const float* a = t.a[s] + j * t.in;
+        for (int64_t r : by_slot[s]) scratch[r * R + j] = t.scale[s] * Dot(a, x + r * t.in, t.in);
+      }
+    });
+    constexpr int64_t kColumns = 256;
+    pool_.ParallelFor((t.out + kColumns - 1) / kColumns, 1, [&](int, int64_t begin, int64_t end) {
+      const int64_t n0 = begin * kColumns, n = std::min(end * kColumns, t.out) - n0;
+      for (int32_t s = 0; s < t.slots; ++s) {
+        for (int64_t r : by_slot[s]) {
+          for (int64_t j = 0; j < t.rank[s]; ++j) {
+            Axpy(scratch[r * R + j], t.bt[s] + j * t.out + n0, y + r * t.out + n0, n);
+          }
+        }
+      }
+    });
+    return absl::OkStatus();
+  }
+
   absl::Status RouteTopK(const float* logits, int64_t rows, int64_t E, int64_t k, bool normalize,
                          int32_t* experts, float* weights) override {
     std::vector<int32_t> order(E);

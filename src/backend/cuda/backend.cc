@@ -246,6 +246,10 @@ class CudaBackend : public Backend {
                             const float* x, int64_t x_div, float* y) override {
     return cuda::ExpertMatVec(w, experts, slots, x, x_div, y);
   }
+  absl::Status LoraAdd(const LoraTable& t, const int32_t* row_slot, int64_t rows, const float* x,
+                       float* y, float* scratch) override {
+    return cuda::LoraAdd(t, row_slot, rows, x, y, scratch);
+  }
   absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
                             int64_t dim, float* y) override {
     return cuda::CombineSlots(x, weights, rows, k, dim, y);

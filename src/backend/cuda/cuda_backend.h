@@ -208,6 +208,10 @@ absl::Status RouteGrouped(const float* logits, const float* bias, int64_t rows, 
 // experts' weights: the decode path of a MoE layer, no host round trip.
 absl::Status ExpertMatVec(const ExpertTable& w, const int32_t* experts, int64_t slots,
                           const float* x, int64_t x_div, float* y);
+// LoRA's gathered product of a batch of rows of different adapters, as Backend::LoraAdd (rows up
+// to 65535).
+absl::Status LoraAdd(const LoraTable& t, const int32_t* row_slot, int64_t rows, const float* x,
+                     float* y, float* scratch);
 // y[r] = sum over j < k of weights[r * k + j] * x[r * k + j] (dim floats each), for rows rows.
 absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, int64_t k,
                           int64_t dim, float* y);

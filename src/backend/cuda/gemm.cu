@@ -257,6 +257,43 @@ __global__ void CombineSlotsKernel(const float* x, const float* weights, int64_t
   }
 }
 
+// LoRA's gathered product (Backend::LoraAdd), Punica's BGMV in two kernels: shrink, a warp per
+// (row, j < max_rank): u[r][j] = scale * A_s[j] . x[r]; expand, a thread per (row, output n):
+// y[r][n] += sum_j bt_s[j][n] u[r][j] (neighbouring threads read neighbouring columns). A row
+// without an adapter (or past its slot's rank) does nothing.
+__device__ __forceinline__ int64_t LoraRank(const LoraTable& t, const int32_t* row_slot,
+                                            int64_t r) {
+  const int32_t s = row_slot[r];
+  return s >= 0 && s < t.slots ? t.rank[s] : 0;
+}
+
+__global__ void LoraShrinkKernel(LoraTable t, const int32_t* row_slot, int64_t rows, const float* x,
+                                 float* u) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (item >= rows * t.max_rank) return;
+  const int64_t r = item / t.max_rank, j = item % t.max_rank;
+  if (j >= LoraRank(t, row_slot, r)) return;
+  const int32_t s = row_slot[r];
+  const float* a = t.a[s] + j * t.in;
+  const float* xr = x + r * t.in;
+  float acc = 0;
+  for (int64_t k = threadIdx.x % 32; k < t.in; k += 32) acc += a[k] * xr[k];
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffff, acc, off);
+  if (threadIdx.x % 32 == 0) u[item] = t.scale[s] * acc;
+}
+
+__global__ void LoraExpandKernel(LoraTable t, const int32_t* row_slot, const float* u, float* y) {
+  const int64_t r = blockIdx.y;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t rank = LoraRank(t, row_slot, r);
+  if (n >= t.out || rank == 0) return;
+  const float* bt = t.bt[row_slot[r]] + n;
+  const float* ur = u + r * t.max_rank;
+  float acc = 0;
+  for (int64_t j = 0; j < rank; ++j) acc += bt[j * t.out] * ur[j];
+  y[r * t.out + n] += acc;
+}
+
 // Row-major Y[M][N] (row stride ldy) = X[M][K] W[N][K]^T (W's row stride lda; X dense), W and X
 // of `type`, on cuBLAS with F32 accumulation. That is column-major Y^T = op(W) X^T with W read
 // as a column-major K x N matrix transposed.
@@ -443,6 +480,20 @@ absl::Status CombineSlots(const float* x, const float* weights, int64_t rows, in
   if (rows == 0) return absl::OkStatus();
   CombineSlotsKernel<<<static_cast<unsigned>(rows), 256>>>(x, weights, k, dim, y);
   return Check(cudaGetLastError(), "CombineSlots launch");
+}
+
+absl::Status LoraAdd(const LoraTable& t, const int32_t* row_slot, int64_t rows, const float* x,
+                     float* y, float* scratch) {
+  if (rows == 0 || t.slots == 0 || t.max_rank == 0) return absl::OkStatus();
+  if (rows > 65535) return absl::InvalidArgumentError(absl::StrCat("LoraAdd of ", rows, " rows"));
+  constexpr int kWarps = 8;
+  const int64_t items = rows * t.max_rank;
+  LoraShrinkKernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32>>>(
+      t, row_slot, rows, x, scratch);
+  RETURN_IF_CUDA(cudaGetLastError(), "LoraAdd shrink launch");
+  const dim3 grid(static_cast<unsigned>((t.out + 255) / 256), static_cast<unsigned>(rows));
+  LoraExpandKernel<<<grid, 256>>>(t, row_slot, scratch, y);
+  return Check(cudaGetLastError(), "LoraAdd expand launch");
 }
 
 }  // namespace shardserve::cuda

@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <tuple>
+
+#include "api/worker_env.h"
 
 namespace shardserve {
 namespace {
@@ -152,6 +155,53 @@ TEST(ShardedModel, DisaggregationGivesThePrefillRoleItsShape) {
   EXPECT_EQ(q.node_selector, (std::map<std::string, std::string>{{"pool", "cpu"}}));
   EXPECT_EQ(std::tuple(q.max_unavailable, q.max_surge), std::tuple(0, 1));
   EXPECT_EQ(PrefillModelName("llama"), "llama-prefill");
+}
+
+TEST(ShardedModel, AdaptersAndTheirBoundsReachTheWorkers) {
+  auto none = ParseShardedModel(kGood);
+  ASSERT_TRUE(none.ok()) << none.status();
+  WorkerEnv off;
+  ApplyServing(none->spec, off);
+  EXPECT_EQ(off.max_loras, 0) << "LoRA is off unless asked for";
+  auto m = ParseShardedModel(
+      std::string(kGood).replace(std::string(kGood).find("  worker:"), 0,
+                                 "  adapters:\n    - {name: sql, uri: \"pvc://loras/sql\"}\n"
+                                 "    - {name: team/chat, uri: \"hostpath:///data/chat\"}\n"
+                                 "  lora: {maxLoras: 6, maxLoraRank: 32}\n"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->spec.adapters.size(), 2u);
+  EXPECT_EQ(std::tuple(m->spec.adapters[1].name, m->spec.adapters[1].uri),
+            std::tuple("team/chat", "hostpath:///data/chat"));
+  WorkerEnv w;
+  ApplyServing(m->spec, w);
+  EXPECT_EQ(std::tuple(w.max_loras, w.max_lora_rank), std::tuple(6, 32));
+  auto bounds = ParseShardedModel(
+      std::string(kGood).replace(std::string(kGood).find("  worker:"), 0, "  lora: {}\n"));
+  ASSERT_TRUE(bounds.ok()) << bounds.status();
+  WorkerEnv d;
+  ApplyServing(bounds->spec, d);
+  EXPECT_EQ(std::tuple(d.max_loras, d.max_lora_rank), std::tuple(4, 64)) << "the defaults";
+  const std::pair<std::string, std::string> bad[] = {
+      {"  adapters:\n    - {name: llama-3-70b, uri: \"pvc://l/a\"}\n", "the model's own name"},
+      {"  adapters:\n    - {name: a, uri: \"pvc://l/a\"}\n    - {name: a, uri: \"pvc://l/b\"}\n",
+       "spec.adapters[1].name 'a'"},
+      {"  adapters:\n    - {name: \"a b\", uri: \"pvc://l/a\"}\n", "spec.adapters[0].name"},
+      {"  adapters:\n    - {name: a, uri: \"s3://bucket/a\"}\n", "a remote source is not fetched"},
+      {"  adapters:\n    - {name: a, uri: \"s3://b/a\"}\n",
+       "spec.adapters[0].uri 's3://b/a' names"},
+      {"  adapters:\n    - {name: a, uri: \"pvc://l/a\", rank: 8}\n", "spec.adapters[0].rank"},
+      {"  adapters:\n    - {name: a, uri: \"pvc://l/a\"}\n    - {name: b, uri: \"pvc://l/b\"}\n"
+       "  lora: {maxLoras: 1}\n",
+       "spec.adapters lists 2 adapters; spec.lora.maxLoras holds 1"},
+      {"  lora: {maxLoraRank: 0}\n", "spec.lora.maxLoraRank 0"},
+      {"  lora: {maxLoras: 4, dora: true}\n", "spec.lora.dora"},
+  };
+  for (const auto& [yaml, words] : bad) {
+    auto r = ParseShardedModel(
+        std::string(kGood).replace(std::string(kGood).find("  worker:"), 0, yaml));
+    ASSERT_FALSE(r.ok()) << yaml;
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status();
+  }
 }
 
 TEST(ShardedModel, BadManifestsNameTheField) {

@@ -92,6 +92,9 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.kv_role = "decode";
   w.kv_offer_ms = 5000;
   w.kv_transfer_timeout_ms = 3000;
+  w.max_loras = 8;
+  w.max_lora_rank = 16;
+  w.lora_adapters = R"([{"name":"sql","path":"/adapters/sql"}])";
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.
@@ -178,6 +181,7 @@ TEST(RouterEnvTest, EveryFieldSurvivesTheRoundTrip) {
   r.max_body_bytes = 1 << 16;
   r.prefill_leaders = "dns:m-prefill-leaders.ns.svc:8000";
   r.disaggregate_min_tokens = 256;
+  r.model_name = "llama";
   const auto written = AsMap(r);
   EXPECT_EQ(written.size(), RouterEnv::Names().size());
   for (const std::string& name : RouterEnv::Names()) EXPECT_TRUE(written.count(name)) << name;

@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
@@ -729,6 +730,54 @@ TEST_P(BackendOpsTest, HeadGemmMultipliesEachHeadByItsRows) {
     const absl::Status st = be_->HeadGemm(*quant, 2, mem.Put(std::vector<float>(64)), 64, 32, 1,
                                           mem.Zeros<float>(2), 2, 1);
     EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("F32, F16 or BF16"));
+  }
+}
+
+// LoRA's gathered product: rows of three adapters of different ranks, the base (slot -1), a
+// slot with no update of this projection (rank 0) and an out-of-range slot in one batch, against
+// scale * B (A x) in double; rows of the base and of the empty slots keep what y held. Shapes
+// wider than a warp and than a CPU chunk, and a decode batch of one row.
+TEST_P(BackendOpsTest, LoraAddGathersEachRowsAdapter) {
+  for (const auto& [rows, in, out] :
+       {std::tuple<int64_t, int64_t, int64_t>{9, 70, 300}, {1, 33, 5}}) {
+    const std::vector<int32_t> ranks = {4, 0, 16, 1};
+    const std::vector<float> scales = {0.5f, 1.0f, 2.0f, -1.5f};
+    const int64_t S = static_cast<int64_t>(ranks.size()), R = 16;
+    Mem mem(*be_);
+    std::vector<std::vector<float>> a(S), b(S);
+    std::vector<const float*> ap(S), bp(S);
+    for (int64_t s = 0; s < S; ++s) {
+      a[s] = Random(std::max<int64_t>(1, ranks[s] * in), 60 + s);
+      b[s] = Random(std::max<int64_t>(1, out * ranks[s]), 70 + s);  // [out][rank]
+      std::vector<float> bt(b[s].size());
+      for (int64_t n = 0; n < out; ++n) {
+        for (int64_t j = 0; j < ranks[s]; ++j) bt[j * out + n] = b[s][n * ranks[s] + j];
+      }
+      ap[s] = mem.Put(a[s]);
+      bp[s] = mem.Put(bt);
+    }
+    LoraTable t{mem.Put(ap), mem.Put(bp), mem.Put(ranks), mem.Put(scales), S, in, out, R};
+    std::vector<int32_t> slot(rows);
+    for (int64_t r = 0; r < rows; ++r) slot[r] = static_cast<int32_t>(r % 6) - 1;  // -1 .. 4
+    const std::vector<float> x = Random(rows * in, 80);
+    const std::vector<float> y0 = Random(rows * out, 81);
+    float* y = mem.Put(y0);
+    ASSERT_TRUE(
+        be_->LoraAdd(t, mem.Put(slot), rows, mem.Put(x), y, mem.Zeros<float>(rows * R)).ok());
+    const std::vector<float> got = mem.Get(y, rows * out);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t s = slot[r];
+      const int64_t rank = s >= 0 && s < S ? ranks[s] : 0;
+      for (int64_t n = 0; n < out; ++n) {
+        double want = y0[r * out + n];
+        for (int64_t j = 0; j < rank; ++j) {
+          double u = 0;
+          for (int64_t k = 0; k < in; ++k) u += double(a[s][j * in + k]) * x[r * in + k];
+          want += scales[s] * double(b[s][n * rank + j]) * u;
+        }
+        ASSERT_NEAR(got[r * out + n], want, 1e-4) << "row " << r << " slot " << s << " n " << n;
+      }
+    }
   }
 }
 

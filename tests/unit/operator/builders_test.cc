@@ -633,6 +633,47 @@ TEST(Builders, HostPathsAndImagesOnlyAsThePlatformAllows) {
       << image.status();
 }
 
+// spec.adapters: each adapter's volume (a claim or a host directory the platform allows) mounted
+// read-only on every stage pod, the ranks told where (SHARDSERVE_LORA_ADAPTERS) and how many they
+// hold; a change of the adapters rolls the replicas; file:// is shardserve local's only.
+TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
+  json obj = Model();
+  obj["spec"]["adapters"] = {{{"name", "sql"}, {"uri", "pvc://loras/sql/v2"}},
+                             {{"name", "chat"}, {"uri", "hostpath:///data/loras/chat"}}};
+  obj["spec"]["lora"] = {{"maxLoras", 3}, {"maxLoraRank", 32}};
+  const ModelPolicy policy{{"/data"}, {}};
+  auto m = ReadModel(obj, {}, policy);
+  ASSERT_TRUE(m.ok()) << m.status();
+  for (int stage : {0, 1}) {
+    const json pod = BuildStagePod(*m, 0, stage, {"node-a", "node-b"});
+    EXPECT_EQ(
+        Env(pod, "SHARDSERVE_LORA_ADAPTERS"),
+        R"([{"name":"sql","path":"/adapters/0/sql/v2"},{"name":"chat","path":"/adapters/1"}])");
+    EXPECT_EQ(Env(pod, "SHARDSERVE_MAX_LORAS"), "3");
+    EXPECT_EQ(Env(pod, "SHARDSERVE_MAX_LORA_RANK"), "32");
+    std::map<std::string, json> volumes, mounts;
+    for (const json& v : pod["spec"]["volumes"]) volumes[v["name"]] = v;
+    for (const json& v : pod["spec"]["containers"][0]["volumeMounts"]) mounts[v["name"]] = v;
+    EXPECT_EQ(volumes["adapter-0"]["persistentVolumeClaim"]["claimName"], "loras");
+    EXPECT_EQ(volumes["adapter-1"]["hostPath"]["path"], "/data/loras/chat");
+    EXPECT_EQ(mounts["adapter-0"]["mountPath"], "/adapters/0");
+    EXPECT_EQ(mounts["adapter-1"]["readOnly"], true);
+  }
+  auto plain = ReadModel(Model(), {}, policy);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(Env(BuildStagePod(*plain, 0, 0, {"a", "b"}), "SHARDSERVE_MAX_LORAS"), "<absent>");
+  EXPECT_NE(plain->revision, m->revision) << "adding adapters rolls the replicas";
+  obj["spec"]["adapters"][1]["uri"] = "hostpath:///etc/loras";
+  auto outside = ReadModel(obj, {}, policy);
+  EXPECT_NE(outside.status().message().find("spec.adapters[1].uri: the host path '/etc/loras'"),
+            std::string::npos)
+      << outside.status();
+  obj["spec"]["adapters"][1]["uri"] = "file:///data/loras/chat";
+  auto local = ReadModel(obj, {}, policy);
+  EXPECT_NE(local.status().message().find("only shardserve local reads"), std::string::npos)
+      << local.status();
+}
+
 TEST(Builders, RendezvousSecretAndDisruptionBudget) {
   auto m = ReadModel(Model());
   ASSERT_TRUE(m.ok());

@@ -44,6 +44,14 @@ TEST(PrefixCacheTest, SaltedChainsShareNothingWithOtherSalts) {
   EXPECT_NE(one, PrefixCacheSalt(true, "Bearer sk-one-0123456789abcdef", "s"));
   EXPECT_NE(PrefixCacheSalt(false, "", "s"), PrefixCacheSalt(true, "Bearer k", "s"));
   EXPECT_EQ(one.find("sk-one"), std::string::npos) << "the key itself is never in a salt";
+  // A LoRA adapter salts its blocks apart from the base's and every other adapter's, with or
+  // without the other parts, unambiguously (an adapter is never read as a request's salt).
+  const std::string sql = PrefixCacheSalt(false, "", "", "sql");
+  EXPECT_FALSE(sql.empty());
+  EXPECT_NE(sql, PrefixCacheSalt(false, "", "", "sq"));
+  EXPECT_NE(sql, PrefixCacheSalt(false, "", "sql"));
+  EXPECT_NE(PrefixCacheSalt(false, "", "l", "sq"), PrefixCacheSalt(false, "", "", "sql"));
+  EXPECT_NE(PrefixCacheSalt(true, "Bearer k", "", "sql"), PrefixCacheSalt(true, "Bearer k", ""));
 }
 
 TEST(PrefixCacheTest, SharedThenEvictedLeastRecentlyUsedTailFirst) {

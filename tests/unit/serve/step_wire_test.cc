@@ -99,6 +99,7 @@ StepDesc SomeStep() {
   decode.seq = 4;
   decode.tokens = {42};
   decode.sample = false;
+  decode.lora_slot = 3;  // a LoRA adapter's sequence
   d.chunks = {prompt, decode};
   return d;
 }
@@ -133,6 +134,7 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
       std::tuple(back->chunks[0].score_from, back->chunks[0].score, back->chunks[0].score_top),
       std::tuple(1, std::vector<int32_t>{8, 9}, 4));
   EXPECT_TRUE(back->chunks[1].score.empty());
+  EXPECT_EQ(std::tuple(back->chunks[0].lora_slot, back->chunks[1].lora_slot), std::tuple(-1, 3));
   EXPECT_FALSE(back->chunks[1].params.has_value());
   EXPECT_FALSE(back->chunks[1].sample);
   EXPECT_TRUE(back->chunks[1].allowed.empty());
