@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "http/server.h"
 
 namespace shardserve {
@@ -284,6 +285,28 @@ LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
   };
   kv_pulled_ = &transfers.Add(outcome("pulled"));
   kv_failed_ = &transfers.Add(outcome("failed"));
+  lora_info_ = &prometheus::BuildGauge()
+                    .Name("shardserve_lora_requests_info")
+                    .Help(
+                        "LoRA adapters of the running sequences and of the waiting requests "
+                        "(labels, as vLLM's vllm:lora_requests_info); the value is when they "
+                        "were last set, in Unix seconds")
+                    .Register(r);
+}
+
+void LeaderMetrics::SetLoraRequests(const std::vector<std::string>& running,
+                                    const std::vector<std::string>& waiting, int max_lora) {
+  auto labels = labels_;
+  labels["running_lora_adapters"] = absl::StrJoin(running, ",");
+  labels["waiting_lora_adapters"] = absl::StrJoin(waiting, ",");
+  labels["max_lora"] = std::to_string(max_lora);
+  absl::MutexLock lock(&lora_mu_);
+  if (lora_series_ == nullptr || labels != lora_labels_) {  // one series: the current state
+    if (lora_series_ != nullptr) lora_info_->Remove(lora_series_);
+    lora_series_ = &lora_info_->Add(labels);
+    lora_labels_ = std::move(labels);
+  }
+  lora_series_->SetToCurrentTime();
 }
 
 void LeaderMetrics::SetBacklog(int running, int64_t prompt_tokens) {

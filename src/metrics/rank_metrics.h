@@ -79,6 +79,13 @@ class LeaderMetrics {
   // prefilled here), its bytes over every rank and its seconds.
   void ObserveKvTransfer(double seconds, int64_t bytes, bool pulled);
   void SetBacklog(int running, int64_t prompt_tokens);
+  // LoRA (a replica holding up to max_lora adapters): the adapters of the running sequences and
+  // of the waiting requests, as vLLM's vllm:lora_requests_info gives them to the Inference
+  // Extension's endpoint picker (its --lora-info-metric): one series whose labels
+  // running_lora_adapters and waiting_lora_adapters are comma-separated names and max_lora the
+  // bound, its value the time (Unix seconds) they were last set.
+  void SetLoraRequests(const std::vector<std::string>& running,
+                       const std::vector<std::string>& waiting, int max_lora);
 
  private:
   std::map<std::string, std::string> labels_;
@@ -93,6 +100,10 @@ class LeaderMetrics {
   prometheus::Histogram* kv_transfer_seconds_;
   prometheus::Gauge *running_, *queued_prompt_tokens_;
   prometheus::Counter *kv_transfer_bytes_, *kv_pulled_, *kv_failed_;
+  prometheus::Family<prometheus::Gauge>* lora_info_;
+  absl::Mutex lora_mu_;
+  prometheus::Gauge* lora_series_ ABSL_GUARDED_BY(lora_mu_) = nullptr;
+  std::map<std::string, std::string> lora_labels_ ABSL_GUARDED_BY(lora_mu_);
 };
 
 class RankMetrics {

@@ -352,6 +352,17 @@ EngineObserver ApiServer::Observer() {
   EngineObserver o;
   o.queue_depth = [m](size_t d) { m->SetQueueDepth(static_cast<double>(d)); };
   o.backlog = [m](int running, int64_t prompt) { m->SetBacklog(running, prompt); };
+  if (impl_->config.env.max_loras > 0) {
+    o.adapters = [m, s = impl_.get()](const std::vector<int32_t>& running,
+                                      const std::vector<int32_t>& waiting) {
+      auto names = [s](const std::vector<int32_t>& slots) {
+        std::vector<std::string> out;
+        for (int32_t slot : slots) out.push_back(s->adapters[slot].name);
+        return out;
+      };
+      m->SetLoraRequests(names(running), names(waiting), s->config.env.max_loras);
+    };
+  }
   o.first_token = [m](double s) { m->ObserveFirstToken(s); };
   o.inter_token = [m](double s) { m->ObserveInterToken(s); };
   o.generated = [m](int64_t n) { m->AddGenerated(static_cast<double>(n)); };

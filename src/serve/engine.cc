@@ -1,6 +1,7 @@
 #include "serve/engine.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -767,6 +768,19 @@ absl::Status Engine::Loop() {
         for (const auto& s : waiting_) prompt += static_cast<int64_t>(s->request.prompt_ids.size());
       }
       observer_.backlog(static_cast<int>(running_.size()), prompt);
+    }
+    if (observer_.adapters) {
+      std::set<int32_t> running, waiting;
+      for (const auto& s : running_) {
+        if (s->request.lora_slot >= 0) running.insert(s->request.lora_slot);
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        for (const auto& s : waiting_) {
+          if (s->request.lora_slot >= 0) waiting.insert(s->request.lora_slot);
+        }
+      }
+      observer_.adapters({running.begin(), running.end()}, {waiting.begin(), waiting.end()});
     }
     if (in_flight_.empty()) {
       // Sequences running without a step wait for their masks (TakeMask): the loop wakes when

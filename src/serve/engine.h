@@ -53,6 +53,10 @@ struct EngineObserver {
   // Disaggregated decode: a prompt's KV taken from a prefill replica (its duration; an error:
   // the sequence was prefilled here instead).
   std::function<void(double seconds, int64_t bytes, const absl::Status& transfer)> kv_import;
+  // After each round of steps: the LoRA adapter slots (GenerationRequest::lora_slot) of the
+  // running sequences and of the waiting requests, each once, ascending (the base: none).
+  std::function<void(const std::vector<int32_t>& running, const std::vector<int32_t>& waiting)>
+      adapters;
 };
 
 struct EngineOptions {

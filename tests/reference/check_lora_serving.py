@@ -8,7 +8,8 @@
     decoding with that adapter (the base: without one), at TP=1, TP=2 and TP=2 x PP=2; on a Qwen2
     base (q/k/v biases) at TP=2; on a GGUF base (Q8_0, as transformers dequantizes it) at TP=2;
   * the API: /v1/models lists each adapter with its parent; a request naming an adapter that is
-    not there is a 404 naming it;
+    not there is a 404 naming it; the leader exports the adapters running and waiting
+    (shardserve_lora_requests_info, vLLM's lora_requests_info form);
   * the prefix cache: a prompt cached under one adapter is not reused under another or the base
     (cached_tokens 0, and the answer still PEFT's), and is reused under the same adapter.
 
@@ -177,6 +178,29 @@ def api_checks(dep, base_name):
           f"an unknown adapter is a 404 naming it ({status} {str(body)[:200]})")
 
 
+def exports(dep):
+    """The leader's shardserve_lora_requests_info (vLLM's lora_requests_info form): 'sql' among
+    the running adapters while a long request of it runs, none once it is done."""
+    def info():
+        return [ln for ln in dep.metrics_page().splitlines()
+                if ln.startswith("shardserve_lora_requests_info{")]
+    long = threading.Thread(target=dep.post, args=("/v1/completions", {
+        "model": "sql", "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0,
+        "ignore_eos": True}))
+    long.start()
+    seen = []
+    for _ in range(500):
+        seen = info()
+        if any('running_lora_adapters="sql"' in ln for ln in seen):
+            break
+    long.join()
+    check(any('running_lora_adapters="sql"' in ln and 'max_lora="4"' in ln for ln in seen),
+          f"while a request of 'sql' runs, the leader exports it running ({seen})")
+    after = info()
+    check(len(after) == 1 and 'running_lora_adapters=""' in after[0] and
+          'waiting_lora_adapters=""' in after[0], f"one series, none running once done ({after})")
+
+
 def cache_checks(dep, base_name, tokenizer, base, dirs):
     """A prompt of 24 tokens (one full block of 16) none sent before, under 'sql', then
     'chat-qv', the base and 'sql' again."""
@@ -214,6 +238,7 @@ def safetensors_base(kind, shapes):
             served(dep, kind, tokenizer, want, 1e-4, what)
             if (kind, tp, pp) == ("llama", 2, 2):
                 api_checks(dep, kind)
+                exports(dep)
                 cache_checks(dep, kind, tokenizer, base, dirs)
         finally:
             code = dep.stop()

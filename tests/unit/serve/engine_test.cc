@@ -204,6 +204,37 @@ TEST_F(EngineTest, TheBacklogCountsPromptTokensNotYetComputed) {
   EXPECT_GE(decoding->first, 1);
 }
 
+// The adapters a leader exports (EngineObserver::adapters): the running sequences' and the
+// waiting requests' LoRA slots, each once, the base's none; a batch of two leaves the others
+// waiting, and the waiting ones run in their turn.
+TEST_F(EngineTest, TheAdaptersOfRunningAndWaitingRequestsAreObserved) {
+  LocalExecutor exec(model_.get(), 1024);
+  EngineOptions o = exec.Options();
+  o.max_batch = 2;
+  o.exit_when_idle = true;
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> seen;
+  EngineObserver observer;
+  observer.adapters = [&](const std::vector<int32_t>& running,
+                          const std::vector<int32_t>& waiting) {
+    seen.emplace_back(running, waiting);
+  };
+  Engine engine(&exec, o, observer);
+  const int32_t slots[] = {3, 3, -1, 1, 1, -1};  // the base's requests have no slot
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    GenerationRequest r = requests_[i];
+    r.lora_slot = slots[i % 6];
+    ASSERT_TRUE(engine.Submit(r).ok());
+  }
+  ASSERT_TRUE(engine.Run().ok());
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.front().first, std::vector<int32_t>({3})) << "the first two share slot 3";
+  EXPECT_EQ(seen.front().second, std::vector<int32_t>({1}));
+  EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](const auto& p) {
+    return p.first == std::vector<int32_t>({1});
+  })) << "slot 1's requests run in their turn";
+  EXPECT_EQ(seen.back(), (std::pair<std::vector<int32_t>, std::vector<int32_t>>{}));
+}
+
 // Structured output through the engine: the constrained sequences' tokens follow their
 // grammars (a JSON schema, a regex) and end when the grammar is complete, through preemption and
 // chunked prompts; each of their sampled tokens went out with a mask, and the other sequences'
