@@ -31,12 +31,14 @@ Figures (apply -> first answer, scale-up -> new replica answering, kill -> Ready
 the roll, leader failover) are printed as `figure:` lines.
 
 Without --helm, then: a disaggregated model (its prefill role a ShardedModel of its own) through
-its routers, its prefill leader killed under load; models from where they live (tests/e2e/sources.py): s3://, hf:// and
+its routers, its prefill leader killed under load; a model with two LoRA adapters (spec.adapters)
+answering through its routers as shardserve local does; models from where they live (tests/e2e/sources.py): s3://, hf:// and
 oci:// on real servers, each node's cache, Downloading in status, corruption refused by name.
 
 usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator
-       [--helm | --sources-only | --disaggregated-only]
-(--sources-only, --disaggregated-only: the set-up and that flow alone, for working on it)"""
+       [--helm | --sources-only | --disaggregated-only | --adapters-only]
+(--sources-only, --disaggregated-only, --adapters-only: the set-up and that flow alone, for
+working on it)"""
 import base64
 import http.client
 import json
@@ -65,6 +67,7 @@ SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
 HELM_MODE = "--helm" in sys.argv[3:]
 SOURCES_ONLY = "--sources-only" in sys.argv[3:]
 DISAGGREGATED_ONLY = "--disaggregated-only" in sys.argv[3:]
+ADAPTERS_ONLY = "--adapters-only" in sys.argv[3:]
 NS = "shardserve" if HELM_MODE else "default"  # the chart's operator watches its namespace
 RELEASE = "ss"
 NAME = "tiny"
@@ -647,6 +650,64 @@ def disaggregated():
           "split: deleted with its prefill role and every pod")
 
 
+def adapters():
+    """6c. LoRA adapters (issue 54): a model of two replicas (TP 1) with two adapters on host
+    paths, declared in spec.adapters, mounted read-only on its pods; through its routers, each
+    adapter's answer and the base's equal shardserve local's on the same manifest, and the
+    adapters' answers differ from the base's."""
+    t0 = time.monotonic()
+    names = ["sql", "chat"]
+    dirs = {}
+    for i, name in enumerate(names):
+        dirs[name] = os.path.join(models, "adapters", name)
+        subprocess.run([SHARDSERVE, "gen-adapter", "--model", model_dir, "--out", dirs[name],
+                        "--rank", "8", "--seed", str(i + 1)], check=True, capture_output=True)
+    for root, _, files in os.walk(os.path.join(models, "adapters")):
+        os.chmod(root, 0o755)
+        for n in files:
+            os.chmod(os.path.join(root, n), 0o644)
+    key_file = os.path.join(tmp, "keys")  # local_reference wrote it
+    spec = "  adapters:\n" + "".join(f"    - {{name: {n}, uri: \"file://{dirs[n]}\"}}\n"
+                                      for n in names)
+    local = Deployment(SHARDSERVE, model_dir, name="lora", tp=1, pp=1, max_batch=8, max_seq=1024,
+                       args=["--api-key-file", key_file], api_key=KEY, spec=spec)
+    want = {}
+    try:
+        for model in ["lora", *names]:
+            want[model] = local.post("/v1/completions", {
+                "model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+                "logprobs": 3})[2]
+    finally:
+        local.stop()
+    obj = manifest("lora", f"hostpath://{model_dir}", tp=1, pp=1, replicas=2)
+    obj["spec"]["adapters"] = [{"name": n, "uri": f"hostpath://{dirs[n]}"} for n in names]
+    apply(obj)
+    check(wait_until(lambda: ready("lora", 2), 300),
+          f"lora: two replicas with their adapters Ready ({status('lora').get('phase')})")
+    pod = c.get("pod", "lora-0-0")
+    mounts = {v["mountPath"] for v in pod["spec"]["containers"][0]["volumeMounts"]}
+    check({"/adapters/0", "/adapters/1"} <= mounts, f"lora: the adapters mounted ({mounts})")
+    check(wait_until(lambda: c.get("service", "lora")["spec"]["selector"].get(
+        "shardserve.io/role") == "router", 180), "lora: its Service goes to its routers")
+    host = service_ip("lora")
+    got = {}
+    for model in ["lora", *names]:
+        wait_until(lambda: post(host, {"model": model, "prompt": "x", "max_tokens": 1})[0] == 200,
+                   60)
+        got[model] = post(host, {"model": model, "prompt": PROMPTS[1], "max_tokens": 12,
+                                 "temperature": 0, "logprobs": 3})[1]
+    figure("adapters apply -> each adapter answering through the routers", time.monotonic() - t0)
+    texts = {k: (v["choices"][0]["text"] if isinstance(v, dict) else v) for k, v in got.items()}
+    check(all(isinstance(got[k], dict) and same_answer(got[k], want[k]) for k in got),
+          f"lora: the base's and each adapter's tokens and logprobs through the routers equal "
+          f"shardserve local's ({texts})")
+    check(len({json.dumps(got[k]["choices"][0]["logprobs"]["token_logprobs"])
+               for k in got if isinstance(got[k], dict)}) == 3,
+          "lora: and each adapter's answer is its own (not the base's)")
+    c.kubectl("delete", "smodel", "lora", "--wait=true", "--timeout=120s")
+    check(wait_until(lambda: not model_pods("lora"), 120), "lora: deleted")
+
+
 try:
     if HELM_MODE:
         install_chart()
@@ -657,15 +718,18 @@ try:
               check=True)
     if DISAGGREGATED_ONLY:
         disaggregated()
+    elif ADAPTERS_ONLY:
+        adapters()
     elif not SOURCES_ONLY:
         flows()
-    if not HELM_MODE and not DISAGGREGATED_ONLY:
+    if not HELM_MODE and not DISAGGREGATED_ONLY and not ADAPTERS_ONLY:
         # --- 6. models from where they live (s3://, hf://, oci://): before the held pulls (after
         # them one node's containerd no longer resolved the worker image by its name) ----------
         if not SOURCES_ONLY:
             c.kubectl("delete", "smodel", NAME, "--wait=true", "--timeout=120s")
             check(wait_until(lambda: not model_pods(NAME), 120), f"{NAME}: deleted (GPUs)")
             disaggregated()
+            adapters()
         servers = subprocess.run(["bash", os.path.join(ROOT, "scripts", "servers-build.sh")],
                                  capture_output=True, text=True, check=True).stdout.strip()
         sources.run(c, m, check, SHARDSERVE, servers, tmp, model_dir, NODE_CACHES, reference[0],
