@@ -20,6 +20,7 @@ namespace {
 constexpr char kModelMount[] = "/models";
 constexpr char kCacheMount[] = "/var/lib/shardserve/models";  // the node's cache, in a fetch step
 constexpr char kFetchMount[] = "/var/run/shardserve/fetch";
+constexpr char kAdminKeysMount[] = "/var/run/shardserve/admin-keys";
 constexpr char kCredentialsMount[] = "/var/run/shardserve/model-credentials";
 
 uint64_t Fnv(const std::string& s) {
@@ -81,9 +82,12 @@ struct ModelFiles {
 };
 
 // A stage's LoRA adapters (spec.adapters): each one's volume (its claim or its host directory),
-// read-only at kAdapterMount/N, and the directories the ranks read (SHARDSERVE_LORA_ADAPTERS).
+// read-only at kAdapterMount/N, and the directories the ranks read (SHARDSERVE_LORA_ADAPTERS);
+// and the directory of the adapters loaded at runtime (spec.lora.source), read-only at
+// kAdapterDynamicMount: `root` (SHARDSERVE_LORA_ROOT).
 constexpr char kAdapterMount[] = "/adapters";
-ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs) {
+constexpr char kAdapterDynamicMount[] = "/adapters/dynamic";
+ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs, std::string* root) {
   ModelFiles f;
   const auto& adapters = m.model.spec.adapters;
   for (size_t i = 0; i < adapters.size(); ++i) {
@@ -101,6 +105,21 @@ ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs) 
       refs.push_back({adapters[i].name, at});
     }
     f.mounts.push_back({{"name", volume}, {"mountPath", at}, {"readOnly", true}});
+  }
+  if (!m.model.spec.lora_source.empty()) {  // where adapters loaded at runtime are
+    const ModelUri uri = *ParseModelUri(m.model.spec.lora_source);  // checked by ReadModel
+    if (uri.scheme == ModelUri::Scheme::kPvc) {
+      f.volumes.push_back(
+          {{"name", "adapters-dynamic"},
+           {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
+      *root = absl::StrCat(kAdapterDynamicMount, "/", uri.path);
+    } else {
+      f.volumes.push_back({{"name", "adapters-dynamic"},
+                           {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}});
+      *root = kAdapterDynamicMount;
+    }
+    f.mounts.push_back(
+        {{"name", "adapters-dynamic"}, {"mountPath", kAdapterDynamicMount}, {"readOnly", true}});
   }
   return f;
 }
@@ -230,6 +249,12 @@ void AddLeaderSecrets(const ModelView& m, json& volumes, json& mounts) {
     volumes.push_back({{"name", "api-keys"},
                        {"secret", {{"secretName", s.api_key_secret}, {"defaultMode", 0440}}}});
     mounts.push_back({{"name", "api-keys"}, {"mountPath", kApiKeysMount}, {"readOnly", true}});
+  }
+  if (!s.lora_admin_key_secret.empty()) {  // who may load adapters at runtime
+    volumes.push_back(
+        {{"name", "admin-keys"},
+         {"secret", {{"secretName", s.lora_admin_key_secret}, {"defaultMode", 0440}}}});
+    mounts.push_back({{"name", "admin-keys"}, {"mountPath", kAdminKeysMount}, {"readOnly", true}});
   }
   volumes.push_back(
       {{"name", "router-token"},
@@ -403,6 +428,18 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
           CheckHostPath(at.path, policy.host_paths, absl::StrCat("spec.adapters[", i, "].uri")));
     }
   }
+  if (const std::string& source = v.model.spec.lora_source; !source.empty()) {
+    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(source));
+    if (at.scheme == ModelUri::Scheme::kFile) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.lora.source '", source,
+          "' is a file:// uri, which only shardserve local reads; on a cluster use pvc:// or "
+          "hostpath://"));
+    }
+    if (at.scheme == ModelUri::Scheme::kHostPath) {
+      RETURN_IF_ERROR(CheckHostPath(at.path, policy.host_paths, "spec.lora.source"));
+    }
+  }
   const std::string& image = v.model.spec.image;
   if (!policy.image_prefixes.empty() &&
       std::none_of(policy.image_prefixes.begin(), policy.image_prefixes.end(),
@@ -440,7 +477,8 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   const std::string workers = name + "-workers";
   const ModelFiles files = StageModelFiles(m, node);
   std::vector<AdapterRef> adapters;
-  const ModelFiles adapter_files = StageAdapterFiles(m, adapters);
+  std::string lora_root;
+  const ModelFiles adapter_files = StageAdapterFiles(m, adapters, &lora_root);
   const bool leader = stage == 0;
 
   json labels = Labels(m);
@@ -468,12 +506,14 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   w.api_port = static_cast<int>(s.port);
   ApplyServing(s, w);
   w.lora_adapters = EncodeAdapterList(adapters);
+  w.lora_root = lora_root;
   w.host = absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc");
   w.rendezvous_secret_file = absl::StrCat(kRendezvousSecretMount, "/secret");
   w.termination_log = "/dev/termination-log";  // the first rank error, for status
   w.peer_timeout_ms = kPeerTimeoutMs;
   w.kv_role = m.kv_role;
   if (leader && !s.api_key_secret.empty()) w.api_keys_file = kApiKeysMount;
+  if (leader && !s.lora_admin_key_secret.empty()) w.admin_keys_file = kAdminKeysMount;
   if (leader) w.router_token_file = absl::StrCat(kRouterTokenMount, "/token");
   json env = json::array();
   for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});

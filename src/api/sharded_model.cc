@@ -268,6 +268,8 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
     RETURN_IF_ERROR(lora.CheckMap());
     RETURN_IF_ERROR(lora.Int("maxLoras", s.max_loras));
     RETURN_IF_ERROR(lora.Int("maxLoraRank", s.max_lora_rank));
+    RETURN_IF_ERROR(lora.String("adminKeySecret", s.lora_admin_key_secret));
+    RETURN_IF_ERROR(lora.String("source", s.lora_source));
     RETURN_IF_ERROR(lora.NoOthers());
     s.lora = true;
   }
@@ -380,6 +382,12 @@ ShardedModelSpec PrefillSpec(const ShardedModelSpec& spec) {
 std::string PrefillModelName(const std::string& model) { return model + "-prefill"; }
 
 namespace {
+// A Kubernetes object name (RFC 1123 subdomain).
+const std::regex& DnsSubdomain() {
+  static const std::regex* re = new std::regex("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
+  return *re;
+}
+
 // spec.adapters and spec.lora: names an API may serve, distinct and not the model's; local uris
 // (the ranks read the directories); bounds the worker contract takes.
 absl::Status CheckAdapters(const ShardedModelSpec& s) {
@@ -395,6 +403,25 @@ absl::Status CheckAdapters(const ShardedModelSpec& s) {
     return absl::InvalidArgumentError(absl::StrCat("spec.adapters lists ", s.adapters.size(),
                                                    " adapters; spec.lora.maxLoras holds ",
                                                    s.max_loras, " at once"));
+  }
+  if (!s.lora_source.empty()) {
+    absl::StatusOr<ModelUri> uri = ParseModelUri(s.lora_source);
+    if (!uri.ok() || uri->remote()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.lora.source '", s.lora_source,
+                       "' must be pvc://CLAIM/PATH, hostpath:///DIR or file:///DIR"));
+    }
+  }
+  if (!s.lora_admin_key_secret.empty() && s.lora_source.empty()) {
+    return absl::InvalidArgumentError(
+        "spec.lora.adminKeySecret lets admins load adapters at runtime: spec.lora.source must say "
+        "the directory they are in");
+  }
+  if (!s.lora_admin_key_secret.empty() &&
+      (s.lora_admin_key_secret.size() > 253 ||
+       !std::regex_match(s.lora_admin_key_secret, DnsSubdomain()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.lora.adminKeySecret '", s.lora_admin_key_secret, "' is not a Secret's name"));
   }
   std::set<std::string> names;
   for (size_t i = 0; i < s.adapters.size(); ++i) {
@@ -565,7 +592,6 @@ absl::StatusOr<int64_t> ParseByteQuantity(const std::string& text, const std::st
 
 absl::Status ValidateShardedModel(const ShardedModel& m) {
   static const std::regex kDnsLabel("[a-z0-9]([-a-z0-9]*[a-z0-9])?");
-  static const std::regex kDnsSubdomain("[a-z0-9]([-a-z0-9.]*[a-z0-9])?");
   // Pods are named <name>-<replica>-<stage> and must stay within 63 characters.
   if (m.name.empty() || m.name.size() > 45 || !std::regex_match(m.name, kDnsLabel)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -590,7 +616,7 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
                      s.model_uri, "' needs none"));
   }
   if (!s.model_secret.empty() &&
-      (s.model_secret.size() > 253 || !std::regex_match(s.model_secret, kDnsSubdomain))) {
+      (s.model_secret.size() > 253 || !std::regex_match(s.model_secret, DnsSubdomain()))) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.model.secret '", s.model_secret, "' is not a Secret's name"));
   }
@@ -695,7 +721,7 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     }
   }
   if (!s.api_key_secret.empty() &&
-      (s.api_key_secret.size() > 253 || !std::regex_match(s.api_key_secret, kDnsSubdomain))) {
+      (s.api_key_secret.size() > 253 || !std::regex_match(s.api_key_secret, DnsSubdomain()))) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.apiKeySecret '", s.api_key_secret,
                                                    "' is not a valid Secret name (lower-case "
                                                    "letters, digits, '-' and '.', at most 253)"));

@@ -139,6 +139,12 @@ struct ShardedModelSpec {
   bool lora = false;
   int64_t max_loras = 4;
   int64_t max_lora_rank = 64;
+  // Adapters loaded at runtime (POST /v1/load_lora_adapter): the Secret (in the model's
+  // namespace) whose entries are the admin keys allowed to load and unload them ("": runtime
+  // loading off), and the directory their paths are inside (a uri as spec.model.uri's local
+  // forms; mounted read-only on every stage pod).
+  std::string lora_admin_key_secret;
+  std::string lora_source;
   // spec.prefillOf: this model is the prefill role of the named disaggregated model (made by the
   // operator, owned by that model; never written by hand).
   std::string prefill_of;

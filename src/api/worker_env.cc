@@ -52,6 +52,8 @@ const StringVar kStrings[] = {
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
     {"SHARDSERVE_LORA_ADAPTERS", &WorkerEnv::lora_adapters},
+    {"SHARDSERVE_ADMIN_KEYS_FILE", &WorkerEnv::admin_keys_file},
+    {"SHARDSERVE_LORA_ROOT", &WorkerEnv::lora_root},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_REPLICA", &WorkerEnv::replica, 0, kIntMax, true},

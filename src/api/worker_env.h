@@ -167,6 +167,11 @@ struct WorkerEnv {
   int max_loras = 0;
   int64_t max_lora_rank = 64;
   std::string lora_adapters;
+  // Runtime adapters (POST /v1/load_lora_adapter): the keys allowed to load and unload them (a
+  // keys file as api_keys_file; unset: runtime loading off) and the directory their paths must be
+  // inside (spec.lora.source, mounted).
+  std::string admin_keys_file;
+  std::string lora_root;
   std::string api_key;        // one key (serve/api_keys.h)
   std::string api_keys_file;  // a file or a directory of keys
   // The token a router proves to read the leader's KV events (GET /v1/kv-events), a keys file as

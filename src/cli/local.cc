@@ -161,7 +161,7 @@ class FetchReportFile {
 absl::Status RunLocal(std::vector<std::string> argv) {
   ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
                                        {"file", "port", "metrics-port-base", "threads",
-                                        "api-key-file", "router-token-file"},
+                                        "api-key-file", "router-token-file", "admin-key-file"},
                                        {"no-router"}, "shardserve local", kLocalUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
@@ -254,6 +254,27 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   if (!key_file.empty()) {  // checked before any rank starts
     RETURN_IF_ERROR(ApiKeys::Create("", key_file).status());
   }
+  // Adapters loaded at runtime: the admins' keys from --admin-key-file (the manifest's Secret is
+  // a cluster's), the adapters' directory from spec.lora.source.
+  const std::string admin_key_file = a.GetOr("admin-key-file", "");
+  std::string lora_root;
+  if (!spec.lora_source.empty()) {
+    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(spec.lora_source));
+    if (at.scheme == ModelUri::Scheme::kPvc) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          file, ": spec.lora.source '", spec.lora_source,
+          "' is a PersistentVolumeClaim, which needs a cluster; shardserve local reads "
+          "file:///DIR or hostpath:///DIR"));
+    }
+    lora_root = at.path;
+  }
+  if (admin_key_file.empty() != lora_root.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file,
+        ": adapters loaded at runtime need both the admins' keys (--admin-key-file FILE) "
+        "and the directory they are in (spec.lora.source)"));
+  }
+  if (!admin_key_file.empty()) RETURN_IF_ERROR(ApiKeys::Create("", admin_key_file).status());
   if (spec.tensor_auto || spec.pipeline_auto) {
     // No GPU memory to weigh here: the smallest sizes that divide the model.
     auto footprint = LoadFootprint(uri.path);
@@ -405,6 +426,8 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         w.kv_role = role.name;
         w.rendezvous_secret_file = secrets.back().path();
         w.api_keys_file = key_file;
+        w.admin_keys_file = admin_key_file;
+        w.lora_root = lora_root;
         w.router_token_file = router_token_file;  // "" without a router: nobody reads the events
         const auto contract = w.ToEnv();
         env.insert(env.end(), contract.begin(), contract.end());

@@ -40,9 +40,10 @@ struct GenerationRequest {
   // Salts the names of its KV blocks (serve/prefix_cache.h: PrefixCacheSalt): it shares cached
   // blocks only with sequences of the same salt.
   std::string cache_salt;
-  // The LoRA adapter slot it runs (api/adapters.h); -1: the base model. Its cache_salt names
-  // the adapter, so that no KV block computed under one adapter is shared with another.
-  int32_t lora_slot = -1;
+  // The LoRA adapter it runs (Engine::AdapterOf: its id in the replica's AdapterRegistry); -1:
+  // the base model. Its cache_salt names the adapter, so that no KV block computed under one
+  // adapter is shared with another.
+  int64_t adapter = -1;
 };
 
 struct GenerationResult {

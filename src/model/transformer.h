@@ -42,6 +42,20 @@
 
 namespace shardserve {
 
+// A LoRA adapter's share of one rank, laid out in host memory as a slot holds it
+// (Transformer::PrepareLora): each module's A and B transposed at its offsets (in floats).
+struct PreparedLora {
+  struct Piece {
+    int64_t layer = 0;  // of the stage
+    LoraTarget target = LoraTarget::kQ;
+    int64_t rank = 0;
+    float scale = 0;
+    size_t a_at = 0, b_at = 0;
+  };
+  std::vector<Piece> pieces;
+  std::vector<float> host;
+};
+
 struct SequenceChunk {
   std::vector<int32_t> tokens;  // new tokens of this sequence
   SequenceKv* kv = nullptr;     // positions [kv->length, kv->length + tokens.size()) are new
@@ -160,6 +174,11 @@ class Transformer {
   // lora_slot then runs it. Refused by name: a slot out of range, a rank over lora_max_rank, a
   // module of a shape this model does not have. The adapter may be freed afterwards.
   absl::Status LoadLora(int slot, const LoraAdapter& adapter);
+  // LoadLora in two halves: the checks and this rank's share laid out in host memory (safe on
+  // another thread while steps run: it reads only the model's shape), then the copy into a slot
+  // (on the thread that runs the steps, between them).
+  absl::StatusOr<PreparedLora> PrepareLora(const LoraAdapter& adapter) const;
+  absl::Status InstallLora(int slot, const PreparedLora& prepared);
   // Empties a slot (its backend memory freed); a chunk may no longer name it.
   absl::Status UnloadLora(int slot);
   // Backend bytes the slot's factors take on this rank (0: empty).

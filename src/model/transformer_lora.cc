@@ -76,19 +76,9 @@ absl::Status Transformer::PublishLora(LoraProjection& p) {
   return absl::OkStatus();
 }
 
-absl::Status Transformer::LoadLora(int slot, const LoraAdapter& adapter) {
-  if (slot < 0 || slot >= options_.lora_slots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("LoRA slot ", slot, " is outside this replica's ", options_.lora_slots));
-  }
-  // Check every module, and lay out this rank's share of those of its stage, before touching the
-  // slot.
-  struct Piece {
-    const LoraModule* m;
-    LoraShare share;
-    size_t a_at, b_at;  // offsets in floats
-  };
-  std::vector<Piece> pieces;
+absl::StatusOr<PreparedLora> Transformer::PrepareLora(const LoraAdapter& adapter) const {
+  // Check every module, and lay out this rank's share of those of its stage.
+  PreparedLora out;
   size_t floats = 0;
   for (const LoraModule& m : adapter.modules) {
     if (m.rank < 1 || m.rank > options_.lora_max_rank) {
@@ -115,38 +105,50 @@ absl::Status Transformer::LoadLora(int slot, const LoraAdapter& adapter) {
           absl::StrCat("layer ", m.layer, " ", LoraTargetName(m.target), ": a LoRA update of ",
                        m.in, " -> ", m.out, " does not fit this model's projection"));
     }
-    pieces.push_back({&m, share, floats, floats + static_cast<size_t>(m.rank * share.in)});
+    out.pieces.push_back({m.layer - layer_begin_, m.target, m.rank, m.scale, floats,
+                          floats + static_cast<size_t>(m.rank * share.in)});
     floats += static_cast<size_t>(m.rank * (share.in + share.out));
   }
-  std::vector<float> host(std::max<size_t>(floats, 1));
-  for (const Piece& p : pieces) {
-    const LoraModule& m = *p.m;
-    float* a = host.data() + p.a_at;
-    float* b = host.data() + p.b_at;
+  out.host.resize(std::max<size_t>(floats, 1));
+  size_t k = 0;
+  for (const LoraModule& m : adapter.modules) {
+    if (m.layer < layer_begin_ || m.layer >= layer_end_) continue;
+    const PreparedLora::Piece& p = out.pieces[k++];
+    const LoraShare share = LoraShareOf(m.target);
+    float* a = out.host.data() + p.a_at;
+    float* b = out.host.data() + p.b_at;
     // Row-parallel: A's columns of this rank's inputs, all of B; column-parallel: all of A, B's
     // rows of this rank's outputs. B transposed ([rank][out], as LoraTable holds it).
-    const int64_t a0 = p.share.slices_a ? p.share.begin : 0;
-    const int64_t b0 = p.share.slices_a ? 0 : p.share.begin;
+    const int64_t a0 = share.slices_a ? share.begin : 0;
+    const int64_t b0 = share.slices_a ? 0 : share.begin;
     for (int64_t j = 0; j < m.rank; ++j) {
-      std::copy_n(m.a.data() + j * m.in + a0, p.share.in, a + j * p.share.in);
-      for (int64_t n = 0; n < p.share.out; ++n) b[j * p.share.out + n] = m.b[(b0 + n) * m.rank + j];
+      std::copy_n(m.a.data() + j * m.in + a0, share.in, a + j * share.in);
+      for (int64_t n = 0; n < share.out; ++n) b[j * share.out + n] = m.b[(b0 + n) * m.rank + j];
     }
   }
+  return out;
+}
+
+absl::Status Transformer::InstallLora(int slot, const PreparedLora& prepared) {
   RETURN_IF_ERROR(UnloadLora(slot));
   std::unique_ptr<Buffer> mem = backend_->NewBuffer();
-  RETURN_IF_ERROR(mem->Reserve(host.size() * sizeof(float)));
-  RETURN_IF_ERROR(backend_->CopyFromHost(mem->data(), host.data(), host.size() * sizeof(float)));
+  const size_t bytes = prepared.host.size() * sizeof(float);
+  RETURN_IF_ERROR(mem->Reserve(bytes));
+  RETURN_IF_ERROR(backend_->CopyFromHost(mem->data(), prepared.host.data(), bytes));
   const float* base = mem->as<float>();
   lora_mem_[slot] = std::move(mem);
   std::vector<std::array<bool, kLoraTargets>> touched(lora_.size());
-  for (const Piece& p : pieces) {
-    const int ti = static_cast<int>(p.m->target);
-    LoraProjection& proj = lora_[p.m->layer - layer_begin_][ti];
+  for (const PreparedLora::Piece& p : prepared.pieces) {
+    const int ti = static_cast<int>(p.target);
+    if (p.layer < 0 || p.layer >= static_cast<int64_t>(lora_.size())) {
+      return absl::InvalidArgumentError("a prepared LoRA adapter of another stage");
+    }
+    LoraProjection& proj = lora_[p.layer][ti];
     proj.a[slot] = base + p.a_at;
     proj.bt[slot] = base + p.b_at;
-    proj.rank[slot] = static_cast<int32_t>(p.m->rank);
-    proj.scale[slot] = p.m->scale;
-    touched[p.m->layer - layer_begin_][ti] = true;
+    proj.rank[slot] = static_cast<int32_t>(p.rank);
+    proj.scale[slot] = p.scale;
+    touched[p.layer][ti] = true;
   }
   for (size_t li = 0; li < lora_.size(); ++li) {
     for (int ti = 0; ti < kLoraTargets; ++ti) {
@@ -154,6 +156,15 @@ absl::Status Transformer::LoadLora(int slot, const LoraAdapter& adapter) {
     }
   }
   return backend_->Synchronize();
+}
+
+absl::Status Transformer::LoadLora(int slot, const LoraAdapter& adapter) {
+  if (slot < 0 || slot >= options_.lora_slots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoRA slot ", slot, " is outside this replica's ", options_.lora_slots));
+  }
+  ASSIGN_OR_RETURN(const PreparedLora prepared, PrepareLora(adapter));
+  return InstallLora(slot, prepared);
 }
 
 absl::Status Transformer::UnloadLora(int slot) {

@@ -3,6 +3,7 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -12,6 +13,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "model/lora.h"
 #include "serve/api_server_impl.h"
 
 namespace shardserve {
@@ -171,19 +173,131 @@ absl::StatusOr<ojson> ApiServer::Impl::Body(const http::Request& http_req) {
   }
 }
 
-absl::StatusOr<std::optional<int32_t>> ApiServer::Impl::Served(const std::string& model) const {
-  absl::StatusOr<std::optional<int32_t>> slot =
-      AdapterSlotOf(adapters, config.env.model_name, model);
-  if (slot.ok()) return slot;
-  absl::Status s = slot.status();
+std::vector<std::string> ApiServer::Impl::AdapterNames() {
+  {
+    absl::ReaderMutexLock lock(&engine_mu);
+    if (engine != nullptr) return engine->adapter_names();
+  }
+  std::vector<std::string> out;
+  for (const AdapterRef& a : adapters) out.push_back(a.name);
+  return out;
+}
+
+absl::StatusOr<std::optional<int64_t>> ApiServer::Impl::Served(const std::string& model) {
+  if (model == config.env.model_name) return std::nullopt;
+  {
+    absl::ReaderMutexLock lock(&engine_mu);
+    if (engine != nullptr) {
+      if (absl::StatusOr<int64_t> id = engine->AdapterOf(model); id.ok()) return *id;
+    }
+  }
+  std::string names = absl::StrCat("'", config.env.model_name, "'");
+  for (const std::string& a : AdapterNames()) absl::StrAppend(&names, ", '", a, "'");
+  absl::Status s = absl::NotFoundError(absl::StrCat(
+      "the model '", model.substr(0, 200), "' does not exist; this server serves ", names));
   s.SetPayload("type.shardserve.io/param", absl::Cord("model"));
   return s;
 }
 
-absl::Status ApiServer::Impl::ServeModelOf(ApiRequest& req) const {
-  ASSIGN_OR_RETURN(const std::optional<int32_t> slot, Served(req.model));
-  req.lora_slot = slot.value_or(-1);
+absl::Status ApiServer::Impl::ServeModelOf(ApiRequest& req) {
+  ASSIGN_OR_RETURN(const std::optional<int64_t> adapter, Served(req.model));
+  req.adapter = adapter.value_or(-1);
+  req.adapter_name = adapter ? req.model : "";
+  // Its blocks' salt: a declared adapter's name (the router salts alike); an adapter loaded at
+  // runtime also its id, so that a name unloaded and loaded again with other files never meets
+  // the blocks of its earlier files.
+  req.adapter_salt = req.adapter_name;
+  if (adapter && *adapter >= static_cast<int64_t>(adapters.size())) {
+    absl::StrAppend(&req.adapter_salt, "#", *adapter);
+  }
   return absl::OkStatus();
+}
+
+http::Response ApiServer::Impl::LoraAdmin(const http::Request& req, bool load) {
+  const std::string endpoint = load ? "/v1/load_lora_adapter" : "/v1/unload_lora_adapter";
+  if (admin_keys == nullptr) {
+    return Reply(
+        WithHttpStatus(absl::NotFoundError(absl::StrCat(
+                           endpoint,
+                           ": runtime LoRA adapters are off on this server (no admin keys: "
+                           "SHARDSERVE_ADMIN_KEYS_FILE, spec.lora.adminKeySecret)")),
+                       404));
+  }
+  if (absl::Status s = admin_keys->Check(req.Header("authorization")); !s.ok()) {
+    // A user's key is known but not allowed here; anything else is not authenticated.
+    const bool user = keys != nullptr && keys->Check(req.Header("authorization")).ok();
+    if (user) {
+      return Reply(WithHttpStatus(
+          absl::PermissionDeniedError(absl::StrCat(endpoint, " needs an admin key")), 403));
+    }
+    return Reply(s);
+  }
+  absl::StatusOr<ojson> body = Body(req);
+  if (!body.ok()) return Reply(body.status());
+  absl::Status s = [&]() -> absl::Status {
+    if (!body->is_object()) return BadParam("", "the request body must be a JSON object");
+    for (const auto& [key, value] : body->items()) {
+      if (key != "lora_name" && (key != "lora_path" || !load)) {
+        return BadParam(key,
+                        absl::StrCat("'", key.substr(0, 64), "' is not a field of ", endpoint));
+      }
+    }
+    auto name = body->find("lora_name");
+    if (name == body->end() || !name->is_string()) {
+      return BadParam("lora_name", "'lora_name' must be the adapter's name (a string)");
+    }
+    const std::string n = name->get<std::string>();
+    RETURN_IF_ERROR(CheckAdapterName(n));
+    Engine* e;
+    {
+      absl::ReaderMutexLock lock(&engine_mu);
+      if (engine == nullptr) return absl::UnavailableError(not_ready);
+      e = engine;
+    }
+    if (!load) return e->UnloadAdapter(n);
+    if (n == config.env.model_name) {
+      return BadParam("lora_name", absl::StrCat("'", n, "' is the base model's name"));
+    }
+    auto path = body->find("lora_path");
+    if (path == body->end() || !path->is_string() || path->get_ref<const std::string&>().empty() ||
+        path->get_ref<const std::string&>().size() > 4096) {
+      return BadParam("lora_path", "'lora_path' must be the adapter's directory (a string)");
+    }
+    // Inside the adapters' directory only: relative to it, or an absolute path in it, with no
+    // step out of it (symbolic links followed).
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    const fs::path root = fs::weakly_canonical(config.env.lora_root, ec);
+    const fs::path given(path->get<std::string>());
+    const fs::path dir = fs::weakly_canonical(given.is_absolute() ? given : root / given, ec);
+    const auto [r, d] = std::mismatch(root.begin(), root.end(), dir.begin(), dir.end());
+    if (config.env.lora_root.empty() || ec || r != root.end()) {
+      return BadParam("lora_path", absl::StrCat("'lora_path' must be inside the adapters' "
+                                                "directory (",
+                                                config.env.lora_root.empty()
+                                                    ? "none is set: SHARDSERVE_LORA_ROOT"
+                                                    : config.env.lora_root,
+                                                ")"));
+    }
+    LoraLimits limits;
+    limits.max_rank = config.env.max_lora_rank;
+    // Read and checked here, on this request's thread: a bad adapter is this request's 400.
+    if (auto a = LoraAdapter::Load(dir.string(), *model_config, limits); !a.ok()) {
+      return BadParam("lora_path", std::string(a.status().message()));
+    }
+    return e->LoadAdapter(n, dir.string());
+  }();
+  if (!s.ok()) {
+    if (s.code() == absl::StatusCode::kAlreadyExists)
+      s = BadParam("lora_name", std::string(s.message()));
+    return Reply(s);
+  }
+  const std::string name = body->value("lora_name", "");
+  return http::Response{200,
+                        "text/plain",
+                        absl::StrCat("Success: LoRA adapter '", name, "' ",
+                                     load ? "added" : "removed", " successfully."),
+                        {}};
 }
 
 ServeConfig ServeConfigFrom(const WorkerEnv& env, bool local) {
@@ -204,6 +318,15 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(env.api_key, env.api_keys_file));
   ASSIGN_OR_RETURN(impl->router_keys, ApiKeys::Open("", env.router_token_file));
   ASSIGN_OR_RETURN(impl->adapters, ParseAdapterList(env.lora_adapters));
+  if (!env.admin_keys_file.empty()) {
+    if (env.max_loras == 0) {
+      return absl::FailedPreconditionError(
+          "SHARDSERVE_ADMIN_KEYS_FILE lets admins load LoRA adapters, and SHARDSERVE_MAX_LORAS is "
+          "0");
+    }
+    ASSIGN_OR_RETURN(impl->admin_keys, ApiKeys::Open("", env.admin_keys_file));
+    ASSIGN_OR_RETURN(impl->model_config, LoadModelConfig(env.model_path));
+  }
   ASSIGN_OR_RETURN(impl->tokenizer, Tokenizer::Load(env.model_path));
   impl->chat = ChatTemplate::ForModel(env.model_path, *impl->tokenizer, env.chat_template);
   impl->prompt_builder =
@@ -250,6 +373,12 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   routes.PostBlocking("/detokenize", [s](const http::Request& req, http::Exchange& ex) {
     ex.Respond(s->Tokenization(req, true));
   });
+  for (bool load : {true, false}) {
+    routes.PostBlocking(load ? "/v1/load_lora_adapter" : "/v1/unload_lora_adapter",
+                        [s, load](const http::Request& req, http::Exchange& ex) {
+                          ex.Respond(s->LoraAdmin(req, load));
+                        });
+  }
   routes.GetBlocking("/v1/kv-events",
                      [s](const http::Request& req, http::Exchange& ex) { s->KvEvents(req, ex); });
   routes.Get("/v1/models", [s](const http::Request& req) {
@@ -264,10 +393,10 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
       if (s->max_context > 0) model["max_model_len"] = s->max_context;
     }
     json data = json::array({model});
-    for (const AdapterRef& a : s->adapters) {  // as vLLM lists its LoRA modules
-      json lora = {{"id", a.name},   {"object", "model"},
-                   {"created", 0},   {"owned_by", "shardserve"},
-                   {"root", a.name}, {"parent", s->config.env.model_name}};
+    for (const std::string& a : s->AdapterNames()) {  // as vLLM lists its LoRA modules
+      json lora = {{"id", a},      {"object", "model"},
+                   {"created", 0}, {"owned_by", "shardserve"},
+                   {"root", a},    {"parent", s->config.env.model_name}};
       if (model.contains("max_model_len")) lora["max_model_len"] = model["max_model_len"];
       data.push_back(std::move(lora));
     }
@@ -352,15 +481,10 @@ EngineObserver ApiServer::Observer() {
   EngineObserver o;
   o.queue_depth = [m](size_t d) { m->SetQueueDepth(static_cast<double>(d)); };
   o.backlog = [m](int running, int64_t prompt) { m->SetBacklog(running, prompt); };
-  if (impl_->config.env.max_loras > 0) {
-    o.adapters = [m, s = impl_.get()](const std::vector<int32_t>& running,
-                                      const std::vector<int32_t>& waiting) {
-      auto names = [s](const std::vector<int32_t>& slots) {
-        std::vector<std::string> out;
-        for (int32_t slot : slots) out.push_back(s->adapters[slot].name);
-        return out;
-      };
-      m->SetLoraRequests(names(running), names(waiting), s->config.env.max_loras);
+  if (const int max_loras = impl_->config.env.max_loras; max_loras > 0) {
+    o.adapters = [m, max_loras](const std::vector<std::string>& running,
+                                const std::vector<std::string>& waiting) {
+      m->SetLoraRequests(running, waiting, max_loras);
     };
   }
   o.first_token = [m](double s) { m->ObserveFirstToken(s); };

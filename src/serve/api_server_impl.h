@@ -20,6 +20,7 @@
 #include "api/adapters.h"
 #include "http/server.h"
 #include "metrics/rank_metrics.h"
+#include "model/config.h"
 #include "serve/api_keys.h"
 #include "serve/api_server.h"
 #include "serve/grammar.h"
@@ -83,7 +84,8 @@ struct ApiServer::Impl {
   absl::Mutex grammar_mu;
   std::shared_ptr<const GrammarVocabulary> grammar_vocab ABSL_GUARDED_BY(grammar_mu);
   std::shared_ptr<const ReasoningGate> reasoning_gate ABSL_GUARDED_BY(grammar_mu);
-  // The LoRA adapters declared (SHARDSERVE_LORA_ADAPTERS), each in the slot of its place.
+  // The LoRA adapters declared (SHARDSERVE_LORA_ADAPTERS); the engine serves them and those
+  // loaded at runtime.
   std::vector<AdapterRef> adapters;
   // Grammars compile here, on threads whose stacks hold llguidance's recursion, within
   // kCompileTimeout; the HTTP thread waits for its own.
@@ -97,11 +99,17 @@ struct ApiServer::Impl {
   std::optional<http::Response> Deny(const http::Request& req);
   // A request's JSON body: its content type, its depth and its syntax checked.
   absl::StatusOr<ojson> Body(const http::Request& http_req);
-  // The LoRA adapter slot a request's `model` names (api/adapters.h), nullopt for the base
-  // model; NotFound naming the model when it is neither.
-  absl::StatusOr<std::optional<int32_t>> Served(const std::string& model) const;
-  // Served, for a request: its adapter slot set.
-  absl::Status ServeModelOf(ApiRequest& req) const;
+  // The LoRA adapter a request's `model` names (the engine's id), nullopt for the base model;
+  // NotFound naming the model and those served when it is neither.
+  absl::StatusOr<std::optional<int64_t>> Served(const std::string& model);
+  // Served, for a request: its adapter set.
+  absl::Status ServeModelOf(ApiRequest& req);
+  // The adapters served: the engine's, or before it runs the declared ones.
+  std::vector<std::string> AdapterNames();
+  // POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): an admin key's only.
+  http::Response LoraAdmin(const http::Request& req, bool load);
+  std::unique_ptr<ApiKeys> admin_keys;      // null: runtime adapters off
+  std::optional<ModelConfig> model_config;  // what a loaded adapter is checked against
   std::string TokenText(int32_t id) const;
   // The format of the model's tool calls: the manifest's (spec.serving.toolCallParser), else the
   // one its chat template shows.

@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "serve/grammar_workers.h"
 
@@ -83,6 +84,8 @@ struct Engine::Sequence {
   std::shared_ptr<const SequenceKvRole::Source> import;
   Clock::time_point offer_until;
   int mb = -1;
+  int32_t lora_slot = -1;        // its adapter's slot while it runs (GenerationRequest::adapter)
+  bool adapter_started = false;  // counted among its adapter's running sequences
   Clock::time_point submitted, last_token;
 
   int64_t total() const {
@@ -102,8 +105,19 @@ Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver obs
     : executor_(executor),
       options_(std::move(options)),
       observer_(std::move(observer)),
-      pool_(options_.kv_blocks, options_.kv_block_size, options_.prefix_caching) {
+      pool_(options_.kv_blocks, options_.kv_block_size, options_.prefix_caching),
+      adapters_(options_.lora_slots) {
   options_.microbatches = std::max(1, options_.microbatches);
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < options_.adapters.size(); ++i) {  // the ranks loaded them at start
+      absl::StatusOr<int64_t> id =
+          adapters_.Add(options_.adapters[i].name, options_.adapters[i].path);
+      if (id.ok() && static_cast<int>(i) < adapters_.slots()) {
+        adapters_.Installed(*id, static_cast<int32_t>(i));
+      }
+    }
+  }
   mbs_.resize(options_.microbatches);
   grammar_workers_ = std::make_unique<GrammarWorkers>(std::max(1, options_.grammar_threads),
                                                       kGrammarStackBytes, /*max_queued=*/1 << 16);
@@ -466,6 +480,10 @@ void Engine::RegisterBlocks(Sequence* s) {
 
 void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& status) {
   if (s->request.constraint) s->request.constraint->Cancel();  // a mask in progress stops
+  if (std::exchange(s->adapter_started, false)) {
+    absl::MutexLock lock(&mu_);
+    adapters_.Finished(s->request.adapter);
+  }
   if (reason == "offered") {  // its KV waits for the decode replica, its blocks held
     s->stream->set_kv_offer(*s->offer);
     s->offer_until = Clock::now() + options_.kv_offer_hold;
@@ -485,6 +503,11 @@ void Engine::Retire(Sequence* s, const std::string& reason, const absl::Status& 
 
 void Engine::Preempt(Sequence* s) {
   ReleaseBlocks(s);
+  if (std::exchange(s->adapter_started, false)) {
+    absl::MutexLock lock(&mu_);
+    adapters_.Finished(s->request.adapter);
+  }
+  s->lora_slot = -1;
   std::erase(mbs_[s->mb].seqs, s);
   s->mb = -1;
   auto it = std::find_if(running_.begin(), running_.end(),
@@ -545,6 +568,7 @@ StepDesc Engine::BuildStep(int mb) {
     });
   }
   EndOffers();
+  PlaceWaitingAdapters();
   MakeRoomForWaitingRequests();
   int64_t admitted_order = 0;
   absl::flat_hash_map<int64_t, int> held;  // running sequences by request
@@ -560,10 +584,15 @@ StepDesc Engine::BuildStep(int mb) {
            batch.seqs.size() < share) {
       // Next: the waiting sequence of the request with the fewest running, first in line among
       // equals (a preempted sequence is first in line).
-      size_t next = 0;
-      for (size_t i = 1; i < waiting_.size(); ++i) {
-        if (held[waiting_[i]->group] < held[waiting_[next]->group]) next = i;
+      // A sequence whose adapter has no slot yet waits for it; the others pass it.
+      size_t next = waiting_.size();
+      for (size_t i = 0; i < waiting_.size(); ++i) {
+        if (!AdapterReady(waiting_[i].get())) continue;
+        if (next == waiting_.size() || held[waiting_[i]->group] < held[waiting_[next]->group]) {
+          next = i;
+        }
       }
+      if (next == waiting_.size()) break;
       Sequence* s = waiting_[next].get();
       MatchPrefix(s);
       const int64_t need = (s->total() + options_.kv_block_size) / options_.kv_block_size -
@@ -581,6 +610,11 @@ StepDesc Engine::BuildStep(int mb) {
         }
       }
       if (s->import) Import(s);
+      if (s->request.adapter >= 0) {
+        s->lora_slot = adapters_.Get(s->request.adapter)->slot;
+        adapters_.Started(s->request.adapter);
+        s->adapter_started = true;
+      }
       s->mb = mb;
       s->admitted = ++admitted_order;
       ++held[s->group];
@@ -640,7 +674,7 @@ StepDesc Engine::BuildStep(int mb) {
     chunk.tokens.reserve(n);
     for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
     chunk.sample = s->fed + n == s->total();
-    chunk.lora_slot = s->request.lora_slot;
+    chunk.lora_slot = s->lora_slot;
     chunk.allowed = std::move(allowed);
     // Row i predicts token fed + i + 1: the prompt's tokens in [fed + 1, fed + n] not yet scored.
     if (const int64_t q0 = std::max(s->scored, s->fed + 1),
@@ -748,6 +782,7 @@ absl::Status Engine::Loop() {
         return absl::OkStatus();
       }
     }
+    RETURN_IF_ERROR(OrderAdapters());
     for (int mb = 0; mb < static_cast<int>(mbs_.size()); ++mb) {
       if (mbs_[mb].in_flight) continue;
       StepDesc desc = BuildStep(mb);
@@ -770,17 +805,24 @@ absl::Status Engine::Loop() {
       observer_.backlog(static_cast<int>(running_.size()), prompt);
     }
     if (observer_.adapters) {
-      std::set<int32_t> running, waiting;
-      for (const auto& s : running_) {
-        if (s->request.lora_slot >= 0) running.insert(s->request.lora_slot);
-      }
+      std::set<int64_t> running, waiting;
+      std::vector<std::string> running_names, waiting_names;
       {
         absl::MutexLock lock(&mu_);
+        for (const auto& s : running_) {
+          if (s->request.adapter >= 0) running.insert(s->request.adapter);
+        }
         for (const auto& s : waiting_) {
-          if (s->request.lora_slot >= 0) waiting.insert(s->request.lora_slot);
+          if (s->request.adapter >= 0) waiting.insert(s->request.adapter);
+        }
+        for (auto [ids, names] :
+             {std::pair{&running, &running_names}, {&waiting, &waiting_names}}) {
+          for (int64_t id : *ids) {
+            if (const AdapterRegistry::Adapter* a = adapters_.Get(id)) names->push_back(a->name);
+          }
         }
       }
-      observer_.adapters({running.begin(), running.end()}, {waiting.begin(), waiting.end()});
+      observer_.adapters(running_names, waiting_names);
     }
     if (in_flight_.empty()) {
       // Sequences running without a step wait for their masks (TakeMask): the loop wakes when
@@ -798,10 +840,12 @@ absl::Status Engine::Loop() {
             absl::Now() +
             absl::FromChrono(masks_pending ? options_.mask_wait : options_.ping_every);
         const int64_t seen = masks_done_;
-        while (!shutdown_ && waiting_.empty() && masks_done_ == seen && offers_released_.empty()) {
+        while (!shutdown_ && waiting_.empty() && masks_done_ == seen && offers_released_.empty() &&
+               lora_orders_.empty()) {
           if (wake_.WaitWithDeadline(&mu_, deadline)) break;
         }
-        woken |= shutdown_ || !waiting_.empty() || !offers_released_.empty();
+        woken |=
+            shutdown_ || !waiting_.empty() || !offers_released_.empty() || !lora_orders_.empty();
       }
       if (!woken) RETURN_IF_ERROR(executor_->Ping());  // idle: is the replica still there?
       continue;
@@ -814,6 +858,124 @@ absl::Status Engine::Loop() {
                                               mb, ", got ", result.microbatch));
     }
     Accept(result);
+  }
+}
+
+absl::StatusOr<int64_t> Engine::AdapterOf(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  const AdapterRegistry::Adapter* a = adapters_.Find(name);
+  if (a == nullptr) {
+    return absl::NotFoundError(absl::StrCat("the LoRA adapter '", name, "' is not loaded"));
+  }
+  return a->id;
+}
+
+absl::Status Engine::LoadAdapter(const std::string& name, const std::string& path) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (adapters_.slots() == 0) {
+      return absl::FailedPreconditionError("this replica runs no LoRA adapters (maxLoras 0)");
+    }
+    ASSIGN_OR_RETURN(const int64_t id, adapters_.Add(name, path));
+    lora_orders_.push_back({LoraOrder::Op::kPrepare, id, path, -1});
+  }
+  wake_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::Status Engine::UnloadAdapter(const std::string& name) {
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(adapters_.Remove(name));
+  }
+  wake_.SignalAll();
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Engine::adapter_names() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const AdapterRegistry::Adapter* a : adapters_.adapters()) {
+    if (!a->removing) out.push_back(a->name);
+  }
+  return out;
+}
+
+bool Engine::AdapterReady(const Sequence* s) const {
+  if (s->request.adapter < 0) return true;
+  const AdapterRegistry::Adapter* a = adapters_.Get(s->request.adapter);
+  return a != nullptr && a->slot >= 0;
+}
+
+absl::Status Engine::OrderAdapters() {
+  std::vector<LoraOrder> orders;
+  {
+    absl::MutexLock lock(&mu_);
+    orders.swap(lora_orders_);
+    for (const AdapterRegistry::Adapter& gone : adapters_.Reap()) {
+      if (gone.slot >= 0) orders.push_back({LoraOrder::Op::kEvict, gone.id, "", gone.slot});
+      orders.push_back({LoraOrder::Op::kForget, gone.id, "", -1});
+    }
+  }
+  for (const LoraOrder& o : orders) {
+    absl::Status result;
+    RETURN_IF_ERROR(executor_->OrderLora(o, &result));
+    if (!result.ok()) LogWarning("LoRA adapter ", o.id, ": ", result.message());
+  }
+  return absl::OkStatus();
+}
+
+void Engine::PlaceWaitingAdapters() {
+  // The adapters without a slot of the first waiting sequences (as many as a batch holds).
+  std::vector<int64_t> want;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& s : waiting_) {
+      if (static_cast<int>(want.size()) >= options_.max_batch) break;
+      const int64_t id = s->request.adapter;
+      if (id >= 0 && !AdapterReady(s.get()) &&
+          std::find(want.begin(), want.end(), id) == want.end()) {
+        want.push_back(id);
+      }
+    }
+  }
+  for (int64_t id : want) {
+    std::optional<AdapterRegistry::Placement> p;
+    {
+      absl::MutexLock lock(&mu_);
+      if (adapters_.Get(id) != nullptr) p = adapters_.Place(id);
+    }
+    if (!p) continue;  // every slot's adapter runs (or the adapter is gone: its requests end)
+    absl::Status result;
+    replica_failure_ = executor_->OrderLora({LoraOrder::Op::kInstall, id, "", p->slot}, &result);
+    if (!replica_failure_.ok()) return;
+    absl::MutexLock lock(&mu_);
+    if (result.ok()) {
+      adapters_.Installed(id, p->slot);
+      continue;
+    }
+    // The adapter cannot run here (a rank could not read it): its requests end with why.
+    std::erase_if(waiting_, [&](const std::unique_ptr<Sequence>& s) {
+      if (s->request.adapter != id) return false;
+      if (s->request.constraint) s->request.constraint->Cancel();
+      s->stream->Finish("", result);
+      return true;
+    });
+    (void)adapters_.Remove(adapters_.Get(id)->name);
+  }
+  // Requests whose adapter was unloaded before they ran end: it is gone.
+  absl::MutexLock lock(&mu_);
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Sequence* s = it->get();
+    const int64_t id = s->request.adapter;
+    const AdapterRegistry::Adapter* a = id >= 0 ? adapters_.Get(id) : nullptr;
+    if (id < 0 || (a != nullptr && !(a->removing && a->slot < 0))) {
+      ++it;
+      continue;
+    }
+    if (s->request.constraint) s->request.constraint->Cancel();
+    s->stream->Finish("", absl::NotFoundError("its LoRA adapter was unloaded before it ran"));
+    it = waiting_.erase(it);
   }
 }
 

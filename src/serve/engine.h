@@ -25,8 +25,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "api/adapters.h"
 #include "api/worker_env.h"
 #include "model/generation.h"
+#include "serve/adapter_registry.h"
 #include "serve/prefix_cache.h"
 #include "serve/step.h"
 
@@ -53,9 +55,10 @@ struct EngineObserver {
   // Disaggregated decode: a prompt's KV taken from a prefill replica (its duration; an error:
   // the sequence was prefilled here instead).
   std::function<void(double seconds, int64_t bytes, const absl::Status& transfer)> kv_import;
-  // After each round of steps: the LoRA adapter slots (GenerationRequest::lora_slot) of the
-  // running sequences and of the waiting requests, each once, ascending (the base: none).
-  std::function<void(const std::vector<int32_t>& running, const std::vector<int32_t>& waiting)>
+  // After each round of steps: the LoRA adapters (their names) of the running sequences and of
+  // the waiting requests, each once, in id order (the base: none).
+  std::function<void(const std::vector<std::string>& running,
+                     const std::vector<std::string>& waiting)>
       adapters;
 };
 
@@ -84,6 +87,10 @@ struct EngineOptions {
   std::chrono::milliseconds mask_wait{10};
   std::chrono::milliseconds mask_timeout{1000};
   bool exit_when_idle = false;  // Run returns once nothing is left to do
+  // LoRA: the replica's adapter slots (SHARDSERVE_MAX_LORAS) and the adapters its ranks loaded at
+  // start (ids and slots 0..n-1, in order).
+  int lora_slots = 0;
+  std::vector<AdapterRef> adapters;
   // Disaggregated prefill: how long an exported sequence's KV stays offered (and its blocks
   // held) unless released sooner (Engine::ReleaseOffer).
   std::chrono::milliseconds kv_offer_hold{30000};
@@ -185,6 +192,15 @@ class Engine {
   // Unavailable.
   void Shutdown(std::chrono::milliseconds drain = std::chrono::milliseconds(0));
 
+  // LoRA adapters (serve/adapter_registry.h). The id of the adapter a request's `model` names
+  // (NotFound naming it when none is served under that name); load at runtime (its ranks read
+  // it while steps run; its first request installs it in a slot); unload (no new request; gone
+  // once its sequences end); the names served.
+  absl::StatusOr<int64_t> AdapterOf(const std::string& name) const;
+  absl::Status LoadAdapter(const std::string& name, const std::string& path);
+  absl::Status UnloadAdapter(const std::string& name);
+  std::vector<std::string> adapter_names() const;
+
   bool healthy() const { return healthy_.load(); }
   // Healthy and taking requests (not draining).
   bool accepting() const;
@@ -241,6 +257,14 @@ class Engine {
   bool TakeMask(Sequence* s, std::chrono::steady_clock::time_point until,
                 std::vector<uint32_t>* allowed);
   void MaskDone();
+  // LoRA, on the scheduler thread: the orders queued by LoadAdapter and the adapters unloaded and
+  // idle (evicted, forgotten) sent to the ranks; then slots for the adapters of the first waiting
+  // sequences (a free slot, or the least recently used idle one), installed; a sequence whose
+  // adapter cannot be installed ends with the error.
+  absl::Status OrderAdapters();
+  void PlaceWaitingAdapters();
+  // Whether s may be admitted now (no adapter, or its adapter in a slot).
+  bool AdapterReady(const Sequence* s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   StepExecutor* executor_;
   EngineOptions options_;
@@ -255,6 +279,8 @@ class Engine {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t masks_done_ ABSL_GUARDED_BY(mu_) = 0;  // wakes the loop when a mask is ready
   std::vector<KvTicket> offers_released_ ABSL_GUARDED_BY(mu_);
+  AdapterRegistry adapters_ ABSL_GUARDED_BY(mu_);
+  std::vector<LoraOrder> lora_orders_ ABSL_GUARDED_BY(mu_);  // queued for the ranks
   std::atomic<bool> healthy_{true};
   std::atomic<int> running_count_{0};  // running_.size(), for Submit
   std::atomic<int64_t> kv_used_{0};    // pool_.used(), for the leader's load reports

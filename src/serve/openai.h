@@ -74,7 +74,9 @@ struct ApiRequest {
   std::optional<Grammar> grammar;  // structured output: the rule the output follows
   std::string grammar_param;       // the field that gave it
   std::string cache_salt;          // vLLM's: salts the prompt's KV block names (may be empty)
-  int32_t lora_slot = -1;          // the LoRA adapter `model` names (the server sets it); -1: none
+  // The LoRA adapter `model` names (the server sets it: its id and name); -1: the base.
+  int64_t adapter = -1;
+  std::string adapter_name, adapter_salt;
   // vLLM's kv_transfer_params: a leg of a disaggregated request (serve/kv_handoff.h), as given
   // (an object with do_remote_decode or do_remote_prefill true); null: none.
   nlohmann::json kv_transfer;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <future>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -83,6 +84,7 @@ class Rank : public StepExecutor {
   absl::Status Ping() override;
   absl::Status Stop() override;
   absl::Status ImportKv(const KvImport& import, absl::Status* transfer, int64_t* bytes) override;
+  absl::Status OrderLora(const LoraOrder& order, absl::Status* result) override;
 
  private:
   // Disaggregation (WorkerEnv::kv_role): a prefill replica's ranks each run an exporter, whose
@@ -90,10 +92,15 @@ class Rank : public StepExecutor {
   absl::Status StartKvTransfer();
   // The adapters the contract declares (SHARDSERVE_LORA_ADAPTERS), each into its slot.
   absl::Status LoadDeclaredAdapters();
+  // This rank's part of a LoRA order; an install's result (the others': OK).
+  absl::Status DoLora(const LoraOrder& order);
   // This rank's share of an import: the ranges of each prefill rank it reads, pulled in turn.
   absl::Status PullKv(const KvImport& import, int64_t* bytes);
   // A frame from the last stage's sampler: a step result, or (during ImportKv) its import answer.
   absl::StatusOr<json> RecvFromSampler();
+  // Rank r's answer to an order the leader sent every rank (between steps): from the last
+  // stage's sampler, after the step results it sent before (kept for Collect).
+  absl::StatusOr<json> AnswerOf(int r, bool (*is_answer)(const json&));
   absl::Status SendToAll(const json& message);
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
   // tp_rank 0 (every step has one, possibly empty) and nothing elsewhere.
@@ -122,6 +129,9 @@ class Rank : public StepExecutor {
   void Hold(const std::vector<int32_t>& ids) {
     for (int32_t b : ids) blocks_held_ += block_refs_[b]++ == 0;
   }
+  // LoRA adapters loaded at runtime: each id's preparation (read and laid out on a thread of
+  // its own while steps run).
+  std::map<int64_t, std::shared_future<absl::StatusOr<PreparedLora>>> lora_prepared_;
   void Drop(int64_t seq) {
     if (auto offer = offers_.find(seq); offer != offers_.end()) {  // its sends end first
       exporter_->Withdraw(offer->second);
@@ -507,6 +517,15 @@ absl::Status Rank::Follow() {
           SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeKvImported(import.seq, pulled, bytes))));
       continue;
     }
+    if (type == StepMessageType::kLora) {
+      ASSIGN_OR_RETURN(const LoraOrder order, DecodeLoraOrder(message));
+      const absl::Status done = DoLora(order);
+      if (order.op == LoraOrder::Op::kInstall) {
+        RETURN_IF_ERROR(
+            SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeLoraInstalled(order.slot, done))));
+      }
+      continue;
+    }
     ASSIGN_OR_RETURN(StepDesc step, DecodeStep(message));
     ASSIGN_OR_RETURN(std::optional<StepResult> result, ProcessStep(step));
     if (result) RETURN_IF_ERROR(SendFrame(*mesh_, 0, EncodeJsonFrame(EncodeStepResult(*result))));
@@ -537,6 +556,16 @@ absl::StatusOr<StepResult> Rank::Collect() {
 }
 
 absl::StatusOr<json> Rank::RecvFromSampler() { return RecvFrame(*mesh_, LastSampler()); }
+
+absl::StatusOr<json> Rank::AnswerOf(int r, bool (*is_answer)(const json&)) {
+  if (r != LastSampler()) return RecvFrame(*mesh_, r);
+  for (;;) {
+    ASSIGN_OR_RETURN(json answer, RecvFromSampler());
+    if (is_answer(answer)) return answer;
+    ASSIGN_OR_RETURN(StepResult early, DecodeStepResult(answer));
+    ready_.push_back(std::move(early));
+  }
+}
 
 absl::Status Rank::StartKvTransfer() {
   const std::string& role = cfg_.env.kv_role;
@@ -607,17 +636,7 @@ absl::Status Rank::ImportKv(const KvImport& im, absl::Status* transfer, int64_t*
         absl::Status(transfer->code(), absl::StrCat(world_.Describe(0), ": ", transfer->message()));
   }
   for (int r = 1; r < world_.world_size(); ++r) {
-    json answer;
-    if (r == LastSampler()) {  // the step results it sent before come first
-      for (;;) {
-        ASSIGN_OR_RETURN(answer, RecvFromSampler());
-        if (IsKvImported(answer)) break;
-        ASSIGN_OR_RETURN(StepResult early, DecodeStepResult(answer));
-        ready_.push_back(std::move(early));
-      }
-    } else {
-      ASSIGN_OR_RETURN(answer, RecvFrame(*mesh_, r));
-    }
+    ASSIGN_OR_RETURN(const json answer, AnswerOf(r, IsKvImported));
     absl::Status theirs;
     int64_t their_bytes = 0;
     RETURN_IF_ERROR(DecodeKvImported(answer, im.seq, &theirs, &their_bytes));
@@ -633,6 +652,59 @@ absl::Status Rank::ImportKv(const KvImport& im, absl::Status* transfer, int64_t*
       !released.ok() && transfer->ok()) {
     LogWarning("sequence ", im.seq, ": the prefill replica did not take its KV back (",
                released.message(), "); it frees the KV when its offer expires");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rank::DoLora(const LoraOrder& o) {
+  switch (o.op) {
+    case LoraOrder::Op::kPrepare: {
+      LoraLimits limits;
+      limits.max_rank = cfg_.env.max_lora_rank;
+      const Transformer* model = model_.get();
+      lora_prepared_[o.id] = std::async(std::launch::async, [model, limits, path = o.path]() {
+                               absl::StatusOr<LoraAdapter> a =
+                                   LoraAdapter::Load(path, model->config(), limits);
+                               if (!a.ok()) return absl::StatusOr<PreparedLora>(a.status());
+                               return model->PrepareLora(*a);
+                             }).share();
+      return absl::OkStatus();
+    }
+    case LoraOrder::Op::kInstall: {
+      auto it = lora_prepared_.find(o.id);
+      if (it == lora_prepared_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "LoRA adapter ", o.id, " was not prepared on ", world_.Describe(world_.rank())));
+      }
+      const absl::StatusOr<PreparedLora>& prepared = it->second.get();  // normally done by now
+      if (!prepared.ok()) return prepared.status();
+      return model_->InstallLora(o.slot, *prepared);
+    }
+    case LoraOrder::Op::kEvict:
+      return model_->UnloadLora(o.slot);
+    case LoraOrder::Op::kForget:
+      lora_prepared_.erase(o.id);
+      return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rank::OrderLora(const LoraOrder& o, absl::Status* result) {
+  RETURN_IF_ERROR(SendToAll(EncodeLoraOrder(o)));
+  *result = DoLora(o);
+  if (!result->ok()) {
+    *result =
+        absl::Status(result->code(), absl::StrCat(world_.Describe(0), ": ", result->message()));
+  }
+  if (o.op != LoraOrder::Op::kInstall) return absl::OkStatus();
+  for (int r = 1; r < world_.world_size(); ++r) {
+    ASSIGN_OR_RETURN(const json answer, AnswerOf(r, IsLoraInstalled));
+    absl::Status theirs;
+    RETURN_IF_ERROR(DecodeLoraInstalled(answer, o.slot, &theirs));
+    if (result->ok() && !theirs.ok()) {
+      *result =
+          absl::Status(theirs.code(), absl::StrCat(world_.Describe(r), ": ", theirs.message()));
+    }
   }
   return absl::OkStatus();
 }
@@ -664,6 +736,10 @@ LeaderContext Rank::Context() {
   o.kv_blocks = cache_->num_blocks();
   o.kv_block_size = cache_->block_size();
   o.prefix_caching = env.prefix_caching;
+  o.lora_slots = env.max_loras;
+  if (auto declared = ParseAdapterList(env.lora_adapters); declared.ok()) {  // checked at Init
+    o.adapters = *std::move(declared);
+  }
   o.kv_offer_hold = std::chrono::milliseconds(env.kv_offer_ms);
   o.max_context = env.max_sequence_length > 0 ? std::min(c.max_context, env.max_sequence_length)
                                               : c.max_context;

@@ -327,9 +327,9 @@ json ApiServer::Impl::Usage(const std::vector<Choice>& choices) const {
 // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
 absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_req,
                                      std::vector<Choice>& choices) {
-  const std::string salt = PrefixCacheSalt(
-      config.env.prefix_cache_per_key && keys != nullptr, http_req.Header("authorization"),
-      req.cache_salt, req.lora_slot >= 0 ? adapters[req.lora_slot].name : std::string());
+  const std::string salt =
+      PrefixCacheSalt(config.env.prefix_cache_per_key && keys != nullptr,
+                      http_req.Header("authorization"), req.cache_salt, req.adapter_salt);
   int64_t context, vocab;
   std::vector<int64_t> ends;
   {
@@ -438,7 +438,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       g.params = req.params;
       g.params.seed = req.params.seed + static_cast<uint64_t>(j);
       g.cache_salt = salt;
-      g.lora_slot = req.lora_slot;
+      g.adapter = req.adapter;
       if (req.echo && req.logprobs) g.prompt_logprobs = req.params.top_logprobs;
       if (compiled) g.constraint = compiled->Clone();
       if (!req.max_tokens_set && req.chat) {

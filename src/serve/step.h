@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -114,6 +115,19 @@ struct KvImport {
   int64_t skip_blocks = 0;
 };
 
+// A LoRA adapter loaded at runtime (serve/adapter_registry.h), the leader's order to every
+// rank: prepare (read the adapter in `path` and lay out the rank's share in host memory, on a
+// thread of the rank's own while steps run; kept under `id`), install (copy the prepared `id`
+// into `slot`, between steps, waiting for the preparation if it is not done), evict (empty
+// `slot`; the host copy stays), forget (drop the host copy of `id`).
+struct LoraOrder {
+  enum class Op { kPrepare, kInstall, kEvict, kForget };
+  Op op = Op::kPrepare;
+  int64_t id = 0;
+  std::string path;
+  int32_t slot = -1;
+};
+
 // The leader's handle on its replica. Not thread-safe: one scheduler thread drives it.
 class StepExecutor {
  public:
@@ -133,6 +147,12 @@ class StepExecutor {
   virtual absl::Status ImportKv(const KvImport& /*import*/, absl::Status* transfer,
                                 int64_t* /*bytes*/) {
     *transfer = absl::FailedPreconditionError("this replica does not take KV from others");
+    return absl::OkStatus();
+  }
+  // Every rank carries out `order` (between steps). The status returned is the replica's (a rank
+  // gone); `result` the order's (an install: the first rank's error, naming it; the others: OK).
+  virtual absl::Status OrderLora(const LoraOrder& /*order*/, absl::Status* result) {
+    *result = absl::FailedPreconditionError("this replica runs no LoRA adapters");
     return absl::OkStatus();
   }
 };

@@ -130,6 +130,7 @@ absl::StatusOr<StepMessageType> DecodeStepMessageType(const json& m) {
   if (*type == "ping") return StepMessageType::kPing;
   if (*type == "stop") return StepMessageType::kStop;
   if (*type == "kv_import") return StepMessageType::kKvImport;
+  if (*type == "lora") return StepMessageType::kLora;
   return absl::DataLossError(absl::StrCat("a step message of unknown type '", *type, "'"));
 }
 
@@ -316,6 +317,68 @@ absl::StatusOr<KvImport> DecodeKvImport(const json& m) {
   }();
   if (!s.ok()) return In("a malformed KV import", s);
   return im;
+}
+
+namespace {
+constexpr const char* kLoraOps[] = {"prepare", "install", "evict", "forget"};
+}  // namespace
+
+json EncodeLoraOrder(const LoraOrder& o) {
+  json m = {{"type", "lora"}, {"op", kLoraOps[static_cast<int>(o.op)]}, {"id", o.id}};
+  if (o.op == LoraOrder::Op::kPrepare) m["path"] = o.path;
+  if (o.op == LoraOrder::Op::kInstall || o.op == LoraOrder::Op::kEvict) m["slot"] = o.slot;
+  return m;
+}
+
+absl::StatusOr<LoraOrder> DecodeLoraOrder(const json& m) {
+  LoraOrder o;
+  absl::Status s = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(const std::string op, JsonString(m, "op", 16));
+    const auto* at = std::find(std::begin(kLoraOps), std::end(kLoraOps), op);
+    if (at == std::end(kLoraOps)) {
+      return absl::DataLossError(absl::StrCat("unknown op '", op, "'"));
+    }
+    o.op = static_cast<LoraOrder::Op>(at - std::begin(kLoraOps));
+    ASSIGN_OR_RETURN(o.id, JsonInt(m, "id", 0, kMaxInt64));
+    if (o.op == LoraOrder::Op::kPrepare) {
+      ASSIGN_OR_RETURN(o.path, JsonString(m, "path", 4096));
+    }
+    if (o.op == LoraOrder::Op::kInstall || o.op == LoraOrder::Op::kEvict) {
+      ASSIGN_OR_RETURN(const int64_t slot, JsonInt(m, "slot", 0, kMaxInt32));
+      o.slot = static_cast<int32_t>(slot);
+    }
+    return absl::OkStatus();
+  }();
+  if (!s.ok()) return In("a malformed LoRA order", s);
+  return o;
+}
+
+json EncodeLoraInstalled(int32_t slot, const absl::Status& result) {
+  return {{"type", "lora_installed"},
+          {"slot", slot},
+          {"code", static_cast<int>(result.code())},
+          {"error", std::string(result.message())}};
+}
+
+bool IsLoraInstalled(const json& m) {
+  auto type = m.find("type");
+  return type != m.end() && *type == "lora_installed";
+}
+
+absl::Status DecodeLoraInstalled(const json& m, int32_t slot, absl::Status* result) {
+  absl::Status s = [&]() -> absl::Status {
+    if (!IsLoraInstalled(m)) return absl::DataLossError("not a LoRA install's answer");
+    ASSIGN_OR_RETURN(const int64_t got, JsonInt(m, "slot", 0, kMaxInt32));
+    if (got != slot) {
+      return absl::DataLossError(absl::StrCat("the answer of slot ", got, ", not ", slot));
+    }
+    ASSIGN_OR_RETURN(const int64_t code, JsonInt(m, "code", 0, 16));
+    ASSIGN_OR_RETURN(const std::string error, JsonString(m, "error", 1 << 16));
+    *result =
+        code == 0 ? absl::OkStatus() : absl::Status(static_cast<absl::StatusCode>(code), error);
+    return absl::OkStatus();
+  }();
+  return s.ok() ? s : In("a LoRA install's answer", s);
 }
 
 json EncodeKvImported(int64_t seq, const absl::Status& transfer, int64_t bytes) {

@@ -15,7 +15,7 @@ namespace shardserve {
 // A frame on the mesh holds at most this (a step of a long prompt is the largest).
 inline constexpr uint32_t kMaxStepMessage = 64u << 20;
 
-enum class StepMessageType { kStep, kPing, kStop, kKvImport };
+enum class StepMessageType { kStep, kPing, kStop, kKvImport, kLora };
 
 nlohmann::json EncodeStep(const StepDesc& step);
 nlohmann::json EncodePing();
@@ -46,6 +46,14 @@ bool IsKvImported(const nlohmann::json& message);
 // answer is malformed or for another sequence.
 absl::Status DecodeKvImported(const nlohmann::json& message, int64_t seq, absl::Status* transfer,
                               int64_t* bytes);
+
+// A LoRA order to every rank, and each rank's answer to an install ("error" empty: installed).
+nlohmann::json EncodeLoraOrder(const LoraOrder& order);
+absl::StatusOr<LoraOrder> DecodeLoraOrder(const nlohmann::json& message);
+nlohmann::json EncodeLoraInstalled(int32_t slot, const absl::Status& result);
+bool IsLoraInstalled(const nlohmann::json& message);
+// The rank's result; an error when the answer is malformed or for another slot.
+absl::Status DecodeLoraInstalled(const nlohmann::json& message, int32_t slot, absl::Status* result);
 
 nlohmann::json EncodeStepResult(const StepResult& result);
 absl::StatusOr<StepResult> DecodeStepResult(const nlohmann::json& message);

@@ -195,6 +195,11 @@ TEST(ShardedModel, AdaptersAndTheirBoundsReachTheWorkers) {
        "spec.adapters lists 2 adapters; spec.lora.maxLoras holds 1"},
       {"  lora: {maxLoraRank: 0}\n", "spec.lora.maxLoraRank 0"},
       {"  lora: {maxLoras: 4, dora: true}\n", "spec.lora.dora"},
+      {"  lora: {adminKeySecret: admins}\n", "spec.lora.source must say"},
+      {"  lora: {adminKeySecret: admins, source: \"s3://bucket/loras\"}\n",
+       "spec.lora.source 's3://bucket/loras' must be"},
+      {"  lora: {adminKeySecret: Admins_1, source: \"pvc://l/d\"}\n",
+       "spec.lora.adminKeySecret 'Admins_1' is not a Secret's name"},
   };
   for (const auto& [yaml, words] : bad) {
     auto r = ParseShardedModel(

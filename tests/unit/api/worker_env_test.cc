@@ -95,6 +95,8 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.max_loras = 8;
   w.max_lora_rank = 16;
   w.lora_adapters = R"([{"name":"sql","path":"/adapters/sql"}])";
+  w.admin_keys_file = "/admin-keys";
+  w.lora_root = "/adapters/dynamic";
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.

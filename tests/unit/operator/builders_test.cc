@@ -659,6 +659,28 @@ TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
     EXPECT_EQ(mounts["adapter-0"]["mountPath"], "/adapters/0");
     EXPECT_EQ(mounts["adapter-1"]["readOnly"], true);
   }
+  // Adapters loaded at runtime: the admins' keys on the leader only, their directory on every
+  // stage pod.
+  obj["spec"]["lora"]["adminKeySecret"] = "lora-admins";
+  obj["spec"]["lora"]["source"] = "pvc://loras/dynamic";
+  auto runtime = ReadModel(obj, {}, policy);
+  ASSERT_TRUE(runtime.ok()) << runtime.status();
+  const json leader = BuildStagePod(*runtime, 0, 0, {"node-a", "node-b"});
+  const json worker = BuildStagePod(*runtime, 0, 1, {"node-a", "node-b"});
+  EXPECT_EQ(Env(leader, "SHARDSERVE_ADMIN_KEYS_FILE"), "/var/run/shardserve/admin-keys");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_ADMIN_KEYS_FILE"), "<absent>");
+  for (const json* pod : {&leader, &worker}) {
+    EXPECT_EQ(Env(*pod, "SHARDSERVE_LORA_ROOT"), "/adapters/dynamic/dynamic");
+    EXPECT_NE(pod->dump().find(R"("claimName":"loras")"), std::string::npos);
+  }
+  EXPECT_NE(leader.dump().find(R"("secretName":"lora-admins")"), std::string::npos);
+  EXPECT_EQ(worker.dump().find("lora-admins"), std::string::npos);
+  obj["spec"]["lora"]["source"] = "file:///data/loras";
+  EXPECT_NE(ReadModel(obj, {}, policy).status().message().find("spec.lora.source"),
+            std::string::npos);
+  obj["spec"]["lora"].erase("adminKeySecret");
+  obj["spec"]["lora"].erase("source");
+
   auto plain = ReadModel(Model(), {}, policy);
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ(Env(BuildStagePod(*plain, 0, 0, {"a", "b"}), "SHARDSERVE_MAX_LORAS"), "<absent>");

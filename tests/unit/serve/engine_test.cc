@@ -205,34 +205,36 @@ TEST_F(EngineTest, TheBacklogCountsPromptTokensNotYetComputed) {
 }
 
 // The adapters a leader exports (EngineObserver::adapters): the running sequences' and the
-// waiting requests' LoRA slots, each once, the base's none; a batch of two leaves the others
+// waiting requests' LoRA adapters, each once, the base's none; a batch of two leaves the others
 // waiting, and the waiting ones run in their turn.
 TEST_F(EngineTest, TheAdaptersOfRunningAndWaitingRequestsAreObserved) {
   LocalExecutor exec(model_.get(), 1024);
   EngineOptions o = exec.Options();
   o.max_batch = 2;
   o.exit_when_idle = true;
-  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> seen;
+  o.lora_slots = 4;
+  o.adapters = {{"zero", "/z"}, {"one", "/o"}, {"two", "/t"}, {"three", "/th"}};
+  using Names = std::vector<std::string>;
+  std::vector<std::pair<Names, Names>> seen;
   EngineObserver observer;
-  observer.adapters = [&](const std::vector<int32_t>& running,
-                          const std::vector<int32_t>& waiting) {
+  observer.adapters = [&](const Names& running, const Names& waiting) {
     seen.emplace_back(running, waiting);
   };
   Engine engine(&exec, o, observer);
-  const int32_t slots[] = {3, 3, -1, 1, 1, -1};  // the base's requests have no slot
+  const int64_t ids[] = {3, 3, -1, 1, 1, -1};  // the base's requests have none
   for (size_t i = 0; i < requests_.size(); ++i) {
     GenerationRequest r = requests_[i];
-    r.lora_slot = slots[i % 6];
+    r.adapter = ids[i % 6];
     ASSERT_TRUE(engine.Submit(r).ok());
   }
   ASSERT_TRUE(engine.Run().ok());
   ASSERT_FALSE(seen.empty());
-  EXPECT_EQ(seen.front().first, std::vector<int32_t>({3})) << "the first two share slot 3";
-  EXPECT_EQ(seen.front().second, std::vector<int32_t>({1}));
+  EXPECT_EQ(seen.front().first, Names({"three"})) << "the first two share adapter 3";
+  EXPECT_EQ(seen.front().second, Names({"one"}));
   EXPECT_TRUE(std::any_of(seen.begin(), seen.end(), [](const auto& p) {
-    return p.first == std::vector<int32_t>({1});
-  })) << "slot 1's requests run in their turn";
-  EXPECT_EQ(seen.back(), (std::pair<std::vector<int32_t>, std::vector<int32_t>>{}));
+    return p.first == Names({"one"});
+  })) << "adapter 1's requests run in their turn";
+  EXPECT_EQ(seen.back(), (std::pair<Names, Names>{}));
 }
 
 // Structured output through the engine: the constrained sequences' tokens follow their

@@ -286,5 +286,37 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               HasSubstr("sequence 1: an alternative is not [token, logprob]"));
 }
 
+// LoRA orders (runtime adapters) to every rank, and an install's answer: each op round-trips with
+// its fields; a bad op, a missing path, a foreign slot's answer are errors naming what is wrong.
+TEST(StepWireTest, LoraOrdersAndAnswersRoundTrip) {
+  for (const LoraOrder& o :
+       {LoraOrder{LoraOrder::Op::kPrepare, 7, "/adapters/dynamic/sql", -1},
+        LoraOrder{LoraOrder::Op::kInstall, 7, "", 2}, LoraOrder{LoraOrder::Op::kEvict, 7, "", 2},
+        LoraOrder{LoraOrder::Op::kForget, 7, "", -1}}) {
+    const json wire = json::parse(EncodeJsonFrame(EncodeLoraOrder(o)).substr(4));
+    ASSERT_EQ(*DecodeStepMessageType(wire), StepMessageType::kLora);
+    auto back = DecodeLoraOrder(wire);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(std::tuple(back->op, back->id, back->path, back->slot),
+              std::tuple(o.op, o.id, o.path, o.slot));
+  }
+  EXPECT_THAT(
+      std::string(
+          DecodeLoraOrder(json{{"type", "lora"}, {"op", "zap"}, {"id", 1}}).status().message()),
+      HasSubstr("unknown op 'zap'"));
+  EXPECT_THAT(
+      std::string(
+          DecodeLoraOrder(json{{"type", "lora"}, {"op", "prepare"}, {"id", 1}}).status().message()),
+      HasSubstr("path"));
+  absl::Status result;
+  const json failed = EncodeLoraInstalled(2, absl::InvalidArgumentError("bad adapter"));
+  ASSERT_TRUE(IsLoraInstalled(failed));
+  ASSERT_TRUE(DecodeLoraInstalled(failed, 2, &result).ok());
+  EXPECT_EQ(result, absl::InvalidArgumentError("bad adapter"));
+  ASSERT_TRUE(DecodeLoraInstalled(EncodeLoraInstalled(2, absl::OkStatus()), 2, &result).ok());
+  EXPECT_TRUE(result.ok());
+  EXPECT_FALSE(DecodeLoraInstalled(failed, 3, &result).ok()) << "another slot's answer";
+}
+
 }  // namespace
 }  // namespace shardserve
