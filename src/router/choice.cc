@@ -16,6 +16,8 @@ const char* ChoiceReasonName(ChoiceReason r) {
       return "no_prompt";
     case ChoiceReason::kNoState:
       return "no_state";
+    case ChoiceReason::kAdapter:
+      return "adapter";
   }
   return "unknown";
 }
@@ -38,7 +40,8 @@ Ranking RankReplicas(const std::vector<Candidate>& c, int64_t prompt_blocks, con
     const double hit = prompt_blocks > 0 ? static_cast<double>(c[i].matched_blocks) /
                                                static_cast<double>(prompt_blocks)
                                          : 0.0;
-    score[i] = w.prefix * hit - w.load * load - w.kv * c[i].kv_usage;
+    const double adapter = c[i].adapter_loaded ? 1.0 : c[i].adapter_room ? 0.5 : 0.0;
+    score[i] = w.prefix * hit - w.load * load - w.kv * c[i].kv_usage + w.adapter * adapter;
     best_match = std::max(best_match, c[i].matched_blocks);
   }
   out.order.resize(n);
@@ -54,7 +57,7 @@ Ranking RankReplicas(const std::vector<Candidate>& c, int64_t prompt_blocks, con
   } else if (prompt_blocks < 0) {
     out.reason = ChoiceReason::kNoPrompt;
   } else if (best_match == 0) {
-    out.reason = ChoiceReason::kNoPrefix;
+    out.reason = first.adapter_loaded ? ChoiceReason::kAdapter : ChoiceReason::kNoPrefix;
   } else {
     out.reason = first.matched_blocks == best_match ? ChoiceReason::kPrefix : ChoiceReason::kLoad;
   }

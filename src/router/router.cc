@@ -9,6 +9,7 @@
 #include <prometheus/text_serializer.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <map>
@@ -20,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -48,6 +50,10 @@ using json = nlohmann::json;
 
 // A replica whose stream says nothing for this long is not routed by its cache.
 constexpr auto kStale = std::chrono::milliseconds(2000);
+// A replica the leaders' list drops (its pod deleted, or its readiness probe late under load)
+// while its own stream says it takes requests stays routed this long at most: its stream says
+// when it drains, and a probe's hiccup does not empty the router.
+constexpr auto kUnlistedGrace = std::chrono::seconds(10);
 constexpr size_t kMaxAnswerBytes = 64 << 20;
 
 struct LeaderSpec {
@@ -130,6 +136,8 @@ struct Replica {
   // gone, breaks within kStale and keeps it out).
   Clock::time_point out_until ABSL_GUARDED_BY(mu);
   std::string why ABSL_GUARDED_BY(mu);  // why it is not live (logged on change)
+  // When the leaders' list stopped naming it (Clock's epoch: it names it).
+  Clock::time_point unlisted_since ABSL_GUARDED_BY(mu);
 };
 
 // The first line of the token file (the leaders accept it as a key file).
@@ -412,9 +420,12 @@ struct Router::Impl {
     return absl::CancelledError("stopped");
   }
 
-  // The addresses the specs name now ("host:port").
-  std::map<std::string, Resolved> Resolve() {
+  // The addresses the specs name now ("host:port"). `*unsure`: a lookup failed for another
+  // reason than the name having no address (no leader ready): a DNS server slow or restarting
+  // says nothing of the leaders.
+  std::map<std::string, Resolved> Resolve(bool* unsure) {
     std::map<std::string, Resolved> out;
+    *unsure = false;
     for (const LeaderSpec& s : specs) {
       if (!s.dns) {
         out[absl::StrCat(s.host, ":", s.port)] = {s.host, s.port, s.prefill};
@@ -424,7 +435,14 @@ struct Router::Impl {
       hints.ai_family = AF_UNSPEC;
       hints.ai_socktype = SOCK_STREAM;
       addrinfo* res = nullptr;
-      if (getaddrinfo(s.host.c_str(), nullptr, &hints, &res) != 0) continue;  // none ready yet
+      if (const int rc = getaddrinfo(s.host.c_str(), nullptr, &hints, &res); rc != 0) {
+        if (rc != EAI_NONAME && rc != EAI_NODATA) {
+          *unsure = true;
+          LogWarning("router: cannot look up ", s.host, " (", gai_strerror(rc),
+                     "); the replicas known stay");
+        }
+        continue;  // none ready yet, or unknown now
+      }
       for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
         char ip[NI_MAXHOST];
         if (getnameinfo(a->ai_addr, a->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST) !=
@@ -441,12 +459,13 @@ struct Router::Impl {
 
   void Discover() {
     do {
-      auto want = Resolve();
+      bool unsure = false;
+      auto want = Resolve(&unsure);
       std::vector<std::shared_ptr<Replica>> gone;
       {
         absl::MutexLock lock(&mu);
         for (auto it = replicas.begin(); it != replicas.end();) {
-          if (want.count(it->first)) {
+          if (unsure || KeepUnlisted(*it->second, want.count(it->first) > 0)) {
             ++it;
             continue;
           }
@@ -479,6 +498,26 @@ struct Router::Impl {
       }
       PublishReplicas();
     } while (!stopping.WaitForNotificationWithTimeout(absl::FromChrono(options.resolve_every)));
+  }
+
+  // Whether r stays followed though the leaders' list does not name it (`listed`: it does).
+  bool KeepUnlisted(Replica& r, bool listed) {
+    absl::MutexLock lock(&r.mu);
+    if (listed) {
+      r.unlisted_since = {};
+      return true;
+    }
+    const auto now = Clock::now();
+    if (r.unlisted_since == Clock::time_point{}) {
+      r.unlisted_since = now;
+      if (Routable(r)) {
+        LogInfo("router: replica ", r.address,
+                " is gone from the leaders' list but takes requests: routed until its stream "
+                "says it drains (at most ",
+                std::chrono::duration_cast<std::chrono::seconds>(kUnlistedGrace).count(), " s)");
+      }
+    }
+    return Routable(r) && now - r.unlisted_since < kUnlistedGrace;
   }
 
   std::vector<std::shared_ptr<Replica>> Snapshot() {
@@ -530,6 +569,7 @@ struct Router::Impl {
   struct Prompt {
     std::vector<int32_t> tokens;
     std::string salt;
+    std::string adapter;  // the LoRA adapter its `model` names (empty: the base)
     // Its prefill may run on a prefill replica (completions and chat whose prompt is not
     // scored: echo with logprobs needs every prompt row where the answer is made).
     bool disaggregable = false;
@@ -545,10 +585,9 @@ struct Router::Impl {
     ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
     Prompt p;
     p.disaggregable = !responses && !(req.echo && req.logprobs) && req.kv_transfer.is_null();
-    const bool adapter = !options.model_name.empty() && req.model != options.model_name;
+    if (!options.model_name.empty() && req.model != options.model_name) p.adapter = req.model;
     p.salt = PrefixCacheSalt(options.prefix_cache_per_key && keys != nullptr,
-                             http_req.Header("authorization"), req.cache_salt,
-                             adapter ? req.model : std::string());
+                             http_req.Header("authorization"), req.cache_salt, p.adapter);
     if (chat) {
       ASSIGN_OR_RETURN(p.tokens, prompts->Chat(req, context));
     } else if (req.prompt_ids.empty()) {
@@ -585,6 +624,11 @@ struct Router::Impl {
       c.kv_usage = r.load.kv_blocks > 0
                        ? static_cast<double>(r.load.kv_used) / static_cast<double>(r.load.kv_blocks)
                        : 0.0;
+      if (prompt != nullptr && !prompt->adapter.empty()) {
+        const auto& loaded = r.load.adapters;
+        c.adapter_loaded = std::find(loaded.begin(), loaded.end(), prompt->adapter) != loaded.end();
+        c.adapter_room = static_cast<int64_t>(loaded.size()) < r.load.max_loras;
+      }
       if (prompt == nullptr || !c.routable || r.block_size <= 0) continue;
       out.block_size = r.block_size;
       auto [it, fresh] = chains.try_emplace(r.block_size);
@@ -769,6 +813,63 @@ struct Router::Impl {
         Error(503, absl::StrCat("no replica of the model answered: ", last_error), "server_error"));
   }
 
+  // POST /v1/load_lora_adapter and /v1/unload_lora_adapter: an admin's call, sent to every
+  // replica this router follows, at once (each leader checks the admin key; the router holds
+  // none). 200 with the leaders' answer when every one answered 200; else the status they all
+  // answered (a 4xx the call earned), or 502, with each replica's answer. Replicas that start
+  // later have the declared adapters only (spec.adapters).
+  void FanOut(const http::Request& req, http::Exchange& ex) {
+    const std::vector<std::shared_ptr<Replica>> reps = Snapshot();
+    if (reps.empty()) {
+      return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
+    }
+    http::Headers headers;
+    for (const char* h : {"authorization", "content-type"}) {
+      if (req.HasHeader(h)) headers.emplace_back(h, req.Header(h));
+    }
+    struct Answer {
+      int status = 0;
+      std::string body;
+    };
+    std::vector<Answer> answers(reps.size());
+    {
+      const auto timeout =
+          std::min<std::chrono::milliseconds>(options.answer_timeout, std::chrono::seconds(120));
+      std::vector<std::thread> calls;
+      for (size_t i = 0; i < reps.size(); ++i) {
+        calls.emplace_back([&, i] {
+          auto r = http::Fetch(reps[i]->host, reps[i]->port, "POST", req.target, headers, req.body,
+                               timeout);
+          answers[i] = r.ok() ? Answer{r->status, std::move(r->body)}
+                              : Answer{0, std::string(r.status().message())};
+        });
+      }
+      for (std::thread& t : calls) t.join();
+    }
+    std::set<int> statuses;
+    std::vector<std::string> each;
+    for (size_t i = 0; i < reps.size(); ++i) {
+      statuses.insert(answers[i].status);
+      each.push_back(
+          absl::StrCat(reps[i]->address, ": ",
+                       answers[i].status == 0 ? "no answer" : absl::StrCat(answers[i].status), " ",
+                       answers[i].body.substr(0, 300)));
+    }
+    if (statuses == std::set<int>{200}) {
+      CountRequest(200);
+      http::Response r{200, "text/plain", answers[0].body, {}};
+      r.headers.emplace_back("x-shardserve-replicas", absl::StrCat(reps.size()));
+      return ex.Respond(std::move(r));
+    }
+    const int status = statuses.size() == 1 && *statuses.begin() >= 400 && *statuses.begin() < 500
+                           ? *statuses.begin()
+                           : 502;
+    ex.Respond(Error(
+        status,
+        absl::StrCat(req.target, " on ", reps.size(), " replica(s): ", absl::StrJoin(each, "; ")),
+        status == 502 ? "server_error" : "invalid_request_error"));
+  }
+
   // The leader's answer, passed on: a whole answer with its length, a stream as it comes. An
   // answer that breaks off takes the replica out of routing at once; a stream then ends with an
   // error event (never as a finished answer: no [DONE]).
@@ -926,6 +1027,10 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
     routes.PostBlocking(path, [s](const http::Request& req, http::Exchange& ex) {
       s->Proxy(req, ex, false, false);
     });
+  }
+  for (const char* path : {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}) {
+    routes.PostBlocking(path,
+                        [s](const http::Request& req, http::Exchange& ex) { s->FanOut(req, ex); });
   }
   routes.GetBlocking("/v1/models", [s](const http::Request& req, http::Exchange& ex) {
     s->Proxy(req, ex, false, false);

@@ -901,6 +901,15 @@ std::vector<std::string> Engine::adapter_names() const {
   return out;
 }
 
+std::vector<std::string> Engine::resident_adapters() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const AdapterRegistry::Adapter* a : adapters_.adapters()) {
+    if (!a->removing && a->slot >= 0) out.push_back(a->name);
+  }
+  return out;
+}
+
 bool Engine::AdapterReady(const Sequence* s) const {
   if (s->request.adapter < 0) return true;
   const AdapterRegistry::Adapter* a = adapters_.Get(s->request.adapter);

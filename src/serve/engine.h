@@ -200,6 +200,9 @@ class Engine {
   absl::Status LoadAdapter(const std::string& name, const std::string& path);
   absl::Status UnloadAdapter(const std::string& name);
   std::vector<std::string> adapter_names() const;
+  // The adapters in slots now (a request of theirs runs without an install): the router's
+  // adapter affinity.
+  std::vector<std::string> resident_adapters() const;
 
   bool healthy() const { return healthy_.load(); }
   // Healthy and taking requests (not draining).

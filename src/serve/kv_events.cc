@@ -135,10 +135,14 @@ std::vector<std::string> EncodeKvEvents(const std::vector<KvEvent>& events) {
 std::string EncodeKvReset() { return json{{"type", "reset"}}.dump(); }
 
 std::string EncodeKvLoad(const ReplicaLoad& l) {
-  return json{{"type", "load"},           {"waiting", l.waiting}, {"running", l.running},
-              {"max_batch", l.max_batch}, {"kv_used", l.kv_used}, {"kv_blocks", l.kv_blocks},
-              {"accepting", l.accepting}}
-      .dump();
+  json m = {{"type", "load"},           {"waiting", l.waiting}, {"running", l.running},
+            {"max_batch", l.max_batch}, {"kv_used", l.kv_used}, {"kv_blocks", l.kv_blocks},
+            {"accepting", l.accepting}};
+  if (l.max_loras > 0) {  // a base-only replica's reports stay as they were
+    m["max_loras"] = l.max_loras;
+    m["adapters"] = l.adapters;
+  }
+  return m.dump();
 }
 
 absl::StatusOr<KvMessage> DecodeKvMessage(const std::string& line) {
@@ -174,6 +178,21 @@ absl::StatusOr<KvMessage> DecodeKvMessage(const std::string& line) {
       ASSIGN_OR_RETURN(out.load.kv_used, JsonInt(m, "kv_used", 0, kMax));
       ASSIGN_OR_RETURN(out.load.kv_blocks, JsonInt(m, "kv_blocks", 0, kMax));
       ASSIGN_OR_RETURN(out.load.accepting, JsonBool(m, "accepting"));
+      if (m.contains("max_loras")) {
+        ASSIGN_OR_RETURN(out.load.max_loras, JsonInt(m, "max_loras", 0, kMaxKvLoadAdapters));
+        const json& a = m.contains("adapters") ? m["adapters"] : json();
+        if (!a.is_array() || a.size() > static_cast<size_t>(out.load.max_loras)) {
+          return absl::InvalidArgumentError(
+              "'adapters' is not a list of at most max_loras adapter names");
+        }
+        for (const json& name : a) {
+          if (!name.is_string() || name.get_ref<const std::string&>().empty() ||
+              name.get_ref<const std::string&>().size() > 256) {
+            return absl::InvalidArgumentError("'adapters' holds a name that is not 1-256 bytes");
+          }
+          out.load.adapters.push_back(name.get<std::string>());
+        }
+      }
     } else {
       return absl::DataLossError(absl::StrCat("a KV event of unknown type '", type, "'"));
     }

@@ -60,7 +60,12 @@ class KvEventLog {
 struct ReplicaLoad {
   int64_t waiting = 0, running = 0, max_batch = 0, kv_used = 0, kv_blocks = 0;
   bool accepting = true;  // false while the replica drains: nothing new is sent to it
+  // LoRA (issue 54): its adapter slots (0: it serves the base alone) and the adapters in them,
+  // which a request of theirs runs at once (any other waits for a slot to be filled).
+  int64_t max_loras = 0;
+  std::vector<std::string> adapters;
 };
+inline constexpr size_t kMaxKvLoadAdapters = 1024;
 
 // One message of the stream, decoded.
 struct KvMessage {

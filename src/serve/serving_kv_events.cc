@@ -51,6 +51,8 @@ void ApiServer::Impl::KvEvents(const http::Request& http_req, http::Exchange& ex
       l.kv_used = engine->kv_used_blocks();
       l.kv_blocks = engine->options().kv_blocks;
       l.accepting = engine->accepting();
+      l.max_loras = engine->options().lora_slots;
+      if (l.max_loras > 0) l.adapters = engine->resident_adapters();
       lines.push_back(EncodeKvLoad(l));
       next_load = Clock::now() + kLoadEvery;
     }

@@ -415,9 +415,21 @@ def flows():
         return [float(x.group(1)) for page in router_pages() for x in re.finditer(
             r'^shardserve_router_replicas\{[^}]*state="routable"[^}]*\} (\S+)', page, re.M)]
     wait_until(lambda: routable() == [2.0, 2.0], 30)
+
+    def cached_blocks(replica):
+        """Each router's count of the blocks `replica` caches, as its KV events told it."""
+        return [float(x.group(1)) for page in router_pages() for x in re.finditer(
+            r'^shardserve_router_replica_cached_blocks\{[^}]*replica="' + re.escape(replica) +
+            r'"[^}]*\} (\S+)', page, re.M)]
     conversation = "You are a terse assistant who answers in one word. " * 6
     seen = []
+    known = {a: cached_blocks(a) for a in (f"{p['status']['podIP']}:8000" for p in
+                                           m.pods(NAME, "shardserve.io/role=leader"))}
     for turn in range(3):
+        if turn == 1:  # once both routers heard the blocks the first turn stored (KV events)
+            first = seen[0][1]
+            wait_until(lambda: len(cached_blocks(first)) == 2 and all(
+                n > b for n, b in zip(cached_blocks(first), known.get(first, [0.0, 0.0]))), 15)
         conn = http.client.HTTPConnection(host, 8000, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps(
             {"model": NAME, "prompt": conversation + f"Question {turn}?", "max_tokens": 4}),
@@ -491,10 +503,19 @@ def flows():
     rev = status()["revision"]
     loop = ClientLoop(m, NAME)
     least = [2]
+    short = []  # what the status and the pods said while fewer than 1 replica was ready
 
     def rolled():
         s = status()
         least[0] = min(least[0], s.get("readyReplicas", 0))
+        if s.get("readyReplicas", 0) < 1 and len(short) < 3:
+            short.append({"replicas": [(r.get("index"), r.get("phase"), r.get("message"))
+                                       for r in s.get("replicas", [])],
+                          "pods": [(p["metadata"]["name"], p["status"].get("phase"),
+                                    [(k.get("type"), k.get("status"), k.get("message"))
+                                     for k in p["status"].get("conditions", [])
+                                     if k.get("type") in ("Ready", "ContainersReady")])
+                                   for p in model_pods(NAME)]})
         return s.get("revision") != rev and ready(NAME, 2)
 
     t0 = time.monotonic()
@@ -503,7 +524,11 @@ def flows():
     loop.stop()
     figure("rolling update of 2 replicas", time.monotonic() - t0)
     print(f"figure: requests during the roll: {loop.ok} ok, {loop.failed} failed", flush=True)
-    check(least[0] >= 1, f"never fewer than 1 ready replica (maxUnavailable 1; least {least[0]})")
+    check(least[0] >= 1, f"never fewer than 1 ready replica (maxUnavailable 1; least {least[0]}"
+                         f"{': ' + json.dumps(short) if short else ''})")
+    if short:
+        print("\n".join(c.kubectl("get", "events", "-n", NS, "--sort-by=.lastTimestamp")[1]
+                        .splitlines()[-30:]), flush=True)
     check(loop.failed == 0 and loop.ok > 0,
           f"no request failed during the roll ({loop.ok} ok, {loop.failed} failed: "
           f"{loop.errors[:3]})")
@@ -654,12 +679,14 @@ def adapters():
     """6c. LoRA adapters (issue 54): a model of two replicas (TP 1) with two adapters on host
     paths, declared in spec.adapters, mounted read-only on its pods; through its routers, each
     adapter's answer and the base's equal shardserve local's on the same manifest, and the
-    adapters' answers differ from the base's."""
+    adapters' answers differ from the base's. An admin loads a third adapter at runtime through
+    the routers (every replica takes it; a user's key is refused), it answers as shardserve
+    local's does, and once unloaded its name is a 404."""
     t0 = time.monotonic()
     names = ["sql", "chat"]
     dirs = {}
-    for i, name in enumerate(names):
-        dirs[name] = os.path.join(models, "adapters", name)
+    for i, name in enumerate(names + ["math"]):
+        dirs[name] = os.path.join(models, "adapters", "dynamic" if name == "math" else "", name)
         subprocess.run([SHARDSERVE, "gen-adapter", "--model", model_dir, "--out", dirs[name],
                         "--rank", "8", "--seed", str(i + 1)], check=True, capture_output=True)
     for root, _, files in os.walk(os.path.join(models, "adapters")):
@@ -668,12 +695,12 @@ def adapters():
             os.chmod(os.path.join(root, n), 0o644)
     key_file = os.path.join(tmp, "keys")  # local_reference wrote it
     spec = "  adapters:\n" + "".join(f"    - {{name: {n}, uri: \"file://{dirs[n]}\"}}\n"
-                                      for n in names)
+                                      for n in names + ["math"])
     local = Deployment(SHARDSERVE, model_dir, name="lora", tp=1, pp=1, max_batch=8, max_seq=1024,
                        args=["--api-key-file", key_file], api_key=KEY, spec=spec)
     want = {}
     try:
-        for model in ["lora", *names]:
+        for model in ["lora", *names, "math"]:
             want[model] = local.post("/v1/completions", {
                 "model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
                 "logprobs": 3})[2]
@@ -681,6 +708,11 @@ def adapters():
         local.stop()
     obj = manifest("lora", f"hostpath://{model_dir}", tp=1, pp=1, replicas=2)
     obj["spec"]["adapters"] = [{"name": n, "uri": f"hostpath://{dirs[n]}"} for n in names]
+    admin = "sk-e2e-admin-" + secrets.token_hex(8)
+    c.kubectl("create", "secret", "generic", "lora-admin", f"--from-literal=key={admin}",
+              check=True)
+    obj["spec"]["lora"] = {"adminKeySecret": "lora-admin",
+                           "source": f"hostpath://{os.path.dirname(dirs['math'])}"}
     apply(obj)
     check(wait_until(lambda: ready("lora", 2), 300),
           f"lora: two replicas with their adapters Ready ({status('lora').get('phase')})")
@@ -704,6 +736,40 @@ def adapters():
     check(len({json.dumps(got[k]["choices"][0]["logprobs"]["token_logprobs"])
                for k in got if isinstance(got[k], dict)}) == 3,
           "lora: and each adapter's answer is its own (not the base's)")
+
+    # An adapter loaded at runtime, through the routers, on every replica.
+    load = {"lora_name": "math", "lora_path": "math"}
+    user = m.post(host, load, "/v1/load_lora_adapter")
+    check(user[0] == 403, f"lora: a user's key may not load an adapter ({user})")
+    loaded = m.post(host, load, "/v1/load_lora_adapter", key=admin)
+    check(loaded[0] == 200 and "added" in str(loaded[1]),
+          f"lora: an admin loads 'math' at runtime through the routers ({loaded})")
+    answers_math = [post(host, {"model": "math", "prompt": PROMPTS[1], "max_tokens": 12,
+                                "temperature": 0, "logprobs": 3}) for _ in range(4)]
+    replicas_math = set()
+    for _ in range(6):  # both replicas have it: requests of it go by load, to either
+        conn = http.client.HTTPConnection(host, 8000, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": "math", "prompt": "y", "max_tokens": 1}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        r.read()
+        replicas_math.add((r.status, r.getheader("x-shardserve-replica")))
+        conn.close()
+    check(all(a[0] == 200 and same_answer(a[1], want["math"]) for a in answers_math),
+          f"lora: the runtime adapter's tokens and logprobs equal shardserve local's "
+          f"({[a[1]['choices'][0]['text'] if a[0] == 200 else a for a in answers_math]})")
+    check({s for s, _ in replicas_math} == {200} and len(replicas_math) == 2,
+          f"lora: both replicas serve it ({replicas_math})")
+    conn = http.client.HTTPConnection(host, 8000, timeout=60)
+    conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    listed = [x["id"] for x in json.loads(conn.getresponse().read()).get("data", [])]
+    conn.close()
+    check("math" in listed, f"lora: /v1/models lists it ({listed})")
+    unloaded = m.post(host, {"lora_name": "math"}, "/v1/unload_lora_adapter", key=admin)
+    gone = post(host, {"model": "math", "prompt": "x", "max_tokens": 1})
+    check(unloaded[0] == 200 and gone[0] == 404 and "math" in str(gone[1]),
+          f"lora: unloaded, its name is a 404 naming it ({unloaded}; {gone})")
     c.kubectl("delete", "smodel", "lora", "--wait=true", "--timeout=120s")
     check(wait_until(lambda: not model_pods("lora"), 120), "lora: deleted")
 

@@ -65,5 +65,26 @@ TEST(ChoiceTest, ReasonsAndTurns) {
   EXPECT_STREQ(ChoiceReasonName(ChoiceReason::kLoad), "load");
 }
 
+TEST(ChoiceTest, ARequestOfAnAdapterGoesWhereItIsLoadedUnlessLoadSaysOtherwise) {
+  const ChoiceWeights w;
+  Candidate loaded = Live(0), room = Live(0), full = Live(0);
+  loaded.adapter_loaded = true;
+  room.adapter_room = true;
+  // Loaded beats a free slot, which beats a replica that must evict one; whatever the turn.
+  for (uint64_t t = 0; t < 3; ++t) {
+    Ranking r = RankReplicas({full, room, loaded}, 8, w, t);
+    EXPECT_EQ(r.order, (std::vector<int>{2, 1, 0}));
+    EXPECT_EQ(r.reason, ChoiceReason::kAdapter);
+  }
+  // A prefix cached elsewhere names its reason (blocks salted by adapter were made under it).
+  EXPECT_EQ(RankReplicas({loaded, Live(6)}, 8, w, 0).reason, ChoiceReason::kPrefix);
+  // Its replica loaded past its batch: the request goes to one with a free slot.
+  Candidate busy = loaded;
+  busy.running = 8;
+  busy.waiting = 8;
+  EXPECT_EQ(RankReplicas({busy, room}, 8, w, 0).order[0], 1);
+  EXPECT_STREQ(ChoiceReasonName(ChoiceReason::kAdapter), "adapter");
+}
+
 }  // namespace
 }  // namespace shardserve

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -28,8 +29,10 @@ using ::testing::HasSubstr;
 // answered with `status` and its name (as SSE pieces when the request streams).
 class FakeLeader {
  public:
-  FakeLeader(std::string name, std::vector<BlockHash> cached)
-      : name_(std::move(name)), cached_(std::move(cached)) {
+  // `adapters`: the LoRA adapters in its slots (of 2), as its load reports say.
+  FakeLeader(std::string name, std::vector<BlockHash> cached,
+             std::vector<std::string> adapters = {})
+      : name_(std::move(name)), cached_(std::move(cached)), adapters_(std::move(adapters)) {
     http::Routes routes;
     routes.GetBlocking("/v1/kv-events", [this](const http::Request&, http::Exchange& ex) {
       if (!ex.StartStream({200, "application/x-ndjson", "", {}})) return;
@@ -39,6 +42,10 @@ class FakeLeader {
       while (!stop_stream_.load() && !ex.ClientGone()) {
         ReplicaLoad load{0, 0, 8, 0, 100};
         load.accepting = accepting_.load();
+        if (!adapters_.empty()) {
+          load.max_loras = 2;
+          load.adapters = adapters_;
+        }
         if (!ex.Write(EncodeKvLoad(load) + "\n")) return;
         std::this_thread::sleep_for(50ms);
       }
@@ -60,6 +67,14 @@ class FakeLeader {
       ex.Respond(
           {status_.load(), "application/json", absl::StrCat("{\"from\":\"", name_, "\"}"), {}});
     });
+    routes.PostBlocking("/v1/load_lora_adapter",
+                        [this](const http::Request& req, http::Exchange& ex) {
+                          ++lora_calls_;
+                          ex.Respond({lora_status_.load(),
+                                      "text/plain",
+                                      absl::StrCat(name_, " ", req.Header("authorization")),
+                                      {}});
+                        });
     http::ServerOptions o;
     o.host = "127.0.0.1";
     server_ = *http::Server::Start(o, std::move(routes));
@@ -69,8 +84,10 @@ class FakeLeader {
 
   std::string name_;
   std::vector<BlockHash> cached_;
+  const std::vector<std::string> adapters_;
   std::atomic<int> status_{200};
   std::atomic<int> requests_{0};
+  std::atomic<int> lora_status_{200}, lora_calls_{0};
   std::atomic<bool> stop_stream_{false};
   std::atomic<bool> accepting_{true};
   std::atomic<bool> die_mid_stream_{false};
@@ -88,6 +105,7 @@ class RouterTest : public ::testing::Test {
                                 const std::string& keys_file = "",
                                 const std::string& token_file = "") {
     RouterOptions o;
+    o.model_name = "m";
     o.host = "127.0.0.1";
     o.port = 0;
     o.leaders = leaders;
@@ -112,17 +130,18 @@ class RouterTest : public ::testing::Test {
     }
     return n;
   }
-  std::string Body(bool stream = false) {
+  std::string Body(bool stream = false, const std::string& model = "m") {
     std::string ids;
     for (int32_t t : prompt_) absl::StrAppend(&ids, ids.empty() ? "" : ",", t);
-    return absl::StrCat("{\"model\": \"m\", \"prompt\": [", ids, "]",
+    return absl::StrCat("{\"model\": \"", model, "\", \"prompt\": [", ids, "]",
                         stream ? ", \"stream\": true" : "", "}");
   }
   absl::StatusOr<http::ClientResponse> Post(Router& r, bool stream = false,
-                                            http::Headers headers = {}) {
+                                            http::Headers headers = {},
+                                            const std::string& model = "m") {
     headers.emplace_back("Content-Type", "application/json");
-    return http::Fetch("127.0.0.1", r.port(), "POST", "/v1/completions", headers, Body(stream),
-                       10s);
+    return http::Fetch("127.0.0.1", r.port(), "POST", "/v1/completions", headers,
+                       Body(stream, model), 10s);
   }
   static std::string Header(const http::ClientResponse& r, const std::string& name) {
     for (const auto& [k, v] : r.headers) {
@@ -170,6 +189,60 @@ TEST_F(RouterTest, ThePromptGoesWhereItsBlocksAreCachedAndFailsOverOn503) {
   a.status_ = 200;
   EXPECT_EQ(Routable(*router, 1), 1);
   EXPECT_THAT(Metrics(*router), HasSubstr("state=\"unroutable\"} 1"));
+}
+
+// A request of a LoRA adapter goes to the replica whose load reports say the adapter is in one
+// of its slots; a request of the base goes by load (in turn between idle replicas).
+TEST_F(RouterTest, AnAdaptersRequestGoesWhereTheAdapterIsLoaded) {
+  FakeLeader a("A", {}, {"legal"}), b("B", {}, {"sql", "legal"});
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 2), 2);
+  // The load reports come every 50 ms: wait for B's adapters.
+  for (int i = 0; i < 100 && b.requests_.load() == 0; ++i) {
+    ASSERT_TRUE(Post(*router, false, {}, "sql").ok());
+    if (b.requests_.load() == 0) std::this_thread::sleep_for(50ms);
+  }
+  const int before = a.requests_.load();
+  for (int i = 0; i < 4; ++i) {
+    auto r = Post(*router, false, {}, "sql");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->body, "{\"from\":\"B\"}");
+  }
+  EXPECT_EQ(a.requests_.load(), before);
+  EXPECT_THAT(Metrics(*router),
+              HasSubstr("shardserve_router_decisions_total{model=\"m\",reason=\"adapter\"}"));
+  std::set<std::string> bases;  // both load 'legal' and the base: in turn
+  for (int i = 0; i < 4; ++i) bases.insert(Post(*router, false, {}, "legal")->body);
+  for (int i = 0; i < 4; ++i) bases.insert(Post(*router)->body);
+  EXPECT_EQ(bases.size(), 2u);
+}
+
+// An admin's adapter load goes to every replica, with the admin's key; the answer says whether
+// every one took it, and each one's answer when not.
+TEST_F(RouterTest, AdapterLoadsGoToEveryReplica) {
+  FakeLeader a("A", {}), b("B", {});
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 2), 2);
+  auto load = [&] {
+    return http::Fetch("127.0.0.1", router->port(), "POST", "/v1/load_lora_adapter",
+                       {{"Authorization", "Bearer admin"}, {"Content-Type", "application/json"}},
+                       R"({"lora_name":"sql","lora_path":"sql"})", 10s);
+  };
+  auto r = load();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status, 200);
+  EXPECT_THAT(r->body, HasSubstr("Bearer admin"));  // the leaders saw the admin's key
+  EXPECT_EQ(Header(*r, "x-shardserve-replicas"), "2");
+  EXPECT_EQ(a.lora_calls_.load(), 1);
+  EXPECT_EQ(b.lora_calls_.load(), 1);
+  b.lora_status_ = 400;  // one refuses: 502 naming each one's answer
+  r = load();
+  EXPECT_EQ(r->status, 502);
+  EXPECT_THAT(r->body, HasSubstr(absl::StrCat(b.address(), ": 400 B")));
+  EXPECT_THAT(r->body, HasSubstr(absl::StrCat(a.address(), ": 200 A")));
+  a.lora_status_ = 403;  // both refuse alike: their status
+  b.lora_status_ = 403;
+  EXPECT_EQ(load()->status, 403);
 }
 
 TEST_F(RouterTest, StreamsArePassedOnAsTheyCome) {

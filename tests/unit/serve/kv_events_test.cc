@@ -85,12 +85,26 @@ TEST(KvEventsTest, MessagesRoundTripAndBadLinesAreNamed) {
   auto drained = DecodeKvMessage(EncodeKvLoad(draining));
   ASSERT_TRUE(drained.ok());
   EXPECT_FALSE(drained->load.accepting);
+  EXPECT_EQ(EncodeKvLoad(draining).find("adapters"), std::string::npos);  // a base-only replica
+  ReplicaLoad lora{1, 2, 8, 30, 100};
+  lora.max_loras = 4;
+  lora.adapters = {"sql", "legal"};
+  auto with_adapters = DecodeKvMessage(EncodeKvLoad(lora));
+  ASSERT_TRUE(with_adapters.ok());
+  EXPECT_EQ(with_adapters->load.max_loras, 4);
+  EXPECT_EQ(with_adapters->load.adapters, (std::vector<std::string>{"sql", "legal"}));
   for (const auto& [line, why] : std::vector<std::pair<std::string, std::string>>{
            {"not json", "not a JSON object"},
            {R"({"type":"dance"})", "unknown type 'dance'"},
            {R"({"type":"stored","hashes":["zz"]})", "not 32 hex digits"},
            {R"({"type":"stored","hashes":["0123456789abcdef0123456789abcdeg"]})", "hex"},
            {R"({"type":"load","waiting":-1})", "'waiting'"},
+           {R"({"type":"load","waiting":0,"running":0,"max_batch":1,"kv_used":0,"kv_blocks":1,)"
+            R"("accepting":true,"max_loras":1,"adapters":["a","b"]})",
+            "at most max_loras"},
+           {R"({"type":"load","waiting":0,"running":0,"max_batch":1,"kv_used":0,"kv_blocks":1,)"
+            R"("accepting":true,"max_loras":2,"adapters":[""]})",
+            "1-256 bytes"},
            {R"({"type":"hello","model":"m","block_size":0,"epoch":"e"})", "block_size"}}) {
     auto m = DecodeKvMessage(line);
     ASSERT_FALSE(m.ok()) << line;
