@@ -427,6 +427,12 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
       RETURN_IF_ERROR(
           CheckHostPath(at.path, policy.host_paths, absl::StrCat("spec.adapters[", i, "].uri")));
     }
+    if (at.remote()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "spec.adapters[", i, "].uri '", a.uri,
+          "': on a cluster an adapter is read from pvc:// or hostpath:// (shardserve local "
+          "fetches remote adapters; the operator does not fetch them onto the nodes yet)"));
+    }
   }
   if (const std::string& source = v.model.spec.lora_source; !source.empty()) {
     ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(source));

@@ -441,12 +441,6 @@ absl::Status CheckAdapters(const ShardedModelSpec& s) {
       if (absl::StartsWith(why, "spec.model.uri ")) why.erase(0, 15);
       return absl::InvalidArgumentError(absl::StrCat(at, ".uri ", why));
     }
-    if (uri->remote()) {
-      return absl::UnimplementedError(
-          absl::StrCat(at, ".uri '", a.uri,
-                       "': an adapter is read from pvc://, hostpath:// or file:// (a remote "
-                       "source is not fetched for adapters yet)"));
-    }
   }
   return absl::OkStatus();
 }

@@ -92,29 +92,32 @@ void AnnounceReady(const std::vector<LocalReplica>& replicas, int router, const 
 }
 
 // A remote spec.model.uri fetched into the model cache (its directory, what moved).
-absl::StatusOr<source::FetchReport> FetchModel(const std::string& file,
-                                               const ShardedModelSpec& spec) {
+// A remote model or adapter (`uri_text`, in manifest field `field`) fetched into the model cache:
+// the files `patterns` choose (all when empty).
+absl::StatusOr<source::FetchReport> Fetch(const std::string& file, const std::string& field,
+                                          const std::string& uri_text,
+                                          const std::vector<std::string>& patterns) {
   source::ResolveOptions o;
   o.env = [](const char* name) { return std::getenv(name); };
   o.cache_root = source::DefaultCacheRoot(o.env);
-  o.files = spec.model_files;
+  o.files = patterns;
   int64_t last_report = -1;
   o.progress = [&](int64_t done, int64_t total) {
     const int64_t step = total / 10 + 1;  // a line every tenth
     if (done / step != last_report) {
       last_report = done / step;
-      std::fprintf(stderr, "shardserve local: fetching %s: %.1f of %.1f MB\n",
-                   spec.model_uri.c_str(), done / 1e6, total / 1e6);
+      std::fprintf(stderr, "shardserve local: fetching %s: %.1f of %.1f MB\n", uri_text.c_str(),
+                   done / 1e6, total / 1e6);
     }
   };
-  ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(spec.model_uri));
-  absl::StatusOr<source::FetchReport> r = source::ResolveModel(uri, spec.model_uri, o);
+  ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(uri_text));
+  absl::StatusOr<source::FetchReport> r = source::ResolveModel(uri, uri_text, o);
   if (!r.ok()) {
     return absl::Status(r.status().code(),
-                        absl::StrCat(file, ": spec.model.uri: ", r.status().message()));
+                        absl::StrCat(file, ": ", field, ": ", r.status().message()));
   }
   std::fprintf(stderr, "shardserve local: %s is %s (%.1f MB%s; %.1f MB fetched now)\n",
-               spec.model_uri.c_str(), r->dir.c_str(), r->bytes_total / 1e6,
+               uri_text.c_str(), r->dir.c_str(), r->bytes_total / 1e6,
                r->cache_hit ? ", in the cache already" : "", r->bytes_fetched / 1e6);
   if (!r->weak_checks.empty()) {
     std::fprintf(stderr,
@@ -189,7 +192,8 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   }
   std::optional<FetchReportFile> fetch_report;
   if (uri.remote()) {  // fetched into the model cache (once: a second run finds it there)
-    ASSIGN_OR_RETURN(const source::FetchReport fetched, FetchModel(file, spec));
+    ASSIGN_OR_RETURN(const source::FetchReport fetched,
+                     Fetch(file, "spec.model.uri", spec.model_uri, spec.model_files));
     uri.path = fetched.dir;
     const int64_t cache_bytes =
         source::CacheBytes(source::DefaultCacheRoot([](const char* n) { return std::getenv(n); }));
@@ -210,7 +214,13 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   // after every rank started).
   std::vector<AdapterRef> adapters;
   for (size_t i = 0; i < spec.adapters.size(); ++i) {
-    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(spec.adapters[i].uri));
+    ASSIGN_OR_RETURN(ModelUri at, ParseModelUri(spec.adapters[i].uri));
+    if (at.remote()) {  // s3://, hf://, oci://: its files fetched into the model cache
+      ASSIGN_OR_RETURN(
+          const source::FetchReport fetched,
+          Fetch(file, absl::StrCat("spec.adapters[", i, "].uri"), spec.adapters[i].uri, {}));
+      at.path = fetched.dir;
+    }
     if (at.scheme == ModelUri::Scheme::kPvc) {
       return absl::FailedPreconditionError(absl::StrCat(
           file, ": spec.adapters[", i, "].uri '", spec.adapters[i].uri,

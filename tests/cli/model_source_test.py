@@ -121,6 +121,37 @@ try:
     check("in the cache already" in log and "0.0 MB fetched now" in log,
           f"a second start fetches nothing: {log[-400:]}")
 
+    # A LoRA adapter from s3:// (issue 54): fetched into the cache, served with the answers of the
+    # same adapter read from its directory.
+    adapter = os.path.join(tmp, "adapter")
+    subprocess.run([BIN, "gen-adapter", "--model", model, "--out", adapter, "--rank", "8",
+                    "--seed", "3"], check=True, capture_output=True)
+    for name in os.listdir(adapter):
+        with open(os.path.join(adapter, name), "rb") as f:
+            s3.put_object(Bucket="models", Key=f"adapters/sql/{name}", Body=f.read(),
+                          ChecksumAlgorithm="SHA256")
+    sql = {"model": "sql", "prompt": "the quick brown", "max_tokens": 8, "temperature": 0}
+    answers = {}
+    for where in (f"file://{adapter}", "s3://models/adapters/sql"):
+        d = Deployment(BIN, model, tp=2, pp=1, proc_env=env_for(S3_PORT, cache),
+                       spec=f"  adapters:\n    - {{name: sql, uri: \"{where}\"}}\n")
+        try:
+            status, _, body = d.post("/v1/completions", sql)
+            answers[where] = (status, body["choices"][0]["text"] if status == 200 else body)
+            log = d.log()
+        finally:
+            d.stop()
+    check(answers[f"file://{adapter}"][0] == 200 and
+          answers["s3://models/adapters/sql"] == answers[f"file://{adapter}"] and
+          answers["s3://models/adapters/sql"] != want,
+          f"an adapter from s3:// answers as from its directory, not as the base: {answers}")
+    check("s3://models/adapters/sql is " in log and "MB fetched now" in log,
+          f"the adapter was fetched into the cache: {log[-400:]}")
+    rc, out = local_fails(BIN, tmp, f"file://{model}", env_for(S3_PORT, cache),
+                          adapters={"sql": "s3://models/adapters/none"})
+    check(rc != 0 and "spec.adapters[0].uri: " in out and "no objects under the prefix" in out,
+          f"a missing adapter is named with its field: {out[-300:]}")
+
     # A fetch cut short (the tokenizer refused by the proxy) resumes: what it had stays.
     resumed = os.path.join(tmp, "resumed")
     proxy.corrupt, proxy.refuse = None, "tokenizer.json"

@@ -5,9 +5,11 @@ import subprocess
 import time
 
 
-def write_manifest(tmp, uri, files=None):
+def write_manifest(tmp, uri, files=None, adapters=None):
     path = os.path.join(tmp, f"m{time.monotonic_ns()}.yaml")
     files_yaml = "".join(f"      - \"{p}\"\n" for p in files or [])
+    adapters_yaml = "".join(f"    - {{name: {n}, uri: \"{u}\"}}\n"
+                            for n, u in (adapters or {}).items())
     with open(path, "w") as f:
         f.write(f"""apiVersion: shardserve.io/v1alpha1
 kind: ShardedModel
@@ -19,13 +21,14 @@ spec:
     uri: {uri}
 {"    files:" + chr(10) + files_yaml if files else ""}  worker:
     image: shardserve/worker:test
-""")
+{"  adapters:" + chr(10) + adapters_yaml if adapters else ""}""")
     return path
 
 
-def local_fails(binary, tmp, uri, env, files=None):
-    """shardserve local on a model it must refuse: its exit code and output."""
-    r = subprocess.run([binary, "local", "-f", write_manifest(tmp, uri, files)], env=env,
+def local_fails(binary, tmp, uri, env, files=None, adapters=None):
+    """shardserve local on a model it must refuse (or its adapters: {name: uri}): its exit code
+    and output."""
+    r = subprocess.run([binary, "local", "-f", write_manifest(tmp, uri, files, adapters)], env=env,
                        capture_output=True, text=True, timeout=120)
     return r.returncode, r.stdout + r.stderr
 

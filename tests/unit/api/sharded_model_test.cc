@@ -186,7 +186,6 @@ TEST(ShardedModel, AdaptersAndTheirBoundsReachTheWorkers) {
       {"  adapters:\n    - {name: a, uri: \"pvc://l/a\"}\n    - {name: a, uri: \"pvc://l/b\"}\n",
        "spec.adapters[1].name 'a'"},
       {"  adapters:\n    - {name: \"a b\", uri: \"pvc://l/a\"}\n", "spec.adapters[0].name"},
-      {"  adapters:\n    - {name: a, uri: \"s3://bucket/a\"}\n", "a remote source is not fetched"},
       {"  adapters:\n    - {name: a, uri: \"s3://b/a\"}\n",
        "spec.adapters[0].uri 's3://b/a' names"},
       {"  adapters:\n    - {name: a, uri: \"pvc://l/a\", rank: 8}\n", "spec.adapters[0].rank"},

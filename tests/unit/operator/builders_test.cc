@@ -694,6 +694,14 @@ TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
   auto local = ReadModel(obj, {}, policy);
   EXPECT_NE(local.status().message().find("only shardserve local reads"), std::string::npos)
       << local.status();
+  obj["spec"]["adapters"][1]["uri"] = "s3://bucket/loras/chat";
+  auto remote = ReadModel(obj, {}, policy);
+  EXPECT_EQ(remote.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(remote.status().message().find(
+                "spec.adapters[1].uri 's3://bucket/loras/chat': on a cluster an adapter is read "
+                "from pvc:// or hostpath://"),
+            std::string::npos)
+      << remote.status();
 }
 
 TEST(Builders, RendezvousSecretAndDisruptionBudget) {
