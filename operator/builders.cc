@@ -79,7 +79,20 @@ struct ModelFiles {
   json mounts = json::array();
   std::string path;
   json init = nullptr;
+  json more_init = json::array();  // a remote adapter's fetch steps (StageAdapterFiles)
 };
+
+// What a fetch step fetches: `uri` (a remote one), pinned to `revision` when known, the files
+// `patterns` choose; `progress`: on the first metrics port (the model's step, which the operator
+// reads while the pod initializes).
+struct FetchSource {
+  std::string uri, revision;
+  std::vector<std::string> patterns;
+  bool progress = true;
+};
+json FetchContainer(const ModelView& m, const std::string& name, const FetchSource& src,
+                    const std::string& cache, json mounts, std::vector<std::string> extra,
+                    json security_context, json& volumes);
 
 // A stage's LoRA adapters (spec.adapters): each one's volume (its claim or its host directory),
 // read-only at kAdapterMount/N, and the directories the ranks read (SHARDSERVE_LORA_ADAPTERS);
@@ -94,7 +107,17 @@ ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs, 
     const ModelUri uri = *ParseModelUri(adapters[i].uri);  // checked by ReadModel
     const std::string volume = absl::StrCat("adapter-", i);
     const std::string at = absl::StrCat(kAdapterMount, "/", i);
-    if (uri.scheme == ModelUri::Scheme::kPvc) {
+    if (uri.remote()) {
+      // Fetched by a step of the pod into a volume of its own (adapters are small: no node
+      // cache), at the same path in the step and, read-only, in the rank: the link resolves.
+      f.volumes.push_back({{"name", volume}, {"emptyDir", {{"sizeLimit", "4Gi"}}}});
+      const std::string dir = absl::StrCat(at, "/adapter");
+      f.more_init.push_back(FetchContainer(
+          m, absl::StrCat("fetch-adapter-", i), {adapters[i].uri, "", {}, false},
+          absl::StrCat(at, "/cache"), json::array({{{"name", volume}, {"mountPath", at}}}),
+          {"--link", dir}, m.defaults.security_context, f.volumes));
+      refs.push_back({adapters[i].name, dir});
+    } else if (uri.scheme == ModelUri::Scheme::kPvc) {
       f.volumes.push_back(
           {{"name", volume},
            {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
@@ -127,39 +150,54 @@ ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs, 
 // The fetch step of a remote model (`shardserve fetch`, cli/fetch.h): pinned to the revision the
 // inspect pod resolved, its credentials (spec.model.secret) mounted here only, its progress on
 // the first metrics port (the operator reads /startupz there while the pod initializes).
-json FetchContainer(const ModelView& m, const std::string& cache, json mounts,
-                    std::vector<std::string> extra, json security_context, json& volumes) {
+json FetchContainer(const ModelView& m, const std::string& name, const FetchSource& src,
+                    const std::string& cache, json mounts, std::vector<std::string> extra,
+                    json security_context, json& volumes) {
   const ShardedModelSpec& s = m.model.spec;
-  json command = {"shardserve", "fetch", "--uri",           s.model_uri,
-                  "--cache",    cache,   "--progress-port", std::to_string(kMetricsPortBase)};
-  if (m.source) {  // a router built before the inspect pod resolved it has none (and no pods)
+  json command = {"shardserve", "fetch", "--uri", src.uri, "--cache", cache};
+  if (src.progress) {
+    command.push_back("--progress-port");
+    command.push_back(std::to_string(kMetricsPortBase));
+  }
+  if (!src.revision.empty()) {
     command.push_back("--revision");
-    command.push_back(m.source->revision);
+    command.push_back(src.revision);
   }
-  if (!s.model_files.empty()) {
+  if (!src.patterns.empty()) {
     command.push_back("--files");
-    command.push_back(absl::StrJoin(s.model_files, ","));
+    command.push_back(absl::StrJoin(src.patterns, ","));
   }
-  if (!s.model_secret.empty()) {
-    volumes.push_back({{"name", "model-credentials"},
-                       {"secret", {{"secretName", s.model_secret}, {"defaultMode", 0440}}}});
+  if (!s.model_secret.empty()) {  // the model's credentials serve its adapters' sources too
+    if (std::none_of(volumes.begin(), volumes.end(),
+                     [](const json& v) { return v.value("name", "") == "model-credentials"; })) {
+      volumes.push_back({{"name", "model-credentials"},
+                         {"secret", {{"secretName", s.model_secret}, {"defaultMode", 0440}}}});
+    }
     mounts.push_back(
         {{"name", "model-credentials"}, {"mountPath", kCredentialsMount}, {"readOnly", true}});
     command.push_back("--credentials");
     command.push_back(kCredentialsMount);
   }
   for (std::string& e : extra) command.push_back(std::move(e));
+  json ports = json::array();
+  if (src.progress) ports.push_back({{"name", "fetch"}, {"containerPort", kMetricsPortBase}});
   return {
-      {"name", "fetch"},
+      {"name", name},
       {"image", s.image},
       {"command", command},
       {"env", SpecEnv(m)},  // endpoints and regions (AWS_ENDPOINT_URL, HF_ENDPOINT, ...)
-      {"ports", json::array({{{"name", "fetch"}, {"containerPort", kMetricsPortBase}}})},
+      {"ports", ports},
       {"terminationMessagePolicy", "FallbackToLogsOnError"},
       {"volumeMounts", mounts},
       {"securityContext", security_context},
       {"resources",
        {{"requests", {{"cpu", "100m"}, {"memory", "128Mi"}}}, {"limits", {{"memory", "1Gi"}}}}}};
+}
+
+// The model's source, pinned once the inspect pod resolved it (a router built before has none, and
+// no pods).
+FetchSource ModelFetchSource(const ModelView& m) {
+  return {m.model.spec.model_uri, m.source ? m.source->revision : "", m.model.spec.model_files};
 }
 
 // A stage's model. pvc:// and hostpath://: the volume, read-only. A remote model: the node's
@@ -207,7 +245,8 @@ ModelFiles StageModelFiles(const ModelView& m, const std::string& node) {
     extra.push_back("--cache-limit");
     extra.push_back(std::to_string(m.defaults.model_cache.size_limit));
   }
-  f.init = FetchContainer(m, kCacheMount,
+  // Pinned to the revision the inspect pod resolved (stage pods are built once it did).
+  f.init = FetchContainer(m, "fetch", ModelFetchSource(m), kCacheMount,
                           json::array({{{"name", "model-cache"}, {"mountPath", kCacheMount}},
                                        {{"name", "fetch"}, {"mountPath", kFetchMount}}}),
                           std::move(extra), security, f.volumes);
@@ -223,7 +262,7 @@ ModelFiles RouterModelFiles(const ModelView& m) {
   f.volumes.push_back({{"name", "model"}, {"emptyDir", {{"sizeLimit", "1Gi"}}}});
   f.mounts.push_back({{"name", "model"}, {"mountPath", kModelMount}, {"readOnly", true}});
   f.path = absl::StrCat(kModelMount, "/model");
-  f.init = FetchContainer(m, absl::StrCat(kModelMount, "/cache"),
+  f.init = FetchContainer(m, "fetch", ModelFetchSource(m), absl::StrCat(kModelMount, "/cache"),
                           json::array({{{"name", "model"}, {"mountPath", kModelMount}}}),
                           {"--small", "--link", f.path}, m.defaults.security_context, f.volumes);
   return f;
@@ -427,12 +466,6 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
       RETURN_IF_ERROR(
           CheckHostPath(at.path, policy.host_paths, absl::StrCat("spec.adapters[", i, "].uri")));
     }
-    if (at.remote()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "spec.adapters[", i, "].uri '", a.uri,
-          "': on a cluster an adapter is read from pvc:// or hostpath:// (shardserve local "
-          "fetches remote adapters; the operator does not fetch them onto the nodes yet)"));
-    }
   }
   if (const std::string& source = v.model.spec.lora_source; !source.empty()) {
     ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(source));
@@ -570,7 +603,13 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
         {"emptyDir",
          {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
   for (const ModelFiles* f : {&files, &adapter_files}) {
-    for (const json& v : f->volumes) volumes.push_back(v);
+    for (const json& v : f->volumes) {
+      // The model's fetch step and its adapters' share the credentials' volume.
+      if (std::none_of(volumes.begin(), volumes.end(),
+                       [&](const json& w) { return w["name"] == v["name"]; })) {
+        volumes.push_back(v);
+      }
+    }
   }
 
   // Secrets the kubelet mounts, readable by the pod's group (fsGroup) only: the replica's
@@ -623,7 +662,10 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {"securityContext", m.defaults.pod_security_context},
       {"containers", json::array({container})},
       {"volumes", volumes}};
-  if (!files.init.is_null()) spec["initContainers"] = json::array({files.init});
+  json init = json::array();
+  if (!files.init.is_null()) init.push_back(files.init);
+  for (const json& c : adapter_files.more_init) init.push_back(c);
+  if (!init.empty()) spec["initContainers"] = std::move(init);
   AddScheduling(s, spec);
 
   return {{"apiVersion", "v1"},

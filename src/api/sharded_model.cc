@@ -603,11 +603,15 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
         "spec.model.uri '",
         s.model_uri, "' is read as it is"));
   }
-  if (!s.model_secret.empty() && !uri.remote()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.model.secret holds a remote model's credentials (s3://, hf://, oci://); "
-                     "spec.model.uri '",
-                     s.model_uri, "' needs none"));
+  const bool remote_adapter = std::any_of(s.adapters.begin(), s.adapters.end(), [](const auto& a) {
+    const absl::StatusOr<ModelUri> at = ParseModelUri(a.uri);
+    return at.ok() && at->remote();
+  });
+  if (!s.model_secret.empty() && !uri.remote() && !remote_adapter) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.model.secret holds the credentials of a remote model or adapter (s3://, hf://, "
+        "oci://); spec.model.uri '",
+        s.model_uri, "' and spec.adapters need none"));
   }
   if (!s.model_secret.empty() &&
       (s.model_secret.size() > 253 || !std::regex_match(s.model_secret, DnsSubdomain()))) {

@@ -102,6 +102,9 @@ class Backend {
   // Whether Upload copies the weights: the host views (and the mapped pages behind them) are
   // then no longer needed once the model is loaded.
   virtual bool copies_weights() const = 0;
+  // Whether its Buffers are host memory, which any thread may allocate and fill (a LoRA adapter
+  // is then laid out in its slot's memory off the step thread: model/transformer.h).
+  virtual bool host_memory() const = 0;
 
   // --- Memory
   virtual std::unique_ptr<Buffer> NewBuffer() = 0;

@@ -42,8 +42,10 @@
 
 namespace shardserve {
 
-// A LoRA adapter's share of one rank, laid out in host memory as a slot holds it
-// (Transformer::PrepareLora): each module's A and B transposed at its offsets (in floats).
+// A LoRA adapter's share of one rank, laid out as a slot holds it (Transformer::PrepareLora):
+// each module's A and B transposed at its offsets (in floats). Where the backend's memory is the
+// host's, in a backend buffer that slots share (installing it copies nothing); else in host
+// memory, copied into a slot's buffer when installed.
 struct PreparedLora {
   struct Piece {
     int64_t layer = 0;  // of the stage
@@ -54,6 +56,7 @@ struct PreparedLora {
   };
   std::vector<Piece> pieces;
   std::vector<float> host;
+  std::shared_ptr<Buffer> mem;
 };
 
 struct SequenceChunk {
@@ -345,7 +348,7 @@ class Transformer {
   // LoRA: by stage layer and target; each slot's factors (null: empty); whether the last Run's
   // batch has rows of an adapter.
   std::vector<std::array<LoraProjection, kLoraTargets>> lora_;
-  std::vector<std::unique_ptr<Buffer>> lora_mem_;
+  std::vector<std::shared_ptr<const Buffer>> lora_mem_;  // shared with the PreparedLora
   bool lora_batch_ = false;
   Buffers buf_;
   // The last Run: its rows and sequences (the rows of `logits` on the last stage); the rows of

@@ -109,14 +109,22 @@ absl::StatusOr<PreparedLora> Transformer::PrepareLora(const LoraAdapter& adapter
                           floats + static_cast<size_t>(m.rank * share.in)});
     floats += static_cast<size_t>(m.rank * (share.in + share.out));
   }
-  out.host.resize(std::max<size_t>(floats, 1));
+  float* laid = nullptr;
+  if (backend_->host_memory()) {
+    out.mem = backend_->NewBuffer();
+    RETURN_IF_ERROR(out.mem->Reserve(std::max<size_t>(floats, 1) * sizeof(float)));
+    laid = out.mem->as<float>();
+  } else {
+    out.host.resize(std::max<size_t>(floats, 1));
+    laid = out.host.data();
+  }
   size_t k = 0;
   for (const LoraModule& m : adapter.modules) {
     if (m.layer < layer_begin_ || m.layer >= layer_end_) continue;
     const PreparedLora::Piece& p = out.pieces[k++];
     const LoraShare share = LoraShareOf(m.target);
-    float* a = out.host.data() + p.a_at;
-    float* b = out.host.data() + p.b_at;
+    float* a = laid + p.a_at;
+    float* b = laid + p.b_at;
     // Row-parallel: A's columns of this rank's inputs, all of B; column-parallel: all of A, B's
     // rows of this rank's outputs. B transposed ([rank][out], as LoraTable holds it).
     const int64_t a0 = share.slices_a ? share.begin : 0;
@@ -131,11 +139,15 @@ absl::StatusOr<PreparedLora> Transformer::PrepareLora(const LoraAdapter& adapter
 
 absl::Status Transformer::InstallLora(int slot, const PreparedLora& prepared) {
   RETURN_IF_ERROR(UnloadLora(slot));
-  std::unique_ptr<Buffer> mem = backend_->NewBuffer();
-  const size_t bytes = prepared.host.size() * sizeof(float);
-  RETURN_IF_ERROR(mem->Reserve(bytes));
-  RETURN_IF_ERROR(backend_->CopyFromHost(mem->data(), prepared.host.data(), bytes));
-  const float* base = mem->as<float>();
+  std::shared_ptr<const Buffer> mem = prepared.mem;  // laid out in backend memory already
+  if (mem == nullptr) {
+    std::shared_ptr<Buffer> copy = backend_->NewBuffer();
+    const size_t bytes = prepared.host.size() * sizeof(float);
+    RETURN_IF_ERROR(copy->Reserve(bytes));
+    RETURN_IF_ERROR(backend_->CopyFromHost(copy->data(), prepared.host.data(), bytes));
+    mem = std::move(copy);
+  }
+  const float* base = mem->as<const float>();
   lora_mem_[slot] = std::move(mem);
   std::vector<std::array<bool, kLoraTargets>> touched(lora_.size());
   for (const PreparedLora::Piece& p : prepared.pieces) {

@@ -113,6 +113,14 @@ def run(c, m, check, shardserve, servers_bin, tmp, model_dir, cache_root, refere
                 with open(os.path.join(model_dir, n), "rb") as f:
                     s3.put_object(Bucket="models", Key=f"{prefix}/{n}", Body=f.read(),
                                   ChecksumAlgorithm="SHA256")
+        # A LoRA adapter beside the model (issue 54): fetched by a step of each stage pod.
+        adapter_dir = os.path.join(tmp, "s3-adapter")
+        subprocess.run([shardserve, "gen-adapter", "--model", model_dir, "--out", adapter_dir,
+                        "--rank", "8", "--seed", "5"], check=True, capture_output=True)
+        for n in os.listdir(adapter_dir):
+            with open(os.path.join(adapter_dir, n), "rb") as f:
+                s3.put_object(Bucket="models", Key=f"adapters/sql/{n}", Body=f.read(),
+                              ChecksumAlgorithm="SHA256")
         # Another listing (the cache is content-addressed: the same files would be present).
         s3.put_object(Bucket="models", Key="corrupt/notes.json", Body=b"{}",
                       ChecksumAlgorithm="SHA256")
@@ -142,13 +150,24 @@ def run(c, m, check, shardserve, servers_bin, tmp, model_dir, cache_root, refere
 
         # --- s3:// on two nodes: a first start that downloads --------------------------------
         t0 = time.monotonic()
-        m.apply(spec("from-s3", "s3://models/tiny", "s3-creds", s3_env))
+        from_s3 = spec("from-s3", "s3://models/tiny", "s3-creds", s3_env)
+        from_s3["spec"]["adapters"] = [{"name": "sql", "uri": "s3://models/adapters/sql"}]
+        m.apply(from_s3)
         check(wait_until(lambda: m.ready("from-s3", 1), 300),
               f"from-s3: Ready ({m.status('from-s3').get('replicaStatuses')})")
         first = time.monotonic() - t0
         figure("s3:// apply -> Ready, downloading on 2 nodes", first)
         check(wait_until(lambda: serves_same("from-s3"), 60),
               "from-s3: the answers of shardserve local on the model's directory")
+        code, sql = m.post(m.service_ip("from-s3"), {"model": "sql", "prompt": "hello world",
+                                                     "max_tokens": 12, "temperature": 0,
+                                                     "logprobs": 3})
+        steps = [c_["name"] for p in stage_pods("from-s3")
+                 for c_ in p["spec"].get("initContainers", [])]
+        check(code == 200 and not same_answer(sql, reference) and
+              steps.count("fetch-adapter-0") == 2,
+              f"from-s3: its adapter from s3:// fetched by a step of each stage pod ({steps}) "
+              f"answers as itself, not as the base ({code}: {str(sql)[:200]})")
         source = m.status("from-s3").get("model", {}).get("source", {})
         check(re.fullmatch(r"[0-9a-f]{64}", source.get("revision", "")) is not None and
               source.get("bytes") == total,

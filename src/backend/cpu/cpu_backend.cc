@@ -91,6 +91,7 @@ class CpuBackend : public Backend {
  public:
   explicit CpuBackend(int threads) : pool_(threads) {}
   bool copies_weights() const override { return true; }
+  bool host_memory() const override { return true; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
   // Weights are copied into the backend's own (anonymous) memory, Q4_K, Q4_1 and Q6_K into the

@@ -74,6 +74,7 @@ class CudaBackend : public Backend {
  public:
   explicit CudaBackend(std::unique_ptr<Context> ctx) : ctx_(std::move(ctx)) {}
   bool copies_weights() const override { return true; }
+  bool host_memory() const override { return false; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<GpuBuffer>(); }
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& m) override {

@@ -694,14 +694,45 @@ TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
   auto local = ReadModel(obj, {}, policy);
   EXPECT_NE(local.status().message().find("only shardserve local reads"), std::string::npos)
       << local.status();
+  // A remote adapter: a step of each stage pod fetches it (with the model's credentials) into a
+  // volume of the pod, which the rank reads through the step's link.
   obj["spec"]["adapters"][1]["uri"] = "s3://bucket/loras/chat";
+  obj["spec"]["model"]["secret"] = "s3-creds";
   auto remote = ReadModel(obj, {}, policy);
-  EXPECT_EQ(remote.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(remote.status().message().find(
-                "spec.adapters[1].uri 's3://bucket/loras/chat': on a cluster an adapter is read "
-                "from pvc:// or hostpath://"),
-            std::string::npos)
-      << remote.status();
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  for (int stage : {0, 1}) {
+    const json pod = BuildStagePod(*remote, 0, stage, {"node-a", "node-b"});
+    EXPECT_EQ(Env(pod, "SHARDSERVE_LORA_ADAPTERS"),
+              R"([{"name":"sql","path":"/adapters/0/sql/v2"},)"
+              R"({"name":"chat","path":"/adapters/1/adapter"}])");
+    ASSERT_EQ(pod["spec"]["initContainers"].size(), 1u);
+    const json& step = pod["spec"]["initContainers"][0];
+    EXPECT_EQ(step["name"], "fetch-adapter-1");
+    EXPECT_EQ(step["command"],
+              json({"shardserve", "fetch", "--uri", "s3://bucket/loras/chat", "--cache",
+                    "/adapters/1/cache", "--credentials", "/var/run/shardserve/model-credentials",
+                    "--link", "/adapters/1/adapter"}))
+        << step["command"];
+    EXPECT_EQ(step["volumeMounts"][0], json({{"name", "adapter-1"}, {"mountPath", "/adapters/1"}}));
+    std::map<std::string, json> volumes, mounts;
+    for (const json& v : pod["spec"]["volumes"]) volumes[v["name"]] = v;
+    for (const json& v : pod["spec"]["containers"][0]["volumeMounts"]) mounts[v["name"]] = v;
+    EXPECT_TRUE(volumes["adapter-1"].contains("emptyDir"));
+    EXPECT_EQ(volumes["model-credentials"]["secret"]["secretName"], "s3-creds");
+    EXPECT_EQ(mounts["adapter-1"],
+              json({{"name", "adapter-1"}, {"mountPath", "/adapters/1"}, {"readOnly", true}}));
+    EXPECT_FALSE(mounts.count("model-credentials")) << "the rank never reads the credentials";
+  }
+  // A remote model too: its fetch step and the adapter's share the credentials' volume.
+  obj["spec"]["model"]["uri"] = "s3://bucket/llama";
+  auto both = ReadModel(obj, {}, policy);
+  ASSERT_TRUE(both.ok()) << both.status();
+  const json pod = BuildStagePod(*both, 0, 0, {"node-a", "node-b"});
+  std::vector<std::string> steps, volumes;
+  for (const json& c : pod["spec"]["initContainers"]) steps.push_back(c["name"]);
+  for (const json& v : pod["spec"]["volumes"]) volumes.push_back(v["name"]);
+  EXPECT_EQ(steps, (std::vector<std::string>{"fetch", "fetch-adapter-1"}));
+  EXPECT_EQ(std::count(volumes.begin(), volumes.end(), "model-credentials"), 1);
 }
 
 TEST(Builders, RendezvousSecretAndDisruptionBudget) {
