@@ -268,6 +268,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
     RETURN_IF_ERROR(lora.CheckMap());
     RETURN_IF_ERROR(lora.Int("maxLoras", s.max_loras));
     RETURN_IF_ERROR(lora.Int("maxLoraRank", s.max_lora_rank));
+    RETURN_IF_ERROR(lora.Int("maxCpuLoras", s.max_cpu_loras));
     RETURN_IF_ERROR(lora.String("adminKeySecret", s.lora_admin_key_secret));
     RETURN_IF_ERROR(lora.String("source", s.lora_source));
     RETURN_IF_ERROR(lora.NoOthers());
@@ -395,6 +396,12 @@ absl::Status CheckAdapters(const ShardedModelSpec& s) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.lora.maxLoras ", s.max_loras, " must be in [1, 1024]"));
   }
+  if (s.max_cpu_loras != 0 && (s.max_cpu_loras < s.max_loras || s.max_cpu_loras > 4096)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.lora.maxCpuLoras ", s.max_cpu_loras,
+                                                   " must be in [maxLoras (", s.max_loras,
+                                                   "), 4096]: the adapters a replica "
+                                                   "keeps, those in its slots among them"));
+  }
   if (s.max_lora_rank < 1 || s.max_lora_rank > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.lora.maxLoraRank ", s.max_lora_rank, " must be in [1, 4096]"));
@@ -464,6 +471,8 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
   w.max_loras = spec.lora ? static_cast<int>(spec.max_loras) : 0;
   w.max_lora_rank = spec.max_lora_rank;
+  w.max_cpu_loras =
+      static_cast<int>(spec.max_cpu_loras > 0 ? spec.max_cpu_loras : 4 * spec.max_loras);
 }
 
 absl::StatusOr<ModelUri> ParseModelUri(const std::string& uri) {

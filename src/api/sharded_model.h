@@ -139,6 +139,9 @@ struct ShardedModelSpec {
   bool lora = false;
   int64_t max_loras = 4;
   int64_t max_lora_rank = 64;
+  // The adapters a replica keeps, declared and loaded at runtime (each rank's share in host
+  // memory, ready for a slot); 0: 4 x maxLoras.
+  int64_t max_cpu_loras = 0;
   // Adapters loaded at runtime (POST /v1/load_lora_adapter): the Secret (in the model's
   // namespace) whose entries are the admin keys allowed to load and unload them ("": runtime
   // loading off), and the directory their paths are inside (a uri as spec.model.uri's local

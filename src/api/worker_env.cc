@@ -77,6 +77,7 @@ const IntVar kInts[] = {
     {"SHARDSERVE_KV_OFFER_MS", &WorkerEnv::kv_offer_ms, 100, 3600000},
     {"SHARDSERVE_KV_TRANSFER_TIMEOUT_MS", &WorkerEnv::kv_transfer_timeout_ms, 100, 600000},
     {"SHARDSERVE_MAX_LORAS", &WorkerEnv::max_loras, 0, 1024},
+    {"SHARDSERVE_MAX_CPU_LORAS", &WorkerEnv::max_cpu_loras, 1, 4096},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_KV_CACHE_TOKENS", &WorkerEnv::kv_cache_tokens, 16, int64_t{1} << 40},

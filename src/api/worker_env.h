@@ -166,6 +166,8 @@ struct WorkerEnv {
   // {"name", "path"}, in their slots from the start.
   int max_loras = 0;
   int64_t max_lora_rank = 64;
+  // The adapters the replica keeps (declared and loaded at runtime): a load past it is refused.
+  int max_cpu_loras = 16;
   std::string lora_adapters;
   // Runtime adapters (POST /v1/load_lora_adapter): the keys allowed to load and unload them (a
   // keys file as api_keys_file; unset: runtime loading off) and the directory their paths must be

@@ -876,6 +876,14 @@ absl::Status Engine::LoadAdapter(const std::string& name, const std::string& pat
     if (adapters_.slots() == 0) {
       return absl::FailedPreconditionError("this replica runs no LoRA adapters (maxLoras 0)");
     }
+    if (const size_t kept = adapters_.adapters().size();
+        adapters_.Find(name) == nullptr && kept >= static_cast<size_t>(options_.max_adapters)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("this replica keeps ", kept,
+                       " LoRA adapters, its most (spec.lora.maxCpuLoras ", options_.max_adapters,
+                       "; an unloaded one counts until its requests end): unload one "
+                       "first"));
+    }
     ASSIGN_OR_RETURN(const int64_t id, adapters_.Add(name, path));
     lora_orders_.push_back({LoraOrder::Op::kPrepare, id, path, -1});
   }

@@ -90,6 +90,7 @@ struct EngineOptions {
   // LoRA: the replica's adapter slots (SHARDSERVE_MAX_LORAS) and the adapters its ranks loaded at
   // start (ids and slots 0..n-1, in order).
   int lora_slots = 0;
+  int max_adapters = 16;  // kept at once, declared and loaded (SHARDSERVE_MAX_CPU_LORAS)
   std::vector<AdapterRef> adapters;
   // Disaggregated prefill: how long an exported sequence's KV stays offered (and its blocks
   // held) unless released sooner (Engine::ReleaseOffer).

@@ -737,6 +737,7 @@ LeaderContext Rank::Context() {
   o.kv_block_size = cache_->block_size();
   o.prefix_caching = env.prefix_caching;
   o.lora_slots = env.max_loras;
+  o.max_adapters = env.max_cpu_loras;
   if (auto declared = ParseAdapterList(env.lora_adapters); declared.ok()) {  // checked at Init
     o.adapters = *std::move(declared);
   }

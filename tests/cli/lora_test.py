@@ -56,7 +56,8 @@ finally:
 
 dep = Deployment(BIN, model, name="m", tp=2, pp=1,
                  args=["--api-key-file", keys, "--admin-key-file", admin_keys], api_key=USER,
-                 spec=f"  lora: {{maxLoras: 2, maxLoraRank: 16, source: \"file://{root}\"}}\n")
+                 spec=f"  lora: {{maxLoras: 2, maxLoraRank: 16, maxCpuLoras: 4, "
+                      f"source: \"file://{root}\"}}\n")
 try:
     def admin(path, body, key=ADMIN):
         return dep.post(path, body, headers={"Authorization": f"Bearer {key}"})
@@ -88,7 +89,8 @@ try:
                         ({"lora_name": "a1", "lora_path": "a1"}, "a1"),
                         ({"lora_name": "x", "lora_path": "nowhere"}, "lora_path"),
                         ({"lora_name": "x", "lora_path": "a1", "pinned": True}, "pinned"),
-                        ({"lora_name": "m", "lora_path": "a1"}, "base model")):
+                        ({"lora_name": "m", "lora_path": "a1"}, "base model"),
+                        ({"lora_name": "x", "lora_path": "a1"}, "maxCpuLoras 4")):
         status, _, reply = admin("/v1/load_lora_adapter", body)
         check(status == 400 and words in str(reply),
               f"load {body} refused naming {words!r} ({status} {str(reply)[:160]})")

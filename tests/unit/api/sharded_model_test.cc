@@ -174,13 +174,20 @@ TEST(ShardedModel, AdaptersAndTheirBoundsReachTheWorkers) {
             std::tuple("team/chat", "hostpath:///data/chat"));
   WorkerEnv w;
   ApplyServing(m->spec, w);
-  EXPECT_EQ(std::tuple(w.max_loras, w.max_lora_rank), std::tuple(6, 32));
+  EXPECT_EQ(std::tuple(w.max_loras, w.max_lora_rank, w.max_cpu_loras), std::tuple(6, 32, 24));
   auto bounds = ParseShardedModel(
       std::string(kGood).replace(std::string(kGood).find("  worker:"), 0, "  lora: {}\n"));
   ASSERT_TRUE(bounds.ok()) << bounds.status();
   WorkerEnv d;
   ApplyServing(bounds->spec, d);
-  EXPECT_EQ(std::tuple(d.max_loras, d.max_lora_rank), std::tuple(4, 64)) << "the defaults";
+  EXPECT_EQ(std::tuple(d.max_loras, d.max_lora_rank, d.max_cpu_loras), std::tuple(4, 64, 16))
+      << "the defaults";
+  auto kept = ParseShardedModel(std::string(kGood).replace(
+      std::string(kGood).find("  worker:"), 0, "  lora: {maxLoras: 2, maxCpuLoras: 40}\n"));
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  WorkerEnv k;
+  ApplyServing(kept->spec, k);
+  EXPECT_EQ(k.max_cpu_loras, 40);
   const std::pair<std::string, std::string> bad[] = {
       {"  adapters:\n    - {name: llama-3-70b, uri: \"pvc://l/a\"}\n", "the model's own name"},
       {"  adapters:\n    - {name: a, uri: \"pvc://l/a\"}\n    - {name: a, uri: \"pvc://l/b\"}\n",
@@ -193,6 +200,8 @@ TEST(ShardedModel, AdaptersAndTheirBoundsReachTheWorkers) {
        "  lora: {maxLoras: 1}\n",
        "spec.adapters lists 2 adapters; spec.lora.maxLoras holds 1"},
       {"  lora: {maxLoraRank: 0}\n", "spec.lora.maxLoraRank 0"},
+      {"  lora: {maxLoras: 8, maxCpuLoras: 4}\n",
+       "spec.lora.maxCpuLoras 4 must be in [maxLoras (8)"},
       {"  lora: {maxLoras: 4, dora: true}\n", "spec.lora.dora"},
       {"  lora: {adminKeySecret: admins}\n", "spec.lora.source must say"},
       {"  lora: {adminKeySecret: admins, source: \"s3://bucket/loras\"}\n",

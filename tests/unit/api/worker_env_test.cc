@@ -94,6 +94,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.kv_transfer_timeout_ms = 3000;
   w.max_loras = 8;
   w.max_lora_rank = 16;
+  w.max_cpu_loras = 40;
   w.lora_adapters = R"([{"name":"sql","path":"/adapters/sql"}])";
   w.admin_keys_file = "/admin-keys";
   w.lora_root = "/adapters/dynamic";

@@ -237,6 +237,24 @@ TEST_F(EngineTest, TheAdaptersOfRunningAndWaitingRequestsAreObserved) {
   EXPECT_EQ(seen.back(), (std::pair<Names, Names>{}));
 }
 
+// The adapters a replica keeps are bounded (spec.lora.maxCpuLoras): declared ones count, a load
+// past the bound is refused naming it, and nothing of the refused one stays.
+TEST_F(EngineTest, LoadingPastTheAdaptersKeptIsRefused) {
+  LocalExecutor exec(model_.get(), 1024);
+  EngineOptions o = exec.Options();
+  o.lora_slots = 2;
+  o.max_adapters = 3;
+  o.adapters = {{"a", "/a"}, {"b", "/b"}};
+  Engine engine(&exec, o, EngineObserver{});
+  ASSERT_TRUE(engine.LoadAdapter("c", "/c").ok());
+  const absl::Status past = engine.LoadAdapter("d", "/d");
+  EXPECT_EQ(past.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(past.message()), ::testing::HasSubstr("keeps 3 LoRA adapters"));
+  EXPECT_THAT(std::string(past.message()), ::testing::HasSubstr("spec.lora.maxCpuLoras 3"));
+  EXPECT_EQ(engine.adapter_names(), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_FALSE(engine.AdapterOf("d").ok());
+}
+
 // Structured output through the engine: the constrained sequences' tokens follow their
 // grammars (a JSON schema, a regex) and end when the grammar is complete, through preemption and
 // chunked prompts; each of their sampled tokens went out with a mask, and the other sequences'
