@@ -96,6 +96,7 @@ const BoolVar kBools[] = {
     {"SHARDSERVE_PREFIX_CACHING", &WorkerEnv::prefix_caching, "true", "false"},
     {"SHARDSERVE_PREFIX_CACHE_ISOLATION", &WorkerEnv::prefix_cache_per_key, "perKey", "none"},
     {"SHARDSERVE_FP8", &WorkerEnv::fp8_blocks, "blocks", "expand"},
+    {kCudaLoraEnv, &WorkerEnv::cuda_lora, "on", "off"},
 };
 
 const env_internal::Table<WorkerEnv> kTable{kStrings, kInts, kInt64s, kBools};

@@ -67,6 +67,7 @@ inline constexpr char kRequestEnv[] = "SHARDSERVE_REQUEST";
 inline constexpr char kStageLayersEnv[] = "SHARDSERVE_STAGE_LAYERS";
 inline constexpr char kCudaAttnKernelEnv[] = "SHARDSERVE_CUDA_ATTN_KERNEL";
 inline constexpr char kCudaQuantGemvEnv[] = "SHARDSERVE_CUDA_QUANT_GEMV";
+inline constexpr char kCudaLoraEnv[] = "SHARDSERVE_CUDA_LORA";
 
 // Reads an environment variable (std::getenv, or a map in tests); null when unset.
 using EnvLookup = std::function<const char*(const char*)>;
@@ -108,6 +109,9 @@ struct WorkerEnv {
   // the names (backend/cuda/cuda_backend.h), a CPU rank ignores them.
   std::string cuda_attention_kernel;
   std::string cuda_quant_gemv = "float";
+  // LoRA on the CUDA backend (Backend::LoraAdd's kernels, written without a GPU): off refuses a
+  // CUDA rank of a replica with adapters until a GPU run of the op suite has judged them.
+  bool cuda_lora = true;
   // Finding the others.
   std::string leader_addr;  // host:port of the rendezvous
   std::string host;         // this rank's address as others reach it

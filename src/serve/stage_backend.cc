@@ -175,8 +175,21 @@ absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankCon
   auto cpu = [&]() -> std::unique_ptr<StageBackend> {
     return std::make_unique<CpuBackend>(config);
   };
+  // LoRA's CUDA kernels can be switched off until a GPU run has judged them (issue 57): a
+  // replica with adapters is then refused on a GPU, never moved to the CPU unsaid.
+  const absl::Status lora =
+      config.env.max_loras > 0 && !config.env.cuda_lora
+          ? absl::FailedPreconditionError(
+                absl::StrCat("LoRA adapters on the CUDA backend are switched off (", kCudaLoraEnv,
+                             "=off): run this replica without adapters "
+                             "or on the CPU backend"))
+          : absl::OkStatus();
   if (name == "cpu") return cpu();
-  if (name == "auto") return gpu ? cuda() : cpu();
+  if (name == "auto") {
+    if (!gpu) return cpu();
+    RETURN_IF_ERROR(lora);
+    return cuda();
+  }
   if (name == "cuda") {
 #ifndef SHARDSERVE_WITH_CUDA
     return absl::FailedPreconditionError(absl::StrCat(
@@ -185,6 +198,7 @@ absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankCon
     if (!gpu)
       return absl::FailedPreconditionError(
           absl::StrCat(kBackendEnv, "=cuda, but no GPU is visible"));
+    RETURN_IF_ERROR(lora);
     return cuda();
   }
   return absl::InvalidArgumentError(

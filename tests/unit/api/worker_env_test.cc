@@ -95,6 +95,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.max_loras = 8;
   w.max_lora_rank = 16;
   w.max_cpu_loras = 40;
+  w.cuda_lora = false;
   w.lora_adapters = R"([{"name":"sql","path":"/adapters/sql"}])";
   w.admin_keys_file = "/admin-keys";
   w.lora_root = "/adapters/dynamic";

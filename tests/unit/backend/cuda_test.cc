@@ -20,6 +20,7 @@
 #include "backend_ops_test.h"
 #include "comm/nccl/nccl_comm.h"
 #include "comm/rendezvous.h"
+#include "comm/world.h"
 #include "common/status.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
@@ -27,6 +28,7 @@
 #include "model/test_models.h"
 #include "model/transformer.h"
 #include "model/vocab_parallel.h"
+#include "serve/rank_runtime.h"
 #include "serve/stage_backend.h"
 
 namespace shardserve {
@@ -86,6 +88,23 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_QUANT_GEMV='int4' must "
                                    "be float"));
+}
+
+// LoRA's CUDA kernels can be switched off (SHARDSERVE_CUDA_LORA=off): a replica with adapters is
+// then refused on the GPU, naming the variable, and never moved to the CPU unsaid; the CPU backend
+// runs it as before.
+TEST(CudaBackendTest, LoraOnTheGpuCanBeSwitchedOff) {
+  RankConfig config;
+  config.env.max_loras = 2;
+  config.env.cuda_lora = false;
+  const WorldConfig world = *WorldConfig::Create(1, 1, 0);
+  config.env.backend = "cpu";
+  EXPECT_TRUE(StageBackend::Choose(config, world).ok());
+  config.env.backend = "cuda";
+  const absl::Status refused = StageBackend::Choose(config, world).status();
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::HasSubstr(cuda::DeviceCount() > 0 ? "SHARDSERVE_CUDA_LORA=off"
+                                                           : "no GPU is visible"));
 }
 
 TEST(CudaBackendTest, NcclLibraryLoads) {
