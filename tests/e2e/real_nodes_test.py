@@ -737,7 +737,21 @@ def adapters():
                for k in got if isinstance(got[k], dict)}) == 3,
           "lora: and each adapter's answer is its own (not the base's)")
 
-    # An adapter loaded at runtime, through the routers, on every replica.
+    # An adapter loaded at runtime, through the routers, on every replica: once kube-proxy sends
+    # the Service's requests to the routers (a leader reached directly loads it alone).
+    def relayed():
+        for _ in range(4):
+            conn = http.client.HTTPConnection(host, 8000, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps(
+                {"model": "lora", "prompt": "x", "max_tokens": 1}),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            if r.status != 200 or r.getheader("x-shardserve-replica") is None:
+                return False
+        return True
+    check(wait_until(relayed, 60), "lora: the Service's requests reach the routers")
     load = {"lora_name": "math", "lora_path": "math"}
     user = m.post(host, load, "/v1/load_lora_adapter")
     check(user[0] == 403, f"lora: a user's key may not load an adapter ({user})")
