@@ -168,11 +168,8 @@ json FetchContainer(const ModelView& m, const std::string& name, const FetchSour
     command.push_back(absl::StrJoin(src.patterns, ","));
   }
   if (!s.model_secret.empty()) {  // the model's credentials serve its adapters' sources too
-    if (std::none_of(volumes.begin(), volumes.end(),
-                     [](const json& v) { return v.value("name", "") == "model-credentials"; })) {
-      volumes.push_back({{"name", "model-credentials"},
-                         {"secret", {{"secretName", s.model_secret}, {"defaultMode", 0440}}}});
-    }
+    volumes.push_back({{"name", "model-credentials"},
+                       {"secret", {{"secretName", s.model_secret}, {"defaultMode", 0440}}}});
     mounts.push_back(
         {{"name", "model-credentials"}, {"mountPath", kCredentialsMount}, {"readOnly", true}});
     command.push_back("--credentials");
@@ -604,7 +601,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
          {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
   for (const ModelFiles* f : {&files, &adapter_files}) {
     for (const json& v : f->volumes) {
-      // The model's fetch step and its adapters' share the credentials' volume.
+      // The fetch steps (the model's, its adapters') share the credentials' volume.
       if (std::none_of(volumes.begin(), volumes.end(),
                        [&](const json& w) { return w["name"] == v["name"]; })) {
         volumes.push_back(v);

@@ -723,15 +723,16 @@ TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
               json({{"name", "adapter-1"}, {"mountPath", "/adapters/1"}, {"readOnly", true}}));
     EXPECT_FALSE(mounts.count("model-credentials")) << "the rank never reads the credentials";
   }
-  // A remote model too: its fetch step and the adapter's share the credentials' volume.
+  // A remote model and two remote adapters: their fetch steps share the credentials' volume.
   obj["spec"]["model"]["uri"] = "s3://bucket/llama";
+  obj["spec"]["adapters"][0]["uri"] = "hf://org/sql-lora";
   auto both = ReadModel(obj, {}, policy);
   ASSERT_TRUE(both.ok()) << both.status();
   const json pod = BuildStagePod(*both, 0, 0, {"node-a", "node-b"});
   std::vector<std::string> steps, volumes;
   for (const json& c : pod["spec"]["initContainers"]) steps.push_back(c["name"]);
   for (const json& v : pod["spec"]["volumes"]) volumes.push_back(v["name"]);
-  EXPECT_EQ(steps, (std::vector<std::string>{"fetch", "fetch-adapter-1"}));
+  EXPECT_EQ(steps, (std::vector<std::string>{"fetch", "fetch-adapter-0", "fetch-adapter-1"}));
   EXPECT_EQ(std::count(volumes.begin(), volumes.end(), "model-credentials"), 1);
 }
 
