@@ -105,8 +105,8 @@ Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver obs
     : executor_(executor),
       options_(std::move(options)),
       observer_(std::move(observer)),
-      pool_(options_.kv_blocks, options_.kv_block_size, options_.prefix_caching),
-      adapters_(options_.lora_slots) {
+      adapters_(options_.lora_slots),
+      pool_(options_.kv_blocks, options_.kv_block_size, options_.prefix_caching) {
   options_.microbatches = std::max(1, options_.microbatches);
   {
     absl::MutexLock lock(&mu_);

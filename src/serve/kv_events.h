@@ -63,7 +63,7 @@ struct ReplicaLoad {
   // LoRA (issue 54): its adapter slots (0: it serves the base alone) and the adapters in them,
   // which a request of theirs runs at once (any other waits for a slot to be filled).
   int64_t max_loras = 0;
-  std::vector<std::string> adapters;
+  std::vector<std::string> adapters = {};
 };
 inline constexpr size_t kMaxKvLoadAdapters = 1024;
 
