@@ -739,18 +739,20 @@ def adapters():
 
     # An adapter loaded at runtime, through the routers, on every replica: once kube-proxy sends
     # the Service's requests to the routers (a leader reached directly loads it alone).
+    def relay(model):
+        """(status, the replica a router relayed it to: None when no router did) of a request
+        of `model` sent to the Service."""
+        conn = http.client.HTTPConnection(host, 8000, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": model, "prompt": "y", "max_tokens": 1}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return r.status, r.getheader("x-shardserve-replica")
+
     def relayed():
-        for _ in range(4):
-            conn = http.client.HTTPConnection(host, 8000, timeout=60)
-            conn.request("POST", "/v1/completions", body=json.dumps(
-                {"model": "lora", "prompt": "x", "max_tokens": 1}),
-                headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-            r = conn.getresponse()
-            r.read()
-            conn.close()
-            if r.status != 200 or r.getheader("x-shardserve-replica") is None:
-                return False
-        return True
+        return all(s == 200 and at is not None for s, at in (relay("lora") for _ in range(4)))
     check(wait_until(relayed, 60), "lora: the Service's requests reach the routers")
     load = {"lora_name": "math", "lora_path": "math"}
     user = m.post(host, load, "/v1/load_lora_adapter")
@@ -760,16 +762,8 @@ def adapters():
           f"lora: an admin loads 'math' at runtime through the routers ({loaded})")
     answers_math = [post(host, {"model": "math", "prompt": PROMPTS[1], "max_tokens": 12,
                                 "temperature": 0, "logprobs": 3}) for _ in range(4)]
-    replicas_math = set()
-    for _ in range(6):  # both replicas have it: requests of it go by load, to either
-        conn = http.client.HTTPConnection(host, 8000, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps(
-            {"model": "math", "prompt": "y", "max_tokens": 1}),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-        r = conn.getresponse()
-        r.read()
-        replicas_math.add((r.status, r.getheader("x-shardserve-replica")))
-        conn.close()
+    # Both replicas have it: requests of it go by load, to either.
+    replicas_math = {relay("math") for _ in range(6)}
     check(all(a[0] == 200 and same_answer(a[1], want["math"]) for a in answers_math),
           f"lora: the runtime adapter's tokens and logprobs equal shardserve local's "
           f"({[a[1]['choices'][0]['text'] if a[0] == 200 else a for a in answers_math]})")
