@@ -44,6 +44,11 @@ struct GenerationRequest {
   // the base model. Its cache_salt names the adapter, so that no KV block computed under one
   // adapter is shared with another.
   int64_t adapter = -1;
+  // Request migration: the output another replica produced before it failed (the client has
+  // it). The sequence goes on after it, its prompt and these tokens computed here, its sampler
+  // past their draws, its constraint past them; they count toward max_tokens and the penalties
+  // and are not produced again. Empty: a new sequence.
+  std::vector<int32_t> resumed;
 };
 
 struct GenerationResult {

@@ -55,6 +55,10 @@ constexpr auto kStale = std::chrono::milliseconds(2000);
 // when it drains, and a probe's hiccup does not empty the router.
 constexpr auto kUnlistedGrace = std::chrono::seconds(10);
 constexpr size_t kMaxAnswerBytes = 64 << 20;
+// Request migration: a request goes on elsewhere at most this many times.
+constexpr int kMaxMigrations = 3;
+// A stream's progress lines past this many tokens: the stream is no longer resumed.
+constexpr size_t kMaxProgressTokens = 1 << 20;
 
 struct LeaderSpec {
   bool dns = false;
@@ -114,6 +118,31 @@ absl::StatusOr<LeaderSpec> ParseLeaderSpec(const std::string& spec) {
   return out;
 }
 
+// Request migration: what the client has of a request's answer, so that another replica can
+// go on with it when the one answering fails or drains. The leader reports a stream's progress
+// to the router in SSE comments, which the router takes out: ": seed N" (the seed its sampler
+// started from) and ": tokens ID,ID" (the tokens behind the event that follows, or behind none),
+// and ": failed" before the error event of a failure of its replica.
+struct Progress {
+  int legs = 0;              // replicas that took the request
+  bool stream_open = false;  // the client's stream started (its head sent)
+  int64_t blocks = 0;        // events sent on to the client
+  bool reported = false;     // the leader reports the stream's progress (": seed")
+  bool finished = false;     // the choice's finish_reason went out
+  bool resumable = true;     // false: a replica refused to resume it
+  std::vector<int32_t> tokens;
+  uint64_t seed = 0;
+  std::string id;  // the stream's, from its first event
+  int64_t created = 0;
+  bool draining = false;  // the last leg ended because its replica drains
+  std::string why;        // why the last leg ended
+  // Nothing reached the client (the request is sent again), or a reported stream not finished.
+  bool CanResume() const {
+    return resumable &&
+           (blocks == 0 || (reported && !finished && tokens.size() < kMaxProgressTokens));
+  }
+};
+
 // What the router knows of one replica; its thread follows the leader's KV events.
 struct Replica {
   std::string address, host;
@@ -172,6 +201,7 @@ struct Router::Impl {
   prometheus::Family<prometheus::Counter>* requests = nullptr;
   prometheus::Family<prometheus::Counter>* decisions = nullptr;
   prometheus::Family<prometheus::Counter>* disaggregated = nullptr;
+  prometheus::Family<prometheus::Counter>* migrations = nullptr;
   prometheus::Counter *failovers = nullptr, *prompt_tokens = nullptr, *expected_cached = nullptr;
   prometheus::Histogram* overhead = nullptr;
   prometheus::Family<prometheus::Gauge>* replicas_gauge = nullptr;
@@ -209,6 +239,13 @@ struct Router::Impl {
                      .Help("Requests sent on to another replica after one did not answer")
                      .Register(r)
                      .Add(labels);
+    migrations = &prometheus::BuildCounter()
+                      .Name("shardserve_router_migrations_total")
+                      .Help(
+                          "Requests sent on to another replica after the answering one failed "
+                          "(failure) or drained (drain) mid-answer; failed: none could go on "
+                          "with it")
+                      .Register(r);
     prompt_tokens = &prometheus::BuildCounter()
                          .Name("shardserve_router_prompt_tokens_total")
                          .Help("Prompt tokens of the generation requests routed")
@@ -744,18 +781,20 @@ struct Router::Impl {
     for (const char* h : {"authorization", "content-type", "accept", "x-request-id"}) {
       if (req.HasHeader(h)) headers.emplace_back(h, req.Header(h));
     }
+    // The router's token: a leg of a disaggregated request, a resumed stream, and a stream's
+    // progress (request migration) are the router's.
+    if (!leader_token.empty()) {
+      headers.emplace_back(kRouterHeader, absl::StrCat("Bearer ", leader_token));
+    }
     // Disaggregated: the prompt computed on a prefill replica, its KV handed to the decode leg.
     std::string body = req.body;
     if (prompt && prompt->disaggregable && !prefill_reps.empty() &&
         static_cast<int64_t>(prompt->tokens.size()) >= options.disaggregate_min_tokens) {
-      http::Headers leg_headers = headers;
-      leg_headers.emplace_back(kRouterHeader, absl::StrCat("Bearer ", leader_token));
-      absl::StatusOr<PrefillLeg> leg = Prefill(req, ex, prefill_reps, *prompt, leg_headers);
+      absl::StatusOr<PrefillLeg> leg = Prefill(req, ex, prefill_reps, *prompt, headers);
       auto l = labels;
       if (leg.ok() && leg->answer) return ex.Respond(*std::move(leg->answer));
       if (leg.ok()) {
         body = std::move(leg->decode_body);
-        headers = std::move(leg_headers);
         l["outcome"] = "paired";
       } else if (leg.status().code() == absl::StatusCode::kCancelled) {
         return;
@@ -779,38 +818,90 @@ struct Router::Impl {
       }
     }
     overhead->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
+    // Each replica in the ranking's order at most once: the next when one refuses the
+    // connection or answers 503 before doing anything, or when the answer breaks off and the
+    // request can go on elsewhere (request migration: Progress).
+    Progress p;
     std::string last_error = "no replica is known";
     for (size_t k = 0; k < rank.order.size(); ++k) {
       Replica& r = *reps[rank.order[k]];
+      const bool more = k + 1 < rank.order.size();
+      if (p.legs > 0) {  // a migration goes to a replica that takes requests now
+        absl::MutexLock lock(&r.mu);
+        if (!Routable(r)) continue;
+      }
       ++r.in_flight;
       struct Leave {
         std::atomic<int64_t>& n;
         ~Leave() { --n; }
       } leave{r.in_flight};
-      auto call = http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, body,
-                                            options.connect_timeout, options.answer_timeout);
-      const bool more = k + 1 < rank.order.size();
+      // The first leg sends the request as it is (or its disaggregated decode leg); a migrated
+      // one the client's request again, with the stream's progress when some of it was sent.
+      const std::string leg_body = p.legs == 0     ? body
+                                   : p.blocks == 0 ? req.body
+                                                   : ResumeBody(req.body, p);
+      auto call =
+          http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, leg_body,
+                                    options.connect_timeout, options.answer_timeout);
       if (!call.ok()) {
-        last_error = std::string(call.status().message());
+        last_error = absl::StrCat(r.address, ": ", call.status().message());
         // Nothing reached the leader: another may answer. (Once it has the request, it may
-        // have acted on it: no second try.)
+        // have acted on it: no second try, unless the answer is the router's to resume.)
         if (call.status().code() == absl::StatusCode::kUnavailable && more) {
           failovers->Increment();
           continue;
         }
         const int status = call.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;
-        return ex.Respond(Error(status, absl::StrCat("the replica did not answer: ", last_error),
-                                "server_error"));
+        return Fail(ex, p, status, absl::StrCat("the replica did not answer: ", last_error),
+                    responses);
       }
       if ((*call)->head().status == 503 && more) {  // not ready, or draining: nothing was done
         last_error = absl::StrCat(r.address, " answered 503");
         failovers->Increment();
         continue;
       }
-      return Relay(**call, r, ex, responses);
+      ++p.legs;
+      if (Relay(**call, r, ex, responses, p, more)) return;
+      last_error = p.why;
+      if (!p.CanResume() || p.legs > kMaxMigrations) break;
+      auto l = labels;
+      l["reason"] = p.draining ? "drain" : "failure";
+      migrations->Add(l).Increment();
+      LogInfo("router: a request answered by ", r.address, " goes on elsewhere (", p.why, "; ",
+              p.tokens.size(), " tokens sent)");
     }
-    ex.Respond(
-        Error(503, absl::StrCat("no replica of the model answered: ", last_error), "server_error"));
+    if (p.legs > 1) {
+      auto l = labels;
+      l["reason"] = "failed";
+      migrations->Add(l).Increment();
+    }
+    Fail(ex, p, p.legs > 0 ? 502 : 503,
+         p.legs > 0 ? absl::StrCat("the replica's answer broke off and no other replica resumed "
+                                   "it (",
+                                   p.legs, " tried): ", last_error)
+                    : absl::StrCat("no replica of the model answered: ", last_error),
+         responses);
+  }
+
+  // The client hears that its request failed: an error answer, or, once its stream started, an
+  // error event ending it (never [DONE]).
+  void Fail(http::Exchange& ex, const Progress& p, int status, const std::string& why,
+            bool responses) {
+    if (!p.stream_open) return ex.Respond(Error(status, why, "server_error"));
+    ex.Write(BrokenStreamEvent(why, responses));
+    ex.End();
+  }
+
+  // The client's request body with the stream's progress ("shardserve_resume": the tokens the
+  // client has, the stream's id, time and seed), for the replica that resumes it.
+  static std::string ResumeBody(const std::string& request_body, const Progress& p) {
+    ojson body = ojson::parse(request_body, nullptr, /*allow_exceptions=*/false);
+    if (!body.is_object()) return request_body;  // the leader read it: never so
+    ojson resume = {{"tokens", p.tokens}, {"seed", p.seed}};
+    if (!p.id.empty()) resume["id"] = p.id;
+    if (p.created > 0) resume["created"] = p.created;
+    body["shardserve_resume"] = std::move(resume);
+    return body.dump();
   }
 
   // POST /v1/load_lora_adapter and /v1/unload_lora_adapter: an admin's call, sent to every
@@ -870,10 +961,15 @@ struct Router::Impl {
         status == 502 ? "server_error" : "invalid_request_error"));
   }
 
-  // The leader's answer, passed on: a whole answer with its length, a stream as it comes. An
-  // answer that breaks off takes the replica out of routing at once; a stream then ends with an
-  // error event (never as a finished answer: no [DONE]).
-  void Relay(http::UpstreamCall& call, Replica& replica, http::Exchange& ex, bool responses) {
+  // The leader's answer, passed on: a whole answer with its length, a stream event by event,
+  // its progress lines taken out (Progress). True when the request is over (answered, or the
+  // client gone); false when the leg broke off (p.why says how) and the request may go on
+  // elsewhere: an answer that breaks off, or a stream that ends unfinished or with its replica's
+  // failure, takes the replica out of routing at once; a stream whose replica drains is left for
+  // another that takes requests, at an event's end. `more`: other replicas follow in the
+  // ranking (a whole answer of 5xx is then not the last word).
+  bool Relay(http::UpstreamCall& call, Replica& replica, http::Exchange& ex, bool responses,
+             Progress& p, bool more) {
     const std::string& address = replica.address;
     const auto& head = call.head();
     http::Response out{head.status, head.content_type, "", {}};
@@ -885,7 +981,6 @@ struct Router::Impl {
       if (k == "content-length") streamed = false;
     }
     out.headers.emplace_back("x-shardserve-replica", address);
-    CountRequest(head.status);
     const auto deadline = Clock::now() + options.answer_timeout;
     if (!streamed) {
       for (;;) {
@@ -895,57 +990,172 @@ struct Router::Impl {
             Clock::now() < deadline && !ex.ClientGone()) {
           continue;
         }
-        if (!piece.ok()) MarkOut(replica, std::string(piece.status().message()));
-        if (!piece.ok() || out.body.size() + piece->size() > kMaxAnswerBytes) {
-          return ex.Respond(Error(502,
-                                  absl::StrCat("the replica's answer broke off: ",
-                                               piece.ok() ? "too long" : piece.status().message()),
-                                  "server_error"));
+        if (!piece.ok() && ex.ClientGone()) return true;
+        if (!piece.ok()) {
+          MarkOut(replica, std::string(piece.status().message()));
+          p.why = absl::StrCat(address, ": its answer broke off: ", piece.status().message());
+          return false;
+        }
+        if (out.body.size() + piece->size() > kMaxAnswerBytes) {
+          p.why = absl::StrCat(address, ": an answer over 64 MiB");
+          p.resumable = false;
+          return false;
         }
         out.body += *piece;
-        if (end) return ex.Respond(std::move(out));
+        if (!end) continue;
+        if (p.stream_open) {  // a replica would not resume the stream: what it said ends it
+          p.why = absl::StrCat(address, " answered ", head.status, ": ", out.body.substr(0, 300));
+          p.resumable = false;
+          return false;
+        }
+        if (head.status >= 500 && more) {  // its replica failed it: another answers it whole
+          MarkOut(replica, absl::StrCat("it answered ", head.status));
+          p.why = absl::StrCat(address, " answered ", head.status, ": ", out.body.substr(0, 300));
+          return false;
+        }
+        CountRequest(head.status);
+        ex.Respond(std::move(out));
+        return true;
       }
     }
-    if (!ex.StartStream(out)) return;
-    std::string tail;        // the stream's last bytes
+    if (!p.stream_open) {
+      CountRequest(head.status);
+      if (!ex.StartStream(out)) return true;
+      p.stream_open = true;
+    }
+    std::string block;       // the event being read
+    std::string tail;        // the last bytes sent on
     std::string last_event;  // a Responses stream's last event type ("event: TYPE" lines)
-    std::string line;        // the line being read, for those
+    auto checked = Clock::now();
     for (;;) {
       bool end = false;
       absl::StatusOr<std::string> piece = call.Read(std::chrono::milliseconds(200), &end);
-      if (!piece.ok()) {
-        if (piece.status().code() == absl::StatusCode::kDeadlineExceeded &&
-            Clock::now() < deadline) {
-          if (ex.ClientGone()) return call.Close();  // the leader frees the sequence
-          continue;
+      if (!piece.ok() && piece.status().code() == absl::StatusCode::kDeadlineExceeded &&
+          Clock::now() < deadline) {
+        if (ex.ClientGone()) {  // the leader frees the sequence
+          call.Close();
+          return true;
         }
-        const std::string why =
-            absl::StrCat("its answer stream broke off: ", piece.status().message());
-        MarkOut(replica, why);
-        ex.Write(BrokenStreamEvent(why, responses));
-        return ex.End();
+        piece = std::string();
+      } else if (!piece.ok()) {
+        if (p.finished && !responses) return EndFinished(ex);
+        MarkOut(replica, absl::StrCat("its answer stream broke off: ", piece.status().message()));
+        p.why = absl::StrCat(address, ": its answer stream broke off: ", piece.status().message());
+        return false;
       }
-      if (!piece->empty() && !ex.Write(*piece)) return call.Close();
-      tail += *piece;
-      if (tail.size() > 64) tail.erase(0, tail.size() - 64);
-      for (char c : responses ? *piece : std::string()) {
-        if (c != '\n') {
-          if (line.size() < 128) line += c;  // event lines are short; data lines need no copy
-          continue;
+      block += *piece;
+      for (size_t at; (at = block.find("\n\n")) != std::string::npos;) {
+        const std::string event = block.substr(0, at);
+        block.erase(0, at + 2);
+        switch (Forward(event, ex, responses, p, tail, last_event)) {
+          case Sent::kOn:
+            break;
+          case Sent::kClientGone:
+            call.Close();
+            return true;
+          case Sent::kFailed:
+            MarkOut(replica, "its replica failed mid-answer");
+            p.why = absl::StrCat(address, ": its replica failed mid-answer");
+            return false;
         }
-        if (absl::StartsWith(line, "event: ")) last_event = line.substr(7);
-        line.clear();
+      }
+      if (block.size() > kMaxAnswerBytes) {
+        p.why = absl::StrCat(address, ": an event over 64 MiB");
+        p.resumable = false;
+        return false;
       }
       if (end) {
         // A stream the leader ended without its last event was cut short: its process stopped
         // in the middle.
-        if (!StreamFinished(tail, last_event, responses)) {
-          MarkOut(replica, "its answer stream ended unfinished");
-          ex.Write(BrokenStreamEvent("the replica's answer stream ended unfinished", responses));
+        if (StreamFinished(tail, last_event, responses)) {
+          ex.End();
+          return true;
         }
-        return ex.End();
+        if (p.finished && !responses) return EndFinished(ex);
+        MarkOut(replica, "its answer stream ended unfinished");
+        p.why = absl::StrCat(address, ": its answer stream ended unfinished");
+        return false;
+      }
+      // A replica that drains hands its reported streams to one that takes requests.
+      if (p.reported && !p.finished && Clock::now() - checked >= std::chrono::milliseconds(200)) {
+        checked = Clock::now();
+        if (Draining(replica) && AnotherRoutable(replica)) {
+          call.Close();
+          p.draining = true;
+          p.why = absl::StrCat(address, " drains");
+          return false;
+        }
       }
     }
+  }
+
+  enum class Sent { kOn, kClientGone, kFailed };
+  // One event of a leader's stream: its progress lines read into p, the rest sent on.
+  Sent Forward(const std::string& event, http::Exchange& ex, bool responses, Progress& p,
+               std::string& tail, std::string& last_event) {
+    std::string kept;
+    for (absl::string_view line : absl::StrSplit(event, '\n')) {
+      if (!absl::StartsWith(line, ":")) {
+        absl::StrAppend(&kept, line, "\n");
+        if (responses && absl::StartsWith(line, "event: "))
+          last_event = std::string(line.substr(7));
+        continue;
+      }
+      if (absl::ConsumePrefix(&line, ": tokens ")) {
+        for (absl::string_view t : absl::StrSplit(line, ',')) {
+          int32_t id;
+          if (!absl::SimpleAtoi(t, &id) || id < 0 || p.tokens.size() >= kMaxProgressTokens) {
+            p.reported = false;  // not a progress the router can resume from
+            continue;
+          }
+          p.tokens.push_back(id);
+        }
+      } else if (absl::ConsumePrefix(&line, ": seed ")) {
+        p.reported = absl::SimpleAtoi(line, &p.seed);
+      } else if (line == ": failed") {
+        return Sent::kFailed;
+      }
+    }
+    if (kept.empty()) return Sent::kOn;
+    if (p.id.empty() && absl::StartsWith(kept, "data: {")) {
+      const json first = json::parse(kept.substr(6), nullptr, /*allow_exceptions=*/false);
+      if (first.is_object() && first.contains("id") && first["id"].is_string()) {
+        p.id = first["id"].get<std::string>();
+        if (first.contains("created") && first["created"].is_number_unsigned()) {
+          p.created = first["created"].get<int64_t>();
+        }
+      }
+    }
+    if (absl::StrContains(kept, "\"finish_reason\":\"")) p.finished = true;
+    kept += "\n";
+    if (!ex.Write(kept)) return Sent::kClientGone;
+    ++p.blocks;
+    tail += kept;
+    if (tail.size() > 64) tail.erase(0, tail.size() - 64);
+    return Sent::kOn;
+  }
+
+  // A stream whose choice finished but whose leader went before its end: the answer is whole
+  // (only a usage event may be missing).
+  bool EndFinished(http::Exchange& ex) {
+    ex.Write("data: [DONE]\n\n");
+    ex.End();
+    return true;
+  }
+
+  bool Draining(Replica& r) {
+    absl::MutexLock lock(&r.mu);
+    return r.live && !r.load.accepting;
+  }
+
+  // Another replica (of r's role) takes requests now.
+  bool AnotherRoutable(const Replica& r) {
+    for (auto& o : Snapshot()) {
+      if (o.get() == &r || o->prefill != r.prefill) continue;
+      absl::MutexLock lock(&o->mu);
+      if (Routable(*o)) return true;
+    }
+    return false;
   }
 };
 

@@ -142,7 +142,15 @@ struct ApiServer::Impl {
   absl::StatusOr<std::unique_ptr<TokenConstraint>> CompileGrammar(const ApiRequest& req,
                                                                   int64_t vocab,
                                                                   std::vector<int64_t> ends);
+  // What c's stream adds within `wait`, as the API reports it.
   ChoiceDelta Poll(Choice& c, const ApiRequest& req, std::chrono::milliseconds wait);
+  // An update of c's stream turned into text, log-probabilities, reasoning and calls (a resumed
+  // request's output so far goes through it unsent, so that the rest continues it).
+  ChoiceDelta Consume(Choice& c, const ApiRequest& req, const RequestStream::Update& u);
+  // Request migration: a request from the router (its token) is marked so; a resumed one
+  // ("shardserve_resume") is checked: the router's, streamed, one sequence, no echo, no
+  // disaggregated leg; its seed becomes the request's.
+  absl::Status ResumeLeg(ApiRequest& req, const http::Request& http_req);
   // OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens whose KV came
   // from the prefix cache (each prompt's first sequence's).
   json Usage(const std::vector<Choice>& choices) const;

@@ -142,7 +142,7 @@ void Engine::MaskDone() {
   wake_.SignalAll();
 }
 
-void Engine::StartMask(Sequence* s, std::optional<int32_t> token) {
+void Engine::StartMask(Sequence* s, std::vector<int32_t> tokens) {
   std::shared_ptr<MaskJob> job = s->mask;
   {
     absl::MutexLock lock(&job->mu);
@@ -151,11 +151,11 @@ void Engine::StartMask(Sequence* s, std::optional<int32_t> token) {
     job->mask.clear();
   }
   std::shared_ptr<TokenConstraint> c = s->request.constraint;
-  const bool posted = grammar_workers_->Post([this, job, c, token] {
+  const bool posted = grammar_workers_->Post([this, job, c, tokens = std::move(tokens)] {
     absl::Status st;
     bool finished = false;
     std::vector<uint32_t> mask;
-    if (token) st = c->Accept(*token);
+    for (size_t i = 0; i < tokens.size() && st.ok(); ++i) st = c->Accept(tokens[i]);
     if (st.ok()) finished = c->Finished();
     if (st.ok() && !finished) {
       const auto t0 = Clock::now();
@@ -240,6 +240,18 @@ absl::Status Engine::Check(const GenerationRequest& request) const {
     return absl::InvalidArgumentError(absl::StrCat("prompt_logprobs ", request.prompt_logprobs,
                                                    " is outside [-1, ", options_.vocab_size, "]"));
   }
+  for (int32_t id : request.resumed) {
+    if (id < 0 || id >= options_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resumed token id ", id, " is outside the vocabulary [0, ", options_.vocab_size, ")"));
+    }
+  }
+  if (!request.resumed.empty() &&
+      static_cast<int64_t>(request.resumed.size()) >= request.params.max_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a resumed sequence has ", request.resumed.size(),
+                     " tokens of its max_tokens ", request.params.max_tokens, " already"));
+  }
   for (const auto& [id, bias] : request.params.logit_bias) {
     if (id >= options_.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -288,10 +300,13 @@ absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> Engine::SubmitGroup(
       seq->stream->Push(*first);
       seq->last_token = seq->submitted;
     }
+    // Migrated from another replica: its output so far, which its client already has.
+    seq->generated.insert(seq->generated.end(), seq->request.resumed.begin(),
+                          seq->request.resumed.end());
     if (seq->request.constraint) {
       seq->mask = std::make_shared<MaskJob>();
-      // Ready by the time its prompt is computed (after its first token, when that came along).
-      StartMask(seq.get(), first ? std::optional(first->id) : std::nullopt);
+      // Ready by the time its prompt is computed (after the output it starts with).
+      StartMask(seq.get(), seq->generated);
     }
     streams.push_back(seq->stream);
     seqs.push_back(std::move(seq));
@@ -754,7 +769,7 @@ void Engine::Accept(const StepResult& result) {
     } else if (s->request.constraint != nullptr) {
       // The grammar takes the token and computes the next mask while other steps run; it may
       // also say the output is complete (TakeMask ends the sequence then).
-      StartMask(s, t.token);
+      StartMask(s, {t.token});
     }
   }
 }

@@ -254,8 +254,8 @@ class Engine {
   // Whether a running sequence is computing the block that would extend s's cached prefix (the
   // n choices of one prompt, the same prompt sent at once): s waits to share it.
   bool PrefixBeingComputed(const Sequence* s) const;
-  // Posts the computation of s's next mask (after `token`, when given) to a grammar thread.
-  void StartMask(Sequence* s, std::optional<int32_t> token);
+  // Posts the computation of s's next mask (after accepting `tokens`) to a grammar thread.
+  void StartMask(Sequence* s, std::vector<int32_t> tokens);
   // s's mask for its next sampled token, waiting for it until `until`; false when the sequence
   // cannot sample in this step (still computing: it sits the step out; or it ended: retired).
   bool TakeMask(Sequence* s, std::chrono::steady_clock::time_point until,

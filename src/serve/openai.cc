@@ -24,6 +24,7 @@ constexpr size_t kMaxTools = 128;
 constexpr int64_t kMaxChoices = 16;    // n, best_of
 constexpr size_t kMaxSequences = 128;  // prompts x best_of
 constexpr size_t kMaxCacheSalt = 1024;
+constexpr size_t kMaxResumedTokens = 1 << 20;  // a resumed output: a context's worth
 constexpr size_t kMaxGuidedChoices = 2000;
 constexpr size_t kMaxTemplateBytes = 256 << 10;  // a request's own chat_template
 constexpr size_t kMaxKwargsBytes = 64 << 10;     // chat_template_kwargs, written as JSON
@@ -811,6 +812,38 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
                       "replica's leg) or do_remote_prefill (a decode replica's) true");
     }
     r.kv_transfer = nlohmann::json::parse(it->dump());
+  }
+  if (auto it = body.find("shardserve_resume"); it != body.end() && !it->is_null()) {
+    const auto bad = [] {
+      return BadParam("shardserve_resume",
+                      absl::StrCat("'shardserve_resume' must be an object with 'tokens' (at most ",
+                                   kMaxResumedTokens,
+                                   " token ids), 'id' (a string of at most 128 bytes), "
+                                   "'created' and 'seed' (non-negative integers)"));
+    };
+    if (!it->is_object()) return bad();
+    const auto tokens = it->find("tokens");
+    const auto id = it->find("id");
+    const auto created = it->find("created");
+    const auto seed = it->find("seed");
+    const auto id_ok = [](const auto& t) {
+      return t.is_number_integer() && t.template get<int64_t>() >= 0 &&
+             t.template get<int64_t>() <= std::numeric_limits<int32_t>::max();
+    };
+    if (tokens == it->end() || !tokens->is_array() || tokens->size() > kMaxResumedTokens ||
+        !std::all_of(tokens->begin(), tokens->end(), id_ok) ||
+        (id != it->end() && (!id->is_string() || id->get<std::string>().size() > 128)) ||
+        (created != it->end() &&
+         (!created->is_number_unsigned() || created->get<uint64_t>() >= (uint64_t{1} << 40))) ||
+        (seed != it->end() && !seed->is_number_unsigned())) {
+      return bad();
+    }
+    ApiRequest::Resume resume;
+    for (const auto& t : *tokens) resume.tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    if (id != it->end()) resume.id = id->get<std::string>();
+    if (created != it->end()) resume.created = static_cast<int64_t>(created->get<uint64_t>());
+    if (seed != it->end()) resume.seed = seed->get<uint64_t>();
+    r.resume = std::move(resume);
   }
   ASSIGN_OR_RETURN(auto stream, Boolean(body, "stream"));
   r.stream = stream.value_or(false);

@@ -80,6 +80,19 @@ struct ApiRequest {
   // vLLM's kv_transfer_params: a leg of a disaggregated request (serve/kv_handoff.h), as given
   // (an object with do_remote_decode or do_remote_prefill true); null: none.
   nlohmann::json kv_transfer;
+  // Request migration (serve/api_server.h): the router's "shardserve_resume" {"tokens", "id",
+  // "created", "seed"}, a streamed request resumed after the replica answering it failed: its
+  // output so far, the stream's id and time, the seed it sampled with. None: a new request.
+  struct Resume {
+    std::vector<int32_t> tokens;
+    std::string id;
+    int64_t created = 0;
+    std::optional<uint64_t> seed;
+  };
+  std::optional<Resume> resume;
+  // Set by the server: the request came from the model's router (its token in kRouterHeader); a
+  // stream it can resume elsewhere then reports its progress (serve/api_server.h).
+  bool from_router = false;
 };
 
 // Parses a request body. `chat` selects /v1/chat/completions.

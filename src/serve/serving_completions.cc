@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "common/status.h"
 #include "common/text.h"
@@ -69,6 +70,7 @@ struct ChoiceDelta {
   std::vector<ToolCall> calls;
   json logprobs;  // null unless requested and tokens arrived
   bool finished = false;
+  std::vector<int32_t> ids;  // the tokens that arrived
 };
 
 }  // namespace api_internal
@@ -164,10 +166,14 @@ absl::StatusOr<std::unique_ptr<TokenConstraint>> ApiServer::Impl::CompileGrammar
 
 ChoiceDelta ApiServer::Impl::Poll(Choice& c, const ApiRequest& req,
                                   std::chrono::milliseconds wait) {
+  if (c.done) return {};
+  return Consume(c, req, c.stream->Next(wait));
+}
+
+ChoiceDelta ApiServer::Impl::Consume(Choice& c, const ApiRequest& req,
+                                     const RequestStream::Update& u) {
   ChoiceDelta d;
-  if (c.done) return d;
-  RequestStream::Update u = c.stream->Next(wait);
-  std::vector<int32_t> ids;
+  std::vector<int32_t>& ids = d.ids;
   for (const auto& t : u.tokens) {
     ids.push_back(t.id);
     c.cumulative_logprob += t.logprob;
@@ -324,6 +330,28 @@ json ApiServer::Impl::Usage(const std::vector<Choice>& choices) const {
           {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
+absl::Status ApiServer::Impl::ResumeLeg(ApiRequest& req, const http::Request& http_req) {
+  req.from_router = router_keys != nullptr && http_req.HasHeader(kRouterHeader) &&
+                    router_keys->Check(http_req.Header(kRouterHeader)).ok();
+  if (!req.resume) return absl::OkStatus();
+  if (!req.from_router) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("'shardserve_resume' is the model's router's: it needs the router's token in ",
+                     kRouterHeader, router_keys == nullptr ? " (this server has none)" : ""));
+  }
+  const size_t prompts = req.chat ? 1 : req.prompt_ids.size();
+  if (!req.stream || prompts != 1 || req.best_of != 1 || req.echo || !req.kv_transfer.is_null()) {
+    return BadParam("shardserve_resume",
+                    "only a streamed request of one prompt and one choice, without echo or "
+                    "kv_transfer_params, is resumed");
+  }
+  if (req.resume->seed && !req.seed_set) {
+    req.params.seed = *req.resume->seed;
+    req.seed_set = true;
+  }
+  return absl::OkStatus();
+}
+
 // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
 absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_req,
                                      std::vector<Choice>& choices) {
@@ -444,6 +472,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       if (!req.max_tokens_set && req.chat) {
         g.params.max_tokens = max_context - static_cast<int64_t>(ids.size());
       }
+      if (req.resume) g.resumed = req.resume->tokens;
       seqs.push_back(std::move(g));
     }
   }
@@ -494,6 +523,14 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
           std::make_unique<ToolCallParser>(ToolCallFormat(req), req.tools, req.parallel_tool_calls);
     }
   }
+  if (req.resume) {  // the client has this output: it only sets the parsers' state
+    RequestStream::Update sent;
+    for (int32_t id : req.resume->tokens) sent.tokens.push_back({id, 0.0f, {}});
+    for (Choice& c : choices) {
+      Consume(c, req, sent);
+      c.sent_role = true;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -520,6 +557,7 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
   if (!parsed.ok()) return ex.Respond(Reply(parsed.status()));
   ApiRequest& req = *parsed;
   if (absl::Status s = ServeModelOf(req); !s.ok()) return ex.Respond(Reply(s));
+  if (absl::Status s = ResumeLeg(req, http_req); !s.ok()) return ex.Respond(Reply(s));
   if (!req.seed_set)
     req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
   std::vector<Choice> choices;
@@ -531,10 +569,15 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
     for (Choice& c : choices) c.stream->Cancel();
     return;
   }
-  const std::string id = RequestId(chat ? "chatcmpl-" : "cmpl-");
-  const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
+  // A resumed stream goes on under its id and time.
+  const std::string id = req.resume && !req.resume->id.empty()
+                             ? req.resume->id
+                             : RequestId(chat ? "chatcmpl-" : "cmpl-");
+  const int64_t created = req.resume && req.resume->created > 0
+                              ? req.resume->created
+                              : std::chrono::duration_cast<std::chrono::seconds>(
+                                    std::chrono::system_clock::now().time_since_epoch())
+                                    .count();
   if (req.stream) {
     Stream(req, choices, id, created, ex);
   } else {
@@ -643,8 +686,15 @@ void ApiServer::Impl::Stream(const ApiRequest& req, std::vector<Choice>& choices
     ~Count() { m.CountRequest(code); }
   } count{*metrics, code};
   if (!ex.StartStream({200, "text/event-stream", "", {{"Cache-Control", "no-cache"}}})) return;
+  // For the router (request migration): each event's block leads with the tokens it consumed
+  // (": tokens ID,ID"), the first with the seed (": seed N"), and a failure of the replica's
+  // with ": failed", as SSE comments, which the router takes out.
+  const bool progress = req.from_router && choices.size() == 1 && !req.echo;
+  std::string pending = progress ? absl::StrCat(": seed ", req.params.seed, "\n") : "";
   auto send = [&](const json& event) {
-    return ex.Write(absl::StrCat("data: ", DumpJson(event), "\n\n"));
+    const bool ok = ex.Write(absl::StrCat(pending, "data: ", DumpJson(event), "\n\n"));
+    pending.clear();
+    return ok;
   };
   bool all_done = false;
   while (!all_done) {
@@ -656,8 +706,12 @@ void ApiServer::Impl::Stream(const ApiRequest& req, std::vector<Choice>& choices
       if (c.done) continue;
       ChoiceDelta d = Poll(c, req, waited ? std::chrono::milliseconds(0) : kPoll);
       waited = true;
+      if (progress && !d.ids.empty()) {
+        absl::StrAppend(&pending, ": tokens ", absl::StrJoin(d.ids, ","), "\n");
+      }
       if (!c.error.ok()) {
         code = HttpStatusFor(c.error);
+        if (progress && code >= 500) pending += ": failed\n";
         send(ErrorBody(c.error));
         return ex.End();
       }

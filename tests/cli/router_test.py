@@ -7,8 +7,10 @@
    own, streamed too; keys are checked at the router and the leaders' KV events need the
    router's token; a hot prefix spreads once its replica is loaded; the router's /metrics is
    promtool-clean, counts its decisions and is read with the router token (not an API key); a
-   leader killed mid-stream gives an error event, its replica is out at once, the other serves,
-   and shardserve local restarts it.
+   leader killed mid-stream (greedy, then seeded sampling): the router migrates the stream to the
+   other replica, which goes on from the tokens sent, and the client's stream ends exactly as an
+   undisturbed one; the dead replica is out at once, the other serves, and shardserve local
+   restarts it.
 2. A router in front of two single-replica deployments: one stops, requests keep being answered
    by the other; it comes back on the same address with an empty cache, and the router follows it
    again without routing by what it held before."""
@@ -147,40 +149,74 @@ try:
     check("shardserve_router_expected_cached_tokens_total" not in page,
           "the router's expected hits are not readable with an API key")
 
-    # A leader dies in the middle of a stream: the client gets an error event, not a finished
-    # answer; the replica is out at once and the other answers; shardserve local restarts it.
-    # Both leaders' pids are found before the stream, so the one serving it dies at once; which
-    # one serves it is the router's choice (cache or load), read from the stream's header.
-    pids = {p: listening_pid(p) for p in d.replica_ports}
-    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
-    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json",
-                                                      "Authorization": f"Bearer {KEY}"},
-                 body=json.dumps({"model": "tiny", "prompt": conversation(0, 0), "stream": True,
-                                  "max_tokens": 1500, "temperature": 0, "ignore_eos": True}))
-    r = conn.getresponse()
-    victim_port = int(r.getheader("x-shardserve-replica", ":0").rsplit(":", 1)[1])
-    first = r.readline()
-    os.kill(pids[victim_port], signal.SIGKILL)
-    rest = first + r.read()
-    conn.close()
-    check(b'"error"' in rest and b"[DONE]" not in rest,
-          f"a stream cut short by a dead leader ends with an error event, never [DONE] "
-          f"({rest[-160:]!r})")
-    status, _, body = d.request("GET", "/readyz")
-    check(status == 200 and json.loads(body)["routable_replicas"] == 1,
-          f"the dead replica is out of routing at once ({body!r})")
-    answered = {completion(d, conversation(0, 0) + [i])[:2] for i in range(3)}
-    other = next(p for p in d.replica_ports if p != victim_port)
-    check(answered == {(200, f"127.0.0.1:{other}")},
-          f"the healthy replica keeps serving ({answered})")
-    check(wait_until(lambda: "restarting it" in d.log(), 20),
-          "shardserve local says it restarts the failed replica")
+    # Request migration (issue 55): a leader dies in the middle of a stream; the router goes on
+    # with it on the other replica from the tokens already sent, and the client's stream ends
+    # as the undisturbed one does (greedy, and seeded sampling): same text, same stream id, no
+    # error, [DONE]. The dead replica is out at once and the other answers; shardserve local
+    # restarts it. Both leaders' pids are found before the stream, so the one serving it dies at
+    # once; which one serves it is the router's choice (cache or load), read from its header.
+    def events(raw):
+        out = []
+        for block in raw.decode().split("\n\n"):
+            if block.startswith("data: ") and block != "data: [DONE]":
+                out.append(json.loads(block[6:]))
+        return out
+
+    def body(extra):
+        b = {"model": "tiny", "prompt": conversation(0, 0), "stream": True, "max_tokens": 1500,
+             "temperature": 0, "ignore_eos": True}
+        b.update(extra)
+        return b
+
+    def stream(extra, kill=False):
+        """(replica, the stream's bytes); with kill, the leader answering it dies after its
+        first event."""
+        victim = {p: listening_pid(p) for p in d.replica_ports} if kill else {}
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(body(extra)),
+                     headers={"Content-Type": "application/json",
+                              "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        port = int(r.getheader("x-shardserve-replica", ":0").rsplit(":", 1)[1])
+        first = r.readline()
+        if kill:
+            os.kill(victim[port], signal.SIGKILL)
+        raw = first + r.read()
+        conn.close()
+        return port, raw
 
     def both_routable():
         s, _, b = d.request("GET", "/readyz", timeout=5)
         return s == 200 and json.loads(b)["routable_replicas"] == 2
 
-    check(wait_until(both_routable, 90), "the restarted replica is routed again")
+    victim_port = None
+    for name, extra in [("greedy", {}), ("seeded", {"temperature": 0.9, "seed": 1234})]:
+        _, whole = stream(extra)
+        port, moved = stream(extra, kill=True)
+        victim_port = victim_port or port
+        want, got = events(whole), events(moved)
+        text = lambda evs: "".join(e["choices"][0]["text"] for e in evs if e.get("choices"))
+        check(b"[DONE]" in moved and not any("error" in e for e in got) and
+              text(got) == text(want) and len(text(want)) > 0 and
+              {e["id"] for e in got} == {got[0]["id"]},
+              f"{name}: a stream whose leader dies goes on on the other replica and ends as the "
+              f"undisturbed one ({len(text(got))} vs {len(text(want))} characters, "
+              f"{len({e['id'] for e in got})} stream id(s), end {moved[-80:]!r})")
+        if name == "greedy":
+            status, _, b = d.request("GET", "/readyz")
+            check(status == 200 and json.loads(b)["routable_replicas"] == 1,
+                  f"the dead replica is out of routing at once ({b!r})")
+            answered = {completion(d, conversation(0, 0) + [i])[:2] for i in range(3)}
+            other = next(p for p in d.replica_ports if p != victim_port)
+            check(answered == {(200, f"127.0.0.1:{other}")},
+                  f"the healthy replica keeps serving ({answered})")
+            check(wait_until(lambda: "restarting it" in d.log(), 20),
+                  "shardserve local says it restarts the failed replica")
+        check(wait_until(both_routable, 90), f"{name}: the restarted replica is routed again")
+    page = d.metrics_page(token=TOKEN)
+    moved_n = metric(page, "shardserve_router_migrations_total", reason="failure") or 0
+    check(moved_n >= 2, f"the router counts the migrations ({moved_n:.0f})")
+
 finally:
     code = d.stop(signal.SIGINT)
 check(code == 0, f"Ctrl-C stops the routed deployment cleanly (exit {code})")

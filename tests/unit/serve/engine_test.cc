@@ -327,6 +327,71 @@ TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {
   for (size_t i = 0; i < requests_.size(); ++i) EXPECT_EQ((*got)[i].tokens, (*want)[i].tokens);
 }
 
+// Request migration: a sequence resumed on another engine from its prompt and the output so far
+// (GenerationRequest::resumed) goes on exactly as it would have: greedy, seeded with penalties,
+// and under a grammar (its constraint past the resumed tokens); the resumed tokens count toward
+// max_tokens and are not produced again. A resumed output as long as max_tokens, or with a token
+// outside the vocabulary, is refused.
+TEST_F(EngineTest, AResumedSequenceGoesOnAsTheUninterruptedOne) {
+  auto tok = Tokenizer::Load(dir_.Sub("m"));
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto vocab =
+      GrammarVocabulary::Create(**tok, model_->config().vocab_size, model_->config().eos_token_ids);
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    GenerationRequest& r = requests_[i];
+    r.params.max_tokens = 16;
+    if (i % 3 == 0) continue;  // greedy
+    r.params.temperature = 0.9f;
+    r.params.seed = 5 + i;
+    r.params.presence_penalty = 0.5f;
+    r.params.frequency_penalty = 0.3f;
+    r.params.repetition_penalty = 1.2f;
+    if (i % 3 == 2) {
+      r.params.ignore_eos = false;
+      auto c = vocab.value()->Compile(Grammar{"regex", "[a-e]{6,12}"});
+      ASSERT_TRUE(c.ok()) << c.status();
+      r.constraint = std::move(*c);
+    }
+  }
+  auto fresh = [&] {  // constraints are used up by a run: each run takes new clones
+    std::vector<GenerationRequest> out = requests_;
+    for (auto& r : out) {
+      if (r.constraint) r.constraint = r.constraint->Clone();
+    }
+    return out;
+  };
+  LocalExecutor whole_exec(model_.get(), 4096);
+  auto whole = GenerateAll(&whole_exec, whole_exec.Options(), fresh());
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  std::vector<GenerationRequest> resumed = fresh();
+  std::vector<size_t> cut(resumed.size());
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    const std::vector<int32_t>& w = (*whole)[i].tokens;
+    ASSERT_GE(w.size(), 3u) << "request " << i;
+    cut[i] = 1 + i % (w.size() - 1);
+    resumed[i].resumed.assign(w.begin(), w.begin() + static_cast<int64_t>(cut[i]));
+  }
+  LocalExecutor exec(model_.get(), 4096);
+  auto got = GenerateAll(&exec, exec.Options(), resumed);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    const std::vector<int32_t>& w = (*whole)[i].tokens;
+    EXPECT_EQ((*got)[i].tokens,
+              std::vector<int32_t>(w.begin() + static_cast<int64_t>(cut[i]), w.end()))
+        << "request " << i << " resumed after " << cut[i];
+    EXPECT_EQ((*got)[i].finish_reason, (*whole)[i].finish_reason) << "request " << i;
+  }
+  Engine engine(&exec, exec.Options());
+  GenerationRequest r = requests_[0];
+  r.resumed.assign(16, 5);
+  EXPECT_THAT(std::string(engine.Submit(r).status().message()),
+              ::testing::HasSubstr("16 tokens of its max_tokens 16"));
+  r.resumed = {5, model_->config().vocab_size};
+  EXPECT_THAT(std::string(engine.Submit(r).status().message()),
+              ::testing::HasSubstr("resumed token id"));
+}
+
 // Runs `r` alone on a running engine: its tokens, logprobs and cached prompt tokens.
 // A stream's whole output.
 GenerationResult Drain(RequestStream& stream) {
