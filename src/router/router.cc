@@ -845,10 +845,21 @@ struct Router::Impl {
                                     options.connect_timeout, options.answer_timeout);
       if (!call.ok()) {
         last_error = absl::StrCat(r.address, ": ", call.status().message());
-        // Nothing reached the leader: another may answer. (Once it has the request, it may
-        // have acted on it: no second try, unless the answer is the router's to resume.)
+        // Nothing reached the leader: another may answer.
         if (call.status().code() == absl::StatusCode::kUnavailable && more) {
           failovers->Increment();
+          continue;
+        }
+        // It had the request and went before its answer's head (a whole answer's comes at its
+        // end): another answers it, as for an answer that breaks off. (What the router serves
+        // is generation and tokenization: asked again, the same.)
+        if (call.status().code() != absl::StatusCode::kDeadlineExceeded && more &&
+            p.legs < kMaxMigrations && p.CanResume()) {
+          ++p.legs;
+          MarkOut(r, std::string(call.status().message()));
+          auto l = labels;
+          l["reason"] = "failure";
+          migrations->Add(l).Increment();
           continue;
         }
         const int status = call.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;

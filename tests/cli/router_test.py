@@ -13,7 +13,8 @@
    restarts it.
 2. A router in front of two single-replica deployments: one stops, requests keep being answered
    by the other; it comes back on the same address with an empty cache, and the router follows it
-   again without routing by what it held before."""
+   again without routing by what it held before. The replica answering a long stream is stopped
+   and drains: the router hands the stream to the other at once, and it ends as undisturbed."""
 import http.client
 import json
 import os
@@ -189,6 +190,11 @@ try:
         s, _, b = d.request("GET", "/readyz", timeout=5)
         return s == 200 and json.loads(b)["routable_replicas"] == 2
 
+    # Only the router resumes a stream: a client's "shardserve_resume" is refused by name.
+    status, _, refused = completion(d, [1, 2, 3], port=d.replica_ports[0], stream=True,
+                                    shardserve_resume={"tokens": [5]})
+    check(status == 403 and "shardserve_resume" in str(refused),
+          f"a client may not resume a stream at a leader ({status} {refused})")
     victim_port = None
     for name, extra in [("greedy", {}), ("seeded", {"temperature": 0.9, "seed": 1234})]:
         _, whole = stream(extra)
@@ -213,9 +219,32 @@ try:
             check(wait_until(lambda: "restarting it" in d.log(), 20),
                   "shardserve local says it restarts the failed replica")
         check(wait_until(both_routable, 90), f"{name}: the restarted replica is routed again")
+    # A whole (non-streamed) answer whose leader dies is asked of the other replica: it answers.
+    _, _, want = completion(d, conversation(0, 0), 1500)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=completion(d, conversation(0, 0), 1500)))
+    pids = {p: listening_pid(p) for p in d.replica_ports}
+    t.start()
+
+    def serving():
+        page = d.metrics_page(token=TOKEN)
+        return next((p for p in d.replica_ports if metric(
+            page, "shardserve_router_replica_in_flight", replica=f"127.0.0.1:{p}") == 1), None)
+    victim, deadline = None, time.monotonic() + 20
+    while victim is None and time.monotonic() < deadline:
+        victim = serving()
+    if victim:
+        os.kill(pids[victim], signal.SIGKILL)
+    t.join()
+    status, replica, answer = got["r"]
+    check(victim and status == 200 and replica != f"127.0.0.1:{victim}" and
+          answer["choices"][0]["text"] == want["choices"][0]["text"],
+          f"a whole answer whose leader dies is answered by the other replica ({status}, "
+          f"{replica}, killed {victim})")
+    check(wait_until(both_routable, 90), "the restarted replica is routed again")
     page = d.metrics_page(token=TOKEN)
     moved_n = metric(page, "shardserve_router_migrations_total", reason="failure") or 0
-    check(moved_n >= 2, f"the router counts the migrations ({moved_n:.0f})")
+    check(moved_n >= 3, f"the router counts the migrations ({moved_n:.0f})")
 
 finally:
     code = d.stop(signal.SIGINT)
@@ -223,9 +252,11 @@ check(code == 0, f"Ctrl-C stops the routed deployment cleanly (exit {code})")
 
 # --- 2. a replica goes away and comes back -----------------------------------------------
 # Single-replica deployments whose leaders take the router's token (--router-token-file).
+# They drain for up to a minute when stopped (the router hands their streams on at once).
 TOKENED = ("--router-token-file", TOKEN_FILE)
-a = Deployment(BIN, MODEL, tp=1, pp=1, args=TOKENED)
-b = Deployment(BIN, MODEL, tp=1, pp=1, args=TOKENED)
+DRAIN = {"SHARDSERVE_DRAIN_SECONDS": "60"}
+a = Deployment(BIN, MODEL, tp=1, pp=1, max_seq=4096, env=DRAIN, args=TOKENED)
+b = Deployment(BIN, MODEL, tp=1, pp=1, max_seq=4096, env=DRAIN, args=TOKENED)
 router_port = free_ports(1)
 router = subprocess.Popen([ROUTER, "--leader", f"127.0.0.1:{a.port},127.0.0.1:{b.port}",
                            "--model", MODEL, "--port", str(router_port), "--host", "127.0.0.1",
@@ -253,7 +284,8 @@ try:
           f"with one replica gone, every request is answered by the other ({statuses})")
     check(wait_until(lambda: routable() == 1), "the router stops routing to the gone replica")
     # It comes back on the same address, with an empty cache.
-    a2 = Deployment(BIN, MODEL, tp=1, pp=1, base_port=stop.port, args=TOKENED)
+    a2 = Deployment(BIN, MODEL, tp=1, pp=1, max_seq=4096, env=DRAIN, base_port=stop.port,
+                    args=TOKENED)
     check(wait_until(lambda: routable() == 2, 30), "the router follows the recreated replica")
     page = other.metrics_page(router_port, token=TOKEN)
     cached = metric(page, "shardserve_router_replica_cached_blocks", replica=f"127.0.0.1:{a2.port}")
@@ -261,6 +293,41 @@ try:
     s, replica, _ = completion(other, x + [99], port=router_port)
     check(s == 200 and replica == f"127.0.0.1:{other.port}",
           "the prompt goes to the replica that still caches it, not by what the old one held")
+
+    # Drain (issue 55): the replica answering a long stream is stopped and drains; the router
+    # hands the stream to the other replica at once (rather than waiting up to the minute),
+    # which goes on from the tokens sent: the client's stream ends as the undisturbed one.
+    long = {"model": "tiny", "prompt": conversation(4, 0), "stream": True, "max_tokens": 3800,
+            "temperature": 0, "ignore_eos": True}
+
+    def long_stream(stop_it):
+        conn = http.client.HTTPConnection("127.0.0.1", router_port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(long),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        port = int(r.getheader("x-shardserve-replica", ":0").rsplit(":", 1)[1])
+        raw = r.readline()
+        if stop_it:
+            {a2.port: a2, other.port: other}[port].proc.send_signal(signal.SIGINT)
+        raw += r.read()
+        conn.close()
+        return raw
+
+    def text(raw):
+        return "".join(json.loads(e[6:])["choices"][0]["text"] for e in raw.decode().split("\n\n")
+                       if e.startswith("data: {") and '"error"' not in e)
+
+    whole = long_stream(False)
+    t0 = time.monotonic()
+    moved = long_stream(True)
+    took = time.monotonic() - t0
+    page = other.metrics_page(router_port, token=TOKEN)
+    drained = metric(page, "shardserve_router_migrations_total", reason="drain") or 0
+    check(b"[DONE]" in moved and b'"error"' not in moved and text(moved) == text(whole) and
+          drained == 1,
+          f"a stream whose replica drains goes on on the other at once and ends as the "
+          f"undisturbed one ({len(text(moved))} vs {len(text(whole))} characters, {drained:.0f} "
+          f"drain migration(s), {took:.1f} s)")
 finally:
     router.send_signal(signal.SIGINT)
     try:
