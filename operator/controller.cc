@@ -294,6 +294,7 @@ Controller::Controller(k8s::Client* client, ControllerOptions options, OperatorM
                                                            if (SameButVersion(old, o)) return;
                                                            UpdateNode(&o, nullptr);
                                                            EnqueueWaiting();
+                                                           EnqueueOnNode(o);
                                                          },
                                                          [this](const json& o) {
                                                            UpdateNode(nullptr, &o);
@@ -386,6 +387,14 @@ std::map<std::string, std::pair<double, double>> Controller::CacheSizes() const 
 }
 
 void Controller::Enqueue(const std::string& key) { queue_.Add(key); }
+
+void Controller::EnqueueOnNode(const json& node) {
+  const std::string name = node["metadata"].value("name", "");
+  for (const json& pod : pods_->store().List()) {
+    if (!pod.contains("spec") || pod["spec"].value("nodeName", "") != name) continue;
+    if (const std::string key = ModelKeyOfPod(pod); !key.empty()) queue_.Add(key);
+  }
+}
 
 void Controller::EnqueueWaiting() {
   std::vector<std::string> keys;
@@ -542,11 +551,19 @@ PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time
 std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::Time now) {
   std::vector<PodView> out;
   std::set<std::string> seen;
+  std::set<std::string> cordoned;  // nodes marked unschedulable (a drain's first step)
+  for (const json& node : nodes_->store().List()) {
+    const json u = node.contains("spec") ? node["spec"].value("unschedulable", json()) : json();
+    if (u.is_boolean() && u.get<bool>()) {
+      cordoned.insert(node["metadata"].value("name", ""));
+    }
+  }
   for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
     if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
     const std::string role = pod["metadata"]["labels"].value(kRoleLabel, "");
     if (role == kInspectRole || role == kRouterRole) continue;  // not a replica's
     PodView v = ReadPodOf(m.model.namespace_, pod, now, m.model.spec.tensor);
+    v.node_cordoned = !v.node.empty() && cordoned.count(v.node) > 0;
     seen.insert(v.name);
     // Created by us but seen here before the informer delivered the creation: now seen.
     if (auto it = mem.created.find(v.name); it != mem.created.end()) mem.created.erase(it);

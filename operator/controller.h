@@ -114,6 +114,8 @@ class Controller {
   void Worker();
   void Enqueue(const std::string& key);
   void EnqueueWaiting();
+  // The models with a pod on `node` (changed: cordoned, say) are looked at again.
+  void EnqueueOnNode(const json& node);
   std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now);
   // What a pod's kubelet says of it while its containers are being created: why its volumes
   // cannot be mounted (its latest FailedMount), and whether an image pull is under way (a

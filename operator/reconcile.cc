@@ -333,6 +333,7 @@ Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool cr
     stages.insert(p->stage);
     if (p->revision != m.revision || p->stage >= P) o.outdated = true;
     if (p->node.empty()) o.unbound = true;
+    if (p->node_cordoned && o.cordoned.empty()) o.cordoned = p->node;
     if (o.failure.empty() && !p->failure.empty()) o.failure = p->failure;
     if (o.stuck.empty() && !p->stuck.empty()) o.stuck = p->stuck;
     if (!p->ready && !p->startup.empty()) {
@@ -429,6 +430,17 @@ Verdict Judge(const Observed& o, ReplicaState r, const ModelView& m, absl::Time 
       v.events.push_back(
           {"Normal", "RollingReplica",
            absl::StrCat("replacing replica ", index, " (not serving) with revision ", m.revision)});
+      v.delete_live = true;
+    }
+  } else if (!o.cordoned.empty() && o.failure.empty()) {
+    r.phase = o.ready ? ReplicaPhase::kReady : ReplicaPhase::kStarting;
+    r.message = absl::StrCat("on cordoned node ", o.cordoned, "; to be moved");
+    if (o.ready) {
+      v.cordoned_serving = true;
+    } else {
+      v.events.push_back({"Normal", "MovingReplica",
+                          absl::StrCat("moving replica ", index, " (not serving) off cordoned node ",
+                                       o.cordoned)});
       v.delete_live = true;
     }
   } else if (!o.failure.empty()) {
@@ -540,6 +552,7 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
 
   int64_t serving = 0;
   std::vector<int64_t> outdated_serving;
+  std::set<int64_t> cordoned;  // among them, those on a cordoned node (moved, not rolled)
   for (auto& [index, o] : obs) {
     if (index >= reach.limit || (index >= N && o.outdated)) {
       if (!o.live.empty()) {
@@ -554,7 +567,8 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
     if (v.place) d.place.push_back(index);
     for (int64_t s : v.create_stages) d.creates.push_back({index, s, v.state.nodes});
     if (v.state.phase == ReplicaPhase::kReady) ++serving;
-    if (v.outdated_serving) outdated_serving.push_back(index);
+    if (v.outdated_serving || v.cordoned_serving) outdated_serving.push_back(index);
+    if (v.cordoned_serving) cordoned.insert(index);
     d.restarts += v.restart ? 1 : 0;
     d.replans += v.replan ? 1 : 0;
     d.requeue_after = std::min(d.requeue_after, v.requeue_after);
@@ -562,15 +576,23 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
     d.replicas.push_back(std::move(v.state));
   }
 
-  // Serving outdated replicas go one at a time (highest index first) within maxUnavailable.
+  // Serving outdated replicas, and serving ones on cordoned nodes, go one at a time (highest
+  // index first) within maxUnavailable.
   for (int64_t index : decide::ToReplace(outdated_serving, serving, std::max<int64_t>(0, N - U))) {
     --serving;
-    d.events.push_back({"Normal", "RollingReplica",
-                        absl::StrCat("replacing replica ", index, " with revision ", m.revision,
-                                     " (", serving, " of ", N, " replicas serving meanwhile)")});
+    const bool move = cordoned.count(index) > 0;
+    d.events.push_back(
+        {"Normal", move ? "MovingReplica" : "RollingReplica",
+         absl::StrCat(move ? absl::StrCat("moving replica ", index, " off cordoned node ",
+                                          obs[index].cordoned)
+                           : absl::StrCat("replacing replica ", index, " with revision ",
+                                          m.revision),
+                      " (", serving, " of ", N, " replicas serving meanwhile)")});
     DeleteLive(obs[index], d);
     for (ReplicaState& r : d.replicas) {
-      if (r.index == index) r.message = absl::StrCat("being replaced by revision ", m.revision);
+      if (r.index != index) continue;
+      r.message = move ? absl::StrCat("being moved off cordoned node ", obs[index].cordoned)
+                       : absl::StrCat("being replaced by revision ", m.revision);
     }
   }
 

@@ -27,6 +27,11 @@
 //     ready. An index is placed again only once all its old pods are gone, so without surge the
 //     rollout never needs more GPUs than the model holds. A newer change supersedes: anything not
 //     at the newest revision is outdated.
+//   - Drain: a replica with a pod on a cordoned node (spec.unschedulable, as `kubectl drain` or
+//     `cordon` leaves it) is moved as an outdated one is: at once when it serves nothing, else
+//     one at a time within maxUnavailable (its router moves its streams to the others: request
+//     migration); placement leaves the node out. The PodDisruptionBudgets keep evictions from
+//     taking a serving replica apart meanwhile.
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -50,7 +55,8 @@ struct PodView {
   bool deleting = false;               // metadata.deletionTimestamp set
   bool unschedulable = false;          // PodScheduled=False, reason Unschedulable
   std::string unschedulable_message;
-  bool started = false;   // has run: phase past Pending
+  bool node_cordoned = false;  // bound to a node marked unschedulable (cordoned, drained)
+  bool started = false;        // has run: phase past Pending
   int64_t restarts = 0;   // container restarts
   std::string failure;    // why it failed ("" while it has not)
   std::string stuck;      // why it cannot start (its image, a volume), "" when nothing holds it
@@ -181,6 +187,7 @@ struct Observed {
   std::vector<int64_t> missing;      // stages without a live pod
   bool unbound = false;              // a live pod not yet bound to its node
   bool started = false;              // a pod of it has run
+  std::string cordoned;              // the cordoned node a live pod of it runs on
 };
 // `creating`: the last status had the replica Placing, so stages missing without a trace of
 // deletion are an interrupted creation, not a failure. `requeue` is lowered to when the pods
@@ -203,6 +210,7 @@ struct Verdict {
   bool place = false;                  // plan and create it
   std::vector<int64_t> create_stages;  // complete an interrupted creation on its plan
   bool outdated_serving = false;       // serves at an older revision: ToReplace decides
+  bool cordoned_serving = false;       // serves on a cordoned node: ToReplace decides
   bool restart = false;                // recreated after a failure
   bool replan = false;                 // re-planned after staying unschedulable
   std::vector<Event> events;

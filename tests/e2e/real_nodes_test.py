@@ -32,13 +32,14 @@ the roll, leader failover) are printed as `figure:` lines.
 
 Without --helm, then: a disaggregated model (its prefill role a ShardedModel of its own) through
 its routers, its prefill leader killed under load; a model with two LoRA adapters (spec.adapters)
-answering through its routers as shardserve local does; models from where they live (tests/e2e/sources.py): s3://, hf:// and
+answering through its routers as shardserve local does; 16 streams through a kill -9, a pod
+deleted and a node drained, none failing or changing (request migration); models from where they live (tests/e2e/sources.py): s3://, hf:// and
 oci:// on real servers, each node's cache, Downloading in status, corruption refused by name.
 
 usage: real_nodes_test.py path/to/shardserve path/to/shardserve-operator
-       [--helm | --sources-only | --disaggregated-only | --adapters-only]
-(--sources-only, --disaggregated-only, --adapters-only: the set-up and that flow alone, for
-working on it)"""
+       [--helm | --sources-only | --disaggregated-only | --adapters-only | --faults-only]
+(--sources-only, --disaggregated-only, --adapters-only, --faults-only: the set-up and that flow
+alone, for working on it)"""
 import base64
 import http.client
 import json
@@ -59,8 +60,8 @@ from checks import Checks, metric, wait_until  # noqa: E402
 from cluster import ROOT, Cluster, Operator  # noqa: E402
 from deployment import Deployment, gen_model  # noqa: E402
 import sources  # noqa: E402
-from realnodes import (ClientLoop, HeldRegistry, Models, container_pid, figure,  # noqa: E402
-                       helm_install, lease_holder as chart_lease_holder, manifest,
+from realnodes import (ClientLoop, HeldRegistry, Models, StreamSet, container_pid,  # noqa: E402
+                       figure, helm_install, lease_holder as chart_lease_holder, manifest,
                        operator_pods as chart_operator_pods, rank_pid, readable_models)
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
@@ -68,6 +69,7 @@ HELM_MODE = "--helm" in sys.argv[3:]
 SOURCES_ONLY = "--sources-only" in sys.argv[3:]
 DISAGGREGATED_ONLY = "--disaggregated-only" in sys.argv[3:]
 ADAPTERS_ONLY = "--adapters-only" in sys.argv[3:]
+FAULTS_ONLY = "--faults-only" in sys.argv[3:]
 NS = "shardserve" if HELM_MODE else "default"  # the chart's operator watches its namespace
 RELEASE = "ss"
 NAME = "tiny"
@@ -786,6 +788,92 @@ def adapters():
     check(wait_until(lambda: not model_pods("lora"), 120), "lora: deleted")
 
 
+def faults():
+    """6d. No answer lost to a fault (issue 55): a model of two replicas (TP 2 x PP 2) through its
+    routers, 16 clients streaming one completion after another (greedy and seeded). A rank
+    killed (kill -9), a leader pod deleted, then a node drained (`kubectl drain`: the operator
+    moves the replica off the cordoned node): every stream ends with [DONE] and no error, each
+    client's answers all equal its first (undisturbed) one; the routers count the migrations."""
+    name = "faults"
+    apply(manifest(name, f"hostpath://{model_dir}", replicas=2, max_batch=16))
+    check(wait_until(lambda: ready(name, 2), 300), f"{name}: two replicas Ready")
+    check(wait_until(lambda: c.get("service", name)["spec"]["selector"].get(
+        "shardserve.io/role") == "router", 180), f"{name}: its Service goes to its routers")
+    host = service_ip(name)
+
+    def relayed():  # kube-proxy sends the Service's requests to the routers, not the leaders
+        conn = http.client.HTTPConnection(host, 8000, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": name, "prompt": "y", "max_tokens": 1}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return r.status == 200 and r.getheader("x-shardserve-replica") is not None
+    check(wait_until(lambda: all(relayed() for _ in range(4)), 60),
+          f"{name}: the Service's requests reach the routers")
+    streams = StreamSet(m, name, n=16)
+    check(streams.wait_references(180), f"{name}: 16 clients have their undisturbed answers")
+
+    def restarted(index, before):
+        return lambda: replica(name, index).get("restarts", 0) > before and ready(name, 2)
+    # A rank killed: its replica fails and is recreated; its streams go on on the other.
+    t0 = time.monotonic()
+    pid = rank_pid(f"{name}-0-1", 1)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+    check(pid is not None and wait_until(restarted(0, 0), 240),
+          f"{name}: kill -9 of a rank: replica 0 recreated and Ready")
+    figure("faults: kill -9 of a rank -> replica Ready again, streams going on",
+           time.monotonic() - t0)
+    time.sleep(3)
+    # A leader's pod deleted: it drains, the routers hand its streams to the other replica.
+    t0 = time.monotonic()
+    c.kubectl("delete", "pod", f"{name}-1-0", "--wait=false", check=True)
+    check(wait_until(restarted(1, 0), 240), f"{name}: a deleted leader pod: replica 1 recreated")
+    figure("faults: leader pod deleted -> replica Ready again", time.monotonic() - t0)
+    time.sleep(3)
+    # A node drained: cordoned, the operator moves the replica with a pod there (the other
+    # serving), and the drain evicts what else runs there (a router among them).
+    node = c.get("pod", f"{name}-0-0")["spec"]["nodeName"]
+    t0 = time.monotonic()
+    code, out, err = c.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data",
+                               "--force", "--timeout=300s")
+    check(code == 0, f"{name}: kubectl drain {node} completes ({(out + err)[-400:]})")
+    on_node = lambda: [p["metadata"]["name"] for p in model_pods(name)
+                       if p["spec"].get("nodeName") == node]
+    check(wait_until(lambda: ready(name, 2) and not on_node(), 300),
+          f"{name}: both replicas Ready again, none on the drained node ({on_node()})")
+    figure("faults: kubectl drain -> both replicas Ready off the node", time.monotonic() - t0)
+    events = c.kubectl("get", "events", "--field-selector", "reason=MovingReplica")[1]
+    check("moving replica" in events, f"{name}: the operator said it moved the replica "
+                                      f"({events.strip()[-300:]})")
+    time.sleep(3)
+    streams.stop()
+    c.kubectl("uncordon", node, check=True)
+    print(f"figure: faults: {streams.done} streams of 16 clients, {len(streams.errors)} errors, "
+          f"{len(streams.differ)} answers that differ from the undisturbed ones", flush=True)
+    check(not streams.errors and streams.done > 32,
+          f"{name}: no client saw an error through the kill, the delete and the drain "
+          f"({streams.done} streams; {streams.errors[:3]})")
+    check(not streams.differ,
+          f"{name}: every answer equals the client's undisturbed one (greedy and seeded; "
+          f"{streams.differ[:3]})")
+    moved = {}
+    for p in c.get("pods", "-l", f"shardserve.io/model={name},shardserve.io/role=router")["items"]:
+        conn = http.client.HTTPConnection(p["status"]["podIP"], 8000, timeout=10)
+        token = base64.b64decode(
+            c.get("secret", f"{name}-router-token")["data"]["token"]).decode()
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {token}"})
+        for x in re.finditer(r'^shardserve_router_migrations_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)',
+                             conn.getresponse().read().decode(), re.M):
+            moved[x.group(1)] = moved.get(x.group(1), 0) + float(x.group(2))
+        conn.close()
+    print(f"figure: faults: migrations by the routers now running: {moved}", flush=True)
+    c.kubectl("delete", "smodel", name, "--wait=true", "--timeout=120s")
+    check(wait_until(lambda: not model_pods(name), 120), f"{name}: deleted")
+
+
 try:
     if HELM_MODE:
         install_chart()
@@ -798,9 +886,11 @@ try:
         disaggregated()
     elif ADAPTERS_ONLY:
         adapters()
+    elif FAULTS_ONLY:
+        faults()
     elif not SOURCES_ONLY:
         flows()
-    if not HELM_MODE and not DISAGGREGATED_ONLY and not ADAPTERS_ONLY:
+    if not HELM_MODE and not DISAGGREGATED_ONLY and not ADAPTERS_ONLY and not FAULTS_ONLY:
         # --- 6. models from where they live (s3://, hf://, oci://): before the held pulls (after
         # them one node's containerd no longer resolved the worker image by its name) ----------
         if not SOURCES_ONLY:
@@ -808,6 +898,7 @@ try:
             check(wait_until(lambda: not model_pods(NAME), 120), f"{NAME}: deleted (GPUs)")
             disaggregated()
             adapters()
+            faults()
         servers = subprocess.run(["bash", os.path.join(ROOT, "scripts", "servers-build.sh")],
                                  capture_output=True, text=True, check=True).stdout.strip()
         sources.run(c, m, check, SHARDSERVE, servers, tmp, model_dir, NODE_CACHES, reference[0],

@@ -143,6 +143,80 @@ class ClientLoop:
         return self
 
 
+class StreamSet:
+    """`n` clients streaming completions of model `name` through its Service, each one stream
+    after another until stopped: even clients greedy, odd ones sampled with a seed of their
+    own, each with a prompt of its own. A client's first stream is its reference (started before
+    any fault: wait_references); every later one must equal it. Counts the streams, the errors
+    (a status but 200, a connection error, an error event, a stream without [DONE]) and the
+    answers that differ, keeping what each said."""
+
+    def __init__(self, models, name, n=16, max_tokens=160):
+        self.done, self.errors, self.differ = 0, [], []
+        self.refs = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        host = models.service_ip(name)
+        self.threads = [threading.Thread(target=self._run, args=(models, host, name, i, max_tokens),
+                                         daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, models, host, name, i, max_tokens):
+        body = {"model": name, "prompt": f"client {i} asks: " + "tell me more. " * (4 + i % 5),
+                "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                "temperature": 0 if i % 2 == 0 else 0.8, **({"seed": 1000 + i} if i % 2 else {})}
+        while not self.stopping.is_set():
+            err, text = None, ""
+            try:
+                conn = http.client.HTTPConnection(host, 8000, timeout=120)
+                conn.request("POST", "/v1/completions", body=json.dumps(body),
+                             headers={"Content-Type": "application/json",
+                                      "Authorization": f"Bearer {models.key}"})
+                r = conn.getresponse()
+                raw = r.read().decode(errors="replace")
+                conn.close()
+                if r.status != 200:
+                    err = f"{r.status}: {raw[:200]}"
+                else:
+                    for event in raw.split("\n\n"):
+                        if not event.startswith("data: {"):
+                            continue
+                        e = json.loads(event[6:])
+                        if "error" in e:
+                            err = f"error event: {event[:200]}"
+                            break
+                        text += "".join(ch.get("text", "") for ch in e.get("choices", []))
+                    if err is None and "data: [DONE]" not in raw:
+                        err = f"no [DONE]: {raw[-200:]}"
+            except (OSError, ValueError) as e:
+                err = f"connection: {e}"
+            with self.lock:
+                if err is not None:
+                    self.errors.append(f"client {i}: {err}")
+                    continue
+                self.done += 1
+                if i not in self.refs:
+                    self.refs[i] = text
+                elif self.refs[i] != text:
+                    self.differ.append(f"client {i}: {text[:60]!r} vs {self.refs[i][:60]!r}")
+
+    def wait_references(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if len(self.refs) == len(self.threads):
+                    return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self):
+        self.stopping.set()
+        for t in self.threads:
+            t.join(180)
+        return self
+
+
 def container_pid(pod, exe, argv1=None, env=None):
     """The host pid of the process running `exe` (argv[0] ends with it; argv[1] == argv1 when
     given) in `pod`'s container (HOSTNAME is the pod's name), with the environment `env`."""

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "model/footprint.h"
 
 namespace shardserve::op {
@@ -88,6 +89,10 @@ class PodBuilder {
     p_.unschedulable = unschedulable;
     p_.unschedulable_message = "0/2 nodes are available";
     p_.created = kNow - age;
+    return *this;
+  }
+  PodBuilder& Cordoned() {
+    p_.node_cordoned = true;
     return *this;
   }
   PodBuilder& Owner(const std::string& uid) {
@@ -287,6 +292,34 @@ TEST(Decide, RolloutTakesDownOneServingReplicaAtATimeHighestFirst) {
   for (const PodView& p : Replica(m, 2)) pods.push_back(p);
   d = Decide(m, pods, json::object(), kNow, {});
   EXPECT_EQ(Deleted(d), (std::vector<std::string>{"m-1-1", "m-1-0"}));
+}
+
+// A node drained (cordoned): the serving replicas with a pod there move one at a time within
+// maxUnavailable (highest first), saying why; one that serves nothing goes at once.
+TEST(Decide, ReplicasOnACordonedNodeMoveOneAtATime) {
+  const ModelView m = ModelBuilder().Replicas(3).Build();
+  std::vector<PodView> pods = {PodBuilder(m, 0, 0), PodBuilder(m, 0, 1).Cordoned(),
+                               PodBuilder(m, 1, 0), PodBuilder(m, 1, 1).Cordoned(),
+                               PodBuilder(m, 2, 0), PodBuilder(m, 2, 1)};
+  Decision d = Decide(m, pods, json::object(), kNow, {});
+  EXPECT_EQ(Deleted(d), (std::vector<std::string>{"m-1-1", "m-1-0"}));
+  EXPECT_TRUE(absl::StrContains(State(d, 1).message, "being moved off cordoned node n1"))
+      << State(d, 1).message;
+  EXPECT_TRUE(absl::StrContains(State(d, 0).message, "on cordoned node n1; to be moved"))
+      << State(d, 0).message;
+  ASSERT_FALSE(d.events.empty());
+  EXPECT_EQ(d.events.back().reason, "MovingReplica");
+  EXPECT_TRUE(absl::StrContains(d.events.back().message, "2 of 3 replicas serving meanwhile"))
+      << d.events.back().message;
+  // Replica 1 being replaced (not ready): replica 0 waits.
+  pods[2] = PodBuilder(m, 1, 0).NotReady();
+  pods[3] = PodBuilder(m, 1, 1).NotReady();
+  d = Decide(m, pods, json::object(), kNow, {});
+  EXPECT_TRUE(d.deletes.empty());
+  // A replica on the node that serves nothing goes at once.
+  pods[0] = PodBuilder(m, 0, 0).NotReady();
+  d = Decide(m, pods, json::object(), kNow, {});
+  EXPECT_EQ(Deleted(d), (std::vector<std::string>{"m-0-1", "m-0-0"}));
 }
 
 TEST(Decide, OutdatedReplicasThatServeNothingGoAtOnce) {
