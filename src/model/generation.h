@@ -44,6 +44,13 @@ struct GenerationRequest {
   // the base model. Its cache_salt names the adapter, so that no KV block computed under one
   // adapter is shared with another.
   int64_t adapter = -1;
+  // Flow control (serve/flow_control.h): vLLM's priority (lower runs first, and is preempted
+  // last under memory pressure); the tenant (its API key's) and its weight: within a priority,
+  // the batch is shared between tenants in proportion to their weights. An empty tenant: the
+  // request is a tenant of its own.
+  int64_t priority = 0;
+  std::string tenant;
+  double weight = 1.0;
   // Request migration: the output another replica produced before it failed (the client has
   // it). The sequence goes on after it, its prompt and these tokens computed here, its sampler
   // past their draws, its constraint past them; they count toward max_tokens and the penalties

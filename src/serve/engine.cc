@@ -534,32 +534,66 @@ void Engine::Preempt(Sequence* s) {
   waiting_.push_front(std::move(owned));
 }
 
+std::string Engine::FairUnit(const Sequence& s) {
+  return s.request.tenant.empty() ? absl::StrCat("#", s.group) : s.request.tenant;
+}
+
 void Engine::MakeRoomForWaitingRequests() {
   while (static_cast<int>(running_.size()) >= options_.max_batch) {
-    absl::flat_hash_map<int64_t, int> held;  // running sequences by request
-    for (const auto& s : running_) ++held[s->group];
-    absl::flat_hash_set<int64_t> waiting;  // requests with a sequence waiting
+    // A more urgent request waiting: the newest sequence of the least urgent running one that
+    // can leave now (not in a step in flight) makes room for it.
+    int64_t urgent = std::numeric_limits<int64_t>::max();
+    absl::flat_hash_map<std::string, double> weight;  // fair units (tenants) waiting or running
+    absl::flat_hash_set<std::string> waiting;         // units with a sequence waiting
     {
       absl::MutexLock lock(&mu_);
-      for (const auto& s : waiting_) waiting.insert(s->group);
+      for (const auto& s : waiting_) {
+        urgent = std::min(urgent, s->request.priority);
+        waiting.insert(FairUnit(*s));
+        weight[FairUnit(*s)] = s->request.weight;
+      }
     }
-    size_t requests = held.size();
-    for (int64_t g : waiting) requests += held.contains(g) ? 0 : 1;
-    const int share = std::max<int>(1, options_.max_batch / static_cast<int>(requests));
-    // A request below its share waits: the batch is not shared fairly.
-    if (std::none_of(waiting.begin(), waiting.end(), [&](int64_t g) {
-          auto it = held.find(g);
-          return it == held.end() || it->second < share;
+    Sequence* victim = nullptr;
+    for (const auto& s : running_) {
+      if (s->request.priority <= urgent || mbs_[s->mb].in_flight) continue;
+      if (victim == nullptr || s->request.priority > victim->request.priority ||
+          (s->request.priority == victim->request.priority && s->admitted > victim->admitted)) {
+        victim = s.get();
+      }
+    }
+    if (victim != nullptr) {
+      Preempt(victim);
+      continue;
+    }
+    // Fair sharing between the units of the most urgent priority: each to its weight's share of
+    // the batch. A unit below its share waits: the newest sequence of the unit most over its
+    // share gives up its slot.
+    absl::flat_hash_map<std::string, int> held;  // running sequences by unit
+    for (const auto& s : running_) {
+      if (s->request.priority != urgent) continue;
+      ++held[FairUnit(*s)];
+      weight[FairUnit(*s)] = s->request.weight;
+    }
+    double total = 0;
+    for (const auto& [unit, w] : weight) total += w;
+    auto share = [&](const std::string& unit) {
+      return std::max(1.0, options_.max_batch * weight[unit] / total);
+    };
+    if (std::none_of(waiting.begin(), waiting.end(), [&](const std::string& u) {
+          auto it = held.find(u);
+          return it == held.end() || it->second + 1 <= share(u);
         })) {
       return;
     }
-    // The newest sequence of the request holding the most slots, if that is over its share and
-    // the sequence can leave now (not in a step in flight).
-    Sequence* victim = nullptr;
     for (const auto& s : running_) {
-      if (held[s->group] <= share || mbs_[s->mb].in_flight) continue;
-      if (victim == nullptr || held[s->group] > held[victim->group] ||
-          (held[s->group] == held[victim->group] && s->admitted > victim->admitted)) {
+      const std::string unit = FairUnit(*s);
+      if (s->request.priority != urgent || held[unit] <= share(unit) || mbs_[s->mb].in_flight) {
+        continue;
+      }
+      const std::string vunit = victim ? FairUnit(*victim) : "";
+      const double over = held[unit] / share(unit);
+      const double vover = victim ? held[vunit] / share(vunit) : 0;
+      if (victim == nullptr || over > vover || (over == vover && s->admitted > victim->admitted)) {
         victim = s.get();
       }
     }
@@ -586,10 +620,12 @@ StepDesc Engine::BuildStep(int mb) {
   PlaceWaitingAdapters();
   MakeRoomForWaitingRequests();
   int64_t admitted_order = 0;
-  absl::flat_hash_map<int64_t, int> held;  // running sequences by request
+  absl::flat_hash_map<int64_t, int> held;            // running sequences by request
+  absl::flat_hash_map<std::string, int> held_units;  // and by fair unit (tenant)
   for (const auto& s : running_) {
     admitted_order = std::max(admitted_order, s->admitted);
     ++held[s->group];
+    ++held_units[FairUnit(*s)];
   }
   {
     absl::MutexLock lock(&mu_);
@@ -597,15 +633,23 @@ StepDesc Engine::BuildStep(int mb) {
     const size_t share = (running_.size() + waiting_.size() + m - 1) / m;
     while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_batch &&
            batch.seqs.size() < share) {
-      // Next: the waiting sequence of the request with the fewest running, first in line among
-      // equals (a preempted sequence is first in line).
+      // Next: the most urgent waiting sequence; among equals, that of the tenant with the
+      // fewest running per weight, then of the request with the fewest running, first in line
+      // among equals (a preempted sequence is first in line).
       // A sequence whose adapter has no slot yet waits for it; the others pass it.
       size_t next = waiting_.size();
+      auto before = [&](const Sequence& a, const Sequence& b) {
+        if (a.request.priority != b.request.priority) {
+          return a.request.priority < b.request.priority;
+        }
+        const double ua = held_units[FairUnit(a)] / a.request.weight;
+        const double ub = held_units[FairUnit(b)] / b.request.weight;
+        if (ua != ub) return ua < ub;
+        return held[a.group] < held[b.group];
+      };
       for (size_t i = 0; i < waiting_.size(); ++i) {
         if (!AdapterReady(waiting_[i].get())) continue;
-        if (next == waiting_.size() || held[waiting_[i]->group] < held[waiting_[next]->group]) {
-          next = i;
-        }
+        if (next == waiting_.size() || before(*waiting_[i], *waiting_[next])) next = i;
       }
       if (next == waiting_.size()) break;
       Sequence* s = waiting_[next].get();
@@ -633,6 +677,7 @@ StepDesc Engine::BuildStep(int mb) {
       s->mb = mb;
       s->admitted = ++admitted_order;
       ++held[s->group];
+      ++held_units[FairUnit(*s)];
       batch.seqs.push_back(s);
       running_.push_back(std::move(waiting_[next]));
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(next));
@@ -647,12 +692,17 @@ StepDesc Engine::BuildStep(int mb) {
   auto blocks_for = [&](int64_t positions) {
     return (positions + options_.kv_block_size - 1) / options_.kv_block_size;
   };
-  // The newest sequence that holds cache and has no chunk in this step or in flight.
-  auto victim = [&]() -> Sequence* {
+  // The least urgent, then newest, sequence that holds cache and has no chunk in this step or
+  // in flight, and is not more urgent than `for_s`.
+  auto victim = [&](const Sequence* for_s) -> Sequence* {
     Sequence* v = nullptr;
     for (const auto& s : running_) {
       if (s->in_step || s->table.empty() || mbs_[s->mb].in_flight) continue;
-      if (v == nullptr || s->admitted > v->admitted) v = s.get();
+      if (s->request.priority < for_s->request.priority) continue;
+      if (v == nullptr || s->request.priority > v->request.priority ||
+          (s->request.priority == v->request.priority && s->admitted > v->admitted)) {
+        v = s.get();
+      }
     }
     return v;
   };
@@ -671,7 +721,7 @@ StepDesc Engine::BuildStep(int mb) {
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
     while (blocks_for(s->fed + n) - static_cast<int64_t>(s->table.size()) > pool_.available()) {
-      Sequence* v = victim();
+      Sequence* v = victim(s);
       if (v == nullptr) {
         fits = false;
         break;

@@ -227,6 +227,8 @@ class Engine {
   // Preempts sequences of requests over their share of the batch while a request waits with
   // nothing running, and gives the next free slot to the least served request.
   void MakeRoomForWaitingRequests();
+  // Who shares the batch fairly: the sequence's tenant, or its request when it has none.
+  static std::string FairUnit(const Sequence& s);
   // Builds the next step of micro-batch `mb`: drops cancelled sequences, admits waiting ones,
   // feeds chunks within the token and cache budgets, preempting when the cache is full.
   StepDesc BuildStep(int mb);

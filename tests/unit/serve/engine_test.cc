@@ -387,7 +387,7 @@ TEST_F(EngineTest, AResumedSequenceGoesOnAsTheUninterruptedOne) {
   r.resumed.assign(16, 5);
   EXPECT_THAT(std::string(engine.Submit(r).status().message()),
               ::testing::HasSubstr("16 tokens of its max_tokens 16"));
-  r.resumed = {5, model_->config().vocab_size};
+  r.resumed = {5, static_cast<int32_t>(model_->config().vocab_size)};
   EXPECT_THAT(std::string(engine.Submit(r).status().message()),
               ::testing::HasSubstr("resumed token id"));
 }
@@ -596,6 +596,137 @@ TEST_F(EngineTest, RequestsJoinARunningBatchAndCancelFreesTheirCache) {
   EXPECT_GT(exec.releases_, before) << "a cancelled sequence's cache must be released";
   engine.Shutdown();
   loop.join();
+}
+
+// Flow control in the batch: streams of `requests` submitted to a running engine in order (each
+// once the previous ones run, `wait_running` of them), drained on threads; the order in which
+// they finished.
+std::vector<int> FinishOrder(Engine& engine, const std::vector<GenerationRequest>& requests,
+                             size_t wait_running) {
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  std::vector<std::thread> drains;
+  absl::Mutex mu;
+  std::vector<int> order;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto s = engine.Submit(requests[i]);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    streams.push_back(*s);
+    if (i + 1 == wait_running) {  // the first ones hold the batch before the others come
+      for (int k = 0; k < 2000 && engine.running() < static_cast<int>(wait_running); ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    drains.emplace_back([&, i] {
+      Drain(*streams[i]);
+      absl::MutexLock lock(&mu);
+      order.push_back(static_cast<int>(i));
+    });
+  }
+  for (std::thread& t : drains) t.join();
+  return order;
+}
+
+// A more urgent request (a lower vLLM priority) arriving at a full batch takes the slot of the
+// least urgent running sequence (preempted, resumed later with the same tokens) and finishes
+// first; the less urgent ones' answers are unchanged.
+TEST_F(EngineTest, AMoreUrgentRequestPreemptsTheLeastUrgent) {
+  const std::vector<GenerationResult> want = Reference();
+  LocalExecutor exec(model_.get(), 4096);
+  EngineOptions o = exec.Options();
+  o.max_batch = 2;
+  Engine engine(&exec, o);
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  std::vector<GenerationRequest> reqs = {requests_[0], requests_[1], requests_[2]};
+  reqs[0].params.max_tokens = reqs[1].params.max_tokens = 200;
+  reqs[0].priority = 5;
+  reqs[1].priority = 3;
+  reqs[2].priority = 0;
+  const std::vector<int> order = FinishOrder(engine, reqs, 2);
+  ASSERT_EQ(order.size(), 3u);
+  EXPECT_EQ(order[0], 2) << "the urgent request waited for a slot";
+  EXPECT_GT(exec.resumed_, 0) << "the least urgent sequence was meant to give up its slot";
+  engine.Shutdown();
+  loop.join();
+  // Submitted before the engine runs, with one slot: by priority, then in order.
+  LocalExecutor exec2(model_.get(), 4096);
+  o = exec2.Options();
+  o.max_batch = 1;
+  o.exit_when_idle = true;
+  Engine engine2(&exec2, o);
+  std::vector<GenerationRequest> queued = {requests_[0], requests_[1], requests_[2]};
+  queued[0].priority = queued[1].priority = 2;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& r : queued) streams.push_back(*engine2.Submit(r));
+  std::vector<int> done;
+  std::thread run([&] { ASSERT_TRUE(engine2.Run().ok()); });
+  for (int i : {2, 0, 1}) {
+    EXPECT_EQ(Drain(*streams[i]).tokens, want[i].tokens) << "request " << i;
+    done.push_back(i);
+  }
+  run.join();
+}
+
+// Weighted fair sharing between tenants: one tenant's flood holds the batch; another tenant's
+// request takes a slot at once (the flood's newest sequence preempted) and finishes before the
+// flood does. With weights 3 : 1 the batch of 4 is shared 3 : 1 while both wait.
+TEST_F(EngineTest, TenantsShareTheBatchByWeight) {
+  LocalExecutor exec(model_.get(), 4096);
+  EngineOptions o = exec.Options();
+  o.max_batch = 4;
+  Engine engine(&exec, o);
+  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r = requests_[i % requests_.size()];
+    r.params.max_tokens = 150;
+    r.tenant = "flood";
+    reqs.push_back(r);
+  }
+  GenerationRequest other = requests_[1];
+  other.params.max_tokens = 20;
+  other.tenant = "other";
+  reqs.push_back(other);
+  const std::vector<int> order = FinishOrder(engine, reqs, 4);
+  ASSERT_EQ(order.size(), 7u);
+  EXPECT_EQ(order[0], 6) << "the other tenant's request waited behind the flood";
+  engine.Shutdown();
+  loop.join();
+
+  // Weights: a flood of each, queued together; while both wait, the 4 slots go 3 : 1.
+  LocalExecutor exec2(model_.get(), 4096);
+  o = exec2.Options();
+  o.max_batch = 4;
+  Engine engine2(&exec2, o);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 8; ++i) {
+    GenerationRequest r = requests_[i % requests_.size()];
+    r.params.max_tokens = 100;
+    r.tenant = i % 2 ? "heavy" : "light";
+    r.weight = i % 2 ? 3.0 : 1.0;
+    streams.push_back(*engine2.Submit(r));
+  }
+  std::thread loop2([&] { ASSERT_TRUE(engine2.Run().ok()); });
+  // The order of the first tokens: the first 4 are the first admitted.
+  absl::Mutex mu;
+  std::vector<int> first;
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 8; ++i) {
+    readers.emplace_back([&, i] {
+      while (streams[i]->Next(std::chrono::seconds(10)).tokens.empty()) {
+      }
+      absl::MutexLock lock(&mu);
+      first.push_back(i);
+    });
+  }
+  for (std::thread& t : readers) t.join();
+  const int heavy = static_cast<int>(
+      std::count_if(first.begin(), first.begin() + 4, [](int i) { return i % 2 == 1; }));
+  EXPECT_EQ(heavy, 3) << "of the first 4 admitted";
+  engine2.Shutdown();
+  loop2.join();
 }
 
 TEST_F(EngineTest, ShutdownDrainsTheRequestsItHas) {
