@@ -21,6 +21,15 @@ constexpr char kModelMount[] = "/models";
 constexpr char kCacheMount[] = "/var/lib/shardserve/models";  // the node's cache, in a fetch step
 constexpr char kFetchMount[] = "/var/run/shardserve/fetch";
 constexpr char kAdminKeysMount[] = "/var/run/shardserve/admin-keys";
+constexpr char kFlowControlMount[] = "/var/run/shardserve/flow-control";
+
+bool HasFlowControl(const ShardedModelSpec& s) {
+  return !s.flow_control_config_map.empty() || !s.flow_control_secret.empty();
+}
+
+std::string FlowControlFile(const ShardedModelSpec& s) {
+  return HasFlowControl(s) ? absl::StrCat(kFlowControlMount, "/", s.flow_control_key) : "";
+}
 constexpr char kCredentialsMount[] = "/var/run/shardserve/model-credentials";
 
 uint64_t Fnv(const std::string& s) {
@@ -285,6 +294,16 @@ void AddLeaderSecrets(const ModelView& m, json& volumes, json& mounts) {
     volumes.push_back({{"name", "api-keys"},
                        {"secret", {{"secretName", s.api_key_secret}, {"defaultMode", 0440}}}});
     mounts.push_back({{"name", "api-keys"}, {"mountPath", kApiKeysMount}, {"readOnly", true}});
+  }
+  if (HasFlowControl(s)) {  // tenants' classes and limits, read again when they change
+    json source =
+        s.flow_control_secret.empty()
+            ? json{{"configMap", {{"name", s.flow_control_config_map}}}}
+            : json{{"secret", {{"secretName", s.flow_control_secret}, {"defaultMode", 0440}}}};
+    source["name"] = "flow-control";
+    volumes.push_back(std::move(source));
+    mounts.push_back(
+        {{"name", "flow-control"}, {"mountPath", kFlowControlMount}, {"readOnly", true}});
   }
   if (!s.lora_admin_key_secret.empty()) {  // who may load adapters at runtime
     volumes.push_back(
@@ -551,6 +570,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   if (leader && !s.api_key_secret.empty()) w.api_keys_file = kApiKeysMount;
   if (leader && !s.lora_admin_key_secret.empty()) w.admin_keys_file = kAdminKeysMount;
   if (leader) w.router_token_file = absl::StrCat(kRouterTokenMount, "/token");
+  if (leader) w.flow_control_file = FlowControlFile(s);
   json env = json::array();
   for (const auto& [k, v] : w.ToEnv()) env.push_back({{"name", k}, {"value", v}});
   // The rendezvous and the mesh listen on the pod's own address only.
@@ -799,6 +819,8 @@ json BuildRouterDeployment(const ModelView& m) {
     r.disaggregate_min_tokens = d->min_prompt_tokens;
   }
   if (!s.api_key_secret.empty()) r.api_keys_file = kApiKeysMount;
+  r.flow_control_file = FlowControlFile(s);
+  r.flow_share = kRouterPods;  // kube-proxy spreads a key's requests over them
   ApplyServing(s, r);
   json env = json::array();
   for (const auto& [k, v] : r.ToEnv()) env.push_back({{"name", k}, {"value", v}});

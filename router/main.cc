@@ -10,7 +10,9 @@
 //   --api-key-file FILE (SHARDSERVE_API_KEYS_FILE)  --leader-token-file FILE
 //   (SHARDSERVE_ROUTER_TOKEN_FILE)  --model-label NAME (SHARDSERVE_DEPLOYMENT)
 //   --special-tokens-as-text (SHARDSERVE_SPECIAL_TOKENS_IN_CONTENT=text); SHARDSERVE_MAX_BODY_BYTES
-//   and SHARDSERVE_PREFIX_CACHE_ISOLATION (none | perKey) as the leaders have them
+//   and SHARDSERVE_PREFIX_CACHE_ISOLATION (none | perKey) as the leaders have them;
+//   SHARDSERVE_FLOW_CONTROL_FILE as the leaders have it, SHARDSERVE_ROUTER_FLOW_SHARE (1): the
+//   model's routers, each enforcing 1/n of every limit
 //   --prefix-weight W --load-weight W --kv-weight W
 // Runs until SIGINT/SIGTERM, then finishes the requests in progress (up to 30 s).
 #include <signal.h>
@@ -74,6 +76,8 @@ absl::Status Run(int argc, char** argv) {
   o.trust_request_chat_template = env.trust_request_chat_template;
   // The leaders' body bound, so that what they refuse is refused here before it is tokenized.
   o.max_body_bytes = static_cast<size_t>(env.max_body_bytes);
+  o.flow_control_file = env.flow_control_file;
+  o.flow_share = env.flow_share;
   ASSIGN_OR_RETURN(o.weights.prefix, a.GetDouble("prefix-weight", o.weights.prefix));
   ASSIGN_OR_RETURN(o.weights.load, a.GetDouble("load-weight", o.weights.load));
   ASSIGN_OR_RETURN(o.weights.kv, a.GetDouble("kv-weight", o.weights.kv));

@@ -26,9 +26,11 @@ const StringVar kStrings[] = {
     {kApiKeysFileEnv, &RouterEnv::api_keys_file},
     {kRouterTokenFileEnv, &RouterEnv::token_file},
     {kChatTemplateEnv, &RouterEnv::chat_template},
+    {"SHARDSERVE_FLOW_CONTROL_FILE", &RouterEnv::flow_control_file},
 };
 const IntVar kInts[] = {
     {"SHARDSERVE_ROUTER_PORT", &RouterEnv::port, 0, 65535},
+    {"SHARDSERVE_ROUTER_FLOW_SHARE", &RouterEnv::flow_share, 1, 1024},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_MAX_BODY_BYTES", &RouterEnv::max_body_bytes, 1024, kIntMax},

@@ -30,6 +30,10 @@ struct RouterEnv {
   std::string api_key;               // the clients' keys, as the leaders have them
   std::string api_keys_file;
   std::string token_file;  // the router token: its proof to the leaders, and what reads /metrics
+  // Flow control (serve/flow_control.h): the config file, as the leaders have it, and the
+  // routers of the model (each enforces 1/n of every limit).
+  std::string flow_control_file;
+  int flow_share = 1;
   // As the leaders have them (WorkerEnv): a chat message's special-token strings as text; the
   // API key salting every block name; the body bound.
   bool special_tokens_as_text = false;

@@ -332,6 +332,12 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
   RETURN_IF_ERROR(serving.String("reasoningParser", s.reasoning_parser));
+  Fields flow(serving.Get("flowControl"), "spec.serving.flowControl");
+  RETURN_IF_ERROR(flow.CheckMap());
+  RETURN_IF_ERROR(flow.String("configMap", s.flow_control_config_map));
+  RETURN_IF_ERROR(flow.String("secret", s.flow_control_secret));
+  RETURN_IF_ERROR(flow.String("key", s.flow_control_key));
+  RETURN_IF_ERROR(flow.NoOthers());
   Fields chat_template(serving.Get("chatTemplate"), "spec.serving.chatTemplate");
   RETURN_IF_ERROR(chat_template.CheckMap());
   RETURN_IF_ERROR(chat_template.String("inline", s.chat_template_inline));
@@ -732,6 +738,24 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.apiKeySecret '", s.api_key_secret,
                                                    "' is not a valid Secret name (lower-case "
                                                    "letters, digits, '-' and '.', at most 253)"));
+  }
+  if (!s.flow_control_config_map.empty() && !s.flow_control_secret.empty()) {
+    return absl::InvalidArgumentError("spec.serving.flowControl: configMap or secret, not both");
+  }
+  for (const auto& [field, name] : {std::pair{"configMap", s.flow_control_config_map},
+                                    std::pair{"secret", s.flow_control_secret}}) {
+    if (!name.empty() && (name.size() > 253 || !std::regex_match(name, DnsSubdomain()))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.serving.flowControl.", field, " '", name,
+          "' is not a valid name (lower-case letters, digits, '-' and '.', at most 253)"));
+    }
+  }
+  if (s.flow_control_key.empty() || s.flow_control_key.size() > 253 ||
+      !std::regex_match(s.flow_control_key, std::regex("[-._a-zA-Z0-9]+")) ||
+      s.flow_control_key == "." || s.flow_control_key == "..") {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.flowControl.key '",
+                                                   s.flow_control_key,
+                                                   "' is not a valid ConfigMap or Secret key"));
   }
   return absl::OkStatus();
 }

@@ -99,6 +99,9 @@ struct ShardedModelSpec {
   // spec.serving.chatTemplate: a template replacing the model's, inline or a ConfigMap's key.
   std::string chat_template_inline;
   std::string chat_template_config_map, chat_template_key;
+  // spec.serving.flowControl (serve/flow_control.h): the ConfigMap or the Secret (one of them)
+  // whose entry `key` is the flow-control config, mounted on the leaders and routers.
+  std::string flow_control_config_map, flow_control_secret, flow_control_key = "flow.yaml";
   // spec.serving.trustRequestChatTemplate: a request may bring its own chat_template.
   bool trust_request_chat_template = false;
   bool prefix_caching = true;  // full KV blocks stay cached and are shared

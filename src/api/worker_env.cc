@@ -43,6 +43,7 @@ const StringVar kStrings[] = {
     {kApiKeyEnv, &WorkerEnv::api_key},
     {kApiKeysFileEnv, &WorkerEnv::api_keys_file},
     {kRouterTokenFileEnv, &WorkerEnv::router_token_file},
+    {"SHARDSERVE_FLOW_CONTROL_FILE", &WorkerEnv::flow_control_file},
     {kRequestEnv, &WorkerEnv::request},
     {"SHARDSERVE_RESULT_FILE", &WorkerEnv::result_file},
     {"SHARDSERVE_TOOL_CALL_PARSER", &WorkerEnv::tool_call_parser},

@@ -183,6 +183,9 @@ struct WorkerEnv {
   // The token a router proves to read the leader's KV events (GET /v1/kv-events), a keys file as
   // api_keys_file; unset: nobody reads them (an API key never does).
   std::string router_token_file;
+  // Flow control between tenants (serve/flow_control.h): the config file (spec.serving
+  // .flowControl, mounted); unset: every key alike, no limits.
+  std::string flow_control_file;
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the
   // result goes.
   std::string request;

@@ -36,6 +36,7 @@
 #include "plan/layer_split.h"
 #include "plan/memory.h"
 #include "serve/api_keys.h"
+#include "serve/flow_control.h"
 #include "serve/rank_runtime.h"
 #include "source/model_source.h"
 #include "tokenizer/tokenizer.h"
@@ -162,10 +163,11 @@ class FetchReportFile {
 }  // namespace
 
 absl::Status RunLocal(std::vector<std::string> argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
-                                       {"file", "port", "metrics-port-base", "threads",
-                                        "api-key-file", "router-token-file", "admin-key-file"},
-                                       {"no-router"}, "shardserve local", kLocalUsage));
+  ASSIGN_OR_RETURN(Args a,
+                   Args::Parse(argv,
+                               {"file", "port", "metrics-port-base", "threads", "api-key-file",
+                                "router-token-file", "admin-key-file", "flow-control-file"},
+                               {"no-router"}, "shardserve local", kLocalUsage));
   ASSIGN_OR_RETURN(std::string file, a.Require("file"));
   ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
   auto parsed = ParseShardedModel(text);
@@ -285,6 +287,10 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         "and the directory they are in (spec.lora.source)"));
   }
   if (!admin_key_file.empty()) RETURN_IF_ERROR(ApiKeys::Create("", admin_key_file).status());
+  // Flow control: the config a cluster mounts from spec.serving.flowControl's ConfigMap or
+  // Secret, from a file here (checked before any rank starts).
+  const std::string flow_file = a.GetOr("flow-control-file", "");
+  if (!flow_file.empty()) RETURN_IF_ERROR(FlowControl::Open(flow_file).status());
   if (spec.tensor_auto || spec.pipeline_auto) {
     // No GPU memory to weigh here: the smallest sizes that divide the model.
     auto footprint = LoadFootprint(uri.path);
@@ -439,6 +445,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         w.admin_keys_file = admin_key_file;
         w.lora_root = lora_root;
         w.router_token_file = router_token_file;  // "" without a router: nobody reads the events
+        w.flow_control_file = flow_file;
         const auto contract = w.ToEnv();
         env.insert(env.end(), contract.begin(), contract.end());
         stage_envs.push_back(std::move(env));
@@ -476,6 +483,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     r.token_file = router_token_file;
     r.deployment = m.name;
     r.api_keys_file = key_file;
+    r.flow_control_file = flow_file;
     ApplyServing(spec, r);
     const auto env = r.ToEnv();
     groups.push_back({"the router",

@@ -32,6 +32,7 @@
 #include "http/upstream.h"
 #include "model/config.h"
 #include "serve/api_keys.h"
+#include "serve/flow_control.h"
 #include "serve/kv_events.h"
 #include "serve/kv_handoff.h"
 #include "serve/openai.h"
@@ -134,8 +135,9 @@ struct Progress {
   uint64_t seed = 0;
   std::string id;  // the stream's, from its first event
   int64_t created = 0;
-  bool draining = false;  // the last leg ended because its replica drains
-  std::string why;        // why the last leg ended
+  bool draining = false;          // the last leg ended because its replica drains
+  int64_t completion_tokens = 0;  // a whole answer's usage (a stream's: its tokens)
+  std::string why;                // why the last leg ended
   // Nothing reached the client (the request is sent again), or a reported stream not finished.
   bool CanResume() const {
     return resumable &&
@@ -195,6 +197,7 @@ struct Router::Impl {
   std::unique_ptr<ApiKeys> keys;
   std::string leader_token;
   std::unique_ptr<ApiKeys> metrics_keys;  // the router token, for /metrics
+  std::unique_ptr<FlowControl> flow;
 
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::map<std::string, std::string> labels;
@@ -768,6 +771,30 @@ struct Router::Impl {
       ~Done() { --n; }
     } done{active};
     if (auto denied = Deny(req)) return ex.Respond(*std::move(denied));
+    // Flow control: the key's limits (its tenant's); without keys every request is one tenant.
+    const TenantClass tenant = flow->Tenant(keys != nullptr ? req.Header("authorization") : "");
+    if (generation) {
+      int64_t retry_after = 0;
+      if (absl::Status s = flow->Admit(tenant, &retry_after); !s.ok()) {
+        http::Response r = Error(429, std::string(s.message()), "rate_limit_error");
+        r.headers.emplace_back("Retry-After", absl::StrCat(std::max<int64_t>(1, retry_after)));
+        return ex.Respond(std::move(r));
+      }
+    }
+    // What the request's tokens count in its tenant's minute: its prompt's and what it got.
+    Progress p;
+    int64_t prompt_used = 0;
+    struct Count {
+      FlowControl& flow;
+      const TenantClass& tenant;
+      const Progress& p;
+      const int64_t& prompt;
+      ~Count() {
+        flow.Record(tenant,
+                    prompt + (p.completion_tokens > 0 ? p.completion_tokens
+                                                      : static_cast<int64_t>(p.tokens.size())));
+      }
+    } count{*flow, tenant, p, prompt_used};
     std::vector<std::shared_ptr<Replica>> reps, prefill_reps;
     for (auto& r : Snapshot()) (r->prefill ? prefill_reps : reps).push_back(std::move(r));
     if (reps.empty()) {
@@ -775,7 +802,8 @@ struct Router::Impl {
     }
     std::optional<Prompt> prompt;
     if (generation) {
-      if (auto p = PromptOf(req, chat, responses); p.ok()) prompt = *std::move(p);
+      if (auto built = PromptOf(req, chat, responses); built.ok()) prompt = *std::move(built);
+      if (prompt) prompt_used = static_cast<int64_t>(prompt->tokens.size());
     }
     http::Headers headers;
     for (const char* h : {"authorization", "content-type", "accept", "x-request-id"}) {
@@ -821,7 +849,6 @@ struct Router::Impl {
     // Each replica in the ranking's order at most once: the next when one refuses the
     // connection or answers 503 before doing anything, or when the answer breaks off and the
     // request can go on elsewhere (request migration: Progress).
-    Progress p;
     std::string last_error = "no replica is known";
     for (size_t k = 0; k < rank.order.size(); ++k) {
       Replica& r = *reps[rank.order[k]];
@@ -1024,6 +1051,14 @@ struct Router::Impl {
           p.why = absl::StrCat(address, " answered ", head.status, ": ", out.body.substr(0, 300));
           return false;
         }
+        if (head.status == 200) {  // its usage, for the tenant's minute
+          const json answer = json::parse(out.body, nullptr, /*allow_exceptions=*/false);
+          if (answer.is_object() && answer.contains("usage") && answer["usage"].is_object() &&
+              answer["usage"].contains("completion_tokens") &&
+              answer["usage"]["completion_tokens"].is_number_integer()) {
+            p.completion_tokens = answer["usage"]["completion_tokens"].get<int64_t>();
+          }
+        }
         CountRequest(head.status);
         ex.Respond(std::move(out));
         return true;
@@ -1220,6 +1255,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
       std::make_unique<PromptBuilder>(s->tokenizer.get(), &s->chat, options.special_tokens_as_text,
                                       options.trust_request_chat_template);
   ASSIGN_OR_RETURN(s->keys, ApiKeys::Open(options.api_key, options.api_keys_file));
+  ASSIGN_OR_RETURN(s->flow, FlowControl::Open(options.flow_control_file, options.flow_share));
   if (!options.leader_token_file.empty()) {
     ASSIGN_OR_RETURN(s->leader_token, ReadToken(options.leader_token_file));
     ASSIGN_OR_RETURN(s->metrics_keys, ApiKeys::Open("", options.leader_token_file));

@@ -62,6 +62,11 @@ struct RouterOptions {
   // The base model's served name: a request's `model` other than it names a LoRA adapter, whose
   // blocks the leaders salt with its name (serve/prefix_cache.h). "": every request's is the base.
   std::string model_name;
+  // Flow control (serve/flow_control.h): each key's limits are checked here (a 429 naming the
+  // limit, with Retry-After), 1/flow_share of each (the model's routers), and the tokens of
+  // what it relays counted; the leaders take the tenant's priority and weight from the same file.
+  std::string flow_control_file;
+  int flow_share = 1;
   ChoiceWeights weights;
   std::chrono::milliseconds resolve_every{2000};
   std::chrono::milliseconds connect_timeout{2000};

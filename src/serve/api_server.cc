@@ -52,7 +52,9 @@ std::string ApiServer::Impl::TokenText(int32_t id) const { return tokenizer->Dec
 http::Response ApiServer::Impl::Reply(const absl::Status& s) {
   const int code = HttpStatusFor(s);
   http::Response r{code, "application/json", DumpJson(ErrorBody(s)), {}};
-  if (code == 429 || code == 503) r.headers.emplace_back("Retry-After", "1");
+  if (code == 429 || code == 503) {
+    r.headers.emplace_back("Retry-After", absl::StrCat(std::max<int64_t>(1, RetryAfterOf(s))));
+  }
   if (code == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer");
   metrics->CountRequest(code);
   return r;
@@ -317,6 +319,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   const WorkerEnv& env = config.env;
   ASSIGN_OR_RETURN(impl->keys, ApiKeys::Open(env.api_key, env.api_keys_file));
   ASSIGN_OR_RETURN(impl->router_keys, ApiKeys::Open("", env.router_token_file));
+  ASSIGN_OR_RETURN(impl->flow, FlowControl::Open(env.flow_control_file));
   ASSIGN_OR_RETURN(impl->adapters, ParseAdapterList(env.lora_adapters));
   if (!env.admin_keys_file.empty()) {
     if (env.max_loras == 0) {

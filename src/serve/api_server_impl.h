@@ -23,6 +23,7 @@
 #include "model/config.h"
 #include "serve/api_keys.h"
 #include "serve/api_server.h"
+#include "serve/flow_control.h"
 #include "serve/grammar.h"
 #include "serve/grammar_workers.h"
 #include "serve/kv_events.h"
@@ -65,6 +66,7 @@ struct ApiServer::Impl {
   std::unique_ptr<ApiKeys> keys;  // null: the API is open
   // The routers' token for the KV events (null: the API keys stand for it).
   std::unique_ptr<ApiKeys> router_keys;
+  std::unique_ptr<FlowControl> flow;  // tenants' classes and limits (serve/flow_control.h)
   KvEventLog kv_events;
   const std::string epoch = api_internal::RequestId("");  // names this run in the KV events' hello
   std::unique_ptr<http::Server> http;
@@ -151,6 +153,10 @@ struct ApiServer::Impl {
   // ("shardserve_resume") is checked: the router's, streamed, one sequence, no echo, no
   // disaggregated leg; its seed becomes the request's.
   absl::Status ResumeLeg(ApiRequest& req, const http::Request& http_req);
+  // Flow control: the request's tenant (by its key, when keys are required) and effective
+  // priority; its limits checked unless the router already did (a 429 naming the limit, with
+  // Retry-After). The tenant's class, for Record.
+  absl::StatusOr<TenantClass> AdmitFlow(ApiRequest& req, const http::Request& http_req);
   // OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens whose KV came
   // from the prefix cache (each prompt's first sequence's).
   json Usage(const std::vector<Choice>& choices) const;

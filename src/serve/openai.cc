@@ -18,6 +18,8 @@ constexpr char kParamPayload[] = "type.shardserve.io/param";
 constexpr int kMaxStops = 16;
 constexpr size_t kMaxStopTokenIds = 256;
 constexpr char kHttpPayload[] = "type.shardserve.io/http-status";
+constexpr char kRetryAfterPayload[] = "type.shardserve.io/retry-after";
+constexpr int64_t kMaxPriority = 1 << 20;
 constexpr int kMaxTopLogprobs = 20;
 constexpr size_t kMaxLogitBias = 1024;
 constexpr size_t kMaxTools = 128;
@@ -813,6 +815,13 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
     }
     r.kv_transfer = nlohmann::json::parse(it->dump());
   }
+  if (auto it = body.find("priority"); it != body.end() && !it->is_null()) {
+    if (!it->is_number_integer() || std::llabs(it->get<int64_t>()) > kMaxPriority) {
+      return BadParam("priority", absl::StrCat("'priority' must be an integer in [-", kMaxPriority,
+                                               ", ", kMaxPriority, "] (lower runs first)"));
+    }
+    r.priority = it->get<int64_t>();
+  }
   if (auto it = body.find("shardserve_resume"); it != body.end() && !it->is_null()) {
     const auto bad = [] {
       return BadParam("shardserve_resume",
@@ -869,6 +878,19 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
 absl::Status WithHttpStatus(absl::Status status, int http_status) {
   status.SetPayload(kHttpPayload, absl::Cord(std::to_string(http_status)));
   return status;
+}
+
+absl::Status WithRetryAfter(absl::Status status, int64_t seconds) {
+  status.SetPayload(kRetryAfterPayload, absl::Cord(std::to_string(seconds)));
+  return status;
+}
+
+int64_t RetryAfterOf(const absl::Status& status) {
+  int64_t s = 0;
+  if (auto p = status.GetPayload(kRetryAfterPayload)) {
+    if (!absl::SimpleAtoi(std::string(*p), &s)) s = 0;
+  }
+  return s;
 }
 
 int HttpStatusFor(const absl::Status& status) {

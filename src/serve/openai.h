@@ -90,6 +90,12 @@ struct ApiRequest {
     std::optional<uint64_t> seed;
   };
   std::optional<Resume> resume;
+  // vLLM's priority (lower runs first); the server makes it the effective one: never more urgent
+  // than the tenant's class allows (serve/flow_control.h).
+  int64_t priority = 0;
+  // Set by the server: the request's tenant (its API key's) and the tenant's weight.
+  std::string tenant;
+  double tenant_weight = 1.0;
   // Set by the server: the request came from the model's router (its token in kRouterHeader); a
   // stream it can resume elsewhere then reports its progress (serve/api_server.h).
   bool from_router = false;
@@ -107,6 +113,9 @@ absl::Status BadParam(const std::string& param, const std::string& message);
 // NotFound 404, ResourceExhausted 429, Unavailable 503, FailedPrecondition 400, others 500; or
 // the one WithHttpStatus set) and the OpenAI error body.
 int HttpStatusFor(const absl::Status& status);
+// The seconds a 429 or 503 asks the client to wait (its Retry-After); 0: unsaid (1 is sent).
+absl::Status WithRetryAfter(absl::Status status, int64_t seconds);
+int64_t RetryAfterOf(const absl::Status& status);
 absl::Status WithHttpStatus(absl::Status status, int http_status);
 nlohmann::json ErrorBody(const absl::Status& status);
 

@@ -352,6 +352,22 @@ absl::Status ApiServer::Impl::ResumeLeg(ApiRequest& req, const http::Request& ht
   return absl::OkStatus();
 }
 
+absl::StatusOr<TenantClass> ApiServer::Impl::AdmitFlow(ApiRequest& req,
+                                                       const http::Request& http_req) {
+  // Without keys anyone may say anything in the header: every request is the anonymous tenant.
+  const TenantClass tenant = flow->Tenant(keys != nullptr ? http_req.Header("authorization") : "");
+  req.priority = std::max(req.priority, tenant.priority);
+  req.tenant = tenant.name;
+  req.tenant_weight = tenant.weight;
+  if (!req.from_router) {  // the router checked the limits of what it sends
+    int64_t retry_after = 0;
+    if (absl::Status s = flow->Admit(tenant, &retry_after); !s.ok()) {
+      return WithRetryAfter(s, retry_after);
+    }
+  }
+  return tenant;
+}
+
 // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
 absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_req,
                                      std::vector<Choice>& choices) {
@@ -467,6 +483,9 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       g.params.seed = req.params.seed + static_cast<uint64_t>(j);
       g.cache_salt = salt;
       g.adapter = req.adapter;
+      g.priority = req.priority;
+      g.tenant = req.tenant;
+      g.weight = req.tenant_weight;
       if (req.echo && req.logprobs) g.prompt_logprobs = req.params.top_logprobs;
       if (compiled) g.constraint = compiled->Clone();
       if (!req.max_tokens_set && req.chat) {
@@ -558,6 +577,8 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
   ApiRequest& req = *parsed;
   if (absl::Status s = ServeModelOf(req); !s.ok()) return ex.Respond(Reply(s));
   if (absl::Status s = ResumeLeg(req, http_req); !s.ok()) return ex.Respond(Reply(s));
+  absl::StatusOr<TenantClass> tenant = AdmitFlow(req, http_req);
+  if (!tenant.ok()) return ex.Respond(Reply(tenant.status()));
   if (!req.seed_set)
     req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
   std::vector<Choice> choices;
@@ -584,6 +605,11 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
     Answer(req, choices, id, created, ex);
   }
   for (Choice& c : choices) c.stream->Cancel();  // ended, or the client is gone
+  if (!req.from_router) {  // the tenant's tokens of the minute (the router counts its own)
+    int64_t tokens = 0;
+    for (const Choice& c : choices) tokens += c.prompt_tokens + c.completion_tokens;
+    flow->Record(*tenant, tokens);
+  }
 }
 
 // Waits for every choice, its text, reasoning and calls (each call's pieces joined); false when
