@@ -736,6 +736,45 @@ TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
   EXPECT_EQ(std::count(volumes.begin(), volumes.end(), "model-credentials"), 1);
 }
 
+// spec.serving.flowControl: the config's ConfigMap (or Secret) mounted on the leaders and the
+// routers, each told where it is; the routers share the limits (each 1/kRouterPods); the other
+// ranks have none. Both sources at once, or a bad key, are refused by name.
+TEST(Builders, FlowControlIsMountedOnTheLeadersAndRouters) {
+  json object = Model();
+  object["spec"]["serving"]["flowControl"] = {{"configMap", "tenants"}, {"key", "limits.yaml"}};
+  auto m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json leader = BuildStagePod(*m, 0, 0, {"node-a", "node-b"});
+  const json worker = BuildStagePod(*m, 0, 1, {"node-a", "node-b"});
+  EXPECT_EQ(Env(leader, "SHARDSERVE_FLOW_CONTROL_FILE"),
+            "/var/run/shardserve/flow-control/limits.yaml");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_FLOW_CONTROL_FILE"), "<absent>");
+  EXPECT_NE(leader.dump().find(R"("configMap":{"name":"tenants"})"), std::string::npos);
+  const json d = BuildRouterDeployment(*m);
+  json as_pod = {{"spec", d["spec"]["template"]["spec"]}};
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_FLOW_CONTROL_FILE"),
+            "/var/run/shardserve/flow-control/limits.yaml");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_FLOW_SHARE"), std::to_string(kRouterPods));
+  EXPECT_NE(as_pod.dump().find(R"("mountPath":"/var/run/shardserve/flow-control")"),
+            std::string::npos);
+  object["spec"]["serving"]["flowControl"] = {{"secret", "tenant-keys"}};
+  m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_NE(BuildStagePod(*m, 0, 0, {"a", "b"}).dump().find(R"("secretName":"tenant-keys")"),
+            std::string::npos);
+  EXPECT_EQ(Env(BuildStagePod(*m, 0, 0, {"a", "b"}), "SHARDSERVE_FLOW_CONTROL_FILE"),
+            "/var/run/shardserve/flow-control/flow.yaml");
+  object["spec"]["serving"]["flowControl"] = {{"secret", "a"}, {"configMap", "b"}};
+  EXPECT_NE(ReadModel(object).status().message().find("configMap or secret, not both"),
+            std::string::npos);
+  object["spec"]["serving"]["flowControl"] = {{"secret", "a"}, {"key", "../x"}};
+  EXPECT_NE(ReadModel(object).status().message().find("spec.serving.flowControl.key '../x'"),
+            std::string::npos);
+  object["spec"]["serving"]["flowControl"] = {{"secrets", "a"}};
+  EXPECT_NE(ReadModel(object).status().message().find("spec.serving.flowControl"),
+            std::string::npos);
+}
+
 TEST(Builders, RendezvousSecretAndDisruptionBudget) {
   auto m = ReadModel(Model());
   ASSERT_TRUE(m.ok());
