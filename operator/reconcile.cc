@@ -439,8 +439,8 @@ Verdict Judge(const Observed& o, ReplicaState r, const ModelView& m, absl::Time 
       v.cordoned_serving = true;
     } else {
       v.events.push_back({"Normal", "MovingReplica",
-                          absl::StrCat("moving replica ", index, " (not serving) off cordoned node ",
-                                       o.cordoned)});
+                          absl::StrCat("moving replica ", index,
+                                       " (not serving) off cordoned node ", o.cordoned)});
       v.delete_live = true;
     }
   } else if (!o.failure.empty()) {
@@ -581,13 +581,12 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
   for (int64_t index : decide::ToReplace(outdated_serving, serving, std::max<int64_t>(0, N - U))) {
     --serving;
     const bool move = cordoned.count(index) > 0;
-    d.events.push_back(
-        {"Normal", move ? "MovingReplica" : "RollingReplica",
-         absl::StrCat(move ? absl::StrCat("moving replica ", index, " off cordoned node ",
-                                          obs[index].cordoned)
-                           : absl::StrCat("replacing replica ", index, " with revision ",
-                                          m.revision),
-                      " (", serving, " of ", N, " replicas serving meanwhile)")});
+    d.events.push_back({"Normal", move ? "MovingReplica" : "RollingReplica",
+                        absl::StrCat(move ? absl::StrCat("moving replica ", index,
+                                                         " off cordoned node ", obs[index].cordoned)
+                                          : absl::StrCat("replacing replica ", index,
+                                                         " with revision ", m.revision),
+                                     " (", serving, " of ", N, " replicas serving meanwhile)")});
     DeleteLive(obs[index], d);
     for (ReplicaState& r : d.replicas) {
       if (r.index != index) continue;

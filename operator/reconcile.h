@@ -57,8 +57,8 @@ struct PodView {
   std::string unschedulable_message;
   bool node_cordoned = false;  // bound to a node marked unschedulable (cordoned, drained)
   bool started = false;        // has run: phase past Pending
-  int64_t restarts = 0;   // container restarts
-  std::string failure;    // why it failed ("" while it has not)
+  int64_t restarts = 0;        // container restarts
+  std::string failure;         // why it failed ("" while it has not)
   std::string stuck;      // why it cannot start (its image, a volume), "" when nothing holds it
   bool creating = false;  // bound, its containers not yet created (volumes being mounted)
   bool fetching = false;  // its fetch step (a remote model into the node's cache) runs

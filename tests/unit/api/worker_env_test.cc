@@ -99,6 +99,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.lora_adapters = R"([{"name":"sql","path":"/adapters/sql"}])";
   w.admin_keys_file = "/admin-keys";
   w.lora_root = "/adapters/dynamic";
+  w.flow_control_file = "/flow/flow.yaml";
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.
@@ -186,6 +187,8 @@ TEST(RouterEnvTest, EveryFieldSurvivesTheRoundTrip) {
   r.prefill_leaders = "dns:m-prefill-leaders.ns.svc:8000";
   r.disaggregate_min_tokens = 256;
   r.model_name = "llama";
+  r.flow_control_file = "/flow/flow.yaml";
+  r.flow_share = 2;
   const auto written = AsMap(r);
   EXPECT_EQ(written.size(), RouterEnv::Names().size());
   for (const std::string& name : RouterEnv::Names()) EXPECT_TRUE(written.count(name)) << name;
