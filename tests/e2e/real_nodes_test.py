@@ -116,6 +116,23 @@ def answers(host=None):
     return m.answers(NAME, PROMPTS[0], host)
 
 
+def relayed(host, model):
+    """Whether 4 requests of `model` to the Service at `host` all went through a router (its
+    x-shardserve-replica header): kube-proxy sends the Service's requests to the routers, not to
+    a leader directly."""
+    for _ in range(4):
+        conn = http.client.HTTPConnection(host, 8000, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": model, "prompt": "y", "max_tokens": 1}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        if r.status != 200 or r.getheader("x-shardserve-replica") is None:
+            return False
+    return True
+
+
 def leader_page(pod):
     """A leader's /metrics, read from its pod address with the API key."""
     ip = c.get("pod", pod)["status"]["podIP"]
@@ -741,21 +758,8 @@ def adapters():
 
     # An adapter loaded at runtime, through the routers, on every replica: once kube-proxy sends
     # the Service's requests to the routers (a leader reached directly loads it alone).
-    def relay(model):
-        """(status, the replica a router relayed it to: None when no router did) of a request
-        of `model` sent to the Service."""
-        conn = http.client.HTTPConnection(host, 8000, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps(
-            {"model": model, "prompt": "y", "max_tokens": 1}),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-        r = conn.getresponse()
-        r.read()
-        conn.close()
-        return r.status, r.getheader("x-shardserve-replica")
-
-    def relayed():
-        return all(s == 200 and at is not None for s, at in (relay("lora") for _ in range(4)))
-    check(wait_until(relayed, 60), "lora: the Service's requests reach the routers")
+    check(wait_until(lambda: relayed(host, "lora"), 60),
+          "lora: the Service's requests reach the routers")
     load = {"lora_name": "math", "lora_path": "math"}
     user = m.post(host, load, "/v1/load_lora_adapter")
     check(user[0] == 403, f"lora: a user's key may not load an adapter ({user})")
@@ -801,16 +805,7 @@ def faults():
         "shardserve.io/role") == "router", 180), f"{name}: its Service goes to its routers")
     host = service_ip(name)
 
-    def relayed():  # kube-proxy sends the Service's requests to the routers, not the leaders
-        conn = http.client.HTTPConnection(host, 8000, timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps(
-            {"model": name, "prompt": "y", "max_tokens": 1}),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-        r = conn.getresponse()
-        r.read()
-        conn.close()
-        return r.status == 200 and r.getheader("x-shardserve-replica") is not None
-    check(wait_until(lambda: all(relayed() for _ in range(4)), 60),
+    check(wait_until(lambda: relayed(host, name), 60),
           f"{name}: the Service's requests reach the routers")
     streams = StreamSet(m, name, n=16)
     check(streams.wait_references(180), f"{name}: 16 clients have their undisturbed answers")
