@@ -548,6 +548,7 @@ void Engine::MakeRoomForWaitingRequests() {
     {
       absl::MutexLock lock(&mu_);
       for (const auto& s : waiting_) {
+        if (!AdapterReady(s.get())) continue;  // it could not take the slot made for it
         urgent = std::min(urgent, s->request.priority);
         waiting.insert(FairUnit(*s));
         weight[FairUnit(*s)] = s->request.weight;
