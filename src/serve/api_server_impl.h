@@ -157,6 +157,9 @@ struct ApiServer::Impl {
   // priority; its limits checked unless the router already did (a 429 naming the limit, with
   // Retry-After). The tenant's class, for Record.
   absl::StatusOr<TenantClass> AdmitFlow(ApiRequest& req, const http::Request& http_req);
+  // The tokens the request's choices used, in its tenant's minute (unless the router counts them).
+  void RecordFlow(const ApiRequest& req, const TenantClass& tenant,
+                  const std::vector<Choice>& choices);
   // OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens whose KV came
   // from the prefix cache (each prompt's first sequence's).
   json Usage(const std::vector<Choice>& choices) const;

@@ -368,6 +368,14 @@ absl::StatusOr<TenantClass> ApiServer::Impl::AdmitFlow(ApiRequest& req,
   return tenant;
 }
 
+void ApiServer::Impl::RecordFlow(const ApiRequest& req, const TenantClass& tenant,
+                                 const std::vector<Choice>& choices) {
+  if (req.from_router) return;  // the router counts what it relays
+  int64_t tokens = 0;
+  for (const Choice& c : choices) tokens += c.prompt_tokens + c.completion_tokens;
+  flow->Record(tenant, tokens);
+}
+
 // Tokenizes and submits every prompt of the request; on failure nothing stays queued.
 absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_req,
                                      std::vector<Choice>& choices) {
@@ -605,11 +613,7 @@ void ApiServer::Impl::Generate(const http::Request& http_req, http::Exchange& ex
     Answer(req, choices, id, created, ex);
   }
   for (Choice& c : choices) c.stream->Cancel();  // ended, or the client is gone
-  if (!req.from_router) {  // the tenant's tokens of the minute (the router counts its own)
-    int64_t tokens = 0;
-    for (const Choice& c : choices) tokens += c.prompt_tokens + c.completion_tokens;
-    flow->Record(*tenant, tokens);
-  }
+  RecordFlow(req, *tenant, choices);
 }
 
 // Waits for every choice, its text, reasoning and calls (each call's pieces joined); false when
@@ -816,6 +820,9 @@ void ApiServer::Impl::Responses(const http::Request& http_req, http::Exchange& e
   if (!parsed.ok()) return ex.Respond(Reply(ResponsesParam(parsed.status())));
   ApiRequest& req = *parsed;
   if (absl::Status s = ServeModelOf(req); !s.ok()) return ex.Respond(Reply(s));
+  if (absl::Status s = ResumeLeg(req, http_req); !s.ok()) return ex.Respond(Reply(s));
+  absl::StatusOr<TenantClass> tenant = AdmitFlow(req, http_req);
+  if (!tenant.ok()) return ex.Respond(Reply(tenant.status()));
   req.params.seed = std::random_device{}() * 4294967296ull + std::random_device{}();
   std::vector<Choice> choices;
   if (absl::Status s = Submit(req, http_req, choices); !s.ok()) {
@@ -826,11 +833,15 @@ void ApiServer::Impl::Responses(const http::Request& http_req, http::Exchange& e
                               .count();
   ResponseBuilder builder(*body, RandomId("resp_"), created, config.env.model_name);
   struct Cancel {
+    Impl& server;
+    const ApiRequest& req;
+    const TenantClass& tenant;
     std::vector<Choice>& choices;
     ~Cancel() {
       for (Choice& c : choices) c.stream->Cancel();  // ended, or the client is gone
+      server.RecordFlow(req, tenant, choices);
     }
-  } cancel{choices};
+  } cancel{*this, req, *tenant, choices};
   if (!req.stream) {
     std::vector<std::string> texts, reasonings;
     std::vector<std::vector<ToolCall>> calls;

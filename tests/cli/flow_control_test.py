@@ -8,7 +8,8 @@ two keys of two tenants:
   - a key past its tokensPerMinute (prompt and completion tokens) is answered 429 likewise;
   - the config file changed (the limit raised): it takes effect within seconds, without a
     restart; a broken one keeps the last good config;
-  - a request's `priority` outside its bounds is a 400 naming it;
+  - /v1/responses takes the same limits; a request's `priority` outside its bounds is a 400
+    naming it;
   - the same limits at the router in front of two replicas (its 429, Retry-After and message).
 
 usage: flow_control_test.py path/to/shardserve"""
@@ -88,6 +89,13 @@ write_flow(1)
 d = Deployment(BIN, MODEL, tp=1, pp=1, args=("--api-key-file", KEYS, "--flow-control-file", FLOW))
 try:
     limits(d, "leader")
+    # /v1/responses takes the same limits.
+    time.sleep(1.1)
+    answered = [d.request("POST", "/v1/responses",
+                          {"model": "tiny", "input": "hi", "max_output_tokens": 2},
+                          headers={"Authorization": f"Bearer {BATCH}"})[0] for _ in range(3)]
+    check(answered[0] == 200 and 429 in answered[1:],
+          f"/v1/responses: a key past its requestsPerSecond is answered 429 ({answered})")
     status, _, body = ask(d, CHAT, priority=1 << 30)
     check(status == 400 and body["error"]["param"] == "priority",
           f"a priority out of bounds is a 400 naming it ({status} {body})")
