@@ -771,6 +771,10 @@ struct Router::Impl {
       ~Done() { --n; }
     } done{active};
     if (auto denied = Deny(req)) return ex.Respond(*std::move(denied));
+    // The fields of the router's own legs (it sends them with its token) are never a client's.
+    if (generation) {
+      if (auto refused = RouterFields(req)) return ex.Respond(*std::move(refused));
+    }
     // Flow control: the key's limits (its tenant's); without keys every request is one tenant.
     const TenantClass tenant = flow->Tenant(keys != nullptr ? req.Header("authorization") : "");
     if (generation) {
@@ -919,6 +923,27 @@ struct Router::Impl {
                                    p.legs, " tried): ", last_error)
                     : absl::StrCat("no replica of the model answered: ", last_error),
          responses);
+  }
+
+  // A client's request carrying a field only the router sends (a disaggregated leg's
+  // kv_transfer_params, a migrated stream's shardserve_resume): 401, as a leader answers it
+  // without the router's token (which the router adds to what it relays).
+  std::optional<http::Response> RouterFields(const http::Request& req) {
+    if (!absl::StrContains(req.body, "kv_transfer_params") &&
+        !absl::StrContains(req.body, "shardserve_resume")) {
+      return std::nullopt;
+    }
+    const ojson body = ojson::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    if (!body.is_object()) return std::nullopt;  // the leader names what is wrong with it
+    for (const char* field : {"kv_transfer_params", "shardserve_resume"}) {
+      if (auto it = body.find(field); it != body.end() && !it->is_null()) {
+        return Error(
+            401,
+            absl::StrCat("'", field, "' is the model's router's own: a client may not send it"),
+            "invalid_request_error");
+      }
+    }
+    return std::nullopt;
   }
 
   // The client hears that its request failed: an error answer, or, once its stream started, an

@@ -195,6 +195,9 @@ try:
                                     shardserve_resume={"tokens": [5]})
     check(status == 403 and "shardserve_resume" in str(refused),
           f"a client may not resume a stream at a leader ({status} {refused})")
+    status, _, refused = completion(d, [1, 2, 3], stream=True, shardserve_resume={"tokens": [5]})
+    check(status == 401 and "shardserve_resume" in str(refused),
+          f"nor through the router, which relays with its token ({status} {refused})")
     victim_port = None
     for name, extra in [("greedy", {}), ("seeded", {"temperature": 0.9, "seed": 1234})]:
         _, whole = stream(extra)
