@@ -291,6 +291,13 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   // Secret, from a file here (checked before any rank starts).
   const std::string flow_file = a.GetOr("flow-control-file", "");
   if (!flow_file.empty()) RETURN_IF_ERROR(FlowControl::Open(flow_file).status());
+  if (flow_file.empty() &&
+      (!spec.flow_control_config_map.empty() || !spec.flow_control_secret.empty())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file, ": spec.serving.flowControl names a Kubernetes ",
+        spec.flow_control_secret.empty() ? "ConfigMap" : "Secret",
+        ", which shardserve local cannot read: give its config with --flow-control-file FILE"));
+  }
   if (spec.tensor_auto || spec.pipeline_auto) {
     // No GPU memory to weigh here: the smallest sizes that divide the model.
     auto footprint = LoadFootprint(uri.path);

@@ -10,18 +10,21 @@ two keys of two tenants:
     restart; a broken one keeps the last good config;
   - /v1/responses takes the same limits; a request's `priority` outside its bounds is a 400
     naming it;
+  - a manifest naming a ConfigMap for its flow control without --flow-control-file is refused
+    by name (shardserve local cannot read a cluster's ConfigMap);
   - the same limits at the router in front of two replicas (its 429, Retry-After and message).
 
 usage: flow_control_test.py path/to/shardserve"""
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, wait_until  # noqa: E402
-from deployment import Deployment, gen_model  # noqa: E402
+from checks import Checks, free_ports, wait_until  # noqa: E402
+from deployment import MANIFEST, Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
 check = Checks()
@@ -113,6 +116,20 @@ try:
           "and the leader says why")
 finally:
     d.stop()
+
+# A manifest whose flow control is a cluster's ConfigMap: refused by name without the file.
+manifest = os.path.join(tmp, "cluster-flow.yaml")
+with open(manifest, "w") as f:
+    f.write(MANIFEST.format(name="tiny", replicas=1, uri=f"file://{MODEL}", files="", tp=1, pp=1,
+                            env="      []", port=free_ports(1), max_batch=8, max_seq=1024,
+                            serving="    flowControl: {configMap: tenants}\n", spec=""))
+run = subprocess.run([BIN, "local", "-f", manifest, "--api-key-file", KEYS],
+                     capture_output=True, text=True, timeout=60)
+check(run.returncode != 0 and
+      "spec.serving.flowControl names a Kubernetes ConfigMap" in run.stderr + run.stdout and
+      "--flow-control-file" in run.stderr + run.stdout,
+      f"shardserve local refuses a manifest's flowControl it cannot read "
+      f"({(run.stderr + run.stdout)[-200:]!r})")
 
 write_flow(1)
 r = Deployment(BIN, MODEL, tp=1, pp=1, replicas=2,
