@@ -820,7 +820,8 @@ json BuildRouterDeployment(const ModelView& m) {
   }
   if (!s.api_key_secret.empty()) r.api_keys_file = kApiKeysMount;
   r.flow_control_file = FlowControlFile(s);
-  r.flow_share = kRouterPods;  // kube-proxy spreads a key's requests over them
+  r.flow_share = kRouterPods;         // kube-proxy spreads a key's requests over them
+  r.metrics_port = kMetricsPortBase;  // as rank 0's: the chart's PodMonitor scrapes it
   ApplyServing(s, r);
   json env = json::array();
   for (const auto& [k, v] : r.ToEnv()) env.push_back({{"name", k}, {"value", v}});
@@ -837,7 +838,8 @@ json BuildRouterDeployment(const ModelView& m) {
       {"image", s.image},
       {"command", json::array({"shardserve-router"})},
       {"env", env},
-      {"ports", json::array({{{"name", "api"}, {"containerPort", s.port}}})},
+      {"ports", json::array({{{"name", "api"}, {"containerPort", s.port}},
+                             {{"name", "metrics-0"}, {"containerPort", kMetricsPortBase}}})},
       {"resources", {{"requests", {{"cpu", "100m"}, {"memory", "256Mi"}}}}},
       {"readinessProbe", probe},
       {"livenessProbe",

@@ -163,10 +163,15 @@ json BuildLeadersService(const ModelView& m);
 json BuildRouterDeployment(const ModelView& m);
 json BuildRouterTokenSecret(const ModelView& m, const std::string& token);
 std::string RouterTokenSecretName(const std::string& model);
-// Several replicas, or a disaggregated model (its routers pair the roles): the routers run. A
-// prefill role never has its own (the decode role's route to it).
+// Several replicas, none (scaled to zero: the routers hold the requests until one is ready),
+// latency targets (a model that scales on them keeps its routers at one replica, which measure
+// what clients see and hold requests through a scale to zero and back), or a disaggregated
+// model (its routers pair the roles): the routers run. A prefill role never has its own (the
+// decode role's route to it).
 inline bool Routed(const ModelView& m) {
-  return m.kv_role == "decode" || (m.kv_role.empty() && m.model.spec.replicas > 1);
+  const ShardedModelSpec& s = m.model.spec;
+  return m.kv_role == "decode" ||
+         (m.kv_role.empty() && (s.replicas != 1 || s.slo_ttft_ms > 0 || s.slo_itl_ms > 0));
 }
 // The prefill role of a disaggregated model `m` (kv_role "decode"), a ShardedModel of its own
 // (PrefillModelName) that `m` owns: `object` (m as the apiserver returns it) with the prefill

@@ -13,6 +13,10 @@
 //   and SHARDSERVE_PREFIX_CACHE_ISOLATION (none | perKey) as the leaders have them;
 //   SHARDSERVE_FLOW_CONTROL_FILE as the leaders have it, SHARDSERVE_ROUTER_FLOW_SHARE (1): the
 //   model's routers, each enforcing 1/n of every limit
+//   SHARDSERVE_ROUTER_QUEUE_MAX (256) and SHARDSERVE_ROUTER_QUEUE_TIMEOUT_MS (120000): the
+//   requests held while no replica has room, and how long each; SHARDSERVE_SLO_TTFT_MS,
+//   SHARDSERVE_SLO_ITL_MS and SHARDSERVE_SLO_PERCENTILE as the leaders have them;
+//   SHARDSERVE_ROUTER_METRICS_PORT (-1: none): /metrics without the token on a port of its own
 //   --prefix-weight W --load-weight W --kv-weight W
 // Runs until SIGINT/SIGTERM, then finishes the requests in progress (up to 30 s).
 #include <signal.h>
@@ -78,6 +82,11 @@ absl::Status Run(int argc, char** argv) {
   o.max_body_bytes = static_cast<size_t>(env.max_body_bytes);
   o.flow_control_file = env.flow_control_file;
   o.flow_share = env.flow_share;
+  o.queue_max = env.queue_max;
+  o.queue_timeout = std::chrono::milliseconds(env.queue_timeout_ms);
+  o.slo = {env.slo_ttft_ms / 1000.0, env.slo_itl_ms / 1000.0,
+           static_cast<double>(env.slo_percentile)};
+  o.metrics_port = env.metrics_port;
   ASSIGN_OR_RETURN(o.weights.prefix, a.GetDouble("prefix-weight", o.weights.prefix));
   ASSIGN_OR_RETURN(o.weights.load, a.GetDouble("load-weight", o.weights.load));
   ASSIGN_OR_RETURN(o.weights.kv, a.GetDouble("kv-weight", o.weights.kv));

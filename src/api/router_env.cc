@@ -31,6 +31,12 @@ const StringVar kStrings[] = {
 const IntVar kInts[] = {
     {"SHARDSERVE_ROUTER_PORT", &RouterEnv::port, 0, 65535},
     {"SHARDSERVE_ROUTER_FLOW_SHARE", &RouterEnv::flow_share, 1, 1024},
+    {"SHARDSERVE_ROUTER_QUEUE_MAX", &RouterEnv::queue_max, 0, 4096},
+    {"SHARDSERVE_ROUTER_QUEUE_TIMEOUT_MS", &RouterEnv::queue_timeout_ms, 0, 86400000},
+    {"SHARDSERVE_SLO_TTFT_MS", &RouterEnv::slo_ttft_ms, 0, 86400000},
+    {"SHARDSERVE_SLO_ITL_MS", &RouterEnv::slo_itl_ms, 0, 86400000},
+    {"SHARDSERVE_SLO_PERCENTILE", &RouterEnv::slo_percentile, 1, 99},
+    {"SHARDSERVE_ROUTER_METRICS_PORT", &RouterEnv::metrics_port, -1, 65535},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_MAX_BODY_BYTES", &RouterEnv::max_body_bytes, 1024, kIntMax},
@@ -72,6 +78,11 @@ void ApplyServing(const ShardedModelSpec& spec, RouterEnv& r) {
   r.trust_request_chat_template = w.trust_request_chat_template;
   r.prefix_cache_per_key = w.prefix_cache_per_key;
   r.model_name = spec.model_name;
+  r.slo_ttft_ms = w.slo_ttft_ms;
+  r.slo_itl_ms = w.slo_itl_ms;
+  r.slo_percentile = w.slo_percentile;
+  r.queue_max = static_cast<int>(spec.queue_max_requests);
+  r.queue_timeout_ms = static_cast<int>(spec.queue_timeout_seconds * 1000);
   for (const ShardedModelSpec::EnvVar& e : spec.env) {  // the leaders' body bound, if set
     int64_t bytes = 0;
     if (e.name == "SHARDSERVE_MAX_BODY_BYTES" && e.value_from.empty() &&

@@ -34,6 +34,17 @@ struct RouterEnv {
   // routers of the model (each enforces 1/n of every limit).
   std::string flow_control_file;
   int flow_share = 1;
+  // The router's queue (router/router.h): requests held while every replica is busy or none is
+  // ready (scaled to zero), at most queue_max, each at most queue_timeout_ms.
+  int queue_max = 256;
+  int queue_timeout_ms = 120000;
+  // Latency targets (spec.serving.slo), as the leaders have them.
+  int slo_ttft_ms = 0;
+  int slo_itl_ms = 0;
+  int slo_percentile = 90;
+  // The port of its /metrics without a token (the ranks' metrics port, which Prometheus'
+  // PodMonitor scrapes); -1: its metrics only on its API port, with the router token.
+  int metrics_port = -1;
   // As the leaders have them (WorkerEnv): a chat message's special-token strings as text; the
   // API key salting every block name; the body bound.
   bool special_tokens_as_text = false;

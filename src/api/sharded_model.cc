@@ -4,6 +4,7 @@
 
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -338,6 +339,17 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(flow.String("secret", s.flow_control_secret));
   RETURN_IF_ERROR(flow.String("key", s.flow_control_key));
   RETURN_IF_ERROR(flow.NoOthers());
+  Fields slo(serving.Get("slo"), "spec.serving.slo");
+  RETURN_IF_ERROR(slo.CheckMap());
+  RETURN_IF_ERROR(slo.Int("ttftMilliseconds", s.slo_ttft_ms));
+  RETURN_IF_ERROR(slo.Int("itlMilliseconds", s.slo_itl_ms));
+  RETURN_IF_ERROR(slo.Int("percentile", s.slo_percentile));
+  RETURN_IF_ERROR(slo.NoOthers());
+  Fields queue(serving.Get("queue"), "spec.serving.queue");
+  RETURN_IF_ERROR(queue.CheckMap());
+  RETURN_IF_ERROR(queue.Int("maxRequests", s.queue_max_requests));
+  RETURN_IF_ERROR(queue.Int("timeoutSeconds", s.queue_timeout_seconds));
+  RETURN_IF_ERROR(queue.NoOthers());
   Fields chat_template(serving.Get("chatTemplate"), "spec.serving.chatTemplate");
   RETURN_IF_ERROR(chat_template.CheckMap());
   RETURN_IF_ERROR(chat_template.String("inline", s.chat_template_inline));
@@ -473,6 +485,9 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.trust_request_chat_template = spec.trust_request_chat_template;
   w.prefix_caching = spec.prefix_caching;
   w.prefix_cache_per_key = spec.prefix_cache_isolation == "perKey";
+  w.slo_ttft_ms = static_cast<int>(spec.slo_ttft_ms);
+  w.slo_itl_ms = static_cast<int>(spec.slo_itl_ms);
+  w.slo_percentile = static_cast<int>(spec.slo_percentile);
   w.startup_timeout_ms = static_cast<int>(spec.startup_timeout_seconds * 1000);
   w.load_stall_ms = static_cast<int>(spec.load_stall_seconds * 1000);
   w.max_loras = spec.lora ? static_cast<int>(spec.max_loras) : 0;
@@ -738,6 +753,17 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.apiKeySecret '", s.api_key_secret,
                                                    "' is not a valid Secret name (lower-case "
                                                    "letters, digits, '-' and '.', at most 253)"));
+  }
+  for (const auto& [field, v, lo, hi] :
+       {std::tuple{"spec.serving.slo.ttftMilliseconds", s.slo_ttft_ms, 0, 86400000},
+        std::tuple{"spec.serving.slo.itlMilliseconds", s.slo_itl_ms, 0, 86400000},
+        std::tuple{"spec.serving.slo.percentile", s.slo_percentile, 1, 99},
+        std::tuple{"spec.serving.queue.maxRequests", s.queue_max_requests, 0, 4096},
+        std::tuple{"spec.serving.queue.timeoutSeconds", s.queue_timeout_seconds, 0, 86400}}) {
+    if (v < lo || v > hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " must be between ", lo, " and ", hi, ", got ", v));
+    }
   }
   if (!s.flow_control_config_map.empty() && !s.flow_control_secret.empty()) {
     return absl::InvalidArgumentError("spec.serving.flowControl: configMap or secret, not both");

@@ -102,6 +102,10 @@ struct ShardedModelSpec {
   // spec.serving.flowControl (serve/flow_control.h): the ConfigMap or the Secret (one of them)
   // whose entry `key` is the flow-control config, mounted on the leaders and routers.
   std::string flow_control_config_map, flow_control_secret, flow_control_key = "flow.yaml";
+  // spec.serving.slo: latency targets in ms (0: none) and the percentile held to them
+  // (metrics/slo.h); spec.serving.queue: the router's queue (router/router.h).
+  int64_t slo_ttft_ms = 0, slo_itl_ms = 0, slo_percentile = 90;
+  int64_t queue_max_requests = 256, queue_timeout_seconds = 120;
   // spec.serving.trustRequestChatTemplate: a request may bring its own chat_template.
   bool trust_request_chat_template = false;
   bool prefix_caching = true;  // full KV blocks stay cached and are shared

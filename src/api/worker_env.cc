@@ -79,6 +79,9 @@ const IntVar kInts[] = {
     {"SHARDSERVE_KV_TRANSFER_TIMEOUT_MS", &WorkerEnv::kv_transfer_timeout_ms, 100, 600000},
     {"SHARDSERVE_MAX_LORAS", &WorkerEnv::max_loras, 0, 1024},
     {"SHARDSERVE_MAX_CPU_LORAS", &WorkerEnv::max_cpu_loras, 1, 4096},
+    {"SHARDSERVE_SLO_TTFT_MS", &WorkerEnv::slo_ttft_ms, 0, 86400000},
+    {"SHARDSERVE_SLO_ITL_MS", &WorkerEnv::slo_itl_ms, 0, 86400000},
+    {"SHARDSERVE_SLO_PERCENTILE", &WorkerEnv::slo_percentile, 1, 99},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_KV_CACHE_TOKENS", &WorkerEnv::kv_cache_tokens, 16, int64_t{1} << 40},

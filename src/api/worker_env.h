@@ -186,6 +186,11 @@ struct WorkerEnv {
   // Flow control between tenants (serve/flow_control.h): the config file (spec.serving
   // .flowControl, mounted); unset: every key alike, no limits.
   std::string flow_control_file;
+  // Latency targets (spec.serving.slo, metrics/slo.h): the time to first token and the
+  // inter-token latency in ms (0: none), and the percentile held to them.
+  int slo_ttft_ms = 0;
+  int slo_itl_ms = 0;
+  int slo_percentile = 90;
   // A one-shot run (`shardserve generate`, serve/generate_wire.h): the request, where the
   // result goes.
   std::string request;

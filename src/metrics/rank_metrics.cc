@@ -52,6 +52,28 @@ class ResidentMemory : public prometheus::Collectable {
   std::map<std::string, std::string> labels_;
 };
 
+// A leader's page: its registry's metrics, and how far its replica is from its latency targets
+// (computed when the page is read: the window moves on while nothing is observed).
+class LeaderPage : public prometheus::Collectable {
+ public:
+  LeaderPage(std::shared_ptr<prometheus::Registry> registry, std::shared_ptr<SloWindow> slo,
+             std::map<std::string, std::string> labels)
+      : registry_(std::move(registry)), slo_(std::move(slo)), labels_(std::move(labels)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> out = registry_->Collect();
+    if (slo_) {
+      for (auto& f : SloFamilies("shardserve", {{labels_, slo_.get()}}))
+        out.push_back(std::move(f));
+    }
+    return out;
+  }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<SloWindow> slo_;
+  std::map<std::string, std::string> labels_;
+};
+
 constexpr const char* kOps[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                 "send",       "recv",       "barrier"};
 
@@ -189,9 +211,13 @@ void RankMetrics::SetModelFetch(const std::string& node, int64_t downloaded, boo
       .Set(static_cast<double>(cache_bytes));
 }
 
-LeaderMetrics::LeaderMetrics(prometheus::Registry& r, const std::string& model,
-                             const std::string& replica, const std::string& role)
+LeaderMetrics::LeaderMetrics(std::shared_ptr<prometheus::Registry> registry,
+                             const std::string& model, const std::string& replica,
+                             const std::string& role, const SloTargets& slo)
     : labels_{{"model", model}, {"replica", replica}} {
+  prometheus::Registry& r = *registry;
+  if (slo.any()) slo_ = std::make_shared<SloWindow>(slo);
+  page_ = std::make_shared<LeaderPage>(std::move(registry), slo_, labels_);
   auto with_role = labels_;
   with_role["role"] = RoleLabel(role);
   running_ = &prometheus::BuildGauge()
@@ -338,11 +364,17 @@ void LeaderMetrics::CountRequest(int http_status) {
   requests_->Add(labels).Increment();
 }
 void LeaderMetrics::SetQueueDepth(double depth) { queue_depth_->Set(depth); }
-void LeaderMetrics::ObserveFirstToken(double seconds) { ttft_->Observe(seconds); }
-void LeaderMetrics::ObserveInterToken(double seconds) { itl_->Observe(seconds); }
+void LeaderMetrics::ObserveFirstToken(double seconds) {
+  ttft_->Observe(seconds);
+  if (slo_) slo_->Observe(SloKind::kTtft, seconds);
+}
+void LeaderMetrics::ObserveInterToken(double seconds) {
+  itl_->Observe(seconds);
+  if (slo_) slo_->Observe(SloKind::kItl, seconds);
+}
 void LeaderMetrics::AddGenerated(double tokens) { generated_->Increment(tokens); }
 
-void RankMetrics::Expose(std::shared_ptr<prometheus::Registry> more) {
+void RankMetrics::Expose(std::shared_ptr<prometheus::Collectable> more) {
   absl::MutexLock lock(&mu_);
   collectables_.push_back(std::move(more));
 }

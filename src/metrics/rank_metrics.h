@@ -18,6 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "metrics/slo.h"
 
 namespace prometheus {
 class Collectable;
@@ -65,8 +66,13 @@ class LeaderMetrics {
  public:
   // `role`: disaggregated serving's ("prefill", "decode"; "" colocated), the `role` label of
   // the backlog gauges.
-  LeaderMetrics(prometheus::Registry& registry, const std::string& model,
-                const std::string& replica, const std::string& role = "");
+  // `slo`: spec.serving.slo's targets (metrics/slo.h), shardserve_slo_ratio and
+  // shardserve_slo_target_seconds on the leader's page when one is set.
+  LeaderMetrics(std::shared_ptr<prometheus::Registry> registry, const std::string& model,
+                const std::string& replica, const std::string& role = "",
+                const SloTargets& slo = {});
+  // The leader's page: the registry's metrics and its latency targets'.
+  std::shared_ptr<prometheus::Collectable> Page() const { return page_; }
   void CountRequest(int http_status);
   void SetQueueDepth(double depth);
   void ObserveFirstToken(double seconds);
@@ -89,6 +95,8 @@ class LeaderMetrics {
 
  private:
   std::map<std::string, std::string> labels_;
+  std::shared_ptr<SloWindow> slo_;  // null without a target
+  std::shared_ptr<prometheus::Collectable> page_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Gauge* queue_depth_;
   prometheus::Histogram* ttft_;
@@ -117,7 +125,7 @@ class RankMetrics {
   // The registry behind this rank's page; the leader adds its request metrics to it.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Serves `more` on this rank's page as well.
-  void Expose(std::shared_ptr<prometheus::Registry> more);
+  void Expose(std::shared_ptr<prometheus::Collectable> more);
   void SetUp(bool up);
   // What the rank is doing while it starts (GET /startupz).
   void SetStartup(const std::string& state);

@@ -30,7 +30,9 @@
 #include "common/text.h"
 #include "http/server.h"
 #include "http/upstream.h"
+#include "metrics/slo.h"
 #include "model/config.h"
+#include "router/fair_queue.h"
 #include "serve/api_keys.h"
 #include "serve/flow_control.h"
 #include "serve/kv_events.h"
@@ -138,6 +140,10 @@ struct Progress {
   bool draining = false;          // the last leg ended because its replica drains
   int64_t completion_tokens = 0;  // a whole answer's usage (a stream's: its tokens)
   std::string why;                // why the last leg ended
+  // Latency as the client sees it (spec.serving.slo): the request's arrival at the router, its
+  // last event carrying tokens; the event just sent carried some.
+  Clock::time_point arrived, last_token;
+  bool token_event = false;
   // Nothing reached the client (the request is sent again), or a reported stream not finished.
   bool CanResume() const {
     return resumable &&
@@ -153,6 +159,7 @@ struct Replica {
   std::thread thread;
   absl::Notification stop;
   std::atomic<int64_t> in_flight{0};
+  std::unique_ptr<SloWindow> slo;  // what the clients saw of its answers (null: no target)
 
   absl::Mutex mu;
   bool live ABSL_GUARDED_BY(mu) = false;  // a snapshot was read and the stream goes on
@@ -210,6 +217,9 @@ struct Router::Impl {
   prometheus::Family<prometheus::Gauge>* replicas_gauge = nullptr;
   prometheus::Family<prometheus::Gauge>*in_flight_g = nullptr, *running_g = nullptr,
   *waiting_g = nullptr, *kv_g = nullptr, *cached_g = nullptr;
+  prometheus::Gauge* queued_g = nullptr;
+  prometheus::Histogram* queue_wait = nullptr;
+  prometheus::Family<prometheus::Counter>* queue_refused = nullptr;
 
   absl::Mutex mu;
   std::map<std::string, std::shared_ptr<Replica>> replicas ABSL_GUARDED_BY(mu);
@@ -217,7 +227,15 @@ struct Router::Impl {
   std::thread discovery;
   std::atomic<uint64_t> turn{0};
   std::atomic<int> active{0};
-  std::unique_ptr<http::Server> http;
+  std::unique_ptr<http::Server> http, metrics_http;
+
+  // The queue (RouterOptions::queue_max): requests waiting for room in a replica's batch.
+  absl::Mutex queue_mu;
+  absl::CondVar queue_cv;  // something changed: room may have come
+  FairQueue queue ABSL_GUARDED_BY(queue_mu);
+  std::set<uint64_t> let_out ABSL_GUARDED_BY(queue_mu);  // taken from the queue, not yet seen
+  int64_t granted ABSL_GUARDED_BY(queue_mu) = 0;         // let through, not yet at a replica
+  uint64_t next_ticket ABSL_GUARDED_BY(queue_mu) = 0;
 
   void InitMetrics() {
     auto& r = *registry;
@@ -285,6 +303,23 @@ struct Router::Impl {
                  "Share of the replica's KV blocks in use (its leader's report)");
     cached_g = gauge("shardserve_router_replica_cached_blocks",
                      "KV blocks the replica caches, as the router knows them");
+    queued_g = &gauge("shardserve_router_queue_depth",
+                      "Requests the router holds: no replica has room in its batch, or none is "
+                      "ready (scaled to zero)")
+                    ->Add(labels);
+    queue_wait = &prometheus::BuildHistogram()
+                      .Name("shardserve_router_queue_wait_seconds")
+                      .Help("A generation request's time in the router's queue")
+                      .Register(r)
+                      .Add(labels, prometheus::Histogram::BucketBoundaries{0.001, 0.005, 0.025, 0.1,
+                                                                           0.25, 0.5, 1, 2.5, 5, 10,
+                                                                           30, 60, 120, 300});
+    queue_refused = &prometheus::BuildCounter()
+                         .Name("shardserve_router_queue_refused_total")
+                         .Help(
+                             "Requests the queue answered 503: it was full (full), or no "
+                             "replica had room within the queue's timeout (timeout)")
+                         .Register(r);
   }
 
   std::map<std::string, std::string> ReplicaLabels(const Replica& r) const {
@@ -453,6 +488,7 @@ struct Router::Impl {
         start = nl + 1;
       }
       pending.erase(0, start);
+      if (start > 0) Kick();  // a load report, or the replica routable: room may have come
       if (pending.size() > kMaxKvEventLine) {
         return absl::DataLossError("a KV events line over 1 MiB");
       }
@@ -519,6 +555,7 @@ struct Router::Impl {
           r->host = at.host;
           r->port = at.port;
           r->prefill = at.prefill;
+          if (options.slo.any()) r->slo = std::make_unique<SloWindow>(options.slo);
           {
             absl::MutexLock rl(&r->mu);
             r->why = "its KV events stream is not read yet";
@@ -602,6 +639,126 @@ struct Router::Impl {
     replicas_gauge->Add(l).Set(other);
   }
 
+  http::Response MetricsPage() {
+    PublishReplicas();
+    std::vector<prometheus::MetricFamily> families = registry->Collect();
+    if (options.slo.any()) {
+      std::vector<std::pair<std::map<std::string, std::string>, SloWindow*>> windows;
+      const std::vector<std::shared_ptr<Replica>> reps = Snapshot();
+      for (const auto& r : reps) {
+        if (r->slo) windows.emplace_back(ReplicaLabels(*r), r->slo.get());
+      }
+      for (auto& f : SloFamilies("shardserve_router", windows)) families.push_back(std::move(f));
+    }
+    return http::Response{
+        200, "text/plain; version=0.0.4", prometheus::TextSerializer().Serialize(families), {}};
+  }
+
+  // ---- the queue
+
+  bool Queueing() const { return options.queue_max > 0 && options.queue_timeout.count() > 0; }
+
+  // Requests the routable (decode) replicas could take now: each one's batch and a quarter
+  // (a few waiting at the leader keep its batch full while the router reacts), less its
+  // requests by its last report or this router's count there, whichever is more. A leader that
+  // does not report its batch takes any number.
+  int64_t Room(int64_t* routable) {
+    constexpr int64_t kAny = int64_t{1} << 40;
+    int64_t room = 0;
+    *routable = 0;
+    for (auto& r : Snapshot()) {
+      if (r->prefill) continue;
+      absl::MutexLock lock(&r->mu);
+      if (!Routable(*r)) continue;
+      ++*routable;
+      if (r->load.max_batch <= 0) return kAny;
+      const int64_t cap = r->load.max_batch + std::max<int64_t>(1, r->load.max_batch / 4);
+      const int64_t used = std::max(r->load.running + r->load.waiting, r->in_flight.load());
+      room += std::max<int64_t>(0, cap - used);
+    }
+    return room;
+  }
+
+  // Room may have come (a load report, a request done): the waiters look again.
+  void Kick() { queue_cv.SignalAll(); }
+
+  // Lets out of the queue, in its order, as many as the replicas have room for.
+  void LetOut() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu) {
+    if (queue.empty()) return;
+    int64_t routable = 0;
+    for (int64_t room = Room(&routable) - granted; room > 0 && !queue.empty(); --room) {
+      let_out.insert(queue.Pop()->id);
+      ++granted;
+    }
+    queued_g->Set(static_cast<double>(queue.size()));
+    queue_cv.SignalAll();
+  }
+
+  // A place at a replica for a request: a generation request (`batch`) waits in the queue,
+  // by `priority` and its tenant's weight, until a replica has room in its batch; any other
+  // only until some replica is routable. OK: go on (and call Placed() once it is at a replica,
+  // or goes nowhere); ResourceExhausted: the queue is full; DeadlineExceeded: the queue's
+  // timeout passed; Cancelled: the client left.
+  absl::Status Enter(bool batch, int64_t priority, const TenantClass& tenant, http::Exchange& ex,
+                     Clock::time_point arrived) {
+    absl::MutexLock lock(&queue_mu);
+    int64_t routable = 0;
+    const int64_t room = Room(&routable) - granted;
+    if (!Queueing() || (queue.empty() && (batch ? room > 0 : routable > 0))) {
+      ++granted;
+      if (batch) queue_wait->Observe(0);
+      return absl::OkStatus();
+    }
+    if (queue.size() >= static_cast<size_t>(options.queue_max)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the router's queue is full (", queue.size(),
+                       " requests wait for room in the replicas' batches); try again later"));
+    }
+    const uint64_t id = ++next_ticket;
+    queue.Push(
+        {id, batch ? priority : std::numeric_limits<int64_t>::min(), tenant.name, tenant.weight});
+    queued_g->Set(static_cast<double>(queue.size()));
+    const auto deadline = arrived + options.queue_timeout;
+    for (;;) {
+      if (batch) {
+        LetOut();
+      } else if (Room(&routable); routable > 0 && queue.Remove(id)) {
+        let_out.insert(id);
+        ++granted;
+        queued_g->Set(static_cast<double>(queue.size()));
+      }
+      if (let_out.erase(id) > 0) {
+        if (batch)
+          queue_wait->Observe(std::chrono::duration<double>(Clock::now() - arrived).count());
+        return absl::OkStatus();
+      }
+      const bool late = Clock::now() >= deadline;
+      if (late || ex.ClientGone()) {
+        queue.Remove(id);
+        queued_g->Set(static_cast<double>(queue.size()));
+        if (!late) return absl::CancelledError("the client left");
+        const int64_t seconds =
+            std::chrono::duration_cast<std::chrono::seconds>(options.queue_timeout).count();
+        Room(&routable);
+        return absl::DeadlineExceededError(
+            routable == 0
+                ? absl::StrCat("no replica of the model was ready within ", seconds,
+                               " s (scaled to zero and starting, or restarting)")
+                : absl::StrCat("no replica had room in its batch within ", seconds, " s"));
+      }
+      queue_cv.WaitWithTimeout(&queue_mu, absl::Milliseconds(100));
+    }
+  }
+
+  // A request let through by Enter() is at a replica (its in_flight counts it), or goes nowhere.
+  void Placed() {
+    {
+      absl::MutexLock lock(&queue_mu);
+      --granted;
+    }
+    Kick();
+  }
+
   // ---- requests
 
   // The prompt's tokens as the leader would feed them (the first prompt of a completion), and
@@ -609,7 +766,8 @@ struct Router::Impl {
   struct Prompt {
     std::vector<int32_t> tokens;
     std::string salt;
-    std::string adapter;  // the LoRA adapter its `model` names (empty: the base)
+    std::string adapter;   // the LoRA adapter its `model` names (empty: the base)
+    int64_t priority = 0;  // the request's `priority` (vLLM's)
     // Its prefill may run on a prefill replica (completions and chat whose prompt is not
     // scored: echo with logprobs needs every prompt row where the answer is made).
     bool disaggregable = false;
@@ -624,6 +782,7 @@ struct Router::Impl {
     }
     ASSIGN_OR_RETURN(ApiRequest req, ParseApiRequest(parsed, chat));
     Prompt p;
+    p.priority = req.priority;
     p.disaggregable = !responses && !(req.echo && req.logprobs) && req.kv_transfer.is_null();
     if (!options.model_name.empty() && req.model != options.model_name) p.adapter = req.model;
     p.salt = PrefixCacheSalt(options.prefix_cache_per_key && keys != nullptr,
@@ -686,6 +845,17 @@ struct Router::Impl {
     return out;
   }
 
+  // This router's count of its requests at a replica, while one is there.
+  struct AtReplica {
+    Impl& s;
+    Replica& r;
+    AtReplica(Impl& impl, Replica& replica) : s(impl), r(replica) { ++r.in_flight; }
+    ~AtReplica() {
+      --r.in_flight;
+      s.Kick();
+    }
+  };
+
   // A disaggregated request's prefill leg: the request, with do_remote_decode, to the best
   // prefill replica that answers. The decode leg's body (the request with the handoff), or the
   // answer to give the client (a 4xx the request itself earned), or an error: the decode replica
@@ -709,11 +879,7 @@ struct Router::Impl {
     for (size_t k : ranked.rank.order) {
       Replica& r = *reps[k];
       if (!ranked.cands[k].routable) continue;
-      ++r.in_flight;
-      struct Leave {
-        std::atomic<int64_t>& n;
-        ~Leave() { --n; }
-      } leave{r.in_flight};
+      AtReplica at(*this, r);
       auto call =
           http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, leg_body,
                                     options.connect_timeout, options.answer_timeout);
@@ -787,6 +953,7 @@ struct Router::Impl {
     }
     // What the request's tokens count in its tenant's minute: its prompt's and what it got.
     Progress p;
+    p.arrived = t0;
     int64_t prompt_used = 0;
     struct Count {
       FlowControl& flow;
@@ -799,15 +966,36 @@ struct Router::Impl {
                                                       : static_cast<int64_t>(p.tokens.size())));
       }
     } count{*flow, tenant, p, prompt_used};
-    std::vector<std::shared_ptr<Replica>> reps, prefill_reps;
-    for (auto& r : Snapshot()) (r->prefill ? prefill_reps : reps).push_back(std::move(r));
-    if (reps.empty()) {
-      return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
-    }
     std::optional<Prompt> prompt;
     if (generation) {
       if (auto built = PromptOf(req, chat, responses); built.ok()) prompt = *std::move(built);
       if (prompt) prompt_used = static_cast<int64_t>(prompt->tokens.size());
+    }
+    // The queue: until a replica has room (no tenant's key jumps ahead of its class).
+    const auto queued = Clock::now();
+    if (absl::Status s = Enter(generation, std::max(prompt ? prompt->priority : 0, tenant.priority),
+                               tenant, ex, t0);
+        !s.ok()) {
+      if (s.code() == absl::StatusCode::kCancelled) return;
+      auto l = labels;
+      l["reason"] = s.code() == absl::StatusCode::kResourceExhausted ? "full" : "timeout";
+      queue_refused->Add(l).Increment();
+      return ex.Respond(Error(503, std::string(s.message()), "server_error"));
+    }
+    const auto waited = Clock::now() - queued;
+    struct SentOnce {
+      Impl& s;
+      bool done = false;
+      void operator()() {
+        if (!done) s.Placed();
+        done = true;
+      }
+      ~SentOnce() { (*this)(); }
+    } sent{*this};
+    std::vector<std::shared_ptr<Replica>> reps, prefill_reps;
+    for (auto& r : Snapshot()) (r->prefill ? prefill_reps : reps).push_back(std::move(r));
+    if (reps.empty()) {
+      return ex.Respond(Error(503, "no replica of the model is known yet", "server_error"));
     }
     http::Headers headers;
     for (const char* h : {"authorization", "content-type", "accept", "x-request-id"}) {
@@ -849,7 +1037,7 @@ struct Router::Impl {
             static_cast<double>(ranked.cands[rank.order[0]].matched_blocks * ranked.block_size));
       }
     }
-    overhead->Observe(std::chrono::duration<double>(Clock::now() - t0).count());
+    overhead->Observe(std::chrono::duration<double>(Clock::now() - t0 - waited).count());
     // Each replica in the ranking's order at most once: the next when one refuses the
     // connection or answers 503 before doing anything, or when the answer breaks off and the
     // request can go on elsewhere (request migration: Progress).
@@ -861,11 +1049,8 @@ struct Router::Impl {
         absl::MutexLock lock(&r.mu);
         if (!Routable(r)) continue;
       }
-      ++r.in_flight;
-      struct Leave {
-        std::atomic<int64_t>& n;
-        ~Leave() { --n; }
-      } leave{r.in_flight};
+      AtReplica at(*this, r);
+      sent();
       // The first leg sends the request as it is (or its disaggregated decode leg); a migrated
       // one the client's request again, with the stream's progress when some of it was sent.
       const std::string leg_body = p.legs == 0     ? body
@@ -1120,6 +1305,7 @@ struct Router::Impl {
         block.erase(0, at + 2);
         switch (Forward(event, ex, responses, p, tail, last_event)) {
           case Sent::kOn:
+            ObserveLatency(replica, p);
             break;
           case Sent::kClientGone:
             call.Close();
@@ -1165,6 +1351,7 @@ struct Router::Impl {
   Sent Forward(const std::string& event, http::Exchange& ex, bool responses, Progress& p,
                std::string& tail, std::string& last_event) {
     std::string kept;
+    bool carried = false;  // a progress line gave the event's tokens
     for (absl::string_view line : absl::StrSplit(event, '\n')) {
       if (!absl::StartsWith(line, ":")) {
         absl::StrAppend(&kept, line, "\n");
@@ -1173,6 +1360,7 @@ struct Router::Impl {
         continue;
       }
       if (absl::ConsumePrefix(&line, ": tokens ")) {
+        carried = true;
         for (absl::string_view t : absl::StrSplit(line, ',')) {
           int32_t id;
           if (!absl::SimpleAtoi(t, &id) || id < 0 || p.tokens.size() >= kMaxProgressTokens) {
@@ -1201,9 +1389,25 @@ struct Router::Impl {
     kept += "\n";
     if (!ex.Write(kept)) return Sent::kClientGone;
     ++p.blocks;
+    p.token_event = carried || !p.reported;
     tail += kept;
     if (tail.size() > 64) tail.erase(0, tail.size() - 64);
     return Sent::kOn;
+  }
+
+  // The latency the client saw of an event just sent (its first tokens', from the request's
+  // arrival here; a later one's, from the event before), counted for the replica it came from.
+  static void ObserveLatency(Replica& replica, Progress& p) {
+    if (!p.token_event) return;
+    p.token_event = false;
+    const auto now = Clock::now();
+    if (replica.slo) {
+      const bool first = p.last_token == Clock::time_point{};
+      replica.slo->Observe(
+          first ? SloKind::kTtft : SloKind::kItl,
+          std::chrono::duration<double>(now - (first ? p.arrived : p.last_token)).count());
+    }
+    p.last_token = now;
   }
 
   // A stream whose choice finished but whose leader went before its end: the answer is whole
@@ -1244,6 +1448,7 @@ void Router::Stop(std::chrono::milliseconds drain) {
   }
   impl_->stopping.Notify();
   if (impl_->http) impl_->http->Stop();
+  if (impl_->metrics_http) impl_->metrics_http->Stop();
   if (impl_->discovery.joinable()) impl_->discovery.join();
   for (auto& r : impl_->Snapshot()) {
     r->stop.Notify();
@@ -1291,7 +1496,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
   server.host = options.host;
   server.port = options.port;
   server.max_body_bytes = options.max_body_bytes;
-  server.max_blocking = options.max_blocking;
+  server.max_blocking = options.max_blocking + std::max(0, options.queue_max);  // held ones too
   server.error = [s](int status, const std::string& reason) {
     return s->Error(status, reason, status >= 500 ? "server_error" : "invalid_request_error");
   };
@@ -1326,11 +1531,14 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
       absl::MutexLock lock(&r->mu);
       routable += s->Routable(*r);
     }
-    if (routable > 0) {
-      return http::Response{200,
-                            "application/json",
-                            json{{"ready", true}, {"routable_replicas", routable}}.dump(),
-                            {}};
+    // With its queue, the router takes requests while no replica does (scaled to zero, or
+    // restarting): it holds them until one does.
+    if (routable > 0 || s->Queueing()) {
+      return http::Response{
+          200,
+          "application/json",
+          json{{"ready", true}, {"routable_replicas", routable}, {"holding", routable == 0}}.dump(),
+          {}};
     }
     return http::Response{
         503,
@@ -1342,17 +1550,29 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
     // The router's figures (expected hits, every replica's load) are the deployment's: read
     // with the router token, never with a tenant's API key.
     if (auto denied = s->DenyMetrics(req)) return *std::move(denied);
-    s->PublishReplicas();
-    return http::Response{200,
-                          "text/plain; version=0.0.4",
-                          prometheus::TextSerializer().Serialize(s->registry->Collect()),
-                          {}};
+    return s->MetricsPage();
   });
   if (options.prefix_cache_per_key && s->keys == nullptr) {  // else it would isolate nothing
     return absl::FailedPreconditionError(
         "prefix cache isolation perKey names block chains by API key, and the router has none");
   }
   ASSIGN_OR_RETURN(s->http, http::Server::Start(server, std::move(routes)));
+  if (options.metrics_port >= 0) {  // as a rank's metrics port: read without a token
+    http::Routes metrics;
+    metrics.Get("/metrics", [s](const http::Request&) { return s->MetricsPage(); });
+    http::ServerOptions page;
+    page.host = options.host;
+    page.port = options.metrics_port;
+    page.max_body_bytes = 0;
+    page.max_blocking = 0;
+    auto started = http::Server::Start(page, std::move(metrics));
+    if (!started.ok()) {
+      return absl::UnavailableError(absl::StrCat("cannot serve the router's metrics on port ",
+                                                 options.metrics_port, ": ",
+                                                 started.status().message()));
+    }
+    s->metrics_http = *std::move(started);
+  }
   s->discovery = std::thread([s] { s->Discover(); });
   if (s->keys == nullptr) {
     LogWarning("router: no API keys: anyone who reaches ", options.host, ":", s->http->port(),

@@ -34,6 +34,7 @@
 
 #include "absl/status/statusor.h"
 #include "api/worker_env.h"
+#include "metrics/slo.h"
 #include "router/choice.h"
 
 namespace shardserve {
@@ -67,6 +68,19 @@ struct RouterOptions {
   // what it relays counted; the leaders take the tenant's priority and weight from the same file.
   std::string flow_control_file;
   int flow_share = 1;
+  // The queue: a generation request waits here while no replica has room in its batch (each
+  // replica's running and waiting requests, by its reports and this router's own, below its
+  // batch and a quarter), or none is ready (scaled to zero, restarting): at most queue_max of
+  // them (past it, 503 naming the queue), each at most queue_timeout (then 503 saying what it
+  // waited for). They leave by priority (the request's `priority`, bounded by its tenant's
+  // class, lower first), then weighted fair between tenants (router/fair_queue.h), as a
+  // replica has room.
+  int queue_max = 256;
+  std::chrono::milliseconds queue_timeout{120000};
+  // Latency targets (metrics/slo.h): what the clients see of each replica's answers (the time
+  // from a request's arrival here to its stream's first token, the gaps between its events).
+  SloTargets slo;
+  int metrics_port = -1;  // /metrics without a token on this port as well (-1: none)
   ChoiceWeights weights;
   std::chrono::milliseconds resolve_every{2000};
   std::chrono::milliseconds connect_timeout{2000};

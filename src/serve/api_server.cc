@@ -335,8 +335,10 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
   impl->prompt_builder =
       std::make_unique<PromptBuilder>(impl->tokenizer.get(), &impl->chat,
                                       env.special_tokens_as_text, env.trust_request_chat_template);
-  impl->metrics = std::make_unique<LeaderMetrics>(*impl->own_registry, env.metrics_model(),
-                                                  std::to_string(env.replica), env.kv_role);
+  impl->metrics = std::make_unique<LeaderMetrics>(
+      impl->own_registry, env.metrics_model(), std::to_string(env.replica), env.kv_role,
+      SloTargets{env.slo_ttft_ms / 1000.0, env.slo_itl_ms / 1000.0,
+                 static_cast<double>(env.slo_percentile)});
   Impl* s = impl.get();
   http::ServerOptions options;
   options.host = config.host;
@@ -424,7 +426,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
     if (s->config.env.api_metrics_auth) {
       if (auto denied = s->Deny(req)) return *std::move(denied);
     }
-    std::vector<prometheus::MetricFamily> families = s->own_registry->Collect();
+    std::vector<prometheus::MetricFamily> families = s->metrics->Page()->Collect();
     {
       absl::MutexLock lock(&s->registry_mu);
       if (s->rank_registry) {
@@ -454,12 +456,12 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ServeConfig& c
 
 void ApiServer::AttachRankMetrics(
     std::shared_ptr<prometheus::Registry> rank,
-    const std::function<void(std::shared_ptr<prometheus::Registry>)>& expose) {
+    const std::function<void(std::shared_ptr<prometheus::Collectable>)>& expose) {
   {
     absl::MutexLock lock(&impl_->registry_mu);
     impl_->rank_registry = std::move(rank);
   }
-  if (expose) expose(impl_->own_registry);
+  if (expose) expose(impl_->metrics->Page());
 }
 
 void ApiServer::SetEngine(Engine* engine, const std::string& reason) {

@@ -25,8 +25,9 @@
 #include "serve/engine.h"
 
 namespace prometheus {
+class Collectable;
 class Registry;
-}
+}  // namespace prometheus
 
 namespace shardserve {
 
@@ -52,8 +53,9 @@ class ApiServer {
   int port() const { return port_; }
   // The rank's own registry joins this server's /metrics; `expose` puts the request metrics on
   // the rank's page too. Either may be null.
-  void AttachRankMetrics(std::shared_ptr<prometheus::Registry> rank,
-                         const std::function<void(std::shared_ptr<prometheus::Registry>)>& expose);
+  void AttachRankMetrics(
+      std::shared_ptr<prometheus::Registry> rank,
+      const std::function<void(std::shared_ptr<prometheus::Collectable>)>& expose);
   // Generation is served by `engine` (ready) or not at all (null; `reason` for /readyz).
   void SetEngine(Engine* engine, const std::string& reason = "");
   // A prefill replica's KV as the decode replicas find it (serve/kv_handoff.h).

@@ -723,7 +723,7 @@ LeaderContext Rank::Context() {
   ctx.config = &c;
   if (metrics_) {
     ctx.registry = metrics_->registry();
-    ctx.expose = [m = metrics_.get()](std::shared_ptr<prometheus::Registry> r) {
+    ctx.expose = [m = metrics_.get()](std::shared_ptr<prometheus::Collectable> r) {
       m->Expose(std::move(r));
     };
   }

@@ -27,8 +27,9 @@
 #include "serve/step.h"
 
 namespace prometheus {
+class Collectable;
 class Registry;
-}
+}  // namespace prometheus
 
 namespace shardserve {
 
@@ -79,7 +80,7 @@ struct LeaderContext {
   EngineOptions engine;
   std::shared_ptr<prometheus::Registry> registry;  // the rank's /metrics; null when off
   // Adds a registry to the rank's /metrics page; null when off.
-  std::function<void(std::shared_ptr<prometheus::Registry>)> expose;
+  std::function<void(std::shared_ptr<prometheus::Collectable>)> expose;
   // How the replica holds the KV, and (a prefill replica) its ranks' exporter addresses and where
   // the leader hears that a decode replica is done with an offer (set while an engine runs,
   // reset to null before it goes; called on the exporter's thread).

@@ -100,6 +100,9 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.admin_keys_file = "/admin-keys";
   w.lora_root = "/adapters/dynamic";
   w.flow_control_file = "/flow/flow.yaml";
+  w.slo_ttft_ms = 500;
+  w.slo_itl_ms = 40;
+  w.slo_percentile = 95;
   const auto written = AsMap(w);
   // Every variable of the table differs from its default here, so each is written: a setting
   // added to the table and not to this test fails here.
@@ -189,6 +192,12 @@ TEST(RouterEnvTest, EveryFieldSurvivesTheRoundTrip) {
   r.model_name = "llama";
   r.flow_control_file = "/flow/flow.yaml";
   r.flow_share = 2;
+  r.queue_max = 17;
+  r.queue_timeout_ms = 9000;
+  r.slo_ttft_ms = 500;
+  r.slo_itl_ms = 40;
+  r.slo_percentile = 95;
+  r.metrics_port = 9400;
   const auto written = AsMap(r);
   EXPECT_EQ(written.size(), RouterEnv::Names().size());
   for (const std::string& name : RouterEnv::Names()) EXPECT_TRUE(written.count(name)) << name;

@@ -775,6 +775,47 @@ TEST(Builders, FlowControlIsMountedOnTheLeadersAndRouters) {
             std::string::npos);
 }
 
+// spec.serving.slo and .queue: on the leaders and routers as their env; a model with targets,
+// or none of its replicas left (scaled to zero), keeps its routers, which Prometheus scrapes on
+// the ranks' metrics port.
+TEST(Builders, LatencyTargetsAndScaleToZeroKeepTheRouters) {
+  json object = Model();
+  object["spec"]["replicas"] = 1;
+  auto m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(Routed(*m));  // one replica, no targets: its leader is the Service
+  object["spec"]["replicas"] = 0;
+  m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(Routed(*m)) << "scaled to zero: the routers hold the requests";
+  object["spec"]["replicas"] = 1;
+  object["spec"]["serving"]["slo"] = {{"ttftMilliseconds", 800}, {"itlMilliseconds", 60}};
+  object["spec"]["serving"]["queue"] = {{"maxRequests", 32}, {"timeoutSeconds", 300}};
+  m = ReadModel(object);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(Routed(*m));
+  const json leader = BuildStagePod(*m, 0, 0, {"node-a", "node-b"});
+  EXPECT_EQ(Env(leader, "SHARDSERVE_SLO_TTFT_MS"), "800");
+  EXPECT_EQ(Env(leader, "SHARDSERVE_SLO_ITL_MS"), "60");
+  const json d = BuildRouterDeployment(*m);
+  EXPECT_EQ(d["spec"]["replicas"], kRouterPods);
+  json as_pod = {{"spec", d["spec"]["template"]["spec"]}};
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_SLO_TTFT_MS"), "800");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_QUEUE_MAX"), "32");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_QUEUE_TIMEOUT_MS"), "300000");
+  EXPECT_EQ(Env(as_pod, "SHARDSERVE_ROUTER_METRICS_PORT"), std::to_string(kMetricsPortBase));
+  EXPECT_NE(as_pod.dump().find(R"({"containerPort":9400,"name":"metrics-0"})"), std::string::npos)
+      << as_pod.dump();
+  for (const auto& [field, value, named] :
+       {std::tuple{"slo", json{{"percentile", 100}}, "spec.serving.slo.percentile"},
+        std::tuple{"slo", json{{"ttftMs", 1}}, "spec.serving.slo"},
+        std::tuple{"queue", json{{"maxRequests", 5000}}, "spec.serving.queue.maxRequests"}}) {
+    json bad = object;
+    bad["spec"]["serving"][field] = value;
+    EXPECT_NE(ReadModel(bad).status().message().find(named), std::string::npos) << value;
+  }
+}
+
 TEST(Builders, RendezvousSecretAndDisruptionBudget) {
   auto m = ReadModel(Model());
   ASSERT_TRUE(m.ok());

@@ -40,7 +40,7 @@ class FakeLeader {
       for (const std::string& l : EncodeKvSnapshot(cached_)) out += l + "\n";
       if (!ex.Write(out)) return;
       while (!stop_stream_.load() && !ex.ClientGone()) {
-        ReplicaLoad load{0, 0, 8, 0, 100};
+        ReplicaLoad load{0, 0, max_batch_.load(), 0, 100};
         load.accepting = accepting_.load();
         if (!adapters_.empty()) {
           load.max_loras = 2;
@@ -52,14 +52,20 @@ class FakeLeader {
       ex.End();
     });
     routes.PostBlocking("/v1/completions", [this](const http::Request& req, http::Exchange& ex) {
-      ++requests_;
+      const int n = ++requests_;
+      {
+        absl::MutexLock lock(&mu_);
+        bodies_.push_back(req.body);
+      }
       if (req.body.find("\"stream\": true") != std::string::npos) {
         // The first piece, then the rest only once the client has it (go_): a router that
         // waited for the whole answer would never pass it on.
         if (!ex.StartStream({200, "text/event-stream", "", {}})) return;
         ex.Write(absl::StrCat("data: ", name_, "0\n\n"));
         if (die_mid_stream_.load()) return;  // cut short, as when the leader's process dies
-        go_.WaitForNotificationWithTimeout(absl::Seconds(10));
+        for (int i = 0; i < 1000 && n > released_.load() && !go_.HasBeenNotified(); ++i) {
+          std::this_thread::sleep_for(10ms);
+        }
         for (int i = 1; i < 3; ++i) ex.Write(absl::StrCat("data: ", name_, i, "\n\n"));
         ex.Write("data: [DONE]\n\n");
         return ex.End();
@@ -91,7 +97,12 @@ class FakeLeader {
   std::atomic<bool> stop_stream_{false};
   std::atomic<bool> accepting_{true};
   std::atomic<bool> die_mid_stream_{false};
+  std::atomic<int64_t> max_batch_{8};
+  // A stream's rest is sent once go_ is notified, or once released_ reaches its number.
   absl::Notification go_;
+  std::atomic<int> released_{0};
+  absl::Mutex mu_;
+  std::vector<std::string> bodies_ ABSL_GUARDED_BY(mu_);  // the requests, as they came
   std::unique_ptr<http::Server> server_;
 };
 
@@ -103,8 +114,12 @@ class RouterTest : public ::testing::Test {
   }
   std::unique_ptr<Router> Start(const std::vector<std::string>& leaders,
                                 const std::string& keys_file = "",
-                                const std::string& token_file = "") {
+                                const std::string& token_file = "", int queue_max = 256,
+                                SloTargets slo = {}) {
     RouterOptions o;
+    o.queue_max = queue_max;
+    o.queue_timeout = 3s;
+    o.slo = slo;
     o.model_name = "m";
     o.host = "127.0.0.1";
     o.port = 0;
@@ -130,11 +145,12 @@ class RouterTest : public ::testing::Test {
     }
     return n;
   }
-  std::string Body(bool stream = false, const std::string& model = "m") {
+  std::string Body(bool stream = false, const std::string& model = "m",
+                   const std::string& extra = "") {
     std::string ids;
     for (int32_t t : prompt_) absl::StrAppend(&ids, ids.empty() ? "" : ",", t);
     return absl::StrCat("{\"model\": \"", model, "\", \"prompt\": [", ids, "]",
-                        stream ? ", \"stream\": true" : "", "}");
+                        stream ? ", \"stream\": true" : "", extra, "}");
   }
   absl::StatusOr<http::ClientResponse> Post(Router& r, bool stream = false,
                                             http::Headers headers = {},
@@ -342,18 +358,125 @@ TEST_F(RouterTest, AStreamCutShortEndsWithAnErrorAndTakesItsReplicaOut) {
 }
 
 // A replica that drains (its leader stops taking requests) is not routed, and the router's
-// /readyz follows the replicas still taking requests.
+// /readyz follows the replicas still taking requests; with its queue, the router stays ready
+// and says it holds.
 TEST_F(RouterTest, ReadinessFollowsTheReplicasTakingRequests) {
   FakeLeader a("A", {});
-  auto router = Start({a.address()});
-  ASSERT_EQ(Routable(*router, 1), 1);
+  for (bool queue : {false, true}) {
+    a.accepting_ = true;
+    auto router = Start({a.address()}, "", "", queue ? 8 : 0);
+    ASSERT_EQ(Routable(*router, 1), 1);
+    a.accepting_ = false;
+    EXPECT_EQ(Routable(*router, 0), 0);
+    auto res = http::Fetch("127.0.0.1", router->port(), "GET", "/readyz", {}, "", 5s);
+    ASSERT_TRUE(res.ok());
+    EXPECT_EQ(res->status, queue ? 200 : 503);
+    if (queue) EXPECT_THAT(res->body, HasSubstr("\"holding\":true"));
+    a.accepting_ = true;
+    EXPECT_EQ(Routable(*router, 1), 1);
+  }
+}
+
+// The queue: while no replica takes requests (scaled to zero, restarting) a request is held,
+// and answered once one does; past the queue's bound, or its timeout, a 503 that says which.
+TEST_F(RouterTest, RequestsAreHeldUntilAReplicaTakesThem) {
+  FakeLeader a("A", {});
+  a.accepting_ = false;
+  auto router = Start({a.address()}, "", "", /*queue_max=*/1);
+  EXPECT_EQ(Routable(*router, 0), 0);
+  std::thread held([&] {
+    auto r = Post(*router);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->body, "{\"from\":\"A\"}");
+  });
+  auto depth = [&] {
+    const std::string m = Metrics(*router);
+    const std::string series = "shardserve_router_queue_depth{model=\"m\"} ";
+    const size_t at = m.find(series);
+    return at == std::string::npos ? -1 : std::atoi(m.c_str() + at + series.size());
+  };
+  for (int i = 0; i < 100 && depth() != 1; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(depth(), 1);
+  // The queue holds one: the next is refused at once, by name.
+  auto full = Post(*router);
+  ASSERT_TRUE(full.ok());
+  EXPECT_EQ(full->status, 503);
+  EXPECT_THAT(full->body, HasSubstr("queue is full"));
+  EXPECT_EQ(a.requests_.load(), 0);
+  a.accepting_ = true;  // ready: the held request goes on
+  held.join();
+  EXPECT_EQ(a.requests_.load(), 1);
+  EXPECT_EQ(depth(), 0);
+  // Nobody takes it within the queue's timeout (3 s here): 503 saying what it waited for.
   a.accepting_ = false;
   EXPECT_EQ(Routable(*router, 0), 0);
-  auto res = http::Fetch("127.0.0.1", router->port(), "GET", "/readyz", {}, "", 5s);
-  ASSERT_TRUE(res.ok());
-  EXPECT_EQ(res->status, 503);
-  a.accepting_ = true;
-  EXPECT_EQ(Routable(*router, 1), 1);
+  auto late = Post(*router);
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->status, 503);
+  EXPECT_THAT(late->body, HasSubstr("no replica of the model was ready within 3 s"));
+  const std::string m = Metrics(*router);
+  EXPECT_THAT(m, HasSubstr("shardserve_router_queue_refused_total{model=\"m\",reason=\"full\"} 1"));
+  EXPECT_THAT(m,
+              HasSubstr("shardserve_router_queue_refused_total{model=\"m\",reason=\"timeout\"} 1"));
+}
+
+// A replica whose batch is full (by its reports and the router's own count) takes no more: the
+// next requests wait in the router, and leave it by priority as room comes.
+TEST_F(RouterTest, AFullBatchQueuesAtTheRouterAndTheMostUrgentGoesFirst) {
+  FakeLeader a("A", {});
+  a.max_batch_ = 1;  // room for 1 + 1 (a quarter, at least one)
+  auto router = Start({a.address()});
+  ASSERT_EQ(Routable(*router, 1), 1);
+  auto post = [&](const std::string& extra) {
+    return http::Fetch("127.0.0.1", router->port(), "POST", "/v1/completions",
+                       {{"content-type", "application/json"}}, Body(true, "m", extra), 10s);
+  };
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 2; ++i) clients.emplace_back([&] { EXPECT_EQ(post("")->status, 200); });
+  for (int i = 0; i < 100 && a.requests_.load() < 2; ++i) std::this_thread::sleep_for(20ms);
+  ASSERT_EQ(a.requests_.load(), 2);  // both at the replica, held there by its stream
+  clients.emplace_back([&] { EXPECT_EQ(post(", \"priority\": 5")->status, 200); });
+  std::this_thread::sleep_for(200ms);
+  clients.emplace_back([&] { EXPECT_EQ(post(", \"priority\": -3")->status, 200); });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(a.requests_.load(), 2) << "the batch is full: the others wait at the router";
+  EXPECT_THAT(Metrics(*router), HasSubstr("shardserve_router_queue_depth{model=\"m\"} 2"));
+  a.released_ = 1;  // the first stream ends: room for one, the most urgent
+  for (int i = 0; i < 100 && a.requests_.load() < 3; ++i) std::this_thread::sleep_for(20ms);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(a.requests_.load(), 3);
+  {
+    absl::MutexLock lock(&a.mu_);
+    ASSERT_EQ(a.bodies_.size(), 3u);
+    EXPECT_THAT(a.bodies_[2], HasSubstr("\"priority\": -3"));
+  }
+  a.go_.Notify();
+  for (std::thread& t : clients) t.join();
+  absl::MutexLock lock(&a.mu_);
+  ASSERT_EQ(a.bodies_.size(), 4u);
+  EXPECT_THAT(a.bodies_[3], HasSubstr("\"priority\": 5"));
+}
+
+// With latency targets, the router exports what its clients saw of each replica's streams.
+TEST_F(RouterTest, TheRouterExportsHowFarEachReplicaIsFromTheTargets) {
+  FakeLeader a("A", {});
+  a.go_.Notify();
+  auto router = Start({a.address()}, "", "", 256, SloTargets{0.5, 0.001, 90});
+  ASSERT_EQ(Routable(*router, 1), 1);
+  auto r = Post(*router, /*stream=*/true);
+  ASSERT_TRUE(r.ok());
+  const std::string m = Metrics(*router);
+  const std::string series =
+      absl::StrCat("shardserve_router_slo_ratio{model=\"m\",replica=\"", a.address(), "\",slo=\"");
+  EXPECT_THAT(m, HasSubstr(series + "ttft\"}"));
+  EXPECT_THAT(m, HasSubstr(series + "itl\"}"));
+  EXPECT_THAT(m, HasSubstr("shardserve_router_slo_target_seconds{model=\"m\",replica=\""));
+  const size_t ttft = m.find(series + "ttft\"} ");
+  ASSERT_NE(ttft, std::string::npos);
+  const double ratio = std::atof(m.c_str() + ttft + series.size() + 6);
+  EXPECT_GT(ratio, 0);
+  EXPECT_LT(ratio, 20);  // well under 10 s to the first event
 }
 
 TEST_F(RouterTest, BadLeaderSpecsAreNamed) {
