@@ -12,7 +12,9 @@ two keys of two tenants:
     naming it;
   - a manifest naming a ConfigMap for its flow control without --flow-control-file is refused
     by name (shardserve local cannot read a cluster's ConfigMap);
-  - the same limits at the router in front of two replicas (its 429, Retry-After and message).
+  - the same limits at the router in front of two replicas (its 429, Retry-After and message);
+  - latency targets (spec.serving.slo): the leaders and the router export how far each replica
+    is from them (shardserve_slo_ratio, shardserve_router_slo_ratio), promtool-clean.
 
 usage: flow_control_test.py path/to/shardserve"""
 import json
@@ -23,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, wait_until  # noqa: E402
+from checks import Checks, free_ports, metric, wait_until  # noqa: E402
 from deployment import MANIFEST, Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -32,9 +34,13 @@ tmp = tempfile.mkdtemp(prefix="shardserve-flow-")
 MODEL = os.path.join(tmp, "model")
 gen_model(BIN, MODEL)
 BATCH, CHAT = "sk-flow-batch-0123456789", "sk-flow-chat-0123456789"
+FREE = "sk-flow-default-0123456789"  # the default class: no limits
 KEYS = os.path.join(tmp, "keys")
 with open(KEYS, "w") as f:
-    f.write(f"{BATCH}\n{CHAT}\n")
+    f.write(f"{BATCH}\n{CHAT}\n{FREE}\n")
+TOKEN_FILE = os.path.join(tmp, "router-token")
+with open(TOKEN_FILE, "w") as f:
+    f.write("router-token-flow-0123456789\n")
 FLOW = os.path.join(tmp, "flow.yaml")
 
 
@@ -133,9 +139,35 @@ check(run.returncode != 0 and
 
 write_flow(1)
 r = Deployment(BIN, MODEL, tp=1, pp=1, replicas=2,
-               args=("--api-key-file", KEYS, "--flow-control-file", FLOW))
+               args=("--api-key-file", KEYS, "--flow-control-file", FLOW,
+                     "--router-token-file", TOKEN_FILE),
+               serving={"slo": "{ttftMilliseconds: 5000, itlMilliseconds: 2000, percentile: 95}"})
 try:
     limits(r, "router")
+    # Latency targets: streams through the router, then each page says how far it is from them.
+    r.api_key = FREE
+    for i in range(4):
+        status, events, done = r.stream("/v1/completions", {
+            "model": "tiny", "prompt": [5, 6, 7, i], "max_tokens": 6, "stream": True,
+            "ignore_eos": True})
+        check(status == 200 and done, f"a stream through the router ({status})")
+    page = r.metrics_page(token="router-token-flow-0123456789")
+    ttft = [float(line.split()[-1]) for line in page.splitlines()
+            if line.startswith("shardserve_router_slo_ratio{") and 'slo="ttft"' in line]
+    itl = metric(page, "shardserve_router_slo_ratio", slo="itl")
+    check(ttft and max(ttft) > 0 and max(ttft) < 1 and itl is not None and
+          metric(page, "shardserve_router_slo_target_seconds", slo="ttft") == 5 * len(ttft),
+          f"the router exports each replica's distance from the targets as its clients saw it "
+          f"(ttft {ttft}, itl {itl})")
+    lint = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
+                          text=True)
+    check(lint.returncode == 0, f"promtool check metrics is clean on the router {lint.stdout}"
+                                f"{lint.stderr}".strip())
+    leaders = [r.metrics_page(port=p) for p in r.metrics_ports]
+    ratios = [metric(p, "shardserve_slo_ratio", slo="ttft") for p in leaders]
+    check(all(x is not None for x in ratios) and max(ratios) > 0 and
+          all(metric(p, "shardserve_slo_target_seconds", slo="itl") == 2 for p in leaders),
+          f"each leader exports its replica's distance from the targets ({ratios})")
 finally:
     r.stop()
 check.finish()
