@@ -9,7 +9,12 @@ p50 and p99, alone and under the flood:
   - flood, one tenant: the light requests sent with the flooding key itself (what any engine
     without tenants does: they queue behind the flood).
 
-Usage: bench/fairness.py BUILD_BIN_DIR [--flood 24] [--requests 40] [--max-batch 8].
+With --replicas 2, `shardserve local` puts its router in front of two replicas: the flood fills
+both batches and the rest waits in the router's queue, which lets the light key's request out
+first (weighted fair between tenants).
+
+Usage: bench/fairness.py BUILD_BIN_DIR [--flood 24] [--requests 40] [--max-batch 8]
+[--replicas 1].
 Prints figures; asserts nothing."""
 import argparse
 import http.client
@@ -28,6 +33,7 @@ ap.add_argument("bin")
 ap.add_argument("--flood", type=int, default=24, help="the flooding key's concurrent clients")
 ap.add_argument("--requests", type=int, default=40, help="the light key's requests per phase")
 ap.add_argument("--max-batch", type=int, default=8)
+ap.add_argument("--replicas", type=int, default=1)
 args = ap.parse_args()
 BIN = os.path.join(args.bin, "shardserve")
 
@@ -75,7 +81,7 @@ def light_phase(d, key):
 
 
 d = Deployment(BIN, model, tp=1, pp=1, max_batch=args.max_batch, max_seq=2048,
-               args=("--api-key-file", keys, "--flow-control-file", flow))
+               replicas=args.replicas, args=("--api-key-file", keys, "--flow-control-file", flow))
 try:
     ttft(d.port, LIGHT, [1, 2, 3], 4)  # warm
     results = {"alone": light_phase(d, LIGHT)}
@@ -99,6 +105,6 @@ try:
         p50, p99 = percentile(xs, 50), percentile(xs, 99)
         print(f"figure: light key's TTFT, {phase}: p50 {p50 * 1000:.1f} ms, p99 "
               f"{p99 * 1000:.1f} ms ({p99 / base:.2f}x alone's p99; {args.flood} flooding "
-              f"clients, max batch {args.max_batch})", flush=True)
+              f"clients, max batch {args.max_batch}, {args.replicas} replica(s))", flush=True)
 finally:
     d.stop()

@@ -685,11 +685,12 @@ struct Router::Impl {
   // Lets out of the queue, in its order, as many as the replicas have room for.
   void LetOut() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu) {
     if (queue.empty()) return;
-    int64_t routable = 0;
-    for (int64_t room = Room(&routable) - granted; room > 0 && !queue.empty(); --room) {
+    int64_t routable = 0, out = 0;
+    for (int64_t room = Room(&routable) - granted; room > 0 && !queue.empty(); --room, ++out) {
       let_out.insert(queue.Pop()->id);
       ++granted;
     }
+    if (out == 0) return;  // (waking the others for nothing would have them wake each other)
     queued_g->Set(static_cast<double>(queue.size()));
     queue_cv.SignalAll();
   }

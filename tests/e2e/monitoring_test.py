@@ -17,10 +17,14 @@ prometheus-operator's CRDs), a real Prometheus built with Kubernetes service dis
     the ScaledObject of examples/keda-scaledobject.yaml: the HorizontalPodAutoscaler of
     kube-controller-manager scales the ShardedModel 1 -> 2 through its scale subresource when a
     load queues requests, the new replica serves, and back to 1 after the stabilisation window
-    once the load stops, with no request failing on the way down.
+    once the load stops, with no request failing on the way down;
+  - latency targets (spec.serving.slo): the leaders' and routers' distance from them in
+    Prometheus; KEDA with examples/keda-slo-scaledobject.yaml scales the idle model to zero (its
+    routers stay), and a request sent then is held by a router, wakes the model (the routers'
+    queue depth activates the ScaledObject) and is answered.
 
 Figures: load start -> second replica answering, load stop -> back to 1, failures on the way down,
-kill -> alert firing -> resolved.
+kill -> alert firing -> resolved, idle -> zero replicas, first request at zero -> answered.
 
 usage: monitoring_test.py path/to/shardserve path/to/shardserve-operator"""
 import os
@@ -45,6 +49,7 @@ from realnodes import (ClientLoop, Models, figure, helm_install, manifest,  # no
 
 SHARDSERVE, OPERATOR = sys.argv[1], sys.argv[2]
 NS, RELEASE, NAME = "shardserve", "ss", "tiny"
+ranks_job, operator_job = f"{NS}/{RELEASE}-shardserve-ranks", f"{RELEASE}-shardserve-operator"
 KEY = "sk-e2e-" + secrets.token_hex(16)
 check = Checks()
 
@@ -69,6 +74,11 @@ def targets(job):
             if t["labels"]["job"] == job}
 
 
+def rank_targets():
+    """targets(ranks_job) of the ranks (the routers serve their metrics on metrics-0 too)."""
+    return {k: v for k, v in targets(ranks_job).items() if "-router-" not in (k[0] or "")}
+
+
 def spec_replicas():
     return c.get("smodel", NAME)["spec"]["replicas"]
 
@@ -91,7 +101,11 @@ try:
     check(len(names) == 3, f"the release's monitors are in the cluster: {names}")
     c.kubectl("create", "secret", "generic", "tiny-api-keys", f"--from-literal=key={KEY}",
               check=True)
-    m.apply(manifest(NAME, f"hostpath://{model_dir}", max_batch=2))
+    # Latency targets: the model keeps its routers at one replica (and at zero); they hold
+    # requests up to 5 minutes while no replica is ready.
+    m.apply(manifest(NAME, f"hostpath://{model_dir}", max_batch=2,
+                     serving={"slo": {"ttftMilliseconds": 2000, "itlMilliseconds": 500},
+                              "queue": {"timeoutSeconds": 300}}))
     check(wait_until(lambda: m.ready(NAME, 1), 240) and wait_until(lambda: m.answers(NAME), 60),
           "the TP=2 x PP=2 model is Ready and answers")
     prom = prometheus_for_release(c, RELEASE, NS, os.path.join(tmp, "prometheus"),
@@ -103,12 +117,14 @@ try:
           f"scrape jobs derived from the release's monitors ({len(jobs)})")
 
     # --- Prometheus on real pods -------------------------------------------------------------
-    ranks_job, operator_job = f"{NS}/{RELEASE}-shardserve-ranks", f"{RELEASE}-shardserve-operator"
     want = {(f"{NAME}-0-{s}", f"metrics-{t}") for s in (0, 1) for t in (0, 1)}
-    check(wait_until(lambda: len([h for h in targets(ranks_job).values() if h == "up"]) == 4, 90),
+    check(wait_until(lambda: len([h for h in rank_targets().values() if h == "up"]) == 4, 90),
           f"the 4 ranks are scraped through service discovery (job {ranks_job}: "
           f"{targets(ranks_job)})")
-    check(set(targets(ranks_job)) == want, "their targets carry the pod and endpoint labels")
+    check(set(rank_targets()) == want, "their targets carry the pod and endpoint labels")
+    check(wait_until(lambda: sorted(v for k, v in targets(ranks_job).items()
+                                    if "-router-" in k[0]) == ["up", "up"], 60),
+          f"the model's 2 routers are scraped on their metrics port ({targets(ranks_job)})")
     op_pods = {p["metadata"]["name"] for p in operator_pods(c)}
     check(wait_until(lambda: targets(operator_job) == {(p, "http-metrics"): "up"
                                                        for p in op_pods}, 60),
@@ -124,6 +140,13 @@ try:
                                          f'{operator_job}"}}[1m]))') >= 15, 120),
           "15 scrapes of every target in the last minute")
     print(f"load: {busy.ok / (time.monotonic() - t0):.0f} completions/s", flush=True)
+    for i in range(4):  # the routers measure streams (a whole answer has no first token)
+        m.post(m.service_ip(NAME), {"model": NAME, "prompt": f"stream {i}", "max_tokens": 8,
+                                    "stream": True})
+    for name in ("shardserve_slo_ratio", "shardserve_router_slo_ratio"):
+        query = f'max({name}{{namespace="{NS}",model="{NAME}",slo="ttft"}})'
+        check(wait_until(lambda: prom.scalar(query) > 0, 60),
+              f"{name}: how far from the TTFT target, in Prometheus ({prom.scalar(query)})")
     checked = check_dashboards(prom, check, (NS, NAME))
     print(f"{checked} panel queries checked", flush=True)
     for loop in loops:
@@ -208,9 +231,9 @@ try:
         f'sum(increase(shardserve_requests_total{{namespace="{NS}",model="{NAME}",replica="1",'
         f'code="200"}}[30s]))') > 0, 60), "the new replica serves the load (replica 1's requests)")
     figure("load start -> second replica answering", time.monotonic() - t0)
-    check(wait_until(lambda: len(targets(ranks_job)) == 8 and
-                     set(targets(ranks_job).values()) == {"up"}, 60),
-          f"Prometheus scrapes every rank of both replicas: {sorted(targets(ranks_job))}")
+    check(wait_until(lambda: len(rank_targets()) == 8 and
+                     set(rank_targets().values()) == {"up"}, 60),
+          f"Prometheus scrapes every rank of both replicas: {sorted(rank_targets())}")
     busy.stop()
     loops.remove(busy)
     check(busy.failed == 0, f"no request failed during the scale-up ({busy.ok} ok, "
@@ -229,6 +252,41 @@ try:
     check(light.failed == 0 and light.ok > 0,
           f"no request failed on the way down ({light.ok} ok, {light.failed} failed: "
           f"{light.errors[:3]})")
+
+    # --- latency targets, and scale to zero --------------------------------------------------
+    with open(os.path.join(ROOT, "examples", "keda-slo-scaledobject.yaml")) as f:
+        so = yaml.safe_load(f)
+    so["metadata"].update(name=NAME, namespace=NS)
+    so["spec"]["scaleTargetRef"]["name"] = NAME
+    so["spec"]["maxReplicaCount"] = 2
+    so["spec"]["cooldownPeriod"] = 15  # a test cannot idle 5 minutes
+    for trigger in so["spec"]["triggers"]:
+        trigger["metadata"]["serverAddress"] = prom.url
+        trigger["metadata"]["query"] = trigger["metadata"]["query"].replace(
+            'model="tiny-llama"', f'model="{NAME}"')
+    m.apply(so)
+    t0 = time.monotonic()
+    check(wait_until(lambda: spec_replicas() == 0, 180),
+          f"idle (no request in the SLO window, none held): KEDA scales the model to zero "
+          f"({spec_replicas()})")
+    check(wait_until(lambda: not m.pods(NAME, "shardserve.io/role!=router"), 120),
+          "its replica's pods are gone")
+    figure("idle -> zero replicas", time.monotonic() - t0)
+    routers = m.pods(NAME, "shardserve.io/role=router")
+    check(len(routers) == 2 and all(
+        any(x["type"] == "Ready" and x["status"] == "True" for x in p["status"]["conditions"])
+        for p in routers), "its 2 routers stay, Ready (they hold what comes)")
+    t0 = time.monotonic()
+    try:
+        code, answer = m.post(m.service_ip(NAME), {"model": NAME, "prompt": "wake up",
+                                                  "max_tokens": 8}, timeout=330)
+    except OSError as e:
+        code, answer = 0, str(e)
+    figure("first request at zero replicas -> answered", time.monotonic() - t0)
+    check(code == 200 and answer["usage"]["completion_tokens"] == 8,
+          f"a model scaled to zero answers its first request: a router held it until KEDA woke "
+          f"the model and its replica was Ready ({code} {str(answer)[:300]})")
+    check(spec_replicas() == 1, f"the model runs 1 replica again ({spec_replicas()})")
 finally:
     for loop in loops:
         loop.stop()

@@ -32,13 +32,14 @@ def readable_models(shardserve, tmp, gen_model):
 
 
 def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secret=True,
-             max_batch=8, startup=None):
+             max_batch=8, startup=None, serving=None):
     worker = {"image": image,
               "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                             "limits": {"memory": "2Gi"}}}
     if env:
         worker["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    serving = {"port": 8000, "maxBatchSize": max_batch, "maxSequenceLength": 1024}
+    serving = {"port": 8000, "maxBatchSize": max_batch, "maxSequenceLength": 1024,
+               **(serving or {})}
     if key_secret:
         serving["apiKeySecret"] = "tiny-api-keys"
     return {"apiVersion": "shardserve.io/v1alpha1", "kind": "ShardedModel",
