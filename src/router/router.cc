@@ -984,15 +984,15 @@ struct Router::Impl {
       return ex.Respond(Error(503, std::string(s.message()), "server_error"));
     }
     const auto waited = Clock::now() - queued;
-    struct SentOnce {
+    struct PlacedOnce {
       Impl& s;
       bool done = false;
       void operator()() {
         if (!done) s.Placed();
         done = true;
       }
-      ~SentOnce() { (*this)(); }
-    } sent{*this};
+      ~PlacedOnce() { (*this)(); }
+    } placed{*this};
     std::vector<std::shared_ptr<Replica>> reps, prefill_reps;
     for (auto& r : Snapshot()) (r->prefill ? prefill_reps : reps).push_back(std::move(r));
     if (reps.empty()) {
@@ -1051,7 +1051,7 @@ struct Router::Impl {
         if (!Routable(r)) continue;
       }
       AtReplica at(*this, r);
-      sent();
+      placed();
       // The first leg sends the request as it is (or its disaggregated decode leg); a migrated
       // one the client's request again, with the stream's progress when some of it was sent.
       const std::string leg_body = p.legs == 0     ? body

@@ -19,10 +19,13 @@
 //     when none answers.
 //   - A replica whose answer breaks off is taken out of routing at once; a stream cut short ends
 //     with an error event (no [DONE]). /readyz: ready while some replica is routable (its KV
-//     events live and it takes requests: a draining replica does not count).
+//     events live and it takes requests: a draining replica does not count), or while none is
+//     and the router holds requests in its queue (RouterOptions::queue_max; "holding": true).
 //   - /metrics (with the router token; never with an API key: the expected hits and the
 //     replicas' load are the deployment's, not a tenant's):
-//   shardserve_router_requests_total{code}, _decisions_total{reason},
+//   shardserve_router_requests_total{code}, _decisions_total{reason}, _queue_depth,
+//     _queue_wait_seconds, _queue_refused_total{reason}, _slo_ratio{replica, slo} and
+//     _slo_target_seconds (metrics/slo.h, with latency targets),
 //     _failovers_total, _prompt_tokens_total and _expected_cached_tokens_total (the hit rate it
 //     expected), _overhead_seconds (a request's time in the router before it is sent on),
 //     _replicas{state}, and per replica (label `replica`, its address) _replica_in_flight,
