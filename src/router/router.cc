@@ -236,6 +236,18 @@ struct Router::Impl {
   std::set<uint64_t> let_out ABSL_GUARDED_BY(queue_mu);  // taken from the queue, not yet seen
   int64_t granted ABSL_GUARDED_BY(queue_mu) = 0;         // let through, not yet at a replica
   uint64_t next_ticket ABSL_GUARDED_BY(queue_mu) = 0;
+  // The generation requests let through, until they end: by tenant (and each tenant's queued
+  // ones), in all, and their priorities.
+  struct TenantLoad {
+    int64_t in_flight = 0, queued = 0;
+    double weight = 1;
+  };
+  std::map<std::string, TenantLoad> tenant_load ABSL_GUARDED_BY(queue_mu);
+  int64_t admitted ABSL_GUARDED_BY(queue_mu) = 0;
+  std::multiset<int64_t> priorities ABSL_GUARDED_BY(queue_mu);
+  // The queue's priority of a request that is not a generation (it waits for a replica, not
+  // for room): before any.
+  static constexpr int64_t kNotBatch = std::numeric_limits<int64_t>::min();
 
   void InitMetrics() {
     auto& r = *registry;
@@ -658,56 +670,125 @@ struct Router::Impl {
 
   bool Queueing() const { return options.queue_max > 0 && options.queue_timeout.count() > 0; }
 
-  // Requests the routable (decode) replicas could take now: each one's batch and a quarter
-  // (a few waiting at the leader keep its batch full while the router reacts), less its
-  // requests by its last report or this router's count there, whichever is more. A leader that
-  // does not report its batch takes any number.
-  int64_t Room(int64_t* routable) {
+  // What the routable (decode) replicas hold: their number, the requests they take at once
+  // (each one's batch and a quarter: a few waiting at the leader keep its batch full while the
+  // router reacts), and the room left (less each one's requests, by its last report or this
+  // router's count there, whichever is more). A leader that does not report its batch takes
+  // any number.
+  struct Room {
+    int64_t routable = 0, capacity = 0, free = 0;
+  };
+  Room RoomNow() {
     constexpr int64_t kAny = int64_t{1} << 40;
-    int64_t room = 0;
-    *routable = 0;
+    Room out;
     for (auto& r : Snapshot()) {
       if (r->prefill) continue;
       absl::MutexLock lock(&r->mu);
       if (!Routable(*r)) continue;
-      ++*routable;
-      if (r->load.max_batch <= 0) return kAny;
+      ++out.routable;
+      if (r->load.max_batch <= 0) {
+        out.capacity = out.free = kAny;
+        continue;
+      }
       const int64_t cap = r->load.max_batch + std::max<int64_t>(1, r->load.max_batch / 4);
       const int64_t used = std::max(r->load.running + r->load.waiting, r->in_flight.load());
-      room += std::max<int64_t>(0, cap - used);
+      out.capacity += cap;
+      out.free += std::max<int64_t>(0, cap - used);
     }
-    return room;
+    out.capacity = std::min(out.capacity, kAny);
+    out.free = std::min(out.free, kAny);
+    return out;
   }
 
   // Room may have come (a load report, a request done): the waiters look again.
   void Kick() { queue_cv.SignalAll(); }
 
+  // Whether a generation request of `tenant` at `priority` goes on though the batches are full:
+  // its tenant holds less than its weighted share of the replicas' capacity (among the tenants
+  // with requests in flight or waiting), or it is more urgent than a request in flight; the
+  // leader then makes room (weighted fair sharing, priority preemption), so a flood holds the
+  // router's queue and not a light tenant. At most twice the capacity in flight at once.
+  bool MayPass(const TenantClass& tenant, int64_t priority, const Room& room)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu) {
+    if (room.routable == 0 || admitted >= 2 * room.capacity) return false;
+    double weights = tenant.weight;
+    int64_t mine = 0;
+    for (const auto& [name, t] : tenant_load) {
+      if (name == tenant.name) {
+        mine = t.in_flight;
+      } else {
+        weights += t.weight;
+      }
+    }
+    if (static_cast<double>(mine + 1) <=
+        static_cast<double>(room.capacity) * tenant.weight / weights) {
+      return true;
+    }
+    return !priorities.empty() && priority < *priorities.rbegin();
+  }
+
+  // A generation request of `tenant` at `priority` goes on (Done() when it ends).
+  void Admit(const std::string& tenant, double weight, int64_t priority)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu) {
+    TenantLoad& t = tenant_load[tenant];
+    t.weight = weight;
+    ++t.in_flight;
+    ++admitted;
+    priorities.insert(priority);
+  }
+
+  void Done(const std::string& tenant, int64_t priority) {
+    {
+      absl::MutexLock lock(&queue_mu);
+      auto it = tenant_load.find(tenant);
+      if (it != tenant_load.end() && --it->second.in_flight <= 0 && it->second.queued <= 0) {
+        tenant_load.erase(it);
+      }
+      --admitted;
+      if (auto p = priorities.find(priority); p != priorities.end()) priorities.erase(p);
+    }
+    Kick();
+  }
+
   // Lets out of the queue, in its order, as many as the replicas have room for.
   void LetOut() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu) {
     if (queue.empty()) return;
-    int64_t routable = 0, out = 0;
-    for (int64_t room = Room(&routable) - granted; room > 0 && !queue.empty(); --room, ++out) {
-      let_out.insert(queue.Pop()->id);
-      ++granted;
+    int64_t out = 0;
+    for (int64_t room = RoomNow().free - granted; room > 0 && !queue.empty(); --room, ++out) {
+      LetOutOf(*queue.Pop());
     }
     if (out == 0) return;  // (waking the others for nothing would have them wake each other)
     queued_g->Set(static_cast<double>(queue.size()));
     queue_cv.SignalAll();
   }
 
+  void LetOutOf(const FairQueue::Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu) {
+    let_out.insert(e.id);
+    ++granted;
+    if (e.priority == kNotBatch) return;
+    --tenant_load[e.tenant].queued;
+    Admit(e.tenant, e.weight, e.priority);
+  }
+
   // A place at a replica for a request: a generation request (`batch`) waits in the queue,
-  // by `priority` and its tenant's weight, until a replica has room in its batch; any other
-  // only until some replica is routable. OK: go on (and call Placed() once it is at a replica,
-  // or goes nowhere); ResourceExhausted: the queue is full; DeadlineExceeded: the queue's
-  // timeout passed; Cancelled: the client left.
+  // by `priority` and its tenant's weight, until a replica has room in its batch or its tenant
+  // may pass (MayPass); any other only until some replica is routable. OK: go on (then
+  // Placed() once it is at a replica or goes nowhere, and for a generation request Done() when
+  // it ends); ResourceExhausted: the queue is full; DeadlineExceeded: the queue's timeout
+  // passed; Cancelled: the client left.
   absl::Status Enter(bool batch, int64_t priority, const TenantClass& tenant, http::Exchange& ex,
                      Clock::time_point arrived) {
     absl::MutexLock lock(&queue_mu);
-    int64_t routable = 0;
-    const int64_t room = Room(&routable) - granted;
-    if (!Queueing() || (queue.empty() && (batch ? room > 0 : routable > 0))) {
+    Room room = RoomNow();
+    const bool now = !Queueing() || (batch ? (queue.empty() && room.free - granted > 0) ||
+                                                 MayPass(tenant, priority, room)
+                                           : queue.empty() && room.routable > 0);
+    if (now) {
       ++granted;
-      if (batch) queue_wait->Observe(0);
+      if (batch) {
+        Admit(tenant.name, tenant.weight, priority);
+        queue_wait->Observe(0);
+      }
       return absl::OkStatus();
     }
     if (queue.size() >= static_cast<size_t>(options.queue_max)) {
@@ -716,16 +797,17 @@ struct Router::Impl {
                        " requests wait for room in the replicas' batches); try again later"));
     }
     const uint64_t id = ++next_ticket;
-    queue.Push(
-        {id, batch ? priority : std::numeric_limits<int64_t>::min(), tenant.name, tenant.weight});
+    const FairQueue::Entry entry{id, batch ? priority : kNotBatch, tenant.name, tenant.weight};
+    queue.Push(entry);
+    if (batch) ++tenant_load[tenant.name].queued;
     queued_g->Set(static_cast<double>(queue.size()));
     const auto deadline = arrived + options.queue_timeout;
     for (;;) {
-      if (batch) {
-        LetOut();
-      } else if (Room(&routable); routable > 0 && queue.Remove(id)) {
-        let_out.insert(id);
-        ++granted;
+      if (batch) LetOut();
+      room = RoomNow();
+      if (let_out.count(id) == 0 && (batch ? MayPass(tenant, priority, room) : room.routable > 0) &&
+          queue.Remove(id)) {
+        LetOutOf(entry);
         queued_g->Set(static_cast<double>(queue.size()));
       }
       if (let_out.erase(id) > 0) {
@@ -736,13 +818,16 @@ struct Router::Impl {
       const bool late = Clock::now() >= deadline;
       if (late || ex.ClientGone()) {
         queue.Remove(id);
+        if (batch && --tenant_load[tenant.name].queued <= 0 &&
+            tenant_load[tenant.name].in_flight <= 0) {
+          tenant_load.erase(tenant.name);
+        }
         queued_g->Set(static_cast<double>(queue.size()));
         if (!late) return absl::CancelledError("the client left");
         const int64_t seconds =
             std::chrono::duration_cast<std::chrono::seconds>(options.queue_timeout).count();
-        Room(&routable);
         return absl::DeadlineExceededError(
-            routable == 0
+            room.routable == 0
                 ? absl::StrCat("no replica of the model was ready within ", seconds,
                                " s (scaled to zero and starting, or restarting)")
                 : absl::StrCat("no replica had room in its batch within ", seconds, " s"));
@@ -974,9 +1059,8 @@ struct Router::Impl {
     }
     // The queue: until a replica has room (no tenant's key jumps ahead of its class).
     const auto queued = Clock::now();
-    if (absl::Status s = Enter(generation, std::max(prompt ? prompt->priority : 0, tenant.priority),
-                               tenant, ex, t0);
-        !s.ok()) {
+    const int64_t priority = std::max(prompt ? prompt->priority : 0, tenant.priority);
+    if (absl::Status s = Enter(generation, priority, tenant, ex, t0); !s.ok()) {
       if (s.code() == absl::StatusCode::kCancelled) return;
       auto l = labels;
       l["reason"] = s.code() == absl::StatusCode::kResourceExhausted ? "full" : "timeout";
@@ -984,15 +1068,22 @@ struct Router::Impl {
       return ex.Respond(Error(503, std::string(s.message()), "server_error"));
     }
     const auto waited = Clock::now() - queued;
-    struct PlacedOnce {
+    // Placed once at a replica (or not sent); a generation request's tenant load until it ends.
+    struct Admitted {
       Impl& s;
-      bool done = false;
+      const bool generation;
+      const std::string& tenant;
+      const int64_t priority;
+      bool placed = false;
       void operator()() {
-        if (!done) s.Placed();
-        done = true;
+        if (!placed) s.Placed();
+        placed = true;
       }
-      ~PlacedOnce() { (*this)(); }
-    } placed{*this};
+      ~Admitted() {
+        (*this)();
+        if (generation) s.Done(tenant, priority);
+      }
+    } placed{*this, generation, tenant.name, priority};
     std::vector<std::shared_ptr<Replica>> reps, prefill_reps;
     for (auto& r : Snapshot()) (r->prefill ? prefill_reps : reps).push_back(std::move(r));
     if (reps.empty()) {

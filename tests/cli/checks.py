@@ -73,6 +73,14 @@ def small_models(binary, out_dir, dtype, archs=("llama", "mixtral")):
 
 
 
+def promtool_clean(page):
+    """'' when `promtool check metrics` finds nothing wrong with a Prometheus page, else what it
+    says."""
+    lint = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
+                          text=True)
+    return "" if lint.returncode == 0 else (lint.stdout + lint.stderr).strip() or "failed"
+
+
 def metric(page, name, **labels):
     """The sum of a Prometheus page's samples of `name` with `labels` (None: no such sample)."""
     total = None

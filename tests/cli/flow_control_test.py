@@ -25,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, metric, wait_until  # noqa: E402
+from checks import Checks, free_ports, metric, promtool_clean, wait_until  # noqa: E402
 from deployment import MANIFEST, Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -159,10 +159,8 @@ try:
           metric(page, "shardserve_router_slo_target_seconds", slo="ttft") == 5 * len(ttft),
           f"the router exports each replica's distance from the targets as its clients saw it "
           f"(ttft {ttft}, itl {itl})")
-    lint = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
-                          text=True)
-    check(lint.returncode == 0, f"promtool check metrics is clean on the router {lint.stdout}"
-                                f"{lint.stderr}".strip())
+    lint = promtool_clean(page)
+    check(not lint, f"promtool check metrics is clean on the router {lint}".strip())
     leaders = [r.metrics_page(port=p) for p in r.metrics_ports]
     ratios = [metric(p, "shardserve_slo_ratio", slo="ttft") for p in leaders]
     check(all(x is not None for x in ratios) and max(ratios) > 0 and

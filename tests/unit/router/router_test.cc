@@ -458,6 +458,41 @@ TEST_F(RouterTest, AFullBatchQueuesAtTheRouterAndTheMostUrgentGoesFirst) {
   EXPECT_THAT(a.bodies_[3], HasSubstr("\"priority\": 5"));
 }
 
+// A tenant under its share of the replicas' batches is not held behind another tenant's flood:
+// its request goes on at once (the leader makes room by weighted fair sharing), while the
+// flooding tenant's next one waits at the router.
+TEST_F(RouterTest, ATenantUnderItsShareIsNotHeldBehindAFlood) {
+  FakeLeader a("A", {});
+  a.max_batch_ = 1;  // room for 2
+  testing::WriteFile(dir_.Sub("keys"), "sk-flood-0123456789abc\nsk-light-0123456789abc\n");
+  auto router = Start({a.address()}, dir_.Sub("keys"));
+  ASSERT_EQ(Routable(*router, 1), 1);
+  auto post = [&](const std::string& key) {
+    return http::Fetch("127.0.0.1", router->port(), "POST", "/v1/completions",
+                       {{"content-type", "application/json"}, {"authorization", "Bearer " + key}},
+                       Body(true, "m", absl::StrCat(", \"user\": \"", key, "\"")), 10s);
+  };
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.emplace_back([&] { EXPECT_EQ(post("sk-flood-0123456789abc")->status, 200); });
+    if (i == 1) {
+      for (int k = 0; k < 100 && a.requests_.load() < 2; ++k) std::this_thread::sleep_for(20ms);
+    }
+  }
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(a.requests_.load(), 2) << "the flood's third waits at the router";
+  clients.emplace_back([&] { EXPECT_EQ(post("sk-light-0123456789abc")->status, 200); });
+  for (int k = 0; k < 100 && a.requests_.load() < 3; ++k) std::this_thread::sleep_for(20ms);
+  {
+    absl::MutexLock lock(&a.mu_);
+    ASSERT_EQ(a.bodies_.size(), 3u) << "the light tenant's request goes on at once";
+    EXPECT_THAT(a.bodies_[2], HasSubstr("sk-light"));
+  }
+  a.go_.Notify();
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(a.requests_.load(), 4);
+}
+
 // With latency targets, the router exports what its clients saw of each replica's streams.
 TEST_F(RouterTest, TheRouterExportsHowFarEachReplicaIsFromTheTargets) {
   FakeLeader a("A", {});
