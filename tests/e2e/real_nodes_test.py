@@ -529,7 +529,7 @@ def flows():
         least[0] = min(least[0], s.get("readyReplicas", 0))
         if s.get("readyReplicas", 0) < 1 and len(short) < 3:
             short.append({"replicas": [(r.get("index"), r.get("phase"), r.get("message"))
-                                       for r in s.get("replicas", [])],
+                                       for r in s.get("replicaStatuses", [])],
                           "pods": [(p["metadata"]["name"], p["status"].get("phase"),
                                     [(k.get("type"), k.get("status"), k.get("message"))
                                      for k in p["status"].get("conditions", [])

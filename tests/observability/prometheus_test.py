@@ -33,7 +33,9 @@ check = Checks()
 tmp = tempfile.mkdtemp(prefix="shardserve-obs-")
 model_dir = os.path.join(tmp, "tiny")
 gen_model(SHARDSERVE, model_dir)
-d = Deployment(SHARDSERVE, model_dir, name="tiny", tp=2, pp=2)
+# Latency targets: the leaders export how far they are from them (the dashboard's panel).
+d = Deployment(SHARDSERVE, model_dir, name="tiny", tp=2, pp=2,
+               serving={"slo": "{ttftMilliseconds: 1000, itlMilliseconds: 200}"})
 cl = Cluster()
 op = prom = None
 stop_load = threading.Event()
