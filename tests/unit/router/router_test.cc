@@ -165,12 +165,28 @@ class RouterTest : public ::testing::Test {
     }
     return "";
   }
+  // Its /metrics, with the router token when the test gave one (`token_`).
   std::string Metrics(Router& r) {
-    return http::Fetch("127.0.0.1", r.port(), "GET", "/metrics", {}, "", 5s)->body;
+    http::Headers h;
+    if (!token_.empty()) h.emplace_back("Authorization", "Bearer " + token_);
+    return http::Fetch("127.0.0.1", r.port(), "GET", "/metrics", h, "", 5s)->body;
+  }
+  // The requests the router holds, once they are `want` (or the last seen after 2 s).
+  int QueueDepth(Router& r, int want) {
+    const std::string series = "shardserve_router_queue_depth{model=\"m\"} ";
+    int n = -1;
+    for (int i = 0; i < 100 && n != want; ++i) {
+      const std::string m = Metrics(r);
+      const size_t at = m.find(series);
+      n = at == std::string::npos ? -1 : std::atoi(m.c_str() + at + series.size());
+      if (n != want) std::this_thread::sleep_for(20ms);
+    }
+    return n;
   }
 
   testing::TempDir dir_;
   std::string model_;
+  std::string token_;
   std::vector<int32_t> prompt_;
 };
 
@@ -381,23 +397,17 @@ TEST_F(RouterTest, ReadinessFollowsTheReplicasTakingRequests) {
 // and answered once one does; past the queue's bound, or its timeout, a 503 that says which.
 TEST_F(RouterTest, RequestsAreHeldUntilAReplicaTakesThem) {
   FakeLeader a("A", {});
-  a.accepting_ = false;
   auto router = Start({a.address()}, "", "", /*queue_max=*/1);
-  EXPECT_EQ(Routable(*router, 0), 0);
+  ASSERT_EQ(Routable(*router, 1), 1);  // followed, then draining: known, and takes nothing
+  a.accepting_ = false;
+  ASSERT_EQ(Routable(*router, 0), 0);
   std::thread held([&] {
     auto r = Post(*router);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->status, 200);
     EXPECT_EQ(r->body, "{\"from\":\"A\"}");
   });
-  auto depth = [&] {
-    const std::string m = Metrics(*router);
-    const std::string series = "shardserve_router_queue_depth{model=\"m\"} ";
-    const size_t at = m.find(series);
-    return at == std::string::npos ? -1 : std::atoi(m.c_str() + at + series.size());
-  };
-  for (int i = 0; i < 100 && depth() != 1; ++i) std::this_thread::sleep_for(20ms);
-  EXPECT_EQ(depth(), 1);
+  EXPECT_EQ(QueueDepth(*router, 1), 1);
   // The queue holds one: the next is refused at once, by name.
   auto full = Post(*router);
   ASSERT_TRUE(full.ok());
@@ -407,7 +417,7 @@ TEST_F(RouterTest, RequestsAreHeldUntilAReplicaTakesThem) {
   a.accepting_ = true;  // ready: the held request goes on
   held.join();
   EXPECT_EQ(a.requests_.load(), 1);
-  EXPECT_EQ(depth(), 0);
+  EXPECT_EQ(QueueDepth(*router, 0), 0);
   // Nobody takes it within the queue's timeout (3 s here): 503 saying what it waited for.
   a.accepting_ = false;
   EXPECT_EQ(Routable(*router, 0), 0);
@@ -437,15 +447,13 @@ TEST_F(RouterTest, AFullBatchQueuesAtTheRouterAndTheMostUrgentGoesFirst) {
   for (int i = 0; i < 100 && a.requests_.load() < 2; ++i) std::this_thread::sleep_for(20ms);
   ASSERT_EQ(a.requests_.load(), 2);  // both at the replica, held there by its stream
   clients.emplace_back([&] { EXPECT_EQ(post(", \"priority\": 5")->status, 200); });
-  std::this_thread::sleep_for(200ms);
+  ASSERT_EQ(QueueDepth(*router, 1), 1);  // held before the next comes
   clients.emplace_back([&] { EXPECT_EQ(post(", \"priority\": -3")->status, 200); });
-  std::this_thread::sleep_for(300ms);
+  ASSERT_EQ(QueueDepth(*router, 2), 2);
   EXPECT_EQ(a.requests_.load(), 2) << "the batch is full: the others wait at the router";
-  EXPECT_THAT(Metrics(*router), HasSubstr("shardserve_router_queue_depth{model=\"m\"} 2"));
   a.released_ = 1;  // the first stream ends: room for one, the most urgent
   for (int i = 0; i < 100 && a.requests_.load() < 3; ++i) std::this_thread::sleep_for(20ms);
-  std::this_thread::sleep_for(200ms);
-  EXPECT_EQ(a.requests_.load(), 3);
+  EXPECT_EQ(QueueDepth(*router, 1), 1) << "room for one: the other stays held";
   {
     absl::MutexLock lock(&a.mu_);
     ASSERT_EQ(a.bodies_.size(), 3u);
@@ -465,7 +473,9 @@ TEST_F(RouterTest, ATenantUnderItsShareIsNotHeldBehindAFlood) {
   FakeLeader a("A", {});
   a.max_batch_ = 1;  // room for 2
   testing::WriteFile(dir_.Sub("keys"), "sk-flood-0123456789abc\nsk-light-0123456789abc\n");
-  auto router = Start({a.address()}, dir_.Sub("keys"));
+  token_ = "router-token-0123456789";
+  testing::WriteFile(dir_.Sub("token"), token_ + "\n");
+  auto router = Start({a.address()}, dir_.Sub("keys"), dir_.Sub("token"));
   ASSERT_EQ(Routable(*router, 1), 1);
   auto post = [&](const std::string& key) {
     return http::Fetch("127.0.0.1", router->port(), "POST", "/v1/completions",
@@ -479,7 +489,7 @@ TEST_F(RouterTest, ATenantUnderItsShareIsNotHeldBehindAFlood) {
       for (int k = 0; k < 100 && a.requests_.load() < 2; ++k) std::this_thread::sleep_for(20ms);
     }
   }
-  std::this_thread::sleep_for(300ms);
+  ASSERT_EQ(QueueDepth(*router, 1), 1);
   EXPECT_EQ(a.requests_.load(), 2) << "the flood's third waits at the router";
   clients.emplace_back([&] { EXPECT_EQ(post("sk-light-0123456789abc")->status, 200); });
   for (int k = 0; k < 100 && a.requests_.load() < 3; ++k) std::this_thread::sleep_for(20ms);
