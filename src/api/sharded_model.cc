@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "api/adapters.h"
+#include "api/kv_cache_dtype.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -330,6 +331,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.Int("maxSequenceLength", s.max_sequence_length));
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
+  RETURN_IF_ERROR(serving.String("kvCacheDtype", s.kv_cache_dtype));
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
   RETURN_IF_ERROR(serving.String("reasoningParser", s.reasoning_parser));
@@ -475,6 +477,7 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_batch_size = static_cast<int>(spec.max_batch_size);
   w.max_sequence_length = spec.max_sequence_length;
   w.kv_cache_tokens = spec.kv_cache_tokens();
+  w.kv_cache_dtype = spec.kv_cache_dtype;
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
   w.reasoning_parser = spec.reasoning_parser == "auto"            ? ""
@@ -703,6 +706,10 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.specialTokensInContent '",
                                                    s.special_tokens_in_content,
                                                    "' must be special or text"));
+  }
+  if (!ParseKvCacheDtype(s.kv_cache_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.kvCacheDtype '", s.kv_cache_dtype,
+                                                   "' must be ", kKvCacheDtypes));
   }
   if (s.prefix_cache_isolation != "none" && s.prefix_cache_isolation != "perKey") {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.prefixCacheIsolation '",

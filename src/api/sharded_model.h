@@ -87,6 +87,8 @@ struct ShardedModelSpec {
   int64_t port = kDefaultApiPort;
   int64_t max_batch_size = kDefaultMaxBatchSize;
   int64_t max_sequence_length = 4096;
+  // spec.serving.kvCacheDtype (api/kv_cache_dtype.h): auto, f32, bf16, f16 or fp8.
+  std::string kv_cache_dtype = "auto";
   // The Secret (in the model's namespace) whose entries are the API's bearer keys; "" = open.
   std::string api_key_secret;
   // How a chat message's special-token strings are tokenized: "special" (as control tokens, as

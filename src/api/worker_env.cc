@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "api/env_table.h"
+#include "api/kv_cache_dtype.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -52,6 +53,7 @@ const StringVar kStrings[] = {
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
+    {"SHARDSERVE_KV_CACHE_DTYPE", &WorkerEnv::kv_cache_dtype},
     {"SHARDSERVE_LORA_ADAPTERS", &WorkerEnv::lora_adapters},
     {"SHARDSERVE_ADMIN_KEYS_FILE", &WorkerEnv::admin_keys_file},
     {"SHARDSERVE_LORA_ROOT", &WorkerEnv::lora_root},
@@ -134,6 +136,11 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::reasoning_parser), "='",
                      w.reasoning_parser, "' must be think, harmony or none"));
+  }
+  if (!ParseKvCacheDtype(w.kv_cache_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::kv_cache_dtype), "='",
+                     w.kv_cache_dtype, "' must be ", kKvCacheDtypes));
   }
   if (!w.kv_role.empty() && w.kv_role != "prefill" && w.kv_role != "decode") {
     return absl::InvalidArgumentError(

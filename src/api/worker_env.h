@@ -101,7 +101,8 @@ struct WorkerEnv {
   int threads = 1;
   std::string backend = "auto";  // cpu, cuda or auto (the rank checks)
   int64_t kv_cache_tokens = 8192;
-  int64_t max_sequence_length = 0;  // 0: the model's context
+  std::string kv_cache_dtype = "auto";  // api/kv_cache_dtype.h
+  int64_t max_sequence_length = 0;      // 0: the model's context
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
   // The CUDA backend's decode kernels: the attention kernel forced (split, split-batched, heads;

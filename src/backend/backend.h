@@ -7,6 +7,7 @@
 // Memory: every pointer an op takes is in the backend's memory (host memory on the CPU, device
 // memory on a GPU) unless its comment says "host". Ops may return before their work is done;
 // Synchronize() waits, and every copy to host memory waits for the work before it.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -81,19 +82,57 @@ class Buffer {
 
 class Backend;
 
+// How a KV cache keeps its values (spec.serving.kvCacheDtype): F32, F16, BF16 (rounded to
+// nearest even), or FP8 E4M3 (DType::kF8E4M3), value = scale * e4m3, with one scale per layer
+// for K and one for V (the checkpoint's k_scale / v_scale; a latent cache uses k_scale alone),
+// values past +-448 * scale saturated. Empty scales: 1. The ops convert on write and read; every
+// product and sum stays F32.
+struct KvFormat {
+  DType dtype = DType::kF32;
+  std::vector<float> k_scale, v_scale;
+  float KScale(int64_t layer) const { return Of(k_scale, layer); }
+  float VScale(int64_t layer) const { return Of(v_scale, layer); }
+  static float Of(const std::vector<float>& scales, int64_t layer) {
+    return layer >= 0 && static_cast<size_t>(layer) < scales.size() ? scales[layer] : 1.f;
+  }
+};
+// Whether a backend's KV cache can hold `dtype` (F32, F16, BF16, F8_E4M3).
+constexpr bool IsKvDType(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16 ||
+         dtype == DType::kF8E4M3;
+}
+// AllocKv's check of a format: a dtype a cache holds, every scale finite and positive.
+inline absl::Status CheckKvFormat(const KvFormat& format) {
+  if (!IsKvDType(format.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a KV cache cannot hold ", DTypeName(format.dtype)));
+  }
+  for (const std::vector<float>* scales : {&format.k_scale, &format.v_scale}) {
+    for (size_t l = 0; l < scales->size(); ++l) {
+      const float s = (*scales)[l];
+      if (!(s > 0) || !std::isfinite(s)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, "'s KV cache scale ", s, " is not a finite positive number"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The storage of one KV cache (model/kv_cache.h keeps its block tables): `layers` layers of K and
-// V, each [blocks][kv_heads][block_size][head_dim] floats, in the memory of the backend that made
-// it (`owner`); each backend's ops take only their own.
+// V, each [blocks][kv_heads][block_size][head_dim] values of format.dtype, in the memory of the
+// backend that made it (`owner`); each backend's ops take only their own.
 class KvStorage {
  public:
   virtual ~KvStorage() = default;
-  // One layer's K (kv 0) or V (kv 1) of one block: [kv_heads][block_size][head_dim] floats,
+  // One layer's K (kv 0) or V (kv 1) of one block: [kv_heads][block_size][head_dim] values,
   // contiguous (a latent cache: kv 0 alone, [block_size][dim]) — what moves between replicas.
   virtual void* block_data(int64_t layer, int kv, int64_t block) const = 0;
   virtual size_t block_bytes() const = 0;
   // Whether block_data is host memory (else the owner's device memory).
   virtual bool on_host() const = 0;
   const Backend* owner = nullptr;
+  KvFormat format;
 };
 
 class Backend {
@@ -121,10 +160,11 @@ class Backend {
   virtual absl::Status Zero(void* p, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
 
-  // --- KV caches (as many as the memory holds)
+  // --- KV caches (as many as the memory holds), in `format` (IsKvDType; InvalidArgument else)
   virtual absl::StatusOr<std::unique_ptr<KvStorage>> AllocKv(int64_t layers, int64_t blocks,
                                                              int64_t kv_heads, int64_t block_size,
-                                                             int64_t head_dim) = 0;
+                                                             int64_t head_dim,
+                                                             const KvFormat& format = {}) = 0;
 
   // --- Layer ops (activations F32)
   // Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
@@ -177,8 +217,8 @@ class Backend {
   // row r at position positions[r]; inv_freq holds head_dim / 2 floats.
   virtual absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                             const int32_t* positions, const float* inv_freq) = 0;
-  // Writes each row's k and v (kv_heads * head_dim floats) into layer `layer` of `kv` at its
-  // position:
+  // Writes each row's k and v (kv_heads * head_dim floats, converted to the cache's format) into
+  // layer `layer` of `kv` at its position:
   // block blocks[block_offset[r] + pos / block_size], slot pos % block_size.
   virtual absl::Status WriteKv(const KvStorage& kv, int64_t layer, const float* k, const float* v,
                                int64_t rows, const int32_t* positions, const int32_t* blocks,
@@ -200,12 +240,14 @@ class Backend {
   virtual absl::Status HeadGemm(const WeightMatrix& w, int64_t heads, const float* x, int64_t ldx,
                                 int64_t x_head, int64_t rows, float* y, int64_t ldy,
                                 int64_t y_head) = 0;
-  // A latent KV cache: per layer [blocks][block_size][latent_dim + rope_dim] floats, one vector a
-  // position that every head reads (the compressed latent, then the rotated key dims).
+  // A latent KV cache: per layer [blocks][block_size][latent_dim + rope_dim] values of
+  // format.dtype, one vector a position that every head reads (the compressed latent, then the
+  // rotated key dims).
   virtual absl::StatusOr<std::unique_ptr<KvStorage>> AllocLatentKv(int64_t layers, int64_t blocks,
                                                                    int64_t block_size,
                                                                    int64_t latent_dim,
-                                                                   int64_t rope_dim) = 0;
+                                                                   int64_t rope_dim,
+                                                                   const KvFormat& format = {}) = 0;
   // Writes each row's latent (latent_dim floats of `latent`) and rotated key (rope_dim floats of
   // `rope`) into layer `layer` of a latent cache at its position, as WriteKv places them.
   virtual absl::Status WriteLatentKv(const KvStorage& kv, int64_t layer, const float* latent,

@@ -45,6 +45,7 @@ absl::Status RunCudaBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> gpu, cuda::NewBackend(0, kernels));
   Transformer::Options o;
   o.fp8_blocks = env.fp8_blocks;
+  o.kv_cache_dtype = ParseKvCacheDtype(env.kv_cache_dtype).value_or(KvCacheDtype::kAuto);
   ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, o, std::move(gpu)));
   const ModelConfig& c = model->config();
   const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());

@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "api/kv_cache_dtype.h"
 #include "api/worker_env.h"
 #include "bench/comm_bench.h"
 #include "bench/cuda_bench.h"  // its usage is listed in every build; it runs in CUDA ones
@@ -76,7 +77,7 @@ constexpr char kGenerateUsage[] =
     "--min-tokens N --logit-bias ID:BIAS,... --repetition-penalty X --frequency-penalty X\n"
     "--presence-penalty X (as the API's)\n"
     "--threads N --format text|json --tp T --pp P --microbatches M --batch N\n"
-    "--metrics-port-base PORT]\n"
+    "--metrics-port-base PORT --kv-cache-dtype auto|f32|bf16|f16|fp8]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)";
 
 constexpr char kGenAdapterUsage[] =
@@ -256,7 +257,7 @@ struct Generated {
 absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const GenerationRequest& req,
                                           int64_t batch, int64_t tp, int64_t pp,
                                           int64_t microbatches, int threads,
-                                          int64_t metrics_port_base) {
+                                          int64_t metrics_port_base, KvCacheDtype kv_cache_dtype) {
   ASSIGN_OR_RETURN(const int port, ChooseFreePort("127.0.0.1"));  // the rendezvous port
   const std::string job = absl::StrCat("gen-", getpid());
   const std::string result_path =
@@ -278,6 +279,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
     w.leader_addr = absl::StrCat("127.0.0.1:", port);
     w.microbatches = static_cast<int>(microbatches);
     w.threads = static_cast<int>(threads);
+    w.kv_cache_dtype = KvCacheDtypeName(kv_cache_dtype);
     w.job_id = job;
     w.request = request;
     w.result_file = result_path;
@@ -322,7 +324,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
                                         "logit-bias",
                                         "repetition-penalty",
                                         "frequency-penalty",
-                                        "presence-penalty"},
+                                        "presence-penalty",
+                                        "kv-cache-dtype"},
                                        {"ignore-eos"}, "shardserve generate", kGenerateUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
@@ -370,6 +373,14 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t threads,
                    a.GetInt("threads", std::max(1u, std::thread::hardware_concurrency())));
 
+  // The KV cache's dtype: the flag, else the worker contract's SHARDSERVE_KV_CACHE_DTYPE.
+  ASSIGN_OR_RETURN(const WorkerEnv contract, WorkerEnv::FromEnv());
+  const std::string kv_name = a.GetOr("kv-cache-dtype", contract.kv_cache_dtype);
+  const std::optional<KvCacheDtype> kv_cache_dtype = ParseKvCacheDtype(kv_name);
+  if (!kv_cache_dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype '", kv_name, "' must be ", kKvCacheDtypes));
+  }
   ASSIGN_OR_RETURN(int64_t tp, a.GetInt("tp", 1));
   ASSIGN_OR_RETURN(int64_t pp, a.GetInt("pp", 1));
   ASSIGN_OR_RETURN(int64_t microbatches, a.GetInt("microbatches", 0));
@@ -385,10 +396,10 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   if (in_process) {  // load first: a bad directory is reported as the model's problem
     // The worker contract's settings for how weights compute (SHARDSERVE_FP8), as a rank reads
     // them.
-    ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
     Transformer::Options o;
     o.num_threads = static_cast<int>(threads);
-    o.fp8_blocks = env.fp8_blocks;
+    o.fp8_blocks = contract.fp8_blocks;
+    o.kv_cache_dtype = *kv_cache_dtype;
     ASSIGN_OR_RETURN(model, Transformer::Load(dir, o));
   }
   ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::Load(dir));
@@ -408,8 +419,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   } else {
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
     ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
-    ASSIGN_OR_RETURN(
-        g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank, metrics_base));
+    ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank,
+                                        metrics_base, *kv_cache_dtype));
   }
   const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);

@@ -153,7 +153,9 @@ absl::StatusOr<std::optional<ModelFootprint>> FootprintFor(
   return std::optional<ModelFootprint>(*std::move(f));
 }
 
-void PrintMemory(const ModelFootprint& f, const ShardedModelSpec& spec, const SpecPlan& plan) {
+void PrintMemory(const ModelFootprint& model, const ShardedModelSpec& spec, const SpecPlan& plan) {
+  ModelFootprint f = model;
+  UseKvCacheDtype(f, spec.kv_cache_dtype);
   std::printf("model: %s, %.1f B parameters; weights: %s\n", f.architecture.c_str(), f.params / 1e9,
               f.weights.c_str());
   std::printf("%s\n", KvBytesLine(f).c_str());

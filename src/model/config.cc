@@ -197,6 +197,7 @@ absl::Status ParseDeepseekV3(const Reader& r, ModelConfig& c) {
 // not_loaded saying why it does not load; the others are refused by name.
 absl::Status ReadWeightFormat(const json& j, const Reader& r, ModelConfig& c) {
   ASSIGN_OR_RETURN(c.dtype, config_internal::TorchDtype(r));
+  c.kv_auto_dtype = c.dtype;
   if (!r.Has("quantization_config")) return absl::OkStatus();
   const json& q = j["quantization_config"];
   if (!q.is_object()) return r.Error("quantization_config", "must be an object");

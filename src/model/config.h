@@ -92,6 +92,9 @@ struct ModelConfig {
   std::string torch_dtype;  // informational
   // The dtype FP8 weights expand into at load: torch_dtype's (BF16 where it names none).
   DType dtype = DType::kBF16;
+  // The KV cache's dtype under kvCacheDtype auto (api/kv_cache_dtype.h): `dtype`, F16 for a GGUF
+  // file (llama.cpp's).
+  DType kv_auto_dtype = DType::kBF16;
   WeightFormat weights = WeightFormat::kPlain;
   Fp8Blocks fp8_blocks;  // kFp8: its scales' block
   // quantization_config.modules_to_not_convert: modules kept in the model's dtype (HF's patterns).

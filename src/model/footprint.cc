@@ -301,8 +301,15 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
 
 }  // namespace
 
+// The KV cache's dtype under kvCacheDtype auto.
+std::string KvAutoName(const ModelConfig& c) {
+  return c.kv_auto_dtype == DType::kF32 ? "f32" : c.kv_auto_dtype == DType::kF16 ? "f16" : "bf16";
+}
+
 ModelFootprint FootprintOf(const ModelConfig& config) {
-  return Compute(DimsOf(config), FormatOf(config));
+  ModelFootprint out = Compute(DimsOf(config), FormatOf(config));
+  out.kv_dtype = KvAutoName(config);
+  return out;
 }
 
 absl::StatusOr<ModelFootprint> FootprintFromConfig(const std::string& json_text,
@@ -331,7 +338,9 @@ absl::StatusOr<ModelFootprint> LoadFootprint(const std::string& model_path) {
   f.dtype_bytes = bytes / unit.params;
   f.dtype = absl::StrCat("GGUF, ", absl::StrFormat("%.2f", f.dtype_bytes * 8),
                          " bits a weight on average (the file's size over its parameters)");
-  return Compute(d, f);
+  ModelFootprint out = Compute(d, f);
+  out.kv_dtype = KvAutoName(c);
+  return out;
 }
 
 }  // namespace shardserve

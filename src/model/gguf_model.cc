@@ -480,7 +480,10 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   if (Has(f, "tokenizer.ggml.eos_token_id")) {
     ASSIGN_OR_RETURN(j["eos_token_id"], f.GetUint("tokenizer.ggml.eos_token_id"));
   }
-  return ParseModelConfig(j.dump(), absl::StrCat(f.path(), " (GGUF metadata)"));
+  ASSIGN_OR_RETURN(ModelConfig c,
+                   ParseModelConfig(j.dump(), absl::StrCat(f.path(), " (GGUF metadata)")));
+  c.kv_auto_dtype = DType::kF16;
+  return c;
 }
 
 absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(

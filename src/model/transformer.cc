@@ -26,11 +26,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> Transformer::NewKvCache(int64_t positio
   const int64_t layers = layer_end_ - layer_begin_;
   std::unique_ptr<KvStorage> storage;
   if (config_.mla) {  // the latent and the rotated key dims, one vector a position
-    ASSIGN_OR_RETURN(storage, backend_->AllocLatentKv(layers, blocks, block_size,
-                                                      config_.kv_lora_rank, config_.head_dim));
-  } else {
     ASSIGN_OR_RETURN(storage,
-                     backend_->AllocKv(layers, blocks, kv_heads_, block_size, config_.head_dim));
+                     backend_->AllocLatentKv(layers, blocks, block_size, config_.kv_lora_rank,
+                                             config_.head_dim, kv_format_));
+  } else {
+    ASSIGN_OR_RETURN(storage, backend_->AllocKv(layers, blocks, kv_heads_, block_size,
+                                                config_.head_dim, kv_format_));
   }
   return std::make_unique<KvCache>(block_size, blocks, std::move(storage));
 }
@@ -39,7 +40,7 @@ size_t Transformer::kv_block_bytes(int64_t block_size) const {
   const int64_t per_position =
       config_.mla ? config_.kv_lora_rank + config_.head_dim : 2 * kv_heads_ * config_.head_dim;
   return static_cast<size_t>((layer_end_ - layer_begin_) * block_size * per_position) *
-         sizeof(float);
+         DTypeSize(kv_format_.dtype);
 }
 
 absl::Status Transformer::AllReduce(float* data, size_t count) {

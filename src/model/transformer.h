@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/kv_cache_dtype.h"
 #include "backend/backend.h"
 #include "comm/communicator.h"
 #include "common/prefetch.h"
@@ -96,6 +97,8 @@ class Transformer {
     // (maxLoraRank); 0 slots: none.
     int lora_slots = 0;
     int64_t lora_max_rank = 0;
+    // How the KV caches keep their values (api/kv_cache_dtype.h; auto: the model's dtype).
+    KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
@@ -115,6 +118,9 @@ class Transformer {
   absl::StatusOr<std::unique_ptr<KvCache>> NewKvCache(int64_t positions, int64_t block_size = 16);
   // Bytes of KV storage one cache block takes on this rank.
   size_t kv_block_bytes(int64_t block_size = 16) const;
+  // How this rank's KV caches keep their values: the dtype Options chose (auto resolved) and,
+  // for FP8, the checkpoint's per-layer scales of the stage's layers.
+  const KvFormat& kv_format() const { return kv_format_; }
 
   // The input of a stage after the first: the previous stage's rows x hidden floats, from host
   // memory or received from member `peer` of `link` (a communicator on backend memory).
@@ -345,6 +351,11 @@ class Transformer {
   WeightMatrix embed_, lm_head_;
   const float *final_norm_ = nullptr, *inv_freq_ = nullptr;
   std::vector<Layer> layers_;
+  // The KV caches' format (Options::kv_cache_dtype resolved; for FP8 each stage layer's scales:
+  // the checkpoint's self_attn.k_scale / v_scale, or k_proj / v_proj.output_scale, vLLM's names,
+  // 1 where it has none, vLLM's default). BindKvFormat sets it.
+  absl::Status BindKvFormat();
+  KvFormat kv_format_;
   // LoRA: by stage layer and target; each slot's factors (null: empty); whether the last Run's
   // batch has rows of an adapter.
   std::vector<std::array<LoraProjection, kLoraTargets>> lora_;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -383,6 +384,61 @@ std::vector<FileRange> Transformer::StagePieces() const {
   return Pieces(std::move(ranges), uint64_t{16} << 20);
 }
 
+absl::Status Transformer::BindKvFormat() {
+  switch (options_.kv_cache_dtype) {
+    case KvCacheDtype::kAuto:
+      kv_format_.dtype = config_.kv_auto_dtype;
+      break;
+    case KvCacheDtype::kF32:
+      kv_format_.dtype = DType::kF32;
+      break;
+    case KvCacheDtype::kBF16:
+      kv_format_.dtype = DType::kBF16;
+      break;
+    case KvCacheDtype::kF16:
+      kv_format_.dtype = DType::kF16;
+      break;
+    case KvCacheDtype::kFP8:
+      kv_format_.dtype = DType::kF8E4M3;
+      break;
+  }
+  if (kv_format_.dtype != DType::kF8E4M3) return absl::OkStatus();
+  const WeightStore& w = *weights_;
+  // One scale: a tensor of one F32, F16 or BF16 value, finite and positive.
+  auto scale_of = [&](const std::string& p, const char* kind) -> absl::StatusOr<float> {
+    for (const std::string& name : {absl::StrCat(p, "self_attn.", kind, "_scale"),
+                                    absl::StrCat(p, "self_attn.", kind, "_proj.output_scale")}) {
+      if (!w.Has(name)) continue;
+      ASSIGN_OR_RETURN(TensorView t, w.Get(name));
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      if (n != 1 || (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", name, "' must be one F32, F16 or BF16 value (a KV cache scale), not ", n,
+            " of ", DTypeName(t.dtype)));
+      }
+      float v = 0;
+      cpu::ToFloat(t.dtype, t.data, 1, &v);
+      if (!(v > 0) || !std::isfinite(v)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", name, "' is ", v, ", not a finite positive KV cache scale"));
+      }
+      return v;
+    }
+    return 1.f;
+  };
+  kv_format_.k_scale.clear();
+  kv_format_.v_scale.clear();
+  for (int64_t i = layer_begin_; i < layer_end_; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    ASSIGN_OR_RETURN(const float k, scale_of(p, "k"));
+    ASSIGN_OR_RETURN(const float v, scale_of(p, "v"));
+    kv_format_.k_scale.push_back(k);
+    kv_format_.v_scale.push_back(v);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Transformer::BindWeights() {
   const ModelConfig& c = config_;
   const int T = options_.tp_size, t = options_.tp_rank;
@@ -435,6 +491,7 @@ absl::Status Transformer::BindWeights() {
     ASSIGN_OR_RETURN(final_norm_, VectorSlice(norm, 0, H));
   }
   ASSIGN_OR_RETURN(inv_freq_, backend_->Upload(RopeInvFreq(c)));
+  RETURN_IF_ERROR(BindKvFormat());
   progress(1);
   const int64_t q0 = t * heads_ * hd, q1 = q0 + heads_ * hd;
   const int64_t k0 = kv_head_begin_ * hd, k1 = k0 + kv_heads_ * hd;

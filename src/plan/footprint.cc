@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "api/kv_cache_dtype.h"
 #include "common/status.h"
 
 namespace shardserve {
@@ -13,6 +14,15 @@ using json = nlohmann::json;
 int64_t ModelFootprint::KvValuesPerRank(const LayerFootprint& k, int64_t tp) const {
   const int64_t heads = k.kv_heads == 0 ? 0 : std::max<int64_t>(1, k.kv_heads / tp);
   return heads * k.head_values + k.whole_values;
+}
+
+int64_t ModelFootprint::KvValueBytes() const {
+  return KvCacheDtypeBytes(ParseKvCacheDtype(kv_dtype).value_or(KvCacheDtype::kF32), 4);
+}
+
+void UseKvCacheDtype(ModelFootprint& f, const std::string& kv_cache_dtype) {
+  const std::optional<KvCacheDtype> t = ParseKvCacheDtype(kv_cache_dtype);
+  if (t && *t != KvCacheDtype::kAuto) f.kv_dtype = KvCacheDtypeName(*t);
 }
 
 namespace {
@@ -64,6 +74,7 @@ json FootprintToJson(const ModelFootprint& f) {
           {"embedBytes", std::llround(f.embed_bytes)},
           {"headBytes", std::llround(f.head_bytes)},
           {"fullKvValues", f.full_kv_values},
+          {"kvDtype", f.kv_dtype},
           {"kinds", kinds},
           {"shape", ShapeToJson(f.shape)},
           {"notes", f.notes}};
@@ -103,6 +114,15 @@ absl::StatusOr<ModelFootprint> FootprintFromJson(const json& j) {
   ASSIGN_OR_RETURN(int64_t embed, integer(j, "embedBytes", kBytes));
   ASSIGN_OR_RETURN(int64_t head, integer(j, "headBytes", kBytes));
   ASSIGN_OR_RETURN(f.full_kv_values, integer(j, "fullKvValues", int64_t{1} << 30));
+  // A report of before the KV cache's dtype: F32, what the ranks kept then.
+  f.kv_dtype = j.contains("kvDtype") ? "" : "f32";
+  if (f.kv_dtype.empty()) {
+    ASSIGN_OR_RETURN(f.kv_dtype, text("kvDtype"));
+    const std::optional<KvCacheDtype> t = ParseKvCacheDtype(f.kv_dtype);
+    if (!t || *t == KvCacheDtype::kAuto) {
+      return bad(absl::StrCat("'kvDtype' is '", f.kv_dtype, "', not f32, bf16, f16 or fp8"));
+    }
+  }
   f.params = static_cast<double>(params);
   f.embed_bytes = static_cast<double>(embed);
   f.head_bytes = static_cast<double>(head);

@@ -6,8 +6,9 @@
 // Every rank of a stage holds: its share of the weights that tensor parallelism divides (query
 // and output heads, MLP columns, experts, vocabulary rows), its KV heads' key/value projections
 // (max(1, kv_heads / T) heads: a group smaller than T replicates them), the weights it keeps
-// whole (norms, routers, MLA's down-projections); and a KV cache of F32 values per position:
-// its KV heads' keys and values, or MLA's compressed latent, which every rank keeps whole.
+// whole (norms, routers, MLA's down-projections); and a KV cache of kv_dtype values per
+// position: its KV heads' keys and values, or MLA's compressed latent, which every rank keeps
+// whole.
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -44,11 +45,17 @@ struct ModelFootprint {
   ModelShape shape;            // the sizes the pipeline split weighs
   std::vector<std::string> notes;  // what is not counted, and why
 
+  // How the KV cache keeps a value (api/kv_cache_dtype.h: f32, bf16, f16, fp8): the model's
+  // dtype (kvCacheDtype auto) until UseKvCacheDtype sets a spec's.
+  std::string kv_dtype = "bf16";
+
   // Values cached per position and layer on one rank of a tensor-parallel group of `tp`.
   int64_t KvValuesPerRank(const LayerFootprint& k, int64_t tp) const;
+  int64_t KvValueBytes() const;
 };
 
-inline constexpr int64_t kKvValueBytes = 4;  // the KV cache holds F32
+// The footprint with the KV cache a spec's spec.serving.kvCacheDtype keeps (auto: as it is).
+void UseKvCacheDtype(ModelFootprint& f, const std::string& kv_cache_dtype);
 
 // The footprint as `shardserve-worker inspect` reports it and status.model keeps it, and back
 // (bounded: a report is input).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
@@ -27,19 +28,23 @@ StageMemory MemoryOfStage(const ModelFootprint& f, const LayerRange& layers, int
   }
   if (layers.begin == 0) m.weights += f.embed_bytes / T;
   if (layers.end == f.layers) m.weights += f.head_bytes / T;
-  m.kv_cache = kv_values * static_cast<double>(kv_tokens) * kKvValueBytes;
+  m.kv_cache = kv_values * static_cast<double>(kv_tokens) * static_cast<double>(f.KvValueBytes());
   m.margin = kMarginBytes + kMarginShare * (m.weights + m.kv_cache);
   return m;
 }
 
 std::string KvBytesLine(const ModelFootprint& f) {
   if (f.kinds.empty()) return "";
-  const int64_t own = f.KvValuesPerRank(f.kinds.front(), 1) * kKvValueBytes;
-  const int64_t full = f.full_kv_values * kKvValueBytes;
-  if (own == full) return absl::StrCat("KV cache: ", own, " bytes a position per layer (F32)");
-  return absl::StrCat("KV cache: ", own, " bytes a position per layer (F32, the compressed latent",
-                      " every rank keeps), against ", full, " for full heads (",
-                      absl::StrFormat("%.1f", static_cast<double>(full) / own), "x)");
+  const int64_t own = f.KvValuesPerRank(f.kinds.front(), 1) * f.KvValueBytes();
+  const int64_t full = f.full_kv_values * f.KvValueBytes();
+  const std::string dtype = absl::AsciiStrToUpper(f.kv_dtype);
+  if (own == full) {
+    return absl::StrCat("KV cache: ", own, " bytes a position per layer (", dtype, ")");
+  }
+  return absl::StrCat("KV cache: ", own, " bytes a position per layer (", dtype,
+                      ", the compressed latent every rank keeps), against ", full,
+                      " for full heads (", absl::StrFormat("%.1f", static_cast<double>(full) / own),
+                      "x)");
 }
 
 absl::Status CheckTensorParallel(const ModelFootprint& f, int64_t tp) {
@@ -142,8 +147,10 @@ absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
                    FormatGiB(gpu_memory)));
 }
 
-absl::StatusOr<SpecPlan> PlanSpec(const ModelFootprint& f, const ShardedModelSpec& spec,
+absl::StatusOr<SpecPlan> PlanSpec(const ModelFootprint& model, const ShardedModelSpec& spec,
                                   const std::vector<NodeInfo>& nodes) {
+  ModelFootprint f = model;
+  UseKvCacheDtype(f, spec.kv_cache_dtype);
   const PlacementRequest request = PlacementRequestFor(spec, {});
   SpecPlan plan;
   std::vector<int64_t> node_gpus;

@@ -75,10 +75,11 @@ absl::StatusOr<ParallelismChoice> ChooseParallelism(const ModelFootprint& f,
                                                     double gpu_memory, int64_t kv_tokens,
                                                     ParallelismChoice* closest = nullptr);
 
-// The plan of `spec` on `nodes`: the sizes it fixes or, for auto, the ones chosen on the nodes
-// placement could use (ready, selected, tolerated, with GPUs), the layer split and each stage's
-// need; `gpu_memory` is the least memory of those nodes (0: none says it). Where no auto sizes
-// fit, the least needy plan: placement then refuses it with its numbers. Errors name the field
+// The plan of `spec` on `nodes` (its KV cache in spec.serving.kvCacheDtype): the sizes it fixes or,
+// for auto, the ones chosen on the nodes placement could use (ready, selected, tolerated, with
+// GPUs), the layer split and each stage's need; `gpu_memory` is the least memory of those nodes (0:
+// none says it). Where no auto sizes fit, the least needy plan: placement then refuses it with its
+// numbers. Errors name the field
 // ("spec.parallelism.tensor 3: num_attention_heads 64 is not divisible by tensor parallelism 3").
 struct SpecPlan {
   ParallelismChoice choice;

@@ -41,13 +41,15 @@ absl::StatusOr<std::vector<KvPullPlan>> PlanKvPull(const KvRoleShape& prefill,
                                                    const std::vector<int32_t>& blocks,
                                                    size_t skip_blocks) {
   if (prefill.kv_heads != decode.kv_heads || prefill.latent != decode.latent ||
-      prefill.block_size != decode.block_size || prefill.stages.empty() || decode.stages.empty() ||
+      prefill.block_size != decode.block_size || prefill.dtype != decode.dtype ||
+      prefill.stages.empty() || decode.stages.empty() ||
       prefill.stages.back().second != decode.stages.back().second) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the prefill and decode roles hold different KV caches (KV heads ", prefill.kv_heads, " / ",
-        decode.kv_heads, ", block size ", prefill.block_size, " / ", decode.block_size, ", layers ",
-        prefill.stages.empty() ? 0 : prefill.stages.back().second, " / ",
-        decode.stages.empty() ? 0 : decode.stages.back().second, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prefill and decode roles hold different KV caches (KV heads ",
+                     prefill.kv_heads, " / ", decode.kv_heads, ", block size ", prefill.block_size,
+                     " / ", decode.block_size, ", values ", prefill.dtype, " / ", decode.dtype,
+                     ", layers ", prefill.stages.empty() ? 0 : prefill.stages.back().second, " / ",
+                     decode.stages.empty() ? 0 : decode.stages.back().second, ")"));
   }
   if (stage < 0 || stage >= static_cast<int>(decode.stages.size()) || tp_rank < 0 ||
       tp_rank >= decode.tp) {

@@ -9,6 +9,7 @@
 // exactly those heads of those layers into its own blocks (PlanKvPull) — the KV heads re-sliced
 // when the two roles' TP differ, the layers regrouped when their PP differs.
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,7 +25,8 @@ struct KvRoleShape {
   std::vector<std::pair<int64_t, int64_t>> stages;  // each PP stage's layers [begin, end)
   int64_t kv_heads = 1;  // the model's KV heads (a latent cache: 1, on every rank)
   bool latent = false;
-  int64_t block_size = 16;  // positions per KV block
+  int64_t block_size = 16;    // positions per KV block
+  std::string dtype = "F32";  // the values' (DTypeName of the cache's KvFormat)
 };
 
 // One rank's share: global layers [layer_begin, layer_end), KV heads [head_begin, +heads).

@@ -290,6 +290,7 @@ absl::Status Rank::Init() {
     o.layer_begin = layers.begin;
     o.layer_end = layers.end;
     o.fp8_blocks = cfg_.env.fp8_blocks;
+    o.kv_cache_dtype = ParseKvCacheDtype(cfg_.env.kv_cache_dtype).value_or(KvCacheDtype::kAuto);
     o.lora_slots = cfg_.env.max_loras;
     o.lora_max_rank = cfg_.env.max_lora_rank;
     o.progress = [&](double share) {
@@ -312,6 +313,7 @@ absl::Status Rank::Init() {
     kv_shape_.latent = c.mla;
     kv_shape_.kv_heads = c.mla ? 1 : c.num_kv_heads;
     kv_shape_.block_size = cache_->block_size();
+    kv_shape_.dtype = DTypeName(cache_->storage()->format.dtype);
     return absl::OkStatus();
   }();
   if (!loaded.ok()) {

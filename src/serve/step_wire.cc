@@ -242,11 +242,8 @@ absl::StatusOr<KvTicket> KvTicketFromHex(const std::string& hex) {
 json EncodeKvRoleShape(const KvRoleShape& shape) {
   json stages = json::array();
   for (const auto& [b, e] : shape.stages) stages.push_back({b, e});
-  return {{"tp", shape.tp},
-          {"stages", std::move(stages)},
-          {"kv_heads", shape.kv_heads},
-          {"latent", shape.latent},
-          {"block_size", shape.block_size}};
+  return {{"tp", shape.tp},         {"stages", std::move(stages)},    {"kv_heads", shape.kv_heads},
+          {"latent", shape.latent}, {"block_size", shape.block_size}, {"dtype", shape.dtype}};
 }
 
 absl::StatusOr<KvRoleShape> DecodeKvRoleShape(const json& j) {
@@ -257,6 +254,11 @@ absl::StatusOr<KvRoleShape> DecodeKvRoleShape(const json& j) {
   ASSIGN_OR_RETURN(shape.kv_heads, JsonInt(j, "kv_heads", 1, 1 << 20));
   ASSIGN_OR_RETURN(shape.latent, JsonBool(j, "latent"));
   ASSIGN_OR_RETURN(shape.block_size, JsonInt(j, "block_size", 1, 1 << 20));
+  const auto dtype = j.find("dtype");
+  if (dtype == j.end() || !dtype->is_string() || dtype->get<std::string>().size() > 16) {
+    return absl::InvalidArgumentError("a KV shape without its dtype");
+  }
+  shape.dtype = dtype->get<std::string>();
   ASSIGN_OR_RETURN(const json* stages, JsonArray(j, "stages"));
   if (stages->empty() || stages->size() > (1 << 16)) {
     return absl::InvalidArgumentError(absl::StrCat("a KV shape of ", stages->size(), " stages"));

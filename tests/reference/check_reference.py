@@ -2,7 +2,7 @@
 """Checks shardserve's CPU runtime against Hugging Face transformers (PyTorch) on one generated
 model: greedy tokens must be identical and log-probabilities (chosen token and top 5) must agree.
 
-Tolerances:
+Tolerances (the KV cache in F32):
   * FP8 checkpoints: transformers dequantizes at load into the model's dtype, as shardserve
     does (the same bits), then runs in float32 like the others: 1e-4. MXFP4 experts likewise
     (their values are exact in every dtype).
@@ -11,7 +11,10 @@ Tolerances:
   * transformers in the file's native dtype (bf16/f16 activations too): the logprob it gives
     shardserve's first greedy token is within 0.25 of shardserve's.
 And with config.json as transformers itself saves it (its names for every field) the answer is
-the same. Also checks that shardserve's tokenizer encodes like the `tokenizers` library, for the generated
+the same. With the KV cache in the model's dtype (BF16/F16, kvCacheDtype auto) the greedy tokens
+are identical and logprobs within KV_BOUNDS["auto"]; in FP8 (under the checkpoint's per-layer
+k_scale / v_scale, computed here as vLLM computes them) logprobs up to the first token that
+differs within KV_BOUNDS["fp8"]. Also checks that shardserve's tokenizer encodes like the `tokenizers` library, for the generated
 tokenizer and for Llama 3 (regex split, ignore_merges) and Qwen2 (NFC) variants of it.
 """
 import argparse
@@ -22,6 +25,7 @@ import sys
 import tempfile
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -117,6 +121,23 @@ TEXTS = ["The model is too large for one machine.", "  two  spaces and\ttabs\nne
          "<s>special in text</s> ok", "", "a"]
 TIGHT = 1e-4
 LOOSE = 0.25
+# The KV cache in the model's dtype (kvCacheDtype auto: BF16, F16) and in FP8, against
+# transformers in float32 (whose cache is float32): with BF16/F16 the greedy tokens are identical;
+# every logprob (chosen and top 5) of the steps before the first token that differs (FP8 may
+# choose another token where two are close) is within the dtype's bound.
+KV_BOUNDS = {"auto": 0.05, "fp8": 0.2}
+
+
+def kv_worst(got, want_tokens, want_lps):
+    """The largest |dlogprob| of got's steps up to its first token unlike want_tokens'."""
+    worst = 0.0
+    for step, lp in enumerate(want_lps):
+        worst = max(worst, abs(got["logprobs"][step] - float(lp[got["tokens"][step]])))
+        for alt in got["top_logprobs"][step]:
+            worst = max(worst, abs(alt["logprob"] - float(lp[alt["id"]])))
+        if got["tokens"][step] != want_tokens[step]:
+            break
+    return worst
 
 
 def run(cmd):
@@ -126,10 +147,10 @@ def run(cmd):
     return p.stdout
 
 
-def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1):
+def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1, kv="f32"):
     out = run([binary, "generate", "--model", model, "--prompt-ids",
                ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--logprobs", "5",
-               "--ignore-eos", "--format", "json"] +
+               "--ignore-eos", "--format", "json", "--kv-cache-dtype", kv] +
               (["--threads", "2"] if tp * pp == 1 else ["--tp", str(tp), "--pp", str(pp),
                                                           "--threads", "1"]))
     return json.loads(out)
@@ -195,6 +216,51 @@ def check_tokenizer_variant(binary, model_dir):
             sys.exit(f"tokenizer mismatch for {text!r}:\n ours {out['prompt_ids']}\n   hf {want}")
 
 
+def kv_scaled_copy(model_dir, ref, prompts, out_dir):
+    """A copy of the model whose checkpoint carries each layer's self_attn.k_scale and v_scale,
+    computed as vLLM's calculate_kv_scales computes them (|keys| max / 200, |values| max / 100)
+    over the prompts: a generated model's keys and values are far below 1, where E4M3 at scale 1
+    (what a checkpoint without scales gets, as in vLLM) keeps few bits."""
+    amax = {}
+    hooks = []
+
+    def track(layer, kind, cols=None):
+        def hook(module, inputs, out):
+            t = out if cols is None else out[..., cols]
+            amax[(layer, kind)] = max(amax.get((layer, kind), 0.0), float(t.abs().max()))
+        return hook
+
+    for i, layer in enumerate(ref.model.layers):
+        a = layer.self_attn
+        if hasattr(a, "kv_a_layernorm"):  # MLA: the latent and the rotated key dims, k_scale
+            rope = ref.config.qk_rope_head_dim
+            hooks.append(a.kv_a_layernorm.register_forward_hook(track(i, "k")))
+            hooks.append(a.kv_a_proj_with_mqa.register_forward_hook(
+                track(i, "k", slice(-rope, None))))
+        else:
+            keys = a.k_norm if hasattr(a, "k_norm") else a.k_proj
+            hooks.append(keys.register_forward_hook(track(i, "k")))
+            hooks.append(a.v_proj.register_forward_hook(track(i, "v")))
+    with torch.no_grad():
+        for prompt in prompts:
+            ref(torch.tensor([prompt]))
+    for h in hooks:
+        h.remove()
+    tensors = {}
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    for (layer, kind), m in amax.items():
+        tensors[f"model.layers.{layer}.self_attn.{kind}_scale"] = torch.tensor(
+            max(m, 1e-6) / (200.0 if kind == "k" else 100.0), dtype=torch.float32)
+    os.makedirs(out_dir)
+    for name in os.listdir(model_dir):
+        if not name.startswith("model.safetensors") and not name.endswith(".safetensors"):
+            os.symlink(os.path.join(model_dir, name), os.path.join(out_dir, name))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shardserve", required=True)
@@ -214,11 +280,13 @@ def main():
         native = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=native_dtype).eval()
                   if native_dtype else None)
         worst = 0.0
+        kv_worsts = {kv: 0.0 for kv in KV_BOUNDS}
         layouts = LAYOUTS.get(args.case, [(1, 1)])
         prompts = [[1, 5, 9, 200, 33], list(range(3, 120, 3)), [1]]
         if "--max-position" in CASES[args.case]:  # a long prompt: 1,000 tokens
             prompts.append([(i * 37) % 599 + 1 for i in range(1000)])
         steps = 10
+        scaled = kv_scaled_copy(model_dir, ref32, prompts, os.path.join(tmp, "kv-scaled"))
         for prompt in prompts:
             want_tokens, want_lps = hf_greedy(ref32, prompt, steps)
             native_lp = None
@@ -247,6 +315,24 @@ def main():
                     d = abs(float(native_lp[got["tokens"][0]]) - got["logprobs"][0])
                     if d > LOOSE:
                         sys.exit(f"native-{native_dtype} logprob differs by {d:.3f} > {LOOSE}")
+            # The KV cache in the model's dtype and in FP8: the first and the longest prompt, at
+            # the largest layout.
+            if prompt is not prompts[0] and len(prompt) < 1000:
+                continue
+            tp, pp = layouts[-1]
+            for kv, bound in KV_BOUNDS.items():
+                if kv == "auto" and native_dtype is None:
+                    continue  # an F32 model's auto is F32, checked above
+                got = ours(args.shardserve, scaled if kv == "fp8" else model_dir, prompt, steps,
+                           tp, pp, kv)
+                if kv == "auto" and got["tokens"] != want_tokens:
+                    sys.exit(f"with the KV cache in {args.case[-4:]} the greedy tokens differ for "
+                             f"prompt {prompt[:8]}... at TP={tp} PP={pp}:\n"
+                             f" ours {got['tokens']}\n   hf {want_tokens}")
+                kv_worsts[kv] = max(kv_worsts[kv], kv_worst(got, want_tokens, want_lps))
+                if kv_worsts[kv] > bound:
+                    sys.exit(f"with the KV cache in {kv} logprobs differ by {kv_worsts[kv]:.3f} > "
+                             f"{bound} (prompt {prompt[:8]}..., TP={tp} PP={pp})")
         # The same model with its config.json as the reference venv's transformers saves it
         # (transformers 5's names: num_local_experts, rope_parameters, dtype): the same answer.
         resaved = os.path.join(tmp, "resaved")
@@ -269,7 +355,11 @@ def main():
         print(f"{args.case}: greedy tokens identical to transformers on {len(prompts)} prompts "
               f"(up to {longest} tokens; {shapes}); "
               f"max |dlogprob| = {worst:.2e} (tolerance {TIGHT}); the same with the config "
-              f"transformers saves (without {renamed})")
+              f"transformers saves (without {renamed}); KV cache "
+              + ", ".join(f"{kv}{' (identical greedy tokens)' if kv == 'auto' else ''}: "
+                          f"max |dlogprob| {w:.2e} (bound {KV_BOUNDS[kv]})"
+                          for kv, w in kv_worsts.items()
+                          if kv != "auto" or native_dtype is not None))
 
 
 if __name__ == "__main__":

@@ -45,39 +45,52 @@ class HostBuffer : public Buffer {
   size_t size_ = 0;
 };
 
-// Per layer, K then V: [blocks][kv_heads][block_size][head_dim] floats each.
+// Per layer, K then V: [blocks][kv_heads][block_size][head_dim] values of format.dtype each.
 struct HostKv : KvStorage {
-  std::unique_ptr<float[]> data;
+  std::unique_ptr<uint8_t[]> data;
   int64_t blocks = 0, kv_heads = 0, block_size = 0, head_dim = 0;
-  float* Slab(int64_t layer, int kv, int64_t block, int64_t kv_head) const {
-    return data.get() +
-           (((layer * 2 + kv) * blocks + block) * kv_heads + kv_head) * block_size * head_dim;
+  uint8_t* Slab(int64_t layer, int kv, int64_t block, int64_t kv_head) const {
+    return data.get() + (((layer * 2 + kv) * blocks + block) * kv_heads + kv_head) * block_size *
+                            head_dim * DTypeSize(format.dtype);
   }
   void* block_data(int64_t layer, int kv, int64_t block) const override {
     return Slab(layer, kv, block, 0);
   }
   size_t block_bytes() const override {
-    return static_cast<size_t>(kv_heads * block_size * head_dim) * sizeof(float);
+    return static_cast<size_t>(kv_heads * block_size * head_dim) * DTypeSize(format.dtype);
   }
   bool on_host() const override { return true; }
 };
 
-// A latent cache (Backend::AllocLatentKv): per layer [blocks][block_size][dim] floats.
+// A latent cache (Backend::AllocLatentKv): per layer [blocks][block_size][dim] values.
 struct HostLatentKv : KvStorage {
-  std::unique_ptr<float[]> data;
+  std::unique_ptr<uint8_t[]> data;
   int64_t blocks = 0, block_size = 0, latent_dim = 0, rope_dim = 0;
   int64_t dim() const { return latent_dim + rope_dim; }
-  float* Block(int64_t layer, int64_t block) const {
-    return data.get() + (layer * blocks + block) * block_size * dim();
+  uint8_t* Block(int64_t layer, int64_t block) const {
+    return data.get() + (layer * blocks + block) * block_size * dim() * DTypeSize(format.dtype);
   }
   void* block_data(int64_t layer, int kv, int64_t block) const override {
     return kv == 0 ? Block(layer, block) : nullptr;
   }
   size_t block_bytes() const override {
-    return static_cast<size_t>(block_size * dim()) * sizeof(float);
+    return static_cast<size_t>(block_size * dim()) * DTypeSize(format.dtype);
   }
   bool on_host() const override { return true; }
 };
+
+// `values` values of format.dtype, uninitialized on purpose: pages commit on first write.
+absl::StatusOr<std::unique_ptr<uint8_t[]>> AllocKvBytes(const KvFormat& format, size_t values,
+                                                        const char* what) {
+  RETURN_IF_ERROR(CheckKvFormat(format));
+  const size_t bytes = std::max<size_t>(values * DTypeSize(format.dtype), 1);
+  std::unique_ptr<uint8_t[]> data(new (std::nothrow) uint8_t[bytes]);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", what, " of ", bytes,
+                                                     " bytes (", DTypeName(format.dtype), ")"));
+  }
+  return data;
+}
 
 absl::Status HalfOrFloat(const WeightMatrix& w, const char* op) {
   if (w.dtype == DType::kF32 || w.dtype == DType::kF16 || w.dtype == DType::kBF16) {
@@ -145,17 +158,15 @@ class CpuBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<KvStorage>> AllocKv(int64_t layers, int64_t blocks,
                                                      int64_t kv_heads, int64_t block_size,
-                                                     int64_t head_dim) override {
+                                                     int64_t head_dim,
+                                                     const KvFormat& format) override {
     auto kv = std::make_unique<HostKv>();
     kv->owner = this;
-    const size_t floats =
-        static_cast<size_t>(layers * 2 * blocks * kv_heads * block_size * head_dim);
-    // Uninitialized on purpose: pages commit on first write.
-    kv->data.reset(new (std::nothrow) float[std::max<size_t>(floats, 1)]);
-    if (kv->data == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate a KV cache of ", floats * sizeof(float), " bytes"));
-    }
+    kv->format = format;
+    ASSIGN_OR_RETURN(kv->data, AllocKvBytes(format,
+                                            static_cast<size_t>(layers * 2 * blocks * kv_heads *
+                                                                block_size * head_dim),
+                                            "a KV cache"));
     kv->blocks = blocks;
     kv->kv_heads = kv_heads;
     kv->block_size = block_size;
@@ -237,11 +248,14 @@ class CpuBackend : public Backend {
                        const int32_t* block_offset) override {
     const HostKv& kv = static_cast<const HostKv&>(storage);
     const int64_t hd = kv.head_dim, bs = kv.block_size, kvd = kv.kv_heads * hd;
+    const DType t = kv.format.dtype;
+    const size_t at = static_cast<size_t>(hd) * DTypeSize(t);  // a slot's bytes
+    const float ks = kv.format.KScale(layer), vs = kv.format.VScale(layer);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t block = blocks[block_offset[r] + positions[r] / bs], slot = positions[r] % bs;
       for (int64_t kh = 0; kh < kv.kv_heads; ++kh) {
-        std::copy_n(k + r * kvd + kh * hd, hd, kv.Slab(layer, 0, block, kh) + slot * hd);
-        std::copy_n(v + r * kvd + kh * hd, hd, kv.Slab(layer, 1, block, kh) + slot * hd);
+        FloatToKv(t, k + r * kvd + kh * hd, hd, ks, kv.Slab(layer, 0, block, kh) + slot * at);
+        FloatToKv(t, v + r * kvd + kh * hd, hd, vs, kv.Slab(layer, 1, block, kh) + slot * at);
       }
     }
     return absl::OkStatus();
@@ -254,9 +268,10 @@ class CpuBackend : public Backend {
     (void)max_len;
     const HostKv& kv = static_cast<const HostKv&>(storage);
     const int64_t hd = kv.head_dim, bs = kv.block_size, qd = heads * hd;
+    const KvRows rows_of{kv.format.dtype, kv.format.KScale(layer), kv.format.VScale(layer)};
     pool_.ParallelFor(rows * heads, 1, [&](int, int64_t begin, int64_t end) {
       std::vector<float> scores;
-      std::vector<const float*> k_blocks, v_blocks;
+      std::vector<const void*> k_blocks, v_blocks;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t r = item / heads, head = item % heads;
         const int64_t kh = (head0 + head) / group - kv_head0;
@@ -271,8 +286,8 @@ class CpuBackend : public Backend {
         scores.resize(len);
         const int64_t begin = extras.window > 0 ? std::max<int64_t>(0, len - extras.window) : 0;
         const float sink = extras.sinks != nullptr ? extras.sinks[head] : -INFINITY;
-        AttendHead(q + r * qd + head * hd, k_blocks.data(), v_blocks.data(), bs, hd, begin, len,
-                   scale, sink, scores.data(), out + r * qd + head * hd);
+        AttendHead(q + r * qd + head * hd, rows_of, k_blocks.data(), v_blocks.data(), bs, hd, begin,
+                   len, scale, sink, scores.data(), out + r * qd + head * hd);
       }
     });
     return absl::OkStatus();
@@ -290,16 +305,15 @@ class CpuBackend : public Backend {
   }
   absl::StatusOr<std::unique_ptr<KvStorage>> AllocLatentKv(int64_t layers, int64_t blocks,
                                                            int64_t block_size, int64_t latent_dim,
-                                                           int64_t rope_dim) override {
+                                                           int64_t rope_dim,
+                                                           const KvFormat& format) override {
     auto kv = std::make_unique<HostLatentKv>();
     kv->owner = this;
-    const size_t floats =
-        static_cast<size_t>(layers * blocks * block_size * (latent_dim + rope_dim));
-    kv->data.reset(new (std::nothrow) float[std::max<size_t>(floats, 1)]);
-    if (kv->data == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate a latent KV cache of ", floats * sizeof(float), " bytes"));
-    }
+    kv->format = format;
+    ASSIGN_OR_RETURN(kv->data, AllocKvBytes(format,
+                                            static_cast<size_t>(layers * blocks * block_size *
+                                                                (latent_dim + rope_dim)),
+                                            "a latent KV cache"));
     kv->blocks = blocks;
     kv->block_size = block_size;
     kv->latent_dim = latent_dim;
@@ -311,11 +325,13 @@ class CpuBackend : public Backend {
                              const int32_t* blocks, const int32_t* block_offset) override {
     const HostLatentKv& kv = static_cast<const HostLatentKv&>(storage);
     const int64_t bs = kv.block_size, L = kv.latent_dim, R = kv.rope_dim;
+    const DType t = kv.format.dtype;
+    const float scale = kv.format.KScale(layer);
     for (int64_t r = 0; r < rows; ++r) {
-      float* at = kv.Block(layer, blocks[block_offset[r] + positions[r] / bs]) +
-                  (positions[r] % bs) * kv.dim();
-      std::copy_n(latent + r * L, L, at);
-      std::copy_n(rope + r * R, R, at + L);
+      uint8_t* at = kv.Block(layer, blocks[block_offset[r] + positions[r] / bs]) +
+                    (positions[r] % bs) * kv.dim() * DTypeSize(t);
+      FloatToKv(t, latent + r * L, L, scale, at);
+      FloatToKv(t, rope + r * R, R, scale, at + L * DTypeSize(t));
     }
     return absl::OkStatus();
   }
@@ -327,9 +343,10 @@ class CpuBackend : public Backend {
     (void)max_len;
     const HostLatentKv& kv = static_cast<const HostLatentKv&>(storage);
     const int64_t bs = kv.block_size, L = kv.latent_dim, R = kv.rope_dim, D = kv.dim();
+    const KvRows rows_of{kv.format.dtype, kv.format.KScale(layer), kv.format.KScale(layer)};
     pool_.ParallelFor(rows * heads, 1, [&](int, int64_t begin, int64_t end) {
       std::vector<float> q(D), scores;
-      std::vector<const float*> cache_blocks;
+      std::vector<const void*> cache_blocks;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t r = item / heads;
         std::copy_n(q_latent + item * L, L, q.data());  // item = r * heads + head
@@ -340,7 +357,7 @@ class CpuBackend : public Backend {
           cache_blocks[b] = kv.Block(layer, blocks[block_offset[r] + b]);
         }
         scores.resize(len);
-        AttendShared(q.data(), cache_blocks.data(), bs, D, L, len, scale, scores.data(),
+        AttendShared(q.data(), rows_of, cache_blocks.data(), bs, D, L, len, scale, scores.data(),
                      out + item * L);
       }
     });

@@ -858,75 +858,194 @@ float ExpMinusMax(float* scores, int64_t len, float mx) {
   return sum;
 }
 
+// Eight cached values as floats, per dtype (KvFormat): F32; BF16 (the high half of an F32); F16
+// (F16C); E4M3 moved into F16's bit places, sign to sign and exponent-mantissa under it, which
+// gives every E4M3 value (subnormals too) times 2^-8 as an F16, kUnit folding the 2^8 back in.
+template <DType kT>
+struct KvLoad;
+template <>
+struct KvLoad<DType::kF32> {
+  static constexpr float kUnit = 1.f;
+  static __m256 Load8(const void* base, int64_t i) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  }
+};
+template <>
+struct KvLoad<DType::kBF16> {
+  static constexpr float kUnit = 1.f;
+  static __m256 Load8(const void* base, int64_t i) {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+};
+template <>
+struct KvLoad<DType::kF16> {
+  static constexpr float kUnit = 1.f;
+  static __m256 Load8(const void* base, int64_t i) {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  }
+};
+template <>
+struct KvLoad<DType::kF8E4M3> {
+  static constexpr float kUnit = 256.f;
+  static __m256 Load8(const void* base, int64_t i) {
+    const __m128i b = _mm_cvtepu8_epi16(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(h);
+  }
+};
+
 // AttendHead for hd = 8 * V8: q (scaled) and the output accumulator live in registers.
-template <int V8>
-void AttendHeadFixed(const float* q, const float* const* k_blocks, const float* const* v_blocks,
-                     int64_t bs, int64_t begin, int64_t len, float scale, float sink, float* scores,
-                     float* out) {
+template <int V8, DType kT>
+void AttendHeadFixed(const float* q, const void* const* k_blocks, const void* const* v_blocks,
+                     int64_t bs, int64_t begin, int64_t len, float scale, float k_scale,
+                     float v_scale, float sink, float* scores, float* out) {
+  using L = KvLoad<kT>;
   constexpr int64_t hd = 8 * V8;
   __m256 qv[V8];
-  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 sv = _mm256_set1_ps(scale * k_scale * L::kUnit);
   for (int i = 0; i < V8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), sv);
   float mx = sink;
   for (int64_t p = begin; p < len; ++p) {
-    const float* k = k_blocks[p / bs] + (p % bs) * hd;
-    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-    __m256 a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+    const void* k = k_blocks[p / bs];
+    const int64_t at = (p % bs) * hd;
+    __m256 a0 = _mm256_mul_ps(qv[0], L::Load8(k, at));
+    __m256 a1 = _mm256_mul_ps(qv[1], L::Load8(k, at + 8));
     for (int i = 2; i < V8; i += 2) {
-      a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a0);
-      a1 = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k + 8 * i + 8), a1);
+      a0 = _mm256_fmadd_ps(qv[i], L::Load8(k, at + 8 * i), a0);
+      a1 = _mm256_fmadd_ps(qv[i + 1], L::Load8(k, at + 8 * i + 8), a1);
     }
     scores[p] = HSum(_mm256_add_ps(a0, a1));
     mx = std::max(mx, scores[p]);
   }
   const float sum = ExpMinusMax(scores + begin, len - begin, mx) + std::exp(sink - mx);
-  const float inv = 1.0f / sum;
+  const float inv = v_scale * L::kUnit / sum;
   __m256 o[V8];
   for (int i = 0; i < V8; ++i) o[i] = _mm256_setzero_ps();
   for (int64_t p = begin; p < len; ++p) {
-    const float* v = v_blocks[p / bs] + (p % bs) * hd;
+    const void* v = v_blocks[p / bs];
+    const int64_t at = (p % bs) * hd;
     const __m256 w = _mm256_set1_ps(scores[p] * inv);
-    for (int i = 0; i < V8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), o[i]);
+    for (int i = 0; i < V8; ++i) o[i] = _mm256_fmadd_ps(w, L::Load8(v, at + 8 * i), o[i]);
   }
   for (int i = 0; i < V8; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
-}  // namespace
-
-void AttendHead(const float* q, const float* const* k_blocks, const float* const* v_blocks,
-                int64_t bs, int64_t hd, int64_t begin, int64_t len, float scale, float sink,
-                float* scores, float* out) {
+template <DType kT>
+void AttendHeadOf(const float* q, const void* const* k_blocks, const void* const* v_blocks,
+                  int64_t bs, int64_t hd, int64_t begin, int64_t len, float scale, float k_scale,
+                  float v_scale, float sink, float* scores, float* out) {
   if (hd == 64) {
-    return AttendHeadFixed<8>(q, k_blocks, v_blocks, bs, begin, len, scale, sink, scores, out);
+    return AttendHeadFixed<8, kT>(q, k_blocks, v_blocks, bs, begin, len, scale, k_scale, v_scale,
+                                  sink, scores, out);
   }
   if (hd == 128) {
-    return AttendHeadFixed<16>(q, k_blocks, v_blocks, bs, begin, len, scale, sink, scores, out);
+    return AttendHeadFixed<16, kT>(q, k_blocks, v_blocks, bs, begin, len, scale, k_scale, v_scale,
+                                   sink, scores, out);
   }
+  // Other head sizes: each row converted to F32 first.
+  const size_t es = DTypeSize(kT);
+  std::vector<float> row(hd);
+  auto at = [&](const void* const* blocks, int64_t p) {
+    return static_cast<const uint8_t*>(blocks[p / bs]) + (p % bs) * hd * es;
+  };
   float mx = sink;
   for (int64_t p = begin; p < len; ++p) {
-    scores[p] = Dot(q, k_blocks[p / bs] + (p % bs) * hd, hd) * scale;
+    KvToFloat(kT, at(k_blocks, p), hd, k_scale, row.data());
+    scores[p] = Dot(q, row.data(), hd) * scale;
     mx = std::max(mx, scores[p]);
   }
   const float sum = ExpMinusMax(scores + begin, len - begin, mx) + std::exp(sink - mx);
   std::fill_n(out, hd, 0.f);
   const float inv = 1.0f / sum;
   for (int64_t p = begin; p < len; ++p) {
-    Axpy(scores[p] * inv, v_blocks[p / bs] + (p % bs) * hd, out, hd);
+    KvToFloat(kT, at(v_blocks, p), hd, v_scale, row.data());
+    Axpy(scores[p] * inv, row.data(), out, hd);
   }
 }
 
-void AttendShared(const float* q, const float* const* blocks, int64_t block_size, int64_t dim,
-                  int64_t value_dim, int64_t len, float scale, float* scores, float* out) {
+}  // namespace
+
+void KvToFloat(DType dtype, const void* src, int64_t n, float scale, float* out) {
+  switch (dtype) {
+    case DType::kF8E4M3: {
+      const auto* b = static_cast<const uint8_t*>(src);
+      for (int64_t i = 0; i < n; ++i) out[i] = F8E4M3ToF32(b[i]) * scale;
+      return;
+    }
+    case DType::kF32:
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<const float*>(src)[i] * scale;
+      return;
+    default:
+      ToFloat(dtype, src, n, out);
+      if (scale != 1.f) {
+        for (int64_t i = 0; i < n; ++i) out[i] *= scale;
+      }
+  }
+}
+
+void FloatToKv(DType dtype, const float* x, int64_t n, float scale, void* dst) {
+  switch (dtype) {
+    case DType::kF32:
+      std::copy_n(x, n, static_cast<float*>(dst));
+      return;
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = F32ToBf16(x[i]);
+      return;
+    case DType::kF16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = F32ToF16(x[i]);
+      return;
+    default: {  // kF8E4M3
+      const float inv = 1.f / scale;
+      for (int64_t i = 0; i < n; ++i) static_cast<uint8_t*>(dst)[i] = F32ToF8E4M3(x[i] * inv);
+    }
+  }
+}
+
+void AttendHead(const float* q, const KvRows& kv, const void* const* k_blocks,
+                const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
+                float scale, float sink, float* scores, float* out) {
+  switch (kv.dtype) {
+    case DType::kBF16:
+      return AttendHeadOf<DType::kBF16>(q, k_blocks, v_blocks, bs, hd, begin, len, scale,
+                                        kv.k_scale, kv.v_scale, sink, scores, out);
+    case DType::kF16:
+      return AttendHeadOf<DType::kF16>(q, k_blocks, v_blocks, bs, hd, begin, len, scale, kv.k_scale,
+                                       kv.v_scale, sink, scores, out);
+    case DType::kF8E4M3:
+      return AttendHeadOf<DType::kF8E4M3>(q, k_blocks, v_blocks, bs, hd, begin, len, scale,
+                                          kv.k_scale, kv.v_scale, sink, scores, out);
+    default:
+      return AttendHeadOf<DType::kF32>(q, k_blocks, v_blocks, bs, hd, begin, len, scale, kv.k_scale,
+                                       kv.v_scale, sink, scores, out);
+  }
+}
+
+void AttendShared(const float* q, const KvRows& kv, const void* const* blocks, int64_t block_size,
+                  int64_t dim, int64_t value_dim, int64_t len, float scale, float* scores,
+                  float* out) {
+  const size_t es = DTypeSize(kv.dtype);
+  auto row_at = [&](int64_t p) {
+    return static_cast<const uint8_t*>(blocks[p / block_size]) + (p % block_size) * dim * es;
+  };
+  std::vector<float> row(kv.dtype == DType::kF32 ? 0 : dim);
+  auto row_of = [&](int64_t p) -> const float* {
+    if (kv.dtype == DType::kF32) return reinterpret_cast<const float*>(row_at(p));
+    KvToFloat(kv.dtype, row_at(p), dim, 1.f, row.data());
+    return row.data();
+  };
   float mx = -INFINITY;
   for (int64_t p = 0; p < len; ++p) {
-    scores[p] = Dot(q, blocks[p / block_size] + (p % block_size) * dim, dim) * scale;
+    scores[p] = Dot(q, row_of(p), dim) * scale * kv.k_scale;
     mx = std::max(mx, scores[p]);
   }
-  const float inv = 1.0f / ExpMinusMax(scores, len, mx);
+  const float inv = kv.k_scale / ExpMinusMax(scores, len, mx);
   std::fill_n(out, value_dim, 0.f);
-  for (int64_t p = 0; p < len; ++p) {
-    Axpy(scores[p] * inv, blocks[p / block_size] + (p % block_size) * dim, out, value_dim);
-  }
+  for (int64_t p = 0; p < len; ++p) Axpy(scores[p] * inv, row_of(p), out, value_dim);
 }
 
 void RouteGroupedRow(const float* logits, const float* bias, int64_t E, int64_t k, int64_t groups,

@@ -43,18 +43,30 @@ void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool);
 
 float Dot(const float* a, const float* b, int64_t n);
 
+// How attention reads a KV cache's rows (backend.h KvFormat): values of `dtype` (F32, F16, BF16,
+// F8_E4M3), keys times k_scale and values times v_scale (a latent row: k_scale).
+struct KvRows {
+  DType dtype = DType::kF32;
+  float k_scale = 1, v_scale = 1;
+};
+// n cached values of `dtype` at src as floats times `scale`; n floats x / scale into `dtype` at
+// dst (BF16, F16 and E4M3 rounded to nearest even, E4M3 saturated to +-448).
+void KvToFloat(DType dtype, const void* src, int64_t n, float scale, float* out);
+void FloatToKv(DType dtype, const float* x, int64_t n, float scale, void* dst);
+
 // Causal scaled-dot-product attention of one query head (hd floats) over positions
-// [begin, len): the key of position p is at k_blocks[p / block_size] + (p % block_size) * hd, the
-// value likewise in v_blocks. Writes softmax(q·K^T · scale) · V to out, the softmax's denominator
-// with e^sink too (-inf: no sink); `scores` holds len floats.
-void AttendHead(const float* q, const float* const* k_blocks, const float* const* v_blocks,
-                int64_t block_size, int64_t hd, int64_t begin, int64_t len, float scale, float sink,
-                float* scores, float* out);
+// [begin, len): the key of position p is at k_blocks[p / block_size] + (p % block_size) * hd
+// values of kv.dtype, the value likewise in v_blocks. Writes softmax(q·K^T · scale) · V to out,
+// the softmax's denominator with e^sink too (-inf: no sink); `scores` holds len floats.
+void AttendHead(const float* q, const KvRows& kv, const void* const* k_blocks,
+                const void* const* v_blocks, int64_t block_size, int64_t hd, int64_t begin,
+                int64_t len, float scale, float sink, float* scores, float* out);
 // Attention of one query (dim floats) over positions [0, len) whose keys and values share a row:
-// position p's row of `dim` floats is at blocks[p / block_size] + (p % block_size) * dim, its
-// value the row's first value_dim floats (multi-head latent attention). Writes value_dim floats.
-void AttendShared(const float* q, const float* const* blocks, int64_t block_size, int64_t dim,
-                  int64_t value_dim, int64_t len, float scale, float* scores, float* out);
+// position p's row of `dim` values is at blocks[p / block_size] + (p % block_size) * dim, its
+// value the row's first value_dim values (multi-head latent attention). Writes value_dim floats.
+void AttendShared(const float* q, const KvRows& kv, const void* const* blocks, int64_t block_size,
+                  int64_t dim, int64_t value_dim, int64_t len, float scale, float* scores,
+                  float* out);
 // One row of Backend::RouteGrouped (DeepSeek-V3's routing).
 void RouteGroupedRow(const float* logits, const float* bias, int64_t E, int64_t k, int64_t groups,
                      int64_t topk_groups, bool normalize, float scaling, int32_t* experts,

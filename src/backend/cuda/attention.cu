@@ -1,4 +1,6 @@
 // The CUDA backend: rotary embeddings, the paged KV cache and attention.
+#include <cuda_fp8.h>
+
 #include <cstdlib>
 #include <string_view>
 #include <type_traits>
@@ -7,6 +9,45 @@
 
 namespace shardserve::cuda {
 namespace {
+
+// A KV cache's element types (Backend's KvFormat): F32, BF16, F16 and E4M3, read as floats (four
+// consecutive, aligned, at once) and written rounded to nearest even (E4M3 saturated).
+__device__ __forceinline__ float KvF(float x) { return x; }
+__device__ __forceinline__ float KvF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float KvF(__half x) { return __half2float(x); }
+__device__ __forceinline__ float KvF(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+template <typename T>
+__device__ __forceinline__ T KvFrom(float x) {
+  return T(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 KvFrom<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half KvFrom<__half>(float x) {
+  return __float2half_rn(x);
+}
+__device__ __forceinline__ float4 KvLoad4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 KvLoad4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 KvLoad4(const __half* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 KvLoad4(const __nv_fp8_e4m3* p) {
+  __nv_fp8x4_e4m3 v;
+  v.__x = *reinterpret_cast<const __nv_fp8x4_storage_t*>(p);
+  return static_cast<float4>(v);
+}
 
 // Grid (rows, heads), a thread per rotated pair; the angle in float as the reference computes
 // it, its cosine and sine in double (as model/rope.cc), so both backends rotate alike.
@@ -32,15 +73,17 @@ __device__ __forceinline__ int64_t SlabOffset(const int32_t* blocks, int32_t off
 }
 
 // Grid (rows, kv_heads), threads over head_dim: the slot's place found once per block.
-__global__ void WriteKvKernel(float* kc, float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
-                              const float* k, const float* v, const int32_t* positions,
-                              const int32_t* blocks, const int32_t* block_offset) {
+template <typename T>
+__global__ void WriteKvKernel(T* kc, T* vc, int64_t kv_heads, int64_t bs, int64_t hd,
+                              const float* k, const float* v, float k_inv, float v_inv,
+                              const int32_t* positions, const int32_t* blocks,
+                              const int32_t* block_offset) {
   const int64_t r = blockIdx.x, kh = blockIdx.y;
   const int64_t at = SlabOffset(blocks, block_offset[r], positions[r], kv_heads, kh, bs, hd);
   const int64_t from = (r * kv_heads + kh) * hd;
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-    kc[at + d] = k[from + d];
-    vc[at + d] = v[from + d];
+    kc[at + d] = KvFrom<T>(k[from + d] * k_inv);
+    vc[at + d] = KvFrom<T>(v[from + d] * v_inv);
   }
 }
 
@@ -59,13 +102,13 @@ constexpr int64_t kAttnChunk = 32;          // positions a warp scores at once, 
 // weighted V) per (row, head, split) to `partial` for AttentionCombineKernel.
 // kBatched: the K loop unrolled by 8 and the V rows loaded 8 at a time before they are used
 // (more loads in flight for a warp; Attention chooses).
-template <int kG, int kPer, bool kBatched>
+template <int kG, int kPer, bool kBatched, typename T>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-    AttentionSplitKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
+    AttentionSplitKernel(const T* kc, const T* vc, int64_t kv_heads, int64_t bs, int64_t hd,
                          const float* q, int64_t heads, int64_t head0, int64_t group,
                          int64_t kv_head0, int64_t kv_first, int64_t kv_count, int64_t units,
                          const int32_t* positions, const int32_t* blocks,
-                         const int32_t* block_offset, int64_t per_split, float scale,
+                         const int32_t* block_offset, int64_t per_split, float scale, float v_scale,
                          float* partial, float* out) {
   constexpr int kDim = kPer * 32;
   __shared__ float qs[kG][kDim];
@@ -108,10 +151,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     if (valid) {
       at = ((row_blocks[p / bs] * kv_heads + kh) * bs + p % bs) * hd;
       if (vec) {
-        const float4* k4 = reinterpret_cast<const float4*>(kc + at);
 #pragma unroll(kBatched ? 8 : 1)
         for (int64_t d4 = 0; d4 < hd / 4; ++d4) {
-          const float4 kv = k4[d4];
+          const float4 kv = KvLoad4(kc + at + 4 * d4);
 #pragma unroll
           for (int g = 0; g < kG; ++g) {
             const float4 qv = reinterpret_cast<const float4*>(qs[g])[d4];
@@ -120,7 +162,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         }
       } else {
         for (int64_t d = 0; d < hd; ++d) {
-          const float kv = kc[at + d];
+          const float kv = KvF(kc[at + d]);
 #pragma unroll
           for (int g = 0; g < kG; ++g) sc[g] += qs[g][d] * kv;
         }
@@ -154,7 +196,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
         for (int i = 0; i < kPer; ++i) {
           const int64_t d = lane + 32 * i;
-          vv[u][i] = ok && d < hd ? vc[vat + d] : 0.f;
+          vv[u][i] = ok && d < hd ? KvF(vc[vat + d]) : 0.f;
         }
       }
 #pragma unroll
@@ -188,7 +230,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     for (int w = 0; w < kAttnWarps; ++w) sum += wl[w][g] * expf(wm[w][g] - mx);
     const int64_t item = r * heads + lo + g;
     if (splits == 1) {
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float inv = sum > 0.f ? v_scale / sum : 0.f;
       for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = 0;
         for (int w = 0; w < kAttnWarps; ++w) a += wacc[w][d] * expf(wm[w][g] - mx);
@@ -199,7 +241,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = 0;
         for (int w = 0; w < kAttnWarps; ++w) a += wacc[w][d] * expf(wm[w][g] - mx);
-        o[2 + d] = a;
+        o[2 + d] = a * v_scale;
       }
       if (threadIdx.x == 0) {
         o[0] = mx;
@@ -244,13 +286,13 @@ constexpr int kHeadWarps = 4;
 constexpr int kHeadUnroll = 4;
 constexpr int64_t kHeadPer = kAttnMaxHeadDim / 32;
 
-template <int kPer>
+template <int kPer, typename T>
 __global__ void __launch_bounds__(kHeadWarps * 32)
-    AttentionHeadKernel(const float* kc, const float* vc, int64_t kv_heads, int64_t bs, int64_t hd,
+    AttentionHeadKernel(const T* kc, const T* vc, int64_t kv_heads, int64_t bs, int64_t hd,
                         const float* q, int64_t heads, int64_t head0, int64_t group,
                         int64_t kv_head0, const int32_t* positions, const int32_t* blocks,
-                        const int32_t* block_offset, int64_t per_split, float scale, int64_t window,
-                        const float* sinks, float* partial, float* out) {
+                        const int32_t* block_offset, int64_t per_split, float scale, float v_scale,
+                        int64_t window, const float* sinks, float* partial, float* out) {
   __shared__ float wm[kHeadWarps], wl[kHeadWarps];
   __shared__ float wacc[kHeadWarps][kPer * 32];
   const int64_t item = blockIdx.x, r = item / heads, h = item % heads;
@@ -280,8 +322,8 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int64_t d = lane + 32 * i;
-        kr[u][i] = ok && d < hd ? kc[at + d] : 0.f;
-        vr[u][i] = ok && d < hd ? vc[at + d] : 0.f;
+        kr[u][i] = ok && d < hd ? KvF(kc[at + d]) : 0.f;
+        vr[u][i] = ok && d < hd ? KvF(vc[at + d]) : 0.f;
       }
     }
 #pragma unroll
@@ -334,7 +376,7 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
     for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
       float a = 0.f;
       for (int w = 0; w < kHeadWarps; ++w) a += wacc[w][d] * expf(wm[w] - mx);
-      out[item * hd + d] = a * factor / sum;
+      out[item * hd + d] = a * factor * v_scale / sum;
     }
     return;
   }
@@ -342,7 +384,7 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
     float a = 0.f;
     for (int w = 0; w < kHeadWarps; ++w) a += wacc[w][d] * expf(wm[w] - mx);
-    o[2 + d] = a;
+    o[2 + d] = a * v_scale;
   }
   if (threadIdx.x == 0) {
     o[0] = mx;
@@ -356,11 +398,12 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
 constexpr int kLatentWarps = 4;
 constexpr int64_t kLatentPer = 16, kRopePer = 4;  // latent_dim up to 512, rope_dim up to 128
 
+template <typename T>
 __global__ void __launch_bounds__(kLatentWarps * 32)
-    LatentAttentionKernel(const float* cache, int64_t bs, int64_t L, int64_t R,
-                          const float* q_latent, const float* q_rope, int64_t heads,
-                          const int32_t* positions, const int32_t* blocks,
-                          const int32_t* block_offset, float scale, float* out) {
+    LatentAttentionKernel(const T* cache, int64_t bs, int64_t L, int64_t R, const float* q_latent,
+                          const float* q_rope, int64_t heads, const int32_t* positions,
+                          const int32_t* blocks, const int32_t* block_offset, float scale,
+                          float v_scale, float* out) {
   __shared__ float wm[kLatentWarps], wl[kLatentWarps];
   __shared__ float wacc[kLatentWarps][kLatentPer * 32];
   const int64_t r = blockIdx.x, h = blockIdx.y, item = r * heads + h;
@@ -381,17 +424,17 @@ __global__ void __launch_bounds__(kLatentWarps * 32)
   const int32_t* row_blocks = blocks + block_offset[r];
   float m = -FLT_MAX, l = 0.f;
   for (int64_t p = warp; p < len; p += kLatentWarps) {
-    const float* row = cache + (static_cast<int64_t>(row_blocks[p / bs]) * bs + p % bs) * D;
+    const T* row = cache + (static_cast<int64_t>(row_blocks[p / bs]) * bs + p % bs) * D;
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < kLatentPer; ++i) {
       const int64_t d = lane + 32 * i;
-      if (d < L) s += ql[i] * row[d];
+      if (d < L) s += ql[i] * KvF(row[d]);
     }
 #pragma unroll
     for (int i = 0; i < kRopePer; ++i) {
       const int64_t d = lane + 32 * i;
-      if (d < R) s += qr[i] * row[L + d];
+      if (d < R) s += qr[i] * KvF(row[L + d]);
     }
     for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffff, s, off);
     s *= scale;
@@ -400,7 +443,7 @@ __global__ void __launch_bounds__(kLatentWarps * 32)
 #pragma unroll
     for (int i = 0; i < kLatentPer; ++i) {
       const int64_t d = lane + 32 * i;
-      acc[i] = acc[i] * rescale + (d < L ? e * row[d] : 0.f);
+      acc[i] = acc[i] * rescale + (d < L ? e * KvF(row[d]) : 0.f);
     }
     m = mn;
   }
@@ -418,22 +461,41 @@ __global__ void __launch_bounds__(kLatentWarps * 32)
   for (int64_t d = threadIdx.x; d < L; d += blockDim.x) {
     float v = 0.f;
     for (int w = 0; w < kLatentWarps; ++w) v += wacc[w][d] * expf(wm[w] - mx);
-    out[item * L + d] = v / total;
+    out[item * L + d] = v * v_scale / total;
   }
 }
 
 // Grid rows, threads over the latent and rope dims of the row's slot.
-__global__ void WriteLatentKvKernel(float* cache, int64_t bs, int64_t L, int64_t R,
-                                    const float* latent, const float* rope,
-                                    const int32_t* positions, const int32_t* blocks,
-                                    const int32_t* block_offset) {
+template <typename T>
+__global__ void WriteLatentKvKernel(T* cache, int64_t bs, int64_t L, int64_t R, const float* latent,
+                                    const float* rope, float inv, const int32_t* positions,
+                                    const int32_t* blocks, const int32_t* block_offset) {
   const int64_t r = blockIdx.x, p = positions[r];
-  float* at =
-      cache + (static_cast<int64_t>(blocks[block_offset[r] + p / bs]) * bs + p % bs) * (L + R);
+  T* at = cache + (static_cast<int64_t>(blocks[block_offset[r] + p / bs]) * bs + p % bs) * (L + R);
   for (int64_t d = threadIdx.x; d < L + R; d += blockDim.x) {
-    at[d] = d < L ? latent[r * L + d] : rope[r * R + d - L];
+    at[d] = KvFrom<T>((d < L ? latent[r * L + d] : rope[r * R + d - L]) * inv);
   }
 }
+
+// f(T{}) for the cache's element type T (a null pointer of it), f's status.
+template <typename F>
+absl::Status WithKvType(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32:
+      return f(static_cast<float*>(nullptr));
+    case DType::kBF16:
+      return f(static_cast<__nv_bfloat16*>(nullptr));
+    case DType::kF16:
+      return f(static_cast<__half*>(nullptr));
+    case DType::kF8E4M3:
+      return f(static_cast<__nv_fp8_e4m3*>(nullptr));
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("a KV cache on the CUDA backend cannot hold ", DTypeName(t)));
+  }
+}
+template <typename P>
+using Elem = std::remove_pointer_t<P>;
 
 }  // namespace
 
@@ -458,32 +520,38 @@ absl::Status WriteKv(const DeviceKv& c, const float* k, const float* v, int64_t 
         absl::StrCat("WriteKv of ", rows, " rows of ", c.kv_heads, " KV heads"));
   }
   const int threads = static_cast<int>(std::clamp<int64_t>((c.head_dim + 31) / 32 * 32, 32, 256));
-  WriteKvKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(c.kv_heads)), threads>>>(
-      c.k, c.v, c.kv_heads, c.block_size, c.head_dim, k, v, positions, blocks, block_offset);
-  return Check(cudaGetLastError(), "WriteKv launch");
+  return WithKvType(c.dtype, [&](auto tag) {
+    using T = Elem<decltype(tag)>;
+    WriteKvKernel<T>
+        <<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(c.kv_heads)), threads>>>(
+            static_cast<T*>(c.k), static_cast<T*>(c.v), c.kv_heads, c.block_size, c.head_dim, k, v,
+            1.f / c.k_scale, 1.f / c.v_scale, positions, blocks, block_offset);
+    return Check(cudaGetLastError(), "WriteKv launch");
+  });
 }
 
-// AttentionSplitKernel<kG, kPer> for the group size kg (1, 2, 4, 8 or 16) and kPer = per.
-void LaunchAttentionSplit(int kg, int per, bool batched, dim3 grid, const float* kc,
-                          const float* vc, int64_t kv_heads, int64_t bs, int64_t hd, const float* q,
-                          int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
-                          int64_t kv_first, int64_t kv_count, int64_t units,
-                          const int32_t* positions, const int32_t* blocks,
-                          const int32_t* block_offset, int64_t per_split, float scale,
-                          float* partial, float* out) {
+// AttentionSplitKernel<kG, kPer, batched, T> for the group size kg (1, 2, 4, 8 or 16) and
+// kPer = per.
+template <typename T>
+void LaunchAttentionSplit(int kg, int per, bool batched, dim3 grid, const T* kc, const T* vc,
+                          int64_t kv_heads, int64_t bs, int64_t hd, const float* q, int64_t heads,
+                          int64_t head0, int64_t group, int64_t kv_head0, int64_t kv_first,
+                          int64_t kv_count, int64_t units, const int32_t* positions,
+                          const int32_t* blocks, const int32_t* block_offset, int64_t per_split,
+                          float scale, float v_scale, float* partial, float* out) {
   auto launch = [&](auto kernel) {
     kernel<<<grid, kAttnWarps * 32>>>(kc, vc, kv_heads, bs, hd, q, heads, head0, group, kv_head0,
                                       kv_first, kv_count, units, positions, blocks, block_offset,
-                                      per_split, scale, partial, out);
+                                      per_split, scale, v_scale, partial, out);
   };
   auto with_group = [&](auto g) {
     constexpr int kG = decltype(g)::value;
     auto with_per = [&](auto p) {
       constexpr int kPer = decltype(p)::value;
       if (batched) {
-        launch(AttentionSplitKernel<kG, kPer, true>);
+        launch(AttentionSplitKernel<kG, kPer, true, T>);
       } else {
-        launch(AttentionSplitKernel<kG, kPer, false>);
+        launch(AttentionSplitKernel<kG, kPer, false, T>);
       }
     };
     if (per <= 2) {
@@ -547,20 +615,24 @@ absl::Status AttentionByHead(Context& ctx, const DeviceKv& c, const float* q, in
     pr = static_cast<float*>(*partial);
   }
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(splits));
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kHeadWarps * 32>>>(c.k, c.v, c.kv_heads, c.block_size, c.head_dim, q, heads,
-                                      head0, group, kv_head0, positions, blocks, block_offset,
-                                      per_split, scale, extras.window, extras.sinks, pr, out);
-  };
-  const int64_t per = (c.head_dim + 31) / 32;
-  if (per <= 2) {
-    launch(AttentionHeadKernel<2>);
-  } else if (per <= 4) {
-    launch(AttentionHeadKernel<4>);
-  } else {
-    launch(AttentionHeadKernel<kHeadPer>);
-  }
-  RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
+  RETURN_IF_ERROR(WithKvType(c.dtype, [&](auto tag) {
+    using T = Elem<decltype(tag)>;
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, kHeadWarps * 32>>>(
+          static_cast<const T*>(c.k), static_cast<const T*>(c.v), c.kv_heads, c.block_size,
+          c.head_dim, q, heads, head0, group, kv_head0, positions, blocks, block_offset, per_split,
+          scale * c.k_scale, c.v_scale, extras.window, extras.sinks, pr, out);
+    };
+    const int64_t per = (c.head_dim + 31) / 32;
+    if (per <= 2) {
+      launch(AttentionHeadKernel<2, T>);
+    } else if (per <= 4) {
+      launch(AttentionHeadKernel<4, T>);
+    } else {
+      launch(AttentionHeadKernel<kHeadPer, T>);
+    }
+    return Check(cudaGetLastError(), "Attention launch");
+  }));
   if (splits == 1) return absl::OkStatus();
   AttentionCombineKernel<<<static_cast<unsigned>(items), 128>>>(pr, splits, c.head_dim, heads,
                                                                 extras.sinks, out);
@@ -622,11 +694,15 @@ absl::Status Attention(Context& ctx, const DeviceKv& c, const float* q, int64_t 
       force == AttentionKernel::kSplitBatched ||
       (force == AttentionKernel::kByShape && (blocks_x < 128 || per_split >= 2 * step));
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(splits));
-  LaunchAttentionSplit(kg, static_cast<int>((c.head_dim + 31) / 32), batched, grid, c.k, c.v,
-                       c.kv_heads, c.block_size, c.head_dim, q, heads, head0, group, kv_head0,
-                       kv_first, kv_count, units, positions, blocks, block_offset, per_split, scale,
-                       pr, out);
-  RETURN_IF_CUDA(cudaGetLastError(), "Attention launch");
+  RETURN_IF_ERROR(WithKvType(c.dtype, [&](auto tag) {
+    using T = Elem<decltype(tag)>;
+    LaunchAttentionSplit<T>(kg, static_cast<int>((c.head_dim + 31) / 32), batched, grid,
+                            static_cast<const T*>(c.k), static_cast<const T*>(c.v), c.kv_heads,
+                            c.block_size, c.head_dim, q, heads, head0, group, kv_head0, kv_first,
+                            kv_count, units, positions, blocks, block_offset, per_split,
+                            scale * c.k_scale, c.v_scale, pr, out);
+    return Check(cudaGetLastError(), "Attention launch");
+  }));
   if (splits == 1) return absl::OkStatus();
   AttentionCombineKernel<<<static_cast<unsigned>(rows * heads), 128>>>(pr, splits, c.head_dim,
                                                                        heads, nullptr, out);
@@ -638,10 +714,13 @@ absl::Status WriteLatentKv(const DeviceLatentKv& c, const float* latent, const f
                            const int32_t* block_offset) {
   if (rows == 0) return absl::OkStatus();
   if (rows > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("WriteLatentKv of ", rows));
-  WriteLatentKvKernel<<<static_cast<unsigned>(rows), 256>>>(c.data, c.block_size, c.latent_dim,
-                                                            c.rope_dim, latent, rope, positions,
-                                                            blocks, block_offset);
-  return Check(cudaGetLastError(), "WriteLatentKv launch");
+  return WithKvType(c.dtype, [&](auto tag) {
+    using T = Elem<decltype(tag)>;
+    WriteLatentKvKernel<T><<<static_cast<unsigned>(rows), 256>>>(
+        static_cast<T*>(c.data), c.block_size, c.latent_dim, c.rope_dim, latent, rope,
+        1.f / c.scale, positions, blocks, block_offset);
+    return Check(cudaGetLastError(), "WriteLatentKv launch");
+  });
 }
 
 absl::Status LatentAttention(const DeviceLatentKv& c, const float* q_latent, const float* q_rope,
@@ -658,11 +737,14 @@ absl::Status LatentAttention(const DeviceLatentKv& c, const float* q_latent, con
     return absl::InvalidArgumentError(
         absl::StrCat("latent attention over ", rows, " rows x ", heads, " heads"));
   }
-  LatentAttentionKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(heads)),
-                          kLatentWarps * 32>>>(c.data, c.block_size, c.latent_dim, c.rope_dim,
-                                               q_latent, q_rope, heads, positions, blocks,
-                                               block_offset, scale, out);
-  return Check(cudaGetLastError(), "LatentAttention launch");
+  return WithKvType(c.dtype, [&](auto tag) {
+    using T = Elem<decltype(tag)>;
+    LatentAttentionKernel<T>
+        <<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(heads)), kLatentWarps * 32>>>(
+            static_cast<const T*>(c.data), c.block_size, c.latent_dim, c.rope_dim, q_latent, q_rope,
+            heads, positions, blocks, block_offset, scale * c.scale, c.scale, out);
+    return Check(cudaGetLastError(), "LatentAttention launch");
+  });
 }
 
 }  // namespace shardserve::cuda

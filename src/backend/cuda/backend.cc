@@ -37,14 +37,15 @@ struct GpuKv : KvStorage {
       return absl::FailedPreconditionError(
           absl::StrCat("layer ", layer, " is outside the KV cache's ", k.size(), " layers"));
     }
-    return DeviceKv{static_cast<float*>(k[layer].data()), static_cast<float*>(v[layer].data()),
-                    kv_heads, block_size, head_dim};
+    return DeviceKv{
+        k[layer].data(),      v[layer].data(),     kv_heads, block_size, head_dim, format.dtype,
+        format.KScale(layer), format.VScale(layer)};
   }
   void* block_data(int64_t layer, int kv, int64_t block) const override {
     return static_cast<char*>((kv == 0 ? k : v)[layer].data()) + block * block_bytes();
   }
   size_t block_bytes() const override {
-    return static_cast<size_t>(kv_heads * block_size * head_dim) * sizeof(float);
+    return static_cast<size_t>(kv_heads * block_size * head_dim) * DTypeSize(format.dtype);
   }
   bool on_host() const override { return false; }
 };
@@ -58,14 +59,14 @@ struct GpuLatentKv : KvStorage {
       return absl::FailedPreconditionError(absl::StrCat(
           "layer ", layer, " is outside the latent KV cache's ", layers.size(), " layers"));
     }
-    return DeviceLatentKv{static_cast<float*>(layers[layer].data()), block_size, latent_dim,
-                          rope_dim};
+    return DeviceLatentKv{layers[layer].data(), block_size,          latent_dim, rope_dim,
+                          format.dtype,         format.KScale(layer)};
   }
   void* block_data(int64_t layer, int kv, int64_t block) const override {
     return kv == 0 ? static_cast<char*>(layers[layer].data()) + block * block_bytes() : nullptr;
   }
   size_t block_bytes() const override {
-    return static_cast<size_t>(block_size * (latent_dim + rope_dim)) * sizeof(float);
+    return static_cast<size_t>(block_size * (latent_dim + rope_dim)) * DTypeSize(format.dtype);
   }
   bool on_host() const override { return false; }
 };
@@ -121,11 +122,14 @@ class CudaBackend : public Backend {
 
   absl::StatusOr<std::unique_ptr<KvStorage>> AllocKv(int64_t layers, int64_t blocks,
                                                      int64_t kv_heads, int64_t block_size,
-                                                     int64_t head_dim) override {
+                                                     int64_t head_dim,
+                                                     const KvFormat& format) override {
+    RETURN_IF_ERROR(CheckKvFormat(format));
     auto kv = std::make_unique<GpuKv>();
     kv->owner = this;
+    kv->format = format;
     const size_t bytes =
-        static_cast<size_t>(blocks * kv_heads * block_size * head_dim) * sizeof(float);
+        static_cast<size_t>(blocks * kv_heads * block_size * head_dim) * DTypeSize(format.dtype);
     for (int64_t l = 0; l < layers; ++l) {
       ASSIGN_OR_RETURN(DeviceBuffer k, DeviceBuffer::Alloc(bytes));
       ASSIGN_OR_RETURN(DeviceBuffer v, DeviceBuffer::Alloc(bytes));
@@ -194,11 +198,14 @@ class CudaBackend : public Backend {
   }
   absl::StatusOr<std::unique_ptr<KvStorage>> AllocLatentKv(int64_t layers, int64_t blocks,
                                                            int64_t block_size, int64_t latent_dim,
-                                                           int64_t rope_dim) override {
+                                                           int64_t rope_dim,
+                                                           const KvFormat& format) override {
+    RETURN_IF_ERROR(CheckKvFormat(format));
     auto kv = std::make_unique<GpuLatentKv>();
     kv->owner = this;
-    const size_t bytes =
-        static_cast<size_t>(blocks * block_size * (latent_dim + rope_dim)) * sizeof(float);
+    kv->format = format;
+    const size_t bytes = static_cast<size_t>(blocks * block_size * (latent_dim + rope_dim)) *
+                         DTypeSize(format.dtype);
     for (int64_t l = 0; l < layers; ++l) {
       ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Alloc(bytes));
       kv->layers.push_back(std::move(b));

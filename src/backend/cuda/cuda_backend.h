@@ -127,11 +127,14 @@ absl::Status Rope(float* x, int64_t rows, int64_t heads, int64_t head_dim, const
                   const float* inv_freq);
 
 // The block KV cache of one layer on the device: K and V of [blocks][kv_heads][block_size][hd]
-// floats (the layout of Backend::AllocKv).
+// values of `dtype` (the layout and the format of Backend::AllocKv), K times k_scale, V times
+// v_scale.
 struct DeviceKv {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   int64_t kv_heads = 0, block_size = 0, head_dim = 0;
+  DType dtype = DType::kF32;
+  float k_scale = 1, v_scale = 1;
 };
 
 // Writes each row's k and v (kv_heads * head_dim floats) at its position: block
@@ -148,10 +151,12 @@ absl::Status Attention(Context& ctx, const DeviceKv& cache, const float* q, int6
                        int64_t max_len, float scale, const AttentionExtras& extras, float* out);
 
 // One layer of a latent KV cache on the device (Backend::AllocLatentKv):
-// [blocks][block_size][latent_dim + rope_dim] floats.
+// [blocks][block_size][latent_dim + rope_dim] values of `dtype`, each times `scale`.
 struct DeviceLatentKv {
-  float* data = nullptr;
+  void* data = nullptr;
   int64_t block_size = 0, latent_dim = 0, rope_dim = 0;
+  DType dtype = DType::kF32;
+  float scale = 1;
 };
 // Backend::WriteLatentKv and Backend::LatentAttention on one layer (latent_dim up to 512,
 // rope_dim up to 128).

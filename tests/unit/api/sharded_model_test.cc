@@ -73,6 +73,12 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ASSERT_TRUE(per_key.ok()) << per_key.status();
   ApplyServing(per_key->spec, w);
   EXPECT_TRUE(w.prefix_cache_per_key);
+  // The KV cache's dtype: auto by default, the manifest's in the contract.
+  EXPECT_EQ(w.kv_cache_dtype, "auto");
+  auto fp8 = ParseShardedModel(std::string(kGood) + "  serving: {kvCacheDtype: fp8}\n");
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  ApplyServing(fp8->spec, w);
+  EXPECT_EQ(w.kv_cache_dtype, "fp8");
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -278,6 +284,8 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.trustRequestChatTemplate"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCacheIsolation: perUser}"),
        "spec.serving.prefixCacheIsolation"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {kvCacheDtype: int8}"),
+       "spec.serving.kvCacheDtype 'int8' must be auto, f32, bf16, f16 or fp8"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCaching: maybe}"),
        "spec.serving.prefixCaching must be true or false, got"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),

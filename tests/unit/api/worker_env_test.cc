@@ -46,6 +46,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.threads = 8;
   w.backend = "cuda";
   w.kv_cache_tokens = 65536;
+  w.kv_cache_dtype = "fp8";
   w.max_sequence_length = 4096;
   w.leader_addr = "llama-3-0.llama-workers.ml.svc:29500";
   w.host = "llama-3-1.llama-workers.ml.svc";
@@ -145,6 +146,8 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_API_PORT='70000' must be an integer in [0, 65535]"));
   EXPECT_THAT(error({{"SHARDSERVE_KV_CACHE_TOKENS", "8"}}),
               HasSubstr("SHARDSERVE_KV_CACHE_TOKENS='8'"));
+  EXPECT_THAT(error({{"SHARDSERVE_KV_CACHE_DTYPE", "int4"}}),
+              HasSubstr("SHARDSERVE_KV_CACHE_DTYPE='int4' must be auto, f32, bf16, f16 or fp8"));
   EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader"}}),
               HasSubstr("SHARDSERVE_LEADER_ADDR='leader' is not HOST:PORT"));
   EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader:0"}}), HasSubstr("is not HOST:PORT"));

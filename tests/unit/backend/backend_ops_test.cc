@@ -68,6 +68,40 @@ std::vector<uint8_t> Encode(DType dtype, std::vector<float>& values) {
   return out;
 }
 
+// The KV cache formats the cache tests run in: each dtype, FP8 with a scale per layer (layer 1's
+// K and V scaled apart) that puts the tests' values in E4M3's normal range.
+std::vector<KvFormat> KvFormats() {
+  std::vector<KvFormat> formats(4);
+  formats[0].dtype = DType::kF32;
+  formats[1].dtype = DType::kBF16;
+  formats[2].dtype = DType::kF16;
+  formats[3] = {DType::kF8E4M3, {1.f, 0.01f}, {1.f, 0.004f}};
+  return formats;
+}
+std::string KvName(const KvFormat& f) { return DTypeName(f.dtype); }
+
+// v as a cache in format f keeps it in layer `layer` (K: kv 0, V: kv 1): rounded by
+// backend/dtype.h's scalar conversions (E4M3 under the layer's scale).
+std::vector<float> AsCached(const KvFormat& f, int64_t layer, int kv, std::vector<float> v) {
+  const float scale = kv == 0 ? f.KScale(layer) : f.VScale(layer);
+  for (float& x : v) {
+    switch (f.dtype) {
+      case DType::kBF16:
+        x = Bf16ToF32(F32ToBf16(x));
+        break;
+      case DType::kF16:
+        x = F16ToF32(F32ToF16(x));
+        break;
+      case DType::kF8E4M3:
+        x = F8E4M3ToF32(F32ToF8E4M3(x / scale)) * scale;
+        break;
+      default:
+        break;
+    }
+  }
+  return v;
+}
+
 // Every shape of the decode (GEMV) and prefill (GEMM) paths, in every dtype. Half weights: the
 // GPU rounds activations to the weight's dtype for its tensor cores, hence the wider bound.
 TEST_P(BackendOpsTest, GemmMatchesTheArithmetic) {
@@ -389,43 +423,50 @@ std::vector<double> AttentionOfOneHead(const float* q, const std::vector<float>&
 }
 
 // Two sequences in scattered blocks of two caches; rows written through WriteKv are what
-// Attention reads, causally, for a TP rank's query heads over its KV head (GQA).
+// Attention reads, causally, for a TP rank's query heads over its KV head (GQA); in each KV format
+// (what the format keeps of them: its rounding and scales, block_bytes its size).
 TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
-  const int64_t hd = 32, kv_heads = 2, bs = 4, layers = 2, heads = 2, group = 2;
-  // This rank's query heads 2..3 read KV head 1, the second of its KV heads 0..1.
-  const int64_t head0 = 2, kv_head0 = 0;
-  const std::vector<int32_t> table = {5, 1, 3, 0, 4};  // sequence 0: 5 1 3; sequence 1: 0 4
-  std::vector<int32_t> pos, offset;
-  for (int32_t p = 0; p < 16; ++p) {
-    pos.push_back(p < 10 ? p : p - 10);
-    offset.push_back(p < 10 ? 0 : 3);
-  }
-  const int64_t rows = static_cast<int64_t>(pos.size()), kvd = kv_heads * hd;
-  const std::vector<float> k = Random(rows * kvd, 12), v = Random(rows * kvd, 13),
-                           q = Random(rows * heads * hd, 14, -2, 2);
-  auto other = be_->AllocKv(layers, 6, kv_heads, bs, hd);  // a second cache stays apart
-  auto kv = be_->AllocKv(layers, 6, kv_heads, bs, hd);
-  ASSERT_TRUE(kv.ok() && other.ok());
-  EXPECT_EQ((*kv)->owner, be_.get());
-  Mem mem(*be_);
-  const int32_t *dp = mem.Put(pos), *dt = mem.Put(table), *doff = mem.Put(offset);
-  ASSERT_TRUE(be_->WriteKv(**kv, 1, mem.Put(k), mem.Put(v), rows, dp, dt, doff).ok());
-  const std::vector<float> noise = Random(rows * kvd, 15);
-  ASSERT_TRUE(be_->WriteKv(**other, 1, mem.Put(noise), mem.Put(noise), rows, dp, dt, doff).ok());
-  float* out = mem.Zeros<float>(rows * heads * hd);
-  const float scale = 1 / std::sqrt(float(hd));
-  ASSERT_TRUE(be_->Attention(**kv, 1, mem.Put(q), rows, heads, head0, group, kv_head0, dp, dt, doff,
-                             10, scale, {}, out)
-                  .ok());
-  const std::vector<float> got = mem.Get(out, rows * heads * hd);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first = r < 10 ? 0 : 10;  // the sequence's first row
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t kh = (head0 + h) / group - kv_head0;  // the local KV head
-      const std::vector<double> want =
-          AttentionOfOneHead(q.data() + (r * heads + h) * hd, k, v, kvd, kh, hd, first, r, scale);
-      for (int64_t d = 0; d < hd; ++d) {
-        ASSERT_NEAR(got[(r * heads + h) * hd + d], want[d], 1e-5) << r << " " << h << " " << d;
+  for (const KvFormat& format : KvFormats()) {
+    const int64_t hd = 32, kv_heads = 2, bs = 4, layers = 2, heads = 2, group = 2;
+    // This rank's query heads 2..3 read KV head 1, the second of its KV heads 0..1.
+    const int64_t head0 = 2, kv_head0 = 0;
+    const std::vector<int32_t> table = {5, 1, 3, 0, 4};  // sequence 0: 5 1 3; sequence 1: 0 4
+    std::vector<int32_t> pos, offset;
+    for (int32_t p = 0; p < 16; ++p) {
+      pos.push_back(p < 10 ? p : p - 10);
+      offset.push_back(p < 10 ? 0 : 3);
+    }
+    const int64_t rows = static_cast<int64_t>(pos.size()), kvd = kv_heads * hd;
+    const std::vector<float> k = Random(rows * kvd, 12), v = Random(rows * kvd, 13),
+                             q = Random(rows * heads * hd, 14, -2, 2);
+    auto other = be_->AllocKv(layers, 6, kv_heads, bs, hd, format);  // a second cache stays apart
+    auto kv = be_->AllocKv(layers, 6, kv_heads, bs, hd, format);
+    ASSERT_TRUE(kv.ok() && other.ok());
+    EXPECT_EQ((*kv)->owner, be_.get());
+    EXPECT_EQ((*kv)->block_bytes(),
+              static_cast<size_t>(kv_heads * bs * hd) * DTypeSize(format.dtype));
+    const std::vector<float> kc = AsCached(format, 1, 0, k), vc = AsCached(format, 1, 1, v);
+    Mem mem(*be_);
+    const int32_t *dp = mem.Put(pos), *dt = mem.Put(table), *doff = mem.Put(offset);
+    ASSERT_TRUE(be_->WriteKv(**kv, 1, mem.Put(k), mem.Put(v), rows, dp, dt, doff).ok());
+    const std::vector<float> noise = Random(rows * kvd, 15);
+    ASSERT_TRUE(be_->WriteKv(**other, 1, mem.Put(noise), mem.Put(noise), rows, dp, dt, doff).ok());
+    float* out = mem.Zeros<float>(rows * heads * hd);
+    const float scale = 1 / std::sqrt(float(hd));
+    ASSERT_TRUE(be_->Attention(**kv, 1, mem.Put(q), rows, heads, head0, group, kv_head0, dp, dt,
+                               doff, 10, scale, {}, out)
+                    .ok());
+    const std::vector<float> got = mem.Get(out, rows * heads * hd);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t first = r < 10 ? 0 : 10;  // the sequence's first row
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t kh = (head0 + h) / group - kv_head0;  // the local KV head
+        const std::vector<double> want = AttentionOfOneHead(q.data() + (r * heads + h) * hd, kc, vc,
+                                                            kvd, kh, hd, first, r, scale);
+        for (int64_t d = 0; d < hd; ++d) {
+          ASSERT_NEAR(got[(r * heads + h) * hd + d], want[d], 1e-5)
+              << KvName(format) << " " << r << " " << h << " " << d;
+        }
       }
     }
   }
@@ -435,85 +476,92 @@ TEST_P(BackendOpsTest, AttentionReadsWhatWriteKvWrote) {
 // query heads sharing a KV head (read once for the group), a TP rank's heads that start past
 // head 0, head sizes that are not a multiple of 4, and a prompt's rows (one split), against
 // double-precision arithmetic; and each with gpt-oss's extras, a window of 37 positions and a
-// sink logit per head.
+// sink logit per head; in each KV format.
 TEST_P(BackendOpsTest, AttentionOverLongSequencesAndHeadGroups) {
-  struct Shape {
-    int64_t hd, cache_kv_heads, heads, group, head0, kv_head0;
-  };
-  for (const Shape& sh : {Shape{64, 4, 32, 8, 0, 0}, Shape{128, 2, 8, 4, 8, 2},
-                          Shape{34, 3, 3, 1, 3, 3}, Shape{64, 1, 12, 12, 12, 1}}) {
-    const int64_t hd = sh.hd, kvh = sh.cache_kv_heads, kvd = kvh * hd, bs = 16;
-    // Sequences of these lengths in scattered blocks; each is written whole.
-    const std::vector<int64_t> lens = {701, 130, 1, 40};
-    std::vector<int32_t> table, wpos, woff;
-    std::vector<int64_t> first_block;
-    int32_t next = 0;
-    for (int64_t len : lens) {
-      first_block.push_back(static_cast<int64_t>(table.size()));
-      for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) table.push_back(next++);
-    }
-    std::mt19937 rng(static_cast<uint32_t>(hd));
-    std::shuffle(table.begin(), table.end(), rng);
-    for (size_t s = 0; s < lens.size(); ++s) {
-      for (int64_t p = 0; p < lens[s]; ++p) {
-        wpos.push_back(static_cast<int32_t>(p));
-        woff.push_back(static_cast<int32_t>(first_block[s]));
+  for (const KvFormat& format : KvFormats()) {
+    struct Shape {
+      int64_t hd, cache_kv_heads, heads, group, head0, kv_head0;
+    };
+    for (const Shape& sh : {Shape{64, 4, 32, 8, 0, 0}, Shape{128, 2, 8, 4, 8, 2},
+                            Shape{34, 3, 3, 1, 3, 3}, Shape{64, 1, 12, 12, 12, 1}}) {
+      const int64_t hd = sh.hd, kvh = sh.cache_kv_heads, kvd = kvh * hd, bs = 16;
+      // Sequences of these lengths in scattered blocks; each is written whole.
+      const std::vector<int64_t> lens = {701, 130, 1, 40};
+      std::vector<int32_t> table, wpos, woff;
+      std::vector<int64_t> first_block;
+      int32_t next = 0;
+      for (int64_t len : lens) {
+        first_block.push_back(static_cast<int64_t>(table.size()));
+        for (int64_t b = 0; b < (len + bs - 1) / bs; ++b) table.push_back(next++);
       }
-    }
-    const int64_t written = static_cast<int64_t>(wpos.size());
-    const std::vector<float> k = Random(written * kvd, 40 + hd, -2, 2),
-                             v = Random(written * kvd, 41 + hd);
-    auto kv = be_->AllocKv(1, next, kvh, bs, hd);
-    ASSERT_TRUE(kv.ok()) << kv.status();
-    Mem mem(*be_);
-    ASSERT_TRUE(be_->WriteKv(**kv, 0, mem.Put(k), mem.Put(v), written, mem.Put(wpos),
-                             mem.Put(table), mem.Put(woff))
-                    .ok());
-    // Queries: each sequence's last position (decode), then every row of the 40-token prompt.
-    std::vector<int32_t> qpos, qoff, qseq;
-    for (size_t s = 0; s < lens.size(); ++s) {
-      qpos.push_back(static_cast<int32_t>(lens[s] - 1));
-      qoff.push_back(static_cast<int32_t>(first_block[s]));
-      qseq.push_back(static_cast<int32_t>(s));
-    }
-    for (int32_t p = 0; p < 40; ++p) {
-      qpos.push_back(p);
-      qoff.push_back(static_cast<int32_t>(first_block[3]));
-      qseq.push_back(3);
-    }
-    const int64_t all_rows = static_cast<int64_t>(qpos.size());
-    const std::vector<float> q = Random(all_rows * sh.heads * hd, 42 + hd, -2, 2);
-    const std::vector<float> sinks = Random(sh.heads, 43 + hd, -1, 3);
-    const float scale = 1 / std::sqrt(float(hd));
-    // The decode rows alone (few items: the GPU splits each head's positions more finely and
-    // merges the splits, sinks included), then every row.
-    for (const int64_t rows : {static_cast<int64_t>(lens.size()), all_rows})
-      for (const AttentionExtras& extras :
-           {AttentionExtras{}, AttentionExtras{37, mem.Put(sinks)}}) {
-        float* out = mem.Zeros<float>(rows * sh.heads * hd);
-        ASSERT_TRUE(be_->Attention(**kv, 0, mem.Put(q), rows, sh.heads, sh.head0, sh.group,
-                                   sh.kv_head0, mem.Put(qpos), mem.Put(table), mem.Put(qoff), 701,
-                                   scale, extras, out)
-                        .ok());
-        const std::vector<float> got = mem.Get(out, rows * sh.heads * hd);
-        for (int64_t r = 0; r < rows; ++r) {
-          int64_t base = 0;  // the sequence's first written row
-          for (int32_t s = 0; s < qseq[r]; ++s) base += lens[s];
-          const int64_t last = base + qpos[r];
-          const int64_t first = extras.window > 0 ? std::max(base, last - extras.window + 1) : base;
-          for (int64_t h = 0; h < sh.heads; ++h) {
-            const int64_t kh = (sh.head0 + h) / sh.group - sh.kv_head0;
-            const std::vector<double> want =
-                AttentionOfOneHead(q.data() + (r * sh.heads + h) * hd, k, v, kvd, kh, hd, first,
-                                   last, scale, extras.sinks ? sinks[h] : -INFINITY);
-            for (int64_t d = 0; d < hd; ++d) {
-              ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want[d], 2e-5)
-                  << "hd " << hd << " group " << sh.group << " row " << r << " head " << h << " d "
-                  << d << " window " << extras.window << " of " << rows << " rows";
+      std::mt19937 rng(static_cast<uint32_t>(hd));
+      std::shuffle(table.begin(), table.end(), rng);
+      for (size_t s = 0; s < lens.size(); ++s) {
+        for (int64_t p = 0; p < lens[s]; ++p) {
+          wpos.push_back(static_cast<int32_t>(p));
+          woff.push_back(static_cast<int32_t>(first_block[s]));
+        }
+      }
+      const int64_t written = static_cast<int64_t>(wpos.size());
+      const std::vector<float> k = Random(written * kvd, 40 + hd, -2, 2),
+                               v = Random(written * kvd, 41 + hd);
+      // One layer: FP8 under layer 1's scales.
+      const KvFormat one{format.dtype, {format.KScale(1)}, {format.VScale(1)}};
+      auto kv = be_->AllocKv(1, next, kvh, bs, hd, one);
+      ASSERT_TRUE(kv.ok()) << kv.status();
+      const std::vector<float> kc = AsCached(one, 0, 0, k), vc = AsCached(one, 0, 1, v);
+      Mem mem(*be_);
+      ASSERT_TRUE(be_->WriteKv(**kv, 0, mem.Put(k), mem.Put(v), written, mem.Put(wpos),
+                               mem.Put(table), mem.Put(woff))
+                      .ok());
+      // Queries: each sequence's last position (decode), then every row of the 40-token prompt.
+      std::vector<int32_t> qpos, qoff, qseq;
+      for (size_t s = 0; s < lens.size(); ++s) {
+        qpos.push_back(static_cast<int32_t>(lens[s] - 1));
+        qoff.push_back(static_cast<int32_t>(first_block[s]));
+        qseq.push_back(static_cast<int32_t>(s));
+      }
+      for (int32_t p = 0; p < 40; ++p) {
+        qpos.push_back(p);
+        qoff.push_back(static_cast<int32_t>(first_block[3]));
+        qseq.push_back(3);
+      }
+      const int64_t all_rows = static_cast<int64_t>(qpos.size());
+      const std::vector<float> q = Random(all_rows * sh.heads * hd, 42 + hd, -2, 2);
+      const std::vector<float> sinks = Random(sh.heads, 43 + hd, -1, 3);
+      const float scale = 1 / std::sqrt(float(hd));
+      // The decode rows alone (few items: the GPU splits each head's positions more finely and
+      // merges the splits, sinks included), then every row.
+      for (const int64_t rows : {static_cast<int64_t>(lens.size()), all_rows})
+        for (const AttentionExtras& extras :
+             {AttentionExtras{}, AttentionExtras{37, mem.Put(sinks)}}) {
+          float* out = mem.Zeros<float>(rows * sh.heads * hd);
+          ASSERT_TRUE(be_->Attention(**kv, 0, mem.Put(q), rows, sh.heads, sh.head0, sh.group,
+                                     sh.kv_head0, mem.Put(qpos), mem.Put(table), mem.Put(qoff), 701,
+                                     scale, extras, out)
+                          .ok());
+          const std::vector<float> got = mem.Get(out, rows * sh.heads * hd);
+          for (int64_t r = 0; r < rows; ++r) {
+            int64_t base = 0;  // the sequence's first written row
+            for (int32_t s = 0; s < qseq[r]; ++s) base += lens[s];
+            const int64_t last = base + qpos[r];
+            const int64_t first =
+                extras.window > 0 ? std::max(base, last - extras.window + 1) : base;
+            for (int64_t h = 0; h < sh.heads; ++h) {
+              const int64_t kh = (sh.head0 + h) / sh.group - sh.kv_head0;
+              const std::vector<double> want =
+                  AttentionOfOneHead(q.data() + (r * sh.heads + h) * hd, kc, vc, kvd, kh, hd, first,
+                                     last, scale, extras.sinks ? sinks[h] : -INFINITY);
+              for (int64_t d = 0; d < hd; ++d) {
+                ASSERT_NEAR(got[(r * sh.heads + h) * hd + d], want[d], 2e-5)
+                    << KvName(format) << " hd " << hd << " group " << sh.group << " row " << r
+                    << " head " << h << " d " << d << " window " << extras.window << " of " << rows
+                    << " rows";
+              }
             }
           }
         }
-      }
+    }
   }
 }
 
@@ -786,56 +834,63 @@ TEST_P(BackendOpsTest, LoraAddGathersEachRowsAdapter) {
 // the output the softmax-weighted latents. Two sequences in shuffled blocks, a prompt's rows and
 // a long decode row, a second cache that stays apart.
 TEST_P(BackendOpsTest, LatentAttentionReadsWhatWriteLatentKvWrote) {
-  const int64_t L = 40, R = 8, D = L + R, bs = 4, heads = 3, layers = 2;
-  std::vector<int32_t> pos, offset, table;
-  for (int32_t b = 0; b < 40; ++b) table.push_back((b * 7) % 40);  // sequence 0: 30 blocks
-  for (int32_t p = 0; p < 9; ++p) {                                // sequence 1: a prompt of 9
-    pos.push_back(p);
-    offset.push_back(30);
-  }
-  for (int32_t p = 0; p < 117; ++p) {  // sequence 0: 117 positions
-    pos.push_back(p);
-    offset.push_back(0);
-  }
-  const int64_t rows = static_cast<int64_t>(pos.size());
-  const std::vector<float> lat = Random(rows * L, 51), rope = Random(rows * R, 52),
-                           ql = Random(rows * heads * L, 53, -0.5f, 0.5f),
-                           qr = Random(rows * heads * R, 54, -2, 2);
-  auto kv = be_->AllocLatentKv(layers, 40, bs, L, R);
-  auto other = be_->AllocLatentKv(layers, 40, bs, L, R);
-  ASSERT_TRUE(kv.ok() && other.ok());
-  EXPECT_EQ((*kv)->owner, be_.get());
-  Mem mem(*be_);
-  const int32_t *dp = mem.Put(pos), *dt = mem.Put(table), *doff = mem.Put(offset);
-  ASSERT_TRUE(be_->WriteLatentKv(**kv, 1, mem.Put(lat), mem.Put(rope), rows, dp, dt, doff).ok());
-  const std::vector<float> noise = Random(rows * D, 55);
-  ASSERT_TRUE(
-      be_->WriteLatentKv(**other, 1, mem.Put(noise), mem.Put(noise), rows, dp, dt, doff).ok());
-  float* out = mem.Zeros<float>(rows * heads * L);
-  const float scale = 0.3f;
-  ASSERT_TRUE(be_->LatentAttention(**kv, 1, mem.Put(ql), mem.Put(qr), rows, heads, dp, dt, doff,
-                                   117, scale, out)
-                  .ok());
-  const std::vector<float> got = mem.Get(out, rows * heads * L);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first = r < 9 ? 0 : 9;  // the sequence's first row
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t item = r * heads + h;
-      std::vector<double> score;
-      double mx = -1e300;
-      for (int64_t p = first; p <= r; ++p) {
-        double s = 0;
-        for (int64_t d = 0; d < L; ++d) s += double(ql[item * L + d]) * lat[p * L + d];
-        for (int64_t d = 0; d < R; ++d) s += double(qr[item * R + d]) * rope[p * R + d];
-        score.push_back(s * scale);
-        mx = std::max(mx, score.back());
-      }
-      double z = 0;
-      for (double& s : score) z += (s = std::exp(s - mx));
-      for (int64_t d = 0; d < L; ++d) {
-        double want = 0;
-        for (int64_t p = first; p <= r; ++p) want += score[p - first] / z * lat[p * L + d];
-        ASSERT_NEAR(got[item * L + d], want, 1e-5) << r << " " << h << " " << d;
+  for (const KvFormat& format : KvFormats()) {
+    const int64_t L = 40, R = 8, D = L + R, bs = 4, heads = 3, layers = 2;
+    std::vector<int32_t> pos, offset, table;
+    for (int32_t b = 0; b < 40; ++b) table.push_back((b * 7) % 40);  // sequence 0: 30 blocks
+    for (int32_t p = 0; p < 9; ++p) {                                // sequence 1: a prompt of 9
+      pos.push_back(p);
+      offset.push_back(30);
+    }
+    for (int32_t p = 0; p < 117; ++p) {  // sequence 0: 117 positions
+      pos.push_back(p);
+      offset.push_back(0);
+    }
+    const int64_t rows = static_cast<int64_t>(pos.size());
+    const std::vector<float> lat = Random(rows * L, 51), rope = Random(rows * R, 52),
+                             ql = Random(rows * heads * L, 53, -0.5f, 0.5f),
+                             qr = Random(rows * heads * R, 54, -2, 2);
+    auto kv = be_->AllocLatentKv(layers, 40, bs, L, R, format);
+    auto other = be_->AllocLatentKv(layers, 40, bs, L, R, format);
+    ASSERT_TRUE(kv.ok() && other.ok());
+    EXPECT_EQ((*kv)->owner, be_.get());
+    EXPECT_EQ((*kv)->block_bytes(), static_cast<size_t>(bs * D) * DTypeSize(format.dtype));
+    // A latent row under layer 1's K scale.
+    const std::vector<float> latc = AsCached(format, 1, 0, lat),
+                             ropec = AsCached(format, 1, 0, rope);
+    Mem mem(*be_);
+    const int32_t *dp = mem.Put(pos), *dt = mem.Put(table), *doff = mem.Put(offset);
+    ASSERT_TRUE(be_->WriteLatentKv(**kv, 1, mem.Put(lat), mem.Put(rope), rows, dp, dt, doff).ok());
+    const std::vector<float> noise = Random(rows * D, 55);
+    ASSERT_TRUE(
+        be_->WriteLatentKv(**other, 1, mem.Put(noise), mem.Put(noise), rows, dp, dt, doff).ok());
+    float* out = mem.Zeros<float>(rows * heads * L);
+    const float scale = 0.3f;
+    ASSERT_TRUE(be_->LatentAttention(**kv, 1, mem.Put(ql), mem.Put(qr), rows, heads, dp, dt, doff,
+                                     117, scale, out)
+                    .ok());
+    const std::vector<float> got = mem.Get(out, rows * heads * L);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t first = r < 9 ? 0 : 9;  // the sequence's first row
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t item = r * heads + h;
+        std::vector<double> score;
+        double mx = -1e300;
+        for (int64_t p = first; p <= r; ++p) {
+          double s = 0;
+          for (int64_t d = 0; d < L; ++d) s += double(ql[item * L + d]) * latc[p * L + d];
+          for (int64_t d = 0; d < R; ++d) s += double(qr[item * R + d]) * ropec[p * R + d];
+          score.push_back(s * scale);
+          mx = std::max(mx, score.back());
+        }
+        double z = 0;
+        for (double& s : score) z += (s = std::exp(s - mx));
+        for (int64_t d = 0; d < L; ++d) {
+          double want = 0;
+          for (int64_t p = first; p <= r; ++p) want += score[p - first] / z * latc[p * L + d];
+          ASSERT_NEAR(got[item * L + d], want, 1e-5)
+              << KvName(format) << " " << r << " " << h << " " << d;
+        }
       }
     }
   }

@@ -157,44 +157,107 @@ TEST(KernelsTest, RmsNormSiluDotAxpy) {
   EXPECT_NEAR(q[36], 1.0f - 0.05f * 36 + 2 * 3.6f, 1e-5);
 }
 
+// The value a cached element of `dtype` holds, by the scalar conversions of backend/dtype.h.
+double CachedValue(DType dtype, const uint8_t* at) {
+  uint16_t h;
+  std::memcpy(&h, at, 2);
+  switch (dtype) {
+    case DType::kBF16:
+      return Bf16ToF32(h);
+    case DType::kF16:
+      return F16ToF32(h);
+    case DType::kF8E4M3:
+      return F8E4M3ToF32(*at);
+    default: {
+      float f;
+      std::memcpy(&f, at, 4);
+      return f;
+    }
+  }
+}
+
 // AttendHead against a double-precision softmax(q·K^T·scale)·V, for the register-resident head
-// sizes (64, 128) and the generic path, over positions spread across blocks.
+// sizes (64, 128) and the generic path, over positions spread across blocks, for every KV cache
+// dtype (rows written by FloatToKv, the reference reading them with the scalar conversions, so
+// the vector loads of each dtype are checked value for value) with K and V scales.
 TEST(KernelsTest, AttendHeadMatchesReference) {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
-  for (int64_t hd : {64, 128, 24}) {
-    for (int64_t len : {1, 5, 16, 37}) {
-      const int64_t bs = 16, nblocks = (len + bs - 1) / bs;
-      std::vector<std::vector<float>> kb(nblocks, std::vector<float>(bs * hd)),
-          vb(nblocks, std::vector<float>(bs * hd));
-      std::vector<const float*> kp, vp;
-      for (int64_t b = 0; b < nblocks; ++b) {
-        for (float& v : kb[b]) v = u(rng);
-        for (float& v : vb[b]) v = u(rng);
-        kp.push_back(kb[b].data());
-        vp.push_back(vb[b].data());
-      }
-      std::vector<float> q(hd), out(hd), scores(len);
-      for (float& v : q) v = u(rng);
-      const float scale = 0.3f;
-      AttendHead(q.data(), kp.data(), vp.data(), bs, hd, 0, len, scale, -INFINITY, scores.data(),
-                 out.data());
-      std::vector<double> w(len);
-      double mx = -1e30, sum = 0;
-      for (int64_t p = 0; p < len; ++p) {
-        double s = 0;
-        for (int64_t i = 0; i < hd; ++i) s += double(q[i]) * kb[p / bs][(p % bs) * hd + i];
-        w[p] = s * scale;
-        mx = std::max(mx, w[p]);
-      }
-      for (double& x : w) sum += (x = std::exp(x - mx));
-      for (int64_t i = 0; i < hd; ++i) {
-        double ref = 0;
-        for (int64_t p = 0; p < len; ++p) ref += w[p] / sum * vb[p / bs][(p % bs) * hd + i];
-        ASSERT_NEAR(out[i], ref, 1e-5) << "hd=" << hd << " len=" << len << " i=" << i;
+  for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
+    const size_t es = DTypeSize(dtype);
+    // FP8: values up to 3 under scales that put them in E4M3's normal and subnormal ranges.
+    const float ks = dtype == DType::kF8E4M3 ? 0.02f : 1.f, vs = dtype == DType::kF8E4M3 ? 3 : 1;
+    for (int64_t hd : {64, 128, 24}) {
+      for (int64_t len : {1, 5, 16, 37}) {
+        const int64_t bs = 16, nblocks = (len + bs - 1) / bs;
+        std::vector<std::vector<uint8_t>> kb(nblocks, std::vector<uint8_t>(bs * hd * es)),
+            vb(nblocks, std::vector<uint8_t>(bs * hd * es));
+        std::vector<const void*> kp, vp;
+        std::vector<float> row(bs * hd);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          for (float& v : row) v = 3 * u(rng);
+          FloatToKv(dtype, row.data(), bs * hd, ks, kb[b].data());
+          for (float& v : row) v = 3 * u(rng);
+          FloatToKv(dtype, row.data(), bs * hd, vs, vb[b].data());
+          kp.push_back(kb[b].data());
+          vp.push_back(vb[b].data());
+        }
+        auto value = [&](const std::vector<std::vector<uint8_t>>& blocks, int64_t p, int64_t i) {
+          return CachedValue(dtype, blocks[p / bs].data() + ((p % bs) * hd + i) * es);
+        };
+        std::vector<float> q(hd), out(hd), scores(len);
+        for (float& v : q) v = u(rng);
+        const float scale = 0.3f;
+        AttendHead(q.data(), KvRows{dtype, ks, vs}, kp.data(), vp.data(), bs, hd, 0, len, scale,
+                   -INFINITY, scores.data(), out.data());
+        std::vector<double> w(len);
+        double mx = -1e30, sum = 0;
+        for (int64_t p = 0; p < len; ++p) {
+          double s = 0;
+          for (int64_t i = 0; i < hd; ++i) s += double(q[i]) * value(kb, p, i) * ks;
+          w[p] = s * scale;
+          mx = std::max(mx, w[p]);
+        }
+        for (double& x : w) sum += (x = std::exp(x - mx));
+        for (int64_t i = 0; i < hd; ++i) {
+          double ref = 0;
+          for (int64_t p = 0; p < len; ++p) ref += w[p] / sum * value(vb, p, i) * vs;
+          ASSERT_NEAR(out[i], ref, 3e-5)
+              << DTypeName(dtype) << " hd=" << hd << " len=" << len << " i=" << i;
+        }
       }
     }
   }
+}
+
+// FloatToKv rounds to the nearest value of the dtype (E4M3: under its scale, saturated), which
+// KvToFloat gives back times the scale.
+TEST(KernelsTest, KvConversionsRoundToTheDtype) {
+  const std::vector<float> x = {0.f, 1.f, -1.5f, 0.1f, 3.14159f, -1000.f, 1e-3f, 447.f, 65504.f};
+  for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
+    const float scale = dtype == DType::kF8E4M3 ? 0.5f : 1.f;
+    std::vector<uint8_t> bytes(x.size() * DTypeSize(dtype));
+    FloatToKv(dtype, x.data(), static_cast<int64_t>(x.size()), scale, bytes.data());
+    std::vector<float> back(x.size());
+    KvToFloat(dtype, bytes.data(), static_cast<int64_t>(x.size()), scale, back.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint8_t* at = bytes.data() + i * DTypeSize(dtype);
+      EXPECT_EQ(back[i], CachedValue(dtype, at) * scale) << DTypeName(dtype) << " " << x[i];
+      // Within half a step of the dtype (relative: 2^-24, 2^-9, 2^-11, 2^-4), FP8 saturating at
+      // 448 x scale.
+      const double rel = dtype == DType::kF32    ? 1e-7
+                         : dtype == DType::kBF16 ? 1.0 / 256
+                         : dtype == DType::kF16  ? 1.0 / 1024
+                                                 : 1.0 / 16;
+      const double want = dtype == DType::kF8E4M3 ? std::clamp(x[i], -224.f, 224.f) : x[i];
+      EXPECT_NEAR(back[i], want, std::abs(want) * rel + (dtype == DType::kF8E4M3 ? 1e-3 : 0))
+          << DTypeName(dtype) << " " << x[i];
+    }
+  }
+  uint8_t e4m3 = 0;
+  const float big = 1e9f;
+  FloatToKv(DType::kF8E4M3, &big, 1, 1.f, &e4m3);
+  EXPECT_EQ(e4m3, 0x7E);  // 448, the largest finite E4M3
 }
 
 TEST(KernelsTest, DtypeConversionsRoundTrip) {

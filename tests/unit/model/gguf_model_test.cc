@@ -94,9 +94,16 @@ TEST_P(GgufModelTest, RunsAsItsSafetensors) {
                        w.rope_beta_fast, w.rope_beta_slow, w.rope_truncate));
   EXPECT_FLOAT_EQ(g.rope_attention_factor, w.rope_attention_factor);
   EXPECT_FLOAT_EQ(g.attention_scale(), w.attention_scale());
+  // A GGUF file's KV cache is F16 by default (llama.cpp's), the F32 checkpoint's F32.
+  auto auto_kv = Transformer::Load(file, {});
+  ASSERT_TRUE(auto_kv.ok()) << auto_kv.status();
+  EXPECT_EQ((*auto_kv)->kv_format().dtype, DType::kF16);
+  Transformer::Options f32;
+  f32.kv_cache_dtype = KvCacheDtype::kF32;
   auto want = Transformer::Load(hf, {});
-  auto got = Transformer::Load(file, {});
+  auto got = Transformer::Load(file, f32);
   ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+  EXPECT_EQ((*want)->kv_format().dtype, DType::kF32);
   EXPECT_EQ(Logits(**got), Logits(**want));  // F32 both ways: the very same arithmetic
 
   auto want_tok = Tokenizer::Load(hf);

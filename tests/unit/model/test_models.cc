@@ -42,7 +42,11 @@ std::string WriteModel(const GenModelOptions& options) {
   return options.out_dir;
 }
 
-void RemoveTensor(const std::string& path, const std::string& name) {
+namespace {
+
+// Rewrites the safetensors file at `path` without the tensor `name`, with `added` (and its bytes).
+void Rewrite(const std::string& path, const std::string& name, const TensorSpec* added = nullptr,
+             const std::vector<uint8_t>* bytes = nullptr) {
   std::vector<TensorSpec> specs;
   std::vector<std::vector<uint8_t>> data;
   {
@@ -55,11 +59,25 @@ void RemoveTensor(const std::string& path, const std::string& name) {
       data.emplace_back(p, p + t.nbytes);
     }
   }
+  if (added != nullptr) {
+    specs.push_back(*added);
+    data.push_back(*bytes);
+  }
   const std::string rewritten = absl::StrCat(path, ".new");
   ASSERT_TRUE(WriteSafetensors(rewritten, specs, [&](size_t i, std::vector<uint8_t>& b) {
                 b = data[i];
               }).ok());
   std::filesystem::rename(rewritten, path);
+}
+
+}  // namespace
+
+void RemoveTensor(const std::string& path, const std::string& name) { Rewrite(path, name); }
+
+void AddTensor(const std::string& path, const std::string& name, DType dtype,
+               const std::vector<int64_t>& shape, const std::vector<uint8_t>& bytes) {
+  const TensorSpec spec{name, dtype, shape};
+  Rewrite(path, name, &spec, &bytes);
 }
 
 std::string ReadFile(const std::string& path) {

@@ -1,6 +1,8 @@
 #pragma once
 // Test helpers: a temporary directory and small generated models inside it.
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "devtools/gen_model.h"
 
@@ -24,8 +26,11 @@ GenModelOptions SmallModel(const std::string& arch, const std::string& out_dir);
 // Writes a small model and fails the test on error.
 std::string WriteModel(const GenModelOptions& options);
 
-// Rewrites the safetensors file at `path` without the tensor `name` (fails the test on error).
+// Rewrites the safetensors file at `path` without the tensor `name`, or with it as given (fails
+// the test on error).
 void RemoveTensor(const std::string& path, const std::string& name);
+void AddTensor(const std::string& path, const std::string& name, DType dtype,
+               const std::vector<int64_t>& shape, const std::vector<uint8_t>& bytes);
 
 std::string ReadFile(const std::string& path);
 void WriteFile(const std::string& path, const std::string& data);

@@ -3,6 +3,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
 #include "model/generator.h"
 #include "model/test_models.h"
 
@@ -164,6 +168,98 @@ TEST_P(TransformerTest, ShardedFilesGiveTheSameModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, TransformerTest, ::testing::Values("llama", "qwen2", "mixtral"));
+
+// The last logits of a prompt and three decoded tokens with the KV cache in `dtype`.
+std::vector<float> LogitsWithKv(const std::string& dir, KvCacheDtype dtype, size_t* block_bytes) {
+  Transformer::Options o;
+  o.num_threads = 2;
+  o.kv_cache_dtype = dtype;
+  auto model = Transformer::Load(dir, o);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return {};
+  *block_bytes = (*model)->kv_block_bytes();
+  auto cache = *(*model)->NewKvCache(64);
+  EXPECT_EQ(cache->storage()->block_bytes() * 2 * (*model)->config().num_layers,
+            (*model)->kv_block_bytes());
+  SequenceKv kv;
+  std::vector<SequenceChunk> chunks(1);
+  chunks[0].kv = &kv;
+  chunks[0].tokens = {1, 40, 7, 300, 12, 99, 5, 18, 250, 3, 77, 8};
+  std::vector<float> logits;
+  EXPECT_TRUE((*model)->Forward(chunks, *cache, logits).ok());
+  for (int32_t t : {11, 42, 9}) {
+    chunks[0].tokens = {t};
+    EXPECT_TRUE((*model)->Forward(chunks, *cache, logits).ok());
+  }
+  return logits;
+}
+
+// Each KV cache dtype: auto the model's (BF16 here), its bytes (half of F32's for BF16 and F16, a
+// quarter for FP8) and logits near F32's.
+TEST(KvCacheDtypeTest, EachDtypeKeepsItsBytesAndNearlyTheLogits) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("llama", dir.Sub("m"));
+  o.dtype = DType::kBF16;
+  const std::string path = testing::WriteModel(o);
+  size_t f32_bytes = 0, bytes = 0;
+  const std::vector<float> want = LogitsWithKv(path, KvCacheDtype::kF32, &f32_bytes);
+  ASSERT_FALSE(want.empty());
+  for (const auto& [dtype, share, bound] :
+       {std::tuple{KvCacheDtype::kAuto, 2, 0.02}, std::tuple{KvCacheDtype::kBF16, 2, 0.02},
+        std::tuple{KvCacheDtype::kF16, 2, 0.005}, std::tuple{KvCacheDtype::kFP8, 4, 0.2}}) {
+    const std::vector<float> got = LogitsWithKv(path, dtype, &bytes);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(bytes * share, f32_bytes) << KvCacheDtypeName(dtype);
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      worst = std::max<double>(worst, std::abs(got[i] - want[i]));
+    EXPECT_LT(worst, bound) << KvCacheDtypeName(dtype);
+    EXPECT_GT(worst, 0) << KvCacheDtypeName(dtype) << " rounds nothing";
+  }
+}
+
+// FP8 takes the checkpoint's per-layer k_scale / v_scale (1 where it has none); one that is not a
+// finite positive scalar is refused by name.
+TEST(KvCacheDtypeTest, Fp8TakesTheCheckpointsScales) {
+  testing::TempDir dir;
+  auto o = testing::SmallModel("llama", dir.Sub("m"));
+  const std::string path = testing::WriteModel(o);
+  const std::string file = path + "/model.safetensors";
+  auto scalar = [](float v) {
+    std::vector<uint8_t> b(4);
+    std::memcpy(b.data(), &v, 4);
+    return b;
+  };
+  testing::AddTensor(file, "model.layers.1.self_attn.k_scale", DType::kF32, {}, scalar(0.125f));
+  testing::AddTensor(file, "model.layers.0.self_attn.v_proj.output_scale", DType::kF32, {1},
+                     scalar(0.5f));
+  Transformer::Options fp8;
+  fp8.kv_cache_dtype = KvCacheDtype::kFP8;
+  auto model = Transformer::Load(path, fp8);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ((*model)->kv_format().dtype, DType::kF8E4M3);
+  EXPECT_EQ((*model)->kv_format().k_scale, (std::vector<float>{1.f, 0.125f}));
+  EXPECT_EQ((*model)->kv_format().v_scale, (std::vector<float>{0.5f, 1.f}));
+  // A pipeline stage keeps its own layers' scales.
+  fp8.layer_begin = 1;
+  auto stage = Transformer::Load(path, fp8);
+  ASSERT_TRUE(stage.ok()) << stage.status();
+  EXPECT_EQ((*stage)->kv_format().k_scale, (std::vector<float>{0.125f}));
+  fp8.layer_begin = 0;
+  for (const float bad : {0.f, -1.f, NAN, INFINITY}) {
+    testing::AddTensor(file, "model.layers.1.self_attn.k_scale", DType::kF32, {}, scalar(bad));
+    auto refused = Transformer::Load(path, fp8);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_THAT(refused.status().message(),
+                HasSubstr("tensor 'model.layers.1.self_attn.k_scale' is"));
+  }
+  testing::AddTensor(file, "model.layers.1.self_attn.k_scale", DType::kF32, {2},
+                     std::vector<uint8_t>(8));
+  EXPECT_THAT(Transformer::Load(path, fp8).status().message(),
+              HasSubstr("must be one F32, F16 or BF16 value"));
+  // Other dtypes read no scale.
+  EXPECT_TRUE(Transformer::Load(path, {}).ok());
+}
 
 TEST(KvCacheTest, BlocksAreAllocatedOnDemandAndReturned) {
   KvCache cache(4, 5);

@@ -67,9 +67,28 @@ TEST(FootprintTest, MlaCachesItsLatentWholeOnEveryRank) {
   // 512 latent + 64 rope values a position, whatever the tensor-parallel size.
   EXPECT_EQ(ds.KvValuesPerRank(ds.kinds[1], 1), 576);
   EXPECT_EQ(ds.KvValuesPerRank(ds.kinds[1], 8), 576);
+  // Kept in the model's dtype (kvCacheDtype auto), or as a spec says.
   EXPECT_EQ(KvBytesLine(ds),
+            "KV cache: 1152 bytes a position per layer (BF16, the compressed latent every rank "
+            "keeps), against 81920 for full heads (71.1x)");
+  ModelFootprint f32 = ds;
+  UseKvCacheDtype(f32, "f32");
+  EXPECT_EQ(KvBytesLine(f32),
             "KV cache: 2304 bytes a position per layer (F32, the compressed latent every rank "
             "keeps), against 163840 for full heads (71.1x)");
+  ModelFootprint fp8 = ds;
+  UseKvCacheDtype(fp8, "fp8");
+  UseKvCacheDtype(fp8, "auto");  // auto keeps what the footprint holds
+  EXPECT_EQ(fp8.KvValueBytes(), 1);
+  // The footprint's report carries it; one without it (of before) held F32.
+  auto back = FootprintFromJson(FootprintToJson(fp8));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->kv_dtype, "fp8");
+  nlohmann::json old = FootprintToJson(fp8);
+  old.erase("kvDtype");
+  EXPECT_EQ(FootprintFromJson(old)->kv_dtype, "f32");
+  old["kvDtype"] = "int4";
+  EXPECT_THAT(FootprintFromJson(old).status().message(), HasSubstr("'kvDtype' is 'int4'"));
   // GQA: a group larger than the KV heads replicates them.
   const ModelFootprint qwen = Example("qwen3-235b-a22b");
   EXPECT_EQ(qwen.KvValuesPerRank(qwen.kinds[0], 2), 2 * 2 * 128);
@@ -166,9 +185,22 @@ TEST(MemoryTest, AStageHoldsItsLayersShareAndTheEndsTheirs) {
   const StageMemory& s0 = plan->stages[0];
   // Half the weights over 8 GPUs, about 29 GB, plus the embedding's share.
   EXPECT_NEAR(s0.weights / 1e9, 470.0 / 2 / 8, 2);
-  // Its layers x 1 KV head x 256 values x 4 bytes x 131072 positions.
+  // Its layers x 1 KV head x 256 values x 2 bytes (BF16, the model's) x 131072 positions.
   const double layers = static_cast<double>(plan->layers[0].end);
-  EXPECT_NEAR(s0.kv_cache, layers * 256 * 4 * 32 * 4096, 1);
+  EXPECT_NEAR(s0.kv_cache, layers * 256 * 2 * 32 * 4096, 1);
+  // FP8 halves it again; PlanSpec counts the spec's kvCacheDtype.
+  ModelFootprint fp8 = q;
+  UseKvCacheDtype(fp8, "fp8");
+  EXPECT_NEAR(PlanMemory(fp8, 8, 2, 32 * 4096)->stages[0].kv_cache, layers * 256 * 32 * 4096, 1);
+  ShardedModelSpec spec;
+  spec.tensor = 8;
+  spec.pipeline = 2;
+  spec.max_batch_size = 32;
+  spec.max_sequence_length = 4096;
+  spec.kv_cache_dtype = "f32";
+  auto f32 = PlanSpec(q, spec, {});
+  ASSERT_TRUE(f32.ok()) << f32.status();
+  EXPECT_NEAR(f32->choice.stages[0].kv_cache, layers * 256 * 4 * 32 * 4096, 1);
   EXPECT_NEAR(s0.margin, kMarginBytes + 0.1 * (s0.weights + s0.kv_cache), 1);
   EXPECT_EQ(DescribeStage(0, 8, {80 * kGiB, 4 * kGiB, 9.4 * kGiB}),
             "stage 0 needs 93.4 GiB per GPU at TP=8 (weights 80.0, KV cache 4.0, margin 9.4)");

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
 
 #include "backend/cpu/cpu_backend.h"
@@ -17,8 +18,20 @@ namespace {
 constexpr int64_t kLayers = 4, kHeadDim = 8, kBlockSize = 4;
 
 // The value of element d of head h at position p of layer l's K (kv 0) or V.
-float Value(int64_t l, int kv, int64_t h, int64_t p, int64_t d) {
-  return static_cast<float>(((l * 2 + kv) * 64 + h) * 1000 + p * 10 + d) + 0.5f;
+// The bytes of one cached value (its dtype's size, at most 4) that name where it belongs; 0xFF..
+// where nothing was written.
+uint32_t Value(int64_t l, int kv, int64_t h, int64_t p, int64_t d) {
+  uint32_t x = static_cast<uint32_t>(((l * 2 + kv) * 64 + h) * 1000 + p * 10 + d + 1);
+  x *= 2654435761u;  // spread the name over the low bytes (1- and 2-byte values)
+  return x ^ (x >> 16);
+}
+void Put(void* slab, int64_t i, size_t es, uint32_t v) {
+  std::memcpy(static_cast<char*>(slab) + i * es, &v, es);
+}
+uint32_t Get(const void* slab, int64_t i, size_t es) {
+  uint32_t v = 0;
+  std::memcpy(&v, static_cast<const char*>(slab) + i * es, es);
+  return v;
 }
 
 struct Rank {
@@ -42,23 +55,27 @@ std::map<std::pair<int, int>, Rank> MakeRole(Backend& be, const KvRoleShape& sha
       Rank rank;
       rank.share = KvShareOf(shape, s, r);
       const int64_t layers = rank.share.layer_end - rank.share.layer_begin;
-      auto kv = shape.latent ? be.AllocLatentKv(layers, 32, kBlockSize, kHeadDim - 2, 2)
-                             : be.AllocKv(layers, 32, rank.share.heads, kBlockSize, kHeadDim);
+      KvFormat format;
+      format.dtype = *ParseDType(shape.dtype);
+      auto kv = shape.latent
+                    ? be.AllocLatentKv(layers, 32, kBlockSize, kHeadDim - 2, 2, format)
+                    : be.AllocKv(layers, 32, rank.share.heads, kBlockSize, kHeadDim, format);
       EXPECT_TRUE(kv.ok()) << kv.status();
       rank.kv = std::move(*kv);
       for (size_t i = 0; i < n; ++i) rank.blocks.push_back((first_block + 7 * i) % 32);
       const int parts = shape.latent ? 1 : 2;
+      const size_t es = DTypeSize(rank.kv->format.dtype);
       for (int64_t l = 0; l < layers; ++l) {
         for (int part = 0; part < parts; ++part) {
           for (size_t i = 0; i < n; ++i) {
-            float* slab = static_cast<float*>(rank.kv->block_data(l, part, rank.blocks[i]));
+            void* slab = rank.kv->block_data(l, part, rank.blocks[i]);
             for (int64_t h = 0; h < rank.share.heads; ++h) {
               for (int64_t p = 0; p < kBlockSize; ++p) {
                 for (int64_t d = 0; d < kHeadDim; ++d) {
-                  slab[(h * kBlockSize + p) * kHeadDim + d] =
+                  Put(slab, (h * kBlockSize + p) * kHeadDim + d, es,
                       fill ? Value(rank.share.layer_begin + l, part, rank.share.head_begin + h,
                                    static_cast<int64_t>(i) * kBlockSize + p, d)
-                           : -1.0f;
+                           : 0xFFFFFFFFu);
                 }
               }
             }
@@ -77,7 +94,7 @@ void Move(const KvRoleShape& prefill, const KvRoleShape& decode, size_t n, size_
   SCOPED_TRACE(::testing::Message()
                << "prefill TP " << prefill.tp << " PP " << prefill.stages.size() << ", decode TP "
                << decode.tp << " PP " << decode.stages.size() << ", kv heads " << decode.kv_heads
-               << (decode.latent ? " latent" : ""));
+               << (decode.latent ? " latent" : "") << " " << decode.dtype);
   auto be = cpu::NewBackend(1);
   auto from = MakeRole(*be, prefill, n, 3, true);
   auto to = MakeRole(*be, decode, n, 11, false);
@@ -105,19 +122,21 @@ void Move(const KvRoleShape& prefill, const KvRoleShape& decode, size_t n, size_
       ASSERT_TRUE(s.ok()) << s;
     }
     const int parts = decode.latent ? 1 : 2;
+    const size_t es = DTypeSize(rank.kv->format.dtype);
+    const uint32_t mask = es == 4 ? 0xFFFFFFFFu : (1u << (8 * es)) - 1;
     for (int64_t l = 0; l < rank.share.layer_end - rank.share.layer_begin; ++l) {
       for (int part = 0; part < parts; ++part) {
         for (size_t i = 0; i < n; ++i) {
-          const float* slab =
-              static_cast<const float*>(rank.kv->block_data(l, part, rank.blocks[i]));
+          const void* slab = rank.kv->block_data(l, part, rank.blocks[i]);
           for (int64_t h = 0; h < rank.share.heads; ++h) {
             for (int64_t p = 0; p < kBlockSize; ++p) {
               for (int64_t d = 0; d < kHeadDim; ++d) {
-                const float want =
-                    i < skip ? -1.0f
-                             : Value(rank.share.layer_begin + l, part, rank.share.head_begin + h,
-                                     static_cast<int64_t>(i) * kBlockSize + p, d);
-                ASSERT_EQ(slab[(h * kBlockSize + p) * kHeadDim + d], want)
+                const uint32_t want =
+                    (i < skip ? 0xFFFFFFFFu
+                              : Value(rank.share.layer_begin + l, part, rank.share.head_begin + h,
+                                      static_cast<int64_t>(i) * kBlockSize + p, d)) &
+                    mask;
+                ASSERT_EQ(Get(slab, (h * kBlockSize + p) * kHeadDim + d, es), want)
                     << "decode rank (" << at.first << ", " << at.second << ") layer " << l
                     << " part " << part << " block " << i << " head " << h;
               }
@@ -129,8 +148,9 @@ void Move(const KvRoleShape& prefill, const KvRoleShape& decode, size_t n, size_
   }
 }
 
-KvRoleShape Shape(int tp, int pp, int64_t kv_heads, bool latent = false) {
-  return {tp, Stages(pp), kv_heads, latent, kBlockSize};
+KvRoleShape Shape(int tp, int pp, int64_t kv_heads, bool latent = false,
+                  const char* dtype = "F32") {
+  return {tp, Stages(pp), kv_heads, latent, kBlockSize, dtype};
 }
 
 TEST(KvLayoutTest, SharesAsTheModelBindsThem) {
@@ -166,6 +186,14 @@ TEST(KvLayoutTest, ALatentCacheMovesWholeFromOneRank) {
   Move(Shape(2, 1, 1, true), Shape(1, 2, 1, true), 3, 1);
 }
 
+// BF16 and FP8 caches move value for value, their heads resliced and layers regrouped alike.
+TEST(KvLayoutTest, CachesOfEachDtypeMove) {
+  for (const char* dtype : {"BF16", "F16", "F8_E4M3"}) {
+    Move(Shape(1, 2, 4, false, dtype), Shape(2, 1, 4, false, dtype), 5, 1);
+    Move(Shape(2, 1, 1, true, dtype), Shape(1, 2, 1, true, dtype), 3, 0);
+  }
+}
+
 TEST(KvLayoutTest, RolesOfDifferentCachesAreRefused) {
   auto be = cpu::NewBackend(1);
   auto kv = be->AllocKv(4, 8, 4, kBlockSize, kHeadDim);
@@ -178,6 +206,11 @@ TEST(KvLayoutTest, RolesOfDifferentCachesAreRefused) {
       PlanKvPull(Shape(1, 1, 2), Shape(1, 1, 4), 0, 0, **kv, {1, 2}, 0).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(
       PlanKvPull(Shape(1, 1, 4), Shape(1, 1, 4), 1, 0, **kv, {1, 2}, 0).status()));
+  // Values of another dtype: refused by name.
+  EXPECT_THAT(PlanKvPull(Shape(1, 1, 4, false, "BF16"), Shape(1, 1, 4), 0, 0, **kv, {1, 2}, 0)
+                  .status()
+                  .message(),
+              ::testing::HasSubstr("values BF16 / F32"));
 }
 
 }  // namespace
