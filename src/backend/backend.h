@@ -164,7 +164,7 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<KvStorage>> AllocKv(int64_t layers, int64_t blocks,
                                                              int64_t kv_heads, int64_t block_size,
                                                              int64_t head_dim,
-                                                             const KvFormat& format = {}) = 0;
+                                                             const KvFormat& format) = 0;
 
   // --- Layer ops (activations F32)
   // Vocab-parallel embedding: out[i] = float(table row ids[i] - vocab_begin) for ids in
@@ -247,7 +247,7 @@ class Backend {
                                                                    int64_t block_size,
                                                                    int64_t latent_dim,
                                                                    int64_t rope_dim,
-                                                                   const KvFormat& format = {}) = 0;
+                                                                   const KvFormat& format) = 0;
   // Writes each row's latent (latent_dim floats of `latent`) and rotated key (rope_dim floats of
   // `rope`) into layer `layer` of a latent cache at its position, as WriteKv places them.
   virtual absl::Status WriteLatentKv(const KvStorage& kv, int64_t layer, const float* latent,

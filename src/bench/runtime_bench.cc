@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <thread>
@@ -21,6 +22,49 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// Writes positions [kv.length, context) of one sequence straight into every layer of the cache
+// (arbitrary values: a decode step's time does not depend on them), as a prefill would have.
+absl::Status FillKv(Transformer& model, KvCache& cache, SequenceKv& kv, int64_t context) {
+  RETURN_IF_ERROR(cache.Reserve(kv, context));
+  Backend& be = model.backend();
+  const ModelConfig& c = model.config();
+  const bool latent = c.mla;
+  const int64_t width = latent ? c.kv_lora_rank : c.num_kv_heads * c.head_dim;
+  const int64_t width2 = latent ? c.head_dim : width;  // the rotated key dims, or V
+  constexpr int64_t kRows = 256;
+  std::vector<float> a(kRows * width), b(kRows * width2);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::sin(0.37f * static_cast<float>(i));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = std::cos(0.11f * static_cast<float>(i));
+  std::unique_ptr<Buffer> da = be.NewBuffer(), db = be.NewBuffer(), dp = be.NewBuffer(),
+                          dt = be.NewBuffer(), doff = be.NewBuffer();
+  RETURN_IF_ERROR(da->Reserve(a.size() * sizeof(float)));
+  RETURN_IF_ERROR(db->Reserve(b.size() * sizeof(float)));
+  RETURN_IF_ERROR(dp->Reserve(kRows * sizeof(int32_t)));
+  RETURN_IF_ERROR(doff->Reserve(kRows * sizeof(int32_t)));
+  RETURN_IF_ERROR(dt->Reserve(kv.blocks.size() * sizeof(int32_t)));
+  RETURN_IF_ERROR(be.CopyFromHost(da->data(), a.data(), a.size() * sizeof(float)));
+  RETURN_IF_ERROR(be.CopyFromHost(db->data(), b.data(), b.size() * sizeof(float)));
+  RETURN_IF_ERROR(
+      be.CopyFromHost(dt->data(), kv.blocks.data(), kv.blocks.size() * sizeof(int32_t)));
+  const std::vector<int32_t> zeros(kRows, 0);
+  RETURN_IF_ERROR(be.CopyFromHost(doff->data(), zeros.data(), kRows * sizeof(int32_t)));
+  for (int64_t p0 = kv.length; p0 < context; p0 += kRows) {
+    const int64_t rows = std::min(kRows, context - p0);
+    std::vector<int32_t> pos(rows);
+    for (int64_t r = 0; r < rows; ++r) pos[r] = static_cast<int32_t>(p0 + r);
+    RETURN_IF_ERROR(be.CopyFromHost(dp->data(), pos.data(), rows * sizeof(int32_t)));
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const int32_t *p = dp->as<int32_t>(), *t = dt->as<int32_t>(), *o = doff->as<int32_t>();
+      RETURN_IF_ERROR(latent ? be.WriteLatentKv(*cache.storage(), l, da->as<float>(),
+                                                db->as<float>(), rows, p, t, o)
+                             : be.WriteKv(*cache.storage(), l, da->as<float>(), db->as<float>(),
+                                          rows, p, t, o));
+    }
+  }
+  kv.length = context;
+  return be.Synchronize();
 }
 
 }  // namespace
@@ -101,19 +145,33 @@ DecodeCost DecodeCostOf(const ModelConfig& c, size_t weight_bytes) {
 }
 
 absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a,
-                   Args::Parse(argv, {"model", "threads", "decode-tokens", "prefill-tokens"}, {},
-                               "shardserve bench runtime", kRuntimeBenchUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv,
+                                       {"model", "threads", "decode-tokens", "prefill-tokens",
+                                        "context", "kv-cache-dtype"},
+                                       {}, "shardserve bench runtime", kRuntimeBenchUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", 2));
   ASSIGN_OR_RETURN(int64_t decode_tokens, a.GetInt("decode-tokens", 32));
   ASSIGN_OR_RETURN(int64_t prefill_tokens, a.GetInt("prefill-tokens", 512));
+  ASSIGN_OR_RETURN(int64_t context, a.GetInt("context", 0));
+  if (context < 0 || decode_tokens < 1 || prefill_tokens < 0) {
+    return absl::InvalidArgumentError(
+        "--context and --prefill-tokens must be at least 0, --decode-tokens at least 1");
+  }
 
-  // How the weights compute, as a rank reads it from the worker contract (SHARDSERVE_FP8).
+  // How the weights compute and the KV cache keeps its values, as a rank reads them from the
+  // worker contract (SHARDSERVE_FP8, SHARDSERVE_KV_CACHE_DTYPE), the flag first.
   ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+  const std::string kv_name = a.GetOr("kv-cache-dtype", env.kv_cache_dtype);
+  const std::optional<KvCacheDtype> kv_dtype = ParseKvCacheDtype(kv_name);
+  if (!kv_dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype '", kv_name, "' must be ", kKvCacheDtypes));
+  }
   Transformer::Options o;
   o.num_threads = static_cast<int>(threads);
   o.fp8_blocks = env.fp8_blocks;
+  o.kv_cache_dtype = *kv_dtype;
   ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, o));
   const ModelConfig& c = model->config();
   const double H = c.hidden_size, V = c.vocab_size;
@@ -137,14 +195,17 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   const double bw_before = ReadBandwidth(pool);
   const double peak_before = FmaPeak(pool);
 
-  // Decode at batch 1 after a short prompt; one warm-up step pages the weights in.
-  ASSIGN_OR_RETURN(auto cache, model->NewKvCache(prefill_tokens + decode_tokens + 64));
+  // Decode at batch 1 after a short prompt (or --context cached positions); one warm-up step
+  // pages the weights in.
+  ASSIGN_OR_RETURN(auto cache,
+                   model->NewKvCache(std::max(prefill_tokens, context) + decode_tokens + 64));
   SequenceKv kv;
   std::vector<SequenceChunk> chunks(1);
   chunks[0].kv = &kv;
   chunks[0].tokens = {1, 5, 9, 13, 17, 21, 25, 29};
   std::vector<float> logits;
   RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
+  if (context > kv.length) RETURN_IF_ERROR(FillKv(*model, *cache, kv, context));
   chunks[0].tokens = {3};
   RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
   // Per-step times, reported as the median and the best step.
@@ -158,13 +219,16 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   std::sort(steps.begin(), steps.end());
   const size_t rss = ResidentBytes();
 
+  const double context_kv = static_cast<double>(cache->BlocksFor(kv.length)) *
+                            static_cast<double>(model->kv_block_bytes());
+  const int64_t decoded_at = kv.length;
   // Prefill of one prompt of prefill_tokens (best of 2).
   chunks[0].tokens.resize(prefill_tokens);
   for (int64_t i = 0; i < prefill_tokens; ++i) {
     chunks[0].tokens[i] = static_cast<int32_t>((i * 104729 + 7) % c.vocab_size);
   }
   double prefill_s = 1e30;
-  for (int rep = 0; rep < 2; ++rep) {
+  for (int rep = 0; rep < (prefill_tokens > 0 ? 2 : 0); ++rep) {
     cache->Release(kv);
     const auto t0 = Clock::now();
     RETURN_IF_ERROR(model->Forward(chunks, *cache, logits));
@@ -186,6 +250,16 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
         label, 1 / s, 1e3 * s, decode_bytes / 1e9, decode_bytes / s / 1e9,
         100.0 * decode_bytes / s / bw);
   }
+  // The KV cache: its dtype, bytes a position, and what decode read at its context.
+  const KvFormat& kvf = model->kv_format();
+  const double per_position = static_cast<double>(model->kv_block_bytes()) / cache->block_size();
+  const double median = steps[steps.size() / 2];
+  std::printf(
+      "kv cache: %s, %.0f bytes a position (all layers); decode from %lld positions: %.3f GB of "
+      "KV, median %.2f tokens/s (%.1f ms/token; weights + KV read at %.2f GB/s)\n",
+      DTypeName(kvf.dtype), per_position, static_cast<long long>(decoded_at), context_kv / 1e9,
+      1 / median, 1e3 * median, (decode_bytes + context_kv) / median / 1e9);
+  if (prefill_tokens == 0) return absl::OkStatus();
   const double n = static_cast<double>(prefill_tokens);
   const double flops = 2.0 * n * c.num_layers * active_layer_params +
                        4.0 * c.num_layers * c.q_dim() * n * (n + 1) / 2 + 2.0 * V * H;

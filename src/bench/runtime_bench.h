@@ -12,8 +12,9 @@ namespace shardserve {
 
 absl::Status RunRuntimeBench(const std::vector<std::string>& argv);
 inline constexpr char kRuntimeBenchUsage[] =
-    "--model DIR [--threads N --decode-tokens N --prefill-tokens N]\n(CPU decode and prefill of "
-    "one rank)";
+    "--model DIR [--threads N --decode-tokens N --prefill-tokens N --context N\n"
+    "--kv-cache-dtype auto|f32|bf16|f16|fp8]\n(CPU decode and prefill of one rank; --context: "
+    "decode after N cached positions)";
 
 // Weight bytes one decode step reads (every layer's active matrices and the LM head), and the
 // parameters of one layer that a token goes through, from the model's shape and weight bytes.

@@ -218,8 +218,10 @@ except ImportError:
 for family, args in FAMILIES:
     model = os.path.join(tmp, family)
     gen_model(BIN, model, *args)
+    # The KV cache in F32, as transformers' in float32: echo's prompt logprobs are compared
+    # with its to 1e-3 (the model's BF16 cache moves them by up to 5e-3).
     d = Deployment(BIN, model, tp=2, pp=2, args=("--api-key-file", KEYS), api_key=KEY,
-                   max_seq=2048)
+                   max_seq=2048, serving={"kvCacheDtype": "f32"})
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key=KEY,
                                max_retries=0)

@@ -66,11 +66,13 @@ def run(*cmd):
 
 
 def ours(model, prompt, *extra):
-    """generate's JSON; prompt: text or a list of ids."""
+    """generate's JSON; prompt: text or a list of ids. The KV cache in F32, as transformers' (a
+    GGUF file's own is F16, llama.cpp's default: the serving check below runs it)."""
     given = (["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list)
              else ["--prompt", prompt])
     return run("generate", "--model", model, *given, "--max-tokens", str(STEPS), "--logprobs", "5",
-               "--ignore-eos", "--threads", "2", "--format", "json", *extra)
+               "--ignore-eos", "--threads", "2", "--format", "json", "--kv-cache-dtype", "f32",
+               *extra)
 
 
 def hf_greedy(model, ids):

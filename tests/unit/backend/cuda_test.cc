@@ -294,7 +294,7 @@ TEST(CudaBackendTest, KvCacheAndAttentionMatchCpu) {
   const std::vector<float> k = Random(rows * kv_heads * hd, 10),
                            v = Random(rows * kv_heads * hd, 11);
   const std::unique_ptr<Backend> cpu = cpu::NewBackend(2);
-  auto storage = cpu->AllocKv(1, nblocks, kv_heads, bs, hd);
+  auto storage = cpu->AllocKv(1, nblocks, kv_heads, bs, hd, KvFormat{});
   ASSERT_TRUE(storage.ok());
   ASSERT_TRUE(cpu->WriteKv(**storage, 0, k.data(), v.data(), rows, positions.data(), table.data(),
                            offsets.data())

@@ -196,7 +196,7 @@ TEST(KvLayoutTest, CachesOfEachDtypeMove) {
 
 TEST(KvLayoutTest, RolesOfDifferentCachesAreRefused) {
   auto be = cpu::NewBackend(1);
-  auto kv = be->AllocKv(4, 8, 4, kBlockSize, kHeadDim);
+  auto kv = be->AllocKv(4, 8, 4, kBlockSize, kHeadDim, KvFormat{});
   ASSERT_TRUE(kv.ok());
   KvRoleShape other = Shape(1, 1, 4);
   other.block_size = 8;
