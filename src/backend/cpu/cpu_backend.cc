@@ -261,7 +261,7 @@ class CpuBackend : public Backend {
     return absl::OkStatus();
   }
   absl::Status Attention(const KvStorage& storage, int64_t layer, const float* q, int64_t rows,
-                         int64_t heads, int64_t head0, int64_t group, int64_t kv_head0,
+                         int64_t heads, int64_t head0, int64_t group_heads, int64_t kv_head0,
                          const int32_t* positions, const int32_t* blocks,
                          const int32_t* block_offset, int64_t max_len, float scale,
                          const AttentionExtras& extras, float* out) override {
@@ -269,12 +269,33 @@ class CpuBackend : public Backend {
     const HostKv& kv = static_cast<const HostKv&>(storage);
     const int64_t hd = kv.head_dim, bs = kv.block_size, qd = heads * hd;
     const KvRows rows_of{kv.format.dtype, kv.format.KScale(layer), kv.format.VScale(layer)};
-    pool_.ParallelFor(rows * heads, 1, [&](int, int64_t begin, int64_t end) {
+    // Items: (row, local KV head, part of its query heads). A KV head's rows are read and
+    // converted once for the heads of a part; the heads split into parts only as far as the
+    // threads need items (a decode batch of one: TinyLlama's 4 KV heads on 2 threads take their
+    // 8 heads each whole).
+    const int64_t kvh = kv.kv_heads;
+    std::vector<std::pair<int64_t, int64_t>> heads_of(kvh, {0, 0});  // each KV head's
+    int64_t widest = 1;
+    for (int64_t kh = 0; kh < kvh; ++kh) {
+      heads_of[kh].first = std::clamp<int64_t>((kh + kv_head0) * group_heads - head0, 0, heads);
+      heads_of[kh].second =
+          std::clamp<int64_t>((kh + kv_head0 + 1) * group_heads - head0, 0, heads);
+      widest = std::max(widest, heads_of[kh].second - heads_of[kh].first);
+    }
+    const int64_t want = (pool_.num_threads() + rows * kvh - 1) / (rows * kvh);
+    const int64_t parts = std::clamp<int64_t>(want, 1, widest);
+    const int64_t per = (widest + parts - 1) / parts;
+    pool_.ParallelFor(rows * kvh * parts, 1, [&](int, int64_t begin, int64_t end) {
       std::vector<float> scores;
       std::vector<const void*> k_blocks, v_blocks;
+      std::vector<const float*> qs;
+      std::vector<float*> outs;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t r = item / heads, head = item % heads;
-        const int64_t kh = (head0 + head) / group - kv_head0;
+        const int64_t r = item / (kvh * parts), kh = item / parts % kvh, part = item % parts;
+        const int64_t h0 = heads_of[kh].first + part * per;
+        const int64_t h1 = std::min(heads_of[kh].second, h0 + per);
+        if (h0 >= h1) continue;
+        const int64_t G = h1 - h0;
         const int64_t len = positions[r] + 1;  // causal: attend to positions [0, pos]
         const int64_t nblocks = (len + bs - 1) / bs;
         k_blocks.resize(nblocks);
@@ -283,11 +304,17 @@ class CpuBackend : public Backend {
           k_blocks[b] = kv.Slab(layer, 0, blocks[block_offset[r] + b], kh);
           v_blocks[b] = kv.Slab(layer, 1, blocks[block_offset[r] + b], kh);
         }
-        scores.resize(len);
-        const int64_t begin = extras.window > 0 ? std::max<int64_t>(0, len - extras.window) : 0;
-        const float sink = extras.sinks != nullptr ? extras.sinks[head] : -INFINITY;
-        AttendHead(q + r * qd + head * hd, rows_of, k_blocks.data(), v_blocks.data(), bs, hd, begin,
-                   len, scale, sink, scores.data(), out + r * qd + head * hd);
+        scores.resize(G * len);
+        qs.resize(G);
+        outs.resize(G);
+        for (int64_t g = 0; g < G; ++g) {
+          qs[g] = q + r * qd + (h0 + g) * hd;
+          outs[g] = out + r * qd + (h0 + g) * hd;
+        }
+        const int64_t first = extras.window > 0 ? std::max<int64_t>(0, len - extras.window) : 0;
+        AttendGroup(qs.data(), G, rows_of, k_blocks.data(), v_blocks.data(), bs, hd, first, len,
+                    scale, extras.sinks != nullptr ? extras.sinks + h0 : nullptr, scores.data(),
+                    outs.data());
       }
     });
     return absl::OkStatus();

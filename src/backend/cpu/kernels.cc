@@ -899,72 +899,100 @@ struct KvLoad<DType::kF8E4M3> {
   }
 };
 
-// AttendHead for hd = 8 * V8: q (scaled) and the output accumulator live in registers.
+// AttendGroup for hd = 8 * V8: each position's key and value rows converted once into registers
+// for all G heads (scores: G rows of len), the outputs accumulated in place.
 template <int V8, DType kT>
-void AttendHeadFixed(const float* q, const void* const* k_blocks, const void* const* v_blocks,
-                     int64_t bs, int64_t begin, int64_t len, float scale, float k_scale,
-                     float v_scale, float sink, float* scores, float* out) {
+void AttendGroupFixed(const float* const* q, int64_t G, const void* const* k_blocks,
+                      const void* const* v_blocks, int64_t bs, int64_t begin, int64_t len,
+                      float scale, float k_scale, float v_scale, const float* sinks, float* scores,
+                      float* const* out) {
   using L = KvLoad<kT>;
   constexpr int64_t hd = 8 * V8;
-  __m256 qv[V8];
-  const __m256 sv = _mm256_set1_ps(scale * k_scale * L::kUnit);
-  for (int i = 0; i < V8; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), sv);
-  float mx = sink;
+  std::vector<float> qs(G * hd), mx(G);
+  const float qscale = scale * k_scale * L::kUnit;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < hd; ++i) qs[g * hd + i] = q[g][i] * qscale;
+    mx[g] = sinks != nullptr ? sinks[g] : -INFINITY;
+    std::fill_n(out[g], hd, 0.f);
+  }
+  __m256 row[V8];
   for (int64_t p = begin; p < len; ++p) {
     const void* k = k_blocks[p / bs];
     const int64_t at = (p % bs) * hd;
-    __m256 a0 = _mm256_mul_ps(qv[0], L::Load8(k, at));
-    __m256 a1 = _mm256_mul_ps(qv[1], L::Load8(k, at + 8));
-    for (int i = 2; i < V8; i += 2) {
-      a0 = _mm256_fmadd_ps(qv[i], L::Load8(k, at + 8 * i), a0);
-      a1 = _mm256_fmadd_ps(qv[i + 1], L::Load8(k, at + 8 * i + 8), a1);
+    for (int i = 0; i < V8; ++i) row[i] = L::Load8(k, at + 8 * i);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs.data() + g * hd;
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), row[0]);
+      __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), row[1]);
+      for (int i = 2; i < V8; i += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), row[i], a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i + 8), row[i + 1], a1);
+      }
+      const float sc = HSum(_mm256_add_ps(a0, a1));
+      scores[g * len + p] = sc;
+      mx[g] = std::max(mx[g], sc);
     }
-    scores[p] = HSum(_mm256_add_ps(a0, a1));
-    mx = std::max(mx, scores[p]);
   }
-  const float sum = ExpMinusMax(scores + begin, len - begin, mx) + std::exp(sink - mx);
-  const float inv = v_scale * L::kUnit / sum;
-  __m256 o[V8];
-  for (int i = 0; i < V8; ++i) o[i] = _mm256_setzero_ps();
+  std::vector<float> w(G);
+  for (int64_t g = 0; g < G; ++g) {
+    const float sink = sinks != nullptr ? sinks[g] : -INFINITY;
+    const float sum =
+        ExpMinusMax(scores + g * len + begin, len - begin, mx[g]) + std::exp(sink - mx[g]);
+    w[g] = v_scale * L::kUnit / sum;
+  }
   for (int64_t p = begin; p < len; ++p) {
     const void* v = v_blocks[p / bs];
     const int64_t at = (p % bs) * hd;
-    const __m256 w = _mm256_set1_ps(scores[p] * inv);
-    for (int i = 0; i < V8; ++i) o[i] = _mm256_fmadd_ps(w, L::Load8(v, at + 8 * i), o[i]);
+    for (int i = 0; i < V8; ++i) row[i] = L::Load8(v, at + 8 * i);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 wp = _mm256_set1_ps(scores[g * len + p] * w[g]);
+      float* o = out[g];
+      for (int i = 0; i < V8; ++i) {
+        _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(wp, row[i], _mm256_loadu_ps(o + 8 * i)));
+      }
+    }
   }
-  for (int i = 0; i < V8; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
 template <DType kT>
-void AttendHeadOf(const float* q, const void* const* k_blocks, const void* const* v_blocks,
-                  int64_t bs, int64_t hd, int64_t begin, int64_t len, float scale, float k_scale,
-                  float v_scale, float sink, float* scores, float* out) {
+void AttendGroupOf(const float* const* q, int64_t G, const void* const* k_blocks,
+                   const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
+                   float scale, float k_scale, float v_scale, const float* sinks, float* scores,
+                   float* const* out) {
   if (hd == 64) {
-    return AttendHeadFixed<8, kT>(q, k_blocks, v_blocks, bs, begin, len, scale, k_scale, v_scale,
-                                  sink, scores, out);
+    return AttendGroupFixed<8, kT>(q, G, k_blocks, v_blocks, bs, begin, len, scale, k_scale,
+                                   v_scale, sinks, scores, out);
   }
   if (hd == 128) {
-    return AttendHeadFixed<16, kT>(q, k_blocks, v_blocks, bs, begin, len, scale, k_scale, v_scale,
-                                   sink, scores, out);
+    return AttendGroupFixed<16, kT>(q, G, k_blocks, v_blocks, bs, begin, len, scale, k_scale,
+                                    v_scale, sinks, scores, out);
   }
-  // Other head sizes: each row converted to F32 first.
+  // Other head sizes: each row converted to F32 once for the G heads.
   const size_t es = DTypeSize(kT);
-  std::vector<float> row(hd);
+  std::vector<float> row(hd), mx(G);
   auto at = [&](const void* const* blocks, int64_t p) {
     return static_cast<const uint8_t*>(blocks[p / bs]) + (p % bs) * hd * es;
   };
-  float mx = sink;
+  for (int64_t g = 0; g < G; ++g) {
+    mx[g] = sinks != nullptr ? sinks[g] : -INFINITY;
+    std::fill_n(out[g], hd, 0.f);
+  }
   for (int64_t p = begin; p < len; ++p) {
     KvToFloat(kT, at(k_blocks, p), hd, k_scale, row.data());
-    scores[p] = Dot(q, row.data(), hd) * scale;
-    mx = std::max(mx, scores[p]);
+    for (int64_t g = 0; g < G; ++g) {
+      scores[g * len + p] = Dot(q[g], row.data(), hd) * scale;
+      mx[g] = std::max(mx[g], scores[g * len + p]);
+    }
   }
-  const float sum = ExpMinusMax(scores + begin, len - begin, mx) + std::exp(sink - mx);
-  std::fill_n(out, hd, 0.f);
-  const float inv = 1.0f / sum;
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {
+    const float sink = sinks != nullptr ? sinks[g] : -INFINITY;
+    inv[g] =
+        1.0f / (ExpMinusMax(scores + g * len + begin, len - begin, mx[g]) + std::exp(sink - mx[g]));
+  }
   for (int64_t p = begin; p < len; ++p) {
     KvToFloat(kT, at(v_blocks, p), hd, v_scale, row.data());
-    Axpy(scores[p] * inv, row.data(), out, hd);
+    for (int64_t g = 0; g < G; ++g) Axpy(scores[g * len + p] * inv[g], row.data(), out[g], hd);
   }
 }
 
@@ -1006,22 +1034,22 @@ void FloatToKv(DType dtype, const float* x, int64_t n, float scale, void* dst) {
   }
 }
 
-void AttendHead(const float* q, const KvRows& kv, const void* const* k_blocks,
-                const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
-                float scale, float sink, float* scores, float* out) {
+void AttendGroup(const float* const* q, int64_t G, const KvRows& kv, const void* const* k_blocks,
+                 const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
+                 float scale, const float* sinks, float* scores, float* const* out) {
   switch (kv.dtype) {
     case DType::kBF16:
-      return AttendHeadOf<DType::kBF16>(q, k_blocks, v_blocks, bs, hd, begin, len, scale,
-                                        kv.k_scale, kv.v_scale, sink, scores, out);
+      return AttendGroupOf<DType::kBF16>(q, G, k_blocks, v_blocks, bs, hd, begin, len, scale,
+                                         kv.k_scale, kv.v_scale, sinks, scores, out);
     case DType::kF16:
-      return AttendHeadOf<DType::kF16>(q, k_blocks, v_blocks, bs, hd, begin, len, scale, kv.k_scale,
-                                       kv.v_scale, sink, scores, out);
+      return AttendGroupOf<DType::kF16>(q, G, k_blocks, v_blocks, bs, hd, begin, len, scale,
+                                        kv.k_scale, kv.v_scale, sinks, scores, out);
     case DType::kF8E4M3:
-      return AttendHeadOf<DType::kF8E4M3>(q, k_blocks, v_blocks, bs, hd, begin, len, scale,
-                                          kv.k_scale, kv.v_scale, sink, scores, out);
+      return AttendGroupOf<DType::kF8E4M3>(q, G, k_blocks, v_blocks, bs, hd, begin, len, scale,
+                                           kv.k_scale, kv.v_scale, sinks, scores, out);
     default:
-      return AttendHeadOf<DType::kF32>(q, k_blocks, v_blocks, bs, hd, begin, len, scale, kv.k_scale,
-                                       kv.v_scale, sink, scores, out);
+      return AttendGroupOf<DType::kF32>(q, G, k_blocks, v_blocks, bs, hd, begin, len, scale,
+                                        kv.k_scale, kv.v_scale, sinks, scores, out);
   }
 }
 

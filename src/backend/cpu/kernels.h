@@ -54,13 +54,14 @@ struct KvRows {
 void KvToFloat(DType dtype, const void* src, int64_t n, float scale, float* out);
 void FloatToKv(DType dtype, const float* x, int64_t n, float scale, void* dst);
 
-// Causal scaled-dot-product attention of one query head (hd floats) over positions
-// [begin, len): the key of position p is at k_blocks[p / block_size] + (p % block_size) * hd
-// values of kv.dtype, the value likewise in v_blocks. Writes softmax(q·K^T · scale) · V to out,
-// the softmax's denominator with e^sink too (-inf: no sink); `scores` holds len floats.
-void AttendHead(const float* q, const KvRows& kv, const void* const* k_blocks,
-                const void* const* v_blocks, int64_t block_size, int64_t hd, int64_t begin,
-                int64_t len, float scale, float sink, float* scores, float* out);
+// Causal scaled-dot-product attention of G query heads (q[g]: hd floats each) that read one KV
+// head, over positions [begin, len): the key of position p is at k_blocks[p / block_size] +
+// (p % block_size) * hd values of kv.dtype, the value likewise in v_blocks; each row is read and
+// converted once for the G heads (a GQA group). Writes softmax(q[g]·K^T · scale) · V to out[g],
+// the softmax's denominator with e^sinks[g] too (sinks null: none); `scores` holds G * len floats.
+void AttendGroup(const float* const* q, int64_t G, const KvRows& kv, const void* const* k_blocks,
+                 const void* const* v_blocks, int64_t block_size, int64_t hd, int64_t begin,
+                 int64_t len, float scale, const float* sinks, float* scores, float* const* out);
 // Attention of one query (dim floats) over positions [0, len) whose keys and values share a row:
 // position p's row of `dim` values is at blocks[p / block_size] + (p % block_size) * dim, its
 // value the row's first value_dim values (multi-head latent attention). Writes value_dim floats.

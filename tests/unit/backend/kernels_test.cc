@@ -176,57 +176,71 @@ double CachedValue(DType dtype, const uint8_t* at) {
   }
 }
 
-// AttendHead against a double-precision softmax(q·K^T·scale)·V, for the register-resident head
-// sizes (64, 128) and the generic path, over positions spread across blocks, for every KV cache
-// dtype (rows written by FloatToKv, the reference reading them with the scalar conversions, so
-// the vector loads of each dtype are checked value for value) with K and V scales.
-TEST(KernelsTest, AttendHeadMatchesReference) {
+// AttendGroup against a double-precision softmax(q·K^T·scale)·V of each head, for the
+// register-resident head sizes (64, 128) and the generic path, one head and a GQA group of three
+// (with sinks), over positions spread across blocks, for every KV cache dtype (rows written by
+// FloatToKv, the reference reading them with the scalar conversions, so the vector loads of each
+// dtype are checked value for value) with K and V scales.
+TEST(KernelsTest, AttendGroupMatchesReference) {
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
   for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
     const size_t es = DTypeSize(dtype);
     // FP8: values up to 3 under scales that put them in E4M3's normal and subnormal ranges.
     const float ks = dtype == DType::kF8E4M3 ? 0.02f : 1.f, vs = dtype == DType::kF8E4M3 ? 3 : 1;
-    for (int64_t hd : {64, 128, 24}) {
-      for (int64_t len : {1, 5, 16, 37}) {
-        const int64_t bs = 16, nblocks = (len + bs - 1) / bs;
-        std::vector<std::vector<uint8_t>> kb(nblocks, std::vector<uint8_t>(bs * hd * es)),
-            vb(nblocks, std::vector<uint8_t>(bs * hd * es));
-        std::vector<const void*> kp, vp;
-        std::vector<float> row(bs * hd);
-        for (int64_t b = 0; b < nblocks; ++b) {
-          for (float& v : row) v = 3 * u(rng);
-          FloatToKv(dtype, row.data(), bs * hd, ks, kb[b].data());
-          for (float& v : row) v = 3 * u(rng);
-          FloatToKv(dtype, row.data(), bs * hd, vs, vb[b].data());
-          kp.push_back(kb[b].data());
-          vp.push_back(vb[b].data());
-        }
-        auto value = [&](const std::vector<std::vector<uint8_t>>& blocks, int64_t p, int64_t i) {
-          return CachedValue(dtype, blocks[p / bs].data() + ((p % bs) * hd + i) * es);
-        };
-        std::vector<float> q(hd), out(hd), scores(len);
-        for (float& v : q) v = u(rng);
-        const float scale = 0.3f;
-        AttendHead(q.data(), KvRows{dtype, ks, vs}, kp.data(), vp.data(), bs, hd, 0, len, scale,
-                   -INFINITY, scores.data(), out.data());
-        std::vector<double> w(len);
-        double mx = -1e30, sum = 0;
-        for (int64_t p = 0; p < len; ++p) {
-          double s = 0;
-          for (int64_t i = 0; i < hd; ++i) s += double(q[i]) * value(kb, p, i) * ks;
-          w[p] = s * scale;
-          mx = std::max(mx, w[p]);
-        }
-        for (double& x : w) sum += (x = std::exp(x - mx));
-        for (int64_t i = 0; i < hd; ++i) {
-          double ref = 0;
-          for (int64_t p = 0; p < len; ++p) ref += w[p] / sum * value(vb, p, i) * vs;
-          ASSERT_NEAR(out[i], ref, 3e-5)
-              << DTypeName(dtype) << " hd=" << hd << " len=" << len << " i=" << i;
+    for (int64_t G : {1, 3})
+      for (int64_t hd : {64, 128, 24}) {
+        for (int64_t len : {1, 5, 16, 37}) {
+          const int64_t bs = 16, nblocks = (len + bs - 1) / bs, begin = len > 5 ? 2 : 0;
+          std::vector<std::vector<uint8_t>> kb(nblocks, std::vector<uint8_t>(bs * hd * es)),
+              vb(nblocks, std::vector<uint8_t>(bs * hd * es));
+          std::vector<const void*> kp, vp;
+          std::vector<float> row(bs * hd);
+          for (int64_t b = 0; b < nblocks; ++b) {
+            for (float& v : row) v = 3 * u(rng);
+            FloatToKv(dtype, row.data(), bs * hd, ks, kb[b].data());
+            for (float& v : row) v = 3 * u(rng);
+            FloatToKv(dtype, row.data(), bs * hd, vs, vb[b].data());
+            kp.push_back(kb[b].data());
+            vp.push_back(vb[b].data());
+          }
+          auto value = [&](const std::vector<std::vector<uint8_t>>& blocks, int64_t p, int64_t i) {
+            return CachedValue(dtype, blocks[p / bs].data() + ((p % bs) * hd + i) * es);
+          };
+          std::vector<float> q(G * hd), out(G * hd), scores(G * len), sinks(G);
+          for (float& v : q) v = u(rng);
+          for (float& v : sinks) v = u(rng);
+          std::vector<const float*> qs;
+          std::vector<float*> outs;
+          for (int64_t g = 0; g < G; ++g) {
+            qs.push_back(q.data() + g * hd);
+            outs.push_back(out.data() + g * hd);
+          }
+          const float scale = 0.3f;
+          const float* sink = G > 1 ? sinks.data() : nullptr;
+          AttendGroup(qs.data(), G, KvRows{dtype, ks, vs}, kp.data(), vp.data(), bs, hd, begin, len,
+                      scale, sink, scores.data(), outs.data());
+          for (int64_t g = 0; g < G; ++g) {
+            std::vector<double> w(len);
+            double mx = sink ? sink[g] : -1e30;
+            for (int64_t p = begin; p < len; ++p) {
+              double s = 0;
+              for (int64_t i = 0; i < hd; ++i) s += double(q[g * hd + i]) * value(kb, p, i) * ks;
+              w[p] = s * scale;
+              mx = std::max(mx, w[p]);
+            }
+            double sum = sink ? std::exp(sink[g] - mx) : 0;
+            for (int64_t p = begin; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
+            for (int64_t i = 0; i < hd; ++i) {
+              double ref = 0;
+              for (int64_t p = begin; p < len; ++p) ref += w[p] / sum * value(vb, p, i) * vs;
+              ASSERT_NEAR(out[g * hd + i], ref, 3e-5)
+                  << DTypeName(dtype) << " G=" << G << " hd=" << hd << " len=" << len << " g=" << g
+                  << " i=" << i;
+            }
+          }
         }
       }
-    }
   }
 }
 
