@@ -165,4 +165,12 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
   return w;
 }
 
+absl::StatusOr<KvCacheDtype> KvCacheDtypeOf(const std::optional<std::string>& flag,
+                                            const WorkerEnv& env) {
+  const std::string& name = flag ? *flag : env.kv_cache_dtype;
+  if (const std::optional<KvCacheDtype> t = ParseKvCacheDtype(name)) return *t;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv-cache-dtype '", name, "' must be ", kKvCacheDtypes));
+}
+
 }  // namespace shardserve

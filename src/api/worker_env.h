@@ -9,12 +9,14 @@
 // is one field here and one line in the table.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/kv_cache_dtype.h"
 
 namespace shardserve {
 
@@ -101,7 +103,7 @@ struct WorkerEnv {
   int threads = 1;
   std::string backend = "auto";  // cpu, cuda or auto (the rank checks)
   int64_t kv_cache_tokens = 8192;
-  std::string kv_cache_dtype = "auto";  // api/kv_cache_dtype.h
+  std::string kv_cache_dtype = "auto";  // api/kv_cache_dtype.h (KvCacheDtypeOf)
   int64_t max_sequence_length = 0;      // 0: the model's context
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
@@ -215,5 +217,10 @@ struct WorkerEnv {
 
   bool operator==(const WorkerEnv&) const = default;
 };
+
+// The KV cache's dtype a command runs: `flag` (its --kv-cache-dtype) where given, else the
+// contract's kv_cache_dtype (FromEnv checked it); an unknown name is refused naming the flag.
+absl::StatusOr<KvCacheDtype> KvCacheDtypeOf(const std::optional<std::string>& flag,
+                                            const WorkerEnv& env);
 
 }  // namespace shardserve

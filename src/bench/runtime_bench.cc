@@ -162,16 +162,11 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
   // How the weights compute and the KV cache keeps its values, as a rank reads them from the
   // worker contract (SHARDSERVE_FP8, SHARDSERVE_KV_CACHE_DTYPE), the flag first.
   ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
-  const std::string kv_name = a.GetOr("kv-cache-dtype", env.kv_cache_dtype);
-  const std::optional<KvCacheDtype> kv_dtype = ParseKvCacheDtype(kv_name);
-  if (!kv_dtype) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-dtype '", kv_name, "' must be ", kKvCacheDtypes));
-  }
+  ASSIGN_OR_RETURN(const KvCacheDtype kv_dtype, KvCacheDtypeOf(a.Get("kv-cache-dtype"), env));
   Transformer::Options o;
   o.num_threads = static_cast<int>(threads);
   o.fp8_blocks = env.fp8_blocks;
-  o.kv_cache_dtype = *kv_dtype;
+  o.kv_cache_dtype = kv_dtype;
   ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, o));
   const ModelConfig& c = model->config();
   const double H = c.hidden_size, V = c.vocab_size;

@@ -375,12 +375,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
 
   // The KV cache's dtype: the flag, else the worker contract's SHARDSERVE_KV_CACHE_DTYPE.
   ASSIGN_OR_RETURN(const WorkerEnv contract, WorkerEnv::FromEnv());
-  const std::string kv_name = a.GetOr("kv-cache-dtype", contract.kv_cache_dtype);
-  const std::optional<KvCacheDtype> kv_cache_dtype = ParseKvCacheDtype(kv_name);
-  if (!kv_cache_dtype) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-cache-dtype '", kv_name, "' must be ", kKvCacheDtypes));
-  }
+  ASSIGN_OR_RETURN(const KvCacheDtype kv_cache_dtype,
+                   KvCacheDtypeOf(a.Get("kv-cache-dtype"), contract));
   ASSIGN_OR_RETURN(int64_t tp, a.GetInt("tp", 1));
   ASSIGN_OR_RETURN(int64_t pp, a.GetInt("pp", 1));
   ASSIGN_OR_RETURN(int64_t microbatches, a.GetInt("microbatches", 0));
@@ -399,7 +395,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     Transformer::Options o;
     o.num_threads = static_cast<int>(threads);
     o.fp8_blocks = contract.fp8_blocks;
-    o.kv_cache_dtype = *kv_cache_dtype;
+    o.kv_cache_dtype = kv_cache_dtype;
     ASSIGN_OR_RETURN(model, Transformer::Load(dir, o));
   }
   ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::Load(dir));
@@ -420,7 +416,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
     ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
     ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank,
-                                        metrics_base, *kv_cache_dtype));
+                                        metrics_base, kv_cache_dtype));
   }
   const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);

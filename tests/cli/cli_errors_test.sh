@@ -169,6 +169,12 @@ printf 'items:\n- metadata: {name: n}\n  status: {allocatable: {nvidia.com/gpu: 
 expect_error "node n allocatable nvidia.com/gpu 'lots' is not a whole number" \
   "$BIN" plan -f "$EX/llama-70b.yaml" --nodes "$TMP/badnodes.yaml"
 
+# The KV cache's dtype: a bad name, from the flag or the worker contract.
+expect_error "--kv-cache-dtype 'int4' must be auto, f32, bf16, f16 or fp8" \
+  "$BIN" generate --model "$TMP/m" --prompt hi --max-tokens 2 --kv-cache-dtype int4
+expect_error "SHARDSERVE_KV_CACHE_DTYPE='fp4' must be auto, f32, bf16, f16 or fp8" \
+  env SHARDSERVE_KV_CACHE_DTYPE=fp4 "$BIN" generate --model "$TMP/m" --prompt hi --max-tokens 2
+
 # The backend of the ranks: a bad name, and CUDA where there is none (no GPU or no CUDA build).
 expect_error "SHARDSERVE_BACKEND 'tpu' must be cpu, cuda or auto" \
   env SHARDSERVE_BACKEND=tpu "$BIN" generate --model "$TMP/m" --prompt hi --max-tokens 2 --tp 2
