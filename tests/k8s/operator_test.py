@@ -418,14 +418,15 @@ try:
     # --- GPU memory: a stage that cannot fit is not placed; auto sizes choose what fits -----
     # Two 8-GPU nodes of 80 GB (nvidia.com/gpu.memory in MiB, as GPU feature discovery labels
     # them), tainted so that only this section's models go there. Llama-3-8B in BF16 (15 GiB) with
-    # a KV cache for 64 x 10240 positions (F32: 160 GiB over its 32 layers) fits no single GPU,
-    # nor two (80 GiB of cache each), but four.
+    # a KV cache for 64 x 10240 positions in F32 (kvCacheDtype; 160 GiB over its 32 layers, twice
+    # its BF16 default) fits no single GPU, nor two (80 GiB of cache each), but four.
     for i in range(2):
         c.add_gpu_node(f"mem-{i}", gpus=8, labels={"pool": "mem", "nvidia.com/gpu.memory": "81559"},
                        taints=[{"key": "pool", "value": "mem", "effect": "NoSchedule"}])
     mem_spec = {"worker": {"image": "shardserve/worker:1", "nodeSelector": {"pool": "mem"},
                            "tolerations": TOLERATE_KWOK + [{"key": "pool", "operator": "Exists"}]},
-                "serving": {"maxBatchSize": 64, "maxSequenceLength": 10240}}
+                "serving": {"maxBatchSize": 64, "maxSequenceLength": 10240,
+                            "kvCacheDtype": "f32"}}
     apply(model("toobig", tp=1, pp=1, **mem_spec))
     check(wait(lambda: condition("toobig", "Placed").get("status") == "False"),
           "a stage too big for its nodes' GPUs: Placed=False")

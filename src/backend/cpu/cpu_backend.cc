@@ -266,6 +266,7 @@ class CpuBackend : public Backend {
                          const int32_t* block_offset, int64_t max_len, float scale,
                          const AttentionExtras& extras, float* out) override {
     (void)max_len;
+    if (rows == 0 || heads == 0) return absl::OkStatus();
     const HostKv& kv = static_cast<const HostKv&>(storage);
     const int64_t hd = kv.head_dim, bs = kv.block_size, qd = heads * hd;
     const KvRows rows_of{kv.format.dtype, kv.format.KScale(layer), kv.format.VScale(layer)};
