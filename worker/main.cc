@@ -190,7 +190,12 @@ absl::Status RunOneRank(const WorkerEnv& env) {
         const auto t0 = std::chrono::steady_clock::now();
         EngineOptions o = ctx.engine;
         o.max_batch = std::max<int>(1, static_cast<int>(requests.size()));
-        ASSIGN_OR_RETURN(result.results, GenerateAll(ctx.executor, o, requests));
+        EngineObserver observer;
+        observer.speculation = [&result](int64_t drafted, int64_t accepted) {
+          result.drafted += drafted;
+          result.accepted += accepted;
+        };
+        ASSIGN_OR_RETURN(result.results, GenerateAll(ctx.executor, o, requests, observer));
         result.seconds =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return absl::OkStatus();

@@ -332,6 +332,11 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(serving.String("apiKeySecret", s.api_key_secret));
   RETURN_IF_ERROR(serving.String("specialTokensInContent", s.special_tokens_in_content));
   RETURN_IF_ERROR(serving.String("kvCacheDtype", s.kv_cache_dtype));
+  Fields speculative(serving.Get("speculative"), "spec.serving.speculative");
+  RETURN_IF_ERROR(speculative.CheckMap());
+  RETURN_IF_ERROR(speculative.String("method", s.speculative_method));
+  RETURN_IF_ERROR(speculative.Int("tokens", s.speculative_tokens));
+  RETURN_IF_ERROR(speculative.NoOthers());
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
   RETURN_IF_ERROR(serving.String("reasoningParser", s.reasoning_parser));
@@ -478,6 +483,8 @@ void ApplyServing(const ShardedModelSpec& spec, WorkerEnv& w) {
   w.max_sequence_length = spec.max_sequence_length;
   w.kv_cache_tokens = spec.kv_cache_tokens();
   w.kv_cache_dtype = spec.kv_cache_dtype;
+  w.speculative_method = spec.speculative_method;
+  w.speculative_tokens = static_cast<int>(spec.speculative_tokens);
   w.special_tokens_as_text = spec.special_tokens_in_content == "text";
   w.tool_call_parser = spec.tool_call_parser == "auto" ? "" : spec.tool_call_parser;
   w.reasoning_parser = spec.reasoning_parser == "auto"            ? ""
@@ -710,6 +717,16 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
   if (!ParseKvCacheDtype(s.kv_cache_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.kvCacheDtype '", s.kv_cache_dtype,
                                                    "' must be ", kKvCacheDtypes));
+  }
+  if (!ParseSpeculativeMethod(s.speculative_method)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.serving.speculative.method '",
+                                                   s.speculative_method, "' must be ",
+                                                   kSpeculativeMethods));
+  }
+  if (s.speculative_tokens < 1 || s.speculative_tokens > kMaxSpeculativeTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.serving.speculative.tokens must be between 1 and ",
+                     kMaxSpeculativeTokens, ", got ", s.speculative_tokens));
   }
   if (s.prefix_cache_isolation != "none" && s.prefix_cache_isolation != "perKey") {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.prefixCacheIsolation '",

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "api/speculative.h"
 #include "api/worker_env.h"
 
 namespace shardserve {
@@ -89,6 +90,9 @@ struct ShardedModelSpec {
   int64_t max_sequence_length = 4096;
   // spec.serving.kvCacheDtype (api/kv_cache_dtype.h): auto, f32, bf16, f16 or fp8.
   std::string kv_cache_dtype = "auto";
+  // spec.serving.speculative (api/speculative.h): method (none, ngram) and tokens a step.
+  std::string speculative_method = "none";
+  int64_t speculative_tokens = kDefaultSpeculativeTokens;
   // The Secret (in the model's namespace) whose entries are the API's bearer keys; "" = open.
   std::string api_key_secret;
   // How a chat message's special-token strings are tokenized: "special" (as control tokens, as

@@ -54,6 +54,7 @@ const StringVar kStrings[] = {
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
     {"SHARDSERVE_KV_CACHE_DTYPE", &WorkerEnv::kv_cache_dtype},
+    {"SHARDSERVE_SPECULATIVE_METHOD", &WorkerEnv::speculative_method},
     {"SHARDSERVE_LORA_ADAPTERS", &WorkerEnv::lora_adapters},
     {"SHARDSERVE_ADMIN_KEYS_FILE", &WorkerEnv::admin_keys_file},
     {"SHARDSERVE_LORA_ROOT", &WorkerEnv::lora_root},
@@ -84,6 +85,8 @@ const IntVar kInts[] = {
     {"SHARDSERVE_SLO_TTFT_MS", &WorkerEnv::slo_ttft_ms, 0, 86400000},
     {"SHARDSERVE_SLO_ITL_MS", &WorkerEnv::slo_itl_ms, 0, 86400000},
     {"SHARDSERVE_SLO_PERCENTILE", &WorkerEnv::slo_percentile, 1, 99},
+    {"SHARDSERVE_SPECULATIVE_TOKENS", &WorkerEnv::speculative_tokens, 1,
+     static_cast<int>(kMaxSpeculativeTokens)},
 };
 const Int64Var kInt64s[] = {
     {"SHARDSERVE_KV_CACHE_TOKENS", &WorkerEnv::kv_cache_tokens, 16, int64_t{1} << 40},
@@ -141,6 +144,11 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::kv_cache_dtype), "='",
                      w.kv_cache_dtype, "' must be ", kKvCacheDtypes));
+  }
+  if (!ParseSpeculativeMethod(w.speculative_method)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::speculative_method),
+                     "='", w.speculative_method, "' must be ", kSpeculativeMethods));
   }
   if (!w.kv_role.empty() && w.kv_role != "prefill" && w.kv_role != "decode") {
     return absl::InvalidArgumentError(

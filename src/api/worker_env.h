@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "api/kv_cache_dtype.h"
+#include "api/speculative.h"
 
 namespace shardserve {
 
@@ -104,7 +105,10 @@ struct WorkerEnv {
   std::string backend = "auto";  // cpu, cuda or auto (the rank checks)
   int64_t kv_cache_tokens = 8192;
   std::string kv_cache_dtype = "auto";  // api/kv_cache_dtype.h (KvCacheDtypeOf)
-  int64_t max_sequence_length = 0;      // 0: the model's context
+  // Speculative decoding (api/speculative.h): the method and the tokens drafted a step.
+  std::string speculative_method = "none";
+  int speculative_tokens = static_cast<int>(kDefaultSpeculativeTokens);
+  int64_t max_sequence_length = 0;  // 0: the model's context
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
   // The CUDA backend's decode kernels: the attention kernel forced (split, split-batched, heads;

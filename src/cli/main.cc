@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "api/kv_cache_dtype.h"
+#include "api/speculative.h"
 #include "api/worker_env.h"
 #include "bench/comm_bench.h"
 #include "bench/cuda_bench.h"  // its usage is listed in every build; it runs in CUDA ones
@@ -77,8 +78,11 @@ constexpr char kGenerateUsage[] =
     "--min-tokens N --logit-bias ID:BIAS,... --repetition-penalty X --frequency-penalty X\n"
     "--presence-penalty X (as the API's)\n"
     "--threads N --format text|json --tp T --pp P --microbatches M --batch N\n"
-    "--metrics-port-base PORT --kv-cache-dtype auto|f32|bf16|f16|fp8]\n"
-    "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP)";
+    "--metrics-port-base PORT --kv-cache-dtype auto|f32|bf16|f16|fp8\n"
+    "--speculative none|ngram --speculative-tokens K]\n"
+    "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP;\n"
+    "--speculative: decode steps draft up to K tokens (4) that the model verifies, through the\n"
+    "rank runtime even at one rank)";
 
 constexpr char kGenAdapterUsage[] =
     "--model DIR --out DIR [--rank N --alpha N --seed N]\n"
@@ -252,12 +256,14 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
 struct Generated {
   GenerationResult result;
   double seconds = 0;
+  int64_t drafted = 0, accepted = 0;  // speculative decoding's tokens
 };
 
 absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const GenerationRequest& req,
                                           int64_t batch, int64_t tp, int64_t pp,
                                           int64_t microbatches, int threads,
-                                          int64_t metrics_port_base, KvCacheDtype kv_cache_dtype) {
+                                          int64_t metrics_port_base, KvCacheDtype kv_cache_dtype,
+                                          const SpeculativeConfig& speculative) {
   ASSIGN_OR_RETURN(const int port, ChooseFreePort("127.0.0.1"));  // the rendezvous port
   const std::string job = absl::StrCat("gen-", getpid());
   const std::string result_path =
@@ -280,6 +286,8 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
     w.microbatches = static_cast<int>(microbatches);
     w.threads = static_cast<int>(threads);
     w.kv_cache_dtype = KvCacheDtypeName(kv_cache_dtype);
+    w.speculative_method = SpeculativeMethodName(speculative.method);
+    w.speculative_tokens = static_cast<int>(speculative.tokens);
     w.job_id = job;
     w.request = request;
     w.result_file = result_path;
@@ -298,7 +306,8 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   std::filesystem::remove(result_path);
   ASSIGN_OR_RETURN(GenerateOutcome outcome,
                    DecodeGenerateOutcome(nlohmann::json::parse(text, nullptr, false)));
-  return Generated{std::move(outcome.results[0]), outcome.seconds};
+  return Generated{std::move(outcome.results[0]), outcome.seconds, outcome.drafted,
+                   outcome.accepted};
 }
 
 absl::Status Generate(const std::vector<std::string>& argv) {
@@ -325,7 +334,9 @@ absl::Status Generate(const std::vector<std::string>& argv) {
                                         "repetition-penalty",
                                         "frequency-penalty",
                                         "presence-penalty",
-                                        "kv-cache-dtype"},
+                                        "kv-cache-dtype",
+                                        "speculative",
+                                        "speculative-tokens"},
                                        {"ignore-eos"}, "shardserve generate", kGenerateUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
@@ -377,6 +388,20 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(const WorkerEnv contract, WorkerEnv::FromEnv());
   ASSIGN_OR_RETURN(const KvCacheDtype kv_cache_dtype,
                    KvCacheDtypeOf(a.Get("kv-cache-dtype"), contract));
+  SpeculativeConfig speculative;
+  if (a.Has("speculative")) {
+    const std::optional<SpeculativeMethod> m = ParseSpeculativeMethod(*a.Get("speculative"));
+    if (!m) {
+      return absl::InvalidArgumentError(absl::StrCat("--speculative '", *a.Get("speculative"),
+                                                     "' must be ", kSpeculativeMethods));
+    }
+    speculative.method = *m;
+  }
+  ASSIGN_OR_RETURN(speculative.tokens, a.GetInt("speculative-tokens", kDefaultSpeculativeTokens));
+  if (speculative.tokens < 1 || speculative.tokens > kMaxSpeculativeTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--speculative-tokens must be between 1 and ", kMaxSpeculativeTokens));
+  }
   ASSIGN_OR_RETURN(int64_t tp, a.GetInt("tp", 1));
   ASSIGN_OR_RETURN(int64_t pp, a.GetInt("pp", 1));
   ASSIGN_OR_RETURN(int64_t microbatches, a.GetInt("microbatches", 0));
@@ -386,8 +411,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   // One rank on the CPU runs in this process; a backend named in SHARDSERVE_BACKEND (other than
   // cpu) goes through the rank runtime, which picks it.
   const char* backend = std::getenv(kBackendEnv);
-  const bool in_process =
-      tp * pp == 1 && (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
+  const bool in_process = tp * pp == 1 && !speculative.enabled() &&
+                          (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
   std::unique_ptr<Transformer> model;
   if (in_process) {  // load first: a bad directory is reported as the model's problem
     // The worker contract's settings for how weights compute (SHARDSERVE_FP8), as a rank reads
@@ -416,7 +441,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
     ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
     ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank,
-                                        metrics_base, kv_cache_dtype));
+                                        metrics_base, kv_cache_dtype, speculative));
   }
   const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);
@@ -440,6 +465,12 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     tops.push_back(alts);
   }
   out["top_logprobs"] = tops;
+  if (speculative.enabled()) {
+    out["speculation"] = {{"method", SpeculativeMethodName(speculative.method)},
+                          {"tokens", speculative.tokens},
+                          {"drafted", g.drafted},
+                          {"accepted", g.accepted}};
+  }
   std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   return absl::OkStatus();
 }

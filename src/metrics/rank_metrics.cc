@@ -273,6 +273,21 @@ LeaderMetrics::LeaderMetrics(std::shared_ptr<prometheus::Registry> registry,
                      .Help("Prompt tokens found in the prefix cache (their prefill skipped)")
                      .Register(r)
                      .Add(labels_);
+  spec_drafts_ = &prometheus::BuildCounter()
+                      .Name("shardserve_spec_decode_drafts_total")
+                      .Help("Speculative decoding: decode steps of a sequence that drafted tokens")
+                      .Register(r)
+                      .Add(labels_);
+  spec_drafted_ = &prometheus::BuildCounter()
+                       .Name("shardserve_spec_decode_draft_tokens_total")
+                       .Help("Speculative decoding: tokens drafted for the model to verify")
+                       .Register(r)
+                       .Add(labels_);
+  spec_accepted_ = &prometheus::BuildCounter()
+                        .Name("shardserve_spec_decode_accepted_tokens_total")
+                        .Help("Speculative decoding: drafted tokens the verification kept")
+                        .Register(r)
+                        .Add(labels_);
   auto& blocks = prometheus::BuildGauge()
                      .Name("shardserve_prefix_cache_blocks")
                      .Help(
@@ -349,6 +364,12 @@ void LeaderMetrics::ObserveKvTransfer(double seconds, int64_t bytes, bool pulled
 void LeaderMetrics::CountPrefixLookup(int64_t queried, int64_t hit) {
   prefix_queried_->Increment(static_cast<double>(queried));
   prefix_hit_->Increment(static_cast<double>(hit));
+}
+
+void LeaderMetrics::CountSpeculation(int64_t drafted, int64_t accepted) {
+  spec_drafts_->Increment();
+  spec_drafted_->Increment(static_cast<double>(drafted));
+  spec_accepted_->Increment(static_cast<double>(accepted));
 }
 
 void LeaderMetrics::SetCacheBlocks(int64_t used, int64_t cached) {

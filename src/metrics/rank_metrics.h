@@ -80,6 +80,8 @@ class LeaderMetrics {
   void AddGenerated(double tokens);
   void ObserveGrammarMask(double seconds);
   void CountPrefixLookup(int64_t queried, int64_t hit);
+  // Speculative decoding: one sequence's decode step drafted `drafted` tokens, `accepted` kept.
+  void CountSpeculation(int64_t drafted, int64_t accepted);
   void SetCacheBlocks(int64_t used, int64_t cached);
   // Disaggregated decode: a prompt's KV taken from a prefill replica (pulled), or not (failed:
   // prefilled here), its bytes over every rank and its seconds.
@@ -104,6 +106,7 @@ class LeaderMetrics {
   prometheus::Counter* generated_;
   prometheus::Histogram* grammar_mask_;
   prometheus::Counter *prefix_queried_, *prefix_hit_;
+  prometheus::Counter *spec_drafts_, *spec_drafted_, *spec_accepted_;
   prometheus::Gauge *blocks_used_, *blocks_cached_;
   prometheus::Histogram* kv_transfer_seconds_;
   prometheus::Gauge *running_, *queued_prompt_tokens_;

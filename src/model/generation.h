@@ -56,6 +56,8 @@ struct GenerationRequest {
   // past their draws, its constraint past them; they count toward max_tokens and the penalties
   // and are not produced again. Empty: a new sequence.
   std::vector<int32_t> resumed;
+  // Speculative decoding (EngineOptions::speculative): false opts the request out.
+  bool speculative = true;
 };
 
 struct GenerationResult {

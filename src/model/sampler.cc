@@ -133,4 +133,64 @@ SampledToken Sampler::Sample(const float* logits, int64_t vocab) {
   return out;
 }
 
+std::vector<SampledToken> Sampler::Verify(const float* rows, int64_t vocab,
+                                          const std::vector<int32_t>& drafts,
+                                          const std::vector<std::vector<uint32_t>>& masks) {
+  const int64_t k = static_cast<int64_t>(drafts.size());
+  const int64_t K = std::min(params_.top_logprobs, vocab);
+  std::vector<SampledToken> out;
+  std::vector<int32_t> top_ids(K);
+  std::vector<float> top_lps(K), row;
+  for (int64_t i = 0; i <= k; ++i) {
+    const float* raw = rows + i * vocab;
+    int32_t best;
+    float best_lp;
+    cpu::SampleRow(raw, vocab, SampleSpec{}, K, &best, &best_lp, top_ids.data(), top_lps.data());
+    const float log_z = raw[best] - best_lp;
+    allowed_ = static_cast<size_t>(i) < masks.size() ? masks[i] : std::vector<uint32_t>();
+    const float* choice = raw;
+    if (ProcessesLogits()) {
+      row.assign(raw, raw + vocab);
+      Process(row.data(), vocab);
+      choice = row.data();
+    }
+    allowed_.clear();
+    const int32_t draft = i < k ? drafts[i] : -1;
+    int32_t token = draft;
+    if (params_.temperature == 0.0f) {
+      const auto argmax = static_cast<int32_t>(std::max_element(choice, choice + vocab) - choice);
+      token = argmax;
+    } else {
+      const SampleSpec spec = NextSpec();
+      const cpu::Distribution d = cpu::DistributionOf(choice, vocab, spec);
+      double w_draft = 0;
+      for (size_t j = 0; j < d.ids.size(); ++j) {
+        if (d.ids[j] == draft) w_draft = d.weights[j];
+      }
+      const double p_draft = w_draft / d.total;
+      if (draft < 0 || spec.u >= p_draft) {
+        // Refused (or the last row): the draw, rescaled onto what refusal leaves, chooses among
+        // the other ids by their weights.
+        const double u = draft < 0 ? spec.u : (spec.u - p_draft) / (1.0 - p_draft);
+        const double target = u * (d.total - w_draft);
+        double cum = 0;
+        token = -1;
+        for (size_t j = 0; j < d.ids.size(); ++j) {
+          if (d.ids[j] == draft) continue;
+          token = d.ids[j];  // the last other id where rounding leaves the sum short
+          cum += d.weights[j];
+          if (target < cum) break;
+        }
+        if (token < 0) token = draft;  // the draft is the only id kept: it cannot be refused
+      }
+    }
+    SampledToken t{token, raw[token] - log_z, {}};
+    for (int64_t j = 0; j < K; ++j) t.top.push_back({top_ids[j], top_lps[j]});
+    out.push_back(std::move(t));
+    if (token != draft) break;
+    Observe(&token, 1);
+  }
+  return out;
+}
+
 }  // namespace shardserve

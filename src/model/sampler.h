@@ -78,6 +78,20 @@ class Sampler {
   // The next token from the model's logits: processed (when the parameters ask) and chosen, with
   // the log-probabilities of the unprocessed row.
   SampledToken Sample(const float* logits, int64_t vocab);
+  // Speculative decoding's verification. `rows`: drafts.size() + 1 rows of the model's logits,
+  // row i read after the tokens Observe saw and drafts[0, i). The drafts are checked in order by
+  // rejection sampling against a proposal that chose them deterministically (n-gram lookup, a
+  // draft model's greedy token): drafts[i] is kept with the probability the choice (processed,
+  // at the temperature, top_k, top_p) gives it, at temperature 0 when it is the greedy token;
+  // the first refused is replaced by a token drawn from the choice without it, renormalized;
+  // with every draft kept, the last row adds one token. So the tokens keep exactly the
+  // distribution Sample gives, one draw a token as Sample's (the draw of a refusal, rescaled,
+  // chooses the replacement). Kept drafts are observed (the penalties'). `masks`: the allowed
+  // set of each row (structured output), or none. Returns the kept drafts and the last token,
+  // with the unprocessed rows' log-probabilities.
+  std::vector<SampledToken> Verify(const float* rows, int64_t vocab,
+                                   const std::vector<int32_t>& drafts,
+                                   const std::vector<std::vector<uint32_t>>& masks = {});
   const SamplingParams& params() const { return params_; }
   // The parameters and the draw the next Sample would use (one draw per sampled token at
   // temperature > 0; none when greedy), for a backend that samples with this sequence's stream

@@ -79,6 +79,10 @@ absl::StatusOr<BatchLayout> Transformer::PrepareBatch(std::vector<SequenceChunk>
     if (ch.tokens.empty() || ch.kv == nullptr) {
       return absl::InvalidArgumentError("every sequence chunk needs at least one token");
     }
+    if (ch.logit_rows < 1 || ch.logit_rows > static_cast<int64_t>(ch.tokens.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a chunk of ", ch.tokens.size(), " tokens asks for ", ch.logit_rows, " rows of logits"));
+    }
     const int64_t end = ch.kv->length + static_cast<int64_t>(ch.tokens.size());
     if (end > c.max_context) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -121,7 +125,9 @@ absl::StatusOr<BatchLayout> Transformer::PrepareBatch(std::vector<SequenceChunk>
       b.block_offset.push_back(offset);
     }
     b.max_len = std::max<int64_t>(b.max_len, b.positions.back() + 1);
-    b.last_row.push_back(static_cast<int32_t>(b.ids.size()) - 1);
+    for (int64_t r = ch.logit_rows; r >= 1; --r) {
+      b.last_row.push_back(static_cast<int32_t>(static_cast<int64_t>(b.ids.size()) - r));
+    }
   }
   return b;
 }
@@ -145,7 +151,7 @@ absl::Status Transformer::ReceiveHidden(Communicator& link, int peer, int64_t ro
 absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache) {
   Backend& be = *backend_;
   Buffers& m = buf_;
-  rows_ = seqs_ = 0;
+  rows_ = logit_rows_ = 0;
   const int64_t input_rows = std::exchange(input_rows_, -1);
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, hd = c.head_dim;
@@ -211,10 +217,10 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   }
   for (SequenceChunk& ch : chunks) ch.kv->length += static_cast<int64_t>(ch.tokens.size());
   rows_ = rows;
-  seqs_ = static_cast<int64_t>(chunks.size());
+  logit_rows_ = static_cast<int64_t>(batch.last_row.size());
   if (!last_stage()) return absl::OkStatus();
-  // Vocab-parallel LM head on each sequence's last row: this rank's slice of the logits.
-  const int64_t S = seqs_;
+  // Vocab-parallel LM head on the logit rows: this rank's slice of the logits.
+  const int64_t S = logit_rows_;
   RETURN_IF_ERROR(Put(*m.last, batch.last_row));
   RETURN_IF_ERROR(m.in->Reserve(static_cast<size_t>(S * H) * sizeof(float)));
   RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), S, Ptr<float>(m.in)));
@@ -424,18 +430,18 @@ absl::Status Transformer::SendHidden(Communicator& link, int peer) {
 
 absl::Status Transformer::LogitsToHost(std::vector<float>& out) {
   const int64_t N = lm_head_.rows, ld = logits_stride();
-  out.assign(seqs_ * ld, 0.0f);
+  out.assign(logit_rows_ * ld, 0.0f);
   return backend_->Copy2D(out.data(), ld * sizeof(float), buf_.logits->data(), N * sizeof(float),
-                          N * sizeof(float), seqs_);
+                          N * sizeof(float), logit_rows_);
 }
 
 absl::StatusOr<std::vector<SampledToken>> Transformer::Greedy(int64_t top_logprobs,
                                                               Communicator* tp_group) {
   const int64_t N = lm_head_.rows;
-  std::vector<float> mine(seqs_ * SummaryWidth(top_logprobs));
-  RETURN_IF_ERROR(backend_->VocabSummaries(Ptr<float>(buf_.logits), seqs_, N, N, vocab_begin_,
+  std::vector<float> mine(logit_rows_ * SummaryWidth(top_logprobs));
+  RETURN_IF_ERROR(backend_->VocabSummaries(Ptr<float>(buf_.logits), logit_rows_, N, N, vocab_begin_,
                                            SummaryCandidates(top_logprobs), mine.data()));
-  return GreedyFromSummaries(mine, seqs_, top_logprobs, tp_group);
+  return GreedyFromSummaries(mine, logit_rows_, top_logprobs, tp_group);
 }
 
 absl::StatusOr<std::vector<SampledToken>> Transformer::Score(const std::vector<int32_t>& rows,
@@ -494,7 +500,7 @@ absl::StatusOr<const float*> Transformer::FullLogits() {
   Buffers& m = buf_;
   if (options_.tp_size == 1) return Ptr<float>(m.logits);  // the slice is the vocabulary
   // Every rank's slice, padded to the stride, to every rank; then the rows of the vocabulary.
-  const int64_t S = seqs_, V = config_.vocab_size, N = lm_head_.rows;
+  const int64_t S = logit_rows_, V = config_.vocab_size, N = lm_head_.rows;
   const int64_t T = options_.tp_size, ld = logits_stride();
   const size_t slice = static_cast<size_t>(S * ld) * sizeof(float);
   RETURN_IF_ERROR(m.padded->Reserve(slice));
@@ -517,7 +523,7 @@ absl::StatusOr<std::vector<SampledToken>> Transformer::Sample(const std::vector<
                                                               int64_t top_logprobs) {
   ASSIGN_OR_RETURN(const float* logits, FullLogits());
   if (samplers.empty()) return std::vector<SampledToken>();
-  const int64_t S = seqs_, V = config_.vocab_size;
+  const int64_t S = logit_rows_, V = config_.vocab_size;
   if (static_cast<int64_t>(samplers.size()) != S) {
     return absl::InvalidArgumentError(
         absl::StrCat(samplers.size(), " generators for ", S, " sequences"));
@@ -575,7 +581,7 @@ absl::Status Transformer::Forward(std::vector<SequenceChunk>& chunks, KvCache& c
 
 absl::Status Transformer::GatherLogits(std::vector<float>& logits) {
   ASSIGN_OR_RETURN(const float* full, FullLogits());
-  logits.resize(seqs_ * config_.vocab_size);
+  logits.resize(logit_rows_ * config_.vocab_size);
   return backend_->CopyToHost(logits.data(), full, logits.size() * sizeof(float));
 }
 

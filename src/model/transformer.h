@@ -64,11 +64,15 @@ struct SequenceChunk {
   std::vector<int32_t> tokens;  // new tokens of this sequence
   SequenceKv* kv = nullptr;     // positions [kv->length, kv->length + tokens.size()) are new
   int32_t lora_slot = -1;       // the LoRA adapter its rows run (Transformer::LoadLora); -1: none
+  // The chunk's last rows whose logits the last stage computes, in order (speculative decoding
+  // verifies drafted tokens on 1 + drafts rows); at least 1, at most tokens.size().
+  int64_t logit_rows = 1;
 };
 
 // A batch of chunks, validated and with its cache blocks reserved, laid out for the backend's
 // ops: each new token (row) has its id, its position and the offset of its sequence's block table
-// in `blocks`; each chunk's last row; max_len bounds every row's position + 1.
+// in `blocks`; the rows whose logits are computed (each chunk's last logit_rows), in order;
+// max_len bounds every row's position + 1.
 struct BatchLayout {
   int64_t rows = 0, max_len = 0;
   std::vector<int32_t> ids, positions, blocks, block_offset, last_row;
@@ -136,11 +140,12 @@ class Transformer {
   // `peer` of `link`.
   absl::Status HiddenToHost(std::vector<float>& out);
   absl::Status SendHidden(Communicator& link, int peer);
-  // After Run on the last stage: this rank's vocab-parallel slice of each sequence's logits:
-  // chunks.size() rows of logits_stride() floats whose first vocab_end() - vocab_begin() are ids
+  // After Run on the last stage: this rank's vocab-parallel slice of the logits of the chunks'
+  // logit rows (SequenceChunk::logit_rows, one a chunk unless asked): logit_rows() rows of
+  // logits_stride() floats whose first vocab_end() - vocab_begin() are ids
   // [vocab_begin(), vocab_end()).
   absl::Status LogitsToHost(std::vector<float>& out);
-  // After Run on the last stage, every rank of the TP group: each sequence's greedy token, its
+  // After Run on the last stage, every rank of the TP group: each logit row's greedy token, its
   // log-probability and top_logprobs alternatives. tp_group exchanges the summaries (host
   // pointers; null for one rank).
   absl::StatusOr<std::vector<SampledToken>> Greedy(int64_t top_logprobs, Communicator* tp_group);
@@ -155,13 +160,13 @@ class Transformer {
   // After Run on the last stage, every rank of the TP group (the logits are gathered over the TP
   // communicator, so that a seed gives the same tokens at every TP size): on the rank that holds
   // the sequences' generators (samplers[s], null for a sequence not sampled now) each sequence's
-  // token sampled with its parameters and generator, as Sampler::Sample would; other ranks pass
-  // an empty vector and get one back.
+  // token sampled with its parameters and generator, as Sampler::Sample would (a chunk of one
+  // logit row each); other ranks pass an empty vector and get one back.
   absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
                                                    int64_t top_logprobs);
 
-  // After Run on the last stage, every rank of the TP group: each sequence's full logits
-  // (seqs x vocab_size, host), gathered over the TP communicator; identical on every rank.
+  // After Run on the last stage, every rank of the TP group: the full logits of each logit row
+  // (logit_rows() x vocab_size, host), gathered over the TP communicator; identical on every rank.
   absl::Status GatherLogits(std::vector<float>& logits);
   // Run on host memory: `hidden_in` is a later stage's input; `out` gets LogitsToHost's or
   // HiddenToHost's output.
@@ -170,6 +175,7 @@ class Transformer {
   // Run, then GatherLogits: a whole model (first and last stage).
   absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
                        std::vector<float>& logits);
+  int64_t logit_rows() const { return logit_rows_; }  // of the last Run
   int64_t vocab_begin() const { return vocab_begin_; }
   int64_t vocab_end() const { return vocab_end_; }
   int64_t logits_stride() const {
@@ -333,7 +339,8 @@ class Transformer {
   absl::Status Moe(const Layer& L, int64_t rows);
   absl::Status SharedExperts(const Layer& L, int64_t rows);
   absl::Status MoeGrouped(const Layer& L, int64_t rows);
-  // The last Run's full logits (seqs x vocab_size) in backend memory, gathered over the TP group.
+  // The last Run's full logits (logit_rows_ x vocab_size) in backend memory, gathered over the TP
+  // group.
   absl::StatusOr<const float*> FullLogits();
 
   ModelConfig config_;
@@ -362,9 +369,9 @@ class Transformer {
   std::vector<std::shared_ptr<const Buffer>> lora_mem_;  // shared with the PreparedLora
   bool lora_batch_ = false;
   Buffers buf_;
-  // The last Run: its rows and sequences (the rows of `logits` on the last stage); the rows of
+  // The last Run: its rows and logit rows (the rows of `logits` on the last stage); the rows of
   // the input in x (-1: none given).
-  int64_t rows_ = 0, seqs_ = 0, input_rows_ = -1;
+  int64_t rows_ = 0, logit_rows_ = 0, input_rows_ = -1;
 };
 
 }  // namespace shardserve

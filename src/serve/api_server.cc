@@ -497,6 +497,9 @@ EngineObserver ApiServer::Observer() {
   o.generated = [m](int64_t n) { m->AddGenerated(static_cast<double>(n)); };
   o.grammar_mask = [m](double s) { m->ObserveGrammarMask(s); };
   o.prefix_lookup = [m](int64_t queried, int64_t hit) { m->CountPrefixLookup(queried, hit); };
+  o.speculation = [m](int64_t drafted, int64_t accepted) {
+    m->CountSpeculation(drafted, accepted);
+  };
   o.cache_blocks = [m](int64_t used, int64_t cached) { m->SetCacheBlocks(used, cached); };
   o.kv_import = [m](double seconds, int64_t bytes, const absl::Status& transfer) {
     m->ObserveKvTransfer(seconds, bytes, transfer.ok());

@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "serve/grammar_workers.h"
+#include "serve/speculative.h"
 
 namespace shardserve {
 
@@ -69,7 +70,10 @@ struct Engine::Sequence {
   std::shared_ptr<MaskJob> mask;  // with a constraint
   std::shared_ptr<RequestStream> stream = std::make_shared<RequestStream>();
   std::vector<int32_t> generated;
-  int64_t fed = 0;               // positions in the replica's KV cache
+  int64_t fed = 0;  // positions in the replica's KV cache
+  // Speculative decoding: the drafts of its step in flight, and the cache positions its next
+  // chunk rewinds (the drafts refused).
+  int64_t drafted = 0, rewind = 0;
   std::vector<int32_t> table;    // the blocks those positions (and the ones being fed) hold
   std::vector<BlockHash> names;  // of its full blocks, as far as they are named
   int64_t registered = 0;        // table's first blocks offered to the prefix cache
@@ -446,6 +450,7 @@ void Engine::ReleaseBlocks(Sequence* s) {
   s->table.clear();
   s->registered = 0;
   s->fed = 0;
+  s->drafted = s->rewind = 0;
   s->started = false;
 }
 
@@ -719,9 +724,15 @@ StepDesc Engine::BuildStep(int mb) {
         !TakeMask(s, mask_until, &allowed)) {
       continue;
     }
+    // A decode step may carry drafts, positions after its token (serve/speculative.h).
+    std::vector<int32_t> drafts;
+    if (n == 1 && s->fed + 1 == s->total()) drafts = Drafts(s);
+    if (static_cast<int64_t>(drafts.size()) > budget - n)
+      drafts.resize(std::max<int64_t>(0, budget - n));
+    const int64_t d = static_cast<int64_t>(drafts.size());
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
-    while (blocks_for(s->fed + n) - static_cast<int64_t>(s->table.size()) > pool_.available()) {
+    while (blocks_for(s->fed + n + d) - static_cast<int64_t>(s->table.size()) > pool_.available()) {
       Sequence* v = victim(s);
       if (v == nullptr) {
         fits = false;
@@ -734,11 +745,14 @@ StepDesc Engine::BuildStep(int mb) {
       Preempt(s);
       continue;
     }
-    budget -= n;
+    budget -= n + d;
     StepChunk chunk;
     chunk.seq = s->id;
-    chunk.tokens.reserve(n);
+    chunk.tokens.reserve(n + d);
     for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
+    chunk.tokens.insert(chunk.tokens.end(), drafts.begin(), drafts.end());
+    chunk.drafts = s->drafted = d;
+    chunk.rewind = std::exchange(s->rewind, 0);
     chunk.sample = s->fed + n == s->total();
     chunk.lora_slot = s->lora_slot;
     chunk.allowed = std::move(allowed);
@@ -765,7 +779,7 @@ StepDesc Engine::BuildStep(int mb) {
       s->started = true;
     }
     s->fed += n;
-    while (static_cast<int64_t>(s->table.size()) < blocks_for(s->fed)) {
+    while (static_cast<int64_t>(s->table.size()) < blocks_for(s->fed + d)) {
       chunk.blocks.push_back(pool_.Allocate());
       s->table.push_back(chunk.blocks.back());
     }
@@ -796,13 +810,31 @@ void Engine::Accept(const StepResult& result) {
     if (it != batch.seqs.end()) (*it)->stream->PushPrompt({t.token, t.logprob, t.top});
   }
   const auto now = Clock::now();
+  // A sequence that drafted gets its kept drafts and one token more: its tokens here, those
+  // taken so far, and the drafts kept.
+  struct Got {
+    int64_t count = 0, taken = 0, kept = 0;
+  };
+  absl::flat_hash_map<int64_t, Got> got;
+  for (const StepToken& t : result.tokens) ++got[t.seq].count;
   for (const StepToken& t : result.tokens) {
     auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
                            [&](Sequence* s) { return s->id == t.seq; });
     if (it == batch.seqs.end()) continue;
     Sequence* s = *it;
     if (s->stream->cancelled()) continue;  // retired when its micro-batch is next built
+    Got& g = got[t.seq];
+    if (g.taken++ == 0 && s->drafted > 0) {
+      g.kept = std::min(g.count - 1, s->drafted);
+      s->rewind = s->drafted - g.kept;
+      if (observer_.speculation) observer_.speculation(s->drafted, g.kept);
+      s->drafted = 0;
+    }
     s->generated.push_back(t.token);
+    if (g.taken <= g.kept) {  // a kept draft: its position's KV is written
+      ++s->fed;
+      RegisterBlocks(s);
+    }
     s->stream->Push({t.token, t.logprob, t.top});
     if (s->generated.size() == 1) {
       if (observer_.first_token) {
@@ -823,6 +855,18 @@ void Engine::Accept(const StepResult& result) {
       StartMask(s, {t.token});
     }
   }
+}
+
+std::vector<int32_t> Engine::Drafts(const Sequence* s) const {
+  const SpeculativeConfig& spec = options_.speculative;
+  if (!spec.enabled() || !s->request.speculative || s->request.constraint != nullptr || s->offer) {
+    return {};
+  }
+  // Every draft kept and one token more stays within max_tokens and the context.
+  const int64_t k = std::min(
+      {spec.tokens, s->request.params.max_tokens - static_cast<int64_t>(s->generated.size()) - 1,
+       options_.max_context - s->total() - 1});
+  return NgramDrafts(s->request.prompt_ids, s->generated, spec, k);
 }
 
 std::string Engine::EndReason(const Sequence* s, int32_t token) const {
@@ -1097,10 +1141,11 @@ absl::Status Engine::Run() {
 }
 
 absl::StatusOr<std::vector<GenerationResult>> GenerateAll(
-    StepExecutor* executor, EngineOptions options, const std::vector<GenerationRequest>& requests) {
+    StepExecutor* executor, EngineOptions options, const std::vector<GenerationRequest>& requests,
+    EngineObserver observer) {
   options.max_queue = std::max<int>(options.max_queue, static_cast<int>(requests.size()));
   options.exit_when_idle = true;
-  Engine engine(executor, options);
+  Engine engine(executor, options, std::move(observer));
   std::vector<std::shared_ptr<RequestStream>> streams;
   for (size_t i = 0; i < requests.size(); ++i) {
     auto stream = engine.Submit(requests[i]);

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "api/adapters.h"
+#include "api/speculative.h"
 #include "api/worker_env.h"
 #include "model/generation.h"
 #include "serve/adapter_registry.h"
@@ -52,6 +53,8 @@ struct EngineObserver {
   std::function<void(int64_t used, int64_t cached)> cache_blocks;
   // Names of KV blocks that became cached or were evicted, in order (serve/kv_events.h).
   std::function<void(const std::vector<KvEvent>&)> kv_events;
+  // Speculative decoding: a decode step's drafted tokens and those the verification kept.
+  std::function<void(int64_t drafted, int64_t accepted)> speculation;
   // Disaggregated decode: a prompt's KV taken from a prefill replica (its duration; an error:
   // the sequence was prefilled here instead).
   std::function<void(double seconds, int64_t bytes, const absl::Status& transfer)> kv_import;
@@ -92,6 +95,9 @@ struct EngineOptions {
   int lora_slots = 0;
   int max_adapters = 16;  // kept at once, declared and loaded (SHARDSERVE_MAX_CPU_LORAS)
   std::vector<AdapterRef> adapters;
+  // Speculative decoding (serve/speculative.h): each decode step of a sequence that has not opted
+  // out (GenerationRequest::speculative) and has no constraint drafts up to speculative.tokens.
+  SpeculativeConfig speculative;
   // Disaggregated prefill: how long an exported sequence's KV stays offered (and its blocks
   // held) unless released sooner (Engine::ReleaseOffer).
   std::chrono::milliseconds kv_offer_hold{30000};
@@ -235,6 +241,8 @@ class Engine {
   void Accept(const StepResult& result);
   // The cache's figures and events after the pool changed.
   void ReportCache();
+  // The tokens s's next decode step drafts (none when it does not speculate).
+  std::vector<int32_t> Drafts(const Sequence* s) const;
   // Why s ends after taking `token` ("stop", "length"), or "" when it goes on.
   std::string EndReason(const Sequence* s, int32_t token) const;
   // Offers that were released or have expired: their blocks are freed.
@@ -307,6 +315,7 @@ class Engine {
 // Runs `requests` to completion as one batch on the replica behind `executor` (the one-shot
 // path of `shardserve generate`), with `options` sized to hold them all.
 absl::StatusOr<std::vector<GenerationResult>> GenerateAll(
-    StepExecutor* executor, EngineOptions options, const std::vector<GenerationRequest>& requests);
+    StepExecutor* executor, EngineOptions options, const std::vector<GenerationRequest>& requests,
+    EngineObserver observer = {});
 
 }  // namespace shardserve

@@ -67,7 +67,10 @@ json EncodeGenerateOutcome(const GenerateOutcome& outcome) {
                        {"top_logprobs", top},
                        {"finish_reason", r.finish_reason}});
   }
-  return {{"results", results}, {"seconds", outcome.seconds}};
+  return {{"results", results},
+          {"seconds", outcome.seconds},
+          {"drafted", outcome.drafted},
+          {"accepted", outcome.accepted}};
 }
 
 absl::StatusOr<GenerateOutcome> DecodeGenerateOutcome(const json& m) {
@@ -75,6 +78,8 @@ absl::StatusOr<GenerateOutcome> DecodeGenerateOutcome(const json& m) {
   absl::Status s = [&]() -> absl::Status {
     if (!m.is_object()) return absl::DataLossError("not a JSON object");
     ASSIGN_OR_RETURN(out.seconds, JsonNumber(m, "seconds"));
+    ASSIGN_OR_RETURN(out.drafted, JsonInt(m, "drafted", 0, kMaxInt64));
+    ASSIGN_OR_RETURN(out.accepted, JsonInt(m, "accepted", 0, out.drafted));
     ASSIGN_OR_RETURN(const json* results, JsonArray(m, "results"));
     for (const json& j : *results) {
       if (!j.is_object()) return absl::DataLossError("a result is not an object");

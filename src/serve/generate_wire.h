@@ -22,6 +22,8 @@ struct GenerateRun {
 struct GenerateOutcome {
   std::vector<GenerationResult> results;
   double seconds = 0;
+  // Speculative decoding: tokens drafted and kept, over the run.
+  int64_t drafted = 0, accepted = 0;
 };
 
 nlohmann::json EncodeGenerateRun(const GenerateRun& run);

@@ -815,6 +815,8 @@ absl::StatusOr<ApiRequest> ParseApiRequest(const json& body, bool chat) {
     }
     r.kv_transfer = nlohmann::json::parse(it->dump());
   }
+  ASSIGN_OR_RETURN(auto speculative, Boolean(body, "speculative"));
+  if (speculative) r.speculative = *speculative;
   if (auto it = body.find("priority"); it != body.end() && !it->is_null()) {
     if (!it->is_number_integer() || std::llabs(it->get<int64_t>()) > kMaxPriority) {
       return BadParam("priority", absl::StrCat("'priority' must be an integer in [-", kMaxPriority,

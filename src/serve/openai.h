@@ -74,6 +74,7 @@ struct ApiRequest {
   std::optional<Grammar> grammar;  // structured output: the rule the output follows
   std::string grammar_param;       // the field that gave it
   std::string cache_salt;          // vLLM's: salts the prompt's KV block names (may be empty)
+  bool speculative = true;         // false: no speculative decoding (the replica's) for it
   // The LoRA adapter `model` names (the server sets it: its id and name); -1: the base.
   int64_t adapter = -1;
   std::string adapter_name, adapter_salt;

@@ -378,7 +378,8 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
       }
     }
     if (auto it = samplers_.find(ch.seq); sampler && it != samplers_.end()) {
-      it->second.Observe(ch.tokens.data(), static_cast<int64_t>(ch.tokens.size()));
+      // Drafts are observed once kept (Sampler::Verify).
+      it->second.Observe(ch.tokens.data(), static_cast<int64_t>(ch.tokens.size()) - ch.drafts);
       if (!ch.allowed.empty()) it->second.Allow(ch.allowed);
     }
     {  // the leader's block table (every id checked: a step is input too)
@@ -405,6 +406,11 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
       }
       kv.blocks.insert(kv.blocks.end(), ch.blocks.begin(), ch.blocks.end());
       Hold(ch.blocks);
+      if (ch.rewind > kv.length || (ch.rewind > 0 && ch.params)) {
+        return absl::DataLossError(absl::StrCat("sequence ", ch.seq, ": a rewind of ", ch.rewind,
+                                                " positions from ", kv.length));
+      }
+      kv.length -= ch.rewind;
     }
     if (ch.sample && model_->last_stage() && !params_.count(ch.seq)) {
       return absl::DataLossError(
@@ -414,6 +420,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     chunk.tokens = ch.tokens;
     chunk.kv = &kv_[ch.seq];
     chunk.lora_slot = ch.lora_slot;
+    chunk.logit_rows = 1 + ch.drafts;
     rows += static_cast<int64_t>(chunk.tokens.size());
     chunks.push_back(std::move(chunk));
     ids.push_back(ch.seq);
@@ -458,32 +465,67 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   }
   // Greedy steps choose from the vocab slices without gathering the logits; sampled ones
   // gather them so that a seed gives the same tokens at every TP size. Rows of prompt chunks
-  // that are not a prompt's last are computed but not sampled.
+  // that are not a prompt's last are computed but not sampled; a chunk with drafts has a row
+  // for each and one more, verified on the host (Sampler::Verify).
   const int64_t S = static_cast<int64_t>(ids.size());
-  bool greedy = true;
+  bool greedy = true, drafted = false;
   int64_t top_k = 0;
   for (int64_t s = 0; s < S; ++s) {
     if (!sample[s]) continue;
     greedy &= params_[ids[s]].temperature == 0.0f && !params_[ids[s]].ProcessesLogits() &&
               step.chunks[s].allowed.empty();
+    drafted |= step.chunks[s].drafts > 0;
     top_k = std::max(top_k, params_[ids[s]].top_logprobs);
   }
-  std::vector<SampledToken> tokens;
+  auto sampler_of = [&](int64_t s) -> absl::StatusOr<Sampler*> {
+    auto it = samplers_.find(ids[s]);
+    if (it == samplers_.end()) {
+      return absl::DataLossError(
+          absl::StrCat("a step samples sequence ", ids[s], ", which has no sampler"));
+    }
+    return &it->second;
+  };
+  // Each chunk's tokens, by chunk (none for a chunk not sampled).
+  std::vector<std::vector<SampledToken>> tokens(S);
   if (greedy) {
-    ASSIGN_OR_RETURN(tokens, model_->Greedy(top_k, tp_group_.get()));
+    ASSIGN_OR_RETURN(std::vector<SampledToken> best, model_->Greedy(top_k, tp_group_.get()));
+    size_t row = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const StepChunk& ch = step.chunks[s];
+      // Drafts are kept while each is the greedy token of the row before it.
+      for (int64_t i = 0; i <= ch.drafts && row < best.size(); ++i) {
+        tokens[s].push_back(best[row + i]);
+        if (i == ch.drafts || best[row + i].id != ch.tokens[ch.tokens.size() - ch.drafts + i]) {
+          break;
+        }
+      }
+      row += static_cast<size_t>(1 + ch.drafts);
+    }
+  } else if (drafted) {
+    std::vector<float> logits;  // gathered on every rank of the TP group
+    RETURN_IF_ERROR(model_->GatherLogits(logits));
+    const int64_t V = model_->config().vocab_size;
+    int64_t row = 0;
+    for (int64_t s = 0; s < S && sampler; row += 1 + step.chunks[s].drafts, ++s) {
+      if (!sample[s]) continue;
+      const StepChunk& ch = step.chunks[s];
+      ASSIGN_OR_RETURN(Sampler * smp, sampler_of(s));
+      const std::vector<int32_t> drafts(ch.tokens.end() - ch.drafts, ch.tokens.end());
+      tokens[s] = smp->Verify(logits.data() + row * V, V, drafts, {ch.allowed});
+    }
   } else {
     std::vector<Sampler*> samplers;
-    if (sampler) {
-      for (int64_t s = 0; s < S; ++s) {
-        auto it = samplers_.find(ids[s]);
-        if (sample[s] && it == samplers_.end()) {
-          return absl::DataLossError(
-              absl::StrCat("a step samples sequence ", ids[s], ", which has no sampler"));
-        }
-        samplers.push_back(sample[s] ? &it->second : nullptr);
+    for (int64_t s = 0; s < S && sampler; ++s) {
+      Sampler* smp = nullptr;
+      if (sample[s]) {
+        ASSIGN_OR_RETURN(smp, sampler_of(s));
       }
+      samplers.push_back(smp);
     }
-    ASSIGN_OR_RETURN(tokens, model_->Sample(samplers, top_k));
+    ASSIGN_OR_RETURN(std::vector<SampledToken> chosen, model_->Sample(samplers, top_k));
+    for (int64_t s = 0; s < S && static_cast<size_t>(s) < chosen.size(); ++s) {
+      tokens[s].push_back(std::move(chosen[s]));
+    }
   }
   // Echo with logprobs: the prompt's rows (DecodeStep bounded them), after the choice.
   const ScoreRows score = ScoreRowsOf(step);
@@ -494,9 +536,10 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   if (!sampler) return std::nullopt;
   for (int64_t s = 0; s < S; ++s) {
     if (!sample[s]) continue;
-    SampledToken& t = tokens[s];
-    t.top.resize(std::min<size_t>(t.top.size(), params_[ids[s]].top_logprobs));
-    result.tokens.push_back({ids[s], t.id, t.logprob, std::move(t.top)});
+    for (SampledToken& t : tokens[s]) {
+      t.top.resize(std::min<size_t>(t.top.size(), params_[ids[s]].top_logprobs));
+      result.tokens.push_back({ids[s], t.id, t.logprob, std::move(t.top)});
+    }
   }
   AddPromptScores(step, std::move(scored), result);
   return result;
@@ -744,6 +787,9 @@ LeaderContext Rank::Context() {
     o.adapters = *std::move(declared);
   }
   o.kv_offer_hold = std::chrono::milliseconds(env.kv_offer_ms);
+  o.speculative.method =
+      ParseSpeculativeMethod(env.speculative_method).value_or(SpeculativeMethod::kNone);
+  o.speculative.tokens = env.speculative_tokens;
   o.max_context = env.max_sequence_length > 0 ? std::min(c.max_context, env.max_sequence_length)
                                               : c.max_context;
   o.vocab_size = c.vocab_size;

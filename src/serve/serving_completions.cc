@@ -492,6 +492,7 @@ absl::Status ApiServer::Impl::Submit(ApiRequest& req, const http::Request& http_
       g.cache_salt = salt;
       g.adapter = req.adapter;
       g.priority = req.priority;
+      g.speculative = req.speculative;
       g.tenant = req.tenant;
       g.weight = req.tenant_weight;
       if (req.echo && req.logprobs) g.prompt_logprobs = req.params.top_logprobs;

@@ -38,6 +38,12 @@ struct StepChunk {
   // sequence is released.
   std::optional<KvTicket> offer;
   std::vector<int32_t> blocks;
+  // Speculative decoding: the chunk's last `drafts` tokens are drafted, not yet the sequence's;
+  // the last stage verifies them (Sampler::Verify) and returns the kept ones and one token more.
+  // `rewind`: positions dropped from the end of the sequence's cache before this chunk (the
+  // drafts its previous chunk had refused; their blocks stay its own).
+  int64_t drafts = 0;
+  int64_t rewind = 0;
   // The LoRA adapter slot the sequence runs (every chunk of it; -1: the base model).
   int32_t lora_slot = -1;
   // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
@@ -56,6 +62,7 @@ struct StepDesc {
   std::vector<int64_t> release;  // freed before the chunks run
 };
 
+// A sampled token; a chunk with drafts gets its kept drafts and one more, in order.
 struct StepToken {
   int64_t seq = 0;
   int32_t token = 0;

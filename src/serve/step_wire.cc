@@ -115,6 +115,8 @@ json EncodeStep(const StepDesc& d) {
     }
     if (c.offer) ch["offer"] = KvTicketHex(*c.offer);
     if (c.lora_slot >= 0) ch["lora"] = c.lora_slot;
+    if (c.drafts > 0) ch["drafts"] = c.drafts;
+    if (c.rewind > 0) ch["rewind"] = c.rewind;
     chunks.push_back(std::move(ch));
   }
   return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
@@ -159,6 +161,17 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
       if (ch.contains("lora")) {  // the model checks the slot holds an adapter
         ASSIGN_OR_RETURN(const int64_t slot, JsonInt(ch, "lora", 0, kMaxInt32));
         c.lora_slot = static_cast<int32_t>(slot);
+      }
+      if (ch.contains("drafts")) {
+        ASSIGN_OR_RETURN(c.drafts, JsonInt(ch, "drafts", 1, kMaxInt32));
+        if (!c.sample || c.drafts >= static_cast<int64_t>(c.tokens.size())) {
+          return absl::DataLossError(absl::StrCat("chunk of sequence ", c.seq, ": ", c.drafts,
+                                                  " drafts in a chunk of ", c.tokens.size(),
+                                                  c.sample ? " tokens" : " tokens not sampled"));
+        }
+      }
+      if (ch.contains("rewind")) {
+        ASSIGN_OR_RETURN(c.rewind, JsonInt(ch, "rewind", 1, kMaxInt32));
       }
       if (auto allowed = ch.find("allowed"); allowed != ch.end()) {
         std::string bytes;

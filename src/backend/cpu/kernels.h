@@ -5,6 +5,7 @@
 // batches: integer products with the activations rounded to int16 per block, quant.cc).
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "backend/backend.h"
 #include "common/thread_pool.h"
@@ -81,5 +82,15 @@ void Axpy(float alpha, const float* x, float* y, int64_t n);
 void VocabSummary(const float* row, int64_t n, int64_t vocab_begin, int64_t K, float* out);
 void SampleRow(const float* logits, int64_t V, const SampleSpec& spec, int64_t K, int32_t* id,
                float* logprob, int32_t* top_ids, float* top_logprobs);
+// The distribution SampleRow draws from at spec.temperature > 0 (softmax at the temperature over
+// the top_k best, cut to the top_p nucleus): the kept ids, best first, their weights (not
+// normalized) and the weights' sum. SampleRow's draw u takes the first id whose running sum of
+// weights passes u * total.
+struct Distribution {
+  std::vector<int32_t> ids;
+  std::vector<double> weights;
+  double total = 0;
+};
+Distribution DistributionOf(const float* logits, int64_t V, const SampleSpec& spec);
 
 }  // namespace shardserve::cpu

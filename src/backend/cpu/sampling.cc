@@ -51,33 +51,14 @@ void SampleRow(const float* logits, int64_t V, const SampleSpec& spec, int64_t K
   if (spec.temperature == 0.0f) {
     chosen = static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
   } else {
-    int64_t keep = spec.top_k > 0 && spec.top_k < V ? spec.top_k : V;
-    const std::vector<int32_t> ids = TopIds(logits, V, keep);
-    const double inv_t = 1.0 / spec.temperature;
-    std::vector<double> p(keep);
-    double total = 0;
-    for (int64_t i = 0; i < keep; ++i) {
-      p[i] = std::exp((static_cast<double>(logits[ids[i]]) - logits[ids[0]]) * inv_t);
-      total += p[i];
-    }
-    if (spec.top_p < 1.0f) {
-      double cum = 0;
-      int64_t n = 0;
-      while (n < keep) {
-        cum += p[n] / total;
-        ++n;
-        if (cum >= spec.top_p) break;
-      }
-      keep = n;
-      total = std::accumulate(p.begin(), p.begin() + keep, 0.0);
-    }
-    const double u = spec.u * total;
+    const Distribution d = DistributionOf(logits, V, spec);
+    const double u = spec.u * d.total;
     double cum = 0;
-    chosen = ids[keep - 1];
-    for (int64_t i = 0; i < keep; ++i) {
-      cum += p[i];
+    chosen = d.ids.back();
+    for (size_t i = 0; i < d.ids.size(); ++i) {
+      cum += d.weights[i];
       if (u < cum) {
-        chosen = ids[i];
+        chosen = d.ids[i];
         break;
       }
     }
@@ -90,6 +71,31 @@ void SampleRow(const float* logits, int64_t V, const SampleSpec& spec, int64_t K
     top_ids[j] = best[j];
     top_logprobs[j] = logits[best[j]] - log_z;
   }
+}
+
+Distribution DistributionOf(const float* logits, int64_t V, const SampleSpec& spec) {
+  Distribution d;
+  int64_t keep = spec.top_k > 0 && spec.top_k < V ? spec.top_k : V;
+  d.ids = TopIds(logits, V, keep);
+  const double inv_t = 1.0 / spec.temperature;
+  d.weights.resize(keep);
+  for (int64_t i = 0; i < keep; ++i) {
+    d.weights[i] = std::exp((static_cast<double>(logits[d.ids[i]]) - logits[d.ids[0]]) * inv_t);
+    d.total += d.weights[i];
+  }
+  if (spec.top_p < 1.0f) {
+    double cum = 0;
+    int64_t n = 0;
+    while (n < keep) {
+      cum += d.weights[n] / d.total;
+      ++n;
+      if (cum >= spec.top_p) break;
+    }
+    d.ids.resize(n);
+    d.weights.resize(n);
+    d.total = std::accumulate(d.weights.begin(), d.weights.end(), 0.0);
+  }
+  return d;
 }
 
 }  // namespace shardserve::cpu

@@ -79,6 +79,14 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ASSERT_TRUE(fp8.ok()) << fp8.status();
   ApplyServing(fp8->spec, w);
   EXPECT_EQ(w.kv_cache_dtype, "fp8");
+  // Speculative decoding: none by default, the manifest's method and tokens in the contract.
+  EXPECT_EQ(w.speculative_method, "none");
+  auto ngram = ParseShardedModel(std::string(kGood) +
+                                 "  serving: {speculative: {method: ngram, tokens: 6}}\n");
+  ASSERT_TRUE(ngram.ok()) << ngram.status();
+  ApplyServing(ngram->spec, w);
+  EXPECT_EQ(w.speculative_method, "ngram");
+  EXPECT_EQ(w.speculative_tokens, 6);
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -286,6 +294,12 @@ TEST(ShardedModel, BadManifestsNameTheField) {
        "spec.serving.prefixCacheIsolation"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {kvCacheDtype: int8}"),
        "spec.serving.kvCacheDtype 'int8' must be auto, f32, bf16, f16 or fp8"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {method: eagle3}}"),
+       "spec.serving.speculative.method 'eagle3' must be none or ngram"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {tokens: 0}}"),
+       "spec.serving.speculative.tokens must be between 1 and 16, got 0"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {draftModel: x}}"),
+       "spec.serving.speculative"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCaching: maybe}"),
        "spec.serving.prefixCaching must be true or false, got"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),

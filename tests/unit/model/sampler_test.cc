@@ -6,6 +6,8 @@
 #include <cmath>
 #include <map>
 
+#include "backend/cpu/kernels.h"
+
 namespace shardserve {
 namespace {
 
@@ -187,6 +189,111 @@ TEST(SamplerTest, TheChoiceSeesTheProcessedRowTheLogprobsTheModels) {
   EXPECT_EQ(a.id, 10);
   g.Observe(&a.id, 1);
   EXPECT_NE(g.Sample(raw.data(), raw.size()).id, 10);
+}
+
+// Speculative verification keeps the model's distribution exactly: over many seeds, the first
+// token follows the choice's distribution of row 0 whatever the draft, and after a kept draft the
+// next follows row 1's (a chi-square test at a fixed set of seeds, so it cannot flake); the draft
+// is kept with its probability; one draw a token, as Sample's.
+TEST(SamplerTest, VerifyKeepsTheDistributionOfSampling) {
+  const int64_t V = 6;
+  const std::vector<float> rows = {2.0f, 1.5f, 1.0f, 0.5f, 0.0f,  -1.0f,  // row 0
+                                   0.1f, 1.0f, 0.3f, 2.0f, -0.5f, 0.7f,   // row 1
+                                   0.0f, 0.0f, 0.0f, 0.0f, 0.0f,  0.0f};  // row 2
+  SamplingParams p;
+  p.temperature = 0.7f;
+  p.top_k = 5;  // id 5 never
+  p.top_p = 0.97f;
+  const std::vector<int32_t> drafts = {1, 3};
+  auto target = [&](int64_t row) {  // the choice's distribution of a row
+    const cpu::Distribution d =
+        cpu::DistributionOf(rows.data() + row * V, V, {p.temperature, p.top_p, 5, 0});
+    std::vector<double> prob(V, 0.0);
+    for (size_t j = 0; j < d.ids.size(); ++j) prob[d.ids[j]] = d.weights[j] / d.total;
+    return prob;
+  };
+  // Chi-square of counts against probabilities; an id of probability 0 must never occur.
+  auto chi2 = [&](const std::vector<int>& count, const std::vector<double>& prob) {
+    int n = 0;
+    for (int c : count) n += c;
+    double x = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (prob[i] == 0) {
+        EXPECT_EQ(count[i], 0) << "id " << i;
+        continue;
+      }
+      const double e = n * prob[i];
+      x += (count[i] - e) * (count[i] - e) / e;
+    }
+    return x;
+  };
+  const int trials = 40000;
+  std::vector<int> first(V, 0), second(V, 0);
+  int kept = 0;
+  for (int t = 0; t < trials; ++t) {
+    p.seed = static_cast<uint64_t>(t);
+    Sampler s(p);
+    const std::vector<SampledToken> out = s.Verify(rows.data(), V, drafts);
+    ASSERT_GE(out.size(), 1u);
+    ASSERT_LE(out.size(), 3u);
+    ++first[out[0].id];
+    if (out[0].id == drafts[0]) {
+      ++kept;
+      ASSERT_GE(out.size(), 2u);
+      ++second[out[1].id];
+    } else {
+      EXPECT_EQ(out.size(), 1u);
+    }
+    if (t < 50) {  // as many draws as tokens
+      Sampler skipped(p);
+      skipped.Skip(static_cast<int64_t>(out.size()));
+      EXPECT_EQ(s.NextSpec().u, skipped.NextSpec().u);
+    }
+  }
+  // df 3 and 4 (ids of nonzero probability - 1): chi-square beyond 25 has p < 1e-4.
+  EXPECT_LT(chi2(first, target(0)), 25.0);
+  EXPECT_LT(chi2(second, target(1)), 25.0);
+  EXPECT_NEAR(static_cast<double>(kept) / trials, target(0)[drafts[0]], 0.01);
+}
+
+// At temperature 0 a draft is kept when it is the row's greedy token (of the processed row: a
+// kept draft counts for the penalties of the rows after it), and the first refused is replaced by
+// the greedy token; the log-probabilities are the unprocessed rows'.
+TEST(SamplerTest, GreedyVerifyKeepsDraftsWhileTheyAreTheArgmax) {
+  const int64_t V = 4;
+  const std::vector<float> rows = {0.0f, 3.0f, 1.0f, 0.0f,   // argmax 1
+                                   2.0f, 0.0f, 0.0f, 1.0f,   // argmax 0
+                                   0.0f, 0.0f, 5.0f, 0.0f};  // argmax 2
+  SamplingParams p;
+  auto ids = [&](const SamplingParams& params, std::vector<int32_t> drafts) {
+    Sampler s(params);
+    std::vector<int32_t> out;
+    for (const SampledToken& t : s.Verify(rows.data(), V, drafts)) out.push_back(t.id);
+    return out;
+  };
+  EXPECT_EQ(ids(p, {1, 0}), (std::vector<int32_t>{1, 0, 2}));
+  EXPECT_EQ(ids(p, {1, 3}), (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(ids(p, {2, 0}), (std::vector<int32_t>{1}));
+  Sampler s(p);
+  const std::vector<SampledToken> out = s.Verify(rows.data(), V, {1});
+  double z = 0;
+  for (int64_t i = 0; i < V; ++i) z += std::exp(double(rows[i]));
+  EXPECT_NEAR(out[0].logprob, 3.0 - std::log(z), 1e-5);
+  // A kept draft is observed: with a presence penalty of 3, row 1 (where 1 leads by 2.5) no
+  // longer chooses 1 once the draft 1 was kept at row 0.
+  SamplingParams penalized = p;
+  penalized.presence_penalty = 3.0f;
+  const std::vector<float> same = {0.0f, 2.0f, 0.0f, 0.0f, 0.0f, 2.5f,
+                                   0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  Sampler q(penalized);
+  std::vector<int32_t> got;
+  for (const SampledToken& t : q.Verify(same.data(), V, {1, 1})) got.push_back(t.id);
+  // Row 1 penalizes the kept 1 (2.5 - 3 < 0): its greedy token is 0, the draft 1 refused.
+  EXPECT_EQ(got, (std::vector<int32_t>{1, 0}));
+  Sampler unpenalized(p);
+  got.clear();
+  for (const SampledToken& t : unpenalized.Verify(same.data(), V, {1, 1})) got.push_back(t.id);
+  EXPECT_EQ(got, (std::vector<int32_t>{1, 1, 0}));
 }
 
 TEST(SamplerTest, ValidateNamesTheParameter) {

@@ -60,10 +60,12 @@ class LocalExecutor : public StepExecutor {
         resumed_ += c.draws > 0;
       }
       kv.blocks.insert(kv.blocks.end(), c.blocks.begin(), c.blocks.end());
+      kv.length -= c.rewind;
       chunked_ += !c.sample;
       masks_ += !c.allowed.empty();
+      drafted_ += c.drafts;
       if (!c.allowed.empty()) samplers_.at(c.seq).Allow(c.allowed);
-      chunks.push_back({c.tokens, &kv_[c.seq]});
+      chunks.push_back({c.tokens, &kv_[c.seq], -1, 1 + c.drafts});
     }
     StepResult r;
     r.microbatch = step.microbatch;
@@ -71,12 +73,22 @@ class LocalExecutor : public StepExecutor {
       std::vector<float> logits;
       RETURN_IF_ERROR(model_->Forward(chunks, *cache_, logits));
       const int64_t V = model_->config().vocab_size;
-      for (size_t i = 0; i < step.chunks.size(); ++i) {
-        if (!step.chunks[i].sample) continue;
-        SampledToken t = samplers_.at(step.chunks[i].seq).Sample(logits.data() + i * V, V);
-        r.tokens.push_back({step.chunks[i].seq, t.id, t.logprob, t.top});
+      int64_t row = 0;  // a chunk's first row of logits: 1 + its drafts each
+      for (size_t i = 0; i < step.chunks.size(); row += 1 + step.chunks[i].drafts, ++i) {
+        const StepChunk& c = step.chunks[i];
+        if (!c.sample) continue;
+        Sampler& sampler = samplers_.at(c.seq);
+        std::vector<SampledToken> tokens;
+        if (c.drafts > 0) {
+          tokens = sampler.Verify(logits.data() + row * V, V,
+                                  std::vector<int32_t>(c.tokens.end() - c.drafts, c.tokens.end()),
+                                  {c.allowed});
+        } else {
+          tokens.push_back(sampler.Sample(logits.data() + row * V, V));
+        }
+        for (const SampledToken& t : tokens) r.tokens.push_back({c.seq, t.id, t.logprob, t.top});
         absl::MutexLock lock(&first_mu_);
-        first_token_step_.emplace(step.chunks[i].seq, steps_.load());
+        first_token_step_.emplace(c.seq, steps_.load());
       }
       // The prompt rows asked for, as a rank scores them.
       const ScoreRows score = ScoreRowsOf(step);
@@ -109,8 +121,9 @@ class LocalExecutor : public StepExecutor {
   }
 
   int resumed_ = 0, chunked_ = 0, releases_ = 0, masks_ = 0;
-  int64_t cached_ = 0;  // prompt positions skipped for a cached prefix
-  int64_t scored_ = 0;  // prompt rows scored
+  int64_t drafted_ = 0;  // tokens drafted by the steps' chunks
+  int64_t cached_ = 0;   // prompt positions skipped for a cached prefix
+  int64_t scored_ = 0;   // prompt rows scored
   int fail_after_ = -1, issued_ = 0;
   std::atomic<int> steps_{0};  // steps issued
   // Issue blocks at step pause_at_ (paused_) until the test says resume_.
@@ -175,6 +188,46 @@ TEST_F(EngineTest, GreedyTokensSurviveChunkingAndPreemption) {
   }
   EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
   EXPECT_GT(exec.chunked_, 0) << "prompts were meant to be chunked";
+}
+
+// Speculative decoding (n-gram) verifies drafts on the model's rows and rewinds the refused ones:
+// greedy tokens stay the plain generator's whatever chunking and preemption do, drafts are kept
+// (the tiny model repeats itself), and a request may opt out.
+TEST_F(EngineTest, SpeculationKeepsGreedyTokensThroughChunkingAndPreemption) {
+  for (auto& r : requests_) r.params.max_tokens = 40;
+  const auto want = Reference();
+  LocalExecutor exec(model_.get(), 160);
+  EngineOptions o = Cramped(exec);
+  o.speculative.method = SpeculativeMethod::kNgram;
+  o.speculative.tokens = 3;
+  int64_t drafted = 0, accepted = 0;
+  EngineObserver observer;
+  observer.speculation = [&](int64_t d, int64_t a) {
+    EXPECT_LE(a, d);
+    EXPECT_LE(d, 3);
+    drafted += d;
+    accepted += a;
+  };
+  auto got = GenerateAll(&exec, o, requests_, observer);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
+    // The target's log-probabilities (rounding apart: the batch's rows differ).
+    EXPECT_THAT((*got)[i].logprobs,
+                ::testing::Pointwise(::testing::FloatNear(1e-4f), want[i].logprobs))
+        << "request " << i;
+  }
+  EXPECT_EQ(drafted, exec.drafted_);
+  EXPECT_GT(accepted, 0) << "the model's loops were meant to be drafted";
+  EXPECT_LT(accepted, drafted) << "some drafts were meant to be refused";
+  EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
+  // Opted out: no drafts.
+  for (auto& r : requests_) r.speculative = false;
+  LocalExecutor plain(model_.get(), 160);
+  got = GenerateAll(&plain, o, requests_);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(plain.drafted_, 0);
+  EXPECT_EQ((*got)[0].tokens, want[0].tokens);
 }
 
 // The backlog a role scales on: the prompt tokens still to compute fall as prompts are fed (3 a

@@ -100,7 +100,12 @@ StepDesc SomeStep() {
   decode.tokens = {42};
   decode.sample = false;
   decode.lora_slot = 3;  // a LoRA adapter's sequence
-  d.chunks = {prompt, decode};
+  StepChunk drafted;     // speculative decoding: two drafts after its token, two rewound
+  drafted.seq = 5;
+  drafted.tokens = {7, 8, 9};
+  drafted.drafts = 2;
+  drafted.rewind = 2;
+  d.chunks = {prompt, decode, drafted};
   return d;
 }
 
@@ -112,8 +117,10 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->microbatch, 1);
   EXPECT_EQ(back->release, d.release);
-  ASSERT_EQ(back->chunks.size(), 2u);
+  ASSERT_EQ(back->chunks.size(), 3u);
   EXPECT_EQ(back->chunks[0].tokens, d.chunks[0].tokens);
+  EXPECT_EQ(std::tuple(back->chunks[2].drafts, back->chunks[2].rewind), std::tuple(2, 2));
+  EXPECT_EQ(std::tuple(back->chunks[0].drafts, back->chunks[0].rewind), std::tuple(0, 0));
   ASSERT_TRUE(back->chunks[0].params.has_value());
   EXPECT_EQ(back->chunks[0].params->seed, UINT64_MAX);
   EXPECT_EQ(back->chunks[0].params->top_k, 40);
@@ -259,6 +266,12 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["sample"] = 1; }),
               HasSubstr("'sample' is missing or not a boolean"));
   EXPECT_THAT(refused([](json& m) { m["chunks"] = {7}; }), HasSubstr("a chunk is not an object"));
+  // Drafts need a sampled chunk with a token before them; a rewind is a count.
+  EXPECT_THAT(refused([](json& m) { m["chunks"][2]["drafts"] = 3; }),
+              HasSubstr("chunk of sequence 5: 3 drafts in a chunk of 3 tokens"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][1]["drafts"] = 1; }),
+              HasSubstr("chunk of sequence 4: 1 drafts in a chunk of 1 tokens not sampled"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][2]["rewind"] = -1; }), HasSubstr("'rewind'"));
   for (const json& bad : {json("@@@"), json(7), json("AAA"), json("")}) {
     EXPECT_THAT(refused([&](json& m) { m["chunks"][0]["allowed"] = bad; }),
                 HasSubstr("chunk of sequence 3: 'allowed' is not a sampled token's base64 mask"));

@@ -1,0 +1,37 @@
+#pragma once
+// spec.serving.speculative (SHARDSERVE_SPECULATIVE_METHOD / _TOKENS, `--speculative`,
+// `--speculative-tokens`): how a replica drafts tokens for its decode steps to verify
+// (serve/speculative.h). ngram: prompt lookup, the tokens that followed the latest earlier
+// occurrence of the sequence's last few tokens. none: no speculation.
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace shardserve {
+
+enum class SpeculativeMethod { kNone, kNgram };
+
+inline std::optional<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name) {
+  if (name == "none" || name.empty()) return SpeculativeMethod::kNone;
+  if (name == "ngram") return SpeculativeMethod::kNgram;
+  return std::nullopt;
+}
+inline constexpr const char* kSpeculativeMethods = "none or ngram";
+
+inline const char* SpeculativeMethodName(SpeculativeMethod m) {
+  return m == SpeculativeMethod::kNgram ? "ngram" : "none";
+}
+
+// Tokens drafted a step: the default and the most.
+inline constexpr int64_t kDefaultSpeculativeTokens = 4;
+inline constexpr int64_t kMaxSpeculativeTokens = 16;
+
+struct SpeculativeConfig {
+  SpeculativeMethod method = SpeculativeMethod::kNone;
+  int64_t tokens = kDefaultSpeculativeTokens;  // drafted per decode step, at most
+  // n-gram lookup: the longest and shortest suffix looked for, longest first.
+  int64_t ngram_max = 4, ngram_min = 2;
+  bool enabled() const { return method != SpeculativeMethod::kNone && tokens > 0; }
+};
+
+}  // namespace shardserve

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Speculative decoding (n-gram prompt lookup) through the real binaries. `shardserve generate
+--speculative ngram` at TP 1 x PP 1 and TP 2 x PP 2 gives exactly the greedy tokens (and the
+target's logprobs and alternatives) of decoding without it, on Llama and Mixtral, while drafts are
+verified and kept (the generated models repeat themselves); sampled decoding with drafts runs to
+its length. `shardserve local` with spec.serving.speculative drafts for a request (the leader's
+drafted and accepted counters move), answers as a request that opted out ("speculative": false,
+which drafts nothing), and stops at the same stop string."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checks import Checks, small_models  # noqa: E402
+from deployment import Deployment, gen_model  # noqa: E402
+
+BIN = sys.argv[1]
+TOL = 1e-4
+check = Checks()
+
+
+def generate(model, extra, tokens=160):
+    cmd = [BIN, "generate", "--model", model, "--prompt-ids", "1,17,42,300,7,99,5,8",
+           "--max-tokens", str(tokens), "--ignore-eos", "--logprobs", "2", "--format", "json",
+           "--threads", "2"] + extra
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        check(False, f"generate {' '.join(extra)} ran: {r.stderr[-600:]}")
+        return None
+    return json.loads(r.stdout)
+
+
+def top_ids(result):
+    return [[a["id"] for a in step] for step in result["top_logprobs"]]
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    models = small_models(BIN, tmp, "bf16")
+    for arch in ("llama", "mixtral"):
+        want = generate(models[arch], [])
+        for tp, pp in ((1, 1), (2, 2)):
+            got = generate(models[arch], ["--tp", str(tp), "--pp", str(pp), "--speculative",
+                                          "ngram", "--speculative-tokens", "4"])
+            if not want or not got:
+                continue
+            spec = got["speculation"]
+            d = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
+            print(f"{arch} tp {tp} pp {pp}: {spec['accepted']} of {spec['drafted']} drafts kept")
+            check(got["tokens"] == want["tokens"] and d <= TOL and top_ids(got) == top_ids(want),
+                  f"{arch} tp {tp} pp {pp}: the greedy tokens of plain decoding, logprobs within "
+                  f"{d:.1e} <= {TOL}, the same alternatives")
+            check(0 < spec["accepted"] <= spec["drafted"],
+                  f"{arch} tp {tp} pp {pp}: drafts were verified and kept ({spec})")
+    sampled = generate(models["llama"], ["--tp", "2", "--pp", "2", "--speculative", "ngram",
+                                         "--temperature", "0.3", "--seed", "5"])
+    if sampled:
+        check(len(sampled["tokens"]) == 160 and sampled["speculation"]["drafted"] > 0,
+              f"sampled decoding with drafts runs to its length ({sampled['speculation']})")
+    bad = subprocess.run([BIN, "generate", "--model", models["llama"], "--prompt-ids", "1,2",
+                          "--speculative", "eagle"], capture_output=True, text=True)
+    check(bad.returncode != 0 and "--speculative 'eagle' must be none or ngram" in bad.stderr,
+          f"an unknown method is refused by name ({bad.stderr.strip()[-80:]})")
+
+    # --- serving ----------------------------------------------------------------------------
+    model = os.path.join(tmp, "served")
+    gen_model(BIN, model, "--arch", "llama")
+    d = Deployment(BIN, model, tp=2, pp=2,
+                   serving={"speculative": "{method: ngram, tokens: 4}"})
+
+    def counters():
+        page = d.metrics_page(d.metrics_ports[0])
+        def value(name):
+            m = re.search(r"^" + name + r"\{[^}]*\} (\S+)", page, re.M)
+            return float(m.group(1)) if m else None
+        return (value("shardserve_spec_decode_draft_tokens_total"),
+                value("shardserve_spec_decode_accepted_tokens_total"))
+
+    def ask(**extra):
+        body = {"model": "tiny", "prompt": "one two three one two three one two", "max_tokens": 120,
+                "temperature": 0, "logprobs": 1, "ignore_eos": True}
+        body.update(extra)
+        status, _, r = d.post("/v1/completions", body)
+        assert status == 200, r
+        return r["choices"][0]
+
+    try:
+        before = counters()
+        plain = ask(speculative=False)
+        after_plain = counters()
+        check(before[0] is not None and after_plain == before,
+              f"a request that opts out drafts nothing ({before} -> {after_plain})")
+        drafted = ask()
+        after = counters()
+        print(f"served: {after[1] - after_plain[1]:.0f} of {after[0] - after_plain[0]:.0f} "
+              "drafts kept")
+        check(after[0] > after_plain[0] and after[1] > after_plain[1],
+              f"a request drafts and keeps drafts ({after_plain} -> {after})")
+        lp = [abs(a - b) for a, b in zip(plain["logprobs"]["token_logprobs"],
+                                         drafted["logprobs"]["token_logprobs"])]
+        check(drafted["text"] == plain["text"] and max(lp) <= 1e-3,
+              f"the speculative answer is the plain one (logprobs within {max(lp):.1e})")
+        # A stop string in the middle of the answer: both stop there.
+        text = plain["text"]
+        stop = text[len(text) // 2:len(text) // 2 + 6]
+        if stop.strip():
+            a, b = ask(stop=[stop], speculative=False), ask(stop=[stop])
+            check(a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"] == "stop",
+                  f"a stop string ends both answers at the same place ({b['text'][-20:]!r})")
+    finally:
+        d.stop()
+
+check.finish()
