@@ -336,6 +336,7 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   RETURN_IF_ERROR(speculative.CheckMap());
   RETURN_IF_ERROR(speculative.String("method", s.speculative_method));
   RETURN_IF_ERROR(speculative.Int("tokens", s.speculative_tokens));
+  RETURN_IF_ERROR(speculative.String("draftModel", s.draft_model));
   RETURN_IF_ERROR(speculative.NoOthers());
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
@@ -722,6 +723,21 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
     return absl::InvalidArgumentError(absl::StrCat("spec.serving.speculative.method '",
                                                    s.speculative_method, "' must be ",
                                                    kSpeculativeMethods));
+  }
+  if ((s.speculative_method == "draft") != !s.draft_model.empty()) {
+    return absl::InvalidArgumentError(
+        s.draft_model.empty()
+            ? "spec.serving.speculative.method draft needs spec.serving.speculative.draftModel"
+            : absl::StrCat("spec.serving.speculative.draftModel is the draft method's; the method "
+                           "is ",
+                           s.speculative_method));
+  }
+  if (!s.draft_model.empty()) {
+    if (absl::StatusOr<ModelUri> uri = ParseModelUri(s.draft_model); !uri.ok()) {
+      std::string why(uri.status().message());  // it names spec.model.uri
+      if (absl::StartsWith(why, "spec.model.uri ")) why.erase(0, 15);
+      return absl::InvalidArgumentError(absl::StrCat("spec.serving.speculative.draftModel ", why));
+    }
   }
   if (s.speculative_tokens < 1 || s.speculative_tokens > kMaxSpeculativeTokens) {
     return absl::InvalidArgumentError(

@@ -2,24 +2,34 @@
 // spec.serving.speculative (SHARDSERVE_SPECULATIVE_METHOD / _TOKENS, `--speculative`,
 // `--speculative-tokens`): how a replica drafts tokens for its decode steps to verify
 // (serve/speculative.h). ngram: prompt lookup, the tokens that followed the latest earlier
-// occurrence of the sequence's last few tokens. none: no speculation.
+// occurrence of the sequence's last few tokens; draft: a smaller model of the same vocabulary
+// (draftModel; SHARDSERVE_DRAFT_MODEL, `--draft-model`), run by the replica's leader, its greedy
+// tokens. none: no speculation.
 #include <cstdint>
 #include <optional>
 #include <string_view>
 
 namespace shardserve {
 
-enum class SpeculativeMethod { kNone, kNgram };
+enum class SpeculativeMethod { kNone, kNgram, kDraft };
 
 inline std::optional<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name) {
   if (name == "none" || name.empty()) return SpeculativeMethod::kNone;
   if (name == "ngram") return SpeculativeMethod::kNgram;
+  if (name == "draft") return SpeculativeMethod::kDraft;
   return std::nullopt;
 }
-inline constexpr const char* kSpeculativeMethods = "none or ngram";
+inline constexpr const char* kSpeculativeMethods = "none, ngram or draft";
 
 inline const char* SpeculativeMethodName(SpeculativeMethod m) {
-  return m == SpeculativeMethod::kNgram ? "ngram" : "none";
+  switch (m) {
+    case SpeculativeMethod::kNgram:
+      return "ngram";
+    case SpeculativeMethod::kDraft:
+      return "draft";
+    default:
+      return "none";
+  }
 }
 
 // Tokens drafted a step: the default and the most.

@@ -55,6 +55,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
     {"SHARDSERVE_KV_CACHE_DTYPE", &WorkerEnv::kv_cache_dtype},
     {"SHARDSERVE_SPECULATIVE_METHOD", &WorkerEnv::speculative_method},
+    {"SHARDSERVE_DRAFT_MODEL", &WorkerEnv::draft_model},
     {"SHARDSERVE_LORA_ADAPTERS", &WorkerEnv::lora_adapters},
     {"SHARDSERVE_ADMIN_KEYS_FILE", &WorkerEnv::admin_keys_file},
     {"SHARDSERVE_LORA_ROOT", &WorkerEnv::lora_root},

@@ -108,6 +108,7 @@ struct WorkerEnv {
   // Speculative decoding (api/speculative.h): the method and the tokens drafted a step.
   std::string speculative_method = "none";
   int speculative_tokens = static_cast<int>(kDefaultSpeculativeTokens);
+  std::string draft_model;  // the draft method's model (a directory or GGUF file) on the leader
   int64_t max_sequence_length = 0;  // 0: the model's context
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load

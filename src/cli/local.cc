@@ -212,6 +212,31 @@ absl::Status RunLocal(std::vector<std::string> argv) {
     return absl::FailedPreconditionError(
         absl::StrCat(file, ": spec.model.uri: ", tok.status().message()));
   }
+  // spec.serving.speculative.draftModel: fetched like the model, its vocabulary checked now.
+  std::string draft_path;
+  if (!spec.draft_model.empty()) {
+    ASSIGN_OR_RETURN(ModelUri at, ParseModelUri(spec.draft_model));
+    if (at.scheme == ModelUri::Scheme::kPvc) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          file, ": spec.serving.speculative.draftModel '", spec.draft_model,
+          "' is a PersistentVolumeClaim, which needs a cluster; shardserve local reads "
+          "file:///DIR or hostpath:///DIR"));
+    }
+    if (at.remote()) {
+      ASSIGN_OR_RETURN(const source::FetchReport fetched,
+                       Fetch(file, "spec.serving.speculative.draftModel", spec.draft_model, {}));
+      at.path = fetched.dir;
+    }
+    auto draft = LoadModelConfig(at.path);
+    if (!draft.ok() || draft->vocab_size > config->vocab_size) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file, ": spec.serving.speculative.draftModel: ",
+                       draft.ok() ? absl::StrCat("a vocabulary of ", draft->vocab_size,
+                                                 " ids, more than the model's ", config->vocab_size)
+                                  : std::string(draft.status().message())));
+    }
+    draft_path = at.path;
+  }
   // spec.adapters: each read and checked against the model now (a rank would fail on it only
   // after every rank started).
   std::vector<AdapterRef> adapters;
@@ -445,6 +470,7 @@ absl::Status RunLocal(std::vector<std::string> argv) {
         w.api_host = "127.0.0.1";
         w.api_port = rep.api_port;
         ApplyServing(spec, w);
+        w.draft_model = draft_path;
         w.lora_adapters = EncodeAdapterList(adapters);
         w.kv_role = role.name;
         w.rendezvous_secret_file = secrets.back().path();

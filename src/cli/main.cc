@@ -79,7 +79,7 @@ constexpr char kGenerateUsage[] =
     "--presence-penalty X (as the API's)\n"
     "--threads N --format text|json --tp T --pp P --microbatches M --batch N\n"
     "--metrics-port-base PORT --kv-cache-dtype auto|f32|bf16|f16|fp8\n"
-    "--speculative none|ngram --speculative-tokens K]\n"
+    "--speculative none|ngram|draft --speculative-tokens K --draft-model DIR|FILE.gguf]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP;\n"
     "--speculative: decode steps draft up to K tokens (4) that the model verifies, through the\n"
     "rank runtime even at one rank)";
@@ -263,7 +263,8 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
                                           int64_t batch, int64_t tp, int64_t pp,
                                           int64_t microbatches, int threads,
                                           int64_t metrics_port_base, KvCacheDtype kv_cache_dtype,
-                                          const SpeculativeConfig& speculative) {
+                                          const SpeculativeConfig& speculative,
+                                          const std::string& draft_model) {
   ASSIGN_OR_RETURN(const int port, ChooseFreePort("127.0.0.1"));  // the rendezvous port
   const std::string job = absl::StrCat("gen-", getpid());
   const std::string result_path =
@@ -288,6 +289,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
     w.kv_cache_dtype = KvCacheDtypeName(kv_cache_dtype);
     w.speculative_method = SpeculativeMethodName(speculative.method);
     w.speculative_tokens = static_cast<int>(speculative.tokens);
+    w.draft_model = draft_model;
     w.job_id = job;
     w.request = request;
     w.result_file = result_path;
@@ -336,7 +338,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
                                         "presence-penalty",
                                         "kv-cache-dtype",
                                         "speculative",
-                                        "speculative-tokens"},
+                                        "speculative-tokens",
+                                        "draft-model"},
                                        {"ignore-eos"}, "shardserve generate", kGenerateUsage));
   ASSIGN_OR_RETURN(std::string dir, a.Require("model"));
   const std::string format = a.GetOr("format", "text");
@@ -398,6 +401,9 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     speculative.method = *m;
   }
   ASSIGN_OR_RETURN(speculative.tokens, a.GetInt("speculative-tokens", kDefaultSpeculativeTokens));
+  if ((speculative.method == SpeculativeMethod::kDraft) != a.Has("draft-model")) {
+    return absl::InvalidArgumentError("--speculative draft and --draft-model go together");
+  }
   if (speculative.tokens < 1 || speculative.tokens > kMaxSpeculativeTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("--speculative-tokens must be between 1 and ", kMaxSpeculativeTokens));
@@ -440,8 +446,9 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   } else {
     const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
     ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
-    ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank,
-                                        metrics_base, kv_cache_dtype, speculative));
+    ASSIGN_OR_RETURN(g,
+                     GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank, metrics_base,
+                                     kv_cache_dtype, speculative, a.GetOr("draft-model", "")));
   }
   const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);

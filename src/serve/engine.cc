@@ -123,6 +123,10 @@ Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver obs
     }
   }
   mbs_.resize(options_.microbatches);
+  drafter_ = options_.speculative.enabled() ? options_.drafter : nullptr;
+  if (drafter_ == nullptr && options_.speculative.method == SpeculativeMethod::kNgram) {
+    drafter_ = std::make_shared<NgramDrafter>(options_.speculative);
+  }
   grammar_workers_ = std::make_unique<GrammarWorkers>(std::max(1, options_.grammar_threads),
                                                       kGrammarStackBytes, /*max_queued=*/1 << 16);
 }
@@ -452,6 +456,7 @@ void Engine::ReleaseBlocks(Sequence* s) {
   s->fed = 0;
   s->drafted = s->rewind = 0;
   s->started = false;
+  if (drafter_) drafter_->Forget(s->id);
 }
 
 // The hash chain runs over the sequence's tokens in order, one name per full block; the names
@@ -712,6 +717,7 @@ StepDesc Engine::BuildStep(int mb) {
     }
     return v;
   };
+  const absl::flat_hash_map<Sequence*, std::vector<int32_t>> proposed = Propose(batch);
   for (Sequence* s : std::vector<Sequence*>(batch.seqs)) {
     if (s->mb != mb) continue;  // preempted by an earlier sequence of this step
     const int64_t remaining = s->total() - s->fed;
@@ -726,9 +732,12 @@ StepDesc Engine::BuildStep(int mb) {
     }
     // A decode step may carry drafts, positions after its token (serve/speculative.h).
     std::vector<int32_t> drafts;
-    if (n == 1 && s->fed + 1 == s->total()) drafts = Drafts(s);
-    if (static_cast<int64_t>(drafts.size()) > budget - n)
+    if (auto it = proposed.find(s); it != proposed.end() && s->fed + 1 == s->total()) {
+      drafts = std::move(it->second);
+    }
+    if (static_cast<int64_t>(drafts.size()) > budget - n) {
       drafts.resize(std::max<int64_t>(0, budget - n));
+    }
     const int64_t d = static_cast<int64_t>(drafts.size());
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
@@ -857,16 +866,40 @@ void Engine::Accept(const StepResult& result) {
   }
 }
 
-std::vector<int32_t> Engine::Drafts(const Sequence* s) const {
-  const SpeculativeConfig& spec = options_.speculative;
-  if (!spec.enabled() || !s->request.speculative || s->request.constraint != nullptr || s->offer) {
-    return {};
+absl::flat_hash_map<Engine::Sequence*, std::vector<int32_t>> Engine::Propose(
+    const MicroBatch& batch) {
+  absl::flat_hash_map<Sequence*, std::vector<int32_t>> out;
+  if (drafter_ == nullptr) return out;
+  std::vector<Sequence*> seqs;
+  std::vector<Drafter::Query> queries;
+  for (Sequence* s : batch.seqs) {
+    // A decode step of a sequence that speculates (a grammar's masks are not drafted).
+    if (s->fed + 1 != s->total() || !s->request.speculative || s->request.constraint != nullptr ||
+        s->offer) {
+      continue;
+    }
+    // Every draft kept and one token more stays within max_tokens and the context.
+    const int64_t k =
+        std::min({options_.speculative.tokens,
+                  s->request.params.max_tokens - static_cast<int64_t>(s->generated.size()) - 1,
+                  options_.max_context - s->total() - 1});
+    if (k <= 0) continue;
+    seqs.push_back(s);
+    queries.push_back({s->id, s->request.prompt_ids, s->generated, k});
   }
-  // Every draft kept and one token more stays within max_tokens and the context.
-  const int64_t k = std::min(
-      {spec.tokens, s->request.params.max_tokens - static_cast<int64_t>(s->generated.size()) - 1,
-       options_.max_context - s->total() - 1});
-  return NgramDrafts(s->request.prompt_ids, s->generated, spec, k);
+  if (queries.empty()) return out;
+  std::vector<std::vector<int32_t>> drafts = drafter_->Propose(queries);
+  for (size_t i = 0; i < seqs.size() && i < drafts.size(); ++i) {
+    // A drafter's answer is checked as a request's tokens would be.
+    std::vector<int32_t>& d = drafts[i];
+    if (static_cast<int64_t>(d.size()) > queries[i].k) d.resize(queries[i].k);
+    if (std::any_of(d.begin(), d.end(),
+                    [&](int32_t t) { return t < 0 || t >= options_.vocab_size; })) {
+      continue;
+    }
+    if (!d.empty()) out[seqs[i]] = std::move(d);
+  }
+  return out;
 }
 
 std::string Engine::EndReason(const Sequence* s, int32_t token) const {

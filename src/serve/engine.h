@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "api/adapters.h"
@@ -35,6 +36,7 @@
 
 namespace shardserve {
 
+class Drafter;
 class GrammarWorkers;
 
 // Where the engine reports request-level figures (the leader's metrics); may be absent.
@@ -96,8 +98,10 @@ struct EngineOptions {
   int max_adapters = 16;  // kept at once, declared and loaded (SHARDSERVE_MAX_CPU_LORAS)
   std::vector<AdapterRef> adapters;
   // Speculative decoding (serve/speculative.h): each decode step of a sequence that has not opted
-  // out (GenerationRequest::speculative) and has no constraint drafts up to speculative.tokens.
+  // out (GenerationRequest::speculative) and has no constraint drafts up to speculative.tokens,
+  // from `drafter` (ngram: the engine's own when none is given; draft: the leader's draft model).
   SpeculativeConfig speculative;
+  std::shared_ptr<Drafter> drafter;
   // Disaggregated prefill: how long an exported sequence's KV stays offered (and its blocks
   // held) unless released sooner (Engine::ReleaseOffer).
   std::chrono::milliseconds kv_offer_hold{30000};
@@ -241,8 +245,9 @@ class Engine {
   void Accept(const StepResult& result);
   // The cache's figures and events after the pool changed.
   void ReportCache();
-  // The tokens s's next decode step drafts (none when it does not speculate).
-  std::vector<int32_t> Drafts(const Sequence* s) const;
+  // The drafts of the batch's decode steps (of the sequences that speculate), asked of the
+  // drafter at once.
+  absl::flat_hash_map<Sequence*, std::vector<int32_t>> Propose(const MicroBatch& batch);
   // Why s ends after taking `token` ("stop", "length"), or "" when it goes on.
   std::string EndReason(const Sequence* s, int32_t token) const;
   // Offers that were released or have expired: their blocks are freed.
@@ -307,7 +312,8 @@ class Engine {
   BlockPool pool_;
   // Exported sequences whose KV is offered, holding their blocks until released or expired.
   std::vector<std::unique_ptr<Sequence>> offered_;
-  absl::Status replica_failure_;  // met while building a step (an import's mesh)
+  absl::Status replica_failure_;      // met while building a step (an import's mesh)
+  std::shared_ptr<Drafter> drafter_;  // null: no speculation
   // Last: destroyed first, while the jobs it still runs may reach the engine.
   std::unique_ptr<GrammarWorkers> grammar_workers_;
 };

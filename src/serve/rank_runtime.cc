@@ -32,6 +32,7 @@
 #include "model/sampler.h"
 #include "model/transformer.h"
 #include "plan/layer_split.h"
+#include "serve/draft_model.h"
 #include "serve/kv_layout.h"
 #include "serve/stage_backend.h"
 #include "serve/step_wire.h"
@@ -152,7 +153,8 @@ class Rank : public StepExecutor {
   std::unique_ptr<RankMetrics> metrics_;
   std::unique_ptr<StageBackend> backend_;  // where the stage runs (and its own links)
   std::unique_ptr<Transformer> model_;
-  std::vector<float> hidden_;  // hidden states crossing the host mesh
+  std::shared_ptr<ModelDrafter> drafter_;  // the leader's draft model (speculative decoding)
+  std::vector<float> hidden_;              // hidden states crossing the host mesh
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
   std::vector<int32_t> block_refs_;  // per block: the tables holding it
@@ -299,6 +301,16 @@ absl::Status Rank::Init() {
     };
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
     RETURN_IF_ERROR(LoadDeclaredAdapters());
+    // Speculative decoding with a draft model: the leader runs it (serve/draft_model.h).
+    if (rank == 0 && cfg_.env.speculative_method == "draft") {
+      Starting("loading the draft model");
+      if (cfg_.env.draft_model.empty()) {
+        return absl::InvalidArgumentError(
+            "speculative decoding with a draft model needs SHARDSERVE_DRAFT_MODEL");
+      }
+      ASSIGN_OR_RETURN(drafter_, ModelDrafter::Load(cfg_.env.draft_model, c, cfg_.env.threads,
+                                                    cfg_.env.kv_cache_tokens));
+    }
     cache_->FollowTables();  // the leader hands out the blocks (serve/prefix_cache.h)
     block_refs_.assign(cache_->num_blocks(), 0);
     std::vector<LayerRange> split;
@@ -790,6 +802,7 @@ LeaderContext Rank::Context() {
   o.speculative.method =
       ParseSpeculativeMethod(env.speculative_method).value_or(SpeculativeMethod::kNone);
   o.speculative.tokens = env.speculative_tokens;
+  o.drafter = drafter_;
   o.max_context = env.max_sequence_length > 0 ? std::min(c.max_context, env.max_sequence_length)
                                               : c.max_context;
   o.vocab_size = c.vocab_size;

@@ -29,4 +29,11 @@ std::vector<int32_t> NgramDrafts(absl::Span<const int32_t> prompt, absl::Span<co
   return drafts;
 }
 
+std::vector<std::vector<int32_t>> NgramDrafter::Propose(const std::vector<Query>& queries) {
+  std::vector<std::vector<int32_t>> out;
+  out.reserve(queries.size());
+  for (const Query& q : queries) out.push_back(NgramDrafts(q.prompt, q.output, config_, q.k));
+  return out;
+}
+
 }  // namespace shardserve

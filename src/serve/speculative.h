@@ -6,6 +6,7 @@
 // by the sequence's next chunk. Greedy output is the same as without speculation; sampled output
 // has the same distribution.
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -18,5 +19,31 @@ namespace shardserve {
 // to `k` tokens that followed it; none when no suffix recurs.
 std::vector<int32_t> NgramDrafts(absl::Span<const int32_t> prompt, absl::Span<const int32_t> output,
                                  const SpeculativeConfig& config, int64_t k);
+
+// What drafts tokens for the engine's decode steps: every sequence that drafts in a step, asked
+// at once (a draft model runs them as one batch). Called on the scheduler thread only.
+class Drafter {
+ public:
+  struct Query {
+    int64_t seq = 0;
+    absl::Span<const int32_t> prompt, output;  // the sequence's tokens so far
+    int64_t k = 0;                             // drafts wanted, at most
+  };
+  virtual ~Drafter() = default;
+  // Each query's drafts (at most its k; none is an answer). A drafter that fails drafts nothing:
+  // the sequences then decode one token a step.
+  virtual std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) = 0;
+  // The sequence ended or was preempted: what the drafter keeps of it is freed.
+  virtual void Forget(int64_t /*seq*/) {}
+};
+
+class NgramDrafter : public Drafter {
+ public:
+  explicit NgramDrafter(const SpeculativeConfig& config) : config_(config) {}
+  std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) override;
+
+ private:
+  SpeculativeConfig config_;
+};
 
 }  // namespace shardserve

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram prompt lookup) through the real binaries. `shardserve generate
---speculative ngram` at TP 1 x PP 1 and TP 2 x PP 2 gives exactly the greedy tokens (and the
-target's logprobs and alternatives) of decoding without it, on Llama and Mixtral, while drafts are
-verified and kept (the generated models repeat themselves); sampled decoding with drafts runs to
-its length. `shardserve local` with spec.serving.speculative drafts for a request (the leader's
+"""Speculative decoding through the real binaries. `shardserve generate --speculative ngram`
+(prompt lookup) at TP 1 x PP 1 and TP 2 x PP 2 gives exactly the greedy tokens (and the target's
+logprobs and alternatives) of decoding without it, on Llama and Mixtral, while drafts are verified
+and kept (the generated models repeat themselves); so does `--speculative draft` with a Q4_K GGUF
+of the same model as the draft; sampled decoding with drafts runs to its length. `shardserve local` with spec.serving.speculative drafts for a request (the leader's
 drafted and accepted counters move), answers as a request that opted out ("speculative": false,
 which drafts nothing), and stops at the same stop string."""
 import json
@@ -54,6 +54,23 @@ with tempfile.TemporaryDirectory() as tmp:
                   f"{d:.1e} <= {TOL}, the same alternatives")
             check(0 < spec["accepted"] <= spec["drafted"],
                   f"{arch} tp {tp} pp {pp}: drafts were verified and kept ({spec})")
+    # A draft model: the model's own Q4_K GGUF drafting for its BF16 safetensors.
+    shape = ["--layers", "3", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
+             "--intermediate", "512", "--vocab", "401"]
+    target, draft = os.path.join(tmp, "target"), os.path.join(tmp, "draft.gguf")
+    subprocess.run([BIN, "gen-model", "--out", target] + shape, check=True, capture_output=True)
+    subprocess.run([BIN, "gen-model", "--out", draft, "--format", "gguf", "--gguf-type", "q4_k"]
+                   + shape, check=True, capture_output=True)
+    want = generate(target, [])
+    for tp, pp in ((1, 1), (2, 2)):
+        got = generate(target, ["--tp", str(tp), "--pp", str(pp), "--speculative", "draft",
+                                "--draft-model", draft])
+        if want and got:
+            spec = got["speculation"]
+            print(f"draft model, tp {tp} pp {pp}: {spec['accepted']} of {spec['drafted']} kept")
+            check(got["tokens"] == want["tokens"] and 0 < spec["accepted"] < spec["drafted"],
+                  f"draft model, tp {tp} pp {pp}: the greedy tokens of plain decoding, some "
+                  f"drafts kept and some refused ({spec})")
     sampled = generate(models["llama"], ["--tp", "2", "--pp", "2", "--speculative", "ngram",
                                          "--temperature", "0.3", "--seed", "5"])
     if sampled:
@@ -61,7 +78,7 @@ with tempfile.TemporaryDirectory() as tmp:
               f"sampled decoding with drafts runs to its length ({sampled['speculation']})")
     bad = subprocess.run([BIN, "generate", "--model", models["llama"], "--prompt-ids", "1,2",
                           "--speculative", "eagle"], capture_output=True, text=True)
-    check(bad.returncode != 0 and "--speculative 'eagle' must be none or ngram" in bad.stderr,
+    check(bad.returncode != 0 and "--speculative 'eagle' must be none, ngram or draft" in bad.stderr,
           f"an unknown method is refused by name ({bad.stderr.strip()[-80:]})")
 
     # --- serving ----------------------------------------------------------------------------

@@ -87,6 +87,11 @@ TEST(ShardedModel, ParsesWithDefaults) {
   ApplyServing(ngram->spec, w);
   EXPECT_EQ(w.speculative_method, "ngram");
   EXPECT_EQ(w.speculative_tokens, 6);
+  auto draft = ParseShardedModel(
+      std::string(kGood) +
+      "  serving: {speculative: {method: draft, draftModel: 'hf://org/small@abc'}}\n");
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  EXPECT_EQ(draft->spec.draft_model, "hf://org/small@abc");
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -295,11 +300,16 @@ TEST(ShardedModel, BadManifestsNameTheField) {
       {with("  replicas: 2", "  replicas: 2\n  serving: {kvCacheDtype: int8}"),
        "spec.serving.kvCacheDtype 'int8' must be auto, f32, bf16, f16 or fp8"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {method: eagle3}}"),
-       "spec.serving.speculative.method 'eagle3' must be none or ngram"},
+       "spec.serving.speculative.method 'eagle3' must be none, ngram or draft"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {method: draft}}"),
+       "spec.serving.speculative.method draft needs spec.serving.speculative.draftModel"},
+      {with("  replicas: 2",
+            "  replicas: 2\n  serving: {speculative: {method: draft, draftModel: ftp://x}}"),
+       "spec.serving.speculative.draftModel 'ftp://x'"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {tokens: 0}}"),
        "spec.serving.speculative.tokens must be between 1 and 16, got 0"},
-      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {draftModel: x}}"),
-       "spec.serving.speculative"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {draftModel: file:///d}}"),
+       "spec.serving.speculative.draftModel is the draft method's; the method is none"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {prefixCaching: maybe}"),
        "spec.serving.prefixCaching must be true or false, got"},
       {with("  replicas: 2", "  replicas: 2\n  startup: {timeoutSeconds: 0}"),

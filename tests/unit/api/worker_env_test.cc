@@ -49,6 +49,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.kv_cache_dtype = "fp8";
   w.speculative_method = "ngram";
   w.speculative_tokens = 7;
+  w.draft_model = "/models/draft";
   w.max_sequence_length = 4096;
   w.leader_addr = "llama-3-0.llama-workers.ml.svc:29500";
   w.host = "llama-3-1.llama-workers.ml.svc";
@@ -151,7 +152,7 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
   EXPECT_THAT(error({{"SHARDSERVE_KV_CACHE_DTYPE", "int4"}}),
               HasSubstr("SHARDSERVE_KV_CACHE_DTYPE='int4' must be auto, f32, bf16, f16 or fp8"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_METHOD", "eagle"}}),
-              HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none or ngram"));
+              HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none, ngram or draft"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_TOKENS", "17"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_TOKENS='17'"));
   EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader"}}),

@@ -19,6 +19,7 @@
 #include "model/generator.h"
 #include "model/test_models.h"
 #include "model/transformer.h"
+#include "serve/draft_model.h"
 #include "serve/grammar.h"
 
 namespace shardserve {
@@ -228,6 +229,40 @@ TEST_F(EngineTest, SpeculationKeepsGreedyTokensThroughChunkingAndPreemption) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(plain.drafted_, 0);
   EXPECT_EQ((*got)[0].tokens, want[0].tokens);
+}
+
+// A draft model (serve/draft_model.h) drafts for the engine: the model itself as its own draft
+// has every draft kept (rounding apart), and the tokens stay the plain generator's through
+// chunked prompts and a batch of sequences. (cli.speculative runs a Q4_K draft, which the
+// target often refuses.)
+TEST_F(EngineTest, ADraftModelDraftsAndTheTokensStayTheModels) {
+  for (auto& r : requests_) r.params.max_tokens = 40;
+  const auto want = Reference();
+  LocalExecutor exec(model_.get(), 160);
+  EngineOptions o = Cramped(exec);
+  o.speculative.method = SpeculativeMethod::kDraft;
+  o.speculative.tokens = 4;
+  auto drafter = ModelDrafter::Load(dir_.Sub("m"), model_->config(), 1, 4096);
+  ASSERT_TRUE(drafter.ok()) << drafter.status();
+  o.drafter = *std::move(drafter);
+  int64_t drafted = 0, accepted = 0;
+  EngineObserver observer;
+  observer.speculation = [&](int64_t d, int64_t a) {
+    drafted += d;
+    accepted += a;
+  };
+  auto got = GenerateAll(&exec, o, requests_, observer);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
+  }
+  EXPECT_GT(drafted, 50);
+  EXPECT_GE(accepted, drafted * 9 / 10) << accepted << " of " << drafted;
+  // A draft whose vocabulary is larger than the model's is refused, naming both.
+  ModelConfig smaller = model_->config();
+  smaller.vocab_size -= 1;
+  EXPECT_THAT(ModelDrafter::Load(dir_.Sub("m"), smaller, 1, 4096).status().message(),
+              ::testing::HasSubstr("more than the model's"));
 }
 
 // The backlog a role scales on: the prompt tokens still to compute fall as prompts are fed (3 a

@@ -1,0 +1,51 @@
+#pragma once
+// Speculative decoding with a draft model (api/speculative.h's draft): a smaller model of the
+// target's vocabulary (a quantized GGUF of the same model, a smaller sibling), whole on the
+// replica's leader, its own KV cache, greedy. Each Propose feeds every sequence what the draft
+// has not read yet (its prompt at first; then the tokens the target kept, its last token),
+// rewinding past drafted positions the target refused, and then drafts k tokens, one batched
+// forward a token over all the sequences asked.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/config.h"
+#include "model/kv_cache.h"
+#include "model/transformer.h"
+#include "serve/speculative.h"
+
+namespace shardserve {
+
+class ModelDrafter : public Drafter {
+ public:
+  // The draft in `path` (a model directory or GGUF file) on the CPU backend with `threads`
+  // threads and a KV cache of `kv_tokens` positions. Refused, naming the draft: a model that
+  // cannot load, or whose vocabulary is larger than the target's (its ids would not be the
+  // target's).
+  static absl::StatusOr<std::unique_ptr<ModelDrafter>> Load(const std::string& path,
+                                                            const ModelConfig& target, int threads,
+                                                            int64_t kv_tokens);
+  std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) override;
+  void Forget(int64_t seq) override;
+
+  const ModelConfig& config() const { return model_->config(); }
+
+ private:
+  struct Seq {
+    SequenceKv kv;
+    std::vector<int32_t> fed;  // the tokens at the cache's positions, in order
+  };
+  ModelDrafter(std::unique_ptr<Transformer> model, std::unique_ptr<KvCache> cache)
+      : model_(std::move(model)), cache_(std::move(cache)) {}
+  absl::StatusOr<std::vector<std::vector<int32_t>>> Draft(const std::vector<Query>& queries);
+
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<KvCache> cache_;
+  std::map<int64_t, Seq> seqs_;
+  bool warned_ = false;
+};
+
+}  // namespace shardserve
