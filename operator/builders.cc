@@ -103,6 +103,53 @@ json FetchContainer(const ModelView& m, const std::string& name, const FetchSour
                     const std::string& cache, json mounts, std::vector<std::string> extra,
                     json security_context, json& volumes);
 
+// The files of one more model a rank reads besides the model (an adapter, a draft model), from
+// `uri_text` (checked by ReadModel): its volume `volume` read-only at `at` (its claim; its host
+// path, of hostPath type `host_type` ("": any); or for a remote one a volume of `size` that a
+// fetch step named `fetch` fills, linking `at`/`link` to it, at the same path in the step and in
+// the rank, so that the link resolves), added to `f`; the path the rank reads.
+struct UriFiles {
+  std::string volume, at, fetch, size, link, host_type;
+};
+std::string AddUriFiles(const ModelView& m, const std::string& uri_text, const UriFiles& u,
+                        ModelFiles& f) {
+  const ModelUri uri = *ParseModelUri(uri_text);
+  const std::string& volume = u.volume;
+  const std::string& at = u.at;
+  std::string path = at;
+  if (uri.remote()) {
+    f.volumes.push_back({{"name", volume}, {"emptyDir", {{"sizeLimit", u.size}}}});
+    path = absl::StrCat(at, "/", u.link);
+    f.more_init.push_back(FetchContainer(m, u.fetch, {uri_text, "", {}, false},
+                                         absl::StrCat(at, "/cache"),
+                                         json::array({{{"name", volume}, {"mountPath", at}}}),
+                                         {"--link", path}, m.defaults.security_context, f.volumes));
+  } else if (uri.scheme == ModelUri::Scheme::kPvc) {
+    f.volumes.push_back(
+        {{"name", volume},
+         {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
+    path = absl::StrCat(at, "/", uri.path);
+  } else {
+    json host = {{"path", uri.path}};
+    if (!u.host_type.empty()) host["type"] = u.host_type;
+    f.volumes.push_back({{"name", volume}, {"hostPath", host}});
+  }
+  f.mounts.push_back({{"name", volume}, {"mountPath", at}, {"readOnly", true}});
+  return path;
+}
+
+// The leader's draft model (spec.serving.speculative.draftModel), read-only at kDraftMount: the
+// path its rank reads (SHARDSERVE_DRAFT_MODEL).
+constexpr char kDraftMount[] = "/draft";
+ModelFiles DraftFiles(const ModelView& m, std::string* path) {
+  ModelFiles f;
+  const std::string& uri = m.model.spec.draft_model;
+  // A directory or a GGUF file.
+  if (!uri.empty())
+    *path = AddUriFiles(m, uri, {"draft", kDraftMount, "fetch-draft", "64Gi", "model", ""}, f);
+  return f;
+}
+
 // A stage's LoRA adapters (spec.adapters): each one's volume (its claim or its host directory),
 // read-only at kAdapterMount/N, and the directories the ranks read (SHARDSERVE_LORA_ADAPTERS);
 // and the directory of the adapters loaded at runtime (spec.lora.source), read-only at
@@ -113,30 +160,14 @@ ModelFiles StageAdapterFiles(const ModelView& m, std::vector<AdapterRef>& refs, 
   ModelFiles f;
   const auto& adapters = m.model.spec.adapters;
   for (size_t i = 0; i < adapters.size(); ++i) {
-    const ModelUri uri = *ParseModelUri(adapters[i].uri);  // checked by ReadModel
-    const std::string volume = absl::StrCat("adapter-", i);
-    const std::string at = absl::StrCat(kAdapterMount, "/", i);
-    if (uri.remote()) {
-      // Fetched by a step of the pod into a volume of its own (adapters are small: no node
-      // cache), at the same path in the step and, read-only, in the rank: the link resolves.
-      f.volumes.push_back({{"name", volume}, {"emptyDir", {{"sizeLimit", "4Gi"}}}});
-      const std::string dir = absl::StrCat(at, "/adapter");
-      f.more_init.push_back(FetchContainer(
-          m, absl::StrCat("fetch-adapter-", i), {adapters[i].uri, "", {}, false},
-          absl::StrCat(at, "/cache"), json::array({{{"name", volume}, {"mountPath", at}}}),
-          {"--link", dir}, m.defaults.security_context, f.volumes));
-      refs.push_back({adapters[i].name, dir});
-    } else if (uri.scheme == ModelUri::Scheme::kPvc) {
-      f.volumes.push_back(
-          {{"name", volume},
-           {"persistentVolumeClaim", {{"claimName", uri.claim}, {"readOnly", true}}}});
-      refs.push_back({adapters[i].name, absl::StrCat(at, "/", uri.path)});
-    } else {
-      f.volumes.push_back(
-          {{"name", volume}, {"hostPath", {{"path", uri.path}, {"type", "Directory"}}}});
-      refs.push_back({adapters[i].name, at});
-    }
-    f.mounts.push_back({{"name", volume}, {"mountPath", at}, {"readOnly", true}});
+    // Adapters are small: a remote one is fetched into a volume of its own, no node cache.
+    const UriFiles u = {absl::StrCat("adapter-", i),
+                        absl::StrCat(kAdapterMount, "/", i),
+                        absl::StrCat("fetch-adapter-", i),
+                        "4Gi",
+                        "adapter",
+                        "Directory"};
+    refs.push_back({adapters[i].name, AddUriFiles(m, adapters[i].uri, u, f)});
   }
   if (!m.model.spec.lora_source.empty()) {  // where adapters loaded at runtime are
     const ModelUri uri = *ParseModelUri(m.model.spec.lora_source);  // checked by ReadModel
@@ -429,6 +460,23 @@ absl::Status CheckHostPath(const std::string& path, const std::vector<std::strin
       "); use pvc://CLAIM/PATH"));
 }
 
+// A URI that `field` gives for a pod to read: not file:// (only shardserve local reads one), a
+// host path inside the platform's.
+absl::Status CheckClusterUri(const std::string& text, const std::string& field,
+                             const ModelPolicy& policy) {
+  ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(text));
+  if (at.scheme == ModelUri::Scheme::kFile) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " '", text,
+                     "' is a file:// uri, which only shardserve local reads; on a cluster use "
+                     "pvc:// or hostpath://"));
+  }
+  if (at.scheme == ModelUri::Scheme::kHostPath) {
+    return CheckHostPath(at.path, policy.host_paths, field);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& defaults,
@@ -459,41 +507,16 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
     }
     v.kv_role = "prefill";
   }
-  ASSIGN_OR_RETURN(ModelUri uri, ParseModelUri(v.model.spec.model_uri));
-  if (uri.scheme == ModelUri::Scheme::kFile) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec.model.uri '", v.model.spec.model_uri,
-        "' is a file:// uri, which only shardserve local reads; on a cluster use pvc:// or "
-        "hostpath://"));
-  }
-  if (uri.scheme == ModelUri::Scheme::kHostPath) {
-    RETURN_IF_ERROR(CheckHostPath(uri.path, policy.host_paths, "spec.model.uri"));
-  }
+  RETURN_IF_ERROR(CheckClusterUri(v.model.spec.model_uri, "spec.model.uri", policy));
   for (size_t i = 0; i < v.model.spec.adapters.size(); ++i) {
-    const ShardedModelSpec::Adapter& a = v.model.spec.adapters[i];
-    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(a.uri));
-    if (at.scheme == ModelUri::Scheme::kFile) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("spec.adapters[", i, "].uri '", a.uri,
-                       "' is a file:// uri, which only shardserve local reads; on a cluster use "
-                       "pvc:// or hostpath://"));
-    }
-    if (at.scheme == ModelUri::Scheme::kHostPath) {
-      RETURN_IF_ERROR(
-          CheckHostPath(at.path, policy.host_paths, absl::StrCat("spec.adapters[", i, "].uri")));
-    }
+    RETURN_IF_ERROR(CheckClusterUri(v.model.spec.adapters[i].uri,
+                                    absl::StrCat("spec.adapters[", i, "].uri"), policy));
   }
   if (const std::string& source = v.model.spec.lora_source; !source.empty()) {
-    ASSIGN_OR_RETURN(const ModelUri at, ParseModelUri(source));
-    if (at.scheme == ModelUri::Scheme::kFile) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "spec.lora.source '", source,
-          "' is a file:// uri, which only shardserve local reads; on a cluster use pvc:// or "
-          "hostpath://"));
-    }
-    if (at.scheme == ModelUri::Scheme::kHostPath) {
-      RETURN_IF_ERROR(CheckHostPath(at.path, policy.host_paths, "spec.lora.source"));
-    }
+    RETURN_IF_ERROR(CheckClusterUri(source, "spec.lora.source", policy));
+  }
+  if (const std::string& draft = v.model.spec.draft_model; !draft.empty()) {
+    RETURN_IF_ERROR(CheckClusterUri(draft, "spec.serving.speculative.draftModel", policy));
   }
   const std::string& image = v.model.spec.image;
   if (!policy.image_prefixes.empty() &&
@@ -535,6 +558,8 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   std::string lora_root;
   const ModelFiles adapter_files = StageAdapterFiles(m, adapters, &lora_root);
   const bool leader = stage == 0;
+  std::string draft_path;  // the leader runs the draft model
+  const ModelFiles draft_files = leader ? DraftFiles(m, &draft_path) : ModelFiles{};
 
   json labels = Labels(m);
   labels[kReplicaLabel] = std::to_string(replica);
@@ -562,6 +587,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   ApplyServing(s, w);
   w.lora_adapters = EncodeAdapterList(adapters);
   w.lora_root = lora_root;
+  w.draft_model = draft_path;
   w.host = absl::StrCat(pod, ".", workers, ".", m.model.namespace_, ".svc");
   w.rendezvous_secret_file = absl::StrCat(kRendezvousSecretMount, "/secret");
   w.termination_log = "/dev/termination-log";  // the first rank error, for status
@@ -619,7 +645,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {{{"name", "shm"},
         {"emptyDir",
          {{"medium", "Memory"}, {"sizeLimit", std::to_string(ShmSizeBytes(s.tensor))}}}}});
-  for (const ModelFiles* f : {&files, &adapter_files}) {
+  for (const ModelFiles* f : {&files, &adapter_files, &draft_files}) {
     for (const json& v : f->volumes) {
       // The fetch steps (the model's, its adapters') share the credentials' volume.
       if (std::none_of(volumes.begin(), volumes.end(),
@@ -632,7 +658,7 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
   // Secrets the kubelet mounts, readable by the pod's group (fsGroup) only: the replica's
   // rendezvous secret, and on the leader the API keys.
   json mounts = {{{"name", "shm"}, {"mountPath", "/dev/shm"}}};
-  for (const ModelFiles* f : {&files, &adapter_files}) {
+  for (const ModelFiles* f : {&files, &adapter_files, &draft_files}) {
     for (const json& v : f->mounts) mounts.push_back(v);
   }
   mounts.push_back(
@@ -681,7 +707,9 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
       {"volumes", volumes}};
   json init = json::array();
   if (!files.init.is_null()) init.push_back(files.init);
-  for (const json& c : adapter_files.more_init) init.push_back(c);
+  for (const ModelFiles* f : {&adapter_files, &draft_files}) {
+    for (const json& c : f->more_init) init.push_back(c);
+  }
   if (!init.empty()) spec["initContainers"] = std::move(init);
   AddScheduling(s, spec);
 

@@ -644,15 +644,19 @@ absl::Status ValidateShardedModel(const ShardedModel& m) {
         "spec.model.uri '",
         s.model_uri, "' is read as it is"));
   }
-  const bool remote_adapter = std::any_of(s.adapters.begin(), s.adapters.end(), [](const auto& a) {
-    const absl::StatusOr<ModelUri> at = ParseModelUri(a.uri);
+  const auto remote = [](const std::string& u) {
+    const absl::StatusOr<ModelUri> at = ParseModelUri(u);
     return at.ok() && at->remote();
-  });
-  if (!s.model_secret.empty() && !uri.remote() && !remote_adapter) {
+  };
+  const bool remote_other =  // an adapter or the draft model, whose fetch steps read it too
+      std::any_of(s.adapters.begin(), s.adapters.end(),
+                  [&](const auto& a) { return remote(a.uri); }) ||
+      remote(s.draft_model);
+  if (!s.model_secret.empty() && !uri.remote() && !remote_other) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spec.model.secret holds the credentials of a remote model or adapter (s3://, hf://, "
         "oci://); spec.model.uri '",
-        s.model_uri, "' and spec.adapters need none"));
+        s.model_uri, "', spec.adapters and the draft model need none"));
   }
   if (!s.model_secret.empty() &&
       (s.model_secret.size() > 253 || !std::regex_match(s.model_secret, DnsSubdomain()))) {

@@ -739,6 +739,62 @@ TEST(Builders, LoraAdaptersAreMountedWhereTheRanksReadThem) {
 // spec.serving.flowControl: the config's ConfigMap (or Secret) mounted on the leaders and the
 // routers, each told where it is; the routers share the limits (each 1/kRouterPods); the other
 // ranks have none. Both sources at once, or a bad key, are refused by name.
+// spec.serving.speculative.draftModel: the leader alone runs the draft model, so only the stage-0
+// pod mounts it (a claim, a host GGUF file the platform allows) or fetches it (a remote one, a
+// step of its own with the model's credentials), and its rank is told where; file:// is refused.
+TEST(Builders, TheDraftModelIsTheLeadersOnly) {
+  json obj = Model();
+  obj["spec"]["serving"] = {
+      {"speculative", {{"method", "draft"}, {"draftModel", "pvc://store/llama/1b"}}}};
+  auto m = ReadModel(obj);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const json leader = BuildStagePod(*m, 0, 0, {"a", "b"});
+  const json worker = BuildStagePod(*m, 0, 1, {"a", "b"});
+  EXPECT_EQ(Env(leader, "SHARDSERVE_SPECULATIVE_METHOD"), "draft");
+  EXPECT_EQ(Env(leader, "SHARDSERVE_DRAFT_MODEL"), "/draft/llama/1b");
+  EXPECT_EQ(Env(worker, "SHARDSERVE_DRAFT_MODEL"), "<absent>");
+  EXPECT_EQ(worker.dump().find("/draft"), std::string::npos);
+  std::map<std::string, json> volumes, mounts;
+  for (const json& v : leader["spec"]["volumes"]) volumes[v["name"]] = v;
+  for (const json& v : leader["spec"]["containers"][0]["volumeMounts"]) mounts[v["name"]] = v;
+  EXPECT_EQ(volumes["draft"]["persistentVolumeClaim"]["claimName"], "store");
+  EXPECT_EQ(mounts["draft"],
+            json({{"name", "draft"}, {"mountPath", "/draft"}, {"readOnly", true}}));
+
+  obj["spec"]["serving"]["speculative"]["draftModel"] = "hostpath:///data/llama-q4k.gguf";
+  auto host = ReadModel(obj, {}, {{"/data"}, {}});
+  ASSERT_TRUE(host.ok()) << host.status();
+  const json on_host = BuildStagePod(*host, 0, 0, {"a", "b"});
+  EXPECT_EQ(Env(on_host, "SHARDSERVE_DRAFT_MODEL"), "/draft");
+  EXPECT_NE(on_host.dump().find(R"({"hostPath":{"path":"/data/llama-q4k.gguf"},"name":"draft"})"),
+            std::string::npos)
+      << "a file as well as a directory";
+  EXPECT_NE(ReadModel(obj).status().message().find("spec.serving.speculative.draftModel"),
+            std::string::npos);
+
+  obj["spec"]["serving"]["speculative"]["draftModel"] = "hf://org/llama-1b";
+  obj["spec"]["model"]["secret"] = "hf-token";
+  auto remote = ReadModel(obj);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  const json fetched = BuildStagePod(*remote, 0, 0, {"a", "b"});
+  EXPECT_EQ(Env(fetched, "SHARDSERVE_DRAFT_MODEL"), "/draft/model");
+  ASSERT_EQ(fetched["spec"]["initContainers"].size(), 1u);
+  const json& step = fetched["spec"]["initContainers"][0];
+  EXPECT_EQ(step["name"], "fetch-draft");
+  EXPECT_EQ(
+      step["command"],
+      json({"shardserve", "fetch", "--uri", "hf://org/llama-1b", "--cache", "/draft/cache",
+            "--credentials", "/var/run/shardserve/model-credentials", "--link", "/draft/model"}))
+      << step["command"];
+  EXPECT_FALSE(BuildStagePod(*remote, 0, 1, {"a", "b"})["spec"].contains("initContainers"));
+
+  obj["spec"]["serving"]["speculative"]["draftModel"] = "file:///data/llama-1b";
+  obj["spec"]["model"].erase("secret");
+  EXPECT_NE(ReadModel(obj).status().message().find(
+                "spec.serving.speculative.draftModel 'file:///data/llama-1b' is a file:// uri"),
+            std::string::npos);
+}
+
 TEST(Builders, FlowControlIsMountedOnTheLeadersAndRouters) {
   json object = Model();
   object["spec"]["serving"]["flowControl"] = {{"configMap", "tenants"}, {"key", "limits.yaml"}};
