@@ -81,8 +81,8 @@ constexpr char kGenerateUsage[] =
     "--metrics-port-base PORT --kv-cache-dtype auto|f32|bf16|f16|fp8\n"
     "--speculative none|ngram|draft --speculative-tokens K --draft-model DIR|FILE.gguf]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP;\n"
-    "--speculative: decode steps draft up to K tokens (4) that the model verifies, through the\n"
-    "rank runtime even at one rank)";
+    "--speculative: decode steps draft up to K tokens (4) that the model verifies; with it (none\n"
+    "too) the run goes through the rank runtime even at one rank)";
 
 constexpr char kGenAdapterUsage[] =
     "--model DIR --out DIR [--rank N --alpha N --seed N]\n"
@@ -417,7 +417,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   // One rank on the CPU runs in this process; a backend named in SHARDSERVE_BACKEND (other than
   // cpu) goes through the rank runtime, which picks it.
   const char* backend = std::getenv(kBackendEnv);
-  const bool in_process = tp * pp == 1 && !speculative.enabled() &&
+  const bool in_process = tp * pp == 1 && !a.Has("speculative") &&
                           (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
   std::unique_ptr<Transformer> model;
   if (in_process) {  // load first: a bad directory is reported as the model's problem
