@@ -173,6 +173,27 @@ class EngineTest : public ::testing::Test {
     return o;
   }
 
+  // Speculative decoding: `o` drafting up to `tokens` a step with `method`.
+  static EngineOptions Speculating(EngineOptions o, SpeculativeMethod method, int64_t tokens) {
+    o.speculative.method = method;
+    o.speculative.tokens = tokens;
+    return o;
+  }
+  // The drafted and kept tokens an engine reports, each step's within its bounds.
+  struct Drafts {
+    int64_t drafted = 0, accepted = 0;
+    EngineObserver Observer(int64_t tokens) {
+      EngineObserver o;
+      o.speculation = [this, tokens](int64_t d, int64_t a) {
+        EXPECT_LE(a, d);
+        EXPECT_LE(d, tokens);
+        drafted += d;
+        accepted += a;
+      };
+      return o;
+    }
+  };
+
   TempDir dir_;
   std::unique_ptr<Transformer> model_;
   std::vector<GenerationRequest> requests_;
@@ -198,18 +219,10 @@ TEST_F(EngineTest, SpeculationKeepsGreedyTokensThroughChunkingAndPreemption) {
   for (auto& r : requests_) r.params.max_tokens = 40;
   const auto want = Reference();
   LocalExecutor exec(model_.get(), 160);
-  EngineOptions o = Cramped(exec);
-  o.speculative.method = SpeculativeMethod::kNgram;
-  o.speculative.tokens = 3;
-  int64_t drafted = 0, accepted = 0;
-  EngineObserver observer;
-  observer.speculation = [&](int64_t d, int64_t a) {
-    EXPECT_LE(a, d);
-    EXPECT_LE(d, 3);
-    drafted += d;
-    accepted += a;
-  };
-  auto got = GenerateAll(&exec, o, requests_, observer);
+  EngineOptions o = Speculating(Cramped(exec), SpeculativeMethod::kNgram, 3);
+  Drafts drafts;
+  auto got = GenerateAll(&exec, o, requests_, drafts.Observer(3));
+  const int64_t drafted = drafts.drafted, accepted = drafts.accepted;
   ASSERT_TRUE(got.ok()) << got.status();
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
@@ -239,19 +252,13 @@ TEST_F(EngineTest, ADraftModelDraftsAndTheTokensStayTheModels) {
   for (auto& r : requests_) r.params.max_tokens = 40;
   const auto want = Reference();
   LocalExecutor exec(model_.get(), 160);
-  EngineOptions o = Cramped(exec);
-  o.speculative.method = SpeculativeMethod::kDraft;
-  o.speculative.tokens = 4;
+  EngineOptions o = Speculating(Cramped(exec), SpeculativeMethod::kDraft, 4);
   auto drafter = ModelDrafter::Load(dir_.Sub("m"), model_->config(), 1, 4096);
   ASSERT_TRUE(drafter.ok()) << drafter.status();
   o.drafter = *std::move(drafter);
-  int64_t drafted = 0, accepted = 0;
-  EngineObserver observer;
-  observer.speculation = [&](int64_t d, int64_t a) {
-    drafted += d;
-    accepted += a;
-  };
-  auto got = GenerateAll(&exec, o, requests_, observer);
+  Drafts drafts;
+  auto got = GenerateAll(&exec, o, requests_, drafts.Observer(4));
+  const int64_t drafted = drafts.drafted, accepted = drafts.accepted;
   ASSERT_TRUE(got.ok()) << got.status();
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i;
