@@ -68,6 +68,12 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ModelDrafter::Draft(
     s.kv.length = same;
     SequenceChunk ch;
     for (int64_t j = same; j < total; ++j) ch.tokens.push_back(token(j));
+    // An id past the draft's vocabulary (the model's is larger): this sequence is not drafted.
+    if (std::any_of(ch.tokens.begin(), ch.tokens.end(),
+                    [&](int32_t t) { return t >= model_->config().vocab_size; })) {
+      Forget(q.seq);
+      continue;
+    }
     s.fed.insert(s.fed.end(), ch.tokens.begin(), ch.tokens.end());
     ch.kv = &s.kv;
     chunks.push_back(std::move(ch));

@@ -505,7 +505,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     for (int64_t s = 0; s < S; ++s) {
       const StepChunk& ch = step.chunks[s];
       // Drafts are kept while each is the greedy token of the row before it.
-      for (int64_t i = 0; i <= ch.drafts && row < best.size(); ++i) {
+      for (int64_t i = 0; i <= ch.drafts && row + i < best.size(); ++i) {
         tokens[s].push_back(best[row + i]);
         if (i == ch.drafts || best[row + i].id != ch.tokens[ch.tokens.size() - ch.drafts + i]) {
           break;
