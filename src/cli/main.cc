@@ -401,6 +401,9 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     speculative.method = *m;
   }
   ASSIGN_OR_RETURN(speculative.tokens, a.GetInt("speculative-tokens", kDefaultSpeculativeTokens));
+  if (a.Has("speculative-tokens") && !speculative.enabled()) {
+    return absl::InvalidArgumentError("--speculative-tokens needs --speculative ngram or draft");
+  }
   if ((speculative.method == SpeculativeMethod::kDraft) != a.Has("draft-model")) {
     return absl::InvalidArgumentError("--speculative draft and --draft-model go together");
   }

@@ -10,7 +10,8 @@ namespace shardserve {
 
 absl::StatusOr<std::unique_ptr<ModelDrafter>> ModelDrafter::Load(const std::string& path,
                                                                  const ModelConfig& target,
-                                                                 int threads, int64_t kv_tokens) {
+                                                                 int threads, int64_t kv_tokens,
+                                                                 int64_t max_read) {
   Transformer::Options o;
   o.num_threads = std::max(1, threads);
   auto model = Transformer::Load(path, o);
@@ -25,7 +26,8 @@ absl::StatusOr<std::unique_ptr<ModelDrafter>> ModelDrafter::Load(const std::stri
                      target.vocab_size, ": it must share the model's vocabulary"));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, (*model)->NewKvCache(kv_tokens));
-  return std::unique_ptr<ModelDrafter>(new ModelDrafter(*std::move(model), std::move(cache)));
+  return std::unique_ptr<ModelDrafter>(
+      new ModelDrafter(*std::move(model), std::move(cache), std::max<int64_t>(1, max_read)));
 }
 
 void ModelDrafter::Forget(int64_t seq) {
@@ -52,6 +54,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ModelDrafter::Draft(
   std::vector<std::vector<int32_t>> out(queries.size());
   std::vector<size_t> active;  // queries still drafting
   std::vector<SequenceChunk> chunks;
+  std::vector<SequenceChunk> reading;  // sequences read this call, not yet drafted for
   for (size_t i = 0; i < queries.size(); ++i) {
     const Query& q = queries[i];
     const int64_t p = static_cast<int64_t>(q.prompt.size());
@@ -67,7 +70,10 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ModelDrafter::Draft(
     s.fed.resize(same);
     s.kv.length = same;
     SequenceChunk ch;
-    for (int64_t j = same; j < total; ++j) ch.tokens.push_back(token(j));
+    const bool whole = total - same <= max_read_;
+    for (int64_t j = same; j < (whole ? total : same + max_read_); ++j) {
+      ch.tokens.push_back(token(j));
+    }
     // An id past the draft's vocabulary (the model's is larger): this sequence is not drafted.
     if (std::any_of(ch.tokens.begin(), ch.tokens.end(),
                     [&](int32_t t) { return t >= model_->config().vocab_size; })) {
@@ -76,9 +82,14 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> ModelDrafter::Draft(
     }
     s.fed.insert(s.fed.end(), ch.tokens.begin(), ch.tokens.end());
     ch.kv = &s.kv;
+    if (!whole) {
+      reading.push_back(std::move(ch));
+      continue;
+    }
     chunks.push_back(std::move(ch));
     active.push_back(i);
   }
+  if (!reading.empty()) RETURN_IF_ERROR(model_->Run(reading, *cache_));
   while (!active.empty()) {
     RETURN_IF_ERROR(model_->Run(chunks, *cache_));
     ASSIGN_OR_RETURN(std::vector<SampledToken> best, model_->Greedy(0, nullptr));

@@ -22,12 +22,14 @@ namespace shardserve {
 class ModelDrafter : public Drafter {
  public:
   // The draft in `path` (a model directory or GGUF file) on the CPU backend with `threads`
-  // threads and a KV cache of `kv_tokens` positions. Refused, naming the draft: a model that
-  // cannot load, or whose vocabulary is larger than the target's (its ids would not be the
-  // target's).
+  // threads and a KV cache of `kv_tokens` positions. A sequence's unread tokens are read at most
+  // `max_read` a Propose (the replica's max_step_tokens: a long prompt does not stall the
+  // scheduler in one forward); it is drafted for once the draft has read it all. Refused, naming
+  // the draft: a model that cannot load, or whose vocabulary is larger than the target's (its
+  // ids would not be the target's).
   static absl::StatusOr<std::unique_ptr<ModelDrafter>> Load(const std::string& path,
                                                             const ModelConfig& target, int threads,
-                                                            int64_t kv_tokens);
+                                                            int64_t kv_tokens, int64_t max_read);
   std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) override;
   void Forget(int64_t seq) override;
 
@@ -38,12 +40,13 @@ class ModelDrafter : public Drafter {
     SequenceKv kv;
     std::vector<int32_t> fed;  // the tokens at the cache's positions, in order
   };
-  ModelDrafter(std::unique_ptr<Transformer> model, std::unique_ptr<KvCache> cache)
-      : model_(std::move(model)), cache_(std::move(cache)) {}
+  ModelDrafter(std::unique_ptr<Transformer> model, std::unique_ptr<KvCache> cache, int64_t max_read)
+      : model_(std::move(model)), cache_(std::move(cache)), max_read_(max_read) {}
   absl::StatusOr<std::vector<std::vector<int32_t>>> Draft(const std::vector<Query>& queries);
 
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<KvCache> cache_;
+  int64_t max_read_;
   std::map<int64_t, Seq> seqs_;
   bool warned_ = false;
 };

@@ -308,8 +308,9 @@ absl::Status Rank::Init() {
         return absl::InvalidArgumentError(
             "speculative decoding with a draft model needs SHARDSERVE_DRAFT_MODEL");
       }
-      ASSIGN_OR_RETURN(drafter_, ModelDrafter::Load(cfg_.env.draft_model, c, cfg_.env.threads,
-                                                    cfg_.env.kv_cache_tokens));
+      ASSIGN_OR_RETURN(drafter_,
+                       ModelDrafter::Load(cfg_.env.draft_model, c, cfg_.env.threads,
+                                          cfg_.env.kv_cache_tokens, cfg_.env.max_step_tokens));
     }
     cache_->FollowTables();  // the leader hands out the blocks (serve/prefix_cache.h)
     block_refs_.assign(cache_->num_blocks(), 0);
