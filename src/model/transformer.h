@@ -141,7 +141,7 @@ class Transformer {
   absl::Status HiddenToHost(std::vector<float>& out);
   absl::Status SendHidden(Communicator& link, int peer);
   // After Run on the last stage: this rank's vocab-parallel slice of the logits of the chunks'
-  // logit rows (SequenceChunk::logit_rows, one a chunk unless asked): logit_rows() rows of
+  // logit rows (SequenceChunk::logit_rows, one a chunk unless asked), each a row of
   // logits_stride() floats whose first vocab_end() - vocab_begin() are ids
   // [vocab_begin(), vocab_end()).
   absl::Status LogitsToHost(std::vector<float>& out);
@@ -166,7 +166,7 @@ class Transformer {
                                                    int64_t top_logprobs);
 
   // After Run on the last stage, every rank of the TP group: the full logits of each logit row
-  // (logit_rows() x vocab_size, host), gathered over the TP communicator; identical on every rank.
+  // (rows x vocab_size, host), gathered over the TP communicator; identical on every rank.
   absl::Status GatherLogits(std::vector<float>& logits);
   // Run on host memory: `hidden_in` is a later stage's input; `out` gets LogitsToHost's or
   // HiddenToHost's output.
@@ -175,7 +175,6 @@ class Transformer {
   // Run, then GatherLogits: a whole model (first and last stage).
   absl::Status Forward(std::vector<SequenceChunk>& chunks, KvCache& cache,
                        std::vector<float>& logits);
-  int64_t logit_rows() const { return logit_rows_; }  // of the last Run
   int64_t vocab_begin() const { return vocab_begin_; }
   int64_t vocab_end() const { return vocab_end_; }
   int64_t logits_stride() const {

@@ -33,8 +33,6 @@ class ModelDrafter : public Drafter {
   std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) override;
   void Forget(int64_t seq) override;
 
-  const ModelConfig& config() const { return model_->config(); }
-
  private:
   struct Seq {
     SequenceKv kv;
