@@ -63,6 +63,17 @@ struct Engine::MaskJob {
   std::vector<uint32_t> mask ABSL_GUARDED_BY(mu);
 };
 
+// The masks of a constrained sequence's drafted rows (Engine::StartDraftMasks), computed on a
+// grammar thread on a copy of its constraint.
+struct Engine::DraftMaskJob {
+  absl::Mutex mu;
+  absl::CondVar cv;
+  bool busy ABSL_GUARDED_BY(mu) = true;
+  std::vector<int32_t> drafts ABSL_GUARDED_BY(mu);  // those the grammar allows
+  std::vector<uint32_t> masks ABSL_GUARDED_BY(mu);  // 1 + drafts.size() rows' masks
+  std::shared_ptr<TokenConstraint> copy;            // cancelled when the step goes on without it
+};
+
 struct Engine::Sequence {
   int64_t id = 0;
   int64_t group = 0;  // the request it belongs to (its n choices, its prompts): the fair unit
@@ -194,17 +205,79 @@ void Engine::StartMask(Sequence* s, std::vector<int32_t> tokens) {
   }
 }
 
+// While `job` is busy, until `until` at the latest (job.mu held).
+template <typename Job>
+static void WaitWhileBusy(Job& job, Clock::time_point until) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu) {
+  const absl::Time deadline =
+      absl::FromChrono(std::chrono::system_clock::now() + (until - Clock::now()));
+  while (job.busy && Clock::now() < until) {
+    if (job.cv.WaitWithDeadline(&job.mu, deadline)) break;
+  }
+}
+
+std::shared_ptr<Engine::DraftMaskJob> Engine::StartDraftMasks(Sequence* s,
+                                                              std::vector<int32_t> drafts,
+                                                              Clock::time_point until) {
+  auto job = std::make_shared<DraftMaskJob>();
+  std::vector<uint32_t> first;
+  {
+    MaskJob& own = *s->mask;
+    absl::MutexLock lock(&own.mu);
+    WaitWhileBusy(own, until);  // as TakeMask would
+    if (own.busy || !own.status.ok() || own.finished) return nullptr;
+    first = own.mask;
+    // The constraint is idle (its mask is done, the next Accept comes with this step's result).
+    job->copy = s->request.constraint->Clone();
+  }
+  const bool posted =
+      grammar_workers_->Post([job, first = std::move(first), drafts = std::move(drafts)]() mutable {
+        // Row i's mask is the grammar's after drafts [0, i); a draft the row before does not allow
+        // ends the drafts, and so does one that completes the grammar (the sequence ends there: no
+        // row after it is sampled).
+        std::vector<uint32_t> masks = first, mask = std::move(first);
+        size_t kept = 0;
+        for (; kept < drafts.size(); ++kept) {
+          const auto t = static_cast<size_t>(drafts[kept]);
+          if (t / 32 >= mask.size() || !(mask[t / 32] >> (t % 32) & 1u)) break;
+          if (!job->copy->Accept(drafts[kept]).ok() || job->copy->Finished()) break;
+          if (!job->copy->Allowed(&mask).ok() ||
+              std::none_of(mask.begin(), mask.end(), [](uint32_t w) { return w; })) {
+            break;
+          }
+          masks.insert(masks.end(), mask.begin(), mask.end());
+        }
+        drafts.resize(kept);
+        {
+          absl::MutexLock lock(&job->mu);
+          job->drafts = std::move(drafts);
+          job->masks = std::move(masks);
+          job->busy = false;
+        }
+        job->cv.SignalAll();
+      });
+  return posted ? job : nullptr;
+}
+
+void Engine::TakeDraftMasks(DraftMaskJob& job, Clock::time_point until,
+                            std::vector<int32_t>* drafts, std::vector<uint32_t>* allowed) {
+  absl::MutexLock lock(&job.mu);
+  WaitWhileBusy(job, until);
+  if (job.busy) {  // the step goes on without drafts; the copy gives up
+    job.copy->Cancel();
+    drafts->clear();
+    return;
+  }
+  *drafts = job.drafts;
+  *allowed = job.masks;
+}
+
 bool Engine::TakeMask(Sequence* s, Clock::time_point until, std::vector<uint32_t>* allowed) {
   MaskJob& job = *s->mask;
   absl::Status status;
   bool finished = false;
   {
     absl::MutexLock lock(&job.mu);
-    const absl::Time deadline =
-        absl::FromChrono(std::chrono::system_clock::now() + (until - Clock::now()));
-    while (job.busy && Clock::now() < until) {
-      if (job.cv.WaitWithDeadline(&job.mu, deadline)) break;
-    }
+    WaitWhileBusy(job, until);
     if (job.busy) {
       if (Clock::now() - job.since <= options_.mask_timeout) return false;  // sits this step out
       status = absl::InvalidArgumentError(
@@ -717,7 +790,14 @@ StepDesc Engine::BuildStep(int mb) {
     }
     return v;
   };
-  const absl::flat_hash_map<Sequence*, std::vector<int32_t>> proposed = Propose(batch);
+  absl::flat_hash_map<Sequence*, std::vector<int32_t>> proposed = Propose(batch);
+  // A constrained sequence's drafts are checked against its grammar, and their rows' masks
+  // computed, on the grammar threads while the other chunks are built.
+  absl::flat_hash_map<Sequence*, std::shared_ptr<DraftMaskJob>> draft_masks;
+  for (auto& [s, d] : proposed) {
+    if (s->request.constraint == nullptr) continue;
+    if (std::shared_ptr<DraftMaskJob> job = StartDraftMasks(s, d, mask_until)) draft_masks[s] = job;
+  }
   for (Sequence* s : std::vector<Sequence*>(batch.seqs)) {
     if (s->mb != mb) continue;  // preempted by an earlier sequence of this step
     const int64_t remaining = s->total() - s->fed;
@@ -735,10 +815,20 @@ StepDesc Engine::BuildStep(int mb) {
     if (auto it = proposed.find(s); it != proposed.end() && s->fed + 1 == s->total()) {
       drafts = std::move(it->second);
     }
+    const size_t mask_words = allowed.size();  // a row's
+    if (s->request.constraint != nullptr && !drafts.empty()) {
+      auto job = draft_masks.find(s);
+      if (job == draft_masks.end()) {
+        drafts.clear();
+      } else {
+        TakeDraftMasks(*job->second, mask_until, &drafts, &allowed);
+      }
+    }
     if (static_cast<int64_t>(drafts.size()) > budget - n) {
       drafts.resize(std::max<int64_t>(0, budget - n));
     }
     const int64_t d = static_cast<int64_t>(drafts.size());
+    if (mask_words > 0) allowed.resize((1 + d) * mask_words);
     s->in_step = true;  // never its own victim while it competes for room
     bool fits = true;
     while (blocks_for(s->fed + n + d) - static_cast<int64_t>(s->table.size()) > pool_.available()) {
@@ -858,10 +948,10 @@ void Engine::Accept(const StepResult& result) {
       Retire(s, end, absl::OkStatus());
     } else if (s->offer) {
       Retire(s, "offered", absl::OkStatus());
-    } else if (s->request.constraint != nullptr) {
-      // The grammar takes the token and computes the next mask while other steps run; it may
-      // also say the output is complete (TakeMask ends the sequence then).
-      StartMask(s, {t.token});
+    } else if (s->request.constraint != nullptr && g.taken == g.count) {
+      // The grammar takes the step's tokens and computes the next mask while other steps run;
+      // it may also say the output is complete (TakeMask ends the sequence then).
+      StartMask(s, std::vector<int32_t>(s->generated.end() - g.count, s->generated.end()));
     }
   }
 }
@@ -873,9 +963,9 @@ absl::flat_hash_map<Engine::Sequence*, std::vector<int32_t>> Engine::Propose(
   std::vector<Sequence*> seqs;
   std::vector<Drafter::Query> queries;
   for (Sequence* s : batch.seqs) {
-    // A decode step of a sequence that speculates (a grammar's masks are not drafted).
-    if (s->fed + 1 != s->total() || !s->request.speculative || s->request.constraint != nullptr ||
-        s->offer) {
+    // A decode step of a sequence that speculates (under a grammar, the drafts it allows:
+    // StartDraftMasks).
+    if (s->fed + 1 != s->total() || !s->request.speculative || s->offer) {
       continue;
     }
     // Every draft kept and one token more stays within max_tokens and the context.

@@ -226,6 +226,7 @@ class Engine {
  private:
   struct Sequence;
   struct MaskJob;
+  struct DraftMaskJob;
   struct MicroBatch {
     std::vector<Sequence*> seqs;
     bool in_flight = false;
@@ -276,6 +277,15 @@ class Engine {
   bool TakeMask(Sequence* s, std::chrono::steady_clock::time_point until,
                 std::vector<uint32_t>* allowed);
   void MaskDone();
+  // Speculation under a grammar: posts the masks of s's drafted rows (a copy of its constraint
+  // past each draft) to a grammar thread once s's own mask is done; null when it is not by
+  // `until`.
+  std::shared_ptr<DraftMaskJob> StartDraftMasks(Sequence* s, std::vector<int32_t> drafts,
+                                                std::chrono::steady_clock::time_point until);
+  // The drafts the grammar allows (none that completes it) and the masks of the chunk's rows
+  // (`allowed`, s's own first), waiting until `until`; no drafts when they are not ready then.
+  static void TakeDraftMasks(DraftMaskJob& job, std::chrono::steady_clock::time_point until,
+                             std::vector<int32_t>* drafts, std::vector<uint32_t>* allowed);
   // LoRA, on the scheduler thread: the orders queued by LoadAdapter and the adapters unloaded and
   // idle (evicted, forgotten) sent to the ranks; then slots for the adapters of the first waiting
   // sequences (a free slot, or the least recently used idle one), installed; a sequence whose

@@ -393,7 +393,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
     if (auto it = samplers_.find(ch.seq); sampler && it != samplers_.end()) {
       // Drafts are observed once kept (Sampler::Verify).
       it->second.Observe(ch.tokens.data(), static_cast<int64_t>(ch.tokens.size()) - ch.drafts);
-      if (!ch.allowed.empty()) it->second.Allow(ch.allowed);
+      if (!ch.allowed.empty() && ch.drafts == 0) it->second.Allow(ch.allowed);
     }
     {  // the leader's block table (every id checked: a step is input too)
       if (ch.params) Drop(ch.seq);
@@ -524,7 +524,7 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
       const StepChunk& ch = step.chunks[s];
       ASSIGN_OR_RETURN(Sampler * smp, sampler_of(s));
       const std::vector<int32_t> drafts(ch.tokens.end() - ch.drafts, ch.tokens.end());
-      tokens[s] = smp->Verify(logits.data() + row * V, V, drafts, {ch.allowed});
+      tokens[s] = smp->Verify(logits.data() + row * V, V, drafts, RowMasks(ch));
     }
   } else {
     std::vector<Sampler*> samplers;

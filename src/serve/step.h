@@ -46,7 +46,9 @@ struct StepChunk {
   int64_t rewind = 0;
   // The LoRA adapter slot the sequence runs (every chunk of it; -1: the base model).
   int32_t lora_slot = -1;
-  // Structured output: the ids this token may take (Sampler::Allow's mask); empty: any.
+  // Structured output: the ids each sampled row may take (Sampler::Allow's mask), row after row:
+  // 1 + drafts masks of one size (a draft's row reads the grammar past the drafts before it);
+  // empty: any.
   std::vector<uint32_t> allowed;
   // Prompt log-probabilities (echo with logprobs): rows [score_from, score_from + score.size())
   // of this chunk are scored, row score_from + i against token score[i] (the prompt's next), with
@@ -76,6 +78,17 @@ struct StepResult {
   // The scored prompt tokens (StepChunk::score), in chunk and row order: token is the prompt's.
   std::vector<StepToken> prompt;
 };
+
+// A chunk's allowed sets (StepChunk::allowed), one a sampled row; none without a grammar.
+inline std::vector<std::vector<uint32_t>> RowMasks(const StepChunk& c) {
+  std::vector<std::vector<uint32_t>> out;
+  if (c.allowed.empty()) return out;
+  const size_t rows = static_cast<size_t>(1 + c.drafts), words = c.allowed.size() / rows;
+  for (size_t r = 0; r < rows; ++r) {
+    out.emplace_back(c.allowed.begin() + r * words, c.allowed.begin() + (r + 1) * words);
+  }
+  return out;
+}
 
 // The batch rows a step asks the last stage to score (StepChunk::score, every chunk's in order),
 // their targets and the most alternatives any asks for.

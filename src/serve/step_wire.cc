@@ -176,9 +176,10 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
       if (auto allowed = ch.find("allowed"); allowed != ch.end()) {
         std::string bytes;
         if (!allowed->is_string() || !absl::Base64Unescape(allowed->get<std::string>(), &bytes) ||
-            bytes.empty() || bytes.size() % 4 != 0 || !c.sample) {
-          return absl::DataLossError(absl::StrCat(
-              "chunk of sequence ", c.seq, ": 'allowed' is not a sampled token's base64 mask"));
+            bytes.empty() || bytes.size() % (4 * (1 + c.drafts)) != 0 || !c.sample) {
+          return absl::DataLossError(absl::StrCat("chunk of sequence ", c.seq,
+                                                  ": 'allowed' is not the base64 masks of its ",
+                                                  1 + c.drafts, " sampled rows"));
         }
         c.allowed.resize(bytes.size() / 4);
         for (size_t i = 0; i < c.allowed.size(); ++i) {

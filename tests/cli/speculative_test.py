@@ -3,9 +3,11 @@
 (prompt lookup) at TP 1 x PP 1 and TP 2 x PP 2 gives exactly the greedy tokens (and the target's
 logprobs and alternatives) of decoding without it, on Llama and Mixtral, while drafts are verified
 and kept (the generated models repeat themselves); so does `--speculative draft` with a Q4_K GGUF
-of the same model as the draft; sampled decoding with drafts runs to its length. `shardserve local` with spec.serving.speculative drafts for a request (the leader's
-drafted and accepted counters move), answers as a request that opted out ("speculative": false,
-which drafts nothing), and stops at the same stop string."""
+of the same model as the draft; sampled decoding with drafts runs to its length. `shardserve
+local` with spec.serving.speculative drafts for a request (the leader's drafted and accepted
+counters move), answers as a request that opted out ("speculative": false, which drafts nothing),
+stops at the same stop string, and under a JSON schema drafts what the grammar allows and still
+answers as the request that opted out."""
 import json
 import os
 import re
@@ -126,6 +128,27 @@ with tempfile.TemporaryDirectory() as tmp:
             a, b = ask(stop=[stop], speculative=False), ask(stop=[stop])
             check(a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"] == "stop",
                   f"a stop string ends both answers at the same place ({b['text'][-20:]!r})")
+        # Structured output: drafts the grammar allows, each row sampled under the grammar past
+        # the drafts before it; the answer is the plain one and follows the schema.
+        schema = {"type": "array", "minItems": 4, "maxItems": 8,
+                  "items": {"type": "object", "required": ["a"], "additionalProperties": False,
+                            "properties": {"a": {"type": "boolean"}}}}
+        shaped = {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "a", "schema": schema}},
+                  "ignore_eos": False, "max_tokens": 200}
+        before = counters()
+        a, b = ask(speculative=False, **shaped), ask(**shaped)
+        after = counters()
+        print(f"structured: {after[1] - before[1]:.0f} of {after[0] - before[0]:.0f} drafts kept")
+        value = json.loads(b["text"])
+        check(a["text"] == b["text"] and isinstance(value, list) and len(value) >= 4 and
+              b["finish_reason"] == "stop",
+              f"under a grammar the speculative answer is the plain one ({b['text'][:40]!r})")
+        check(after[1] > before[1], f"drafts under a grammar are kept ({before} -> {after})")
+        sampled = dict(shaped, temperature=1.0, seed=5)
+        b = ask(**sampled)
+        check(isinstance(json.loads(b["text"]), list) and b["finish_reason"] == "stop",
+              f"sampled under a grammar with drafts, the answer follows it ({b['text'][:40]!r})")
     finally:
         d.stop()
 

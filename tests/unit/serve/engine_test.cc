@@ -65,7 +65,7 @@ class LocalExecutor : public StepExecutor {
       chunked_ += !c.sample;
       masks_ += !c.allowed.empty();
       drafted_ += c.drafts;
-      if (!c.allowed.empty()) samplers_.at(c.seq).Allow(c.allowed);
+      if (!c.allowed.empty() && c.drafts == 0) samplers_.at(c.seq).Allow(c.allowed);
       chunks.push_back({c.tokens, &kv_[c.seq], -1, 1 + c.drafts});
     }
     StepResult r;
@@ -83,7 +83,7 @@ class LocalExecutor : public StepExecutor {
         if (c.drafts > 0) {
           tokens = sampler.Verify(logits.data() + row * V, V,
                                   std::vector<int32_t>(c.tokens.end() - c.drafts, c.tokens.end()),
-                                  {c.allowed});
+                                  RowMasks(c));
         } else {
           tokens.push_back(sampler.Sample(logits.data() + row * V, V));
         }
@@ -413,6 +413,68 @@ TEST_F(EngineTest, ConstrainedSequencesFollowTheirGrammars) {
   }
   EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
   EXPECT_EQ(exec.masks_, constrained_tokens);
+}
+
+// Speculation under a grammar: a constrained sequence's drafts are checked against its grammar
+// and each drafted row is sampled under the grammar as it stands after the drafts before it.
+// Greedy tokens stay those of decoding without drafts; sampled outputs still follow their
+// grammars (a row sampled under another row's mask would take a token the grammar refuses, and
+// the sequence would end in an error); drafts are kept.
+TEST_F(EngineTest, DraftsUnderAGrammarKeepItsTokens) {
+  auto tok = Tokenizer::Load(dir_.Sub("m"));
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto vocab =
+      GrammarVocabulary::Create(**tok, model_->config().vocab_size, model_->config().eos_token_ids);
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  const std::string schema =
+      R"({"type": "array", "items": {"type": "object", "properties": {"a": {"type": "boolean"}},
+          "required": ["a"], "additionalProperties": false}, "minItems": 3, "maxItems": 6})";
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    GenerationRequest& r = requests_[i];
+    r.params.max_tokens = 120;
+    r.params.ignore_eos = false;
+    if (i >= 3) {  // sampled
+      r.params.temperature = 1.0f;
+      r.params.seed = 3 + i;
+    }
+    auto c = vocab.value()->Compile(i % 2 == 0 ? Grammar{"json_schema", schema}
+                                               : Grammar{"regex", "[a-e]{10,30}"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    r.constraint = std::move(*c);
+  }
+  auto fresh = [&] {  // a run uses its constraints up
+    std::vector<GenerationRequest> out = requests_;
+    for (auto& r : out) r.constraint = r.constraint->Clone();
+    return out;
+  };
+  LocalExecutor plain(model_.get(), 4096);
+  auto want = GenerateAll(&plain, Cramped(plain), fresh());
+  ASSERT_TRUE(want.ok()) << want.status();
+  LocalExecutor exec(model_.get(), 4096);
+  Drafts drafts;
+  auto got = GenerateAll(&exec, Speculating(Cramped(exec), SpeculativeMethod::kNgram, 3), fresh(),
+                         drafts.Observer(3));
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    const GenerationResult& g = (*got)[i];
+    EXPECT_EQ(g.finish_reason, "stop") << "request " << i;
+    std::vector<int32_t> text_ids = g.tokens;
+    const auto& eos = model_->config().eos_token_ids;
+    if (!text_ids.empty() && std::count(eos.begin(), eos.end(), text_ids.back())) {
+      text_ids.pop_back();
+    }
+    const std::string text = (*tok)->Decode(text_ids);
+    if (i % 2 == 0) {
+      const auto v = nlohmann::json::parse(text, nullptr, false);
+      EXPECT_TRUE(v.is_array() && v.size() >= 3) << "request " << i << ": " << text;
+    } else {
+      EXPECT_TRUE(std::regex_match(text, std::regex("[a-e]{10,30}"))) << "request " << i << text;
+    }
+    if (i < 3) EXPECT_EQ(g.tokens, (*want)[i].tokens) << "request " << i << ": " << text;
+  }
+  EXPECT_EQ(drafts.drafted, exec.drafted_);
+  EXPECT_GT(drafts.accepted, 0) << "the grammars' repetitions were meant to be drafted";
+  EXPECT_EQ(plain.drafted_, 0);
 }
 
 TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {

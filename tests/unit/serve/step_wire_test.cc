@@ -105,6 +105,7 @@ StepDesc SomeStep() {
   drafted.tokens = {7, 8, 9};
   drafted.drafts = 2;
   drafted.rewind = 2;
+  drafted.allowed = {1, 2, 3, 4, 5, 6};  // under a grammar: a mask of 2 words for each of 3 rows
   d.chunks = {prompt, decode, drafted};
   return d;
 }
@@ -120,6 +121,8 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   ASSERT_EQ(back->chunks.size(), 3u);
   EXPECT_EQ(back->chunks[0].tokens, d.chunks[0].tokens);
   EXPECT_EQ(std::tuple(back->chunks[2].drafts, back->chunks[2].rewind), std::tuple(2, 2));
+  EXPECT_EQ(RowMasks(back->chunks[2]),
+            (std::vector<std::vector<uint32_t>>{{1, 2}, {3, 4}, {5, 6}}));
   EXPECT_EQ(std::tuple(back->chunks[0].drafts, back->chunks[0].rewind), std::tuple(0, 0));
   ASSERT_TRUE(back->chunks[0].params.has_value());
   EXPECT_EQ(back->chunks[0].params->seed, UINT64_MAX);
@@ -273,8 +276,9 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               HasSubstr("chunk of sequence 4: 1 drafts in a chunk of 1 tokens not sampled"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][2]["rewind"] = -1; }), HasSubstr("'rewind'"));
   for (const json& bad : {json("@@@"), json(7), json("AAA"), json("")}) {
-    EXPECT_THAT(refused([&](json& m) { m["chunks"][0]["allowed"] = bad; }),
-                HasSubstr("chunk of sequence 3: 'allowed' is not a sampled token's base64 mask"));
+    EXPECT_THAT(
+        refused([&](json& m) { m["chunks"][0]["allowed"] = bad; }),
+        HasSubstr("chunk of sequence 3: 'allowed' is not the base64 masks of its 1 sampled rows"));
   }
   // Scored rows past the chunk's end (3 tokens): a step is input too.
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["score_from"] = 2; }),
@@ -284,8 +288,12 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
               }),
               HasSubstr("4 scored rows from row 1"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][0]["score"] = {-1}; }), HasSubstr("'score'"));
-  EXPECT_THAT(refused([](json& m) { m["chunks"][1]["allowed"] = "AAAAAA=="; }),
-              HasSubstr("chunk of sequence 4: 'allowed' is not a sampled token's base64 mask"));
+  EXPECT_THAT(
+      refused([](json& m) { m["chunks"][1]["allowed"] = "AAAAAA=="; }),
+      HasSubstr("chunk of sequence 4: 'allowed' is not the base64 masks of its 1 sampled rows"));
+  // A chunk with 2 drafts has 3 masks of one size: 2 words do not divide into 3.
+  EXPECT_THAT(refused([](json& m) { m["chunks"][2]["allowed"] = "AAAAAAAAAAA="; }),
+              HasSubstr("chunk of sequence 5: 'allowed' is not the base64 masks of its 3 sampled"));
   EXPECT_THAT(Error(DecodeStepMessageType({{"type", "dance"}}).status()),
               HasSubstr("a step message of unknown type 'dance'"));
   EXPECT_THAT(Error(DecodeStepMessageType({{"kind", "step"}}).status()),
