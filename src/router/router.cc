@@ -176,6 +176,10 @@ struct Replica {
   std::string why ABSL_GUARDED_BY(mu);  // why it is not live (logged on change)
   // When the leaders' list stopped naming it (Clock's epoch: it names it).
   Clock::time_point unlisted_since ABSL_GUARDED_BY(mu);
+  // The runtime LoRA adapters (Router::Impl::runtime_adapters) this run of its leader
+  // (adapters_epoch) has answered for: took, or refused with a 4xx of its own.
+  std::set<std::string> adapters_given ABSL_GUARDED_BY(mu);
+  std::string adapters_epoch ABSL_GUARDED_BY(mu);
 };
 
 // The first line of the token file (the leaders accept it as a key file).
@@ -225,6 +229,17 @@ struct Router::Impl {
   std::map<std::string, std::shared_ptr<Replica>> replicas ABSL_GUARDED_BY(mu);
   absl::Notification stopping;
   std::thread discovery;
+  // LoRA adapters loaded at runtime through this router and not unloaded since, by name: the
+  // load's body and the admin's headers, replayed by SyncAdapters to a replica that has not
+  // answered for them (one the router found later, a leader's new run, one that failed the
+  // load). adapters_mu orders a fan-out and a replay pass.
+  struct RuntimeAdapter {
+    std::string body;
+    http::Headers headers;
+  };
+  absl::Mutex adapters_mu;
+  std::map<std::string, RuntimeAdapter> runtime_adapters ABSL_GUARDED_BY(adapters_mu);
+  std::thread adapter_sync;
   std::atomic<uint64_t> turn{0};
   std::atomic<int> active{0};
   std::unique_ptr<http::Server> http, metrics_http;
@@ -1246,9 +1261,10 @@ struct Router::Impl {
 
   // POST /v1/load_lora_adapter and /v1/unload_lora_adapter: an admin's call, sent to every
   // replica this router follows, at once (each leader checks the admin key; the router holds
-  // none). 200 with the leaders' answer when every one answered 200; else the status they all
-  // answered (a 4xx the call earned), or 502, with each replica's answer. Replicas that start
-  // later have the declared adapters only (spec.adapters).
+  // none of its own). 200 with the leaders' answer when every one answered 200; else the status
+  // they all answered (a 4xx the call earned), or 502, with each replica's answer. A load some
+  // leader took is remembered and replayed to replicas that did not answer for it
+  // (SyncAdapters); an unload forgets it.
   void FanOut(const http::Request& req, http::Exchange& ex) {
     const std::vector<std::shared_ptr<Replica>> reps = Snapshot();
     if (reps.empty()) {
@@ -1258,22 +1274,22 @@ struct Router::Impl {
     for (const char* h : {"authorization", "content-type"}) {
       if (req.HasHeader(h)) headers.emplace_back(h, req.Header(h));
     }
-    struct Answer {
-      int status = 0;
-      std::string body;
-    };
+    const bool load = req.target == "/v1/load_lora_adapter";
+    const ojson body = ojson::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    const std::string name =
+        body.is_object() && body.contains("lora_name") && body["lora_name"].is_string()
+            ? body["lora_name"].get<std::string>()
+            : "";
+    absl::MutexLock order(&adapters_mu);
+    if (!load) runtime_adapters.erase(name);
     std::vector<Answer> answers(reps.size());
     {
       const auto timeout =
           std::min<std::chrono::milliseconds>(options.answer_timeout, std::chrono::seconds(120));
       std::vector<std::thread> calls;
       for (size_t i = 0; i < reps.size(); ++i) {
-        calls.emplace_back([&, i] {
-          auto r = http::Fetch(reps[i]->host, reps[i]->port, "POST", req.target, headers, req.body,
-                               timeout);
-          answers[i] = r.ok() ? Answer{r->status, std::move(r->body)}
-                              : Answer{0, std::string(r.status().message())};
-        });
+        calls.emplace_back(
+            [&, i] { answers[i] = Call(*reps[i], req.target, headers, req.body, timeout); });
       }
       for (std::thread& t : calls) t.join();
     }
@@ -1285,6 +1301,10 @@ struct Router::Impl {
           absl::StrCat(reps[i]->address, ": ",
                        answers[i].status == 0 ? "no answer" : absl::StrCat(answers[i].status), " ",
                        answers[i].body.substr(0, 300)));
+    }
+    if (load && !name.empty() && statuses.count(200)) {
+      runtime_adapters[name] = RuntimeAdapter{req.body, headers};
+      for (size_t i = 0; i < reps.size(); ++i) Given(*reps[i], name, answers[i].status);
     }
     if (statuses == std::set<int>{200}) {
       CountRequest(200);
@@ -1299,6 +1319,62 @@ struct Router::Impl {
         status,
         absl::StrCat(req.target, " on ", reps.size(), " replica(s): ", absl::StrJoin(each, "; ")),
         status == 502 ? "server_error" : "invalid_request_error"));
+  }
+
+  struct Answer {
+    int status = 0;  // 0: none came
+    std::string body;
+  };
+  static Answer Call(const Replica& r, const std::string& target, const http::Headers& headers,
+                     const std::string& body, std::chrono::milliseconds timeout) {
+    auto a = http::Fetch(r.host, r.port, "POST", target, headers, body, timeout);
+    return a.ok() ? Answer{a->status, std::move(a->body)}
+                  : Answer{0, std::string(a.status().message())};
+  }
+
+  // r's leader answered `status` for the runtime adapter `name`: taken (2xx) or refused by its
+  // own word (4xx, "already loaded" included: the admin's to fix, not retried); no answer or a
+  // 5xx is tried again.
+  static void Given(Replica& r, const std::string& name, int status) {
+    if (status < 200 || status >= 500) return;
+    absl::MutexLock lock(&r.mu);
+    if (r.adapters_epoch != r.epoch) {  // a new run of the leader holds none of them
+      r.adapters_given.clear();
+      r.adapters_epoch = r.epoch;
+    }
+    r.adapters_given.insert(name);
+  }
+
+  // Every resolve_every: the runtime adapters a live replica's leader (this run of it) has not
+  // answered for are loaded on it, with the admin's headers of the load, one call at a time.
+  void SyncAdapters() {
+    do {
+      absl::MutexLock order(&adapters_mu);
+      for (const std::shared_ptr<Replica>& r : Snapshot()) {
+        std::vector<std::string> missing;
+        {
+          absl::MutexLock lock(&r->mu);
+          if (!r->live || r->epoch.empty()) continue;
+          if (r->adapters_epoch != r->epoch) {
+            r->adapters_given.clear();
+            r->adapters_epoch = r->epoch;
+          }
+          for (const auto& [name, a] : runtime_adapters) {
+            if (!r->adapters_given.count(name)) missing.push_back(name);
+          }
+        }
+        for (const std::string& name : missing) {
+          if (stopping.HasBeenNotified()) return;
+          const RuntimeAdapter& a = runtime_adapters.at(name);
+          const Answer answer =
+              Call(*r, "/v1/load_lora_adapter", a.headers, a.body, std::chrono::seconds(10));
+          LogInfo("router: the runtime LoRA adapter '", name, "' replayed to replica ", r->address,
+                  ": ", answer.status == 0 ? "no answer" : absl::StrCat(answer.status), " ",
+                  answer.body.substr(0, 200));
+          Given(*r, name, answer.status);
+        }
+      }
+    } while (!stopping.WaitForNotificationWithTimeout(absl::FromChrono(options.resolve_every)));
   }
 
   // The leader's answer, passed on: a whole answer with its length, a stream event by event,
@@ -1542,6 +1618,7 @@ void Router::Stop(std::chrono::milliseconds drain) {
   if (impl_->http) impl_->http->Stop();
   if (impl_->metrics_http) impl_->metrics_http->Stop();
   if (impl_->discovery.joinable()) impl_->discovery.join();
+  if (impl_->adapter_sync.joinable()) impl_->adapter_sync.join();
   for (auto& r : impl_->Snapshot()) {
     r->stop.Notify();
     if (r->thread.joinable()) r->thread.join();
@@ -1666,6 +1743,7 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& optio
     s->metrics_http = *std::move(started);
   }
   s->discovery = std::thread([s] { s->Discover(); });
+  s->adapter_sync = std::thread([s] { s->SyncAdapters(); });
   if (s->keys == nullptr) {
     LogWarning("router: no API keys: anyone who reaches ", options.host, ":", s->http->port(),
                " can use the model");

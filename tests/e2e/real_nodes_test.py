@@ -770,9 +770,15 @@ def adapters():
                                 "temperature": 0, "logprobs": 3}) for _ in range(4)]
     # Both replicas took it: each leader, asked directly (the routers' adapter affinity keeps the
     # Service's requests of it on the replica whose slot holds it), answers it as the others do.
+    # A leader the router had not found yet at the load gets it replayed within a resolve period.
     leaders = [p["status"]["podIP"] for p in m.pods("lora", "shardserve.io/role=leader")]
-    direct = [post(ip, {"model": "math", "prompt": PROMPTS[1], "max_tokens": 12,
-                        "temperature": 0, "logprobs": 3}) for ip in leaders]
+    direct = []
+
+    def both_serve():
+        direct[:] = [post(ip, {"model": "math", "prompt": PROMPTS[1], "max_tokens": 12,
+                               "temperature": 0, "logprobs": 3}) for ip in leaders]
+        return all(a[0] == 200 for a in direct)
+    wait_until(both_serve, 60)
     check(all(a[0] == 200 and same_answer(a[1], want["math"]) for a in answers_math),
           f"lora: the runtime adapter's tokens and logprobs equal shardserve local's "
           f"({[a[1]['choices'][0]['text'] if a[0] == 200 else a for a in answers_math]})")

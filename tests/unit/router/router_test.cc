@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <set>
 #include <thread>
 
@@ -36,10 +37,11 @@ class FakeLeader {
     http::Routes routes;
     routes.GetBlocking("/v1/kv-events", [this](const http::Request&, http::Exchange& ex) {
       if (!ex.StartStream({200, "application/x-ndjson", "", {}})) return;
-      std::string out = EncodeKvHello("m", 4, name_) + "\n";
+      const int run = run_.load();  // a new run of the leader: a new epoch, a new stream
+      std::string out = EncodeKvHello("m", 4, absl::StrCat(name_, run)) + "\n";
       for (const std::string& l : EncodeKvSnapshot(cached_)) out += l + "\n";
       if (!ex.Write(out)) return;
-      while (!stop_stream_.load() && !ex.ClientGone()) {
+      while (!stop_stream_.load() && !ex.ClientGone() && run_.load() == run) {
         ReplicaLoad load{0, 0, max_batch_.load(), 0, 100};
         load.accepting = accepting_.load();
         if (!adapters_.empty()) {
@@ -76,6 +78,10 @@ class FakeLeader {
     routes.PostBlocking("/v1/load_lora_adapter",
                         [this](const http::Request& req, http::Exchange& ex) {
                           ++lora_calls_;
+                          {
+                            absl::MutexLock lock(&mu_);
+                            lora_auth_ = req.Header("authorization");
+                          }
                           ex.Respond({lora_status_.load(),
                                       "text/plain",
                                       absl::StrCat(name_, " ", req.Header("authorization")),
@@ -94,6 +100,7 @@ class FakeLeader {
   std::atomic<int> status_{200};
   std::atomic<int> requests_{0};
   std::atomic<int> lora_status_{200}, lora_calls_{0};
+  std::atomic<int> run_{0};  // its leader's run (the epoch its hello says)
   std::atomic<bool> stop_stream_{false};
   std::atomic<bool> accepting_{true};
   std::atomic<bool> die_mid_stream_{false};
@@ -103,6 +110,7 @@ class FakeLeader {
   std::atomic<int> released_{0};
   absl::Mutex mu_;
   std::vector<std::string> bodies_ ABSL_GUARDED_BY(mu_);  // the requests, as they came
+  std::string lora_auth_ ABSL_GUARDED_BY(mu_);            // the last adapter load's key
   std::unique_ptr<http::Server> server_;
 };
 
@@ -275,6 +283,55 @@ TEST_F(RouterTest, AdapterLoadsGoToEveryReplica) {
   a.lora_status_ = 403;  // both refuse alike: their status
   b.lora_status_ = 403;
   EXPECT_EQ(load()->status, 403);
+}
+
+// A load some leader took is replayed, with the admin's key, to the replicas that did not take
+// it: one that failed the load (5xx) until it takes it, and a leader's new run (which holds no
+// runtime adapter); a refusal of its own (4xx) is not retried; an unload forgets it.
+TEST_F(RouterTest, RuntimeAdaptersReachReplicasThatMissedThem) {
+  FakeLeader a("A", {}), b("B", {});
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 2), 2);
+  auto post = [&](const std::string& path, const std::string& body) {
+    return http::Fetch("127.0.0.1", router->port(), "POST", path,
+                       {{"Authorization", "Bearer admin"}, {"Content-Type", "application/json"}},
+                       body, 10s);
+  };
+  auto until = [](const std::function<bool()>& f) {
+    for (int i = 0; i < 200 && !f(); ++i) std::this_thread::sleep_for(20ms);
+    return f();
+  };
+  b.lora_status_ = 503;  // B fails the load: the admin hears 502, the router goes on trying B
+  auto r = post("/v1/load_lora_adapter", R"({"lora_name":"sql","lora_path":"sql"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->status, 502);
+  EXPECT_TRUE(until([&] { return b.lora_calls_.load() >= 3; })) << b.lora_calls_.load();
+  b.lora_status_ = 200;
+  int calls = 0;
+  EXPECT_TRUE(until([&] {  // taken: the calls stop
+    const int before = b.lora_calls_.load();
+    std::this_thread::sleep_for(300ms);
+    calls = b.lora_calls_.load();
+    return calls == before;
+  }));
+  EXPECT_EQ(a.lora_calls_.load(), 1);  // A took it at once
+  {
+    absl::MutexLock lock(&b.mu_);
+    EXPECT_EQ(b.lora_auth_, "Bearer admin");
+  }
+  ++a.run_;  // A's leader starts anew: the router replays the load to it
+  EXPECT_TRUE(until([&] { return a.lora_calls_.load() == 2; })) << a.lora_calls_.load();
+  a.lora_status_ = 400;  // a refusal of its own ends the replays to it
+  ++a.run_;
+  EXPECT_TRUE(until([&] { return a.lora_calls_.load() == 3; })) << a.lora_calls_.load();
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(a.lora_calls_.load(), 3);
+  // Unloaded: a new run of B is not given it.
+  post("/v1/unload_lora_adapter", R"({"lora_name":"sql"})");
+  ++b.run_;
+  ASSERT_EQ(Routable(*router, 2), 2);
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(b.lora_calls_.load(), calls);
 }
 
 TEST_F(RouterTest, StreamsArePassedOnAsTheyCome) {
