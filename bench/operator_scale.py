@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Operator at scale (issue figures): MODELS ShardedModels (TP x PP, REPLICAS each) applied at
 once to NODES kwok nodes with 8 GPUs each on the real control plane of tests/k8s/testenv.
-Prints the time from apply to every pod Running and to every model reporting Ready, reconcile
+kwok runs no container: tests/k8s's InspectStandIn ends each inspect pod with Llama-3-8B's
+footprint, as `shardserve-worker inspect` would. Prints the inspect pods the models needed (one
+per source: they all read one uri), the time from apply to every pod Running and to every model
+reporting Ready, reconcile
 latency p50/p99 (from shardserve_operator_reconcile_seconds), API requests issued, time lost to
 the client-side rate limit, the operator's peak RSS, and cache bytes per pod.
 
@@ -17,7 +20,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "k8s"))
-from cluster import Cluster, Operator, wait  # noqa: E402
+from cluster import Cluster, InspectStandIn, Operator, wait  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("operator")
@@ -79,7 +82,7 @@ def models_ready(c):
 
 
 c = Cluster()
-op = None
+op = inspect = None
 try:
     c.install_crds()
     nodes = []
@@ -110,6 +113,7 @@ try:
     assert wait(nodes_ready, 300, every=1), "the kwok nodes did not become Ready"
     print(f"{args.nodes} kwok nodes created and Ready in {time.monotonic() - t:.1f} s")
 
+    inspect = InspectStandIn(c, os.path.dirname(args.operator))
     op = Operator(c, args.operator, "--listen", "127.0.0.1:0", "--qps", str(args.qps),
                   "--burst", str(args.burst), "--concurrency", str(args.concurrency))
     assert wait(lambda: "caches synced" in op.output(), 120), op.output()
@@ -149,6 +153,7 @@ try:
     print(f"\n{args.models} ShardedModels (TP={args.tp}, PP={args.pp}, {args.replicas} replicas: "
           f"{pods_total} pods, {gpus} GPUs) on {args.nodes} nodes x 8 GPUs")
     print(f"  kubectl create of the models:       {applied:.1f} s")
+    print(f"  inspect pods: {len(inspect.uris)} for {args.models} models of one uri")
     print(f"  apply -> every pod Running:         "
           f"{'%.1f s' % running_at if running_at else 'not within 900 s'}")
     print(f"  apply -> every model Ready (status): "
@@ -204,4 +209,6 @@ try:
 finally:
     if op:
         op.kill()
+    if inspect:
+        inspect.stop.set()
     c.stop()

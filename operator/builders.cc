@@ -1,5 +1,7 @@
 #include "operator/builders.h"
 
+#include <openssl/sha.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -355,7 +357,7 @@ std::string PodName(const std::string& model, int64_t replica, int64_t stage) {
   return absl::StrCat(model, "-", replica, "-", stage);
 }
 
-std::string InspectPodName(const std::string& model) { return model + "-inspect"; }
+std::string InspectPodName(const std::string& inspection) { return "inspect-" + inspection; }
 
 std::string RouterTokenSecretName(const std::string& model) { return model + "-router-token"; }
 
@@ -724,7 +726,15 @@ json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
           {"spec", spec}};
 }
 
-json BuildInspectPod(const ModelView& m) {
+namespace {
+
+// What an inspect pod reads and how: its env, volumes and mounts (BuildInspectPod,
+// InspectionKey).
+struct InspectReads {
+  json env = json::array(), volumes = json::array(), mounts = json::array();
+};
+
+InspectReads InspectReadsOf(const ModelView& m) {
   const ShardedModelSpec& s = m.model.spec;
   const ModelUri uri = *ParseModelUri(s.model_uri);  // checked by ReadModel
   WorkerEnv w;
@@ -756,6 +766,26 @@ json BuildInspectPod(const ModelView& m) {
   if (uri.remote()) {
     for (json& e : SpecEnv(m)) env.push_back(std::move(e));
   }
+  return {std::move(env), std::move(volumes), std::move(mounts)};
+}
+
+}  // namespace
+
+std::string InspectionKey(const ModelView& m) {
+  const InspectReads r = InspectReadsOf(m);
+  const std::string what =
+      json{{"env", r.env}, {"volumes", r.volumes}, {"mounts", r.mounts}}.dump();
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(what.data()), what.size(), digest);
+  std::string hex;
+  for (int i = 0; i < 8; ++i) absl::StrAppend(&hex, absl::Hex(digest[i], absl::kZeroPad2));
+  return hex;
+}
+
+json BuildInspectPod(const ModelView& m) {
+  const ShardedModelSpec& s = m.model.spec;
+  InspectReads r = InspectReadsOf(m);
+  const std::string key = InspectionKey(m);
   json labels = Labels(m);
   labels[kRoleLabel] = kInspectRole;
   json container = {{"name", "inspect"},
@@ -763,8 +793,8 @@ json BuildInspectPod(const ModelView& m) {
                     {"command", json::array({"shardserve-worker", "inspect"})},
                     {"terminationMessagePath", "/dev/termination-log"},
                     {"terminationMessagePolicy", "FallbackToLogsOnError"},
-                    {"env", env},
-                    {"volumeMounts", mounts},
+                    {"env", std::move(r.env)},
+                    {"volumeMounts", std::move(r.mounts)},
                     {"securityContext", m.defaults.security_context},
                     // It reads a config and a tokenizer: small, and stated, so that a namespace
                     // whose quota wants requests and limits admits it (and no GPU).
@@ -777,15 +807,15 @@ json BuildInspectPod(const ModelView& m) {
                {"terminationGracePeriodSeconds", 5},
                {"securityContext", m.defaults.pod_security_context},
                {"containers", json::array({container})},
-               {"volumes", volumes}};
+               {"volumes", std::move(r.volumes)}};
   AddScheduling(s, spec);
   return {{"apiVersion", "v1"},
           {"kind", "Pod"},
           {"metadata",
-           {{"name", InspectPodName(m.model.name)},
+           {{"name", InspectPodName(key)},
             {"namespace", m.model.namespace_},
             {"labels", labels},
-            {"annotations", {{kModelUriAnnotation, s.model_uri}}},
+            {"annotations", {{kModelUriAnnotation, s.model_uri}, {kInspectionAnnotation, key}}},
             {"ownerReferences", json::array({OwnerReference(m)})}}},
           {"spec", spec}};
 }

@@ -7,8 +7,9 @@
 //       nodes[stage], the replica's whole plan in annotation shardserve.io/placement,
 //       hostname/subdomain for rank DNS, labels, owner reference, the worker env and ports of
 //       §4, probes, a memory-backed /dev/shm for the TP group, the model volume
-//   BuildInspectPod(model)  <name>-inspect: `shardserve-worker inspect` on the model's volume,
-//       which reports the model's shape as its termination message (the layer split's input)
+//   BuildInspectPod(model)  inspect-<key>: `shardserve-worker inspect` on the model's volume,
+//       which reports the model's shape as its termination message (the layer split's input);
+//       one per inspection (InspectionKey), shared by the namespace's models that read alike
 //   BuildWorkersService(model)  headless <name>-workers (publishNotReadyAddresses) for rank DNS
 //   BuildLeaderService(model)   <name> on the leaders of all replicas (the API)
 //   BuildNetworkPolicy(model)   <name>-workers: only the model's own pods reach its ranks
@@ -49,6 +50,7 @@ inline constexpr char kPlacementAnnotation[] = "shardserve.io/placement";
 // The inspect pod: its role label, the model uri it reads, and how long it may take.
 inline constexpr char kInspectRole[] = "inspect";
 inline constexpr char kModelUriAnnotation[] = "shardserve.io/model-uri";
+inline constexpr char kInspectionAnnotation[] = "shardserve.io/inspection";  // InspectionKey
 inline constexpr int kInspectDeadlineSeconds = 600;
 inline constexpr char kRendezvousSecretMount[] = "/var/run/shardserve/rendezvous";
 inline constexpr char kApiKeysMount[] = "/var/run/shardserve/api-keys";
@@ -118,6 +120,7 @@ struct ModelView {
   // which every stage pod is given, and what each stage needs of a GPU's memory: the
   // controller's, once the footprint is known.
   std::optional<ModelFootprint> footprint;
+  std::string inspection;  // the footprint's InspectionKey
   std::vector<LayerRange> stage_layers;
   std::optional<SpecPlan> memory;
   std::string auto_for;  // parallelism auto: the revision of the spec the sizes were chosen for
@@ -154,6 +157,11 @@ absl::StatusOr<ModelView> ReadModel(const json& object, const WorkerDefaults& de
 json BuildStagePod(const ModelView& m, int64_t replica, int64_t stage,
                    const std::vector<std::string>& nodes);
 json BuildInspectPod(const ModelView& m);
+// The identity of the inspection BuildInspectPod runs: a digest (16 hex digits) of what its pod
+// reads and how (the uri and its revision, the files, the credentials' Secret, the endpoints of
+// the worker env, the volumes), not of the model's name, image or scheduling. Models of one
+// namespace with one key share one inspection (its result in any of their statuses).
+std::string InspectionKey(const ModelView& m);
 json BuildWorkersService(const ModelView& m);
 // The model's Service (the API): on its router pods when `routers_ready` (the model has several
 // replicas and a router pod is ready), else on its leaders, so that one replica, or routers
@@ -197,6 +205,6 @@ json BuildDisruptionBudget(const ModelView& m, int64_t replica, const std::strin
 
 std::string PodName(const std::string& model, int64_t replica, int64_t stage);
 std::string RendezvousSecretName(const std::string& model, int64_t replica);
-std::string InspectPodName(const std::string& model);
+std::string InspectPodName(const std::string& inspection);  // of InspectionKey
 
 }  // namespace shardserve::op

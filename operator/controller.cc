@@ -789,18 +789,32 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
                                     const json& old_status, Memory& mem, absl::Time now) {
   Pass pass;
   // The model's shape, then the layer split (computed here, once, for every rank).
-  const std::string inspect_key =
-      absl::StrCat(m.model.namespace_, "/", InspectPodName(m.model.name));
-  if (std::optional<json> pod = pods_->store().Get(inspect_key)) {
-    pass.inspect_pod = ReadPodOf(m.model.namespace_, *pod, now, 0);
+  // One inspection per source (InspectionKey) in a namespace: this model's status, another's,
+  // or the inspect pod every model of the key waits on.
+  const std::string& ns = m.model.namespace_;
+  const std::string inspection = InspectionKey(m);
+  if (std::optional<json> pod =
+          pods_->store().Get(absl::StrCat(ns, "/", InspectPodName(inspection)))) {
+    pass.inspect_pod = ReadPodOf(ns, *pod, now, 0);
   }
-  pass.shape = ReadShape(m.model.spec.model_uri, old_status,
-                         pass.inspect_pod ? &*pass.inspect_pod : nullptr);
+  const json own = old_status.is_object() ? old_status.value("model", json()) : json();
+  std::optional<json> shared;
+  if (!own.is_object() || own.value("uri", "") != m.model.spec.model_uri ||
+      own.value("inspection", inspection) != inspection) {
+    shared = SharedInspection(ns, inspection);
+  }
+  pass.shape =
+      ReadShape(m.model.spec.model_uri, inspection, old_status, shared ? &*shared : nullptr,
+                pass.inspect_pod ? &*pass.inspect_pod : nullptr);
   const ShapeView& shape = pass.shape;
   std::string unplannable;
   if (shape.state == ShapeView::State::kKnown) {
     m.footprint = shape.footprint;
     m.source = shape.source;
+    m.inspection = inspection;
+    absl::MutexLock l(&mu_);
+    inspections_[absl::StrCat(ns, "/", inspection)] =
+        ModelStatus(m.model.spec.model_uri, inspection, *m.footprint, m.source);
     auto plan = PlanModel(m, old_status);
     if (plan.ok()) {
       m.stage_layers = plan->choice.layers;
@@ -815,7 +829,8 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   if (!unplannable.empty()) {  // the replicas that run keep running, as for an invalid spec
     pass.status = InvalidStatus(generation, unplannable, old_status, now, pass.events);
     if (m.footprint) {
-      pass.status["model"] = ModelStatus(m.model.spec.model_uri, *m.footprint, m.source);
+      pass.status["model"] =
+          ModelStatus(m.model.spec.model_uri, m.inspection, *m.footprint, m.source);
     } else {
       pass.status.erase("model");  // of an earlier uri
     }
@@ -853,6 +868,21 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   pass.decision = std::move(d);
   pass.model = std::move(m);
   return pass;
+}
+
+std::optional<json> Controller::SharedInspection(const std::string& ns, const std::string& key) {
+  const std::string at = absl::StrCat(ns, "/", key);
+  {
+    absl::MutexLock l(&mu_);
+    if (auto it = inspections_.find(at); it != inspections_.end()) return it->second;
+  }
+  // Not seen since this operator started: a model's status may hold it (read once; a pass
+  // that finds it remembers it).
+  for (const json& other : models_->store().InNamespace(ns)) {
+    const json model = other.value("status", json::object()).value("model", json());
+    if (model.is_object() && model.value("inspection", "") == key) return model;
+  }
+  return std::nullopt;
 }
 
 absl::Status Controller::Inspect(const ModelView& m, const ShapeView& shape,

@@ -137,6 +137,9 @@ class Controller {
   // Under one lock for every worker: reserves the GPUs of `d.creates`, then plans `d.place`
   // against the ledger and reserves what it placed. `pods` gets every pod to create.
   PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);
+  // Another model's status.model of inspection `key` in `ns` (remembered, else looked for in the
+  // models' cache), or none.
+  std::optional<json> SharedInspection(const std::string& ns, const std::string& key);
   // The inspect pod's part of `shape`: created for a new uri, deleted once read (or stale).
   absl::Status Inspect(const ModelView& m, const ShapeView& shape,
                        const std::optional<PodView>& pod);
@@ -173,6 +176,9 @@ class Controller {
   absl::Mutex mu_;
   std::map<std::string, Memory> memory_ ABSL_GUARDED_BY(mu_);  // by model key
   std::set<std::string> waiting_ ABSL_GUARDED_BY(mu_);  // models with replicas that did not fit
+  // Inspections done (status.model of some model), by namespace/InspectionKey: a model of the
+  // same key takes it without an inspect pod of its own (SharedInspection).
+  std::map<std::string, json> inspections_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> workers_;
   std::atomic<bool> synced_{false};
   std::atomic<bool> stopped_{false};

@@ -192,9 +192,10 @@ PodView ReadPod(const json& pod) {
   return v;
 }
 
-json ModelStatus(const std::string& uri, const ModelFootprint& footprint,
+json ModelStatus(const std::string& uri, const std::string& key, const ModelFootprint& footprint,
                  const std::optional<ModelView::Source>& source) {
   json out = {{"uri", uri},
+              {"inspection", key},
               {"shape", ShapeToJson(footprint.shape)},
               {"footprint", FootprintToJson(footprint)}};
   if (source) {
@@ -232,14 +233,19 @@ std::optional<ModelView::Source> SourceFromJson(const json& j) {
   return s;
 }
 
-ShapeView ReadShape(const std::string& uri, const json& status, const PodView* pod) {
+ShapeView ReadShape(const std::string& uri, const std::string& key, const json& status,
+                    const json* shared, const PodView* pod) {
   ShapeView out;
   const auto parsed = ParseModelUri(uri);
   const bool remote = parsed.ok() && parsed->remote();
-  const json model = status.is_object() ? status.value("model", json::object()) : json::object();
-  if (model.is_object() && model.value("uri", "") == uri) {
-    auto footprint = FootprintFromJson(model.value("footprint", json()));
-    auto source = SourceFromJson(model.value("source", json()));
+  const json own = status.is_object() ? status.value("model", json::object()) : json::object();
+  for (const json* model : {&own, shared}) {
+    if (model == nullptr || !model->is_object() || model->value("uri", "") != uri ||
+        model->value("inspection", model == &own ? key : "") != key) {
+      continue;
+    }
+    auto footprint = FootprintFromJson(model->value("footprint", json()));
+    auto source = SourceFromJson(model->value("source", json()));
     // A status without them (an earlier operator's) is read again.
     if (footprint.ok() && (source || !remote)) {
       out.state = ShapeView::State::kKnown;
@@ -839,7 +845,9 @@ json BuildStatus(const ModelView& m, int64_t generation, const Decision& d,
       {"plan", plan},
       {"replicaStatuses", replicas},
       {"conditions", Conditions(c, generation, old_status, now, events)}};
-  if (m.footprint) out["model"] = ModelStatus(spec.model_uri, *m.footprint, m.source);
+  if (m.footprint) {
+    out["model"] = ModelStatus(spec.model_uri, m.inspection, *m.footprint, m.source);
+  }
   return out;
 }
 

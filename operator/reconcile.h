@@ -95,13 +95,16 @@ struct ShapeView {
   bool create_pod = false;  // no inspect pod reads this uri: create one
   bool delete_pod = false;  // the inspect pod has done its work (or reads another uri)
 };
-// From status.model while it is of `uri`, else from the inspect pod (null: none). A failed
+// From status.model while it is of `uri` and of the inspection `key` (InspectionKey; a status
+// that names none is an earlier operator's, of its uri), else from `shared` (another model's
+// status.model of the same key; null: none), else from the inspect pod (null: none). A failed
 // reading stays (its pod says why) until the uri changes or someone deletes the pod.
-ShapeView ReadShape(const std::string& uri, const json& status, const PodView* inspect_pod);
-// status.model: {"uri": ..., "shape": {...}, "footprint": {...}, "source": {...}}; a remote
-// model's source: {"revision", "dir", "bytes", "files"} (SourceFromJson checks what it reads
-// back: the directory becomes a mount's subPath).
-json ModelStatus(const std::string& uri, const ModelFootprint& footprint,
+ShapeView ReadShape(const std::string& uri, const std::string& key, const json& status,
+                    const json* shared, const PodView* inspect_pod);
+// status.model: {"uri": ..., "inspection": key, "shape": {...}, "footprint": {...}, "source":
+// {...}}; a remote model's source: {"revision", "dir", "bytes", "files"} (SourceFromJson checks
+// what it reads back: the directory becomes a mount's subPath).
+json ModelStatus(const std::string& uri, const std::string& key, const ModelFootprint& footprint,
                  const std::optional<ModelView::Source>& source);
 std::optional<ModelView::Source> SourceFromJson(const json& j);
 

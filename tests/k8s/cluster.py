@@ -177,6 +177,7 @@ class InspectStandIn:
             check=True, capture_output=True, text=True).stdout.strip()
         assert json.loads(self.report)["shape"] == self.SHAPE, self.report
         self.c, self.done, self.stop = cluster, set(), threading.Event()
+        self.uris = []  # the uri of each inspect pod completed, in order
         threading.Thread(target=self.run, daemon=True).start()
 
     def run(self):
@@ -208,3 +209,4 @@ class InspectStandIn:
                                       "-p", json.dumps({"status": status}))
             if rc == 0:
                 self.done.add(meta["uid"])
+                self.uris.append(meta["annotations"]["shardserve.io/model-uri"])

@@ -189,12 +189,14 @@ try:
           s["plan"].get("gpuMemory", "").startswith("unknown") and
           s["selector"] == "shardserve.io/model=big,shardserve.io/role=leader",
           "status: the plan (each stage's layers), each replica's nodes and the selector")
-    check(s["model"] == {"uri": "hostpath:///models/llama", "shape": LLAMA_SHAPE,
-                         "footprint": json.loads(inspect.report)},
-          "status.model: the shape and footprint the inspect pod read, with its uri")
+    key = s["model"].get("inspection", "")
+    check(s["model"] == {"uri": "hostpath:///models/llama", "inspection": key,
+                         "shape": LLAMA_SHAPE, "footprint": json.loads(inspect.report)} and
+          re.fullmatch(r"[0-9a-f]{16}", key),
+          "status.model: the shape and footprint the inspect pod read, with its uri and key")
     check(all(e["value"] == "0-16,17-31" for p in ps for e in p["spec"]["containers"][0]["env"]
               if e["name"] == "SHARDSERVE_STAGE_LAYERS"), "every rank is given the split")
-    check(wait(lambda: c.kubectl("get", "pod", "big-inspect")[0] != 0),
+    check(wait(lambda: c.kubectl("get", "pod", f"inspect-{key}")[0] != 0),
           "the inspect pod is deleted once read")
     out = c.kubectl("get", "smodel", "big", "-o", "yaml", check=True)[1]
     check("stageLayers:\n    - 0-16\n    - 17-31" in out,
@@ -235,6 +237,10 @@ try:
     first = uids("scaler")
     c.kubectl("scale", "smodel", "scaler", "--replicas=3", check=True)
     check(wait(lambda: converged("scaler", 3)), "kubectl scale --replicas=3: 3 replicas Ready")
+    # big, wide and scaler read one uri the same way: one inspection for the three.
+    check(inspect.uris.count("hostpath:///models/llama") == 1 and
+          status("scaler")["model"]["inspection"] == key,
+          f"models of one uri share one inspection ({inspect.uris})")
     names = sorted(uids("scaler"))
     check(names == [f"scaler-{r}-{s}" for r in range(3) for s in range(2)],
           f"pods <name>-<replica>-<stage>: {names}")
@@ -516,6 +522,9 @@ try:
     ops.append(op)
     port = port_of(op)
     check(wait(lambda: converged("crash", 4)), "restarted operator converges crash to 4/4")
+    check(inspect.uris.count("hostpath:///models/llama") == 1,
+          f"an operator started anew takes the inspection from the models' statuses "
+          f"({inspect.uris})")
     names = sorted(p["metadata"]["name"] for p in pods("crash"))
     check(names == [f"crash-{r}-{s}" for r in range(4) for s in range(2)],
           f"no duplicate pods: {names}")

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 
 #include "api/router_env.h"
@@ -120,7 +121,8 @@ TEST(Builders, InspectPodReadsTheModelWhereTheRanksWill) {
   ASSERT_TRUE(m.ok()) << m.status();
   const json pod = BuildInspectPod(*m);
   const json stage = BuildStagePod(*m, 0, 0, {"a", "b"});
-  EXPECT_EQ(pod["metadata"]["name"], "llama-inspect");
+  EXPECT_EQ(pod["metadata"]["name"], "inspect-" + InspectionKey(*m));
+  EXPECT_EQ(pod["metadata"]["annotations"][kInspectionAnnotation], InspectionKey(*m));
   EXPECT_EQ(pod["metadata"]["labels"][kModelLabel], "llama");
   EXPECT_EQ(pod["metadata"]["labels"][kRoleLabel], kInspectRole);
   EXPECT_FALSE(pod["metadata"]["labels"].contains(kReplicaLabel));
@@ -142,6 +144,39 @@ TEST(Builders, InspectPodReadsTheModelWhereTheRanksWill) {
   EXPECT_EQ(pod["spec"]["restartPolicy"], "Never");
   EXPECT_EQ(pod["spec"]["activeDeadlineSeconds"], kInspectDeadlineSeconds);
   EXPECT_EQ(pod["spec"]["automountServiceAccountToken"], false);
+}
+
+// One inspection per source: another model's name, image, replicas or scheduling read the same
+// files the same way (one key); another uri, another revision, other files or other credentials
+// do not.
+TEST(Builders, AnInspectionIsOfWhatItReads) {
+  auto key = [](const std::function<void(json&)>& edit, const std::string& uri) {
+    json o = Model(uri);
+    edit(o);
+    auto m = ReadModel(o);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? InspectionKey(*m) : "";
+  };
+  const auto same = [](json&) {};
+  const std::string pvc = key(same, "pvc://store/llama/70b");
+  EXPECT_EQ(pvc.size(), 16u);
+  EXPECT_EQ(key(
+                [](json& o) {
+                  o["metadata"]["name"] = "other";
+                  o["metadata"]["uid"] = "u-2";
+                  o["spec"]["replicas"] = 5;
+                  o["spec"]["worker"]["image"] = "w:2";
+                  o["spec"]["worker"]["nodeSelector"] = {{"pool", "b"}};
+                },
+                "pvc://store/llama/70b"),
+            pvc);
+  EXPECT_NE(key(same, "pvc://store/llama/8b"), pvc);
+  const std::string hf = key(same, "hf://meta/llama@v1");
+  EXPECT_NE(key(same, "hf://meta/llama@v2"), hf);
+  EXPECT_NE(key([](json& o) { o["spec"]["model"]["secret"] = "hf-token"; }, "hf://meta/llama@v1"),
+            hf);
+  EXPECT_NE(key([](json& o) { o["spec"]["model"]["files"] = {"*.gguf"}; }, "hf://meta/llama@v1"),
+            hf);
 }
 
 TEST(Builders, WithoutPlatformDefaultsTheRanksCanReadTheirSecrets) {

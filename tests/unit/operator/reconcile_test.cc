@@ -437,28 +437,56 @@ PodView InspectPod(const std::string& uri, const std::string& phase,
   return ReadPod(pod);
 }
 
+// An inspection's key (InspectionKey): the models that read their model alike share it.
+constexpr char kKey[] = "0123456789abcdef";
+
 TEST(ReadShape, FromStatusWhileTheUriStaysTheSame) {
   const std::string uri = "hostpath:///models/llama";
   const ModelFootprint footprint = TinyLlama();
   const ModelShape shape = footprint.shape;
   const std::string report = FootprintToJson(footprint).dump();
-  const json status = {{"model", ModelStatus(uri, footprint, std::nullopt)}};
-  ShapeView v = ReadShape(uri, status, nullptr);
+  const json status = {{"model", ModelStatus(uri, kKey, footprint, std::nullopt)}};
+  ShapeView v = ReadShape(uri, kKey, status, nullptr, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
   EXPECT_EQ(v.footprint.shape, shape);
   EXPECT_EQ(v.footprint.kinds, footprint.kinds);
   EXPECT_FALSE(v.create_pod || v.delete_pod);
   // Known, and an inspect pod left over: it goes.
   const PodView done = InspectPod(uri, "Succeeded", report);
-  EXPECT_TRUE(ReadShape(uri, status, &done).delete_pod);
+  EXPECT_TRUE(ReadShape(uri, kKey, status, nullptr, &done).delete_pod);
   // A status of an earlier operator, with a shape and no footprint: read again.
   json old = status;
   old["model"].erase("footprint");
-  EXPECT_TRUE(ReadShape(uri, old, nullptr).create_pod);
+  EXPECT_TRUE(ReadShape(uri, kKey, old, nullptr, nullptr).create_pod);
   // Another uri: read again.
-  v = ReadShape("hostpath:///models/other", status, nullptr);
+  v = ReadShape("hostpath:///models/other", kKey, status, nullptr, nullptr);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_TRUE(v.create_pod);
+  // The same uri read another way (another key: its credentials, its files): read again; a
+  // status of an earlier operator, without a key, is taken.
+  EXPECT_TRUE(ReadShape(uri, "fedcba9876543210", status, nullptr, nullptr).create_pod);
+  json keyless = status;
+  keyless["model"].erase("inspection");
+  EXPECT_EQ(ReadShape(uri, kKey, keyless, nullptr, nullptr).state, ShapeView::State::kKnown);
+}
+
+// A model that has not read its model takes another's reading of the same key (status.model of
+// that model) and creates no inspect pod; a reading of another key, or another's keyless one,
+// is not taken.
+TEST(ReadShape, AnotherModelsInspectionOfTheSameKey) {
+  const std::string uri = "hostpath:///models/llama";
+  const ModelFootprint footprint = TinyLlama();
+  const json other = ModelStatus(uri, kKey, footprint, std::nullopt);
+  ShapeView v = ReadShape(uri, kKey, json::object(), &other, nullptr);
+  EXPECT_EQ(v.state, ShapeView::State::kKnown);
+  EXPECT_EQ(v.footprint.shape, footprint.shape);
+  EXPECT_FALSE(v.create_pod);
+  const PodView running = InspectPod(uri, "Running");
+  EXPECT_TRUE(ReadShape(uri, kKey, json::object(), &other, &running).delete_pod);
+  EXPECT_TRUE(ReadShape(uri, "fedcba9876543210", json::object(), &other, nullptr).create_pod);
+  json keyless = other;
+  keyless.erase("inspection");
+  EXPECT_TRUE(ReadShape(uri, kKey, json::object(), &keyless, nullptr).create_pod);
 }
 
 TEST(ReadShape, ARemoteModelNeedsTheRevisionItResolvedTo) {
@@ -467,25 +495,26 @@ TEST(ReadShape, ARemoteModelNeedsTheRevisionItResolvedTo) {
   json report = FootprintToJson(footprint);
   // Without a source (an older worker image): not known, the pod says why.
   const PodView without = InspectPod(uri, "Succeeded", report.dump());
-  EXPECT_EQ(ReadShape(uri, json::object(), &without).state, ShapeView::State::kFailed);
+  EXPECT_EQ(ReadShape(uri, kKey, json::object(), nullptr, &without).state,
+            ShapeView::State::kFailed);
   const std::string digest = "sha256:" + std::string(64, 'b');
   report["source"] = {{"revision", digest}, {"dir", "oci/r.io/m/bbb"}, {"bytes", 10}, {"files", 2}};
   const PodView with = InspectPod(uri, "Succeeded", report.dump());
-  ShapeView v = ReadShape(uri, json::object(), &with);
+  ShapeView v = ReadShape(uri, kKey, json::object(), nullptr, &with);
   ASSERT_EQ(v.state, ShapeView::State::kKnown);
   ASSERT_TRUE(v.source);
   EXPECT_EQ(v.source->revision, digest);
   EXPECT_EQ(v.source->dir, "oci/r.io/m/bbb");
   // Kept in status.model, read back from there.
-  const json status = {{"model", ModelStatus(uri, footprint, v.source)}};
-  ShapeView again = ReadShape(uri, status, nullptr);
+  const json status = {{"model", ModelStatus(uri, kKey, footprint, v.source)}};
+  ShapeView again = ReadShape(uri, kKey, status, nullptr, nullptr);
   ASSERT_EQ(again.state, ShapeView::State::kKnown);
   EXPECT_EQ(again.source->dir, "oci/r.io/m/bbb");
   // A directory that would leave the cache is not taken (it becomes a mount's subPath).
   for (const char* dir : {"/etc", "oci/../../etc", ""}) {
     json bad = status;
     bad["model"]["source"]["dir"] = dir;
-    EXPECT_TRUE(ReadShape(uri, bad, nullptr).create_pod) << dir;
+    EXPECT_TRUE(ReadShape(uri, kKey, bad, nullptr, nullptr).create_pod) << dir;
   }
 }
 
@@ -567,13 +596,13 @@ TEST(ReadShape, FromTheInspectPodsReport) {
   const ModelFootprint footprint = TinyLlama();
   const std::string report = FootprintToJson(footprint).dump();
   const PodView running = InspectPod(uri, "Running");
-  ShapeView v = ReadShape(uri, json::object(), &running);
+  ShapeView v = ReadShape(uri, kKey, json::object(), nullptr, &running);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_FALSE(v.create_pod || v.delete_pod);
   EXPECT_EQ(v.message, "pod m-inspect is reading it");
 
   const PodView done = InspectPod(uri, "Succeeded", report);
-  v = ReadShape(uri, json::object(), &done);
+  v = ReadShape(uri, kKey, json::object(), nullptr, &done);
   EXPECT_EQ(v.state, ShapeView::State::kKnown);
   EXPECT_EQ(v.footprint.shape, footprint.shape);
   EXPECT_EQ(v.footprint.params, footprint.params);
@@ -581,7 +610,7 @@ TEST(ReadShape, FromTheInspectPodsReport) {
 
   // A pod of an earlier uri is replaced, never believed.
   const PodView stale = InspectPod("hostpath:///models/old", "Succeeded", report);
-  v = ReadShape(uri, json::object(), &stale);
+  v = ReadShape(uri, kKey, json::object(), nullptr, &stale);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_TRUE(v.delete_pod);
   EXPECT_FALSE(v.create_pod);
@@ -590,7 +619,7 @@ TEST(ReadShape, FromTheInspectPodsReport) {
 TEST(ReadShape, AFailedOrGarbledReadingSaysWhyAndStays) {
   const std::string uri = "hostpath:///models/llama";
   const PodView failed = InspectPod(uri, "Failed", "config.json: not valid JSON");
-  ShapeView v = ReadShape(uri, json::object(), &failed);
+  ShapeView v = ReadShape(uri, kKey, json::object(), nullptr, &failed);
   EXPECT_EQ(v.state, ShapeView::State::kFailed);
   EXPECT_NE(v.message.find("the model cannot be read: pod m-inspect container inspect exited "
                            "with code 1 (x): config.json: not valid JSON"),
@@ -602,7 +631,7 @@ TEST(ReadShape, AFailedOrGarbledReadingSaysWhyAndStays) {
 
   for (const std::string report : {"", "{", "{\"layers\": 22}", "[1,2]", "\xff\xfe"}) {
     const PodView garbled = InspectPod(uri, "Succeeded", report);
-    v = ReadShape(uri, json::object(), &garbled);
+    v = ReadShape(uri, kKey, json::object(), nullptr, &garbled);
     EXPECT_EQ(v.state, ShapeView::State::kFailed) << report;
     EXPECT_NE(v.message.find("not the model's footprint"), std::string::npos) << v.message;
   }
@@ -612,7 +641,7 @@ TEST(ReadShape, AnInspectPodThatCannotStartBlocksTheReplicasToPlace) {
   const std::string uri = "hostpath:///models/llama";
   PodView stuck = InspectPod(uri, "Pending");
   stuck.stuck = "pod m-inspect container inspect: ErrImagePull: no such image";
-  const ShapeView v = ReadShape(uri, json::object(), &stuck);
+  const ShapeView v = ReadShape(uri, kKey, json::object(), nullptr, &stuck);
   EXPECT_EQ(v.state, ShapeView::State::kReading);
   EXPECT_TRUE(v.blocked);
   const ModelView m = ModelBuilder().Replicas(2).Build();
@@ -634,7 +663,7 @@ TEST(ReadShape, AnInspectPodThatCannotStartBlocksTheReplicasToPlace) {
   // Still reading, nothing in its way: Pending.
   const PodView running = InspectPod(uri, "Running");
   d = Decide(m, {}, json::object(), kNow, {});
-  WaitForShape(ReadShape(uri, json::object(), &running), d);
+  WaitForShape(ReadShape(uri, kKey, json::object(), nullptr, &running), d);
   EXPECT_EQ(State(d, 0).phase, ReplicaPhase::kPending);
   EXPECT_EQ(State(d, 0).message, "waiting for the model's shape: pod m-inspect is reading it");
 }
