@@ -936,30 +936,32 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
   }
   // The token the routers prove to the leaders' KV events: before any leader or router mounts
   // it, once per model (kept, as the rendezvous secrets are); a prefill role mounts its decode
-  // role's.
-  if (const std::string memo = "secrets/" + RouterTokenSecretName(m.model.name);
-      m.kv_role != "prefill" && mem.children[memo].empty()) {
-    absl::StatusOr<std::string> token = NewSecretValue();
-    if (!token.ok()) return token.status();
-    auto created =
-        client_->Create(k8s::kSecrets, m.model.namespace_, BuildRouterTokenSecret(m, *token));
-    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
-      return absl::Status(created.status().code(),
-                          absl::StrCat("creating the router token: ", created.status().message()));
-    }
-    mem.children[memo] = "created";
+  // role's. It and the replicas' rendezvous secrets go out together, before the pods.
+  const std::string token_memo = "secrets/" + RouterTokenSecretName(m.model.name);
+  const bool token = m.kv_role != "prefill" && mem.children[token_memo].empty();
+  std::vector<std::pair<json, std::string>> secrets;  // and what each is, for an error
+  if (token) {
+    absl::StatusOr<std::string> value = NewSecretValue();
+    if (!value.ok()) return value.status();
+    secrets.emplace_back(BuildRouterTokenSecret(m, *value), "the router token");
   }
   for (int64_t r : replicas) {
-    absl::StatusOr<std::string> secret = NewSecretValue();
-    if (!secret.ok()) return secret.status();
-    auto created =
-        client_->Create(k8s::kSecrets, m.model.namespace_, BuildRendezvousSecret(m, r, *secret));
-    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
-      return absl::Status(created.status().code(),
-                          absl::StrCat("creating the rendezvous secret of replica ", r, ": ",
-                                       created.status().message()));
-    }
+    absl::StatusOr<std::string> value = NewSecretValue();
+    if (!value.ok()) return value.status();
+    secrets.emplace_back(BuildRendezvousSecret(m, r, *value),
+                         absl::StrCat("the rendezvous secret of replica ", r));
   }
+  std::vector<absl::Status> made(secrets.size());
+  ForEachParallel(secrets.size(), [&](size_t i) {
+    auto created = client_->Create(k8s::kSecrets, m.model.namespace_, secrets[i].first);
+    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
+      made[i] = absl::Status(
+          created.status().code(),
+          absl::StrCat("creating ", secrets[i].second, ": ", created.status().message()));
+    }
+  });
+  for (const absl::Status& st : made) RETURN_IF_ERROR(st);
+  if (token) mem.children[token_memo] = "created";
   // The writes of one pass are independent: services, deletions and creations go out together
   // (as client-go's controllers create a gang of pods in parallel), at most kParallelWrites at
   // once; the client's rate limit still applies to each.
@@ -1012,17 +1014,25 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
   for (auto it = mem.budgeted.begin(); it != mem.budgeted.end();) {
     it = current.count(*it) ? std::next(it) : mem.budgeted.erase(it);
   }
+  std::vector<const PodView*> unbudgeted;
   for (const PodView& p : leaders) {
-    if (mem.budgeted.count(p.uid)) continue;
+    if (!mem.budgeted.count(p.uid)) unbudgeted.push_back(&p);
+  }
+  std::vector<absl::Status> budgets(unbudgeted.size());
+  ForEachParallel(unbudgeted.size(), [&](size_t i) {
+    const PodView& p = *unbudgeted[i];
     auto made = client_->Create(k8s::kPodDisruptionBudgets, m.model.namespace_,
                                 BuildDisruptionBudget(m, p.replica, p.name, p.uid));
     if (!made.ok() && !k8s::ApiAlreadyExists(made.status())) {
-      return absl::Status(made.status().code(),
-                          absl::StrCat("creating the disruption budget of replica ", p.replica,
-                                       ": ", made.status().message()));
+      budgets[i] = absl::Status(made.status().code(),
+                                absl::StrCat("creating the disruption budget of replica ",
+                                             p.replica, ": ", made.status().message()));
     }
-    mem.budgeted.insert(p.uid);
+  });
+  for (size_t i = 0; i < unbudgeted.size(); ++i) {
+    if (budgets[i].ok()) mem.budgeted.insert(unbudgeted[i]->uid);
   }
+  for (const absl::Status& st : budgets) RETURN_IF_ERROR(st);
   return absl::OkStatus();
 }
 
