@@ -194,8 +194,26 @@ class EngineTest : public ::testing::Test {
     }
   };
 
+  // Structured output: the grammar vocabulary of the model's tokenizer (which TextOf then
+  // decodes with).
+  absl::StatusOr<std::shared_ptr<const GrammarVocabulary>> Vocabulary() {
+    auto tok = Tokenizer::Load(dir_.Sub("m"));
+    if (!tok.ok()) return tok.status();
+    tok_ = *std::move(tok);
+    return GrammarVocabulary::Create(*tok_, model_->config().vocab_size,
+                                     model_->config().eos_token_ids);
+  }
+  // A result's text, without the end-of-sequence token that ends it.
+  std::string TextOf(const GenerationResult& g) const {
+    std::vector<int32_t> ids = g.tokens;
+    const auto& eos = model_->config().eos_token_ids;
+    if (!ids.empty() && std::count(eos.begin(), eos.end(), ids.back())) ids.pop_back();
+    return tok_->Decode(ids);
+  }
+
   TempDir dir_;
   std::unique_ptr<Transformer> model_;
+  std::unique_ptr<Tokenizer> tok_;
   std::vector<GenerationRequest> requests_;
 };
 
@@ -364,10 +382,7 @@ TEST_F(EngineTest, LoadingPastTheAdaptersKeptIsRefused) {
 // chunked prompts; each of their sampled tokens went out with a mask, and the other sequences'
 // with none.
 TEST_F(EngineTest, ConstrainedSequencesFollowTheirGrammars) {
-  auto tok = Tokenizer::Load(dir_.Sub("m"));
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  auto vocab =
-      GrammarVocabulary::Create(**tok, model_->config().vocab_size, model_->config().eos_token_ids);
+  auto vocab = Vocabulary();
   ASSERT_TRUE(vocab.ok()) << vocab.status();
   const std::string schema =
       R"({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -395,12 +410,7 @@ TEST_F(EngineTest, ConstrainedSequencesFollowTheirGrammars) {
       continue;
     }
     constrained_tokens += static_cast<int>(g.tokens.size());
-    std::vector<int32_t> text_ids = g.tokens;
-    const auto& eos = model_->config().eos_token_ids;
-    if (!text_ids.empty() && std::count(eos.begin(), eos.end(), text_ids.back())) {
-      text_ids.pop_back();
-    }
-    const std::string text = (*tok)->Decode(text_ids);
+    const std::string text = TextOf(g);
     EXPECT_EQ(g.finish_reason, "stop") << text;
     if (i % 3 == 0) {
       const auto v = nlohmann::json::parse(text, nullptr, false);
@@ -421,10 +431,7 @@ TEST_F(EngineTest, ConstrainedSequencesFollowTheirGrammars) {
 // grammars (a row sampled under another row's mask would take a token the grammar refuses, and
 // the sequence would end in an error); drafts are kept.
 TEST_F(EngineTest, DraftsUnderAGrammarKeepItsTokens) {
-  auto tok = Tokenizer::Load(dir_.Sub("m"));
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  auto vocab =
-      GrammarVocabulary::Create(**tok, model_->config().vocab_size, model_->config().eos_token_ids);
+  auto vocab = Vocabulary();
   ASSERT_TRUE(vocab.ok()) << vocab.status();
   const std::string schema =
       R"({"type": "array", "items": {"type": "object", "properties": {"a": {"type": "boolean"}},
@@ -458,12 +465,7 @@ TEST_F(EngineTest, DraftsUnderAGrammarKeepItsTokens) {
   for (size_t i = 0; i < requests_.size(); ++i) {
     const GenerationResult& g = (*got)[i];
     EXPECT_EQ(g.finish_reason, "stop") << "request " << i;
-    std::vector<int32_t> text_ids = g.tokens;
-    const auto& eos = model_->config().eos_token_ids;
-    if (!text_ids.empty() && std::count(eos.begin(), eos.end(), text_ids.back())) {
-      text_ids.pop_back();
-    }
-    const std::string text = (*tok)->Decode(text_ids);
+    const std::string text = TextOf(g);
     if (i % 2 == 0) {
       const auto v = nlohmann::json::parse(text, nullptr, false);
       EXPECT_TRUE(v.is_array() && v.size() >= 3) << "request " << i << ": " << text;
@@ -499,10 +501,7 @@ TEST_F(EngineTest, SeededSamplingResumesItsStreamAfterPreemption) {
 // max_tokens and are not produced again. A resumed output as long as max_tokens, or with a token
 // outside the vocabulary, is refused.
 TEST_F(EngineTest, AResumedSequenceGoesOnAsTheUninterruptedOne) {
-  auto tok = Tokenizer::Load(dir_.Sub("m"));
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  auto vocab =
-      GrammarVocabulary::Create(**tok, model_->config().vocab_size, model_->config().eos_token_ids);
+  auto vocab = Vocabulary();
   ASSERT_TRUE(vocab.ok()) << vocab.status();
   for (size_t i = 0; i < requests_.size(); ++i) {
     GenerationRequest& r = requests_[i];
