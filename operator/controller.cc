@@ -812,9 +812,11 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
     m.footprint = shape.footprint;
     m.source = shape.source;
     m.inspection = inspection;
-    absl::MutexLock l(&mu_);
-    inspections_[absl::StrCat(ns, "/", inspection)] =
-        ModelStatus(m.model.spec.model_uri, inspection, *m.footprint, m.source);
+    {
+      absl::MutexLock l(&mu_);
+      inspections_[absl::StrCat(ns, "/", inspection)] =
+          ModelStatus(m.model.spec.model_uri, inspection, *m.footprint, m.source);
+    }
     auto plan = PlanModel(m, old_status);
     if (plan.ok()) {
       m.stage_layers = plan->choice.layers;
