@@ -1147,62 +1147,81 @@ struct Router::Impl {
     overhead->Observe(std::chrono::duration<double>(Clock::now() - t0 - waited).count());
     // Each replica in the ranking's order at most once: the next when one refuses the
     // connection or answers 503 before doing anything, or when the answer breaks off and the
-    // request can go on elsewhere (request migration: Progress).
+    // request can go on elsewhere (request migration: Progress). A migration that finds no
+    // replica taking requests (the others moving off a drained node, or one the router has not
+    // found yet) waits for one, as a new request waits in the queue, and goes on there.
     std::string last_error = "no replica is known";
-    for (size_t k = 0; k < rank.order.size(); ++k) {
-      Replica& r = *reps[rank.order[k]];
-      const bool more = k + 1 < rank.order.size();
-      if (p.legs > 0) {  // a migration goes to a replica that takes requests now
-        absl::MutexLock lock(&r.mu);
-        if (!Routable(r)) continue;
-      }
-      AtReplica at(*this, r);
-      placed();
-      // The first leg sends the request as it is (or its disaggregated decode leg); a migrated
-      // one the client's request again, with the stream's progress when some of it was sent.
-      const std::string leg_body = p.legs == 0     ? body
-                                   : p.blocks == 0 ? req.body
-                                                   : ResumeBody(req.body, p);
-      auto call =
-          http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, leg_body,
-                                    options.connect_timeout, options.answer_timeout);
-      if (!call.ok()) {
-        last_error = absl::StrCat(r.address, ": ", call.status().message());
-        // Nothing reached the leader: another may answer.
-        if (call.status().code() == absl::StatusCode::kUnavailable && more) {
+    Ranking resume_rank;  // the ranking of a migration's later round, over `reps` then
+    const Ranking* order = &rank;
+    const auto resume_until = Clock::now() + std::min<std::chrono::milliseconds>(
+                                                 options.queue_timeout, std::chrono::seconds(60));
+    for (bool again = true; again;) {
+      again = false;
+      for (size_t k = 0; k < order->order.size(); ++k) {
+        Replica& r = *reps[order->order[k]];
+        const bool more = k + 1 < order->order.size();
+        if (p.legs > 0) {  // a migration goes to a replica that takes requests now
+          absl::MutexLock lock(&r.mu);
+          if (!Routable(r)) continue;
+        }
+        AtReplica at(*this, r);
+        placed();
+        // The first leg sends the request as it is (or its disaggregated decode leg); a migrated
+        // one the client's request again, with the stream's progress when some of it was sent.
+        const std::string leg_body = p.legs == 0     ? body
+                                     : p.blocks == 0 ? req.body
+                                                     : ResumeBody(req.body, p);
+        auto call =
+            http::UpstreamCall::Start(r.host, r.port, req.method, req.target, headers, leg_body,
+                                      options.connect_timeout, options.answer_timeout);
+        if (!call.ok()) {
+          last_error = absl::StrCat(r.address, ": ", call.status().message());
+          // Nothing reached the leader: another may answer.
+          if (call.status().code() == absl::StatusCode::kUnavailable && more) {
+            failovers->Increment();
+            continue;
+          }
+          // It had the request and went before its answer's head (a whole answer's comes at its
+          // end): another answers it, as for an answer that breaks off. (What the router serves
+          // is generation and tokenization: asked again, the same.)
+          if (call.status().code() != absl::StatusCode::kDeadlineExceeded && more &&
+              p.legs < kMaxMigrations && p.CanResume()) {
+            ++p.legs;
+            MarkOut(r, std::string(call.status().message()));
+            auto l = labels;
+            l["reason"] = "failure";
+            migrations->Add(l).Increment();
+            continue;
+          }
+          const int status =
+              call.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;
+          return Fail(ex, p, status, absl::StrCat("the replica did not answer: ", last_error),
+                      responses);
+        }
+        if ((*call)->head().status == 503 && more) {  // not ready, or draining: nothing was done
+          last_error = absl::StrCat(r.address, " answered 503");
           failovers->Increment();
           continue;
         }
-        // It had the request and went before its answer's head (a whole answer's comes at its
-        // end): another answers it, as for an answer that breaks off. (What the router serves
-        // is generation and tokenization: asked again, the same.)
-        if (call.status().code() != absl::StatusCode::kDeadlineExceeded && more &&
-            p.legs < kMaxMigrations && p.CanResume()) {
-          ++p.legs;
-          MarkOut(r, std::string(call.status().message()));
-          auto l = labels;
-          l["reason"] = "failure";
-          migrations->Add(l).Increment();
-          continue;
+        ++p.legs;
+        if (Relay(**call, r, ex, responses, p, more)) return;
+        last_error = p.why;
+        if (!p.CanResume() || p.legs > kMaxMigrations) break;
+        auto l = labels;
+        l["reason"] = p.draining ? "drain" : "failure";
+        migrations->Add(l).Increment();
+        LogInfo("router: a request answered by ", r.address, " goes on elsewhere (", p.why, "; ",
+                p.tokens.size(), " tokens sent)");
+      }
+      if (p.legs > 0 && p.CanResume() && p.legs <= kMaxMigrations) {
+        std::vector<std::shared_ptr<Replica>> next = RoutableReplicas(resume_until, ex);
+        if (!next.empty()) {
+          reps = std::move(next);
+          resume_rank = RankFor(reps, prompt ? &*prompt : nullptr).rank;
+          order = &resume_rank;
+          again = true;
         }
-        const int status = call.status().code() == absl::StatusCode::kDeadlineExceeded ? 504 : 502;
-        return Fail(ex, p, status, absl::StrCat("the replica did not answer: ", last_error),
-                    responses);
       }
-      if ((*call)->head().status == 503 && more) {  // not ready, or draining: nothing was done
-        last_error = absl::StrCat(r.address, " answered 503");
-        failovers->Increment();
-        continue;
-      }
-      ++p.legs;
-      if (Relay(**call, r, ex, responses, p, more)) return;
-      last_error = p.why;
-      if (!p.CanResume() || p.legs > kMaxMigrations) break;
-      auto l = labels;
-      l["reason"] = p.draining ? "drain" : "failure";
-      migrations->Add(l).Increment();
-      LogInfo("router: a request answered by ", r.address, " goes on elsewhere (", p.why, "; ",
-              p.tokens.size(), " tokens sent)");
     }
     if (p.legs > 1) {
       auto l = labels;
@@ -1215,6 +1234,23 @@ struct Router::Impl {
                                    p.legs, " tried): ", last_error)
                     : absl::StrCat("no replica of the model answered: ", last_error),
          responses);
+  }
+
+  // The (decode) replicas that take requests, once there is one: polled until `until` or the
+  // client goes; none then.
+  std::vector<std::shared_ptr<Replica>> RoutableReplicas(Clock::time_point until,
+                                                         http::Exchange& ex) {
+    for (;;) {
+      std::vector<std::shared_ptr<Replica>> out;
+      for (auto& r : Snapshot()) {
+        absl::MutexLock lock(&r->mu);
+        if (!r->prefill && Routable(*r)) out.push_back(r);
+      }
+      if (!out.empty() || Clock::now() >= until || ex.ClientGone() || stopping.HasBeenNotified()) {
+        return out;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
 
   // A client's request carrying a field only the router sends (a disaggregated leg's

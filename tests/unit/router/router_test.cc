@@ -63,6 +63,7 @@ class FakeLeader {
         // The first piece, then the rest only once the client has it (go_): a router that
         // waited for the whole answer would never pass it on.
         if (!ex.StartStream({200, "text/event-stream", "", {}})) return;
+        if (die_at_start_.load()) return;  // its process died before its first token
         ex.Write(absl::StrCat("data: ", name_, "0\n\n"));
         if (die_mid_stream_.load()) return;  // cut short, as when the leader's process dies
         for (int i = 0; i < 1000 && n > released_.load() && !go_.HasBeenNotified(); ++i) {
@@ -104,6 +105,7 @@ class FakeLeader {
   std::atomic<bool> stop_stream_{false};
   std::atomic<bool> accepting_{true};
   std::atomic<bool> die_mid_stream_{false};
+  std::atomic<bool> die_at_start_{false};
   std::atomic<int64_t> max_batch_{8};
   // A stream's rest is sent once go_ is notified, or once released_ reaches its number.
   absl::Notification go_;
@@ -428,6 +430,39 @@ TEST_F(RouterTest, AStreamCutShortEndsWithAnErrorAndTakesItsReplicaOut) {
   auto r = Post(*router);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->body, "{\"from\":\"B\"}");
+}
+
+// A stream whose replica goes before its first token migrates; when no other replica takes
+// requests at that moment (B drains: moving off a drained node), the router waits for one and
+// the stream goes on there, whole.
+TEST_F(RouterTest, AMigrationWaitsForAReplicaThatTakesRequests) {
+  FakeLeader a("A", HashBlocks(prompt_, 4)), b("B", {});
+  a.die_at_start_ = true;
+  a.go_.Notify();
+  b.go_.Notify();
+  b.accepting_ = false;
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 1), 1);
+  std::thread back([&] {  // B takes requests again while the stream waits
+    std::this_thread::sleep_for(700ms);
+    b.accepting_ = true;
+  });
+  auto call =
+      http::UpstreamCall::Start("127.0.0.1", router->port(), "POST", "/v1/completions",
+                                {{"content-type", "application/json"}}, Body(true), 5s, 10s);
+  ASSERT_TRUE(call.ok()) << call.status();
+  std::string body;
+  bool done = false;
+  while (!done) {
+    auto piece = (*call)->Read(10s, &done);
+    if (!piece.ok()) break;
+    body += *piece;
+  }
+  back.join();
+  EXPECT_THAT(body, HasSubstr("data: B0"));
+  EXPECT_THAT(body, HasSubstr("[DONE]"));
+  EXPECT_THAT(body, ::testing::Not(HasSubstr("\"error\"")));
+  EXPECT_EQ(a.requests_.load(), 1);
 }
 
 // A replica that drains (its leader stops taking requests) is not routed, and the router's
