@@ -20,6 +20,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -194,6 +195,11 @@ absl::Status RunOneRank(const WorkerEnv& env) {
         observer.speculation = [&result](int64_t drafted, int64_t accepted) {
           result.drafted += drafted;
           result.accepted += accepted;
+        };
+        std::optional<int64_t> first;  // the first sequence that drafts
+        observer.drafts = [&result, &first](int64_t seq, const std::vector<int32_t>& drafts) {
+          if (!first) first = seq;
+          if (seq == *first) result.drafts.push_back(drafts);
         };
         ASSIGN_OR_RETURN(result.results, GenerateAll(ctx.executor, o, requests, observer));
         result.seconds =

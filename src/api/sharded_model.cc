@@ -335,9 +335,20 @@ absl::Status ParseSpec(const YAML::Node& node, ShardedModelSpec& s) {
   Fields speculative(serving.Get("speculative"), "spec.serving.speculative");
   RETURN_IF_ERROR(speculative.CheckMap());
   RETURN_IF_ERROR(speculative.String("method", s.speculative_method));
-  RETURN_IF_ERROR(speculative.Int("tokens", s.speculative_tokens));
+  int64_t tokens = -1;  // not given: the method's default
+  RETURN_IF_ERROR(speculative.Int("tokens", tokens));
   RETURN_IF_ERROR(speculative.String("draftModel", s.draft_model));
   RETURN_IF_ERROR(speculative.NoOthers());
+  if (s.speculative_method == "mtp") {
+    if (tokens != -1 && tokens != kMtpSpeculativeTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.serving.speculative.tokens is ", tokens, "; method mtp drafts ",
+          kMtpSpeculativeTokens, " a step (the checkpoint's one multi-token-prediction layer)"));
+    }
+    s.speculative_tokens = kMtpSpeculativeTokens;
+  } else if (tokens != -1) {
+    s.speculative_tokens = tokens;
+  }
   RETURN_IF_ERROR(serving.String("toolCallParser", s.tool_call_parser));
   RETURN_IF_ERROR(serving.Bool("trustRequestChatTemplate", s.trust_request_chat_template));
   RETURN_IF_ERROR(serving.String("reasoningParser", s.reasoning_parser));

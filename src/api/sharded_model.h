@@ -90,8 +90,8 @@ struct ShardedModelSpec {
   int64_t max_sequence_length = 4096;
   // spec.serving.kvCacheDtype (api/kv_cache_dtype.h): auto, f32, bf16, f16 or fp8.
   std::string kv_cache_dtype = "auto";
-  // spec.serving.speculative (api/speculative.h): method (none, ngram, draft), tokens a step, and
-  // the draft method's model (a URI as spec.model.uri's).
+  // spec.serving.speculative (api/speculative.h): method (none, ngram, draft, mtp), tokens a step,
+  // and the draft method's model (a URI as spec.model.uri's).
   std::string speculative_method = "none";
   int64_t speculative_tokens = kDefaultSpeculativeTokens;
   std::string draft_model;

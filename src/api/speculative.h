@@ -4,22 +4,24 @@
 // (serve/speculative.h). ngram: prompt lookup, the tokens that followed the latest earlier
 // occurrence of the sequence's last few tokens; draft: a smaller model of the same vocabulary
 // (draftModel; SHARDSERVE_DRAFT_MODEL, `--draft-model`), run by the replica's leader, its greedy
-// tokens. none: no speculation.
+// tokens. mtp: the checkpoint's own multi-token-prediction layer (DeepSeek-V3's nextn layer), run
+// by the last stage after each step: one draft a step. none: no speculation.
 #include <cstdint>
 #include <optional>
 #include <string_view>
 
 namespace shardserve {
 
-enum class SpeculativeMethod { kNone, kNgram, kDraft };
+enum class SpeculativeMethod { kNone, kNgram, kDraft, kMtp };
 
 inline std::optional<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name) {
   if (name == "none" || name.empty()) return SpeculativeMethod::kNone;
   if (name == "ngram") return SpeculativeMethod::kNgram;
   if (name == "draft") return SpeculativeMethod::kDraft;
+  if (name == "mtp") return SpeculativeMethod::kMtp;
   return std::nullopt;
 }
-inline constexpr const char* kSpeculativeMethods = "none, ngram or draft";
+inline constexpr const char* kSpeculativeMethods = "none, ngram, draft or mtp";
 
 inline const char* SpeculativeMethodName(SpeculativeMethod m) {
   switch (m) {
@@ -27,14 +29,17 @@ inline const char* SpeculativeMethodName(SpeculativeMethod m) {
       return "ngram";
     case SpeculativeMethod::kDraft:
       return "draft";
+    case SpeculativeMethod::kMtp:
+      return "mtp";
     default:
       return "none";
   }
 }
 
-// Tokens drafted a step: the default and the most.
+// Tokens drafted a step: the default and the most; mtp drafts one (its one layer, once).
 inline constexpr int64_t kDefaultSpeculativeTokens = 4;
 inline constexpr int64_t kMaxSpeculativeTokens = 16;
+inline constexpr int64_t kMtpSpeculativeTokens = 1;
 
 struct SpeculativeConfig {
   SpeculativeMethod method = SpeculativeMethod::kNone;

@@ -151,6 +151,11 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::speculative_method),
                      "='", w.speculative_method, "' must be ", kSpeculativeMethods));
   }
+  if (w.speculative_method == "mtp" && w.speculative_tokens != kMtpSpeculativeTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable SHARDSERVE_SPECULATIVE_TOKENS='", w.speculative_tokens,
+                     "': method mtp drafts ", kMtpSpeculativeTokens, " a step"));
+  }
   if (!w.kv_role.empty() && w.kv_role != "prefill" && w.kv_role != "decode") {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::kv_role), "='",

@@ -57,7 +57,7 @@ constexpr char kGenModelUsage[] =
     "[--layers N --hidden N --intermediate N --heads N --kv-heads N --head-dim N --vocab N\n"
     "--experts N --top-k N --no-norm-topk-prob\n"
     "--q-lora N --kv-lora N --rope-dim N --nope-dim N --v-dim N --groups N --topk-groups N\n"
-    "--shared-experts N --first-dense N --moe-intermediate N (deepseek_v3)\n"
+    "--shared-experts N --first-dense N --moe-intermediate N --mtp (deepseek_v3)\n"
     "--sliding-window N --swiglu-limit X --mxfp4 (gpt_oss)\n"
     "--dtype bf16|f16|f32 --fp8-block N|tensor --seed N --tie-embeddings --attention-bias\n"
     "--rope-scaling llama3|linear|yarn --max-position N --tokenizer bytelevel|sentencepiece\n"
@@ -77,12 +77,13 @@ constexpr char kGenerateUsage[] =
     "--top-p P --top-k K --seed S --logprobs K --stop-token-ids 1,2 --ignore-eos\n"
     "--min-tokens N --logit-bias ID:BIAS,... --repetition-penalty X --frequency-penalty X\n"
     "--presence-penalty X (as the API's)\n"
-    "--threads N --format text|json --tp T --pp P --microbatches M --batch N\n"
+    "--threads N --format text|json --tp T --pp P --microbatches M --batch N --max-step-tokens N\n"
     "--metrics-port-base PORT --kv-cache-dtype auto|f32|bf16|f16|fp8\n"
-    "--speculative none|ngram|draft --speculative-tokens K --draft-model DIR|FILE.gguf]\n"
+    "--speculative none|ngram|draft|mtp --speculative-tokens K --draft-model DIR|FILE.gguf]\n"
     "(--tp/--pp: P stage launchers x T rank processes on this machine, stages over TCP;\n"
-    "--speculative: decode steps draft up to K tokens (4) that the model verifies; with it (none\n"
-    "too) the run goes through the rank runtime even at one rank)";
+    "--speculative: decode steps draft up to K tokens (4; mtp: 1) that the model verifies;\n"
+    "--max-step-tokens: prompt tokens fed a step (512); with either (none too) the run goes\n"
+    "through the rank runtime even at one rank)";
 
 constexpr char kGenAdapterUsage[] =
     "--model DIR --out DIR [--rank N --alpha N --seed N]\n"
@@ -154,7 +155,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
                                               "first-dense",    "moe-intermediate",
                                               "sliding-window", "swiglu-limit"},
                                        {"tie-embeddings", "attention-bias", "no-norm-topk-prob",
-                                        "mxfp4", "gguf-legacy-mla", "think-tokens"},
+                                        "mxfp4", "gguf-legacy-mla", "think-tokens", "mtp"},
                                        "shardserve gen-model", kGenModelUsage));
   GenModelOptions o;
   o.arch = a.GetOr("arch", "llama");
@@ -183,6 +184,7 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
   }
   ASSIGN_OR_RETURN(o.sliding_window, a.GetInt("sliding-window", o.sliding_window));
   o.mxfp4 = a.Has("mxfp4");
+  o.mtp = a.Has("mtp");
   ASSIGN_OR_RETURN(o.swiglu_limit, a.GetDouble("swiglu-limit", o.swiglu_limit));
   ASSIGN_OR_RETURN(o.max_position, a.GetInt("max-position", o.max_position));
   ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
@@ -256,15 +258,14 @@ absl::Status GenModel(const std::vector<std::string>& argv) {
 struct Generated {
   GenerationResult result;
   double seconds = 0;
-  int64_t drafted = 0, accepted = 0;  // speculative decoding's tokens
+  int64_t drafted = 0, accepted = 0;         // speculative decoding's tokens
+  std::vector<std::vector<int32_t>> drafts;  // GenerateOutcome::drafts
 };
 
+// `base`: what every rank shares (its TP size, threads, serving settings); the stages' places,
+// the rendezvous and the one-shot request are added here.
 absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const GenerationRequest& req,
-                                          int64_t batch, int64_t tp, int64_t pp,
-                                          int64_t microbatches, int threads,
-                                          int64_t metrics_port_base, KvCacheDtype kv_cache_dtype,
-                                          const SpeculativeConfig& speculative,
-                                          const std::string& draft_model) {
+                                          int64_t batch, int64_t pp, const WorkerEnv& base) {
   ASSIGN_OR_RETURN(const int port, ChooseFreePort("127.0.0.1"));  // the rendezvous port
   const std::string job = absl::StrCat("gen-", getpid());
   const std::string result_path =
@@ -276,26 +277,16 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
   std::vector<Child> stages;
   for (int64_t s = 0; s < pp; ++s) {
-    WorkerEnv w;
+    WorkerEnv w = base;
     w.model_path = dir;
     w.rendezvous_secret_file = secret.path();
-    w.tp = static_cast<int>(tp);
     w.pp = static_cast<int>(pp);
     w.stage = static_cast<int>(s);
     w.stage_layers = FormatStageLayers(layers);
     w.leader_addr = absl::StrCat("127.0.0.1:", port);
-    w.microbatches = static_cast<int>(microbatches);
-    w.threads = static_cast<int>(threads);
-    w.kv_cache_dtype = KvCacheDtypeName(kv_cache_dtype);
-    w.speculative_method = SpeculativeMethodName(speculative.method);
-    w.speculative_tokens = static_cast<int>(speculative.tokens);
-    w.draft_model = draft_model;
     w.job_id = job;
     w.request = request;
     w.result_file = result_path;
-    // One-shot runs serve /metrics only when asked (base + global rank).
-    w.metrics = metrics_port_base >= 0;
-    w.metrics_port_base = static_cast<int>(std::max<int64_t>(-1, metrics_port_base));
     auto pid = Spawn(SelfDirectory() + "/shardserve-worker", {"launch"}, w.ToEnv());
     if (!pid.ok()) {
       for (const Child& c : stages) kill(c.pid, SIGKILL);
@@ -309,7 +300,7 @@ absl::StatusOr<Generated> GenerateSharded(const std::string& dir, const Generati
   ASSIGN_OR_RETURN(GenerateOutcome outcome,
                    DecodeGenerateOutcome(nlohmann::json::parse(text, nullptr, false)));
   return Generated{std::move(outcome.results[0]), outcome.seconds, outcome.drafted,
-                   outcome.accepted};
+                   outcome.accepted, std::move(outcome.drafts)};
 }
 
 absl::Status Generate(const std::vector<std::string>& argv) {
@@ -329,6 +320,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
                                         "tp",
                                         "pp",
                                         "microbatches",
+                                        "max-step-tokens",
                                         "batch",
                                         "metrics-port-base",
                                         "min-tokens",
@@ -400,9 +392,18 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     }
     speculative.method = *m;
   }
-  ASSIGN_OR_RETURN(speculative.tokens, a.GetInt("speculative-tokens", kDefaultSpeculativeTokens));
+  const bool mtp = speculative.method == SpeculativeMethod::kMtp;
+  ASSIGN_OR_RETURN(
+      speculative.tokens,
+      a.GetInt("speculative-tokens", mtp ? kMtpSpeculativeTokens : kDefaultSpeculativeTokens));
   if (a.Has("speculative-tokens") && !speculative.enabled()) {
-    return absl::InvalidArgumentError("--speculative-tokens needs --speculative ngram or draft");
+    return absl::InvalidArgumentError(
+        "--speculative-tokens needs --speculative ngram, draft or mtp");
+  }
+  if (mtp && speculative.tokens != kMtpSpeculativeTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--speculative mtp drafts ", kMtpSpeculativeTokens,
+                     " token a step (the checkpoint's one multi-token-prediction layer)"));
   }
   if ((speculative.method == SpeculativeMethod::kDraft) != a.Has("draft-model")) {
     return absl::InvalidArgumentError("--speculative draft and --draft-model go together");
@@ -414,13 +415,17 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(int64_t tp, a.GetInt("tp", 1));
   ASSIGN_OR_RETURN(int64_t pp, a.GetInt("pp", 1));
   ASSIGN_OR_RETURN(int64_t microbatches, a.GetInt("microbatches", 0));
+  ASSIGN_OR_RETURN(const int64_t max_step_tokens,
+                   a.GetInt("max-step-tokens", WorkerEnv::Defaults().max_step_tokens));
+  if (max_step_tokens < 1)
+    return absl::InvalidArgumentError("--max-step-tokens must be at least 1");
   ASSIGN_OR_RETURN(int64_t batch, a.GetInt("batch", 1));
   if (batch < 1) return absl::InvalidArgumentError("--batch must be at least 1");
   if (tp < 1 || pp < 1) return absl::InvalidArgumentError("--tp and --pp must be at least 1");
   // One rank on the CPU runs in this process; a backend named in SHARDSERVE_BACKEND (other than
   // cpu) goes through the rank runtime, which picks it.
   const char* backend = std::getenv(kBackendEnv);
-  const bool in_process = tp * pp == 1 && !a.Has("speculative") &&
+  const bool in_process = tp * pp == 1 && !a.Has("speculative") && !a.Has("max-step-tokens") &&
                           (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
   std::unique_ptr<Transformer> model;
   if (in_process) {  // load first: a bad directory is reported as the model's problem
@@ -447,11 +452,20 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     g.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     g.result = std::move(results[0]);
   } else {
-    const int per_rank = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
+    WorkerEnv base;
+    base.tp = static_cast<int>(tp);
+    base.threads = static_cast<int>(std::max<int64_t>(1, threads / (tp * pp)));
+    base.microbatches = static_cast<int>(microbatches);
+    base.max_step_tokens = max_step_tokens;
+    base.kv_cache_dtype = KvCacheDtypeName(kv_cache_dtype);
+    base.speculative_method = SpeculativeMethodName(speculative.method);
+    base.speculative_tokens = static_cast<int>(speculative.tokens);
+    base.draft_model = a.GetOr("draft-model", "");
+    // One-shot runs serve /metrics only when asked (base + global rank).
     ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
-    ASSIGN_OR_RETURN(g,
-                     GenerateSharded(dir, req, batch, tp, pp, microbatches, per_rank, metrics_base,
-                                     kv_cache_dtype, speculative, a.GetOr("draft-model", "")));
+    base.metrics = metrics_base >= 0;
+    base.metrics_port_base = static_cast<int>(std::max<int64_t>(-1, metrics_base));
+    ASSIGN_OR_RETURN(g, GenerateSharded(dir, req, batch, pp, base));
   }
   const GenerationResult& r = g.result;
   const std::string text = tokenizer->Decode(r.tokens, /*skip_special_tokens=*/true);
@@ -479,7 +493,8 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     out["speculation"] = {{"method", SpeculativeMethodName(speculative.method)},
                           {"tokens", speculative.tokens},
                           {"drafted", g.drafted},
-                          {"accepted", g.accepted}};
+                          {"accepted", g.accepted},
+                          {"drafts", g.drafts}};
   }
   std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   return absl::OkStatus();

@@ -363,6 +363,16 @@ std::vector<Planned> PlanTensors(const GenModelOptions& o, int64_t head_dim) {
       add(p + "mlp.down_proj.weight", {H, I}, uniform_std(0.5 / std::sqrt(I)));
     }
   }
+  if (o.mtp) {  // DeepSeek-V3's multi-token-prediction layer, after the others (as it ships)
+    const std::string p = absl::StrCat("model.layers.", o.layers, ".");
+    PlanDeepseekLayer(o, p, o.layers, add);
+    add(p + "enorm.weight", {H}, norm);
+    add(p + "hnorm.weight", {H}, norm);
+    add(p + "eh_proj.weight", {H, 2 * H}, uniform_std(1.0 / std::sqrt(2 * H)));
+    add(p + "embed_tokens.weight", {o.vocab, H}, uniform_std(1.0));
+    add(p + "shared_head.norm.weight", {H}, norm);
+    add(p + "shared_head.head.weight", {o.vocab, H}, uniform_std(2.0 / std::sqrt(H)));
+  }
   add("model.norm.weight", {H}, norm);
   if (!o.tie_embeddings) add("lm_head.weight", {o.vocab, H}, uniform_std(2.0 / std::sqrt(H)));
   return t;
@@ -633,6 +643,9 @@ absl::Status GenModelOptions::Validate() const {
                                                    ") and --intermediate (", intermediate,
                                                    ") multiples of 32"));
   }
+  if (mtp && arch != "deepseek_v3") {
+    return absl::InvalidArgumentError("--mtp is deepseek_v3's (its multi-token-prediction layer)");
+  }
   if (arch == "deepseek_v3") {
     for (auto [name, v] : {std::pair{"kv-lora", kv_lora_rank},
                            {"rope-dim", rope_dim},
@@ -846,7 +859,7 @@ absl::Status GenerateModel(const GenModelOptions& o) {
     config["attention_bias"] = false;
     config["topk_method"] = "noaux_tc";
     config["scoring_func"] = "sigmoid";
-    config["num_nextn_predict_layers"] = 0;
+    config["num_nextn_predict_layers"] = o.mtp ? 1 : 0;
   }
   if (o.arch == "gpt_oss") {  // GptOssConfig's fields
     config["num_local_experts"] = o.experts;

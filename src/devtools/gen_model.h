@@ -35,6 +35,7 @@ struct GenModelOptions {
   double swiglu_limit = 7.0;
   // gpt_oss: its experts in MXFP4 (quant_method mxfp4, model/mxfp4.h), as gpt-oss ships them.
   bool mxfp4 = false;
+  bool mtp = false;  // deepseek_v3: its multi-token-prediction layer (num_nextn_predict_layers 1)
   int64_t max_position = 4096;
   DType dtype = DType::kBF16;
   uint64_t seed = 0;

@@ -423,7 +423,10 @@ void SetModelKeys(GgufWriter& w, const ModelConfig& c, const std::string& arch, 
   };
   u32("context_length", c.max_position_embeddings);
   u32("embedding_length", c.hidden_size);
-  u32("block_count", c.num_layers);
+  // The multi-token-prediction layer after the others, as llama.cpp writes nextn layers.
+  const int64_t layers = c.num_layers + c.mtp_layers;
+  u32("block_count", layers);
+  if (c.mtp_layers > 0) u32("nextn_predict_layers", c.mtp_layers);
   u32("feed_forward_length", c.mla ? c.dense_intermediate_size : c.intermediate_size);
   u32("attention.head_count", c.num_heads);
   f32("attention.layer_norm_rms_epsilon", c.rms_norm_eps);
@@ -654,7 +657,7 @@ absl::Status ConvertToGguf(const std::string& hf_dir, const std::string& out_fil
   RETURN_IF_ERROR(add("token_embd.weight", "model.embed_tokens.weight", false));
   RETURN_IF_ERROR(add("output_norm.weight", "model.norm.weight", false));
   if (!c.tie_word_embeddings) RETURN_IF_ERROR(add("output.weight", "lm_head.weight", false));
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  for (int64_t l = 0; l < c.num_layers + c.mtp_layers; ++l) {
     const std::string blk = absl::StrCat("blk.", l, "."),
                       hf = absl::StrCat("model.layers.", l, ".");
     for (const GgufName& n : kGgufLayerNames) {

@@ -173,8 +173,9 @@ Dims DimsOf(const ModelConfig& c) {
   }
   if (c.mtp_layers > 0) {
     d.notes.push_back(absl::StrCat("its ", c.mtp_layers,
-                                   " multi-token-prediction layer(s) are not counted: "
-                                   "shardserve does not load them"));
+                                   " multi-token-prediction layer(s) are not counted: loaded "
+                                   "only for speculative method mtp (the last stage's one layer "
+                                   "more, weights and KV cache)"));
   }
   if (std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end()) {
     d.notes.push_back(

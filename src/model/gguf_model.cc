@@ -61,6 +61,14 @@ const std::vector<GgufName> kGgufLayerNames = {
     {"ffn_gate_exps.bias", "mlp.experts.gate_proj_bias"},
     {"ffn_up_exps.bias", "mlp.experts.up_proj_bias"},
     {"ffn_down_exps.bias", "mlp.experts.down_proj_bias"},
+    // DeepSeek-V3's multi-token-prediction layer (llama.cpp's nextn tensors, in the block after
+    // the model's; embed_tokens and the shared head's may be left out, the model's then).
+    {"nextn.eh_proj.weight", "eh_proj.weight"},
+    {"nextn.enorm.weight", "enorm.weight"},
+    {"nextn.hnorm.weight", "hnorm.weight"},
+    {"nextn.embed_tokens.weight", "embed_tokens.weight"},
+    {"nextn.shared_head_head.weight", "shared_head.head.weight"},
+    {"nextn.shared_head_norm.weight", "shared_head.norm.weight"},
 };
 const std::vector<GgufName> kGgufExpertNames = {
     {"ffn_gate_exps.weight", "w1.weight"},
@@ -408,6 +416,17 @@ absl::StatusOr<ModelConfig> GgufModelConfig(const GgufFile& f) {
   ASSIGN_OR_RETURN(j["intermediate_size"], f.GetUint(p + "feed_forward_length"));
   ASSIGN_OR_RETURN(const uint64_t blocks, f.GetUint(p + "block_count"));
   j["num_hidden_layers"] = blocks;
+  // llama.cpp counts the multi-token-prediction (nextn) layers in block_count, after the others.
+  if (Has(f, p + "nextn_predict_layers")) {
+    ASSIGN_OR_RETURN(const uint64_t nextn, f.GetUint(p + "nextn_predict_layers"));
+    if (nextn >= blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(f.path(), ": ", p, "nextn_predict_layers ",
+                                                     nextn, " leaves none of ", p, "block_count ",
+                                                     blocks));
+    }
+    j["num_hidden_layers"] = blocks - nextn;
+    j["num_nextn_predict_layers"] = nextn;
+  }
   // The file's layers must be the ones it declares: a file that holds more would run truncated.
   for (const auto& [name, tensor] : f.tensors()) {
     uint64_t block;
@@ -524,8 +543,9 @@ absl::StatusOr<std::map<std::string, TensorView>> GgufTensors(
     }
     int64_t layer = -1;
     size_t used = 0;
+    // The model's layers and the first multi-token-prediction layer (the one MTP runs).
     if (std::sscanf(name.c_str(), "blk.%ld.%zn", &layer, &used) != 1 || used == 0 || layer < 0 ||
-        layer >= c.num_layers) {
+        layer >= c.num_layers + std::min<int64_t>(c.mtp_layers, 1)) {
       continue;  // not a tensor the model reads: rope_freqs and the like were refused above
     }
     const std::string rest = name.substr(used);

@@ -23,7 +23,7 @@ T* Ptr(const std::unique_ptr<Buffer>& b) {
 absl::StatusOr<std::unique_ptr<KvCache>> Transformer::NewKvCache(int64_t positions,
                                                                  int64_t block_size) {
   const int64_t blocks = std::max<int64_t>(1, (positions + block_size - 1) / block_size);
-  const int64_t layers = layer_end_ - layer_begin_;
+  const int64_t layers = kv_layers();
   std::unique_ptr<KvStorage> storage;
   if (config_.mla) {  // the latent and the rotated key dims, one vector a position
     ASSIGN_OR_RETURN(storage,
@@ -39,8 +39,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> Transformer::NewKvCache(int64_t positio
 size_t Transformer::kv_block_bytes(int64_t block_size) const {
   const int64_t per_position =
       config_.mla ? config_.kv_lora_rank + config_.head_dim : 2 * kv_heads_ * config_.head_dim;
-  return static_cast<size_t>((layer_end_ - layer_begin_) * block_size * per_position) *
-         DTypeSize(kv_format_.dtype);
+  return static_cast<size_t>(kv_layers() * block_size * per_position) * DTypeSize(kv_format_.dtype);
 }
 
 absl::Status Transformer::AllReduce(float* data, size_t count) {
@@ -193,32 +192,14 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
         be.RmsNorm(Ptr<float>(m.x), rows, H, layers_[0].input_norm, eps, Ptr<float>(m.h)));
   }
   for (size_t li = 0; li < layers_.size(); ++li) {
-    const Layer& L = layers_[li];
-    if (c.mla) {
-      RETURN_IF_ERROR(LatentAttentionLayer(L, li, cache, rows, max_len));
-    } else {
-      RETURN_IF_ERROR(AttentionLayer(L, li, cache, rows, max_len));
-    }
-    // Row-parallel o_proj: partial sums over this rank's heads, then one all-reduce.
-    RETURN_IF_ERROR(Gemm(L.o, *m.attn, rows, *m.o));
-    RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kO, *m.attn, *m.o, rows));  // before the sum
-    RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));
-    if (L.o_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.o), rows, H, L.o_bias));
-    RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H, L.post_norm, eps,
-                                  Ptr<float>(m.h)));
-    RETURN_IF_ERROR(L.sparse ? Moe(L, rows) : Mlp(L, li, rows));
-    RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));  // row-parallel down / experts
-    if (li + 1 < layers_.size()) {
-      RETURN_IF_ERROR(be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H,
-                                    layers_[li + 1].input_norm, eps, Ptr<float>(m.h)));
-    } else {
-      RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H));
-    }
+    RETURN_IF_ERROR(LayerForward(layers_[li], static_cast<int64_t>(li), cache, rows, max_len,
+                                 li + 1 < layers_.size() ? layers_[li + 1].input_norm : nullptr));
   }
   for (SequenceChunk& ch : chunks) ch.kv->length += static_cast<int64_t>(ch.tokens.size());
   rows_ = rows;
   logit_rows_ = static_cast<int64_t>(batch.last_row.size());
   if (!last_stage()) return absl::OkStatus();
+  if (has_mtp()) batch_ = batch;
   // Vocab-parallel LM head on the logit rows: this rank's slice of the logits.
   const int64_t S = logit_rows_;
   RETURN_IF_ERROR(Put(*m.last, batch.last_row));
@@ -226,6 +207,105 @@ absl::Status Transformer::Run(std::vector<SequenceChunk>& chunks, KvCache& cache
   RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), S, Ptr<float>(m.in)));
   RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.in), S, H, final_norm_, eps, Ptr<float>(m.h)));
   return Gemm(lm_head_, *m.h, S, *m.logits);
+}
+
+absl::Status Transformer::LayerForward(const Layer& L, int64_t li, const KvCache& cache,
+                                       int64_t rows, int64_t max_len, const float* next_norm) {
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const int64_t H = config_.hidden_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  if (config_.mla) {
+    RETURN_IF_ERROR(LatentAttentionLayer(L, li, cache, rows, max_len));
+  } else {
+    RETURN_IF_ERROR(AttentionLayer(L, li, cache, rows, max_len));
+  }
+  // Row-parallel o_proj: partial sums over this rank's heads, then one all-reduce.
+  RETURN_IF_ERROR(Gemm(L.o, *m.attn, rows, *m.o));
+  RETURN_IF_ERROR(ApplyLora(li, LoraTarget::kO, *m.attn, *m.o, rows));  // before the sum
+  RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));
+  if (L.o_bias != nullptr) RETURN_IF_ERROR(be.AddBias(Ptr<float>(m.o), rows, H, L.o_bias));
+  RETURN_IF_ERROR(
+      be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H, L.post_norm, eps, Ptr<float>(m.h)));
+  RETURN_IF_ERROR(L.sparse ? Moe(L, rows) : Mlp(L, li, rows));
+  RETURN_IF_ERROR(AllReduce(Ptr<float>(m.o), rows * H));  // row-parallel down / experts
+  if (next_norm == nullptr) return be.Add(Ptr<float>(m.x), Ptr<float>(m.o), rows * H);
+  return be.AddRmsNorm(Ptr<float>(m.x), Ptr<float>(m.o), rows, H, next_norm, eps, Ptr<float>(m.h));
+}
+
+absl::StatusOr<std::vector<int32_t>> Transformer::Mtp(const std::vector<int32_t>& rows,
+                                                      const std::vector<int32_t>& next,
+                                                      const std::vector<int32_t>& drafts,
+                                                      KvCache& cache, Communicator* tp_group) {
+  if (!has_mtp()) return absl::FailedPreconditionError("this model runs no MTP layer");
+  Backend& be = *backend_;
+  Buffers& m = buf_;
+  const int64_t H = config_.hidden_size, n = static_cast<int64_t>(rows.size());
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  if (next.size() != rows.size() || n == 0 || n > rows_) {
+    return absl::InvalidArgumentError(absl::StrCat("MTP over ", n, " rows with ", next.size(),
+                                                   " next tokens, of a batch of ", rows_));
+  }
+  // The rows' positions and block tables, as the step's Run laid them out.
+  std::vector<int32_t> pos(n), offsets(n);
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t r = rows[i];
+    if (r < 0 || r >= rows_ || (i > 0 && r <= rows[i - 1]) || next[i] < 0 ||
+        next[i] >= config_.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MTP row ", r, " (next token ", next[i], ") of a batch of ", rows_));
+    }
+    pos[i] = batch_.positions[r];
+    offsets[i] = batch_.block_offset[r];
+    max_len = std::max<int64_t>(max_len, pos[i] + 1);
+  }
+  for (int32_t d : drafts) {
+    if (d < 0 || d >= n) return absl::InvalidArgumentError("an MTP draft row outside its rows");
+  }
+  // The hidden states: the model's final norm, then hnorm (into h).
+  const size_t bytes = static_cast<size_t>(n * H) * sizeof(float);
+  RETURN_IF_ERROR(Put(*m.last, rows));
+  RETURN_IF_ERROR(m.in->Reserve(bytes));
+  RETURN_IF_ERROR(m.h->Reserve(bytes));
+  RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), n, Ptr<float>(m.in)));
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.in), n, H, final_norm_, eps, Ptr<float>(m.h)));
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.h), n, H, mtp_.hnorm, eps, Ptr<float>(m.h)));
+  // The next tokens' embeddings (zero at position 0), enorm (into in).
+  RETURN_IF_ERROR(Put(*m.ids, next));
+  RETURN_IF_ERROR(Put(*m.pos, pos));
+  RETURN_IF_ERROR(Put(*m.offsets, offsets));
+  RETURN_IF_ERROR(Put(*m.table, batch_.blocks));
+  RETURN_IF_ERROR(m.x->Reserve(bytes));
+  RETURN_IF_ERROR(
+      be.Embed(mtp_.embed, Ptr<int32_t>(m.ids), n, vocab_begin_, vocab_end_, Ptr<float>(m.x)));
+  RETURN_IF_ERROR(AllReduce(Ptr<float>(m.x), n * H));
+  const std::vector<float> zero(H, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    if (pos[i] != 0) continue;
+    RETURN_IF_ERROR(be.CopyFromHost(Ptr<float>(m.x) + i * H, zero.data(), H * sizeof(float)));
+  }
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), n, H, mtp_.enorm, eps, Ptr<float>(m.in)));
+  // x = eh_proj's two halves on them; then the decoder layer on its input norm.
+  RETURN_IF_ERROR(Gemm(mtp_.eh_embed, *m.in, n, *m.x));
+  RETURN_IF_ERROR(Gemm(mtp_.eh_hidden, *m.h, n, *m.o));
+  RETURN_IF_ERROR(be.Add(Ptr<float>(m.x), Ptr<float>(m.o), n * H));
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.x), n, H, mtp_.layer.input_norm, eps, Ptr<float>(m.h)));
+  lora_batch_ = false;  // the MTP layer runs no adapter
+  RETURN_IF_ERROR(
+      LayerForward(mtp_.layer, static_cast<int64_t>(layers_.size()), cache, n, max_len, nullptr));
+  // shared_head on the draft rows, then the greedy token of each.
+  const int64_t D = static_cast<int64_t>(drafts.size());
+  if (D == 0) return std::vector<int32_t>();
+  RETURN_IF_ERROR(Put(*m.last, drafts));
+  RETURN_IF_ERROR(be.GatherRows(Ptr<float>(m.x), H, Ptr<int32_t>(m.last), D, Ptr<float>(m.in)));
+  RETURN_IF_ERROR(be.RmsNorm(Ptr<float>(m.in), D, H, mtp_.norm, eps, Ptr<float>(m.h)));
+  RETURN_IF_ERROR(Gemm(mtp_.head, *m.h, D, *m.logits));
+  logit_rows_ = D;
+  ASSIGN_OR_RETURN(std::vector<SampledToken> best, Greedy(0, tp_group));
+  std::vector<int32_t> out;
+  for (const SampledToken& t : best) out.push_back(t.id);
+  return out;
 }
 
 absl::Status Transformer::AttentionLayer(const Layer& L, int64_t li, const KvCache& cache,

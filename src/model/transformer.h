@@ -103,6 +103,10 @@ class Transformer {
     int64_t lora_max_rank = 0;
     // How the KV caches keep their values (api/kv_cache_dtype.h; auto: the model's dtype).
     KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
+    // The last stage also loads the checkpoint's multi-token-prediction layer (DeepSeek-V3's
+    // nextn layer, num_nextn_predict_layers; speculative method mtp) and runs it with Mtp. Refused
+    // for a model without one.
+    bool mtp = false;
   };
   // Reads config.json and the safetensors weights of `model_dir` and validates every tensor the
   // architecture needs (presence, shape). Errors name the tensor and the shapes; a shape that
@@ -164,6 +168,20 @@ class Transformer {
   // logit row each); other ranks pass an empty vector and get one back.
   absl::StatusOr<std::vector<SampledToken>> Sample(const std::vector<Sampler*>& samplers,
                                                    int64_t top_logprobs);
+
+  // DeepSeek-V3's multi-token prediction (Options::mtp), after Run on the last stage and after
+  // the step's tokens are chosen (it overwrites the logits), every rank of the TP group: the MTP
+  // layer on the batch rows `rows` (ascending; those whose next token is known), row rows[i]
+  // reading the model's final hidden state there (after the final norm) and the embedding of
+  // next[i]: eh_proj([enorm(embed(next)), hnorm(hidden)]) (the embedding zero at position 0), its
+  // decoder layer (writing the cache's MTP layer at those positions) and shared_head. Returns the
+  // greedy token of each of rows[drafts[j]]: the token two positions after that row, a draft.
+  // tp_group as for Greedy.
+  absl::StatusOr<std::vector<int32_t>> Mtp(const std::vector<int32_t>& rows,
+                                           const std::vector<int32_t>& next,
+                                           const std::vector<int32_t>& drafts, KvCache& cache,
+                                           Communicator* tp_group);
+  bool has_mtp() const { return mtp_.enorm != nullptr; }
 
   // After Run on the last stage, every rank of the TP group: the full logits of each logit row
   // (rows x vocab_size, host), gathered over the TP communicator; identical on every rank.
@@ -300,6 +318,9 @@ class Transformer {
   absl::Status BindAttention(Layer& L, const std::string& prefix, int64_t q0, int64_t q1,
                              int64_t k0, int64_t k1);
   absl::Status BindLatentAttention(Layer& L, const std::string& prefix);
+  // Model layer i (of the checkpoint; num_layers: the MTP layer's decoder) into L.
+  absl::Status BindLayer(Layer& L, int64_t i);
+  absl::Status BindMtp();
   absl::Status BindExperts(Layer& L, const std::string& prefix);
   // gpt-oss's fused experts ([E][in][out], gate and up interleaved) and their biases, this
   // rank's experts transposed into [out][in] matrices.
@@ -322,6 +343,12 @@ class Transformer {
                               int64_t max_len);
   absl::Status LatentAttentionLayer(const Layer& L, int64_t li, const KvCache& cache, int64_t rows,
                                     int64_t max_len);
+  // Layer L (cache layer li) on the rows of x whose input norm is in h: attention, MLP, their
+  // residual adds into x; then h = next_norm(x), or (null) x alone.
+  absl::Status LayerForward(const Layer& L, int64_t li, const KvCache& cache, int64_t rows,
+                            int64_t max_len, const float* next_norm);
+  // The cache layers this rank keeps: its stage's, and the MTP layer's.
+  int64_t kv_layers() const { return layer_end_ - layer_begin_ + (has_mtp() ? 1 : 0); }
   absl::StatusOr<ExpertTable> TableOf(const std::vector<const WeightMatrix*>& mats);
   absl::Status AllReduce(float* data, size_t count);
   absl::Status Gemm(const WeightMatrix& w, const Buffer& x, int64_t M, Buffer& y);
@@ -357,6 +384,16 @@ class Transformer {
   WeightMatrix embed_, lm_head_;
   const float *final_norm_ = nullptr, *inv_freq_ = nullptr;
   std::vector<Layer> layers_;
+  // The multi-token-prediction layer (Options::mtp): its decoder layer (cache layer
+  // layers_.size()), norms, eh_proj's halves (the embedding's and the hidden state's columns,
+  // replicated over the TP group), its embedding and head (vocab-parallel: the checkpoint's own,
+  // else the model's).
+  struct MtpLayer {
+    Layer layer;
+    const float *enorm = nullptr, *hnorm = nullptr, *norm = nullptr;
+    WeightMatrix eh_embed, eh_hidden, embed, head;
+  };
+  MtpLayer mtp_;
   // The KV caches' format (Options::kv_cache_dtype resolved; for FP8 each stage layer's scales:
   // the checkpoint's self_attn.k_scale / v_scale, or k_proj / v_proj.output_scale, vLLM's names,
   // 1 where it has none, vLLM's default). BindKvFormat sets it.
@@ -369,8 +406,9 @@ class Transformer {
   bool lora_batch_ = false;
   Buffers buf_;
   // The last Run: its rows and logit rows (the rows of `logits` on the last stage); the rows of
-  // the input in x (-1: none given).
+  // the input in x (-1: none given); its layout (Mtp reads its positions).
   int64_t rows_ = 0, logit_rows_ = 0, input_rows_ = -1;
+  BatchLayout batch_;
 };
 
 }  // namespace shardserve

@@ -73,10 +73,10 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
     RETURN_IF_ERROR(cpu::CheckCpu());
     backend = cpu::NewBackend(options.num_threads);
   }
-  if (config.mtp_layers > 0 && options.tp_rank == 0 && options.layer_begin == 0) {
+  if (config.mtp_layers > 0 && !options.mtp && options.tp_rank == 0 && options.layer_begin == 0) {
     LogInfo(model_dir, ": its ", config.mtp_layers,
             " multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded: they "
-            "serve speculative decoding, which shardserve does not run");
+            "serve speculative decoding's method mtp, not asked for");
   }
   std::unique_ptr<Transformer> t(
       new Transformer(std::move(config), std::move(weights), options, std::move(backend)));
@@ -429,7 +429,8 @@ absl::Status Transformer::BindKvFormat() {
   };
   kv_format_.k_scale.clear();
   kv_format_.v_scale.clear();
-  for (int64_t i = layer_begin_; i < layer_end_; ++i) {
+  // The stage's layers, then the MTP layer's (model layer num_layers) where it has one.
+  for (int64_t i = layer_begin_; i < layer_begin_ + kv_layers(); ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     ASSIGN_OR_RETURN(const float k, scale_of(p, "k"));
     ASSIGN_OR_RETURN(const float v, scale_of(p, "v"));
@@ -442,7 +443,7 @@ absl::Status Transformer::BindKvFormat() {
 absl::Status Transformer::BindWeights() {
   const ModelConfig& c = config_;
   const int T = options_.tp_size, t = options_.tp_rank;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
   layer_begin_ = options_.layer_begin;
   layer_end_ = options_.layer_end < 0 ? c.num_layers : options_.layer_end;
   heads_ = c.num_heads / T;
@@ -491,40 +492,84 @@ absl::Status Transformer::BindWeights() {
     ASSIGN_OR_RETURN(final_norm_, VectorSlice(norm, 0, H));
   }
   ASSIGN_OR_RETURN(inv_freq_, backend_->Upload(RopeInvFreq(c)));
-  RETURN_IF_ERROR(BindKvFormat());
   progress(1);
-  const int64_t q0 = t * heads_ * hd, q1 = q0 + heads_ * hd;
-  const int64_t k0 = kv_head_begin_ * hd, k1 = k0 + kv_heads_ * hd;
   layers_.resize(layer_end_ - layer_begin_);
   for (int64_t i = layer_begin_; i < layer_end_; ++i) {
-    Layer& L = layers_[i - layer_begin_];
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    ASSIGN_OR_RETURN(TensorView in_norm, w.Get(p + "input_layernorm.weight", {H}));
-    ASSIGN_OR_RETURN(TensorView post_norm, w.Get(p + "post_attention_layernorm.weight", {H}));
-    ASSIGN_OR_RETURN(L.input_norm, VectorSlice(in_norm, 0, H));
-    ASSIGN_OR_RETURN(L.post_norm, VectorSlice(post_norm, 0, H));
-    L.sparse = c.moe_layer(i);
-    L.window = c.window(i);
-    if (c.mla) {
-      RETURN_IF_ERROR(BindLatentAttention(L, p));
-    } else {
-      RETURN_IF_ERROR(BindAttention(L, p, q0, q1, k0, k1));
-    }
-    if (L.sparse) {
-      RETURN_IF_ERROR(c.gpt_oss ? BindFusedExperts(L, p) : BindExperts(L, p));
-    } else {
-      // Dense: DeepSeek-V3's first layers have their own size.
-      const int64_t DI = c.first_dense_layers > 0 ? c.dense_intermediate_size : I;
-      ASSIGN_OR_RETURN(TensorView gate, w.Get(p + "mlp.gate_proj.weight", {DI, H}));
-      ASSIGN_OR_RETURN(TensorView up, w.Get(p + "mlp.up_proj.weight", {DI, H}));
-      ASSIGN_OR_RETURN(TensorView down, w.Get(p + "mlp.down_proj.weight", {H, DI}));
-      const int64_t i0 = t * DI / T, i1 = (t + 1) * DI / T;
-      ASSIGN_OR_RETURN(L.gate, Rows(gate, i0, i1));  // column-parallel
-      ASSIGN_OR_RETURN(L.up, Rows(up, i0, i1));
-      ASSIGN_OR_RETURN(L.down, Cols(down, i0, i1));  // row-parallel
-    }
+    RETURN_IF_ERROR(BindLayer(layers_[i - layer_begin_], i));
     progress(i - layer_begin_ + 2);
   }
+  if (options_.mtp && last_stage()) RETURN_IF_ERROR(BindMtp());
+  return BindKvFormat();
+}
+
+absl::Status Transformer::BindLayer(Layer& L, int64_t i) {
+  const ModelConfig& c = config_;
+  const int T = options_.tp_size, t = options_.tp_rank;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t q0 = t * heads_ * hd, q1 = q0 + heads_ * hd;
+  const int64_t k0 = kv_head_begin_ * hd, k1 = k0 + kv_heads_ * hd;
+  const WeightStore& w = *weights_;
+  const std::string p = absl::StrCat("model.layers.", i, ".");
+  ASSIGN_OR_RETURN(TensorView in_norm, w.Get(p + "input_layernorm.weight", {H}));
+  ASSIGN_OR_RETURN(TensorView post_norm, w.Get(p + "post_attention_layernorm.weight", {H}));
+  ASSIGN_OR_RETURN(L.input_norm, VectorSlice(in_norm, 0, H));
+  ASSIGN_OR_RETURN(L.post_norm, VectorSlice(post_norm, 0, H));
+  L.sparse = c.moe_layer(i);
+  L.window = c.window(i);
+  if (c.mla) {
+    RETURN_IF_ERROR(BindLatentAttention(L, p));
+  } else {
+    RETURN_IF_ERROR(BindAttention(L, p, q0, q1, k0, k1));
+  }
+  if (L.sparse) return c.gpt_oss ? BindFusedExperts(L, p) : BindExperts(L, p);
+  // Dense: DeepSeek-V3's first layers have their own size.
+  const int64_t DI = c.first_dense_layers > 0 ? c.dense_intermediate_size : I;
+  ASSIGN_OR_RETURN(TensorView gate, w.Get(p + "mlp.gate_proj.weight", {DI, H}));
+  ASSIGN_OR_RETURN(TensorView up, w.Get(p + "mlp.up_proj.weight", {DI, H}));
+  ASSIGN_OR_RETURN(TensorView down, w.Get(p + "mlp.down_proj.weight", {H, DI}));
+  const int64_t i0 = t * DI / T, i1 = (t + 1) * DI / T;
+  ASSIGN_OR_RETURN(L.gate, Rows(gate, i0, i1));  // column-parallel
+  ASSIGN_OR_RETURN(L.up, Rows(up, i0, i1));
+  ASSIGN_OR_RETURN(L.down, Cols(down, i0, i1));  // row-parallel
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::BindMtp() {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size, n = c.num_layers;
+  if (c.mtp_layers < 1 || !c.mla) {
+    return absl::InvalidArgumentError(
+        "speculative method mtp needs a DeepSeek-V3 checkpoint with its multi-token-prediction "
+        "layer (num_nextn_predict_layers in config.json); this model has none");
+  }
+  const WeightStore& w = *weights_;
+  const std::string p = absl::StrCat("model.layers.", n, ".");
+  RETURN_IF_ERROR(BindLayer(mtp_.layer, n));
+  ASSIGN_OR_RETURN(TensorView hnorm, w.Get(p + "hnorm.weight", {H}));
+  // A GGUF may leave out the shared head's norm (llama.cpp then uses the model's final one).
+  const std::string own_norm = p + "shared_head.norm.weight";
+  ASSIGN_OR_RETURN(TensorView norm, w.Get(w.Has(own_norm) ? own_norm : "model.norm.weight", {H}));
+  ASSIGN_OR_RETURN(TensorView eh, w.Get(p + "eh_proj.weight", {H, 2 * H}));
+  ASSIGN_OR_RETURN(mtp_.hnorm, VectorSlice(hnorm, 0, H));
+  ASSIGN_OR_RETURN(mtp_.norm, VectorSlice(norm, 0, H));
+  // eh_proj reads [embedding, hidden state]: its two halves of columns, each rank all rows.
+  ASSIGN_OR_RETURN(mtp_.eh_embed, Cols(eh, 0, H));
+  ASSIGN_OR_RETURN(mtp_.eh_hidden, Cols(eh, H, 2 * H));
+  // The checkpoint's MTP layer carries its own copies of the embedding and the head (DeepSeek-V3
+  // shares them with the model's); a file without them (a GGUF may) uses the model's.
+  auto vocab_rows = [&](const std::string& own, const std::string& model) {
+    return w.Get(w.Has(own) ? own : model, {V, H});
+  };
+  ASSIGN_OR_RETURN(TensorView embed,
+                   vocab_rows(p + "embed_tokens.weight", "model.embed_tokens.weight"));
+  ASSIGN_OR_RETURN(TensorView head, vocab_rows(p + "shared_head.head.weight",
+                                               c.tie_word_embeddings ? "model.embed_tokens.weight"
+                                                                     : "lm_head.weight"));
+  ASSIGN_OR_RETURN(mtp_.embed, Rows(embed, vocab_begin_, vocab_end_));
+  ASSIGN_OR_RETURN(mtp_.head, Rows(head, vocab_begin_, vocab_end_));
+  // Set last: has_mtp() says the layer is whole.
+  ASSIGN_OR_RETURN(TensorView enorm, w.Get(p + "enorm.weight", {H}));
+  ASSIGN_OR_RETURN(mtp_.enorm, VectorSlice(enorm, 0, H));
   return absl::OkStatus();
 }
 

@@ -135,6 +135,9 @@ Engine::Engine(StepExecutor* executor, EngineOptions options, EngineObserver obs
   }
   mbs_.resize(options_.microbatches);
   drafter_ = options_.speculative.enabled() ? options_.drafter : nullptr;
+  if (drafter_ == nullptr && options_.speculative.method == SpeculativeMethod::kMtp) {
+    drafter_ = std::make_shared<MtpDrafter>();
+  }
   if (drafter_ == nullptr && options_.speculative.method == SpeculativeMethod::kNgram) {
     drafter_ = std::make_shared<NgramDrafter>(options_.speculative);
   }
@@ -851,6 +854,7 @@ StepDesc Engine::BuildStep(int mb) {
     for (int64_t i = s->fed; i < s->fed + n; ++i) chunk.tokens.push_back(s->token(i));
     chunk.tokens.insert(chunk.tokens.end(), drafts.begin(), drafts.end());
     chunk.drafts = s->drafted = d;
+    if (d > 0 && observer_.drafts) observer_.drafts(s->id, drafts);
     chunk.rewind = std::exchange(s->rewind, 0);
     chunk.sample = s->fed + n == s->total();
     chunk.lora_slot = s->lora_slot;
@@ -876,6 +880,11 @@ StepDesc Engine::BuildStep(int mb) {
         for (int64_t i = 0; i < s->fed; ++i) chunk.history.push_back(s->token(i));
       }
       s->started = true;
+    }
+    // Multi-token prediction reads each row's next token: a prompt chunk's last row, the next
+    // chunk's first.
+    if (!chunk.sample && options_.speculative.method == SpeculativeMethod::kMtp) {
+      chunk.next = s->token(s->fed + n);
     }
     s->fed += n;
     while (static_cast<int64_t>(s->table.size()) < blocks_for(s->fed + d)) {
@@ -916,6 +925,13 @@ void Engine::Accept(const StepResult& result) {
   };
   absl::flat_hash_map<int64_t, Got> got;
   for (const StepToken& t : result.tokens) ++got[t.seq].count;
+  // Multi-token prediction's drafts, for each sequence once it has this step's tokens.
+  for (const StepToken& d : result.drafts) {
+    auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
+                           [&](Sequence* s) { return s->id == d.seq; });
+    if (it == batch.seqs.end() || drafter_ == nullptr) continue;
+    drafter_->Drafted(d.seq, (*it)->total() + got[d.seq].count, d.token);
+  }
   for (const StepToken& t : result.tokens) {
     auto it = std::find_if(batch.seqs.begin(), batch.seqs.end(),
                            [&](Sequence* s) { return s->id == t.seq; });

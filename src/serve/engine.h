@@ -57,6 +57,8 @@ struct EngineObserver {
   std::function<void(const std::vector<KvEvent>&)> kv_events;
   // Speculative decoding: a decode step's drafted tokens and those the verification kept.
   std::function<void(int64_t drafted, int64_t accepted)> speculation;
+  // A decode step's drafts for sequence `seq`, as the step carries them.
+  std::function<void(int64_t seq, const std::vector<int32_t>& drafts)> drafts;
   // Disaggregated decode: a prompt's KV taken from a prefill replica (its duration; an error:
   // the sequence was prefilled here instead).
   std::function<void(double seconds, int64_t bytes, const absl::Status& transfer)> kv_import;

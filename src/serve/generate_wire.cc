@@ -70,7 +70,8 @@ json EncodeGenerateOutcome(const GenerateOutcome& outcome) {
   return {{"results", results},
           {"seconds", outcome.seconds},
           {"drafted", outcome.drafted},
-          {"accepted", outcome.accepted}};
+          {"accepted", outcome.accepted},
+          {"drafts", outcome.drafts}};
 }
 
 absl::StatusOr<GenerateOutcome> DecodeGenerateOutcome(const json& m) {
@@ -80,6 +81,16 @@ absl::StatusOr<GenerateOutcome> DecodeGenerateOutcome(const json& m) {
     ASSIGN_OR_RETURN(out.seconds, JsonNumber(m, "seconds"));
     ASSIGN_OR_RETURN(out.drafted, JsonInt(m, "drafted", 0, kMaxInt64));
     ASSIGN_OR_RETURN(out.accepted, JsonInt(m, "accepted", 0, out.drafted));
+    ASSIGN_OR_RETURN(const json* drafts, JsonArray(m, "drafts"));
+    for (const json& step : *drafts) {
+      std::vector<int32_t> d;
+      if (!step.is_array()) return absl::DataLossError("'drafts' holds a value not an array");
+      for (const json& t : step) {
+        if (!t.is_number_integer()) return absl::DataLossError("a draft is not a token id");
+        d.push_back(t.get<int32_t>());
+      }
+      out.drafts.push_back(std::move(d));
+    }
     ASSIGN_OR_RETURN(const json* results, JsonArray(m, "results"));
     for (const json& j : *results) {
       if (!j.is_object()) return absl::DataLossError("a result is not an object");

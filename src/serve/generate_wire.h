@@ -24,6 +24,9 @@ struct GenerateOutcome {
   double seconds = 0;
   // Speculative decoding: tokens drafted and kept, over the run.
   int64_t drafted = 0, accepted = 0;
+  // The drafts of one request (the first to draft), step by step: those each step carried, kept
+  // or not.
+  std::vector<std::vector<int32_t>> drafts;
 };
 
 nlohmann::json EncodeGenerateRun(const GenerateRun& run);

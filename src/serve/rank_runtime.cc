@@ -106,6 +106,12 @@ class Rank : public StepExecutor {
   // Runs this rank's part of one step. Returns the sampled results on the last stage's
   // tp_rank 0 (every step has one, possibly empty) and nothing elsewhere.
   absl::StatusOr<std::optional<StepResult>> ProcessStep(const StepDesc& step);
+  // Multi-token prediction on the last stage, every rank of its TP group, after the step's
+  // tokens are chosen (`tokens`, by chunk; the sampler's alone unless `greedy`): the MTP layer on
+  // every row whose next token is known, and a draft for each sampled chunk's next step.
+  absl::StatusOr<std::vector<StepToken>> MtpDrafts(
+      const StepDesc& step, const std::vector<bool>& sample, bool greedy,
+      const std::vector<std::vector<SampledToken>>& tokens);
   int LastSampler() const { return world_.RankOf(cfg_.env.pp - 1, 0); }
   // Hidden states from the previous stage and to the next: device to device over the backend's
   // link where there is one, through host memory over the mesh otherwise.
@@ -295,6 +301,7 @@ absl::Status Rank::Init() {
     o.kv_cache_dtype = ParseKvCacheDtype(cfg_.env.kv_cache_dtype).value_or(KvCacheDtype::kAuto);
     o.lora_slots = cfg_.env.max_loras;
     o.lora_max_rank = cfg_.env.max_lora_rank;
+    o.mtp = cfg_.env.speculative_method == "mtp";
     o.progress = [&](double share) {
       watchdog.Progress(share);
       if (metrics_) metrics_->SetLoadProgress(share);
@@ -546,6 +553,9 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   if (!score.rows.empty()) {
     ASSIGN_OR_RETURN(scored, model_->Score(score.rows, score.targets, score.top, tp_group_.get()));
   }
+  if (model_->has_mtp()) {
+    ASSIGN_OR_RETURN(result.drafts, MtpDrafts(step, sample, greedy, tokens));
+  }
   if (!sampler) return std::nullopt;
   for (int64_t s = 0; s < S; ++s) {
     if (!sample[s]) continue;
@@ -556,6 +566,70 @@ absl::StatusOr<std::optional<StepResult>> Rank::ProcessStep(const StepDesc& step
   }
   AddPromptScores(step, std::move(scored), result);
   return result;
+}
+
+absl::StatusOr<std::vector<StepToken>> Rank::MtpDrafts(
+    const StepDesc& step, const std::vector<bool>& sample, bool greedy,
+    const std::vector<std::vector<SampledToken>>& tokens) {
+  // Each sampled chunk's chosen ids (its kept drafts and one more) on every rank: the sampler
+  // broadcasts them, a count and 1 + drafts slots a chunk.
+  const size_t S = step.chunks.size();
+  std::vector<std::vector<int32_t>> chosen(S);
+  if (greedy || cfg_.env.tp == 1) {
+    for (size_t s = 0; s < S; ++s) {
+      for (const SampledToken& t : tokens[s]) chosen[s].push_back(t.id);
+    }
+  } else {
+    std::vector<int32_t> packed;
+    for (size_t s = 0; s < S; ++s) {
+      const size_t at = packed.size();
+      packed.resize(at + 2 + step.chunks[s].drafts, 0);
+      packed[at] = static_cast<int32_t>(tokens[s].size());
+      for (size_t j = 0; j < tokens[s].size() && j < packed.size() - at - 1; ++j) {
+        packed[at + 1 + j] = tokens[s][j].id;
+      }
+    }
+    RETURN_IF_ERROR(tp_group_->Broadcast(packed.data(), packed.size() * sizeof(int32_t), 0));
+    for (size_t s = 0, at = 0; s < S; at += 2 + step.chunks[s].drafts, ++s) {
+      const int32_t n = std::clamp<int32_t>(packed[at], 0, 1 + step.chunks[s].drafts);
+      chosen[s].assign(packed.begin() + at + 1, packed.begin() + at + 1 + n);
+    }
+  }
+  // Row r of a chunk reads its next token: the chunk's own next row's, the step's chosen tokens
+  // after its last token (a sampled chunk's kept drafts and one more: its refused drafts' rows
+  // are left out, rewound later), or the leader's `next` after a prompt chunk.
+  std::vector<int32_t> rows, next, draft_rows;
+  std::vector<int64_t> draft_seqs;
+  int32_t row0 = 0;
+  for (size_t s = 0; s < S; ++s) {
+    const StepChunk& ch = step.chunks[s];
+    const int32_t n = static_cast<int32_t>(ch.tokens.size());
+    const int32_t own = sample[s] ? n - static_cast<int32_t>(ch.drafts) : n;  // real tokens
+    for (int32_t r = 0; r + 1 < own; ++r) {
+      rows.push_back(row0 + r);
+      next.push_back(ch.tokens[r + 1]);
+    }
+    const std::vector<int32_t> after =
+        sample[s] ? chosen[s]
+                  : (ch.next >= 0 ? std::vector<int32_t>{ch.next} : std::vector<int32_t>{});
+    for (size_t j = 0; j < after.size(); ++j) {
+      rows.push_back(row0 + own - 1 + static_cast<int32_t>(j));
+      next.push_back(after[j]);
+    }
+    if (sample[s] && !after.empty()) {
+      draft_rows.push_back(static_cast<int32_t>(rows.size()) - 1);
+      draft_seqs.push_back(ch.seq);
+    }
+    row0 += n;
+  }
+  std::vector<StepToken> out;
+  if (rows.empty()) return out;
+  ASSIGN_OR_RETURN(std::vector<int32_t> drafts,
+                   model_->Mtp(rows, next, draft_rows, *cache_, tp_group_.get()));
+  for (size_t j = 0; j < drafts.size() && j < draft_seqs.size(); ++j) {
+    out.push_back({draft_seqs[j], drafts[j], 0, {}});
+  }
+  return out;
 }
 
 absl::Status Rank::Follow() {

@@ -36,4 +36,17 @@ std::vector<std::vector<int32_t>> NgramDrafter::Propose(const std::vector<Query>
   return out;
 }
 
+std::vector<std::vector<int32_t>> MtpDrafter::Propose(const std::vector<Query>& queries) {
+  std::vector<std::vector<int32_t>> out(queries.size());
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const Query& q = queries[i];
+    auto it = drafts_.find(q.seq);
+    if (it == drafts_.end() || q.k < 1) continue;
+    if (it->second.first == static_cast<int64_t>(q.prompt.size() + q.output.size())) {
+      out[i].push_back(it->second.second);
+    }
+  }
+  return out;
+}
+
 }  // namespace shardserve

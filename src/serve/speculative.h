@@ -7,8 +7,10 @@
 // has the same distribution.
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
 #include "api/speculative.h"
 
@@ -35,6 +37,25 @@ class Drafter {
   virtual std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) = 0;
   // The sequence ended or was preempted: what the drafter keeps of it is freed.
   virtual void Forget(int64_t /*seq*/) {}
+  // A draft the replica's model computed with a step (StepResult::drafts, multi-token
+  // prediction): `token` for the sequence's position `length` (once it has that many tokens).
+  virtual void Drafted(int64_t /*seq*/, int64_t /*length*/, int32_t /*token*/) {}
+};
+
+// Multi-token prediction (method mtp): the replica's last stage runs the checkpoint's MTP layer
+// after each step (Transformer::Mtp) and returns a draft for the sequence's next step with the
+// step's result; this drafter hands it back then, one token, if the sequence is where the draft
+// was made for (none after a preemption, or for a sequence whose step drafted nothing).
+class MtpDrafter : public Drafter {
+ public:
+  std::vector<std::vector<int32_t>> Propose(const std::vector<Query>& queries) override;
+  void Forget(int64_t seq) override { drafts_.erase(seq); }
+  void Drafted(int64_t seq, int64_t length, int32_t token) override {
+    drafts_[seq] = {length, token};
+  }
+
+ private:
+  absl::flat_hash_map<int64_t, std::pair<int64_t, int32_t>> drafts_;  // seq -> length, token
 };
 
 class NgramDrafter : public Drafter {

@@ -44,6 +44,10 @@ struct StepChunk {
   // drafts its previous chunk had refused; their blocks stay its own).
   int64_t drafts = 0;
   int64_t rewind = 0;
+  // Multi-token prediction (speculative method mtp): the sequence's token after this chunk where
+  // the leader knows it (a prompt chunk not the prompt's last), which the MTP layer reads at the
+  // chunk's last row; -1: none (a sampled chunk's comes from its sampling).
+  int32_t next = -1;
   // The LoRA adapter slot the sequence runs (every chunk of it; -1: the base model).
   int32_t lora_slot = -1;
   // Structured output: the ids each sampled row may take (Sampler::Allow's mask), row after row:
@@ -77,6 +81,9 @@ struct StepResult {
   std::vector<StepToken> tokens;
   // The scored prompt tokens (StepChunk::score), in chunk and row order: token is the prompt's.
   std::vector<StepToken> prompt;
+  // Multi-token prediction: a sampled sequence's draft for the step after its next (the MTP
+  // layer's greedy token two positions past the step's last row), logprob unused.
+  std::vector<StepToken> drafts;
 };
 
 // A chunk's allowed sets (StepChunk::allowed), one a sampled row; none without a grammar.

@@ -117,6 +117,7 @@ json EncodeStep(const StepDesc& d) {
     if (c.lora_slot >= 0) ch["lora"] = c.lora_slot;
     if (c.drafts > 0) ch["drafts"] = c.drafts;
     if (c.rewind > 0) ch["rewind"] = c.rewind;
+    if (c.next >= 0) ch["next"] = c.next;
     chunks.push_back(std::move(ch));
   }
   return {{"type", "step"}, {"mb", d.microbatch}, {"chunks", chunks}, {"release", d.release}};
@@ -172,6 +173,14 @@ absl::StatusOr<StepDesc> DecodeStep(const json& m) {
       }
       if (ch.contains("rewind")) {
         ASSIGN_OR_RETURN(c.rewind, JsonInt(ch, "rewind", 1, kMaxInt32));
+      }
+      if (ch.contains("next")) {  // the model checks it is in the vocabulary
+        ASSIGN_OR_RETURN(const int64_t next, JsonInt(ch, "next", 0, kMaxInt32));
+        if (c.sample) {
+          return absl::DataLossError(absl::StrCat(
+              "chunk of sequence ", c.seq, ": a sampled chunk's next token is its sampling's"));
+        }
+        c.next = static_cast<int32_t>(next);
       }
       if (auto allowed = ch.find("allowed"); allowed != ch.end()) {
         std::string bytes;
@@ -467,6 +476,7 @@ absl::Status DecodeTokens(const json& m, const char* key, std::vector<StepToken>
 json EncodeStepResult(const StepResult& r) {
   json m = {{"mb", r.microbatch}, {"results", EncodeTokens(r.tokens)}};
   if (!r.prompt.empty()) m["prompt"] = EncodeTokens(r.prompt);
+  if (!r.drafts.empty()) m["drafts"] = EncodeTokens(r.drafts);
   return m;
 }
 
@@ -477,6 +487,7 @@ absl::StatusOr<StepResult> DecodeStepResult(const json& m) {
     r.microbatch = static_cast<int>(mb);
     RETURN_IF_ERROR(DecodeTokens(m, "results", r.tokens));
     if (m.contains("prompt")) RETURN_IF_ERROR(DecodeTokens(m, "prompt", r.prompt));
+    if (m.contains("drafts")) RETURN_IF_ERROR(DecodeTokens(m, "drafts", r.drafts));
     return absl::OkStatus();
   }();
   if (!s.ok()) return In("malformed step results", s);

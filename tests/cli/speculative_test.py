@@ -80,8 +80,17 @@ with tempfile.TemporaryDirectory() as tmp:
               f"sampled decoding with drafts runs to its length ({sampled['speculation']})")
     bad = subprocess.run([BIN, "generate", "--model", models["llama"], "--prompt-ids", "1,2",
                           "--speculative", "eagle"], capture_output=True, text=True)
-    check(bad.returncode != 0 and "--speculative 'eagle' must be none, ngram or draft" in bad.stderr,
+    check(bad.returncode != 0 and "--speculative 'eagle' must be none, ngram, draft or mtp" in bad.stderr,
           f"an unknown method is refused by name ({bad.stderr.strip()[-80:]})")
+    # mtp: the checkpoint's own layer, one draft a step (reference.deepseek_v3_f32 checks its
+    # drafts against transformers); a model without the layer, or more tokens, refused by name.
+    for extra, why in ((["--speculative", "mtp"], "multi-token-prediction layer"),
+                       (["--speculative", "mtp", "--speculative-tokens", "2"],
+                        "--speculative mtp drafts 1 token a step")):
+        bad = subprocess.run([BIN, "generate", "--model", models["llama"], "--prompt-ids", "1,2",
+                              *extra], capture_output=True, text=True)
+        check(bad.returncode != 0 and why in bad.stderr,
+              f"{' '.join(extra)} on Llama is refused by name ({bad.stderr.strip()[-100:]})")
 
     # --- serving ----------------------------------------------------------------------------
     model = os.path.join(tmp, "served")

@@ -190,6 +190,42 @@ def check_mla_and_gpt_oss(tmp):
                       f"within {bound} of TP=1 (worst {diff:.2e})")
 
 
+def check_mtp(tmp):
+    """DeepSeek-V3's multi-token-prediction layer in a GGUF: the block after the model's
+    (block_count counts it, nextn_predict_layers names it), its tensors under llama.cpp's names
+    for nextn layers (blk.N.nextn.eh_proj, ...: gguf-py's, which llama.cpp gives the
+    architectures it converts with one) beside the block's deepseek2 ones. Speculation with it
+    from the GGUF drafts exactly what it drafts from the safetensors (whose drafts
+    check_reference.py compares with transformers), at TP=1 and TP=2 x PP=2."""
+    import gguf_layout
+    from gguf import MODEL_TENSOR, TENSOR_NAMES
+
+    args = ["--arch", "deepseek_v3", "--layers", "2", "--hidden", "128", "--heads", "8",
+            "--vocab", "512", "--experts", "8", "--top-k", "2", "--kv-lora", "32",
+            "--rope-dim", "16", "--nope-dim", "32", "--v-dim", "32", "--moe-intermediate", "64",
+            "--q-lora", "64", "--seed", "5", "--max-position", "512", "--dtype", "f32", "--mtp"]
+    base = os.path.join(tmp, "deepseek-mtp")
+    subprocess.run([BIN, "gen-model", "--out", base, *args], check=True, capture_output=True)
+    path = base + ".gguf"
+    subprocess.run([BIN, "gen-model", "--out", path, *args, "--format", "gguf",
+                    "--gguf-type", "f32"], check=True, capture_output=True)
+    reader = gguf_layout.GGUFReader(path)
+    nextn = {TENSOR_NAMES[t].format(bid=2) for t in MODEL_TENSOR if t.name.startswith("NEXTN_")}
+    stray = [n for n in gguf_layout.tensor_names_of_arch(reader) if n.rsplit(".", 1)[0] not in nextn]
+    mtp = [n for n in gguf_layout.tensor_names_of_arch(reader) if n.rsplit(".", 1)[0] in nextn]
+    check(not stray and len(mtp) == 6,
+          f"deepseek_v3 mtp: the MTP block's {len(mtp)} nextn tensors under llama.cpp's names, "
+          f"every other tensor deepseek2's" + (f" (not: {stray[:4]})" if stray else ""))
+    for ids in ([1, 5, 9, 13], LONG):
+        want = ours(base, ids, "--speculative", "mtp")
+        for shape in ([], ["--tp", "2", "--pp", "2"]):
+            got = ours(path, ids, "--speculative", "mtp", *shape)
+            check(got["tokens"] == want["tokens"] and
+                  got["speculation"]["drafts"] == want["speculation"]["drafts"],
+                  f"deepseek_v3 mtp {len(ids)} ids {' '.join(shape)}: the GGUF drafts as the "
+                  f"safetensors do ({len(want['speculation']['drafts'])} drafts)")
+
+
 if WHAT == "generated":
     SHAPE = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
              "--intermediate", "256", "--vocab", "512", "--seed", "3", "--dtype", "f32",
@@ -252,6 +288,7 @@ if WHAT == "generated":
                 sharded = ours(path, ids, *shape)
                 check(sharded["tokens"] == got["tokens"], f"mixtral f32 {ids} at {' '.join(shape)}")
         check_mla_and_gpt_oss(tmp)
+        check_mtp(tmp)
     check.finish()
 
 if not os.path.exists(os.path.join(DIR, FILE)):

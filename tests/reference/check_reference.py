@@ -78,9 +78,10 @@ CASES = {
                        "--rope-scaling", "yarn"],
     # DeepSeek-V3: multi-head latent attention (q LoRA, interleaved RoPE with YaRN), grouped
     # sigmoid routing with the correction bias, a shared expert, a dense first layer; a prompt of
-    # 1,000 tokens.
+    # 1,000 tokens; its multi-token-prediction layer (checked as speculation's drafts: check_mtp).
     "deepseek_v3_f32": DEEPSEEK + ["--dtype", "f32", "--q-lora", "48", "--groups", "4",
-                                   "--topk-groups", "2", "--rope-scaling", "yarn"] + LONG,
+                                   "--topk-groups", "2", "--rope-scaling", "yarn",
+                                   "--mtp"] + LONG,
     # q_proj (no q LoRA), plain RoPE, one group, two shared experts, every layer sparse, the
     # chosen scores unnormalized.
     "deepseek_v3_plain_bf16": DEEPSEEK + ["--dtype", "bf16", "--shared-experts", "2",
@@ -149,10 +150,10 @@ def run(cmd):
     return p.stdout
 
 
-def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1, kv="f32"):
+def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1, kv="f32", extra=()):
     out = run([binary, "generate", "--model", model, "--prompt-ids",
                ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--logprobs", "5",
-               "--ignore-eos", "--format", "json", "--kv-cache-dtype", kv] +
+               "--ignore-eos", "--format", "json", "--kv-cache-dtype", kv] + list(extra) +
               (["--threads", "2"] if tp * pp == 1 else ["--tp", str(tp), "--pp", str(pp),
                                                           "--threads", "1"]))
     return json.loads(out)
@@ -263,6 +264,103 @@ def kv_scaled_copy(model_dir, ref, prompts, out_dir):
     return out_dir
 
 
+MTP_MODELS = {}  # model_dir -> (its MTP layer's tensors, the model loaded with one layer more)
+
+
+def mtp_predictions(model_dir, ref, ids):
+    """DeepSeek-V3's multi-token prediction over `ids`, computed with transformers' own decoder
+    layer (the checkpoint loaded with one layer more, the MTP layer's) as vLLM's DeepSeekMTP
+    computes it: at position q, eh_proj([enorm(embed(ids[q + 1])), hnorm(h_q)]) (the embedding
+    zero at position 0; h_q the model's final hidden state, after its norm), the decoder layer
+    (causal over the positions), shared_head's norm and head. Returns the greedy token at each
+    position q < len(ids) - 1: the MTP's guess for ids[q + 2]."""
+    n = ref.config.num_hidden_layers
+    p = f"model.layers.{n}."
+    if model_dir not in MTP_MODELS:
+        tensors = {}
+        for name in os.listdir(model_dir):
+            if name.endswith(".safetensors"):
+                tensors.update({k: v.float() for k, v in
+                                load_file(os.path.join(model_dir, name)).items() if k.startswith(p)})
+        MTP_MODELS[model_dir] = (tensors, AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, num_hidden_layers=n + 1).float().eval())
+    tensors, longer = MTP_MODELS[model_dir]
+    layer = longer.model.layers[n]
+
+    def rms(x, w):
+        x64 = x.double()
+        return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + ref.config.rms_norm_eps)
+                ).float() * w
+
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        hidden = ref.model(t).last_hidden_state[0, :-1]
+        pos = torch.arange(len(ids) - 1)
+        emb = tensors[p + "embed_tokens.weight"][t[0, 1:]]
+        emb[pos == 0] = 0
+        x = torch.cat([rms(emb, tensors[p + "enorm.weight"]),
+                       rms(hidden, tensors[p + "hnorm.weight"])], -1) @ tensors[p + "eh_proj.weight"].T
+        x = x.unsqueeze(0)
+        T = x.shape[1]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        out = layer(x, attention_mask=mask, position_ids=pos[None],
+                    position_embeddings=longer.model.rotary_emb(x, pos[None]))
+        out = out[0] if isinstance(out, tuple) else out
+        logits = rms(out[0], tensors[p + "shared_head.norm.weight"]) @ \
+            tensors[p + "shared_head.head.weight"].T
+    return logits.argmax(-1).tolist()
+
+
+def mtp_drafts(pred, prompt_len, tokens):
+    """The drafts speculation with the MTP layer proposes (one a step) for output `tokens`:
+    after a step whose last token is tokens[m - 1] (the m-th), the draft for the (m+1)-th is the
+    MTP's guess at the position before it; a draft equal to the token that follows was kept (a
+    greedy draft refused is never the token resampled after it), and a step is drafted for only
+    while two more tokens fit in max_tokens."""
+    drafts, m = [], 1
+    while m <= len(tokens) - 2:
+        d = pred[prompt_len + m - 2]
+        drafts.append([d])
+        m += 2 if d == tokens[m] else 1
+    return drafts
+
+
+def check_mtp(binary, model_dir, ref, prompts, steps, layouts):
+    """Speculation with the checkpoint's MTP layer: greedy output identical to transformers',
+    and every step's draft the one transformers' layer gives (so its KV cache, the hidden states
+    it reads and the next tokens it is fed are right, across TP x PP and prompts fed 4 tokens a
+    step, each chunk's last row reading the next chunk's first token); sampled at TP=2, the
+    drafts follow the sampled tokens just as well."""
+    drafted = kept = 0
+    for prompt in prompts:
+        want_tokens, _ = hf_greedy(ref, prompt, steps)
+        pred = mtp_predictions(model_dir, ref, prompt + want_tokens)
+        want = mtp_drafts(pred, len(prompt), want_tokens)
+        for tp, pp in layouts:
+            chunked = ["--max-step-tokens", "4"] if len(prompt) < 100 else []
+            got = ours(binary, model_dir, prompt, steps, tp, pp,
+                       extra=["--speculative", "mtp"] + chunked)
+            if got["tokens"] != want_tokens:
+                sys.exit(f"with MTP speculation the greedy tokens differ (prompt {prompt[:8]}..., "
+                         f"TP={tp} PP={pp}):\n ours {got['tokens']}\n   hf {want_tokens}")
+            if got["speculation"]["drafts"] != want:
+                sys.exit(f"MTP drafts differ (prompt {prompt[:8]}..., TP={tp} PP={pp}):\n"
+                         f" ours {got['speculation']['drafts']}\n   hf {want}")
+            drafted += got["speculation"]["drafted"]
+            kept += got["speculation"]["accepted"]
+    prompt = prompts[1]
+    got = ours(binary, model_dir, prompt, steps, 2, 1,
+               extra=["--speculative", "mtp", "--temperature", "1", "--seed", "5"])
+    pred = mtp_predictions(model_dir, ref, prompt + got["tokens"])
+    want = mtp_drafts(pred, len(prompt), got["tokens"])
+    if got["speculation"]["drafts"] != want:
+        sys.exit(f"sampled with MTP at TP=2, the drafts are not the MTP layer's:\n"
+                 f" ours {got['speculation']['drafts']}\n   hf {want}")
+    shapes = ", ".join(f"TP={tp} PP={pp}" for tp, pp in layouts)
+    print(f"MTP: greedy tokens identical with its drafts ({shapes}), each draft transformers' "
+          f"(and sampled at TP=2); {kept} of {drafted} drafts kept")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shardserve", required=True)
@@ -352,6 +450,9 @@ def main():
         if again["tokens"] != want_tokens:
             sys.exit(f"with transformers' own config.json (without {renamed}) the greedy tokens "
                      f"differ:\n ours {again['tokens']}\n   hf {want_tokens}")
+        if "--mtp" in CASES[args.case]:
+            check_mtp(args.shardserve, model_dir, ref32, prompts, steps,
+                      [(1, 1), layouts[-1], (1, 2)])
         shapes = ", ".join(f"TP={tp} PP={pp}" for tp, pp in layouts)
         longest = max(len(p) for p in prompts)
         print(f"{args.case}: greedy tokens identical to transformers on {len(prompts)} prompts "

@@ -92,6 +92,14 @@ TEST(ShardedModel, ParsesWithDefaults) {
       "  serving: {speculative: {method: draft, draftModel: 'hf://org/small@abc'}}\n");
   ASSERT_TRUE(draft.ok()) << draft.status();
   EXPECT_EQ(draft->spec.draft_model, "hf://org/small@abc");
+  EXPECT_EQ(draft->spec.speculative_tokens, 4);  // not given: 4
+  // mtp drafts one token a step: its tokens are 1 unless given (another number is refused).
+  for (const char* given : {"{method: mtp}", "{method: mtp, tokens: 1}"}) {
+    auto mtp = ParseShardedModel(std::string(kGood) + "  serving: {speculative: " + given + "}\n");
+    ASSERT_TRUE(mtp.ok()) << mtp.status();
+    ApplyServing(mtp->spec, w);
+    EXPECT_EQ(std::tuple(w.speculative_method, w.speculative_tokens), std::tuple("mtp", 1));
+  }
   // Start-up bounds: 30 min at the rendezvous and 5 min of loading without progress by default;
   // the manifest's, in the contract.
   ApplyServing(m->spec, w);
@@ -300,12 +308,14 @@ TEST(ShardedModel, BadManifestsNameTheField) {
       {with("  replicas: 2", "  replicas: 2\n  serving: {kvCacheDtype: int8}"),
        "spec.serving.kvCacheDtype 'int8' must be auto, f32, bf16, f16 or fp8"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {method: eagle3}}"),
-       "spec.serving.speculative.method 'eagle3' must be none, ngram or draft"},
+       "spec.serving.speculative.method 'eagle3' must be none, ngram, draft or mtp"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {method: draft}}"),
        "spec.serving.speculative.method draft needs spec.serving.speculative.draftModel"},
       {with("  replicas: 2",
             "  replicas: 2\n  serving: {speculative: {method: draft, draftModel: ftp://x}}"),
        "spec.serving.speculative.draftModel 'ftp://x'"},
+      {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {method: mtp, tokens: 3}}"),
+       "spec.serving.speculative.tokens is 3; method mtp drafts 1 a step"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {tokens: 0}}"),
        "spec.serving.speculative.tokens must be between 1 and 16, got 0"},
       {with("  replicas: 2", "  replicas: 2\n  serving: {speculative: {draftModel: file:///d}}"),

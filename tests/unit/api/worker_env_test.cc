@@ -152,9 +152,12 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
   EXPECT_THAT(error({{"SHARDSERVE_KV_CACHE_DTYPE", "int4"}}),
               HasSubstr("SHARDSERVE_KV_CACHE_DTYPE='int4' must be auto, f32, bf16, f16 or fp8"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_METHOD", "eagle"}}),
-              HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none, ngram or draft"));
+              HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none, ngram, draft or mtp"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_TOKENS", "17"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_TOKENS='17'"));
+  EXPECT_THAT(
+      error({{"SHARDSERVE_SPECULATIVE_METHOD", "mtp"}, {"SHARDSERVE_SPECULATIVE_TOKENS", "2"}}),
+      HasSubstr("SHARDSERVE_SPECULATIVE_TOKENS='2': method mtp drafts 1 a step"));
   EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader"}}),
               HasSubstr("SHARDSERVE_LEADER_ADDR='leader' is not HOST:PORT"));
   EXPECT_THAT(error({{"SHARDSERVE_LEADER_ADDR", "leader:0"}}), HasSubstr("is not HOST:PORT"));

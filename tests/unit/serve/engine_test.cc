@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -62,6 +63,16 @@ class LocalExecutor : public StepExecutor {
       }
       kv.blocks.insert(kv.blocks.end(), c.blocks.begin(), c.blocks.end());
       kv.length -= c.rewind;
+      if (mtp_) {  // the sequence's tokens as the ranks see them, and the token after a prompt
+                   // chunk
+        std::vector<int32_t>& seen = seen_[c.seq];
+        if (c.params) seen.clear();
+        seen.insert(seen.end(), c.tokens.begin(), c.tokens.end() - c.drafts);
+        if (!c.sample) {
+          ++mtp_next_;
+          mtp_next_wrong_ += c.next != following_(c.seq, seen);
+        }
+      }
       chunked_ += !c.sample;
       masks_ += !c.allowed.empty();
       drafted_ += c.drafts;
@@ -88,6 +99,14 @@ class LocalExecutor : public StepExecutor {
           tokens.push_back(sampler.Sample(logits.data() + row * V, V));
         }
         for (const SampledToken& t : tokens) r.tokens.push_back({c.seq, t.id, t.logprob, t.top});
+        if (mtp_) {  // the kept drafts are the sequence's; the draft is for the token after the new
+                     // one
+          std::vector<int32_t>& seen = seen_[c.seq];
+          for (size_t j = 0; j + 1 < tokens.size(); ++j) seen.push_back(tokens[j].id);
+          std::vector<int32_t> all = seen;
+          all.push_back(tokens.back().id);
+          if (const int32_t d = mtp_(c.seq, all); d >= 0) r.drafts.push_back({c.seq, d, 0, {}});
+        }
         absl::MutexLock lock(&first_mu_);
         first_token_step_.emplace(c.seq, steps_.load());
       }
@@ -121,6 +140,13 @@ class LocalExecutor : public StepExecutor {
     return o;
   }
 
+  // Multi-token prediction as the last stage returns it: mtp_, given a sequence and its tokens,
+  // guesses the one after them (-1: none); after each sampled chunk, its guess for the tokens with
+  // the new one is the draft returned (StepResult::drafts). following_ knows that token: a prompt
+  // chunk's StepChunk::next is checked against it (mtp_next_ such chunks, mtp_next_wrong_ wrong).
+  using Oracle = std::function<int32_t(int64_t seq, const std::vector<int32_t>&)>;
+  Oracle mtp_, following_;
+  int mtp_next_ = 0, mtp_next_wrong_ = 0;
   int resumed_ = 0, chunked_ = 0, releases_ = 0, masks_ = 0;
   int64_t drafted_ = 0;  // tokens drafted by the steps' chunks
   int64_t cached_ = 0;   // prompt positions skipped for a cached prefix
@@ -142,6 +168,7 @@ class LocalExecutor : public StepExecutor {
   std::unique_ptr<KvCache> cache_;
   std::map<int64_t, SequenceKv> kv_;
   std::map<int64_t, Sampler> samplers_;
+  std::map<int64_t, std::vector<int32_t>> seen_;  // mtp_: each sequence's tokens so far
   std::deque<StepResult> done_;
   absl::Mutex first_mu_;
   std::map<int64_t, int> first_token_step_ ABSL_GUARDED_BY(first_mu_);
@@ -260,6 +287,47 @@ TEST_F(EngineTest, SpeculationKeepsGreedyTokensThroughChunkingAndPreemption) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(plain.drafted_, 0);
   EXPECT_EQ((*got)[0].tokens, want[0].tokens);
+}
+
+// Multi-token prediction (speculative method mtp): the last stage returns, with a step's result, a
+// draft for each sampled sequence's next step (StepResult::drafts), which the engine feeds then,
+// and a prompt chunk before the prompt's last carries the token after it (StepChunk::next). An
+// MTP that always guesses the greedy token has every draft kept, one a step; one that always
+// misses, none; the tokens are the plain generator's either way, through chunked prompts and
+// preemption.
+TEST_F(EngineTest, MtpDraftsReturnedWithAStepAreFedTheNext) {
+  for (auto& r : requests_) r.params.max_tokens = 30;
+  const auto want = Reference();
+  // The token after `t` of sequence `seq`'s prompt and greedy output (the engine numbers the
+  // requests' sequences from 0 in order).
+  LocalExecutor::Oracle following = [&](int64_t seq, const std::vector<int32_t>& t) -> int32_t {
+    std::vector<int32_t> full = requests_.at(seq).prompt_ids;
+    full.insert(full.end(), want.at(seq).tokens.begin(), want.at(seq).tokens.end());
+    const bool on = t.size() < full.size() && std::equal(t.begin(), t.end(), full.begin());
+    return on ? full[t.size()] : -1;
+  };
+  const int32_t V = static_cast<int32_t>(model_->config().vocab_size);
+  for (const bool right : {true, false}) {
+    LocalExecutor exec(model_.get(), 64);
+    exec.following_ = following;
+    exec.mtp_ = [&](int64_t seq, const std::vector<int32_t>& t) {
+      const int32_t f = following(seq, t);
+      return f < 0 || right ? f : (f + 1) % V;
+    };
+    EngineOptions o = Speculating(Cramped(exec), SpeculativeMethod::kMtp, 1);
+    o.prefix_caching = false;  // every chunk from a sequence's start: the executor sees it all
+    Drafts drafts;
+    auto got = GenerateAll(&exec, o, requests_, drafts.Observer(1));
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ((*got)[i].tokens, want[i].tokens) << "request " << i << (right ? "" : ", wrong");
+    }
+    EXPECT_GT(drafts.drafted, 40);
+    EXPECT_EQ(drafts.accepted, right ? drafts.drafted : 0);
+    EXPECT_GT(exec.mtp_next_, 0) << "prompts were meant to be chunked";
+    EXPECT_EQ(exec.mtp_next_wrong_, 0);
+    EXPECT_GT(exec.resumed_, 0) << "the cache was meant to force preemption";
+  }
 }
 
 // A draft model (serve/draft_model.h) drafts for the engine: the model itself as its own draft

@@ -86,9 +86,11 @@ TEST(GenerateWireTest, TheResultRoundTripsAndAMalformedOneIsNamed) {
   r.top_logprobs = {{{4, -0.5f}, {3, -2.0f}}, {{8, -1.25f}}};
   r.finish_reason = "length";
   outcome.results = {r, r};
+  outcome.drafts = {{5}, {6, 7}};
   auto back = DecodeGenerateOutcome(json::parse(EncodeGenerateOutcome(outcome).dump()));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->seconds, 1.5);
+  EXPECT_EQ(back->drafts, outcome.drafts);
   ASSERT_EQ(back->results.size(), 2u);
   EXPECT_EQ(back->results[1].tokens, r.tokens);
   EXPECT_EQ(back->results[1].logprobs, r.logprobs);
@@ -101,6 +103,10 @@ TEST(GenerateWireTest, TheResultRoundTripsAndAMalformedOneIsNamed) {
   bad["results"][0]["top_logprobs"][0][0]["id"] = "four";
   EXPECT_THAT(std::string(DecodeGenerateOutcome(bad).status().message()),
               HasSubstr("the leader's result: 'id' is missing or not an integer"));
+  bad = EncodeGenerateOutcome(outcome);
+  bad["drafts"][1][0] = -0.5;
+  EXPECT_THAT(std::string(DecodeGenerateOutcome(bad).status().message()),
+              HasSubstr("a draft is not a token id"));
   bad = EncodeGenerateOutcome(outcome);
   bad["results"] = json::array();
   EXPECT_THAT(std::string(DecodeGenerateOutcome(bad).status().message()),

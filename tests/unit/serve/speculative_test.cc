@@ -30,5 +30,22 @@ TEST(NgramDraftsTest, TheLatestOccurrenceOfTheLongestSuffixDrafts) {
   EXPECT_TRUE(NgramDrafts(Ids{1}, Ids{}, c, 4).empty());
 }
 
+// Multi-token prediction: the draft a step's result carried is handed back for the sequence's
+// next step only while the sequence has the length it was made for, one token at most.
+TEST(MtpDrafterTest, ADraftIsForTheLengthItWasMadeFor) {
+  MtpDrafter d;
+  const Ids prompt{1, 2, 3}, output{4};
+  d.Drafted(7, 4, 99);  // sequence 7, once it has 4 tokens
+  d.Drafted(8, 9, 55);  // sequence 8 is shorter: a draft of a step it did not keep
+  const auto got = d.Propose({{7, prompt, output, 3}, {8, prompt, output, 1}, {9, prompt, {}, 1}});
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_EQ(got[0], Ids{99});
+  EXPECT_TRUE(got[1].empty());
+  EXPECT_TRUE(got[2].empty());                                  // none made for it
+  EXPECT_TRUE(d.Propose({{7, prompt, output, 0}})[0].empty());  // k = 0: none wanted
+  d.Forget(7);                                                  // preempted or ended
+  EXPECT_TRUE(d.Propose({{7, prompt, output, 1}})[0].empty());
+}
+
 }  // namespace
 }  // namespace shardserve

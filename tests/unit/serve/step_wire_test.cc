@@ -100,6 +100,7 @@ StepDesc SomeStep() {
   decode.tokens = {42};
   decode.sample = false;
   decode.lora_slot = 3;  // a LoRA adapter's sequence
+  decode.next = 21;      // a prompt chunk before the last: the token after it (MTP)
   StepChunk drafted;     // speculative decoding: two drafts after its token, two rewound
   drafted.seq = 5;
   drafted.tokens = {7, 8, 9};
@@ -148,6 +149,7 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   EXPECT_FALSE(back->chunks[1].params.has_value());
   EXPECT_FALSE(back->chunks[1].sample);
   EXPECT_TRUE(back->chunks[1].allowed.empty());
+  EXPECT_EQ(std::tuple(back->chunks[0].next, back->chunks[1].next), std::tuple(-1, 21));
   EXPECT_EQ(*DecodeStepMessageType(EncodePing()), StepMessageType::kPing);
   EXPECT_EQ(*DecodeStepMessageType(EncodeStop()), StepMessageType::kStop);
 
@@ -155,8 +157,11 @@ TEST(StepWireTest, StepsAndResultsRoundTrip) {
   r.microbatch = 1;
   r.tokens.push_back({3, 17, -0.25f, {{17, -0.25f}, {5, -2.0f}}});
   r.prompt.push_back({3, 8, -1.5f, {{2, -0.5f}}});
+  r.drafts.push_back({3, 44, 0, {}});
   auto rback = DecodeStepResult(json::parse(EncodeStepResult(r).dump()));
   ASSERT_TRUE(rback.ok()) << rback.status();
+  ASSERT_EQ(rback->drafts.size(), 1u);
+  EXPECT_EQ(std::tuple(rback->drafts[0].seq, rback->drafts[0].token), std::tuple(3, 44));
   ASSERT_EQ(rback->prompt.size(), 1u);
   EXPECT_EQ(std::tuple(rback->prompt[0].seq, rback->prompt[0].token, rback->prompt[0].logprob,
                        rback->prompt[0].top.size()),
@@ -275,6 +280,10 @@ TEST(StepWireTest, MalformedStepsNameTheField) {
   EXPECT_THAT(refused([](json& m) { m["chunks"][1]["drafts"] = 1; }),
               HasSubstr("chunk of sequence 4: 1 drafts in a chunk of 1 tokens not sampled"));
   EXPECT_THAT(refused([](json& m) { m["chunks"][2]["rewind"] = -1; }), HasSubstr("'rewind'"));
+  // The token after a chunk is the leader's only where the chunk is not sampled.
+  EXPECT_THAT(refused([](json& m) { m["chunks"][2]["next"] = 7; }),
+              HasSubstr("chunk of sequence 5: a sampled chunk's next token is its sampling's"));
+  EXPECT_THAT(refused([](json& m) { m["chunks"][1]["next"] = -2; }), HasSubstr("'next'"));
   for (const json& bad : {json("@@@"), json(7), json("AAA"), json("")}) {
     EXPECT_THAT(
         refused([&](json& m) { m["chunks"][0]["allowed"] = bad; }),
