@@ -10,11 +10,10 @@ namespace shardserve {
 
 absl::StatusOr<std::unique_ptr<ModelDrafter>> ModelDrafter::Load(const std::string& path,
                                                                  const ModelConfig& target,
-                                                                 int threads, int64_t kv_tokens,
+                                                                 std::unique_ptr<Backend> backend,
+                                                                 int64_t kv_tokens,
                                                                  int64_t max_read) {
-  Transformer::Options o;
-  o.num_threads = std::max(1, threads);
-  auto model = Transformer::Load(path, o);
+  auto model = Transformer::Load(path, {}, std::move(backend));
   if (!model.ok()) {
     return absl::Status(model.status().code(),
                         absl::StrCat("the draft model: ", model.status().message()));

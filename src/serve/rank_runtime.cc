@@ -315,8 +315,10 @@ absl::Status Rank::Init() {
         return absl::InvalidArgumentError(
             "speculative decoding with a draft model needs SHARDSERVE_DRAFT_MODEL");
       }
+      ASSIGN_OR_RETURN(std::unique_ptr<Backend> draft_backend,
+                       backend_->DraftBackend(cfg_.env.threads));
       ASSIGN_OR_RETURN(drafter_,
-                       ModelDrafter::Load(cfg_.env.draft_model, c, cfg_.env.threads,
+                       ModelDrafter::Load(cfg_.env.draft_model, c, std::move(draft_backend),
                                           cfg_.env.kv_cache_tokens, cfg_.env.max_step_tokens));
     }
     cache_->FollowTables();  // the leader hands out the blocks (serve/prefix_cache.h)

@@ -1,5 +1,8 @@
 #include "serve/stage_backend.h"
 
+#include <algorithm>
+
+#include "backend/cpu/cpu_backend.h"
 #include "comm/observed_comm.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -25,6 +28,9 @@ class CpuBackend : public StageBackend {
     ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.env.model_path, o));
     ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.env.kv_cache_tokens));
     return m;
+  }
+  absl::StatusOr<std::unique_ptr<Backend>> DraftBackend(int threads) override {
+    return cpu::NewBackend(std::max(1, threads));
   }
 
  private:
@@ -79,6 +85,11 @@ class CudaBackend : public StageBackend {
     return m;
   }
 
+  absl::StatusOr<std::unique_ptr<Backend>> DraftBackend(int /*threads*/) override {
+    const int device = DeviceOf(world_.rank());
+    LogInfo("the draft model on GPU ", device);
+    return cuda::NewBackend(device, kernels_);
+  }
   Communicator* device_prev() const override { return prev_timed_.get(); }
   Communicator* device_next() const override { return next_timed_.get(); }
   void Abort(const absl::Status& cause) override {

@@ -52,6 +52,9 @@ class StageBackend {
   // Two-member links (the earlier stage is member 0) to this rank's counterparts (same tp_rank)
   // in the neighbouring stages, on backend memory (device to device); null where hidden states
   // go over the host mesh.
+  // Where the leader's draft model runs (speculative method draft): the rank's own kind of
+  // backend (on the CPU with `threads` threads; on the rank's GPU beside its stage).
+  virtual absl::StatusOr<std::unique_ptr<Backend>> DraftBackend(int threads) = 0;
   virtual Communicator* device_prev() const { return nullptr; }
   virtual Communicator* device_next() const { return nullptr; }
   // Tells the peers on the backend's own communicators why this rank stops.

@@ -54,12 +54,13 @@ with tempfile.TemporaryDirectory() as tmp:
                         "--layers", "3", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
                         "--intermediate", "512", "--vocab", "401", "--dtype", "f32",
                         "--fp8-block", block], check=True, capture_output=True)
-    # DeepSeek-V3: latent attention (HeadGemm, WriteLatentKv, LatentAttention), grouped routing.
+    # DeepSeek-V3: latent attention (HeadGemm, WriteLatentKv, LatentAttention), grouped routing;
+    # its multi-token-prediction layer (speculative method mtp, below).
     models["deepseek-v3"] = os.path.join(tmp, "deepseek-v3")
     subprocess.run([BIN, "gen-model", "--arch", "deepseek_v3", "--out", models["deepseek-v3"],
                     "--layers", "3", "--hidden", "64", "--heads", "4", "--intermediate", "96",
                     "--vocab", "401", "--dtype", "bf16", "--q-lora", "32", "--groups", "2",
-                    "--rope-scaling", "yarn"], check=True, capture_output=True)
+                    "--rope-scaling", "yarn", "--mtp"], check=True, capture_output=True)
     # gpt-oss: attention with a window and sinks, the clamped SwiGLU, biased experts.
     models["gpt-oss"] = os.path.join(tmp, "gpt-oss")
     subprocess.run([BIN, "gen-model", "--arch", "gpt_oss", "--out", models["gpt-oss"],
@@ -107,6 +108,28 @@ with tempfile.TemporaryDirectory() as tmp:
                 check(got["tokens"] == want["tokens"] and d <= TOL,
                       f"{arch} {name} {shape}: the CPU's tokens, max |dlogprob| {d:.1e} "
                       f"<= {TOL}")
+
+    # Speculative decoding on the GPU: a draft model (a Q4_K GGUF of the vocabulary) on the
+    # leader's GPU, and DeepSeek-V3's MTP layer on the last stage's; the CPU's plain greedy tokens,
+    # and the MTP's drafts the CPU's.
+    for target, extra in (("llama", ["--speculative", "draft", "--draft-model", models["q4_k"]]),
+                          ("deepseek-v3", ["--speculative", "mtp"])):
+        want = json.loads(generate(models[target], [], "cpu").stdout)
+        cpu = json.loads(generate(models[target], extra, "cpu").stdout)
+        for shape in (["--pp", "1"], ["--pp", "2"]):
+            r = generate(models[target], extra + shape, "cuda")
+            if r.returncode != 0:
+                check(False, f"{target} {extra[1]} {shape}: ran on the GPU: {r.stderr[-800:]}")
+                continue
+            got = json.loads(r.stdout)
+            spec = got["speculation"]
+            check(got["tokens"] == want["tokens"] and spec["drafted"] > 0 and
+                  (extra[1] != "mtp" or spec["drafts"] == cpu["speculation"]["drafts"]),
+                  f"{target} {extra[1]} {shape}: the CPU's greedy tokens, {spec['accepted']} of "
+                  f"{spec['drafted']} drafts kept" + (", the CPU's drafts" if extra[1] == "mtp"
+                                                       else ""))
+        if extra[1] == "draft":
+            check("the draft model on GPU" in r.stderr, "the draft model runs on the GPU")
 
     # TP=2: NCCL needs a GPU per rank.
     r = generate(models["llama"], ["--tp", "2"], "cuda")

@@ -339,7 +339,7 @@ TEST_F(EngineTest, ADraftModelDraftsAndTheTokensStayTheModels) {
   const auto want = Reference();
   LocalExecutor exec(model_.get(), 160);
   EngineOptions o = Speculating(Cramped(exec), SpeculativeMethod::kDraft, 4);
-  auto drafter = ModelDrafter::Load(dir_.Sub("m"), model_->config(), 1, 4096, 512);
+  auto drafter = ModelDrafter::Load(dir_.Sub("m"), model_->config(), nullptr, 4096, 512);
   ASSERT_TRUE(drafter.ok()) << drafter.status();
   o.drafter = *std::move(drafter);
   Drafts drafts;
@@ -353,7 +353,7 @@ TEST_F(EngineTest, ADraftModelDraftsAndTheTokensStayTheModels) {
   EXPECT_GE(accepted, drafted * 9 / 10) << accepted << " of " << drafted;
   // A draft whose vocabulary is larger than the model's is refused, naming both.
   // A prompt longer than a call reads (4 tokens here) is read over calls, no draft meanwhile.
-  auto reader = ModelDrafter::Load(dir_.Sub("m"), model_->config(), 1, 4096, 4);
+  auto reader = ModelDrafter::Load(dir_.Sub("m"), model_->config(), nullptr, 4096, 4);
   ASSERT_TRUE(reader.ok()) << reader.status();
   const std::vector<int32_t> prompt = {1, 5, 9, 13, 17, 21, 25, 29, 33, 37};
   std::vector<size_t> drafted_per_call;
@@ -363,7 +363,7 @@ TEST_F(EngineTest, ADraftModelDraftsAndTheTokensStayTheModels) {
   EXPECT_EQ(drafted_per_call, (std::vector<size_t>{0, 0, 3, 3}));
   ModelConfig smaller = model_->config();
   smaller.vocab_size -= 1;
-  EXPECT_THAT(ModelDrafter::Load(dir_.Sub("m"), smaller, 1, 4096, 512).status().message(),
+  EXPECT_THAT(ModelDrafter::Load(dir_.Sub("m"), smaller, nullptr, 4096, 512).status().message(),
               ::testing::HasSubstr("more than the model's"));
 }
 
