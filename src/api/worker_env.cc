@@ -52,6 +52,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_REASONING_PARSER", &WorkerEnv::reasoning_parser},
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
+    {kCpuKernelsEnv, &WorkerEnv::cpu_kernels},
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
     {"SHARDSERVE_KV_CACHE_DTYPE", &WorkerEnv::kv_cache_dtype},
     {"SHARDSERVE_SPECULATIVE_METHOD", &WorkerEnv::speculative_method},
@@ -150,6 +151,11 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::speculative_method),
                      "='", w.speculative_method, "' must be ", kSpeculativeMethods));
+  }
+  if (w.cpu_kernels != "auto" && w.cpu_kernels != "avx2" && w.cpu_kernels != "avx512") {
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", kCpuKernelsEnv, "='",
+                                                   w.cpu_kernels,
+                                                   "' must be auto, avx2 or avx512"));
   }
   if (w.speculative_method == "mtp" && w.speculative_tokens != kMtpSpeculativeTokens) {
     return absl::InvalidArgumentError(

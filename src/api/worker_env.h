@@ -71,6 +71,7 @@ inline constexpr char kStageLayersEnv[] = "SHARDSERVE_STAGE_LAYERS";
 inline constexpr char kCudaAttnKernelEnv[] = "SHARDSERVE_CUDA_ATTN_KERNEL";
 inline constexpr char kCudaQuantGemvEnv[] = "SHARDSERVE_CUDA_QUANT_GEMV";
 inline constexpr char kCudaLoraEnv[] = "SHARDSERVE_CUDA_LORA";
+inline constexpr char kCpuKernelsEnv[] = "SHARDSERVE_CPU_KERNELS";
 
 // Reads an environment variable (std::getenv, or a map in tests); null when unset.
 using EnvLookup = std::function<const char*(const char*)>;
@@ -117,6 +118,9 @@ struct WorkerEnv {
   // the names (backend/cuda/cuda_backend.h), a CPU rank ignores them.
   std::string cuda_attention_kernel;
   std::string cuda_quant_gemv = "float";
+  // The CPU backend's kernel level (backend/cpu/cpu_features.h): auto (the widest the CPU has),
+  // avx2 or avx512 (to force one: tests and comparisons); a level the CPU lacks fails the rank.
+  std::string cpu_kernels = "auto";
   // LoRA on the CUDA backend (Backend::LoraAdd's kernels, written without a GPU): off refuses a
   // CUDA rank of a replica with adapters until a GPU run of the op suite has judged them.
   bool cuda_lora = true;

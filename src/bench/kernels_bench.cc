@@ -6,6 +6,7 @@
 #include <random>
 #include <string>
 
+#include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
 #include "bench/runtime_bench.h"
@@ -15,6 +16,9 @@
 #include "devtools/gguf_convert.h"
 
 namespace shardserve {
+namespace {
+absl::Status PrefillTable(ThreadPool& pool, int64_t K);
+}  // namespace
 
 absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"threads", "cols"}, {}, "shardserve bench kernels",
@@ -90,7 +94,59 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
     std::printf("%-6s %12.2f %12.2f %14.2f\n", DTypeName(dt), rate[0], rate[1],
                 rate[1] / per_value);
   }
+  return PrefillTable(pool, K);
+}
+
+namespace {
+
+// Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:
+// compute-bound), GFLOP/s at each kernel level this CPU runs (cpu_features.h; "-" where it
+// lacks one).
+absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
+  constexpr int64_t M = 128, N = 1024;
+  const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
+  const cpu::KernelLevel before = cpu::ActiveKernelLevel();
+  std::printf("\n%-6s %12s %12s   (prefill GEMM GFLOP/s, %lld tokens x %lld rows; kernels: %s)\n",
+              "type", "avx2", "avx512", static_cast<long long>(M), static_cast<long long>(N),
+              cpu::DescribeKernels().c_str());
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> x(M * K), y(M * N), values(N * K);
+  for (float& v : x) v = dist(rng);
+  for (float& v : values) v = dist(rng);
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<uint16_t> halves(N * K);
+    for (int64_t i = 0; i < N * K; ++i) {
+      halves[i] = dt == DType::kF16 ? F32ToF16(values[i]) : F32ToBf16(values[i]);
+    }
+    const WeightMatrix w{dt,
+                         dt == DType::kF32 ? static_cast<const void*>(values.data())
+                                           : static_cast<const void*>(halves.data()),
+                         N, K, K};
+    std::printf("%-6s", DTypeName(dt));
+    for (cpu::KernelLevel level : {cpu::KernelLevel::kAvx2, cpu::KernelLevel::kAvx512}) {
+      if (level == cpu::KernelLevel::kAvx512 && !have.avx512) {
+        std::printf(" %12s", "-");
+        continue;
+      }
+      cpu::SetKernelLevel(level);
+      cpu::MatMul(w, x.data(), M, K, y.data(), N, pool);  // warm
+      int reps = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      double s = 0;
+      while (s < 1.0 || reps < 3) {
+        cpu::MatMul(w, x.data(), M, K, y.data(), N, pool);
+        ++reps;
+        s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+      std::printf(" %12.1f", 2.0 * M * N * K * reps / s / 1e9);
+    }
+    std::printf("\n");
+  }
+  cpu::SetKernelLevel(before);
   return absl::OkStatus();
 }
+
+}  // namespace
 
 }  // namespace shardserve

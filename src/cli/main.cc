@@ -20,6 +20,7 @@
 #include "api/kv_cache_dtype.h"
 #include "api/speculative.h"
 #include "api/worker_env.h"
+#include "backend/cpu/cpu_features.h"
 #include "bench/comm_bench.h"
 #include "bench/cuda_bench.h"  // its usage is listed in every build; it runs in CUDA ones
 #include "bench/disk_bench.h"
@@ -434,6 +435,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     Transformer::Options o;
     o.num_threads = static_cast<int>(threads);
     o.fp8_blocks = contract.fp8_blocks;
+    RETURN_IF_ERROR(cpu::UseKernelLevel(contract.cpu_kernels));
     o.kv_cache_dtype = kv_cache_dtype;
     ASSIGN_OR_RETURN(model, Transformer::Load(dir, o));
   }
@@ -461,6 +463,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     base.speculative_method = SpeculativeMethodName(speculative.method);
     base.speculative_tokens = static_cast<int>(speculative.tokens);
     base.draft_model = a.GetOr("draft-model", "");
+    base.cpu_kernels = contract.cpu_kernels;
     // One-shot runs serve /metrics only when asked (base + global rank).
     ASSIGN_OR_RETURN(int64_t metrics_base, a.GetInt("metrics-port-base", -1));
     base.metrics = metrics_base >= 0;

@@ -120,6 +120,10 @@ absl::StatusOr<std::unique_ptr<RankMetrics>> RankMetrics::Start(const std::strin
                            .Help("Share of this rank's weights loaded (1 once loaded)")
                            .Register(r)
                            .Add(base);
+  m->backend_info_ = &prometheus::BuildGauge()
+                          .Name("shardserve_rank_backend_info")
+                          .Help("1, labelled with the rank's backend and its CPU kernels' level")
+                          .Register(r);
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("shardserve_rank_tokens_total")
                     .Help("Tokens this rank has run through its layers")
@@ -408,6 +412,12 @@ void RankMetrics::SetStartup(const std::string& state) {
 void RankMetrics::SetLoadProgress(double ratio) {
   load_progress_->Set(ratio);
   SetStartup(absl::StrCat("loading ", static_cast<int>(ratio * 100), " %"));
+}
+void RankMetrics::SetBackend(const std::string& backend, const std::string& kernels) {
+  std::map<std::string, std::string> labels = {
+      {"model", labels_.model},     {"replica", labels_.replica}, {"stage", labels_.stage},
+      {"tp_rank", labels_.tp_rank}, {"backend", backend},         {"kernels", kernels}};
+  backend_info_->Add(labels).Set(1);
 }
 void RankMetrics::ObserveForward(double seconds) { forward_->Observe(seconds); }
 void RankMetrics::SetWeightsBytes(double bytes) { weights_->Set(bytes); }

@@ -134,6 +134,9 @@ class RankMetrics {
   void SetStartup(const std::string& state);
   // The share of this rank's weights loaded, in [0, 1]; the state reads "loading N %".
   void SetLoadProgress(double ratio);
+  // shardserve_rank_backend_info{backend, kernels} 1: the backend the rank runs (cpu, cuda) and,
+  // on the CPU, its kernels' level (backend/cpu/cpu_features.h: avx2, avx512).
+  void SetBackend(const std::string& backend, const std::string& kernels);
   void ObserveForward(double seconds);
   void ObserveComm(const std::string& op, double seconds, size_t bytes);
   void SetWeightsBytes(double bytes);
@@ -159,6 +162,7 @@ class RankMetrics {
   prometheus::Gauge* weights_ = nullptr;
   prometheus::Gauge* kv_usage_ = nullptr;
   prometheus::Gauge* load_progress_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* backend_info_ = nullptr;
   prometheus::Counter* tokens_ = nullptr;
   std::map<std::string, std::pair<prometheus::Histogram*, prometheus::Counter*>> comm_;
 };

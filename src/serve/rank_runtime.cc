@@ -307,6 +307,7 @@ absl::Status Rank::Init() {
       if (metrics_) metrics_->SetLoadProgress(share);
     };
     ASSIGN_OR_RETURN(model_, backend_->Load(*info, o, observe, cache_));
+    if (metrics_) metrics_->SetBackend(backend_->name(), backend_->kernels());
     RETURN_IF_ERROR(LoadDeclaredAdapters());
     // Speculative decoding with a draft model: the leader runs it (serve/draft_model.h).
     if (rank == 0 && cfg_.env.speculative_method == "draft") {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_features.h"
 #include "comm/observed_comm.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -25,13 +26,17 @@ class CpuBackend : public StageBackend {
   absl::StatusOr<std::unique_ptr<Transformer>> Load(const WorldInfo&, Transformer::Options o,
                                                     const Observer&,
                                                     std::unique_ptr<KvCache>& cache) override {
+    RETURN_IF_ERROR(cpu::UseKernelLevel(cfg_.env.cpu_kernels));
     ASSIGN_OR_RETURN(auto m, Transformer::Load(cfg_.env.model_path, o));
     ASSIGN_OR_RETURN(cache, m->NewKvCache(cfg_.env.kv_cache_tokens));
+    LogInfo("CPU backend, ", cpu::DescribeKernels(), " kernels, ", o.num_threads, " threads");
     return m;
   }
   absl::StatusOr<std::unique_ptr<Backend>> DraftBackend(int threads) override {
     return cpu::NewBackend(std::max(1, threads));
   }
+  std::string name() const override { return "cpu"; }
+  std::string kernels() const override { return cpu::KernelLevelName(cpu::ActiveKernelLevel()); }
 
  private:
   const RankConfig& cfg_;
@@ -90,6 +95,7 @@ class CudaBackend : public StageBackend {
     LogInfo("the draft model on GPU ", device);
     return cuda::NewBackend(device, kernels_);
   }
+  std::string name() const override { return "cuda"; }
   Communicator* device_prev() const override { return prev_timed_.get(); }
   Communicator* device_next() const override { return next_timed_.get(); }
   void Abort(const absl::Status& cause) override {

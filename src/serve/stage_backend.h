@@ -55,6 +55,9 @@ class StageBackend {
   // Where the leader's draft model runs (speculative method draft): the rank's own kind of
   // backend (on the CPU with `threads` threads; on the rank's GPU beside its stage).
   virtual absl::StatusOr<std::unique_ptr<Backend>> DraftBackend(int threads) = 0;
+  // The backend's name (cpu, cuda) and, on the CPU, its kernels' level (the metrics' labels).
+  virtual std::string name() const = 0;
+  virtual std::string kernels() const { return ""; }
   virtual Communicator* device_prev() const { return nullptr; }
   virtual Communicator* device_next() const { return nullptr; }
   // Tells the peers on the backend's own communicators why this rank stops.

@@ -1,12 +1,20 @@
 #include "backend/cpu/cpu_features.h"
 
+#include <atomic>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 
 namespace shardserve::cpu {
+namespace {
+
+std::atomic<int> g_level{-1};                           // KernelLevel once chosen
+constexpr char kVariable[] = "SHARDSERVE_CPU_KERNELS";  // api/worker_env.h's, named in errors
+
+}  // namespace
 
 CpuFeatures CpuFeatures::Detect() {
   __builtin_cpu_init();
@@ -14,6 +22,10 @@ CpuFeatures CpuFeatures::Detect() {
   f.avx2 = __builtin_cpu_supports("avx2");
   f.fma = __builtin_cpu_supports("fma");
   f.f16c = __builtin_cpu_supports("f16c");
+  f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
+  f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
   return f;
 }
 
@@ -26,6 +38,53 @@ absl::Status CheckCpu(const CpuFeatures& have) {
   return absl::FailedPreconditionError(absl::StrCat(
       "the CPU backend's kernels need AVX2, FMA and F16C (x86-64-v3); this CPU lacks ",
       absl::StrJoin(missing, ", "), " (a GPU backend, or a CPU that has them, can serve it)"));
+}
+
+const char* KernelLevelName(KernelLevel level) {
+  return level == KernelLevel::kAvx512 ? "avx512" : "avx2";
+}
+
+absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked) {
+  if (asked.empty() || asked == "auto") {
+    return have.avx512 ? KernelLevel::kAvx512 : KernelLevel::kAvx2;
+  }
+  if (asked == "avx2") return KernelLevel::kAvx2;
+  if (asked == "avx512") {
+    if (have.avx512) return KernelLevel::kAvx512;
+    return absl::FailedPreconditionError(
+        absl::StrCat(kVariable, "=avx512: this CPU lacks AVX-512 (F, BW, VL, DQ)"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(kVariable, "='", std::string(asked), "' must be auto, avx2 or avx512"));
+}
+
+KernelLevel ActiveKernelLevel() {
+  int level = g_level.load(std::memory_order_relaxed);
+  if (level < 0) {
+    level = static_cast<int>(*ChooseKernelLevel(CpuFeatures::Detect(), "auto"));
+    g_level.store(level, std::memory_order_relaxed);
+  }
+  return static_cast<KernelLevel>(level);
+}
+
+void SetKernelLevel(KernelLevel level) {
+  g_level.store(static_cast<int>(level), std::memory_order_relaxed);
+}
+
+absl::Status UseKernelLevel(std::string_view asked) {
+  ASSIGN_OR_RETURN(const KernelLevel level, ChooseKernelLevel(CpuFeatures::Detect(), asked));
+  SetKernelLevel(level);
+  return absl::OkStatus();
+}
+
+std::string DescribeKernels() {
+  const CpuFeatures have = CpuFeatures::Detect();
+  std::vector<std::string> also;
+  if (have.avx512_bf16) also.push_back("BF16");
+  if (have.avx512_vnni) also.push_back("VNNI");
+  return absl::StrCat(
+      KernelLevelName(ActiveKernelLevel()),
+      also.empty() ? "" : absl::StrCat(" (AVX-512 ", absl::StrJoin(also, ", "), " present)"));
 }
 
 }  // namespace shardserve::cpu

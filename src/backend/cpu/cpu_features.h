@@ -1,19 +1,45 @@
 #pragma once
-// The instruction sets the CPU backend's kernels need, checked at run time. Only the kernels
-// (backend/cpu: cpu_backend, kernels, quant, sampling) are compiled for x86-64-v3 (AVX2, FMA,
-// F16C); everything else is built for the baseline, so a CPU without them gets this error from
-// the model loader instead of an illegal instruction. A wider CPU's kernels (AVX-512, AVX-VNNI)
-// would be built alongside in their own sources and chosen here by what the CPU reports.
+// The instruction sets the CPU backend's kernels need, checked at run time, and the kernel level
+// chosen for this machine. The kernels (backend/cpu: cpu_backend, kernels, quant, sampling) are
+// compiled for x86-64-v3 (AVX2, FMA, F16C); everything else is built for the baseline, so a CPU
+// without them gets this error from the model loader instead of an illegal instruction. Wider
+// kernels (AVX-512: kernels_avx512.cc) are built alongside in their own sources and run where the
+// CPU has them (KernelLevel), unless the worker contract's SHARDSERVE_CPU_KERNELS (api/
+// worker_env.h) asks for a lower level: whoever runs the model sets it (SetKernelLevel).
+#include <string>
+#include <string_view>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace shardserve::cpu {
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
+  // AVX-512 foundation with its byte/word and vector-length extensions (KernelLevel::kAvx512),
+  // and its BF16 dot products and VNNI (reported; kernels that use them come later).
+  bool avx512 = false, avx512_bf16 = false, avx512_vnni = false;
   static CpuFeatures Detect();  // this machine's, from CPUID
 };
 
 // FailedPrecondition naming each missing feature when `have` cannot run the kernels.
 absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
+
+// The kernels the CPU backend runs, narrowest first.
+enum class KernelLevel { kAvx2, kAvx512 };
+const char* KernelLevelName(KernelLevel level);
+// The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs; avx2;
+// avx512), refused naming the variable when `have` lacks it or it names no level.
+absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
+// The level the kernels run in this process: the widest this CPU has unless set.
+KernelLevel ActiveKernelLevel();
+// Runs `level`'s kernels from now on (a rank, as its contract says; tests and benchmarks compare
+// the levels a CPU has).
+void SetKernelLevel(KernelLevel level);
+// SetKernelLevel of ChooseKernelLevel(this CPU, asked).
+absl::Status UseKernelLevel(std::string_view asked);
+// "avx512 (AVX-512 BF16, VNNI present)": the active level and what else the CPU offers, for the
+// log and the metrics.
+std::string DescribeKernels();
 
 }  // namespace shardserve::cpu

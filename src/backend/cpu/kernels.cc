@@ -9,6 +9,8 @@
 #include <numeric>
 #include <vector>
 
+#include "backend/cpu/cpu_features.h"
+#include "backend/cpu/kernels_avx512.h"
 #include "backend/cpu/quant.h"
 
 // glibc's vector expf (libmvec), the AVX2 variant of the x86-64 vector function ABI.
@@ -206,7 +208,7 @@ void GemvRange(const WeightMatrix& w, int64_t n0, int64_t n1, const float* x, in
 constexpr int64_t kNr = 16;
 constexpr int64_t kMr = 6;
 constexpr int64_t kKc = 256;
-constexpr int64_t kNb = 48;  // weight rows expanded at a time: 8 micro-kernel tiles
+constexpr int64_t kNb = 48;  // weight rows expanded at a time: 8 micro-kernel tiles (AVX-512: 4)
 // The integer micro-kernel (the quantized dtypes): 4 rows, 24 at a time (their int16 values,
 // 12 KiB, and a panel of tokens, 8 KiB, stay in L1: 45.0 tok/s -> 48.5 against 48 at a time,
 // TinyLlama Q4_K_M prefill at 1 thread).
@@ -237,12 +239,16 @@ void PackPanel(const float* x, int64_t ldx, int64_t n, int64_t nr, int64_t k0, i
   }
 }
 
-// Rows [n, n + nr) x columns [k0, k0 + kc) of the float w as F32, row r at out + r * kKc.
+// Rows [n, n + nr) x columns [k0, k0 + kc) of the float w as F32, row r at out + r * kKc; `wide`:
+// 16-bit floats 16 at a time in AVX-512.
 template <DType D>
-void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* out) {
+void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* out,
+                bool wide) {
   for (int64_t r = 0; r < nr; ++r, out += kKc) {
     const uint8_t* row = RowPtr(w, n + r);
-    if constexpr (D == DType::kF8_128) {  // k0 and kc multiples of 128: a block's scale once
+    if (wide && (D == DType::kBF16 || D == DType::kF16)) {
+      avx512::ExpandHalves(reinterpret_cast<const uint16_t*>(row) + k0, D == DType::kBF16, kc, out);
+    } else if constexpr (D == DType::kF8_128) {  // k0 and kc multiples of 128: a block's scale once
       for (int64_t k = 0; k < kc; k += 128) {
         const uint8_t* block = F8Block(row, k0 + k);
         const __m256 scale = _mm256_set1_ps(F8Scale256(block));
@@ -473,7 +479,11 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   int16_t* wq = reinterpret_cast<int16_t*>(wbuf);
   float* wf = wbuf + kNb * kKc / 2;
   float* wm = wf + kNb * (kKc / 16);
-  constexpr int64_t nbr = UnpacksToInts(D) ? kNbInt : kNb, mr = UnpacksToInts(D) ? kMrInt : kMr;
+  // The float tiles in AVX-512 where the CPU runs it: 12 rows a tile, the same FMAs in the same
+  // order for each output (bit for bit the AVX2 tile's results).
+  const bool wide = !UnpacksToInts(D) && ActiveKernelLevel() == KernelLevel::kAvx512;
+  constexpr int64_t nbr = UnpacksToInts(D) ? kNbInt : kNb;
+  const int64_t mr = UnpacksToInts(D) ? kMrInt : wide ? avx512::kMr : kMr;
   for (int64_t nb = n0; nb < n1; nb += nbr) {
     const int64_t nr = std::min(nbr, n1 - nb);
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
@@ -484,7 +494,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                      wf + r * (kKc / 16), wm + r * (kKc / 32));
         }
       } else {
-        ExpandRows<D>(w, nb, nr, k0, kc, wbuf);
+        ExpandRows<D>(w, nb, nr, k0, kc, wbuf, wide);
       }
       // The next block's weights, fetched from memory while the micro-kernel runs on these: rows
       // a kilobyte or more apart defeat the hardware prefetcher, and expanding would wait on
@@ -507,8 +517,9 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                 wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
                 yt + r * mp + t, mp, k0 > 0);
           } else {
-            MicroKernelAny(rows, kc, wbuf + r * kKc, kKc, x.f32 + (t / kNr * K + k0) * kNr,
-                           yt + r * mp + t, mp, k0 > 0);
+            (wide ? avx512::MicroKernelAny : MicroKernelAny)(rows, kc, wbuf + r * kKc, kKc,
+                                                             x.f32 + (t / kNr * K + k0) * kNr,
+                                                             yt + r * mp + t, mp, k0 > 0);
           }
         }
       }
@@ -586,7 +597,10 @@ void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& po
 template <DType D>
 void Gemm(const WeightMatrix& w, const PackedTokens& x, int64_t M, float* y, int64_t ldy,
           ThreadPool& pool) {
-  pool.ParallelFor(w.rows, UnpacksToInts(D) ? kMrInt : kMr,
+  const int64_t tile = UnpacksToInts(D)                              ? kMrInt
+                       : ActiveKernelLevel() == KernelLevel::kAvx512 ? avx512::kMr
+                                                                     : kMr;
+  pool.ParallelFor(w.rows, tile,
                    [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, y, ldy); });
 }
 

@@ -88,6 +88,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.fp8_blocks = false;
   w.cuda_attention_kernel = "split";
   w.cuda_quant_gemv = "dp4a";
+  w.cpu_kernels = "avx2";
   w.model_uri = "hf://o/m";
   w.model_files = "*.json";
   w.credentials_dir = "/creds";
@@ -153,6 +154,8 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_KV_CACHE_DTYPE='int4' must be auto, f32, bf16, f16 or fp8"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_METHOD", "eagle"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none, ngram, draft or mtp"));
+  EXPECT_THAT(error({{"SHARDSERVE_CPU_KERNELS", "sse4"}}),
+              HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2 or avx512"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_TOKENS", "17"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_TOKENS='17'"));
   EXPECT_THAT(

@@ -610,10 +610,72 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
   }
 }
 
+// Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would:
+// the prefill tiles compute the same FMAs in the same order at each level, so MatMul's outputs
+// are bit for bit the same, for every float dtype, ragged tiles and thread split included. A level
+// this CPU lacks is skipped by name.
+TEST(KernelsTest, EveryKernelLevelComputesTheSameBits) {
+  const CpuFeatures have = CpuFeatures::Detect();
+  if (!have.avx512) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
+  const KernelLevel before = ActiveKernelLevel();
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (int threads : {1, 3}) {
+      ThreadPool pool(threads);
+      for (int64_t M : {13, 40, 100}) {
+        for (int64_t N : {5, 37, 150}) {
+          for (int64_t K : {13, 300, 520}) {
+            Weights w = MakeWeights(dtype, N * K, rng);
+            std::vector<float> x(M * K);
+            for (float& v : x) v = dist(rng);
+            const WeightMatrix wm{dtype, w.bytes.data(), N, K, K};
+            std::vector<float> narrow(M * N, NAN), wide(M * N, NAN);
+            SetKernelLevel(KernelLevel::kAvx2);
+            MatMul(wm, x.data(), M, K, narrow.data(), N, pool);
+            SetKernelLevel(KernelLevel::kAvx512);
+            MatMul(wm, x.data(), M, K, wide.data(), N, pool);
+            ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
+                << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K;
+          }
+        }
+      }
+    }
+  }
+  SetKernelLevel(before);
+}
+
+// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has; a lower one may be forced; one
+// the CPU lacks, or a name that is no level, is refused naming the variable.
+TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForcedLower) {
+  CpuFeatures avx2{true, true, true}, avx512 = avx2;
+  avx512.avx512 = true;
+  EXPECT_EQ(*ChooseKernelLevel(avx2, ""), KernelLevel::kAvx2);
+  EXPECT_EQ(*ChooseKernelLevel(avx512, "auto"), KernelLevel::kAvx512);
+  EXPECT_EQ(*ChooseKernelLevel(avx512, "avx2"), KernelLevel::kAvx2);
+  EXPECT_THAT(std::string(ChooseKernelLevel(avx2, "avx512").status().message()),
+              ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512: this CPU lacks AVX-512"));
+  EXPECT_THAT(std::string(ChooseKernelLevel(avx512, "sse4").status().message()),
+              ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2 or avx512"));
+  EXPECT_THAT(DescribeKernels(), ::testing::StartsWith(KernelLevelName(ActiveKernelLevel())));
+}
+
 using testing::BackendOpsTest;
+// A backend at a kernel level: null (the tests skip) where this CPU lacks it.
+std::function<std::unique_ptr<Backend>()> AtLevel(const char* level) {
+  return [level]() -> std::unique_ptr<Backend> {
+    absl::StatusOr<KernelLevel> l = ChooseKernelLevel(CpuFeatures::Detect(), level);
+    if (!l.ok()) return nullptr;
+    SetKernelLevel(*l);
+    return NewBackend(3);
+  };
+}
 INSTANTIATE_TEST_SUITE_P(Cpu, BackendOpsTest,
                          ::testing::Values(BackendCase{"threads1", [] { return NewBackend(1); }},
-                                           BackendCase{"threads3", [] { return NewBackend(3); }}),
+                                           BackendCase{"threads3", [] { return NewBackend(3); }},
+                                           BackendCase{"avx2", AtLevel("avx2")},
+                                           BackendCase{"avx512", AtLevel("avx512")},
+                                           BackendCase{"auto", AtLevel("auto")}),
                          testing::BackendCaseName);
 
 }  // namespace
