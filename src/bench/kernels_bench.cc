@@ -21,8 +21,9 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K);
 }  // namespace
 
 absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
-  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"threads", "cols"}, {}, "shardserve bench kernels",
-                                       kKernelsBenchUsage));
+  ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"threads", "cols", "kernels"}, {},
+                                       "shardserve bench kernels", kKernelsBenchUsage));
+  RETURN_IF_ERROR(cpu::UseKernelLevel(a.GetOr("kernels", "auto")));
   ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", 1));
   ASSIGN_OR_RETURN(int64_t K, a.GetInt("cols", 2048));
   if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads must be 1-256");
@@ -35,10 +36,11 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   std::vector<float> row(K), x(K);
   for (float& v : x) v = dist(rng);
   std::printf(
-      "%-6s %12s %12s %14s   (%lld thread(s), %lld columns; GB/s of weights read, and G weights "
-      "a second from memory; the read bandwidth of these threads: %.2f GB/s)\n",
+      "%-6s %12s %12s %14s   (%lld thread(s), %lld columns, %s kernels; GB/s of weights read, "
+      "and G weights a second from memory; the read bandwidth of these threads: %.2f GB/s)\n",
       "type", "in L2", "from memory", "G weights/s", static_cast<long long>(threads),
-      static_cast<long long>(K), ReadBandwidth(pool) / 1e9);
+      static_cast<long long>(K), cpu::KernelLevelName(cpu::ActiveKernelLevel()),
+      ReadBandwidth(pool) / 1e9);
   // Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX,
   // Q6_KX).
   for (DType dt :
