@@ -116,15 +116,26 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   std::vector<float> x(M * K), y(M * N), values(N * K);
   for (float& v : x) v = dist(rng);
   for (float& v : values) v = dist(rng);
-  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType dt :
+       {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_KX, DType::kQ6_KX}) {
+    if (K % DTypeBlock(dt) != 0) continue;
     std::vector<uint16_t> halves(N * K);
-    for (int64_t i = 0; i < N * K; ++i) {
-      halves[i] = dt == DType::kF16 ? F32ToF16(values[i]) : F32ToBf16(values[i]);
+    std::string quantized(N * DTypeBytes(dt, K), '\0');
+    if (dt == DType::kF16 || dt == DType::kBF16) {
+      for (int64_t i = 0; i < N * K; ++i) {
+        halves[i] = dt == DType::kF16 ? F32ToF16(values[i]) : F32ToBf16(values[i]);
+      }
+    } else if (dt != DType::kF32) {  // as the backend keeps it: the file's blocks, repacked
+      for (int64_t n = 0; n < N; ++n) {
+        const std::string row = QuantizeRow(cpu::FileType(dt), values.data() + n * K, K);
+        cpu::RepackRow(dt, reinterpret_cast<const uint8_t*>(row.data()), K,
+                       reinterpret_cast<uint8_t*>(quantized.data()) + n * DTypeBytes(dt, K));
+      }
     }
-    const WeightMatrix w{dt,
-                         dt == DType::kF32 ? static_cast<const void*>(values.data())
-                                           : static_cast<const void*>(halves.data()),
-                         N, K, K};
+    const void* data = quantized.data();
+    if (dt == DType::kF32) data = values.data();
+    if (dt == DType::kF16 || dt == DType::kBF16) data = halves.data();
+    const WeightMatrix w{dt, data, N, K, K};
     std::printf("%-6s", DTypeName(dt));
     for (cpu::KernelLevel level : {cpu::KernelLevel::kAvx2, cpu::KernelLevel::kAvx512}) {
       if (level == cpu::KernelLevel::kAvx512 && !have.avx512) {

@@ -479,11 +479,12 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   int16_t* wq = reinterpret_cast<int16_t*>(wbuf);
   float* wf = wbuf + kNb * kKc / 2;
   float* wm = wf + kNb * (kKc / 16);
-  // The float tiles in AVX-512 where the CPU runs it: 12 rows a tile, the same FMAs in the same
-  // order for each output (bit for bit the AVX2 tile's results).
-  const bool wide = !UnpacksToInts(D) && ActiveKernelLevel() == KernelLevel::kAvx512;
+  // The tiles in AVX-512 where the CPU runs it: 12 rows a float tile, 8 a quantized one, the same
+  // arithmetic in the same order for each output (bit for bit the AVX2 tiles' results).
+  const bool wide = ActiveKernelLevel() == KernelLevel::kAvx512;
   constexpr int64_t nbr = UnpacksToInts(D) ? kNbInt : kNb;
-  const int64_t mr = UnpacksToInts(D) ? kMrInt : wide ? avx512::kMr : kMr;
+  const int64_t mr =
+      UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt) : (wide ? avx512::kMr : kMr);
   for (int64_t nb = n0; nb < n1; nb += nbr) {
     const int64_t nr = std::min(nbr, n1 - nb);
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
@@ -512,6 +513,13 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           const int64_t rows = std::min(mr, nr - r);
           if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
+            if (wide) {
+              avx512::MicroKernelIntAny(rows, kc, UnpacksTransposed(D, kc), IntGroup(D), HasMin(D),
+                                        wq + r * kKc, wf + r * (kKc / 16), wm + r * (kKc / 32), kKc,
+                                        x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
+                                        yt + r * mp + t, mp, k0 > 0);
+              continue;
+            }
             MicroKernelIntAny<IntGroup(D), HasMin(D)>(
                 rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
                 wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
@@ -597,9 +605,9 @@ void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& po
 template <DType D>
 void Gemm(const WeightMatrix& w, const PackedTokens& x, int64_t M, float* y, int64_t ldy,
           ThreadPool& pool) {
-  const int64_t tile = UnpacksToInts(D)                              ? kMrInt
-                       : ActiveKernelLevel() == KernelLevel::kAvx512 ? avx512::kMr
-                                                                     : kMr;
+  const bool wide = ActiveKernelLevel() == KernelLevel::kAvx512;
+  const int64_t tile =
+      UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt) : (wide ? avx512::kMr : kMr);
   pool.ParallelFor(w.rows, tile,
                    [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, y, ldy); });
 }

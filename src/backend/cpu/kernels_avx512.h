@@ -16,6 +16,18 @@ inline constexpr int64_t kMr = 12;
 void MicroKernelAny(int64_t mr, int64_t kc, const float* a, int64_t lda, const float* panel,
                     float* y, int64_t ldy, bool accumulate);
 
+// Rows of the quantized prefill tile (16 tokens' int16 pairs are one register: twice AVX2's 4).
+inline constexpr int64_t kMrInt = 8;
+
+// kernels.cc's MicroKernelIntAny for mr <= kMrInt rows of a quantized matrix, groups of g (16 or
+// 32) values, with minimums (has_min) or without; the rows' int16 values, factors and minimums
+// at stride `ld` values (ld / 16 factors, ld / 32 minimums). The integer sums are exact and the
+// float steps those of the AVX2 tile, in its order: the same bits.
+void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
+                       const int16_t* wq, const float* wf, const float* wm, int64_t ld,
+                       const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
+                       bool accumulate);
+
 // kernels.cc's ExpandRows for one row of 16-bit floats: kc values of `row` (BF16 when `bf16`,
 // else F16) as F32 into out (64-byte aligned).
 void ExpandHalves(const uint16_t* row, bool bf16, int64_t kc, float* out);

@@ -611,9 +611,10 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
 }
 
 // Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would:
-// the prefill tiles compute the same FMAs in the same order at each level, so MatMul's outputs
-// are bit for bit the same, for every float dtype, ragged tiles and thread split included. A level
-// this CPU lacks is skipped by name.
+// the prefill tiles compute the same arithmetic in the same order at each level, so MatMul's
+// outputs are bit for bit the same, for every float and quantized dtype (the repacked layouts the
+// backend keeps included), ragged tiles and thread split included. A level this CPU lacks is
+// skipped by name.
 TEST(KernelsTest, EveryKernelLevelComputesTheSameBits) {
   const CpuFeatures have = CpuFeatures::Detect();
   if (!have.avx512) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
@@ -638,6 +639,33 @@ TEST(KernelsTest, EveryKernelLevelComputesTheSameBits) {
             ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
                 << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K;
           }
+        }
+      }
+    }
+  }
+  auto backend = NewBackend(2);
+  for (DType dtype :
+       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+    for (int64_t K : {int64_t{768}, int64_t{512}}) {
+      const int64_t N = 29;
+      std::vector<float> values(N * K);
+      for (float& v : values) v = dist(rng);
+      std::string bytes;
+      for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
+      // As the backend keeps it (Q4_1, Q4_K, Q6_K repacked: their transposed layouts).
+      const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
+      ASSERT_TRUE(kept.ok()) << kept.status();
+      for (int threads : {1, 3}) {
+        ThreadPool pool(threads);
+        for (int64_t M : {13, 40}) {
+          std::vector<float> x(M * K), narrow(M * N, NAN), wide(M * N, NAN);
+          for (float& v : x) v = dist(rng);
+          SetKernelLevel(KernelLevel::kAvx2);
+          MatMul(*kept, x.data(), M, K, narrow.data(), N, pool);
+          SetKernelLevel(KernelLevel::kAvx512);
+          MatMul(*kept, x.data(), M, K, wide.data(), N, pool);
+          ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
+              << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads;
         }
       }
     }
