@@ -108,9 +108,10 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   constexpr int64_t M = 128, N = 1024;
   const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
   const cpu::KernelLevel before = cpu::ActiveKernelLevel();
-  std::printf("\n%-6s %12s %12s   (prefill GEMM GFLOP/s, %lld tokens x %lld rows; kernels: %s)\n",
-              "type", "avx2", "avx512", static_cast<long long>(M), static_cast<long long>(N),
-              cpu::DescribeKernels().c_str());
+  std::printf(
+      "\n%-6s %12s %12s %12s   (prefill GEMM GFLOP/s, %lld tokens x %lld rows; kernels: %s)\n",
+      "type", "avx2", "avx512", "avx512bf16", static_cast<long long>(M), static_cast<long long>(N),
+      cpu::DescribeKernels().c_str());
   std::mt19937 rng(2);
   std::uniform_real_distribution<float> dist(-1, 1);
   std::vector<float> x(M * K), y(M * N), values(N * K);
@@ -137,8 +138,9 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     if (dt == DType::kF16 || dt == DType::kBF16) data = halves.data();
     const WeightMatrix w{dt, data, N, K, K};
     std::printf("%-6s", DTypeName(dt));
-    for (cpu::KernelLevel level : {cpu::KernelLevel::kAvx2, cpu::KernelLevel::kAvx512}) {
-      if (level == cpu::KernelLevel::kAvx512 && !have.avx512) {
+    for (cpu::KernelLevel level :
+         {cpu::KernelLevel::kAvx2, cpu::KernelLevel::kAvx512, cpu::KernelLevel::kAvx512Bf16}) {
+      if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(level)).ok()) {
         std::printf(" %12s", "-");
         continue;
       }

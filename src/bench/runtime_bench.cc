@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "api/worker_env.h"
+#include "backend/cpu/cpu_features.h"
 #include "common/args.h"
 #include "common/process.h"
 #include "common/status.h"
@@ -159,9 +160,11 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
         "--context and --prefill-tokens must be at least 0, --decode-tokens at least 1");
   }
 
-  // How the weights compute and the KV cache keeps its values, as a rank reads them from the
-  // worker contract (SHARDSERVE_FP8, SHARDSERVE_KV_CACHE_DTYPE), the flag first.
+  // How the weights compute, the KV cache keeps its values and which CPU kernels run, as a rank
+  // reads them from the worker contract (SHARDSERVE_FP8, SHARDSERVE_KV_CACHE_DTYPE, the flag
+  // first; SHARDSERVE_CPU_KERNELS).
   ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+  RETURN_IF_ERROR(cpu::UseKernelLevel(env.cpu_kernels));
   ASSIGN_OR_RETURN(const KvCacheDtype kv_dtype, KvCacheDtypeOf(a.Get("kv-cache-dtype"), env));
   Transformer::Options o;
   o.num_threads = static_cast<int>(threads);
@@ -180,10 +183,11 @@ absl::Status RunRuntimeBench(const std::vector<std::string>& argv) {
 
   std::printf(
       "model: %s  layers %lld hidden %lld intermediate %lld heads %lld/%lld vocab %lld  "
-      "weights %.2f GB (%.2f bytes/param)  threads %lld\n",
+      "weights %.2f GB (%.2f bytes/param)  threads %lld  CPU kernels %s\n",
       c.architecture.c_str(), (long long)c.num_layers, (long long)c.hidden_size,
       (long long)c.intermediate_size, (long long)c.num_heads, (long long)c.num_kv_heads,
-      (long long)c.vocab_size, held / 1e9, bytes_per_param, (long long)threads);
+      (long long)c.vocab_size, held / 1e9, bytes_per_param, (long long)threads,
+      cpu::DescribeKernels().c_str());
   // The machine's capacity is measured before and after the model work and the higher figure
   // kept: on a VM with steal time a single measurement can land in a slow moment.
   ThreadPool pool(static_cast<int>(threads));

@@ -426,8 +426,11 @@ absl::Status Generate(const std::vector<std::string>& argv) {
   // One rank on the CPU runs in this process; a backend named in SHARDSERVE_BACKEND (other than
   // cpu) goes through the rank runtime, which picks it.
   const char* backend = std::getenv(kBackendEnv);
-  const bool in_process = tp * pp == 1 && !a.Has("speculative") && !a.Has("max-step-tokens") &&
-                          (backend == nullptr || *backend == '\0' || std::string(backend) == "cpu");
+  const bool on_cpu = backend == nullptr || *backend == '\0' || std::string(backend) == "cpu";
+  const bool in_process =
+      tp * pp == 1 && !a.Has("speculative") && !a.Has("max-step-tokens") && on_cpu;
+  // The CPU kernels (SHARDSERVE_CPU_KERNELS) this process and the ranks it starts run.
+  RETURN_IF_ERROR(cpu::UseKernelLevel(contract.cpu_kernels));
   std::unique_ptr<Transformer> model;
   if (in_process) {  // load first: a bad directory is reported as the model's problem
     // The worker contract's settings for how weights compute (SHARDSERVE_FP8), as a rank reads
@@ -435,7 +438,6 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     Transformer::Options o;
     o.num_threads = static_cast<int>(threads);
     o.fp8_blocks = contract.fp8_blocks;
-    RETURN_IF_ERROR(cpu::UseKernelLevel(contract.cpu_kernels));
     o.kv_cache_dtype = kv_cache_dtype;
     ASSIGN_OR_RETURN(model, Transformer::Load(dir, o));
   }
@@ -492,6 +494,7 @@ absl::Status Generate(const std::vector<std::string>& argv) {
     tops.push_back(alts);
   }
   out["top_logprobs"] = tops;
+  if (on_cpu) out["cpu_kernels"] = cpu::KernelLevelName(cpu::ActiveKernelLevel());
   if (speculative.enabled()) {
     out["speculation"] = {{"method", SpeculativeMethodName(speculative.method)},
                           {"tokens", speculative.tokens},

@@ -14,7 +14,10 @@ And with config.json as transformers itself saves it (its names for every field)
 the same. With the KV cache in the model's dtype (BF16/F16, kvCacheDtype auto) the greedy tokens
 are identical and logprobs within KV_BOUNDS["auto"]; in FP8 (under the checkpoint's per-layer
 k_scale / v_scale, computed here as vLLM computes them) logprobs up to the first token that
-differs within KV_BOUNDS["fp8"]. Also checks that shardserve's tokenizer encodes like the `tokenizers` library, for the generated
+differs within KV_BOUNDS["fp8"]. Where the CPU's default kernels round BF16 weights'
+activations to BF16 (kernel level avx512bf16, backend/cpu/cpu_features.h), the checks above run
+the AVX-512 tiles whose arithmetic is F32's (SHARDSERVE_CPU_KERNELS=avx512) and the default level
+is checked as the KV cache's dtypes are, within BF16_ACTIVATIONS. Also checks that shardserve's tokenizer encodes like the `tokenizers` library, for the generated
 tokenizer and for Llama 3 (regex split, ignore_merges) and Qwen2 (NFC) variants of it.
 """
 import argparse
@@ -129,6 +132,10 @@ LOOSE = 0.25
 # Seen (2026-11-30, every case): auto up to 1.2e-2 (gpt-oss); fp8 up to 0.11 on most, 0.26 (tied
 # embeddings), 0.36 and 0.48 where an expert's routing flips (gpt-oss F32, Qwen3-MoE FP8).
 KV_BOUNDS = {"auto": 0.05, "fp8": 0.6}
+# BF16 weights against activations rounded to BF16 (each off by at most 2^-8 of itself), the
+# CPU's kernel level avx512bf16: every logprob before the first token that differs.
+# Seen (2026-11-30, every BF16 case, 10 greedy tokens identical): up to 2.9e-2 (gpt-oss).
+BF16_ACTIVATIONS = 0.08
 
 
 def kv_worst(got, want_tokens, want_lps):
@@ -143,19 +150,20 @@ def kv_worst(got, want_tokens, want_lps):
     return worst
 
 
-def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True)
+def run(cmd, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
     if p.returncode != 0:
         sys.exit(f"command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr}")
     return p.stdout
 
 
-def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1, kv="f32", extra=()):
+def ours(binary, model, prompt_ids, max_tokens, tp=1, pp=1, kv="f32", extra=(), env=None):
     out = run([binary, "generate", "--model", model, "--prompt-ids",
                ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--logprobs", "5",
                "--ignore-eos", "--format", "json", "--kv-cache-dtype", kv] + list(extra) +
               (["--threads", "2"] if tp * pp == 1 else ["--tp", str(tp), "--pp", str(pp),
-                                                          "--threads", "1"]))
+                                                          "--threads", "1"]), env)
     return json.loads(out)
 
 
@@ -379,6 +387,15 @@ def main():
             torch.float32).float().eval()
         native = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=native_dtype).eval()
                   if native_dtype else None)
+        # The kernels shardserve runs here unless told: at avx512bf16 (BF16 activations for BF16
+        # weights) the tight checks force the F32-arithmetic AVX-512 tiles, and the default
+        # level gets its own bound below.
+        default_env = {"SHARDSERVE_CPU_KERNELS": os.environ.get("SHARDSERVE_CPU_KERNELS", "auto")}
+        kernels = ours(args.shardserve, model_dir, [1], 1).get("cpu_kernels")
+        bf16_activations = kernels == "avx512bf16" and native_dtype == torch.bfloat16
+        if kernels == "avx512bf16":
+            os.environ["SHARDSERVE_CPU_KERNELS"] = "avx512"
+        act_worst, act_same = 0.0, []
         worst = 0.0
         kv_worsts = {kv: 0.0 for kv in KV_BOUNDS}
         layouts = LAYOUTS.get(args.case, [(1, 1)])
@@ -415,11 +432,20 @@ def main():
                     d = abs(float(native_lp[got["tokens"][0]]) - got["logprobs"][0])
                     if d > LOOSE:
                         sys.exit(f"native-{native_dtype} logprob differs by {d:.3f} > {LOOSE}")
-            # The KV cache in the model's dtype and in FP8: the first and the longest prompt, at
-            # the largest layout.
+            # The KV cache in the model's dtype and in FP8, and the default kernels where they
+            # round BF16 activations: the first and the longest prompt, at the largest layout.
             if prompt is not prompts[0] and len(prompt) < 1000:
                 continue
             tp, pp = layouts[-1]
+            if bf16_activations:
+                got = ours(args.shardserve, model_dir, prompt, steps, tp, pp, env=default_env)
+                act_worst = max(act_worst, kv_worst(got, want_tokens, want_lps))
+                act_same.append(next((i for i, (a, b) in enumerate(zip(got["tokens"], want_tokens))
+                                      if a != b), steps))
+                if act_worst > BF16_ACTIVATIONS:
+                    sys.exit(f"with activations rounded to BF16 (kernels avx512bf16) logprobs "
+                             f"differ by {act_worst:.3f} > {BF16_ACTIVATIONS} (prompt "
+                             f"{prompt[:8]}..., TP={tp} PP={pp})")
             for kv, bound in KV_BOUNDS.items():
                 if kv == "auto" and native_dtype is None:
                     continue  # an F32 model's auto is F32, checked above
@@ -462,7 +488,11 @@ def main():
               + ", ".join(f"{kv}{' (identical greedy tokens)' if kv == 'auto' else ''}: "
                           f"max |dlogprob| {w:.2e} (bound {KV_BOUNDS[kv]})"
                           for kv, w in kv_worsts.items()
-                          if kv != "auto" or native_dtype is not None))
+                          if kv != "auto" or native_dtype is not None)
+              + (f"; kernels {kernels} (tight checks at avx512)"
+                 + (f", BF16 activations: max |dlogprob| {act_worst:.2e} (bound "
+                    f"{BF16_ACTIVATIONS}), greedy tokens identical for {act_same} of {steps} steps"
+                    if bf16_activations else "") if kernels == "avx512bf16" else ""))
 
 
 if __name__ == "__main__":

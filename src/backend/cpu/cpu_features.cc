@@ -41,12 +41,22 @@ absl::Status CheckCpu(const CpuFeatures& have) {
 }
 
 const char* KernelLevelName(KernelLevel level) {
-  return level == KernelLevel::kAvx512 ? "avx512" : "avx2";
+  switch (level) {
+    case KernelLevel::kAvx2:
+      return "avx2";
+    case KernelLevel::kAvx512:
+      return "avx512";
+    case KernelLevel::kAvx512Bf16:
+      return "avx512bf16";
+  }
+  return "avx2";
 }
 
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked) {
   if (asked.empty() || asked == "auto") {
-    return have.avx512 ? KernelLevel::kAvx512 : KernelLevel::kAvx2;
+    return have.avx512_bf16 ? KernelLevel::kAvx512Bf16
+           : have.avx512    ? KernelLevel::kAvx512
+                            : KernelLevel::kAvx2;
   }
   if (asked == "avx2") return KernelLevel::kAvx2;
   if (asked == "avx512") {
@@ -54,8 +64,13 @@ absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::stri
     return absl::FailedPreconditionError(
         absl::StrCat(kVariable, "=avx512: this CPU lacks AVX-512 (F, BW, VL, DQ)"));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(kVariable, "='", std::string(asked), "' must be auto, avx2 or avx512"));
+  if (asked == "avx512bf16") {
+    if (have.avx512_bf16) return KernelLevel::kAvx512Bf16;
+    return absl::FailedPreconditionError(
+        absl::StrCat(kVariable, "=avx512bf16: this CPU lacks AVX512-BF16"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(kVariable, "='", std::string(asked),
+                                                 "' must be auto, avx2, avx512 or avx512bf16"));
 }
 
 KernelLevel ActiveKernelLevel() {

@@ -3,9 +3,10 @@
 // chosen for this machine. The kernels (backend/cpu: cpu_backend, kernels, quant, sampling) are
 // compiled for x86-64-v3 (AVX2, FMA, F16C); everything else is built for the baseline, so a CPU
 // without them gets this error from the model loader instead of an illegal instruction. Wider
-// kernels (AVX-512: kernels_avx512.cc) are built alongside in their own sources and run where the
-// CPU has them (KernelLevel), unless the worker contract's SHARDSERVE_CPU_KERNELS (api/
-// worker_env.h) asks for a lower level: whoever runs the model sets it (SetKernelLevel).
+// kernels (AVX-512: kernels_avx512.cc; AVX512-BF16: kernels_avx512bf16.cc) are built alongside in
+// their own sources and run where the CPU has them (KernelLevel), unless the worker contract's
+// SHARDSERVE_CPU_KERNELS (api/worker_env.h) asks for a lower level: whoever runs the model sets it
+// (SetKernelLevel).
 #include <string>
 #include <string_view>
 
@@ -17,7 +18,7 @@ namespace shardserve::cpu {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   // AVX-512 foundation with its byte/word and vector-length extensions (KernelLevel::kAvx512),
-  // and its BF16 dot products and VNNI (reported; kernels that use them come later).
+  // its BF16 dot products (kAvx512Bf16) and VNNI (reported).
   bool avx512 = false, avx512_bf16 = false, avx512_vnni = false;
   static CpuFeatures Detect();  // this machine's, from CPUID
 };
@@ -25,11 +26,13 @@ struct CpuFeatures {
 // FailedPrecondition naming each missing feature when `have` cannot run the kernels.
 absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 
-// The kernels the CPU backend runs, narrowest first.
-enum class KernelLevel { kAvx2, kAvx512 };
+// The kernels the CPU backend runs, narrowest first: AVX2; AVX-512's wider tiles, bit for bit
+// AVX2's results; and with them BF16 weights multiplied by AVX512-BF16's dot products against
+// activations rounded to BF16 (kernels_avx512.h), as llama.cpp does.
+enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16 };
 const char* KernelLevelName(KernelLevel level);
 // The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs; avx2;
-// avx512), refused naming the variable when `have` lacks it or it names no level.
+// avx512; avx512bf16), refused naming the variable when `have` lacks it or it names no level.
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
 // The level the kernels run in this process: the widest this CPU has unless set.
 KernelLevel ActiveKernelLevel();

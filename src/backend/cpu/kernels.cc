@@ -452,13 +452,22 @@ void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, const int16_t* w
 // The tokens as the GEMM reads them: F32 panels of 16 ([M / 16 rounded up][K][16], PackTokens)
 // for the float dtypes; for the quantized ones, quantized per block of 32 to int16 as decode does
 // and packed in panels of 16 (PackQuantized): q [panel][K / 2][16][2] (a token's pair of values
-// in each int32), d and ds [panel][K / 32][16]. Tokens past M are zero.
+// in each int32), d and ds [panel][K / 32][16]; for BF16 weights at KernelLevel::kAvx512Bf16,
+// rounded to BF16 and packed as q is ([panel][kp / 2][16][2], K padded to kp). Tokens past M are
+// zero.
 struct PackedTokens {
   const float* f32 = nullptr;
   const int16_t* q = nullptr;
   const float* d = nullptr;
   const float* ds = nullptr;
+  const uint16_t* bf16 = nullptr;
+  int64_t kp = 0;
 };
+
+// Whether BF16 weights take AVX512-BF16's dot products (their activations rounded to BF16).
+bool Bf16Dot() { return ActiveKernelLevel() == KernelLevel::kAvx512Bf16; }
+// K rounded up to 32: the length of a row of activations rounded to BF16.
+constexpr int64_t Bf16Length(int64_t K) { return (K + 31) / 32 * 32; }
 
 // Loop order (BLIS-style, the weights as the broadcast operand): for a block of kNb weight rows
 // and kKc of K, expand the rows once (in L2, no transposition; F32, or the quantized types'
@@ -480,8 +489,12 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   float* wf = wbuf + kNb * kKc / 2;
   float* wm = wf + kNb * (kKc / 16);
   // The tiles in AVX-512 where the CPU runs it: 12 rows a float tile, 8 a quantized one, the same
-  // arithmetic in the same order for each output (bit for bit the AVX2 tiles' results).
-  const bool wide = ActiveKernelLevel() == KernelLevel::kAvx512;
+  // arithmetic in the same order for each output (bit for bit the AVX2 tiles' results). BF16 at
+  // kAvx512Bf16: the rows copied as they are (pairs of BF16, an odd kc's last pair padded with
+  // zero) against the tokens' BF16 pairs.
+  const bool wide = ActiveKernelLevel() >= KernelLevel::kAvx512;
+  const bool bf16_dot = D == DType::kBF16 && x.bf16 != nullptr;
+  uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf);
   constexpr int64_t nbr = UnpacksToInts(D) ? kNbInt : kNb;
   const int64_t mr =
       UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt) : (wide ? avx512::kMr : kMr);
@@ -493,6 +506,11 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
         for (int64_t r = 0; r < nr; ++r) {
           UnpackInts(D, RowPtr(w, nb + r) + DTypeBytes(D, k0), kc, wq + r * kKc,
                      wf + r * (kKc / 16), wm + r * (kKc / 32));
+        }
+      } else if (bf16_dot) {
+        for (int64_t r = 0; r < nr; ++r) {
+          std::memcpy(wb + r * kKc, RowPtr(w, nb + r) + DTypeBytes(D, k0), DTypeBytes(D, kc));
+          if (kc % 2 != 0) wb[r * kKc + kc] = 0;
         }
       } else {
         ExpandRows<D>(w, nb, nr, k0, kc, wbuf, wide);
@@ -524,6 +542,10 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                 rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
                 wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
                 yt + r * mp + t, mp, k0 > 0);
+          } else if (bf16_dot) {
+            avx512::MicroKernelBf16Any(rows, (kc + 1) / 2, wb + r * kKc, kKc,
+                                       x.bf16 + (t / kNr * x.kp + k0) * kNr, yt + r * mp + t, mp,
+                                       k0 > 0);
           } else {
             (wide ? avx512::MicroKernelAny : MicroKernelAny)(rows, kc, wbuf + r * kKc, kKc,
                                                              x.f32 + (t / kNr * K + k0) * kNr,
@@ -564,28 +586,22 @@ void PackTokens(const float* x, int64_t M, int64_t ldx, int64_t K, ThreadPool& p
   });
 }
 
-// The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels:
-// in each panel, 8 tokens' 8 pairs of values at a time transposed as 32-bit values.
-void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& pool,
-                   std::vector<int16_t>* q, std::vector<float>* d, std::vector<float>* ds) {
-  const int64_t panels = (M + kNr - 1) / kNr, blocks = K / 32;
-  q->resize(panels * K * kNr);
-  d->resize(panels * blocks * kNr);
-  ds->resize(panels * blocks * kNr);
+// M rows of K 16-bit values (K a multiple of 16, row stride K) in panels of 16 rows, pairs of
+// values side by side: out[panel][K / 2][16][2], rows past M zero; 8 rows' 8 pairs at a time
+// transposed as 32-bit values. Run by the pool, a half panel a task.
+void PackPairs(const int16_t* rows16, int64_t M, int64_t K, ThreadPool& pool, int16_t* out,
+               const std::function<void(int64_t, int64_t)>& per_row = nullptr) {
+  const int64_t panels = (M + kNr - 1) / kNr;
   pool.ParallelFor(panels * 2, 1, [&](int, int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t p = i / 2, half = i % 2 * 8;
       const int16_t* rows[8];
       for (int64_t j = 0; j < 8; ++j) {
         const int64_t t = p * kNr + half + j;
-        rows[j] = t < M ? &a.q[t * K] : nullptr;
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-          const size_t at = (p * blocks + blk) * kNr + half + j;
-          (*d)[at] = t < M ? a.d[t * blocks + blk] : 0.f;
-          (*ds)[at] = t < M ? a.ds[t * blocks + blk] : 0.f;
-        }
+        rows[j] = t < M ? rows16 + t * K : nullptr;
+        if (per_row) per_row(t, p * kNr + half + j);
       }
-      int16_t* out = q->data() + p * K * kNr + 2 * half;
+      int16_t* panel = out + p * K * kNr + 2 * half;
       for (int64_t k = 0; k < K; k += 16) {  // 8 pairs
         __m256 r[8];
         for (int j = 0; j < 8; ++j) {
@@ -594,18 +610,50 @@ void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& po
         }
         Transpose8x8(r);
         for (int j = 0; j < 8; ++j) {
-          _mm256_storeu_ps(reinterpret_cast<float*>(out + (k / 2 + j) * 2 * kNr), r[j]);
+          _mm256_storeu_ps(reinterpret_cast<float*>(panel + (k / 2 + j) * 2 * kNr), r[j]);
         }
       }
     }
   });
 }
 
+// The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels,
+// their block scales beside them.
+void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& pool,
+                   std::vector<int16_t>* q, std::vector<float>* d, std::vector<float>* ds) {
+  const int64_t panels = (M + kNr - 1) / kNr, blocks = K / 32;
+  q->resize(panels * K * kNr);
+  d->resize(panels * blocks * kNr);
+  ds->resize(panels * blocks * kNr);
+  // Token t's scales into place j of its panel (t / kNr).
+  const auto scales = [&](int64_t t, int64_t j) {
+    const int64_t p = j / kNr;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const size_t at = (p * blocks + blk) * kNr + j % kNr;
+      (*d)[at] = t < M ? a.d[t * blocks + blk] : 0.f;
+      (*ds)[at] = t < M ? a.ds[t * blocks + blk] : 0.f;
+    }
+  };
+  PackPairs(a.q.data(), M, K, pool, q->data(), scales);
+}
+
+// The M tokens of x rounded to BF16 (avx512::RoundToBf16) in PackedTokens' pair panels, K
+// padded with zeros to kp (a multiple of 16).
+void PackBf16(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t kp, ThreadPool& pool,
+              std::vector<uint16_t>* rounded, std::vector<int16_t>* out) {
+  rounded->resize(M * kp);
+  out->resize((M + kNr - 1) / kNr * kp * kNr);
+  pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) avx512::RoundToBf16(x + t * ldx, K, kp, &(*rounded)[t * kp]);
+  });
+  PackPairs(reinterpret_cast<const int16_t*>(rounded->data()), M, kp, pool, out->data());
+}
+
 // Prefill (M > kDecodeMaxTokens) of one matrix from the packed tokens.
 template <DType D>
 void Gemm(const WeightMatrix& w, const PackedTokens& x, int64_t M, float* y, int64_t ldy,
           ThreadPool& pool) {
-  const bool wide = ActiveKernelLevel() == KernelLevel::kAvx512;
+  const bool wide = ActiveKernelLevel() >= KernelLevel::kAvx512;
   const int64_t tile =
       UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt) : (wide ? avx512::kMr : kMr);
   pool.ParallelFor(w.rows, tile,
@@ -648,10 +696,14 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
   // elements, quantized dtypes quantized per block in their order. The caller's thread-local
   // storage, which the workers read through these references.
   thread_local std::vector<float> split_storage;
+  thread_local std::vector<uint16_t> bf16_storage;
   thread_local Q16Activations quantized_storage[kActivationOrders];
   std::vector<float>& split = split_storage;
+  std::vector<uint16_t>& bf16 = bf16_storage;
   Q16Activations* const quantized = quantized_storage;
   bool have_split = false, have_quantized[kActivationOrders] = {};
+  // BF16 weights at kAvx512Bf16: x rounded to BF16, rows of Bf16Length(K) values.
+  const bool bf16_dot = Bf16Dot();
   // The targets' rows laid end to end by bytes: the pool splits the bytes, so that a thread's
   // share is the same amount of reading whatever the dtypes; target i's row r goes to the thread
   // whose share holds the row's first byte.
@@ -663,7 +715,15 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
     row_bytes[i] = static_cast<int64_t>(DTypeBytes(w.dtype, K));
     offset[i + 1] = offset[i] + std::max<int64_t>(w.rows, 0) * row_bytes[i];
     grain = std::max(grain, 4 * row_bytes[i]);
-    if (w.dtype == DType::kBF16 && !have_split) {
+    if (w.dtype == DType::kBF16 && bf16_dot) {
+      if (!have_split) {
+        have_split = true;
+        bf16.resize(M * Bf16Length(K));
+        for (int64_t t = 0; t < M; ++t) {
+          avx512::RoundToBf16(x + t * ldx, K, Bf16Length(K), &bf16[t * Bf16Length(K)]);
+        }
+      }
+    } else if (w.dtype == DType::kBF16 && !have_split) {
       have_split = true;
       const int64_t half = K / 2;
       split.resize(2 * M * half);
@@ -690,6 +750,10 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
       case DType::kF16:
         return GemvRows<DType::kF16>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
       case DType::kBF16:
+        if (bf16_dot) {
+          return avx512::GemvBf16(static_cast<const uint16_t*>(w.data), w.row_stride, w.cols, b, e,
+                                  bf16.data(), Bf16Length(w.cols), M, t.y, t.ldy);
+        }
         return GemvRows<DType::kBF16>(w, b, e, x, ldx, split.data(), M, t.y, t.ldy);
       case DType::kF8_128:
         return GemvRows<DType::kF8_128>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
@@ -720,12 +784,19 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
   if (M <= kDecodeMaxTokens) return Decode(targets, n, x, M, ldx, pool);
   // The caller's; the workers read them through `packed`. The targets share K.
   thread_local std::vector<float> storage, d, ds;
-  thread_local std::vector<int16_t> q;
+  thread_local std::vector<int16_t> q, bf16;
+  thread_local std::vector<uint16_t> rounded;
   thread_local Q16Activations quantized;
   PackedTokens packed;
+  const bool bf16_dot = Bf16Dot();
   for (size_t i = 0; i < n; ++i) {
     const int64_t K = targets[i].w->cols;
-    if (UnpacksToInts(targets[i].w->dtype) && packed.q == nullptr) {
+    if (bf16_dot && targets[i].w->dtype == DType::kBF16) {
+      if (packed.bf16 != nullptr) continue;
+      packed.kp = (K + 15) / 16 * 16;
+      PackBf16(x, M, ldx, K, packed.kp, pool, &rounded, &bf16);
+      packed.bf16 = reinterpret_cast<const uint16_t*>(bf16.data());
+    } else if (UnpacksToInts(targets[i].w->dtype) && packed.q == nullptr) {
       QuantizeActivations(x, M, ldx, K, kActivationsInOrder, pool, &quantized);
       PackQuantized(quantized, M, K, pool, &q, &d, &ds);
       packed.q = q.data();

@@ -32,4 +32,23 @@ void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, int g, bool has_
 // else F16) as F32 into out (64-byte aligned).
 void ExpandHalves(const uint16_t* row, bool bf16, int64_t kc, float* out);
 
+// KernelLevel::kAvx512Bf16 (kernels_avx512bf16.cc, built for AVX512-BF16 as well): BF16 weights
+// against activations rounded to BF16 (nearest even; subnormals flushed, as the instructions
+// do), multiplied in pairs by vdpbf16ps (32 products an instruction, F32 sums). Not the AVX2
+// arithmetic: each activation is off by at most 2^-8 of itself.
+
+// K floats of x rounded to BF16 into out, zeros after them up to kp (a multiple of 16).
+void RoundToBf16(const float* x, int64_t K, int64_t kp, uint16_t* out);
+
+// Decode: rows [n0, n1) of the BF16 w (`rows` at stride `row_stride` values, K values each)
+// against M tokens of BF16 activations (xb, row stride ldx >= K rounded up to 32, zero past K),
+// y[t * ldy + n]; tokens in groups of 3, each token's sums the same whatever its group.
+void GemvBf16(const uint16_t* rows, int64_t row_stride, int64_t K, int64_t n0, int64_t n1,
+              const uint16_t* xb, int64_t ldx, int64_t M, float* y, int64_t ldy);
+
+// Prefill tile of mr <= kMr BF16 rows against 16 tokens: y[i][j] (+)= sum over the kp pairs of
+// row i's pair p (a + i * lda values, 2p and 2p + 1) times token j's (panel[p][j][0..1]).
+void MicroKernelBf16Any(int64_t mr, int64_t kp, const uint16_t* a, int64_t lda,
+                        const uint16_t* panel, float* y, int64_t ldy, bool accumulate);
+
 }  // namespace shardserve::cpu::avx512

@@ -23,6 +23,10 @@ void BackendOpsTest::SetUp() {
   if (be_ == nullptr) GTEST_SKIP() << "no " << GetParam().name << " device on this machine";
 }
 
+double BackendOpsTest::ActivationRounding(DType dtype) const {
+  return GetParam().activation_rounding ? GetParam().activation_rounding(dtype) : 0;
+}
+
 namespace {
 
 // A host copy in backend memory, kept with the test's other buffers.
@@ -663,11 +667,13 @@ TEST_P(BackendOpsTest, MoeRoutingAndExpertProducts) {
   for (int64_t s = 0; s < rows * k; ++s) {
     const int64_t e = experts[s] - begin;  // not local: zeros
     for (int64_t i = 0; i < I; ++i) {
-      double want = 0;
+      double want = 0, magnitude = 0;
       for (int64_t c = 0; e >= 0 && e < count && c < H; ++c) {
         want += double(mats[e][i * H + c]) * x[(s / k) * H + c];
+        magnitude += std::abs(double(mats[e][i * H + c]) * x[(s / k) * H + c]);
       }
-      ASSERT_NEAR(got[s * I + i], want, 1e-4) << s << " " << i;
+      ASSERT_NEAR(got[s * I + i], want, 1e-4 + ActivationRounding(DType::kBF16) * magnitude)
+          << s << " " << i;
     }
   }
   float* combined = mem.Zeros<float>(rows * I);
@@ -760,11 +766,14 @@ TEST_P(BackendOpsTest, HeadGemmMultipliesEachHeadByItsRows) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t n = 0; n < N; ++n) {
-          double want = 0;
+          double want = 0, magnitude = 0;
           for (int64_t c = 0; c < K; ++c) {
             want += double(w[(h * N + n) * K + c]) * x[r * ldx + h * K + c];
+            magnitude += std::abs(double(w[(h * N + n) * K + c]) * x[r * ldx + h * K + c]);
           }
-          ASSERT_NEAR(got[r * ldy + h * y_head + n], want, 1e-4) << DTypeName(dtype);
+          ASSERT_NEAR(got[r * ldy + h * y_head + n], want,
+                      1e-4 + ActivationRounding(dtype) * magnitude)
+              << DTypeName(dtype);
         }
         EXPECT_EQ(got[r * ldy + h * y_head + N], 7.0f);
       }

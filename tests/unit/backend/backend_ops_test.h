@@ -19,11 +19,17 @@ struct BackendCase {
   std::string name;
   // The backend, or null where this machine cannot run it (the tests then skip).
   std::function<std::unique_ptr<Backend>()> make;
+  // The relative error the backend's matrix products give the activations they multiply weights
+  // of a dtype by (null: none beyond F32's; the CPU at kAvx512Bf16 rounds them to BF16 for BF16
+  // weights), asked once the backend is made.
+  std::function<double(DType)> activation_rounding;
 };
 
 class BackendOpsTest : public ::testing::TestWithParam<BackendCase> {
  protected:
   void SetUp() override;
+  // The case's activation_rounding for weights of `dtype` (0 without one).
+  double ActivationRounding(DType dtype) const;
   std::unique_ptr<Backend> be_;
 };
 

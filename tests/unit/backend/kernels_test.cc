@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <random>
 #include <vector>
 
@@ -42,11 +43,36 @@ Weights MakeWeights(DType dtype, int64_t n, std::mt19937& rng) {
   return w;
 }
 
+// The kernel levels this CPU runs (cpu_features.h), narrowest first.
+std::vector<KernelLevel> LevelsOfThisCpu() {
+  std::vector<KernelLevel> levels;
+  for (KernelLevel l : {KernelLevel::kAvx2, KernelLevel::kAvx512, KernelLevel::kAvx512Bf16}) {
+    if (ChooseKernelLevel(CpuFeatures::Detect(), KernelLevelName(l)).ok()) levels.push_back(l);
+  }
+  return levels;
+}
+
+// The activation a kernel of `level` multiplies a `dtype` weight by: x itself, but rounded to
+// BF16 for BF16 weights at kAvx512Bf16 (the stated arithmetic of its dot products).
+double ActivationAt(KernelLevel level, DType dtype, float x) {
+  return level == KernelLevel::kAvx512Bf16 && dtype == DType::kBF16 ? Bf16ToF32(F32ToBf16(x)) : x;
+}
+
 // MatMul against a double-precision loop, for every dtype and the decode and prefill paths,
-// including ragged shapes (N not a multiple of 16, K not a multiple of 8 or of the K block).
+// including ragged shapes (N not a multiple of 16, K not a multiple of 8 or of the K block), at
+// every kernel level this CPU runs: the loop multiplies what that level's arithmetic states
+// (ActivationAt), so the bound stays that of F32 sums.
 TEST(KernelsTest, MatMulMatchesReference) {
   std::mt19937 rng(1);
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+  const KernelLevel before = ActiveKernelLevel();
+  for (const auto [level, dtype] : [] {
+         std::vector<std::pair<KernelLevel, DType>> cases;
+         for (KernelLevel l : LevelsOfThisCpu()) {
+           for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) cases.emplace_back(l, d);
+         }
+         return cases;
+       }()) {
+    SetKernelLevel(level);
     for (int threads : {1, 3}) {
       ThreadPool pool(threads);
       // Prefill (M > 12): one token panel with a ragged edge, several panels, whole 8x8 blocks.
@@ -61,9 +87,12 @@ TEST(KernelsTest, MatMulMatchesReference) {
             for (int64_t m = 0; m < M; ++m) {
               for (int64_t n = 0; n < N; ++n) {
                 double ref = 0;
-                for (int64_t k = 0; k < K; ++k) ref += w.values[n * K + k] * x[m * K + k];
+                for (int64_t k = 0; k < K; ++k) {
+                  ref += w.values[n * K + k] * ActivationAt(level, dtype, x[m * K + k]);
+                }
                 ASSERT_NEAR(y[m * N + n], ref, 1e-4 * std::sqrt(K))
-                    << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K;
+                    << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K << " "
+                    << KernelLevelName(level);
               }
             }
           }
@@ -71,6 +100,7 @@ TEST(KernelsTest, MatMulMatchesReference) {
       }
     }
   }
+  SetKernelLevel(before);
 }
 
 // Up to 12 tokens, a token's outputs do not depend on the other tokens of the batch: decoding
@@ -109,7 +139,10 @@ TEST(KernelsTest, MatMulHonoursRowStrideAndLeadingDimensions) {
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t n = 0; n < N; ++n) {
         double ref = 0;
-        for (int64_t k = 0; k < K; ++k) ref += w.values[n * stride + k] * x[i * ldx + k];
+        for (int64_t k = 0; k < K; ++k) {
+          ref += w.values[n * stride + k] *
+                 ActivationAt(ActiveKernelLevel(), DType::kBF16, x[i * ldx + k]);
+        }
         ASSERT_NEAR(y[i * ldy + n], ref, 1e-4);
       }
       EXPECT_EQ(y[i * ldy + N], 7.f) << "wrote past N";
@@ -610,62 +643,90 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
   }
 }
 
-// Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would:
-// the prefill tiles compute the same arithmetic in the same order at each level, so MatMul's
-// outputs are bit for bit the same, for every float and quantized dtype (the repacked layouts the
-// backend keeps included), ragged tiles and thread split included. A level this CPU lacks is
-// skipped by name.
-TEST(KernelsTest, EveryKernelLevelComputesTheSameBits) {
-  const CpuFeatures have = CpuFeatures::Detect();
-  if (!have.avx512) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
+// Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would,
+// against AVX2's: the AVX-512 tiles compute the same arithmetic in the same order, so MatMul's
+// outputs are bit for bit AVX2's, for every float and quantized dtype (the repacked layouts the
+// backend keeps included), ragged tiles and thread split included; BF16 weights at kAvx512Bf16
+// (their activations rounded to BF16) are within the stated bound of AVX2's F32 products:
+// 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32 sums' 1e-4 sqrt(K). A level
+// this CPU lacks is skipped by name.
+TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
+  const std::vector<KernelLevel> levels = LevelsOfThisCpu();
+  if (levels.size() < 2) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
+  if (levels.back() != KernelLevel::kAvx512Bf16) {
+    std::cout << "[ SKIPPED  ] kernel level avx512bf16: this CPU lacks AVX512-BF16\n";
+  }
   const KernelLevel before = ActiveKernelLevel();
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> dist(-1, 1);
-  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (int threads : {1, 3}) {
-      ThreadPool pool(threads);
-      for (int64_t M : {13, 40, 100}) {
-        for (int64_t N : {5, 37, 150}) {
-          for (int64_t K : {13, 300, 520}) {
-            Weights w = MakeWeights(dtype, N * K, rng);
-            std::vector<float> x(M * K);
-            for (float& v : x) v = dist(rng);
-            const WeightMatrix wm{dtype, w.bytes.data(), N, K, K};
-            std::vector<float> narrow(M * N, NAN), wide(M * N, NAN);
-            SetKernelLevel(KernelLevel::kAvx2);
-            MatMul(wm, x.data(), M, K, narrow.data(), N, pool);
-            SetKernelLevel(KernelLevel::kAvx512);
-            MatMul(wm, x.data(), M, K, wide.data(), N, pool);
-            ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
-                << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K;
+  // MatMul at AVX2 and at `level` (F32 results into narrow and wide).
+  const auto both = [](KernelLevel level, const WeightMatrix& w, const std::vector<float>& x,
+                       int64_t M, ThreadPool& pool, std::vector<float>* narrow,
+                       std::vector<float>* wide) {
+    narrow->assign(M * w.rows, NAN);
+    wide->assign(M * w.rows, NAN);
+    SetKernelLevel(KernelLevel::kAvx2);
+    MatMul(w, x.data(), M, w.cols, narrow->data(), w.rows, pool);
+    SetKernelLevel(level);
+    MatMul(w, x.data(), M, w.cols, wide->data(), w.rows, pool);
+  };
+  for (KernelLevel level : levels) {
+    if (level == KernelLevel::kAvx2) continue;
+    for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+      for (int threads : {1, 3}) {
+        ThreadPool pool(threads);
+        for (int64_t M : {1, 5, 13, 40, 100}) {
+          for (int64_t N : {5, 37, 150}) {
+            for (int64_t K : {13, 300, 520}) {
+              Weights w = MakeWeights(dtype, N * K, rng);
+              std::vector<float> x(M * K), narrow, wide;
+              for (float& v : x) v = dist(rng);
+              both(level, {dtype, w.bytes.data(), N, K, K}, x, M, pool, &narrow, &wide);
+              const std::string where = absl::StrCat(DTypeName(dtype), " M=", M, " N=", N, " K=", K,
+                                                     " ", KernelLevelName(level));
+              if (level != KernelLevel::kAvx512Bf16 || dtype != DType::kBF16) {
+                ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
+                    << where;
+                continue;
+              }
+              for (int64_t m = 0; m < M; ++m) {
+                for (int64_t n = 0; n < N; ++n) {
+                  double magnitude = 0;
+                  for (int64_t k = 0; k < K; ++k) {
+                    magnitude += std::abs(w.values[n * K + k] * x[m * K + k]);
+                  }
+                  ASSERT_NEAR(wide[m * N + n], narrow[m * N + n],
+                              0x1p-8 * magnitude + 1e-4 * std::sqrt(K))
+                      << where;
+                }
+              }
+            }
           }
         }
       }
     }
-  }
-  auto backend = NewBackend(2);
-  for (DType dtype :
-       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
-    for (int64_t K : {int64_t{768}, int64_t{512}}) {
-      const int64_t N = 29;
-      std::vector<float> values(N * K);
-      for (float& v : values) v = dist(rng);
-      std::string bytes;
-      for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
-      // As the backend keeps it (Q4_1, Q4_K, Q6_K repacked: their transposed layouts).
-      const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
-      ASSERT_TRUE(kept.ok()) << kept.status();
-      for (int threads : {1, 3}) {
-        ThreadPool pool(threads);
-        for (int64_t M : {13, 40}) {
-          std::vector<float> x(M * K), narrow(M * N, NAN), wide(M * N, NAN);
-          for (float& v : x) v = dist(rng);
-          SetKernelLevel(KernelLevel::kAvx2);
-          MatMul(*kept, x.data(), M, K, narrow.data(), N, pool);
-          SetKernelLevel(KernelLevel::kAvx512);
-          MatMul(*kept, x.data(), M, K, wide.data(), N, pool);
-          ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
-              << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads;
+    auto backend = NewBackend(2);
+    for (DType dtype :
+         {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+      for (int64_t K : {int64_t{768}, int64_t{512}}) {
+        const int64_t N = 29;
+        std::vector<float> values(N * K);
+        for (float& v : values) v = dist(rng);
+        std::string bytes;
+        for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
+        // As the backend keeps it (Q4_1, Q4_K, Q6_K repacked: their transposed layouts).
+        const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
+        ASSERT_TRUE(kept.ok()) << kept.status();
+        for (int threads : {1, 3}) {
+          ThreadPool pool(threads);
+          for (int64_t M : {3, 13, 40}) {
+            std::vector<float> x(M * K), narrow, wide;
+            for (float& v : x) v = dist(rng);
+            both(level, *kept, x, M, pool, &narrow, &wide);
+            ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
+                << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads
+                << " " << KernelLevelName(level);
+          }
         }
       }
     }
@@ -678,33 +739,49 @@ TEST(KernelsTest, EveryKernelLevelComputesTheSameBits) {
 TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForcedLower) {
   CpuFeatures avx2{true, true, true}, avx512 = avx2;
   avx512.avx512 = true;
+  CpuFeatures bf16 = avx512;
+  bf16.avx512_bf16 = true;
   EXPECT_EQ(*ChooseKernelLevel(avx2, ""), KernelLevel::kAvx2);
   EXPECT_EQ(*ChooseKernelLevel(avx512, "auto"), KernelLevel::kAvx512);
+  EXPECT_EQ(*ChooseKernelLevel(bf16, "auto"), KernelLevel::kAvx512Bf16);
   EXPECT_EQ(*ChooseKernelLevel(avx512, "avx2"), KernelLevel::kAvx2);
+  EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512"), KernelLevel::kAvx512);
+  EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512bf16"), KernelLevel::kAvx512Bf16);
   EXPECT_THAT(std::string(ChooseKernelLevel(avx2, "avx512").status().message()),
               ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512: this CPU lacks AVX-512"));
+  EXPECT_THAT(
+      std::string(ChooseKernelLevel(avx512, "avx512bf16").status().message()),
+      ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512bf16: this CPU lacks AVX512-BF16"));
   EXPECT_THAT(std::string(ChooseKernelLevel(avx512, "sse4").status().message()),
-              ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2 or avx512"));
+              ::testing::HasSubstr(
+                  "SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512 or avx512bf16"));
   EXPECT_THAT(DescribeKernels(), ::testing::StartsWith(KernelLevelName(ActiveKernelLevel())));
 }
 
 using testing::BackendOpsTest;
-// A backend at a kernel level: null (the tests skip) where this CPU lacks it.
-std::function<std::unique_ptr<Backend>()> AtLevel(const char* level) {
-  return [level]() -> std::unique_ptr<Backend> {
+// A backend of `threads` threads at a kernel level: null (the tests skip) where this CPU lacks
+// it.
+std::function<std::unique_ptr<Backend>()> AtLevel(const char* level, int threads = 3) {
+  return [level, threads]() -> std::unique_ptr<Backend> {
     absl::StatusOr<KernelLevel> l = ChooseKernelLevel(CpuFeatures::Detect(), level);
     if (!l.ok()) return nullptr;
     SetKernelLevel(*l);
-    return NewBackend(3);
+    return NewBackend(threads);
   };
 }
-INSTANTIATE_TEST_SUITE_P(Cpu, BackendOpsTest,
-                         ::testing::Values(BackendCase{"threads1", [] { return NewBackend(1); }},
-                                           BackendCase{"threads3", [] { return NewBackend(3); }},
-                                           BackendCase{"avx2", AtLevel("avx2")},
-                                           BackendCase{"avx512", AtLevel("avx512")},
-                                           BackendCase{"auto", AtLevel("auto")}),
-                         testing::BackendCaseName);
+// The error BF16 weights' activations take at the active level (kAvx512Bf16 rounds them).
+double ActivationRounding(DType weights) {
+  return ActiveKernelLevel() == KernelLevel::kAvx512Bf16 && weights == DType::kBF16 ? 0x1p-8 : 0;
+}
+INSTANTIATE_TEST_SUITE_P(
+    Cpu, BackendOpsTest,
+    ::testing::Values(BackendCase{"threads1", AtLevel("auto", 1), ActivationRounding},
+                      BackendCase{"threads3", AtLevel("auto"), ActivationRounding},
+                      BackendCase{"avx2", AtLevel("avx2"), ActivationRounding},
+                      BackendCase{"avx512", AtLevel("avx512"), ActivationRounding},
+                      BackendCase{"avx512bf16", AtLevel("avx512bf16"), ActivationRounding},
+                      BackendCase{"auto", AtLevel("auto"), ActivationRounding}),
+    testing::BackendCaseName);
 
 }  // namespace
 }  // namespace shardserve::cpu

@@ -1,0 +1,135 @@
+// KernelLevel::kAvx512Bf16's kernels (kernels_avx512.h): BF16 pairs multiplied by vdpbf16ps.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "backend/cpu/kernels_avx512.h"
+
+namespace shardserve::cpu::avx512 {
+namespace {
+
+inline __m512bh AsBf16(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// The sum of a vector's 16 floats (GCC 12's _mm512_reduce_add_ps warns of an uninitialized
+// variable in its own header).
+inline float Sum16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_extractf32x8_ps(v, 0), _mm512_extractf32x8_ps(v, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_hadd_ps(q, q);
+  q = _mm_hadd_ps(q, q);
+  return _mm_cvtss_f32(q);
+}
+
+// R rows x MT tokens of BF16 dot products, 32 values an instruction; the last K % 32 values of
+// a row through a masked load (zeros past K; the activations are zero there too).
+template <int R, int MT>
+inline void GemvTile(const uint16_t* const* rows, int64_t K, const uint16_t* x, int64_t ldx,
+                     float* y, int64_t ldy) {
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < MT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const auto step = [&](int64_t k, __mmask32 mask) {
+    __m512i b[MT];
+    for (int t = 0; t < MT; ++t) b[t] = _mm512_loadu_si512(x + t * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, rows[r] + k);
+      for (int t = 0; t < MT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], AsBf16(a), AsBf16(b[t]));
+    }
+  };
+  const int64_t k32 = K / 32 * 32;
+  for (int64_t k = 0; k < k32; k += 32) step(k, ~__mmask32{0});
+  if (k32 < K) step(k32, (__mmask32{1} << (K - k32)) - 1);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < MT; ++t) y[t * ldy + r] = Sum16(acc[r][t]);
+}
+
+template <int MT>
+void GemvRange(const uint16_t* w, int64_t row_stride, int64_t K, int64_t n0, int64_t n1,
+               const uint16_t* x, int64_t ldx, float* y, int64_t ldy) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const uint16_t* rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = w + (n + r) * row_stride;
+    GemvTile<4, MT>(rows, K, x, ldx, y + n, ldy);
+  }
+  for (; n < n1; ++n) {
+    const uint16_t* row = w + n * row_stride;
+    GemvTile<1, MT>(&row, K, x, ldx, y + n, ldy);
+  }
+}
+
+// The MR x 16 tile (MR <= 12): each row's pair broadcast against the panel's 16 tokens' pairs.
+// The accumulators are named variables (an array of them is kept on the stack).
+template <int MR>
+void MicroKernel(int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel, float* y,
+                 int64_t ldy, bool accumulate) {
+  static_assert(MR >= 1 && MR <= kMr);
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 c0 = zero, c1 = zero, c2 = zero, c3 = zero, c4 = zero, c5 = zero, c6 = zero, c7 = zero,
+         c8 = zero, c9 = zero, c10 = zero, c11 = zero;
+  const auto rows = [&](auto f) {
+    f(0, c0);
+    if constexpr (MR > 1) f(1, c1);
+    if constexpr (MR > 2) f(2, c2);
+    if constexpr (MR > 3) f(3, c3);
+    if constexpr (MR > 4) f(4, c4);
+    if constexpr (MR > 5) f(5, c5);
+    if constexpr (MR > 6) f(6, c6);
+    if constexpr (MR > 7) f(7, c7);
+    if constexpr (MR > 8) f(8, c8);
+    if constexpr (MR > 9) f(9, c9);
+    if constexpr (MR > 10) f(10, c10);
+    if constexpr (MR > 11) f(11, c11);
+  };
+  if (accumulate) rows([&](int i, __m512& c) { c = _mm512_loadu_ps(y + i * ldy); });
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh b = AsBf16(_mm512_loadu_si512(panel + p * 32));
+    rows([&](int i, __m512& c) {
+      int32_t pair;
+      __builtin_memcpy(&pair, a + i * lda + 2 * p, sizeof pair);
+      c = _mm512_dpbf16_ps(c, AsBf16(_mm512_set1_epi32(pair)), b);
+    });
+  }
+  rows([&](int i, __m512& c) { _mm512_storeu_ps(y + i * ldy, c); });
+}
+
+using TileFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, float*, int64_t, bool);
+constexpr TileFn kTiles[kMr] = {MicroKernel<1>, MicroKernel<2>,  MicroKernel<3>,  MicroKernel<4>,
+                                MicroKernel<5>, MicroKernel<6>,  MicroKernel<7>,  MicroKernel<8>,
+                                MicroKernel<9>, MicroKernel<10>, MicroKernel<11>, MicroKernel<12>};
+
+}  // namespace
+
+void RoundToBf16(const float* x, int64_t K, int64_t kp, uint16_t* out) {
+  for (int64_t k = 0; k < kp; k += 16) {
+    const int64_t n = std::clamp<int64_t>(K - k, 0, 16);
+    const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), x + k);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+void GemvBf16(const uint16_t* rows, int64_t row_stride, int64_t K, int64_t n0, int64_t n1,
+              const uint16_t* xb, int64_t ldx, int64_t M, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < M; t += 3) {
+    const uint16_t* xt = xb + t * ldx;
+    float* yt = y + t * ldy;
+    switch (std::min<int64_t>(3, M - t)) {
+      case 1:
+        GemvRange<1>(rows, row_stride, K, n0, n1, xt, ldx, yt, ldy);
+        break;
+      case 2:
+        GemvRange<2>(rows, row_stride, K, n0, n1, xt, ldx, yt, ldy);
+        break;
+      default:
+        GemvRange<3>(rows, row_stride, K, n0, n1, xt, ldx, yt, ldy);
+    }
+  }
+}
+
+void MicroKernelBf16Any(int64_t mr, int64_t kp, const uint16_t* a, int64_t lda,
+                        const uint16_t* panel, float* y, int64_t ldy, bool accumulate) {
+  kTiles[std::clamp<int64_t>(mr, 1, kMr) - 1](kp, a, lda, panel, y, ldy, accumulate);
+}
+
+}  // namespace shardserve::cpu::avx512
