@@ -152,10 +152,12 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
         absl::StrCat("environment variable ", NameOf(kStrings, &WorkerEnv::speculative_method),
                      "='", w.speculative_method, "' must be ", kSpeculativeMethods));
   }
-  if (w.cpu_kernels != "auto" && w.cpu_kernels != "avx2" && w.cpu_kernels != "avx512") {
+  // The names of backend/cpu/cpu_features.h's levels (which the CPU may still lack: the rank says).
+  if (w.cpu_kernels != "auto" && w.cpu_kernels != "avx2" && w.cpu_kernels != "avx512" &&
+      w.cpu_kernels != "avx512bf16") {
     return absl::InvalidArgumentError(absl::StrCat("environment variable ", kCpuKernelsEnv, "='",
                                                    w.cpu_kernels,
-                                                   "' must be auto, avx2 or avx512"));
+                                                   "' must be auto, avx2, avx512 or avx512bf16"));
   }
   if (w.speculative_method == "mtp" && w.speculative_tokens != kMtpSpeculativeTokens) {
     return absl::InvalidArgumentError(

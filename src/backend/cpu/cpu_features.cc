@@ -54,9 +54,8 @@ const char* KernelLevelName(KernelLevel level) {
 
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked) {
   if (asked.empty() || asked == "auto") {
-    return have.avx512_bf16 ? KernelLevel::kAvx512Bf16
-           : have.avx512    ? KernelLevel::kAvx512
-                            : KernelLevel::kAvx2;
+    // The widest whose arithmetic is F32's: kAvx512Bf16 rounds activations, only when asked.
+    return have.avx512 ? KernelLevel::kAvx512 : KernelLevel::kAvx2;
   }
   if (asked == "avx2") return KernelLevel::kAvx2;
   if (asked == "avx512") {

@@ -28,13 +28,14 @@ absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 
 // The kernels the CPU backend runs, narrowest first: AVX2; AVX-512's wider tiles, bit for bit
 // AVX2's results; and with them BF16 weights multiplied by AVX512-BF16's dot products against
-// activations rounded to BF16 (kernels_avx512.h), as llama.cpp does.
+// activations rounded to BF16 (kernels_avx512.h), as llama.cpp does: another arithmetic, run only
+// when asked for by name.
 enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16 };
 const char* KernelLevelName(KernelLevel level);
-// The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs; avx2;
-// avx512; avx512bf16), refused naming the variable when `have` lacks it or it names no level.
+// The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs in F32
+// arithmetic: avx512 or avx2; avx2; avx512; avx512bf16), refused naming the variable when `have` lacks it or it names no level.
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
-// The level the kernels run in this process: the widest this CPU has unless set.
+// The level the kernels run in this process: auto's unless set.
 KernelLevel ActiveKernelLevel();
 // Runs `level`'s kernels from now on (a rank, as its contract says; tests and benchmarks compare
 // the levels a CPU has).

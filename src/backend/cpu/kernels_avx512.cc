@@ -4,38 +4,25 @@
 
 #include <cstring>
 
+#include "backend/cpu/tile_avx512.h"
+
 namespace shardserve::cpu::avx512 {
 namespace {
 
 // The MR x 16 tile (MR <= 12): each row's weight broadcast from memory into its FMA against the
-// panel's 16 tokens. The accumulators are named variables (an array of them is kept on the stack).
+// panel's 16 tokens.
 template <int MR>
 inline void MicroKernel(int64_t kc, const float* a, int64_t lda, const float* panel, float* y,
                         int64_t ldy, bool accumulate) {
   static_assert(MR >= 1 && MR <= kMr);
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 c0 = zero, c1 = zero, c2 = zero, c3 = zero, c4 = zero, c5 = zero, c6 = zero, c7 = zero,
-         c8 = zero, c9 = zero, c10 = zero, c11 = zero;
-  const auto rows = [&](auto f) {
-    f(0, c0);
-    if constexpr (MR > 1) f(1, c1);
-    if constexpr (MR > 2) f(2, c2);
-    if constexpr (MR > 3) f(3, c3);
-    if constexpr (MR > 4) f(4, c4);
-    if constexpr (MR > 5) f(5, c5);
-    if constexpr (MR > 6) f(6, c6);
-    if constexpr (MR > 7) f(7, c7);
-    if constexpr (MR > 8) f(8, c8);
-    if constexpr (MR > 9) f(9, c9);
-    if constexpr (MR > 10) f(10, c10);
-    if constexpr (MR > 11) f(11, c11);
-  };
-  if (accumulate) rows([&](int i, __m512& c) { c = _mm512_loadu_ps(y + i * ldy); });
+  Accumulators<MR, __m512> acc;
+  acc.Rows([&](int, __m512& c) { c = _mm512_setzero_ps(); });
+  if (accumulate) acc.Rows([&](int i, __m512& c) { c = _mm512_loadu_ps(y + i * ldy); });
   for (int64_t k = 0; k < kc; ++k) {
     const __m512 b = _mm512_load_ps(panel + k * 16);
-    rows([&](int i, __m512& c) { c = _mm512_fmadd_ps(_mm512_set1_ps(a[i * lda + k]), b, c); });
+    acc.Rows([&](int i, __m512& c) { c = _mm512_fmadd_ps(_mm512_set1_ps(a[i * lda + k]), b, c); });
   }
-  rows([&](int i, __m512& c) { _mm512_storeu_ps(y + i * ldy, c); });
+  acc.Rows([&](int i, __m512& c) { _mm512_storeu_ps(y + i * ldy, c); });
 }
 
 template <int MR>
@@ -58,26 +45,16 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
   if (!accumulate) {
     for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, _mm512_setzero_ps());
   }
-  __m512i c0, c1, c2, c3, c4, c5, c6, c7;
-  const auto rows = [&](auto f) {
-    f(0, c0);
-    if constexpr (MR > 1) f(1, c1);
-    if constexpr (MR > 2) f(2, c2);
-    if constexpr (MR > 3) f(3, c3);
-    if constexpr (MR > 4) f(4, c4);
-    if constexpr (MR > 5) f(5, c5);
-    if constexpr (MR > 6) f(6, c6);
-    if constexpr (MR > 7) f(7, c7);
-  };
+  Accumulators<MR, __m512i> acc;
   // kernels.cc's PairAt: pair p of group g at transposed ? 16 p + 2 g : g G + 2 p.
   const int64_t step = transposed ? 16 : 2;
   for (int64_t g = 0; g < kc / G; ++g) {
     const int16_t* xg = xq + g * G * 16;
     const int16_t* wg = wq + (transposed ? 2 * g : g * G);
-    rows([&](int, __m512i& c) { c = _mm512_setzero_si512(); });
+    acc.Rows([&](int, __m512i& c) { c = _mm512_setzero_si512(); });
     for (int p = 0; p < G / 2; ++p) {
       const __m512i xv = _mm512_loadu_si512(xg + 32 * p);
-      rows([&](int i, __m512i& c) {
+      acc.Rows([&](int i, __m512i& c) {
         int32_t pair;
         std::memcpy(&pair, wg + i * ld + step * p, 4);
         c = _mm512_add_epi32(c, _mm512_madd_epi16(_mm512_set1_epi32(pair), xv));
@@ -85,7 +62,7 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
     }
     const int64_t b = g * G / 32;
     const __m512 d = _mm512_loadu_ps(xd + b * 16), s = _mm512_loadu_ps(xds + b * 16);
-    rows([&](int i, __m512i& c) {
+    acc.Rows([&](int i, __m512i& c) {
       const __m512 factor = _mm512_set1_ps(wf[i * (ld / 16) + g]);
       __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(factor, d),
                                  _mm512_loadu_ps(y + i * ldy));

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "backend/cpu/kernels_avx512.h"
+#include "backend/cpu/tile_avx512.h"
 
 namespace shardserve::cpu::avx512 {
 namespace {
@@ -59,38 +60,22 @@ void GemvRange(const uint16_t* w, int64_t row_stride, int64_t K, int64_t n0, int
 }
 
 // The MR x 16 tile (MR <= 12): each row's pair broadcast against the panel's 16 tokens' pairs.
-// The accumulators are named variables (an array of them is kept on the stack).
 template <int MR>
 void MicroKernel(int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel, float* y,
                  int64_t ldy, bool accumulate) {
   static_assert(MR >= 1 && MR <= kMr);
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 c0 = zero, c1 = zero, c2 = zero, c3 = zero, c4 = zero, c5 = zero, c6 = zero, c7 = zero,
-         c8 = zero, c9 = zero, c10 = zero, c11 = zero;
-  const auto rows = [&](auto f) {
-    f(0, c0);
-    if constexpr (MR > 1) f(1, c1);
-    if constexpr (MR > 2) f(2, c2);
-    if constexpr (MR > 3) f(3, c3);
-    if constexpr (MR > 4) f(4, c4);
-    if constexpr (MR > 5) f(5, c5);
-    if constexpr (MR > 6) f(6, c6);
-    if constexpr (MR > 7) f(7, c7);
-    if constexpr (MR > 8) f(8, c8);
-    if constexpr (MR > 9) f(9, c9);
-    if constexpr (MR > 10) f(10, c10);
-    if constexpr (MR > 11) f(11, c11);
-  };
-  if (accumulate) rows([&](int i, __m512& c) { c = _mm512_loadu_ps(y + i * ldy); });
+  Accumulators<MR, __m512> acc;
+  acc.Rows([&](int, __m512& c) { c = _mm512_setzero_ps(); });
+  if (accumulate) acc.Rows([&](int i, __m512& c) { c = _mm512_loadu_ps(y + i * ldy); });
   for (int64_t p = 0; p < kp; ++p) {
     const __m512bh b = AsBf16(_mm512_loadu_si512(panel + p * 32));
-    rows([&](int i, __m512& c) {
+    acc.Rows([&](int i, __m512& c) {
       int32_t pair;
       __builtin_memcpy(&pair, a + i * lda + 2 * p, sizeof pair);
       c = _mm512_dpbf16_ps(c, AsBf16(_mm512_set1_epi32(pair)), b);
     });
   }
-  rows([&](int i, __m512& c) { _mm512_storeu_ps(y + i * ldy, c); });
+  acc.Rows([&](int i, __m512& c) { _mm512_storeu_ps(y + i * ldy, c); });
 }
 
 using TileFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, float*, int64_t, bool);

@@ -155,7 +155,7 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_METHOD", "eagle"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none, ngram, draft or mtp"));
   EXPECT_THAT(error({{"SHARDSERVE_CPU_KERNELS", "sse4"}}),
-              HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2 or avx512"));
+              HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512 or avx512bf16"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_TOKENS", "17"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_TOKENS='17'"));
   EXPECT_THAT(

@@ -734,16 +734,17 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   SetKernelLevel(before);
 }
 
-// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has; a lower one may be forced; one
-// the CPU lacks, or a name that is no level, is refused naming the variable.
-TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForcedLower) {
+// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's
+// (avx512bf16 only by name); a lower one may be forced; one the CPU lacks, or a name that is no
+// level, is refused naming the variable.
+TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForced) {
   CpuFeatures avx2{true, true, true}, avx512 = avx2;
   avx512.avx512 = true;
   CpuFeatures bf16 = avx512;
   bf16.avx512_bf16 = true;
   EXPECT_EQ(*ChooseKernelLevel(avx2, ""), KernelLevel::kAvx2);
   EXPECT_EQ(*ChooseKernelLevel(avx512, "auto"), KernelLevel::kAvx512);
-  EXPECT_EQ(*ChooseKernelLevel(bf16, "auto"), KernelLevel::kAvx512Bf16);
+  EXPECT_EQ(*ChooseKernelLevel(bf16, "auto"), KernelLevel::kAvx512);  // F32 arithmetic
   EXPECT_EQ(*ChooseKernelLevel(avx512, "avx2"), KernelLevel::kAvx2);
   EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512"), KernelLevel::kAvx512);
   EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512bf16"), KernelLevel::kAvx512Bf16);

@@ -7,8 +7,6 @@
 #include <cstring>
 #include <tuple>
 
-#include "absl/cleanup/cleanup.h"
-#include "backend/cpu/cpu_features.h"
 #include "model/generator.h"
 #include "model/test_models.h"
 
@@ -197,13 +195,8 @@ std::vector<float> LogitsWithKv(const std::string& dir, KvCacheDtype dtype, size
 }
 
 // Each KV cache dtype: auto the model's (BF16 here), its bytes (half of F32's for BF16 and F16, a
-// quarter for FP8) and logits near F32's. The products in F32 arithmetic (AVX2's kernels): at
-// avx512bf16 the BF16 weights' activations are rounded to BF16 as well, and the cache's small
-// differences flip some of those roundings, which the bounds here do not measure.
+// quarter for FP8) and logits near F32's.
 TEST(KvCacheDtypeTest, EachDtypeKeepsItsBytesAndNearlyTheLogits) {
-  const cpu::KernelLevel before = cpu::ActiveKernelLevel();
-  cpu::SetKernelLevel(cpu::KernelLevel::kAvx2);
-  absl::Cleanup restore = [before] { cpu::SetKernelLevel(before); };
   testing::TempDir dir;
   auto o = testing::SmallModel("llama", dir.Sub("m"));
   o.dtype = DType::kBF16;
