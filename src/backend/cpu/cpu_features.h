@@ -33,7 +33,8 @@ absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16 };
 const char* KernelLevelName(KernelLevel level);
 // The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs in F32
-// arithmetic: avx512 or avx2; avx2; avx512; avx512bf16), refused naming the variable when `have` lacks it or it names no level.
+// arithmetic: avx512 or avx2; avx2; avx512; avx512bf16), refused naming the variable when `have`
+// lacks it or it names no level.
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
 // The level the kernels run in this process: auto's unless set.
 KernelLevel ActiveKernelLevel();
