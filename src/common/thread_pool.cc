@@ -39,6 +39,11 @@ ThreadPool::ThreadPool(int num_threads) {
   }
 }
 
+ThreadPool& ThreadPool::EveryCore() {
+  static ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  return pool;
+}
+
 ThreadPool::~ThreadPool() {
   {
     absl::MutexLock lock(&mu_);

@@ -29,6 +29,10 @@ class ThreadPool {
   // num_threads() contiguous ranges aligned to `grain`.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int, int64_t, int64_t)>& fn);
 
+  // A pool of a thread per core, made on first use, for the tools' one-caller loops (generating
+  // and converting models); the serving path sizes its own pools.
+  static ThreadPool& EveryCore();
+
  private:
   void WorkerLoop(int index);
   // Spins until pred() holds or the spin budget is spent; returns pred().

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "common/text.h"
+#include "common/thread_pool.h"
 #include "devtools/corpus.h"
 #include "model/safetensors.h"
 
@@ -23,8 +24,10 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr uint64_t kSplitMixStep = 0x9e3779b97f4a7c15ull;
+
 uint64_t SplitMix(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  uint64_t z = (state += kSplitMixStep);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
@@ -56,12 +59,18 @@ struct Planned {
 
 // The values of the tensor named `name` (n of them), deterministic in the name and the seed.
 std::vector<float> Values(const std::string& name, const Init& init, size_t n, uint64_t seed) {
-  uint64_t state = HashName(name, seed);
+  const uint64_t start = HashName(name, seed);
   std::vector<float> v(n);
-  for (float& x : v) {
-    const double u = static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-53;  // [0, 1)
-    x = init.center + init.scale * static_cast<float>(2 * u - 1);
-  }
+  // The i-th value is the stream's i-th draw, wherever a chunk starts (SplitMix's state advances
+  // by a constant a draw), so the values are the same on any number of cores.
+  ThreadPool::EveryCore().ParallelFor(
+      static_cast<int64_t>(n), 1 << 16, [&](int, int64_t begin, int64_t end) {
+        uint64_t state = start + static_cast<uint64_t>(begin) * kSplitMixStep;
+        for (int64_t i = begin; i < end; ++i) {
+          const double u = static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-53;  // [0, 1)
+          v[i] = init.center + init.scale * static_cast<float>(2 * u - 1);
+        }
+      });
   return v;
 }
 
@@ -141,32 +150,37 @@ void Fill(const Planned& p, uint64_t seed, std::vector<uint8_t>& bytes) {
     const int64_t rows = p.spec.shape[0], cols = p.spec.shape[1];
     const int64_t block = ScaleBlock(p.block, p.spec.shape), gc = (cols + block - 1) / block;
     const std::vector<float> s = BlockScales(v, rows, cols, block);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) {
-        bytes[r * cols + c] = F32ToF8E4M3(v[r * cols + c] / s[(r / block) * gc + c / block]);
+    ThreadPool::EveryCore().ParallelFor(rows, 1, [&](int, int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          bytes[r * cols + c] = F32ToF8E4M3(v[r * cols + c] / s[(r / block) * gc + c / block]);
+        }
       }
-    }
+    });
     return;
   }
-  for (size_t i = 0; i < n; ++i) {
-    switch (p.spec.dtype) {
-      case DType::kF32:
-        std::memcpy(bytes.data() + 4 * i, &v[i], 4);
-        break;
-      case DType::kF16: {
-        const uint16_t h = F32ToF16(v[i]);
-        std::memcpy(bytes.data() + 2 * i, &h, 2);
-        break;
-      }
-      case DType::kBF16: {
-        const uint16_t h = F32ToBf16(v[i]);
-        std::memcpy(bytes.data() + 2 * i, &h, 2);
-        break;
-      }
-      default:  // the plan holds element types only; quantized files go through gguf_convert
-        break;
-    }
-  }
+  ThreadPool::EveryCore().ParallelFor(
+      static_cast<int64_t>(n), 1 << 16, [&](int, int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          switch (p.spec.dtype) {
+            case DType::kF32:
+              std::memcpy(bytes.data() + 4 * i, &v[i], 4);
+              break;
+            case DType::kF16: {
+              const uint16_t h = F32ToF16(v[i]);
+              std::memcpy(bytes.data() + 2 * i, &h, 2);
+              break;
+            }
+            case DType::kBF16: {
+              const uint16_t h = F32ToBf16(v[i]);
+              std::memcpy(bytes.data() + 2 * i, &h, 2);
+              break;
+            }
+            default:  // the plan holds element types only; quantized files go through gguf_convert
+              break;
+          }
+        }
+      });
 }
 
 // An FP8 checkpoint of the plan: each projection in F8_E4M3, its F32 scales right after it.

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -73,8 +72,7 @@ std::string Encode(DType type, const std::vector<float>& v, int64_t rows, int64_
   if (IsQuantized(type)) {
     const size_t row_bytes = DTypeBytes(type, cols);
     out.resize(rows * row_bytes);
-    static ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-    pool.ParallelFor(rows, 16, [&](int, int64_t begin, int64_t end) {
+    ThreadPool::EveryCore().ParallelFor(rows, 16, [&](int, int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const std::string q = QuantizeRow(type, v.data() + r * cols, cols);
         std::memcpy(out.data() + r * row_bytes, q.data(), row_bytes);
