@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # CUDA decode benchmark (needs a GPU): generated TinyLlama-1.1B- and Llama-3-8B-shaped models in
-# BF16, decode at batch 1 and 32 after a 128-token prompt, then (TinyLlama) at batch 1 and 16
-# after each long prompt of BENCH_CONTEXTS (default "2048 8192"), with each row's prefill — tokens/s, inter-token latency and bytes moved
-# per step against the device's copy bandwidth measured in the same run — then the peer, PyTorch +
+# BF16, decode at batch 1 and 32 after a 128-token prompt, then (the models of BENCH_LONG_MODELS,
+# default TinyLlama) at the batches of BENCH_LONG_BATCHES (default 1,16) after each long prompt of
+# BENCH_CONTEXTS (default "2048 8192"), once for each KV cache dtype of BENCH_KV (default "auto";
+# "f32 bf16 fp8" compares them), with each row's prefill — tokens/s, inter-token latency and bytes
+# moved per step against the device's copy bandwidth measured in the same run — then the peer
+# (rows with the KV cache in the model's dtype only), PyTorch +
 # transformers on the same model directory and the same shapes (bench/cuda_peer.py), and
 # shardserve / peer for tokens/s. BENCH_PEER=0 leaves the peer out; BENCH_ATTN_AB=1 also runs
 # each BF16 row with each decode attention kernel forced (SHARDSERVE_CUDA_ATTN_KERNEL=split,
@@ -34,58 +37,63 @@ shape_of() {  # shape_of MODEL: the generator's shape arguments, into `shape`
     *) echo "unknown model shape '$1' (tinyllama, llama3-8b, smollm2)" >&2; exit 2 ;;
   esac
 }
+# model_of MODEL TYPE: the generated model of that shape in TYPE (bf16, fp8, or a GGUF type:
+# random weights of the same seed), made on first use; its path into `model`.
+model_of() {
+  shape_of "$1"
+  case "$2" in
+    bf16) model="$MODEL_DIR/$1-bf16"; set -- "$model" --dtype bf16 ;;
+    # FP8 in 128x128 blocks, as the -FP8 checkpoints ship (computed as F8_128).
+    fp8) model="$MODEL_DIR/$1-fp8"; set -- "$model" --dtype bf16 --fp8-block 128 ;;
+    *) model="$MODEL_DIR/$1-$2.gguf"; set -- "$model" --dtype bf16 --format gguf --gguf-type "$2" ;;
+  esac
+  [ -e "$model" ] || "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$@" "${shape[@]}" \
+    --seed 1 >/dev/null
+}
 for m in $MODELS; do
-  dir="$MODEL_DIR/$m-bf16"
-  shape_of "$m"
-  [ -f "$dir/config.json" ] ||
-    "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$dir" "${shape[@]}" --dtype bf16 \
-      --seed 1
-  # Row sets: "DTYPE PROMPT BATCHES" (128-token prompts at batch 1 and 32, then the long ones,
-  # then the same model's weights as a GGUF of BENCH_QUANT, default Q4_K, and as FP8, at batch 1
-  # and 32).
+  # Row sets: "DTYPE PROMPT BATCHES [KV]": 128-token prompts at batch 1 and 32; the same model's
+  # weights as a GGUF of BENCH_QUANT (default Q4_K) and as FP8 (BENCH_FP8=0: none) at batch 1 and
+  # 32; then the long prompts of BENCH_CONTEXTS (default "2048 8192") at BENCH_LONG_BATCHES
+  # (default 1,16) on the models of BENCH_LONG_MODELS (default the small shape: they fit one
+  # lease), once for each KV cache dtype of BENCH_KV (default auto, the model's).
   rows=("bf16 128 1,32")
-  if [ "$m" = tinyllama ]; then  # the long rows on the small shape: they fit one lease
-    for ctx in ${BENCH_CONTEXTS-2048 8192}; do rows+=("bf16 $ctx 1,16"); done
-  fi
   for q in ${BENCH_QUANT-q4_k}; do rows+=("$q 128 1,32"); done
-  # FP8 in 128x128 blocks, as the -FP8 checkpoints ship (computed as F8_128; BENCH_FP8=0: none).
   [ "${BENCH_FP8:-1}" = 0 ] || rows+=("fp8 128 1,32")
+  if [[ " ${BENCH_LONG_MODELS-tinyllama} " == *" $m "* ]]; then
+    for ctx in ${BENCH_CONTEXTS-2048 8192}; do
+      for kv in ${BENCH_KV:-auto}; do rows+=("bf16 $ctx ${BENCH_LONG_BATCHES:-1,16} $kv"); done
+    done
+  fi
+  if [ "${BENCH_GEN_ONLY:-0}" = 1 ]; then  # only make the models (beside other work on a lease)
+    for row in "${rows[@]}"; do model_of "$m" "${row%% *}"; done
+    continue
+  fi
   for row in "${rows[@]}"; do
-    read -r type prompt batches <<<"$row"
-    echo "=== $m, $type, $prompt-token prompt"
-    if [ "$type" = fp8 ]; then
-      [ -f "$MODEL_DIR/$m-fp8/config.json" ] ||
-        "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$MODEL_DIR/$m-fp8" \
-          "${shape[@]}" --dtype bf16 --seed 1 --fp8-block 128
-      "$SHARDSERVE_BIN/shardserve" bench cuda --model "$MODEL_DIR/$m-fp8" --batch "$batches" \
-        --steps 64 --prompt-tokens "$prompt"
-      continue
-    fi
-    if [ "$type" != bf16 ]; then  # random weights of the same shape, stored as the GGUF type
-      [ -f "$MODEL_DIR/$m-$type.gguf" ] ||
-        "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$MODEL_DIR/$m-$type.gguf" \
-          "${shape[@]}" --dtype bf16 --seed 1 --format gguf --gguf-type "$type"
-      "$SHARDSERVE_BIN/shardserve" bench cuda --model "$MODEL_DIR/$m-$type.gguf" \
-        --batch "$batches" --steps 64 --prompt-tokens "$prompt"
-      # The dp4a GEMV beside it, same machine (BENCH_DP4A=0: not).
-      [ "${BENCH_DP4A:-1}" = 0 ] ||
-        SHARDSERVE_CUDA_QUANT_GEMV=dp4a "$SHARDSERVE_BIN/shardserve" bench cuda \
-          --model "$MODEL_DIR/$m-$type.gguf" --batch "$batches" --steps 64 \
-          --prompt-tokens "$prompt" | grep -E '^decode batch' | sed 's/^/[quant dp4a] /'
-      continue
-    fi
-    ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" --batch "$batches" --steps 64 \
+    read -r type prompt batches kv <<<"$row"
+    export SHARDSERVE_KV_CACHE_DTYPE="${kv:-auto}"
+    echo "=== $m, $type, $prompt-token prompt, KV cache $SHARDSERVE_KV_CACHE_DTYPE"
+    model_of "$m" "$type"
+    ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" --batch "$batches" --steps 64 \
       --prompt-tokens "$prompt")
     echo "$ours"
+    if [ "$type" != bf16 ] && [ "$type" != fp8 ]; then
+      # The float GEMV (F32 inputs; the default is dp4a) beside the GGUF row, same machine
+      # (BENCH_QUANT_FLOAT=0: not).
+      [ "${BENCH_QUANT_FLOAT:-1}" = 0 ] ||
+        SHARDSERVE_CUDA_QUANT_GEMV=float "$SHARDSERVE_BIN/shardserve" bench cuda \
+          --model "$model" --batch "$batches" --steps 64 --prompt-tokens "$prompt" |
+          grep -E '^decode batch' | sed 's/^/[quant float] /'
+    fi
+    [ "$type" = bf16 ] || continue
     if [ "${BENCH_ATTN_AB:-0}" = 1 ]; then  # each attention kernel forced, same machine
       for v in split split-batched heads; do
-        SHARDSERVE_CUDA_ATTN_KERNEL=$v "$SHARDSERVE_BIN/shardserve" bench cuda --model "$dir" \
+        SHARDSERVE_CUDA_ATTN_KERNEL=$v "$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" \
           --batch "$batches" --steps 64 --prompt-tokens "$prompt" | grep -E '^decode batch' |
           sed "s/^/[attention $v] /"
       done
     fi
-    [ "${BENCH_PEER:-1}" = 0 ] && continue
-    peer=$("$PEER_PYTHON" bench/cuda_peer.py "$dir" --batch "$batches" --steps 64 \
+    [ "${BENCH_PEER:-1}" = 0 ] || [ "$SHARDSERVE_KV_CACHE_DTYPE" != auto ] && continue
+    peer=$("$PEER_PYTHON" bench/cuda_peer.py "$model" --batch "$batches" --steps 64 \
       --prompt-tokens "$prompt") || true
     echo "$peer"
     for b in ${batches//,/ }; do
@@ -101,6 +109,9 @@ for m in $MODELS; do
   done
 done
 
+unset SHARDSERVE_KV_CACHE_DTYPE
+[ "${BENCH_GEN_ONLY:-0}" = 0 ] || exit 0
+
 # Serving on the GPU (BENCH_SERVE=0 leaves it out): `shardserve local` with SHARDSERVE_BACKEND=cuda
 # answering `shardserve bench load` at 1, 8, 32 and 64 clients (streamed greedy completions, 64
 # prompt and 64 output tokens): the TinyLlama shape in BF16 at PP=1 and at PP=2 on the one GPU
@@ -109,10 +120,8 @@ done
 if [ "${BENCH_SERVE:-1}" = 1 ]; then
   export SHARDSERVE_BIN
   source scripts/local_lib.sh
-  smol="$MODEL_DIR/smollm2-q4_1.gguf"
-  shape_of smollm2
-  [ -f "$smol" ] || "$SHARDSERVE_BIN/shardserve" gen-model --arch llama --out "$smol" \
-    "${shape[@]}" --dtype bf16 --seed 1 --format gguf --gguf-type q4_1
+  model_of smollm2 q4_1
+  smol="$model"
   serve_row() {  # serve_row NAME URI PP VOCAB
     local tmp port=$((18400 + RANDOM % 500))
     tmp=$(mktemp -d)

@@ -7,6 +7,12 @@
 # passed (a skip is not a failure).
 # Usage: scripts/gpu-check.sh OUT [--prefix DIR] [--no-bench] [--bench-models "tinyllama ..."]
 #                             [--profile] [--build-only] [--targets "cuda_tests shardserve ..."]
+#                             [--prebuilt DIR] [--checks "cuda_tests cuda_generate ..."]
+# --prebuilt DIR runs the binaries scripts/gpu-bundle.sh packed on the build machine
+# (DIR/bundle.tar.xz) instead of building them here, and builds only if they do not start (from
+# DIR/prefix.tar.xz where --prefix's folder is missing). --checks runs only the checks it names
+# (cuda_tests, cuda_attention_split, cuda_attention_split-batched, cuda_attention_heads,
+# cuda_quant_float, cuda_generate, cuda_local; the bench is --no-bench's).
 # --profile also runs ncu over two decode steps of each bench model (batch 1 and 32 after a
 # 128-token prompt; TinyLlama also batch 16 after 2,048; the Q4_K GGUF at batch 1; PROFILE_ROWS
 # chooses others) and writes the per-kernel tables (scripts/ncu_table.py) to OUT/profile.txt;
@@ -23,6 +29,8 @@ BENCH=1
 BENCH_SET="tinyllama llama3-8b"
 BUILD_ONLY=0
 PROFILE=0
+PREBUILT=""
+CHECKS=""
 # The checks' binaries only (the unit tests are CI's): a third of the build.
 TARGETS="cuda_tests shardserve shardserve-worker"
 while (($#)); do
@@ -33,6 +41,8 @@ while (($#)); do
     --bench-models) BENCH_SET="$2"; shift 2 ;;
     --build-only) BUILD_ONLY=1; shift ;;
     --targets) TARGETS="$2"; shift 2 ;;
+    --prebuilt) PREBUILT="$2"; shift 2 ;;
+    --checks) CHECKS="$2"; shift 2 ;;
     *) echo "gpu-check: unknown argument '$1'" >&2; exit 2 ;;
   esac
 done
@@ -42,13 +52,6 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 fail=0
-
-[ -f "$PREFIX/.gathered" ] || {
-  note "FAIL no prefix at $PREFIX: run scripts/gpu-prefix.sh on a build machine and bring it"
-  exit 1
-}
-PREFIX=$(realpath "$PREFIX")
-LIBS="$PREFIX/usr/lib/x86_64-linux-gnu"
 
 # --- The machine ------------------------------------------------------------------------------
 {
@@ -79,35 +82,66 @@ ln -sfn "$NCCL_H" "$NCCL_ROOT/include"
 ln -sfn "$NCCL_SO" "$NCCL_ROOT/lib/libnccl.so"
 note "toolkit: $("$NVCC" --version | tail -1); NCCL $NCCL_SO"
 
+# --- Prebuilt binaries (scripts/gpu-bundle.sh): this machine's cuBLAS, CUDA runtime and NCCL ---
+BIN=""
+if [ -n "$PREBUILT" ]; then
+  lib_dir() { dirname "$(find "$WHEELS" "$CUDA_ROOT" -name "$1" 2>/dev/null | head -1)"; }
+  CUDA_LIBS=$(lib_dir libcublas.so.13)
+  prev="${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$CUDA_LIBS:$(lib_dir libcudart.so.13):$(dirname "$NCCL_SO")${prev:+:$prev}"
+  mkdir -p "$BUILD"
+  # Unpacked once: a second call of this script must not replace binaries that may be running.
+  if { [ -x "$BUILD/bin/cuda_tests" ] || tar -C "$BUILD" -xJf "$PREBUILT/bundle.tar.xz"; } &&
+    "$BUILD/bin/cuda_tests" --gtest_list_tests >/dev/null 2>"$OUT/build.log" &&
+    "$BUILD/bin/shardserve" gen-model --help >/dev/null 2>>"$OUT/build.log"; then
+    BIN=$(realpath "$BUILD/bin")
+    note "PASS prebuilt binaries start ($PREBUILT/bundle.tar.xz; cuBLAS from $CUDA_LIBS)"
+  else
+    note "prebuilt binaries do not start here ($(tail -2 "$OUT/build.log" | tr '\n' ' ')): building"
+    rm -rf "$BUILD/bin" "$BUILD/lib"
+    [ -f "$PREFIX/.gathered" ] || [ ! -f "$PREBUILT/prefix.tar.xz" ] ||
+      { mkdir -p "$PREFIX" && tar -C "$(dirname "$PREFIX")" -xJf "$PREBUILT/prefix.tar.xz"; }
+  fi
+fi
+
 # --- Build (the binaries carry the prefix in DT_RPATH, which, unlike RUNPATH, also serves the
 # libraries they load: Abseil's libraries need each other) -------------------------------------
 # The Rust code (Jinja engine, llguidance) scripts/gpu-prefix.sh built (this machine has no cargo).
-RUST_LIB=""
-[ ! -f "$PREFIX/usr/lib/libshardserve_rust.a" ] || RUST_LIB="$PREFIX/usr/lib/libshardserve_rust.a"
-export PKG_CONFIG_LIBDIR="$LIBS/pkgconfig:$PREFIX/usr/share/pkgconfig"
-export PKG_CONFIG_SYSROOT_DIR="$PREFIX"
-t0=$(date +%s)
-if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" \
-    -DSHARDSERVE_CUDA=ON -DCMAKE_PREFIX_PATH="$PREFIX/usr" -DCMAKE_CUDA_COMPILER="$NVCC" \
-    -DCUDAToolkit_ROOT="$CUDA_ROOT" -DNCCL_ROOT="$NCCL_ROOT" -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DSHARDSERVE_STYLE_CHECK=OFF -DCMAKE_CXX_FLAGS="-isystem $PREFIX/usr/include/x86_64-linux-gnu" \
-    -DCMAKE_BUILD_RPATH="$LIBS;$(dirname "$NCCL_SO")" \
-    -DCMAKE_EXE_LINKER_FLAGS=-Wl,--disable-new-dtags \
-    ${RUST_LIB:+-DSHARDSERVE_RUST_LIB="$RUST_LIB"} >"$OUT/build.log" 2>&1 &&
-  cmake --build "$BUILD" ${TARGETS:+--target $TARGETS} -- -j"$(nproc)" >>"$OUT/build.log" 2>&1; then
-  note "PASS build with the machine's toolkit against the prefix ($(($(date +%s) - t0)) s)"
-else
-  note "FAIL build: $(grep -m3 -E 'error|Error' "$OUT/build.log" | tr '\n' ' ')"
-  tail -40 "$OUT/build.log"
-  exit 1
+if [ -z "$BIN" ]; then
+  [ -f "$PREFIX/.gathered" ] || {
+    note "FAIL no prefix at $PREFIX: run scripts/gpu-prefix.sh on a build machine and bring it"
+    exit 1
+  }
+  PREFIX=$(realpath "$PREFIX")
+  LIBS="$PREFIX/usr/lib/x86_64-linux-gnu"
+  RUST_LIB=""
+  [ ! -f "$PREFIX/usr/lib/libshardserve_rust.a" ] || RUST_LIB="$PREFIX/usr/lib/libshardserve_rust.a"
+  export PKG_CONFIG_LIBDIR="$LIBS/pkgconfig:$PREFIX/usr/share/pkgconfig"
+  export PKG_CONFIG_SYSROOT_DIR="$PREFIX"
+  t0=$(date +%s)
+  if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" \
+      -DSHARDSERVE_CUDA=ON -DCMAKE_PREFIX_PATH="$PREFIX/usr" -DCMAKE_CUDA_COMPILER="$NVCC" \
+      -DCUDAToolkit_ROOT="$CUDA_ROOT" -DNCCL_ROOT="$NCCL_ROOT" -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DSHARDSERVE_STYLE_CHECK=OFF -DCMAKE_CXX_FLAGS="-isystem $PREFIX/usr/include/x86_64-linux-gnu" \
+      -DCMAKE_BUILD_RPATH="$LIBS;$(dirname "$NCCL_SO")" \
+      -DCMAKE_EXE_LINKER_FLAGS=-Wl,--disable-new-dtags \
+      ${RUST_LIB:+-DSHARDSERVE_RUST_LIB="$RUST_LIB"} >"$OUT/build.log" 2>&1 &&
+    cmake --build "$BUILD" ${TARGETS:+--target $TARGETS} -- -j"$(nproc)" >>"$OUT/build.log" 2>&1; then
+    note "PASS build with the machine's toolkit against the prefix ($(($(date +%s) - t0)) s)"
+  else
+    note "FAIL build: $(grep -m3 -E 'error|Error' "$OUT/build.log" | tr '\n' ' ')"
+    tail -40 "$OUT/build.log"
+    exit 1
+  fi
+  BIN=$(realpath "$BUILD/bin")
 fi
-BIN=$(realpath "$BUILD/bin")
 ((BUILD_ONLY)) && exit 0
 
 # --- Checks -----------------------------------------------------------------------------------
 check() {  # check NAME COMMAND...: runs it with its log in OUT/NAME.log; 77 is a skip
   local name="$1"; shift
   local t0 rc
+  [ -z "$CHECKS" ] || [[ " $CHECKS " == *" $name "* ]] || return 0
   t0=$(date +%s)
   "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -120,15 +154,15 @@ check() {  # check NAME COMMAND...: runs it with its log in OUT/NAME.log; 77 is 
   esac
 }
 check cuda_tests "$BIN/cuda_tests"
-grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
+[ ! -f "$OUT/cuda_tests.log" ] || grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
 # Attention chooses among three decode kernels by shape: each forced through the attention cases.
 for v in split split-batched heads; do
   check "cuda_attention_$v" env SHARDSERVE_CUDA_ATTN_KERNEL=$v "$BIN/cuda_tests" \
     --gtest_filter='*Attention*'
 done
-# The dp4a quantized GEMV (int8 inputs; off by default until a GPU run has passed and timed it)
-# through the quantized-weights cases.
-check cuda_quant_dp4a env SHARDSERVE_CUDA_QUANT_GEMV=dp4a "$BIN/cuda_tests" \
+# The float quantized GEMV (F32 inputs; the default is dp4a's int8 inputs) through the
+# quantized-weights cases.
+check cuda_quant_float env SHARDSERVE_CUDA_QUANT_GEMV=float "$BIN/cuda_tests" \
   --gtest_filter='*Quantized*'
 check cuda_generate python3 tests/cli/cuda_generate_test.py "$BIN/shardserve"
 check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"

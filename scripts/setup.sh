@@ -28,6 +28,7 @@ setup_build() {
     libcpprest-dev libyaml-cpp-dev prometheus-cpp-dev prometheus python3-venv libcpp-httplib-dev
     libcurl4-openssl-dev libpugixml-dev
     openssl unzip python3-yaml libboost-dev libssl-dev libcli11-dev ccache
+    patchelf  # scripts/gpu-bundle.sh
     containerd runc containernetworking-plugins iptables)  # the real nodes of the e2e tier
   missing=()
   for p in "${APT_PKGS[@]}"; do

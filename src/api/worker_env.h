@@ -114,10 +114,10 @@ struct WorkerEnv {
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
   // The CUDA backend's decode kernels: the attention kernel forced (split, split-batched, heads;
-  // "": the shape chooses) and the quantized GEMV (float or dp4a); the CUDA stage backend reads
-  // the names (backend/cuda/cuda_backend.h), a CPU rank ignores them.
+  // "": the shape chooses) and the quantized GEMV (dp4a, the default, or float); the CUDA stage
+  // backend reads the names (backend/cuda/cuda_backend.h), a CPU rank ignores them.
   std::string cuda_attention_kernel;
-  std::string cuda_quant_gemv = "float";
+  std::string cuda_quant_gemv = "dp4a";
   // The CPU backend's kernel level (backend/cpu/cpu_features.h): auto (the widest the CPU has),
   // avx2, avx512 or avx512bf16 (to force one: tests and comparisons); a level the CPU lacks
   // fails the rank.

@@ -50,11 +50,11 @@ absl::Status RunCudaBench(const std::vector<std::string>& argv) {
   const ModelConfig& c = model->config();
   const DecodeCost cost = DecodeCostOf(c, model->shard_weight_bytes());
   std::printf(
-      "model: %s layers %lld hidden %lld vocab %lld, weights %.2f GB; device copy "
+      "model: %s layers %lld hidden %lld vocab %lld, weights %.2f GB, KV cache %s; device copy "
       "bandwidth %.0f GB/s (read + write of 1 GiB)\n",
       c.architecture.c_str(), static_cast<long long>(c.num_layers),
       static_cast<long long>(c.hidden_size), static_cast<long long>(c.vocab_size),
-      model->shard_weight_bytes() / 1e9, copy_bw / 1e9);
+      model->shard_weight_bytes() / 1e9, DTypeName(model->kv_format().dtype), copy_bw / 1e9);
   using Clock = std::chrono::steady_clock;
   for (int64_t B : batches) {
     ASSIGN_OR_RETURN(auto cache, model->NewKvCache(B * (prompt + steps + 32)));
@@ -109,10 +109,11 @@ absl::Status RunCudaBench(const std::vector<std::string>& argv) {
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
-    // Bytes per step: the weights once, and each sequence's K and V of every layer (F32).
+    // Bytes per step: the weights once, and each sequence's K and V of every layer in the
+    // cache's dtype.
     const double context = static_cast<double>(prompt + steps / 2);
     const double kv_bytes = static_cast<double>(B) * context * c.num_layers * 2.0 * c.num_kv_heads *
-                            c.head_dim * sizeof(float);
+                            c.head_dim * DTypeSize(model->kv_format().dtype);
     const double bytes = cost.weight_bytes_per_step + kv_bytes;
     std::printf(
         "decode batch %3lld: %8.1f tokens/s, inter-token latency %.2f ms (median of %lld "

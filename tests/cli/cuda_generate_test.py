@@ -21,11 +21,11 @@ TOL = 2e-3
 check = Checks()
 
 
-def generate(model, extra, backend, timeout=300):
+def generate(model, extra, backend, timeout=300, env=None):
     cmd = [BIN, "generate", "--model", model, "--prompt-ids", "1,17,42,300,7,99,5,8",
            "--max-tokens", "12", "--ignore-eos", "--logprobs", "3", "--format", "json",
            "--threads", "2"] + extra
-    env = dict(os.environ, SHARDSERVE_BACKEND=backend)
+    env = dict(os.environ, SHARDSERVE_BACKEND=backend, **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -91,13 +91,15 @@ with tempfile.TemporaryDirectory() as tmp:
     cases = [("greedy", []), ("sampled", ["--temperature", "0.8", "--top-p", "0.9",
                                           "--seed", "5"])]
     # Quantized weights: the CPU multiplies with its activations rounded to 16-bit integers
-    # (kernels_test.cc), the GPU with them in F32 (on an H200, worst |dlogprob| 1.8e-4).
+    # (kernels_test.cc), the GPU's float GEMV with them in F32 (forced here; on an H200, worst
+    # |dlogprob| 1.8e-4); its default dp4a GEMV (int8 inputs) is compared below.
+    float_gemv = {"SHARDSERVE_CUDA_QUANT_GEMV": "float"}
     for arch in ["llama", "mixtral", "llama-fp8", "llama-fp8-128", "qwen3-fp8-tensor",
                  "deepseek-v3", "gpt-oss"] + quantized + ["mixtral-q4_k"]:
         for name, sampling in cases:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):
-                r = generate(models[arch], sampling + shape, "cuda")
+                r = generate(models[arch], sampling + shape, "cuda", env=float_gemv)
                 if r.returncode != 0:
                     check(False, f"{arch} {name} {shape}: ran on the GPU: {r.stderr[-800:]}")
                     continue
@@ -108,6 +110,42 @@ with tempfile.TemporaryDirectory() as tmp:
                 check(got["tokens"] == want["tokens"] and d <= TOL,
                       f"{arch} {name} {shape}: the CPU's tokens, max |dlogprob| {d:.1e} "
                       f"<= {TOL}")
+
+    # The GGUF types through the default dp4a GEMV: the inputs rounded to int8 per 32 values (a
+    # step of max |x| / 127, 129 times the CPU's int16 step), as llama.cpp's mmvq multiplies them,
+    # so the answers part from the CPU's by more than rounding: the greedy tokens compared up to
+    # the first that differs (the first must not), logprobs there within DP4A_TOL.
+    DP4A_TOL = 0.1
+    for arch in quantized + ["mixtral-q4_k"]:
+        want = json.loads(generate(models[arch], [], "cpu").stdout)
+        r = generate(models[arch], [], "cuda")
+        if r.returncode != 0:
+            check(False, f"{arch} dp4a: ran on the GPU: {r.stderr[-800:]}")
+            continue
+        got = json.loads(r.stdout)
+        same = next((i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"])) if a != b),
+                    len(want["tokens"]))
+        d = max(abs(a - b) for a, b in zip(got["logprobs"][:same + 1], want["logprobs"][:same + 1]))
+        check(same > 0 and d <= DP4A_TOL,
+              f"{arch} dp4a: {same} of {len(want['tokens'])} greedy tokens the CPU's, max "
+              f"|dlogprob| {d:.1e} <= {DP4A_TOL}")
+
+    # The KV cache in another dtype (kvCacheDtype) on the GPU against the CPU's with the same
+    # dtype (the BF16 models above already keep theirs in BF16): full attention with head groups
+    # in F16, BF16 and FP8, a window with sinks and DeepSeek's latent cache in FP8. Both backends
+    # round the same values the same way (nearest even), so the answers agree as closely as with
+    # F32 caches (on an H200, worst |dlogprob| 1.4e-6): the same tokens, within TOL.
+    for arch, kv in [("llama", "f16"), ("llama", "bf16"), ("llama", "fp8"), ("gpt-oss", "fp8"),
+                     ("deepseek-v3", "fp8")]:
+        want = json.loads(generate(models[arch], ["--kv-cache-dtype", kv], "cpu").stdout)
+        r = generate(models[arch], ["--kv-cache-dtype", kv], "cuda")
+        if r.returncode != 0:
+            check(False, f"{arch} KV {kv}: ran on the GPU: {r.stderr[-800:]}")
+            continue
+        got = json.loads(r.stdout)
+        d = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
+        check(got["tokens"] == want["tokens"] and d <= TOL,
+              f"{arch} KV {kv}: the CPU's tokens, max |dlogprob| {d:.1e} <= {TOL}")
 
     # Speculative decoding on the GPU: a draft model (a Q4_K GGUF of the vocabulary) on the
     # leader's GPU, and DeepSeek-V3's MTP layer on the last stage's; the CPU's plain greedy tokens,

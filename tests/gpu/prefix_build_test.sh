@@ -3,7 +3,10 @@
 # prefix, hides every Debian package it holds from this machine (an overlay on /usr with the
 # packages' files whited out, in a mount namespace of this test alone), then builds the binaries
 # the GPU checks run against the prefix and the CUDA wheels alone, and runs them: the CLI answers,
-# cuda_tests loads its libraries from the prefix (and skips: no GPU). Needs root (mount
+# cuda_tests loads its libraries from the prefix (and skips: no GPU). Then those binaries packed
+# by scripts/gpu-bundle.sh run through scripts/gpu-check.sh --prebuilt with the packages hidden
+# and the prefix gone: the bundle carries every library they need beside glibc, libstdc++ and
+# CUDA's. Needs root (mount
 # namespaces), as CI has; skips (77) without it or without the CUDA wheels. The build stays in
 # .gpu/build-prefix (ignored by git), at the same place in every checkout, so ccache serves its
 # objects to the next checkout too. It is a Debug build: what is tested is that it builds, links and
@@ -58,4 +61,23 @@ unshare -m --propagation private bash -euo pipefail -c '
     { echo "FAIL: the CLI built against the prefix does not answer --help"; exit 1; }
   "$3/bin/cuda_tests" --gtest_brief=1 | tail -3
 ' _ "$tmp" "$CUDA" "$(pwd -P)/.gpu/build-prefix"
-echo "PASS: built and ran against the prefix alone"
+
+bash scripts/gpu-bundle.sh --build "$(pwd -P)/.gpu/build-prefix" --out "$tmp/bundle" --no-prefix
+unshare -m --propagation private bash -euo pipefail -c '
+  mount -t overlay overlay -o "lowerdir=/usr,upperdir=$1/upper,workdir=$1/work" /usr
+  mount -t tmpfs tmpfs .gpu/prefix  # the prefix gone: the bundle alone
+  NVCC="$2/cu13/bin/nvcc" NCCL_DIR="$2/nccl" BUILD_DIR="$1/run" \
+    bash scripts/gpu-check.sh "$1/out-bundle" --prebuilt "$1/bundle" --build-only ||
+    { cat "$1/out-bundle/summary.txt"; exit 1; }
+  grep -q "^PASS prebuilt binaries start" "$1/out-bundle/summary.txt" ||
+    { echo "FAIL: the bundle did not start:"; cat "$1/out-bundle/summary.txt"; exit 1; }
+  export LD_LIBRARY_PATH="$2/cu13/lib:$2/nccl/lib"
+  libs=$(ldd "$1/run/bin/shardserve-worker")
+  ! grep "not found" <<<"$libs" || { echo "FAIL: the bundle lacks a library"; exit 1; }
+  grep -q "libabsl_base.so.20220623 => $1/run/bin/../lib/" <<<"$libs" ||
+    { echo "FAIL: the worker does not load Abseil from the bundle"; echo "$libs"; exit 1; }
+  help=$("$1/run/bin/shardserve" --help)
+  grep -q "^commands:" <<<"$help" || { echo "FAIL: the bundled CLI does not answer --help"; exit 1; }
+  "$1/run/bin/cuda_tests" --gtest_brief=1 | tail -3
+' _ "$tmp" "$CUDA"
+echo "PASS: built and ran against the prefix alone, and as a bundle without it"

@@ -299,12 +299,12 @@ bool RunsQuantized(DType dtype) {
 }
 
 absl::StatusOr<QuantGemvMode> QuantGemvNamed(std::string_view name) {
-  if (name.empty() || name == "float") return QuantGemvMode::kFloat;
-  if (name == "dp4a") return QuantGemvMode::kDp4a;
+  if (name.empty() || name == "dp4a") return QuantGemvMode::kDp4a;
+  if (name == "float") return QuantGemvMode::kFloat;
   return absl::InvalidArgumentError(absl::StrCat(
       "'", std::string(name),
-      "' must be float (the blocks expanded to F32, the default) or dp4a (int8 inputs, integer "
-      "products)"));
+      "' must be dp4a (int8 inputs, integer products, the default) or float (the blocks "
+      "expanded to F32)"));
 }
 
 absl::Status QuantGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,

@@ -87,7 +87,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.prefix_cache_per_key = true;
   w.fp8_blocks = false;
   w.cuda_attention_kernel = "split";
-  w.cuda_quant_gemv = "dp4a";
+  w.cuda_quant_gemv = "float";
   w.cpu_kernels = "avx2";
   w.model_uri = "hf://o/m";
   w.model_files = "*.json";

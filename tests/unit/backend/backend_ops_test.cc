@@ -27,6 +27,10 @@ double BackendOpsTest::ActivationRounding(DType dtype) const {
   return GetParam().activation_rounding ? GetParam().activation_rounding(dtype) : 0;
 }
 
+double BackendOpsTest::QuantizedInputSteps(DType dtype) const {
+  return GetParam().quantized_input_steps ? GetParam().quantized_input_steps(dtype) : 32767;
+}
+
 namespace {
 
 // A host copy in backend memory, kept with the test's other buffers.
@@ -192,15 +196,11 @@ TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
 // rows, the GPU's GEMV over the blocks) and prefill sizes (the GPU expands tiles into BF16 for its
 // tensor cores) against the exact products of the blocks' values (ToFloat), a slice's rows (row
 // stride past its columns), a group of one type as one product, embedding rows and expert products.
-// Tolerances: decode within 1e-3 plus the CPU's activation rounding (Q16, kernels_test.cc states
-// it); prefill within 1e-3 plus 4 sigma of BF16 rounding of both operands (2^-8 relative each
-// product).
+// Tolerances: decode within 1e-3 plus the backend's rounding of the activations (BackendCase:
+// the CPU's int16, kernels_test.cc states it; the GPU's dp4a GEMV's int8 per 32); prefill within
+// 1e-3 plus 4 sigma of BF16 rounding of both operands (2^-8 relative each product).
 TEST_P(BackendOpsTest, QuantizedWeightsMatchTheBlockValues) {
   const int64_t N = 37, K = 512, stride = 768;
-  // The GPU's dp4a GEMV (SHARDSERVE_CUDA_QUANT_GEMV=dp4a) rounds the inputs to int8 per 32:
-  // within half a step, max |x| / 254, where the CPU's int16 rounding is within max |x| / 32767.
-  const char* gemv = std::getenv("SHARDSERVE_CUDA_QUANT_GEMV");
-  const bool int8_inputs = gemv != nullptr && std::string_view(gemv) == "dp4a";
   for (DType dtype : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K,
                       DType::kQ6_K, DType::kF8_128}) {
     const std::vector<float> w = Random(N * stride, 50 + static_cast<int>(dtype));
@@ -214,7 +214,8 @@ TEST_P(BackendOpsTest, QuantizedWeightsMatchTheBlockValues) {
     }
     auto dw = be_->Upload(WeightMatrix{dtype, bytes.data(), N, K, stride});
     ASSERT_TRUE(dw.ok()) << DTypeName(dtype) << ": " << dw.status();
-    const double decode_steps = int8_inputs && dtype != DType::kF8_128 ? 254 : 32767;
+    // The inputs' rounding: within half a step, max |x| / steps (BackendCase).
+    const double decode_steps = QuantizedInputSteps(dtype);
     for (int64_t M : {1, 3, 8, 9, 40}) {
       const std::vector<float> x = Random(M * K, 60 + M);
       Mem mem(*be_);

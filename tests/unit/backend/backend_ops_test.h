@@ -23,6 +23,10 @@ struct BackendCase {
   // of a dtype by (null: none beyond F32's; the CPU at kAvx512Bf16 rounds them to BF16 for BF16
   // weights), asked once the backend is made.
   std::function<double(DType)> activation_rounding;
+  // The steps of the integer rounding the quantized decode products (up to 8 rows) give the
+  // activations they multiply blocks of a dtype by (null: the CPU's int16, 32767; the GPU's dp4a
+  // GEMV rounds them to int8 per 32, 254), asked once the backend is made.
+  std::function<double(DType)> quantized_input_steps;
 };
 
 class BackendOpsTest : public ::testing::TestWithParam<BackendCase> {
@@ -30,6 +34,8 @@ class BackendOpsTest : public ::testing::TestWithParam<BackendCase> {
   void SetUp() override;
   // The case's activation_rounding for weights of `dtype` (0 without one).
   double ActivationRounding(DType dtype) const;
+  // The case's quantized_input_steps for blocks of `dtype` (32767 without one).
+  double QuantizedInputSteps(DType dtype) const;
   std::unique_ptr<Backend> be_;
 };
 

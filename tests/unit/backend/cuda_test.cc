@@ -58,7 +58,15 @@ std::unique_ptr<Backend> Gpu0() {
 }
 using testing::BackendCase;
 using testing::BackendOpsTest;
-INSTANTIATE_TEST_SUITE_P(Cuda, BackendOpsTest, ::testing::Values(BackendCase{"gpu0", Gpu0}),
+// The dp4a GEMV (the default, SHARDSERVE_CUDA_QUANT_GEMV) rounds the GGUF types' inputs to int8
+// per 32; FP8's blocks keep the float kernel (F32 inputs: no rounding beyond the CPU's int16).
+double QuantizedInputSteps(DType dtype) {
+  return ContractKernels().quant_gemv == cuda::QuantGemvMode::kDp4a && dtype != DType::kF8_128
+             ? 254
+             : 32767;
+}
+INSTANTIATE_TEST_SUITE_P(Cuda, BackendOpsTest,
+                         ::testing::Values(BackendCase{"gpu0", Gpu0, nullptr, QuantizedInputSteps}),
                          testing::BackendCaseName);
 
 // The kernel choices of the worker contract name a kernel or are unset; anything else is refused
@@ -69,7 +77,7 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   WorkerEnv env;
   ASSERT_TRUE(CudaKernelsOf(env).ok());
   EXPECT_EQ(CudaKernelsOf(env)->attention, AttentionKernel::kByShape);
-  EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kFloat);
+  EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kDp4a);
   for (const auto& [name, kernel] : {std::pair{"split", AttentionKernel::kSplit},
                                      std::pair{"split-batched", AttentionKernel::kSplitBatched},
                                      std::pair{"heads", AttentionKernel::kHeads}}) {
@@ -77,8 +85,8 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
     ASSERT_TRUE(CudaKernelsOf(env).ok()) << name;
     EXPECT_EQ(CudaKernelsOf(env)->attention, kernel) << name;
   }
-  env.cuda_quant_gemv = "dp4a";
-  EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kDp4a);
+  env.cuda_quant_gemv = "float";
+  EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kFloat);
   env.cuda_attention_kernel = "1";
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_ATTN_KERNEL='1' must be "
@@ -87,7 +95,7 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   env.cuda_quant_gemv = "int4";
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_QUANT_GEMV='int4' must "
-                                   "be float"));
+                                   "be dp4a"));
 }
 
 // LoRA's CUDA kernels can be switched off (SHARDSERVE_CUDA_LORA=off): a replica with adapters is
