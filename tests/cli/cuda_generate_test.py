@@ -29,6 +29,25 @@ def generate(model, extra, backend, timeout=300, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def agrees(label, r, want, tol, prefix=False):
+    """Checks a GPU run `r` against the CPU's answer `want`: every token the CPU's and every
+    logprob within tol, or with prefix, the tokens up to the first that differs (the first must
+    not) and the logprobs up to it within tol (the differing step's too: the two chosen tokens'
+    logprobs, close only where the flip was at a near tie). Returns the run's answer, None if it
+    failed."""
+    if r.returncode != 0:
+        check(False, f"{label}: ran on the GPU: {r.stderr[-800:]}")
+        return None
+    got = json.loads(r.stdout)
+    n = len(want["tokens"])
+    same = next((i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"])) if a != b), n)
+    upto = same + 1 if prefix else n
+    d = max(abs(a - b) for a, b in zip(got["logprobs"][:upto], want["logprobs"][:upto]))
+    check((same > 0 if prefix else same == n) and len(got["tokens"]) == n and d <= tol,
+          f"{label}: {same} of {n} tokens the CPU's, max |dlogprob| {d:.1e} <= {tol}")
+    return got
+
+
 def gpus():
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
@@ -100,35 +119,18 @@ with tempfile.TemporaryDirectory() as tmp:
             want = json.loads(generate(models[arch], sampling, "cpu").stdout)
             for shape in (["--pp", "1"], ["--pp", "2"]):
                 r = generate(models[arch], sampling + shape, "cuda", env=float_gemv)
-                if r.returncode != 0:
-                    check(False, f"{arch} {name} {shape}: ran on the GPU: {r.stderr[-800:]}")
-                    continue
-                check("CUDA backend on GPU" in r.stderr,
-                      f"{arch} {name} {shape}: the ranks report the CUDA backend")
-                got = json.loads(r.stdout)
-                d = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
-                check(got["tokens"] == want["tokens"] and d <= TOL,
-                      f"{arch} {name} {shape}: the CPU's tokens, max |dlogprob| {d:.1e} "
-                      f"<= {TOL}")
+                if agrees(f"{arch} {name} {shape}", r, want, TOL):
+                    check("CUDA backend on GPU" in r.stderr,
+                          f"{arch} {name} {shape}: the ranks report the CUDA backend")
 
     # The GGUF types through the default dp4a GEMV: the inputs rounded to int8 per 32 values (a
     # step of max |x| / 127, 129 times the CPU's int16 step), as llama.cpp's mmvq multiplies them,
     # so the answers part from the CPU's by more than rounding: the greedy tokens compared up to
-    # the first that differs (the first must not), logprobs there within DP4A_TOL.
+    # the first that differs (the first must not), logprobs up to it within DP4A_TOL (agrees).
     DP4A_TOL = 0.1
     for arch in quantized + ["mixtral-q4_k"]:
         want = json.loads(generate(models[arch], [], "cpu").stdout)
-        r = generate(models[arch], [], "cuda")
-        if r.returncode != 0:
-            check(False, f"{arch} dp4a: ran on the GPU: {r.stderr[-800:]}")
-            continue
-        got = json.loads(r.stdout)
-        same = next((i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"])) if a != b),
-                    len(want["tokens"]))
-        d = max(abs(a - b) for a, b in zip(got["logprobs"][:same + 1], want["logprobs"][:same + 1]))
-        check(same > 0 and d <= DP4A_TOL,
-              f"{arch} dp4a: {same} of {len(want['tokens'])} greedy tokens the CPU's, max "
-              f"|dlogprob| {d:.1e} <= {DP4A_TOL}")
+        agrees(f"{arch} dp4a", generate(models[arch], [], "cuda"), want, DP4A_TOL, prefix=True)
 
     # The KV cache in another dtype (kvCacheDtype) on the GPU against the CPU's with the same
     # dtype (the BF16 models above already keep theirs in BF16): full attention with head groups
@@ -138,14 +140,8 @@ with tempfile.TemporaryDirectory() as tmp:
     for arch, kv in [("llama", "f16"), ("llama", "bf16"), ("llama", "fp8"), ("gpt-oss", "fp8"),
                      ("deepseek-v3", "fp8")]:
         want = json.loads(generate(models[arch], ["--kv-cache-dtype", kv], "cpu").stdout)
-        r = generate(models[arch], ["--kv-cache-dtype", kv], "cuda")
-        if r.returncode != 0:
-            check(False, f"{arch} KV {kv}: ran on the GPU: {r.stderr[-800:]}")
-            continue
-        got = json.loads(r.stdout)
-        d = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
-        check(got["tokens"] == want["tokens"] and d <= TOL,
-              f"{arch} KV {kv}: the CPU's tokens, max |dlogprob| {d:.1e} <= {TOL}")
+        agrees(f"{arch} KV {kv}", generate(models[arch], ["--kv-cache-dtype", kv], "cuda"), want,
+               TOL)
 
     # Speculative decoding on the GPU: a draft model (a Q4_K GGUF of the vocabulary) on the
     # leader's GPU, and DeepSeek-V3's MTP layer on the last stage's; the CPU's plain greedy tokens,
