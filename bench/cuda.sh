@@ -76,6 +76,12 @@ for m in $MODELS; do
     ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" --batch "$batches" --steps 64 \
       --prompt-tokens "$prompt")
     echo "$ours"
+    if [ "$type" = fp8 ] && [ "${BENCH_FP8_DIRECT:-1}" = 1 ]; then
+      # FP8's direct GEMV beside the row, same machine (BENCH_FP8_DIRECT=0: not).
+      SHARDSERVE_CUDA_FP8_GEMV=direct "$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" \
+        --batch "$batches" --steps 64 --prompt-tokens "$prompt" | grep -E '^decode batch' |
+        sed 's/^/[fp8 direct] /'
+    fi
     if [ "$type" != bf16 ] && [ "$type" != fp8 ]; then
       # The float GEMV (F32 inputs; the default is dp4a) beside the GGUF row, same machine
       # (BENCH_QUANT_FLOAT=0: not).

@@ -52,6 +52,7 @@ const StringVar kStrings[] = {
     {"SHARDSERVE_REASONING_PARSER", &WorkerEnv::reasoning_parser},
     {kCudaAttnKernelEnv, &WorkerEnv::cuda_attention_kernel},
     {kCudaQuantGemvEnv, &WorkerEnv::cuda_quant_gemv},
+    {kCudaFp8GemvEnv, &WorkerEnv::cuda_fp8_gemv},
     {kCpuKernelsEnv, &WorkerEnv::cpu_kernels},
     {"SHARDSERVE_KV_ROLE", &WorkerEnv::kv_role},
     {"SHARDSERVE_KV_CACHE_DTYPE", &WorkerEnv::kv_cache_dtype},

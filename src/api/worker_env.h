@@ -70,6 +70,7 @@ inline constexpr char kRequestEnv[] = "SHARDSERVE_REQUEST";
 inline constexpr char kStageLayersEnv[] = "SHARDSERVE_STAGE_LAYERS";
 inline constexpr char kCudaAttnKernelEnv[] = "SHARDSERVE_CUDA_ATTN_KERNEL";
 inline constexpr char kCudaQuantGemvEnv[] = "SHARDSERVE_CUDA_QUANT_GEMV";
+inline constexpr char kCudaFp8GemvEnv[] = "SHARDSERVE_CUDA_FP8_GEMV";
 inline constexpr char kCudaLoraEnv[] = "SHARDSERVE_CUDA_LORA";
 inline constexpr char kCpuKernelsEnv[] = "SHARDSERVE_CPU_KERNELS";
 
@@ -114,10 +115,12 @@ struct WorkerEnv {
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
   // The CUDA backend's decode kernels: the attention kernel forced (split, split-batched, heads;
-  // "": the shape chooses) and the quantized GEMV (dp4a, the default, or float); the CUDA stage
-  // backend reads the names (backend/cuda/cuda_backend.h), a CPU rank ignores them.
+  // "": the shape chooses), the quantized GEMV (dp4a, the default, or float) and FP8's (staged,
+  // the default, or direct); the CUDA stage backend reads the names
+  // (backend/cuda/cuda_backend.h), a CPU rank ignores them.
   std::string cuda_attention_kernel;
   std::string cuda_quant_gemv = "dp4a";
+  std::string cuda_fp8_gemv = "staged";
   // The CPU backend's kernel level (backend/cpu/cpu_features.h): auto (the widest the CPU has),
   // avx2, avx512 or avx512bf16 (to force one: tests and comparisons); a level the CPU lacks
   // fails the rank.

@@ -169,8 +169,14 @@ absl::StatusOr<cuda::KernelChoice> CudaKernelsOf(const WorkerEnv& env) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", kCudaQuantGemvEnv, "=", gemv.status().message()));
   }
+  absl::StatusOr<cuda::Fp8GemvMode> fp8 = cuda::Fp8GemvNamed(env.cuda_fp8_gemv);
+  if (!fp8.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", kCudaFp8GemvEnv, "=", fp8.status().message()));
+  }
   k.attention = *attention;
   k.quant_gemv = *gemv;
+  k.fp8_gemv = *fp8;
   return k;
 }
 #endif

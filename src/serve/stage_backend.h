@@ -23,8 +23,8 @@ struct RankConfig;
 struct WorkerEnv;
 
 #ifdef SHARDSERVE_WITH_CUDA
-// The CUDA kernels the contract chooses (SHARDSERVE_CUDA_ATTN_KERNEL, SHARDSERVE_CUDA_QUANT_GEMV);
-// a name the backend does not know is an error naming the variable.
+// The CUDA kernels the contract chooses (SHARDSERVE_CUDA_ATTN_KERNEL, SHARDSERVE_CUDA_QUANT_GEMV,
+// SHARDSERVE_CUDA_FP8_GEMV); a name the backend does not know is an error naming the variable.
 absl::StatusOr<cuda::KernelChoice> CudaKernelsOf(const WorkerEnv& env);
 #endif
 

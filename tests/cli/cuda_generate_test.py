@@ -132,6 +132,13 @@ with tempfile.TemporaryDirectory() as tmp:
         want = json.loads(generate(models[arch], [], "cpu").stdout)
         agrees(f"{arch} dp4a", generate(models[arch], [], "cuda"), want, DP4A_TOL, prefix=True)
 
+    # FP8's direct GEMV (SHARDSERVE_CUDA_FP8_GEMV=direct, off by default until a GPU has judged
+    # it): the same values (each byte times its scale, one rounding) in another order of sums.
+    for arch in ["llama-fp8-128", "qwen3-fp8-tensor"]:
+        want = json.loads(generate(models[arch], [], "cpu").stdout)
+        agrees(f"{arch} FP8 direct", generate(models[arch], [], "cuda",
+                                             env={"SHARDSERVE_CUDA_FP8_GEMV": "direct"}), want, TOL)
+
     # The KV cache in another dtype (kvCacheDtype) on the GPU against the CPU's with the same
     # dtype (the BF16 models above already keep theirs in BF16): full attention with head groups
     # in F16, BF16 and FP8, a window with sinks and DeepSeek's latent cache in FP8. Both backends

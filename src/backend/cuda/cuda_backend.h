@@ -29,10 +29,20 @@ absl::StatusOr<AttentionKernel> AttentionKernelNamed(std::string_view name);
 enum class QuantGemvMode { kFloat, kDp4a };
 absl::StatusOr<QuantGemvMode> QuantGemvNamed(std::string_view name);
 
+// FP8's decode GEMV (SHARDSERVE_CUDA_FP8_GEMV; F8_128 blocks): staged (the default: the
+// quantized float kernel, a warp staging 32-value chunks through shared memory; 148.4 tok/s for
+// the Llama-3-8B shape at batch 1 on an H200, 0.82x its BF16) or direct (each lane reads 4 bytes
+// of every block straight from memory, 128 bytes a warp a load, and multiplies them with F32
+// inputs: written without a GPU, off until a GPU run has passed and timed it). Any other name is
+// an error naming it.
+enum class Fp8GemvMode { kStaged, kDirect };
+absl::StatusOr<Fp8GemvMode> Fp8GemvNamed(std::string_view name);
+
 // The kernels a backend runs where it has several; NewBackend takes them, Context keeps them.
 struct KernelChoice {
   AttentionKernel attention = AttentionKernel::kByShape;
   QuantGemvMode quant_gemv = QuantGemvMode::kDp4a;
+  Fp8GemvMode fp8_gemv = Fp8GemvMode::kStaged;
 };
 
 // Number of usable GPUs; 0 when there is no GPU or no driver.

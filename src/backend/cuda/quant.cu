@@ -229,6 +229,38 @@ __global__ void EmbedKernel(const uint8_t* table, int64_t row_bytes, int64_t col
   }
 }
 
+// FP8 decode, direct (SHARDSERVE_CUDA_FP8_GEMV=direct): one warp per output row, as
+// QuantGemvKernel, walking the row's F8_128 blocks (an F32 scale and 128 E4M3 bytes, 132 bytes,
+// 4-byte aligned): lane l reads the block's bytes 4l .. 4l + 3 (the warp's 32 loads one 128-byte
+// line) and the matching 4 inputs of each row of x, each value one rounding of byte x scale as
+// Blocks<kF8_128>::Chunk gives. cols: a multiple of 128.
+template <int M>
+__global__ void __launch_bounds__(kQuantWarps * 32)
+    Fp8GemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ x) {
+  int i;
+  int64_t row;
+  if (!GroupRow(g, blockIdx.x * kQuantWarps + threadIdx.x / 32, &i, &row)) return;
+  const uint8_t* w =
+      static_cast<const uint8_t*>(g.w[i]) + row * BytesOf<DType::kF8_128>(g.stride[i]);
+  const int lane = threadIdx.x % 32;
+  float acc[M] = {};
+#pragma unroll 4
+  for (int64_t b = 0; b < cols / 128; ++b) {
+    const uint8_t* block = w + b * 132;
+    const float s = __ldg(reinterpret_cast<const float*>(block)) * 256.f;
+    const uint32_t u = __ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane);
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = F8AsHalfTimes256th(u >> (8 * e)) * s;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(x + m * cols + b * 128) + lane);
+      acc[m] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
+    }
+  }
+  WriteWarpSums(acc, g.y[i], g.rows[i], row);
+}
+
 // Grid (row blocks, slots); one warp per output row of the slot's expert (gemm.cu's
 // ExpertMatVecKernel for quantized experts).
 template <DType D>
@@ -307,9 +339,25 @@ absl::StatusOr<QuantGemvMode> QuantGemvNamed(std::string_view name) {
       "expanded to F32)"));
 }
 
+absl::StatusOr<Fp8GemvMode> Fp8GemvNamed(std::string_view name) {
+  if (name.empty() || name == "staged") return Fp8GemvMode::kStaged;
+  if (name == "direct") return Fp8GemvMode::kDirect;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "'", std::string(name),
+      "' must be staged (chunks through shared memory, the default) or direct (each block read "
+      "straight by the warp)"));
+}
+
 absl::Status QuantGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,
                             const float* x, int64_t M) {
   const unsigned blocks = static_cast<unsigned>((g.end[g.n - 1] + kQuantWarps - 1) / kQuantWarps);
+  if (dtype == DType::kF8_128 && ctx.kernels().fp8_gemv == Fp8GemvMode::kDirect &&
+      cols % 128 == 0) {
+    GemvRounds(g, cols, x, M, [&](auto rows, const GemvGroup& round, const float* xr) {
+      Fp8GemvKernel<decltype(rows)::value><<<blocks, kQuantWarps * 32>>>(round, cols, xr);
+    });
+    return Check(cudaGetLastError(), "FP8 GEMV launch");
+  }
   if (ctx.kernels().quant_gemv == QuantGemvMode::kDp4a && dtype != DType::kF8_128) {
     const int64_t chunks = M * cols / 32;
     ASSIGN_OR_RETURN(void* scratch, ctx.Scratch(static_cast<size_t>(chunks) * (32 + 8)));

@@ -78,6 +78,7 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   ASSERT_TRUE(CudaKernelsOf(env).ok());
   EXPECT_EQ(CudaKernelsOf(env)->attention, AttentionKernel::kByShape);
   EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kDp4a);
+  EXPECT_EQ(CudaKernelsOf(env)->fp8_gemv, cuda::Fp8GemvMode::kStaged);
   for (const auto& [name, kernel] : {std::pair{"split", AttentionKernel::kSplit},
                                      std::pair{"split-batched", AttentionKernel::kSplitBatched},
                                      std::pair{"heads", AttentionKernel::kHeads}}) {
@@ -87,6 +88,8 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   }
   env.cuda_quant_gemv = "float";
   EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kFloat);
+  env.cuda_fp8_gemv = "direct";
+  EXPECT_EQ(CudaKernelsOf(env)->fp8_gemv, cuda::Fp8GemvMode::kDirect);
   env.cuda_attention_kernel = "1";
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_ATTN_KERNEL='1' must be "
@@ -96,6 +99,11 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_QUANT_GEMV='int4' must "
                                    "be dp4a"));
+  env.cuda_quant_gemv = "";
+  env.cuda_fp8_gemv = "fast";
+  EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
+              ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_FP8_GEMV='fast' must "
+                                   "be staged"));
 }
 
 // LoRA's CUDA kernels can be switched off (SHARDSERVE_CUDA_LORA=off): a replica with adapters is
