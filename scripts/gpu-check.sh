@@ -154,7 +154,8 @@ check() {  # check NAME COMMAND...: runs it with its log in OUT/NAME.log; 77 is 
   esac
 }
 check cuda_tests "$BIN/cuda_tests"
-[ ! -f "$OUT/cuda_tests.log" ] || grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
+[ ! -f "$OUT/cuda_tests.log" ] ||
+  grep -E '^\[  (SKIPPED|FAILED) \] [A-Za-z/.0-9]+$' "$OUT/cuda_tests.log" | tee -a "$SUMMARY"
 # Attention chooses among three decode kernels by shape: each forced through the attention cases.
 for v in split split-batched heads; do
   check "cuda_attention_$v" env SHARDSERVE_CUDA_ATTN_KERNEL=$v "$BIN/cuda_tests" \
