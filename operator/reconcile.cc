@@ -134,7 +134,10 @@ PodView ReadPod(const json& pod) {
   v.started = v.phase != "Pending";
   for (const json& c : status.value("conditions", json::array())) {
     const std::string type = c.value("type", "");
-    if (type == "Ready") v.ready = c.value("status", "") == "True";
+    if (type == "Ready") {
+      v.ready = c.value("status", "") == "True";
+      if (v.ready) v.ready_since = ParseTime(c.value("lastTransitionTime", json()));
+    }
     if (type == "PodScheduled" && c.value("status", "") == "False" &&
         c.value("reason", "") == "Unschedulable") {
       v.unschedulable = true;
@@ -378,6 +381,9 @@ Observed Observe(int64_t index, const std::vector<const PodView*>& pods, bool cr
   o.ready = !o.live.empty() && o.missing.empty() && o.failure.empty() &&
             std::all_of(o.live.begin(), o.live.end(),
                         [](const PodView* p) { return p->phase == "Running" && p->ready; });
+  if (o.ready) {
+    for (const PodView* p : o.live) o.ready_since = std::max(o.ready_since, p->ready_since);
+  }
   return o;
 }
 
@@ -572,7 +578,15 @@ Decision Decide(const ModelView& m, const std::vector<PodView>& pods, const json
     if (v.delete_live) DeleteLive(o, d);
     if (v.place) d.place.push_back(index);
     for (int64_t s : v.create_stages) d.creates.push_back({index, s, v.state.nodes});
-    if (v.state.phase == ReplicaPhase::kReady) ++serving;
+    if (v.state.phase == ReplicaPhase::kReady) {
+      // Serving for a rollout only once it has stayed ready for timing.min_ready.
+      const absl::Time settled = o.ready_since + timing.min_ready;
+      if (settled <= now) {
+        ++serving;
+      } else {
+        d.requeue_after = std::min(d.requeue_after, settled - now);
+      }
+    }
     if (v.outdated_serving || v.cordoned_serving) outdated_serving.push_back(index);
     if (v.cordoned_serving) cordoned.insert(index);
     d.restarts += v.restart ? 1 : 0;

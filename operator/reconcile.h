@@ -52,8 +52,10 @@ struct PodView {
   std::string node;                    // spec.nodeName once bound
   std::string phase;                   // Pending, Running, Succeeded, Failed, Unknown
   bool ready = false;                  // condition Ready=True
-  bool deleting = false;               // metadata.deletionTimestamp set
-  bool unschedulable = false;          // PodScheduled=False, reason Unschedulable
+  // Since when, while ready: the condition's lastTransitionTime (InfinitePast: not said).
+  absl::Time ready_since = absl::InfinitePast();
+  bool deleting = false;       // metadata.deletionTimestamp set
+  bool unschedulable = false;  // PodScheduled=False, reason Unschedulable
   std::string unschedulable_message;
   bool node_cordoned = false;  // bound to a node marked unschedulable (cordoned, drained)
   bool started = false;        // has run: phase past Pending
@@ -114,6 +116,11 @@ struct Timing {
   absl::Duration backoff_max = absl::Minutes(5);
   absl::Duration backoff_reset = absl::Minutes(10);
   absl::Duration placement_retry = absl::Seconds(30);
+  // A ready replica counts as serving, for a rollout or a move to take another down, once every
+  // pod of it has been Ready this long (a Deployment's minReadySeconds): a pod whose Ready
+  // condition flaps just after it starts (seen in e2e.real_nodes: True, then False for a second)
+  // must not let the last serving replica go.
+  absl::Duration min_ready = absl::Seconds(5);
 };
 
 // The last non-empty line of a message (a container's termination message: the first failing
@@ -178,19 +185,20 @@ namespace decide {
 // What the reconciler sees of one replica index.
 struct Observed {
   int64_t index = 0;
-  std::vector<const PodView*> pods;  // every pod, deleting ones included
-  std::vector<const PodView*> live;  // not being deleted
-  bool outdated = false;             // a live pod at another revision
-  bool ready = false;                // every stage live, Running and Ready
-  std::string failure;               // why the replica failed
-  std::string unschedulable;         // a pod unschedulable past the timeout
-  std::string waiting;               // a pod unschedulable, not yet for that long
-  std::string stuck;                 // a pod that cannot start (image, volume, configuration)
-  std::string starting;              // what its pods that are not ready are doing
-  std::vector<int64_t> missing;      // stages without a live pod
-  bool unbound = false;              // a live pod not yet bound to its node
-  bool started = false;              // a pod of it has run
-  std::string cordoned;              // the cordoned node a live pod of it runs on
+  std::vector<const PodView*> pods;               // every pod, deleting ones included
+  std::vector<const PodView*> live;               // not being deleted
+  bool outdated = false;                          // a live pod at another revision
+  bool ready = false;                             // every stage live, Running and Ready
+  absl::Time ready_since = absl::InfinitePast();  // ready: since its last pod became Ready
+  std::string failure;                            // why the replica failed
+  std::string unschedulable;                      // a pod unschedulable past the timeout
+  std::string waiting;                            // a pod unschedulable, not yet for that long
+  std::string stuck;             // a pod that cannot start (image, volume, configuration)
+  std::string starting;          // what its pods that are not ready are doing
+  std::vector<int64_t> missing;  // stages without a live pod
+  bool unbound = false;          // a live pod not yet bound to its node
+  bool started = false;          // a pod of it has run
+  std::string cordoned;          // the cordoned node a live pod of it runs on
 };
 // `creating`: the last status had the replica Placing, so stages missing without a trace of
 // deletion are an interrupted creation, not a failure. `requeue` is lowered to when the pods

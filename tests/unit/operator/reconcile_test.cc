@@ -76,6 +76,10 @@ class PodBuilder {
     p_.ready = false;
     return *this;
   }
+  PodBuilder& ReadySince(absl::Time t) {
+    p_.ready_since = t;
+    return *this;
+  }
   PodBuilder& Failed() {
     p_.phase = "Failed";
     p_.ready = false;
@@ -287,9 +291,19 @@ TEST(Decide, RolloutTakesDownOneServingReplicaAtATimeHighestFirst) {
   pods.push_back(PodBuilder(m, 2, 1).NotReady());
   d = Decide(m, pods, json::object(), kNow, {});
   EXPECT_TRUE(d.deletes.empty());
-  // Ready: replica 1 is next.
+  // Ready for a second (a Ready condition can flap just after a pod starts): it does not count
+  // as serving yet, and the model is looked at again when it has been ready for min_ready.
   pods.resize(4);
-  for (const PodView& p : Replica(m, 2)) pods.push_back(p);
+  pods.push_back(PodBuilder(m, 2, 0).ReadySince(kNow - absl::Seconds(1)));
+  pods.push_back(PodBuilder(m, 2, 1).ReadySince(kNow - absl::Seconds(3)));
+  d = Decide(m, pods, json::object(), kNow, {});
+  EXPECT_TRUE(d.deletes.empty());
+  EXPECT_EQ(State(d, 2).phase, ReplicaPhase::kReady);
+  EXPECT_EQ(d.requeue_after, absl::Seconds(4));
+  // Ready for min_ready: replica 1 is next.
+  pods.resize(4);
+  pods.push_back(PodBuilder(m, 2, 0).ReadySince(kNow - absl::Seconds(5)));
+  pods.push_back(PodBuilder(m, 2, 1).ReadySince(kNow - absl::Seconds(30)));
   d = Decide(m, pods, json::object(), kNow, {});
   EXPECT_EQ(Deleted(d), (std::vector<std::string>{"m-1-1", "m-1-0"}));
 }
@@ -716,7 +730,8 @@ TEST(ReadPod, ReadsLabelsPlanAndTrouble) {
                  "ownerReferences": [{"uid": "owner", "controller": true}]},
     "spec": {"nodeName": "a"},
     "status": {"phase": "Running",
-               "conditions": [{"type": "Ready", "status": "True"}],
+               "conditions": [{"type": "Ready", "status": "True",
+                               "lastTransitionTime": "2027-01-15T08:01:30Z"}],
                "containerStatuses": [{"name": "worker", "restartCount": 1,
                                       "state": {"running": {}}}]}})");
   const PodView v = ReadPod(pod);
@@ -726,6 +741,8 @@ TEST(ReadPod, ReadsLabelsPlanAndTrouble) {
   EXPECT_EQ(v.owner_uid, "owner");
   EXPECT_EQ(v.placement, (std::vector<std::string>{"a", "b"}));
   EXPECT_TRUE(v.ready);
+  EXPECT_EQ(v.ready_since,
+            absl::FromCivil(absl::CivilSecond(2027, 1, 15, 8, 1, 30), absl::UTCTimeZone()));
   EXPECT_TRUE(v.started);
   EXPECT_EQ(v.created,
             absl::FromCivil(absl::CivilSecond(2027, 1, 15, 8, 0, 0), absl::UTCTimeZone()));
