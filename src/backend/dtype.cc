@@ -96,15 +96,21 @@ uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// Through the compiler's _Float16 (IEEE binary16, round to nearest even): this file is built
-// for the baseline ISA, the kernels convert with F16C themselves.
+// Through the compiler's half type (IEEE binary16, round to nearest even): _Float16, or on ARM
+// __fp16 (GCC 12's C++ has no _Float16 there). This file is built for the baseline ISA, the x86
+// kernels convert with F16C themselves.
+#if defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
 float F16ToF32(uint16_t v) {
-  _Float16 h;
+  Half h;
   std::memcpy(&h, &v, 2);
   return static_cast<float>(h);
 }
 uint16_t F32ToF16(float f) {
-  const _Float16 h = static_cast<_Float16>(f);
+  const Half h = static_cast<Half>(f);
   uint16_t v;
   std::memcpy(&v, &h, 2);
   return v;

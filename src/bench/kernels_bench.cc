@@ -13,7 +13,7 @@
 #include "common/args.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
-#include "devtools/gguf_convert.h"
+#include "devtools/quantize_row.h"
 
 namespace shardserve {
 namespace {

@@ -1,7 +1,6 @@
 #include "comm/shm_comm.h"
 
 #include <fcntl.h>
-#include <immintrin.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/cpu_relax.h"
 
 namespace shardserve {
 
@@ -204,7 +204,7 @@ template <typename Pred>
 absl::Status ShmCommunicator::WaitUntil(Pred done, int peer) {
   for (uint64_t spins = 0; !done(); ++spins) {
     if (spins < 2000) {
-      _mm_pause();
+      CpuRelax();
       continue;
     }
     if (spins % 64 == 0) {

@@ -1,9 +1,9 @@
 #include "common/thread_pool.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
+
+#include "common/cpu_relax.h"
 
 namespace shardserve {
 namespace {
@@ -28,7 +28,7 @@ bool ThreadPool::SpinUntil(Pred pred) {
   const auto deadline = std::chrono::steady_clock::now() + kSpin;
   for (int i = 1;; ++i) {
     if (pred()) return true;
-    _mm_pause();
+    CpuRelax();
     if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) return pred();
   }
 }

@@ -1,5 +1,9 @@
 #include "backend/cpu/cpu_features.h"
 
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
+
 #include <atomic>
 #include <string>
 #include <vector>
@@ -13,12 +17,22 @@ namespace {
 
 std::atomic<int> g_level{-1};                           // KernelLevel once chosen
 constexpr char kVariable[] = "SHARDSERVE_CPU_KERNELS";  // api/worker_env.h's, named in errors
+#if SHARDSERVE_PORTABLE_KERNELS
+constexpr bool kPortable = true;
+#else
+constexpr bool kPortable = false;
+#endif
 
 }  // namespace
 
 CpuFeatures CpuFeatures::Detect() {
-  __builtin_cpu_init();
   CpuFeatures f;
+#if defined(__aarch64__)
+  const unsigned long hwcap = getauxval(AT_HWCAP);
+  f.neon = (hwcap & (1UL << 1)) != 0;      // HWCAP_ASIMD
+  f.dotprod = (hwcap & (1UL << 20)) != 0;  // HWCAP_ASIMDDP
+#elif defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
   f.avx2 = __builtin_cpu_supports("avx2");
   f.fma = __builtin_cpu_supports("fma");
   f.f16c = __builtin_cpu_supports("f16c");
@@ -26,10 +40,12 @@ CpuFeatures CpuFeatures::Detect() {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
+#endif
   return f;
 }
 
 absl::Status CheckCpu(const CpuFeatures& have) {
+  if (kPortable) return absl::OkStatus();
   std::vector<std::string> missing;
   if (!have.avx2) missing.push_back("AVX2");
   if (!have.fma) missing.push_back("FMA");
@@ -48,11 +64,27 @@ const char* KernelLevelName(KernelLevel level) {
       return "avx512";
     case KernelLevel::kAvx512Bf16:
       return "avx512bf16";
+    case KernelLevel::kPortable:
+      return "portable";
   }
   return "avx2";
 }
 
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked) {
+  if (kPortable) {
+    if (asked.empty() || asked == "auto" || asked == "portable") return KernelLevel::kPortable;
+    if (asked == "avx2" || asked == "avx512" || asked == "avx512bf16") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          kVariable, "=", std::string(asked),
+          ": this build carries the portable kernels only (its CPU is not x86-64, or it "
+          "was built with SHARDSERVE_PORTABLE_KERNELS)"));
+    }
+  } else if (asked == "portable") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        kVariable,
+        "=portable: this x86-64 build carries the AVX2 and AVX-512 kernels; the portable ones are "
+        "built for other CPUs (or with the CMake option SHARDSERVE_PORTABLE_KERNELS)"));
+  }
   if (asked.empty() || asked == "auto") {
     // The widest whose arithmetic is F32's: kAvx512Bf16 rounds activations, only when asked.
     return have.avx512 ? KernelLevel::kAvx512 : KernelLevel::kAvx2;
@@ -68,8 +100,8 @@ absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::stri
     return absl::FailedPreconditionError(
         absl::StrCat(kVariable, "=avx512bf16: this CPU lacks AVX512-BF16"));
   }
-  return absl::InvalidArgumentError(absl::StrCat(kVariable, "='", std::string(asked),
-                                                 "' must be auto, avx2, avx512 or avx512bf16"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      kVariable, "='", std::string(asked), "' must be auto, avx2, avx512, avx512bf16 or portable"));
 }
 
 KernelLevel ActiveKernelLevel() {
@@ -94,6 +126,13 @@ absl::Status UseKernelLevel(std::string_view asked) {
 std::string DescribeKernels() {
   const CpuFeatures have = CpuFeatures::Detect();
   std::vector<std::string> also;
+  if (kPortable) {
+    if (have.neon) also.push_back("NEON");
+    if (have.dotprod) also.push_back("dot product");
+    return absl::StrCat(
+        KernelLevelName(ActiveKernelLevel()),
+        also.empty() ? "" : absl::StrCat(" (", absl::StrJoin(also, ", "), " present)"));
+  }
   if (have.avx512_bf16) also.push_back("BF16");
   if (have.avx512_vnni) also.push_back("VNNI");
   return absl::StrCat(

@@ -1,8 +1,11 @@
 #pragma once
 // The instruction sets the CPU backend's kernels need, checked at run time, and the kernel level
-// chosen for this machine. The kernels (backend/cpu: cpu_backend, kernels, quant, sampling) are
-// compiled for x86-64-v3 (AVX2, FMA, F16C); everything else is built for the baseline, so a CPU
-// without them gets this error from the model loader instead of an illegal instruction. Wider
+// chosen for this machine. On x86-64 the kernels (backend/cpu: cpu_backend, kernels, quant,
+// sampling) are compiled for x86-64-v3 (AVX2, FMA, F16C); everything else is built for the
+// baseline, so a CPU without them gets this error from the model loader instead of an illegal
+// instruction. Any other CPU (ARM) builds the portable kernels (kernels_portable.cc,
+// quant_portable.cc: SHARDSERVE_PORTABLE_KERNELS, which an x86-64 build can choose too), one
+// level, kPortable, that runs on every CPU the compiler targets (ARM: NEON). Wider
 // kernels (AVX-512: kernels_avx512.cc; AVX512-BF16: kernels_avx512bf16.cc) are built alongside in
 // their own sources and run where the CPU has them (KernelLevel), unless the worker contract's
 // SHARDSERVE_CPU_KERNELS (api/worker_env.h) asks for a lower level: whoever runs the model sets it
@@ -20,21 +23,24 @@ struct CpuFeatures {
   // AVX-512 foundation with its byte/word and vector-length extensions (KernelLevel::kAvx512),
   // its BF16 dot products (kAvx512Bf16) and VNNI (reported).
   bool avx512 = false, avx512_bf16 = false, avx512_vnni = false;
-  static CpuFeatures Detect();  // this machine's, from CPUID
+  // ARM (reported): Advanced SIMD (NEON) and its dot product extension.
+  bool neon = false, dotprod = false;
+  static CpuFeatures Detect();  // this machine's, from CPUID or (ARM) the kernel's HWCAP
 };
 
-// FailedPrecondition naming each missing feature when `have` cannot run the kernels.
+// FailedPrecondition naming each missing feature when `have` cannot run the kernels (the portable
+// kernels run on any CPU).
 absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 
 // The kernels the CPU backend runs, narrowest first: AVX2; AVX-512's wider tiles, bit for bit
 // AVX2's results; and with them BF16 weights multiplied by AVX512-BF16's dot products against
 // activations rounded to BF16 (kernels_avx512.h), as llama.cpp does: another arithmetic, run only
-// when asked for by name.
-enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16 };
+// when asked for by name. A portable build has kPortable alone; an x86-64 build the other three.
+enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16, kPortable };
 const char* KernelLevelName(KernelLevel level);
 // The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs in F32
-// arithmetic: avx512 or avx2; avx2; avx512; avx512bf16), refused naming the variable when `have`
-// lacks it or it names no level.
+// arithmetic: avx512 or avx2, or portable in a portable build; avx2; avx512; avx512bf16;
+// portable), refused naming the variable when `have` or this build lacks it or it names no level.
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
 // The level the kernels run in this process: auto's unless set.
 KernelLevel ActiveKernelLevel();
@@ -43,8 +49,8 @@ KernelLevel ActiveKernelLevel();
 void SetKernelLevel(KernelLevel level);
 // SetKernelLevel of ChooseKernelLevel(this CPU, asked).
 absl::Status UseKernelLevel(std::string_view asked);
-// "avx512 (AVX-512 BF16, VNNI present)": the active level and what else the CPU offers, for the
-// log and the metrics.
+// "avx512 (AVX-512 BF16, VNNI present)", "portable (NEON, dot product present)": the active level
+// and what else the CPU offers, for the log and the metrics.
 std::string DescribeKernels();
 
 }  // namespace shardserve::cpu

@@ -30,6 +30,8 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cpu/simd_x86.h"
+
 namespace shardserve::cpu {
 namespace {
 

@@ -1,8 +1,6 @@
 #pragma once
 // Block-quantized weights on the CPU, and what the kernels share (internal to backend/cpu;
 // kernels.h is the interface).
-#include <immintrin.h>
-
 #include <cstdint>
 #include <vector>
 
@@ -10,36 +8,6 @@
 #include "common/thread_pool.h"
 
 namespace shardserve::cpu {
-
-// The sum of a vector's 8 floats.
-inline float HSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
-// Transposes the 8x8 block r[0..7] in place: r[j] gets element j of each r[i] (the packing of
-// weight rows for the GEMM; any 32-bit values, moved as floats).
-inline void Transpose8x8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
 
 // The first byte of row r of w (any dtype).
 inline const uint8_t* RowPtr(const WeightMatrix& w, int64_t r) {
@@ -76,10 +44,14 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
 // The layout the CPU backend keeps a file's type in (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as
 // Q4_1X; the others as they are), and the file's type a kept layout was repacked from.
 constexpr DType KeptType(DType file) {
+#if SHARDSERVE_PORTABLE_KERNELS
+  return file;  // the portable kernels read every type as the file has it
+#else
   return file == DType::kQ4_K   ? DType::kQ4_KX
          : file == DType::kQ6_K ? DType::kQ6_KX
          : file == DType::kQ4_1 ? DType::kQ4_1X
                                 : file;
+#endif
 }
 constexpr DType FileType(DType kept) {
   return kept == DType::kQ4_KX   ? DType::kQ4_K

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
-#include "devtools/gguf_convert.h"
+#include "devtools/quantize_row.h"
 
 namespace shardserve::testing {
 

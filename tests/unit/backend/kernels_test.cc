@@ -15,7 +15,7 @@
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/quant.h"
 #include "backend_ops_test.h"
-#include "devtools/gguf_convert.h"
+#include "devtools/quantize_row.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -43,10 +43,11 @@ Weights MakeWeights(DType dtype, int64_t n, std::mt19937& rng) {
   return w;
 }
 
-// The kernel levels this CPU runs (cpu_features.h), narrowest first.
+// The kernel levels this CPU and this build run (cpu_features.h), narrowest first.
 std::vector<KernelLevel> LevelsOfThisCpu() {
   std::vector<KernelLevel> levels;
-  for (KernelLevel l : {KernelLevel::kAvx2, KernelLevel::kAvx512, KernelLevel::kAvx512Bf16}) {
+  for (KernelLevel l : {KernelLevel::kAvx2, KernelLevel::kAvx512, KernelLevel::kAvx512Bf16,
+                        KernelLevel::kPortable}) {
     if (ChooseKernelLevel(CpuFeatures::Detect(), KernelLevelName(l)).ok()) levels.push_back(l);
   }
   return levels;
@@ -65,7 +66,7 @@ double ActivationAt(KernelLevel level, DType dtype, float x) {
 TEST(KernelsTest, MatMulMatchesReference) {
   std::mt19937 rng(1);
   const KernelLevel before = ActiveKernelLevel();
-  for (const auto [level, dtype] : [] {
+  for (const auto& [level, dtype] : [] {
          std::vector<std::pair<KernelLevel, DType>> cases;
          for (KernelLevel l : LevelsOfThisCpu()) {
            for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) cases.emplace_back(l, d);
@@ -450,6 +451,7 @@ TEST(KernelsTest, KQuantMatMulMatchesTheExpandedValues) {
   }
 }
 
+#if !SHARDSERVE_PORTABLE_KERNELS  // the portable kernels keep every type as the file has it
 // Q4_KX, Q6_KX and Q4_1X, the layouts the CPU backend keeps Q4_K, Q6_K and Q4_1 in: their rows
 // expand and multiply (decode batches, with the activations in their orders, and prefill) bit for
 // bit as the rows they were repacked from, Q4_1X also where a row ends in blocks short of a group
@@ -526,6 +528,7 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
     }
   }
 }
+#endif
 
 // A group of matrices that read the same x (q, k, v; gate, up) gives, row for row, what MatMul
 // gives for each: every dtype in one group (each quantized order, BF16's split input, F32), one
@@ -541,9 +544,10 @@ TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
       {DType::kQ4_KX, 11}, {DType::kQ6_KX, 7}, {DType::kQ4_1X, 9}, {DType::kF8_128, 21}};
   std::vector<std::string> storage;
   std::vector<WeightMatrix> ws;
-  for (auto [dtype, rows] : shapes) {
-    // The CPU's own layouts (all four activation orders in one group) repacked from their files'.
-    const DType file = FileType(dtype);
+  for (auto [kept, rows] : shapes) {
+    // The CPU's own layouts (x86-64: all four activation orders in one group) repacked from their
+    // files' (the portable kernels keep the files' layouts).
+    const DType file = FileType(kept), dtype = KeptType(file);
     std::vector<float> w(std::max<int64_t>(rows, 1) * K);
     for (float& v : w) v = dist(rng);
     std::string bytes;
@@ -590,6 +594,28 @@ TEST(KernelsTest, MatMulGroupMatchesMatMulForEach) {
   }
 }
 
+#if SHARDSERVE_PORTABLE_KERNELS
+// The portable kernels run on any CPU, at their one level; the x86-64 levels are refused by name
+// (this build does not carry them).
+TEST(KernelsTest, ThePortableKernelsRunOnAnyCpu) {
+  EXPECT_TRUE(CheckCpu().ok()) << CheckCpu();
+  EXPECT_TRUE(CheckCpu(CpuFeatures{}).ok());
+  EXPECT_EQ(*ChooseKernelLevel(CpuFeatures{}, ""), KernelLevel::kPortable);
+  EXPECT_EQ(*ChooseKernelLevel(CpuFeatures{}, "auto"), KernelLevel::kPortable);
+  EXPECT_EQ(*ChooseKernelLevel(CpuFeatures{}, "portable"), KernelLevel::kPortable);
+  CpuFeatures x86{true, true, true};
+  x86.avx512 = true;
+  EXPECT_THAT(std::string(ChooseKernelLevel(x86, "avx2").status().message()),
+              ::testing::HasSubstr(
+                  "SHARDSERVE_CPU_KERNELS=avx2: this build carries the portable kernels only"));
+  EXPECT_THAT(std::string(ChooseKernelLevel(x86, "sse4").status().message()),
+              ::testing::HasSubstr("must be auto, avx2, avx512, avx512bf16 or portable"));
+  EXPECT_THAT(DescribeKernels(), ::testing::StartsWith("portable"));
+#if defined(__aarch64__)
+  EXPECT_TRUE(CpuFeatures::Detect().neon) << "every AArch64 CPU has Advanced SIMD";
+#endif
+}
+#else
 // The kernels' instruction sets are checked before any runs: a CPU without them is refused naming
 // what it lacks (this machine has them all).
 TEST(KernelsTest, ACpuWithoutTheKernelsIsaIsRefusedByName) {
@@ -599,6 +625,7 @@ TEST(KernelsTest, ACpuWithoutTheKernelsIsaIsRefusedByName) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("this CPU lacks AVX2, F16C"));
 }
+#endif
 
 // The op conformance suite on the CPU backend, with one thread and with a pool that splits work.
 using testing::BackendCase;
@@ -643,6 +670,7 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
   }
 }
 
+#if !SHARDSERVE_PORTABLE_KERNELS  // x86-64's levels
 // Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would,
 // against AVX2's: the AVX-512 tiles compute the same arithmetic in the same order, so MatMul's
 // outputs are bit for bit AVX2's, for every float and quantized dtype (the repacked layouts the
@@ -753,11 +781,15 @@ TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForced) {
   EXPECT_THAT(
       std::string(ChooseKernelLevel(avx512, "avx512bf16").status().message()),
       ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512bf16: this CPU lacks AVX512-BF16"));
-  EXPECT_THAT(std::string(ChooseKernelLevel(avx512, "sse4").status().message()),
-              ::testing::HasSubstr(
-                  "SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512 or avx512bf16"));
+  EXPECT_THAT(
+      std::string(ChooseKernelLevel(avx512, "sse4").status().message()),
+      ::testing::HasSubstr(
+          "SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512, avx512bf16 or portable"));
+  EXPECT_THAT(std::string(ChooseKernelLevel(avx512, "portable").status().message()),
+              ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=portable: this x86-64 build carries"));
   EXPECT_THAT(DescribeKernels(), ::testing::StartsWith(KernelLevelName(ActiveKernelLevel())));
 }
+#endif
 
 using testing::BackendOpsTest;
 // A backend of `threads` threads at a kernel level: null (the tests skip) where this CPU lacks
@@ -781,6 +813,7 @@ INSTANTIATE_TEST_SUITE_P(
                       BackendCase{"avx2", AtLevel("avx2"), ActivationRounding},
                       BackendCase{"avx512", AtLevel("avx512"), ActivationRounding},
                       BackendCase{"avx512bf16", AtLevel("avx512bf16"), ActivationRounding},
+                      BackendCase{"portable", AtLevel("portable"), ActivationRounding},
                       BackendCase{"auto", AtLevel("auto"), ActivationRounding}),
     testing::BackendCaseName);
 

@@ -12,7 +12,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/quant_blocks.cuh"
-#include "devtools/gguf_convert.h"
+#include "devtools/quantize_row.h"
 
 namespace shardserve::cuda {
 namespace {

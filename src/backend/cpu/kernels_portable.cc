@@ -1,0 +1,140 @@
+// The CPU kernels in portable C++ (SHARDSERVE_PORTABLE_KERNELS, cpu_features.h's kPortable): what
+// every CPU that is not x86-64 builds (ARM servers and laptops), and what an x86-64 build can
+// choose in their place to test them. The float dot products are written in GCC's vector types,
+// four lanes at a time with four accumulators, which the compiler turns into the CPU's SIMD (ARM:
+// NEON's FMLA); the quantized types multiply integers as the x86 kernels do (quant_portable.cc).
+//
+// One shape for every batch: weight rows are converted to F32 (or unpacked to integers) a block
+// of kRowBlock at a time and multiplied with each token's activations, so each token's result is
+// the same whatever the batch (decode and prefill alike), and a token's activations are read once
+// per block of rows. Attention converts each cached row once for a GQA group (kernels_common.cc).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/quant.h"
+
+namespace shardserve::cpu {
+namespace {
+
+using F4 = float __attribute__((vector_size(16)));
+
+inline F4 Load4(const float* p) {
+  F4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Weight rows converted (or unpacked) at a time: 8 rows of a 4,096-value row in F32 are 128 KiB,
+// in L2, while each token's activations (16 KiB) stay in L1 across them.
+constexpr int64_t kRowBlock = 8;
+
+// Rows [b, e) of a float-dtype w (F32, F16, BF16, FP8 blocks) against the M tokens of x.
+void FloatRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int64_t ldx, int64_t M,
+               float* y, int64_t ldy) {
+  const int64_t K = w.cols;
+  thread_local std::vector<float> storage;
+  storage.resize(kRowBlock * K);
+  const float* rows[kRowBlock];
+  for (int64_t r0 = b; r0 < e; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, e - r0);
+    for (int64_t r = 0; r < nr; ++r) {
+      if (w.dtype == DType::kF32) {
+        rows[r] = reinterpret_cast<const float*>(RowPtr(w, r0 + r));
+      } else {
+        ToFloat(w.dtype, RowPtr(w, r0 + r), K, storage.data() + r * K);
+        rows[r] = storage.data() + r * K;
+      }
+    }
+    for (int64_t t = 0; t < M; ++t) {
+      for (int64_t r = 0; r < nr; ++r) y[t * ldy + r0 + r] = Dot(rows[r], x + t * ldx, K);
+    }
+  }
+}
+
+}  // namespace
+
+float Dot(const float* a, const float* b, int64_t n) {
+  F4 acc[4] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 4; ++j) acc[j] += Load4(a + i + 4 * j) * Load4(b + i + 4 * j);
+  }
+  for (; i + 4 <= n; i += 4) acc[0] += Load4(a + i) * Load4(b + i);
+  const F4 s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  float sum = (s[0] + s[1]) + (s[2] + s[3]);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void Axpy(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+void SiluMul(float* a, const float* b, int64_t n, ThreadPool& pool) {
+  pool.ParallelFor(n, 4096, [&](int, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float g = a[i];
+      a[i] = g / (1.0f + std::exp(-g)) * b[i];
+    }
+  });
+}
+
+float ExpMinusMax(float* scores, int64_t len, float mx) {
+  float sum = 0;
+  for (int64_t p = 0; p < len; ++p) {
+    scores[p] = std::exp(scores[p] - mx);
+    sum += scores[p];
+  }
+  return sum;
+}
+
+void AttendGroup(const float* const* q, int64_t G, const KvRows& kv, const void* const* k_blocks,
+                 const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
+                 float scale, const float* sinks, float* scores, float* const* out) {
+  AttendGroupRows(q, G, kv, k_blocks, v_blocks, bs, hd, begin, len, scale, sinks, scores, out);
+}
+
+void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
+                 ThreadPool& pool) {
+  if (M <= 0) return;
+  // The activations quantized once for every quantized target (the caller's storage, read by the
+  // workers); the targets share K.
+  thread_local Q16Activations quantized_storage;
+  Q16Activations& quantized = quantized_storage;
+  bool have_quantized = false;
+  // The targets' rows end to end; the pool splits them in blocks of rows.
+  std::vector<int64_t> offset(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const WeightMatrix& w = *targets[i].w;
+    offset[i + 1] = offset[i] + std::max<int64_t>(w.rows, 0);
+    if (UnpacksToInts(w.dtype) && !have_quantized) {
+      have_quantized = true;
+      QuantizeActivations(x, M, ldx, w.cols, kActivationsInOrder, pool, &quantized);
+    }
+  }
+  pool.ParallelFor(offset[n], kRowBlock, [&](int, int64_t b, int64_t e) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t r0 = std::max(b, offset[i]) - offset[i];
+      const int64_t r1 = std::min(e, offset[i + 1]) - offset[i];
+      if (r0 >= r1) continue;
+      const MatMulTarget& t = targets[i];
+      if (UnpacksToInts(t.w->dtype)) {
+        DecodeRows(*t.w, r0, r1, quantized, M, t.y, t.ldy);
+      } else {
+        FloatRows(*t.w, r0, r1, x, ldx, M, t.y, t.ldy);
+      }
+    }
+  });
+}
+
+void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+            ThreadPool& pool) {
+  const MatMulTarget target{&w, y, ldy};
+  MatMulGroup(&target, 1, x, M, ldx, pool);
+}
+
+}  // namespace shardserve::cpu
