@@ -96,21 +96,18 @@ uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// Through the compiler's half type (IEEE binary16, round to nearest even): _Float16, or on ARM
-// __fp16 (GCC 12's C++ has no _Float16 there). This file is built for the baseline ISA, the x86
-// kernels convert with F16C themselves.
+float F16ToF32(uint16_t v) { return HalfToF32(v); }
+
+// Through the compiler's half type (IEEE binary16, round to nearest even; ARM: __fp16, which GCC
+// 12's C++ has in place of _Float16): this file is built for the baseline ISA, the x86 kernels
+// convert with F16C themselves.
 #if defined(__aarch64__) || defined(__arm__)
-using Half = __fp16;
+using HalfFloat = __fp16;
 #else
-using Half = _Float16;
+using HalfFloat = _Float16;
 #endif
-float F16ToF32(uint16_t v) {
-  Half h;
-  std::memcpy(&h, &v, 2);
-  return static_cast<float>(h);
-}
 uint16_t F32ToF16(float f) {
-  const Half h = static_cast<Half>(f);
+  const HalfFloat h = static_cast<HalfFloat>(f);
   uint16_t v;
   std::memcpy(&v, &h, 2);
   return v;

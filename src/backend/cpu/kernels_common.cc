@@ -14,6 +14,15 @@
 
 namespace shardserve::cpu {
 
+const float* E4M3Values() {
+  static const auto* const kValues = [] {
+    auto* v = new float[256];
+    for (int b = 0; b < 256; ++b) v[b] = F8E4M3ToF32(static_cast<uint8_t>(b));
+    return v;
+  }();
+  return kValues;
+}
+
 void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
   if (UnpacksToInts(dtype)) return Dequantize(dtype, data, n, out);
   switch (dtype) {
@@ -21,18 +30,19 @@ void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
       std::copy_n(static_cast<const float*>(data), n, out);
       return;
     case DType::kF16:
-      for (int64_t i = 0; i < n; ++i) out[i] = F16ToF32(static_cast<const uint16_t*>(data)[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = HalfToF32(static_cast<const uint16_t*>(data)[i]);
       return;
     case DType::kBF16:
       for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToF32(static_cast<const uint16_t*>(data)[i]);
       return;
     case DType::kF8_128: {  // blocks of an F32 scale and 128 E4M3 bytes
       const auto* bytes = static_cast<const uint8_t*>(data);
+      const float* value = E4M3Values();
       for (int64_t i = 0; i < n; ++i) {
         const uint8_t* block = bytes + i / 128 * DTypeBlockBytes(DType::kF8_128);
         float s;
         std::memcpy(&s, block, 4);
-        out[i] = F8E4M3ToF32(block[4 + i % 128]) * s;
+        out[i] = value[block[4 + i % 128]] * s;
       }
       return;
     }
@@ -87,7 +97,8 @@ void KvToFloat(DType dtype, const void* src, int64_t n, float scale, float* out)
   switch (dtype) {
     case DType::kF8E4M3: {
       const auto* b = static_cast<const uint8_t*>(src);
-      for (int64_t i = 0; i < n; ++i) out[i] = F8E4M3ToF32(b[i]) * scale;
+      const float* value = E4M3Values();
+      for (int64_t i = 0; i < n; ++i) out[i] = value[b[i]] * scale;
       return;
     }
     case DType::kF32:

@@ -7,6 +7,9 @@
 
 namespace shardserve::cpu {
 
+// The values of the 256 E4M3 bytes (F8E4M3ToF32), built once (kernels_common.cc).
+const float* E4M3Values();
+
 // scores[p] = e^(scores[p] - mx) for p < len; returns their sum (per build).
 float ExpMinusMax(float* scores, int64_t len, float mx);
 

@@ -4,10 +4,11 @@
 // four lanes at a time with four accumulators, which the compiler turns into the CPU's SIMD (ARM:
 // NEON's FMLA); the quantized types multiply integers as the x86 kernels do (quant_portable.cc).
 //
-// One shape for every batch: weight rows are converted to F32 (or unpacked to integers) a block
-// of kRowBlock at a time and multiplied with each token's activations, so each token's result is
-// the same whatever the batch (decode and prefill alike), and a token's activations are read once
-// per block of rows. Attention converts each cached row once for a GQA group (kernels_common.cc).
+// One shape for every batch: each row's values are converted to F32 (or unpacked to integers) 256
+// at a time, into L1, and multiplied there with every token's activations, each token's sums kept
+// in vectors of its own: a row is read from memory once, and each token's result is the same
+// whatever the batch (decode and prefill alike). Attention converts each cached row once for a GQA
+// group (kernels_common.cc).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,29 +29,50 @@ inline F4 Load4(const float* p) {
   return v;
 }
 
-// Weight rows converted (or unpacked) at a time: 8 rows of a 4,096-value row in F32 are 128 KiB,
-// in L2, while each token's activations (16 KiB) stay in L1 across them.
+// Values of a row converted (F16, BF16, FP8 blocks; quantized types: unpacked, quant_portable.cc)
+// at a time into L1, where every token's activations meet them: the row is read from memory once.
+constexpr int64_t kChunk = 256;
+// Rows per piece of work for the pool.
 constexpr int64_t kRowBlock = 8;
 
-// Rows [b, e) of a float-dtype w (F32, F16, BF16, FP8 blocks) against the M tokens of x.
+// Rows [b, e) of a float-dtype w (F32 read in place; F16, BF16, FP8 blocks converted kChunk values
+// at a time) against the M tokens of x, each token's products in 4 vectors of 4 sums.
 void FloatRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int64_t ldx, int64_t M,
                float* y, int64_t ldy) {
   const int64_t K = w.cols;
-  thread_local std::vector<float> storage;
-  storage.resize(kRowBlock * K);
-  const float* rows[kRowBlock];
-  for (int64_t r0 = b; r0 < e; r0 += kRowBlock) {
-    const int64_t nr = std::min(kRowBlock, e - r0);
-    for (int64_t r = 0; r < nr; ++r) {
-      if (w.dtype == DType::kF32) {
-        rows[r] = reinterpret_cast<const float*>(RowPtr(w, r0 + r));
-      } else {
-        ToFloat(w.dtype, RowPtr(w, r0 + r), K, storage.data() + r * K);
-        rows[r] = storage.data() + r * K;
+  thread_local std::vector<F4> acc_storage;
+  thread_local std::vector<float> tail_storage;
+  acc_storage.resize(4 * M);
+  tail_storage.resize(M);
+  F4* const acc = acc_storage.data();
+  float* const tail = tail_storage.data();
+  alignas(16) float converted[kChunk];
+  for (int64_t r = b; r < e; ++r) {
+    std::fill_n(acc, 4 * M, F4{});
+    std::fill_n(tail, M, 0.0f);
+    const uint8_t* row = RowPtr(w, r);
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t n = std::min(kChunk, K - k0);
+      const float* v = reinterpret_cast<const float*>(row) + k0;
+      if (w.dtype != DType::kF32) {
+        ToFloat(w.dtype, row + DTypeBytes(w.dtype, k0), n, converted);
+        v = converted;
+      }
+      for (int64_t t = 0; t < M; ++t) {
+        F4* a = acc + 4 * t;
+        const float* xt = x + t * ldx + k0;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+          for (int j = 0; j < 4; ++j) a[j] += Load4(v + i + 4 * j) * Load4(xt + i + 4 * j);
+        }
+        for (; i + 4 <= n; i += 4) a[0] += Load4(v + i) * Load4(xt + i);
+        for (; i < n; ++i) tail[t] += v[i] * xt[i];
       }
     }
     for (int64_t t = 0; t < M; ++t) {
-      for (int64_t r = 0; r < nr; ++r) y[t * ldy + r0 + r] = Dot(rows[r], x + t * ldx, K);
+      const F4* a = acc + 4 * t;
+      const F4 s = (a[0] + a[1]) + (a[2] + a[3]);
+      y[t * ldy + r] = ((s[0] + s[1]) + (s[2] + s[3])) + tail[t];
     }
   }
 }

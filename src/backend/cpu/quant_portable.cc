@@ -2,15 +2,23 @@
 // the same arithmetic as quant.cc's, read from the file's own layouts (KeptType keeps every type
 // as the file has it). Each block of 32 weights unpacks to small integers, a factor (Q6_K: one
 // per 16 values) and a minimum; the activations are quantized per block of 32 to int16 (scale
-// max|x| / 32767) and multiplied as integers, summed in int32 (the compiler's SIMD: ARM's
-// SMLAL), then scaled in F32 with the minimum's term from the activations' exact block sums. So
-// a product differs from x86's only in the order F32 adds the blocks. (ARM's dot product
+// max|x| / 32767) and multiplied as integers, summed in int32 (ARM: NEON's SMLAL), then scaled in
+// F32 with the minimum's term from the activations' exact block sums. So a product differs from
+// x86's only in the order F32 adds the blocks. (ARM's dot product
 // extension multiplies int8, the activations' rounding quant.cc explains we do not take.)
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
 
 namespace shardserve::cpu {
@@ -21,7 +29,7 @@ constexpr int64_t kBlock = 32;
 inline float Half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return F16ToF32(h);
+  return HalfToF32(h);
 }
 
 // Q4_K's and Q5_K's 6-bit scale and minimum of block j (of 8) from their 12 packed bytes.
@@ -35,89 +43,155 @@ inline void ScaleMin(const uint8_t* s, int j, int* scale, int* min) {
   }
 }
 
-// One block of a file type (32 values; a K-quant super-block, 256) as UnpackInts states it.
-void UnpackBlock(DType d, const uint8_t* b, int16_t* q, float* factor, float* min) {
+// One block of file type D (32 values; a K-quant super-block, 256) as UnpackInts states it.
+template <DType D>
+inline void UnpackBlock(const uint8_t* b, int16_t* q, float* factor, float* min) {
+  if constexpr (D == DType::kQ8_0) {
+    factor[0] = Half(b);
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
+  } else if constexpr (D == DType::kQ4_0 || D == DType::kQ4_1) {
+    // Byte i: value i in its low nibble, value i + 16 in its high one.
+    factor[0] = Half(b);
+    min[0] = D == DType::kQ4_0 ? -8.0f * factor[0] : Half(b + 2);
+    const uint8_t* qs = b + (D == DType::kQ4_0 ? 2 : 4);
+    for (int i = 0; i < 16; ++i) {
+      q[i] = qs[i] & 0xF;
+      q[i + 16] = qs[i] >> 4;
+    }
+  } else if constexpr (D == DType::kQ4_K || D == DType::kQ5_K) {
+    // Chunk c of 64 values: block 2c the low nibbles of 32 bytes, block 2c + 1 the high ones.
+    const float dd = Half(b), dmin = Half(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int scale, m;
+      ScaleMin(b + 4, j, &scale, &m);
+      factor[j] = dd * static_cast<float>(scale);
+      min[j] = -dmin * static_cast<float>(m);
+    }
+    constexpr bool kFive = D == DType::kQ5_K;
+    const uint8_t* qh = b + 16;  // Q5_K: bit j of byte l is value l of block j's fifth bit
+    const uint8_t* qs = b + (kFive ? 48 : 16);
+    for (int c = 0; c < 4; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t byte = qs[32 * c + l];
+        q[64 * c + l] = (byte & 0xF) | (kFive ? ((qh[l] >> (2 * c)) & 1) << 4 : 0);
+        q[64 * c + 32 + l] = (byte >> 4) | (kFive ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0);
+      }
+    }
+  } else if constexpr (D == DType::kQ6_K) {  // ql[128], qh[64], int8 scales[16] (per 16), d
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const float dd = Half(b + 208);
+    for (int s = 0; s < 16; ++s) {
+      factor[s] = dd * static_cast<float>(static_cast<int8_t>(b[192 + s]));
+    }
+    for (int h = 0; h < 2; ++h) {
+      int16_t* v = q + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t lo = ql[64 * h + l], hi = ql[64 * h + 32 + l], top = qh[32 * h + l];
+        v[l] = static_cast<int16_t>(((lo & 0xF) | ((top & 3) << 4)) - 32);
+        v[l + 32] = static_cast<int16_t>(((hi & 0xF) | (((top >> 2) & 3) << 4)) - 32);
+        v[l + 64] = static_cast<int16_t>(((lo >> 4) | (((top >> 4) & 3) << 4)) - 32);
+        v[l + 96] = static_cast<int16_t>(((hi >> 4) | (((top >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+}
+
+// f(std::integral_constant<DType, D>()) for the file's block type d (nothing for the others).
+template <typename F>
+void ForFileType(DType d, F f) {
   switch (d) {
     case DType::kQ8_0:
-      factor[0] = Half(b);
-      for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
-      return;
+      return f(std::integral_constant<DType, DType::kQ8_0>());
     case DType::kQ4_0:
-    case DType::kQ4_1: {  // byte i: value i in its low nibble, value i + 16 in its high one
-      factor[0] = Half(b);
-      min[0] = d == DType::kQ4_0 ? -8.0f * factor[0] : Half(b + 2);
-      const uint8_t* qs = b + (d == DType::kQ4_0 ? 2 : 4);
-      for (int i = 0; i < 16; ++i) {
-        q[i] = qs[i] & 0xF;
-        q[i + 16] = qs[i] >> 4;
-      }
-      return;
-    }
+      return f(std::integral_constant<DType, DType::kQ4_0>());
+    case DType::kQ4_1:
+      return f(std::integral_constant<DType, DType::kQ4_1>());
     case DType::kQ4_K:
-    case DType::kQ5_K: {  // chunk c of 64: block 2c the low nibbles of 32 bytes, 2c + 1 the high
-      const float dd = Half(b), dmin = Half(b + 2);
-      for (int j = 0; j < 8; ++j) {
-        int scale, m;
-        ScaleMin(b + 4, j, &scale, &m);
-        factor[j] = dd * static_cast<float>(scale);
-        min[j] = -dmin * static_cast<float>(m);
-      }
-      const bool five = d == DType::kQ5_K;
-      const uint8_t* qh = b + 16;  // Q5_K: bit j of byte l is value l of block j's fifth bit
-      const uint8_t* qs = b + (five ? 48 : 16);
-      for (int c = 0; c < 4; ++c) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t byte = qs[32 * c + l];
-          q[64 * c + l] = (byte & 0xF) | (five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0);
-          q[64 * c + 32 + l] = (byte >> 4) | (five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0);
-        }
-      }
-      return;
-    }
-    case DType::kQ6_K: {  // ql[128], qh[64], int8 scales[16] (one per 16 values), d
-      const uint8_t* ql = b;
-      const uint8_t* qh = b + 128;
-      const float dd = Half(b + 208);
-      for (int s = 0; s < 16; ++s)
-        factor[s] = dd * static_cast<float>(static_cast<int8_t>(b[192 + s]));
-      for (int h = 0; h < 2; ++h) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lo = ql[64 * h + l], hi = ql[64 * h + 32 + l], top = qh[32 * h + l];
-          int16_t* v = q + 128 * h;
-          v[l] = static_cast<int16_t>(((lo & 0xF) | ((top & 3) << 4)) - 32);
-          v[l + 32] = static_cast<int16_t>(((hi & 0xF) | (((top >> 2) & 3) << 4)) - 32);
-          v[l + 64] = static_cast<int16_t>(((lo >> 4) | (((top >> 4) & 3) << 4)) - 32);
-          v[l + 96] = static_cast<int16_t>(((hi >> 4) | (((top >> 6) & 3) << 4)) - 32);
-        }
-      }
-      return;
-    }
+      return f(std::integral_constant<DType, DType::kQ4_K>());
+    case DType::kQ5_K:
+      return f(std::integral_constant<DType, DType::kQ5_K>());
+    case DType::kQ6_K:
+      return f(std::integral_constant<DType, DType::kQ6_K>());
     default:
       return;
   }
 }
 
-// One row's dot product with token t's activations: its K values unpacked (q, factor per
-// IntGroup G, min per block).
-template <int G>
-float RowDot(const int16_t* q, const float* factor, const float* min, bool has_min,
-             const Q16Activations& a, int64_t t, int64_t K) {
-  const int16_t* aq = a.q.data() + t * K;
-  const float* ad = a.d.data() + t * (K / kBlock);
-  const float* ads = a.ds.data() + t * (K / kBlock);
-  float sum = 0;
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    float block = 0;
-    for (int g = 0; g < kBlock / G; ++g) {
-      const int64_t at = b * kBlock + g * G;
-      int32_t s = 0;
-      for (int i = 0; i < G; ++i) s += static_cast<int32_t>(q[at + i]) * aq[at + i];
-      block += factor[at / G] * static_cast<float>(s);
-    }
-    sum += block * ad[b];
-    if (has_min) sum += min[b] * ads[b];
+// The first n values of a row of D as UnpackInts states it.
+template <DType D>
+void UnpackRow(const uint8_t* b, int64_t n, int16_t* q, float* factor, float* min) {
+  for (int64_t k = 0; k < n; k += DTypeBlock(D), b += DTypeBlockBytes(D)) {
+    UnpackBlock<D>(b, q + k, factor + k / IntGroup(D), HasMin(D) ? min + k / kBlock : nullptr);
   }
-  return sum;
+}
+
+using I32x4 = int32_t __attribute__((vector_size(16)));
+using F4 = float __attribute__((vector_size(16)));
+
+// acc plus the products of the 8 int16 pairs a[i] * b[i], spread over its 4 int32 lanes (which
+// lane takes which product is the instruction's; the lanes' sum is the products'): NEON's
+// SMLAL/SMLAL2; on x86-64 (a portable build there, to test it) SSE2's PMADDWD.
+inline I32x4 MulAdd8(I32x4 acc, const int16_t* a, const int16_t* b) {
+#if defined(__ARM_NEON)
+  const int16x8_t x = vld1q_s16(a), y = vld1q_s16(b);
+  return reinterpret_cast<I32x4>(vmlal_high_s16(
+      vmlal_s16(reinterpret_cast<int32x4_t>(acc), vget_low_s16(x), vget_low_s16(y)), x, y));
+#elif defined(__SSE2__)
+  return acc + reinterpret_cast<I32x4>(
+                   _mm_madd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)),
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+#else
+  for (int i = 0; i < 8; ++i) acc[i % 4] += static_cast<int32_t>(a[i]) * b[i];
+  return acc;
+#endif
+}
+
+// Rows [n0, n1) of D against the M tokens of a: each 256 values of a row (a super-block, or 8
+// blocks of 32) unpacked once into L1 and multiplied with every token's, each group's integer
+// sums kept in their 4 lanes, converted and scaled lane by lane into 4 float sums per token that
+// are added once at the end; the minimums' term per token beside them.
+template <DType D>
+void DotRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
+             float* y, int64_t ldy) {
+  constexpr int64_t kChunk = 256, kGroup = IntGroup(D);
+  const int64_t K = w.cols, blocks = K / kBlock;
+  thread_local std::vector<F4> acc_storage;
+  thread_local std::vector<float> min_storage;
+  acc_storage.resize(M);
+  min_storage.resize(M);
+  F4* const acc = acc_storage.data();
+  float* const mins = min_storage.data();
+  alignas(16) int16_t q[kChunk];
+  float factor[kChunk / 16], min[kChunk / kBlock];
+  for (int64_t r = n0; r < n1; ++r) {
+    std::fill_n(acc, M, F4{});
+    std::fill_n(mins, M, 0.0f);
+    const uint8_t* row = RowPtr(w, r);
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t n = std::min(kChunk, K - k0);
+      UnpackRow<D>(row + DTypeBytes(D, k0), n, q, factor, min);
+      for (int64_t t = 0; t < M; ++t) {
+        const int16_t* aq = a.q.data() + t * K + k0;
+        const float* ad = a.d.data() + t * blocks + k0 / kBlock;
+        F4 sum = acc[t];
+        for (int64_t g = 0; g < n / kGroup; ++g) {
+          I32x4 s = {};
+          for (int64_t i = 0; i < kGroup; i += 8)
+            s = MulAdd8(s, q + g * kGroup + i, aq + g * kGroup + i);
+          sum += __builtin_convertvector(s, F4) * (factor[g] * ad[g * kGroup / kBlock]);
+        }
+        acc[t] = sum;
+        if constexpr (HasMin(D)) {
+          const float* ads = a.ds.data() + t * blocks + k0 / kBlock;
+          for (int64_t b = 0; b < n / kBlock; ++b) mins[t] += min[b] * ads[b];
+        }
+      }
+    }
+    for (int64_t t = 0; t < M; ++t) {
+      y[t * ldy + r] = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]) + mins[t];
+    }
+  }
 }
 
 }  // namespace
@@ -153,13 +227,9 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
 }
 
 void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* factor, float* min) {
-  if (!UnpacksToInts(dtype) || dtype != FileType(dtype)) return;  // kept layouts are x86's
-  const auto* b = static_cast<const uint8_t*>(row);
-  const int64_t block = DTypeBlock(dtype);
-  for (int64_t k = 0; k < n; k += block, b += DTypeBlockBytes(dtype)) {
-    UnpackBlock(dtype, b, q + k, factor + k / IntGroup(dtype),
-                HasMin(dtype) ? min + k / kBlock : nullptr);
-  }
+  ForFileType(dtype, [&](auto d) {  // the kept layouts are x86's: none here
+    UnpackRow<decltype(d)::value>(static_cast<const uint8_t*>(row), n, q, factor, min);
+  });
 }
 
 void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
@@ -178,30 +248,7 @@ void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst) {
 
 void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
                 float* y, int64_t ldy) {
-  constexpr int64_t kRows = 8;  // rows unpacked at a time, each token's activations read once
-  const int64_t K = w.cols, group = IntGroup(w.dtype);
-  const bool has_min = HasMin(w.dtype);
-  thread_local std::vector<int16_t> q;
-  thread_local std::vector<float> factor, min;
-  q.resize(kRows * K);
-  factor.resize(kRows * (K / 16));
-  min.resize(kRows * (K / kBlock));
-  for (int64_t r0 = n0; r0 < n1; r0 += kRows) {
-    const int64_t nr = std::min(kRows, n1 - r0);
-    for (int64_t r = 0; r < nr; ++r) {
-      UnpackInts(w.dtype, RowPtr(w, r0 + r), K, q.data() + r * K, factor.data() + r * (K / 16),
-                 min.data() + r * (K / kBlock));
-    }
-    for (int64_t t = 0; t < M; ++t) {
-      for (int64_t r = 0; r < nr; ++r) {
-        const int16_t* qr = q.data() + r * K;
-        const float* fr = factor.data() + r * (K / 16);
-        const float* mr = min.data() + r * (K / kBlock);
-        y[t * ldy + r0 + r] = group == 16 ? RowDot<16>(qr, fr, mr, has_min, a, t, K)
-                                          : RowDot<32>(qr, fr, mr, has_min, a, t, K);
-      }
-    }
-  }
+  ForFileType(w.dtype, [&](auto d) { DotRows<decltype(d)::value>(w, n0, n1, a, M, y, ldy); });
 }
 
 }  // namespace shardserve::cpu

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -306,6 +307,24 @@ TEST(KernelsTest, KvConversionsRoundToTheDtype) {
   const float big = 1e9f;
   FloatToKv(DType::kF8E4M3, &big, 1, 1.f, &e4m3);
   EXPECT_EQ(e4m3, 0x7E);  // 448, the largest finite E4M3
+}
+
+// Every F16 value converts exactly (normals, subnormals, zeros, infinities, NaNs): HalfToF32 (the
+// loops' inline conversion) and F16ToF32 against the value the bits state.
+TEST(KernelsTest, EveryHalfConvertsExactly) {
+  for (uint32_t v = 0; v < 65536; ++v) {
+    const int e = (v >> 10) & 31, m = v & 1023;
+    const double sign = (v & 0x8000) ? -1 : 1;
+    const float got = HalfToF32(static_cast<uint16_t>(v));
+    ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(F16ToF32(v))) << v;
+    if (e == 31) {
+      ASSERT_TRUE(m == 0 ? std::isinf(got) && (got < 0) == (sign < 0) : std::isnan(got)) << v;
+      continue;
+    }
+    const double want = sign * (e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25));
+    ASSERT_EQ(static_cast<double>(got), want) << v;
+    ASSERT_EQ(std::signbit(got), sign < 0) << v;
+  }
 }
 
 TEST(KernelsTest, DtypeConversionsRoundTrip) {
