@@ -8,6 +8,7 @@
 
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/kernels_avx512.h"
 #include "backend/cpu/quant.h"
 #include "bench/runtime_bench.h"
 #include "common/args.h"
@@ -46,11 +47,13 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   for (DType dt :
        {DType::kBF16, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
         DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
-    if (K % DTypeBlock(dt) != 0) {  // the K-quants' rows hold whole super-blocks of 256
+    const DType file = cpu::FileType(dt);
+    // The K-quants' rows hold whole super-blocks of 256; the portable kernels keep no repacked
+    // layout.
+    if (K % DTypeBlock(dt) != 0 || cpu::KeptType(file) != dt) {
       std::printf("%-6s %12s %12s %14s\n", DTypeName(dt), "-", "-", "-");
       continue;
     }
-    const DType file = cpu::FileType(dt);
     double rate[2];
     for (int memory = 0; memory < 2; ++memory) {
       const int64_t distinct = memory ? 256 : 128;
@@ -101,24 +104,36 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
 
 namespace {
 
+// The prefill table's columns: each kernel level, and AVX-512's without VNNI (x86-64).
+struct Column {
+  const char* name;
+  cpu::KernelLevel level;
+  bool vnni = true;
+};
+constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
+                               {"avx512", cpu::KernelLevel::kAvx512},
+                               {"avx512 -VNNI", cpu::KernelLevel::kAvx512, false},
+                               {"avx512bf16", cpu::KernelLevel::kAvx512Bf16},
+                               {"portable", cpu::KernelLevel::kPortable}};
+
 // Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:
-// compute-bound), GFLOP/s at each kernel level this CPU runs (cpu_features.h; "-" where it
-// lacks one).
+// compute-bound), GFLOP/s at each kernel level this CPU and this build run (cpu_features.h; "-"
+// where they lack one), and at avx512 with its VNNI tile off ("-" without VNNI).
 absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   constexpr int64_t M = 128, N = 1024;
   const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
   const cpu::KernelLevel before = cpu::ActiveKernelLevel();
-  std::printf(
-      "\n%-6s %12s %12s %12s   (prefill GEMM GFLOP/s, %lld tokens x %lld rows; kernels: %s)\n",
-      "type", "avx2", "avx512", "avx512bf16", static_cast<long long>(M), static_cast<long long>(N),
-      cpu::DescribeKernels().c_str());
+  std::printf("\n%-6s", "type");
+  for (const Column& c : kColumns) std::printf(" %12s", c.name);
+  std::printf("   (prefill GEMM GFLOP/s, %lld tokens x %lld rows; kernels: %s)\n",
+              static_cast<long long>(M), static_cast<long long>(N), cpu::DescribeKernels().c_str());
   std::mt19937 rng(2);
   std::uniform_real_distribution<float> dist(-1, 1);
   std::vector<float> x(M * K), y(M * N), values(N * K);
   for (float& v : x) v = dist(rng);
   for (float& v : values) v = dist(rng);
-  for (DType dt :
-       {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_KX, DType::kQ6_KX}) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0,
+                   cpu::KeptType(DType::kQ4_K), cpu::KeptType(DType::kQ6_K)}) {
     if (K % DTypeBlock(dt) != 0) continue;
     std::vector<uint16_t> halves(N * K);
     std::string quantized(N * DTypeBytes(dt, K), '\0');
@@ -138,13 +153,16 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     if (dt == DType::kF16 || dt == DType::kBF16) data = halves.data();
     const WeightMatrix w{dt, data, N, K, K};
     std::printf("%-6s", DTypeName(dt));
-    for (cpu::KernelLevel level :
-         {cpu::KernelLevel::kAvx2, cpu::KernelLevel::kAvx512, cpu::KernelLevel::kAvx512Bf16}) {
-      if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(level)).ok()) {
+    for (const Column& c : kColumns) {
+      if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(c.level)).ok() ||
+          (!c.vnni && !have.avx512_vnni)) {
         std::printf(" %12s", "-");
         continue;
       }
-      cpu::SetKernelLevel(level);
+      cpu::SetKernelLevel(c.level);
+#if !SHARDSERVE_PORTABLE_KERNELS
+      cpu::avx512::UseVnni(c.vnni);
+#endif
       cpu::MatMul(w, x.data(), M, K, y.data(), N, pool);  // warm
       int reps = 0;
       const auto t0 = std::chrono::steady_clock::now();
@@ -159,6 +177,9 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     std::printf("\n");
   }
   cpu::SetKernelLevel(before);
+#if !SHARDSERVE_PORTABLE_KERNELS
+  cpu::avx512::UseVnni(true);
+#endif
   return absl::OkStatus();
 }
 

@@ -2,12 +2,17 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstring>
 
+#include "backend/cpu/cpu_features.h"
 #include "backend/cpu/tile_avx512.h"
+#include "backend/cpu/tile_int_avx512.h"
 
 namespace shardserve::cpu::avx512 {
 namespace {
+
+std::atomic<int> g_vnni{-1};  // UsesVnni once known: 1 where the CPU has AVX512-VNNI
 
 // The MR x 16 tile (MR <= 12): each row's weight broadcast from memory into its FMA against the
 // panel's 16 tokens.
@@ -35,76 +40,31 @@ using TileFn = void (*)(int64_t, const float*, int64_t, const float*, float*, in
 constexpr TileFn kTiles[kMr] = {Tile<1>, Tile<2>, Tile<3>, Tile<4>,  Tile<5>,  Tile<6>,
                                 Tile<7>, Tile<8>, Tile<9>, Tile<10>, Tile<11>, Tile<12>};
 
-// The MR x 16 tile of a quantized matrix in integers (kernels.cc's MicroKernelInt): each group of
-// G values' pair products summed in int32 (madd), then converted and scaled into y.
-template <int MR, int G, bool kMin>
-void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float* wf,
-                    const float* wm, int64_t ld, const int16_t* xq, const float* xd,
-                    const float* xds, float* y, int64_t ldy, bool accumulate) {
-  static_assert(MR >= 1 && MR <= kMrInt && (G == 16 || G == 32));
-  if (!accumulate) {
-    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, _mm512_setzero_ps());
-  }
-  Accumulators<MR, __m512i> acc;
-  // kernels.cc's PairAt: pair p of group g at transposed ? 16 p + 2 g : g G + 2 p.
-  const int64_t step = transposed ? 16 : 2;
-  for (int64_t g = 0; g < kc / G; ++g) {
-    const int16_t* xg = xq + g * G * 16;
-    const int16_t* wg = wq + (transposed ? 2 * g : g * G);
-    acc.Rows([&](int, __m512i& c) { c = _mm512_setzero_si512(); });
-    for (int p = 0; p < G / 2; ++p) {
-      const __m512i xv = _mm512_loadu_si512(xg + 32 * p);
-      acc.Rows([&](int i, __m512i& c) {
-        int32_t pair;
-        std::memcpy(&pair, wg + i * ld + step * p, 4);
-        c = _mm512_add_epi32(c, _mm512_madd_epi16(_mm512_set1_epi32(pair), xv));
-      });
-    }
-    const int64_t b = g * G / 32;
-    const __m512 d = _mm512_loadu_ps(xd + b * 16), s = _mm512_loadu_ps(xds + b * 16);
-    acc.Rows([&](int i, __m512i& c) {
-      const __m512 factor = _mm512_set1_ps(wf[i * (ld / 16) + g]);
-      __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(factor, d),
-                                 _mm512_loadu_ps(y + i * ldy));
-      if constexpr (kMin) f = _mm512_fmadd_ps(_mm512_set1_ps(wm[i * (ld / 32) + b]), s, f);
-      _mm512_storeu_ps(y + i * ldy, f);
-    });
-  }
-}
-
-template <int G, bool kMin>
-void IntTile(int64_t mr, int64_t kc, bool transposed, const int16_t* wq, const float* wf,
-             const float* wm, int64_t ld, const int16_t* xq, const float* xd, const float* xds,
-             float* y, int64_t ldy, bool acc) {
-  switch (mr) {
-    case 8:
-      return MicroKernelInt<8, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    case 7:
-      return MicroKernelInt<7, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    case 6:
-      return MicroKernelInt<6, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    case 5:
-      return MicroKernelInt<5, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    case 4:
-      return MicroKernelInt<4, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    case 3:
-      return MicroKernelInt<3, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    case 2:
-      return MicroKernelInt<2, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-    default:
-      return MicroKernelInt<1, G, kMin>(kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, acc);
-  }
-}
-
 }  // namespace
+
+bool UsesVnni() {
+  int vnni = g_vnni.load(std::memory_order_relaxed);
+  if (vnni < 0) {
+    vnni = CpuFeatures::Detect().avx512_vnni ? 1 : 0;
+    g_vnni.store(vnni, std::memory_order_relaxed);
+  }
+  return vnni == 1;
+}
+
+void UseVnni(bool on) {
+  g_vnni.store(on && CpuFeatures::Detect().avx512_vnni ? 1 : 0, std::memory_order_relaxed);
+}
 
 void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
                        const int16_t* wq, const float* wf, const float* wm, int64_t ld,
                        const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
                        bool accumulate) {
-  const auto tile = g == 16 ? (has_min ? IntTile<16, true> : IntTile<16, false>)
-                            : (has_min ? IntTile<32, true> : IntTile<32, false>);
-  tile(mr, kc, transposed, wq, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);
+  if (UsesVnni()) {
+    return MicroKernelIntVnni(mr, kc, transposed, g, has_min, wq, wf, wm, ld, xq, xd, xds, y, ldy,
+                              accumulate);
+  }
+  IntTileAny<false>(mr, kc, transposed, g, has_min, wq, wf, wm, ld, xq, xd, xds, y, ldy,
+                    accumulate);
 }
 
 void ExpandHalves(const uint16_t* row, bool bf16, int64_t kc, float* out) {

@@ -28,6 +28,16 @@ void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, int g, bool has_
                        const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
                        bool accumulate);
 
+// MicroKernelIntAny with AVX512-VNNI's vpdpwssd (kernels_avx512vnni.cc): bit for bit the same.
+// MicroKernelIntAny takes it where the CPU has VNNI (UsesVnni), unless UseVnni(false) (tests
+// and benchmarks compare the two).
+void MicroKernelIntVnni(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
+                        const int16_t* wq, const float* wf, const float* wm, int64_t ld,
+                        const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
+                        bool accumulate);
+bool UsesVnni();
+void UseVnni(bool on);  // on: where the CPU has VNNI
+
 // kernels.cc's ExpandRows for one row of 16-bit floats: kc values of `row` (BF16 when `bf16`,
 // else F16) as F32 into out (64-byte aligned).
 void ExpandHalves(const uint16_t* row, bool bf16, int64_t kc, float* out);

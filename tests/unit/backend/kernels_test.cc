@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_features.h"
+#include "backend/cpu/kernels_avx512.h"
 #include "backend/cpu/quant.h"
 #include "backend_ops_test.h"
 #include "devtools/quantize_row.h"
@@ -767,12 +768,17 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
         for (int threads : {1, 3}) {
           ThreadPool pool(threads);
           for (int64_t M : {3, 13, 40}) {
-            std::vector<float> x(M * K), narrow, wide;
-            for (float& v : x) v = dist(rng);
-            both(level, *kept, x, M, pool, &narrow, &wide);
-            ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
-                << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads
-                << " " << KernelLevelName(level);
+            // AVX-512's prefill tile with and without VNNI (vpdpwssd; where the CPU has it).
+            for (bool vnni : {true, false}) {
+              avx512::UseVnni(vnni);
+              std::vector<float> x(M * K), narrow, wide;
+              for (float& v : x) v = dist(rng);
+              both(level, *kept, x, M, pool, &narrow, &wide);
+              ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
+                  << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads
+                  << " " << KernelLevelName(level) << (avx512::UsesVnni() ? " VNNI" : "");
+            }
+            avx512::UseVnni(true);
           }
         }
       }
