@@ -780,34 +780,6 @@ void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Act
   }
 }
 
-// f(std::integral_constant<DType, D>()) for the quantized dtype d (nothing for the others): one
-// dispatch from a runtime dtype to the templates, for Dequantize, UnpackInts and DecodeRows.
-template <typename F>
-void ForQuantized(DType d, F f) {
-  switch (d) {
-    case DType::kQ8_0:
-      return f(std::integral_constant<DType, DType::kQ8_0>());
-    case DType::kQ4_0:
-      return f(std::integral_constant<DType, DType::kQ4_0>());
-    case DType::kQ4_1:
-      return f(std::integral_constant<DType, DType::kQ4_1>());
-    case DType::kQ4_K:
-      return f(std::integral_constant<DType, DType::kQ4_K>());
-    case DType::kQ5_K:
-      return f(std::integral_constant<DType, DType::kQ5_K>());
-    case DType::kQ6_K:
-      return f(std::integral_constant<DType, DType::kQ6_K>());
-    case DType::kQ4_KX:
-      return f(std::integral_constant<DType, DType::kQ4_KX>());
-    case DType::kQ4_1X:
-      return f(std::integral_constant<DType, DType::kQ4_1X>());
-    case DType::kQ6_KX:
-      return f(std::integral_constant<DType, DType::kQ6_KX>());
-    default:
-      return;
-  }
-}
-
 }  // namespace
 
 void Dequantize(DType dtype, const void* row, int64_t n, float* out) {

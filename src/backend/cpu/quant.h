@@ -2,6 +2,7 @@
 // Block-quantized weights on the CPU, and what the kernels share (internal to backend/cpu;
 // kernels.h is the interface).
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.h"
@@ -101,6 +102,36 @@ void RepackQ6K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
 // their 8 minimums and their quants transposed as RepackQ4K's; the last blocks % 8 blocks as they
 // were.
 void RepackQ4_1(const uint8_t* src, int64_t blocks, uint8_t* dst);
+
+// f(std::integral_constant<DType, D>()) for the GGUF block type or kept layout d (nothing for the
+// others): one dispatch from a runtime dtype to the templates, for Dequantize, UnpackInts and
+// DecodeRows (quant.cc, quant_portable.cc).
+template <typename F>
+void ForQuantized(DType d, F f) {
+  switch (d) {
+    case DType::kQ8_0:
+      return f(std::integral_constant<DType, DType::kQ8_0>());
+    case DType::kQ4_0:
+      return f(std::integral_constant<DType, DType::kQ4_0>());
+    case DType::kQ4_1:
+      return f(std::integral_constant<DType, DType::kQ4_1>());
+    case DType::kQ4_K:
+      return f(std::integral_constant<DType, DType::kQ4_K>());
+    case DType::kQ5_K:
+      return f(std::integral_constant<DType, DType::kQ5_K>());
+    case DType::kQ6_K:
+      return f(std::integral_constant<DType, DType::kQ6_K>());
+    case DType::kQ4_KX:
+      return f(std::integral_constant<DType, DType::kQ4_KX>());
+    case DType::kQ4_1X:
+      return f(std::integral_constant<DType, DType::kQ4_1X>());
+    case DType::kQ6_KX:
+      return f(std::integral_constant<DType, DType::kQ6_KX>());
+    default:
+      return;
+  }
+}
+
 // Decode: rows [n0, n1) of the quantized w against the M tokens of a (quantized in the order
 // w.dtype reads), y[t * ldy + n]; integer dot products with each weight block unpacked once for
 // up to 3 tokens.

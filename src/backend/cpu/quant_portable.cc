@@ -97,27 +97,6 @@ inline void UnpackBlock(const uint8_t* b, int16_t* q, float* factor, float* min)
   }
 }
 
-// f(std::integral_constant<DType, D>()) for the file's block type d (nothing for the others).
-template <typename F>
-void ForFileType(DType d, F f) {
-  switch (d) {
-    case DType::kQ8_0:
-      return f(std::integral_constant<DType, DType::kQ8_0>());
-    case DType::kQ4_0:
-      return f(std::integral_constant<DType, DType::kQ4_0>());
-    case DType::kQ4_1:
-      return f(std::integral_constant<DType, DType::kQ4_1>());
-    case DType::kQ4_K:
-      return f(std::integral_constant<DType, DType::kQ4_K>());
-    case DType::kQ5_K:
-      return f(std::integral_constant<DType, DType::kQ5_K>());
-    case DType::kQ6_K:
-      return f(std::integral_constant<DType, DType::kQ6_K>());
-    default:
-      return;
-  }
-}
-
 // The first n values of a row of D as UnpackInts states it.
 template <DType D>
 void UnpackRow(const uint8_t* b, int64_t n, int16_t* q, float* factor, float* min) {
@@ -227,8 +206,11 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
 }
 
 void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* factor, float* min) {
-  ForFileType(dtype, [&](auto d) {  // the kept layouts are x86's: none here
-    UnpackRow<decltype(d)::value>(static_cast<const uint8_t*>(row), n, q, factor, min);
+  ForQuantized(dtype, [&](auto d) {
+    constexpr DType kD = decltype(d)::value;
+    if constexpr (kD == FileType(kD)) {  // the kept layouts are x86's: none here
+      UnpackRow<kD>(static_cast<const uint8_t*>(row), n, q, factor, min);
+    }
   });
 }
 
@@ -248,7 +230,10 @@ void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst) {
 
 void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
                 float* y, int64_t ldy) {
-  ForFileType(w.dtype, [&](auto d) { DotRows<decltype(d)::value>(w, n0, n1, a, M, y, ldy); });
+  ForQuantized(w.dtype, [&](auto d) {
+    constexpr DType kD = decltype(d)::value;
+    if constexpr (kD == FileType(kD)) DotRows<kD>(w, n0, n1, a, M, y, ldy);
+  });
 }
 
 }  // namespace shardserve::cpu
