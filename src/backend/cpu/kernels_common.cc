@@ -36,13 +36,14 @@ void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
       for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToF32(static_cast<const uint16_t*>(data)[i]);
       return;
     case DType::kF8_128: {  // blocks of an F32 scale and 128 E4M3 bytes
-      const auto* bytes = static_cast<const uint8_t*>(data);
+      const auto* block = static_cast<const uint8_t*>(data);
       const float* value = E4M3Values();
-      for (int64_t i = 0; i < n; ++i) {
-        const uint8_t* block = bytes + i / 128 * DTypeBlockBytes(DType::kF8_128);
+      for (int64_t b = 0; b < n; b += 128, block += DTypeBlockBytes(DType::kF8_128)) {
         float s;
         std::memcpy(&s, block, 4);
-        out[i] = value[block[4 + i % 128]] * s;
+        for (int64_t i = 0; i < std::min<int64_t>(128, n - b); ++i) {
+          out[b + i] = value[block[4 + i]] * s;
+        }
       }
       return;
     }
