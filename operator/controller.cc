@@ -36,6 +36,8 @@ constexpr absl::Duration kMountGrace = absl::Seconds(10);
 // Asking a starting rank what it is doing (its /startupz): how long, and how much it may say.
 constexpr std::chrono::milliseconds kStartupAsk(500);
 constexpr size_t kStartupBytes = 4096;
+// A pod's look (what it says while not ready) is asked again once this old.
+constexpr absl::Duration kLookAgain = absl::Seconds(1);
 // How often status.downloads is refreshed while a node fetches a remote model.
 constexpr absl::Duration kDownloadLook = absl::Seconds(2);
 
@@ -143,20 +145,9 @@ std::string ObjectHash(const json& object) {
   return absl::StrCat(absl::Hex(h & 0xffffffffffffull, absl::kZeroPad12));
 }
 
-// Wall time the current reconcile (of this worker thread) spent on apiserver writes.
-thread_local double tl_api_seconds = 0;
-
-class ApiTimer {
- public:
-  ApiTimer() : start_(std::chrono::steady_clock::now()) {}
-  ~ApiTimer() {
-    tl_api_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-
- private:
-  std::chrono::steady_clock::time_point start_;
-};
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 // Runs fn(0..n-1), at most kParallelWrites at a time; returns when all are done.
 constexpr size_t kParallelWrites = 8;
@@ -169,6 +160,14 @@ void ForEachParallel(size_t n, const std::function<void(size_t)>& fn) {
   for (size_t t = 1; t < std::min(n, kParallelWrites); ++t) threads.emplace_back(work);
   work();
   for (auto& t : threads) t.join();
+}
+
+// Independent writes, together (as ForEachParallel); the first error in their order, if any.
+absl::Status AllOf(const std::vector<std::function<absl::Status()>>& writes) {
+  std::vector<absl::Status> results(writes.size());
+  ForEachParallel(writes.size(), [&](size_t i) { results[i] = writes[i](); });
+  for (absl::Status& s : results) RETURN_IF_ERROR(s);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -329,6 +328,7 @@ absl::Status Controller::StartCaches(std::chrono::milliseconds sync_timeout) {
 }
 
 void Controller::StartWorkers() {
+  for (int i = 0; i < options_.concurrency; ++i) writers_.emplace_back([this] { Writer(); });
   for (int i = 0; i < options_.concurrency; ++i) workers_.emplace_back([this] { Worker(); });
 }
 
@@ -337,6 +337,12 @@ void Controller::Stop() {
   queue_.ShutDown();
   for (auto& t : workers_) t.join();
   workers_.clear();
+  {
+    absl::MutexLock l(&writes_mu_);  // the writes handed over are carried out first
+    writers_stop_ = true;
+  }
+  for (auto& t : writers_) t.join();
+  writers_.clear();
   for (auto* inf : {models_.get(), pods_.get(), nodes_.get(), services_.get()}) inf->Stop();
 }
 
@@ -407,28 +413,57 @@ void Controller::EnqueueWaiting() {
 
 void Controller::Worker() {
   while (auto key = queue_.Get()) {
-    absl::Duration requeue = absl::InfiniteDuration();
     const auto start = std::chrono::steady_clock::now();
-    tl_api_seconds = 0;
-    const absl::Status s = Reconcile(*key, requeue);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    metrics_->ObserveReconcileApi(tl_api_seconds);
-    if (!s.ok()) {
-      LogWarning("model ", *key, ": reconcile failed, retrying with backoff: ", s.message());
-      metrics_->ObserveReconcile("error", seconds);
-      queue_.AddRateLimited(*key);
-    } else {
-      queue_.Forget(*key);
-      if (requeue != absl::InfiniteDuration()) {
-        metrics_->ObserveReconcile("requeue", seconds);
-        queue_.AddAfter(*key, absl::ToChronoMilliseconds(std::max(requeue, absl::Milliseconds(1))));
-      } else {
-        metrics_->ObserveReconcile("success", seconds);
-      }
+    absl::Duration requeue = absl::InfiniteDuration();
+    Writes writes = Reconcile(*key, requeue);
+    const double pass_seconds = SecondsSince(start);
+    if (!writes) {
+      Finish(*key, absl::OkStatus(), requeue, pass_seconds);
+      continue;
     }
-    queue_.Done(*key);
+    absl::MutexLock l(&writes_mu_);
+    writes_.push_back([this, key = *key, requeue, pass_seconds, w = std::move(writes)] {
+      const auto handed = std::chrono::steady_clock::now();
+      const absl::Status s = w();
+      metrics_->ObserveReconcileApi(SecondsSince(handed));
+      Finish(key, s, requeue, pass_seconds);
+    });
   }
+}
+
+void Controller::Writer() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      absl::MutexLock l(&writes_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(writes_mu_) {
+        return writers_stop_ || !writes_.empty();
+      };
+      writes_mu_.Await(absl::Condition(&ready));
+      if (writes_.empty()) return;
+      job = std::move(writes_.front());
+      writes_.pop_front();
+    }
+    job();
+  }
+}
+
+void Controller::Finish(const std::string& key, const absl::Status& s, absl::Duration requeue,
+                        double pass_seconds) {
+  if (!s.ok()) {
+    LogWarning("model ", key, ": reconcile failed, retrying with backoff: ", s.message());
+    metrics_->ObserveReconcile("error", pass_seconds);
+    queue_.AddRateLimited(key);
+  } else {
+    queue_.Forget(key);
+    if (requeue != absl::InfiniteDuration()) {
+      metrics_->ObserveReconcile("requeue", pass_seconds);
+      queue_.AddAfter(key, absl::ToChronoMilliseconds(std::max(requeue, absl::Milliseconds(1))));
+    } else {
+      metrics_->ObserveReconcile("success", pass_seconds);
+    }
+  }
+  queue_.Done(key);
 }
 
 void Controller::Forget(const std::string& key) {
@@ -450,8 +485,8 @@ std::string Field(const json& e, const char* key) {
 
 }  // namespace
 
-Controller::KubeletNews Controller::EventsOf(const std::string& ns, const PodView& pod) {
-  KubeletNews news;
+Controller::Look Controller::EventsOf(const std::string& ns, const PodView& pod) {
+  Look news;
   k8s::ListOptions o;
   o.field_selector = absl::StrCat("involvedObject.uid=", pod.uid);
   o.limit = 100;
@@ -506,16 +541,16 @@ std::string Controller::RanksStarting(const PodView& pod, int64_t tensor) {
   return out;
 }
 
-void Controller::FetchProgress(PodView& pod) {
-  pod.startup = absl::StrCat("stage ", pod.stage, ": fetching the model");
+Controller::Look Controller::FetchProgress(const PodView& pod) {
+  Look look;
   absl::StatusOr<std::string> body =
       http::Get(pod.pod_ip, kMetricsPortBase, "/startupz", kStartupAsk, kStartupBytes);
-  if (!body.ok()) return;
+  if (!body.ok()) return look;
   const json j = json::parse(*body, nullptr, false);
-  if (!j.is_object()) return;
+  if (!j.is_object()) return look;
   const std::string state = Field(j, "state");
   if (!state.empty()) {
-    pod.startup = absl::StrCat("stage ", pod.stage, ": ", LastLine(state).substr(0, 200));
+    look.startup = absl::StrCat("stage ", pod.stage, ": ", LastLine(state).substr(0, 200));
   }
   const json d = j.value("download", json());
   if (d.is_object() && d.value("bytes", json()).is_number_integer() &&
@@ -526,44 +561,93 @@ void Controller::FetchProgress(PodView& pod) {
     dl.total = std::max<int64_t>(0, d["total"].get<int64_t>());
     dl.rate = std::max(0.0, d["rate"].get<double>());
     dl.eta = d["eta"].get<double>();
-    pod.download = dl;
+    look.download = dl;
   }
+  return look;
+}
+
+Controller::Look::Kind Controller::LookKindOf(const PodView& v, int64_t tensor) {
+  if (v.deleting) return Look::Kind::kNone;
+  if (v.creating && v.stuck.empty()) return Look::Kind::kEvents;
+  if (v.fetching && !v.pod_ip.empty()) return Look::Kind::kFetch;
+  if (tensor > 0 && v.phase == "Running" && !v.ready && !v.pod_ip.empty()) {
+    return Look::Kind::kRanks;
+  }
+  return Look::Kind::kNone;
+}
+
+Controller::Look Controller::Ask(const std::string& ns, const ToLook& t) {
+  Look look;
+  switch (t.kind) {
+    case Look::Kind::kEvents:
+      look = EventsOf(ns, t.pod);
+      break;
+    case Look::Kind::kFetch:
+      look = FetchProgress(t.pod);
+      break;
+    case Look::Kind::kRanks:
+      look.startup = RanksStarting(t.pod, t.tensor);
+      break;
+    case Look::Kind::kNone:
+      break;
+  }
+  look.kind = t.kind;
+  look.at = absl::Now();
+  return look;
 }
 
 PodView Controller::ReadPodOf(const std::string& ns, const json& pod, absl::Time now,
-                              int64_t tensor) {
+                              int64_t tensor, Memory& mem, std::vector<ToLook>& to_look) {
   PodView v = ReadPod(pod);
-  if (v.deleting) return v;
-  if (v.creating && v.stuck.empty()) {
-    const KubeletNews news = EventsOf(ns, v);
-    if (now - v.created > kMountGrace) v.stuck = news.mount_failure;
-    v.startup = absl::StrCat(
-        "stage ", v.stage, ": ",
-        news.pulling ? absl::StrCat("pulling image ", v.image) : "creating its container");
-  } else if (v.fetching && !v.pod_ip.empty()) {
-    FetchProgress(v);
-  } else if (tensor > 0 && v.phase == "Running" && !v.ready && !v.pod_ip.empty()) {
-    v.startup = RanksStarting(v, tensor);
+  const Look::Kind kind = LookKindOf(v, tensor);
+  if (kind == Look::Kind::kNone) return v;
+  Look look;  // not asked yet: as a pod that does not answer
+  look.kind = kind;
+  if (auto it = mem.looks.find(v.uid); it != mem.looks.end() && it->second.kind == kind) {
+    look = it->second;
+  }
+  if (now - look.at >= kLookAgain) to_look.push_back({v, kind, tensor});
+  switch (kind) {
+    case Look::Kind::kEvents:
+      if (now - v.created > kMountGrace) v.stuck = look.mount_failure;
+      v.startup = absl::StrCat(
+          "stage ", v.stage, ": ",
+          look.pulling ? absl::StrCat("pulling image ", v.image) : "creating its container");
+      break;
+    case Look::Kind::kFetch:
+      v.startup = !look.startup.empty() ? look.startup
+                                        : absl::StrCat("stage ", v.stage, ": fetching the model");
+      v.download = look.download;
+      break;
+    default:
+      v.startup = !look.startup.empty() ? look.startup
+                                        : absl::StrCat("stage ", v.stage, ": starting its ranks");
   }
   return v;
 }
 
-std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::Time now) {
+std::vector<PodView> Controller::PodsOf(const ModelView& m, Memory& mem, absl::Time now,
+                                        std::vector<ToLook>& to_look) {
   std::vector<PodView> out;
   std::set<std::string> seen;
-  std::set<std::string> cordoned;  // nodes marked unschedulable (a drain's first step)
-  for (const json& node : nodes_->store().List()) {
-    const json u = node.contains("spec") ? node["spec"].value("unschedulable", json()) : json();
-    if (u.is_boolean() && u.get<bool>()) {
-      cordoned.insert(node["metadata"].value("name", ""));
+  std::map<std::string, bool> cordoned;  // the pods' nodes: marked unschedulable (a drain's first
+                                         // step)?
+  auto is_cordoned = [&](const std::string& name) {
+    auto [it, fresh] = cordoned.try_emplace(name, false);
+    if (fresh) {
+      const std::optional<json> node = nodes_->store().Get(name);
+      const json u =
+          node && node->contains("spec") ? (*node)["spec"].value("unschedulable", json()) : json();
+      it->second = u.is_boolean() && u.get<bool>();
     }
-  }
+    return it->second;
+  };
   for (const json& pod : pods_->store().ByLabel(kModelLabel, m.model.name)) {
     if (pod["metadata"].value("namespace", "") != m.model.namespace_) continue;
     const std::string role = pod["metadata"]["labels"].value(kRoleLabel, "");
     if (role == kInspectRole || role == kRouterRole) continue;  // not a replica's
-    PodView v = ReadPodOf(m.model.namespace_, pod, now, m.model.spec.tensor);
-    v.node_cordoned = !v.node.empty() && cordoned.count(v.node) > 0;
+    PodView v = ReadPodOf(m.model.namespace_, pod, now, m.model.spec.tensor, mem, to_look);
+    v.node_cordoned = !v.node.empty() && is_cordoned(v.node);
     seen.insert(v.name);
     // Created by us but seen here before the informer delivered the creation: now seen.
     if (auto it = mem.created.find(v.name); it != mem.created.end()) mem.created.erase(it);
@@ -717,21 +801,21 @@ absl::Status Controller::EnsureChildren(const ModelView& m, Memory& mem) {
   return absl::OkStatus();
 }
 
-absl::Status Controller::Reconcile(const std::string& key, absl::Duration& requeue_after) {
+Controller::Writes Controller::Reconcile(const std::string& key, absl::Duration& requeue_after) {
   requeue_after = absl::InfiniteDuration();
   std::optional<json> object = models_->store().Get(key);
   if (!object) {
     Forget(key);
-    return absl::OkStatus();
+    return Writes();
   }
   const json& meta = (*object)["metadata"];
-  if (meta.contains("deletionTimestamp")) return absl::OkStatus();  // the GC takes the children
+  if (meta.contains("deletionTimestamp")) return Writes();  // the GC takes the children
   const std::string uid = meta.value("uid", "");
   const int64_t generation = meta.value("generation", int64_t{0});
   const absl::Time now = absl::Now();
 
-  // A key is reconciled by one worker at a time, so `mem`, this key's, is used without the lock
-  // (the map's nodes stay where they are).
+  // A key is reconciled, and its writes carried out, by one thread at a time, so `mem`, this
+  // key's, is used without the lock (the map's nodes stay where they are).
   Memory* mem_ptr;
   json old_status;
   {
@@ -763,12 +847,57 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     }
   }
   requeue_after = pass.requeue_after;
+  // The looks of the pods read: theirs only are kept.
+  std::set<std::string> read;
+  for (const PodView& p : pass.pods) read.insert(p.uid);
+  if (pass.inspect_pod) read.insert(pass.inspect_pod->uid);
+  for (auto it = mem.looks.begin(); it != mem.looks.end();) {
+    it = read.count(it->first) ? std::next(it) : mem.looks.erase(it);
+  }
+  return [this, key, object = *std::move(object), pass = std::move(pass), &mem, now] {
+    return CarryOut(key, object, pass, mem, now);
+  };
+}
 
+absl::Status Controller::CarryOut(const std::string& key, const json& object, const Pass& pass,
+                                  Memory& mem, absl::Time now) {
   // The status goes first: it records the plan of each replica being created (so creation
   // interrupted by a crash is completed, not taken for a failure) and restart counts before
-  // the pods go.
-  absl::Status done = WriteStatus(*object, mem, pass.status);
-  if (done.ok() && pass.model) done = Inspect(*pass.model, pass.shape, pass.inspect_pod);
+  // the pods go. With it go the inspect pod's change, the secrets the new pods mount, and the
+  // pods' looks to ask again.
+  std::vector<Writes> first = {[&] { return WriteStatus(object, mem, pass.status); }};
+  const std::string ns = object["metadata"].value("namespace", "");
+  std::vector<Look> answers(pass.to_look.size());
+  for (size_t i = 0; i < answers.size(); ++i) {
+    first.push_back([&, i] {
+      answers[i] = Ask(ns, pass.to_look[i]);
+      return absl::OkStatus();
+    });
+  }
+  if (pass.model) {
+    first.push_back([&] { return Inspect(*pass.model, pass.shape, pass.inspect_pod); });
+  }
+  absl::Status done = absl::OkStatus();
+  if (pass.decision) {
+    absl::StatusOr<std::vector<Writes>> secrets = Secrets(*pass.model, pass.to_create, mem);
+    if (secrets.ok()) {
+      first.insert(first.end(), secrets->begin(), secrets->end());
+    } else {
+      done = secrets.status();
+    }
+  }
+  if (done.ok()) done = AllOf(first);
+  bool news = false;
+  for (size_t i = 0; i < answers.size(); ++i) {
+    if (answers[i].kind == Look::Kind::kNone) continue;  // not asked (an error before)
+    Look& kept = mem.looks[pass.to_look[i].pod.uid];
+    Look seen;  // what the pass saw
+    seen.kind = answers[i].kind;
+    if (kept.kind == seen.kind) seen = kept;
+    news = news || !seen.SameNews(answers[i]);
+    kept = std::move(answers[i]);
+  }
+  if (news) queue_.Add(key);  // taken again once these writes are done
   if (done.ok() && pass.decision) {
     done = Act(*pass.model, *pass.decision, pass.to_create, pass.pods, mem, now);
   }
@@ -781,7 +910,7 @@ absl::Status Controller::Reconcile(const std::string& key, absl::Duration& reque
     }
     return done;
   }
-  for (const Event& e : pass.events) recorder_.Record(*object, e);
+  for (const Event& e : pass.events) recorder_.Record(object, e);
   return absl::OkStatus();
 }
 
@@ -795,7 +924,7 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
   const std::string inspection = InspectionKey(m);
   if (std::optional<json> pod =
           pods_->store().Get(absl::StrCat(ns, "/", InspectPodName(inspection)))) {
-    pass.inspect_pod = ReadPodOf(ns, *pod, now, 0);
+    pass.inspect_pod = ReadPodOf(ns, *pod, now, 0, mem, pass.to_look);
   }
   const json own = old_status.is_object() ? old_status.value("model", json()) : json();
   std::optional<json> shared;
@@ -839,7 +968,7 @@ Controller::Pass Controller::Assess(const std::string& key, ModelView m, int64_t
     pass.model = std::move(m);
     return pass;
   }
-  pass.pods = PodsOf(m, mem, now);
+  pass.pods = PodsOf(m, mem, now, pass.to_look);
   Decision d = Decide(m, pass.pods, old_status, now, options_.timing);
   PlacementOutcome outcome;
   if (shape.state == ShapeView::State::kKnown) {
@@ -889,7 +1018,6 @@ std::optional<json> Controller::SharedInspection(const std::string& ns, const st
 
 absl::Status Controller::Inspect(const ModelView& m, const ShapeView& shape,
                                  const std::optional<PodView>& pod) {
-  ApiTimer timer;
   const std::string& ns = m.model.namespace_;
   if (shape.delete_pod && pod) RETURN_IF_ERROR(client_->Delete(kPods, ns, pod->name, pod->uid));
   if (shape.create_pod) {
@@ -904,7 +1032,6 @@ absl::Status Controller::Inspect(const ModelView& m, const ShapeView& shape,
 }
 
 absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json& status) {
-  ApiTimer timer;
   const json seen = object.value("status", json::object());
   if (status != mem.status && status != seen) {
     // What the server holds: the status read, and what this operator last wrote over it (the
@@ -924,10 +1051,8 @@ absl::Status Controller::WriteStatus(const json& object, Memory& mem, const json
   return absl::OkStatus();
 }
 
-absl::Status Controller::Act(const ModelView& m, const Decision& d,
-                             const std::vector<json>& to_create, const std::vector<PodView>& pods,
-                             Memory& mem, absl::Time now) {
-  ApiTimer timer;
+absl::StatusOr<std::vector<Controller::Writes>> Controller::Secrets(
+    const ModelView& m, const std::vector<json>& to_create, Memory& mem) {
   // A replica's pods mount its rendezvous secret: it is created before they are (only when a
   // replica's pods are, so rarely), never read back (RBAC: create only); one that exists is kept.
   std::set<int64_t> replicas;
@@ -938,32 +1063,44 @@ absl::Status Controller::Act(const ModelView& m, const Decision& d,
   }
   // The token the routers prove to the leaders' KV events: before any leader or router mounts
   // it, once per model (kept, as the rendezvous secrets are); a prefill role mounts its decode
-  // role's. It and the replicas' rendezvous secrets go out together, before the pods.
+  // role's.
   const std::string token_memo = "secrets/" + RouterTokenSecretName(m.model.name);
-  const bool token = m.kv_role != "prefill" && mem.children[token_memo].empty();
-  std::vector<std::pair<json, std::string>> secrets;  // and what each is, for an error
-  if (token) {
+  struct Secret {
+    json object;
+    std::string what;  // for an error
+    bool token = false;
+  };
+  std::vector<Secret> secrets;
+  if (m.kv_role != "prefill" && mem.children[token_memo].empty()) {
     absl::StatusOr<std::string> value = NewSecretValue();
     if (!value.ok()) return value.status();
-    secrets.emplace_back(BuildRouterTokenSecret(m, *value), "the router token");
+    secrets.push_back({BuildRouterTokenSecret(m, *value), "the router token", true});
   }
   for (int64_t r : replicas) {
     absl::StatusOr<std::string> value = NewSecretValue();
     if (!value.ok()) return value.status();
-    secrets.emplace_back(BuildRendezvousSecret(m, r, *value),
-                         absl::StrCat("the rendezvous secret of replica ", r));
+    secrets.push_back({BuildRendezvousSecret(m, r, *value),
+                       absl::StrCat("the rendezvous secret of replica ", r)});
   }
-  std::vector<absl::Status> made(secrets.size());
-  ForEachParallel(secrets.size(), [&](size_t i) {
-    auto created = client_->Create(k8s::kSecrets, m.model.namespace_, secrets[i].first);
-    if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
-      made[i] = absl::Status(
-          created.status().code(),
-          absl::StrCat("creating ", secrets[i].second, ": ", created.status().message()));
-    }
-  });
-  for (const absl::Status& st : made) RETURN_IF_ERROR(st);
-  if (token) mem.children[token_memo] = "created";
+  std::vector<Writes> writes;
+  for (Secret& secret : secrets) {
+    writes.push_back([this, &m, &mem, token_memo, secret = std::move(secret)] {
+      auto created = client_->Create(k8s::kSecrets, m.model.namespace_, secret.object);
+      if (!created.ok() && !k8s::ApiAlreadyExists(created.status())) {
+        return absl::Status(created.status().code(), absl::StrCat("creating ", secret.what, ": ",
+                                                                  created.status().message()));
+      }
+      // The pass's other first writes leave mem.children alone.
+      if (secret.token) mem.children[token_memo] = "created";
+      return absl::OkStatus();
+    });
+  }
+  return writes;
+}
+
+absl::Status Controller::Act(const ModelView& m, const Decision& d,
+                             const std::vector<json>& to_create, const std::vector<PodView>& pods,
+                             Memory& mem, absl::Time now) {
   // The writes of one pass are independent: services, deletions and creations go out together
   // (as client-go's controllers create a gang of pods in parallel), at most kParallelWrites at
   // once; the client's rate limit still applies to each.

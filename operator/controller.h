@@ -1,11 +1,16 @@
 #pragma once
 // The ShardedModel controller: informers on ShardedModels, Pods, Nodes and Services feed a work
 // queue of model keys ("namespace/name"); worker threads reconcile a key at a time (never one key
-// twice at once). A reconcile re-reads the world from the caches, decides (operator/reconcile.h),
-// places replicas against a GPU ledger shared by every worker, and writes through one writer:
+// twice at once). A reconcile (a pass) re-reads the world from the caches, decides
+// (operator/reconcile.h) and places replicas against a GPU ledger shared by every worker; its
+// writes are then carried out by a writer thread while the worker takes the next key: status
+// merge-patched only when it changed (with the secrets new pods mount and the inspect pod), then
 // pods created (never applied over), pods deleted with a uid precondition, Services (and
-// NetworkPolicies) created or applied server-side, status merge-patched only when it changed, and
-// Events (posted off the reconcile path by an EventRecorder).
+// NetworkPolicies) created or applied server-side, then disruption budgets; Events are posted
+// off both paths by an EventRecorder. The key stays taken until its writes are done, so a pass
+// never sees the world before its predecessor's writes: an event meanwhile queues the key again.
+// An apiserver slow to answer (its own p99 for one write is hundreds of milliseconds on a busy
+// control plane) so holds up that model's writes, not every model's decisions.
 //
 // Between a write and the informer seeing it the controller remembers what it did (pods it
 // created, pods it deleted, the status it wrote), so a quick second reconcile neither places a
@@ -13,6 +18,8 @@
 // operator cannot act on is a condition, not a retry loop.
 #include <atomic>
 #include <chrono>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -37,7 +44,7 @@ namespace shardserve::op {
 
 struct ControllerOptions {
   std::string namespace_;  // ShardedModels of this namespace only; "" = all
-  int concurrency = 4;     // worker threads
+  int concurrency = 4;     // worker threads; as many writer threads carry out their writes
   Timing timing;
   WorkerDefaults defaults;         // applied to every worker pod
   ModelPolicy policy;              // what a model may ask for (host paths, images)
@@ -78,21 +85,46 @@ class Controller {
   // Objects and bytes of each informer cache, by resource.
   std::map<std::string, std::pair<double, double>> CacheSizes() const;
 
-  // One pass for one model; `requeue_after` is when to look again without an event.
-  absl::Status Reconcile(const std::string& key, absl::Duration& requeue_after);
-
  private:
+  // What a pod not ready says of itself, when last asked: its kubelet's events while its
+  // containers are being created, its fetch step's /startupz, or its ranks' /startupz. A pass reads
+  // the memory of it; asking (network reads, bounded in time) is done with the pass's writes,
+  // and an answer that changes what a pass saw looks at the model again.
+  struct Look {
+    enum class Kind { kNone, kEvents, kFetch, kRanks };
+    Kind kind = Kind::kNone;
+    absl::Time at = absl::InfinitePast();
+    // kEvents: why its volumes cannot be mounted (its latest FailedMount), and whether an image
+    // pull is under way (a Pulling event not yet followed by Pulled).
+    std::string mount_failure;
+    bool pulling = false;
+    // kFetch, kRanks: the pod's startup line ("" before an answer), the fetch step's download.
+    std::string startup;
+    std::optional<PodView::Download> download;
+    // The same news (a download's progress aside, which the pass asks for on its own clock).
+    bool SameNews(const Look& o) const {
+      return kind == o.kind && mount_failure == o.mount_failure && pulling == o.pulling &&
+             startup == o.startup && download.has_value() == o.download.has_value();
+    }
+  };
+  // A pod to ask (the `tensor` ranks of a running one), found by a pass.
+  struct ToLook {
+    PodView pod;
+    Look::Kind kind;
+    int64_t tensor;
+  };
   struct Memory {  // what this controller did that the caches may not show yet
     std::string uid;
     std::map<std::string, std::pair<PodView, absl::Time>> created;  // pod name
     std::map<std::string, absl::Time> deleted;                      // pod uid
     json status;                                                    // as last written
     std::map<std::string, std::string> children;                    // "plural/name" -> hash written
-    std::set<std::string> budgeted;  // leader pod uids whose disruption budget exists
+    std::set<std::string> budgeted;     // leader pod uids whose disruption budget exists
+    std::map<std::string, Look> looks;  // by pod uid, the model's pods' only
   };
 
   // One pass's findings: the status to write, its Events, and what to carry out once the status
-  // is written; Reconcile writes, carries out and records them in one place.
+  // is written; CarryOut writes, carries out and records them in one place.
   struct Pass {
     json status;
     std::vector<Event> events;
@@ -103,6 +135,7 @@ class Controller {
     std::optional<Decision> decision;  // decided: what Act carries out
     std::vector<json> to_create;       // the pods placed (their GPUs reserved)
     std::vector<PodView> pods;         // the model's pods as read
+    std::vector<ToLook> to_look;       // pods whose look is to be asked again
     absl::Duration requeue_after = absl::InfiniteDuration();
   };
   // The pass for a valid spec: the model's shape and memory plan (or why there is none: an
@@ -111,29 +144,40 @@ class Controller {
   Pass Assess(const std::string& key, ModelView m, int64_t generation, const json& old_status,
               Memory& mem, absl::Time now);
 
+  // A pass's writes, carried out after it.
+  using Writes = std::function<absl::Status()>;
+  // One pass for one model up to its writes; `requeue_after` is when to look again without an
+  // event. No writes: the model is gone or being deleted.
+  Writes Reconcile(const std::string& key, absl::Duration& requeue_after);
+  // Carries a pass's writes out, in the order above; the GPUs reserved for pods not created go
+  // back on an error.
+  absl::Status CarryOut(const std::string& key, const json& object, const Pass& pass, Memory& mem,
+                        absl::Time now);
+  // A pass of `key` (and its writes) ended: metrics, a requeue or backoff, and the key free again.
+  void Finish(const std::string& key, const absl::Status& s, absl::Duration requeue,
+              double pass_seconds);
+
   void Worker();
+  void Writer();  // runs the writes handed over by workers, in order
   void Enqueue(const std::string& key);
   void EnqueueWaiting();
   // The models with a pod on `node` (changed: cordoned, say) are looked at again.
   void EnqueueOnNode(const json& node);
-  std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now);
-  // What a pod's kubelet says of it while its containers are being created: why its volumes
-  // cannot be mounted (its latest FailedMount), and whether an image pull is under way (a
-  // Pulling event not yet followed by Pulled). Nothing when the events cannot be read.
-  struct KubeletNews {
-    std::string mount_failure;
-    bool pulling = false;
-  };
-  KubeletNews EventsOf(const std::string& ns, const PodView& pod);
-  // What the `tensor` ranks of a running pod that is not ready say they are doing (each rank's
-  // /startupz, bounded in time and size), as the replica's status quotes it.
-  // What a pod's fetch step says (its /startupz): into its startup line and its download.
-  void FetchProgress(PodView& pod);
-  std::string RanksStarting(const PodView& pod, int64_t tensor);
-  // ReadPod, and for a pod that is not ready, what holds it: for one whose volumes stay
-  // unmounted past a grace period, why (stuck); otherwise what it is doing (startup), from its
-  // events or its ranks (`tensor` of them; 0: ask none).
-  PodView ReadPodOf(const std::string& ns, const json& pod, absl::Time now, int64_t tensor);
+  // The look a pod wants (kNone: a ready, deleting or pending pod).
+  static Look::Kind LookKindOf(const PodView& v, int64_t tensor);
+  // Asks a pod (nothing when it cannot be asked: an empty look of that kind).
+  Look Ask(const std::string& ns, const ToLook& t);
+  Look EventsOf(const std::string& ns, const PodView& pod);       // kEvents
+  Look FetchProgress(const PodView& pod);                         // kFetch
+  std::string RanksStarting(const PodView& pod, int64_t tensor);  // kRanks: the startup line
+  // ReadPod, and for a pod that is not ready, what holds it (its look, remembered in `mem`;
+  // `to_look` gets it when none is fresh): for one whose volumes stay unmounted past a grace
+  // period, why (stuck); otherwise what it is doing (startup), from its events or its ranks
+  // (`tensor` of them; 0: ask none).
+  PodView ReadPodOf(const std::string& ns, const json& pod, absl::Time now, int64_t tensor,
+                    Memory& mem, std::vector<ToLook>& to_look);
+  std::vector<PodView> PodsOf(const ModelView& m, Memory& mem, absl::Time now,
+                              std::vector<ToLook>& to_look);
   // Under one lock for every worker: reserves the GPUs of `d.creates`, then plans `d.place`
   // against the ledger and reserves what it placed. `pods` gets every pod to create.
   PlacementOutcome Place(const ModelView& m, const Decision& d, std::vector<json>& pods);
@@ -145,9 +189,12 @@ class Controller {
                        const std::optional<PodView>& pod);
   // Merge-patches status when it differs from what was last written (or is cached).
   absl::Status WriteStatus(const json& object, Memory& mem, const json& status);
-  // Carries a decision out: the rendezvous secret of each replica being created, services,
-  // deletions (remembered), creations (remembered), then a disruption budget for every leader
-  // pod (`pods`, and those just created) that has none yet.
+  // The secrets a decision's new pods mount (the model's router token once, the rendezvous secret
+  // of each replica being created), each a write to carry out before the pods go.
+  absl::StatusOr<std::vector<Writes>> Secrets(const ModelView& m,
+                                              const std::vector<json>& to_create, Memory& mem);
+  // Carries a decision out: services, deletions (remembered), creations (remembered), then a
+  // disruption budget for every leader pod (`pods`, and those just created) that has none yet.
   absl::Status Act(const ModelView& m, const Decision& d, const std::vector<json>& to_create,
                    const std::vector<PodView>& pods, Memory& mem, absl::Time now);
   // The model's Services (and NetworkPolicy, when enabled), written when missing or drifted.
@@ -180,6 +227,10 @@ class Controller {
   // same key takes it without an inspect pod of its own (SharedInspection).
   std::map<std::string, json> inspections_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> workers_;
+  absl::Mutex writes_mu_;
+  std::deque<std::function<void()>> writes_ ABSL_GUARDED_BY(writes_mu_);  // at most one a key
+  bool writers_stop_ ABSL_GUARDED_BY(writes_mu_) = false;
+  std::vector<std::thread> writers_;
   std::atomic<bool> synced_{false};
   std::atomic<bool> stopped_{false};
 };

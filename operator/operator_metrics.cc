@@ -38,14 +38,19 @@ OperatorMetrics::OperatorMetrics() : registry_(std::make_shared<prometheus::Regi
   for (double v = 1e-4; v < 30; v *= 1.5) b.push_back(v);
   reconcile_seconds_ = &prometheus::BuildHistogram()
                             .Name("shardserve_operator_reconcile_seconds")
-                            .Help("Time of one reconcile of a ShardedModel")
+                            .Help(
+                                "Time of one reconcile pass of a ShardedModel: reading the caches, "
+                                "deciding, placing (its writes are carried out after it)")
                             .Register(r)
                             .Add({}, b);
-  reconcile_api_seconds_ = &prometheus::BuildHistogram()
-                                .Name("shardserve_operator_reconcile_api_seconds")
-                                .Help("Part of a reconcile spent waiting for apiserver writes")
-                                .Register(r)
-                                .Add({}, b);
+  reconcile_api_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("shardserve_operator_reconcile_api_seconds")
+           .Help(
+               "Time to carry out a reconcile pass's apiserver writes, from the "
+               "pass's end (waiting for a writer thread included)")
+           .Register(r)
+           .Add({}, b);
   replicas_ = &prometheus::BuildGauge()
                    .Name("shardserve_model_replicas")
                    .Help("Replicas of a ShardedModel by state")

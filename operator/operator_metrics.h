@@ -4,8 +4,8 @@
 // leader election, leading or standing by).
 // Per-model series carry {namespace, model}: the ShardedModel, as the ranks' `model` label.
 //   shardserve_operator_reconcile_total{result}   success | error | requeue
-//   shardserve_operator_reconcile_seconds          histogram
-//   shardserve_operator_reconcile_api_seconds      the part of it spent on apiserver writes
+//   shardserve_operator_reconcile_seconds          histogram of a pass (read, decide, place)
+//   shardserve_operator_reconcile_api_seconds      its apiserver writes, carried out after it
 //   shardserve_model_replicas{model,state}         Pending | Placing | Starting | Ready | Failed
 //   shardserve_replica_restarts_total{model}
 //   shardserve_placement_failures_total{model,reason}

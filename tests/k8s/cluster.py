@@ -1,14 +1,17 @@
 """A private Kubernetes control plane for one test (the testenv of tests/k8s/testenv: etcd,
 kube-apiserver, kube-controller-manager, kube-scheduler, kwok), plus kubectl and fake-node helpers.
 Standard library only; the binaries come from scripts/testenv-build.sh."""
+import http.client
 import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.environ.get("SHARDSERVE_CACHE", os.path.expanduser("~/.cache/shardserve"))
@@ -78,6 +81,35 @@ class Cluster:
 
     def get(self, *args):
         return json.loads(self.kubectl("get", "-o", "json", *args, check=True)[1])
+
+    def api(self, method, path, body=None, content_type="application/json", timeout=60,
+            raw=False):
+        """(status, decoded JSON, or the text when `raw`) of one request to the apiserver as the kubeconfig's user, over
+        a connection of this thread kept open: pollers use it where a kubectl process per look
+        would cost the machine's cores more than the cluster under test does."""
+        conns = self.__dict__.setdefault("_conns", threading.local())
+        if getattr(conns, "conn", None) is None:
+            pki = {}
+            with open(self.kubeconfig) as f:
+                for line in f:
+                    key, _, value = line.strip().partition(": ")
+                    if key in ("certificate-authority", "client-certificate", "client-key"):
+                        pki[key] = value
+            ctx = ssl.create_default_context(cafile=pki["certificate-authority"])
+            ctx.load_cert_chain(pki["client-certificate"], pki["client-key"])
+            url = urllib.parse.urlparse(self.server)
+            conns.conn = http.client.HTTPSConnection(url.hostname, url.port, context=ctx,
+                                                     timeout=timeout)
+        data = json.dumps(body).encode() if body is not None else None
+        try:
+            conns.conn.request(method, path, body=data, headers={"Content-Type": content_type})
+            resp = conns.conn.getresponse()
+            text = resp.read()
+            return resp.status, text.decode() if raw else json.loads(text or b"null")
+        except (OSError, http.client.HTTPException, ValueError):
+            conns.conn.close()  # the next call connects again (the apiserver may be restarting)
+            conns.conn = None
+            raise
 
     def install_crds(self):
         self.kubectl("apply", "-f", os.path.join(ROOT, "crds"), check=True)
@@ -184,15 +216,14 @@ class InspectStandIn:
         while not self.stop.wait(0.2):
             try:
                 self.complete()
-            except (subprocess.SubprocessError, ValueError, KeyError):
+            except (OSError, http.client.HTTPException, ValueError, KeyError):
                 pass  # the apiserver may be restarting: try again
 
     def complete(self):
-        rc, out, _ = self.c.kubectl("get", "pods", "-A", "-l", "shardserve.io/role=inspect",
-                                    "-o", "json")
-        if rc != 0:
+        code, pods = self.c.api("GET", "/api/v1/pods?labelSelector=shardserve.io%2Frole%3Dinspect")
+        if code != 200:
             return
-        for p in json.loads(out)["items"]:
+        for p in pods["items"]:
             meta = p["metadata"]
             if meta["uid"] in self.done or p["status"].get("phase") in ("Succeeded", "Failed"):
                 continue
@@ -204,9 +235,9 @@ class InspectStandIn:
                 {"name": "inspect", "ready": False, "restartCount": 0,
                  "image": p["spec"]["containers"][0]["image"], "imageID": "",
                  "state": {"terminated": term}}]}
-            rc, _, _ = self.c.kubectl("patch", "pod", meta["name"], "-n", meta["namespace"],
-                                      "--subresource=status", "--type=merge",
-                                      "-p", json.dumps({"status": status}))
-            if rc == 0:
+            code, _ = self.c.api(
+                "PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                {"status": status}, content_type="application/merge-patch+json")
+            if code == 200:
                 self.done.add(meta["uid"])
                 self.uris.append(meta["annotations"]["shardserve.io/model-uri"])
