@@ -629,15 +629,19 @@ void Engine::MakeRoomForWaitingRequests() {
     // A more urgent request waiting: the newest sequence of the least urgent running one that
     // can leave now (not in a step in flight) makes room for it.
     int64_t urgent = std::numeric_limits<int64_t>::max();
-    absl::flat_hash_map<std::string, double> weight;  // fair units (tenants) waiting or running
-    absl::flat_hash_set<std::string> waiting;         // units with a sequence waiting
+    struct Waiter {
+      std::string unit;
+      int64_t group;
+      int64_t priority;
+      double weight;
+    };
+    std::vector<Waiter> waiters;
     {
       absl::MutexLock lock(&mu_);
       for (const auto& s : waiting_) {
         if (!AdapterReady(s.get())) continue;  // it could not take the slot made for it
         urgent = std::min(urgent, s->request.priority);
-        waiting.insert(FairUnit(*s));
-        weight[FairUnit(*s)] = s->request.weight;
+        waiters.push_back({FairUnit(*s), s->group, s->request.priority, s->request.weight});
       }
     }
     Sequence* victim = nullptr;
@@ -652,37 +656,64 @@ void Engine::MakeRoomForWaitingRequests() {
       Preempt(victim);
       continue;
     }
-    // Fair sharing between the units of the most urgent priority: each to its weight's share of
-    // the batch. A unit below its share waits: the newest sequence of the unit most over its
-    // share gives up its slot.
-    absl::flat_hash_map<std::string, int> held;  // running sequences by unit
+    // Fair sharing at the most urgent priority, in two levels: between fair units (tenants),
+    // each to its weight's share of the batch; inside a unit, between its requests, each to an
+    // equal part of the unit's share. A waiting request whose unit is below its share takes a
+    // slot from the unit most over its share; failing that, one below its part takes a slot
+    // from the request of its own unit most over its part (a tenant's big request leaves the
+    // tenant's other requests their parts). The victim is the newest sequence of the request
+    // most over its part.
+    absl::flat_hash_map<std::string, double> weight;  // units waiting or running
+    absl::flat_hash_map<std::string, int> held;       // running sequences by unit
+    absl::flat_hash_map<int64_t, int> held_by_group;  // and by request
+    absl::flat_hash_map<std::string, absl::flat_hash_set<int64_t>> groups;  // requests by unit
+    for (const Waiter& w : waiters) {
+      if (w.priority != urgent) continue;
+      weight[w.unit] = w.weight;
+      groups[w.unit].insert(w.group);
+    }
     for (const auto& s : running_) {
       if (s->request.priority != urgent) continue;
-      ++held[FairUnit(*s)];
-      weight[FairUnit(*s)] = s->request.weight;
+      const std::string unit = FairUnit(*s);
+      ++held[unit];
+      ++held_by_group[s->group];
+      weight[unit] = s->request.weight;
+      groups[unit].insert(s->group);
     }
     double total = 0;
     for (const auto& [unit, w] : weight) total += w;
     auto share = [&](const std::string& unit) {
       return std::max(1.0, options_.max_batch * weight[unit] / total);
     };
-    if (std::none_of(waiting.begin(), waiting.end(), [&](const std::string& u) {
-          auto it = held.find(u);
-          return it == held.end() || it->second + 1 <= share(u);
-        })) {
-      return;
+    auto part = [&](const std::string& unit) {  // of each of the unit's requests
+      return std::max(1.0, share(unit) / static_cast<double>(groups[unit].size()));
+    };
+    bool across = false;                      // a unit below its share waits
+    absl::flat_hash_set<std::string> within;  // units with a request below its part waiting
+    for (const Waiter& w : waiters) {
+      if (w.priority != urgent) continue;
+      across |= held[w.unit] + 1 <= share(w.unit);
+      if (held_by_group[w.group] + 1 <= part(w.unit)) within.insert(w.unit);
     }
-    for (const auto& s : running_) {
-      const std::string unit = FairUnit(*s);
-      if (s->request.priority != urgent || held[unit] <= share(unit) || mbs_[s->mb].in_flight) {
-        continue;
+    // Candidates ranked by how far their unit is over its share (across units only), then how
+    // far their request is over its part, then the newest.
+    auto rank = [&](const Sequence& s, bool by_unit) {
+      const std::string unit = FairUnit(s);
+      return std::tuple(by_unit ? held[unit] / share(unit) : 0.0,
+                        held_by_group[s.group] / part(unit), s.admitted);
+    };
+    for (bool by_unit : {true, false}) {
+      if (by_unit ? !across : within.empty()) continue;
+      for (const auto& s : running_) {
+        const std::string unit = FairUnit(*s);
+        if (s->request.priority != urgent || mbs_[s->mb].in_flight) continue;
+        if (by_unit ? held[unit] <= share(unit)
+                    : !within.contains(unit) || held_by_group[s->group] <= part(unit)) {
+          continue;
+        }
+        if (victim == nullptr || rank(*s, by_unit) > rank(*victim, by_unit)) victim = s.get();
       }
-      const std::string vunit = victim ? FairUnit(*victim) : "";
-      const double over = held[unit] / share(unit);
-      const double vover = victim ? held[vunit] / share(vunit) : 0;
-      if (victim == nullptr || over > vover || (over == vover && s->admitted > victim->admitted)) {
-        victim = s.get();
-      }
+      if (victim != nullptr) break;
     }
     if (victim == nullptr) return;
     Preempt(victim);

@@ -189,9 +189,9 @@ class Engine {
   // ResourceExhausted means the queue is full; Unavailable means the engine stopped or failed.
   absl::StatusOr<std::shared_ptr<RequestStream>> Submit(const GenerationRequest& request);
   // Queues one request's sequences (its prompts, its n choices) together, or none of them. The
-  // queue counts requests, and the batch is shared fairly between them: while another request
-  // waits with nothing running, a request holding more than its share of the batch
-  // (max_batch / requests) gives up its newest sequence for it (preempted, resumed later).
+  // queue counts requests, and the batch is shared fairly: between tenants by weight, then
+  // between a tenant's requests equally. While a request below its share waits, one holding
+  // more than its share gives up its newest sequence for it (preempted, resumed later).
   // `kv`: each sequence's part in disaggregated serving (empty: none).
   absl::StatusOr<std::vector<std::shared_ptr<RequestStream>>> SubmitGroup(
       const std::vector<GenerationRequest>& requests, const std::vector<SequenceKvRole>& kv = {});

@@ -1003,35 +1003,41 @@ TEST_F(EngineTest, SubmitRefusesBadRequestsAndAFullQueue) {
 
 // One request's many sequences (prompts x n) fill the batch; another request that arrives then
 // gets a slot within a few steps (a sequence of the big request is preempted for it) instead of
-// waiting for the big one's sequences to end.
+// waiting for the big one's sequences to end: with no tenant, and with both requests of one
+// tenant (as the API names every request's tenant, "anonymous" without keys).
 TEST_F(EngineTest, ABigRequestLeavesAnotherItsShareOfTheBatch) {
-  LocalExecutor exec(model_.get(), 4096);
-  exec.pause_at_ = 3;  // the big request fills the batch by then
-  EngineOptions o = exec.Options();
-  o.max_batch = 4;
-  Engine engine(&exec, o);
-  GenerationRequest long_one = requests_[0];
-  long_one.params.max_tokens = 60;
-  auto big = engine.SubmitGroup(std::vector<GenerationRequest>(12, long_one));
-  ASSERT_TRUE(big.ok());
-  std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
-  exec.paused_.WaitForNotification();
-  EXPECT_EQ(engine.running(), 4);
-  GenerationRequest plain = requests_[1];
-  plain.params.max_tokens = 4;
-  auto small = engine.Submit(plain);  // sequence 12
-  ASSERT_TRUE(small.ok());
-  exec.resume_.Notify();
-  RequestStream::Update u;
-  while (!u.finished) u = (*small)->Next(std::chrono::seconds(30));
-  EXPECT_EQ(u.finish_reason, "length");
-  // First come, first served, it would wait for a big sequence to end: 60 steps.
-  const int first = exec.FirstTokenStep(12);
-  ASSERT_GE(first, 0);
-  EXPECT_LE(first - exec.pause_at_, 3) << "steps the plain request waited for its first token";
-  for (auto& st : *big) st->Cancel();
-  engine.Shutdown();
-  loop.join();
+  for (const std::string tenant : {"", "anonymous"}) {
+    SCOPED_TRACE(absl::StrCat("tenant '", tenant, "'"));
+    LocalExecutor exec(model_.get(), 4096);
+    exec.pause_at_ = 3;  // the big request fills the batch by then
+    EngineOptions o = exec.Options();
+    o.max_batch = 4;
+    Engine engine(&exec, o);
+    GenerationRequest long_one = requests_[0];
+    long_one.params.max_tokens = 60;
+    long_one.tenant = tenant;
+    auto big = engine.SubmitGroup(std::vector<GenerationRequest>(12, long_one));
+    ASSERT_TRUE(big.ok());
+    std::thread loop([&] { ASSERT_TRUE(engine.Run().ok()); });
+    exec.paused_.WaitForNotification();
+    EXPECT_EQ(engine.running(), 4);
+    GenerationRequest plain = requests_[1];
+    plain.params.max_tokens = 4;
+    plain.tenant = tenant;
+    auto small = engine.Submit(plain);  // sequence 12
+    ASSERT_TRUE(small.ok());
+    exec.resume_.Notify();
+    RequestStream::Update u;
+    while (!u.finished) u = (*small)->Next(std::chrono::seconds(30));
+    EXPECT_EQ(u.finish_reason, "length");
+    // First come, first served, it would wait for a big sequence to end: 60 steps.
+    const int first = exec.FirstTokenStep(12);
+    EXPECT_GE(first, 0);
+    EXPECT_LE(first - exec.pause_at_, 3) << "steps the plain request waited for its first token";
+    for (auto& st : *big) st->Cancel();
+    engine.Shutdown();
+    loop.join();
+  }
 }
 
 // A constraint whose mask never comes (a hostile grammar): Allowed runs until cancelled.
