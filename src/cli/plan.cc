@@ -156,6 +156,7 @@ absl::StatusOr<std::optional<ModelFootprint>> FootprintFor(
 void PrintMemory(const ModelFootprint& model, const ShardedModelSpec& spec, const SpecPlan& plan) {
   ModelFootprint f = model;
   UseKvCacheDtype(f, spec.kv_cache_dtype);
+  UseSpeculativeMethod(f, spec.speculative_method);
   std::printf("model: %s, %.1f B parameters; weights: %s\n", f.architecture.c_str(), f.params / 1e9,
               f.weights.c_str());
   std::printf("%s\n", KvBytesLine(f).c_str());
@@ -164,6 +165,9 @@ void PrintMemory(const ModelFootprint& model, const ShardedModelSpec& spec, cons
   std::vector<std::string> stages;
   for (size_t s = 0; s < c.layers.size(); ++s) {
     stages.push_back(absl::StrCat("stage ", s, " ", FormatLayerRange(c.layers[s])));
+  }
+  if (f.mtp_loaded && f.mtp.count > 0 && !stages.empty()) {
+    absl::StrAppend(&stages.back(), " and the multi-token-prediction layer");
   }
   std::printf("layers: %s (of %lld)\n", absl::StrJoin(stages, ", ").c_str(),
               static_cast<long long>(f.layers));

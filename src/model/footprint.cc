@@ -28,6 +28,7 @@ struct Dims {
   int64_t first_dense = 0;     // layers [0, first_dense) are dense in a MoE model
   // Multi-head latent attention (DeepSeek-V3): 0 kv_lora for ordinary attention.
   int64_t q_lora = 0, kv_lora = 0, rope_dim = 0, nope_dim = 0, v_dim = 0;
+  int64_t mtp_layers = 0;  // multi-token-prediction layers after the model's (DeepSeek-V3)
   std::vector<std::string> notes;
 };
 
@@ -172,10 +173,11 @@ Dims DimsOf(const ModelConfig& c) {
     d.v_dim = c.v_head_dim;
   }
   if (c.mtp_layers > 0) {
+    d.mtp_layers = c.mtp_layers;
     d.notes.push_back(absl::StrCat("its ", c.mtp_layers,
-                                   " multi-token-prediction layer(s) are not counted: loaded "
-                                   "only for speculative method mtp (the last stage's one layer "
-                                   "more, weights and KV cache)"));
+                                   " multi-token-prediction layer(s) are counted only under "
+                                   "speculative method mtp, which loads one on the last stage "
+                                   "(its weights and KV cache)"));
   }
   if (std::find(c.sliding_layers.begin(), c.sliding_layers.end(), true) != c.sliding_layers.end()) {
     d.notes.push_back(
@@ -200,10 +202,11 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
   out.embed_bytes = f.Plain(V * H);
   out.head_bytes = f.Linear("lm_head", V, H) + f.Plain(H);
   out.params = 2 * V * H + H;
-  for (int64_t i = 0; i < d.layers; ++i) {
+  // Layer i's footprint, its parameters added to `params`.
+  auto layer = [&](int64_t i, double& params) {
     const std::string at = absl::StrCat("model.layers.", i, ".");
     LayerFootprint l;
-    double params = 2 * H;  // the two norms
+    params += 2 * H;  // the two norms
     l.whole_bytes += f.Plain(2 * H);
     auto linear = [&](const std::string& module, double rows, double cols, double& into,
                       double copies = 1) {
@@ -278,7 +281,10 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
       linear("mlp.up_proj", I, H, l.split_bytes);
       linear("mlp.down_proj", H, I, l.split_bytes);
     }
-    out.params += params;
+    return l;
+  };
+  for (int64_t i = 0; i < d.layers; ++i) {
+    const LayerFootprint l = layer(i, out.params);
     if (!out.kinds.empty()) {
       LayerFootprint last = out.kinds.back();
       last.count = 1;
@@ -288,6 +294,15 @@ ModelFootprint Compute(const Dims& d, const Format& f) {
       }
     }
     out.kinds.push_back(l);
+  }
+  if (d.mtp_layers > 0) {  // not in params: the model's own count leaves it out
+    // The decoder layer after the model's; eh_proj (H x 2H) and its three norms, each rank all
+    // of them; its embedding and head, vocabulary rows (Transformer::BindMtp).
+    double params = 0;
+    out.mtp = layer(d.layers, params);
+    const std::string at = absl::StrCat("model.layers.", d.layers, ".");
+    out.mtp.whole_bytes += f.Linear(at + "eh_proj", H, 2 * H) + f.Plain(3 * H);
+    out.mtp.split_bytes += f.Plain(V * H) + f.Linear(at + "shared_head.head", V, H);
   }
   const bool moe = d.experts > 0;
   out.shape = {d.layers,

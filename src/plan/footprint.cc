@@ -48,36 +48,44 @@ constexpr KindField kKindFields[] = {
     {"wholeValues", nullptr, &LayerFootprint::whole_values},
 };
 
+json KindToJson(const LayerFootprint& k) {
+  json o = json::object();
+  for (const KindField& field : kKindFields) {
+    if (field.bytes) {
+      o[field.name] = std::llround(k.*field.bytes);
+    } else {
+      o[field.name] = k.*field.count;
+    }
+  }
+  return o;
+}
+
 }  // namespace
+
+void UseSpeculativeMethod(ModelFootprint& f, const std::string& method) {
+  f.mtp_loaded = method == "mtp";
+}
 
 json FootprintToJson(const ModelFootprint& f) {
   json kinds = json::array();
-  for (const LayerFootprint& k : f.kinds) {
-    json o = json::object();
-    for (const KindField& field : kKindFields) {
-      if (field.bytes) {
-        o[field.name] = std::llround(k.*field.bytes);
-      } else {
-        o[field.name] = k.*field.count;
-      }
-    }
-    kinds.push_back(std::move(o));
-  }
-  return {{"architecture", f.architecture},
-          {"weights", f.weights},
-          {"layers", f.layers},
-          {"heads", f.heads},
-          {"kvHeads", f.kv_heads},
-          {"experts", f.experts},
-          {"intermediate", f.intermediate},
-          {"params", std::llround(f.params)},
-          {"embedBytes", std::llround(f.embed_bytes)},
-          {"headBytes", std::llround(f.head_bytes)},
-          {"fullKvValues", f.full_kv_values},
-          {"kvDtype", f.kv_dtype},
-          {"kinds", kinds},
-          {"shape", ShapeToJson(f.shape)},
-          {"notes", f.notes}};
+  for (const LayerFootprint& k : f.kinds) kinds.push_back(KindToJson(k));
+  json out = {{"architecture", f.architecture},
+              {"weights", f.weights},
+              {"layers", f.layers},
+              {"heads", f.heads},
+              {"kvHeads", f.kv_heads},
+              {"experts", f.experts},
+              {"intermediate", f.intermediate},
+              {"params", std::llround(f.params)},
+              {"embedBytes", std::llround(f.embed_bytes)},
+              {"headBytes", std::llround(f.head_bytes)},
+              {"fullKvValues", f.full_kv_values},
+              {"kvDtype", f.kv_dtype},
+              {"kinds", kinds},
+              {"shape", ShapeToJson(f.shape)},
+              {"notes", f.notes}};
+  if (f.mtp.count > 0) out["mtp"] = KindToJson(f.mtp);  // a report of before has none
+  return out;
 }
 
 absl::StatusOr<ModelFootprint> FootprintFromJson(const json& j) {
@@ -131,9 +139,8 @@ absl::StatusOr<ModelFootprint> FootprintFromJson(const json& j) {
       kinds->size() > static_cast<size_t>(kMaxKinds)) {
     return bad(absl::StrCat("'kinds' must be a list of 1 to ", kMaxKinds, " entries"));
   }
-  int64_t layers = 0;
-  for (const json& o : *kinds) {
-    if (!o.is_object()) return bad("an entry of 'kinds' is not an object");
+  auto kind = [&](const json& o, const std::string& what) -> absl::StatusOr<LayerFootprint> {
+    if (!o.is_object()) return bad(absl::StrCat(what, " is not an object"));
     LayerFootprint k;
     for (const KindField& field : kKindFields) {
       ASSIGN_OR_RETURN(int64_t v, integer(o, field.name, field.bytes ? kBytes : int64_t{1} << 30));
@@ -143,12 +150,20 @@ absl::StatusOr<ModelFootprint> FootprintFromJson(const json& j) {
         k.*field.count = v;
       }
     }
-    if (k.count < 1) return bad("an entry of 'kinds' counts no layer");
+    if (k.count < 1) return bad(absl::StrCat(what, " counts no layer"));
+    return k;
+  };
+  int64_t layers = 0;
+  for (const json& o : *kinds) {
+    ASSIGN_OR_RETURN(LayerFootprint k, kind(o, "an entry of 'kinds'"));
     layers += k.count;
     f.kinds.push_back(k);
   }
   if (layers != f.layers) {
     return bad(absl::StrCat("its kinds count ", layers, " layers, not ", f.layers));
+  }
+  if (auto mtp = j.find("mtp"); mtp != j.end()) {
+    ASSIGN_OR_RETURN(f.mtp, kind(*mtp, "'mtp'"));
   }
   auto shape = j.find("shape");
   if (shape == j.end()) return bad("no 'shape'");

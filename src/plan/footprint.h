@@ -48,6 +48,11 @@ struct ModelFootprint {
   // How the KV cache keeps a value (api/kv_cache_dtype.h: f32, bf16, f16, fp8): the model's
   // dtype (kvCacheDtype auto) until UseKvCacheDtype sets a spec's.
   std::string kv_dtype = "bf16";
+  // The checkpoint's multi-token-prediction layer (DeepSeek-V3's) as the last stage loads it
+  // under speculative method mtp: its decoder layer and KV cache, eh_proj and its norms (whole
+  // on every rank), its own embedding and head (vocabulary rows). count 0: the model has none.
+  LayerFootprint mtp{.count = 0};
+  bool mtp_loaded = false;  // the spec speculates with it (UseSpeculativeMethod)
 
   // Values cached per position and layer on one rank of a tensor-parallel group of `tp`.
   int64_t KvValuesPerRank(const LayerFootprint& k, int64_t tp) const;
@@ -56,6 +61,9 @@ struct ModelFootprint {
 
 // The footprint with the KV cache a spec's spec.serving.kvCacheDtype keeps (auto: as it is).
 void UseKvCacheDtype(ModelFootprint& f, const std::string& kv_cache_dtype);
+// The footprint with the layers a spec's spec.serving.speculative.method loads (mtp: the
+// multi-token-prediction layer, on the last stage).
+void UseSpeculativeMethod(ModelFootprint& f, const std::string& method);
 
 // The footprint as `shardserve-worker inspect` reports it and status.model keeps it, and back
 // (bounded: a report is input).

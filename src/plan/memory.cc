@@ -16,18 +16,22 @@ StageMemory MemoryOfStage(const ModelFootprint& f, const LayerRange& layers, int
   const double T = static_cast<double>(tp);
   int64_t layer = 0;
   double kv_values = 0;
+  auto hold = [&](const LayerFootprint& k, double n) {  // n layers of kind k
+    const double kv_heads = k.kv_heads == 0 ? 0 : std::max<double>(1, k.kv_heads / tp);
+    m.weights += n * (k.split_bytes / T + k.kv_head_bytes * kv_heads + k.whole_bytes);
+    kv_values += n * static_cast<double>(f.KvValuesPerRank(k, tp));
+  };
   for (const LayerFootprint& k : f.kinds) {
     const int64_t begin = std::max(layer, layers.begin);
     const int64_t end = std::min(layer + k.count, layers.end);
     layer += k.count;
-    if (begin >= end) continue;
-    const double n = static_cast<double>(end - begin);
-    const double kv_heads = k.kv_heads == 0 ? 0 : std::max<double>(1, k.kv_heads / tp);
-    m.weights += n * (k.split_bytes / T + k.kv_head_bytes * kv_heads + k.whole_bytes);
-    kv_values += n * static_cast<double>(f.KvValuesPerRank(k, tp));
+    if (begin < end) hold(k, static_cast<double>(end - begin));
   }
   if (layers.begin == 0) m.weights += f.embed_bytes / T;
-  if (layers.end == f.layers) m.weights += f.head_bytes / T;
+  if (layers.end == f.layers) {
+    m.weights += f.head_bytes / T;
+    if (f.mtp_loaded && f.mtp.count > 0) hold(f.mtp, 1);  // the one layer method mtp runs
+  }
   m.kv_cache = kv_values * static_cast<double>(kv_tokens) * static_cast<double>(f.KvValueBytes());
   m.margin = kMarginBytes + kMarginShare * (m.weights + m.kv_cache);
   return m;
@@ -151,6 +155,7 @@ absl::StatusOr<SpecPlan> PlanSpec(const ModelFootprint& model, const ShardedMode
                                   const std::vector<NodeInfo>& nodes) {
   ModelFootprint f = model;
   UseKvCacheDtype(f, spec.kv_cache_dtype);
+  UseSpeculativeMethod(f, spec.speculative_method);
   const PlacementRequest request = PlacementRequestFor(spec, {});
   SpecPlan plan;
   std::vector<int64_t> node_gpus;

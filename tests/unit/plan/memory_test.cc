@@ -95,6 +95,50 @@ TEST(FootprintTest, MlaCachesItsLatentWholeOnEveryRank) {
   EXPECT_EQ(qwen.KvValuesPerRank(qwen.kinds[0], 8), 1 * 2 * 128);
 }
 
+// DeepSeek-V3's multi-token-prediction layer (14 B parameters as published: 685 B with it):
+// counted on the last stage under speculative method mtp only, its KV cache too.
+TEST(FootprintTest, TheMtpLayerIsCountedWhenSpeculationLoadsIt) {
+  const ModelFootprint ds = Example("deepseek-v3");
+  ASSERT_EQ(ds.mtp.count, 1);
+  const LayerRange last{58, 61};
+  const StageMemory without = MemoryOfStage(ds, last, 8, 4096);
+  ModelFootprint mtp = ds;
+  UseSpeculativeMethod(mtp, "ngram");
+  EXPECT_EQ(MemoryOfStage(mtp, last, 8, 4096).total(), without.total());
+  UseSpeculativeMethod(mtp, "mtp");
+  const StageMemory with = MemoryOfStage(mtp, last, 8, 4096);
+  // A MoE layer (11.6 B parameters, FP8 blocks: 11.8 GB), its embedding and head (2 x 0.93 B,
+  // BF16: 3.7 GB) and eh_proj (0.1 B, FP8) over 8 ranks: 1.95 GB a rank.
+  EXPECT_NEAR((with.weights - without.weights) / 1e9, 1.95, 0.05);
+  // One layer's latent more: 576 values a position in BF16.
+  EXPECT_NEAR(with.kv_cache - without.kv_cache, 576 * 2 * 4096, 1);
+  // Only the last stage holds it.
+  EXPECT_EQ(MemoryOfStage(mtp, {0, 30}, 8, 4096).total(),
+            MemoryOfStage(ds, {0, 30}, 8, 4096).total());
+  // The plan of a spec counts it; the footprint's report carries it (one of before has none).
+  ShardedModelSpec spec;
+  spec.tensor = 8;
+  spec.pipeline = 2;
+  spec.max_batch_size = 1;
+  spec.max_sequence_length = 4096;
+  auto plain = PlanSpec(ds, spec, {});
+  spec.speculative_method = "mtp";
+  auto speculating = PlanSpec(ds, spec, {});
+  ASSERT_TRUE(plain.ok() && speculating.ok());
+  EXPECT_GT(speculating->choice.stages[1].weights, plain->choice.stages[1].weights + 1e9);
+  EXPECT_EQ(speculating->choice.stages[0].weights, plain->choice.stages[0].weights);
+  auto back = FootprintFromJson(FootprintToJson(ds));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->mtp.count, 1);
+  EXPECT_NEAR(back->mtp.split_bytes, ds.mtp.split_bytes, 1);
+  nlohmann::json old = FootprintToJson(ds);
+  old.erase("mtp");
+  EXPECT_EQ(FootprintFromJson(old)->mtp.count, 0);
+  old["mtp"] = nlohmann::json::array();
+  EXPECT_THAT(Why(FootprintFromJson(old).status()), HasSubstr("'mtp' is not an object"));
+  EXPECT_EQ(Example("qwen3-235b-a22b").mtp.count, 0);
+}
+
 TEST(FootprintTest, ItsJsonRoundTripsAndIsBounded) {
   const ModelFootprint ds = Example("deepseek-v3");
   auto back = FootprintFromJson(FootprintToJson(ds));
