@@ -29,6 +29,23 @@ inline F4 Load4(const float* p) {
   return v;
 }
 
+// Adds the products of a[0, n) and b[0, n) to 4 vectors of 4 sums (16 at a time, then 4) and,
+// past the last 4, to *tail.
+inline void AccumulateDot(F4* acc, const float* a, const float* b, int64_t n, float* tail) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 4; ++j) acc[j] += Load4(a + i + 4 * j) * Load4(b + i + 4 * j);
+  }
+  for (; i + 4 <= n; i += 4) acc[0] += Load4(a + i) * Load4(b + i);
+  for (; i < n; ++i) *tail += a[i] * b[i];
+}
+
+// The sum of AccumulateDot's 4 vectors and its tail.
+inline float SumDot(const F4* acc, float tail) {
+  const F4 s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + tail;
+}
+
 // Values of a row converted (F16, BF16, FP8 blocks; quantized types: unpacked, quant_portable.cc)
 // at a time into L1, where every token's activations meet them: the row is read from memory once.
 constexpr int64_t kChunk = 256;
@@ -58,22 +75,9 @@ void FloatRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int6
         ToFloat(w.dtype, row + DTypeBytes(w.dtype, k0), n, converted);
         v = converted;
       }
-      for (int64_t t = 0; t < M; ++t) {
-        F4* a = acc + 4 * t;
-        const float* xt = x + t * ldx + k0;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-          for (int j = 0; j < 4; ++j) a[j] += Load4(v + i + 4 * j) * Load4(xt + i + 4 * j);
-        }
-        for (; i + 4 <= n; i += 4) a[0] += Load4(v + i) * Load4(xt + i);
-        for (; i < n; ++i) tail[t] += v[i] * xt[i];
-      }
+      for (int64_t t = 0; t < M; ++t) AccumulateDot(acc + 4 * t, v, x + t * ldx + k0, n, &tail[t]);
     }
-    for (int64_t t = 0; t < M; ++t) {
-      const F4* a = acc + 4 * t;
-      const F4 s = (a[0] + a[1]) + (a[2] + a[3]);
-      y[t * ldy + r] = ((s[0] + s[1]) + (s[2] + s[3])) + tail[t];
-    }
+    for (int64_t t = 0; t < M; ++t) y[t * ldy + r] = SumDot(acc + 4 * t, tail[t]);
   }
 }
 
@@ -81,15 +85,9 @@ void FloatRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int6
 
 float Dot(const float* a, const float* b, int64_t n) {
   F4 acc[4] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 4; ++j) acc[j] += Load4(a + i + 4 * j) * Load4(b + i + 4 * j);
-  }
-  for (; i + 4 <= n; i += 4) acc[0] += Load4(a + i) * Load4(b + i);
-  const F4 s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  float sum = (s[0] + s[1]) + (s[2] + s[3]);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  float tail = 0;
+  AccumulateDot(acc, a, b, n, &tail);
+  return SumDot(acc, tail);
 }
 
 void Axpy(float alpha, const float* x, float* y, int64_t n) {

@@ -215,8 +215,12 @@ void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* fact
 }
 
 void Dequantize(DType dtype, const void* row, int64_t n, float* out) {
-  std::vector<int16_t> q(n);
-  std::vector<float> factor(n / 16 + 1), min(n / kBlock + 1, 0.0f);
+  // A row at a time (embedding rows, ToFloat): the unpacked row kept by the thread between calls.
+  thread_local std::vector<int16_t> q;
+  thread_local std::vector<float> factor, min;
+  q.resize(n);
+  factor.resize(n / 16 + 1);
+  min.assign(n / kBlock + 1, 0.0f);
   UnpackInts(dtype, row, n, q.data(), factor.data(), min.data());
   const int64_t group = IntGroup(dtype);
   for (int64_t i = 0; i < n; ++i) {
