@@ -621,6 +621,14 @@ absl::Status KvPuller::Release(const std::string& exporter_address, const KvTick
   return Ask(kReleaseId, exporter_address, ticket, {}, timeout);
 }
 
+namespace {
+absl::Status Late(const char* what, uint64_t bytes, absl::Duration timeout) {
+  return absl::DeadlineExceededError(absl::StrCat("the KV ", what, " (", bytes,
+                                                  " bytes) did not finish within ",
+                                                  absl::FormatDuration(timeout)));
+}
+}  // namespace
+
 absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
                            const KvTicket& ticket, const std::vector<KvRange>& ranges,
                            absl::Duration timeout) {
@@ -698,14 +706,15 @@ absl::Status KvPuller::Ask(unsigned am_id, const std::string& exporter_address,
       LogError("a KV receive did not end when cancelled; its endpoint is closed");
       owned.release();
       impl_->Drop(*ep);
+      // Past its deadline (a stalled exporter never answers the cancel), the pull still ends as
+      // what it is: deadline exceeded.
+      if (!finished) return Late(what, c.bytes, timeout);
       return absl::UnavailableError(absl::StrCat("the KV ", what, " was cut short"));
     }
   }
   if (!finished) {
     impl_->Drop(*ep);
-    return absl::DeadlineExceededError(absl::StrCat("the KV ", what, " (", c.bytes,
-                                                    " bytes) did not finish within ",
-                                                    absl::FormatDuration(timeout)));
+    return Late(what, c.bytes, timeout);
   }
   if (!c.status.ok() && absl::IsUnavailable(c.status)) impl_->Drop(*ep);
   return c.status;
