@@ -104,27 +104,30 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
 
 namespace {
 
-// The prefill table's columns: each kernel level, and AVX-512's without VNNI (x86-64).
+// The prefill table's columns: each kernel level, AVX-512's without VNNI and avx512bf16's without
+// AMX's tiles (x86-64).
 struct Column {
   const char* name;
   cpu::KernelLevel level;
-  bool vnni = true;
+  bool vnni = true, amx = true;
 };
 constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
                                {"avx512", cpu::KernelLevel::kAvx512},
                                {"avx512 -VNNI", cpu::KernelLevel::kAvx512, false},
                                {"avx512bf16", cpu::KernelLevel::kAvx512Bf16},
+                               {"avx512bf16 -AMX", cpu::KernelLevel::kAvx512Bf16, true, false},
                                {"portable", cpu::KernelLevel::kPortable}};
 
 // Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:
 // compute-bound), GFLOP/s at each kernel level this CPU and this build run (cpu_features.h; "-"
-// where they lack one), and at avx512 with its VNNI tile off ("-" without VNNI).
+// where they lack one), at avx512 with its VNNI tile off ("-" without VNNI), at avx512bf16 with
+// AMX's tiles off ("-" without AMX-BF16).
 absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   constexpr int64_t M = 128, N = 1024;
   const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
   const cpu::KernelLevel before = cpu::ActiveKernelLevel();
   std::printf("\n%-6s", "type");
-  for (const Column& c : kColumns) std::printf(" %12s", c.name);
+  for (const Column& c : kColumns) std::printf(" %15s", c.name);
   std::printf("   (prefill GEMM GFLOP/s, %lld tokens x %lld rows; kernels: %s)\n",
               static_cast<long long>(M), static_cast<long long>(N), cpu::DescribeKernels().c_str());
   std::mt19937 rng(2);
@@ -155,13 +158,14 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     std::printf("%-6s", DTypeName(dt));
     for (const Column& c : kColumns) {
       if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(c.level)).ok() ||
-          (!c.vnni && !have.avx512_vnni)) {
-        std::printf(" %12s", "-");
+          (!c.vnni && !have.avx512_vnni) || (!c.amx && !have.amx_bf16)) {
+        std::printf(" %15s", "-");
         continue;
       }
       cpu::SetKernelLevel(c.level);
 #if !SHARDSERVE_PORTABLE_KERNELS
       cpu::avx512::UseVnni(c.vnni);
+      cpu::avx512::UseAmx(c.amx);
 #endif
       cpu::MatMul(w, x.data(), M, K, y.data(), N, pool);  // warm
       int reps = 0;
@@ -172,13 +176,14 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
         ++reps;
         s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
-      std::printf(" %12.1f", 2.0 * M * N * K * reps / s / 1e9);
+      std::printf(" %15.1f", 2.0 * M * N * K * reps / s / 1e9);
     }
     std::printf("\n");
   }
   cpu::SetKernelLevel(before);
 #if !SHARDSERVE_PORTABLE_KERNELS
   cpu::avx512::UseVnni(true);
+  cpu::avx512::UseAmx(true);
 #endif
   return absl::OkStatus();
 }

@@ -40,6 +40,8 @@ CpuFeatures CpuFeatures::Detect() {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
+  f.amx_bf16 =
+      f.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
 #endif
   return f;
 }
@@ -135,6 +137,7 @@ std::string DescribeKernels() {
   }
   if (have.avx512_bf16) also.push_back("BF16");
   if (have.avx512_vnni) also.push_back("VNNI");
+  if (have.amx_bf16) also.push_back("AMX-BF16");
   return absl::StrCat(
       KernelLevelName(ActiveKernelLevel()),
       also.empty() ? "" : absl::StrCat(" (AVX-512 ", absl::StrJoin(also, ", "), " present)"));

@@ -21,8 +21,9 @@ namespace shardserve::cpu {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   // AVX-512 foundation with its byte/word and vector-length extensions (KernelLevel::kAvx512),
-  // its BF16 dot products (kAvx512Bf16) and VNNI (reported).
-  bool avx512 = false, avx512_bf16 = false, avx512_vnni = false;
+  // its BF16 dot products (kAvx512Bf16) and VNNI (reported); AMX's tiles with their BF16 dot
+  // products (kAvx512Bf16's prefill, where the kernel grants the tiles' state: avx512::UsesAmx).
+  bool avx512 = false, avx512_bf16 = false, avx512_vnni = false, amx_bf16 = false;
   // ARM (reported): Advanced SIMD (NEON) and its dot product extension.
   bool neon = false, dotprod = false;
   static CpuFeatures Detect();  // this machine's, from CPUID or (ARM) the kernel's HWCAP

@@ -505,7 +505,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   // The tiles in AVX-512 where the CPU runs it: 12 rows a float tile, 8 a quantized one, the same
   // arithmetic in the same order for each output (bit for bit the AVX2 tiles' results). BF16 at
   // kAvx512Bf16: the rows copied as they are (pairs of BF16, an odd kc's last pair padded with
-  // zero) against the tokens' BF16 pairs.
+  // zero) against the tokens' BF16 pairs, in AMX tiles where the CPU has them (GemmBlockBf16).
   const bool wide = ActiveKernelLevel() >= KernelLevel::kAvx512;
   const bool bf16_dot = D == DType::kBF16 && x.bf16 != nullptr;
   uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf);
@@ -541,6 +541,11 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
         for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
       }
       for (int64_t t = 0; t < mp; t += kNr) {
+        if (bf16_dot) {  // the block's rows at once: AMX's tiles of 16 where the CPU has them
+          avx512::GemmBlockBf16(nr, (kc + 1) / 2, wb, kKc, x.bf16 + (t / kNr * x.kp + k0) * kNr,
+                                yt + t, mp, k0 > 0);
+          continue;
+        }
         for (int64_t r = 0; r < nr; r += mr) {
           const int64_t rows = std::min(mr, nr - r);
           if constexpr (UnpacksToInts(D)) {
@@ -556,10 +561,6 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                 rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
                 wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
                 yt + r * mp + t, mp, k0 > 0);
-          } else if (bf16_dot) {
-            avx512::MicroKernelBf16Any(rows, (kc + 1) / 2, wb + r * kKc, kKc,
-                                       x.bf16 + (t / kNr * x.kp + k0) * kNr, yt + r * mp + t, mp,
-                                       k0 > 0);
           } else {
             (wide ? avx512::MicroKernelAny : MicroKernelAny)(rows, kc, wbuf + r * kKc, kKc,
                                                              x.f32 + (t / kNr * K + k0) * kNr,

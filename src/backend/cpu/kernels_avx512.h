@@ -61,4 +61,22 @@ void GemvBf16(const uint16_t* rows, int64_t row_stride, int64_t K, int64_t n0, i
 void MicroKernelBf16Any(int64_t mr, int64_t kp, const uint16_t* a, int64_t lda,
                         const uint16_t* panel, float* y, int64_t ldy, bool accumulate);
 
+// MicroKernelBf16Any for any number of rows (the GEMM's block): where UsesAmx, each 16 rows' first
+// kp / 16 * 16 pairs in AMX tiles (MicroKernelBf16Amx), the rest in MicroKernelBf16Any's. The
+// same products of BF16 pairs, summed in F32 in another order: within kAvx512Bf16's bound.
+void GemmBlockBf16(int64_t rows, int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel,
+                   float* y, int64_t ldy, bool accumulate);
+
+// AMX (kernels_amx.cc, built for AMX-TILE and AMX-BF16): `tiles` (1 to 3) x 16 rows against the
+// panel's 16 tokens, kp pairs (a multiple of 16), each 16 rows one tile of F32 sums, TDPBF16PS
+// adding 16 pairs of the rows (a tile) times the panel's 16 pairs (a tile) a step. Configures the
+// calling thread's tiles on its first call.
+void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
+                        const uint16_t* panel, float* y, int64_t ldy, bool accumulate);
+// Whether GemmBlockBf16 uses AMX: where the CPU has AMX-BF16 and Linux grants the process the
+// tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), unless UseAmx(false) (tests and
+// benchmarks compare the two).
+bool UsesAmx();
+void UseAmx(bool on);  // on: where the CPU and the kernel allow it
+
 }  // namespace shardserve::cpu::avx512

@@ -117,4 +117,26 @@ void MicroKernelBf16Any(int64_t mr, int64_t kp, const uint16_t* a, int64_t lda,
   kTiles[std::clamp<int64_t>(mr, 1, kMr) - 1](kp, a, lda, panel, y, ldy, accumulate);
 }
 
+void GemmBlockBf16(int64_t rows, int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel,
+                   float* y, int64_t ldy, bool accumulate) {
+  int64_t r = 0;
+  const int64_t kp16 = kp / 16 * 16;
+  if (kp16 > 0 && UsesAmx()) {
+    for (; r + 16 <= rows;) {
+      const int tiles = static_cast<int>(std::min<int64_t>(3, (rows - r) / 16));
+      MicroKernelBf16Amx(tiles, kp16, a + r * lda, lda, panel, y + r * ldy, ldy, accumulate);
+      for (int64_t i = 0; i < 16 * tiles && kp16 < kp; i += kMr) {  // the last pairs
+        MicroKernelBf16Any(std::min<int64_t>(kMr, 16 * tiles - i), kp - kp16,
+                           a + (r + i) * lda + 2 * kp16, lda, panel + 32 * kp16, y + (r + i) * ldy,
+                           ldy, true);
+      }
+      r += 16 * tiles;
+    }
+  }
+  for (; r < rows; r += kMr) {
+    MicroKernelBf16Any(std::min(kMr, rows - r), kp, a + r * lda, lda, panel, y + r * ldy, ldy,
+                       accumulate);
+  }
+}
+
 }  // namespace shardserve::cpu::avx512

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <iostream>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -61,21 +62,42 @@ double ActivationAt(KernelLevel level, DType dtype, float x) {
   return level == KernelLevel::kAvx512Bf16 && dtype == DType::kBF16 ? Bf16ToF32(F32ToBf16(x)) : x;
 }
 
+// Whether a case of `level` and `dtype` runs its prefill with and without AMX's tiles (BF16 at
+// kAvx512Bf16, where the CPU has AMX-BF16; said once where it lacks it): {true, false}, else
+// {true} (UseAmx(true): whatever the CPU has).
+std::vector<bool> AmxChoices(KernelLevel level, DType dtype) {
+  if (level != KernelLevel::kAvx512Bf16 || dtype != DType::kBF16) return {true};
+  if (CpuFeatures::Detect().amx_bf16) return {true, false};
+  std::cout << "[ SKIPPED  ] AMX tiles of avx512bf16: this CPU lacks AMX-BF16\n";
+  return {true};
+}
+
+// Runs `level`'s kernels, AMX's tiles on or off (x86-64 builds).
+void SetLevelAndAmx(KernelLevel level, bool amx) {
+  SetKernelLevel(level);
+#if !SHARDSERVE_PORTABLE_KERNELS
+  avx512::UseAmx(amx);
+#endif
+}
+
 // MatMul against a double-precision loop, for every dtype and the decode and prefill paths,
 // including ragged shapes (N not a multiple of 16, K not a multiple of 8 or of the K block), at
-// every kernel level this CPU runs: the loop multiplies what that level's arithmetic states
-// (ActivationAt), so the bound stays that of F32 sums.
+// every kernel level this CPU runs (BF16 at kAvx512Bf16 with AMX's tiles and without): the loop
+// multiplies what that level's arithmetic states (ActivationAt), so the bound stays that of F32
+// sums.
 TEST(KernelsTest, MatMulMatchesReference) {
   std::mt19937 rng(1);
   const KernelLevel before = ActiveKernelLevel();
-  for (const auto& [level, dtype] : [] {
-         std::vector<std::pair<KernelLevel, DType>> cases;
+  for (const auto& [level, dtype, amx] : [] {
+         std::vector<std::tuple<KernelLevel, DType, bool>> cases;
          for (KernelLevel l : LevelsOfThisCpu()) {
-           for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) cases.emplace_back(l, d);
+           for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+             for (bool amx : AmxChoices(l, d)) cases.emplace_back(l, d, amx);
+           }
          }
          return cases;
        }()) {
-    SetKernelLevel(level);
+    SetLevelAndAmx(level, amx);
     for (int threads : {1, 3}) {
       ThreadPool pool(threads);
       // Prefill (M > 12): one token panel with a ragged edge, several panels, whole 8x8 blocks.
@@ -95,7 +117,7 @@ TEST(KernelsTest, MatMulMatchesReference) {
                 }
                 ASSERT_NEAR(y[m * N + n], ref, 1e-4 * std::sqrt(K))
                     << DTypeName(dtype) << " M=" << M << " N=" << N << " K=" << K << " "
-                    << KernelLevelName(level);
+                    << KernelLevelName(level) << (amx ? "" : " without AMX");
               }
             }
           }
@@ -103,7 +125,7 @@ TEST(KernelsTest, MatMulMatchesReference) {
       }
     }
   }
-  SetKernelLevel(before);
+  SetLevelAndAmx(before, true);
 }
 
 // Up to 12 tokens, a token's outputs do not depend on the other tokens of the batch: decoding
@@ -726,28 +748,34 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
         for (int64_t M : {1, 5, 13, 40, 100}) {
           for (int64_t N : {5, 37, 150}) {
             for (int64_t K : {13, 300, 520}) {
-              Weights w = MakeWeights(dtype, N * K, rng);
-              std::vector<float> x(M * K), narrow, wide;
-              for (float& v : x) v = dist(rng);
-              both(level, {dtype, w.bytes.data(), N, K, K}, x, M, pool, &narrow, &wide);
-              const std::string where = absl::StrCat(DTypeName(dtype), " M=", M, " N=", N, " K=", K,
-                                                     " ", KernelLevelName(level));
-              if (level != KernelLevel::kAvx512Bf16 || dtype != DType::kBF16) {
-                ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
-                    << where;
-                continue;
-              }
-              for (int64_t m = 0; m < M; ++m) {
-                for (int64_t n = 0; n < N; ++n) {
-                  double magnitude = 0;
-                  for (int64_t k = 0; k < K; ++k) {
-                    magnitude += std::abs(w.values[n * K + k] * x[m * K + k]);
-                  }
-                  ASSERT_NEAR(wide[m * N + n], narrow[m * N + n],
-                              0x1p-8 * magnitude + 1e-4 * std::sqrt(K))
+              for (bool amx : AmxChoices(level, dtype)) {
+                avx512::UseAmx(amx);
+                Weights w = MakeWeights(dtype, N * K, rng);
+                std::vector<float> x(M * K), narrow, wide;
+                for (float& v : x) v = dist(rng);
+                both(level, {dtype, w.bytes.data(), N, K, K}, x, M, pool, &narrow, &wide);
+                const std::string where =
+                    absl::StrCat(DTypeName(dtype), " M=", M, " N=", N, " K=", K, " ",
+                                 KernelLevelName(level), amx ? "" : " without AMX");
+                if (level != KernelLevel::kAvx512Bf16 || dtype != DType::kBF16) {
+                  ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)),
+                            0)
                       << where;
+                  continue;
+                }
+                for (int64_t m = 0; m < M; ++m) {
+                  for (int64_t n = 0; n < N; ++n) {
+                    double magnitude = 0;
+                    for (int64_t k = 0; k < K; ++k) {
+                      magnitude += std::abs(w.values[n * K + k] * x[m * K + k]);
+                    }
+                    ASSERT_NEAR(wide[m * N + n], narrow[m * N + n],
+                                0x1p-8 * magnitude + 1e-4 * std::sqrt(K))
+                        << where;
+                  }
                 }
               }
+              avx512::UseAmx(true);
             }
           }
         }
@@ -767,8 +795,9 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
         ASSERT_TRUE(kept.ok()) << kept.status();
         for (int threads : {1, 3}) {
           ThreadPool pool(threads);
-          for (int64_t M : {3, 13, 40}) {
-            // AVX-512's prefill tile with and without VNNI (vpdpwssd; where the CPU has it).
+          for (int64_t M : {1, 2, 3, 13, 40}) {
+            // With and without VNNI (vpdpwssd, where the CPU has it): AVX-512's prefill tile, and
+            // the decode loops (M up to kDecodeMaxTokens) built for VNNI (quant_vnni.cc).
             for (bool vnni : {true, false}) {
               avx512::UseVnni(vnni);
               std::vector<float> x(M * K), narrow, wide;
