@@ -10,6 +10,7 @@
 #include <iostream>
 #include <random>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -63,12 +64,15 @@ double ActivationAt(KernelLevel level, DType dtype, float x) {
 }
 
 // Whether a case of `level` and `dtype` runs its prefill with and without AMX's tiles (BF16 at
-// kAvx512Bf16, where the CPU has AMX-BF16; said once where it lacks it): {true, false}, else
+// kAvx512Bf16, where the CPU has AMX-BF16; said once a run where it lacks it): {true, false}, else
 // {true} (UseAmx(true): whatever the CPU has).
 std::vector<bool> AmxChoices(KernelLevel level, DType dtype) {
   if (level != KernelLevel::kAvx512Bf16 || dtype != DType::kBF16) return {true};
   if (CpuFeatures::Detect().amx_bf16) return {true, false};
-  std::cout << "[ SKIPPED  ] AMX tiles of avx512bf16: this CPU lacks AMX-BF16\n";
+  static bool said = false;
+  if (!std::exchange(said, true)) {
+    std::cout << "[ SKIPPED  ] AMX tiles of avx512bf16: this CPU lacks AMX-BF16\n";
+  }
   return {true};
 }
 
