@@ -146,9 +146,11 @@ inline void GemvTileF8(const WeightMatrix& w, int64_t n, const float* x, int64_t
 // even element and `lane & 0xffff0000` the odd one, as F32. x arrives split into its even (xe)
 // and odd (xo) elements, K/2 each, with row stride ldh. The tile's four streams alone leave one
 // thread at 15 GB/s from memory on Zen 4 (28 GB/s read bandwidth): the next tile's rows (below
-// n1) are prefetched into L2, a line each 32 values, which brings it to 22.
+// `ahead`: the caller's rows past this block of them too) are prefetched into L2, a line each 32
+// values, which brings it to 20-22 (past the block: 20.4 -> 21.7, medians of 5 alternating runs of
+// `shardserve bench kernels`).
 template <int R, int MT>
-inline void GemvTileBf16(const WeightMatrix& w, int64_t n, int64_t n1, const float* xe,
+inline void GemvTileBf16(const WeightMatrix& w, int64_t n, int64_t ahead, const float* xe,
                          const float* xo, int64_t ldh, const float* x, int64_t ldx, float* y,
                          int64_t ldy) {
   const int64_t K = w.cols, K16 = K / 16 * 16;
@@ -156,7 +158,7 @@ inline void GemvTileBf16(const WeightMatrix& w, int64_t n, int64_t n1, const flo
   const char* next[R];
   for (int r = 0; r < R; ++r) {
     rows[r] = reinterpret_cast<const uint16_t*>(RowPtr(w, n + r));
-    next[r] = n + R + r < n1 ? reinterpret_cast<const char*>(RowPtr(w, n + R + r)) : nullptr;
+    next[r] = n + R + r < ahead ? reinterpret_cast<const char*>(RowPtr(w, n + R + r)) : nullptr;
   }
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[R][MT];
@@ -193,11 +195,12 @@ inline void GemvTileBf16(const WeightMatrix& w, int64_t n, int64_t n1, const flo
 }
 
 template <int MT>
-void GemvRangeBf16(const WeightMatrix& w, int64_t n0, int64_t n1, const float* xe, const float* xo,
-                   int64_t ldh, const float* x, int64_t ldx, float* y, int64_t ldy) {
+void GemvRangeBf16(const WeightMatrix& w, int64_t n0, int64_t n1, int64_t ahead, const float* xe,
+                   const float* xo, int64_t ldh, const float* x, int64_t ldx, float* y,
+                   int64_t ldy) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) GemvTileBf16<4, MT>(w, n, n1, xe, xo, ldh, x, ldx, y, ldy);
-  for (; n < n1; ++n) GemvTileBf16<1, MT>(w, n, n1, xe, xo, ldh, x, ldx, y, ldy);
+  for (; n + 4 <= n1; n += 4) GemvTileBf16<4, MT>(w, n, ahead, xe, xo, ldh, x, ldx, y, ldy);
+  for (; n < n1; ++n) GemvTileBf16<1, MT>(w, n, ahead, xe, xo, ldh, x, ldx, y, ldy);
 }
 
 template <DType D, int MT>
@@ -676,10 +679,11 @@ void Gemm(const WeightMatrix& w, const PackedTokens& x, int64_t M, float* y, int
 }
 
 // Decode: rows [b, e) of an F32, F16 or BF16 w against M tokens, in groups of up to 3. BF16
-// reads x split into even and odd elements (split: [M][K/2] even, then [M][K/2] odd).
+// reads x split into even and odd elements (split: [M][K/2] even, then [M][K/2] odd) and
+// prefetches rows below `ahead` (>= e: the rows the caller reads next).
 template <DType D>
-void GemvRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int64_t ldx,
-              const float* split, int64_t M, float* y, int64_t ldy) {
+void GemvRows(const WeightMatrix& w, int64_t b, int64_t e, int64_t ahead, const float* x,
+              int64_t ldx, const float* split, int64_t M, float* y, int64_t ldy) {
   const int64_t half = w.cols / 2;
   for (int64_t t = 0; t < M; t += 3) {
     const int64_t mt = std::min<int64_t>(3, M - t);
@@ -688,9 +692,12 @@ void GemvRows(const WeightMatrix& w, int64_t b, int64_t e, const float* x, int64
     if constexpr (D == DType::kBF16) {
       const float* xe = split + t * half;
       const float* xo = split + (M + t) * half;
-      if (mt == 1) GemvRangeBf16<1>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
-      if (mt == 2) GemvRangeBf16<2>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
-      if (mt == 3) GemvRangeBf16<3>(w, b, e, xe, xo, half, xt, ldx, yt, ldy);
+      // The last group's prefetches run ahead into the next block; the others' stay in this one
+      // (the next group reads it again from L2).
+      const int64_t limit = t + 3 >= M ? ahead : e;
+      if (mt == 1) GemvRangeBf16<1>(w, b, e, limit, xe, xo, half, xt, ldx, yt, ldy);
+      if (mt == 2) GemvRangeBf16<2>(w, b, e, limit, xe, xo, half, xt, ldx, yt, ldy);
+      if (mt == 3) GemvRangeBf16<3>(w, b, e, limit, xe, xo, half, xt, ldx, yt, ldy);
     } else {
       if (mt == 1) GemvRange<D, 1>(w, b, e, xt, ldx, yt, ldy);
       if (mt == 2) GemvRange<D, 2>(w, b, e, xt, ldx, yt, ldy);
@@ -756,22 +763,23 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
       }
     }
   }
-  const auto rows = [&](size_t i, int64_t b, int64_t e) {
+  // Rows [b, e) of target i, the thread's rows of it ending at `ahead` (a prefetch's bound).
+  const auto rows = [&](size_t i, int64_t b, int64_t e, int64_t ahead) {
     const MatMulTarget& t = targets[i];
     const WeightMatrix& w = *t.w;
     switch (w.dtype) {
       case DType::kF32:
-        return GemvRows<DType::kF32>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
+        return GemvRows<DType::kF32>(w, b, e, ahead, x, ldx, nullptr, M, t.y, t.ldy);
       case DType::kF16:
-        return GemvRows<DType::kF16>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
+        return GemvRows<DType::kF16>(w, b, e, ahead, x, ldx, nullptr, M, t.y, t.ldy);
       case DType::kBF16:
         if (bf16_dot) {
           return avx512::GemvBf16(static_cast<const uint16_t*>(w.data), w.row_stride, w.cols, b, e,
                                   bf16.data(), Bf16Length(w.cols), M, t.y, t.ldy);
         }
-        return GemvRows<DType::kBF16>(w, b, e, x, ldx, split.data(), M, t.y, t.ldy);
+        return GemvRows<DType::kBF16>(w, b, e, ahead, x, ldx, split.data(), M, t.y, t.ldy);
       case DType::kF8_128:
-        return GemvRows<DType::kF8_128>(w, b, e, x, ldx, nullptr, M, t.y, t.ldy);
+        return GemvRows<DType::kF8_128>(w, b, e, ahead, x, ldx, nullptr, M, t.y, t.ldy);
       default:
         return DecodeRows(w, b, e, quantized[ActivationOrder(w.dtype)], M, t.y, t.ldy);
     }
@@ -785,7 +793,7 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
       };
       const int64_t r1 = first(e);
       for (int64_t nb = first(b); nb < r1; nb += kGemvBlockRows) {
-        rows(i, nb, std::min(r1, nb + kGemvBlockRows));
+        rows(i, nb, std::min(r1, nb + kGemvBlockRows), r1);
       }
     }
   });
