@@ -106,6 +106,78 @@ std::string LastLine(const std::string& message, size_t max) {
   return line;
 }
 
+json Pick(const json& from, std::initializer_list<const char*> keys) {
+  json out = json::object();
+  if (!from.is_object()) return out;
+  for (const char* k : keys) {
+    if (auto it = from.find(k); it != from.end()) out[k] = *it;
+  }
+  return out;
+}
+
+bool Extended(const std::string& resource) { return resource.find('/') != std::string::npos; }
+
+// The fields of a Pod the controller reads (about a tenth of the object): every pod in the
+// cluster is cached, since each holds GPUs somewhere.
+void SlimPod(json& pod) {
+  json meta = Pick(pod["metadata"], {"name", "namespace", "uid", "resourceVersion", "labels",
+                                     "creationTimestamp", "deletionTimestamp"});
+  const json& annotations = pod["metadata"].value("annotations", json::object());
+  for (const char* kept : {kPlacementAnnotation, kModelUriAnnotation}) {
+    if (annotations.contains(kept)) meta["annotations"][kept] = annotations[kept];
+  }
+  for (const json& o : pod["metadata"].value("ownerReferences", json::array())) {
+    if (o.value("controller", false))
+      meta["ownerReferences"] = json::array({Pick(o, {"uid", "controller"})});
+  }
+  json containers = json::array();
+  for (const json& c : pod["spec"].value("containers", json::array())) {
+    json resources = json::object();
+    const json given = c.value("resources", json::object());
+    for (const char* kind : {"requests", "limits"}) {
+      const json quantities = given.value(kind, json::object());
+      for (const auto& [k, v] : quantities.items()) {
+        if (Extended(k)) resources[kind][k] = v;
+      }
+    }
+    json kept = {{"resources", resources}};
+    if (c.contains("image")) kept["image"] = c["image"];  // quoted while it is pulled
+    containers.push_back(std::move(kept));
+  }
+  // podIP: where a starting pod's ranks are asked what they are doing.
+  json status = Pick(pod["status"], {"phase", "reason", "podIP"});
+  // lastTransitionTime: since when a pod is Ready (PodView::ready_since; a replica serves a
+  // rollout only once its pods have been Ready for Timing::min_ready).
+  for (const json& c : pod["status"].value("conditions", json::array())) {
+    status["conditions"].push_back(
+        Pick(c, {"type", "status", "reason", "message", "lastTransitionTime"}));
+  }
+  for (const char* list : {"initContainerStatuses", "containerStatuses"}) {
+    for (const json& c : pod["status"].value(list, json::array())) {
+      json cs = Pick(c, {"name", "restartCount"});
+      if (c.contains("state")) {
+        if (c["state"].contains("running")) cs["state"]["running"] = json::object();
+        // Why a container ended or cannot start, as one line (reconcile.cc quotes it); whole (4
+        // KiB, what Kubernetes keeps) for an ended one: an inspect pod's report is read back.
+        for (const char* state : {"terminated", "waiting"}) {
+          if (!c["state"].contains(state) || !c["state"][state].is_object()) continue;
+          json& out = cs["state"][state];
+          out = Pick(c["state"][state], {"exitCode", "reason"});
+          const json& message = c["state"][state].value("message", json());
+          if (message.is_string()) {
+            out["message"] = LastLine(message.get<std::string>(),
+                                      std::string(state) == "terminated" ? 4096 : 300);
+          }
+        }
+      }
+      status[list].push_back(std::move(cs));
+    }
+  }
+  json spec = {{"containers", containers}};
+  if (pod["spec"].contains("nodeName")) spec["nodeName"] = pod["spec"]["nodeName"];
+  pod = {{"metadata", meta}, {"spec", spec}, {"status", status}};
+}
+
 PodView ReadPod(const json& pod) {
   PodView v;
   const json& meta = pod.value("metadata", json::object());

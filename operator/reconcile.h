@@ -32,6 +32,7 @@
 //     one at a time within maxUnavailable (its router moves its streams to the others: request
 //     migration); placement leaves the node out. The PodDisruptionBudgets keep evictions from
 //     taking a serving replica apart meanwhile.
+#include <initializer_list>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -81,6 +82,13 @@ struct PodView {
 };
 
 PodView ReadPod(const json& pod);
+// The keys of `from` (an object; else none) among `keys`.
+json Pick(const json& from, std::initializer_list<const char*> keys);
+// An extended resource (a name with a domain: nvidia.com/gpu), not cpu or memory.
+bool Extended(const std::string& resource);
+// A Pod cut in place to the fields the controller reads (ReadPod's and the placement's), as the
+// informer caches every pod.
+void SlimPod(json& pod);
 
 // What the controller knows of the model's shape, the layer split's input (plan/layer_split.h).
 // status.model keeps it with the uri it was read from; for a new uri, an inspect pod

@@ -721,6 +721,50 @@ TEST(InvalidStatus, KeepsWhatRunsAndSaysWhy) {
   EXPECT_EQ(events[0].type, "Warning");
 }
 
+// The informer caches pods cut down by SlimPod: what ReadPod reads of one must be what it reads of
+// the whole pod (the Ready condition's time included, which a rollout waits on: without it every
+// ready pod had been ready since ever, and Timing::min_ready held nothing back).
+TEST(ReadPod, ReadsASlimmedPodAsTheWholeOne) {
+  const json pod = json::parse(R"({
+    "metadata": {"name": "m-1-0", "namespace": "ns", "uid": "u", "resourceVersion": "7",
+                 "creationTimestamp": "2027-01-15T08:00:00Z",
+                 "managedFields": [{"manager": "kubelet"}],
+                 "labels": {"shardserve.io/replica": "1", "shardserve.io/stage": "0",
+                            "shardserve.io/revision": "abc"},
+                 "annotations": {"shardserve.io/placement": "a,b", "other": "x"},
+                 "ownerReferences": [{"uid": "owner", "controller": true, "kind": "ShardedModel"}]},
+    "spec": {"nodeName": "a", "volumes": [{"name": "shm"}],
+             "containers": [{"name": "worker", "image": "w:1", "args": ["--rank", "0"],
+                             "resources": {"limits": {"nvidia.com/gpu": "2", "cpu": "4"}}}]},
+    "status": {"phase": "Running", "podIP": "10.0.0.5", "qosClass": "Burstable",
+               "conditions": [{"type": "Ready", "status": "True",
+                               "lastProbeTime": null,
+                               "lastTransitionTime": "2027-01-15T08:01:30Z"},
+                              {"type": "PodScheduled", "status": "True",
+                               "lastTransitionTime": "2027-01-15T08:00:01Z"}],
+               "containerStatuses": [{"name": "worker", "restartCount": 1, "ready": true,
+                                      "state": {"running": {"startedAt": "2027-01-15T08:00:05Z"}}}]}})");
+  json slim = pod;
+  SlimPod(slim);
+  EXPECT_FALSE(slim["metadata"].contains("managedFields"));
+  EXPECT_FALSE(slim["spec"].contains("volumes"));
+  const PodView whole = ReadPod(pod), cut = ReadPod(slim);
+  EXPECT_EQ(cut.ready_since,
+            absl::FromCivil(absl::CivilSecond(2027, 1, 15, 8, 1, 30), absl::UTCTimeZone()));
+  EXPECT_EQ(cut.ready_since, whole.ready_since);
+  EXPECT_EQ(cut.ready, whole.ready);
+  EXPECT_EQ(cut.started, whole.started);
+  EXPECT_EQ(cut.created, whole.created);
+  EXPECT_EQ(cut.replica, whole.replica);
+  EXPECT_EQ(cut.stage, whole.stage);
+  EXPECT_EQ(cut.revision, whole.revision);
+  EXPECT_EQ(cut.owner_uid, whole.owner_uid);
+  EXPECT_EQ(cut.placement, whole.placement);
+  EXPECT_EQ(cut.node, whole.node);
+  EXPECT_EQ(cut.pod_ip, whole.pod_ip);
+  EXPECT_EQ(cut.failure, whole.failure);
+}
+
 TEST(ReadPod, ReadsLabelsPlanAndTrouble) {
   const json pod = json::parse(R"({
     "metadata": {"name": "m-1-0", "uid": "u", "creationTimestamp": "2027-01-15T08:00:00Z",
