@@ -1203,6 +1203,14 @@ struct Router::Impl {
           failovers->Increment();
           continue;
         }
+        // A replica that does not know the adapter the request names did nothing either: it
+        // missed a runtime load (through another router, or before this router replays it to a
+        // new run of its leader) that the others took. The last replica's 404 is the client's.
+        if ((*call)->head().status == 404 && prompt && !prompt->adapter.empty() && more) {
+          last_error = absl::StrCat(r.address, " does not serve '", prompt->adapter, "'");
+          failovers->Increment();
+          continue;
+        }
         ++p.legs;
         if (Relay(**call, r, ex, responses, p, more)) return;
         last_error = p.why;

@@ -259,6 +259,32 @@ TEST_F(RouterTest, AnAdaptersRequestGoesWhereTheAdapterIsLoaded) {
   EXPECT_EQ(bases.size(), 2u);
 }
 
+// A replica that answers 404 for an adapter's request (it missed a runtime load) is passed over
+// for one that serves it; when none does, the client hears the last one's 404. The base model's
+// 404 is the replica's answer.
+TEST_F(RouterTest, AnAdapterAReplicaDoesNotKnowIsAskedOfTheOthers) {
+  FakeLeader a("A", {}), b("B", {});
+  auto router = Start({a.address(), b.address()});
+  ASSERT_EQ(Routable(*router, 2), 2);
+  a.status_ = 404;
+  for (int i = 0; i < 4; ++i) {  // both idle: A comes first in turn at least once
+    auto r = Post(*router, false, {}, "math");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->status, 200);
+    EXPECT_EQ(r->body, "{\"from\":\"B\"}");
+  }
+  EXPECT_GT(a.requests_.load(), 0);
+  EXPECT_THAT(Metrics(*router), HasSubstr("shardserve_router_failovers_total{model=\"m\"}"));
+  b.status_ = 404;
+  auto none = Post(*router, false, {}, "math");
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->status, 404);
+  b.status_ = 200;
+  int base_404 = 0;
+  for (int i = 0; i < 4; ++i) base_404 += Post(*router)->status == 404;
+  EXPECT_GT(base_404, 0);
+}
+
 // An admin's adapter load goes to every replica, with the admin's key; the answer says whether
 // every one took it, and each one's answer when not.
 TEST_F(RouterTest, AdapterLoadsGoToEveryReplica) {
