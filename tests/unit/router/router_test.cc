@@ -274,7 +274,9 @@ TEST_F(RouterTest, AnAdapterAReplicaDoesNotKnowIsAskedOfTheOthers) {
     EXPECT_EQ(r->body, "{\"from\":\"B\"}");
   }
   EXPECT_GT(a.requests_.load(), 0);
-  EXPECT_THAT(Metrics(*router), HasSubstr("shardserve_router_failovers_total{model=\"m\"}"));
+  EXPECT_THAT(Metrics(*router), HasSubstr(absl::StrCat("shardserve_router_failovers_total{model="
+                                                       "\"m\"} ",
+                                                       a.requests_.load(), "\n")));
   b.status_ = 404;
   auto none = Post(*router, false, {}, "math");
   ASSERT_TRUE(none.ok());
