@@ -41,6 +41,8 @@ const char* DTypeName(DType t) {
       return "U8";
     case DType::kMXFP4:
       return "MXFP4";
+    case DType::kBF16X:
+      return "BF16X";
   }
   return "?";
 }

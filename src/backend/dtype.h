@@ -42,7 +42,10 @@ enum class DType {
   kF8E4M3,
   kF8_128,
   kU8,
-  kMXFP4
+  kMXFP4,
+  // The CPU backend's layout of BF16 at KernelLevel::kAvx512Bf16 (cpu/kernels.h: RepackBf16Pairs):
+  // 2 bytes a value, rows in groups of 16 whose pairs of values lie side by side.
+  kBF16X
 };
 
 // Values per block (1 for the element types) and the bytes of one block.
@@ -51,6 +54,7 @@ constexpr int64_t DTypeBlock(DType t) {
     case DType::kF32:
     case DType::kF16:
     case DType::kBF16:
+    case DType::kBF16X:
     case DType::kF8E4M3:
     case DType::kU8:
       return 1;
@@ -77,6 +81,7 @@ constexpr size_t DTypeBlockBytes(DType t) {
       return 4;
     case DType::kF16:
     case DType::kBF16:
+    case DType::kBF16X:
       return 2;
     case DType::kF8E4M3:
     case DType::kU8:
@@ -120,7 +125,7 @@ inline size_t DTypeSize(DType t) {
 }
 const char* DTypeName(DType t);  // "F32", "F16", "BF16", "Q8_0", ..., "Q6_K" (ggml's names),
                                  // "Q4_KX", "Q4_1X", "Q6_KX", "F8_E4M3", "F8_128", "U8",
-                                 // "MXFP4"
+                                 // "MXFP4", "BF16X"
 // A safetensors dtype (F32, F16, BF16, F8_E4M3, U8).
 absl::StatusOr<DType> ParseDType(std::string_view name);
 

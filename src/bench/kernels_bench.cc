@@ -42,15 +42,15 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       "type", "in L2", "from memory", "G weights/s", static_cast<long long>(threads),
       static_cast<long long>(K), cpu::KernelLevelName(cpu::ActiveKernelLevel()),
       ReadBandwidth(pool) / 1e9);
-  // Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (Q4_1X, Q4_KX,
-  // Q6_KX).
+  // BF16, Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (BF16X at
+  // avx512bf16, Q4_1X, Q4_KX, Q6_KX).
   for (DType dt :
-       {DType::kBF16, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
+       {DType::kBF16, DType::kBF16X, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
         DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
     const DType file = cpu::FileType(dt);
     // The K-quants' rows hold whole super-blocks of 256; the portable kernels keep no repacked
     // layout.
-    if (K % DTypeBlock(dt) != 0 || (dt != file && cpu::KeptType(file) != dt)) {
+    if (K % DTypeBlock(dt) != 0 || (dt != file && cpu::KeptLayout(file, K) != dt)) {
       std::printf("%-6s %12s %12s %14s\n", DTypeName(dt), "-", "-", "-");
       continue;
     }
@@ -60,7 +60,7 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       std::string bytes;
       for (int64_t n = 0; n < distinct; ++n) {
         for (float& v : row) v = dist(rng);
-        if (dt == DType::kBF16) {
+        if (file == DType::kBF16) {
           for (float v : row) {
             const uint16_t h = F32ToBf16(v);
             bytes.append(reinterpret_cast<const char*>(&h), 2);
@@ -72,14 +72,20 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       const std::string plain = bytes;
       const size_t file_row_bytes = DTypeBytes(file, K), row_bytes = DTypeBytes(dt, K);
       bytes.resize(distinct * row_bytes);
-      for (int64_t n = 0; n < distinct; ++n) {
-        const auto* src = reinterpret_cast<const uint8_t*>(plain.data()) + n * file_row_bytes;
-        auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
-        cpu::RepackRow(dt, src, K, dst);
+      if (dt == DType::kBF16X) {  // `distinct` rows: whole groups of 16, repeated below
+        cpu::RepackBf16Pairs({file, plain.data(), distinct, K, K},
+                             reinterpret_cast<uint16_t*>(bytes.data()));
+      } else {
+        for (int64_t n = 0; n < distinct; ++n) {
+          const auto* src = reinterpret_cast<const uint8_t*>(plain.data()) + n * file_row_bytes;
+          auto* dst = reinterpret_cast<uint8_t*>(bytes.data()) + n * row_bytes;
+          cpu::RepackRow(dt, src, K, dst);
+        }
       }
-      // From memory: 512 MiB, 16 times this machine's L3, of those rows over and over.
-      const int64_t N =
-          memory ? std::max<int64_t>(distinct, (int64_t{512} << 20) / row_bytes) : distinct;
+      // From memory: about 512 MiB, 16 times this machine's L3, of those rows over and over.
+      const int64_t N = memory ? std::max<int64_t>(1, (int64_t{512} << 20) / row_bytes / distinct) *
+                                     distinct
+                               : distinct;
       const std::string rows = bytes;
       while (static_cast<int64_t>(bytes.size()) < N * static_cast<int64_t>(row_bytes)) {
         bytes.append(rows, 0, std::min(rows.size(), N * row_bytes - bytes.size()));
@@ -135,14 +141,18 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   std::vector<float> x(M * K), y(M * N), values(N * K);
   for (float& v : x) v = dist(rng);
   for (float& v : values) v = dist(rng);
-  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0,
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kBF16X, DType::kQ8_0,
                    cpu::KeptType(DType::kQ4_K), cpu::KeptType(DType::kQ6_K)}) {
     if (K % DTypeBlock(dt) != 0) continue;
     std::vector<uint16_t> halves(N * K);
     std::string quantized(N * DTypeBytes(dt, K), '\0');
-    if (dt == DType::kF16 || dt == DType::kBF16) {
+    if (dt == DType::kF16 || dt == DType::kBF16 || dt == DType::kBF16X) {
       for (int64_t i = 0; i < N * K; ++i) {
         halves[i] = dt == DType::kF16 ? F32ToF16(values[i]) : F32ToBf16(values[i]);
+      }
+      if (dt == DType::kBF16X) {
+        const std::vector<uint16_t> rows = halves;
+        cpu::RepackBf16Pairs({DType::kBF16, rows.data(), N, K, K}, halves.data());
       }
     } else if (dt != DType::kF32) {  // as the backend keeps it: the file's blocks, repacked
       for (int64_t n = 0; n < N; ++n) {
@@ -153,12 +163,13 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     }
     const void* data = quantized.data();
     if (dt == DType::kF32) data = values.data();
-    if (dt == DType::kF16 || dt == DType::kBF16) data = halves.data();
+    if (dt == DType::kF16 || dt == DType::kBF16 || dt == DType::kBF16X) data = halves.data();
     const WeightMatrix w{dt, data, N, K, K};
     std::printf("%-6s", DTypeName(dt));
     for (const Column& c : kColumns) {
       if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(c.level)).ok() ||
-          (!c.vnni && !have.avx512_vnni) || (!c.amx && !have.amx_bf16)) {
+          (!c.vnni && !have.avx512_vnni) || (!c.amx && !have.amx_bf16) ||
+          (dt == DType::kBF16X && c.level != cpu::KernelLevel::kAvx512Bf16)) {  // its level's
         std::printf(" %15s", "-");
         continue;
       }

@@ -49,6 +49,7 @@ absl::StatusOr<GgmlType> GgmlOf(DType t) {
     case DType::kQ4_KX:
     case DType::kQ4_1X:
     case DType::kQ6_KX:
+    case DType::kBF16X:
       break;  // the CPU backend's own layout, no file's
     case DType::kMXFP4:
       return GgmlType::kMXFP4;

@@ -93,7 +93,8 @@ absl::StatusOr<std::unique_ptr<uint8_t[]>> AllocKvBytes(const KvFormat& format, 
 }
 
 absl::Status HalfOrFloat(const WeightMatrix& w, const char* op) {
-  if (w.dtype == DType::kF32 || w.dtype == DType::kF16 || w.dtype == DType::kBF16) {
+  if (w.dtype == DType::kF32 || w.dtype == DType::kF16 || w.dtype == DType::kBF16 ||
+      w.dtype == DType::kBF16X) {
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(
@@ -108,7 +109,8 @@ class CpuBackend : public Backend {
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
   // Weights are copied into the backend's own (anonymous) memory, Q4_K, Q4_1 and Q6_K into the
-  // layouts of the CPU's decode kernels (Q4_KX, Q4_1X, Q6_KX), the others as they are: read from
+  // layouts of the CPU's decode kernels (Q4_KX, Q4_1X, Q6_KX), BF16 at kAvx512Bf16 as BF16X
+  // (KeptLayout), the others as they are: read from
   // the model file's shared mapping, the decode was slower (TinyLlama BF16 at one thread 70-75 %
   // of the read bandwidth against 78-84 % from a copy, alternating runs).
   absl::StatusOr<WeightMatrix> Upload(const WeightMatrix& host) override {
@@ -116,7 +118,7 @@ class CpuBackend : public Backend {
       return absl::UnimplementedError(
           absl::StrCat(DTypeName(host.dtype), " weights reach no kernel of this backend"));
     }
-    const DType kept = KeptType(host.dtype);
+    const DType kept = KeptLayout(host.dtype, host.cols);
     const size_t row = DTypeBytes(kept, host.cols);
     auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
                                                uint8_t[std::max<size_t>(host.rows * row, 1)]);
@@ -124,8 +126,12 @@ class CpuBackend : public Backend {
       return absl::ResourceExhaustedError(absl::StrCat(
           "cannot allocate ", host.rows * row, " bytes for a ", DTypeName(host.dtype), " matrix"));
     }
-    for (int64_t r = 0; r < host.rows; ++r) {
-      RepackRow(kept, RowPtr(host, r), host.cols, copy.get() + r * row);
+    if (kept == DType::kBF16X) {
+      RepackBf16Pairs(host, reinterpret_cast<uint16_t*>(copy.get()));
+    } else {
+      for (int64_t r = 0; r < host.rows; ++r) {
+        RepackRow(kept, RowPtr(host, r), host.cols, copy.get() + r * row);
+      }
     }
     copies_.push_back(std::move(copy));
     return WeightMatrix{kept, copies_.back().get(), host.rows, host.cols, host.cols};
@@ -180,6 +186,10 @@ class CpuBackend : public Backend {
     std::fill_n(out, n * H, 0.0f);
     for (int64_t r = 0; r < n; ++r) {
       if (ids[r] < vocab_begin || ids[r] >= vocab_end) continue;
+      if (table.dtype == DType::kBF16X) {
+        Bf16PairsRow(table, ids[r] - vocab_begin, out + r * H);
+        continue;
+      }
       const uint8_t* src = static_cast<const uint8_t*>(table.data) +
                            DTypeBytes(table.dtype, (ids[r] - vocab_begin) * table.row_stride);
       ToFloat(table.dtype, src, H, out + r * H);
@@ -325,9 +335,23 @@ class CpuBackend : public Backend {
                         int64_t y_head) override {
     RETURN_IF_ERROR(HalfOrFloat(w, "HeadGemm"));
     const int64_t N = w.rows / heads;
+    std::vector<float> groups_y;
     for (int64_t h = 0; h < heads; ++h) {
-      const WeightMatrix wh{w.dtype, RowPtr(w, h * N), N, w.cols, w.row_stride};
-      MatMul(wh, x + h * x_head, rows, ldx, y + h * y_head, ldy, pool_);
+      if (w.dtype != DType::kBF16X || N % 16 == 0) {
+        const WeightMatrix wh{w.dtype, RowPtr(w, h * N), N, w.cols, w.row_stride};
+        MatMul(wh, x + h * x_head, rows, ldx, y + h * y_head, ldy, pool_);
+        continue;
+      }
+      // BF16X's groups of 16 rows hold parts of two heads: the groups holding head h's rows
+      // [r0, r0 + N) are multiplied and the head's rows kept.
+      const int64_t r0 = h * N, first = r0 / 16 * 16;
+      const int64_t last = std::min(w.rows, (r0 + N + 15) / 16 * 16), n = last - first;
+      const WeightMatrix groups{w.dtype, RowPtr(w, first), n, w.cols, w.row_stride};
+      groups_y.resize(rows * n);
+      MatMul(groups, x + h * x_head, rows, ldx, groups_y.data(), n, pool_);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy_n(&groups_y[r * n + r0 - first], N, y + r * ldy + h * y_head);
+      }
     }
     return absl::OkStatus();
   }

@@ -726,18 +726,19 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
   bool have_split = false, have_quantized[kActivationOrders] = {};
   // BF16 weights at kAvx512Bf16: x rounded to BF16, rows of Bf16Length(K) values.
   const bool bf16_dot = Bf16Dot();
-  // The targets' rows laid end to end by bytes: the pool splits the bytes, so that a thread's
-  // share is the same amount of reading whatever the dtypes; target i's row r goes to the thread
-  // whose share holds the row's first byte.
-  std::vector<int64_t> offset(n + 1, 0), row_bytes(n, 1);
+  // The targets' units (rows; kBF16X's groups of 16 rows) laid end to end by bytes: the pool
+  // splits the bytes, so that a thread's share is the same amount of reading whatever the
+  // dtypes; target i's unit u goes to the thread whose share holds the unit's first byte.
+  std::vector<int64_t> offset(n + 1, 0), unit_bytes(n, 1), unit(n, 1);
   int64_t grain = 0;
   for (size_t i = 0; i < n; ++i) {
     const WeightMatrix& w = *targets[i].w;
     const int64_t K = w.cols;
-    row_bytes[i] = static_cast<int64_t>(DTypeBytes(w.dtype, K));
-    offset[i + 1] = offset[i] + std::max<int64_t>(w.rows, 0) * row_bytes[i];
-    grain = std::max(grain, 4 * row_bytes[i]);
-    if (w.dtype == DType::kBF16 && bf16_dot) {
+    unit[i] = w.dtype == DType::kBF16X ? 16 : 1;
+    unit_bytes[i] = unit[i] * static_cast<int64_t>(DTypeBytes(w.dtype, K));
+    offset[i + 1] = offset[i] + (std::max<int64_t>(w.rows, 0) + unit[i] - 1) / unit[i] * unit_bytes[i];
+    grain = std::max(grain, std::max<int64_t>(4, unit[i]) / unit[i] * unit_bytes[i]);
+    if ((w.dtype == DType::kBF16 && bf16_dot) || w.dtype == DType::kBF16X) {
       if (!have_split) {
         have_split = true;
         bf16.resize(M * Bf16Length(K));
@@ -763,7 +764,8 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
       }
     }
   }
-  // Rows [b, e) of target i, the thread's rows of it ending at `ahead` (a prefetch's bound).
+  // Rows [b, e) of target i (kBF16X: groups), the thread's rows of it ending at `ahead` (a
+  // prefetch's bound).
   const auto rows = [&](size_t i, int64_t b, int64_t e, int64_t ahead) {
     const MatMulTarget& t = targets[i];
     const WeightMatrix& w = *t.w;
@@ -780,41 +782,86 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
         return GemvRows<DType::kBF16>(w, b, e, ahead, x, ldx, split.data(), M, t.y, t.ldy);
       case DType::kF8_128:
         return GemvRows<DType::kF8_128>(w, b, e, ahead, x, ldx, nullptr, M, t.y, t.ldy);
+      case DType::kBF16X:  // b and e: groups of 16 rows
+        return avx512::MatMulBf16Pairs(static_cast<const uint16_t*>(w.data), w.rows, w.cols, b, e,
+                                       bf16.data(), Bf16Length(w.cols), M, t.y, t.ldy);
       default:
         return DecodeRows(w, b, e, quantized[ActivationOrder(w.dtype)], M, t.y, t.ldy);
     }
   };
   pool.ParallelFor(offset[n], grain, [&](int, int64_t b, int64_t e) {
     for (size_t i = 0; i < n; ++i) {
-      const int64_t rb = row_bytes[i], count = std::max<int64_t>(targets[i].w->rows, 0);
-      // The first row of target i whose first byte is at or after `at`.
+      const int64_t ub = unit_bytes[i], block = kGemvBlockRows / unit[i];
+      const int64_t count = (std::max<int64_t>(targets[i].w->rows, 0) + unit[i] - 1) / unit[i];
+      // The first unit of target i whose first byte is at or after `at`.
       const auto first = [&](int64_t at) {
-        return std::clamp<int64_t>((at - offset[i] + rb - 1) / rb, 0, count);
+        return std::clamp<int64_t>((at - offset[i] + ub - 1) / ub, 0, count);
       };
-      const int64_t r1 = first(e);
-      for (int64_t nb = first(b); nb < r1; nb += kGemvBlockRows) {
-        rows(i, nb, std::min(r1, nb + kGemvBlockRows), r1);
-      }
+      const int64_t u1 = first(e);
+      for (int64_t nb = first(b); nb < u1; nb += block) rows(i, nb, std::min(u1, nb + block), u1);
     }
   });
 }
 
+// MatMulGroup where a target is kBF16X at a level without BF16 dot products (the level changed
+// after the matrix's upload: tests, benchmarks): its rows back in order, through the BF16 path.
+void MatMulUnpacked(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
+                    ThreadPool& pool) {
+  std::vector<MatMulTarget> plain(targets, targets + n);
+  std::vector<WeightMatrix> unpacked(n);
+  std::vector<std::vector<uint16_t>> rows(n);
+  for (size_t i = 0; i < n; ++i) {
+    const WeightMatrix& w = *targets[i].w;
+    if (w.dtype != DType::kBF16X) continue;
+    rows[i].resize(w.rows * w.cols);
+    UnpackBf16Pairs(w, rows[i].data());
+    unpacked[i] = {DType::kBF16, rows[i].data(), w.rows, w.cols, w.cols};
+    plain[i].w = &unpacked[i];
+  }
+  MatMulGroup(plain.data(), n, x, M, ldx, pool);
+}
+
 }  // namespace
+
+DType KeptLayout(DType file, int64_t cols) {
+  // Where AMX multiplies BF16 in its tiles (GemmBlockBf16), BF16 stays in rows.
+  if (file == DType::kBF16 && cols % 2 == 0 && Bf16Dot() && !avx512::UsesAmx()) {
+    return DType::kBF16X;
+  }
+  return KeptType(file);
+}
 
 void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
                  ThreadPool& pool) {
   if (M <= 0) return;
+  if (!Bf16Dot() && std::any_of(targets, targets + n, [](const MatMulTarget& t) {
+        return t.w->dtype == DType::kBF16X;
+      })) {
+    return MatMulUnpacked(targets, n, x, M, ldx, pool);
+  }
   if (M <= kDecodeMaxTokens) return Decode(targets, n, x, M, ldx, pool);
   // The caller's; the workers read them through `packed`. The targets share K.
   thread_local std::vector<float> storage, d, ds;
   thread_local std::vector<int16_t> q, bf16;
   thread_local std::vector<uint16_t> rounded;
   thread_local Q16Activations quantized;
+  thread_local std::vector<uint16_t> pairs_storage;
+  std::vector<uint16_t>& pairs = pairs_storage;  // kBF16X's tokens: rows of Bf16Length(K) values
   PackedTokens packed;
   const bool bf16_dot = Bf16Dot();
+  bool have_pairs = false;
   for (size_t i = 0; i < n; ++i) {
     const int64_t K = targets[i].w->cols;
-    if (bf16_dot && targets[i].w->dtype == DType::kBF16) {
+    if (targets[i].w->dtype == DType::kBF16X) {
+      if (have_pairs) continue;
+      have_pairs = true;
+      pairs.resize(M * Bf16Length(K));
+      pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          avx512::RoundToBf16(x + t * ldx, K, Bf16Length(K), &pairs[t * Bf16Length(K)]);
+        }
+      });
+    } else if (bf16_dot && targets[i].w->dtype == DType::kBF16) {
       if (packed.bf16 != nullptr) continue;
       packed.kp = (K + 15) / 16 * 16;
       PackBf16(x, M, ldx, K, packed.kp, pool, &rounded, &bf16);
@@ -875,6 +922,12 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
         break;
       case DType::kF8_128:
         Gemm<DType::kF8_128>(w, packed, M, y, ldy, pool);
+        break;
+      case DType::kBF16X:  // the groups of 16 rows split between the threads
+        pool.ParallelFor((w.rows + 15) / 16, 1, [&](int, int64_t b, int64_t e) {
+          avx512::MatMulBf16Pairs(static_cast<const uint16_t*>(w.data), w.rows, w.cols, b, e,
+                                  pairs.data(), Bf16Length(w.cols), M, y, ldy);
+        });
         break;
       case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses them)
       case DType::kU8:

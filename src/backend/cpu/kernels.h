@@ -36,6 +36,20 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
 // n a multiple of the block for quantized types).
 void ToFloat(DType dtype, const void* data, int64_t n, float* out);
 
+// The layout the backend keeps a matrix of the file's type `file` with `cols` columns in: at
+// KernelLevel::kAvx512Bf16, BF16 of an even cols as DType::kBF16X; otherwise KeptType's (quant.h).
+DType KeptLayout(DType file, int64_t cols);
+// DType::kBF16X: the rows in groups of 16 (the last one ragged: rows % 16), each group's values as
+// [cols / 2][the group's rows][2], the pair of values 2p, 2p + 1 of its rows side by side, so that
+// the kernels multiply 16 rows' pairs (a row a lane) by a token's pair, every output summed pair
+// by pair in one order for decode and prefill alike (bit for bit the same, whatever the batch). A
+// group starts where its first row would (RowPtr of a multiple of 16 rows). RepackBf16Pairs
+// writes the BF16 host (row stride host.row_stride) into dst in that layout; UnpackBf16Pairs
+// writes a kBF16X w back as rows (row stride w.cols); Bf16PairsRow writes row r of w as F32.
+void RepackBf16Pairs(const WeightMatrix& host, uint16_t* dst);
+void UnpackBf16Pairs(const WeightMatrix& w, uint16_t* dst);
+void Bf16PairsRow(const WeightMatrix& w, int64_t r, float* out);
+
 // RMSNorm of each of the M rows of x (dim elements, stride dim): out = x / rms(x) * weight.
 void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float eps, float* out);
 

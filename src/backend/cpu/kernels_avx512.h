@@ -56,6 +56,14 @@ void RoundToBf16(const float* x, int64_t K, int64_t kp, uint16_t* out);
 void GemvBf16(const uint16_t* rows, int64_t row_stride, int64_t K, int64_t n0, int64_t n1,
               const uint16_t* xb, int64_t ldx, int64_t M, float* y, int64_t ldy);
 
+// DType::kBF16X (kernels.h), decode and prefill alike: groups [g0, g1) of 16 rows of the
+// rows x K matrix w (K even) against M tokens of BF16 activations (xb, row stride ldx >= K), into
+// y[t * ldy + n]. A group's pair p (16 rows, a row a lane) times a token's pair p broadcast, by
+// vdpbf16ps, the pairs in order into one F32 sum an output: the same bits for any M, any split
+// of the groups and any tile.
+void MatMulBf16Pairs(const uint16_t* w, int64_t rows, int64_t K, int64_t g0, int64_t g1,
+                     const uint16_t* xb, int64_t ldx, int64_t M, float* y, int64_t ldy);
+
 // Prefill tile of mr <= kMr BF16 rows against 16 tokens: y[i][j] (+)= sum over the kp pairs of
 // row i's pair p (a + i * lda values, 2p and 2p + 1) times token j's (panel[p][j][0..1]).
 void MicroKernelBf16Any(int64_t mr, int64_t kp, const uint16_t* a, int64_t lda,

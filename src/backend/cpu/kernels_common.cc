@@ -52,6 +52,44 @@ void ToFloat(DType dtype, const void* data, int64_t n, float* out) {
   }
 }
 
+namespace {
+// f(pair p of row r as uint32 in the rows, the same pair's offset in the kBF16X layout, in pairs)
+// for every pair of a rows x cols matrix.
+template <typename F>
+void ForPairs(int64_t rows, int64_t cols, F f) {
+  const int64_t pairs = cols / 2;
+  for (int64_t group = 0; group < rows; group += 16) {
+    const int64_t lanes = std::min<int64_t>(16, rows - group);
+    for (int64_t l = 0; l < lanes; ++l) {
+      for (int64_t p = 0; p < pairs; ++p) f(group + l, p, group * pairs + p * lanes + l);
+    }
+  }
+}
+}  // namespace
+
+void RepackBf16Pairs(const WeightMatrix& host, uint16_t* dst) {
+  ForPairs(host.rows, host.cols, [&](int64_t r, int64_t p, int64_t at) {
+    std::memcpy(dst + 2 * at, RowPtr(host, r) + 4 * p, 4);
+  });
+}
+
+void UnpackBf16Pairs(const WeightMatrix& w, uint16_t* dst) {
+  const auto* src = static_cast<const uint16_t*>(w.data);
+  ForPairs(w.rows, w.cols, [&](int64_t r, int64_t p, int64_t at) {
+    std::memcpy(dst + r * w.cols + 2 * p, src + 2 * at, 4);
+  });
+}
+
+void Bf16PairsRow(const WeightMatrix& w, int64_t r, float* out) {
+  const auto* src = static_cast<const uint16_t*>(w.data);
+  const int64_t group = r / 16 * 16, lanes = std::min<int64_t>(16, w.rows - group);
+  const uint16_t* pair = src + group * w.cols + 2 * (r - group);
+  for (int64_t p = 0; p < w.cols / 2; ++p, pair += 2 * lanes) {
+    out[2 * p] = Bf16ToF32(pair[0]);
+    out[2 * p + 1] = Bf16ToF32(pair[1]);
+  }
+}
+
 void RmsNorm(const float* x, int64_t M, int64_t dim, const float* weight, float eps, float* out) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * dim;

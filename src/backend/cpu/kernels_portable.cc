@@ -151,6 +151,8 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
   });
 }
 
+DType KeptLayout(DType file, int64_t) { return KeptType(file); }  // no BF16 dot products here
+
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
             ThreadPool& pool) {
   const MatMulTarget target{&w, y, ldy};

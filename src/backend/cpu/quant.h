@@ -43,7 +43,8 @@ int ActivationOrder(DType dtype);
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
                          ThreadPool& pool, Q16Activations* a);
 // The layout the CPU backend keeps a file's type in (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as
-// Q4_1X; the others as they are), and the file's type a kept layout was repacked from.
+// Q4_1X; the others as they are, but for BF16 at kAvx512Bf16: kernels.h's KeptLayout), and the
+// file's type a kept layout was repacked from.
 constexpr DType KeptType(DType file) {
 #if SHARDSERVE_PORTABLE_KERNELS
   return file;  // the portable kernels read every type as the file has it
@@ -58,6 +59,7 @@ constexpr DType FileType(DType kept) {
   return kept == DType::kQ4_KX   ? DType::kQ4_K
          : kept == DType::kQ6_KX ? DType::kQ6_K
          : kept == DType::kQ4_1X ? DType::kQ4_1
+         : kept == DType::kBF16X ? DType::kBF16
                                  : kept;
 }
 // Whether a block type's kernels multiply integers (GGUF's types: their values unpack to int16

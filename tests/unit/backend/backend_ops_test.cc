@@ -653,14 +653,16 @@ TEST_P(BackendOpsTest, MoeRoutingAndExpertProducts) {
   std::vector<std::vector<float>> mats(count);
   std::vector<std::vector<uint8_t>> bytes(count);
   std::vector<const void*> ptrs;
+  DType kept = DType::kBF16;  // the layout the backend keeps them in (the CPU's BF16X)
   for (int64_t e = 0; e < count; ++e) {
     mats[e] = Random(I * H, 18 + e);
     bytes[e] = Encode(DType::kBF16, mats[e]);
     auto up = be_->Upload(WeightMatrix{DType::kBF16, bytes[e].data(), I, H, H});
     ASSERT_TRUE(up.ok());
     ptrs.push_back(up->data);
+    kept = up->dtype;
   }
-  const ExpertTable table{DType::kBF16, mem.Put(ptrs), begin, count, I, H};
+  const ExpertTable table{kept, mem.Put(ptrs), begin, count, I, H};
   const std::vector<float> x = Random(rows * H, 20);
   float* y = mem.Zeros<float>(rows * k * I);
   ASSERT_TRUE(be_->ExpertMatVec(table, de, rows * k, mem.Put(x), k, y).ok());

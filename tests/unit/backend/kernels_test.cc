@@ -820,6 +820,97 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   SetKernelLevel(before);
 }
 
+// BF16 weights as the backend keeps them at kAvx512Bf16 where AMX is not used (DType::kBF16X,
+// 16 rows' pairs side by side): every output summed pair by pair in one order, so a token's
+// result is bit for bit the same in any batch, decode (M <= 12) or prefill, at any thread count;
+// within kAvx512Bf16's bound of the F32 products (AVX2's); the layout read back (embedding rows,
+// the rows in order) exactly; and a level without BF16 dot products (switched to after the
+// upload) computes AVX2's results from it.
+TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
+  if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512bf16").ok()) {
+    GTEST_SKIP() << "kernel level avx512bf16: this CPU lacks AVX512-BF16";
+  }
+  const KernelLevel before = ActiveKernelLevel();
+  SetKernelLevel(KernelLevel::kAvx512Bf16);
+  avx512::UseAmx(false);
+  auto backend = NewBackend(2);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (int64_t N : {5, 16, 37, 150}) {
+    for (int64_t K : {2, 300, 520}) {
+      const std::string shape = absl::StrCat("N=", N, " K=", K);
+      Weights w = MakeWeights(DType::kBF16, N * K, rng);
+      const WeightMatrix rows{DType::kBF16, w.bytes.data(), N, K, K};
+      const absl::StatusOr<WeightMatrix> kept = backend->Upload(rows);
+      ASSERT_TRUE(kept.ok()) << kept.status();
+      ASSERT_EQ(kept->dtype, DType::kBF16X) << shape;
+      std::vector<uint16_t> back(N * K);
+      UnpackBf16Pairs(*kept, back.data());
+      ASSERT_EQ(std::memcmp(back.data(), w.bytes.data(), w.bytes.size()), 0) << shape;
+      std::vector<float> row(K);
+      for (int64_t n = 0; n < N; ++n) {
+        Bf16PairsRow(*kept, n, row.data());
+        for (int64_t k = 0; k < K; ++k) ASSERT_EQ(row[k], w.values[n * K + k]) << shape;
+      }
+      const int64_t M = 40;
+      std::vector<float> x(M * K);
+      for (float& v : x) v = dist(rng);
+      // Each token alone (decode, 1 thread): the reference bits.
+      std::vector<float> alone(M * N, NAN);
+      ThreadPool one(1);
+      for (int64_t m = 0; m < M; ++m) {
+        MatMul(*kept, x.data() + m * K, 1, K, alone.data() + m * N, N, one);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          double magnitude = 0, exact = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            magnitude += std::abs(w.values[n * K + k] * x[m * K + k]);
+            exact += w.values[n * K + k] * x[m * K + k];
+          }
+          ASSERT_NEAR(alone[m * N + n], exact, 0x1p-8 * magnitude + 1e-4 * std::sqrt(K)) << shape;
+        }
+      }
+      for (int threads : {1, 3}) {
+        ThreadPool pool(threads);
+        for (int64_t batch : {2, 5, 12, 13, 40}) {
+          std::vector<float> y(M * N, NAN);
+          for (int64_t m = 0; m < M; m += batch) {
+            MatMul(*kept, x.data() + m * K, std::min(batch, M - m), K, y.data() + m * N, N, pool);
+          }
+          ASSERT_EQ(std::memcmp(y.data(), alone.data(), y.size() * sizeof(float)), 0)
+              << shape << " batches of " << batch << ", threads " << threads;
+        }
+      }
+      // At AVX2 (the level switched after the upload): AVX2's results of the rows.
+      SetKernelLevel(KernelLevel::kAvx2);
+      ThreadPool pool(2);
+      for (int64_t batch : {3, 40}) {
+        std::vector<float> a(batch * N, NAN), b(batch * N, NAN);
+        MatMul(*kept, x.data(), batch, K, a.data(), N, pool);
+        MatMul(rows, x.data(), batch, K, b.data(), N, pool);
+        ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << shape;
+      }
+      SetKernelLevel(KernelLevel::kAvx512Bf16);
+    }
+  }
+  // An embedding table kept as kBF16X: Embed's rows are the table's.
+  Weights table = MakeWeights(DType::kBF16, 37 * 64, rng);
+  const absl::StatusOr<WeightMatrix> kept =
+      backend->Upload({DType::kBF16, table.bytes.data(), 37, 64, 64});
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  const std::vector<int32_t> ids = {0, 36, 17, 16, 40};
+  std::vector<float> out(ids.size() * 64, NAN);
+  ASSERT_TRUE(backend->Embed(*kept, ids.data(), ids.size(), 0, 37, out.data()).ok());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (int64_t k = 0; k < 64; ++k) {
+      EXPECT_EQ(out[i * 64 + k], ids[i] < 37 ? table.values[ids[i] * 64 + k] : 0.0) << ids[i];
+    }
+  }
+  avx512::UseAmx(true);
+  SetKernelLevel(before);
+}
+
 // SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's
 // (avx512bf16 only by name); a lower one may be forced; one the CPU lacks, or a name that is no
 // level, is refused naming the variable.
