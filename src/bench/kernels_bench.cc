@@ -45,8 +45,8 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   // BF16, Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (BF16X at
   // avx512bf16, Q4_1X, Q4_KX, Q6_KX).
   for (DType dt :
-       {DType::kBF16, DType::kBF16X, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_1X,
-        DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
+       {DType::kBF16, DType::kBF16X, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1,
+        DType::kQ4_1X, DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
     const DType file = cpu::FileType(dt);
     // The K-quants' rows hold whole super-blocks of 256; the portable kernels keep no repacked
     // layout.
@@ -83,9 +83,9 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
         }
       }
       // From memory: about 512 MiB, 16 times this machine's L3, of those rows over and over.
-      const int64_t N = memory ? std::max<int64_t>(1, (int64_t{512} << 20) / row_bytes / distinct) *
-                                     distinct
-                               : distinct;
+      const int64_t N =
+          memory ? std::max<int64_t>(1, (int64_t{512} << 20) / row_bytes / distinct) * distinct
+                 : distinct;
       const std::string rows = bytes;
       while (static_cast<int64_t>(bytes.size()) < N * static_cast<int64_t>(row_bytes)) {
         bytes.append(rows, 0, std::min(rows.size(), N * row_bytes - bytes.size()));

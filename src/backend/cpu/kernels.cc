@@ -736,7 +736,8 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
     const int64_t K = w.cols;
     unit[i] = w.dtype == DType::kBF16X ? 16 : 1;
     unit_bytes[i] = unit[i] * static_cast<int64_t>(DTypeBytes(w.dtype, K));
-    offset[i + 1] = offset[i] + (std::max<int64_t>(w.rows, 0) + unit[i] - 1) / unit[i] * unit_bytes[i];
+    offset[i + 1] =
+        offset[i] + (std::max<int64_t>(w.rows, 0) + unit[i] - 1) / unit[i] * unit_bytes[i];
     grain = std::max(grain, std::max<int64_t>(4, unit[i]) / unit[i] * unit_bytes[i]);
     if ((w.dtype == DType::kBF16 && bf16_dot) || w.dtype == DType::kBF16X) {
       if (!have_split) {
