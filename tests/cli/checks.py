@@ -1,5 +1,6 @@
 """Shared helpers of the process-level tests: named checks with a closing summary line, the
 worker processes still running, free ports, and small generated models."""
+import json
 import os
 import socket
 import subprocess
@@ -23,6 +24,25 @@ class Checks:
     def finish(self):
         print(f"{self.passed} passed, {len(self.failures)} failed")
         sys.exit(1 if self.failures else 0)
+
+
+# BF16 weights against activations rounded to BF16 (each off by at most 2^-8 of itself): the CPU
+# kernel level avx512bf16 (auto's on an AMD CPU with AVX512-BF16, backend/cpu/cpu_features.h),
+# against float32 arithmetic (transformers', the other levels'): every logprob before the first
+# token that differs. Seen (2026-11-30, every reference.* BF16 case, 10 greedy tokens identical):
+# up to 2.9e-2 (gpt-oss); 2026-12-03: GGUF BF16 against transformers 1.2e-2, TP=2 x PP=2 1.4e-2.
+BF16_ACTIVATIONS = 0.08
+
+
+def cpu_kernels(binary, model, env=None):
+    """The CPU kernel level `binary generate` runs `model` at (SHARDSERVE_CPU_KERNELS from env,
+    else this process's; auto: this CPU's choice)."""
+    p = subprocess.run([binary, "generate", "--model", model, "--prompt-ids", "1", "--max-tokens",
+                        "1", "--format", "json"], capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
+    if p.returncode != 0:
+        raise RuntimeError(f"shardserve generate exited {p.returncode}: {p.stderr[-2000:]}")
+    return json.loads(p.stdout)["cpu_kernels"]
 
 
 def wait_until(cond, timeout=20):

@@ -22,7 +22,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from checks import Checks, free_ports, listening_pid, metric, wait_until  # noqa: E402
+from checks import (Checks, cpu_kernels, free_ports, listening_pid, metric,  # noqa: E402
+                    wait_until)
 from deployment import Deployment, gen_model  # noqa: E402
 
 BIN = sys.argv[1]
@@ -31,6 +32,13 @@ check = Checks()
 tmp = tempfile.mkdtemp(prefix="shardserve-disagg-")
 MODEL = os.path.join(tmp, "model")
 gen_model(BIN, MODEL)
+# The roles are sharded differently, so they sum a row-parallel projection's halves in other
+# orders: in F32 arithmetic a few 1e-7, at the CPU kernel level that rounds BF16 weights'
+# activations (avx512bf16, auto's on AMD with AVX512-BF16) ~1e-2 in logprobs, which would move a
+# sampled token. What this test compares (the decode leg against the decode replica alone) is the
+# KV's transfer, so there it runs the F32 level.
+if cpu_kernels(BIN, MODEL) == "avx512bf16":
+    os.environ["SHARDSERVE_CPU_KERNELS"] = "avx512"
 TOKEN = "router-token-disagg-0123456789"
 TOKEN_FILE = os.path.join(tmp, "router-token")
 with open(TOKEN_FILE, "w") as f:

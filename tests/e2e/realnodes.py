@@ -8,9 +8,17 @@ import subprocess
 import threading
 import time
 
+from checks import cpu_kernels
 from cluster import HELM, ROOT
 
 IMAGE = "localhost/shardserve/worker:dev"
+# The CPU kernel level of every pod (manifest's worker env) and of the shardserve local
+# references (this process's environment): set by readable_models to the widest F32 level where
+# auto's would round BF16 weights' activations (avx512bf16: AMD with AVX512-BF16). The flows
+# compare differently sharded replicas' answers (a disaggregated decode replica at TP 1 with its
+# TP 2 prefill role, against TP 2 x PP 2 colocated) to 1e-4, which F32 arithmetic keeps and the
+# rounding (~1e-2 in logprobs) does not.
+KERNELS_ENV = {}
 
 
 def figure(what, seconds):
@@ -24,6 +32,8 @@ def readable_models(shardserve, tmp, gen_model):
     os.makedirs(models)
     model_dir = os.path.join(models, "tiny")
     gen_model(shardserve, model_dir)
+    if cpu_kernels(shardserve, model_dir) == "avx512bf16":
+        KERNELS_ENV["SHARDSERVE_CPU_KERNELS"] = os.environ["SHARDSERVE_CPU_KERNELS"] = "avx512"
     for root, dirs, files in os.walk(models):
         os.chmod(root, 0o755)
         for n in files:
@@ -36,6 +46,7 @@ def manifest(name, uri, tp=2, pp=2, replicas=1, image=IMAGE, env=None, key_secre
     worker = {"image": image,
               "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                             "limits": {"memory": "2Gi"}}}
+    env = {**KERNELS_ENV, **(env or {})}
     if env:
         worker["env"] = [{"name": k, "value": v} for k, v in env.items()]
     serving = {"port": 8000, "maxBatchSize": max_batch, "maxSequenceLength": 1024,

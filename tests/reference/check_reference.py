@@ -15,9 +15,10 @@ the same. With the KV cache in the model's dtype (BF16/F16, kvCacheDtype auto) t
 are identical and logprobs within KV_BOUNDS["auto"]; in FP8 (under the checkpoint's per-layer
 k_scale / v_scale, computed here as vLLM computes them) logprobs up to the first token that
 differs within KV_BOUNDS["fp8"]. Where the CPU has the kernel level that rounds BF16 weights'
-activations to BF16 (SHARDSERVE_CPU_KERNELS=avx512bf16, backend/cpu/cpu_features.h; the default
-levels compute in F32), a BF16 model at that level is checked as the KV cache's dtypes are,
-within BF16_ACTIVATIONS. Also checks that shardserve's tokenizer encodes like the `tokenizers` library, for the generated
+activations to BF16 (SHARDSERVE_CPU_KERNELS=avx512bf16, backend/cpu/cpu_features.h; auto's on an
+AMD CPU with AVX512-BF16, else the levels compute in F32), a BF16 model at that level is checked
+as the KV cache's dtypes are, within BF16_ACTIVATIONS (checks.py), and where auto is that level
+the checks above run the widest F32 level (avx512) for a BF16 model. Also checks that shardserve's tokenizer encodes like the `tokenizers` library, for the generated
 tokenizer and for Llama 3 (regex split, ignore_merges) and Qwen2 (NFC) variants of it.
 """
 import argparse
@@ -31,6 +32,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cli"))
+from checks import BF16_ACTIVATIONS, cpu_kernels  # noqa: E402
 
 DEEPSEEK = ["--arch", "deepseek_v3", "--heads", "8", "--experts", "8", "--top-k", "2",
             "--kv-lora", "32", "--rope-dim", "16", "--nope-dim", "16", "--v-dim", "16",
@@ -132,10 +136,6 @@ LOOSE = 0.25
 # Seen (2026-11-30, every case): auto up to 1.2e-2 (gpt-oss); fp8 up to 0.11 on most, 0.26 (tied
 # embeddings), 0.36 and 0.48 where an expert's routing flips (gpt-oss F32, Qwen3-MoE FP8).
 KV_BOUNDS = {"auto": 0.05, "fp8": 0.6}
-# BF16 weights against activations rounded to BF16 (each off by at most 2^-8 of itself), the
-# CPU's kernel level avx512bf16: every logprob before the first token that differs.
-# Seen (2026-11-30, every BF16 case, 10 greedy tokens identical): up to 2.9e-2 (gpt-oss).
-BF16_ACTIVATIONS = 0.08
 
 
 def kv_worst(got, want_tokens, want_lps):
@@ -399,6 +399,10 @@ def main():
                     "carries the portable kernels only" not in probe.stderr:
                 sys.exit(f"SHARDSERVE_CPU_KERNELS=avx512bf16 failed otherwise:\n{probe.stderr}")
             bf16_activations = probe.returncode == 0
+            # Where auto rounds the activations (AMD), the checks of F32 arithmetic below run
+            # the widest F32 level; auto's own arithmetic is the bf16_activations check.
+            if bf16_activations and cpu_kernels(args.shardserve, model_dir) == "avx512bf16":
+                os.environ["SHARDSERVE_CPU_KERNELS"] = "avx512"
         act_worst, act_same = 0.0, []
         worst = 0.0
         kv_worsts = {kv: 0.0 for kv in KV_BOUNDS}

@@ -42,6 +42,7 @@ CpuFeatures CpuFeatures::Detect() {
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
   f.amx_bf16 =
       f.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+  f.amd = __builtin_cpu_is("amd");
 #endif
   return f;
 }
@@ -88,7 +89,11 @@ absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::stri
         "built for other CPUs (or with the CMake option SHARDSERVE_PORTABLE_KERNELS)"));
   }
   if (asked.empty() || asked == "auto") {
-    // The widest whose arithmetic is F32's: kAvx512Bf16 rounds activations, only when asked.
+    // kAvx512Bf16 rounds BF16 weights' activations (llama.cpp's arithmetic): auto's where its dot
+    // products are twice the FMAs' width (AMD) and BF16 stays BF16X (no AMX: AMX's prefill tiles
+    // sum in another order than the decode loop). Intel's cores run vdpbf16ps on one port
+    // against the FMAs' two: its prefill is slower than F32's there (README).
+    if (have.avx512_bf16 && have.amd && !have.amx_bf16) return KernelLevel::kAvx512Bf16;
     return have.avx512 ? KernelLevel::kAvx512 : KernelLevel::kAvx2;
   }
   if (asked == "avx2") return KernelLevel::kAvx2;

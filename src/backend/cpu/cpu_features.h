@@ -26,6 +26,10 @@ struct CpuFeatures {
   bool avx512 = false, avx512_bf16 = false, avx512_vnni = false, amx_bf16 = false;
   // ARM (reported): Advanced SIMD (NEON) and its dot product extension.
   bool neon = false, dotprod = false;
+  // An AMD CPU (CPUID's vendor): its cores run AVX512-BF16's dot products at twice the width of
+  // their F32 FMAs (Zen 4 splits a 512-bit FMA in two; Zen 5's BF16 pipes double its FMAs'),
+  // where Intel's run them on one port against the FMAs' two (auto's choice, ChooseKernelLevel).
+  bool amd = false;
   static CpuFeatures Detect();  // this machine's, from CPUID or (ARM) the kernel's HWCAP
 };
 
@@ -35,12 +39,15 @@ absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 
 // The kernels the CPU backend runs, narrowest first: AVX2; AVX-512's wider tiles, bit for bit
 // AVX2's results; and with them BF16 weights multiplied by AVX512-BF16's dot products against
-// activations rounded to BF16 (kernels_avx512.h), as llama.cpp does: another arithmetic, run only
-// when asked for by name. A portable build has kPortable alone; an x86-64 build the other three.
+// activations rounded to BF16 (kernels_avx512.h), as llama.cpp does: another arithmetic, auto's
+// only where it outruns the F32 FMAs. A portable build has kPortable alone; an x86-64 build the
+// other three.
 enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16, kPortable };
 const char* KernelLevelName(KernelLevel level);
-// The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the widest `have` runs in F32
-// arithmetic: avx512 or avx2, or portable in a portable build; avx2; avx512; avx512bf16;
+// The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the fastest `have` runs:
+// avx512bf16 on an AMD CPU with AVX512-BF16 and without AMX (the BF16 dot products twice the F32
+// FMAs' width, BF16 weights kept as BF16X, whose prefill and decode give the same bits), else
+// avx512 or avx2 (F32 arithmetic), or portable in a portable build; avx2; avx512; avx512bf16;
 // portable), refused naming the variable when `have` or this build lacks it or it names no level.
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
 // The level the kernels run in this process: auto's unless set.

@@ -556,8 +556,10 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
     }
   }
   // The types kept as they are: copied into the backend's memory (the first 256 columns of rows
-  // of 512), row by row, the host's bytes left free.
+  // of 512), row by row, the host's bytes left free (BF16 where the level keeps its rows: at
+  // avx512bf16 without AMX it becomes BF16X, Bf16PairsGiveEveryBatchTheSameBits).
   for (DType kept : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ5_K}) {
+    if (KeptLayout(kept, 256) != kept) continue;
     std::string bytes(DTypeBytes(kept, 512) * 3, '\0');
     for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 % 251);
     const WeightMatrix m{kept, bytes.data(), 3, 256, 512};
@@ -911,9 +913,9 @@ TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
   SetKernelLevel(before);
 }
 
-// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's
-// (avx512bf16 only by name); a lower one may be forced; one the CPU lacks, or a name that is no
-// level, is refused naming the variable.
+// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's, or
+// avx512bf16 on an AMD CPU with AVX512-BF16 and without AMX; a lower one may be forced; one the
+// CPU lacks, or a name that is no level, is refused naming the variable.
 TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForced) {
   CpuFeatures avx2{true, true, true}, avx512 = avx2;
   avx512.avx512 = true;
@@ -921,7 +923,14 @@ TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForced) {
   bf16.avx512_bf16 = true;
   EXPECT_EQ(*ChooseKernelLevel(avx2, ""), KernelLevel::kAvx2);
   EXPECT_EQ(*ChooseKernelLevel(avx512, "auto"), KernelLevel::kAvx512);
-  EXPECT_EQ(*ChooseKernelLevel(bf16, "auto"), KernelLevel::kAvx512);  // F32 arithmetic
+  EXPECT_EQ(*ChooseKernelLevel(bf16, "auto"), KernelLevel::kAvx512);  // Intel: F32 arithmetic
+  CpuFeatures zen4 = bf16, amd_avx512 = avx512, amx = bf16;
+  zen4.amd = amd_avx512.amd = amx.amd = true;
+  amx.amx_bf16 = true;
+  EXPECT_EQ(*ChooseKernelLevel(zen4, "auto"), KernelLevel::kAvx512Bf16);
+  EXPECT_EQ(*ChooseKernelLevel(zen4, "avx512"), KernelLevel::kAvx512);
+  EXPECT_EQ(*ChooseKernelLevel(amd_avx512, "auto"), KernelLevel::kAvx512);  // no BF16
+  EXPECT_EQ(*ChooseKernelLevel(amx, "auto"), KernelLevel::kAvx512);
   EXPECT_EQ(*ChooseKernelLevel(avx512, "avx2"), KernelLevel::kAvx2);
   EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512"), KernelLevel::kAvx512);
   EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512bf16"), KernelLevel::kAvx512Bf16);
