@@ -55,6 +55,30 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain,
                              const std::function<void(int, int64_t, int64_t)>& fn) {
+  Run(n, grain, false, fn);
+}
+
+void ThreadPool::ParallelChunks(int64_t n, int64_t grain,
+                                const std::function<void(int, int64_t, int64_t)>& fn) {
+  Run(n, grain, true, fn);
+}
+
+void ThreadPool::Work(int index, const std::function<void(int, int64_t, int64_t)>& fn, int64_t n,
+                      int64_t grain, bool chunks) {
+  if (!chunks) {
+    auto [b, e] = Split(n, grain, num_threads(), index);
+    if (b < e) fn(index, b, e);
+    return;
+  }
+  for (;;) {
+    const int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
+    if (c >= (n + grain - 1) / grain) return;
+    fn(index, c * grain, std::min(n, (c + 1) * grain));
+  }
+}
+
+void ThreadPool::Run(int64_t n, int64_t grain, bool chunks,
+                     const std::function<void(int, int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
   const int parts = num_threads();
@@ -67,12 +91,13 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     job_ = &fn;
     job_n_ = n;
     job_grain_ = grain;
+    job_chunks_ = chunks;
+    next_chunk_.store(0, std::memory_order_relaxed);
     pending_.store(parts - 1);
     generation_.fetch_add(1);
   }
   start_cv_.SignalAll();
-  auto [b, e] = Split(n, grain, parts, 0);
-  if (b < e) fn(0, b, e);
+  Work(0, fn, n, grain, chunks);
   if (!SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; })) {
     absl::MutexLock lock(&mu_);
     while (pending_.load() != 0) done_cv_.Wait(&mu_);
@@ -86,6 +111,7 @@ void ThreadPool::WorkerLoop(int index) {
   for (;;) {
     const std::function<void(int, int64_t, int64_t)>* job;
     int64_t n, grain;
+    bool chunks;
     SpinUntil([&] {
       return stop_.load(std::memory_order_acquire) ||
              generation_.load(std::memory_order_acquire) != seen;
@@ -98,9 +124,9 @@ void ThreadPool::WorkerLoop(int index) {
       job = job_;
       n = job_n_;
       grain = job_grain_;
+      chunks = job_chunks_;
     }
-    auto [b, e] = Split(n, grain, num_threads(), index);
-    if (b < e) (*job)(index, b, e);
+    Work(index, *job, n, grain, chunks);
     if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       absl::MutexLock lock(&mu_);  // the caller is spinning, or waits under mu_
       done_cv_.Signal();

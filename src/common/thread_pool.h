@@ -29,12 +29,25 @@ class ThreadPool {
   // num_threads() contiguous ranges aligned to `grain`.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int, int64_t, int64_t)>& fn);
 
+  // Calls fn(thread_index, begin, end) on the chunks [c * grain, (c + 1) * grain) of [0, n), each
+  // once, taken in order by whichever thread is free: a thread that runs slower (a hybrid CPU's
+  // efficiency core, a virtual CPU whose host runs something else, a core taken by another
+  // process) does fewer chunks instead of holding up the rest. For loops whose chunks' results
+  // do not depend on the thread that computes them.
+  void ParallelChunks(int64_t n, int64_t grain,
+                      const std::function<void(int, int64_t, int64_t)>& fn);
+
   // A pool of a thread per core, made on first use, for the tools' one-caller loops (generating
   // and converting models); the serving path sizes its own pools.
   static ThreadPool& EveryCore();
 
  private:
   void WorkerLoop(int index);
+  void Run(int64_t n, int64_t grain, bool chunks,
+           const std::function<void(int, int64_t, int64_t)>& fn);
+  // The part of the current job that thread `index` runs.
+  void Work(int index, const std::function<void(int, int64_t, int64_t)>& fn, int64_t n,
+            int64_t grain, bool chunks);
   // Spins until pred() holds or the spin budget is spent; returns pred().
   template <typename Pred>
   static bool SpinUntil(Pred pred);
@@ -46,6 +59,8 @@ class ThreadPool {
   const std::function<void(int, int64_t, int64_t)>* job_ ABSL_GUARDED_BY(mu_) = nullptr;
   int64_t job_n_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t job_grain_ ABSL_GUARDED_BY(mu_) = 1;
+  bool job_chunks_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int64_t> next_chunk_{0};  // ParallelChunks: the next chunk not yet taken
   // Written under mu_ (so that a sleeper cannot miss a change), read without it while spinning.
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};

@@ -543,12 +543,15 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
         const char* row = reinterpret_cast<const char*>(RowPtr(w, pn + r)) + DTypeBytes(D, pk);
         for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
       }
-      for (int64_t t = 0; t < mp; t += kNr) {
+      for (int64_t t = 0; t < mp;) {
         if (bf16_dot) {  // the block's rows at once: AMX's tiles of 16 where the CPU has them
           avx512::GemmBlockBf16(nr, (kc + 1) / 2, wb, kKc, x.bf16 + (t / kNr * x.kp + k0) * kNr,
                                 yt + t, mp, k0 > 0);
+          t += kNr;
           continue;
         }
+        // AVX-512's float tiles take this panel and the next at once where there is a next.
+        const bool pair = wide && !UnpacksToInts(D) && t + kNr < mp;
         for (int64_t r = 0; r < nr; r += mr) {
           const int64_t rows = std::min(mr, nr - r);
           if constexpr (UnpacksToInts(D)) {
@@ -564,12 +567,16 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                 rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
                 wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
                 yt + r * mp + t, mp, k0 > 0);
+          } else if (pair) {
+            avx512::MicroKernelAny2(rows, kc, wbuf + r * kKc, kKc, x.f32 + (t / kNr * K + k0) * kNr,
+                                    K * kNr, yt + r * mp + t, mp, k0 > 0);
           } else {
             (wide ? avx512::MicroKernelAny : MicroKernelAny)(rows, kc, wbuf + r * kKc, kKc,
                                                              x.f32 + (t / kNr * K + k0) * kNr,
                                                              yt + r * mp + t, mp, k0 > 0);
           }
         }
+        t += pair ? 2 * kNr : kNr;
       }
     }
     // yt to y in 8x8 blocks transposed in registers, the ragged edges one value at a time.
@@ -665,17 +672,6 @@ void PackBf16(const float* x, int64_t M, int64_t ldx, int64_t K, int64_t kp, Thr
     for (int64_t t = b; t < e; ++t) avx512::RoundToBf16(x + t * ldx, K, kp, &(*rounded)[t * kp]);
   });
   PackPairs(reinterpret_cast<const int16_t*>(rounded->data()), M, kp, pool, out->data());
-}
-
-// Prefill (M > kDecodeMaxTokens) of one matrix from the packed tokens.
-template <DType D>
-void Gemm(const WeightMatrix& w, const PackedTokens& x, int64_t M, float* y, int64_t ldy,
-          ThreadPool& pool) {
-  const bool wide = ActiveKernelLevel() >= KernelLevel::kAvx512;
-  const int64_t tile =
-      UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt) : (wide ? avx512::kMr : kMr);
-  pool.ParallelFor(w.rows, tile,
-                   [&](int, int64_t b, int64_t e) { GemmRange<D>(w, b, e, x, M, y, ldy); });
 }
 
 // Decode: rows [b, e) of an F32, F16 or BF16 w against M tokens, in groups of up to 3. BF16
@@ -879,63 +875,67 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       packed.f32 = xpack;
     }
   }
-  for (size_t i = 0; i < n; ++i) {
+  // Rows [b, e) of target i (kBF16X: groups of 16 rows).
+  const auto rows = [&](size_t i, int64_t b, int64_t e) {
     const WeightMatrix& w = *targets[i].w;
     float* y = targets[i].y;
     const int64_t ldy = targets[i].ldy;
-    if (w.rows <= 0) continue;
     switch (w.dtype) {
       case DType::kF32:
-        Gemm<DType::kF32>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kF32>(w, b, e, packed, M, y, ldy);
       case DType::kF16:
-        Gemm<DType::kF16>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kF16>(w, b, e, packed, M, y, ldy);
       case DType::kBF16:
-        Gemm<DType::kBF16>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kBF16>(w, b, e, packed, M, y, ldy);
       case DType::kQ8_0:
-        Gemm<DType::kQ8_0>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ8_0>(w, b, e, packed, M, y, ldy);
       case DType::kQ4_0:
-        Gemm<DType::kQ4_0>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ4_0>(w, b, e, packed, M, y, ldy);
       case DType::kQ4_1:
-        Gemm<DType::kQ4_1>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ4_1>(w, b, e, packed, M, y, ldy);
       case DType::kQ4_K:
-        Gemm<DType::kQ4_K>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ4_K>(w, b, e, packed, M, y, ldy);
       case DType::kQ5_K:
-        Gemm<DType::kQ5_K>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ5_K>(w, b, e, packed, M, y, ldy);
       case DType::kQ6_K:
-        Gemm<DType::kQ6_K>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ6_K>(w, b, e, packed, M, y, ldy);
       case DType::kQ4_KX:
-        Gemm<DType::kQ4_KX>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ4_KX>(w, b, e, packed, M, y, ldy);
       case DType::kQ4_1X:
-        Gemm<DType::kQ4_1X>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ4_1X>(w, b, e, packed, M, y, ldy);
       case DType::kQ6_KX:
-        Gemm<DType::kQ6_KX>(w, packed, M, y, ldy, pool);
-        break;
+        return GemmRange<DType::kQ6_KX>(w, b, e, packed, M, y, ldy);
       case DType::kF8_128:
-        Gemm<DType::kF8_128>(w, packed, M, y, ldy, pool);
-        break;
-      case DType::kBF16X:  // the groups of 16 rows split between the threads
-        pool.ParallelFor((w.rows + 15) / 16, 1, [&](int, int64_t b, int64_t e) {
-          avx512::MatMulBf16Pairs(static_cast<const uint16_t*>(w.data), w.rows, w.cols, b, e,
-                                  pairs.data(), Bf16Length(w.cols), M, y, ldy);
-        });
-        break;
+        return GemmRange<DType::kF8_128>(w, b, e, packed, M, y, ldy);
+      case DType::kBF16X:
+        return avx512::MatMulBf16Pairs(static_cast<const uint16_t*>(w.data), w.rows, w.cols, b, e,
+                                       pairs.data(), Bf16Length(w.cols), M, y, ldy);
       case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses them)
       case DType::kU8:
       case DType::kMXFP4:
-        break;
+        return;
     }
+  };
+  // Every target's rows in chunks of GemmRange's block (kBF16X: 3 groups, the same 48 rows),
+  // laid end to end and taken by whichever thread is free, so that the group needs one pass of
+  // the pool and a thread slowed by something else does fewer chunks. A row's result does not
+  // depend on its chunk or thread.
+  std::vector<int64_t> first_chunk(n + 1, 0), units(n), chunk(n);
+  for (size_t i = 0; i < n; ++i) {
+    const WeightMatrix& w = *targets[i].w;
+    const bool groups = w.dtype == DType::kBF16X;
+    units[i] = std::max<int64_t>(groups ? (w.rows + 15) / 16 : w.rows, 0);
+    chunk[i] = groups ? kNb / 16 : UnpacksToInts(w.dtype) ? kNbInt : kNb;
+    first_chunk[i + 1] = first_chunk[i] + (units[i] + chunk[i] - 1) / chunk[i];
   }
+  pool.ParallelChunks(first_chunk[n], 1, [&](int, int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const size_t i =
+          std::upper_bound(first_chunk.begin(), first_chunk.end(), c) - first_chunk.begin() - 1;
+      const int64_t u0 = (c - first_chunk[i]) * chunk[i];
+      rows(i, u0, std::min(units[i], u0 + chunk[i]));
+    }
+  });
 }
 
 void MatMul(const WeightMatrix& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,

@@ -16,6 +16,11 @@ inline constexpr int64_t kMr = 12;
 void MicroKernelAny(int64_t mr, int64_t kc, const float* a, int64_t lda, const float* panel,
                     float* y, int64_t ldy, bool accumulate);
 
+// MicroKernelAny on two panels at once, the second `next` floats after the first and its
+// outputs 16 after the first's in each row of y: the same bits, each weight loaded once for both.
+void MicroKernelAny2(int64_t mr, int64_t kc, const float* a, int64_t lda, const float* panel,
+                     int64_t next, float* y, int64_t ldy, bool accumulate);
+
 // Rows of the quantized prefill tile (16 tokens' int16 pairs are one register: twice AVX2's 4).
 inline constexpr int64_t kMrInt = 8;
 
