@@ -550,17 +550,18 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           t += kNr;
           continue;
         }
-        // AVX-512's float tiles take this panel and the next at once where there is a next.
-        const bool pair = wide && !UnpacksToInts(D) && t + kNr < mp;
+        // AVX-512's tiles take this panel and the next at once where there is a next.
+        const bool pair = wide && t + kNr < mp;
         for (int64_t r = 0; r < nr; r += mr) {
           const int64_t rows = std::min(mr, nr - r);
           if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
             if (wide) {
-              avx512::MicroKernelIntAny(rows, kc, UnpacksTransposed(D, kc), IntGroup(D), HasMin(D),
-                                        wq + r * kKc, wf + r * (kKc / 16), wm + r * (kKc / 32), kKc,
-                                        x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
-                                        yt + r * mp + t, mp, k0 > 0);
+              avx512::MicroKernelIntAny(rows, pair ? 2 : 1, kc, UnpacksTransposed(D, kc),
+                                        IntGroup(D), HasMin(D), wq + r * kKc, wf + r * (kKc / 16),
+                                        wm + r * (kKc / 32), kKc, x.q + (t / kNr * K + k0) * kNr,
+                                        K * kNr, x.d + xb, x.ds + xb, K / 32 * kNr, yt + r * mp + t,
+                                        mp, k0 > 0);
               continue;
             }
             MicroKernelIntAny<IntGroup(D), HasMin(D)>(

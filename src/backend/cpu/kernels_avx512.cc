@@ -95,16 +95,16 @@ void UseVnni(bool on) {
   g_vnni.store(on && CpuFeatures::Detect().avx512_vnni ? 1 : 0, std::memory_order_relaxed);
 }
 
-void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
+void MicroKernelIntAny(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
                        const int16_t* wq, const float* wf, const float* wm, int64_t ld,
-                       const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                       bool accumulate) {
+                       const int16_t* xq, int64_t q_next, const float* xd, const float* xds,
+                       int64_t d_next, float* y, int64_t ldy, bool accumulate) {
   if (UsesVnni()) {
-    return MicroKernelIntVnni(mr, kc, transposed, g, has_min, wq, wf, wm, ld, xq, xd, xds, y, ldy,
-                              accumulate);
+    return MicroKernelIntVnni(mr, panels, kc, transposed, g, has_min, wq, wf, wm, ld, xq, q_next,
+                              xd, xds, d_next, y, ldy, accumulate);
   }
-  IntTileAny<false>(mr, kc, transposed, g, has_min, wq, wf, wm, ld, xq, xd, xds, y, ldy,
-                    accumulate);
+  IntTileAny<false>(mr, panels, kc, transposed, g, has_min, wq, wf, wm, ld, xq, q_next, xd, xds,
+                    d_next, y, ldy, accumulate);
 }
 
 void ExpandHalves(const uint16_t* row, bool bf16, int64_t kc, float* out) {

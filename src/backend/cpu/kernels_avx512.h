@@ -26,20 +26,22 @@ inline constexpr int64_t kMrInt = 8;
 
 // kernels.cc's MicroKernelIntAny for mr <= kMrInt rows of a quantized matrix, groups of g (16 or
 // 32) values, with minimums (has_min) or without; the rows' int16 values, factors and minimums
-// at stride `ld` values (ld / 16 factors, ld / 32 minimums). The integer sums are exact and the
-// float steps those of the AVX2 tile, in its order: the same bits.
-void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
+// at stride `ld` values (ld / 16 factors, ld / 32 minimums), against `panels` (1 or 2) panels of
+// 16 tokens: the second's values q_next after the first's, its scales d_next after the first's,
+// its outputs 16 after the first's in each row of y. The integer sums are exact and the float
+// steps those of the AVX2 tile, in its order: the same bits.
+void MicroKernelIntAny(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
                        const int16_t* wq, const float* wf, const float* wm, int64_t ld,
-                       const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                       bool accumulate);
+                       const int16_t* xq, int64_t q_next, const float* xd, const float* xds,
+                       int64_t d_next, float* y, int64_t ldy, bool accumulate);
 
 // MicroKernelIntAny with AVX512-VNNI's vpdpwssd (kernels_avx512vnni.cc): bit for bit the same.
 // MicroKernelIntAny takes it where the CPU has VNNI (UsesVnni), unless UseVnni(false) (tests
 // and benchmarks compare the two).
-void MicroKernelIntVnni(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
+void MicroKernelIntVnni(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
                         const int16_t* wq, const float* wf, const float* wm, int64_t ld,
-                        const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                        bool accumulate);
+                        const int16_t* xq, int64_t q_next, const float* xd, const float* xds,
+                        int64_t d_next, float* y, int64_t ldy, bool accumulate);
 bool UsesVnni();
 void UseVnni(bool on);  // on: where the CPU has VNNI
 

@@ -5,11 +5,12 @@
 
 namespace shardserve::cpu::avx512 {
 
-void MicroKernelIntVnni(int64_t mr, int64_t kc, bool transposed, int g, bool has_min,
+void MicroKernelIntVnni(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
                         const int16_t* wq, const float* wf, const float* wm, int64_t ld,
-                        const int16_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                        bool accumulate) {
-  IntTileAny<true>(mr, kc, transposed, g, has_min, wq, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);
+                        const int16_t* xq, int64_t q_next, const float* xd, const float* xds,
+                        int64_t d_next, float* y, int64_t ldy, bool accumulate) {
+  IntTileAny<true>(mr, panels, kc, transposed, g, has_min, wq, wf, wm, ld, xq, q_next, xd, xds,
+                   d_next, y, ldy, accumulate);
 }
 
 }  // namespace shardserve::cpu::avx512
