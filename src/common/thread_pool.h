@@ -32,8 +32,9 @@ class ThreadPool {
   // Calls fn(thread_index, begin, end) on the chunks [c * grain, (c + 1) * grain) of [0, n), each
   // once, taken in order by whichever thread is free: a thread that runs slower (a hybrid CPU's
   // efficiency core, a virtual CPU whose host runs something else, a core taken by another
-  // process) does fewer chunks instead of holding up the rest. For loops whose chunks' results
-  // do not depend on the thread that computes them.
+  // process) does fewer chunks instead of holding up the rest (a pool of one thread, or n <= grain:
+  // one call on [0, n)). For loops whose chunks' results do not depend on the thread that
+  // computes them.
   void ParallelChunks(int64_t n, int64_t grain,
                       const std::function<void(int, int64_t, int64_t)>& fn);
 
