@@ -568,13 +568,13 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                 rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
                 wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
                 yt + r * mp + t, mp, k0 > 0);
-          } else if (pair) {
-            avx512::MicroKernelAny2(rows, kc, wbuf + r * kKc, kKc, x.f32 + (t / kNr * K + k0) * kNr,
-                                    K * kNr, yt + r * mp + t, mp, k0 > 0);
+          } else if (wide) {
+            avx512::MicroKernelAny(rows, pair ? 2 : 1, kc, wbuf + r * kKc, kKc,
+                                   x.f32 + (t / kNr * K + k0) * kNr, K * kNr, yt + r * mp + t, mp,
+                                   k0 > 0);
           } else {
-            (wide ? avx512::MicroKernelAny : MicroKernelAny)(rows, kc, wbuf + r * kKc, kKc,
-                                                             x.f32 + (t / kNr * K + k0) * kNr,
-                                                             yt + r * mp + t, mp, k0 > 0);
+            MicroKernelAny(rows, kc, wbuf + r * kKc, kKc, x.f32 + (t / kNr * K + k0) * kNr,
+                           yt + r * mp + t, mp, k0 > 0);
           }
         }
         t += pair ? 2 * kNr : kNr;

@@ -10,16 +10,13 @@ namespace shardserve::cpu::avx512 {
 // the tile has twice the AVX2 tile's rows (12 x 16 against 6 x 16).
 inline constexpr int64_t kMr = 12;
 
-// kernels.cc's MicroKernelAny for mr <= kMr rows: y[i][j] (+)= sum over k < kc of a[i][k] *
-// panel[k][j] for j < 16, a's rows at stride lda, panel 64-byte aligned ([kc][16]), y's rows at
-// stride ldy.
-void MicroKernelAny(int64_t mr, int64_t kc, const float* a, int64_t lda, const float* panel,
-                    float* y, int64_t ldy, bool accumulate);
-
-// MicroKernelAny on two panels at once, the second `next` floats after the first and its
-// outputs 16 after the first's in each row of y: the same bits, each weight loaded once for both.
-void MicroKernelAny2(int64_t mr, int64_t kc, const float* a, int64_t lda, const float* panel,
-                     int64_t next, float* y, int64_t ldy, bool accumulate);
+// kernels.cc's MicroKernelAny for mr <= kMr rows against `panels` (1 or 2) panels of 16 tokens:
+// y[i][j] (+)= sum over k < kc of a[i][k] * panel[k][j] for j < 16, a's rows at stride lda, panel
+// 64-byte aligned ([kc][16]), y's rows at stride ldy; a second panel `next` floats after the
+// first, its outputs 16 after the first's in each row of y (each weight loaded once for both).
+// The same bits at either count of panels.
+void MicroKernelAny(int64_t mr, int panels, int64_t kc, const float* a, int64_t lda,
+                    const float* panel, int64_t next, float* y, int64_t ldy, bool accumulate);
 
 // Rows of the quantized prefill tile (16 tokens' int16 pairs are one register: twice AVX2's 4).
 inline constexpr int64_t kMrInt = 8;
