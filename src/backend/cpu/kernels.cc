@@ -1046,6 +1046,7 @@ void AttendGroupFixed(const float* const* q, int64_t G, const void* const* k_blo
                       float* const* out) {
   using L = KvLoad<kT>;
   constexpr int64_t hd = 8 * V8;
+  const int64_t row_bytes = hd * static_cast<int64_t>(DTypeSize(kT));
   std::vector<float> qs(G * hd), mx(G);
   const float qscale = scale * k_scale * L::kUnit;
   for (int64_t g = 0; g < G; ++g) {
@@ -1053,23 +1054,29 @@ void AttendGroupFixed(const float* const* q, int64_t G, const void* const* k_blo
     mx[g] = sinks != nullptr ? sinks[g] : -INFINITY;
     std::fill_n(out[g], hd, 0.f);
   }
+  // A score's 8 partial sums wait in part (head g, position j of 8) until 8 positions are done:
+  // ScoresOf then sums them in one tree a head.
+  std::vector<__m256> part(G * 8);
   __m256 row[V8];
-  for (int64_t p = begin; p < len; ++p) {
-    const void* k = k_blocks[p / bs];
-    const int64_t at = (p % bs) * hd;
-    for (int i = 0; i < V8; ++i) row[i] = L::Load8(k, at + 8 * i);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qs.data() + g * hd;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), row[0]);
-      __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), row[1]);
-      for (int i = 2; i < V8; i += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), row[i], a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i + 8), row[i + 1], a1);
+  for (int64_t p0 = begin; p0 < len; p0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - p0);
+    for (int64_t j = 0; j < n; ++j) {
+      if (p0 + j + kKvAhead < len) PrefetchKvRow(k_blocks, bs, p0 + j + kKvAhead, row_bytes);
+      const void* k = k_blocks[(p0 + j) / bs];
+      const int64_t at = ((p0 + j) % bs) * hd;
+      for (int i = 0; i < V8; ++i) row[i] = L::Load8(k, at + 8 * i);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qs.data() + g * hd;
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), row[0]);
+        __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), row[1]);
+        for (int i = 2; i < V8; i += 2) {
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), row[i], a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i + 8), row[i + 1], a1);
+        }
+        part[g * 8 + j] = _mm256_add_ps(a0, a1);
       }
-      const float sc = HSum(_mm256_add_ps(a0, a1));
-      scores[g * len + p] = sc;
-      mx[g] = std::max(mx[g], sc);
     }
+    for (int64_t g = 0; g < G; ++g) ScoresOf(&part[g * 8], n, scores + g * len + p0, mx[g]);
   }
   std::vector<float> w(G);
   for (int64_t g = 0; g < G; ++g) {
@@ -1079,6 +1086,7 @@ void AttendGroupFixed(const float* const* q, int64_t G, const void* const* k_blo
     w[g] = v_scale * L::kUnit / sum;
   }
   for (int64_t p = begin; p < len; ++p) {
+    if (p + kKvAhead < len) PrefetchKvRow(v_blocks, bs, p + kKvAhead, row_bytes);
     const void* v = v_blocks[p / bs];
     const int64_t at = (p % bs) * hd;
     for (int i = 0; i < V8; ++i) row[i] = L::Load8(v, at + 8 * i);
@@ -1114,6 +1122,10 @@ void AttendGroupOf(const float* const* q, int64_t G, const void* const* k_blocks
 void AttendGroup(const float* const* q, int64_t G, const KvRows& kv, const void* const* k_blocks,
                  const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
                  float scale, const float* sinks, float* scores, float* const* out) {
+  if ((hd == 64 || hd == 128) && ActiveKernelLevel() >= KernelLevel::kAvx512) {
+    return avx512::AttendGroup(q, G, kv, k_blocks, v_blocks, bs, hd, begin, len, scale, sinks,
+                               scores, out);
+  }
   switch (kv.dtype) {
     case DType::kBF16:
       return AttendGroupOf<DType::kBF16>(q, G, k_blocks, v_blocks, bs, hd, begin, len, scale,

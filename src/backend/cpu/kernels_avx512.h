@@ -4,6 +4,10 @@
 // its AVX2 counterpart in kernels.cc does, in wider registers.
 #include <cstdint>
 
+namespace shardserve::cpu {
+struct KvRows;
+}  // namespace shardserve::cpu
+
 namespace shardserve::cpu::avx512 {
 
 // Rows of the prefill micro-kernel's tile: a row's accumulator is one register of 16 tokens, so
@@ -17,6 +21,14 @@ inline constexpr int64_t kMr = 12;
 // The same bits at either count of panels.
 void MicroKernelAny(int64_t mr, int panels, int64_t kc, const float* a, int64_t lda,
                     const float* panel, int64_t next, float* y, int64_t ldy, bool accumulate);
+
+// kernels.h's AttendGroup for head sizes 64 and 128 (hd), every KV dtype: each position's key
+// and value rows converted once into 4 or 8 registers; the value pass keeps 4 (2) heads' outputs
+// in registers over all positions. Each score and output is kernels.cc's AVX2 arithmetic in its
+// order: the same bits.
+void AttendGroup(const float* const* q, int64_t G, const KvRows& kv, const void* const* k_blocks,
+                 const void* const* v_blocks, int64_t bs, int64_t hd, int64_t begin, int64_t len,
+                 float scale, const float* sinks, float* scores, float* const* out);
 
 // Rows of the quantized prefill tile (16 tokens' int16 pairs are one register: twice AVX2's 4).
 inline constexpr int64_t kMrInt = 8;

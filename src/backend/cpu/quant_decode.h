@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "backend/cpu/quant.h"
+#include "backend/cpu/simd_x86.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -327,20 +328,6 @@ inline void Factors8(const uint8_t* b, float* factor, float* min) {
     _mm256_store_ps(factor, f);
     if constexpr (D == DType::kQ4_0) _mm256_store_ps(min, _mm256_mul_ps(f, _mm256_set1_ps(-8.0f)));
   }
-}
-
-// The sum of v's 8 floats in pairs: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), the order
-// in which Sums8 sums each of its vectors, so that a row's result does not depend on which of the
-// two sums it.
-inline float PairwiseSum(__m256 v) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v, v), v);
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-// Lane i: PairwiseSum(v[i]).
-inline __m256 Sums8(const __m256 v[8]) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 // Lane-wise sums of 8 blocks' dot products (8 int32 lanes each, two halves of 4): Merge gives

@@ -239,18 +239,21 @@ double CachedValue(DType dtype, const uint8_t* at) {
 }
 
 // AttendGroup against a double-precision softmax(q·K^T·scale)·V of each head, for the
-// register-resident head sizes (64, 128) and the generic path, one head and a GQA group of three
-// (with sinks), over positions spread across blocks, for every KV cache dtype (rows written by
-// FloatToKv, the reference reading them with the scalar conversions, so the vector loads of each
-// dtype are checked value for value) with K and V scales.
+// register-resident head sizes (64, 128) and the generic path, one head and GQA groups of three
+// and eight (with sinks), over positions spread across blocks, for every KV cache dtype (rows
+// written by FloatToKv, the reference reading them with the scalar conversions, so the vector
+// loads of each dtype are checked value for value) with K and V scales, at every kernel level of
+// this CPU; the AVX-512 kernels' scores and outputs bit for bit AVX2's.
 TEST(KernelsTest, AttendGroupMatchesReference) {
+  const std::vector<KernelLevel> levels = LevelsOfThisCpu();
+  const KernelLevel before = ActiveKernelLevel();
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
   for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
     const size_t es = DTypeSize(dtype);
     // FP8: values up to 3 under scales that put them in E4M3's normal and subnormal ranges.
     const float ks = dtype == DType::kF8E4M3 ? 0.02f : 1.f, vs = dtype == DType::kF8E4M3 ? 3 : 1;
-    for (int64_t G : {1, 3})
+    for (int64_t G : {1, 3, 8})
       for (int64_t hd : {64, 128, 24}) {
         for (int64_t len : {1, 5, 16, 37}) {
           const int64_t bs = 16, nblocks = (len + bs - 1) / bs, begin = len > 5 ? 2 : 0;
@@ -280,30 +283,51 @@ TEST(KernelsTest, AttendGroupMatchesReference) {
           }
           const float scale = 0.3f;
           const float* sink = G > 1 ? sinks.data() : nullptr;
-          AttendGroup(qs.data(), G, KvRows{dtype, ks, vs}, kp.data(), vp.data(), bs, hd, begin, len,
-                      scale, sink, scores.data(), outs.data());
-          for (int64_t g = 0; g < G; ++g) {
-            std::vector<double> w(len);
-            double mx = sink ? sink[g] : -1e30;
-            for (int64_t p = begin; p < len; ++p) {
-              double s = 0;
-              for (int64_t i = 0; i < hd; ++i) s += double(q[g * hd + i]) * value(kb, p, i) * ks;
-              w[p] = s * scale;
-              mx = std::max(mx, w[p]);
+          std::vector<float> avx2_out, avx2_scores;
+          for (KernelLevel level : levels) {
+            SetKernelLevel(level);
+            std::fill(out.begin(), out.end(), NAN);
+            std::fill(scores.begin(), scores.end(), NAN);
+            AttendGroup(qs.data(), G, KvRows{dtype, ks, vs}, kp.data(), vp.data(), bs, hd, begin,
+                        len, scale, sink, scores.data(), outs.data());
+            const std::string where = absl::StrCat(DTypeName(dtype), " G=", G, " hd=", hd,
+                                                   " len=", len, " ", KernelLevelName(level));
+            if (level == KernelLevel::kAvx2) {
+              avx2_out = out;
+              avx2_scores = scores;
+            } else if (!avx2_out.empty()) {
+              ASSERT_EQ(std::memcmp(out.data(), avx2_out.data(), out.size() * sizeof(float)), 0)
+                  << where;
+              for (int64_t g = 0; g < G; ++g) {
+                ASSERT_EQ(std::memcmp(scores.data() + g * len + begin,
+                                      avx2_scores.data() + g * len + begin,
+                                      (len - begin) * sizeof(float)),
+                          0)
+                    << where;
+              }
             }
-            double sum = sink ? std::exp(sink[g] - mx) : 0;
-            for (int64_t p = begin; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
-            for (int64_t i = 0; i < hd; ++i) {
-              double ref = 0;
-              for (int64_t p = begin; p < len; ++p) ref += w[p] / sum * value(vb, p, i) * vs;
-              ASSERT_NEAR(out[g * hd + i], ref, 3e-5)
-                  << DTypeName(dtype) << " G=" << G << " hd=" << hd << " len=" << len << " g=" << g
-                  << " i=" << i;
+            for (int64_t g = 0; g < G; ++g) {
+              std::vector<double> w(len);
+              double mx = sink ? sink[g] : -1e30;
+              for (int64_t p = begin; p < len; ++p) {
+                double s = 0;
+                for (int64_t i = 0; i < hd; ++i) s += double(q[g * hd + i]) * value(kb, p, i) * ks;
+                w[p] = s * scale;
+                mx = std::max(mx, w[p]);
+              }
+              double sum = sink ? std::exp(sink[g] - mx) : 0;
+              for (int64_t p = begin; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
+              for (int64_t i = 0; i < hd; ++i) {
+                double ref = 0;
+                for (int64_t p = begin; p < len; ++p) ref += w[p] / sum * value(vb, p, i) * vs;
+                ASSERT_NEAR(out[g * hd + i], ref, 3e-5) << where << " g=" << g << " i=" << i;
+              }
             }
           }
         }
       }
   }
+  SetKernelLevel(before);
 }
 
 // FloatToKv rounds to the nearest value of the dtype (E4M3: under its scale, saturated), which
