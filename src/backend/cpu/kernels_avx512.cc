@@ -67,7 +67,6 @@ constexpr TileFn kTiles[kMr] = {MicroKernel<1, NP>,  MicroKernel<2, NP>,  MicroK
 template <DType kT>
 struct KvLoad16 {
   static constexpr float kUnit = kT == DType::kF8E4M3 ? 256.f : 1.f;
-  static constexpr int64_t kBytes = kT == DType::kF32 ? 4 : kT == DType::kF8E4M3 ? 1 : 2;
   static __m512 Load(const void* base, int64_t i) {
     if constexpr (kT == DType::kF32) {
       return _mm512_loadu_ps(static_cast<const float*>(base) + i);
@@ -99,7 +98,8 @@ void AttendValues(int64_t g0, const void* const* v_blocks, int64_t bs, int64_t b
     for (int i = 0; i < V16; ++i) acc[h][i] = _mm512_setzero_ps();
   }
   for (int64_t p = begin; p < len; ++p) {
-    if (p + kKvAhead < len) PrefetchKvRow(v_blocks, bs, p + kKvAhead, hd * KvLoad16<kT>::kBytes);
+    if (p + kKvAhead < len)
+      PrefetchKvRow(v_blocks, bs, p + kKvAhead, hd * static_cast<int64_t>(DTypeSize(kT)));
     const void* v = v_blocks[p / bs];
     const int64_t at = (p % bs) * hd;
 #pragma GCC unroll 8
@@ -138,7 +138,8 @@ void AttendFixed(const float* const* q, int64_t G, const KvRows& kv, const void*
   for (int64_t p0 = begin; p0 < len; p0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - p0);
     for (int64_t j = 0; j < n; ++j) {
-      if (p0 + j + kKvAhead < len) PrefetchKvRow(k_blocks, bs, p0 + j + kKvAhead, hd * L::kBytes);
+      if (p0 + j + kKvAhead < len)
+        PrefetchKvRow(k_blocks, bs, p0 + j + kKvAhead, hd * static_cast<int64_t>(DTypeSize(kT)));
       const void* k = k_blocks[(p0 + j) / bs];
       const int64_t at = ((p0 + j) % bs) * hd;
 #pragma GCC unroll 8

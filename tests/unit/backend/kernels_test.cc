@@ -283,6 +283,25 @@ TEST(KernelsTest, AttendGroupMatchesReference) {
           }
           const float scale = 0.3f;
           const float* sink = G > 1 ? sinks.data() : nullptr;
+          // Each head's reference outputs (ref[g * hd + i]), once for every level.
+          std::vector<double> ref(G * hd, 0.0);
+          for (int64_t g = 0; g < G; ++g) {
+            std::vector<double> w(len);
+            double mx = sink ? sink[g] : -1e30;
+            for (int64_t p = begin; p < len; ++p) {
+              double s = 0;
+              for (int64_t i = 0; i < hd; ++i) s += double(q[g * hd + i]) * value(kb, p, i) * ks;
+              w[p] = s * scale;
+              mx = std::max(mx, w[p]);
+            }
+            double sum = sink ? std::exp(sink[g] - mx) : 0;
+            for (int64_t p = begin; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
+            for (int64_t i = 0; i < hd; ++i) {
+              for (int64_t p = begin; p < len; ++p) {
+                ref[g * hd + i] += w[p] / sum * value(vb, p, i) * vs;
+              }
+            }
+          }
           std::vector<float> avx2_out, avx2_scores;
           for (KernelLevel level : levels) {
             SetKernelLevel(level);
@@ -306,22 +325,8 @@ TEST(KernelsTest, AttendGroupMatchesReference) {
                     << where;
               }
             }
-            for (int64_t g = 0; g < G; ++g) {
-              std::vector<double> w(len);
-              double mx = sink ? sink[g] : -1e30;
-              for (int64_t p = begin; p < len; ++p) {
-                double s = 0;
-                for (int64_t i = 0; i < hd; ++i) s += double(q[g * hd + i]) * value(kb, p, i) * ks;
-                w[p] = s * scale;
-                mx = std::max(mx, w[p]);
-              }
-              double sum = sink ? std::exp(sink[g] - mx) : 0;
-              for (int64_t p = begin; p < len; ++p) sum += (w[p] = std::exp(w[p] - mx));
-              for (int64_t i = 0; i < hd; ++i) {
-                double ref = 0;
-                for (int64_t p = begin; p < len; ++p) ref += w[p] / sum * value(vb, p, i) * vs;
-                ASSERT_NEAR(out[g * hd + i], ref, 3e-5) << where << " g=" << g << " i=" << i;
-              }
+            for (int64_t i = 0; i < G * hd; ++i) {
+              ASSERT_NEAR(out[i], ref[i], 3e-5) << where << " g=" << i / hd << " i=" << i % hd;
             }
           }
         }
