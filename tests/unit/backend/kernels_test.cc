@@ -84,6 +84,25 @@ void SetLevelAndAmx(KernelLevel level, bool amx) {
 #endif
 }
 
+// Gives back, however the test leaves (a failed ASSERT returns at once), the kernel level it
+// found, with AMX's and VNNI's tiles in use where the CPU has them: the tests after it run the
+// process's level.
+class KernelLevelRestorer {
+ public:
+  KernelLevelRestorer() : before_(ActiveKernelLevel()) {}
+  KernelLevelRestorer(const KernelLevelRestorer&) = delete;
+  KernelLevelRestorer& operator=(const KernelLevelRestorer&) = delete;
+  ~KernelLevelRestorer() {
+    SetLevelAndAmx(before_, true);
+#if !SHARDSERVE_PORTABLE_KERNELS
+    avx512::UseVnni(true);
+#endif
+  }
+
+ private:
+  const KernelLevel before_;
+};
+
 // MatMul against a double-precision loop, for every dtype and the decode and prefill paths,
 // including ragged shapes (N not a multiple of 16, K not a multiple of 8 or of the K block), at
 // every kernel level this CPU runs (BF16 at kAvx512Bf16 with AMX's tiles and without): the loop
@@ -91,7 +110,7 @@ void SetLevelAndAmx(KernelLevel level, bool amx) {
 // sums.
 TEST(KernelsTest, MatMulMatchesReference) {
   std::mt19937 rng(1);
-  const KernelLevel before = ActiveKernelLevel();
+  const KernelLevelRestorer restorer;
   for (const auto& [level, dtype, amx] : [] {
          std::vector<std::tuple<KernelLevel, DType, bool>> cases;
          for (KernelLevel l : LevelsOfThisCpu()) {
@@ -129,7 +148,6 @@ TEST(KernelsTest, MatMulMatchesReference) {
       }
     }
   }
-  SetLevelAndAmx(before, true);
 }
 
 // Up to 12 tokens, a token's outputs do not depend on the other tokens of the batch: decoding
@@ -246,7 +264,7 @@ double CachedValue(DType dtype, const uint8_t* at) {
 // this CPU; the AVX-512 kernels' scores and outputs bit for bit AVX2's.
 TEST(KernelsTest, AttendGroupMatchesReference) {
   const std::vector<KernelLevel> levels = LevelsOfThisCpu();
-  const KernelLevel before = ActiveKernelLevel();
+  const KernelLevelRestorer restorer;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
   for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
@@ -332,7 +350,6 @@ TEST(KernelsTest, AttendGroupMatchesReference) {
         }
       }
   }
-  SetKernelLevel(before);
 }
 
 // FloatToKv rounds to the nearest value of the dtype (E4M3: under its scale, saturated), which
@@ -761,7 +778,7 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   if (levels.back() != KernelLevel::kAvx512Bf16) {
     std::cout << "[ SKIPPED  ] kernel level avx512bf16: this CPU lacks AVX512-BF16\n";
   }
-  const KernelLevel before = ActiveKernelLevel();
+  const KernelLevelRestorer restorer;
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> dist(-1, 1);
   // MatMul at AVX2 and at `level` (F32 results into narrow and wide).
@@ -848,7 +865,6 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
       }
     }
   }
-  SetKernelLevel(before);
 }
 
 // BF16 weights as the backend keeps them at kAvx512Bf16 where AMX is not used (DType::kBF16X,
@@ -861,7 +877,7 @@ TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
   if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512bf16").ok()) {
     GTEST_SKIP() << "kernel level avx512bf16: this CPU lacks AVX512-BF16";
   }
-  const KernelLevel before = ActiveKernelLevel();
+  const KernelLevelRestorer restorer;
   SetKernelLevel(KernelLevel::kAvx512Bf16);
   avx512::UseAmx(false);
   auto backend = NewBackend(2);
@@ -938,8 +954,6 @@ TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
       EXPECT_EQ(out[i * 64 + k], ids[i] < 37 ? table.values[ids[i] * 64 + k] : 0.0) << ids[i];
     }
   }
-  avx512::UseAmx(true);
-  SetKernelLevel(before);
 }
 
 // SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's, or
@@ -995,13 +1009,13 @@ double ActivationRounding(DType weights) {
 }
 INSTANTIATE_TEST_SUITE_P(
     Cpu, BackendOpsTest,
-    ::testing::Values(BackendCase{"threads1", AtLevel("auto", 1), ActivationRounding},
-                      BackendCase{"threads3", AtLevel("auto"), ActivationRounding},
-                      BackendCase{"avx2", AtLevel("avx2"), ActivationRounding},
-                      BackendCase{"avx512", AtLevel("avx512"), ActivationRounding},
-                      BackendCase{"avx512bf16", AtLevel("avx512bf16"), ActivationRounding},
-                      BackendCase{"portable", AtLevel("portable"), ActivationRounding},
-                      BackendCase{"auto", AtLevel("auto"), ActivationRounding}),
+    ::testing::Values(BackendCase{"threads1", AtLevel("auto", 1), ActivationRounding, nullptr},
+                      BackendCase{"threads3", AtLevel("auto"), ActivationRounding, nullptr},
+                      BackendCase{"avx2", AtLevel("avx2"), ActivationRounding, nullptr},
+                      BackendCase{"avx512", AtLevel("avx512"), ActivationRounding, nullptr},
+                      BackendCase{"avx512bf16", AtLevel("avx512bf16"), ActivationRounding, nullptr},
+                      BackendCase{"portable", AtLevel("portable"), ActivationRounding, nullptr},
+                      BackendCase{"auto", AtLevel("auto"), ActivationRounding, nullptr}),
     testing::BackendCaseName);
 
 }  // namespace
