@@ -7,7 +7,8 @@
 # moved per step against the device's copy bandwidth measured in the same run — then the peer
 # (rows with the KV cache in the model's dtype only), PyTorch +
 # transformers on the same model directory and the same shapes (bench/cuda_peer.py), and
-# shardserve / peer for tokens/s. BENCH_PEER=0 leaves the peer out; BENCH_ATTN_AB=1 also runs
+# shardserve / peer for tokens/s; then speculative decoding at batch 1 (BENCH_SPEC, below) and
+# serving (BENCH_SERVE, below). BENCH_PEER=0 leaves the peer out; BENCH_ATTN_AB=1 also runs
 # each BF16 row with each decode attention kernel forced (SHARDSERVE_CUDA_ATTN_KERNEL=split,
 # split-batched, heads).
 # Usage: bench/cuda.sh [MODELS] (default "tinyllama llama3-8b")
@@ -117,6 +118,51 @@ done
 
 unset SHARDSERVE_KV_CACHE_DTYPE
 [ "${BENCH_GEN_ONLY:-0}" = 0 ] || exit 0
+
+# Speculative decoding on the GPU (BENCH_SPEC=0 leaves it out): the BF16 model of each of
+# BENCH_SPEC_MODELS (default TinyLlama's shape) decoding greedily at batch 1 through the rank
+# runtime (`shardserve generate`, SHARDSERVE_BACKEND=cuda) without speculation, with n-gram prompt
+# lookup and with its Q4_K GGUF (the same seed) as the draft model on the same GPU, BENCH_SPEC_K
+# (default 4) drafted a step: tokens/s over the whole generation (prefill included), the speedup,
+# the drafts kept and whether the tokens are the ones without speculation. The weights are random,
+# so the drafts kept say what this model does, not what a trained one would; the speedup at a
+# given rate of kept drafts is what the GPU's verify step costs.
+if [ "${BENCH_SPEC:-1}" = 1 ]; then
+  for m in ${BENCH_SPEC_MODELS-tinyllama}; do
+    [[ " $MODELS " == *" $m "* ]] || continue
+    model_of "$m" q4_k
+    draft="$model"
+    model_of "$m" bf16
+    echo "=== speculative decoding, $m BF16, batch 1, greedy, ${BENCH_SPEC_TOKENS:-256} tokens"
+    # BENCH_SPEC_BACKEND=cpu: a dry run of this part on a machine without a GPU.
+    SHARDSERVE_BACKEND="${BENCH_SPEC_BACKEND:-cuda}" python3 - "$SHARDSERVE_BIN/shardserve" \
+      "$model" "$draft" "${BENCH_SPEC_TOKENS:-256}" "${BENCH_SPEC_K:-4}" <<'EOF'
+import json, subprocess, sys
+shardserve, model, draft, tokens, k = sys.argv[1:6]
+prompt = ("Copy this list exactly: " + ", ".join(f"item {i} of the list" for i in range(40)) +
+          ". Again: ")
+base = None
+for method, extra in (("none", []), ("ngram", []), ("draft", ["--draft-model", draft])):
+    cmd = [shardserve, "generate", "--model", model, "--prompt", prompt, "--max-tokens", tokens,
+           "--ignore-eos", "--format", "json", "--speculative", method] + extra
+    if method != "none":
+        cmd += ["--speculative-tokens", k]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        print(f"speculative {method}: failed: {r.stderr[-400:]}")
+        continue
+    out = json.loads(r.stdout)
+    n = len(out["tokens"])
+    rate = n / out["timing"]["seconds"]
+    base = base or (rate, out["tokens"])
+    spec = out.get("speculation") or {}
+    kept = f"{spec['accepted']}/{spec['drafted']}" if spec.get("drafted") else "-"
+    same = "same tokens" if out["tokens"] == base[1] else "DIFFERENT TOKENS"
+    print(f"speculative {method:5}: {n} tokens, {rate:.1f} tok/s, {rate / base[0]:.2f}x, "
+          f"kept {kept}, {same}")
+EOF
+  done
+fi
 
 # Serving on the GPU (BENCH_SERVE=0 leaves it out): `shardserve local` with SHARDSERVE_BACKEND=cuda
 # answering `shardserve bench load` at 1, 8, 32 and 64 clients (streamed greedy completions, 64
