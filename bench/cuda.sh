@@ -77,11 +77,12 @@ for m in $MODELS; do
     ours=$("$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" --batch "$batches" --steps 64 \
       --prompt-tokens "$prompt")
     echo "$ours"
-    if [ "$type" = fp8 ] && [ "${BENCH_FP8_DIRECT:-1}" = 1 ]; then
-      # FP8's direct GEMV beside the row, same machine (BENCH_FP8_DIRECT=0: not).
-      SHARDSERVE_CUDA_FP8_GEMV=direct "$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" \
+    if [ "$type" = fp8 ] && [ "${BENCH_FP8_STAGED:-1}" = 1 ]; then
+      # FP8's staged GEMV (the default is direct) beside the row, same machine
+      # (BENCH_FP8_STAGED=0: not).
+      SHARDSERVE_CUDA_FP8_GEMV=staged "$SHARDSERVE_BIN/shardserve" bench cuda --model "$model" \
         --batch "$batches" --steps 64 --prompt-tokens "$prompt" | grep -E '^decode batch' |
-        sed 's/^/[fp8 direct] /'
+        sed 's/^/[fp8 staged] /'
     fi
     if [ "$type" != bf16 ] && [ "$type" != fp8 ]; then
       # The float GEMV (F32 inputs; the default is dp4a) beside the GGUF row, same machine

@@ -12,7 +12,7 @@
 # (DIR/bundle.tar.xz) instead of building them here, and builds only if they do not start (from
 # DIR/prefix.tar.xz where --prefix's folder is missing). --checks runs only the checks it names
 # (cuda_tests, cuda_attention_split, cuda_attention_split-batched, cuda_attention_heads,
-# cuda_quant_float, cuda_fp8_direct, cuda_generate, cuda_local; the bench is --no-bench's).
+# cuda_quant_float, cuda_fp8_staged, cuda_generate, cuda_local; the bench is --no-bench's).
 # --profile also runs ncu over two decode steps of each bench model (batch 1 and 32 after a
 # 128-token prompt; TinyLlama also batch 16 after 2,048; the Q4_K GGUF at batch 1; PROFILE_ROWS
 # chooses others) and writes the per-kernel tables (scripts/ncu_table.py) to OUT/profile.txt;
@@ -165,9 +165,9 @@ done
 # quantized-weights cases.
 check cuda_quant_float env SHARDSERVE_CUDA_QUANT_GEMV=float "$BIN/cuda_tests" \
   --gtest_filter='*Quantized*'
-# FP8's direct GEMV (off by default until a GPU run has passed and timed it) through the same cases
+# FP8's staged GEMV (the default, direct, reads each block straight) through the same cases
 # (F8_128 among them; cuda_generate runs the FP8 models with it too).
-check cuda_fp8_direct env SHARDSERVE_CUDA_FP8_GEMV=direct "$BIN/cuda_tests" \
+check cuda_fp8_staged env SHARDSERVE_CUDA_FP8_GEMV=staged "$BIN/cuda_tests" \
   --gtest_filter='*Quantized*'
 check cuda_generate python3 tests/cli/cuda_generate_test.py "$BIN/shardserve"
 check cuda_local python3 tests/cli/cuda_local_test.py "$BIN/shardserve"

@@ -115,12 +115,12 @@ struct WorkerEnv {
   // How the weights compute (the defaults serve; benchmarks and the GPU checks choose others).
   bool fp8_blocks = true;  // FP8 weights computed as FP8 blocks; false: expanded at load
   // The CUDA backend's decode kernels: the attention kernel forced (split, split-batched, heads;
-  // "": the shape chooses), the quantized GEMV (dp4a, the default, or float) and FP8's (staged,
-  // the default, or direct); the CUDA stage backend reads the names
+  // "": the shape chooses), the quantized GEMV (dp4a, the default, or float) and FP8's (direct,
+  // the default, or staged); the CUDA stage backend reads the names
   // (backend/cuda/cuda_backend.h), a CPU rank ignores them.
   std::string cuda_attention_kernel;
   std::string cuda_quant_gemv = "dp4a";
-  std::string cuda_fp8_gemv = "staged";
+  std::string cuda_fp8_gemv = "direct";
   // The CPU backend's kernel level (backend/cpu/cpu_features.h): auto (the widest the CPU has),
   // avx2, avx512 or avx512bf16 (to force one: tests and comparisons), portable (a build for a CPU
   // other than x86-64); a level the CPU or the build lacks fails the rank.

@@ -229,7 +229,7 @@ __global__ void EmbedKernel(const uint8_t* table, int64_t row_bytes, int64_t col
   }
 }
 
-// FP8 decode, direct (SHARDSERVE_CUDA_FP8_GEMV=direct): one warp per output row, as
+// FP8 decode, direct (SHARDSERVE_CUDA_FP8_GEMV, the default): one warp per output row, as
 // QuantGemvKernel, walking the row's F8_128 blocks (an F32 scale and 128 E4M3 bytes, 132 bytes,
 // 4-byte aligned): lane l reads the block's bytes 4l .. 4l + 3 (the warp's 32 loads one 128-byte
 // line) and the matching 4 inputs of each row of x, each value one rounding of byte x scale as
@@ -340,12 +340,12 @@ absl::StatusOr<QuantGemvMode> QuantGemvNamed(std::string_view name) {
 }
 
 absl::StatusOr<Fp8GemvMode> Fp8GemvNamed(std::string_view name) {
-  if (name.empty() || name == "staged") return Fp8GemvMode::kStaged;
-  if (name == "direct") return Fp8GemvMode::kDirect;
+  if (name.empty() || name == "direct") return Fp8GemvMode::kDirect;
+  if (name == "staged") return Fp8GemvMode::kStaged;
   return absl::InvalidArgumentError(absl::StrCat(
       "'", std::string(name),
-      "' must be staged (chunks through shared memory, the default) or direct (each block read "
-      "straight by the warp)"));
+      "' must be direct (each block read straight by the warp, the default) or staged (chunks "
+      "through shared memory)"));
 }
 
 absl::Status QuantGemvGroup(Context& ctx, const GemvGroup& g, DType dtype, int64_t cols,

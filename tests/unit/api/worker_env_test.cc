@@ -88,7 +88,7 @@ TEST(WorkerEnvTest, EveryFieldSurvivesTheRoundTrip) {
   w.fp8_blocks = false;
   w.cuda_attention_kernel = "split";
   w.cuda_quant_gemv = "float";
-  w.cuda_fp8_gemv = "direct";
+  w.cuda_fp8_gemv = "staged";
   w.cpu_kernels = "avx2";
   w.model_uri = "hf://o/m";
   w.model_files = "*.json";

@@ -78,7 +78,7 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   ASSERT_TRUE(CudaKernelsOf(env).ok());
   EXPECT_EQ(CudaKernelsOf(env)->attention, AttentionKernel::kByShape);
   EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kDp4a);
-  EXPECT_EQ(CudaKernelsOf(env)->fp8_gemv, cuda::Fp8GemvMode::kStaged);
+  EXPECT_EQ(CudaKernelsOf(env)->fp8_gemv, cuda::Fp8GemvMode::kDirect);
   for (const auto& [name, kernel] : {std::pair{"split", AttentionKernel::kSplit},
                                      std::pair{"split-batched", AttentionKernel::kSplitBatched},
                                      std::pair{"heads", AttentionKernel::kHeads}}) {
@@ -88,8 +88,8 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   }
   env.cuda_quant_gemv = "float";
   EXPECT_EQ(CudaKernelsOf(env)->quant_gemv, QuantGemvMode::kFloat);
-  env.cuda_fp8_gemv = "direct";
-  EXPECT_EQ(CudaKernelsOf(env)->fp8_gemv, cuda::Fp8GemvMode::kDirect);
+  env.cuda_fp8_gemv = "staged";
+  EXPECT_EQ(CudaKernelsOf(env)->fp8_gemv, cuda::Fp8GemvMode::kStaged);
   env.cuda_attention_kernel = "1";
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_ATTN_KERNEL='1' must be "
@@ -103,7 +103,7 @@ TEST(CudaBackendTest, KernelChoicesNameAKernelOrAreUnset) {
   env.cuda_fp8_gemv = "fast";
   EXPECT_THAT(std::string(CudaKernelsOf(env).status().message()),
               ::testing::HasSubstr("environment variable SHARDSERVE_CUDA_FP8_GEMV='fast' must "
-                                   "be staged"));
+                                   "be direct"));
 }
 
 // LoRA's CUDA kernels can be switched off (SHARDSERVE_CUDA_LORA=off): a replica with adapters is
