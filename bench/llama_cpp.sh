@@ -35,10 +35,17 @@ if [ ! -x "$PEER/llama-bench" ] || [ ! -x "$PEER/llama-quantize" ]; then
     "llama-cpp-python==$LCP_VERSION" -d "$tmp"
   tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
   src="$tmp/llama_cpp_python-$LCP_VERSION/vendor/llama.cpp"
-  cmake -S "$src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release "${PEER_FLAGS[@]}" -DLLAMA_CURL=OFF \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF >/dev/null
-  cmake --build "$tmp/build" -j"$(nproc)" --target llama-bench llama-quantize >/dev/null
+  # The peer's own compiler warnings (thousands with GCC 12's AVX-512 headers) go to a log that
+  # is shown only if its build fails.
+  if ! { cmake -S "$src" -B "$tmp/build" -DCMAKE_BUILD_TYPE=Release "${PEER_FLAGS[@]}" \
+      -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_SERVER=OFF &&
+    cmake --build "$tmp/build" -j"$(nproc)" --target llama-bench llama-quantize; } \
+    >"$tmp/build.log" 2>&1; then
+    tail -30 "$tmp/build.log" >&2
+    echo "building llama.cpp failed (above)" >&2
+    exit 1
+  fi
   mkdir -p "$PEER"
   cp "$tmp/build/bin/llama-bench" "$tmp/build/bin/llama-quantize" "$PEER/"
   rm -rf "$tmp"
