@@ -125,8 +125,8 @@ struct WorkerEnv {
   // avx2, avx512 or avx512bf16 (to force one: tests and comparisons), portable (a build for a CPU
   // other than x86-64); a level the CPU or the build lacks fails the rank.
   std::string cpu_kernels = "auto";
-  // LoRA on the CUDA backend (Backend::LoraAdd's kernels, written without a GPU): off refuses a
-  // CUDA rank of a replica with adapters until a GPU run of the op suite has judged them.
+  // LoRA on the CUDA backend (Backend::LoraAdd's kernels; the op suite passes them on an H200):
+  // off refuses a CUDA rank of a replica with adapters, by name.
   bool cuda_lora = true;
   // Finding the others.
   std::string leader_addr;  // host:port of the rendezvous

@@ -198,8 +198,8 @@ absl::StatusOr<std::unique_ptr<StageBackend>> StageBackend::Choose(const RankCon
   auto cpu = [&]() -> std::unique_ptr<StageBackend> {
     return std::make_unique<CpuBackend>(config);
   };
-  // LoRA's CUDA kernels can be switched off until a GPU run has judged them (issue 57): a
-  // replica with adapters is then refused on a GPU, never moved to the CPU unsaid.
+  // LoRA's CUDA kernels can be switched off: a replica with adapters is then refused on a GPU,
+  // never moved to the CPU unsaid.
   const absl::Status lora =
       config.env.max_loras > 0 && !config.env.cuda_lora
           ? absl::FailedPreconditionError(
