@@ -151,6 +151,8 @@ for method, extra in (("none", []), ("ngram", []), ("draft", ["--draft-model", d
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         print(f"speculative {method}: failed: {r.stderr[-400:]}")
+        if base is None:
+            break  # no speedup means anything without the run it is measured against
         continue
     out = json.loads(r.stdout)
     n = len(out["tokens"])
