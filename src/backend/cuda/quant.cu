@@ -234,6 +234,27 @@ __global__ void EmbedKernel(const uint8_t* table, int64_t row_bytes, int64_t col
 // 4-byte aligned): lane l reads the block's bytes 4l .. 4l + 3 (the warp's 32 loads one 128-byte
 // line) and the matching 4 inputs of each row of x, each value one rounding of byte x scale as
 // Blocks<kF8_128>::Chunk gives. cols: a multiple of 128.
+//
+// Software-pipelined in groups of kFp8InFlight blocks: a group's weights are loaded before the
+// group before it is summed, so that each lane has that group's loads in flight while it computes
+// (one load at a time left 61 % of the warps' stalls waiting on L1TEX and the kernel at 54 % of
+// copy bandwidth on an H200). The sums are taken in the order of the blocks, as before.
+constexpr int kFp8InFlight = 8;
+
+template <int M>
+__device__ __forceinline__ void Fp8BlockDot(uint32_t u, float scale, const float* x, int64_t cols,
+                                            int64_t b, int lane, float (&acc)[M]) {
+  const float s = scale * 256.f;
+  float v[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = F8AsHalfTimes256th(u >> (8 * e)) * s;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x + m * cols + b * 128) + lane);
+    acc[m] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
+  }
+}
+
 template <int M>
 __global__ void __launch_bounds__(kQuantWarps * 32)
     Fp8GemvKernel(GemvGroup g, int64_t cols, const float* __restrict__ x) {
@@ -243,20 +264,33 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
   const uint8_t* w =
       static_cast<const uint8_t*>(g.w[i]) + row * BytesOf<DType::kF8_128>(g.stride[i]);
   const int lane = threadIdx.x % 32;
+  const int64_t blocks = cols / 128;
   float acc[M] = {};
-#pragma unroll 4
-  for (int64_t b = 0; b < cols / 128; ++b) {
-    const uint8_t* block = w + b * 132;
-    const float s = __ldg(reinterpret_cast<const float*>(block)) * 256.f;
-    const uint32_t u = __ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane);
-    float v[4];
+  uint32_t u[kFp8InFlight];
+  float s[kFp8InFlight];
+  const auto load = [&](int64_t b0) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = F8AsHalfTimes256th(u >> (8 * e)) * s;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(x + m * cols + b * 128) + lane);
-      acc[m] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
+    for (int j = 0; j < kFp8InFlight; ++j) {
+      const uint8_t* block = w + (b0 + j) * 132;
+      s[j] = __ldg(reinterpret_cast<const float*>(block));
+      u[j] = __ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane);
     }
+  };
+  int64_t b = 0;
+  if (blocks >= kFp8InFlight) load(0);
+  for (; b + kFp8InFlight <= blocks; b += kFp8InFlight) {
+    uint32_t cu[kFp8InFlight];
+    float cs[kFp8InFlight];
+#pragma unroll
+    for (int j = 0; j < kFp8InFlight; ++j) cu[j] = u[j], cs[j] = s[j];
+    if (b + 2 * kFp8InFlight <= blocks) load(b + kFp8InFlight);
+#pragma unroll
+    for (int j = 0; j < kFp8InFlight; ++j) Fp8BlockDot(cu[j], cs[j], x, cols, b + j, lane, acc);
+  }
+  for (; b < blocks; ++b) {
+    const uint8_t* block = w + b * 132;
+    Fp8BlockDot(__ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane),
+                __ldg(reinterpret_cast<const float*>(block)), x, cols, b, lane, acc);
   }
   WriteWarpSums(acc, g.y[i], g.rows[i], row);
 }

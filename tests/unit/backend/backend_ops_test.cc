@@ -200,7 +200,9 @@ TEST_P(BackendOpsTest, GemmGroupMatchesGemmForEach) {
 // the CPU's int16, kernels_test.cc states it; the GPU's dp4a GEMV's int8 per 32); prefill within
 // 1e-3 plus 4 sigma of BF16 rounding of both operands (2^-8 relative each product).
 TEST_P(BackendOpsTest, QuantizedWeightsMatchTheBlockValues) {
-  const int64_t N = 37, K = 512, stride = 768;
+  // K: 18 FP8 blocks, so that the GPU's FP8 GEMV runs its groups of 8 blocks (one loaded while
+  // the one before is summed) and its tail of 2.
+  const int64_t N = 37, K = 2304, stride = 2560;
   for (DType dtype : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K,
                       DType::kQ6_K, DType::kF8_128}) {
     const std::vector<float> w = Random(N * stride, 50 + static_cast<int>(dtype));
