@@ -23,6 +23,8 @@ class Checks:
 
     def finish(self):
         print(f"{self.passed} passed, {len(self.failures)} failed")
+        for what in self.failures:
+            print(f"failed: {what}")
         sys.exit(1 if self.failures else 0)
 
 
