@@ -238,7 +238,10 @@ __global__ void EmbedKernel(const uint8_t* table, int64_t row_bytes, int64_t col
 // Software-pipelined in groups of kFp8InFlight blocks: a group's weights are loaded before the
 // group before it is summed, so that each lane has that group's loads in flight while it computes
 // (one load at a time left 61 % of the warps' stalls waiting on L1TEX and the kernel at 54 % of
-// copy bandwidth on an H200). The sums are taken in the order of the blocks, as before.
+// copy bandwidth on an H200). The sums are taken in the order of the blocks, as before. Only for
+// one row of x (batch 1, where it was measured: 1.02-1.03x a decode step on an H200): with more,
+// each lane already has a load of x a row in flight beside the weights', and the 16 more
+// registers would cost occupancy (64 -> 72 at 8 rows), unmeasured.
 constexpr int kFp8InFlight = 8;
 
 template <int M>
@@ -277,16 +280,19 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     }
   };
   int64_t b = 0;
-  if (blocks >= kFp8InFlight) load(0);
-  for (; b + kFp8InFlight <= blocks; b += kFp8InFlight) {
-    uint32_t cu[kFp8InFlight];
-    float cs[kFp8InFlight];
+  if constexpr (M == 1) {
+    if (blocks >= kFp8InFlight) load(0);
+    for (; b + kFp8InFlight <= blocks; b += kFp8InFlight) {
+      uint32_t cu[kFp8InFlight];
+      float cs[kFp8InFlight];
 #pragma unroll
-    for (int j = 0; j < kFp8InFlight; ++j) cu[j] = u[j], cs[j] = s[j];
-    if (b + 2 * kFp8InFlight <= blocks) load(b + kFp8InFlight);
+      for (int j = 0; j < kFp8InFlight; ++j) cu[j] = u[j], cs[j] = s[j];
+      if (b + 2 * kFp8InFlight <= blocks) load(b + kFp8InFlight);
 #pragma unroll
-    for (int j = 0; j < kFp8InFlight; ++j) Fp8BlockDot(cu[j], cs[j], x, cols, b + j, lane, acc);
+      for (int j = 0; j < kFp8InFlight; ++j) Fp8BlockDot(cu[j], cs[j], x, cols, b + j, lane, acc);
+    }
   }
+#pragma unroll 4
   for (; b < blocks; ++b) {
     const uint8_t* block = w + b * 132;
     Fp8BlockDot(__ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane),
