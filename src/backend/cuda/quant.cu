@@ -240,23 +240,10 @@ __global__ void EmbedKernel(const uint8_t* table, int64_t row_bytes, int64_t col
 // (one load at a time left 61 % of the warps' stalls waiting on L1TEX and the kernel at 54 % of
 // copy bandwidth on an H200). The sums are taken in the order of the blocks, as before. Only for
 // one row of x (batch 1, where it was measured: 1.02-1.03x a decode step on an H200): with more,
-// each lane already has a load of x a row in flight beside the weights', and the 16 more
-// registers would cost occupancy (64 -> 72 at 8 rows), unmeasured.
+// each lane already has a load of x a row in flight beside the weights', and the pipelined kernel
+// was not measured there (it took 64, 63 and 72 registers at 2, 4 and 8 rows); they compile to
+// the loop as it was (the same instructions, 33, 40 and 80 registers, no stack).
 constexpr int kFp8InFlight = 8;
-
-template <int M>
-__device__ __forceinline__ void Fp8BlockDot(uint32_t u, float scale, const float* x, int64_t cols,
-                                            int64_t b, int lane, float (&acc)[M]) {
-  const float s = scale * 256.f;
-  float v[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) v[e] = F8AsHalfTimes256th(u >> (8 * e)) * s;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(x + m * cols + b * 128) + lane);
-    acc[m] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
-  }
-}
 
 template <int M>
 __global__ void __launch_bounds__(kQuantWarps * 32)
@@ -269,18 +256,29 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
   const int lane = threadIdx.x % 32;
   const int64_t blocks = cols / 128;
   float acc[M] = {};
-  uint32_t u[kFp8InFlight];
-  float s[kFp8InFlight];
-  const auto load = [&](int64_t b0) {
+  // Block b's products, from the lane's 4 bytes u of it and its scale times 256.
+  const auto dot = [&](int64_t b, uint32_t u, float s) {
+    float v[4];
 #pragma unroll
-    for (int j = 0; j < kFp8InFlight; ++j) {
-      const uint8_t* block = w + (b0 + j) * 132;
-      s[j] = __ldg(reinterpret_cast<const float*>(block));
-      u[j] = __ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane);
+    for (int e = 0; e < 4; ++e) v[e] = F8AsHalfTimes256th(u >> (8 * e)) * s;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(x + m * cols + b * 128) + lane);
+      acc[m] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
     }
   };
   int64_t b = 0;
   if constexpr (M == 1) {
+    uint32_t u[kFp8InFlight];
+    float s[kFp8InFlight];
+    const auto load = [&](int64_t b0) {
+#pragma unroll
+      for (int j = 0; j < kFp8InFlight; ++j) {
+        const uint8_t* block = w + (b0 + j) * 132;
+        s[j] = __ldg(reinterpret_cast<const float*>(block));
+        u[j] = __ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane);
+      }
+    };
     if (blocks >= kFp8InFlight) load(0);
     for (; b + kFp8InFlight <= blocks; b += kFp8InFlight) {
       uint32_t cu[kFp8InFlight];
@@ -289,14 +287,15 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
       for (int j = 0; j < kFp8InFlight; ++j) cu[j] = u[j], cs[j] = s[j];
       if (b + 2 * kFp8InFlight <= blocks) load(b + kFp8InFlight);
 #pragma unroll
-      for (int j = 0; j < kFp8InFlight; ++j) Fp8BlockDot(cu[j], cs[j], x, cols, b + j, lane, acc);
+      for (int j = 0; j < kFp8InFlight; ++j) dot(b + j, cu[j], cs[j] * 256.f);
     }
   }
 #pragma unroll 4
   for (; b < blocks; ++b) {
     const uint8_t* block = w + b * 132;
-    Fp8BlockDot(__ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane),
-                __ldg(reinterpret_cast<const float*>(block)), x, cols, b, lane, acc);
+    const float s = __ldg(reinterpret_cast<const float*>(block)) * 256.f;
+    const uint32_t u = __ldg(reinterpret_cast<const uint32_t*>(block + 4) + lane);
+    dot(b, u, s);
   }
   WriteWarpSums(acc, g.y[i], g.rows[i], row);
 }
