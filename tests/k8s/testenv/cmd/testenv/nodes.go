@@ -78,8 +78,9 @@ func lockMachine(dir string) (*os.File, error) {
 }
 
 // cleanMachine ends every process in the real nodes' cgroups and the shims of their containerds,
-// unmounts what their kubelets and containerds mounted under `dir`, deletes the links made here
-// and kube-proxy's rules. Safe to run when nothing is left.
+// unmounts what their kubelets and containerds mounted under `dir`, deletes the pods' network
+// namespaces left behind (removePodNetns), the links made here and kube-proxy's rules. Safe to run
+// when nothing is left.
 func cleanMachine(dir string) {
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*/" + cgroupPrefix + "*")
 	for _, root := range roots {
@@ -103,6 +104,7 @@ func cleanMachine(dir string) {
 	for _, root := range roots {
 		removeCgroupTree(root)
 	}
+	removePodNetns()
 	links, _ := filepath.Glob("/sys/class/net/" + bridgePrefix + "*")
 	links = append(links, "/sys/class/net/"+dnsLink)
 	for _, l := range links {
@@ -132,8 +134,7 @@ func killShims(dir string) {
 	}
 }
 
-// unmountUnder lazily unmounts every mount point under dir, deepest first, and the network
-// namespaces whose pods lived there.
+// unmountUnder lazily unmounts every mount point under dir, deepest first.
 func unmountUnder(dir string) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
@@ -151,6 +152,37 @@ func unmountUnder(dir string) {
 	sort.Slice(points, func(a, b int) bool { return len(points[a]) > len(points[b]) })
 	for _, p := range points {
 		syscall.Unmount(p, syscall.MNT_DETACH)
+	}
+}
+
+// removePodNetns deletes the network namespaces the nodes' CNI made for pods (/run/netns/cni-*,
+// an address on the pod bridges, 10.244.0.0/16) that no process lives in any more. containerd
+// removes a pod's namespace when it removes the pod's sandbox, which for a drained pod comes later
+// than the environment's end: each end had left its pods' namespaces mounted, and their veth pairs
+// on the machine (64 after a few CI runs).
+func removePodNetns() {
+	names, _ := filepath.Glob("/run/netns/cni-*")
+	if len(names) == 0 {
+		return
+	}
+	live := map[uint64]bool{} // the inodes of the network namespaces processes are in
+	procs, _ := filepath.Glob("/proc/[0-9]*/ns/net")
+	for _, p := range procs {
+		var st syscall.Stat_t
+		if syscall.Stat(p, &st) == nil {
+			live[st.Ino] = true
+		}
+	}
+	for _, path := range names {
+		var st syscall.Stat_t
+		if syscall.Stat(path, &st) != nil || live[st.Ino] {
+			continue
+		}
+		name := filepath.Base(path)
+		out, err := exec.Command("ip", "-n", name, "-4", "-o", "addr", "show").Output()
+		if err == nil && strings.Contains(string(out), " 10.244.") {
+			run("ip", "netns", "delete", name)
+		}
 	}
 }
 
