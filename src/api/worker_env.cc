@@ -155,10 +155,11 @@ absl::StatusOr<WorkerEnv> WorkerEnv::FromEnv(const EnvLookup& env) {
   }
   // The names of backend/cpu/cpu_features.h's levels (which the CPU may still lack: the rank says).
   if (w.cpu_kernels != "auto" && w.cpu_kernels != "avx2" && w.cpu_kernels != "avx512" &&
-      w.cpu_kernels != "avx512bf16" && w.cpu_kernels != "portable") {
+      w.cpu_kernels != "avx512bf16" && w.cpu_kernels != "avx512int8" &&
+      w.cpu_kernels != "portable") {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable ", kCpuKernelsEnv, "='", w.cpu_kernels,
-                     "' must be auto, avx2, avx512, avx512bf16 or portable"));
+                     "' must be auto, avx2, avx512, avx512bf16, avx512int8 or portable"));
   }
   if (w.speculative_method == "mtp" && w.speculative_tokens != kMtpSpeculativeTokens) {
     return absl::InvalidArgumentError(

@@ -13,7 +13,8 @@ namespace shardserve {
 
 absl::Status RunKernelsBench(const std::vector<std::string>& argv);
 inline constexpr char kKernelsBenchUsage[] =
-    "[--threads 1] [--cols 2048] [--kernels auto|avx2|avx512|avx512bf16|portable]\n(matrix-vector "
+    "[--threads 1] [--cols 2048] [--kernels "
+    "auto|avx2|avx512|avx512bf16|avx512int8|portable]\n(matrix-vector "
     "GB/s per weight "
     "type, in L2 and from memory; "
     "prefill GFLOP/s per float type at each CPU kernel level)";

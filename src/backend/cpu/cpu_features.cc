@@ -67,6 +67,8 @@ const char* KernelLevelName(KernelLevel level) {
       return "avx512";
     case KernelLevel::kAvx512Bf16:
       return "avx512bf16";
+    case KernelLevel::kAvx512Int8:
+      return "avx512int8";
     case KernelLevel::kPortable:
       return "portable";
   }
@@ -76,7 +78,7 @@ const char* KernelLevelName(KernelLevel level) {
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked) {
   if (kPortable) {
     if (asked.empty() || asked == "auto" || asked == "portable") return KernelLevel::kPortable;
-    if (asked == "avx2" || asked == "avx512" || asked == "avx512bf16") {
+    if (asked == "avx2" || asked == "avx512" || asked == "avx512bf16" || asked == "avx512int8") {
       return absl::FailedPreconditionError(absl::StrCat(
           kVariable, "=", std::string(asked),
           ": this build carries the portable kernels only (its CPU is not x86-64, or it "
@@ -107,8 +109,14 @@ absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::stri
     return absl::FailedPreconditionError(
         absl::StrCat(kVariable, "=avx512bf16: this CPU lacks AVX512-BF16"));
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      kVariable, "='", std::string(asked), "' must be auto, avx2, avx512, avx512bf16 or portable"));
+  if (asked == "avx512int8") {
+    if (have.avx512_vnni) return KernelLevel::kAvx512Int8;
+    return absl::FailedPreconditionError(
+        absl::StrCat(kVariable, "=avx512int8: this CPU lacks AVX512-VNNI"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(kVariable, "='", std::string(asked),
+                                                 "' must be auto, avx2, avx512, avx512bf16, "
+                                                 "avx512int8 or portable"));
 }
 
 KernelLevel ActiveKernelLevel() {

@@ -40,15 +40,19 @@ absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 // The kernels the CPU backend runs, narrowest first: AVX2; AVX-512's wider tiles, bit for bit
 // AVX2's results; and with them BF16 weights multiplied by AVX512-BF16's dot products against
 // activations rounded to BF16 (kernels_avx512.h), as llama.cpp does: another arithmetic, auto's
-// only where it outruns the F32 FMAs. A portable build has kPortable alone; an x86-64 build the
-// other three.
-enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16, kPortable };
+// only where it outruns the F32 FMAs; or (kAvx512Int8) AVX-512's kernels with the decode of the
+// block-quantized types on activations quantized to int8 per block, multiplied by AVX512-VNNI's
+// vpdpbusd (llama.cpp's arithmetic for them, quant.h's Int8Activations), never auto's: a
+// block's activations lose 8 bits more than the int16 path's. A portable build has kPortable
+// alone; an x86-64 build the other four.
+enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16, kAvx512Int8, kPortable };
 const char* KernelLevelName(KernelLevel level);
 // The level `asked` names (SHARDSERVE_CPU_KERNELS: auto or empty, the fastest `have` runs:
 // avx512bf16 on an AMD CPU with AVX512-BF16 and without AMX (the BF16 dot products twice the F32
 // FMAs' width, BF16 weights kept as BF16X, whose prefill and decode give the same bits), else
 // avx512 or avx2 (F32 arithmetic), or portable in a portable build; avx2; avx512; avx512bf16;
-// portable), refused naming the variable when `have` or this build lacks it or it names no level.
+// avx512int8; portable), refused naming the variable when `have` or this build lacks it or it
+// names no level.
 absl::StatusOr<KernelLevel> ChooseKernelLevel(const CpuFeatures& have, std::string_view asked);
 // The level the kernels run in this process: auto's unless set.
 KernelLevel ActiveKernelLevel();

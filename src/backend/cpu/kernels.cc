@@ -645,7 +645,7 @@ void PackPairs(const int16_t* rows16, int64_t M, int64_t K, ThreadPool& pool, in
 
 // The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels,
 // their block scales beside them.
-void PackQuantized(const Q16Activations& a, int64_t M, int64_t K, ThreadPool& pool,
+void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, ThreadPool& pool,
                    std::vector<int16_t>* q, std::vector<float>* d, std::vector<float>* ds) {
   const int64_t panels = (M + kNr - 1) / kNr, blocks = K / 32;
   q->resize(panels * K * kNr);
@@ -716,10 +716,10 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
   // storage, which the workers read through these references.
   thread_local std::vector<float> split_storage;
   thread_local std::vector<uint16_t> bf16_storage;
-  thread_local Q16Activations quantized_storage[kActivationOrders];
+  thread_local QuantizedActivations quantized_storage[kActivationOrders];
   std::vector<float>& split = split_storage;
   std::vector<uint16_t>& bf16 = bf16_storage;
-  Q16Activations* const quantized = quantized_storage;
+  QuantizedActivations* const quantized = quantized_storage;
   bool have_split = false, have_quantized[kActivationOrders] = {};
   // BF16 weights at kAvx512Bf16: x rounded to BF16, rows of Bf16Length(K) values.
   const bool bf16_dot = Bf16Dot();
@@ -842,7 +842,7 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
   thread_local std::vector<float> storage, d, ds;
   thread_local std::vector<int16_t> q, bf16;
   thread_local std::vector<uint16_t> rounded;
-  thread_local Q16Activations quantized;
+  thread_local QuantizedActivations quantized;
   thread_local std::vector<uint16_t> pairs_storage;
   std::vector<uint16_t>& pairs = pairs_storage;  // kBF16X's tokens: rows of Bf16Length(K) values
   PackedTokens packed;

@@ -123,8 +123,8 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
   if (M <= 0) return;
   // The activations quantized once for every quantized target (the caller's storage, read by the
   // workers); the targets share K.
-  thread_local Q16Activations quantized_storage;
-  Q16Activations& quantized = quantized_storage;
+  thread_local QuantizedActivations quantized_storage;
+  QuantizedActivations& quantized = quantized_storage;
   bool have_quantized = false;
   // The targets' rows end to end; the pool splits them in blocks of rows.
   std::vector<int64_t> offset(n + 1, 0);

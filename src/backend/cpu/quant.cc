@@ -79,6 +79,60 @@ void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t*
   }
 }
 
+// One row of K activations quantized per block of 32 to int8 (KernelLevel::kAvx512Int8's decode):
+// the scale max|x| / 127, each value rounded to the nearest (even) step within +-127, as
+// QuantizeActivationRow's int16.
+void QuantizeActivationRowInt8(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float scale = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    __m256i iv[4];
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    for (int i = 0; i < 4; ++i) {
+      iv[i] = _mm256_min_epi32(
+          _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), bottom), top);
+    }
+    const __m256i sum =
+        _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    // int32 -> int8: the packs leave dwords of values 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15,
+    // 20-23, 28-31; the permutation restores the order.
+    const __m256i bytes =
+        _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(q),
+        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(_mm_cvtsi128_si32(s));
+  }
+}
+
+// int8 activations (in order) into the int8 transposed order (quant.h): the 4 bytes of values
+// 4i .. 4i + 3 of block k (at 32k + 4i) to 64 (i / 2) + 32 (k / 4) + 16 (i % 2) + 4 (k % 4).
+void TransposeActivationsInt8(int64_t K, int8_t* q) {
+  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's last blocks stay in order
+    int32_t in[64], out[64];
+    std::memcpy(in, q + g, sizeof(in));
+    for (int k = 0; k < 8; ++k) {
+      for (int i = 0; i < 8; ++i)
+        out[16 * (i / 2) + 8 * (k / 4) + 4 * (i % 2) + k % 4] = in[8 * k + i];
+    }
+    std::memcpy(q + g, out, sizeof(out));
+  }
+}
+
 // Quantized activations (in order) into the transposed order, in each 256: value 4i + e of block k
 // (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout). As pairs of
 // values (int32), pair m = 2i + h of block k moves from 16k + m to 8m + k: two 8x8 transposes.
@@ -264,7 +318,12 @@ void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* fact
   });
 }
 
-int ActivationOrder(DType dtype) { return static_cast<int>(OrderOf(dtype)); }
+int ActivationOrder(DType dtype) {
+  if (ActiveKernelLevel() == KernelLevel::kAvx512Int8 && DecodesOnInt8(dtype)) {
+    return OrderOf(dtype) == Order::kTransposed ? kInt8Transposed : kInt8InOrder;
+  }
+  return static_cast<int>(OrderOf(dtype));
+}
 
 namespace {
 // 8 blocks' 128 bytes of quants transposed: byte 16i + 2k + e gets value 4i + e of block k in its
@@ -348,13 +407,24 @@ void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst) {
 }
 
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
-                         ThreadPool& pool, Q16Activations* a) {
+                         ThreadPool& pool, QuantizedActivations* a) {
   const int64_t blocks = K / kBlock;
-  a->q.resize(static_cast<size_t>(M * K));
+  const bool int8 = order >= kInt8InOrder;
+  if (int8) {
+    a->q8.resize(static_cast<size_t>(M * K));
+  } else {
+    a->q.resize(static_cast<size_t>(M * K));
+  }
   a->d.resize(static_cast<size_t>(M * blocks));
   a->ds.resize(static_cast<size_t>(M * blocks));
   auto rows = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+      if (int8) {
+        int8_t* q = &a->q8[t * K];
+        QuantizeActivationRowInt8(x + t * ldx, K, q, &a->d[t * blocks], &a->ds[t * blocks]);
+        if (order == kInt8Transposed) TransposeActivationsInt8(K, q);
+        continue;
+      }
       int16_t* q = &a->q[t * K];
       QuantizeActivationRow(x + t * ldx, K, order == static_cast<int>(Order::kInterleaved), q,
                             &a->d[t * blocks], &a->ds[t * blocks]);
@@ -366,8 +436,12 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
   pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) { rows(b, e); });
 }
 
-void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
-                float* y, int64_t ldy) {
+void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+                int64_t M, float* y, int64_t ldy) {
+  // The int8 orders' activations: kAvx512Int8, whose CPU has VNNI (ChooseKernelLevel).
+  if (ActivationOrder(w.dtype) >= kInt8InOrder) {
+    return DecodeRowsInt8(w, n0, n1, a, M, y, ldy);
+  }
   if (ActiveKernelLevel() != KernelLevel::kAvx2 && avx512::UsesVnni()) {
     return DecodeRowsVnni(w, n0, n1, a, M, y, ldy);
   }

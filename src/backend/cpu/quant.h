@@ -24,10 +24,12 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 constexpr int64_t kDecodeMaxTokens = 12;
 
 // Activations of M tokens quantized per block of 32 for the quantized kernels: int16
-// values q (scale max|x| / 32767), the block's scale d and d * (the sum of its q), for the
-// minimum's term (quant.cc states the accuracy).
-struct Q16Activations {
+// values q (scale max|x| / 32767) or, in the int8 orders (kAvx512Int8's decode), int8 values q8
+// (scale max|x| / 127); the block's scale d and d * (the sum of its values), for the minimum's
+// term (quant.cc states the accuracy).
+struct QuantizedActivations {
   std::vector<int16_t> q;  // [M][K]
+  std::vector<int8_t> q8;  // [M][K], the int8 orders
   std::vector<float> d;    // [M][K / 32]
   std::vector<float> ds;   // [M][K / 32]
 };
@@ -35,13 +37,24 @@ struct Q16Activations {
 // The orders in which the decode kernels read the activations: in order; interleaved (each
 // block's values 0-7 with 16-23, 8-15 with 24-31); transposed (Q4_KX: in each 256 values, the
 // 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7; Q4_1X's
-// last K % 256 values in order); sub-transposed (Q6_KX, RepackQ6K's).
-constexpr int kActivationOrders = 4;
-// The order in which the kernels of a quantized dtype read the activations.
+// last K % 256 values in order); sub-transposed (Q6_KX, RepackQ6K's). Then the int8 orders: in
+// order; transposed (Q4_KX, Q4_1X: in each 256 values, value 4i + e of block k at 64 (i / 2) +
+// 32 (k / 4) + 16 (i % 2) + 4 (k % 4) + e, so that each 4 bytes, which vpdpbusd sums, are one
+// block's; Q4_1X's last K % 256 in order).
+constexpr int kActivationOrders = 6;
+constexpr int kInt8InOrder = 4, kInt8Transposed = 5;
+// The order in which the decode kernels of a quantized dtype read the activations at the active
+// kernel level (kAvx512Int8: an int8 order for the types DecodesOnInt8).
 int ActivationOrder(DType dtype);
+// The types whose decode multiplies int8 activations at KernelLevel::kAvx512Int8 (by vpdpbusd:
+// their values fit a byte, unsigned but Q8_0's); the others' decode keeps the int16 path there.
+constexpr bool DecodesOnInt8(DType d) {
+  return d == DType::kQ8_0 || d == DType::kQ4_0 || d == DType::kQ4_1 || d == DType::kQ4_KX ||
+         d == DType::kQ4_1X;
+}
 // M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
-                         ThreadPool& pool, Q16Activations* a);
+                         ThreadPool& pool, QuantizedActivations* a);
 // The layout the CPU backend keeps a file's type in (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as
 // Q4_1X; the others as they are, but for BF16 at kAvx512Bf16: kernels.h's KeptLayout), and the
 // file's type a kept layout was repacked from.
@@ -137,7 +150,7 @@ void ForQuantized(DType d, F f) {
 // Decode: rows [n0, n1) of the quantized w against the M tokens of a (quantized in the order
 // w.dtype reads), y[t * ldy + n]; integer dot products with each weight block unpacked once for
 // up to 3 tokens.
-void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
-                float* y, int64_t ldy);
+void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+                int64_t M, float* y, int64_t ldy);
 
 }  // namespace shardserve::cpu

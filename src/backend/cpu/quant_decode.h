@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "backend/cpu/quant.h"
@@ -119,6 +120,7 @@ inline void StoreTransposed(const uint8_t* quants, const float* factor, const fl
 // factor[SubFactor(s)] for its values 16s .. 16s + 15.
 template <DType D>
 struct Unpacked {
+  static constexpr DType kType = D;
   static constexpr int kSub = static_cast<int>(DTypeBlock(D) / kBlock);
   static constexpr int kFactors = FileType(D) == DType::kQ6_K ? 16 : kSub;
   const uint8_t* b;
@@ -276,6 +278,32 @@ inline __m256i DotAdd(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// acc + the products of the unsigned bytes u and the signed bytes v summed in fours into int32
+// lanes: AVX512-VNNI's vpdpbusd (quant_vnni.cc alone: DecodeRange's int8 path).
+#ifdef __AVX512VNNI__
+inline __m256i DotAddBytes(__m256i acc, __m256i u, __m256i v) {
+  return _mm256_dpbusd_epi32(acc, u, v);
+}
+#else
+// quant.cc (AVX2) never instantiates DecodeRange's int8 path: declared for its name lookup only.
+template <typename V>
+V DotAddBytes(V acc, V u, V v);
+#endif
+
+// The 32 values of a block of a 32-value type as bytes, in order: Q8_0's signed, Q4_0's and
+// Q4_1's unsigned (0-15; byte i holds value i in its low nibble, value i + 16 in its high one).
+template <DType D>
+inline __m256i BlockBytes(const uint8_t* b) {
+  if constexpr (D == DType::kQ8_0) {
+    return Load32(b + 2);
+  } else {
+    const __m128i v =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (D == DType::kQ4_0 ? 2 : 4)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  }
+}
+
 // Half h (values 128h .. 128h + 127) of a Q6_KX super-block (RepackQ6K) as 4 vectors of 32
 // signed values (q - 32): vector i's byte p holds value 4i + 2 (p % 16 / 8) + p % 2 of 16-value
 // sub-block SubOfLane(L) of the half, L = (p % 8 + 8 (p / 16)) / 2: unpacked to int16 in place
@@ -341,23 +369,32 @@ inline __m256i Merge64(__m256i a, __m256i b) {
 }
 
 // Decode: rows [n0, n1) against tokens [t0, t0 + MT); each weight block is unpacked once for
-// all of them. Blocks go in groups of 8 (a K-quant super-block, or 8 blocks of a 32-value type):
-// their integer dot products are summed lane-wise into one vector of the 8 blocks' sums, converted
-// and scaled once (Q6_K: two vectors, of its 16-value sub-blocks). No sum can overflow: at most
-// 32 products of 2^15 with 2^7 (2^5 times the int8 scale for Q6_K's 16).
-template <DType D, int MT>
-void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t t0,
-                 float* y, int64_t ldy) {
+// all of them. kInt8 (DecodesOnInt8's types, quant_vnni.cc): the activations' int8 orders, each
+// block's values as bytes multiplied by vpdpbusd (Q8_0's signs moved onto the activations, as
+// llama.cpp does: |w| times x with w's sign), 32 products an instruction against 16. Blocks go in
+// groups of 8 (a K-quant super-block, or 8 blocks of a 32-value type): their integer dot products
+// are summed lane-wise into one vector of the 8 blocks' sums, converted and scaled once (Q6_K: two
+// vectors, of its 16-value sub-blocks). No sum can overflow: at most 32 products of 2^15 with 2^7
+// (2^5 times the int8 scale for Q6_K's 16).
+template <DType D, int MT, bool kInt8>
+void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+                 int64_t t0, float* y, int64_t ldy) {
+  static_assert(!kInt8 || DecodesOnInt8(D));
   constexpr int kSub = Unpacked<D>::kSub;
   constexpr int kGroup = 8;
   constexpr size_t bb = DTypeBlockBytes(D);
   const int64_t K = w.cols, xblocks = K / kBlock, wblocks = K / DTypeBlock(D);
   const size_t row_bytes = static_cast<size_t>(w.row_stride / DTypeBlock(D)) * bb;
   const int16_t* xq[MT];
+  const int8_t* xq8[MT];
   const float* xd[MT];
   const float* xs[MT];
   for (int t = 0; t < MT; ++t) {
-    xq[t] = &a.q[(t0 + t) * K];
+    if constexpr (kInt8) {
+      xq8[t] = &a.q8[(t0 + t) * K];
+    } else {
+      xq[t] = &a.q[(t0 + t) * K];
+    }
     xd[t] = &a.d[(t0 + t) * xblocks];
     xs[t] = &a.ds[(t0 + t) * xblocks];
   }
@@ -375,12 +412,23 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     for (int t = 0; t < MT; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
     // Token t's integer dot product of block j of u with activation block xb (8 lanes).
     const auto dots = [&]<int j>(const auto& u, int64_t xb, __m256i* out) {
-      __m256i lo, hi;
-      u.template Values<j>(&lo, &hi);
-      for (int t = 0; t < MT; ++t) {
-        const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock);
-        out[t] =
-            DotAdd(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)), hi, _mm256_loadu_si256(x + 1));
+      if constexpr (kInt8) {
+        constexpr DType B = std::remove_cvref_t<decltype(u)>::kType;
+        const __m256i v = BlockBytes<B>(u.b);
+        const __m256i magnitude = B == DType::kQ8_0 ? _mm256_abs_epi8(v) : v;
+        for (int t = 0; t < MT; ++t) {
+          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock));
+          if constexpr (B == DType::kQ8_0) x = _mm256_sign_epi8(x, v);
+          out[t] = DotAddBytes(_mm256_setzero_si256(), magnitude, x);
+        }
+      } else {
+        __m256i lo, hi;
+        u.template Values<j>(&lo, &hi);
+        for (int t = 0; t < MT; ++t) {
+          const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock);
+          out[t] =
+              DotAdd(_mm256_madd_epi16(lo, _mm256_loadu_si256(x)), hi, _mm256_loadu_si256(x + 1));
+        }
       }
     };
     // Q6_K's sums of its 16 sub-blocks (in SubFactor's order, two halves) scaled into acc[t].
@@ -435,21 +483,49 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
     // 28.4 GB/s, Q6_KX 25.3 -> 26.0); integer sums, so the order changes nothing.
     const auto transposed = [&](const uint8_t* quants, __m256 factors, __m256 group_mins,
                                 int64_t xb) {
-      __m256i s[4][MT];
+      __m256i s[4][MT], sum[MT];
       for (int t = 0; t < MT; ++t) s[0][t] = s[1][t] = s[2][t] = s[3][t] = _mm256_setzero_si256();
-      each([&]<int I>() {
-        const __m256i v = Widen(quants + 16 * I);
-        const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
-        for (int t = 0; t < MT; ++t) {
-          const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 32 * I);
-          s[2 * (I % 2)][t] = DotAdd(s[2 * (I % 2)][t], lo, _mm256_loadu_si256(x));
-          s[2 * (I % 2) + 1][t] = DotAdd(s[2 * (I % 2) + 1][t], hi, _mm256_loadu_si256(x + 1));
+      if constexpr (kInt8) {
+        // 32 bytes h: the nibbles of pairs 2h and 2h + 1 (16 bytes each); unpacked by 16 bits,
+        // low then high, int32 lane L holds values 4i .. 4i + 3 (i = 2h + L / 4) of block L % 4
+        // (the low words) or 4 + L % 4 (the high ones), where the int8 transposed order has x's.
+        for (int h = 0; h < 4; ++h) {
+          const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
+          const __m256i lo = _mm256_and_si256(bytes, mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+          const __m256i first = _mm256_unpacklo_epi16(lo, hi);
+          const __m256i second = _mm256_unpackhi_epi16(lo, hi);
+          for (int t = 0; t < MT; ++t) {
+            const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 64 * h);
+            s[2 * (h % 2)][t] = DotAddBytes(s[2 * (h % 2)][t], first, _mm256_loadu_si256(x));
+            s[2 * (h % 2) + 1][t] =
+                DotAddBytes(s[2 * (h % 2) + 1][t], second, _mm256_loadu_si256(x + 1));
+          }
         }
-      });
+        for (int t = 0; t < MT; ++t) {
+          // Blocks 0-3 (lanes 0-3: even i; 4-7: odd i) and blocks 4-7 the same way.
+          const __m256i low = _mm256_add_epi32(s[0][t], s[2][t]);
+          const __m256i high = _mm256_add_epi32(s[1][t], s[3][t]);
+          sum[t] = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                                    _mm256_permute2x128_si256(low, high, 0x31));
+        }
+      } else {
+        each([&]<int I>() {
+          const __m256i v = Widen(quants + 16 * I);
+          const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
+          for (int t = 0; t < MT; ++t) {
+            const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 32 * I);
+            s[2 * (I % 2)][t] = DotAdd(s[2 * (I % 2)][t], lo, _mm256_loadu_si256(x));
+            s[2 * (I % 2) + 1][t] = DotAdd(s[2 * (I % 2) + 1][t], hi, _mm256_loadu_si256(x + 1));
+          }
+        });
+        for (int t = 0; t < MT; ++t) {
+          sum[t] = _mm256_add_epi32(_mm256_add_epi32(s[0][t], s[1][t]),
+                                    _mm256_add_epi32(s[2][t], s[3][t]));
+        }
+      }
       for (int t = 0; t < MT; ++t) {
-        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0][t], s[1][t]),
-                                             _mm256_add_epi32(s[2][t], s[3][t]));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
                                  _mm256_mul_ps(factors, _mm256_loadu_ps(xd[t] + xb)), acc[t]);
         mins[t] = _mm256_fmadd_ps(group_mins, _mm256_loadu_ps(xs[t] + xb), mins[t]);
       }
@@ -538,19 +614,19 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activat
 
 // Rows [n0, n1) against all tokens of a, in groups of up to 3 (the rows stay in L2 for the
 // groups after the first).
-template <DType D>
-void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a,
+template <DType D, bool kInt8 = false>
+void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
                      int64_t M, float* y, int64_t ldy) {
   for (int64_t t = 0; t < M; t += 3) {
     switch (std::min<int64_t>(3, M - t)) {
       case 1:
-        DecodeRange<D, 1>(w, n0, n1, a, t, y, ldy);
+        DecodeRange<D, 1, kInt8>(w, n0, n1, a, t, y, ldy);
         break;
       case 2:
-        DecodeRange<D, 2>(w, n0, n1, a, t, y, ldy);
+        DecodeRange<D, 2, kInt8>(w, n0, n1, a, t, y, ldy);
         break;
       default:
-        DecodeRange<D, 3>(w, n0, n1, a, t, y, ldy);
+        DecodeRange<D, 3, kInt8>(w, n0, n1, a, t, y, ldy);
     }
   }
 }
@@ -559,7 +635,10 @@ void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Act
 
 // DecodeRows of quant.cc built with AVX512-VNNI (quant_vnni.cc); quant.cc's DecodeRows calls it
 // where the level is AVX-512 and the CPU has VNNI (avx512::UsesVnni). The same bits.
-void DecodeRowsVnni(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a,
+void DecodeRowsVnni(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+                    int64_t M, float* y, int64_t ldy);
+// The int8 path (quant_vnni.cc): DecodesOnInt8's types against activations in an int8 order.
+void DecodeRowsInt8(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
                     int64_t M, float* y, int64_t ldy);
 
 }  // namespace shardserve::cpu

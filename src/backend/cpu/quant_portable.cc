@@ -131,8 +131,8 @@ inline I32x4 MulAdd8(I32x4 acc, const int16_t* a, const int16_t* b) {
 // sums kept in their 4 lanes, converted and scaled lane by lane into 4 float sums per token that
 // are added once at the end; the minimums' term per token beside them.
 template <DType D>
-void DotRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
-             float* y, int64_t ldy) {
+void DotRows(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+             int64_t M, float* y, int64_t ldy) {
   constexpr int64_t kChunk = 256, kGroup = IntGroup(D);
   const int64_t K = w.cols, blocks = K / kBlock;
   thread_local std::vector<F4> acc_storage;
@@ -178,7 +178,7 @@ void DotRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations
 int ActivationOrder(DType) { return kActivationsInOrder; }
 
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,
-                         ThreadPool& pool, Q16Activations* a) {
+                         ThreadPool& pool, QuantizedActivations* a) {
   (void)order;  // one order here: every type reads its values in order
   const int64_t blocks = K / kBlock;
   a->q.resize(M * K);
@@ -232,8 +232,8 @@ void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst) {
   std::memcpy(dst, src, DTypeBytes(kept, cols));  // KeptType is the file's type
 }
 
-void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const Q16Activations& a, int64_t M,
-                float* y, int64_t ldy) {
+void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+                int64_t M, float* y, int64_t ldy) {
   ForQuantized(w.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
     if constexpr (kD == FileType(kD)) DotRows<kD>(w, n0, n1, a, M, y, ldy);

@@ -155,10 +155,9 @@ TEST(WorkerEnvTest, MalformedVariablesAreNamed) {
               HasSubstr("SHARDSERVE_KV_CACHE_DTYPE='int4' must be auto, f32, bf16, f16 or fp8"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_METHOD", "eagle"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_METHOD='eagle' must be none, ngram, draft or mtp"));
-  EXPECT_THAT(
-      error({{"SHARDSERVE_CPU_KERNELS", "sse4"}}),
-      HasSubstr(
-          "SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512, avx512bf16 or portable"));
+  EXPECT_THAT(error({{"SHARDSERVE_CPU_KERNELS", "sse4"}}),
+              HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512, avx512bf16, "
+                        "avx512int8 or portable"));
   EXPECT_THAT(error({{"SHARDSERVE_SPECULATIVE_TOKENS", "17"}}),
               HasSubstr("SHARDSERVE_SPECULATIVE_TOKENS='17'"));
   EXPECT_THAT(

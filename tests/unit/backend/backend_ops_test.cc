@@ -277,7 +277,9 @@ TEST_P(BackendOpsTest, QuantizedWeightsMatchTheBlockValues) {
           want += double(values[n * K + k]) * xs[s * K + k];
           abs_w += std::fabs(values[n * K + k]);
         }
-        ASSERT_NEAR(eg[s * N + n], want, 1e-3 + abs_w / 32767) << DTypeName(dtype) << " " << s;
+        // The decode's rounding of the inputs (|x| < 1), as above.
+        ASSERT_NEAR(eg[s * N + n], want, 1e-3 + abs_w / decode_steps)
+            << DTypeName(dtype) << " " << s;
       }
     }
   }

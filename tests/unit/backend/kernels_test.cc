@@ -51,7 +51,7 @@ Weights MakeWeights(DType dtype, int64_t n, std::mt19937& rng) {
 std::vector<KernelLevel> LevelsOfThisCpu() {
   std::vector<KernelLevel> levels;
   for (KernelLevel l : {KernelLevel::kAvx2, KernelLevel::kAvx512, KernelLevel::kAvx512Bf16,
-                        KernelLevel::kPortable}) {
+                        KernelLevel::kAvx512Int8, KernelLevel::kPortable}) {
     if (ChooseKernelLevel(CpuFeatures::Detect(), KernelLevelName(l)).ok()) levels.push_back(l);
   }
   return levels;
@@ -433,16 +433,17 @@ std::vector<double> Dequantized(DType dtype, const std::string& bytes, int64_t n
   return out;
 }
 
-// The activations as the decode kernels of quantized weights multiply them: each block of 32
-// quantized to int16 with the scale max|x| / 32767, rounding to nearest even (within +-32767).
-std::vector<double> Q16Activations(const std::vector<float>& x) {
+// The activations as the kernels of quantized weights multiply them: each block of 32 quantized
+// to integers within +-top (int16: 32767; kAvx512Int8's decode: int8, 127) with the scale
+// max|x| / top, rounding to nearest even.
+std::vector<double> BlockQuantized(const std::vector<float>& x, float top) {
   std::vector<double> out(x.size());
   for (size_t b = 0; b < x.size(); b += 32) {
     float amax = 0;
     for (size_t i = b; i < b + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float scale = amax / 32767.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+    const float scale = amax / top, inv = scale > 0 ? 1.0f / scale : 0.0f;
     for (size_t i = b; i < b + 32; ++i) {
-      out[i] = double(scale) * std::clamp(std::nearbyint(x[i] * inv), -32767.0f, 32767.0f);
+      out[i] = double(scale) * std::clamp(std::nearbyint(x[i] * inv), -top, top);
     }
   }
   return out;
@@ -450,12 +451,13 @@ std::vector<double> Q16Activations(const std::vector<float>& x) {
 
 // Checks y = x · w^T for the M tokens of x and the N rows of `values` (the weights' exact values,
 // [N][K]). Both paths (decode batches of up to 12 tokens, the prefill GEMM beyond) multiply
-// integers: they must equal the products with the quantized activations up to F32 rounding, and
-// stay within the rounding's bound (sum |w| * scale / 2 per block) of the exact products.
+// integers: they must equal the products with the quantized activations (within +-top: int16's
+// 32767, or int8's 127 where kAvx512Int8's decode rounds them) up to F32 rounding, and stay
+// within the rounding's bound (sum |w| * scale / 2 per block) of the exact products.
 void ExpectQuantizedProducts(const std::vector<double>& values, const std::vector<float>& x,
                              const std::vector<float>& y, int64_t M, int64_t N, int64_t K,
-                             const std::string& what) {
-  const std::vector<double> xq = Q16Activations(x);
+                             const std::string& what, float top = 32767) {
+  const std::vector<double> xq = BlockQuantized(x, top);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       double exact = 0, quantized = 0, bound = 0;
@@ -702,8 +704,9 @@ TEST(KernelsTest, ThePortableKernelsRunOnAnyCpu) {
   EXPECT_THAT(std::string(ChooseKernelLevel(x86, "avx2").status().message()),
               ::testing::HasSubstr(
                   "SHARDSERVE_CPU_KERNELS=avx2: this build carries the portable kernels only"));
-  EXPECT_THAT(std::string(ChooseKernelLevel(x86, "sse4").status().message()),
-              ::testing::HasSubstr("must be auto, avx2, avx512, avx512bf16 or portable"));
+  EXPECT_THAT(
+      std::string(ChooseKernelLevel(x86, "sse4").status().message()),
+      ::testing::HasSubstr("must be auto, avx2, avx512, avx512bf16, avx512int8 or portable"));
   EXPECT_THAT(DescribeKernels(), ::testing::StartsWith("portable"));
 #if defined(__aarch64__)
   EXPECT_TRUE(CpuFeatures::Detect().neon) << "every AArch64 CPU has Advanced SIMD";
@@ -770,13 +773,21 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
 // outputs are bit for bit AVX2's, for every float and quantized dtype (the repacked layouts the
 // backend keeps included), ragged tiles and thread split included; BF16 weights at kAvx512Bf16
 // (their activations rounded to BF16) are within the stated bound of AVX2's F32 products:
-// 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32 sums' 1e-4 sqrt(K). A level
-// this CPU lacks is skipped by name.
+// 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32 sums' 1e-4 sqrt(K); at
+// kAvx512Int8 the decode of DecodesOnInt8's types multiplies int8 activations (another
+// arithmetic: Int8DecodeMultipliesTheInt8Activations), the rest is AVX2's bits. A level this CPU
+// lacks is skipped by name.
 TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   const std::vector<KernelLevel> levels = LevelsOfThisCpu();
   if (levels.size() < 2) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
-  if (levels.back() != KernelLevel::kAvx512Bf16) {
+  const auto runs = [&](KernelLevel l) {
+    return std::find(levels.begin(), levels.end(), l) != levels.end();
+  };
+  if (!runs(KernelLevel::kAvx512Bf16)) {
     std::cout << "[ SKIPPED  ] kernel level avx512bf16: this CPU lacks AVX512-BF16\n";
+  }
+  if (!runs(KernelLevel::kAvx512Int8)) {
+    std::cout << "[ SKIPPED  ] kernel level avx512int8: this CPU lacks AVX512-VNNI\n";
   }
   const KernelLevelRestorer restorer;
   std::mt19937 rng(5);
@@ -848,6 +859,10 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
         for (int threads : {1, 3}) {
           ThreadPool pool(threads);
           for (int64_t M : {1, 2, 3, 13, 40}) {
+            if (level == KernelLevel::kAvx512Int8 && DecodesOnInt8(kept->dtype) &&
+                M <= kDecodeMaxTokens) {
+              continue;
+            }
             // With and without VNNI (vpdpwssd, where the CPU has it): AVX-512's prefill tile, and
             // the decode loops (M up to kDecodeMaxTokens) built for VNNI (quant_vnni.cc).
             for (bool vnni : {true, false}) {
@@ -861,6 +876,63 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
             }
             avx512::UseVnni(true);
           }
+        }
+      }
+    }
+  }
+}
+
+// kAvx512Int8: the decode (up to kDecodeMaxTokens tokens) of DecodesOnInt8's types, as the
+// backend keeps them (Q4_K as Q4_KX, Q4_1 as Q4_1X, whose rows may end short of a group of 8
+// blocks: K = 352) and as the files have them, multiplies the activations quantized to int8 per
+// block of 32 (scale max|x| / 127): the products of those up to F32 rounding, within their
+// rounding's bound of the exact products; its prefill multiplies int16 activations as the other
+// levels do; the other types' decode is avx512's, bit for bit. Skipped by name without VNNI.
+TEST(KernelsTest, Int8DecodeMultipliesTheInt8Activations) {
+  if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512int8").ok()) {
+    GTEST_SKIP() << "kernel level avx512int8: this CPU lacks AVX512-VNNI";
+  }
+  const KernelLevelRestorer restorer;
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  auto backend = NewBackend(2);
+  for (auto [dtype, K] : {std::pair{DType::kQ8_0, int64_t{352}},
+                          {DType::kQ4_0, int64_t{352}},
+                          {DType::kQ4_1, int64_t{352}},
+                          {DType::kQ4_1, int64_t{576}},
+                          {DType::kQ4_K, int64_t{768}},
+                          {DType::kQ5_K, int64_t{512}},
+                          {DType::kQ6_K, int64_t{512}}}) {
+    const int64_t N = 37;
+    std::vector<float> w(N * K);
+    for (float& v : w) v = dist(rng);
+    std::string bytes;
+    for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, w.data() + n * K, K);
+    std::vector<float> expanded(N * K);
+    for (int64_t n = 0; n < N; ++n) {
+      ToFloat(dtype, bytes.data() + n * DTypeBytes(dtype, K), K, expanded.data() + n * K);
+    }
+    const std::vector<double> values(expanded.begin(), expanded.end());
+    const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    for (const WeightMatrix& wm : {WeightMatrix{dtype, bytes.data(), N, K, K}, *kept}) {
+      const std::string what = absl::StrCat(DTypeName(wm.dtype), " K=", K);
+      for (int threads : {1, 3}) {
+        ThreadPool pool(threads);
+        for (int64_t M : {1, 2, 3, 5, 12, 13, 40}) {
+          std::vector<float> x(M * K), y(M * N, NAN), wide(M * N, NAN);
+          for (float& v : x) v = dist(rng);
+          SetKernelLevel(KernelLevel::kAvx512Int8);
+          MatMul(wm, x.data(), M, K, y.data(), N, pool);
+          if (!DecodesOnInt8(wm.dtype)) {
+            SetKernelLevel(KernelLevel::kAvx512);
+            MatMul(wm, x.data(), M, K, wide.data(), N, pool);
+            ASSERT_EQ(std::memcmp(y.data(), wide.data(), y.size() * sizeof(float)), 0)
+                << what << " M=" << M;
+            continue;
+          }
+          ExpectQuantizedProducts(values, x, y, M, N, K, absl::StrCat(what, " M=", M),
+                                  M <= kDecodeMaxTokens ? 127 : 32767);
         }
       }
     }
@@ -977,15 +1049,22 @@ TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForced) {
   EXPECT_EQ(*ChooseKernelLevel(avx512, "avx2"), KernelLevel::kAvx2);
   EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512"), KernelLevel::kAvx512);
   EXPECT_EQ(*ChooseKernelLevel(bf16, "avx512bf16"), KernelLevel::kAvx512Bf16);
+  // avx512int8 (int8 activations) only where asked for, on a CPU with AVX512-VNNI.
+  CpuFeatures vnni = zen4;
+  vnni.avx512_vnni = true;
+  EXPECT_EQ(*ChooseKernelLevel(vnni, "auto"), KernelLevel::kAvx512Bf16);
+  EXPECT_EQ(*ChooseKernelLevel(vnni, "avx512int8"), KernelLevel::kAvx512Int8);
+  EXPECT_THAT(
+      std::string(ChooseKernelLevel(zen4, "avx512int8").status().message()),
+      ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512int8: this CPU lacks AVX512-VNNI"));
   EXPECT_THAT(std::string(ChooseKernelLevel(avx2, "avx512").status().message()),
               ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512: this CPU lacks AVX-512"));
   EXPECT_THAT(
       std::string(ChooseKernelLevel(avx512, "avx512bf16").status().message()),
       ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=avx512bf16: this CPU lacks AVX512-BF16"));
-  EXPECT_THAT(
-      std::string(ChooseKernelLevel(avx512, "sse4").status().message()),
-      ::testing::HasSubstr(
-          "SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512, avx512bf16 or portable"));
+  EXPECT_THAT(std::string(ChooseKernelLevel(avx512, "sse4").status().message()),
+              ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS='sse4' must be auto, avx2, avx512, "
+                                   "avx512bf16, avx512int8 or portable"));
   EXPECT_THAT(std::string(ChooseKernelLevel(avx512, "portable").status().message()),
               ::testing::HasSubstr("SHARDSERVE_CPU_KERNELS=portable: this x86-64 build carries"));
   EXPECT_THAT(DescribeKernels(), ::testing::StartsWith(KernelLevelName(ActiveKernelLevel())));
@@ -1007,6 +1086,9 @@ std::function<std::unique_ptr<Backend>()> AtLevel(const char* level, int threads
 double ActivationRounding(DType weights) {
   return ActiveKernelLevel() == KernelLevel::kAvx512Bf16 && weights == DType::kBF16 ? 0x1p-8 : 0;
 }
+// kAvx512Int8's decode of the types kept in a layout DecodesOnInt8 rounds their activations to
+// int8 per 32 (half a step: max |x| / 254); the others' to int16.
+double Int8DecodeSteps(DType weights) { return DecodesOnInt8(KeptType(weights)) ? 254 : 32767; }
 INSTANTIATE_TEST_SUITE_P(
     Cpu, BackendOpsTest,
     ::testing::Values(BackendCase{"threads1", AtLevel("auto", 1), ActivationRounding, nullptr},
@@ -1014,6 +1096,8 @@ INSTANTIATE_TEST_SUITE_P(
                       BackendCase{"avx2", AtLevel("avx2"), ActivationRounding, nullptr},
                       BackendCase{"avx512", AtLevel("avx512"), ActivationRounding, nullptr},
                       BackendCase{"avx512bf16", AtLevel("avx512bf16"), ActivationRounding, nullptr},
+                      BackendCase{"avx512int8", AtLevel("avx512int8"), ActivationRounding,
+                                  Int8DecodeSteps},
                       BackendCase{"portable", AtLevel("portable"), ActivationRounding, nullptr},
                       BackendCase{"auto", AtLevel("auto"), ActivationRounding, nullptr}),
     testing::BackendCaseName);
