@@ -57,24 +57,38 @@ STEPS = 16
 LONG = [1] + [(37 * i + 11) % 500 + 2 for i in range(39)]
 TOL = 5e-3
 QUANTIZED_TOL = 2e-3
+# The CPU kernel level avx512int8 (SHARDSERVE_CPU_KERNELS; AVX512-VNNI): the decode of Q8_0,
+# Q4_0, Q4_1, Q4_K and Q6_K multiplies activations rounded to int8 per block of 32 (llama.cpp's
+# arithmetic), the prefill int16 as the other levels; those cases run again at that level (compare:
+# relative to the logprobs, a near tie may tip), within INT8_TOL of transformers (worst seen
+# 2.0e-2) and of TP=1. SmolLM2's activation outliers take a block's whole int8 range, so that its
+# other values keep a step or two: within SMOL_INT8_TOL (worst seen 0.22), and at TP=1 only: a
+# sharded run's sums in another order tip those coarse steps, and moved a chosen token's logprob
+# by 2.1 at TP=3 (2026-12-05), which no bound worth the name covers.
+INT8_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+INT8_TOL = 0.05
+SMOL_INT8_TOL = 0.5
+INT8_ENV = None  # int8_env's answer
+HF_GREEDY = {}  # (model path, ids): hf_greedy's answer
 check = Checks()
 
 
-def run(*cmd):
-    r = subprocess.run([BIN, *cmd], capture_output=True, text=True)
+def run(*cmd, env=None):
+    r = subprocess.run([BIN, *cmd], capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
     if r.returncode != 0:  # what went wrong, not only that it did
         raise RuntimeError(f"shardserve {' '.join(cmd)} exited {r.returncode}: {r.stderr[-3000:]}")
     return json.loads(r.stdout)
 
 
-def ours(model, prompt, *extra):
+def ours(model, prompt, *extra, env=None):
     """generate's JSON; prompt: text or a list of ids. The KV cache in F32, as transformers' (a
     GGUF file's own is F16, llama.cpp's default: the serving check below runs it)."""
     given = (["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list)
              else ["--prompt", prompt])
     return run("generate", "--model", model, *given, "--max-tokens", str(STEPS), "--logprobs", "5",
                "--ignore-eos", "--threads", "2", "--format", "json", "--kv-cache-dtype", "f32",
-               *extra)
+               *extra, env=env)
 
 
 def bf16_bound(model, tight):
@@ -95,30 +109,67 @@ def hf_greedy(model, ids):
     return want, lps
 
 
-def worst_logprob(got, want, lps):
+def worst_logprob(got, want, lps, relative=False):
+    """The largest difference of a chosen or top-5 logprob from transformers' before the first
+    token that differs (relative: divided by max(1, |transformers' logprob|))."""
     worst = 0.0
+
+    def off(ours, theirs):
+        return abs(ours - theirs) / (max(1.0, abs(theirs)) if relative else 1.0)
     for i, (t, tops) in enumerate(zip(got["tokens"], got["top_logprobs"])):
         if i >= len(lps) or t != want[i]:
             break
-        worst = max(worst, abs(got["logprobs"][i] - float(lps[i][t])))
+        worst = max(worst, off(got["logprobs"][i], float(lps[i][t])))
         for alt in tops:
-            worst = max(worst, abs(alt["logprob"] - float(lps[i][alt["id"]])))
+            worst = max(worst, off(alt["logprob"], float(lps[i][alt["id"]])))
     return worst
 
 
-def compare(name, model_path, hf_model, prompt, ids, shapes, tol):
+def int8_env(model):
+    """The environment of the CPU kernel level avx512int8 where this CPU runs it, else None (said
+    once, by name)."""
+    global INT8_ENV
+    if INT8_ENV is None:
+        env = {"SHARDSERVE_CPU_KERNELS": "avx512int8"}
+        try:
+            INT8_ENV = env if cpu_kernels(BIN, model, env) == "avx512int8" else {}
+        except RuntimeError as e:
+            if "lacks AVX512-VNNI" not in str(e):
+                raise
+            INT8_ENV = {}
+            print("skipped: kernel level avx512int8 (this CPU lacks AVX512-VNNI)")
+    return INT8_ENV or None
+
+
+def compare(name, model_path, hf_model, prompt, ids, shapes, tol, env=None):
     """Greedy tokens and logprobs against transformers at TP=1, then each sharded shape against
-    TP=1."""
-    want, lps = hf_greedy(hf_model, ids)
+    TP=1. env: the level avx512int8's (int8_env): its rounding may tip a near tie, so where its
+    greedy tokens first differ from transformers', ours must be within 2 tol of max(1, |top|) of
+    the top in transformers' logprobs; each logprob before it within tol of max(1,
+    |transformers'|) (its error grows with the logits)."""
+    key = (model_path, tuple(ids))  # the int8 cases ask again
+    if key not in HF_GREEDY:
+        HF_GREEDY[key] = hf_greedy(hf_model, ids)
+    want, lps = HF_GREEDY[key]
     shown = prompt if not isinstance(prompt, list) or len(prompt) <= 8 else f"{len(ids)} ids"
-    single = ours(model_path, prompt)
-    check(single["tokens"] == want, f"{name} {shown!r}: greedy tokens equal transformers' "
-          f"({want[:6]}...)" + ("" if single["tokens"] == want else f" ours {single['tokens']}"))
-    worst = worst_logprob(single, want, lps)
-    check(worst <= tol, f"{name} {shown!r}: chosen and top-5 logprobs within {tol} "
-          f"(worst {worst:.2e})")
+    single = ours(model_path, prompt, env=env)
+    got = single["tokens"]
+    agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), STEPS)
+    if env and agree < STEPS:  # a near tie in transformers' own distribution, or a fault
+        lp = lps[agree]
+        gap = float(lp[want[agree]] - lp[got[agree]])
+        tie = 2 * tol * max(1.0, abs(float(lp[want[agree]])))
+        check(gap <= tie, f"{name} {shown!r}: greedy tokens equal transformers' for {agree} of "
+              f"{STEPS}, then ours ({got[agree]}) within {tie:.2e} of the top in transformers' "
+              f"logprobs (gap {gap:.2e})")
+    else:
+        check(agree == STEPS, f"{name} {shown!r}: greedy tokens equal transformers' "
+              f"({want[:6]}...)" + ("" if agree == STEPS else f" ours {got}"))
+    worst = worst_logprob(single, want, lps, relative=bool(env))
+    check(worst <= tol, f"{name} {shown!r}: chosen and top-5 logprobs within {tol}"
+          + (" of max(1, |logprob|)" if env else "") + f" (worst {worst:.2e})")
     for shape in shapes:
-        sharded = ours(model_path, prompt, *shape)
+        sharded = ours(model_path, prompt, *shape, env=env)
         same = sharded["tokens"] == single["tokens"]
         diff = max(abs(a - b) for a, b in zip(sharded["logprobs"], single["logprobs"]))
         check(same and diff <= tol, f"{name} {shown!r} at {' '.join(shape)}: the same tokens, "
@@ -280,6 +331,9 @@ if WHAT == "generated":
                    else QUANTIZED_TOL)
             for ids in ([1, 5, 9, 13], [1, 300, 7], LONG):
                 compare(name, path, model, ids, ids, SHAPES, tol)
+                if wtype in INT8_TYPES and int8_env(path):
+                    compare(f"{name} avx512int8", path, model, ids, ids, SHAPES, INT8_TOL,
+                            int8_env(path))
         # Mixtral: the GGUF against the safetensors of the same weights, and sharded.
         st = os.path.join(tmp, "mixtral")
         common = ["--arch", "mixtral", *SHAPE, "--experts", "4", "--top-k", "2"]
@@ -320,6 +374,9 @@ for text in TEXTS:
 for prompt in PROMPTS:
     compare("SmolLM2", DIR, model, prompt, tok.encode(prompt),
             (["--tp", "3"], ["--pp", "2"], ["--tp", "3", "--pp", "2"]), TOL)
+    if int8_env(DIR):  # at TP=1 only (SMOL_INT8_TOL)
+        compare("SmolLM2 avx512int8", DIR, model, prompt, tok.encode(prompt), (), SMOL_INT8_TOL,
+                int8_env(DIR))
 
 messages = [{"role": "user", "content": "What is the capital of France?"}]
 want_prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,

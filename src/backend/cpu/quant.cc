@@ -9,7 +9,9 @@
 // F32 rounding is the activations' rounding, at most half a step, 2^-16 of the block's largest
 // magnitude, per value. (int8 activations, llama.cpp's choice for its maddubs kernels, are
 // faster, 32 products an instruction, but move SmolLM2's logprobs by up to 0.6: its activations
-// have outliers that take a block's whole int8 range.) Blocks go in groups of 8, whose dot
+// have outliers that take a block's whole int8 range. KernelLevel::kAvx512Int8 offers them, by
+// name only, for the decode of the types DecodesOnInt8: QuantizeActivationRowInt8, and
+// DecodeRange's int8 path with vpdpbusd.) Blocks go in groups of 8, whose dot
 // products are summed lane-wise and scaled once (quant_decode.h's DecodeRange). Prefill
 // (kernels.cc's GEMM) multiplies the same int16 activations with the weights unpacked to int16
 // rows (UnpackInts), so both paths have the same accuracy; Dequantize (to F32: embedding rows,
@@ -130,6 +132,27 @@ void TransposeActivationsInt8(int64_t K, int8_t* q) {
         out[16 * (i / 2) + 8 * (k / 4) + 4 * (i % 2) + k % 4] = in[8 * k + i];
     }
     std::memcpy(q + g, out, sizeof(out));
+  }
+}
+
+// int8 activations (in order) into the int8 sub-transposed order (quant.h; Q6_KX's), and the
+// sums of their 16-value sub-blocks in lane order: sum16[8 (g / 128) + L] of sub-block
+// SubOfLane(L) of the 128 values from g.
+void SubTransposeActivationsInt8(int64_t K, int8_t* q, int32_t* sum16) {
+  for (int64_t g = 0; g + 128 <= K; g += 128, sum16 += 8) {
+    int8_t in[128];
+    std::memcpy(in, q + g, sizeof(in));
+    for (int lane = 0; lane < 8; ++lane) {
+      const int8_t* sub = in + 16 * SubOfLane(lane);
+      int32_t sum = 0;
+      for (int v = 0; v < 16; ++v) sum += sub[v];
+      sum16[lane] = sum;
+      for (int r = 0; r < 4; ++r) {
+        for (int e = 0; e < 4; ++e) {
+          q[g + 32 * r + 4 * lane + e] = sub[8 * (r / 2) + 2 * (r % 2) + 4 * (e / 2) + e % 2];
+        }
+      }
+    }
   }
 }
 
@@ -320,7 +343,9 @@ void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* fact
 
 int ActivationOrder(DType dtype) {
   if (ActiveKernelLevel() == KernelLevel::kAvx512Int8 && DecodesOnInt8(dtype)) {
-    return OrderOf(dtype) == Order::kTransposed ? kInt8Transposed : kInt8InOrder;
+    return OrderOf(dtype) == Order::kTransposed      ? kInt8Transposed
+           : OrderOf(dtype) == Order::kSubTransposed ? kInt8SubTransposed
+                                                     : kInt8InOrder;
   }
   return static_cast<int>(OrderOf(dtype));
 }
@@ -412,6 +437,7 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
   const bool int8 = order >= kInt8InOrder;
   if (int8) {
     a->q8.resize(static_cast<size_t>(M * K));
+    if (order == kInt8SubTransposed) a->sum16.resize(static_cast<size_t>(M * (K / 16)));
   } else {
     a->q.resize(static_cast<size_t>(M * K));
   }
@@ -423,6 +449,7 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
         int8_t* q = &a->q8[t * K];
         QuantizeActivationRowInt8(x + t * ldx, K, q, &a->d[t * blocks], &a->ds[t * blocks]);
         if (order == kInt8Transposed) TransposeActivationsInt8(K, q);
+        if (order == kInt8SubTransposed) SubTransposeActivationsInt8(K, q, &a->sum16[t * (K / 16)]);
         continue;
       }
       int16_t* q = &a->q[t * K];

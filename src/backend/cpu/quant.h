@@ -30,8 +30,11 @@ constexpr int64_t kDecodeMaxTokens = 12;
 struct QuantizedActivations {
   std::vector<int16_t> q;  // [M][K]
   std::vector<int8_t> q8;  // [M][K], the int8 orders
-  std::vector<float> d;    // [M][K / 32]
-  std::vector<float> ds;   // [M][K / 32]
+  // [M][K / 16], the int8 sub-transposed order: in each 128 values, lane L (0-7) the sum of
+  // 16-value sub-block SubOfLane(L)'s q8 (Q6_KX's values are q - 32: the 32's term)
+  std::vector<int32_t> sum16;
+  std::vector<float> d;   // [M][K / 32]
+  std::vector<float> ds;  // [M][K / 32]
 };
 
 // The orders in which the decode kernels read the activations: in order; interleaved (each
@@ -40,17 +43,20 @@ struct QuantizedActivations {
 // last K % 256 values in order); sub-transposed (Q6_KX, RepackQ6K's). Then the int8 orders: in
 // order; transposed (Q4_KX, Q4_1X: in each 256 values, value 4i + e of block k at 64 (i / 2) +
 // 32 (k / 4) + 16 (i % 2) + 4 (k % 4) + e, so that each 4 bytes, which vpdpbusd sums, are one
-// block's; Q4_1X's last K % 256 in order).
-constexpr int kActivationOrders = 6;
-constexpr int kInt8InOrder = 4, kInt8Transposed = 5;
+// block's; Q4_1X's last K % 256 in order); sub-transposed (Q6_KX: in each 128 values, value
+// V(r, e) = 8 (r / 2) + 2 (r % 2) + 4 (e / 2) + e % 2 of 16-value sub-block SubOfLane(L) at
+// 32r + 4L + e, r < 4, e < 4: SixBitValues' bytes unpacked by 16 bits).
+constexpr int kActivationOrders = 7;
+constexpr int kInt8InOrder = 4, kInt8Transposed = 5, kInt8SubTransposed = 6;
 // The order in which the decode kernels of a quantized dtype read the activations at the active
 // kernel level (kAvx512Int8: an int8 order for the types DecodesOnInt8).
 int ActivationOrder(DType dtype);
 // The types whose decode multiplies int8 activations at KernelLevel::kAvx512Int8 (by vpdpbusd:
-// their values fit a byte, unsigned but Q8_0's); the others' decode keeps the int16 path there.
+// their values fit a byte, unsigned but Q8_0's; Q6_KX's as q, its -32 a term of x's sums); the
+// others' decode (Q5_K) keeps the int16 path there.
 constexpr bool DecodesOnInt8(DType d) {
   return d == DType::kQ8_0 || d == DType::kQ4_0 || d == DType::kQ4_1 || d == DType::kQ4_KX ||
-         d == DType::kQ4_1X;
+         d == DType::kQ4_1X || d == DType::kQ6_KX;
 }
 // M rows of K activations (row stride ldx; K a multiple of 32) quantized in one order.
 void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int order,

@@ -305,16 +305,17 @@ inline __m256i BlockBytes(const uint8_t* b) {
 }
 
 // Half h (values 128h .. 128h + 127) of a Q6_KX super-block (RepackQ6K) as 4 vectors of 32
-// signed values (q - 32): vector i's byte p holds value 4i + 2 (p % 16 / 8) + p % 2 of 16-value
-// sub-block SubOfLane(L) of the half, L = (p % 8 + 8 (p / 16)) / 2: unpacked to int16 in place
-// (with the sign), the pair in int32 lane L is that sub-block's.
+// signed values (q - 32; kCentered false: q, 0 .. 63): vector i's byte p holds value 4i + 2 (p %
+// 16 / 8) + p % 2 of 16-value sub-block SubOfLane(L) of the half, L = (p % 8 + 8 (p / 16)) / 2:
+// unpacked to int16 in place (with the sign), the pair in int32 lane L is that sub-block's.
+template <bool kCentered = true>
 inline void SixBitValues(const uint8_t* b, int h, __m256i v[4]) {
   const __m256i l0 = Load32(b + 64 * h), l1 = Load32(b + 64 * h + 32);
   const __m256i top = Load32(b + 128 + 32 * h);  // bits 2i, 2i + 1: vector i's top two bits
   const auto value = [](__m256i low, __m256i high) {
     const __m256i q = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
                                       _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    return kCentered ? _mm256_sub_epi8(q, _mm256_set1_epi8(32)) : q;
   };
   v[0] = value(l0, _mm256_slli_epi16(top, 4));
   v[1] = value(l1, _mm256_slli_epi16(top, 2));
@@ -387,11 +388,13 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
   const size_t row_bytes = static_cast<size_t>(w.row_stride / DTypeBlock(D)) * bb;
   const int16_t* xq[MT];
   const int8_t* xq8[MT];
+  const int32_t* xs16[MT];  // Q6_KX's int8 path: the sums of x's 16-value sub-blocks
   const float* xd[MT];
   const float* xs[MT];
   for (int t = 0; t < MT; ++t) {
     if constexpr (kInt8) {
       xq8[t] = &a.q8[(t0 + t) * K];
+      if constexpr (D == DType::kQ6_KX) xs16[t] = &a.sum16[(t0 + t) * (K / 16)];
     } else {
       xq[t] = &a.q[(t0 + t) * K];
     }
@@ -568,6 +571,32 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
         const int64_t xb = wb * kSub;
         if constexpr (D == DType::kQ4_KX) {
           transposed(u.b + kQ4KXQuants, _mm256_loadu_ps(u.factor), _mm256_loadu_ps(u.min), xb);
+        } else if constexpr (D == DType::kQ6_KX && kInt8) {
+          // The values as unsigned bytes (q, not q - 32), unpacked by 16 bits: int32 lane L of
+          // each of the 4 holds 4 values of sub-block SubOfLane(L) (values 0, 1, 4, 5; 2, 3, 6,
+          // 7; 8, 9, 12, 13; 10, 11, 14, 15), where the int8 sub-transposed order has x's; minus
+          // 32 times the sub-block's sum of x (sum16) for the centering.
+          __m256i sums[2][MT];
+          for (int h = 0; h < 2; ++h) {
+            __m256i v[4];
+            SixBitValues<false>(u.b, h, v);
+            const __m256i q[4] = {
+                _mm256_unpacklo_epi16(v[0], v[1]), _mm256_unpackhi_epi16(v[0], v[1]),
+                _mm256_unpacklo_epi16(v[2], v[3]), _mm256_unpackhi_epi16(v[2], v[3])};
+            for (int t = 0; t < MT; ++t) {
+              const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 128 * h);
+              __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+              even = DotAddBytes(even, q[0], _mm256_loadu_si256(x));
+              odd = DotAddBytes(odd, q[1], _mm256_loadu_si256(x + 1));
+              even = DotAddBytes(even, q[2], _mm256_loadu_si256(x + 2));
+              odd = DotAddBytes(odd, q[3], _mm256_loadu_si256(x + 3));
+              const __m256i sum16 =
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs16[t] + 16 * wb + 8 * h));
+              sums[h][t] =
+                  _mm256_sub_epi32(_mm256_add_epi32(even, odd), _mm256_slli_epi32(sum16, 5));
+            }
+          }
+          for (int t = 0; t < MT; ++t) sixteen(t, sums[0][t], sums[1][t], u.factor, xb);
         } else if constexpr (D == DType::kQ6_KX) {
           // Lane L of half h's sums: sub-block SubOfLane(L)'s (SixBitValues), as Q6_K's merged.
           // Two chains a half (low and high bytes), as the transposed layouts' four.

@@ -883,11 +883,12 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
 }
 
 // kAvx512Int8: the decode (up to kDecodeMaxTokens tokens) of DecodesOnInt8's types, as the
-// backend keeps them (Q4_K as Q4_KX, Q4_1 as Q4_1X, whose rows may end short of a group of 8
-// blocks: K = 352) and as the files have them, multiplies the activations quantized to int8 per
-// block of 32 (scale max|x| / 127): the products of those up to F32 rounding, within their
-// rounding's bound of the exact products; its prefill multiplies int16 activations as the other
-// levels do; the other types' decode is avx512's, bit for bit. Skipped by name without VNNI.
+// backend keeps them (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as Q4_1X, whose rows may end short of a
+// group of 8 blocks: K = 352) and as the files have them, multiplies the activations quantized to
+// int8 per block of 32 (scale max|x| / 127): the products of those up to F32 rounding, within
+// their rounding's bound of the exact products; its prefill multiplies int16 activations as the
+// other levels do; the other types' decode (Q5_K; the file's Q4_K and Q6_K, which the backend
+// never keeps) is avx512's, bit for bit. Skipped by name without VNNI.
 TEST(KernelsTest, Int8DecodeMultipliesTheInt8Activations) {
   if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512int8").ok()) {
     GTEST_SKIP() << "kernel level avx512int8: this CPU lacks AVX512-VNNI";
