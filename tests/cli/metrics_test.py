@@ -68,7 +68,7 @@ with tempfile.TemporaryDirectory() as tmp:
         check(value(body, "shardserve_rank_load_progress_ratio", labels) == 1,
               f"rank {rank}: its weights loaded in full")
         kernels = re.search(r'^shardserve_rank_backend_info\{[^}]*backend="cpu"[^}]*'
-                            r'kernels="(avx2|avx512|avx512bf16)"[^}]*\} 1$', body, re.M)
+                            r'kernels="(avx2|avx512|avx512bf16|avx512int8)"[^}]*\} 1$', body, re.M)
         check(kernels is not None and f'tp_rank="{rank % 2}"' in kernels.group(0),
               f"rank {rank}: its backend and CPU kernel level "
               f"({kernels.group(1) if kernels else 'none'})")

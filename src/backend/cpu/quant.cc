@@ -10,7 +10,7 @@
 // magnitude, per value. (int8 activations, llama.cpp's choice for its maddubs kernels, are
 // faster, 32 products an instruction, but move SmolLM2's logprobs by up to 0.6: its activations
 // have outliers that take a block's whole int8 range. KernelLevel::kAvx512Int8 offers them, by
-// name only, for the decode of the types DecodesOnInt8: QuantizeActivationRowInt8, and
+// name only, for the decode of the types DecodesOnInt8: QuantizeActivationRow<int8_t>, and
 // DecodeRange's int8 path with vpdpbusd.) Blocks go in groups of 8, whose dot
 // products are summed lane-wise and scaled once (quant_decode.h's DecodeRange). Prefill
 // (kernels.cc's GEMM) multiplies the same int16 activations with the weights unpacked to int16
@@ -41,8 +41,13 @@
 namespace shardserve::cpu {
 namespace {
 
-void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t* q, float* d,
-                           float* ds) {
+// One row of K activations quantized per block of 32 to T (int16; int8 for
+// KernelLevel::kAvx512Int8's decode): the scale max|x| / top (32767; 127), each value rounded to
+// the nearest (even) step within +-top; interleaved: int16's values 0-7 with 16-23, 8-15 with
+// 24-31 (Order::kInterleaved).
+template <typename T>
+void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, T* q, float* d, float* ds) {
+  constexpr int kTop = std::is_same_v<T, int8_t> ? 127 : 32767;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
     __m256 v[4];
@@ -54,65 +59,35 @@ void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, int16_t*
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float scale = _mm_cvtss_f32(m) / 32767.0f;
+    const float scale = _mm_cvtss_f32(m) / static_cast<float>(kTop);
     const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
     __m256i iv[4];
-    // The largest magnitude may round to 32768; clamped, so that the sum is the stored values'.
-    const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+    // The largest magnitude may round to top + 1; clamped, so that the sum is the stored values'.
+    const __m256i top = _mm256_set1_epi32(kTop), bottom = _mm256_set1_epi32(-kTop);
     for (int i = 0; i < 4; ++i) {
       iv[i] = _mm256_min_epi32(
           _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), bottom), top);
     }
     const __m256i sum =
         _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    // int32 -> int16: the pack interleaves 128-bit lanes, the permutation restores the order
-    // (values 0-15, 16-31; interleaved: 0-7 with 16-23, 8-15 with 24-31).
-    for (int i = 0; i < 2; ++i) {
-      const __m256i a = interleaved ? iv[i] : iv[2 * i],
-                    b = interleaved ? iv[i + 2] : iv[2 * i + 1];
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), p);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      // int32 -> int8: the packs leave dwords of values 0-3, 8-11, 16-19, 24-27, then 4-7,
+      // 12-15, 20-23, 28-31; the permutation restores the order.
+      const __m256i bytes =
+          _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(q),
+          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    } else {
+      // int32 -> int16: the pack interleaves 128-bit lanes, the permutation restores the order
+      // (values 0-15, 16-31; interleaved: 0-7 with 16-23, 8-15 with 24-31).
+      for (int i = 0; i < 2; ++i) {
+        const __m256i a = interleaved ? iv[i] : iv[2 * i],
+                      c = interleaved ? iv[i + 2] : iv[2 * i + 1];
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), p);
+      }
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    d[b] = scale;
-    ds[b] = scale * static_cast<float>(_mm_cvtsi128_si32(s));
-  }
-}
-
-// One row of K activations quantized per block of 32 to int8 (KernelLevel::kAvx512Int8's decode):
-// the scale max|x| / 127, each value rounded to the nearest (even) step within +-127, as
-// QuantizeActivationRow's int16.
-void QuantizeActivationRowInt8(const float* x, int64_t K, int8_t* q, float* d, float* ds) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < K / kBlock; ++b, x += kBlock, q += kBlock) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float scale = _mm_cvtss_f32(m) / 127.0f;
-    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-    __m256i iv[4];
-    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-    for (int i = 0; i < 4; ++i) {
-      iv[i] = _mm256_min_epi32(
-          _mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), bottom), top);
-    }
-    const __m256i sum =
-        _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    // int32 -> int8: the packs leave dwords of values 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15,
-    // 20-23, 28-31; the permutation restores the order.
-    const __m256i bytes =
-        _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-    _mm256_storeu_si256(
-        reinterpret_cast<__m256i*>(q),
-        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s = _mm_hadd_epi32(s, s);
     s = _mm_hadd_epi32(s, s);
@@ -447,7 +422,7 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
     for (int64_t t = t0; t < t1; ++t) {
       if (int8) {
         int8_t* q = &a->q8[t * K];
-        QuantizeActivationRowInt8(x + t * ldx, K, q, &a->d[t * blocks], &a->ds[t * blocks]);
+        QuantizeActivationRow(x + t * ldx, K, false, q, &a->d[t * blocks], &a->ds[t * blocks]);
         if (order == kInt8Transposed) TransposeActivationsInt8(K, q);
         if (order == kInt8SubTransposed) SubTransposeActivationsInt8(K, q, &a->sum16[t * (K / 16)]);
         continue;
