@@ -133,11 +133,14 @@ def int8_env(model):
         env = {"SHARDSERVE_CPU_KERNELS": "avx512int8"}
         try:
             INT8_ENV = env if cpu_kernels(BIN, model, env) == "avx512int8" else {}
-        except RuntimeError as e:
-            if "lacks AVX512-VNNI" not in str(e):
+        except RuntimeError as e:  # refused: a CPU without VNNI, or a portable build
+            why = next((w for w in ("this CPU lacks AVX512-VNNI",
+                                    "this build carries the portable kernels only")
+                        if w in str(e)), None)
+            if why is None:
                 raise
             INT8_ENV = {}
-            print("skipped: kernel level avx512int8 (this CPU lacks AVX512-VNNI)")
+            print(f"skipped: kernel level avx512int8 ({why})")
     return INT8_ENV or None
 
 
