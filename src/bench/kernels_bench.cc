@@ -110,8 +110,8 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
 
 namespace {
 
-// The prefill table's columns: each kernel level, AVX-512's without VNNI and avx512bf16's without
-// AMX's tiles (x86-64).
+// The prefill table's columns: each kernel level (avx512int8: the quantized types on int8
+// activations), AVX-512's without VNNI and avx512bf16's without AMX's tiles (x86-64).
 struct Column {
   const char* name;
   cpu::KernelLevel level;
@@ -122,6 +122,7 @@ constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
                                {"avx512 -VNNI", cpu::KernelLevel::kAvx512, false},
                                {"avx512bf16", cpu::KernelLevel::kAvx512Bf16},
                                {"avx512bf16 -AMX", cpu::KernelLevel::kAvx512Bf16, true, false},
+                               {"avx512int8", cpu::KernelLevel::kAvx512Int8},
                                {"portable", cpu::KernelLevel::kPortable}};
 
 // Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:

@@ -59,7 +59,7 @@ TOL = 5e-3
 QUANTIZED_TOL = 2e-3
 # The CPU kernel level avx512int8 (SHARDSERVE_CPU_KERNELS; AVX512-VNNI): the decode of Q8_0,
 # Q4_0, Q4_1, Q4_K and Q6_K multiplies activations rounded to int8 per block of 32 (llama.cpp's
-# arithmetic), the prefill int16 as the other levels; those cases run again at that level (compare:
+# arithmetic), and every quantized type's prefill; those cases run again at that level (compare:
 # relative to the logprobs, a near tie may tip), within INT8_TOL of transformers (worst seen
 # 2.0e-2) and of TP=1. SmolLM2's activation outliers take a block's whole int8 range, so that its
 # other values keep a step or two: within SMOL_INT8_TOL (worst seen 0.22), and at TP=1 only: a
@@ -149,7 +149,10 @@ def compare(name, model_path, hf_model, prompt, ids, shapes, tol, env=None):
     TP=1. env: the level avx512int8's (int8_env): its rounding may tip a near tie, so where its
     greedy tokens first differ from transformers', ours must be within 2 tol of max(1, |top|) of
     the top in transformers' logprobs; each logprob before it within tol of max(1,
-    |transformers'|) (its error grows with the logits)."""
+    |transformers'|) (its error grows with the logits). A sharded shape's likewise against TP=1
+    (its token among TP=1's top 5): a sum in another order, or a prompt's tokens in other
+    batches (a pipeline's), moves a value across an int8 rounding step now and then, which the
+    next layers carry."""
     key = (model_path, tuple(ids))  # the int8 cases ask again
     if key not in HF_GREEDY:
         HF_GREEDY[key] = hf_greedy(hf_model, ids)
@@ -173,10 +176,23 @@ def compare(name, model_path, hf_model, prompt, ids, shapes, tol, env=None):
           + (" of max(1, |logprob|)" if env else "") + f" (worst {worst:.2e})")
     for shape in shapes:
         sharded = ours(model_path, prompt, *shape, env=env)
-        same = sharded["tokens"] == single["tokens"]
-        diff = max(abs(a - b) for a, b in zip(sharded["logprobs"], single["logprobs"]))
-        check(same and diff <= tol, f"{name} {shown!r} at {' '.join(shape)}: the same tokens, "
-              f"logprobs within {tol} of TP=1 (worst {diff:.2e})")
+        where = f"{name} {shown!r} at {' '.join(shape)}"
+        split = next((i for i, (a, b) in enumerate(zip(sharded["tokens"], single["tokens"]))
+                      if a != b), STEPS)
+        if env and split < STEPS:  # a near tie in TP=1's distribution: ours among its top 5
+            tops = {alt["id"]: alt["logprob"] for alt in single["top_logprobs"][split]}
+            top = single["logprobs"][split]
+            gap = top - tops.get(sharded["tokens"][split], float("-inf"))
+            tie = 2 * tol * max(1.0, abs(top))
+            check(gap <= tie, f"{where}: the same tokens as TP=1 for {split} of {STEPS}, then "
+                  f"ours ({sharded['tokens'][split]}) within {tie:.2e} of the top in TP=1's "
+                  f"logprobs (gap {gap:.2e})")
+        else:
+            check(split == STEPS, f"{where}: the same tokens as TP=1")
+        diff = max([abs(a - b) for a, b in
+                    zip(sharded["logprobs"][:split], single["logprobs"][:split])] or [0.0])
+        check(diff <= tol, f"{where}: logprobs within {tol} of TP=1"
+              + (f" before step {split}" if split < STEPS else "") + f" (worst {diff:.2e})")
 
 
 def check_mla_and_gpt_oss(tmp):

@@ -40,9 +40,9 @@ absl::Status CheckCpu(const CpuFeatures& have = CpuFeatures::Detect());
 // The kernels the CPU backend runs, narrowest first: AVX2; AVX-512's wider tiles, bit for bit
 // AVX2's results; and with them BF16 weights multiplied by AVX512-BF16's dot products against
 // activations rounded to BF16 (kernels_avx512.h), as llama.cpp does: another arithmetic, auto's
-// only where it outruns the F32 FMAs; or (kAvx512Int8) AVX-512's kernels with the decode of the
-// block-quantized types on activations quantized to int8 per block, multiplied by AVX512-VNNI's
-// vpdpbusd (llama.cpp's arithmetic for them, quant.h's Int8Activations), never auto's: a
+// only where it outruns the F32 FMAs; or (kAvx512Int8) AVX-512's kernels with the block-quantized
+// types' decode (quant.h's DecodesOnInt8) and prefill on activations quantized to int8 per
+// block, multiplied by AVX512-VNNI's vpdpbusd (llama.cpp's arithmetic for them), never auto's: a
 // block's activations lose 8 bits more than the int16 path's. A portable build has kPortable
 // alone; an x86-64 build the other four.
 enum class KernelLevel { kAvx2, kAvx512, kAvx512Bf16, kAvx512Int8, kPortable };

@@ -471,16 +471,20 @@ void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, const int16_t* w
 // and packed in panels of 16 (PackQuantized): q [panel][K / 2][16][2] (a token's pair of values
 // in each int32), d and ds [panel][K / 32][16]; for BF16 weights at KernelLevel::kAvx512Bf16,
 // rounded to BF16 and packed as q is ([panel][kp / 2][16][2], K padded to kp). Tokens past M are
-// zero.
+// zero. At KernelLevel::kAvx512Int8 (PrefillOnInt8) the quantized types' activations are int8
+// (scale max|x| / 127) offset by 128, packed in quads: q8 [panel][K / 4][16][4], d and ds as q's.
 struct PackedTokens {
   const float* f32 = nullptr;
   const int16_t* q = nullptr;
+  const uint8_t* q8 = nullptr;
   const float* d = nullptr;
   const float* ds = nullptr;
   const uint16_t* bf16 = nullptr;
   int64_t kp = 0;
 };
 
+// Whether the quantized types' prefill multiplies int8 activations (avx512::MicroKernelInt8).
+bool PrefillOnInt8() { return ActiveKernelLevel() == KernelLevel::kAvx512Int8; }
 // Whether BF16 weights take AVX512-BF16's dot products (their activations rounded to BF16).
 bool Bf16Dot() { return ActiveKernelLevel() == KernelLevel::kAvx512Bf16; }
 // K rounded up to 32: the length of a row of activations rounded to BF16.
@@ -503,6 +507,10 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   float* wbuf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
   float* yt = wbuf + kNb * kKc;
   int16_t* wq = reinterpret_cast<int16_t*>(wbuf);
+  // PrefillOnInt8: the rows' bytes (UnpackBytes) in the first quarter, their groups' sums after.
+  const bool int8 = UnpacksToInts(D) && x.q8 != nullptr;
+  int8_t* wq8 = reinterpret_cast<int8_t*>(wbuf);
+  int32_t* wsum = reinterpret_cast<int32_t*>(wbuf + kNb * kKc / 4);
   float* wf = wbuf + kNb * kKc / 2;
   float* wm = wf + kNb * (kKc / 16);
   // The tiles in AVX-512 where the CPU runs it: 12 rows a float tile, 8 a quantized one, the same
@@ -521,8 +529,13 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
       const int64_t kc = std::min(kKc, K - k0);
       if constexpr (UnpacksToInts(D)) {
         for (int64_t r = 0; r < nr; ++r) {
-          UnpackInts(D, RowPtr(w, nb + r) + DTypeBytes(D, k0), kc, wq + r * kKc,
-                     wf + r * (kKc / 16), wm + r * (kKc / 32));
+          const uint8_t* row = RowPtr(w, nb + r) + DTypeBytes(D, k0);
+          if (int8) {
+            UnpackBytes(D, row, kc, wq8 + r * kKc, wsum + r * (kKc / 16), wf + r * (kKc / 16),
+                        wm + r * (kKc / 32));
+          } else {
+            UnpackInts(D, row, kc, wq + r * kKc, wf + r * (kKc / 16), wm + r * (kKc / 32));
+          }
         }
       } else if (bf16_dot) {
         for (int64_t r = 0; r < nr; ++r) {
@@ -556,6 +569,14 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           const int64_t rows = std::min(mr, nr - r);
           if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
+            if (int8) {
+              avx512::MicroKernelInt8(rows, pair ? 2 : 1, kc, UnpacksTransposed(D, kc), IntGroup(D),
+                                      HasMin(D), wq8 + r * kKc, wsum + r * (kKc / 16),
+                                      wf + r * (kKc / 16), wm + r * (kKc / 32), kKc,
+                                      x.q8 + (t / kNr * K + k0) * kNr, K * kNr, x.d + xb, x.ds + xb,
+                                      K / 32 * kNr, yt + r * mp + t, mp, k0 > 0);
+              continue;
+            }
             if (wide) {
               avx512::MicroKernelIntAny(rows, pair ? 2 : 1, kc, UnpacksTransposed(D, kc),
                                         IntGroup(D), HasMin(D), wq + r * kKc, wf + r * (kKc / 16),
@@ -643,12 +664,13 @@ void PackPairs(const int16_t* rows16, int64_t M, int64_t K, ThreadPool& pool, in
   });
 }
 
-// The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels,
-// their block scales beside them.
-void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, ThreadPool& pool,
+// The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels
+// (int8: a's int8 values offset by 128 in its quad panels, as many bytes in q), their block
+// scales beside them.
+void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, bool int8, ThreadPool& pool,
                    std::vector<int16_t>* q, std::vector<float>* d, std::vector<float>* ds) {
   const int64_t panels = (M + kNr - 1) / kNr, blocks = K / 32;
-  q->resize(panels * K * kNr);
+  q->resize(panels * K * kNr / (int8 ? 2 : 1));
   d->resize(panels * blocks * kNr);
   ds->resize(panels * blocks * kNr);
   // Token t's scales into place j of its panel (t / kNr).
@@ -660,7 +682,13 @@ void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, ThreadPo
       (*ds)[at] = t < M ? a.ds[t * blocks + blk] : 0.f;
     }
   };
-  PackPairs(a.q.data(), M, K, pool, q->data(), scales);
+  if (!int8) return PackPairs(a.q.data(), M, K, pool, q->data(), scales);
+  // A quad of bytes is a pair of 16-bit values: the rows as K / 2 of those.
+  thread_local std::vector<uint8_t> offset_storage;
+  std::vector<uint8_t>& offset = offset_storage;
+  offset.resize(static_cast<size_t>(M * K));
+  for (size_t i = 0; i < offset.size(); ++i) offset[i] = static_cast<uint8_t>(a.q8[i] ^ 0x80);
+  PackPairs(reinterpret_cast<const int16_t*>(offset.data()), M, K / 2, pool, q->data(), scales);
 }
 
 // The M tokens of x rounded to BF16 (avx512::RoundToBf16) in PackedTokens' pair panels, K
@@ -864,10 +892,16 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       packed.kp = (K + 15) / 16 * 16;
       PackBf16(x, M, ldx, K, packed.kp, pool, &rounded, &bf16);
       packed.bf16 = reinterpret_cast<const uint16_t*>(bf16.data());
-    } else if (UnpacksToInts(targets[i].w->dtype) && packed.q == nullptr) {
-      QuantizeActivations(x, M, ldx, K, kActivationsInOrder, pool, &quantized);
-      PackQuantized(quantized, M, K, pool, &q, &d, &ds);
-      packed.q = q.data();
+    } else if (UnpacksToInts(targets[i].w->dtype) && packed.d == nullptr) {
+      const bool int8 = PrefillOnInt8();
+      QuantizeActivations(x, M, ldx, K, int8 ? kInt8InOrder : kActivationsInOrder, pool,
+                          &quantized);
+      PackQuantized(quantized, M, K, int8, pool, &q, &d, &ds);
+      if (int8) {
+        packed.q8 = reinterpret_cast<const uint8_t*>(q.data());
+      } else {
+        packed.q = q.data();
+      }
       packed.d = d.data();
       packed.ds = ds.data();
     } else if (!UnpacksToInts(targets[i].w->dtype) && packed.f32 == nullptr) {

@@ -232,8 +232,8 @@ void MicroKernelIntAny(int64_t mr, int panels, int64_t kc, bool transposed, int 
     return MicroKernelIntVnni(mr, panels, kc, transposed, g, has_min, wq, wf, wm, ld, xq, q_next,
                               xd, xds, d_next, y, ldy, accumulate);
   }
-  IntTileAny<false>(mr, panels, kc, transposed, g, has_min, wq, wf, wm, ld, xq, q_next, xd, xds,
-                    d_next, y, ldy, accumulate);
+  IntTileAny<false>(mr, panels, kc, transposed, g, has_min, wq, nullptr, wf, wm, ld, xq, q_next, xd,
+                    xds, d_next, y, ldy, accumulate);
 }
 
 void ExpandHalves(const uint16_t* row, bool bf16, int64_t kc, float* out) {

@@ -53,6 +53,15 @@ void MicroKernelIntVnni(int64_t mr, int panels, int64_t kc, bool transposed, int
                         int64_t d_next, float* y, int64_t ldy, bool accumulate);
 bool UsesVnni();
 void UseVnni(bool on);  // on: where the CPU has VNNI
+// KernelLevel::kAvx512Int8's prefill tile (kernels_avx512vnni.cc; the level requires VNNI):
+// MicroKernelIntAny's, but the rows' values signed bytes in quads (quant.h's UnpackBytes, with
+// their groups' sums wsum, strided as the factors) against 16 tokens' quads of int8 activations
+// offset by 128 ([kc / 4][16][4] bytes a panel), multiplied by vpdpbusd: exact integer sums,
+// the float steps MicroKernelIntAny's.
+void MicroKernelInt8(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
+                     const int8_t* wq, const int32_t* wsum, const float* wf, const float* wm,
+                     int64_t ld, const uint8_t* xq, int64_t q_next, const float* xd,
+                     const float* xds, int64_t d_next, float* y, int64_t ldy, bool accumulate);
 
 // kernels.cc's ExpandRows for one row of 16-bit floats: kc values of `row` (BF16 when `bf16`,
 // else F16) as F32 into out (64-byte aligned).

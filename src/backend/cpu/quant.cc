@@ -10,8 +10,9 @@
 // magnitude, per value. (int8 activations, llama.cpp's choice for its maddubs kernels, are
 // faster, 32 products an instruction, but move SmolLM2's logprobs by up to 0.6: its activations
 // have outliers that take a block's whole int8 range. KernelLevel::kAvx512Int8 offers them, by
-// name only, for the decode of the types DecodesOnInt8: QuantizeActivationRow<int8_t>, and
-// DecodeRange's int8 path with vpdpbusd.) Blocks go in groups of 8, whose dot
+// name only, for the decode of the types DecodesOnInt8 and every type's prefill:
+// QuantizeActivationRow<int8_t>, DecodeRange's int8 path and the GEMM's int8 tile (UnpackBytes,
+// avx512::MicroKernelInt8), with vpdpbusd.) Blocks go in groups of 8, whose dot
 // products are summed lane-wise and scaled once (quant_decode.h's DecodeRange). Prefill
 // (kernels.cc's GEMM) multiplies the same int16 activations with the weights unpacked to int16
 // rows (UnpackInts), so both paths have the same accuracy; Dequantize (to F32: embedding rows,
@@ -42,7 +43,7 @@ namespace shardserve::cpu {
 namespace {
 
 // One row of K activations quantized per block of 32 to T (int16; int8 for
-// KernelLevel::kAvx512Int8's decode): the scale max|x| / top (32767; 127), each value rounded to
+// KernelLevel::kAvx512Int8's int8 path): the scale max|x| / top (32767; 127), each value rounded to
 // the nearest (even) step within +-top; interleaved: int16's values 0-7 with 16-23, 8-15 with
 // 24-31 (Order::kInterleaved).
 template <typename T>

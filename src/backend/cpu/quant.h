@@ -20,11 +20,12 @@ void Dequantize(DType dtype, const void* row, int64_t n, float* out);
 
 // Up to this many tokens (decode batches) MatMul streams the weights once for all of them, each
 // token's result independent of the batch (DecodeRows for quantized weights); beyond it the
-// packed GEMM is faster (quantized weight rows unpacked to int16 by UnpackInts).
+// packed GEMM is faster (quantized weight rows unpacked to int16 by UnpackInts; to bytes by
+// UnpackBytes at kAvx512Int8).
 constexpr int64_t kDecodeMaxTokens = 12;
 
 // Activations of M tokens quantized per block of 32 for the quantized kernels: int16
-// values q (scale max|x| / 32767) or, in the int8 orders (kAvx512Int8's decode), int8 values q8
+// values q (scale max|x| / 32767) or, in the int8 orders (kAvx512Int8's), int8 values q8
 // (scale max|x| / 127); the block's scale d and d * (the sum of its values), for the minimum's
 // term (quant.cc states the accuracy).
 struct QuantizedActivations {
@@ -91,7 +92,8 @@ constexpr bool HasMin(DType d) {
 // Prefill of the quantized types (M > kDecodeMaxTokens) multiplies integers as decode does: the
 // activations quantized in order (QuantizeActivations, kActivationsInOrder) and the weights
 // unpacked to int16 (UnpackInts), whose values share a factor in groups of IntGroup (Q6_K's
-// 16-value sub-blocks; 32 for the others) and a minimum in blocks of 32.
+// 16-value sub-blocks; 32 for the others) and a minimum in blocks of 32; at kAvx512Int8 the
+// activations in kInt8InOrder and the weights as bytes (UnpackBytes).
 constexpr int kActivationsInOrder = 0;
 constexpr int64_t IntGroup(DType d) { return FileType(d) == DType::kQ6_K ? 16 : 32; }
 // The first n values (a multiple of the block) of a quantized row as int16 q, with
@@ -103,6 +105,14 @@ void UnpackInts(DType dtype, const void* row, int64_t n, int16_t* q, float* fact
 constexpr bool UnpacksTransposed(DType d, int64_t n) {
   return d == DType::kQ4_KX || (d == DType::kQ4_1X && n == 256);
 }
+// KernelLevel::kAvx512Int8's prefill (quant_vnni.cc; the level requires VNNI): UnpackInts'
+// values as signed bytes (each type's fit one: Q8_0's -128 .. 127, the others' within -32 .. 63),
+// 4 values of one group side by side, the tile's unit: in order, but for UnpacksTransposed's 256
+// values, values 4u .. 4u + 3 of block b at 32u + 4b; sum[i / IntGroup] the sum of group i's
+// values (the tile takes 128 times it away: its activations carry an offset of 128); factor and
+// min as UnpackInts'.
+void UnpackBytes(DType dtype, const void* row, int64_t n, int8_t* q, int32_t* sum, float* factor,
+                 float* min);
 // One row of `cols` values of FileType(kept) into the layout kept (RepackQ4K, RepackQ6K,
 // RepackQ4_1; a copy for the types kept as they are).
 void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst);

@@ -290,6 +290,19 @@ template <typename V>
 V DotAddBytes(V acc, V u, V v);
 #endif
 
+// 32 bytes of the transposed layouts' quants (RepackQ4K's: bytes 16u .. 16u + 15 hold values 4u,
+// 4u + 1 of each of 8 blocks in their low nibbles, 4u + 2, 4u + 3 in their high ones; here u =
+// 2h and 2h + 1, one a 128-bit half) unpacked by 16 bits, so that each 4 bytes are one block's
+// values 4u .. 4u + 3: int32 lane L of first holds block L % 4's of the half's u, second's block
+// 4 + L % 4's (DecodeRange's int8 path, UnpackBytes).
+inline void NibbleQuads(const uint8_t* p, __m256i* first, __m256i* second) {
+  const __m256i bytes = Load32(p), mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(bytes, mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+  *first = _mm256_unpacklo_epi16(lo, hi);
+  *second = _mm256_unpackhi_epi16(lo, hi);
+}
+
 // The 32 values of a block of a 32-value type as bytes, in order: Q8_0's signed, Q4_0's and
 // Q4_1's unsigned (0-15; byte i holds value i in its low nibble, value i + 16 in its high one).
 template <DType D>
@@ -493,11 +506,8 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
         // low then high, int32 lane L holds values 4i .. 4i + 3 (i = 2h + L / 4) of block L % 4
         // (the low words) or 4 + L % 4 (the high ones), where the int8 transposed order has x's.
         for (int h = 0; h < 4; ++h) {
-          const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
-          const __m256i lo = _mm256_and_si256(bytes, mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-          const __m256i first = _mm256_unpacklo_epi16(lo, hi);
-          const __m256i second = _mm256_unpackhi_epi16(lo, hi);
+          __m256i first, second;
+          NibbleQuads(quants + 32 * h, &first, &second);
           for (int t = 0; t < MT; ++t) {
             const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 64 * h);
             s[2 * (h % 2)][t] = DotAddBytes(s[2 * (h % 2)][t], first, _mm256_loadu_si256(x));

@@ -1,6 +1,7 @@
 // quant.cc's decode loops built for AVX-512 with VNNI (quant_decode.h's DotAdd becomes vpdpwssd,
 // and the loops get AVX-512VL's 32 vector registers), and their int8 path (vpdpbusd,
-// KernelLevel::kAvx512Int8): called only where the CPU has VNNI.
+// KernelLevel::kAvx512Int8), with the weights' bytes for that level's prefill (UnpackBytes):
+// called only where the CPU has VNNI.
 #include "backend/cpu/quant_decode.h"
 
 namespace shardserve::cpu {
@@ -15,6 +16,74 @@ void DecodeRowsInt8(const WeightMatrix& w, int64_t n0, int64_t n1, const Quantiz
   ForQuantized(w.dtype, [&](auto d) {
     if constexpr (DecodesOnInt8(d.value)) DecodeRowsTyped<d.value, true>(w, n0, n1, a, M, y, ldy);
   });
+}
+
+namespace {
+
+// The 128 bytes of 8 blocks' quants transposed (RepackQ4K's layout) as UnpackBytes' quads,
+// straight from the nibbles (NibbleQuads): block b's quad u at 32u + 4b; sum[b] the block's sum.
+void TransposedBytes(const uint8_t* quants, int8_t* q, int32_t* sum) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  // int16 lanes of quad sums' pairs: blocks 0-3 (first), 4-7 (second), each 128-bit half's
+  __m256i first_sums = _mm256_setzero_si256(), second_sums = _mm256_setzero_si256();
+  for (int h = 0; h < 4; ++h) {  // quads u = 2h (the low 128 bits), 2h + 1 (the high)
+    __m256i first, second;
+    NibbleQuads(quants + 32 * h, &first, &second);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * h),
+                        _mm256_permute2x128_si256(first, second, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * h + 32),
+                        _mm256_permute2x128_si256(first, second, 0x31));
+    first_sums = _mm256_add_epi16(first_sums, _mm256_maddubs_epi16(first, ones));
+    second_sums = _mm256_add_epi16(second_sums, _mm256_maddubs_epi16(second, ones));
+  }
+  const __m256i a = _mm256_madd_epi16(first_sums, _mm256_set1_epi16(1));
+  const __m256i b = _mm256_madd_epi16(second_sums, _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum),
+                      _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                                       _mm256_permute2x128_si256(a, b, 0x31)));
+}
+
+}  // namespace
+
+void UnpackBytes(DType dtype, const void* row, int64_t n, int8_t* q, int32_t* sum, float* factor,
+                 float* min) {
+  const auto* bytes = static_cast<const uint8_t*>(row);
+  if (dtype == DType::kQ4_KX) {
+    for (int64_t k = 0; k < n; k += 256, bytes += DTypeBlockBytes(dtype)) {
+      const Unpacked<DType::kQ4_KX> u(bytes);
+      std::memcpy(factor + k / 32, u.factor, sizeof(u.factor));
+      std::memcpy(min + k / 32, u.min, sizeof(u.min));
+      TransposedBytes(bytes + kQ4KXQuants, q + k, sum + k / 32);
+    }
+    return;
+  }
+  if (dtype == DType::kQ4_1X && UnpacksTransposed(dtype, n)) {  // a group: 8 factors, 8 minimums
+    for (int i = 0; i < 2; ++i) {
+      _mm256_storeu_ps(
+          i == 0 ? factor : min,
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes) + i)));
+    }
+    return TransposedBytes(bytes + 32, q, sum);
+  }
+  // The types in order: UnpackInts' values narrowed.
+  thread_local std::vector<int16_t> storage;  // n is a tile's kc (256)
+  storage.resize(static_cast<size_t>(n));
+  const int16_t* v = storage.data();
+  UnpackInts(dtype, row, n, storage.data(), factor, min);
+  if (IntGroup(dtype) == 16) {  // Q6_K's sub-blocks
+    for (int64_t g = 0; g < n / 16; ++g, v += 16, q += 16) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_cvtepi16_epi8(a));
+      sum[g] = _mm512_reduce_add_epi32(
+          _mm512_zextsi256_si512(_mm256_madd_epi16(a, _mm256_set1_epi16(1))));
+    }
+    return;
+  }
+  for (int64_t g = 0; g < n / 32; ++g, v += 32, q += 32) {
+    const __m512i a = _mm512_loadu_si512(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi16_epi8(a));
+    sum[g] = _mm512_reduce_add_epi32(_mm512_madd_epi16(a, _mm512_set1_epi16(1)));
+  }
 }
 
 }  // namespace shardserve::cpu

@@ -4,8 +4,11 @@
 // other), instantiated there without and with VNNI.
 #include <immintrin.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "backend/cpu/kernels_avx512.h"
 
@@ -17,10 +20,23 @@ namespace shardserve::cpu::avx512 {
 // summed in int32 (madd and add; kVnni: AVX512-VNNI's vpdpwssd, which does both in one
 // instruction, with the same wrapping int32 sums), then converted and scaled into y. Two panels
 // share each weight pair's broadcast and each factor's; each output's arithmetic is one panel's.
-template <bool kVnni, int MR, int G, bool kMin, int NP>
-void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float* wf,
-                    const float* wm, int64_t ld, const int16_t* xq, int64_t q_next, const float* xd,
-                    const float* xds, int64_t d_next, float* y, int64_t ldy, bool accumulate) {
+// kBytes (KernelLevel::kAvx512Int8's prefill, with VNNI): the rows' values as signed bytes in
+// quads (UnpackBytes' layout: quad u of group g at transposed ? 32 u + 4 g : g G + 4 u), their
+// groups' sums in wsum (strided as the factors), against 16 tokens' quads of int8 values offset
+// by 128 (vpdpbusd's unsigned operand; [kc / 4][16][4] bytes a panel): vpdpbusd multiplies a
+// quad's 4 products for 16 tokens an instruction, and 128 times the group's sum takes the offset
+// away (at most 32 products of 255 with 128: no overflow).
+template <bool kBytes>
+using IntWeight = std::conditional_t<kBytes, int8_t, int16_t>;
+template <bool kBytes>
+using IntToken = std::conditional_t<kBytes, uint8_t, int16_t>;
+template <bool kVnni, int MR, int G, bool kMin, int NP, bool kBytes = false>
+void MicroKernelInt(int64_t kc, bool transposed, const IntWeight<kBytes>* wq, const int32_t* wsum,
+                    const float* wf, const float* wm, int64_t ld, const IntToken<kBytes>* xq,
+                    int64_t q_next, const float* xd, const float* xds, int64_t d_next, float* y,
+                    int64_t ldy, bool accumulate) {
+  static_assert(!kBytes || kVnni);
+  constexpr int kV = kBytes ? 4 : 2;  // values a dot product takes from a row and a token
   static_assert(MR >= 1 && MR <= kMrInt && (G == 16 || G == 32) && (NP == 1 || NP == 2));
   if (!accumulate) {
     for (int i = 0; i < MR; ++i) {
@@ -36,9 +52,13 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
   // its broadcast ({1to16}), in place of a vpbroadcastd before the pair's products (Zen 4,
   // `bench kernels --threads 1`, 3 alternated runs at avx512: Q4_KX 144.5 / 153.8 / 150.9 ->
   // 157.7 / 163.8 / 156.5 GFLOP/s, Q8_0 153.8 / 162.9 / 165.7 -> 167.7 / 167.2 / 166.8).
-  const auto dot = [](__m512i& c, const int16_t* pair, __m512i x) {
-    if constexpr (kVnni) {
-      using Pair [[gnu::may_alias]] = int32_t;  // the pair's 4 bytes, the memory operand
+  const auto dot = [](__m512i& c, const IntWeight<kBytes>* pair, __m512i x) {
+    using Pair [[gnu::may_alias]] = int32_t;  // the pair's (quad's) 4 bytes, the memory operand
+    if constexpr (kBytes) {
+      asm("vpdpbusd %2%{1to16%}, %1, %0"
+          : "+v"(c)
+          : "v"(x), "m"(*reinterpret_cast<const Pair*>(pair)));
+    } else if constexpr (kVnni) {
       asm("vpdpwssd %2%{1to16%}, %1, %0"
           : "+v"(c)
           : "v"(x), "m"(*reinterpret_cast<const Pair*>(pair)));
@@ -48,24 +68,33 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
       c = _mm512_add_epi32(c, _mm512_madd_epi16(_mm512_set1_epi32(w), x));
     }
   };
-  // kernels.cc's PairAt: pair p of group g at transposed ? 16 p + 2 g : g G + 2 p.
-  const int64_t step = transposed ? 16 : 2;
+  // kernels.cc's PairAt (kBytes: UnpackBytes' quads): unit p of group g at transposed ? 8 kV p +
+  // kV g : g G + kV p.
+  const int64_t step = transposed ? 8 * kV : kV;
   for (int64_t g = 0; g < kc / G; ++g) {
-    const int16_t* xg = xq + g * G * 16;
-    const int16_t* wg = wq + (transposed ? 2 * g : g * G);
+    const IntToken<kBytes>* xg = xq + g * G * 16;
+    const IntWeight<kBytes>* wg = wq + (transposed ? kV * g : g * G);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       lo[i] = _mm512_setzero_si512();
       if constexpr (NP == 2) hi[i] = _mm512_setzero_si512();
     }
-    for (int p = 0; p < G / 2; ++p) {
-      const __m512i x0 = _mm512_loadu_si512(xg + 32 * p);
-      const __m512i x1 = NP == 2 ? _mm512_loadu_si512(xg + q_next + 32 * p) : x0;
+    for (int p = 0; p < G / kV; ++p) {
+      const __m512i x0 = _mm512_loadu_si512(xg + 16 * kV * p);
+      const __m512i x1 = NP == 2 ? _mm512_loadu_si512(xg + q_next + 16 * kV * p) : x0;
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int16_t* pair = wg + i * ld + step * p;
+        const IntWeight<kBytes>* pair = wg + i * ld + step * p;
         dot(lo[i], pair, x0);
         if constexpr (NP == 2) dot(hi[i], pair, x1);
+      }
+    }
+    if constexpr (kBytes) {
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512i offset = _mm512_set1_epi32(128 * wsum[i * (ld / 16) + g]);
+        lo[i] = _mm512_sub_epi32(lo[i], offset);
+        if constexpr (NP == 2) hi[i] = _mm512_sub_epi32(hi[i], offset);
       }
     }
     const int64_t b = g * G / 32;
@@ -91,37 +120,38 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
 }
 
 // The tile for mr rows (1 to kMrInt) and `panels` panels (1 or 2).
-template <bool kVnni, int G, bool kMin>
-void IntTile(int64_t mr, int panels, int64_t kc, bool transposed, const int16_t* wq,
-             const float* wf, const float* wm, int64_t ld, const int16_t* xq, int64_t q_next,
-             const float* xd, const float* xds, int64_t d_next, float* y, int64_t ldy, bool acc) {
-  using Fn =
-      void (*)(int64_t, bool, const int16_t*, const float*, const float*, int64_t, const int16_t*,
-               int64_t, const float*, const float*, int64_t, float*, int64_t, bool);
-  constexpr Fn kOne[kMrInt] = {
-      MicroKernelInt<kVnni, 1, G, kMin, 1>, MicroKernelInt<kVnni, 2, G, kMin, 1>,
-      MicroKernelInt<kVnni, 3, G, kMin, 1>, MicroKernelInt<kVnni, 4, G, kMin, 1>,
-      MicroKernelInt<kVnni, 5, G, kMin, 1>, MicroKernelInt<kVnni, 6, G, kMin, 1>,
-      MicroKernelInt<kVnni, 7, G, kMin, 1>, MicroKernelInt<kVnni, 8, G, kMin, 1>};
-  constexpr Fn kTwo[kMrInt] = {
-      MicroKernelInt<kVnni, 1, G, kMin, 2>, MicroKernelInt<kVnni, 2, G, kMin, 2>,
-      MicroKernelInt<kVnni, 3, G, kMin, 2>, MicroKernelInt<kVnni, 4, G, kMin, 2>,
-      MicroKernelInt<kVnni, 5, G, kMin, 2>, MicroKernelInt<kVnni, 6, G, kMin, 2>,
-      MicroKernelInt<kVnni, 7, G, kMin, 2>, MicroKernelInt<kVnni, 8, G, kMin, 2>};
+template <bool kVnni, int G, bool kMin, bool kBytes>
+void IntTile(int64_t mr, int panels, int64_t kc, bool transposed, const IntWeight<kBytes>* wq,
+             const int32_t* wsum, const float* wf, const float* wm, int64_t ld,
+             const IntToken<kBytes>* xq, int64_t q_next, const float* xd, const float* xds,
+             int64_t d_next, float* y, int64_t ldy, bool acc) {
+  using Fn = void (*)(int64_t, bool, const IntWeight<kBytes>*, const int32_t*, const float*,
+                      const float*, int64_t, const IntToken<kBytes>*, int64_t, const float*,
+                      const float*, int64_t, float*, int64_t, bool);
+  // tiles[np - 1][mr - 1]: MicroKernelInt for mr rows and np panels.
+  constexpr auto tiles = []<int... R>(std::integer_sequence<int, R...>) {
+    return std::array<std::array<Fn, kMrInt>, 2>{
+        {{MicroKernelInt<kVnni, R + 1, G, kMin, 1, kBytes>...},
+         {MicroKernelInt<kVnni, R + 1, G, kMin, 2, kBytes>...}}};
+  }
+  (std::make_integer_sequence<int, kMrInt>());
   const int64_t at = mr < 1 ? 0 : mr > kMrInt ? kMrInt - 1 : mr - 1;
-  (panels == 2 ? kTwo : kOne)[at](kc, transposed, wq, wf, wm, ld, xq, q_next, xd, xds, d_next, y,
-                                  ldy, acc);
+  tiles[panels == 2 ? 1 : 0][at](kc, transposed, wq, wsum, wf, wm, ld, xq, q_next, xd, xds, d_next,
+                                 y, ldy, acc);
 }
 
-// MicroKernelIntAny's tile (kernels_avx512.h) for any mr, panels, g and has_min.
-template <bool kVnni>
+// MicroKernelIntAny's tile (kernels_avx512.h; kBytes: MicroKernelInt8's) for any mr, panels, g and
+// has_min.
+template <bool kVnni, bool kBytes = false>
 void IntTileAny(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
-                const int16_t* wq, const float* wf, const float* wm, int64_t ld, const int16_t* xq,
-                int64_t q_next, const float* xd, const float* xds, int64_t d_next, float* y,
-                int64_t ldy, bool accumulate) {
-  const auto tile = g == 16 ? (has_min ? IntTile<kVnni, 16, true> : IntTile<kVnni, 16, false>)
-                            : (has_min ? IntTile<kVnni, 32, true> : IntTile<kVnni, 32, false>);
-  tile(mr, panels, kc, transposed, wq, wf, wm, ld, xq, q_next, xd, xds, d_next, y, ldy, accumulate);
+                const IntWeight<kBytes>* wq, const int32_t* wsum, const float* wf, const float* wm,
+                int64_t ld, const IntToken<kBytes>* xq, int64_t q_next, const float* xd,
+                const float* xds, int64_t d_next, float* y, int64_t ldy, bool accumulate) {
+  const auto tile =
+      g == 16 ? (has_min ? IntTile<kVnni, 16, true, kBytes> : IntTile<kVnni, 16, false, kBytes>)
+              : (has_min ? IntTile<kVnni, 32, true, kBytes> : IntTile<kVnni, 32, false, kBytes>);
+  tile(mr, panels, kc, transposed, wq, wsum, wf, wm, ld, xq, q_next, xd, xds, d_next, y, ldy,
+       accumulate);
 }
 
 }  // namespace shardserve::cpu::avx512

@@ -434,7 +434,7 @@ std::vector<double> Dequantized(DType dtype, const std::string& bytes, int64_t n
 }
 
 // The activations as the kernels of quantized weights multiply them: each block of 32 quantized
-// to integers within +-top (int16: 32767; kAvx512Int8's decode: int8, 127) with the scale
+// to integers within +-top (int16: 32767; kAvx512Int8's int8 path: 127) with the scale
 // max|x| / top, rounding to nearest even.
 std::vector<double> BlockQuantized(const std::vector<float>& x, float top) {
   std::vector<double> out(x.size());
@@ -452,7 +452,7 @@ std::vector<double> BlockQuantized(const std::vector<float>& x, float top) {
 // Checks y = x · w^T for the M tokens of x and the N rows of `values` (the weights' exact values,
 // [N][K]). Both paths (decode batches of up to 12 tokens, the prefill GEMM beyond) multiply
 // integers: they must equal the products with the quantized activations (within +-top: int16's
-// 32767, or int8's 127 where kAvx512Int8's decode rounds them) up to F32 rounding, and stay
+// 32767, or int8's 127 where kAvx512Int8's int8 path rounds them) up to F32 rounding, and stay
 // within the rounding's bound (sum |w| * scale / 2 per block) of the exact products.
 void ExpectQuantizedProducts(const std::vector<double>& values, const std::vector<float>& x,
                              const std::vector<float>& y, int64_t M, int64_t N, int64_t K,
@@ -774,9 +774,9 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
 // backend keeps included), ragged tiles and thread split included; BF16 weights at kAvx512Bf16
 // (their activations rounded to BF16) are within the stated bound of AVX2's F32 products:
 // 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32 sums' 1e-4 sqrt(K); at
-// kAvx512Int8 the decode of DecodesOnInt8's types multiplies int8 activations (another
-// arithmetic: Int8DecodeMultipliesTheInt8Activations), the rest is AVX2's bits. A level this CPU
-// lacks is skipped by name.
+// kAvx512Int8 the decode of DecodesOnInt8's types and every quantized type's prefill multiply
+// int8 activations (another arithmetic: Int8MultipliesTheInt8Activations), the rest is AVX2's
+// bits. A level this CPU lacks is skipped by name.
 TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   const std::vector<KernelLevel> levels = LevelsOfThisCpu();
   if (levels.size() < 2) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
@@ -859,8 +859,8 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
         for (int threads : {1, 3}) {
           ThreadPool pool(threads);
           for (int64_t M : {1, 2, 3, 13, 40}) {
-            if (level == KernelLevel::kAvx512Int8 && DecodesOnInt8(kept->dtype) &&
-                M <= kDecodeMaxTokens) {
+            if (level == KernelLevel::kAvx512Int8 &&
+                (DecodesOnInt8(kept->dtype) || M > kDecodeMaxTokens)) {
               continue;
             }
             // With and without VNNI (vpdpwssd, where the CPU has it): AVX-512's prefill tile, and
@@ -882,14 +882,15 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   }
 }
 
-// kAvx512Int8: the decode (up to kDecodeMaxTokens tokens) of DecodesOnInt8's types, as the
-// backend keeps them (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as Q4_1X, whose rows may end short of a
-// group of 8 blocks: K = 352) and as the files have them, multiplies the activations quantized to
-// int8 per block of 32 (scale max|x| / 127): the products of those up to F32 rounding, within
-// their rounding's bound of the exact products; its prefill multiplies int16 activations as the
-// other levels do; the other types' decode (Q5_K; the file's Q4_K and Q6_K, which the backend
-// never keeps) is avx512's, bit for bit. Skipped by name without VNNI.
-TEST(KernelsTest, Int8DecodeMultipliesTheInt8Activations) {
+// kAvx512Int8: the decode (up to kDecodeMaxTokens tokens) of DecodesOnInt8's types, and the
+// prefill (the GEMM's int8 tile, panels of 16 tokens, ragged rows and panels: N = 37, M = 13, 40)
+// of every quantized type, as the backend keeps them (Q4_K as Q4_KX, Q6_K as Q6_KX, Q4_1 as
+// Q4_1X, whose rows may end short of a group of 8 blocks: K = 352) and as the files have them,
+// multiply the activations quantized to int8 per block of 32 (scale max|x| / 127): the products
+// of those up to F32 rounding, within their rounding's bound of the exact products; the other
+// types' decode (Q5_K; the file's Q4_K and Q6_K, which the backend never keeps) is avx512's, bit
+// for bit. Skipped by name without VNNI.
+TEST(KernelsTest, Int8MultipliesTheInt8Activations) {
   if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512int8").ok()) {
     GTEST_SKIP() << "kernel level avx512int8: this CPU lacks AVX512-VNNI";
   }
@@ -925,15 +926,14 @@ TEST(KernelsTest, Int8DecodeMultipliesTheInt8Activations) {
           for (float& v : x) v = dist(rng);
           SetKernelLevel(KernelLevel::kAvx512Int8);
           MatMul(wm, x.data(), M, K, y.data(), N, pool);
-          if (!DecodesOnInt8(wm.dtype)) {
+          if (M <= kDecodeMaxTokens && !DecodesOnInt8(wm.dtype)) {
             SetKernelLevel(KernelLevel::kAvx512);
             MatMul(wm, x.data(), M, K, wide.data(), N, pool);
             ASSERT_EQ(std::memcmp(y.data(), wide.data(), y.size() * sizeof(float)), 0)
                 << what << " M=" << M;
             continue;
           }
-          ExpectQuantizedProducts(values, x, y, M, N, K, absl::StrCat(what, " M=", M),
-                                  M <= kDecodeMaxTokens ? 127 : 32767);
+          ExpectQuantizedProducts(values, x, y, M, N, K, absl::StrCat(what, " M=", M), 127);
         }
       }
     }
