@@ -97,15 +97,17 @@ void QuantizeActivationRow(const float* x, int64_t K, bool interleaved, T* q, fl
   }
 }
 
-// int8 activations (in order) into the int8 transposed order (quant.h): the 4 bytes of values
-// 4i .. 4i + 3 of block k (at 32k + 4i) to 64 (i / 2) + 32 (k / 4) + 16 (i % 2) + 4 (k % 4).
-void TransposeActivationsInt8(int64_t K, int8_t* q) {
+// Quantized activations (int16 or int8, in order) into the transposed order (quant.h): in each
+// 256 values, the quad of values 4u .. 4u + 3 of block k (at 32k + 4u) to 32u + 4k, an 8x8
+// transpose of quads.
+template <typename T>
+void TransposeActivations(int64_t K, T* q) {
+  using Quad = std::conditional_t<sizeof(T) == 1, uint32_t, uint64_t>;
   for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's last blocks stay in order
-    int32_t in[64], out[64];
+    Quad in[64], out[64];
     std::memcpy(in, q + g, sizeof(in));
     for (int k = 0; k < 8; ++k) {
-      for (int i = 0; i < 8; ++i)
-        out[16 * (i / 2) + 8 * (k / 4) + 4 * (i % 2) + k % 4] = in[8 * k + i];
+      for (int u = 0; u < 8; ++u) out[8 * u + k] = in[8 * k + u];
     }
     std::memcpy(q + g, out, sizeof(out));
   }
@@ -128,23 +130,6 @@ void SubTransposeActivationsInt8(int64_t K, int8_t* q, int32_t* sum16) {
           q[g + 32 * r + 4 * lane + e] = sub[8 * (r / 2) + 2 * (r % 2) + 4 * (e / 2) + e % 2];
         }
       }
-    }
-  }
-}
-
-// Quantized activations (in order) into the transposed order, in each 256: value 4i + e of block k
-// (e < 2) at 32i + 2k + e, value 4i + 2 + e at 32i + 16 + 2k + e (RepackQ4K's layout). As pairs of
-// values (int32), pair m = 2i + h of block k moves from 16k + m to 8m + k: two 8x8 transposes.
-void TransposeActivations(int64_t K, int16_t* q) {
-  for (int64_t g = 0; g + 256 <= K; g += 256) {  // Q4_1X's last blocks stay in order
-    float* pairs = reinterpret_cast<float*>(q + g);
-    __m256 r[2][8];
-    for (int half = 0; half < 2; ++half) {
-      for (int k = 0; k < 8; ++k) r[half][k] = _mm256_loadu_ps(pairs + 16 * k + 8 * half);
-      Transpose8x8(r[half]);
-    }
-    for (int half = 0; half < 2; ++half) {
-      for (int m = 0; m < 8; ++m) _mm256_storeu_ps(pairs + 8 * (8 * half + m), r[half][m]);
     }
   }
 }
@@ -230,20 +215,24 @@ void DequantizeTyped(const uint8_t* row, int64_t n, float* out) {
 template <DType D>
 void UnpackIntsTyped(const uint8_t* row, int64_t n, int16_t* q, float* factor, float* min) {
   constexpr size_t bb = DTypeBlockBytes(D);
-  // 8 blocks in the transposed layouts, widened where they lie (UnpacksTransposed): bytes 16i ..
-  // 16i + 15 hold pair 2i of each block in their low nibbles, pair 2i + 1 in their high ones.
+  // 8 blocks in the transposed layouts (UnpacksTransposed): chunk c's quads (Nibbles) as pairs,
+  // each 128-bit half's 4 blocks' pairs 0 (values 0, 1 of the quad), then their pairs 1; the
+  // permutation puts the 8 blocks' pairs 0 in the low half: pairs 4c .. 4c + 3 from 64c.
   const auto transposed = [&](const uint8_t* quants) {
-    for (int c = 0; c < 4; ++c, q += 64) {
-      const __m256i bytes = Load32(quants + 32 * c), mask = _mm256_set1_epi8(0x0F);
-      const __m256i lo = _mm256_and_si256(bytes, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-      const auto store = [](int16_t* at, __m128i v) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm256_cvtepu8_epi16(v));
-      };
-      store(q, _mm256_castsi256_si128(lo));
-      store(q + 16, _mm256_castsi256_si128(hi));
-      store(q + 32, _mm256_extracti128_si256(lo, 1));
-      store(q + 48, _mm256_extracti128_si256(hi, 1));
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
+                                           1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const auto store = [](int16_t* at, __m128i v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm256_cvtepu8_epi16(v));
+    };
+    for (int c = 0; c < 4; ++c) {
+      __m256i quads[2];
+      Nibbles(quants + 32 * c, &quads[0], &quads[1]);
+      for (const __m256i& v : quads) {
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pairs), 0xD8);
+        store(q, _mm256_castsi256_si128(p));
+        store(q + 16, _mm256_extracti128_si256(p, 1));
+        q += 32;
+      }
     }
   };
   if constexpr (D == DType::kQ4_KX) {
@@ -327,15 +316,15 @@ int ActivationOrder(DType dtype) {
 }
 
 namespace {
-// 8 blocks' 128 bytes of quants transposed: byte 16i + 2k + e gets value 4i + e of block k in its
-// low nibble, 4i + 2 + e in its high one (value(k, v)).
+// 8 blocks' 128 bytes of quants transposed: byte 32c + 4k + e gets value 8c + e of block k in its
+// low nibble, 8c + 4 + e in its high one (value(k, v)).
 template <typename Value>
 void Transpose8(Value value, uint8_t* dst) {
-  for (int i = 0; i < 8; ++i) {
+  for (int c = 0; c < 4; ++c) {
     for (int k = 0; k < 8; ++k) {
-      for (int e = 0; e < 2; ++e) {
-        dst[16 * i + 2 * k + e] =
-            static_cast<uint8_t>(value(k, 4 * i + e) | value(k, 4 * i + 2 + e) << 4);
+      for (int e = 0; e < 4; ++e) {
+        dst[32 * c + 4 * k + e] =
+            static_cast<uint8_t>(value(k, 8 * c + e) | value(k, 8 * c + 4 + e) << 4);
       }
     }
   }
@@ -424,7 +413,7 @@ void QuantizeActivations(const float* x, int64_t M, int64_t ldx, int64_t K, int 
       if (int8) {
         int8_t* q = &a->q8[t * K];
         QuantizeActivationRow(x + t * ldx, K, false, q, &a->d[t * blocks], &a->ds[t * blocks]);
-        if (order == kInt8Transposed) TransposeActivationsInt8(K, q);
+        if (order == kInt8Transposed) TransposeActivations(K, q);
         if (order == kInt8SubTransposed) SubTransposeActivationsInt8(K, q, &a->sum16[t * (K / 16)]);
         continue;
       }

@@ -40,11 +40,10 @@ struct QuantizedActivations {
 
 // The orders in which the decode kernels read the activations: in order; interleaved (each
 // block's values 0-7 with 16-23, 8-15 with 24-31); transposed (Q4_KX: in each 256 values, the
-// 8 blocks' values 4i, 4i + 1 side by side, then their 4i + 2, 4i + 3, for i = 0 .. 7; Q4_1X's
-// last K % 256 values in order); sub-transposed (Q6_KX, RepackQ6K's). Then the int8 orders: in
-// order; transposed (Q4_KX, Q4_1X: in each 256 values, value 4i + e of block k at 64 (i / 2) +
-// 32 (k / 4) + 16 (i % 2) + 4 (k % 4) + e, so that each 4 bytes, which vpdpbusd sums, are one
-// block's; Q4_1X's last K % 256 in order); sub-transposed (Q6_KX: in each 128 values, value
+// 8 blocks' quads side by side: value 4u + e of block k at 32u + 4k + e, RepackQ4K's nibbles;
+// Q4_1X's last K % 256 values in order); sub-transposed (Q6_KX, RepackQ6K's). Then the int8
+// orders: in order; transposed (the same: each 4 bytes, which vpdpbusd sums, are one block's);
+// sub-transposed (Q6_KX: in each 128 values, value
 // V(r, e) = 8 (r / 2) + 2 (r % 2) + 4 (e / 2) + e % 2 of 16-value sub-block SubOfLane(L) at
 // 32r + 4L + e, r < 4, e < 4: SixBitValues' bytes unpacked by 16 bits).
 constexpr int kActivationOrders = 7;
@@ -119,10 +118,13 @@ void RepackRow(DType kept, const uint8_t* src, int64_t cols, uint8_t* dst);
 // Q4_K rows as DType::kQ4_KX, the layout the CPU keeps them in (148 bytes a super-block, 4 more
 // than Q4_K's): d and dmin; the 8 scales and 8 minimums a byte each (Q4_K packs them in 6 bits,
 // whose unpacking cost the decode 13 % of its time in L2); then the 128 bytes of quants
-// transposed so that byte 16i + 2k + e holds value 4i + e of block k in its low nibble and value
-// 4i + 2 + e in its high one. Widened to 16 int16, those bytes give integer dot products whose
-// pairs (one int32 lane) belong to one block each: the decode sums a super-block's products lane
-// by lane, with no merging of blocks.
+// transposed so that byte 32c + 4k + e holds value 8c + e of block k in its low nibble and value
+// 8c + 4 + e in its high one (e < 4). A chunk's low nibbles are 8 int32 lanes of one block's 4
+// values each, its high ones the next 4: vpdpbusd multiplies them as they lie (the int8 decode
+// and prefill, no shuffle); widened to int16, each block's products fill two int32 lanes, one
+// horizontal add a super-block. The decode sums a super-block's products lane by lane, with no
+// merging of blocks. (Until 2026-12-05 byte 16i + 2k + e held values 4i + e and 4i + 2 + e: one
+// int32 lane per block for int16, but two unpacks per 32 bytes for int8.)
 void RepackQ4K(const uint8_t* src, int64_t superblocks, uint8_t* dst);
 // Q6_K rows as DType::kQ6_KX: the same bytes, but each half super-block's low 4 bits and top 2
 // bits of its 128 values rearranged so that, unpacked to int16 in place (SixBitValues in

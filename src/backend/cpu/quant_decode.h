@@ -84,34 +84,54 @@ inline __m256i Widen(const uint8_t* p) {  // 16 bytes as 16 uint16
 }
 inline __m256i Low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x0F)); }
 
+// Chunk c (32 bytes) of the transposed layouts' quants (RepackQ4K, RepackQ4_1) as its low nibbles
+// (lo: int32 lane k holds values 8c .. 8c + 3 of block k, its quad 2c) and its high ones (hi:
+// values 8c + 4 .. 8c + 7, quad 2c + 1), a byte each: the transposed order's 64 bytes from 64c.
+inline void Nibbles(const uint8_t* chunk, __m256i* lo, __m256i* hi) {
+  const __m256i bytes = Load32(chunk), mask = _mm256_set1_epi8(0x0F);
+  *lo = _mm256_and_si256(bytes, mask);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+}
+
 // 8 blocks' 128 bytes of quants in the transposed layouts (RepackQ4K, RepackQ4_1) as F32,
 // factor[k] * q + min[k] for block k.
 inline void StoreTransposed(const uint8_t* quants, const float* factor, const float* min,
                             float* out) {
-  // 32 bytes h (16 i = 2h, then 2h + 1): the unpacks put each block's values 4i .. 4i + 3
-  // (RepackQ4K) side by side, the permutation its 8 values 8h .. 8h + 7; through memory, so
+  // Chunk c's two quads of each block side by side (interleaved by 32 bits): its values 8c ..
+  // 8c + 7 as 8 bytes, blocks 0, 1, 4, 5 in q[c][0], 2, 3, 6, 7 in q[c][1]; through memory, so
   // that they widen from there as the other types' bytes do.
-  alignas(32) uint8_t q[4][2][32];  // [h][blocks 0-3, 4-7][block % 4 * 8 + value % 8]
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int h = 0; h < 4; ++h) {
-    const __m256i bytes = Load32(quants + 32 * h), mask = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(bytes, mask);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][0]),
-                       _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(lo, hi), order));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q[h][1]),
-                       _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(lo, hi), order));
+  alignas(32) uint8_t q[4][2][32];
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo, hi;
+    Nibbles(quants + 32 * c, &lo, &hi);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q[c][0]), _mm256_unpacklo_epi32(lo, hi));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q[c][1]), _mm256_unpackhi_epi32(lo, hi));
   }
   // Kept from being forwarded in registers, which costs a shuffle more per 8 values.
   asm volatile("" : : "r"(q) : "memory");
   for (int k = 0; k < 8; ++k) {
     const __m256 f = _mm256_set1_ps(factor[k]), m = _mm256_set1_ps(min[k]);
-    for (int h = 0; h < 4; ++h) {
-      const __m256i v = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&q[h][k / 4][k % 4 * 8])));
-      _mm256_storeu_ps(out + 32 * k + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), f, m));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(&q[c][k % 4 / 2][16 * (k / 4) + 8 * (k % 2)])));
+      _mm256_storeu_ps(out + 32 * k + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), f, m));
     }
   }
+}
+
+// A Q4_KX super-block's 8 factors (d times its scales) and 8 minimums (-dmin times its minimums,
+// a byte each): d and dmin converted by one instruction, all in registers.
+inline void FactorsQ4KX(const uint8_t* b, __m256* factor, __m256* min) {
+  int dm_bits;
+  std::memcpy(&dm_bits, b, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));  // d, dmin
+  const auto floats = [](const uint8_t* bytes) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+  };
+  *factor = _mm256_mul_ps(_mm256_broadcastss_ps(dm), floats(b + 4));
+  const __m128 neg_dmin = _mm_xor_ps(_mm_movehdup_ps(dm), _mm_set1_ps(-0.0f));
+  *min = _mm256_mul_ps(_mm256_broadcastss_ps(neg_dmin), floats(b + 12));
 }
 
 // One weight block of D (32 values, or a K-quant super-block holding 8 blocks of 32). Block j's
@@ -150,13 +170,11 @@ struct Unpacked {
       _mm256_store_ps(
           factor + 8,
           _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
-    } else if constexpr (D == DType::kQ4_KX) {  // the scales and minimums a byte each
-      const auto floats = [](const uint8_t* bytes) {
-        return _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
-      };
-      _mm256_storeu_ps(factor, _mm256_mul_ps(_mm256_set1_ps(Half(b)), floats(b + 4)));
-      _mm256_storeu_ps(min, _mm256_mul_ps(_mm256_set1_ps(-Half(b + 2)), floats(b + 12)));
+    } else if constexpr (D == DType::kQ4_KX) {
+      __m256 f, m;
+      FactorsQ4KX(b, &f, &m);
+      _mm256_storeu_ps(factor, f);
+      _mm256_storeu_ps(min, m);
     } else {  // Q4_K, Q5_K
       const __m128i sm = ScalesMins(b + 4);
       const auto floats = [](__m128i bytes) {
@@ -289,19 +307,6 @@ inline __m256i DotAddBytes(__m256i acc, __m256i u, __m256i v) {
 template <typename V>
 V DotAddBytes(V acc, V u, V v);
 #endif
-
-// 32 bytes of the transposed layouts' quants (RepackQ4K's: bytes 16u .. 16u + 15 hold values 4u,
-// 4u + 1 of each of 8 blocks in their low nibbles, 4u + 2, 4u + 3 in their high ones; here u =
-// 2h and 2h + 1, one a 128-bit half) unpacked by 16 bits, so that each 4 bytes are one block's
-// values 4u .. 4u + 3: int32 lane L of first holds block L % 4's of the half's u, second's block
-// 4 + L % 4's (DecodeRange's int8 path, UnpackBytes).
-inline void NibbleQuads(const uint8_t* p, __m256i* first, __m256i* second) {
-  const __m256i bytes = Load32(p), mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(bytes, mask);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-  *first = _mm256_unpacklo_epi16(lo, hi);
-  *second = _mm256_unpackhi_epi16(lo, hi);
-}
 
 // The 32 values of a block of a 32-value type as bytes, in order: Q8_0's signed, Q4_0's and
 // Q4_1's unsigned (0-15; byte i holds value i in its low nibble, value i + 16 in its high one).
@@ -493,48 +498,53 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
     };
     // The transposed layouts (Q4_KX, Q4_1X): 8 blocks' integer dot products summed lane by lane
     // (lane k: block k's, by the layout), then scaled as a group's: no merging, and the same sums
-    // as the group's of the layout they were repacked from. Four chains of sums (even and odd I,
-    // low and high nibbles): vpdpwssd's latency (4-5 cycles) on two chains bounds one thread
-    // (Zen 4, `bench kernels --threads 1`, medians of 3 alternating runs, in L2: Q4_KX 27.1 ->
-    // 28.4 GB/s, Q6_KX 25.3 -> 26.0); integer sums, so the order changes nothing.
+    // as the group's of the layout they were repacked from. Four chains of sums: vpdpwssd's
+    // latency (4-5 cycles) on two chains bounds one thread (Zen 4, `bench kernels --threads 1`,
+    // medians of 3 alternating runs, in L2: Q4_KX 27.1 -> 28.4 GB/s, Q6_KX 25.3 -> 26.0); integer
+    // sums, so the order changes nothing.
     const auto transposed = [&](const uint8_t* quants, __m256 factors, __m256 group_mins,
                                 int64_t xb) {
       __m256i s[4][MT], sum[MT];
       for (int t = 0; t < MT; ++t) s[0][t] = s[1][t] = s[2][t] = s[3][t] = _mm256_setzero_si256();
       if constexpr (kInt8) {
-        // 32 bytes h: the nibbles of pairs 2h and 2h + 1 (16 bytes each); unpacked by 16 bits,
-        // low then high, int32 lane L holds values 4i .. 4i + 3 (i = 2h + L / 4) of block L % 4
-        // (the low words) or 4 + L % 4 (the high ones), where the int8 transposed order has x's.
-        for (int h = 0; h < 4; ++h) {
-          __m256i first, second;
-          NibbleQuads(quants + 32 * h, &first, &second);
+        // Chunk c's nibbles as they lie: int32 lane k of lo and hi holds block k's quads 2c and
+        // 2c + 1 (Nibbles), where the transposed order has x's.
+        for (int c = 0; c < 4; ++c) {
+          __m256i lo, hi;
+          Nibbles(quants + 32 * c, &lo, &hi);
           for (int t = 0; t < MT; ++t) {
-            const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 64 * h);
-            s[2 * (h % 2)][t] = DotAddBytes(s[2 * (h % 2)][t], first, _mm256_loadu_si256(x));
-            s[2 * (h % 2) + 1][t] =
-                DotAddBytes(s[2 * (h % 2) + 1][t], second, _mm256_loadu_si256(x + 1));
+            const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 64 * c);
+            s[2 * (c % 2)][t] = DotAddBytes(s[2 * (c % 2)][t], lo, _mm256_loadu_si256(x));
+            s[2 * (c % 2) + 1][t] =
+                DotAddBytes(s[2 * (c % 2) + 1][t], hi, _mm256_loadu_si256(x + 1));
           }
         }
-        for (int t = 0; t < MT; ++t) {
-          // Blocks 0-3 (lanes 0-3: even i; 4-7: odd i) and blocks 4-7 the same way.
-          const __m256i low = _mm256_add_epi32(s[0][t], s[2][t]);
-          const __m256i high = _mm256_add_epi32(s[1][t], s[3][t]);
-          sum[t] = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
-                                    _mm256_permute2x128_si256(low, high, 0x31));
-        }
-      } else {
-        each([&]<int I>() {
-          const __m256i v = Widen(quants + 16 * I);
-          const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
-          for (int t = 0; t < MT; ++t) {
-            const auto* x = reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 32 * I);
-            s[2 * (I % 2)][t] = DotAdd(s[2 * (I % 2)][t], lo, _mm256_loadu_si256(x));
-            s[2 * (I % 2) + 1][t] = DotAdd(s[2 * (I % 2) + 1][t], hi, _mm256_loadu_si256(x + 1));
-          }
-        });
         for (int t = 0; t < MT; ++t) {
           sum[t] = _mm256_add_epi32(_mm256_add_epi32(s[0][t], s[1][t]),
                                     _mm256_add_epi32(s[2][t], s[3][t]));
+        }
+      } else {
+        // Chunk c's 16 bytes g (blocks 4g .. 4g + 3) widened: each block's quad (low nibbles: 2c,
+        // high: 2c + 1) in two int32 lanes of pair products.
+        for (int c = 0; c < 4; ++c) {
+          for (int g = 0; g < 2; ++g) {
+            const __m256i v = Widen(quants + 32 * c + 16 * g);
+            const __m256i lo = Low4(v), hi = _mm256_srli_epi16(v, 4);
+            for (int t = 0; t < MT; ++t) {
+              const int16_t* x = xq[t] + xb * kBlock + 64 * c + 16 * g;
+              s[2 * g][t] =
+                  DotAdd(s[2 * g][t], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+              s[2 * g + 1][t] =
+                  DotAdd(s[2 * g + 1][t], hi,
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+            }
+          }
+        }
+        for (int t = 0; t < MT; ++t) {
+          // Pairs of lanes summed: blocks 0, 1, 4, 5, 2, 3, 6, 7, put in order.
+          const __m256i first = _mm256_add_epi32(s[0][t], s[1][t]);
+          const __m256i second = _mm256_add_epi32(s[2][t], s[3][t]);
+          sum[t] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(first, second), 0xD8);
         }
       }
       for (int t = 0; t < MT; ++t) {
@@ -577,63 +587,67 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
     } else {
       for (int64_t wb = 0; wb < wblocks; ++wb) {
         PrefetchAhead<D>(row + wb * bb, bb);
-        const Unpacked<D> u(row + wb * bb);
         const int64_t xb = wb * kSub;
-        if constexpr (D == DType::kQ4_KX) {
-          transposed(u.b + kQ4KXQuants, _mm256_loadu_ps(u.factor), _mm256_loadu_ps(u.min), xb);
-        } else if constexpr (D == DType::kQ6_KX && kInt8) {
-          // The values as unsigned bytes (q, not q - 32), unpacked by 16 bits: int32 lane L of
-          // each of the 4 holds 4 values of sub-block SubOfLane(L) (values 0, 1, 4, 5; 2, 3, 6,
-          // 7; 8, 9, 12, 13; 10, 11, 14, 15), where the int8 sub-transposed order has x's; minus
-          // 32 times the sub-block's sum of x (sum16) for the centering.
-          __m256i sums[2][MT];
-          for (int h = 0; h < 2; ++h) {
-            __m256i v[4];
-            SixBitValues<false>(u.b, h, v);
-            const __m256i q[4] = {
-                _mm256_unpacklo_epi16(v[0], v[1]), _mm256_unpackhi_epi16(v[0], v[1]),
-                _mm256_unpacklo_epi16(v[2], v[3]), _mm256_unpackhi_epi16(v[2], v[3])};
-            for (int t = 0; t < MT; ++t) {
-              const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 128 * h);
-              __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-              even = DotAddBytes(even, q[0], _mm256_loadu_si256(x));
-              odd = DotAddBytes(odd, q[1], _mm256_loadu_si256(x + 1));
-              even = DotAddBytes(even, q[2], _mm256_loadu_si256(x + 2));
-              odd = DotAddBytes(odd, q[3], _mm256_loadu_si256(x + 3));
-              const __m256i sum16 =
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs16[t] + 16 * wb + 8 * h));
-              sums[h][t] =
-                  _mm256_sub_epi32(_mm256_add_epi32(even, odd), _mm256_slli_epi32(sum16, 5));
-            }
-          }
-          for (int t = 0; t < MT; ++t) sixteen(t, sums[0][t], sums[1][t], u.factor, xb);
-        } else if constexpr (D == DType::kQ6_KX) {
-          // Lane L of half h's sums: sub-block SubOfLane(L)'s (SixBitValues), as Q6_K's merged.
-          // Two chains a half (low and high bytes), as the transposed layouts' four.
-          __m256i sums[2][2][MT];
-          for (int h = 0; h < 2; ++h) {
-            __m256i v[4];
-            SixBitValues(u.b, h, v);
-            for (int t = 0; t < MT; ++t) sums[h][0][t] = sums[h][1][t] = _mm256_setzero_si256();
-            for (int i = 0; i < 4; ++i) {
-              const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v[i]);
-              const __m256i lo = _mm256_unpacklo_epi8(v[i], sign);
-              const __m256i hi = _mm256_unpackhi_epi8(v[i], sign);
+        if constexpr (D == DType::kQ4_KX) {  // its factors in registers, not through Unpacked
+          __m256 factors, mins;
+          FactorsQ4KX(row + wb * bb, &factors, &mins);
+          transposed(row + wb * bb + kQ4KXQuants, factors, mins, xb);
+        } else {
+          const Unpacked<D> u(row + wb * bb);
+          if constexpr (D == DType::kQ6_KX && kInt8) {
+            // The values as unsigned bytes (q, not q - 32), unpacked by 16 bits: int32 lane L of
+            // each of the 4 holds 4 values of sub-block SubOfLane(L) (values 0, 1, 4, 5; 2, 3, 6,
+            // 7; 8, 9, 12, 13; 10, 11, 14, 15), where the int8 sub-transposed order has x's; minus
+            // 32 times the sub-block's sum of x (sum16) for the centering.
+            __m256i sums[2][MT];
+            for (int h = 0; h < 2; ++h) {
+              __m256i v[4];
+              SixBitValues<false>(u.b, h, v);
+              const __m256i q[4] = {
+                  _mm256_unpacklo_epi16(v[0], v[1]), _mm256_unpackhi_epi16(v[0], v[1]),
+                  _mm256_unpacklo_epi16(v[2], v[3]), _mm256_unpackhi_epi16(v[2], v[3])};
               for (int t = 0; t < MT; ++t) {
-                const auto* x =
-                    reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 128 * h + 32 * i);
-                sums[h][0][t] = DotAdd(sums[h][0][t], lo, _mm256_loadu_si256(x));
-                sums[h][1][t] = DotAdd(sums[h][1][t], hi, _mm256_loadu_si256(x + 1));
+                const auto* x = reinterpret_cast<const __m256i*>(xq8[t] + xb * kBlock + 128 * h);
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                even = DotAddBytes(even, q[0], _mm256_loadu_si256(x));
+                odd = DotAddBytes(odd, q[1], _mm256_loadu_si256(x + 1));
+                even = DotAddBytes(even, q[2], _mm256_loadu_si256(x + 2));
+                odd = DotAddBytes(odd, q[3], _mm256_loadu_si256(x + 3));
+                const __m256i sum16 =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs16[t] + 16 * wb + 8 * h));
+                sums[h][t] =
+                    _mm256_sub_epi32(_mm256_add_epi32(even, odd), _mm256_slli_epi32(sum16, 5));
               }
             }
+            for (int t = 0; t < MT; ++t) sixteen(t, sums[0][t], sums[1][t], u.factor, xb);
+          } else if constexpr (D == DType::kQ6_KX) {
+            // Lane L of half h's sums: sub-block SubOfLane(L)'s (SixBitValues), as Q6_K's merged.
+            // Two chains a half (low and high bytes), as the transposed layouts' four.
+            __m256i sums[2][2][MT];
+            for (int h = 0; h < 2; ++h) {
+              __m256i v[4];
+              SixBitValues(u.b, h, v);
+              for (int t = 0; t < MT; ++t) sums[h][0][t] = sums[h][1][t] = _mm256_setzero_si256();
+              for (int i = 0; i < 4; ++i) {
+                const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v[i]);
+                const __m256i lo = _mm256_unpacklo_epi8(v[i], sign);
+                const __m256i hi = _mm256_unpackhi_epi8(v[i], sign);
+                for (int t = 0; t < MT; ++t) {
+                  const auto* x =
+                      reinterpret_cast<const __m256i*>(xq[t] + xb * kBlock + 128 * h + 32 * i);
+                  sums[h][0][t] = DotAdd(sums[h][0][t], lo, _mm256_loadu_si256(x));
+                  sums[h][1][t] = DotAdd(sums[h][1][t], hi, _mm256_loadu_si256(x + 1));
+                }
+              }
+            }
+            for (int t = 0; t < MT; ++t) {
+              sixteen(t, _mm256_add_epi32(sums[0][0][t], sums[0][1][t]),
+                      _mm256_add_epi32(sums[1][0][t], sums[1][1][t]), u.factor, xb);
+            }
+          } else {
+            group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
+                  u.min, xb);
           }
-          for (int t = 0; t < MT; ++t) {
-            sixteen(t, _mm256_add_epi32(sums[0][0][t], sums[0][1][t]),
-                    _mm256_add_epi32(sums[1][0][t], sums[1][1][t]), u.factor, xb);
-          }
-        } else {
-          group([&]<int J>(__m256i* d) { dots.template operator()<J>(u, xb + J, d); }, u.factor,
-                u.min, xb);
         }
       }
     }

@@ -20,27 +20,21 @@ void DecodeRowsInt8(const WeightMatrix& w, int64_t n0, int64_t n1, const Quantiz
 
 namespace {
 
-// The 128 bytes of 8 blocks' quants transposed (RepackQ4K's layout) as UnpackBytes' quads,
-// straight from the nibbles (NibbleQuads): block b's quad u at 32u + 4b; sum[b] the block's sum.
+// The 128 bytes of 8 blocks' quants transposed (RepackQ4K's layout) as UnpackBytes' quads: the
+// layout's nibbles as they lie (Nibbles: block b's quad u at 32u + 4b); sum[b] the block's sum.
 void TransposedBytes(const uint8_t* quants, int8_t* q, int32_t* sum) {
   const __m256i ones = _mm256_set1_epi8(1);
-  // int16 lanes of quad sums' pairs: blocks 0-3 (first), 4-7 (second), each 128-bit half's
-  __m256i first_sums = _mm256_setzero_si256(), second_sums = _mm256_setzero_si256();
-  for (int h = 0; h < 4; ++h) {  // quads u = 2h (the low 128 bits), 2h + 1 (the high)
-    __m256i first, second;
-    NibbleQuads(quants + 32 * h, &first, &second);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * h),
-                        _mm256_permute2x128_si256(first, second, 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * h + 32),
-                        _mm256_permute2x128_si256(first, second, 0x31));
-    first_sums = _mm256_add_epi16(first_sums, _mm256_maddubs_epi16(first, ones));
-    second_sums = _mm256_add_epi16(second_sums, _mm256_maddubs_epi16(second, ones));
+  __m256i pair_sums = _mm256_setzero_si256();  // int16 lanes: block b's in lanes 2b, 2b + 1
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo, hi;
+    Nibbles(quants + 32 * c, &lo, &hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c + 32), hi);
+    pair_sums = _mm256_add_epi16(pair_sums, _mm256_add_epi16(_mm256_maddubs_epi16(lo, ones),
+                                                             _mm256_maddubs_epi16(hi, ones)));
   }
-  const __m256i a = _mm256_madd_epi16(first_sums, _mm256_set1_epi16(1));
-  const __m256i b = _mm256_madd_epi16(second_sums, _mm256_set1_epi16(1));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum),
-                      _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                                       _mm256_permute2x128_si256(a, b, 0x31)));
+                      _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1)));
 }
 
 }  // namespace
