@@ -123,12 +123,13 @@ constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
                                {"avx512bf16", cpu::KernelLevel::kAvx512Bf16},
                                {"avx512bf16 -AMX", cpu::KernelLevel::kAvx512Bf16, true, false},
                                {"avx512int8", cpu::KernelLevel::kAvx512Int8},
+                               {"avx512int8 -AMX", cpu::KernelLevel::kAvx512Int8, true, false},
                                {"portable", cpu::KernelLevel::kPortable}};
 
 // Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:
 // compute-bound), GFLOP/s at each kernel level this CPU and this build run (cpu_features.h; "-"
-// where they lack one), at avx512 with its VNNI tile off ("-" without VNNI), at avx512bf16 with
-// AMX's tiles off ("-" without AMX-BF16).
+// where they lack one), at avx512 with its VNNI tile off ("-" without VNNI), at avx512bf16 and
+// avx512int8 with AMX's tiles off ("-" without AMX-BF16, AMX-INT8).
 absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   constexpr int64_t M = 128, N = 1024;
   const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
@@ -169,7 +170,8 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     std::printf("%-6s", DTypeName(dt));
     for (const Column& c : kColumns) {
       if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(c.level)).ok() ||
-          (!c.vnni && !have.avx512_vnni) || (!c.amx && !have.amx_bf16) ||
+          (!c.vnni && !have.avx512_vnni) ||
+          (!c.amx && !(c.level == cpu::KernelLevel::kAvx512Int8 ? have.amx_int8 : have.amx_bf16)) ||
           (dt == DType::kBF16X && c.level != cpu::KernelLevel::kAvx512Bf16)) {  // its level's
         std::printf(" %15s", "-");
         continue;

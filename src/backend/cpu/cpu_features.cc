@@ -42,6 +42,8 @@ CpuFeatures CpuFeatures::Detect() {
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
   f.amx_bf16 =
       f.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+  f.amx_int8 =
+      f.avx512_vnni && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8");
   f.amd = __builtin_cpu_is("amd");
 #endif
   return f;
@@ -151,6 +153,7 @@ std::string DescribeKernels() {
   if (have.avx512_bf16) also.push_back("BF16");
   if (have.avx512_vnni) also.push_back("VNNI");
   if (have.amx_bf16) also.push_back("AMX-BF16");
+  if (have.amx_int8) also.push_back("AMX-INT8");
   return absl::StrCat(
       KernelLevelName(ActiveKernelLevel()),
       also.empty() ? "" : absl::StrCat(" (AVX-512 ", absl::StrJoin(also, ", "), " present)"));

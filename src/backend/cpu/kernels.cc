@@ -483,8 +483,16 @@ struct PackedTokens {
   int64_t kp = 0;
 };
 
-// Whether the quantized types' prefill multiplies int8 activations (avx512::MicroKernelInt8).
+// Whether the quantized types' prefill multiplies int8 activations (avx512::MicroKernelInt8), and
+// whether in AMX's tiles (avx512::MicroKernelInt8Amx: 16 rows a tile, GemmRange's blocks of kNbAmx).
 bool PrefillOnInt8() { return ActiveKernelLevel() == KernelLevel::kAvx512Int8; }
+bool PrefillOnAmx() { return PrefillOnInt8() && avx512::UsesAmxInt8(); }
+constexpr int64_t kNbAmx = 32;
+static_assert(kNbAmx % 16 == 0 && kNbAmx <= kNb);
+// The rows GemmRange expands at a time for dtype (MatMulGroup's chunks), where amx = PrefillOnAmx().
+constexpr int64_t BlockRows(DType dtype, bool amx) {
+  return UnpacksToInts(dtype) ? (amx ? kNbAmx : kNbInt) : kNb;
+}
 // Whether BF16 weights take AVX512-BF16's dot products (their activations rounded to BF16).
 bool Bf16Dot() { return ActiveKernelLevel() == KernelLevel::kAvx512Bf16; }
 // K rounded up to 32: the length of a row of activations rounded to BF16.
@@ -507,8 +515,11 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   float* wbuf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
   float* yt = wbuf + kNb * kKc;
   int16_t* wq = reinterpret_cast<int16_t*>(wbuf);
-  // PrefillOnInt8: the rows' bytes (UnpackBytes) in the first quarter, their groups' sums after.
+  // PrefillOnInt8: the rows' bytes (UnpackBytes) in the first quarter, their groups' sums after;
+  // in AMX's tiles (amx) 16 rows at a time, the last tile's rows past nr read from the buffer
+  // (kNb >= kNbAmx rows) and dropped.
   const bool int8 = UnpacksToInts(D) && x.q8 != nullptr;
+  const bool amx = int8 && PrefillOnAmx();
   int8_t* wq8 = reinterpret_cast<int8_t*>(wbuf);
   int32_t* wsum = reinterpret_cast<int32_t*>(wbuf + kNb * kKc / 4);
   float* wf = wbuf + kNb * kKc / 2;
@@ -520,9 +531,10 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   const bool wide = ActiveKernelLevel() >= KernelLevel::kAvx512;
   const bool bf16_dot = D == DType::kBF16 && x.bf16 != nullptr;
   uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf);
-  constexpr int64_t nbr = UnpacksToInts(D) ? kNbInt : kNb;
-  const int64_t mr =
-      UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt) : (wide ? avx512::kMr : kMr);
+  const int64_t nbr = BlockRows(D, amx);
+  const int64_t mr = amx                 ? 16
+                     : UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt)
+                                        : (wide ? avx512::kMr : kMr);
   for (int64_t nb = n0; nb < n1; nb += nbr) {
     const int64_t nr = std::min(nbr, n1 - nb);
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
@@ -531,7 +543,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
         for (int64_t r = 0; r < nr; ++r) {
           const uint8_t* row = RowPtr(w, nb + r) + DTypeBytes(D, k0);
           if (int8) {
-            UnpackBytes(D, row, kc, wq8 + r * kKc, wsum + r * (kKc / 16), wf + r * (kKc / 16),
+            UnpackBytes(D, row, kc, amx, wq8 + r * kKc, wsum + r * (kKc / 16), wf + r * (kKc / 16),
                         wm + r * (kKc / 32));
           } else {
             UnpackInts(D, row, kc, wq + r * kKc, wf + r * (kKc / 16), wm + r * (kKc / 32));
@@ -564,11 +576,18 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           continue;
         }
         // AVX-512's tiles take this panel and the next at once where there is a next.
-        const bool pair = wide && t + kNr < mp;
+        const bool pair = wide && !amx && t + kNr < mp;
         for (int64_t r = 0; r < nr; r += mr) {
           const int64_t rows = std::min(mr, nr - r);
           if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
+            if (amx) {
+              avx512::MicroKernelInt8Amx(rows, kc, IntGroup(D), HasMin(D), wq8 + r * kKc,
+                                         wsum + r * (kKc / 16), wf + r * (kKc / 16),
+                                         wm + r * (kKc / 32), kKc, x.q8 + (t / kNr * K + k0) * kNr,
+                                         x.d + xb, x.ds + xb, yt + r * mp + t, mp, k0 > 0);
+              continue;
+            }
             if (int8) {
               avx512::MicroKernelInt8(rows, pair ? 2 : 1, kc, UnpacksTransposed(D, kc), IntGroup(D),
                                       HasMin(D), wq8 + r * kKc, wsum + r * (kKc / 16),
@@ -960,7 +979,7 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
     const WeightMatrix& w = *targets[i].w;
     const bool groups = w.dtype == DType::kBF16X;
     units[i] = std::max<int64_t>(groups ? (w.rows + 15) / 16 : w.rows, 0);
-    chunk[i] = groups ? kNb / 16 : UnpacksToInts(w.dtype) ? kNbInt : kNb;
+    chunk[i] = groups ? kNb / 16 : BlockRows(w.dtype, PrefillOnAmx());
     first_chunk[i + 1] = first_chunk[i] + (units[i] + chunk[i] - 1) / chunk[i];
   }
   pool.ParallelChunks(first_chunk[n], 1, [&](int, int64_t b, int64_t e) {

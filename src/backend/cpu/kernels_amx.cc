@@ -1,6 +1,6 @@
-// KernelLevel::kAvx512Bf16's prefill tile in AMX (kernels_avx512.h's MicroKernelBf16Amx): the only
-// source built for AMX-TILE and AMX-BF16, called where the CPU has them and Linux lets the process
-// use the tiles (UsesAmx).
+// The prefill tiles in AMX: KernelLevel::kAvx512Bf16's (kernels_avx512.h's MicroKernelBf16Amx) and
+// kAvx512Int8's (MicroKernelInt8Amx). The only source built for AMX-TILE, AMX-BF16 and AMX-INT8,
+// called where the CPU has them and Linux lets the process use the tiles (UsesAmx, UsesAmxInt8).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 namespace shardserve::cpu::avx512 {
 namespace {
 
-std::atomic<int> g_amx{-1};  // UsesAmx once known
+std::atomic<int> g_amx{-1};  // whether the tiles are used, once known
 
 // Linux keeps the tiles' 8 KiB of state off until a process asks for it (arch/x86's
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a thread that runs a tile instruction without it is
@@ -22,14 +22,14 @@ std::atomic<int> g_amx{-1};  // UsesAmx once known
 bool AmxGranted() {
   static const bool granted = [] {
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return CpuFeatures::Detect().amx_bf16 &&
+    const CpuFeatures have = CpuFeatures::Detect();
+    return (have.amx_bf16 || have.amx_int8) &&
            syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return granted;
 }
 
-// The tiles' shapes (palette 1): 0-2 the F32 sums of 16 rows x 16 tokens, 3-5 16 rows' 16 pairs
-// (32 BF16), 6 the panel's 16 pairs of 16 tokens; each 16 rows of 64 bytes.
+// The tiles' shapes (palette 1), one configuration loaded at a time in a thread.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -37,16 +37,31 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void ConfigureTiles() {
-  thread_local bool configured = false;
-  if (configured) return;
+// kBf16: 0-2 the F32 sums of 16 rows x 16 tokens, 3-5 16 rows' 16 pairs (32 BF16), 6 the panel's
+// 16 pairs of 16 tokens; each 16 rows of 64 bytes. kInt8Groups32 and kInt8Groups16 (groups of G
+// values): 0 and 1 the int32 sums of 16 rows x 16 tokens (16 rows of 64 bytes), 2 and 3 16 rows'
+// G bytes, 4 and 5 the panel's G / 4 quads of 16 tokens (G / 4 rows of 64 bytes); two of each,
+// so that a group's products run while the previous group's sums are scaled.
+enum class Tiles { kNone, kBf16, kInt8Groups32, kInt8Groups16 };
+
+void ConfigureTiles(Tiles want) {
+  thread_local Tiles loaded = Tiles::kNone;
+  if (loaded == want) return;
   TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
+  const auto shape = [&](int t, int rows, int bytes) {
+    config.rows[t] = static_cast<uint8_t>(rows);
+    config.colsb[t] = static_cast<uint16_t>(bytes);
+  };
+  if (want == Tiles::kBf16) {
+    for (int t = 0; t < 7; ++t) shape(t, 16, 64);
+  } else {
+    const int g = want == Tiles::kInt8Groups32 ? 32 : 16;
+    for (int t = 0; t < 4; ++t) shape(t, 16, 64);
+    for (int t = 4; t < 6; ++t) shape(t, 16, g);
+    for (int t = 6; t < 8; ++t) shape(t, g / 4, 64);
   }
   _tile_loadconfig(&config);
-  configured = true;
+  loaded = want;
 }
 
 template <int kTiles>
@@ -80,9 +95,86 @@ void Tiles(int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel, fl
   if constexpr (kTiles > 2) _tile_stored(2, y + 32 * ldy, ys);
 }
 
+// MicroKernelInt8Amx for groups of G values: group g's 16 rows x G bytes (tile 2 + g % 2) times
+// the panel's G / 4 quads (4 + g % 2) by TDPBSUD into the int32 sums (g % 2), stored to `sums`
+// and scaled into the 16 rows' F32 accumulators (registers) while the next group's products run.
+template <int G, bool kMin>
+void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const int32_t* wsum, const float* wf,
+                const float* wm, int64_t ld, const uint8_t* xq, const float* xd, const float* xds,
+                float* y, int64_t ldy, bool accumulate) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    acc[i] = accumulate && i < mr ? _mm512_loadu_ps(y + i * ldy) : _mm512_setzero_ps();
+  }
+  alignas(64) int32_t sums[4][16 * 16];
+  const size_t ws = static_cast<size_t>(ld);
+  // Group g's products into sums[g % 4] (the tiles' numbers are the instructions' immediates).
+  const auto multiply = [&](int64_t g) {
+    const int8_t* a = wq + g * G;
+    const uint8_t* b = xq + g * G * 16;
+    switch (g % 4) {
+      case 0:
+        _tile_zero(0);
+        _tile_loadd(4, a, ws);
+        _tile_loadd(6, b, 64);
+        _tile_dpbsud(0, 4, 6);
+        _tile_stored(0, sums[0], 64);
+        break;
+      case 1:
+        _tile_zero(1);
+        _tile_loadd(5, a, ws);
+        _tile_loadd(7, b, 64);
+        _tile_dpbsud(1, 5, 7);
+        _tile_stored(1, sums[1], 64);
+        break;
+      case 2:
+        _tile_zero(2);
+        _tile_loadd(4, a, ws);
+        _tile_loadd(6, b, 64);
+        _tile_dpbsud(2, 4, 6);
+        _tile_stored(2, sums[2], 64);
+        break;
+      default:
+        _tile_zero(3);
+        _tile_loadd(5, a, ws);
+        _tile_loadd(7, b, 64);
+        _tile_dpbsud(3, 5, 7);
+        _tile_stored(3, sums[3], 64);
+        break;
+    }
+  };
+  const int64_t groups = kc / G;
+  constexpr int64_t kAhead = 3;
+  for (int64_t g = 0; g < kAhead && g < groups; ++g) multiply(g);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + kAhead < groups) multiply(g + kAhead);
+    const int32_t* c = sums[g % 4];
+    const int64_t b = g * G / 32;
+    const __m512 d = _mm512_loadu_ps(xd + b * 16);
+    const __m512 s = kMin ? _mm512_loadu_ps(xds + b * 16) : _mm512_setzero_ps();
+    // MicroKernelInt8's steps: the offset's 128 times the group's sum taken away, then y += sum *
+    // factor * d (+ minimum * s).
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c + 16 * i),
+                                           _mm512_set1_epi32(128 * wsum[i * (ld / 16) + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                               _mm512_mul_ps(_mm512_set1_ps(wf[i * (ld / 16) + g]), d), acc[i]);
+      if constexpr (kMin) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wm[i * (ld / 32) + b]), s, acc[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if (i < mr) _mm512_storeu_ps(y + i * ldy, acc[i]);
+  }
+}
+
 }  // namespace
 
-bool UsesAmx() {
+namespace {
+
+bool TilesInUse() {
   int amx = g_amx.load(std::memory_order_relaxed);
   if (amx < 0) {
     amx = AmxGranted() ? 1 : 0;
@@ -91,11 +183,23 @@ bool UsesAmx() {
   return amx == 1;
 }
 
+}  // namespace
+
+bool UsesAmx() {
+  static const bool bf16 = CpuFeatures::Detect().amx_bf16;
+  return bf16 && TilesInUse();
+}
+
+bool UsesAmxInt8() {
+  static const bool int8 = CpuFeatures::Detect().amx_int8;
+  return int8 && TilesInUse();
+}
+
 void UseAmx(bool on) { g_amx.store(on && AmxGranted() ? 1 : 0, std::memory_order_relaxed); }
 
 void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
                         const uint16_t* panel, float* y, int64_t ldy, bool accumulate) {
-  ConfigureTiles();
+  ConfigureTiles(Tiles::kBf16);
   switch (tiles) {
     case 3:
       return Tiles<3>(kp, a, lda, panel, y, ldy, accumulate);
@@ -104,6 +208,16 @@ void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
     default:
       return Tiles<1>(kp, a, lda, panel, y, ldy, accumulate);
   }
+}
+
+void MicroKernelInt8Amx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
+                        const int32_t* wsum, const float* wf, const float* wm, int64_t ld,
+                        const uint8_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
+                        bool accumulate) {
+  ConfigureTiles(g == 16 ? Tiles::kInt8Groups16 : Tiles::kInt8Groups32);
+  const auto groups = g == 16 ? (has_min ? Int8Groups<16, true> : Int8Groups<16, false>)
+                              : (has_min ? Int8Groups<32, true> : Int8Groups<32, false>);
+  groups(mr, kc, wq, wsum, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);
 }
 
 }  // namespace shardserve::cpu::avx512

@@ -21,33 +21,37 @@ void DecodeRowsInt8(const WeightMatrix& w, int64_t n0, int64_t n1, const Quantiz
 namespace {
 
 // The 128 bytes of 8 blocks' quants transposed (RepackQ4K's layout) as UnpackBytes' quads: the
-// layout's nibbles as they lie (Nibbles: block b's quad u at 32u + 4b); sum[b] the block's sum.
-void TransposedBytes(const uint8_t* quants, int8_t* q, int32_t* sum) {
+// layout's nibbles as they lie (Nibbles: block b's quad u at 32u + 4b) or, in_order, transposed
+// back (block b's quad u at 32b + 4u); sum[b] the block's sum.
+void TransposedBytes(const uint8_t* quants, bool in_order, int8_t* q, int32_t* sum) {
   const __m256i ones = _mm256_set1_epi8(1);
   __m256i pair_sums = _mm256_setzero_si256();  // int16 lanes: block b's in lanes 2b, 2b + 1
+  __m256 quads[8];                             // quad u of the 8 blocks
   for (int c = 0; c < 4; ++c) {
     __m256i lo, hi;
     Nibbles(quants + 32 * c, &lo, &hi);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c), lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c + 32), hi);
+    quads[2 * c] = _mm256_castsi256_ps(lo);
+    quads[2 * c + 1] = _mm256_castsi256_ps(hi);
     pair_sums = _mm256_add_epi16(pair_sums, _mm256_add_epi16(_mm256_maddubs_epi16(lo, ones),
                                                              _mm256_maddubs_epi16(hi, ones)));
   }
+  if (in_order) Transpose8x8(quads);  // 32-bit lanes moved as they are
+  for (int u = 0; u < 8; ++u) _mm256_storeu_ps(reinterpret_cast<float*>(q + 32 * u), quads[u]);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum),
                       _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1)));
 }
 
 }  // namespace
 
-void UnpackBytes(DType dtype, const void* row, int64_t n, int8_t* q, int32_t* sum, float* factor,
-                 float* min) {
+void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t* q, int32_t* sum,
+                 float* factor, float* min) {
   const auto* bytes = static_cast<const uint8_t*>(row);
   if (dtype == DType::kQ4_KX) {
     for (int64_t k = 0; k < n; k += 256, bytes += DTypeBlockBytes(dtype)) {
       const Unpacked<DType::kQ4_KX> u(bytes);
       std::memcpy(factor + k / 32, u.factor, sizeof(u.factor));
       std::memcpy(min + k / 32, u.min, sizeof(u.min));
-      TransposedBytes(bytes + kQ4KXQuants, q + k, sum + k / 32);
+      TransposedBytes(bytes + kQ4KXQuants, in_order, q + k, sum + k / 32);
     }
     return;
   }
@@ -57,7 +61,7 @@ void UnpackBytes(DType dtype, const void* row, int64_t n, int8_t* q, int32_t* su
           i == 0 ? factor : min,
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes) + i)));
     }
-    return TransposedBytes(bytes + 32, q, sum);
+    return TransposedBytes(bytes + 32, in_order, q, sum);
   }
   // The types in order: UnpackInts' values narrowed.
   thread_local std::vector<int16_t> storage;  // n is a tile's kc (256)

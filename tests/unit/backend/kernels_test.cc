@@ -889,12 +889,15 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
 // multiply the activations quantized to int8 per block of 32 (scale max|x| / 127): the products
 // of those up to F32 rounding, within their rounding's bound of the exact products; the other
 // types' decode (Q5_K; the file's Q4_K and Q6_K, which the backend never keeps) is avx512's, bit
-// for bit. Skipped by name without VNNI.
+// for bit. The prefill in AMX's tiles (where the CPU has AMX-INT8; said where it lacks it) is bit
+// for bit the vpdpbusd tile's (UseAmx(false)). Skipped by name without VNNI.
 TEST(KernelsTest, Int8MultipliesTheInt8Activations) {
   if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512int8").ok()) {
     GTEST_SKIP() << "kernel level avx512int8: this CPU lacks AVX512-VNNI";
   }
   const KernelLevelRestorer restorer;
+  const bool amx = CpuFeatures::Detect().amx_int8;
+  if (!amx) std::cout << "[ SKIPPED  ] AMX tiles of avx512int8: this CPU lacks AMX-INT8\n";
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> dist(-1, 1);
   auto backend = NewBackend(2);
@@ -934,6 +937,13 @@ TEST(KernelsTest, Int8MultipliesTheInt8Activations) {
             continue;
           }
           ExpectQuantizedProducts(values, x, y, M, N, K, absl::StrCat(what, " M=", M), 127);
+          if (M > kDecodeMaxTokens && amx) {  // AMX's tile: the vpdpbusd tile's bits
+            avx512::UseAmx(false);
+            MatMul(wm, x.data(), M, K, wide.data(), N, pool);
+            avx512::UseAmx(true);
+            ASSERT_EQ(std::memcmp(y.data(), wide.data(), y.size() * sizeof(float)), 0)
+                << what << " M=" << M << " with AMX-INT8";
+          }
         }
       }
     }
