@@ -472,11 +472,13 @@ void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, const int16_t* w
 // in each int32), d and ds [panel][K / 32][16]; for BF16 weights at KernelLevel::kAvx512Bf16,
 // rounded to BF16 and packed as q is ([panel][kp / 2][16][2], K padded to kp). Tokens past M are
 // zero. At KernelLevel::kAvx512Int8 (PrefillOnInt8) the quantized types' activations are int8
-// (scale max|x| / 127) offset by 128, packed in quads: q8 [panel][K / 4][16][4], d and ds as q's.
+// (scale max|x| / 127) packed in quads, q8 [panel][K / 4][16][4], d and ds as q's: offset by 128
+// (vpdpbusd's unsigned operand) unless amx (PrefillOnAmx: TDPBSSD multiplies signed bytes).
 struct PackedTokens {
   const float* f32 = nullptr;
   const int16_t* q = nullptr;
   const uint8_t* q8 = nullptr;
+  bool amx = false;
   const float* d = nullptr;
   const float* ds = nullptr;
   const uint16_t* bf16 = nullptr;
@@ -484,12 +486,14 @@ struct PackedTokens {
 };
 
 // Whether the quantized types' prefill multiplies int8 activations (avx512::MicroKernelInt8), and
-// whether in AMX's tiles (avx512::MicroKernelInt8Amx: 16 rows a tile, GemmRange's blocks of kNbAmx).
+// whether in AMX's tiles (avx512::MicroKernelInt8Amx: 16 rows a tile, GemmRange's blocks of
+// kNbAmx; the activations without vpdpbusd's offset).
 bool PrefillOnInt8() { return ActiveKernelLevel() == KernelLevel::kAvx512Int8; }
 bool PrefillOnAmx() { return PrefillOnInt8() && avx512::UsesAmxInt8(); }
 constexpr int64_t kNbAmx = 32;
 static_assert(kNbAmx % 16 == 0 && kNbAmx <= kNb);
-// The rows GemmRange expands at a time for dtype (MatMulGroup's chunks), where amx = PrefillOnAmx().
+// The rows GemmRange expands at a time for dtype (MatMulGroup's chunks), where amx =
+// PrefillOnAmx().
 constexpr int64_t BlockRows(DType dtype, bool amx) {
   return UnpacksToInts(dtype) ? (amx ? kNbAmx : kNbInt) : kNb;
 }
@@ -519,7 +523,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   // in AMX's tiles (amx) 16 rows at a time, the last tile's rows past nr read from the buffer
   // (kNb >= kNbAmx rows) and dropped.
   const bool int8 = UnpacksToInts(D) && x.q8 != nullptr;
-  const bool amx = int8 && PrefillOnAmx();
+  const bool amx = int8 && x.amx;
   int8_t* wq8 = reinterpret_cast<int8_t*>(wbuf);
   int32_t* wsum = reinterpret_cast<int32_t*>(wbuf + kNb * kKc / 4);
   float* wf = wbuf + kNb * kKc / 2;
@@ -532,7 +536,7 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   const bool bf16_dot = D == DType::kBF16 && x.bf16 != nullptr;
   uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf);
   const int64_t nbr = BlockRows(D, amx);
-  const int64_t mr = amx                 ? 16
+  const int64_t mr = amx                ? 16
                      : UnpacksToInts(D) ? (wide ? avx512::kMrInt : kMrInt)
                                         : (wide ? avx512::kMr : kMr);
   for (int64_t nb = n0; nb < n1; nb += nbr) {
@@ -543,8 +547,8 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
         for (int64_t r = 0; r < nr; ++r) {
           const uint8_t* row = RowPtr(w, nb + r) + DTypeBytes(D, k0);
           if (int8) {
-            UnpackBytes(D, row, kc, amx, wq8 + r * kKc, wsum + r * (kKc / 16), wf + r * (kKc / 16),
-                        wm + r * (kKc / 32));
+            UnpackBytes(D, row, kc, amx, wq8 + r * kKc, amx ? nullptr : wsum + r * (kKc / 16),
+                        wf + r * (kKc / 16), wm + r * (kKc / 32));
           } else {
             UnpackInts(D, row, kc, wq + r * kKc, wf + r * (kKc / 16), wm + r * (kKc / 32));
           }
@@ -582,10 +586,11 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
             if (amx) {
-              avx512::MicroKernelInt8Amx(rows, kc, IntGroup(D), HasMin(D), wq8 + r * kKc,
-                                         wsum + r * (kKc / 16), wf + r * (kKc / 16),
-                                         wm + r * (kKc / 32), kKc, x.q8 + (t / kNr * K + k0) * kNr,
-                                         x.d + xb, x.ds + xb, yt + r * mp + t, mp, k0 > 0);
+              avx512::MicroKernelInt8Amx(
+                  rows, kc, IntGroup(D), HasMin(D), wq8 + r * kKc, wf + r * (kKc / 16),
+                  wm + r * (kKc / 32), kKc,
+                  reinterpret_cast<const int8_t*>(x.q8) + (t / kNr * K + k0) * kNr, x.d + xb,
+                  x.ds + xb, yt + r * mp + t, mp, k0 > 0);
               continue;
             }
             if (int8) {
@@ -684,10 +689,11 @@ void PackPairs(const int16_t* rows16, int64_t M, int64_t K, ThreadPool& pool, in
 }
 
 // The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels
-// (int8: a's int8 values offset by 128 in its quad panels, as many bytes in q), their block
-// scales beside them.
-void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, bool int8, ThreadPool& pool,
-                   std::vector<int16_t>* q, std::vector<float>* d, std::vector<float>* ds) {
+// (int8: a's int8 values in its quad panels, offset by 128 where `offset`, as many bytes in q),
+// their block scales beside them.
+void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, bool int8, bool offset,
+                   ThreadPool& pool, std::vector<int16_t>* q, std::vector<float>* d,
+                   std::vector<float>* ds) {
   const int64_t panels = (M + kNr - 1) / kNr, blocks = K / 32;
   q->resize(panels * K * kNr / (int8 ? 2 : 1));
   d->resize(panels * blocks * kNr);
@@ -703,11 +709,15 @@ void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, bool int
   };
   if (!int8) return PackPairs(a.q.data(), M, K, pool, q->data(), scales);
   // A quad of bytes is a pair of 16-bit values: the rows as K / 2 of those.
+  if (!offset) {
+    return PackPairs(reinterpret_cast<const int16_t*>(a.q8.data()), M, K / 2, pool, q->data(),
+                     scales);
+  }
   thread_local std::vector<uint8_t> offset_storage;
-  std::vector<uint8_t>& offset = offset_storage;
-  offset.resize(static_cast<size_t>(M * K));
-  for (size_t i = 0; i < offset.size(); ++i) offset[i] = static_cast<uint8_t>(a.q8[i] ^ 0x80);
-  PackPairs(reinterpret_cast<const int16_t*>(offset.data()), M, K / 2, pool, q->data(), scales);
+  std::vector<uint8_t>& shifted = offset_storage;
+  shifted.resize(static_cast<size_t>(M * K));
+  for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = static_cast<uint8_t>(a.q8[i] ^ 0x80);
+  PackPairs(reinterpret_cast<const int16_t*>(shifted.data()), M, K / 2, pool, q->data(), scales);
 }
 
 // The M tokens of x rounded to BF16 (avx512::RoundToBf16) in PackedTokens' pair panels, K
@@ -915,7 +925,8 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       const bool int8 = PrefillOnInt8();
       QuantizeActivations(x, M, ldx, K, int8 ? kInt8InOrder : kActivationsInOrder, pool,
                           &quantized);
-      PackQuantized(quantized, M, K, int8, pool, &q, &d, &ds);
+      packed.amx = int8 && PrefillOnAmx();
+      PackQuantized(quantized, M, K, int8, !packed.amx, pool, &q, &d, &ds);
       if (int8) {
         packed.q8 = reinterpret_cast<const uint8_t*>(q.data());
       } else {
@@ -979,7 +990,7 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
     const WeightMatrix& w = *targets[i].w;
     const bool groups = w.dtype == DType::kBF16X;
     units[i] = std::max<int64_t>(groups ? (w.rows + 15) / 16 : w.rows, 0);
-    chunk[i] = groups ? kNb / 16 : BlockRows(w.dtype, PrefillOnAmx());
+    chunk[i] = groups ? kNb / 16 : BlockRows(w.dtype, packed.amx);
     first_chunk[i + 1] = first_chunk[i] + (units[i] + chunk[i] - 1) / chunk[i];
   }
   pool.ParallelChunks(first_chunk[n], 1, [&](int, int64_t b, int64_t e) {

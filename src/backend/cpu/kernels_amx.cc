@@ -39,9 +39,9 @@ struct alignas(64) TileConfig {
 
 // kBf16: 0-2 the F32 sums of 16 rows x 16 tokens, 3-5 16 rows' 16 pairs (32 BF16), 6 the panel's
 // 16 pairs of 16 tokens; each 16 rows of 64 bytes. kInt8Groups32 and kInt8Groups16 (groups of G
-// values): 0 and 1 the int32 sums of 16 rows x 16 tokens (16 rows of 64 bytes), 2 and 3 16 rows'
-// G bytes, 4 and 5 the panel's G / 4 quads of 16 tokens (G / 4 rows of 64 bytes); two of each,
-// so that a group's products run while the previous group's sums are scaled.
+// values): 0-3 the int32 sums of 16 rows x 16 tokens (16 rows of 64 bytes), 4 and 5 16 rows' G
+// bytes, 6 and 7 the panel's G / 4 quads of 16 tokens (G / 4 rows of 64 bytes): several groups'
+// products run while an earlier group's sums are scaled.
 enum class Tiles { kNone, kBf16, kInt8Groups32, kInt8Groups16 };
 
 void ConfigureTiles(Tiles want) {
@@ -95,13 +95,14 @@ void Tiles(int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel, fl
   if constexpr (kTiles > 2) _tile_stored(2, y + 32 * ldy, ys);
 }
 
-// MicroKernelInt8Amx for groups of G values: group g's 16 rows x G bytes (tile 2 + g % 2) times
-// the panel's G / 4 quads (4 + g % 2) by TDPBSUD into the int32 sums (g % 2), stored to `sums`
-// and scaled into the 16 rows' F32 accumulators (registers) while the next group's products run.
+// MicroKernelInt8Amx for groups of G values: group g's 16 rows x G bytes (tile 4 + g % 2) times
+// the panel's G / 4 quads (6 + g % 2) by TDPBSSD into the int32 sums (tile g % 4), stored to
+// sums[g % 4] and scaled into the 16 rows' F32 accumulators (registers) while the next 3 groups'
+// products run.
 template <int G, bool kMin>
-void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const int32_t* wsum, const float* wf,
-                const float* wm, int64_t ld, const uint8_t* xq, const float* xd, const float* xds,
-                float* y, int64_t ldy, bool accumulate) {
+void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const float* wm,
+                int64_t ld, const int8_t* xq, const float* xd, const float* xds, float* y,
+                int64_t ldy, bool accumulate) {
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
@@ -112,34 +113,34 @@ void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const int32_t* wsum, c
   // Group g's products into sums[g % 4] (the tiles' numbers are the instructions' immediates).
   const auto multiply = [&](int64_t g) {
     const int8_t* a = wq + g * G;
-    const uint8_t* b = xq + g * G * 16;
+    const int8_t* b = xq + g * G * 16;
     switch (g % 4) {
       case 0:
         _tile_zero(0);
         _tile_loadd(4, a, ws);
         _tile_loadd(6, b, 64);
-        _tile_dpbsud(0, 4, 6);
+        _tile_dpbssd(0, 4, 6);
         _tile_stored(0, sums[0], 64);
         break;
       case 1:
         _tile_zero(1);
         _tile_loadd(5, a, ws);
         _tile_loadd(7, b, 64);
-        _tile_dpbsud(1, 5, 7);
+        _tile_dpbssd(1, 5, 7);
         _tile_stored(1, sums[1], 64);
         break;
       case 2:
         _tile_zero(2);
         _tile_loadd(4, a, ws);
         _tile_loadd(6, b, 64);
-        _tile_dpbsud(2, 4, 6);
+        _tile_dpbssd(2, 4, 6);
         _tile_stored(2, sums[2], 64);
         break;
       default:
         _tile_zero(3);
         _tile_loadd(5, a, ws);
         _tile_loadd(7, b, 64);
-        _tile_dpbsud(3, 5, 7);
+        _tile_dpbssd(3, 5, 7);
         _tile_stored(3, sums[3], 64);
         break;
     }
@@ -153,15 +154,13 @@ void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const int32_t* wsum, c
     const int64_t b = g * G / 32;
     const __m512 d = _mm512_loadu_ps(xd + b * 16);
     const __m512 s = kMin ? _mm512_loadu_ps(xds + b * 16) : _mm512_setzero_ps();
-    // MicroKernelInt8's steps: the offset's 128 times the group's sum taken away, then y += sum *
-    // factor * d (+ minimum * s).
+    // MicroKernelInt8's float steps: y += sum * factor * d (+ minimum * s).
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
-      const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(c + 16 * i),
-                                           _mm512_set1_epi32(128 * wsum[i * (ld / 16) + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)),
                                _mm512_mul_ps(_mm512_set1_ps(wf[i * (ld / 16) + g]), d), acc[i]);
-      if constexpr (kMin) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wm[i * (ld / 32) + b]), s, acc[i]);
+      if constexpr (kMin)
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wm[i * (ld / 32) + b]), s, acc[i]);
     }
   }
 #pragma GCC unroll 16
@@ -211,13 +210,12 @@ void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
 }
 
 void MicroKernelInt8Amx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
-                        const int32_t* wsum, const float* wf, const float* wm, int64_t ld,
-                        const uint8_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                        bool accumulate) {
+                        const float* wf, const float* wm, int64_t ld, const int8_t* xq,
+                        const float* xd, const float* xds, float* y, int64_t ldy, bool accumulate) {
   ConfigureTiles(g == 16 ? Tiles::kInt8Groups16 : Tiles::kInt8Groups32);
   const auto groups = g == 16 ? (has_min ? Int8Groups<16, true> : Int8Groups<16, false>)
                               : (has_min ? Int8Groups<32, true> : Int8Groups<32, false>);
-  groups(mr, kc, wq, wsum, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);
+  groups(mr, kc, wq, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);
 }
 
 }  // namespace shardserve::cpu::avx512

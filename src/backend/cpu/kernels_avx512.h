@@ -106,17 +106,15 @@ void GemmBlockBf16(int64_t rows, int64_t kp, const uint16_t* a, int64_t lda, con
 // calling thread's tiles on its first call.
 void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
                         const uint16_t* panel, float* y, int64_t ldy, bool accumulate);
-// KernelLevel::kAvx512Int8's prefill tile in AMX (kernels_amx.cc, where UsesAmxInt8): MicroKernelInt8
-// for 16 rows (of which the first mr are stored; the rest are read from wq, wsum, wf and wm and
-// their results dropped) and one panel of 16 tokens, the rows' values in order (UnpackBytes'
-// in_order), each group's int32 sums by TDPBSUD (the rows' signed bytes times the tokens'
-// unsigned ones, 16 x 16 x G products an instruction), then MicroKernelInt8's integer and float
-// steps in its order: the same bits. Configures the calling thread's tiles where it last ran
-// another configuration.
+// KernelLevel::kAvx512Int8's prefill tile in AMX (kernels_amx.cc, where UsesAmxInt8):
+// MicroKernelInt8 for 16 rows (of which the first mr are stored; the rest are read from wq, wf and
+// wm and their results dropped) and one panel of 16 tokens, the rows' values in order (UnpackBytes'
+// in_order), the tokens' signed (no offset), each group's int32 sums by TDPBSSD (16 x 16 x G
+// products an instruction), then MicroKernelInt8's float steps in its order: the same bits.
+// Configures the calling thread's tiles where it last ran another configuration.
 void MicroKernelInt8Amx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
-                        const int32_t* wsum, const float* wf, const float* wm, int64_t ld,
-                        const uint8_t* xq, const float* xd, const float* xds, float* y, int64_t ldy,
-                        bool accumulate);
+                        const float* wf, const float* wm, int64_t ld, const int8_t* xq,
+                        const float* xd, const float* xds, float* y, int64_t ldy, bool accumulate);
 // Whether GemmBlockBf16 uses AMX: where the CPU has AMX-BF16 and Linux grants the process the
 // tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), unless UseAmx(false) (tests and
 // benchmarks compare the two). UsesAmxInt8: whether kAvx512Int8's prefill uses

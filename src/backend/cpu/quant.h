@@ -108,8 +108,9 @@ constexpr bool UnpacksTransposed(DType d, int64_t n) {
 // values as signed bytes (each type's fit one: Q8_0's -128 .. 127, the others' within -32 .. 63),
 // 4 values of one group side by side, the tile's unit: in order, but for UnpacksTransposed's 256
 // values, unless in_order (AMX's tile, whose rows are a group's values), values 4u .. 4u + 3 of
-// block b at 32u + 4b; sum[i / IntGroup] the sum of group i's values (the tile takes 128 times it
-// away: its activations carry an offset of 128); factor and min as UnpackInts'.
+// block b at 32u + 4b; sum[i / IntGroup] the sum of group i's values (the vpdpbusd tile takes
+// 128 times it away: its activations carry an offset of 128; none where sum is null, AMX's
+// tile); factor and min as UnpackInts'.
 void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t* q, int32_t* sum,
                  float* factor, float* min);
 // One row of `cols` values of FileType(kept) into the layout kept (RepackQ4K, RepackQ6K,

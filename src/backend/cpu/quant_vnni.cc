@@ -37,6 +37,7 @@ void TransposedBytes(const uint8_t* quants, bool in_order, int8_t* q, int32_t* s
   }
   if (in_order) Transpose8x8(quads);  // 32-bit lanes moved as they are
   for (int u = 0; u < 8; ++u) _mm256_storeu_ps(reinterpret_cast<float*>(q + 32 * u), quads[u]);
+  if (sum == nullptr) return;
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum),
                       _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1)));
 }
@@ -63,6 +64,23 @@ void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t*
     }
     return TransposedBytes(bytes + 32, in_order, q, sum);
   }
+  if (dtype == DType::kQ8_0) {  // the file's bytes
+    for (int64_t b = 0; b < n / 32; ++b, bytes += DTypeBlockBytes(dtype), q += 32) {
+      factor[b] = Half(bytes);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 2));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
+      if (sum == nullptr) continue;
+      // The bytes offset by 128 summed as unsigned ones: the sum plus 32 times 128.
+      const __m256i sad =
+          _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8(-128)), _mm256_setzero_si256());
+      const __m128i half =
+          _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+      sum[b] = static_cast<int32_t>(
+                   _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)))) -
+               32 * 128;
+    }
+    return;
+  }
   // The types in order: UnpackInts' values narrowed.
   thread_local std::vector<int16_t> storage;  // n is a tile's kc (256)
   storage.resize(static_cast<size_t>(n));
@@ -72,6 +90,7 @@ void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t*
     for (int64_t g = 0; g < n / 16; ++g, v += 16, q += 16) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_cvtepi16_epi8(a));
+      if (sum == nullptr) continue;
       sum[g] = _mm512_reduce_add_epi32(
           _mm512_zextsi256_si512(_mm256_madd_epi16(a, _mm256_set1_epi16(1))));
     }
@@ -80,6 +99,7 @@ void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t*
   for (int64_t g = 0; g < n / 32; ++g, v += 32, q += 32) {
     const __m512i a = _mm512_loadu_si512(v);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi16_epi8(a));
+    if (sum == nullptr) continue;
     sum[g] = _mm512_reduce_add_epi32(_mm512_madd_epi16(a, _mm512_set1_epi16(1)));
   }
 }
