@@ -42,20 +42,20 @@ struct alignas(64) TileConfig {
 // values): 0-3 the int32 sums of 16 rows x 16 tokens (16 rows of 64 bytes), 4 and 5 16 rows' G
 // bytes, 6 and 7 the panel's G / 4 quads of 16 tokens (G / 4 rows of 64 bytes): several groups'
 // products run while an earlier group's sums are scaled.
-enum class Tiles { kNone, kBf16, kInt8Groups32, kInt8Groups16 };
+enum class TileShapes { kNone, kBf16, kInt8Groups32, kInt8Groups16 };
 
-void ConfigureTiles(Tiles want) {
-  thread_local Tiles loaded = Tiles::kNone;
+void ConfigureTiles(TileShapes want) {
+  thread_local TileShapes loaded = TileShapes::kNone;
   if (loaded == want) return;
   TileConfig config;
   const auto shape = [&](int t, int rows, int bytes) {
     config.rows[t] = static_cast<uint8_t>(rows);
     config.colsb[t] = static_cast<uint16_t>(bytes);
   };
-  if (want == Tiles::kBf16) {
+  if (want == TileShapes::kBf16) {
     for (int t = 0; t < 7; ++t) shape(t, 16, 64);
   } else {
-    const int g = want == Tiles::kInt8Groups32 ? 32 : 16;
+    const int g = want == TileShapes::kInt8Groups32 ? 32 : 16;
     for (int t = 0; t < 4; ++t) shape(t, 16, 64);
     for (int t = 4; t < 6; ++t) shape(t, 16, g);
     for (int t = 6; t < 8; ++t) shape(t, g / 4, 64);
@@ -169,10 +169,6 @@ void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const
   }
 }
 
-}  // namespace
-
-namespace {
-
 bool TilesInUse() {
   int amx = g_amx.load(std::memory_order_relaxed);
   if (amx < 0) {
@@ -198,7 +194,7 @@ void UseAmx(bool on) { g_amx.store(on && AmxGranted() ? 1 : 0, std::memory_order
 
 void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
                         const uint16_t* panel, float* y, int64_t ldy, bool accumulate) {
-  ConfigureTiles(Tiles::kBf16);
+  ConfigureTiles(TileShapes::kBf16);
   switch (tiles) {
     case 3:
       return Tiles<3>(kp, a, lda, panel, y, ldy, accumulate);
@@ -212,7 +208,7 @@ void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
 void MicroKernelInt8Amx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
                         const float* wf, const float* wm, int64_t ld, const int8_t* xq,
                         const float* xd, const float* xds, float* y, int64_t ldy, bool accumulate) {
-  ConfigureTiles(g == 16 ? Tiles::kInt8Groups16 : Tiles::kInt8Groups32);
+  ConfigureTiles(g == 16 ? TileShapes::kInt8Groups16 : TileShapes::kInt8Groups32);
   const auto groups = g == 16 ? (has_min ? Int8Groups<16, true> : Int8Groups<16, false>)
                               : (has_min ? Int8Groups<32, true> : Int8Groups<32, false>);
   groups(mr, kc, wq, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);

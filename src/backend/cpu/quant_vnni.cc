@@ -52,7 +52,8 @@ void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t*
       const Unpacked<DType::kQ4_KX> u(bytes);
       std::memcpy(factor + k / 32, u.factor, sizeof(u.factor));
       std::memcpy(min + k / 32, u.min, sizeof(u.min));
-      TransposedBytes(bytes + kQ4KXQuants, in_order, q + k, sum + k / 32);
+      TransposedBytes(bytes + kQ4KXQuants, in_order, q + k,
+                      sum != nullptr ? sum + k / 32 : nullptr);
     }
     return;
   }
