@@ -110,41 +110,31 @@ void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const
   }
   alignas(64) int32_t sums[4][16 * 16];
   const size_t ws = static_cast<size_t>(ld);
-  // Group g's products into sums[g % 4] (the tiles' numbers are the instructions' immediates).
+  // Group g's products into sums[g % 4]: tiles C (the sums), A and B, whose numbers the
+  // instructions take as immediates (hence a macro, not a template).
+#define SHARDSERVE_AMX_GROUP(C, A, B)  \
+  _tile_zero(C);                       \
+  _tile_loadd(A, wq + g * G, ws);      \
+  _tile_loadd(B, xq + g * G * 16, 64); \
+  _tile_dpbssd(C, A, B);               \
+  _tile_stored(C, sums[C], 64)
   const auto multiply = [&](int64_t g) {
-    const int8_t* a = wq + g * G;
-    const int8_t* b = xq + g * G * 16;
     switch (g % 4) {
       case 0:
-        _tile_zero(0);
-        _tile_loadd(4, a, ws);
-        _tile_loadd(6, b, 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_stored(0, sums[0], 64);
+        SHARDSERVE_AMX_GROUP(0, 4, 6);
         break;
       case 1:
-        _tile_zero(1);
-        _tile_loadd(5, a, ws);
-        _tile_loadd(7, b, 64);
-        _tile_dpbssd(1, 5, 7);
-        _tile_stored(1, sums[1], 64);
+        SHARDSERVE_AMX_GROUP(1, 5, 7);
         break;
       case 2:
-        _tile_zero(2);
-        _tile_loadd(4, a, ws);
-        _tile_loadd(6, b, 64);
-        _tile_dpbssd(2, 4, 6);
-        _tile_stored(2, sums[2], 64);
+        SHARDSERVE_AMX_GROUP(2, 4, 6);
         break;
       default:
-        _tile_zero(3);
-        _tile_loadd(5, a, ws);
-        _tile_loadd(7, b, 64);
-        _tile_dpbssd(3, 5, 7);
-        _tile_stored(3, sums[3], 64);
+        SHARDSERVE_AMX_GROUP(3, 5, 7);
         break;
     }
   };
+#undef SHARDSERVE_AMX_GROUP
   const int64_t groups = kc / G;
   constexpr int64_t kAhead = 3;
   for (int64_t g = 0; g < kAhead && g < groups; ++g) multiply(g);
