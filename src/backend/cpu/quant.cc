@@ -146,27 +146,6 @@ void TransposeSubBlocks(int64_t K, int16_t* q) {
   }
 }
 
-// Half h (values 128h .. 128h + 127) of a Q6_KX super-block: f(L, bytes) for each lane L, with
-// bytes the 16 signed values of the half's 16-value sub-block SubOfLane(L), in order.
-template <typename F>
-inline void SubBlocksQ6KX(const uint8_t* b, int h, F f) {
-  __m256i v[4];
-  SixBitValues(b, h, v);
-  // Dword L of each 128-bit lane: values 4i .. 4i + 3 of sub-block SubOfLane(L); then those of
-  // the 4 vectors side by side, sub-block SubOfLane(g + 4 lane) in vector g.
-  const __m256i gather = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0,
-                                          1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-  for (__m256i& x : v) x = _mm256_shuffle_epi8(x, gather);
-  const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), c = _mm256_unpacklo_epi32(v[2], v[3]);
-  const __m256i e = _mm256_unpackhi_epi32(v[0], v[1]), g = _mm256_unpackhi_epi32(v[2], v[3]);
-  const __m256i subs[4] = {_mm256_unpacklo_epi64(a, c), _mm256_unpackhi_epi64(a, c),
-                           _mm256_unpacklo_epi64(e, g), _mm256_unpackhi_epi64(e, g)};
-  for (int i = 0; i < 4; ++i) {
-    f(i, _mm256_castsi256_si128(subs[i]));
-    f(i + 4, _mm256_extracti128_si256(subs[i], 1));
-  }
-}
-
 // The 8 F16 factors and 8 minimums at the start of a Q4_1X group (RepackQ4_1), as F32.
 inline void GroupFactorsQ4_1X(const uint8_t* group, float* factor, float* min) {
   for (int i = 0; i < 2; ++i) {

@@ -42,6 +42,13 @@ void TransposedBytes(const uint8_t* quants, bool in_order, int8_t* q, int32_t* s
                       _mm256_madd_epi16(pair_sums, _mm256_set1_epi16(1)));
 }
 
+// The sum of 16 signed bytes: offset by 128, summed as unsigned ones (vpsadbw), less 16 x 128.
+int32_t ByteSum(__m128i v) {
+  const __m128i sad = _mm_sad_epu8(_mm_xor_si128(v, _mm_set1_epi8(-128)), _mm_setzero_si128());
+  return static_cast<int32_t>(_mm_cvtsi128_si64(_mm_add_epi64(sad, _mm_unpackhi_epi64(sad, sad)))) -
+         16 * 128;
+}
+
 }  // namespace
 
 void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t* q, int32_t* sum,
@@ -65,20 +72,28 @@ void UnpackBytes(DType dtype, const void* row, int64_t n, bool in_order, int8_t*
     }
     return TransposedBytes(bytes + 32, in_order, q, sum);
   }
+  if (dtype == DType::kQ6_KX) {  // the sub-blocks' bytes in order, 16 factors a super-block
+    for (int64_t k = 0; k < n; k += 256, bytes += DTypeBlockBytes(dtype), q += 256) {
+      const Unpacked<DType::kQ6_KX> u(bytes);
+      for (int h = 0; h < 2; ++h) {
+        SubBlocksQ6KX(bytes, h, [&](int L, __m128i v) {
+          const int64_t sub = 8 * h + SubOfLane(L);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * sub), v);
+          factor[k / 16 + sub] = u.factor[8 * h + L];
+          if (sum != nullptr) sum[k / 16 + sub] = ByteSum(v);
+        });
+      }
+    }
+    return;
+  }
   if (dtype == DType::kQ8_0) {  // the file's bytes
     for (int64_t b = 0; b < n / 32; ++b, bytes += DTypeBlockBytes(dtype), q += 32) {
       factor[b] = Half(bytes);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 2));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
-      if (sum == nullptr) continue;
-      // The bytes offset by 128 summed as unsigned ones: the sum plus 32 times 128.
-      const __m256i sad =
-          _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8(-128)), _mm256_setzero_si256());
-      const __m128i half =
-          _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-      sum[b] = static_cast<int32_t>(
-                   _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)))) -
-               32 * 128;
+      if (sum != nullptr) {
+        sum[b] = ByteSum(_mm256_castsi256_si128(v)) + ByteSum(_mm256_extracti128_si256(v, 1));
+      }
     }
     return;
   }
