@@ -100,10 +100,10 @@ void MicroKernelBf16Any(int64_t mr, int64_t kp, const uint16_t* a, int64_t lda,
 void GemmBlockBf16(int64_t rows, int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel,
                    float* y, int64_t ldy, bool accumulate);
 
-// AMX (kernels_amx.cc, built for AMX-TILE, AMX-BF16 and AMX-INT8): `tiles` (1 to 3) x 16 rows against the
-// panel's 16 tokens, kp pairs (a multiple of 16), each 16 rows one tile of F32 sums, TDPBF16PS
-// adding 16 pairs of the rows (a tile) times the panel's 16 pairs (a tile) a step. Configures the
-// calling thread's tiles where it last ran another configuration (the int8 tile's).
+// AMX (kernels_amx.cc, built for AMX-TILE, AMX-BF16 and AMX-INT8): `tiles` (1 to 3) x 16 rows
+// against the panel's 16 tokens, kp pairs (a multiple of 16), each 16 rows one tile of F32 sums,
+// TDPBF16PS adding 16 pairs of the rows (a tile) times the panel's 16 pairs (a tile) a step.
+// Configures the calling thread's tiles where it last ran another configuration (the int8 tile's).
 void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
                         const uint16_t* panel, float* y, int64_t ldy, bool accumulate);
 // KernelLevel::kAvx512Int8's prefill tile in AMX (kernels_amx.cc, where UsesAmxInt8):
