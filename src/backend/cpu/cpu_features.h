@@ -24,8 +24,7 @@ struct CpuFeatures {
   // its BF16 dot products (kAvx512Bf16) and VNNI (reported); AMX's tiles with their BF16 dot
   // products (kAvx512Bf16's prefill, where the kernel grants the tiles' state: avx512::UsesAmx)
   // and their int8 dot products (kAvx512Int8's prefill, likewise).
-  bool avx512 = false, avx512_bf16 = false, avx512_vnni = false, amx_bf16 = false,
-       amx_int8 = false;
+  bool avx512 = false, avx512_bf16 = false, avx512_vnni = false, amx_bf16 = false, amx_int8 = false;
   // ARM (reported): Advanced SIMD (NEON) and its dot product extension.
   bool neon = false, dotprod = false;
   // An AMD CPU (CPUID's vendor): its cores run AVX512-BF16's dot products at twice the width of
