@@ -753,6 +753,20 @@ void ApiServer::Impl::Stream(const ApiRequest& req, std::vector<Choice>& choices
       if (req.chat) {
         json delta = json::object();
         if (!c.sent_role) delta["role"] = "assistant";
+        // A poll that took the thought's end and the answer's start at once (a slow reader, a
+        // loaded host) sends them as two chunks: a delta is reasoning or answer, never both.
+        if (!d.reasoning.empty() && (!d.text.empty() || !d.calls.empty())) {
+          delta["reasoning_content"] = std::move(d.reasoning);
+          d.reasoning.clear();
+          json first = ChunkHeader(req, id, created);
+          first["choices"] = json::array({{{"index", i},
+                                           {"logprobs", nullptr},
+                                           {"finish_reason", nullptr},
+                                           {"delta", delta}}});
+          if (!send(first)) return;
+          delta = json::object();
+          c.sent_role = true;
+        }
         if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
         if (!d.text.empty() || (!c.sent_role && d.reasoning.empty())) delta["content"] = d.text;
         if (!d.calls.empty()) delta["tool_calls"] = ToolCallsJson(d.calls, true);
