@@ -17,12 +17,19 @@ LCP_VERSION=0.3.36
 # The peer is built for the instruction set our kernels run at: natively (AVX-512 where the CPU
 # has it) by default, and for x86-64-v3 (AVX2 + FMA + F16C, no AVX-512) when
 # SHARDSERVE_CPU_KERNELS=avx2 forces our AVX2 path, so that the forced run stands for a machine
-# without AVX-512 on both sides (PEER_NATIVE=1 keeps the native peer there instead).
+# without AVX-512 on both sides (PEER_NATIVE=1 keeps the native peer there instead); with AVX-VNNI
+# on both sides where the CPU has it (our avx2 level takes it: cpu_features.h's UsesVnni), as on
+# Alder Lake and later, whose native llama.cpp uses it.
 if [ "${SHARDSERVE_CPU_KERNELS:-}" = avx2 ] && [ "${PEER_NATIVE:-0}" != 1 ]; then
+  AVX_VNNI=OFF
   PEER="$CACHE/llama.cpp-$LCP_VERSION-avx2"
+  if grep -qw avx_vnni /proc/cpuinfo; then
+    AVX_VNNI=ON
+    PEER="$PEER-avxvnni"
+  fi
   PEER_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
-    -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+    -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=$AVX_VNNI -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
     -DGGML_AMX_BF16=OFF)
 else
   PEER="$CACHE/llama.cpp-$LCP_VERSION"

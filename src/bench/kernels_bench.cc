@@ -111,13 +111,15 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
 namespace {
 
 // The prefill table's columns: each kernel level (avx512int8: the quantized types on int8
-// activations), AVX-512's without VNNI and avx512bf16's without AMX's tiles (x86-64).
+// activations), AVX2's without AVX-VNNI, AVX-512's without VNNI and avx512bf16's and avx512int8's
+// without AMX's tiles (x86-64).
 struct Column {
   const char* name;
   cpu::KernelLevel level;
   bool vnni = true, amx = true;
 };
 constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
+                               {"avx2 -VNNI", cpu::KernelLevel::kAvx2, false},
                                {"avx512", cpu::KernelLevel::kAvx512},
                                {"avx512 -VNNI", cpu::KernelLevel::kAvx512, false},
                                {"avx512bf16", cpu::KernelLevel::kAvx512Bf16},
@@ -128,8 +130,8 @@ constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
 
 // Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:
 // compute-bound), GFLOP/s at each kernel level this CPU and this build run (cpu_features.h; "-"
-// where they lack one), at avx512 with its VNNI tile off ("-" without VNNI), at avx512bf16 and
-// avx512int8 with AMX's tiles off ("-" without AMX-BF16, AMX-INT8).
+// where they lack one), at avx2 and avx512 with VNNI off ("-" without AVX-VNNI, AVX512-VNNI), at
+// avx512bf16 and avx512int8 with AMX's tiles off ("-" without AMX-BF16, AMX-INT8).
 absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   constexpr int64_t M = 128, N = 1024;
   const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
@@ -170,7 +172,7 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     std::printf("%-6s", DTypeName(dt));
     for (const Column& c : kColumns) {
       if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(c.level)).ok() ||
-          (!c.vnni && !have.avx512_vnni) ||
+          (!c.vnni && !(c.level == cpu::KernelLevel::kAvx2 ? have.avx_vnni : have.avx512_vnni)) ||
           (!c.amx && !(c.level == cpu::KernelLevel::kAvx512Int8 ? have.amx_int8 : have.amx_bf16)) ||
           (dt == DType::kBF16X && c.level != cpu::KernelLevel::kAvx512Bf16)) {  // its level's
         std::printf(" %15s", "-");
@@ -178,7 +180,7 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
       }
       cpu::SetKernelLevel(c.level);
 #if !SHARDSERVE_PORTABLE_KERNELS
-      cpu::avx512::UseVnni(c.vnni);
+      cpu::UseVnni(c.vnni);
       cpu::avx512::UseAmx(c.amx);
 #endif
       cpu::MatMul(w, x.data(), M, K, y.data(), N, pool);  // warm
@@ -196,7 +198,7 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   }
   cpu::SetKernelLevel(before);
 #if !SHARDSERVE_PORTABLE_KERNELS
-  cpu::avx512::UseVnni(true);
+  cpu::UseVnni(true);
   cpu::avx512::UseAmx(true);
 #endif
   return absl::OkStatus();

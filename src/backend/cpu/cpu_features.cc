@@ -16,6 +16,7 @@ namespace shardserve::cpu {
 namespace {
 
 std::atomic<int> g_level{-1};                           // KernelLevel once chosen
+std::atomic<bool> g_vnni{true};                         // UseVnni's
 constexpr char kVariable[] = "SHARDSERVE_CPU_KERNELS";  // api/worker_env.h's, named in errors
 #if SHARDSERVE_PORTABLE_KERNELS
 constexpr bool kPortable = true;
@@ -40,6 +41,7 @@ CpuFeatures CpuFeatures::Detect() {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
+  f.avx_vnni = f.avx2 && __builtin_cpu_supports("avxvnni");
   f.amx_bf16 =
       f.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
   f.amx_int8 =
@@ -134,6 +136,14 @@ void SetKernelLevel(KernelLevel level) {
   g_level.store(static_cast<int>(level), std::memory_order_relaxed);
 }
 
+bool UsesVnni() {
+  if (kPortable || !g_vnni.load(std::memory_order_relaxed)) return false;
+  static const CpuFeatures have = CpuFeatures::Detect();
+  return ActiveKernelLevel() == KernelLevel::kAvx2 ? have.avx_vnni : have.avx512_vnni;
+}
+
+void UseVnni(bool on) { g_vnni.store(on, std::memory_order_relaxed); }
+
 absl::Status UseKernelLevel(std::string_view asked) {
   ASSIGN_OR_RETURN(const KernelLevel level, ChooseKernelLevel(CpuFeatures::Detect(), asked));
   SetKernelLevel(level);
@@ -154,9 +164,12 @@ std::string DescribeKernels() {
   if (have.avx512_vnni) also.push_back("VNNI");
   if (have.amx_bf16) also.push_back("AMX-BF16");
   if (have.amx_int8) also.push_back("AMX-INT8");
+  std::vector<std::string> sets;  // "AVX-512 BF16, VNNI", "AVX-VNNI"
+  if (!also.empty()) sets.push_back(absl::StrCat("AVX-512 ", absl::StrJoin(also, ", ")));
+  if (have.avx_vnni) sets.push_back("AVX-VNNI");
   return absl::StrCat(
       KernelLevelName(ActiveKernelLevel()),
-      also.empty() ? "" : absl::StrCat(" (AVX-512 ", absl::StrJoin(also, ", "), " present)"));
+      sets.empty() ? "" : absl::StrCat(" (", absl::StrJoin(sets, "; "), " present)"));
 }
 
 }  // namespace shardserve::cpu

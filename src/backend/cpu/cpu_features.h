@@ -25,6 +25,9 @@ struct CpuFeatures {
   // products (kAvx512Bf16's prefill, where the kernel grants the tiles' state: avx512::UsesAmx)
   // and their int8 dot products (kAvx512Int8's prefill, likewise).
   bool avx512 = false, avx512_bf16 = false, avx512_vnni = false, amx_bf16 = false, amx_int8 = false;
+  // AVX-VNNI: VNNI's dot products on 256-bit vectors in a VEX encoding, on CPUs with AVX2 that may
+  // lack AVX-512 (Alder Lake and later cores, Zen 5): kAvx2's int16 dot products (UsesVnni).
+  bool avx_vnni = false;
   // ARM (reported): Advanced SIMD (NEON) and its dot product extension.
   bool neon = false, dotprod = false;
   // An AMD CPU (CPUID's vendor): its cores run AVX512-BF16's dot products at twice the width of
@@ -60,6 +63,12 @@ KernelLevel ActiveKernelLevel();
 // Runs `level`'s kernels from now on (a rank, as its contract says; tests and benchmarks compare
 // the levels a CPU has).
 void SetKernelLevel(KernelLevel level);
+// Whether the active level's int16 dot products of the quantized types (decode, prefill) take
+// VNNI's vpdpwssd, one instruction for madd and add, the same sums: AVX512-VNNI's at the AVX-512
+// levels, AVX-VNNI's at kAvx2, where the CPU has it (never in a portable build); UseVnni(false)
+// turns both off (tests and benchmarks compare the two).
+bool UsesVnni();
+void UseVnni(bool on);
 // SetKernelLevel of ChooseKernelLevel(this CPU, asked).
 absl::Status UseKernelLevel(std::string_view asked);
 // "avx512 (AVX-512 BF16, VNNI present)", "portable (NEON, dot product present)": the active level

@@ -353,7 +353,42 @@ template <int G>
 constexpr int64_t PairAt(bool transposed, int64_t g, int64_t p) {
   return transposed ? 16 * p + 2 * g : g * G + 2 * p;
 }
-template <int MR, int G, bool kMin>
+// MicroKernelInt's 4-row loop: G / 2 steps of a pair of 16 tokens' values (ymm8, ymm9) against
+// each row's pair broadcast (ymm10-13) into the accumulators, c += w x as DOT(x, w, c, scratch):
+// madd and add, or AVX-VNNI's vpdpwssd (its VEX form, which the assembler takes by name whatever
+// the source's target).
+// clang-format off
+#define SHARDSERVE_MADD(x, w, c, t) \
+  "vpmaddwd " x ", " w ", " t "\n\t" \
+  "vpaddd " t ", " c ", " c "\n\t"
+#define SHARDSERVE_DPWSSD(x, w, c, t) "%{vex%} vpdpwssd " x ", " w ", " c "\n\t"
+#define SHARDSERVE_INT_STEPS(DOT) \
+  "1:\n\t" \
+  "vmovdqu (%[x]), %%ymm8\n\t" \
+  "vmovdqu 32(%[x]), %%ymm9\n\t" \
+  "vpbroadcastd (%[w]), %%ymm10\n\t" \
+  "vpbroadcastd %c[s1](%[w]), %%ymm11\n\t" \
+  "vpbroadcastd %c[s2](%[w]), %%ymm12\n\t" \
+  "vpbroadcastd %c[s3](%[w]), %%ymm13\n\t" \
+  DOT("%%ymm8", "%%ymm10", "%[c00]", "%%ymm14") \
+  DOT("%%ymm9", "%%ymm10", "%[c01]", "%%ymm15") \
+  DOT("%%ymm8", "%%ymm11", "%[c10]", "%%ymm14") \
+  DOT("%%ymm9", "%%ymm11", "%[c11]", "%%ymm15") \
+  DOT("%%ymm8", "%%ymm12", "%[c20]", "%%ymm14") \
+  DOT("%%ymm9", "%%ymm12", "%[c21]", "%%ymm15") \
+  DOT("%%ymm8", "%%ymm13", "%[c30]", "%%ymm14") \
+  DOT("%%ymm9", "%%ymm13", "%[c31]", "%%ymm15") \
+  "add $64, %[x]\n\t" \
+  "add %[ws], %[w]\n\t" \
+  "dec %[n]\n\t" \
+  "jnz 1b"
+#define SHARDSERVE_INT_OPERANDS \
+  [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20), \
+  [c21] "+x"(c21), [c30] "+x"(c30), [c31] "+x"(c31), [x] "+r"(xp), [w] "+r"(wp), [n] "+r"(steps) \
+  : [ws] "r"(wstep), [s1] "i"(2 * kKc), [s2] "i"(4 * kKc), [s3] "i"(6 * kKc) \
+  : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory"
+// clang-format on
+template <int MR, int G, bool kMin, bool kVnni>
 void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float* wf,
                     const float* wm, const int16_t* xq, const float* xd, const float* xds, float* y,
                     int64_t ldy, bool accumulate) {
@@ -385,38 +420,11 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
       const int16_t* wp = wg;
       const int64_t wstep = 2 * step;  // bytes
       int64_t steps = G / 2;
-      asm("1:\n\t"
-          "vmovdqu (%[x]), %%ymm8\n\t"
-          "vmovdqu 32(%[x]), %%ymm9\n\t"
-          "vpbroadcastd (%[w]), %%ymm10\n\t"
-          "vpbroadcastd %c[s1](%[w]), %%ymm11\n\t"
-          "vpbroadcastd %c[s2](%[w]), %%ymm12\n\t"
-          "vpbroadcastd %c[s3](%[w]), %%ymm13\n\t"
-          "vpmaddwd %%ymm8, %%ymm10, %%ymm14\n\t"
-          "vpmaddwd %%ymm9, %%ymm10, %%ymm15\n\t"
-          "vpaddd %%ymm14, %[c00], %[c00]\n\t"
-          "vpaddd %%ymm15, %[c01], %[c01]\n\t"
-          "vpmaddwd %%ymm8, %%ymm11, %%ymm14\n\t"
-          "vpmaddwd %%ymm9, %%ymm11, %%ymm15\n\t"
-          "vpaddd %%ymm14, %[c10], %[c10]\n\t"
-          "vpaddd %%ymm15, %[c11], %[c11]\n\t"
-          "vpmaddwd %%ymm8, %%ymm12, %%ymm14\n\t"
-          "vpmaddwd %%ymm9, %%ymm12, %%ymm15\n\t"
-          "vpaddd %%ymm14, %[c20], %[c20]\n\t"
-          "vpaddd %%ymm15, %[c21], %[c21]\n\t"
-          "vpmaddwd %%ymm8, %%ymm13, %%ymm14\n\t"
-          "vpmaddwd %%ymm9, %%ymm13, %%ymm15\n\t"
-          "vpaddd %%ymm14, %[c30], %[c30]\n\t"
-          "vpaddd %%ymm15, %[c31], %[c31]\n\t"
-          "add $64, %[x]\n\t"
-          "add %[ws], %[w]\n\t"
-          "dec %[n]\n\t"
-          "jnz 1b"
-          : [c00] "+x"(c00), [c01] "+x"(c01), [c10] "+x"(c10), [c11] "+x"(c11), [c20] "+x"(c20),
-            [c21] "+x"(c21), [c30] "+x"(c30), [c31] "+x"(c31), [x] "+r"(xp), [w] "+r"(wp),
-            [n] "+r"(steps)
-          : [ws] "r"(wstep), [s1] "i"(2 * kKc), [s2] "i"(4 * kKc), [s3] "i"(6 * kKc)
-          : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+      if constexpr (kVnni) {
+        asm(SHARDSERVE_INT_STEPS(SHARDSERVE_DPWSSD) : SHARDSERVE_INT_OPERANDS);
+      } else {
+        asm(SHARDSERVE_INT_STEPS(SHARDSERVE_MADD) : SHARDSERVE_INT_OPERANDS);
+      }
     } else {
       for (int p = 0; p < G / 2; ++p) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 32 * p));
@@ -450,19 +458,23 @@ void MicroKernelInt(int64_t kc, bool transposed, const int16_t* wq, const float*
   }
 }
 
-template <int G, bool kMin>
+template <int G, bool kMin, bool kVnni>
 void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, const int16_t* wq, const float* wf,
                        const float* wm, const int16_t* xq, const float* xd, const float* xds,
                        float* y, int64_t ldy, bool acc) {
   switch (mr) {
     case 4:
-      return MicroKernelInt<4, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<4, G, kMin, kVnni>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy,
+                                               acc);
     case 3:
-      return MicroKernelInt<3, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<3, G, kMin, kVnni>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy,
+                                               acc);
     case 2:
-      return MicroKernelInt<2, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<2, G, kMin, kVnni>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy,
+                                               acc);
     default:
-      return MicroKernelInt<1, G, kMin>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy, acc);
+      return MicroKernelInt<1, G, kMin, kVnni>(kc, transposed, wq, wf, wm, xq, xd, xds, y, ldy,
+                                               acc);
   }
 }
 
@@ -533,6 +545,9 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   // kAvx512Bf16: the rows copied as they are (pairs of BF16, an odd kc's last pair padded with
   // zero) against the tokens' BF16 pairs, in AMX tiles where the CPU has them (GemmBlockBf16).
   const bool wide = ActiveKernelLevel() >= KernelLevel::kAvx512;
+  // The AVX2 quantized tile with AVX-VNNI's vpdpwssd where the CPU has it: the same sums.
+  const auto int_tile = !wide && UsesVnni() ? MicroKernelIntAny<IntGroup(D), HasMin(D), true>
+                                            : MicroKernelIntAny<IntGroup(D), HasMin(D), false>;
   const bool bf16_dot = D == DType::kBF16 && x.bf16 != nullptr;
   uint16_t* wb = reinterpret_cast<uint16_t*>(wbuf);
   const int64_t nbr = BlockRows(D, amx);
@@ -609,10 +624,9 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
                                         mp, k0 > 0);
               continue;
             }
-            MicroKernelIntAny<IntGroup(D), HasMin(D)>(
-                rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
-                wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
-                yt + r * mp + t, mp, k0 > 0);
+            int_tile(rows, kc, UnpacksTransposed(D, kc), wq + r * kKc, wf + r * (kKc / 16),
+                     wm + r * (kKc / 32), x.q + (t / kNr * K + k0) * kNr, x.d + xb, x.ds + xb,
+                     yt + r * mp + t, mp, k0 > 0);
           } else if (wide) {
             avx512::MicroKernelAny(rows, pair ? 2 : 1, kc, wbuf + r * kKc, kKc,
                                    x.f32 + (t / kNr * K + k0) * kNr, K * kNr, yt + r * mp + t, mp,

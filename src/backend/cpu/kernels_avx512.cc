@@ -3,7 +3,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -17,8 +16,6 @@
 
 namespace shardserve::cpu::avx512 {
 namespace {
-
-std::atomic<int> g_vnni{-1};  // UsesVnni once known: 1 where the CPU has AVX512-VNNI
 
 // The MR x 16 NP tile (MR <= 12) over NP panels of 16 tokens (1 or 2; the second `next` floats
 // after the first, its outputs 16 after the first's): each row's weight broadcast into a register
@@ -209,19 +206,6 @@ void AttendGroup(const float* const* q, int64_t G, const KvRows& kv, const void*
                  float scale, const float* sinks, float* scores, float* const* out) {
   (hd == 128 ? AttendOfDtype<8> : AttendOfDtype<4>)(q, G, kv, k_blocks, v_blocks, bs, begin, len,
                                                     scale, sinks, scores, out);
-}
-
-bool UsesVnni() {
-  int vnni = g_vnni.load(std::memory_order_relaxed);
-  if (vnni < 0) {
-    vnni = CpuFeatures::Detect().avx512_vnni ? 1 : 0;
-    g_vnni.store(vnni, std::memory_order_relaxed);
-  }
-  return vnni == 1;
-}
-
-void UseVnni(bool on) {
-  g_vnni.store(on && CpuFeatures::Detect().avx512_vnni ? 1 : 0, std::memory_order_relaxed);
 }
 
 void MicroKernelIntAny(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,

@@ -45,14 +45,12 @@ void MicroKernelIntAny(int64_t mr, int panels, int64_t kc, bool transposed, int 
                        int64_t d_next, float* y, int64_t ldy, bool accumulate);
 
 // MicroKernelIntAny with AVX512-VNNI's vpdpwssd (kernels_avx512vnni.cc): bit for bit the same.
-// MicroKernelIntAny takes it where the CPU has VNNI (UsesVnni), unless UseVnni(false) (tests
-// and benchmarks compare the two).
+// MicroKernelIntAny takes it where the CPU has VNNI (cpu_features.h's UsesVnni), unless
+// UseVnni(false) (tests and benchmarks compare the two).
 void MicroKernelIntVnni(int64_t mr, int panels, int64_t kc, bool transposed, int g, bool has_min,
                         const int16_t* wq, const float* wf, const float* wm, int64_t ld,
                         const int16_t* xq, int64_t q_next, const float* xd, const float* xds,
                         int64_t d_next, float* y, int64_t ldy, bool accumulate);
-bool UsesVnni();
-void UseVnni(bool on);  // on: where the CPU has VNNI
 // KernelLevel::kAvx512Int8's prefill tile (kernels_avx512vnni.cc; the level requires VNNI):
 // MicroKernelIntAny's, but the rows' values signed bytes in quads (quant.h's UnpackBytes, with
 // their groups' sums wsum, strided as the factors) against 16 tokens' quads of int8 activations

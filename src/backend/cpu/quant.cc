@@ -4,7 +4,8 @@
 // Every block of 32 weights is unpacked in registers to 32 small integers (int16), a factor and
 // (Q4_0, Q4_1, Q4_K, Q5_K) a minimum: w = factor * q + min. Decode quantizes the activations per
 // block of 32 to int16 with one F32 scale (max|x| / 32767) and takes integer dot products (AVX2
-// madd; AVX512-VNNI's vpdpwssd where the CPU has it, quant_vnni.cc), scaled and summed in F32;
+// madd; VNNI's vpdpwssd where the CPU has it: AVX512-VNNI's, quant_vnni.cc, or at kAvx2
+// AVX-VNNI's, quant_avxvnni.cc), scaled and summed in F32;
 // the minimum's term uses the exact block sum of the quantized activations. The only error beyond
 // F32 rounding is the activations' rounding, at most half a step, 2^-16 of the block's largest
 // magnitude, per value. (int8 activations, llama.cpp's choice for its maddubs kernels, are
@@ -413,8 +414,9 @@ void DecodeRows(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedAc
   if (ActivationOrder(w.dtype) >= kInt8InOrder) {
     return DecodeRowsInt8(w, n0, n1, a, M, y, ldy);
   }
-  if (ActiveKernelLevel() != KernelLevel::kAvx2 && avx512::UsesVnni()) {
-    return DecodeRowsVnni(w, n0, n1, a, M, y, ldy);
+  if (UsesVnni()) {
+    return (ActiveKernelLevel() == KernelLevel::kAvx2 ? DecodeRowsAvxVnni : DecodeRowsVnni)(
+        w, n0, n1, a, M, y, ldy);
   }
   ForQuantized(w.dtype, [&](auto d) { DecodeRowsTyped<d.value>(w, n0, n1, a, M, y, ldy); });
 }

@@ -1,10 +1,10 @@
 #pragma once
 // quant.cc's decode loops (DecodeRowsTyped) and the block unpacking they share with its other
-// kernels, for two sources only: quant.cc (built for AVX2) and quant_vnni.cc (built for AVX-512
-// with VNNI as well). Their contents are in an unnamed namespace, so that each source has its own
-// copy, compiled for its instruction set: an inline function of one named namespace in both would
-// be one function to the linker, which may keep the AVX-512 copy for the AVX2 callers. Include it
-// from no other source.
+// kernels, for three sources only: quant.cc (built for AVX2), quant_avxvnni.cc (AVX2 with
+// AVX-VNNI) and quant_vnni.cc (built for AVX-512 with VNNI as well). Their contents are in an
+// unnamed namespace, so that each source has its own copy, compiled for its instruction set: an
+// inline function of one named namespace in both would be one function to the linker, which may
+// keep the AVX-512 copy for the AVX2 callers. Include it from no other source.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -286,11 +286,14 @@ struct Unpacked {
 };
 
 // acc + the pair products of a and b (int16) summed in int32 lanes: AVX512-VNNI's vpdpwssd where
-// the source is built for it (quant_vnni.cc), else madd and add; the same sums (none overflows:
-// the activations stay within +-32767).
+// the source is built for it (quant_vnni.cc), AVX-VNNI's (its VEX form) where built for that
+// (quant_avxvnni.cc), else madd and add; the same sums (none overflows: the activations stay
+// within +-32767).
 inline __m256i DotAdd(__m256i acc, __m256i a, __m256i b) {
-#ifdef __AVX512VNNI__
+#if defined(__AVX512VNNI__)
   return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
@@ -711,6 +714,9 @@ void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Quanti
 // where the level is AVX-512 and the CPU has VNNI (avx512::UsesVnni). The same bits.
 void DecodeRowsVnni(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
                     int64_t M, float* y, int64_t ldy);
+// DecodeRows of quant.cc built with AVX-VNNI (quant_avxvnni.cc): at kAvx2 where the CPU has it.
+void DecodeRowsAvxVnni(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
+                       int64_t M, float* y, int64_t ldy);
 // The int8 path (quant_vnni.cc): DecodesOnInt8's types against activations in an int8 order.
 void DecodeRowsInt8(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
                     int64_t M, float* y, int64_t ldy);

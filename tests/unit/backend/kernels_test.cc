@@ -95,7 +95,7 @@ class KernelLevelRestorer {
   ~KernelLevelRestorer() {
     SetLevelAndAmx(before_, true);
 #if !SHARDSERVE_PORTABLE_KERNELS
-    avx512::UseVnni(true);
+    UseVnni(true);
 #endif
   }
 
@@ -864,17 +864,67 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
               continue;
             }
             // With and without VNNI (vpdpwssd, where the CPU has it): AVX-512's prefill tile, and
-            // the decode loops (M up to kDecodeMaxTokens) built for VNNI (quant_vnni.cc).
+            // the decode loops (M up to kDecodeMaxTokens) built for VNNI (quant_vnni.cc); AVX2's
+            // with AVX-VNNI where the CPU has that too (AvxVnniComputesAvx2sResults).
             for (bool vnni : {true, false}) {
-              avx512::UseVnni(vnni);
+              UseVnni(vnni);
               std::vector<float> x(M * K), narrow, wide;
               for (float& v : x) v = dist(rng);
               both(level, *kept, x, M, pool, &narrow, &wide);
               ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
                   << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads
-                  << " " << KernelLevelName(level) << (avx512::UsesVnni() ? " VNNI" : "");
+                  << " " << KernelLevelName(level) << (UsesVnni() ? " VNNI" : "");
             }
-            avx512::UseVnni(true);
+            UseVnni(true);
+          }
+        }
+      }
+    }
+  }
+}
+
+// kAvx2 with AVX-VNNI's vpdpwssd (the decode loops of quant_avxvnni.cc, the GEMM's quantized
+// tile) against kAvx2 without it (UseVnni(false)): the same integer sums, so the same bits, for
+// every block-quantized type as the file has it and as the backend keeps it (Q4_1X's rows ending
+// short of a group of 8 blocks: K = 352), decode (1, 2, 3 and 5 tokens) and prefill (13 and 40:
+// ragged panels of 16), at 1 and 3 threads. Skipped by name where the CPU lacks AVX-VNNI (an
+// AVX-512 CPU runs it too: the level is forced).
+TEST(KernelsTest, AvxVnniComputesAvx2sResults) {
+  if (!CpuFeatures::Detect().avx_vnni) {
+    GTEST_SKIP() << "AVX-VNNI at kernel level avx2: this CPU lacks AVX-VNNI";
+  }
+  const KernelLevelRestorer restorer;
+  SetKernelLevel(KernelLevel::kAvx2);
+  UseVnni(true);
+  ASSERT_TRUE(UsesVnni());
+  UseVnni(false);
+  ASSERT_FALSE(UsesVnni());
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  auto backend = NewBackend(2);
+  for (DType dtype :
+       {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
+    for (int64_t K : {int64_t{768}, int64_t{352}}) {
+      if (K % DTypeBlock(dtype) != 0) continue;
+      const int64_t N = 37;
+      std::vector<float> values(N * K);
+      for (float& v : values) v = dist(rng);
+      std::string bytes;
+      for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
+      const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
+      ASSERT_TRUE(kept.ok()) << kept.status();
+      for (const WeightMatrix& w : {WeightMatrix{dtype, bytes.data(), N, K, K}, *kept}) {
+        for (int threads : {1, 3}) {
+          ThreadPool pool(threads);
+          for (int64_t M : {1, 2, 3, 5, 13, 40}) {
+            std::vector<float> x(M * K), plain(M * N, NAN), vnni(M * N, NAN);
+            for (float& v : x) v = dist(rng);
+            UseVnni(false);
+            MatMul(w, x.data(), M, K, plain.data(), N, pool);
+            UseVnni(true);
+            MatMul(w, x.data(), M, K, vnni.data(), N, pool);
+            ASSERT_EQ(std::memcmp(plain.data(), vnni.data(), plain.size() * sizeof(float)), 0)
+                << DTypeName(w.dtype) << " M=" << M << " K=" << K << " threads " << threads;
           }
         }
       }
