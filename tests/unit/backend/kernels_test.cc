@@ -768,6 +768,16 @@ TEST(KernelsTest, Fp8BlocksComputeAsTheirValuesInF32) {
 }
 
 #if !SHARDSERVE_PORTABLE_KERNELS  // x86-64's levels
+// N rows of K values uniform in [-1, 1) quantized to dtype, as a file has them.
+std::string QuantizedRows(DType dtype, int64_t N, int64_t K, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> values(N * K);
+  for (float& v : values) v = dist(rng);
+  std::string bytes;
+  for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
+  return bytes;
+}
+
 // Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would,
 // against AVX2's: the AVX-512 tiles compute the same arithmetic in the same order, so MatMul's
 // outputs are bit for bit AVX2's, for every float and quantized dtype (the repacked layouts the
@@ -849,10 +859,7 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
          {DType::kQ8_0, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K}) {
       for (int64_t K : {int64_t{768}, int64_t{512}}) {
         const int64_t N = 29;
-        std::vector<float> values(N * K);
-        for (float& v : values) v = dist(rng);
-        std::string bytes;
-        for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
+        const std::string bytes = QuantizedRows(dtype, N, K, rng);
         // As the backend keeps it (Q4_1, Q4_K, Q6_K repacked: their transposed layouts).
         const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
         ASSERT_TRUE(kept.ok()) << kept.status();
@@ -907,10 +914,7 @@ TEST(KernelsTest, AvxVnniComputesAvx2sResults) {
     for (int64_t K : {int64_t{768}, int64_t{352}}) {
       if (K % DTypeBlock(dtype) != 0) continue;
       const int64_t N = 37;
-      std::vector<float> values(N * K);
-      for (float& v : values) v = dist(rng);
-      std::string bytes;
-      for (int64_t n = 0; n < N; ++n) bytes += QuantizeRow(dtype, values.data() + n * K, K);
+      const std::string bytes = QuantizedRows(dtype, N, K, rng);
       const absl::StatusOr<WeightMatrix> kept = backend->Upload({dtype, bytes.data(), N, K, K});
       ASSERT_TRUE(kept.ok()) << kept.status();
       for (const WeightMatrix& w : {WeightMatrix{dtype, bytes.data(), N, K, K}, *kept}) {
