@@ -6,6 +6,7 @@
 #include <random>
 #include <string>
 
+#include "api/worker_env.h"
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_avx512.h"
@@ -24,7 +25,9 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K);
 absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
   ASSIGN_OR_RETURN(Args a, Args::Parse(argv, {"threads", "cols", "kernels"}, {},
                                        "shardserve bench kernels", kKernelsBenchUsage));
-  RETURN_IF_ERROR(cpu::UseKernelLevel(a.GetOr("kernels", "auto")));
+  // --kernels, else the worker contract's SHARDSERVE_CPU_KERNELS, as bench runtime reads it.
+  ASSIGN_OR_RETURN(const WorkerEnv env, WorkerEnv::FromEnv());
+  RETURN_IF_ERROR(cpu::UseKernelLevel(a.GetOr("kernels", env.cpu_kernels)));
   ASSIGN_OR_RETURN(int64_t threads, a.GetInt("threads", 1));
   ASSIGN_OR_RETURN(int64_t K, a.GetInt("cols", 2048));
   if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads must be 1-256");

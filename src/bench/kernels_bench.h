@@ -15,8 +15,7 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv);
 inline constexpr char kKernelsBenchUsage[] =
     "[--threads 1] [--cols 2048] [--kernels "
     "auto|avx2|avx512|avx512bf16|avx512int8|portable]\n(matrix-vector "
-    "GB/s per weight "
-    "type, in L2 and from memory; "
-    "prefill GFLOP/s per float type at each CPU kernel level)";
+    "GB/s per weight type, in L2 and from memory, at --kernels or else SHARDSERVE_CPU_KERNELS's "
+    "level; prefill GFLOP/s per type at each CPU kernel level)";
 
 }  // namespace shardserve

@@ -21,6 +21,8 @@ expect_error "unknown command 'frobnicate'" "$BIN" frobnicate
 expect_error "not expected: --bogus" "$BIN" generate --bogus
 expect_error "--tp: 1 required VALUE missing" "$BIN" generate --model "$TMP" --tp
 expect_error "--cols must be a multiple of 32" "$BIN" bench kernels --cols 100
+# bench kernels reads the worker contract's kernel level when --kernels is not given.
+expect_error "SHARDSERVE_CPU_KERNELS='avx3'" env SHARDSERVE_CPU_KERNELS=avx3 "$BIN" bench kernels
 # Every command answers --help with its own usage, on stdout, successfully.
 for cmd in local plan gen-model gen-adapter generate inspect-adapter "bench load" "bench allreduce" \
   "bench kernels" "bench lora"; do
