@@ -711,7 +711,7 @@ void DecodeRowsTyped(const WeightMatrix& w, int64_t n0, int64_t n1, const Quanti
 }  // namespace
 
 // DecodeRows of quant.cc built with AVX512-VNNI (quant_vnni.cc); quant.cc's DecodeRows calls it
-// where the level is AVX-512 and the CPU has VNNI (avx512::UsesVnni). The same bits.
+// where the level is AVX-512 and the CPU has VNNI (cpu_features.h's UsesVnni). The same bits.
 void DecodeRowsVnni(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedActivations& a,
                     int64_t M, float* y, int64_t ldy);
 // DecodeRows of quant.cc built with AVX-VNNI (quant_avxvnni.cc): at kAvx2 where the CPU has it.
