@@ -485,11 +485,14 @@ void MicroKernelIntAny(int64_t mr, int64_t kc, bool transposed, const int16_t* w
 // rounded to BF16 and packed as q is ([panel][kp / 2][16][2], K padded to kp). Tokens past M are
 // zero. At KernelLevel::kAvx512Int8 (PrefillOnInt8) the quantized types' activations are int8
 // (scale max|x| / 127) packed in quads, q8 [panel][K / 4][16][4], d and ds as q's: offset by 128
-// (vpdpbusd's unsigned operand) unless amx (PrefillOnAmx: TDPBSSD multiplies signed bytes).
+// (vpdpbusd's unsigned operand) unless amx (PrefillOnAmx: TDPBSSD multiplies signed bytes). In
+// AMX's tiles at the int16 levels (amx, not PrefillOnInt8), the int16 values split into bytes,
+// each packed as q8 is: q8 their high bytes (signed), q8_low their low bytes (unsigned).
 struct PackedTokens {
   const float* f32 = nullptr;
   const int16_t* q = nullptr;
   const uint8_t* q8 = nullptr;
+  const uint8_t* q8_low = nullptr;
   bool amx = false;
   const float* d = nullptr;
   const float* ds = nullptr;
@@ -498,10 +501,14 @@ struct PackedTokens {
 };
 
 // Whether the quantized types' prefill multiplies int8 activations (avx512::MicroKernelInt8), and
-// whether in AMX's tiles (avx512::MicroKernelInt8Amx: 16 rows a tile, GemmRange's blocks of
-// kNbAmx; the activations without vpdpbusd's offset).
+// whether, at any AVX-512 level, in AMX's tiles (avx512::MicroKernelIntAmx: 16 rows a tile,
+// GemmRange's blocks of kNbAmx; int8 activations without vpdpbusd's offset, int16 ones split
+// into bytes).
 bool PrefillOnInt8() { return ActiveKernelLevel() == KernelLevel::kAvx512Int8; }
-bool PrefillOnAmx() { return PrefillOnInt8() && avx512::UsesAmxInt8(); }
+bool PrefillOnAmx() {
+  const KernelLevel level = ActiveKernelLevel();
+  return level >= KernelLevel::kAvx512 && level != KernelLevel::kPortable && avx512::UsesAmxInt8();
+}
 constexpr int64_t kNbAmx = 32;
 static_assert(kNbAmx % 16 == 0 && kNbAmx <= kNb);
 // The rows GemmRange expands at a time for dtype (MatMulGroup's chunks), where amx =
@@ -531,9 +538,9 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
   float* wbuf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
   float* yt = wbuf + kNb * kKc;
   int16_t* wq = reinterpret_cast<int16_t*>(wbuf);
-  // PrefillOnInt8: the rows' bytes (UnpackBytes) in the first quarter, their groups' sums after;
-  // in AMX's tiles (amx) 16 rows at a time, the last tile's rows past nr read from the buffer
-  // (kNb >= kNbAmx rows) and dropped.
+  // Against activations in bytes (PrefillOnInt8, or AMX's): the rows' bytes (UnpackBytes) in the
+  // first quarter, their groups' sums after; in AMX's tiles (amx) 16 rows at a time, the last
+  // tile's rows past nr read from the buffer (kNb >= kNbAmx rows) and dropped.
   const bool int8 = UnpacksToInts(D) && x.q8 != nullptr;
   const bool amx = int8 && x.amx;
   int8_t* wq8 = reinterpret_cast<int8_t*>(wbuf);
@@ -601,11 +608,12 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
           if constexpr (UnpacksToInts(D)) {
             const int64_t xb = (t / kNr * (K / 32) + k0 / 32) * kNr;
             if (amx) {
-              avx512::MicroKernelInt8Amx(
-                  rows, kc, IntGroup(D), HasMin(D), wq8 + r * kKc, wf + r * (kKc / 16),
-                  wm + r * (kKc / 32), kKc,
-                  reinterpret_cast<const int8_t*>(x.q8) + (t / kNr * K + k0) * kNr, x.d + xb,
-                  x.ds + xb, yt + r * mp + t, mp, k0 > 0);
+              const int64_t xq = (t / kNr * K + k0) * kNr;
+              avx512::MicroKernelIntAmx(rows, kc, IntGroup(D), HasMin(D), wq8 + r * kKc,
+                                        wf + r * (kKc / 16), wm + r * (kKc / 32), kKc,
+                                        reinterpret_cast<const int8_t*>(x.q8) + xq,
+                                        x.q8_low != nullptr ? x.q8_low + xq : nullptr, x.d + xb,
+                                        x.ds + xb, yt + r * mp + t, mp, k0 > 0);
               continue;
             }
             if (int8) {
@@ -702,14 +710,18 @@ void PackPairs(const int16_t* rows16, int64_t M, int64_t K, ThreadPool& pool, in
   });
 }
 
-// The M tokens of a (quantized in order, K values each) packed in PackedTokens' int16 panels
-// (int8: a's int8 values in its quad panels, offset by 128 where `offset`, as many bytes in q),
-// their block scales beside them.
-void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, bool int8, bool offset,
+// How PackQuantized packs the activations (PackedTokens): int16 pairs; int8 quads, offset by 128
+// or signed; int16 values split into quads of high bytes and quads of low bytes (AMX's).
+enum class Packing { kPairs, kInt8Offset, kInt8, kSplit };
+
+// The M tokens of a (quantized in order, K values each) packed in PackedTokens' panels as
+// `packing` says (kSplit: the high bytes' panels, then the low bytes'; each as many bytes as K / 2
+// int16), their block scales beside them.
+void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, Packing packing,
                    ThreadPool& pool, std::vector<int16_t>* q, std::vector<float>* d,
                    std::vector<float>* ds) {
   const int64_t panels = (M + kNr - 1) / kNr, blocks = K / 32;
-  q->resize(panels * K * kNr / (int8 ? 2 : 1));
+  q->resize(panels * K * kNr / (packing == Packing::kPairs || packing == Packing::kSplit ? 1 : 2));
   d->resize(panels * blocks * kNr);
   ds->resize(panels * blocks * kNr);
   // Token t's scales into place j of its panel (t / kNr).
@@ -721,17 +733,41 @@ void PackQuantized(const QuantizedActivations& a, int64_t M, int64_t K, bool int
       (*ds)[at] = t < M ? a.ds[t * blocks + blk] : 0.f;
     }
   };
-  if (!int8) return PackPairs(a.q.data(), M, K, pool, q->data(), scales);
+  if (packing == Packing::kPairs) return PackPairs(a.q.data(), M, K, pool, q->data(), scales);
   // A quad of bytes is a pair of 16-bit values: the rows as K / 2 of those.
-  if (!offset) {
+  if (packing == Packing::kInt8) {
     return PackPairs(reinterpret_cast<const int16_t*>(a.q8.data()), M, K / 2, pool, q->data(),
                      scales);
   }
-  thread_local std::vector<uint8_t> offset_storage;
-  std::vector<uint8_t>& shifted = offset_storage;
-  shifted.resize(static_cast<size_t>(M * K));
-  for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = static_cast<uint8_t>(a.q8[i] ^ 0x80);
-  PackPairs(reinterpret_cast<const int16_t*>(shifted.data()), M, K / 2, pool, q->data(), scales);
+  thread_local std::vector<uint8_t> bytes_storage;
+  std::vector<uint8_t>& bytes = bytes_storage;
+  const size_t n = static_cast<size_t>(M * K);
+  if (packing == Packing::kInt8Offset) {
+    bytes.resize(n);
+    for (size_t i = 0; i < n; ++i) bytes[i] = static_cast<uint8_t>(a.q8[i] ^ 0x80);
+    return PackPairs(reinterpret_cast<const int16_t*>(bytes.data()), M, K / 2, pool, q->data(),
+                     scales);
+  }
+  // kSplit: high bytes (arithmetic shift) and low bytes (truncation) of 32 values at a time.
+  bytes.resize(2 * n);
+  pool.ParallelFor(M, 1, [&](int, int64_t b, int64_t e) {
+    const __m256i low = _mm256_set1_epi16(0xff);
+    for (size_t i = b * K; i < static_cast<size_t>(e * K); i += 32) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[i]));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[i + 16]));
+      // The packs work in 128-bit lanes: quadwords 0, 2, 1, 3 put them in order.
+      const __m256i hi = _mm256_packs_epi16(_mm256_srai_epi16(v0, 8), _mm256_srai_epi16(v1, 8));
+      const __m256i lo = _mm256_packus_epi16(_mm256_and_si256(v0, low), _mm256_and_si256(v1, low));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&bytes[i]),
+                          _mm256_permute4x64_epi64(hi, 0xd8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&bytes[n + i]),
+                          _mm256_permute4x64_epi64(lo, 0xd8));
+    }
+  });
+  int16_t* high = q->data();
+  PackPairs(reinterpret_cast<const int16_t*>(bytes.data()), M, K / 2, pool, high, scales);
+  PackPairs(reinterpret_cast<const int16_t*>(bytes.data() + n), M, K / 2, pool,
+            high + panels * K * kNr / 2);
 }
 
 // The M tokens of x rounded to BF16 (avx512::RoundToBf16) in PackedTokens' pair panels, K
@@ -939,13 +975,16 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
       const bool int8 = PrefillOnInt8();
       QuantizeActivations(x, M, ldx, K, int8 ? kInt8InOrder : kActivationsInOrder, pool,
                           &quantized);
-      packed.amx = int8 && PrefillOnAmx();
-      PackQuantized(quantized, M, K, int8, !packed.amx, pool, &q, &d, &ds);
-      if (int8) {
-        packed.q8 = reinterpret_cast<const uint8_t*>(q.data());
-      } else {
+      packed.amx = PrefillOnAmx();
+      const Packing packing = int8 ? (packed.amx ? Packing::kInt8 : Packing::kInt8Offset)
+                                   : (packed.amx ? Packing::kSplit : Packing::kPairs);
+      PackQuantized(quantized, M, K, packing, pool, &q, &d, &ds);
+      if (packing == Packing::kPairs) {
         packed.q = q.data();
+      } else {
+        packed.q8 = reinterpret_cast<const uint8_t*>(q.data());
       }
+      if (packing == Packing::kSplit) packed.q8_low = packed.q8 + (M + kNr - 1) / kNr * K * kNr;
       packed.d = d.data();
       packed.ds = ds.data();
     } else if (!UnpacksToInts(targets[i].w->dtype) && packed.f32 == nullptr) {

@@ -1,6 +1,7 @@
-// The prefill tiles in AMX: KernelLevel::kAvx512Bf16's (kernels_avx512.h's MicroKernelBf16Amx) and
-// kAvx512Int8's (MicroKernelInt8Amx). The only source built for AMX-TILE, AMX-BF16 and AMX-INT8,
-// called where the CPU has them and Linux lets the process use the tiles (UsesAmx, UsesAmxInt8).
+// The prefill tiles in AMX: KernelLevel::kAvx512Bf16's BF16 (kernels_avx512.h's MicroKernelBf16Amx)
+// and the AVX-512 levels' quantized types (MicroKernelIntAmx). The only source built for AMX-TILE,
+// AMX-BF16 and AMX-INT8, called where the CPU has them and Linux lets the process use the tiles
+// (UsesAmx, UsesAmxInt8).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -60,7 +61,10 @@ void ConfigureTiles(TileShapes want) {
     for (int t = 4; t < 6; ++t) shape(t, 16, g);
     for (int t = 6; t < 8; ++t) shape(t, g / 4, 64);
   }
-  _tile_loadconfig(&config);
+  // Not _tile_loadconfig: GCC 12's tells the compiler that it reads the configuration's first 8
+  // bytes only, and the shapes' stores were dropped as dead (the tiles left unconfigured, and
+  // their first instruction raised #UD).
+  asm volatile("ldtilecfg %0" : : "m"(config));
   loaded = want;
 }
 
@@ -95,14 +99,18 @@ void Tiles(int64_t kp, const uint16_t* a, int64_t lda, const uint16_t* panel, fl
   if constexpr (kTiles > 2) _tile_stored(2, y + 32 * ldy, ys);
 }
 
-// MicroKernelInt8Amx for groups of G values: group g's 16 rows x G bytes (tile 4 + g % 2) times
+// MicroKernelIntAmx for groups of G values: group g's 16 rows x G bytes (tile 4 + g % 2) times
 // the panel's G / 4 quads (6 + g % 2) by TDPBSSD into the int32 sums (tile g % 4), stored to
 // sums[g % 4] and scaled into the 16 rows' F32 accumulators (registers) while the next 3 groups'
-// products run.
-template <int G, bool kMin>
-void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const float* wm,
-                int64_t ld, const int8_t* xq, const float* xd, const float* xds, float* y,
-                int64_t ldy, bool accumulate) {
+// products run. kSplit (int16 activations as their high bytes, signed, and low bytes, unsigned):
+// each group's rows (tile 4 + g % 2) times the high bytes (tile 6) by TDPBSSD into tile 2 (g % 2)
+// and times the low bytes (tile 7) by TDPBSUD into tile 2 (g % 2) + 1, one group ahead; the sums
+// joined as 256 high + low, exactly the int16 products' sums (at most 32 products of 128 x 32767
+// in magnitude: no overflow).
+template <int G, bool kMin, bool kSplit>
+void GroupsAmx(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const float* wm,
+               int64_t ld, const int8_t* xq, const uint8_t* xlo, const float* xd, const float* xds,
+               float* y, int64_t ldy, bool accumulate) {
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
@@ -110,15 +118,29 @@ void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const
   }
   alignas(64) int32_t sums[4][16 * 16];
   const size_t ws = static_cast<size_t>(ld);
-  // Group g's products into sums[g % 4]: tiles C (the sums), A and B, whose numbers the
-  // instructions take as immediates (hence a macro, not a template).
+  // Group g's products into tile C (the sums) from tiles A and B, whose numbers the instructions
+  // take as immediates (hence macros, not templates); kSplit's low bytes' into tile CL. Stored to
+  // sums[C] (sums[CL]) a step later, once the next group's products have started: a store right
+  // after its product waits for it.
 #define SHARDSERVE_AMX_GROUP(C, A, B)  \
   _tile_zero(C);                       \
   _tile_loadd(A, wq + g * G, ws);      \
   _tile_loadd(B, xq + g * G * 16, 64); \
-  _tile_dpbssd(C, A, B);               \
-  _tile_stored(C, sums[C], 64)
+  _tile_dpbssd(C, A, B)
+#define SHARDSERVE_AMX_SPLIT_GROUP(C, CL, A) \
+  SHARDSERVE_AMX_GROUP(C, A, 6);             \
+  _tile_zero(CL);                            \
+  _tile_loadd(7, xlo + g * G * 16, 64);      \
+  _tile_dpbsud(CL, A, 7)
   const auto multiply = [&](int64_t g) {
+    if constexpr (kSplit) {
+      if (g % 2 == 0) {
+        SHARDSERVE_AMX_SPLIT_GROUP(0, 1, 4);
+      } else {
+        SHARDSERVE_AMX_SPLIT_GROUP(2, 3, 5);
+      }
+      return;
+    }
     switch (g % 4) {
       case 0:
         SHARDSERVE_AMX_GROUP(0, 4, 6);
@@ -134,23 +156,57 @@ void Int8Groups(int64_t mr, int64_t kc, const int8_t* wq, const float* wf, const
         break;
     }
   };
+#undef SHARDSERVE_AMX_SPLIT_GROUP
 #undef SHARDSERVE_AMX_GROUP
+  const auto store = [&](int64_t g) {
+    if constexpr (kSplit) {
+      if (g % 2 == 0) {
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+      } else {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+      }
+      return;
+    }
+    switch (g % 4) {
+      case 0:
+        _tile_stored(0, sums[0], 64);
+        break;
+      case 1:
+        _tile_stored(1, sums[1], 64);
+        break;
+      case 2:
+        _tile_stored(2, sums[2], 64);
+        break;
+      default:
+        _tile_stored(3, sums[3], 64);
+        break;
+    }
+  };
   const int64_t groups = kc / G;
-  constexpr int64_t kAhead = 3;
+  constexpr int64_t kAhead = kSplit ? 1 : 3;
   for (int64_t g = 0; g < kAhead && g < groups; ++g) multiply(g);
   for (int64_t g = 0; g < groups; ++g) {
     if (g + kAhead < groups) multiply(g + kAhead);
-    const int32_t* c = sums[g % 4];
+    store(g);
+    const int32_t* c = sums[kSplit ? 2 * (g % 2) : g % 4];
     const int64_t b = g * G / 32;
     const __m512 d = _mm512_loadu_ps(xd + b * 16);
     const __m512 s = kMin ? _mm512_loadu_ps(xds + b * 16) : _mm512_setzero_ps();
-    // MicroKernelInt8's float steps: y += sum * factor * d (+ minimum * s).
+    // The tiles' float steps (MicroKernelInt8's and MicroKernelInt's): y += sum * factor * d
+    // (+ minimum * s).
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)),
+      __m512i sum = _mm512_load_si512(c + 16 * i);
+      if constexpr (kSplit) {
+        sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 8), _mm512_load_si512(c + 256 + 16 * i));
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
                                _mm512_mul_ps(_mm512_set1_ps(wf[i * (ld / 16) + g]), d), acc[i]);
-      if constexpr (kMin)
+      if constexpr (kMin) {
         acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wm[i * (ld / 32) + b]), s, acc[i]);
+      }
     }
   }
 #pragma GCC unroll 16
@@ -195,13 +251,21 @@ void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
   }
 }
 
-void MicroKernelInt8Amx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
-                        const float* wf, const float* wm, int64_t ld, const int8_t* xq,
-                        const float* xd, const float* xds, float* y, int64_t ldy, bool accumulate) {
+void MicroKernelIntAmx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
+                       const float* wf, const float* wm, int64_t ld, const int8_t* xq,
+                       const uint8_t* xlo, const float* xd, const float* xds, float* y, int64_t ldy,
+                       bool accumulate) {
   ConfigureTiles(g == 16 ? TileShapes::kInt8Groups16 : TileShapes::kInt8Groups32);
-  const auto groups = g == 16 ? (has_min ? Int8Groups<16, true> : Int8Groups<16, false>)
-                              : (has_min ? Int8Groups<32, true> : Int8Groups<32, false>);
-  groups(mr, kc, wq, wf, wm, ld, xq, xd, xds, y, ldy, accumulate);
+  using Fn =
+      void (*)(int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, const int8_t*,
+               const uint8_t*, const float*, const float*, float*, int64_t, bool);
+  // groups[split][g == 16][has_min]
+  constexpr Fn groups[2][2][2] = {{{GroupsAmx<32, false, false>, GroupsAmx<32, true, false>},
+                                   {GroupsAmx<16, false, false>, GroupsAmx<16, true, false>}},
+                                  {{GroupsAmx<32, false, true>, GroupsAmx<32, true, true>},
+                                   {GroupsAmx<16, false, true>, GroupsAmx<16, true, true>}}};
+  groups[xlo != nullptr][g == 16][has_min](mr, kc, wq, wf, wm, ld, xq, xlo, xd, xds, y, ldy,
+                                           accumulate);
 }
 
 }  // namespace shardserve::cpu::avx512

@@ -104,19 +104,23 @@ void GemmBlockBf16(int64_t rows, int64_t kp, const uint16_t* a, int64_t lda, con
 // Configures the calling thread's tiles where it last ran another configuration (the int8 tile's).
 void MicroKernelBf16Amx(int tiles, int64_t kp, const uint16_t* a, int64_t lda,
                         const uint16_t* panel, float* y, int64_t ldy, bool accumulate);
-// KernelLevel::kAvx512Int8's prefill tile in AMX (kernels_amx.cc, where UsesAmxInt8):
-// MicroKernelInt8 for 16 rows (of which the first mr are stored; the rest are read from wq, wf and
-// wm and their results dropped) and one panel of 16 tokens, the rows' values in order (UnpackBytes'
-// in_order), the tokens' signed (no offset), each group's int32 sums by TDPBSSD (16 x 16 x G
-// products an instruction), then MicroKernelInt8's float steps in its order: the same bits.
+// The quantized types' prefill tile in AMX (kernels_amx.cc, where UsesAmxInt8): for 16 rows (of
+// which the first mr are stored; the rest are read from wq, wf and wm and their results dropped)
+// and one panel of 16 tokens, the rows' values as signed bytes in order (UnpackBytes' in_order),
+// each group's int32 sums by AMX's byte dot products (16 x 16 x G products an instruction), then
+// the float steps of the AVX-512 tiles in their order: the same bits. The tokens' quads are
+// xq's signed bytes (kAvx512Int8: the int8 activations, MicroKernelInt8's without its offset;
+// TDPBSSD), or, where xlo is given (the int16 levels), the int16 activations' high bytes (signed)
+// in xq and their low bytes (unsigned, TDPBSUD) in xlo: MicroKernelIntAny's int16 sums, exactly.
 // Configures the calling thread's tiles where it last ran another configuration.
-void MicroKernelInt8Amx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
-                        const float* wf, const float* wm, int64_t ld, const int8_t* xq,
-                        const float* xd, const float* xds, float* y, int64_t ldy, bool accumulate);
+void MicroKernelIntAmx(int64_t mr, int64_t kc, int g, bool has_min, const int8_t* wq,
+                       const float* wf, const float* wm, int64_t ld, const int8_t* xq,
+                       const uint8_t* xlo, const float* xd, const float* xds, float* y, int64_t ldy,
+                       bool accumulate);
 // Whether GemmBlockBf16 uses AMX: where the CPU has AMX-BF16 and Linux grants the process the
 // tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once), unless UseAmx(false) (tests and
-// benchmarks compare the two). UsesAmxInt8: whether kAvx512Int8's prefill uses
-// MicroKernelInt8Amx: likewise, where the CPU has AMX-INT8.
+// benchmarks compare the two). UsesAmxInt8: whether the quantized types' prefill (at every
+// AVX-512 level) uses MicroKernelIntAmx: likewise, where the CPU has AMX-INT8.
 bool UsesAmx();
 bool UsesAmxInt8();
 void UseAmx(bool on);  // on: where the CPU and the kernel allow it (both kinds of tiles)
