@@ -779,8 +779,10 @@ std::string QuantizedRows(DType dtype, int64_t N, int64_t K, std::mt19937& rng) 
 }
 
 // Every kernel level this CPU runs (cpu_features.h), forced as SHARDSERVE_CPU_KERNELS would,
-// against AVX2's: the AVX-512 tiles compute the same arithmetic in the same order, so MatMul's
-// outputs are bit for bit AVX2's, for every float and quantized dtype (the repacked layouts the
+// against AVX2's: the AVX-512 tiles compute the same arithmetic in the same order (the quantized
+// prefill's AMX-INT8 tiles too, run with and without where the CPU has them: their int16
+// activations split into bytes), so MatMul's outputs are bit for bit AVX2's, for every float and
+// quantized dtype (the repacked layouts the
 // backend keeps included), ragged tiles and thread split included; BF16 weights at kAvx512Bf16
 // (their activations rounded to BF16) are within the stated bound of AVX2's F32 products:
 // 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32 sums' 1e-4 sqrt(K); at
@@ -798,6 +800,13 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   }
   if (!runs(KernelLevel::kAvx512Int8)) {
     std::cout << "[ SKIPPED  ] kernel level avx512int8: this CPU lacks AVX512-VNNI\n";
+  }
+  // The quantized types' prefill with AMX's tiles and without, where the CPU has AMX-INT8.
+  std::vector<bool> amx_int8 = {true};
+  if (CpuFeatures::Detect().amx_int8) {
+    amx_int8.push_back(false);
+  } else {
+    std::cout << "[ SKIPPED  ] AMX-INT8 tiles of the quantized prefill: this CPU lacks AMX-INT8\n";
   }
   const KernelLevelRestorer restorer;
   std::mt19937 rng(5);
@@ -872,17 +881,24 @@ TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
             }
             // With and without VNNI (vpdpwssd, where the CPU has it): AVX-512's prefill tile, and
             // the decode loops (M up to kDecodeMaxTokens) built for VNNI (quant_vnni.cc); AVX2's
-            // with AVX-VNNI where the CPU has that too (AvxVnniComputesAvx2sResults).
+            // with AVX-VNNI where the CPU has that too (AvxVnniComputesAvx2sResults). The prefill
+            // in AMX's tiles too where the CPU has AMX-INT8 (the int16 activations split into
+            // bytes; at avx512int8 its int8 tile, Int8MultipliesTheInt8Activations).
             for (bool vnni : {true, false}) {
-              UseVnni(vnni);
-              std::vector<float> x(M * K), narrow, wide;
-              for (float& v : x) v = dist(rng);
-              both(level, *kept, x, M, pool, &narrow, &wide);
-              ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
-                  << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads
-                  << " " << KernelLevelName(level) << (UsesVnni() ? " VNNI" : "");
+              for (bool amx : M > kDecodeMaxTokens ? amx_int8 : std::vector<bool>{true}) {
+                UseVnni(vnni);
+                avx512::UseAmx(amx);
+                std::vector<float> x(M * K), narrow, wide;
+                for (float& v : x) v = dist(rng);
+                both(level, *kept, x, M, pool, &narrow, &wide);
+                ASSERT_EQ(std::memcmp(narrow.data(), wide.data(), narrow.size() * sizeof(float)), 0)
+                    << DTypeName(kept->dtype) << " M=" << M << " K=" << K << " threads " << threads
+                    << " " << KernelLevelName(level) << (UsesVnni() ? " VNNI" : "")
+                    << (M > kDecodeMaxTokens && avx512::UsesAmxInt8() ? " AMX-INT8" : "");
+              }
             }
             UseVnni(true);
+            avx512::UseAmx(true);
           }
         }
       }
