@@ -124,7 +124,8 @@ struct Column {
 constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
                                {"avx2 -VNNI", cpu::KernelLevel::kAvx2, false},
                                {"avx512", cpu::KernelLevel::kAvx512},
-                               {"avx512 -VNNI", cpu::KernelLevel::kAvx512, false},
+                               {"avx512 -AMX", cpu::KernelLevel::kAvx512, true, false},
+                               {"avx512 -VNNI", cpu::KernelLevel::kAvx512, false, false},
                                {"avx512bf16", cpu::KernelLevel::kAvx512Bf16},
                                {"avx512bf16 -AMX", cpu::KernelLevel::kAvx512Bf16, true, false},
                                {"avx512int8", cpu::KernelLevel::kAvx512Int8},
@@ -133,8 +134,9 @@ constexpr Column kColumns[] = {{"avx2", cpu::KernelLevel::kAvx2},
 
 // Prefill: 128 tokens by 1,024 weight rows of K columns (the weights in L2/L3, the panels in L1:
 // compute-bound), GFLOP/s at each kernel level this CPU and this build run (cpu_features.h; "-"
-// where they lack one), at avx2 and avx512 with VNNI off ("-" without AVX-VNNI, AVX512-VNNI), at
-// avx512bf16 and avx512int8 with AMX's tiles off ("-" without AMX-BF16, AMX-INT8).
+// where they lack one), at avx2 and avx512 with VNNI off ("-" without AVX-VNNI, AVX512-VNNI; at
+// avx512 AMX's tiles off too), at avx512, avx512bf16 and avx512int8 with AMX's tiles off ("-"
+// without AMX-INT8, AMX-BF16 at avx512bf16).
 absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
   constexpr int64_t M = 128, N = 1024;
   const cpu::CpuFeatures have = cpu::CpuFeatures::Detect();
@@ -176,7 +178,8 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
     for (const Column& c : kColumns) {
       if (!cpu::ChooseKernelLevel(have, cpu::KernelLevelName(c.level)).ok() ||
           (!c.vnni && !(c.level == cpu::KernelLevel::kAvx2 ? have.avx_vnni : have.avx512_vnni)) ||
-          (!c.amx && !(c.level == cpu::KernelLevel::kAvx512Int8 ? have.amx_int8 : have.amx_bf16)) ||
+          (c.vnni && !c.amx &&
+           !(c.level == cpu::KernelLevel::kAvx512Bf16 ? have.amx_bf16 : have.amx_int8)) ||
           (dt == DType::kBF16X && c.level != cpu::KernelLevel::kAvx512Bf16)) {  // its level's
         std::printf(" %15s", "-");
         continue;
