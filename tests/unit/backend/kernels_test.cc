@@ -782,13 +782,12 @@ std::string QuantizedRows(DType dtype, int64_t N, int64_t K, std::mt19937& rng) 
 // against AVX2's: the AVX-512 tiles compute the same arithmetic in the same order (the quantized
 // prefill's AMX-INT8 tiles too, run with and without where the CPU has them: their int16
 // activations split into bytes), so MatMul's outputs are bit for bit AVX2's, for every float and
-// quantized dtype (the repacked layouts the
-// backend keeps included), ragged tiles and thread split included; BF16 weights at kAvx512Bf16
-// (their activations rounded to BF16) are within the stated bound of AVX2's F32 products:
-// 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32 sums' 1e-4 sqrt(K); at
-// kAvx512Int8 the decode of DecodesOnInt8's types and every quantized type's prefill multiply
-// int8 activations (another arithmetic: Int8MultipliesTheInt8Activations), the rest is AVX2's
-// bits. A level this CPU lacks is skipped by name.
+// quantized dtype (the repacked layouts the backend keeps included), ragged tiles and thread split
+// included; BF16 weights at kAvx512Bf16 (their activations rounded to BF16) are within the stated
+// bound of AVX2's F32 products: 2^-8 of the sum of |w x| (BF16's rounding of each x), plus F32
+// sums' 1e-4 sqrt(K); at kAvx512Int8 the decode of DecodesOnInt8's types and every quantized
+// type's prefill multiply int8 activations (another arithmetic: Int8MultipliesTheInt8Activations),
+// the rest is AVX2's bits. A level this CPU lacks is skipped by name.
 TEST(KernelsTest, EveryKernelLevelComputesAvx2sResults) {
   const std::vector<KernelLevel> levels = LevelsOfThisCpu();
   if (levels.size() < 2) GTEST_SKIP() << "AVX-512 (F, BW, VL, DQ): this CPU lacks it";
