@@ -505,10 +505,7 @@ struct PackedTokens {
 // GemmRange's blocks of kNbAmx; int8 activations without vpdpbusd's offset, int16 ones split
 // into bytes).
 bool PrefillOnInt8() { return ActiveKernelLevel() == KernelLevel::kAvx512Int8; }
-bool PrefillOnAmx() {
-  const KernelLevel level = ActiveKernelLevel();
-  return level >= KernelLevel::kAvx512 && level != KernelLevel::kPortable && avx512::UsesAmxInt8();
-}
+bool PrefillOnAmx() { return ActiveKernelLevel() >= KernelLevel::kAvx512 && avx512::UsesAmxInt8(); }
 constexpr int64_t kNbAmx = 32;
 static_assert(kNbAmx % 16 == 0 && kNbAmx <= kNb);
 // The rows GemmRange expands at a time for dtype (MatMulGroup's chunks), where amx =
