@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 
@@ -13,6 +14,7 @@
 #include "backend/cpu/quant.h"
 #include "bench/runtime_bench.h"
 #include "common/args.h"
+#include "common/huge_pages.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "devtools/quantize_row.h"
@@ -93,7 +95,11 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       while (static_cast<int64_t>(bytes.size()) < N * static_cast<int64_t>(row_bytes)) {
         bytes.append(rows, 0, std::min(rows.size(), N * row_bytes - bytes.size()));
       }
-      const WeightMatrix w{dt, bytes.data(), N, K, K};
+      // Where the CPU backend keeps a matrix (its Upload): in huge pages.
+      const HugePagesArray kept = AllocateHugePages(bytes.size());
+      if (kept == nullptr) return absl::ResourceExhaustedError("cannot map the matrices");
+      std::memcpy(kept.get(), bytes.data(), bytes.size());
+      const WeightMatrix w{dt, kept.get(), N, K, K};
       std::vector<float> y(N);
       // As many products as read about 3 GB (at least 20), after 3 to warm up.
       const int reps = std::max<int>(20, static_cast<int>(3e9 / static_cast<double>(bytes.size())));

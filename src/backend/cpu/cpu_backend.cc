@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/quant.h"
+#include "common/huge_pages.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
 
@@ -108,7 +109,8 @@ class CpuBackend : public Backend {
   bool host_memory() const override { return true; }
 
   std::unique_ptr<Buffer> NewBuffer() override { return std::make_unique<HostBuffer>(); }
-  // Weights are copied into the backend's own (anonymous) memory, Q4_K, Q4_1 and Q6_K into the
+  // Weights are copied into the backend's own (anonymous) memory, in huge pages where Linux
+  // grants them (common/huge_pages.h), Q4_K, Q4_1 and Q6_K into the
   // layouts of the CPU's decode kernels (Q4_KX, Q4_1X, Q6_KX), BF16 at kAvx512Bf16 as BF16X
   // (KeptLayout), the others as they are: read from
   // the model file's shared mapping, the decode was slower (TinyLlama BF16 at one thread 70-75 %
@@ -120,8 +122,7 @@ class CpuBackend : public Backend {
     }
     const DType kept = KeptLayout(host.dtype, host.cols);
     const size_t row = DTypeBytes(kept, host.cols);
-    auto copy = std::unique_ptr<uint8_t[]>(new (std::nothrow)
-                                               uint8_t[std::max<size_t>(host.rows * row, 1)]);
+    HugePagesArray copy = AllocateHugePages(host.rows * row);
     if (copy == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "cannot allocate ", host.rows * row, " bytes for a ", DTypeName(host.dtype), " matrix"));
@@ -538,8 +539,8 @@ class CpuBackend : public Backend {
 
  private:
   ThreadPool pool_;
-  std::vector<std::vector<float>> vectors_;         // Upload()ed vectors: their data never moves
-  std::vector<std::unique_ptr<uint8_t[]>> copies_;  // Upload()ed matrices, in the kept layouts
+  std::vector<std::vector<float>> vectors_;  // Upload()ed vectors: their data never moves
+  std::vector<HugePagesArray> copies_;       // Upload()ed matrices, in the kept layouts
 };
 
 }  // namespace

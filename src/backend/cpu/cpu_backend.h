@@ -1,6 +1,7 @@
 #pragma once
-// The CPU backend: host memory, the kernels of backend/cpu/kernels.h over a thread pool. Weights
-// stay where the caller keeps them (views into mapped files): Upload copies nothing.
+// The CPU backend: host memory, the kernels of backend/cpu/kernels.h over a thread pool. Upload
+// copies each weight matrix into the backend's own memory (huge pages from 2 MiB on), in the
+// layout its kernels read.
 #include <memory>
 
 #include "backend/backend.h"
