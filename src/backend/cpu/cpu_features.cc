@@ -17,6 +17,7 @@ namespace {
 
 std::atomic<int> g_level{-1};                           // KernelLevel once chosen
 std::atomic<bool> g_vnni{true};                         // UseVnni's
+std::atomic<int> g_prefetch{-1};                        // UseDecodePrefetch's, -1: the CPU's
 constexpr char kVariable[] = "SHARDSERVE_CPU_KERNELS";  // api/worker_env.h's, named in errors
 #if SHARDSERVE_PORTABLE_KERNELS
 constexpr bool kPortable = true;
@@ -143,6 +144,17 @@ bool UsesVnni() {
 }
 
 void UseVnni(bool on) { g_vnni.store(on, std::memory_order_relaxed); }
+
+bool DecodePrefetches() {
+  if (const int set = g_prefetch.load(std::memory_order_relaxed); set >= 0) return set == 1;
+  static const bool by_cpu = [] {
+    const CpuFeatures have = CpuFeatures::Detect();
+    return !(have.amd && have.avx512);
+  }();
+  return by_cpu;
+}
+
+void UseDecodePrefetch(bool on) { g_prefetch.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 absl::Status UseKernelLevel(std::string_view asked) {
   ASSIGN_OR_RETURN(const KernelLevel level, ChooseKernelLevel(CpuFeatures::Detect(), asked));

@@ -69,6 +69,14 @@ void SetKernelLevel(KernelLevel level);
 // turns both off (tests and benchmarks compare the two).
 bool UsesVnni();
 void UseVnni(bool on);
+// Whether the quantized types' decode loops prefetch their rows ahead in software (quant_decode.h):
+// not on AMD's cores with AVX-512 (Zen 4, Zen 5), whose hardware prefetchers keep one thread's
+// read of the rows going, where the prefetches only took load slots (TinyLlama Q4_K_M's decode
+// at one thread 10-13 % faster without them, in huge pages and in 4 KiB pages alike); elsewhere
+// yes (the AVX2 machine they were measured on read a third less without them). UseDecodePrefetch
+// overrides it (benchmarks compare the two); the results are the same bits either way.
+bool DecodePrefetches();
+void UseDecodePrefetch(bool on);
 // SetKernelLevel of ChooseKernelLevel(this CPU, asked).
 absl::Status UseKernelLevel(std::string_view asked);
 // "avx512 (AVX-512 BF16, VNNI present)", "portable (NEON, dot product present)": the active level

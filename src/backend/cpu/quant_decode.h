@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "backend/cpu/cpu_features.h"
 #include "backend/cpu/quant.h"
 #include "backend/cpu/simd_x86.h"
 
@@ -19,13 +20,15 @@ namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;
-// The decode loops prefetch the row this far ahead of the block they read: the hardware
-// prefetcher alone leaves a third of the bandwidth unused on one sequential stream per core.
+// The decode loops prefetch the row this far ahead of the block they read where the CPU wants it
+// (cpu_features.h's DecodePrefetches: on the AVX2 machine where this was measured the hardware
+// prefetcher alone left a third of the bandwidth unused on one sequential stream per core).
 // 4 KiB, but 1 KiB for Q4_1X, whose loop reads the fastest: from a 512 MiB matrix at 4 KiB it read
 // 11.1-11.3 GB/s against 13.5-14.0 at 1 KiB (one thread), where Q4_KX and Q6_KX read 10 % slower
 // at 1 KiB than at 4.
 template <DType D>
-inline void PrefetchAhead(const uint8_t* p, size_t bytes) {
+inline void PrefetchAhead(const uint8_t* p, size_t bytes, bool on) {
+  if (!on) return;
   constexpr size_t distance = D == DType::kQ4_1X ? 1024 : 4096;
   for (size_t o = 0; o < bytes; o += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(p + distance + o), _MM_HINT_T0);
@@ -428,6 +431,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
   constexpr size_t bb = DTypeBlockBytes(D);
   const int64_t K = w.cols, xblocks = K / kBlock, wblocks = K / DTypeBlock(D);
   const size_t row_bytes = static_cast<size_t>(w.row_stride / DTypeBlock(D)) * bb;
+  const bool prefetch = DecodePrefetches();
   const int16_t* xq[MT];
   const int8_t* xq8[MT];
   const int32_t* xs16[MT];  // Q6_KX's int8 path: the sums of x's 16-value sub-blocks
@@ -582,7 +586,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
       for (; wb + kGroup <= wblocks; wb += kGroup) {
         const uint8_t* g = row + wb * bb;
         if constexpr (D == DType::kQ4_1X) {  // 8 F16 factors, 8 minimums, 128 bytes transposed
-          PrefetchAhead<D>(g, kGroup * bb);
+          PrefetchAhead<D>(g, kGroup * bb, prefetch);
           const auto halves = [](const uint8_t* p) {
             return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
           };
@@ -592,7 +596,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
           Factors8<D>(g, factors, group_mins);
           group(
               [&]<int J>(__m256i* d) {
-                PrefetchAhead<D>(g + J * bb, bb);
+                PrefetchAhead<D>(g + J * bb, bb, prefetch);
                 dots.template operator()<0>(Unpacked<D>(g + J * bb), wb + J, d);
               },
               factors, group_mins, wb);
@@ -610,7 +614,7 @@ void DecodeRange(const WeightMatrix& w, int64_t n0, int64_t n1, const QuantizedA
       }
     } else {
       for (int64_t wb = 0; wb < wblocks; ++wb) {
-        PrefetchAhead<D>(row + wb * bb, bb);
+        PrefetchAhead<D>(row + wb * bb, bb, prefetch);
         const int64_t xb = wb * kSub;
         if constexpr (D == DType::kQ4_KX) {  // its factors in registers, not through Unpacked
           __m256 factors, mins;
