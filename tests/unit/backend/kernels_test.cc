@@ -1108,9 +1108,6 @@ TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
   }
 }
 
-// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's, or
-// avx512bf16 on an AMD CPU with AVX512-BF16 and without AMX; a lower one may be forced; one the
-// CPU lacks, or a name that is no level, is refused naming the variable.
 // The quantized decode loops prefetch their rows in software but on AMD's cores with AVX-512
 // (cpu_features.h's DecodePrefetches); with and without, the same bits.
 TEST(KernelsTest, TheDecodeLoopsPrefetchButOnAmdsAvx512CoresTheSameBitsEitherWay) {
@@ -1146,6 +1143,9 @@ TEST(KernelsTest, TheDecodeLoopsPrefetchButOnAmdsAvx512CoresTheSameBitsEitherWay
   }
 }
 
+// SHARDSERVE_CPU_KERNELS: auto takes the widest level the CPU has whose arithmetic is F32's, or
+// avx512bf16 on an AMD CPU with AVX512-BF16 and without AMX; a lower one may be forced; one the
+// CPU lacks, or a name that is no level, is refused naming the variable.
 TEST(KernelsTest, TheKernelLevelIsTheWidestTheCpuHasUnlessForced) {
   CpuFeatures avx2{true, true, true}, avx512 = avx2;
   avx512.avx512 = true;
