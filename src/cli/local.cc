@@ -422,6 +422,14 @@ absl::Status RunLocal(std::vector<std::string> argv) {
   };
   const std::string self = SelfDirectory() + "/shardserve-worker";
   int next_metrics = static_cast<int>(metrics_base);
+  // The ports this run's processes will listen on (the router's and the replicas' APIs, every
+  // rank's metrics, the rendezvous ports chosen so far): no rendezvous port may be one of them,
+  // though nothing listens there yet.
+  std::vector<int> taken;
+  for (int64_t p = port; p < port + R + (routed ? 1 : 0); ++p) taken.push_back(static_cast<int>(p));
+  for (int64_t p = metrics_base; p < metrics_base + ranks; ++p) {
+    taken.push_back(static_cast<int>(p));
+  }
   for (const Role& role : roles) {
     const int T = role.T, P = role.P;
     for (int k = 0; k < role.count; ++k) {
@@ -434,7 +442,8 @@ absl::Status RunLocal(std::vector<std::string> argv) {
       rep.api_port = static_cast<int>(port) + r + (routed ? 1 : 0);
       rep.metrics_base = next_metrics;
       next_metrics += T * P;
-      ASSIGN_OR_RETURN(rep.rendezvous_port, ChooseFreePort("127.0.0.1"));
+      ASSIGN_OR_RETURN(rep.rendezvous_port, ChooseFreePort("127.0.0.1", taken));
+      taken.push_back(rep.rendezvous_port);
       ASSIGN_OR_RETURN(SecretFile secret, SecretFile::Create());
       secrets.push_back(std::move(secret));
       std::vector<std::vector<std::pair<std::string, std::string>>> stage_envs;

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <random>
 #include <thread>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -127,7 +128,7 @@ absl::StatusOr<Socket> Listen(const std::string& host, int port) {
   return s;
 }
 
-absl::StatusOr<int> ChooseFreePort(const std::string& host) {
+absl::StatusOr<int> ChooseFreePort(const std::string& host, const std::vector<int>& taken) {
   int ephemeral_low = 32768;  // Linux's default range is 32768-60999
   std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
   if (int lo = 0; range >> lo && lo > 0 && lo <= 65535) ephemeral_low = lo;
@@ -136,11 +137,18 @@ absl::StatusOr<int> ChooseFreePort(const std::string& host) {
     ASSIGN_OR_RETURN(Socket s, Listen(host, 0));
     return s.port();
   }
+  const std::unordered_set<int> avoid(taken.begin(), taken.end());
+  const int span = ephemeral_low - kLowest;
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> pick(kLowest, ephemeral_low - 1);
   absl::Status last;
   for (int attempt = 0; attempt < 64; ++attempt) {
-    const int port = pick(rng);
+    // A random port, or the first one after it (wrapping) that the caller has not taken.
+    int port = pick(rng);
+    for (int i = 0; i < span && avoid.contains(port); ++i) {
+      port = port + 1 < ephemeral_low ? port + 1 : kLowest;
+    }
+    if (avoid.contains(port)) break;  // every port of the range is taken
     auto s = Listen(host, port);
     if (s.ok()) return port;
     last = s.status();

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -43,8 +44,9 @@ absl::StatusOr<Socket> Listen(const std::string& host, int port);
 // the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range), which the kernel never
 // hands out to a bind to port 0 or to an outgoing connection: between this check and the child's
 // bind, only another chooser of this kind could take it (a port from Listen(host, 0) could be
-// given to any process's port-0 listener in that time).
-absl::StatusOr<int> ChooseFreePort(const std::string& host);
+// given to any process's port-0 listener in that time). `taken`: ports the caller's own children
+// will listen on later (free now, as nothing listens there yet), never chosen.
+absl::StatusOr<int> ChooseFreePort(const std::string& host, const std::vector<int>& taken = {});
 // Accepts one connection, or DeadlineExceeded at `deadline`.
 absl::StatusOr<Socket> Accept(const Socket& listener, Deadline deadline);
 // Connects to host:port, retrying (the name may not resolve yet, nothing may listen yet) until

@@ -376,5 +376,29 @@ TEST(SocketTest, AChosenPortIsFreeAndOutsideTheEphemeralRange) {
   }
 }
 
+// A port the caller has taken (its children will listen there later; `shardserve local`'s API and
+// metrics ports) is never chosen: with all but 100 of the range taken, every choice is one of the
+// 100.
+TEST(SocketTest, AChosenPortIsNeverOneTheCallerHasTaken) {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  if (ephemeral_low - 10000 < 1000)
+    GTEST_SKIP() << "no range below the ephemeral ports to choose from";
+  const int first = ephemeral_low - 900;  // [first, first + 100) left to choose from
+  std::vector<int> taken;
+  for (int p = 10000; p < ephemeral_low; ++p) {
+    if (p < first || p >= first + 100) taken.push_back(p);
+  }
+  for (int i = 0; i < 20; ++i) {
+    auto port = ChooseFreePort("127.0.0.1", taken);
+    ASSERT_TRUE(port.ok()) << port.status();
+    EXPECT_GE(*port, first);
+    EXPECT_LT(*port, first + 100);
+  }
+  taken.push_back(first);
+  for (int p = first + 1; p < first + 100; ++p) taken.push_back(p);
+  EXPECT_FALSE(ChooseFreePort("127.0.0.1", taken).ok());  // every port taken
+}
+
 }  // namespace
 }  // namespace shardserve
