@@ -132,23 +132,38 @@ absl::StatusOr<int> ChooseFreePort(const std::string& host, const std::vector<in
   int ephemeral_low = 32768;  // Linux's default range is 32768-60999
   std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
   if (int lo = 0; range >> lo && lo > 0 && lo <= 65535) ephemeral_low = lo;
-  constexpr int kLowest = 10000;         // above the ports services are usually configured on
-  if (ephemeral_low - kLowest < 1000) {  // a range moved down: any free port, as before
-    ASSIGN_OR_RETURN(Socket s, Listen(host, 0));
-    return s.port();
-  }
+  return ChooseFreePortBelow(host, ephemeral_low, taken);
+}
+
+absl::StatusOr<int> ChooseFreePortBelow(const std::string& host, int ephemeral_low,
+                                        const std::vector<int>& taken) {
+  constexpr int kLowest = 10000;  // above the ports services are usually configured on
   const std::unordered_set<int> avoid(taken.begin(), taken.end());
+  absl::Status last;
+  if (ephemeral_low - kLowest < 1000) {
+    // A range moved down: any free port the kernel gives, but not one the caller has taken (a
+    // port-0 listener's port is free now, taken or not).
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      ASSIGN_OR_RETURN(Socket s, Listen(host, 0));
+      if (!avoid.contains(s.port())) return s.port();
+    }
+    return absl::UnavailableError(absl::StrCat(
+        "no free port on ", host, " in 64 tries: the kernel gave only ports the caller has taken"));
+  }
   const int span = ephemeral_low - kLowest;
   std::mt19937 rng(std::random_device{}());
   std::uniform_int_distribution<int> pick(kLowest, ephemeral_low - 1);
-  absl::Status last;
   for (int attempt = 0; attempt < 64; ++attempt) {
     // A random port, or the first one after it (wrapping) that the caller has not taken.
     int port = pick(rng);
     for (int i = 0; i < span && avoid.contains(port); ++i) {
       port = port + 1 < ephemeral_low ? port + 1 : kLowest;
     }
-    if (avoid.contains(port)) break;  // every port of the range is taken
+    if (avoid.contains(port)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no free port on ", host, ": every port from ", kLowest, " to ",
+                       ephemeral_low - 1, " is one the caller has taken"));
+    }
     auto s = Listen(host, port);
     if (s.ok()) return port;
     last = s.status();

@@ -46,7 +46,12 @@ absl::StatusOr<Socket> Listen(const std::string& host, int port);
 // bind, only another chooser of this kind could take it (a port from Listen(host, 0) could be
 // given to any process's port-0 listener in that time). `taken`: ports the caller's own children
 // will listen on later (free now, as nothing listens there yet), never chosen.
+// Where the range starts within 1,000 ports of 10,000, any free port a port-0 listener gets,
+// but not one of `taken`. An error names the reason when every port it could choose is taken.
 absl::StatusOr<int> ChooseFreePort(const std::string& host, const std::vector<int>& taken = {});
+// ChooseFreePort with the ephemeral range starting at ephemeral_low (tests).
+absl::StatusOr<int> ChooseFreePortBelow(const std::string& host, int ephemeral_low,
+                                        const std::vector<int>& taken);
 // Accepts one connection, or DeadlineExceeded at `deadline`.
 absl::StatusOr<Socket> Accept(const Socket& listener, Deadline deadline);
 // Connects to host:port, retrying (the name may not resolve yet, nothing may listen yet) until

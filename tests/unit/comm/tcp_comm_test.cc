@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -397,7 +398,31 @@ TEST(SocketTest, AChosenPortIsNeverOneTheCallerHasTaken) {
   }
   taken.push_back(first);
   for (int p = first + 1; p < first + 100; ++p) taken.push_back(p);
-  EXPECT_FALSE(ChooseFreePort("127.0.0.1", taken).ok());  // every port taken
+  const auto none = ChooseFreePort("127.0.0.1", taken);  // every port taken
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted) << none.status();
+  EXPECT_THAT(std::string(none.status().message()),
+              HasSubstr(absl::StrCat("every port from 10000 to ", ephemeral_low - 1)));
+}
+
+// With the ephemeral range moved down (here: said to start at 10,500), a port-0 listener's port,
+// never one the caller has taken; an error naming why when the kernel gives only taken ones.
+TEST(SocketTest, AChosenPortBelowALowRangeIsNeverOneTheCallerHasTakenEither) {
+  int low = 32768, high = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
+  std::vector<int> taken;  // half of the kernel's range
+  for (int p = low; p <= high; p += 2) taken.push_back(p);
+  const std::unordered_set<int> avoid(taken.begin(), taken.end());
+  for (int i = 0; i < 20; ++i) {
+    auto port = ChooseFreePortBelow("127.0.0.1", 10500, taken);
+    ASSERT_TRUE(port.ok()) << port.status();
+    EXPECT_FALSE(avoid.contains(*port)) << *port;
+  }
+  for (int p = low + 1; p <= high; p += 2) taken.push_back(p);  // all of it
+  const auto none = ChooseFreePortBelow("127.0.0.1", 10500, taken);
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(std::string(none.status().message()),
+              HasSubstr("the kernel gave only ports the caller has taken"));
 }
 
 }  // namespace
