@@ -87,28 +87,27 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
           cpu::RepackRow(dt, src, K, dst);
         }
       }
-      // From memory: about 512 MiB, 16 times this machine's L3, of those rows over and over.
+      // From memory: about 512 MiB, 16 times this machine's L3, of those rows over and over, where
+      // the CPU backend keeps a matrix (its Upload): in huge pages.
       const int64_t N =
           memory ? std::max<int64_t>(1, (int64_t{512} << 20) / row_bytes / distinct) * distinct
                  : distinct;
-      const std::string rows = bytes;
-      while (static_cast<int64_t>(bytes.size()) < N * static_cast<int64_t>(row_bytes)) {
-        bytes.append(rows, 0, std::min(rows.size(), N * row_bytes - bytes.size()));
-      }
-      // Where the CPU backend keeps a matrix (its Upload): in huge pages.
-      const HugePagesArray kept = AllocateHugePages(bytes.size());
+      const size_t total = static_cast<size_t>(N) * row_bytes;
+      const HugePagesArray kept = AllocateHugePages(total);
       if (kept == nullptr) return absl::ResourceExhaustedError("cannot map the matrices");
-      std::memcpy(kept.get(), bytes.data(), bytes.size());
+      for (size_t at = 0; at < total; at += bytes.size()) {
+        std::memcpy(kept.get() + at, bytes.data(), std::min(bytes.size(), total - at));
+      }
       const WeightMatrix w{dt, kept.get(), N, K, K};
       std::vector<float> y(N);
       // As many products as read about 3 GB (at least 20), after 3 to warm up.
-      const int reps = std::max<int>(20, static_cast<int>(3e9 / static_cast<double>(bytes.size())));
+      const int reps = std::max<int>(20, static_cast<int>(3e9 / static_cast<double>(total)));
       for (int i = 0; i < 3; ++i) cpu::MatMul(w, x.data(), 1, K, y.data(), N, pool);
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < reps; ++i) cpu::MatMul(w, x.data(), 1, K, y.data(), N, pool);
       const double s =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
-      rate[memory] = static_cast<double>(bytes.size()) / s / 1e9;
+      rate[memory] = static_cast<double>(total) / s / 1e9;
     }
     const double per_value = static_cast<double>(DTypeBytes(dt, K)) / static_cast<double>(K);
     std::printf("%-6s %12.2f %12.2f %14.2f\n", DTypeName(dt), rate[0], rate[1],
