@@ -47,8 +47,8 @@ absl::Status RunKernelsBench(const std::vector<std::string>& argv) {
       "type", "in L2", "from memory", "G weights/s", static_cast<long long>(threads),
       static_cast<long long>(K), cpu::KernelLevelName(cpu::ActiveKernelLevel()),
       ReadBandwidth(pool) / 1e9);
-  // BF16, Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (BF16X at
-  // avx512bf16, Q4_1X, Q4_KX, Q6_KX).
+  // BF16, Q4_1, Q4_K and Q6_K as a file holds them, and as the CPU backend keeps them (BF16X but
+  // where AMX multiplies BF16, Q4_1X, Q4_KX, Q6_KX).
   for (DType dt :
        {DType::kBF16, DType::kBF16X, DType::kF8_128, DType::kQ8_0, DType::kQ4_0, DType::kQ4_1,
         DType::kQ4_1X, DType::kQ4_K, DType::kQ4_KX, DType::kQ5_K, DType::kQ6_K, DType::kQ6_KX}) {
@@ -185,7 +185,7 @@ absl::Status PrefillTable(ThreadPool& pool, int64_t K) {
           (!c.vnni && !(c.level == cpu::KernelLevel::kAvx2 ? have.avx_vnni : have.avx512_vnni)) ||
           (c.vnni && !c.amx &&
            !(c.level == cpu::KernelLevel::kAvx512Bf16 ? have.amx_bf16 : have.amx_int8)) ||
-          (dt == DType::kBF16X && c.level != cpu::KernelLevel::kAvx512Bf16)) {  // its level's
+          (dt == DType::kBF16X && c.level == cpu::KernelLevel::kPortable)) {  // x86's layout
         std::printf(" %15s", "-");
         continue;
       }

@@ -194,6 +194,59 @@ inline void GemvTileBf16(const WeightMatrix& w, int64_t n, int64_t ahead, const 
   }
 }
 
+// DType::kBF16X (kernels.h) at a level without BF16 dot products, in F32: a group's pair p, 16
+// rows' values 2p and 2p + 1 side by side (64 bytes), times the token's x[2p] and x[2p + 1]
+// broadcast, 16 rows a pass over one stream (GemvTileBf16's 4 rows read 4 streams, which Zen 4's
+// prefetchers keep fed at 22-23 GB/s from memory where this one reads 24-28); four partial sums a
+// row (pairs p % 4), summed at the end. A token at a time: each token's sums do not depend on
+// its batch.
+inline void GemvPairsGroup(const uint16_t* g, int64_t kp, const float* x, float* y) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[4][2];
+  for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+  const auto step = [&](int64_t p, __m256* a) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 32 * p));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 32 * p + 16));
+    const __m256 xe = _mm256_broadcast_ss(x + 2 * p), xo = _mm256_broadcast_ss(x + 2 * p + 1);
+    a[0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), xe, a[0]);
+    a[1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), xe, a[1]);
+    a[0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v0, mask)), xo, a[0]);
+    a[1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v1, mask)), xo, a[1]);
+  };
+  int64_t p = 0;
+  for (; p + 4 <= kp; p += 4) {
+    for (int j = 0; j < 4; ++j) step(p + j, acc[j]);
+  }
+  for (; p < kp; ++p) step(p, acc[0]);
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_ps(y + 8 * h, _mm256_add_ps(_mm256_add_ps(acc[0][h], acc[1][h]),
+                                              _mm256_add_ps(acc[2][h], acc[3][h])));
+  }
+}
+
+// Groups [g0, g1) of the kBF16X w against M tokens in F32 (GemvPairsGroup; the ragged last
+// group's rows one at a time).
+void GemvPairs(const WeightMatrix& w, int64_t g0, int64_t g1, const float* x, int64_t ldx,
+               int64_t M, float* y, int64_t ldy) {
+  const int64_t K = w.cols, kp = K / 2;
+  const auto* data = static_cast<const uint16_t*>(w.data);
+  std::vector<float> row;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t lanes = std::min<int64_t>(16, w.rows - 16 * g);
+    for (int64_t t = 0; t < M; ++t) {
+      if (lanes == 16) {
+        GemvPairsGroup(data + 16 * g * K, kp, x + t * ldx, y + t * ldy + 16 * g);
+        continue;
+      }
+      row.resize(K);
+      for (int64_t r = 16 * g; r < w.rows; ++r) {
+        Bf16PairsRow(w, r, row.data());
+        y[t * ldy + r] = Dot(row.data(), x + t * ldx, K);
+      }
+    }
+  }
+}
+
 template <int MT>
 void GemvRangeBf16(const WeightMatrix& w, int64_t n0, int64_t n1, int64_t ahead, const float* xe,
                    const float* xo, int64_t ldh, const float* x, int64_t ldx, float* y,
@@ -256,11 +309,59 @@ void PackPanel(const float* x, int64_t ldx, int64_t n, int64_t nr, int64_t k0, i
   }
 }
 
+// ExpandRows of the kBF16X w (kernels.h; k0 and kc even): 8 rows' 8 pairs at a time, the 8
+// loads of 8 rows' pair (32 bytes each, contiguous in a group) transposed as 32-bit values and
+// each row's pairs split into F32 and interleaved back in order; the ragged last group's rows and
+// a block's last pairs short of 8 one value at a time.
+void ExpandPairs(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* out) {
+  const int64_t K = w.cols;
+  const auto* data = static_cast<const uint16_t*>(w.data);
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t r = 0; r < nr;) {
+    const int64_t row = n + r, group = row / 16 * 16, lanes = std::min<int64_t>(16, w.rows - group);
+    const uint16_t* g = data + group * K;
+    if (lanes == 16 && row % 8 == 0 && r + 8 <= nr) {
+      int64_t k = 0;
+      for (; k + 16 <= kc; k += 16) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) {
+          v[i] = _mm256_loadu_ps(
+              reinterpret_cast<const float*>(g + 32 * ((k0 + k) / 2 + i) + 2 * (row - group)));
+        }
+        Transpose8x8(v);  // v[j]: row + j's pairs
+        for (int j = 0; j < 8; ++j) {
+          const __m256i u = _mm256_castps_si256(v[j]);
+          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(u, mask));
+          const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+          float* o = out + (r + j) * kKc + k;
+          _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+          _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        for (int64_t kk = k; kk < kc; ++kk) {
+          out[(r + j) * kKc + kk] =
+              Bf16ToF32(g[2 * lanes * ((k0 + kk) / 2) + 2 * (row + j - group) + (k0 + kk) % 2]);
+        }
+      }
+      r += 8;
+      continue;
+    }
+    for (int64_t kk = 0; kk < kc; ++kk) {
+      out[r * kKc + kk] =
+          Bf16ToF32(g[2 * lanes * ((k0 + kk) / 2) + 2 * (row - group) + (k0 + kk) % 2]);
+    }
+    ++r;
+  }
+}
+
 // Rows [n, n + nr) x columns [k0, k0 + kc) of the float w as F32, row r at out + r * kKc; `wide`:
 // 16-bit floats 16 at a time in AVX-512.
 template <DType D>
 void ExpandRows(const WeightMatrix& w, int64_t n, int64_t nr, int64_t k0, int64_t kc, float* out,
                 bool wide) {
+  if constexpr (D == DType::kBF16X) return ExpandPairs(w, n, nr, k0, kc, out);
   for (int64_t r = 0; r < nr; ++r, out += kKc) {
     const uint8_t* row = RowPtr(w, n + r);
     if (wide && (D == DType::kBF16 || D == DType::kF16)) {
@@ -587,9 +688,17 @@ void GemmRange(const WeightMatrix& w, int64_t n0, int64_t n1, const PackedTokens
       const int64_t pn = last ? nb + nbr : nb, pk = last ? 0 : k0 + kKc;
       const int64_t pr = std::min(nbr, n1 - pn);
       const size_t bytes = DTypeBytes(D, std::min(kKc, K - pk));
-      for (int64_t r = 0; r < pr; ++r) {
-        const char* row = reinterpret_cast<const char*>(RowPtr(w, pn + r)) + DTypeBytes(D, pk);
-        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
+      if constexpr (D == DType::kBF16X) {  // each group's columns [pk, pk + kKc): one range
+        for (int64_t g = pn / 16; g < (pn + pr + 15) / 16; ++g) {
+          const int64_t lanes = std::min<int64_t>(16, w.rows - 16 * g);
+          const char* at = static_cast<const char*>(w.data) + 2 * (16 * g * K + lanes * pk);
+          for (size_t o = 0; o < lanes * bytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T1);
+        }
+      } else {
+        for (int64_t r = 0; r < pr; ++r) {
+          const char* row = reinterpret_cast<const char*>(RowPtr(w, pn + r)) + DTypeBytes(D, pk);
+          for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T1);
+        }
       }
       for (int64_t t = 0; t < mp;) {
         if (bf16_dot) {  // the block's rows at once: AMX's tiles of 16 where the CPU has them
@@ -840,7 +949,7 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
     offset[i + 1] =
         offset[i] + (std::max<int64_t>(w.rows, 0) + unit[i] - 1) / unit[i] * unit_bytes[i];
     grain = std::max(grain, std::max<int64_t>(4, unit[i]) / unit[i] * unit_bytes[i]);
-    if ((w.dtype == DType::kBF16 && bf16_dot) || w.dtype == DType::kBF16X) {
+    if (bf16_dot && (w.dtype == DType::kBF16 || w.dtype == DType::kBF16X)) {
       if (!have_split) {
         have_split = true;
         bf16.resize(M * Bf16Length(K));
@@ -885,6 +994,7 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
       case DType::kF8_128:
         return GemvRows<DType::kF8_128>(w, b, e, ahead, x, ldx, nullptr, M, t.y, t.ldy);
       case DType::kBF16X:  // b and e: groups of 16 rows
+        if (!bf16_dot) return GemvPairs(w, b, e, x, ldx, M, t.y, t.ldy);
         return avx512::MatMulBf16Pairs(static_cast<const uint16_t*>(w.data), w.rows, w.cols, b, e,
                                        bf16.data(), Bf16Length(w.cols), M, t.y, t.ldy);
       default:
@@ -905,29 +1015,11 @@ void Decode(const MatMulTarget* targets, size_t n, const float* x, int64_t M, in
   });
 }
 
-// MatMulGroup where a target is kBF16X at a level without BF16 dot products (the level changed
-// after the matrix's upload: tests, benchmarks): its rows back in order, through the BF16 path.
-void MatMulUnpacked(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
-                    ThreadPool& pool) {
-  std::vector<MatMulTarget> plain(targets, targets + n);
-  std::vector<WeightMatrix> unpacked(n);
-  std::vector<std::vector<uint16_t>> rows(n);
-  for (size_t i = 0; i < n; ++i) {
-    const WeightMatrix& w = *targets[i].w;
-    if (w.dtype != DType::kBF16X) continue;
-    rows[i].resize(w.rows * w.cols);
-    UnpackBf16Pairs(w, rows[i].data());
-    unpacked[i] = {DType::kBF16, rows[i].data(), w.rows, w.cols, w.cols};
-    plain[i].w = &unpacked[i];
-  }
-  MatMulGroup(plain.data(), n, x, M, ldx, pool);
-}
-
 }  // namespace
 
 DType KeptLayout(DType file, int64_t cols) {
   // Where AMX multiplies BF16 in its tiles (GemmBlockBf16), BF16 stays in rows.
-  if (file == DType::kBF16 && cols % 2 == 0 && Bf16Dot() && !avx512::UsesAmx()) {
+  if (file == DType::kBF16 && cols % 2 == 0 && !(Bf16Dot() && avx512::UsesAmx())) {
     return DType::kBF16X;
   }
   return KeptType(file);
@@ -936,11 +1028,6 @@ DType KeptLayout(DType file, int64_t cols) {
 void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t M, int64_t ldx,
                  ThreadPool& pool) {
   if (M <= 0) return;
-  if (!Bf16Dot() && std::any_of(targets, targets + n, [](const MatMulTarget& t) {
-        return t.w->dtype == DType::kBF16X;
-      })) {
-    return MatMulUnpacked(targets, n, x, M, ldx, pool);
-  }
   if (M <= kDecodeMaxTokens) return Decode(targets, n, x, M, ldx, pool);
   // The caller's; the workers read them through `packed`. The targets share K.
   thread_local std::vector<float> storage, d, ds;
@@ -954,7 +1041,7 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
   bool have_pairs = false;
   for (size_t i = 0; i < n; ++i) {
     const int64_t K = targets[i].w->cols;
-    if (targets[i].w->dtype == DType::kBF16X) {
+    if (bf16_dot && targets[i].w->dtype == DType::kBF16X) {
       if (have_pairs) continue;
       have_pairs = true;
       pairs.resize(M * Bf16Length(K));
@@ -1022,7 +1109,9 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
         return GemmRange<DType::kQ6_KX>(w, b, e, packed, M, y, ldy);
       case DType::kF8_128:
         return GemmRange<DType::kF8_128>(w, b, e, packed, M, y, ldy);
-      case DType::kBF16X:
+      case DType::kBF16X:  // b and e: groups of 16 rows
+        if (!bf16_dot)
+          return GemmRange<DType::kBF16X>(w, 16 * b, std::min(w.rows, 16 * e), packed, M, y, ldy);
         return avx512::MatMulBf16Pairs(static_cast<const uint16_t*>(w.data), w.rows, w.cols, b, e,
                                        pairs.data(), Bf16Length(w.cols), M, y, ldy);
       case DType::kF8E4M3:  // never uploaded (CpuBackend::Upload refuses them)

@@ -36,13 +36,17 @@ void MatMulGroup(const MatMulTarget* targets, size_t n, const float* x, int64_t 
 // n a multiple of the block for quantized types).
 void ToFloat(DType dtype, const void* data, int64_t n, float* out);
 
-// The layout the backend keeps a matrix of the file's type `file` with `cols` columns in: at
-// KernelLevel::kAvx512Bf16, BF16 of an even cols as DType::kBF16X; otherwise KeptType's (quant.h).
+// The layout the backend keeps a matrix of the file's type `file` with `cols` columns in: BF16 of
+// an even cols as DType::kBF16X, but where AMX multiplies BF16 (kAvx512Bf16 on a CPU with
+// AMX-BF16); otherwise KeptType's (quant.h).
 DType KeptLayout(DType file, int64_t cols);
 // DType::kBF16X: the rows in groups of 16 (the last one ragged: rows % 16), each group's values as
 // [cols / 2][the group's rows][2], the pair of values 2p, 2p + 1 of its rows side by side, so that
-// the kernels multiply 16 rows' pairs (a row a lane) by a token's pair, every output summed pair
-// by pair in one order for decode and prefill alike (bit for bit the same, whatever the batch). A
+// the kernels multiply 16 rows' pairs (a row a lane) by a token's pair, and decode reads one
+// stream for 16 rows. At kAvx512Bf16 (BF16 dot products) every output is summed pair by pair in
+// one order for decode and prefill alike (bit for bit the same, whatever the batch); at the
+// levels without them the decode sums in F32 in its own order (GemvPairs: a token's bits the same
+// in any decode batch) and the prefill expands the pairs to F32 rows (the rows' results). A
 // group starts where its first row would (RowPtr of a multiple of 16 rows). RepackBf16Pairs
 // writes the BF16 host (row stride host.row_stride) into dst in that layout; UnpackBf16Pairs
 // writes a kBF16X w back as rows (row stride w.cols); Bf16PairsRow writes row r of w as F32.

@@ -604,8 +604,8 @@ TEST(KernelsTest, RepackedLayoutsComputeExactlyWhatTheirRowsDo) {
     }
   }
   // The types kept as they are: copied into the backend's memory (the first 256 columns of rows
-  // of 512), row by row, the host's bytes left free (BF16 where the level keeps its rows: at
-  // avx512bf16 without AMX it becomes BF16X, Bf16PairsGiveEveryBatchTheSameBits).
+  // of 512), row by row, the host's bytes left free (BF16 where the level keeps its rows: but
+  // where AMX multiplies BF16 it becomes BF16X, Bf16PairsGiveEveryBatchTheSameBits).
   for (DType kept : {DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kQ5_K}) {
     if (KeptLayout(kept, 256) != kept) continue;
     std::string bytes(DTypeBytes(kept, 512) * 3, '\0');
@@ -1023,8 +1023,8 @@ TEST(KernelsTest, Int8MultipliesTheInt8Activations) {
 // 16 rows' pairs side by side): every output summed pair by pair in one order, so a token's
 // result is bit for bit the same in any batch, decode (M <= 12) or prefill, at any thread count;
 // within kAvx512Bf16's bound of the F32 products (AVX2's); the layout read back (embedding rows,
-// the rows in order) exactly; and a level without BF16 dot products (switched to after the
-// upload) computes AVX2's results from it.
+// the rows in order) exactly; and at AVX2 (which keeps BF16 as kBF16X too), the prefill the rows'
+// bits and the decode within F32's bound, a token's bits the same in any decode batch.
 TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
   if (!ChooseKernelLevel(CpuFeatures::Detect(), "avx512bf16").ok()) {
     GTEST_SKIP() << "kernel level avx512bf16: this CPU lacks AVX512-BF16";
@@ -1081,14 +1081,37 @@ TEST(KernelsTest, Bf16PairsGiveEveryBatchTheSameBits) {
               << shape << " batches of " << batch << ", threads " << threads;
         }
       }
-      // At AVX2 (the level switched after the upload): AVX2's results of the rows.
+      // At AVX2 (the level switched after the upload; AVX2 keeps BF16 as kBF16X too): the
+      // prefill expands the pairs to the rows' F32 values, so its results are the rows' bit for
+      // bit; the decode (GemvPairs) sums in F32 in its own order: within F32's bound of the exact
+      // products, and a token's bits the same in any decode batch.
       SetKernelLevel(KernelLevel::kAvx2);
       ThreadPool pool(2);
-      for (int64_t batch : {3, 40}) {
-        std::vector<float> a(batch * N, NAN), b(batch * N, NAN);
-        MatMul(*kept, x.data(), batch, K, a.data(), N, pool);
-        MatMul(rows, x.data(), batch, K, b.data(), N, pool);
+      {
+        std::vector<float> a(M * N, NAN), b(M * N, NAN);
+        MatMul(*kept, x.data(), M, K, a.data(), N, pool);
+        MatMul(rows, x.data(), M, K, b.data(), N, pool);
         ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << shape;
+      }
+      std::vector<float> single(M * N, NAN);
+      for (int64_t m = 0; m < M; ++m) {
+        MatMul(*kept, x.data() + m * K, 1, K, single.data() + m * N, N, pool);
+        for (int64_t n = 0; n < N; ++n) {
+          double magnitude = 0, exact = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            magnitude += std::abs(w.values[n * K + k] * x[m * K + k]);
+            exact += w.values[n * K + k] * x[m * K + k];
+          }
+          ASSERT_NEAR(single[m * N + n], exact, 1e-5 * magnitude + 1e-6) << shape;
+        }
+      }
+      for (int64_t batch : {3, 12}) {
+        std::vector<float> y(M * N, NAN);
+        for (int64_t m = 0; m < M; m += batch) {
+          MatMul(*kept, x.data() + m * K, std::min(batch, M - m), K, y.data() + m * N, N, pool);
+        }
+        ASSERT_EQ(std::memcmp(y.data(), single.data(), y.size() * sizeof(float)), 0)
+            << shape << " AVX2 decode batches of " << batch;
       }
       SetKernelLevel(KernelLevel::kAvx512Bf16);
     }
